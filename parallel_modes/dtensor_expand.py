@@ -1,0 +1,50 @@
+"""DTensorExpandMode: replicate all state, shard tensor inputs on dimension 0."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard
+
+from spmd_compiler.expand import Placements
+from spmd_compiler.signature import Kind, StateRef, TensorMeta
+
+from .base import ParallelMode, replicate
+
+
+class DTensorExpandMode(ParallelMode):
+    """Data parallelism by plain DTensor expansion (the original ``_spmd`` behaviour).
+
+    Parameters, buffers and optimizer state are Replicate; every tensor argument of the
+    step is Shard(0) (each rank passes its own local batch) unless ``input_placements``
+    overrides it; 0-d tensor arguments are Replicate. Gradients come out of backward
+    Partial and are all-reduced once, where the optimizer first needs them.
+
+    Args:
+        input_placements: ``{i: placements}`` for the i-th tensor argument of the step
+            (counting tensor arguments only, in call order).
+        mesh: a 1-D mesh; by default all ranks of the default process group.
+    """
+
+    name = "dtensor_expand"
+
+    def __init__(
+        self,
+        input_placements: dict[int, Sequence[Placement]] | None = None,
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        super().__init__(mesh)
+        self.input_placements = {int(k): tuple(v) for k, v in (input_placements or {}).items()}
+
+    def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
+        if ref.kind is Kind.INPUT:
+            if ref.index in self.input_placements:
+                return self.input_placements[ref.index]
+            if len(meta.shape) == 0:
+                return replicate(mesh)
+            return tuple(Shard(0) for _ in range(mesh.ndim))
+        return replicate(mesh)
+
+    def __repr__(self) -> str:
+        return f"DTensorExpandMode(input_placements={self.input_placements})"

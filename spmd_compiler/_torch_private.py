@@ -1,0 +1,168 @@
+"""Every private torch API the project uses, in one place.
+
+NOTE: [private torch APIs]
+torch 2.13 offers no public entry point for a few things the pipeline needs: swapping a
+module's parameters for traced values, the simulated-rank machinery (LocalTensorMode and
+the fake process group), the DTensor redistribution hook we memoize, the proxy tracer of
+an active ``make_fx`` trace, and DTensor's local-tensor slot. Each is wrapped here, so a
+torch upgrade touches this file only. Nothing else in the package imports a module or
+attribute whose name starts with an underscore from torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+# ---------------------------------------------------------------------------- capture
+
+
+def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+    """Context manager: ``module``'s parameters and buffers are ``tensors`` inside it."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
+@contextlib.contextmanager
+def optimizer_capturable_path() -> Iterator[None]:
+    """Make torch.optim take its graph-capturable path while we trace ``step()``.
+
+    The capturable path keeps the step counter and the learning rate as tensors (no
+    ``.item()``), but on CPU it asserts unless torch believes it is compiling, so
+    ``torch.compiler.is_compiling`` is patched for the duration of ``optimizer.step()``.
+    State the optimizer creates gets float64 step counters (see NOTE: [float64 step
+    counters] in capture.py), by patching each optimizer module's ``_get_scalar_dtype``.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch("torch.compiler.is_compiling", lambda: True))
+        for name, module in list(sys.modules.items()):
+            if name.startswith("torch.optim") and hasattr(module, "_get_scalar_dtype"):
+                stack.enter_context(
+                    mock.patch.object(module, "_get_scalar_dtype", lambda *a, **k: torch.float64)
+                )
+        yield
+
+
+def register_stack_trace_anchor(fn: Callable[..., Any]) -> None:
+    """Keep the frames of ``fn`` (the user's train step) in recorded stack traces."""
+    from torch.fx.proxy import _register_stack_trace_anchor
+
+    _register_stack_trace_anchor(fn)
+
+
+def current_trace_graph() -> torch.fx.Graph | None:
+    """The graph that the active ``make_fx`` trace is writing to, if any."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer.graph
+
+
+def data_dependent_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions fake tensors raise when Python code reads a tensor's value."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def fake_tensor_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+# ---------------------------------------------------------------------------- DTensor
+
+
+def local_tensor_of(dtensor: DTensor) -> torch.Tensor:
+    """The local shard of ``dtensor`` without going through autograd."""
+    return dtensor._local_tensor
+
+
+def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
+    """Swap the local shard of ``dtensor`` for ``local`` (same shape, dtype, device)."""
+    dtensor._local_tensor = local
+
+
+@contextlib.contextmanager
+def memoized_redistribution() -> Iterator[dict]:
+    """Redistribute each (value, source spec, target spec) at most once.
+
+    DTensor redistributes an argument separately at every use (a Partial gradient used by
+    three optimizer ops is all-reduced three times). Inside this context the dispatcher's
+    redistribution goes through a cache keyed by the local tensor's identity and both
+    specs. The cache keeps its keys alive, so identities are never reused while it lives.
+    It is only sound for functional graphs (no value is mutated after it was
+    redistributed), which is what the expander runs.
+    """
+    import torch.distributed.tensor._dispatch as dispatch_module
+    import torch.distributed.tensor._redistribute as redistribute_module
+
+    original = redistribute_module.redistribute_local_tensor
+    cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cached(local_tensor, current_spec, target_spec, *args, **kwargs):
+        key = (id(local_tensor), current_spec, target_spec)
+        hit = cache.get(key)
+        if hit is not None and hit[0] is local_tensor:
+            return hit[1]
+        out = original(local_tensor, current_spec, target_spec, *args, **kwargs)
+        cache[key] = (local_tensor, out)
+        return out
+
+    modules = (dispatch_module, redistribute_module)
+    for module in modules:
+        module.redistribute_local_tensor = cached
+    try:
+        yield cache
+    finally:
+        for module in modules:
+            module.redistribute_local_tensor = original
+
+
+# ---------------------------------------------------------------------------- simulation
+
+
+def local_tensor_mode(world_size: int) -> Any:
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    return LocalTensorMode(world_size)
+
+
+def local_tensor_type() -> type:
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor
+
+
+def make_local_tensor(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor(per_rank)
+
+
+def per_rank_tensors(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The per-rank values of a simulated tensor (a LocalTensor)."""
+    return dict(t._local_tensors)
+
+
+def init_fake_process_group(world_size: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def is_fake_process_group() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "fake"

@@ -1,0 +1,167 @@
+"""``spmd_compiler.compile``: the decorator users put on their train step."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
+from spmd_compiler.passes import PassOptions
+
+from .bindings import StepBindings, find_bindings
+from .capture import capture_step
+from .errors import SPMDCompileError
+from .expand import DistributedProgram
+from .runtime import StepTimings, install_state, run_program
+from .signature import Kind, StateRef, TensorMeta
+from .simulate import Simulation, active_simulation
+
+log = logging.getLogger("spmd_compiler")
+
+
+@dataclass
+class CompileRecord:
+    """What one compilation produced and how long each stage took."""
+
+    key: tuple
+    program: DistributedProgram
+    capture_seconds: float
+    expand_seconds: float
+    pass_seconds: float
+    total_seconds: float
+
+
+class CompiledTrainStep:
+    """A train step compiled on first call (and again for new shapes or settings).
+
+    Call it exactly like the original function. ``records`` lists every compilation;
+    ``last_program`` is the per-rank program of the latest call.
+    """
+
+    def __init__(
+        self, func: Callable[..., Any], mode: ParallelMode, options: PassOptions
+    ) -> None:
+        self.func = func
+        self.mode = mode
+        self.options = options
+        self.records: list[CompileRecord] = []
+        self._cache: dict[tuple, DistributedProgram] = {}
+        self._meshes: dict[str, DeviceMesh] = {}
+        self.last_program: DistributedProgram | None = None
+        self.timings = StepTimings()
+        functools.update_wrapper(self, func)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not dist.is_initialized():
+            raise SPMDCompileError(
+                "No process group: run under torchrun / spmd_compiler.launch (real ranks) "
+                "or inside `with spmd_compiler.simulate(world_size=N):` (simulated ranks).",
+                user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
+            )
+        sim = active_simulation()
+        bindings = find_bindings(self.func, args, kwargs)
+        mesh = self._mesh(bindings)
+        tensor_args = [t for _, t in bindings.tensor_args()]
+        input_metas = [
+            self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
+        ]
+        key = (tuple(input_metas), bindings.static_key(), sim is not None)
+        program = self._cache.get(key)
+        if program is None:
+            program = self._compile(key, bindings, input_metas, mesh)
+            self._cache[key] = program
+        install_state(bindings, self.mode.placement_of, mesh, sim)
+        self.last_program = program
+        start = time.perf_counter()
+        result = run_program(program, bindings, tensor_args, sim)
+        self.timings.step_seconds.append(time.perf_counter() - start)
+        return result
+
+    @property
+    def compile_count(self) -> int:
+        return len(self.records)
+
+    def _mesh(self, bindings: StepBindings) -> DeviceMesh:
+        device_type = next(iter(bindings.params.values())).device.type
+        world = dist.get_world_size()
+        key = f"{device_type}:{world}"
+        if key not in self._meshes:
+            mesh = self.mode.mesh(device_type)
+            if mesh.size() != world:
+                raise SPMDCompileError(
+                    f"{self.mode!r} uses a mesh of {mesh.size()} ranks but the process "
+                    f"group has {world}.",
+                    hint="build the mesh over all ranks (init_device_mesh).",
+                )
+            self._meshes[key] = mesh
+        return self._meshes[key]
+
+    def _global_input_meta(
+        self, index: int, t: torch.Tensor, mesh: DeviceMesh, sim: Simulation | None
+    ) -> TensorMeta:
+        if isinstance(t, DTensor):
+            raise SPMDCompileError(
+                f"tensor argument {index} of the train step is a DTensor; pass plain "
+                "tensors (each rank's local batch, or the global batch in simulation)."
+            )
+        meta = TensorMeta(tuple(t.shape), t.dtype, t.device, False)
+        if sim is not None:
+            return meta
+        placements = self.mode.placement_of(StateRef(Kind.INPUT, index=index), meta, mesh)
+        shape = list(meta.shape)
+        for mesh_dim, p in enumerate(placements):
+            if isinstance(p, Shard) and p.dim < len(shape):
+                shape[p.dim] *= mesh.size(mesh_dim)
+        return TensorMeta(tuple(shape), meta.dtype, meta.device, False)
+
+    def _compile(
+        self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh
+    ) -> DistributedProgram:
+        start = time.perf_counter()
+        captured = capture_step(self.func, bindings, input_metas)
+        program = self.mode.partition(captured, mesh)
+        program = self.mode.transform_and_compile(program, self.options)
+        total = time.perf_counter() - start
+        record = CompileRecord(
+            key, program, captured.capture_seconds, program.expand_seconds,
+            sum(program.pass_seconds.values()), total,
+        )
+        self.records.append(record)
+        self.timings.compile_seconds += total
+        log.info(
+            "compiled %s with %r in %.2fs (capture %.2fs, expand %.2fs, passes %.2fs)",
+            self.func.__name__, self.mode, total, record.capture_seconds,
+            record.expand_seconds, record.pass_seconds,
+        )
+        return program
+
+
+def compile(  # noqa: A001 - the public name mirrors torch.compile
+    parallel_mode: ParallelMode | None = None,
+    *,
+    disable_passes: tuple[str, ...] = (),
+    check_passes: bool = True,
+) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
+    """Compile a whole train step (forward, loss, backward, optimizer) for N ranks.
+
+    Args:
+        parallel_mode: how to spread the step (default ``DTensorExpandMode()``).
+        disable_passes: names of passes to skip (also ``SPMD_DISABLE_PASSES``).
+        check_passes: lint and collective checks after every pass.
+    """
+    mode = parallel_mode if parallel_mode is not None else DTensorExpandMode()
+    options = PassOptions(disabled=frozenset(disable_passes), check=check_passes)
+
+    def decorate(func: Callable[..., Any]) -> CompiledTrainStep:
+        return CompiledTrainStep(func, mode, options)
+
+    return decorate

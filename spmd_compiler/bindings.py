@@ -1,0 +1,191 @@
+"""Find the modules, optimizers and tensors a train step is called with.
+
+The train step is called with the user's objects. Before anything is traced we walk its
+arguments (pytree leaves; modules and optimizers are leaves) and name every piece of
+training state: parameters and buffers by FQN, optimizer state by (parameter FQN, key),
+learning rates by (optimizer, param group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import SPMDCompileError
+from .signature import Kind, StateRef, TensorMeta
+
+# Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
+TENSOR_HYPERPARAMS = ("lr",)
+
+
+@dataclass
+class StepBindings:
+    """The user's objects a train step touches, and the name of every state tensor."""
+
+    modules: list[torch.nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    params: dict[str, torch.nn.Parameter]
+    buffers: dict[str, torch.Tensor]
+    # per module: FQN within the module -> name in ``params`` / ``buffers``
+    module_params: list[dict[str, str]]
+    module_buffers: list[dict[str, str]]
+    module_fqns: dict[int, str]  # id(submodule) -> display FQN
+    flat_args: list[Any]
+    args_spec: pytree.TreeSpec
+
+    def param_name(self, p: torch.Tensor) -> str:
+        for name, q in self.params.items():
+            if q is p:
+                return name
+        raise KeyError("parameter not found")
+
+    def tensor_args(self) -> list[tuple[int, torch.Tensor]]:
+        return [(i, a) for i, a in enumerate(self.flat_args) if isinstance(a, torch.Tensor)]
+
+    def state_refs(self) -> list[tuple[StateRef, torch.Tensor]]:
+        """Every tensor of training state, in a fixed order, with its current value."""
+        refs: list[tuple[StateRef, torch.Tensor]] = []
+        refs += [(StateRef(Kind.PARAM, n), p) for n, p in self.params.items()]
+        refs += [(StateRef(Kind.BUFFER, n), b) for n, b in self.buffers.items()]
+        refs += [
+            (StateRef(Kind.GRAD, n), p.grad) for n, p in self.params.items() if p.grad is not None
+        ]
+        for oi, opt in enumerate(self.optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    name = self.param_name(p)
+                    for key, value in sorted(opt.state.get(p, {}).items()):
+                        if isinstance(value, torch.Tensor):
+                            refs.append(
+                                (StateRef(Kind.OPTIM_STATE, name, key, oi, gi), value)
+                            )
+        return refs
+
+    def hyperparam_refs(self) -> list[StateRef]:
+        return [
+            StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi)
+            for oi, opt in enumerate(self.optimizers)
+            for gi, _ in enumerate(opt.param_groups)
+            for key in TENSOR_HYPERPARAMS
+        ]
+
+    def hyperparam_value(self, ref: StateRef) -> float:
+        value = self.optimizers[ref.optimizer].param_groups[ref.group][ref.key]
+        return float(value)
+
+    def static_key(self) -> tuple:
+        """Everything besides tensor shapes that a compiled program depends on.
+
+        Training flags, optimizer hyper-parameters other than the learning rate, the set
+        and non-tensor values of optimizer state, which parameters hold a gradient, and
+        the non-tensor arguments of the step. A change to any recompiles the step.
+        """
+        key: list[Any] = [self.args_spec]
+        key += [a if not isinstance(a, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))
+                else type(a).__name__ for a in self.flat_args]
+        key += [tuple(m.training for m in mod.modules()) for mod in self.modules]
+        key += [(n, tuple(p.shape), p.dtype, p.grad is not None, p.requires_grad)
+                for n, p in self.params.items()]
+        key += [(n, tuple(b.shape), b.dtype) for n, b in self.buffers.items()]
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                key.append(tuple(sorted(
+                    (k, _hashable(v)) for k, v in group.items()
+                    if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
+                )))
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    key.append(tuple(sorted(
+                        (k, _hashable(v))
+                        for k, v in state.items()
+                    )))
+        return tuple(key)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    return v
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBindings:
+    """Name the modules, optimizers and state of a train-step call.
+
+    Raises:
+        SPMDCompileError: no module, no optimizer, or an optimizer parameter that no
+            module passed to the step owns.
+    """
+    flat_args, spec = pytree.tree_flatten((args, kwargs), is_leaf=_is_leaf)
+    modules = _unique([a for a in flat_args if isinstance(a, torch.nn.Module)])
+    optimizers = _unique([a for a in flat_args if isinstance(a, torch.optim.Optimizer)])
+    where = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno} ({func.__name__})"
+    if not modules:
+        raise SPMDCompileError(
+            "The train step was called without an nn.Module argument.",
+            user_line=where,
+            hint="pass the model to the step, e.g. train_step(model, optimizer, batch, target).",
+        )
+    if not optimizers:
+        raise SPMDCompileError(
+            "The train step was called without a torch.optim.Optimizer argument.",
+            user_line=where,
+            hint="pass the optimizer to the step; a compiled step runs forward, backward "
+            "and the optimizer update as one program.",
+        )
+    params: dict[str, torch.nn.Parameter] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    module_params: list[dict[str, str]] = []
+    module_buffers: list[dict[str, str]] = []
+    module_fqns: dict[int, str] = {}
+    seen: dict[int, str] = {}
+    for mi, mod in enumerate(modules):
+        prefix = "" if len(modules) == 1 else f"{mi}."
+        mp: dict[str, str] = {}
+        for fqn, p in mod.named_parameters(remove_duplicate=False):
+            name = seen.setdefault(id(p), prefix + fqn)
+            params[name] = p
+            mp[fqn] = name
+        mb: dict[str, str] = {}
+        for fqn, b in mod.named_buffers(remove_duplicate=False):
+            name = seen.setdefault(id(b), prefix + fqn)
+            buffers[name] = b
+            mb[fqn] = name
+        module_params.append(mp)
+        module_buffers.append(mb)
+        for fqn, sub in mod.named_modules():
+            module_fqns.setdefault(id(sub), (prefix + fqn).rstrip("."))
+    owned = {id(p) for p in params.values()}
+    for oi, opt in enumerate(optimizers):
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if id(p) not in owned:
+                    raise SPMDCompileError(
+                        f"optimizer[{oi}].param_groups[{gi}] holds a parameter of shape "
+                        f"{tuple(p.shape)} that no module passed to the step owns.",
+                        user_line=where,
+                        hint="pass every module whose parameters the optimizer updates.",
+                    )
+    return StepBindings(
+        modules, optimizers, params, buffers, module_params, module_buffers, module_fqns,
+        flat_args, spec,
+    )
+
+
+def _unique(objs: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for o in objs:
+        if all(o is not x for x in out):
+            out.append(o)
+    return out

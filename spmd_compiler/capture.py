@@ -1,0 +1,377 @@
+"""Capture a whole train step (forward, loss, backward, optimizer) as one functional graph.
+
+NOTE: [capture in two traces]
+1. ``make_fx`` on fake tensors traces the user's step with the module's parameters and
+   buffers swapped for the traced inputs and the optimizer pointed at traced parameters,
+   state and learning rates. ``backward()`` turns into explicit ATen ops; the optimizer
+   runs its capturable path (no ``.item()``), single-tensor (``foreach=False``) so that
+   every update is plain ATen ops, with the learning rate as a tensor input. The traced
+   function returns every piece of state after the step (parameters, buffers, grads that
+   survive the step, optimizer state including state created on the first step).
+2. ``functionalize`` cannot wrap ``backward()``, so the first graph (which holds no autograd
+   anymore, only in-place updates) is re-traced under ``functionalize`` on inputs that do
+   not require grad. The copy-back epilogue into mutated placeholders is dropped: new state
+   leaves the graph as outputs and the runtime installs it.
+The learning rate tensor requires grad during the first trace only so that SGD takes its
+tensor-lr path (``addcmul``) instead of reading ``lr`` as a Python number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from . import _torch_private as private
+from .bindings import StepBindings
+from .errors import (
+    MODULE_FQN,
+    USER_LINE,
+    SPMDCompileError,
+    node_error,
+    step_frame_from_traceback,
+    step_line_from_stack_trace,
+)
+from .graph_utils import (
+    RetracingInterpreter,
+    last_node,
+    new_nodes_after,
+    output_args,
+    placeholders,
+    remove_profiler_and_detach,
+    set_outputs,
+)
+from .signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta
+
+HYPERPARAM_DTYPE = torch.float64
+
+# NOTE: [float64 step counters]
+# Eager optimizers read the step counter with ``.item()`` and compute Adam's bias
+# corrections (1 - beta ** step) in double precision. The capturable path computes them
+# with tensors of the step's dtype; in float32, 1 - 0.999 ** 1 is off by 1.3e-5 relative,
+# which shows up as a 7e-6 relative parameter error after one step. So scalar optimizer
+# state (step counters) is kept in float64: state created in the graph is made float64,
+# and existing float32 counters are converted when the runtime installs the state.
+
+
+def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
+    """The dtype a piece of state has inside compiled programs."""
+    if ref.kind is Kind.OPTIM_STATE and meta.shape == () and meta.dtype == torch.float32:
+        return torch.float64
+    return meta.dtype
+
+
+def capture_step(
+    func: Callable[..., Any], bindings: StepBindings, input_metas: list[TensorMeta]
+) -> CapturedStep:
+    """Trace ``func`` into one functional single-device graph.
+
+    Args:
+        func: the user's train step.
+        bindings: its modules, optimizers and named state (``find_bindings``).
+        input_metas: global (single-device) metadata of each tensor argument, in the order
+            of ``bindings.tensor_args()``.
+
+    Returns:
+        The captured step. Nothing of the user's model or optimizer is changed.
+    """
+    start = time.perf_counter()
+    device = next(iter(bindings.params.values())).device
+    inputs: list[tuple[StateRef, TensorMeta]] = []
+    for ref, value in bindings.state_refs():
+        meta = TensorMeta.of(value)
+        inputs.append((ref, dataclasses.replace(meta, dtype=state_dtype(ref, meta))))
+    inputs += [(ref, TensorMeta((), HYPERPARAM_DTYPE, device)) for ref in bindings.hyperparam_refs()]
+    inputs += [
+        (StateRef(Kind.INPUT, index=k), meta) for k, meta in enumerate(input_metas)
+    ]
+    fake_mode = private.fake_tensor_mode()
+    first_trace_inputs = [_fake(meta, fake_mode, first_trace=(ref.kind is not Kind.INPUT and (
+        ref.kind is Kind.HYPERPARAM or (ref.kind is Kind.PARAM and meta.requires_grad)))) for ref, meta in inputs]
+    tracer = _StepTracer(func, bindings, [r for r, _ in inputs])
+    private.register_stack_trace_anchor(func)
+    try:
+        with _module_scopes(bindings.module_fqns):
+            first = make_fx(tracer, tracing_mode="fake", record_stack_traces=True)(
+                *first_trace_inputs
+            )
+    except SPMDCompileError:
+        raise
+    except private.data_dependent_error_types() as exc:
+        raise SPMDCompileError(
+            "The train step reads the value of a tensor in Python (control flow on a "
+            "tensor, .item(), .tolist() or a value-dependent shape), which cannot be "
+            "captured into one graph.",
+            user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+            hint="use tensor ops instead (torch.where, masking), or move the check "
+            "outside the compiled step.",
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
+        raise SPMDCompileError(
+            f"Capturing the train step failed: {type(exc).__name__}: {exc}",
+            user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+        ) from exc
+    _annotate_user_lines(first, func.__code__)
+    gm = _functionalize(first, inputs, fake_mode)
+    captured = CapturedStep(
+        graph_module=gm,
+        inputs=inputs,
+        outputs=tracer.out_refs,
+        return_spec=tracer.return_spec,
+        return_leaves=tracer.return_leaves,
+        step_code=func.__code__,
+    )
+    _finish_signature(captured)
+    captured.capture_seconds = time.perf_counter() - start
+    return captured
+
+
+def _fake(meta: TensorMeta, fake_mode: Any, first_trace: bool) -> torch.Tensor:
+    with fake_mode:
+        t = torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
+    return t.requires_grad_(first_trace)
+
+
+class _StepTracer:
+    """The function traced by ``make_fx``: the user's step on swapped-in state."""
+
+    def __init__(self, func: Callable[..., Any], bindings: StepBindings, refs: list[StateRef]):
+        self.func, self.bindings, self.refs = func, bindings, refs
+        self.out_refs: list[StateRef] = []
+        self.return_spec: Any = None
+        self.return_leaves: list[tuple[str, Any]] = []
+
+    def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
+        b = self.bindings
+        values = dict(zip(self.refs, flat, strict=True))
+        params = {r.name: v for r, v in values.items() if r.kind is Kind.PARAM}
+        buffers = {r.name: v for r, v in values.items() if r.kind is Kind.BUFFER}
+        for r, v in values.items():
+            if r.kind is Kind.GRAD:
+                params[r.name].grad = v
+        traced_args = list(b.flat_args)
+        positions = [i for i, _ in b.tensor_args()]
+        for r, v in values.items():
+            if r.kind is Kind.INPUT:
+                traced_args[positions[r.index]] = v
+        args, kwargs = pytree.tree_unflatten(traced_args, b.args_spec)
+        with contextlib.ExitStack() as stack:
+            for mi, mod in enumerate(b.modules):
+                swap = {fqn: params[name] for fqn, name in b.module_params[mi].items()}
+                swap.update({fqn: buffers[name] for fqn, name in b.module_buffers[mi].items()})
+                stack.enter_context(private.reparametrize_module(mod, swap))
+            swapped = [
+                stack.enter_context(_swap_optimizer(opt, oi, b, params, values))
+                for oi, opt in enumerate(b.optimizers)
+            ]
+            result = self.func(*args, **kwargs)
+            final_buffers = {
+                b.module_buffers[mi][fqn]: t
+                for mi, mod in enumerate(b.modules)
+                for fqn, t in mod.named_buffers(remove_duplicate=False)
+            }
+            outs = self._collect(result, params, final_buffers, swapped, values)
+        return outs
+
+    def _collect(self, result, params, final_buffers, swapped, values) -> list[torch.Tensor]:
+        leaves, self.return_spec = pytree.tree_flatten(result)
+        outs: list[torch.Tensor] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                self.return_leaves.append(("tensor", len(outs)))
+                self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
+                outs.append(leaf)
+            else:
+                self.return_leaves.append(("const", leaf))
+        for name, p in params.items():
+            self.out_refs.append(StateRef(Kind.PARAM, name))
+            outs.append(p)
+        for name, t in final_buffers.items():
+            self.out_refs.append(StateRef(Kind.BUFFER, name))
+            outs.append(t)
+        for name, p in params.items():
+            if p.grad is not None:
+                self.out_refs.append(StateRef(Kind.GRAD, name))
+                outs.append(p.grad)
+        for oi, (opt_state, by_param) in enumerate(swapped):
+            for name, (gi, traced_p) in by_param.items():
+                for key, value in sorted(opt_state.get(traced_p, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        self.out_refs.append(StateRef(Kind.OPTIM_STATE, name, key, oi, gi))
+                        outs.append(value)
+        return outs
+
+
+@contextlib.contextmanager
+def _swap_optimizer(
+    opt: torch.optim.Optimizer,
+    oi: int,
+    b: StepBindings,
+    params: dict[str, torch.Tensor],
+    values: dict[StateRef, torch.Tensor],
+) -> Iterator[tuple[dict, dict]]:
+    """Point ``opt`` at traced parameters, state and learning rates; restore on exit."""
+    saved_groups, saved_state = opt.param_groups, opt.state
+    groups, by_param = [], {}
+    for gi, group in enumerate(saved_groups):
+        new = dict(group)
+        new["params"] = [params[b.param_name(p)] for p in group["params"]]
+        for p in group["params"]:
+            by_param[b.param_name(p)] = (gi, params[b.param_name(p)])
+        new["lr"] = values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]
+        # NOTE: [capture in two traces] explains these three flags.
+        if "capturable" in new:
+            new["capturable"] = True
+        if "foreach" in new:
+            new["foreach"] = False
+        if new.get("fused"):
+            new["fused"] = False
+        groups.append(new)
+    state: defaultdict = defaultdict(dict)
+    for p, entries in saved_state.items():
+        name = b.param_name(p)
+        state[params[name]] = {
+            key: values.get(StateRef(Kind.OPTIM_STATE, name, key, oi, by_param[name][0]), v)
+            for key, v in entries.items()
+        }
+    before = {k: dict(v) for k, v in state.items()}
+    opt.param_groups, opt.state = groups, state
+    original_step = opt.step
+
+    def capturable_step(*args: Any, **kwargs: Any) -> Any:
+        with private.optimizer_capturable_path():
+            return original_step(*args, **kwargs)
+
+    opt.step = capturable_step  # type: ignore[method-assign]
+    try:
+        yield state, by_param
+        _check_python_state(opt, oi, groups, before, state, values)
+    finally:
+        del opt.step
+        opt.param_groups, opt.state = saved_groups, saved_state
+
+
+def _check_python_state(opt, oi, groups, before, state, values) -> None:
+    """Refuse steps whose effect on Python-side optimizer state we could not replay."""
+    for gi, group in enumerate(groups):
+        if group["lr"] is not values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]:
+            raise SPMDCompileError(
+                f"The train step changes optimizer[{oi}].param_groups[{gi}]['lr'] "
+                "(an LR scheduler stepped inside the compiled step?).",
+                hint="call scheduler.step() outside the compiled train step; the learning "
+                "rate is read as a graph input on every call.",
+            )
+    for p, entries in state.items():
+        for key, value in entries.items():
+            old = before.get(p, {}).get(key, None)
+            if not isinstance(value, torch.Tensor) and value != old:
+                raise SPMDCompileError(
+                    f"optimizer[{oi}] ({type(opt).__name__}) keeps non-tensor state "
+                    f"{key!r} that changes every step; it cannot become a graph input.",
+                    hint="use an optimizer whose state is made of tensors.",
+                )
+
+
+@contextlib.contextmanager
+def _module_scopes(fqn_of: dict[int, str]) -> Iterator[None]:
+    """Record ``node.meta[MODULE_FQN]`` for nodes traced inside each module's forward."""
+    stack: list[tuple[str, torch.fx.Node | None]] = []
+
+    def pre_hook(module: torch.nn.Module, args: Any) -> None:
+        fqn = fqn_of.get(id(module))
+        if fqn is not None:
+            stack.append((fqn, last_node(private.current_trace_graph())))
+
+    def post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        fqn = fqn_of.get(id(module))
+        graph = private.current_trace_graph()
+        if fqn is None or not stack or graph is None:
+            return
+        _, mark = stack.pop()
+        for node in new_nodes_after(mark, graph):
+            node.meta.setdefault(MODULE_FQN, fqn)
+
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+        torch.nn.modules.module.register_module_forward_hook(post_hook),
+    ]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _annotate_user_lines(gm: torch.fx.GraphModule, step_code: Any) -> None:
+    for node in gm.graph.nodes:
+        line = step_line_from_stack_trace(node.meta.get("stack_trace"), step_code)
+        if line is not None:
+            node.meta[USER_LINE] = line
+
+
+def _functionalize(
+    first: torch.fx.GraphModule, inputs: list[tuple[StateRef, TensorMeta]], fake_mode: Any
+) -> torch.fx.GraphModule:
+    """Second trace: the in-place graph re-traced under ``torch.func.functionalize``."""
+    remove_profiler_and_detach(first)
+    first.recompile()
+
+    def replay(*flat: torch.Tensor) -> Any:
+        with fx_traceback.preserve_node_meta():
+            return RetracingInterpreter(first).run(*flat)
+
+    fakes = [_fake(meta, fake_mode, first_trace=False) for _, meta in inputs]
+    gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="fake")(*fakes)
+    remove_profiler_and_detach(gm)
+    _drop_copy_back(gm, [ref for ref, _ in inputs])
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _drop_copy_back(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:
+    """Remove ``copy_(placeholder, new)`` epilogue nodes; state leaves as outputs."""
+    ref_of = dict(zip(placeholders(gm), refs, strict=True))
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
+            dest = node.args[0]
+            if dest in ref_of:
+                ref = ref_of[dest]
+                if ref.kind is Kind.INPUT:
+                    raise node_error(
+                        f"The train step modifies its tensor argument {ref} in place.",
+                        node,
+                        hint="work on a copy (x = x.clone()) or move the in-place "
+                        "change outside the compiled step.",
+                    )
+                if ref.kind not in STATE_KINDS:
+                    raise node_error(f"Internal: {ref} is written in place.", node)
+                node.replace_all_uses_with(dest)
+                gm.graph.erase_node(node)
+
+
+def _finish_signature(captured: CapturedStep) -> None:
+    """Drop outputs that return a state input unchanged; the runtime skips them."""
+    gm = captured.graph_module
+    ref_of = dict(zip(placeholders(gm), captured.input_refs(), strict=True))
+    keep_vals, keep_refs = [], []
+    for value, ref in zip(output_args(gm), captured.outputs, strict=True):
+        if ref.kind is not Kind.RETURN and ref_of.get(value) == ref:
+            captured.unchanged.append(ref)
+            continue
+        keep_vals.append(value)
+        keep_refs.append(ref)
+    set_outputs(gm, keep_vals)
+    captured.outputs = keep_refs
+    captured.output_metas = [TensorMeta.of(v.meta["val"]) for v in keep_vals]
+    gm.graph.eliminate_dead_code()
+    gm.recompile()

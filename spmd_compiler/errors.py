@@ -1,0 +1,122 @@
+"""Errors raised to users, and the helpers that locate a graph node in their code.
+
+NOTE: [user-facing errors]
+Every error a user can cause names what we know of its origin: the ATen op, the graph
+node, the module FQN (``node.meta[MODULE_FQN]``, recorded at capture) and the line of the
+user's train step (found in the node's recorded stack trace, or in the Python traceback
+when capture itself failed), plus what to do instead. Errors are raised before the
+user's model or optimizer is modified: compilation works on fake tensors and only the
+runtime's final install step touches real state.
+"""
+
+from __future__ import annotations
+
+import traceback
+import types
+from dataclasses import dataclass
+
+import torch.fx
+
+# node.meta keys written by the pipeline (see DESIGN.md, "Pipeline").
+MODULE_FQN = "spmd_module_fqn"
+USER_LINE = "spmd_user_line"
+PLACEMENT = "spmd_placement"
+ORIGIN = "spmd_origin"
+CREATED_BY = "spmd_created_by"
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    filename: str
+    lineno: int
+    code: str
+
+    def __str__(self) -> str:
+        return f'{self.filename}:{self.lineno}: "{self.code}"'
+
+
+class SPMDCompileError(RuntimeError):
+    """A train step that cannot be compiled (or run) as asked; the model is untouched."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        node: str | None = None,
+        module_fqn: str | None = None,
+        user_line: SourceLocation | str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.op, self.node, self.module_fqn = op, node, module_fqn
+        self.user_line, self.hint = user_line, hint
+        parts = [message]
+        if op:
+            parts.append(f"  op:          {op}")
+        if node:
+            parts.append(f"  graph node:  {node}")
+        if module_fqn is not None:
+            parts.append(f"  module:      {module_fqn or '<root module>'}")
+        if user_line:
+            parts.append(f"  train step:  {user_line}")
+        if hint:
+            parts.append(f"  what to do:  {hint}")
+        super().__init__("\n".join(parts))
+
+
+def step_frame_from_traceback(
+    tb: types.TracebackType | None, step_code: types.CodeType
+) -> SourceLocation | None:
+    """The innermost frame of the user's train step in a Python traceback."""
+    found = None
+    for frame_summary, code in zip(
+        traceback.extract_tb(tb), _codes_of(tb), strict=False
+    ):
+        if code is step_code:
+            found = SourceLocation(
+                frame_summary.filename, frame_summary.lineno or 0, frame_summary.line or ""
+            )
+    return found
+
+
+def _codes_of(tb: types.TracebackType | None):
+    while tb is not None:
+        yield tb.tb_frame.f_code
+        tb = tb.tb_next
+
+
+def step_line_from_stack_trace(
+    stack_trace: str | None, step_code: types.CodeType
+) -> SourceLocation | None:
+    """Parse a node's recorded ``stack_trace`` for the line inside the train step."""
+    if not stack_trace:
+        return None
+    lines = stack_trace.splitlines()
+    found = None
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if not text.startswith("File "):
+            continue
+        try:
+            filename = text.split('"')[1]
+            lineno = int(text.split("line ")[1].split(",")[0])
+            func = text.split(", in ")[1].strip()
+        except (IndexError, ValueError):
+            continue
+        if filename == step_code.co_filename and func == step_code.co_name:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            found = SourceLocation(filename, lineno, code)
+    return found
+
+
+def node_error(message: str, node: torch.fx.Node, *, hint: str | None = None) -> SPMDCompileError:
+    """An error about ``node`` that carries its op, FQN and train-step line."""
+    op = str(node.target) if node.op == "call_function" else node.op
+    return SPMDCompileError(
+        message,
+        op=op,
+        node=node.name,
+        module_fqn=node.meta.get(MODULE_FQN),
+        user_line=node.meta.get(USER_LINE),
+        hint=hint,
+    )

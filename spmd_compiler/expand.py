@@ -1,0 +1,209 @@
+"""Expand a captured single-device graph into the per-rank program.
+
+NOTE: [expansion by DTensor re-tracing]
+The captured graph is run node by node on DTensors (fake local tensors wrapped with
+``DTensor.from_local``) inside a ``make_fx`` trace. For each node DTensor's sharding
+propagation picks input and output placements; where an input's placement differs from
+what the op needs, DTensor redistributes it, which traces as explicit functional
+collectives (``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+``all_to_all_single``), each followed by ``wait_tensor``. View and factory shape
+arguments come out local. Redistributions are memoized per (value, source, target), so a
+Partial gradient used by several optimizer ops is reduced once. Values made by factory
+ops (``arange``, ``zeros``) are the same on every rank and enter as Replicate. Each traced
+node records the placement of the value it computes in ``node.meta[PLACEMENT]`` and the
+source node it came from in ``node.meta[ORIGIN]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import _torch_private as private
+from .errors import PLACEMENT, SPMDCompileError, node_error
+from .graph_utils import RetracingInterpreter, placeholders
+from .signature import CapturedStep, TensorMeta
+
+Placements = tuple[Placement, ...]
+
+
+@dataclass
+class DistributedProgram:
+    """The per-rank program: one graph, identical on every rank, plus its signature.
+
+    ``input_placements[i]`` / ``output_placements[j]`` are the DTensor placements of the
+    i-th placeholder / j-th output; ``local_inputs[i]`` is the local metadata a rank feeds.
+    """
+
+    graph_module: torch.fx.GraphModule
+    captured: CapturedStep
+    mesh: DeviceMesh
+    input_placements: list[Placements]
+    output_placements: list[Placements]
+    local_inputs: list[TensorMeta]
+    expand_seconds: float = 0.0
+    passes_applied: list[str] = field(default_factory=list)
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def format_placements(placements: Sequence[Placement]) -> str:
+    """Short form used in dumps and errors: ``S(0)``, ``R``, ``P(sum)``."""
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            out.append(f"S({p.dim})")
+        elif isinstance(p, Replicate):
+            out.append("R")
+        elif p.is_partial():
+            out.append(f"P({getattr(p, 'reduce_op', 'sum')})")
+        else:
+            out.append(str(p))
+    return "[" + ", ".join(out) + "]"
+
+
+def local_meta(meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what: str) -> TensorMeta:
+    """Local metadata of a tensor sharded evenly by ``placements`` on ``mesh``.
+
+    Raises:
+        SPMDCompileError: a sharded dimension is missing or not divisible.
+    """
+    shape = list(meta.shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n = mesh.size(mesh_dim)
+            if p.dim >= len(shape) or p.dim < -len(shape):
+                raise SPMDCompileError(
+                    f"{what} of shape {tuple(meta.shape)} has no dimension {p.dim} to "
+                    f"shard on (placement {format_placements(placements)}).",
+                    hint="choose a placement for this input that fits its shape.",
+                )
+            if shape[p.dim] % n:
+                raise SPMDCompileError(
+                    f"{what} has size {meta.shape[p.dim]} in dimension {p.dim}, which "
+                    f"is not divisible by the {n} ranks of mesh dimension {mesh_dim}.",
+                    hint=f"use a global batch that is a multiple of {n} (each rank gets "
+                    "an equal share), or replicate this input.",
+                )
+            shape[p.dim] //= n
+    return TensorMeta(tuple(shape), meta.dtype, meta.device, False)
+
+
+def expand(
+    captured: CapturedStep,
+    mesh: DeviceMesh,
+    input_placements: list[Placements],
+    output_placements: list[Placements],
+) -> DistributedProgram:
+    """Turn the captured single-device graph into the per-rank program.
+
+    Args:
+        captured: the functional single-device step.
+        mesh: the device mesh every placement refers to.
+        input_placements: one placement tuple per placeholder.
+        output_placements: the placement each output must leave the graph with.
+    """
+    start = time.perf_counter()
+    local = [
+        local_meta(meta, mesh, pl, str(ref))
+        for (ref, meta), pl in zip(captured.inputs, input_placements, strict=True)
+    ]
+    fake_mode = private.fake_tensor_mode()
+    with fake_mode:
+        fakes = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in local]
+
+    def per_rank(*locals_: torch.Tensor) -> list[torch.Tensor]:
+        dtensors = [
+            DTensor.from_local(t, mesh, pl, run_check=False, shape=torch.Size(meta.shape),
+                               stride=_contiguous_stride(meta.shape))
+            for t, pl, (_, meta) in zip(locals_, input_placements, captured.inputs, strict=True)
+        ]
+        with private.memoized_redistribution(), fx_traceback.preserve_node_meta():
+            outs = _ExpandingInterpreter(captured, mesh).run(*dtensors)
+            results = []
+            for value, target in zip(outs, output_placements, strict=True):
+                dt = _as_dtensor(value, mesh)
+                if tuple(dt.placements) != tuple(target):
+                    dt = dt.redistribute(mesh, target)
+                results.append(private.local_tensor_of(dt))
+        return results
+
+    gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
+    for node, pl in zip(placeholders(gm), input_placements, strict=True):
+        node.meta[PLACEMENT] = tuple(pl)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return DistributedProgram(
+        graph_module=gm,
+        captured=captured,
+        mesh=mesh,
+        input_placements=[tuple(p) for p in input_placements],
+        output_placements=[tuple(p) for p in output_placements],
+        local_inputs=local,
+        expand_seconds=time.perf_counter() - start,
+    )
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _as_dtensor(value: Any, mesh: DeviceMesh) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        # A value no DTensor flowed into (factory ops): identical on every rank.
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return value
+
+
+class _ExpandingInterpreter(RetracingInterpreter):
+    def __init__(self, captured: CapturedStep, mesh: DeviceMesh) -> None:
+        super().__init__(captured.graph_module, on_node=self._record)
+        self.mesh = mesh
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except SPMDCompileError:
+            raise
+        except NotImplementedError as exc:
+            raise node_error(
+                f"DTensor has no sharding rule for this op: {str(exc).splitlines()[0]}",
+                n,
+                hint="replace the op with one DTensor supports, or register a sharding "
+                "strategy for it (torch.distributed.tensor.experimental.register_sharding).",
+            ) from exc
+        except Exception as exc:  # noqa: BLE001 - re-raised with the node named
+            raise node_error(
+                f"Expanding this node to the per-rank program failed: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                n,
+            ) from exc
+
+    def _record(self, source: torch.fx.Node, result: Any, created: list[torch.fx.Node]) -> Any:
+        result = _wrap_tree(result, self.mesh)
+        values = result if isinstance(result, (list, tuple)) else [result]
+        for value in values:
+            if isinstance(value, DTensor):
+                local = private.local_tensor_of(value)
+                for node in created:
+                    if node.meta.get("val") is local:
+                        node.meta[PLACEMENT] = tuple(value.placements)
+        return result
+
+
+def _wrap_tree(result: Any, mesh: DeviceMesh) -> Any:
+    if isinstance(result, (list, tuple)):
+        return type(result)(_as_dtensor(r, mesh) for r in result)
+    return _as_dtensor(result, mesh)

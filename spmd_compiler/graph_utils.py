@@ -1,0 +1,111 @@
+"""Small helpers shared by capture, expansion and passes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import _torch_private as private
+from .errors import MODULE_FQN, ORIGIN, USER_LINE
+
+# node.meta keys that follow a value when a graph is re-traced node by node.
+CARRIED_META = (MODULE_FQN, USER_LINE, "stack_trace")
+
+
+def new_nodes_after(mark: torch.fx.Node | None, graph: torch.fx.Graph) -> Iterator[torch.fx.Node]:
+    """Nodes appended to ``graph`` after ``mark`` (all nodes when ``mark`` is None)."""
+    node = mark.next if mark is not None else next(iter(graph.nodes), None)
+    while node is not None and node.op != "root":
+        yield node
+        node = node.next
+
+
+def last_node(graph: torch.fx.Graph | None) -> torch.fx.Node | None:
+    if graph is None:
+        return None
+    return next(iter(reversed(graph.nodes)), None)
+
+
+class RetracingInterpreter(torch.fx.Interpreter):
+    """Runs a graph node by node inside a ``make_fx`` trace, carrying node metadata.
+
+    Every node the trace emits while one source node runs gets the source node's
+    ``CARRIED_META`` (module FQN, train-step line, stack trace) and ``ORIGIN`` = the
+    source node's name. ``on_node(source, result, new_nodes)`` lets a caller record more.
+    """
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        on_node: Callable[[torch.fx.Node, Any, list[torch.fx.Node]], Any] | None = None,
+    ) -> None:
+        super().__init__(gm)
+        self.on_node = on_node
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        graph = private.current_trace_graph()
+        mark = last_node(graph)
+        result = super().run_node(n)
+        created = list(new_nodes_after(mark, graph)) if graph is not None else []
+        for new in created:
+            for key in CARRIED_META:
+                if key in n.meta and key not in new.meta:
+                    new.meta[key] = n.meta[key]
+            new.meta.setdefault(ORIGIN, n.name)
+        if self.on_node is not None:
+            result = self.on_node(n, result, created)
+        return result
+
+
+def replace_with_input(node: torch.fx.Node) -> None:
+    node.replace_all_uses_with(node.args[0])
+    node.graph.erase_node(node)
+
+
+PROFILER_OPS = {"profiler._record_function_enter_new", "profiler._record_function_exit"}
+
+
+def is_profiler_node(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and any(str(node.target).startswith(p) for p in PROFILER_OPS)
+
+
+def remove_profiler_and_detach(gm: torch.fx.GraphModule) -> None:
+    """Drop record_function markers (side-effecting, meaningless here) and detach ops."""
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):
+        if is_profiler_node(node):
+            for user in list(node.users):
+                if is_profiler_node(user):
+                    graph.erase_node(user)
+            if not node.users:
+                graph.erase_node(node)
+        elif node.op == "call_function" and node.target in (
+            torch.ops.aten.detach.default,
+            torch.ops.aten.alias.default,
+        ):
+            replace_with_input(node)
+
+
+def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_args(gm: torch.fx.GraphModule) -> list[Any]:
+    return list(gm.graph.output_node().args[0])
+
+
+def set_outputs(gm: torch.fx.GraphModule, values: list[Any]) -> None:
+    out = gm.graph.output_node()
+    out.args = (tuple(values),)
+
+
+def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            name = str(n.target)
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -1,0 +1,229 @@
+"""Own the sharded training state, run the per-rank program, write new state back.
+
+NOTE: [state ownership]
+After the first compile the user's parameters, buffers, gradients and optimizer state
+are DTensors with the mode's placements (``install_state``): the same ``nn.Parameter``
+objects are replaced everywhere they appear (tied weights stay tied), the optimizer's
+param groups and state are re-keyed, so ``model.state_dict()`` and
+``optimizer.state_dict()`` hold DTensors and torch.distributed.checkpoint works. Each
+step feeds the graph the local shards and installs the new local shards by swapping each
+DTensor's local tensor (no copy). Nothing is installed until compilation has succeeded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.utils import _pytree as pytree
+
+from . import _torch_private as private
+from .bindings import StepBindings
+from .capture import HYPERPARAM_DTYPE, state_dtype
+from .errors import SPMDCompileError
+from .expand import DistributedProgram, Placements, _contiguous_stride, format_placements
+from .signature import Kind, StateRef, TensorMeta
+from .simulate import Simulation
+
+
+@dataclass
+class StepTimings:
+    compile_seconds: float = 0.0
+    capture_seconds: float = 0.0
+    expand_seconds: float = 0.0
+    pass_seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+
+
+def install_state(
+    bindings: StepBindings,
+    placement_of: Any,
+    mesh: DeviceMesh,
+    sim: Simulation | None,
+) -> None:
+    """Turn every plain state tensor of the step into a DTensor with its placement."""
+    new_params: dict[int, torch.nn.Parameter] = {}
+    for name, p in list(bindings.params.items()):
+        ref = StateRef(Kind.PARAM, name)
+        placements = placement_of(ref, TensorMeta.of(p), mesh)
+        if isinstance(p, DTensor):
+            _check_installed(ref, p, mesh, placements)
+            continue
+        dt = _distribute(p.detach(), mesh, placements, sim)
+        new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+        if p.grad is not None:
+            grad_ref = StateRef(Kind.GRAD, name)
+            new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)
+        new_params[id(p)] = new
+    for mod in bindings.modules:
+        for sub in mod.modules():
+            for attr, value in list(sub._parameters.items()):
+                if value is not None and id(value) in new_params:
+                    sub._parameters[attr] = new_params[id(value)]
+            for attr, value in list(sub._buffers.items()):
+                if value is None or isinstance(value, DTensor):
+                    continue
+                name = _buffer_name(bindings, value)
+                ref = StateRef(Kind.BUFFER, name)
+                sub._buffers[attr] = _distribute(
+                    value, mesh, placement_of(ref, TensorMeta.of(value), mesh), sim
+                )
+    for oi, opt in enumerate(bindings.optimizers):
+        for group in opt.param_groups:
+            group["params"] = [new_params.get(id(p), p) for p in group["params"]]
+        new_state: defaultdict = defaultdict(dict)
+        for p, entries in opt.state.items():
+            new_p = new_params.get(id(p), p)
+            name = bindings.param_name(p)
+            converted = {}
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    ref = StateRef(Kind.OPTIM_STATE, name, key, oi, _group_of(opt, new_p))
+                    meta = TensorMeta.of(value)
+                    value = value.to(state_dtype(ref, meta))
+                    value = _distribute(value, mesh, placement_of(ref, meta, mesh), sim)
+                converted[key] = value
+            new_state[new_p] = converted
+        opt.state = new_state
+    for name, p in list(bindings.params.items()):
+        bindings.params[name] = new_params.get(id(p), p)
+    for name, b in list(bindings.buffers.items()):
+        bindings.buffers[name] = _find_buffer(bindings, name)
+
+
+def _check_installed(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements) -> None:
+    if p.device_mesh != mesh or tuple(p.placements) != tuple(placements):
+        raise SPMDCompileError(
+            f"{ref} is already a DTensor with placement {format_placements(p.placements)} on "
+            f"{p.device_mesh}, but this compiled step wants {format_placements(placements)} "
+            f"on {mesh}.",
+            hint="use one parallel mode per model, or rebuild the model from a full state dict.",
+        )
+
+
+def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None) -> DTensor:
+    if sim is not None:
+        return sim.shard(t, mesh, placements)
+    return distribute_tensor(t.detach(), mesh, list(placements))
+
+
+def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> int:
+    for gi, group in enumerate(opt.param_groups):
+        if any(q is p for q in group["params"]):
+            return gi
+    return -1
+
+
+def _buffer_name(bindings: StepBindings, value: torch.Tensor) -> str:
+    for name, b in bindings.buffers.items():
+        if b is value:
+            return name
+    raise KeyError("buffer not found")
+
+
+def _find_buffer(bindings: StepBindings, name: str) -> torch.Tensor:
+    for mi, mod in enumerate(bindings.modules):
+        for fqn, b in mod.named_buffers(remove_duplicate=False):
+            if bindings.module_buffers[mi].get(fqn) == name:
+                return b
+    raise KeyError(name)
+
+
+def run_program(
+    program: DistributedProgram,
+    bindings: StepBindings,
+    tensor_args: list[torch.Tensor],
+    sim: Simulation | None,
+) -> Any:
+    """Run one step of ``program`` on the installed state; returns the step's result."""
+    captured = program.captured
+    state = dict(bindings.state_refs())
+    flat: list[torch.Tensor] = []
+    for (ref, meta), placements, local in zip(
+        captured.inputs, program.input_placements, program.local_inputs, strict=True
+    ):
+        if ref.kind is Kind.HYPERPARAM:
+            flat.append(torch.tensor(bindings.hyperparam_value(ref), dtype=HYPERPARAM_DTYPE, device=meta.device))
+        elif ref.kind is Kind.INPUT:
+            flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
+        else:
+            flat.append(private.local_tensor_of(state[ref]))
+    if sim is not None:
+        with sim.ranks():
+            outs = program.graph_module(*flat)
+    else:
+        outs = program.graph_module(*flat)
+    returned = _write_back(program, bindings, list(outs), sim)
+    leaves = [returned[v] if kind == "tensor" else v for kind, v in captured.return_leaves]
+    return pytree.tree_unflatten(leaves, captured.return_spec)
+
+
+def _feed_input(
+    arg: torch.Tensor, mesh: DeviceMesh, placements: Placements, local: TensorMeta, sim: Simulation | None
+) -> torch.Tensor:
+    if sim is not None:
+        return private.local_tensor_of(sim.shard(arg, mesh, placements))
+    if tuple(arg.shape) != local.shape:
+        raise SPMDCompileError(
+            f"local input of shape {tuple(arg.shape)} does not match the compiled {local.shape}"
+        )
+    return arg
+
+
+def _write_back(
+    program: DistributedProgram, bindings: StepBindings, outs: list[torch.Tensor], sim: Simulation | None
+) -> list[Any]:
+    captured = program.captured
+    mesh = program.mesh
+    returned: list[Any] = []
+    grads_out: set[str] = set()
+    for ref, meta, placements, value in zip(
+        captured.outputs, captured.output_metas, program.output_placements, outs, strict=True
+    ):
+        if ref.kind is Kind.RETURN:
+            returned.append(_returned_value(value, mesh, placements, meta, sim))
+        elif ref.kind is Kind.PARAM:
+            private.set_local_tensor(bindings.params[ref.name], value)
+        elif ref.kind is Kind.BUFFER:
+            private.set_local_tensor(bindings.buffers[ref.name], value)
+        elif ref.kind is Kind.GRAD:
+            grads_out.add(ref.name)
+            param = bindings.params[ref.name]
+            if param.grad is None:
+                param.grad = _wrap(value, mesh, placements, meta)
+            else:
+                private.set_local_tensor(param.grad, value)
+        elif ref.kind is Kind.OPTIM_STATE:
+            opt = bindings.optimizers[ref.optimizer]
+            entry = opt.state[bindings.params[ref.name]]
+            current = entry.get(ref.key)
+            if isinstance(current, DTensor):
+                private.set_local_tensor(current, value)
+            else:
+                entry[ref.key] = _wrap(value, mesh, placements, meta)
+    kept = {ref.name for ref in captured.unchanged if ref.kind is Kind.GRAD}
+    for name, p in bindings.params.items():
+        if name not in grads_out and name not in kept:
+            p.grad = None
+    return returned
+
+
+def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensor:
+    return DTensor.from_local(
+        local, mesh, list(placements), run_check=False,
+        shape=torch.Size(meta.shape), stride=_contiguous_stride(meta.shape),
+    )
+
+
+def _returned_value(
+    value: torch.Tensor, mesh: DeviceMesh, placements: Placements, meta: TensorMeta, sim: Simulation | None
+) -> Any:
+    if all(isinstance(p, Replicate) for p in placements):
+        return sim.reconcile(value) if sim is not None else value
+    return _wrap(value, mesh, placements, meta)
+

@@ -1,0 +1,124 @@
+"""What a captured train step's graph takes and gives back.
+
+A captured step is one functional ATen graph. Each placeholder is tagged with the piece of
+training state (or the user input) it stands for, and each output with the state it
+replaces or the returned value it is. The runtime uses these tags to feed the graph and to
+write the new state back; parallel modes use them to choose placements.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+
+class Kind(enum.Enum):
+    """The role of a graph input or output."""
+
+    PARAM = "param"
+    BUFFER = "buffer"
+    GRAD = "grad"
+    OPTIM_STATE = "optim_state"
+    HYPERPARAM = "hyperparam"
+    INPUT = "input"
+    RETURN = "return"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+STATE_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.GRAD, Kind.OPTIM_STATE)
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Names one graph input or output.
+
+    ``name`` is the parameter/buffer FQN (prefixed by the module index when the step takes
+    several modules); ``key`` is the optimizer-state key (``exp_avg``) or hyper-parameter
+    (``lr``); ``index`` is the position among the step's tensor inputs or returned tensors.
+    """
+
+    kind: Kind
+    name: str = ""
+    key: str = ""
+    optimizer: int = -1
+    group: int = -1
+    index: int = -1
+
+    def __str__(self) -> str:
+        if self.kind is Kind.OPTIM_STATE:
+            return f"optimizer[{self.optimizer}].state[{self.name}][{self.key!r}]"
+        if self.kind is Kind.HYPERPARAM:
+            return f"optimizer[{self.optimizer}].param_groups[{self.group}][{self.key!r}]"
+        if self.kind in (Kind.INPUT, Kind.RETURN):
+            return f"{self.kind.value}[{self.index}]"
+        return f"{self.kind.value} {self.name}"
+
+    @property
+    def param_name(self) -> str:
+        """The parameter this ref belongs to (params, grads and optimizer state)."""
+        return self.name
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Global (single-device) metadata of a tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool = False
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass
+class CapturedStep:
+    """A train step as one functional single-device graph plus its signature.
+
+    Attributes:
+        graph_module: the functional ATen graph; placeholders follow ``inputs``, the
+            output tuple follows ``outputs``.
+        inputs: one ``(ref, meta)`` per placeholder.
+        outputs: one ref per graph output (RETURN refs are the user's returned tensors,
+            the others are new values of state that changed).
+        return_spec: pytree spec of the user's return value; its leaves are either
+            ``("tensor", i)`` (the i-th RETURN output) or ``("const", value)``.
+        step_code: the code object of the user's train step, for error messages.
+        output_metas: global metadata of each output.
+        unchanged: state the step returns exactly as it received it (no output).
+    """
+
+    graph_module: torch.fx.GraphModule
+    inputs: list[tuple[StateRef, TensorMeta]]
+    outputs: list[StateRef]
+    return_spec: pytree.TreeSpec
+    return_leaves: list[tuple[str, Any]]
+    step_code: Any
+    output_metas: list[TensorMeta] = field(default_factory=list)
+    unchanged: list[StateRef] = field(default_factory=list)
+    capture_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def input_refs(self) -> list[StateRef]:
+        return [ref for ref, _ in self.inputs]
+
+    def input_meta(self, ref: StateRef) -> TensorMeta:
+        for r, meta in self.inputs:
+            if r == ref:
+                return meta
+        raise KeyError(ref)

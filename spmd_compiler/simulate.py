@@ -1,0 +1,110 @@
+"""N simulated ranks in one process (torch's LocalTensorMode + the fake process group).
+
+    with spmd_compiler.simulate(world_size=4):
+        loss = train_step(model, optimizer, global_batch, global_target)
+
+Inside the context a compiled step receives the *global* batch and hands each simulated
+rank its share according to the mode's input placements, runs the same per-rank program
+on all ranks at once (each tensor holds one value per rank), and computes collectives
+across the simulated ranks. Replicated results come back as plain tensors (checked equal
+on every rank). The model's parameters become DTensors whose local values are per-rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
+
+from . import _torch_private as private
+
+_ACTIVE: contextvars.ContextVar[Simulation | None] = contextvars.ContextVar(
+    "spmd_simulation", default=None
+)
+
+
+class Simulation:
+    """An active simulation of ``world_size`` ranks. Use ``simulate()`` to make one."""
+
+    def __init__(self, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._owns_group = False
+        self._token: contextvars.Token | None = None
+        self._mode = None
+
+    def __enter__(self) -> Simulation:
+        if dist.is_initialized():
+            if not private.is_fake_process_group():
+                raise RuntimeError(
+                    "simulate() needs its own (fake) process group, but a real one is "
+                    "initialized; run simulations in a process without torch.distributed."
+                )
+            dist.destroy_process_group()
+        private.init_fake_process_group(self.world_size)
+        self._owns_group = True
+        self._mode = private.local_tensor_mode(self.world_size)
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @contextlib.contextmanager
+    def ranks(self) -> Iterator[None]:
+        """Run the enclosed tensor code on every simulated rank."""
+        assert self._mode is not None, "use the Simulation as a context manager"
+        with self._mode:
+            yield
+
+    def shard(self, tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+        """The global ``tensor`` as a DTensor whose local values are each rank's share."""
+        with self.ranks():
+            return distribute_tensor(tensor.detach(), mesh, list(placements), src_data_rank=None)
+
+    def full_tensor(self, value: torch.Tensor) -> torch.Tensor:
+        """A plain tensor holding the full value of ``value`` (DTensor or per-rank)."""
+        if isinstance(value, DTensor):
+            with self.ranks():
+                value = value.full_tensor()
+        return self.reconcile(value)
+
+    def reconcile(self, value: torch.Tensor) -> torch.Tensor:
+        """The value every simulated rank holds; raises if the ranks disagree."""
+        if isinstance(value, private.local_tensor_type()):
+            per_rank = private.per_rank_tensors(value)
+            first = per_rank[min(per_rank)]
+            for rank, t in per_rank.items():
+                if not torch.equal(t, first):
+                    raise AssertionError(
+                        f"simulated rank {rank} holds a different value than rank "
+                        f"{min(per_rank)} for a tensor that should be replicated"
+                    )
+            return first.detach().clone()
+        return value
+
+    def per_rank(self, value: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each simulated rank's local value."""
+        if isinstance(value, DTensor):
+            value = private.local_tensor_of(value)
+        if isinstance(value, private.local_tensor_type()):
+            return private.per_rank_tensors(value)
+        return {r: value for r in range(self.world_size)}
+
+
+def simulate(world_size: int) -> Simulation:
+    """Context manager: run compiled steps on ``world_size`` simulated ranks."""
+    return Simulation(world_size)
+
+
+def active_simulation() -> Simulation | None:
+    return _ACTIVE.get()
