@@ -4,3 +4,14 @@ from .base import ParallelMode
 from .dtensor_expand import DTensorExpandMode
 
 __all__ = ["DTensorExpandMode", "ParallelMode"]
+
+
+def make_mode(name: str, **kwargs) -> ParallelMode:
+    """A parallel mode by its demo name (``--mode``)."""
+    factories = {"dtensor_expand": DTensorExpandMode}
+    if name not in factories:
+        raise ValueError(f"unknown mode {name!r}; choose from {sorted(factories)}")
+    return factories[name](**kwargs)
+
+
+__all__ += ["make_mode"]

@@ -11,6 +11,7 @@ See DESIGN.md for the pipeline: capture -> plan -> expand -> passes -> run.
 
 from .api import CompiledTrainStep, compile
 from .errors import SPMDCompileError
+from .launch import init_from_env, launch
 from .simulate import Simulation, active_simulation, simulate
 
 __all__ = [
@@ -19,5 +20,7 @@ __all__ = [
     "Simulation",
     "active_simulation",
     "compile",
+    "init_from_env",
+    "launch",
     "simulate",
 ]

@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import SPMDCompileError
-from .signature import Kind, StateRef, TensorMeta
+from .signature import Kind, StateRef
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)

@@ -1,9 +1,10 @@
-"""Single-device equivalence, measured: the shared helper of tests and the demo.
+"""Single-device equivalence, measured: the shared helper of tests, demo and benchmarks.
 
 The reference is the user's own (undecorated) step run eagerly on one device with the
-global batch; the compiled step runs on N ranks with each rank's share. ``compare_*``
-return the largest relative difference over every parameter and optimizer-state tensor,
-relative error being ``max|a - b| / max|b|`` per tensor (0 when both are zero).
+global batch; the compiled step runs on N ranks with each rank's share. ``full_state``
+collects every parameter, buffer and optimizer-state tensor as a plain full tensor, keyed
+by name, so that the two runs can be compared key by key. The relative error of a tensor
+is ``max|a - b| / max|b|`` (the absolute error when ``b`` is all zeros).
 """
 
 from __future__ import annotations
@@ -17,19 +18,22 @@ from .simulate import Simulation
 
 
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual = actual.detach().to(torch.float64)
-    expected = expected.detach().to(torch.float64)
+    actual = actual.detach().to(torch.float64).cpu()
+    expected = expected.detach().to(torch.float64).cpu()
     if actual.shape != expected.shape:
         raise AssertionError(f"shape {tuple(actual.shape)} != {tuple(expected.shape)}")
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    diff = (actual - expected).abs().max().item() if expected.numel() else 0.0
-    if scale == 0.0:
-        return diff
-    return diff / scale
+    if not expected.numel():
+        return 0.0
+    diff = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    return diff / scale if scale else diff
 
 
 def full_value(t: Any, sim: Simulation | None) -> Any:
-    """A plain tensor with the full value of ``t`` (DTensor, per-rank or plain)."""
+    """A plain tensor with the full value of ``t`` (DTensor, per-rank or plain).
+
+    On real ranks this is a collective for DTensors: every rank must call it.
+    """
     if not isinstance(t, torch.Tensor):
         return t
     if sim is not None:
@@ -39,40 +43,48 @@ def full_value(t: Any, sim: Simulation | None) -> Any:
     return t
 
 
-def compare_models(
-    model: torch.nn.Module, reference: torch.nn.Module, sim: Simulation | None
-) -> dict[str, float]:
-    """Relative difference of every parameter and buffer, by FQN."""
-    ref = dict(reference.named_parameters())
-    ref.update(dict(reference.named_buffers()))
-    out = {}
+def full_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sim: Simulation | None
+) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer and optimizer-state tensor, full and on CPU, by name.
+
+    Optimizer state is keyed ``optim.g{group}.p{index}.{key}`` (position in the param
+    groups), so that two optimizers over two copies of a model line up.
+    """
+    out: dict[str, torch.Tensor] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        out[name] = relative_difference(full_value(t, sim), ref[name])
+        out[f"param.{name}"] = full_value(t, sim).detach().cpu()
+    if optimizer is not None:
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                for key, value in sorted(optimizer.state.get(p, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        out[f"optim.g{gi}.p{pi}.{key}"] = full_value(value, sim).detach().cpu()
     return out
 
 
-def compare_optimizers(
-    optimizer: torch.optim.Optimizer,
-    reference: torch.optim.Optimizer,
-    sim: Simulation | None,
+def compare_states(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 ) -> dict[str, float]:
-    """Relative difference of every optimizer-state tensor, matched by position."""
-    out = {}
-    for gi, (group, ref_group) in enumerate(zip(optimizer.param_groups, reference.param_groups, strict=True)):
-        for pi, (p, rp) in enumerate(zip(group["params"], ref_group["params"], strict=True)):
-            state, ref_state = optimizer.state.get(p, {}), reference.state.get(rp, {})
-            if set(state) != set(ref_state):
-                raise AssertionError(
-                    f"group {gi} param {pi}: state keys {sorted(state)} != {sorted(ref_state)}"
-                )
-            for key, value in state.items():
-                expected = ref_state[key]
-                if isinstance(expected, torch.Tensor):
-                    got = full_value(value, sim)
-                    out[f"group{gi}.param{pi}.{key}"] = relative_difference(
-                        got.reshape(expected.shape).to(expected.device), expected
-                    )
-    return out
+    """Relative difference per key; raises if the two states hold different keys."""
+    if set(actual) != set(expected):
+        missing = sorted(set(expected) ^ set(actual))
+        raise AssertionError(f"states differ in keys: {missing[:8]}")
+    return {
+        key: relative_difference(actual[key].reshape(expected[key].shape), expected[key])
+        for key in expected
+    }
+
+
+def compare_models(model, reference, sim: Simulation | None) -> dict[str, float]:
+    """Relative difference of every parameter and buffer."""
+    return compare_states(full_state(model, None, sim), full_state(reference, None, None))
+
+
+def compare_optimizers(optimizer, reference, sim: Simulation | None) -> dict[str, float]:
+    """Relative difference of every optimizer-state tensor."""
+    empty = torch.nn.Module()
+    return compare_states(full_state(empty, optimizer, sim), full_state(empty, reference, None))
 
 
 def max_difference(*diffs: dict[str, float]) -> float:

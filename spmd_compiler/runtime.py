@@ -12,7 +12,6 @@ DTensor's local tensor (no copy). Nothing is installed until compilation has suc
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +91,7 @@ def install_state(
         opt.state = new_state
     for name, p in list(bindings.params.items()):
         bindings.params[name] = new_params.get(id(p), p)
-    for name, b in list(bindings.buffers.items()):
+    for name in list(bindings.buffers):
         bindings.buffers[name] = _find_buffer(bindings, name)
 
 

@@ -1,0 +1,293 @@
+"""Start real process groups: ``launch`` spawns N local ranks, ``init_from_env`` joins torchrun's.
+
+    def work(rank, world_size, steps):
+        ...                                   # the default process group is ready here
+        return {"loss": loss.item()}          # anything picklable (plain CPU tensors too)
+
+    results = spmd_compiler.launch(work, world_size=2, args=(3,))   # one result per rank
+
+NOTE: [launch protocol]
+Each rank is a fresh ``spawn`` process (no state inherited from the parent, as under
+torchrun). It gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK in its environment,
+joins the default group with ``env://``, runs ``fn(rank, world_size, *args)``, and reports
+through one file per rank in a private temporary folder, written atomically: either the
+result or the formatted traceback. Files (not a multiprocessing queue) because a queue
+shares tensors through the sender's memory, which disappears when the rank exits. The
+parent waits on the process sentinels; when a rank fails it gives the others a short grace
+period to report their own errors (they are often stuck in a collective with the dead
+rank), then kills them and raises ``LaunchError`` naming the failed ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300.0
+# Seconds the surviving ranks get to report after the first failure (see NOTE above).
+FAILURE_GRACE_S = 5.0
+_OK = "ok"
+_ERROR = "error"
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks of a ``launch`` failed, crashed or timed out.
+
+    Attributes:
+        failures: ``{rank: traceback or reason}`` for every rank that did not succeed.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.failures)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the default process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    args: Sequence[Any] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks of a real process group.
+
+    Why: real-collective tests and CPU demos without torchrun. Single node only; multi-node
+    is torchrun's job (use ``init_from_env`` there). See NOTE: [launch protocol].
+
+    Args:
+        fn: a module-level (picklable) function; it runs with the default process group
+            initialized and should return something picklable (not DTensors: call
+            ``full_tensor()`` inside ``fn`` and return plain CPU tensors).
+        world_size: number of ranks (processes) to start.
+        backend: "gloo" (CPU; each rank gets one torch thread) or "nccl" (rank r uses
+            cuda:r).
+        args: extra positional arguments for ``fn``; must be picklable.
+        timeout_s: wall-clock limit for the whole run; also the process group's
+            collective timeout.
+
+    Returns:
+        The value each rank's ``fn`` returned, indexed by rank.
+
+    Raises:
+        LaunchError: a rank raised (its traceback is in the message), crashed, or the run
+            did not finish within ``timeout_s``; the remaining ranks are killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"backend='nccl' with world_size={world_size} needs {world_size} CUDA devices, "
+            f"found {torch.cuda.device_count()}; use backend='gloo' on CPU."
+        )
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="spmd_launch_") as folder:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        procs = [
+            ctx.Process(
+                target=_run_rank,
+                args=(fn, rank, world_size, backend, tuple(args), timeout_s, env, folder),
+                name=f"spmd-rank{rank}",
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            failures = _wait_all(procs, folder, timeout_s)
+        finally:
+            _kill(procs)
+        if failures:
+            raise LaunchError(_failure_message(failures, world_size), failures)
+        return [_read_report(folder, rank)[1] for rank in range(world_size)]
+
+
+def init_from_env(backend: str | None = None) -> RankInfo:
+    """Join the default process group described by torchrun's environment variables.
+
+    Why: code started by ``torchrun`` (one process per rank, possibly many nodes) needs the
+    same set-up ``launch`` does. A no-op for the group if one is already initialized.
+
+    Args:
+        backend: "nccl" or "gloo"; by default nccl when CUDA is available, else gloo.
+
+    Returns:
+        This process's rank, world size, local rank, backend and device (cuda:LOCAL_RANK
+        under nccl, else cpu).
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing and not dist.is_initialized():
+        raise RuntimeError(
+            f"init_from_env: environment variables {missing} are not set; start this script "
+            "with torchrun (or use spmd_compiler.launch to spawn local ranks)."
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method="env://")
+    return RankInfo(
+        dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device
+    )
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (bind port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_rank(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    backend: str,
+    args: tuple[Any, ...],
+    timeout_s: float,
+    env: dict[str, str],
+    folder: str,
+) -> None:
+    """Body of one spawned rank: set up, run ``fn``, report, tear down."""
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        if backend == "gloo":
+            torch.set_num_threads(1)  # N ranks share the machine's cores
+        else:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend=backend, init_method="env://", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        result = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        _write_report(folder, rank, (_ERROR, traceback.format_exc(), time.time()))
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - already reporting the first error
+                pass
+        raise SystemExit(1) from None
+    try:
+        _write_report(folder, rank, (_OK, result, time.time()))
+    except Exception:  # noqa: BLE001 - e.g. an unpicklable result
+        reason = "could not send its result to the parent:\n" + traceback.format_exc()
+        _write_report(folder, rank, (_ERROR, reason, time.time()))
+        raise SystemExit(1) from None
+
+
+def _report_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.pt")
+
+
+def _write_report(folder: str, rank: int, report: tuple[str, Any, float]) -> None:
+    """Write atomically so the parent never reads half a file."""
+    path = _report_path(folder, rank)
+    tmp = path + ".tmp"
+    torch.save(report, tmp)
+    os.replace(tmp, path)
+
+
+def _read_report(folder: str, rank: int) -> tuple[str, Any, float] | None:
+    """``(status, result or traceback, wall-clock time written)``, or None if none was."""
+    path = _report_path(folder, rank)
+    if not os.path.exists(path):
+        return None
+    try:
+        return torch.load(path, weights_only=False)
+    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError) as e:
+        return (_ERROR, f"its result could not be read in the parent: {e!r}", time.time())
+
+
+def _wait_all(procs: list[Any], folder: str, timeout_s: float) -> dict[int, str]:
+    """Wait for every rank; return ``{rank: reason}`` for the failed ranks, first failure first."""
+    deadline = time.monotonic() + timeout_s
+    failed_at: dict[int, tuple[float, str]] = {}
+    running = dict(enumerate(procs))
+    while running and time.monotonic() < deadline:
+        ready = wait([p.sentinel for p in running.values()], timeout=deadline - time.monotonic())
+        for rank, p in list(running.items()):
+            if p.sentinel not in ready:
+                continue
+            p.join()
+            del running[rank]
+            report = _read_report(folder, rank)
+            if report is None:
+                reason = f"exited with code {p.exitcode} without reporting a result"
+                failed_at[rank] = (time.time(), reason)
+            elif report[0] == _ERROR:
+                failed_at[rank] = (report[2], report[1])
+        if failed_at and running:
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    for rank in running:
+        if failed_at:
+            reason = "killed after another rank failed (probably waiting in a collective)"
+        else:
+            reason = f"did not finish within timeout_s={timeout_s:g} s; killed"
+        failed_at[rank] = (float("inf"), reason)
+    return {rank: failed_at[rank][1] for rank in sorted(failed_at, key=failed_at.__getitem__)}
+
+
+def _kill(procs: list[Any]) -> None:
+    """Stop every rank still alive: SIGTERM, then SIGKILL if it lingers."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _failure_message(failures: dict[int, str], world_size: int) -> str:
+    """``failures`` is in order of failure; the first is usually the cause of the rest."""
+    order = list(failures)
+    head = f"launch: rank {order[0]} of {world_size} failed"
+    if len(order) > 1:
+        head += f" first (then also rank {', '.join(str(r) for r in order[1:])})"
+    parts = [head]
+    for rank in order:
+        parts.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
+    return "\n".join(parts)
