@@ -66,6 +66,17 @@ def current_trace_graph() -> torch.fx.Graph | None:
     return None if mode is None else mode.tracer.graph
 
 
+def traced_node_of(t: torch.Tensor) -> torch.fx.Node | None:
+    """The node of the active ``make_fx`` trace that produced ``t``, if any."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return None
+    slot = get_proxy_slot(t, mode.tracer, None)
+    return None if slot is None else slot.proxy.node
+
+
 def data_dependent_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions fake tensors raise when Python code reads a tensor's value."""
     from torch._subclasses.fake_tensor import (
@@ -77,10 +88,13 @@ def data_dependent_error_types() -> tuple[type[BaseException], ...]:
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
-def fake_tensor_mode() -> Any:
+def fake_tensor_mode(with_shape_env: bool = False) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return FakeTensorMode(allow_non_fake_inputs=False)
+    return FakeTensorMode(
+        allow_non_fake_inputs=False, shape_env=ShapeEnv() if with_shape_env else None
+    )
 
 
 # ---------------------------------------------------------------------------- DTensor

@@ -63,6 +63,25 @@ HYPERPARAM_DTYPE = torch.float64
 # and existing float32 counters are converted when the runtime installs the state.
 
 
+# NOTE: [ops decomposed at capture]
+# ``aten.native_batch_norm`` updates running_mean/var in place but its schema does not say
+# so, which functionalization then misses (the update would silently hit the inputs). It
+# and its backward are decomposed into plain ATen ops during the first trace; the running
+# statistics then leave the graph as buffer outputs like any other new state, and the
+# batch statistics become reductions that DTensor reduces across ranks.
+def capture_decompositions() -> dict:
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    return get_decompositions([
+        aten.native_batch_norm.default,
+        aten._native_batch_norm_legit.default,
+        aten._native_batch_norm_legit_functional.default,
+        aten._native_batch_norm_legit_no_training.default,
+        aten.native_batch_norm_backward.default,
+    ])
+
+
 def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
     """The dtype a piece of state has inside compiled programs."""
     if ref.kind is Kind.OPTIM_STATE and meta.shape == () and meta.dtype == torch.float32:
@@ -101,7 +120,9 @@ def capture_step(
     private.register_stack_trace_anchor(func)
     try:
         with _module_scopes(bindings.module_fqns):
-            first = make_fx(tracer, tracing_mode="fake", record_stack_traces=True)(
+            first = make_fx(
+                tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
+            )(
                 *first_trace_inputs
             )
     except SPMDCompileError:

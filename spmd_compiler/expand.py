@@ -116,7 +116,7 @@ def expand(
         local_meta(meta, mesh, pl, str(ref))
         for (ref, meta), pl in zip(captured.inputs, input_placements, strict=True)
     ]
-    fake_mode = private.fake_tensor_mode()
+    fake_mode = private.fake_tensor_mode(with_shape_env=True)
     with fake_mode:
         fakes = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in local]
 
@@ -136,7 +136,9 @@ def expand(
                 results.append(private.local_tensor_of(dt))
         return results
 
-    gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
+    import torch.distributed.config as dconfig
+    with dconfig.patch(compile_on_one_rank=True):
+        gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
     for node, pl in zip(placeholders(gm), input_placements, strict=True):
         node.meta[PLACEMENT] = tuple(pl)
     gm.graph.eliminate_dead_code()
@@ -196,10 +198,9 @@ class _ExpandingInterpreter(RetracingInterpreter):
         values = result if isinstance(result, (list, tuple)) else [result]
         for value in values:
             if isinstance(value, DTensor):
-                local = private.local_tensor_of(value)
-                for node in created:
-                    if node.meta.get("val") is local:
-                        node.meta[PLACEMENT] = tuple(value.placements)
+                node = private.traced_node_of(private.local_tensor_of(value))
+                if node is not None and node in created:
+                    node.meta[PLACEMENT] = tuple(value.placements)
         return result
 
 

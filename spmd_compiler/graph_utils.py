@@ -73,7 +73,8 @@ def is_profiler_node(node: torch.fx.Node) -> bool:
 
 
 def remove_profiler_and_detach(gm: torch.fx.GraphModule) -> None:
-    """Drop record_function markers (side-effecting, meaningless here) and detach ops."""
+    """Drop record_function markers (side-effecting, meaningless here), detach/alias ops,
+    and functional copies that are plain renames."""
     graph = gm.graph
     for node in reversed(list(graph.nodes)):
         if is_profiler_node(node):
@@ -87,6 +88,24 @@ def remove_profiler_and_detach(gm: torch.fx.GraphModule) -> None:
             torch.ops.aten.alias.default,
         ):
             replace_with_input(node)
+        elif node.op == "call_function" and node.target is torch.ops.aten.copy.default:
+            _replace_functional_copy(node)
+
+
+def _replace_functional_copy(node: torch.fx.Node) -> None:
+    """``aten.copy(dst, src)`` (functionalized ``dst.copy_(src)``) is ``src`` when the
+    shapes and dtypes agree; DTensor has no rule for it, so it is replaced."""
+    dst, src = node.args[0], node.args[1]
+    dst_val, src_val = dst.meta.get("val"), src.meta.get("val")
+    if (
+        isinstance(dst_val, torch.Tensor)
+        and isinstance(src_val, torch.Tensor)
+        and dst_val.shape == src_val.shape
+        and dst_val.dtype == src_val.dtype
+        and dst_val.device == src_val.device
+    ):
+        node.replace_all_uses_with(src)
+        node.graph.erase_node(node)
 
 
 def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

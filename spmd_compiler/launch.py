@@ -81,7 +81,8 @@ def launch(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks of a real process group.
 
     Why: real-collective tests and CPU demos without torchrun. Single node only; multi-node
-    is torchrun's job (use ``init_from_env`` there). See NOTE: [launch protocol].
+    is torchrun's job (use ``init_from_env`` there). See NOTE: [launch protocol]. As with
+    any ``spawn`` start, a script calling this needs an ``if __name__ == "__main__":`` guard.
 
     Args:
         fn: a module-level (picklable) function; it runs with the default process group
@@ -110,6 +111,7 @@ def launch(
             f"backend='nccl' with world_size={world_size} needs {world_size} CUDA devices, "
             f"found {torch.cuda.device_count()}; use backend='gloo' on CPU."
         )
+    _check_picklable(fn, args)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="spmd_launch_") as folder:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
@@ -124,12 +126,12 @@ def launch(
         try:
             for p in procs:
                 p.start()
-            failures = _wait_all(procs, folder, timeout_s)
+            results, failures = _wait_all(procs, folder, timeout_s)
         finally:
             _kill(procs)
-        if failures:
-            raise LaunchError(_failure_message(failures, world_size), failures)
-        return [_read_report(folder, rank)[1] for rank in range(world_size)]
+    if failures:
+        raise LaunchError(_failure_message(failures, world_size), failures)
+    return [results[rank] for rank in range(world_size)]
 
 
 def init_from_env(backend: str | None = None) -> RankInfo:
@@ -145,7 +147,9 @@ def init_from_env(backend: str | None = None) -> RankInfo:
         This process's rank, world size, local rank, backend and device (cuda:LOCAL_RANK
         under nccl, else cpu).
     """
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
     if missing and not dist.is_initialized():
         raise RuntimeError(
             f"init_from_env: environment variables {missing} are not set; start this script "
@@ -160,9 +164,22 @@ def init_from_env(backend: str | None = None) -> RankInfo:
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method="env://")
-    return RankInfo(
-        dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device
-    )
+    return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
+
+
+def _check_picklable(fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Fail in the parent, before starting anything, if a rank could not receive its work."""
+    try:
+        pickle.dumps(fn)
+    except Exception as e:  # noqa: BLE001 - pickling raises several types
+        raise TypeError(
+            f"launch: fn {fn!r} cannot be sent to the spawned ranks ({e}); pass a function "
+            "defined at module level (not a lambda or a nested function)."
+        ) from e
+    try:
+        pickle.dumps(tuple(args))
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(f"launch: args cannot be sent to the spawned ranks ({e}).") from e
 
 
 def free_port() -> int:
@@ -185,7 +202,9 @@ def _run_rank(
     """Body of one spawned rank: set up, run ``fn``, report, tear down."""
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
@@ -194,7 +213,10 @@ def _run_rank(
         else:
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend=backend, init_method="env://", rank=rank, world_size=world_size,
+            backend=backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         result = fn(rank, world_size, *args)
@@ -238,9 +260,17 @@ def _read_report(folder: str, rank: int) -> tuple[str, Any, float] | None:
         return (_ERROR, f"its result could not be read in the parent: {e!r}", time.time())
 
 
-def _wait_all(procs: list[Any], folder: str, timeout_s: float) -> dict[int, str]:
-    """Wait for every rank; return ``{rank: reason}`` for the failed ranks, first failure first."""
+def _wait_all(
+    procs: list[Any], folder: str, timeout_s: float
+) -> tuple[dict[int, Any], dict[int, str]]:
+    """Wait for every rank (see NOTE: [launch protocol]).
+
+    Returns:
+        ``{rank: result}`` of the ranks that succeeded and ``{rank: reason}`` of those that
+        did not, in order of failure (the first is usually the cause of the others).
+    """
     deadline = time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
     failed_at: dict[int, tuple[float, str]] = {}
     running = dict(enumerate(procs))
     while running and time.monotonic() < deadline:
@@ -256,15 +286,19 @@ def _wait_all(procs: list[Any], folder: str, timeout_s: float) -> dict[int, str]
                 failed_at[rank] = (time.time(), reason)
             elif report[0] == _ERROR:
                 failed_at[rank] = (report[2], report[1])
+            else:
+                results[rank] = report[1]
         if failed_at and running:
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    another_failed = bool(failed_at)
     for rank in running:
-        if failed_at:
+        if another_failed:
             reason = "killed after another rank failed (probably waiting in a collective)"
         else:
             reason = f"did not finish within timeout_s={timeout_s:g} s; killed"
         failed_at[rank] = (float("inf"), reason)
-    return {rank: failed_at[rank][1] for rank in sorted(failed_at, key=failed_at.__getitem__)}
+    order = sorted(failed_at, key=lambda rank: (failed_at[rank][0], rank))
+    return results, {rank: failed_at[rank][1] for rank in order}
 
 
 def _kill(procs: list[Any]) -> None:
