@@ -77,6 +77,8 @@ class CompiledTrainStep:
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
         program = self._cache.get(key)
         if program is None:
+            if sim is None:
+                _check_same_inputs_on_all_ranks(tensor_args)
             program = self._compile(key, bindings, input_metas, mesh)
             self._cache[key] = program
         install_state(bindings, self.mode.placement_of, mesh, sim)
@@ -143,6 +145,22 @@ class CompiledTrainStep:
             record.expand_seconds, record.pass_seconds,
         )
         return program
+
+
+def _check_same_inputs_on_all_ranks(tensor_args: list[torch.Tensor]) -> None:
+    """Every rank must compile the same program: compare local input shapes once."""
+    if dist.get_world_size() == 1:
+        return
+    mine = [(tuple(t.shape), str(t.dtype)) for t in tensor_args]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            raise SPMDCompileError(
+                f"rank {rank} passes tensor arguments {theirs} but rank 0 passes "
+                f"{everyone[0]}; every rank must pass local batches of the same shape.",
+                hint="split the global batch evenly (drop or pad the last partial batch).",
+            )
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

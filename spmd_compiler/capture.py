@@ -64,6 +64,8 @@ HYPERPARAM_DTYPE = torch.float64
 
 
 # NOTE: [ops decomposed at capture]
+# CPU dropout is ``x * empty_like(x).bernoulli_(1 - p) / (1 - p)``; see
+# _bernoulli_with_probability_tensor for how its random draw is traced.
 # ``aten.native_batch_norm`` updates running_mean/var in place but its schema does not say
 # so, which functionalization then misses (the update would silently hit the inputs). It
 # and its backward are decomposed into plain ATen ops during the first trace; the running
@@ -73,13 +75,29 @@ def capture_decompositions() -> dict:
     from torch._decomp import get_decompositions
 
     aten = torch.ops.aten
-    return get_decompositions([
+    table = get_decompositions([
         aten.native_batch_norm.default,
         aten._native_batch_norm_legit.default,
         aten._native_batch_norm_legit_functional.default,
         aten._native_batch_norm_legit_no_training.default,
         aten.native_batch_norm_backward.default,
     ])
+    table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
+    return table
+
+
+def _bernoulli_with_probability_tensor(
+    self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``x.bernoulli_(p)`` as ``bernoulli(full_like(x, p))``: functionalized, the former
+    becomes ``bernoulli.p``, which DTensor has no rule for; ``bernoulli.default`` is one
+    of its random ops."""
+    if generator is not None:
+        raise SPMDCompileError(
+            "bernoulli_ with an explicit torch.Generator cannot be captured.",
+            hint="use the default generator (seed it with torch.manual_seed).",
+        )
+    return self.copy_(torch.ops.aten.bernoulli.default(torch.full_like(self, p)))
 
 
 def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
