@@ -1,0 +1,176 @@
+"""Real gloo runs on 2 processes: compiled step == single-device eager step on the global batch.
+
+Each rank passes its half of a fixed global batch; the parent runs the undecorated step on
+the whole batch and compares losses, every parameter and every optimizer-state tensor.
+Worker functions live at module level so that ``spawn`` can import them in the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import spmd_compiler as sc
+from spmd_compiler.launch import LaunchError
+from spmd_compiler.parity import full_state, relative_difference
+
+pytestmark = pytest.mark.dist
+
+WORLD_SIZE = 2
+STEPS = 3
+GLOBAL_BATCH = 8
+FEATURES, HIDDEN, CLASSES = 8, 16, 4
+TOLERANCE = 1e-5
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01),
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=1e-1, momentum=0.9),
+}
+
+
+def train_step(
+    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU(), nn.Linear(HIDDEN, CLASSES)
+    )
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same fixed global batches in every process (its own generator, no global RNG)."""
+    gen = torch.Generator().manual_seed(1234)
+    return [
+        (
+            torch.randn(GLOBAL_BATCH, FEATURES, generator=gen),
+            torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=gen),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def compiled_worker(rank: int, world_size: int) -> dict[str, object]:
+    """One rank: for each optimizer, compile the step and train on this rank's halves."""
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    info = sc.init_from_env()  # launch already joined the group: this only reads it
+    out: dict[str, object] = {
+        "rank": rank,
+        "rank_info": (info.rank, info.world_size, info.local_rank, info.backend),
+    }
+    for name, make_optimizer in OPTIMIZERS.items():
+        model = make_model()
+        optim = make_optimizer(model)
+        step = sc.compile()(train_step)
+        losses, compile_counts = [], []
+        for x, y in global_batches():
+            losses.append(step(model, optim, x[local], y[local]).detach().clone())
+            compile_counts.append(step.compile_count)
+        out[name] = {
+            "losses": torch.stack(losses),
+            "state": full_state(model, optim, None),  # full_tensor(): a collective
+            "not_dtensor": [k for k, v in model.state_dict().items() if not isinstance(v, DTensor)],
+            "compile_counts": compile_counts,
+        }
+    return out
+
+
+def eager_reference(optimizer: str) -> dict[str, object]:
+    model = make_model()
+    optim = OPTIMIZERS[optimizer](model)
+    losses = [train_step(model, optim, x, y).detach().clone() for x, y in global_batches()]
+    return {"losses": torch.stack(losses), "state": full_state(model, optim, None)}
+
+
+@pytest.fixture(scope="module")
+def rank_results() -> list[dict[str, object]]:
+    """One 2-rank launch for all optimizers: spawning ranks costs seconds each time."""
+    return sc.launch(compiled_worker, WORLD_SIZE, timeout_s=120)
+
+
+def test_results_come_back_in_rank_order(rank_results: list[dict[str, object]]) -> None:
+    assert [r["rank"] for r in rank_results] == list(range(WORLD_SIZE))
+    assert [r["rank_info"] for r in rank_results] == [
+        (rank, WORLD_SIZE, rank, "gloo") for rank in range(WORLD_SIZE)
+    ]
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_compiled_step_matches_single_device(
+    rank_results: list[dict[str, object]], optimizer: str
+) -> None:
+    expected = eager_reference(optimizer)
+    n_params = len(list(make_model().parameters()))
+    assert sum(k.startswith("param.") for k in expected["state"]) == n_params
+    for rank, result in enumerate(rank_results):
+        got = result[optimizer]
+        assert got["not_dtensor"] == [], f"rank {rank}: state_dict() holds plain tensors"
+        # Step 1 creates the optimizer state (one recompile at step 2); step 3 must reuse.
+        assert got["compile_counts"][-1] == got["compile_counts"][-2], f"rank {rank} recompiled"
+        errors = {"losses": relative_difference(got["losses"], expected["losses"])}
+        assert set(got["state"]) == set(expected["state"])
+        for key, want in expected["state"].items():
+            errors[key] = relative_difference(got["state"][key], want)
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+
+
+def failing_worker(rank: int, world_size: int) -> None:
+    """Rank 1 raises; rank 0 waits in a collective that will never complete."""
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()
+
+
+def test_failing_rank_is_named() -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 of 2 failed") as info:
+        sc.launch(failing_worker, WORLD_SIZE, timeout_s=60)
+    assert time.monotonic() - start < 30, "the surviving rank was not stopped promptly"
+    assert "ValueError: boom on purpose" in info.value.failures[1]
+    assert "ValueError: boom on purpose" in str(info.value)
+
+
+def sleeping_worker(rank: int, world_size: int) -> int:
+    """Rank 0 never finishes."""
+    if rank == 0:
+        time.sleep(600)
+    return rank
+
+
+def test_hung_rank_is_killed_at_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 0 of 2 failed") as info:
+        sc.launch(sleeping_worker, WORLD_SIZE, timeout_s=5)
+    assert time.monotonic() - start < 20
+    assert "did not finish within timeout_s=5 s" in info.value.failures[0]
+
+
+def test_unpicklable_function_fails_before_spawning() -> None:
+    with pytest.raises(TypeError, match="module level"):
+        sc.launch(lambda rank, world_size: rank, WORLD_SIZE)
+
+
+def test_reference_is_not_trivial() -> None:
+    """The parity test could fail: training changes the parameters and the loss."""
+    before = {k: v.clone() for k, v in make_model().state_dict().items()}
+    after = eager_reference("adamw")
+    losses = after["losses"]
+    assert not torch.equal(losses[0], losses[-1])
+    for name, value in before.items():
+        assert relative_difference(after["state"][f"param.{name}"], value) > 1e-4, name
