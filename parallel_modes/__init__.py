@@ -1,14 +1,19 @@
 """Parallel modes: how a captured train step is spread over a device mesh."""
 
 from .base import ParallelMode
+from .data_parallel import DataParallel
 from .dtensor_expand import DTensorExpandMode
 
-__all__ = ["DTensorExpandMode", "ParallelMode"]
+__all__ = ["DTensorExpandMode", "DataParallel", "ParallelMode"]
 
 
 def make_mode(name: str, **kwargs) -> ParallelMode:
     """A parallel mode by its demo name (``--mode``)."""
-    factories = {"dtensor_expand": DTensorExpandMode}
+    factories = {
+        "dtensor_expand": DTensorExpandMode,
+        "ddp": lambda **kw: DataParallel("replicate", **kw),
+        "fsdp": lambda **kw: DataParallel("fully_shard", **kw),
+    }
     if name not in factories:
         raise ValueError(f"unknown mode {name!r}; choose from {sorted(factories)}")
     return factories[name](**kwargs)

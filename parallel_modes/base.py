@@ -21,7 +21,7 @@ from spmd_compiler.passes import PassOptions, run_pipeline
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
-from spmd_compiler.expand import DistributedProgram, Placements, expand
+from spmd_compiler.expand import DistributedProgram, Placements, UseHook, expand
 from spmd_compiler.signature import CapturedStep, StateRef, TensorMeta
 
 
@@ -56,7 +56,15 @@ class ParallelMode(abc.ABC):
             self.placement_of(ref, meta, mesh)
             for ref, meta in zip(captured.outputs, captured.output_metas, strict=True)
         ]
-        return expand(captured, mesh, inputs, outputs)
+        return expand(captured, mesh, inputs, outputs, self.placement_at_use(captured, mesh))
+
+    def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
+        """Placements values must have where particular nodes read them (default: none).
+
+        Returns ``hook(consumer, arg) -> (placements, group) | None``; uses in one group
+        share one redistribution (see ``expand``).
+        """
+        return None
 
     def transform_and_compile(
         self, program: DistributedProgram, options: PassOptions | None = None

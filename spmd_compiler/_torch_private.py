@@ -110,8 +110,23 @@ def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     dtensor._local_tensor = local
 
 
+class RedistributionCache(dict):
+    """The memo of ``memoized_redistribution``; ``bypass()`` turns it off for a while
+    (a mode that asks for a fresh gather, e.g. FSDP's backward re-gather)."""
+
+    bypassed = False
+
+    @contextlib.contextmanager
+    def bypass(self) -> Iterator[None]:
+        self.bypassed = True
+        try:
+            yield
+        finally:
+            self.bypassed = False
+
+
 @contextlib.contextmanager
-def memoized_redistribution() -> Iterator[dict]:
+def memoized_redistribution() -> Iterator[RedistributionCache]:
     """Redistribute each (value, source spec, target spec) at most once.
 
     DTensor redistributes an argument separately at every use (a Partial gradient used by
@@ -125,9 +140,11 @@ def memoized_redistribution() -> Iterator[dict]:
     import torch.distributed.tensor._redistribute as redistribute_module
 
     original = redistribute_module.redistribute_local_tensor
-    cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    cache = RedistributionCache()
 
     def cached(local_tensor, current_spec, target_spec, *args, **kwargs):
+        if cache.bypassed:
+            return original(local_tensor, current_spec, target_spec, *args, **kwargs)
         key = (id(local_tensor), current_spec, target_spec)
         hit = cache.get(key)
         if hit is not None and hit[0] is local_tensor:

@@ -35,6 +35,8 @@ from . import _torch_private as private
 from .bindings import StepBindings
 from .errors import (
     MODULE_FQN,
+    OPTIMIZER_PHASE,
+    PHASE,
     USER_LINE,
     SPMDCompileError,
     node_error,
@@ -287,8 +289,14 @@ def _swap_optimizer(
     original_step = opt.step
 
     def capturable_step(*args: Any, **kwargs: Any) -> Any:
+        graph = private.current_trace_graph()
+        mark = last_node(graph)
         with private.optimizer_capturable_path():
-            return original_step(*args, **kwargs)
+            result = original_step(*args, **kwargs)
+        if graph is not None:
+            for node in new_nodes_after(mark, graph):
+                node.meta[PHASE] = OPTIMIZER_PHASE
+        return result
 
     opt.step = capturable_step  # type: ignore[method-assign]
     try:

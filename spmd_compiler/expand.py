@@ -17,7 +17,7 @@ source node it came from in ``node.meta[ORIGIN]``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from .graph_utils import RetracingInterpreter, placeholders
 from .signature import CapturedStep, TensorMeta
 
 Placements = tuple[Placement, ...]
+UseHook = Callable[[torch.fx.Node, torch.fx.Node], "tuple[Placements, str] | None"]
 
 
 @dataclass
@@ -102,6 +103,7 @@ def expand(
     mesh: DeviceMesh,
     input_placements: list[Placements],
     output_placements: list[Placements],
+    placement_at_use: UseHook | None = None,
 ) -> DistributedProgram:
     """Turn the captured single-device graph into the per-rank program.
 
@@ -110,6 +112,10 @@ def expand(
         mesh: the device mesh every placement refers to.
         input_placements: one placement tuple per placeholder.
         output_placements: the placement each output must leave the graph with.
+        placement_at_use: ``(consumer, arg) -> (placements, group) | None``: the mode may
+            require ``arg`` in another placement when ``consumer`` reads it (FSDP gathers
+            a parameter at its use). One redistribution per (arg, group) is traced, at the
+            first use in that group.
     """
     start = time.perf_counter()
     local = [
@@ -126,8 +132,9 @@ def expand(
                                stride=_contiguous_stride(meta.shape))
             for t, pl, (_, meta) in zip(locals_, input_placements, captured.inputs, strict=True)
         ]
-        with private.memoized_redistribution(), fx_traceback.preserve_node_meta():
-            outs = _ExpandingInterpreter(captured, mesh).run(*dtensors)
+        with private.memoized_redistribution() as memo, fx_traceback.preserve_node_meta():
+            interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo)
+            outs = interpreter.run(*dtensors)
             results = []
             for value, target in zip(outs, output_placements, strict=True):
                 dt = _as_dtensor(value, mesh)
@@ -170,9 +177,40 @@ def _as_dtensor(value: Any, mesh: DeviceMesh) -> Any:
 
 
 class _ExpandingInterpreter(RetracingInterpreter):
-    def __init__(self, captured: CapturedStep, mesh: DeviceMesh) -> None:
+    def __init__(
+        self,
+        captured: CapturedStep,
+        mesh: DeviceMesh,
+        placement_at_use: UseHook | None,
+        memo: private.RedistributionCache,
+    ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
         self.mesh = mesh
+        self.memo = memo
+        self.placement_at_use = placement_at_use
+        self.at_use: dict[tuple[torch.fx.Node, str], Any] = {}
+
+    def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple, dict]:
+        if self.placement_at_use is None:
+            return super().fetch_args_kwargs_from_env(n)
+        args = torch.fx.node.map_arg(n.args, lambda a: self._value_at_use(n, a))
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: self._value_at_use(n, a))
+        return tuple(args), dict(kwargs)
+
+    def _value_at_use(self, consumer: torch.fx.Node, arg: torch.fx.Node) -> Any:
+        value = self.env[arg]
+        want = self.placement_at_use(consumer, arg) if self.placement_at_use else None
+        if want is None or not isinstance(value, DTensor):
+            return value
+        placements, group = want
+        key = (arg, group)
+        if key not in self.at_use:
+            if tuple(value.placements) == tuple(placements):
+                self.at_use[key] = value
+            else:
+                with self.memo.bypass():  # each group gets its own redistribution
+                    self.at_use[key] = value.redistribute(self.mesh, placements)
+        return self.at_use[key]
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:

@@ -9,10 +9,10 @@ import torch
 import torch.fx
 
 from . import _torch_private as private
-from .errors import MODULE_FQN, ORIGIN, USER_LINE
+from .errors import MODULE_FQN, ORIGIN, PHASE, USER_LINE
 
 # node.meta keys that follow a value when a graph is re-traced node by node.
-CARRIED_META = (MODULE_FQN, USER_LINE, "stack_trace")
+CARRIED_META = (MODULE_FQN, USER_LINE, PHASE, "stack_trace")
 
 
 def new_nodes_after(mark: torch.fx.Node | None, graph: torch.fx.Graph) -> Iterator[torch.fx.Node]:

@@ -1,0 +1,174 @@
+"""DataParallel: replicate (DDP) or fully shard (FSDP / ZeRO-3) the training state.
+
+NOTE: [fully_shard as placements]
+fully_shard keeps every parameter, gradient and optimizer-state tensor Shard(0) on the
+mesh. The per-rank program then gathers a parameter where forward or backward reads it
+(``placement_at_use``: Replicate at each use outside the optimizer, one all-gather per
+parameter and group) and the gradient, Partial after backward, meets the Shard(0)
+optimizer state, which DTensor resolves with a reduce-scatter. With
+``reshard_after_forward`` forward and backward are separate groups (two all-gathers per
+parameter, the forward copy freed after its last forward use); views of a parameter
+that forward made and backward reuses (``t(weight)``) are re-made from the backward
+gather, so no gathered parameter lives across the forward/backward boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from spmd_compiler.errors import MODULE_FQN, OPTIMIZER_PHASE, PHASE, SPMDCompileError
+from spmd_compiler.expand import DistributedProgram, Placements, UseHook
+from spmd_compiler.graph_utils import placeholders
+from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
+
+from .base import ParallelMode, replicate
+
+Style = Literal["replicate", "fully_shard"]
+
+# Ops that only re-view or re-type a parameter; forward's results of these are re-made
+# in backward from the backward gather (NOTE: [fully_shard as placements]).
+_PARAM_VIEW_OPS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten._to_copy.default,
+}
+
+
+class DataParallel(ParallelMode):
+    """Data parallelism: every rank trains on its share of the global batch.
+
+    Args:
+        style: ``"replicate"`` (DDP: state Replicate, gradients all-reduced) or
+            ``"fully_shard"`` (FSDP: state Shard(0), parameters gathered at use,
+            gradients reduce-scattered).
+        input_batch_dim: the dimension of each tensor argument that holds the batch.
+        mesh: a 1-D mesh; by default all ranks of the default process group.
+        reshard_after_forward: fully_shard only: free gathered parameters after
+            forward and gather them again in backward.
+    """
+
+    def __init__(
+        self,
+        style: Style = "replicate",
+        *,
+        input_batch_dim: int = 0,
+        mesh: DeviceMesh | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        if style not in ("replicate", "fully_shard"):
+            raise ValueError(f"DataParallel style must be 'replicate' or 'fully_shard', got {style!r}")
+        if mesh is not None and mesh.ndim != 1:
+            raise ValueError(f"DataParallel takes a 1-D mesh, got a {mesh.ndim}-D mesh {mesh}")
+        super().__init__(mesh)
+        self.style = style
+        self.input_batch_dim = input_batch_dim
+        self.reshard_after_forward = reshard_after_forward
+        self.name = "ddp" if style == "replicate" else "fsdp"
+
+    @property
+    def sharded(self) -> bool:
+        return self.style == "fully_shard"
+
+    def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
+        if ref.kind is Kind.INPUT:
+            if not meta.shape:
+                return replicate(mesh)
+            dim = self.input_batch_dim
+            if not -len(meta.shape) <= dim < len(meta.shape):
+                raise SPMDCompileError(
+                    f"{ref} of shape {meta.shape} has no batch dimension {dim} "
+                    f"(DataParallel(input_batch_dim={dim})).",
+                    hint="set input_batch_dim to the dimension that holds the batch.",
+                )
+            return (Shard(dim % len(meta.shape)),)
+        if self.sharded and ref.kind in (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE) and meta.shape:
+            return (Shard(0),)
+        return replicate(mesh)
+
+    def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
+        if self.sharded and self.reshard_after_forward:
+            remake_param_views_for_backward(captured)
+        return super().partition(captured, mesh)
+
+    def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
+        if not self.sharded:
+            return None
+        params = _param_nodes(captured)
+        gathered = replicate(mesh)
+
+        def gather_at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> tuple[Placements, str] | None:
+            if arg not in params or consumer.meta.get(PHASE) == OPTIMIZER_PHASE:
+                return None
+            if not self.reshard_after_forward:
+                return gathered, "compute"
+            return gathered, ("forward" if _is_forward(consumer) else "backward")
+
+        return gather_at_use
+
+    def __repr__(self) -> str:
+        extra = f", reshard_after_forward={self.reshard_after_forward}" if self.sharded else ""
+        return f"DataParallel({self.style!r}, input_batch_dim={self.input_batch_dim}{extra})"
+
+
+def _param_nodes(captured: CapturedStep) -> set[torch.fx.Node]:
+    return {
+        node
+        for node, ref in zip(placeholders(captured.graph_module), captured.input_refs(), strict=True)
+        if ref.kind is Kind.PARAM
+    }
+
+
+def _is_forward(node: torch.fx.Node) -> bool:
+    return MODULE_FQN in node.meta and node.meta.get(PHASE) != OPTIMIZER_PHASE
+
+
+def remake_param_views_for_backward(captured: CapturedStep) -> int:
+    """Give backward its own copies of forward's views of parameters.
+
+    Before: ``t = aten.t(w)`` in forward, used by forward's ``addmm`` and by backward's
+    ``mm``. After: backward's ``mm`` reads ``t_1 = aten.t(w)`` made just before it (whole
+    view chains are re-made back to the parameter). Returns the number of nodes created;
+    0 when forward and backward share no view, and on a second call.
+    """
+    graph = captured.graph_module.graph
+    params = _param_nodes(captured)
+    views: list[torch.fx.Node] = []
+    derived = set(params)
+    for node in graph.nodes:
+        if node.target in _PARAM_VIEW_OPS and _is_forward(node) and node.args[0] in derived:
+            views.append(node)
+            derived.add(node)
+    view_set = set(views)
+    created = 0
+
+    def copy_chain(view: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
+        nonlocal created
+        source = view.args[0]
+        new_source = copy_chain(source, before) if source in view_set else source
+        with graph.inserting_before(before):
+            copy = graph.node_copy(view, lambda a: new_source if a is source else a)
+        copy.meta = {k: v for k, v in view.meta.items() if k != MODULE_FQN}
+        created += 1
+        return copy
+
+    for view in views:
+        for user in list(view.users):
+            if user in view_set or _is_forward(user) or user.op == "output":
+                continue
+            if user.meta.get(PHASE) == OPTIMIZER_PHASE:
+                continue
+            user.replace_input_with(view, copy_chain(view, user))
+    if created:
+        captured.graph_module.recompile()
+    return created
