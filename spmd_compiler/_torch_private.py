@@ -163,6 +163,31 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
             module.redistribute_local_tensor = original
 
 
+def compile_on_one_rank():
+    """Trace mesh coordinates as run-time values (torch.distributed.config)."""
+    import torch.distributed.config as dconfig
+
+    return dconfig.patch(compile_on_one_rank=True)
+
+
+def mesh_coordinates(mesh: Any) -> list[tuple[int, ...]]:
+    """Every coordinate of ``mesh``, in rank order."""
+    import itertools
+
+    return list(itertools.product(*(range(n) for n in mesh.shape)))
+
+
+@contextlib.contextmanager
+def fixed_mesh_coordinate(mesh: Any, coordinate: tuple[int, ...]) -> Iterator[None]:
+    """Trace as the rank at ``coordinate`` of ``mesh`` (its 1-D sub-meshes included)."""
+    saved = mesh._coordinate_on_dim
+    mesh._coordinate_on_dim = list(coordinate)
+    try:
+        yield
+    finally:
+        mesh._coordinate_on_dim = saved
+
+
 # ---------------------------------------------------------------------------- simulation
 
 

@@ -66,6 +66,11 @@ HYPERPARAM_DTYPE = torch.float64
 
 
 # NOTE: [ops decomposed at capture]
+# Element-wise losses (mse, smooth L1, Huber, BCE, soft margin) and their backwards are
+# decomposed into plain ops: DTensor's rule for ``mse_loss_backward`` with reduction
+# "mean" on a batch-sharded input divides by the *local* element count (gradients N
+# times too large on N ranks, found by the parity tests). Decomposed at capture, the
+# global element count is a constant of the single-device graph and stays right.
 # CPU dropout is ``x * empty_like(x).bernoulli_(1 - p) / (1 - p)``; see
 # _bernoulli_with_probability_tensor for how its random draw is traced.
 # ``aten.native_batch_norm`` updates running_mean/var in place but its schema does not say
@@ -78,6 +83,16 @@ def capture_decompositions() -> dict:
 
     aten = torch.ops.aten
     table = get_decompositions([
+        aten.mse_loss.default,
+        aten.mse_loss_backward.default,
+        aten.smooth_l1_loss.default,
+        aten.smooth_l1_loss_backward.default,
+        aten.huber_loss.default,
+        aten.huber_loss_backward.default,
+        aten.binary_cross_entropy.default,
+        aten.binary_cross_entropy_backward.default,
+        aten.soft_margin_loss.default,
+        aten.soft_margin_loss_backward.default,
         aten.native_batch_norm.default,
         aten._native_batch_norm_legit.default,
         aten._native_batch_norm_legit_functional.default,

@@ -122,9 +122,6 @@ def expand(
         local_meta(meta, mesh, pl, str(ref))
         for (ref, meta), pl in zip(captured.inputs, input_placements, strict=True)
     ]
-    fake_mode = private.fake_tensor_mode(with_shape_env=True)
-    with fake_mode:
-        fakes = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in local]
 
     def per_rank(*locals_: torch.Tensor) -> list[torch.Tensor]:
         dtensors = [
@@ -143,9 +140,8 @@ def expand(
                 results.append(private.local_tensor_of(dt))
         return results
 
-    import torch.distributed.config as dconfig
-    with dconfig.patch(compile_on_one_rank=True):
-        gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
+    gm = _trace_rank_generic(per_rank, local, mesh)
+    _views_to_reshapes(gm)
     for node, pl in zip(placeholders(gm), input_placements, strict=True):
         node.meta[PLACEMENT] = tuple(pl)
     gm.graph.eliminate_dead_code()
@@ -159,6 +155,67 @@ def expand(
         local_inputs=local,
         expand_seconds=time.perf_counter() - start,
     )
+
+
+def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: DeviceMesh) -> torch.fx.GraphModule:
+    """Trace the per-rank program so that one graph is right on every rank.
+
+    NOTE: [one program for every rank]
+    Some redistributions are local but rank-dependent (Replicate -> Shard keeps this
+    rank's slice). Traced on rank 0 they would bake rank 0's slice into the graph. With
+    torch's ``compile_on_one_rank`` the rank's mesh coordinate is computed at run time
+    by an op in the graph (and simulated per rank by LocalTensorMode). Where DTensor
+    cannot reason about that symbolic coordinate (a shard size it must know statically),
+    we trace once per mesh coordinate with the coordinate fixed and accept the program
+    only if all traces are identical, i.e. the program does not depend on the rank.
+    """
+    def fakes(shape_env: bool) -> list[torch.Tensor]:
+        with private.fake_tensor_mode(with_shape_env=shape_env):
+            return [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in local]
+
+    try:
+        with private.compile_on_one_rank():
+            return make_fx(fn, tracing_mode="fake")(*fakes(True))
+    except SPMDCompileError as exc:
+        if not _caused_by_symbolic_coordinate(exc):
+            raise
+    programs = []
+    for coordinate in private.mesh_coordinates(mesh):
+        with private.fixed_mesh_coordinate(mesh, coordinate):
+            programs.append((coordinate, make_fx(fn, tracing_mode="fake")(*fakes(False))))
+    first_coordinate, first = programs[0]
+    for coordinate, gm in programs[1:]:
+        if gm.code != first.code:
+            raise SPMDCompileError(
+                f"The per-rank program differs between mesh coordinates {first_coordinate} "
+                f"and {coordinate} (a rank-dependent redistribution whose shard sizes DTensor "
+                "cannot express symbolically); one program cannot serve every rank.",
+                hint="choose placements whose shards are even along the sharded dimension, "
+                "or shard the batch on dimension 0.",
+            )
+    return first
+
+
+def _views_to_reshapes(gm: torch.fx.GraphModule) -> None:
+    """Turn ``view`` nodes into ``reshape`` (a view whenever the strides allow one).
+
+    Fake tensors predict output strides by meta functions; a few CPU kernels pick other
+    (contiguous) strides at run time, e.g. ``mse_loss_backward`` on a transposed input,
+    after which a traced ``view`` fails. ``reshape`` is identical when a view is
+    possible and copies only when it is not.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+
+
+def _caused_by_symbolic_coordinate(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, private.data_dependent_error_types()):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

@@ -165,13 +165,16 @@ def run_program(
 def _feed_input(
     arg: torch.Tensor, mesh: DeviceMesh, placements: Placements, local: TensorMeta, sim: Simulation | None
 ) -> torch.Tensor:
+    # Programs are traced on contiguous fake inputs; a strided shard (Shard(1) of the
+    # global batch, or a transposed user tensor) must be made contiguous to match.
     if sim is not None:
-        return private.local_tensor_of(sim.shard(arg, mesh, placements))
+        with sim.ranks():
+            return private.local_tensor_of(sim.shard(arg, mesh, placements)).contiguous()
     if tuple(arg.shape) != local.shape:
         raise SPMDCompileError(
             f"local input of shape {tuple(arg.shape)} does not match the compiled {local.shape}"
         )
-    return arg
+    return arg.contiguous()
 
 
 def _write_back(

@@ -1,0 +1,206 @@
+"""Real gloo runs on 2 processes: compiled DataParallel == torch's own eager DDP / FSDP2.
+
+One launch trains the same MLP (same seed, same data, same optimizer) four ways on every
+rank: compiled ``DataParallel("replicate")``, eager ``DistributedDataParallel``, compiled
+``DataParallel("fully_shard")`` and eager FSDP2 (``fully_shard`` on each Linear, then the
+root). Each rank passes its half of a fixed global batch. The parent compares the compiled
+run with torch's eager run of the same style, and each of them with the undecorated step run
+eagerly on one device on the global batch.
+
+Loss convention: torch's eager wrappers return each rank's LOCAL loss (mean over the local
+batch); the compiled step returns the GLOBAL loss (mean over the global batch). With equal
+local batch sizes the global loss is the mean of the ranks' local losses, which is what the
+eager runs are compared by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import spmd_compiler as sc
+from spmd_compiler import parallel_modes
+from spmd_compiler.parity import full_state, relative_difference
+
+pytestmark = pytest.mark.dist
+
+WORLD_SIZE = 2
+STEPS = 3
+GLOBAL_BATCH = 8
+FEATURES, HIDDEN, CLASSES = 16, 32, 8
+TOLERANCE = 1e-5
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.01),
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=1e-1, momentum=0.9),
+}
+# Per style: the compiled run and torch's eager run of the same parallelism.
+STYLES = {
+    "replicate": ("compiled_replicate", "eager_ddp"),
+    "fully_shard": ("compiled_fully_shard", "eager_fsdp2"),
+}
+RUNS = [run for pair in STYLES.values() for run in pair]
+
+
+def train_step(
+    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU(), nn.Linear(HIDDEN, CLASSES)
+    )
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same fixed global batches in every process (its own generator, no global RNG)."""
+    gen = torch.Generator().manual_seed(1234)
+    return [
+        (
+            torch.randn(GLOBAL_BATCH, FEATURES, generator=gen),
+            torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=gen),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+class Run(NamedTuple):
+    """One way of training: call ``step(wrapper, optim, x, y)``; read the state off ``model``."""
+
+    step: Callable[..., torch.Tensor]
+    wrapper: nn.Module
+    model: nn.Module
+    optim: torch.optim.Optimizer
+
+
+def build_run(run: str, optimizer: str) -> Run:
+    model = make_model()
+    if run in ("compiled_replicate", "compiled_fully_shard"):
+        style = run.removeprefix("compiled_")
+        step = sc.compile(parallel_mode=parallel_modes.DataParallel(style))(train_step)
+        return Run(step, model, model, OPTIMIZERS[optimizer](model))
+    if run == "eager_ddp":
+        # Forward must go through the wrapper: it hooks the gradient all-reduce.
+        ddp = DistributedDataParallel(model)
+        return Run(train_step, ddp, model, OPTIMIZERS[optimizer](ddp))
+    if run == "eager_fsdp2":
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return Run(train_step, model, model, OPTIMIZERS[optimizer](model))
+    raise ValueError(f"unknown run {run!r}")
+
+
+def worker(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+    """One rank: every (run, optimizer) on this rank's halves of the global batches."""
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    out: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for optimizer in OPTIMIZERS:
+        for name in RUNS:
+            run = build_run(name, optimizer)
+            losses = [
+                run.step(run.wrapper, run.optim, x[local], y[local]).detach().clone()
+                for x, y in global_batches()
+            ]
+            out[(name, optimizer)] = {
+                "losses": torch.stack(losses),
+                **full_state(run.model, run.optim, None),  # full_tensor(): a collective
+            }
+    return out
+
+
+def single_device_reference(optimizer: str) -> dict[str, torch.Tensor]:
+    """The undecorated step, eagerly on one device, on the global batches."""
+    model = make_model()
+    optim = OPTIMIZERS[optimizer](model)
+    losses = [train_step(model, optim, x, y).detach().clone() for x, y in global_batches()]
+    return {"losses": torch.stack(losses), **full_state(model, optim, None)}
+
+
+@pytest.fixture(scope="module")
+def rank_results() -> list[dict[tuple[str, str], dict[str, torch.Tensor]]]:
+    """One 2-rank launch for all runs and optimizers: spawning ranks costs seconds."""
+    return sc.launch(worker, WORLD_SIZE, timeout_s=180)
+
+
+def global_view(results: list[dict], run: str, optimizer: str) -> dict[str, torch.Tensor]:
+    """What a run computed, as single-device numbers: the state (checked equal on every
+    rank) and the global loss (eager runs: the mean of the ranks' local losses)."""
+    per_rank = [r[(run, optimizer)] for r in results]
+    first = per_rank[0]
+    for rank, other in enumerate(per_rank[1:], start=1):
+        assert set(other) == set(first)
+        for key, value in first.items():
+            if key == "losses" and run.startswith("eager"):
+                continue  # local losses: differ by design
+            assert torch.equal(other[key], value), f"{run}/{optimizer}: rank {rank} {key} differs"
+    view = dict(first)
+    if run.startswith("eager"):
+        view["losses"] = torch.stack([r["losses"] for r in per_rank]).mean(dim=0)
+    return view
+
+
+def max_relative_differences(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    assert set(actual) == set(expected), sorted(set(actual) ^ set(expected))
+    return {key: relative_difference(actual[key], want) for key, want in expected.items()}
+
+
+def assert_close(actual: dict, expected: dict, what: str) -> None:
+    errors = max_relative_differences(actual, expected)
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] < TOLERANCE, f"{what}: {worst} differs by {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_compiled_matches_torch_eager(rank_results: list, style: str, optimizer: str) -> None:
+    compiled, eager = STYLES[style]
+    assert_close(
+        global_view(rank_results, compiled, optimizer),
+        global_view(rank_results, eager, optimizer),
+        f"{compiled} vs {eager} ({optimizer})",
+    )
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("run", RUNS)
+def test_matches_single_device(rank_results: list, run: str, optimizer: str) -> None:
+    assert_close(
+        global_view(rank_results, run, optimizer),
+        single_device_reference(optimizer),
+        f"{run} vs single device ({optimizer})",
+    )
+
+
+def test_comparisons_can_fail(rank_results: list) -> None:
+    """Training moves every parameter and the loss, and the ranks' local losses differ, so
+    the comparisons above are not comparing initial weights or one rank's loss."""
+    initial = {f"param.{k}": v for k, v in make_model().state_dict().items()}
+    for optimizer in OPTIMIZERS:
+        after = single_device_reference(optimizer)
+        assert not torch.equal(after["losses"][0], after["losses"][-1])
+        for key, value in initial.items():
+            assert relative_difference(after[key], value) > 100 * TOLERANCE, (optimizer, key)
+        for _, eager in STYLES.values():
+            local = [r[(eager, optimizer)]["losses"] for r in rank_results]
+            assert relative_difference(local[0], local[1]) > 100 * TOLERANCE, (eager, optimizer)

@@ -1,0 +1,214 @@
+"""DataParallel replicate / fully_shard on simulated ranks: parity, bytes, memory, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import spmd_compiler as sc
+from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.parity import compare_models, compare_optimizers, max_difference
+
+TOL = 1e-5
+
+
+def _step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+
+
+def _run(mode, world_size, *, steps=3, batch=16, make_opt=None, model=None):
+    model = model if model is not None else _mlp()
+    reference = copy.deepcopy(model)
+    make_opt = make_opt or (lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-5))
+    optim, ref_optim = make_opt(model.parameters()), make_opt(reference.parameters())
+    step = sc.compile(mode)(_step)
+    gen = torch.Generator().manual_seed(1)
+    with sc.simulate(world_size) as sim:
+        for _ in range(steps):
+            x = torch.randn(batch, 8, generator=gen)
+            y = torch.randint(0, 8, (batch,), generator=gen)
+            loss = step(model, optim, x, y)
+            ref_loss = _step(reference, ref_optim, x, y)
+            assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+        diff = max_difference(
+            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
+        )
+    return model, optim, step, diff
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        DataParallel("replicate"),
+        DataParallel("fully_shard"),
+        DataParallel("fully_shard", reshard_after_forward=False),
+    ],
+    ids=["replicate", "fully_shard", "fully_shard_no_reshard"],
+)
+def test_parity_with_single_device(mode, world_size):
+    model, optim, _, diff = _run(mode, world_size)
+    assert diff < TOL
+    want = (Shard(0),) if mode.style == "fully_shard" else (Replicate(),)
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and tuple(p.placements) == want
+    for state in optim.state.values():
+        assert all(isinstance(v, DTensor) for v in state.values())
+
+
+def test_parity_sgd_momentum_fully_shard():
+    _, _, _, diff = _run(
+        DataParallel("fully_shard"), 4,
+        make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+    )
+    assert diff < TOL
+
+
+class _SequenceFirst(nn.Module):
+    """Takes (seq, batch, feature) and works batch-first inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return self.body(x.transpose(0, 1)).transpose(0, 1)
+
+
+def test_input_batch_dim_1_sequence_first():
+    torch.manual_seed(0)
+    model = _SequenceFirst()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step(model, optim, x, y):  # x: (seq, batch, feature)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    compiled = sc.compile(DataParallel("replicate", input_batch_dim=1))(step)
+    with sc.simulate(4) as sim:
+        for _ in range(3):
+            x, y = torch.randn(5, 8, 8), torch.randn(5, 8, 8)
+            assert torch.allclose(compiled(model, optim, x, y), step(reference, ref_optim, x, y), rtol=TOL)
+        assert compiled.last_program.local_inputs[-1].shape == (5, 2, 8)
+        assert max_difference(compare_models(model, reference, sim)) < TOL
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_replicate_moves_one_all_reduce_of_gradients():
+    model, _, step, _ = _run(DataParallel("replicate"), 4)
+    stats = collective_stats(step.last_program.graph_module)
+    assert set(stats.counts) == {"all_reduce"}
+    # every gradient once, plus two scalars: the loss and the loss's total weight
+    assert stats.bytes["all_reduce"] == _param_bytes(model) + 2 * 4
+    assert stats.counts["all_reduce"] == len(list(model.parameters())) + 2
+
+
+def test_fully_shard_bytes_without_reshard():
+    model, _, step, _ = _run(DataParallel("fully_shard", reshard_after_forward=False), 4)
+    stats = collective_stats(step.last_program.graph_module)
+    assert stats.bytes["all_gather"] == _param_bytes(model)  # each parameter once
+    assert stats.bytes["reduce_scatter"] == _param_bytes(model)  # each gradient once
+    assert stats.counts["all_gather"] == stats.counts["reduce_scatter"] == len(list(model.parameters()))
+    assert stats.bytes.get("all_reduce", 0) == 2 * 4  # loss and total weight only
+
+
+def test_fully_shard_reshard_gathers_again_only_what_backward_reads():
+    model, _, step, _ = _run(DataParallel("fully_shard"), 4)
+    stats = collective_stats(step.last_program.graph_module)
+    params = _param_bytes(model)
+    # forward gathers every parameter once; backward re-gathers the ones it reads:
+    # the LayerNorm weight and bias and the last Linear's weight (not biases, and not
+    # the first Linear's weight, whose input needs no gradient)
+    backward = model[1].weight.numel() * 4 + model[1].bias.numel() * 4 + model[3].weight.numel() * 4
+    assert stats.bytes["all_gather"] == params + backward
+    assert stats.bytes["reduce_scatter"] == params
+
+
+def test_fully_shard_memory_is_a_quarter_at_world_4():
+    model, optim, step, _ = _run(DataParallel("fully_shard"), 4, batch=16)
+    full = _param_bytes(model) * 3  # params + exp_avg + exp_avg_sq
+    sim_bytes = 0
+    with sc.simulate(4) as sim:
+        for t in list(model.parameters()) + [
+            v for s in optim.state.values() for v in s.values() if v.dim() > 0
+        ]:
+            sim_bytes = max(sim_bytes, 0) + sim.per_rank(t)[0].numel() * t.element_size()
+    assert sim_bytes * 4 == full
+    grads_per_rank = sum(
+        n.meta["val"].numel() * n.meta["val"].element_size()
+        for n in step.last_program.graph_module.graph.nodes
+        if n.op == "call_function" and "wait_tensor" in str(n.target)
+        and "reduce_scatter" in str(n.args[0].target)
+    )
+    assert grads_per_rank * 4 == _param_bytes(model)
+
+
+def test_mesh_size_mismatch_is_refused():
+    with sc.simulate(2):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,))
+    with sc.simulate(4):
+        model = _mlp()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = sc.compile(DataParallel("replicate", mesh=mesh))(_step)
+        with pytest.raises(sc.SPMDCompileError, match="mesh of 2 ranks"):
+            step(model, optim, torch.randn(8, 8), torch.randint(0, 8, (8,)))
+        assert not isinstance(model[0].weight, DTensor)
+
+
+def test_missing_batch_dimension_is_refused():
+    model = _mlp()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(DataParallel("replicate", input_batch_dim=2))(_step)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="no batch dimension 2"):
+        step(model, optim, torch.randn(8, 8), torch.randint(0, 8, (8,)))
+    assert not isinstance(model[0].weight, DTensor)
+
+
+def test_unknown_style_is_refused():
+    with pytest.raises(ValueError, match="replicate"):
+        DataParallel("zero2")
+
+
+def test_batch_dim_folded_into_another_dim_is_refused_not_wrong():
+    """DTensor cannot express (seq, batch/N) flattened by nn.Linear on a symbolic rank;
+    the program would differ per rank, which is refused with a clear error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, optim, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    compiled = sc.compile(DataParallel("replicate", input_batch_dim=1))(step)
+    with sc.simulate(4), pytest.raises(sc.SPMDCompileError, match="differs between mesh coordinates"):
+        compiled(model, optim, torch.randn(5, 8, 8), torch.randn(5, 8, 8))
+    assert not isinstance(model[0].weight, DTensor)
