@@ -17,11 +17,11 @@ import abc
 
 import torch
 import torch.distributed as dist
-from spmd_compiler.passes import PassOptions, run_pipeline
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
 from spmd_compiler.expand import DistributedProgram, Placements, UseHook, expand
+from spmd_compiler.passes import PassOptions, run_pipeline
 from spmd_compiler.signature import CapturedStep, StateRef, TensorMeta
 
 
