@@ -27,12 +27,14 @@ from spmd_compiler.graph_utils import placeholders
 from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate
+from .padding import pad_uneven_state
 
 Style = Literal["replicate", "fully_shard"]
 
 # Ops that only re-view or re-type a parameter; forward's results of these are re-made
 # in backward from the backward gather (NOTE: [fully_shard as placements]).
 _PARAM_VIEW_OPS = {
+    torch.ops.aten.slice.Tensor,
     torch.ops.aten.t.default,
     torch.ops.aten.view.default,
     torch.ops.aten.reshape.default,
@@ -97,9 +99,14 @@ class DataParallel(ParallelMode):
         return replicate(mesh)
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
-        if self.sharded and self.reshard_after_forward:
-            remake_param_views_for_backward(captured)
-        return super().partition(captured, mesh)
+        padded: dict[str, tuple[int, int]] = {}
+        if self.sharded:
+            padded = pad_uneven_state(captured, mesh.size())
+            if self.reshard_after_forward:
+                remake_param_views_for_backward(captured)
+        program = super().partition(captured, mesh)
+        program.padded = padded
+        return program
 
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
         if not self.sharded:

@@ -172,6 +172,14 @@ def capture_step(
             "outside the compiled step.",
         ) from exc
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
+        if _raised_in_lr_scheduler(exc):
+            raise SPMDCompileError(
+                "An LR scheduler stepped inside the compiled train step: it assigns "
+                "optimizer.param_groups[i]['lr'], which a compiled step reads as an input.",
+                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                hint="call scheduler.step() outside the compiled train step; the learning "
+                "rate is read as a graph input on every call.",
+            ) from exc
         raise SPMDCompileError(
             f"Capturing the train step failed: {type(exc).__name__}: {exc}",
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
@@ -189,6 +197,15 @@ def capture_step(
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
     return captured
+
+
+def _raised_in_lr_scheduler(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith("lr_scheduler.py"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _fake(meta: TensorMeta, fake_mode: Any, first_trace: bool) -> torch.Tensor:
@@ -267,6 +284,9 @@ class _StepTracer:
         return outs
 
 
+_MISSING = object()
+
+
 @contextlib.contextmanager
 def _swap_optimizer(
     opt: torch.optim.Optimizer,
@@ -302,6 +322,8 @@ def _swap_optimizer(
     before = {k: dict(v) for k, v in state.items()}
     opt.param_groups, opt.state = groups, state
     original_step = opt.step
+    # An LR scheduler wraps ``step`` on the instance; keep that wrapper to restore it.
+    instance_step = opt.__dict__.get("step", _MISSING)
 
     def capturable_step(*args: Any, **kwargs: Any) -> Any:
         graph = private.current_trace_graph()
@@ -318,7 +340,10 @@ def _swap_optimizer(
         yield state, by_param
         _check_python_state(opt, oi, groups, before, state, values)
     finally:
-        del opt.step
+        if instance_step is _MISSING:
+            del opt.step
+        else:
+            opt.step = instance_step  # type: ignore[method-assign]
         opt.param_groups, opt.state = saved_groups, saved_state
 
 

@@ -51,6 +51,8 @@ class DistributedProgram:
     input_placements: list[Placements]
     output_placements: list[Placements]
     local_inputs: list[TensorMeta]
+    # parameter name -> (true rows, padded rows), see NOTE: [uneven shards]
+    padded: dict[str, tuple[int, int]] = field(default_factory=dict)
     expand_seconds: float = 0.0
     passes_applied: list[str] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)

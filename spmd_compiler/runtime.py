@@ -151,7 +151,10 @@ def run_program(
         elif ref.kind is Kind.INPUT:
             flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
         else:
-            flat.append(private.local_tensor_of(state[ref]))
+            value = private.local_tensor_of(state[ref])
+            if ref.name in program.padded and ref.kind in (Kind.PARAM, Kind.OPTIM_STATE):
+                value = _pad_rows(value, local.shape, sim)
+            flat.append(value)
     if sim is not None:
         with sim.ranks():
             outs = program.graph_module(*flat)
@@ -187,6 +190,8 @@ def _write_back(
     for ref, meta, placements, value in zip(
         captured.outputs, captured.output_metas, program.output_placements, outs, strict=True
     ):
+        if ref.name in program.padded and ref.kind in (Kind.PARAM, Kind.OPTIM_STATE):
+            value, meta = _unpad_rows(value, meta, program.padded[ref.name], mesh, sim)
         if ref.kind is Kind.RETURN:
             returned.append(_returned_value(value, mesh, placements, meta, sim))
         elif ref.kind is Kind.PARAM:
@@ -213,6 +218,48 @@ def _write_back(
         if name not in grads_out and name not in kept:
             p.grad = None
     return returned
+
+
+def _pad_rows(local: torch.Tensor, shape: tuple[int, ...], sim: Simulation | None) -> torch.Tensor:
+    """This rank's rows of an unevenly sharded tensor, zero-padded to ``shape``.
+
+    NOTE: [uneven shards] (parallel_modes/padding.py). Where the local shard is the
+    leading rows of the padded result of the previous step, that result is fed as is.
+    """
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if tuple(t.shape) == tuple(shape):
+            return t
+        base = t._base
+        if (
+            base is not None and tuple(base.shape) == tuple(shape)
+            and base.data_ptr() == t.data_ptr() and base.is_contiguous()
+        ):
+            return base
+        filler = t.new_zeros((shape[0] - t.shape[0], *t.shape[1:]))
+        return torch.cat([t, filler])
+
+    if sim is not None and isinstance(local, private.local_tensor_type()):
+        return private.make_local_tensor({r: pad(t) for r, t in private.per_rank_tensors(local).items()})
+    return pad(local)
+
+
+def _unpad_rows(
+    value: torch.Tensor, meta: TensorMeta, rows: tuple[int, int], mesh: DeviceMesh, sim: Simulation | None
+) -> tuple[torch.Tensor, TensorMeta]:
+    """Keep each rank's real rows of a padded result; returns (local, true metadata)."""
+    true_rows, padded = rows
+    if not meta.shape or meta.shape[0] != padded:
+        return value, meta
+    per_rank = padded // mesh.size()
+    true_meta = TensorMeta((true_rows, *meta.shape[1:]), meta.dtype, meta.device)
+
+    def keep(t: torch.Tensor, coordinate: int) -> torch.Tensor:
+        return t[: max(0, min(per_rank, true_rows - coordinate * per_rank))]
+
+    if sim is not None and isinstance(value, private.local_tensor_type()):
+        kept = {r: keep(t, r) for r, t in private.per_rank_tensors(value).items()}
+        return private.make_local_tensor(kept), true_meta
+    return keep(value, mesh.get_coordinate()[0]), true_meta
 
 
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensor:

@@ -212,3 +212,35 @@ def test_batch_dim_folded_into_another_dim_is_refused_not_wrong():
     with sc.simulate(4), pytest.raises(sc.SPMDCompileError, match="differs between mesh coordinates"):
         compiled(model, optim, torch.randn(5, 8, 8), torch.randn(5, 8, 8))
     assert not isinstance(model[0].weight, DTensor)
+
+
+def _uneven_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.GELU(), nn.Linear(7, 8))
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+def test_fully_shard_uneven_and_smaller_than_world(world_size, optimizer):
+    """7 rows over 4 or 8 ranks, 8 over 8: ranks hold 2, 1 or 0 real rows."""
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    }[optimizer]
+    model = _uneven_mlp()
+    reference = copy.deepcopy(model)
+    optim, ref_optim = make(model.parameters()), make(reference.parameters())
+    step = sc.compile(DataParallel("fully_shard"))(_step)
+    gen = torch.Generator().manual_seed(1)
+    with sc.simulate(world_size) as sim:
+        for _ in range(3):
+            x, y = torch.randn(8, 5, generator=gen), torch.randint(0, 8, (8,), generator=gen)
+            loss, ref_loss = step(model, optim, x, y), _step(reference, ref_optim, x, y)
+            assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+        diff = max_difference(compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim))
+        rows = {r: t.shape[0] for r, t in sim.per_rank(model[0].weight).items()}
+        assert model[0].weight.shape == (7, 5)
+    assert diff < TOL
+    chunk = -(-7 // world_size)
+    assert rows == {r: max(0, min(chunk, 7 - r * chunk)) for r in range(world_size)}
+    assert step.last_program.padded["0.weight"] == (7, chunk * world_size)

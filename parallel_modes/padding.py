@@ -1,0 +1,150 @@
+"""Pad unevenly sharded state so one program serves every rank.
+
+NOTE: [uneven shards]
+Shard(0) of a tensor whose first dimension d is not a multiple of the N ranks gives
+ranks different row counts (torch.chunk: ceil(d/N) rows each, the last ranks fewer or
+none), so their programs would differ. Like FSDP2, every rank instead holds a padded
+shard of c = ceil(d/N) rows: the program sees the parameter and its optimizer state as
+Shard(0) of a zero-padded global tensor of N*c rows. On the single-device graph, before
+expansion:
+- compute reads a parameter through ``slice(P_padded, 0, 0, d)`` (one slice per reader,
+  so FSDP still gathers per forward/backward group);
+- the gradient (d rows) is zero-padded where the optimizer reads it;
+- the optimizer updates the padded parameter and state; padding rows stay zero for
+  element-wise optimizers (zero gradient, zero state, zero weight decay).
+The DTensors the user sees keep the true shape; the runtime feeds each rank's rows plus
+zero padding and keeps the real rows of the results (``DistributedProgram.padded``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE, SPMDCompileError
+from spmd_compiler.graph_utils import placeholders
+from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
+
+
+def padded_rows(rows: int, world: int) -> int:
+    return -(-rows // world) * world
+
+
+def pad_uneven_state(captured: CapturedStep, world: int) -> dict[str, tuple[int, int]]:
+    """Rewrite ``captured`` so every Shard(0) parameter is a multiple of ``world`` rows.
+
+    Returns ``{param name: (true rows, padded rows)}``; empty (and nothing changed) when
+    every parameter divides evenly.
+    """
+    plan = {
+        ref.name: (meta.shape[0], padded_rows(meta.shape[0], world))
+        for ref, meta in captured.inputs
+        if ref.kind is Kind.PARAM and meta.shape and meta.shape[0] % world
+    }
+    if not plan:
+        return plan
+    for ref, _ in captured.inputs:
+        if ref.kind is Kind.GRAD and ref.name in plan:
+            raise SPMDCompileError(
+                f"{ref} is kept across steps, but parameter {ref.name!r} has "
+                f"{plan[ref.name][0]} rows, not a multiple of {world} ranks; fully_shard "
+                "pads such parameters and cannot keep their gradients between steps.",
+                hint="call optimizer.zero_grad() in the step, or use DataParallel('replicate').",
+            )
+    gm = captured.graph_module
+    nodes = dict(zip(captured.input_refs(), placeholders(gm), strict=True))
+    _pad_gradients(captured, plan)
+    for name, (rows, _) in plan.items():
+        _slice_for_compute(gm.graph, nodes[StateRef(Kind.PARAM, name)], rows)
+    captured.inputs = [(ref, _padded_meta(ref, meta, plan)) for ref, meta in captured.inputs]
+    captured.output_metas = [
+        _padded_meta(ref, meta, plan)
+        for ref, meta in zip(captured.outputs, captured.output_metas, strict=True)
+    ]
+    gm.recompile()
+    return plan
+
+
+def _padded_meta(ref: StateRef, meta: TensorMeta, plan: dict[str, tuple[int, int]]) -> TensorMeta:
+    if ref.kind not in (Kind.PARAM, Kind.OPTIM_STATE) or ref.name not in plan:
+        return meta
+    rows, padded = plan[ref.name]
+    if not meta.shape or meta.shape[0] != rows:
+        return meta
+    return dataclasses.replace(meta, shape=(padded, *meta.shape[1:]))
+
+
+def _is_optimizer(node: torch.fx.Node) -> bool:
+    return node.meta.get(PHASE) == OPTIMIZER_PHASE
+
+
+def _slice_for_compute(graph: torch.fx.Graph, param: torch.fx.Node, rows: int) -> None:
+    for user in list(param.users):
+        if _is_optimizer(user) or user.op == "output":
+            continue
+        with graph.inserting_before(user):
+            view = graph.call_function(torch.ops.aten.slice.Tensor, (param, 0, 0, rows))
+        view.meta = {k: v for k, v in user.meta.items() if k != "val"}
+        user.replace_input_with(param, view)
+
+
+def _gradients_by_parameter(captured: CapturedStep) -> dict[str, list[torch.fx.Node]]:
+    """Values computed outside the optimizer and read by it, grouped by parameter.
+
+    In a single-tensor optimizer each parameter's update is its own chain; nodes
+    connected through optimizer ops (not through the shared learning-rate inputs)
+    belong to one parameter, found by the parameter or state placeholder in the chain.
+    """
+    gm = captured.graph_module
+    refs = dict(zip(placeholders(gm), captured.input_refs(), strict=True))
+    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def find(n: torch.fx.Node) -> torch.fx.Node:
+        while parent.setdefault(n, n) is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    boundary: list[tuple[torch.fx.Node, torch.fx.Node]] = []
+    for node in gm.graph.nodes:
+        if not _is_optimizer(node):
+            continue
+        for arg in node.all_input_nodes:
+            ref = refs.get(arg)
+            if ref is not None and ref.kind is Kind.HYPERPARAM:
+                continue
+            if ref is None and not _is_optimizer(arg):
+                boundary.append((arg, node))
+                continue
+            parent[find(arg)] = find(node)
+    owner = {find(n): ref.name for n, ref in refs.items()
+             if ref.kind in (Kind.PARAM, Kind.OPTIM_STATE) and n in parent}
+    grads: dict[str, list[torch.fx.Node]] = {}
+    for value, reader in boundary:
+        name = owner.get(find(reader))
+        if name is not None and value not in grads.setdefault(name, []):
+            grads[name].append(value)
+    return grads
+
+
+def _pad_gradients(captured: CapturedStep, plan: dict[str, tuple[int, int]]) -> None:
+    graph = captured.graph_module.graph
+    for name, values in _gradients_by_parameter(captured).items():
+        if name not in plan:
+            continue
+        rows, padded = plan[name]
+        for grad in values:
+            val = grad.meta.get("val")
+            if not isinstance(val, torch.Tensor) or not val.shape or val.shape[0] != rows:
+                continue
+            readers = [u for u in grad.users if _is_optimizer(u)]
+            with graph.inserting_after(grad):
+                pad = graph.call_function(
+                    torch.ops.aten.constant_pad_nd.default,
+                    (grad, [0, 0] * (val.dim() - 1) + [0, padded - rows], 0.0),
+                )
+            pad.meta = {PHASE: OPTIMIZER_PHASE}
+            for reader in readers:
+                reader.replace_input_with(grad, pad)

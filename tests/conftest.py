@@ -1,0 +1,164 @@
+"""Shared fixtures: the standard train step and the simulated-rank parity harness.
+
+The parity harness is the one from DESIGN.md ("Tests"): the undecorated step runs eagerly
+on a ``copy.deepcopy`` of the model with a fresh identical optimizer on the global batch;
+the compiled step runs on N simulated ranks with the same global batch (each rank gets its
+share). It records the returned-loss difference of every step and, at the end, the
+relative difference of every parameter, buffer and optimizer-state tensor
+(``spmd_compiler.parity``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.parity import compare_models, compare_optimizers, relative_difference
+
+Batch = tuple[torch.Tensor, ...]
+
+
+def standard_train_step(
+    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@dataclass
+class ParityResult:
+    """What one compiled-vs-eager run measured."""
+
+    compiled: sc.CompiledTrainStep
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    reference: nn.Module
+    reference_optimizer: torch.optim.Optimizer
+    loss_differences: list[float] = field(default_factory=list)
+    compile_counts: list[int] = field(default_factory=list)
+    state_differences: dict[str, float] = field(default_factory=dict)
+
+    def worst(self, n: int = 5) -> list[tuple[str, float]]:
+        return sorted(self.state_differences.items(), key=lambda kv: -kv[1])[:n]
+
+    def assert_close(self, tolerance: float) -> None:
+        """Every step's loss and every state tensor within ``tolerance`` (relative)."""
+        assert self.state_differences, "nothing was compared"
+        assert max(self.loss_differences) < tolerance, (
+            f"returned loss differs from eager: per-step relative differences "
+            f"{self.loss_differences}"
+        )
+        assert max(self.state_differences.values()) < tolerance, (
+            f"state differs from eager; worst tensors: {self.worst()}"
+        )
+
+
+def _run_parity(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    world_size: int,
+    batches: Sequence[Batch],
+    *,
+    step: Callable[..., Any] = standard_train_step,
+    make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    before_step: Callable[[int, nn.Module, nn.Module], None] | None = None,
+    check_simulation: Callable[[Any, ParityResult], None] | None = None,
+) -> ParityResult:
+    """Run ``step`` compiled on ``world_size`` simulated ranks and eagerly; compare.
+
+    Args:
+        make_model / make_optimizer: build the model (seeded before the call) and its
+            optimizer; the reference is a deepcopy of the model with a fresh optimizer.
+        batches: the global batches, one per step (tensor arguments after model, optim).
+        make_scheduler: an LR scheduler per optimizer, stepped after every call, outside
+            the compiled step.
+        before_step: ``before_step(i, model, reference)`` runs before step ``i`` (e.g. to
+            switch train/eval on both).
+        check_simulation: called inside the simulation after the last step.
+    """
+    torch.manual_seed(0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = make_optimizer(model), make_optimizer(reference)
+    schedulers = (
+        [make_scheduler(optimizer), make_scheduler(reference_optimizer)]
+        if make_scheduler is not None
+        else []
+    )
+    compiled = sc.compile()(step)
+    result = ParityResult(compiled, model, optimizer, reference, reference_optimizer)
+    with sc.simulate(world_size=world_size) as sim:
+        for i, batch in enumerate(batches):
+            if before_step is not None:
+                before_step(i, model, reference)
+            loss = compiled(model, optimizer, *batch)
+            expected = step(reference, reference_optimizer, *batch)
+            assert isinstance(loss, torch.Tensor) and not isinstance(
+                loss, torch.distributed.tensor.DTensor
+            ), f"step {i}: the returned loss is a {type(loss).__name__}, not a plain tensor"
+            result.loss_differences.append(relative_difference(loss, expected))
+            result.compile_counts.append(compiled.compile_count)
+            for scheduler in schedulers:
+                scheduler.step()
+        result.state_differences.update(compare_models(model, reference, sim))
+        result.state_differences.update(compare_optimizers(optimizer, reference_optimizer, sim))
+        if check_simulation is not None:
+            check_simulation(sim, result)
+    return result
+
+
+def _classification_batches(
+    steps: int,
+    batch_size: int = 8,
+    features: int = 8,
+    classes: int = 4,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+) -> list[Batch]:
+    """Fixed global ``(x, y)`` batches from their own generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(batch_size, features, generator=gen, dtype=dtype),
+            torch.randint(0, classes, (batch_size,), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+@pytest.fixture
+def run_parity() -> Callable[..., ParityResult]:
+    """The parity harness (see ``_run_parity``)."""
+    return _run_parity
+
+
+@pytest.fixture
+def classification_batches() -> Callable[..., list[Batch]]:
+    return _classification_batches
+
+
+@pytest.fixture
+def train_step() -> Callable[..., Any]:
+    """forward, cross entropy, backward, optimizer step, zero_grad; returns the loss."""
+    return standard_train_step
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_clean_simulation():
+    """Seed torch; never let a simulated (fake) process group leak into the next test."""
+    torch.manual_seed(0)
+    yield
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()

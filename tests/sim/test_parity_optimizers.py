@@ -1,0 +1,229 @@
+"""Single-device equivalence on simulated ranks, across optimizers and model features.
+
+Each test compiles the standard train step (DTensorExpandMode, the default), runs it on
+1, 2 or 4 simulated ranks with the global batch, runs the same undecorated step eagerly on
+a deepcopy of the model, and compares the returned loss of every step and every
+parameter, buffer and optimizer-state tensor at the end (``conftest.run_parity``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spmd_compiler.parity import relative_difference
+
+FLOAT32_TOLERANCE = 1e-5
+FLOAT64_TOLERANCE = 1e-12
+STEPS = 3
+WORLD_SIZES = (1, 2, 4)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "sgd_nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+    "sgd_weight_decay": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.05),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+    "adamw_foreach": lambda m: torch.optim.AdamW(
+        m.parameters(), lr=1e-2, weight_decay=0.1, foreach=True
+    ),
+    "adamw_single_tensor": lambda m: torch.optim.AdamW(
+        m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False
+    ),
+}
+
+# Plain SGD keeps no state: the first program is already the steady-state one.
+EXPECTED_COMPILES = {"sgd": 1, "sgd_weight_decay": 1}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_optimizer_parity(run_parity, classification_batches, optimizer, world_size):
+    result = run_parity(mlp, OPTIMIZERS[optimizer], world_size, classification_batches(STEPS))
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts[-1] == EXPECTED_COMPILES.get(optimizer, 2)
+    # The state really moved: a step that silently did nothing would still "match" at 0.
+    moved = relative_difference(result.reference[0].weight, mlp_initial_weight())
+    assert moved > 1e-3
+
+
+def mlp_initial_weight() -> torch.Tensor:
+    torch.manual_seed(0)
+    return mlp()[0].weight.detach()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_nesterov", "adam", "adamw_foreach"])
+def test_optimizer_parity_float64(run_parity, classification_batches, optimizer):
+    """In float64, rounding cannot hide a real difference: parity to ~1e-12 at world 4."""
+    result = run_parity(
+        lambda: mlp().double(),
+        OPTIMIZERS[optimizer],
+        4,
+        classification_batches(STEPS, dtype=torch.float64),
+    )
+    result.assert_close(FLOAT64_TOLERANCE)
+
+
+def test_adam_state_keys_and_steps_match(run_parity, classification_batches):
+    """Optimizer state has the same keys as eager and the step counter counts calls."""
+    steps = 4
+    result = run_parity(mlp, OPTIMIZERS["adam"], 2, classification_batches(steps))
+    result.assert_close(FLOAT32_TOLERANCE)
+    keys = {k for s in result.optimizer.state.values() for k in s}
+    assert keys == {"step", "exp_avg", "exp_avg_sq"}
+    assert len(result.optimizer.state) == len(list(result.model.parameters()))
+    assert {key for key, v in result.state_differences.items() if key.endswith(".step")}
+    for state in result.reference_optimizer.state.values():
+        assert float(state["step"]) == steps
+
+
+# ---------------------------------------------------------------- param groups
+
+
+def three_groups_adamw(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [
+            {"params": m[0].parameters()},
+            {"params": [m[2].weight], "lr": 3e-2, "weight_decay": 0.2},
+            {"params": [m[2].bias], "lr": 5e-3, "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        weight_decay=0.05,
+    )
+
+
+def three_groups_sgd(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        [
+            {"params": m[0].parameters(), "momentum": 0.5},
+            {"params": [m[2].weight], "lr": 0.3, "weight_decay": 0.1},
+            {"params": [m[2].bias], "lr": 0.01, "nesterov": True},
+        ],
+        lr=0.1,
+        momentum=0.9,
+    )
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("make_optimizer", [three_groups_adamw, three_groups_sgd])
+def test_param_groups_parity(run_parity, classification_batches, make_optimizer, world_size):
+    result = run_parity(mlp, make_optimizer, world_size, classification_batches(STEPS))
+    result.assert_close(FLOAT32_TOLERANCE)
+    groups = result.optimizer.param_groups
+    assert [len(g["params"]) for g in groups] == [2, 1, 1]
+    assert [g["lr"] for g in groups] == [g["lr"] for g in result.reference_optimizer.param_groups]
+
+
+# ---------------------------------------------------------------- model features
+
+
+class TokenClassifier(nn.Module):
+    """Embedding, LayerNorm, GELU, Dropout(p=0) and a per-token cross entropy."""
+
+    def __init__(self, vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 2 * width)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(p=0.0)
+        self.head = nn.Linear(2 * width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.act(self.fc(self.norm(self.embed(tokens))))))
+
+
+def token_step(model, optim, tokens, targets):
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def token_batches(steps: int, batch: int = 8, seq: int = 5, vocab: int = 11):
+    gen = torch.Generator().manual_seed(7)
+    return [
+        (
+            torch.randint(0, vocab, (batch, seq), generator=gen),
+            torch.randint(0, vocab, (batch, seq), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_embedding_layernorm_gelu_dropout_parity(run_parity, world_size):
+    result = run_parity(
+        TokenClassifier,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        world_size,
+        token_batches(STEPS),
+        step=token_step,
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert "param.embed.weight" in result.state_differences
+
+
+class ScaledByBuffer(nn.Module):
+    """A constant buffer used in forward, and a buffer the forward updates in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.out(torch.tanh(self.fc(x * self.scale)))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_model_with_buffers_parity(run_parity, classification_batches, world_size):
+    def check(sim, result):
+        assert float(sim.full_tensor(result.model.calls)) == STEPS
+        assert torch.equal(sim.full_tensor(result.model.scale), torch.linspace(0.5, 1.5, 8))
+
+    result = run_parity(
+        ScaledByBuffer,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        world_size,
+        classification_batches(STEPS),
+        check_simulation=check,
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert {"param.scale", "param.calls"} <= set(result.state_differences)
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(self.fc(x)))
+
+
+def sgd(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_batchnorm_running_stats_parity(run_parity, classification_batches, world_size):
+    """Batch statistics span the global batch; running stats are updated state."""
+    result = run_parity(BatchNormNet, sgd, world_size, classification_batches(STEPS))
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.state_differences["param.bn.running_mean"] < FLOAT32_TOLERANCE
+    assert float(result.reference.bn.num_batches_tracked) == STEPS

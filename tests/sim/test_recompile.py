@@ -1,0 +1,98 @@
+"""When a compiled step recompiles: new shapes and train/eval do, same shapes never do.
+
+Every call is checked against the eager step, so a cache hit that reused the wrong
+program (old batch size, old training flag) shows up as a parity failure too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from spmd_compiler.signature import Kind
+
+FLOAT32_TOLERANCE = 1e-5
+
+
+class TrainEvalNet(nn.Module):
+    """Forward differs deterministically between train() and eval()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.drop = nn.Dropout(p=0.0)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        if self.training:  # a Python flag, not a tensor: fine to branch on
+            h = 2 * h
+        return self.out(self.drop(h))
+
+
+def sgd_momentum(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+
+def adamw(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("make_optimizer", [sgd_momentum, adamw])
+def test_same_shapes_never_recompile(
+    run_parity, classification_batches, make_optimizer, world_size
+):
+    result = run_parity(TrainEvalNet, make_optimizer, world_size, classification_batches(5))
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 2, 2, 2]
+    assert len(result.compiled.records) == 2
+
+
+def test_stateless_optimizer_compiles_once(run_parity, classification_batches):
+    result = run_parity(
+        TrainEvalNet,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        2,
+        classification_batches(4),
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_new_batch_size_recompiles_and_matches(run_parity, classification_batches, world_size):
+    sizes = [8, 8, 16, 16, 8, 4]
+    batches = [classification_batches(1, batch_size=n, seed=i)[0] for i, n in enumerate(sizes)]
+    result = run_parity(TrainEvalNet, sgd_momentum, world_size, batches)
+    result.assert_close(FLOAT32_TOLERANCE)
+    # 8: state-creating + steady; 16: new; 16 again: cached; back to 8: cached; 4: new.
+    assert result.compile_counts == [1, 2, 3, 3, 3, 4]
+    shapes = [
+        meta.shape
+        for record in result.compiled.records
+        for ref, meta in record.program.captured.inputs
+        if ref.kind is Kind.INPUT and ref.index == 0
+    ]
+    assert shapes == [(8, 8), (8, 8), (16, 8), (4, 8)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_train_eval_switch_recompiles_and_matches(run_parity, classification_batches, world_size):
+    modes = [True, True, False, False, True, False]
+
+    def set_mode(i, model, reference):
+        model.train(modes[i])
+        reference.train(modes[i])
+
+    result = run_parity(
+        TrainEvalNet,
+        sgd_momentum,
+        world_size,
+        classification_batches(len(modes)),
+        before_step=set_mode,
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    # train: 1, 2; eval: new program (3), cached; train again: cached; eval: cached.
+    assert result.compile_counts == [1, 2, 3, 3, 3, 3]

@@ -1,0 +1,348 @@
+"""User errors: each names what it can (op, module FQN, train-step line) and touches nothing.
+
+NOTE: [user-facing errors] in spmd_compiler/errors.py: errors are raised before the
+user's model or optimizer is modified. Every test here snapshots the model and optimizer
+(parameter objects and values, gradients, optimizer state and param groups, the global
+module hooks capture installs) and checks them after the error.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import spmd_compiler as sc
+from spmd_compiler import SPMDCompileError
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x)))
+
+
+class RowRenorm(nn.Module):
+    """Uses ``aten.renorm``, which has no DTensor sharding rule."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.renorm(h, 2, 0, 1.0)
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Sequential(nn.Tanh(), RowRenorm())])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, 8, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+
+
+def warmed_up(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW after one eager step: its state exists, so 'state unchanged' means something."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt, *batch())
+    return opt
+
+
+def line_of(func: Any, text: str) -> int:
+    source, first = inspect.getsourcelines(func)
+    return next(first + i for i, line in enumerate(source) if text in line)
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+@dataclass
+class Snapshot:
+    params: list[torch.Tensor]
+    values: dict[str, torch.Tensor]
+    grads: list[Any]
+    groups: list[dict]
+    state: list[tuple[int, str, Any]]
+    hooks: tuple[int, int]
+    step_attribute: Any  # an instance-level optimizer.step (an LR scheduler's wrapper)
+
+
+def _full(t: torch.Tensor, sim: Any) -> torch.Tensor:
+    return (sim.full_tensor(t) if sim is not None else t).detach().clone()
+
+
+def _global_hook_counts() -> tuple[int, int]:
+    from torch.nn.modules import module
+
+    return len(module._global_forward_hooks), len(module._global_forward_pre_hooks)
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None, sim: Any = None) -> Snapshot:
+    params = list(model.parameters())
+    values = {k: _full(v, sim) for k, v in model.state_dict().items()}
+    grads = [None if p.grad is None else _full(p.grad, sim) for p in params]
+    groups, state = [], []
+    if opt is not None:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        for p in params:
+            for key, value in sorted(opt.state.get(p, {}).items()):
+                state.append((id(p), key, _full(value, sim) if torch.is_tensor(value) else value))
+    step_attribute = vars(opt).get("step") if opt is not None else None
+    return Snapshot(params, values, grads, groups, state, _global_hook_counts(), step_attribute)
+
+
+def assert_untouched(
+    before: Snapshot,
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    sim: Any = None,
+    check_step_attribute: bool = True,
+) -> None:
+    after = snapshot(model, opt, sim)
+    assert len(after.params) == len(before.params)
+    assert all(a is b for a, b in zip(after.params, before.params)), "parameters replaced"
+    if sim is None:
+        assert all(type(p) is nn.Parameter and not isinstance(p, DTensor) for p in after.params)
+    assert after.values.keys() == before.values.keys()
+    for key, value in before.values.items():
+        assert torch.equal(after.values[key], value), f"{key} changed"
+    for a, b in zip(after.grads, before.grads):
+        assert (a is None and b is None) or torch.equal(a, b), "gradient changed"
+    assert after.groups == before.groups, "param groups changed"
+    assert [s[:2] for s in after.state] == [s[:2] for s in before.state], "state keys changed"
+    for (_, key, a), (_, _, b) in zip(after.state, before.state):
+        assert torch.equal(a, b) and a.dtype == b.dtype, f"optimizer state {key!r} changed"
+    assert after.hooks == before.hooks, "capture left global module hooks behind"
+    if opt is not None and check_step_attribute:
+        assert after.step_attribute is before.step_attribute, "optimizer.step replaced"
+        assert all(isinstance(g["lr"], float) for g in opt.param_groups)
+
+
+def raises_untouched(
+    func, args: tuple, model: nn.Module, opt: torch.optim.Optimizer | None, world_size: int = 2
+) -> SPMDCompileError:
+    """Call ``sc.compile()(func)(*args)`` in a simulation; it must raise and touch nothing."""
+    before = snapshot(model, opt)
+    compiled = sc.compile()(func)
+    with sc.simulate(world_size=world_size), pytest.raises(SPMDCompileError) as info:
+        compiled(*args)
+    assert_untouched(before, model, opt)
+    assert compiled.compile_count == 0
+    return info.value
+
+
+# ---------------------------------------------------------------- missing objects
+
+
+def step_without_module(weight, optim, x, y):
+    loss = F.cross_entropy(x @ weight, y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def step_without_optimizer(model, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+
+def test_step_without_module():
+    weight = nn.Parameter(torch.randn(8, 4))
+    opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    before = weight.detach().clone()
+    error = raises_untouched(step_without_module, (weight, opt, *batch()), Net(), opt)
+    message = str(error)
+    assert "nn.Module" in message
+    assert "step_without_module" in message
+    assert f"{__file__}:{step_without_module.__code__.co_firstlineno}" in message
+    assert torch.equal(weight, before) and weight.grad is None
+
+
+def test_step_without_optimizer():
+    model = Net()
+    error = raises_untouched(step_without_optimizer, (model, *batch()), model, None)
+    message = str(error)
+    assert "torch.optim.Optimizer" in message
+    assert "step_without_optimizer" in message
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_call_outside_simulation_or_process_group():
+    model = Net()
+    opt = warmed_up(model)
+    before = snapshot(model, opt)
+    with pytest.raises(SPMDCompileError, match="simulate|torchrun"):
+        sc.compile()(step)(model, opt, *batch())
+    assert_untouched(before, model, opt)
+
+
+# ---------------------------------------------------------------- capture failures
+
+
+def step_with_tensor_branch(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    if loss > 0:
+        loss = loss * 1.0
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_control_flow_on_tensor_value_names_the_line():
+    model = Net()
+    opt = warmed_up(model)
+    error = raises_untouched(step_with_tensor_branch, (model, opt, *batch()), model, opt)
+    message = str(error)
+    assert "if loss > 0:" in message
+    assert f"{__file__}:{line_of(step_with_tensor_branch, 'if loss > 0:')}" in message
+    assert "control flow" in message
+    assert error.user_line is not None and error.user_line.code == "if loss > 0:"
+
+
+def step_modifying_input(model, optim, x, y):
+    x.mul_(2)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_in_place_change_of_step_argument():
+    model = Net()
+    opt = warmed_up(model)
+    x, y = batch()
+    x_before = x.clone()
+    error = raises_untouched(step_modifying_input, (model, opt, x, y), model, opt)
+    assert "in place" in str(error)
+    assert "input[0]" in str(error)
+    assert torch.equal(x, x_before)
+
+
+# ---------------------------------------------------------------- expansion failures
+
+
+def test_op_without_sharding_rule_names_op_and_module():
+    model = Blocks()
+    opt = warmed_up(model)
+    error = raises_untouched(step, (model, opt, *batch()), model, opt)
+    message = str(error)
+    assert "aten.renorm" in message
+    assert error.op is not None and "renorm" in error.op
+    assert error.module_fqn == "blocks.1.1"
+    assert "blocks.1.1" in message
+    forward_line = line_of(step, "loss = F.cross_entropy(model(x), y)")
+    assert f"{__file__}:{forward_line}" in message
+    assert "sharding" in message
+
+
+# ---------------------------------------------------------------- batch not divisible
+
+
+@pytest.mark.parametrize("world_size,batch_size", [(4, 6), (2, 7)])
+def test_batch_not_divisible_by_world_size(world_size, batch_size):
+    model = Net()
+    opt = warmed_up(model)
+    error = raises_untouched(step, (model, opt, *batch(batch_size)), model, opt, world_size)
+    message = str(error)
+    assert "divisible" in message
+    assert f"size {batch_size}" in message
+    assert f"{world_size} ranks" in message
+    assert "input[0]" in message
+
+
+def test_batch_not_divisible_after_successful_steps_leaves_state():
+    """Once state is installed (DTensors), a failing call still changes nothing."""
+    model = Net()
+    opt = warmed_up(model)
+    compiled = sc.compile()(step)
+    with sc.simulate(world_size=4) as sim:
+        compiled(model, opt, *batch(8))
+        compiled(model, opt, *batch(8))
+        before = snapshot(model, opt, sim)
+        with pytest.raises(SPMDCompileError, match="divisible"):
+            compiled(model, opt, *batch(6))
+        assert_untouched(before, model, opt, sim)
+        assert compiled.compile_count == 2
+        # The compiled step still works afterwards.
+        loss = compiled(model, opt, *batch(8))
+        assert torch.isfinite(loss)
+
+
+# ---------------------------------------------------------------- lr changed inside
+
+
+def step_setting_lr(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.param_groups[0]["lr"] = 0.5
+    optim.zero_grad()
+    return loss
+
+
+def test_lr_assigned_inside_step():
+    model = Net()
+    opt = warmed_up(model)
+    error = raises_untouched(step_setting_lr, (model, opt, *batch()), model, opt)
+    message = str(error)
+    assert "param_groups[0]['lr']" in message
+    assert "scheduler" in message
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+def make_step_with_scheduler(scheduler):
+    def step_with_scheduler(model, optim, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        scheduler.step()
+        optim.zero_grad()
+        return loss
+
+    return step_with_scheduler
+
+
+@pytest.mark.parametrize("kind", ["lambda", "cosine"])
+def test_scheduler_stepped_inside_step(kind):
+    model = Net()
+    opt = warmed_up(model)
+    if kind == "lambda":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+    else:
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    before = snapshot(model, opt)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile()(make_step_with_scheduler(scheduler))(model, opt, *batch())
+    message = str(info.value)
+    assert "param_groups[i]['lr']" in message
+    assert "scheduler" in message
+    assert "scheduler.step()" in message  # the user's line
+    # optimizer.step's scheduler wrapper: see test_lr_schedule.py (a separate bug).
+    assert_untouched(before, model, opt, check_step_attribute=False)
