@@ -3,8 +3,9 @@
 from .base import ParallelMode
 from .data_parallel import DataParallel
 from .dtensor_expand import DTensorExpandMode
+from .mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["DTensorExpandMode", "DataParallel", "ParallelMode"]
+__all__ = ["DTensorExpandMode", "DataParallel", "MixedPrecisionPolicy", "ParallelMode"]
 
 
 def make_mode(name: str, **kwargs) -> ParallelMode:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
+from spmd_compiler.capture import CaptureOptions
 from spmd_compiler.expand import DistributedProgram, Placements, UseHook, expand
 from spmd_compiler.passes import PassOptions, run_pipeline
 from spmd_compiler.signature import CapturedStep, StateRef, TensorMeta
@@ -44,6 +45,10 @@ class ParallelMode(abc.ABC):
                 f"model lives on {device_type}."
             )
         return self._mesh
+
+    def capture_options(self) -> CaptureOptions:
+        """How the single-device program computes (e.g. mixed precision)."""
+        return CaptureOptions()
 
     @abc.abstractmethod
     def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:

@@ -21,12 +21,14 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from spmd_compiler.capture import CaptureOptions
 from spmd_compiler.errors import MODULE_FQN, OPTIMIZER_PHASE, PHASE, SPMDCompileError
 from spmd_compiler.expand import DistributedProgram, Placements, UseHook
 from spmd_compiler.graph_utils import placeholders
 from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate
+from .mixed_precision import MixedPrecisionPolicy
 from .padding import pad_uneven_state
 
 Style = Literal["replicate", "fully_shard"]
@@ -58,6 +60,9 @@ class DataParallel(ParallelMode):
         mesh: a 1-D mesh; by default all ranks of the default process group.
         reshard_after_forward: fully_shard only: free gathered parameters after
             forward and gather them again in backward.
+        mp_policy: mixed precision (``MixedPrecisionPolicy``): parameters are cast to
+            ``param_dtype`` before they are gathered, compute runs in it, gradients are
+            reduced in ``reduce_dtype``; master weights and optimizer state stay fp32.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class DataParallel(ParallelMode):
         input_batch_dim: int = 0,
         mesh: DeviceMesh | None = None,
         reshard_after_forward: bool = True,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         if style not in ("replicate", "fully_shard"):
             raise ValueError(f"DataParallel style must be 'replicate' or 'fully_shard', got {style!r}")
@@ -76,11 +82,15 @@ class DataParallel(ParallelMode):
         self.style = style
         self.input_batch_dim = input_batch_dim
         self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.name = "ddp" if style == "replicate" else "fsdp"
 
     @property
     def sharded(self) -> bool:
         return self.style == "fully_shard"
+
+    def capture_options(self) -> CaptureOptions:
+        return CaptureOptions(param_dtype=self.mp_policy.param_dtype)
 
     def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
         if ref.kind is Kind.INPUT:
@@ -109,22 +119,54 @@ class DataParallel(ParallelMode):
         return program
 
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
-        if not self.sharded:
-            return None
         params = _param_nodes(captured)
+        casts = _param_casts(captured)
+        grad_casts = self._low_precision_grad_casts(captured)
+        if not self.sharded and not grad_casts:
+            return None
         gathered = replicate(mesh)
+        reduced = (Shard(0),) if self.sharded else gathered
 
-        def gather_at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> tuple[Placements, str] | None:
-            if arg not in params or consumer.meta.get(PHASE) == OPTIMIZER_PHASE:
+        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> tuple[Placements, str] | None:
+            if consumer in grad_casts and arg is consumer.args[0]:
+                # reduce in reduce_dtype, then cast up; a gradient whose rows do not
+                # divide evenly is all-reduced (its padded shard is cut locally after)
+                rows = arg.meta["val"].shape[0] if arg.meta["val"].dim() else 0
+                return (reduced if rows % mesh.size() == 0 else gathered), "reduce"
+            if not self.sharded or consumer.meta.get(PHASE) == OPTIMIZER_PHASE:
+                return None
+            if arg in params and consumer in casts:
+                return None  # cast the shard; the cast is what gets gathered
+            if arg not in params and arg not in casts:
                 return None
             if not self.reshard_after_forward:
                 return gathered, "compute"
             return gathered, ("forward" if _is_forward(consumer) else "backward")
 
-        return gather_at_use
+        return at_use
+
+    def _low_precision_grad_casts(self, captured: CapturedStep) -> set[torch.fx.Node]:
+        """Backward's casts of low-precision gradients up to the parameter dtype, when
+        gradients must be reduced before them (``reduce_dtype`` == ``param_dtype``)."""
+        low = self.mp_policy.param_dtype
+        if low is None or self.mp_policy.effective_reduce_dtype != low:
+            return set()
+        casts = set()
+        for node in captured.graph_module.graph.nodes:
+            if node.target is not torch.ops.aten._to_copy.default or _is_forward(node):
+                continue
+            if node.meta.get(PHASE) == OPTIMIZER_PHASE:
+                continue
+            source, out = node.args[0].meta.get("val"), node.meta.get("val")
+            if source is not None and out is not None and source.dtype == low and out.dtype != low:
+                if any(u.meta.get(PHASE) == OPTIMIZER_PHASE for u in node.users):
+                    casts.add(node)
+        return casts
 
     def __repr__(self) -> str:
         extra = f", reshard_after_forward={self.reshard_after_forward}" if self.sharded else ""
+        if self.mp_policy != MixedPrecisionPolicy():
+            extra += f", mp_policy={self.mp_policy}"
         return f"DataParallel({self.style!r}, input_batch_dim={self.input_batch_dim}{extra})"
 
 
@@ -133,6 +175,18 @@ def _param_nodes(captured: CapturedStep) -> set[torch.fx.Node]:
         node
         for node, ref in zip(placeholders(captured.graph_module), captured.input_refs(), strict=True)
         if ref.kind is Kind.PARAM
+    }
+
+
+def _param_casts(captured: CapturedStep) -> set[torch.fx.Node]:
+    """Compute's casts of parameters (mixed precision): ``_to_copy(P, dtype=bf16)``."""
+    params = _param_nodes(captured)
+    return {
+        user
+        for p in params
+        for user in p.users
+        if user.target is torch.ops.aten._to_copy.default
+        and user.meta.get(PHASE) != OPTIMIZER_PHASE
     }
 
 
@@ -151,7 +205,7 @@ def remake_param_views_for_backward(captured: CapturedStep) -> int:
     graph = captured.graph_module.graph
     params = _param_nodes(captured)
     views: list[torch.fx.Node] = []
-    derived = set(params)
+    derived = params | _param_casts(captured)
     for node in graph.nodes:
         if node.target in _PARAM_VIEW_OPS and _is_forward(node) and node.args[0] in derived:
             views.append(node)

@@ -84,6 +84,10 @@ def _slice_for_compute(graph: torch.fx.Graph, param: torch.fx.Node, rows: int) -
     for user in list(param.users):
         if _is_optimizer(user) or user.op == "output":
             continue
+        if user.target is torch.ops.aten._to_copy.default:
+            # mixed precision: cast the padded shard, slice the cast (gathered low-precision)
+            _slice_for_compute(graph, user, rows)
+            continue
         with graph.inserting_before(user):
             view = graph.call_function(torch.ops.aten.slice.Tensor, (param, 0, 0, rows))
         view.meta = {k: v for k, v in user.meta.items() if k != "val"}

@@ -124,8 +124,25 @@ def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
     return meta.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureOptions:
+    """How the single-device program computes (chosen by the parallel mode).
+
+    Args:
+        param_dtype: forward and backward read every floating parameter cast to this
+            dtype, and the root modules' floating tensor inputs are cast to it too
+            (FSDP2's ``MixedPrecisionPolicy.param_dtype``); parameters, gradients and
+            optimizer state stay in their own dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+
+
 def capture_step(
-    func: Callable[..., Any], bindings: StepBindings, input_metas: list[TensorMeta]
+    func: Callable[..., Any],
+    bindings: StepBindings,
+    input_metas: list[TensorMeta],
+    options: CaptureOptions = CaptureOptions(),
 ) -> CapturedStep:
     """Trace ``func`` into one functional single-device graph.
 
@@ -151,7 +168,7 @@ def capture_step(
     fake_mode = private.fake_tensor_mode()
     first_trace_inputs = [_fake(meta, fake_mode, first_trace=(ref.kind is not Kind.INPUT and (
         ref.kind is Kind.HYPERPARAM or (ref.kind is Kind.PARAM and meta.requires_grad)))) for ref, meta in inputs]
-    tracer = _StepTracer(func, bindings, [r for r, _ in inputs])
+    tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options)
     private.register_stack_trace_anchor(func)
     try:
         with _module_scopes(bindings.module_fqns):
@@ -217,8 +234,14 @@ def _fake(meta: TensorMeta, fake_mode: Any, first_trace: bool) -> torch.Tensor:
 class _StepTracer:
     """The function traced by ``make_fx``: the user's step on swapped-in state."""
 
-    def __init__(self, func: Callable[..., Any], bindings: StepBindings, refs: list[StateRef]):
-        self.func, self.bindings, self.refs = func, bindings, refs
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        bindings: StepBindings,
+        refs: list[StateRef],
+        options: CaptureOptions,
+    ) -> None:
+        self.func, self.bindings, self.refs, self.options = func, bindings, refs, options
         self.out_refs: list[StateRef] = []
         self.return_spec: Any = None
         self.return_leaves: list[tuple[str, Any]] = []
@@ -237,11 +260,14 @@ class _StepTracer:
             if r.kind is Kind.INPUT:
                 traced_args[positions[r.index]] = v
         args, kwargs = pytree.tree_unflatten(traced_args, b.args_spec)
+        compute = _compute_params(params, self.options.param_dtype)
         with contextlib.ExitStack() as stack:
             for mi, mod in enumerate(b.modules):
-                swap = {fqn: params[name] for fqn, name in b.module_params[mi].items()}
+                swap = {fqn: compute[name] for fqn, name in b.module_params[mi].items()}
                 swap.update({fqn: buffers[name] for fqn, name in b.module_buffers[mi].items()})
                 stack.enter_context(private.reparametrize_module(mod, swap))
+                if self.options.param_dtype is not None:
+                    stack.enter_context(_cast_forward_inputs(mod, self.options.param_dtype))
             swapped = [
                 stack.enter_context(_swap_optimizer(opt, oi, b, params, values))
                 for oi, opt in enumerate(b.optimizers)
@@ -285,6 +311,33 @@ class _StepTracer:
 
 
 _MISSING = object()
+
+
+def _compute_params(
+    params: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """The parameter values compute reads: one cast per parameter (tied weights share it)."""
+    if dtype is None:
+        return params
+    return {
+        name: p.to(dtype) if p.is_floating_point() and p.dtype != dtype else p
+        for name, p in params.items()
+    }
+
+
+@contextlib.contextmanager
+def _cast_forward_inputs(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager
