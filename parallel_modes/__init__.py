@@ -4,8 +4,9 @@ from .base import ParallelMode
 from .data_parallel import DataParallel
 from .dtensor_expand import DTensorExpandMode
 from .mixed_precision import MixedPrecisionPolicy
+from .tensor_parallel import TensorParallel
 
-__all__ = ["DTensorExpandMode", "DataParallel", "MixedPrecisionPolicy", "ParallelMode"]
+__all__ = ["DTensorExpandMode", "DataParallel", "MixedPrecisionPolicy", "ParallelMode", "TensorParallel"]
 
 
 def make_mode(name: str, **kwargs) -> ParallelMode:
@@ -14,6 +15,7 @@ def make_mode(name: str, **kwargs) -> ParallelMode:
         "dtensor_expand": DTensorExpandMode,
         "ddp": lambda **kw: DataParallel("replicate", **kw),
         "fsdp": lambda **kw: DataParallel("fully_shard", **kw),
+        "tp": TensorParallel,
     }
     if name not in factories:
         raise ValueError(f"unknown mode {name!r}; choose from {sorted(factories)}")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
+from spmd_compiler.bindings import StepBindings
 from spmd_compiler.capture import CaptureOptions
 from spmd_compiler.expand import DistributedProgram, Placements, UseHook, expand
 from spmd_compiler.passes import PassOptions, run_pipeline
@@ -45,6 +46,9 @@ class ParallelMode(abc.ABC):
                 f"model lives on {device_type}."
             )
         return self._mesh
+
+    def prepare(self, bindings: StepBindings) -> None:
+        """Look at the step's modules before capture (e.g. match a plan); default no-op."""
 
     def capture_options(self) -> CaptureOptions:
         """How the single-device program computes (e.g. mixed precision)."""

@@ -127,7 +127,11 @@ class DataParallel(ParallelMode):
         gathered = replicate(mesh)
         reduced = (Shard(0),) if self.sharded else gathered
 
-        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> tuple[Placements, str] | None:
+        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> list[tuple[Placements, str]] | None:
+            step = one_step(consumer, arg)
+            return None if step is None else [step]
+
+        def one_step(consumer: torch.fx.Node, arg: torch.fx.Node) -> tuple[Placements, str] | None:
             if consumer in grad_casts and arg is consumer.args[0]:
                 # reduce in reduce_dtype, then cast up; a gradient whose rows do not
                 # divide evenly is all-reduced (its padded shard is cut locally after)

@@ -10,7 +10,7 @@ import sys
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train a small GPT compiled, beside the single-device run")
-    p.add_argument("--mode", default="dtensor_expand", help="parallel mode (dtensor_expand)")
+    p.add_argument("--mode", default="dtensor_expand", help="parallel mode: dtensor_expand, ddp, fsdp, tp")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--backend", choices=("sim", "gloo", "nccl"), default="sim",
                    help="sim: simulated ranks in this process; gloo/nccl: real processes")

@@ -125,6 +125,27 @@ class RedistributionCache(dict):
             self.bypassed = False
 
 
+def _replicate_between_shards(current_spec: Any, target_spec: Any) -> Any:
+    """An intermediate spec with Replicate wherever a mesh dimension goes from one shard
+    to another (``Shard(a) -> Shard(b)``), or None.
+
+    torch 2.13 gap: on CPU such a step is an all-to-all emulated by all-gather + chunk,
+    and under ``compile_on_one_rank`` that chunk is rank 0's, baked into the program
+    (every rank keeps rank 0's rows). Going through Replicate uses the same all-gather
+    and then the run-time coordinate to keep this rank's slice.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    hops = [
+        Replicate() if cur.is_shard() and tgt.is_shard() and cur != tgt else cur
+        for cur, tgt in zip(current_spec.placements, target_spec.placements, strict=True)
+    ]
+    if tuple(hops) == tuple(current_spec.placements):
+        return None
+    return DTensorSpec(current_spec.mesh, tuple(hops), tensor_meta=current_spec.tensor_meta)
+
+
 @contextlib.contextmanager
 def memoized_redistribution() -> Iterator[RedistributionCache]:
     """Redistribute each (value, source spec, target spec) at most once.
@@ -142,14 +163,21 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     original = redistribute_module.redistribute_local_tensor
     cache = RedistributionCache()
 
+    def redistribute(local_tensor, current_spec, target_spec, *args, **kwargs):
+        hop = _replicate_between_shards(current_spec, target_spec)
+        if hop is not None:
+            local_tensor = original(local_tensor, current_spec, hop, *args, **kwargs)
+            current_spec = hop
+        return original(local_tensor, current_spec, target_spec, *args, **kwargs)
+
     def cached(local_tensor, current_spec, target_spec, *args, **kwargs):
         if cache.bypassed:
-            return original(local_tensor, current_spec, target_spec, *args, **kwargs)
+            return redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
         key = (id(local_tensor), current_spec, target_spec)
         hit = cache.get(key)
         if hit is not None and hit[0] is local_tensor:
             return hit[1]
-        out = original(local_tensor, current_spec, target_spec, *args, **kwargs)
+        out = redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
         cache[key] = (local_tensor, out)
         return out
 
@@ -163,11 +191,42 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
             module.redistribute_local_tensor = original
 
 
-def compile_on_one_rank():
-    """Trace mesh coordinates as run-time values (torch.distributed.config)."""
-    import torch.distributed.config as dconfig
+@contextlib.contextmanager
+def compile_on_one_rank() -> Iterator[None]:
+    """Trace mesh coordinates as run-time values (torch.distributed.config).
 
-    return dconfig.patch(compile_on_one_rank=True)
+    torch 2.13 gap, closed here: ``_StridedShard._local_shard_size`` (reached whenever a
+    view splits a sharded dimension, e.g. attention heads) indexes the list of shards
+    with the rank, which is symbolic here and fails as a data-dependent guard. When every
+    shard has the same size the answer does not depend on the rank, so it is returned
+    directly; uneven strided shards still fail (and the caller falls back).
+    """
+    import torch.distributed.config as dconfig
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    original = _StridedShard._local_shard_size
+    original_select = _StridedShard._replicate_to_strided_shard
+
+    def local_shard_size(sharded_indices, rank):
+        sizes = {len(s) for s in sharded_indices}
+        if not isinstance(rank, int) and len(sizes) == 1:
+            return sizes.pop()
+        return original(sharded_indices, rank)
+
+    def replicate_to_strided_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+        # Same gap in Replicate -> _StridedShard: with even pieces, rank r's shard is
+        # piece r of every one of the split_factor blocks, a select on a reshaped view.
+        n = mesh.size(mesh_dim)
+        size = local_tensor.shape[self.dim]
+        if not isinstance(shard_index, int) and size % (self.split_factor * n) == 0:
+            blocks = local_tensor.unflatten(self.dim, (self.split_factor, n, -1))
+            return blocks.select(self.dim + 1, shard_index).flatten(self.dim, self.dim + 1).clone()
+        return original_select(self, local_tensor, mesh, mesh_dim, shard_index)
+
+    with dconfig.patch(compile_on_one_rank=True), mock.patch.object(
+        _StridedShard, "_local_shard_size", staticmethod(local_shard_size)
+    ), mock.patch.object(_StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard):
+        yield
 
 
 def mesh_coordinates(mesh: Any) -> list[tuple[int, ...]]:

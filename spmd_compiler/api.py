@@ -129,6 +129,7 @@ class CompiledTrainStep:
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh
     ) -> DistributedProgram:
         start = time.perf_counter()
+        self.mode.prepare(bindings)
         captured = capture_step(self.func, bindings, input_metas, self.mode.capture_options())
         program = self.mode.partition(captured, mesh)
         program = self.mode.transform_and_compile(program, self.options)

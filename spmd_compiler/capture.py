@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from unittest import mock
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,6 +35,7 @@ from torch.utils import _pytree as pytree
 from . import _torch_private as private
 from .bindings import StepBindings
 from .errors import (
+    BACKWARD_PHASE,
     MODULE_FQN,
     OPTIMIZER_PHASE,
     PHASE,
@@ -171,7 +173,7 @@ def capture_step(
     tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options)
     private.register_stack_trace_anchor(func)
     try:
-        with _module_scopes(bindings.module_fqns):
+        with _module_scopes(bindings.module_fqns), _tag_backward():
             first = make_fx(
                 tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
             )(
@@ -419,6 +421,24 @@ def _check_python_state(opt, oi, groups, before, state, values) -> None:
                     f"{key!r} that changes every step; it cannot become a graph input.",
                     hint="use an optimizer whose state is made of tensors.",
                 )
+
+
+@contextlib.contextmanager
+def _tag_backward() -> Iterator[None]:
+    """Record ``node.meta[PHASE] = "backward"`` for nodes traced inside ``backward()``."""
+    original = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        graph = private.current_trace_graph()
+        mark = last_node(graph)
+        result = original(self, *args, **kwargs)
+        if graph is not None:
+            for node in new_nodes_after(mark, graph):
+                node.meta.setdefault(PHASE, BACKWARD_PHASE)
+        return result
+
+    with mock.patch.object(torch.Tensor, "backward", backward):
+        yield
 
 
 @contextlib.contextmanager

@@ -23,7 +23,8 @@ USER_LINE = "spmd_user_line"
 PLACEMENT = "spmd_placement"
 ORIGIN = "spmd_origin"
 CREATED_BY = "spmd_created_by"
-PHASE = "spmd_phase"  # "optimizer" for nodes traced inside optimizer.step()
+PHASE = "spmd_phase"  # "backward" / "optimizer" for nodes traced inside those; else forward
+BACKWARD_PHASE = "backward"
 OPTIMIZER_PHASE = "optimizer"
 
 

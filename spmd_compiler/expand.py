@@ -34,7 +34,8 @@ from .graph_utils import RetracingInterpreter, placeholders
 from .signature import CapturedStep, TensorMeta
 
 Placements = tuple[Placement, ...]
-UseHook = Callable[[torch.fx.Node, torch.fx.Node], "tuple[Placements, str] | None"]
+# (consumer, arg) -> redistribution steps, each (placements, group); None: use as is
+UseHook = Callable[[torch.fx.Node, torch.fx.Node], "Sequence[tuple[Placements, str]] | None"]
 
 
 @dataclass
@@ -114,10 +115,11 @@ def expand(
         mesh: the device mesh every placement refers to.
         input_placements: one placement tuple per placeholder.
         output_placements: the placement each output must leave the graph with.
-        placement_at_use: ``(consumer, arg) -> (placements, group) | None``: the mode may
-            require ``arg`` in another placement when ``consumer`` reads it (FSDP gathers
-            a parameter at its use). One redistribution per (arg, group) is traced, at the
-            first use in that group.
+        placement_at_use: ``(consumer, arg) -> [(placements, group), ...] | None``: the
+            mode may require ``arg`` in other placements when ``consumer`` reads it (FSDP
+            gathers a parameter at its use; TP lays out a module's output, then the next
+            module's input). Steps apply in order; one redistribution per (arg, group)
+            is traced, at the first use in that group.
     """
     start = time.perf_counter()
     local = [
@@ -258,18 +260,19 @@ class _ExpandingInterpreter(RetracingInterpreter):
 
     def _value_at_use(self, consumer: torch.fx.Node, arg: torch.fx.Node) -> Any:
         value = self.env[arg]
-        want = self.placement_at_use(consumer, arg) if self.placement_at_use else None
-        if want is None or not isinstance(value, DTensor):
+        steps = self.placement_at_use(consumer, arg) if self.placement_at_use else None
+        if not steps or not isinstance(value, DTensor):
             return value
-        placements, group = want
-        key = (arg, group)
-        if key not in self.at_use:
-            if tuple(value.placements) == tuple(placements):
-                self.at_use[key] = value
-            else:
-                with self.memo.bypass():  # each group gets its own redistribution
-                    self.at_use[key] = value.redistribute(self.mesh, placements)
-        return self.at_use[key]
+        for placements, group in steps:
+            key = (arg, group)
+            if key not in self.at_use:
+                if tuple(value.placements) == tuple(placements):
+                    self.at_use[key] = value
+                else:
+                    with self.memo.bypass():  # each group gets its own redistribution
+                        self.at_use[key] = value.redistribute(self.mesh, placements)
+            value = self.at_use[key]
+        return value
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:

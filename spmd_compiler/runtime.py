@@ -156,6 +156,7 @@ def run_program(
                 value = _pad_rows(value, local.shape, sim)
             flat.append(value)
     if sim is not None:
+        flat = [sim.per_rank_tensor(t) for t in flat]
         with sim.ranks():
             outs = program.graph_module(*flat)
     else:

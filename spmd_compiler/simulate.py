@@ -92,6 +92,14 @@ class Simulation:
             return first.detach().clone()
         return value
 
+    def per_rank_tensor(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as a simulated tensor (one value per rank; a plain tensor is the same
+        on every rank). Rank-dependent ops in a program (slices at the rank's offset)
+        need every input to carry its ranks."""
+        if isinstance(value, private.local_tensor_type()):
+            return value
+        return private.make_local_tensor({r: value for r in range(self.world_size)})
+
     def per_rank(self, value: torch.Tensor) -> dict[int, torch.Tensor]:
         """Each simulated rank's local value."""
         if isinstance(value, DTensor):

@@ -112,3 +112,30 @@ def gpt_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torc
     optimizer.step()
     optimizer.zero_grad()
     return loss
+
+
+def gpt_tp_plan(sequence_parallel: bool = False) -> dict:
+    """Megatron-style tensor-parallel plan for ``GPT`` (torch's own ParallelStyles).
+
+    Attention q/k/v and the MLP's first Linear are column-wise (heads and hidden units
+    split across ranks), the output projections row-wise. With ``sequence_parallel`` the
+    LayerNorms run on sequence shards and the row-wise outputs are reduce-scattered.
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    seq = Shard(1) if sequence_parallel else None
+    plan: dict = {}
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        plan[f"layers.*.attn.{proj}"] = ColwiseParallel(input_layouts=seq)
+    plan["layers.*.attn.out_proj"] = RowwiseParallel(output_layouts=seq)
+    plan["layers.*.mlp.fc_in"] = ColwiseParallel(input_layouts=seq)
+    plan["layers.*.mlp.fc_out"] = RowwiseParallel(output_layouts=seq)
+    if sequence_parallel:
+        plan["layers.*.ln_1"] = SequenceParallel()
+        plan["layers.*.ln_2"] = SequenceParallel()
+    return plan

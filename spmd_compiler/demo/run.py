@@ -24,7 +24,7 @@ from spmd_compiler.parity import compare_states, full_state, relative_difference
 from spmd_compiler.simulate import simulate
 
 from .data import batches, markov_corpus
-from .gpt import GPT, GPTConfig, gpt_train_step
+from .gpt import GPT, GPTConfig, gpt_tp_plan, gpt_train_step
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,16 @@ def run_reference(config: DemoConfig) -> tuple[list[float], dict[str, torch.Tens
     return losses, full_state(model, optimizer, None)
 
 
+def demo_mode(config: DemoConfig):
+    """The parallel mode the demo runs, with the GPT's tensor-parallel plan where needed."""
+    if config.mode == "tp":
+        return make_mode("tp", plan=gpt_tp_plan())
+    return make_mode(config.mode)
+
+
 def run_compiled_simulated(config: DemoConfig) -> dict[str, Any]:
     model, optimizer, data = build(config)
-    step = spmd_compile(parallel_mode=make_mode(config.mode))(gpt_train_step)
+    step = spmd_compile(parallel_mode=demo_mode(config))(gpt_train_step)
     with simulate(world_size=config.world_size) as sim:
         losses = [float(step(model, optimizer, x, y)) for x, y in data]
         state = full_state(model, optimizer, sim)
@@ -110,12 +117,16 @@ def run_compiled_simulated(config: DemoConfig) -> dict[str, Any]:
 def compiled_worker(rank: int, world_size: int, config: DemoConfig) -> dict[str, Any]:
     """One real rank: compile, train on this rank's share of each global batch."""
     model, optimizer, data = build(config)
-    step = spmd_compile(parallel_mode=make_mode(config.mode))(gpt_train_step)
+    step = spmd_compile(parallel_mode=demo_mode(config))(gpt_train_step)
     losses = []
     for x, y in data:
-        share = x.shape[0] // world_size
-        rows = slice(rank * share, (rank + 1) * share)
-        losses.append(float(step(model, optimizer, x[rows], y[rows])))
+        if config.mode == "tp":  # every tensor-parallel rank sees the whole batch
+            x_local, y_local = x, y
+        else:
+            share = x.shape[0] // world_size
+            rows = slice(rank * share, (rank + 1) * share)
+            x_local, y_local = x[rows], y[rows]
+        losses.append(float(step(model, optimizer, x_local, y_local)))
     state = full_state(model, optimizer, None)
     return _result(step, losses, state if rank == 0 else {})
 
