@@ -1,28 +1,68 @@
 """Graph passes over the per-rank program, and the API pass authors use.
 
-The default pipeline, in order (see NOTE: [pass contract] in ``manager.py``):
+The default pipeline is ``DEFAULT_PIPELINE`` below: one ordered list, the table of
+contents of what runs after expansion (the manager may move a pass to honor its
+``after``/``before``; see NOTE: [pass contract] in ``manager.py``). Third-party passes
+register through the entry-point group ``spmd_compiler.passes`` and run when named in
+``extra_passes``. ``describe_pipeline()`` prints the list; ``docs/writing_passes.md``
+shows how to write one.
 """
 
+from spmd_compiler.comm_stats import collective_kind
+
 from . import remove_dead_nodes as _remove_dead_nodes  # noqa: F401  (registers the pass)
+from .checks import (
+    Check,
+    check_program,
+    collective_signature,
+    is_collective,
+    is_wait,
+    no_dead_nodes,
+    short_op_name,
+)
+from .cost_model import CostModel
 from .manager import (
-    Pass,
+    BoundPass,
     PassContext,
     PassFailure,
     PassOptions,
+    build_pipeline,
+    describe_pipeline,
+    run_pipeline,
+)
+from .registry import (
+    ENTRY_POINT_GROUP,
+    Pass,
+    PipelineError,
+    load_plugins,
     register_pass,
     registered_passes,
-    run_pipeline,
 )
 
 DEFAULT_PIPELINE: tuple[str, ...] = ("remove_dead_nodes",)
 
 __all__ = [
     "DEFAULT_PIPELINE",
+    "ENTRY_POINT_GROUP",
+    "BoundPass",
+    "Check",
+    "CostModel",
     "Pass",
     "PassContext",
     "PassFailure",
     "PassOptions",
+    "PipelineError",
+    "build_pipeline",
+    "check_program",
+    "collective_kind",
+    "collective_signature",
+    "describe_pipeline",
+    "is_collective",
+    "is_wait",
+    "load_plugins",
+    "no_dead_nodes",
     "register_pass",
     "registered_passes",
     "run_pipeline",
+    "short_op_name",
 ]

@@ -169,6 +169,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     *,
     disable_passes: tuple[str, ...] = (),
     check_passes: bool = True,
+    extra_passes: tuple[str, ...] = (),
+    pass_options: dict[str, Any] | None = None,
+    verify_numerics: bool = False,
 ) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
     """Compile a whole train step (forward, loss, backward, optimizer) for N ranks.
 
@@ -176,9 +179,17 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         parallel_mode: how to spread the step (default ``DTensorExpandMode()``).
         disable_passes: names of passes to skip (also ``SPMD_DISABLE_PASSES``).
         check_passes: lint and collective checks after every pass.
+        extra_passes: registered passes to run besides the default pipeline (passes of
+            installed plugins run only when named here).
+        pass_options: pass name -> that pass's options dataclass (or a dict of its fields).
+        verify_numerics: in simulation, compare the program's outputs before and after
+            every pass on fixed random inputs (slow; for tests and debugging).
     """
     mode = parallel_mode if parallel_mode is not None else DTensorExpandMode()
-    options = PassOptions(disabled=frozenset(disable_passes), check=check_passes)
+    options = PassOptions(
+        disabled=frozenset(disable_passes), check=check_passes, verify_numerics=verify_numerics,
+        extra_passes=extra_passes, pass_options=pass_options or {},
+    )
 
     def decorate(func: Callable[..., Any]) -> CompiledTrainStep:
         return CompiledTrainStep(func, mode, options)

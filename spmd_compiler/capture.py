@@ -21,10 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from unittest import mock
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.fx
