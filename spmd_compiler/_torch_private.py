@@ -247,6 +247,60 @@ def fixed_mesh_coordinate(mesh: Any, coordinate: tuple[int, ...]) -> Iterator[No
         mesh._coordinate_on_dim = saved
 
 
+def root_mesh(mesh: Any) -> Any:
+    """The parent (root) mesh a sub-mesh was sliced from (itself for a root mesh)."""
+    return mesh._get_root_mesh()
+
+
+def is_strided_shard(placement: Any) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """DTensor's placement for a right-to-left nested shard (NOTE: [parent-mesh sharding])."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def chunk_at_coordinate(local: torch.Tensor, mesh: Any, mesh_dim: int, tensor_dim: int) -> torch.Tensor:
+    """This rank's ``torch.chunk`` piece of ``local`` along ``tensor_dim`` for ``mesh_dim``.
+
+    Works on real ranks (the rank's own coordinate) and on simulated ranks (a per-rank
+    value holds each rank's piece).
+    """
+    n = mesh.size(mesh_dim)
+
+    def piece(t: torch.Tensor, coordinate: int) -> torch.Tensor:
+        chunks = list(torch.chunk(t, n, dim=tensor_dim))
+        if coordinate < len(chunks):
+            return chunks[coordinate].contiguous()
+        shape = list(t.shape)
+        shape[tensor_dim] = 0
+        return t.new_empty(shape)
+
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    mode = enabled_local_tensor_mode()
+    if mode is not None and not isinstance(local, local_tensor_type()):
+        with mode.disable():
+            local = make_local_tensor({rank: local for rank in mode.ranks})
+    if isinstance(local, local_tensor_type()):
+        coordinates = {
+            rank: [int(c) for c in (mesh.mesh == rank).nonzero()[0]]
+            for rank in per_rank_tensors(local)
+        }
+        ctx = mode.disable() if mode is not None else contextlib.nullcontext()
+        with ctx:
+            return make_local_tensor({
+                rank: piece(t, coordinates[rank][mesh_dim])
+                for rank, t in per_rank_tensors(local).items()
+            })
+    return piece(local, mesh.get_coordinate()[mesh_dim])
+
+
 # ---------------------------------------------------------------------------- simulation
 
 
