@@ -3,10 +3,11 @@
 from .base import ParallelMode
 from .data_parallel import DataParallel
 from .dtensor_expand import DTensorExpandMode
+from .fsdp_tp import FullyShardTensorParallel
 from .mixed_precision import MixedPrecisionPolicy
 from .tensor_parallel import TensorParallel
 
-__all__ = ["DTensorExpandMode", "DataParallel", "MixedPrecisionPolicy", "ParallelMode", "TensorParallel"]
+__all__ = ["DTensorExpandMode", "DataParallel", "FullyShardTensorParallel", "MixedPrecisionPolicy", "ParallelMode", "TensorParallel"]
 
 
 def make_mode(name: str, **kwargs) -> ParallelMode:
@@ -16,6 +17,7 @@ def make_mode(name: str, **kwargs) -> ParallelMode:
         "ddp": lambda **kw: DataParallel("replicate", **kw),
         "fsdp": lambda **kw: DataParallel("fully_shard", **kw),
         "tp": TensorParallel,
+        "fsdp_tp": FullyShardTensorParallel,
     }
     if name not in factories:
         raise ValueError(f"unknown mode {name!r}; choose from {sorted(factories)}")

@@ -44,6 +44,11 @@ from .base import ParallelMode, replicate
 Style = ParallelStyle | str
 
 
+def validate_plan(plan: Mapping[str, Style]) -> None:
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"TensorParallel plan must be a dict of FQN pattern -> style, got {type(plan).__name__}")
+
+
 def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     """Module FQN -> style for every module a plan pattern matches (level by level)."""
     matched: dict[str, Style] = {}
@@ -116,6 +121,7 @@ class TensorParallel(ParallelMode):
     name = "tp"
 
     def __init__(self, plan: Mapping[str, Style], *, mesh: DeviceMesh | None = None) -> None:
+        validate_plan(plan)
         if not isinstance(plan, Mapping):
             raise ValueError(f"TensorParallel plan must be a dict of FQN pattern -> style, got {type(plan).__name__}")
         if mesh is not None and mesh.ndim != 1:
@@ -162,9 +168,9 @@ class TensorParallel(ParallelMode):
             node for node, ref in zip(placeholders(captured.graph_module), captured.input_refs(), strict=True)
             if ref.kind is not Kind.INPUT
         }
-        return lambda consumer, arg: self._layout_at_boundary(consumer, arg, state)
+        return lambda consumer, arg: self.layout_at_boundary(consumer, arg, state)
 
-    def _layout_at_boundary(
+    def layout_at_boundary(
         self, consumer: torch.fx.Node, arg: torch.fx.Node, state: set[torch.fx.Node]
     ) -> list[tuple[Placements, str]] | None:
         # only forward: module inputs and outputs are forward values; backward derives

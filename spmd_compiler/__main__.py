@@ -10,8 +10,9 @@ import sys
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train a small GPT compiled, beside the single-device run")
-    p.add_argument("--mode", default="dtensor_expand", help="parallel mode: dtensor_expand, ddp, fsdp, tp")
+    p.add_argument("--mode", default="dtensor_expand", help="parallel mode: dtensor_expand, ddp, fsdp, tp, fsdp_tp")
     p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--mesh", default="", help="DPxTP mesh for fsdp_tp, e.g. 2x2 (sets the world size)")
     p.add_argument("--backend", choices=("sim", "gloo", "nccl"), default="sim",
                    help="sim: simulated ranks in this process; gloo/nccl: real processes")
     p.add_argument("--steps", type=int, default=8)
@@ -32,8 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from spmd_compiler.demo.run import DemoConfig, print_report, run_demo, write_json
 
+        mesh = tuple(int(n) for n in args.mesh.lower().split("x")) if args.mesh else ()
+        world_size = args.world_size
+        if mesh:
+            world_size = 1
+            for n in mesh:
+                world_size *= n
         config = DemoConfig(
-            mode=args.mode, world_size=args.world_size, backend=args.backend,
+            mode=args.mode, world_size=world_size, backend=args.backend, mesh=mesh,
             steps=args.steps, batch_size=args.batch_size, n_layer=args.layers,
             dropout=args.dropout, seed=args.seed,
             device="cuda" if args.backend == "nccl" else "cpu",

@@ -206,6 +206,22 @@ def compile_on_one_rank() -> Iterator[None]:
 
     original = _StridedShard._local_shard_size
     original_select = _StridedShard._replicate_to_strided_shard
+    original_size_and_offset = _StridedShard.local_shard_size_and_offset
+
+    def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, offset_mode=0):
+        # Even strided shards: rank r holds piece r of each of the split_factor blocks.
+        pieces = self.split_factor * num_chunks
+        if not isinstance(rank, int) and isinstance(curr_local_size, int) and curr_local_size % pieces == 0:
+            piece = curr_local_size // pieces
+            block = curr_local_size // self.split_factor
+            if int(offset_mode) == 2:  # NONE
+                return curr_local_size // num_chunks, None
+            if int(offset_mode) == 0:  # FIRST
+                return curr_local_size // num_chunks, rank * piece
+            return curr_local_size // num_chunks, [
+                i * block + rank * piece + j for i in range(self.split_factor) for j in range(piece)
+            ]
+        return original_size_and_offset(self, curr_local_size, num_chunks, rank, offset_mode)
 
     def local_shard_size(sharded_indices, rank):
         sizes = {len(s) for s in sharded_indices}
@@ -225,7 +241,9 @@ def compile_on_one_rank() -> Iterator[None]:
 
     with dconfig.patch(compile_on_one_rank=True), mock.patch.object(
         _StridedShard, "_local_shard_size", staticmethod(local_shard_size)
-    ), mock.patch.object(_StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard):
+    ), mock.patch.object(
+        _StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard
+    ), mock.patch.object(_StridedShard, "local_shard_size_and_offset", local_shard_size_and_offset):
         yield
 
 
@@ -245,6 +263,24 @@ def fixed_mesh_coordinate(mesh: Any, coordinate: tuple[int, ...]) -> Iterator[No
         yield
     finally:
         mesh._coordinate_on_dim = saved
+
+
+def all_gather_along(local: torch.Tensor, tensor_dim: int, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """Functional all-gather of ``local`` along ``tensor_dim`` over one mesh dimension."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_gather_tensor(local, tensor_dim, (mesh, mesh_dim)))
+
+
+def reduce_scatter_along(
+    local: torch.Tensor, reduce_op: str, tensor_dim: int, mesh: Any, mesh_dim: int
+) -> torch.Tensor:
+    """Functional reduce-scatter of ``local`` along ``tensor_dim`` over one mesh dimension."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(
+        funcol.reduce_scatter_tensor(local, reduce_op, tensor_dim, (mesh, mesh_dim))
+    )
 
 
 def root_mesh(mesh: Any) -> Any:

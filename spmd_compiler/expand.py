@@ -63,7 +63,9 @@ def format_placements(placements: Sequence[Placement]) -> str:
     """Short form used in dumps and errors: ``S(0)``, ``R``, ``P(sum)``."""
     out = []
     for p in placements:
-        if isinstance(p, Shard):
+        if private.is_strided_shard(p):
+            out.append(f"SS({p.dim},{p.split_factor})")
+        elif isinstance(p, Shard):
             out.append(f"S({p.dim})")
         elif isinstance(p, Replicate):
             out.append("R")
@@ -82,7 +84,7 @@ def local_meta(meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what:
     """
     shape = list(meta.shape)
     for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) or private.is_strided_shard(p):
             n = mesh.size(mesh_dim)
             if p.dim >= len(shape) or p.dim < -len(shape):
                 raise SPMDCompileError(
@@ -119,7 +121,9 @@ def expand(
             mode may require ``arg`` in other placements when ``consumer`` reads it (FSDP
             gathers a parameter at its use; TP lays out a module's output, then the next
             module's input). Steps apply in order; one redistribution per (arg, group)
-            is traced, at the first use in that group.
+            is traced, at the first use in that group. A placement of None keeps the
+            current one on that mesh dimension; a callable instead of placements maps
+            the DTensor itself (a mode's own collective).
     """
     start = time.perf_counter()
     local = [
@@ -263,8 +267,19 @@ class _ExpandingInterpreter(RetracingInterpreter):
         steps = self.placement_at_use(consumer, arg) if self.placement_at_use else None
         if not steps or not isinstance(value, DTensor):
             return value
-        for placements, group in steps:
+        for wanted, group in steps:
             key = (arg, group)
+            if callable(wanted):  # the mode redistributes itself
+                if key not in self.at_use:
+                    with self.memo.bypass():
+                        self.at_use[key] = wanted(value)
+                value = self.at_use[key]
+                continue
+            # None keeps the value's current placement on that mesh dimension
+            placements = tuple(
+                current if want is None else want
+                for current, want in zip(value.placements, wanted, strict=True)
+            )
             if key not in self.at_use:
                 if tuple(value.placements) == tuple(placements):
                     self.at_use[key] = value

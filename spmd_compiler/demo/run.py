@@ -36,7 +36,7 @@ class DemoConfig:
     batch_size: int = 16
     n_layer: int = 2
     n_embd: int = 64
-    n_head: int = 4
+    n_head: int = 8
     block_size: int = 32
     vocab_size: int = 64
     dropout: float = 0.0
@@ -51,6 +51,7 @@ class DemoConfig:
     seed: int = 0
     tolerance: float = 1e-5
     device: str = "cpu"
+    mesh: tuple[int, ...] = ()  # (dp, tp) for fsdp_tp
 
 
 @dataclass
@@ -102,6 +103,8 @@ def demo_mode(config: DemoConfig):
     """The parallel mode the demo runs, with the GPT's tensor-parallel plan where needed."""
     if config.mode == "tp":
         return make_mode("tp", plan=gpt_tp_plan())
+    if config.mode == "fsdp_tp":
+        return make_mode("fsdp_tp", plan=gpt_tp_plan(), mesh_shape=config.mesh or (2, config.world_size // 2))
     return make_mode(config.mode)
 
 
@@ -120,12 +123,15 @@ def compiled_worker(rank: int, world_size: int, config: DemoConfig) -> dict[str,
     step = spmd_compile(parallel_mode=demo_mode(config))(gpt_train_step)
     losses = []
     for x, y in data:
+        data_ranks, data_rank = world_size, rank
         if config.mode == "tp":  # every tensor-parallel rank sees the whole batch
-            x_local, y_local = x, y
-        else:
-            share = x.shape[0] // world_size
-            rows = slice(rank * share, (rank + 1) * share)
-            x_local, y_local = x[rows], y[rows]
+            data_ranks, data_rank = 1, 0
+        elif config.mode == "fsdp_tp":  # ranks of one dp group share a batch slice
+            tp = (config.mesh or (2, world_size // 2))[1]
+            data_ranks, data_rank = world_size // tp, rank // tp
+        share = x.shape[0] // data_ranks
+        rows = slice(data_rank * share, (data_rank + 1) * share)
+        x_local, y_local = x[rows], y[rows]
         losses.append(float(step(model, optimizer, x_local, y_local)))
     state = full_state(model, optimizer, None)
     return _result(step, losses, state if rank == 0 else {})

@@ -1,0 +1,147 @@
+"""2-D parallelism: FSDP on the ``dp`` mesh dimension, tensor parallel on ``tp``.
+
+Every parameter is ONE DTensor on the parent (dp, tp) mesh: its TP placement on tp and
+FSDP's Shard(0) on dp, nested right-to-left where both shard the same tensor dimension
+(NOTE: [parent-mesh sharding] in spmd_compiler/parent_mesh.py). Parameters are gathered
+over dp only at their use (forward and backward groups, as in fully_shard) and stay TP
+sharded; activations follow the TP plan's layouts on tp and keep their batch sharding on
+dp; gradients are reduce-scattered over dp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from spmd_compiler import _torch_private as private
+from spmd_compiler.bindings import StepBindings
+from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE, SPMDCompileError
+from spmd_compiler.expand import DistributedProgram, Placements, UseHook
+from spmd_compiler.graph_utils import placeholders
+from spmd_compiler.parent_mesh import parent_placements
+from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
+
+from .base import ParallelMode
+from .data_parallel import _is_forward, _param_nodes, remake_param_views_for_backward
+from .tensor_parallel import Style, TensorParallel
+
+DP, TP = 0, 1
+
+
+class FullyShardTensorParallel(ParallelMode):
+    """FSDP x TP on a 2-D (dp, tp) mesh.
+
+    Args:
+        plan: the tensor-parallel plan (see ``TensorParallel``).
+        mesh: a 2-D mesh whose right-most dimension is tp, or ``mesh_shape=(dp, tp)``
+            to build one over the default process group.
+        reshard_after_forward: gather parameters again in backward.
+    """
+
+    name = "fsdp_tp"
+
+    def __init__(
+        self,
+        plan: Mapping[str, Style],
+        *,
+        mesh: DeviceMesh | None = None,
+        mesh_shape: tuple[int, int] | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        if mesh is not None and mesh.ndim != 2:
+            raise ValueError(f"FullyShardTensorParallel takes a 2-D (dp, tp) mesh, got {mesh}")
+        if mesh is None and (mesh_shape is None or len(mesh_shape) != 2):
+            raise ValueError("give a 2-D mesh or mesh_shape=(dp, tp)")
+        super().__init__(mesh)
+        self.mesh_shape = tuple(mesh.shape) if mesh is not None else tuple(mesh_shape)
+        self.tp = TensorParallel(plan)
+        self.reshard_after_forward = reshard_after_forward
+
+    def mesh(self, device_type: str) -> DeviceMesh:
+        if self._mesh is None:
+            self._mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("dp", "tp"))
+        return super().mesh(device_type)
+
+    def prepare(self, bindings: StepBindings) -> None:
+        self.tp.prepare(bindings)
+
+    def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
+        if ref.kind is Kind.INPUT:
+            return (Shard(0), Replicate()) if meta.shape else (Replicate(), Replicate())
+        if ref.kind in (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE) and meta.shape:
+            tp = self.tp.placement_of(ref, meta, mesh)[0]
+            return parent_placements(mesh, {TP: tp}, {DP: Shard(0)}, len(meta.shape))
+        return (Replicate(), Replicate())
+
+    def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
+        for ref, meta in captured.inputs:
+            if ref.kind is Kind.PARAM and meta.shape:
+                tp = self.tp.placement_of(ref, meta, mesh)[0]
+                rows = meta.shape[0] // (mesh.size(TP) if tp == Shard(0) else 1)
+                if meta.shape[0] % (mesh.size(TP) if tp == Shard(0) else 1) or rows % mesh.size(DP):
+                    raise SPMDCompileError(
+                        f"{ref} has {meta.shape[0]} rows; FSDP x TP needs its TP shard to "
+                        f"split evenly over the {mesh.size(DP)} dp ranks.",
+                        hint="use sizes divisible by dp x tp (uneven shards are supported by "
+                        "DataParallel('fully_shard') alone).",
+                    )
+        if self.reshard_after_forward:
+            remake_param_views_for_backward(captured)
+        return super().partition(captured, mesh)
+
+    def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
+        params = _param_nodes(captured)
+
+        def gather_over_dp(value: DTensor) -> DTensor:
+            """All-gather the dp pieces: with TP inner and FSDP outer, rank (d, t) holds
+            piece d of TP shard t, so one all-gather over dp yields TP shard t (done by
+            hand: DTensor's planner mishandles _StridedShard -> Replicate when traced)."""
+            dp = value.placements[DP]
+            if not (isinstance(dp, Shard) or private.is_strided_shard(dp)):
+                return value
+            local = private.all_gather_along(private.local_tensor_of(value), dp.dim, mesh, DP)
+            return DTensor.from_local(
+                local, mesh, (Replicate(), value.placements[TP]), run_check=False,
+                shape=value.shape, stride=value.stride(),
+            )
+
+        state = {
+            node for node, ref in zip(placeholders(captured.graph_module), captured.input_refs(), strict=True)
+            if ref.kind is not Kind.INPUT
+        }
+
+        def reduce_scatter_over_dp(value: DTensor) -> DTensor:
+            """A gradient Partial over dp becomes this rank's FSDP piece of its TP shard
+            with one reduce-scatter (the inverse of gather_over_dp)."""
+            dp, tp = value.placements
+            if not dp.is_partial() or tp.is_partial() or value.dim() == 0:
+                return value
+            local = private.reduce_scatter_along(
+                private.local_tensor_of(value), dp.reduce_op, 0, mesh, DP
+            )
+            placements = parent_placements(mesh, {TP: tp}, {DP: Shard(0)}, value.dim())
+            return DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
+
+        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node):
+            if consumer.meta.get(PHASE) == OPTIMIZER_PHASE:
+                if arg in state or arg.meta.get(PHASE) == OPTIMIZER_PHASE:
+                    return None
+                return [(reduce_scatter_over_dp, "reduce")]  # a gradient entering the update
+            if arg in params:  # gather over dp, stay tensor-parallel
+                group = "compute"
+                if self.reshard_after_forward:
+                    group = "forward" if _is_forward(consumer) else "backward"
+                return [(gather_over_dp, group)]
+            steps = self.tp.layout_at_boundary(consumer, arg, state)
+            return None if steps is None else [((None, p[0]), group) for p, group in steps]
+
+        return at_use
+
+    def __repr__(self) -> str:
+        return f"FullyShardTensorParallel(plan={self.tp.plan}, mesh_shape={self.mesh_shape})"
