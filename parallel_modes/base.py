@@ -47,7 +47,7 @@ class ParallelMode(abc.ABC):
             )
         return self._mesh
 
-    def prepare(self, bindings: StepBindings) -> None:
+    def prepare(self, bindings: StepBindings) -> None:  # noqa: B027 - optional hook
         """Look at the step's modules before capture (e.g. match a plan); default no-op."""
 
     def capture_options(self) -> CaptureOptions:
