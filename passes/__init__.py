@@ -10,7 +10,11 @@ shows how to write one.
 
 from spmd_compiler.comm_stats import collective_kind
 
+from . import bucket_collectives as _bucket_collectives  # noqa: F401  (registers the pass)
 from . import remove_dead_nodes as _remove_dead_nodes  # noqa: F401  (registers the pass)
+from . import remove_duplicate_collectives as _remove_duplicate  # noqa: F401  (registers)
+from . import schedule_overlap as _schedule_overlap  # noqa: F401  (registers the pass)
+from .bucket_collectives import BucketOptions
 from .checks import (
     Check,
     check_program,
@@ -38,11 +42,19 @@ from .registry import (
     register_pass,
     registered_passes,
 )
+from .schedule_overlap import OverlapOptions
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("remove_dead_nodes",)
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "remove_dead_nodes",
+    "remove_duplicate_collectives",
+    "bucket_collectives",
+    "schedule_overlap",
+)
 
 __all__ = [
     "DEFAULT_PIPELINE",
+    "BucketOptions",
+    "OverlapOptions",
     "ENTRY_POINT_GROUP",
     "BoundPass",
     "Check",

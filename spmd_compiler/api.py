@@ -19,6 +19,7 @@ from spmd_compiler.passes import PassOptions
 
 from .bindings import StepBindings, find_bindings
 from .capture import capture_step
+from .comm_stats import collective_stats
 from .errors import SPMDCompileError
 from .expand import DistributedProgram
 from .runtime import StepTimings, install_state, run_program
@@ -132,6 +133,7 @@ class CompiledTrainStep:
         self.mode.prepare(bindings)
         captured = capture_step(self.func, bindings, input_metas, self.mode.capture_options())
         program = self.mode.partition(captured, mesh)
+        program.collectives_before_passes = dict(collective_stats(program.graph_module).counts)
         program = self.mode.transform_and_compile(program, self.options)
         total = time.perf_counter() - start
         record = CompileRecord(

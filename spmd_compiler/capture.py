@@ -108,15 +108,23 @@ def capture_decompositions() -> dict:
 def _bernoulli_with_probability_tensor(
     self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """``x.bernoulli_(p)`` as ``bernoulli(full_like(x, p))``: functionalized, the former
-    becomes ``bernoulli.p``, which DTensor has no rule for; ``bernoulli.default`` is one
-    of its random ops."""
+    """``x.bernoulli_(p)`` as ``x.copy_(rand(global shape) < p)``.
+
+    NOTE: [random numbers]
+    The draw is a factory op of the GLOBAL shape, so every rank draws the same full
+    tensor from the same seed and keeps its slice of it (expansion treats values no
+    DTensor flowed into as Replicate; using them with a shard slices locally). Replicas
+    see the same numbers, shards their slice of one global draw, for every parallel mode
+    and world size, and two runs with one seed are identical. (Functionalized,
+    ``bernoulli_`` would also become ``bernoulli.p``, which DTensor has no rule for.)
+    """
     if generator is not None:
         raise SPMDCompileError(
             "bernoulli_ with an explicit torch.Generator cannot be captured.",
             hint="use the default generator (seed it with torch.manual_seed).",
         )
-    return self.copy_(torch.ops.aten.bernoulli.default(torch.full_like(self, p)))
+    draw = torch.rand(tuple(self.shape), dtype=torch.float32, device=self.device)
+    return self.copy_((draw < p).to(self.dtype))
 
 
 def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:

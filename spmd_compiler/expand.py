@@ -54,6 +54,8 @@ class DistributedProgram:
     local_inputs: list[TensorMeta]
     # parameter name -> (true rows, padded rows), see NOTE: [uneven shards]
     padded: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # collective launches per kind as expansion made them, before any pass
+    collectives_before_passes: dict[str, int] = field(default_factory=dict)
     expand_seconds: float = 0.0
     passes_applied: list[str] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)

@@ -31,12 +31,12 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
 
 
-def _run(mode, world_size, *, steps=3, batch=16, make_opt=None, model=None):
+def _run(mode, world_size, *, steps=3, batch=16, make_opt=None, model=None, disable_passes=()):
     model = model if model is not None else _mlp()
     reference = copy.deepcopy(model)
     make_opt = make_opt or (lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-5))
     optim, ref_optim = make_opt(model.parameters()), make_opt(reference.parameters())
-    step = sc.compile(mode)(_step)
+    step = sc.compile(mode, disable_passes=disable_passes)(_step)
     gen = torch.Generator().manual_seed(1)
     with sc.simulate(world_size) as sim:
         for _ in range(steps):
@@ -117,8 +117,11 @@ def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+UNBUCKETED = ("bucket_collectives",)  # the expansion's own collectives, one per value
+
+
 def test_replicate_moves_one_all_reduce_of_gradients():
-    model, _, step, _ = _run(DataParallel("replicate"), 4)
+    model, _, step, _ = _run(DataParallel("replicate"), 4, disable_passes=UNBUCKETED)
     stats = collective_stats(step.last_program.graph_module)
     assert set(stats.counts) == {"all_reduce"}
     # every gradient once, plus two scalars: the loss and the loss's total weight
@@ -127,7 +130,9 @@ def test_replicate_moves_one_all_reduce_of_gradients():
 
 
 def test_fully_shard_bytes_without_reshard():
-    model, _, step, _ = _run(DataParallel("fully_shard", reshard_after_forward=False), 4)
+    model, _, step, _ = _run(
+        DataParallel("fully_shard", reshard_after_forward=False), 4, disable_passes=UNBUCKETED
+    )
     stats = collective_stats(step.last_program.graph_module)
     assert stats.bytes["all_gather"] == _param_bytes(model)  # each parameter once
     assert stats.bytes["reduce_scatter"] == _param_bytes(model)  # each gradient once
@@ -135,8 +140,15 @@ def test_fully_shard_bytes_without_reshard():
     assert stats.bytes.get("all_reduce", 0) == 2 * 4  # loss and total weight only
 
 
+def test_bucketing_keeps_the_bytes_and_cuts_the_launches():
+    model, _, step, _ = _run(DataParallel("replicate"), 4)
+    stats = collective_stats(step.last_program.graph_module)
+    assert stats.bytes["all_reduce"] == _param_bytes(model) + 2 * 4
+    assert stats.counts["all_reduce"] < len(list(model.parameters()))
+
+
 def test_fully_shard_reshard_gathers_again_only_what_backward_reads():
-    model, _, step, _ = _run(DataParallel("fully_shard"), 4)
+    model, _, step, _ = _run(DataParallel("fully_shard"), 4, disable_passes=UNBUCKETED)
     stats = collective_stats(step.last_program.graph_module)
     params = _param_bytes(model)
     # forward gathers every parameter once; backward re-gathers the ones it reads:

@@ -1,0 +1,224 @@
+"""schedule_overlap: issue collectives early and wait late, so communication overlaps compute.
+
+NOTE: [overlap schedule]
+Expansion puts each collective and its ``wait_tensor`` where the result is first needed
+(gradients: in the optimizer, after all of backward), so nothing overlaps. This pass
+moves each collective up to just after its last input, with the nodes that only feed it
+(its group node, NOTE: [collective groups]; a bucket's packing; a view of its input),
+and each wait down to just before the first use of its result. Nothing else moves, and
+no collective or wait crosses a side effect (NOTE: [side effects in scheduling]). A collective is *in flight* from its issue to its wait;
+its buffers stay allocated meanwhile, so the bytes in flight (``payload_bytes``) at any
+node are capped by ``OverlapOptions.max_in_flight_bytes``: a move stops where it would
+exceed the cap (a move already over the cap is not made worse). Collectives are hoisted
+by priority, the earliest ready first (values computed from graph inputs alone count as
+ready at the start), then the earliest needed, and none passes one of higher priority:
+early gradients get the budget first, and where backends run collectives in issue
+order, forward's gathers go before backward's. Then waits are sunk in program order.
+The relative order of collectives may change: the program is one graph for every rank,
+so every rank still issues the same sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx
+
+from spmd_compiler.comm_stats import collective_kind
+
+from . import bucket_collectives as _ordered_after  # noqa: F401  (registers it)
+from .collective_graph import is_barrier, is_free, options_for, payload_bytes, wait_of
+from .manager import PassContext, is_collective, is_wait, register_pass
+
+_Pending = tuple[torch.fx.Node, torch.fx.Node, int]  # collective, its wait, bytes in flight
+
+
+@dataclass(frozen=True)
+class OverlapOptions:
+    """Options of ``schedule_overlap``.
+
+    Args:
+        max_in_flight_bytes: most payload bytes of collectives issued and not yet waited,
+            at any point of the program (about ten default buckets).
+        kinds: the collective kinds to move (``all_reduce``, ``all_gather``,
+            ``reduce_scatter``, ``all_to_all``...); None moves every kind.
+    """
+
+    max_in_flight_bytes: int = 256 * 2**20
+    kinds: frozenset[str] | None = None
+
+
+@register_pass(
+    "schedule_overlap",
+    "issue collectives as soon as their inputs exist and wait just before first use",
+    after=("bucket_collectives",),
+    options=OverlapOptions,
+    changes_collectives=True,
+)
+def schedule_overlap(program, context: PassContext) -> bool:
+    """Move collectives up to their inputs and waits down to their first use.
+
+    Why: see NOTE: [overlap schedule]. A no-op (returns False) when every collective
+    already follows its inputs (or cannot move for the cap or a side effect) and every
+    wait precedes its first use, e.g. on a second run.
+
+    Before::
+
+        g1 = mm(a, b)                      # gradient ready
+        h = mm(c, d)                       # more backward compute
+        r = all_reduce(g1, "sum", pg); w = wait_tensor(r); p = sub(x, w)
+
+    After::
+
+        g1 = mm(a, b)
+        r = all_reduce(g1, "sum", pg)      # in flight while h is computed
+        h = mm(c, d)
+        w = wait_tensor(r); p = sub(x, w)
+
+    Args:
+        program: the per-rank program; its graph is reordered in place.
+        context: ``context.options`` is an ``OverlapOptions``.
+
+    Returns:
+        Whether any node moved.
+    """
+    options = options_for(context, "schedule_overlap", OverlapOptions())
+    graph = program.graph_module.graph
+    order = list(graph.nodes)
+    pending = [
+        (node, wait, payload_bytes(node))
+        for node in order
+        if is_collective(node)
+        and (wait := wait_of(node)) is not None
+        and (options.kinds is None or collective_kind(node) in options.kinds)
+    ]
+    if not pending:
+        return False
+    before = list(order)
+    _hoist_collectives(order, pending, options.max_in_flight_bytes)
+    _sink_waits(order, pending, options.max_in_flight_bytes)
+    if order == before:
+        return False
+    output = order[-1]
+    for node in order[:-1]:
+        output.prepend(node)
+    return True
+
+
+def _hoist_collectives(order: list[torch.fx.Node], pending: list[_Pending], cap: int) -> None:
+    """Move each collective (with its feeders) up to its inputs, by priority: first the
+    earliest ready, then the earliest needed. A collective does not pass one of higher
+    priority, so the issue order follows the priority."""
+    index = _index(order)
+    prologue = _prologue(order)
+
+    def priority(item: _Pending) -> tuple[int, int]:
+        collective, wait, _ = item
+        floor = _floor(collective, order, index)
+        ready = -1 if floor < 0 or order[floor] in prologue else floor
+        return ready, min((index[u] for u in wait.users), default=len(order))
+
+    placed: set[torch.fx.Node] = set()
+    for collective, _, nbytes in sorted(pending, key=priority):
+        placed.add(collective)
+        index = _index(order)
+        in_flight = _in_flight(order, pending, index)
+        floor = _floor(collective, order, index)
+        start = target = index[collective]
+        while (
+            target - 1 > floor
+            and order[target - 1] not in placed
+            and in_flight[target - 1] + nbytes <= cap
+        ):
+            target -= 1
+        if target == start:
+            continue
+        chain = _feeders(collective)
+        moved = [n for n in order[target:start] if n in chain] + [collective]
+        rest = [n for n in order[target : start + 1] if n not in moved]
+        order[target : start + 1] = moved + rest
+
+
+def _sink_waits(order: list[torch.fx.Node], pending: list[_Pending], cap: int) -> None:
+    """Move each wait down to just before its first use (or a side effect, or the cap)."""
+    for _, wait, nbytes in list(pending):
+        if not wait.users:
+            continue
+        index = _index(order)
+        in_flight = _in_flight(order, pending, index)
+        start = index[wait]
+        ceiling = min(index[u] for u in wait.users)
+        target = start + 1  # the wait will sit just before order[target]
+        while (
+            target < ceiling and not is_barrier(order[target]) and in_flight[target] + nbytes <= cap
+        ):
+            target += 1
+        if target > start + 1:
+            order.insert(target - 1, order.pop(start))
+
+
+def _floor(collective: torch.fx.Node, order: list[torch.fx.Node], index: dict) -> int:
+    """Index of the last node the collective (and its feeders) must stay after: an
+    input from outside the feeders, a side effect before it, or the last placeholder."""
+    chain = _feeders(collective)
+    inputs = {a for n in chain | {collective} for a in n.all_input_nodes} - chain
+    floor = max((index[n] for n in inputs), default=-1)
+    for i in range(index[collective] - 1, floor, -1):
+        if is_barrier(order[i]) or order[i].op == "placeholder":
+            return i
+    return floor
+
+
+def _in_flight(order: list[torch.fx.Node], pending: list[_Pending], index: dict) -> list[int]:
+    """Bytes in flight while each node runs (collectives issued before it, waited after)."""
+    delta = [0] * (len(order) + 1)
+    for collective, wait, nbytes in pending:
+        delta[index[collective] + 1] += nbytes
+        delta[index[wait]] -= nbytes
+    total, out = 0, []
+    for d in delta[:-1]:
+        total += d
+        out.append(total)
+    return out
+
+
+def _feeders(collective: torch.fx.Node) -> set[torch.fx.Node]:
+    """Nodes that move with the collective: its free group nodes and the pure nodes that
+    only feed it (a bucket's packing, a view of the input)."""
+    chain: set[torch.fx.Node] = set()
+    stack = list(collective.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in chain:
+            continue
+        private = (
+            n.op == "call_function"
+            and not is_barrier(n)
+            and not n.is_impure()
+            and not is_collective(n)
+            and not is_wait(n)
+            and all(u is collective or u in chain for u in n.users)
+        )
+        if is_free(n) or private:
+            chain.add(n)
+            stack.extend(n.all_input_nodes)
+    return chain
+
+
+def _prologue(order: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Nodes computed from graph inputs alone (ready at the start, wherever they sit)."""
+    found: set[torch.fx.Node] = set()
+    for n in order:
+        if n.op in ("placeholder", "get_attr") or (
+            n.op == "call_function"
+            and not is_barrier(n)
+            and not is_collective(n)
+            and not is_wait(n)
+            and all(a in found for a in n.all_input_nodes)
+        ):
+            found.add(n)
+    return found
+
+
+def _index(order: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(order)}
