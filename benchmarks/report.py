@@ -1,0 +1,172 @@
+"""Turn the suite's numbers into targets, JSON, a markdown table and (if possible) a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .cpu_suite import PAIRS
+
+STYLE = {"compiled_ddp": "ddp", "compiled_fsdp": "fsdp", "compiled_tp": "tp"}
+# Step-time ratio (compiled / torch eager) each style aims for (the issue's targets).
+TIME_TARGETS = {"ddp": 1.0, "fsdp": 0.8, "tp": 0.9}
+COMPILE_SCALING_TARGET = 2.2
+
+
+def minimum_bytes(style: str, param_bytes: int) -> int | None:
+    """Least payload per rank and step (comm_stats' convention): DDP all-reduces every
+    gradient once; FSDP gathers every parameter once and reduce-scatters every gradient
+    once. TP has no simple minimum: reported as measured."""
+    return {"ddp": param_bytes, "fsdp": 2 * param_bytes}.get(style)
+
+
+def rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for case_name, case in suite["cases"].items():
+        times = case["step_seconds"]
+        for compiled, torch_run in PAIRS:
+            style = STYLE[compiled]
+            comp = case["compiled"][compiled]
+            minimum = minimum_bytes(style, case["param_bytes"])
+            ratio = times[compiled] / times[torch_run]
+            bytes_ratio = comp["total_bytes"] / minimum if minimum else None
+            row = {
+                "model": case_name,
+                "style": style,
+                "torch_run": torch_run,
+                "compiled_ms": 1e3 * times[compiled],
+                "torch_ms": 1e3 * times[torch_run],
+                "floor_ms": 1e3 * times["eager_1dev"],
+                "ratio": ratio,
+                "time_target": TIME_TARGETS[style],
+                "time_met": ratio <= TIME_TARGETS[style],
+                "collectives": comp["counts"],
+                "bytes": comp["total_bytes"],
+                "min_bytes": minimum,
+                "bytes_ratio": bytes_ratio,
+                "bytes_met": None if bytes_ratio is None else round(bytes_ratio, 2) <= 1.0,
+                "state_bytes_compiled": case["memory_per_rank"][compiled]["total"],
+                "state_bytes_torch": case["memory_per_rank"][torch_run]["total"],
+                "compile_seconds": comp["compile_seconds"],
+                "compile_count": comp["compile_count"],
+            }
+            if style == "tp":
+                row["torch_bytes"] = case["torch_tp_collectives"]["total_bytes"]
+            out.append(row)
+    return out
+
+
+def _kinds(counts: dict[str, int]) -> str:
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+    return " ".join(f"{n}{short.get(k, k)}" for k, n in sorted(counts.items()))
+
+
+def _met(value: bool | None) -> str:
+    return "n/a" if value is None else ("met" if value else "**missed**")
+
+
+def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
+    suite = results["suite"]
+    cal = suite["calibration"]
+    lines = [
+        f"CPU suite: {suite['world_size']} gloo ranks, 1 torch thread each, median of "
+        f"{results['options']['steps']} steps after {results['options']['warmup']} warm-up "
+        "(a step's time is its slowest rank's), pairs alternating A/B in one launch. "
+        f"Suite wall time {results['wall_seconds']['cpu_suite']:.0f} s.",
+        "",
+        "| model | style | compiled ms | torch ms | ratio (target) | 1-dev eager ms | "
+        "collectives/step | bytes/step | min bytes | bytes ratio | state MiB/rank (compiled / torch) | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        min_bytes = f"{r['min_bytes']:,}" if r["min_bytes"] else "n/a"
+        if r["bytes_ratio"] is None:
+            bytes_ratio = f"torch TP: {r['torch_bytes']:,}"
+        else:
+            bytes_ratio = f"{r['bytes_ratio']:.3f} ({_met(r['bytes_met'])})"
+        lines.append(
+            f"| {r['model']} | {r['style']} vs {r['torch_run']} | {r['compiled_ms']:.2f} | "
+            f"{r['torch_ms']:.2f} | {r['ratio']:.2f} (<= {r['time_target']}: "
+            f"{_met(r['time_met'])}) | {r['floor_ms']:.2f} | {_kinds(r['collectives'])} | "
+            f"{r['bytes']:,} | {min_bytes} | {bytes_ratio} | "
+            f"{r['state_bytes_compiled'] / 2**20:.2f} / {r['state_bytes_torch'] / 2**20:.2f} | "
+            f"{r['compile_seconds']:.1f} ({r['compile_count']} programs) |"
+        )
+    scaling = results["compile_scaling"]
+    lines += [
+        "",
+        f"Compile time ({scaling['mode']}, {scaling['world_size']} simulated ranks, first "
+        "program: capture + expand + passes), demo GPT width 64:",
+        "",
+        "| layers | capture s | expand s | passes s | total s | s / layer | graph nodes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, rec in scaling["layers"].items():
+        lines.append(
+            f"| {n} | {rec['capture']:.2f} | {rec['expand']:.2f} | {rec['passes']:.2f} | "
+            f"{rec['total']:.2f} | {rec['total'] / int(n):.2f} | {int(rec['nodes'])} |"
+        )
+    ratio = scaling["time_ratio"]
+    deep, half = scaling["ratio_layers"]
+    lines += [
+        "",
+        f"time({deep}) / time({half}) = {ratio:.2f} (target <= {COMPILE_SCALING_TARGET}: "
+        f"{_met(ratio <= COMPILE_SCALING_TARGET)})",
+        "",
+        "Simulated timelines (model, not measurement: `benchmarks/timeline.py`; gloo "
+        f"calibrated alpha {cal['alpha_seconds'] * 1e6:.0f} us, beta "
+        f"{cal['beta_bytes_per_second'] / 1e9:.2f} GB/s; compute "
+        f"{results['compute_model']['flops_per_second'] / 1e9:.1f} GFLOP/s matmul, "
+        f"{results['compute_model']['bytes_per_second'] / 1e9:.1f} GB/s, "
+        f"{results['compute_model']['per_op_seconds'] * 1e6:.1f} us/op):",
+        "",
+        "| program | modelled step ms | compute ms | comm ms | exposed comm ms | exposed fraction | trace |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, t in results["timelines"].items():
+        lines.append(
+            f"| {name} | {t['step'] * 1e3:.2f} | {t['compute'] * 1e3:.2f} | "
+            f"{t['communication'] * 1e3:.2f} | {t['exposed'] * 1e3:.2f} | "
+            f"{t['exposed_fraction']:.2f} | `{t['file']}` |"
+        )
+    lines += ["", "Notes:"] + [f"- {note}" for note in results["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: list[dict[str, Any]], path: str) -> str | None:
+    """Bar plot of step times; returns why it was skipped, or None when written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG plot was written (not a dependency)."
+    labels = [f"{r['model']}\n{r['style']}" for r in table]
+    xs = range(len(table))
+    fig, ax = plt.subplots(figsize=(max(6, len(table)), 4))
+    ax.bar([x - 0.2 for x in xs], [r["compiled_ms"] for r in table], 0.4, label="compiled")
+    ax.bar([x + 0.2 for x in xs], [r["torch_ms"] for r in table], 0.4, label="torch eager")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("median step ms")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
+def write(results: dict[str, Any], folder: str, name: str) -> dict[str, str]:
+    os.makedirs(folder, exist_ok=True)
+    table = rows(results["suite"])
+    why_no_plot = plot(table, os.path.join(folder, f"{name}.png"))
+    if why_no_plot:
+        results["notes"].append(why_no_plot)
+    results["table"] = table
+    paths = {"json": os.path.join(folder, f"{name}.json"), "md": os.path.join(folder, f"{name}.md")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    with open(paths["md"], "w") as f:
+        f.write(markdown(results, table))
+    return paths

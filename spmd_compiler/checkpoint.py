@@ -1,0 +1,120 @@
+"""Save and resume compiled training with ``torch.distributed.checkpoint`` (DCP).
+
+    sc.checkpoint.save("ckpt/step100", model, optimizer)        # every rank calls it
+    ...
+    model, optimizer = build()                                  # fresh process
+    sc.checkpoint.load("ckpt/step100", model, optimizer)        # before or after compiling
+    loss = train_step(model, optimizer, x, y)                   # continues exactly
+
+NOTE: [checkpoint layout]
+The checkpoint is the state dict of ``torch.distributed.checkpoint.state_dict.
+get_state_dict``: parameters and buffers by FQN, optimizer state keyed by parameter FQN
+(not by position), so a checkpoint loads into any parallel mode and any world size: DCP
+stores each rank's shard with its global offsets and reads back whatever shard the
+loading rank holds (resharding, e.g. fully_shard -> replicate).
+
+``load`` works in both states of a model (NOTE: [state ownership] in runtime.py):
+
+- compiled (parameters are DTensors): DCP reads each rank's shards in place.
+- not yet compiled (plain tensors): every rank reads the full tensors, and the first
+  compiled call installs them with the mode's placements. An optimizer that has not
+  stepped yet has no state to read into; ``get_state_dict`` creates it with one step at
+  ``lr=0`` on zero gradients (parameters do not change). Reading full tensors costs
+  one full copy of the model and optimizer per rank, once; use a compiled model where
+  that does not fit.
+
+Compiled steps keep Adam's step counter as a float64 0-d tensor; an eager optimizer keeps
+float32. Counters are small integers, exact in both, and DCP copies into whatever dtype
+the loading side holds, so checkpoints cross between eager and compiled training.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optimizer"
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    optimizers = [optimizer] if optimizer is not None else []
+    model_state, optim_state = get_state_dict(model, optimizers)
+    state: dict[str, Any] = {MODEL_KEY: model_state}
+    if optimizer is not None:
+        state[OPTIMIZER_KEY] = optim_state
+    return state
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Write ``model`` (and ``optimizer``) state to the folder ``path``; every rank calls it.
+
+    Each rank writes its own shards (no gather). Works on compiled (DTensor) and plain
+    state; see NOTE: [checkpoint layout].
+
+    Args:
+        path: a folder, created if missing; shared by all ranks.
+        model: the model the compiled step trains.
+        optimizer: its optimizer, or None to save the model only.
+    """
+    dcp.save(_state(model, optimizer), checkpoint_id=os.fspath(path))
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Read the state saved by ``save`` into ``model`` (and ``optimizer``), in place.
+
+    Why: resume training, possibly with another parallel mode or world size. Call it on
+    every rank, before the first compiled call or after it (NOTE: [checkpoint layout]).
+    The model's parameter objects stay the same, so a compiled step keeps its programs.
+
+    Args:
+        path: the folder ``save`` wrote.
+        model: a model of the same architecture.
+        optimizer: an optimizer of the same type and param groups, or None.
+    """
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    optimizers = [optimizer] if optimizer is not None else []
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=state[MODEL_KEY],
+        optim_state_dict=state.get(OPTIMIZER_KEY, {}),
+    )
+
+
+def full_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """The unsharded state as plain CPU tensors on rank 0 (``{}`` on other ranks), for export.
+
+    A collective: every rank must call it. The result is ``{"model": ..., "optimizer":
+    ...}`` with the layout of NOTE: [checkpoint layout]; ``torch.save`` it, or load its
+    ``"model"`` entry into an uncompiled model with ``load_state_dict``.
+    """
+    optimizers = [optimizer] if optimizer is not None else []
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(model, optimizers, options=options)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    out: dict[str, Any] = {MODEL_KEY: model_state}
+    if optimizer is not None:
+        out[OPTIMIZER_KEY] = optim_state
+    return out

@@ -1,0 +1,179 @@
+"""Real gloo runs on 2 processes: save, resume, reshard and export compiled training state.
+
+The uninterrupted run trains 4 steps with ``DataParallel("fully_shard")`` and saves after
+step 2. A resumed run (a fresh launch) builds the model, loads the checkpoint and trains
+steps 3 and 4: with the same mode and world size its losses and final state must equal
+the uninterrupted run bit for bit. Loading into ``DataParallel("replicate")`` reshards
+(fully_shard rows -> full copies) and must match to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import spmd_compiler as sc
+from spmd_compiler import checkpoint
+from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.parity import full_state, relative_difference
+
+pytestmark = pytest.mark.dist
+
+WORLD_SIZE = 2
+STEPS, SAVE_AFTER = 4, 2
+GLOBAL_BATCH = 8
+# 10 hidden rows: fully_shard splits the first layer's rows evenly over 2 ranks, the
+# 3 output rows unevenly (2 + 1), so the checkpoint holds padded-mode shards too.
+FEATURES, HIDDEN, CLASSES = 8, 10, 3
+
+
+def train_step(
+    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU(), nn.Linear(HIDDEN, CLASSES)
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def local_batches(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1234)
+    per_rank = GLOBAL_BATCH // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randn(GLOBAL_BATCH, FEATURES, generator=gen)
+        y = torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=gen)
+        out.append((x[rows], y[rows]))
+    return out
+
+
+def uninterrupted_worker(rank: int, world_size: int, folder: str) -> dict[str, object]:
+    model, optim = build()
+    step = sc.compile(DataParallel("fully_shard"))(train_step)
+    losses = []
+    exported: dict[str, object] = {}
+    for i, (x, y) in enumerate(local_batches(rank, world_size)):
+        losses.append(step(model, optim, x, y).detach().clone())
+        if i + 1 == SAVE_AFTER:
+            checkpoint.save(folder, model, optim)
+            exported = checkpoint.full_state_dict(model, optim)
+            saved = full_state(model, optim, None)
+    return {
+        "losses": torch.stack(losses),
+        "saved": saved,
+        "exported": exported,
+        "state": full_state(model, optim, None),
+        "dtensors": all(isinstance(v, DTensor) for v in model.state_dict().values()),
+    }
+
+
+def resumed_worker(
+    rank: int, world_size: int, folder: str, mode: str, compile_first: bool
+) -> dict[str, object]:
+    """Load ``folder`` into a fresh model and train the remaining steps.
+
+    ``compile_first``: run one compiled step on other data before loading, so that the
+    checkpoint is read into DTensors (in place) rather than into plain tensors.
+    """
+    model, optim = build()
+    step = sc.compile(DataParallel(mode))(train_step)
+    batches = local_batches(rank, world_size)
+    if compile_first:
+        x, y = batches[0]
+        step(model, optim, x.flip(0), y.flip(0))
+        assert isinstance(model[0].weight, DTensor)
+    checkpoint.load(folder, model, optim)
+    loaded = full_state(model, optim, None)
+    losses = [step(model, optim, x, y).detach().clone() for x, y in batches[SAVE_AFTER:]]
+    return {
+        "losses": torch.stack(losses),
+        "loaded": loaded,
+        "state": full_state(model, optim, None),
+    }
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("ckpt") / "step2")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(folder: str) -> list[dict[str, object]]:
+    return sc.launch(uninterrupted_worker, WORLD_SIZE, args=(folder,), timeout_s=180)
+
+
+def _resume(folder: str, mode: str, compile_first: bool) -> list[dict[str, object]]:
+    return sc.launch(resumed_worker, WORLD_SIZE, args=(folder, mode, compile_first), timeout_s=180)
+
+
+def _assert_state_equal(got: dict, want: dict, exact: bool, what: str) -> None:
+    assert set(got) == set(want), what
+    for key, value in want.items():
+        if exact:
+            assert torch.equal(got[key].to(value.dtype), value), f"{what}: {key} differs"
+        else:
+            err = relative_difference(got[key], value)
+            assert err < 1e-5, f"{what}: {key} differs by {err:.2e}"
+
+
+def test_uninterrupted_run_trains(uninterrupted: list[dict[str, object]]) -> None:
+    result = uninterrupted[0]
+    assert result["dtensors"]
+    assert not torch.equal(result["saved"]["param.0.weight"], result["state"]["param.0.weight"])
+    assert torch.equal(uninterrupted[0]["losses"], uninterrupted[1]["losses"])
+
+
+@pytest.mark.parametrize(
+    "compile_first", [False, True], ids=["load_then_compile", "compile_then_load"]
+)
+def test_resume_same_mode_is_bitwise(
+    uninterrupted: list[dict[str, object]], folder: str, compile_first: bool
+) -> None:
+    resumed = _resume(folder, "fully_shard", compile_first)
+    for rank in range(WORLD_SIZE):
+        want, got = uninterrupted[rank], resumed[rank]
+        _assert_state_equal(got["loaded"], want["saved"], exact=True, what=f"rank {rank} loaded")
+        assert torch.equal(got["losses"], want["losses"][SAVE_AFTER:]), (
+            f"rank {rank}: resumed losses {got['losses']} != {want['losses'][SAVE_AFTER:]}"
+        )
+        _assert_state_equal(got["state"], want["state"], exact=True, what=f"rank {rank} final")
+
+
+def test_fully_shard_checkpoint_loads_into_replicate(
+    uninterrupted: list[dict[str, object]], folder: str
+) -> None:
+    resumed = _resume(folder, "replicate", compile_first=True)
+    want = uninterrupted[0]
+    _assert_state_equal(resumed[0]["loaded"], want["saved"], exact=True, what="loaded")
+    err = relative_difference(resumed[0]["losses"], want["losses"][SAVE_AFTER:])
+    assert err < 1e-6, f"losses differ by {err:.2e}"
+    _assert_state_equal(resumed[0]["state"], want["state"], exact=False, what="final")
+
+
+def test_full_state_dict_on_rank_0_only(uninterrupted: list[dict[str, object]]) -> None:
+    exported, saved = uninterrupted[0]["exported"], uninterrupted[0]["saved"]
+    assert uninterrupted[1]["exported"] == {}
+    model_state = exported["model"]
+    assert all(type(v) is torch.Tensor for v in model_state.values())
+    for name, value in model_state.items():
+        assert torch.equal(value, saved[f"param.{name}"]), name
+    # the export loads into a plain, uncompiled model
+    model, _ = build()
+    model.load_state_dict(model_state)
+    state = exported["optimizer"]["state"]
+    assert set(state) == {name for name, _ in model.named_parameters()}
+    assert torch.equal(state["3.weight"]["exp_avg"], saved["optim.g0.p4.exp_avg"])
+    assert float(state["3.weight"]["step"]) == SAVE_AFTER
