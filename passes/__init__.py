@@ -11,6 +11,7 @@ shows how to write one.
 from spmd_compiler.comm_stats import collective_kind
 
 from . import bucket_collectives as _bucket_collectives  # noqa: F401  (registers the pass)
+from . import fuse_optimizer_updates as _fuse_optimizer_updates  # noqa: F401  (registers)
 from . import remove_dead_nodes as _remove_dead_nodes  # noqa: F401  (registers the pass)
 from . import remove_duplicate_collectives as _remove_duplicate  # noqa: F401  (registers)
 from . import schedule_overlap as _schedule_overlap  # noqa: F401  (registers the pass)
@@ -49,6 +50,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "remove_duplicate_collectives",
     "bucket_collectives",
     "schedule_overlap",
+    "fuse_optimizer_updates",
 )
 
 __all__ = [
