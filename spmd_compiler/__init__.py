@@ -10,13 +10,14 @@ See DESIGN.md for the pipeline: capture -> plan -> expand -> passes -> run.
 """
 
 from .api import CompiledTrainStep, compile
-from .errors import SPMDCompileError
+from .errors import SPMDCompileError, SPMDRuntimeError
 from .launch import init_from_env, launch
 from .simulate import Simulation, active_simulation, simulate
 
 __all__ = [
     "CompiledTrainStep",
     "SPMDCompileError",
+    "SPMDRuntimeError",
     "Simulation",
     "active_simulation",
     "compile",

@@ -67,6 +67,10 @@ class SPMDCompileError(RuntimeError):
         super().__init__("\n".join(parts))
 
 
+class SPMDRuntimeError(RuntimeError):
+    """A compiled step failed while running (e.g. a peer rank died); state is intact."""
+
+
 def step_frame_from_traceback(
     tb: types.TracebackType | None, step_code: types.CodeType
 ) -> SourceLocation | None:

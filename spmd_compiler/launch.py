@@ -77,6 +77,7 @@ def launch(
     backend: str = "gloo",
     args: Sequence[Any] = (),
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    collective_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks of a real process group.
 
@@ -93,7 +94,9 @@ def launch(
             cuda:r).
         args: extra positional arguments for ``fn``; must be picklable.
         timeout_s: wall-clock limit for the whole run; also the process group's
-            collective timeout.
+            collective timeout unless ``collective_timeout_s`` is given.
+        collective_timeout_s: how long a collective waits for the other ranks before
+            it fails (a rank that died makes the others fail after this, not hang).
 
     Returns:
         The value each rank's ``fn`` returned, indexed by rank.
@@ -118,7 +121,10 @@ def launch(
         procs = [
             ctx.Process(
                 target=_run_rank,
-                args=(fn, rank, world_size, backend, tuple(args), timeout_s, env, folder),
+                args=(
+                    fn, rank, world_size, backend, tuple(args),
+                    collective_timeout_s or timeout_s, env, folder,
+                ),
                 name=f"spmd-rank{rank}",
             )
             for rank in range(world_size)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.utils import _pytree as pytree
@@ -24,7 +25,7 @@ from torch.utils import _pytree as pytree
 from . import _torch_private as private
 from .bindings import StepBindings
 from .capture import HYPERPARAM_DTYPE, state_dtype
-from .errors import SPMDCompileError
+from .errors import SPMDCompileError, SPMDRuntimeError
 from .expand import DistributedProgram, Placements, _contiguous_stride, format_placements
 from .signature import Kind, StateRef, TensorMeta
 from .simulate import Simulation
@@ -160,7 +161,16 @@ def run_program(
         with sim.ranks():
             outs = program.graph_module(*flat)
     else:
-        outs = program.graph_module(*flat)
+        try:
+            outs = program.graph_module(*flat)
+        except Exception as exc:
+            # NOTE: [state ownership]: nothing was written back, the state is intact.
+            raise SPMDRuntimeError(
+                f"The compiled step failed on rank {dist.get_rank()}: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}. When a collective fails "
+                "or times out, another rank has usually failed or died. The model and "
+                "optimizer hold the state of the last completed step."
+            ) from exc
     returned = _write_back(program, bindings, list(outs), sim)
     leaves = [returned[v] if kind == "tensor" else v for kind, v in captured.return_leaves]
     return pytree.tree_unflatten(leaves, captured.return_spec)
