@@ -177,3 +177,15 @@ def test_full_state_dict_on_rank_0_only(uninterrupted: list[dict[str, object]]) 
     assert set(state) == {name for name, _ in model.named_parameters()}
     assert torch.equal(state["3.weight"]["exp_avg"], saved["optim.g0.p4.exp_avg"])
     assert float(state["3.weight"]["step"]) == SAVE_AFTER
+
+
+def test_two_rank_fully_shard_checkpoint_loads_into_one_rank_replicate(
+    uninterrupted: list[dict[str, object]], folder: str
+) -> None:
+    """A different world size AND mode: DCP reshards 2 padded FSDP shards into 1 copy."""
+    resumed = sc.launch(resumed_worker, 1, args=(folder, "replicate", True), timeout_s=180)
+    want = uninterrupted[0]
+    _assert_state_equal(resumed[0]["loaded"], want["saved"], exact=True, what="loaded")
+    err = relative_difference(resumed[0]["losses"], want["losses"][SAVE_AFTER:])
+    assert err < 1e-6, f"losses differ by {err:.2e}"
+    _assert_state_equal(resumed[0]["state"], want["state"], exact=False, what="final")
