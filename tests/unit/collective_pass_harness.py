@@ -27,13 +27,18 @@ TOL = 1e-5
 Setup = tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, ...]]]
 
 
-# the collective passes of the default pipeline; the harness runs exactly the ones a
+# the optimization passes of the default pipeline; the harness runs exactly the ones a
 # test names, so "off" really is off
-COLLECTIVE_PASSES = ("remove_duplicate_collectives", "bucket_collectives", "schedule_overlap")
+OPTIMIZATION_PASSES = (
+    "remove_duplicate_collectives",
+    "bucket_collectives",
+    "schedule_overlap",
+    "fuse_optimizer_updates",
+)
 
 
 class DataParallelWithPasses(DataParallel):
-    """DataParallel whose program runs the default pipeline without the collective
+    """DataParallel whose program runs the default pipeline without its optimization
     passes, then ``passes`` (explicitly) with ``pass_options`` bound."""
 
     def __init__(
@@ -48,7 +53,7 @@ class DataParallelWithPasses(DataParallel):
         self.pass_options = {k: v for k, v in (pass_options or {}).items() if k in self.passes}
 
     def transform_and_compile(self, program, options=None):
-        base = PassOptions(disabled=frozenset(COLLECTIVE_PASSES))
+        base = PassOptions(disabled=frozenset(OPTIMIZATION_PASSES))
         program = super().transform_and_compile(program, base)
         return run_pipeline(
             program, PassOptions(pass_options=self.pass_options), pipeline=self.passes
