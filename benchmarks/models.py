@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from spmd_compiler.demo.data import batches, markov_corpus
 from spmd_compiler.demo.gpt import GPT, GPTConfig, gpt_tp_plan, gpt_train_step
+from spmd_compiler.demo.steps import classification_train_step
 
 # Adam eps as in the demo (NOTE: [Adam eps and parity]); timing does not depend on it.
 ADAM_EPS = 1e-4
@@ -50,14 +50,7 @@ CPU_CASES = (
 SEQUENCE, VOCAB = 32, 64
 
 
-def mlp_train_step(
-    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+mlp_train_step = classification_train_step
 
 
 def gpt_config(case: Case) -> GPTConfig:

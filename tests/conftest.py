@@ -19,22 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd_compiler as sc
+from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.parity import compare_models, compare_optimizers, relative_difference
 
 Batch = tuple[torch.Tensor, ...]
 
 
-def standard_train_step(
-    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+standard_train_step = classification_train_step
 
 
 @dataclass

@@ -19,6 +19,7 @@ import spmd_compiler as sc
 from spmd_compiler import checkpoint
 from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
 
@@ -30,14 +31,7 @@ GLOBAL_BATCH = 8
 FEATURES, HIDDEN, CLASSES = 8, 10, 3
 
 
-def train_step(
-    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+train_step = classification_train_step
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 import spmd_compiler as sc
 from spmd_compiler.launch import LaunchError
 from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
 
@@ -35,14 +36,7 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
 }
 
 
-def train_step(
-    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+train_step = classification_train_step
 
 
 def make_model() -> nn.Module:

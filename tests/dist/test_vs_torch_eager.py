@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 import spmd_compiler as sc
 from spmd_compiler import parallel_modes
 from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
 
@@ -69,14 +70,7 @@ MIXED_PRECISIONS = [precision for precision in PRECISIONS if precision != "fp32"
 MIXED_PRECISION_OPTIMIZER = "adamw"
 
 
-def train_step(
-    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+train_step = classification_train_step
 
 
 def make_model() -> nn.Sequential:
