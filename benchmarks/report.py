@@ -142,7 +142,7 @@ def plot(table: list[dict[str, Any]], path: str) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no PNG plot was written (not a dependency)."
+        return "matplotlib is not installed: no PNG plot was written (pip install -e .[bench])."
     labels = [f"{r['model']}\n{r['style']}" for r in table]
     xs = range(len(table))
     fig, ax = plt.subplots(figsize=(max(6, len(table)), 4))
