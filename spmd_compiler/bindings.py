@@ -9,7 +9,7 @@ learning rates by (optimizer, param group).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,12 +36,18 @@ class StepBindings:
     module_fqns: dict[int, str]  # id(submodule) -> display FQN
     flat_args: list[Any]
     args_spec: pytree.TreeSpec
+    _name_of: dict[int, str] = field(default_factory=dict, repr=False)
 
     def param_name(self, p: torch.Tensor) -> str:
-        for name, q in self.params.items():
-            if q is p:
-                return name
-        raise KeyError("parameter not found")
+        """The name of parameter ``p`` (by identity; O(1) per call, the table is rebuilt
+        when parameters were replaced, e.g. by the runtime installing DTensors)."""
+        name = self._name_of.get(id(p))
+        if name is None or self.params.get(name) is not p:
+            self._name_of = {id(q): n for n, q in self.params.items()}
+            name = self._name_of.get(id(p))
+            if name is None:
+                raise KeyError("parameter not found")
+        return name
 
     def tensor_args(self) -> list[tuple[int, torch.Tensor]]:
         return [(i, a) for i, a in enumerate(self.flat_args) if isinstance(a, torch.Tensor)]
