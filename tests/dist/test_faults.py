@@ -13,16 +13,12 @@ import torch.nn.functional as F
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
 from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.demo.steps import classification_train_step
 
 COLLECTIVE_TIMEOUT_S = 8.0
 
 
-def _step(model, optim, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+_step = classification_train_step
 
 
 def _worker(rank: int, world_size: int) -> dict:

@@ -12,18 +12,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import spmd_compiler as sc
 from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.parity import compare_models, compare_optimizers, max_difference
 
 TOL = 1e-5
 
 
-def _step(model, optim, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+_step = classification_train_step
 
 
 def _mlp() -> nn.Module:

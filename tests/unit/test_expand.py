@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 import spmd_compiler as sc
 from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.errors import ORIGIN, PLACEMENT
 from spmd_compiler.passes.manager import check_program
 
-
-def _step(model, optim, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+_step = classification_train_step
 
 
 def _compiled_mlp(world_size: int, optimizer=torch.optim.AdamW):

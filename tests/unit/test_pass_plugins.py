@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.passes import (
     DEFAULT_PIPELINE,
     ENTRY_POINT_GROUP,
@@ -92,12 +92,7 @@ def site(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _step(model, optim, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+_step = classification_train_step
 
 
 def _default_order() -> list[str]:
