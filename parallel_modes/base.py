@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
@@ -87,7 +86,3 @@ class ParallelMode(abc.ABC):
 
 def replicate(mesh: DeviceMesh) -> tuple[Placement, ...]:
     return tuple(Replicate() for _ in range(mesh.ndim))
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    return torch.device(mesh.device_type)

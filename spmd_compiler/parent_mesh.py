@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
@@ -114,8 +113,3 @@ def _normalized(p: Placement, ndim: int) -> Placement:
     if isinstance(p, Shard) and not private.is_strided_shard(p) and p.dim < 0:
         return Shard(p.dim % ndim)
     return p
-
-
-def full_value(t: DTensor) -> torch.Tensor:
-    """The full tensor (a collective on real ranks)."""
-    return t.full_tensor()
