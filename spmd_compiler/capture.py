@@ -57,6 +57,10 @@ from .graph_utils import (
 from .signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta
 
 HYPERPARAM_DTYPE = torch.float64
+SCHEDULER_HINT = (
+    "call scheduler.step() outside the compiled train step; the learning rate is read "
+    "as a graph input on every call."
+)
 
 # NOTE: [float64 step counters]
 # Eager optimizers read the step counter with ``.item()`` and compute Adam's bias
@@ -204,8 +208,7 @@ def capture_step(
                 "An LR scheduler stepped inside the compiled train step: it assigns "
                 "optimizer.param_groups[i]['lr'], which a compiled step reads as an input.",
                 user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
-                hint="call scheduler.step() outside the compiled train step; the learning "
-                "rate is read as a graph input on every call.",
+                hint=SCHEDULER_HINT,
             ) from exc
         raise SPMDCompileError(
             f"Capturing the train step failed: {type(exc).__name__}: {exc}",
@@ -417,8 +420,7 @@ def _check_python_state(opt, oi, groups, before, state, values) -> None:
             raise SPMDCompileError(
                 f"The train step changes optimizer[{oi}].param_groups[{gi}]['lr'] "
                 "(an LR scheduler stepped inside the compiled step?).",
-                hint="call scheduler.step() outside the compiled train step; the learning "
-                "rate is read as a graph input on every call.",
+                hint=SCHEDULER_HINT,
             )
     for p, entries in state.items():
         for key, value in entries.items():
