@@ -11,6 +11,7 @@ shows how to write one.
 from spmd_compiler.comm_stats import collective_kind
 
 from . import bucket_collectives as _bucket_collectives  # noqa: F401  (registers the pass)
+from . import cross_iteration_overlap as _cross_iteration  # noqa: F401  (registers, off by default)
 from . import fuse_optimizer_updates as _fuse_optimizer_updates  # noqa: F401  (registers)
 from . import remove_dead_nodes as _remove_dead_nodes  # noqa: F401  (registers the pass)
 from . import remove_duplicate_collectives as _remove_duplicate  # noqa: F401  (registers)
@@ -26,6 +27,7 @@ from .checks import (
     short_op_name,
 )
 from .cost_model import CostModel
+from .cross_iteration_overlap import CrossIterationOptions
 from .manager import (
     BoundPass,
     PassContext,
@@ -56,6 +58,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
 __all__ = [
     "DEFAULT_PIPELINE",
     "BucketOptions",
+    "CrossIterationOptions",
     "OverlapOptions",
     "ENTRY_POINT_GROUP",
     "BoundPass",

@@ -47,6 +47,7 @@ from spmd_compiler.errors import CREATED_BY
 
 from . import remove_duplicate_collectives as _ordered_after  # noqa: F401  (registers it)
 from .collective_graph import (
+    DEFERRED,
     WAIT,
     CollectiveCall,
     erase_if_unused,
@@ -161,7 +162,10 @@ def _candidates(graph: torch.fx.Graph, options: BucketOptions) -> dict[tuple, li
         inputs = [position[n] for n in non_free_inputs(node)]
         ready = max(inputs + [position[barrier] if barrier is not None else -1])
         used = position[first_use(wait, position)]
-        key = (call.kind, val.dtype, call.reduce_op, call.group_size, value_key(call.group))
+        key = (
+            call.kind, val.dtype, call.reduce_op, call.group_size, value_key(call.group),
+            bool(node.meta.get(DEFERRED)),  # never mix deferred and other reductions
+        )
         groups[key].append(_Member(node, wait, call, payload_bytes(node), barrier, ready, used))
     return groups
 
@@ -252,6 +256,8 @@ def _issue(graph: torch.fx.Graph, bucket: list[_Member]) -> torch.fx.Node:
             out_numel = buffer.meta["val"].numel()
     target = bucket[0].collective.target
     collective = new_node(graph, target, args, buffer.meta["val"].new_empty([out_numel]))
+    if bucket[0].collective.meta.get(DEFERRED):
+        collective.meta[DEFERRED] = True
     return new_node(graph, WAIT, (collective,), collective.meta["val"])
 
 

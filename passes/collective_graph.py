@@ -40,6 +40,10 @@ WAIT = _C10D.wait_tensor.default
 
 OptionsT = TypeVar("OptionsT")
 
+# node.meta flag on a reduction whose result the next call of the step uses
+# (NOTE: [cross-iteration overlap] in cross_iteration_overlap.py)
+DEFERRED = "spmd_deferred"
+
 
 @dataclass(frozen=True)
 class CollectiveCall:
@@ -208,3 +212,18 @@ def options_for(context: PassContext, name: str, default: OptionsT) -> OptionsT:
         if isinstance(found, type(default)):
             return found
     return default
+
+
+def deferred_part(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The nodes computed from ``DEFERRED`` reductions' results, in graph order: their
+    waits and everything downstream of them, the output aside (NOTE: [cross-iteration
+    overlap])."""
+    found: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if (is_wait(node) and node.args[0].meta.get(DEFERRED)) or any(
+            a in found for a in node.all_input_nodes
+        ):
+            found.add(node)
+    return [n for n in graph.nodes if n in found]

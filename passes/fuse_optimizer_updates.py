@@ -38,7 +38,7 @@ from spmd_compiler.graph_utils import CARRIED_META
 
 from . import remove_dead_nodes as _ordered_after  # noqa: F401  (registers it)
 from .checks import is_collective, is_wait
-from .collective_graph import is_barrier, positions, value_key
+from .collective_graph import deferred_part, is_barrier, positions, value_key
 from .manager import PassContext, register_pass
 
 _aten = torch.ops.aten
@@ -124,7 +124,7 @@ def fuse_optimizer_updates(program, context: PassContext) -> bool:
     groups = _candidates(graph)
     changed = False
     pending = sorted(groups.items(), key=lambda item: _first_position(graph, item[1]))
-    for (_, rule), members in pending:
+    for (_, _, rule), members in pending:
         while len(members) > 1:
             independent, members = _split_independent(graph, members)
             if len(independent) > 1:
@@ -140,6 +140,7 @@ def _first_position(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> int:
 def _candidates(graph: torch.fx.Graph) -> dict[tuple, list[torch.fx.Node]]:
     """Fusable optimizer-phase nodes by (fusion key, rule), in graph order."""
     groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
+    deferred = set(deferred_part(graph))  # fused only among themselves
     for node in graph.nodes:
         if node.op != "call_function" or node.meta.get(PHASE) != OPTIMIZER_PHASE:
             continue
@@ -148,7 +149,7 @@ def _candidates(graph: torch.fx.Graph) -> dict[tuple, list[torch.fx.Node]]:
         for rule in _RULES.get(node.target, ()):
             key = _fusion_key(node, rule)
             if key is not None:
-                groups[(key, rule)].append(node)
+                groups[(key, node in deferred, rule)].append(node)
                 break
     return groups
 

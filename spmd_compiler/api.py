@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,10 @@ from spmd_compiler.passes import PassOptions
 from .bindings import StepBindings, find_bindings
 from .capture import capture_step
 from .comm_stats import collective_stats
+from .cross_iteration import split_program
 from .errors import SPMDCompileError
 from .expand import DistributedProgram
-from .runtime import StepTimings, install_state, run_program
+from .runtime import StepTimings, install_state, run_finish, run_program
 from .signature import Kind, StateRef, TensorMeta
 from .simulate import Simulation, active_simulation
 
@@ -41,11 +43,34 @@ class CompileRecord:
     total_seconds: float
 
 
+@dataclass
+class _PendingUpdate:
+    """The deferred part of the last call, not yet applied (NOTE: [cross-iteration
+    overlap])."""
+
+    program: DistributedProgram
+    bindings: StepBindings
+    carry: list[torch.Tensor]
+    sim: Simulation | None
+
+
+# Steps holding a deferred update, so that code reading the state can finish them.
+_WITH_PENDING_UPDATES: weakref.WeakSet[CompiledTrainStep] = weakref.WeakSet()
+
+
+def flush_pending_updates() -> int:
+    """Apply every compiled step's deferred update (``CompiledTrainStep.flush``);
+    returns how many steps had one. Checkpointing calls this before it reads state."""
+    return sum(step.flush() for step in list(_WITH_PENDING_UPDATES))
+
+
 class CompiledTrainStep:
     """A train step compiled on first call (and again for new shapes or settings).
 
     Call it exactly like the original function. ``records`` lists every compilation;
-    ``last_program`` is the per-rank program of the latest call.
+    ``last_program`` is the per-rank program of the latest call. With the
+    ``cross_iteration_overlap`` pass, call ``flush()`` after the last step (or before
+    reading the model between steps): it applies the update the last call deferred.
     """
 
     def __init__(
@@ -59,6 +84,7 @@ class CompiledTrainStep:
         self._meshes: dict[str, DeviceMesh] = {}
         self.last_program: DistributedProgram | None = None
         self.timings = StepTimings()
+        self._pending: _PendingUpdate | None = None
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -82,12 +108,38 @@ class CompiledTrainStep:
                 _check_same_inputs_on_all_ranks(tensor_args)
             program = self._compile(key, bindings, input_metas, mesh)
             self._cache[key] = program
+        pending = self._pending
+        if pending is not None and (
+            pending.program is not program or pending.sim is not sim
+            or not _same_objects(pending.bindings, bindings)
+        ):
+            self.flush()
+            pending = None
         install_state(bindings, self.mode.placement_of, mesh, sim)
         self.last_program = program
         start = time.perf_counter()
-        result = run_program(program, bindings, tensor_args, sim)
+        result, carry = run_program(
+            program, bindings, tensor_args, sim, pending.carry if pending else None
+        )
         self.timings.step_seconds.append(time.perf_counter() - start)
+        self._pending = None
+        if carry is not None:
+            self._pending = _PendingUpdate(program, bindings, carry, sim)
+            _WITH_PENDING_UPDATES.add(self)
+            if sim is not None and pending is None:
+                sim.at_exit(self.flush)
         return result
+
+    def flush(self) -> bool:
+        """Apply the update the last call deferred (``cross_iteration_overlap``): after
+        it, the model and optimizer hold exactly the state of the last completed step.
+        Returns whether there was one; calling it again does nothing."""
+        pending, self._pending = self._pending, None
+        _WITH_PENDING_UPDATES.discard(self)
+        if pending is None:
+            return False
+        run_finish(pending.program, pending.bindings, pending.carry, pending.sim)
+        return True
 
     @property
     def compile_count(self) -> int:
@@ -135,6 +187,7 @@ class CompiledTrainStep:
         program = self.mode.partition(captured, mesh)
         program.collectives_before_passes = dict(collective_stats(program.graph_module).counts)
         program = self.mode.transform_and_compile(program, self.options)
+        program.deferred = split_program(program)
         total = time.perf_counter() - start
         record = CompileRecord(
             key, program, captured.capture_seconds, program.expand_seconds,
@@ -148,6 +201,13 @@ class CompiledTrainStep:
             record.expand_seconds, record.pass_seconds,
         )
         return program
+
+
+def _same_objects(a: StepBindings, b: StepBindings) -> bool:
+    return all(
+        len(x) == len(y) and all(p is q for p, q in zip(x, y))
+        for x, y in ((a.modules, b.modules), (a.optimizers, b.optimizers))
+    )
 
 
 def _check_same_inputs_on_all_ranks(tensor_args: list[torch.Tensor]) -> None:

@@ -84,6 +84,9 @@ SCHEDULER_HINT = (
 # and its backward are decomposed into plain ATen ops during the first trace; the running
 # statistics then leave the graph as buffer outputs like any other new state, and the
 # batch statistics become reductions that DTensor reduces across ranks.
+# ``nll_loss_forward`` with reduction "mean" becomes the "sum" reduction divided by the
+# total weight: DTensor's rule averages the per-rank means, which is not the global mean
+# when ranks hold different numbers of non-ignored targets (ignore_index, class weights).
 def capture_decompositions() -> dict:
     from torch._decomp import get_decompositions
 
@@ -106,7 +109,29 @@ def capture_decompositions() -> dict:
         aten.native_batch_norm_backward.default,
     ])
     table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
+    table[aten.nll_loss_forward.default] = _nll_loss_forward_global_mean
     return table
+
+
+_MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # torch's Reduction enum
+
+
+def _nll_loss_forward_global_mean(
+    self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+    reduction: int, ignore_index: int,
+) -> Any:
+    """Mean NLL as (sum of weighted losses) / (sum of weights); see NOTE: [ops
+    decomposed at capture]. Other reductions are traced as they are."""
+    if reduction != _MEAN_REDUCTION:
+        return NotImplemented
+    total, total_weight = torch.ops.aten.nll_loss_forward.default(
+        self, target, weight, _SUM_REDUCTION, ignore_index
+    )
+    if weight is None:
+        # The same count, read from the targets alone: its all-reduce can then be issued
+        # at the start of the step and overlap the forward (schedule_overlap).
+        total_weight = (target != ignore_index).sum(dtype=self.dtype)
+    return total / total_weight, total_weight
 
 
 def _bernoulli_with_probability_tensor(
@@ -209,6 +234,15 @@ def capture_step(
                 "optimizer.param_groups[i]['lr'], which a compiled step reads as an input.",
                 user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
                 hint=SCHEDULER_HINT,
+            ) from exc
+        if "convert all Tensors to FakeTensors" in str(exc):
+            raise SPMDCompileError(
+                "The train step uses a tensor that is neither an argument nor part of a "
+                "module or optimizer (a global or a closure variable); a compiled step "
+                "cannot tell how to place it across ranks.",
+                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                hint="register it on the model (model.register_buffer('name', t)) and "
+                "read it from there, or create it inside the step.",
             ) from exc
         raise SPMDCompileError(
             f"Capturing the train step failed: {type(exc).__name__}: {exc}",

@@ -42,11 +42,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .api import flush_pending_updates
+
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    flush_pending_updates()  # NOTE: [cross-iteration overlap]: state of the last step
     optimizers = [optimizer] if optimizer is not None else []
     model_state, optim_state = get_state_dict(model, optimizers)
     state: dict[str, Any] = {MODEL_KEY: model_state}
@@ -109,6 +112,7 @@ def full_state_dict(
     ...}`` with the layout of NOTE: [checkpoint layout]; ``torch.save`` it, or load its
     ``"model"`` entry into an uncompiled model with ``load_state_dict``.
     """
+    flush_pending_updates()
     optimizers = [optimizer] if optimizer is not None else []
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state, optim_state = get_state_dict(model, optimizers, options=options)

@@ -59,6 +59,9 @@ class DistributedProgram:
     expand_seconds: float = 0.0
     passes_applied: list[str] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
+    # the programs of a step whose last gradient bucket finishes in the next call
+    # (NOTE: [cross-iteration overlap]); None when nothing is deferred
+    deferred: Any = None
 
 
 def format_placements(placements: Sequence[Placement]) -> str:

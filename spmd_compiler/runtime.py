@@ -139,9 +139,21 @@ def run_program(
     bindings: StepBindings,
     tensor_args: list[torch.Tensor],
     sim: Simulation | None,
-) -> Any:
-    """Run one step of ``program`` on the installed state; returns the step's result."""
+    carry: list[torch.Tensor] | None = None,
+) -> tuple[Any, list[torch.Tensor] | None]:
+    """Run one step of ``program`` on the installed state.
+
+    With a deferred part (NOTE: [cross-iteration overlap]) the step runs the ``first``
+    program when ``carry`` is None, else ``steady`` on the previous call's carry.
+
+    Returns:
+        The step's result, and the carry for the next call (None without a deferred part).
+    """
     captured = program.captured
+    plan = program.deferred
+    graph_module = program.graph_module
+    if plan is not None:
+        graph_module = plan.first if carry is None else plan.steady
     state = dict(bindings.state_refs())
     flat: list[torch.Tensor] = []
     for (ref, meta), placements, local in zip(
@@ -158,11 +170,13 @@ def run_program(
             flat.append(value)
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
+    flat += carry or []
+    if sim is not None:
         with sim.ranks():
-            outs = program.graph_module(*flat)
+            outs = list(graph_module(*flat))
     else:
         try:
-            outs = program.graph_module(*flat)
+            outs = list(graph_module(*flat))
         except Exception as exc:
             # NOTE: [state ownership]: nothing was written back, the state is intact.
             raise SPMDRuntimeError(
@@ -171,9 +185,29 @@ def run_program(
                 "or times out, another rank has usually failed or died. The model and "
                 "optimizer hold the state of the last completed step."
             ) from exc
-    returned = _write_back(program, bindings, list(outs), sim)
+    next_carry = None
+    if plan is not None:
+        outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
+    returned = _write_back(program, bindings, outs, sim)
     leaves = [returned[v] if kind == "tensor" else v for kind, v in captured.return_leaves]
-    return pytree.tree_unflatten(leaves, captured.return_spec)
+    return pytree.tree_unflatten(leaves, captured.return_spec), next_carry
+
+
+def run_finish(
+    program: DistributedProgram,
+    bindings: StepBindings,
+    carry: list[torch.Tensor],
+    sim: Simulation | None,
+) -> None:
+    """Apply the deferred part of the last step (its ``finish`` program) to the state."""
+    plan = program.deferred
+    assert plan is not None, "run_finish needs a program with a deferred part"
+    if sim is not None:
+        with sim.ranks():
+            outs = list(plan.finish(*carry))
+    else:
+        outs = list(plan.finish(*carry))
+    _write_back(program, bindings, outs, sim, positions=plan.positions)
 
 
 def _feed_input(
@@ -192,15 +226,25 @@ def _feed_input(
 
 
 def _write_back(
-    program: DistributedProgram, bindings: StepBindings, outs: list[torch.Tensor], sim: Simulation | None
+    program: DistributedProgram,
+    bindings: StepBindings,
+    outs: list[torch.Tensor],
+    sim: Simulation | None,
+    positions: tuple[int, ...] | None = None,
 ) -> list[Any]:
+    """Install the program's outputs (or, with ``positions``, those outputs only: the
+    ``finish`` program's) as the new state; returns the step's returned tensors."""
     captured = program.captured
     mesh = program.mesh
     returned: list[Any] = []
     grads_out: set[str] = set()
-    for ref, meta, placements, value in zip(
-        captured.outputs, captured.output_metas, program.output_placements, outs, strict=True
-    ):
+    if positions is None:
+        positions = tuple(range(len(captured.outputs)))
+        clear_grads = True
+    else:
+        clear_grads = False
+    for j, value in zip(positions, outs, strict=True):
+        ref, meta, placements = captured.outputs[j], captured.output_metas[j], program.output_placements[j]
         if ref.name in program.padded and ref.kind in (Kind.PARAM, Kind.OPTIM_STATE):
             value, meta = _unpad_rows(value, meta, program.padded[ref.name], mesh, sim)
         if ref.kind is Kind.RETURN:
@@ -224,10 +268,11 @@ def _write_back(
                 private.set_local_tensor(current, value)
             else:
                 entry[ref.key] = _wrap(value, mesh, placements, meta)
-    kept = {ref.name for ref in captured.unchanged if ref.kind is Kind.GRAD}
-    for name, p in bindings.params.items():
-        if name not in grads_out and name not in kept:
-            p.grad = None
+    if clear_grads:
+        kept = {ref.name for ref in captured.unchanged if ref.kind is Kind.GRAD}
+        for name, p in bindings.params.items():
+            if name not in grads_out and name not in kept:
+                p.grad = None
     return returned
 
 

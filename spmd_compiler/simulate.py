@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,12 @@ class Simulation:
         self._owns_group = False
         self._token: contextvars.Token | None = None
         self._mode = None
+        self._exit_hooks: list[Callable[[], object]] = []
+
+    def at_exit(self, hook: Callable[[], object]) -> None:
+        """Run ``hook`` when the simulation ends, while its ranks still exist (compiled
+        steps finish a deferred update there)."""
+        self._exit_hooks.append(hook)
 
     def __enter__(self) -> Simulation:
         if dist.is_initialized():
@@ -54,6 +60,15 @@ class Simulation:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        hooks, self._exit_hooks = self._exit_hooks, []
+        try:
+            if exc[0] is None:  # on an error, leave the error alone
+                for hook in hooks:
+                    hook()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         if self._token is not None:
             _ACTIVE.reset(self._token)
         if self._owns_group and dist.is_initialized():

@@ -40,13 +40,13 @@ def test_ddp_gradients_share_one_bucket_issued_after_the_last_gradient():
     run_pipeline(program, PassOptions(), pipeline=PASS)
 
     reduces = ops(graph, "all_reduce")
-    # the gradients in one bucket; the loss's total weight (needed at the start of
-    # backward) and the returned loss (an "avg") stay alone
-    assert len(reduces) == 3
-    scalars = [n for n in reduces if n.meta["val"].dim() == 0]
-    assert sorted(n.args[1] for n in scalars) == ["avg", "sum"]
-    (bucket,) = [n for n in reduces if n not in scalars]
-    assert bucket.meta["val"].numel() * 4 == _param_bytes(run.model)
+    # the gradients and the loss's partial sum in one bucket; the loss's total weight
+    # (needed at the start of backward) stays alone
+    assert len(reduces) == 2
+    (total_weight,) = [n for n in reduces if n.meta["val"].dim() == 0]
+    assert total_weight.args[1] == "sum"
+    (bucket,) = [n for n in reduces if n is not total_weight]
+    assert bucket.meta["val"].numel() * 4 == _param_bytes(run.model) + 4
     assert bucket.args[0].target is torch.ops.aten.cat.default
     nodes = list(graph.nodes)
     gradients = [flat.args[0] for flat in bucket.args[0].args[0]]
@@ -69,7 +69,8 @@ def test_parity(style, bucketed):
     assert run.max_loss_difference < TOL and run.max_state_difference < TOL
     n_params = len(list(run.model.parameters()))
     if style == "replicate":
-        assert _counts(run) == {"all_reduce": (1 if bucketed else n_params) + 2}
+        # plus the loss's total weight; unbucketed, the loss's partial sum too
+        assert _counts(run) == {"all_reduce": 2 if bucketed else n_params + 2}
         return
     # forward gathers all 6 parameters, backward 3 of them again: one bucket each (a
     # second gather of the same shard opens a new bucket); one reduce-scatter
@@ -108,8 +109,10 @@ def test_demo_gpt_ddp_buckets_under_the_cap():
     assert run.max_loss_difference < TOL and run.max_state_difference < TOL
     grad_bytes = _param_bytes(run.model)
     stats = collective_stats(run.step.last_program.graph_module)
-    # 35 gradients (440,832 bytes) in 5 buckets, plus the loss and its total weight
-    assert stats.counts == {"all_reduce": math.ceil(grad_bytes / cap) + 2}
+    # 35 gradients (440,832 bytes) and the loss's partial sum in 5 buckets, plus the
+    # loss's total weight (read from the targets, needed before backward)
+    assert stats.counts == {"all_reduce": math.ceil(grad_bytes / cap) + 1}
     assert stats.bytes["all_reduce"] == grad_bytes + 2 * 4
     buckets = [n for n in ops(run.graph, "all_reduce") if n.meta["val"].dim() > 0]
+    assert len(buckets) == math.ceil(grad_bytes / cap)
     assert all(n.meta["val"].numel() * 4 <= cap for n in buckets)

@@ -245,6 +245,27 @@ def test_in_place_change_of_step_argument():
     assert torch.equal(x, x_before)
 
 
+CLASS_WEIGHT = torch.ones(4)
+
+
+def step_reading_a_global_tensor(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y, weight=CLASS_WEIGHT)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_tensor_from_outside_the_step_names_the_line():
+    model = Net()
+    opt = warmed_up(model)
+    error = raises_untouched(step_reading_a_global_tensor, (model, opt, *batch()), model, opt)
+    message = str(error)
+    assert "neither an argument nor part of a module" in message
+    assert "register_buffer" in message
+    assert error.user_line is not None and "weight=CLASS_WEIGHT" in error.user_line.code
+
+
 # ---------------------------------------------------------------- expansion failures
 
 

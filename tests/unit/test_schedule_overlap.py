@@ -131,6 +131,12 @@ def test_bytes_in_flight_stay_under_the_cap(cap):
         assert names[4:8] == ["b", "ar_b_mesh", "ar_b_group", "ar_b"]
 
 
+def _only_feeds_collectives(node: torch.fx.Node) -> bool:
+    return bool(node.users) and all(
+        is_collective(u) or _only_feeds_collectives(u) for u in node.users
+    )
+
+
 def _sources(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The inputs of ``node``, looking through feeders and group nodes."""
     out = []
@@ -145,8 +151,10 @@ def _check_schedule(graph: torch.fx.Graph) -> None:
     for c in filter(is_collective, nodes):
         ready = max(nodes.index(n) for n in _sources(c))
         between = nodes[ready + 1 : nodes.index(c)]
+        # only other collectives (issued first by priority) and what feeds them
         assert all(
             n.op in ("placeholder", "get_attr") or n.target in _FEEDERS or is_collective(n)
+            or _only_feeds_collectives(n)
             for n in between
         ), f"{c.name} is not issued right after its inputs: {[n.name for n in between]}"
         wait = wait_of(c)
