@@ -6,6 +6,9 @@ on the global batch (the floor), and compiled ``ddp`` / ``fsdp`` / ``tp`` beside
 warm-up (the compiled step compiles on its first two calls: optimizer state is created,
 then the steady state), every measured step times each run once, between barriers, with
 the order of each pair flipped every step so neither side always runs first.
+
+The same runs serve ``--suite cuda`` (``cuda_suite``): ``device`` puts the models and
+batches on a GPU, and the timing then synchronizes the device.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd_compiler as sc
 from spmd_compiler.comm_stats import collective_stats
-from spmd_compiler.parallel_modes import make_mode
 
 from .models import (
     Case,
@@ -36,6 +38,7 @@ from .models import (
     build_optimizer,
     fsdp_units,
     global_batches,
+    parallel_mode,
     tp_plan,
     train_step,
 )
@@ -66,8 +69,10 @@ class Run:
     rows: slice
 
 
-def build_run(name: str, case: Case, rank: int, world: int) -> Run:
-    model = build_model(case)
+def build_run(name: str, case: Case, rank: int, world: int, device: str = "cpu") -> Run:
+    """Run ``name`` of ``case`` on ``device``; the model moves there before any wrapper or
+    sharding sees it, so DDP, FSDP2, TP and the compiled mesh all live on ``device``."""
+    model = build_model(case).to(device)
     share = case.batch // world
     local = slice(rank * share, (rank + 1) * share)
     whole = slice(0, case.batch)
@@ -75,11 +80,10 @@ def build_run(name: str, case: Case, rank: int, world: int) -> Run:
         return Run(train_step(case), model, model, build_optimizer(model.parameters()), whole)
     if name.startswith("compiled_"):
         mode_name = name.removeprefix("compiled_")
-        mode = make_mode("tp", plan=tp_plan(case)) if mode_name == "tp" else make_mode(mode_name)
-        step = sc.compile(parallel_mode=mode)(train_step(case))
+        step = sc.compile(parallel_mode=parallel_mode(case, mode_name))(train_step(case))
         rows = whole if mode_name == "tp" else local  # every TP rank sees the whole batch
         return Run(step, model, model, build_optimizer(model.parameters()), rows)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(torch.device(device).type, (world,))
     if name == "torch_ddp":
         ddp = DistributedDataParallel(model)  # forward through the wrapper: it hooks backward
         return Run(train_step(case), ddp, model, build_optimizer(ddp.parameters()), local)
@@ -94,13 +98,37 @@ def build_run(name: str, case: Case, rank: int, world: int) -> Run:
     raise ValueError(f"unknown run {name!r}")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for every queued kernel on a GPU: reading the loss waits only for the kernels
+    before it, not for the optimizer update queued after it. Nothing to wait for on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Seconds of one step, from a barrier (and an idle device) to its finished update."""
     dist.barrier()
+    synchronize(x.device)
     start = time.perf_counter()
     loss = run.step(run.wrapper, run.optim, x[run.rows], y[run.rows])
     loss = loss.detach()
     float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+    synchronize(x.device)
     return time.perf_counter() - start
+
+
+def step_peak_bytes(run: Run, x: torch.Tensor, y: torch.Tensor) -> int | None:
+    """Peak CUDA bytes allocated during one step of ``run`` above what was allocated just
+    before it (every run's resident state in this process): activations, gradients,
+    temporaries and buffers the caching allocator hands out. None off CUDA, where no
+    allocator reports an honest per-run peak (see the CPU suite's notes)."""
+    if x.device.type != "cuda":
+        return None
+    synchronize(x.device)
+    torch.cuda.reset_peak_memory_stats(x.device)
+    before = torch.cuda.memory_allocated(x.device)
+    timed_step(run, x, y)
+    return torch.cuda.max_memory_allocated(x.device) - before
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -176,10 +204,22 @@ def param_bytes(case: Case) -> int:
     return sum(p.numel() * p.element_size() for p in build_model(case).parameters())
 
 
-def bench_case(case: Case, rank: int, world: int, options: SuiteOptions) -> dict[str, Any]:
+def bench_case(
+    case: Case,
+    rank: int,
+    world: int,
+    options: SuiteOptions,
+    device: str = "cpu",
+    peaks: bool = False,
+) -> dict[str, Any]:
+    """Time the seven runs of ``case``; with ``peaks``, also one step's peak memory per run
+    (``step_peak_bytes``), measured after the timed steps so it does not disturb them."""
     names = [FLOOR] + [name for pair in PAIRS for name in pair]
-    runs = {name: build_run(name, case, rank, world) for name in names}
-    data = global_batches(case, options.warmup + options.steps)
+    runs = {name: build_run(name, case, rank, world, device) for name in names}
+    data = [
+        (x.to(device), y.to(device))
+        for x, y in global_batches(case, options.warmup + options.steps)
+    ]
     times: dict[str, list[float]] = {name: [] for name in names}
     for i, (x, y) in enumerate(data):
         order = [FLOOR] + [name for pair in PAIRS for name in (pair if i % 2 == 0 else pair[::-1])]
@@ -205,33 +245,47 @@ def bench_case(case: Case, rank: int, world: int, options: SuiteOptions) -> dict
     with counter:
         tp.step(tp.wrapper, tp.optim, x[tp.rows], y[tp.rows])
     out["torch_tp_collectives"] = {"counts": counter.counts, "total_bytes": counter.bytes}
+    if peaks:
+        out["step_peak_bytes"] = {name: step_peak_bytes(run, x, y) for name, run in runs.items()}
+    return out
+
+
+def bench_cases(
+    rank: int,
+    world: int,
+    cases: tuple[Case, ...],
+    options: SuiteOptions,
+    device: str = "cpu",
+    peaks: bool = False,
+) -> dict[str, Any]:
+    """``bench_case`` for every case in turn, by name; progress on rank 0."""
+    out = {}
+    for case in cases:
+        start = time.perf_counter()
+        out[case.name] = bench_case(case, rank, world, options, device, peaks)
+        if rank == 0:
+            print(f"[bench] {case.name}: done in {time.perf_counter() - start:.1f}s", flush=True)
     return out
 
 
 def worker(rank: int, world: int, cases: tuple[Case, ...], options: SuiteOptions) -> dict:
-    """One rank of the suite: calibrate gloo, then every case; progress on rank 0."""
-    result: dict[str, Any] = {"calibration": calibrate_collectives(), "cases": {}}
-    for case in cases:
-        start = time.perf_counter()
-        result["cases"][case.name] = bench_case(case, rank, world, options)
-        if rank == 0:
-            print(f"[bench] {case.name}: done in {time.perf_counter() - start:.1f}s", flush=True)
-    return result
+    """One rank of the suite: calibrate gloo, then every case."""
+    calibration = calibrate_collectives()
+    return {"calibration": calibration, "cases": bench_cases(rank, world, cases, options)}
 
 
-def run_cpu_suite(cases: tuple[Case, ...], options: SuiteOptions, world: int = 2) -> dict:
-    """Launch the suite on ``world`` gloo ranks (one torch thread each) and merge ranks:
-    a step's time is the slowest rank's; the reported figure is the median step."""
-    per_rank = sc.launch(worker, world, backend="gloo", args=(cases, options), timeout_s=900)
+def merge_ranks(per_rank: list[dict[str, Any]], cases: tuple[Case, ...]) -> dict[str, Any]:
+    """One record per case from every rank's: a step's time is the slowest rank's, the
+    reported figure the median step; memory and programs are rank 0's."""
     first = per_rank[0]
-    merged: dict[str, Any] = {"calibration": first["calibration"], "world_size": world, "cases": {}}
+    merged: dict[str, Any] = {}
     for case in cases:
         mine = first["cases"][case.name]
         medians = {}
         for name in mine["times"]:
             steps = zip(*(r["cases"][case.name]["times"][name] for r in per_rank))
             medians[name] = statistics.median(max(s) for s in steps)
-        merged["cases"][case.name] = {
+        merged[case.name] = {
             "case": vars(case),
             "param_bytes": param_bytes(case),
             "step_seconds": medians,
@@ -239,4 +293,16 @@ def run_cpu_suite(cases: tuple[Case, ...], options: SuiteOptions, world: int = 2
             "compiled": mine["compiled"],
             "torch_tp_collectives": mine["torch_tp_collectives"],
         }
+        if "step_peak_bytes" in mine:
+            merged[case.name]["step_peak_bytes"] = mine["step_peak_bytes"]
     return merged
+
+
+def run_cpu_suite(cases: tuple[Case, ...], options: SuiteOptions, world: int = 2) -> dict:
+    """Launch the suite on ``world`` gloo ranks (one torch thread each) and merge ranks."""
+    per_rank = sc.launch(worker, world, backend="gloo", args=(cases, options), timeout_s=900)
+    return {
+        "calibration": per_rank[0]["calibration"],
+        "world_size": world,
+        "cases": merge_ranks(per_rank, cases),
+    }

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from spmd_compiler.demo.data import batches, markov_corpus
 from spmd_compiler.demo.gpt import GPT, GPTConfig, gpt_tp_plan, gpt_train_step
 from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.parallel_modes import ParallelMode, make_mode
 
 # Adam eps as in the demo (NOTE: [Adam eps and parity]); timing does not depend on it.
 ADAM_EPS = 1e-4
@@ -45,6 +46,14 @@ CPU_CASES = (
     Case("gpt-4x128", "gpt", 128, 4, 16),
     Case("mlp-128", "mlp", 128, 0, 64),
     Case("mlp-512", "mlp", 512, 0, 64),
+)
+
+# For ``--suite cuda``: large enough that a GPU step is not all launch overhead, small
+# enough that compiling (on the host) stays a minute or two per model.
+CUDA_CASES = (
+    Case("gpt-4x256", "gpt", 256, 4, 32),
+    Case("mlp-1024", "mlp", 1024, 0, 256),
+    Case("mlp-2048", "mlp", 2048, 0, 256),
 )
 
 SEQUENCE, VOCAB = 32, 64
@@ -80,6 +89,15 @@ def tp_plan(case: Case) -> dict:
     if case.kind == "gpt":
         return gpt_tp_plan()
     return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+STYLES = ("ddp", "fsdp", "tp")
+
+
+def parallel_mode(case: Case, style: str) -> ParallelMode:
+    """The compiled mode of ``style`` (``ddp``, ``fsdp`` or ``tp``) for ``case``: tp needs
+    the model's plan, the same one torch's ``parallelize_module`` gets."""
+    return make_mode("tp", plan=tp_plan(case)) if style == "tp" else make_mode(style)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

@@ -59,11 +59,84 @@ def rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _kinds(counts: dict[str, int]) -> str:
     short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+    if not counts:
+        return "none"
     return " ".join(f"{n}{short.get(k, k)}" for k, n in sorted(counts.items()))
 
 
 def _met(value: bool | None) -> str:
     return "n/a" if value is None else ("met" if value else "**missed**")
+
+
+def cuda_rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
+    """``rows`` plus each run's step peak above resident bytes (None where not measured)."""
+    table = rows(suite)
+    for r in table:
+        peaks = suite["cases"][r["model"]]["step_peak_bytes"]
+        r["step_peak_compiled"] = peaks[f"compiled_{r['style']}"]
+        r["step_peak_torch"] = peaks[r["torch_run"]]
+    return table
+
+
+def _time_cells(r: dict[str, Any]) -> str:
+    """The cells both suites' tables open with: model to bytes/step."""
+    return (
+        f"| {r['model']} | {r['style']} vs {r['torch_run']} | {r['compiled_ms']:.2f} | "
+        f"{r['torch_ms']:.2f} | {r['ratio']:.2f} (<= {r['time_target']}: "
+        f"{_met(r['time_met'])}) | {r['floor_ms']:.2f} | {_kinds(r['collectives'])} | "
+        f"{r['bytes']:,} |"
+    )
+
+
+def _mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:.2f}"
+
+
+def _device_line(device: dict[str, Any]) -> str:
+    """Where the numbers come from, for the first line of the CUDA table."""
+    if device["type"] == "cuda":
+        return (
+            f"{device['name']} (compute capability {device['capability']}, CUDA "
+            f"{device['cuda']}, torch {device['torch']})"
+        )
+    return f"{device['name']} (CPU, {device['cpu_count']} cores, torch {device['torch']})"
+
+
+def cuda_markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
+    """The CUDA suite's tables: world-1 step times and peaks, then simulated parity."""
+    suite, wall = results["suite"], results["wall_seconds"]
+    lines = [
+        f"CUDA suite on {_device_line(results['device'])}: world {suite['world_size']} on "
+        f"{suite['backend']}, median of {results['options']['steps']} steps after "
+        f"{results['options']['warmup']} warm-up, 7 runs per model alternating A/B in one "
+        f"launch. Wall time {wall['device_suite']:.0f} s, simulation "
+        f"{wall['simulation']:.0f} s.",
+        "",
+        "| model | style | compiled ms | torch ms | ratio (target) | floor ms | "
+        "collectives/step | bytes/step | step peak MiB above resident (compiled / torch) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        lines.append(
+            f"{_time_cells(r)} {_mib(r['step_peak_compiled'])} / {_mib(r['step_peak_torch'])} |"
+        )
+    lines += [
+        "",
+        "Simulated ranks on the device's tensors against the single-device step:",
+        "",
+        "| model | style | ranks x steps | param rel diff | optimizer rel diff | "
+        "loss rel diff | parity | compile s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in results["simulation"]:
+        lines.append(
+            f"| {p['model']} | {p['style']} | {p['world_size']} x {p['steps']} | "
+            f"{p['param_rel_diff']:.1e} | {p['optimizer_rel_diff']:.1e} | "
+            f"{p['loss_rel_diff']:.1e} | < {p['tolerance']:g}: {_met(p['parity_ok'])} | "
+            f"{p['compile_seconds']:.1f} ({p['compile_count']} programs) |"
+        )
+    lines += ["", "Notes:"] + [f"- {note}" for note in results["notes"]]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
@@ -86,10 +159,7 @@ def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
         else:
             bytes_ratio = f"{r['bytes_ratio']:.3f} ({_met(r['bytes_met'])})"
         lines.append(
-            f"| {r['model']} | {r['style']} vs {r['torch_run']} | {r['compiled_ms']:.2f} | "
-            f"{r['torch_ms']:.2f} | {r['ratio']:.2f} (<= {r['time_target']}: "
-            f"{_met(r['time_met'])}) | {r['floor_ms']:.2f} | {_kinds(r['collectives'])} | "
-            f"{r['bytes']:,} | {min_bytes} | {bytes_ratio} | "
+            f"{_time_cells(r)} {min_bytes} | {bytes_ratio} | "
             f"{r['state_bytes_compiled'] / 2**20:.2f} / {r['state_bytes_torch'] / 2**20:.2f} | "
             f"{r['compile_seconds']:.1f} ({r['compile_count']} programs) |"
         )
@@ -158,8 +228,10 @@ def plot(table: list[dict[str, Any]], path: str) -> str | None:
 
 
 def write(results: dict[str, Any], folder: str, name: str) -> dict[str, str]:
+    """``{name}.json``, ``{name}.md`` and (with matplotlib) ``{name}.png`` in ``folder``;
+    ``name`` is the suite (``cpu`` or ``cuda``), which picks the tables."""
     os.makedirs(folder, exist_ok=True)
-    table = rows(results["suite"])
+    table = (cuda_rows if name == "cuda" else rows)(results["suite"])
     why_no_plot = plot(table, os.path.join(folder, f"{name}.png"))
     if why_no_plot:
         results["notes"].append(why_no_plot)
@@ -168,5 +240,5 @@ def write(results: dict[str, Any], folder: str, name: str) -> dict[str, str]:
     with open(paths["json"], "w") as f:
         json.dump(results, f, indent=2, default=str)
     with open(paths["md"], "w") as f:
-        f.write(markdown(results, table))
+        f.write((cuda_markdown if name == "cuda" else markdown)(results, table))
     return paths

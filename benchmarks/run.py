@@ -1,7 +1,9 @@
-"""``python -m benchmarks.run --suite cpu``: run the CPU suite and write benchmarks/results/.
+"""``python -m benchmarks.run --suite cpu|cuda``: run a suite and write benchmarks/results/.
 
-Three parts: the gloo suite (``cpu_suite``), compile-time scaling (``compile_scaling``)
-and simulated timelines of the compiled programs (``timeline``).
+``cpu`` has three parts: the gloo suite (``cpu_suite``), compile-time scaling
+(``compile_scaling``) and simulated timelines of the compiled programs (``timeline``).
+``cuda`` (``cuda_suite``) needs a visible GPU: every style at world 1 on NCCL, and
+simulated ranks on CUDA tensors checked against the single-device step.
 """
 
 from __future__ import annotations
@@ -9,36 +11,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.passes.cost_model import CostModel
 
 from .compile_scaling import LAYERS, compile_scaling
 from .cpu_suite import SuiteOptions, run_cpu_suite
+from .cuda_suite import (
+    PARITY_TOLERANCE,
+    SIMULATED_STEPS,
+    SIMULATED_WORLD,
+    device_record,
+    run_device_suite,
+    simulation_parity,
+)
 from .models import (
     CPU_CASES,
+    CUDA_CASES,
+    STYLES,
     Case,
     build_model,
     build_optimizer,
     global_batches,
-    tp_plan,
+    parallel_mode,
     train_step,
 )
 from .timeline import ComputeModel, calibrate_compute, export_timeline
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-NOTES = [
-    "ratio = compiled / torch eager median step time; lower is better.",
+RATIO_NOTE = "ratio = compiled / torch eager median step time; lower is better."
+BYTES_NOTE = (
     "bytes: per-rank payload per step by comm_stats' convention (all_reduce: tensor, "
     "all_gather: gathered output, reduce_scatter: full input). Minimum: ddp = gradient "
     "bytes; fsdp = params gathered once + grads reduce-scattered once. FSDP2 (reshard "
     "after forward) gathers twice, so its own minimum would be 3x params. The compiled "
-    "steps also all-reduce the loss (and fsdp the loss weight): 8 bytes over the minimum.",
+    "steps also all-reduce the loss (and fsdp the loss weight): 8 bytes over the minimum."
+)
+NOTES = [
+    RATIO_NOTE,
+    BYTES_NOTE,
     "tp: no simple minimum; the torch TP column is what eager parallelize_module issued in "
     "one step (functional collectives counted with a dispatch mode).",
     "state MiB/rank: params + grads + optimizer state computed from each rank's local "
@@ -62,16 +78,38 @@ NOTES = [
 ]
 
 
+CUDA_NOTES = [
+    RATIO_NOTE,
+    "world 1: nothing crosses devices, so the times compare the compiled program with "
+    "torch's DDP / FSDP2 / TP wrappers on one device and say nothing about scaling. "
+    "collectives/step and bytes/step are the compiled world-1 program's (none when this "
+    "code path ran on CPU: a one-rank program needs no communication).",
+    "timing: each step starts after a barrier and torch.cuda.synchronize(), and ends after "
+    "reading the loss and torch.cuda.synchronize() (the optimizer's kernels included).",
+    "floor ms: the undecorated step on the global batch in the same process.",
+    "step peak MiB above resident: for each run separately, after the timed steps, one more "
+    "step between torch.cuda.reset_peak_memory_stats() and max_memory_allocated(), minus "
+    "memory_allocated() just before it. It counts what the caching allocator hands out "
+    "during a step (activations, gradients, temporaries, communication buffers it "
+    "allocates); the resident parameters and optimizer state of all seven runs in the "
+    "process are excluded, and NCCL's own buffers are not seen. n/a on CPU.",
+    f"simulation: the compiled step on {SIMULATED_WORLD} simulated ranks (sc.simulate, "
+    f"tensors on the device) for {SIMULATED_STEPS} steps beside the undecorated step on "
+    "one device on the global batch, same seed; relative difference max|a-b|/max|b| over "
+    "every parameter, buffer and optimizer-state tensor, and over the returned losses; "
+    f"parity means below {PARITY_TOLERANCE:g}. compile s: step.timings.compile_seconds.",
+]
+
+
 def timelines(
     cost: CostModel, compute: ComputeModel, case: Case, folder: str = RESULTS
 ) -> dict[str, Any]:
     """Compile ``case`` per mode on 2 simulated ranks; export each steady-state program."""
     out = {}
-    for mode_name in ("ddp", "fsdp", "tp"):
-        mode = make_mode("tp", plan=tp_plan(case)) if mode_name == "tp" else make_mode(mode_name)
+    for mode_name in STYLES:
         model = build_model(case)
         optim = build_optimizer(model.parameters())
-        step = sc.compile(parallel_mode=mode)(train_step(case))
+        step = sc.compile(parallel_mode=parallel_mode(case, mode_name))(train_step(case))
         with sc.simulate(world_size=2):
             for x, y in global_batches(case, 2):
                 step(model, optim, x, y)
@@ -118,26 +156,83 @@ def run_cpu(options: SuiteOptions, quick: bool = False, folder: str = RESULTS) -
     }
 
 
+def run_cuda(
+    options: SuiteOptions, quick: bool = False, device: str = "cuda", backend: str = "nccl"
+) -> dict[str, Any]:
+    """The whole CUDA suite; ``device="cpu"``, ``backend="gloo"`` runs the same code on
+    CPU (the unit test does). ``quick`` is a smoke run (one tiny model)."""
+    cases = QUICK_CASES if quick else CUDA_CASES
+    record = device_record(device)
+    wall: dict[str, float] = {}
+    start = time.perf_counter()
+    print(
+        f"[bench] cuda suite on {record['name']}: {len(cases)} models x 7 runs at world 1 "
+        f"on {backend}, then {SIMULATED_WORLD} simulated ranks on {device} tensors",
+        flush=True,
+    )
+    suite = run_device_suite(cases, options, device, backend)
+    wall["device_suite"] = time.perf_counter() - start
+    mark = time.perf_counter()
+    parity = simulation_parity(cases, device)
+    wall["simulation"] = time.perf_counter() - mark
+    wall["total"] = time.perf_counter() - start
+    return {
+        "device": record,
+        "options": vars(options),
+        "suite": suite,
+        "simulation": parity,
+        "wall_seconds": wall,
+        "notes": list(CUDA_NOTES),
+        "torch": torch.__version__,
+    }
+
+
+# --steps / --warmup when not given: GPU steps take milliseconds, so the CUDA suite can
+# afford more of them (and needs them: a few slow steps skew a short median).
+DEFAULT_OPTIONS = {"cpu": SuiteOptions(), "cuda": SuiteOptions(warmup=5, steps=20)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=["cpu"], default="cpu")
-    parser.add_argument("--steps", type=int, default=SuiteOptions.steps)
-    parser.add_argument("--warmup", type=int, default=SuiteOptions.warmup)
+    parser.add_argument("--suite", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--steps", type=int, help="measured steps (cpu 5, cuda 20)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        help="warm-up steps (cpu 3, cuda 5); at least 2: a compiled step compiles on its "
+        "first two calls",
+    )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="smoke run: one tiny model")
-    parser.add_argument("--from-json", help="re-render the tables from a results JSON")
+    parser.add_argument(
+        "--from-json", help="re-render the tables from a results JSON of --suite's kind"
+    )
     args = parser.parse_args(argv)
-    if args.from_json:
-        from .report import write
-
-        with open(args.from_json) as f:
-            results = json.load(f)
-        results["notes"] = list(NOTES)
-        print(f"[bench] re-rendered {write(results, args.out, args.suite)['md']}")
-        return 0
-    results = run_cpu(SuiteOptions(warmup=args.warmup, steps=args.steps), args.quick, args.out)
     from .report import write
 
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)
+        results["notes"] = list(CUDA_NOTES if args.suite == "cuda" else NOTES)
+        print(f"[bench] re-rendered {write(results, args.out, args.suite)['md']}")
+        return 0
+    default = DEFAULT_OPTIONS[args.suite]
+    options = SuiteOptions(
+        warmup=default.warmup if args.warmup is None else args.warmup,
+        steps=default.steps if args.steps is None else args.steps,
+    )
+    if args.suite == "cuda":
+        if not torch.cuda.is_available():
+            print(
+                "[bench] --suite cuda: no CUDA device is visible (torch.cuda.is_available() "
+                "is False); run it on a machine with a GPU and a CUDA build of torch, or use "
+                "--suite cpu.",
+                file=sys.stderr,
+            )
+            return 2
+        results = run_cuda(options, args.quick)
+    else:
+        results = run_cpu(options, args.quick, args.out)
     paths = write(results, args.out, args.suite)
     print(
         f"[bench] wrote {paths['json']} and {paths['md']} "

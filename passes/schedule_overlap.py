@@ -16,6 +16,17 @@ early gradients get the budget first, and where backends run collectives in issu
 order, forward's gathers go before backward's. Then waits are sunk in program order.
 The relative order of collectives may change: the program is one graph for every rank,
 so every rank still issues the same sequence.
+
+NOTE: [FSDP prefetch]
+Parameter shards are graph inputs, so a gather is ready at the start and would be
+hoisted there: the whole model gathered at once. ``OverlapOptions.prefetch_depth`` d
+bounds that the way FSDP does: number the gathers by the first use of their result
+(forward's buckets, then backward's re-gathers); gather j is issued no earlier than the
+first use of gather j - d, so while bucket j - d is computed at most d later buckets are
+on their way (d = 1 is FSDP2's prefetch of the next layer; d = 0 issues each gather just
+before its own use). Gathered parameters then live from their issue to their last use:
+at most d + 1 buckets of forward parameters at a time, each under ``bucket_collectives``'s
+cap, and the in-flight cap still applies.
 """
 
 from __future__ import annotations
@@ -42,10 +53,17 @@ class OverlapOptions:
             at any point of the program (about ten default buckets).
         kinds: the collective kinds to move (``all_reduce``, ``all_gather``,
             ``reduce_scatter``, ``all_to_all``...); None moves every kind.
+        prefetch_depth: how many gathers may run ahead of the one being used (NOTE:
+            [FSDP prefetch]); None: as early as their inputs and the cap allow.
     """
 
     max_in_flight_bytes: int = 256 * 2**20
     kinds: frozenset[str] | None = None
+    prefetch_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefetch_depth is not None and self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0 or None, got {self.prefetch_depth}")
 
 
 @register_pass(
@@ -95,7 +113,8 @@ def schedule_overlap(program, context: PassContext) -> bool:
     if not pending:
         return False
     before = list(order)
-    _hoist_collectives(order, pending, options.max_in_flight_bytes)
+    after = _prefetch_limits(pending, options.prefetch_depth)
+    _hoist_collectives(order, pending, options.max_in_flight_bytes, after)
     _sink_waits(order, pending, options.max_in_flight_bytes)
     if order == before:
         return False
@@ -105,10 +124,39 @@ def schedule_overlap(program, context: PassContext) -> bool:
     return True
 
 
-def _hoist_collectives(order: list[torch.fx.Node], pending: list[_Pending], cap: int) -> None:
+def _prefetch_limits(
+    pending: list[_Pending], depth: int | None
+) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Gather -> the node it must be issued after (NOTE: [FSDP prefetch]); a gather
+    that may not move at all (depth 0) maps to itself."""
+    if depth is None:
+        return {}
+    gathers = [(c, w) for c, w, _ in pending if collective_kind(c) == "all_gather" and w.users]
+    position = {n: i for i, n in enumerate(gathers[0][0].graph.nodes)} if gathers else {}
+
+    def first_use(wait: torch.fx.Node) -> torch.fx.Node:
+        return min(wait.users, key=position.__getitem__)
+
+    gathers.sort(key=lambda cw: position[first_use(cw[1])])
+    limits = {}
+    for j, (collective, _) in enumerate(gathers):
+        if depth == 0:
+            limits[collective] = collective
+        elif j >= depth:
+            limits[collective] = first_use(gathers[j - depth][1])
+    return limits
+
+
+def _hoist_collectives(
+    order: list[torch.fx.Node],
+    pending: list[_Pending],
+    cap: int,
+    after: dict[torch.fx.Node, torch.fx.Node],
+) -> None:
     """Move each collective (with its feeders) up to its inputs, by priority: first the
     earliest ready, then the earliest needed. A collective does not pass one of higher
-    priority, so the issue order follows the priority."""
+    priority, so the issue order follows the priority, nor the node ``after`` names for
+    it (NOTE: [FSDP prefetch])."""
     index = _index(order)
     prologue = _prologue(order)
 
@@ -124,6 +172,8 @@ def _hoist_collectives(order: list[torch.fx.Node], pending: list[_Pending], cap:
         index = _index(order)
         in_flight = _in_flight(order, pending, index)
         floor = _floor(collective, order, index)
+        if collective in after:
+            floor = max(floor, index[after[collective]])
         start = target = index[collective]
         while (
             target - 1 > floor

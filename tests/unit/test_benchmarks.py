@@ -1,14 +1,22 @@
-"""The benchmark timeline: a tiny compiled program, scheduled and exported as a Chrome trace."""
+"""The benchmarks: the timeline of a tiny compiled program (scheduled and exported as a
+Chrome trace), and the CUDA suite's code path run on CPU."""
 
 from __future__ import annotations
 
 import json
+import math
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
+from benchmarks.cpu_suite import FLOOR, PAIRS, SuiteOptions
+from benchmarks.cuda_suite import PARITY_TOLERANCE
+from benchmarks.models import STYLES
+from benchmarks.report import write
+from benchmarks.run import main, run_cuda
 from benchmarks.timeline import (
     COMM_LANE,
     COMPUTE_LANE,
@@ -73,3 +81,46 @@ def test_exposed_fraction_follows_communication_speed() -> None:
     fast = simulate_timeline(gm, CostModel(1e-9, 1e15), compute)
     assert slow["exposed"] > fast["exposed"] >= 0.0
     assert slow["step"] > fast["step"] >= fast["compute"] > 0.0
+
+
+@pytest.mark.dist  # starts one gloo rank
+def test_cuda_suite_code_path_on_cpu(tmp_path) -> None:
+    """``--suite cuda`` end to end on CPU (gloo, world 1, the quick model): the runs,
+    the simulated parity, the device record and both tables."""
+    # warm-up 2: a compiled step compiles on its first two calls
+    results = run_cuda(SuiteOptions(warmup=2, steps=2), quick=True, device="cpu", backend="gloo")
+    paths = write(results, str(tmp_path), "cuda")
+    with open(paths["json"]) as f:
+        data = json.load(f)
+    with open(paths["md"]) as f:
+        md = f.read()
+    device = data["device"]
+    assert device["type"] == "cpu" and device["name"] and device["torch"] == torch.__version__
+    assert device["name"] in md.splitlines()[0]
+    assert data["suite"]["world_size"] == 1 and data["suite"]["backend"] == "gloo"
+    runs = {FLOOR} | {name for pair in PAIRS for name in pair}
+    for case in data["suite"]["cases"].values():
+        assert set(case["step_seconds"]) == runs
+        assert all(math.isfinite(t) and t > 0 for t in case["step_seconds"].values())
+        assert case["step_peak_bytes"] == dict.fromkeys(runs)  # no peak off CUDA
+    assert [(r["style"], r["step_peak_compiled"]) for r in data["table"]] == [
+        (style, None) for style in STYLES
+    ]
+    assert {(p["model"], p["style"]) for p in data["simulation"]} == {
+        (model, style) for model in data["suite"]["cases"] for style in STYLES
+    }
+    for p in data["simulation"]:
+        assert p["parity_ok"], p
+        assert max(p["param_rel_diff"], p["optimizer_rel_diff"], p["loss_rel_diff"]) < 1e-4
+        assert p["tolerance"] == PARITY_TOLERANCE and p["compile_seconds"] > 0
+    for style in STYLES:
+        assert f"| {style} vs " in md and f"| {style} | 2 x 3 |" in md
+    assert "**missed**" not in md.split("Simulated ranks")[1].split("Notes:")[0]
+
+
+def test_cuda_suite_refuses_without_cuda(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--suite", "cuda", "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no CUDA device is visible" in err
+    assert not list(tmp_path.iterdir())

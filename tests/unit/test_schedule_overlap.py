@@ -192,3 +192,73 @@ def test_parity(style, passes):
         last_backward_mm = max(nodes.index(n) for n in ops(run.graph, "aten.mm"))
         reduces = [n for n in ops(run.graph, "all_reduce") if n.meta["val"].dim() > 0]
         assert min(nodes.index(n) for n in reduces) < last_backward_mm
+
+
+_ALIASES = {
+    aten.reshape.default, aten.view.default, aten.t.default, aten.split_with_sizes.default,
+    aten.slice.Tensor, aten.select.int, aten.expand.default, aten.permute.default,
+}
+
+
+def _gathered_bytes_peak(graph: torch.fx.Graph) -> int:
+    """The most gathered bytes alive at any node: each all_gather's result counts from its
+    issue to the last use of the result or of a view of it."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    alive = [0] * len(nodes)
+    for c in ops(graph, "all_gather"):
+        stack, last = [wait_of(c)], index[wait_of(c)]
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                last = max(last, index[u])
+                if u.target in _ALIASES or u.target.__name__ == "getitem":
+                    stack.append(u)
+        for i in range(index[c], last + 1):
+            alive[i] += payload_bytes(c)
+    return max(alive)
+
+
+def _fsdp_with_prefetch(depth):
+    from spmd_compiler.passes import BucketOptions
+
+    # a bucket per parameter or two: several gathers to prefetch
+    return train(DataParallelWithPasses(
+        "fully_shard", ("bucket_collectives", *PASS),
+        {"bucket_collectives": BucketOptions(cap_bytes=600),
+         "schedule_overlap": OverlapOptions(prefetch_depth=depth)},
+    ))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, None])
+def test_fsdp_prefetch_depth(depth):
+    run = _fsdp_with_prefetch(depth)
+    assert run.max_loss_difference < TOL and run.max_state_difference < TOL
+    nodes = list(run.graph.nodes)
+    gathers = ops(run.graph, "all_gather")
+    assert len(gathers) >= 4
+
+    def first_use(c):
+        return min(nodes.index(u) for u in wait_of(c).users)
+
+    gathers.sort(key=first_use)
+    for j, c in enumerate(gathers):
+        issued = nodes.index(c)
+        assert issued < first_use(c)
+        if depth is None:
+            continue
+        if depth == 0:  # nothing runs ahead: no other gather's use between issue and use
+            assert not any(issued < first_use(g) < first_use(c) for g in gathers[:j])
+        elif j >= depth:  # issued once gather j - depth is being used, not before
+            assert issued > first_use(gathers[j - depth])
+
+
+def test_fsdp_prefetch_bounds_gathered_memory():
+    peaks = {d: _gathered_bytes_peak(_fsdp_with_prefetch(d).graph) for d in (0, 1, None)}
+    # issuing every gather at the start holds more gathered parameters at once
+    assert peaks[0] <= peaks[1] < peaks[None]
+
+
+def test_prefetch_depth_must_not_be_negative():
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        OverlapOptions(prefetch_depth=-1)
