@@ -55,7 +55,7 @@ FLOOR = "eager_1dev"
 @dataclass(frozen=True)
 class SuiteOptions:
     warmup: int = 3
-    steps: int = 5
+    steps: int = 9
 
 
 @dataclass

@@ -50,7 +50,8 @@ BYTES_NOTE = (
     "all_gather: gathered output, reduce_scatter: full input). Minimum: ddp = gradient "
     "bytes; fsdp = params gathered once + grads reduce-scattered once. FSDP2 (reshard "
     "after forward) gathers twice, so its own minimum would be 3x params. The compiled "
-    "steps also all-reduce the loss (and fsdp the loss weight): 8 bytes over the minimum."
+    "steps also all-reduce the loss's partial sum (inside the gradient bucket under ddp) "
+    "and its total weight (for an exact global mean): 8 bytes over the minimum."
 )
 NOTES = [
     RATIO_NOTE,
@@ -195,7 +196,7 @@ DEFAULT_OPTIONS = {"cpu": SuiteOptions(), "cuda": SuiteOptions(warmup=5, steps=2
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--steps", type=int, help="measured steps (cpu 5, cuda 20)")
+    parser.add_argument("--steps", type=int, help="measured steps (cpu 9, cuda 20)")
     parser.add_argument(
         "--warmup",
         type=int,

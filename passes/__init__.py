@@ -15,6 +15,7 @@ from . import cross_iteration_overlap as _cross_iteration  # noqa: F401  (regist
 from . import fuse_optimizer_updates as _fuse_optimizer_updates  # noqa: F401  (registers)
 from . import remove_dead_nodes as _remove_dead_nodes  # noqa: F401  (registers the pass)
 from . import remove_duplicate_collectives as _remove_duplicate  # noqa: F401  (registers)
+from . import remove_noop_reshapes as _remove_noop_reshapes  # noqa: F401  (registers)
 from . import schedule_overlap as _schedule_overlap  # noqa: F401  (registers the pass)
 from .bucket_collectives import BucketOptions
 from .checks import (
@@ -49,6 +50,7 @@ from .schedule_overlap import OverlapOptions
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "remove_dead_nodes",
+    "remove_noop_reshapes",
     "remove_duplicate_collectives",
     "bucket_collectives",
     "schedule_overlap",

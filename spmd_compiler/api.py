@@ -85,6 +85,7 @@ class CompiledTrainStep:
         self.last_program: DistributedProgram | None = None
         self.timings = StepTimings()
         self._pending: _PendingUpdate | None = None
+        self._installed: set[int] = set()  # ids of state tensors install_state checked
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -115,7 +116,7 @@ class CompiledTrainStep:
         ):
             self.flush()
             pending = None
-        install_state(bindings, self.mode.placement_of, mesh, sim)
+        install_state(bindings, self.mode.placement_of, mesh, sim, self._installed)
         self.last_program = program
         start = time.perf_counter()
         result, carry = run_program(

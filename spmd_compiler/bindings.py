@@ -8,6 +8,7 @@ learning rates by (optimizer, param group).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +34,19 @@ class StepBindings:
     # per module: FQN within the module -> name in ``params`` / ``buffers``
     module_params: list[dict[str, str]]
     module_buffers: list[dict[str, str]]
-    module_fqns: dict[int, str]  # id(submodule) -> display FQN
     flat_args: list[Any]
     args_spec: pytree.TreeSpec
     _name_of: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def module_fqns(self) -> dict[int, str]:
+        """id(submodule) -> display FQN (computed when a compile needs it, not per step)."""
+        fqns: dict[int, str] = {}
+        for mi, mod in enumerate(self.modules):
+            prefix = "" if len(self.modules) == 1 else f"{mi}."
+            for fqn, sub in mod.named_modules():
+                fqns.setdefault(id(sub), (prefix + fqn).rstrip("."))
+        return fqns
 
     def param_name(self, p: torch.Tensor) -> str:
         """The name of parameter ``p`` (by identity; O(1) per call, the table is rebuilt
@@ -154,7 +164,6 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
     buffers: dict[str, torch.Tensor] = {}
     module_params: list[dict[str, str]] = []
     module_buffers: list[dict[str, str]] = []
-    module_fqns: dict[int, str] = {}
     seen: dict[int, str] = {}
     for mi, mod in enumerate(modules):
         prefix = "" if len(modules) == 1 else f"{mi}."
@@ -170,8 +179,6 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
             mb[fqn] = name
         module_params.append(mp)
         module_buffers.append(mb)
-        for fqn, sub in mod.named_modules():
-            module_fqns.setdefault(id(sub), (prefix + fqn).rstrip("."))
     owned = {id(p) for p in params.values()}
     for oi, opt in enumerate(optimizers):
         for gi, group in enumerate(opt.param_groups):
@@ -184,8 +191,7 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
                         hint="pass every module whose parameters the optimizer updates.",
                     )
     return StepBindings(
-        modules, optimizers, params, buffers, module_params, module_buffers, module_fqns,
-        flat_args, spec,
+        modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
     )
 
 

@@ -45,8 +45,34 @@ def install_state(
     placement_of: Any,
     mesh: DeviceMesh,
     sim: Simulation | None,
+    verified: set[int] | None = None,
 ) -> None:
-    """Turn every plain state tensor of the step into a DTensor with its placement."""
+    """Turn every plain state tensor of the step into a DTensor with its placement.
+
+    ``verified`` (kept by the compiled step) holds the ids of state tensors already
+    installed and checked; when every tensor of the call is among them, nothing is
+    walked again (the common case: every step after the first two).
+    """
+    if verified is not None and all(
+        isinstance(t, DTensor) and id(t) in verified for t in _state_tensors(bindings)
+    ):
+        return
+    _install(bindings, placement_of, mesh, sim)
+    if verified is not None:
+        verified.update(id(t) for t in _state_tensors(bindings))
+
+
+def _state_tensors(bindings: StepBindings) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = [*bindings.params.values(), *bindings.buffers.values()]
+    for opt in bindings.optimizers:
+        for entries in opt.state.values():
+            out += [v for v in entries.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _install(
+    bindings: StepBindings, placement_of: Any, mesh: DeviceMesh, sim: Simulation | None
+) -> None:
     new_params: dict[int, torch.nn.Parameter] = {}
     for name, p in list(bindings.params.items()):
         ref = StateRef(Kind.PARAM, name)

@@ -30,6 +30,7 @@ Setup = tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, ...]]]
 # the optimization passes of the default pipeline; the harness runs exactly the ones a
 # test names, so "off" really is off
 OPTIMIZATION_PASSES = (
+    "remove_noop_reshapes",
     "remove_duplicate_collectives",
     "bucket_collectives",
     "schedule_overlap",
