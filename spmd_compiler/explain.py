@@ -68,6 +68,8 @@ class Explanation:
     buffer_bytes: int
     collectives: list[CollectiveRow]
     passes: list[tuple[str, float]]
+    # parameters whose update runs in the next call (cross_iteration_overlap), by name
+    deferred_params: list[str] = field(default_factory=list)
     code: str = field(repr=False, default="")
 
     @property
@@ -115,7 +117,13 @@ class Explanation:
 
     def _pass_line(self) -> str:
         done = ", ".join(f"{n} ({s * 1e3:.1f} ms)" for n, s in self.passes) or "none"
-        return f"passes applied: {done}"
+        line = f"passes applied: {done}"
+        if self.deferred_params:
+            line += (
+                f"\nupdated in the next call (cross_iteration_overlap; flush() after the "
+                f"last step): {', '.join(self.deferred_params)}"
+            )
+        return line
 
 
 def explain(compiled_step: Any) -> Explanation:
@@ -142,8 +150,16 @@ def explain(compiled_step: Any) -> Explanation:
         buffer_bytes=_buffer_bytes(program),
         collectives=_collective_rows(program),
         passes=[(n, program.pass_seconds.get(n, 0.0)) for n in program.passes_applied],
+        deferred_params=_deferred_params(program),
         code=program.graph_module.code,
     )
+
+
+def _deferred_params(program: DistributedProgram) -> list[str]:
+    if program.deferred is None:
+        return []
+    refs = [program.captured.outputs[j] for j in program.deferred.positions]
+    return sorted({ref.name for ref in refs if ref.kind is Kind.PARAM})
 
 
 def _local_bytes(meta: TensorMeta, program: DistributedProgram, placements: Placements) -> int:

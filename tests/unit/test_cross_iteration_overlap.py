@@ -12,6 +12,7 @@ import spmd_compiler as sc
 from spmd_compiler.api import flush_pending_updates
 from spmd_compiler.comm_stats import collective_kind
 from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE
+from spmd_compiler.explain import explain
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.parity import compare_models, compare_optimizers, max_difference
 from spmd_compiler.passes.collective_graph import DEFERRED, deferred_part, payload_bytes
@@ -71,6 +72,8 @@ def test_marks_the_last_ready_reductions_up_to_the_cap():
         for batch in batches:
             step(model, optim, *batch)
         step.flush()
+    explanation = explain(step)
+    assert explanation.deferred_params and "updated in the next call" in explanation.format()
     graph = step.last_program.graph_module.graph
     marked = [n for n in graph.nodes if n.meta.get(DEFERRED)]
     assert marked and sum(payload_bytes(n) for n in marked) <= cap
