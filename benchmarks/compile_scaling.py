@@ -10,6 +10,7 @@ import spmd_compiler as sc
 from spmd_compiler.demo.gpt import gpt_train_step
 from spmd_compiler.parallel_modes import make_mode
 
+from . import progress
 from .models import Case, build_model, build_optimizer, global_batches
 
 LAYERS = (2, 4, 8, 16)
@@ -37,9 +38,11 @@ def compile_record(layers: int, mode: str = "ddp", world: int = 2) -> dict[str, 
 def compile_scaling(layers: tuple[int, ...] = LAYERS, mode: str = "ddp") -> dict[str, Any]:
     torch.set_num_threads(1)
     rows = {}
-    for n in layers:
+    for i, n in enumerate(layers, 1):
         rows[n] = compile_record(n, mode)
-        print(f"[bench] compile {mode} gpt {n} layers: {rows[n]['total']:.2f}s", flush=True)
+        progress.report(
+            "compile scaling", i, len(layers), f"{mode} gpt {n} layers: {rows[n]['total']:.2f}s"
+        )
     deepest = max(layers)
     half = rows.get(deepest // 2)
     ratio = rows[deepest]["total"] / half["total"] if half else None

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import spmd_compiler as sc
 from spmd_compiler.comm_stats import collective_stats
 
+from . import progress
 from .models import (
     Case,
     build_model,
@@ -260,11 +261,12 @@ def bench_cases(
 ) -> dict[str, Any]:
     """``bench_case`` for every case in turn, by name; progress on rank 0."""
     out = {}
-    for case in cases:
+    for i, case in enumerate(cases, 1):
         start = time.perf_counter()
         out[case.name] = bench_case(case, rank, world, options, device, peaks)
         if rank == 0:
-            print(f"[bench] {case.name}: done in {time.perf_counter() - start:.1f}s", flush=True)
+            seconds = time.perf_counter() - start
+            progress.report("suite", i, len(cases), f"{case.name} done in {seconds:.1f}s")
     return out
 
 

@@ -29,6 +29,7 @@ from spmd_compiler.parity import (
     relative_difference,
 )
 
+from . import progress
 from .cpu_suite import SuiteOptions, bench_cases, merge_ranks
 from .models import (
     STYLES,
@@ -144,14 +145,15 @@ def simulation_parity(cases: tuple[Case, ...], device: str = "cuda") -> list[dic
     """Part B for every case and style; must run where no process group is initialized
     (``sc.simulate`` makes its own), i.e. here in the parent, not in a launched rank."""
     out = []
+    total = len(cases) * len(STYLES)
     for case in cases:
         for style in STYLES:
             record = simulated_parity(case, style, device)
             worst = max(record["param_rel_diff"], record["optimizer_rel_diff"])
-            print(
-                f"[bench] simulated {case.name} {style}: state rel diff {worst:.1e}, "
-                f"loss rel diff {record['loss_rel_diff']:.1e}",
-                flush=True,
-            )
             out.append(record)
+            progress.report(
+                "simulated parity", len(out), total,
+                f"{case.name} {style}: state rel diff {worst:.1e}, "
+                f"loss rel diff {record['loss_rel_diff']:.1e}",
+            )
     return out

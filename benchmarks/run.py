@@ -20,6 +20,7 @@ import torch
 import spmd_compiler as sc
 from spmd_compiler.passes.cost_model import CostModel
 
+from . import progress
 from .compile_scaling import LAYERS, compile_scaling
 from .cpu_suite import SuiteOptions, run_cpu_suite
 from .cuda_suite import (
@@ -107,7 +108,7 @@ def timelines(
 ) -> dict[str, Any]:
     """Compile ``case`` per mode on 2 simulated ranks; export each steady-state program."""
     out = {}
-    for mode_name in STYLES:
+    for i, mode_name in enumerate(STYLES, 1):
         model = build_model(case)
         optim = build_optimizer(model.parameters())
         step = sc.compile(parallel_mode=parallel_mode(case, mode_name))(train_step(case))
@@ -117,8 +118,9 @@ def timelines(
         path = os.path.join(folder, f"timeline_{mode_name}.json")
         summary = export_timeline(step.last_program.graph_module, path, cost, compute)
         out[f"{case.name} {mode_name}"] = {**summary, "file": os.path.relpath(path)}
-        print(
-            f"[bench] timeline {mode_name}: exposed {summary['exposed_fraction']:.2f}", flush=True
+        progress.report(
+            "timelines", i, len(STYLES),
+            f"{mode_name}: exposed {summary['exposed_fraction']:.2f}",
         )
     return out
 

@@ -124,3 +124,13 @@ def test_cuda_suite_refuses_without_cuda(monkeypatch, capsys, tmp_path) -> None:
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "no CUDA device is visible" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_progress_bar_lines(capsys):
+    from benchmarks import progress
+
+    assert progress.bar(0, 4) == "[" + "." * progress.WIDTH + "]"
+    assert progress.bar(2, 4) == "[" + "#" * (progress.WIDTH // 2) + "." * (progress.WIDTH // 2) + "]"
+    assert progress.bar(4, 4) == "[" + "#" * progress.WIDTH + "]"
+    progress.report("suite", 1, 2, "gpt done")
+    assert capsys.readouterr().out == f"[bench] suite {progress.bar(1, 2)} 1/2 gpt done\n"
