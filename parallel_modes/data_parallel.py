@@ -14,6 +14,7 @@ gather, so no gathered parameter lives across the forward/backward boundary.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -25,6 +26,7 @@ from spmd_compiler.capture import CaptureOptions
 from spmd_compiler.errors import MODULE_FQN, OPTIMIZER_PHASE, PHASE, SPMDCompileError
 from spmd_compiler.expand import DistributedProgram, Placements, UseHook
 from spmd_compiler.graph_utils import placeholders
+from spmd_compiler.passes import OverlapOptions, PassOptions
 from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate
@@ -63,6 +65,11 @@ class DataParallel(ParallelMode):
         mp_policy: mixed precision (``MixedPrecisionPolicy``): parameters are cast to
             ``param_dtype`` before they are gathered, compute runs in it, gradients are
             reduced in ``reduce_dtype``; master weights and optimizer state stay fp32.
+        prefetch_depth: fully_shard only: how many all-gather buckets may run ahead of
+            the one in use (NOTE: [FSDP prefetch] in ``passes/schedule_overlap.py``); 1
+            is FSDP2's prefetch of the next unit, None issues every gather as early as
+            the in-flight cap allows. Applies when ``compile`` gets no options for
+            ``schedule_overlap``.
     """
 
     def __init__(
@@ -73,6 +80,7 @@ class DataParallel(ParallelMode):
         mesh: DeviceMesh | None = None,
         reshard_after_forward: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
+        prefetch_depth: int | None = 1,
     ) -> None:
         if style not in ("replicate", "fully_shard"):
             raise ValueError(f"DataParallel style must be 'replicate' or 'fully_shard', got {style!r}")
@@ -83,6 +91,7 @@ class DataParallel(ParallelMode):
         self.input_batch_dim = input_batch_dim
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.prefetch_depth = prefetch_depth
         self.name = "ddp" if style == "replicate" else "fsdp"
 
     @property
@@ -107,6 +116,19 @@ class DataParallel(ParallelMode):
         if self.sharded and ref.kind in (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE) and meta.shape:
             return (Shard(0),)
         return replicate(mesh)
+
+    def transform_and_compile(
+        self, program: DistributedProgram, options: PassOptions | None = None
+    ) -> DistributedProgram:
+        """The pipeline, with fully_shard's gather prefetch depth as ``schedule_overlap``'s
+        default (the caller's own options for that pass win)."""
+        options = options or PassOptions()
+        if self.sharded and "schedule_overlap" not in options.pass_options:
+            overlap = OverlapOptions(prefetch_depth=self.prefetch_depth)
+            options = dataclasses.replace(
+                options, pass_options={**options.pass_options, "schedule_overlap": overlap}
+            )
+        return super().transform_and_compile(program, options)
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         padded: dict[str, tuple[int, int]] = {}

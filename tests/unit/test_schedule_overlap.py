@@ -262,3 +262,30 @@ def test_fsdp_prefetch_bounds_gathered_memory():
 def test_prefetch_depth_must_not_be_negative():
     with pytest.raises(ValueError, match="prefetch_depth"):
         OverlapOptions(prefetch_depth=-1)
+
+
+@pytest.mark.parametrize("depth", [1, None])
+def test_fully_shard_mode_prefetches_one_bucket_ahead_by_default(depth):
+    """``DataParallel("fully_shard")`` passes its ``prefetch_depth`` (default 1, FSDP2's)
+    to schedule_overlap when compile() gets no options for that pass."""
+    from collective_pass_harness import classification_step, mlp_setup
+
+    import spmd_compiler as sc
+    from spmd_compiler.parallel_modes import DataParallel
+
+    kwargs = {} if depth == 1 else {"prefetch_depth": depth}
+    model, optim, batches = mlp_setup(2)
+    step = sc.compile(
+        DataParallel("fully_shard", **kwargs),
+        pass_options={"bucket_collectives": {"cap_bytes": 600}},
+    )(classification_step)
+    with sc.simulate(4):
+        for batch in batches:
+            step(model, optim, *batch)
+    graph = step.last_program.graph_module.graph
+    nodes = list(graph.nodes)
+    gathers = sorted(ops(graph, "all_gather"), key=lambda c: min(nodes.index(u) for u in wait_of(c).users))
+    assert len(gathers) >= 4
+    first_uses = [min(nodes.index(u) for u in wait_of(c).users) for c in gathers]
+    ahead = [nodes.index(c) > first_uses[j - 1] for j, c in enumerate(gathers) if j >= 1]
+    assert all(ahead) if depth == 1 else not all(ahead)
