@@ -116,3 +116,25 @@ def test_demo_gpt_ddp_buckets_under_the_cap():
     buckets = [n for n in ops(run.graph, "all_reduce") if n.meta["val"].dim() > 0]
     assert len(buckets) == math.ceil(grad_bytes / cap)
     assert all(n.meta["val"].numel() * 4 <= cap for n in buckets)
+
+
+@pytest.mark.parametrize("first", [None, 600])
+def test_first_gradient_bucket_closes_early_like_ddp(first):
+    """With ``first_bucket_bytes`` the gradients backward computes first go out in their
+    own bucket once it holds that many bytes; the rest share the next one."""
+    mode = DataParallelWithPasses(
+        "replicate", PASS, {"bucket_collectives": BucketOptions(first_bucket_bytes=first)}
+    )
+    run = train(mode)
+    assert run.max_loss_difference < TOL and run.max_state_difference < TOL
+    buckets = [n for n in ops(run.graph, "all_reduce") if n.meta["val"].dim() > 0]
+    sizes = [n.meta["val"].numel() * 4 for n in buckets]
+    total = _param_bytes(run.model) + 4  # gradients and the loss's partial sum
+    assert sum(sizes) == total
+    if first is None:
+        assert len(buckets) == 1
+    else:
+        nodes = list(run.graph.nodes)
+        early, late = sorted(buckets, key=nodes.index)
+        assert early.meta["val"].numel() * 4 >= first
+        assert nodes.index(early) < nodes.index(late)
