@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import spmd_compiler as sc
+from spmd_compiler import checkpoint
 from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.parity import full_state
@@ -32,8 +33,13 @@ def worker(rank: int, world_size: int, mode: str) -> dict[str, object]:
         step = sc.compile(make_mode(mode), extra_passes=extra)(classification_train_step)
         losses = [step(model, optim, x[local], y[local]).item() for x, y in batches]
         out[name] = {"losses": losses, "unflushed": full_state(model, optim, None)}
-        out[name]["flushed"] = step.flush()
+        had_pending = step._pending is not None
+        # checkpointing applies the deferred update by itself before reading the state
+        exported = checkpoint.full_state_dict(model, optim)
+        out[name]["flushed"] = had_pending and step._pending is None and not step.flush()
         out[name]["state"] = full_state(model, optim, None)
+        if rank == 0:
+            out[name]["exported"] = {k: v.clone() for k, v in exported["model"].items()}
         plan = step.last_program.deferred
         out[name]["deferred_outputs"] = 0 if plan is None else len(plan.positions)
     return out
@@ -51,3 +57,5 @@ def test_deferred_update_is_bit_identical_after_flush(mode):
     )
     for key, value in plain["state"].items():
         assert torch.equal(deferred["state"][key], value), key
+    for key, value in plain["exported"].items():
+        assert torch.equal(deferred["exported"][key], value), key
