@@ -197,20 +197,7 @@ def run_program(
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
     flat += carry or []
-    if sim is not None:
-        with sim.ranks():
-            outs = list(graph_module(*flat))
-    else:
-        try:
-            outs = list(graph_module(*flat))
-        except Exception as exc:
-            # NOTE: [state ownership]: nothing was written back, the state is intact.
-            raise SPMDRuntimeError(
-                f"The compiled step failed on rank {dist.get_rank()}: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}. When a collective fails "
-                "or times out, another rank has usually failed or died. The model and "
-                "optimizer hold the state of the last completed step."
-            ) from exc
+    outs = _run(graph_module, flat, sim, deferred=carry is not None)
     next_carry = None
     if plan is not None:
         outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
@@ -228,12 +215,33 @@ def run_finish(
     """Apply the deferred part of the last step (its ``finish`` program) to the state."""
     plan = program.deferred
     assert plan is not None, "run_finish needs a program with a deferred part"
+    outs = _run(plan.finish, list(carry), sim, deferred=True)
+    _write_back(program, bindings, outs, sim, positions=plan.positions)
+
+
+def _run(
+    graph_module: torch.fx.GraphModule, flat: list[torch.Tensor], sim: Simulation | None,
+    deferred: bool,
+) -> list[torch.Tensor]:
+    """Call a program on its flat inputs: on every simulated rank, or on this real rank,
+    where a failure (usually a collective whose peer died) becomes ``SPMDRuntimeError``."""
     if sim is not None:
         with sim.ranks():
-            outs = list(plan.finish(*carry))
-    else:
-        outs = list(plan.finish(*carry))
-    _write_back(program, bindings, outs, sim, positions=plan.positions)
+            return list(graph_module(*flat))
+    try:
+        return list(graph_module(*flat))
+    except Exception as exc:
+        # NOTE: [state ownership]: nothing was written back, the state is intact.
+        pending = (
+            " The update the previous call deferred (cross_iteration_overlap) was not "
+            "applied either." if deferred else ""
+        )
+        raise SPMDRuntimeError(
+            f"The compiled step failed on rank {dist.get_rank()}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}. When a collective fails "
+            "or times out, another rank has usually failed or died. The model and "
+            f"optimizer hold the state of the last completed step.{pending}"
+        ) from exc
 
 
 def _feed_input(
