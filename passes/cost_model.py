@@ -3,9 +3,11 @@
 The time of one collective is ``alpha + bytes / beta``: a fixed launch and synchronization
 latency plus the payload over a bandwidth. Bytes follow the convention of
 ``spmd_compiler.comm_stats`` (all_reduce: tensor bytes; all_gather: gathered output;
-reduce_scatter: full input). The constants are placeholders of the right order for a
-single node; calibrating them per machine is a later issue, so passes must take them from
-``context.cost_model`` and never hard-code them.
+reduce_scatter: full input). The defaults are of the right order for one GPU node;
+``benchmarks/cpu_suite.calibrate_collectives`` measures alpha and beta on the machine it
+runs on (the benchmark timelines use that), and ``PassOptions(cost_model=...)`` gives a
+compile calibrated constants. Passes take them from ``context.cost_model`` and never
+hard-code them.
 """
 
 from __future__ import annotations
