@@ -66,9 +66,9 @@ class CrossIterationOptions:
     """Options of ``cross_iteration_overlap``.
 
     Args:
-        cap_bytes: most payload bytes deferred (one bucket); None uses
-            ``BucketOptions().cap_bytes``. At least one reduction is deferred when any
-            qualifies.
+        cap_bytes: most payload bytes deferred (one bucket); None uses the cap of this
+            pipeline's ``bucket_collectives``. At least one reduction is deferred when
+            any qualifies.
     """
 
     cap_bytes: int | None = None
@@ -106,7 +106,10 @@ def cross_iteration_overlap(program, context: PassContext) -> bool:
         Whether any reduction was marked.
     """
     options = options_for(context, "cross_iteration_overlap", CrossIterationOptions())
-    cap = options.cap_bytes if options.cap_bytes is not None else BucketOptions().cap_bytes
+    cap = options.cap_bytes
+    if cap is None:  # one bucket of this pipeline's bucket_collectives
+        bucket = getattr(context, "bound_options", {}).get("bucket_collectives")
+        cap = (bucket if isinstance(bucket, BucketOptions) else BucketOptions()).cap_bytes
     graph = program.graph_module.graph
     if any(n.meta.get(DEFERRED) for n in graph.nodes):
         return False

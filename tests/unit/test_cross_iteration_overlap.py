@@ -170,3 +170,18 @@ def test_demo_gpt_ddp_bit_identical_after_flush():
             compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
         )
     assert diff == 0.0
+
+
+def test_default_cap_is_the_pipelines_bucket_cap():
+    model, optim, batches = mlp_setup(2)
+    cap = 16 * 4 + 8
+    step = sc.compile(
+        make_mode("ddp"), extra_passes=PASS,
+        pass_options={"bucket_collectives": {"cap_bytes": cap}},
+    )(classification_step)
+    with sc.simulate(2):
+        for batch in batches:
+            step(model, optim, *batch)
+        step.flush()
+    marked = [n for n in step.last_program.graph_module.graph.nodes if n.meta.get(DEFERRED)]
+    assert marked and sum(payload_bytes(n) for n in marked) <= cap
