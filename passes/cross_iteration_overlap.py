@@ -51,6 +51,7 @@ from .collective_graph import (
     options_for,
     parse_collective,
     payload_bytes,
+    positions,
     wait_of,
 )
 from .manager import PassContext, is_collective, is_wait, register_pass
@@ -114,7 +115,7 @@ def cross_iteration_overlap(program, context: PassContext) -> bool:
     if any(n.meta.get(DEFERRED) for n in graph.nodes):
         return False
     outputs = _state_outputs(program)
-    position = {n: i for i, n in enumerate(graph.nodes)}
+    position = positions(graph)
     candidates = []
     for node in graph.nodes:
         call = parse_collective(node)

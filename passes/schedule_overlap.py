@@ -38,7 +38,15 @@ import torch.fx
 from spmd_compiler.comm_stats import collective_kind
 
 from . import bucket_collectives as _ordered_after  # noqa: F401  (registers it)
-from .collective_graph import is_barrier, is_free, options_for, payload_bytes, wait_of
+from .collective_graph import (
+    first_use,
+    is_barrier,
+    is_free,
+    options_for,
+    payload_bytes,
+    positions,
+    wait_of,
+)
 from .manager import PassContext, is_collective, is_wait, register_pass
 
 _Pending = tuple[torch.fx.Node, torch.fx.Node, int]  # collective, its wait, bytes in flight
@@ -140,18 +148,17 @@ def _prefetch_limits(
     if depth is None:
         return {}
     gathers = [(c, w) for c, w, _ in pending if collective_kind(c) == "all_gather" and w.users]
-    position = {n: i for i, n in enumerate(gathers[0][0].graph.nodes)} if gathers else {}
-
-    def first_use(wait: torch.fx.Node) -> torch.fx.Node:
-        return min(wait.users, key=position.__getitem__)
-
-    gathers.sort(key=lambda cw: position[first_use(cw[1])])
+    if not gathers:
+        return {}
+    position = positions(gathers[0][0].graph)
+    used = {c: first_use(w, position) for c, w in gathers}
+    ordered = sorted(used, key=lambda c: position[used[c]])
     limits = {}
-    for j, (collective, _) in enumerate(gathers):
+    for j, collective in enumerate(ordered):
         if depth == 0:
             limits[collective] = collective
         elif j >= depth:
-            limits[collective] = first_use(gathers[j - depth][1])
+            limits[collective] = used[ordered[j - depth]]
     return limits
 
 
