@@ -1,16 +1,29 @@
-PYTHON ?= python3
-export PYTHON
+# `make demo` and `make test` set up what is missing (scripts/setup.sh) and then run.
+# Set-up runs again only when pyproject.toml or scripts/setup.sh changed (a stamp file).
+# Defaults: a virtual environment of the project's own in $(VENV); PYTHON=... uses that
+# interpreter instead (nothing is created then).
+VENV ?= .venv
+ifeq ($(origin PYTHON), command line)
+STAMP := .setup-stamp
+else
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+endif
+export VENV
 
 .PHONY: setup demo test lint
 
-setup:
-	bash scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh
+	PYTHON=$(if $(filter command line,$(origin PYTHON)),$(PYTHON),) bash scripts/setup.sh
+	@touch $(STAMP)
 
-demo: setup
+setup: $(STAMP)
+
+demo: $(STAMP)
 	$(PYTHON) -m spmd_compiler demo
 
-test: setup
+test: $(STAMP)
 	$(PYTHON) -m pytest
 
-lint:
+lint: $(STAMP)
 	$(PYTHON) -m ruff check .
