@@ -322,13 +322,17 @@ class TensorParallel(ParallelMode):
     def layout_at_boundary(
         self, consumer: torch.fx.Node, arg: torch.fx.Node, state: set[torch.fx.Node]
     ) -> list[tuple[Placements, str]] | None:
-        # only forward: module inputs and outputs are forward values; backward derives
-        # its own collectives from propagation
-        if PHASE in consumer.meta or arg in state:
+        # forward: module inputs and outputs; backward derives its own collectives from
+        # propagation, but reads a module's output as it left the module (the same
+        # redistribution, shared: a vocabulary-sharded embedding's masked partial can
+        # be reduced only once)
+        if arg in state:
             return None
         val = arg.meta.get("val")
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             return None
+        if PHASE in consumer.meta:
+            return self._module_output_in_backward(arg, val)
         inner = _styled_module(consumer.meta.get(MODULE_FQN), self.layouts)
         outer = _styled_module(arg.meta.get(MODULE_FQN), self.layouts)
         if inner == outer:
@@ -343,6 +347,20 @@ class TensorParallel(ParallelMode):
             if layout is not None:
                 steps.append(((_normalize(layout, val.dim()),), f"into {inner}"))
         return steps or None
+
+    def _module_output_in_backward(
+        self, arg: torch.fx.Node, val: torch.Tensor
+    ) -> list[tuple[Placements, str]] | None:
+        outer = _styled_module(arg.meta.get(MODULE_FQN), self.layouts)
+        if outer is None or self.layouts[outer][1] is None:
+            return None
+        leaves = any(
+            PHASE not in user.meta and not _within(user.meta.get(MODULE_FQN), outer)
+            for user in arg.users
+        )
+        if not leaves:
+            return None
+        return [((_normalize(self.layouts[outer][1], val.dim()),), f"out of {outer}")]
 
     def __repr__(self) -> str:
         return f"TensorParallel(plan={self.plan})"
