@@ -81,6 +81,13 @@ class FullyShardTensorParallel(ParallelMode):
         for ref, meta in captured.inputs:
             if ref.kind is Kind.PARAM and meta.shape:
                 tp = self.tp.placement_of(ref, meta, mesh)[0]
+                if private.is_strided_shard(tp):
+                    raise SPMDCompileError(
+                        f"{ref} is planned FusedColwiseParallel, which FSDP x TP does not "
+                        "support yet.",
+                        hint="plan the fused layer ColwiseParallel() under FSDP x TP, or "
+                        "use TensorParallel alone.",
+                    )
                 rows = meta.shape[0] // (mesh.size(TP) if tp == Shard(0) else 1)
                 if meta.shape[0] % (mesh.size(TP) if tp == Shard(0) else 1) or rows % mesh.size(DP):
                     raise SPMDCompileError(

@@ -32,16 +32,25 @@ def padded_rows(rows: int, world: int) -> int:
     return -(-rows // world) * world
 
 
-def pad_uneven_state(captured: CapturedStep, world: int) -> dict[str, tuple[int, int]]:
-    """Rewrite ``captured`` so every Shard(0) parameter is a multiple of ``world`` rows.
+def pad_uneven_state(
+    captured: CapturedStep, world: int, dims: dict[str, int] | None = None
+) -> dict[str, tuple[int, int]]:
+    """Rewrite ``captured`` so every sharded parameter dimension is a multiple of ``world``.
 
-    Returns ``{param name: (true rows, padded rows)}``; empty (and nothing changed) when
-    every parameter divides evenly.
+    Args:
+        dims: parameter name -> the dimension it is sharded on (tensor parallel); None:
+            every parameter on dimension 0 (fully_shard).
+
+    Returns ``{param name: (true size, padded size)}`` of the padded dimension; empty (and
+    nothing changed) when every parameter divides evenly.
     """
+    dim_of = dims if dims is not None else {}
     plan = {
-        ref.name: (meta.shape[0], padded_rows(meta.shape[0], world))
+        ref.name: (meta.shape[dim], padded_rows(meta.shape[dim], world))
         for ref, meta in captured.inputs
-        if ref.kind is Kind.PARAM and meta.shape and meta.shape[0] % world
+        if ref.kind is Kind.PARAM and meta.shape and (dims is None or ref.name in dims)
+        for dim in [dim_of.get(ref.name, 0)]
+        if meta.shape[dim] % world
     }
     if not plan:
         return plan
@@ -55,41 +64,46 @@ def pad_uneven_state(captured: CapturedStep, world: int) -> dict[str, tuple[int,
             )
     gm = captured.graph_module
     nodes = dict(zip(captured.input_refs(), placeholders(gm), strict=True))
-    _pad_gradients(captured, plan)
+    _pad_gradients(captured, plan, dim_of)
     for name, (rows, _) in plan.items():
-        _slice_for_compute(gm.graph, nodes[StateRef(Kind.PARAM, name)], rows)
-    captured.inputs = [(ref, _padded_meta(ref, meta, plan)) for ref, meta in captured.inputs]
+        _slice_for_compute(gm.graph, nodes[StateRef(Kind.PARAM, name)], rows, dim_of.get(name, 0))
+    captured.inputs = [(ref, _padded_meta(ref, meta, plan, dim_of)) for ref, meta in captured.inputs]
     captured.output_metas = [
-        _padded_meta(ref, meta, plan)
+        _padded_meta(ref, meta, plan, dim_of)
         for ref, meta in zip(captured.outputs, captured.output_metas, strict=True)
     ]
     gm.recompile()
     return plan
 
 
-def _padded_meta(ref: StateRef, meta: TensorMeta, plan: dict[str, tuple[int, int]]) -> TensorMeta:
+def _padded_meta(
+    ref: StateRef, meta: TensorMeta, plan: dict[str, tuple[int, int]], dims: dict[str, int]
+) -> TensorMeta:
     if ref.kind not in (Kind.PARAM, Kind.OPTIM_STATE) or ref.name not in plan:
         return meta
     rows, padded = plan[ref.name]
-    if not meta.shape or meta.shape[0] != rows:
+    dim = dims.get(ref.name, 0)
+    if len(meta.shape) <= dim or meta.shape[dim] != rows:
         return meta
-    return dataclasses.replace(meta, shape=(padded, *meta.shape[1:]))
+    shape = list(meta.shape)
+    shape[dim] = padded
+    return dataclasses.replace(meta, shape=tuple(shape))
 
 
 def _is_optimizer(node: torch.fx.Node) -> bool:
     return node.meta.get(PHASE) == OPTIMIZER_PHASE
 
 
-def _slice_for_compute(graph: torch.fx.Graph, param: torch.fx.Node, rows: int) -> None:
+def _slice_for_compute(graph: torch.fx.Graph, param: torch.fx.Node, rows: int, dim: int = 0) -> None:
     for user in list(param.users):
         if _is_optimizer(user) or user.op == "output":
             continue
         if user.target is torch.ops.aten._to_copy.default:
             # mixed precision: cast the padded shard, slice the cast (gathered low-precision)
-            _slice_for_compute(graph, user, rows)
+            _slice_for_compute(graph, user, rows, dim)
             continue
         with graph.inserting_before(user):
-            view = graph.call_function(torch.ops.aten.slice.Tensor, (param, 0, 0, rows))
+            view = graph.call_function(torch.ops.aten.slice.Tensor, (param, dim, 0, rows))
         view.meta = {k: v for k, v in user.meta.items() if k != "val"}
         user.replace_input_with(param, view)
 
@@ -133,21 +147,25 @@ def _gradients_by_parameter(captured: CapturedStep) -> dict[str, list[torch.fx.N
     return grads
 
 
-def _pad_gradients(captured: CapturedStep, plan: dict[str, tuple[int, int]]) -> None:
+def _pad_gradients(
+    captured: CapturedStep, plan: dict[str, tuple[int, int]], dims: dict[str, int]
+) -> None:
     graph = captured.graph_module.graph
     for name, values in _gradients_by_parameter(captured).items():
         if name not in plan:
             continue
         rows, padded = plan[name]
+        dim = dims.get(name, 0)
         for grad in values:
             val = grad.meta.get("val")
-            if not isinstance(val, torch.Tensor) or not val.shape or val.shape[0] != rows:
+            if not isinstance(val, torch.Tensor) or val.dim() <= dim or val.shape[dim] != rows:
                 continue
             readers = [u for u in grad.users if _is_optimizer(u)]
+            # constant_pad_nd lists (before, after) pairs from the last dimension back
+            pad_spec = [0, 0] * (val.dim() - 1 - dim) + [0, padded - rows]
             with graph.inserting_after(grad):
                 pad = graph.call_function(
-                    torch.ops.aten.constant_pad_nd.default,
-                    (grad, [0, 0] * (val.dim() - 1) + [0, padded - rows], 0.0),
+                    torch.ops.aten.constant_pad_nd.default, (grad, pad_spec, 0.0)
                 )
             pad.meta = {PHASE: OPTIMIZER_PHASE}
             for reader in readers:

@@ -12,6 +12,27 @@ style's desired input layout, one leaving it to the style's output layout (Repli
 after a rowwise Linear is an all-reduce, Shard(1) a reduce-scatter for sequence
 parallelism). Everything else follows from DTensor's propagation; backward needs no
 annotation, its collectives come from the same propagation on global semantics.
+
+Beyond torch's styles:
+- transposed linears (transformers' ``Conv1D``: weight (in, out), ``y = x @ W + b``)
+  take the same styles with the weight's dimensions swapped (colwise Shard(1),
+  rowwise Shard(0));
+- ``FusedColwiseParallel(chunks=k)`` shards a fused projection (q, k, v made by one
+  layer and split after) so that each rank holds block r of each of the k parts
+  (NOTE: [fused projections] in spmd_compiler/local_rules.py);
+- a parameter shared by two planned modules (tied input and output embeddings) must
+  get the same placement from both styles, or the plan is refused;
+- a sharded dimension that does not divide the mesh is padded (NOTE: [uneven tensor
+  parallel]).
+
+NOTE: [uneven tensor parallel]
+One program serves every rank, so every rank's shard must have one shape. A parameter
+whose sharded dimension does not divide the ranks (a Linear of 70 outputs over 4 ranks)
+is padded like fully_shard's (NOTE: [uneven shards] in padding.py): its state is the
+zero-padded tensor, Shard(d) evenly, and compute reads the true slice. Reading that
+slice gathers the parameter, so a module with a padded parameter computes on whole
+(Replicate) activations: its input and output layouts become Replicate. Its state and
+optimizer update stay sharded; its activations are not, and a warning says so.
 """
 
 from __future__ import annotations
@@ -33,15 +54,63 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from spmd_compiler import _torch_private as private
 from spmd_compiler.bindings import StepBindings
 from spmd_compiler.errors import MODULE_FQN, PHASE, SPMDCompileError
-from spmd_compiler.expand import Placements, UseHook
+from spmd_compiler.expand import DistributedProgram, Placements, UseHook
 from spmd_compiler.graph_utils import placeholders
 from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate
+from .padding import pad_uneven_state
 
 Style = ParallelStyle | str
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Column-wise sharding of a fused projection whose output is ``chunks`` equal parts.
+
+    One Linear (or transposed ``Conv1D``) computing q, k and v concatenated, split after
+    (``q, k, v = qkv(x).split(width, dim=-1)``), is planned ``FusedColwiseParallel(chunks=3)``:
+    each of the three blocks of the output dimension is split over the ranks, so rank r
+    holds rows r of q, of k and of v (``_StridedShard(dim, split_factor=3)``), computes
+    whole heads, and the split after the layer is local. Plain ``ColwiseParallel`` on a
+    fused layer is also exact but gives rank 0 all of q and part of k: the split then
+    gathers the activation.
+
+    Args:
+        chunks: the number of equal parts the output is split into (3 for q, k, v).
+        input_layouts / output_layouts / use_local_output: as ``ColwiseParallel``; the
+            output keeps its strided layout unless ``output_layouts`` is given.
+
+    Compiled steps only: torch's eager ``parallelize_module`` does not know this style.
+    """
+
+    def __init__(self, chunks: int = 3, *, output_layouts: Placement | None = None, **kwargs: Any) -> None:
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"FusedColwiseParallel(chunks=...) takes a positive int, got {chunks!r}")
+        super().__init__(output_layouts=output_layouts, **kwargs)
+        self.chunks = chunks
+        self.keep_output_layout = output_layouts is None
+
+    def __repr__(self) -> str:
+        return f"FusedColwiseParallel(chunks={self.chunks})"
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 and relatives): weight (in, out), ``y = x @ W + b``."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(getattr(module, "nf", None), int)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.shape[1] == module.nf
+    )
+
+
+def _is_linear_like(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_transposed_linear(module)
 
 
 def validate_plan(plan: Mapping[str, Style]) -> None:
@@ -58,7 +127,8 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
         if not (isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)) or style == "replicate"):
             raise ValueError(
                 f"TensorParallel plan[{pattern!r}] = {style!r}: use ColwiseParallel(), "
-                "RowwiseParallel(), SequenceParallel() or 'replicate'."
+                "FusedColwiseParallel(chunks), RowwiseParallel(), SequenceParallel() or "
+                "'replicate'."
             )
         atoms = pattern.split(".")
         for fqn, _ in model.named_modules():
@@ -72,24 +142,39 @@ def param_placement(style: Style, module: nn.Module, param_name: str, fqn: str) 
     """Placement on the tp mesh dimension of ``module.<param_name>`` under ``style``."""
     if style == "replicate" or isinstance(style, SequenceParallel):
         return Replicate()
-    colwise = isinstance(style, ColwiseParallel)
-    if isinstance(module, nn.Linear):
-        if param_name == "weight":
-            return Shard(0) if colwise else Shard(1)
-        return Shard(0) if colwise else Replicate()
     _check_module_type(style, module, fqn)
+    colwise = isinstance(style, ColwiseParallel)
+    if _is_linear_like(module):
+        # the weight's output dimension: 0 for nn.Linear (out, in), 1 for Conv1D (in, out)
+        out_dim = 1 if is_transposed_linear(module) else 0
+        if param_name == "weight":
+            dim = out_dim if colwise else 1 - out_dim
+        elif colwise:
+            dim = 0
+        else:
+            return Replicate()
+        if isinstance(style, FusedColwiseParallel) and style.chunks > 1:
+            return private.strided_shard(dim, style.chunks)
+        return Shard(dim)
+    if isinstance(style, FusedColwiseParallel):
+        raise SPMDCompileError(
+            f"FusedColwiseParallel applies to a fused Linear or Conv1D; module {fqn!r} is a "
+            f"{type(module).__name__}.",
+            module_fqn=fqn,
+            hint="plan the fused projection layer itself, or use ColwiseParallel().",
+        )
     return Shard(1) if colwise else Shard(0)  # nn.Embedding
 
 
 def _check_module_type(style: Style, module: nn.Module, fqn: str) -> None:
-    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(
-        module, (nn.Linear, nn.Embedding)
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not (
+        _is_linear_like(module) or isinstance(module, nn.Embedding)
     ):
         raise SPMDCompileError(
-            f"{type(style).__name__} applies to nn.Linear and nn.Embedding; module {fqn!r} "
-            f"is a {type(module).__name__}.",
+            f"{type(style).__name__} applies to nn.Linear, transformers' Conv1D and "
+            f"nn.Embedding; module {fqn!r} is a {type(module).__name__}.",
             module_fqn=fqn,
-            hint="plan only Linear/Embedding modules with Colwise/Rowwise styles.",
+            hint="plan only Linear/Conv1D/Embedding modules with Colwise/Rowwise styles.",
         )
 
 
@@ -99,9 +184,11 @@ def _layouts(style: Style, module: nn.Module) -> tuple[Placement | None, Placeme
         return None, None
     if isinstance(style, SequenceParallel):
         return style.sequence_sharding[0], style.sequence_sharding[0]
+    if isinstance(style, FusedColwiseParallel) and style.keep_output_layout:
+        return Replicate(), None
     if isinstance(style, ColwiseParallel):
         return Replicate(), style.output_layouts[0]
-    want_in = Shard(-1) if isinstance(module, nn.Linear) else Replicate()
+    want_in = Shard(-1) if _is_linear_like(module) else Replicate()
     return want_in, style.output_layouts[0]
 
 
@@ -131,9 +218,11 @@ class TensorParallel(ParallelMode):
         self.styles: dict[str, Style] = {}
         self.layouts: dict[str, tuple[Placement | None, Placement | None]] = {}
         self.param_placements: dict[str, Placement] = {}
+        self.param_modules: dict[str, list[str]] = {}
 
     def prepare(self, bindings: StepBindings) -> None:
         self.styles, self.layouts, self.param_placements = {}, {}, {}
+        self.param_modules = {}
         for mi, model in enumerate(bindings.modules):
             prefix = "" if len(bindings.modules) == 1 else f"{mi}."
             matched = match_plan(model, self.plan)
@@ -146,13 +235,29 @@ class TensorParallel(ParallelMode):
                     full = f"{fqn}.{pname}" if fqn else pname
                     name = bindings.module_params[mi].get(full)
                     if name is not None:
-                        self.param_placements[name] = param_placement(style, module, pname, fqn)
+                        self._place(name, param_placement(style, module, pname, fqn), prefix + full)
+                        self.param_modules.setdefault(name, []).append(prefix + fqn)
         if not self.plan or not self.styles:
             warnings.warn(
                 f"TensorParallel plan {list(self.plan) or '{}'} matches no module; every "
                 "parameter stays replicated.",
                 stacklevel=3,
             )
+
+    def _place(self, name: str, placement: Placement, fqn: str) -> None:
+        """Record ``name``'s placement; a tied parameter must get one placement."""
+        earlier = self.param_placements.get(name)
+        if earlier is not None and earlier != placement:
+            raise SPMDCompileError(
+                f"Parameter {name!r} is shared (tied) with {fqn!r}, and the plan gives it "
+                f"two placements: {earlier} from the module owning {name!r} and "
+                f"{placement} from {fqn!r}'s style.",
+                module_fqn=fqn,
+                hint="give tied modules styles that shard the shared weight the same way, "
+                "e.g. RowwiseParallel() on the input embedding (vocabulary sharded, "
+                "Shard(0)) with ColwiseParallel() on the tied output Linear (Shard(0)).",
+            )
+        self.param_placements[name] = placement
 
     def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
         if ref.kind in (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE) and meta.shape:
@@ -170,16 +275,64 @@ class TensorParallel(ParallelMode):
         }
         return lambda consumer, arg: self.layout_at_boundary(consumer, arg, state)
 
+    def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
+        """Pad parameters whose sharded dimension does not divide the ranks
+        (NOTE: [uneven tensor parallel]), then expand."""
+        dims = self._uneven_dims(captured, mesh.size())
+        padded = pad_uneven_state(captured, mesh.size(), dims) if dims else {}
+        modules = sorted({m for name in padded for m in self.param_modules.get(name, [])})
+        for fqn in modules:
+            self.layouts[fqn] = (Replicate(), Replicate())
+        if modules:
+            warnings.warn(
+                f"TensorParallel: {', '.join(modules)} shard(s) a dimension that does not "
+                f"divide the {mesh.size()} ranks ({', '.join(f'{n}: {padded[n][0]}' for n in padded)}); "
+                "the parameters are padded and stay sharded, but these modules compute on "
+                "gathered weights and whole activations. Use sizes divisible by the tp "
+                "size for tensor-parallel compute.",
+                stacklevel=2,
+            )
+        program = super().partition(captured, mesh)
+        program.padded = padded
+        program.padded_dims = {name: dims[name] for name in padded}
+        return program
+
+    def _uneven_dims(self, captured: CapturedStep, world: int) -> dict[str, int]:
+        dims: dict[str, int] = {}
+        for ref, meta in captured.inputs:
+            placement = self.param_placements.get(ref.name)
+            if ref.kind is not Kind.PARAM or placement is None or not meta.shape:
+                continue
+            placement = _normalize(placement, len(meta.shape))
+            if private.is_strided_shard(placement):
+                if meta.shape[placement.dim] % (world * placement.split_factor):
+                    fqn = ", ".join(self.param_modules.get(ref.name, []))
+                    raise SPMDCompileError(
+                        f"Parameter {ref.name!r} of {fqn} has {meta.shape[placement.dim]} "
+                        f"in its fused dimension {placement.dim}: {placement.split_factor} "
+                        f"parts of it do not each split over the {world} ranks.",
+                        module_fqn=fqn,
+                        hint="use part sizes (e.g. the head count) divisible by the tp size, "
+                        "or plan the layer ColwiseParallel() (exact, but it gathers at the split).",
+                    )
+            elif isinstance(placement, Shard) and meta.shape[placement.dim] % world:
+                dims[ref.name] = placement.dim
+        return dims
+
     def layout_at_boundary(
         self, consumer: torch.fx.Node, arg: torch.fx.Node, state: set[torch.fx.Node]
     ) -> list[tuple[Placements, str]] | None:
-        # only forward: module inputs and outputs are forward values; backward derives
-        # its own collectives from propagation
-        if PHASE in consumer.meta or arg in state:
+        # forward: module inputs and outputs; backward derives its own collectives from
+        # propagation, but reads a module's output as it left the module (the same
+        # redistribution, shared: a vocabulary-sharded embedding's masked partial can
+        # be reduced only once)
+        if arg in state:
             return None
         val = arg.meta.get("val")
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             return None
+        if PHASE in consumer.meta:
+            return self._module_output_in_backward(arg, val)
         inner = _styled_module(consumer.meta.get(MODULE_FQN), self.layouts)
         outer = _styled_module(arg.meta.get(MODULE_FQN), self.layouts)
         if inner == outer:
@@ -194,6 +347,20 @@ class TensorParallel(ParallelMode):
             if layout is not None:
                 steps.append(((_normalize(layout, val.dim()),), f"into {inner}"))
         return steps or None
+
+    def _module_output_in_backward(
+        self, arg: torch.fx.Node, val: torch.Tensor
+    ) -> list[tuple[Placements, str]] | None:
+        outer = _styled_module(arg.meta.get(MODULE_FQN), self.layouts)
+        if outer is None or self.layouts[outer][1] is None:
+            return None
+        leaves = any(
+            PHASE not in user.meta and not _within(user.meta.get(MODULE_FQN), outer)
+            for user in arg.users
+        )
+        if not leaves:
+            return None
+        return [((_normalize(self.layouts[outer][1], val.dim()),), f"out of {outer}")]
 
     def __repr__(self) -> str:
         return f"TensorParallel(plan={self.plan})"

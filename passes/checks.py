@@ -9,6 +9,8 @@ it into a ``PassFailure`` that names the pass (see NOTE: [pass contract] in ``ma
   graph that every rank runs, so equal signatures mean every rank still issues the same
   collectives in the same order, with the same groups and sizes.
 - ``graph_fingerprint``: the structure of the graph, to hold a pass to its "changed" flag.
+- ``check_local_batch``: a data-parallel program holds no value of the global batch
+  (NOTE: [local batch only] in ``spmd_compiler/local_rules.py``).
 - ``NumericsCheck``: run the program on fixed random inputs on simulated ranks, before and
   after a pass, and compare the outputs.
 - ``PassGuard``: all of the above between passes, as NOTE: [pass contract] in
@@ -23,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from spmd_compiler import _torch_private as private
+from spmd_compiler.errors import MODULE_FQN, OPTIMIZER_PHASE, PHASE, PLACEMENT
+from spmd_compiler.signature import Kind
 
 if TYPE_CHECKING:
     from spmd_compiler.expand import DistributedProgram
@@ -175,6 +179,117 @@ def no_dead_nodes(program: DistributedProgram) -> None:
             raise AssertionError(f"node {node.name} ({short_op_name(node)}) is unused")
 
 
+# --------------------------------------------------------------------------- local batch
+
+
+def global_batch_sizes(program: DistributedProgram) -> dict[int, set[int]]:
+    """Mesh dim -> the global sizes of the step arguments' dimensions sharded on it
+    (the global batch of a data-parallel mode; empty when no argument is sharded)."""
+    sizes: dict[int, set[int]] = {}
+    if getattr(program, "captured", None) is None:  # a hand-built program: no signature
+        return sizes
+    for (ref, meta), placements, local in zip(
+        program.captured.inputs, program.input_placements, program.local_inputs, strict=True
+    ):
+        if ref.kind is not Kind.INPUT:
+            continue
+        for mesh_dim, p in enumerate(placements):
+            if type(p) is Shard and meta.shape[p.dim] != local.shape[p.dim]:
+                sizes.setdefault(mesh_dim, set()).add(meta.shape[p.dim])
+    return sizes
+
+
+def check_local_batch(program: DistributedProgram) -> None:
+    """No rank makes a value of the global batch where its local batch would do.
+
+    The values that expansion keeps local (NOTE: [local batch only]) are the ones this
+    holds it to: a filled factory (``ones``, ``zeros``, ``full``, ``empty``) or an
+    ``expand`` that makes a dimension of a global batch size, and every value computed
+    from one up to a collective. Such a value fails when it is Replicate on the batch's
+    mesh dimension and has a global batch size in a dimension, unless it is an
+    optimizer-update value or shaped like a state tensor. Values the program gathers on
+    purpose (an all-gather for an op without a batch-sharded rule) and values made by
+    other factories (``arange``, random ops) are not judged. A no-op for programs that
+    shard no step argument (tensor parallel).
+    """
+    sizes = global_batch_sizes(program)
+    if not sizes:
+        return
+    every_size = set().union(*sizes.values())
+    state_shapes = _state_shapes(program)
+    made: set[torch.fx.Node] = set()
+    for node in program.graph_module.graph.nodes:
+        if node.op != "call_function" or is_collective(node) or is_wait(node):
+            continue
+        if not (_makes_batch_sized(node, every_size) or any(a in made for a in node.all_input_nodes)):
+            continue
+        made.add(node)
+        problem = _holds_global_batch(node, sizes, state_shapes)
+        if problem:
+            raise AssertionError(problem)
+
+
+_FILLED_FACTORIES = {
+    torch.ops.aten.ones.default,
+    torch.ops.aten.zeros.default,
+    torch.ops.aten.full.default,
+    torch.ops.aten.empty.memory_format,
+}
+
+
+def _makes_batch_sized(node: torch.fx.Node, sizes: set[int]) -> bool:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    if node.target in _FILLED_FACTORIES:
+        return any(int(s) in sizes for s in val.shape)
+    if node.target is torch.ops.aten.expand.default:
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(source, torch.Tensor):
+            return False
+        offset = val.dim() - source.dim()
+        return any(
+            int(s) in sizes and (d < offset or source.shape[d - offset] == 1)
+            for d, s in enumerate(val.shape)
+        )
+    return False
+
+
+def _state_shapes(program: DistributedProgram) -> set[tuple[int, ...]]:
+    shapes = set()
+    for (ref, meta), local in zip(program.captured.inputs, program.local_inputs, strict=True):
+        if ref.kind is not Kind.INPUT:
+            shapes.update({tuple(meta.shape), tuple(local.shape)})
+    return shapes
+
+
+def _holds_global_batch(
+    node: torch.fx.Node, sizes: dict[int, set[int]], state_shapes: set[tuple[int, ...]]
+) -> str | None:
+    val, placements = node.meta.get("val"), node.meta.get(PLACEMENT)
+    if not isinstance(val, torch.Tensor) or placements is None or node.meta.get(PHASE) == OPTIMIZER_PHASE:
+        return None
+    shape = tuple(int(s) for s in val.shape)
+    if shape in state_shapes:
+        return None
+    for mesh_dim, globals_ in sizes.items():
+        if mesh_dim >= len(placements) or not isinstance(placements[mesh_dim], Replicate):
+            continue
+        for dim, size in enumerate(shape):
+            if size in globals_:
+                from spmd_compiler.expand import format_placements
+
+                where = node.meta.get(MODULE_FQN) or "the loss or the step outside modules"
+                return (
+                    f"node {node.name} ({short_op_name(node)}, in {where}) holds the global "
+                    f"batch on every rank: local shape {list(shape)} has the global size "
+                    f"{size} in dimension {dim}, placement {format_placements(placements)} on "
+                    f"mesh dimension {mesh_dim}; a data-parallel rank must hold only its local "
+                    "batch (NOTE: [local batch only] in spmd_compiler/local_rules.py)"
+                )
+    return None
+
+
 # ------------------------------------------------------------------------------ numerics
 
 NUMERICS_RTOL = 1e-4
@@ -288,6 +403,8 @@ class PassGuard:
         self.program = program
         self.active = check
         self.signature = collective_signature(program.graph_module) if check else []
+        if check:
+            _run("local batch only (the program expansion made)", lambda: check_local_batch(program))
         self.numerics: NumericsCheck | None = None
         if check and simulation is not None:
             self.numerics = _run(
@@ -322,6 +439,7 @@ class PassGuard:
                 + " (a pass that changes communication declares changes_collectives=True)",
             )
         self.signature = signature
+        _run("local batch only", lambda: check_local_batch(self.program))
         for check in spec.ensures:
             _run(f"ensures {_check_name(check)}", lambda c=check: c(self.program))
         if self.numerics is not None and changed:

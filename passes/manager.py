@@ -380,7 +380,7 @@ def _start_guard(program: DistributedProgram, options: PassOptions) -> PassGuard
     try:
         return PassGuard(program, check=options.check or options.verify_numerics, simulation=sim)
     except CheckFailed as exc:
-        raise PipelineError(f"the program cannot be checked before any pass ran: {exc}") from exc
+        raise PipelineError(f"the program fails a check before any pass ran: {exc}") from exc
 
 
 def _guarded(spec: Pass, ran: list[str], check: Any, *args: Any) -> None:

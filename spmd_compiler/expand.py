@@ -31,7 +31,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import _torch_private as private
 from .errors import PLACEMENT, SPMDCompileError, node_error
 from .graph_utils import RetracingInterpreter, placeholders
-from .signature import CapturedStep, TensorMeta
+from .local_rules import LocalRules
+from .signature import CapturedStep, Kind, TensorMeta
 
 Placements = tuple[Placement, ...]
 # (consumer, arg) -> redistribution steps, each (placements, group); None: use as is
@@ -54,6 +55,8 @@ class DistributedProgram:
     local_inputs: list[TensorMeta]
     # parameter name -> (true rows, padded rows), see NOTE: [uneven shards]
     padded: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # parameter name -> the padded dimension, where it is not 0 (tensor parallel)
+    padded_dims: dict[str, int] = field(default_factory=dict)
     # collective launches per kind as expansion made them, before any pass
     collectives_before_passes: dict[str, int] = field(default_factory=dict)
     expand_seconds: float = 0.0
@@ -143,7 +146,8 @@ def expand(
             for t, pl, (_, meta) in zip(locals_, input_placements, captured.inputs, strict=True)
         ]
         with private.memoized_redistribution() as memo, fx_traceback.preserve_node_meta():
-            interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo)
+            rules = local_rules(captured, mesh, input_placements)
+            interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo, rules)
             outs = interpreter.run(*dtensors)
             results = []
             for value, target in zip(outs, output_placements, strict=True):
@@ -168,6 +172,22 @@ def expand(
         local_inputs=local,
         expand_seconds=time.perf_counter() - start,
     )
+
+
+def local_rules(
+    captured: CapturedStep, mesh: DeviceMesh, input_placements: list[Placements]
+) -> LocalRules:
+    """The rules of NOTE: [local batch only] and NOTE: [fused projections] for this
+    program: the global size of every sharded dimension of a step argument (per mesh
+    dimension), and whether any state is _StridedShard on a 1-D mesh."""
+    batch: dict[int, set[int]] = {}
+    fused = False
+    for (ref, meta), placements in zip(captured.inputs, input_placements, strict=True):
+        for mesh_dim, p in enumerate(placements):
+            if ref.kind is Kind.INPUT and type(p) is Shard and meta.shape:
+                batch.setdefault(mesh_dim, set()).add(meta.shape[p.dim])
+            fused |= mesh.ndim == 1 and private.is_strided_shard(p)
+    return LocalRules(mesh, {m: frozenset(s) for m, s in batch.items()}, fused)
 
 
 def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: DeviceMesh) -> torch.fx.GraphModule:
@@ -253,9 +273,11 @@ class _ExpandingInterpreter(RetracingInterpreter):
         mesh: DeviceMesh,
         placement_at_use: UseHook | None,
         memo: private.RedistributionCache,
+        rules: LocalRules | None = None,
     ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
         self.mesh = mesh
+        self.rules = rules
         self.memo = memo
         self.placement_at_use = placement_at_use
         self.at_use: dict[tuple[torch.fx.Node, str], Any] = {}
@@ -293,6 +315,13 @@ class _ExpandingInterpreter(RetracingInterpreter):
                         self.at_use[key] = value.redistribute(self.mesh, placements)
             value = self.at_use[key]
         return value
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.rules is not None:
+            result = self.rules.apply(target, args, kwargs)
+            if result is not None:
+                return result
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:

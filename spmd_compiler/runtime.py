@@ -192,7 +192,7 @@ def run_program(
         else:
             value = private.local_tensor_of(state[ref])
             if ref.name in program.padded and ref.kind in (Kind.PARAM, Kind.OPTIM_STATE):
-                value = _pad_rows(value, local.shape, sim)
+                value = _pad_rows(value, local.shape, sim, program.padded_dims.get(ref.name, 0))
             flat.append(value)
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
@@ -280,7 +280,9 @@ def _write_back(
     for j, value in zip(positions, outs, strict=True):
         ref, meta, placements = captured.outputs[j], captured.output_metas[j], program.output_placements[j]
         if ref.name in program.padded and ref.kind in (Kind.PARAM, Kind.OPTIM_STATE):
-            value, meta = _unpad_rows(value, meta, program.padded[ref.name], mesh, sim)
+            value, meta = _unpad_rows(
+                value, meta, program.padded[ref.name], mesh, sim, program.padded_dims.get(ref.name, 0)
+            )
         if ref.kind is Kind.RETURN:
             returned.append(_returned_value(value, mesh, placements, meta, sim))
         elif ref.kind is Kind.PARAM:
@@ -310,8 +312,10 @@ def _write_back(
     return returned
 
 
-def _pad_rows(local: torch.Tensor, shape: tuple[int, ...], sim: Simulation | None) -> torch.Tensor:
-    """This rank's rows of an unevenly sharded tensor, zero-padded to ``shape``.
+def _pad_rows(
+    local: torch.Tensor, shape: tuple[int, ...], sim: Simulation | None, dim: int = 0
+) -> torch.Tensor:
+    """This rank's rows (along ``dim``) of an unevenly sharded tensor, zero-padded to ``shape``.
 
     NOTE: [uneven shards] (parallel_modes/padding.py). Where the local shard is the
     leading rows of the padded result of the previous step, that result is fed as is.
@@ -325,8 +329,9 @@ def _pad_rows(local: torch.Tensor, shape: tuple[int, ...], sim: Simulation | Non
             and base.data_ptr() == t.data_ptr() and base.is_contiguous()
         ):
             return base
-        filler = t.new_zeros((shape[0] - t.shape[0], *t.shape[1:]))
-        return torch.cat([t, filler])
+        filler_shape = list(t.shape)
+        filler_shape[dim] = shape[dim] - t.shape[dim]
+        return torch.cat([t, t.new_zeros(filler_shape)], dim)
 
     if sim is not None and isinstance(local, private.local_tensor_type()):
         return private.make_local_tensor({r: pad(t) for r, t in private.per_rank_tensors(local).items()})
@@ -334,17 +339,21 @@ def _pad_rows(local: torch.Tensor, shape: tuple[int, ...], sim: Simulation | Non
 
 
 def _unpad_rows(
-    value: torch.Tensor, meta: TensorMeta, rows: tuple[int, int], mesh: DeviceMesh, sim: Simulation | None
+    value: torch.Tensor, meta: TensorMeta, rows: tuple[int, int], mesh: DeviceMesh,
+    sim: Simulation | None, dim: int = 0,
 ) -> tuple[torch.Tensor, TensorMeta]:
-    """Keep each rank's real rows of a padded result; returns (local, true metadata)."""
+    """Keep each rank's real rows (along ``dim``) of a padded result; returns (local,
+    true metadata)."""
     true_rows, padded = rows
-    if not meta.shape or meta.shape[0] != padded:
+    if len(meta.shape) <= dim or meta.shape[dim] != padded:
         return value, meta
     per_rank = padded // mesh.size()
-    true_meta = TensorMeta((true_rows, *meta.shape[1:]), meta.dtype, meta.device)
+    true_shape = list(meta.shape)
+    true_shape[dim] = true_rows
+    true_meta = TensorMeta(tuple(true_shape), meta.dtype, meta.device)
 
     def keep(t: torch.Tensor, coordinate: int) -> torch.Tensor:
-        return t[: max(0, min(per_rank, true_rows - coordinate * per_rank))]
+        return t.narrow(dim, 0, max(0, min(per_rank, true_rows - coordinate * per_rank)))
 
     if sim is not None and isinstance(value, private.local_tensor_type()):
         kept = {r: keep(t, r) for r, t in private.per_rank_tensors(value).items()}

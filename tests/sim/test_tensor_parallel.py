@@ -110,7 +110,7 @@ def test_malformed_plan_is_refused():
         with pytest.raises(ValueError, match="ColwiseParallel"):
             sc.compile(TensorParallel({"0": "colwise"}))(step)(model, optim, torch.randn(2, 4))
         relu = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-        with pytest.raises(sc.SPMDCompileError, match="nn.Linear and nn.Embedding"):
+        with pytest.raises(sc.SPMDCompileError, match="nn.Linear, transformers' Conv1D and nn.Embedding"):
             sc.compile(TensorParallel({"1": RowwiseParallel()}))(step)(
                 relu, torch.optim.SGD(relu.parameters(), lr=0.1), torch.randn(2, 4)
             )

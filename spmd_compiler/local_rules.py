@@ -1,0 +1,252 @@
+"""Ops expansion computes on local tensors itself, where DTensor's propagation would hold
+or move more than a rank needs.
+
+NOTE: [local batch only]
+A data-parallel rank must only ever hold its local batch. DTensor gives a value made
+without a sharded input Replicate: ``expand(ones_like(loss), [64, 10])`` (the gradient of
+a ``.sum()`` loss) or ``torch.ones(batch, seq)`` (a default attention mask) would hold
+the GLOBAL batch on every rank, and every op after it up to the first sharded operand
+would compute on the global batch. Such values are constant along the broadcast (or
+filled) dimension, so sharding them there is exact: each rank makes its local slice
+directly (``expand(ones_like, [16, 10])``, placement Shard(0)). Expansion does so for a
+dimension whose global size is a batch size the mode shards an input on (the global
+size of an input's sharded dimension, per mesh dimension); choosing the dimension by
+its size never changes a result, only where the value is split.
+``passes/checks.py: check_local_batch`` holds every program to this.
+
+NOTE: [fused projections]
+A fused projection (one Linear making q, k and v, split after) is sharded by
+``FusedColwiseParallel(chunks=3)`` as ``_StridedShard(dim, split_factor=3)``: rank r
+holds block r of each of q, k and v, so each rank computes whole heads. DTensor carries
+_StridedShard through the Linear but all-gathers at the ``split``; the rules here split
+(and ``cat`` back, in backward) the local tensor instead when the pieces are exactly the
+``split_factor`` blocks: piece i of a ``_StridedShard(d, k)`` tensor is ``Shard(d)``,
+and k equal ``Shard(d)`` pieces concatenated on d are ``_StridedShard(d, k)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from . import _torch_private as private
+
+aten = torch.ops.aten
+
+# Factories whose value is the same at every index (empty: unspecified, so any split is
+# as good as another).
+_FILLED_FACTORIES = {
+    aten.ones.default: 0,
+    aten.zeros.default: 0,
+    aten.full.default: 0,
+    aten.empty.memory_format: 0,
+}
+
+
+@dataclass(frozen=True)
+class LocalRules:
+    """What the rules need: the mesh, per mesh dimension the global batch sizes, and
+    whether the program has fused projections (a _StridedShard parameter)."""
+
+    mesh: DeviceMesh
+    batch_sizes: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    fused_projections: bool = False
+
+    def apply(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """The op's result computed locally, or None to let DTensor propagate it."""
+        if target is aten.expand.default and isinstance(args[0], DTensor):
+            return self._expand(args[0], list(args[1]))
+        if target in _FILLED_FACTORIES and self.batch_sizes:
+            return self._filled_factory(target, args, kwargs)
+        if not self.fused_projections:
+            return None
+        if target in (aten.split.Tensor, aten.split_with_sizes.default):
+            return _split_strided(target, args, kwargs)
+        if target is aten.slice.Tensor:
+            return _slice_strided(args)
+        if target is aten.cat.default:
+            return _cat_to_strided(args, kwargs)
+        return None
+
+    # ------------------------------------------------------------------ local batch
+
+    def _batch_shards(self, shape: Sequence[int], candidates: Sequence[int]) -> dict[int, int]:
+        """mesh dim -> tensor dim to shard: a candidate dim whose size is that mesh
+        dimension's global batch size (and splits evenly)."""
+        chosen: dict[int, int] = {}
+        for mesh_dim, sizes in self.batch_sizes.items():
+            n = self.mesh.size(mesh_dim)
+            for dim in candidates:
+                if dim not in chosen.values() and shape[dim] in sizes and shape[dim] % n == 0:
+                    chosen[mesh_dim] = dim
+                    break
+        return chosen
+
+    def _placements_and_local_shape(
+        self, shape: Sequence[int], chosen: dict[int, int]
+    ) -> tuple[list[Placement], list[int]]:
+        placements: list[Placement] = [Replicate()] * self.mesh.ndim
+        local = list(shape)
+        for mesh_dim, dim in chosen.items():
+            placements[mesh_dim] = Shard(dim)
+            local[dim] //= self.mesh.size(mesh_dim)
+        return placements, local
+
+    def _expand(self, value: DTensor, size: list[int]) -> DTensor | None:
+        if not self.batch_sizes or not all(isinstance(p, Replicate) for p in value.placements):
+            return None
+        offset = len(size) - value.dim()
+        shape = [value.shape[d - offset] if s == -1 else int(s) for d, s in enumerate(size)]
+        broadcast = [
+            d for d in range(len(shape))
+            if d < offset or (value.shape[d - offset] == 1 and shape[d] != 1)
+        ]
+        chosen = self._batch_shards(shape, broadcast)
+        if not chosen:
+            return None
+        placements, local_shape = self._placements_and_local_shape(shape, chosen)
+        local = private.local_tensor_of(value).expand(local_shape)
+        stride = [0 if d in broadcast else value.stride(d - offset) for d in range(len(shape))]
+        return DTensor.from_local(
+            local, self.mesh, placements, run_check=False,
+            shape=torch.Size(shape), stride=tuple(stride),
+        )
+
+    def _filled_factory(self, target: Any, args: tuple, kwargs: dict) -> DTensor | None:
+        shape = [int(s) for s in args[0]]
+        chosen = self._batch_shards(shape, range(len(shape)))
+        if not chosen:
+            return None
+        placements, local_shape = self._placements_and_local_shape(shape, chosen)
+        local = target(local_shape, *args[1:], **kwargs)
+        return DTensor.from_local(
+            local, self.mesh, placements, run_check=False,
+            shape=torch.Size(shape), stride=_contiguous_stride(shape),
+        )
+
+
+# ------------------------------------------------------------------- fused projections
+
+
+def _strided_dims(value: Any) -> list[tuple[int, Any]]:
+    if not isinstance(value, DTensor):
+        return []
+    return [(m, p) for m, p in enumerate(value.placements) if private.is_strided_shard(p)]
+
+
+def _only_strided_on(value: DTensor, dim: int) -> tuple[int, int] | None:
+    """(mesh dim, split factor) when ``value`` is _StridedShard on ``dim`` on exactly one
+    mesh dimension and Replicate on every other."""
+    strided = _strided_dims(value)
+    if len(strided) != 1:
+        return None
+    mesh_dim, placement = strided[0]
+    if placement.dim != dim % value.dim():
+        return None
+    others = [p for m, p in enumerate(value.placements) if m != mesh_dim]
+    if not all(isinstance(p, Replicate) for p in others):
+        return None
+    return mesh_dim, placement.split_factor
+
+
+def _split_strided(target: Any, args: tuple, kwargs: dict) -> list[DTensor] | None:
+    value = args[0]
+    if not isinstance(value, DTensor):
+        return None
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % max(value.dim(), 1)
+    found = _only_strided_on(value, dim)
+    if found is None:
+        return None
+    mesh_dim, factor = found
+    block = value.shape[dim] // factor
+    if target is aten.split.Tensor:
+        sizes = [args[1]] * -(-value.shape[dim] // args[1])
+    else:
+        sizes = list(args[1])
+    if value.shape[dim] % factor or sizes != [block] * factor:
+        return None
+    mesh = value.device_mesh
+    pieces = private.local_tensor_of(value).chunk(factor, dim)
+    placements = list(value.placements)
+    placements[mesh_dim] = Shard(dim)
+    shape = list(value.shape)
+    shape[dim] = block
+    return [
+        DTensor.from_local(
+            piece, mesh, placements, run_check=False,
+            shape=torch.Size(shape), stride=_contiguous_stride(shape),
+        )
+        for piece in pieces
+    ]
+
+
+def _slice_strided(args: tuple) -> DTensor | None:
+    value = args[0]
+    if not isinstance(value, DTensor):
+        return None
+    dim = (args[1] if len(args) > 1 else 0) % max(value.dim(), 1)
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    found = _only_strided_on(value, dim)
+    if found is None or step != 1 or start is None or end is None:
+        return None
+    mesh_dim, factor = found
+    size = value.shape[dim]
+    block = size // factor
+    end = min(end, size)
+    if size % factor or start % block or end - start != block:
+        return None
+    piece = private.local_tensor_of(value).chunk(factor, dim)[start // block]
+    placements = list(value.placements)
+    placements[mesh_dim] = Shard(dim)
+    shape = list(value.shape)
+    shape[dim] = block
+    return DTensor.from_local(
+        piece, value.device_mesh, placements, run_check=False,
+        shape=torch.Size(shape), stride=_contiguous_stride(shape),
+    )
+
+
+def _cat_to_strided(args: tuple, kwargs: dict) -> DTensor | None:
+    tensors = list(args[0])
+    if len(tensors) < 2 or not all(isinstance(t, DTensor) for t in tensors):
+        return None
+    first = tensors[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % max(first.dim(), 1)
+    shards = [m for m, p in enumerate(first.placements) if type(p) is Shard and p.dim == dim]
+    if len(shards) != 1:
+        return None
+    mesh_dim = shards[0]
+    same = all(
+        t.shape == first.shape and tuple(t.placements) == tuple(first.placements)
+        and t.dtype == first.dtype
+        for t in tensors
+    )
+    others = [p for m, p in enumerate(first.placements) if m != mesh_dim]
+    if not same or not all(isinstance(p, Replicate) for p in others):
+        return None
+    if first.shape[dim] % first.device_mesh.size(mesh_dim):
+        return None
+    local = torch.cat([private.local_tensor_of(t) for t in tensors], dim)
+    placements = list(first.placements)
+    placements[mesh_dim] = private.strided_shard(dim, len(tensors))
+    shape = list(first.shape)
+    shape[dim] *= len(tensors)
+    return DTensor.from_local(
+        local, first.device_mesh, placements, run_check=False,
+        shape=torch.Size(shape), stride=_contiguous_stride(shape),
+    )
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
