@@ -371,3 +371,23 @@ def init_fake_process_group(world_size: int) -> None:
 
 def is_fake_process_group() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def inductor_compile(
+    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], cuda_graphs: bool = False
+) -> Callable[..., Any]:
+    """Compile an ATen-level graph with Inductor (``torch._inductor.compile_fx``).
+
+    The graph is called with flat positional inputs; ``example_inputs`` are real tensors
+    of the first call. Loop reordering after fusion is switched off: on torch 2.11 it hit
+    an internal assertion (``reorder_loops_by_dep_pair``) on the per-rank programs.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat inputs, no pytree wrapper
+    gm.recompile()
+    patches: dict[str, Any] = {"triton.cudagraphs": cuda_graphs}
+    if hasattr(inductor_config, "loop_ordering_after_fusion"):
+        patches["loop_ordering_after_fusion"] = False
+    return compile_fx(gm, example_inputs, config_patches=patches)

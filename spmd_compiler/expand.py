@@ -65,6 +65,8 @@ class DistributedProgram:
     # the programs of a step whose last gradient bucket finishes in the next call
     # (NOTE: [cross-iteration overlap]); None when nothing is deferred
     deferred: Any = None
+    # what runs (spmd_compiler.lower.Executable), set once the passes are done
+    executable: Any = None
 
 
 def format_placements(placements: Sequence[Placement]) -> str:

@@ -27,6 +27,7 @@ from .bindings import StepBindings
 from .capture import HYPERPARAM_DTYPE, state_dtype
 from .errors import SPMDCompileError, SPMDRuntimeError
 from .expand import DistributedProgram, Placements, _contiguous_stride, format_placements
+from .lower import LoweredGraph
 from .signature import Kind, StateRef, TensorMeta
 from .simulate import Simulation
 
@@ -38,6 +39,8 @@ class StepTimings:
     expand_seconds: float = 0.0
     pass_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
+    # program id -> seconds its lowering took so far (NOTE: [lowering])
+    lower_seconds: dict[int, float] = field(default_factory=dict)
 
 
 def install_state(
@@ -177,9 +180,7 @@ def run_program(
     """
     captured = program.captured
     plan = program.deferred
-    graph_module = program.graph_module
-    if plan is not None:
-        graph_module = plan.first if carry is None else plan.steady
+    lowered = program.executable.for_call(carry is not None)
     state = dict(bindings.state_refs())
     flat: list[torch.Tensor] = []
     for (ref, meta), placements, local in zip(
@@ -197,7 +198,7 @@ def run_program(
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
     flat += carry or []
-    outs = _run(graph_module, flat, sim, deferred=carry is not None)
+    outs = _run(lowered, flat, sim, deferred=carry is not None)
     next_carry = None
     if plan is not None:
         outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
@@ -214,22 +215,24 @@ def run_finish(
 ) -> None:
     """Apply the deferred part of the last step (its ``finish`` program) to the state."""
     plan = program.deferred
-    assert plan is not None, "run_finish needs a program with a deferred part"
-    outs = _run(plan.finish, list(carry), sim, deferred=True)
+    finish = program.executable.finish
+    assert plan is not None and finish is not None, "run_finish needs a deferred part"
+    outs = _run(finish, list(carry), sim, deferred=True)
     _write_back(program, bindings, outs, sim, positions=plan.positions)
 
 
 def _run(
-    graph_module: torch.fx.GraphModule, flat: list[torch.Tensor], sim: Simulation | None,
-    deferred: bool,
+    lowered: LoweredGraph, flat: list[torch.Tensor], sim: Simulation | None, deferred: bool,
 ) -> list[torch.Tensor]:
     """Call a program on its flat inputs: on every simulated rank, or on this real rank,
     where a failure (usually a collective whose peer died) becomes ``SPMDRuntimeError``."""
     if sim is not None:
         with sim.ranks():
-            return list(graph_module(*flat))
+            return lowered(flat, simulated=True)
     try:
-        return list(graph_module(*flat))
+        return lowered(flat, simulated=False)
+    except SPMDCompileError:
+        raise
     except Exception as exc:
         # NOTE: [state ownership]: nothing was written back, the state is intact.
         pending = (
