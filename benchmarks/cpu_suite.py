@@ -80,8 +80,11 @@ def build_run(name: str, case: Case, rank: int, world: int, device: str = "cpu")
     if name == FLOOR:
         return Run(train_step(case), model, model, build_optimizer(model.parameters()), whole)
     if name.startswith("compiled_"):
-        mode_name = name.removeprefix("compiled_")
-        step = sc.compile(parallel_mode=parallel_mode(case, mode_name))(train_step(case))
+        # "compiled_ddp" interprets the program; "compiled_ddp@inductor" lowers it
+        mode_name, _, backend = name.removeprefix("compiled_").partition("@")
+        step = sc.compile(
+            parallel_mode=parallel_mode(case, mode_name), backend=backend or "eager"
+        )(train_step(case))
         rows = whole if mode_name == "tp" else local  # every TP rank sees the whole batch
         return Run(step, model, model, build_optimizer(model.parameters()), rows)
     mesh = init_device_mesh(torch.device(device).type, (world,))
@@ -93,6 +96,10 @@ def build_run(name: str, case: Case, rank: int, world: int, device: str = "cpu")
             fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return Run(train_step(case), model, model, build_optimizer(model.parameters()), local)
+    if name == "torch_compile_ddp":  # torch.compile over torch's DDP, the eager optimizer
+        ddp = DistributedDataParallel(model)
+        compiled = torch.compile(ddp)
+        return Run(train_step(case), compiled, model, build_optimizer(ddp.parameters()), local)
     if name == "torch_tp":
         parallelize_module(model, mesh, tp_plan(case))
         return Run(train_step(case), model, model, build_optimizer(model.parameters()), whole)

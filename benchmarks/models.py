@@ -52,6 +52,8 @@ CPU_CASES = (
 # enough that compiling (on the host) stays a minute or two per model.
 CUDA_CASES = (
     Case("gpt-4x256", "gpt", 256, 4, 32),
+    Case("gpt-8x512", "gpt", 512, 8, 32),
+    Case("gpt-12x768", "gpt", 768, 12, 32),
     Case("mlp-1024", "mlp", 1024, 0, 256),
     Case("mlp-2048", "mlp", 2048, 0, 256),
 )

@@ -1,0 +1,140 @@
+"""The lowering benchmark: the per-rank program interpreted vs lowered through Inductor.
+
+``python -m benchmarks.lowering --device cuda`` (world 1 on NCCL, the GPU machine) or
+``--device cpu`` (2 gloo ranks). Per model, in one launch with runs alternating step by
+step: the single-device eager step, torch DDP, torch.compile over DDP, compiled ddp with
+the fx interpreter and with Inductor, FSDP2, compiled fsdp with Inductor. Reports median
+step ms after warm-up, the ratios the kernels issue targets, compile seconds (Inductor's
+lowering included) and, on CUDA, each run's step peak memory. Writes
+``benchmarks/results/lowering_<device>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import spmd_compiler as sc
+
+from .cpu_suite import FLOOR, build_run, step_peak_bytes, timed_step
+from .cuda_suite import device_record
+from .models import CPU_CASES, CUDA_CASES, Case, global_batches
+
+RUNS = (
+    "eager_1_device", "torch_ddp", "torch_compile_ddp", "compiled_ddp",
+    "compiled_ddp@inductor", "torch_fsdp2", "compiled_fsdp@inductor",
+)
+RESULTS = Path(__file__).parent / "results"
+
+
+def _build(name: str, case: Case, rank: int, world: int, device: str) -> Any:
+    return build_run(FLOOR if name == "eager_1_device" else name, case, rank, world, device)
+
+
+def bench(rank: int, world: int, cases: tuple[Case, ...], device: str, warmup: int, steps: int) -> dict:
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(rank)
+    out: dict[str, Any] = {}
+    for case in cases:
+        runs, first_call = {}, {}
+        data = [(x.to(device), y.to(device)) for x, y in global_batches(case, warmup + steps)]
+        times: dict[str, list[float]] = {n: [] for n in RUNS}
+        for name in RUNS:
+            runs[name] = _build(name, case, rank, world, device)
+        for i, (x, y) in enumerate(data):
+            order = RUNS if i % 2 == 0 else RUNS[::-1]
+            for name in order:
+                start = time.perf_counter()
+                seconds = timed_step(runs[name], x, y)
+                if i == 0:
+                    first_call[name] = time.perf_counter() - start
+                if i >= warmup:
+                    times[name].append(seconds)
+        record: dict[str, Any] = {"step_ms": {n: 1e3 * statistics.median(t) for n, t in times.items()}}
+        record["first_call_s"] = first_call
+        record["compile_s"] = {
+            n: r.step.timings.compile_seconds for n, r in runs.items()
+            if isinstance(r.step, sc.CompiledTrainStep)
+        }
+        x, y = data[0]
+        record["peak_mib"] = {
+            n: (b / 2**20 if (b := step_peak_bytes(r, x, y)) is not None else None)
+            for n, r in runs.items()
+        }
+        out[case.name] = record
+        if rank == 0:
+            print(f"lowering: {case.name} done: " + ", ".join(
+                f"{n} {ms:.2f} ms" for n, ms in record["step_ms"].items()), flush=True)
+    return out
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}"
+
+
+def markdown(result: dict) -> str:
+    dev = result["device"]
+    lines = [
+        f"Lowering benchmark on {dev['name']} (torch {dev['torch']}), world {result['world']}, "
+        f"median of {result['steps']} steps after {result['warmup']}.",
+        "",
+        "| model | eager 1 dev | torch DDP | torch.compile+DDP | compiled ddp (interp) | "
+        "compiled ddp (inductor) | FSDP2 | compiled fsdp (inductor) | ddp ind / DDP | "
+        "ddp ind / torch.compile | fsdp ind / FSDP2 | compile s ddp (interp / inductor) | "
+        "peak MiB ddp ind / DDP |",
+        "|" + "---|" * 14,
+    ]
+    for name, r in result["cases"].items():
+        ms, cs, pk = r["step_ms"], r["compile_s"], r["peak_mib"]
+        peak = (f"{pk['compiled_ddp@inductor']:.0f} / {pk['torch_ddp']:.0f}"
+                if pk.get("torch_ddp") is not None else "n/a")
+        lines.append(
+            f"| {name} | " + " | ".join(f"{ms[n]:.2f}" for n in RUNS) + " | "
+            f"{_ratio(ms['compiled_ddp@inductor'], ms['torch_ddp'])} | "
+            f"{_ratio(ms['compiled_ddp@inductor'], ms['torch_compile_ddp'])} | "
+            f"{_ratio(ms['compiled_fsdp@inductor'], ms['torch_fsdp2'])} | "
+            f"{cs['compiled_ddp']:.1f} / {cs['compiled_ddp@inductor']:.1f} | {peak} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--cases", default="", help="comma-separated model names (default: all)")
+    args = parser.parse_args(argv)
+    cases = CUDA_CASES if args.device == "cuda" else CPU_CASES
+    if args.cases:
+        cases = tuple(c for c in cases if c.name in args.cases.split(","))
+    world, backend = (1, "nccl") if args.device == "cuda" else (2, "gloo")
+    per_rank = sc.launch(
+        bench, world, backend=backend, timeout_s=3600,
+        args=(cases, args.device, args.warmup, args.steps),
+    )
+    # a step's time is its slowest rank's median; compile and memory from rank 0
+    merged = per_rank[0]
+    for other in per_rank[1:]:
+        for case, rec in other.items():
+            for n, ms in rec["step_ms"].items():
+                merged[case]["step_ms"][n] = max(merged[case]["step_ms"][n], ms)
+    result = {
+        "device": device_record(args.device), "world": world, "warmup": args.warmup,
+        "steps": args.steps, "cases": merged,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"lowering_{args.device}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
