@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -52,10 +53,56 @@ def optimizer_capturable_path() -> Iterator[None]:
 
 
 def register_stack_trace_anchor(fn: Callable[..., Any]) -> None:
-    """Keep the frames of ``fn`` (the user's train step) in recorded stack traces."""
-    from torch.fx.proxy import _register_stack_trace_anchor
+    """Keep the frames of ``fn`` (the user's train step) in recorded stack traces.
 
-    _register_stack_trace_anchor(fn)
+    torch 2.11 gap: ``torch.fx.proxy._register_stack_trace_anchor`` is absent, and the
+    tracer keeps only ``forward`` frames (the train step's own line, the loss and the
+    optimizer step would carry no stack trace). Feature-tested; without it, the same
+    rule is installed on ``TracerBase._filter_traceback_frames`` once.
+    """
+    import torch.fx.proxy as fx_proxy
+
+    if hasattr(fx_proxy, "_register_stack_trace_anchor"):
+        fx_proxy._register_stack_trace_anchor(fn)
+        return
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    _install_stack_trace_anchor_filter()
+    _STACK_TRACE_ANCHORS.add((code.co_filename, code.co_name))
+
+
+_STACK_TRACE_ANCHORS: set[tuple[str, str]] = set()
+
+
+def _install_stack_trace_anchor_filter() -> None:
+    import traceback
+
+    from torch.fx.proxy import TracerBase
+
+    original = TracerBase._filter_traceback_frames
+    if getattr(original, "_spmd_anchor_filter", False):
+        return
+
+    def filter_frames(self: Any, summary: traceback.StackSummary) -> traceback.StackSummary:
+        if not self._record_forward_stack_traces_only:
+            return original(self, summary)
+        from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+        skip = uninteresting_files()
+        return traceback.StackSummary.from_list([
+            frame
+            for frame in summary
+            if (
+                frame.name == "forward"
+                or frame.filename.endswith("torch/__init__.py")
+                or (frame.filename, frame.name) in _STACK_TRACE_ANCHORS
+            )
+            and frame.filename not in skip
+        ])
+
+    filter_frames._spmd_anchor_filter = True  # type: ignore[attr-defined]
+    TracerBase._filter_traceback_frames = filter_frames
 
 
 def current_trace_graph() -> torch.fx.Graph | None:
@@ -245,6 +292,68 @@ def compile_on_one_rank() -> Iterator[None]:
         _StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard
     ), mock.patch.object(_StridedShard, "local_shard_size_and_offset", local_shard_size_and_offset):
         yield
+
+
+def _has_traced_group_op() -> bool:
+    import torch.distributed.tensor  # noqa: F401  (registers the _dtensor ops)
+
+    return hasattr(torch.ops._dtensor, "mesh_get_process_group")
+
+
+def mesh_get_process_group(mesh: Any, dim: int) -> str:
+    """torch 2.11 stand-in for ``torch.ops._dtensor.mesh_get_process_group``: the name of
+    ``mesh``'s process group along ``dim``, looked up when the program runs (2.11's
+    functional collectives take group names)."""
+    return mesh.get_group(dim).group_name
+
+
+def mesh_group_op() -> Callable[..., Any]:
+    """What a traced program calls to look up a mesh dimension's group at run time
+    (NOTE: [collective groups] in passes/collective_graph.py)."""
+    if _has_traced_group_op():
+        return torch.ops._dtensor.mesh_get_process_group.default
+    return mesh_get_process_group
+
+
+def lift_group_names(gm: torch.fx.GraphModule, mesh: Any) -> None:
+    """Make ``gm``'s collectives look their groups up at run time, as torch 2.13 traces them.
+
+    torch 2.11 gap: under ``compile_on_one_rank`` a functional collective's group is the
+    group's name, a string baked in at trace time. A program used after its process group
+    was re-created (another ``simulate()``, ``explain`` after the run) would name a group
+    that no longer exists, or another one. Feature-tested: where torch traces
+    ``_dtensor.mesh_get_process_group`` this does nothing; otherwise every group name
+    that is one of ``mesh``'s (or its root mesh's) dimensions becomes ``get_attr`` of the
+    mesh + ``mesh_get_process_group(mesh, dim)``, as 2.13 traces it.
+    """
+    if _has_traced_group_op():
+        return
+    dims: dict[str, tuple[Any, int]] = {}
+    for candidate in (mesh, root_mesh(mesh)):
+        for dim in range(candidate.ndim):
+            dims.setdefault(candidate.get_group(dim).group_name, (candidate, dim))
+    attrs: dict[int, str] = {}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.name.startswith("_c10d_functional::"):
+            continue
+        for i, (arg, spec) in enumerate(zip(node.args, schema.arguments)):
+            if spec.name != "group_name" or not isinstance(arg, str) or arg not in dims:
+                continue
+            owner, dim = dims[arg]
+            attr = attrs.get(id(owner))
+            if attr is None:
+                attr = attrs[id(owner)] = f"_spmd_mesh{len(attrs)}"
+                setattr(gm, attr, owner)
+            with graph.inserting_before(node), warnings.catch_warnings():
+                # fx warns on a get_attr of a non-module attribute; the mesh is one
+                warnings.simplefilter("ignore", UserWarning)
+                mesh_node = graph.get_attr(attr)
+                group = graph.call_function(mesh_get_process_group, (mesh_node, dim))
+            group.meta["val"] = arg  # a name, no tensor: passes may move it (is_free)
+            node.update_arg(i, group)
+    gm.recompile()
 
 
 def mesh_coordinates(mesh: Any) -> list[tuple[int, ...]]:

@@ -210,7 +210,9 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
 
     try:
         with private.compile_on_one_rank():
-            return make_fx(fn, tracing_mode="fake")(*fakes(True))
+            gm = make_fx(fn, tracing_mode="fake")(*fakes(True))
+        private.lift_group_names(gm, mesh)
+        return gm
     except SPMDCompileError as exc:
         if not _caused_by_symbolic_coordinate(exc):
             raise
@@ -228,6 +230,7 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
                 hint="choose placements whose shards are even along the sharded dimension, "
                 "or shard the batch on dimension 0.",
             )
+    private.lift_group_names(first, mesh)
     return first
 
 

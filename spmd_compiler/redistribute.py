@@ -47,4 +47,6 @@ def traced_redistribution(
     with private.fake_tensor_mode(with_shape_env=True):
         fake = torch.empty(tuple(local_shape), dtype=dtype)
     with private.compile_on_one_rank():
-        return make_fx(program, tracing_mode="fake")(fake)
+        gm = make_fx(program, tracing_mode="fake")(fake)
+    private.lift_group_names(gm, mesh)
+    return gm

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
+from spmd_compiler import _torch_private as private
 from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.parity import (
     compare_models,
@@ -177,7 +178,7 @@ class TinyGraph:
         mesh = self.graph.create_node("get_attr", "mesh", name=f"{name}_mesh")
         group = self.graph.create_node(
             "call_function",
-            torch.ops._dtensor.mesh_get_process_group.default,
+            private.mesh_group_op(),
             (mesh, 0),
             name=f"{name}_group",
         )

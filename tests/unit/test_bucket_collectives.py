@@ -16,7 +16,8 @@ from spmd_compiler.passes import PassOptions, run_pipeline
 from spmd_compiler.passes.bucket_collectives import BucketOptions, bucket_collectives
 
 PASS = ("bucket_collectives",)
-PACKING = {"reshape", "cat", "mesh_get_process_group", "_opaque_obj"}
+# group lookups: torch 2.13 lifts the mesh as "_opaque_obj<n>", torch 2.11 as "_spmd_mesh<n>"
+PACKING = {"reshape", "cat", "mesh_get_process_group", "_opaque_obj", "_spmd_mesh"}
 
 
 def _param_bytes(model: torch.nn.Module) -> int:

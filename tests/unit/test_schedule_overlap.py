@@ -10,6 +10,7 @@ import torch
 import torch.fx
 from collective_pass_harness import TOL, DataParallelWithPasses, TinyGraph, ops, train
 
+from spmd_compiler import _torch_private as private
 from spmd_compiler.comm_stats import collective_stats
 from spmd_compiler.passes import PassOptions, run_pipeline
 from spmd_compiler.passes.collective_graph import payload_bytes, wait_of
@@ -24,7 +25,7 @@ _FEEDERS = {
     aten.t.default,
     aten.reshape.default,
     aten.cat.default,
-    torch.ops._dtensor.mesh_get_process_group.default,
+    private.mesh_group_op(),
 }
 
 
