@@ -371,3 +371,10 @@ def init_fake_process_group(world_size: int) -> None:
 
 def is_fake_process_group() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def default_store() -> Any:
+    """The store of the default process group (shared by every rank)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
