@@ -150,7 +150,9 @@ def launch(
     return [results[rank] for rank in range(world_size)]
 
 
-def init_from_env(backend: str | None = None) -> RankInfo:
+def init_from_env(
+    backend: str | None = None, *, collective_timeout_s: float | None = None
+) -> RankInfo:
     """Join the default process group described by torchrun's environment variables.
 
     Why: code started by ``torchrun`` (one process per rank, possibly many nodes) needs the
@@ -158,6 +160,8 @@ def init_from_env(backend: str | None = None) -> RankInfo:
 
     Args:
         backend: "nccl" or "gloo"; by default nccl when CUDA is available, else gloo.
+        collective_timeout_s: how long a collective waits for the other ranks before it
+            fails (torch's default: 10 min for NCCL, 30 min for gloo).
 
     Returns:
         This process's rank, world size, local rank, backend and device (cuda:LOCAL_RANK
@@ -183,7 +187,10 @@ def init_from_env(backend: str | None = None) -> RankInfo:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method="env://")
+        timeout = (
+            datetime.timedelta(seconds=collective_timeout_s) if collective_timeout_s else None
+        )
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
 
 
