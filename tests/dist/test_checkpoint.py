@@ -12,15 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import spmd_compiler as sc
 from spmd_compiler import checkpoint
+from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.launch import LaunchError
 from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.parity import full_state, relative_difference
-from spmd_compiler.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
 
