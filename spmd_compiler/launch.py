@@ -180,7 +180,6 @@ def init_from_env(
         )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    faults.install_excepthook()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu")
     if backend == "nccl":
@@ -191,6 +190,8 @@ def init_from_env(
             datetime.timedelta(seconds=collective_timeout_s) if collective_timeout_s else None
         )
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    # after init_process_group: its own hook captures stderr while calling the previous one
+    faults.install_excepthook()
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
 
 

@@ -82,3 +82,17 @@ def test_two_nodes_with_c10d_rendezvous(tmp_path: Path) -> None:
     for node, p in enumerate(nodes):
         assert p.returncode == 0, f"node {node} failed:\n{outputs[node][-4000:]}"
     _check(report, outputs)
+
+
+def test_a_rank_that_raises_is_named_by_the_others() -> None:
+    """Under torchrun the failing rank records its error in the agent's store (the
+    excepthook ``init_from_env`` installs) and exits at once; rank 0's error names it.
+    A long monitor interval keeps the agent from stopping rank 0 before it prints."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "--monitor-interval", "5", str(ROOT / "tests" / "dist" / "torchrun_faulty_step.py")]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "[rank1]: ValueError: the data loader broke" in output, output[-4000:]
+    assert "[rank0]: spmd_compiler.errors.SPMDRuntimeError" in output, output[-4000:]
+    assert "Rank 1 failed first: it raised ValueError: the data loader broke" in output
