@@ -10,7 +10,8 @@ When one rank fails, the others learn it only as a broken or timed-out collectiv
   ``destroy_process_group``, which can block while a peer is gone: its sockets close
   and its peers' collectives fail within moments instead of after the timeout;
 - the ``launch`` parent hosts the store, so it records a rank that exits without a
-  report (``os._exit``, a signal, a crash in C++) with its exit code;
+  report (``os._exit``, a signal, a crash in C++) with its exit code, and a rank whose
+  function returned while others still run (they may wait for it in a collective);
 - a rank whose collective fails reads the first record of another rank (waiting up to
   ``WAIT_FOR_RECORD_S`` for the parent to notice a death) and names it in its error.
 
@@ -39,6 +40,8 @@ RECORD_PREFIX = "spmd_failures/"
 # (the launch parent records a death a few milliseconds after the process exits).
 WAIT_FOR_RECORD_S = 2.0
 _POLL_S = 0.05
+# What ``launch`` records for a rank whose function returned while others still ran.
+RETURNED_EARLY = "returned from its function while other ranks were still running"
 
 
 def record_failure(store: Any, rank: int, what: str) -> None:
@@ -103,6 +106,11 @@ def attribution(my_rank: int, wait_s: float = WAIT_FOR_RECORD_S) -> str:
             "No other rank recorded a failure: one may be stuck elsewhere (another "
             "collective, Python code) or slower than the collective timeout, or was killed "
             "without a trace."
+        )
+    if record["what"] == RETURNED_EARLY:
+        return (
+            f"Rank {record['rank']} had already left: it {RETURNED_EARLY} (did the ranks "
+            "run different numbers of steps?)."
         )
     return f"Rank {record['rank']} failed first: it {record['what']}."
 

@@ -314,6 +314,8 @@ def _wait_all(
                 failed_at[rank] = (report[2], report[1])
             else:
                 results[rank] = report[1]
+                if running:  # the others may now wait for it in a collective
+                    faults.record_failure(store, rank, faults.RETURNED_EARLY)
         if failed_at and running:
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
     first = min(failed_at, key=lambda rank: (failed_at[rank][0], rank), default=None)

@@ -58,6 +58,7 @@ def test_surviving_rank_fails_clearly_with_state_intact():
     survivor = results[0]
     assert survivor["error"] is not None, "the step should not complete without its peer"
     assert "rank 0" in survivor["error"] and "last completed step" in survivor["error"]
+    assert "Rank 1 had already left: it returned from its function" in survivor["error"]
     assert survivor["seconds"] < COLLECTIVE_TIMEOUT_S + 30
     assert survivor["intact"]
     assert results[1]["left"]
