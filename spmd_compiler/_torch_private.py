@@ -500,3 +500,10 @@ def inductor_compile(
     if hasattr(inductor_config, "loop_ordering_after_fusion"):
         patches["loop_ordering_after_fusion"] = False
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def default_store() -> Any:
+    """The store of the default process group (shared by every rank)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

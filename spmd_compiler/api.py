@@ -26,6 +26,7 @@ from .errors import SPMDCompileError
 from .expand import DistributedProgram
 from .lower import Executable, LoweringOptions
 from .runtime import StepTimings, install_state, run_finish, run_program
+from .same_inputs import check_same_inputs_on_all_ranks
 from .signature import Kind, StateRef, TensorMeta
 from .simulate import Simulation, active_simulation
 
@@ -102,14 +103,14 @@ class CompiledTrainStep:
         bindings = find_bindings(self.func, args, kwargs)
         mesh = self._mesh(bindings)
         tensor_args = [t for _, t in bindings.tensor_args()]
+        if sim is None:  # every call, cached program or not: NOTE: [same inputs on all ranks]
+            check_same_inputs_on_all_ranks(tensor_args)
         input_metas = [
             self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
         ]
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
         program = self._cache.get(key)
         if program is None:
-            if sim is None:
-                _check_same_inputs_on_all_ranks(tensor_args)
             program = self._compile(key, bindings, input_metas, mesh)
             self._cache[key] = program
         pending = self._pending
@@ -225,22 +226,6 @@ def _same_objects(a: StepBindings, b: StepBindings) -> bool:
         len(x) == len(y) and all(p is q for p, q in zip(x, y))
         for x, y in ((a.modules, b.modules), (a.optimizers, b.optimizers))
     )
-
-
-def _check_same_inputs_on_all_ranks(tensor_args: list[torch.Tensor]) -> None:
-    """Every rank must compile the same program: compare local input shapes once."""
-    if dist.get_world_size() == 1:
-        return
-    mine = [(tuple(t.shape), str(t.dtype)) for t in tensor_args]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for rank, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            raise SPMDCompileError(
-                f"rank {rank} passes tensor arguments {theirs} but rank 0 passes "
-                f"{everyone[0]}; every rank must pass local batches of the same shape.",
-                hint="split the global batch evenly (drop or pad the last partial batch).",
-            )
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -110,7 +111,22 @@ def capture_decompositions() -> dict:
     ])
     table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
     table[aten.nll_loss_forward.default] = _nll_loss_forward_global_mean
+    table[aten.mse_loss_backward.default] = functools.partial(
+        _mse_loss_backward_allow_empty, table[aten.mse_loss_backward.default]
+    )
     return table
+
+
+def _mse_loss_backward_allow_empty(
+    decomposition: Callable[..., Any], grad_output: torch.Tensor, input: torch.Tensor,
+    target: torch.Tensor, reduction: int,
+) -> Any:
+    """torch's decomposition divides by ``input.numel()`` in Python: an empty batch
+    raised ZeroDivisionError at capture where eager returns an empty gradient (and a
+    NaN loss). The empty gradient needs no scale."""
+    if input.numel() == 0:
+        return (input - target) * grad_output
+    return decomposition(grad_output, input, target, reduction)
 
 
 _MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # torch's Reduction enum

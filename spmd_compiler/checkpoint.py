@@ -23,6 +23,14 @@ loading rank holds (resharding, e.g. fully_shard -> replicate).
   one full copy of the model and optimizer per rank, once; use a compiled model where
   that does not fit.
 
+Every save also writes checksums of every stored chunk, and ``load`` verifies them before
+reading anything (NOTE: [checkpoint checksums] in checkpoint_checksums.py).
+
+Inside ``simulate`` (one process holding every simulated rank) the checkpoint holds the
+full tensors, written and read without collectives (DCP's planner sees only one real
+rank); it is the checkpoint of one rank holding everything, so it loads into any mode and
+world size, simulated or real, and vice versa.
+
 Compiled steps keep Adam's step counter as a float64 0-d tensor; an eager optimizer keeps
 float32. Counters are small integers, exact in both, and DCP copies into whatever dtype
 the loading side holds, so checkpoints cross between eager and compiled training.
@@ -31,6 +39,7 @@ the loading side holds, so checkpoints cross between eager and compiled training
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -41,8 +50,19 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 from .api import flush_pending_updates
+from .checkpoint_checksums import (
+    CheckpointError,
+    process_group_all_reduce,
+    verify,
+    write_manifest,
+)
+from .simulate import Simulation, active_simulation
+
+__all__ = ["CheckpointError", "full_state_dict", "load", "save"]
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -65,21 +85,33 @@ def save(
 ) -> None:
     """Write ``model`` (and ``optimizer``) state to the folder ``path``; every rank calls it.
 
-    Each rank writes its own shards (no gather). Works on compiled (DTensor) and plain
-    state; see NOTE: [checkpoint layout].
+    Each rank writes its own shards (no gather), then the checksums of what was
+    written. Works on compiled (DTensor) and plain state, on real and simulated ranks;
+    see NOTE: [checkpoint layout].
 
     Args:
         path: a folder, created if missing; shared by all ranks.
         model: the model the compiled step trains.
         optimizer: its optimizer, or None to save the model only.
     """
-    dcp.save(_state(model, optimizer), checkpoint_id=os.fspath(path))
+    folder = os.fspath(path)
+    state = _state(model, optimizer)
+    sim = active_simulation()
+    if sim is not None:
+        metadata = dcp.save(_full_tensors(state, sim), checkpoint_id=folder, no_dist=True)
+        write_manifest(folder, metadata, 0, 1, _no_collective)
+        return
+    metadata = dcp.save(state, checkpoint_id=folder)
+    rank, world = _rank_and_world()
+    write_manifest(folder, metadata, rank, world, process_group_all_reduce)
 
 
 def load(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify_checksums: bool = True,
 ) -> None:
     """Read the state saved by ``save`` into ``model`` (and ``optimizer``), in place.
 
@@ -91,9 +123,29 @@ def load(
         path: the folder ``save`` wrote.
         model: a model of the same architecture.
         optimizer: an optimizer of the same type and param groups, or None.
+        verify_checksums: check every stored chunk against the checksums ``save``
+            wrote before reading (reads the checkpoint once more); False loads a
+            checkpoint written by other tools.
+
+    Raises:
+        CheckpointError: the checkpoint is damaged (names each tensor that differs) or
+            has no checksums; the model and optimizer are then unchanged.
     """
+    folder = os.fspath(path)
+    sim = active_simulation()
+    if verify_checksums:
+        if sim is not None:
+            verify(folder, 0, 1, _no_collective)
+        else:
+            verify(folder, *_rank_and_world(), process_group_all_reduce)
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    try:
+        if sim is not None:
+            state = _load_simulated(folder, state, sim)
+        else:
+            dcp.load(state, checkpoint_id=folder)
+    except (pickle.UnpicklingError, EOFError) as exc:
+        raise CheckpointError(f"checkpoint {folder} could not be read: {exc}") from exc
     optimizers = [optimizer] if optimizer is not None else []
     set_state_dict(
         model,
@@ -101,6 +153,41 @@ def load(
         model_state_dict=state[MODEL_KEY],
         optim_state_dict=state.get(OPTIMIZER_KEY, {}),
     )
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _no_collective(tensor: torch.Tensor, op: Any) -> None:
+    """One process holds every (simulated) rank: nothing to combine."""
+
+
+def _full_tensors(state: dict[str, Any], sim: Simulation) -> dict[str, Any]:
+    """``state`` with every DTensor (and simulated tensor) as its full plain value."""
+    return pytree.tree_map(
+        lambda v: sim.full_tensor(v) if isinstance(v, torch.Tensor) else v, state
+    )
+
+
+def _load_simulated(folder: str, state: dict[str, Any], sim: Simulation) -> dict[str, Any]:
+    """Read the full tensors (no collectives), then shard each DTensor's value as the
+    state holds it; returns the state to install."""
+    full = pytree.tree_map(
+        lambda v: torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        if isinstance(v, DTensor) else v,
+        state,
+    )
+    dcp.load(full, checkpoint_id=folder, no_dist=True)
+
+    def reshard(current: Any, loaded: Any) -> Any:
+        if isinstance(current, DTensor):
+            return sim.shard(loaded, current.device_mesh, current.placements)
+        return current
+
+    return pytree.tree_map(reshard, state, full)
 
 
 def full_state_dict(

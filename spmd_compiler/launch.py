@@ -9,13 +9,17 @@
 NOTE: [launch protocol]
 Each rank is a fresh ``spawn`` process (no state inherited from the parent, as under
 torchrun). It gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK in its environment,
-joins the default group with ``env://``, runs ``fn(rank, world_size, *args)``, and reports
-through one file per rank in a private temporary folder, written atomically: either the
-result or the formatted traceback. Files (not a multiprocessing queue) because a queue
+joins the default group through the parent's TCP store (the parent hosts it, as
+torchrun's agent does, so that it can record a rank's death there: NOTE: [fault
+attribution] in faults.py), runs ``fn(rank, world_size, *args)``, and reports through one
+file per rank in a private temporary folder, written atomically: either the result or the
+formatted traceback. A rank that fails records its error in the store, reports, and exits
+at once. Files (not a multiprocessing queue) because a queue
 shares tensors through the sender's memory, which disappears when the rank exits. The
 parent waits on the process sentinels; when a rank fails it gives the others a short grace
-period to report their own errors (they are often stuck in a collective with the dead
-rank), then kills them and raises ``LaunchError`` naming the failed ranks.
+period to report their own errors (their collectives with the dead rank fail), then kills
+those still running and raises ``LaunchError`` naming the failed ranks, the first first;
+a rank that reported an error is listed with its error, never as killed.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from . import faults
 
 DEFAULT_TIMEOUT_S = 300.0
 # Seconds the surviving ranks get to report after the first failure (see NOTE above).
@@ -116,8 +122,12 @@ def launch(
         )
     _check_picklable(fn, args)
     ctx = mp.get_context("spawn")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     with tempfile.TemporaryDirectory(prefix="spmd_launch_") as folder:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
         procs = [
             ctx.Process(
                 target=_run_rank,
@@ -132,7 +142,7 @@ def launch(
         try:
             for p in procs:
                 p.start()
-            results, failures = _wait_all(procs, folder, timeout_s)
+            results, failures = _wait_all(procs, folder, timeout_s, store)
         finally:
             _kill(procs)
     if failures:
@@ -140,7 +150,9 @@ def launch(
     return [results[rank] for rank in range(world_size)]
 
 
-def init_from_env(backend: str | None = None) -> RankInfo:
+def init_from_env(
+    backend: str | None = None, *, collective_timeout_s: float | None = None
+) -> RankInfo:
     """Join the default process group described by torchrun's environment variables.
 
     Why: code started by ``torchrun`` (one process per rank, possibly many nodes) needs the
@@ -148,10 +160,15 @@ def init_from_env(backend: str | None = None) -> RankInfo:
 
     Args:
         backend: "nccl" or "gloo"; by default nccl when CUDA is available, else gloo.
+        collective_timeout_s: how long a collective waits for the other ranks before it
+            fails (torch's default: 10 min for NCCL, 30 min for gloo).
 
     Returns:
         This process's rank, world size, local rank, backend and device (cuda:LOCAL_RANK
         under nccl, else cpu).
+
+    An uncaught exception is recorded for the other ranks' errors and ends the process
+    at once (NOTE: [fault attribution] in faults.py).
     """
     missing = [
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
@@ -169,7 +186,12 @@ def init_from_env(backend: str | None = None) -> RankInfo:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method="env://")
+        timeout = (
+            datetime.timedelta(seconds=collective_timeout_s) if collective_timeout_s else None
+        )
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    # after init_process_group: its own hook captures stderr while calling the previous one
+    faults.install_excepthook()
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
 
 
@@ -213,28 +235,25 @@ def _run_rank(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None
     try:
         if backend == "gloo":
             torch.set_num_threads(1)  # N ranks share the machine's cores
         else:
             torch.cuda.set_device(rank)
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False, timeout)
+        faults.use_launch_store(store)
         dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        if store is not None:
+            faults.record_failure(store, rank, faults.describe_exception(exc))
         _write_report(folder, rank, (_ERROR, traceback.format_exc(), time.time()))
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - already reporting the first error
-                pass
-        raise SystemExit(1) from None
+        faults.exit_after_failure(1)
     try:
         _write_report(folder, rank, (_OK, result, time.time()))
     except Exception:  # noqa: BLE001 - e.g. an unpicklable result
@@ -267,7 +286,7 @@ def _read_report(folder: str, rank: int) -> tuple[str, Any, float] | None:
 
 
 def _wait_all(
-    procs: list[Any], folder: str, timeout_s: float
+    procs: list[Any], folder: str, timeout_s: float, store: Any
 ) -> tuple[dict[int, Any], dict[int, str]]:
     """Wait for every rank (see NOTE: [launch protocol]).
 
@@ -288,21 +307,28 @@ def _wait_all(
             del running[rank]
             report = _read_report(folder, rank)
             if report is None:
-                reason = f"exited with code {p.exitcode} without reporting a result"
+                reason = faults.describe_exit_code(p.exitcode)
+                faults.record_failure(store, rank, reason)
                 failed_at[rank] = (time.time(), reason)
             elif report[0] == _ERROR:
                 failed_at[rank] = (report[2], report[1])
             else:
                 results[rank] = report[1]
+                if running:  # the others may now wait for it in a collective
+                    faults.record_failure(store, rank, faults.RETURNED_EARLY)
         if failed_at and running:
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-    another_failed = bool(failed_at)
+    first = min(failed_at, key=lambda rank: (failed_at[rank][0], rank), default=None)
     for rank in running:
-        if another_failed:
-            reason = "killed after another rank failed (probably waiting in a collective)"
+        report = _read_report(folder, rank)
+        if report is not None and report[0] == _ERROR:  # reported, then stopped exiting
+            failed_at[rank] = (report[2], report[1])
+        elif first is not None:
+            reason = f"killed after rank {first} failed (it was probably waiting in a collective)"
+            failed_at[rank] = (float("inf"), reason)
         else:
             reason = f"did not finish within timeout_s={timeout_s:g} s; killed"
-        failed_at[rank] = (float("inf"), reason)
+            failed_at[rank] = (float("inf"), reason)
     order = sorted(failed_at, key=lambda rank: (failed_at[rank][0], rank))
     return results, {rank: failed_at[rank][1] for rank in order}
 

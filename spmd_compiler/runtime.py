@@ -28,6 +28,7 @@ from .capture import HYPERPARAM_DTYPE, state_dtype
 from .errors import SPMDCompileError, SPMDRuntimeError
 from .expand import DistributedProgram, Placements, _contiguous_stride, format_placements
 from .lower import LoweredGraph
+from .faults import attribution
 from .signature import Kind, StateRef, TensorMeta
 from .simulate import Simulation
 
@@ -239,11 +240,11 @@ def _run(
             " The update the previous call deferred (cross_iteration_overlap) was not "
             "applied either." if deferred else ""
         )
+        rank = dist.get_rank()
         raise SPMDRuntimeError(
-            f"The compiled step failed on rank {dist.get_rank()}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}. When a collective fails "
-            "or times out, another rank has usually failed or died. The model and "
-            f"optimizer hold the state of the last completed step.{pending}"
+            f"The compiled step failed on rank {rank}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}. {attribution(rank)} The "
+            f"model and optimizer hold the state of the last completed step.{pending}"
         ) from exc
 
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import spmd_compiler as sc
 from spmd_compiler import checkpoint
+from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.launch import LaunchError
 from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.parity import full_state, relative_difference
-from spmd_compiler.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
 
@@ -183,3 +183,30 @@ def test_two_rank_fully_shard_checkpoint_loads_into_one_rank_replicate(
     err = relative_difference(resumed[0]["losses"], want["losses"][SAVE_AFTER:])
     assert err < 1e-6, f"losses differ by {err:.2e}"
     _assert_state_equal(resumed[0]["state"], want["state"], exact=False, what="final")
+
+
+def test_flipped_bytes_fail_on_every_rank_naming_the_tensor(
+    uninterrupted: list[dict[str, object]], folder: str, tmp_path
+) -> None:
+    """Each rank verifies its share of the chunks; every rank names each damaged one."""
+    import json
+    import os
+    import shutil
+
+    from spmd_compiler.checkpoint_checksums import MANIFEST
+
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(folder, damaged)
+    with open(os.path.join(damaged, MANIFEST)) as f:
+        chunks = [c for c in json.load(f)["chunks"] if c["fqn"] == "model.0.weight"]
+    assert len(chunks) == 2, "fully_shard over 2 ranks stores two chunks"
+    chunk = chunks[1]  # rank 1's rows
+    with open(os.path.join(damaged, chunk["file"]), "r+b") as f:
+        f.seek(chunk["start"] + chunk["length"] // 2)
+        f.write(b"\x00\xff\x00\xff")
+    with pytest.raises(LaunchError) as info:
+        _resume(damaged, "fully_shard", compile_first=False)
+    for rank in range(WORLD_SIZE):
+        report = info.value.failures[rank]
+        assert "CheckpointError" in report, report
+        assert "tensor model.0.weight differs (its chunk at offset (5, 0))" in report, report

@@ -3,17 +3,18 @@ collective timeout instead of hanging, and keep the state of the last completed 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
-from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.launch import LaunchError
+from spmd_compiler.parallel_modes import DataParallel
 
 COLLECTIVE_TIMEOUT_S = 8.0
 
@@ -57,6 +58,51 @@ def test_surviving_rank_fails_clearly_with_state_intact():
     survivor = results[0]
     assert survivor["error"] is not None, "the step should not complete without its peer"
     assert "rank 0" in survivor["error"] and "last completed step" in survivor["error"]
+    assert "Rank 1 had already left: it returned from its function" in survivor["error"]
     assert survivor["seconds"] < COLLECTIVE_TIMEOUT_S + 30
     assert survivor["intact"]
     assert results[1]["left"]
+
+
+def _dying_worker(rank: int, world_size: int, how: str, folder: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(DataParallel("fully_shard"))(_step)
+    for i in range(4):
+        x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+        if i == 3 and rank == 1:
+            with open(os.path.join(folder, "death"), "w") as f:
+                f.write(repr(time.time()))
+            if how == "exit":
+                os._exit(3)
+            raise ValueError("the data loader broke")
+        try:
+            step(model, optim, x, y)
+        except sc.SPMDRuntimeError:
+            with open(os.path.join(folder, "survivor"), "w") as f:
+                f.write(repr(time.time()))
+            raise
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_survivor_names_the_rank_that_failed_first(how: str, tmp_path) -> None:
+    """Every survivor's error names the failed rank and what it did, within 10 s of
+    its death (collective timeout 10 s); the parent lists the survivor with its own
+    error, not as killed."""
+    with pytest.raises(LaunchError) as info:
+        sc.launch(
+            _dying_worker, 2, args=(how, str(tmp_path)), timeout_s=180, collective_timeout_s=10
+        )
+    failures = info.value.failures
+    assert list(failures) == [1, 0], f"order of failure: {list(failures)}"
+    cause = (
+        "exited with code 3 without reporting an error" if how == "exit"
+        else "raised ValueError: the data loader broke"
+    )
+    assert cause.removeprefix("raised ") in failures[1]
+    assert "SPMDRuntimeError" in failures[0] and f"Rank 1 failed first: it {cause}" in failures[0]
+    assert "killed" not in failures[0]
+    delay = float((tmp_path / "survivor").read_text()) - float((tmp_path / "death").read_text())
+    assert delay < 10.0, f"the survivor's error came {delay:.1f} s after the death"
