@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             dropout=args.dropout, seed=args.seed,
             device="cuda" if args.backend == "nccl" else "cpu",
         )
-        report = run_demo(config)
+        report = run_demo(config, show_steps=True)
         print_report(report)
         if args.json:
             write_json(report, args.json)

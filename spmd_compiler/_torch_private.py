@@ -269,7 +269,10 @@ def all_gather_along(local: torch.Tensor, tensor_dim: int, mesh: Any, mesh_dim: 
     """Functional all-gather of ``local`` along ``tensor_dim`` over one mesh dimension."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.wait_tensor(funcol.all_gather_tensor(local, tensor_dim, (mesh, mesh_dim)))
+    # torch 2.13 renamed all_gather_tensor to all_gather_single (the old name warns with
+    # a FutureWarning on every trace); 2.11 has only the old name.
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return funcol.wait_tensor(gather(local, tensor_dim, (mesh, mesh_dim)))
 
 
 def reduce_scatter_along(
@@ -278,9 +281,9 @@ def reduce_scatter_along(
     """Functional reduce-scatter of ``local`` along ``tensor_dim`` over one mesh dimension."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.wait_tensor(
-        funcol.reduce_scatter_tensor(local, reduce_op, tensor_dim, (mesh, mesh_dim))
-    )
+    # renamed like all_gather_single above (reduce_scatter_tensor warns on 2.13)
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return funcol.wait_tensor(scatter(local, reduce_op, tensor_dim, (mesh, mesh_dim)))
 
 
 def root_mesh(mesh: Any) -> Any:

@@ -24,6 +24,7 @@ from .comm_stats import collective_stats
 from .cross_iteration import split_program
 from .errors import SPMDCompileError
 from .expand import DistributedProgram
+from .progress import compile_progress
 from .runtime import StepTimings, install_state, run_finish, run_program
 from .signature import Kind, StateRef, TensorMeta
 from .simulate import Simulation, active_simulation
@@ -183,12 +184,22 @@ class CompiledTrainStep:
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh
     ) -> DistributedProgram:
         start = time.perf_counter()
-        self.mode.prepare(bindings)
-        captured = capture_step(self.func, bindings, input_metas, self.mode.capture_options())
-        program = self.mode.partition(captured, mesh)
-        program.collectives_before_passes = dict(collective_stats(program.graph_module).counts)
-        program = self.mode.transform_and_compile(program, self.options)
-        program.deferred = split_program(program)
+        title = f"{self.func.__name__} with {self.mode!r}"
+        with compile_progress(title) as progress:
+            self.mode.prepare(bindings)
+            with progress.stage("capture"):
+                captured = capture_step(
+                    self.func, bindings, input_metas, self.mode.capture_options()
+                )
+            with progress.stage("expand"):  # expand() sets the node total and counts
+                program = self.mode.partition(captured, mesh)
+            program.collectives_before_passes = dict(
+                collective_stats(program.graph_module).counts
+            )
+            with progress.stage("passes"):
+                program = self.mode.transform_and_compile(program, self.options)
+            with progress.stage("split"):
+                program.deferred = split_program(program)
         total = time.perf_counter() - start
         record = CompileRecord(
             key, program, captured.capture_seconds, program.expand_seconds,

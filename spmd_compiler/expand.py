@@ -29,6 +29,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _torch_private as private
+from . import progress
 from .errors import PLACEMENT, SPMDCompileError, node_error
 from .graph_utils import RetracingInterpreter, placeholders
 from .signature import CapturedStep, TensorMeta
@@ -144,6 +145,7 @@ def expand(
         ]
         with private.memoized_redistribution() as memo, fx_traceback.preserve_node_meta():
             interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo)
+            progress.current().set_total(len(captured.graph_module.graph.nodes))
             outs = interpreter.run(*dtensors)
             results = []
             for value, target in zip(outs, output_placements, strict=True):
@@ -295,6 +297,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
         return value
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        progress.current().advance()
         try:
             return super().run_node(n)
         except SPMDCompileError:
