@@ -12,6 +12,7 @@ attribute whose name starts with an underscore from torch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -374,3 +375,35 @@ def init_fake_process_group(world_size: int) -> None:
 
 def is_fake_process_group() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+# NOTE: [DTensor's sequential-collective warning]
+# On a 2-D (dp, tp) mesh DTensor redistributes e.g. (S(0), S(0)) -> (R, R) as two
+# collectives, one per mesh dimension, and logs once per mesh "... sequential all_gather
+# operations will be performed. This is suboptimal: ... flatten mesh dimensions". The
+# advice does not apply to a compiled step: the collectives land in the per-rank program
+# where the demo and ``explain`` count and show them; a flattened (dp*tp) group would be a
+# third process group the program does not otherwise use; and the "different reduction
+# orders" it mentions are covered by the fsdp_tp parity tests (every rank runs the same
+# program, so all ranks reduce in the same order). So the message is filtered while we
+# expand; outside expansion (the user's own DTensor code) it is left alone.
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+_SEQUENTIAL_WARNING = "This is suboptimal"
+
+
+class _DropSequentialCollectiveWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _SEQUENTIAL_WARNING not in str(record.msg)
+
+
+@contextlib.contextmanager
+def quiet_sequential_collective_warning() -> Iterator[None]:
+    """Drop DTensor's "sequential collectives ... suboptimal" log record while the block
+    runs (NOTE: [DTensor's sequential-collective warning])."""
+    logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    record_filter = _DropSequentialCollectiveWarning()
+    logger.addFilter(record_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(record_filter)

@@ -184,7 +184,7 @@ class CompiledTrainStep:
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh
     ) -> DistributedProgram:
         start = time.perf_counter()
-        title = f"{self.func.__name__} with {self.mode!r}"
+        title = f"{self.func.__name__} for {type(self.mode).__name__}"
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
             with progress.stage("capture"):

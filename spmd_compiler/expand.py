@@ -143,7 +143,11 @@ def expand(
                                stride=_contiguous_stride(meta.shape))
             for t, pl, (_, meta) in zip(locals_, input_placements, captured.inputs, strict=True)
         ]
-        with private.memoized_redistribution() as memo, fx_traceback.preserve_node_meta():
+        with (
+            private.memoized_redistribution() as memo,
+            fx_traceback.preserve_node_meta(),
+            private.quiet_sequential_collective_warning(),
+        ):
             interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo)
             progress.current().set_total(len(captured.graph_module.graph.nodes))
             outs = interpreter.run(*dtensors)

@@ -4,7 +4,7 @@ A compile that ends within ``SHOW_AFTER_S`` prints nothing. A longer one shows, 
 that time, which stage it is in (capture, expand with a node counter, passes with the
 pass running, split) and then a line per finished stage with its elapsed time:
 
-    spmd_compiler: compiling gpt_train_step with DataParallel('fully_shard')
+    spmd_compiler: compiling gpt_train_step for DataParallel
       capture    2.24 s
       expand     1.34 s  (1455 nodes)
       passes     0.28 s
