@@ -103,6 +103,7 @@ def _run_example(args: list[str], timeout: int = 900) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # a fresh process per script: 15-45 s each on a 2-core machine
 @pytest.mark.parametrize(
     "script", [p for p in EXAMPLES if p.name != "torchrun_ddp.py"], ids=lambda p: p.name
 )
