@@ -4,7 +4,7 @@ The default pipeline is ``DEFAULT_PIPELINE`` below: one ordered list, the table 
 contents of what runs after expansion (the manager may move a pass to honor its
 ``after``/``before``; see NOTE: [pass contract] in ``manager.py``). Third-party passes
 register through the entry-point group ``spmd_compiler.passes`` and run when named in
-``extra_passes``. ``describe_pipeline()`` prints the list; ``docs/writing_passes.md``
+``extra_passes``. ``describe_pipeline(options)`` returns the list as text; ``docs/writing_passes.md``
 shows how to write one.
 """
 

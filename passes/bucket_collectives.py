@@ -43,10 +43,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from spmd_compiler.errors import CREATED_BY
+from spmd_compiler.errors import CREATED_BY, MODULE_FQN
 
 from . import remove_duplicate_collectives as _ordered_after  # noqa: F401  (registers it)
 from .collective_graph import (
+    BUCKET_MEMBERS,
     DEFERRED,
     WAIT,
     CollectiveCall,
@@ -276,6 +277,7 @@ def _issue(graph: torch.fx.Graph, bucket: list[_Member]) -> torch.fx.Node:
     collective = new_node(graph, target, args, buffer.meta["val"].new_empty([out_numel]))
     if bucket[0].collective.meta.get(DEFERRED):
         collective.meta[DEFERRED] = True
+    collective.meta[BUCKET_MEMBERS] = tuple((_member_label(m), m.nbytes) for m in bucket)
     return new_node(graph, WAIT, (collective,), collective.meta["val"])
 
 
@@ -290,6 +292,25 @@ def _split(graph: torch.fx.Graph, bucket: list[_Member], wait: torch.fx.Node) ->
     if call.kind == "reduce_scatter":
         numels = [n // call.group_size for n in numels]
     return new_node(graph, _aten.split_with_sizes.default, (wait, numels))
+
+
+def _member_label(m: _Member) -> str:
+    """What a member carries, for ``explain``: the placeholder it gathers (a parameter
+    shard) or the placeholder its result meets first (a gradient reduced for the
+    optimizer meets the parameter's state), else its module FQN or node name."""
+    source = m.call.tensor
+    for _ in range(4):  # through a few casts / views of a parameter shard
+        if source.op == "placeholder":
+            return source.name
+        inputs = non_free_inputs(source) or source.all_input_nodes
+        if len(inputs) != 1:
+            break
+        source = inputs[0]
+    for user in m.wait.users:
+        for arg in user.all_input_nodes:
+            if arg.op == "placeholder":
+                return arg.name
+    return m.collective.meta.get(MODULE_FQN) or m.collective.name
 
 
 def _numel(m: _Member) -> int:

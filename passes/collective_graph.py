@@ -43,6 +43,9 @@ OptionsT = TypeVar("OptionsT")
 # node.meta flag on a reduction whose result the next call of the step uses
 # (NOTE: [cross-iteration overlap] in cross_iteration_overlap.py)
 DEFERRED = "spmd_deferred"
+# node.meta on a bucketed collective: one (label, payload bytes) per member, in bucket
+# order; label is the member's module FQN (else its node name). ``explain`` prints it.
+BUCKET_MEMBERS = "spmd_bucket_members"
 
 
 @dataclass(frozen=True)

@@ -113,12 +113,23 @@ class DebugSession:
         path.write_text(format_graph(gm, f"{index:02d} {name}: {when}"))
 
 
+class _FallbackHandler(logging.StreamHandler):
+    """Prints to stderr only while logging is not configured (the root logger has no
+    handler); once the application configures logging (``basicConfig``, before or after
+    us), records go through its handlers alone, so nothing prints twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
 def _make_visible(logger: logging.Logger) -> None:
-    """``SPMD_DEBUG`` asks for output: show INFO even where logging is not configured."""
+    """``SPMD_DEBUG`` asks for output: show INFO even where logging is not configured.
+    One handler per logger at most, however many compiles ask."""
     if not logger.isEnabledFor(logging.INFO):
         logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():
-        logger.addHandler(logging.StreamHandler())
+    if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
+        logger.addHandler(_FallbackHandler())
 
 
 def op_counts(gm: torch.fx.GraphModule) -> Counter[str]:

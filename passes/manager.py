@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
+from spmd_compiler import progress
 from spmd_compiler.errors import CREATED_BY, PLACEMENT, SPMDCompileError
 
 from .checks import CheckFailed, PassGuard, check_program, graph_fingerprint, is_collective, is_wait
@@ -322,6 +323,7 @@ def run_pipeline(
     bound_options = MappingProxyType({b.name: b.options for b in passes})
     ran: list[str] = []
     for index, bound in enumerate(passes, 1):
+        progress.current().detail(bound.name)
         record = _run_pass(program, bound, index, ran, guard, debug, options, bound_options)
         debug.records.append(record)
         ran.append(bound.name)

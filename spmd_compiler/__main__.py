@@ -1,83 +1,175 @@
-"""Command line: ``python -m spmd_compiler demo [--mode ...] [--world-size N] ...``."""
+"""Command line: ``python -m spmd_compiler {demo,explain} [options]``; ``--help`` per command.
+
+torch is imported only once a command runs, so ``--help`` and ``--version`` answer at
+once. A bad option or a step that cannot be compiled ends in one ``error:`` line (the
+compile error's details below it) and exit code 2; a parity failure in the demo is 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import re
 import sys
+
+MODES = ("dtensor_expand", "ddp", "fsdp", "tp", "fsdp_tp")
+MODE_HELP = (
+    "parallel mode: dtensor_expand (replicate state, DTensor's own expansion), ddp "
+    "(DataParallel replicate), fsdp (DataParallel fully_shard), tp (TensorParallel with "
+    "the GPT's plan), fsdp_tp (FullyShardTensorParallel on a DPxTP mesh); default %(default)s"
+)
+LOG_LEVEL_ENV = "SPMD_LOG_LEVEL"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    if not re.fullmatch(r"\d+x\d+", text.lower()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a DPxTP mesh such as 2x2")
+    mesh = tuple(int(n) for n in text.lower().split("x"))
+    if min(mesh) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every mesh dimension must be at least 1")
+    return mesh
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
+    return value
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=MODES, default="dtensor_expand", metavar="MODE", help=MODE_HELP)
+    p.add_argument("--world-size", type=_positive, default=4, metavar="N",
+                   help="number of ranks (simulated or real); default %(default)s")
+    p.add_argument("--mesh", type=_mesh, default=(), metavar="DPxTP",
+                   help="mesh for fsdp_tp, e.g. 2x2; sets the world size to DP*TP "
+                   "(default: 2 x world-size/2)")
+    p.add_argument("--layers", type=_positive, default=2, metavar="N",
+                   help="transformer layers of the demo GPT; default %(default)s")
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="train a small GPT compiled, beside the single-device run")
-    p.add_argument("--mode", default="dtensor_expand", help="parallel mode: dtensor_expand, ddp, fsdp, tp, fsdp_tp")
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--mesh", default="", help="DPxTP mesh for fsdp_tp, e.g. 2x2 (sets the world size)")
+    p = sub.add_parser(
+        "demo", help="train a small GPT compiled, beside the single-device run",
+        description="Train the demo GPT with a compiled step on N ranks, print each step's "
+        "loss beside the single-device reference, the collectives per step and parity. "
+        "Exit code 1 when parity fails.",
+    )
+    _common(p)
     p.add_argument("--backend", choices=("sim", "gloo", "nccl"), default="sim",
-                   help="sim: simulated ranks in this process; gloo/nccl: real processes")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=16, help="global batch size")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dropout", type=float, default=0.0,
-                   help="dropout probability (parity is checked only at 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+                   help="sim: simulated ranks in this process; gloo/nccl: real processes "
+                   "(nccl: one per GPU); default %(default)s")
+    p.add_argument("--steps", type=_positive, default=8, metavar="N",
+                   help="train steps; default %(default)s")
+    p.add_argument("--batch-size", type=_positive, default=16, metavar="N",
+                   help="global batch size (a multiple of the data-parallel ranks); "
+                   "default %(default)s")
+    p.add_argument("--dropout", type=_probability, default=0.0, metavar="P",
+                   help="dropout probability; parity is checked only at 0 (default)")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed; default %(default)s")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
 def _explain_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("explain", help="compile the demo GPT step once (simulated) and explain it")
-    p.add_argument("--mode", default="dtensor_expand", help="parallel mode: dtensor_expand, ddp, fsdp, tp, fsdp_tp")
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--mesh", default="", help="DPxTP mesh for fsdp_tp, e.g. 2x2 (sets the world size)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--json", metavar="PATH", help="write the tables as JSON")
+    p = sub.add_parser(
+        "explain", help="compile the demo GPT step once (simulated) and explain it",
+        description="Compile the demo GPT step once on simulated ranks and print each "
+        "parameter's placement and per-rank bytes, the collectives of one step in issue "
+        "order (with what each bucket carries) and the passes applied.",
+    )
+    _common(p)
+    p.add_argument("--json", metavar="PATH", help="also write the tables as JSON")
     p.add_argument("--dump", action="store_true", help="also print the per-rank program")
 
 
-def _mesh_and_world(args: argparse.Namespace) -> tuple[tuple[int, ...], int]:
-    mesh = tuple(int(n) for n in args.mesh.lower().split("x")) if args.mesh else ()
-    world_size = args.world_size
-    if mesh:
-        world_size = 1
-        for n in mesh:
-            world_size *= n
-    return mesh, world_size
+def build_parser() -> argparse.ArgumentParser:
+    from spmd_compiler import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="python -m spmd_compiler",
+        description="spmd_compiler: compile a whole PyTorch train step into one SPMD "
+        "program. Environment: SPMD_PROGRESS, SPMD_LOG_LEVEL, SPMD_DEBUG, SPMD_DEBUG_DIR, "
+        "SPMD_DISABLE_PASSES (docs/environment.md).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain}")
+    _demo_parser(sub)
+    _explain_parser(sub)
+    return parser
+
+
+def _world(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.mesh and args.mode != "fsdp_tp":
+        parser.error(f"--mesh is for --mode fsdp_tp, not {args.mode}")
+    world_size = args.mesh[0] * args.mesh[1] if args.mesh else args.world_size
+    if args.mode == "fsdp_tp" and not args.mesh and world_size % 2:
+        parser.error(f"--mode fsdp_tp needs an even --world-size or a --mesh (got {world_size})")
+    batch = getattr(args, "batch_size", None)
+    # tp: every rank sees the whole batch; fsdp_tp: the dp ranks (demo_mode: 2 by default)
+    ranks = {"tp": 1, "fsdp_tp": args.mesh[0] if args.mesh else 2}.get(args.mode, world_size)
+    if batch is not None and batch % ranks:
+        parser.error(f"--batch-size {batch} does not split over {ranks} data-parallel ranks")
+    return world_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmd_compiler")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _demo_parser(sub)
-    _explain_parser(sub)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("SPMD_LOG_LEVEL", "WARNING"))
+    world_size = _world(parser, args)
+    level = os.environ.get(LOG_LEVEL_ENV, "WARNING").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        parser.error(f"{LOG_LEVEL_ENV}={level!r} is not a logging level (DEBUG, INFO, WARNING, ...)")
+    logging.basicConfig(level=level)
+    from spmd_compiler.errors import SPMDCompileError
+
+    try:
+        return _run(args, world_size)
+    except SPMDCompileError as exc:
+        first, _, rest = str(exc).partition("\n")
+        print(f"{parser.prog}: error: {first}", file=sys.stderr)
+        if rest:
+            print(rest, file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, world_size: int) -> int:
     if args.command == "demo":
         from spmd_compiler.demo.run import DemoConfig, print_report, run_demo, write_json
 
-        mesh, world_size = _mesh_and_world(args)
         config = DemoConfig(
-            mode=args.mode, world_size=world_size, backend=args.backend, mesh=mesh,
+            mode=args.mode, world_size=world_size, backend=args.backend, mesh=args.mesh,
             steps=args.steps, batch_size=args.batch_size, n_layer=args.layers,
             dropout=args.dropout, seed=args.seed,
             device="cuda" if args.backend == "nccl" else "cpu",
         )
-        report = run_demo(config)
+        report = run_demo(config, show_steps=True)
         print_report(report)
         if args.json:
             write_json(report, args.json)
         return 0 if report.parity_ok else 1
-    if args.command == "explain":
-        from spmd_compiler.demo.run import DemoConfig
-        from spmd_compiler.explain import explain_demo, write_json
+    from spmd_compiler.demo.run import DemoConfig
+    from spmd_compiler.explain import explain_demo, write_json
 
-        mesh, world_size = _mesh_and_world(args)
-        config = DemoConfig(mode=args.mode, world_size=world_size, mesh=mesh, n_layer=args.layers, steps=1)
-        explanation, _ = explain_demo(config)
-        print(explanation.format(dump=args.dump))
-        if args.json:
-            write_json(explanation, args.json, dump=args.dump)
-        return 0
-    return 2
+    config = DemoConfig(mode=args.mode, world_size=world_size, mesh=args.mesh, n_layer=args.layers, steps=1)
+    explanation, _ = explain_demo(config)
+    print(explanation.format(dump=args.dump))
+    if args.json:
+        write_json(explanation, args.json, dump=args.dump)
+    return 0
 
 
 if __name__ == "__main__":

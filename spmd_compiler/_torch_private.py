@@ -12,6 +12,7 @@ attribute whose name starts with an underscore from torch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -378,7 +379,10 @@ def all_gather_along(local: torch.Tensor, tensor_dim: int, mesh: Any, mesh_dim: 
     """Functional all-gather of ``local`` along ``tensor_dim`` over one mesh dimension."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.wait_tensor(funcol.all_gather_tensor(local, tensor_dim, (mesh, mesh_dim)))
+    # torch 2.13 renamed all_gather_tensor to all_gather_single (the old name warns with
+    # a FutureWarning on every trace); 2.11 has only the old name.
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return funcol.wait_tensor(gather(local, tensor_dim, (mesh, mesh_dim)))
 
 
 def reduce_scatter_along(
@@ -387,9 +391,9 @@ def reduce_scatter_along(
     """Functional reduce-scatter of ``local`` along ``tensor_dim`` over one mesh dimension."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.wait_tensor(
-        funcol.reduce_scatter_tensor(local, reduce_op, tensor_dim, (mesh, mesh_dim))
-    )
+    # renamed like all_gather_single above (reduce_scatter_tensor warns on 2.13)
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return funcol.wait_tensor(scatter(local, reduce_op, tensor_dim, (mesh, mesh_dim)))
 
 
 def root_mesh(mesh: Any) -> Any:
@@ -507,3 +511,35 @@ def default_store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+# NOTE: [DTensor's sequential-collective warning]
+# On a 2-D (dp, tp) mesh DTensor redistributes e.g. (S(0), S(0)) -> (R, R) as two
+# collectives, one per mesh dimension, and logs once per mesh "... sequential all_gather
+# operations will be performed. This is suboptimal: ... flatten mesh dimensions". The
+# advice does not apply to a compiled step: the collectives land in the per-rank program
+# where the demo and ``explain`` count and show them; a flattened (dp*tp) group would be a
+# third process group the program does not otherwise use; and the "different reduction
+# orders" it mentions are covered by the fsdp_tp parity tests (every rank runs the same
+# program, so all ranks reduce in the same order). So the message is filtered while we
+# expand; outside expansion (the user's own DTensor code) it is left alone.
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+_SEQUENTIAL_WARNING = "This is suboptimal"
+
+
+class _DropSequentialCollectiveWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _SEQUENTIAL_WARNING not in str(record.msg)
+
+
+@contextlib.contextmanager
+def quiet_sequential_collective_warning() -> Iterator[None]:
+    """Drop DTensor's "sequential collectives ... suboptimal" log record while the block
+    runs (NOTE: [DTensor's sequential-collective warning])."""
+    logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    record_filter = _DropSequentialCollectiveWarning()
+    logger.addFilter(record_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(record_filter)

@@ -25,6 +25,7 @@ from .cross_iteration import split_program
 from .errors import SPMDCompileError
 from .expand import DistributedProgram
 from .lower import Executable, LoweringOptions
+from .progress import compile_progress
 from .runtime import StepTimings, install_state, run_finish, run_program
 from .same_inputs import check_same_inputs_on_all_ranks
 from .signature import Kind, StateRef, TensorMeta
@@ -199,13 +200,23 @@ class CompiledTrainStep:
                 f"cuda_graphs=True needs the model on CUDA; its parameters are on {device_type}.",
                 hint="drop cuda_graphs on CPU, or move the model and batch to CUDA.",
             )
-        self.mode.prepare(bindings)
-        captured = capture_step(self.func, bindings, input_metas, self.mode.capture_options())
-        program = self.mode.partition(captured, mesh)
-        program.collectives_before_passes = dict(collective_stats(program.graph_module).counts)
-        program = self.mode.transform_and_compile(program, self.options)
-        program.deferred = split_program(program)
-        program.executable = Executable.of(program, self.lowering)
+        title = f"{self.func.__name__} for {type(self.mode).__name__}"
+        with compile_progress(title) as progress:
+            self.mode.prepare(bindings)
+            with progress.stage("capture"):
+                captured = capture_step(
+                    self.func, bindings, input_metas, self.mode.capture_options()
+                )
+            with progress.stage("expand"):  # expand() sets the node total and counts
+                program = self.mode.partition(captured, mesh)
+            program.collectives_before_passes = dict(
+                collective_stats(program.graph_module).counts
+            )
+            with progress.stage("passes"):
+                program = self.mode.transform_and_compile(program, self.options)
+            with progress.stage("split"):
+                program.deferred = split_program(program)
+            program.executable = Executable.of(program, self.lowering)
         total = time.perf_counter() - start
         record = CompileRecord(
             key, program, captured.capture_seconds, program.expand_seconds,

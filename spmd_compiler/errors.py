@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-# node.meta keys written by the pipeline (see DESIGN.md, "Pipeline").
+# node.meta keys written by the pipeline (see docs/design.md, "Pipeline").
 MODULE_FQN = "spmd_module_fqn"
 USER_LINE = "spmd_user_line"
 PLACEMENT = "spmd_placement"

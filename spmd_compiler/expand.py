@@ -29,6 +29,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _torch_private as private
+from . import progress
 from .errors import PLACEMENT, SPMDCompileError, node_error
 from .graph_utils import RetracingInterpreter, placeholders
 from .local_rules import LocalRules
@@ -147,9 +148,14 @@ def expand(
                                stride=_contiguous_stride(meta.shape))
             for t, pl, (_, meta) in zip(locals_, input_placements, captured.inputs, strict=True)
         ]
-        with private.memoized_redistribution() as memo, fx_traceback.preserve_node_meta():
+        with (
+            private.memoized_redistribution() as memo,
+            fx_traceback.preserve_node_meta(),
+            private.quiet_sequential_collective_warning(),
+        ):
             rules = local_rules(captured, mesh, input_placements)
             interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo, rules)
+            progress.current().set_total(len(captured.graph_module.graph.nodes))
             outs = interpreter.run(*dtensors)
             results = []
             for value, target in zip(outs, output_placements, strict=True):
@@ -329,6 +335,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        progress.current().advance()
         try:
             return super().run_node(n)
         except SPMDCompileError:

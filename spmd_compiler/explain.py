@@ -21,8 +21,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from .comm_stats import _payload_bytes, collective_kind
+from .comm_stats import CommStats, _payload_bytes, collective_kind, collective_stats
 from .expand import DistributedProgram, Placements, format_placements, local_meta
+from .graph_utils import placeholders
+from .passes.collective_graph import BUCKET_MEMBERS
 from .signature import Kind, StateRef, TensorMeta
 
 # DTensor's traced process-group lookup: ``mesh_get_process_group(mesh, dim)``, see
@@ -55,6 +57,13 @@ class CollectiveRow:
     bytes: int
     mesh_dim: int | None
     mesh_dim_name: str | None
+    # what a bucketed collective carries, one (parameter, else module FQN or node, bytes) per tensor in
+    # bucket order (``bucket_collectives``); empty for a collective of one tensor
+    members: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.members) or 1
 
 
 @dataclass
@@ -71,6 +80,9 @@ class Explanation:
     # parameters whose update runs in the next call (cross_iteration_overlap), by name
     deferred_params: list[str] = field(default_factory=list)
     code: str = field(repr=False, default="")
+    # comm_stats.collective_stats of the same program: the one count the demo, explain
+    # and the benchmarks report (collectives issued per step, after the passes)
+    stats: CommStats = field(default_factory=CommStats)
 
     @property
     def totals(self) -> dict[str, int]:
@@ -96,7 +108,7 @@ class Explanation:
             self._header(),
             _param_table(self.params),
             self._totals_line(),
-            _collective_table(self.collectives),
+            _collective_table(self.collectives, self.stats),
             self._pass_line(),
         ]
         if dump:
@@ -149,6 +161,7 @@ def explain(compiled_step: Any) -> Explanation:
         params=_param_rows(program, mode),
         buffer_bytes=_buffer_bytes(program),
         collectives=_collective_rows(program),
+        stats=collective_stats(program.graph_module),
         passes=[(n, program.pass_seconds.get(n, 0.0)) for n in program.passes_applied],
         deferred_params=_deferred_params(program),
         code=program.graph_module.code,
@@ -225,6 +238,11 @@ def _buffer_bytes(program: DistributedProgram) -> int:
 
 def _collective_rows(program: DistributedProgram) -> list[CollectiveRow]:
     names = program.mesh.mesh_dim_names
+    state_names = {
+        node.name: ref.name
+        for node, (ref, _) in zip(placeholders(program.graph_module), program.captured.inputs)
+        if ref.name
+    }
     rows = []
     for node in program.graph_module.graph.nodes:
         kind = collective_kind(node)
@@ -242,6 +260,10 @@ def _collective_rows(program: DistributedProgram) -> list[CollectiveRow]:
                 bytes=_payload_bytes(node),
                 mesh_dim=dim,
                 mesh_dim_name=names[dim] if names and dim is not None else None,
+                members=tuple(
+                    (state_names.get(label, label), nbytes)
+                    for label, nbytes in node.meta.get(BUCKET_MEMBERS, ())
+                ),
             )
         )
     return rows
@@ -303,14 +325,16 @@ def _param_table(params: list[ParamRow]) -> str:
     return _table(header, rows)
 
 
-def _collective_table(collectives: list[CollectiveRow]) -> str:
-    header = ["#", "collective", "op", "bytes", "mesh dim", "node"]
+def _collective_table(collectives: list[CollectiveRow], stats: CommStats) -> str:
+    """Collectives in issue (program) order; a bucket's tensors are listed below it."""
+    header = ["#", "collective", "op", "bytes", "tensors", "mesh dim", "node"]
     rows = [
         [
             str(i),
             c.kind,
             c.reduce_op or "",
             f"{c.bytes:,}",
+            str(c.tensor_count),
             "?"
             if c.mesh_dim is None
             else f"{c.mesh_dim}" + (f" ({c.mesh_dim_name})" if c.mesh_dim_name else ""),
@@ -318,8 +342,29 @@ def _collective_table(collectives: list[CollectiveRow]) -> str:
         ]
         for i, c in enumerate(collectives)
     ]
-    total = sum(c.bytes for c in collectives)
-    return f"collectives per step: {len(collectives)}, {total:,} bytes\n" + _table(header, rows)
+    kinds = ", ".join(f"{k}={v}" for k, v in sorted(stats.counts.items())) or "none"
+    tensors = sum(c.tensor_count for c in collectives)
+    head = (
+        f"collectives per step (issue order, after passes): {kinds}; {tensors} tensors; "
+        f"{stats.total_bytes:,} bytes"
+    )
+    buckets = [
+        f"  #{i} {c.kind} carries {c.tensor_count} tensors: {_members_text(c.members)}"
+        for i, c in enumerate(collectives)
+        if c.members
+    ]
+    return "\n".join([head, _table(header, rows), *buckets])
+
+
+def _members_text(members: tuple[tuple[str, int], ...]) -> str:
+    """``a x2, b, c``: consecutive tensors of one module (weight and bias) folded."""
+    runs: list[list] = []
+    for label, _ in members:
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return ", ".join(label if n == 1 else f"{label} x{n}" for label, n in runs)
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

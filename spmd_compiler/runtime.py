@@ -27,8 +27,8 @@ from .bindings import StepBindings
 from .capture import HYPERPARAM_DTYPE, state_dtype
 from .errors import SPMDCompileError, SPMDRuntimeError
 from .expand import DistributedProgram, Placements, _contiguous_stride, format_placements
-from .lower import LoweredGraph
 from .faults import attribution
+from .lower import LoweredGraph
 from .signature import Kind, StateRef, TensorMeta
 from .simulate import Simulation
 

@@ -1,6 +1,6 @@
 """Shared fixtures: the standard train step and the simulated-rank parity harness.
 
-The parity harness is the one from DESIGN.md ("Tests"): the undecorated step runs eagerly
+The parity harness is the one from docs/design.md ("Tests"): the undecorated step runs eagerly
 on a ``copy.deepcopy`` of the model with a fresh identical optimizer on the global batch;
 the compiled step runs on N simulated ranks with the same global batch (each rank gets its
 share). It records the returned-loss difference of every step and, at the end, the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -110,20 +111,39 @@ def demo_mode(config: DemoConfig):
     return make_mode(config.mode)
 
 
-def run_compiled_simulated(config: DemoConfig) -> dict[str, Any]:
+def print_step(index: int, steps: int, loss: float, seconds: float, compiled: bool) -> None:
+    """One line per compiled step as it finishes (``--backend sim``: rank 0's process)."""
+    note = " (includes compile)" if compiled else ""
+    print(f"step {index + 1}/{steps}: loss {loss:.6f}  {seconds:.2f} s{note}", flush=True)
+
+
+def _timed_steps(step, model, optimizer, data, show: bool) -> list[float]:
+    losses = []
+    for i, (x, y) in enumerate(data):
+        start, compiles = time.perf_counter(), step.compile_count
+        losses.append(float(step(model, optimizer, x, y)))
+        if show:
+            print_step(i, len(data), losses[-1], time.perf_counter() - start,
+                       step.compile_count > compiles)
+    return losses
+
+
+def run_compiled_simulated(config: DemoConfig, show_steps: bool = False) -> dict[str, Any]:
     model, optimizer, data = build(config)
     step = spmd_compile(parallel_mode=demo_mode(config))(gpt_train_step)
     with simulate(world_size=config.world_size) as sim:
-        losses = [float(step(model, optimizer, x, y)) for x, y in data]
+        losses = _timed_steps(step, model, optimizer, data, show_steps)
         state = full_state(model, optimizer, sim)
     return _result(step, losses, state)
 
 
-def compiled_worker(rank: int, world_size: int, config: DemoConfig) -> dict[str, Any]:
+def compiled_worker(
+    rank: int, world_size: int, config: DemoConfig, show_steps: bool = False
+) -> dict[str, Any]:
     """One real rank: compile, train on this rank's share of each global batch."""
     model, optimizer, data = build(config)
     step = spmd_compile(parallel_mode=demo_mode(config))(gpt_train_step)
-    losses = []
+    local = []
     for x, y in data:
         data_ranks, data_rank = world_size, rank
         if config.mode == "tp":  # every tensor-parallel rank sees the whole batch
@@ -133,8 +153,8 @@ def compiled_worker(rank: int, world_size: int, config: DemoConfig) -> dict[str,
             data_ranks, data_rank = world_size // tp, rank // tp
         share = x.shape[0] // data_ranks
         rows = slice(data_rank * share, (data_rank + 1) * share)
-        x_local, y_local = x[rows], y[rows]
-        losses.append(float(step(model, optimizer, x_local, y_local)))
+        local.append((x[rows], y[rows]))
+    losses = _timed_steps(step, model, optimizer, local, show_steps and rank == 0)
     state = full_state(model, optimizer, None)
     return _result(step, losses, state if rank == 0 else {})
 
@@ -154,14 +174,25 @@ def _result(step, losses: list[float], state: dict[str, torch.Tensor]) -> dict[s
     }
 
 
-def run_demo(config: DemoConfig) -> DemoReport:
+def run_demo(config: DemoConfig, show_steps: bool = False) -> DemoReport:
+    """Train compiled, then the single-device reference, and compare.
+
+    Args:
+        config: the run.
+        show_steps: print a line per compiled step as it finishes, and a line before the
+            reference run (the command line turns it on).
+    """
     if config.backend == "sim":
-        compiled = run_compiled_simulated(config)
+        compiled = run_compiled_simulated(config, show_steps)
     else:
         from spmd_compiler.launch import launch
 
-        results = launch(compiled_worker, config.world_size, backend=config.backend, args=(config,))
+        results = launch(
+            compiled_worker, config.world_size, backend=config.backend, args=(config, show_steps)
+        )
         compiled = results[0]
+    if show_steps:
+        print(f"reference: the same {config.steps} steps eagerly on one device...", flush=True)
     ref_losses, ref_state = run_reference(config)
     checked = config.dropout == 0.0
     diffs = compare_states(compiled["state"], ref_state)

@@ -32,6 +32,9 @@ def test_demo_world_4_writes_json_and_passes(tmp_path, capsys):
     assert report["losses"][-1] < report["losses"][0]
     out = capsys.readouterr().out
     assert "parity OK" in out
+    # a line per step as it runs, before the final table (issue 13)
+    assert out.index("step 1/3: loss") < out.index("step 3/3: loss") < out.index("parity OK")
+    assert "(includes compile)" in out.splitlines()[0]
 
 
 def test_demo_exit_code_reports_parity_failure(monkeypatch, tmp_path):

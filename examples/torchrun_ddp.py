@@ -1,0 +1,43 @@
+"""The same compiled step on real ranks, started by torchrun (gloo on CPU, NCCL on GPU).
+
+    torchrun --nproc-per-node 2 examples/torchrun_ddp.py [--steps 3]
+
+Each rank builds the same model (same seed), joins the process group from torchrun's
+environment (``sc.init_from_env()``) and passes ITS OWN share of every global batch.
+Rank 0 prints the losses beside the single-device reference on the global batch.
+Without torchrun, ``sc.launch(fn, world_size)`` spawns the ranks itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch.distributed as dist
+from _common import make, reference_losses, report, train_step
+
+import spmd_compiler as sc
+from spmd_compiler.parallel_modes import DataParallel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="train steps (default 3)")
+    args = parser.parse_args()
+    info = sc.init_from_env()  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
+    rank, world = info.rank, info.world_size
+    model, optim, data = make(steps=args.steps)
+    model.to(info.device)  # cuda:LOCAL_RANK under NCCL (parameters moved in place)
+    data = [(x.to(info.device), y.to(info.device)) for x, y in data]
+    step = sc.compile(parallel_mode=DataParallel("replicate"))(train_step)
+    losses = []
+    for x, y in data:
+        share = x.shape[0] // world
+        rows = slice(rank * share, (rank + 1) * share)
+        losses.append(float(step(model, optim, x[rows], y[rows])))
+    if rank == 0:
+        report(losses, reference_losses(0, args.steps), 1e-5)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
