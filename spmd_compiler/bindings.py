@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import SPMDCompileError
-from .signature import Kind, StateRef
+from .signature import Kind, StateRef, TensorMeta, state_dtype
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)
@@ -116,10 +116,19 @@ class StepBindings:
                 for p in group["params"]:
                     state = opt.state.get(p, {})
                     key.append(tuple(sorted(
-                        (k, _hashable(v))
+                        (k, _state_hashable(v))
                         for k, v in state.items()
                     )))
         return tuple(key)
+
+
+def _state_hashable(v: Any) -> Any:
+    """Optimizer state as the program sees it: a float32 step counter created eagerly
+    (warm-up step, loaded checkpoint) is float64 once installed, the same program."""
+    if isinstance(v, torch.Tensor):
+        meta = TensorMeta(tuple(v.shape), v.dtype, v.device)
+        return ("tensor", meta.shape, state_dtype(StateRef(Kind.OPTIM_STATE), meta))
+    return _hashable(v)
 
 
 def _hashable(v: Any) -> Any:

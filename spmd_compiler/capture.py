@@ -54,7 +54,7 @@ from .graph_utils import (
     remove_profiler_and_detach,
     set_outputs,
 )
-from .signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta
+from .signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta, state_dtype
 
 HYPERPARAM_DTYPE = torch.float64
 SCHEDULER_HINT = (
@@ -154,13 +154,6 @@ def _bernoulli_with_probability_tensor(
         )
     draw = torch.rand(tuple(self.shape), dtype=torch.float32, device=self.device)
     return self.copy_((draw < p).to(self.dtype))
-
-
-def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
-    """The dtype a piece of state has inside compiled programs."""
-    if ref.kind is Kind.OPTIM_STATE and meta.shape == () and meta.dtype == torch.float32:
-        return torch.float64
-    return meta.dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,6 +86,14 @@ class TensorMeta:
         return n * self.dtype.itemsize
 
 
+def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
+    """The dtype a piece of state has inside compiled programs (NOTE: [float64 step
+    counters] in capture.py): float32 scalar optimizer state becomes float64."""
+    if ref.kind is Kind.OPTIM_STATE and meta.shape == () and meta.dtype == torch.float32:
+        return torch.float64
+    return meta.dtype
+
+
 @dataclass
 class CapturedStep:
     """A train step as one functional single-device graph plus its signature.
