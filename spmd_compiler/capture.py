@@ -54,6 +54,8 @@ from .graph_utils import (
     remove_profiler_and_detach,
     set_outputs,
 )
+from .optimizers import check_supported as check_supported_optimizers
+from .optimizers import tracing_optimizer_step
 from .signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta, state_dtype
 
 HYPERPARAM_DTYPE = torch.float64
@@ -188,6 +190,9 @@ def capture_step(
         The captured step. Nothing of the user's model or optimizer is changed.
     """
     start = time.perf_counter()
+    check_supported_optimizers(
+        bindings.optimizers, f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}"
+    )
     device = next(iter(bindings.params.values())).device
     inputs: list[tuple[StateRef, TensorMeta]] = []
     for ref, value in bindings.state_refs():
@@ -309,7 +314,7 @@ class _StepTracer:
                 if self.options.param_dtype is not None:
                     stack.enter_context(_cast_forward_inputs(mod, self.options.param_dtype))
             swapped = [
-                stack.enter_context(_swap_optimizer(opt, oi, b, params, values))
+                stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.func.__code__))
                 for oi, opt in enumerate(b.optimizers)
             ]
             result = self.func(*args, **kwargs)
@@ -387,6 +392,7 @@ def _swap_optimizer(
     b: StepBindings,
     params: dict[str, torch.Tensor],
     values: dict[StateRef, torch.Tensor],
+    step_code: Any,
 ) -> Iterator[tuple[dict, dict]]:
     """Point ``opt`` at traced parameters, state and learning rates; restore on exit."""
     saved_groups, saved_state = opt.param_groups, opt.state
@@ -421,7 +427,9 @@ def _swap_optimizer(
     def capturable_step(*args: Any, **kwargs: Any) -> Any:
         graph = private.current_trace_graph()
         mark = last_node(graph)
-        with private.optimizer_capturable_path():
+        with private.optimizer_capturable_path(), tracing_optimizer_step(
+            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code)
+        ):
             result = original_step(*args, **kwargs)
         if graph is not None:
             for node in new_nodes_after(mark, graph):
