@@ -33,6 +33,9 @@ class Kind(enum.Enum):
 
 
 STATE_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.GRAD, Kind.OPTIM_STATE)
+# State a fully_shard program holds row-padded when its rows do not divide the ranks
+# (NOTE: [uneven shards] in parallel_modes/padding.py); the runtime pads and unpads it.
+PADDED_KINDS = (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE)
 
 
 @dataclass(frozen=True)
