@@ -24,8 +24,9 @@ from .comm_stats import collective_stats
 from .cross_iteration import split_program
 from .errors import SPMDCompileError
 from .expand import DistributedProgram
+from .guards import Guards, build_guards
 from .runtime import StepTimings, install_state, run_finish, run_program
-from .signature import Kind, StateRef, TensorMeta
+from .signature import CapturedStep, Kind, StateRef, TensorMeta
 from .simulate import Simulation, active_simulation
 
 log = logging.getLogger("spmd_compiler")
@@ -80,7 +81,7 @@ class CompiledTrainStep:
         self.mode = mode
         self.options = options
         self.records: list[CompileRecord] = []
-        self._cache: dict[tuple, DistributedProgram] = {}
+        self._cache: dict[tuple, list[tuple[Guards, DistributedProgram]]] = {}
         self._meshes: dict[str, DeviceMesh] = {}
         self.last_program: DistributedProgram | None = None
         self.timings = StepTimings()
@@ -103,12 +104,11 @@ class CompiledTrainStep:
             self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
         ]
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
-        program = self._cache.get(key)
+        program = self._cached_program(key, bindings)
         if program is None:
             if sim is None:
                 _check_same_inputs_on_all_ranks(tensor_args)
             program = self._compile(key, bindings, input_metas, mesh)
-            self._cache[key] = program
         pending = self._pending
         if pending is not None and (
             pending.program is not program or pending.sim is not sim
@@ -130,6 +130,20 @@ class CompiledTrainStep:
             if sim is not None and pending is None:
                 sim.at_exit(self.flush)
         return result
+
+    def _cached_program(self, key: tuple, bindings: StepBindings) -> DistributedProgram | None:
+        """The program for ``key`` whose guards hold (NOTE: [guards on Python values]);
+        a changed guarded value is logged."""
+        entries = self._cache.get(key)
+        if not entries:
+            return None
+        change = None
+        for guards, program in entries:
+            change = guards.first_change(bindings)
+            if change is None:
+                return program
+        log.info("recompiling %s: %s", self.func.__name__, change)
+        return None
 
     def flush(self) -> bool:
         """Apply the update the last call deferred (``cross_iteration_overlap``): after
@@ -184,7 +198,7 @@ class CompiledTrainStep:
     ) -> DistributedProgram:
         start = time.perf_counter()
         self.mode.prepare(bindings)
-        captured = capture_step(self.func, bindings, input_metas, self.mode.capture_options())
+        captured, guards = self._capture_guarded(bindings, input_metas)
         program = self.mode.partition(captured, mesh)
         program.collectives_before_passes = dict(collective_stats(program.graph_module).counts)
         program = self.mode.transform_and_compile(program, self.options)
@@ -195,6 +209,7 @@ class CompiledTrainStep:
             sum(program.pass_seconds.values()), total,
         )
         self.records.append(record)
+        self._cache.setdefault(key, []).append((guards, program))
         self.timings.compile_seconds += total
         log.info(
             "compiled %s with %r in %.2fs (capture %.2fs, expand %.2fs, passes %.2fs)",
@@ -202,6 +217,34 @@ class CompiledTrainStep:
             record.expand_seconds, record.pass_seconds,
         )
         return program
+
+
+    def _capture_guarded(
+        self, bindings: StepBindings, input_metas: list[TensorMeta]
+    ) -> tuple[CapturedStep, Guards]:
+        """Capture the step and guard the Python values it read; a step whose trace
+        changes a guarded value is captured once more (lazy set-up on the first call)
+        and refused if it changes one again (NOTE: [guards on Python values])."""
+        for attempt in range(2):
+            guards = build_guards(self.func, bindings, frozenset())
+            captured = capture_step(self.func, bindings, input_metas, self.mode.capture_options())
+            change = guards.first_change(bindings)
+            if change is None:
+                break
+            if attempt == 1:
+                raise SPMDCompileError(
+                    f"The train step changes a Python value every time it runs: {change}. "
+                    "A compiled step runs no Python, so it cannot repeat that change.",
+                    user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
+                    hint="keep changing state in a tensor (a buffer: "
+                    "self.register_buffer('count', torch.zeros(()))) or change it outside "
+                    "the compiled step.",
+                )
+        graph_args = frozenset(
+            ref.index for ref in captured.input_refs()
+            if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0
+        )
+        return captured, build_guards(self.func, bindings, graph_args)
 
 
 def _same_objects(a: StepBindings, b: StepBindings) -> bool:

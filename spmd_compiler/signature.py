@@ -57,6 +57,8 @@ class StateRef:
     def __str__(self) -> str:
         if self.kind is Kind.OPTIM_STATE:
             return f"optimizer[{self.optimizer}].state[{self.name}][{self.key!r}]"
+        if self.kind is Kind.HYPERPARAM and self.optimizer < 0:
+            return f"float argument {self.index}"
         if self.kind is Kind.HYPERPARAM:
             return f"optimizer[{self.optimizer}].param_groups[{self.group}][{self.key!r}]"
         if self.kind in (Kind.INPUT, Kind.RETURN):
