@@ -31,6 +31,9 @@ from .simulate import Simulation, active_simulation
 
 log = logging.getLogger("spmd_compiler")
 
+# A guarded Python value that forced this many recompiles is reported as a warning.
+REPEATED_RECOMPILES = 3
+
 
 @dataclass
 class CompileRecord:
@@ -87,6 +90,7 @@ class CompiledTrainStep:
         self.timings = StepTimings()
         self._pending: _PendingUpdate | None = None
         self._installed: set[int] = set()  # ids of state tensors install_state checked
+        self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles it caused
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -143,6 +147,15 @@ class CompiledTrainStep:
             if change is None:
                 return program
         log.info("recompiling %s: %s", self.func.__name__, change)
+        what = str(change).split(" was ", 1)[0]
+        self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
+        if self._guard_misses[what] == REPEATED_RECOMPILES:
+            log.warning(
+                "%s changed on %d calls of %s, and each new value compiles a new program; "
+                "keep a value that changes every step in a tensor (a buffer or a tensor "
+                "argument), or pass it as a float argument used in tensor ops.",
+                what, REPEATED_RECOMPILES, self.func.__name__,
+            )
         return None
 
     def flush(self) -> bool:

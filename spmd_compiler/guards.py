@@ -13,10 +13,11 @@ missing a value):
   float, bool, str, None, torch dtypes and devices, and tuples / lists / dicts of those),
   descending into plain objects it holds (a config object) up to ``OBJECT_DEPTH``, plus
   the number of entries of its ``__dict__`` (an attribute added later is seen);
-- the code of the step function and of every method of the modules' own classes (not
-  torch's), and of every function they reach through global names, attribute names and
-  closure cells, transitively: each global or closure cell it names that holds a scalar,
-  and each scalar attribute it names of a module, class or object it reaches that way;
+- the code of the step function and of the ``forward`` of the modules' own classes (not
+  torch's), and of every method, function they reach through ``self.name``, global
+  names, attribute names and closure cells, transitively: each global or closure cell
+  it names that holds a scalar, and each scalar attribute it names of a module, class
+  or object it reaches that way;
 - non-tensor arguments that are not graph inputs, and the scalar attributes of object
   arguments.
 A check is a loop of dictionary lookups and identity tests (measured on the demo GPT in
@@ -27,6 +28,8 @@ again.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import sysconfig
 import types
@@ -137,19 +140,16 @@ def build_guards(func: Any, bindings: StepBindings, graph_args: frozenset[int]) 
             name = (f"{mi}." if len(bindings.modules) > 1 else "") + (fqn or "<root>")
             walker.module(sub, f"module {name}")
             classes.setdefault(type(sub))
-    walker.function(func)
+    walker.callable(func)
     for cls in classes:
-        for klass in cls.__mro__:
-            if _skipped_module(klass.__module__):
-                continue
-            for value in vars(klass).values():
-                for fn in _functions_of(value):
-                    walker.function(fn)
+        if not _skipped_module(cls.__module__):
+            for fn in _functions_of(inspect.getattr_static(cls, "forward", None)):
+                walker.function(fn, cls)
     return guards
 
 
 def _functions_of(value: Any) -> Iterator[types.FunctionType]:
-    if isinstance(value, (staticmethod, classmethod)):
+    if isinstance(value, (staticmethod, classmethod, types.MethodType)):
         value = value.__func__
     if isinstance(value, property):
         yield from (f for f in (value.fget, value.fset) if isinstance(f, types.FunctionType))
@@ -169,7 +169,7 @@ class _Walker:
     def __init__(self, guards: Guards) -> None:
         self.guards = guards
         self.seen_code: set[int] = set()
-        self.seen_objects: set[tuple[int, str]] = set()
+        self.seen_objects: set[int] = set()
 
     def module(self, mod: torch.nn.Module, name: str) -> None:
         d = mod.__dict__
@@ -192,20 +192,42 @@ class _Walker:
             self.object_dict(value, name, depth - 1)
 
     def object_dict(self, obj: Any, name: str, depth: int) -> None:
-        key = (id(obj), name)
-        if key in self.seen_objects:
+        if id(obj) in self.seen_objects:  # a config object many submodules share
             return
-        self.seen_objects.add(key)
+        self.seen_objects.add(id(obj))
         d = vars(obj)
         for k, v in list(d.items()):
             self.value_in_dict(d, k, v, f"{name}.{k}", depth)
 
-    def function(self, fn: types.FunctionType) -> None:
+    def callable(self, func: Any) -> None:
+        """The step: a function, a bound method, a ``functools.partial`` or an object
+        with ``__call__``."""
+        if isinstance(func, functools.partial):  # its own arguments cannot change
+            self.callable(func.func)
+            return
+        if isinstance(func, types.MethodType):
+            if _plain_object(func.__self__):
+                self.object_dict(func.__self__, type(func.__self__).__name__, OBJECT_DEPTH)
+            func = func.__func__
+        if isinstance(func, types.FunctionType):
+            self.function(func)
+        elif _plain_object(func):
+            self.object_dict(func, type(func).__name__, OBJECT_DEPTH)
+            for fn in _functions_of(inspect.getattr_static(type(func), "__call__", None)):
+                self.function(fn, type(func))
+
+    def function(self, fn: types.FunctionType, cls: type | None = None) -> None:
+        """Walk ``fn``'s code; with ``cls``, the methods of ``cls`` it names too (the
+        helpers a ``forward`` calls through ``self``)."""
         if id(fn.__code__) in self.seen_code or _skipped_function(fn):
             return
         self.seen_code.add(id(fn.__code__))
         where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
         names = set(_names(fn.__code__))
+        if cls is not None:
+            for name in names:
+                for method in _functions_of(inspect.getattr_static(cls, name, None)):
+                    self.function(method, cls)
         reached: list[Any] = []
         for name in names:
             value = fn.__globals__.get(name, _MISSING)

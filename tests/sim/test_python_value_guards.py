@@ -133,6 +133,62 @@ def test_changed_closure_value_recompiles(run_parity, classification_batches):
     assert result.compile_counts == [1, 2, 3, 3, 4]
 
 
+HELPER_SCALE = 1.0
+
+
+class HelperScaled(nn.Module):
+    """forward reads a global through a helper method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._scaled(self.fc(x))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h * HELPER_SCALE
+
+
+class Trainer:
+    """The step as a bound method reading an attribute of its object."""
+
+    def __init__(self) -> None:
+        self.loss_weight = 1.0
+
+    def step(self, model, optim, x, y):
+        loss = F.cross_entropy(model(x), y) * self.loss_weight
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+
+def test_global_read_by_a_forward_helper_recompiles(run_parity, classification_batches):
+    def before_step(i, model, reference):
+        globals()["HELPER_SCALE"] = TEMPERATURES[i]
+
+    try:
+        result = run_parity(
+            HelperScaled, sgd_momentum, 2, classification_batches(len(TEMPERATURES)),
+            before_step=before_step,
+        )
+    finally:
+        globals()["HELPER_SCALE"] = 1.0
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+
+
+def test_attribute_of_a_bound_method_step_recompiles(run_parity, classification_batches):
+    trainer = Trainer()
+    result = run_parity(
+        _mlp, sgd_momentum, 2, classification_batches(len(TEMPERATURES)), step=trainer.step,
+        before_step=lambda i, model, reference: setattr(trainer, "loss_weight", TEMPERATURES[i]),
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+
+
 # ---------------------------------------------------------------- float arguments
 
 
