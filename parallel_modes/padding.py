@@ -11,7 +11,9 @@ expansion:
   so FSDP still gathers per forward/backward group);
 - the gradient (d rows) is zero-padded where the optimizer reads it;
 - the optimizer updates the padded parameter and state; padding rows stay zero for
-  element-wise optimizers (zero gradient, zero state, zero weight decay).
+  element-wise optimizers (zero gradient, zero state, zero weight decay);
+- a gradient that outlives the step (``zero_grad`` at the start of the step, or
+  accumulation) is padded state too: read through a slice, written back zero-padded.
 The DTensors the user sees keep the true shape; the runtime feeds each rank's rows plus
 zero padding and keeps the real rows of the results (``DistributedProgram.padded``).
 """
@@ -24,8 +26,8 @@ import torch
 import torch.fx
 
 from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE, SPMDCompileError
-from spmd_compiler.graph_utils import placeholders
-from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.graph_utils import output_args, placeholders, set_outputs
+from spmd_compiler.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta
 
 
 def padded_rows(rows: int, world: int) -> int:
@@ -55,18 +57,24 @@ def pad_uneven_state(
     if not plan:
         return plan
     for ref, _ in captured.inputs:
-        if ref.kind is Kind.GRAD and ref.name in plan:
+        if ref.kind is Kind.GRAD and ref.name in plan and dim_of.get(ref.name, 0):
             raise SPMDCompileError(
-                f"{ref} is kept across steps, but parameter {ref.name!r} has "
-                f"{plan[ref.name][0]} rows, not a multiple of {world} ranks; fully_shard "
-                "pads such parameters and cannot keep their gradients between steps.",
-                hint="call optimizer.zero_grad() in the step, or use DataParallel('replicate').",
+                f"{ref} is kept across steps, but parameter {ref.name!r} is sharded on "
+                f"dimension {dim_of[ref.name]} of size {plan[ref.name][0]}, not a multiple "
+                f"of {world} ranks; a padded tensor-parallel gradient cannot be kept "
+                "between steps.",
+                hint="call optimizer.zero_grad() at the end of the step.",
             )
     gm = captured.graph_module
     nodes = dict(zip(captured.input_refs(), placeholders(gm), strict=True))
     _pad_gradients(captured, plan, dim_of)
+    _pad_kept_gradient_outputs(captured, {n: v for n, v in plan.items() if not dim_of.get(n, 0)})
     for name, (rows, _) in plan.items():
-        _slice_for_compute(gm.graph, nodes[StateRef(Kind.PARAM, name)], rows, dim_of.get(name, 0))
+        dim = dim_of.get(name, 0)
+        _slice_for_compute(gm.graph, nodes[StateRef(Kind.PARAM, name)], rows, dim)
+        grad = nodes.get(StateRef(Kind.GRAD, name))
+        if grad is not None:
+            _slice_for_compute(gm.graph, grad, rows, dim)
     captured.inputs = [(ref, _padded_meta(ref, meta, plan, dim_of)) for ref, meta in captured.inputs]
     captured.output_metas = [
         _padded_meta(ref, meta, plan, dim_of)
@@ -79,7 +87,7 @@ def pad_uneven_state(
 def _padded_meta(
     ref: StateRef, meta: TensorMeta, plan: dict[str, tuple[int, int]], dims: dict[str, int]
 ) -> TensorMeta:
-    if ref.kind not in (Kind.PARAM, Kind.OPTIM_STATE) or ref.name not in plan:
+    if ref.kind not in PADDED_KINDS or ref.name not in plan:
         return meta
     rows, padded = plan[ref.name]
     dim = dims.get(ref.name, 0)
@@ -170,3 +178,27 @@ def _pad_gradients(
             pad.meta = {PHASE: OPTIMIZER_PHASE}
             for reader in readers:
                 reader.replace_input_with(grad, pad)
+
+
+def _pad_kept_gradient_outputs(captured: CapturedStep, plan: dict[str, tuple[int, int]]) -> None:
+    """Gradients that outlive the step (no ``zero_grad`` after ``optimizer.step()``, e.g.
+    ``zero_grad`` at the start of the step) leave the program padded, like the parameter:
+    a gradient kept between steps is state sharded the same way."""
+    gm = captured.graph_module
+    graph = gm.graph
+    outputs = list(output_args(gm))
+    for k, (ref, value) in enumerate(zip(captured.outputs, outputs, strict=True)):
+        if ref.kind is not Kind.GRAD or ref.name not in plan:
+            continue
+        rows, padded = plan[ref.name]
+        val = value.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.shape or val.shape[0] != rows:
+            continue
+        with graph.inserting_after(value):
+            pad = graph.call_function(
+                torch.ops.aten.constant_pad_nd.default,
+                (value, [0, 0] * (val.dim() - 1) + [0, padded - rows], 0.0),
+            )
+        pad.meta = {PHASE: OPTIMIZER_PHASE}
+        outputs[k] = pad
+    set_outputs(gm, outputs)

@@ -24,14 +24,18 @@ from .comm_stats import collective_stats
 from .cross_iteration import split_program
 from .errors import SPMDCompileError
 from .expand import DistributedProgram
+from .guards import Guards, build_guards
 from .lower import Executable, LoweringOptions
 from .progress import compile_progress
 from .runtime import StepTimings, install_state, run_finish, run_program
 from .same_inputs import check_same_inputs_on_all_ranks
-from .signature import Kind, StateRef, TensorMeta
+from .signature import CapturedStep, Kind, StateRef, TensorMeta
 from .simulate import Simulation, active_simulation
 
 log = logging.getLogger("spmd_compiler")
+
+# A guarded Python value that forced this many recompiles is reported as a warning.
+REPEATED_RECOMPILES = 3
 
 
 @dataclass
@@ -85,12 +89,13 @@ class CompiledTrainStep:
         self.options = options
         self.lowering = lowering or LoweringOptions()
         self.records: list[CompileRecord] = []
-        self._cache: dict[tuple, DistributedProgram] = {}
+        self._cache: dict[tuple, list[tuple[Guards, DistributedProgram]]] = {}
         self._meshes: dict[str, DeviceMesh] = {}
         self.last_program: DistributedProgram | None = None
         self.timings = StepTimings()
         self._pending: _PendingUpdate | None = None
         self._installed: set[int] = set()  # ids of state tensors install_state checked
+        self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles it caused
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -110,10 +115,9 @@ class CompiledTrainStep:
             self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
         ]
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
-        program = self._cache.get(key)
+        program = self._cached_program(key, bindings)
         if program is None:
             program = self._compile(key, bindings, input_metas, mesh)
-            self._cache[key] = program
         pending = self._pending
         if pending is not None and (
             pending.program is not program or pending.sim is not sim
@@ -141,6 +145,29 @@ class CompiledTrainStep:
             if sim is not None and pending is None:
                 sim.at_exit(self.flush)
         return result
+
+    def _cached_program(self, key: tuple, bindings: StepBindings) -> DistributedProgram | None:
+        """The program for ``key`` whose guards hold (NOTE: [guards on Python values]);
+        a changed guarded value is logged."""
+        entries = self._cache.get(key)
+        if not entries:
+            return None
+        change = None
+        for guards, program in entries:
+            change = guards.first_change(bindings)
+            if change is None:
+                return program
+        log.info("recompiling %s: %s", self.func.__name__, change)
+        what = str(change).split(" was ", 1)[0]
+        self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
+        if self._guard_misses[what] == REPEATED_RECOMPILES:
+            log.warning(
+                "%s changed on %d calls of %s, and each new value compiles a new program; "
+                "keep a value that changes every step in a tensor (a buffer or a tensor "
+                "argument), or pass it as a float argument used in tensor ops.",
+                what, REPEATED_RECOMPILES, self.func.__name__,
+            )
+        return None
 
     def flush(self) -> bool:
         """Apply the update the last call deferred (``cross_iteration_overlap``): after
@@ -204,9 +231,7 @@ class CompiledTrainStep:
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
             with progress.stage("capture"):
-                captured = capture_step(
-                    self.func, bindings, input_metas, self.mode.capture_options()
-                )
+                captured, guards = self._capture_guarded(bindings, input_metas)
             with progress.stage("expand"):  # expand() sets the node total and counts
                 program = self.mode.partition(captured, mesh)
             program.collectives_before_passes = dict(
@@ -223,6 +248,7 @@ class CompiledTrainStep:
             sum(program.pass_seconds.values()), total,
         )
         self.records.append(record)
+        self._cache.setdefault(key, []).append((guards, program))
         self.timings.compile_seconds += total
         log.info(
             "compiled %s with %r in %.2fs (capture %.2fs, expand %.2fs, passes %.2fs)",
@@ -230,6 +256,34 @@ class CompiledTrainStep:
             record.expand_seconds, record.pass_seconds,
         )
         return program
+
+
+    def _capture_guarded(
+        self, bindings: StepBindings, input_metas: list[TensorMeta]
+    ) -> tuple[CapturedStep, Guards]:
+        """Capture the step and guard the Python values it read; a step whose trace
+        changes a guarded value is captured once more (lazy set-up on the first call)
+        and refused if it changes one again (NOTE: [guards on Python values])."""
+        for attempt in range(2):
+            guards = build_guards(self.func, bindings, frozenset())
+            captured = capture_step(self.func, bindings, input_metas, self.mode.capture_options())
+            change = guards.first_change(bindings)
+            if change is None:
+                break
+            if attempt == 1:
+                raise SPMDCompileError(
+                    f"The train step changes a Python value every time it runs: {change}. "
+                    "A compiled step runs no Python, so it cannot repeat that change.",
+                    user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
+                    hint="keep changing state in a tensor (a buffer: "
+                    "self.register_buffer('count', torch.zeros(()))) or change it outside "
+                    "the compiled step.",
+                )
+        graph_args = frozenset(
+            ref.index for ref in captured.input_refs()
+            if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0
+        )
+        return captured, build_guards(self.func, bindings, graph_args)
 
 
 def _same_objects(a: StepBindings, b: StepBindings) -> bool:

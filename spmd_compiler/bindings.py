@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import SPMDCompileError
-from .signature import Kind, StateRef
+from .signature import Kind, StateRef, TensorMeta, state_dtype
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)
@@ -90,6 +90,8 @@ class StepBindings:
         ]
 
     def hyperparam_value(self, ref: StateRef) -> float:
+        if ref.optimizer < 0:  # a float argument of the step (capture.float_argument_ref)
+            return float(self.flat_args[ref.index])
         value = self.optimizers[ref.optimizer].param_groups[ref.group][ref.key]
         return float(value)
 
@@ -101,8 +103,9 @@ class StepBindings:
         the non-tensor arguments of the step. A change to any recompiles the step.
         """
         key: list[Any] = [self.args_spec]
-        key += [a if not isinstance(a, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))
-                else type(a).__name__ for a in self.flat_args]
+        # Float arguments: graph inputs or guards (NOTE: [guards on Python values]).
+        key += [a if not isinstance(a, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, float))
+                or type(a) is bool else type(a).__name__ for a in self.flat_args]
         key += [tuple(m.training for m in mod.modules()) for mod in self.modules]
         key += [(n, tuple(p.shape), p.dtype, p.grad is not None, p.requires_grad)
                 for n, p in self.params.items()]
@@ -116,10 +119,19 @@ class StepBindings:
                 for p in group["params"]:
                     state = opt.state.get(p, {})
                     key.append(tuple(sorted(
-                        (k, _hashable(v))
+                        (k, _state_hashable(v))
                         for k, v in state.items()
                     )))
         return tuple(key)
+
+
+def _state_hashable(v: Any) -> Any:
+    """Optimizer state as the program sees it: a float32 step counter created eagerly
+    (warm-up step, loaded checkpoint) is float64 once installed, the same program."""
+    if isinstance(v, torch.Tensor):
+        meta = TensorMeta(tuple(v.shape), v.dtype, v.device)
+        return ("tensor", meta.shape, state_dtype(StateRef(Kind.OPTIM_STATE), meta))
+    return _hashable(v)
 
 
 def _hashable(v: Any) -> Any:

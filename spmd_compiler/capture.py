@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -55,7 +56,12 @@ from .graph_utils import (
     remove_profiler_and_detach,
     set_outputs,
 )
-from .signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta
+from .optimizers import check_supported as check_supported_optimizers
+from .optimizers import tracing_optimizer_step
+from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
+from .signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta, state_dtype
+
+log = logging.getLogger("spmd_compiler")
 
 HYPERPARAM_DTYPE = torch.float64
 SCHEDULER_HINT = (
@@ -172,13 +178,6 @@ def _bernoulli_with_probability_tensor(
     return self.copy_((draw < p).to(self.dtype))
 
 
-def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
-    """The dtype a piece of state has inside compiled programs."""
-    if ref.kind is Kind.OPTIM_STATE and meta.shape == () and meta.dtype == torch.float32:
-        return torch.float64
-    return meta.dtype
-
-
 @dataclasses.dataclass(frozen=True)
 class CaptureOptions:
     """How the single-device program computes (chosen by the parallel mode).
@@ -201,6 +200,10 @@ def capture_step(
 ) -> CapturedStep:
     """Trace ``func`` into one functional single-device graph.
 
+    Python float arguments become graph inputs where the step uses them in tensor ops
+    only (NOTE: [float arguments as graph inputs]); otherwise the step is captured again
+    with them as constants (the compiled step guards them).
+
     Args:
         func: the user's train step.
         bindings: its modules, optimizers and named state (``find_bindings``).
@@ -210,19 +213,47 @@ def capture_step(
     Returns:
         The captured step. Nothing of the user's model or optimizer is changed.
     """
+    floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
+    if floats:
+        try:
+            return _capture(func, bindings, input_metas, options, floats)
+        except Exception as exc:  # noqa: BLE001 - retried with the floats as constants
+            log.info(
+                "float arguments %s of %s stay guarded constants (%s: %s)", list(floats),
+                func.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+            )
+    return _capture(func, bindings, input_metas, options, ())
+
+
+def float_argument_ref(index: int) -> StateRef:
+    """The graph input standing for the float at ``bindings.flat_args[index]``."""
+    return StateRef(Kind.HYPERPARAM, key="arg", index=index)
+
+
+def _capture(
+    func: Callable[..., Any],
+    bindings: StepBindings,
+    input_metas: list[TensorMeta],
+    options: CaptureOptions,
+    floats: tuple[int, ...],
+) -> CapturedStep:
     start = time.perf_counter()
+    check_supported_optimizers(
+        bindings.optimizers, f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}"
+    )
     device = next(iter(bindings.params.values())).device
     inputs: list[tuple[StateRef, TensorMeta]] = []
     for ref, value in bindings.state_refs():
         meta = TensorMeta.of(value)
         inputs.append((ref, dataclasses.replace(meta, dtype=state_dtype(ref, meta))))
     inputs += [(ref, TensorMeta((), HYPERPARAM_DTYPE, device)) for ref in bindings.hyperparam_refs()]
+    inputs += [(float_argument_ref(i), TensorMeta((), HYPERPARAM_DTYPE, device)) for i in floats]
     inputs += [
         (StateRef(Kind.INPUT, index=k), meta) for k, meta in enumerate(input_metas)
     ]
     fake_mode = private.fake_tensor_mode()
-    first_trace_inputs = [_fake(meta, fake_mode, first_trace=(ref.kind is not Kind.INPUT and (
-        ref.kind is Kind.HYPERPARAM or (ref.kind is Kind.PARAM and meta.requires_grad)))) for ref, meta in inputs]
+    first_trace_inputs = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
+                          for ref, meta in inputs]
     tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options)
     private.register_stack_trace_anchor(func)
     try:
@@ -264,6 +295,7 @@ def capture_step(
             f"Capturing the train step failed: {type(exc).__name__}: {exc}",
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
         ) from exc
+    _check_float_arguments_read(first, [r for r, _ in inputs])
     _annotate_user_lines(first, func.__code__)
     gm = _functionalize(first, inputs, fake_mode)
     captured = CapturedStep(
@@ -277,6 +309,20 @@ def capture_step(
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
     return captured
+
+
+def _requires_grad_in_first_trace(ref: StateRef, meta: TensorMeta) -> bool:
+    if ref.kind is Kind.HYPERPARAM:
+        return ref.optimizer >= 0  # learning rates (NOTE: [capture in two traces])
+    return ref.kind is Kind.PARAM and meta.requires_grad
+
+
+def _check_float_arguments_read(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:
+    """A float argument the program does not read may have steered Python (a type test):
+    it must be a guarded constant instead (NOTE: [float arguments as graph inputs])."""
+    for node, ref in zip(placeholders(gm), refs, strict=True):
+        if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0 and not node.users:
+            raise FloatArgumentUsedInPython(f"argument {ref.index} is not read by the program")
 
 
 def _raised_in_lr_scheduler(exc: BaseException) -> bool:
@@ -319,10 +365,15 @@ class _StepTracer:
                 params[r.name].grad = v
         traced_args = list(b.flat_args)
         positions = [i for i, _ in b.tensor_args()]
+        stand_ins = []
         for r, v in values.items():
             if r.kind is Kind.INPUT:
                 traced_args[positions[r.index]] = v
+            elif r.kind is Kind.HYPERPARAM and r.optimizer < 0:
+                traced_args[r.index] = v
+                stand_ins.append(v)
         args, kwargs = pytree.tree_unflatten(traced_args, b.args_spec)
+        self.floats = FloatArgumentMode(stand_ins)
         compute = _compute_params(params, self.options.param_dtype)
         with contextlib.ExitStack() as stack:
             for mi, mod in enumerate(b.modules):
@@ -332,10 +383,11 @@ class _StepTracer:
                 if self.options.param_dtype is not None:
                     stack.enter_context(_cast_forward_inputs(mod, self.options.param_dtype))
             swapped = [
-                stack.enter_context(_swap_optimizer(opt, oi, b, params, values))
+                stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.func.__code__))
                 for oi, opt in enumerate(b.optimizers)
             ]
-            result = self.func(*args, **kwargs)
+            with self.floats:
+                result = self.func(*args, **kwargs)
             final_buffers = {
                 b.module_buffers[mi][fqn]: t
                 for mi, mod in enumerate(b.modules)
@@ -348,6 +400,8 @@ class _StepTracer:
         leaves, self.return_spec = pytree.tree_flatten(result)
         outs: list[torch.Tensor] = []
         for leaf in leaves:
+            if self.floats.is_stand_in(leaf):
+                raise FloatArgumentUsedInPython("the step returns a value computed from a float argument only")
             if isinstance(leaf, torch.Tensor):
                 self.return_leaves.append(("tensor", len(outs)))
                 self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
@@ -410,6 +464,7 @@ def _swap_optimizer(
     b: StepBindings,
     params: dict[str, torch.Tensor],
     values: dict[StateRef, torch.Tensor],
+    step_code: Any,
 ) -> Iterator[tuple[dict, dict]]:
     """Point ``opt`` at traced parameters, state and learning rates; restore on exit."""
     saved_groups, saved_state = opt.param_groups, opt.state
@@ -444,7 +499,9 @@ def _swap_optimizer(
     def capturable_step(*args: Any, **kwargs: Any) -> Any:
         graph = private.current_trace_graph()
         mark = last_node(graph)
-        with private.optimizer_capturable_path():
+        with private.optimizer_capturable_path(), tracing_optimizer_step(
+            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code)
+        ):
             result = original_step(*args, **kwargs)
         if graph is not None:
             for node in new_nodes_after(mark, graph):

@@ -29,7 +29,7 @@ from .errors import SPMDCompileError, SPMDRuntimeError
 from .expand import DistributedProgram, Placements, _contiguous_stride, format_placements
 from .faults import attribution
 from .lower import LoweredGraph
-from .signature import Kind, StateRef, TensorMeta
+from .signature import PADDED_KINDS, Kind, StateRef, TensorMeta
 from .simulate import Simulation
 
 
@@ -193,7 +193,7 @@ def run_program(
             flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
         else:
             value = private.local_tensor_of(state[ref])
-            if ref.name in program.padded and ref.kind in (Kind.PARAM, Kind.OPTIM_STATE):
+            if ref.name in program.padded and ref.kind in PADDED_KINDS:
                 value = _pad_rows(value, local.shape, sim, program.padded_dims.get(ref.name, 0))
             flat.append(value)
     if sim is not None:
@@ -283,7 +283,7 @@ def _write_back(
         clear_grads = False
     for j, value in zip(positions, outs, strict=True):
         ref, meta, placements = captured.outputs[j], captured.output_metas[j], program.output_placements[j]
-        if ref.name in program.padded and ref.kind in (Kind.PARAM, Kind.OPTIM_STATE):
+        if ref.name in program.padded and ref.kind in PADDED_KINDS:
             value, meta = _unpad_rows(
                 value, meta, program.padded[ref.name], mesh, sim, program.padded_dims.get(ref.name, 0)
             )

@@ -33,6 +33,9 @@ class Kind(enum.Enum):
 
 
 STATE_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.GRAD, Kind.OPTIM_STATE)
+# State a fully_shard program holds row-padded when its rows do not divide the ranks
+# (NOTE: [uneven shards] in parallel_modes/padding.py); the runtime pads and unpads it.
+PADDED_KINDS = (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class StateRef:
     def __str__(self) -> str:
         if self.kind is Kind.OPTIM_STATE:
             return f"optimizer[{self.optimizer}].state[{self.name}][{self.key!r}]"
+        if self.kind is Kind.HYPERPARAM and self.optimizer < 0:
+            return f"float argument {self.index}"
         if self.kind is Kind.HYPERPARAM:
             return f"optimizer[{self.optimizer}].param_groups[{self.group}][{self.key!r}]"
         if self.kind in (Kind.INPUT, Kind.RETURN):
@@ -84,6 +89,14 @@ class TensorMeta:
         for s in self.shape:
             n *= s
         return n * self.dtype.itemsize
+
+
+def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
+    """The dtype a piece of state has inside compiled programs (NOTE: [float64 step
+    counters] in capture.py): float32 scalar optimizer state becomes float64."""
+    if ref.kind is Kind.OPTIM_STATE and meta.shape == () and meta.dtype == torch.float32:
+        return torch.float64
+    return meta.dtype
 
 
 @dataclass

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import spmd_compiler as sc
+from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.launch import LaunchError
 from spmd_compiler.parity import full_state, relative_difference
-from spmd_compiler.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
 
@@ -120,6 +120,50 @@ def test_compiled_step_matches_single_device(
         assert set(got["state"]) == set(expected["state"])
         for key, want in expected["state"].items():
             errors[key] = relative_difference(got["state"][key], want)
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+
+
+def zero_grad_first_step(model, optim, x, y):
+    optim.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def make_uneven_model() -> nn.Module:
+    """First layer's 15 rows do not divide 2 ranks: fully_shard pads them."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 15), nn.Tanh(), nn.Linear(15, CLASSES))
+
+
+def uneven_fully_shard_worker(rank: int, world_size: int) -> dict[str, object]:
+    from spmd_compiler.parallel_modes import DataParallel
+
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    sc.init_from_env()
+    model = make_uneven_model()
+    optim = OPTIMIZERS["adamw"](model)
+    step = sc.compile(DataParallel("fully_shard"))(zero_grad_first_step)
+    losses = [step(model, optim, x[local], y[local]).detach().clone() for x, y in global_batches()]
+    grads = {f"grad.{n}": p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"losses": torch.stack(losses), "state": {**full_state(model, optim, None), **grads}}
+
+
+def test_fully_shard_uneven_keeps_gradients_between_steps_on_gloo() -> None:
+    """zero_grad at the start of the step keeps gradients of padded parameters between
+    steps (issue 11 item 6: a raw GuardOnDataDependentSymNode before)."""
+    results = sc.launch(uneven_fully_shard_worker, WORLD_SIZE, timeout_s=120)
+    model = make_uneven_model()
+    optim = OPTIMIZERS["adamw"](model)
+    losses = [zero_grad_first_step(model, optim, x, y).detach().clone() for x, y in global_batches()]
+    expected = {**full_state(model, optim, None), **{f"grad.{n}": p.grad for n, p in model.named_parameters()}}
+    for rank, result in enumerate(results):
+        assert relative_difference(result["losses"], torch.stack(losses)) < TOLERANCE
+        assert set(result["state"]) == set(expected)
+        errors = {k: relative_difference(result["state"][k], v) for k, v in expected.items()}
         worst = max(errors, key=errors.__getitem__)
         assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
 

@@ -260,6 +260,54 @@ def test_fully_shard_uneven_and_smaller_than_world(world_size, optimizer):
     assert step.last_program.padded["0.weight"] == (7, chunk * world_size)
 
 
+def _zero_grad_first_step(model, optim, x, y):
+    optim.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def _accumulating_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("step_fn", [_zero_grad_first_step, _accumulating_step])
+def test_fully_shard_uneven_keeps_gradients_between_steps(world_size, step_fn):
+    """Gradients outliving the step (zero_grad at its start, or never) of parameters
+    whose rows do not divide the ranks: kept padded like the parameter, equal to eager
+    (this failed with a raw GuardOnDataDependentSymNode)."""
+    model = _uneven_mlp()
+    reference = copy.deepcopy(model)
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
+    optim, ref_optim = make(model.parameters()), make(reference.parameters())
+    step = sc.compile(DataParallel("fully_shard"))(step_fn)
+    gen = torch.Generator().manual_seed(1)
+    with sc.simulate(world_size) as sim:
+        for _ in range(3):
+            x, y = torch.randn(8, 5, generator=gen), torch.randint(0, 8, (8,), generator=gen)
+            loss, ref_loss = step(model, optim, x, y), step_fn(reference, ref_optim, x, y)
+            assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+        diff = max_difference(compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim))
+        grads = {
+            name: max_difference({name: _relative(sim.full_tensor(p.grad), q.grad)})
+            for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True)
+        }
+        assert model[0].weight.grad.shape == (7, 5)
+    assert diff < TOL
+    assert max(grads.values()) < TOL, grads
+    assert step.last_program.padded["0.weight"][0] == 7
+    assert step.compile_count == 2
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
 @pytest.mark.parametrize("style", ["replicate", "fully_shard"])
 @pytest.mark.parametrize("reduce_dtype", [None, torch.float32], ids=["reduce_bf16", "reduce_fp32"])
 def test_mixed_precision_bf16(style, reduce_dtype):

@@ -6,10 +6,14 @@ program (old batch size, old training flag) shows up as a parity failure too.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 
+import spmd_compiler as sc
+from spmd_compiler.parity import compare_models, compare_optimizers, relative_difference
 from spmd_compiler.signature import Kind
 
 FLOAT32_TOLERANCE = 1e-5
@@ -96,3 +100,44 @@ def test_train_eval_switch_recompiles_and_matches(run_parity, classification_bat
     result.assert_close(FLOAT32_TOLERANCE)
     # train: 1, 2; eval: new program (3), cached; train again: cached; eval: cached.
     assert result.compile_counts == [1, 2, 3, 3, 3, 3]
+
+
+def _eager_warm_up(model, optimizer, batch, train_step):
+    train_step(model, optimizer, *batch)
+
+
+def _load_checkpoint(model, optimizer, batch, train_step):
+    """Optimizer state from a state dict saved by another (eager) optimizer."""
+    donor_model = TrainEvalNet()
+    donor_model.load_state_dict(model.state_dict())
+    donor = adamw(donor_model)
+    train_step(donor_model, donor, *batch)
+    model.load_state_dict(donor_model.state_dict())
+    optimizer.load_state_dict(donor.state_dict())
+
+
+@pytest.mark.parametrize("prepare", [_eager_warm_up, _load_checkpoint])
+def test_state_created_before_the_first_call_compiles_once(
+    classification_batches, train_step, prepare
+):
+    """Adam's float32 ``step`` counters, made eagerly, are float64 once installed: the
+    second call must find the first call's program (it compiled again before)."""
+    torch.manual_seed(0)
+    model = TrainEvalNet()
+    optimizer = adamw(model)
+    batches = classification_batches(4)
+    prepare(model, optimizer, batches[0], train_step)
+    reference = copy.deepcopy(model)
+    reference_optimizer = adamw(reference)
+    reference_optimizer.load_state_dict(optimizer.state_dict())
+    assert all(s["step"].dtype == torch.float32 for s in optimizer.state.values())
+    compiled = sc.compile()(train_step)
+    with sc.simulate(world_size=2) as sim:
+        for batch in batches[1:]:
+            loss = compiled(model, optimizer, *batch)
+            expected = train_step(reference, reference_optimizer, *batch)
+            assert relative_difference(loss, expected) < FLOAT32_TOLERANCE
+        assert compiled.compile_count == 1
+        differences = compare_models(model, reference, sim)
+        differences.update(compare_optimizers(optimizer, reference_optimizer, sim))
+    assert max(differences.values()) < FLOAT32_TOLERANCE

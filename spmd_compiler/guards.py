@@ -1,0 +1,290 @@
+"""Guards on the Python values a captured train step read.
+
+NOTE: [guards on Python values]
+Tracing runs the user's Python once; every Python number, string or flag it reads (a
+module attribute such as ``self.temperature`` or ``dropout.p``, a global, a closure
+value, a non-tensor argument) is baked into the program as a constant. Each such value
+is either a graph input (learning rates; float arguments, see NOTE: [float arguments as
+graph inputs]) or a guard of the cached program: before a call reuses a program, every
+guard is checked, and a changed value compiles a new program (logged with what
+changed). What is guarded, found without running anything (over-guarding rather than
+missing a value):
+- every module and submodule of the step: the scalar entries of its ``__dict__`` (int,
+  float, bool, str, None, torch dtypes and devices, and tuples / lists / dicts of those),
+  descending into plain objects it holds (a config object) up to ``OBJECT_DEPTH``, plus
+  the number of entries of its ``__dict__`` (an attribute added later is seen);
+- the code of the step function and of the ``forward`` of the modules' own classes (not
+  torch's), and of every method, function they reach through ``self.name``, global
+  names, attribute names and closure cells, transitively: each global or closure cell
+  it names that holds a scalar, and each scalar attribute it names of a module, class
+  or object it reaches that way;
+- non-tensor arguments that are not graph inputs, and the scalar attributes of object
+  arguments.
+A check is a loop of dictionary lookups and identity tests (measured on the demo GPT in
+the README). A value the trace itself changes (a Python counter in ``forward``) cannot be
+replayed by a compiled program: the step is captured twice and refused if it changes
+again.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import sysconfig
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .bindings import StepBindings
+
+OBJECT_DEPTH = 2
+_MISSING = object()
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+# nn.Module internals that are not settings the forward reads.
+_MODULE_INTERNALS = frozenset(
+    {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_state_dict_hooks"}
+)
+_SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "passes", "numpy"})
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+# Entry kinds: read ``container.get(key)``, a closure cell, a step argument, a dict length.
+_DICT, _CELL, _ARG, _LEN = range(4)
+
+
+@dataclass
+class Guards:
+    """The Python values one compiled program was traced with."""
+
+    entries: list[tuple[int, Any, Any, Any]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    def add(self, kind: int, container: Any, key: Any, expected: Any, name: str) -> None:
+        self.entries.append((kind, container, key, _frozen(expected)))
+        self.names.append(name)
+
+    def first_change(self, bindings: StepBindings) -> str | None:
+        """A description of the first guarded value that changed, or None."""
+        for k, (kind, container, key, expected) in enumerate(self.entries):
+            value = _read(kind, container, key, bindings)
+            if value is expected:
+                continue
+            if type(value) is not type(expected) or value != expected:
+                return f"{self.names[k]} was {_show(expected)}, now {_show(value)}"
+        return None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
+    if kind == _DICT:
+        return _frozen(container.get(key, _MISSING))
+    if kind == _LEN:
+        return len(container)
+    if kind == _CELL:
+        try:
+            return _frozen(container.cell_contents)
+        except ValueError:
+            return _MISSING
+    return _frozen(bindings.flat_args[key])
+
+
+def _frozen(value: Any) -> Any:
+    """Mutable containers compared by content (lists become tuples)."""
+    if type(value) is list:
+        return tuple(_frozen(v) for v in value)
+    if type(value) is dict:
+        return tuple((k, _frozen(v)) for k, v in value.items())
+    return value
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is _MISSING else repr(value)
+
+
+def is_scalar(value: Any) -> bool:
+    """Python values a trace bakes in as constants (and containers of them)."""
+    if isinstance(value, _SCALARS):
+        return True
+    if type(value) in (tuple, list):
+        return all(is_scalar(v) for v in value)
+    if type(value) is dict:
+        return all(isinstance(k, _SCALARS) and is_scalar(v) for k, v in value.items())
+    return False
+
+
+def build_guards(func: Any, bindings: StepBindings, graph_args: frozenset[int]) -> Guards:
+    """Guards for a program traced from ``func`` on ``bindings`` (see the NOTE).
+
+    Args:
+        graph_args: positions in ``bindings.flat_args`` fed to the program as inputs.
+    """
+    guards = Guards()
+    walker = _Walker(guards)
+    for i, arg in enumerate(bindings.flat_args):
+        if isinstance(arg, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+            continue
+        if i in graph_args:
+            continue
+        if is_scalar(arg):
+            guards.add(_ARG, None, i, arg, f"argument {i} of the step")
+        elif hasattr(arg, "__dict__"):
+            walker.object_dict(arg, f"argument {i} of the step", OBJECT_DEPTH)
+    classes: dict[type, None] = {}
+    for mi, mod in enumerate(bindings.modules):
+        for fqn, sub in mod.named_modules():
+            name = (f"{mi}." if len(bindings.modules) > 1 else "") + (fqn or "<root>")
+            walker.module(sub, f"module {name}")
+            classes.setdefault(type(sub))
+    walker.callable(func)
+    for cls in classes:
+        if not _skipped_module(cls.__module__):
+            for fn in _functions_of(inspect.getattr_static(cls, "forward", None)):
+                walker.function(fn, cls)
+    return guards
+
+
+def _functions_of(value: Any) -> Iterator[types.FunctionType]:
+    if isinstance(value, (staticmethod, classmethod, types.MethodType)):
+        value = value.__func__
+    if isinstance(value, property):
+        yield from (f for f in (value.fget, value.fset) if isinstance(f, types.FunctionType))
+    elif isinstance(value, types.FunctionType):
+        yield value
+
+
+def _skipped_module(name: str | None) -> bool:
+    return name is None or name.split(".")[0] in _SKIPPED_PACKAGES or name in sys.builtin_module_names
+
+
+def _skipped_function(fn: types.FunctionType) -> bool:
+    return _skipped_module(fn.__globals__.get("__name__")) or fn.__code__.co_filename.startswith(_STDLIB)
+
+
+class _Walker:
+    def __init__(self, guards: Guards) -> None:
+        self.guards = guards
+        self.seen_code: set[int] = set()
+        self.seen_objects: set[int] = set()
+
+    def module(self, mod: torch.nn.Module, name: str) -> None:
+        d = mod.__dict__
+        self.guards.add(_LEN, d, None, len(d), f"the attributes of {name}")
+        for key, value in d.items():
+            if key in _MODULE_INTERNALS or "hook" in key or isinstance(value, torch.nn.Module):
+                continue
+            self.value_in_dict(d, key, value, f"{name}.{key}", OBJECT_DEPTH)
+
+    def value_in_dict(self, d: dict, key: Any, value: Any, name: str, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            return
+        if is_scalar(value):
+            self.guards.add(_DICT, d, key, value, name)
+        elif type(value) is dict and depth > 0:
+            self.guards.add(_LEN, value, None, len(value), f"the entries of {name}")
+            for k, v in value.items():
+                self.value_in_dict(value, k, v, f"{name}[{k!r}]", depth - 1)
+        elif depth > 0 and _plain_object(value):
+            self.object_dict(value, name, depth - 1)
+
+    def object_dict(self, obj: Any, name: str, depth: int) -> None:
+        if id(obj) in self.seen_objects:  # a config object many submodules share
+            return
+        self.seen_objects.add(id(obj))
+        d = vars(obj)
+        for k, v in list(d.items()):
+            self.value_in_dict(d, k, v, f"{name}.{k}", depth)
+
+    def callable(self, func: Any) -> None:
+        """The step: a function, a bound method, a ``functools.partial`` or an object
+        with ``__call__``."""
+        if isinstance(func, functools.partial):  # its own arguments cannot change
+            self.callable(func.func)
+            return
+        if isinstance(func, types.MethodType):
+            if _plain_object(func.__self__):
+                self.object_dict(func.__self__, type(func.__self__).__name__, OBJECT_DEPTH)
+            func = func.__func__
+        if isinstance(func, types.FunctionType):
+            self.function(func)
+        elif _plain_object(func):
+            self.object_dict(func, type(func).__name__, OBJECT_DEPTH)
+            for fn in _functions_of(inspect.getattr_static(type(func), "__call__", None)):
+                self.function(fn, type(func))
+
+    def function(self, fn: types.FunctionType, cls: type | None = None) -> None:
+        """Walk ``fn``'s code; with ``cls``, the methods of ``cls`` it names too (the
+        helpers a ``forward`` calls through ``self``)."""
+        if id(fn.__code__) in self.seen_code or _skipped_function(fn):
+            return
+        self.seen_code.add(id(fn.__code__))
+        where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
+        names = set(_names(fn.__code__))
+        if cls is not None:
+            for name in names:
+                for method in _functions_of(inspect.getattr_static(cls, name, None)):
+                    self.function(method, cls)
+        reached: list[Any] = []
+        for name in names:
+            value = fn.__globals__.get(name, _MISSING)
+            if value is not _MISSING:
+                self.reach(fn.__globals__, name, value, f"global {name!r} read by {where}", names, reached)
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if is_scalar(value):
+                self.guards.add(_CELL, cell, None, value, f"closure value {name!r} of {where}")
+            else:
+                reached.append(value)
+        for obj in reached:
+            self.attributes(obj, names, where)
+
+    def reach(self, d: dict, name: str, value: Any, label: str, names: set[str], reached: list) -> None:
+        if is_scalar(value):
+            self.guards.add(_DICT, d, name, value, label)
+        else:
+            reached.append(value)
+
+    def attributes(self, obj: Any, names: set[str], where: str) -> None:
+        """Functions ``obj`` leads to are walked; the scalar attributes the code names
+        (``config.scale``) are guarded."""
+        for fn in _functions_of(obj):
+            self.function(fn)
+            return
+        if isinstance(obj, (torch.Tensor, torch.nn.Module)) or not hasattr(obj, "__dict__"):
+            return
+        if isinstance(obj, types.ModuleType) and _skipped_module(obj.__name__):
+            return
+        if isinstance(obj, type) and _skipped_module(obj.__module__):
+            return
+        d = vars(obj)
+        for name in names & d.keys():
+            value = d[name]
+            if is_scalar(value):
+                label = f"{getattr(obj, '__name__', type(obj).__name__)}.{name} read by {where}"
+                self.guards.add(_DICT, d, name, value, label)
+            else:
+                for fn in _functions_of(value):
+                    self.function(fn)
+
+
+def _plain_object(value: Any) -> bool:
+    """Objects whose attributes a forward may read as settings (a config object)."""
+    if isinstance(value, (types.FunctionType, types.MethodType, types.ModuleType, type)):
+        return False
+    if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+        return False
+    return hasattr(value, "__dict__") and not _skipped_module(type(value).__module__)
+
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)

@@ -1,0 +1,86 @@
+"""Python float arguments of the step as graph inputs.
+
+NOTE: [float arguments as graph inputs]
+A Python ``float`` argument of the train step (a loss weight, a temperature, a
+schedule value) that changes every call would compile a new program every call if it
+were a guard. Capture first tries it as a graph input: a 0-dim float64 tensor in place
+of the float. The rule that keeps this exact:
+- Only ``float`` arguments (``type(a) is float``). ``int`` and ``bool`` arguments stay
+  guards: they usually steer shapes, indices, loop counts and branches.
+- The float must be used numerically only, in tensor ops. Anything Python does with
+  the value itself (``if scale > 0``, ``float(scale)``, ``math.exp(scale)``, ``range``,
+  a Scalar argument such as ``F.dropout(x, p)`` or ``full_like(x, scale)``, returning
+  it, storing it) fails the tensor trace, and the step is captured again with the float
+  as a guard (a new value recompiles, which is then exact by construction). A float the
+  traced program does not read at all (used only through a type test, say) is a guard
+  too.
+- Type promotion and rounding are the ones a Python number gets: where the tensor
+  stand-in meets other tensors in an op, it is cast first to the dtype the op computes
+  in with a Python scalar (the other floating operands' dtype, float32 opmath for
+  16-bit floats next to a non-scalar operand, the default dtype next to integer
+  tensors). Arithmetic among stand-ins alone stays in float64, as Python's does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+class FloatArgumentUsedInPython(Exception):
+    """The trace used a float argument other than in tensor ops; capture it as a guard."""
+
+
+class FloatArgumentMode(TorchFunctionMode):
+    """Tracks the stand-ins of float arguments (and scalars computed only from them)
+    and casts them where they meet other tensors (see the NOTE)."""
+
+    def __init__(self, stand_ins: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.scalars: dict[int, torch.Tensor] = {id(t): t for t in stand_ins}
+
+    def is_stand_in(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and id(value) in self.scalars
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        ours = [t for t in leaves if self.is_stand_in(t)]
+        if not ours:
+            return func(*args, **kwargs)
+        others = [t for t in leaves if isinstance(t, torch.Tensor) and not self.is_stand_in(t)]
+        if not others:
+            out = func(*args, **kwargs)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point():
+                    self.scalars[id(t)] = t
+            return out
+        dtype = _python_scalar_dtype(others)
+
+        def cast(x: Any) -> Any:
+            return x.to(dtype) if self.is_stand_in(x) else x
+
+        args, kwargs = pytree.tree_map(cast, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _python_scalar_dtype(others: list[torch.Tensor]) -> torch.dtype:
+    """The dtype an op computes a Python float operand in, next to ``others``."""
+    floating = [t for t in others if t.is_floating_point() or t.is_complex()]
+    if not floating:
+        return torch.get_default_dtype()
+    dims = any(t.dim() > 0 for t in floating)
+    candidates = [t for t in floating if t.dim() > 0] if dims else floating
+    dtype = candidates[0].dtype
+    for t in candidates[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    if dtype.is_complex:
+        dtype = torch.float64 if dtype == torch.complex128 else torch.float32
+    if dtype in _REDUCED and dims:
+        return torch.float32  # opmath: the scalar is not rounded to 16 bits
+    return dtype

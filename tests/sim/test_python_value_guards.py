@@ -1,0 +1,282 @@
+"""Python values a compiled step read are never silently reused (issue 11, items 3 and 4).
+
+NOTE: [guards on Python values] and NOTE: [float arguments as graph inputs]. Every test
+changes a Python value between steps on the compiled model and the eager reference alike
+and checks the compiled step against eager on every step; before guards, each of these
+kept the first value (one compile, loss off by up to 0.7 relative).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.signature import Kind
+
+FLOAT32_TOLERANCE = 1e-5
+TEMPERATURES = [1.0, 1.0, 4.0, 4.0, 0.5]
+
+
+class Tempered(nn.Module):
+    """Logits divided by a plain Python attribute, with a LeakyReLU whose slope is a
+    torch module's attribute and a scale read from a config object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.act = nn.LeakyReLU(0.1)
+        self.out = nn.Linear(16, 4)
+        self.temperature = 1.0
+        self.config = types.SimpleNamespace(scale=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.fc(x))) * self.config.scale / self.temperature
+
+
+def sgd_momentum(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+
+def _set_on_both(setter):
+    def before_step(i, model, reference):
+        setter(i, model)
+        setter(i, reference)
+
+    return before_step
+
+
+@pytest.mark.parametrize(
+    "setter",
+    [
+        lambda i, m: setattr(m, "temperature", TEMPERATURES[i]),
+        lambda i, m: setattr(m.act, "negative_slope", TEMPERATURES[i] / 10),
+        lambda i, m: setattr(m.config, "scale", TEMPERATURES[i]),
+    ],
+    ids=["module_attribute", "torch_module_attribute", "config_object_attribute"],
+)
+def test_changed_module_attribute_recompiles(run_parity, classification_batches, setter, caplog):
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"):
+        result = run_parity(
+            Tempered, sgd_momentum, 2, classification_batches(len(TEMPERATURES)),
+            before_step=_set_on_both(setter),
+        )
+    result.assert_close(FLOAT32_TOLERANCE)
+    # 1.0: state-creating + steady; 4.0: new; 4.0: cached; 0.5: new.
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+    changes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
+    assert len(changes) == 2 and "now 4.0" in changes[0].replace("0.4", "4.0"), changes
+
+
+LOSS_WEIGHT = 1.0
+
+
+def global_weighted_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y) * LOSS_WEIGHT
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_changed_global_recompiles(run_parity, classification_batches):
+    def before_step(i, model, reference):
+        global LOSS_WEIGHT
+        LOSS_WEIGHT = TEMPERATURES[i]
+
+    try:
+        result = run_parity(
+            _mlp, sgd_momentum, 2,
+            classification_batches(len(TEMPERATURES)), step=global_weighted_step,
+            before_step=before_step,
+        )
+    finally:
+        globals()["LOSS_WEIGHT"] = 1.0
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _closure_step():
+    weight = 1.0
+
+    def step(model, optim, x, y):
+        loss = F.cross_entropy(model(x), y) * weight
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    def set_weight(value: float) -> None:
+        nonlocal weight
+        weight = value
+
+    return step, set_weight
+
+
+def test_changed_closure_value_recompiles(run_parity, classification_batches):
+    step, set_weight = _closure_step()
+    result = run_parity(
+        _mlp, sgd_momentum, 2, classification_batches(len(TEMPERATURES)), step=step,
+        before_step=lambda i, model, reference: set_weight(TEMPERATURES[i]),
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+
+
+HELPER_SCALE = 1.0
+
+
+class HelperScaled(nn.Module):
+    """forward reads a global through a helper method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._scaled(self.fc(x))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h * HELPER_SCALE
+
+
+class Trainer:
+    """The step as a bound method reading an attribute of its object."""
+
+    def __init__(self) -> None:
+        self.loss_weight = 1.0
+
+    def step(self, model, optim, x, y):
+        loss = F.cross_entropy(model(x), y) * self.loss_weight
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+
+def test_global_read_by_a_forward_helper_recompiles(run_parity, classification_batches):
+    def before_step(i, model, reference):
+        globals()["HELPER_SCALE"] = TEMPERATURES[i]
+
+    try:
+        result = run_parity(
+            HelperScaled, sgd_momentum, 2, classification_batches(len(TEMPERATURES)),
+            before_step=before_step,
+        )
+    finally:
+        globals()["HELPER_SCALE"] = 1.0
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+
+
+def test_attribute_of_a_bound_method_step_recompiles(run_parity, classification_batches):
+    trainer = Trainer()
+    result = run_parity(
+        _mlp, sgd_momentum, 2, classification_batches(len(TEMPERATURES)), step=trainer.step,
+        before_step=lambda i, model, reference: setattr(trainer, "loss_weight", TEMPERATURES[i]),
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+
+
+# ---------------------------------------------------------------- float arguments
+
+
+def scaled_step(model, optim, x, y, scale):
+    loss = F.cross_entropy(model(x), y) * scale
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def branching_step(model, optim, x, y, scale):
+    logits = model(x)
+    if scale > 1.0:  # Python control flow on the float: it must stay a guard
+        logits = logits * 2
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _with_scales(batches, scales):
+    return [(*batch, scale) for batch, scale in zip(batches, scales, strict=True)]
+
+
+def test_float_argument_used_in_tensor_ops_is_a_graph_input(run_parity, classification_batches):
+    scales = [1.0, 0.5, 2.0, 3.25, 0.1]
+    result = run_parity(
+        _mlp, sgd_momentum, 2, _with_scales(classification_batches(5), scales), step=scaled_step
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 2, 2, 2]  # state-creating + steady, never again
+    refs = result.compiled.last_program.captured.input_refs()
+    assert [str(r) for r in refs if r.kind is Kind.HYPERPARAM and r.optimizer < 0] == [
+        "float argument 4"
+    ]
+
+
+def test_float_argument_steering_control_flow_stays_a_guard(run_parity, classification_batches):
+    scales = [0.5, 0.5, 2.0, 2.0, 0.5, 3.0]
+    result = run_parity(
+        _mlp, sgd_momentum, 2, _with_scales(classification_batches(6), scales), step=branching_step
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    # 0.5: state-creating + steady; 2.0: new; 0.5 again: cached; 3.0: new.
+    assert result.compile_counts == [1, 2, 3, 3, 3, 4]
+    refs = result.compiled.last_program.captured.input_refs()
+    assert not [r for r in refs if r.kind is Kind.HYPERPARAM and r.optimizer < 0]
+
+
+def test_float_argument_keeps_python_type_promotion(run_parity, classification_batches):
+    """``int_tensor * scale`` is float32 (default dtype) with a Python float, not float64."""
+
+    def step(model, optim, x, y, scale):
+        weights = (y + 1) * scale  # int64 tensor times a Python float
+        assert weights.dtype == torch.float32
+        loss = (F.cross_entropy(model(x), y, reduction="none") * weights).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    result = run_parity(
+        _mlp, sgd_momentum, 2, _with_scales(classification_batches(3), [0.3, 0.7, 1.9]), step=step
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 2]
+
+
+# ---------------------------------------------------------------- Python side effects
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x) * self.calls
+
+
+def test_python_counter_changed_by_the_step_is_refused(classification_batches, train_step):
+    model = Counting()
+    compiled = sc.compile()(train_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, sgd_momentum(model), *classification_batches(1)[0])
+    message = str(info.value)
+    assert "module <root>.calls was" in message and "register_buffer" in message
