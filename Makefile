@@ -11,7 +11,7 @@ STAMP := $(VENV)/.setup-stamp
 endif
 export VENV
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-all lint
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	PYTHON=$(if $(filter command line,$(origin PYTHON)),$(PYTHON),) bash scripts/setup.sh
@@ -23,6 +23,9 @@ demo: $(STAMP)
 	$(PYTHON) -m spmd_compiler demo
 
 test: $(STAMP)
+	$(PYTHON) -m pytest -m "not slow"
+
+test-all: $(STAMP)  # the slow tier too (model zoo, Inductor float64/fsdp, ...)
 	$(PYTHON) -m pytest
 
 lint: $(STAMP)

@@ -66,7 +66,11 @@ def _reference(dtype: torch.dtype) -> tuple[list[torch.Tensor], dict]:
 
 @pytest.mark.parametrize(
     ("mode", "dtype", "tolerance"),
-    [("ddp", torch.float32, 1e-5), ("fsdp", torch.float32, 1e-5), ("ddp", torch.float64, 1e-10)],
+    [
+        ("ddp", torch.float32, 1e-5),
+        pytest.param("fsdp", torch.float32, 1e-5, marks=pytest.mark.slow),
+        pytest.param("ddp", torch.float64, 1e-10, marks=pytest.mark.slow),
+    ],
 )
 def test_inductor_matches_single_device(mode: str, dtype: torch.dtype, tolerance: float) -> None:
     results = sc.launch(_worker, WORLD_SIZE, args=(mode, dtype), timeout_s=900)
