@@ -12,6 +12,7 @@ attribute whose name starts with an underscore from torch.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -193,6 +194,49 @@ def _replicate_between_shards(current_spec: Any, target_spec: Any) -> Any:
     return DTensorSpec(current_spec.mesh, tuple(hops), tensor_meta=current_spec.tensor_meta)
 
 
+def _strided_redistribution_gap(current_spec: Any, target_spec: Any) -> bool:
+    """True when this torch's redistribution planner cannot leave ``current_spec``'s
+    ``_StridedShard`` (torch 2.11 reads every ``_StridedShard`` as a shard order and raises
+    for the ones a view makes, e.g. ``[b, t, v] -> [b*t, v]`` with ``t`` sharded)."""
+    if not any(is_strided_shard(p) for p in current_spec.placements):
+        return False
+    import torch.distributed.tensor._redistribute as redistribute_module
+
+    try:
+        redistribute_module._gen_transform_infos(current_spec, target_spec)
+    except (ValueError, AssertionError):
+        return True
+    return False
+
+
+def _gather_strided_shards(local: torch.Tensor, spec: Any, target_spec: Any) -> tuple[torch.Tensor, Any]:
+    """All-gather every ``_StridedShard`` mesh dim whose target differs into Replicate.
+
+    Rank ``r`` holds piece ``r`` of each of the ``split_factor`` blocks of the dim, so the
+    gathered ``[n, split_factor, piece]`` is put back in ``[split_factor, n, piece]``
+    order. Right-most mesh dims first: each acts on the shard of the ones before it.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    placements = list(spec.placements)
+    for m in reversed(range(len(placements))):
+        p = placements[m]
+        if not is_strided_shard(p) or p == target_spec.placements[m]:
+            continue
+        n, d, size = spec.mesh.size(m), p.dim, local.shape[p.dim]
+        if size % p.split_factor:
+            raise RuntimeError(
+                f"spmd_compiler: this torch's DTensor cannot redistribute an uneven "
+                f"{p} (local size {size}) of a tensor of shape {tuple(spec.shape)}."
+            )
+        gathered = all_gather_along(local.contiguous(), d, spec.mesh, m)
+        local = gathered.unflatten(d, (n, p.split_factor, size // p.split_factor))
+        local = local.transpose(d, d + 1).flatten(d, d + 2)
+        placements[m] = Replicate()
+    return local, DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
 @contextlib.contextmanager
 def memoized_redistribution() -> Iterator[RedistributionCache]:
     """Redistribute each (value, source spec, target spec) at most once.
@@ -211,6 +255,8 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     cache = RedistributionCache()
 
     def redistribute(local_tensor, current_spec, target_spec, *args, **kwargs):
+        if _strided_redistribution_gap(current_spec, target_spec):
+            local_tensor, current_spec = _gather_strided_shards(local_tensor, current_spec, target_spec)
         hop = _replicate_between_shards(current_spec, target_spec)
         if hop is not None:
             local_tensor = original(local_tensor, current_spec, hop, *args, **kwargs)
@@ -251,6 +297,7 @@ def compile_on_one_rank() -> Iterator[None]:
     import torch.distributed.config as dconfig
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    install_dtensor_gap_fills()
     original = _StridedShard._local_shard_size
     original_select = _StridedShard._replicate_to_strided_shard
     original_size_and_offset = _StridedShard.local_shard_size_and_offset
@@ -366,6 +413,7 @@ def mesh_coordinates(mesh: Any) -> list[tuple[int, ...]]:
 @contextlib.contextmanager
 def fixed_mesh_coordinate(mesh: Any, coordinate: tuple[int, ...]) -> Iterator[None]:
     """Trace as the rank at ``coordinate`` of ``mesh`` (its 1-D sub-meshes included)."""
+    install_dtensor_gap_fills()
     saved = mesh._coordinate_on_dim
     mesh._coordinate_on_dim = list(coordinate)
     try:
@@ -480,3 +528,154 @@ def init_fake_process_group(world_size: int) -> None:
 
 def is_fake_process_group() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+# ---------------------------------------------------------------------------- DTensor gaps
+#
+# NOTE: [DTensor gap fills]
+# Older DTensor (torch 2.11) lacks a few rules that 2.13 has. Each is detected by a feature
+# test (the rule itself is asked, never the version string) and filled here, once, by
+# ``install_dtensor_gap_fills()`` (called before expansion). On a torch that has the rule
+# nothing is installed.
+
+
+def install_dtensor_gap_fills() -> None:
+    """Fill the DTensor gaps of this torch (NOTE: [DTensor gap fills]); idempotent."""
+    global _GAPS_FILLED
+    if _GAPS_FILLED:
+        return
+    _GAPS_FILLED = True
+    if _view_flatten_gap():
+        _install_strided_view_rule()
+
+
+_GAPS_FILLED = False
+
+
+def _view_flatten_gap() -> bool:
+    """True when DTensor's view rule refuses to flatten ``(a, b)`` with ``b`` sharded
+    (2.13 answers ``_StridedShard``; 2.11 raises)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    rule = (_view_ops.Flatten((_view_ops.InputDim(0), _view_ops.InputDim(1))),)
+    try:
+        _view_ops.propagate_shape_and_sharding((Shard(1),), (4, 6), rule, (2,), True)
+    except RuntimeError:
+        return True
+    except Exception:  # another signature: not the rule this fill knows
+        return False
+    return False
+
+
+def _install_strided_view_rule() -> None:
+    """torch 2.11 gap: views that flatten a sharded non-first dimension (attention heads,
+    ``[b, h, t, d] -> [b*h, t, d]`` in ``matmul``) and views that split a ``_StridedShard``
+    dimension back (``[b*h, t, t] -> [b, h, t, t]``), answered as 2.13 answers them."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    original = _view_ops.propagate_shape_and_sharding
+
+    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
+        fixes = _strided_view_fixes(input_src_placements, global_input_shape, rule, mesh_sizes)
+        if not fixes:
+            return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
+        from torch.distributed.tensor import Replicate
+
+        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
+        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
+        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
+        out = [fixes.get(m, p) for m, p in enumerate(out)]
+        return tgt, out
+
+    _view_ops.propagate_shape_and_sharding = propagate
+
+
+def _strided_view_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
+    """Mesh dim -> output placement for the shards the 2.11 view rule gets wrong."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def sharders(dim: int) -> list[int]:
+        return [m for m, p in enumerate(placements) if isinstance(p, Shard | _StridedShard) and p.dim == dim]
+
+    def local_before(dim: int, m: int) -> int | None:
+        """Size of ``dim`` after the plain shards of mesh dims before ``m`` (None: uneven,
+        strided, or sharded by a later mesh dim)."""
+        size = shape[dim]
+        for other in sharders(dim):
+            if other == m:
+                continue
+            if other > m or is_strided_shard(placements[other]) or size % mesh_sizes[other]:
+                return None
+            size //= mesh_sizes[other]
+        return size
+
+    fixes: dict[int, Any] = {}
+    for out_dim, cmd in enumerate(rule):
+        if isinstance(cmd, _view_ops.Flatten) and all(isinstance(d, _view_ops.InputDim) for d in cmd.input_dims):
+            dims = [d.input_dim for d in cmd.input_dims]
+            for i, dim in enumerate(dims[1:], start=1):
+                for m in sharders(dim):
+                    fix = _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_before, out_dim)
+                    fixes[m] = fix
+        elif isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.InputDim):
+            dim = cmd.input_dim.input_dim
+            for m in sharders(dim):
+                p = placements[m]
+                if not is_strided_shard(p) or m in fixes:
+                    continue
+                fixes[m] = _split_fix(p, cmd, m, mesh_sizes, local_before(dim, m), rule, dim)
+    return fixes
+
+
+def _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_before, out_dim) -> Any:
+    """``_StridedShard`` of the flattened output for a plain shard of group dim ``i > 0``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dim = dims[i]
+    ok = (
+        not is_strided_shard(placements[m])
+        and sharders(dim) == [m]
+        and shape[dim] % mesh_sizes[m] == 0
+        and all(not sharders(d) for d in dims[1:i] + dims[i + 1 :])
+        and local_before(dims[0], m) is not None
+    )
+    if not ok:
+        raise RuntimeError(
+            f"spmd_compiler: this torch's DTensor cannot flatten dims {dims} of a tensor of "
+            f"shape {tuple(shape)} with placements {tuple(placements)} (dim {dim} sharded "
+            "unevenly or together with other dims of the group) without redistribution."
+        )
+    split_factor = local_before(dims[0], m)
+    for d in dims[1:i]:
+        split_factor *= shape[d]
+    return _StridedShard(out_dim, split_factor=split_factor)
+
+
+def _split_fix(p, cmd, m, mesh_sizes, local_size, rule, dim) -> Any:
+    """``Shard`` of the output dim a ``_StridedShard`` dim is split back into."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    outs = {
+        c.split_id: out
+        for out, c in enumerate(rule)
+        if isinstance(c, _view_ops.Split) and c.input_dim == cmd.input_dim
+    }
+    group = list(cmd.group_shape)
+    total = math.prod(group)
+    # earlier mesh dims' plain shards cut the leading split piece (left-to-right order)
+    earlier = total // local_size if local_size else 0
+    if earlier and total % local_size == 0 and group[0] % earlier == 0:
+        group[0] //= earlier
+        prefix = 1
+        for j, size in enumerate(group):
+            if prefix == p.split_factor and size % mesh_sizes[m] == 0 and j in outs:
+                return Shard(outs[j])
+            prefix *= size
+    raise RuntimeError(
+        f"spmd_compiler: this torch's DTensor cannot split the strided-sharded dim {dim} "
+        f"({p}) into {tuple(cmd.group_shape)} without redistribution."
+    )
