@@ -500,7 +500,57 @@ def chunk_at_coordinate(local: torch.Tensor, mesh: Any, mesh_dim: int, tensor_di
 def local_tensor_mode(world_size: int) -> Any:
     from torch.distributed._local_tensor import LocalTensorMode
 
-    return LocalTensorMode(world_size)
+    if _coordinate_op_per_rank():
+        return LocalTensorMode(world_size)
+    return _coordinate_aware_mode_class()(world_size)
+
+
+_COORDINATE_OP_PER_RANK: bool | None = None
+
+
+def _coordinate_op_per_rank() -> bool:
+    """Whether LocalTensorMode answers ``device_mesh::_runtime_compute_coordinate_on_dim``
+    (the run-time mesh coordinate of ``compile_on_one_rank`` programs) per simulated rank.
+
+    torch 2.11 gap: it does not; the op runs once and every simulated rank gets rank 0's
+    coordinate, so each rank keeps rank 0's slice of a rank-dependent redistribution (a
+    SILENT wrong result in simulation; real ranks are right). Asked once, on 2 ranks.
+    """
+    global _COORDINATE_OP_PER_RANK
+    if _COORDINATE_OP_PER_RANK is None:
+        import torch.distributed._ops.device_mesh  # noqa: F401  (defines the op)
+        from torch.distributed._local_tensor import LocalTensorMode
+
+        mesh_tensor = torch.arange(2, dtype=torch.int).view(1, 2)
+        with LocalTensorMode(2):
+            got = torch.ops.device_mesh._runtime_compute_coordinate_on_dim.default(mesh_tensor, 0)
+        _COORDINATE_OP_PER_RANK = not isinstance(got, int)
+    return _COORDINATE_OP_PER_RANK
+
+
+def _coordinate_aware_mode_class() -> type:
+    """LocalTensorMode that answers the run-time coordinate op per rank (as 2.13 does)."""
+    from torch.distributed._local_tensor import LocalTensorMode, _combine_int_rank_results
+    from torch.distributed.device_mesh import DeviceMesh
+
+    coordinate_op = torch.ops.device_mesh._runtime_compute_coordinate_on_dim.default
+
+    class CoordinateAwareLocalTensorMode(LocalTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is not coordinate_op or self._disable:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            bound = dict(zip(("full_mesh", "index"), args), **(kwargs or {}))
+            full_mesh, index = bound["full_mesh"], bound["index"]
+            per_rank = {}
+            for r in self.ranks:
+                mesh_tensor = DeviceMesh._get_mesh_tensor_from_full_mesh(full_mesh, current_rank=r)
+                coords = DeviceMesh._compute_coordinates_from_mesh(mesh_tensor, r)
+                if coords is None:
+                    raise RuntimeError(f"simulated rank {r} is not in the mesh {mesh_tensor.tolist()}")
+                per_rank[r] = coords[index]
+            return _combine_int_rank_results(per_rank)
+
+    return CoordinateAwareLocalTensorMode
 
 
 def local_tensor_type() -> type:
@@ -678,4 +728,68 @@ def _split_fix(p, cmd, m, mesh_sizes, local_size, rule, dim) -> Any:
     raise RuntimeError(
         f"spmd_compiler: this torch's DTensor cannot split the strided-sharded dim {dim} "
         f"({p}) into {tuple(cmd.group_shape)} without redistribution."
+    )
+
+
+def _planner_lacks_strided(spec: Any) -> bool:
+    """True when this torch cannot redistribute ``spec``'s ``_StridedShard`` to Replicate:
+    its DTensor reads ``_StridedShard`` only as a shard order (torch 2.11), and its other
+    sharding rules do not know the strided shards a view makes either."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    replicated = DTensorSpec(spec.mesh, (Replicate(),) * len(spec.placements), tensor_meta=spec.tensor_meta)
+    return _strided_redistribution_gap(spec, replicated)
+
+
+def _strided_aware_ops() -> frozenset[Any]:
+    """Ops whose 2.11 rule moves a ``_StridedShard`` correctly: the views (one rule,
+    ``propagate_shape_and_sharding``, see ``_install_strided_view_rule``) and ``bmm`` on
+    a strided batch dim."""
+    aten = torch.ops.aten
+    return frozenset({
+        aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+        aten.transpose.int, aten.permute.default, aten.expand.default,
+        aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.bmm.default,
+    })
+
+
+def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Gather the strided shards of ``op``'s DTensor arguments where this torch's rule for
+    ``op`` does not know them (NOTE: [DTensor gap fills]).
+
+    torch 2.11 gap: ``_StridedShard`` is not a ``Shard`` there and most rules test
+    ``isinstance(p, Shard)``; e.g. ``aten.t`` keeps ``_StridedShard(0)`` on the transposed
+    tensor (a silent wrong layout). Where this torch can redistribute the strided shard
+    (2.13) nothing changes. ``bmm`` keeps them only when every strided shard is on the
+    batch dim and both operands agree.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.utils import _pytree as pytree
+
+    dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+    strided = [
+        d for d in dtensors
+        if any(is_strided_shard(p) for p in d.placements) and _planner_lacks_strided(d._spec)
+    ]
+    if not strided or _keeps_strided(op, dtensors):
+        return args, kwargs
+
+    def settle(value: Any) -> Any:
+        if not any(value is d for d in strided):
+            return value
+        placements = tuple(Replicate() if is_strided_shard(p) else p for p in value.placements)
+        return value.redistribute(value.device_mesh, placements)
+
+    return pytree.tree_map(settle, args), pytree.tree_map(settle, kwargs)
+
+
+def _keeps_strided(op: Any, dtensors: list[DTensor]) -> bool:
+    if op not in _strided_aware_ops():
+        return False
+    if op is not torch.ops.aten.bmm.default:
+        return True
+    placements = {tuple(d.placements) for d in dtensors}
+    return len(placements) == 1 and all(
+        p.dim == 0 for p in next(iter(placements)) if is_strided_shard(p)
     )
