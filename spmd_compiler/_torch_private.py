@@ -597,6 +597,7 @@ def install_dtensor_gap_fills() -> None:
     _GAPS_FILLED = True
     if _view_flatten_gap():
         _install_strided_view_rule()
+    _install_missing_dim_strategies()
 
 
 _GAPS_FILLED = False
@@ -792,4 +793,90 @@ def _keeps_strided(op: Any, dtensors: list[DTensor]) -> bool:
     placements = {tuple(d.placements) for d in dtensors}
     return len(placements) == 1 and all(
         p.dim == 0 for p in next(iter(placements)) if is_strided_shard(p)
+    )
+
+
+def _has_sharding_strategy(op: Any) -> bool:
+    """Whether this torch's DTensor has any sharding rule for ``op``."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs")
+    return any(op in getattr(propagator, table, {}) for table in tables)
+
+
+def _install_missing_dim_strategies() -> None:
+    """torch 2.11 gap: no DTensor rule for ``flip``, ``roll``, ``cummax`` and
+    ``var_mean.correction``. Each gets ours where this torch has none: a shard along a
+    dimension the op works on is gathered (Replicate), other shards are kept; a Partial
+    input is kept only by the linear permutations (flip, roll)."""
+    aten = torch.ops.aten
+
+    def flip_dims(args: tuple, ndim: int) -> list[int]:
+        return list(args[1])
+
+    def roll_dims(args: tuple, ndim: int) -> list[int]:
+        dims = list(args[2]) if len(args) > 2 else []
+        return dims or list(range(ndim))  # no dims: the flattened tensor is rolled
+
+    def cummax_dims(args: tuple, ndim: int) -> list[int]:
+        return [args[1]]
+
+    def var_mean_dims(args: tuple, ndim: int) -> list[int]:
+        dim = args[1] if len(args) > 1 else None
+        return list(range(ndim)) if dim is None else list(dim)
+
+    table = [
+        (aten.flip.default, flip_dims, 1, True, False),
+        (aten.roll.default, roll_dims, 1, True, False),
+        (aten.cummax.default, cummax_dims, 2, False, False),
+        (aten.var_mean.correction, var_mean_dims, 2, False, True),
+    ]
+    for op, dims_of, outputs, linear, reduces in table:
+        if not _has_sharding_strategy(op):
+            _register_dim_strategy(op, dims_of, outputs, linear, reduces)
+
+
+def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs, register_op_strategy
+
+    def strategy(op_schema: Any) -> Any:
+        source = op_schema.args_schema[0]
+        ndim = source.ndim
+        dims = {d % ndim if ndim else 0 for d in dims_of(op_schema.args_schema, ndim)}
+        keepdim = bool(op_schema.kwargs_schema.get("keepdim", False))
+        result = OpStrategy([])
+        for candidate in source.strategies:
+            spec = candidate.output_spec
+            wanted = tuple(
+                Replicate()
+                if is_strided_shard(p)
+                or (p.is_shard() and p.dim in dims)
+                or (p.is_partial() and not linear)
+                else p
+                for p in spec.placements
+            )
+            target = DTensorSpec(spec.mesh, wanted, tensor_meta=spec.tensor_meta)
+            out = DTensorSpec(spec.mesh, _after_reduction(wanted, dims, reduces and not keepdim))
+            result.strategies.append(
+                OpSpec(
+                    output_specs=out if outputs == 1 else (out,) * outputs,
+                    input_specs=(target,),
+                    redistribute_cost=[generate_redistribute_costs(source, target)],
+                )
+            )
+        return result
+
+    register_op_strategy(op, schema_info=RuntimeSchemaInfo(1, ["keepdim"]))(strategy)
+
+
+def _after_reduction(placements: tuple, dims: set[int], removes: bool) -> tuple:
+    """Shard dims renumbered after the reduced ``dims`` are removed (keepdim=False)."""
+    from torch.distributed.tensor import Shard
+
+    if not removes:
+        return placements
+    return tuple(
+        Shard(p.dim - sum(d < p.dim for d in dims)) if p.is_shard() else p for p in placements
     )
