@@ -60,7 +60,7 @@ import torch
 
 reports, version, tiers = sys.argv[1], sys.argv[2], sys.argv[3:]
 print(f"torch {torch.__version__} (asked {version})")
-print(f"{"tier":28} {'passed':>7} {'failed':>7} {'errors':>7} {'skipped':>8}")
+print(f"{'tier':28} {'passed':>7} {'failed':>7} {'errors':>7} {'skipped':>8}")
 for tier in tiers:
     try:
         suite = ET.parse(f"{reports}/{tier.replace('/', '_')}.xml").getroot()
