@@ -839,7 +839,10 @@ def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: boo
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, RuntimeSchemaInfo
-    from torch.distributed.tensor._ops.utils import generate_redistribute_costs, register_op_strategy
+    from torch.distributed.tensor._ops.utils import (
+        generate_redistribute_costs,
+        register_op_strategy,
+    )
 
     def strategy(op_schema: Any) -> Any:
         source = op_schema.args_schema[0]
