@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -194,6 +195,49 @@ def _replicate_between_shards(current_spec: Any, target_spec: Any) -> Any:
     return DTensorSpec(current_spec.mesh, tuple(hops), tensor_meta=current_spec.tensor_meta)
 
 
+def _strided_redistribution_gap(current_spec: Any, target_spec: Any) -> bool:
+    """True when this torch's redistribution planner cannot leave ``current_spec``'s
+    ``_StridedShard`` (torch 2.11 reads every ``_StridedShard`` as a shard order and raises
+    for the ones a view makes, e.g. ``[b, t, v] -> [b*t, v]`` with ``t`` sharded)."""
+    if not any(is_strided_shard(p) for p in current_spec.placements):
+        return False
+    import torch.distributed.tensor._redistribute as redistribute_module
+
+    try:
+        redistribute_module._gen_transform_infos(current_spec, target_spec)
+    except (ValueError, AssertionError):
+        return True
+    return False
+
+
+def _gather_strided_shards(local: torch.Tensor, spec: Any, target_spec: Any) -> tuple[torch.Tensor, Any]:
+    """All-gather every ``_StridedShard`` mesh dim whose target differs into Replicate.
+
+    Rank ``r`` holds piece ``r`` of each of the ``split_factor`` blocks of the dim, so the
+    gathered ``[n, split_factor, piece]`` is put back in ``[split_factor, n, piece]``
+    order. Right-most mesh dims first: each acts on the shard of the ones before it.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    placements = list(spec.placements)
+    for m in reversed(range(len(placements))):
+        p = placements[m]
+        if not is_strided_shard(p) or p == target_spec.placements[m]:
+            continue
+        n, d, size = spec.mesh.size(m), p.dim, local.shape[p.dim]
+        if size % p.split_factor:
+            raise RuntimeError(
+                f"spmd_compiler: this torch's DTensor cannot redistribute an uneven "
+                f"{p} (local size {size}) of a tensor of shape {tuple(spec.shape)}."
+            )
+        gathered = all_gather_along(local.contiguous(), d, spec.mesh, m)
+        local = gathered.unflatten(d, (n, p.split_factor, size // p.split_factor))
+        local = local.transpose(d, d + 1).flatten(d, d + 2)
+        placements[m] = Replicate()
+    return local, DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
 @contextlib.contextmanager
 def memoized_redistribution() -> Iterator[RedistributionCache]:
     """Redistribute each (value, source spec, target spec) at most once.
@@ -212,6 +256,8 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     cache = RedistributionCache()
 
     def redistribute(local_tensor, current_spec, target_spec, *args, **kwargs):
+        if _strided_redistribution_gap(current_spec, target_spec):
+            local_tensor, current_spec = _gather_strided_shards(local_tensor, current_spec, target_spec)
         hop = _replicate_between_shards(current_spec, target_spec)
         if hop is not None:
             local_tensor = original(local_tensor, current_spec, hop, *args, **kwargs)
@@ -252,6 +298,7 @@ def compile_on_one_rank() -> Iterator[None]:
     import torch.distributed.config as dconfig
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    install_dtensor_gap_fills()
     original = _StridedShard._local_shard_size
     original_select = _StridedShard._replicate_to_strided_shard
     original_size_and_offset = _StridedShard.local_shard_size_and_offset
@@ -367,6 +414,7 @@ def mesh_coordinates(mesh: Any) -> list[tuple[int, ...]]:
 @contextlib.contextmanager
 def fixed_mesh_coordinate(mesh: Any, coordinate: tuple[int, ...]) -> Iterator[None]:
     """Trace as the rank at ``coordinate`` of ``mesh`` (its 1-D sub-meshes included)."""
+    install_dtensor_gap_fills()
     saved = mesh._coordinate_on_dim
     mesh._coordinate_on_dim = list(coordinate)
     try:
@@ -456,7 +504,57 @@ def chunk_at_coordinate(local: torch.Tensor, mesh: Any, mesh_dim: int, tensor_di
 def local_tensor_mode(world_size: int) -> Any:
     from torch.distributed._local_tensor import LocalTensorMode
 
-    return LocalTensorMode(world_size)
+    if _coordinate_op_per_rank():
+        return LocalTensorMode(world_size)
+    return _coordinate_aware_mode_class()(world_size)
+
+
+_COORDINATE_OP_PER_RANK: bool | None = None
+
+
+def _coordinate_op_per_rank() -> bool:
+    """Whether LocalTensorMode answers ``device_mesh::_runtime_compute_coordinate_on_dim``
+    (the run-time mesh coordinate of ``compile_on_one_rank`` programs) per simulated rank.
+
+    torch 2.11 gap: it does not; the op runs once and every simulated rank gets rank 0's
+    coordinate, so each rank keeps rank 0's slice of a rank-dependent redistribution (a
+    SILENT wrong result in simulation; real ranks are right). Asked once, on 2 ranks.
+    """
+    global _COORDINATE_OP_PER_RANK
+    if _COORDINATE_OP_PER_RANK is None:
+        import torch.distributed._ops.device_mesh  # noqa: F401  (defines the op)
+        from torch.distributed._local_tensor import LocalTensorMode
+
+        mesh_tensor = torch.arange(2, dtype=torch.int).view(1, 2)
+        with LocalTensorMode(2):
+            got = torch.ops.device_mesh._runtime_compute_coordinate_on_dim.default(mesh_tensor, 0)
+        _COORDINATE_OP_PER_RANK = not isinstance(got, int)
+    return _COORDINATE_OP_PER_RANK
+
+
+def _coordinate_aware_mode_class() -> type:
+    """LocalTensorMode that answers the run-time coordinate op per rank (as 2.13 does)."""
+    from torch.distributed._local_tensor import LocalTensorMode, _combine_int_rank_results
+    from torch.distributed.device_mesh import DeviceMesh
+
+    coordinate_op = torch.ops.device_mesh._runtime_compute_coordinate_on_dim.default
+
+    class CoordinateAwareLocalTensorMode(LocalTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is not coordinate_op or self._disable:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            bound = dict(zip(("full_mesh", "index"), args), **(kwargs or {}))
+            full_mesh, index = bound["full_mesh"], bound["index"]
+            per_rank = {}
+            for r in self.ranks:
+                mesh_tensor = DeviceMesh._get_mesh_tensor_from_full_mesh(full_mesh, current_rank=r)
+                coords = DeviceMesh._compute_coordinates_from_mesh(mesh_tensor, r)
+                if coords is None:
+                    raise RuntimeError(f"simulated rank {r} is not in the mesh {mesh_tensor.tolist()}")
+                per_rank[r] = coords[index]
+            return _combine_int_rank_results(per_rank)
+
+    return CoordinateAwareLocalTensorMode
 
 
 def local_tensor_type() -> type:
@@ -543,3 +641,308 @@ def quiet_sequential_collective_warning() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(record_filter)
+
+
+# ---------------------------------------------------------------------------- DTensor gaps
+#
+# NOTE: [DTensor gap fills]
+# Older DTensor (torch 2.11) lacks a few rules that 2.13 has. Each is detected by a feature
+# test (the rule itself is asked, never the version string) and filled here, once, by
+# ``install_dtensor_gap_fills()`` (called before expansion). On a torch that has the rule
+# nothing is installed.
+
+
+def install_dtensor_gap_fills() -> None:
+    """Fill the DTensor gaps of this torch (NOTE: [DTensor gap fills]); idempotent."""
+    global _GAPS_FILLED
+    if _GAPS_FILLED:
+        return
+    _GAPS_FILLED = True
+    if _view_flatten_gap():
+        _install_strided_view_rule()
+    _install_missing_dim_strategies()
+
+
+_GAPS_FILLED = False
+
+
+def _view_flatten_gap() -> bool:
+    """True when DTensor's view rule refuses to flatten ``(a, b)`` with ``b`` sharded
+    (2.13 answers ``_StridedShard``; 2.11 raises)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    rule = (_view_ops.Flatten((_view_ops.InputDim(0), _view_ops.InputDim(1))),)
+    try:
+        _view_ops.propagate_shape_and_sharding((Shard(1),), (4, 6), rule, (2,), True)
+    except RuntimeError:
+        return True
+    except Exception:  # another signature: not the rule this fill knows
+        return False
+    return False
+
+
+def _install_strided_view_rule() -> None:
+    """torch 2.11 gap: views that flatten a sharded non-first dimension (attention heads,
+    ``[b, h, t, d] -> [b*h, t, d]`` in ``matmul``) and views that split a ``_StridedShard``
+    dimension back (``[b*h, t, t] -> [b, h, t, t]``), answered as 2.13 answers them."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    original = _view_ops.propagate_shape_and_sharding
+
+    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
+        fixes = _strided_view_fixes(input_src_placements, global_input_shape, rule, mesh_sizes)
+        if not fixes:
+            return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
+        from torch.distributed.tensor import Replicate
+
+        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
+        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
+        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
+        out = [fixes.get(m, p) for m, p in enumerate(out)]
+        return tgt, out
+
+    _view_ops.propagate_shape_and_sharding = propagate
+
+
+def _strided_view_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
+    """Mesh dim -> output placement for the shards the 2.11 view rule gets wrong."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def sharders(dim: int) -> list[int]:
+        return [m for m, p in enumerate(placements) if isinstance(p, Shard | _StridedShard) and p.dim == dim]
+
+    def local_before(dim: int, m: int) -> int | None:
+        """Size of ``dim`` after the plain shards of mesh dims before ``m`` (None: uneven,
+        strided, or sharded by a later mesh dim)."""
+        size = shape[dim]
+        for other in sharders(dim):
+            if other == m:
+                continue
+            if other > m or is_strided_shard(placements[other]) or size % mesh_sizes[other]:
+                return None
+            size //= mesh_sizes[other]
+        return size
+
+    fixes: dict[int, Any] = {}
+    for out_dim, cmd in enumerate(rule):
+        if isinstance(cmd, _view_ops.Flatten) and all(isinstance(d, _view_ops.InputDim) for d in cmd.input_dims):
+            dims = [d.input_dim for d in cmd.input_dims]
+            for i, dim in enumerate(dims[1:], start=1):
+                for m in sharders(dim):
+                    fix = _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_before, out_dim)
+                    fixes[m] = fix
+        elif isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.InputDim):
+            dim = cmd.input_dim.input_dim
+            for m in sharders(dim):
+                p = placements[m]
+                if not is_strided_shard(p) or m in fixes:
+                    continue
+                fixes[m] = _split_fix(p, cmd, m, mesh_sizes, local_before(dim, m), rule, dim)
+    return fixes
+
+
+def _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_before, out_dim) -> Any:
+    """``_StridedShard`` of the flattened output for a plain shard of group dim ``i > 0``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dim = dims[i]
+    ok = (
+        not is_strided_shard(placements[m])
+        and sharders(dim) == [m]
+        and shape[dim] % mesh_sizes[m] == 0
+        and all(not sharders(d) for d in dims[1:i] + dims[i + 1 :])
+        and local_before(dims[0], m) is not None
+    )
+    if not ok:
+        raise RuntimeError(
+            f"spmd_compiler: this torch's DTensor cannot flatten dims {dims} of a tensor of "
+            f"shape {tuple(shape)} with placements {tuple(placements)} (dim {dim} sharded "
+            "unevenly or together with other dims of the group) without redistribution."
+        )
+    split_factor = local_before(dims[0], m)
+    for d in dims[1:i]:
+        split_factor *= shape[d]
+    return _StridedShard(out_dim, split_factor=split_factor)
+
+
+def _split_fix(p, cmd, m, mesh_sizes, local_size, rule, dim) -> Any:
+    """``Shard`` of the output dim a ``_StridedShard`` dim is split back into."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    outs = {
+        c.split_id: out
+        for out, c in enumerate(rule)
+        if isinstance(c, _view_ops.Split) and c.input_dim == cmd.input_dim
+    }
+    group = list(cmd.group_shape)
+    total = math.prod(group)
+    # earlier mesh dims' plain shards cut the leading split piece (left-to-right order)
+    earlier = total // local_size if local_size else 0
+    if earlier and total % local_size == 0 and group[0] % earlier == 0:
+        group[0] //= earlier
+        prefix = 1
+        for j, size in enumerate(group):
+            if prefix == p.split_factor and size % mesh_sizes[m] == 0 and j in outs:
+                return Shard(outs[j])
+            prefix *= size
+    raise RuntimeError(
+        f"spmd_compiler: this torch's DTensor cannot split the strided-sharded dim {dim} "
+        f"({p}) into {tuple(cmd.group_shape)} without redistribution."
+    )
+
+
+def _planner_lacks_strided(spec: Any) -> bool:
+    """True when this torch cannot redistribute ``spec``'s ``_StridedShard`` to Replicate:
+    its DTensor reads ``_StridedShard`` only as a shard order (torch 2.11), and its other
+    sharding rules do not know the strided shards a view makes either."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    replicated = DTensorSpec(spec.mesh, (Replicate(),) * len(spec.placements), tensor_meta=spec.tensor_meta)
+    return _strided_redistribution_gap(spec, replicated)
+
+
+def _strided_aware_ops() -> frozenset[Any]:
+    """Ops whose 2.11 rule moves a ``_StridedShard`` correctly: the views (one rule,
+    ``propagate_shape_and_sharding``, see ``_install_strided_view_rule``) and ``bmm`` on
+    a strided batch dim."""
+    aten = torch.ops.aten
+    return frozenset({
+        aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+        aten.transpose.int, aten.permute.default, aten.expand.default,
+        aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.bmm.default,
+    })
+
+
+def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Gather the strided shards of ``op``'s DTensor arguments where this torch's rule for
+    ``op`` does not know them (NOTE: [DTensor gap fills]).
+
+    torch 2.11 gap: ``_StridedShard`` is not a ``Shard`` there and most rules test
+    ``isinstance(p, Shard)``; e.g. ``aten.t`` keeps ``_StridedShard(0)`` on the transposed
+    tensor (a silent wrong layout). Where this torch can redistribute the strided shard
+    (2.13) nothing changes. ``bmm`` keeps them only when every strided shard is on the
+    batch dim and both operands agree.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.utils import _pytree as pytree
+
+    dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+    strided = [
+        d for d in dtensors
+        if any(is_strided_shard(p) for p in d.placements) and _planner_lacks_strided(d._spec)
+    ]
+    if not strided or _keeps_strided(op, dtensors):
+        return args, kwargs
+
+    def settle(value: Any) -> Any:
+        if not any(value is d for d in strided):
+            return value
+        placements = tuple(Replicate() if is_strided_shard(p) else p for p in value.placements)
+        return value.redistribute(value.device_mesh, placements)
+
+    return pytree.tree_map(settle, args), pytree.tree_map(settle, kwargs)
+
+
+def _keeps_strided(op: Any, dtensors: list[DTensor]) -> bool:
+    if op not in _strided_aware_ops():
+        return False
+    if op is not torch.ops.aten.bmm.default:
+        return True
+    placements = {tuple(d.placements) for d in dtensors}
+    return len(placements) == 1 and all(
+        p.dim == 0 for p in next(iter(placements)) if is_strided_shard(p)
+    )
+
+
+def _has_sharding_strategy(op: Any) -> bool:
+    """Whether this torch's DTensor has any sharding rule for ``op``."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs")
+    return any(op in getattr(propagator, table, {}) for table in tables)
+
+
+def _install_missing_dim_strategies() -> None:
+    """torch 2.11 gap: no DTensor rule for ``flip``, ``roll``, ``cummax`` and
+    ``var_mean.correction``. Each gets ours where this torch has none: a shard along a
+    dimension the op works on is gathered (Replicate), other shards are kept; a Partial
+    input is kept only by the linear permutations (flip, roll)."""
+    aten = torch.ops.aten
+
+    def flip_dims(args: tuple, ndim: int) -> list[int]:
+        return list(args[1])
+
+    def roll_dims(args: tuple, ndim: int) -> list[int]:
+        dims = list(args[2]) if len(args) > 2 else []
+        return dims or list(range(ndim))  # no dims: the flattened tensor is rolled
+
+    def cummax_dims(args: tuple, ndim: int) -> list[int]:
+        return [args[1]]
+
+    def var_mean_dims(args: tuple, ndim: int) -> list[int]:
+        dim = args[1] if len(args) > 1 else None
+        return list(range(ndim)) if dim is None else list(dim)
+
+    table = [
+        (aten.flip.default, flip_dims, 1, True, False),
+        (aten.roll.default, roll_dims, 1, True, False),
+        (aten.cummax.default, cummax_dims, 2, False, False),
+        (aten.var_mean.correction, var_mean_dims, 2, False, True),
+    ]
+    for op, dims_of, outputs, linear, reduces in table:
+        if not _has_sharding_strategy(op):
+            _register_dim_strategy(op, dims_of, outputs, linear, reduces)
+
+
+def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.utils import (
+        generate_redistribute_costs,
+        register_op_strategy,
+    )
+
+    def strategy(op_schema: Any) -> Any:
+        source = op_schema.args_schema[0]
+        ndim = source.ndim
+        dims = {d % ndim if ndim else 0 for d in dims_of(op_schema.args_schema, ndim)}
+        keepdim = bool(op_schema.kwargs_schema.get("keepdim", False))
+        result = OpStrategy([])
+        for candidate in source.strategies:
+            spec = candidate.output_spec
+            wanted = tuple(
+                Replicate()
+                if is_strided_shard(p)
+                or (p.is_shard() and p.dim in dims)
+                or (p.is_partial() and not linear)
+                else p
+                for p in spec.placements
+            )
+            target = DTensorSpec(spec.mesh, wanted, tensor_meta=spec.tensor_meta)
+            out = DTensorSpec(spec.mesh, _after_reduction(wanted, dims, reduces and not keepdim))
+            result.strategies.append(
+                OpSpec(
+                    output_specs=out if outputs == 1 else (out,) * outputs,
+                    input_specs=(target,),
+                    redistribute_cost=[generate_redistribute_costs(source, target)],
+                )
+            )
+        return result
+
+    register_op_strategy(op, schema_info=RuntimeSchemaInfo(1, ["keepdim"]))(strategy)
+
+
+def _after_reduction(placements: tuple, dims: set[int], removes: bool) -> tuple:
+    """Shard dims renumbered after the reduced ``dims`` are removed (keepdim=False)."""
+    from torch.distributed.tensor import Shard
+
+    if not removes:
+        return placements
+    return tuple(
+        Shard(p.dim - sum(d < p.dim for d in dims)) if p.is_shard() else p for p in placements
+    )

@@ -295,10 +295,11 @@ class _ExpandingInterpreter(RetracingInterpreter):
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple, dict]:
         if self.placement_at_use is None:
-            return super().fetch_args_kwargs_from_env(n)
-        args = torch.fx.node.map_arg(n.args, lambda a: self._value_at_use(n, a))
-        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: self._value_at_use(n, a))
-        return tuple(args), dict(kwargs)
+            args, kwargs = super().fetch_args_kwargs_from_env(n)
+        else:
+            args = tuple(torch.fx.node.map_arg(n.args, lambda a: self._value_at_use(n, a)))
+            kwargs = dict(torch.fx.node.map_arg(n.kwargs, lambda a: self._value_at_use(n, a)))
+        return private.settle_strided_shards(n.target, args, kwargs)
 
     def _value_at_use(self, consumer: torch.fx.Node, arg: torch.fx.Node) -> Any:
         value = self.env[arg]

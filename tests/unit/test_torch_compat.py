@@ -1,0 +1,83 @@
+"""The torch-version gap fills of ``_torch_private`` (NOTE: [DTensor gap fills]) give
+single-device numbers on every supported torch: on a torch that has the rule natively the
+same assertions check torch's own rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+import spmd_compiler as sc
+from spmd_compiler import _torch_private as private
+
+PLACEMENTS_2D = [(Shard(0), Shard(1)), (Replicate(), Shard(1)), (Shard(1), Replicate())]
+
+
+@pytest.fixture
+def mesh_2x2():
+    private.install_dtensor_gap_fills()
+    with sc.simulate(4) as sim, sim.ranks():
+        yield init_device_mesh("cpu", (2, 2))
+
+
+@pytest.mark.parametrize("placements", PLACEMENTS_2D, ids=str)
+@pytest.mark.parametrize("shape", [(24, 3, 5), (360,)], ids=str)
+def test_view_flattening_a_sharded_dim_and_back(mesh_2x2, placements, shape):
+    """Attention heads: ``[b, h, t, d] -> [b*h, t, d]`` with ``h`` sharded, and back."""
+    x = torch.randn(4, 6, 3, 5)
+    with private.memoized_redistribution():
+        flat = distribute_tensor(x, mesh_2x2, placements).view(*shape)
+        assert torch.equal(flat.full_tensor(), x.view(*shape))
+        back = flat.view(4, 6, 3, 5)
+        assert tuple(back.placements) == placements
+        assert torch.equal(back.full_tensor(), x)
+
+
+def test_strided_shard_is_gathered_before_an_op_that_does_not_know_it(mesh_2x2):
+    """``[5, b, 8] -> [5*b, 8]`` with ``b`` sharded, then ``t`` and ``mm`` (the weight
+    gradient of a Linear on a 3-D input whose batch is dim 1)."""
+    x = torch.randn(5, 4, 8)
+    with private.memoized_redistribution():
+        flat = distribute_tensor(x, mesh_2x2, (Replicate(), Shard(1))).view(20, 8)
+        (flat_t,), _ = private.settle_strided_shards(torch.ops.aten.t.default, (flat,), {})
+        got = torch.mm(flat_t.t(), flat_t)
+        assert torch.allclose(got.full_tensor(), x.view(20, 8).t() @ x.view(20, 8))
+
+
+OPS = {
+    "flip": lambda t: torch.flip(t, [0, 2]),
+    "roll": lambda t: torch.roll(t, 1, 0),
+    "roll_flat": lambda t: torch.roll(t, 3),
+    "cummax_values": lambda t: torch.cummax(t, 1).values,
+    "cummax_indices": lambda t: torch.cummax(t, 0).indices,
+    "var": lambda t: torch.var_mean(t, dim=1, correction=1)[0],
+    "mean_keepdim": lambda t: torch.var_mean(t, dim=[0, 2], keepdim=True)[1],
+    "var_all": lambda t: torch.var_mean(t)[0],
+}
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("placements", [(Shard(0), Shard(1)), (Shard(2), Replicate())], ids=str)
+def test_dim_ops_sharded_along_and_across_their_dims(mesh_2x2, op, placements):
+    x = torch.randn(4, 6, 8)
+    got = OPS[op](distribute_tensor(x, mesh_2x2, placements))
+    assert torch.allclose(got.full_tensor(), OPS[op](x))
+
+
+def test_run_time_coordinate_is_per_simulated_rank():
+    """compile_on_one_rank programs read the mesh coordinate at run time; simulated ranks
+    must each get their own (torch 2.11's LocalTensorMode gave all of them rank 0's)."""
+    import torch.distributed._ops.device_mesh  # noqa: F401  (defines the op)
+
+    with sc.simulate(4):
+        mode = private.local_tensor_mode(4)
+        mesh_tensor = torch.arange(4, dtype=torch.int).view(1, 2, 2)
+        with mode:
+            rows = torch.ops.device_mesh._runtime_compute_coordinate_on_dim.default(mesh_tensor, 0)
+            cols = torch.ops.device_mesh._runtime_compute_coordinate_on_dim.default(mesh_tensor, 1)
+            per_rank = private.make_local_tensor({r: torch.zeros(()) for r in range(4)})
+            coords = per_rank + rows * 10 + cols
+        assert {r: int(v) for r, v in private.per_rank_tensors(coords).items()} == {
+            0: 0, 1: 1, 2: 10, 3: 11,
+        }
