@@ -88,6 +88,22 @@ def data_dependent_error_types() -> tuple[type[BaseException], ...]:
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
+def is_real_tensor_constant(t: torch.Tensor) -> bool:
+    """True for a real (not fake) tensor met while a fake trace runs: a graph constant."""
+    from torch._subclasses.fake_tensor import FakeTensor, maybe_get_fake_mode
+
+    return not isinstance(t, FakeTensor) and maybe_get_fake_mode(t) is None
+
+
+def lift_constant(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor constant as a value of the active ``make_fx`` trace.
+
+    The trace records it as a ``get_attr`` constant followed by ``lift_fresh_copy``; the
+    result is a fake tensor the trace tracks, which DTensor can wrap.
+    """
+    return torch.ops.aten.lift_fresh_copy.default(t)
+
+
 def fake_tensor_mode(with_shape_env: bool = False) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

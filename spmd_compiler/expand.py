@@ -241,7 +241,10 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def _as_dtensor(value: Any, mesh: DeviceMesh) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-        # A value no DTensor flowed into (factory ops): identical on every rank.
+        # A value no DTensor flowed into (factory ops, tensor constants): identical on
+        # every rank. See NOTE: [tensor constants].
+        if private.is_real_tensor_constant(value):
+            value = private.lift_constant(value)
         return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return value
 

@@ -226,7 +226,7 @@ def _run(
     """Call a program on its flat inputs: on every simulated rank, or on this real rank,
     where a failure (usually a collective whose peer died) becomes ``SPMDRuntimeError``."""
     if sim is not None:
-        with sim.ranks():
+        with sim.constants_per_rank(graph_module), sim.ranks():
             return list(graph_module(*flat))
     try:
         return list(graph_module(*flat))
