@@ -33,6 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import _torch_private as private
+from .attention import attention_as_math
 from .bindings import StepBindings
 from .errors import (
     BACKWARD_PHASE,
@@ -211,7 +212,7 @@ def capture_step(
     tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options)
     private.register_stack_trace_anchor(func)
     try:
-        with _module_scopes(bindings.module_fqns), _tag_backward():
+        with _module_scopes(bindings.module_fqns), _tag_backward(), attention_as_math():
             first = make_fx(
                 tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
             )(

@@ -34,6 +34,9 @@ from .graph_utils import RetracingInterpreter, placeholders
 from .signature import CapturedStep, TensorMeta
 
 Placements = tuple[Placement, ...]
+# Longest time DTensor may search one op's sharding through its decomposition
+# (private.bounded_decomposition_propagation); beyond it the op is refused.
+PROPAGATION_BUDGET_SECONDS = 30.0
 # (consumer, arg) -> redistribution steps, each (placements, group); None: use as is
 UseHook = Callable[[torch.fx.Node, torch.fx.Node], "Sequence[tuple[Placements, str]] | None"]
 
@@ -142,7 +145,8 @@ def expand(
                                stride=_contiguous_stride(meta.shape))
             for t, pl, (_, meta) in zip(locals_, input_placements, captured.inputs, strict=True)
         ]
-        with private.memoized_redistribution() as memo, fx_traceback.preserve_node_meta():
+        with private.memoized_redistribution() as memo, fx_traceback.preserve_node_meta(), \
+                private.bounded_decomposition_propagation(PROPAGATION_BUDGET_SECONDS):
             interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo)
             outs = interpreter.run(*dtensors)
             results = []
@@ -303,6 +307,18 @@ class _ExpandingInterpreter(RetracingInterpreter):
         except SPMDCompileError:
             raise
         except NotImplementedError as exc:
+            budget = private.budget_exceeded_in(exc)
+            if budget is not None:
+                raise node_error(
+                    f"DTensor has no sharding rule for {budget.op}, and its "
+                    f"decomposition-based sharding search did not finish within "
+                    f"{budget.seconds:g} s ({budget.attempts} placement combinations); "
+                    "refused rather than searching for minutes.",
+                    n,
+                    hint="replace the op with ops DTensor has rules for, or register a "
+                    "sharding strategy for it (torch.distributed.tensor.experimental."
+                    "register_sharding).",
+                ) from exc
             raise node_error(
                 f"DTensor has no sharding rule for this op: {str(exc).splitlines()[0]}",
                 n,
