@@ -71,10 +71,15 @@ def _mode(name: str, plan: dict | None = None):
     return make_mode(name)
 
 
-def _batches(steps: int = 2, batch: int = 8, length: int = 6) -> list[tuple[torch.Tensor, ...]]:
+def _batches(
+    steps: int = 2, batch: int = 8, length: int = 6, dtype: torch.dtype = torch.float32
+) -> list[tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(batch, length, WIDTH, generator=gen), torch.randint(0, 4, (batch,), generator=gen))
+        (
+            torch.randn(batch, length, WIDTH, generator=gen, dtype=dtype),
+            torch.randint(0, 4, (batch,), generator=gen),
+        )
         for _ in range(steps)
     ]
 
@@ -175,13 +180,19 @@ _MODES = [("dtensor_expand", 2), ("ddp", 2), ("fsdp", 4), ("tp", 2), ("fsdp_tp",
 @pytest.mark.parametrize("name,world", _MODES, ids=[m for m, _ in _MODES])
 @pytest.mark.parametrize("kind", ["mha", "encoder", "decoder"])
 def test_torch_attention_modules_every_mode(kind, name, world, run_parity):
+    """In float64: torch's packed ``in_proj_bias`` holds the key bias, whose gradient is
+    zero in exact arithmetic; in float32 Adam turns its rounding noise into updates
+    (measured 4e-2 relative on that bias, ddp world 2, while every other tensor was
+    within 4e-7). In float64 every other tensor agrees within 1e-15 and that bias within
+    1.1e-10 (its rounding noise still reaches Adam); the test allows 1e-9."""
     plan = _FFN_PLAN if kind != "mha" else {"head": ColwiseParallel()}
     start = time.perf_counter()
     result = run_parity(
-        lambda: _TorchAttention(kind), _adamw, world, _batches(), mode=_mode(name, plan)
+        lambda: _TorchAttention(kind).double(), _adamw, world,
+        _batches(dtype=torch.float64), mode=_mode(name, plan),
     )
     seconds = time.perf_counter() - start
-    result.assert_close(TOL)
+    result.assert_close(1e-9)
     # two compiles (the second call holds optimizer state) plus the eager steps; the
     # limit is far above what it takes and far below "never finishes"
     assert seconds < 300, seconds
