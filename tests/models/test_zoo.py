@@ -5,8 +5,10 @@ make tensor constants inside forward, NOTE: [tensor constants]), default AdamW. 
 probabilities are set to 0: a compiled step draws dropout masks from one global draw
 (NOTE: [random numbers]), not from eager's stream, so eager parity needs no dropout.
 
-Parity is checked in float64 within 1e-10 relative (loss of every step, every
-parameter and optimizer-state tensor). In float32 the same runs differ by more than
+Parity is checked in float64: every parameter and optimizer-state tensor within 1e-10
+relative; the returned loss within 1e-6, since transformers' ``ForCausalLMLoss``
+computes it from ``logits.float()`` (float32) even for a float64 model (measured 1.1e-7
+for GPT-2, ddp, world 4). In float32 the same runs differ by more than
 1e-5 in a few tensors, and that is Adam, not the program: GPT-2's fused ``c_attn.bias``
 holds the key bias, whose gradient is exactly zero in exact arithmetic (softmax is
 invariant to a per-query constant), so float32 rounding noise of order 1e-10 divided
@@ -27,6 +29,7 @@ from spmd_compiler.parallel_modes import make_mode
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-10
+LOSS_TOL = 1e-6  # the loss itself is computed in float32 by transformers (logits.float())
 WORLD = 4
 VOCAB, LENGTH, BATCH = 64, 16, 8
 
@@ -35,6 +38,7 @@ def _gpt2() -> torch.nn.Module:
     """GPT-2: transposed Conv1D layers, lm_head tied to the token embedding."""
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(config)
@@ -104,6 +108,8 @@ def test_default_config_parity(kind, mode, run_parity):
     seconds = time.perf_counter() - start
     print(f"{kind} {mode} world {WORLD}: worst {result.worst(1)}, "
           f"loss {max(result.loss_differences):.2e}, {seconds:.1f} s")
-    result.assert_close(TOL)
+    # transformers' ForCausalLMLoss computes the loss from logits.float(): float32
+    assert max(result.loss_differences) < LOSS_TOL, result.loss_differences
+    assert max(result.state_differences.values()) < TOL, result.worst()
     if kind == "gpt2":  # the tied lm_head is still one tensor with the embedding
         assert result.model.lm_head.weight is result.model.transformer.wte.weight

@@ -174,10 +174,23 @@ class _TorchAttention(nn.Module):
 # The feed-forward part is tensor parallel; the attention's packed in_proj_weight is not
 # an nn.Linear, so it stays replicated (fused QKV plans are not part of this test).
 _FFN_PLAN = {"block.linear1": ColwiseParallel(), "block.linear2": RowwiseParallel()}
-_MODES = [("dtensor_expand", 2), ("ddp", 2), ("fsdp", 4), ("tp", 2), ("fsdp_tp", 4)]
+# Known gap (xfail, strict): with batch_first=True torch's multi_head_attention_forward
+# works sequence-first and flattens (length, batch) with the batch sharded on dp, a
+# _StridedShard on the (dp, tp) mesh; DTensor's mm propagation then reads a shard size
+# as a tensor value (aten._local_scalar_dense) in both the symbolic-rank and the
+# per-coordinate trace. Refused at compile time (SPMDCompileError naming mm and the
+# attention module), never a wrong result.
+_TWO_D_GAP = pytest.mark.xfail(strict=True, raises=sc.SPMDCompileError, reason="2-D strided shard of a sequence-first flatten")
+_MODES = [
+    pytest.param("dtensor_expand", 2, id="dtensor_expand"),
+    pytest.param("ddp", 2, id="ddp"),
+    pytest.param("fsdp", 4, id="fsdp"),
+    pytest.param("tp", 2, id="tp"),
+    pytest.param("fsdp_tp", 4, id="fsdp_tp", marks=_TWO_D_GAP),
+]
 
 
-@pytest.mark.parametrize("name,world", _MODES, ids=[m for m, _ in _MODES])
+@pytest.mark.parametrize("name,world", _MODES)
 @pytest.mark.parametrize("kind", ["mha", "encoder", "decoder"])
 def test_torch_attention_modules_every_mode(kind, name, world, run_parity):
     """In float64: torch's packed ``in_proj_bias`` holds the key bias, whose gradient is
