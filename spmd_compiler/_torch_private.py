@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -135,6 +136,22 @@ def data_dependent_error_types() -> tuple[type[BaseException], ...]:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def is_real_tensor_constant(t: torch.Tensor) -> bool:
+    """True for a real (not fake) tensor met while a fake trace runs: a graph constant."""
+    from torch._subclasses.fake_tensor import FakeTensor, maybe_get_fake_mode
+
+    return not isinstance(t, FakeTensor) and maybe_get_fake_mode(t) is None
+
+
+def lift_constant(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor constant as a value of the active ``make_fx`` trace.
+
+    The trace records it as a ``get_attr`` constant followed by ``lift_fresh_copy``; the
+    result is a fake tensor the trace tracks, which DTensor can wrap.
+    """
+    return torch.ops.aten.lift_fresh_copy.default(t)
 
 
 def fake_tensor_mode(with_shape_env: bool = False) -> Any:
@@ -283,6 +300,73 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     finally:
         for module in modules:
             module.redistribute_local_tensor = original
+
+
+class PropagationBudgetExceeded(Exception):
+    """DTensor's decomposition-based sharding propagation for ``op`` ran out of time.
+
+    Not a RuntimeError / NotImplementedError on purpose: DTensor's search loop skips
+    those and goes on trying placements."""
+
+    def __init__(self, op: Any, seconds: float, attempts: int) -> None:
+        super().__init__(
+            f"sharding propagation of {op} through its decomposition did not finish "
+            f"within {seconds:g} s ({attempts} placement combinations tried)"
+        )
+        self.op, self.seconds, self.attempts = op, seconds, attempts
+
+
+@contextlib.contextmanager
+def bounded_decomposition_propagation(seconds: float) -> Iterator[None]:
+    """Bound DTensor's decomposition-based sharding propagation to ``seconds`` per op.
+
+    torch 2.13 gap: for an op without a sharding rule, DTensor traces the op's
+    decomposition once per combination of candidate input placements, and every op of
+    that decomposition without a rule does the same, nested; for attention with a 4-D
+    mask this ran for more than ten minutes. Here the outermost propagation starts a
+    clock; every attempt (nested ones included) checks it, and when it runs out the
+    outermost call raises ``PropagationBudgetExceeded`` (DTensor then reports the op as
+    having no sharding strategy, with this as the cause).
+    """
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    original_propagate = DecompShardingStrategy.propagate_strategy
+    original_attempt = DecompShardingStrategy._propagate_through_decomp
+    state: dict[str, Any] = {"deadline": None, "op": None, "attempts": 0, "exceeded": False}
+
+    def propagate_strategy(self, op_schema):
+        outermost = state["deadline"] is None
+        if outermost:
+            state.update(deadline=time.monotonic() + seconds, op=op_schema.op, attempts=0, exceeded=False)
+        try:
+            result = original_propagate(self, op_schema)
+            if outermost and state["exceeded"]:
+                raise PropagationBudgetExceeded(state["op"], seconds, state["attempts"])
+            return result
+        finally:
+            if outermost:
+                state["deadline"] = None
+
+    def attempt(self, op_schema, placement, mesh):
+        state["attempts"] += 1
+        if state["exceeded"] or time.monotonic() > state["deadline"]:
+            state["exceeded"] = True
+            raise PropagationBudgetExceeded(state["op"], seconds, state["attempts"])
+        return original_attempt(self, op_schema, placement, mesh)
+
+    with mock.patch.object(DecompShardingStrategy, "propagate_strategy", propagate_strategy), \
+            mock.patch.object(DecompShardingStrategy, "_propagate_through_decomp", attempt):
+        yield
+
+
+def budget_exceeded_in(exc: BaseException) -> PropagationBudgetExceeded | None:
+    """The ``PropagationBudgetExceeded`` among the causes of ``exc``, if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, PropagationBudgetExceeded):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import _torch_private as private
+from .attention import attention_as_math
 from .bindings import StepBindings
 from .errors import (
     BACKWARD_PHASE,
@@ -54,6 +55,7 @@ from .graph_utils import (
     output_args,
     placeholders,
     remove_profiler_and_detach,
+    replace_with_input,
     set_outputs,
 )
 from .optimizers import check_supported as check_supported_optimizers
@@ -257,7 +259,7 @@ def _capture(
     tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options)
     private.register_stack_trace_anchor(func)
     try:
-        with _module_scopes(bindings.module_fqns), _tag_backward():
+        with _module_scopes(bindings.module_fqns), _tag_backward(), attention_as_math():
             first = make_fx(
                 tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
             )(
@@ -609,10 +611,30 @@ def _functionalize(
     fakes = [_fake(meta, fake_mode, first_trace=False) for _, meta in inputs]
     gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="fake")(*fakes)
     remove_profiler_and_detach(gm)
+    _constants_without_copies(gm)
     _drop_copy_back(gm, [ref for ref, _ in inputs])
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _constants_without_copies(gm: torch.fx.GraphModule) -> None:
+    """Read tensor constants directly instead of through ``lift_fresh_copy``.
+
+    NOTE: [tensor constants]
+    A tensor created from Python data inside the step (``torch.tensor(2.0)``, the
+    ``torch.tensor([])`` of transformers' cache objects) is traced as a ``get_attr``
+    constant plus ``lift_fresh_copy``. In the functional graph nothing writes to the copy,
+    so the copy is the constant itself (DTensor has no rule for ``lift_fresh_copy``).
+    Expansion turns each constant into a Replicate value of the per-rank program: the
+    same tensor on every rank, stored in the program like any constant.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten.lift_fresh_copy.default,
+            torch.ops.aten.lift_fresh.default,
+        ):
+            replace_with_input(node)
 
 
 def _drop_copy_back(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:

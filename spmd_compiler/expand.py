@@ -36,6 +36,9 @@ from .local_rules import LocalRules
 from .signature import CapturedStep, Kind, TensorMeta
 
 Placements = tuple[Placement, ...]
+# Longest time DTensor may search one op's sharding through its decomposition
+# (private.bounded_decomposition_propagation); beyond it the op is refused.
+PROPAGATION_BUDGET_SECONDS = 30.0
 # (consumer, arg) -> redistribution steps, each (placements, group); None: use as is
 UseHook = Callable[[torch.fx.Node, torch.fx.Node], "Sequence[tuple[Placements, str]] | None"]
 
@@ -152,6 +155,7 @@ def expand(
             private.memoized_redistribution() as memo,
             fx_traceback.preserve_node_meta(),
             private.quiet_sequential_collective_warning(),
+            private.bounded_decomposition_propagation(PROPAGATION_BUDGET_SECONDS),
         ):
             rules = local_rules(captured, mesh, input_placements)
             interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo, rules)
@@ -272,7 +276,10 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def _as_dtensor(value: Any, mesh: DeviceMesh) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-        # A value no DTensor flowed into (factory ops): identical on every rank.
+        # A value no DTensor flowed into (factory ops, tensor constants): identical on
+        # every rank. See NOTE: [tensor constants].
+        if private.is_real_tensor_constant(value):
+            value = private.lift_constant(value)
         return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return value
 
@@ -342,6 +349,18 @@ class _ExpandingInterpreter(RetracingInterpreter):
         except SPMDCompileError:
             raise
         except NotImplementedError as exc:
+            budget = private.budget_exceeded_in(exc)
+            if budget is not None:
+                raise node_error(
+                    f"DTensor has no sharding rule for {budget.op}, and its "
+                    f"decomposition-based sharding search did not finish within "
+                    f"{budget.seconds:g} s ({budget.attempts} placement combinations); "
+                    "refused rather than searching for minutes.",
+                    n,
+                    hint="replace the op with ops DTensor has rules for, or register a "
+                    "sharding strategy for it (torch.distributed.tensor.experimental."
+                    "register_sharding).",
+                ) from exc
             raise node_error(
                 f"DTensor has no sharding rule for this op: {str(exc).splitlines()[0]}",
                 n,

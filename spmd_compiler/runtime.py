@@ -228,7 +228,7 @@ def _run(
     """Call a program on its flat inputs: on every simulated rank, or on this real rank,
     where a failure (usually a collective whose peer died) becomes ``SPMDRuntimeError``."""
     if sim is not None:
-        with sim.ranks():
+        with sim.constants_per_rank(lowered.graph_module), sim.ranks():
             return lowered(flat, simulated=True)
     try:
         return lowered(flat, simulated=False)

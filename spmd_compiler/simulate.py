@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
@@ -115,6 +117,30 @@ class Simulation:
             return value
         return private.make_local_tensor({r: value for r in range(self.world_size)})
 
+    @contextlib.contextmanager
+    def constants_per_rank(self, program: Any) -> Iterator[None]:
+        """Let ``program``'s tensor constants (``get_attr``) be simulated tensors while it
+        runs: a slice of a constant at the rank's offset (a Replicate constant used with
+        a shard) needs the constant to carry its ranks. See NOTE: [tensor constants]."""
+        if not isinstance(program, torch.fx.GraphModule):
+            yield
+            return
+        saved: dict[str, torch.Tensor] = {}
+        for node in program.graph.nodes:
+            if node.op != "get_attr" or node.target in saved or not _is_lifted_constant(node):
+                continue
+            value = getattr(program, node.target, None)
+            if isinstance(value, torch.Tensor) and not isinstance(
+                value, (torch.nn.Parameter, private.local_tensor_type())
+            ):
+                saved[node.target] = value
+                setattr(program, node.target, self.per_rank_tensor(value))
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(program, name, value)
+
     def per_rank(self, value: torch.Tensor) -> dict[int, torch.Tensor]:
         """Each simulated rank's local value."""
         if isinstance(value, DTensor):
@@ -133,6 +159,14 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not (a.is_floating_point() or a.is_complex()):
         return torch.equal(a, b)
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _is_lifted_constant(node: torch.fx.Node) -> bool:
+    """A constant of the user's step (expansion reads it through ``lift_fresh_copy``),
+    not one of DTensor's own (the mesh tensor its coordinate op reads as a plain tensor)."""
+    return "." not in str(node.target) and any(
+        user.target is torch.ops.aten.lift_fresh_copy.default for user in node.users
+    )
 
 
 def simulate(world_size: int) -> Simulation:

@@ -68,6 +68,7 @@ def _run_parity(
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     before_step: Callable[[int, nn.Module, nn.Module], None] | None = None,
     check_simulation: Callable[[Any, ParityResult], None] | None = None,
+    mode: Any = None,
 ) -> ParityResult:
     """Run ``step`` compiled on ``world_size`` simulated ranks and eagerly; compare.
 
@@ -80,6 +81,7 @@ def _run_parity(
         before_step: ``before_step(i, model, reference)`` runs before step ``i`` (e.g. to
             switch train/eval on both).
         check_simulation: called inside the simulation after the last step.
+        mode: the parallel mode (default ``DTensorExpandMode()``).
     """
     torch.manual_seed(0)
     model = make_model()
@@ -90,7 +92,7 @@ def _run_parity(
         if make_scheduler is not None
         else []
     )
-    compiled = sc.compile()(step)
+    compiled = sc.compile(mode)(step)
     result = ParityResult(compiled, model, optimizer, reference, reference_optimizer)
     with sc.simulate(world_size=world_size) as sim:
         for i, batch in enumerate(batches):

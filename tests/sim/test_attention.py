@@ -1,0 +1,225 @@
+"""Scaled dot-product attention and torch's attention modules in every mode.
+
+NOTE: [attention decomposed at capture] in spmd_compiler/attention.py. Before it, the CPU
+flash kernel had no DTensor rule (refused after 14.6 s with is_causal), a 4-D boolean
+mask with ``scale=`` made DTensor's decomposition search run for more than 600 s, and
+``nn.TransformerEncoderLayer`` never finished compiling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd_compiler as sc
+from spmd_compiler import expand as expand_module
+from spmd_compiler.parallel_modes import make_mode
+
+TOL = 1e-5
+WIDTH, HEADS, KV_HEADS = 16, 4, 2
+
+
+class _Attention(nn.Module):
+    """q/k/v projections (no bias: a key bias has a zero gradient that Adam turns into
+    noise), one SDPA call in the chosen form, an output projection and a head."""
+
+    def __init__(self, form: str, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.form, self.dropout = form, dropout
+        kv = WIDTH // HEADS * (KV_HEADS if form == "gqa" else HEADS)
+        self.q = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.k = nn.Linear(WIDTH, kv, bias=False)
+        self.v = nn.Linear(WIDTH, kv, bias=False)
+        self.o = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, HEADS, -1).transpose(1, 2)
+        k = self.k(x).view(b, n, -1, WIDTH // HEADS).transpose(1, 2)
+        v = self.v(x).view(b, n, -1, WIDTH // HEADS).transpose(1, 2)
+        kwargs: dict = {"dropout_p": self.dropout}
+        if self.form == "causal":
+            kwargs["is_causal"] = True
+        elif self.form == "bool_scale":
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
+            kwargs.update(attn_mask=mask.expand(b, 1, n, n), scale=0.3)
+        elif self.form == "float":
+            distance = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs()
+            kwargs["attn_mask"] = -0.1 * distance.float()
+        elif self.form == "gqa":
+            kwargs.update(is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return self.head(self.o(out.transpose(1, 2).reshape(b, n, WIDTH))).mean(1)
+
+
+_HEADS_PLAN = {
+    "q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
+}
+
+
+def _mode(name: str, plan: dict | None = None):
+    if name == "tp":
+        return make_mode("tp", plan=plan)
+    if name == "fsdp_tp":
+        return make_mode("fsdp_tp", plan=plan, mesh_shape=(2, 2))
+    return make_mode(name)
+
+
+def _batches(
+    steps: int = 2, batch: int = 8, length: int = 6, dtype: torch.dtype = torch.float32
+) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(batch, length, WIDTH, generator=gen, dtype=dtype),
+            torch.randint(0, 4, (batch,), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("form", ["none", "causal", "bool_scale", "float", "gqa"])
+def test_sdpa_forms_data_parallel(form, run_parity):
+    result = run_parity(lambda: _Attention(form), _adamw, 2, _batches(), mode=_mode("ddp"))
+    result.assert_close(TOL)
+
+
+@pytest.mark.parametrize("name,world", [("dtensor_expand", 2), ("fsdp", 4), ("tp", 2), ("fsdp_tp", 4)])
+def test_sdpa_masked_every_mode(name, world, run_parity):
+    """Batch-sharded in the data-parallel modes, head-sharded (q/k/v column-wise) in TP."""
+    result = run_parity(
+        lambda: _Attention("bool_scale"), _adamw, world, _batches(), mode=_mode(name, _HEADS_PLAN)
+    )
+    result.assert_close(TOL)
+    if name == "tp":
+        program = result.compiled.last_program.graph_module
+        bmm_shapes = {
+            tuple(n.meta["val"].shape) for n in program.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.bmm.default
+        }
+        # (batch x local heads, length, ...): each rank holds 2 of the 4 heads
+        assert all(shape[0] == 8 * HEADS // 2 for shape in bmm_shapes), bmm_shapes
+
+
+def _dropout_losses(name: str, world: int) -> list[float]:
+    torch.manual_seed(0)
+    model = _Attention("causal", dropout=0.3)
+    step = sc.compile(_mode(name, _HEADS_PLAN))(_classification_step)
+    optim = _adamw(model)
+    torch.manual_seed(123)
+    with sc.simulate(world):
+        return [step(model, optim, x, y).item() for x, y in _batches()]
+
+
+def _classification_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_sdpa_dropout_is_one_global_draw():
+    """Attention dropout follows NOTE: [random numbers]: batch shards and head shards
+    see their slice of the world-1 draw, so the losses are the world-1 losses."""
+    single = _dropout_losses("ddp", 1)
+    assert single != _dropout_losses_without_dropout()
+    for name, world in [("ddp", 2), ("tp", 2)]:
+        assert _dropout_losses(name, world) == pytest.approx(single, rel=TOL), name
+
+
+def _dropout_losses_without_dropout() -> list[float]:
+    torch.manual_seed(0)
+    model = _Attention("causal")
+    optim = _adamw(model)
+    return [_classification_step(model, optim, x, y).item() for x, y in _batches()]
+
+
+class _TorchAttention(nn.Module):
+    """torch's own attention modules, batch_first, as a user would call them."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "mha":
+            self.block = nn.MultiheadAttention(WIDTH, HEADS, batch_first=True)
+        elif kind == "encoder":
+            self.block = nn.TransformerEncoderLayer(WIDTH, HEADS, 32, dropout=0.0, batch_first=True)
+        else:
+            self.block = nn.TransformerDecoderLayer(WIDTH, HEADS, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        causal = nn.Transformer.generate_square_subsequent_mask(n)
+        if self.kind == "mha":
+            h = self.block(x, x, x)[0]
+        elif self.kind == "encoder":
+            h = self.block(x, src_mask=causal, is_causal=True)
+        else:
+            h = self.block(x, x.flip(1), tgt_mask=causal, tgt_is_causal=True)
+        return self.head(h).mean(1)
+
+
+# The feed-forward part is tensor parallel; the attention's packed in_proj_weight is not
+# an nn.Linear, so it stays replicated (fused QKV plans are not part of this test).
+_FFN_PLAN = {"block.linear1": ColwiseParallel(), "block.linear2": RowwiseParallel()}
+# Known gap (xfail, strict): with batch_first=True torch's multi_head_attention_forward
+# works sequence-first and flattens (length, batch) with the batch sharded on dp, a
+# _StridedShard on the (dp, tp) mesh; DTensor's mm propagation then reads a shard size
+# as a tensor value (aten._local_scalar_dense) in both the symbolic-rank and the
+# per-coordinate trace. Refused at compile time (SPMDCompileError naming mm and the
+# attention module), never a wrong result.
+_TWO_D_GAP = pytest.mark.xfail(strict=True, raises=sc.SPMDCompileError, reason="2-D strided shard of a sequence-first flatten")
+_MODES = [
+    pytest.param("dtensor_expand", 2, id="dtensor_expand"),
+    pytest.param("ddp", 2, id="ddp"),
+    pytest.param("fsdp", 4, id="fsdp"),
+    pytest.param("tp", 2, id="tp"),
+    pytest.param("fsdp_tp", 4, id="fsdp_tp", marks=_TWO_D_GAP),
+]
+
+
+@pytest.mark.parametrize("name,world", _MODES)
+@pytest.mark.parametrize("kind", ["mha", "encoder", "decoder"])
+def test_torch_attention_modules_every_mode(kind, name, world, run_parity):
+    """In float64: torch's packed ``in_proj_bias`` holds the key bias, whose gradient is
+    zero in exact arithmetic; in float32 Adam turns its rounding noise into updates
+    (measured 4e-2 relative on that bias, ddp world 2, while every other tensor was
+    within 4e-7). In float64 every other tensor agrees within 1e-15 and that bias within
+    1.1e-10 (its rounding noise still reaches Adam); the test allows 1e-9."""
+    plan = _FFN_PLAN if kind != "mha" else {"head": ColwiseParallel()}
+    start = time.perf_counter()
+    result = run_parity(
+        lambda: _TorchAttention(kind).double(), _adamw, world,
+        _batches(dtype=torch.float64), mode=_mode(name, plan),
+    )
+    seconds = time.perf_counter() - start
+    result.assert_close(1e-9)
+    # two compiles (the second call holds optimizer state) plus the eager steps; the
+    # limit is far above what it takes and far below "never finishes"
+    assert seconds < 300, seconds
+
+
+def test_decomposition_search_is_bounded(monkeypatch):
+    """An op DTensor can only shard through its decomposition (hardswish) is refused,
+    naming op and module, when the search exceeds the budget (0 s here)."""
+    monkeypatch.setattr(expand_module, "PROPAGATION_BUDGET_SECONDS", 0.0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 4))
+    step = sc.compile(make_mode("ddp"))(_classification_step)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        step(model, _adamw(model), x, y)
+    message = str(info.value)
+    assert "aten.hardswish" in message and "did not finish within 0 s" in message
+    assert "module:      1" in message
