@@ -257,7 +257,6 @@ class CompiledTrainStep:
         )
         return program
 
-
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta]
     ) -> tuple[CapturedStep, Guards]:

@@ -388,7 +388,7 @@ class _StepTracer:
                 stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.func.__code__))
                 for oi, opt in enumerate(b.optimizers)
             ]
-            with self.floats:
+            with self.floats if stand_ins else contextlib.nullcontext():
                 result = self.func(*args, **kwargs)
             final_buffers = {
                 b.module_buffers[mi][fqn]: t

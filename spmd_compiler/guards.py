@@ -173,7 +173,7 @@ class _Walker:
 
     def module(self, mod: torch.nn.Module, name: str) -> None:
         d = mod.__dict__
-        self.guards.add(_LEN, d, None, len(d), f"the attributes of {name}")
+        self.guards.add(_LEN, d, None, len(d), f"the number of attributes of {name}")
         for key, value in d.items():
             if key in _MODULE_INTERNALS or "hook" in key or isinstance(value, torch.nn.Module):
                 continue
@@ -185,7 +185,7 @@ class _Walker:
         if is_scalar(value):
             self.guards.add(_DICT, d, key, value, name)
         elif type(value) is dict and depth > 0:
-            self.guards.add(_LEN, value, None, len(value), f"the entries of {name}")
+            self.guards.add(_LEN, value, None, len(value), f"the number of entries of {name}")
             for k, v in value.items():
                 self.value_in_dict(value, k, v, f"{name}[{k!r}]", depth - 1)
         elif depth > 0 and _plain_object(value):

@@ -293,3 +293,26 @@ def test_batchnorm_running_stats_parity(run_parity, classification_batches, worl
     result.assert_close(FLOAT32_TOLERANCE)
     assert result.state_differences["param.bn.running_mean"] < FLOAT32_TOLERANCE
     assert float(result.reference.bn.num_batches_tracked) == STEPS
+
+
+class NormCheckingSGD(torch.optim.Optimizer):
+    """A custom optimizer that branches on a tensor value inside step()."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad.norm() > 0:
+                    p.add_(p.grad * -group["lr"])
+
+
+def test_optimizer_reading_tensor_values_is_named(classification_batches, train_step):
+    model = mlp()
+    compiled = sc.compile()(train_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, NormCheckingSGD(model.parameters()), *classification_batches(1)[0])
+    message = str(info.value)
+    assert "optimizer[0]" in message and "NormCheckingSGD" in message and "step()" in message

@@ -1,0 +1,83 @@
+"""What ``build_guards`` finds and how ``Guards.first_change`` compares (no tracing)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from spmd_compiler.bindings import find_bindings
+from spmd_compiler.guards import build_guards
+
+THRESHOLD = 0.5
+UNREAD_GLOBAL = 3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.LeakyReLU(0.1)
+        self.temperature = 2.0
+        self.config = types.SimpleNamespace(scale=1.0, inner=types.SimpleNamespace(flag=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._helper(self.act(self.fc(x))) / self.temperature
+
+    def _helper(self, h: torch.Tensor) -> torch.Tensor:
+        return clip(h)
+
+
+def clip(h: torch.Tensor) -> torch.Tensor:
+    return h.clamp(max=THRESHOLD)
+
+
+def step(model, optim, x, mode):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def _bindings(model: nn.Module, mode: object = "train"):
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    return find_bindings(step, (model, optim, torch.ones(2, 4), mode), {})
+
+
+def test_guards_name_what_forward_and_its_helpers_read():
+    model = Net()
+    guards = build_guards(step, _bindings(model), frozenset())
+    names = set(guards.names)
+    assert "module <root>.temperature" in names
+    assert "module <root>.config.scale" in names
+    assert "module <root>.config.inner.flag" in names
+    assert "module act.negative_slope" in names
+    assert any(n.startswith("global 'THRESHOLD' read by clip") for n in names)
+    assert not any("UNREAD_GLOBAL" in n for n in names)
+    assert "argument 3 of the step" in names
+
+
+def test_first_change_is_none_until_a_value_changes():
+    model = Net()
+    bindings = _bindings(model)
+    guards = build_guards(step, bindings, frozenset())
+    assert guards.first_change(bindings) is None
+    model.config.inner.flag = False
+    assert guards.first_change(bindings) == "module <root>.config.inner.flag was True, now False"
+    model.config.inner.flag = True
+    model.temperature = 2  # same value, another type: a trace may differ (int vs float)
+    assert guards.first_change(bindings) == "module <root>.temperature was 2.0, now 2"
+    model.temperature = 2.0
+    count = len(model.__dict__)
+    model.new_setting = 1  # an attribute added later (forward may read it by getattr)
+    assert guards.first_change(bindings) == (
+        f"the number of attributes of module <root> was {count}, now {count + 1}"
+    )
+
+
+def test_graph_arguments_are_not_guarded():
+    model = Net()
+    bindings = _bindings(model, mode=0.25)
+    assert "argument 3 of the step" in build_guards(step, bindings, frozenset()).names
+    assert "argument 3 of the step" not in build_guards(step, bindings, frozenset({3})).names
