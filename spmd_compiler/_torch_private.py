@@ -804,10 +804,11 @@ def _has_sharding_strategy(op: Any) -> bool:
 
 
 def _install_missing_dim_strategies() -> None:
-    """torch 2.11 gap: no DTensor rule for ``flip``, ``roll``, ``cummax`` and
-    ``var_mean.correction``. Each gets ours where this torch has none: a shard along a
-    dimension the op works on is gathered (Replicate), other shards are kept; a Partial
-    input is kept only by the linear permutations (flip, roll)."""
+    """torch 2.11 gap: no DTensor rule for ``squeeze.dims``, ``flip``, ``roll``,
+    ``cummax`` and ``var_mean.correction``. Each gets ours where this torch has none: a
+    shard along a dimension the op works on (squeezes, reduces) is gathered (Replicate),
+    other shards are kept (renumbered past removed dims); a Partial input is kept only by
+    the linear ones (squeeze, flip, roll)."""
     aten = torch.ops.aten
 
     def flip_dims(args: tuple, ndim: int) -> list[int]:
@@ -824,7 +825,12 @@ def _install_missing_dim_strategies() -> None:
         dim = args[1] if len(args) > 1 else None
         return list(range(ndim)) if dim is None else list(dim)
 
+    def squeezed_dims(args: tuple, ndim: int) -> list[int]:
+        dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        return [d for d in dims if args[0].shape[d % ndim] == 1]
+
     table = [
+        (aten.squeeze.dims, squeezed_dims, 1, True, True),
         (aten.flip.default, flip_dims, 1, True, False),
         (aten.roll.default, roll_dims, 1, True, False),
         (aten.cummax.default, cummax_dims, 2, False, False),
