@@ -768,6 +768,8 @@ def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     from torch.distributed.tensor import Replicate
     from torch.utils import _pytree as pytree
 
+    if op is torch.ops.aten.native_layer_norm_backward.default:
+        args = _norm_backward_follows_statistics(args)
     dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
     strided = [
         d for d in dtensors
@@ -889,3 +891,23 @@ def _after_reduction(placements: tuple, dims: set[int], removes: bool) -> tuple:
     return tuple(
         Shard(p.dim - sum(d < p.dim for d in dims)) if p.is_shard() else p for p in placements
     )
+
+
+def _norm_backward_follows_statistics(args: tuple) -> tuple:
+    """``native_layer_norm_backward(grad_out, input, shape, mean, rstd, ...)`` with the
+    input and grad_out in the placement of the saved mean and rstd.
+
+    torch 2.11 gap: its rule takes grad_out's and input's placement from the input and uses
+    mean and rstd as they are ("they should match"); when the forward redistributed its
+    input (sequence parallel: a replicated embedding sum into Shard(1)), the backward gets
+    a replicated input next to sharded statistics and fails on shapes. Redistributing the
+    two to the statistics' placement is what 2.13's rule chooses for them.
+    """
+    grad_out, inp, mean = args[0], args[1], args[3]
+    if not all(isinstance(a, DTensor) for a in (grad_out, inp, mean)):
+        return args
+    wanted = tuple(mean.placements)
+    if tuple(inp.placements) == wanted or any(p.is_partial() for p in wanted):
+        return args
+    moved = [a if tuple(a.placements) == wanted else a.redistribute(a.device_mesh, wanted) for a in (grad_out, inp)]
+    return (moved[0], moved[1], *args[2:])
