@@ -7,6 +7,19 @@ the fake process group), the DTensor redistribution hook we memoize, the proxy t
 an active ``make_fx`` trace, and DTensor's local-tensor slot. Each is wrapped here, so a
 torch upgrade touches this file only. Nothing else in the package imports a module or
 attribute whose name starts with an underscore from torch.
+
+NOTE: [supported torch versions]
+torch 2.11 to 2.14 (pyproject.toml). Every difference between them is handled here and
+detected by asking torch for the feature, never by its version string:
+- ``register_stack_trace_anchor``: 2.11 has no ``fx.proxy._register_stack_trace_anchor``;
+- ``lift_group_names``: 2.11 bakes process-group names into traced collectives instead of
+  tracing ``_dtensor.mesh_get_process_group``;
+- ``local_tensor_mode``: 2.11's LocalTensorMode gives every simulated rank rank 0's
+  run-time mesh coordinate (a silent wrong result in simulation);
+- NOTE: [DTensor gap fills]: 2.11's view rule, strided-shard redistribution, sharding
+  strategies for squeeze.dims / flip / roll / cummax / var_mean.correction, and rules
+  that ignore ``_StridedShard`` (``settle_strided_shards``).
+``scripts/compat.sh VERSION`` runs the suite against one release.
 """
 
 from __future__ import annotations
