@@ -7,6 +7,19 @@ the fake process group), the DTensor redistribution hook we memoize, the proxy t
 an active ``make_fx`` trace, and DTensor's local-tensor slot. Each is wrapped here, so a
 torch upgrade touches this file only. Nothing else in the package imports a module or
 attribute whose name starts with an underscore from torch.
+
+NOTE: [supported torch versions]
+torch 2.11 to 2.14 (pyproject.toml). Every difference between them is handled here and
+detected by asking torch for the feature, never by its version string:
+- ``register_stack_trace_anchor``: 2.11 has no ``fx.proxy._register_stack_trace_anchor``;
+- ``lift_group_names``: 2.11 bakes process-group names into traced collectives instead of
+  tracing ``_dtensor.mesh_get_process_group``;
+- ``local_tensor_mode``: 2.11's LocalTensorMode gives every simulated rank rank 0's
+  run-time mesh coordinate (a silent wrong result in simulation);
+- NOTE: [DTensor gap fills]: 2.11's view rule, strided-shard redistribution, sharding
+  strategies for squeeze.dims / flip / roll / cummax / var_mean.correction, and rules
+  that ignore ``_StridedShard`` (``settle_strided_shards``).
+``scripts/compat.sh VERSION`` runs the suite against one release.
 """
 
 from __future__ import annotations
@@ -915,6 +928,8 @@ def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     from torch.distributed.tensor import Replicate
     from torch.utils import _pytree as pytree
 
+    if op is torch.ops.aten.native_layer_norm_backward.default:
+        args = _norm_backward_follows_statistics(args)
     dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
     strided = [
         d for d in dtensors
@@ -951,10 +966,11 @@ def _has_sharding_strategy(op: Any) -> bool:
 
 
 def _install_missing_dim_strategies() -> None:
-    """torch 2.11 gap: no DTensor rule for ``flip``, ``roll``, ``cummax`` and
-    ``var_mean.correction``. Each gets ours where this torch has none: a shard along a
-    dimension the op works on is gathered (Replicate), other shards are kept; a Partial
-    input is kept only by the linear permutations (flip, roll)."""
+    """torch 2.11 gap: no DTensor rule for ``squeeze.dims``, ``flip``, ``roll``,
+    ``cummax`` and ``var_mean.correction``. Each gets ours where this torch has none: a
+    shard along a dimension the op works on (squeezes, reduces) is gathered (Replicate),
+    other shards are kept (renumbered past removed dims); a Partial input is kept only by
+    the linear ones (squeeze, flip, roll)."""
     aten = torch.ops.aten
 
     def flip_dims(args: tuple, ndim: int) -> list[int]:
@@ -971,7 +987,12 @@ def _install_missing_dim_strategies() -> None:
         dim = args[1] if len(args) > 1 else None
         return list(range(ndim)) if dim is None else list(dim)
 
+    def squeezed_dims(args: tuple, ndim: int) -> list[int]:
+        dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        return [d for d in dims if args[0].shape[d % ndim] == 1]
+
     table = [
+        (aten.squeeze.dims, squeezed_dims, 1, True, True),
         (aten.flip.default, flip_dims, 1, True, False),
         (aten.roll.default, roll_dims, 1, True, False),
         (aten.cummax.default, cummax_dims, 2, False, False),
@@ -1030,3 +1051,23 @@ def _after_reduction(placements: tuple, dims: set[int], removes: bool) -> tuple:
     return tuple(
         Shard(p.dim - sum(d < p.dim for d in dims)) if p.is_shard() else p for p in placements
     )
+
+
+def _norm_backward_follows_statistics(args: tuple) -> tuple:
+    """``native_layer_norm_backward(grad_out, input, shape, mean, rstd, ...)`` with the
+    input and grad_out in the placement of the saved mean and rstd.
+
+    torch 2.11 gap: its rule takes grad_out's and input's placement from the input and uses
+    mean and rstd as they are ("they should match"); when the forward redistributed its
+    input (sequence parallel: a replicated embedding sum into Shard(1)), the backward gets
+    a replicated input next to sharded statistics and fails on shapes. Redistributing the
+    two to the statistics' placement is what 2.13's rule chooses for them.
+    """
+    grad_out, inp, mean = args[0], args[1], args[3]
+    if not all(isinstance(a, DTensor) for a in (grad_out, inp, mean)):
+        return args
+    wanted = tuple(mean.placements)
+    if tuple(inp.placements) == wanted or any(p.is_partial() for p in wanted):
+        return args
+    moved = [a if tuple(a.placements) == wanted else a.redistribute(a.device_mesh, wanted) for a in (grad_out, inp)]
+    return (moved[0], moved[1], *args[2:])

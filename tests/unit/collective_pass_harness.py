@@ -182,6 +182,7 @@ class TinyGraph:
             (mesh, 0),
             name=f"{name}_group",
         )
+        group.meta["val"] = "0"  # a group, no tensor (as expansion records it)
         node = self.graph.create_node("call_function", target, (x, *args, group), name=name)
         node.meta["val"] = x.meta["val"].new_empty(
             shape if shape is not None else x.meta["val"].shape
