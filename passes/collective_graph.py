@@ -30,9 +30,11 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
+from spmd_compiler import _torch_private as private
+
 from .manager import PassContext, is_collective, is_wait
 
-_C10D = torch.ops._c10d_functional
+_C10D = private.functional_collective_ops()
 ALL_REDUCE = _C10D.all_reduce.default
 ALL_GATHER = _C10D.all_gather_into_tensor.default
 REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default

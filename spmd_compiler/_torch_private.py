@@ -37,6 +37,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree  # re-exported: the package's one way to pytree
 
 # ---------------------------------------------------------------------------- capture
 
@@ -926,7 +927,6 @@ def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     batch dim and both operands agree.
     """
     from torch.distributed.tensor import Replicate
-    from torch.utils import _pytree as pytree
 
     if op is torch.ops.aten.native_layer_norm_backward.default:
         args = _norm_backward_follows_statistics(args)
@@ -1071,3 +1071,21 @@ def _norm_backward_follows_statistics(args: tuple) -> tuple:
         return args
     moved = [a if tuple(a.placements) == wanted else a.redistribute(a.device_mesh, wanted) for a in (grad_out, inp)]
     return (moved[0], moved[1], *args[2:])
+
+
+def decompositions(ops: list[Any]) -> dict[Any, Callable[..., Any]]:
+    """torch's registered decompositions of ``ops`` (``torch._decomp``)."""
+    from torch._decomp import get_decompositions
+
+    return get_decompositions(ops)
+
+
+def aten_nn_bindings() -> Any:
+    """``torch._C._nn``: where torch's C++ bindings of ``torch.nn.functional`` ops live
+    (capture patches ``scaled_dot_product_attention`` there too)."""
+    return torch._C._nn
+
+
+def functional_collective_ops() -> Any:
+    """The ``_c10d_functional`` op namespace: the collectives the per-rank program holds."""
+    return torch.ops._c10d_functional

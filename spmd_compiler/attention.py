@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import _torch_private as private
 from .errors import SPMDCompileError
 
 
@@ -129,7 +130,7 @@ def attention_as_math() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", scaled_dot_product_attention))
         stack.enter_context(
-            mock.patch.object(torch._C._nn, "scaled_dot_product_attention", scaled_dot_product_attention)
+            mock.patch.object(private.aten_nn_bindings(), "scaled_dot_product_attention", scaled_dot_product_attention)
         )
         stack.enter_context(_AttentionAsMath())
         yield

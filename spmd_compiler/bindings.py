@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from ._torch_private import pytree
 from .errors import SPMDCompileError
 from .signature import Kind, StateRef, TensorMeta, state_dtype
 

@@ -32,9 +32,9 @@ import torch
 import torch.fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 
 from . import _torch_private as private
+from ._torch_private import pytree
 from .attention import attention_as_math
 from .bindings import StepBindings
 from .errors import (
@@ -97,10 +97,8 @@ SCHEDULER_HINT = (
 # total weight: DTensor's rule averages the per-rank means, which is not the global mean
 # when ranks hold different numbers of non-ignored targets (ignore_index, class weights).
 def capture_decompositions() -> dict:
-    from torch._decomp import get_decompositions
-
     aten = torch.ops.aten
-    table = get_decompositions([
+    table = private.decompositions([
         aten.mse_loss.default,
         aten.mse_loss_backward.default,
         aten.smooth_l1_loss.default,

@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
 
+from ._torch_private import pytree
 from .api import flush_pending_updates
 from .checkpoint_checksums import (
     CheckpointError,

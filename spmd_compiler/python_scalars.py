@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+
+from ._torch_private import pytree
 
 _REDUCED = (torch.float16, torch.bfloat16)
 

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.utils import _pytree as pytree
 
 from . import _torch_private as private
+from ._torch_private import pytree
 from .bindings import StepBindings
 from .capture import HYPERPARAM_DTYPE, state_dtype
 from .errors import SPMDCompileError, SPMDRuntimeError

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
+
+from ._torch_private import pytree
 
 
 class Kind(enum.Enum):
