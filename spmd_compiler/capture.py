@@ -610,6 +610,7 @@ def _functionalize(
     gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="fake")(*fakes)
     remove_profiler_and_detach(gm)
     _constants_without_copies(gm)
+    _drop_legacy_empty_cat_inputs(gm)
     _drop_copy_back(gm, [ref for ref, _ in inputs])
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -633,6 +634,27 @@ def _constants_without_copies(gm: torch.fx.GraphModule) -> None:
             torch.ops.aten.lift_fresh.default,
         ):
             replace_with_input(node)
+
+
+def _drop_legacy_empty_cat_inputs(gm: torch.fx.GraphModule) -> None:
+    """Drop the 1-D empty tensors of ``cat``: torch skips them (its legacy rule), and
+    they are no-ops that DTensor's ``cat`` rule cannot place beside a sharded N-D input
+    (transformers' cache concatenates ``torch.tensor([])`` with each layer's keys)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+            continue
+        tensors = node.args[0]
+        kept = [t for t in tensors if not _is_legacy_empty(t)]
+        if kept and len(kept) < len(tensors) and any(
+            isinstance(t, torch.fx.Node) and getattr(t.meta.get("val"), "dim", lambda: 1)() > 1
+            for t in kept
+        ):
+            node.args = (kept, *node.args[1:])
+
+
+def _is_legacy_empty(node: object) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and tuple(val.shape) == (0,)
 
 
 def _drop_copy_back(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:

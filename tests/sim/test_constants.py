@@ -57,3 +57,31 @@ def test_constants_in_forward_every_mode(name, run_parity, classification_batche
     program = result.compiled.last_program.graph_module
     constants = [n for n in program.graph.nodes if n.op == "get_attr"]
     assert constants, "the constants should be stored in the per-rank program"
+
+
+class _CacheLikeCat(nn.Module):
+    """transformers' cache: ``torch.cat([torch.tensor([]), key], dim=-2)``, whose empty
+    1-D first input torch's ``cat`` skips; here beside a column-sharded (TP) activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).view(x.shape[0], 2, 8)
+        h = torch.cat([torch.tensor([]), h], dim=-2)
+        return self.out(torch.relu(h.reshape(x.shape[0], 16)))
+
+
+@pytest.mark.parametrize("name", ["ddp", "tp"])
+def test_cat_with_legacy_empty_constant(name, run_parity, classification_batches):
+    kwargs, world = _MODES[name]
+    result = run_parity(
+        _CacheLikeCat,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        world,
+        classification_batches(3, batch_size=8),
+        mode=make_mode(name, **kwargs),
+    )
+    result.assert_close(TOL)
