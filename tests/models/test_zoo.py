@@ -28,8 +28,9 @@ import time
 
 import pytest
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.parallel_modes import FusedColwiseParallel, make_mode
 from spmd_compiler.parity import full_state
 
 transformers = pytest.importorskip("transformers")
@@ -192,3 +193,56 @@ def test_default_config_parity(kind, mode, run_parity):
     assert max(differences.values()) < TOL, worst
     if kind == "gpt2":  # the tied lm_head is still one tensor with the embedding
         assert result.model.lm_head.weight is result.model.transformer.wte.weight
+
+
+# Tensor-parallel plans written for the decoders (heads split across the tp ranks).
+LLAMA_TP_PLAN = {
+    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+    "model.layers.*.mlp.up_proj": ColwiseParallel(),
+    "model.layers.*.mlp.down_proj": RowwiseParallel(),
+}
+GPT2_TP_PLAN = {
+    "transformer.h.*.attn.c_attn": FusedColwiseParallel(chunks=3),
+    "transformer.h.*.attn.c_proj": RowwiseParallel(),
+    "transformer.h.*.mlp.c_fc": ColwiseParallel(),
+    "transformer.h.*.mlp.c_proj": RowwiseParallel(),
+}
+TP_CASES = {
+    "gpt2-tp": ("gpt2", lambda: make_mode("tp", plan=GPT2_TP_PLAN), 2),
+    "llama-tp": ("llama", lambda: make_mode("tp", plan=LLAMA_TP_PLAN), 2),
+    "llama-fsdp_tp": (
+        "llama", lambda: make_mode("fsdp_tp", plan=LLAMA_TP_PLAN, mesh_shape=(2, 2)), 4,
+    ),
+}
+# Measured in float64 (2 steps, AdamW lr 1e-3): losses equal, but the worst parameter
+# differs by 4.2e-7 relative under tp (layer 0 q_proj.weight) and 5.7e-8 under fsdp_tp;
+# GPT-2 under tp and Llama under ddp / fsdp agree within 1e-12. Not explained yet (the
+# float32 parts of transformers' Llama, RoPE tables and the float32 loss, are suspects,
+# not shown), so these cases are expected failures until they are.
+_UNEXPLAINED = pytest.mark.xfail(
+    reason="Llama under TP differs from eager by 4e-7 (tp) / 6e-8 (fsdp_tp) in float64; "
+    "cause not established", strict=True,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[_UNEXPLAINED] if c.startswith("llama") else []) for c in sorted(TP_CASES)],
+)
+def test_decoders_tensor_parallel_parity(case, run_parity):
+    kind, mode, world = TP_CASES[case]
+    differences: dict[str, float] = {}
+    result = run_parity(
+        _make(kind), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+        world, _batches(kind), step=STEPS[kind], mode=mode(),
+        check_simulation=lambda sim, res: differences.update(_state_differences(sim, res)),
+    )
+    worst = sorted(differences.items(), key=lambda kv: -kv[1])[:3]
+    print(f"{case} world {world}: worst {worst}, loss {max(result.loss_differences):.2e}")
+    assert max(result.loss_differences) < LOSS_TOL, result.loss_differences
+    assert max(differences.values()) < TOL, worst
