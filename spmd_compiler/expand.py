@@ -33,7 +33,7 @@ from . import progress
 from .errors import PLACEMENT, SPMDCompileError, node_error
 from .graph_utils import RetracingInterpreter, placeholders
 from .local_rules import LocalRules
-from .signature import CapturedStep, Kind, TensorMeta
+from .signature import CapturedStep, Kind, TensorMeta, contiguous_stride
 
 Placements = tuple[Placement, ...]
 # Longest time DTensor may search one op's sharding through its decomposition
@@ -148,7 +148,7 @@ def expand(
     def per_rank(*locals_: torch.Tensor) -> list[torch.Tensor]:
         dtensors = [
             DTensor.from_local(t, mesh, pl, run_check=False, shape=torch.Size(meta.shape),
-                               stride=_contiguous_stride(meta.shape))
+                               stride=contiguous_stride(meta.shape))
             for t, pl, (_, meta) in zip(locals_, input_placements, captured.inputs, strict=True)
         ]
         with (
@@ -265,13 +265,6 @@ def _caused_by_symbolic_coordinate(exc: BaseException) -> bool:
         seen = seen.__cause__ or seen.__context__
     return False
 
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def _as_dtensor(value: Any, mesh: DeviceMesh) -> Any:

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _torch_private as private
+from .signature import contiguous_stride
 
 aten = torch.ops.aten
 
@@ -126,7 +127,7 @@ class LocalRules:
         local = target(local_shape, *args[1:], **kwargs)
         return DTensor.from_local(
             local, self.mesh, placements, run_check=False,
-            shape=torch.Size(shape), stride=_contiguous_stride(shape),
+            shape=torch.Size(shape), stride=contiguous_stride(shape),
         )
 
 
@@ -179,7 +180,7 @@ def _split_strided(target: Any, args: tuple, kwargs: dict) -> list[DTensor] | No
     return [
         DTensor.from_local(
             piece, mesh, placements, run_check=False,
-            shape=torch.Size(shape), stride=_contiguous_stride(shape),
+            shape=torch.Size(shape), stride=contiguous_stride(shape),
         )
         for piece in pieces
     ]
@@ -209,7 +210,7 @@ def _slice_strided(args: tuple) -> DTensor | None:
     shape[dim] = block
     return DTensor.from_local(
         piece, value.device_mesh, placements, run_check=False,
-        shape=torch.Size(shape), stride=_contiguous_stride(shape),
+        shape=torch.Size(shape), stride=contiguous_stride(shape),
     )
 
 
@@ -240,13 +241,6 @@ def _cat_to_strided(args: tuple, kwargs: dict) -> DTensor | None:
     shape[dim] *= len(tensors)
     return DTensor.from_local(
         local, first.device_mesh, placements, run_check=False,
-        shape=torch.Size(shape), stride=_contiguous_stride(shape),
+        shape=torch.Size(shape), stride=contiguous_stride(shape),
     )
 
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _torch_private as private
-from .expand import _contiguous_stride
+from .signature import contiguous_stride
 
 
 def redistribute(tensor: DTensor, placements: Sequence[Placement]) -> DTensor:
@@ -36,7 +36,7 @@ def traced_redistribution(
 
     ``local_shape`` is the (rank-independent) local shape of the source shard.
     """
-    size, stride = torch.Size(shape), _contiguous_stride(shape)
+    size, stride = torch.Size(shape), contiguous_stride(shape)
 
     def program(local: torch.Tensor) -> torch.Tensor:
         dt = DTensor.from_local(local, mesh, tuple(source), run_check=False, shape=size, stride=stride)

@@ -26,10 +26,10 @@ from ._torch_private import pytree
 from .bindings import StepBindings
 from .capture import HYPERPARAM_DTYPE, state_dtype
 from .errors import SPMDCompileError, SPMDRuntimeError
-from .expand import DistributedProgram, Placements, _contiguous_stride, format_placements
+from .expand import DistributedProgram, Placements, format_placements
 from .faults import attribution
 from .lower import LoweredGraph
-from .signature import PADDED_KINDS, Kind, StateRef, TensorMeta
+from .signature import PADDED_KINDS, Kind, StateRef, TensorMeta, contiguous_stride
 from .simulate import Simulation
 
 
@@ -368,7 +368,7 @@ def _unpad_rows(
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensor:
     return DTensor.from_local(
         local, mesh, list(placements), run_check=False,
-        shape=torch.Size(meta.shape), stride=_contiguous_stride(meta.shape),
+        shape=torch.Size(meta.shape), stride=contiguous_stride(meta.shape),
     )
 
 

@@ -9,6 +9,7 @@ write the new state back; parallel modes use them to choose placements.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,3 +137,12 @@ class CapturedStep:
             if r == ref:
                 return meta
         raise KeyError(ref)
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (size-0 dims count as 1)."""
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
