@@ -127,14 +127,14 @@ class CompiledTrainStep:
             pending = None
         install_state(bindings, self.mode.placement_of, mesh, sim, self._installed)
         self.last_program = program
+        lowered_before = program.executable.compile_seconds
         start = time.perf_counter()
         result, carry = run_program(
             program, bindings, tensor_args, sim, pending.carry if pending else None
         )
         elapsed = time.perf_counter() - start
-        lowering = program.executable.compile_seconds - self.timings.lower_seconds.get(id(program), 0.0)
+        lowering = program.executable.compile_seconds - lowered_before
         if lowering > 0:  # this call lowered a graph (NOTE: [lowering]): not a step time
-            self.timings.lower_seconds[id(program)] = program.executable.compile_seconds
             self.timings.compile_seconds += lowering
         else:
             self.timings.step_seconds.append(elapsed)

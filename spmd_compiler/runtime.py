@@ -40,8 +40,6 @@ class StepTimings:
     expand_seconds: float = 0.0
     pass_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
-    # program id -> seconds its lowering took so far (NOTE: [lowering])
-    lower_seconds: dict[int, float] = field(default_factory=dict)
 
 
 def install_state(
