@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.demo.gpt import gpt_train_step
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.gpt import gpt_train_step
 
 from . import progress
 from .models import Case, build_model, build_optimizer, global_batches

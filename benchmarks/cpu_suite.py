@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd_compiler as sc
-from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.ir.collectives import collective_stats
 
 from . import progress
 from .models import (
@@ -171,7 +171,7 @@ COLLECTIVE_OPS = (
 
 
 class CollectiveBytes(TorchDispatchMode):
-    """Counts functional collectives an eager DTensor step issues (comm_stats' byte rule).
+    """Counts functional collectives an eager DTensor step issues (the collectives module's byte rule).
     DDP and FSDP2 call c10d directly and are not seen; used for eager TP only."""
 
     def __init__(self) -> None:

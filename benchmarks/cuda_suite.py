@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.parity import (
+from spmd_compiler.tools.parity import (
     compare_models,
     compare_optimizers,
     max_difference,
@@ -44,7 +44,7 @@ from .models import (
 SIMULATED_WORLD = 2
 SIMULATED_STEPS = 3
 # Largest relative difference (state and loss) counted as parity; ADAM_EPS keeps float32
-# reduction-order noise around 1e-6 (NOTE: [Adam eps and parity] in spmd_compiler.demo.run).
+# reduction-order noise around 1e-6 (NOTE: [Adam eps and parity] in spmd_compiler.tools.demo.run).
 PARITY_TOLERANCE = 1e-4
 LAUNCH_TIMEOUT_S = 1800
 
@@ -108,7 +108,7 @@ def run_device_suite(
 def simulated_parity(case: Case, style: str, device: str) -> dict[str, Any]:
     """Part B for one style: the compiled step on ``SIMULATED_WORLD`` simulated ranks and
     the undecorated step on one device, both from the same seed and global batches on
-    ``device``; relative differences by ``spmd_compiler.parity``'s rule."""
+    ``device``; relative differences by ``spmd_compiler.tools.parity``'s rule."""
     model = build_model(case).to(device)
     optim = build_optimizer(model.parameters())
     reference = build_model(case).to(device)

@@ -20,9 +20,9 @@ import time
 
 import spmd_compiler as sc
 from spmd_compiler import api
-from spmd_compiler.demo.gpt import gpt_train_step
-from spmd_compiler.demo.run import DemoConfig, build, demo_mode
-from spmd_compiler.same_inputs import check_same_inputs_on_all_ranks
+from spmd_compiler.runtime.same_inputs import check_same_inputs_on_all_ranks
+from spmd_compiler.tools.demo.gpt import gpt_train_step
+from spmd_compiler.tools.demo.run import DemoConfig, build, demo_mode
 
 
 def _worker(rank: int, world_size: int, config: DemoConfig) -> dict[str, float]:

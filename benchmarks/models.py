@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from spmd_compiler.demo.data import batches, markov_corpus
-from spmd_compiler.demo.gpt import GPT, GPTConfig, gpt_tp_plan, gpt_train_step
-from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.parallel_modes import ParallelMode, make_mode
+from spmd_compiler.tools.demo.data import batches, markov_corpus
+from spmd_compiler.tools.demo.gpt import GPT, GPTConfig, gpt_tp_plan, gpt_train_step
+from spmd_compiler.tools.demo.steps import classification_train_step
 
 # Adam eps as in the demo (NOTE: [Adam eps and parity]); timing does not depend on it.
 ADAM_EPS = 1e-4

@@ -15,7 +15,7 @@ COMPILE_SCALING_TARGET = 2.2
 
 
 def minimum_bytes(style: str, param_bytes: int) -> int | None:
-    """Least payload per rank and step (comm_stats' convention): DDP all-reduces every
+    """Least payload per rank and step (the collectives module's convention): DDP all-reduces every
     gradient once; FSDP gathers every parameter once and reduce-scatters every gradient
     once. TP has no simple minimum: reported as measured."""
     return {"ddp": param_bytes, "fsdp": 2 * param_bytes}.get(style)

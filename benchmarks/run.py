@@ -47,7 +47,7 @@ from .timeline import ComputeModel, calibrate_compute, export_timeline
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 RATIO_NOTE = "ratio = compiled / torch eager median step time; lower is better."
 BYTES_NOTE = (
-    "bytes: per-rank payload per step by comm_stats' convention (all_reduce: tensor, "
+    "bytes: per-rank payload per step by the collectives module's convention (all_reduce: tensor, "
     "all_gather: gathered output, reduce_scatter: full input). Minimum: ddp = gradient "
     "bytes; fsdp = params gathered once + grads reduce-scattered once. FSDP2 (reshard "
     "after forward) gathers twice, so its own minimum would be 3x params. The compiled "

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import spmd_compiler as sc
-from spmd_compiler.demo.run import DemoConfig, compiled_worker, run_reference
-from spmd_compiler.parity import compare_states, relative_difference
+from spmd_compiler.tools.demo.run import DemoConfig, compiled_worker, run_reference
+from spmd_compiler.tools.parity import compare_states, relative_difference
 
 
 def _parse() -> argparse.Namespace:

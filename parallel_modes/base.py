@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
-from spmd_compiler.bindings import StepBindings
-from spmd_compiler.capture import CaptureOptions
-from spmd_compiler.expand import DistributedProgram, Placements, UseHook, expand
+from spmd_compiler.capture.bindings import StepBindings
+from spmd_compiler.capture.trace import CaptureOptions
+from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook, expand
+from spmd_compiler.ir.signature import CapturedStep, StateRef, TensorMeta
 from spmd_compiler.passes import PassOptions, run_pipeline
-from spmd_compiler.signature import CapturedStep, StateRef, TensorMeta
 
 
 class ParallelMode(abc.ABC):

@@ -22,12 +22,12 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from spmd_compiler.capture import CaptureOptions
+from spmd_compiler.capture.trace import CaptureOptions
 from spmd_compiler.errors import MODULE_FQN, OPTIMIZER_PHASE, PHASE, SPMDCompileError
-from spmd_compiler.expand import DistributedProgram, Placements, UseHook
-from spmd_compiler.graph_utils import placeholders
+from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
+from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.passes import OverlapOptions, PassOptions
-from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate
 from .mixed_precision import MixedPrecisionPolicy

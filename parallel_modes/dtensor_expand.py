@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from spmd_compiler.expand import Placements
-from spmd_compiler.signature import Kind, StateRef, TensorMeta
+from spmd_compiler.expand.retrace import Placements
+from spmd_compiler.ir.signature import Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate
 

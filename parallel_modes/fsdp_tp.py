@@ -2,7 +2,7 @@
 
 Every parameter is ONE DTensor on the parent (dp, tp) mesh: its TP placement on tp and
 FSDP's Shard(0) on dp, nested right-to-left where both shard the same tensor dimension
-(NOTE: [parent-mesh sharding] in spmd_compiler/parent_mesh.py). Parameters are gathered
+(NOTE: [parent-mesh sharding] in spmd_compiler/expand/parent_mesh.py). Parameters are gathered
 over dp only at their use (forward and backward groups, as in fully_shard) and stay TP
 sharded; activations follow the TP plan's layouts on tp and keep their batch sharding on
 dp; gradients are reduce-scattered over dp.
@@ -18,12 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler import _torch_private as private
-from spmd_compiler.bindings import StepBindings
+from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE, SPMDCompileError
-from spmd_compiler.expand import DistributedProgram, Placements, UseHook
-from spmd_compiler.graph_utils import placeholders
-from spmd_compiler.parent_mesh import parent_placements
-from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.expand.parent_mesh import parent_placements
+from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
+from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode
 from .data_parallel import _is_forward, _param_nodes, remake_param_views_for_backward

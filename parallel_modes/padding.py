@@ -26,8 +26,8 @@ import torch
 import torch.fx
 
 from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE, SPMDCompileError
-from spmd_compiler.graph_utils import output_args, placeholders, set_outputs
-from spmd_compiler.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.ir.graph_utils import output_args, placeholders, set_outputs
+from spmd_compiler.ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta
 
 
 def padded_rows(rows: int, world: int) -> int:

@@ -19,7 +19,7 @@ Beyond torch's styles:
   rowwise Shard(0));
 - ``FusedColwiseParallel(chunks=k)`` shards a fused projection (q, k, v made by one
   layer and split after) so that each rank holds block r of each of the k parts
-  (NOTE: [fused projections] in spmd_compiler/local_rules.py);
+  (NOTE: [fused projections] in spmd_compiler/expand/local_rules.py);
 - a parameter shared by two planned modules (tied input and output embeddings) must
   get the same placement from both styles, or the plan is refused;
 - a sharded dimension that does not divide the mesh is padded (NOTE: [uneven tensor
@@ -55,11 +55,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from spmd_compiler import _torch_private as private
-from spmd_compiler.bindings import StepBindings
+from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.errors import MODULE_FQN, PHASE, SPMDCompileError
-from spmd_compiler.expand import DistributedProgram, Placements, UseHook
-from spmd_compiler.graph_utils import placeholders
-from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
+from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate
 from .padding import pad_uneven_state

@@ -8,7 +8,7 @@ register through the entry-point group ``spmd_compiler.passes`` and run when nam
 shows how to write one.
 """
 
-from spmd_compiler.comm_stats import collective_kind
+from spmd_compiler.ir.collectives import collective_kind
 
 from . import bucket_collectives as _bucket_collectives  # noqa: F401  (registers the pass)
 from . import cross_iteration_overlap as _cross_iteration  # noqa: F401  (registers, off by default)

@@ -77,7 +77,7 @@ class BucketOptions:
 
     Args:
         cap_bytes: most payload bytes of one bucket (all_reduce: input; all_gather:
-            gathered output; reduce_scatter: full input; the ``comm_stats`` convention).
+            gathered output; reduce_scatter: full input; the ``ir.collectives`` convention).
             A collective larger than the cap stays alone.
         kinds: which collectives to bucket (``all_reduce``, ``all_gather``,
             ``reduce_scatter``).

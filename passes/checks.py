@@ -10,7 +10,7 @@ it into a ``PassFailure`` that names the pass (see NOTE: [pass contract] in ``ma
   collectives in the same order, with the same groups and sizes.
 - ``graph_fingerprint``: the structure of the graph, to hold a pass to its "changed" flag.
 - ``check_local_batch``: a data-parallel program holds no value of the global batch
-  (NOTE: [local batch only] in ``spmd_compiler/local_rules.py``).
+  (NOTE: [local batch only] in ``spmd_compiler/expand/local_rules.py``).
 - ``NumericsCheck``: run the program on fixed random inputs on simulated ranks, before and
   after a pass, and compare the outputs.
 - ``PassGuard``: all of the above between passes, as NOTE: [pass contract] in
@@ -29,11 +29,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.errors import MODULE_FQN, OPTIMIZER_PHASE, PHASE, PLACEMENT
-from spmd_compiler.signature import Kind
+from spmd_compiler.ir.signature import Kind
 
 if TYPE_CHECKING:
-    from spmd_compiler.expand import DistributedProgram
-    from spmd_compiler.simulate import Simulation
+    from spmd_compiler.expand.retrace import DistributedProgram
+    from spmd_compiler.runtime.simulate import Simulation
 
     from .registry import Pass
 
@@ -277,7 +277,7 @@ def _holds_global_batch(
             continue
         for dim, size in enumerate(shape):
             if size in globals_:
-                from spmd_compiler.expand import format_placements
+                from spmd_compiler.expand.retrace import format_placements
 
                 where = node.meta.get(MODULE_FQN) or "the loss or the step outside modules"
                 return (
@@ -285,7 +285,7 @@ def _holds_global_batch(
                     f"batch on every rank: local shape {list(shape)} has the global size "
                     f"{size} in dimension {dim}, placement {format_placements(placements)} on "
                     f"mesh dimension {mesh_dim}; a data-parallel rank must hold only its local "
-                    "batch (NOTE: [local batch only] in spmd_compiler/local_rules.py)"
+                    "batch (NOTE: [local batch only] in spmd_compiler/expand/local_rules.py)"
                 )
     return None
 

@@ -101,7 +101,7 @@ def input_bytes(collective: torch.fx.Node) -> int:
 def payload_bytes(collective: torch.fx.Node) -> int:
     """Bytes a collective moves or holds: the larger of its input and its output (the
     gathered output of an all-gather, the full input of a reduce-scatter), which is the
-    convention of ``spmd_compiler.comm_stats`` for these ops."""
+    convention of ``spmd_compiler.ir.collectives`` for these ops."""
     return max(input_bytes(collective), tensor_bytes(collective))
 
 

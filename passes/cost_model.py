@@ -2,7 +2,7 @@
 
 The time of one collective is ``alpha + bytes / beta``: a fixed launch and synchronization
 latency plus the payload over a bandwidth. Bytes follow the convention of
-``spmd_compiler.comm_stats`` (all_reduce: tensor bytes; all_gather: gathered output;
+``spmd_compiler.ir.collectives`` (all_reduce: tensor bytes; all_gather: gathered output;
 reduce_scatter: full input). The defaults are of the right order for one GPU node;
 ``benchmarks/cpu_suite.calibrate_collectives`` measures alpha and beta on the machine it
 runs on (the benchmark timelines use that), and ``PassOptions(cost_model=...)`` gives a
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from spmd_compiler.comm_stats import _payload_bytes, collective_kind
+from spmd_compiler.ir.collectives import _payload_bytes, collective_kind
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ the update lands changes.
 
 The pass only marks nodes; ``bucket_collectives`` never merges a deferred reduction with
 another, ``fuse_optimizer_updates`` never fuses a deferred op with another, and after the
-pipeline ``spmd_compiler.cross_iteration.split_program`` cuts the marked program into the
+pipeline ``spmd_compiler.runtime.cross_iteration.split_program`` cuts the marked program into the
 three programs the runtime runs: *first* (the step without the deferred part; it hands
 the values the deferred part reads to the next call), *steady* (the previous step's
 deferred part, then this step) and *finish* (the deferred part alone: ``flush()``).
@@ -30,7 +30,7 @@ update is deferred; the result is still exact.
 
 The pass is off by default (``extra_passes=("cross_iteration_overlap",)``): between two
 calls the deferred parameters hold the previous step's values, so code that reads the
-model between steps must call ``step.flush()`` first (``spmd_compiler.checkpoint`` and the
+model between steps must call ``step.flush()`` first (``spmd_compiler.runtime.checkpoint`` and the
 end of a simulation flush by themselves).
 """
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from spmd_compiler.signature import Kind
+from spmd_compiler.ir.signature import Kind
 
 from . import remove_duplicate_collectives as _ordered_after  # noqa: F401  (registers it)
 from .bucket_collectives import BucketOptions

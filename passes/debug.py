@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from spmd_compiler.errors import CREATED_BY, PLACEMENT
-from spmd_compiler.expand import format_placements
+from spmd_compiler.expand.retrace import format_placements
 
 from .checks import is_collective, short_op_name
 

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 
 from spmd_compiler.errors import CREATED_BY, OPTIMIZER_PHASE, PHASE
-from spmd_compiler.graph_utils import CARRIED_META
+from spmd_compiler.ir.graph_utils import CARRIED_META
 
 from . import remove_dead_nodes as _ordered_after  # noqa: F401  (registers it)
 from .checks import is_collective, is_wait

@@ -61,7 +61,7 @@ from .registry import (
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from spmd_compiler.expand import DistributedProgram
+    from spmd_compiler.expand.retrace import DistributedProgram
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -374,7 +374,7 @@ def _run_pass(
 def _start_guard(program: DistributedProgram, options: PassOptions) -> PassGuard:
     sim = None
     if options.verify_numerics:
-        from spmd_compiler.simulate import active_simulation
+        from spmd_compiler.runtime.simulate import active_simulation
 
         sim = active_simulation()
         if sim is None:

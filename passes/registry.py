@@ -30,7 +30,7 @@ from spmd_compiler.errors import SPMDCompileError
 from .checks import Check
 
 if TYPE_CHECKING:
-    from spmd_compiler.expand import DistributedProgram
+    from spmd_compiler.expand.retrace import DistributedProgram
 
     from .manager import PassContext
 

@@ -1,7 +1,7 @@
 """remove_noop_reshapes: drop reshapes to the shape their input already has.
 
 Expansion turns every traced view into ``aten.reshape`` (``_views_to_reshapes`` in
-``expand.py``), and the local shapes of many of them equal their inputs' (a parameter
+``expand/retrace.py``), and the local shapes of many of them equal their inputs' (a parameter
 "viewed" to its own shape, a batch dimension that is already local). Such a reshape
 returns a view of its input with the same shape and strides, so every use can read the
 input itself: one dispatched op fewer per node and step (186 of the 1,533 nodes of the

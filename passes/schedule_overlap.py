@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from spmd_compiler.comm_stats import collective_kind
+from spmd_compiler.ir.collectives import collective_kind
 
 from . import bucket_collectives as _ordered_after  # noqa: F401  (registers it)
 from .collective_graph import (

@@ -15,8 +15,6 @@ spmd_compiler`` alone, ``__version__`` and ``python -m spmd_compiler --help`` ar
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
@@ -31,45 +29,42 @@ _EXPORTS = {
     "compile": ".api",
     "SPMDCompileError": ".errors",
     "SPMDRuntimeError": ".errors",
-    "init_from_env": ".launch",
-    "launch": ".launch",
-    "Simulation": ".simulate",
-    "active_simulation": ".simulate",
-    "simulate": ".simulate",
+    "init_from_env": ".runtime.launch",
+    "launch": ".runtime.launch",
+    "Simulation": ".runtime.simulate",
+    "active_simulation": ".runtime.simulate",
+    "simulate": ".runtime.simulate",
+    "shard_onto_parent": ".expand.parent_mesh",
+}
+# public name -> a module users reach as an attribute (``sc.checkpoint.save(...)``)
+_MODULES = {
+    "checkpoint": ".runtime.checkpoint",
+    "parity": ".tools.parity",
 }
 
 if TYPE_CHECKING:
     from .api import CompiledTrainStep, compile
     from .errors import SPMDCompileError, SPMDRuntimeError
-    from .launch import init_from_env, launch
-    from .simulate import Simulation, active_simulation, simulate
+    from .expand.parent_mesh import shard_onto_parent
+    from .runtime import checkpoint
+    from .runtime.launch import init_from_env, launch
+    from .runtime.simulate import Simulation, active_simulation, simulate
+    from .tools import parity
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name in _MODULES:
+        value: Any = importlib.import_module(_MODULES[name], __name__)
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    else:
         raise AttributeError(f"module 'spmd_compiler' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
 
 
-class _Package(types.ModuleType):
-    """Keeps ``spmd_compiler.simulate`` / ``.launch`` the functions: importing the
-    submodule of the same name sets the package attribute to the module, which the eager
-    ``from .simulate import simulate`` used to overwrite again."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == f".{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted([*globals(), *_EXPORTS, *_MODULES])
 
 
 __all__ = [
@@ -79,8 +74,11 @@ __all__ = [
     "Simulation",
     "__version__",
     "active_simulation",
+    "checkpoint",
     "compile",
     "init_from_env",
     "launch",
+    "parity",
+    "shard_onto_parent",
     "simulate",
 ]

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, world_size: int) -> int:
     if args.command == "demo":
-        from spmd_compiler.demo.run import DemoConfig, print_report, run_demo, write_json
+        from spmd_compiler.tools.demo.run import DemoConfig, print_report, run_demo, write_json
 
         config = DemoConfig(
             mode=args.mode, world_size=world_size, backend=args.backend, mesh=args.mesh,
@@ -161,8 +161,8 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
         if args.json:
             write_json(report, args.json)
         return 0 if report.parity_ok else 1
-    from spmd_compiler.demo.run import DemoConfig
-    from spmd_compiler.explain import explain_demo, write_json
+    from spmd_compiler.tools.demo.run import DemoConfig
+    from spmd_compiler.tools.explain import explain_demo, write_json
 
     config = DemoConfig(mode=args.mode, world_size=world_size, mesh=args.mesh, n_layer=args.layers, steps=1)
     explanation, _ = explain_demo(config)

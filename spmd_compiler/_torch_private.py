@@ -57,7 +57,7 @@ def optimizer_capturable_path() -> Iterator[None]:
     ``.item()``), but on CPU it asserts unless torch believes it is compiling, so
     ``torch.compiler.is_compiling`` is patched for the duration of ``optimizer.step()``.
     State the optimizer creates gets float64 step counters (see NOTE: [float64 step
-    counters] in capture.py), by patching each optimizer module's ``_get_scalar_dtype``.
+    counters] in capture/trace.py), by patching each optimizer module's ``_get_scalar_dtype``.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch("torch.compiler.is_compiling", lambda: True))

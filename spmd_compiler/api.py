@@ -18,19 +18,19 @@ from torch.distributed.tensor import DTensor, Shard
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.passes import PassOptions
 
-from .bindings import StepBindings, find_bindings
-from .capture import capture_step
-from .comm_stats import collective_stats
-from .cross_iteration import split_program
+from .capture.bindings import StepBindings, find_bindings
+from .capture.guards import Guards, build_guards
+from .capture.trace import capture_step
 from .errors import SPMDCompileError
-from .expand import DistributedProgram
-from .guards import Guards, build_guards
+from .expand.retrace import DistributedProgram
+from .ir.collectives import collective_stats
+from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from .lower import Executable, LoweringOptions
 from .progress import compile_progress
-from .runtime import StepTimings, install_state, run_finish, run_program
-from .same_inputs import check_same_inputs_on_all_ranks
-from .signature import CapturedStep, Kind, StateRef, TensorMeta
-from .simulate import Simulation, active_simulation
+from .runtime.cross_iteration import split_program
+from .runtime.runner import StepTimings, install_state, run_finish, run_program
+from .runtime.same_inputs import check_same_inputs_on_all_ranks
+from .runtime.simulate import Simulation, active_simulation
 
 log = logging.getLogger("spmd_compiler")
 

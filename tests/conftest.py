@@ -5,7 +5,7 @@ on a ``copy.deepcopy`` of the model with a fresh identical optimizer on the glob
 the compiled step runs on N simulated ranks with the same global batch (each rank gets its
 share). It records the returned-loss difference of every step and, at the end, the
 relative difference of every parameter, buffer and optimizer-state tensor
-(``spmd_compiler.parity``).
+(``spmd_compiler.tools.parity``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.demo.steps import classification_train_step
-from spmd_compiler.parity import compare_models, compare_optimizers, relative_difference
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
 
 Batch = tuple[torch.Tensor, ...]
 

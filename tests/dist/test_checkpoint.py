@@ -16,10 +16,10 @@ from torch.distributed.tensor import DTensor
 
 import spmd_compiler as sc
 from spmd_compiler import checkpoint
-from spmd_compiler.demo.steps import classification_train_step
-from spmd_compiler.launch import LaunchError
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.runtime.launch import LaunchError
 from spmd_compiler.parallel_modes import DataParallel
-from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.tools.parity import full_state, relative_difference
 
 pytestmark = pytest.mark.dist
 
@@ -193,7 +193,7 @@ def test_flipped_bytes_fail_on_every_rank_naming_the_tensor(
     import os
     import shutil
 
-    from spmd_compiler.checkpoint_checksums import MANIFEST
+    from spmd_compiler.runtime.checkpoint_checksums import MANIFEST
 
     damaged = str(tmp_path / "damaged")
     shutil.copytree(folder, damaged)

@@ -8,9 +8,9 @@ import torch
 
 import spmd_compiler as sc
 from spmd_compiler import checkpoint
-from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.parallel_modes import make_mode
-from spmd_compiler.parity import full_state
+from spmd_compiler.tools.parity import full_state
 
 pytestmark = pytest.mark.dist
 

@@ -12,8 +12,8 @@ import torch.nn as nn
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
-from spmd_compiler.demo.steps import classification_train_step
-from spmd_compiler.launch import LaunchError
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.runtime.launch import LaunchError
 from spmd_compiler.parallel_modes import DataParallel
 
 COLLECTIVE_TIMEOUT_S = 8.0

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import spmd_compiler as sc
-from spmd_compiler.demo.steps import classification_train_step
-from spmd_compiler.launch import LaunchError
-from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.runtime.launch import LaunchError
+from spmd_compiler.tools.parity import full_state, relative_difference
 
 pytestmark = pytest.mark.dist
 

@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
-from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.tools.parity import full_state, relative_difference
 
 pytestmark = pytest.mark.dist
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.parallel_modes import DataParallel
 
 pytestmark = pytest.mark.dist

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd_compiler.launch import free_port
+from spmd_compiler.runtime.launch import free_port
 
 pytestmark = pytest.mark.dist
 

@@ -35,8 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import spmd_compiler as sc
 from spmd_compiler import parallel_modes
-from spmd_compiler.parity import full_state, relative_difference
-from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.tools.parity import full_state, relative_difference
+from spmd_compiler.tools.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
 

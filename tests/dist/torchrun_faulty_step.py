@@ -1,5 +1,5 @@
 """Run by test_torchrun.py under torchrun: rank 1 raises at its third step; rank 0's
-error must name it (NOTE: [fault attribution] in spmd_compiler/faults.py)."""
+error must name it (NOTE: [fault attribution] in spmd_compiler/runtime/faults.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.parallel_modes import DataParallel
 
 info = sc.init_from_env(collective_timeout_s=10)

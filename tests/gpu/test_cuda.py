@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd_compiler.demo.run import DemoConfig, run_demo
+from spmd_compiler.tools.demo.run import DemoConfig, run_demo
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,8 +29,8 @@ def test_nccl_world_size_one():
 
 def _lowered_worker(rank: int, world: int, cuda_graphs: bool) -> dict:
     import spmd_compiler as sc
-    from spmd_compiler.demo.steps import classification_train_step
-    from spmd_compiler.parity import full_state
+    from spmd_compiler.tools.demo.steps import classification_train_step
+    from spmd_compiler.tools.parity import full_state
 
     torch.cuda.set_device(rank)
     model, optim, batches = _mlp_case("cuda")
@@ -58,8 +58,8 @@ def _mlp_case(device: str):
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_inductor_backend_on_nccl(cuda_graphs):
     import spmd_compiler as sc
-    from spmd_compiler.demo.steps import classification_train_step
-    from spmd_compiler.parity import full_state, relative_difference
+    from spmd_compiler.tools.demo.steps import classification_train_step
+    from spmd_compiler.tools.parity import full_state, relative_difference
 
     result = sc.launch(_lowered_worker, 1, backend="nccl", args=(cuda_graphs,), timeout_s=600)[0]
     model, optim, batches = _mlp_case("cuda")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import make_mode
-from spmd_compiler.parity import compare_models, compare_optimizers
+from spmd_compiler.tools.parity import compare_models, compare_optimizers
 
 pytestmark = [
     pytest.mark.gpu,

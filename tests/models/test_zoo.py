@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from spmd_compiler.parallel_modes import FusedColwiseParallel, make_mode
-from spmd_compiler.parity import full_state
+from spmd_compiler.tools.parity import full_state
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
 """Scaled dot-product attention and torch's attention modules in every mode.
 
-NOTE: [attention decomposed at capture] in spmd_compiler/attention.py. Before it, the CPU
+NOTE: [attention decomposed at capture] in spmd_compiler/capture/attention.py. Before it, the CPU
 flash kernel had no DTensor rule (refused after 14.6 s with is_causal), a 4-D boolean
 mask with ``scale=`` made DTensor's decomposition search run for more than 600 s, and
 ``nn.TransformerEncoderLayer`` never finished compiling.
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
-from spmd_compiler import expand as expand_module
+from spmd_compiler.expand import retrace as expand_module
 from spmd_compiler.parallel_modes import make_mode
 
 TOL = 1e-5

@@ -18,10 +18,10 @@ import torch.nn as nn
 
 import spmd_compiler as sc
 from spmd_compiler import checkpoint
-from spmd_compiler.checkpoint_checksums import MANIFEST, CheckpointError
-from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.parallel_modes import DataParallel
-from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.runtime.checkpoint_checksums import MANIFEST, CheckpointError
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.tools.parity import full_state, relative_difference
 
 STEPS, SAVE_AFTER = 4, 2
 

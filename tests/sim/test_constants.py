@@ -1,6 +1,6 @@
 """Tensor constants created inside forward are replicated values of the program.
 
-NOTE: [tensor constants] in capture.py. Before the fix, expansion wrapped the real
+NOTE: [tensor constants] in capture/trace.py. Before the fix, expansion wrapped the real
 constant with ``DTensor.from_local`` inside the fake retrace and failed ("Please convert
 all Tensors to FakeTensors first"), in every mode.
 """

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import spmd_compiler as sc
-from spmd_compiler.comm_stats import collective_stats
-from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import DataParallel
-from spmd_compiler.parity import compare_models, compare_optimizers, max_difference
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, max_difference
 
 TOL = 1e-5
 
@@ -314,7 +314,7 @@ def test_mixed_precision_bf16(style, reduce_dtype):
     """bf16 compute: world 4 equals world 1 within bf16 tolerance; master state fp32;
     parameters are gathered in bf16; gradients reduced in reduce_dtype."""
     from spmd_compiler.parallel_modes import MixedPrecisionPolicy
-    from spmd_compiler.parity import compare_states, full_state
+    from spmd_compiler.tools.parity import compare_states, full_state
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     results = {}

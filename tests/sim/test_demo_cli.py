@@ -38,7 +38,7 @@ def test_demo_world_4_writes_json_and_passes(tmp_path, capsys):
 
 
 def test_demo_exit_code_reports_parity_failure(monkeypatch, tmp_path):
-    import spmd_compiler.demo.run as run
+    import spmd_compiler.tools.demo.run as run
 
     original = run.run_reference
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.demo.run import DemoConfig, build, compiled_worker, run_compiled_simulated
+from spmd_compiler.tools.demo.run import DemoConfig, build, compiled_worker, run_compiled_simulated
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=4, block_size=8, vocab_size=16, batch_size=8, steps=2)
 

@@ -10,9 +10,9 @@ import torch.nn as nn
 
 import spmd_compiler as sc
 from spmd_compiler.__main__ import main
-from spmd_compiler.demo.run import DemoConfig
-from spmd_compiler.explain import create_optimizer_state, explain, explain_demo
 from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.demo.run import DemoConfig
+from spmd_compiler.tools.explain import create_optimizer_state, explain, explain_demo
 
 WORLD = 4
 # 4 heads so that tensor parallelism over 4 ranks splits whole heads
@@ -79,10 +79,10 @@ def test_fsdp_shards_params_grads_and_state() -> None:
 
 
 def test_fsdp_counts_agree_with_the_demo_and_buckets_name_every_parameter() -> None:
-    """One count: explain's rows, comm_stats and the demo's steady-state program agree;
+    """One count: explain's rows, ir.collectives and the demo's steady-state program agree;
     the forward gather bucket carries every parameter (issue 13: explain listed 9
     all-gathers where the demo reported 2, NOTE: [traced mesh constants])."""
-    from spmd_compiler.demo.run import run_compiled_simulated
+    from spmd_compiler.tools.demo.run import run_compiled_simulated
 
     explanation, _ = _demo("fsdp")
     kinds: dict[str, int] = {}

@@ -8,10 +8,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
-from spmd_compiler.demo.gpt import gpt_tp_plan, gpt_train_step
-from spmd_compiler.demo.run import DemoConfig, build
 from spmd_compiler.parallel_modes import FullyShardTensorParallel
-from spmd_compiler.parity import compare_states, full_state
+from spmd_compiler.tools.demo.gpt import gpt_tp_plan, gpt_train_step
+from spmd_compiler.tools.demo.run import DemoConfig, build
+from spmd_compiler.tools.parity import compare_states, full_state
 
 
 def test_gpt_fsdp_tp_2x2_parity_and_parent_mesh_placements():

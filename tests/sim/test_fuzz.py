@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import DataParallel, DTensorExpandMode, TensorParallel
-from spmd_compiler.parity import compare_models, compare_optimizers, max_difference
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, max_difference
 
 FUZZ_STATS: Counter = Counter()
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "none": nn.Identity}

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import DataParallel, DTensorExpandMode
-from spmd_compiler.parity import compare_states, full_state, relative_difference
+from spmd_compiler.tools.parity import compare_states, full_state, relative_difference
 
 WORLD, BATCH, WIDTH = 4, 64, 10
 TOL = 1e-5

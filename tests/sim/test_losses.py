@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
-from spmd_compiler.parity import compare_models, max_difference
+from spmd_compiler.tools.parity import compare_models, max_difference
 
 LOSSES = {
     "mse": lambda out, y: F.mse_loss(out, y),

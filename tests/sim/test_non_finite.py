@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import DataParallel
-from spmd_compiler.parity import full_state
-from spmd_compiler.simulate import same_value
+from spmd_compiler.runtime.simulate import same_value
+from spmd_compiler.tools.parity import full_state
 
 
 def regression_step(model, optim, x, y):

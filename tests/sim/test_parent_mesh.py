@@ -9,7 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
-from spmd_compiler.parent_mesh import shard_onto_parent
+from spmd_compiler.expand.parent_mesh import shard_onto_parent
 
 SHAPES = [(8, 6), (7, 5), (3, 3), (2, 9), (1, 4)]
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
-from spmd_compiler.parity import relative_difference
+from spmd_compiler.tools.parity import relative_difference
 
 FLOAT32_TOLERANCE = 1e-5
 FLOAT64_TOLERANCE = 1e-12

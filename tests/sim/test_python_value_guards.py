@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
-from spmd_compiler.signature import Kind
+from spmd_compiler.ir.signature import Kind
 
 FLOAT32_TOLERANCE = 1e-5
 TEMPERATURES = [1.0, 1.0, 4.0, 4.0, 0.5]

@@ -1,5 +1,5 @@
 """Dropout in compiled steps: one global draw per seed, whatever the mode and world size
-(NOTE: [random numbers] in capture.py)."""
+(NOTE: [random numbers] in capture/trace.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.demo.gpt import gpt_train_step
-from spmd_compiler.demo.run import DemoConfig, build, demo_mode
+from spmd_compiler.tools.demo.gpt import gpt_train_step
+from spmd_compiler.tools.demo.run import DemoConfig, build, demo_mode
 
 
 def _losses(mode: str, world_size: int, *, seed: int = 123, steps: int = 2, mesh=()) -> list[float]:

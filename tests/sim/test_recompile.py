@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.parity import compare_models, compare_optimizers, relative_difference
-from spmd_compiler.signature import Kind
+from spmd_compiler.ir.signature import Kind
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
 
 FLOAT32_TOLERANCE = 1e-5
 

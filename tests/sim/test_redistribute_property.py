@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
-from spmd_compiler.redistribute import redistribute, traced_redistribution
+from spmd_compiler.expand.redistribute import redistribute, traced_redistribution
 
 MESHES = [(4,), (2, 2), (2, 2, 2)]
 

@@ -11,11 +11,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
-from spmd_compiler.comm_stats import collective_stats
-from spmd_compiler.demo.gpt import gpt_tp_plan, gpt_train_step
-from spmd_compiler.demo.run import DemoConfig, build
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import TensorParallel
-from spmd_compiler.parity import compare_states, full_state
+from spmd_compiler.tools.demo.gpt import gpt_tp_plan, gpt_train_step
+from spmd_compiler.tools.demo.run import DemoConfig, build
+from spmd_compiler.tools.parity import compare_states, full_state
 
 TOL = 1e-10
 

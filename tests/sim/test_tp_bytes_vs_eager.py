@@ -8,16 +8,16 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd_compiler as sc
-from spmd_compiler.comm_stats import collective_stats
-from spmd_compiler.demo.gpt import gpt_tp_plan, gpt_train_step
-from spmd_compiler.demo.run import DemoConfig, build
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import TensorParallel
+from spmd_compiler.tools.demo.gpt import gpt_tp_plan, gpt_train_step
+from spmd_compiler.tools.demo.run import DemoConfig, build
 
 PAYLOAD_FROM_OUTPUT = ("all_gather",)
 
 
 class CollectiveBytes(TorchDispatchMode):
-    """Counts functional collectives and their per-rank payload bytes (comm_stats' rule)."""
+    """Counts functional collectives and their per-rank payload bytes (the collectives module's rule)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,6 +61,6 @@ def test_compiled_tp_moves_no_more_bytes_than_eager_tp():
 
 
 def step_ranks():
-    from spmd_compiler.simulate import active_simulation
+    from spmd_compiler.runtime.simulate import active_simulation
 
     return active_simulation().ranks()

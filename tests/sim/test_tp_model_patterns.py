@@ -20,9 +20,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
-from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import FusedColwiseParallel, TensorParallel
-from spmd_compiler.parity import compare_states, full_state, relative_difference
+from spmd_compiler.tools.parity import compare_states, full_state, relative_difference
 
 TOL = 1e-5
 VOCAB, WIDTH, HEADS, SEQ, BATCH = 32, 16, 4, 16, 8

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
 from spmd_compiler.parallel_modes import DataParallel
-from spmd_compiler.parity import (
+from spmd_compiler.passes import PassOptions, run_pipeline
+from spmd_compiler.tools.parity import (
     compare_models,
     compare_optimizers,
     max_difference,
     relative_difference,
 )
-from spmd_compiler.passes import PassOptions, run_pipeline
 
 TOL = 1e-5
 

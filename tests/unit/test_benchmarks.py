@@ -24,7 +24,7 @@ from benchmarks.timeline import (
     export_timeline,
     simulate_timeline,
 )
-from spmd_compiler.comm_stats import collective_kind
+from spmd_compiler.ir.collectives import collective_kind
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.passes.cost_model import CostModel
 

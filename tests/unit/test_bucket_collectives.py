@@ -9,11 +9,11 @@ import pytest
 import torch
 from collective_pass_harness import TOL, DataParallelWithPasses, ops, train
 
-from spmd_compiler.comm_stats import collective_stats
-from spmd_compiler.demo.gpt import gpt_train_step
-from spmd_compiler.demo.run import DemoConfig, build
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.passes import PassOptions, run_pipeline
 from spmd_compiler.passes.bucket_collectives import BucketOptions, bucket_collectives
+from spmd_compiler.tools.demo.gpt import gpt_train_step
+from spmd_compiler.tools.demo.run import DemoConfig, build
 
 PASS = ("bucket_collectives",)
 # group lookups: torch 2.13 lifts the mesh as "_opaque_obj<n>", torch 2.11 as "_spmd_mesh<n>"

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import spmd_compiler as sc
 from passes.checks import check_local_batch, global_batch_sizes
-from spmd_compiler.local_rules import LocalRules
+from spmd_compiler.expand.local_rules import LocalRules
 from spmd_compiler.parallel_modes import DataParallel, DTensorExpandMode, TensorParallel
 from spmd_compiler.passes import PipelineError
 

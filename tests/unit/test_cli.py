@@ -72,7 +72,7 @@ def test_help_lists_every_option_with_help_and_does_not_import_torch():
 
 
 def test_public_names_load_on_first_use():
-    import spmd_compiler.launch  # noqa: F401  (the submodule must not hide the function)
+    import spmd_compiler.runtime.launch  # noqa: F401  (the submodule must not hide the function)
 
     assert callable(spmd_compiler.compile) and callable(spmd_compiler.simulate)
     assert callable(spmd_compiler.launch)

@@ -10,12 +10,12 @@ from collective_pass_harness import classification_step, mlp_setup
 
 import spmd_compiler as sc
 from spmd_compiler.api import flush_pending_updates
-from spmd_compiler.comm_stats import collective_kind
 from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE
-from spmd_compiler.explain import explain
+from spmd_compiler.ir.collectives import collective_kind
 from spmd_compiler.parallel_modes import make_mode
-from spmd_compiler.parity import compare_models, compare_optimizers, max_difference
 from spmd_compiler.passes.collective_graph import DEFERRED, deferred_part, payload_bytes
+from spmd_compiler.tools.explain import explain
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, max_difference
 
 PASS = ("cross_iteration_overlap",)
 
@@ -153,8 +153,8 @@ def test_gradient_clipping(mode):
 def test_demo_gpt_ddp_bit_identical_after_flush():
     """The demo GPT (4 heads, AdamW) at world 4: the deferred run equals the plain
     compiled run bit for bit once flushed, and the losses of every step are equal."""
-    from spmd_compiler.demo.gpt import gpt_train_step
-    from spmd_compiler.demo.run import DemoConfig, build
+    from spmd_compiler.tools.demo.gpt import gpt_train_step
+    from spmd_compiler.tools.demo.run import DemoConfig, build
 
     config = DemoConfig(steps=3, n_head=4)
     model, optim, batches = build(config)

@@ -7,8 +7,8 @@ import types
 import torch
 import torch.nn as nn
 
-from spmd_compiler.bindings import find_bindings
-from spmd_compiler.guards import build_guards
+from spmd_compiler.capture.bindings import find_bindings
+from spmd_compiler.capture.guards import build_guards
 
 THRESHOLD = 0.5
 UNREAD_GLOBAL = 3

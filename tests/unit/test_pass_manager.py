@@ -414,7 +414,7 @@ def test_cost_model_is_alpha_plus_bytes_over_beta():
 
 def _sharded_program() -> _Program:
     """y = x * 2 on an input sharded over 2 simulated ranks."""
-    from spmd_compiler.signature import TensorMeta
+    from spmd_compiler.ir.signature import TensorMeta
 
     program = _tiny_program()
     program.local_inputs = [TensorMeta((2,), torch.float32, torch.device("cpu"))]

@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.comm_stats import collective_stats
-from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.passes import (
     DEFAULT_PIPELINE,
     ENTRY_POINT_GROUP,
@@ -32,6 +31,7 @@ from spmd_compiler.passes import (
     registered_passes,
 )
 from spmd_compiler.passes import registry as pass_registry
+from spmd_compiler.tools.demo.steps import classification_train_step
 
 tomllib = pytest.importorskip("tomllib")
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 from collective_pass_harness import TOL, DataParallelWithPasses, TinyGraph, ops, train
 
-from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.passes import PassOptions, register_pass, run_pipeline
 from spmd_compiler.passes.collective_graph import wait_of
 from spmd_compiler.passes.manager import is_collective

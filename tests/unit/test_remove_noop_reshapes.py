@@ -8,9 +8,9 @@ import pytest
 import torch
 from collective_pass_harness import TOL, DataParallelWithPasses, TinyGraph, ops, train
 
-from spmd_compiler.demo.gpt import gpt_train_step
-from spmd_compiler.demo.run import DemoConfig, build
 from spmd_compiler.passes.remove_noop_reshapes import remove_noop_reshapes
+from spmd_compiler.tools.demo.gpt import gpt_train_step
+from spmd_compiler.tools.demo.run import DemoConfig, build
 
 aten = torch.ops.aten
 PASS = ("remove_noop_reshapes",)

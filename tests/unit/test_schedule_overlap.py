@@ -11,7 +11,7 @@ import torch.fx
 from collective_pass_harness import TOL, DataParallelWithPasses, TinyGraph, ops, train
 
 from spmd_compiler import _torch_private as private
-from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.passes import PassOptions, run_pipeline
 from spmd_compiler.passes.collective_graph import payload_bytes, wait_of
 from spmd_compiler.passes.manager import is_collective, is_wait

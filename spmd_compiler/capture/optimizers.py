@@ -31,7 +31,7 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import SPMDCompileError
+from ..errors import SPMDCompileError
 
 # Optimizers that cannot become one program, and what the user can do instead.
 UNSUPPORTED = {
@@ -107,7 +107,7 @@ def _full_like_accepting_tensors(original: Callable[..., torch.Tensor]) -> Calla
 def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[[], Any]) -> Iterator[None]:
     """Context for tracing ``opt.step()``: tensor Scalars rewritten, and a Python read of
     a tensor's value inside the optimizer refused with the optimizer's name."""
-    from . import _torch_private as private
+    from .. import _torch_private as private
 
     try:
         with _TensorScalars(), mock.patch.object(

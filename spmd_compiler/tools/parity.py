@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .simulate import Simulation
+from ..runtime.simulate import Simulation
 
 
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:

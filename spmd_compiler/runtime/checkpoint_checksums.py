@@ -109,7 +109,7 @@ def _read_manifest(folder: str) -> dict[str, Any]:
     path = os.path.join(folder, MANIFEST)
     if not os.path.exists(path):
         raise CheckpointError(
-            f"{folder} has no {MANIFEST}: it was not written by spmd_compiler.checkpoint.save "
+            f"{folder} has no {MANIFEST}: it was not written by spmd_compiler.runtime.checkpoint.save "
             "(or the save did not finish), so it cannot be verified. Pass verify_checksums=False to "
             "load it unverified."
         )

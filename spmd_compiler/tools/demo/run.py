@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from spmd_compiler.api import compile as spmd_compile
-from spmd_compiler.comm_stats import collective_stats
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import make_mode
-from spmd_compiler.parity import compare_states, full_state, relative_difference
-from spmd_compiler.simulate import simulate
+from spmd_compiler.runtime.simulate import simulate
+from spmd_compiler.tools.parity import compare_states, full_state, relative_difference
 
 from .data import batches, markov_corpus
 from .gpt import GPT, GPTConfig, gpt_tp_plan, gpt_train_step
@@ -185,7 +185,7 @@ def run_demo(config: DemoConfig, show_steps: bool = False) -> DemoReport:
     if config.backend == "sim":
         compiled = run_compiled_simulated(config, show_steps)
     else:
-        from spmd_compiler.launch import launch
+        from spmd_compiler.runtime.launch import launch
 
         results = launch(
             compiled_worker, config.world_size, backend=config.backend, args=(config, show_steps)

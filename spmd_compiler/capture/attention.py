@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import _torch_private as private
-from .errors import SPMDCompileError
+from .. import _torch_private as private
+from ..errors import SPMDCompileError
 
 
 def scaled_dot_product_attention(

@@ -33,11 +33,9 @@ import torch.fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import _torch_private as private
-from ._torch_private import pytree
-from .attention import attention_as_math
-from .bindings import StepBindings
-from .errors import (
+from .. import _torch_private as private
+from .._torch_private import pytree
+from ..errors import (
     BACKWARD_PHASE,
     MODULE_FQN,
     OPTIMIZER_PHASE,
@@ -48,7 +46,7 @@ from .errors import (
     step_frame_from_traceback,
     step_line_from_stack_trace,
 )
-from .graph_utils import (
+from ..ir.graph_utils import (
     RetracingInterpreter,
     last_node,
     new_nodes_after,
@@ -58,10 +56,12 @@ from .graph_utils import (
     replace_with_input,
     set_outputs,
 )
+from ..ir.signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta, state_dtype
+from .attention import attention_as_math
+from .bindings import StepBindings
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
-from .signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta, state_dtype
 
 log = logging.getLogger("spmd_compiler")
 

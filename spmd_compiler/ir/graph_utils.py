@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import _torch_private as private
-from .errors import MODULE_FQN, ORIGIN, PHASE, USER_LINE
+from .. import _torch_private as private
+from ..errors import MODULE_FQN, ORIGIN, PHASE, USER_LINE
 
 # node.meta keys that follow a value when a graph is re-traced node by node.
 CARRIED_META = (MODULE_FQN, USER_LINE, PHASE, "stack_trace")

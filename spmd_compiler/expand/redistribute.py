@@ -2,7 +2,7 @@
 
 Eager redistribution is DTensor's own. Traced redistribution (what the expander emits)
 runs under ``compile_on_one_rank`` with the shard-to-shard and strided-shard fixes of
-``_torch_private`` (NOTE: [one program for every rank] in expand.py), so the property
+``_torch_private`` (NOTE: [one program for every rank] in expand/retrace.py), so the property
 tests exercise exactly the code path compiled programs use.
 """
 
@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import _torch_private as private
-from .signature import contiguous_stride
+from .. import _torch_private as private
+from ..ir.signature import contiguous_stride
 
 
 def redistribute(tensor: DTensor, placements: Sequence[Placement]) -> DTensor:

@@ -34,8 +34,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import _torch_private as private
-from .signature import contiguous_stride
+from .. import _torch_private as private
+from ..ir.signature import contiguous_stride
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import SPMDCompileError, SPMDRuntimeError
+from ..errors import SPMDCompileError, SPMDRuntimeError
 from .faults import attribution
 
 # One gloo side group per default group, for NCCL jobs (see NOTE above).

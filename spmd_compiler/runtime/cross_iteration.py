@@ -27,8 +27,8 @@ import torch.fx
 
 from spmd_compiler.passes.collective_graph import deferred_part
 
-from .errors import SPMDCompileError
-from .graph_utils import output_args, placeholders
+from ..errors import SPMDCompileError
+from ..ir.graph_utils import output_args, placeholders
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import _torch_private as private
+from .. import _torch_private as private
 
 
 def parent_placements(

@@ -1,14 +1,14 @@
 """What a compiled step does on each rank, as tables for a person (or JSON).
 
     step(model, optimizer, x, y)             # after the first call
-    print(spmd_compiler.explain.explain(step).format())
+    print(spmd_compiler.tools.explain.explain(step).format())
 
     python -m spmd_compiler explain --mode fsdp --world-size 4 [--dump] [--json r.json]
 
 For the step's latest program (``CompiledTrainStep.last_program``) it lists every
 parameter's placement and what one rank holds of it, its gradient and its optimizer
 state; the collectives of one step in program order with kind, bytes (the convention of
-``comm_stats``) and mesh dimension; and the passes applied with their times. Sizes are
+``ir.collectives``) and mesh dimension; and the passes applied with their times. Sizes are
 per rank, including the padding of unevenly sharded tensors (NOTE: [uneven shards]).
 """
 
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from .comm_stats import CommStats, _payload_bytes, collective_kind, collective_stats
-from .expand import DistributedProgram, Placements, format_placements, local_meta
-from .graph_utils import placeholders
-from .passes.collective_graph import BUCKET_MEMBERS
-from .signature import Kind, StateRef, TensorMeta
+from ..expand.retrace import DistributedProgram, Placements, format_placements, local_meta
+from ..ir.collectives import CommStats, _payload_bytes, collective_kind, collective_stats
+from ..ir.graph_utils import placeholders
+from ..ir.signature import Kind, StateRef, TensorMeta
+from ..passes.collective_graph import BUCKET_MEMBERS
 
 # DTensor's traced process-group lookup: ``mesh_get_process_group(mesh, dim)``, see
 # NOTE: [collective groups] in passes/collective_graph.py.
@@ -80,7 +80,7 @@ class Explanation:
     # parameters whose update runs in the next call (cross_iteration_overlap), by name
     deferred_params: list[str] = field(default_factory=list)
     code: str = field(repr=False, default="")
-    # comm_stats.collective_stats of the same program: the one count the demo, explain
+    # ir.collectives.collective_stats of the same program: the one count the demo, explain
     # and the benchmarks report (collectives issued per step, after the passes)
     stats: CommStats = field(default_factory=CommStats)
 
@@ -394,15 +394,15 @@ def explain_demo(config: Any) -> tuple[Explanation, Any]:
     """Compile the demo GPT step once on simulated ranks and explain it.
 
     Args:
-        config: a ``spmd_compiler.demo.run.DemoConfig`` (mode, world size, model sizes).
+        config: a ``spmd_compiler.tools.demo.run.DemoConfig`` (mode, world size, model sizes).
 
     Returns:
         The explanation and the compiled step.
     """
-    from .api import compile as spmd_compile
+    from ..api import compile as spmd_compile
+    from ..runtime.simulate import simulate
     from .demo.gpt import gpt_train_step
     from .demo.run import build, demo_mode
-    from .simulate import simulate
 
     model, optimizer, data = build(config)
     create_optimizer_state(optimizer)

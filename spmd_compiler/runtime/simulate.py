@@ -23,7 +23,7 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
-from . import _torch_private as private
+from .. import _torch_private as private
 
 _ACTIVE: contextvars.ContextVar[Simulation | None] = contextvars.ContextVar(
     "spmd_simulation", default=None

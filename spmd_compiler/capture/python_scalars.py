@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._torch_private import pytree
+from .._torch_private import pytree
 
 _REDUCED = (torch.float16, torch.bfloat16)
 

@@ -21,15 +21,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from . import _torch_private as private
-from ._torch_private import pytree
-from .bindings import StepBindings
-from .capture import HYPERPARAM_DTYPE, state_dtype
-from .errors import SPMDCompileError, SPMDRuntimeError
-from .expand import DistributedProgram, Placements, format_placements
+from .. import _torch_private as private
+from .._torch_private import pytree
+from ..capture.bindings import StepBindings
+from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
+from ..errors import SPMDCompileError, SPMDRuntimeError
+from ..expand.retrace import DistributedProgram, Placements, format_placements
+from ..ir.signature import PADDED_KINDS, Kind, StateRef, TensorMeta, contiguous_stride
+from ..lower import LoweredGraph
 from .faults import attribution
-from .lower import LoweredGraph
-from .signature import PADDED_KINDS, Kind, StateRef, TensorMeta, contiguous_stride
 from .simulate import Simulation
 
 

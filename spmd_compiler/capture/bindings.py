@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ._torch_private import pytree
-from .errors import SPMDCompileError
-from .signature import Kind, StateRef, TensorMeta, state_dtype
+from .._torch_private import pytree
+from ..errors import SPMDCompileError
+from ..ir.signature import Kind, StateRef, TensorMeta, state_dtype
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)

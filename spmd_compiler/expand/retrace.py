@@ -28,12 +28,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import _torch_private as private
-from . import progress
-from .errors import PLACEMENT, SPMDCompileError, node_error
-from .graph_utils import RetracingInterpreter, placeholders
+from .. import _torch_private as private
+from .. import progress
+from ..errors import PLACEMENT, SPMDCompileError, node_error
+from ..ir.graph_utils import RetracingInterpreter, placeholders
+from ..ir.signature import CapturedStep, Kind, TensorMeta, contiguous_stride
 from .local_rules import LocalRules
-from .signature import CapturedStep, Kind, TensorMeta, contiguous_stride
 
 Placements = tuple[Placement, ...]
 # Longest time DTensor may search one op's sharding through its decomposition

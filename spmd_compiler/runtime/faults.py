@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _torch_private as private
+from .. import _torch_private as private
 
 COUNT_KEY = "spmd_failures/count"
 RECORD_PREFIX = "spmd_failures/"

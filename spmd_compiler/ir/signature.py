@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ._torch_private import pytree
+from .._torch_private import pytree
 
 
 class Kind(enum.Enum):
@@ -95,7 +95,7 @@ class TensorMeta:
 
 def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
     """The dtype a piece of state has inside compiled programs (NOTE: [float64 step
-    counters] in capture.py): float32 scalar optimizer state becomes float64."""
+    counters] in capture/trace.py): float32 scalar optimizer state becomes float64."""
     if ref.kind is Kind.OPTIM_STATE and meta.shape == () and meta.dtype == torch.float32:
         return torch.float64
     return meta.dtype

@@ -13,7 +13,7 @@ get_state_dict``: parameters and buffers by FQN, optimizer state keyed by parame
 stores each rank's shard with its global offsets and reads back whatever shard the
 loading rank holds (resharding, e.g. fully_shard -> replicate).
 
-``load`` works in both states of a model (NOTE: [state ownership] in runtime.py):
+``load`` works in both states of a model (NOTE: [state ownership] in runtime/runner.py):
 
 - compiled (parameters are DTensors): DCP reads each rank's shards in place.
 - not yet compiled (plain tensors): every rank reads the full tensors, and the first
@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ._torch_private import pytree
-from .api import flush_pending_updates
+from .._torch_private import pytree
+from ..api import flush_pending_updates
 from .checkpoint_checksums import (
     CheckpointError,
     process_group_all_reduce,

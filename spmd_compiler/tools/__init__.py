@@ -1,0 +1,1 @@
+"""Tools built on the library: explain, parity measurement and the demo."""
