@@ -27,9 +27,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd_compiler as sc
+from spmd_compiler import _torch_private as private
 from spmd_compiler.ir.collectives import collective_stats
 
 from . import progress
@@ -170,7 +170,7 @@ COLLECTIVE_OPS = (
 )
 
 
-class CollectiveBytes(TorchDispatchMode):
+class CollectiveBytes(private.dispatch_mode_base()):  # type: ignore[misc]
     """Counts functional collectives an eager DTensor step issues (the collectives module's byte rule).
     DDP and FSDP2 call c10d directly and are not seen; used for eager TP only."""
 

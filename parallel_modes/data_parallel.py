@@ -23,9 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from spmd_compiler.capture.trace import CaptureOptions
-from spmd_compiler.errors import MODULE_FQN, OPTIMIZER_PHASE, PHASE, SPMDCompileError
+from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
 from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.node_meta import MODULE_FQN, OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.passes import OverlapOptions, PassOptions
 

@@ -19,10 +19,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
-from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE, SPMDCompileError
+from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.parent_mesh import parent_placements
 from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
 from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode

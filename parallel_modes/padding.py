@@ -25,8 +25,9 @@ import dataclasses
 import torch
 import torch.fx
 
-from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE, SPMDCompileError
+from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.ir.graph_utils import output_args, placeholders, set_outputs
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta
 
 

@@ -56,9 +56,10 @@ from torch.distributed.tensor.parallel import (
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
-from spmd_compiler.errors import MODULE_FQN, PHASE, SPMDCompileError
+from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
 from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.node_meta import MODULE_FQN, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate

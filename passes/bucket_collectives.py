@@ -43,12 +43,16 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from spmd_compiler.errors import CREATED_BY, MODULE_FQN
+from spmd_compiler.ir.node_meta import (
+    CREATED_BY,
+    MODULE_FQN,
+    is_deferred,
+    set_bucket_members,
+    set_deferred,
+)
 
 from . import remove_duplicate_collectives as _ordered_after  # noqa: F401  (registers it)
 from .collective_graph import (
-    BUCKET_MEMBERS,
-    DEFERRED,
     WAIT,
     CollectiveCall,
     erase_if_unused,
@@ -174,7 +178,7 @@ def _candidates(graph: torch.fx.Graph, options: BucketOptions) -> dict[tuple, li
         used = position[first_use(wait, position)]
         key = (
             call.kind, val.dtype, call.reduce_op, call.group_size, value_key(call.group),
-            bool(node.meta.get(DEFERRED)),  # never mix deferred and other reductions
+            is_deferred(node),  # never mix deferred and other reductions
         )
         groups[key].append(_Member(node, wait, call, payload_bytes(node), barrier, ready, used))
     return groups
@@ -275,9 +279,9 @@ def _issue(graph: torch.fx.Graph, bucket: list[_Member]) -> torch.fx.Node:
             out_numel = buffer.meta["val"].numel()
     target = bucket[0].collective.target
     collective = new_node(graph, target, args, buffer.meta["val"].new_empty([out_numel]))
-    if bucket[0].collective.meta.get(DEFERRED):
-        collective.meta[DEFERRED] = True
-    collective.meta[BUCKET_MEMBERS] = tuple((_member_label(m), m.nbytes) for m in bucket)
+    if is_deferred(bucket[0].collective):
+        set_deferred(collective)
+    set_bucket_members(collective, [(_member_label(m), m.nbytes) for m in bucket])
     return new_node(graph, WAIT, (collective,), collective.meta["val"])
 
 

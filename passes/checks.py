@@ -28,7 +28,8 @@ import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 
 from spmd_compiler import _torch_private as private
-from spmd_compiler.errors import MODULE_FQN, OPTIMIZER_PHASE, PHASE, PLACEMENT
+from spmd_compiler.ir.collectives import is_collective, is_wait
+from spmd_compiler.ir.node_meta import MODULE_FQN, PLACEMENT, Phase, phase
 from spmd_compiler.ir.signature import Kind
 
 if TYPE_CHECKING:
@@ -37,24 +38,10 @@ if TYPE_CHECKING:
 
     from .registry import Pass
 
-COLLECTIVE_NAMESPACE = "_c10d_functional"
-
 #: A check a pass declares (``requires=`` / ``ensures=``): raises AssertionError if unmet.
 Check = Callable[["DistributedProgram"], None]
 
 CollectiveSignature = list[tuple[str, tuple[str, ...], tuple[str, ...]]]
-
-
-def is_collective(node: torch.fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and getattr(node.target, "namespace", None) == COLLECTIVE_NAMESPACE
-        and "wait_tensor" not in str(node.target)
-    )
-
-
-def is_wait(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and "wait_tensor" in str(node.target)
 
 
 def short_op_name(node: torch.fx.Node) -> str:
@@ -267,7 +254,7 @@ def _holds_global_batch(
     node: torch.fx.Node, sizes: dict[int, set[int]], state_shapes: set[tuple[int, ...]]
 ) -> str | None:
     val, placements = node.meta.get("val"), node.meta.get(PLACEMENT)
-    if not isinstance(val, torch.Tensor) or placements is None or node.meta.get(PHASE) == OPTIMIZER_PHASE:
+    if not isinstance(val, torch.Tensor) or placements is None or phase(node) is Phase.OPTIMIZER:
         return None
     shape = tuple(int(s) for s in val.shape)
     if shape in state_shapes:

@@ -30,24 +30,40 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
-from spmd_compiler import _torch_private as private
+from spmd_compiler.ir.collectives import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    WAIT,
+    deferred_part,
+    input_bytes,
+    is_collective,
+    is_wait,
+    payload_bytes,
+    tensor_bytes,
+    wait_of,
+)
+from spmd_compiler.ir.node_meta import BUCKET_MEMBERS, DEFERRED
 
-from .manager import PassContext, is_collective, is_wait
-
-_C10D = private.functional_collective_ops()
-ALL_REDUCE = _C10D.all_reduce.default
-ALL_GATHER = _C10D.all_gather_into_tensor.default
-REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default
-WAIT = _C10D.wait_tensor.default
+from .manager import PassContext
 
 OptionsT = TypeVar("OptionsT")
 
-# node.meta flag on a reduction whose result the next call of the step uses
-# (NOTE: [cross-iteration overlap] in cross_iteration_overlap.py)
-DEFERRED = "spmd_deferred"
-# node.meta on a bucketed collective: one (label, payload bytes) per member, in bucket
-# order; label is the member's module FQN (else its node name). ``explain`` prints it.
-BUCKET_MEMBERS = "spmd_bucket_members"
+__all__ = [
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "BUCKET_MEMBERS",
+    "DEFERRED",
+    "REDUCE_SCATTER",
+    "WAIT",
+    "CollectiveCall",
+    "deferred_part",
+    "input_bytes",
+    "parse_collective",
+    "payload_bytes",
+    "tensor_bytes",
+    "wait_of",
+]
 
 
 @dataclass(frozen=True)
@@ -77,32 +93,12 @@ def parse_collective(node: torch.fx.Node) -> CollectiveCall | None:
     return None
 
 
-def wait_of(collective: torch.fx.Node) -> torch.fx.Node | None:
-    """The one ``wait_tensor`` of ``collective``; None when it has other users."""
-    users = list(collective.users)
-    if len(users) == 1 and is_wait(users[0]):
-        return users[0]
-    return None
 
 
-def tensor_bytes(node: torch.fx.Node) -> int:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    return val.numel() * val.element_size()
 
 
-def input_bytes(collective: torch.fx.Node) -> int:
-    first = collective.args[0] if collective.args else None
-    inputs = first if isinstance(first, (list, tuple)) else [first]
-    return sum(tensor_bytes(n) for n in inputs if isinstance(n, torch.fx.Node))
 
 
-def payload_bytes(collective: torch.fx.Node) -> int:
-    """Bytes a collective moves or holds: the larger of its input and its output (the
-    gathered output of an all-gather, the full input of a reduce-scatter), which is the
-    convention of ``spmd_compiler.ir.collectives`` for these ops."""
-    return max(input_bytes(collective), tensor_bytes(collective))
 
 
 def is_free(node: torch.fx.Node) -> bool:
@@ -218,17 +214,3 @@ def options_for(context: PassContext, name: str, default: OptionsT) -> OptionsT:
             return found
     return default
 
-
-def deferred_part(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The nodes computed from ``DEFERRED`` reductions' results, in graph order: their
-    waits and everything downstream of them, the output aside (NOTE: [cross-iteration
-    overlap])."""
-    found: set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "output":
-            continue
-        if (is_wait(node) and node.args[0].meta.get(DEFERRED)) or any(
-            a in found for a in node.all_input_nodes
-        ):
-            found.add(node)
-    return [n for n in graph.nodes if n in found]

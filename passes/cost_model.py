@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from spmd_compiler.ir.collectives import _payload_bytes, collective_kind
+from spmd_compiler.ir.collectives import collective_kind, payload_bytes
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class CostModel:
         """Payload bytes of a collective node (0 for any other node)."""
         if collective_kind(node) is None:
             return 0
-        return _payload_bytes(node)
+        return payload_bytes(node)
 
     def seconds_for_bytes(self, nbytes: int) -> float:
         """Estimated time of one collective moving ``nbytes``."""

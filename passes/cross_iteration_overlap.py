@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from spmd_compiler.ir.node_meta import DEFERRED, is_deferred, set_deferred
 from spmd_compiler.ir.signature import Kind
 
 from . import remove_duplicate_collectives as _ordered_after  # noqa: F401  (registers it)
 from .bucket_collectives import BucketOptions
 from .collective_graph import (
-    DEFERRED,
     deferred_part,
     is_barrier,
     options_for,
@@ -112,7 +112,7 @@ def cross_iteration_overlap(program, context: PassContext) -> bool:
         bucket = getattr(context, "bound_options", {}).get("bucket_collectives")
         cap = (bucket if isinstance(bucket, BucketOptions) else BucketOptions()).cap_bytes
     graph = program.graph_module.graph
-    if any(n.meta.get(DEFERRED) for n in graph.nodes):
+    if any(is_deferred(n) for n in graph.nodes):
         return False
     outputs = _state_outputs(program)
     position = positions(graph)
@@ -134,7 +134,7 @@ def cross_iteration_overlap(program, context: PassContext) -> bool:
         chosen.append(node)
         total += nbytes
     for node in chosen:
-        node.meta[DEFERRED] = True
+        set_deferred(node)
     return bool(chosen)
 
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from spmd_compiler.errors import CREATED_BY, PLACEMENT
 from spmd_compiler.expand.retrace import format_placements
+from spmd_compiler.ir.node_meta import CREATED_BY, PLACEMENT
 
 from .checks import is_collective, short_op_name
 

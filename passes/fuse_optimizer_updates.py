@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from spmd_compiler.errors import CREATED_BY, OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.graph_utils import CARRIED_META
+from spmd_compiler.ir.node_meta import CREATED_BY, Phase, phase
 
 from . import remove_dead_nodes as _ordered_after  # noqa: F401  (registers it)
 from .checks import is_collective, is_wait
@@ -142,7 +142,7 @@ def _candidates(graph: torch.fx.Graph) -> dict[tuple, list[torch.fx.Node]]:
     groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
     deferred = set(deferred_part(graph))  # fused only among themselves
     for node in graph.nodes:
-        if node.op != "call_function" or node.meta.get(PHASE) != OPTIMIZER_PHASE:
+        if node.op != "call_function" or phase(node) is not Phase.OPTIMIZER:
             continue
         if not isinstance(node.meta.get("val"), torch.Tensor):
             continue

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch.fx
 
 from spmd_compiler import progress
-from spmd_compiler.errors import CREATED_BY, PLACEMENT, SPMDCompileError
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.ir.node_meta import CREATED_BY, PLACEMENT
 
 from .checks import CheckFailed, PassGuard, check_program, graph_fingerprint, is_collective, is_wait
 from .cost_model import CostModel

@@ -1089,3 +1089,11 @@ def aten_nn_bindings() -> Any:
 def functional_collective_ops() -> Any:
     """The ``_c10d_functional`` op namespace: the collectives the per-rank program holds."""
     return torch.ops._c10d_functional
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``: the base of a mode that sees every ATen op as it runs
+    (the benchmarks count an eager step's collectives with one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

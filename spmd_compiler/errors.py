@@ -17,15 +17,10 @@ from dataclasses import dataclass
 
 import torch.fx
 
-# node.meta keys written by the pipeline (see docs/design.md, "Pipeline").
-MODULE_FQN = "spmd_module_fqn"
-USER_LINE = "spmd_user_line"
-PLACEMENT = "spmd_placement"
-ORIGIN = "spmd_origin"
-CREATED_BY = "spmd_created_by"
-PHASE = "spmd_phase"  # "backward" / "optimizer" for nodes traced inside those; else forward
-BACKWARD_PHASE = "backward"
-OPTIMIZER_PHASE = "optimizer"
+from .ir.node_meta import (
+    MODULE_FQN,
+    USER_LINE,
+)
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import (
-    BACKWARD_PHASE,
-    MODULE_FQN,
-    OPTIMIZER_PHASE,
-    PHASE,
-    USER_LINE,
     SPMDCompileError,
     node_error,
     step_frame_from_traceback,
@@ -56,6 +51,7 @@ from ..ir.graph_utils import (
     replace_with_input,
     set_outputs,
 )
+from ..ir.node_meta import MODULE_FQN, USER_LINE, Phase, set_phase
 from ..ir.signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta, state_dtype
 from .attention import attention_as_math
 from .bindings import StepBindings
@@ -505,7 +501,7 @@ def _swap_optimizer(
             result = original_step(*args, **kwargs)
         if graph is not None:
             for node in new_nodes_after(mark, graph):
-                node.meta[PHASE] = OPTIMIZER_PHASE
+                set_phase(node, Phase.OPTIMIZER)
         return result
 
     opt.step = capturable_step  # type: ignore[method-assign]
@@ -542,7 +538,7 @@ def _check_python_state(opt, oi, groups, before, state, values) -> None:
 
 @contextlib.contextmanager
 def _tag_backward() -> Iterator[None]:
-    """Record ``node.meta[PHASE] = "backward"`` for nodes traced inside ``backward()``."""
+    """Record ``Phase.BACKWARD`` for nodes traced inside ``backward()``."""
     original = torch.Tensor.backward
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -551,7 +547,7 @@ def _tag_backward() -> Iterator[None]:
         result = original(self, *args, **kwargs)
         if graph is not None:
             for node in new_nodes_after(mark, graph):
-                node.meta.setdefault(PHASE, BACKWARD_PHASE)
+                set_phase(node, Phase.BACKWARD, overwrite=False)
         return result
 
     with mock.patch.object(torch.Tensor, "backward", backward):

@@ -30,8 +30,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import _torch_private as private
 from .. import progress
-from ..errors import PLACEMENT, SPMDCompileError, node_error
+from ..errors import SPMDCompileError, node_error
 from ..ir.graph_utils import RetracingInterpreter, placeholders
+from ..ir.node_meta import PLACEMENT
 from ..ir.signature import CapturedStep, Kind, TensorMeta, contiguous_stride
 from .local_rules import LocalRules
 

@@ -1,9 +1,13 @@
-"""Count the collectives of a per-rank program and the bytes they move.
+"""The collectives of a per-rank program: which ops they are, their kind, their waits and
+the bytes they move. Every module that asks one of these questions asks it here.
 
-Bytes are the payload each rank contributes or receives per collective, the convention
-of the byte-count formulas in the tests: all_reduce = tensor bytes; all_gather = bytes
-of the gathered (full) output; reduce_scatter = bytes of the (full) input; all_to_all =
-input bytes. Coalesced variants count every tensor of the list.
+NOTE: [payload bytes]
+One rule for the bytes a collective moves: the payload each rank contributes or
+receives per collective. all_reduce = tensor bytes; all_gather = bytes of the gathered
+(full) output; reduce_scatter = bytes of the (full) input; all_to_all and broadcast =
+input bytes. Coalesced variants count every tensor of the list. For the three
+bucketable collectives this equals the larger of input and output bytes, which is also
+what a collective holds in memory while it is in flight.
 """
 
 from __future__ import annotations
@@ -13,7 +17,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from .. import _torch_private as private
+from .node_meta import is_deferred
+
 COLLECTIVE_NAMESPACE = "_c10d_functional"
+
+_C10D = private.functional_collective_ops()
+ALL_REDUCE = _C10D.all_reduce.default
+ALL_GATHER = _C10D.all_gather_into_tensor.default
+REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default
+WAIT = _C10D.wait_tensor.default
 
 # op name (without overload) -> (short kind, which side of the op carries the payload)
 _KINDS = {
@@ -42,16 +55,52 @@ class CommStats:
         return sum(self.counts.values())
 
 
+def _in_namespace(node: torch.fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and getattr(node.target, "namespace", None) == COLLECTIVE_NAMESPACE
+    )
+
+
+def is_wait(node: torch.fx.Node) -> bool:
+    """A ``wait_tensor``: where a collective's result becomes usable."""
+    return _in_namespace(node) and node.target._opname == "wait_tensor"  # type: ignore[union-attr]
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective (any op of the namespace but the wait)."""
+    return _in_namespace(node) and not is_wait(node)
+
+
 def collective_kind(node: torch.fx.Node) -> str | None:
     """Short kind (``all_reduce``...) of a collective node, None for anything else."""
-    if node.op != "call_function" or getattr(node.target, "namespace", None) != COLLECTIVE_NAMESPACE:
+    if not is_collective(node):
         return None
-    entry = _KINDS.get(node.target._opname)
+    entry = _KINDS.get(node.target._opname)  # type: ignore[union-attr]
     return entry[0] if entry else None
 
 
-def _payload_bytes(node: torch.fx.Node) -> int:
-    if _KINDS[node.target._opname][1] == "output":
+def tensor_bytes(node: torch.fx.Node) -> int:
+    """Bytes of the tensor a node makes (0 for anything else)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return val.numel() * val.element_size()
+
+
+def input_bytes(collective: torch.fx.Node) -> int:
+    """Bytes of a collective's input tensor(s)."""
+    first = collective.args[0] if collective.args else None
+    inputs = first if isinstance(first, (list, tuple)) else [first]
+    return sum(tensor_bytes(n) for n in inputs if isinstance(n, torch.fx.Node))
+
+
+def payload_bytes(node: torch.fx.Node) -> int:
+    """Bytes a collective moves per rank (NOTE: [payload bytes])."""
+    entry = _KINDS.get(node.target._opname)  # type: ignore[union-attr]
+    if entry is None:  # a collective without a table entry: what it holds in flight
+        return max(input_bytes(node), tensor_bytes(node))
+    if entry[1] == "output":
         vals = node.meta.get("val")
     else:
         first = node.args[0]
@@ -69,5 +118,28 @@ def collective_stats(gm: torch.fx.GraphModule) -> CommStats:
         if kind is None:
             continue
         stats.counts[kind] = stats.counts.get(kind, 0) + 1
-        stats.bytes[kind] = stats.bytes.get(kind, 0) + _payload_bytes(node)
+        stats.bytes[kind] = stats.bytes.get(kind, 0) + payload_bytes(node)
     return stats
+
+
+def wait_of(collective: torch.fx.Node) -> torch.fx.Node | None:
+    """The one ``wait_tensor`` of ``collective``; None when it has other users."""
+    users = list(collective.users)
+    if len(users) == 1 and is_wait(users[0]):
+        return users[0]
+    return None
+
+
+def deferred_part(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The nodes computed from deferred reductions' results, in graph order: their waits
+    and everything downstream of them, the output aside (NOTE: [cross-iteration overlap]
+    in passes/cross_iteration_overlap.py)."""
+    found: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if (is_wait(node) and is_deferred(node.args[0])) or any(  # type: ignore[arg-type]
+            a in found for a in node.all_input_nodes
+        ):
+            found.add(node)
+    return [n for n in graph.nodes if n in found]

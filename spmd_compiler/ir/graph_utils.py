@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from .. import _torch_private as private
-from ..errors import MODULE_FQN, ORIGIN, PHASE, USER_LINE
+from .node_meta import MODULE_FQN, ORIGIN, PHASE, USER_LINE
 
 # node.meta keys that follow a value when a graph is re-traced node by node.
 CARRIED_META = (MODULE_FQN, USER_LINE, PHASE, "stack_trace")

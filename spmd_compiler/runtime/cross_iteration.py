@@ -25,9 +25,8 @@ from typing import Any
 
 import torch.fx
 
-from spmd_compiler.passes.collective_graph import deferred_part
-
 from ..errors import SPMDCompileError
+from ..ir.collectives import deferred_part
 from ..ir.graph_utils import output_args, placeholders
 
 

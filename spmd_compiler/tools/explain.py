@@ -22,10 +22,10 @@ import torch
 import torch.fx
 
 from ..expand.retrace import DistributedProgram, Placements, format_placements, local_meta
-from ..ir.collectives import CommStats, _payload_bytes, collective_kind, collective_stats
+from ..ir.collectives import CommStats, collective_kind, collective_stats, payload_bytes
 from ..ir.graph_utils import placeholders
+from ..ir.node_meta import bucket_members
 from ..ir.signature import Kind, StateRef, TensorMeta
-from ..passes.collective_graph import BUCKET_MEMBERS
 
 # DTensor's traced process-group lookup: ``mesh_get_process_group(mesh, dim)``, see
 # NOTE: [collective groups] in passes/collective_graph.py.
@@ -257,12 +257,12 @@ def _collective_rows(program: DistributedProgram) -> list[CollectiveRow]:
                 node=node.name,
                 kind=kind,
                 reduce_op=reduce_op,
-                bytes=_payload_bytes(node),
+                bytes=payload_bytes(node),
                 mesh_dim=dim,
                 mesh_dim_name=names[dim] if names and dim is not None else None,
                 members=tuple(
                     (state_names.get(label, label), nbytes)
-                    for label, nbytes in node.meta.get(BUCKET_MEMBERS, ())
+                    for label, nbytes in bucket_members(node)
                 ),
             )
         )

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from spmd_compiler.capture.bindings import find_bindings
 from spmd_compiler.capture.trace import capture_step
-from spmd_compiler.errors import MODULE_FQN, USER_LINE
 from spmd_compiler.ir.graph_utils import output_args, placeholders
+from spmd_compiler.ir.node_meta import MODULE_FQN, USER_LINE
 from spmd_compiler.ir.signature import CapturedStep, Kind, TensorMeta
 
 

@@ -10,8 +10,8 @@ from collective_pass_harness import classification_step, mlp_setup
 
 import spmd_compiler as sc
 from spmd_compiler.api import flush_pending_updates
-from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.collectives import collective_kind
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.passes.collective_graph import DEFERRED, deferred_part, payload_bytes
 from spmd_compiler.tools.explain import explain

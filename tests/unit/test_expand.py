@@ -7,8 +7,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 import spmd_compiler as sc
-from spmd_compiler.errors import ORIGIN, PLACEMENT
 from spmd_compiler.ir.collectives import collective_stats
+from spmd_compiler.ir.node_meta import ORIGIN, PLACEMENT
 from spmd_compiler.passes.manager import check_program
 from spmd_compiler.tools.demo.steps import classification_train_step
 

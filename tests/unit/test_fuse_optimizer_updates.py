@@ -16,7 +16,7 @@ from collective_pass_harness import (
     train,
 )
 
-from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.passes import PassOptions, run_pipeline
 from spmd_compiler.passes.fuse_optimizer_updates import _RULES, fuse_optimizer_updates
 

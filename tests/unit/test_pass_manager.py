@@ -11,7 +11,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Shard
 
-from spmd_compiler.errors import CREATED_BY, PLACEMENT
+from spmd_compiler.ir.node_meta import CREATED_BY, PLACEMENT
 from spmd_compiler.passes import (
     PassFailure,
     PassOptions,

@@ -1,0 +1,100 @@
+"""What the stages write on fx nodes (``node.meta``), with typed accessors.
+
+NOTE: [node meta schema]
+Every key the project writes on a node is named here, with the stage that writes it and
+the type of its value. Read and write through the accessors, not the raw keys, so a
+reader can find every writer and reader of a key by its accessor's name.
+
+| key | written by | value |
+|---|---|---|
+| ``MODULE_FQN`` | capture (module forward hooks) | FQN of the innermost module whose forward traced the node |
+| ``USER_LINE`` | capture | ``errors.SourceLocation`` of the train-step line |
+| ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
+| ``ORIGIN`` | expansion | name of the captured node a per-rank node was expanded from |
+| ``PLACEMENT`` | expansion | DTensor placements of the node's output |
+| ``CREATED_BY`` | pass manager | name of the pass that created the node |
+| ``DEFERRED`` | cross-iteration overlap pass | True on a reduction the next call uses |
+| ``BUCKET_MEMBERS`` | bucketing pass | ``[(label, payload bytes), ...]`` of a bucketed collective |
+
+Keys are carried from a captured node to the nodes expansion makes for it by
+``graph_utils.CARRIED_META``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch.fx
+
+MODULE_FQN = "spmd_module_fqn"
+USER_LINE = "spmd_user_line"
+PLACEMENT = "spmd_placement"
+ORIGIN = "spmd_origin"
+CREATED_BY = "spmd_created_by"
+PHASE = "spmd_phase"
+DEFERRED = "spmd_deferred"
+BUCKET_MEMBERS = "spmd_bucket_members"
+
+
+class Phase(str, enum.Enum):
+    """Which part of the train step traced a node. A ``str`` enum: ``Phase.BACKWARD ==
+    "backward"``, so values stay readable in ``print(graph)`` and in saved metadata."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+# the raw values written in node.meta[PHASE] (kept for readers of older graphs and tests)
+BACKWARD_PHASE = Phase.BACKWARD.value
+OPTIMIZER_PHASE = Phase.OPTIMIZER.value
+
+
+def phase(node: torch.fx.Node) -> Phase:
+    """The phase that traced ``node``; untagged nodes (forward and loss) are FORWARD."""
+    value = node.meta.get(PHASE)
+    return Phase(value) if value is not None else Phase.FORWARD
+
+
+def set_phase(node: torch.fx.Node, value: Phase, *, overwrite: bool = True) -> None:
+    if overwrite or PHASE not in node.meta:
+        node.meta[PHASE] = value.value
+
+
+def module_fqn(node: torch.fx.Node) -> str | None:
+    return node.meta.get(MODULE_FQN)
+
+
+def in_module_forward(node: torch.fx.Node) -> bool:
+    """Traced inside some module's forward and not by the optimizer: a module-level
+    forward computation (a recomputed forward inside backward counts too)."""
+    return MODULE_FQN in node.meta and phase(node) is not Phase.OPTIMIZER
+
+
+def origin(node: torch.fx.Node) -> str | None:
+    return node.meta.get(ORIGIN)
+
+
+def placement(node: torch.fx.Node) -> Any:
+    return node.meta.get(PLACEMENT)
+
+
+def created_by(node: torch.fx.Node) -> str | None:
+    return node.meta.get(CREATED_BY)
+
+
+def is_deferred(node: torch.fx.Node) -> bool:
+    return bool(node.meta.get(DEFERRED, False))
+
+
+def set_deferred(node: torch.fx.Node) -> None:
+    node.meta[DEFERRED] = True
+
+
+def bucket_members(node: torch.fx.Node) -> list[tuple[str, int]]:
+    return list(node.meta.get(BUCKET_MEMBERS, ()))
+
+
+def set_bucket_members(node: torch.fx.Node, members: list[tuple[str, int]]) -> None:
+    node.meta[BUCKET_MEMBERS] = members
