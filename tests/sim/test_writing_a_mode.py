@@ -19,9 +19,8 @@ from torch.distributed.tensor import Replicate, Shard
 import spmd_compiler as sc
 from spmd_compiler.errors import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.graph_utils import placeholders
-from spmd_compiler.parallel_modes import ParallelMode
+from spmd_compiler.parallel_modes import ParallelMode, UseGroup, UseHook, UseStep
 from spmd_compiler.signature import CapturedStep, Kind, StateRef, TensorMeta
-from spmd_compiler.use_step import UseGroup, UseHook, UseStep
 
 TOL = 1e-5
 
