@@ -305,6 +305,11 @@ class _ExpandingInterpreter(RetracingInterpreter):
         if not steps or not isinstance(value, DTensor):
             return value
         for step in steps:
+            if not isinstance(step, UseStep):
+                raise TypeError(
+                    f"the mode's placement_at_use returned {step!r} for {consumer.name} reading "
+                    f"{arg.name}; return a list of UseStep (spmd_compiler.parallel_modes)"
+                )
             key = (arg, step.key)
             if key not in self.at_use:
                 self.at_use[key] = self._redistribute(value, step)

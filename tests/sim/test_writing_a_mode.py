@@ -103,3 +103,27 @@ def test_example_mode_local_batch() -> None:
         # (2, 2) mesh: ranks 0, 1 hold rows 0..3; ranks 2, 3 rows 4..7
         assert [mode.local_batch(x, r)[0, 0].item() for r in range(4)] == [0.0, 0.0, 8.0, 8.0]
         assert torch.equal(GatheredShards().local_batch(x, 3), x[6:8])
+
+
+class OldContract(GatheredShards):
+    """Returns the pre-UseStep ``(placements, group)`` tuples."""
+
+    def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
+        hook = super().placement_at_use(captured, mesh)
+        return lambda consumer, arg: [((Replicate(),), "compute")] if hook(consumer, arg) else None
+
+
+def test_a_hook_that_returns_no_use_steps_is_named() -> None:
+    model = _mlp()
+    step = sc.compile(parallel_mode=OldContract())(_sum_step)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="return a list of UseStep") as info:
+        step(model, _adamw(model), torch.randn(4, 8))
+    assert "placement_at_use returned ((Replicate(),), 'compute')" in str(info.value)
+
+
+def _sum_step(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
