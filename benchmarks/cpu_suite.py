@@ -61,32 +61,39 @@ class SuiteOptions:
 
 @dataclass
 class Run:
-    """``step(wrapper, optim, x[rows], y[rows])`` trains; state lives on ``model``."""
+    """``step(wrapper, optim, *local(x, y))`` trains; state lives on ``model``."""
 
     step: Callable[..., torch.Tensor]
     wrapper: nn.Module
     model: nn.Module
     optim: torch.optim.Optimizer
-    rows: slice
+    # (global tensor, its index among the step's tensor arguments) -> this rank's share
+    share: Callable[[torch.Tensor, int], torch.Tensor]
+
+    def local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.share(x, 0), self.share(y, 1)
 
 
 def build_run(name: str, case: Case, rank: int, world: int, device: str = "cpu") -> Run:
     """Run ``name`` of ``case`` on ``device``; the model moves there before any wrapper or
     sharding sees it, so DDP, FSDP2, TP and the compiled mesh all live on ``device``."""
     model = build_model(case).to(device)
-    share = case.batch // world
-    local = slice(rank * share, (rank + 1) * share)
-    whole = slice(0, case.batch)
+    rows = case.batch // world
+    local = _rows(slice(rank * rows, (rank + 1) * rows))
+    whole = _rows(slice(0, case.batch))
     if name == FLOOR:
         return Run(train_step(case), model, model, build_optimizer(model.parameters()), whole)
     if name.startswith("compiled_"):
         # "compiled_ddp" interprets the program; "compiled_ddp@inductor" lowers it
         mode_name, _, backend = name.removeprefix("compiled_").partition("@")
-        step = sc.compile(
-            parallel_mode=parallel_mode(case, mode_name), backend=backend or "eager"
-        )(train_step(case))
-        rows = whole if mode_name == "tp" else local  # every TP rank sees the whole batch
-        return Run(step, model, model, build_optimizer(model.parameters()), rows)
+        mode = parallel_mode(case, mode_name)
+        step = sc.compile(parallel_mode=mode, backend=backend or "eager")(train_step(case))
+        mode_mesh = mode.mesh(torch.device(device).type)
+
+        def share(t: torch.Tensor, index: int) -> torch.Tensor:
+            return mode.local_batch(t, rank, index=index, mesh=mode_mesh)
+
+        return Run(step, model, model, build_optimizer(model.parameters()), share)
     mesh = init_device_mesh(torch.device(device).type, (world,))
     if name == "torch_ddp":
         ddp = DistributedDataParallel(model)  # forward through the wrapper: it hooks backward
@@ -106,6 +113,11 @@ def build_run(name: str, case: Case, rank: int, world: int, device: str = "cpu")
     raise ValueError(f"unknown run {name!r}")
 
 
+def _rows(rows: slice) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """The share of torch's own runs: the same rows of every argument."""
+    return lambda t, index: t[rows]
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for every queued kernel on a GPU: reading the loss waits only for the kernels
     before it, not for the optimizer update queued after it. Nothing to wait for on CPU."""
@@ -115,10 +127,11 @@ def synchronize(device: torch.device) -> None:
 
 def timed_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
     """Seconds of one step, from a barrier (and an idle device) to its finished update."""
+    args = run.local(x, y)
     dist.barrier()
     synchronize(x.device)
     start = time.perf_counter()
-    loss = run.step(run.wrapper, run.optim, x[run.rows], y[run.rows])
+    loss = run.step(run.wrapper, run.optim, *args)
     loss = loss.detach()
     float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
     synchronize(x.device)
@@ -251,7 +264,7 @@ def bench_case(
     x, y = data[0]
     tp = runs["torch_tp"]
     with counter:
-        tp.step(tp.wrapper, tp.optim, x[tp.rows], y[tp.rows])
+        tp.step(tp.wrapper, tp.optim, *tp.local(x, y))
     out["torch_tp_collectives"] = {"counts": counter.counts, "total_bytes": counter.bytes}
     if peaks:
         out["step_peak_bytes"] = {name: step_peak_bytes(run, x, y) for name, run in runs.items()}

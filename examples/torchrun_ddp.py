@@ -24,16 +24,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="train steps (default 3)")
     args = parser.parse_args()
     info = sc.init_from_env()  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
-    rank, world = info.rank, info.world_size
+    rank = info.rank
     model, optim, data = make(steps=args.steps)
     model.to(info.device)  # cuda:LOCAL_RANK under NCCL (parameters moved in place)
     data = [(x.to(info.device), y.to(info.device)) for x, y in data]
-    step = sc.compile(parallel_mode=DataParallel("replicate"))(train_step)
+    mode = DataParallel("replicate")
+    step = sc.compile(parallel_mode=mode)(train_step)
     losses = []
-    for x, y in data:
-        share = x.shape[0] // world
-        rows = slice(rank * share, (rank + 1) * share)
-        losses.append(float(step(model, optim, x[rows], y[rows])))
+    for x, y in data:  # this rank's share of the global batch, as the mode splits it
+        local_x, local_y = mode.local_batch(x, rank, index=0), mode.local_batch(y, rank, index=1)
+        losses.append(float(step(model, optim, local_x, local_y)))
     if rank == 0:
         report(losses, reference_losses(0, args.steps), 1e-5)
     dist.destroy_process_group()

@@ -1,5 +1,7 @@
 """Parallel modes: how a captured train step is spread over a device mesh."""
 
+from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
+
 from .base import ParallelMode
 from .data_parallel import DataParallel
 from .dtensor_expand import DTensorExpandMode
@@ -7,7 +9,10 @@ from .fsdp_tp import FullyShardTensorParallel
 from .mixed_precision import MixedPrecisionPolicy
 from .tensor_parallel import FusedColwiseParallel, TensorParallel
 
-__all__ = ["DTensorExpandMode", "DataParallel", "FullyShardTensorParallel", "FusedColwiseParallel", "MixedPrecisionPolicy", "ParallelMode", "TensorParallel"]
+__all__ = [
+    "DTensorExpandMode", "DataParallel", "FullyShardTensorParallel", "FusedColwiseParallel",
+    "MixedPrecisionPolicy", "ParallelMode", "TensorParallel", "UseGroup", "UseHook", "UseStep",
+]
 
 
 def make_mode(name: str, **kwargs) -> ParallelMode:

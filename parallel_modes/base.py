@@ -9,20 +9,25 @@ mesh)``, asked for every graph input and output. It is asked before capture for 
 step's tensor arguments (a real rank derives the global shape from its local batch) and
 after capture for state and returned values. Because it depends only on the ref and the
 global metadata, new state keeps the placement of the state it replaces.
+
+What a mode author implements, and the files touched: docs/modes/writing_a_mode.md.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.capture.trace import CaptureOptions
-from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook, expand
-from spmd_compiler.ir.signature import CapturedStep, StateRef, TensorMeta
+from spmd_compiler.expand.retrace import DistributedProgram, Placements, expand
+from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.ir.use_step import UseHook
 from spmd_compiler.passes import PassOptions, run_pipeline
 
 
@@ -69,10 +74,30 @@ class ParallelMode(abc.ABC):
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
         """Placements values must have where particular nodes read them (default: none).
 
-        Returns ``hook(consumer, arg) -> (placements, group) | None``; uses in one group
-        share one redistribution (see ``expand``).
+        Returns ``hook(consumer, arg) -> [UseStep, ...] | None`` (``ir/use_step.py``); uses
+        whose steps share a key share one redistribution.
         """
         return None
+
+    def local_batch(
+        self, x: torch.Tensor, rank: int, *, index: int = 0, mesh: DeviceMesh | None = None
+    ) -> torch.Tensor:
+        """Rank ``rank``'s share of ``x``, the step's ``index``-th tensor argument of the
+        global batch: what that rank passes on real ranks.
+
+        By default the rank's piece of ``x`` under ``placement_of`` for the argument,
+        which is what a simulated rank gets from the global batch.
+
+        Args:
+            x: the global tensor.
+            rank: the global rank whose share to cut.
+            index: the position of ``x`` among the step's tensor arguments.
+            mesh: the mode's mesh; by default ``self.mesh(x.device.type)``.
+        """
+        mesh = mesh if mesh is not None else self.mesh(x.device.type)
+        meta = TensorMeta(tuple(x.shape), x.dtype, x.device, False)
+        placements = self.placement_of(StateRef(Kind.INPUT, index=index), meta, mesh)
+        return shard_for_rank(x, mesh, placements, rank)
 
     def transform_and_compile(
         self, program: DistributedProgram, options: PassOptions | None = None
@@ -86,3 +111,32 @@ class ParallelMode(abc.ABC):
 
 def replicate(mesh: DeviceMesh) -> tuple[Placement, ...]:
     return tuple(Replicate() for _ in range(mesh.ndim))
+
+
+def shard_for_rank(
+    x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], rank: int
+) -> torch.Tensor:
+    """Rank ``rank``'s piece of the global ``x`` placed ``placements`` on ``mesh``
+    (``distribute_tensor``'s pieces: mesh dimensions left to right, ``torch.chunk``).
+
+    Raises:
+        ValueError: ``rank`` is not in ``mesh``, a placement is neither Shard nor
+            Replicate, or a sharded dimension does not divide evenly.
+    """
+    found = (mesh.mesh == rank).nonzero()
+    if found.shape[0] != 1:
+        raise ValueError(f"rank {rank} is not in {mesh}")
+    coordinate = found[0].tolist()
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        if type(p) is not Shard:
+            raise ValueError(f"a step argument placed {p} has no per-rank share to cut")
+        n = mesh.size(mesh_dim)
+        if p.dim >= x.dim() or p.dim < -x.dim() or x.shape[p.dim] % n:
+            raise ValueError(
+                f"a step argument of shape {tuple(x.shape)} does not split evenly over "
+                f"the {n} ranks of mesh dimension {mesh_dim} on its dimension {p.dim}"
+            )
+        x = x.chunk(n, p.dim)[coordinate[mesh_dim]]
+    return x.contiguous()

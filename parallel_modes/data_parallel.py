@@ -24,10 +24,11 @@ from torch.distributed.tensor import Shard
 
 from spmd_compiler.capture.trace import CaptureOptions
 from spmd_compiler.errors import SPMDCompileError
-from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
+from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
 from spmd_compiler.ir.node_meta import MODULE_FQN, OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 from spmd_compiler.passes import OverlapOptions, PassOptions
 
 from .base import ParallelMode, replicate
@@ -150,16 +151,16 @@ class DataParallel(ParallelMode):
         gathered = replicate(mesh)
         reduced = (Shard(0),) if self.sharded else gathered
 
-        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> list[tuple[Placements, str]] | None:
+        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> list[UseStep] | None:
             step = one_step(consumer, arg)
             return None if step is None else [step]
 
-        def one_step(consumer: torch.fx.Node, arg: torch.fx.Node) -> tuple[Placements, str] | None:
+        def one_step(consumer: torch.fx.Node, arg: torch.fx.Node) -> UseStep | None:
             if consumer in grad_casts and arg is consumer.args[0]:
                 # reduce in reduce_dtype, then cast up; a gradient whose rows do not
                 # divide evenly is all-reduced (its padded shard is cut locally after)
                 rows = arg.meta["val"].shape[0] if arg.meta["val"].dim() else 0
-                return (reduced if rows % mesh.size() == 0 else gathered), "reduce"
+                return UseStep(UseGroup.REDUCE, reduced if rows % mesh.size() == 0 else gathered)
             if not self.sharded or consumer.meta.get(PHASE) == OPTIMIZER_PHASE:
                 return None
             if arg in params and consumer in casts:
@@ -167,8 +168,8 @@ class DataParallel(ParallelMode):
             if arg not in params and arg not in casts:
                 return None
             if not self.reshard_after_forward:
-                return gathered, "compute"
-            return gathered, ("forward" if _is_forward(consumer) else "backward")
+                return UseStep(UseGroup.COMPUTE, gathered)
+            return UseStep(UseGroup.FORWARD if _is_forward(consumer) else UseGroup.BACKWARD, gathered)
 
         return at_use
 

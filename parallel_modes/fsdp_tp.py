@@ -10,6 +10,7 @@ dp; gradients are reduce-scattered over dp.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -21,10 +22,11 @@ from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.parent_mesh import parent_placements
-from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
+from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
 from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 
 from .base import ParallelMode
 from .data_parallel import _is_forward, _param_nodes, remake_param_views_for_backward
@@ -136,20 +138,27 @@ class FullyShardTensorParallel(ParallelMode):
                 local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
             )
 
-        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node):
+        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> list[UseStep] | None:
             if consumer.meta.get(PHASE) == OPTIMIZER_PHASE:
                 if arg in state or arg.meta.get(PHASE) == OPTIMIZER_PHASE:
                     return None
-                return [(reduce_scatter_over_dp, "reduce")]  # a gradient entering the update
+                # a gradient entering the update
+                return [UseStep(UseGroup.REDUCE, redistribute=reduce_scatter_over_dp)]
             if arg in params:  # gather over dp, stay tensor-parallel
-                group = "compute"
+                group = UseGroup.COMPUTE
                 if self.reshard_after_forward:
-                    group = "forward" if _is_forward(consumer) else "backward"
-                return [(gather_over_dp, group)]
+                    group = UseGroup.FORWARD if _is_forward(consumer) else UseGroup.BACKWARD
+                return [UseStep(group, redistribute=gather_over_dp)]
             steps = self.tp.layout_at_boundary(consumer, arg, state)
-            return None if steps is None else [((None, p[0]), group) for p, group in steps]
+            return None if steps is None else [_on_tp(step) for step in steps]
 
         return at_use
 
     def __repr__(self) -> str:
         return f"FullyShardTensorParallel(plan={self.tp.plan}, mesh_shape={self.mesh_shape})"
+
+
+def _on_tp(step: UseStep) -> UseStep:
+    """A 1-D tensor-parallel step on the (dp, tp) mesh: dp keeps its placement."""
+    assert step.placements is not None, "TensorParallel's layout steps are placements"
+    return dataclasses.replace(step, placements=(None, *step.placements))

@@ -57,10 +57,11 @@ from torch.distributed.tensor.parallel import (
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.errors import SPMDCompileError
-from spmd_compiler.expand.retrace import DistributedProgram, Placements, UseHook
+from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
 from spmd_compiler.ir.node_meta import MODULE_FQN, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 
 from .base import ParallelMode, replicate
 from .padding import pad_uneven_state
@@ -322,7 +323,7 @@ class TensorParallel(ParallelMode):
 
     def layout_at_boundary(
         self, consumer: torch.fx.Node, arg: torch.fx.Node, state: set[torch.fx.Node]
-    ) -> list[tuple[Placements, str]] | None:
+    ) -> list[UseStep] | None:
         # forward: module inputs and outputs; backward derives its own collectives from
         # propagation, but reads a module's output as it left the module (the same
         # redistribution, shared: a vocabulary-sharded embedding's masked partial can
@@ -342,16 +343,16 @@ class TensorParallel(ParallelMode):
         if outer is not None and not _within(consumer.meta.get(MODULE_FQN), outer):
             layout = self.layouts[outer][1]
             if layout is not None:
-                steps.append(((_normalize(layout, val.dim()),), f"out of {outer}"))
+                steps.append(UseStep(UseGroup.MODULE_OUTPUT, (_normalize(layout, val.dim()),), module=outer))
         if inner is not None and not _within(arg.meta.get(MODULE_FQN), inner):
             layout = self.layouts[inner][0]
             if layout is not None:
-                steps.append(((_normalize(layout, val.dim()),), f"into {inner}"))
+                steps.append(UseStep(UseGroup.MODULE_INPUT, (_normalize(layout, val.dim()),), module=inner))
         return steps or None
 
     def _module_output_in_backward(
         self, arg: torch.fx.Node, val: torch.Tensor
-    ) -> list[tuple[Placements, str]] | None:
+    ) -> list[UseStep] | None:
         outer = _styled_module(arg.meta.get(MODULE_FQN), self.layouts)
         if outer is None or self.layouts[outer][1] is None:
             return None
@@ -361,7 +362,8 @@ class TensorParallel(ParallelMode):
         )
         if not leaves:
             return None
-        return [((_normalize(self.layouts[outer][1], val.dim()),), f"out of {outer}")]
+        layout = _normalize(self.layouts[outer][1], val.dim())
+        return [UseStep(UseGroup.MODULE_OUTPUT, (layout,), module=outer)]
 
     def __repr__(self) -> str:
         return f"TensorParallel(plan={self.plan})"

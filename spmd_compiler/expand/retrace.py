@@ -34,14 +34,13 @@ from ..errors import SPMDCompileError, node_error
 from ..ir.graph_utils import RetracingInterpreter, placeholders
 from ..ir.node_meta import PLACEMENT
 from ..ir.signature import CapturedStep, Kind, TensorMeta, contiguous_stride
+from ..ir.use_step import UseGroup, UseHook, UseStep
 from .local_rules import LocalRules
 
 Placements = tuple[Placement, ...]
 # Longest time DTensor may search one op's sharding through its decomposition
 # (private.bounded_decomposition_propagation); beyond it the op is refused.
 PROPAGATION_BUDGET_SECONDS = 30.0
-# (consumer, arg) -> redistribution steps, each (placements, group); None: use as is
-UseHook = Callable[[torch.fx.Node, torch.fx.Node], "Sequence[tuple[Placements, str]] | None"]
 
 
 @dataclass
@@ -132,13 +131,12 @@ def expand(
         mesh: the device mesh every placement refers to.
         input_placements: one placement tuple per placeholder.
         output_placements: the placement each output must leave the graph with.
-        placement_at_use: ``(consumer, arg) -> [(placements, group), ...] | None``: the
-            mode may require ``arg`` in other placements when ``consumer`` reads it (FSDP
-            gathers a parameter at its use; TP lays out a module's output, then the next
-            module's input). Steps apply in order; one redistribution per (arg, group)
-            is traced, at the first use in that group. A placement of None keeps the
-            current one on that mesh dimension; a callable instead of placements maps
-            the DTensor itself (a mode's own collective).
+        placement_at_use: ``(consumer, arg) -> [UseStep, ...] | None``: the mode may
+            require ``arg`` in other placements when ``consumer`` reads it (FSDP gathers
+            a parameter at its use; TP lays out a module's output, then the next
+            module's input). Steps apply in order; one redistribution per (arg,
+            ``UseStep.key``) is traced, at the first use with that key (see
+            ``ir/use_step.py``).
     """
     start = time.perf_counter()
     local = [
@@ -292,7 +290,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
         self.rules = rules
         self.memo = memo
         self.placement_at_use = placement_at_use
-        self.at_use: dict[tuple[torch.fx.Node, str], Any] = {}
+        self.at_use: dict[tuple[torch.fx.Node, tuple[UseGroup, str]], DTensor] = {}
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple, dict]:
         if self.placement_at_use is None:
@@ -307,27 +305,33 @@ class _ExpandingInterpreter(RetracingInterpreter):
         steps = self.placement_at_use(consumer, arg) if self.placement_at_use else None
         if not steps or not isinstance(value, DTensor):
             return value
-        for wanted, group in steps:
-            key = (arg, group)
-            if callable(wanted):  # the mode redistributes itself
-                if key not in self.at_use:
-                    with self.memo.bypass():
-                        self.at_use[key] = wanted(value)
-                value = self.at_use[key]
-                continue
-            # None keeps the value's current placement on that mesh dimension
-            placements = tuple(
-                current if want is None else want
-                for current, want in zip(value.placements, wanted, strict=True)
-            )
+        for step in steps:
+            if not isinstance(step, UseStep):
+                raise TypeError(
+                    f"the mode's placement_at_use returned {step!r} for {consumer.name} reading "
+                    f"{arg.name}; return a list of UseStep (spmd_compiler.parallel_modes)"
+                )
+            key = (arg, step.key)
             if key not in self.at_use:
-                if tuple(value.placements) == tuple(placements):
-                    self.at_use[key] = value
-                else:
-                    with self.memo.bypass():  # each group gets its own redistribution
-                        self.at_use[key] = value.redistribute(self.mesh, placements)
+                self.at_use[key] = self._redistribute(value, step)
             value = self.at_use[key]
         return value
+
+    def _redistribute(self, value: DTensor, step: UseStep) -> DTensor:
+        """``value`` as ``step`` wants it, traced as its own redistribution."""
+        if step.redistribute is not None:  # the mode redistributes itself
+            with self.memo.bypass():
+                return step.redistribute(value)
+        assert step.placements is not None
+        # None keeps the value's current placement on that mesh dimension
+        placements = tuple(
+            current if want is None else want
+            for current, want in zip(value.placements, step.placements, strict=True)
+        )
+        if tuple(value.placements) == placements:
+            return value
+        with self.memo.bypass():  # each key gets its own redistribution
+            return value.redistribute(self.mesh, placements)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.rules is not None:

@@ -142,18 +142,13 @@ def compiled_worker(
 ) -> dict[str, Any]:
     """One real rank: compile, train on this rank's share of each global batch."""
     model, optimizer, data = build(config)
-    step = spmd_compile(parallel_mode=demo_mode(config))(gpt_train_step)
-    local = []
-    for x, y in data:
-        data_ranks, data_rank = world_size, rank
-        if config.mode == "tp":  # every tensor-parallel rank sees the whole batch
-            data_ranks, data_rank = 1, 0
-        elif config.mode == "fsdp_tp":  # ranks of one dp group share a batch slice
-            tp = (config.mesh or (2, world_size // 2))[1]
-            data_ranks, data_rank = world_size // tp, rank // tp
-        share = x.shape[0] // data_ranks
-        rows = slice(data_rank * share, (data_rank + 1) * share)
-        local.append((x[rows], y[rows]))
+    mode = demo_mode(config)
+    step = spmd_compile(parallel_mode=mode)(gpt_train_step)
+    mesh = mode.mesh(torch.device(config.device).type)
+    local = [
+        (mode.local_batch(x, rank, index=0, mesh=mesh), mode.local_batch(y, rank, index=1, mesh=mesh))
+        for x, y in data
+    ]
     losses = _timed_steps(step, model, optimizer, local, show_steps and rank == 0)
     state = full_state(model, optimizer, None)
     return _result(step, losses, state if rank == 0 else {})
