@@ -1,5 +1,7 @@
 """Parallel modes: how a captured train step is spread over a device mesh."""
 
+from collections.abc import Callable
+
 from .base import ParallelMode
 from .data_parallel import DataParallel
 from .dtensor_expand import DTensorExpandMode
@@ -12,7 +14,7 @@ __all__ = ["DTensorExpandMode", "DataParallel", "FullyShardTensorParallel", "Fus
 
 def make_mode(name: str, **kwargs) -> ParallelMode:
     """A parallel mode by its demo name (``--mode``)."""
-    factories = {
+    factories: dict[str, Callable[..., ParallelMode]] = {
         "dtensor_expand": DTensorExpandMode,
         "ddp": lambda **kw: DataParallel("replicate", **kw),
         "fsdp": lambda **kw: DataParallel("fully_shard", **kw),

@@ -40,7 +40,7 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -190,7 +190,7 @@ def _layouts(style: Style, module: nn.Module) -> tuple[Placement | None, Placeme
     if isinstance(style, ColwiseParallel):
         return Replicate(), style.output_layouts[0]
     want_in = Shard(-1) if _is_linear_like(module) else Replicate()
-    return want_in, style.output_layouts[0]
+    return want_in, cast(RowwiseParallel, style).output_layouts[0]  # match_plan checked the style
 
 
 class TensorParallel(ParallelMode):
@@ -338,7 +338,7 @@ class TensorParallel(ParallelMode):
         outer = _styled_module(arg.meta.get(MODULE_FQN), self.layouts)
         if inner == outer:
             return None
-        steps = []
+        steps: list[tuple[Placements, str]] = []
         if outer is not None and not _within(consumer.meta.get(MODULE_FQN), outer):
             layout = self.layouts[outer][1]
             if layout is not None:
@@ -361,7 +361,7 @@ class TensorParallel(ParallelMode):
         )
         if not leaves:
             return None
-        return [((_normalize(self.layouts[outer][1], val.dim()),), f"out of {outer}")]
+        return [((_normalize(cast(Placement, self.layouts[outer][1]), val.dim()),), f"out of {outer}")]
 
     def __repr__(self) -> str:
         return f"TensorParallel(plan={self.plan})"
