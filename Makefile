@@ -28,5 +28,6 @@ test: $(STAMP)
 test-all: $(STAMP)  # the slow tier too (model zoo, Inductor float64/fsdp, ...)
 	$(PYTHON) -m pytest
 
-lint: $(STAMP)
+lint: $(STAMP)  # ruff, then mypy on the library (config: [tool.mypy] in pyproject.toml)
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy spmd_compiler passes parallel_modes

@@ -1,5 +1,7 @@
 """Parallel modes: how a captured train step is spread over a device mesh."""
 
+from collections.abc import Callable
+
 from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 
 from .base import ParallelMode
@@ -17,7 +19,7 @@ __all__ = [
 
 def make_mode(name: str, **kwargs) -> ParallelMode:
     """A parallel mode by its demo name (``--mode``)."""
-    factories = {
+    factories: dict[str, Callable[..., ParallelMode]] = {
         "dtensor_expand": DTensorExpandMode,
         "ddp": lambda **kw: DataParallel("replicate", **kw),
         "fsdp": lambda **kw: DataParallel("fully_shard", **kw),

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 from spmd_compiler.capture.trace import CaptureOptions
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
-from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.graph_utils import node_arg, placeholders
 from spmd_compiler.ir.node_meta import MODULE_FQN, OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
@@ -243,7 +243,7 @@ def remake_param_views_for_backward(captured: CapturedStep) -> int:
 
     def copy_chain(view: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
         nonlocal created
-        source = view.args[0]
+        source = node_arg(view)
         new_source = copy_chain(source, before) if source in view_set else source
         with graph.inserting_before(before):
             copy = graph.node_copy(view, lambda a: new_source if a is source else a)

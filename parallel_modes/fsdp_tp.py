@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
@@ -60,7 +61,7 @@ class FullyShardTensorParallel(ParallelMode):
         if mesh is None and (mesh_shape is None or len(mesh_shape) != 2):
             raise ValueError("give a 2-D mesh or mesh_shape=(dp, tp)")
         super().__init__(mesh)
-        self.mesh_shape = tuple(mesh.shape) if mesh is not None else tuple(mesh_shape)
+        self.mesh_shape = tuple(mesh.shape) if mesh is not None else tuple(cast(tuple[int, int], mesh_shape))
         self.tp = TensorParallel(plan)
         self.reshard_after_forward = reshard_after_forward
 
@@ -131,7 +132,7 @@ class FullyShardTensorParallel(ParallelMode):
             if not dp.is_partial() or tp.is_partial() or value.dim() == 0:
                 return value
             local = private.reduce_scatter_along(
-                private.local_tensor_of(value), dp.reduce_op, 0, mesh, DP
+                private.local_tensor_of(value), cast(Partial, dp).reduce_op, 0, mesh, DP
             )
             placements = parent_placements(mesh, {TP: tp}, {DP: Shard(0)}, value.dim())
             return DTensor.from_local(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -191,7 +191,7 @@ def _layouts(style: Style, module: nn.Module) -> tuple[Placement | None, Placeme
     if isinstance(style, ColwiseParallel):
         return Replicate(), style.output_layouts[0]
     want_in = Shard(-1) if _is_linear_like(module) else Replicate()
-    return want_in, style.output_layouts[0]
+    return want_in, cast(RowwiseParallel, style).output_layouts[0]  # match_plan checked the style
 
 
 class TensorParallel(ParallelMode):
@@ -339,7 +339,7 @@ class TensorParallel(ParallelMode):
         outer = _styled_module(arg.meta.get(MODULE_FQN), self.layouts)
         if inner == outer:
             return None
-        steps = []
+        steps: list[UseStep] = []
         if outer is not None and not _within(consumer.meta.get(MODULE_FQN), outer):
             layout = self.layouts[outer][1]
             if layout is not None:
@@ -362,7 +362,7 @@ class TensorParallel(ParallelMode):
         )
         if not leaves:
             return None
-        layout = _normalize(self.layouts[outer][1], val.dim())
+        layout = _normalize(cast(Placement, self.layouts[outer][1]), val.dim())
         return [UseStep(UseGroup.MODULE_OUTPUT, (layout,), module=outer)]
 
     def __repr__(self) -> str:

@@ -171,7 +171,7 @@ def _candidates(graph: torch.fx.Graph, options: BucketOptions) -> dict[tuple, li
         val = call.tensor.meta.get("val")
         if not isinstance(val, torch.Tensor) or not isinstance(wait.meta.get("val"), torch.Tensor):
             continue
-        if call.kind == "reduce_scatter" and (val.dim() == 0 or val.shape[0] % call.group_size):
+        if call.kind == "reduce_scatter" and (val.dim() == 0 or val.shape[0] % call.ranks):
             continue
         inputs = [position[n] for n in non_free_inputs(node)]
         ready = max(inputs + [position[barrier] if barrier is not None else -1])
@@ -198,7 +198,7 @@ def _plan(
     current: list[_Member] = []
     first_open = first_bytes is not None  # until a bucket has reached first_bytes
     for m in order:
-        if first_open and sum(c.nbytes for c in current) >= first_bytes:
+        if first_open and first_bytes is not None and sum(c.nbytes for c in current) >= first_bytes:
             buckets.append(current)
             current = []
             first_open = False
@@ -257,7 +257,7 @@ def _issue(graph: torch.fx.Graph, bucket: list[_Member]) -> torch.fx.Node:
     """Pack the members' inputs (NOTE: [bucket layout]), one collective, its wait."""
     call = bucket[0].call
     if call.kind == "reduce_scatter":
-        size = call.group_size
+        size = call.ranks
         rows = [
             new_node(graph, _aten.reshape.default, (m.call.tensor, [size, _numel(m) // size]))
             for m in bucket
@@ -294,7 +294,7 @@ def _split(graph: torch.fx.Graph, bucket: list[_Member], wait: torch.fx.Node) ->
         rows = new_node(graph, _aten.reshape.default, (wait, [size, sum(numels)]))
         return new_node(graph, _aten.split_with_sizes.default, (rows, numels, 1))
     if call.kind == "reduce_scatter":
-        numels = [n // call.group_size for n in numels]
+        numels = [n // call.ranks for n in numels]
     return new_node(graph, _aten.split_with_sizes.default, (wait, numels))
 
 

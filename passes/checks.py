@@ -19,6 +19,7 @@ it into a ``PassFailure`` that names the pass (see NOTE: [pass contract] in ``ma
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -405,7 +406,7 @@ class PassGuard:
             return
         for check in spec.requires:
             _run(
-                f"requires {_check_name(check)} (before the pass)", lambda c=check: c(self.program)
+                f"requires {_check_name(check)} (before the pass)", functools.partial(check, self.program)
             )
 
     def after(self, spec: Pass, changed: Any, fingerprint: Any) -> None:
@@ -428,7 +429,7 @@ class PassGuard:
         self.signature = signature
         _run("local batch only", lambda: check_local_batch(self.program))
         for check in spec.ensures:
-            _run(f"ensures {_check_name(check)}", lambda c=check: c(self.program))
+            _run(f"ensures {_check_name(check)}", functools.partial(check, self.program))
         if self.numerics is not None and changed:
             _run("same numbers as before the pass", self.numerics.compare)
 

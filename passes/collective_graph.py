@@ -78,12 +78,18 @@ class CollectiveCall:
     group_size: int | None
     group: Any
 
+    @property
+    def ranks(self) -> int:
+        """``group_size`` of an all_gather / reduce_scatter, which always has one."""
+        assert self.group_size is not None, f"{self.kind} has no group size"
+        return self.group_size
+
 
 def parse_collective(node: torch.fx.Node) -> CollectiveCall | None:
     """The parts of one of the three bucketable collectives, None for anything else."""
     if node.kwargs or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
-    args = node.args
+    args: tuple[Any, ...] = node.args  # schema-typed below; fx types them as Argument
     if node.target is ALL_REDUCE and len(args) == 3:
         return CollectiveCall("all_reduce", args[0], args[1], None, args[2])
     if node.target is ALL_GATHER and len(args) == 3:
@@ -159,9 +165,9 @@ def non_free_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in node.all_input_nodes if not is_free(a)]
 
 
-def first_use(node: torch.fx.Node, position: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
-    users = list(node.users)
-    return min(users, key=position.__getitem__) if users else None
+def first_use(node: torch.fx.Node, position: dict[torch.fx.Node, int]) -> torch.fx.Node:
+    """The earliest user of ``node``, which must have one."""
+    return min(node.users, key=position.__getitem__)
 
 
 def hoist_free(node: torch.fx.Node, anchor: torch.fx.Node) -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from spmd_compiler.ir.graph_utils import output_values
 from spmd_compiler.ir.node_meta import DEFERRED, is_deferred, set_deferred
 from spmd_compiler.ir.signature import Kind
 
@@ -126,7 +127,8 @@ def cross_iteration_overlap(program, context: PassContext) -> bool:
             continue
         ready = max((position[a] for a in node.all_input_nodes), default=-1)
         candidates.append((ready, node))
-    chosen, total = [], 0
+    chosen: list[torch.fx.Node] = []
+    total = 0
     for _, node in sorted(candidates, key=lambda c: c[0], reverse=True):
         nbytes = payload_bytes(node)
         if chosen and total + nbytes > cap:
@@ -157,7 +159,7 @@ def _only_updates_state(wait: torch.fx.Node, outputs: dict[int, bool]) -> bool:
         seen.add(node)
         for user in node.users:
             if user.op == "output":
-                flat = user.args[0]
+                flat = output_values(user)
                 if any(v is node and not outputs.get(j, False) for j, v in enumerate(flat)):
                     return False
                 continue

@@ -162,13 +162,14 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
             write_json(report, args.json)
         return 0 if report.parity_ok else 1
     from spmd_compiler.tools.demo.run import DemoConfig
-    from spmd_compiler.tools.explain import explain_demo, write_json
+    from spmd_compiler.tools.explain import explain_demo
+    from spmd_compiler.tools.explain import write_json as write_explanation_json
 
     config = DemoConfig(mode=args.mode, world_size=world_size, mesh=args.mesh, n_layer=args.layers, steps=1)
     explanation, _ = explain_demo(config)
     print(explanation.format(dump=args.dump))
     if args.json:
-        write_json(explanation, args.json, dump=args.dump)
+        write_explanation_json(explanation, args.json, dump=args.dump)
     return 0
 
 

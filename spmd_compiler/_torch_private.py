@@ -31,13 +31,16 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree  # re-exported: the package's one way to pytree
+
+if TYPE_CHECKING:
+    from torch._C._distributed import StridedShard
 
 # ---------------------------------------------------------------------------- capture
 
@@ -119,7 +122,7 @@ def _install_stack_trace_anchor_filter() -> None:
         ])
 
     filter_frames._spmd_anchor_filter = True  # type: ignore[attr-defined]
-    TracerBase._filter_traceback_frames = filter_frames
+    TracerBase._filter_traceback_frames = filter_frames  # type: ignore[method-assign,assignment]
 
 
 def current_trace_graph() -> torch.fx.Graph | None:
@@ -308,12 +311,12 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
 
     modules = (dispatch_module, redistribute_module)
     for module in modules:
-        module.redistribute_local_tensor = cached
+        module.redistribute_local_tensor = cached  # type: ignore[attr-defined]
     try:
         yield cache
     finally:
         for module in modules:
-            module.redistribute_local_tensor = original
+            module.redistribute_local_tensor = original  # type: ignore[attr-defined]
 
 
 class PropagationBudgetExceeded(Exception):
@@ -547,7 +550,8 @@ def root_mesh(mesh: Any) -> Any:
     return mesh._get_root_mesh()
 
 
-def is_strided_shard(placement: Any) -> bool:
+def is_strided_shard(placement: Any) -> TypeGuard[StridedShard]:
+    # typed as the C base class: the split factors this package makes and meets are ints
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return isinstance(placement, _StridedShard)
@@ -669,7 +673,7 @@ def make_local_tensor(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
 
 def per_rank_tensors(t: torch.Tensor) -> dict[int, torch.Tensor]:
     """The per-rank values of a simulated tensor (a LocalTensor)."""
-    return dict(t._local_tensors)
+    return dict(t._local_tensors)  # type: ignore[attr-defined]
 
 
 def init_fake_process_group(world_size: int) -> None:
@@ -699,7 +703,7 @@ def inductor_compile(
     patches: dict[str, Any] = {"triton.cudagraphs": cuda_graphs}
     if hasattr(inductor_config, "loop_ordering_after_fusion"):
         patches["loop_ordering_after_fusion"] = False
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[return-value]
 
 
 def default_store() -> Any:
@@ -827,7 +831,7 @@ def _strided_view_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
     fixes: dict[int, Any] = {}
     for out_dim, cmd in enumerate(rule):
         if isinstance(cmd, _view_ops.Flatten) and all(isinstance(d, _view_ops.InputDim) for d in cmd.input_dims):
-            dims = [d.input_dim for d in cmd.input_dims]
+            dims = [d.input_dim for d in cmd.input_dims if isinstance(d, _view_ops.InputDim)]
             for i, dim in enumerate(dims[1:], start=1):
                 for m in sharders(dim):
                     fix = _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_before, out_dim)

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -106,7 +106,7 @@ def fold_rank_values(gm: torch.fx.GraphModule) -> int:
     were folded; 0 (nothing done) for a program without such lookups.
     """
     graph = gm.graph
-    known: dict[torch.fx.Node, object] = {}
+    known: dict[torch.fx.Node, Any] = {}
     folded = 0
     for node in list(graph.nodes):
         if node.op == "get_attr":

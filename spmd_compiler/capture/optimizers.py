@@ -104,7 +104,7 @@ def _full_like_accepting_tensors(original: Callable[..., torch.Tensor]) -> Calla
 
 
 @contextlib.contextmanager
-def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[[], Any]) -> Iterator[None]:
+def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[[BaseException], Any]) -> Iterator[None]:
     """Context for tracing ``opt.step()``: tensor Scalars rewritten, and a Python read of
     a tensor's value inside the optimizer refused with the optimizer's name."""
     from .. import _torch_private as private

@@ -12,7 +12,9 @@ what a collective holds in memory while it is in flight.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.fx
@@ -103,9 +105,9 @@ def payload_bytes(node: torch.fx.Node) -> int:
     if entry[1] == "output":
         vals = node.meta.get("val")
     else:
-        first = node.args[0]
+        first = node.args[0]  # the input tensor(s): a node or a list of nodes
         nodes = first if isinstance(first, (list, tuple)) else [first]
-        vals = [n.meta.get("val") for n in nodes]
+        vals = [n.meta.get("val") for n in cast(Sequence[torch.fx.Node], nodes)]
     if isinstance(vals, torch.Tensor):
         vals = [vals]
     return sum(v.numel() * v.element_size() for v in vals or [] if v is not None)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -60,8 +60,14 @@ class RetracingInterpreter(torch.fx.Interpreter):
         return result
 
 
+def node_arg(node: torch.fx.Node, index: int = 0) -> torch.fx.Node:
+    """``node.args[index]`` where the op's schema makes it a tensor, hence a graph node
+    (torch.fx types every argument as the whole ``Argument`` union). Not checked."""
+    return cast(torch.fx.Node, node.args[index])
+
+
 def replace_with_input(node: torch.fx.Node) -> None:
-    node.replace_all_uses_with(node.args[0])
+    node.replace_all_uses_with(node_arg(node))
     node.graph.erase_node(node)
 
 
@@ -95,7 +101,7 @@ def remove_profiler_and_detach(gm: torch.fx.GraphModule) -> None:
 def _replace_functional_copy(node: torch.fx.Node) -> None:
     """``aten.copy(dst, src)`` (functionalized ``dst.copy_(src)``) is ``src`` when the
     shapes and dtypes agree; DTensor has no rule for it, so it is replaced."""
-    dst, src = node.args[0], node.args[1]
+    dst, src = node_arg(node, 0), node_arg(node, 1)
     dst_val, src_val = dst.meta.get("val"), src.meta.get("val")
     if (
         isinstance(dst_val, torch.Tensor)
@@ -112,8 +118,13 @@ def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def output_values(output: torch.fx.Node) -> list[Any]:
+    """The values an ``output`` node returns: its one argument, a sequence."""
+    return list(cast(Sequence[Any], output.args[0]))
+
+
 def output_args(gm: torch.fx.GraphModule) -> list[Any]:
-    return list(gm.graph.output_node().args[0])
+    return output_values(gm.graph.output_node())
 
 
 def set_outputs(gm: torch.fx.GraphModule, values: list[Any]) -> None:

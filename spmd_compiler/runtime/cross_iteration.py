@@ -101,7 +101,8 @@ def split_program(program: Any) -> DeferredPlan | None:
     for g in (first, steady, finish):
         g.lint()
         modules.append(torch.fx.GraphModule(gm, g))
-    return DeferredPlan(*modules, positions, len(carried), len(part))
+    first_gm, steady_gm, finish_gm = modules
+    return DeferredPlan(first_gm, steady_gm, finish_gm, positions, len(carried), len(part))
 
 
 def _carried_values(graph: torch.fx.Graph, in_part: set[torch.fx.Node]) -> list[torch.fx.Node]:

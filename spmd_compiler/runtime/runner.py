@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,8 @@ def _install(
     bindings: StepBindings, placement_of: Any, mesh: DeviceMesh, sim: Simulation | None
 ) -> None:
     new_params: dict[int, torch.nn.Parameter] = {}
+    p: torch.Tensor  # a parameter, later an optimizer's state key
+    value: torch.Tensor | None  # a parameter, a buffer, later an optimizer's state entry
     for name, p in list(bindings.params.items()):
         ref = StateRef(Kind.PARAM, name)
         placements = placement_of(ref, TensorMeta.of(p), mesh)
@@ -190,7 +192,7 @@ def run_program(
         elif ref.kind is Kind.INPUT:
             flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
         else:
-            value = private.local_tensor_of(state[ref])
+            value = private.local_tensor_of(cast(DTensor, state[ref]))
             if ref.name in program.padded and ref.kind in PADDED_KINDS:
                 value = _pad_rows(value, local.shape, sim, program.padded_dims.get(ref.name, 0))
             flat.append(value)
@@ -288,16 +290,16 @@ def _write_back(
         if ref.kind is Kind.RETURN:
             returned.append(_returned_value(value, mesh, placements, meta, sim))
         elif ref.kind is Kind.PARAM:
-            private.set_local_tensor(bindings.params[ref.name], value)
+            private.set_local_tensor(cast(DTensor, bindings.params[ref.name]), value)
         elif ref.kind is Kind.BUFFER:
-            private.set_local_tensor(bindings.buffers[ref.name], value)
+            private.set_local_tensor(cast(DTensor, bindings.buffers[ref.name]), value)
         elif ref.kind is Kind.GRAD:
             grads_out.add(ref.name)
             param = bindings.params[ref.name]
             if param.grad is None:
                 param.grad = _wrap(value, mesh, placements, meta)
             else:
-                private.set_local_tensor(param.grad, value)
+                private.set_local_tensor(cast(DTensor, param.grad), value)
         elif ref.kind is Kind.OPTIM_STATE:
             opt = bindings.optimizers[ref.optimizer]
             entry = opt.state[bindings.params[ref.name]]
@@ -360,7 +362,9 @@ def _unpad_rows(
     if sim is not None and isinstance(value, private.local_tensor_type()):
         kept = {r: keep(t, r) for r, t in private.per_rank_tensors(value).items()}
         return private.make_local_tensor(kept), true_meta
-    return keep(value, mesh.get_coordinate()[0]), true_meta
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank is not in the mesh"
+    return keep(value, coordinate[0]), true_meta
 
 
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensor:

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import spmd_compiler as sc
-from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.parallel_modes import ParallelMode, UseGroup, UseHook, UseStep
 

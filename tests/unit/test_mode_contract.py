@@ -15,9 +15,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler.capture.bindings import find_bindings
-from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.expand.retrace import format_placements
 from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import Kind, StateRef, TensorMeta
 from spmd_compiler.ir.use_step import UseGroup, UseStep
 from spmd_compiler.parallel_modes import (

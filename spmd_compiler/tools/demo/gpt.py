@@ -22,6 +22,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    causal_mask: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
