@@ -59,6 +59,7 @@ import enum
 import functools
 import hashlib
 import io
+import json
 import logging
 import os
 import sys
@@ -162,7 +163,9 @@ class _Encoder:
             if type(v) is torch.Tensor and self.constants is not None:
                 self.constants.append(v.detach())
                 return ["const", len(self.constants) - 1]
-        if self.mesh is not None and v is self.mesh:
+        if self.mesh is not None and isinstance(v, DeviceMesh) and v == self.mesh:
+            # the graph's mesh (an equal one traced earlier counts: torch keeps the first
+            # mesh object of a layout); a loaded graph gets the current call's mesh
             return ["mesh", 0]
         if isinstance(v, enum.Enum) and type(v) is Kind:
             return ["kind", v.value]
@@ -227,6 +230,7 @@ class _Decoder:
         self.constants = constants
         self.mesh = mesh
         self.fake_mode = fake_mode
+        self.fakes: dict[str, torch.Tensor] = {}
         self.env: dict[str, torch.fx.Node] = {}
 
     def value(self, v: Any) -> Any:  # noqa: PLR0911
@@ -259,10 +263,7 @@ class _Decoder:
             name, fields = payload
             return _DATACLASSES[name](**self.value(fields))
         if tag == "fake":
-            shape, stride, dtype, device, requires_grad = payload
-            with self.fake_mode:
-                t = torch.empty_strided(shape, stride, dtype=self.value(dtype), device=device)
-            return t.requires_grad_(requires_grad) if requires_grad else t
+            return self._fake(payload)
         if tag == "const":
             return self.constants[payload]
         if tag == "mesh":
@@ -270,6 +271,16 @@ class _Decoder:
         if tag == "kind":
             return Kind(payload)
         raise ValueError(f"unknown tag {tag!r}")
+
+    def _fake(self, spec: list[Any]) -> torch.Tensor:
+        """A fake tensor of ``spec``; equal specs share one (node meta is read only)."""
+        memo = repr(spec)
+        if memo not in self.fakes:
+            shape, stride, dtype, device, requires_grad = spec
+            with self.fake_mode:
+                t = torch.empty_strided(shape, stride, dtype=self.value(dtype), device=device)
+            self.fakes[memo] = t.requires_grad_(requires_grad) if requires_grad else t
+        return self.fakes[memo]
 
     def target(self, op: str, t: Any) -> Any:
         if op != "call_function":
@@ -504,7 +515,13 @@ def decode_program(
 
 def entry_bytes(key: str, program: DistributedProgram) -> bytes:
     """The file content of ``program``'s entry. Raises Uncacheable."""
-    body = {"format": FORMAT, "key": key, "digest": source_digest(), **encode_program(program)}
+    encoded = encode_program(program)
+    constants = encoded.pop("constants")
+    body = {
+        "format": FORMAT, "key": key, "digest": source_digest(),
+        # one JSON string: torch.load(weights_only=True) unpickles it at C speed
+        "program": json.dumps(encoded, separators=(",", ":")), "constants": constants,
+    }
     buffer = io.BytesIO()
     torch.save(body, buffer)
     return buffer.getvalue()
@@ -525,8 +542,9 @@ def program_from_bytes(
         if body.get(field_name) != expected:
             raise ValueError(f"its {field_name} is {body.get(field_name)!r:.20}, not {expected!r:.20}")
     device = captured.inputs[0][1].device if captured.inputs else torch.device("cpu")
-    body["constants"] = [t.to(device) for t in body["constants"]]
-    return decode_program(body, captured, mesh)
+    entry = json.loads(body["program"])
+    entry["constants"] = [t.to(device) for t in body["constants"]]
+    return decode_program(entry, captured, mesh)
 
 
 class ProgramCache:
