@@ -297,6 +297,10 @@ class CompiledTrainStep:
         except compile_cache.Uncacheable as exc:
             log.info("%s is not cached: its key would need %s", self.func.__name__, exc)
             return self._build(captured, mesh, progress), "uncacheable", 0.0
+        except Exception as exc:  # noqa: BLE001 - the cache must never fail a compile
+            log.warning("%s is not cached: its key failed (%s: %s)",
+                        self.func.__name__, type(exc).__name__, exc)
+            return self._build(captured, mesh, progress), "uncacheable", 0.0
         start = time.perf_counter()
         with progress.stage("load"):
             program = cache.load(key, captured, mesh)

@@ -106,7 +106,7 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path | None:
 # --------------------------------------------------------------------------- encoding
 _PLACEMENT_TYPES: dict[str, type] = private.placement_types()
 _DATACLASSES: dict[str, type] = {"SourceLocation": SourceLocation}
-_META_KEYS = ("val",)
+_META_KEYS = ("val", "stack_trace")
 _IMMUTABLE_LIST = torch.fx.immutable_collections.immutable_list
 _IMMUTABLE_DICT = torch.fx.immutable_collections.immutable_dict
 
@@ -158,6 +158,9 @@ class _Encoder:
             return ["dataclass", [type(v).__name__, self.value(dataclasses.asdict(v))]]
         if isinstance(v, torch.Tensor) and type(v) is not torch.nn.Parameter:
             if private.is_fake(v):
+                sizes = (*v.shape, *v.stride())
+                if not all(type(s) is int for s in sizes):
+                    raise Uncacheable(f"symbolic sizes {tuple(v.shape)}")
                 return ["fake", [list(v.shape), list(v.stride()), self.value(v.dtype),
                                  str(v.device), v.requires_grad]]
             if type(v) is torch.Tensor and self.constants is not None:
@@ -194,17 +197,28 @@ class _Encoder:
         for node in gm.graph.nodes:
             if node.op == "get_attr":
                 attrs[node.target] = self._attribute(gm, str(node.target))
-            meta = [
-                [k, self.value(node.meta[k])] for k in sorted(node.meta)
-                if (k in _META_KEYS or k.startswith("spmd_"))
-                # a process group looked up at run time: no value to keep
-                and not isinstance(node.meta[k], torch.distributed.ProcessGroup)
-            ] if meta_keys else []
+            meta = self._meta(node) if meta_keys else []
             nodes.append([
                 node.op, node.name, self.target(node), self.value(tuple(node.args)),
                 self.value(dict(node.kwargs)), meta,
             ])
         return [nodes, [[k, v] for k, v in attrs.items()]]
+
+    def _meta(self, node: torch.fx.Node) -> list[Any]:
+        """The node meta the pipeline reads. A ``val`` with symbolic sizes (a shard size
+        known per rank at run time) is left out: after the passes only the collective
+        byte counts read it, and those skip a node without one."""
+        out = []
+        for k in sorted(node.meta):
+            value = node.meta[k]
+            if not (k in _META_KEYS or k.startswith("spmd_")):
+                continue
+            if isinstance(value, torch.distributed.ProcessGroup):
+                continue  # a process group looked up at run time: no value to keep
+            if k == "val" and _symbolic(value):
+                continue
+            out.append([k, self.value(value)])
+        return out
 
     def _attribute(self, gm: torch.fx.GraphModule, target: str) -> Any:
         value = gm
@@ -215,6 +229,16 @@ class _Encoder:
         if isinstance(value, torch.nn.Parameter):
             value = value.detach()
         return self.value(value)
+
+
+def _symbolic(value: Any) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return not all(type(s) is int for s in (*value.shape, *value.stride()))
+    if type(value) in (tuple, list):
+        return any(_symbolic(v) for v in value)
+    return False
 
 
 @functools.cache
@@ -637,7 +661,11 @@ def entry_or_none(key: str, program: DistributedProgram) -> bytes:
         return entry_bytes(key, program)
     except Uncacheable as exc:
         log.info("the compiled program is not cached: it holds %s", exc)
-        return b""
+    except Exception as exc:  # noqa: BLE001 - a compiled program must not fail on its entry
+        warnings.warn(f"spmd_compiler: the compiled program could not be written to the "
+                      f"compile cache ({type(exc).__name__}: {exc}); it runs uncached.",
+                      stacklevel=3)
+    return b""
 
 
 def write_or_warn(cache: ProgramCache, key: str, data: bytes) -> None:

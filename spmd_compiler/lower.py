@@ -27,6 +27,7 @@ import torch.fx
 
 from . import _torch_private as private
 from .errors import SPMDCompileError
+from .progress import compile_progress
 
 log = logging.getLogger("spmd_compiler.lower")
 
@@ -92,10 +93,12 @@ class LoweredGraph:
         gm = copy.deepcopy(self.graph_module)
         fold_rank_values(gm)
         self._constants = lift_constants(gm)
-        self._compiled = private.inductor_compile(
-            gm, [*flat, *self._constants], cuda_graphs=self.options.cuda_graphs,
-            cache_dir=str(self.inductor_cache_dir) if self.inductor_cache_dir else None,
-        )
+        title = f"a {len(gm.graph.nodes)}-node program with inductor"
+        with compile_progress(title) as progress, progress.stage("lowering"):
+            self._compiled = private.inductor_compile(
+                gm, [*flat, *self._constants], cuda_graphs=self.options.cuda_graphs,
+                cache_dir=str(self.inductor_cache_dir) if self.inductor_cache_dir else None,
+            )
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs",
                  len(gm.graph.nodes), self.compile_seconds)

@@ -74,3 +74,34 @@ def test_one_rank_compiles_and_a_restart_loads(tmp_path: Path) -> None:
             assert max(relative_difference(r["state"][k], ref_state[k]) for k in ref_state) < TOLERANCE
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a["losses"], b["losses"])
+
+
+def inductor_worker(rank: int, world_size: int, cache_dir: str) -> dict[str, object]:
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(DataParallel("replicate"), cache_dir=cache_dir, backend="inductor")(
+        classification_train_step
+    )
+    share = GLOBAL_BATCH // world_size
+    rows = slice(rank * share, (rank + 1) * share)
+    losses = [step(model, optim, x[rows], y[rows]).detach().clone() for x, y in global_batches()]
+    return {
+        "cache": [r.cache for r in step.records], "losses": torch.stack(losses),
+        "lowering": step.timings.lower_seconds,
+    }
+
+
+@pytest.mark.slow
+def test_inductor_kernels_are_cached_too(tmp_path: Path) -> None:
+    """With backend="inductor", Inductor's FX graph cache lives under the cache
+    directory, so a restarted job reuses its compiled kernels."""
+    first = sc.launch(inductor_worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=600)
+    assert any((tmp_path / "inductor").rglob("*")), "Inductor wrote nothing under the cache"
+    second = sc.launch(inductor_worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=600)
+    assert [r["cache"] for r in second] == [["hit", "hit"]] * WORLD_SIZE
+    ref_losses, _ = eager()
+    for r in (*first, *second):
+        assert relative_difference(r["losses"], ref_losses) < TOLERANCE
+    print("lowering seconds, first launch:", [round(r["lowering"], 2) for r in first],
+          "restart:", [round(r["lowering"], 2) for r in second])
+    assert max(r["lowering"] for r in second) < min(r["lowering"] for r in first)

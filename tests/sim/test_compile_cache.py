@@ -107,6 +107,29 @@ def test_hit_loads_the_same_program_and_matches_eager(tmp_path: Path, extra_pass
         assert second.last_program.deferred is not None
 
 
+def fsdp_tp() -> object:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from spmd_compiler.parallel_modes.fsdp_tp import FullyShardTensorParallel
+
+    return FullyShardTensorParallel(
+        {"0": ColwiseParallel(), "2": RowwiseParallel()}, mesh_shape=(2, 2)
+    )
+
+
+@pytest.mark.slow
+def test_fsdp_tp_2x2_hit_matches_eager(tmp_path: Path) -> None:
+    first, first_losses, first_state = run(tmp_path, mode=fsdp_tp, world_size=4)
+    assert caches(first) == ["miss", "miss"]
+    second, losses, state = run(tmp_path, mode=fsdp_tp, world_size=4)
+    assert caches(second) == ["hit", "hit"]
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
+    assert_same(first_state, state)
+    ref_losses, ref_state = eager()
+    assert max(relative_difference(a, b) for a, b in zip(losses, ref_losses, strict=True)) < TOLERANCE
+    assert max(relative_difference(state[k], ref_state[k]) for k in ref_state) < TOLERANCE
+
+
 @pytest.mark.parametrize(
     "change",
     [
