@@ -1,7 +1,7 @@
 """The persistent compile cache on 2 real gloo ranks (NOTE: [persistent compile cache]).
 
 First launch: for each program one rank compiles and the other receives it through the
-store ("shared"). Second launch (a restarted job): both ranks load from disk ("hit").
+store ("shared") or, when it arrives after the write, from the shared directory ("hit"). Second launch (a restarted job): both ranks load from disk ("hit").
 Both launches compute what one device computes eagerly on the global batch.
 """
 
@@ -61,9 +61,11 @@ def eager() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 def test_one_rank_compiles_and_a_restart_loads(tmp_path: Path) -> None:
     first = sc.launch(worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=300)
     # each of the two programs (before / after the optimizer state exists) was compiled
-    # by one rank and received by the other
+    # by one rank; the other received it through the store, or (the directory is shared
+    # here) found it on disk when it got there after the write
     for k in range(2):
-        assert sorted(r["cache"][k] for r in first) == ["miss", "shared"], [r["cache"] for r in first]
+        got = sorted(r["cache"][k] for r in first)
+        assert got in (["miss", "shared"], ["hit", "miss"]), [r["cache"] for r in first]
     assert len(list((tmp_path / "programs").glob("*.pt"))) == 2
     second = sc.launch(worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=300)
     assert [r["cache"] for r in second] == [["hit", "hit"]] * WORLD_SIZE
