@@ -58,6 +58,8 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import importlib
+import inspect
 import io
 import json
 import logging
@@ -91,6 +93,9 @@ WAIT_SECONDS = 1800.0
 _STORE_PREFIX = "spmd_compiler/compile_cache"
 _PACKAGES = ("spmd_compiler",)
 _FUNCTION_MODULES = ("operator", "builtins", "math", "torch", "spmd_compiler")
+# Operator namespaces whose implementations and DTensor rules come with torch (its
+# version is in the key); a custom operator's sharding rule could change unseen.
+_OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor"})
 
 
 class Uncacheable(Exception):
@@ -179,6 +184,8 @@ class _Encoder:
         if node.op != "call_function":
             return t
         if private.is_op_overload(t):
+            if t.namespace not in _OP_NAMESPACES:  # a user's op: its rules may change
+                raise Uncacheable(f"node {node.name} calls {t}, an operator outside torch")
             return ["op", [t.namespace, t._opname, t._overloadname]]
         module, qualname = getattr(t, "__module__", None), getattr(t, "__qualname__", None)
         if module == "_operator":
@@ -312,6 +319,8 @@ class _Decoder:
         tag, payload = t
         if tag == "op":
             ns, name, overload = payload
+            if ns not in _OP_NAMESPACES:
+                raise ValueError(f"operator namespace {ns!r}")
             return getattr(getattr(getattr(torch.ops, ns), name), overload)
         if tag == "fn" and payload[0].split(".")[0] in _FUNCTION_MODULES:
             return _resolve(*payload)
@@ -394,9 +403,8 @@ def source_digest() -> str:
     root = Path(__file__).resolve().parent
     roots = {root}
     for sub in ("passes", "parallel_modes"):
-        module = sys.modules.get(f"spmd_compiler.{sub}")
-        if module is not None and getattr(module, "__file__", None):
-            roots.add(Path(module.__file__).resolve().parent)
+        module = importlib.import_module(f"spmd_compiler.{sub}")
+        roots.add(Path(module.__file__).resolve().parent)
     digest = hashlib.sha256()
     for folder in sorted(roots):
         for path in sorted(folder.rglob("*.py")):
@@ -422,6 +430,25 @@ def _plugin_digest() -> list[str]:
     return digests
 
 
+def _class_sources(cls: type) -> list[str]:
+    """Digests of the source files of ``cls`` and its bases that are neither torch's nor
+    this package's (a user's ParallelMode subclass): its code decides placements."""
+    out = []
+    for klass in cls.__mro__:
+        top = (klass.__module__ or "").split(".")[0]
+        if top in ("torch", "builtins", "abc", *_PACKAGES):
+            continue
+        try:
+            source = inspect.getsourcefile(klass)
+        except TypeError:
+            source = None
+        if not source or not Path(source).is_file():
+            raise Uncacheable(f"the class {klass.__qualname__} without a source file")
+        out.append(f"{klass.__module__}.{klass.__qualname__}:"
+                   + hashlib.sha256(Path(source).read_bytes()).hexdigest())
+    return out
+
+
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     flat = t.detach().cpu().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
@@ -442,7 +469,8 @@ def program_key(
     mode_state = {k: v for k, v in vars(mode).items() if k != "_mesh"}
     parts = [
         FORMAT, graph, _signature(captured),
-        [f"{type(mode).__module__}.{type(mode).__qualname__}", fingerprint(mode_state)],
+        [f"{type(mode).__module__}.{type(mode).__qualname__}", fingerprint(mode_state),
+         _class_sources(type(mode))],
         fingerprint(mesh), bool(simulated),
         fingerprint(options), os.environ.get("SPMD_DISABLE_PASSES", ""),
         fingerprint(lowering),

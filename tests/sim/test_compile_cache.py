@@ -287,3 +287,30 @@ def test_a_restarted_process_loads_the_program(tmp_path: Path) -> None:
           f"(capture {sum(second['capture']):.2f} s, load {sum(second['load']):.2f} s)")
     # a hit skips expansion and the passes: well under the first compile
     assert sum(second["compile"]) < sum(first["compile"])
+
+
+USER_MODE = '''
+from spmd_compiler.parallel_modes import DataParallel
+
+
+class UserMode(DataParallel):
+    """A user's mode: its code is not the compiler's, so its source is in the key."""
+
+    def __init__(self):
+        super().__init__("replicate")
+'''
+
+
+def test_a_user_mode_class_is_keyed_by_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "user_mode_for_cache_test.py"
+    source.write_text(USER_MODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_mode_for_cache_test as user
+
+    cache = tmp_path / "cache"
+    assert caches(run(cache, mode=user.UserMode)[0]) == ["miss", "miss"]
+    assert caches(run(cache, mode=user.UserMode)[0]) == ["hit", "hit"]
+    source.write_text(USER_MODE + "\n# edited: placement_of could have changed\n")
+    assert caches(run(cache, mode=user.UserMode)[0]) == ["miss", "miss"]
