@@ -557,6 +557,44 @@ def is_strided_shard(placement: Any) -> TypeGuard[StridedShard]:
     return isinstance(placement, _StridedShard)
 
 
+def placement_types() -> dict[str, type]:
+    """DTensor's placement classes by name, private ones included (the compile cache
+    rebuilds placements from these names)."""
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+    return {t.__name__: t for t in (Shard, Replicate, Partial, _StridedShard)}
+
+
+def is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def is_op_overload(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def has_plain_codegen(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` is called with flat positional inputs and returns as its graph
+    says (no pytree codegen that a rebuilt graph would lose)."""
+    return type(gm.graph._codegen) is torch.fx.graph.CodeGen
+
+
+@contextlib.contextmanager
+def inductor_cache_dir(directory: str | None) -> Iterator[None]:
+    """Inductor's on-disk caches (FX graph cache, kernels) under ``directory`` while the
+    block runs; nothing changes for None. Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` when
+    it looks a cache up; torch's own ``temporary_cache_dir`` sets and restores it."""
+    if directory is None:
+        yield
+        return
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    with temporary_cache_dir(directory):
+        yield
+
+
 def strided_shard(dim: int, split_factor: int) -> Any:
     """DTensor's placement for a right-to-left nested shard (NOTE: [parent-mesh sharding])."""
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -687,7 +725,8 @@ def is_fake_process_group() -> bool:
 
 
 def inductor_compile(
-    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], cuda_graphs: bool = False
+    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], cuda_graphs: bool = False,
+    cache_dir: str | None = None,
 ) -> Callable[..., Any]:
     """Compile an ATen-level graph with Inductor (``torch._inductor.compile_fx``).
 
@@ -703,7 +742,10 @@ def inductor_compile(
     patches: dict[str, Any] = {"triton.cudagraphs": cuda_graphs}
     if hasattr(inductor_config, "loop_ordering_after_fusion"):
         patches["loop_ordering_after_fusion"] = False
-    return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[return-value]
+    if cache_dir is not None:  # NOTE: [persistent compile cache]: kernels reused too
+        patches["fx_graph_cache"] = True
+    with inductor_cache_dir(cache_dir):
+        return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[return-value]
 
 
 def default_store() -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.passes import PassOptions
 
+from . import compile_cache
 from .capture.bindings import StepBindings, find_bindings
 from .capture.guards import Guards, build_guards
 from .capture.trace import capture_step
@@ -48,6 +50,10 @@ class CompileRecord:
     expand_seconds: float
     pass_seconds: float
     total_seconds: float
+    # NOTE: [persistent compile cache]: "off", "uncacheable", "miss" (compiled here and
+    # written), "hit" (loaded from disk) or "shared" (compiled by another rank)
+    cache: str = "off"
+    cache_load_seconds: float = 0.0
 
 
 @dataclass
@@ -83,11 +89,14 @@ class CompiledTrainStep:
     def __init__(
         self, func: Callable[..., Any], mode: ParallelMode, options: PassOptions,
         lowering: LoweringOptions | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.func = func
         self.mode = mode
         self.options = options
         self.lowering = lowering or LoweringOptions()
+        root = compile_cache.resolve_cache_dir(cache_dir)
+        self.disk_cache = compile_cache.ProgramCache(root) if root is not None else None
         self.records: list[CompileRecord] = []
         self._cache: dict[tuple, list[tuple[Guards, DistributedProgram]]] = {}
         self._meshes: dict[str, DeviceMesh] = {}
@@ -136,6 +145,7 @@ class CompiledTrainStep:
         lowering = program.executable.compile_seconds - lowered_before
         if lowering > 0:  # this call lowered a graph (NOTE: [lowering]): not a step time
             self.timings.compile_seconds += lowering
+            self.timings.lower_seconds += lowering
         else:
             self.timings.step_seconds.append(elapsed)
         self._pending = None
@@ -232,30 +242,91 @@ class CompiledTrainStep:
             self.mode.prepare(bindings)
             with progress.stage("capture"):
                 captured, guards = self._capture_guarded(bindings, input_metas)
-            with progress.stage("expand"):  # expand() sets the node total and counts
-                program = self.mode.partition(captured, mesh)
-            program.collectives_before_passes = dict(
-                collective_stats(program.graph_module).counts
-            )
-            with progress.stage("passes"):
-                program = self.mode.transform_and_compile(program, self.options)
-            with progress.stage("split"):
-                program.deferred = split_program(program)
-            program.executable = Executable.of(program, self.lowering)
+            program, how, load_seconds = self._cached_or_built(captured, mesh, progress)
+            inductor_dir = self.disk_cache.inductor_dir if self.disk_cache else None
+            program.executable = Executable.of(program, self.lowering, inductor_dir)
         total = time.perf_counter() - start
+        built = how in ("off", "uncacheable", "miss")
         record = CompileRecord(
-            key, program, captured.capture_seconds, program.expand_seconds,
-            sum(program.pass_seconds.values()), total,
+            key, program, captured.capture_seconds, program.expand_seconds if built else 0.0,
+            sum(program.pass_seconds.values()) if built else 0.0, total, how, load_seconds,
         )
         self.records.append(record)
         self._cache.setdefault(key, []).append((guards, program))
-        self.timings.compile_seconds += total
+        timings = self.timings
+        timings.compile_seconds += total
+        timings.capture_seconds += record.capture_seconds
+        timings.expand_seconds += record.expand_seconds
+        timings.pass_seconds += record.pass_seconds
+        timings.cache_load_seconds += load_seconds
         log.info(
-            "compiled %s with %r in %.2fs (capture %.2fs, expand %.2fs, passes %.2fs)",
+            "compiled %s with %r in %.2fs (capture %.2fs, expand %.2fs, passes %.2fs, "
+            "cache %s, load %.2fs)",
             self.func.__name__, self.mode, total, record.capture_seconds,
-            record.expand_seconds, record.pass_seconds,
+            record.expand_seconds, record.pass_seconds, how, load_seconds,
         )
         return program
+
+    def _build(self, captured: CapturedStep, mesh: DeviceMesh, progress: Any) -> DistributedProgram:
+        """Expand, run the passes, split: the program of ``captured`` (no cache)."""
+        with progress.stage("expand"):  # expand() sets the node total and counts
+            program = self.mode.partition(captured, mesh)
+        program.collectives_before_passes = dict(
+            collective_stats(program.graph_module).counts
+        )
+        with progress.stage("passes"):
+            program = self.mode.transform_and_compile(program, self.options)
+        with progress.stage("split"):
+            program.deferred = split_program(program)
+        return program
+
+    def _cached_or_built(
+        self, captured: CapturedStep, mesh: DeviceMesh, progress: Any
+    ) -> tuple[DistributedProgram, str, float]:
+        """The program of ``captured``: from the persistent cache, from the rank that
+        compiled it, or built here (NOTE: [persistent compile cache]). Returns it, how
+        it was obtained (``CompileRecord.cache``) and the seconds spent loading."""
+        cache = self.disk_cache
+        if cache is None:
+            return self._build(captured, mesh, progress), "off", 0.0
+        sim = active_simulation()
+        try:
+            key = compile_cache.program_key(
+                captured, self.mode, mesh, self.options, self.lowering, sim is not None
+            )
+        except compile_cache.Uncacheable as exc:
+            log.info("%s is not cached: its key would need %s", self.func.__name__, exc)
+            return self._build(captured, mesh, progress), "uncacheable", 0.0
+        except Exception as exc:  # noqa: BLE001 - the cache must never fail a compile
+            log.warning("%s is not cached: its key failed (%s: %s)",
+                        self.func.__name__, type(exc).__name__, exc)
+            return self._build(captured, mesh, progress), "uncacheable", 0.0
+        start = time.perf_counter()
+        with progress.stage("load"):
+            program = cache.load(key, captured, mesh)
+        if program is not None:
+            return program, "hit", time.perf_counter() - start
+        share = compile_cache.RankShare(key) if sim is None else None
+        if share is not None and not share.claim():
+            with progress.stage("wait"):
+                data = share.receive()
+                program = (
+                    compile_cache.decode_or_warn(data, key, captured, mesh, "sent by another rank")
+                    if data else None
+                )
+            if program:
+                compile_cache.write_or_warn(cache, key, data)
+                return program, "shared", time.perf_counter() - start
+            share = None
+        data = b""
+        try:
+            program = self._build(captured, mesh, progress)
+            data = compile_cache.entry_or_none(key, program)
+            compile_cache.write_or_warn(cache, key, data)
+        finally:
+            if share is not None:
+                share.publish(data)
+        return program, "miss", 0.0
 
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta]
@@ -302,6 +373,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     verify_numerics: bool = False,
     backend: str = "eager",
     cuda_graphs: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
     """Compile a whole train step (forward, loss, backward, optimizer) for N ranks.
 
@@ -319,6 +391,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             first call, collectives kept in the order the passes chose). Simulated ranks
             always interpret. See NOTE: [lowering] in ``spmd_compiler/lower.py``.
         cuda_graphs: with backend "inductor" on CUDA, replay each step as a CUDA graph.
+        cache_dir: a directory for the persistent compile cache (default: the
+            ``SPMD_COMPILER_CACHE_DIR`` environment variable; unset: no cache). A
+            restarted job loads its compiled program from there instead of expanding
+            and optimizing it again. See NOTE: [persistent compile cache] in
+            ``spmd_compiler/compile_cache.py``.
     """
     mode = parallel_mode if parallel_mode is not None else DTensorExpandMode()
     options = PassOptions(
@@ -329,6 +406,6 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     lowering = LoweringOptions(backend, cuda_graphs)  # type: ignore[arg-type]
 
     def decorate(func: Callable[..., Any]) -> CompiledTrainStep:
-        return CompiledTrainStep(func, mode, options, lowering)
+        return CompiledTrainStep(func, mode, options, lowering, cache_dir)
 
     return decorate

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -26,6 +27,7 @@ import torch.fx
 
 from . import _torch_private as private
 from .errors import SPMDCompileError
+from .progress import compile_progress
 
 log = logging.getLogger("spmd_compiler.lower")
 
@@ -66,6 +68,8 @@ class LoweredGraph:
 
     graph_module: torch.fx.GraphModule
     options: LoweringOptions
+    # Inductor's on-disk cache (NOTE: [persistent compile cache]); None: Inductor's default
+    inductor_cache_dir: Path | None = None
     compile_seconds: float = 0.0
     _compiled: Callable[..., Sequence[torch.Tensor]] | None = None
     _constants: list[torch.Tensor] = field(default_factory=list)
@@ -89,9 +93,12 @@ class LoweredGraph:
         gm = copy.deepcopy(self.graph_module)
         fold_rank_values(gm)
         self._constants = lift_constants(gm)
-        self._compiled = private.inductor_compile(
-            gm, [*flat, *self._constants], cuda_graphs=self.options.cuda_graphs
-        )
+        title = f"a {len(gm.graph.nodes)}-node program with inductor"
+        with compile_progress(title) as progress, progress.stage("lowering"):
+            self._compiled = private.inductor_compile(
+                gm, [*flat, *self._constants], cuda_graphs=self.options.cuda_graphs,
+                cache_dir=str(self.inductor_cache_dir) if self.inductor_cache_dir else None,
+            )
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs",
                  len(gm.graph.nodes), self.compile_seconds)
@@ -197,17 +204,20 @@ class Executable:
     finish: LoweredGraph | None = None
 
     @classmethod
-    def of(cls, program: object, options: LoweringOptions) -> Executable:
+    def of(
+        cls, program: object, options: LoweringOptions, inductor_cache_dir: Path | None = None
+    ) -> Executable:
         """Lower ``program`` (a ``DistributedProgram``): lazily, on each graph's first
         call on a real rank, where its real inputs serve as examples."""
         plan = getattr(program, "deferred", None)
-        step = LoweredGraph(program.graph_module, options)  # type: ignore[attr-defined]
+
+        def lowered(gm: torch.fx.GraphModule) -> LoweredGraph:
+            return LoweredGraph(gm, options, inductor_cache_dir)
+
+        step = lowered(program.graph_module)  # type: ignore[attr-defined]
         if plan is None:
             return cls(step)
-        return cls(
-            step, LoweredGraph(plan.first, options), LoweredGraph(plan.steady, options),
-            LoweredGraph(plan.finish, options),
-        )
+        return cls(step, lowered(plan.first), lowered(plan.steady), lowered(plan.finish))
 
     def for_call(self, with_carry: bool) -> LoweredGraph:
         """The program one call runs: ``steady`` with a carry from the previous call,

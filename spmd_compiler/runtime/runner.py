@@ -35,10 +35,16 @@ from .simulate import Simulation
 
 @dataclass
 class StepTimings:
+    """Seconds spent by one compiled step, summed over its compiles. ``compile_seconds``
+    is all of it (capture, expansion, passes, cache loads and lowering on first calls);
+    the others are its parts. ``step_seconds`` lists each call that did not lower."""
+
     compile_seconds: float = 0.0
     capture_seconds: float = 0.0
     expand_seconds: float = 0.0
     pass_seconds: float = 0.0
+    lower_seconds: float = 0.0
+    cache_load_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
 
 

@@ -154,6 +154,17 @@ def compiled_worker(
     return _result(step, losses, state if rank == 0 else {})
 
 
+def compile_breakdown(step) -> dict[str, Any]:
+    """Seconds per compile stage, summed over the step's compiles, and how the cache
+    served each compile (NOTE: [persistent compile cache])."""
+    t = step.timings
+    return {
+        "capture": t.capture_seconds, "expand": t.expand_seconds, "passes": t.pass_seconds,
+        "lowering": t.lower_seconds, "cache load": t.cache_load_seconds,
+        "cache": [r.cache for r in step.records],
+    }
+
+
 def _result(step, losses: list[float], state: dict[str, torch.Tensor]) -> dict[str, Any]:
     stats = collective_stats(step.last_program.graph_module)
     steady = step.timings.step_seconds[2:] or step.timings.step_seconds
@@ -164,6 +175,7 @@ def _result(step, losses: list[float], state: dict[str, torch.Tensor]) -> dict[s
         "collectives_before_passes": dict(step.last_program.collectives_before_passes),
         "comm_bytes_per_step": stats.total_bytes,
         "compile_seconds": step.timings.compile_seconds,
+        "compile_breakdown": compile_breakdown(step),
         "step_seconds": steady,
         "compile_count": step.compile_count,
     }
@@ -207,7 +219,8 @@ def run_demo(config: DemoConfig, show_steps: bool = False) -> DemoReport:
         comm_bytes_per_step=compiled["comm_bytes_per_step"],
         compile_seconds=compiled["compile_seconds"], step_seconds=compiled["step_seconds"],
         parity_checked=checked, parity_ok=ok,
-        extra={"compile_count": compiled["compile_count"], "config": asdict(config)},
+        extra={"compile_count": compiled["compile_count"], "config": asdict(config),
+               "compile_breakdown": compiled["compile_breakdown"]},
     )
 
 
@@ -222,6 +235,11 @@ def print_report(report: DemoReport) -> None:
           f"(before passes: {before or 'none'})")
     med = statistics.median(report.step_seconds) if report.step_seconds else float("nan")
     print(f"compile {report.compile_seconds:.2f}s; step median {med * 1e3:.1f} ms")
+    parts = report.extra.get("compile_breakdown")
+    if parts:
+        print("compile stages: " + ", ".join(
+            f"{k} {v:.2f}s" for k, v in parts.items() if k != "cache"
+        ) + f"; compile cache: {', '.join(parts['cache'])}")
     if report.parity_checked:
         verdict = "OK" if report.parity_ok else "FAILED"
         print(

@@ -1,0 +1,714 @@
+"""A persistent cache of compiled per-rank programs, so a restarted job skips expansion
+and the passes.
+
+NOTE: [persistent compile cache]
+Key. The step is always captured first (``capture_step``, the single-device trace), and
+the key is a SHA-256 of what the rest of the pipeline reads:
+- the captured graph: every node's op, target, arguments and the node meta the pipeline
+  reads (``val`` as shape / stride / dtype / device, and every ``spmd_*`` key), the bytes
+  of its tensor constants, and the step signature (state refs, global metas, outputs);
+- the parallel mode's settings after ``prepare`` (its plan, placements, mixed precision,
+  every attribute, walked strictly), the mesh (device type, rank layout, dim names: the
+  world size), PassOptions plus ``SPMD_DISABLE_PASSES``, the lowering options;
+- simulated or real ranks, torch's version and git hash, Python's version, the default
+  dtype and deterministic-algorithms flag;
+- this package's version and a digest of the source of ``spmd_compiler`` (its ``passes``
+  and ``parallel_modes`` included) and of every registered third-party pass's module, so
+  an edited compiler never loads a program an older one made.
+Anything the key walker cannot encode exactly (a function held by the mode, a SymInt, an
+unknown object in node meta) makes the step *uncacheable*: it compiles as without a cache
+(logged at INFO). Skipping capture was measured and rejected: a key built before capture
+must cover all code the trace runs (the step, ``forward``s, helpers reached through
+module attributes, imports inside functions, environment variables it reads), which the
+guard walker (NOTE: [guards on Python values]) finds only for scalars and not provably
+for code; a stale program would run silently. So a hit costs one capture plus the load.
+Guards are built from that fresh capture, so they hold on a hit exactly as on a miss.
+
+The rank is not in the key: the per-rank program is one graph for every rank (NOTE: [one
+program for every rank]); its process groups and coordinate are looked up at run time on
+the mesh the graph holds, which a loaded graph gets from the current call.
+
+Value. The per-rank graph(s) (the step, or ``first`` / ``steady`` / ``finish`` of a
+deferred plan) encoded node by node into plain lists, strings and numbers (no pickled
+code): targets as operator names (``aten::mm.default``) or importable functions of
+``operator`` / ``torch`` / this package; tensor constants as tensors; the mesh as a
+marker re-bound to the current mesh. With the signature as the pipeline left it (padding
+changes input metas), the placements, local input metas, padding, and the stats the demo
+shows. The file is written by ``torch.save`` to a temporary name then ``os.replace``d,
+and read with ``torch.load(weights_only=True)``: a tampered file cannot run code. A file
+that fails to load or decode, or whose stored key, format or compiler digest differ, is
+ignored with a warning and the step recompiles (and rewrites it).
+
+Where. ``sc.compile(..., cache_dir=...)`` or ``SPMD_COMPILER_CACHE_DIR``; off otherwise.
+Off by default, unlike ``torch.compile``: a wrong program is this project's worst bug and
+the cache trusts the files under the directory, so a user opts in for long jobs; tests
+use their ``tmp_path``. With ``backend="inductor"``, Inductor's own FX graph cache is
+pointed at ``<cache_dir>/inductor`` while lowering, so its kernels are reused too.
+
+Ranks. On real ranks with the cache on, the first rank to claim a key on the default
+store (``store.add``) compiles; the others wait for its encoded entry on the store and
+decode it (no shared filesystem needed), then write it to their own cache directory. A
+leader that fails publishes the failure and every waiter compiles itself (and meets the
+same error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import importlib
+import inspect
+import io
+import json
+import logging
+import os
+import sys
+import tempfile
+import types
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
+
+from . import _torch_private as private
+from .errors import SourceLocation
+from .expand.retrace import DistributedProgram
+from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
+
+log = logging.getLogger("spmd_compiler.compile_cache")
+
+CACHE_ENV = "SPMD_COMPILER_CACHE_DIR"
+FORMAT = 1
+# Longest a rank waits for another rank's compile of the same program (the default
+# process-group timeout); after it, the rank compiles itself.
+WAIT_SECONDS = 1800.0
+_STORE_PREFIX = "spmd_compiler/compile_cache"
+_PACKAGES = ("spmd_compiler",)
+_FUNCTION_MODULES = ("operator", "builtins", "math", "torch", "spmd_compiler")
+# Operator namespaces whose implementations and DTensor rules come with torch (its
+# version is in the key); a custom operator's sharding rule could change unseen.
+_OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor"})
+
+
+class Uncacheable(Exception):
+    """Something the key or the entry cannot encode exactly; the step is not cached."""
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The cache directory: the argument, else ``SPMD_COMPILER_CACHE_DIR``, else None (off)."""
+    chosen = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or None
+    return Path(chosen).expanduser() if chosen is not None else None
+
+
+# --------------------------------------------------------------------------- encoding
+_PLACEMENT_TYPES: dict[str, type] = private.placement_types()
+_DATACLASSES: dict[str, type] = {"SourceLocation": SourceLocation}
+_META_KEYS = ("val", "stack_trace")
+_IMMUTABLE_LIST = torch.fx.immutable_collections.immutable_list
+_IMMUTABLE_DICT = torch.fx.immutable_collections.immutable_dict
+
+
+_PLACEMENT_FIELDS = {
+    "Shard": ("dim",), "Replicate": (), "Partial": ("reduce_op",),
+    "_StridedShard": ("dim", "split_factor"),
+}
+
+
+def _placement_fields(p: Placement) -> dict[str, Any]:
+    name = type(p).__name__
+    if name not in _PLACEMENT_FIELDS or _PLACEMENT_TYPES.get(name) is not type(p):
+        raise Uncacheable(f"the placement {p!r}")
+    return {f: getattr(p, f) for f in _PLACEMENT_FIELDS[name]}
+
+
+class _Encoder:
+    """Values -> nested lists / str / numbers / tensors; refuses what it cannot rebuild."""
+
+    def __init__(self, constants: list[torch.Tensor] | None = None, mesh: Any = None) -> None:
+        self.constants = constants
+        self.mesh = mesh
+
+    def value(self, v: Any) -> Any:  # noqa: PLR0911 - one branch per supported type
+        if v is None or type(v) in (bool, int, float, str):
+            return v
+        if type(v) is tuple:
+            return ["t", [self.value(x) for x in v]]
+        if type(v) in (list, _IMMUTABLE_LIST):
+            return ["l", [self.value(x) for x in v]]
+        if type(v) in (dict, _IMMUTABLE_DICT):
+            return ["d", [[self.value(k), self.value(x)] for k, x in v.items()]]
+        if type(v) is torch.fx.Node:
+            return ["n", v.name]
+        if isinstance(v, torch.dtype):
+            return ["dtype", str(v).removeprefix("torch.")]
+        if isinstance(v, torch.device):
+            return ["device", str(v)]
+        if isinstance(v, (torch.layout, torch.memory_format)):
+            return ["torch", str(v).removeprefix("torch.")]
+        if type(v) is slice:
+            return ["slice", [self.value(v.start), self.value(v.stop), self.value(v.step)]]
+        if v is Ellipsis:
+            return ["ellipsis", 0]
+        if isinstance(v, Placement):
+            return ["placement", [type(v).__name__, self.value(_placement_fields(v))]]
+        if type(v) in _DATACLASSES.values():
+            return ["dataclass", [type(v).__name__, self.value(dataclasses.asdict(v))]]
+        if isinstance(v, torch.Tensor) and type(v) is not torch.nn.Parameter:
+            if private.is_fake(v):
+                sizes = (*v.shape, *v.stride())
+                if not all(type(s) is int for s in sizes):
+                    raise Uncacheable(f"symbolic sizes {tuple(v.shape)}")
+                return ["fake", [list(v.shape), list(v.stride()), self.value(v.dtype),
+                                 str(v.device), v.requires_grad]]
+            if type(v) is torch.Tensor and self.constants is not None:
+                self.constants.append(v.detach())
+                return ["const", len(self.constants) - 1]
+        if self.mesh is not None and isinstance(v, DeviceMesh) and v == self.mesh:
+            # the graph's mesh (an equal one traced earlier counts: torch keeps the first
+            # mesh object of a layout); a loaded graph gets the current call's mesh
+            return ["mesh", 0]
+        if isinstance(v, enum.Enum) and type(v) is Kind:
+            return ["kind", v.value]
+        raise Uncacheable(f"a value of type {type(v).__qualname__} ({v!r:.80})")
+
+    def target(self, node: torch.fx.Node) -> Any:
+        t = node.target
+        if node.op != "call_function":
+            return t
+        if private.is_op_overload(t):
+            t = cast(Any, t)  # an OpOverload (checked above)
+            if t.namespace not in _OP_NAMESPACES:  # a user's op: its rules may change
+                raise Uncacheable(f"node {node.name} calls {t}, an operator outside torch")
+            return ["op", [t.namespace, t._opname, t._overloadname]]
+        module, qualname = getattr(t, "__module__", None), getattr(t, "__qualname__", None)
+        if module == "_operator":
+            module = "operator"
+        if module is None or qualname is None or module.split(".")[0] not in _FUNCTION_MODULES:
+            raise Uncacheable(f"node {node.name} calls {t!r}, not an operator or torch function")
+        if _resolve(module, qualname) is not t:
+            raise Uncacheable(f"node {node.name} calls {module}.{qualname}, not importable by name")
+        return ["fn", [module, qualname]]
+
+    def graph(self, gm: torch.fx.GraphModule, meta_keys: bool = True) -> list[Any]:
+        if not private.has_plain_codegen(gm):
+            raise Uncacheable("a graph with pytree inputs or outputs")
+        nodes = []
+        attrs: dict[str, Any] = {}
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                attrs[node.target] = self._attribute(gm, str(node.target))
+            meta = self._meta(node) if meta_keys else []
+            nodes.append([
+                node.op, node.name, self.target(node), self.value(tuple(node.args)),
+                self.value(dict(node.kwargs)), meta,
+            ])
+        return [nodes, [[k, v] for k, v in attrs.items()]]
+
+    def _meta(self, node: torch.fx.Node) -> list[Any]:
+        """The node meta the pipeline reads. A ``val`` with symbolic sizes (a shard size
+        known per rank at run time) is left out: after the passes only the collective
+        byte counts read it, and those skip a node without one."""
+        out = []
+        for k in sorted(node.meta):
+            value = node.meta[k]
+            if not (k in _META_KEYS or k.startswith("spmd_")):
+                continue
+            if isinstance(value, torch.distributed.ProcessGroup):
+                continue  # a process group looked up at run time: no value to keep
+            if k == "val" and _symbolic(value):
+                continue
+            out.append([k, self.value(value)])
+        return out
+
+    def _attribute(self, gm: torch.fx.GraphModule, target: str) -> Any:
+        value = gm
+        for part in target.split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.fx.GraphModule):
+            return ["graph", self.graph(value)]
+        if isinstance(value, torch.nn.Parameter):
+            value = value.detach()
+        return self.value(value)
+
+
+def _symbolic(value: Any) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return not all(type(s) is int for s in (*value.shape, *value.stride()))
+    if type(value) in (tuple, list):
+        return any(_symbolic(v) for v in value)
+    return False
+
+
+@functools.cache
+def _resolve(module: str, qualname: str) -> Any:
+    obj: Any = sys.modules.get(module) or __import__(module, fromlist=["_"])
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Decoder:
+    def __init__(self, constants: list[torch.Tensor], mesh: Any, fake_mode: Any) -> None:
+        self.constants = constants
+        self.mesh = mesh
+        self.fake_mode = fake_mode
+        self.fakes: dict[str, torch.Tensor] = {}
+        self.env: dict[str, torch.fx.Node] = {}
+
+    def value(self, v: Any) -> Any:  # noqa: PLR0911
+        if not isinstance(v, list):
+            return v
+        tag, payload = v
+        if tag == "t":
+            return tuple(self.value(x) for x in payload)
+        if tag == "l":
+            return [self.value(x) for x in payload]
+        if tag == "d":
+            return {self.value(k): self.value(x) for k, x in payload}
+        if tag == "n":
+            return self.env[payload]
+        if tag in ("dtype", "torch"):
+            value = getattr(torch, payload)
+            if not isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                raise ValueError(f"not a torch dtype/layout: {payload}")
+            return value
+        if tag == "device":
+            return torch.device(payload)
+        if tag == "slice":
+            return slice(*(self.value(x) for x in payload))
+        if tag == "ellipsis":
+            return Ellipsis
+        if tag == "placement":
+            name, fields = payload
+            return _PLACEMENT_TYPES[name](**self.value(fields))
+        if tag == "dataclass":
+            name, fields = payload
+            return _DATACLASSES[name](**self.value(fields))
+        if tag == "fake":
+            return self._fake(payload)
+        if tag == "const":
+            return self.constants[payload]
+        if tag == "mesh":
+            return self.mesh
+        if tag == "kind":
+            return Kind(payload)
+        raise ValueError(f"unknown tag {tag!r}")
+
+    def _fake(self, spec: list[Any]) -> torch.Tensor:
+        """A fake tensor of ``spec``; equal specs share one (node meta is read only)."""
+        memo = repr(spec)
+        if memo not in self.fakes:
+            shape, stride, dtype, device, requires_grad = spec
+            with self.fake_mode:
+                t = torch.empty_strided(shape, stride, dtype=self.value(dtype), device=device)
+            self.fakes[memo] = t.requires_grad_(requires_grad) if requires_grad else t
+        return self.fakes[memo]
+
+    def target(self, op: str, t: Any) -> Any:
+        if op != "call_function":
+            return t
+        tag, payload = t
+        if tag == "op":
+            ns, name, overload = payload
+            if ns not in _OP_NAMESPACES:
+                raise ValueError(f"operator namespace {ns!r}")
+            return getattr(getattr(getattr(torch.ops, ns), name), overload)
+        if tag == "fn" and payload[0].split(".")[0] in _FUNCTION_MODULES:
+            return _resolve(*payload)
+        raise ValueError(f"unknown target {t!r}")
+
+    def graph(self, data: list[Any]) -> torch.fx.GraphModule:
+        nodes, attrs = data
+        outer, self.env = self.env, {}
+        root: dict[str, Any] = {}
+        for name, value in attrs:
+            root[name] = self.graph(value[1]) if value[0] == "graph" else self.value(value)
+        graph = torch.fx.Graph()
+        for op, name, target, args, kwargs, meta in nodes:
+            node = graph.create_node(
+                op, self.target(op, target), self.value(args), self.value(kwargs), name=name
+            )
+            if node.name != name:
+                raise ValueError(f"node name {name} came back as {node.name}")
+            for key, value in meta:
+                node.meta[key] = self.value(value)
+            self.env[name] = node
+        graph.lint()
+        self.env = outer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a get_attr of the mesh object
+            return torch.fx.GraphModule(root, graph)
+
+
+# --------------------------------------------------------------------------- the key
+def _ref(ref: StateRef) -> list[Any]:
+    return [ref.kind.value, ref.name, ref.key, ref.optimizer, ref.group, ref.index]
+
+
+def _meta(meta: TensorMeta) -> list[Any]:
+    return [list(meta.shape), str(meta.dtype), str(meta.device), meta.requires_grad]
+
+
+def _signature(captured: CapturedStep) -> list[Any]:
+    return [
+        [[_ref(r), _meta(m)] for r, m in captured.inputs],
+        [_ref(r) for r in captured.outputs],
+        [_meta(m) for m in captured.output_metas],
+        [_ref(r) for r in captured.unchanged],
+    ]
+
+
+def fingerprint(obj: Any, depth: int = 6) -> Any:
+    """A strict, comparable description of a mode / options object: primitives,
+    containers, dtypes, placements, meshes, enums, and objects (their class and every
+    attribute) of torch or this package. Raises Uncacheable for anything else."""
+    if obj is None or type(obj) in (bool, int, float, str):
+        return obj
+    if type(obj) in (tuple, list):
+        return [type(obj).__name__, [fingerprint(x, depth) for x in obj]]
+    if type(obj) in (set, frozenset):
+        return ["set", sorted(repr(fingerprint(x, depth)) for x in obj)]
+    if type(obj) in (dict, types.MappingProxyType):
+        return ["dict", sorted(([repr(fingerprint(k, depth)), fingerprint(v, depth)]
+                                for k, v in obj.items()), key=lambda kv: kv[0])]
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return [type(obj).__qualname__, repr(obj.value)]
+    if isinstance(obj, Placement):
+        return ["placement", type(obj).__name__, fingerprint(_placement_fields(obj))]
+    if isinstance(obj, DeviceMesh):
+        return ["mesh", obj.device_type, obj.mesh.tolist(), list(obj.mesh_dim_names or ())]
+    module = type(obj).__module__ or ""
+    if depth > 0 and module.split(".")[0] in ("torch", *_PACKAGES) and hasattr(obj, "__dict__"):
+        if callable(obj):  # code the key cannot describe (a module, a partial)
+            raise Uncacheable(f"a callable {type(obj).__qualname__}")
+        return [f"{module}.{type(obj).__qualname__}",
+                fingerprint(dict(vars(obj)), depth - 1)]
+    raise Uncacheable(f"a {type(obj).__qualname__} in the parallel mode or options")
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """SHA-256 of this package's source (passes and parallel modes included)."""
+    root = Path(__file__).resolve().parent
+    roots = {root}
+    for sub in ("passes", "parallel_modes"):
+        module = importlib.import_module(f"spmd_compiler.{sub}")
+        assert module.__file__ is not None, f"spmd_compiler.{sub} has no source file"
+        roots.add(Path(module.__file__).resolve().parent)
+    digest = hashlib.sha256()
+    for folder in sorted(roots):
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(str(path.relative_to(folder)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _plugin_digest() -> list[str]:
+    from spmd_compiler.passes.registry import registered_passes
+
+    digests = []
+    for name, spec in sorted(registered_passes().items()):
+        module = sys.modules.get(getattr(spec.fn, "__module__", "") or "")
+        if module is None:
+            raise Uncacheable(f"pass {name}'s module is unknown")
+        if module.__name__.split(".")[0] in _PACKAGES:
+            continue
+        source = getattr(module, "__file__", None)
+        if not source:
+            raise Uncacheable(f"pass {name}'s module has no source file")
+        digests.append(name + ":" + hashlib.sha256(Path(source).read_bytes()).hexdigest())
+    return digests
+
+
+def _class_sources(cls: type) -> list[str]:
+    """Digests of the source files of ``cls`` and its bases that are neither torch's nor
+    this package's (a user's ParallelMode subclass): its code decides placements."""
+    out = []
+    for klass in cls.__mro__:
+        top = (klass.__module__ or "").split(".")[0]
+        if top in ("torch", "builtins", "abc", *_PACKAGES):
+            continue
+        try:
+            source = inspect.getsourcefile(klass)
+        except TypeError:
+            source = None
+        if not source or not Path(source).is_file():
+            raise Uncacheable(f"the class {klass.__qualname__} without a source file")
+        out.append(f"{klass.__module__}.{klass.__qualname__}:"
+                   + hashlib.sha256(Path(source).read_bytes()).hexdigest())
+    return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def program_key(
+    captured: CapturedStep, mode: Any, mesh: Any, options: Any, lowering: Any, simulated: bool
+) -> str:
+    """The cache key of the program compiled from ``captured`` (see the NOTE).
+
+    Raises:
+        Uncacheable: something the key cannot describe exactly.
+    """
+    from spmd_compiler import __version__
+
+    constants: list[torch.Tensor] = []
+    graph = _Encoder(constants).graph(captured.graph_module)
+    mode_state = {k: v for k, v in vars(mode).items() if k != "_mesh"}
+    parts = [
+        FORMAT, graph, _signature(captured),
+        [f"{type(mode).__module__}.{type(mode).__qualname__}", fingerprint(mode_state),
+         _class_sources(type(mode))],
+        fingerprint(mesh), bool(simulated),
+        fingerprint(options), os.environ.get("SPMD_DISABLE_PASSES", ""),
+        fingerprint(lowering),
+        torch.__version__, torch.version.git_version, sys.version,
+        str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled(),
+        __version__, source_digest(), _plugin_digest(),
+    ]
+    digest = hashlib.sha256(repr(parts).encode())
+    for t in constants:
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(_tensor_bytes(t))
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- entries
+_GRAPHS = ("step", "first", "steady", "finish")
+
+
+def encode_program(program: DistributedProgram) -> dict[str, Any]:
+    """The entry of ``program``: plain data and tensors (see the NOTE). Raises
+    Uncacheable."""
+    constants: list[torch.Tensor] = []
+    enc = _Encoder(constants, mesh=program.mesh)
+    plan = program.deferred
+    graphs = {"step": enc.graph(program.graph_module)}
+    if plan is not None:
+        graphs |= {name: enc.graph(getattr(plan, name)) for name in _GRAPHS[1:]}
+    fields = {
+        "signature": _signature(program.captured),
+        "input_placements": enc.value(program.input_placements),
+        "output_placements": enc.value(program.output_placements),
+        "local_inputs": [_meta(m) for m in program.local_inputs],
+        "padded": enc.value(program.padded),
+        "padded_dims": enc.value(program.padded_dims),
+        "collectives_before_passes": enc.value(program.collectives_before_passes),
+        "passes_applied": enc.value(program.passes_applied),
+        "pass_seconds": enc.value(program.pass_seconds),
+        "expand_seconds": program.expand_seconds,
+        "deferred": None if plan is None else enc.value(
+            [list(plan.positions), plan.carry_count, plan.deferred_nodes]
+        ),
+    }
+    return {"graphs": graphs, "fields": fields, "constants": constants}
+
+
+def _tensor_meta(data: list[Any]) -> TensorMeta:
+    shape, dtype, device, requires_grad = data
+    return TensorMeta(tuple(shape), getattr(torch, dtype.removeprefix("torch.")),
+                      torch.device(device), requires_grad)
+
+
+def _state_ref(data: list[Any]) -> StateRef:
+    kind, name, key, optimizer, group, index = data
+    return StateRef(Kind(kind), name, key, optimizer, group, index)
+
+
+def decode_program(
+    entry: dict[str, Any], captured: CapturedStep, mesh: Any
+) -> DistributedProgram:
+    """Rebuild the program of ``entry`` on ``mesh``, around the fresh ``captured`` step
+    (its graph, return structure and code stay; its signature becomes the one the
+    pipeline left, e.g. padded)."""
+    from .runtime.cross_iteration import DeferredPlan
+
+    dec = _Decoder(entry["constants"], mesh, private.fake_tensor_mode())
+    graphs = {name: dec.graph(data) for name, data in entry["graphs"].items()}
+    f = entry["fields"]
+    inputs, outputs, output_metas, unchanged = f["signature"]
+    captured = dataclasses.replace(
+        captured,
+        inputs=[(_state_ref(r), _tensor_meta(m)) for r, m in inputs],
+        outputs=[_state_ref(r) for r in outputs],
+        output_metas=[_tensor_meta(m) for m in output_metas],
+        unchanged=[_state_ref(r) for r in unchanged],
+    )
+    deferred = None
+    if f["deferred"] is not None:
+        positions, carry_count, deferred_nodes = dec.value(f["deferred"])
+        deferred = DeferredPlan(
+            graphs["first"], graphs["steady"], graphs["finish"], tuple(positions),
+            carry_count, deferred_nodes,
+        )
+    return DistributedProgram(
+        graph_module=graphs["step"], captured=captured, mesh=mesh,
+        input_placements=[tuple(p) for p in dec.value(f["input_placements"])],
+        output_placements=[tuple(p) for p in dec.value(f["output_placements"])],
+        local_inputs=[_tensor_meta(m) for m in f["local_inputs"]],
+        padded=dec.value(f["padded"]), padded_dims=dec.value(f["padded_dims"]),
+        collectives_before_passes=dec.value(f["collectives_before_passes"]),
+        expand_seconds=f["expand_seconds"], passes_applied=dec.value(f["passes_applied"]),
+        pass_seconds=dec.value(f["pass_seconds"]), deferred=deferred,
+    )
+
+
+def entry_bytes(key: str, program: DistributedProgram) -> bytes:
+    """The file content of ``program``'s entry. Raises Uncacheable."""
+    encoded = encode_program(program)
+    constants = encoded.pop("constants")
+    body = {
+        "format": FORMAT, "key": key, "digest": source_digest(),
+        # one JSON string: torch.load(weights_only=True) unpickles it at C speed
+        "program": json.dumps(encoded, separators=(",", ":")), "constants": constants,
+    }
+    buffer = io.BytesIO()
+    torch.save(body, buffer)
+    return buffer.getvalue()
+
+
+def program_from_bytes(
+    data: bytes, key: str, captured: CapturedStep, mesh: Any
+) -> DistributedProgram:
+    """Load an entry (``torch.load(weights_only=True)``) and rebuild its program.
+
+    Raises:
+        ValueError: the entry is of another format, key or compiler.
+    """
+    body = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    if not isinstance(body, dict):
+        raise ValueError("not a cache entry")
+    for field_name, expected in (("format", FORMAT), ("key", key), ("digest", source_digest())):
+        if body.get(field_name) != expected:
+            raise ValueError(f"its {field_name} is {body.get(field_name)!r:.20}, not {expected!r:.20}")
+    device = captured.inputs[0][1].device if captured.inputs else torch.device("cpu")
+    entry = json.loads(body["program"])
+    entry["constants"] = [t.to(device) for t in body["constants"]]
+    return decode_program(entry, captured, mesh)
+
+
+class ProgramCache:
+    """Entries under ``<root>/programs/<key>.pt``; Inductor's cache under ``<root>/inductor``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.programs = root / "programs"
+
+    @property
+    def inductor_dir(self) -> Path:
+        return self.root / "inductor"
+
+    def path(self, key: str) -> Path:
+        return self.programs / f"{key}.pt"
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, key: str, data: bytes) -> None:
+        """Write atomically (a temporary file in the same directory, then ``os.replace``)."""
+        self.programs.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.programs)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def load(self, key: str, captured: CapturedStep, mesh: Any) -> DistributedProgram | None:
+        """The program stored under ``key``, or None (missing, or unusable: warned)."""
+        data = self.read(key)
+        if data is None:
+            return None
+        return _decode_or_warn(data, key, captured, mesh, str(self.path(key)))
+
+
+def _decode_or_warn(
+    data: bytes, key: str, captured: CapturedStep, mesh: Any, where: str
+) -> DistributedProgram | None:
+    try:
+        return program_from_bytes(data, key, captured, mesh)
+    except Exception as exc:  # noqa: BLE001 - any broken entry is ignored, never used
+        warnings.warn(
+            f"spmd_compiler: ignoring the compile-cache entry {where}: "
+            f"{type(exc).__name__}: {str(exc)[:200]}; compiling the step again.",
+            stacklevel=4,
+        )
+        return None
+
+
+# --------------------------------------------------------------------------- ranks
+class RankShare:
+    """One compile per key across real ranks, through the default store (see the NOTE).
+
+    ``claim()`` returns True on the rank that compiles the key; that rank must call
+    ``publish`` (with b"" when it failed or the program is uncacheable). ``receive()``
+    on the others waits for the published entry and returns its bytes (b"": compile here).
+    """
+
+    def __init__(self, key: str) -> None:
+        self.store = private.default_store()
+        self.base = f"{_STORE_PREFIX}/{key}"
+
+    def claim(self) -> bool:
+        return self.store.add(f"{self.base}/claim", 1) == 1
+
+    def publish(self, data: bytes) -> None:
+        self.store.set(f"{self.base}/entry", data)
+        self.store.set(f"{self.base}/done", b"1")
+
+    def receive(self) -> bytes:
+        try:
+            self.store.wait([f"{self.base}/done"], timedelta(seconds=WAIT_SECONDS))
+            return bytes(self.store.get(f"{self.base}/entry"))
+        except Exception as exc:  # noqa: BLE001 - a timeout or a lost store: compile here
+            log.warning("waited for another rank's compile of the same program (%s); "
+                        "compiling it on this rank", exc)
+            return b""
+
+
+def entry_or_none(key: str, program: DistributedProgram) -> bytes:
+    """``entry_bytes``, or b"" (logged) for a program the cache cannot hold."""
+    try:
+        return entry_bytes(key, program)
+    except Uncacheable as exc:
+        log.info("the compiled program is not cached: it holds %s", exc)
+    except Exception as exc:  # noqa: BLE001 - a compiled program must not fail on its entry
+        warnings.warn(f"spmd_compiler: the compiled program could not be written to the "
+                      f"compile cache ({type(exc).__name__}: {exc}); it runs uncached.",
+                      stacklevel=3)
+    return b""
+
+
+def write_or_warn(cache: ProgramCache, key: str, data: bytes) -> None:
+    if not data:
+        return
+    try:
+        cache.write(key, data)
+    except OSError as exc:
+        warnings.warn(f"spmd_compiler: could not write the compile cache: {exc}", stacklevel=3)
+
+
+def decode_or_warn(
+    data: bytes, key: str, captured: CapturedStep, mesh: Any, where: str
+) -> DistributedProgram | None:
+    """The program of an entry, or None with a warning when it cannot be used."""
+    return _decode_or_warn(data, key, captured, mesh, where)

@@ -1,0 +1,109 @@
+"""The persistent compile cache on 2 real gloo ranks (NOTE: [persistent compile cache]).
+
+First launch: for each program one rank compiles and the other receives it through the
+store ("shared") or, when it arrives after the write, from the shared directory ("hit"). Second launch (a restarted job): both ranks load from disk ("hit").
+Both launches compute what one device computes eagerly on the global batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_compiler as sc
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.parity import full_state, relative_difference
+
+pytestmark = pytest.mark.dist
+
+WORLD_SIZE = 2
+GLOBAL_BATCH = 8
+STEPS = 3
+TOLERANCE = 1e-5
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1234)
+    return [(torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randint(0, 4, (GLOBAL_BATCH,), generator=gen))
+            for _ in range(STEPS)]
+
+
+def worker(rank: int, world_size: int, cache_dir: str) -> dict[str, object]:
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(DataParallel("fully_shard"), cache_dir=cache_dir)(classification_train_step)
+    share = GLOBAL_BATCH // world_size
+    rows = slice(rank * share, (rank + 1) * share)
+    losses = [step(model, optim, x[rows], y[rows]).detach().clone() for x, y in global_batches()]
+    return {
+        "cache": [r.cache for r in step.records],
+        "losses": torch.stack(losses),
+        "state": full_state(model, optim, None),
+    }
+
+
+def eager() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = [classification_train_step(model, optim, x, y).detach() for x, y in global_batches()]
+    return torch.stack(losses), full_state(model, optim, None)
+
+
+def test_one_rank_compiles_and_a_restart_loads(tmp_path: Path) -> None:
+    first = sc.launch(worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=300)
+    # each of the two programs (before / after the optimizer state exists) was compiled
+    # by one rank; the other received it through the store, or (the directory is shared
+    # here) found it on disk when it got there after the write
+    for k in range(2):
+        got = sorted(r["cache"][k] for r in first)
+        assert got in (["miss", "shared"], ["hit", "miss"]), [r["cache"] for r in first]
+    assert len(list((tmp_path / "programs").glob("*.pt"))) == 2
+    second = sc.launch(worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=300)
+    assert [r["cache"] for r in second] == [["hit", "hit"]] * WORLD_SIZE
+    ref_losses, ref_state = eager()
+    for run in (first, second):
+        for r in run:
+            assert relative_difference(r["losses"], ref_losses) < TOLERANCE
+            assert max(relative_difference(r["state"][k], ref_state[k]) for k in ref_state) < TOLERANCE
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a["losses"], b["losses"])
+
+
+def inductor_worker(rank: int, world_size: int, cache_dir: str) -> dict[str, object]:
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(DataParallel("replicate"), cache_dir=cache_dir, backend="inductor")(
+        classification_train_step
+    )
+    share = GLOBAL_BATCH // world_size
+    rows = slice(rank * share, (rank + 1) * share)
+    losses = [step(model, optim, x[rows], y[rows]).detach().clone() for x, y in global_batches()]
+    return {
+        "cache": [r.cache for r in step.records], "losses": torch.stack(losses),
+        "lowering": step.timings.lower_seconds,
+    }
+
+
+@pytest.mark.slow
+def test_inductor_kernels_are_cached_too(tmp_path: Path) -> None:
+    """With backend="inductor", Inductor's FX graph cache lives under the cache
+    directory, so a restarted job reuses its compiled kernels."""
+    first = sc.launch(inductor_worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=600)
+    assert any((tmp_path / "inductor").rglob("*")), "Inductor wrote nothing under the cache"
+    second = sc.launch(inductor_worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=600)
+    assert [r["cache"] for r in second] == [["hit", "hit"]] * WORLD_SIZE
+    ref_losses, _ = eager()
+    for r in (*first, *second):
+        assert relative_difference(r["losses"], ref_losses) < TOLERANCE
+    print("lowering seconds, first launch:", [round(r["lowering"], 2) for r in first],
+          "restart:", [round(r["lowering"], 2) for r in second])
+    assert max(r["lowering"] for r in second) < min(r["lowering"] for r in first)

@@ -1,0 +1,316 @@
+"""The persistent compile cache (NOTE: [persistent compile cache], issue 16).
+
+A second compiled step (as in a restarted job) loads the program the first one wrote and
+computes exactly what the first one computed, and what one device computes eagerly; any
+change the program depends on misses; broken entries are ignored with a warning; the
+Python-value guards still fire on a loaded program.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_compiler as sc
+from spmd_compiler import compile_cache
+from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.tools.parity import full_state, relative_difference
+
+TOLERANCE = 1e-5
+STEPS = 3
+
+
+def mlp(hidden: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
+
+
+def adamw(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def batches(batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(batch_size, 8, generator=gen), torch.randint(0, 4, (batch_size,), generator=gen))
+            for _ in range(STEPS)]
+
+
+def run(
+    cache_dir: Path | None,
+    mode: Callable[[], object] = lambda: DataParallel("replicate"),
+    make_model: Callable[[], nn.Module] = mlp,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = adamw,
+    world_size: int = 2,
+    **compile_options: object,
+) -> tuple[sc.CompiledTrainStep, list[torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    step = sc.compile(mode(), cache_dir=cache_dir, **compile_options)(classification_train_step)
+    with sc.simulate(world_size=world_size) as sim:
+        losses = [step(model, optimizer, x, y).detach().clone() for x, y in batches()]
+        step.flush()
+        state = full_state(model, optimizer, sim)
+    return step, losses, state
+
+
+def eager(make_model=mlp, make_optimizer=adamw) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    losses = [classification_train_step(model, optimizer, x, y).detach() for x, y in batches()]
+    return losses, full_state(model, optimizer, None)
+
+
+def caches(step: sc.CompiledTrainStep) -> list[str]:
+    return [r.cache for r in step.records]
+
+
+def entries(root: Path) -> set[str]:
+    return {p.name for p in (root / "programs").glob("*.pt")}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("extra_passes", [(), ("cross_iteration_overlap",)])
+def test_hit_loads_the_same_program_and_matches_eager(tmp_path: Path, extra_passes) -> None:
+    first, first_losses, first_state = run(tmp_path, extra_passes=extra_passes)
+    # step 1 creates the optimizer state: two programs, both compiled and written
+    assert caches(first) == ["miss", "miss"]
+    assert len(entries(tmp_path)) == 2
+    second, losses, state = run(tmp_path, extra_passes=extra_passes)
+    assert caches(second) == ["hit", "hit"]
+    assert second.timings.expand_seconds == 0.0 and second.timings.pass_seconds == 0.0
+    assert second.timings.cache_load_seconds > 0.0
+    assert first.timings.expand_seconds > 0.0
+    # bit for bit what the compiled-here program computed, and eager's numbers
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
+    assert_same(first_state, state)
+    ref_losses, ref_state = eager()
+    assert max(relative_difference(a, b) for a, b in zip(losses, ref_losses, strict=True)) < TOLERANCE
+    assert max(relative_difference(state[k], ref_state[k]) for k in ref_state) < TOLERANCE
+    if extra_passes:
+        assert second.last_program.deferred is not None
+
+
+def fsdp_tp() -> object:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from spmd_compiler.parallel_modes.fsdp_tp import FullyShardTensorParallel
+
+    return FullyShardTensorParallel(
+        {"0": ColwiseParallel(), "2": RowwiseParallel()}, mesh_shape=(2, 2)
+    )
+
+
+@pytest.mark.slow
+def test_fsdp_tp_2x2_hit_matches_eager(tmp_path: Path) -> None:
+    first, first_losses, first_state = run(tmp_path, mode=fsdp_tp, world_size=4)
+    assert caches(first) == ["miss", "miss"]
+    second, losses, state = run(tmp_path, mode=fsdp_tp, world_size=4)
+    assert caches(second) == ["hit", "hit"]
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
+    assert_same(first_state, state)
+    ref_losses, ref_state = eager()
+    assert max(relative_difference(a, b) for a, b in zip(losses, ref_losses, strict=True)) < TOLERANCE
+    assert max(relative_difference(state[k], ref_state[k]) for k in ref_state) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"mode": lambda: DataParallel("fully_shard")},
+        {"world_size": 4},
+        {"make_optimizer": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, amsgrad=True)},
+        {"make_optimizer": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)},
+        {"make_model": lambda: mlp(hidden=32)},
+        {"disable_passes": ("bucket_collectives",)},
+        "torch_version",
+        "compiler_source",
+    ],
+    ids=["mode", "mesh", "amsgrad", "optimizer", "model_shape", "passes", "torch", "source"],
+)
+def test_a_change_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change) -> None:
+    run(tmp_path)
+    written = entries(tmp_path)
+    kwargs = change if isinstance(change, dict) else {}
+    if change == "torch_version":
+        monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    if change == "compiler_source":
+        monkeypatch.setattr(compile_cache, "source_digest", lambda: "another compiler")
+    step, losses, state = run(tmp_path, **kwargs)
+    assert caches(step) == ["miss", "miss"]
+    assert len(entries(tmp_path) - written) == 2
+
+
+def test_rank_is_not_in_the_key_but_the_mesh_is(tmp_path: Path) -> None:
+    """NOTE: [one program for every rank]: the world size changes the key (above); a
+    second run with the same world hits."""
+    run(tmp_path, world_size=4)
+    step, _, _ = run(tmp_path, world_size=4)
+    assert caches(step) == ["hit", "hit"]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_key"])
+def test_a_broken_entry_warns_and_recompiles(tmp_path: Path, damage: str) -> None:
+    _, first_losses, first_state = run(tmp_path)
+    paths = sorted((tmp_path / "programs").glob("*.pt"))
+    if damage == "garbage":
+        for p in paths:
+            p.write_bytes(b"not a cache entry")
+    elif damage == "truncated":
+        for p in paths:
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    else:  # each file holds the other program: its stored key does not match
+        a, b = (p.read_bytes() for p in paths)
+        paths[0].write_bytes(b)
+        paths[1].write_bytes(a)
+    with pytest.warns(UserWarning, match="ignoring the compile-cache entry"):
+        step, losses, state = run(tmp_path)
+    assert caches(step) == ["miss", "miss"]
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
+    assert_same(first_state, state)
+    step, _, _ = run(tmp_path)  # the entries were rewritten
+    assert caches(step) == ["hit", "hit"]
+
+
+class Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / self.temperature
+
+
+def test_guards_fire_on_a_loaded_program(tmp_path: Path) -> None:
+    run(tmp_path, make_model=Tempered)
+    torch.manual_seed(0)
+    model = Tempered()
+    reference = copy.deepcopy(model)
+    optimizer, ref_optimizer = adamw(model), adamw(reference)
+    step = sc.compile(DataParallel("replicate"), cache_dir=tmp_path)(classification_train_step)
+    differences = []
+    with sc.simulate(world_size=2) as sim:
+        for i, (x, y) in enumerate(batches()):
+            if i == 2:  # a new value: the loaded program's guard fails, a new one compiles
+                model.temperature = reference.temperature = 4.0
+            loss = step(model, optimizer, x, y)
+            expected = classification_train_step(reference, ref_optimizer, x, y)
+            differences.append(relative_difference(loss, expected))
+        state = full_state(model, optimizer, sim)
+    assert caches(step) == ["hit", "hit", "miss"]
+    assert max(differences) < TOLERANCE
+    ref_state = full_state(reference, ref_optimizer, None)
+    assert max(relative_difference(state[k], ref_state[k]) for k in ref_state) < TOLERANCE
+
+
+class WithCallable(DataParallel):
+    """A mode holding code the key cannot describe."""
+
+    def __init__(self) -> None:
+        super().__init__("replicate")
+        self.hook = lambda: None
+
+
+def test_a_mode_holding_code_is_not_cached(tmp_path: Path) -> None:
+    step, losses, _ = run(tmp_path, mode=WithCallable)
+    assert caches(step) == ["uncacheable", "uncacheable"]
+    assert not entries(tmp_path) if (tmp_path / "programs").exists() else True
+
+
+def test_off_without_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(compile_cache.CACHE_ENV, raising=False)
+    step, _, _ = run(None)
+    assert caches(step) == ["off", "off"]
+    monkeypatch.setenv(compile_cache.CACHE_ENV, str(tmp_path))
+    step, _, _ = run(None)
+    assert caches(step) == ["miss", "miss"] and len(entries(tmp_path)) == 2
+
+
+RESTART_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch, torch.nn as nn
+    import spmd_compiler as sc
+    from spmd_compiler.tools.demo.steps import classification_train_step
+    from spmd_compiler.parallel_modes import DataParallel
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(DataParallel("fully_shard"), cache_dir=sys.argv[1])(classification_train_step)
+    gen = torch.Generator().manual_seed(7)
+    losses = []
+    with sc.simulate(world_size=2):
+        for _ in range(3):
+            x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            losses.append(float(step(model, optim, x, y)))
+    r = step.records
+    print(json.dumps({"cache": [x.cache for x in r], "losses": losses,
+                      "compile": [x.total_seconds for x in r],
+                      "capture": [x.capture_seconds for x in r],
+                      "load": [x.cache_load_seconds for x in r]}))
+    """
+)
+
+
+def test_a_restarted_process_loads_the_program(tmp_path: Path) -> None:
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != compile_cache.CACHE_ENV}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "cache")],
+            capture_output=True, text=True, env=env, timeout=600, check=True,
+        )
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["cache"] == ["miss", "miss"] and second["cache"] == ["hit", "hit"]
+    assert first["losses"] == second["losses"]  # bit for bit
+    print(f"first compile {sum(first['compile']):.2f} s, restart {sum(second['compile']):.2f} s "
+          f"(capture {sum(second['capture']):.2f} s, load {sum(second['load']):.2f} s)")
+    # a hit skips expansion and the passes: well under the first compile
+    assert sum(second["compile"]) < sum(first["compile"])
+
+
+USER_MODE = '''
+from spmd_compiler.parallel_modes import DataParallel
+
+
+class UserMode(DataParallel):
+    """A user's mode: its code is not the compiler's, so its source is in the key."""
+
+    def __init__(self):
+        super().__init__("replicate")
+'''
+
+
+def test_a_user_mode_class_is_keyed_by_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "user_mode_for_cache_test.py"
+    source.write_text(USER_MODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_mode_for_cache_test as user
+
+    cache = tmp_path / "cache"
+    assert caches(run(cache, mode=user.UserMode)[0]) == ["miss", "miss"]
+    assert caches(run(cache, mode=user.UserMode)[0]) == ["hit", "hit"]
+    source.write_text(USER_MODE + "\n# edited: placement_of could have changed\n")
+    assert caches(run(cache, mode=user.UserMode)[0]) == ["miss", "miss"]
