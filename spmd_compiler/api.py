@@ -6,7 +6,6 @@ import functools
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +26,13 @@ from .errors import SPMDCompileError
 from .expand.retrace import DistributedProgram
 from .ir.collectives import collective_stats
 from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
-from .lower import Executable, LoweringOptions
+from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
-from .runtime.runner import StepTimings, install_state, run_finish, run_program
+from .runtime.runner import StepTimings
 from .runtime.same_inputs import check_same_inputs_on_all_ranks
 from .runtime.simulate import Simulation, active_simulation
+from .runtime.step_executable import StepExecutable
 
 log = logging.getLogger("spmd_compiler")
 
@@ -56,27 +56,6 @@ class CompileRecord:
     cache_load_seconds: float = 0.0
 
 
-@dataclass
-class _PendingUpdate:
-    """The deferred part of the last call, not yet applied (NOTE: [cross-iteration
-    overlap])."""
-
-    program: DistributedProgram
-    bindings: StepBindings
-    carry: list[torch.Tensor]
-    sim: Simulation | None
-
-
-# Steps holding a deferred update, so that code reading the state can finish them.
-_WITH_PENDING_UPDATES: weakref.WeakSet[CompiledTrainStep] = weakref.WeakSet()
-
-
-def flush_pending_updates() -> int:
-    """Apply every compiled step's deferred update (``CompiledTrainStep.flush``);
-    returns how many steps had one. Checkpointing calls this before it reads state."""
-    return sum(step.flush() for step in list(_WITH_PENDING_UPDATES))
-
-
 class CompiledTrainStep:
     """A train step compiled on first call (and again for new shapes or settings).
 
@@ -98,12 +77,10 @@ class CompiledTrainStep:
         root = compile_cache.resolve_cache_dir(cache_dir)
         self.disk_cache = compile_cache.ProgramCache(root) if root is not None else None
         self.records: list[CompileRecord] = []
-        self._cache: dict[tuple, list[tuple[Guards, DistributedProgram]]] = {}
+        self._cache: dict[tuple, list[tuple[Guards, StepExecutable]]] = {}
         self._meshes: dict[str, DeviceMesh] = {}
-        self.last_program: DistributedProgram | None = None
         self.timings = StepTimings()
-        self._pending: _PendingUpdate | None = None
-        self._installed: set[int] = set()  # ids of state tensors install_state checked
+        self._last: StepExecutable | None = None  # what the latest call ran
         self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles it caused
         functools.update_wrapper(self, func)
 
@@ -124,49 +101,36 @@ class CompiledTrainStep:
             self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
         ]
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
-        program = self._cached_program(key, bindings)
-        if program is None:
-            program = self._compile(key, bindings, input_metas, mesh)
-        pending = self._pending
-        if pending is not None and (
-            pending.program is not program or pending.sim is not sim
-            or not _same_objects(pending.bindings, bindings)
-        ):
-            self.flush()
-            pending = None
-        install_state(bindings, self.mode.placement_of, mesh, sim, self._installed)
-        self.last_program = program
-        lowered_before = program.executable.compile_seconds
-        start = time.perf_counter()
-        result, carry = run_program(
-            program, bindings, tensor_args, sim, pending.carry if pending else None
-        )
-        elapsed = time.perf_counter() - start
-        lowering = program.executable.compile_seconds - lowered_before
-        if lowering > 0:  # this call lowered a graph (NOTE: [lowering]): not a step time
-            self.timings.compile_seconds += lowering
-            self.timings.lower_seconds += lowering
+        executable = self._cached_executable(key, bindings)
+        if executable is None:
+            executable = self._compile(key, bindings, input_metas, mesh)
+        if self._last is not None and self._last is not executable:
+            self._last.flush()  # another program runs now: finish the old one's update
+        self._last = executable
+        call = executable.run(bindings, tensor_args, sim)
+        if call.lower_seconds > 0:  # this call lowered a graph (NOTE: [lowering])
+            self.timings.compile_seconds += call.lower_seconds
+            self.timings.lower_seconds += call.lower_seconds
         else:
-            self.timings.step_seconds.append(elapsed)
-        self._pending = None
-        if carry is not None:
-            self._pending = _PendingUpdate(program, bindings, carry, sim)
-            _WITH_PENDING_UPDATES.add(self)
-            if sim is not None and pending is None:
-                sim.at_exit(self.flush)
-        return result
+            self.timings.step_seconds.append(call.run_seconds)
+        return call.value
 
-    def _cached_program(self, key: tuple, bindings: StepBindings) -> DistributedProgram | None:
+    @property
+    def last_program(self) -> DistributedProgram | None:
+        """The per-rank program of the latest call."""
+        return self._last.program if self._last is not None else None
+
+    def _cached_executable(self, key: tuple, bindings: StepBindings) -> StepExecutable | None:
         """The program for ``key`` whose guards hold (NOTE: [guards on Python values]);
         a changed guarded value is logged."""
         entries = self._cache.get(key)
         if not entries:
             return None
         change = None
-        for guards, program in entries:
+        for guards, executable in entries:
             change = guards.first_change(bindings)
             if change is None:
-                return program
+                return executable
         log.info("recompiling %s: %s", self.func.__name__, change)
         what = str(change).split(" was ", 1)[0]
         self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
@@ -183,12 +147,7 @@ class CompiledTrainStep:
         """Apply the update the last call deferred (``cross_iteration_overlap``): after
         it, the model and optimizer hold exactly the state of the last completed step.
         Returns whether there was one; calling it again does nothing."""
-        pending, self._pending = self._pending, None
-        _WITH_PENDING_UPDATES.discard(self)
-        if pending is None:
-            return False
-        run_finish(pending.program, pending.bindings, pending.carry, pending.sim)
-        return True
+        return self._last.flush() if self._last is not None else False
 
     @property
     def compile_count(self) -> int:
@@ -229,7 +188,7 @@ class CompiledTrainStep:
 
     def _compile(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh
-    ) -> DistributedProgram:
+    ) -> StepExecutable:
         start = time.perf_counter()
         device_type = next(iter(bindings.params.values())).device.type
         if self.lowering.cuda_graphs and device_type != "cuda":
@@ -244,7 +203,9 @@ class CompiledTrainStep:
                 captured, guards = self._capture_guarded(bindings, input_metas)
             program, how, load_seconds = self._cached_or_built(captured, mesh, progress)
             inductor_dir = self.disk_cache.inductor_dir if self.disk_cache else None
-            program.executable = Executable.of(program, self.lowering, inductor_dir)
+            executable = StepExecutable(
+                program, self.mode.placement_of, self.lowering, inductor_dir
+            )
         total = time.perf_counter() - start
         built = how in ("off", "uncacheable", "miss")
         record = CompileRecord(
@@ -252,7 +213,7 @@ class CompiledTrainStep:
             sum(program.pass_seconds.values()) if built else 0.0, total, how, load_seconds,
         )
         self.records.append(record)
-        self._cache.setdefault(key, []).append((guards, program))
+        self._cache.setdefault(key, []).append((guards, executable))
         timings = self.timings
         timings.compile_seconds += total
         timings.capture_seconds += record.capture_seconds
@@ -265,7 +226,7 @@ class CompiledTrainStep:
             self.func.__name__, self.mode, total, record.capture_seconds,
             record.expand_seconds, record.pass_seconds, how, load_seconds,
         )
-        return program
+        return executable
 
     def _build(self, captured: CapturedStep, mesh: DeviceMesh, progress: Any) -> DistributedProgram:
         """Expand, run the passes, split: the program of ``captured`` (no cache)."""
@@ -354,13 +315,6 @@ class CompiledTrainStep:
             if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0
         )
         return captured, build_guards(self.func, bindings, graph_args)
-
-
-def _same_objects(a: StepBindings, b: StepBindings) -> bool:
-    return all(
-        len(x) == len(y) and all(p is q for p, q in zip(x, y))
-        for x, y in ((a.modules, b.modules), (a.optimizers, b.optimizers))
-    )
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -36,6 +36,10 @@ from ..ir.node_meta import PLACEMENT
 from ..ir.signature import CapturedStep, Kind, TensorMeta, contiguous_stride
 from ..ir.use_step import UseGroup, UseHook, UseStep
 from .local_rules import LocalRules
+
+if TYPE_CHECKING:  # typing only: lowering and the runtime import this module
+    from ..lower import Executable
+    from ..runtime.cross_iteration import DeferredPlan
 
 Placements = tuple[Placement, ...]
 # Longest time DTensor may search one op's sharding through its decomposition
@@ -68,9 +72,9 @@ class DistributedProgram:
     pass_seconds: dict[str, float] = field(default_factory=dict)
     # the programs of a step whose last gradient bucket finishes in the next call
     # (NOTE: [cross-iteration overlap]); None when nothing is deferred
-    deferred: Any = None
-    # what runs (spmd_compiler.lower.Executable), set once the passes are done
-    executable: Any = None
+    deferred: DeferredPlan | None = None
+    # the lowered graphs that run (``lower.Executable``), set once the passes are done
+    executable: Executable | None = None
 
 
 def format_placements(placements: Sequence[Placement]) -> str:

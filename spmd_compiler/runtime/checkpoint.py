@@ -53,7 +53,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from .._torch_private import pytree
-from ..api import flush_pending_updates
 from .checkpoint_checksums import (
     CheckpointError,
     process_group_all_reduce,
@@ -61,6 +60,7 @@ from .checkpoint_checksums import (
     write_manifest,
 )
 from .simulate import Simulation, active_simulation
+from .step_executable import flush_pending_updates
 
 __all__ = ["CheckpointError", "full_state_dict", "load", "save"]
 

@@ -28,7 +28,7 @@ from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
 from ..errors import SPMDCompileError, SPMDRuntimeError
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import PADDED_KINDS, Kind, StateRef, TensorMeta, contiguous_stride
-from ..lower import LoweredGraph
+from ..lower import Executable, LoweredGraph
 from .faults import attribution
 from .simulate import Simulation
 
@@ -172,6 +172,7 @@ def _find_buffer(bindings: StepBindings, name: str) -> torch.Tensor:
 
 def run_program(
     program: DistributedProgram,
+    lowered: Executable,
     bindings: StepBindings,
     tensor_args: list[torch.Tensor],
     sim: Simulation | None,
@@ -187,7 +188,7 @@ def run_program(
     """
     captured = program.captured
     plan = program.deferred
-    lowered = program.executable.for_call(carry is not None)
+    graph = lowered.for_call(carry is not None)
     state = dict(bindings.state_refs())
     flat: list[torch.Tensor] = []
     for (ref, meta), placements, local in zip(
@@ -205,7 +206,7 @@ def run_program(
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
     flat += carry or []
-    outs = _run(lowered, flat, sim, deferred=carry is not None)
+    outs = _run(graph, flat, sim, deferred=carry is not None)
     next_carry = None
     if plan is not None:
         outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
@@ -216,13 +217,14 @@ def run_program(
 
 def run_finish(
     program: DistributedProgram,
+    lowered: Executable,
     bindings: StepBindings,
     carry: list[torch.Tensor],
     sim: Simulation | None,
 ) -> None:
     """Apply the deferred part of the last step (its ``finish`` program) to the state."""
     plan = program.deferred
-    finish = program.executable.finish
+    finish = lowered.finish
     assert plan is not None and finish is not None, "run_finish needs a deferred part"
     outs = _run(finish, list(carry), sim, deferred=True)
     _write_back(program, bindings, outs, sim, positions=plan.positions)

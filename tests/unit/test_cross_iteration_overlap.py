@@ -9,11 +9,11 @@ import torch.nn as nn
 from collective_pass_harness import classification_step, mlp_setup
 
 import spmd_compiler as sc
-from spmd_compiler.api import flush_pending_updates
 from spmd_compiler.ir.collectives import collective_kind
 from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.passes.collective_graph import DEFERRED, deferred_part, payload_bytes
+from spmd_compiler.runtime.step_executable import flush_pending_updates
 from spmd_compiler.tools.explain import explain
 from spmd_compiler.tools.parity import compare_models, compare_optimizers, max_difference
 
