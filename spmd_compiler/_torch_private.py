@@ -316,6 +316,106 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
             module.redistribute_local_tensor = original
 
 
+class CostMemo(dict):
+    """The memo of ``memoized_redistribute_cost``: (source spec, target spec) -> cost,
+    with how often DTensor asked (``calls``) and how often it was computed (``misses``)."""
+
+    calls = 0
+    misses = 0
+
+
+# Modules that call ``_collective_utils.redistribute_cost`` through their own global
+# (``from ... import redistribute_cost``); the memo replaces it there.
+_COST_CALLERS = ("torch.distributed.tensor._ops.utils", "torch.distributed.tensor._utils")
+
+
+@contextlib.contextmanager
+def memoized_redistribute_cost() -> Iterator[CostMemo]:
+    """Compute DTensor's redistribution cost of each (source, target) spec pair once.
+
+    torch 2.13 gap: while tracing, DTensor turns off its sharding-propagation and
+    redistribution-plan caches (shapes may be symbolic). Every op then re-enumerates its
+    strategies and, per strategy and input, plans a redistribution only to price it; on a
+    2-D mesh under ``compile_on_one_rank`` each plan also traces the run-time mesh
+    coordinate (a dozen graph nodes, dead afterwards). That was ~70% of the expansion
+    of an fsdp_tp step. The cost is a pure function of the two specs on one mesh within
+    one trace: the only side effects of computing it again are those dead nodes. So the
+    memo lives for one trace (the caller opens it inside the traced function), and spec
+    pairs that cannot be hashed (symbolic shapes) are computed every time.
+
+    A computed price does not trace the mesh coordinate either: the planners read it only
+    for each step's ``logical_shape`` (the local shape an uneven all-gather pads to),
+    never to choose the steps, and the price reads only the steps (placements, mesh dim)
+    and the global bytes. While pricing, ``_sym_get_coordinate`` answers a plain integer
+    and the graph planner's ``get_logical_shape`` the global shape, unread (computing it
+    for a ``_StridedShard`` materializes index tensors).
+    """
+    import importlib
+
+    import torch.distributed.tensor._collective_utils as collective_utils
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner as Planner
+
+    original = collective_utils.redistribute_cost
+    original_coordinate = getattr(DeviceMesh, "_sym_get_coordinate", None)
+    original_logical_shape = getattr(Planner, "get_logical_shape", None)
+    memo = CostMemo()
+    pricing = [False]
+
+    def sym_get_coordinate(mesh, index):
+        if pricing[0]:  # any coordinate prices the same steps (see above)
+            return 0
+        return original_coordinate(mesh, index)
+
+    def get_logical_shape(planner, src_state, mesh_dim, full_tensor_shape):
+        if pricing[0]:
+            return list(full_tensor_shape)
+        return original_logical_shape(planner, src_state, mesh_dim, full_tensor_shape)
+
+    def price(current_spec, target_spec):
+        memo.misses += 1
+        pricing[0] = True
+        try:
+            return original(current_spec, target_spec)
+        finally:
+            pricing[0] = False
+
+    def redistribute_cost(current_spec, target_spec):
+        memo.calls += 1
+        try:
+            key = (current_spec, target_spec, _strided_as_order(current_spec),
+                   _strided_as_order(target_spec))
+            hit = memo.get(key)
+        except TypeError:  # a SymInt in a shape is not hashable
+            return price(current_spec, target_spec)
+        if hit is None:
+            hit = memo[key] = price(current_spec, target_spec)
+        return hit
+
+    modules = [importlib.import_module(name) for name in _COST_CALLERS]
+    patched = [m for m in modules if getattr(m, "redistribute_cost", None) is original]
+    for module in patched:
+        module.redistribute_cost = redistribute_cost
+    try:
+        with contextlib.ExitStack() as stack:
+            for owner, name, replacement in (
+                (DeviceMesh, "_sym_get_coordinate", sym_get_coordinate),
+                (Planner, "get_logical_shape", get_logical_shape),
+            ):
+                if hasattr(owner, name):  # both are absent from some releases
+                    stack.enter_context(mock.patch.object(owner, name, replacement))
+            yield memo
+    finally:
+        for module in patched:
+            module.redistribute_cost = original
+
+
+def _strided_as_order(spec: Any) -> Any:
+    # not part of DTensorSpec's hash or equality, but it changes how the planner reads
+    # a _StridedShard (torch 2.13; absent on older releases)
+    return getattr(spec, "use_strided_shard_as_shard_order", None)
+
+
 class PropagationBudgetExceeded(Exception):
     """DTensor's decomposition-based sharding propagation for ``op`` ran out of time.
 

@@ -153,6 +153,7 @@ def expand(
         ]
         with (
             private.memoized_redistribution() as memo,
+            private.memoized_redistribute_cost(),
             fx_traceback.preserve_node_meta(),
             private.quiet_sequential_collective_warning(),
             private.bounded_decomposition_propagation(PROPAGATION_BUDGET_SECONDS),
