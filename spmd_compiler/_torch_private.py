@@ -349,14 +349,21 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     and the global bytes. While pricing, ``_sym_get_coordinate`` answers a plain integer
     and the graph planner's ``get_logical_shape`` the global shape, unread (computing it
     for a ``_StridedShard`` materializes index tensors).
+
+    The plans of real redistributions trace the coordinate for the same logical shapes;
+    where every sharded dimension of both specs divides evenly, no shape depends on it
+    (``size // n`` on every rank) and the plan is made the same way, without it. The
+    coordinate nodes those plans traced were dead; the program is the same.
     """
     import importlib
 
     import torch.distributed.tensor._collective_utils as collective_utils
+    import torch.distributed.tensor._redistribute as redistribute_module
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor._redistribute import DTensorRedistributePlanner as Planner
 
     original = collective_utils.redistribute_cost
+    original_plan = redistribute_module._gen_transform_infos_non_cached
     original_coordinate = getattr(DeviceMesh, "_sym_get_coordinate", None)
     original_logical_shape = getattr(Planner, "get_logical_shape", None)
     memo = CostMemo()
@@ -368,13 +375,31 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
         return original_coordinate(mesh, index)
 
     def get_logical_shape(planner, src_state, mesh_dim, full_tensor_shape):
-        if pricing[0]:
+        if pricing[0] == "price":
             return list(full_tensor_shape)
+        if pricing[0] == "even":
+            even = _even_logical_shape(planner.device_mesh, src_state, mesh_dim, full_tensor_shape)
+            if even is not None:
+                return even
+            pricing[0] = False  # not even after all: the real (traced) coordinate
+            try:
+                return original_logical_shape(planner, src_state, mesh_dim, full_tensor_shape)
+            finally:
+                pricing[0] = "even"
         return original_logical_shape(planner, src_state, mesh_dim, full_tensor_shape)
+
+    def plan(src_spec, dst_spec, *args, **kwargs):
+        if pricing[0] or not _evenly_sharded(src_spec, dst_spec):
+            return original_plan(src_spec, dst_spec, *args, **kwargs)
+        pricing[0] = "even"
+        try:
+            return original_plan(src_spec, dst_spec, *args, **kwargs)
+        finally:
+            pricing[0] = False
 
     def price(current_spec, target_spec):
         memo.misses += 1
-        pricing[0] = True
+        pricing[0] = "price"
         try:
             return original(current_spec, target_spec)
         finally:
@@ -401,6 +426,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
             for owner, name, replacement in (
                 (DeviceMesh, "_sym_get_coordinate", sym_get_coordinate),
                 (Planner, "get_logical_shape", get_logical_shape),
+                (redistribute_module, "_gen_transform_infos_non_cached", plan),
             ):
                 if hasattr(owner, name):  # both are absent from some releases
                     stack.enter_context(mock.patch.object(owner, name, replacement))
@@ -408,6 +434,38 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     finally:
         for module in patched:
             module.redistribute_cost = original
+
+
+def _evenly_sharded(*specs: Any) -> bool:
+    """Whether every tensor dimension the specs shard divides evenly by all the mesh
+    dimensions (and strided split factors) that shard it, in concrete sizes."""
+    shape = specs[0].tensor_meta.shape if specs[0].tensor_meta is not None else None
+    if shape is None or not all(type(n) is int for n in shape):
+        return False
+    shards = set()
+    for spec in specs:
+        for mesh_dim, p in enumerate(spec.placements):
+            if p.is_shard() or is_strided_shard(p):
+                shards.add((p.dim, mesh_dim, getattr(p, "split_factor", 1)))
+    factor = [1] * len(shape)
+    for dim, mesh_dim, split in shards:
+        factor[dim] *= specs[0].mesh.size(mesh_dim) * split
+    return all(n % f == 0 for n, f in zip(shape, factor, strict=True))
+
+
+def _even_logical_shape(mesh: Any, src_state: Any, mesh_dim: int, shape: Any) -> list[int] | None:
+    """``DTensorRedistributePlanner.get_logical_shape`` for evenly sharded dimensions:
+    the global size divided by every other mesh dimension sharding it (None where a
+    division is not exact)."""
+    logical = list(shape)
+    for entry in src_state.tensor_dim_to_mesh_dim:
+        for mdim in entry.mesh_dims:
+            if mdim != mesh_dim:
+                n = mesh.size(mdim)
+                if logical[entry.tensor_dim] % n:
+                    return None
+                logical[entry.tensor_dim] //= n
+    return logical
 
 
 def _strided_as_order(spec: Any) -> Any:
