@@ -474,6 +474,32 @@ def _strided_as_order(spec: Any) -> Any:
     return getattr(spec, "use_strided_shard_as_shard_order", None)
 
 
+@contextlib.contextmanager
+def count_redistribution_planning() -> Iterator[dict[str, int]]:
+    """Count, while the block runs, DTensor's redistribution plans (``plans``: priced or
+    traced) and the run-time mesh coordinates traced into a graph (``coordinates``).
+    For tests that bound the work of an expansion (NOTE: [compile work bounds])."""
+    import torch.distributed.tensor._redistribute as redistribute_module
+    from torch.distributed.device_mesh import DeviceMesh
+
+    counts = {"plans": 0, "coordinates": 0}
+    plan = redistribute_module._gen_transform_infos_non_cached
+    coordinate = DeviceMesh._sym_get_coordinate
+
+    def counted_plan(*args, **kwargs):
+        counts["plans"] += 1
+        return plan(*args, **kwargs)
+
+    def counted_coordinate(mesh, index):
+        value = coordinate(mesh, index)
+        counts["coordinates"] += not isinstance(value, int)  # traced, not a plain int
+        return value
+
+    with mock.patch.object(redistribute_module, "_gen_transform_infos_non_cached", counted_plan), \
+            mock.patch.object(DeviceMesh, "_sym_get_coordinate", counted_coordinate):
+        yield counts
+
+
 class PropagationBudgetExceeded(Exception):
     """DTensor's decomposition-based sharding propagation for ``op`` ran out of time.
 
