@@ -12,7 +12,7 @@ NOTE: [compile seconds on a shared machine]
 By default the stages are timed in process CPU seconds (``--clock cpu``): the pipeline's
 own stage clocks (``time.perf_counter``) read ``time.process_time`` for the run, with
 one torch thread. On a machine shared with other jobs, wall seconds measure the load
-(a 60 CPU-second compile took 470 wall seconds at load 11 on 2 cores); CPU seconds
+(a run of 58 CPU seconds took 470 wall seconds at load 11 on 2 cores); CPU seconds
 measure the compile. ``--clock wall`` keeps wall seconds.
 """
 

@@ -360,10 +360,11 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     import torch.distributed.tensor._collective_utils as collective_utils
     import torch.distributed.tensor._redistribute as redistribute_module
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor._redistribute import DTensorRedistributePlanner as Planner
 
-    original = collective_utils.redistribute_cost
-    original_plan = redistribute_module._gen_transform_infos_non_cached
+    # absent from some releases: each patch below is skipped where its target is missing
+    Planner = getattr(redistribute_module, "DTensorRedistributePlanner", None)  # noqa: N806
+    original = getattr(collective_utils, "redistribute_cost", None)
+    original_plan = getattr(redistribute_module, "_gen_transform_infos_non_cached", None)
     original_coordinate = getattr(DeviceMesh, "_sym_get_coordinate", None)
     original_logical_shape = getattr(Planner, "get_logical_shape", None)
     memo = CostMemo()
@@ -418,7 +419,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
         return hit
 
     modules = [importlib.import_module(name) for name in _COST_CALLERS]
-    patched = [m for m in modules if getattr(m, "redistribute_cost", None) is original]
+    patched = [m for m in modules if original and getattr(m, "redistribute_cost", None) is original]
     for module in patched:
         module.redistribute_cost = redistribute_cost
     try:
@@ -428,7 +429,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
                 (Planner, "get_logical_shape", get_logical_shape),
                 (redistribute_module, "_gen_transform_infos_non_cached", plan),
             ):
-                if hasattr(owner, name):  # both are absent from some releases
+                if owner is not None and hasattr(owner, name):
                     stack.enter_context(mock.patch.object(owner, name, replacement))
             yield memo
     finally:
@@ -484,7 +485,7 @@ def count_redistribution_planning() -> Iterator[dict[str, int]]:
 
     counts = {"plans": 0, "coordinates": 0}
     plan = redistribute_module._gen_transform_infos_non_cached
-    coordinate = DeviceMesh._sym_get_coordinate
+    coordinate = getattr(DeviceMesh, "_sym_get_coordinate", None)
 
     def counted_plan(*args, **kwargs):
         counts["plans"] += 1
@@ -495,8 +496,14 @@ def count_redistribution_planning() -> Iterator[dict[str, int]]:
         counts["coordinates"] += not isinstance(value, int)  # traced, not a plain int
         return value
 
-    with mock.patch.object(redistribute_module, "_gen_transform_infos_non_cached", counted_plan), \
-            mock.patch.object(DeviceMesh, "_sym_get_coordinate", counted_coordinate):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(redistribute_module, "_gen_transform_infos_non_cached", counted_plan)
+        )
+        if coordinate is not None:  # absent from some releases
+            stack.enter_context(
+                mock.patch.object(DeviceMesh, "_sym_get_coordinate", counted_coordinate)
+            )
         yield counts
 
 
