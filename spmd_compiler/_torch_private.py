@@ -319,6 +319,197 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
             module.redistribute_local_tensor = original  # type: ignore[attr-defined]
 
 
+class CostMemo(dict):
+    """The memo of ``memoized_redistribute_cost``: (source spec, target spec) -> cost,
+    with how often DTensor asked (``calls``) and how often it was computed (``misses``)."""
+
+    calls = 0
+    misses = 0
+
+
+# Modules that call ``_collective_utils.redistribute_cost`` through their own global
+# (``from ... import redistribute_cost``); the memo replaces it there.
+_COST_CALLERS = ("torch.distributed.tensor._ops.utils", "torch.distributed.tensor._utils")
+
+
+@contextlib.contextmanager
+def memoized_redistribute_cost() -> Iterator[CostMemo]:
+    """Compute DTensor's redistribution cost of each (source, target) spec pair once.
+
+    torch 2.13 gap: while tracing, DTensor turns off its sharding-propagation and
+    redistribution-plan caches (shapes may be symbolic). Every op then re-enumerates its
+    strategies and, per strategy and input, plans a redistribution only to price it; on a
+    2-D mesh under ``compile_on_one_rank`` each plan also traces the run-time mesh
+    coordinate (a dozen graph nodes, dead afterwards). That was ~70% of the expansion
+    of an fsdp_tp step. The cost is a pure function of the two specs on one mesh within
+    one trace: the only side effects of computing it again are those dead nodes. So the
+    memo lives for one trace (the caller opens it inside the traced function), and spec
+    pairs that cannot be hashed (symbolic shapes) are computed every time.
+
+    A computed price does not trace the mesh coordinate either: the planners read it only
+    for each step's ``logical_shape`` (the local shape an uneven all-gather pads to),
+    never to choose the steps, and the price reads only the steps (placements, mesh dim)
+    and the global bytes. While pricing, ``_sym_get_coordinate`` answers a plain integer
+    and the graph planner's ``get_logical_shape`` the global shape, unread (computing it
+    for a ``_StridedShard`` materializes index tensors).
+
+    The plans of real redistributions trace the coordinate for the same logical shapes;
+    where every sharded dimension of both specs divides evenly, no shape depends on it
+    (``size // n`` on every rank) and the plan is made the same way, without it. The
+    coordinate nodes those plans traced were dead; the program is the same.
+    """
+    import importlib
+
+    import torch.distributed.tensor._collective_utils as collective_utils
+    import torch.distributed.tensor._redistribute as redistribute_module
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # absent from some releases: each patch below is skipped where its target is missing
+    Planner = getattr(redistribute_module, "DTensorRedistributePlanner", None)  # noqa: N806
+    original = getattr(collective_utils, "redistribute_cost", None)
+    original_plan = getattr(redistribute_module, "_gen_transform_infos_non_cached", None)
+    original_coordinate = getattr(DeviceMesh, "_sym_get_coordinate", None)
+    original_logical_shape = getattr(Planner, "get_logical_shape", None)
+    memo = CostMemo()
+    pricing = [False]
+
+    def sym_get_coordinate(mesh, index):
+        if pricing[0]:  # any coordinate prices the same steps (see above)
+            return 0
+        return original_coordinate(mesh, index)
+
+    def get_logical_shape(planner, src_state, mesh_dim, full_tensor_shape):
+        if pricing[0] == "price":
+            return list(full_tensor_shape)
+        if pricing[0] == "even":
+            even = _even_logical_shape(planner.device_mesh, src_state, mesh_dim, full_tensor_shape)
+            if even is not None:
+                return even
+            pricing[0] = False  # not even after all: the real (traced) coordinate
+            try:
+                return original_logical_shape(planner, src_state, mesh_dim, full_tensor_shape)
+            finally:
+                pricing[0] = "even"
+        return original_logical_shape(planner, src_state, mesh_dim, full_tensor_shape)
+
+    def plan(src_spec, dst_spec, *args, **kwargs):
+        if pricing[0] or not _evenly_sharded(src_spec, dst_spec):
+            return original_plan(src_spec, dst_spec, *args, **kwargs)
+        pricing[0] = "even"
+        try:
+            return original_plan(src_spec, dst_spec, *args, **kwargs)
+        finally:
+            pricing[0] = False
+
+    def price(current_spec, target_spec):
+        memo.misses += 1
+        pricing[0] = "price"
+        try:
+            return original(current_spec, target_spec)
+        finally:
+            pricing[0] = False
+
+    def redistribute_cost(current_spec, target_spec):
+        memo.calls += 1
+        try:
+            key = (current_spec, target_spec, _strided_as_order(current_spec),
+                   _strided_as_order(target_spec))
+            hit = memo.get(key)
+        except TypeError:  # a SymInt in a shape is not hashable
+            return price(current_spec, target_spec)
+        if hit is None:
+            hit = memo[key] = price(current_spec, target_spec)
+        return hit
+
+    modules = [importlib.import_module(name) for name in _COST_CALLERS]
+    patched = [m for m in modules if original and getattr(m, "redistribute_cost", None) is original]
+    for module in patched:
+        module.redistribute_cost = redistribute_cost
+    try:
+        with contextlib.ExitStack() as stack:
+            for owner, name, replacement in (
+                (DeviceMesh, "_sym_get_coordinate", sym_get_coordinate),
+                (Planner, "get_logical_shape", get_logical_shape),
+                (redistribute_module, "_gen_transform_infos_non_cached", plan),
+            ):
+                if owner is not None and hasattr(owner, name):
+                    stack.enter_context(mock.patch.object(owner, name, replacement))
+            yield memo
+    finally:
+        for module in patched:
+            module.redistribute_cost = original
+
+
+def _evenly_sharded(*specs: Any) -> bool:
+    """Whether every tensor dimension the specs shard divides evenly by all the mesh
+    dimensions (and strided split factors) that shard it, in concrete sizes."""
+    shape = specs[0].tensor_meta.shape if specs[0].tensor_meta is not None else None
+    if shape is None or not all(type(n) is int for n in shape):
+        return False
+    shards = set()
+    for spec in specs:
+        for mesh_dim, p in enumerate(spec.placements):
+            if p.is_shard() or is_strided_shard(p):
+                shards.add((p.dim, mesh_dim, getattr(p, "split_factor", 1)))
+    factor = [1] * len(shape)
+    for dim, mesh_dim, split in shards:
+        factor[dim] *= specs[0].mesh.size(mesh_dim) * split
+    return all(n % f == 0 for n, f in zip(shape, factor, strict=True))
+
+
+def _even_logical_shape(mesh: Any, src_state: Any, mesh_dim: int, shape: Any) -> list[int] | None:
+    """``DTensorRedistributePlanner.get_logical_shape`` for evenly sharded dimensions:
+    the global size divided by every other mesh dimension sharding it (None where a
+    division is not exact)."""
+    logical = list(shape)
+    for entry in src_state.tensor_dim_to_mesh_dim:
+        for mdim in entry.mesh_dims:
+            if mdim != mesh_dim:
+                n = mesh.size(mdim)
+                if logical[entry.tensor_dim] % n:
+                    return None
+                logical[entry.tensor_dim] //= n
+    return logical
+
+
+def _strided_as_order(spec: Any) -> Any:
+    # not part of DTensorSpec's hash or equality, but it changes how the planner reads
+    # a _StridedShard (torch 2.13; absent on older releases)
+    return getattr(spec, "use_strided_shard_as_shard_order", None)
+
+
+@contextlib.contextmanager
+def count_redistribution_planning() -> Iterator[dict[str, int]]:
+    """Count, while the block runs, DTensor's redistribution plans (``plans``: priced or
+    traced) and the run-time mesh coordinates traced into a graph (``coordinates``).
+    For tests that bound the work of an expansion (NOTE: [compile work bounds])."""
+    import torch.distributed.tensor._redistribute as redistribute_module
+    from torch.distributed.device_mesh import DeviceMesh
+
+    counts = {"plans": 0, "coordinates": 0}
+    plan = redistribute_module._gen_transform_infos_non_cached
+    coordinate = getattr(DeviceMesh, "_sym_get_coordinate", None)
+
+    def counted_plan(*args, **kwargs):
+        counts["plans"] += 1
+        return plan(*args, **kwargs)
+
+    def counted_coordinate(mesh, index):
+        value = coordinate(mesh, index)
+        counts["coordinates"] += not isinstance(value, int)  # traced, not a plain int
+        return value
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(redistribute_module, "_gen_transform_infos_non_cached", counted_plan)
+        )
+        if coordinate is not None:  # absent from some releases
+            stack.enter_context(
+                mock.patch.object(DeviceMesh, "_sym_get_coordinate", counted_coordinate)
+            )
+        yield counts
+
+
 class PropagationBudgetExceeded(Exception):
     """DTensor's decomposition-based sharding propagation for ``op`` ran out of time.
 

@@ -179,25 +179,29 @@ _FFN_PLAN = {"block.linear1": ColwiseParallel(), "block.linear2": RowwiseParalle
 # _StridedShard on the (dp, tp) mesh; DTensor's mm propagation then reads a shard size
 # as a tensor value (aten._local_scalar_dense) in both the symbolic-rank and the
 # per-coordinate trace. Refused at compile time (SPMDCompileError naming mm and the
-# attention module), never a wrong result.
+# attention module), never a wrong result. The bare MultiheadAttention ("mha") compiles
+# since its shard size was only read while DTensor priced strategies, which no longer
+# computes it (NOTE: [compile work bounds]); the encoder and decoder layers still hit it.
 _TWO_D_GAP = pytest.mark.xfail(strict=True, raises=sc.SPMDCompileError, reason="2-D strided shard of a sequence-first flatten")
 _MODES = [
     pytest.param("dtensor_expand", 2, id="dtensor_expand"),
     pytest.param("ddp", 2, id="ddp"),
     pytest.param("fsdp", 4, id="fsdp"),
     pytest.param("tp", 2, id="tp"),
-    pytest.param("fsdp_tp", 4, id="fsdp_tp", marks=_TWO_D_GAP),
+    pytest.param("fsdp_tp", 4, id="fsdp_tp"),
 ]
 
 
 @pytest.mark.parametrize("name,world", _MODES)
 @pytest.mark.parametrize("kind", ["mha", "encoder", "decoder"])
-def test_torch_attention_modules_every_mode(kind, name, world, run_parity):
+def test_torch_attention_modules_every_mode(kind, name, world, run_parity, request):
     """In float64: torch's packed ``in_proj_bias`` holds the key bias, whose gradient is
     zero in exact arithmetic; in float32 Adam turns its rounding noise into updates
     (measured 4e-2 relative on that bias, ddp world 2, while every other tensor was
     within 4e-7). In float64 every other tensor agrees within 1e-15 and that bias within
     1.1e-10 (its rounding noise still reaches Adam); the test allows 1e-9."""
+    if name == "fsdp_tp" and kind != "mha":
+        request.applymarker(_TWO_D_GAP)
     plan = _FFN_PLAN if kind != "mha" else {"head": ColwiseParallel()}
     start = time.perf_counter()
     result = run_parity(

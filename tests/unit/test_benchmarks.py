@@ -134,3 +134,23 @@ def test_progress_bar_lines(capsys):
     assert progress.bar(4, 4) == "[" + "#" * progress.WIDTH + "]"
     progress.report("suite", 1, 2, "gpt done")
     assert capsys.readouterr().out == f"[bench] suite {progress.bar(1, 2)} 1/2 gpt done\n"
+
+
+def test_canonical_program_ignores_node_names_only() -> None:
+    from benchmarks.demo_compile import canonical_program
+
+    def program(dead_first: bool, op) -> torch.fx.GraphModule:
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        if dead_first:  # a dead node shifts the name suffixes of what follows
+            graph.call_function(op, (x, x))
+        y = graph.call_function(op, (x, x))
+        graph.output(graph.call_function(op, (y, x)))
+        graph.eliminate_dead_code()
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    plain = program(False, torch.ops.aten.add.Tensor)
+    shifted = program(True, torch.ops.aten.add.Tensor)
+    assert plain.code != shifted.code  # add_tensor, add_tensor_1 against _1, _2
+    assert canonical_program(plain) == canonical_program(shifted)
+    assert canonical_program(plain) != canonical_program(program(False, torch.ops.aten.mul.Tensor))
