@@ -28,7 +28,7 @@ CASES = ("ddp", "fsdp", "tp", "fsdp_tp:2x2", "fsdp_tp:2x4")
 
 
 def _config(case: str) -> Any:
-    from spmd_compiler.demo.run import DemoConfig
+    from spmd_compiler.tools.demo.run import DemoConfig
 
     mode, _, mesh = case.partition(":")
     shape = tuple(int(n) for n in mesh.split("x")) if mesh else ()
@@ -39,9 +39,9 @@ def _config(case: str) -> Any:
 def compile_case(case: str, dump: str | None = None) -> dict[str, Any]:
     """Stage seconds of the demo's compiles for ``case`` (summed over its compiles)."""
     from spmd_compiler.api import compile as spmd_compile
-    from spmd_compiler.demo.gpt import gpt_train_step
-    from spmd_compiler.demo.run import build, demo_mode
-    from spmd_compiler.simulate import simulate
+    from spmd_compiler.tools.demo.gpt import gpt_train_step
+    from spmd_compiler.tools.demo.run import build, demo_mode
+    from spmd_compiler.runtime.simulate import simulate
 
     config = _config(case)
     model, optimizer, data = build(config)
@@ -77,7 +77,7 @@ def canonical_program(gm: Any) -> str:
     nodes, dead ones included, the trace created before) print the same."""
     import torch
 
-    from spmd_compiler.errors import PLACEMENT
+    from spmd_compiler.ir.node_meta import PLACEMENT
 
     index = {node: f"%{i}" for i, node in enumerate(gm.graph.nodes)}
 

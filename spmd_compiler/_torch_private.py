@@ -424,7 +424,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     modules = [importlib.import_module(name) for name in _COST_CALLERS]
     patched = [m for m in modules if original and getattr(m, "redistribute_cost", None) is original]
     for module in patched:
-        module.redistribute_cost = redistribute_cost
+        module.redistribute_cost = redistribute_cost  # type: ignore[attr-defined]
     try:
         with contextlib.ExitStack() as stack:
             for owner, name, replacement in (
@@ -437,7 +437,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
             yield memo
     finally:
         for module in patched:
-            module.redistribute_cost = original
+            module.redistribute_cost = original  # type: ignore[attr-defined]
 
 
 def _evenly_sharded(*specs: Any) -> bool:
