@@ -39,9 +39,9 @@ def _config(case: str) -> Any:
 def compile_case(case: str, dump: str | None = None) -> dict[str, Any]:
     """Stage seconds of the demo's compiles for ``case`` (summed over its compiles)."""
     from spmd_compiler.api import compile as spmd_compile
+    from spmd_compiler.runtime.simulate import simulate
     from spmd_compiler.tools.demo.gpt import gpt_train_step
     from spmd_compiler.tools.demo.run import build, demo_mode
-    from spmd_compiler.runtime.simulate import simulate
 
     config = _config(case)
     model, optimizer, data = build(config)
