@@ -116,6 +116,11 @@ class CompiledTrainStep:
         return call.value
 
     @property
+    def has_pending_update(self) -> bool:
+        """Whether the latest call deferred an update that ``flush()`` would apply."""
+        return self._last is not None and self._last.has_pending_update
+
+    @property
     def last_program(self) -> DistributedProgram | None:
         """The per-rank program of the latest call."""
         return self._last.program if self._last is not None else None

@@ -33,10 +33,10 @@ def worker(rank: int, world_size: int, mode: str) -> dict[str, object]:
         step = sc.compile(make_mode(mode), extra_passes=extra)(classification_train_step)
         losses = [step(model, optim, x[local], y[local]).item() for x, y in batches]
         out[name] = {"losses": losses, "unflushed": full_state(model, optim, None)}
-        had_pending = step._pending is not None
+        had_pending = step.has_pending_update
         # checkpointing applies the deferred update by itself before reading the state
         exported = checkpoint.full_state_dict(model, optim)
-        out[name]["flushed"] = had_pending and step._pending is None and not step.flush()
+        out[name]["flushed"] = had_pending and not step.has_pending_update and not step.flush()
         out[name]["state"] = full_state(model, optim, None)
         if rank == 0:
             out[name]["exported"] = {k: v.clone() for k, v in exported["model"].items()}

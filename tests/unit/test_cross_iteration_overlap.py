@@ -94,9 +94,9 @@ def test_first_call_of_a_program_runs_without_carry_and_the_first_compile_defers
         assert step.last_program.deferred is None
         step(model, optim, *batches[1])
         assert step.last_program.deferred is not None
-        assert step._pending is not None
+        assert step.has_pending_update
     # leaving the simulation applied the pending update
-    assert step._pending is None and step.flush() is False
+    assert not step.has_pending_update and step.flush() is False
 
 
 def test_recompile_and_checkpoint_flush_first():
