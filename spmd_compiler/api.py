@@ -241,7 +241,7 @@ class CompiledTrainStep:
                 program = self.mode.transform_and_compile(program, self.options)
             with progress.stage("split"):
                 program.deferred = split_program(program)
-            program.executable = Executable.of(program, self.lowering)
+            program.executable = Executable.of(program, self.lowering.for_device(device_type))
         total = time.perf_counter() - start
         record = CompileRecord(
             key, program, captured.capture_seconds, program.expand_seconds,
@@ -300,7 +300,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     extra_passes: tuple[str, ...] = (),
     pass_options: dict[str, Any] | None = None,
     verify_numerics: bool = False,
-    backend: str = "eager",
+    backend: str = "auto",
     cuda_graphs: bool = False,
 ) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
     """Compile a whole train step (forward, loss, backward, optimizer) for N ranks.
@@ -315,9 +315,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         verify_numerics: in simulation, compare the program's outputs before and after
             every pass on fixed random inputs (slow; for tests and debugging).
         backend: how the per-rank program runs on real ranks: "eager" (the fx
-            interpreter, op by op) or "inductor" (compiled to C++ / Triton kernels on its
-            first call, collectives kept in the order the passes chose). Simulated ranks
-            always interpret. See NOTE: [lowering] in ``spmd_compiler/lower.py``.
+            interpreter, op by op), "inductor" (compiled to C++ / Triton kernels on its
+            first call, collectives kept in the order the passes chose) or "auto" (the
+            default: inductor for a model on CUDA, eager on CPU; NOTE: [default backend]
+            in ``spmd_compiler/lower.py``). Simulated ranks always interpret
+            (NOTE: [lowering]).
         cuda_graphs: with backend "inductor" on CUDA, replay each step as a CUDA graph.
     """
     mode = parallel_mode if parallel_mode is not None else DTensorExpandMode()

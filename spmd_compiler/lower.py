@@ -29,8 +29,30 @@ from .errors import SPMDCompileError
 
 log = logging.getLogger("spmd_compiler.lower")
 
-Backend = Literal["eager", "inductor"]
-BACKENDS: tuple[str, ...] = ("eager", "inductor")
+Backend = Literal["auto", "eager", "inductor"]
+BACKENDS: tuple[str, ...] = ("auto", "eager", "inductor")
+
+# NOTE: [default backend]
+# backend="auto" (the default) lowers through Inductor on CUDA and interprets on CPU,
+# chosen by measurement:
+# - CUDA (H100, torch 2.11, world 1, benchmarks/results/lowering_cuda.md): compiled ddp
+#   on gpt-4x256 is 0.97x torch DDP with Inductor against ~1.6x interpreted (16.42 vs
+#   28.82 ms), mlp-2048 0.87x; compiled fsdp 0.50x / 0.41x FSDP2. The step time pays.
+# - CPU (2 gloo ranks, benchmarks/results/cpu.md, issue 16's run): Inductor's cold C++
+#   compile costs tens of seconds per program on top of a few seconds of capture and
+#   expand, so a short CPU run (the test suite, a debugging session, the demo) spends far
+#   more in compiling than it saves per step; see the README's benchmark section for the
+#   measured step and compile seconds and the break-even step counts.
+# Simulated ranks always interpret (NOTE: [lowering]), whatever the backend.
+AUTO_BACKEND: dict[str, str] = {"cuda": "inductor"}
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """The backend that runs: ``backend`` itself, or for "auto" the measured default for
+    ``device_type`` (NOTE: [default backend])."""
+    if backend != "auto":
+        return backend
+    return AUTO_BACKEND.get(device_type, "eager")
 
 
 @dataclass(frozen=True)
@@ -39,13 +61,14 @@ class LoweringOptions:
 
     Args:
         backend: "eager" runs the fx graph op by op (the reference); "inductor" compiles it
-            to kernels (C++ on CPU, Triton on CUDA) on real ranks. Simulated ranks always
-            run "eager" (NOTE: [lowering]).
+            to kernels (C++ on CPU, Triton on CUDA) on real ranks; "auto" picks by device
+            (NOTE: [default backend]). Simulated ranks always run "eager"
+            (NOTE: [lowering]).
         cuda_graphs: replay the whole compiled step as one CUDA graph (static shapes, CUDA
-            tensors, backend "inductor" only).
+            tensors, backend "inductor", or "auto" on CUDA).
     """
 
-    backend: Backend = "eager"
+    backend: Backend = "auto"
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
@@ -53,11 +76,15 @@ class LoweringOptions:
             raise SPMDCompileError(
                 f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}."
             )
-        if self.cuda_graphs and self.backend != "inductor":
+        if self.cuda_graphs and self.backend == "eager":
             raise SPMDCompileError(
-                "cuda_graphs=True needs backend='inductor': the fx interpreter cannot be "
-                "captured into a CUDA graph."
+                "cuda_graphs=True needs backend='inductor' (or 'auto' on CUDA): the fx "
+                "interpreter cannot be captured into a CUDA graph."
             )
+
+    def for_device(self, device_type: str) -> LoweringOptions:
+        """These options with "auto" resolved for a model on ``device_type``."""
+        return LoweringOptions(resolve_backend(self.backend, device_type), self.cuda_graphs)
 
 
 @dataclass
@@ -71,7 +98,7 @@ class LoweredGraph:
     _constants: list[torch.Tensor] = field(default_factory=list)
 
     def __call__(self, flat: list[torch.Tensor], simulated: bool) -> list[torch.Tensor]:
-        if simulated or self.options.backend == "eager":
+        if simulated or resolve_backend(self.options.backend, _device_of(flat)) == "eager":
             return list(self.graph_module(*flat))
         if self._compiled is None:
             self._lower(flat)
@@ -95,6 +122,10 @@ class LoweredGraph:
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs",
                  len(gm.graph.nodes), self.compile_seconds)
+
+
+def _device_of(flat: list[torch.Tensor]) -> str:
+    return next((t.device.type for t in flat if isinstance(t, torch.Tensor)), "cpu")
 
 
 def fold_rank_values(gm: torch.fx.GraphModule) -> int:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import spmd_compiler as sc
 from spmd_compiler.demo.steps import classification_train_step
 from spmd_compiler.launch import LaunchError
-from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.parity import backend_under_test, full_state, relative_difference
 
 pytestmark = pytest.mark.dist
 
@@ -70,7 +70,7 @@ def compiled_worker(rank: int, world_size: int) -> dict[str, object]:
     for name, make_optimizer in OPTIMIZERS.items():
         model = make_model()
         optim = make_optimizer(model)
-        step = sc.compile()(train_step)
+        step = sc.compile(backend=backend_under_test())(train_step)
         losses, compile_counts = [], []
         for x, y in global_batches():
             losses.append(step(model, optim, x[local], y[local]).detach().clone())

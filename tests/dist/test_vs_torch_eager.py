@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import spmd_compiler as sc
 from spmd_compiler import parallel_modes
-from spmd_compiler.parity import full_state, relative_difference
+from spmd_compiler.parity import backend_under_test, full_state, relative_difference
 from spmd_compiler.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
@@ -109,7 +109,7 @@ def build_run(run: str, optimizer: str, precision: str = "fp32") -> Run:
         mode = parallel_modes.DataParallel(
             style, mp_policy=parallel_modes.MixedPrecisionPolicy(*dtypes)
         )
-        step = sc.compile(parallel_mode=mode)(train_step)
+        step = sc.compile(parallel_mode=mode, backend=backend_under_test())(train_step)
         return Run(step, model, model, OPTIMIZERS[optimizer](model))
     if run == "eager_ddp":
         # Forward must go through the wrapper: it hooks the gradient all-reduce.
