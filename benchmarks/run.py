@@ -137,9 +137,21 @@ def timelines(
 QUICK_CASES = (Case("mlp-32", "mlp", 32, 0, 8),)
 
 
-def run_cpu(options: SuiteOptions, quick: bool = False, folder: str = RESULTS) -> dict[str, Any]:
-    """The whole CPU suite; ``quick`` is a smoke run (one tiny model, 1-2 layers)."""
+def run_cpu(
+    options: SuiteOptions,
+    quick: bool = False,
+    folder: str = RESULTS,
+    names: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The whole CPU suite; ``quick`` is a smoke run (one tiny model, 1-2 layers);
+    ``names`` picks models of the suite by name (all when empty)."""
     cases, layers = (QUICK_CASES, (1, 2)) if quick else (CPU_CASES, LAYERS)
+    if names:
+        unknown = set(names) - {c.name for c in cases}
+        if unknown:
+            raise SystemExit(f"[bench] unknown model(s) {sorted(unknown)}; "
+                             f"choose from {[c.name for c in cases]}")
+        cases = tuple(c for c in cases if c.name in names)
     wall: dict[str, float] = {}
     start = time.perf_counter()
     print(f"[bench] cpu suite: {len(cases)} models x 3 styles on 2 gloo ranks", flush=True)
@@ -228,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-torch-compile", action="store_true", help="leave out the torch.compile peer"
     )
+    parser.add_argument("--cases", default="", help="comma-separated models (cpu; default all)")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="smoke run: one tiny model")
     parser.add_argument(
@@ -260,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         results = run_cuda(options, args.quick)
     else:
-        results = run_cpu(options, args.quick, args.out)
+        names = tuple(n for n in args.cases.split(",") if n)
+        results = run_cpu(options, args.quick, args.out, names)
     paths = write(results, args.out, args.suite)
     print(
         f"[bench] wrote {paths['json']} and {paths['md']} "
