@@ -187,6 +187,7 @@ def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
         f"{results['options']['steps']} steps after {results['options']['warmup']} warm-up "
         "(a step's time is its slowest rank's), pairs alternating A/B in one launch. "
         f"Suite wall time {results['wall_seconds']['cpu_suite']:.0f} s.",
+        *_load_lines(results),
         "",
         "| model | style | backend | compiled ms | torch ms | ratio (target) | 1-dev eager ms | "
         "collectives/step | bytes/step | min bytes | bytes ratio | state MiB/rank (compiled / torch) | compile s |",
@@ -243,6 +244,24 @@ def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
         )
     lines += ["", "Notes:"] + [f"- {note}" for note in results["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _load_lines(results: dict[str, Any]) -> list[str]:
+    """How loaded the machine was (other jobs share it) and Inductor's settings."""
+    load, env = results.get("load_average"), results.get("inductor_env") or {}
+    lines = []
+    if load:
+        def fmt(avg: list[float]) -> str:
+            return " / ".join(f"{v:.1f}" for v in avg)
+
+        lines.append(
+            f"Load average (1 / 5 / 15 min) on {load['cores']} cores: {fmt(load['before'])} "
+            f"before the suite, {fmt(load['after'])} after it"
+            + (f"; {load['note']}" if load.get("note") else "") + "."
+        )
+    if any(env.values()):
+        lines.append("Inductor: " + ", ".join(f"{k}={v}" for k, v in env.items() if v) + ".")
+    return lines
 
 
 def _peer_lines(suite: dict[str, Any]) -> list[str]:

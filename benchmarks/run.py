@@ -66,8 +66,9 @@ NOTES = [
     "compile s: step.timings.compile_seconds on rank 0 (both programs: the first step "
     "creates optimizer state, the second is the steady state; with backend inductor it "
     "includes Inductor's lowering of both programs to C++ kernels), real gloo ranks "
-    "sharing 2 cores with other work. Inductor's on-disk cache (/tmp/torchinductor_$USER) "
-    "was cleared before the run, so its figures are cold compiles.",
+    "sharing 2 cores with other work. Run with an empty TORCHINDUCTOR_CACHE_DIR (cold "
+    "Inductor compiles, also for the torch.compile peer) and TORCHINDUCTOR_COMPILE_THREADS=1 "
+    "(no compile worker pool per rank on 2 cores); the header says what was set.",
     "backend: eager = the per-rank fx program interpreted op by op; inductor = the same "
     "program lowered by Inductor to C++ kernels (spmd_compiler/lower.py).",
     "torch.compile peer: torch.compile(DistributedDataParallel(model)) in default mode "
@@ -155,7 +156,9 @@ def run_cpu(
     wall: dict[str, float] = {}
     start = time.perf_counter()
     print(f"[bench] cpu suite: {len(cases)} models x 3 styles on 2 gloo ranks", flush=True)
+    load = {"cores": os.cpu_count(), "before": os.getloadavg()}
     suite = run_cpu_suite(cases, options)
+    load["after"] = os.getloadavg()
     wall["cpu_suite"] = time.perf_counter() - start
     torch.set_num_threads(1)
     mark = time.perf_counter()
@@ -175,6 +178,11 @@ def run_cpu(
         "compute_model": vars(compute),
         "timelines": lanes,
         "wall_seconds": wall,
+        "load_average": load,
+        "inductor_env": {
+            k: os.environ.get(k)
+            for k in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS")
+        },
         "notes": list(NOTES),
         "torch": torch.__version__,
     }

@@ -19,8 +19,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler.demo.steps import classification_train_step
-from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.lower import resolve_backend
+from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.parity import backend_under_test, full_state, relative_difference
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -27,7 +27,6 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard
@@ -35,8 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import spmd_compiler as sc
 from spmd_compiler import parallel_modes
-from spmd_compiler.parity import backend_under_test, full_state, relative_difference
 from spmd_compiler.demo.steps import classification_train_step
+from spmd_compiler.parity import backend_under_test, full_state, relative_difference
 
 pytestmark = pytest.mark.dist
 
