@@ -34,15 +34,17 @@ BACKENDS: tuple[str, ...] = ("auto", "eager", "inductor")
 
 # NOTE: [default backend]
 # backend="auto" (the default) lowers through Inductor on CUDA and interprets on CPU,
-# chosen by measurement:
+# chosen by measurement (step ms interpreted -> Inductor; compile s both programs):
 # - CUDA (H100, torch 2.11, world 1, benchmarks/results/lowering_cuda.md): compiled ddp
-#   on gpt-4x256 is 0.97x torch DDP with Inductor against ~1.6x interpreted (16.42 vs
-#   28.82 ms), mlp-2048 0.87x; compiled fsdp 0.50x / 0.41x FSDP2. The step time pays.
-# - CPU (2 gloo ranks, benchmarks/results/cpu.md, issue 16's run): Inductor's cold C++
-#   compile costs tens of seconds per program on top of a few seconds of capture and
-#   expand, so a short CPU run (the test suite, a debugging session, the demo) spends far
-#   more in compiling than it saves per step; see the README's benchmark section for the
-#   measured step and compile seconds and the break-even step counts.
+#   gpt-4x256 28.82 -> 16.42 ms (1.70x -> 0.97x torch DDP), compile 17.1 -> 78.9 s;
+#   mlp-2048 3.05 -> 2.24 ms (0.87x DDP), 1.4 -> 3.7 s; compiled fsdp with Inductor
+#   0.50x / 0.41x FSDP2. The extra compile pays back after ~5,000 / ~2,800 steps.
+# - CPU (2 gloo ranks on 2 cores at load 19-29, benchmarks/results/cpu.md): the cold C++
+#   compile made each style's compile 73-190 s against 7-15 s interpreted, and the step
+#   time did not consistently improve: mlp-128 ddp 14.3 -> 9.8 ms and tp 13.6 -> 8.2 ms
+#   (break-even after ~39,000 / ~25,000 steps), fsdp 12.3 -> 24.2 ms (slower); mlp-512
+#   ddp 254 -> 272 ms (slower), fsdp equal, tp 207 -> 84 ms (break-even ~530 steps). CPU
+#   runs here are tests, debugging and demos of a few to a few hundred steps: eager.
 # Simulated ranks always interpret (NOTE: [lowering]), whatever the backend.
 AUTO_BACKEND: dict[str, str] = {"cuda": "inductor"}
 

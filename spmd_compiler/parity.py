@@ -112,3 +112,15 @@ def backend_under_test() -> str:
             f"{', '.join(BACKENDS)}."
         )
     return backend
+
+
+# Inductor compiles C++ kernels on every rank at once: minutes per launch on 2 cores.
+INDUCTOR_LAUNCH_TIMEOUT_S = 1800
+
+
+def launch_timeout(eager_seconds: float) -> float:
+    """A parity test's launch timeout on the backend under test: ``eager_seconds`` for the
+    interpreter, at least ``INDUCTOR_LAUNCH_TIMEOUT_S`` when the ranks lower with Inductor."""
+    if backend_under_test() == "inductor":
+        return max(eager_seconds, INDUCTOR_LAUNCH_TIMEOUT_S)
+    return eager_seconds

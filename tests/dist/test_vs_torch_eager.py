@@ -35,7 +35,12 @@ from torch.nn.parallel import DistributedDataParallel
 import spmd_compiler as sc
 from spmd_compiler import parallel_modes
 from spmd_compiler.demo.steps import classification_train_step
-from spmd_compiler.parity import backend_under_test, full_state, relative_difference
+from spmd_compiler.parity import (
+    backend_under_test,
+    full_state,
+    launch_timeout,
+    relative_difference,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -164,7 +169,7 @@ def single_device_reference(optimizer: str) -> dict[str, torch.Tensor]:
 def rank_results() -> list[dict[Key, dict[str, torch.Tensor]]]:
     """One 2-rank launch for all runs, optimizers and precisions: spawning ranks costs
     seconds."""
-    return sc.launch(worker, WORLD_SIZE, timeout_s=180)
+    return sc.launch(worker, WORLD_SIZE, timeout_s=launch_timeout(180))
 
 
 def global_view(
