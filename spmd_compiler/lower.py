@@ -133,42 +133,69 @@ def _device_of(flat: list[torch.Tensor]) -> str:
 def fold_rank_values(gm: torch.fx.GraphModule) -> int:
     """Evaluate this rank's process-group and coordinate lookups into constants.
 
-    Why: NOTE: [lowering]. A node is folded when it computes a non-tensor value from
-    non-tensor inputs only (DTensor's opaque mesh object, ints); a process group becomes
-    its registered name, which the functional collectives accept. Returns how many nodes
-    were folded; 0 (nothing done) for a program without such lookups.
+    Why: NOTE: [lowering]. A node is evaluated when its inputs are all known on this rank:
+    non-tensor values (DTensor's opaque mesh object, ints) or the program's constant
+    tensors and pure ops on them (the mesh tensor DTensor reads this rank's mesh
+    coordinate from, ``device_mesh._runtime_compute_coordinate_on_dim``). A node whose
+    value holds no tensor is folded: a process group becomes its registered name, which
+    the functional collectives accept; a coordinate becomes a plain int (left in the
+    graph, Inductor's tracer would make it an unbacked symbol it cannot resolve). Tensor
+    values are only evaluated for their users. Returns how many nodes were folded; 0
+    (nothing done) for a program without such lookups.
     """
     graph = gm.graph
     known: dict[torch.fx.Node, object] = {}
     folded = 0
     for node in list(graph.nodes):
         if node.op == "get_attr":
-            value = getattr(gm, str(node.target))
-            if not isinstance(value, torch.Tensor):
-                known[node] = value
+            known[node] = getattr(gm, str(node.target))
             continue
         if node.op != "call_function" or not node.all_input_nodes:
             continue
         if not all(a in known for a in node.all_input_nodes):
             continue
+        tensor_inputs = any(isinstance(known[a], torch.Tensor) for a in node.all_input_nodes)
+        if tensor_inputs and not _pure_op(node):
+            continue
         args = torch.fx.node.map_arg(node.args, lambda a: known[a])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: known[a])
         value = node.target(*args, **kwargs)  # type: ignore[operator]
-        if isinstance(value, torch.Tensor):
+        known[node] = value
+        if _holds_tensor(value):
             continue
         value = getattr(value, "group_name", value)
         known[node] = value
         _replace_with_constant(node, value)
         graph.erase_node(node)
         folded += 1
-    for node in list(graph.nodes):
-        if node.op == "get_attr" and not node.users:
+    for node in reversed(list(graph.nodes)):  # evaluated constant chains nothing reads
+        if node in known and not node.users:
             graph.erase_node(node)
-            if hasattr(gm, str(node.target)):
+            if node.op == "get_attr" and hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
     graph.lint()
     gm.recompile()
     return folded
+
+
+def _pure_op(node: torch.fx.Node) -> bool:
+    """An ATen-style op that neither mutates its inputs' values nor draws random numbers:
+    safe to evaluate ahead of time on constant tensors. ``detach_`` changes autograd
+    metadata only (the capture puts it after ``lift_fresh_copy`` of a traced constant)."""
+    if node.target is torch.ops.aten.detach_.default:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+
+
+def _holds_tensor(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
 
 
 def _replace_with_constant(node: torch.fx.Node, value: object) -> None:
