@@ -5,7 +5,7 @@ against the undecorated step on one device on the global batch.
 `SPMD_TEST_BACKEND=inductor pytest tests/dist/test_backend_parity.py -m ""` checks the
 Inductor-lowered program; unset, the fx interpreter. Tolerances (relative, max|a-b|/max|b|
 over every parameter, optimizer-state tensor and loss): float32 1e-5, float64 1e-10. What
-was measured on both backends is in the README ("Lowering backends").
+was measured on both backends is in the README ("Running the program as kernels").
 """
 
 from __future__ import annotations
