@@ -1,11 +1,15 @@
 """The CPU suite: one gloo launch, every style compiled and eager, alternating A/B.
 
-Each rank builds, per model, seven runs from the same seed: the single-device eager step
-on the global batch (the floor), and compiled ``ddp`` / ``fsdp`` / ``tp`` beside torch's
-``DistributedDataParallel`` / FSDP2 ``fully_shard`` / ``parallelize_module``. After
-warm-up (the compiled step compiles on its first two calls: optimizer state is created,
-then the steady state), every measured step times each run once, between barriers, with
-the order of each pair flipped every step so neither side always runs first.
+Each rank builds, per model, from the same seed: the single-device eager step on the
+global batch (the floor), and compiled ``ddp`` / ``fsdp`` / ``tp`` beside torch's
+``DistributedDataParallel`` / FSDP2 ``fully_shard`` / ``parallelize_module``; the compiled
+runs once per lowering backend (``compiled_ddp`` interprets the program,
+``compiled_ddp@inductor`` lowers it through Inductor), and the ddp group also holds the
+torch.compile peer (``torch_compile_ddp``: ``torch.compile`` over the DDP-wrapped model).
+After warm-up (the compiled step compiles on its first two calls: optimizer state is
+created, then the steady state), every measured step times each run once, between
+barriers, with the order inside each style's group flipped every step so no run always
+runs first.
 
 The same runs serve ``--suite cuda`` (``cuda_suite``): ``device`` puts the models and
 batches on a GPU, and the timing then synchronizes the device.
@@ -51,12 +55,34 @@ PAIRS = (
     ("compiled_tp", "torch_tp"),
 )
 FLOOR = "eager_1dev"
+# torch.compile's peer of compiled ddp: what ``build_run`` compiles is described there.
+TORCH_COMPILE_DDP = "torch_compile_ddp"
+
+
+def compiled_name(compiled: str, backend: str) -> str:
+    """The run name of a compiled style on a lowering backend (``compiled_ddp@inductor``);
+    the eager backend keeps the plain name."""
+    return compiled if backend == "eager" else f"{compiled}@{backend}"
+
+
+def run_groups(backends: tuple[str, ...], peer: bool) -> list[list[str]]:
+    """Per style: torch's run, then the compiled run on each backend (and the
+    torch.compile peer after torch DDP when ``peer``)."""
+    groups = []
+    for compiled, torch_run in PAIRS:
+        group = [torch_run] + [compiled_name(compiled, b) for b in backends]
+        if peer and torch_run == "torch_ddp":
+            group.append(TORCH_COMPILE_DDP)
+        groups.append(group)
+    return groups
 
 
 @dataclass(frozen=True)
 class SuiteOptions:
     warmup: int = 3
     steps: int = 9
+    backends: tuple[str, ...] = ("eager",)
+    torch_compile_peer: bool = False
 
 
 @dataclass
@@ -103,7 +129,11 @@ def build_run(name: str, case: Case, rank: int, world: int, device: str = "cpu")
             fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return Run(train_step(case), model, model, build_optimizer(model.parameters()), local)
-    if name == "torch_compile_ddp":  # torch.compile over torch's DDP, the eager optimizer
+    if name == TORCH_COMPILE_DDP:
+        # torch.compile (default mode, Inductor) over the DDP-wrapped model: Dynamo traces
+        # the forward, splits it at DDP's bucket boundaries (DDPOptimizer) so gradient
+        # all-reduces overlap the compiled backward; AOTAutograd compiles the backward.
+        # The loss (cross entropy), loss.backward() and the AdamW step run eagerly.
         ddp = DistributedDataParallel(model)
         compiled = torch.compile(ddp)
         return Run(train_step(case), compiled, model, build_optimizer(ddp.parameters()), local)
@@ -233,22 +263,29 @@ def bench_case(
     device: str = "cpu",
     peaks: bool = False,
 ) -> dict[str, Any]:
-    """Time the seven runs of ``case``; with ``peaks``, also one step's peak memory per run
-    (``step_peak_bytes``), measured after the timed steps so it does not disturb them."""
-    names = [FLOOR] + [name for pair in PAIRS for name in pair]
+    """Time every run of ``case`` (``run_groups``); with ``peaks``, also one step's peak
+    memory per run (``step_peak_bytes``), measured after the timed steps so it does not
+    disturb them. ``first_step_seconds`` is each run's first call (compiles included)."""
+    groups = run_groups(options.backends, options.torch_compile_peer)
+    names = [FLOOR] + [name for group in groups for name in group]
     runs = {name: build_run(name, case, rank, world, device) for name in names}
     data = [
         (x.to(device), y.to(device))
         for x, y in global_batches(case, options.warmup + options.steps)
     ]
     times: dict[str, list[float]] = {name: [] for name in names}
+    first: dict[str, float] = {}
     for i, (x, y) in enumerate(data):
-        order = [FLOOR] + [name for pair in PAIRS for name in (pair if i % 2 == 0 else pair[::-1])]
+        order = [FLOOR] + [n for g in groups for n in (g if i % 2 == 0 else g[::-1])]
         for name in order:
             seconds = timed_step(runs[name], x, y)
+            if i == 0:
+                first[name] = seconds
             if i >= options.warmup:
                 times[name].append(seconds)
-    out: dict[str, Any] = {"times": times, "memory": {}, "compiled": {}}
+    out: dict[str, Any] = {
+        "times": times, "first_step_seconds": first, "memory": {}, "compiled": {}
+    }
     for name, run in runs.items():
         out["memory"][name] = model_state_bytes(run)
         if isinstance(run.step, sc.CompiledTrainStep):
@@ -313,6 +350,7 @@ def merge_ranks(per_rank: list[dict[str, Any]], cases: tuple[Case, ...]) -> dict
             "step_seconds": medians,
             "memory_per_rank": mine["memory"],
             "compiled": mine["compiled"],
+            "first_step_seconds": mine["first_step_seconds"],
             "torch_tp_collectives": mine["torch_tp_collectives"],
         }
         if "step_peak_bytes" in mine:
@@ -322,7 +360,9 @@ def merge_ranks(per_rank: list[dict[str, Any]], cases: tuple[Case, ...]) -> dict
 
 def run_cpu_suite(cases: tuple[Case, ...], options: SuiteOptions, world: int = 2) -> dict:
     """Launch the suite on ``world`` gloo ranks (one torch thread each) and merge ranks."""
-    per_rank = sc.launch(worker, world, backend="gloo", args=(cases, options), timeout_s=900)
+    # Inductor compiles C++ kernels on every rank at once: allow for it on 2 cores
+    timeout = 900 if options.backends == ("eager",) else 5400
+    per_rank = sc.launch(worker, world, backend="gloo", args=(cases, options), timeout_s=timeout)
     return {
         "calibration": per_rank[0]["calibration"],
         "world_size": world,

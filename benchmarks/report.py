@@ -6,11 +6,12 @@ import json
 import os
 from typing import Any
 
-from .cpu_suite import PAIRS
+from .cpu_suite import PAIRS, TORCH_COMPILE_DDP, compiled_name
 
 STYLE = {"compiled_ddp": "ddp", "compiled_fsdp": "fsdp", "compiled_tp": "tp"}
-# Step-time ratio (compiled / torch eager) each style aims for (the issue's targets).
-TIME_TARGETS = {"ddp": 1.0, "fsdp": 0.8, "tp": 0.9}
+# Step-time ratio (compiled / torch eager) each style aims for (issue 16's CPU targets).
+TIME_TARGETS = {"ddp": 1.0, "fsdp": 0.6, "tp": 0.7}
+BACKENDS = ("eager", "inductor")
 COMPILE_SCALING_TARGET = 2.2
 
 
@@ -22,11 +23,15 @@ def minimum_bytes(style: str, param_bytes: int) -> int | None:
 
 
 def rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per model, style and lowering backend that ran."""
     out = []
     for case_name, case in suite["cases"].items():
         times = case["step_seconds"]
-        for compiled, torch_run in PAIRS:
+        for (compiled, torch_run), backend in (
+            (pair, b) for pair in PAIRS for b in BACKENDS if compiled_name(pair[0], b) in times
+        ):
             style = STYLE[compiled]
+            compiled = compiled_name(compiled, backend)
             comp = case["compiled"][compiled]
             minimum = minimum_bytes(style, case["param_bytes"])
             ratio = times[compiled] / times[torch_run]
@@ -34,6 +39,7 @@ def rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
             row = {
                 "model": case_name,
                 "style": style,
+                "backend": backend,
                 "torch_run": torch_run,
                 "compiled_ms": 1e3 * times[compiled],
                 "torch_ms": 1e3 * times[torch_run],
@@ -57,6 +63,38 @@ def rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def peer_rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per model with the torch.compile peer: its step beside torch DDP and compiled ddp
+    on each backend, and every run's first-step seconds (compiles included)."""
+    out = []
+    for case_name, case in suite["cases"].items():
+        times = case["step_seconds"]
+        if TORCH_COMPILE_DDP not in times:
+            continue
+        peer = times[TORCH_COMPILE_DDP]
+        row: dict[str, Any] = {
+            "model": case_name,
+            "torch_ddp_ms": 1e3 * times["torch_ddp"],
+            "torch_compile_ddp_ms": 1e3 * peer,
+            "torch_compile_vs_ddp": peer / times["torch_ddp"],
+            "torch_compile_first_step_s": case["first_step_seconds"][TORCH_COMPILE_DDP],
+        }
+        for backend in BACKENDS:
+            name = compiled_name("compiled_ddp", backend)
+            if name in times:
+                row[f"compiled_ddp_{backend}_vs_torch_compile"] = times[name] / peer
+        out.append(row)
+    return out
+
+
+def compile_rows(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Compile seconds per model, style and backend (both programs, lowering included)."""
+    return [
+        {k: r[k] for k in ("model", "style", "backend", "compile_seconds", "compile_count")}
+        for r in table
+    ]
+
+
 def _kinds(counts: dict[str, int]) -> str:
     short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
     if not counts:
@@ -78,10 +116,12 @@ def cuda_rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
     return table
 
 
-def _time_cells(r: dict[str, Any]) -> str:
-    """The cells both suites' tables open with: model to bytes/step."""
+def _time_cells(r: dict[str, Any], backend_column: bool = False) -> str:
+    """The cells both suites' tables open with: model to bytes/step (with the lowering
+    backend after the style in the CPU suite's table)."""
+    backend = f" {r['backend']} |" if backend_column else ""
     return (
-        f"| {r['model']} | {r['style']} vs {r['torch_run']} | {r['compiled_ms']:.2f} | "
+        f"| {r['model']} | {r['style']} vs {r['torch_run']} |{backend} {r['compiled_ms']:.2f} | "
         f"{r['torch_ms']:.2f} | {r['ratio']:.2f} (<= {r['time_target']}: "
         f"{_met(r['time_met'])}) | {r['floor_ms']:.2f} | {_kinds(r['collectives'])} | "
         f"{r['bytes']:,} |"
@@ -147,10 +187,11 @@ def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
         f"{results['options']['steps']} steps after {results['options']['warmup']} warm-up "
         "(a step's time is its slowest rank's), pairs alternating A/B in one launch. "
         f"Suite wall time {results['wall_seconds']['cpu_suite']:.0f} s.",
+        *_load_lines(results),
         "",
-        "| model | style | compiled ms | torch ms | ratio (target) | 1-dev eager ms | "
+        "| model | style | backend | compiled ms | torch ms | ratio (target) | 1-dev eager ms | "
         "collectives/step | bytes/step | min bytes | bytes ratio | state MiB/rank (compiled / torch) | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         min_bytes = f"{r['min_bytes']:,}" if r["min_bytes"] else "n/a"
@@ -159,10 +200,11 @@ def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
         else:
             bytes_ratio = f"{r['bytes_ratio']:.3f} ({_met(r['bytes_met'])})"
         lines.append(
-            f"{_time_cells(r)} {min_bytes} | {bytes_ratio} | "
+            f"{_time_cells(r, backend_column=True)} {min_bytes} | {bytes_ratio} | "
             f"{r['state_bytes_compiled'] / 2**20:.2f} / {r['state_bytes_torch'] / 2**20:.2f} | "
             f"{r['compile_seconds']:.1f} ({r['compile_count']} programs) |"
         )
+    lines += _peer_lines(results["suite"])
     scaling = results["compile_scaling"]
     lines += [
         "",
@@ -204,6 +246,53 @@ def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _load_lines(results: dict[str, Any]) -> list[str]:
+    """How loaded the machine was (other jobs share it) and Inductor's settings."""
+    load, env = results.get("load_average"), results.get("inductor_env") or {}
+    lines = []
+    if load:
+        def fmt(avg: list[float]) -> str:
+            return " / ".join(f"{v:.1f}" for v in avg)
+
+        lines.append(
+            f"Load average (1 / 5 / 15 min) on {load['cores']} cores: {fmt(load['before'])} "
+            f"before the suite, {fmt(load['after'])} after it"
+            + (f"; {load['note']}" if load.get("note") else "") + "."
+        )
+    if any(env.values()):
+        lines.append("Inductor: " + ", ".join(f"{k}={v}" for k, v in env.items() if v) + ".")
+    return lines
+
+
+def _peer_lines(suite: dict[str, Any]) -> list[str]:
+    """The torch.compile peer beside torch DDP and compiled ddp per backend."""
+    peers = peer_rows(suite)
+    if not peers:
+        return []
+    lines = [
+        "",
+        "torch.compile peer (`torch.compile` over the DDP-wrapped model; loss, backward() "
+        "call and AdamW eager), step ms and ratios from the same launch:",
+        "",
+        "| model | torch DDP ms | torch.compile+DDP ms | torch.compile / DDP | "
+        "compiled ddp eager / torch.compile | compiled ddp inductor / torch.compile | "
+        "torch.compile first step s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in peers:
+        cells = [
+            f"{p[f'compiled_ddp_{b}_vs_torch_compile']:.2f}"
+            if f"compiled_ddp_{b}_vs_torch_compile" in p else "n/a"
+            for b in BACKENDS
+        ]
+        lines.append(
+            f"| {p['model']} | {p['torch_ddp_ms']:.2f} | {p['torch_compile_ddp_ms']:.2f} | "
+            f"{p['torch_compile_vs_ddp']:.2f} | {' | '.join(cells)} | "
+            f"{p['torch_compile_first_step_s']:.1f} |"
+        )
+    return lines
+
+
 def plot(table: list[dict[str, Any]], path: str) -> str | None:
     """Bar plot of step times; returns why it was skipped, or None when written."""
     try:
@@ -213,7 +302,7 @@ def plot(table: list[dict[str, Any]], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no PNG plot was written (pip install -e .[bench])."
-    labels = [f"{r['model']}\n{r['style']}" for r in table]
+    labels = [f"{r['model']}\n{r['style']} {r.get('backend', 'eager')}" for r in table]
     xs = range(len(table))
     fig, ax = plt.subplots(figsize=(max(6, len(table)), 4))
     ax.bar([x - 0.2 for x in xs], [r["compiled_ms"] for r in table], 0.4, label="compiled")
@@ -236,6 +325,8 @@ def write(results: dict[str, Any], folder: str, name: str) -> dict[str, str]:
     if why_no_plot:
         results["notes"].append(why_no_plot)
     results["table"] = table
+    if name == "cpu":
+        results["torch_compile_peer"] = peer_rows(results["suite"])
     paths = {"json": os.path.join(folder, f"{name}.json"), "md": os.path.join(folder, f"{name}.md")}
     with open(paths["json"], "w") as f:
         json.dump(results, f, indent=2, default=str)

@@ -64,8 +64,18 @@ NOTES = [
     "are excluded (no honest per-rank peak on CPU: tracemalloc does not see torch's "
     "allocator, and RSS mixes all runs of one process).",
     "compile s: step.timings.compile_seconds on rank 0 (both programs: the first step "
-    "creates optimizer state, the second is the steady state), real gloo ranks sharing "
-    "2 cores with other work.",
+    "creates optimizer state, the second is the steady state; with backend inductor it "
+    "includes Inductor's lowering of both programs to C++ kernels), real gloo ranks "
+    "sharing 2 cores with other work. Run with an empty TORCHINDUCTOR_CACHE_DIR (cold "
+    "Inductor compiles, also for the torch.compile peer) and TORCHINDUCTOR_COMPILE_THREADS=1 "
+    "(no compile worker pool per rank on 2 cores); the header says what was set.",
+    "backend: eager = the per-rank fx program interpreted op by op; inductor = the same "
+    "program lowered by Inductor to C++ kernels (spmd_compiler/lower.py).",
+    "torch.compile peer: torch.compile(DistributedDataParallel(model)) in default mode "
+    "(Inductor): Dynamo captures the forward, DDPOptimizer splits it at DDP's bucket "
+    "boundaries, AOTAutograd compiles forward and backward; cross entropy, the "
+    "loss.backward() call and AdamW.step() run eagerly (no compiled_autograd, no compiled "
+    "optimizer). first step s: the wall time of its first call (compiles included).",
     "1-dev eager ms: the undecorated step on the GLOBAL batch in one process with one "
     "thread (both ranks run it at once, one per core): the floor a 2-rank run should beat.",
     "fsdp bytes: the compiled program's all-gathers move ~1.5x (MLP) to ~1.94x (GPT) the "
@@ -128,13 +138,27 @@ def timelines(
 QUICK_CASES = (Case("mlp-32", "mlp", 32, 0, 8),)
 
 
-def run_cpu(options: SuiteOptions, quick: bool = False, folder: str = RESULTS) -> dict[str, Any]:
-    """The whole CPU suite; ``quick`` is a smoke run (one tiny model, 1-2 layers)."""
+def run_cpu(
+    options: SuiteOptions,
+    quick: bool = False,
+    folder: str = RESULTS,
+    names: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The whole CPU suite; ``quick`` is a smoke run (one tiny model, 1-2 layers);
+    ``names`` picks models of the suite by name (all when empty)."""
     cases, layers = (QUICK_CASES, (1, 2)) if quick else (CPU_CASES, LAYERS)
+    if names:
+        unknown = set(names) - {c.name for c in cases}
+        if unknown:
+            raise SystemExit(f"[bench] unknown model(s) {sorted(unknown)}; "
+                             f"choose from {[c.name for c in cases]}")
+        cases = tuple(c for c in cases if c.name in names)
     wall: dict[str, float] = {}
     start = time.perf_counter()
     print(f"[bench] cpu suite: {len(cases)} models x 3 styles on 2 gloo ranks", flush=True)
+    load = {"cores": os.cpu_count(), "before": os.getloadavg()}
     suite = run_cpu_suite(cases, options)
+    load["after"] = os.getloadavg()
     wall["cpu_suite"] = time.perf_counter() - start
     torch.set_num_threads(1)
     mark = time.perf_counter()
@@ -154,6 +178,11 @@ def run_cpu(options: SuiteOptions, quick: bool = False, folder: str = RESULTS) -
         "compute_model": vars(compute),
         "timelines": lanes,
         "wall_seconds": wall,
+        "load_average": load,
+        "inductor_env": {
+            k: os.environ.get(k)
+            for k in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS")
+        },
         "notes": list(NOTES),
         "torch": torch.__version__,
     }
@@ -192,7 +221,13 @@ def run_cuda(
 
 # --steps / --warmup when not given: GPU steps take milliseconds, so the CUDA suite can
 # afford more of them (and needs them: a few slow steps skew a short median).
-DEFAULT_OPTIONS = {"cpu": SuiteOptions(), "cuda": SuiteOptions(warmup=5, steps=20)}
+# The CPU suite runs every compiled style on both lowering backends beside the
+# torch.compile peer; the CUDA suite keeps its seven runs (the lowering benchmark,
+# ``benchmarks.lowering``, times Inductor there).
+DEFAULT_OPTIONS = {
+    "cpu": SuiteOptions(backends=("eager", "inductor"), torch_compile_peer=True),
+    "cuda": SuiteOptions(warmup=5, steps=20),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         help="warm-up steps (cpu 3, cuda 5); at least 2: a compiled step compiles on its "
         "first two calls",
     )
+    parser.add_argument(
+        "--backends",
+        help="comma-separated lowering backends of the compiled runs (cpu: eager,inductor; "
+        "cuda: eager)",
+    )
+    parser.add_argument(
+        "--no-torch-compile", action="store_true", help="leave out the torch.compile peer"
+    )
+    parser.add_argument("--cases", default="", help="comma-separated models (cpu; default all)")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="smoke run: one tiny model")
     parser.add_argument(
@@ -223,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     options = SuiteOptions(
         warmup=default.warmup if args.warmup is None else args.warmup,
         steps=default.steps if args.steps is None else args.steps,
+        backends=tuple(args.backends.split(",")) if args.backends else default.backends,
+        torch_compile_peer=default.torch_compile_peer and not args.no_torch_compile,
     )
     if args.suite == "cuda":
         if not torch.cuda.is_available():
@@ -235,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         results = run_cuda(options, args.quick)
     else:
-        results = run_cpu(options, args.quick, args.out)
+        names = tuple(n for n in args.cases.split(",") if n)
+        results = run_cpu(options, args.quick, args.out, names)
     paths = write(results, args.out, args.suite)
     print(
         f"[bench] wrote {paths['json']} and {paths['md']} "

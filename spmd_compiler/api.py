@@ -209,7 +209,8 @@ class CompiledTrainStep:
             program, how, load_seconds = self._cached_or_built(captured, mesh, progress)
             inductor_dir = self.disk_cache.inductor_dir if self.disk_cache else None
             executable = StepExecutable(
-                program, self.mode.placement_of, self.lowering, inductor_dir
+                program, self.mode.placement_of, self.lowering.for_device(device_type),
+                inductor_dir,
             )
         total = time.perf_counter() - start
         built = how in ("off", "uncacheable", "miss")
@@ -330,7 +331,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     extra_passes: tuple[str, ...] = (),
     pass_options: dict[str, Any] | None = None,
     verify_numerics: bool = False,
-    backend: str = "eager",
+    backend: str = "auto",
     cuda_graphs: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
@@ -346,9 +347,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         verify_numerics: in simulation, compare the program's outputs before and after
             every pass on fixed random inputs (slow; for tests and debugging).
         backend: how the per-rank program runs on real ranks: "eager" (the fx
-            interpreter, op by op) or "inductor" (compiled to C++ / Triton kernels on its
-            first call, collectives kept in the order the passes chose). Simulated ranks
-            always interpret. See NOTE: [lowering] in ``spmd_compiler/lower.py``.
+            interpreter, op by op), "inductor" (compiled to C++ / Triton kernels on its
+            first call, collectives kept in the order the passes chose) or "auto" (the
+            default: inductor for a model on CUDA, eager on CPU; NOTE: [default backend]
+            in ``spmd_compiler/lower.py``). Simulated ranks always interpret
+            (NOTE: [lowering]).
         cuda_graphs: with backend "inductor" on CUDA, replay each step as a CUDA graph.
         cache_dir: a directory for the persistent compile cache (default: the
             ``SPMD_COMPILER_CACHE_DIR`` environment variable; unset: no cache). A

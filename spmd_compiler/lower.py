@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.fx
@@ -31,8 +31,31 @@ from .progress import compile_progress
 
 log = logging.getLogger("spmd_compiler.lower")
 
-Backend = Literal["eager", "inductor"]
-BACKENDS: tuple[str, ...] = ("eager", "inductor")
+Backend = Literal["auto", "eager", "inductor"]
+BACKENDS: tuple[str, ...] = ("auto", "eager", "inductor")
+
+# NOTE: [default backend]
+# backend="auto" (the default) lowers through Inductor on CUDA and interprets on CPU,
+# chosen by measurement (step ms interpreted -> Inductor; compile s both programs):
+# - CUDA (H100, torch 2.11, world 1, benchmarks/results/lowering_cuda.md): compiled ddp
+#   gpt-4x256 28.82 -> 16.42 ms (1.70x -> 0.97x torch DDP), compile 17.1 -> 78.9 s;
+#   mlp-2048 3.05 -> 2.24 ms (0.87x DDP), 1.4 -> 3.7 s; compiled fsdp with Inductor
+#   0.50x / 0.41x FSDP2. The extra compile pays back after ~5,000 / ~2,800 steps.
+# - CPU (2 gloo ranks on 2 cores at load 19-29, benchmarks/results/cpu.md): the cold C++
+#   compile made each style's compile 73-190 s against 7-15 s interpreted, and the step
+#   time did not consistently improve: mlp-128 ddp 14.3 -> 9.8 ms and tp 13.6 -> 8.2 ms
+#   (break-even after ~39,000 / ~25,000 steps), fsdp 12.3 -> 24.2 ms (slower); mlp-512
+#   ddp 254 -> 272 ms (slower), fsdp equal, tp 207 -> 84 ms (break-even ~530 steps). CPU
+#   runs here are tests, debugging and demos of a few to a few hundred steps: eager.
+# Simulated ranks always interpret (NOTE: [lowering]), whatever the backend.
+AUTO_BACKEND: dict[str, str] = {"cuda": "inductor"}
+
+
+def resolve_backend(backend: str, device_type: str) -> Backend:
+    """The backend that runs: ``backend`` itself, or for "auto" the measured default for
+    ``device_type`` (NOTE: [default backend])."""
+    chosen = backend if backend != "auto" else AUTO_BACKEND.get(device_type, "eager")
+    return cast(Backend, chosen)
 
 
 @dataclass(frozen=True)
@@ -41,13 +64,14 @@ class LoweringOptions:
 
     Args:
         backend: "eager" runs the fx graph op by op (the reference); "inductor" compiles it
-            to kernels (C++ on CPU, Triton on CUDA) on real ranks. Simulated ranks always
-            run "eager" (NOTE: [lowering]).
+            to kernels (C++ on CPU, Triton on CUDA) on real ranks; "auto" picks by device
+            (NOTE: [default backend]). Simulated ranks always run "eager"
+            (NOTE: [lowering]).
         cuda_graphs: replay the whole compiled step as one CUDA graph (static shapes, CUDA
-            tensors, backend "inductor" only).
+            tensors, backend "inductor", or "auto" on CUDA).
     """
 
-    backend: Backend = "eager"
+    backend: Backend = "auto"
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
@@ -55,11 +79,15 @@ class LoweringOptions:
             raise SPMDCompileError(
                 f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}."
             )
-        if self.cuda_graphs and self.backend != "inductor":
+        if self.cuda_graphs and self.backend == "eager":
             raise SPMDCompileError(
-                "cuda_graphs=True needs backend='inductor': the fx interpreter cannot be "
-                "captured into a CUDA graph."
+                "cuda_graphs=True needs backend='inductor' (or 'auto' on CUDA): the fx "
+                "interpreter cannot be captured into a CUDA graph."
             )
+
+    def for_device(self, device_type: str) -> LoweringOptions:
+        """These options with "auto" resolved for a model on ``device_type``."""
+        return LoweringOptions(resolve_backend(self.backend, device_type), self.cuda_graphs)
 
 
 @dataclass
@@ -75,7 +103,7 @@ class LoweredGraph:
     _constants: list[torch.Tensor] = field(default_factory=list)
 
     def __call__(self, flat: list[torch.Tensor], simulated: bool) -> list[torch.Tensor]:
-        if simulated or self.options.backend == "eager":
+        if simulated or resolve_backend(self.options.backend, _device_of(flat)) == "eager":
             return list(self.graph_module(*flat))
         if self._compiled is None:
             self._lower(flat)
@@ -104,45 +132,76 @@ class LoweredGraph:
                  len(gm.graph.nodes), self.compile_seconds)
 
 
+def _device_of(flat: list[torch.Tensor]) -> str:
+    return next((t.device.type for t in flat if isinstance(t, torch.Tensor)), "cpu")
+
+
 def fold_rank_values(gm: torch.fx.GraphModule) -> int:
     """Evaluate this rank's process-group and coordinate lookups into constants.
 
-    Why: NOTE: [lowering]. A node is folded when it computes a non-tensor value from
-    non-tensor inputs only (DTensor's opaque mesh object, ints); a process group becomes
-    its registered name, which the functional collectives accept. Returns how many nodes
-    were folded; 0 (nothing done) for a program without such lookups.
+    Why: NOTE: [lowering]. A node is evaluated when its inputs are all known on this rank:
+    non-tensor values (DTensor's opaque mesh object, ints) or the program's constant
+    tensors and pure ops on them (the mesh tensor DTensor reads this rank's mesh
+    coordinate from, ``device_mesh._runtime_compute_coordinate_on_dim``). A node whose
+    value holds no tensor is folded: a process group becomes its registered name, which
+    the functional collectives accept; a coordinate becomes a plain int (left in the
+    graph, Inductor's tracer would make it an unbacked symbol it cannot resolve). Tensor
+    values are only evaluated for their users. Returns how many nodes were folded; 0
+    (nothing done) for a program without such lookups.
     """
     graph = gm.graph
     known: dict[torch.fx.Node, Any] = {}
     folded = 0
     for node in list(graph.nodes):
         if node.op == "get_attr":
-            value = getattr(gm, str(node.target))
-            if not isinstance(value, torch.Tensor):
-                known[node] = value
+            known[node] = getattr(gm, str(node.target))
             continue
         if node.op != "call_function" or not node.all_input_nodes:
             continue
         if not all(a in known for a in node.all_input_nodes):
             continue
+        tensor_inputs = any(isinstance(known[a], torch.Tensor) for a in node.all_input_nodes)
+        if tensor_inputs and not _pure_op(node):
+            continue
         args = torch.fx.node.map_arg(node.args, lambda a: known[a])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: known[a])
         value = node.target(*args, **kwargs)  # type: ignore[operator]
-        if isinstance(value, torch.Tensor):
+        known[node] = value
+        if _holds_tensor(value):
             continue
         value = getattr(value, "group_name", value)
         known[node] = value
         _replace_with_constant(node, value)
         graph.erase_node(node)
         folded += 1
-    for node in list(graph.nodes):
-        if node.op == "get_attr" and not node.users:
+    for node in reversed(list(graph.nodes)):  # evaluated constant chains nothing reads
+        if node in known and not node.users:
             graph.erase_node(node)
-            if hasattr(gm, str(node.target)):
+            if node.op == "get_attr" and hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
     graph.lint()
     gm.recompile()
     return folded
+
+
+def _pure_op(node: torch.fx.Node) -> bool:
+    """An ATen-style op that neither mutates its inputs' values nor draws random numbers:
+    safe to evaluate ahead of time on constant tensors. ``detach_`` changes autograd
+    metadata only (the capture puts it after ``lift_fresh_copy`` of a traced constant)."""
+    if node.target is torch.ops.aten.detach_.default:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+
+
+def _holds_tensor(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
 
 
 def _replace_with_constant(node: torch.fx.Node, value: object) -> None:

@@ -9,6 +9,7 @@ is ``max|a - b| / max|b|`` (the absolute error when ``b`` is all zeros).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -89,3 +90,37 @@ def compare_optimizers(optimizer, reference, sim: Simulation | None) -> dict[str
 
 def max_difference(*diffs: dict[str, float]) -> float:
     return max((v for d in diffs for v in d.values()), default=0.0)
+
+
+# NOTE: [test backend]
+# The parity tests that run on real ranks (tests/dist) compile with the lowering backend
+# named by SPMD_TEST_BACKEND ("eager" when unset), so the same tests check the fx
+# interpreter and the Inductor-lowered program: `SPMD_TEST_BACKEND=inductor pytest
+# tests/dist`. Tests on simulated ranks (tests/sim) are backend-independent: one program
+# runs for N ranks at once there and is always interpreted (NOTE: [lowering]).
+TEST_BACKEND_ENV = "SPMD_TEST_BACKEND"
+
+
+def backend_under_test() -> str:
+    """The lowering backend the real-rank parity tests compile with (NOTE: [test backend])."""
+    from .lower import BACKENDS
+
+    backend = os.environ.get(TEST_BACKEND_ENV, "eager")
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"{TEST_BACKEND_ENV}={backend!r} is not a lowering backend; choose one of "
+            f"{', '.join(BACKENDS)}."
+        )
+    return backend
+
+
+# Inductor compiles C++ kernels on every rank at once: minutes per launch on 2 cores.
+INDUCTOR_LAUNCH_TIMEOUT_S = 1800
+
+
+def launch_timeout(eager_seconds: float) -> float:
+    """A parity test's launch timeout on the backend under test: ``eager_seconds`` for the
+    interpreter, at least ``INDUCTOR_LAUNCH_TIMEOUT_S`` when the ranks lower with Inductor."""
+    if backend_under_test() == "inductor":
+        return max(eager_seconds, INDUCTOR_LAUNCH_TIMEOUT_S)
+    return eager_seconds

@@ -20,7 +20,12 @@ from torch.distributed.tensor import DTensor
 import spmd_compiler as sc
 from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.runtime.launch import LaunchError
-from spmd_compiler.tools.parity import full_state, relative_difference
+from spmd_compiler.tools.parity import (
+    backend_under_test,
+    full_state,
+    launch_timeout,
+    relative_difference,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -70,7 +75,7 @@ def compiled_worker(rank: int, world_size: int) -> dict[str, object]:
     for name, make_optimizer in OPTIMIZERS.items():
         model = make_model()
         optim = make_optimizer(model)
-        step = sc.compile()(train_step)
+        step = sc.compile(backend=backend_under_test())(train_step)
         losses, compile_counts = [], []
         for x, y in global_batches():
             losses.append(step(model, optim, x[local], y[local]).detach().clone())
@@ -94,7 +99,7 @@ def eager_reference(optimizer: str) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def rank_results() -> list[dict[str, object]]:
     """One 2-rank launch for all optimizers: spawning ranks costs seconds each time."""
-    return sc.launch(compiled_worker, WORLD_SIZE, timeout_s=120)
+    return sc.launch(compiled_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
 
 
 def test_results_come_back_in_rank_order(rank_results: list[dict[str, object]]) -> None:
@@ -146,7 +151,9 @@ def uneven_fully_shard_worker(rank: int, world_size: int) -> dict[str, object]:
     sc.init_from_env()
     model = make_uneven_model()
     optim = OPTIMIZERS["adamw"](model)
-    step = sc.compile(DataParallel("fully_shard"))(zero_grad_first_step)
+    step = sc.compile(DataParallel("fully_shard"), backend=backend_under_test())(
+        zero_grad_first_step
+    )
     losses = [step(model, optim, x[local], y[local]).detach().clone() for x, y in global_batches()]
     grads = {f"grad.{n}": p.grad.full_tensor() for n, p in model.named_parameters()}
     return {"losses": torch.stack(losses), "state": {**full_state(model, optim, None), **grads}}
@@ -155,7 +162,7 @@ def uneven_fully_shard_worker(rank: int, world_size: int) -> dict[str, object]:
 def test_fully_shard_uneven_keeps_gradients_between_steps_on_gloo() -> None:
     """zero_grad at the start of the step keeps gradients of padded parameters between
     steps (issue 11 item 6: a raw GuardOnDataDependentSymNode before)."""
-    results = sc.launch(uneven_fully_shard_worker, WORLD_SIZE, timeout_s=120)
+    results = sc.launch(uneven_fully_shard_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
     model = make_uneven_model()
     optim = OPTIMIZERS["adamw"](model)
     losses = [zero_grad_first_step(model, optim, x, y).detach().clone() for x, y in global_batches()]

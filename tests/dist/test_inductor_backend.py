@@ -4,7 +4,10 @@ computes what the single device computes on the global batch, like the interpret
 Inductor's fused kernels may round float32 reductions differently from the eager ATen
 kernels, so float32 parity is checked to 1e-5 relative (the suite's tolerance); in float64
 the same runs must agree to 1e-10. Each case compiles C++ kernels once per rank (tens of
-seconds on 2 cores; Inductor's own on-disk cache makes reruns faster).
+seconds on 2 cores; Inductor's own on-disk cache makes reruns faster). The non-slow cases
+(ddp and tp in float32) are the CI-sized Inductor subset of the normal suite (marker
+``inductor``); every style in both dtypes on the backend under test is
+tests/dist/test_backend_parity.py (NOTE: [test backend]).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler.tools.demo.steps import classification_train_step
@@ -19,7 +23,7 @@ from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.tools.parity import full_state, relative_difference
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.inductor]
 
 WORLD_SIZE, STEPS, GLOBAL_BATCH = 2, 3, 8
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
@@ -44,11 +48,16 @@ def _batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _worker(rank: int, world: int, mode: str, dtype: torch.dtype) -> dict:
     model = _model(dtype)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = sc.compile(parallel_mode=make_mode(mode), backend="inductor")(classification_train_step)
-    share = GLOBAL_BATCH // world
+    if mode == "tp":  # every tp rank sees the whole batch
+        parallel = make_mode("tp", plan={"0": ColwiseParallel(), "3": RowwiseParallel()})
+        rows = slice(0, GLOBAL_BATCH)
+    else:
+        parallel = make_mode(mode)
+        share = GLOBAL_BATCH // world
+        rows = slice(rank * share, (rank + 1) * share)
+    step = sc.compile(parallel_mode=parallel, backend="inductor")(classification_train_step)
     losses = []
     for x, y in _batches(dtype):
-        rows = slice(rank * share, (rank + 1) * share)
         losses.append(step(model, optim, x[rows], y[rows]).detach().clone())
     lowered = step.last_program.executable.step
     return {
@@ -68,6 +77,7 @@ def _reference(dtype: torch.dtype) -> tuple[list[torch.Tensor], dict]:
     ("mode", "dtype", "tolerance"),
     [
         ("ddp", torch.float32, 1e-5),
+        ("tp", torch.float32, 1e-5),
         pytest.param("fsdp", torch.float32, 1e-5, marks=pytest.mark.slow),
         pytest.param("ddp", torch.float64, 1e-10, marks=pytest.mark.slow),
     ],

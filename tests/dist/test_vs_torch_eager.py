@@ -27,7 +27,6 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard
@@ -35,7 +34,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import spmd_compiler as sc
 from spmd_compiler import parallel_modes
-from spmd_compiler.tools.parity import full_state, relative_difference
+from spmd_compiler.tools.parity import (
+    backend_under_test,
+    full_state,
+    launch_timeout,
+    relative_difference,
+)
 from spmd_compiler.tools.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
@@ -109,7 +113,7 @@ def build_run(run: str, optimizer: str, precision: str = "fp32") -> Run:
         mode = parallel_modes.DataParallel(
             style, mp_policy=parallel_modes.MixedPrecisionPolicy(*dtypes)
         )
-        step = sc.compile(parallel_mode=mode)(train_step)
+        step = sc.compile(parallel_mode=mode, backend=backend_under_test())(train_step)
         return Run(step, model, model, OPTIMIZERS[optimizer](model))
     if run == "eager_ddp":
         # Forward must go through the wrapper: it hooks the gradient all-reduce.
@@ -165,7 +169,7 @@ def single_device_reference(optimizer: str) -> dict[str, torch.Tensor]:
 def rank_results() -> list[dict[Key, dict[str, torch.Tensor]]]:
     """One 2-rank launch for all runs, optimizers and precisions: spawning ranks costs
     seconds."""
-    return sc.launch(worker, WORLD_SIZE, timeout_s=180)
+    return sc.launch(worker, WORLD_SIZE, timeout_s=launch_timeout(180))
 
 
 def global_view(
@@ -251,6 +255,17 @@ def test_comparisons_can_fail(rank_results: list) -> None:
         assert param_difference(view, after) > BF16_TOLERANCE, precision
 
 
+# Measured with SPMD_TEST_BACKEND=inductor (2 gloo ranks): the lowered bf16 step differs
+# from FSDP2's bf16 run by 1.0e-2 (exp_avg_sq; 3.5e-2 in the parameters before casts were
+# emulated), where the interpreter agrees to 1.3e-7. Cause inside Inductor's bf16 kernels
+# not established; strict, so a fix shows up.
+INDUCTOR_BF16 = pytest.mark.xfail(
+    backend_under_test() == "inductor", strict=True,
+    reason="Inductor's bf16 kernels differ from eager bf16 by ~1e-2 (not yet matched)",
+)
+
+
+@INDUCTOR_BF16
 @pytest.mark.parametrize("precision", MIXED_PRECISIONS)
 def test_compiled_matches_torch_eager_mixed_precision(rank_results: list, precision: str) -> None:
     """Compiled fully_shard == FSDP2 with the same bf16 policy, within bf16 tolerance; the
@@ -266,6 +281,7 @@ def test_compiled_matches_torch_eager_mixed_precision(rank_results: list, precis
     assert_close(actual, expected, f"{compiled} vs {eager} ({precision})", BF16_TOLERANCE)
 
 
+@INDUCTOR_BF16
 def test_mixed_precision_reduce_dtype_matters(rank_results: list) -> None:
     """The bf16 tolerance above cannot tell the reduce dtypes apart (they move the
     parameters by ~1e-3), so check that the compiled run of each reduce dtype is nearer
