@@ -16,6 +16,9 @@ detected by asking torch for the feature, never by its version string:
   tracing ``_dtensor.mesh_get_process_group``;
 - ``local_tensor_mode``: 2.11's LocalTensorMode gives every simulated rank rank 0's
   run-time mesh coordinate (a silent wrong result in simulation);
+- ``compile_on_one_rank_config``: 2.14 moved the ``compile_on_one_rank`` flag to
+  ``torch.compiler.config``; ``torch.distributed.config``'s is a deprecated alias there
+  (a FutureWarning on every patch);
 - NOTE: [DTensor gap fills]: 2.11's view rule, strided-shard redistribution, sharding
   strategies for squeeze.dims / flip / roll / cummax / var_mean.correction, and rules
   that ignore ``_StridedShard`` (``settle_strided_shards``).
@@ -393,7 +396,6 @@ def compile_on_one_rank() -> Iterator[None]:
     shard has the same size the answer does not depend on the rank, so it is returned
     directly; uneven strided shards still fail (and the caller falls back).
     """
-    import torch.distributed.config as dconfig
     from torch.distributed.tensor.placement_types import _StridedShard
 
     install_dtensor_gap_fills()
@@ -432,12 +434,28 @@ def compile_on_one_rank() -> Iterator[None]:
             return blocks.select(self.dim + 1, shard_index).flatten(self.dim, self.dim + 1).clone()
         return original_select(self, local_tensor, mesh, mesh_dim, shard_index)
 
-    with dconfig.patch(compile_on_one_rank=True), mock.patch.object(
+    with compile_on_one_rank_config().patch(compile_on_one_rank=True), mock.patch.object(
         _StridedShard, "_local_shard_size", staticmethod(local_shard_size)
     ), mock.patch.object(
         _StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard
     ), mock.patch.object(_StridedShard, "local_shard_size_and_offset", local_shard_size_and_offset):
         yield
+
+
+def compile_on_one_rank_config() -> Any:
+    """The config module that owns ``compile_on_one_rank``.
+
+    torch 2.14 moved the flag to ``torch.compiler.config`` and kept
+    ``torch.distributed.config.compile_on_one_rank`` as an alias that warns
+    (FutureWarning) on every read; 2.11 to 2.13 have it only in ``torch.distributed.config``.
+    Feature-tested: the new home when it has the flag.
+    """
+    import torch.compiler.config as compiler_config
+    import torch.distributed.config as distributed_config
+
+    if hasattr(compiler_config, "compile_on_one_rank"):
+        return compiler_config
+    return distributed_config
 
 
 def _has_traced_group_op() -> bool:

@@ -82,3 +82,22 @@ def test_run_time_coordinate_is_per_simulated_rank():
         assert {r: int(v) for r, v in private.per_rank_tensors(coords).items()} == {
             0: 0, 1: 1, 2: 10, 3: 11,
         }
+
+
+def test_compile_on_one_rank_is_set_where_torch_reads_it_without_a_deprecation_warning():
+    """torch 2.14 moved the flag to ``torch.compiler.config`` (the ``torch.distributed``
+    name warns there); 2.11 to 2.13 have only ``torch.distributed.config``'s."""
+    import warnings
+
+    import torch.compiler.config as compiler_config
+    import torch.distributed.config as distributed_config
+
+    owner = private.compile_on_one_rank_config()
+    new_home = hasattr(compiler_config, "compile_on_one_rank")
+    assert owner is (compiler_config if new_home else distributed_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert owner.compile_on_one_rank is False
+        with private.compile_on_one_rank():
+            assert owner.compile_on_one_rank is True
+        assert owner.compile_on_one_rank is False
