@@ -16,6 +16,12 @@ detected by asking torch for the feature, never by its version string:
   tracing ``_dtensor.mesh_get_process_group``;
 - ``local_tensor_mode``: 2.11's LocalTensorMode gives every simulated rank rank 0's
   run-time mesh coordinate (a silent wrong result in simulation);
+- ``bounded_decomposition_propagation``: DecompShardingStrategy's methods are static in
+  2.11 (sharding propagator last), instance methods from 2.12, with an extra
+  ``output_tensor_meta`` argument in 2.14; the wrappers take any of these;
+- ``compile_on_one_rank_config``: 2.14 moved the ``compile_on_one_rank`` flag to
+  ``torch.compiler.config``; ``torch.distributed.config``'s is a deprecated alias there
+  (a FutureWarning on every patch);
 - NOTE: [DTensor gap fills]: 2.11's view rule, strided-shard redistribution, sharding
   strategies for squeeze.dims / flip / roll / cummax / var_mean.correction, and rules
   that ignore ``_StridedShard`` (``settle_strided_shards``).
@@ -542,12 +548,13 @@ def bounded_decomposition_propagation(seconds: float) -> Iterator[None]:
     original_attempt = DecompShardingStrategy._propagate_through_decomp
     state: dict[str, Any] = {"deadline": None, "op": None, "attempts": 0, "exceeded": False}
 
-    def propagate_strategy(self, op_schema):
+    def propagate_strategy(*args, **kwargs):
         outermost = state["deadline"] is None
         if outermost:
-            state.update(deadline=time.monotonic() + seconds, op=op_schema.op, attempts=0, exceeded=False)
+            op = _op_schema_in(args, kwargs).op
+            state.update(deadline=time.monotonic() + seconds, op=op, attempts=0, exceeded=False)
         try:
-            result = original_propagate(self, op_schema)
+            result = original_propagate(*args, **kwargs)
             if outermost and state["exceeded"]:
                 raise PropagationBudgetExceeded(state["op"], seconds, state["attempts"])
             return result
@@ -555,16 +562,32 @@ def bounded_decomposition_propagation(seconds: float) -> Iterator[None]:
             if outermost:
                 state["deadline"] = None
 
-    def attempt(self, op_schema, placement, mesh):
+    def attempt(*args, **kwargs):
         state["attempts"] += 1
         if state["exceeded"] or time.monotonic() > state["deadline"]:
             state["exceeded"] = True
             raise PropagationBudgetExceeded(state["op"], seconds, state["attempts"])
-        return original_attempt(self, op_schema, placement, mesh)
+        return original_attempt(*args, **kwargs)
 
-    with mock.patch.object(DecompShardingStrategy, "propagate_strategy", propagate_strategy), \
-            mock.patch.object(DecompShardingStrategy, "_propagate_through_decomp", attempt):
+    with _patch_method_like(DecompShardingStrategy, "propagate_strategy", propagate_strategy), \
+            _patch_method_like(DecompShardingStrategy, "_propagate_through_decomp", attempt):
         yield
+
+
+def _op_schema_in(args: tuple, kwargs: dict) -> Any:
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    return next(a for a in (*args, *kwargs.values()) if isinstance(a, OpSchema))
+
+
+def _patch_method_like(cls: type, name: str, replacement: Callable[..., Any]) -> Any:
+    """``mock.patch.object`` keeping the attribute's kind: 2.11's DecompShardingStrategy
+    has static methods taking the sharding propagator last; 2.12 on has instance methods
+    (2.14 adds an ``output_tensor_meta`` argument). The replacements take ``*args``."""
+    import inspect
+
+    static = isinstance(inspect.getattr_static(cls, name), staticmethod)
+    return mock.patch.object(cls, name, staticmethod(replacement) if static else replacement)
 
 
 def budget_exceeded_in(exc: BaseException) -> PropagationBudgetExceeded | None:
@@ -587,7 +610,6 @@ def compile_on_one_rank() -> Iterator[None]:
     shard has the same size the answer does not depend on the rank, so it is returned
     directly; uneven strided shards still fail (and the caller falls back).
     """
-    import torch.distributed.config as dconfig
     from torch.distributed.tensor.placement_types import _StridedShard
 
     install_dtensor_gap_fills()
@@ -626,12 +648,28 @@ def compile_on_one_rank() -> Iterator[None]:
             return blocks.select(self.dim + 1, shard_index).flatten(self.dim, self.dim + 1).clone()
         return original_select(self, local_tensor, mesh, mesh_dim, shard_index)
 
-    with dconfig.patch(compile_on_one_rank=True), mock.patch.object(
+    with compile_on_one_rank_config().patch(compile_on_one_rank=True), mock.patch.object(
         _StridedShard, "_local_shard_size", staticmethod(local_shard_size)
     ), mock.patch.object(
         _StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard
     ), mock.patch.object(_StridedShard, "local_shard_size_and_offset", local_shard_size_and_offset):
         yield
+
+
+def compile_on_one_rank_config() -> Any:
+    """The config module that owns ``compile_on_one_rank``.
+
+    torch 2.14 moved the flag to ``torch.compiler.config`` and kept
+    ``torch.distributed.config.compile_on_one_rank`` as an alias that warns
+    (FutureWarning) on every read; 2.11 to 2.13 have it only in ``torch.distributed.config``.
+    Feature-tested: the new home when it has the flag.
+    """
+    import torch.compiler.config as compiler_config
+    import torch.distributed.config as distributed_config
+
+    if hasattr(compiler_config, "compile_on_one_rank"):
+        return compiler_config
+    return distributed_config
 
 
 def _has_traced_group_op() -> bool:

@@ -99,11 +99,23 @@ def save(
     sim = active_simulation()
     if sim is not None:
         metadata = dcp.save(_full_tensors(state, sim), checkpoint_id=folder, no_dist=True)
-        write_manifest(folder, metadata, 0, 1, _no_collective)
+        write_manifest(folder, _with_storage_data(metadata, folder), 0, 1, _no_collective)
         return
     metadata = dcp.save(state, checkpoint_id=folder)
     rank, world = _rank_and_world()
-    write_manifest(folder, metadata, rank, world, process_group_all_reduce)
+    write_manifest(folder, _with_storage_data(metadata, folder), rank, world, process_group_all_reduce)
+
+
+def _with_storage_data(metadata: Any, folder: str) -> Any:
+    """The saved checkpoint's metadata with its storage map (chunk -> file, offset).
+
+    torch 2.11's ``dcp.save`` can return the metadata without ``storage_data`` (None); the
+    same metadata, complete, is in the folder once ``save`` returned (every rank waits for
+    the coordinator's write). Feature-tested on the returned object.
+    """
+    if metadata.storage_data:
+        return metadata
+    return dcp.FileSystemReader(folder).read_metadata()
 
 
 def load(

@@ -36,9 +36,10 @@ def _compile(mode, batch=64, width=10, out=12):
 @pytest.mark.parametrize("mode", [DTensorExpandMode(), DataParallel("replicate")], ids=lambda m: m.name)
 def test_old_expansion_is_caught(mode, monkeypatch):
     """Without the local rule for expand (the behaviour before the fix), the .sum()
-    loss's gradient is expanded to the global (64, 12) on every rank: compiling fails."""
+    loss's gradient is expanded to the global (64, 12) on every rank: compiling fails.
+    (torch 2.11's trace holds one more expand before it: the node is ``expand_1`` there.)"""
     monkeypatch.setattr(LocalRules, "_expand", lambda self, value, size: None)
-    with pytest.raises(PipelineError, match=r"node expand .*global batch.*local shape \[64, 12\]"):
+    with pytest.raises(PipelineError, match=r"node expand(_\d+)? .*global batch.*local shape \[64, 12\]"):
         _compile(mode)
 
 

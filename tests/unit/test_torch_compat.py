@@ -82,3 +82,37 @@ def test_run_time_coordinate_is_per_simulated_rank():
         assert {r: int(v) for r, v in private.per_rank_tensors(coords).items()} == {
             0: 0, 1: 1, 2: 10, 3: 11,
         }
+
+
+def test_compile_on_one_rank_is_set_where_torch_reads_it_without_a_deprecation_warning():
+    """torch 2.14 moved the flag to ``torch.compiler.config`` (the ``torch.distributed``
+    name warns there); 2.11 to 2.13 have only ``torch.distributed.config``'s."""
+    import warnings
+
+    import torch.compiler.config as compiler_config
+    import torch.distributed.config as distributed_config
+
+    owner = private.compile_on_one_rank_config()
+    new_home = hasattr(compiler_config, "compile_on_one_rank")
+    assert owner is (compiler_config if new_home else distributed_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert owner.compile_on_one_rank is False
+        with private.compile_on_one_rank():
+            assert owner.compile_on_one_rank is True
+        assert owner.compile_on_one_rank is False
+
+
+def test_sharding_through_a_decomposition_under_the_propagation_budget(mesh_2x2):
+    """DTensor shards hardswish (no rule of its own) through its decomposition while
+    ``bounded_decomposition_propagation`` watches the clock; DecompShardingStrategy's
+    method signatures differ in 2.11, 2.12-2.13 and 2.14 (a wrapper that took one of them
+    made every decomposed op fail as "no sharding strategy" on the others)."""
+    x = torch.randn(4, 6)
+    with private.bounded_decomposition_propagation(600.0):
+        got = torch.nn.functional.hardswish(distribute_tensor(x, mesh_2x2, (Shard(0), Shard(1))))
+    assert torch.allclose(got.full_tensor(), torch.nn.functional.hardswish(x))
+    with private.bounded_decomposition_propagation(0.0), pytest.raises(Exception) as info:
+        torch.nn.functional.hardswish(distribute_tensor(x, mesh_2x2, (Shard(1), Shard(0))))
+    exceeded = private.budget_exceeded_in(info.value)
+    assert exceeded is not None and exceeded.op is torch.ops.aten.hardswish.default
