@@ -5,9 +5,9 @@ from .data_parallel import DataParallel
 from .dtensor_expand import DTensorExpandMode
 from .fsdp_tp import FullyShardTensorParallel
 from .mixed_precision import MixedPrecisionPolicy
-from .tensor_parallel import FusedColwiseParallel, TensorParallel
+from .tensor_parallel import FusedColwiseParallel, MultiheadAttentionParallel, TensorParallel
 
-__all__ = ["DTensorExpandMode", "DataParallel", "FullyShardTensorParallel", "FusedColwiseParallel", "MixedPrecisionPolicy", "ParallelMode", "TensorParallel"]
+__all__ = ["DTensorExpandMode", "DataParallel", "FullyShardTensorParallel", "FusedColwiseParallel", "MixedPrecisionPolicy", "MultiheadAttentionParallel", "ParallelMode", "TensorParallel"]
 
 
 def make_mode(name: str, **kwargs) -> ParallelMode:

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler import expand as expand_module
-from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.parallel_modes import MultiheadAttentionParallel, make_mode
 
 TOL = 1e-5
 WIDTH, HEADS, KV_HEADS = 16, 4, 2
@@ -174,19 +174,17 @@ class _TorchAttention(nn.Module):
 # The feed-forward part is tensor parallel; the attention's packed in_proj_weight is not
 # an nn.Linear, so it stays replicated (fused QKV plans are not part of this test).
 _FFN_PLAN = {"block.linear1": ColwiseParallel(), "block.linear2": RowwiseParallel()}
-# Known gap (xfail, strict): with batch_first=True torch's multi_head_attention_forward
-# works sequence-first and flattens (length, batch) with the batch sharded on dp, a
-# _StridedShard on the (dp, tp) mesh; DTensor's mm propagation then reads a shard size
-# as a tensor value (aten._local_scalar_dense) in both the symbolic-rank and the
-# per-coordinate trace. Refused at compile time (SPMDCompileError naming mm and the
-# attention module), never a wrong result.
-_TWO_D_GAP = pytest.mark.xfail(strict=True, raises=sc.SPMDCompileError, reason="2-D strided shard of a sequence-first flatten")
+# fsdp_tp: with batch_first=True torch's multi_head_attention_forward works
+# sequence-first and flattens (length, batch) with the batch sharded on dp, a
+# _StridedShard on the (dp, tp) mesh. DTensor's mm propagation priced candidates through
+# rank-dependent shard sizes and failed (aten._local_scalar_dense) until such costs were
+# made infinite (NOTE: [uncomputable redistribution costs] in _torch_private.py).
 _MODES = [
     pytest.param("dtensor_expand", 2, id="dtensor_expand"),
     pytest.param("ddp", 2, id="ddp"),
     pytest.param("fsdp", 4, id="fsdp"),
     pytest.param("tp", 2, id="tp"),
-    pytest.param("fsdp_tp", 4, id="fsdp_tp", marks=_TWO_D_GAP),
+    pytest.param("fsdp_tp", 4, id="fsdp_tp"),
 ]
 
 
@@ -223,3 +221,29 @@ def test_decomposition_search_is_bounded(monkeypatch):
     message = str(info.value)
     assert "aten.hardswish" in message and "did not finish within 0 s" in message
     assert "module:      1" in message
+
+
+# torch's attention modules with their heads split over the tp ranks
+# (MultiheadAttentionParallel: packed in_proj sharded like FusedColwiseParallel(chunks=3),
+# out_proj row-wise), the feed-forward part Megatron-style.
+_HEADS_TP_PLAN = {
+    "block": MultiheadAttentionParallel(),
+    "block.self_attn": MultiheadAttentionParallel(),
+    "block.multihead_attn": MultiheadAttentionParallel(),
+    "block.linear1": ColwiseParallel(),
+    "block.linear2": RowwiseParallel(),
+}
+
+
+@pytest.mark.parametrize("kind", ["mha", "encoder", "decoder"])
+def test_torch_attention_heads_tensor_parallel(kind, run_parity):
+    plan = {k: v for k, v in _HEADS_TP_PLAN.items() if (k == "block") == (kind == "mha")}
+    result = run_parity(
+        lambda: _TorchAttention(kind).double(), _adamw, 2,
+        _batches(dtype=torch.float64), mode=_mode("tp", plan),
+    )
+    result.assert_close(1e-9)
+    program = result.compiled.last_program.graph_module
+    weights = [p for n, p in result.model.named_parameters() if n.endswith("in_proj_weight")]
+    assert weights and all(p.to_local().shape[0] == 3 * WIDTH // 2 for p in weights)
+    del program
