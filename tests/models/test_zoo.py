@@ -8,14 +8,20 @@ probabilities are set to 0: a compiled step draws dropout masks from one global 
 Parity is checked in float64: every parameter and optimizer-state tensor within 1e-10
 relative; the returned loss within 1e-6, since transformers' ``ForCausalLMLoss``
 computes it from ``logits.float()`` (float32) even for a float64 model (measured 1.1e-7
-for GPT-2, ddp, world 4). In float32 the same runs differ by more than
-1e-5 in a few tensors, and that is Adam, not the program: GPT-2's fused ``c_attn.bias``
+for GPT-2, ddp, world 4). In float32 the same runs differ by more than the issue's 1e-5
+in a few tensors, and that is Adam, not the program: GPT-2's fused ``c_attn.bias``
 holds the key bias, whose gradient is exactly zero in exact arithmetic (softmax is
-invariant to a per-query constant), so float32 rounding noise of order 1e-10 divided
-by sqrt(v) + eps becomes a visible update (measured 7e-4 relative after 2 steps, world
-4, ddp); Llama's worst float32 tensor was 1.3e-5 (``gate_proj.weight``). In float64 the
-same runs agree within 1e-10. Key biases (BERT's ``key.bias``, ViT's ``k_proj.bias``)
-never move beyond rounding noise and are compared in absolute terms (see NEVER_MOVED).
+invariant to a per-query constant), so float32 rounding noise divided by sqrt(v) + eps
+becomes a visible update (4.2e-4 relative after 3 steps, world 4, ddp; 4.5e-6 without
+that third); Llama's worst float32 tensor is 1.2e-5 (``gate_proj.weight``). In float64
+the same runs agree within 1e-10, and in float32 with SGD within 4.6e-7
+(``test_float32_differences_come_from_adam``; every case's figures:
+``python -m benchmarks.real_models``, README "Real models"). Key biases (BERT's
+``key.bias``, ViT's ``k_proj.bias``) never move beyond rounding noise and are compared in
+absolute terms (benchmarks/zoo.py: NEVER_MOVED).
+
+Model definitions, steps, batches and TP plans live in ``benchmarks/zoo.py`` (shared with
+the benchmark).
 
 Models: GPT-2 (transposed Conv1D, tied embeddings), Llama (RoPE, grouped-query
 attention), BERT (token-type embeddings), ViT; each in dtensor_expand, ddp and fsdp at
@@ -122,3 +128,24 @@ def test_decoders_tensor_parallel_parity(case, run_parity):
     print(f"{case} world {world}: worst {worst}, loss {max(result.loss_differences):.2e}")
     assert max(result.loss_differences) < LOSS_TOL, result.loss_differences
     assert max(differences.values()) < TOL, worst
+
+
+# float32 (python -m benchmarks.real_models, 3 steps, world 4): losses within 1.1e-7;
+# parameters beyond the issue's 1e-5 only where Adam divides float32 rounding noise by
+# sqrt(v) + eps: GPT-2's key third of c_attn.bias (zero gradient in exact arithmetic,
+# 4.2e-4; 4.5e-6 without it), Llama's gate_proj.weight 1.2e-5 (elements whose gradient
+# is near zero). The same runs in float64 are within 1e-10 (test_default_config_parity),
+# and in float32 with SGD, whose update is lr x gradient, within 4.6e-7 (GPT-2) and
+# 3.1e-8 (Llama): the program's float32 gradients are right to rounding.
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_float32_differences_come_from_adam(kind):
+    from benchmarks.zoo import ZooCase, run_case
+
+    case = ZooCase(kind, "ddp", WORLD)
+    adam = run_case(case, torch.float32, steps=3)
+    assert max(adam.loss_differences) < 1e-6, adam.loss_differences
+    assert max(adam.no_key_bias_differences.values()) < 1e-4, adam.worst()
+    sgd = run_case(case, torch.float32, steps=3, optimizer="SGD")
+    assert max(sgd.loss_differences) < 1e-6, sgd.loss_differences
+    assert max(sgd.raw_differences.values()) < 1e-6, sgd.worst()
