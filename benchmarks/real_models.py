@@ -48,7 +48,10 @@ NOTES = [
     "steps after the first, N simulated ranks in ONE process (LocalTensorMode): a "
     "checking tool, not a real-rank time. eager ms: the undecorated step on one device, "
     "same process.",
-    "This machine: 2 CPU cores shared with other jobs; times move 10-20% between runs.",
+    "This machine: 2 CPU cores shared with other jobs; times move 10-20% between runs. "
+    "Runs made side by side (--merge) share the cores: their compile s and step ms are "
+    "several times a lone run's (gpt2 ddp float64 run alone, same command: compile "
+    "23.9 s, step 1668 ms, eager 24.7 ms).",
 ]
 
 
@@ -88,8 +91,10 @@ def _verdict(row: dict[str, Any]) -> str:
     if max(row["loss_rel"], row["param_rel"]) < FLOAT32_TOL:
         return "met"
     text = "**above 1e-5**"
-    if "sgd_param_rel" in row:
-        text += f"; SGD {row['sgd_param_rel']:.1e}"
+    if "sgd_param_rel_no_key_bias" in row:
+        text += f"; SGD {row['sgd_param_rel_no_key_bias']:.1e}"
+    elif "sgd_param_rel" in row:  # a run from before the key-bias split: an upper bound
+        text += f"; SGD <= {row['sgd_param_rel']:.1e}"
     return text
 
 
@@ -119,7 +124,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"never-moved key biases absolute) against {TOL:g}, and the loss within 1e-6 "
         "(transformers computes the causal LM loss from logits.float()); float32, loss "
         f"and every parameter within {FLOAT32_TOL:g} relative, and where not, the same "
-        "float32 run with SGD (lr 1e-3, no Adam normalization): its worst parameter."
+        "float32 run with SGD (lr 1e-3, no Adam normalization): its worst parameter without "
+        "key biases ('<=': the worst of all parameters, an upper bound)."
     )
     runs = results.get("parallel_runs", 1)
     together = f", {runs} runs in parallel (`--merge`)" if runs > 1 else ""
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 if dtype_name == "float32" and max(row["loss_rel"], row["param_rel"]) >= FLOAT32_TOL:
                     sgd = record(run_case(case, DTYPES[dtype_name], args.steps, optimizer="SGD"))
                     row["sgd_param_rel"] = sgd["param_rel"]
+                    row["sgd_param_rel_no_key_bias"] = sgd["param_rel_no_key_bias"]
                     row["sgd_loss_rel"] = sgd["loss_rel"]
             except Exception as error:  # a failing case is a row, not the end of the run
                 failures.append({
@@ -194,18 +201,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def merge(paths: list[str]) -> dict[str, Any]:
-    """One result from several runs' JSON (rows in case order, float64 first)."""
+    """One result from several runs' JSON (rows in case order, float64 first; a case
+    in several files keeps the row of the last)."""
     parts = []
     for path in paths:
         with open(path) as f:
             parts.append(json.load(f))
     order = {(c.kind, c.mode): i for i, c in enumerate(ZOO_CASES)}
-    rows = [r for p in parts for r in p["rows"]]
+    latest = {(r["model"], r["mode"], r["dtype"]): r for p in parts for r in p["rows"]}
+    rows = list(latest.values())  # a later file's row replaces an earlier one's
     rows.sort(key=lambda r: (list(DTYPES).index(r["dtype"]), order[(r["model"], r["mode"])]))
     return {
         **parts[0],
         "rows": rows,
         "failures": [f for p in parts for f in p["failures"]],
+        "notes": list(NOTES),
         "wall_seconds": max(p["wall_seconds"] for p in parts),
         "parallel_runs": len(parts),
     }

@@ -28,13 +28,15 @@ def test_verdicts_per_dtype():
         _row("gpt2", "ddp", "float64", 1e-7, 1e-12),
         _row("gpt2", "fsdp", "float64", 1e-7, 1e-9),
         _row("llama", "ddp", "float32", 1e-7, 2e-6),
-        _row("llama", "fsdp", "float32", 1e-7, 2e-5, sgd_param_rel=3e-8),
+        _row("llama", "fsdp", "float32", 1e-7, 2e-5, sgd_param_rel_no_key_bias=3e-8),
+        _row("bert", "ddp", "float32", 1e-7, 2e-5, sgd_param_rel=4e-7),
     ]))
-    lines = [line for line in table.splitlines() if line.startswith("| gpt2") or line.startswith("| llama")]
+    lines = [line for line in table.splitlines() if line.startswith(("| gpt2", "| llama", "| bert"))]
     assert "1.0e-12 met" in lines[0]
     assert "**missed**" in lines[1]
     assert "| met |" in lines[2]
     assert "**above 1e-5**; SGD 3.0e-08" in lines[3]
+    assert "**above 1e-5**; SGD <= 4.0e-07" in lines[4]  # the worst of all parameters
     assert "(h.0.w)" in lines[0]  # FQN prefixes shortened
 
 
@@ -42,8 +44,10 @@ def test_merge_orders_rows_and_writes(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_results([_row("llama", "ddp", "float32", 0, 0)], wall=5)))
     b.write_text(json.dumps(_results([_row("gpt2", "ddp", "float64", 0, 0),
-                                      _row("gpt2", "ddp", "float32", 0, 0)], wall=7)))
+                                      _row("gpt2", "ddp", "float32", 0, 0),
+                                      _row("llama", "ddp", "float32", 0, 1.0)], wall=7)))
     merged = merge([str(a), str(b)])
+    assert merged["rows"][-1]["param_rel"] == 1.0  # the later file's row of a case
     assert [(r["model"], r["dtype"]) for r in merged["rows"]] == [
         ("gpt2", "float64"), ("gpt2", "float32"), ("llama", "float32"),
     ]
