@@ -128,7 +128,7 @@ def markdown(results: dict[str, Any]) -> str:
         "key biases ('<=': the worst of all parameters, an upper bound)."
     )
     runs = results.get("parallel_runs", 1)
-    together = f", {runs} runs in parallel (`--merge`)" if runs > 1 else ""
+    together = f", joined from {runs} runs made side by side (`--merge`)" if runs > 1 else ""
     return (
         f"Real models on simulated ranks, torch {results['torch']}, transformers "
         f"{results['transformers']}, {results['steps']} steps, wall "

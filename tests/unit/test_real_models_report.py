@@ -54,4 +54,4 @@ def test_merge_orders_rows_and_writes(tmp_path):
     assert merged["wall_seconds"] == 7 and merged["parallel_runs"] == 2
     assert main(["--merge", str(a), str(b), "--out", str(tmp_path / "out")]) == 0
     text = (tmp_path / "out" / "real_models.md").read_text()
-    assert "2 runs in parallel" in text and text.count("| gpt2 |") == 2
+    assert "joined from 2 runs" in text and text.count("| gpt2 |") == 2
