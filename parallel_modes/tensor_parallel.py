@@ -134,7 +134,8 @@ def _check_attention(module: nn.Module, fqn: str, tp_size: int | None = None) ->
             module_fqn=fqn,
             hint="plan Linear layers with ColwiseParallel() / RowwiseParallel().",
         )
-    if not module._qkv_same_embed_dim or module.bias_k is not None:
+    packed = module.kdim == module.embed_dim and module.vdim == module.embed_dim
+    if not packed or module.bias_k is not None:
         raise SPMDCompileError(
             f"MultiheadAttentionParallel: {fqn!r} has separate q/k/v projections (kdim / "
             "vdim differ from embed_dim) or add_bias_kv=True; only the packed in_proj "
