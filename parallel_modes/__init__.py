@@ -9,11 +9,12 @@ from .data_parallel import DataParallel
 from .dtensor_expand import DTensorExpandMode
 from .fsdp_tp import FullyShardTensorParallel
 from .mixed_precision import MixedPrecisionPolicy
-from .tensor_parallel import FusedColwiseParallel, TensorParallel
+from .tensor_parallel import FusedColwiseParallel, MultiheadAttentionParallel, TensorParallel
 
 __all__ = [
     "DTensorExpandMode", "DataParallel", "FullyShardTensorParallel", "FusedColwiseParallel",
-    "MixedPrecisionPolicy", "ParallelMode", "TensorParallel", "UseGroup", "UseHook", "UseStep",
+    "MixedPrecisionPolicy", "MultiheadAttentionParallel", "ParallelMode", "TensorParallel",
+    "UseGroup", "UseHook", "UseStep",
 ]
 
 

@@ -86,11 +86,15 @@ class FullyShardTensorParallel(ParallelMode):
             if ref.kind is Kind.PARAM and meta.shape:
                 tp = self.tp.placement_of(ref, meta, mesh)[0]
                 if private.is_strided_shard(tp):
+                    modules = ", ".join(self.tp.param_modules.get(ref.name, []))
                     raise SPMDCompileError(
-                        f"{ref} is planned FusedColwiseParallel, which FSDP x TP does not "
-                        "support yet.",
-                        hint="plan the fused layer ColwiseParallel() under FSDP x TP, or "
-                        "use TensorParallel alone.",
+                        f"{ref} (module {modules}) is planned FusedColwiseParallel or "
+                        "MultiheadAttentionParallel (q/k/v blocks strided over the tp "
+                        "ranks), which FSDP x TP does not support yet.",
+                        module_fqn=modules or None,
+                        hint="under FSDP x TP plan a fused Linear ColwiseParallel() and leave "
+                        "nn.MultiheadAttention out of the plan (it is then sharded by FSDP "
+                        "alone); or use TensorParallel alone.",
                     )
                 rows = meta.shape[0] // (mesh.size(TP) if tp == Shard(0) else 1)
                 if meta.shape[0] % (mesh.size(TP) if tp == Shard(0) else 1) or rows % mesh.size(DP):

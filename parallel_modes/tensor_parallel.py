@@ -99,6 +99,74 @@ class FusedColwiseParallel(ColwiseParallel):
         return f"FusedColwiseParallel(chunks={self.chunks})"
 
 
+class MultiheadAttentionParallel(ParallelStyle):
+    """Megatron-style tensor parallelism of torch's ``nn.MultiheadAttention``.
+
+    The packed ``in_proj_weight`` (3E, E) and ``in_proj_bias`` hold q, k and v stacked;
+    they are sharded like ``FusedColwiseParallel(chunks=3)`` (rank r holds rows r of each
+    of q, k, v: whole heads), ``out_proj`` row-wise (weight Shard(1), bias Replicate).
+    The module takes and returns Replicate activations: one all-reduce leaves it in
+    forward (and, with ``need_weights=True``, one for the head-averaged weights).
+
+    For ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` plan their
+    ``self_attn`` (and ``multihead_attn``) with this style, ``linear1`` with
+    ``ColwiseParallel()`` and ``linear2`` with ``RowwiseParallel()``.
+
+    Needs the packed projection (equal q, k, v widths), no ``add_bias_kv``, and a head
+    count divisible by the tp size; other configurations are refused. Compiled steps
+    only: torch's eager ``parallelize_module`` does not know this style.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        raise NotImplementedError(
+            "MultiheadAttentionParallel is a plan style for spmd_compiler's TensorParallel "
+            "(compiled steps); torch's parallelize_module cannot apply it."
+        )
+
+    def __repr__(self) -> str:
+        return "MultiheadAttentionParallel()"
+
+
+def _check_attention(module: nn.Module, fqn: str, tp_size: int | None = None) -> None:
+    """Refuse the attention configurations ``MultiheadAttentionParallel`` cannot shard."""
+    if not isinstance(module, nn.MultiheadAttention):
+        raise SPMDCompileError(
+            f"MultiheadAttentionParallel applies to nn.MultiheadAttention; module {fqn!r} "
+            f"is a {type(module).__name__}.",
+            module_fqn=fqn,
+            hint="plan Linear layers with ColwiseParallel() / RowwiseParallel().",
+        )
+    packed = module.kdim == module.embed_dim and module.vdim == module.embed_dim
+    if not packed or module.bias_k is not None:
+        raise SPMDCompileError(
+            f"MultiheadAttentionParallel: {fqn!r} has separate q/k/v projections (kdim / "
+            "vdim differ from embed_dim) or add_bias_kv=True; only the packed in_proj "
+            "without extra key/value biases is sharded.",
+            module_fqn=fqn,
+            hint="leave this module out of the plan (it stays replicated).",
+        )
+    if tp_size is not None and module.num_heads % tp_size:
+        raise SPMDCompileError(
+            f"MultiheadAttentionParallel: {fqn!r} has {module.num_heads} heads, which do "
+            f"not split over the {tp_size} tensor-parallel ranks.",
+            module_fqn=fqn,
+            hint="use a head count divisible by the tp size, or leave the module out of "
+            "the plan (it stays replicated).",
+        )
+
+
+def _attention_placements(module: nn.Module) -> dict[str, Placement]:
+    """Parameter (relative FQN) -> placement under ``MultiheadAttentionParallel``."""
+    out: dict[str, Placement] = {"in_proj_weight": private.strided_shard(0, 3)}
+    if module.in_proj_bias is not None:
+        out["in_proj_bias"] = private.strided_shard(0, 3)
+    out["out_proj.weight"] = Shard(1)
+    out_proj = cast(nn.Module, module.out_proj)
+    if out_proj.bias is not None:
+        out["out_proj.bias"] = Replicate()
+    return out
+
+
 def is_transposed_linear(module: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2 and relatives): weight (in, out), ``y = x @ W + b``."""
     weight = getattr(module, "weight", None)
@@ -126,11 +194,12 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"TensorParallel plan keys must be non-empty FQN patterns, got {pattern!r}")
-        if not (isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)) or style == "replicate"):
+        styles = (ColwiseParallel, RowwiseParallel, SequenceParallel, MultiheadAttentionParallel)
+        if not (isinstance(style, styles) or style == "replicate"):
             raise ValueError(
                 f"TensorParallel plan[{pattern!r}] = {style!r}: use ColwiseParallel(), "
-                "FusedColwiseParallel(chunks), RowwiseParallel(), SequenceParallel() or "
-                "'replicate'."
+                "FusedColwiseParallel(chunks), RowwiseParallel(), SequenceParallel(), "
+                "MultiheadAttentionParallel() or 'replicate'."
             )
         atoms = pattern.split(".")
         for fqn, _ in model.named_modules():
@@ -169,6 +238,17 @@ def param_placement(style: Style, module: nn.Module, param_name: str, fqn: str) 
 
 
 def _check_module_type(style: Style, module: nn.Module, fqn: str) -> None:
+    if isinstance(style, MultiheadAttentionParallel):
+        _check_attention(module, fqn)
+        return
+    if isinstance(module, nn.MultiheadAttention) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        raise SPMDCompileError(
+            f"{type(style).__name__} cannot shard {fqn!r}, an nn.MultiheadAttention: its "
+            "q/k/v projection is one packed in_proj_weight parameter, not a Linear.",
+            module_fqn=fqn,
+            hint="plan it MultiheadAttentionParallel() (heads split over the tp ranks, "
+            "out_proj row-wise).",
+        )
     if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not (
         _is_linear_like(module) or isinstance(module, nn.Embedding)
     ):
@@ -184,6 +264,8 @@ def _layouts(style: Style, module: nn.Module) -> tuple[Placement | None, Placeme
     """(desired input layout, output layout) of a styled module's activations."""
     if style == "replicate":
         return None, None
+    if isinstance(style, MultiheadAttentionParallel):
+        return Replicate(), Replicate()
     if isinstance(style, SequenceParallel):
         return style.sequence_sharding[0], style.sequence_sharding[0]
     if isinstance(style, FusedColwiseParallel) and style.keep_output_layout:
@@ -221,10 +303,11 @@ class TensorParallel(ParallelMode):
         self.layouts: dict[str, tuple[Placement | None, Placement | None]] = {}
         self.param_placements: dict[str, Placement] = {}
         self.param_modules: dict[str, list[str]] = {}
+        self.attention_modules: dict[str, nn.Module] = {}
 
     def prepare(self, bindings: StepBindings) -> None:
         self.styles, self.layouts, self.param_placements = {}, {}, {}
-        self.param_modules = {}
+        self.param_modules, self.attention_modules = {}, {}
         for mi, model in enumerate(bindings.modules):
             prefix = "" if len(bindings.modules) == 1 else f"{mi}."
             matched = match_plan(model, self.plan)
@@ -233,6 +316,9 @@ class TensorParallel(ParallelMode):
                 _check_module_type(style, module, prefix + fqn)
                 self.styles[prefix + fqn] = style
                 self.layouts[prefix + fqn] = _layouts(style, module)
+                if isinstance(style, MultiheadAttentionParallel):
+                    self._place_attention(bindings, mi, model, fqn, prefix)
+                    continue
                 for pname, _ in module.named_parameters(recurse=False):
                     full = f"{fqn}.{pname}" if fqn else pname
                     name = bindings.module_params[mi].get(full)
@@ -245,6 +331,17 @@ class TensorParallel(ParallelMode):
                 "parameter stays replicated.",
                 stacklevel=3,
             )
+
+    def _place_attention(
+        self, bindings: StepBindings, mi: int, model: nn.Module, fqn: str, prefix: str
+    ) -> None:
+        for pname, placement in _attention_placements(model.get_submodule(fqn)).items():
+            full = f"{fqn}.{pname}" if fqn else pname
+            name = bindings.module_params[mi].get(full)
+            if name is not None:
+                self._place(name, placement, prefix + full)
+                self.param_modules.setdefault(name, []).append(prefix + fqn)
+        self.attention_modules[prefix + fqn] = model.get_submodule(fqn)
 
     def _place(self, name: str, placement: Placement, fqn: str) -> None:
         """Record ``name``'s placement; a tied parameter must get one placement."""
@@ -280,6 +377,8 @@ class TensorParallel(ParallelMode):
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         """Pad parameters whose sharded dimension does not divide the ranks
         (NOTE: [uneven tensor parallel]), then expand."""
+        for fqn, module in self.attention_modules.items():
+            _check_attention(module, fqn, mesh.size())
         dims = self._uneven_dims(captured, mesh.size())
         padded = pad_uneven_state(captured, mesh.size(), dims) if dims else {}
         modules = sorted({m for name in padded for m in self.param_modules.get(name, [])})

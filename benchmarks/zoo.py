@@ -1,0 +1,334 @@
+"""The model zoo: transformers models in small random-init configs, their steps and plans.
+
+Shared by ``tests/models/test_zoo.py`` (parity assertions) and ``python -m
+benchmarks.real_models`` (the README's "real models" table). Default attention (sdpa),
+default cache setting, default AdamW; dropout probabilities 0 (a compiled step draws
+dropout masks from one global draw, NOTE: [random numbers], not from eager's stream).
+
+Needs transformers (``pip install -e .[models]``); it is imported when a model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd_compiler as sc
+from spmd_compiler.parallel_modes import FusedColwiseParallel, make_mode
+from spmd_compiler.tools.parity import full_state, relative_difference
+
+VOCAB, LENGTH, BATCH = 64, 16, 8
+LR = 1e-3
+
+
+def _transformers() -> Any:
+    import transformers
+
+    return transformers
+
+
+def gpt2() -> torch.nn.Module:
+    """GPT-2: transposed Conv1D layers, lm_head tied to the token embedding."""
+    config = _transformers().GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return _transformers().GPT2LMHeadModel(config)
+
+
+def llama() -> torch.nn.Module:
+    """Llama: RoPE, grouped-query attention (4 query heads, 2 key/value heads), RMSNorm."""
+    config = _transformers().LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )
+    return _transformers().LlamaForCausalLM(config)
+
+
+def bert() -> torch.nn.Module:
+    """BERT: an encoder with token-type embeddings, sequence classification head."""
+    config = _transformers().BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=32, type_vocab_size=2, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return _transformers().BertForSequenceClassification(config)
+
+
+def vit() -> torch.nn.Module:
+    """ViT: patch embedding (a strided convolution), encoder, classification head."""
+    config = _transformers().ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return _transformers().ViTForImageClassification(config)
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit,
+}
+
+
+def causal_lm_step(model, optim, input_ids, labels):
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def bert_step(model, optim, input_ids, token_type_ids, labels):
+    loss = model(input_ids=input_ids, token_type_ids=token_type_ids, labels=labels).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def vit_step(model, optim, pixel_values, labels):
+    loss = model(pixel_values=pixel_values, labels=labels).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+STEPS = {"gpt2": causal_lm_step, "llama": causal_lm_step, "bert": bert_step, "vit": vit_step}
+
+
+def batches(kind: str, steps: int = 2, dtype: torch.dtype = torch.float64) -> list[tuple]:
+    """Fixed global batches from their own generator (pixels in ``dtype``)."""
+    gen = torch.Generator().manual_seed(1)
+    out: list[tuple[torch.Tensor, ...]] = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=gen)
+        labels = torch.randint(0, 3, (BATCH,), generator=gen)
+        if kind == "bert":
+            out.append((ids, torch.randint(0, 2, (BATCH, LENGTH), generator=gen), labels))
+        elif kind == "vit":
+            pixels = torch.randn(BATCH, 3, 16, 16, generator=gen, dtype=torch.float64)
+            out.append((pixels.to(dtype), labels))
+        else:
+            out.append((ids, ids.clone()))
+    return out
+
+
+def make_model(kind: str, dtype: torch.dtype = torch.float64) -> Callable[[], torch.nn.Module]:
+    def make() -> torch.nn.Module:
+        model = MODELS[kind]().to(dtype)
+        model.train()
+        return model
+
+    return make
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+# Tensor-parallel plans written for the decoders (heads split across the tp ranks).
+LLAMA_TP_PLAN = {
+    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+    "model.layers.*.mlp.up_proj": ColwiseParallel(),
+    "model.layers.*.mlp.down_proj": RowwiseParallel(),
+}
+GPT2_TP_PLAN = {
+    "transformer.h.*.attn.c_attn": FusedColwiseParallel(chunks=3),
+    "transformer.h.*.attn.c_proj": RowwiseParallel(),
+    "transformer.h.*.mlp.c_fc": ColwiseParallel(),
+    "transformer.h.*.mlp.c_proj": RowwiseParallel(),
+}
+PLANS = {"gpt2": GPT2_TP_PLAN, "llama": LLAMA_TP_PLAN}
+
+
+@dataclass(frozen=True)
+class ZooCase:
+    """One model in one mode on ``world`` simulated ranks."""
+
+    kind: str
+    mode: str
+    world: int
+
+    @property
+    def name(self) -> str:
+        mesh = "2x2" if self.mode == "fsdp_tp" else str(self.world)
+        return f"{self.kind}-{self.mode}-{mesh}"
+
+    def parallel_mode(self) -> Any:
+        if self.mode == "tp":
+            return make_mode("tp", plan=PLANS[self.kind])
+        if self.mode == "fsdp_tp":
+            return make_mode("fsdp_tp", plan=PLANS[self.kind], mesh_shape=(2, 2))
+        return make_mode(self.mode)
+
+
+DATA_PARALLEL_WORLD, TP_WORLD = 4, 2
+ZOO_CASES = [
+    ZooCase(kind, mode, DATA_PARALLEL_WORLD)
+    for kind in MODELS for mode in ("dtensor_expand", "ddp", "fsdp")
+] + [ZooCase("gpt2", "tp", TP_WORLD), ZooCase("llama", "tp", TP_WORLD),
+     ZooCase("llama", "fsdp_tp", 4)]
+
+
+# transformers' LlamaRMSNorm computes in float32 even in a float64 model
+# (``hidden_states.to(torch.float32)``), so a float64 Llama has float32 steps inside.
+# Under TP those see operands that differ in the last float64 bits (the row-wise
+# projections' partial sums are added in another order), and float32 rounding turns that
+# into differences of ~1e-8 in the gradients: measured 4.2e-7 relative (tp) and 5.7e-8
+# (fsdp_tp) after 2 AdamW steps, 5.8e-9 with SGD. With the norm computing in the
+# model's dtype the same runs agree within 2e-16 (SGD) and 5e-14 (AdamW).
+def _norm_in_model_dtype(self, hidden_states):
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@contextlib.contextmanager
+def rms_norm_in_model_dtype() -> Iterator[None]:
+    """Llama's RMSNorm computing in the model's dtype while the block runs."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaRMSNorm.forward
+    modeling_llama.LlamaRMSNorm.forward = _norm_in_model_dtype
+    try:
+        yield
+    finally:
+        modeling_llama.LlamaRMSNorm.forward = original
+
+
+# A key bias has a zero gradient in exact arithmetic (softmax ignores a per-query
+# constant); Adam turns its rounding noise into updates (about 1e-13 in float64). Such
+# tensors (reference magnitude below NEVER_MOVED) are compared in absolute terms, scaled
+# so that ABS_TOL maps onto the relative tolerance: their relative difference is noise
+# over noise.
+NEVER_MOVED = 1e-9
+ABS_TOL = 1e-10
+TOL = 1e-10
+
+
+def state_differences(actual: dict, expected: dict) -> dict[str, float]:
+    """Relative difference per state tensor (absolute, scaled, for NEVER_MOVED ones)."""
+    out = {}
+    for key, want in expected.items():
+        got = actual[key].reshape(want.shape).double()
+        want = want.double()
+        diff = (got - want).abs().max().item() if want.numel() else 0.0
+        scale = want.abs().max().item() if want.numel() else 0.0
+        out[key] = diff / ABS_TOL * TOL if scale < NEVER_MOVED else diff / scale
+    return out
+
+
+# Key biases by parameter name: whole tensors, and GPT-2's fused q/k/v bias whose middle
+# third is the key bias.
+KEY_BIASES = ("attention.self.key.bias", "attention.k_proj.bias")
+FUSED_QKV_BIAS = "attn.c_attn.bias"
+
+
+def without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` (a parameter) with its key-bias part removed; None if nothing is left."""
+    if name.endswith(KEY_BIASES):
+        return None
+    if name.endswith(FUSED_QKV_BIAS):
+        q, _, v = tensor.chunk(3, dim=-1)
+        return torch.cat([q, v], dim=-1)
+    return tensor
+
+
+def param_differences_without_key_biases(actual: dict, expected: dict) -> dict[str, float]:
+    """Relative difference per parameter, key biases (or key thirds) left out."""
+    out = {}
+    for key, want in expected.items():
+        if not key.startswith("param."):
+            continue
+        want = without_key_bias(key, want)
+        if want is not None:
+            got = without_key_bias(key, actual[key].reshape(expected[key].shape))
+            out[key] = relative_difference(got, want)
+    return out
+
+
+@dataclass
+class ZooRun:
+    """What one compiled-vs-eager run of a zoo case measured."""
+
+    case: ZooCase
+    dtype: str
+    steps: int
+    loss_differences: list[float] = field(default_factory=list)
+    state_differences: dict[str, float] = field(default_factory=dict)
+    raw_differences: dict[str, float] = field(default_factory=dict)
+    no_key_bias_differences: dict[str, float] = field(default_factory=dict)
+    optimizer: str = "AdamW"
+    compile_seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+    eager_step_seconds: list[float] = field(default_factory=list)
+    tied: bool | None = None
+
+    def worst(self, n: int = 3) -> list[tuple[str, float]]:
+        return sorted(self.raw_differences.items(), key=lambda kv: -kv[1])[:n]
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR)
+
+
+OPTIMIZERS = {"AdamW": adamw, "SGD": sgd}
+
+
+def run_case(
+    case: ZooCase, dtype: torch.dtype = torch.float64, steps: int = 2,
+    norm_in_model_dtype: bool | None = None, optimizer: str = "AdamW",
+) -> ZooRun:
+    """Compile the case's step on simulated ranks, run it beside the eager step on one
+    device (global batch), and measure loss / state differences and times.
+
+    ``norm_in_model_dtype`` (default: Llama under tp / fsdp_tp) patches transformers'
+    float32 RMSNorm to compute in the model's dtype (see ``_norm_in_model_dtype``).
+    """
+    if norm_in_model_dtype is None:
+        norm_in_model_dtype = case.kind == "llama" and case.mode in ("tp", "fsdp_tp")
+    patch = rms_norm_in_model_dtype() if norm_in_model_dtype else contextlib.nullcontext()
+    with patch:
+        return _run(case, dtype, steps, optimizer)
+
+
+def _run(case: ZooCase, dtype: torch.dtype, steps: int, optimizer: str) -> ZooRun:
+    torch.manual_seed(0)
+    model = make_model(case.kind, dtype)()
+    reference = copy.deepcopy(model)
+    make_optimizer = OPTIMIZERS[optimizer]
+    optim, reference_optim = make_optimizer(model), make_optimizer(reference)
+    step = STEPS[case.kind]
+    compiled = sc.compile(case.parallel_mode())(step)
+    run = ZooRun(case, str(dtype).replace("torch.", ""), steps, optimizer=optimizer)
+    with sc.simulate(world_size=case.world) as sim:
+        for batch in batches(case.kind, steps, dtype):
+            loss = compiled(model, optim, *batch)
+            start = time.perf_counter()
+            expected = step(reference, reference_optim, *batch)
+            run.eager_step_seconds.append(time.perf_counter() - start)
+            run.loss_differences.append(relative_difference(loss, expected))
+        actual = full_state(model, optim, sim)
+        want = full_state(reference, reference_optim, None)
+        run.state_differences = state_differences(actual, want)
+        run.raw_differences = {
+            key: relative_difference(actual[key].reshape(w.shape), w) for key, w in want.items()
+        }
+        run.no_key_bias_differences = param_differences_without_key_biases(actual, want)
+    run.compile_seconds = compiled.timings.compile_seconds
+    run.step_seconds = list(compiled.timings.step_seconds)
+    if case.kind == "gpt2":
+        run.tied = model.lm_head.weight is model.transformer.wte.weight
+    return run
