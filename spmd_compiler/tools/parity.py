@@ -103,7 +103,7 @@ TEST_BACKEND_ENV = "SPMD_TEST_BACKEND"
 
 def backend_under_test() -> str:
     """The lowering backend the real-rank parity tests compile with (NOTE: [test backend])."""
-    from .lower import BACKENDS
+    from ..lower import BACKENDS
 
     backend = os.environ.get(TEST_BACKEND_ENV, "eager")
     if backend not in BACKENDS:
