@@ -412,6 +412,8 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
         pricing[0] = "price"
         try:
             return original(current_spec, target_spec)
+        except data_dependent_error_types():  # NOTE: [uncomputable redistribution costs]
+            return float("inf")
         finally:
             pricing[0] = False
 
@@ -428,8 +430,13 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
         return hit
 
     modules = [importlib.import_module(name) for name in _COST_CALLERS]
-    patched = [m for m in modules if original and getattr(m, "redistribute_cost", None) is original]
-    for module in patched:
+    # every caller's current function (DTensor's own, or our uncomputable-cost wrapper of
+    # it, NOTE: [uncomputable redistribution costs]) is replaced, and put back after
+    previous = {
+        m: m.redistribute_cost for m in modules
+        if original is not None and hasattr(m, "redistribute_cost")
+    }
+    for module in previous:
         module.redistribute_cost = redistribute_cost  # type: ignore[attr-defined]
     try:
         with contextlib.ExitStack() as stack:
@@ -442,8 +449,8 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
                     stack.enter_context(mock.patch.object(owner, name, replacement))
             yield memo
     finally:
-        for module in patched:
-            module.redistribute_cost = original  # type: ignore[attr-defined]
+        for module, function in previous.items():
+            module.redistribute_cost = function  # type: ignore[attr-defined]
 
 
 def _evenly_sharded(*specs: Any) -> bool:
