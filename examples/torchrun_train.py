@@ -77,6 +77,7 @@ def main() -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
+    dist.barrier()  # every rank done (rank 0 computed the reference) before teardown
     dist.destroy_process_group()
     return 0 if ok else 1
 
