@@ -18,6 +18,7 @@ import copy
 import os
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -85,7 +86,7 @@ def _optimizer(case, params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(case=cases())
 def test_random_models_match_eager_or_refuse_clearly(case):
     model = _model(case)
@@ -304,7 +305,11 @@ def _run_eager(case, model, optim, batches) -> list[float]:
             for i, (x, y) in enumerate(batches)]
 
 
-@settings(max_examples=VALUE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomize: CI meets the same examples every run; SPMD_FUZZ_EXAMPLES widens a local hunt
+@settings(
+    max_examples=VALUE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+    derandomize=True,
+)
 @given(case=value_cases())
 def test_changing_python_values_constants_attention_match_eager_or_refuse(case):
     """A refusal may come at a later step (a changed value compiles a new program): the
@@ -350,3 +355,22 @@ def teardown_module(module):
     print(f"fuzz (python values, constants, attention): {dict(VALUE_STATS)}")
     for reason, count in REFUSALS.most_common():
         print(f"  refused {count}x: {reason}")
+
+
+# Found by this fuzz test on 2026-11-23 (random run; present at the session's start,
+# commit ab935c7, too): a silent difference, world 1, no sharding, so the cause is in
+# capture or the attention decomposition, not in expansion. Not yet diagnosed; kept as a
+# strict xfail so that the fix is noticed.
+KNOWN_WRONG_CASE = {
+    "in": 1, "width": 6, "out": 2, "seq": 1, "batch": 4, "activation": "gelu", "bias": True,
+    "temperature": None, "loss_weight": None, "argument": None, "argument_in": "loss",
+    "constant": "list", "constant_value": 3.0, "attention": True, "heads": 2, "mask": "float",
+    "per_sample_mask": False, "scale": None, "mode": "dtensor_expand", "world_size": 1,
+    "optimizer": "sgd", "seed": 0,
+}
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known wrong result: 5.3e-6")
+def test_known_wrong_attention_case_found_by_the_fuzz() -> None:
+    inner = test_changing_python_values_constants_attention_match_eager_or_refuse
+    inner.hypothesis.inner_test(case=dict(KNOWN_WRONG_CASE))
