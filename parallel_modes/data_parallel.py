@@ -26,7 +26,7 @@ from spmd_compiler.capture.trace import CaptureOptions
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import node_arg, placeholders
-from spmd_compiler.ir.node_meta import MODULE_FQN, OPTIMIZER_PHASE, PHASE
+from spmd_compiler.ir.node_meta import MODULE_FQN, OPTIMIZER_PHASE, PHASE, in_module_forward
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 from spmd_compiler.passes import OverlapOptions, PassOptions
@@ -169,7 +169,7 @@ class DataParallel(ParallelMode):
                 return None
             if not self.reshard_after_forward:
                 return UseStep(UseGroup.COMPUTE, gathered)
-            return UseStep(UseGroup.FORWARD if _is_forward(consumer) else UseGroup.BACKWARD, gathered)
+            return UseStep(UseGroup.FORWARD if in_module_forward(consumer) else UseGroup.BACKWARD, gathered)
 
         return at_use
 
@@ -181,7 +181,7 @@ class DataParallel(ParallelMode):
             return set()
         casts = set()
         for node in captured.graph_module.graph.nodes:
-            if node.target is not torch.ops.aten._to_copy.default or _is_forward(node):
+            if node.target is not torch.ops.aten._to_copy.default or in_module_forward(node):
                 continue
             if node.meta.get(PHASE) == OPTIMIZER_PHASE:
                 continue
@@ -218,9 +218,6 @@ def _param_casts(captured: CapturedStep) -> set[torch.fx.Node]:
     }
 
 
-def _is_forward(node: torch.fx.Node) -> bool:
-    return MODULE_FQN in node.meta and node.meta.get(PHASE) != OPTIMIZER_PHASE
-
 
 def remake_param_views_for_backward(captured: CapturedStep) -> int:
     """Give backward its own copies of forward's views of parameters.
@@ -235,7 +232,7 @@ def remake_param_views_for_backward(captured: CapturedStep) -> int:
     views: list[torch.fx.Node] = []
     derived = params | _param_casts(captured)
     for node in graph.nodes:
-        if node.target in _PARAM_VIEW_OPS and _is_forward(node) and node.args[0] in derived:
+        if node.target in _PARAM_VIEW_OPS and in_module_forward(node) and node.args[0] in derived:
             views.append(node)
             derived.add(node)
     view_set = set(views)
@@ -253,7 +250,7 @@ def remake_param_views_for_backward(captured: CapturedStep) -> int:
 
     for view in views:
         for user in list(view.users):
-            if user in view_set or _is_forward(user) or user.op == "output":
+            if user in view_set or in_module_forward(user) or user.op == "output":
                 continue
             if user.meta.get(PHASE) == OPTIMIZER_PHASE:
                 continue

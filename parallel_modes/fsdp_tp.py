@@ -25,12 +25,12 @@ from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.parent_mesh import parent_placements
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
-from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE, in_module_forward
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 
 from .base import ParallelMode
-from .data_parallel import _is_forward, _param_nodes, remake_param_views_for_backward
+from .data_parallel import _param_nodes, remake_param_views_for_backward
 from .tensor_parallel import Style, TensorParallel
 
 DP, TP = 0, 1
@@ -152,7 +152,7 @@ class FullyShardTensorParallel(ParallelMode):
             if arg in params:  # gather over dp, stay tensor-parallel
                 group = UseGroup.COMPUTE
                 if self.reshard_after_forward:
-                    group = UseGroup.FORWARD if _is_forward(consumer) else UseGroup.BACKWARD
+                    group = UseGroup.FORWARD if in_module_forward(consumer) else UseGroup.BACKWARD
                 return [UseStep(group, redistribute=gather_over_dp)]
             steps = self.tp.layout_at_boundary(consumer, arg, state)
             return None if steps is None else [_on_tp(step) for step in steps]

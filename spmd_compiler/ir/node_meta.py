@@ -23,7 +23,6 @@ Keys are carried from a captured node to the nodes expansion makes for it by
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import torch.fx
 
@@ -62,9 +61,6 @@ def set_phase(node: torch.fx.Node, value: Phase, *, overwrite: bool = True) -> N
         node.meta[PHASE] = value.value
 
 
-def module_fqn(node: torch.fx.Node) -> str | None:
-    return node.meta.get(MODULE_FQN)
-
 
 def in_module_forward(node: torch.fx.Node) -> bool:
     """Traced inside some module's forward and not by the optimizer: a module-level
@@ -72,16 +68,7 @@ def in_module_forward(node: torch.fx.Node) -> bool:
     return MODULE_FQN in node.meta and phase(node) is not Phase.OPTIMIZER
 
 
-def origin(node: torch.fx.Node) -> str | None:
-    return node.meta.get(ORIGIN)
 
-
-def placement(node: torch.fx.Node) -> Any:
-    return node.meta.get(PLACEMENT)
-
-
-def created_by(node: torch.fx.Node) -> str | None:
-    return node.meta.get(CREATED_BY)
 
 
 def is_deferred(node: torch.fx.Node) -> bool:
