@@ -15,12 +15,19 @@ import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
 
 
-def _torch_warns_sequential() -> None:
-    # a fresh object per call: torch warns once per (mesh hash, dims, reason)
-    class _Mesh:
-        mesh_dim_names = ("dp", "tp")
+class _Mesh:
+    mesh_dim_names = ("dp", "tp")
 
+
+# torch warns once per (hash(mesh), dims, reason), and the hash of a plain object is its
+# id: every mesh stays alive to the end of the session, so that no later one reuses the
+# address (and the hash) of an earlier one and finds its warning already given.
+_MESHES: list[_Mesh] = []
+
+
+def _torch_warns_sequential() -> None:
     mesh = _Mesh()
+    _MESHES.append(mesh)
     _redistribute._warn_flatten_optimization_not_possible(
         mesh, (0, 1), "(S(0), S(0))", "(R, R)", 2, "all_gather", "no_flattened_mesh"
     )
