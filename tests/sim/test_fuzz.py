@@ -14,11 +14,11 @@ an optional attention block (``F.scaled_dot_product_attention`` with a drawn mas
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections import Counter
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import DataParallel, DTensorExpandMode, TensorParallel
@@ -289,6 +290,11 @@ def _set_values(case, i: int, model) -> tuple:
     return () if case["argument"] is None else (float(case["argument"][i]),)
 
 
+def _reset_global() -> None:
+    global LOSS_WEIGHT
+    LOSS_WEIGHT = 1.0
+
+
 def _value_batches(case) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(case["seed"])
     shape = (case["batch"], case["seq"], case["in"])
@@ -305,6 +311,42 @@ def _run_eager(case, model, optim, batches) -> list[float]:
             for i, (x, y) in enumerate(batches)]
 
 
+def _eager_reference(case, model, batches, *, math_kernel: bool):
+    """The eager reference: a copy of the (untouched) model and its optimizer after
+    ``batches``, with its losses; ``math_kernel`` runs SDPA on torch's math kernel."""
+    reference = copy.deepcopy(model)
+    optim = _optimizer(case, reference.parameters())
+    try:
+        with sdpa_kernel([SDPBackend.MATH]) if math_kernel else contextlib.nullcontext():
+            losses = _run_eager(case, reference, optim, batches)
+    finally:
+        _reset_global()
+    return reference, optim, losses
+
+
+# NOTE: [eager's own attention kernels disagree]
+# The compiled program computes attention as torch's math decomposition; eager on CPU picks
+# the fused flash kernel. The two are different roundings of the same function, and on an
+# ill-conditioned step they disagree visibly: the case below (a step whose loss grows
+# 65 -> 3.8e8 -> 2.4e53, with the gradient of the first layer a near-cancelling sum) gives
+# 5.3e-6 relative between eager-flash and eager-math, and 0.0 between the compiled program
+# and eager-math. So where the compiled program and default eager differ past the bound
+# in a case with attention, the test asks the math kernel's eager run, which must match
+# within the same bound: eager's own disagreement is not counted as ours, anything else is.
+EAGER_KERNELS_DISAGREE_CASE = {
+    "in": 1, "width": 6, "out": 2, "seq": 1, "batch": 4, "activation": "gelu", "bias": True,
+    "temperature": None, "loss_weight": None, "argument": None, "argument_in": "loss",
+    "constant": "list", "constant_value": 3.0, "attention": True, "heads": 2, "mask": "float",
+    "per_sample_mask": False, "scale": None, "mode": "dtensor_expand", "world_size": 1,
+    "optimizer": "sgd", "seed": 0,
+}
+
+
+def _within(losses, ref_losses, diff) -> bool:
+    loss_ok = all(abs(g - w) <= 1e-9 * max(1.0, abs(w)) for g, w in zip(losses, ref_losses))
+    return loss_ok and diff < 1e-9
+
+
 # derandomize: CI meets the same examples every run; SPMD_FUZZ_EXAMPLES widens a local hunt
 @settings(
     max_examples=VALUE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
@@ -314,33 +356,43 @@ def _run_eager(case, model, optim, batches) -> list[float]:
 def test_changing_python_values_constants_attention_match_eager_or_refuse(case):
     """A refusal may come at a later step (a changed value compiles a new program): the
     state must then be the eager state after the steps that ran."""
-    global LOSS_WEIGHT
     model = _FuzzNet(case).double()
-    reference = copy.deepcopy(model)
-    optim, ref_optim = _optimizer(case, model.parameters()), _optimizer(case, reference.parameters())
+    pristine = copy.deepcopy(model)
+    optim = _optimizer(case, model.parameters())
     step = sc.compile(_value_mode(case, model))(_value_step(case["argument_in"]))
     batches = _value_batches(case)
     losses: list[float] = []
-    try:
-        with sc.simulate(case["world_size"]) as sim:
+    with sc.simulate(case["world_size"]) as sim:
+        try:
             try:
                 for i, (x, y) in enumerate(batches):
                     losses.append(step(model, optim, x, y, *_set_values(case, i, model)).item())
-            except sc.SPMDCompileError as e:
-                VALUE_STATS["refused"] += 1
-                REFUSALS[str(e).splitlines()[0][:100]] += 1
+            finally:
+                _reset_global()
+        except sc.SPMDCompileError as e:
+            VALUE_STATS["refused"] += 1
+            REFUSALS[str(e).splitlines()[0][:100]] += 1
+        if not losses:
+            assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+        def difference(math_kernel: bool) -> tuple[list[float], float]:
+            reference, ref_optim, ref_losses = _eager_reference(
+                case, pristine, batches[: len(losses)], math_kernel=math_kernel
+            )
             if not losses:
-                assert not any(isinstance(p, DTensor) for p in model.parameters())
-            ref_losses = _run_eager(case, reference, ref_optim, batches[: len(losses)])
-            diff = max_difference(
+                return ref_losses, max_difference(compare_models(model, reference, None))
+            return ref_losses, max_difference(
                 compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
-            ) if losses else max_difference(compare_models(model, reference, None))
-    finally:
-        LOSS_WEIGHT = 1.0
-    loss_ok = all(abs(g - w) <= 1e-9 * max(1.0, abs(w)) for g, w in zip(losses, ref_losses))
-    if not loss_ok or not diff < 1e-9:
+            )
+
+        ref_losses, diff = difference(math_kernel=False)
+        if not _within(losses, ref_losses, diff) and case["attention"]:
+            VALUE_STATS["eager kernels disagree"] += 1  # NOTE: [eager's own attention kernels disagree]
+            ref_losses, diff = difference(math_kernel=True)
+    if not _within(losses, ref_losses, diff):
         VALUE_STATS["wrong"] += 1
-    assert loss_ok, (case, losses, ref_losses)
+    assert all(abs(g - w) <= 1e-9 * max(1.0, abs(w)) for g, w in zip(losses, ref_losses)), (
+        case, losses, ref_losses)
     assert diff < 1e-9, (case, diff)
     if len(losses) == len(batches):
         VALUE_STATS["run"] += 1
@@ -357,20 +409,17 @@ def teardown_module(module):
         print(f"  refused {count}x: {reason}")
 
 
-# Found by this fuzz test on 2026-11-23 (random run; present at the session's start,
-# commit ab935c7, too): a silent difference, world 1, no sharding, so the cause is in
-# capture or the attention decomposition, not in expansion. Not yet diagnosed; kept as a
-# strict xfail so that the fix is noticed.
-KNOWN_WRONG_CASE = {
-    "in": 1, "width": 6, "out": 2, "seq": 1, "batch": 4, "activation": "gelu", "bias": True,
-    "temperature": None, "loss_weight": None, "argument": None, "argument_in": "loss",
-    "constant": "list", "constant_value": 3.0, "attention": True, "heads": 2, "mask": "float",
-    "per_sample_mask": False, "scale": None, "mode": "dtensor_expand", "world_size": 1,
-    "optimizer": "sgd", "seed": 0,
-}
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known wrong result: 5.3e-6")
-def test_known_wrong_attention_case_found_by_the_fuzz() -> None:
+def test_eager_kernel_disagreement_is_not_counted_as_a_wrong_result() -> None:
+    """The case of NOTE: [eager's own attention kernels disagree]: default eager differs
+    from eager-math past the bound, the compiled program matches eager-math."""
+    case = dict(EAGER_KERNELS_DISAGREE_CASE)
+    model = _FuzzNet(case).double()
+    batches = _value_batches(case)
+    flash, flash_optim, _ = _eager_reference(case, model, batches, math_kernel=False)
+    math, math_optim, _ = _eager_reference(case, model, batches, math_kernel=True)
+    eager_disagreement = max_difference(
+        compare_models(flash, math, None), compare_optimizers(flash_optim, math_optim, None)
+    )
+    assert eager_disagreement > 1e-7, eager_disagreement  # eager's two kernels: ~5e-6
     inner = test_changing_python_values_constants_attention_match_eager_or_refuse
-    inner.hypothesis.inner_test(case=dict(KNOWN_WRONG_CASE))
+    inner.hypothesis.inner_test(case=case)  # asserts the compiled step within 1e-9 of math
