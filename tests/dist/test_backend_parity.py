@@ -18,9 +18,13 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
-from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.lower import resolve_backend
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import (
+    classification_batches,
+    classification_train_step,
+    eager_classification_losses,
+)
 from spmd_compiler.tools.parity import backend_under_test, full_state, relative_difference
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -52,12 +56,7 @@ def _model(dtype: torch.dtype) -> nn.Module:
 
 
 def _batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1234)
-    return [
-        (torch.randn(GLOBAL_BATCH, FEATURES, generator=gen).to(dtype),
-         torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=gen))
-        for _ in range(STEPS)
-    ]
+    return classification_batches(STEPS, GLOBAL_BATCH, FEATURES, CLASSES, dtype)
 
 
 def _rows(mode: str, rank: int, world: int) -> slice:
@@ -101,8 +100,7 @@ def _launch(world: int) -> list[dict]:
 def _reference(dtype: torch.dtype) -> tuple[list[torch.Tensor], dict]:
     model = _model(dtype)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = [classification_train_step(model, optim, x, y).detach() for x, y in _batches(dtype)]
-    return losses, full_state(model, optim, None)
+    return eager_classification_losses(model, optim, _batches(dtype)), full_state(model, optim, None)
 
 
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))

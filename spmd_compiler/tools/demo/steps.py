@@ -19,3 +19,23 @@ def classification_train_step(
     optim.step()
     optim.zero_grad()
     return loss
+
+
+def classification_batches(
+    steps: int, batch: int, features: int, classes: int, dtype: torch.dtype, *, seed: int = 1234
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` global batches of (inputs in ``dtype``, class labels), the same on every
+    call with the same arguments (their own generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, features, generator=gen).to(dtype),
+         torch.randint(0, classes, (batch,), generator=gen))
+        for _ in range(steps)
+    ]
+
+
+def eager_classification_losses(
+    model: nn.Module, optim: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """The undecorated step on one device over ``batches``: the parity reference."""
+    return [classification_train_step(model, optim, x, y).detach() for x, y in batches]
