@@ -1080,6 +1080,7 @@ def install_dtensor_gap_fills() -> None:
     if _view_flatten_gap():
         _install_strided_view_rule()
     _install_missing_dim_strategies()
+    _install_fill_strategies()
 
 
 _GAPS_FILLED = False
@@ -1322,6 +1323,49 @@ def _install_missing_dim_strategies() -> None:
     for op, dims_of, outputs, linear, reduces in table:
         if not _has_sharding_strategy(op):
             _register_dim_strategy(op, dims_of, outputs, linear, reduces)
+
+
+def _install_fill_strategies() -> None:
+    """Gap on every supported torch (and ``select_scatter`` on 2.11): no DTensor rule for the functional ``fill.Scalar`` /
+    ``fill.Tensor`` (``x[..., 0] = v`` in a traced step; transformers' T5 shifts its labels
+    so). Where this torch has none: the result follows ``self``'s shards (each rank fills
+    its slice); a Partial ``self`` gives a Replicate result (fill never reads ``self``'s
+    values); a Partial 0-d value gives a Partial result (rank r fills with its part v_r,
+    and the parts sum to the value). Never ``fill_.Scalar``'s rule, which keeps a Partial
+    ``self`` Partial: every rank's ``v`` would then sum to ``world * v``."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def placements(self: Any, value_placement: Any) -> list[tuple[list, list]]:
+        value: list[Any] = [] if value_placement is None else [value_placement]
+        out: list[tuple[list, list]] = [
+            ([Replicate()], [Replicate(), *value]), ([Replicate()], [Partial(), *value])
+        ]
+        out += [([Shard(d)], [Shard(d), *value]) for d in range(len(self.shape))]
+        if value:
+            out.append(([Partial()], [Replicate(), Partial()]))
+        return out
+
+    def select_scatter(self: Any, src: Any, dim: int, index: int) -> list[tuple[list, list]]:
+        """torch 2.11 gap. ``self`` with ``self.select(dim, index)`` replaced by ``src``:
+        shards on another dim (renumbered in ``src``), or both Partial (linear)."""
+        ndim = len(self.shape)
+        dim %= ndim
+        out: list[tuple[list, list]] = [
+            ([Replicate()], [Replicate(), Replicate()]), ([Partial()], [Partial(), Partial()])
+        ]
+        for d in range(ndim):
+            if d != dim:
+                out.append(([Shard(d)], [Shard(d), Shard(d if d < dim else d - 1)]))
+        return out
+
+    aten = torch.ops.aten
+    if not _has_sharding_strategy(aten.fill.Scalar):
+        register_sharding(aten.fill.Scalar)(lambda self, value: placements(self, None))
+    if not _has_sharding_strategy(aten.fill.Tensor):
+        register_sharding(aten.fill.Tensor)(lambda self, value: placements(self, Replicate()))
+    if not _has_sharding_strategy(aten.select_scatter.default):
+        register_sharding(aten.select_scatter.default)(select_scatter)
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:
