@@ -78,6 +78,49 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
+def _causal_lm(model_class: str, config_class: str, **config: Any) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        t = _transformers()
+        return getattr(t, model_class)(getattr(t, config_class)(vocab_size=VOCAB, **config))
+
+    build.__doc__ = f"{model_class} in a small random-init config."
+    return build
+
+
+_NO_DROPOUT = {"attention_dropout": 0.0}
+# More architectures, each with its own attention / position / norm variant, in their
+# default configuration (dropout 0), for ``python -m benchmarks.hf_survey``: decoders
+# trained as causal LMs, T5 as a sequence-to-sequence model on (ids, ids).
+SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "mistral": _causal_lm("MistralForCausalLM", "MistralConfig", hidden_size=32,
+                          intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=64, sliding_window=8),
+    "qwen2": _causal_lm("Qwen2ForCausalLM", "Qwen2Config", hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64),
+    "gpt_neox": _causal_lm("GPTNeoXForCausalLM", "GPTNeoXConfig", hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           max_position_embeddings=64, rotary_pct=0.5, hidden_dropout=0.0,
+                           **_NO_DROPOUT),
+    "opt": _causal_lm("OPTForCausalLM", "OPTConfig", hidden_size=32, ffn_dim=64,
+                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                      word_embed_proj_dim=32, dropout=0.0, **_NO_DROPOUT),
+    "bloom": _causal_lm("BloomForCausalLM", "BloomConfig", hidden_size=32, n_layer=2, n_head=4,
+                        hidden_dropout=0.0, **_NO_DROPOUT),
+    "phi": _causal_lm("PhiForCausalLM", "PhiConfig", hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                      resid_pdrop=0.0, embd_pdrop=0.0, **_NO_DROPOUT),
+    "gemma": _causal_lm("GemmaForCausalLM", "GemmaConfig", hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=8, max_position_embeddings=64),
+    "gptj": _causal_lm("GPTJForCausalLM", "GPTJConfig", n_embd=32, n_layer=2, n_head=4,
+                       rotary_dim=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                       attn_pdrop=0.0),
+    "t5": _causal_lm("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=8,
+                     num_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0),
+}
+
+
 def causal_lm_step(model, optim, input_ids, labels):
     loss = model(input_ids=input_ids, labels=labels).loss
     loss.backward()
@@ -124,7 +167,7 @@ def batches(kind: str, steps: int = 2, dtype: torch.dtype = torch.float64) -> li
 
 def make_model(kind: str, dtype: torch.dtype = torch.float64) -> Callable[[], torch.nn.Module]:
     def make() -> torch.nn.Module:
-        model = MODELS[kind]().to(dtype)
+        model = {**MODELS, **SURVEY_MODELS}[kind]().to(dtype)
         model.train()
         return model
 
@@ -310,7 +353,7 @@ def _run(case: ZooCase, dtype: torch.dtype, steps: int, optimizer: str) -> ZooRu
     reference = copy.deepcopy(model)
     make_optimizer = OPTIMIZERS[optimizer]
     optim, reference_optim = make_optimizer(model), make_optimizer(reference)
-    step = STEPS[case.kind]
+    step = STEPS.get(case.kind, causal_lm_step)
     compiled = sc.compile(case.parallel_mode())(step)
     run = ZooRun(case, str(dtype).replace("torch.", ""), steps, optimizer=optimizer)
     with sc.simulate(world_size=case.world) as sim:
