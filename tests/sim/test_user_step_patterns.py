@@ -1,0 +1,194 @@
+"""Train-step patterns from ordinary training scripts, each compiled under ddp and fsdp
+on 2 simulated ranks against the undecorated step on one device on the global batch
+(float64, every parameter, buffer and optimizer-state tensor within 1e-10):
+
+- the Hugging Face token-mean loss: ``ignore_index=-100`` labels, ``reduction="sum"``
+  divided by the global count of counted tokens (a rank must not divide by its own);
+- ``ignore_index`` with label smoothing;
+- gradient clipping by the global norm; two micro-batches accumulated in one step;
+- ``zero_grad()`` first (gradients kept between steps); a ``no_grad`` update of the
+  parameters after the optimizer; a frozen parameter; two parameter groups;
+- activation checkpointing (``torch.utils.checkpoint``, non-reentrant);
+- a padding mask built from the batch, fed to ``nn.TransformerEncoderLayer``;
+- Conv2d + BatchNorm2d: the batch statistics (and running buffers) of the global batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from spmd_compiler.parallel_modes import make_mode
+
+TOL = 1e-10
+BATCH, FEATURES, CLASSES = 8, 8, 4
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.GELU(), nn.Linear(16, CLASSES)).double()
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(FEATURES, 16), nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(
+            lambda t: F.gelu(self.a(t)), x, use_reentrant=False
+        )
+        return self.b(hidden)
+
+
+class _Frozen(_Checkpointed):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.gelu(self.a(x)))
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(FEATURES, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(FEATURES, CLASSES)
+
+
+class _ConvBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def _finish(model, optim, loss):  # noqa: ANN001
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def token_mean_step(model, optim, x, y):  # noqa: ANN001
+    labels = torch.where(y == 0, torch.full_like(y, -100), y)
+    counted = (labels != -100).sum()
+    loss = F.cross_entropy(model(x), labels, ignore_index=-100, reduction="sum") / counted
+    return _finish(model, optim, loss)
+
+
+def label_smoothing_step(model, optim, x, y):  # noqa: ANN001
+    labels = torch.where(y == 0, torch.full_like(y, -100), y)
+    return _finish(model, optim, F.cross_entropy(model(x), labels, label_smoothing=0.1))
+
+
+def clipped_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def accumulating_step(model, optim, x, y):  # noqa: ANN001
+    total = torch.zeros((), dtype=x.dtype)
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        loss = F.cross_entropy(model(xs), ys) / 2
+        loss.backward()
+        total = total + loss.detach()
+    optim.step()
+    optim.zero_grad(set_to_none=False)
+    return total
+
+
+def zero_grad_first_step(model, optim, x, y):  # noqa: ANN001
+    optim.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def no_grad_update_step(model, optim, x, y):  # noqa: ANN001
+    loss = _finish(model, optim, F.cross_entropy(model(x), y))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.99)
+    return loss
+
+
+def padding_mask_step(model, optim, x, y):  # noqa: ANN001
+    keep = (x.abs().sum(-1) > 2.0).to(x.dtype)  # (batch, seq): padding from the data
+    hidden = model.layer(x, src_key_padding_mask=keep == 0)
+    pooled = (hidden * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp(min=1)
+    return _finish(model, optim, F.cross_entropy(model.head(pooled), y))
+
+
+def plain_step(model, optim, x, y):  # noqa: ANN001
+    return _finish(model, optim, F.cross_entropy(model(x), y))
+
+
+def _two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    return torch.optim.SGD(
+        [{"params": params[:2], "lr": 0.1},
+         {"params": params[2:], "lr": 0.01, "weight_decay": 0.1}],
+        lr=0.05, momentum=0.9,
+    )
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _batches(shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(shape, generator=gen, dtype=torch.float64),
+         torch.randint(0, CLASSES, (BATCH,), generator=gen))
+        for _ in range(3)
+    ]
+
+
+VECTOR = (BATCH, FEATURES)
+CASES = {  # name: (model, optimizer, step, input shape)
+    "token_mean_loss": (_mlp, _adamw, token_mean_step, VECTOR),
+    "ignore_index_label_smoothing": (_mlp, _adamw, label_smoothing_step, VECTOR),
+    "clip_grad_norm": (_mlp, _adamw, clipped_step, VECTOR),
+    "gradient_accumulation": (_mlp, _adamw, accumulating_step, VECTOR),
+    "zero_grad_first": (_mlp, _adamw, zero_grad_first_step, VECTOR),
+    "no_grad_update": (_mlp, _adamw, no_grad_update_step, VECTOR),
+    "frozen_parameter": (lambda: _Frozen().double(), _sgd, plain_step, VECTOR),
+    "two_param_groups": (_mlp, _two_groups, plain_step, VECTOR),
+    "activation_checkpoint": (lambda: _Checkpointed().double(), _adamw, plain_step, VECTOR),
+    # SGD for these two: the key third of in_proj_bias and the conv bias before a
+    # BatchNorm have a zero gradient in exact arithmetic, which Adam would turn into
+    # noise-sized updates (relative differences of noise over noise)
+    "padding_mask_encoder": (lambda: _Encoder().double(), _sgd, padding_mask_step, (BATCH, 5, FEATURES)),
+    "conv_batchnorm": (lambda: _ConvBatchNorm().double(), _sgd, plain_step, (BATCH, 3, 5, 5)),
+}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_step_pattern_matches_one_device(name, mode, run_parity):
+    make_model, make_optimizer, step, shape = CASES[name]
+    result = run_parity(
+        make_model, make_optimizer, 2, _batches(shape), step=step, mode=make_mode(mode)
+    )
+    if name == "conv_batchnorm":  # the conv bias: zero gradient, compared in absolute terms
+        bias = result.state_differences.pop("param.conv.bias")
+        result.state_differences.pop("optim.g0.p1.momentum_buffer")
+        assert bias < 1e-6
+    result.assert_close(TOL)
