@@ -1079,6 +1079,8 @@ def install_dtensor_gap_fills() -> None:
     _GAPS_FILLED = True
     if _view_flatten_gap():
         _install_strided_view_rule()
+    if _nested_strided_unflatten_gap():
+        _install_nested_strided_unflatten_rule()
     _install_missing_dim_strategies()
 
 
@@ -1212,6 +1214,107 @@ def _split_fix(p, cmd, m, mesh_sizes, local_size, rule, dim) -> Any:
         f"spmd_compiler: this torch's DTensor cannot split the strided-sharded dim {dim} "
         f"({p}) into {tuple(cmd.group_shape)} without redistribution."
     )
+
+
+# NOTE: [nested strided unflatten]
+# Sequence-first attention under FSDP x TP: the batch dim of ``(L, B, E)`` sharded on dp
+# AND on tp (DTensor's mm rules pick Shard(0) on tp for a gradient that arrives Partial
+# there) flattens to ``(L*B, E)`` as ``(_StridedShard(0, sf=L), _StridedShard(0, sf=L))``,
+# which is right: placements apply left to right and tp's split factor counts the groups
+# of dp's LOCAL piece, still L. Splitting it back (``[L*B, E] -> [L, B, h, d]``, the
+# view in multi_head_attention_forward's backward) fails in torch 2.13 ("Cannot unflatten
+# tensor with _StridedShard placement"): ``_expected_split_factor`` divides the split
+# prefix by EVERY earlier mesh dim sharding that tensor dim, also by one that cut an inner
+# split piece (dp's B), so it expects sf=L/2 on tp. The fill answers only where torch
+# raises, and only for pure unflattens (``Split(InputDim)``) whose every shard of the
+# split dim resolves to a plain Shard of one output dim: mesh dims in order, each shard's
+# split factor must be the product of the LOCAL split pieces before its output dim (the
+# pieces earlier mesh dims cut already divided), and that piece must divide evenly. Any
+# other case keeps torch's error, so the compile refuses naming aten.view.
+
+
+def _nested_strided_unflatten_gap() -> bool:
+    """True when DTensor's view rule cannot split back what it flattened from
+    ``(2, 4)`` sharded on dim 1 by both mesh dims of a 2x2 mesh."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    propagate = _view_ops.propagate_shape_and_sharding
+    try:
+        _, flat = propagate(
+            (Shard(1), Shard(1)), (2, 4), _view_ops.view_groups((2, 4), (8,)), (2, 2), True
+        )
+        propagate(tuple(flat), (8,), _view_ops.view_groups((8,), (2, 4)), (2, 2), True)
+    except RuntimeError:
+        return True
+    except Exception:  # another signature: not the rule this fill knows
+        return False
+    return False
+
+
+def _install_nested_strided_unflatten_rule() -> None:
+    """NOTE: [nested strided unflatten]: where torch's view rule raises, answer the
+    unflatten of a dim sharded strided by several mesh dims, or raise torch's error."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._ops import _view_ops
+
+    original = _view_ops.propagate_shape_and_sharding
+
+    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
+        try:
+            return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
+        except RuntimeError:
+            fixes = _nested_unflatten_fixes(input_src_placements, rule, mesh_sizes)
+            if fixes is None:
+                raise
+        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
+        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
+        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
+        out = [fixes.get(m, p) for m, p in enumerate(out)]
+        return tgt, out
+
+    _view_ops.propagate_shape_and_sharding = propagate
+
+
+def _nested_unflatten_fixes(placements, rule, mesh_sizes) -> dict[int, Any] | None:
+    """Mesh dim -> output Shard for every shard of a strided-sharded dim that ``rule``
+    splits (NOTE: [nested strided unflatten]); None when some shard does not resolve."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    def refs(cmd: Any) -> list[Any]:
+        found = [cmd] if isinstance(cmd, _view_ops.InputDim) else []
+        for inner in cmd.inputs():
+            found += refs(inner)
+        return found
+
+    fixes: dict[int, Any] = {}
+    strided_dims = {p.dim for p in placements if is_strided_shard(p)}
+    for dim in strided_dims:
+        splits = {
+            cmd.split_id: (out, cmd) for out, cmd in enumerate(rule)
+            if isinstance(cmd, _view_ops.Split) and cmd.input_dim == _view_ops.InputDim(dim)
+        }
+        uses = sum(1 for cmd in rule for ref in refs(cmd) if ref.input_dim == dim)
+        if not splits or uses != len(splits):
+            return None  # the dim also feeds a flatten or is kept whole: not a pure unflatten
+        group = list(next(iter(splits.values()))[1].group_shape)
+        for m, p in enumerate(placements):
+            if not (isinstance(p, Shard) or is_strided_shard(p)) or p.dim != dim:
+                continue
+            split_factor = p.split_factor if is_strided_shard(p) else 1
+            piece = next(
+                (
+                    j for j in splits
+                    if math.prod(group[:j]) == split_factor and group[j] % mesh_sizes[m] == 0
+                ),
+                None,
+            )
+            if piece is None:
+                return None
+            group[piece] //= mesh_sizes[m]
+            fixes[m] = Shard(splits[piece][0])
+    return fixes or None
 
 
 def _planner_lacks_strided(spec: Any) -> bool:

@@ -178,26 +178,18 @@ _FFN_PLAN = {"block.linear1": ColwiseParallel(), "block.linear2": RowwiseParalle
 # sequence-first and flattens (length, batch) with the batch sharded on dp, a
 # _StridedShard on the (dp, tp) mesh. DTensor's mm propagation priced candidates through
 # rank-dependent shard sizes and failed (aten._local_scalar_dense) until such costs were
-# made infinite (NOTE: [uncomputable redistribution costs] in _torch_private.py): mha
-# passes. Known gap (xfail, strict) for the encoder / decoder layers, whose feed-forward
-# is tensor parallel: in backward the attention output's gradient arrives strided on BOTH
-# mesh dims (_S(0, 6) on dp and on tp) and DTensor's view rule cannot unflatten it to
-# (length, batch, heads, head_dim) ("Cannot unflatten tensor with _StridedShard
-# placement"). Refused at compile time naming aten.view and the train-step line, never a
-# wrong result.
-_TWO_D_GAP = pytest.mark.xfail(
-    strict=True, raises=sc.SPMDCompileError,
-    reason="2-D strided gradient of the attention output cannot be unflattened",
-)
+# made infinite (NOTE: [uncomputable redistribution costs] in _torch_private.py). The
+# encoder / decoder layers, whose feed-forward is tensor parallel, then failed in
+# backward: the attention output's gradient arrives strided on BOTH mesh dims (_S(0, 6)
+# on dp and on tp) and torch's view rule could not unflatten it to (length, batch,
+# heads, head_dim) ("Cannot unflatten tensor with _StridedShard placement", a strict
+# xfail here) until NOTE: [nested strided unflatten].
 _MODES = [
     ("dtensor_expand", 2, ()), ("ddp", 2, ()), ("fsdp", 4, ()), ("tp", 2, ()),
     ("fsdp_tp", 4, (pytest.mark.slow,)),  # 33 s CPU (mha)
 ]
 _CASES = [
-    pytest.param(
-        kind, name, world, id=f"{kind}-{name}",
-        marks=marks + ((_TWO_D_GAP,) if name == "fsdp_tp" and kind != "mha" else ()),
-    )
+    pytest.param(kind, name, world, id=f"{kind}-{name}", marks=marks)
     for name, world, marks in _MODES for kind in ("mha", "encoder", "decoder")
 ]
 

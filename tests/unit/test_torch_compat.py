@@ -34,6 +34,33 @@ def test_view_flattening_a_sharded_dim_and_back(mesh_2x2, placements, shape):
         assert torch.equal(back.full_tensor(), x)
 
 
+# (length, batch, width) with the batch sharded by both mesh dims, flattened to
+# (length*batch, width): _StridedShard(0, sf=6) on dp and on tp (sequence-first attention
+# under FSDP x TP, NOTE: [nested strided unflatten]); the views split it back.
+UNFLATTENS = [(6, 8, 16), (6, 8, 4, 4), (6, 2, 4, 16), (3, 2, 8, 16), (12, 4, 16), (3, 16, 16)]
+
+
+@pytest.mark.parametrize("shape", UNFLATTENS, ids=str)
+def test_view_unflattening_a_dim_strided_on_both_mesh_dims(mesh_2x2, shape):
+    """Each view either gives the single-device values or raises; never a wrong layout.
+    (6, 8, 4, 4) and (6, 8, 16) raised in torch 2.13 ("Cannot unflatten tensor with
+    _StridedShard placement") before the fill and now resolve to Shard(1) on both."""
+    x = torch.randn(6, 8, 16, dtype=torch.float64)
+    with private.memoized_redistribution():
+        flat = distribute_tensor(x, mesh_2x2, (Shard(1), Shard(1))).view(48, 16)
+        assert all(private.is_strided_shard(p) for p in flat.placements), flat.placements
+        try:
+            back = flat.view(*shape)
+        except RuntimeError as exc:
+            assert shape not in [(6, 8, 16), (6, 8, 4, 4)], exc
+            assert "_StridedShard" in str(exc) or "redistribute" in str(exc), exc
+            return
+        assert torch.equal(back.full_tensor(), x.view(*shape))
+        if shape[:2] == (6, 8):
+            assert tuple(back.placements) == (Shard(1), Shard(1))
+            assert back.to_local().shape == (6, 2, *shape[2:])
+
+
 def test_strided_shard_is_gathered_before_an_op_that_does_not_know_it(mesh_2x2):
     """``[5, b, 8] -> [5*b, 8]`` with ``b`` sharded, then ``t`` and ``mm`` (the weight
     gradient of a Linear on a 3-D input whose batch is dim 1)."""
