@@ -814,6 +814,13 @@ def reduce_scatter_along(
     return funcol.wait_tensor(scatter(local, reduce_op, tensor_dim, (mesh, mesh_dim)))
 
 
+def all_reduce_along(local: torch.Tensor, reduce_op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """Functional all-reduce of ``local`` over one mesh dimension."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(local, reduce_op, (mesh, mesh_dim)))
+
+
 def root_mesh(mesh: Any) -> Any:
     """The parent (root) mesh a sub-mesh was sliced from (itself for a root mesh)."""
     return mesh._get_root_mesh()

@@ -14,9 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
+from spmd_compiler import _torch_private as private
 from spmd_compiler.expand import retrace as expand_module
 from spmd_compiler.parallel_modes import MultiheadAttentionParallel, make_mode
 
@@ -264,22 +266,42 @@ def test_torch_attention_heads_tensor_parallel(kind, run_parity):
     assert all(p.to_local().shape == (WIDTH, WIDTH // 2) for p in out_proj)
 
 
+@pytest.mark.parametrize(
+    "kind", ["mha", pytest.param("encoder", marks=pytest.mark.slow),
+             pytest.param("decoder", marks=pytest.mark.slow)],
+)
+def test_torch_attention_heads_fsdp_tp(kind, run_parity):
+    """MultiheadAttentionParallel under FSDP x TP 2x2 (refused before: "FSDP x TP does
+    not support yet"): in_proj keeps its q/k/v blocks strided on tp and FSDP shards its
+    columns (NOTE: [strided TP under FSDP]); the bias, with no other dimension, stays
+    whole on dp. float64 within 1e-9 (the key bias's rounding noise: 1.8e-10 measured;
+    every other tensor within 3e-15). CPU: mha 3.5 s, encoder 10.5 s, decoder 16.6 s."""
+    plan = {k: v for k, v in _HEADS_TP_PLAN.items() if (k == "block") == (kind == "mha")}
+    result = run_parity(
+        lambda: _TorchAttention(kind).double(), _adamw, 4,
+        _batches(dtype=torch.float64), mode=_mode("fsdp_tp", plan),
+    )
+    result.assert_close(1e-9)
+    params = dict(result.model.named_parameters())
+    weights = [n for n in params if n.endswith("in_proj_weight")]
+    assert weights
+    for name in weights:
+        dp, tp = params[name].placements
+        assert dp == Shard(1) and tp == private.strided_shard(0, 3), (name, dp, tp)
+        assert params[name].to_local().shape == (3 * WIDTH // 2, WIDTH // 2)
+        bias = params[name.replace("weight", "bias")]
+        assert bias.placements[0] == Replicate() and bias.to_local().shape == (3 * WIDTH // 2,)
+
+
 def test_attention_module_plans_refused_clearly():
-    """Linear styles on an nn.MultiheadAttention, and MultiheadAttentionParallel under
-    FSDP x TP, are refused naming the module and what to plan instead."""
+    """Linear styles on an nn.MultiheadAttention are refused naming the module and what
+    to plan instead."""
     model = _TorchAttention("encoder").double()
     x, y = _batches(dtype=torch.float64)[0]
     colwise = sc.compile(_mode("tp", {"block.self_attn": ColwiseParallel()}))(_classification_step)
     with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
         colwise(model, _adamw(model), x, y)
     assert "block.self_attn" in str(info.value) and "MultiheadAttentionParallel" in str(info.value)
-    two_d = sc.compile(_mode("fsdp_tp", {"block.self_attn": MultiheadAttentionParallel()}))(
-        _classification_step
-    )
-    with sc.simulate(4), pytest.raises(sc.SPMDCompileError) as info:
-        two_d(model, _adamw(model), x, y)
-    message = str(info.value)
-    assert "block.self_attn" in message and "FSDP x TP does not support" in message
 
 
 class _SequenceFirst(nn.Module):
