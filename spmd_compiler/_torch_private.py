@@ -1088,6 +1088,8 @@ def install_dtensor_gap_fills() -> None:
         _install_strided_view_rule()
     if _nested_strided_unflatten_gap():
         _install_nested_strided_unflatten_rule()
+    if _regroup_gathers_gap():
+        _install_regroup_rule()
     _install_missing_dim_strategies()
 
 
@@ -1322,6 +1324,126 @@ def _nested_unflatten_fixes(placements, rule, mesh_sizes) -> dict[int, Any] | No
             group[piece] //= mesh_sizes[m]
             fixes[m] = Shard(splits[piece][0])
     return fixes or None
+
+
+# NOTE: [two readings of a strided shard]
+# torch 2.13's DTensorSpec reads a _StridedShard two ways: a spec made from placements
+# (distribute_tensor, from_local: the parameters and optimizer state) reads it as a shard
+# ORDER (use_strided_shard_as_shard_order), one made by view propagation as a plain
+# strided split. On a 1-D mesh both hold the same rows, but the specs differ, and a
+# pointwise op between them (AdamW's lerp of a MultiheadAttentionParallel in_proj
+# gradient, made by views, into its state) gathers both to Replicate and re-shards. A
+# gradient entering the optimizer on a 1-D mesh is re-wrapped in the state's reading
+# (no data moves): ``as_state_strided_shard``.
+#
+# NOTE: [head-local regroup]
+# nn.MultiheadAttention splits heads with ``q.view(L, B * H, hd)`` on a (L, B, E) tensor:
+# the rule is Split(Flatten(B, E)), and with E sharded on tp (whole heads per rank under
+# MultiheadAttentionParallel) torch 2.13 gathers E first ("combined Flatten+Split rewrite
+# does not preserve that placement", a Replicate fallback): every rank then computes
+# every head. The layout IS a _StridedShard: the flattened dim is (A, s, C) (A the
+# product of the dims before the sharded one, s its size, C after), rank k holds chunk k
+# of s, i.e. digit k of (A, n, s/n * C). Where the output split g has a piece j with
+# prod(g[:j]) dividing A and prod(g[j+1:]) dividing s/n * C, piece j reads as
+# (A / prod(g[:j]), n, ...) and the shard is _StridedShard(j, sf=A / prod(g[:j])) there
+# (Shard(j) when that is 1). A _StridedShard(sf) input is (sf, n, s / (sf n)): A grows
+# by sf. The way back, ``(B*H, L, hd) -> (L*B, E)`` after the transpose, is the same rule
+# (torch 2.13 raised KeyError there). Only for a shard of a non-first flattened dim
+# whose tensor dims no other mesh dim shards; anything else is left to torch.
+
+
+def _regroup_gathers_gap() -> bool:
+    """True when DTensor's view rule gathers ``(2, 4) -> (4, 2)`` with dim 1 sharded."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    try:
+        tgt, _ = _view_ops.propagate_shape_and_sharding(
+            (Shard(1),), (2, 4), _view_ops.view_groups((2, 4), (4, 2)), (2,), True
+        )
+    except Exception:  # another signature, or it raises: not the rule this fill knows
+        return False
+    return tuple(tgt) == (Replicate(),)
+
+
+def _install_regroup_rule() -> None:
+    """NOTE: [head-local regroup]: keep a sharded non-first dim of a flatten-then-split
+    view sharded (strided) instead of gathering it."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._ops import _view_ops
+
+    original = _view_ops.propagate_shape_and_sharding
+
+    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
+        fixes = _regroup_fixes(input_src_placements, global_input_shape, rule, mesh_sizes)
+        if not fixes:
+            return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
+        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
+        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
+        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
+        out = [fixes.get(m, p) for m, p in enumerate(out)]
+        return tgt, out
+
+    _view_ops.propagate_shape_and_sharding = propagate
+
+
+def _regroup_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
+    """Mesh dim -> output placement per NOTE: [head-local regroup]; empty if none."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    groups: list[tuple[Any, dict[int, int]]] = []  # (Flatten, split_id -> output dim)
+    for out, cmd in enumerate(rule):
+        if isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.Flatten):
+            found = next((outs for flat, outs in groups if flat == cmd.input_dim), None)
+            if found is None:
+                found = {}
+                groups.append((cmd.input_dim, found))
+            found[cmd.split_id] = out
+    fixes: dict[int, Any] = {}
+    for flatten, outs in groups:
+        if not all(isinstance(d, _view_ops.InputDim) for d in flatten.input_dims):
+            continue
+        dims = [d.input_dim for d in flatten.input_dims]
+        sharders = [
+            m for m, p in enumerate(placements)
+            if (isinstance(p, Shard) or is_strided_shard(p)) and p.dim in dims
+        ]
+        if len(sharders) != 1:
+            continue
+        m = sharders[0]
+        p, n = placements[m], mesh_sizes[m]
+        blocks = p.split_factor if is_strided_shard(p) else 1
+        if p.dim == dims[0] or shape[p.dim] % (blocks * n):
+            continue
+        i = dims.index(p.dim)
+        # the flattened dim as (before, n, inner): rank k holds digit k of n
+        before = math.prod(shape[d] for d in dims[:i]) * blocks
+        inner = shape[p.dim] // (blocks * n) * math.prod(shape[d] for d in dims[i + 1:])
+        group = list(rule[next(iter(outs.values()))].group_shape)
+        for j in sorted(outs):
+            lead, trail = math.prod(group[:j]), math.prod(group[j + 1:])
+            if group[j] > 1 and before % lead == 0 and inner % trail == 0:
+                split_factor = before // lead
+                fixes[m] = Shard(outs[j]) if split_factor == 1 else strided_shard(outs[j], split_factor)
+                break
+    return fixes
+
+
+def as_state_strided_shard(value: DTensor) -> DTensor:
+    """``value`` (a gradient on a 1-D mesh) with its ``_StridedShard`` read as the
+    optimizer state's is (NOTE: [two readings of a strided shard]); otherwise unchanged."""
+    spec = value._spec
+    if (
+        value.device_mesh.ndim != 1
+        or not any(is_strided_shard(p) for p in value.placements)
+        or getattr(spec, "use_strided_shard_as_shard_order", True)
+    ):
+        return value
+    return DTensor.from_local(
+        local_tensor_of(value), value.device_mesh, value.placements, run_check=False,
+        shape=value.shape, stride=value.stride(),
+    )
 
 
 def _planner_lacks_strided(spec: Any) -> bool:

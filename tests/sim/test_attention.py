@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
 from spmd_compiler.expand import retrace as expand_module
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import MultiheadAttentionParallel, make_mode
 
 TOL = 1e-5
@@ -249,8 +250,10 @@ def test_torch_attention_heads_tensor_parallel(kind, run_parity):
     """Before MultiheadAttentionParallel a plan could not shard these modules' attention
     (ColwiseParallel on an nn.MultiheadAttention is refused: in_proj is no Linear).
     The packed in_proj and out_proj are sharded (each rank holds 2 of the 4 heads' rows)
-    and the step matches eager in float64. The attention core itself (the decomposed
-    SDPA's bmm on the (batch x heads)-flattened tensor) still runs on gathered heads."""
+    and the step matches eager in float64. The attention core runs on this rank's heads:
+    every bmm holds batch x 2 heads, and no all-gather is left (before NOTE: [head-local
+    regroup] and NOTE: [two readings of a strided shard]: bmm on all 4 heads, 2
+    all-gathers of q/k/v, 24576 bytes for mha)."""
     plan = {k: v for k, v in _HEADS_TP_PLAN.items() if (k == "block") == (kind == "mha")}
     result = run_parity(
         lambda: _TorchAttention(kind).double(), _adamw, 2,
@@ -264,6 +267,19 @@ def test_torch_attention_heads_tensor_parallel(kind, run_parity):
     assert local_rows and set(local_rows.values()) == {3 * WIDTH // 2}, local_rows
     out_proj = [p for n, p in result.model.named_parameters() if n.endswith("out_proj.weight")]
     assert all(p.to_local().shape == (WIDTH, WIDTH // 2) for p in out_proj)
+    program = result.compiled.last_program.graph_module
+    batches = {
+        n.meta["val"].shape[0] for n in program.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.bmm.default
+    }
+    if kind == "decoder":
+        # the cross-attention (multihead_attn, q from tgt, k/v from memory) splits its
+        # packed weight into [E, 2E] rows, which gathers it: its core runs on all heads
+        # (measured: 2 all-gathers, 12672 bytes; 37248 before the head-local views)
+        assert batches == {8 * HEADS // 2, 8 * HEADS}, batches
+        return
+    assert batches == {8 * HEADS // 2}, batches  # batch 8 x this rank's 2 heads
+    assert "all_gather" not in collective_stats(program).counts, collective_stats(program).counts
 
 
 @pytest.mark.parametrize(
