@@ -1347,7 +1347,9 @@ def _nested_unflatten_fixes(placements, rule, mesh_sizes) -> dict[int, Any] | No
 # prod(g[:j]) dividing A and prod(g[j+1:]) dividing s/n * C, piece j reads as
 # (A / prod(g[:j]), n, ...) and the shard is _StridedShard(j, sf=A / prod(g[:j])) there
 # (Shard(j) when that is 1). A _StridedShard(sf) input is (sf, n, s / (sf n)): A grows
-# by sf. The way back, ``(B*H, L, hd) -> (L*B, E)`` after the transpose, is the same rule
+# by sf. Earlier mesh dims may shard the first flattened dim (FSDP x TP: the batch on
+# dp): placements apply left to right, so A and the first split piece are then counted
+# locally (divided by those mesh sizes). The way back, ``(B*H, L, hd) -> (L*B, E)`` after the transpose, is the same rule
 # (torch 2.13 raised KeyError there). Only for a shard of a non-first flattened dim
 # whose tensor dims no other mesh dim shards; anything else is left to torch.
 
@@ -1409,18 +1411,25 @@ def _regroup_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
             m for m, p in enumerate(placements)
             if (isinstance(p, Shard) or is_strided_shard(p)) and p.dim in dims
         ]
-        if len(sharders) != 1:
+        if not sharders:
             continue
-        m = sharders[0]
+        # earlier mesh dims may cut the FIRST flattened dim (a batch on dp; torch maps
+        # that to the first split piece), the last one is the shard kept here
+        m, earlier = sharders[-1], sharders[:-1]
+        outer = math.prod(mesh_sizes[k] for k in earlier)
+        group = list(rule[next(iter(outs.values()))].group_shape)
+        if any(placements[k] != Shard(dims[0]) for k in earlier) or group[0] % outer:
+            continue
         p, n = placements[m], mesh_sizes[m]
         blocks = p.split_factor if is_strided_shard(p) else 1
-        if p.dim == dims[0] or shape[p.dim] % (blocks * n):
+        if p.dim == dims[0] or shape[p.dim] % (blocks * n) or shape[dims[0]] % outer:
             continue
         i = dims.index(p.dim)
-        # the flattened dim as (before, n, inner): rank k holds digit k of n
-        before = math.prod(shape[d] for d in dims[:i]) * blocks
+        group[0] //= outer
+        # the flattened dim, local to the earlier shards, as (before, n, inner): rank k
+        # holds digit k of n
+        before = math.prod(shape[d] for d in dims[:i]) // outer * blocks
         inner = shape[p.dim] // (blocks * n) * math.prod(shape[d] for d in dims[i + 1:])
-        group = list(rule[next(iter(outs.values()))].group_shape)
         for j in sorted(outs):
             lead, trail = math.prod(group[:j]), math.prod(group[j + 1:])
             if group[j] > 1 and before % lead == 0 and inner % trail == 0:

@@ -71,7 +71,11 @@ REGROUPS = [
     ((6, 8, 16), (Replicate(), Shard(2)), (6, 2, 64)),
     ((6, 8, 16), (Replicate(), Shard(2)), (3, 256)),
     ((6, 8, 16), (Shard(2), Replicate()), (6, 4, 32)),
-    ((6, 8, 16), (Shard(1), Shard(2)), (6, 32, 4)),
+    ((6, 8, 16), (Shard(1), Shard(2)), (6, 32, 4)),  # FSDP x TP: batch on dp, heads on tp
+    ((6, 8, 16), (Shard(1), Shard(2)), (6, 4, 32)),
+    ((6, 8, 16), (Shard(1), Shard(2)), (3, 256)),
+    ((6, 8, 16), (Shard(2), Shard(1)), (6, 32, 4)),
+    ((4, 6, 4), (Shard(0), Shard(2)), (2, 2, 3, 8)),
     ((6, 8, 16), (Replicate(), Shard(1)), (24, 32)),
     ((4, 6, 4), (Replicate(), Shard(1)), (8, 12)),
     ((4, 6, 4), (Replicate(), Shard(1)), (2, 2, 3, 8)),
@@ -99,9 +103,13 @@ def test_view_regrouping_a_sharded_non_first_dim(mesh_2x2, shape, placements, vi
             assert "unevenly" in str(exc), exc
             return
         assert torch.equal(out.full_tensor(), x.view(*view))
+        assert torch.equal(out.view(*shape).full_tensor(), x)  # and back
     if (shape, view) == ((6, 8, 16), (6, 32, 4)) and placements[0] == Replicate():
         assert out.placements == (Replicate(), private.strided_shard(1, 8))
         assert out.to_local().shape == (6, 16, 4)
+    if (shape, view) == ((6, 8, 16), (6, 32, 4)) and placements[0] == Shard(1):
+        assert out.placements == (Shard(1), private.strided_shard(1, 4))
+        assert out.to_local().shape == (6, 8, 4)
 
 
 def test_strided_shard_is_gathered_before_an_op_that_does_not_know_it(mesh_2x2):
