@@ -1,9 +1,10 @@
 """torch's attention modules with their heads split over tp (MultiheadAttentionParallel)
 under FSDP x TP 2x2 on 4 real gloo ranks, each passing its dp share of the global batch,
-against the undecorated step on one device on the global batch (float64).
+and under TP on 2 (the whole batch each, attention core on the rank's heads), against
+the undecorated step on one device on the global batch (float64).
 
-Measured: encoder and decoder layers, every rank within 1.5e-10 of eager (the key bias's
-rounding noise reaching Adam, see tests/sim/test_attention.py), the losses within 2e-16.
+Measured: every rank within 1.5e-10 of eager (the key bias's rounding noise reaching
+Adam, see tests/sim/test_attention.py), the losses within 2e-16.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ DP_SHARE = 4  # global batch 8 over dp 2
 PLAN = {k: v for k, v in _HEADS_TP_PLAN.items() if k != "block"}
 
 
-def _worker(rank: int, world: int, kind: str) -> dict:
+def _worker(rank: int, world: int, kind: str, mode: str) -> dict:
     torch.manual_seed(0)
     model = _TorchAttention(kind).double()
     optim = _adamw(model)
-    step = sc.compile(_mode("fsdp_tp", PLAN))(_classification_step)
-    rows = slice((rank // 2) * DP_SHARE, (rank // 2 + 1) * DP_SHARE)  # ranks of one dp coordinate
+    step = sc.compile(_mode(mode, PLAN))(_classification_step)
+    rows = (  # tp ranks see the whole batch; the ranks of one dp coordinate share a slice
+        slice(None) if mode == "tp" else slice((rank // 2) * DP_SHARE, (rank // 2 + 1) * DP_SHARE)
+    )
     losses = [
         step(model, optim, x[rows], y[rows]).detach().clone()
         for x, y in _batches(dtype=torch.float64)
@@ -44,9 +47,12 @@ def _worker(rank: int, world: int, kind: str) -> dict:
     return {"losses": losses, "state": full_state(model, optim, None)}
 
 
-@pytest.mark.parametrize("kind", ["encoder", "decoder"])
-def test_heads_tensor_parallel_under_fsdp_tp_on_gloo(kind: str) -> None:
-    results = sc.launch(_worker, 4, args=(kind,), timeout_s=launch_timeout(900))
+@pytest.mark.parametrize(
+    "kind,mode", [("encoder", "fsdp_tp"), ("decoder", "fsdp_tp"), ("encoder", "tp")]
+)
+def test_heads_tensor_parallel_on_gloo(kind: str, mode: str) -> None:
+    world = 2 if mode == "tp" else 4
+    results = sc.launch(_worker, world, args=(kind, mode), timeout_s=launch_timeout(900))
     torch.manual_seed(0)
     reference = _TorchAttention(kind).double()
     optim = _adamw(reference)
