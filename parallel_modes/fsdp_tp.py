@@ -1,7 +1,8 @@
 """2-D parallelism: FSDP on the ``dp`` mesh dimension, tensor parallel on ``tp``.
 
 Every parameter is ONE DTensor on the parent (dp, tp) mesh: its TP placement on tp and
-FSDP's Shard(0) on dp, nested right-to-left where both shard the same tensor dimension
+FSDP's Shard(0) on dp (another dimension for a strided TP split, NOTE: [strided TP under
+FSDP]), nested right-to-left where both shard the same tensor dimension
 (NOTE: [parent-mesh sharding] in spmd_compiler/expand/parent_mesh.py). Parameters are gathered
 over dp only at their use (forward and backward groups, as in fully_shard) and stay TP
 sharded; activations follow the TP plan's layouts on tp and keep their batch sharding on
@@ -17,7 +18,7 @@ from typing import cast
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
@@ -78,7 +79,8 @@ class FullyShardTensorParallel(ParallelMode):
             return (Shard(0), Replicate()) if meta.shape else (Replicate(), Replicate())
         if ref.kind in (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE) and meta.shape:
             tp = self.tp.placement_of(ref, meta, mesh)[0]
-            return parent_placements(mesh, {TP: tp}, {DP: Shard(0)}, len(meta.shape))
+            dp = _dp_placement(tp, tuple(meta.shape), mesh.size(DP))
+            return parent_placements(mesh, {TP: tp}, {DP: dp}, len(meta.shape))
         return (Replicate(), Replicate())
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
@@ -86,16 +88,7 @@ class FullyShardTensorParallel(ParallelMode):
             if ref.kind is Kind.PARAM and meta.shape:
                 tp = self.tp.placement_of(ref, meta, mesh)[0]
                 if private.is_strided_shard(tp):
-                    modules = ", ".join(self.tp.param_modules.get(ref.name, []))
-                    raise SPMDCompileError(
-                        f"{ref} (module {modules}) is planned FusedColwiseParallel or "
-                        "MultiheadAttentionParallel (q/k/v blocks strided over the tp "
-                        "ranks), which FSDP x TP does not support yet.",
-                        module_fqn=modules or None,
-                        hint="under FSDP x TP plan a fused Linear ColwiseParallel() and leave "
-                        "nn.MultiheadAttention out of the plan (it is then sharded by FSDP "
-                        "alone); or use TensorParallel alone.",
-                    )
+                    continue  # FSDP shards its columns or keeps it (NOTE: [strided TP under FSDP])
                 rows = meta.shape[0] // (mesh.size(TP) if tp == Shard(0) else 1)
                 if meta.shape[0] % (mesh.size(TP) if tp == Shard(0) else 1) or rows % mesh.size(DP):
                     raise SPMDCompileError(
@@ -131,14 +124,20 @@ class FullyShardTensorParallel(ParallelMode):
 
         def reduce_scatter_over_dp(value: DTensor) -> DTensor:
             """A gradient Partial over dp becomes this rank's FSDP piece of its TP shard
-            with one reduce-scatter (the inverse of gather_over_dp)."""
+            with one reduce-scatter (the inverse of gather_over_dp), or is all-reduced
+            where FSDP keeps the parameter whole (NOTE: [strided TP under FSDP])."""
             dp, tp = value.placements
             if not dp.is_partial() or tp.is_partial() or value.dim() == 0:
                 return value
-            local = private.reduce_scatter_along(
-                private.local_tensor_of(value), cast(Partial, dp).reduce_op, 0, mesh, DP
-            )
-            placements = parent_placements(mesh, {TP: tp}, {DP: Shard(0)}, value.dim())
+            reduce_op = cast(Partial, dp).reduce_op
+            target = _dp_placement(tp, tuple(value.shape), mesh.size(DP))
+            if isinstance(target, Shard):
+                local = private.reduce_scatter_along(
+                    private.local_tensor_of(value), reduce_op, target.dim, mesh, DP
+                )
+            else:
+                local = private.all_reduce_along(private.local_tensor_of(value), reduce_op, mesh, DP)
+            placements = parent_placements(mesh, {TP: tp}, {DP: target}, value.dim())
             return DTensor.from_local(
                 local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
             )
@@ -161,6 +160,31 @@ class FullyShardTensorParallel(ParallelMode):
 
     def __repr__(self) -> str:
         return f"FullyShardTensorParallel(plan={self.tp.plan}, mesh_shape={self.mesh_shape})"
+
+
+# NOTE: [strided TP under FSDP]
+# A parameter whose TP placement is strided (FusedColwiseParallel's q/k/v blocks,
+# MultiheadAttentionParallel's packed in_proj: _StridedShard(0, sf=3) on tp) cannot be
+# split again on dim 0 by FSDP: rank (d, t) would hold piece d of TP shard t, rows of two
+# blocks at once, which no DTensor placement on the (dp, tp) mesh describes; nesting a
+# second _StridedShard on dp (sf=3*tp) describes a regular layout, but torch 2.13
+# gathers such a doubly strided DTensor wrongly (full_tensor() of a distribute_tensor
+# made with (_S(0, 6), _S(0, 3)) returns rows out of order and zeros), a silent wrong
+# result for anyone reading the parameter. So FSDP shards such a parameter along its
+# first OTHER dimension that dp divides (the columns of in_proj_weight, independent of
+# the row blocks: (Shard(1), _S(0, 3)), which DTensor gathers right; the rows of a
+# transposed Conv1D weight), and keeps it whole on dp where there is none (a bias: its
+# gradient is all-reduced over dp instead of reduce-scattered).
+
+
+def _dp_placement(tp: Placement, shape: tuple[int, ...], dp_size: int) -> Placement:
+    """FSDP's placement on dp for a parameter with TP placement ``tp``."""
+    if not private.is_strided_shard(tp):
+        return Shard(0)
+    for dim, size in enumerate(shape):
+        if dim != tp.dim and size % dp_size == 0:
+            return Shard(dim)
+    return Replicate()
 
 
 def _on_tp(step: UseStep) -> UseStep:

@@ -59,7 +59,7 @@ from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
-from spmd_compiler.ir.node_meta import MODULE_FQN, PHASE
+from spmd_compiler.ir.node_meta import MODULE_FQN, OPTIMIZER_PHASE, PHASE
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 
@@ -366,13 +366,24 @@ class TensorParallel(ParallelMode):
         return replicate(mesh)
 
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
-        if not self.layouts:
-            return None
         state = {
             node for node, ref in zip(placeholders(captured.graph_module), captured.input_refs(), strict=True)
             if ref.kind is not Kind.INPUT
         }
-        return lambda consumer, arg: self.layout_at_boundary(consumer, arg, state)
+        strided = any(private.is_strided_shard(p) for p in self.param_placements.values())
+
+        def at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> list[UseStep] | None:
+            steps = self.layout_at_boundary(consumer, arg, state) if self.layouts else None
+            gradient = (
+                consumer.meta.get(PHASE) == OPTIMIZER_PHASE
+                and arg not in state and arg.meta.get(PHASE) != OPTIMIZER_PHASE
+            )
+            if steps is None and strided and gradient:
+                # NOTE: [two readings of a strided shard] in _torch_private.py
+                return [UseStep(UseGroup.REDUCE, redistribute=private.as_state_strided_shard)]
+            return steps
+
+        return at_use if self.layouts or strided else None
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         """Pad parameters whose sharded dimension does not divide the ranks

@@ -814,6 +814,13 @@ def reduce_scatter_along(
     return funcol.wait_tensor(scatter(local, reduce_op, tensor_dim, (mesh, mesh_dim)))
 
 
+def all_reduce_along(local: torch.Tensor, reduce_op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """Functional all-reduce of ``local`` over one mesh dimension."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(local, reduce_op, (mesh, mesh_dim)))
+
+
 def root_mesh(mesh: Any) -> Any:
     """The parent (root) mesh a sub-mesh was sliced from (itself for a root mesh)."""
     return mesh._get_root_mesh()
@@ -1079,6 +1086,10 @@ def install_dtensor_gap_fills() -> None:
     _GAPS_FILLED = True
     if _view_flatten_gap():
         _install_strided_view_rule()
+    if _nested_strided_unflatten_gap():
+        _install_nested_strided_unflatten_rule()
+    if _regroup_gathers_gap():
+        _install_regroup_rule()
     _install_missing_dim_strategies()
     _install_fill_strategies()
 
@@ -1212,6 +1223,236 @@ def _split_fix(p, cmd, m, mesh_sizes, local_size, rule, dim) -> Any:
     raise RuntimeError(
         f"spmd_compiler: this torch's DTensor cannot split the strided-sharded dim {dim} "
         f"({p}) into {tuple(cmd.group_shape)} without redistribution."
+    )
+
+
+# NOTE: [nested strided unflatten]
+# Sequence-first attention under FSDP x TP: the batch dim of ``(L, B, E)`` sharded on dp
+# AND on tp (DTensor's mm rules pick Shard(0) on tp for a gradient that arrives Partial
+# there) flattens to ``(L*B, E)`` as ``(_StridedShard(0, sf=L), _StridedShard(0, sf=L))``,
+# which is right: placements apply left to right and tp's split factor counts the groups
+# of dp's LOCAL piece, still L. Splitting it back (``[L*B, E] -> [L, B, h, d]``, the
+# view in multi_head_attention_forward's backward) fails in torch 2.13 ("Cannot unflatten
+# tensor with _StridedShard placement"): ``_expected_split_factor`` divides the split
+# prefix by EVERY earlier mesh dim sharding that tensor dim, also by one that cut an inner
+# split piece (dp's B), so it expects sf=L/2 on tp. The fill answers only where torch
+# raises, and only for pure unflattens (``Split(InputDim)``) whose every shard of the
+# split dim resolves to a plain Shard of one output dim: mesh dims in order, each shard's
+# split factor must be the product of the LOCAL split pieces before its output dim (the
+# pieces earlier mesh dims cut already divided), and that piece must divide evenly. Any
+# other case keeps torch's error, so the compile refuses naming aten.view.
+
+
+def _nested_strided_unflatten_gap() -> bool:
+    """True when DTensor's view rule cannot split back what it flattened from
+    ``(2, 4)`` sharded on dim 1 by both mesh dims of a 2x2 mesh."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    propagate = _view_ops.propagate_shape_and_sharding
+    try:
+        _, flat = propagate(
+            (Shard(1), Shard(1)), (2, 4), _view_ops.view_groups((2, 4), (8,)), (2, 2), True
+        )
+        propagate(tuple(flat), (8,), _view_ops.view_groups((8,), (2, 4)), (2, 2), True)
+    except RuntimeError:
+        return True
+    except Exception:  # another signature: not the rule this fill knows
+        return False
+    return False
+
+
+def _install_nested_strided_unflatten_rule() -> None:
+    """NOTE: [nested strided unflatten]: where torch's view rule raises, answer the
+    unflatten of a dim sharded strided by several mesh dims, or raise torch's error."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._ops import _view_ops
+
+    original = _view_ops.propagate_shape_and_sharding
+
+    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
+        try:
+            return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
+        except RuntimeError:
+            fixes = _nested_unflatten_fixes(input_src_placements, rule, mesh_sizes)
+            if fixes is None:
+                raise
+        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
+        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
+        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
+        out = [fixes.get(m, p) for m, p in enumerate(out)]
+        return tgt, out
+
+    _view_ops.propagate_shape_and_sharding = propagate
+
+
+def _nested_unflatten_fixes(placements, rule, mesh_sizes) -> dict[int, Any] | None:
+    """Mesh dim -> output Shard for every shard of a strided-sharded dim that ``rule``
+    splits (NOTE: [nested strided unflatten]); None when some shard does not resolve."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    def refs(cmd: Any) -> list[Any]:
+        found = [cmd] if isinstance(cmd, _view_ops.InputDim) else []
+        for inner in cmd.inputs():
+            found += refs(inner)
+        return found
+
+    fixes: dict[int, Any] = {}
+    strided_dims = {p.dim for p in placements if is_strided_shard(p)}
+    for dim in strided_dims:
+        splits = {
+            cmd.split_id: (out, cmd) for out, cmd in enumerate(rule)
+            if isinstance(cmd, _view_ops.Split) and cmd.input_dim == _view_ops.InputDim(dim)
+        }
+        uses = sum(1 for cmd in rule for ref in refs(cmd) if ref.input_dim == dim)
+        if not splits or uses != len(splits):
+            return None  # the dim also feeds a flatten or is kept whole: not a pure unflatten
+        group = list(next(iter(splits.values()))[1].group_shape)
+        for m, p in enumerate(placements):
+            if not (isinstance(p, Shard) or is_strided_shard(p)) or p.dim != dim:
+                continue
+            split_factor = p.split_factor if is_strided_shard(p) else 1
+            piece = next(
+                (
+                    j for j in splits
+                    if math.prod(group[:j]) == split_factor and group[j] % mesh_sizes[m] == 0
+                ),
+                None,
+            )
+            if piece is None:
+                return None
+            group[piece] //= mesh_sizes[m]
+            fixes[m] = Shard(splits[piece][0])
+    return fixes or None
+
+
+# NOTE: [two readings of a strided shard]
+# torch 2.13's DTensorSpec reads a _StridedShard two ways: a spec made from placements
+# (distribute_tensor, from_local: the parameters and optimizer state) reads it as a shard
+# ORDER (use_strided_shard_as_shard_order), one made by view propagation as a plain
+# strided split. On a 1-D mesh both hold the same rows, but the specs differ, and a
+# pointwise op between them (AdamW's lerp of a MultiheadAttentionParallel in_proj
+# gradient, made by views, into its state) gathers both to Replicate and re-shards. A
+# gradient entering the optimizer on a 1-D mesh is re-wrapped in the state's reading
+# (no data moves): ``as_state_strided_shard``.
+#
+# NOTE: [head-local regroup]
+# nn.MultiheadAttention splits heads with ``q.view(L, B * H, hd)`` on a (L, B, E) tensor:
+# the rule is Split(Flatten(B, E)), and with E sharded on tp (whole heads per rank under
+# MultiheadAttentionParallel) torch 2.13 gathers E first ("combined Flatten+Split rewrite
+# does not preserve that placement", a Replicate fallback): every rank then computes
+# every head. The layout IS a _StridedShard: the flattened dim is (A, s, C) (A the
+# product of the dims before the sharded one, s its size, C after), rank k holds chunk k
+# of s, i.e. digit k of (A, n, s/n * C). Where the output split g has a piece j with
+# prod(g[:j]) dividing A and prod(g[j+1:]) dividing s/n * C, piece j reads as
+# (A / prod(g[:j]), n, ...) and the shard is _StridedShard(j, sf=A / prod(g[:j])) there
+# (Shard(j) when that is 1). A _StridedShard(sf) input is (sf, n, s / (sf n)): A grows
+# by sf. Earlier mesh dims may shard the first flattened dim (FSDP x TP: the batch on
+# dp): placements apply left to right, so A and the first split piece are then counted
+# locally (divided by those mesh sizes). The way back, ``(B*H, L, hd) -> (L*B, E)`` after the transpose, is the same rule
+# (torch 2.13 raised KeyError there). Only for a shard of a non-first flattened dim
+# whose tensor dims no other mesh dim shards; anything else is left to torch.
+
+
+def _regroup_gathers_gap() -> bool:
+    """True when DTensor's view rule gathers ``(2, 4) -> (4, 2)`` with dim 1 sharded."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    try:
+        tgt, _ = _view_ops.propagate_shape_and_sharding(
+            (Shard(1),), (2, 4), _view_ops.view_groups((2, 4), (4, 2)), (2,), True
+        )
+    except Exception:  # another signature, or it raises: not the rule this fill knows
+        return False
+    return tuple(tgt) == (Replicate(),)
+
+
+def _install_regroup_rule() -> None:
+    """NOTE: [head-local regroup]: keep a sharded non-first dim of a flatten-then-split
+    view sharded (strided) instead of gathering it."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._ops import _view_ops
+
+    original = _view_ops.propagate_shape_and_sharding
+
+    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
+        fixes = _regroup_fixes(input_src_placements, global_input_shape, rule, mesh_sizes)
+        if not fixes:
+            return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
+        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
+        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
+        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
+        out = [fixes.get(m, p) for m, p in enumerate(out)]
+        return tgt, out
+
+    _view_ops.propagate_shape_and_sharding = propagate
+
+
+def _regroup_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
+    """Mesh dim -> output placement per NOTE: [head-local regroup]; empty if none."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    groups: list[tuple[Any, dict[int, int]]] = []  # (Flatten, split_id -> output dim)
+    for out, cmd in enumerate(rule):
+        if isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.Flatten):
+            found = next((outs for flat, outs in groups if flat == cmd.input_dim), None)
+            if found is None:
+                found = {}
+                groups.append((cmd.input_dim, found))
+            found[cmd.split_id] = out
+    fixes: dict[int, Any] = {}
+    for flatten, outs in groups:
+        if not all(isinstance(d, _view_ops.InputDim) for d in flatten.input_dims):
+            continue
+        dims = [d.input_dim for d in flatten.input_dims]
+        sharders = [
+            m for m, p in enumerate(placements)
+            if (isinstance(p, Shard) or is_strided_shard(p)) and p.dim in dims
+        ]
+        if not sharders:
+            continue
+        # earlier mesh dims may cut the FIRST flattened dim (a batch on dp; torch maps
+        # that to the first split piece), the last one is the shard kept here
+        m, earlier = sharders[-1], sharders[:-1]
+        outer = math.prod(mesh_sizes[k] for k in earlier)
+        group = list(rule[next(iter(outs.values()))].group_shape)
+        if any(placements[k] != Shard(dims[0]) for k in earlier) or group[0] % outer:
+            continue
+        p, n = placements[m], mesh_sizes[m]
+        blocks = p.split_factor if is_strided_shard(p) else 1
+        if p.dim == dims[0] or shape[p.dim] % (blocks * n) or shape[dims[0]] % outer:
+            continue
+        i = dims.index(p.dim)
+        group[0] //= outer
+        # the flattened dim, local to the earlier shards, as (before, n, inner): rank k
+        # holds digit k of n
+        before = math.prod(shape[d] for d in dims[:i]) // outer * blocks
+        inner = shape[p.dim] // (blocks * n) * math.prod(shape[d] for d in dims[i + 1:])
+        for j in sorted(outs):
+            lead, trail = math.prod(group[:j]), math.prod(group[j + 1:])
+            if group[j] > 1 and before % lead == 0 and inner % trail == 0:
+                split_factor = before // lead
+                fixes[m] = Shard(outs[j]) if split_factor == 1 else strided_shard(outs[j], split_factor)
+                break
+    return fixes
+
+
+def as_state_strided_shard(value: DTensor) -> DTensor:
+    """``value`` (a gradient on a 1-D mesh) with its ``_StridedShard`` read as the
+    optimizer state's is (NOTE: [two readings of a strided shard]); otherwise unchanged."""
+    spec = value._spec
+    if (
+        value.device_mesh.ndim != 1
+        or not any(is_strided_shard(p) for p in value.placements)
+        or getattr(spec, "use_strided_shard_as_shard_order", True)
+    ):
+        return value
+    return DTensor.from_local(
+        local_tensor_of(value), value.device_mesh, value.placements, run_check=False,
+        shape=value.shape, stride=value.stride(),
     )
 
 

@@ -21,7 +21,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
 from spmd_compiler.ir.collectives import collective_stats
-from spmd_compiler.parallel_modes import FusedColwiseParallel, TensorParallel
+from spmd_compiler.parallel_modes import (
+    FullyShardTensorParallel,
+    FusedColwiseParallel,
+    TensorParallel,
+)
 from spmd_compiler.tools.parity import compare_states, full_state, relative_difference
 
 TOL = 1e-5
@@ -105,14 +109,14 @@ def plan(fused: bool = True, tied: bool = True) -> dict:
     return out
 
 
-def run(model: nn.Module, tp_plan: dict, world: int = 2, steps: int = 2):
+def run(model: nn.Module, tp_plan: dict, world: int = 2, steps: int = 2, mode=None):
     reference = copy.deepcopy(model)
     # eps 1e-4 (the demo's): the gradient of k's bias is zero in exact arithmetic
     # (softmax ignores a constant added to every score of a query), so in float32 it is
     # rounding noise of ~1e-9 that Adam with eps 1e-8 would turn into full-size steps
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
-    step = sc.compile(parallel_mode=TensorParallel(tp_plan))(lm_step)
+    step = sc.compile(parallel_mode=mode or TensorParallel(tp_plan))(lm_step)
     gen = torch.Generator().manual_seed(3)
     losses = []
     with sc.simulate(world) as sim:
@@ -146,6 +150,26 @@ def test_fused_qkv_projection(conv1d):
     stats = collective_stats(step.last_program.graph_module)
     assert stats.counts == {"all_reduce": 4}, stats.counts
     assert stats.bytes == {"all_reduce": 4 * activation}
+
+
+@pytest.mark.parametrize(
+    "conv1d", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["linear", "conv1d"]
+)
+def test_fused_qkv_projection_under_fsdp_tp(conv1d):
+    """FSDP x TP 2x2: the fused q/k/v weight stays strided on tp and FSDP shards its
+    other dimension (NOTE: [strided TP under FSDP]); refused before ("FSDP x TP does
+    not support yet")."""
+    torch.manual_seed(0)
+    model = TinyLM(conv1d=conv1d, tied=False)
+    mode = FullyShardTensorParallel(plan(tied=False), mesh_shape=(2, 2))
+    run(model, plan(tied=False), world=4, mode=mode)
+    out_dim = 1 if conv1d else 0
+    dp, tp = model.attn.qkv.weight.placements
+    assert private.is_strided_shard(tp) and tp.dim == out_dim and tp.split_factor == 3
+    assert dp == Shard(1 - out_dim)
+    assert model.attn.qkv.weight.to_local().shape[1 - out_dim] == WIDTH // 2
+    dp, tp = model.attn.qkv.bias.placements  # nothing else to split: kept whole on dp
+    assert dp == Replicate() and private.is_strided_shard(tp)
 
 
 @pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])

@@ -34,6 +34,84 @@ def test_view_flattening_a_sharded_dim_and_back(mesh_2x2, placements, shape):
         assert torch.equal(back.full_tensor(), x)
 
 
+# (length, batch, width) with the batch sharded by both mesh dims, flattened to
+# (length*batch, width): _StridedShard(0, sf=6) on dp and on tp (sequence-first attention
+# under FSDP x TP, NOTE: [nested strided unflatten]); the views split it back.
+UNFLATTENS = [(6, 8, 16), (6, 8, 4, 4), (6, 2, 4, 16), (3, 2, 8, 16), (12, 4, 16), (3, 16, 16)]
+
+
+@pytest.mark.parametrize("shape", UNFLATTENS, ids=str)
+def test_view_unflattening_a_dim_strided_on_both_mesh_dims(mesh_2x2, shape):
+    """Each view either gives the single-device values or raises; never a wrong layout.
+    (6, 8, 4, 4) and (6, 8, 16) raised in torch 2.13 ("Cannot unflatten tensor with
+    _StridedShard placement") before the fill and now resolve to Shard(1) on both."""
+    x = torch.randn(6, 8, 16, dtype=torch.float64)
+    with private.memoized_redistribution():
+        flat = distribute_tensor(x, mesh_2x2, (Shard(1), Shard(1))).view(48, 16)
+        assert all(private.is_strided_shard(p) for p in flat.placements), flat.placements
+        try:
+            back = flat.view(*shape)
+        except RuntimeError as exc:
+            assert shape not in [(6, 8, 16), (6, 8, 4, 4)], exc
+            assert "_StridedShard" in str(exc) or "redistribute" in str(exc), exc
+            return
+        assert torch.equal(back.full_tensor(), x.view(*shape))
+        if shape[:2] == (6, 8):
+            assert tuple(back.placements) == (Shard(1), Shard(1))
+            assert back.to_local().shape == (6, 2, *shape[2:])
+
+
+# (shape, placements, view): a flatten-then-split whose non-first flattened dim is sharded
+# (NOTE: [head-local regroup]): q.view(L, B*H, hd) of nn.MultiheadAttention with heads on
+# tp, the way back from (L, B*H, hd), and other regroupings. Each either keeps the shard
+# (what torch 2.13 gathered) or is left to torch; the numbers are checked either way.
+REGROUPS = [
+    ((6, 8, 16), (Replicate(), Shard(2)), (6, 32, 4)),
+    ((6, 8, 16), (Replicate(), Shard(2)), (6, 16, 8)),
+    ((6, 8, 16), (Replicate(), Shard(2)), (6, 2, 64)),
+    ((6, 8, 16), (Replicate(), Shard(2)), (3, 256)),
+    ((6, 8, 16), (Shard(2), Replicate()), (6, 4, 32)),
+    ((6, 8, 16), (Shard(1), Shard(2)), (6, 32, 4)),  # FSDP x TP: batch on dp, heads on tp
+    ((6, 8, 16), (Shard(1), Shard(2)), (6, 4, 32)),
+    ((6, 8, 16), (Shard(1), Shard(2)), (3, 256)),
+    ((6, 8, 16), (Shard(2), Shard(1)), (6, 32, 4)),
+    ((4, 6, 4), (Shard(0), Shard(2)), (2, 2, 3, 8)),
+    ((6, 8, 16), (Replicate(), Shard(1)), (24, 32)),
+    ((4, 6, 4), (Replicate(), Shard(1)), (8, 12)),
+    ((4, 6, 4), (Replicate(), Shard(1)), (2, 2, 3, 8)),
+    ((2, 4, 3), (Replicate(), Shard(2)), (6, 4)),
+    ((6, 32, 4), (Replicate(), "S(1, 8)"), (48, 16)),
+    ((6, 32, 4), (Replicate(), "S(1, 8)"), (12, 64)),
+    ((6, 32, 4), (Replicate(), "S(1, 2)"), (12, 64)),
+]
+
+
+@pytest.mark.parametrize("shape,placements,view", REGROUPS, ids=str)
+def test_view_regrouping_a_sharded_non_first_dim(mesh_2x2, shape, placements, view):
+    """Single-device values or an error, never a wrong layout; the heads split of
+    (6, 8, 16) -> (6, 32, 4) with E sharded stays sharded (_StridedShard(1, sf=8))."""
+    placements = tuple(
+        private.strided_shard(1, int(p[5])) if isinstance(p, str) else p for p in placements
+    )
+    x = torch.randn(*shape, dtype=torch.float64)
+    with private.memoized_redistribution():
+        source = distribute_tensor(x, mesh_2x2, placements)
+        assert torch.equal(source.full_tensor(), x)
+        try:
+            out = source.view(*view)
+        except RuntimeError as exc:
+            assert "unevenly" in str(exc), exc
+            return
+        assert torch.equal(out.full_tensor(), x.view(*view))
+        assert torch.equal(out.view(*shape).full_tensor(), x)  # and back
+    if (shape, view) == ((6, 8, 16), (6, 32, 4)) and placements[0] == Replicate():
+        assert out.placements == (Replicate(), private.strided_shard(1, 8))
+        assert out.to_local().shape == (6, 16, 4)
+    if (shape, view) == ((6, 8, 16), (6, 32, 4)) and placements[0] == Shard(1):
+        assert out.placements == (Shard(1), private.strided_shard(1, 4))
+        assert out.to_local().shape == (6, 8, 4)
+
+
 def test_strided_shard_is_gathered_before_an_op_that_does_not_know_it(mesh_2x2):
     """``[5, b, 8] -> [5*b, 8]`` with ``b`` sharded, then ``t`` and ``mm`` (the weight
     gradient of a Linear on a 3-D input whose batch is dim 1)."""
