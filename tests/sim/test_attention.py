@@ -192,9 +192,10 @@ _MODES = [
     ("fsdp_tp", 4, (pytest.mark.slow,)),  # 33 s CPU (mha)
 ]
 _CASES = [
-    pytest.param(kind, name, world, id=f"{kind}-{name}", marks=marks)
+    pytest.param(kind, name, world, id=f"{kind}-{name}",
+                 marks=() if (kind, name) == ("encoder", "fsdp_tp") else marks)
     for name, world, marks in _MODES for kind in ("mha", "encoder", "decoder")
-]
+]  # the encoder under fsdp_tp (NOTE: [nested strided unflatten]) runs in CI
 
 
 @pytest.mark.parametrize("kind,name,world", _CASES)
