@@ -116,3 +116,39 @@ def test_sharding_through_a_decomposition_under_the_propagation_budget(mesh_2x2)
         torch.nn.functional.hardswish(distribute_tensor(x, mesh_2x2, (Shard(1), Shard(0))))
     exceeded = private.budget_exceeded_in(info.value)
     assert exceeded is not None and exceeded.op is torch.ops.aten.hardswish.default
+
+
+def _price_specs(mesh, placements, shapes_dtypes):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    def spec(shape, dtype, places):
+        stride = torch.empty(shape).stride()
+        return DTensorSpec(mesh, places, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+
+    return [(spec(s, d, placements[0]), spec(s, d, placements[1])) for s, d in shapes_dtypes]
+
+
+@pytest.mark.parametrize("min_cost_planner", [False, True], ids=["greedy", "graph"])
+def test_prices_of_the_same_placements_share_one_greedy_plan(mesh_2x2, min_cost_planner):
+    """NOTE: [compile work bounds]: torch 2.14 prices every placement combination of a
+    single-mesh-dim strategy, mostly the same placements on tensors of other shapes. The
+    cost memo plans those once where the greedy planner planned (its steps come from the
+    placements alone); each pair is still priced with its own bytes, as DTensor does.
+    The graph planner weighs steps by bytes: its plans are not shared."""
+    import torch.distributed.tensor._collective_utils as collective_utils
+    import torch.distributed.tensor._ops.utils as op_utils
+    import torch.distributed.tensor._redistribute as redistribute_module
+
+    pairs = _price_specs(
+        mesh_2x2,
+        ((Shard(0), Shard(1)), (Replicate(), Shard(0))),
+        [((8, 4), torch.float32), ((16, 8), torch.float32), ((4, 12), torch.float64)],
+    )
+    with redistribute_module.use_min_cost_redistribution_plan(min_cost_planner):
+        redistribute_module._gen_transform_infos.cache_clear()
+        expected = [collective_utils.redistribute_cost(a, b) for a, b in pairs]
+        redistribute_module._gen_transform_infos.cache_clear()
+        with private.count_redistribution_planning() as counts, private.memoized_redistribute_cost():
+            got = [op_utils.redistribute_cost(a, b) for a, b in pairs]
+    assert got == expected and len(set(expected)) == 3  # priced by each pair's bytes
+    assert counts["plans"] == (3 if min_cost_planner else 1)
