@@ -250,6 +250,73 @@ def _strided_redistribution_gap(current_spec: Any, target_spec: Any) -> bool:
     return False
 
 
+def _strided_target_gap(current_spec: Any, target_spec: Any) -> bool:
+    """True when this torch's redistribution planner cannot reach ``target_spec``'s
+    ``_StridedShard`` (torch 2.11 reads it only as a shard order: a fused qkv weight's
+    ``_StridedShard(0, sf=3)`` on a 1-D mesh "is unable to be interpreted"; 2.14 falls
+    back to its greedy planner)."""
+    if not any(
+        is_strided_shard(t) and t != c
+        for c, t in zip(current_spec.placements, target_spec.placements, strict=True)
+    ):
+        return False
+    import torch.distributed.tensor._redistribute as redistribute_module
+
+    try:
+        redistribute_module._gen_transform_infos(current_spec, target_spec)
+    except (ValueError, AssertionError):
+        return True
+    return False
+
+
+def _scatter_strided_shards(
+    local: torch.Tensor, spec: Any, target_spec: Any, redistribute: Callable[..., torch.Tensor]
+) -> tuple[torch.Tensor, Any]:
+    """Reach the ``_StridedShard``s of ``target_spec`` that ``spec`` lacks through
+    Replicate: ``redistribute`` (DTensor's) replicates every mesh dim from the first such
+    one on, then each of those mesh dims takes this rank's shard of the target with
+    DTensor's own ``_replicate_to_strided_shard`` / ``_replicate_to_shard`` and the
+    (run-time) mesh coordinate, left-most first (each splits the shard of the ones
+    before it, as DTensor lays nested shards out)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    first = min(
+        m for m, (c, t) in enumerate(zip(spec.placements, target_spec.placements, strict=True))
+        if is_strided_shard(t) and t != c
+    )
+    targets = target_spec.placements
+    nested = [
+        m for m in range(first + 1, len(targets))
+        if (targets[m].is_shard() or is_strided_shard(targets[m]))
+        and any(is_strided_shard(t) and t.dim == targets[m].dim for t in targets[first:m])
+    ]
+    if nested:  # a strided shard read as a shard order: not a layout this fill makes
+        raise RuntimeError(
+            f"spmd_compiler: this torch's DTensor cannot redistribute a tensor of shape "
+            f"{tuple(spec.shape)} from {spec.placements} to {targets} (a _StridedShard "
+            f"sharded again by a later mesh dim)."
+        )
+    placements = [p if m < first else Replicate() for m, p in enumerate(spec.placements)]
+    staging = DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+    if staging != spec:
+        local = redistribute(local, spec, staging)
+    mesh = spec.mesh
+    for m in range(first, len(placements)):
+        p = target_spec.placements[m]
+        if is_strided_shard(p):
+            local = p._replicate_to_strided_shard(local, mesh, m, mesh._sym_get_coordinate(m))
+        elif p.is_shard():
+            local = p._replicate_to_shard(local, mesh, m, mesh._sym_get_coordinate(m))
+        elif not p.is_replicate():
+            raise RuntimeError(
+                f"spmd_compiler: this torch's DTensor cannot redistribute a tensor of shape "
+                f"{tuple(spec.shape)} from {spec.placements} to {target_spec.placements}."
+            )
+        placements[m] = p
+    return local, DTensorSpec(mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
 def _gather_strided_shards(local: torch.Tensor, spec: Any, target_spec: Any) -> tuple[torch.Tensor, Any]:
     """All-gather every ``_StridedShard`` mesh dim whose target differs into Replicate.
 
@@ -298,6 +365,13 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     def redistribute(local_tensor, current_spec, target_spec, *args, **kwargs):
         if _strided_redistribution_gap(current_spec, target_spec):
             local_tensor, current_spec = _gather_strided_shards(local_tensor, current_spec, target_spec)
+        if _strided_target_gap(current_spec, target_spec):
+            local_tensor, current_spec = _scatter_strided_shards(
+                local_tensor, current_spec, target_spec,
+                lambda t, a, b: redistribute(t, a, b, *args, **kwargs),
+            )
+            if current_spec == target_spec:
+                return local_tensor
         hop = _replicate_between_shards(current_spec, target_spec)
         if hop is not None:
             local_tensor = original(local_tensor, current_spec, hop, *args, **kwargs)

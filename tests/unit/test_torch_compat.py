@@ -152,3 +152,20 @@ def test_prices_of_the_same_placements_share_one_greedy_plan(mesh_2x2, min_cost_
             got = [op_utils.redistribute_cost(a, b) for a, b in pairs]
     assert got == expected and len(set(expected)) == 3  # priced by each pair's bytes
     assert counts["plans"] == (3 if min_cost_planner else 1)
+
+
+@pytest.mark.parametrize("source", [Replicate(), Shard(0)], ids=str)
+def test_redistribution_to_a_strided_shard(source):
+    """A fused qkv weight's ``_StridedShard(0, sf=3)`` on a 1-D mesh: rank r holds piece r
+    of each of the 3 blocks (torch 2.11's planner cannot read it as a shard order)."""
+    private.install_dtensor_gap_fills()
+    x = torch.arange(24.0).view(12, 2)
+    target = private.strided_shard(0, 3)
+    with sc.simulate(2) as sim:
+        with sim.ranks(), private.memoized_redistribution():
+            mesh = init_device_mesh("cpu", (2,))
+            got = distribute_tensor(x, mesh, (source,)).redistribute(mesh, (target,))
+            back = got.redistribute(mesh, (Replicate(),))
+        for rank, local in sim.per_rank(got).items():
+            assert torch.equal(local, x.unflatten(0, (3, 2, 2))[:, rank].flatten(0, 1))
+        assert all(torch.equal(t, x) for t in sim.per_rank(back).values())
