@@ -452,6 +452,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
 
     import torch.distributed.tensor._collective_utils as collective_utils
     import torch.distributed.tensor._redistribute as redistribute_module
+    import torch.distributed.tensor._sharding_prop as sharding_prop_module
     from torch.distributed.device_mesh import DeviceMesh
 
     # absent from some releases: each patch below is skipped where its target is missing
@@ -462,8 +463,19 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     original_logical_shape = getattr(Planner, "get_logical_shape", None)
     original_greedy = getattr(Planner, "generate_greedy_transform_infos", None)
     original_graph = getattr(Planner, "generate_graph_based_transform_infos", None)
+    original_local_shape = getattr(sharding_prop_module, "compute_local_shape_and_global_offset", None)
     memo = CostMemo()
     pricing = [False]
+
+    def local_shape_only(global_shape, mesh, placements, *args, **kwargs):
+        # torch 2.11 gap: the sharding propagator's local shape of a shape argument
+        # (zeros, new_empty, ...) asks for the run-time coordinate even when it cannot
+        # matter (every shard the same size); 2.13 asks only where it does
+        skip_offset = kwargs.get("skip_offset", args[0] if args else False)
+        even = _even_local_shape(global_shape, mesh, placements) if skip_offset else None
+        if even is None or not mesh._is_current_rank_part_of_mesh():
+            return original_local_shape(global_shape, mesh, placements, *args, **kwargs)
+        return even, ()
     planners_run: list[str] = []  # the planner methods the current plan called
     greedy_plans: dict[Any, Any] = {}  # _placement_plan_key -> a priced greedy plan
 
@@ -553,6 +565,8 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
                 (DeviceMesh, "_sym_get_coordinate", sym_get_coordinate),
                 (Planner, "get_logical_shape", get_logical_shape),
                 (redistribute_module, "_gen_transform_infos_non_cached", plan),
+                (sharding_prop_module if original_local_shape else None,
+                 "compute_local_shape_and_global_offset", local_shape_only),
                 (Planner if original_greedy else None, "generate_greedy_transform_infos", greedy),
                 (Planner if original_graph else None, "generate_graph_based_transform_infos",
                  graph_based),
@@ -600,6 +614,24 @@ def _evenly_sharded(*specs: Any) -> bool:
     for dim, mesh_dim, split in shards:
         factor[dim] *= specs[0].mesh.size(mesh_dim) * split
     return all(n % f == 0 for n, f in zip(shape, factor, strict=True))
+
+
+def _even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...] | None:
+    """The local shape of a ``shape`` DTensor on ``mesh`` when every shard of it has the
+    same size on every rank (None otherwise, or for a symbolic or unknown case)."""
+    if not all(type(n) is int for n in shape):
+        return None
+    local = list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if p.is_replicate() or p.is_partial():
+            continue
+        if not (p.is_shard() or is_strided_shard(p)):
+            return None
+        n = mesh.size(mesh_dim)
+        if local[p.dim] % (n * getattr(p, "split_factor", 1)):
+            return None
+        local[p.dim] //= n
+    return tuple(local)
 
 
 def _even_logical_shape(mesh: Any, src_state: Any, mesh_dim: int, shape: Any) -> list[int] | None:
