@@ -1077,9 +1077,38 @@ def chunk_at_coordinate(local: torch.Tensor, mesh: Any, mesh_dim: int, tensor_di
 def local_tensor_mode(world_size: int) -> Any:
     from torch.distributed._local_tensor import LocalTensorMode
 
-    if _coordinate_op_per_rank():
+    if _coordinate_op_per_rank() and _local_collectives_take_groups():
         return LocalTensorMode(world_size)
     return _coordinate_aware_mode_class()(world_size)
+
+
+def _local_collectives_take_groups() -> bool:
+    """Whether LocalTensorMode's functional collectives accept a ``ProcessGroup`` where
+    the schema says ``group_name`` (what ``_dtensor.mesh_get_process_group`` gives traced
+    programs). torch 2.12 gap: they resolve it as a name and raise a TypeError."""
+    import torch.distributed._local_tensor._c10d as local_c10d
+
+    return hasattr(local_c10d, "_resolve_pg_or_name")
+
+
+def _group_names(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``func``'s ``group_name`` arguments given as process groups, as their names."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.name.startswith("_c10d_functional::"):
+        return args, kwargs
+
+    def name(value: Any) -> Any:
+        if isinstance(value, torch.ScriptObject):
+            value = dist.ProcessGroup.unbox(value)
+        return value.group_name if isinstance(value, dist.ProcessGroup) else value
+
+    positions = {a.name: i for i, a in enumerate(schema.arguments)}
+    i = positions.get("group_name")
+    if i is not None and i < len(args):
+        args = (*args[:i], name(args[i]), *args[i + 1 :])
+    if "group_name" in kwargs:
+        kwargs = {**kwargs, "group_name": name(kwargs["group_name"])}
+    return args, kwargs
 
 
 _COORDINATE_OP_PER_RANK: bool | None = None
@@ -1106,15 +1135,19 @@ def _coordinate_op_per_rank() -> bool:
 
 
 def _coordinate_aware_mode_class() -> type:
-    """LocalTensorMode that answers the run-time coordinate op per rank (as 2.13 does)."""
+    """LocalTensorMode that answers the run-time coordinate op per rank (as 2.13 does)
+    and gives its collectives group names where it cannot take groups (2.12)."""
     from torch.distributed._local_tensor import LocalTensorMode, _combine_int_rank_results
     from torch.distributed.device_mesh import DeviceMesh
 
     coordinate_op = torch.ops.device_mesh._runtime_compute_coordinate_on_dim.default
+    take_groups = _local_collectives_take_groups()
 
     class CoordinateAwareLocalTensorMode(LocalTensorMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is not coordinate_op or self._disable:
+                if not take_groups:
+                    args, kwargs = _group_names(func, args, kwargs or {})
                 return super().__torch_dispatch__(func, types, args, kwargs)
             bound = dict(zip(("full_mesh", "index"), args), **(kwargs or {}))
             full_mesh, index = bound["full_mesh"], bound["index"]
