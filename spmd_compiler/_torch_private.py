@@ -1350,6 +1350,15 @@ def _strided_view_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
                 for m in sharders(dim):
                     fix = _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_before, out_dim)
                     fixes[m] = fix
+        elif isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.Flatten):
+            group = cmd.input_dim.input_dims
+            if not all(isinstance(d, _view_ops.InputDim) for d in group):
+                continue
+            dims = [d.input_dim for d in group if isinstance(d, _view_ops.InputDim)]
+            for i, dim in enumerate(dims[1:], start=1):
+                for m in sharders(dim):
+                    if m not in fixes:  # once per mesh dim: the group's outputs share it
+                        fixes[m] = _split_flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, rule, cmd)
         elif isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.InputDim):
             dim = cmd.input_dim.input_dim
             for m in sharders(dim):
@@ -1382,6 +1391,40 @@ def _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_befo
     for d in dims[1:i]:
         split_factor *= shape[d]
     return _StridedShard(out_dim, split_factor=split_factor)
+
+
+def _split_flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, rule, cmd) -> Any:
+    """Output placement for a plain shard of group dim ``i > 0`` of a flatten that is split
+    again (``[48, 16] -> [6, 32, 4]``, 16 sharded): the flat dim holds blocks of
+    ``shape[dim] * inner`` elements, each cut into one piece per rank; the output dim whose
+    rows hold whole blocks and whose trailing dims fit in a piece carries it (a
+    ``_StridedShard`` over its blocks, a ``Shard`` for a single one)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dim, n = dims[i], mesh_sizes[m]
+    if (
+        not is_strided_shard(placements[m])
+        and sharders(dim) == [m]
+        and shape[dim] % n == 0
+        and all(not sharders(d) for d in dims if d != dim)
+    ):
+        block = shape[dim] * math.prod(shape[d] for d in dims[i + 1 :])
+        piece = block // n
+        group = list(cmd.group_shape)
+        for out, c in enumerate(rule):
+            if not (isinstance(c, _view_ops.Split) and c.input_dim == cmd.input_dim):
+                continue
+            rows, inner = group[c.split_id], math.prod(group[c.split_id + 1 :])
+            if (rows * inner) % block == 0 and piece % inner == 0:
+                split_factor = rows * inner // block
+                return Shard(out) if split_factor == 1 else _StridedShard(out, split_factor=split_factor)
+    raise RuntimeError(
+        f"spmd_compiler: this torch's DTensor cannot flatten dims {dims} of a tensor of shape "
+        f"{tuple(shape)} with placements {tuple(placements)} into {tuple(cmd.group_shape)} "
+        "without redistribution."
+    )
 
 
 def _split_fix(p, cmd, m, mesh_sizes, local_size, rule, dim) -> Any:

@@ -169,3 +169,15 @@ def test_redistribution_to_a_strided_shard(source):
         for rank, local in sim.per_rank(got).items():
             assert torch.equal(local, x.unflatten(0, (3, 2, 2))[:, rank].flatten(0, 1))
         assert all(torch.equal(t, x) for t in sim.per_rank(back).values())
+
+
+@pytest.mark.parametrize("shape", [(6, 32, 4), (6, 128), (3, 16, 16)], ids=str)
+def test_view_flattening_a_sharded_dim_into_a_split(shape):
+    """``nn.MultiheadAttention``'s backward: ``[48, 16] -> [6, 32, 4]`` with the 16
+    sharded (torch 2.11's rule raised "Attempted to flatten multiple dimensions")."""
+    private.install_dtensor_gap_fills()
+    x = torch.randn(48, 16)
+    with sc.simulate(2) as sim, sim.ranks(), private.memoized_redistribution():
+        mesh = init_device_mesh("cpu", (2,))
+        got = distribute_tensor(x, mesh, (Shard(1),)).view(*shape)
+        assert torch.equal(got.full_tensor(), x.view(*shape))
