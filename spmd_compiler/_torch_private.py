@@ -15,14 +15,19 @@ detected by asking torch for the feature, never by its version string:
 - ``lift_group_names``: 2.11 bakes process-group names into traced collectives instead of
   tracing ``_dtensor.mesh_get_process_group``;
 - ``local_tensor_mode``: 2.11's LocalTensorMode gives every simulated rank rank 0's
-  run-time mesh coordinate (a silent wrong result in simulation);
+  run-time mesh coordinate (a silent wrong result in simulation); 2.12's cannot take the
+  ProcessGroup that ``_dtensor.mesh_get_process_group`` gives its collectives;
+- ``memoized_redistribute_cost``: 2.14 prices every placement combination of its
+  single-mesh-dim strategies (greedy plans shared between prices of the same
+  placements); 2.11 traces the run-time coordinate for shape arguments' local shapes;
 - ``bounded_decomposition_propagation``: DecompShardingStrategy's methods are static in
   2.11 (sharding propagator last), instance methods from 2.12, with an extra
   ``output_tensor_meta`` argument in 2.14; the wrappers take any of these;
 - ``compile_on_one_rank_config``: 2.14 moved the ``compile_on_one_rank`` flag to
   ``torch.compiler.config``; ``torch.distributed.config``'s is a deprecated alias there
   (a FutureWarning on every patch);
-- NOTE: [DTensor gap fills]: 2.11's view rule, strided-shard redistribution, sharding
+- NOTE: [DTensor gap fills]: 2.11's view rule (incl. a flatten split again), strided-shard
+  redistribution (from and to ``_StridedShard``s its planner cannot read), sharding
   strategies for squeeze.dims / flip / roll / cummax / var_mean.correction, and rules
   that ignore ``_StridedShard`` (``settle_strided_shards``).
 ``scripts/compat.sh VERSION`` runs the suite against one release.
