@@ -310,7 +310,9 @@ def _scatter_strided_shards(
     for m in range(first, len(placements)):
         p = target_spec.placements[m]
         if is_strided_shard(p):
-            local = p._replicate_to_strided_shard(local, mesh, m, mesh._sym_get_coordinate(m))
+            local = p._replicate_to_strided_shard(  # type: ignore[attr-defined]
+                local, mesh, m, mesh._sym_get_coordinate(m)
+            )
         elif p.is_shard():
             local = p._replicate_to_shard(local, mesh, m, mesh._sym_get_coordinate(m))
         elif not p.is_replicate():
