@@ -1283,6 +1283,8 @@ def install_dtensor_gap_fills() -> None:
     _GAPS_FILLED = True
     if _view_flatten_gap():
         _install_strided_view_rule()
+    elif _view_split_flatten_gap():
+        _install_strided_view_rule(split_flatten_only=True)
     _install_missing_dim_strategies()
 
 
@@ -1305,7 +1307,24 @@ def _view_flatten_gap() -> bool:
     return False
 
 
-def _install_strided_view_rule() -> None:
+def _view_split_flatten_gap() -> bool:
+    """True when DTensor's view rule refuses to flatten ``(a, b)`` with ``b`` sharded and
+    split the result again (torch 2.12: "not supported yet for non-first flatten dims")."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    flat = _view_ops.Flatten((_view_ops.InputDim(0), _view_ops.InputDim(1)))
+    rule = (_view_ops.Split(flat, (2, 12), 0), _view_ops.Split(flat, (2, 12), 1))
+    try:
+        _view_ops.propagate_shape_and_sharding((Shard(1),), (4, 6), rule, (2,), True)
+    except RuntimeError:
+        return True
+    except Exception:  # another signature: not the rule this fill knows
+        return False
+    return False
+
+
+def _install_strided_view_rule(split_flatten_only: bool = False) -> None:
     """torch 2.11 gap: views that flatten a sharded non-first dimension (attention heads,
     ``[b, h, t, d] -> [b*h, t, d]`` in ``matmul``) and views that split a ``_StridedShard``
     dimension back (``[b*h, t, t] -> [b, h, t, t]``), answered as 2.13 answers them."""
@@ -1314,7 +1333,8 @@ def _install_strided_view_rule() -> None:
     original = _view_ops.propagate_shape_and_sharding
 
     def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
-        fixes = _strided_view_fixes(input_src_placements, global_input_shape, rule, mesh_sizes)
+        fixes = _strided_view_fixes(input_src_placements, global_input_shape, rule, mesh_sizes,
+                                    split_flatten_only)
         if not fixes:
             return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
         from torch.distributed.tensor import Replicate
@@ -1328,8 +1348,9 @@ def _install_strided_view_rule() -> None:
     _view_ops.propagate_shape_and_sharding = propagate
 
 
-def _strided_view_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
-    """Mesh dim -> output placement for the shards the 2.11 view rule gets wrong."""
+def _strided_view_fixes(placements, shape, rule, mesh_sizes, split_flatten_only=False) -> dict[int, Any]:
+    """Mesh dim -> output placement for the shards the 2.11 view rule gets wrong (2.12:
+    only a flatten split again, ``split_flatten_only``)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._ops import _view_ops
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -1351,6 +1372,9 @@ def _strided_view_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
 
     fixes: dict[int, Any] = {}
     for out_dim, cmd in enumerate(rule):
+        split_flatten = isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.Flatten)
+        if split_flatten_only and not split_flatten:
+            continue
         if isinstance(cmd, _view_ops.Flatten) and all(isinstance(d, _view_ops.InputDim) for d in cmd.input_dims):
             dims = [d.input_dim for d in cmd.input_dims if isinstance(d, _view_ops.InputDim)]
             for i, dim in enumerate(dims[1:], start=1):
@@ -1401,9 +1425,10 @@ def _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_befo
 
 
 def _split_flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, rule, cmd) -> Any:
-    """Output placement for a plain shard of group dim ``i > 0`` of a flatten that is split
-    again (``[48, 16] -> [6, 32, 4]``, 16 sharded): the flat dim holds blocks of
-    ``shape[dim] * inner`` elements, each cut into one piece per rank; the output dim whose
+    """Output placement for a shard of group dim ``i > 0`` of a flatten that is split
+    again (``[48, 16] -> [6, 32, 4]``, 16 sharded, and back): the flat dim holds blocks
+    of ``shape[dim] / split_factor * inner`` elements (a plain shard: split factor 1), each
+    cut into one piece per rank; the output dim whose
     rows hold whole blocks and whose trailing dims fit in a piece carries it (a
     ``_StridedShard`` over its blocks, a ``Shard`` for a single one)."""
     from torch.distributed.tensor import Shard
@@ -1411,13 +1436,13 @@ def _split_flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, rule
     from torch.distributed.tensor.placement_types import _StridedShard
 
     dim, n = dims[i], mesh_sizes[m]
+    split = getattr(placements[m], "split_factor", 1)  # a _StridedShard: its blocks
     if (
-        not is_strided_shard(placements[m])
-        and sharders(dim) == [m]
-        and shape[dim] % n == 0
+        sharders(dim) == [m]
+        and shape[dim] % (n * split) == 0
         and all(not sharders(d) for d in dims if d != dim)
     ):
-        block = shape[dim] * math.prod(shape[d] for d in dims[i + 1 :])
+        block = shape[dim] // split * math.prod(shape[d] for d in dims[i + 1 :])
         piece = block // n
         group = list(cmd.group_shape)
         for out, c in enumerate(rule):

@@ -181,3 +181,5 @@ def test_view_flattening_a_sharded_dim_into_a_split(shape):
         mesh = init_device_mesh("cpu", (2,))
         got = distribute_tensor(x, mesh, (Shard(1),)).view(*shape)
         assert torch.equal(got.full_tensor(), x.view(*shape))
+        back = got.view(48, 16)
+        assert torch.equal(back.full_tensor(), x)
