@@ -15,14 +15,19 @@ detected by asking torch for the feature, never by its version string:
 - ``lift_group_names``: 2.11 bakes process-group names into traced collectives instead of
   tracing ``_dtensor.mesh_get_process_group``;
 - ``local_tensor_mode``: 2.11's LocalTensorMode gives every simulated rank rank 0's
-  run-time mesh coordinate (a silent wrong result in simulation);
+  run-time mesh coordinate (a silent wrong result in simulation); 2.12's cannot take the
+  ProcessGroup that ``_dtensor.mesh_get_process_group`` gives its collectives;
+- ``memoized_redistribute_cost``: 2.14 prices every placement combination of its
+  single-mesh-dim strategies (greedy plans shared between prices of the same
+  placements); 2.11 traces the run-time coordinate for shape arguments' local shapes;
 - ``bounded_decomposition_propagation``: DecompShardingStrategy's methods are static in
   2.11 (sharding propagator last), instance methods from 2.12, with an extra
   ``output_tensor_meta`` argument in 2.14; the wrappers take any of these;
 - ``compile_on_one_rank_config``: 2.14 moved the ``compile_on_one_rank`` flag to
   ``torch.compiler.config``; ``torch.distributed.config``'s is a deprecated alias there
   (a FutureWarning on every patch);
-- NOTE: [DTensor gap fills]: 2.11's view rule, strided-shard redistribution, sharding
+- NOTE: [DTensor gap fills]: 2.11's view rule (incl. a flatten split again), strided-shard
+  redistribution (from and to ``_StridedShard``s its planner cannot read), sharding
   strategies for squeeze.dims / flip / roll / cummax / var_mean.correction, and rules
   that ignore ``_StridedShard`` (``settle_strided_shards``).
 ``scripts/compat.sh VERSION`` runs the suite against one release.
@@ -250,6 +255,75 @@ def _strided_redistribution_gap(current_spec: Any, target_spec: Any) -> bool:
     return False
 
 
+def _strided_target_gap(current_spec: Any, target_spec: Any) -> bool:
+    """True when this torch's redistribution planner cannot reach ``target_spec``'s
+    ``_StridedShard`` (torch 2.11 reads it only as a shard order: a fused qkv weight's
+    ``_StridedShard(0, sf=3)`` on a 1-D mesh "is unable to be interpreted"; 2.14 falls
+    back to its greedy planner)."""
+    if not any(
+        is_strided_shard(t) and t != c
+        for c, t in zip(current_spec.placements, target_spec.placements, strict=True)
+    ):
+        return False
+    import torch.distributed.tensor._redistribute as redistribute_module
+
+    try:
+        redistribute_module._gen_transform_infos(current_spec, target_spec)
+    except (ValueError, AssertionError):
+        return True
+    return False
+
+
+def _scatter_strided_shards(
+    local: torch.Tensor, spec: Any, target_spec: Any, redistribute: Callable[..., torch.Tensor]
+) -> tuple[torch.Tensor, Any]:
+    """Reach the ``_StridedShard``s of ``target_spec`` that ``spec`` lacks through
+    Replicate: ``redistribute`` (DTensor's) replicates every mesh dim from the first such
+    one on, then each of those mesh dims takes this rank's shard of the target with
+    DTensor's own ``_replicate_to_strided_shard`` / ``_replicate_to_shard`` and the
+    (run-time) mesh coordinate, left-most first (each splits the shard of the ones
+    before it, as DTensor lays nested shards out)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    first = min(
+        m for m, (c, t) in enumerate(zip(spec.placements, target_spec.placements, strict=True))
+        if is_strided_shard(t) and t != c
+    )
+    targets = target_spec.placements
+    nested = [
+        m for m in range(first + 1, len(targets))
+        if (targets[m].is_shard() or is_strided_shard(targets[m]))
+        and any(is_strided_shard(t) and t.dim == targets[m].dim for t in targets[first:m])
+    ]
+    if nested:  # a strided shard read as a shard order: not a layout this fill makes
+        raise RuntimeError(
+            f"spmd_compiler: this torch's DTensor cannot redistribute a tensor of shape "
+            f"{tuple(spec.shape)} from {spec.placements} to {targets} (a _StridedShard "
+            f"sharded again by a later mesh dim)."
+        )
+    placements = [p if m < first else Replicate() for m, p in enumerate(spec.placements)]
+    staging = DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+    if staging != spec:
+        local = redistribute(local, spec, staging)
+    mesh = spec.mesh
+    for m in range(first, len(placements)):
+        p = target_spec.placements[m]
+        if is_strided_shard(p):
+            local = p._replicate_to_strided_shard(  # type: ignore[attr-defined]
+                local, mesh, m, mesh._sym_get_coordinate(m)
+            )
+        elif p.is_shard():
+            local = p._replicate_to_shard(local, mesh, m, mesh._sym_get_coordinate(m))
+        elif not p.is_replicate():
+            raise RuntimeError(
+                f"spmd_compiler: this torch's DTensor cannot redistribute a tensor of shape "
+                f"{tuple(spec.shape)} from {spec.placements} to {target_spec.placements}."
+            )
+        placements[m] = p
+    return local, DTensorSpec(mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
 def _gather_strided_shards(local: torch.Tensor, spec: Any, target_spec: Any) -> tuple[torch.Tensor, Any]:
     """All-gather every ``_StridedShard`` mesh dim whose target differs into Replicate.
 
@@ -298,6 +372,13 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     def redistribute(local_tensor, current_spec, target_spec, *args, **kwargs):
         if _strided_redistribution_gap(current_spec, target_spec):
             local_tensor, current_spec = _gather_strided_shards(local_tensor, current_spec, target_spec)
+        if _strided_target_gap(current_spec, target_spec):
+            local_tensor, current_spec = _scatter_strided_shards(
+                local_tensor, current_spec, target_spec,
+                lambda t, a, b: redistribute(t, a, b, *args, **kwargs),
+            )
+            if current_spec == target_spec:
+                return local_tensor
         hop = _replicate_between_shards(current_spec, target_spec)
         if hop is not None:
             local_tensor = original(local_tensor, current_spec, hop, *args, **kwargs)
@@ -363,11 +444,22 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     where every sharded dimension of both specs divides evenly, no shape depends on it
     (``size // n`` on every rank) and the plan is made the same way, without it. The
     coordinate nodes those plans traced were dead; the program is the same.
+
+    torch 2.14 gap: its single-mesh-dim strategies (``t``, ``clone``, ``zeros_like``, ...)
+    are expanded to every placement combination of the mesh and each is priced, ~40% more
+    distinct (source, target) pairs than 2.13, mostly the same placements on tensors of
+    other shapes. A price plans with the shape only for each step's logical shape (unread,
+    above); the greedy planner chooses its steps from the placements alone, while the
+    graph planner's search weighs steps by bytes. So a price reuses the plan of an earlier
+    pair with the same placements, shard orders and rank where that plan was observed to
+    come from the greedy planner only (``_placement_plan_key``); the price itself is still
+    computed from this pair's bytes.
     """
     import importlib
 
     import torch.distributed.tensor._collective_utils as collective_utils
     import torch.distributed.tensor._redistribute as redistribute_module
+    import torch.distributed.tensor._sharding_prop as sharding_prop_module
     from torch.distributed.device_mesh import DeviceMesh
 
     # absent from some releases: each patch below is skipped where its target is missing
@@ -376,8 +468,42 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     original_plan = getattr(redistribute_module, "_gen_transform_infos_non_cached", None)
     original_coordinate = getattr(DeviceMesh, "_sym_get_coordinate", None)
     original_logical_shape = getattr(Planner, "get_logical_shape", None)
+    original_greedy = getattr(Planner, "generate_greedy_transform_infos", None)
+    original_graph = getattr(Planner, "generate_graph_based_transform_infos", None)
+    original_local_shape = getattr(sharding_prop_module, "compute_local_shape_and_global_offset", None)
     memo = CostMemo()
     pricing = [False]
+
+    def local_shape_only(global_shape, mesh, placements, *args, **kwargs):
+        # torch 2.11 gap: the sharding propagator's local shape of a shape argument
+        # (zeros, new_empty, ...) asks for the run-time coordinate even when it cannot
+        # matter (every shard the same size); 2.13 asks only where it does
+        skip_offset = kwargs.get("skip_offset", args[0] if args else False)
+        even = _even_local_shape(global_shape, mesh, placements) if skip_offset else None
+        if even is None or not mesh._is_current_rank_part_of_mesh():
+            return original_local_shape(global_shape, mesh, placements, *args, **kwargs)
+        return even, ()
+    planners_run: list[str] = []  # the planner methods the current plan called
+    greedy_plans: dict[Any, Any] = {}  # _placement_plan_key -> a priced greedy plan
+
+    def greedy(planner, *args, **kwargs):
+        planners_run.append("greedy")
+        return original_greedy(planner, *args, **kwargs)
+
+    def graph_based(planner, *args, **kwargs):
+        planners_run.append("graph")
+        return original_graph(planner, *args, **kwargs)
+
+    def priced_plan(src_spec, dst_spec, *args, **kwargs):
+        key = _placement_plan_key(src_spec, dst_spec, args, kwargs)
+        steps = greedy_plans.get(key) if key is not None else None
+        if steps is not None:
+            return steps
+        planners_run.clear()
+        steps = original_plan(src_spec, dst_spec, *args, **kwargs)
+        if key is not None and planners_run == ["greedy"]:
+            greedy_plans[key] = steps
+        return steps
 
     def sym_get_coordinate(mesh, index):
         if pricing[0]:  # any coordinate prices the same steps (see above)
@@ -399,6 +525,8 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
         return original_logical_shape(planner, src_state, mesh_dim, full_tensor_shape)
 
     def plan(src_spec, dst_spec, *args, **kwargs):
+        if pricing[0] == "price":
+            return priced_plan(src_spec, dst_spec, *args, **kwargs)
         if pricing[0] or not _evenly_sharded(src_spec, dst_spec):
             return original_plan(src_spec, dst_spec, *args, **kwargs)
         pricing[0] = "even"
@@ -444,6 +572,11 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
                 (DeviceMesh, "_sym_get_coordinate", sym_get_coordinate),
                 (Planner, "get_logical_shape", get_logical_shape),
                 (redistribute_module, "_gen_transform_infos_non_cached", plan),
+                (sharding_prop_module if original_local_shape else None,
+                 "compute_local_shape_and_global_offset", local_shape_only),
+                (Planner if original_greedy else None, "generate_greedy_transform_infos", greedy),
+                (Planner if original_graph else None, "generate_graph_based_transform_infos",
+                 graph_based),
             ):
                 if owner is not None and hasattr(owner, name):
                     stack.enter_context(mock.patch.object(owner, name, replacement))
@@ -451,6 +584,26 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     finally:
         for module, function in previous.items():
             module.redistribute_cost = function  # type: ignore[attr-defined]
+
+
+def _placement_plan_key(src_spec: Any, dst_spec: Any, args: tuple, kwargs: dict) -> Any:
+    """What DTensor's greedy redistribution planner chooses its steps from: the mesh, both
+    specs' placements, shard orders and strided-shard reading, and the tensor's rank (not
+    its sizes, strides or dtype). None where a spec has no tensor meta or a part does not
+    hash."""
+    specs = (src_spec, dst_spec)
+    if any(spec.tensor_meta is None for spec in specs):
+        return None
+    key = tuple(
+        (spec.mesh, spec.placements, getattr(spec, "shard_order", None),
+         _strided_as_order(spec), len(spec.tensor_meta.shape))
+        for spec in specs
+    ) + (args, tuple(sorted(kwargs.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _evenly_sharded(*specs: Any) -> bool:
@@ -468,6 +621,24 @@ def _evenly_sharded(*specs: Any) -> bool:
     for dim, mesh_dim, split in shards:
         factor[dim] *= specs[0].mesh.size(mesh_dim) * split
     return all(n % f == 0 for n, f in zip(shape, factor, strict=True))
+
+
+def _even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...] | None:
+    """The local shape of a ``shape`` DTensor on ``mesh`` when every shard of it has the
+    same size on every rank (None otherwise, or for a symbolic or unknown case)."""
+    if not all(type(n) is int for n in shape):
+        return None
+    local = list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if p.is_replicate() or p.is_partial():
+            continue
+        if not (p.is_shard() or is_strided_shard(p)):
+            return None
+        n = mesh.size(mesh_dim)
+        if local[p.dim] % (n * getattr(p, "split_factor", 1)):
+            return None
+        local[p.dim] //= n
+    return tuple(local)
 
 
 def _even_logical_shape(mesh: Any, src_state: Any, mesh_dim: int, shape: Any) -> list[int] | None:
@@ -920,9 +1091,38 @@ def chunk_at_coordinate(local: torch.Tensor, mesh: Any, mesh_dim: int, tensor_di
 def local_tensor_mode(world_size: int) -> Any:
     from torch.distributed._local_tensor import LocalTensorMode
 
-    if _coordinate_op_per_rank():
+    if _coordinate_op_per_rank() and _local_collectives_take_groups():
         return LocalTensorMode(world_size)
     return _coordinate_aware_mode_class()(world_size)
+
+
+def _local_collectives_take_groups() -> bool:
+    """Whether LocalTensorMode's functional collectives accept a ``ProcessGroup`` where
+    the schema says ``group_name`` (what ``_dtensor.mesh_get_process_group`` gives traced
+    programs). torch 2.12 gap: they resolve it as a name and raise a TypeError."""
+    import torch.distributed._local_tensor._c10d as local_c10d
+
+    return hasattr(local_c10d, "_resolve_pg_or_name")
+
+
+def _group_names(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``func``'s ``group_name`` arguments given as process groups, as their names."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.name.startswith("_c10d_functional::"):
+        return args, kwargs
+
+    def name(value: Any) -> Any:
+        if isinstance(value, torch.ScriptObject):
+            value = dist.ProcessGroup.unbox(value)
+        return value.group_name if isinstance(value, dist.ProcessGroup) else value
+
+    positions = {a.name: i for i, a in enumerate(schema.arguments)}
+    i = positions.get("group_name")
+    if i is not None and i < len(args):
+        args = (*args[:i], name(args[i]), *args[i + 1 :])
+    if "group_name" in kwargs:
+        kwargs = {**kwargs, "group_name": name(kwargs["group_name"])}
+    return args, kwargs
 
 
 _COORDINATE_OP_PER_RANK: bool | None = None
@@ -949,15 +1149,19 @@ def _coordinate_op_per_rank() -> bool:
 
 
 def _coordinate_aware_mode_class() -> type:
-    """LocalTensorMode that answers the run-time coordinate op per rank (as 2.13 does)."""
+    """LocalTensorMode that answers the run-time coordinate op per rank (as 2.13 does)
+    and gives its collectives group names where it cannot take groups (2.12)."""
     from torch.distributed._local_tensor import LocalTensorMode, _combine_int_rank_results
     from torch.distributed.device_mesh import DeviceMesh
 
     coordinate_op = torch.ops.device_mesh._runtime_compute_coordinate_on_dim.default
+    take_groups = _local_collectives_take_groups()
 
     class CoordinateAwareLocalTensorMode(LocalTensorMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is not coordinate_op or self._disable:
+                if not take_groups:
+                    args, kwargs = _group_names(func, args, kwargs or {})
                 return super().__torch_dispatch__(func, types, args, kwargs)
             bound = dict(zip(("full_mesh", "index"), args), **(kwargs or {}))
             full_mesh, index = bound["full_mesh"], bound["index"]
@@ -1086,6 +1290,10 @@ def install_dtensor_gap_fills() -> None:
     _GAPS_FILLED = True
     if _view_flatten_gap():
         _install_strided_view_rule()
+    elif _view_split_flatten_gap():
+        _install_strided_view_rule(split_flatten_only=True)
+    # each gap below is asked of the rule as patched so far: where an older torch's fill
+    # above already answers a case, the later fill finds no gap and is not installed
     if _nested_strided_unflatten_gap():
         _install_nested_strided_unflatten_rule()
     if _regroup_gathers_gap():
@@ -1113,7 +1321,24 @@ def _view_flatten_gap() -> bool:
     return False
 
 
-def _install_strided_view_rule() -> None:
+def _view_split_flatten_gap() -> bool:
+    """True when DTensor's view rule refuses to flatten ``(a, b)`` with ``b`` sharded and
+    split the result again (torch 2.12: "not supported yet for non-first flatten dims")."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    flat = _view_ops.Flatten((_view_ops.InputDim(0), _view_ops.InputDim(1)))
+    rule = (_view_ops.Split(flat, (2, 12), 0), _view_ops.Split(flat, (2, 12), 1))
+    try:
+        _view_ops.propagate_shape_and_sharding((Shard(1),), (4, 6), rule, (2,), True)
+    except RuntimeError:
+        return True
+    except Exception:  # another signature: not the rule this fill knows
+        return False
+    return False
+
+
+def _install_strided_view_rule(split_flatten_only: bool = False) -> None:
     """torch 2.11 gap: views that flatten a sharded non-first dimension (attention heads,
     ``[b, h, t, d] -> [b*h, t, d]`` in ``matmul``) and views that split a ``_StridedShard``
     dimension back (``[b*h, t, t] -> [b, h, t, t]``), answered as 2.13 answers them."""
@@ -1122,7 +1347,8 @@ def _install_strided_view_rule() -> None:
     original = _view_ops.propagate_shape_and_sharding
 
     def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
-        fixes = _strided_view_fixes(input_src_placements, global_input_shape, rule, mesh_sizes)
+        fixes = _strided_view_fixes(input_src_placements, global_input_shape, rule, mesh_sizes,
+                                    split_flatten_only)
         if not fixes:
             return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
         from torch.distributed.tensor import Replicate
@@ -1136,8 +1362,9 @@ def _install_strided_view_rule() -> None:
     _view_ops.propagate_shape_and_sharding = propagate
 
 
-def _strided_view_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
-    """Mesh dim -> output placement for the shards the 2.11 view rule gets wrong."""
+def _strided_view_fixes(placements, shape, rule, mesh_sizes, split_flatten_only=False) -> dict[int, Any]:
+    """Mesh dim -> output placement for the shards the 2.11 view rule gets wrong (2.12:
+    only a flatten split again, ``split_flatten_only``)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._ops import _view_ops
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -1159,12 +1386,24 @@ def _strided_view_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
 
     fixes: dict[int, Any] = {}
     for out_dim, cmd in enumerate(rule):
+        split_flatten = isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.Flatten)
+        if split_flatten_only and not split_flatten:
+            continue
         if isinstance(cmd, _view_ops.Flatten) and all(isinstance(d, _view_ops.InputDim) for d in cmd.input_dims):
             dims = [d.input_dim for d in cmd.input_dims if isinstance(d, _view_ops.InputDim)]
             for i, dim in enumerate(dims[1:], start=1):
                 for m in sharders(dim):
                     fix = _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_before, out_dim)
                     fixes[m] = fix
+        elif isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.Flatten):
+            group = cmd.input_dim.input_dims
+            if not all(isinstance(d, _view_ops.InputDim) for d in group):
+                continue
+            dims = [d.input_dim for d in group if isinstance(d, _view_ops.InputDim)]
+            for i, dim in enumerate(dims[1:], start=1):
+                for m in sharders(dim):
+                    if m not in fixes:  # once per mesh dim: the group's outputs share it
+                        fixes[m] = _split_flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, rule, cmd)
         elif isinstance(cmd, _view_ops.Split) and isinstance(cmd.input_dim, _view_ops.InputDim):
             dim = cmd.input_dim.input_dim
             for m in sharders(dim):
@@ -1197,6 +1436,41 @@ def _flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, local_befo
     for d in dims[1:i]:
         split_factor *= shape[d]
     return _StridedShard(out_dim, split_factor=split_factor)
+
+
+def _split_flatten_fix(placements, shape, mesh_sizes, dims, i, m, sharders, rule, cmd) -> Any:
+    """Output placement for a shard of group dim ``i > 0`` of a flatten that is split
+    again (``[48, 16] -> [6, 32, 4]``, 16 sharded, and back): the flat dim holds blocks
+    of ``shape[dim] / split_factor * inner`` elements (a plain shard: split factor 1), each
+    cut into one piece per rank; the output dim whose
+    rows hold whole blocks and whose trailing dims fit in a piece carries it (a
+    ``_StridedShard`` over its blocks, a ``Shard`` for a single one)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dim, n = dims[i], mesh_sizes[m]
+    split = getattr(placements[m], "split_factor", 1)  # a _StridedShard: its blocks
+    if (
+        sharders(dim) == [m]
+        and shape[dim] % (n * split) == 0
+        and all(not sharders(d) for d in dims if d != dim)
+    ):
+        block = shape[dim] // split * math.prod(shape[d] for d in dims[i + 1 :])
+        piece = block // n
+        group = list(cmd.group_shape)
+        for out, c in enumerate(rule):
+            if not (isinstance(c, _view_ops.Split) and c.input_dim == cmd.input_dim):
+                continue
+            rows, inner = group[c.split_id], math.prod(group[c.split_id + 1 :])
+            if (rows * inner) % block == 0 and piece % inner == 0:
+                split_factor = rows * inner // block
+                return Shard(out) if split_factor == 1 else _StridedShard(out, split_factor=split_factor)
+    raise RuntimeError(
+        f"spmd_compiler: this torch's DTensor cannot flatten dims {dims} of a tensor of shape "
+        f"{tuple(shape)} with placements {tuple(placements)} into {tuple(cmd.group_shape)} "
+        "without redistribution."
+    )
 
 
 def _split_fix(p, cmd, m, mesh_sizes, local_size, rule, dim) -> Any:

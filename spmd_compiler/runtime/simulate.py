@@ -91,7 +91,9 @@ class Simulation:
     def full_tensor(self, value: torch.Tensor) -> torch.Tensor:
         """A plain tensor holding the full value of ``value`` (DTensor or per-rank)."""
         if isinstance(value, DTensor):
-            with self.ranks():
+            # through the redistribution gap fills (NOTE: [DTensor gap fills]): torch 2.11
+            # cannot gather a _StridedShard its planner does not read as a shard order
+            with self.ranks(), private.memoized_redistribution():
                 value = value.full_tensor()
         return self.reconcile(value)
 

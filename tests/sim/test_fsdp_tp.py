@@ -52,7 +52,11 @@ def test_fsdp_tp_expansion_work_is_bounded_by_the_program():
     prices once and traces the mesh coordinate only where the program uses it. Before
     the memo (torch 2.13, demo GPT with 1 layer, 717 captured nodes): 6118 plans and 6953
     traced coordinates for 67 live ones, 51 CPU s; after: 1754 plans, 126 coordinates,
-    11 CPU s. Counts, not seconds: a loaded machine cannot make this test flaky."""
+    11 CPU s; with greedy plans shared between prices of the same placements: 1190 plans
+    (torch 2.14.1, which prices every placement combination of single-mesh-dim strategies:
+    2699 before, 1613 after). Dead coordinates of shape arguments' local shapes (torch
+    2.11: 50 for none live) are not traced either. Counts, not seconds: a loaded machine cannot make this test
+    flaky."""
     config = DemoConfig(steps=1, n_layer=1)
     model, optim, data = build(config)
     step = sc.compile(FullyShardTensorParallel(gpt_tp_plan(), mesh_shape=(2, 2)))(gpt_train_step)
@@ -63,6 +67,7 @@ def test_fsdp_tp_expansion_work_is_bounded_by_the_program():
     live = sum(
         1 for n in program.graph_module.graph.nodes if "coordinate_on_dim" in str(n.target)
     )
-    assert live > 0  # the program does use the run-time coordinate
+    # 67 live on torch 2.13 / 2.14; none on 2.11, whose program takes no rank-dependent
+    # slice here: the bound then allows no traced coordinate at all
     assert counts["plans"] <= 3 * captured, (counts, captured)
     assert counts["coordinates"] <= 3 * live, (counts, live)

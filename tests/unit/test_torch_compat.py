@@ -194,3 +194,70 @@ def test_sharding_through_a_decomposition_under_the_propagation_budget(mesh_2x2)
         torch.nn.functional.hardswish(distribute_tensor(x, mesh_2x2, (Shard(1), Shard(0))))
     exceeded = private.budget_exceeded_in(info.value)
     assert exceeded is not None and exceeded.op is torch.ops.aten.hardswish.default
+
+
+def _price_specs(mesh, placements, shapes_dtypes):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    def spec(shape, dtype, places):
+        stride = torch.empty(shape).stride()
+        return DTensorSpec(mesh, places, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+
+    return [(spec(s, d, placements[0]), spec(s, d, placements[1])) for s, d in shapes_dtypes]
+
+
+@pytest.mark.parametrize("min_cost_planner", [False, True], ids=["greedy", "graph"])
+def test_prices_of_the_same_placements_share_one_greedy_plan(mesh_2x2, min_cost_planner):
+    """NOTE: [compile work bounds]: torch 2.14 prices every placement combination of a
+    single-mesh-dim strategy, mostly the same placements on tensors of other shapes. The
+    cost memo plans those once where the greedy planner planned (its steps come from the
+    placements alone); each pair is still priced with its own bytes, as DTensor does.
+    The graph planner weighs steps by bytes: its plans are not shared."""
+    import torch.distributed.tensor._collective_utils as collective_utils
+    import torch.distributed.tensor._ops.utils as op_utils
+    import torch.distributed.tensor._redistribute as redistribute_module
+
+    pairs = _price_specs(
+        mesh_2x2,
+        ((Shard(0), Shard(1)), (Replicate(), Shard(0))),
+        [((8, 4), torch.float32), ((16, 8), torch.float32), ((4, 12), torch.float64)],
+    )
+    with redistribute_module.use_min_cost_redistribution_plan(min_cost_planner):
+        redistribute_module._gen_transform_infos.cache_clear()
+        expected = [collective_utils.redistribute_cost(a, b) for a, b in pairs]
+        redistribute_module._gen_transform_infos.cache_clear()
+        with private.count_redistribution_planning() as counts, private.memoized_redistribute_cost():
+            got = [op_utils.redistribute_cost(a, b) for a, b in pairs]
+    assert got == expected and len(set(expected)) == 3  # priced by each pair's bytes
+    assert counts["plans"] == (3 if min_cost_planner else 1)
+
+
+@pytest.mark.parametrize("source", [Replicate(), Shard(0)], ids=str)
+def test_redistribution_to_a_strided_shard(source):
+    """A fused qkv weight's ``_StridedShard(0, sf=3)`` on a 1-D mesh: rank r holds piece r
+    of each of the 3 blocks (torch 2.11's planner cannot read it as a shard order)."""
+    private.install_dtensor_gap_fills()
+    x = torch.arange(24.0).view(12, 2)
+    target = private.strided_shard(0, 3)
+    with sc.simulate(2) as sim:
+        with sim.ranks(), private.memoized_redistribution():
+            mesh = init_device_mesh("cpu", (2,))
+            got = distribute_tensor(x, mesh, (source,)).redistribute(mesh, (target,))
+            back = got.redistribute(mesh, (Replicate(),))
+        for rank, local in sim.per_rank(got).items():
+            assert torch.equal(local, x.unflatten(0, (3, 2, 2))[:, rank].flatten(0, 1))
+        assert all(torch.equal(t, x) for t in sim.per_rank(back).values())
+
+
+@pytest.mark.parametrize("shape", [(6, 32, 4), (6, 128), (3, 16, 16)], ids=str)
+def test_view_flattening_a_sharded_dim_into_a_split(shape):
+    """``nn.MultiheadAttention``'s backward: ``[48, 16] -> [6, 32, 4]`` with the 16
+    sharded (torch 2.11's rule raised "Attempted to flatten multiple dimensions")."""
+    private.install_dtensor_gap_fills()
+    x = torch.randn(48, 16)
+    with sc.simulate(2) as sim, sim.ranks(), private.memoized_redistribution():
+        mesh = init_device_mesh("cpu", (2,))
+        got = distribute_tensor(x, mesh, (Shard(1),)).view(*shape)
+        assert torch.equal(got.full_tensor(), x.view(*shape))
+        back = got.view(48, 16)
+        assert torch.equal(back.full_tensor(), x)
