@@ -1290,19 +1290,32 @@ def install_dtensor_gap_fills() -> None:
     _GAPS_FILLED = True
     if _view_flatten_gap():
         _install_strided_view_rule()
+        _VIEW_FILLS.add("strided_view")
     elif _view_split_flatten_gap():
         _install_strided_view_rule(split_flatten_only=True)
+        _VIEW_FILLS.add("split_flatten")
     # each gap below is asked of the rule as patched so far: where an older torch's fill
     # above already answers a case, the later fill finds no gap and is not installed
     if _nested_strided_unflatten_gap():
         _install_nested_strided_unflatten_rule()
+        _VIEW_FILLS.add("nested_unflatten")
     if _regroup_gathers_gap():
         _install_regroup_rule()
+        _VIEW_FILLS.add("regroup")
     _install_missing_dim_strategies()
     _install_fill_strategies()
 
 
 _GAPS_FILLED = False
+_VIEW_FILLS: set[str] = set()
+
+
+def view_fills() -> frozenset[str]:
+    """Which of our view-rule fills this torch got (after ``install_dtensor_gap_fills``):
+    "strided_view" (2.11), "split_flatten" (2.12), "nested_unflatten" and "regroup"
+    (NOTE: [nested strided unflatten], NOTE: [head-local regroup]; 2.13 and later)."""
+    install_dtensor_gap_fills()
+    return frozenset(_VIEW_FILLS)
 
 
 def _view_flatten_gap() -> bool:

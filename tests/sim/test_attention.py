@@ -268,6 +268,8 @@ def test_torch_attention_heads_tensor_parallel(kind, run_parity):
     assert local_rows and set(local_rows.values()) == {3 * WIDTH // 2}, local_rows
     out_proj = [p for n, p in result.model.named_parameters() if n.endswith("out_proj.weight")]
     assert all(p.to_local().shape == (WIDTH, WIDTH // 2) for p in out_proj)
+    if "regroup" not in private.view_fills():
+        return  # torch 2.11 / 2.12: their own view fills gather the heads (README)
     program = result.compiled.last_program.graph_module
     batches = {
         n.meta["val"].shape[0] for n in program.graph.nodes

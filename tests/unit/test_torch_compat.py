@@ -45,6 +45,10 @@ def test_view_unflattening_a_dim_strided_on_both_mesh_dims(mesh_2x2, shape):
     """Each view either gives the single-device values or raises; never a wrong layout.
     (6, 8, 4, 4) and (6, 8, 16) raised in torch 2.13 ("Cannot unflatten tensor with
     _StridedShard placement") before the fill and now resolve to Shard(1) on both."""
+    fills = private.view_fills()
+    if "nested_unflatten" not in fills or "strided_view" in fills:
+        # 2.11's flatten fill refuses the (dim 1 on both mesh dims) flatten that makes these
+        pytest.skip("torch 2.11 / 2.12: their own view fills answer these views (README)")
     x = torch.randn(6, 8, 16, dtype=torch.float64)
     with private.memoized_redistribution():
         flat = distribute_tensor(x, mesh_2x2, (Shard(1), Shard(1))).view(48, 16)
@@ -90,6 +94,8 @@ REGROUPS = [
 def test_view_regrouping_a_sharded_non_first_dim(mesh_2x2, shape, placements, view):
     """Single-device values or an error, never a wrong layout; the heads split of
     (6, 8, 16) -> (6, 32, 4) with E sharded stays sharded (_StridedShard(1, sf=8))."""
+    if "regroup" not in private.view_fills():
+        pytest.skip("torch 2.11 / 2.12: their own view fills answer these views (README)")
     placements = tuple(
         private.strided_shard(1, int(p[5])) if isinstance(p, str) else p for p in placements
     )
