@@ -420,8 +420,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     def redistribute_cost(current_spec, target_spec):
         memo.calls += 1
         try:
-            key = (current_spec, target_spec, _strided_as_order(current_spec),
-                   _strided_as_order(target_spec))
+            key = (_price_key(current_spec), _price_key(target_spec))
             hit = memo.get(key)
         except TypeError:  # a SymInt in a shape is not hashable
             return price(current_spec, target_spec)
@@ -451,6 +450,18 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     finally:
         for module, function in previous.items():
             module.redistribute_cost = function  # type: ignore[attr-defined]
+
+
+def _price_key(spec: Any) -> tuple:
+    """What DTensor's redistribution cost reads of a spec: its mesh, placements, shard
+    order, shape and dtype (the planner and the byte count), and how it reads a
+    ``_StridedShard``; not its strides, which DTensorSpec's equality also compares
+    (a transposed view priced apart from its contiguous twin)."""
+    meta = spec.tensor_meta
+    if meta is None:
+        return (spec, _strided_as_order(spec))
+    return (spec.mesh, tuple(spec.placements), spec.shard_order, tuple(meta.shape),
+            meta.dtype, _strided_as_order(spec))
 
 
 def _evenly_sharded(*specs: Any) -> bool:
@@ -657,12 +668,109 @@ def compile_on_one_rank() -> Iterator[None]:
 
     with compile_on_one_rank_config().patch(compile_on_one_rank=True), mock.patch.object(
         _StridedShard, "_local_shard_size", staticmethod(local_shard_size)
-    ), mock.patch.object(
+    ), _even_replicate_to_shard(), mock.patch.object(
         _StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard
     ), mock.patch.object(
         _StridedShard, "local_shard_size_and_offset", local_shard_size_and_offset
     ), _costs_without_rank_dependent_candidates():
         yield
+
+
+@contextlib.contextmanager
+def _even_replicate_to_shard() -> Iterator[None]:
+    """Replicate -> Shard at the run-time coordinate, traced without DTensor's checks.
+
+    NOTE: [even shard selections]
+    A Replicate -> Shard step keeps this rank's slice: DTensor's
+    ``Shard._select_split_tensor`` traces ``narrow(x, dim, split * i, sym_ite(i == n - 1,
+    last, split))`` with ``i`` the symbolic coordinate, and both ``narrow``'s checks and
+    the fake ``slice`` prove ``0 <= split * i <= size`` with sympy on a fresh symbol each
+    time: a third of the fsdp_tp demo's expansion. When the dimension divides evenly,
+    ``last == split`` and the same live nodes are ``mul = split * i``, ``add = mul +
+    split``, ``slice(x, dim, mul, add)``, ``clone``: traced here directly, with the fake
+    slice's bounds read from the coordinate's value range (``fast_coordinate_slice``).
+    The checks only made graph nodes that were dead; the program is the same (node
+    names aside: fewer dead nodes were numbered). The fake-tensor cache is off for the
+    two ops: their inputs hold a fresh symbol each time, so an entry never hits again,
+    and building one (which also re-synthesizes the output to check it) cost as much
+    as the ops.
+    """
+    from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+    from torch.distributed.tensor.placement_types import Shard
+
+    original = Shard._replicate_to_shard
+
+    def replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+        n = mesh.size(mesh_dim)
+        size = local_tensor.shape[self.dim] if 0 <= self.dim < local_tensor.ndim else None
+        if (type(self) is not Shard or isinstance(shard_index, int)
+                or not isinstance(shard_index, torch.SymInt) or type(size) is not int or size % n):
+            return original(self, local_tensor, mesh, mesh_dim, shard_index)
+        split = size // n
+        start = split * shard_index
+        end = start + split
+        fake_mode = torch._guards.detect_fake_mode(local_tensor)
+        with fast_coordinate_slice(), (
+            disable_fake_tensor_cache(fake_mode) if fake_mode is not None else contextlib.nullcontext()
+        ):
+            return torch.ops.aten.slice.Tensor(local_tensor, self.dim, start, end).clone()
+
+    with mock.patch.object(Shard, "_replicate_to_shard", replicate_to_shard):
+        yield
+
+
+@contextlib.contextmanager
+def fast_coordinate_slice() -> Iterator[None]:
+    """The fake ``aten.slice.Tensor`` kernel, with its index checks decided from value
+    ranges where they are provable (NOTE: [even shard selections]).
+
+    torch's kernel asks ``guard_or_false(0 <= start <= size)`` (and the same for
+    ``end``, then ``end >= start``) through sympy relations on every call. When the
+    bounds of ``start`` and ``end`` (their symbols' value ranges) lie in ``[0, size]``
+    and ``end - start`` is a non-negative integer, each of those questions is statically
+    true (torch's static evaluation reads the same ranges), so its first branches are
+    taken without asking; anything else runs torch's kernel unchanged.
+    """
+    from torch._subclasses import fake_impls
+
+    table = fake_impls.op_implementations_dict
+    op = torch.ops.aten.slice.Tensor
+    original = table[op]
+
+    def slice_forward(fake_mode, func, x, dim=0, start=None, end=None, step=1):
+        fast = _provable_slice(fake_mode, x, dim, start, end, step)
+        if fast is None:
+            return original(fake_mode, func, x, dim, start, end, step)
+        return fast
+
+    table[op] = slice_forward
+    try:
+        yield
+    finally:
+        table[op] = original
+
+
+def _provable_slice(fake_mode: Any, x: Any, dim: int, start: Any, end: Any, step: Any) -> Any:
+    """``x[start:end]`` along ``dim`` as torch's fake kernel makes it, or None when its
+    index checks are not provable from value ranges (see ``fast_coordinate_slice``)."""
+    shape_env = fake_mode.shape_env
+    if shape_env is None or step != 1 or x.ndim == 0 or not 0 <= dim < x.ndim:
+        return None
+    size = x.shape[dim]
+    if type(size) is not int or not isinstance(start, torch.SymInt) or not isinstance(end, torch.SymInt):
+        return None
+    width = end.node.expr - start.node.expr
+    if not width.is_Integer or int(width) < 0:
+        return None
+    for bound in (start, end):
+        span = shape_env.bound_sympy(bound.node.expr)
+        if not (span.lower.is_finite and span.upper.is_finite and 0 <= span.lower and span.upper <= size):
+            return None
+    sizes, strides = list(x.size()), list(x.stride())
+    sizes[dim] = (end - start + step - 1) // step
+    storage_offset = x.storage_offset() + start * strides[dim]
+    strides[dim] = strides[dim] * step
+    return x.as_strided(sizes, strides, storage_offset)
 
 
 @contextlib.contextmanager
