@@ -668,7 +668,7 @@ def compile_on_one_rank() -> Iterator[None]:
 
     with compile_on_one_rank_config().patch(compile_on_one_rank=True), mock.patch.object(
         _StridedShard, "_local_shard_size", staticmethod(local_shard_size)
-    ), _even_replicate_to_shard(), mock.patch.object(
+    ), _even_replicate_to_shard(), _even_local_shapes(), mock.patch.object(
         _StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard
     ), mock.patch.object(
         _StridedShard, "local_shard_size_and_offset", local_shard_size_and_offset
@@ -716,6 +716,40 @@ def _even_replicate_to_shard() -> Iterator[None]:
             return torch.ops.aten.slice.Tensor(local_tensor, self.dim, start, end).clone()
 
     with mock.patch.object(Shard, "_replicate_to_shard", replicate_to_shard):
+        yield
+
+
+@contextlib.contextmanager
+def _even_local_shapes() -> Iterator[None]:
+    """Local shapes of evenly sharded tensors without tracing the run-time coordinate.
+
+    Sharding propagation rewrites the shape argument of a view or factory op to the local
+    shape (``compute_local_shape_and_global_offset(..., skip_offset=True)``), which
+    traces this rank's mesh coordinate for every sharded mesh dimension although an
+    even split gives every rank ``size // n`` (the coordinate nodes were dead). Where
+    every sharding is a plain ``Shard`` whose dimension divides evenly, that quotient
+    is returned (the rank-independent answer DTensor computes); anything else, or a
+    call that wants the offsets, is DTensor's own.
+    """
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+    from torch.distributed.tensor.placement_types import Shard
+
+    original = sharding_prop.compute_local_shape_and_global_offset
+
+    def local_shape_and_offset(global_shape, mesh, placements, skip_offset=False):
+        shape = list(global_shape)
+        if skip_offset and all(type(n) is int for n in shape):
+            for mesh_dim, p in enumerate(placements):
+                if type(p) is Shard and 0 <= p.dim < len(shape) and shape[p.dim] % mesh.size(mesh_dim) == 0:
+                    shape[p.dim] //= mesh.size(mesh_dim)
+                elif p.is_shard() or is_strided_shard(p) or not (p.is_replicate() or p.is_partial()):
+                    break
+            else:
+                if mesh._is_current_rank_part_of_mesh():
+                    return tuple(shape), ()
+        return original(global_shape, mesh, placements, skip_offset=skip_offset)
+
+    with mock.patch.object(sharding_prop, "compute_local_shape_and_global_offset", local_shape_and_offset):
         yield
 
 
