@@ -1560,3 +1560,44 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+_MODULE_HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+)
+
+
+def step_hooks(modules: list[torch.nn.Module], optimizers: list[Any]) -> list[tuple[str, Any]]:
+    """Every hook a captured step would run: torch's global module and optimizer hooks,
+    each module's forward / backward hooks, each parameter's gradient hooks and each
+    optimizer's step hooks, as ``(where, hook)`` (for the pre-capture cache key)."""
+    import torch.nn.modules.module as module_module
+    import torch.optim.optimizer as optimizer_module
+
+    found: list[tuple[str, Any]] = []
+    for name in ("_global_backward_pre_hooks", "_global_backward_hooks",
+                 "_global_forward_pre_hooks", "_global_forward_hooks"):
+        found += [(name, h) for h in getattr(module_module, name, {}).values()]
+    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        found += [(name, h) for h in getattr(optimizer_module, name, {}).values()]
+    for mi, root in enumerate(modules):
+        for fqn, mod in root.named_modules(remove_duplicate=False):
+            for name in _MODULE_HOOK_DICTS:
+                found += [(f"{mi}.{fqn}.{name}", h) for h in getattr(mod, name, {}).values()]
+        for fqn, p in root.named_parameters(remove_duplicate=False):
+            for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+                found += [(f"{mi}.{fqn}.{name}", h) for h in (getattr(p, name, None) or {}).values()]
+    for oi, opt in enumerate(optimizers):
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+            found += [(f"optimizer{oi}.{name}", h) for h in getattr(opt, name, {}).values()]
+    return found
+
+
+def treespec_text(spec: Any) -> str:
+    """A pytree spec as text (``treespec_dumps``); raises for types without a
+    serialized name (the caller treats that as not cacheable)."""
+    return pytree.treespec_dumps(spec)
+
+
+def treespec_from_text(text: str) -> Any:
+    return pytree.treespec_loads(text)

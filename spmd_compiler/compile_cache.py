@@ -456,21 +456,14 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
-def program_key(
-    captured: CapturedStep, mode: Any, mesh: Any, options: Any, lowering: Any, simulated: bool
-) -> str:
-    """The cache key of the program compiled from ``captured`` (see the NOTE).
-
-    Raises:
-        Uncacheable: something the key cannot describe exactly.
-    """
+def settings_parts(mode: Any, mesh: Any, options: Any, lowering: Any, simulated: bool) -> list[Any]:
+    """Everything of a key besides the step itself: the mode after ``prepare``, the
+    mesh, the pass and lowering options, simulated or real ranks, torch, Python and this
+    compiler (see the NOTE). Raises Uncacheable."""
     from spmd_compiler import __version__
 
-    constants: list[torch.Tensor] = []
-    graph = _Encoder(constants).graph(captured.graph_module)
     mode_state = {k: v for k, v in vars(mode).items() if k != "_mesh"}
-    parts = [
-        FORMAT, graph, _signature(captured),
+    return [
         [f"{type(mode).__module__}.{type(mode).__qualname__}", fingerprint(mode_state),
          _class_sources(type(mode))],
         fingerprint(mesh), bool(simulated),
@@ -480,6 +473,20 @@ def program_key(
         str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled(),
         __version__, source_digest(), _plugin_digest(),
     ]
+
+
+def program_key(
+    captured: CapturedStep, mode: Any, mesh: Any, options: Any, lowering: Any, simulated: bool
+) -> str:
+    """The cache key of the program compiled from ``captured`` (see the NOTE).
+
+    Raises:
+        Uncacheable: something the key cannot describe exactly.
+    """
+    constants: list[torch.Tensor] = []
+    graph = _Encoder(constants).graph(captured.graph_module)
+    parts = [FORMAT, graph, _signature(captured),
+             *settings_parts(mode, mesh, options, lowering, simulated)]
     digest = hashlib.sha256(repr(parts).encode())
     for t in constants:
         digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
@@ -602,11 +609,14 @@ def program_from_bytes(
 
 
 class ProgramCache:
-    """Entries under ``<root>/programs/<key>.pt``; Inductor's cache under ``<root>/inductor``."""
+    """Entries under ``<root>/programs/<key>.pt``, step entries (NOTE: [cache key before
+    capture] in ``step_key.py``) under ``<root>/steps/<key>.pt``; Inductor's cache under
+    ``<root>/inductor``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.programs = root / "programs"
+        self.steps = root / "steps"
 
     @property
     def inductor_dir(self) -> Path:
@@ -615,23 +625,20 @@ class ProgramCache:
     def path(self, key: str) -> Path:
         return self.programs / f"{key}.pt"
 
+    def step_path(self, key: str) -> Path:
+        return self.steps / f"{key}.pt"
+
     def read(self, key: str) -> bytes | None:
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            return None
+        return _read(self.path(key))
+
+    def read_step(self, key: str) -> bytes | None:
+        return _read(self.step_path(key))
 
     def write(self, key: str, data: bytes) -> None:
-        """Write atomically (a temporary file in the same directory, then ``os.replace``)."""
-        self.programs.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.programs)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path(key))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_atomically(self.path(key), data)
+
+    def write_step(self, key: str, data: bytes) -> None:
+        _write_atomically(self.step_path(key), data)
 
     def load(self, key: str, captured: CapturedStep, mesh: Any) -> DistributedProgram | None:
         """The program stored under ``key``, or None (missing, or unusable: warned)."""
@@ -639,6 +646,26 @@ class ProgramCache:
         if data is None:
             return None
         return _decode_or_warn(data, key, captured, mesh, str(self.path(key)))
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """A temporary file in the same directory, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _decode_or_warn(
