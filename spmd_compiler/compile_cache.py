@@ -54,6 +54,7 @@ same error).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -548,13 +549,13 @@ def decode_program(
     graphs = {name: dec.graph(data) for name, data in entry["graphs"].items()}
     f = entry["fields"]
     inputs, outputs, output_metas, unchanged = f["signature"]
-    captured = dataclasses.replace(
-        captured,
-        inputs=[(_state_ref(r), _tensor_meta(m)) for r, m in inputs],
-        outputs=[_state_ref(r) for r in outputs],
-        output_metas=[_tensor_meta(m) for m in output_metas],
-        unchanged=[_state_ref(r) for r in unchanged],
-    )
+    # a copy, not dataclasses.replace: a step loaded without capture decodes its graph
+    # only when read (step_key.LoadedStep), and nothing here reads it
+    captured = copy.copy(captured)
+    captured.inputs = [(_state_ref(r), _tensor_meta(m)) for r, m in inputs]
+    captured.outputs = [_state_ref(r) for r in outputs]
+    captured.output_metas = [_tensor_meta(m) for m in output_metas]
+    captured.unchanged = [_state_ref(r) for r in unchanged]
     deferred = None
     if f["deferred"] is not None:
         positions, carry_count, deferred_nodes = dec.value(f["deferred"])

@@ -277,9 +277,9 @@ def entry_bytes(
              for i in sorted(float_positions(bindings.flat_args) - set(graph_args))]
     constants: list[torch.Tensor] = []
     enc = _Encoder(constants)
+    graph = json.dumps(enc.graph(captured.graph_module), separators=(",", ":"))
     body = {
         "program_key": program_key,
-        "graph": enc.graph(captured.graph_module),
         "signature": _signature(captured),
         "return_spec": _treespec(captured.return_spec),
         "return_leaves": [[kind, enc.value(v)] for kind, v in captured.return_leaves],
@@ -289,7 +289,8 @@ def entry_bytes(
         "manifest": module_manifest(),
     }
     buffer = io.BytesIO()
-    torch.save({"format": FORMAT, "key": key, "digest": source_digest(),
+    # the graph apart: parsed only when a loaded step's graph is read (LoadedStep)
+    torch.save({"format": FORMAT, "key": key, "digest": source_digest(), "graph": graph,
                 "entry": json.dumps(body, separators=(",", ":")), "constants": constants}, buffer)
     return buffer.getvalue()
 
@@ -318,7 +319,7 @@ def load(
         log.info("the step entry %s does not apply: %s", cache.step_path(key), change)
         return None
     try:
-        captured = _captured(entry, body["constants"], func, bindings)
+        captured = _captured(entry, body["graph"], body["constants"], func, bindings)
     except Exception as exc:  # noqa: BLE001
         log.warning("ignoring the step entry %s: %s: %.200s", cache.step_path(key),
                     type(exc).__name__, exc)
@@ -338,16 +339,34 @@ def _first_change(entry: dict[str, Any], bindings: Any) -> str | None:
     return None if path is None else f"{path} changed"
 
 
+class LoadedStep(CapturedStep):
+    """A captured step read from a step entry. Its graph (the single-device program)
+    is decoded when first read: a loaded per-rank program never reads it, and decoding
+    it cost a third of a restart's load."""
+
+    _decode_graph: Callable[[], torch.fx.GraphModule] | None = None
+
+    @property  # type: ignore[override]
+    def graph_module(self) -> torch.fx.GraphModule:
+        if self.__dict__.get("_graph") is None and self._decode_graph is not None:
+            self.__dict__["_graph"] = self._decode_graph()
+        return self.__dict__["_graph"]
+
+    @graph_module.setter
+    def graph_module(self, value: torch.fx.GraphModule | None) -> None:
+        self.__dict__["_graph"] = value
+
+
 def _captured(
-    entry: dict[str, Any], constants: list[torch.Tensor], func: Callable[..., Any], bindings: Any
+    entry: dict[str, Any], graph: str, constants: list[torch.Tensor], func: Callable[..., Any],
+    bindings: Any,
 ) -> CapturedStep:
     device = next(iter(bindings.params.values())).device
     dec = _Decoder([t.to(device) for t in constants], None, private.fake_tensor_mode())
-    gm = dec.graph(entry["graph"])
     inputs, outputs, output_metas, unchanged = entry["signature"]
     code = func.__func__.__code__ if isinstance(func, types.MethodType) else func.__code__
-    return CapturedStep(
-        graph_module=gm,
+    step = LoadedStep(
+        graph_module=None,  # type: ignore[arg-type]  # decoded when read
         inputs=[(_state_ref(r), _tensor_meta(m)) for r, m in inputs],
         outputs=[_state_ref(r) for r in outputs],
         return_spec=private.treespec_from_text(entry["return_spec"]),
@@ -357,3 +376,5 @@ def _captured(
         unchanged=[_state_ref(r) for r in unchanged],
         notes=list(entry["notes"]),
     )
+    step._decode_graph = lambda: dec.graph(json.loads(graph))
+    return step
