@@ -28,6 +28,10 @@ code reads, the arguments' tensor metadata, and torch. The key and the entry cov
   process, e.g. networkx scanning the environment when torch imports it lazily during
   the first capture) are not recorded: they are that library's settings, not the
   step's, and a restarted process imports it again.
+  A file modified after the process started is used only if its module's bytecode
+  cache records the same source (mtime and size, or hash): otherwise the code running
+  may be older than the file (edited while the job runs) and hashing the file would
+  key the old program by the new code; no key or entry is made then.
 - Tensors: the metadata of every argument and state tensor.
 - Settings: everything the program key holds besides the graph (``settings_parts``),
   the float32 matmul precision and grad mode.
@@ -44,12 +48,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import logging
 import os
 import sys
 import sysconfig
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,9 +108,13 @@ def step_key(
     if main is not None and not getattr(main, "__file__", None):
         raise Uncacheable("an interactive __main__ (code without a source file)")
     files = []
+    loaded = _loaded_files()
     for path in sorted(guards.code_files | {target.__code__.co_filename}):
         if not os.path.isfile(path):
             raise Uncacheable(f"code without a source file ({path})")
+        module = loaded.get(os.path.realpath(path))
+        if module is None or stale_source(path, module):
+            raise Uncacheable(f"{path}, not a loaded module's unchanged source")
         files.append([path, _content_digest(path)])
     parts = [
         FORMAT, files, [target.__module__, target.__qualname__],
@@ -230,16 +240,64 @@ def _skipped_roots() -> tuple[str, ...]:
     return tuple(str(r.resolve()) + os.sep for r in roots)
 
 
+def _loaded_files() -> dict[str, Any]:
+    """Source file -> the module loaded from it."""
+    return {os.path.realpath(f): m for m in list(sys.modules.values())
+            if isinstance(f := getattr(m, "__file__", None), str)}
+
+
+def _process_start_ns() -> int:
+    """When this process started (Linux), else when this module was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return (boot * 1_000_000_000) + ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_NS
+
+
+_IMPORTED_NS = time.time_ns()
+_START_NS = _process_start_ns()
+
+
+def stale_source(path: str, module: Any) -> bool:
+    """Whether the file on disk may differ from the code this process runs: modified
+    after the process started, and not what the module's bytecode was compiled from
+    (its ``__pycache__`` header records the source's mtime and size, or its hash, at
+    import). Hashing the file would then key the old program by the new code."""
+    stat = os.stat(path)
+    if stat.st_mtime_ns < _START_NS - 1_000_000_000:  # one second of clock slack
+        return False
+    cached = getattr(module, "__cached__", None)
+    try:
+        header = Path(cached).read_bytes()[:16] if cached else b""
+    except OSError:
+        return True
+    if len(header) < 16:
+        return True
+    flags = int.from_bytes(header[4:8], "little")
+    if flags & 1:  # a hash-based pyc
+        return header[8:16] != importlib.util.source_hash(Path(path).read_bytes())
+    mtime, size = int.from_bytes(header[8:12], "little"), int.from_bytes(header[12:16], "little")
+    return (mtime, size) != (int(stat.st_mtime) & 0xFFFFFFFF, stat.st_size & 0xFFFFFFFF)
+
+
 def module_manifest() -> list[list[Any]]:
     """Every loaded module's source file outside torch, the standard library and this
     compiler: ``[path, "stat", size, mtime_ns]`` inside site-packages, ``[path,
-    "sha256", digest]`` elsewhere (see the NOTE)."""
+    "sha256", digest]`` elsewhere (see the NOTE).
+
+    Raises:
+        Uncacheable: a file changed on disk since its module was loaded.
+    """
     skipped = _skipped_roots()
     out = []
-    for path in sorted({os.path.realpath(f) for m in list(sys.modules.values())
-                        if isinstance(f := getattr(m, "__file__", None), str)}):
+    for path, module in sorted(_loaded_files().items(), key=lambda item: item[0]):
         if path.startswith(skipped) or not os.path.isfile(path):
             continue
+        if stale_source(path, module):
+            raise Uncacheable(f"{path}, changed since it was loaded")
         if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
             stat = os.stat(path)
             out.append([path, "stat", stat.st_size, stat.st_mtime_ns])
