@@ -215,9 +215,10 @@ class CompiledTrainStep:
                 program, guards, load_seconds = loaded
                 how, capture_seconds = "hit", 0.0
             else:
-                with progress.stage("capture"), (
+                recording: contextlib.AbstractContextManager[dict[str, str | None]] = (
                     step_key.record_environment() if pre_key else contextlib.nullcontext({})
-                ) as environment:
+                )
+                with progress.stage("capture"), recording as environment:
                     captured, guards = self._capture_guarded(bindings, input_metas)
                 capture_seconds = captured.capture_seconds
                 program, how, load_seconds, program_key = self._cached_or_built(

@@ -216,7 +216,7 @@ def _importing() -> bool:
     """Whether a module is being imported (its top-level code runs): a library reading
     its own settings once per process (networkx scans the environment when torch
     imports it lazily during a first capture), not the step's code."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return True
