@@ -17,12 +17,12 @@ the key is a SHA-256 of what the rest of the pipeline reads:
   an edited compiler never loads a program an older one made.
 Anything the key walker cannot encode exactly (a function held by the mode, a SymInt, an
 unknown object in node meta) makes the step *uncacheable*: it compiles as without a cache
-(logged at INFO). Skipping capture was measured and rejected: a key built before capture
-must cover all code the trace runs (the step, ``forward``s, helpers reached through
-module attributes, imports inside functions, environment variables it reads), which the
-guard walker (NOTE: [guards on Python values]) finds only for scalars and not provably
-for code; a stale program would run silently. So a hit costs one capture plus the load.
-Guards are built from that fresh capture, so they hold on a hit exactly as on a miss.
+(logged at INFO). This key costs a capture; a second key, computed before capture, finds
+the program without tracing when everything the capture depends on is unchanged (NOTE:
+[cache key before capture] in ``step_key.py``: code by source files and a manifest of
+loaded modules, guarded values, structure, hooks, environment variables read). Where
+that key cannot describe the step, a hit costs one capture plus the load. Guards are
+built from the current call either way, so they hold on a hit exactly as on a miss.
 
 The rank is not in the key: the per-rank program is one graph for every rank (NOTE: [one
 program for every rank]); its process groups and coordinate are looked up at run time on

@@ -52,7 +52,9 @@ def test_fsdp_tp_expansion_work_is_bounded_by_the_program():
     prices once and traces the mesh coordinate only where the program uses it. Before
     the memo (torch 2.13, demo GPT with 1 layer, 717 captured nodes): 6118 plans and 6953
     traced coordinates for 67 live ones, 51 CPU s; after: 1754 plans, 126 coordinates,
-    11 CPU s. Counts, not seconds: a loaded machine cannot make this test flaky."""
+    11 CPU s; with even shard selections and local shapes traced without the coordinate
+    (NOTE: [even shard selections]): 1437 plans, 73 coordinates. Counts, not seconds: a
+    loaded machine cannot make this test flaky."""
     config = DemoConfig(steps=1, n_layer=1)
     model, optim, data = build(config)
     step = sc.compile(FullyShardTensorParallel(gpt_tp_plan(), mesh_shape=(2, 2)))(gpt_train_step)
@@ -65,4 +67,4 @@ def test_fsdp_tp_expansion_work_is_bounded_by_the_program():
     )
     assert live > 0  # the program does use the run-time coordinate
     assert counts["plans"] <= 3 * captured, (counts, captured)
-    assert counts["coordinates"] <= 3 * live, (counts, live)
+    assert counts["coordinates"] <= live * 5 // 4, (counts, live)
