@@ -637,8 +637,10 @@ def compile_on_one_rank() -> Iterator[None]:
 
     def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, offset_mode=0):
         # Even strided shards: rank r holds piece r of each of the split_factor blocks.
+        # For a plain-int rank too: torch's answer splits a traced arange only to read
+        # its sizes and values (dead nodes, an eighth of the fsdp_tp demo's expansion).
         pieces = self.split_factor * num_chunks
-        if not isinstance(rank, int) and isinstance(curr_local_size, int) and curr_local_size % pieces == 0:
+        if isinstance(curr_local_size, int) and curr_local_size % pieces == 0:
             piece = curr_local_size // pieces
             block = curr_local_size // self.split_factor
             if int(offset_mode) == 2:  # NONE
