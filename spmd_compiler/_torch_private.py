@@ -363,6 +363,11 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     where every sharded dimension of both specs divides evenly, no shape depends on it
     (``size // n`` on every rank) and the plan is made the same way, without it. The
     coordinate nodes those plans traced were dead; the program is the same.
+
+    Inside a plan, the graph-based planner prices each step of its search from the two
+    states' specs (``one_step_redistribute_cost``), a pure function of the mesh, the
+    tensor's metadata and the two states; every plan of a tensor of that shape asks it
+    again, so each step is priced once per trace too.
     """
     import importlib
 
@@ -428,6 +433,30 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
             hit = memo[key] = price(current_spec, target_spec)
         return hit
 
+    original_callbacks = getattr(Planner, "setup_cost_callbacks", None)
+    step_costs: dict[Any, float] = {}
+
+    def setup_cost_callbacks(planner):
+        # The planner's search prices each step (one edge) from the two states' specs:
+        # a pure function of the mesh, the tensor's metadata and the two states, asked
+        # again by every plan of a tensor of that shape; priced once per trace here.
+        original_callbacks(planner)
+        edge_cost = getattr(planner, "cost_function", None)
+        if edge_cost is None or not hasattr(planner, "dtensor_meta"):
+            return  # another release's planner: its own costs
+
+        def cost_function(src_state, dst_state):
+            try:
+                key = (planner.device_mesh, planner.dtensor_meta, src_state, dst_state)
+                hit = step_costs.get(key)
+            except TypeError:  # a SymInt in the metadata is not hashable
+                return edge_cost(src_state, dst_state)
+            if hit is None:
+                hit = step_costs[key] = edge_cost(src_state, dst_state)
+            return hit
+
+        planner.cost_function = cost_function
+
     modules = [importlib.import_module(name) for name in _COST_CALLERS]
     # every caller's current function (DTensor's own, or our uncomputable-cost wrapper of
     # it, NOTE: [uncomputable redistribution costs]) is replaced, and put back after
@@ -443,6 +472,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
                 (DeviceMesh, "_sym_get_coordinate", sym_get_coordinate),
                 (Planner, "get_logical_shape", get_logical_shape),
                 (redistribute_module, "_gen_transform_infos_non_cached", plan),
+                (Planner, "setup_cost_callbacks", setup_cost_callbacks),
             ):
                 if owner is not None and hasattr(owner, name):
                     stack.enter_context(mock.patch.object(owner, name, replacement))
