@@ -1641,3 +1641,15 @@ def treespec_text(spec: Any) -> str:
 
 def treespec_from_text(text: str) -> Any:
     return pytree.treespec_loads(text)
+
+
+def register_device_mesh_ops() -> None:
+    """Register ``torch.ops.device_mesh`` (the run-time mesh coordinate), which torch does
+    on the first trace that needs it: a program loaded from the compile cache calls it
+    before anything was traced."""
+    import importlib
+
+    try:
+        importlib.import_module("torch.distributed._ops.device_mesh")
+    except ImportError:  # a release without it: its programs do not hold the op either
+        pass

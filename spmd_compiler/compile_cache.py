@@ -96,7 +96,11 @@ _PACKAGES = ("spmd_compiler",)
 _FUNCTION_MODULES = ("operator", "builtins", "math", "torch", "spmd_compiler")
 # Operator namespaces whose implementations and DTensor rules come with torch (its
 # version is in the key); a custom operator's sharding rule could change unseen.
-_OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor"})
+# ``device_mesh`` holds the run-time mesh coordinate a 2-D program reads (NOTE: [one
+# program for every rank]), registered by torch when a trace first needs it.
+_OP_NAMESPACES = frozenset(
+    {"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor", "device_mesh"}
+)
 
 
 class Uncacheable(Exception):
@@ -323,6 +327,8 @@ class _Decoder:
             ns, name, overload = payload
             if ns not in _OP_NAMESPACES:
                 raise ValueError(f"operator namespace {ns!r}")
+            if ns == "device_mesh":  # a process that has not traced yet (a restart)
+                private.register_device_mesh_ops()
             return getattr(getattr(getattr(torch.ops, ns), name), overload)
         if tag == "fn" and payload[0].split(".")[0] in _FUNCTION_MODULES:
             return _resolve(*payload)
