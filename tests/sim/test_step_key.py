@@ -229,3 +229,25 @@ def test_a_source_edited_while_running_gets_no_key(tmp_path: Path, monkeypatch: 
     assert not list((cache / "steps").glob("*.pt"))
     step, error = run(cache, step_fn=train_step)
     assert skipped(step) == [False, False] and error < TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_2d_program_reading_the_mesh_coordinate_is_cached(tmp_path: Path) -> None:
+    """An fsdp_tp GPT program reads the run-time mesh coordinate (``device_mesh`` op);
+    such programs were uncacheable (an operator outside torch's namespaces) and every
+    2-D restart compiled again. Now the restart skips capture and expansion."""
+    from spmd_compiler.parallel_modes import FullyShardTensorParallel
+    from spmd_compiler.tools.demo.gpt import gpt_tp_plan, gpt_train_step
+    from spmd_compiler.tools.demo.run import DemoConfig, build
+
+    losses = []
+    for _ in range(2):
+        model, optim, data = build(DemoConfig(steps=1, n_layer=1))
+        step = sc.compile(FullyShardTensorParallel(gpt_tp_plan(), mesh_shape=(2, 2)),
+                          cache_dir=tmp_path)(gpt_train_step)
+        with sc.simulate(4):
+            losses.append(float(step(model, optim, *data[0])))
+    program = step.records[0].program
+    assert any("coordinate_on_dim" in str(n.target) for n in program.graph_module.graph.nodes)
+    assert [r.cache for r in step.records] == ["hit"] and skipped(step) == [True]
+    assert losses[0] == losses[1]
