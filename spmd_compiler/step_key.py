@@ -112,7 +112,10 @@ def step_key(
     for path in sorted(guards.code_files | {target.__code__.co_filename}):
         if not os.path.isfile(path):
             raise Uncacheable(f"code without a source file ({path})")
-        module = loaded.get(os.path.realpath(path))
+        module = loaded.get(path)
+        if module is None:  # named through another path (a symlink)
+            real = os.path.realpath(path)
+            module = next((m for f, m in loaded.items() if os.path.realpath(f) == real), None)
         if module is None or stale_source(path, module):
             raise Uncacheable(f"{path}, not a loaded module's unchanged source")
         files.append([path, _content_digest(path)])
@@ -237,12 +240,13 @@ def _skipped_roots() -> tuple[str, ...]:
         module = sys.modules.get(f"spmd_compiler.{name}")
         if module is not None and module.__file__:
             roots.append(Path(module.__file__).parent)
-    return tuple(str(r.resolve()) + os.sep for r in roots)
+    # as modules name their files, and resolved (a symlinked venv or checkout)
+    return tuple({str(p) + os.sep for r in roots for p in (r.absolute(), r.resolve())})
 
 
 def _loaded_files() -> dict[str, Any]:
-    """Source file -> the module loaded from it."""
-    return {os.path.realpath(f): m for m in list(sys.modules.values())
+    """Source file (as the module names it) -> the module loaded from it."""
+    return {f: m for m in list(sys.modules.values())
             if isinstance(f := getattr(m, "__file__", None), str)}
 
 
