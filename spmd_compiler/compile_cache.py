@@ -69,6 +69,7 @@ import sys
 import tempfile
 import types
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -482,6 +483,22 @@ def settings_parts(mode: Any, mesh: Any, options: Any, lowering: Any, simulated:
     ]
 
 
+_ENCODED: weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[list[Any], list[torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def encoded_graph(gm: torch.fx.GraphModule) -> tuple[list[Any], list[torch.Tensor]]:
+    """``gm`` encoded with its node meta, and its tensor constants; computed once per
+    graph (the program key and the step entry both encode the captured graph, which
+    nothing changes after capture). Raises Uncacheable."""
+    hit = _ENCODED.get(gm)
+    if hit is None:
+        constants: list[torch.Tensor] = []
+        hit = _ENCODED[gm] = (_Encoder(constants).graph(gm), constants)
+    return hit
+
+
 def program_key(
     captured: CapturedStep, mode: Any, mesh: Any, options: Any, lowering: Any, simulated: bool
 ) -> str:
@@ -490,8 +507,7 @@ def program_key(
     Raises:
         Uncacheable: something the key cannot describe exactly.
     """
-    constants: list[torch.Tensor] = []
-    graph = _Encoder(constants).graph(captured.graph_module)
+    graph, constants = encoded_graph(captured.graph_module)
     parts = [FORMAT, graph, _signature(captured),
              *settings_parts(mode, mesh, options, lowering, simulated)]
     digest = hashlib.sha256(repr(parts).encode())

@@ -76,6 +76,7 @@ from .compile_cache import (
     _signature,
     _state_ref,
     _tensor_meta,
+    encoded_graph,
     fingerprint,
     source_digest,
 )
@@ -337,9 +338,10 @@ def entry_bytes(
                         if r.kind is Kind.HYPERPARAM and r.optimizer < 0)
     baked = [[i, float.hex(bindings.flat_args[i])]
              for i in sorted(float_positions(bindings.flat_args) - set(graph_args))]
-    constants: list[torch.Tensor] = []
-    enc = _Encoder(constants)
-    graph = json.dumps(enc.graph(captured.graph_module), separators=(",", ":"))
+    encoded, graph_constants = encoded_graph(captured.graph_module)
+    constants = list(graph_constants)
+    enc = _Encoder(constants)  # return values are encoded after the graph's constants
+    graph = json.dumps(encoded, separators=(",", ":"))
     body = {
         "program_key": program_key,
         "signature": _signature(captured),
