@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,15 @@ from spmd_compiler.tools.parity import full_state, relative_difference
 
 TOLERANCE = 1e-5
 STEPS = 2
+
+
+@pytest.fixture(autouse=True)
+def forget_test_modules() -> Iterator[None]:
+    """Modules a test wrote and imported leave with it: a later test's manifest would
+    list them (one edited while loaded leaves every later step without an entry)."""
+    yield
+    for name in [n for n in sys.modules if n.startswith("step_key_test_")]:
+        del sys.modules[name]
 
 
 def mlp(act: type[nn.Module] = nn.ReLU) -> nn.Module:
