@@ -23,11 +23,14 @@ code reads, the arguments' tensor metadata, and torch. The key and the entry cov
   buffer names and their tying); every hook the step would run (global, per module,
   per parameter, per optimizer) by its code; the in-process key (``static_key``:
   optimizer hyper-parameters and state keys, training flags, non-tensor arguments);
-  the environment variables read while capturing (recorded, compared on load).
-  Reads made while a module is imported (a library configuring itself once per
-  process, e.g. networkx scanning the environment when torch imports it lazily during
-  the first capture) are not recorded: they are that library's settings, not the
-  step's, and a restarted process imports it again.
+  the environment variables read while capturing (recorded, compared on load; those
+  a user's module read when a capture imported it go into every later entry of the
+  process too, since later captures do not import it again).
+  Reads made while an installed library's module is imported (networkx scanning the
+  environment when torch imports it lazily during the first capture) are not recorded:
+  they are that library's settings, versioned with it. Limit, shared with the
+  in-process guards: a Python value the guard walker does not reach (a global of a
+  module imported by name inside a function, changed by the script) is in neither.
   A file modified after the process started is used only if its module's bytecode
   cache records the same source (mtime and size, or hash): otherwise the code running
   may be older than the file (edited while the job runs) and hashing the file would
@@ -47,6 +50,7 @@ by its program key as before (capture, then load). Tests: tests/sim/test_step_ke
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import io
@@ -197,16 +201,13 @@ def record_environment() -> Iterator[dict[str, str | None]]:
         try:
             value = get(self, key)
         except KeyError:
-            if not _importing():
-                reads.setdefault(_text(key), None)
+            _record(reads, key, None)
             raise
-        if not _importing():
-            reads.setdefault(_text(key), _text(value))
+        _record(reads, key, value)
         return value
 
     def iterate_all(self: Any) -> Any:
-        if not _importing():
-            reads[_WHOLE_ENVIRONMENT] = ""
+        _record(reads, _WHOLE_ENVIRONMENT, "")
         return iterate(self)
 
     cls.__getitem__, cls.__iter__ = getitem, iterate_all  # type: ignore[method-assign]
@@ -216,22 +217,50 @@ def record_environment() -> Iterator[dict[str, str | None]]:
         cls.__getitem__, cls.__iter__ = get, iterate  # type: ignore[method-assign]
 
 
-def _importing() -> bool:
-    """Whether a module is being imported (its top-level code runs): a library reading
-    its own settings once per process (networkx scans the environment when torch
-    imports it lazily during a first capture), not the step's code."""
-    frame: types.FrameType | None = sys._getframe(2)
+# Reads made while a user's module was imported during a capture: the module stays
+# imported, so later captures in this process do not read them again, yet their
+# programs depend on them too; every later step entry records them.
+_IMPORT_READS: dict[str, str | None] = {}
+
+
+def _record(reads: dict[str, str | None], key: Any, value: Any) -> None:
+    importing = _importing()
+    if importing == "library":
+        return
+    name, text = _text(key), None if value is None else _text(value)
+    reads.setdefault(name, text)
+    if importing == "user":
+        _IMPORT_READS.setdefault(name, text)
+
+
+def _importing() -> str:
+    """Whether an installed library's module is being imported (its top-level code
+    runs): the library reading its own settings once per process (networkx scans the
+    environment when torch imports it lazily during a first capture), not the step's
+    code ("library"). A user's module read while imported ("user") is recorded, for
+    this capture and every later one (``_IMPORT_READS``); "" when nothing is imported."""
+    frame: types.FrameType | None = sys._getframe(3)
+    module = None  # the innermost module body run on the way to the read
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
+        code = frame.f_code
+        if code.co_name == "<module>" and module is None:
+            module = code.co_filename
+        elif code.co_filename.startswith("<frozen importlib") and module is not None:
+            library = module.startswith(_skipped_roots()) or _in_site_packages(module)
+            return "library" if library else "user"
         frame = frame.f_back
-    return False
+    return ""
+
+
+def _in_site_packages(path: str) -> bool:
+    return f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
 
 
 def _text(value: Any) -> str:
     return value.decode(errors="surrogateescape") if isinstance(value, bytes) else str(value)
 
 
+@functools.lru_cache(maxsize=1)
 def _skipped_roots() -> tuple[str, ...]:
     import spmd_compiler
 
@@ -303,7 +332,7 @@ def module_manifest() -> list[list[Any]]:
             continue
         if stale_source(path, module):
             raise Uncacheable(f"{path}, changed since it was loaded")
-        if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
+        if _in_site_packages(path):
             stat = os.stat(path)
             out.append([path, "stat", stat.st_size, stat.st_mtime_ns])
         else:
@@ -332,6 +361,7 @@ def entry_bytes(
     environment: dict[str, str | None],
 ) -> bytes:
     """The step entry of ``key``. Raises Uncacheable."""
+    environment = {**_IMPORT_READS, **environment}
     if _WHOLE_ENVIRONMENT in environment:
         raise Uncacheable("a capture that read the whole environment")
     graph_args = sorted(r.index for r in captured.input_refs()

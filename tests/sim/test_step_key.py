@@ -170,11 +170,19 @@ def write(path: Path, text: str, age: int) -> None:
     os.utime(path, ns=(past, past))
 
 
-@pytest.mark.parametrize("edit", ["helper", "step"])
+# the helper's scale read from the environment when it is imported (during the capture)
+CONFIGURED = 'import os\nFACTOR = float(os.environ.get("SPMD_STEP_KEY_TEST_FACTOR", "2"))\n'
+
+
+@pytest.mark.parametrize("edit", ["helper", "step", "import_environment"])
 def test_edited_code_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: str) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("SPMD_STEP_KEY_TEST_FACTOR", raising=False)
     helper, source = tmp_path / "step_key_test_helper.py", tmp_path / "step_key_test_step.py"
-    write(helper, HELPER.format("2.0"), age=7200)
+    if edit == "import_environment":
+        write(helper, CONFIGURED + HELPER.format("FACTOR"), age=7200)
+    else:
+        write(helper, HELPER.format("2.0"), age=7200)
     write(source, STEP.format(""), age=7200)
 
     def load() -> Callable[..., torch.Tensor]:
@@ -189,6 +197,8 @@ def test_edited_code_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edi
     assert skipped(step) == [True, True] and error < TOLERANCE
     if edit == "helper":
         write(helper, HELPER.format("30.0"), age=3600)
+    elif edit == "import_environment":
+        monkeypatch.setenv("SPMD_STEP_KEY_TEST_FACTOR", "30")
     else:
         write(source, STEP.format(" * 0.5"), age=3600)
     step, error = run(cache, step_fn=load())
