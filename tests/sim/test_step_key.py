@@ -31,12 +31,20 @@ STEPS = 2
 
 
 @pytest.fixture(autouse=True)
-def forget_test_modules() -> Iterator[None]:
-    """Modules a test wrote and imported leave with it: a later test's manifest would
-    list them (one edited while loaded leaves every later step without an entry)."""
+def forget_test_modules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Modules tests wrote under pytest's temporary directory (here or in another test
+    file) are forgotten before and after each test: the manifest lists every loaded
+    module, and one edited while loaded leaves every later step without an entry."""
+    base = str(tmp_path_factory.getbasetemp())
+
+    def forget() -> None:
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(base):
+                del sys.modules[name]
+
+    forget()
     yield
-    for name in [n for n in sys.modules if n.startswith("step_key_test_")]:
-        del sys.modules[name]
+    forget()
 
 
 def mlp(act: type[nn.Module] = nn.ReLU) -> nn.Module:
