@@ -454,6 +454,11 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     pair with the same placements, shard orders and rank where that plan was observed to
     come from the greedy planner only (``_placement_plan_key``); the price itself is still
     computed from this pair's bytes.
+
+    Inside a plan, the graph-based planner prices each step of its search from the two
+    states' specs (``one_step_redistribute_cost``), a pure function of the mesh, the
+    tensor's metadata and the two states; every plan of a tensor of that shape asks it
+    again, so each step is priced once per trace too.
     """
     import importlib
 
@@ -548,14 +553,37 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     def redistribute_cost(current_spec, target_spec):
         memo.calls += 1
         try:
-            key = (current_spec, target_spec, _strided_as_order(current_spec),
-                   _strided_as_order(target_spec))
+            key = (_price_key(current_spec), _price_key(target_spec))
             hit = memo.get(key)
         except TypeError:  # a SymInt in a shape is not hashable
             return price(current_spec, target_spec)
         if hit is None:
             hit = memo[key] = price(current_spec, target_spec)
         return hit
+
+    original_callbacks = getattr(Planner, "setup_cost_callbacks", None)
+    step_costs: dict[Any, float] = {}
+
+    def setup_cost_callbacks(planner):
+        # The planner's search prices each step (one edge) from the two states' specs:
+        # a pure function of the mesh, the tensor's metadata and the two states, asked
+        # again by every plan of a tensor of that shape; priced once per trace here.
+        original_callbacks(planner)
+        edge_cost = getattr(planner, "cost_function", None)
+        if edge_cost is None or not hasattr(planner, "dtensor_meta"):
+            return  # another release's planner: its own costs
+
+        def cost_function(src_state, dst_state):
+            try:
+                key = (planner.device_mesh, planner.dtensor_meta, src_state, dst_state)
+                hit = step_costs.get(key)
+            except TypeError:  # a SymInt in the metadata is not hashable
+                return edge_cost(src_state, dst_state)
+            if hit is None:
+                hit = step_costs[key] = edge_cost(src_state, dst_state)
+            return hit
+
+        planner.cost_function = cost_function
 
     modules = [importlib.import_module(name) for name in _COST_CALLERS]
     # every caller's current function (DTensor's own, or our uncomputable-cost wrapper of
@@ -577,6 +605,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
                 (Planner if original_greedy else None, "generate_greedy_transform_infos", greedy),
                 (Planner if original_graph else None, "generate_graph_based_transform_infos",
                  graph_based),
+                (Planner, "setup_cost_callbacks", setup_cost_callbacks),
             ):
                 if owner is not None and hasattr(owner, name):
                     stack.enter_context(mock.patch.object(owner, name, replacement))
@@ -604,6 +633,18 @@ def _placement_plan_key(src_spec: Any, dst_spec: Any, args: tuple, kwargs: dict)
     except TypeError:
         return None
     return key
+
+
+def _price_key(spec: Any) -> tuple:
+    """What DTensor's redistribution cost reads of a spec: its mesh, placements, shard
+    order, shape and dtype (the planner and the byte count), and how it reads a
+    ``_StridedShard``; not its strides, which DTensorSpec's equality also compares
+    (a transposed view priced apart from its contiguous twin)."""
+    meta = spec.tensor_meta
+    if meta is None:
+        return (spec, _strided_as_order(spec))
+    return (spec.mesh, tuple(spec.placements), spec.shard_order, tuple(meta.shape),
+            meta.dtype, _strided_as_order(spec))
 
 
 def _evenly_sharded(*specs: Any) -> bool:
@@ -797,8 +838,10 @@ def compile_on_one_rank() -> Iterator[None]:
 
     def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, offset_mode=0):
         # Even strided shards: rank r holds piece r of each of the split_factor blocks.
+        # For a plain-int rank too: torch's answer splits a traced arange only to read
+        # its sizes and values (dead nodes, an eighth of the fsdp_tp demo's expansion).
         pieces = self.split_factor * num_chunks
-        if not isinstance(rank, int) and isinstance(curr_local_size, int) and curr_local_size % pieces == 0:
+        if isinstance(curr_local_size, int) and curr_local_size % pieces == 0:
             piece = curr_local_size // pieces
             block = curr_local_size // self.split_factor
             if int(offset_mode) == 2:  # NONE
@@ -828,12 +871,151 @@ def compile_on_one_rank() -> Iterator[None]:
 
     with compile_on_one_rank_config().patch(compile_on_one_rank=True), mock.patch.object(
         _StridedShard, "_local_shard_size", staticmethod(local_shard_size)
-    ), mock.patch.object(
+    ), _even_replicate_to_shard(), _even_local_shapes(), mock.patch.object(
         _StridedShard, "_replicate_to_strided_shard", replicate_to_strided_shard
     ), mock.patch.object(
         _StridedShard, "local_shard_size_and_offset", local_shard_size_and_offset
     ), _costs_without_rank_dependent_candidates():
         yield
+
+
+@contextlib.contextmanager
+def _even_replicate_to_shard() -> Iterator[None]:
+    """Replicate -> Shard at the run-time coordinate, traced without DTensor's checks.
+
+    NOTE: [even shard selections]
+    A Replicate -> Shard step keeps this rank's slice: DTensor's
+    ``Shard._select_split_tensor`` traces ``narrow(x, dim, split * i, sym_ite(i == n - 1,
+    last, split))`` with ``i`` the symbolic coordinate, and both ``narrow``'s checks and
+    the fake ``slice`` prove ``0 <= split * i <= size`` with sympy on a fresh symbol each
+    time: a third of the fsdp_tp demo's expansion. When the dimension divides evenly,
+    ``last == split`` and the same live nodes are ``mul = split * i``, ``add = mul +
+    split``, ``slice(x, dim, mul, add)``, ``clone``: traced here directly, with the fake
+    slice's bounds read from the coordinate's value range (``fast_coordinate_slice``).
+    The checks only made graph nodes that were dead; the program is the same (node
+    names aside: fewer dead nodes were numbered). The fake-tensor cache is off for the
+    two ops: their inputs hold a fresh symbol each time, so an entry never hits again,
+    and building one (which also re-synthesizes the output to check it) cost as much
+    as the ops.
+    """
+    from torch._subclasses import fake_tensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    no_cache = getattr(fake_tensor, "disable_fake_tensor_cache", None)
+
+    original = Shard._replicate_to_shard
+
+    def replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+        n = mesh.size(mesh_dim)
+        size = local_tensor.shape[self.dim] if 0 <= self.dim < local_tensor.ndim else None
+        if (type(self) is not Shard or isinstance(shard_index, int)
+                or not isinstance(shard_index, torch.SymInt) or type(size) is not int or size % n):
+            return original(self, local_tensor, mesh, mesh_dim, shard_index)
+        split = size // n
+        start = split * shard_index
+        end = start + split
+        fake_mode = torch._guards.detect_fake_mode(local_tensor)
+        with fast_coordinate_slice(), (
+            no_cache(fake_mode) if fake_mode is not None and no_cache else contextlib.nullcontext()
+        ):
+            return torch.ops.aten.slice.Tensor(local_tensor, self.dim, start, end).clone()
+
+    with mock.patch.object(Shard, "_replicate_to_shard", replicate_to_shard):
+        yield
+
+
+@contextlib.contextmanager
+def _even_local_shapes() -> Iterator[None]:
+    """Local shapes of evenly sharded tensors without tracing the run-time coordinate.
+
+    Sharding propagation rewrites the shape argument of a view or factory op to the local
+    shape (``compute_local_shape_and_global_offset(..., skip_offset=True)``), which
+    traces this rank's mesh coordinate for every sharded mesh dimension although an
+    even split gives every rank ``size // n`` (the coordinate nodes were dead). Where
+    every sharding is a plain ``Shard`` whose dimension divides evenly, that quotient
+    is returned (the rank-independent answer DTensor computes); anything else, or a
+    call that wants the offsets, is DTensor's own.
+    """
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+    from torch.distributed.tensor.placement_types import Shard
+
+    original = getattr(sharding_prop, "compute_local_shape_and_global_offset", None)
+    if original is None:  # absent from some releases: nothing to skip
+        yield
+        return
+
+    def local_shape_and_offset(global_shape, mesh, placements, skip_offset=False):
+        shape = list(global_shape)
+        if skip_offset and all(type(n) is int for n in shape):
+            for mesh_dim, p in enumerate(placements):
+                if type(p) is Shard and 0 <= p.dim < len(shape) and shape[p.dim] % mesh.size(mesh_dim) == 0:
+                    shape[p.dim] //= mesh.size(mesh_dim)
+                elif p.is_shard() or is_strided_shard(p) or not (p.is_replicate() or p.is_partial()):
+                    break
+            else:
+                if mesh._is_current_rank_part_of_mesh():
+                    return tuple(shape), ()
+        return original(global_shape, mesh, placements, skip_offset=skip_offset)
+
+    with mock.patch.object(sharding_prop, "compute_local_shape_and_global_offset", local_shape_and_offset):
+        yield
+
+
+@contextlib.contextmanager
+def fast_coordinate_slice() -> Iterator[None]:
+    """The fake ``aten.slice.Tensor`` kernel, with its index checks decided from value
+    ranges where they are provable (NOTE: [even shard selections]).
+
+    torch's kernel asks ``guard_or_false(0 <= start <= size)`` (and the same for
+    ``end``, then ``end >= start``) through sympy relations on every call. When the
+    bounds of ``start`` and ``end`` (their symbols' value ranges) lie in ``[0, size]``
+    and ``end - start`` is a non-negative integer, each of those questions is statically
+    true (torch's static evaluation reads the same ranges), so its first branches are
+    taken without asking; anything else runs torch's kernel unchanged.
+    """
+    from torch._subclasses import fake_impls
+
+    table = getattr(fake_impls, "op_implementations_dict", {})
+    op = torch.ops.aten.slice.Tensor
+    original = table.get(op)
+    if original is None:  # another release's layout: torch's kernel, unchanged
+        yield
+        return
+
+    def slice_forward(fake_mode, func, x, dim=0, start=None, end=None, step=1):
+        fast = _provable_slice(fake_mode, x, dim, start, end, step)
+        if fast is None:
+            return original(fake_mode, func, x, dim, start, end, step)
+        return fast
+
+    table[op] = slice_forward
+    try:
+        yield
+    finally:
+        table[op] = original
+
+
+def _provable_slice(fake_mode: Any, x: Any, dim: int, start: Any, end: Any, step: Any) -> Any:
+    """``x[start:end]`` along ``dim`` as torch's fake kernel makes it, or None when its
+    index checks are not provable from value ranges (see ``fast_coordinate_slice``)."""
+    shape_env = fake_mode.shape_env
+    if shape_env is None or step != 1 or x.ndim == 0 or not 0 <= dim < x.ndim:
+        return None
+    size = x.shape[dim]
+    if type(size) is not int or not isinstance(start, torch.SymInt) or not isinstance(end, torch.SymInt):
+        return None
+    width = end.node.expr - start.node.expr
+    if not width.is_Integer or int(width) < 0:
+        return None
+    for bound in (start, end):
+        span = shape_env.bound_sympy(bound.node.expr)
+        if not (span.lower.is_finite and span.upper.is_finite and 0 <= span.lower and span.upper <= size):
+            return None
+    sizes, strides = list(x.size()), list(x.stride())
+    sizes[dim] = (end - start + step - 1) // step
+    storage_offset = x.storage_offset() + start * strides[dim]
+    strides[dim] = strides[dim] * step
+    return x.as_strided(sizes, strides, storage_offset)
 
 
 @contextlib.contextmanager
@@ -1990,3 +2172,56 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+_MODULE_HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+)
+
+
+def step_hooks(modules: list[torch.nn.Module], optimizers: list[Any]) -> list[tuple[str, Any]]:
+    """Every hook a captured step would run: torch's global module and optimizer hooks,
+    each module's forward / backward hooks, each parameter's gradient hooks and each
+    optimizer's step hooks, as ``(where, hook)`` (for the pre-capture cache key)."""
+    import torch.nn.modules.module as module_module
+    import torch.optim.optimizer as optimizer_module
+
+    found: list[tuple[str, Any]] = []
+    for name in ("_global_backward_pre_hooks", "_global_backward_hooks",
+                 "_global_forward_pre_hooks", "_global_forward_hooks"):
+        found += [(name, h) for h in getattr(module_module, name, {}).values()]
+    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        found += [(name, h) for h in getattr(optimizer_module, name, {}).values()]
+    for mi, root in enumerate(modules):
+        for fqn, mod in root.named_modules(remove_duplicate=False):
+            for name in _MODULE_HOOK_DICTS:
+                found += [(f"{mi}.{fqn}.{name}", h) for h in getattr(mod, name, {}).values()]
+        for fqn, p in root.named_parameters(remove_duplicate=False):
+            for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+                found += [(f"{mi}.{fqn}.{name}", h) for h in (getattr(p, name, None) or {}).values()]
+    for oi, opt in enumerate(optimizers):
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+            found += [(f"optimizer{oi}.{name}", h) for h in getattr(opt, name, {}).values()]
+    return found
+
+
+def treespec_text(spec: Any) -> str:
+    """A pytree spec as text (``treespec_dumps``); raises for types without a
+    serialized name (the caller treats that as not cacheable)."""
+    return pytree.treespec_dumps(spec)
+
+
+def treespec_from_text(text: str) -> Any:
+    return pytree.treespec_loads(text)
+
+
+def register_device_mesh_ops() -> None:
+    """Register ``torch.ops.device_mesh`` (the run-time mesh coordinate), which torch does
+    on the first trace that needs it: a program loaded from the compile cache calls it
+    before anything was traced."""
+    import importlib
+
+    try:
+        importlib.import_module("torch.distributed._ops.device_mesh")
+    except ImportError:  # a release without it: its programs do not hold the op either
+        pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.passes import PassOptions
 
-from . import compile_cache
+from . import compile_cache, step_key
 from .capture.bindings import StepBindings, find_bindings
 from .capture.guards import Guards, build_guards
 from .capture.trace import capture_step
@@ -54,6 +55,9 @@ class CompileRecord:
     # written), "hit" (loaded from disk) or "shared" (compiled by another rank)
     cache: str = "off"
     cache_load_seconds: float = 0.0
+    # a hit found by the key before capture: the step was not traced (NOTE: [cache key
+    # before capture] in step_key.py)
+    capture_skipped: bool = False
 
 
 class CompiledTrainStep:
@@ -204,9 +208,24 @@ class CompiledTrainStep:
         title = f"{self.func.__name__} for {type(self.mode).__name__}"
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
-            with progress.stage("capture"):
-                captured, guards = self._capture_guarded(bindings, input_metas)
-            program, how, load_seconds = self._cached_or_built(captured, mesh, progress)
+            pre_key, key_guards = self._step_key(bindings, input_metas, mesh)
+            loaded = self._load_uncaptured(pre_key, bindings, mesh, progress)
+            skipped = loaded is not None
+            if loaded is not None:
+                program, guards, load_seconds = loaded
+                how, capture_seconds = "hit", 0.0
+            else:
+                recording: contextlib.AbstractContextManager[dict[str, str | None]] = (
+                    step_key.record_environment() if pre_key else contextlib.nullcontext({})
+                )
+                with progress.stage("capture"), recording as environment:
+                    captured, guards = self._capture_guarded(bindings, input_metas)
+                capture_seconds = captured.capture_seconds
+                program, how, load_seconds, program_key = self._cached_or_built(
+                    captured, mesh, progress
+                )
+                if pre_key and program_key and key_guards.first_change(bindings) is None:
+                    self._write_step_entry(pre_key, program_key, captured, bindings, environment)
             inductor_dir = self.disk_cache.inductor_dir if self.disk_cache else None
             executable = StepExecutable(
                 program, self.mode.placement_of, self.lowering.for_device(device_type),
@@ -215,8 +234,9 @@ class CompiledTrainStep:
         total = time.perf_counter() - start
         built = how in ("off", "uncacheable", "miss")
         record = CompileRecord(
-            key, program, captured.capture_seconds, program.expand_seconds if built else 0.0,
+            key, program, capture_seconds, program.expand_seconds if built else 0.0,
             sum(program.pass_seconds.values()) if built else 0.0, total, how, load_seconds,
+            skipped,
         )
         self.records.append(record)
         self._cache.setdefault(key, []).append((guards, executable))
@@ -249,13 +269,14 @@ class CompiledTrainStep:
 
     def _cached_or_built(
         self, captured: CapturedStep, mesh: DeviceMesh, progress: Any
-    ) -> tuple[DistributedProgram, str, float]:
+    ) -> tuple[DistributedProgram, str, float, str]:
         """The program of ``captured``: from the persistent cache, from the rank that
         compiled it, or built here (NOTE: [persistent compile cache]). Returns it, how
-        it was obtained (``CompileRecord.cache``) and the seconds spent loading."""
+        it was obtained (``CompileRecord.cache``), the seconds spent loading and its key
+        when the cache holds it ("" otherwise)."""
         cache = self.disk_cache
         if cache is None:
-            return self._build(captured, mesh, progress), "off", 0.0
+            return self._build(captured, mesh, progress), "off", 0.0, ""
         sim = active_simulation()
         try:
             key = compile_cache.program_key(
@@ -263,16 +284,16 @@ class CompiledTrainStep:
             )
         except compile_cache.Uncacheable as exc:
             log.info("%s is not cached: its key would need %s", self.func.__name__, exc)
-            return self._build(captured, mesh, progress), "uncacheable", 0.0
+            return self._build(captured, mesh, progress), "uncacheable", 0.0, ""
         except Exception as exc:  # noqa: BLE001 - the cache must never fail a compile
             log.warning("%s is not cached: its key failed (%s: %s)",
                         self.func.__name__, type(exc).__name__, exc)
-            return self._build(captured, mesh, progress), "uncacheable", 0.0
+            return self._build(captured, mesh, progress), "uncacheable", 0.0, ""
         start = time.perf_counter()
         with progress.stage("load"):
             program = cache.load(key, captured, mesh)
         if program is not None:
-            return program, "hit", time.perf_counter() - start
+            return program, "hit", time.perf_counter() - start, key
         share = compile_cache.RankShare(key) if sim is None else None
         if share is not None and not share.claim():
             with progress.stage("wait"):
@@ -283,7 +304,7 @@ class CompiledTrainStep:
                 )
             if program:
                 compile_cache.write_or_warn(cache, key, data)
-                return program, "shared", time.perf_counter() - start
+                return program, "shared", time.perf_counter() - start, key
             share = None
         data = b""
         try:
@@ -293,7 +314,61 @@ class CompiledTrainStep:
         finally:
             if share is not None:
                 share.publish(data)
-        return program, "miss", 0.0
+        return program, "miss", 0.0, key if data else ""
+
+    def _step_key(
+        self, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh
+    ) -> tuple[str, Guards]:
+        """The key before capture and the guards it holds ("" when the cache is off or
+        the key cannot describe the step; NOTE: [cache key before capture])."""
+        guards = Guards()
+        if self.disk_cache is None:
+            return "", guards
+        try:
+            guards = build_guards(self.func, bindings, step_key.float_positions(bindings.flat_args))
+            settings = compile_cache.settings_parts(
+                self.mode, mesh, self.options, self.lowering, active_simulation() is not None
+            )
+            return step_key.step_key(self.func, bindings, input_metas, guards, settings), guards
+        except compile_cache.Uncacheable as exc:
+            log.info("%s has no key before capture: it would need %s", self.func.__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - the cache must never fail a compile
+            log.warning("%s has no key before capture (%s: %s)",
+                        self.func.__name__, type(exc).__name__, exc)
+        return "", guards
+
+    def _load_uncaptured(
+        self, pre_key: str, bindings: StepBindings, mesh: DeviceMesh, progress: Any
+    ) -> tuple[DistributedProgram, Guards, float] | None:
+        """The program found by the key before capture, its guards and the seconds spent
+        loading; None when there is none (NOTE: [cache key before capture])."""
+        if not pre_key or self.disk_cache is None:
+            return None
+        start = time.perf_counter()
+        with progress.stage("load"):
+            found = step_key.load(self.disk_cache, pre_key, self.func, bindings)
+            if found is None:
+                return None
+            program_key, captured, graph_args = found
+            program = self.disk_cache.load(program_key, captured, mesh)
+        if program is None:
+            return None
+        guards = build_guards(self.func, bindings, graph_args)
+        return program, guards, time.perf_counter() - start
+
+    def _write_step_entry(
+        self, pre_key: str, program_key: str, captured: CapturedStep, bindings: StepBindings,
+        environment: dict[str, str | None],
+    ) -> None:
+        assert self.disk_cache is not None
+        try:
+            data = step_key.entry_bytes(pre_key, program_key, captured, bindings, environment)
+            self.disk_cache.write_step(pre_key, data)
+        except compile_cache.Uncacheable as exc:
+            log.info("%s has no step entry: it would need %s", self.func.__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - a compiled program must not fail on it
+            log.warning("%s: the step entry could not be written (%s: %s)",
+                        self.func.__name__, type(exc).__name__, exc)
 
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta]

@@ -17,12 +17,12 @@ the key is a SHA-256 of what the rest of the pipeline reads:
   an edited compiler never loads a program an older one made.
 Anything the key walker cannot encode exactly (a function held by the mode, a SymInt, an
 unknown object in node meta) makes the step *uncacheable*: it compiles as without a cache
-(logged at INFO). Skipping capture was measured and rejected: a key built before capture
-must cover all code the trace runs (the step, ``forward``s, helpers reached through
-module attributes, imports inside functions, environment variables it reads), which the
-guard walker (NOTE: [guards on Python values]) finds only for scalars and not provably
-for code; a stale program would run silently. So a hit costs one capture plus the load.
-Guards are built from that fresh capture, so they hold on a hit exactly as on a miss.
+(logged at INFO). This key costs a capture; a second key, computed before capture, finds
+the program without tracing when everything the capture depends on is unchanged (NOTE:
+[cache key before capture] in ``step_key.py``: code by source files and a manifest of
+loaded modules, guarded values, structure, hooks, environment variables read). Where
+that key cannot describe the step, a hit costs one capture plus the load. Guards are
+built from the current call either way, so they hold on a hit exactly as on a miss.
 
 The rank is not in the key: the per-rank program is one graph for every rank (NOTE: [one
 program for every rank]); its process groups and coordinate are looked up at run time on
@@ -54,6 +54,7 @@ same error).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -68,6 +69,7 @@ import sys
 import tempfile
 import types
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -95,7 +97,11 @@ _PACKAGES = ("spmd_compiler",)
 _FUNCTION_MODULES = ("operator", "builtins", "math", "torch", "spmd_compiler")
 # Operator namespaces whose implementations and DTensor rules come with torch (its
 # version is in the key); a custom operator's sharding rule could change unseen.
-_OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor"})
+# ``device_mesh`` holds the run-time mesh coordinate a 2-D program reads (NOTE: [one
+# program for every rank]), registered by torch when a trace first needs it.
+_OP_NAMESPACES = frozenset(
+    {"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor", "device_mesh"}
+)
 
 
 class Uncacheable(Exception):
@@ -322,6 +328,8 @@ class _Decoder:
             ns, name, overload = payload
             if ns not in _OP_NAMESPACES:
                 raise ValueError(f"operator namespace {ns!r}")
+            if ns == "device_mesh":  # a process that has not traced yet (a restart)
+                private.register_device_mesh_ops()
             return getattr(getattr(getattr(torch.ops, ns), name), overload)
         if tag == "fn" and payload[0].split(".")[0] in _FUNCTION_MODULES:
             return _resolve(*payload)
@@ -456,21 +464,14 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
-def program_key(
-    captured: CapturedStep, mode: Any, mesh: Any, options: Any, lowering: Any, simulated: bool
-) -> str:
-    """The cache key of the program compiled from ``captured`` (see the NOTE).
-
-    Raises:
-        Uncacheable: something the key cannot describe exactly.
-    """
+def settings_parts(mode: Any, mesh: Any, options: Any, lowering: Any, simulated: bool) -> list[Any]:
+    """Everything of a key besides the step itself: the mode after ``prepare``, the
+    mesh, the pass and lowering options, simulated or real ranks, torch, Python and this
+    compiler (see the NOTE). Raises Uncacheable."""
     from spmd_compiler import __version__
 
-    constants: list[torch.Tensor] = []
-    graph = _Encoder(constants).graph(captured.graph_module)
     mode_state = {k: v for k, v in vars(mode).items() if k != "_mesh"}
-    parts = [
-        FORMAT, graph, _signature(captured),
+    return [
         [f"{type(mode).__module__}.{type(mode).__qualname__}", fingerprint(mode_state),
          _class_sources(type(mode))],
         fingerprint(mesh), bool(simulated),
@@ -480,6 +481,35 @@ def program_key(
         str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled(),
         __version__, source_digest(), _plugin_digest(),
     ]
+
+
+_ENCODED: weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[list[Any], list[torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def encoded_graph(gm: torch.fx.GraphModule) -> tuple[list[Any], list[torch.Tensor]]:
+    """``gm`` encoded with its node meta, and its tensor constants; computed once per
+    graph (the program key and the step entry both encode the captured graph, which
+    nothing changes after capture). Raises Uncacheable."""
+    hit = _ENCODED.get(gm)
+    if hit is None:
+        constants: list[torch.Tensor] = []
+        hit = _ENCODED[gm] = (_Encoder(constants).graph(gm), constants)
+    return hit
+
+
+def program_key(
+    captured: CapturedStep, mode: Any, mesh: Any, options: Any, lowering: Any, simulated: bool
+) -> str:
+    """The cache key of the program compiled from ``captured`` (see the NOTE).
+
+    Raises:
+        Uncacheable: something the key cannot describe exactly.
+    """
+    graph, constants = encoded_graph(captured.graph_module)
+    parts = [FORMAT, graph, _signature(captured),
+             *settings_parts(mode, mesh, options, lowering, simulated)]
     digest = hashlib.sha256(repr(parts).encode())
     for t in constants:
         digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
@@ -541,13 +571,13 @@ def decode_program(
     graphs = {name: dec.graph(data) for name, data in entry["graphs"].items()}
     f = entry["fields"]
     inputs, outputs, output_metas, unchanged = f["signature"]
-    captured = dataclasses.replace(
-        captured,
-        inputs=[(_state_ref(r), _tensor_meta(m)) for r, m in inputs],
-        outputs=[_state_ref(r) for r in outputs],
-        output_metas=[_tensor_meta(m) for m in output_metas],
-        unchanged=[_state_ref(r) for r in unchanged],
-    )
+    # a copy, not dataclasses.replace: a step loaded without capture decodes its graph
+    # only when read (step_key.LoadedStep), and nothing here reads it
+    captured = copy.copy(captured)
+    captured.inputs = [(_state_ref(r), _tensor_meta(m)) for r, m in inputs]
+    captured.outputs = [_state_ref(r) for r in outputs]
+    captured.output_metas = [_tensor_meta(m) for m in output_metas]
+    captured.unchanged = [_state_ref(r) for r in unchanged]
     deferred = None
     if f["deferred"] is not None:
         positions, carry_count, deferred_nodes = dec.value(f["deferred"])
@@ -602,11 +632,14 @@ def program_from_bytes(
 
 
 class ProgramCache:
-    """Entries under ``<root>/programs/<key>.pt``; Inductor's cache under ``<root>/inductor``."""
+    """Entries under ``<root>/programs/<key>.pt``, step entries (NOTE: [cache key before
+    capture] in ``step_key.py``) under ``<root>/steps/<key>.pt``; Inductor's cache under
+    ``<root>/inductor``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.programs = root / "programs"
+        self.steps = root / "steps"
 
     @property
     def inductor_dir(self) -> Path:
@@ -615,23 +648,20 @@ class ProgramCache:
     def path(self, key: str) -> Path:
         return self.programs / f"{key}.pt"
 
+    def step_path(self, key: str) -> Path:
+        return self.steps / f"{key}.pt"
+
     def read(self, key: str) -> bytes | None:
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            return None
+        return _read(self.path(key))
+
+    def read_step(self, key: str) -> bytes | None:
+        return _read(self.step_path(key))
 
     def write(self, key: str, data: bytes) -> None:
-        """Write atomically (a temporary file in the same directory, then ``os.replace``)."""
-        self.programs.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.programs)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path(key))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_atomically(self.path(key), data)
+
+    def write_step(self, key: str, data: bytes) -> None:
+        _write_atomically(self.step_path(key), data)
 
     def load(self, key: str, captured: CapturedStep, mesh: Any) -> DistributedProgram | None:
         """The program stored under ``key``, or None (missing, or unusable: warned)."""
@@ -639,6 +669,26 @@ class ProgramCache:
         if data is None:
             return None
         return _decode_or_warn(data, key, captured, mesh, str(self.path(key)))
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """A temporary file in the same directory, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _decode_or_warn(

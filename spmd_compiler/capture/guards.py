@@ -61,6 +61,8 @@ class Guards:
 
     entries: list[tuple[int, Any, Any, Any]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    # source files of the user code the walk reached (the pre-capture cache key hashes them)
+    code_files: set[str] = field(default_factory=set)
 
     def add(self, kind: int, container: Any, key: Any, expected: Any, name: str) -> None:
         self.entries.append((kind, container, key, _frozen(expected)))
@@ -78,6 +80,11 @@ class Guards:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def described(self) -> list[tuple[str, Any]]:
+        """Each guard's name and the value it holds (the pre-capture cache key)."""
+        return [(name, ["unset"] if expected is _MISSING else expected)
+                for name, (_, _, _, expected) in zip(self.names, self.entries, strict=True)]
 
 
 def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
@@ -222,6 +229,7 @@ class _Walker:
         if id(fn.__code__) in self.seen_code or _skipped_function(fn):
             return
         self.seen_code.add(id(fn.__code__))
+        self.guards.code_files.add(fn.__code__.co_filename)
         where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
         names = set(_names(fn.__code__))
         if cls is not None:

@@ -54,9 +54,10 @@ def test_fsdp_tp_expansion_work_is_bounded_by_the_program():
     traced coordinates for 67 live ones, 51 CPU s; after: 1754 plans, 126 coordinates,
     11 CPU s; with greedy plans shared between prices of the same placements: 1190 plans
     (torch 2.14.1, which prices every placement combination of single-mesh-dim strategies:
-    2699 before, 1613 after). Dead coordinates of shape arguments' local shapes (torch
-    2.11: 50 for none live) are not traced either. Counts, not seconds: a loaded machine cannot make this test
-    flaky."""
+    2699 before, 1613 after); with even shard selections and local shapes traced without
+    the coordinate (NOTE: [even shard selections]): 73 coordinates. Dead coordinates of
+    shape arguments' local shapes (torch 2.11: 50 for none live) are not traced either.
+    Counts, not seconds: a loaded machine cannot make this test flaky."""
     config = DemoConfig(steps=1, n_layer=1)
     model, optim, data = build(config)
     step = sc.compile(FullyShardTensorParallel(gpt_tp_plan(), mesh_shape=(2, 2)))(gpt_train_step)
@@ -70,4 +71,4 @@ def test_fsdp_tp_expansion_work_is_bounded_by_the_program():
     # 67 live on torch 2.13 / 2.14; none on 2.11, whose program takes no rank-dependent
     # slice here: the bound then allows no traced coordinate at all
     assert counts["plans"] <= 3 * captured, (counts, captured)
-    assert counts["coordinates"] <= 3 * live, (counts, live)
+    assert counts["coordinates"] <= live * 5 // 4, (counts, live)

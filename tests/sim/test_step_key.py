@@ -1,0 +1,280 @@
+"""The compile cache's key before capture (NOTE: [cache key before capture], issue 16).
+
+A second compiled step with the same code, values and settings (a restarted job) loads
+its program without tracing the step, and computes exactly what the first computed and
+what one device computes eagerly. Each change a capture depends on must miss that key:
+then the step is captured again, and the numbers follow the change.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.demo.steps import classification_train_step
+from spmd_compiler.tools.parity import full_state, relative_difference
+
+TOLERANCE = 1e-5
+STEPS = 2
+
+
+@pytest.fixture(autouse=True)
+def forget_test_modules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Modules tests wrote under pytest's temporary directory (here or in another test
+    file) are forgotten before and after each test: the manifest lists every loaded
+    module, and one edited while loaded leaves every later step without an entry."""
+    base = str(tmp_path_factory.getbasetemp())
+
+    def forget() -> None:
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(base):
+                del sys.modules[name]
+
+    forget()
+    yield
+    forget()
+
+
+def mlp(act: type[nn.Module] = nn.ReLU) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), act(), nn.Linear(16, 4))
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+            for _ in range(STEPS)]
+
+
+def run(
+    cache_dir: Path, make_model: Callable[[], nn.Module] = mlp,
+    step_fn: Callable[..., torch.Tensor] = classification_train_step, extra: tuple = (),
+    prepare: Callable[[nn.Module], None] = lambda m: None,
+) -> tuple[sc.CompiledTrainStep, float]:
+    """Compile and run ``step_fn``; returns the step and the largest relative difference
+    of its losses and final state from the same steps run eagerly on one device."""
+    torch.manual_seed(0)
+    model = make_model()
+    prepare(model)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = sc.compile(DataParallel("replicate"), cache_dir=cache_dir)(step_fn)
+    worst = 0.0
+    with sc.simulate(world_size=2) as sim:
+        for x, y in batches():
+            loss = step(model, optimizer, x, y, *extra)
+            expected = step_fn(reference, ref_optimizer, x, y, *extra)
+            worst = max(worst, relative_difference(loss, expected))
+        state = full_state(model, optimizer, sim)
+    ref_state = full_state(reference, ref_optimizer, None)
+    worst = max([worst, *(relative_difference(state[k], ref_state[k]) for k in ref_state)])
+    return step, worst
+
+
+def skipped(step: sc.CompiledTrainStep) -> list[bool]:
+    return [r.capture_skipped for r in step.records]
+
+
+def test_a_restart_skips_the_capture_and_matches_eager(tmp_path: Path) -> None:
+    first, error = run(tmp_path)
+    assert skipped(first) == [False, False] and error < TOLERANCE
+    assert len(list((tmp_path / "steps").glob("*.pt"))) == 2
+    second, error = run(tmp_path)
+    assert skipped(second) == [True, True]
+    assert [r.cache for r in second.records] == ["hit", "hit"]
+    assert second.timings.capture_seconds == 0.0 and second.timings.expand_seconds == 0.0
+    assert error < TOLERANCE
+    # the loaded step's single-device graph is decoded when read, and is the captured one
+    loaded = second.records[0].program.captured.graph_module
+    captured = first.records[0].program.captured.graph_module
+    assert [n.target for n in loaded.graph.nodes] == [n.target for n in captured.graph.nodes]
+
+
+class Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / self.temperature
+
+
+class FromEnvironment(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * float(os.environ.get("SPMD_STEP_KEY_TEST_SCALE", "1"))
+
+
+def _hooked(model: nn.Module) -> None:
+    model.register_forward_hook(lambda mod, args, out: out * 2.0)
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ({"make_model": Tempered},
+         {"make_model": Tempered, "prepare": lambda m: setattr(m, "temperature", 3.0)}),
+        ({}, {"make_model": lambda: mlp(nn.Tanh)}),
+        ({}, {"prepare": _hooked}),
+        ({"make_model": FromEnvironment}, {"make_model": FromEnvironment, "env": "3"}),
+    ],
+    ids=["guarded_value", "module_class", "forward_hook", "environment_variable"],
+)
+def test_a_change_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first, second) -> None:
+    monkeypatch.delenv("SPMD_STEP_KEY_TEST_SCALE", raising=False)
+    step, error = run(tmp_path, **first)
+    assert error < TOLERANCE
+    second = dict(second)
+    if "env" in second:
+        monkeypatch.setenv("SPMD_STEP_KEY_TEST_SCALE", second.pop("env"))
+    step, error = run(tmp_path, **second)
+    assert skipped(step) == [False, False]
+    assert error < TOLERANCE
+    step, error = run(tmp_path, **second)  # the new step's own entry
+    assert skipped(step) == [True, True] and error < TOLERANCE
+
+
+HELPER = "def scale(x):\n    return x * {}\n"
+STEP = '''
+import importlib
+
+import torch.nn.functional as F
+
+
+def train_step(model, optimizer, x, y):
+    # the helper is imported by name inside the step: the guard walker does not reach
+    # it, only the manifest of loaded modules does
+    logits = importlib.import_module("step_key_test_helper").scale(model(x))
+    loss = F.cross_entropy(logits, y){}
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+'''
+
+
+def write(path: Path, text: str, age: int) -> None:
+    """A source file as a restarted job finds it: older than the process (a file
+    modified after the process started and not what its module was loaded from is
+    never hashed into a key: NOTE: [cache key before capture])."""
+    path.write_text(text)
+    past = time.time_ns() - age * 1_000_000_000
+    os.utime(path, ns=(past, past))
+
+
+# the helper's scale read from the environment when it is imported (during the capture)
+CONFIGURED = 'import os\nFACTOR = float(os.environ.get("SPMD_STEP_KEY_TEST_FACTOR", "2"))\n'
+
+
+@pytest.mark.parametrize("edit", ["helper", "step", "import_environment"])
+def test_edited_code_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: str) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("SPMD_STEP_KEY_TEST_FACTOR", raising=False)
+    helper, source = tmp_path / "step_key_test_helper.py", tmp_path / "step_key_test_step.py"
+    if edit == "import_environment":
+        write(helper, CONFIGURED + HELPER.format("FACTOR"), age=7200)
+    else:
+        write(helper, HELPER.format("2.0"), age=7200)
+    write(source, STEP.format(""), age=7200)
+
+    def load() -> Callable[..., torch.Tensor]:
+        for name in ("step_key_test_helper", "step_key_test_step"):
+            sys.modules.pop(name, None)  # as in a restarted process
+        importlib.invalidate_caches()
+        return importlib.import_module("step_key_test_step").train_step
+
+    cache = tmp_path / "cache"
+    assert skipped(run(cache, step_fn=load())[0]) == [False, False]
+    step, error = run(cache, step_fn=load())
+    assert skipped(step) == [True, True] and error < TOLERANCE
+    if edit == "helper":
+        write(helper, HELPER.format("30.0"), age=3600)
+    elif edit == "import_environment":
+        monkeypatch.setenv("SPMD_STEP_KEY_TEST_FACTOR", "30")
+    else:
+        write(source, STEP.format(" * 0.5"), age=3600)
+    step, error = run(cache, step_fn=load())
+    assert skipped(step) == [False, False]
+    assert error < TOLERANCE
+
+
+def scaled_step(model, optimizer, x, y, scale):
+    loss = F.cross_entropy(model(x), y) * scale  # a graph input: not in the key
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def branching_step(model, optimizer, x, y, scale):
+    loss = F.cross_entropy(model(x), y)
+    if scale > 1.0:  # read by Python: a constant of the program, in the step entry
+        loss = loss * 2.0
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_float_arguments(tmp_path: Path) -> None:
+    run(tmp_path / "a", step_fn=scaled_step, extra=(0.5,))
+    step, error = run(tmp_path / "a", step_fn=scaled_step, extra=(2.0,))
+    assert skipped(step) == [True, True] and error < TOLERANCE
+    run(tmp_path / "b", step_fn=branching_step, extra=(0.5,))
+    step, error = run(tmp_path / "b", step_fn=branching_step, extra=(2.0,))
+    assert skipped(step) == [False, False] and error < TOLERANCE
+
+
+def test_a_source_edited_while_running_gets_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The code in memory may be older than the file: no key is made from it."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    helper, source = tmp_path / "step_key_test_helper.py", tmp_path / "step_key_test_step.py"
+    write(helper, HELPER.format("2.0"), age=7200)
+    write(source, STEP.format(""), age=7200)
+    for name in ("step_key_test_helper", "step_key_test_step"):
+        sys.modules.pop(name, None)
+    train_step = importlib.import_module("step_key_test_step").train_step
+    source.write_text(STEP.format(" * 0.5"))  # edited now; the module is not reloaded
+    cache = tmp_path / "cache"
+    assert skipped(run(cache, step_fn=train_step)[0]) == [False, False]
+    assert not list((cache / "steps").glob("*.pt"))
+    step, error = run(cache, step_fn=train_step)
+    assert skipped(step) == [False, False] and error < TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_2d_program_reading_the_mesh_coordinate_is_cached(tmp_path: Path) -> None:
+    """An fsdp_tp GPT program reads the run-time mesh coordinate (``device_mesh`` op);
+    such programs were uncacheable (an operator outside torch's namespaces) and every
+    2-D restart compiled again. Now the restart skips capture and expansion."""
+    from spmd_compiler.parallel_modes import FullyShardTensorParallel
+    from spmd_compiler.tools.demo.gpt import gpt_tp_plan, gpt_train_step
+    from spmd_compiler.tools.demo.run import DemoConfig, build
+
+    losses = []
+    for _ in range(2):
+        model, optim, data = build(DemoConfig(steps=1, n_layer=1))
+        step = sc.compile(FullyShardTensorParallel(gpt_tp_plan(), mesh_shape=(2, 2)),
+                          cache_dir=tmp_path)(gpt_train_step)
+        with sc.simulate(4):
+            losses.append(float(step(model, optim, *data[0])))
+    program = step.records[0].program
+    assert any("coordinate_on_dim" in str(n.target) for n in program.graph_module.graph.nodes)
+    assert [r.cache for r in step.records] == ["hit"] and skipped(step) == [True]
+    assert losses[0] == losses[1]
