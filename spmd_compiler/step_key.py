@@ -110,7 +110,10 @@ def step_key(
     if not isinstance(target, types.FunctionType):
         raise Uncacheable(f"a train step of type {type(func).__qualname__}")
     main = sys.modules.get("__main__")
-    if main is not None and not getattr(main, "__file__", None):
+    if target.__module__ == "__main__" and main is not None and not getattr(main, "__file__", None):
+        # an interactive __main__ holding the step (a notebook, ``python -c``); a worker
+        # whose __main__ is a launcher's (pytest-xdist's execnet) keys its imported steps
+        # as usual: every file they reach is checked below, classes by _class_sources
         raise Uncacheable("an interactive __main__ (code without a source file)")
     files = []
     loaded = _loaded_files()

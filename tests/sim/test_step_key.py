@@ -278,3 +278,27 @@ def test_a_2d_program_reading_the_mesh_coordinate_is_cached(tmp_path: Path) -> N
     assert any("coordinate_on_dim" in str(n.target) for n in program.graph_module.graph.nodes)
     assert [r.cache for r in step.records] == ["hit"] and skipped(step) == [True]
     assert losses[0] == losses[1]
+
+
+def test_a_launchers_main_without_a_file_still_keys_an_imported_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose ``__main__`` is a launcher's with no source file (pytest-xdist's
+    execnet; before: every step there got no key, so restarts captured again): the step
+    and the model come from files, so the key describes them and a restart skips capture.
+    A step that lives in such a ``__main__`` still gets none (its code has no file)."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    first, _ = run(tmp_path)
+    second, error = run(tmp_path)
+    assert skipped(second) == [True, True] and error < TOLERANCE
+    namespace: dict = {"__name__": "__main__", "F": F}
+    exec(  # noqa: S102 - a step defined in the interactive __main__
+        "def step(model, optim, x, y):\n"
+        "    loss = F.cross_entropy(model(x), y)\n    loss.backward()\n"
+        "    optim.step()\n    optim.zero_grad()\n    return loss\n",
+        namespace,
+    )
+    interactive, error = run(tmp_path / "interactive", step_fn=namespace["step"])
+    assert not list((tmp_path / "interactive" / "steps").glob("*.pt")) and error < TOLERANCE
