@@ -1546,15 +1546,23 @@ def _install_strided_view_rule(split_flatten_only: bool = False) -> None:
                                     split_flatten_only)
         if not fixes:
             return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
-        from torch.distributed.tensor import Replicate
-
-        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
-        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
-        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
-        out = [fixes.get(m, p) for m, p in enumerate(out)]
-        return tgt, out
+        return _propagate_with_fixes(original, fixes, input_src_placements, global_input_shape,
+                                     rule, mesh_sizes, strict_view)
 
     _view_ops.propagate_shape_and_sharding = propagate
+
+
+def _propagate_with_fixes(original, fixes, placements, shape, rule, mesh_sizes, strict_view) -> Any:
+    """torch's view rule on ``placements`` with the mesh dims of ``fixes`` replicated; those
+    mesh dims then keep their input placement and give the fix's output placement (the
+    step each of our view fills shares)."""
+    from torch.distributed.tensor import Replicate
+
+    replicated = [Replicate() if m in fixes else p for m, p in enumerate(placements)]
+    tgt, out = original(replicated, shape, rule, mesh_sizes, strict_view)
+    tgt = [placements[m] if m in fixes else p for m, p in enumerate(tgt)]
+    out = [fixes.get(m, p) for m, p in enumerate(out)]
+    return tgt, out
 
 
 def _strided_view_fixes(placements, shape, rule, mesh_sizes, split_flatten_only=False) -> dict[int, Any]:
@@ -1734,7 +1742,6 @@ def _nested_strided_unflatten_gap() -> bool:
 def _install_nested_strided_unflatten_rule() -> None:
     """NOTE: [nested strided unflatten]: where torch's view rule raises, answer the
     unflatten of a dim sharded strided by several mesh dims, or raise torch's error."""
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._ops import _view_ops
 
     original = _view_ops.propagate_shape_and_sharding
@@ -1746,11 +1753,8 @@ def _install_nested_strided_unflatten_rule() -> None:
             fixes = _nested_unflatten_fixes(input_src_placements, rule, mesh_sizes)
             if fixes is None:
                 raise
-        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
-        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
-        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
-        out = [fixes.get(m, p) for m, p in enumerate(out)]
-        return tgt, out
+        return _propagate_with_fixes(original, fixes, input_src_placements, global_input_shape,
+                                     rule, mesh_sizes, strict_view)
 
     _view_ops.propagate_shape_and_sharding = propagate
 
@@ -1841,7 +1845,6 @@ def _regroup_gathers_gap() -> bool:
 def _install_regroup_rule() -> None:
     """NOTE: [head-local regroup]: keep a sharded non-first dim of a flatten-then-split
     view sharded (strided) instead of gathering it."""
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._ops import _view_ops
 
     original = _view_ops.propagate_shape_and_sharding
@@ -1850,11 +1853,8 @@ def _install_regroup_rule() -> None:
         fixes = _regroup_fixes(input_src_placements, global_input_shape, rule, mesh_sizes)
         if not fixes:
             return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
-        placements = [Replicate() if m in fixes else p for m, p in enumerate(input_src_placements)]
-        tgt, out = original(placements, global_input_shape, rule, mesh_sizes, strict_view)
-        tgt = [input_src_placements[m] if m in fixes else p for m, p in enumerate(tgt)]
-        out = [fixes.get(m, p) for m, p in enumerate(out)]
-        return tgt, out
+        return _propagate_with_fixes(original, fixes, input_src_placements, global_input_shape,
+                                     rule, mesh_sizes, strict_view)
 
     _view_ops.propagate_shape_and_sharding = propagate
 
