@@ -246,13 +246,7 @@ def _strided_redistribution_gap(current_spec: Any, target_spec: Any) -> bool:
     for the ones a view makes, e.g. ``[b, t, v] -> [b*t, v]`` with ``t`` sharded)."""
     if not any(is_strided_shard(p) for p in current_spec.placements):
         return False
-    import torch.distributed.tensor._redistribute as redistribute_module
-
-    try:
-        redistribute_module._gen_transform_infos(current_spec, target_spec)
-    except (ValueError, AssertionError):
-        return True
-    return False
+    return _planner_raises(current_spec, target_spec)
 
 
 def _strided_target_gap(current_spec: Any, target_spec: Any) -> bool:
@@ -265,6 +259,11 @@ def _strided_target_gap(current_spec: Any, target_spec: Any) -> bool:
         for c, t in zip(current_spec.placements, target_spec.placements, strict=True)
     ):
         return False
+    return _planner_raises(current_spec, target_spec)
+
+
+def _planner_raises(current_spec: Any, target_spec: Any) -> bool:
+    """Whether this torch's redistribution planner refuses ``current_spec -> target_spec``."""
     import torch.distributed.tensor._redistribute as redistribute_module
 
     try:

@@ -148,6 +148,14 @@ def test_fused_qkv_projection(conv1d):
     # gradient (at the LayerNorms) in backward
     activation = BATCH * SEQ * WIDTH * 4
     stats = collective_stats(step.last_program.graph_module)
+    if "strided_view" in private.view_fills():
+        # torch 2.11: its matmul and pointwise rules do not read a _StridedShard, so
+        # settle_strided_shards gathers the fused weight and bias before forward's t /
+        # addmm and their gradients and optimizer state before the update (NOTE: [DTensor
+        # gap fills]; README, Supported torch): exact, but not Megatron's communication.
+        # The input gradient of the gathered qkv needs no all-reduce then.
+        assert stats.counts == {"all_gather": 2, "all_reduce": 3}, stats.counts
+        return
     assert stats.counts == {"all_reduce": 4}, stats.counts
     assert stats.bytes == {"all_reduce": 4 * activation}
 
