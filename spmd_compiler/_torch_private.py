@@ -1483,6 +1483,9 @@ def install_dtensor_gap_fills() -> None:
     if _regroup_gathers_gap():
         _install_regroup_rule()
         _VIEW_FILLS.add("regroup")
+    if _view_rule_raises_gap():
+        _install_view_gather_fallback()
+        _VIEW_FILLS.add("gather_fallback")
     _install_missing_dim_strategies()
     _install_fill_strategies()
 
@@ -1494,7 +1497,8 @@ _VIEW_FILLS: set[str] = set()
 def view_fills() -> frozenset[str]:
     """Which of our view-rule fills this torch got (after ``install_dtensor_gap_fills``):
     "strided_view" (2.11), "split_flatten" (2.12), "nested_unflatten" and "regroup"
-    (NOTE: [nested strided unflatten], NOTE: [head-local regroup]; 2.13 and later)."""
+    (NOTE: [nested strided unflatten], NOTE: [head-local regroup]; 2.13 and later),
+    "gather_fallback" (NOTE: [view rule that raises])."""
     install_dtensor_gap_fills()
     return frozenset(_VIEW_FILLS)
 
@@ -1906,6 +1910,93 @@ def _regroup_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
                 fixes[m] = Shard(outs[j]) if split_factor == 1 else strided_shard(outs[j], split_factor)
                 break
     return fixes
+
+
+# NOTE: [view rule that raises]
+# torch 2.13 / 2.14's view rule raises (KeyError in ``_rewrite_strided_shard``) on some
+# flatten-then-split views of a tensor strided-sharded on one mesh dim and sharded on
+# another: ``[48, 16] -> [6, 32, 4]`` with ``(_S(0, 6), S(1))`` on a 2x2 mesh, which
+# torch 2.14's propagation reaches in the backward of ``nn.MultiheadAttention`` under
+# FSDP x TP. Where it raises, the view is asked again with the mesh dims that shard a
+# flattened input dim replicated: first only the strided ones, then all of them. A
+# Replicate input gives a Replicate output on that mesh dim, so the answer is exact (the
+# input is gathered there first, as torch's own "Replicate fallback" for such views
+# does); if that raises too, torch's error stands and the compile refuses naming the op.
+# Only internal errors (KeyError, IndexError, AssertionError) are answered: a RuntimeError
+# is the rule's own refusal (2.11: "cannot be performed without redistribution"), kept.
+
+
+def _view_rule_raises_gap() -> bool:
+    """True when DTensor's view rule (as patched so far) raises on the case above."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    try:
+        rule = _view_ops.view_groups((48, 16), (6, 32, 4))
+        placements = (strided_shard(0, 6), Shard(1))
+    except Exception:  # another signature: not the rule this fill knows
+        return False
+    try:
+        _view_ops.propagate_shape_and_sharding(placements, (48, 16), rule, (2, 2), True)
+    except _VIEW_RULE_BUGS:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+# What a view rule raises on a case it gets wrong internally (NOTE: [view rule that raises])
+_VIEW_RULE_BUGS = (KeyError, IndexError, AssertionError)
+
+
+def _install_view_gather_fallback() -> None:
+    """NOTE: [view rule that raises]: where the view rule raises, gather the mesh dims
+    that shard a flattened dim and ask again."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._ops import _view_ops
+
+    current = _view_ops.propagate_shape_and_sharding
+
+    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
+        try:
+            return current(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
+        except _VIEW_RULE_BUGS as error:
+            flattened = _flattened_input_dims(rule)
+            sharders = [
+                m for m, p in enumerate(input_src_placements)
+                if (p.is_shard() or is_strided_shard(p)) and p.dim in flattened
+            ]
+            strided = [m for m in sharders if is_strided_shard(input_src_placements[m])]
+            for gathered in (strided, sharders):
+                if not gathered:
+                    continue
+                placements = [
+                    Replicate() if m in gathered else p for m, p in enumerate(input_src_placements)
+                ]
+                try:
+                    return current(placements, global_input_shape, rule, mesh_sizes, strict_view)
+                except (*_VIEW_RULE_BUGS, RuntimeError):
+                    continue
+            raise error
+
+    _view_ops.propagate_shape_and_sharding = propagate
+
+
+def _flattened_input_dims(rule: Any) -> set[int]:
+    """The input dims that a view rule flattens together with others."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    dims: set[int] = set()
+
+    def visit(cmd: Any) -> None:
+        if isinstance(cmd, _view_ops.Flatten):
+            dims.update(d.input_dim for d in cmd.input_dims if isinstance(d, _view_ops.InputDim))
+        for inner in cmd.inputs():
+            visit(inner)
+
+    for cmd in rule:
+        visit(cmd)
+    return dims
 
 
 def as_state_strided_shard(value: DTensor) -> DTensor:

@@ -118,6 +118,23 @@ def test_view_regrouping_a_sharded_non_first_dim(mesh_2x2, shape, placements, vi
         assert out.to_local().shape == (6, 8, 4)
 
 
+def test_a_view_the_rule_raises_on_gathers_the_strided_mesh_dim(mesh_2x2):
+    """NOTE: [view rule that raises]: ``[48, 16] -> [6, 32, 4]`` with ``(_S(0, 6), S(1))``
+    (the batch of (6, 8, 16) on dp flattened away, the heads on tp) raised KeyError in
+    torch 2.13 / 2.14's view rule; torch 2.14 reaches it in the backward of
+    nn.MultiheadAttention under FSDP x TP. dp is gathered, tp keeps its heads."""
+    if "gather_fallback" not in private.view_fills():
+        pytest.skip("this torch's view rule answers the case itself (or refuses it: 2.11)")
+    x = torch.randn(6, 8, 16, dtype=torch.float64)
+    with private.memoized_redistribution():
+        flat = distribute_tensor(x, mesh_2x2, (Shard(1), Shard(2))).view(48, 16)
+        assert flat.placements == (private.strided_shard(0, 6), Shard(1))
+        out = flat.view(6, 32, 4)
+        assert torch.equal(out.full_tensor(), x.view(6, 32, 4))
+        assert out.placements == (Replicate(), private.strided_shard(1, 8))
+        assert torch.equal(out.view(48, 16).full_tensor(), x.view(48, 16))
+
+
 def test_strided_shard_is_gathered_before_an_op_that_does_not_know_it(mesh_2x2):
     """``[5, b, 8] -> [5*b, 8]`` with ``b`` sharded, then ``t`` and ``mm`` (the weight
     gradient of a Linear on a 3-D input whose batch is dim 1)."""
