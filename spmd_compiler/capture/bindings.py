@@ -17,7 +17,7 @@ import torch
 
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
-from ..ir.signature import Kind, StateRef, TensorMeta, state_dtype
+from ..ir.signature import Kind, StateRef, optim_state_dtype
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)
@@ -116,21 +116,24 @@ class StepBindings:
                     (k, _hashable(v)) for k, v in group.items()
                     if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
                 )))
+                # which parameters the group holds (moving one to another group changes
+                # its learning rate in the program) and the set of its state
                 for p in group["params"]:
                     state = opt.state.get(p, {})
-                    key.append(tuple(sorted(
+                    key.append((self.param_name(p), tuple(sorted(
                         (k, _state_hashable(v))
                         for k, v in state.items()
-                    )))
+                    ))))
         return tuple(key)
 
 
 def _state_hashable(v: Any) -> Any:
     """Optimizer state as the program sees it: a float32 step counter created eagerly
-    (warm-up step, loaded checkpoint) is float64 once installed, the same program."""
+    (warm-up step, loaded checkpoint) is float64 once installed, the same program
+    (``state_dtype``; this runs for every state tensor on every call, so no TensorMeta)."""
     if isinstance(v, torch.Tensor):
-        meta = TensorMeta(tuple(v.shape), v.dtype, v.device)
-        return ("tensor", meta.shape, state_dtype(StateRef(Kind.OPTIM_STATE), meta))
+        shape = tuple(v.shape)
+        return ("tensor", shape, optim_state_dtype(shape, v.dtype))
     return _hashable(v)
 
 

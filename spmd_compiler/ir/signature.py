@@ -96,9 +96,14 @@ class TensorMeta:
 def state_dtype(ref: StateRef, meta: TensorMeta) -> torch.dtype:
     """The dtype a piece of state has inside compiled programs (NOTE: [float64 step
     counters] in capture/trace.py): float32 scalar optimizer state becomes float64."""
-    if ref.kind is Kind.OPTIM_STATE and meta.shape == () and meta.dtype == torch.float32:
-        return torch.float64
+    if ref.kind is Kind.OPTIM_STATE:
+        return optim_state_dtype(meta.shape, meta.dtype)
     return meta.dtype
+
+
+def optim_state_dtype(shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
+    """``state_dtype`` of optimizer state of this shape and dtype."""
+    return torch.float64 if shape == () and dtype == torch.float32 else dtype
 
 
 @dataclass

@@ -189,7 +189,6 @@ def run_program(
     captured = program.captured
     plan = program.deferred
     graph = lowered.for_call(carry is not None)
-    state = dict(bindings.state_refs())
     flat: list[torch.Tensor] = []
     for (ref, meta), placements, local in zip(
         captured.inputs, program.input_placements, program.local_inputs, strict=True
@@ -199,8 +198,8 @@ def run_program(
         elif ref.kind is Kind.INPUT:
             flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
         else:
-            value = private.local_tensor_of(cast(DTensor, state[ref]))
-            if ref.name in program.padded and ref.kind in PADDED_KINDS:
+            value = private.local_tensor_of(cast(DTensor, _state_value(bindings, ref)))
+            if program.padded and ref.name in program.padded and ref.kind in PADDED_KINDS:
                 value = _pad_rows(value, local.shape, sim, program.padded_dims.get(ref.name, 0))
             flat.append(value)
     if sim is not None:
@@ -213,6 +212,28 @@ def run_program(
     returned = _write_back(program, bindings, outs, sim)
     leaves = [returned[v] if kind == "tensor" else v for kind, v in captured.return_leaves]
     return pytree.tree_unflatten(leaves, captured.return_spec), next_carry
+
+
+def _state_value(bindings: StepBindings, ref: StateRef) -> torch.Tensor:
+    """The current value of state ``ref`` (what ``bindings.state_refs()`` pairs with it),
+    looked up directly: building every ref each step cost ~0.7 ms on a 65-parameter GPT."""
+    if ref.kind is Kind.PARAM:
+        return bindings.params[ref.name]
+    if ref.kind is Kind.BUFFER:
+        return bindings.buffers[ref.name]
+    if ref.kind is Kind.GRAD:
+        grad = bindings.params[ref.name].grad
+        if grad is None:
+            raise KeyError(ref)
+        return grad
+    if ref.kind is Kind.OPTIM_STATE:
+        opt = bindings.optimizers[ref.optimizer]
+        p = bindings.params[ref.name]
+        value = opt.state[p][ref.key]
+        if not isinstance(value, torch.Tensor):
+            raise KeyError(ref)
+        return value  # its param group is part of the program's key (static_key)
+    raise KeyError(ref)
 
 
 def run_finish(
@@ -291,7 +312,7 @@ def _write_back(
         clear_grads = False
     for j, value in zip(positions, outs, strict=True):
         ref, meta, placements = captured.outputs[j], captured.output_metas[j], program.output_placements[j]
-        if ref.name in program.padded and ref.kind in PADDED_KINDS:
+        if program.padded and ref.name in program.padded and ref.kind in PADDED_KINDS:
             value, meta = _unpad_rows(
                 value, meta, program.padded[ref.name], mesh, sim, program.padded_dims.get(ref.name, 0)
             )
