@@ -277,8 +277,8 @@ def _scatter_strided_shards(
     local: torch.Tensor, spec: Any, target_spec: Any, redistribute: Callable[..., torch.Tensor]
 ) -> tuple[torch.Tensor, Any]:
     """Reach the ``_StridedShard``s of ``target_spec`` that ``spec`` lacks through
-    Replicate: ``redistribute`` (DTensor's) replicates every mesh dim from the first such
-    one on, then each of those mesh dims takes this rank's shard of the target with
+    Replicate: ``redistribute`` (DTensor's) moves the mesh dims before the first such one
+    to their target and replicates the others, then each of those mesh dims takes this rank's shard of the target with
     DTensor's own ``_replicate_to_strided_shard`` / ``_replicate_to_shard`` and the
     (run-time) mesh coordinate, left-most first (each splits the shard of the ones
     before it, as DTensor lays nested shards out)."""
@@ -301,7 +301,10 @@ def _scatter_strided_shards(
             f"{tuple(spec.shape)} from {spec.placements} to {targets} (a _StridedShard "
             f"sharded again by a later mesh dim)."
         )
-    placements = [p if m < first else Replicate() for m, p in enumerate(spec.placements)]
+    # mesh dims before the first take their target now (the planner cannot move them once
+    # a strided shard it cannot read is in place: (S(0), R) -> (R, _S(0, 3)), a fused
+    # bias under FSDP x TP on 2.11); the rest are replicated, then split
+    placements = [targets[m] if m < first else Replicate() for m in range(len(targets))]
     staging = DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
     if staging != spec:
         local = redistribute(local, spec, staging)
