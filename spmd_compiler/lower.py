@@ -41,12 +41,12 @@ BACKENDS: tuple[str, ...] = ("auto", "eager", "inductor")
 #   gpt-4x256 28.82 -> 16.42 ms (1.70x -> 0.97x torch DDP), compile 17.1 -> 78.9 s;
 #   mlp-2048 3.05 -> 2.24 ms (0.87x DDP), 1.4 -> 3.7 s; compiled fsdp with Inductor
 #   0.50x / 0.41x FSDP2. The extra compile pays back after ~5,000 / ~2,800 steps.
-# - CPU (2 gloo ranks on 2 cores at load 19-29, benchmarks/results/cpu.md): the cold C++
-#   compile made each style's compile 73-190 s against 7-15 s interpreted, and the step
-#   time did not consistently improve: mlp-128 ddp 14.3 -> 9.8 ms and tp 13.6 -> 8.2 ms
-#   (break-even after ~39,000 / ~25,000 steps), fsdp 12.3 -> 24.2 ms (slower); mlp-512
-#   ddp 254 -> 272 ms (slower), fsdp equal, tp 207 -> 84 ms (break-even ~530 steps). CPU
-#   runs here are tests, debugging and demos of a few to a few hundred steps: eager.
+# - CPU (2 gloo ranks on 2 cores, quiet, benchmarks/results/cpu.md): the cold C++
+#   compile makes each style's compile 40-84 s on the GPT models against 5-12 s
+#   interpreted (MLPs: 7-10 s against under 1 s); the step gets faster in 11 of 12 cases,
+#   ddp gpt-2x64 16.1 -> 9.5 ms, gpt-4x128 50.6 -> 34.5, mlp-128 7.2 -> 5.3, mlp-512
+#   32.1 -> 26.6 (break-even after ~5,500 / ~3,400 / ~4,000 / ~1,300 steps). CPU runs
+#   here are tests, debugging and demos of a few to a few hundred steps: eager.
 # Simulated ranks always interpret (NOTE: [lowering]), whatever the backend.
 AUTO_BACKEND: dict[str, str] = {"cuda": "inductor"}
 
