@@ -1489,6 +1489,8 @@ def install_dtensor_gap_fills() -> None:
     if _view_rule_raises_gap():
         _install_view_gather_fallback()
         _VIEW_FILLS.add("gather_fallback")
+    if _strided_reading_conflict_gap():
+        _install_strided_reading_conflict_rule()
     _install_missing_dim_strategies()
     _install_fill_strategies()
 
@@ -2000,6 +2002,69 @@ def _flattened_input_dims(rule: Any) -> set[int]:
     for cmd in rule:
         visit(cmd)
     return dims
+
+
+# NOTE: [conflicting strided readings]
+# torch 2.12's sharding propagation raises when an op's inputs read a _StridedShard two
+# ways (NOTE: [two readings of a strided shard]): "Conflicting use_strided_shard_as_shard_order
+# across input specs", e.g. ``mm`` of an activation made by a view (plain strided split)
+# with a fused q/k/v weight made from placements (shard order) under FSDP x TP. torch 2.13
+# settles such a conflict on the shard-order reading for every spec of the strategy, so
+# the inputs are redistributed to it. The 2.12 fill does the same where torch raises;
+# without a conflict torch's own function runs.
+
+
+def _strided_reading_conflict_gap() -> bool:
+    """True when sharding propagation raises on inputs that read a _StridedShard two ways."""
+    from types import SimpleNamespace
+
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    propagate = getattr(sharding_prop, "_propagate_use_strided_shard_flag", None)
+    if propagate is None:
+        return False
+    try:
+        placements = (strided_shard(0, 2),)
+        specs = [
+            SimpleNamespace(placements=placements, use_strided_shard_as_shard_order=flag)
+            for flag in (True, False)
+        ]
+        propagate(SimpleNamespace(strategies=[]), SimpleNamespace(args_spec=specs))
+    except ValueError:
+        return True
+    except Exception:  # another signature: not the function this fill knows
+        return False
+    return False
+
+
+def _install_strided_reading_conflict_rule() -> None:
+    """NOTE: [conflicting strided readings]: on a conflict every strided spec of the
+    strategy reads the shard order, as torch 2.13 does."""
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    original = sharding_prop._propagate_use_strided_shard_flag
+
+    def strided(spec: Any) -> bool:
+        return spec is not None and any(is_strided_shard(p) for p in spec.placements)
+
+    def propagate(op_strategy: Any, op_schema: Any) -> None:
+        readings = {
+            spec.use_strided_shard_as_shard_order
+            for spec in op_schema.args_spec if strided(spec)
+        }
+        if len(readings) < 2:
+            return original(op_strategy, op_schema)
+        for op_spec in op_strategy.strategies:
+            out = op_spec.output_specs
+            specs = [out] if isinstance(out, DTensorSpec) else list(out or ())
+            for spec in [*specs, *(op_spec.input_specs or ())]:
+                if strided(spec) and not spec.use_strided_shard_as_shard_order:
+                    spec.use_strided_shard_as_shard_order = True
+                    spec.shard_order = None
+        return None
+
+    sharding_prop._propagate_use_strided_shard_flag = propagate
 
 
 def as_state_strided_shard(value: DTensor) -> DTensor:
