@@ -1508,20 +1508,29 @@ def view_fills() -> frozenset[str]:
     return frozenset(_VIEW_FILLS)
 
 
+def _probe_raises(probe: Callable[[], Any], gap: tuple[type[Exception], ...]) -> bool:
+    """A gap's feature test: True when ``probe`` raises one of ``gap``; False when it
+    answers, or raises anything else (another signature: not the rule a fill knows)."""
+    try:
+        probe()
+    except gap:
+        return True
+    except Exception:
+        return False
+    return False
+
+
 def _view_flatten_gap() -> bool:
     """True when DTensor's view rule refuses to flatten ``(a, b)`` with ``b`` sharded
     (2.13 answers ``_StridedShard``; 2.11 raises)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._ops import _view_ops
 
-    rule = (_view_ops.Flatten((_view_ops.InputDim(0), _view_ops.InputDim(1))),)
-    try:
+    def probe() -> None:
+        rule = (_view_ops.Flatten((_view_ops.InputDim(0), _view_ops.InputDim(1))),)
         _view_ops.propagate_shape_and_sharding((Shard(1),), (4, 6), rule, (2,), True)
-    except RuntimeError:
-        return True
-    except Exception:  # another signature: not the rule this fill knows
-        return False
-    return False
+
+    return _probe_raises(probe, (RuntimeError,))
 
 
 def _view_split_flatten_gap() -> bool:
@@ -1936,18 +1945,12 @@ def _view_rule_raises_gap() -> bool:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._ops import _view_ops
 
-    try:
+    def probe() -> None:
         rule = _view_ops.view_groups((48, 16), (6, 32, 4))
         placements = (strided_shard(0, 6), Shard(1))
-    except Exception:  # another signature: not the rule this fill knows
-        return False
-    try:
         _view_ops.propagate_shape_and_sharding(placements, (48, 16), rule, (2, 2), True)
-    except _VIEW_RULE_BUGS:
-        return True
-    except Exception:
-        return False
-    return False
+
+    return _probe_raises(probe, _VIEW_RULE_BUGS)
 
 
 # What a view rule raises on a case it gets wrong internally (NOTE: [view rule that raises])
@@ -2023,18 +2026,16 @@ def _strided_reading_conflict_gap() -> bool:
     propagate = getattr(sharding_prop, "_propagate_use_strided_shard_flag", None)
     if propagate is None:
         return False
-    try:
+
+    def probe() -> None:
         placements = (strided_shard(0, 2),)
         specs = [
             SimpleNamespace(placements=placements, use_strided_shard_as_shard_order=flag)
             for flag in (True, False)
         ]
         propagate(SimpleNamespace(strategies=[]), SimpleNamespace(args_spec=specs))
-    except ValueError:
-        return True
-    except Exception:  # another signature: not the function this fill knows
-        return False
-    return False
+
+    return _probe_raises(probe, (ValueError,))
 
 
 def _install_strided_reading_conflict_rule() -> None:
