@@ -36,6 +36,7 @@ detected by asking torch for the feature, never by its version string:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -1480,15 +1481,14 @@ def install_dtensor_gap_fills() -> None:
         _VIEW_FILLS.add("split_flatten")
     # each gap below is asked of the rule as patched so far: where an older torch's fill
     # above already answers a case, the later fill finds no gap and is not installed
-    if _nested_strided_unflatten_gap():
-        _install_nested_strided_unflatten_rule()
-        _VIEW_FILLS.add("nested_unflatten")
-    if _regroup_gathers_gap():
-        _install_regroup_rule()
-        _VIEW_FILLS.add("regroup")
-    if _view_rule_raises_gap():
-        _install_view_gather_fallback()
-        _VIEW_FILLS.add("gather_fallback")
+    for name, gap, install in (
+        ("nested_unflatten", _nested_strided_unflatten_gap, _install_nested_strided_unflatten_rule),
+        ("regroup", _regroup_gathers_gap, _install_regroup_rule),
+        ("gather_fallback", _view_rule_raises_gap, _install_view_gather_fallback),
+    ):
+        if gap():
+            install()
+            _VIEW_FILLS.add(name)
     if _strided_reading_conflict_gap():
         _install_strided_reading_conflict_rule()
     _install_missing_dim_strategies()
@@ -1539,28 +1539,31 @@ def _view_split_flatten_gap() -> bool:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._ops import _view_ops
 
-    flat = _view_ops.Flatten((_view_ops.InputDim(0), _view_ops.InputDim(1)))
-    rule = (_view_ops.Split(flat, (2, 12), 0), _view_ops.Split(flat, (2, 12), 1))
-    try:
+    def probe() -> None:
+        flat = _view_ops.Flatten((_view_ops.InputDim(0), _view_ops.InputDim(1)))
+        rule = (_view_ops.Split(flat, (2, 12), 0), _view_ops.Split(flat, (2, 12), 1))
         _view_ops.propagate_shape_and_sharding((Shard(1),), (4, 6), rule, (2,), True)
-    except RuntimeError:
-        return True
-    except Exception:  # another signature: not the rule this fill knows
-        return False
-    return False
+
+    return _probe_raises(probe, (RuntimeError,))
 
 
 def _install_strided_view_rule(split_flatten_only: bool = False) -> None:
     """torch 2.11 gap: views that flatten a sharded non-first dimension (attention heads,
     ``[b, h, t, d] -> [b*h, t, d]`` in ``matmul``) and views that split a ``_StridedShard``
     dimension back (``[b*h, t, t] -> [b, h, t, t]``), answered as 2.13 answers them."""
+    _install_view_fixes(functools.partial(_strided_view_fixes, split_flatten_only=split_flatten_only))
+
+
+def _install_view_fixes(fixes_of: Callable[..., dict[int, Any]]) -> None:
+    """Wrap DTensor's view rule: where ``fixes_of(placements, shape, rule, mesh_sizes)``
+    names mesh dims, those are answered by ``_propagate_with_fixes``; elsewhere the rule
+    as patched so far answers."""
     from torch.distributed.tensor._ops import _view_ops
 
     original = _view_ops.propagate_shape_and_sharding
 
     def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
-        fixes = _strided_view_fixes(input_src_placements, global_input_shape, rule, mesh_sizes,
-                                    split_flatten_only)
+        fixes = fixes_of(input_src_placements, global_input_shape, rule, mesh_sizes)
         if not fixes:
             return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
         return _propagate_with_fixes(original, fixes, input_src_placements, global_input_shape,
@@ -1743,17 +1746,14 @@ def _nested_strided_unflatten_gap() -> bool:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._ops import _view_ops
 
-    propagate = _view_ops.propagate_shape_and_sharding
-    try:
+    def probe() -> None:
+        propagate = _view_ops.propagate_shape_and_sharding
         _, flat = propagate(
             (Shard(1), Shard(1)), (2, 4), _view_ops.view_groups((2, 4), (8,)), (2, 2), True
         )
         propagate(tuple(flat), (8,), _view_ops.view_groups((8,), (2, 4)), (2, 2), True)
-    except RuntimeError:
-        return True
-    except Exception:  # another signature: not the rule this fill knows
-        return False
-    return False
+
+    return _probe_raises(probe, (RuntimeError,))
 
 
 def _install_nested_strided_unflatten_rule() -> None:
@@ -1783,10 +1783,7 @@ def _nested_unflatten_fixes(placements, rule, mesh_sizes) -> dict[int, Any] | No
     from torch.distributed.tensor._ops import _view_ops
 
     def refs(cmd: Any) -> list[Any]:
-        found = [cmd] if isinstance(cmd, _view_ops.InputDim) else []
-        for inner in cmd.inputs():
-            found += refs(inner)
-        return found
+        return [c for c in _view_commands(cmd) if isinstance(c, _view_ops.InputDim)]
 
     fixes: dict[int, Any] = {}
     strided_dims = {p.dim for p in placements if is_strided_shard(p)}
@@ -1862,18 +1859,7 @@ def _regroup_gathers_gap() -> bool:
 def _install_regroup_rule() -> None:
     """NOTE: [head-local regroup]: keep a sharded non-first dim of a flatten-then-split
     view sharded (strided) instead of gathering it."""
-    from torch.distributed.tensor._ops import _view_ops
-
-    original = _view_ops.propagate_shape_and_sharding
-
-    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
-        fixes = _regroup_fixes(input_src_placements, global_input_shape, rule, mesh_sizes)
-        if not fixes:
-            return original(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
-        return _propagate_with_fixes(original, fixes, input_src_placements, global_input_shape,
-                                     rule, mesh_sizes, strict_view)
-
-    _view_ops.propagate_shape_and_sharding = propagate
+    _install_view_fixes(_regroup_fixes)
 
 
 def _regroup_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
@@ -1994,17 +1980,18 @@ def _flattened_input_dims(rule: Any) -> set[int]:
     """The input dims that a view rule flattens together with others."""
     from torch.distributed.tensor._ops import _view_ops
 
-    dims: set[int] = set()
+    return {
+        d.input_dim
+        for cmd in rule for c in _view_commands(cmd) if isinstance(c, _view_ops.Flatten)
+        for d in c.input_dims if isinstance(d, _view_ops.InputDim)
+    }
 
-    def visit(cmd: Any) -> None:
-        if isinstance(cmd, _view_ops.Flatten):
-            dims.update(d.input_dim for d in cmd.input_dims if isinstance(d, _view_ops.InputDim))
-        for inner in cmd.inputs():
-            visit(inner)
 
-    for cmd in rule:
-        visit(cmd)
-    return dims
+def _view_commands(cmd: Any) -> Iterator[Any]:
+    """``cmd`` (one output dim of a view rule) and every command nested in it."""
+    yield cmd
+    for inner in cmd.inputs():
+        yield from _view_commands(inner)
 
 
 # NOTE: [conflicting strided readings]
