@@ -406,6 +406,18 @@ def fingerprint(obj: Any, depth: int = 6) -> Any:
     raise Uncacheable(f"a {type(obj).__qualname__} in the parallel mode or options")
 
 
+_FILE_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 of a file's bytes (memoized per process while its size and mtime stay)."""
+    stat = os.stat(path)
+    memo = (str(path), stat.st_size, stat.st_mtime_ns)
+    if memo not in _FILE_DIGESTS:
+        _FILE_DIGESTS[memo] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return _FILE_DIGESTS[memo]
+
+
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
     """SHA-256 of this package's source (passes and parallel modes included)."""
@@ -436,7 +448,7 @@ def _plugin_digest() -> list[str]:
         source = getattr(module, "__file__", None)
         if not source:
             raise Uncacheable(f"pass {name}'s module has no source file")
-        digests.append(name + ":" + hashlib.sha256(Path(source).read_bytes()).hexdigest())
+        digests.append(name + ":" + file_digest(source))
     return digests
 
 
@@ -454,8 +466,7 @@ def _class_sources(cls: type) -> list[str]:
             source = None
         if not source or not Path(source).is_file():
             raise Uncacheable(f"the class {klass.__qualname__} without a source file")
-        out.append(f"{klass.__module__}.{klass.__qualname__}:"
-                   + hashlib.sha256(Path(source).read_bytes()).hexdigest())
+        out.append(f"{klass.__module__}.{klass.__qualname__}:" + file_digest(source))
     return out
 
 

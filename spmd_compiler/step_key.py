@@ -81,6 +81,7 @@ from .compile_cache import (
     _state_ref,
     _tensor_meta,
     encoded_graph,
+    file_digest,
     fingerprint,
     source_digest,
 )
@@ -126,7 +127,7 @@ def step_key(
             module = next((m for f, m in loaded.items() if os.path.realpath(f) == real), None)
         if module is None or stale_source(path, module):
             raise Uncacheable(f"{path}, not a loaded module's unchanged source")
-        files.append([path, _content_digest(path)])
+        files.append([path, file_digest(path)])
     parts = [
         FORMAT, files, [target.__module__, target.__qualname__],
         [[name, fingerprint(value)] for name, value in guards.described()],
@@ -168,7 +169,7 @@ def _hooks(bindings: Any) -> list[Any]:
         if isinstance(hook, types.MethodType):
             raise Uncacheable(f"the bound-method hook {fn.__qualname__} ({where})")
         out.append([where, fn.__module__, fn.__qualname__,
-                    _content_digest(fn.__code__.co_filename)])
+                    file_digest(fn.__code__.co_filename)])
     return out
 
 
@@ -177,18 +178,6 @@ def _treespec(spec: Any) -> str:
         return private.treespec_text(spec)
     except Exception as exc:  # noqa: BLE001 - a pytree type without a serialized name
         raise Uncacheable(f"the step's argument structure ({type(exc).__name__})") from exc
-
-
-_DIGESTS: dict[tuple[str, int, int], str] = {}
-
-
-def _content_digest(path: str) -> str:
-    """SHA-256 of a file (memoized per process while its size and mtime stay)."""
-    stat = os.stat(path)
-    memo = (path, stat.st_size, stat.st_mtime_ns)
-    if memo not in _DIGESTS:
-        _DIGESTS[memo] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return _DIGESTS[memo]
 
 
 # --------------------------------------------------------------------------- recorded
@@ -339,7 +328,7 @@ def module_manifest() -> list[list[Any]]:
             stat = os.stat(path)
             out.append([path, "stat", stat.st_size, stat.st_mtime_ns])
         else:
-            out.append([path, "sha256", _content_digest(path)])
+            out.append([path, "sha256", file_digest(path)])
     return out
 
 
@@ -351,7 +340,7 @@ def _manifest_holds(manifest: list[list[Any]]) -> str | None:
                 stat = os.stat(path)
                 if [stat.st_size, stat.st_mtime_ns] != expected:
                     return path
-            elif [_content_digest(path)] != expected:
+            elif [file_digest(path)] != expected:
                 return path
         except OSError:
             return path
