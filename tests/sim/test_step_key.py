@@ -25,6 +25,7 @@ import spmd_compiler as sc
 from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.tools.parity import full_state, relative_difference
+from tests.sim.test_compile_cache import Tempered  # a guarded Python attribute
 
 TOLERANCE = 1e-5
 STEPS = 2
@@ -100,16 +101,6 @@ def test_a_restart_skips_the_capture_and_matches_eager(tmp_path: Path) -> None:
     loaded = second.records[0].program.captured.graph_module
     captured = first.records[0].program.captured.graph_module
     assert [n.target for n in loaded.graph.nodes] == [n.target for n in captured.graph.nodes]
-
-
-class Tempered(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 4)
-        self.temperature = 1.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) / self.temperature
 
 
 class FromEnvironment(nn.Module):
