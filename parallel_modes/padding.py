@@ -13,7 +13,13 @@ expansion:
 - the optimizer updates the padded parameter and state; padding rows stay zero for
   element-wise optimizers (zero gradient, zero state, zero weight decay);
 - a gradient that outlives the step (``zero_grad`` at the start of the step, or
-  accumulation) is padded state too: read through a slice, written back zero-padded.
+  accumulation) is padded state too: read through a slice, written back zero-padded;
+- a value the optimizer computed (the updated weight, its state) read again later in the
+  step (a validation forward after ``optimizer.step()``, an EMA of the weights) is read
+  through a slice too, and state updated outside the optimizer (the EMA) is written back
+  zero-padded. Expansion checks every value's global shape against the single-device
+  graph's, padded where ``node.meta[PADDED]`` says so (NOTE: [local shape check]): a read
+  this rewrite missed is refused, not computed with the padding rows.
 The DTensors the user sees keep the true shape; the runtime feeds each rank's rows plus
 zero padding and keeps the real rows of the results (``DistributedProgram.padded``).
 """
@@ -27,7 +33,7 @@ import torch.fx
 
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.ir.graph_utils import output_args, placeholders, set_outputs
-from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PADDED, PHASE
 from spmd_compiler.ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta
 
 
@@ -67,15 +73,12 @@ def pad_uneven_state(
                 hint="call optimizer.zero_grad() at the end of the step.",
             )
     gm = captured.graph_module
-    nodes = dict(zip(captured.input_refs(), placeholders(gm), strict=True))
-    _pad_gradients(captured, plan, dim_of)
-    _pad_kept_gradient_outputs(captured, {n: v for n, v in plan.items() if not dim_of.get(n, 0)})
-    for name, (rows, _) in plan.items():
-        dim = dim_of.get(name, 0)
-        _slice_for_compute(gm.graph, nodes[StateRef(Kind.PARAM, name)], rows, dim)
-        grad = nodes.get(StateRef(Kind.GRAD, name))
-        if grad is not None:
-            _slice_for_compute(gm.graph, grad, rows, dim)
+    pads = _pad_gradients(captured, plan, dim_of)
+    padded_values = _padded_values(captured, plan, dim_of, pads)
+    _match_outputs(captured, plan, dim_of, padded_values)
+    for node, (rows, padded, dim) in padded_values.items():
+        node.meta[PADDED] = (rows, padded, dim)
+        _slice_for_compute(gm.graph, node, rows, dim)
     captured.inputs = [(ref, _padded_meta(ref, meta, plan, dim_of)) for ref, meta in captured.inputs]
     captured.output_metas = [
         _padded_meta(ref, meta, plan, dim_of)
@@ -158,48 +161,102 @@ def _gradients_by_parameter(captured: CapturedStep) -> dict[str, list[torch.fx.N
 
 def _pad_gradients(
     captured: CapturedStep, plan: dict[str, tuple[int, int]], dims: dict[str, int]
-) -> None:
+) -> dict[torch.fx.Node, str]:
+    """Zero-pad each gradient where the optimizer reads it; returns pad node -> name."""
     graph = captured.graph_module.graph
+    pads: dict[torch.fx.Node, str] = {}
     for name, values in _gradients_by_parameter(captured).items():
         if name not in plan:
             continue
         rows, padded = plan[name]
         dim = dims.get(name, 0)
         for grad in values:
-            val = grad.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.dim() <= dim or val.shape[dim] != rows:
+            if not _has_rows(grad, rows, dim):
                 continue
             readers = [u for u in grad.users if _is_optimizer(u)]
-            # constant_pad_nd lists (before, after) pairs from the last dimension back
-            pad_spec = [0, 0] * (val.dim() - 1 - dim) + [0, padded - rows]
-            with graph.inserting_after(grad):
-                pad = graph.call_function(
-                    torch.ops.aten.constant_pad_nd.default, (grad, pad_spec, 0.0)
-                )
-            pad.meta = {PHASE: OPTIMIZER_PHASE}
+            pad = _zero_pad_after(graph, grad, rows, padded, dim)
             for reader in readers:
                 reader.replace_input_with(grad, pad)
+            pads[pad] = name
+    return pads
 
 
-def _pad_kept_gradient_outputs(captured: CapturedStep, plan: dict[str, tuple[int, int]]) -> None:
-    """Gradients that outlive the step (no ``zero_grad`` after ``optimizer.step()``, e.g.
-    ``zero_grad`` at the start of the step) leave the program padded, like the parameter:
-    a gradient kept between steps is state sharded the same way."""
+def _has_rows(node: torch.fx.Node, rows: int, dim: int) -> bool:
+    """Whether ``node``'s single-device value has ``rows`` along ``dim``."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() > dim and val.shape[dim] == rows
+
+
+def _zero_pad_after(
+    graph: torch.fx.Graph, value: torch.fx.Node, rows: int, padded: int, dim: int
+) -> torch.fx.Node:
+    ndim = value.meta["val"].dim()
+    # constant_pad_nd lists (before, after) pairs from the last dimension back
+    pad_spec = [0, 0] * (ndim - 1 - dim) + [0, padded - rows]
+    with graph.inserting_after(value):
+        pad = graph.call_function(torch.ops.aten.constant_pad_nd.default, (value, pad_spec, 0.0))
+    pad.meta = {PHASE: OPTIMIZER_PHASE}
+    return pad
+
+
+def _padded_values(
+    captured: CapturedStep,
+    plan: dict[str, tuple[int, int]],
+    dims: dict[str, int],
+    pads: dict[torch.fx.Node, str],
+) -> dict[torch.fx.Node, tuple[int, int, int]]:
+    """Every value the program holds padded: node -> (true size, padded size, dim).
+
+    The padded state placeholders, the gradients' pads, and the optimizer's values
+    computed from them that keep the parameter's size along its padded dimension (a norm
+    or a scalar computed from a padded value is not padded: zero rows add nothing).
+    Values outside the optimizer are computed from slices and are never padded.
+    """
+    gm = captured.graph_module
+    info: dict[torch.fx.Node, tuple[int, int, int]] = {}
+    for ref, node in zip(captured.input_refs(), placeholders(gm), strict=True):
+        if ref.kind in PADDED_KINDS and ref.name in plan:
+            dim = dims.get(ref.name, 0)
+            if _has_rows(node, plan[ref.name][0], dim):
+                info[node] = (*plan[ref.name], dim)
+    for pad, name in pads.items():
+        info[pad] = (*plan[name], dims.get(name, 0))
+    for node in gm.graph.nodes:
+        if node in info or not _is_optimizer(node):
+            continue
+        source = next((info[a] for a in node.all_input_nodes if a in info), None)
+        if source is not None and _has_rows(node, source[0], source[2]):
+            info[node] = source
+    return info
+
+
+def _match_outputs(
+    captured: CapturedStep,
+    plan: dict[str, tuple[int, int]],
+    dims: dict[str, int],
+    padded_values: dict[torch.fx.Node, tuple[int, int, int]],
+) -> None:
+    """Each output in the form its signature gives it: padded state leaves padded (a
+    value computed outside the optimizer, such as a gradient kept between steps or an
+    EMA of the weights updated under ``no_grad``, is zero-padded); every other output
+    (what the step returns, unpadded state) leaves with its true size (a padded value is
+    sliced)."""
     gm = captured.graph_module
     graph = gm.graph
     outputs = list(output_args(gm))
     for k, (ref, value) in enumerate(zip(captured.outputs, outputs, strict=True)):
-        if ref.kind is not Kind.GRAD or ref.name not in plan:
+        if not isinstance(value, torch.fx.Node):
             continue
-        rows, padded = plan[ref.name]
-        val = value.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not val.shape or val.shape[0] != rows:
-            continue
-        with graph.inserting_after(value):
-            pad = graph.call_function(
-                torch.ops.aten.constant_pad_nd.default,
-                (value, [0, 0] * (val.dim() - 1) + [0, padded - rows], 0.0),
-            )
-        pad.meta = {PHASE: OPTIMIZER_PHASE}
-        outputs[k] = pad
+        wants_padding = ref.kind in PADDED_KINDS and ref.name in plan
+        if wants_padding and value not in padded_values:
+            rows, padded = plan[ref.name]
+            dim = dims.get(ref.name, 0)
+            if _has_rows(value, rows, dim):
+                outputs[k] = _zero_pad_after(graph, value, rows, padded, dim)
+        elif not wants_padding and value in padded_values:
+            rows, _, dim = padded_values[value]
+            with graph.inserting_before(graph.output_node()):
+                outputs[k] = graph.call_function(
+                    torch.ops.aten.slice.Tensor, (value, dim, 0, rows)
+                )
     set_outputs(gm, outputs)

@@ -685,6 +685,12 @@ def _even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...]
     return tuple(local)
 
 
+def even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...] | None:
+    """The local shape of an evenly sharded ``shape`` DTensor (None where a shard is
+    uneven, nested unevenly or symbolic): NOTE: [local shape check] in expand/retrace.py."""
+    return _even_local_shape(shape, mesh, placements)
+
+
 def _even_logical_shape(mesh: Any, src_state: Any, mesh_dim: int, shape: Any) -> list[int] | None:
     """``DTensorRedistributePlanner.get_logical_shape`` for evenly sharded dimensions:
     the global size divided by every other mesh dimension sharding it (None where a

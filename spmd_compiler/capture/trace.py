@@ -89,6 +89,13 @@ SCHEDULER_HINT = (
 # and its backward are decomposed into plain ATen ops during the first trace; the running
 # statistics then leave the graph as buffer outputs like any other new state, and the
 # batch statistics become reductions that DTensor reduces across ranks.
+# ``native_group_norm`` and its backward take the batch size, channels and spatial size
+# as integers read off the global shape; DTensor localizes them in the forward's rule
+# only (torch 2.13; 2.11 and 2.12 have no rule), and derives the backward's rule from
+# its decomposition, running the local kernel with the global sizes. Decomposed, the
+# sizes become reshapes of the global shape, which DTensor localizes. The forward is
+# torch's reference formula (its CPU branch reads the sizes through ``as_strided``, which
+# DTensor refuses).
 # ``nll_loss_forward`` with reduction "mean" becomes the "sum" reduction divided by the
 # total weight: DTensor's rule averages the per-rank means, which is not the global mean
 # when ranks hold different numbers of non-ignored targets (ignore_index, class weights).
@@ -110,7 +117,10 @@ def capture_decompositions() -> dict:
         aten._native_batch_norm_legit_functional.default,
         aten._native_batch_norm_legit_no_training.default,
         aten.native_batch_norm_backward.default,
+        aten.native_group_norm.default,
+        aten.native_group_norm_backward.default,
     ])
+    table[aten.native_group_norm.default] = _group_norm_by_reshapes
     table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
     table[aten.nll_loss_forward.default] = _nll_loss_forward_global_mean
     table[aten.mse_loss_backward.default] = functools.partial(
@@ -129,6 +139,27 @@ def _mse_loss_backward_allow_empty(
     if input.numel() == 0:
         return (input - target) * grad_output
     return decomposition(grad_output, input, target, reduction)
+
+
+def _group_norm_by_reshapes(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    N: int, C: int, HxW: int, group: int, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``native_group_norm`` as reshapes and a ``var_mean`` (NOTE: [ops decomposed at
+    capture]); statistics in float32 for reduced-precision inputs, as torch's reference."""
+    low = input.dtype in (torch.float16, torch.bfloat16)
+    x = input.float() if low else input
+    grouped = x.reshape(N, group, C // group, HxW)
+    var, mean = torch.var_mean(grouped, dim=[2, 3], correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    out = ((grouped - mean) * rstd).reshape(input.shape)
+    channel = (1, C) + (1,) * (input.dim() - 2)
+    if weight is not None:
+        out = out * weight.reshape(channel)
+    if bias is not None:
+        out = out + bias.reshape(channel)
+    return (out.to(input.dtype), mean.reshape(N, group).to(input.dtype),
+            rstd.reshape(N, group).to(input.dtype))
 
 
 _MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # torch's Reduction enum

@@ -45,7 +45,7 @@ from .. import _torch_private as private
 from .. import progress
 from ..errors import SPMDCompileError, node_error
 from ..ir.graph_utils import RetracingInterpreter, placeholders
-from ..ir.node_meta import PLACEMENT
+from ..ir.node_meta import PADDED, PLACEMENT
 from ..ir.signature import CapturedStep, Kind, TensorMeta, contiguous_stride
 from ..ir.use_step import UseGroup, UseHook, UseStep
 from .local_rules import LocalRules
@@ -393,12 +393,66 @@ class _ExpandingInterpreter(RetracingInterpreter):
     def _record(self, source: torch.fx.Node, result: Any, created: list[torch.fx.Node]) -> Any:
         result = _wrap_tree(result, self.mesh)
         values = result if isinstance(result, (list, tuple)) else [result]
-        for value in values:
+        captured = source.meta.get("val")
+        captured = captured if isinstance(captured, (list, tuple)) else [captured]
+        for i, value in enumerate(values):
             if isinstance(value, DTensor):
+                if len(captured) == len(values):
+                    _check_global_shape(source, value, captured[i])
+                _check_local_shape(source, value)
                 node = private.traced_node_of(private.local_tensor_of(value))
                 if node is not None and node in created:
                     node.meta[PLACEMENT] = tuple(value.placements)
         return result
+
+
+# NOTE: [local shape check]
+# DTensor runs an op's local kernel with the op's non-tensor arguments as the single-device
+# graph has them. Where such an argument is a size read off a global shape (group norm's
+# N, C and HxW; DTensor adjusts views, factories and the ops it knows, not an op whose
+# rule it derived from the op's decomposition), the local kernel computes on a wrong
+# shape: it fails, or it returns a tensor of the wrong local size, which is a wrong
+# result downstream. Every evenly sharded output is therefore checked against the local
+# shape its placements imply, and every output's global shape against the single-device
+# value's (padded where a mode pads it, NOTE: [uneven shards]); a mismatch is refused
+# with the node named. The second check found a value the padding had missed (an
+# updated weight read again after ``optimizer.step()``).
+def _check_global_shape(source: torch.fx.Node, value: DTensor, captured: Any) -> None:
+    """The DTensor's global shape is the captured value's (the padded size along the
+    padded dim of a value a mode holds padded): NOTE: [local shape check]."""
+    if not isinstance(captured, torch.Tensor):
+        return
+    expected = list(captured.shape)
+    padding = source.meta.get(PADDED)
+    if padding is not None and len(expected) > padding[2]:
+        expected[padding[2]] = padding[1]
+    if tuple(value.shape) == tuple(expected):
+        return
+    raise node_error(
+        f"Expanding this op gave a value of global shape {tuple(value.shape)}, where the "
+        f"single-device step computes shape {tuple(expected)}: refused rather than "
+        "computing on the wrong shape (NOTE: [local shape check]).",
+        source,
+        hint="this is a bug in spmd_compiler or in the parallel mode; please report it "
+        "with the step.",
+    )
+
+
+def _check_local_shape(source: torch.fx.Node, value: DTensor) -> None:
+    local = tuple(private.local_tensor_of(value).shape)
+    expected = private.even_local_shape(tuple(value.shape), value.device_mesh, value.placements)
+    if expected is None or local == expected:
+        return
+    raise node_error(
+        f"DTensor computed this op's local result with shape {local}, where its "
+        f"placement {format_placements(value.placements)} of the global shape "
+        f"{tuple(value.shape)} means {expected}: an argument of the op is a size read off "
+        "the global shape, which DTensor passed to the local kernel unchanged. Refused "
+        "rather than computing on the wrong shape (NOTE: [local shape check]).",
+        source,
+        hint="register a sharding strategy that localizes the op's size arguments, or "
+        "replace the op with ops DTensor adjusts (views, reshapes).",
+    )
 
 
 def _wrap_tree(result: Any, mesh: DeviceMesh) -> Any:

@@ -10,6 +10,7 @@ reader can find every writer and reader of a key by its accessor's name.
 | ``MODULE_FQN`` | capture (module forward hooks) | FQN of the innermost module whose forward traced the node |
 | ``USER_LINE`` | capture | ``errors.SourceLocation`` of the train-step line |
 | ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
+| ``PADDED`` | a mode's padding of uneven state | ``(true size, padded size, dim)`` of a value held padded |
 | ``ORIGIN`` | expansion | name of the captured node a per-rank node was expanded from |
 | ``PLACEMENT`` | expansion | DTensor placements of the node's output |
 | ``CREATED_BY`` | pass manager | name of the pass that created the node |
@@ -32,6 +33,7 @@ PLACEMENT = "spmd_placement"
 ORIGIN = "spmd_origin"
 CREATED_BY = "spmd_created_by"
 PHASE = "spmd_phase"
+PADDED = "spmd_padded"
 DEFERRED = "spmd_deferred"
 BUCKET_MEMBERS = "spmd_bucket_members"
 

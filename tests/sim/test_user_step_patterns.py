@@ -10,7 +10,11 @@ on 2 simulated ranks against the undecorated step on one device on the global ba
   parameters after the optimizer; a frozen parameter; two parameter groups;
 - activation checkpointing (``torch.utils.checkpoint``, non-reentrant);
 - a padding mask built from the batch, fed to ``nn.TransformerEncoderLayer``;
-- Conv2d + BatchNorm2d: the batch statistics (and running buffers) of the global batch.
+- Conv2d + BatchNorm2d: the batch statistics (and running buffers) of the global batch;
+  Conv2d + GroupNorm (per-sample statistics; its op takes the batch size as an integer);
+- the weights read again after ``optimizer.step()`` (a validation loss in eval mode
+  under ``no_grad``) and an EMA copy of the weights updated after the step, both on
+  layers whose rows do not divide the ranks (fsdp holds them padded).
 """
 
 from __future__ import annotations
@@ -69,6 +73,30 @@ class _ConvBatchNorm(nn.Module):
         return self.head(F.relu(self.norm(self.conv(x))).mean((2, 3)))
 
 
+class _ConvGroupNorm(_ConvBatchNorm):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 4)
+
+
+def _odd_mlp() -> nn.Module:
+    """Rows that do not divide 2 ranks: fsdp pads them (NOTE: [uneven shards])."""
+    return nn.Sequential(nn.Linear(FEATURES, 15), nn.GELU(), nn.Linear(15, CLASSES)).double()
+
+
+class _WithEMA(nn.Module):
+    """A model and an exponential moving average of its weights (not optimized)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.ema = _odd_mlp(), _odd_mlp()
+        self.ema.load_state_dict(self.net.state_dict())
+        self.ema.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def _finish(model, optim, loss):  # noqa: ANN001
     loss.backward()
     optim.step()
@@ -124,6 +152,23 @@ def no_grad_update_step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
+def eval_after_update_step(model, optim, x, y):  # noqa: ANN001
+    _finish(model, optim, F.cross_entropy(model(x), y))
+    model.eval()
+    with torch.no_grad():  # the updated weights, read again in the same step
+        validation = F.cross_entropy(model(x), y)
+    model.train()
+    return validation
+
+
+def ema_step(model, optim, x, y):  # noqa: ANN001
+    loss = _finish(model, optim, F.cross_entropy(model(x), y))
+    with torch.no_grad():
+        for average, weight in zip(model.ema.parameters(), model.net.parameters()):
+            average.lerp_(weight, 0.1)
+    return loss
+
+
 def padding_mask_step(model, optim, x, y):  # noqa: ANN001
     keep = (x.abs().sum(-1) > 2.0).to(x.dtype)  # (batch, seq): padding from the data
     hidden = model.layer(x, src_key_padding_mask=keep == 0)
@@ -149,7 +194,7 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
 
 def _batches(shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -177,6 +222,9 @@ CASES = {  # name: (model, optimizer, step, input shape)
     # noise-sized updates (relative differences of noise over noise)
     "padding_mask_encoder": (lambda: _Encoder().double(), _sgd, padding_mask_step, (BATCH, 5, FEATURES)),
     "conv_batchnorm": (lambda: _ConvBatchNorm().double(), _sgd, plain_step, (BATCH, 3, 5, 5)),
+    "conv_groupnorm": (lambda: _ConvGroupNorm().double(), _adamw, plain_step, (BATCH, 3, 5, 5)),
+    "eval_after_update": (_odd_mlp, _adamw, eval_after_update_step, VECTOR),
+    "ema_of_weights": (_WithEMA, _adamw, ema_step, VECTOR),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
@@ -66,3 +67,46 @@ def test_program_inputs_are_local_shapes():
     program = step.last_program
     batch = program.local_inputs[-2]
     assert batch.shape == (2, 8)  # global batch 8 over 4 ranks
+
+
+# A custom op whose integer argument is a size read off the global shape (like group
+# norm's N): its local kernel, run by DTensor with that integer unchanged, returns the
+# wrong number of rows (NOTE: [local shape check]).
+_LIB = torch.library.Library("spmd_test_expand", "DEF")
+_LIB.define("rows_like(Tensor x, SymInt n) -> Tensor")
+
+
+def _rows_like(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.sum(0, keepdim=True).expand(n, -1).clone()
+
+
+_LIB.impl("rows_like", _rows_like, "CompositeExplicitAutograd")
+_LIB.impl("rows_like", lambda x, n: x.new_empty((n, x.shape[1])), "Meta")
+
+
+def _register_rows_like_sharding() -> None:
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.spmd_test_expand.rows_like.default)
+    def _(x, n):  # noqa: ANN001, ANN202 - the claim the kernel breaks: rows follow x's
+        return [([Shard(0)], [Shard(0), None]), ([Replicate()], [Replicate(), None])]
+
+
+def test_a_local_result_of_the_wrong_shape_is_refused_with_the_node_named():
+    _register_rows_like_sharding()
+
+    def step(model, optim, x, y):  # noqa: ANN001
+        weights = torch.ops.spmd_test_expand.rows_like(x, x.shape[0])
+        loss = model(x).mean() * weights.mean()  # without the check: no error, a wrong loss
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = nn.Linear(8, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile()(step)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, torch.randn(8, 8), torch.randint(0, 4, (8,)))
+    message = str(info.value)
+    assert "local result with shape (8, 8)" in message and "(4, 8)" in message
+    assert "rows_like" in message and "test_expand.py" in message
