@@ -1499,6 +1499,7 @@ def install_dtensor_gap_fills() -> None:
         _install_strided_reading_conflict_rule()
     _install_missing_dim_strategies()
     _install_fill_strategies()
+    _install_weight_norm_strategies()
 
 
 _GAPS_FILLED = False
@@ -2228,6 +2229,39 @@ def _install_fill_strategies() -> None:
         register_sharding(aten.fill.Tensor)(lambda self, value: placements(self, Replicate()))
     if not _has_sharding_strategy(aten.select_scatter.default):
         register_sharding(aten.select_scatter.default)(select_scatter)
+
+
+def _install_weight_norm_strategies() -> None:
+    """Gap on every supported torch: no DTensor rule for ``_weight_norm_interface`` and
+    its backward (``nn.utils.parametrizations.weight_norm``). Where this torch has none:
+    ``w = v * g / norm(v)``, the norm over every dim but ``dim``, so the rows along
+    ``dim`` are independent (v, g, w and the norm sharded alike on ``dim``) or all are
+    replicated; the backward is linear in the weight's gradient, so a Partial gradient
+    with replicated ``v``, ``g`` and norm gives Partial ``grad_v`` and ``grad_g``."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def forward(v: Any, g: Any, dim: int = 0) -> list[tuple[list, list]]:
+        dim %= len(v.shape)
+        return [
+            ([Replicate(), Replicate()], [Replicate(), Replicate(), None]),
+            ([Shard(dim), Shard(dim)], [Shard(dim), Shard(dim), None]),
+        ]
+
+    def backward(grad_w: Any, v: Any, g: Any, norm: Any, dim: int) -> list[tuple[list, list]]:
+        dim %= len(v.shape)
+        r, s = Replicate(), Shard(dim)
+        return [
+            ([r, r], [r, r, r, r, None]),
+            ([Partial(), Partial()], [Partial(), r, r, r, None]),
+            ([s, s], [s, s, s, s, None]),
+        ]
+
+    aten = torch.ops.aten
+    if not _has_sharding_strategy(aten._weight_norm_interface.default):
+        register_sharding(aten._weight_norm_interface.default)(forward)
+    if not _has_sharding_strategy(aten._weight_norm_interface_backward.default):
+        register_sharding(aten._weight_norm_interface_backward.default)(backward)
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:

@@ -12,6 +12,7 @@ on 2 simulated ranks against the undecorated step on one device on the global ba
 - a padding mask built from the batch, fed to ``nn.TransformerEncoderLayer``;
 - Conv2d + BatchNorm2d: the batch statistics (and running buffers) of the global batch;
   Conv2d + GroupNorm (per-sample statistics; its op takes the batch size as an integer);
+- a weight-normalized layer (``nn.utils.parametrizations.weight_norm``);
 - the weights read again after ``optimizer.step()`` (a validation loss in eval mode
   under ``no_grad``) and an EMA copy of the weights updated after the step, both on
   layers whose rows do not divide the ranks (fsdp holds them padded).
@@ -95,6 +96,12 @@ class _WithEMA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def _weight_normed() -> nn.Module:
+    model = _odd_mlp()
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    return model
 
 
 def _finish(model, optim, loss):  # noqa: ANN001
@@ -225,6 +232,7 @@ CASES = {  # name: (model, optimizer, step, input shape)
     "conv_groupnorm": (lambda: _ConvGroupNorm().double(), _adamw, plain_step, (BATCH, 3, 5, 5)),
     "eval_after_update": (_odd_mlp, _adamw, eval_after_update_step, VECTOR),
     "ema_of_weights": (_WithEMA, _adamw, ema_step, VECTOR),
+    "weight_norm": (_weight_normed, _adamw, plain_step, VECTOR),
 }
 
 
