@@ -1500,6 +1500,7 @@ def install_dtensor_gap_fills() -> None:
     _install_missing_dim_strategies()
     _install_fill_strategies()
     _install_weight_norm_strategies()
+    _install_per_sample_strategies()
 
 
 _GAPS_FILLED = False
@@ -2264,6 +2265,65 @@ def _install_weight_norm_strategies() -> None:
         register_sharding(aten._weight_norm_interface_backward.default)(backward)
 
 
+# op name -> (spatial dims, whether its first argument is a gradient it is linear in)
+_PER_SAMPLE_OPS = {
+    **{f"{kind}_pad{k}d": (k, False) for kind in ("reflection", "replication") for k in (1, 2, 3)},
+    **{f"{kind}_pad{k}d_backward": (k, True) for kind in ("reflection", "replication") for k in (1, 2, 3)},
+    "avg_pool2d_backward": (2, True),
+    "avg_pool3d_backward": (3, True),
+    "adaptive_max_pool2d_backward": (2, True),
+    "adaptive_max_pool3d_backward": (3, True),
+    "max_pool3d_with_indices_backward": (3, True),
+    "_adaptive_avg_pool3d_backward": (3, True),
+    # element-wise activation gradients, torch's pointwise tag missing: every dim alike.
+    # A rule keeps eager's kernel: hardsigmoid_backward's decomposition would differ
+    # from it by 3e-8 in float64 (the CPU kernel multiplies by a float32 1/6).
+    **{name: (0, True) for name in (
+        "hardsigmoid_backward", "hardswish_backward", "hardtanh_backward", "elu_backward",
+        "leaky_relu_backward", "softplus_backward", "mish_backward",
+        "rrelu_with_noise_backward",
+    )},
+}
+
+
+def _install_per_sample_strategies() -> None:
+    """Gap on every supported torch: no DTensor rule for the backward of average
+    pooling (``nn.AvgPool2d``), of adaptive max and 3-d pooling, for reflection and
+    replication padding, and for several activations' backward (``nn.Hardsigmoid``,
+    ``nn.Hardswish``, ``nn.ELU``, ...). Each works on the last ``k`` (spatial; 0 for
+    element-wise) dims of every sample and channel alike, so where this torch has no
+    rule: every tensor replicated, or every tensor sharded alike on one leading dim; a
+    backward, linear in its incoming gradient, also maps a Partial gradient (other
+    tensors replicated) to a Partial result."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def rule_for(spatial: int, linear: bool) -> Callable[..., list[tuple[list, list]]]:
+        def rule(*args: Any) -> list[tuple[list, list]]:
+            is_tensor = [hasattr(a, "shape") for a in args]
+
+            def alike(placement: Any, first: Any = None) -> tuple[list, list]:
+                """One output placed like the first argument (``first`` where given)."""
+                ins = [
+                    (first if i == 0 and first is not None else placement) if t else None
+                    for i, t in enumerate(is_tensor)
+                ]
+                return [first or placement], ins
+
+            leading = len(args[0].shape) - spatial
+            out = [alike(Replicate())] + [alike(Shard(d)) for d in range(leading)]
+            if linear:
+                out.append(alike(Replicate(), Partial()))
+            return out
+
+        return rule
+
+    for name, (spatial, linear) in _PER_SAMPLE_OPS.items():
+        op = getattr(torch.ops.aten, name).default
+        if not _has_sharding_strategy(op):
+            register_sharding(op)(rule_for(spatial, linear))
+
+
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -2332,6 +2392,58 @@ def _norm_backward_follows_statistics(args: tuple) -> tuple:
         return args
     moved = [a if tuple(a.placements) == wanted else a.redistribute(a.device_mesh, wanted) for a in (grad_out, inp)]
     return (moved[0], moved[1], *args[2:])
+
+
+def decompositions_without_sharding_rules() -> dict[Any, Callable[..., Any]]:
+    """torch's decompositions of the ATen ops this torch's DTensor has no rule for (after
+    our fills), nor a handler of its own: NOTE: [ops without a sharding rule] in
+    capture/trace.py. Computed once per process."""
+    global _RULELESS_DECOMPOSITIONS
+    if _RULELESS_DECOMPOSITIONS is None:
+        from torch._decomp import decomposition_table
+
+        install_dtensor_gap_fills()
+        handled = DTensor._op_dispatcher._custom_op_handlers
+        _RULELESS_DECOMPOSITIONS = {
+            op: fn
+            for op, fn in decomposition_table.items()
+            if isinstance(op, torch._ops.OpOverload)
+            and op.namespace == "aten"
+            and op not in handled
+            and not _has_sharding_strategy(op)
+            and not op._schema.is_mutable
+            and not any(r.alias_info is not None for r in op._schema.returns)
+            and any(_is_tensor_type(a.type) for a in op._schema.arguments)
+            and not set(op.tags) & _UNDECOMPOSED_TAGS
+            and str(op) not in _UNDECOMPOSED_OPS
+        }
+    return _RULELESS_DECOMPOSITIONS
+
+
+# Never decomposed by decompositions_without_sharding_rules: random ops (NOTE: [random
+# numbers] traces them its own way), ops whose output depends on values (refused at
+# capture with their own message), and factories (no tensor argument: no DTensor rule
+# is consulted; expansion makes them Replicate or local, NOTE: [tensor constants]).
+_UNDECOMPOSED_TAGS = {
+    torch.Tag.nondeterministic_seeded, torch.Tag.data_dependent_output,
+    torch.Tag.dynamic_output_shape,
+}
+
+
+# metadata and value-reading ops that reach no kernel, and ``zero`` (a fill, expanded
+# as a filled factory: NOTE: [tensor constants])
+_UNDECOMPOSED_OPS = {
+    "aten.where.default", "aten.lift.default", "aten.sym_numel.default",
+    "aten.is_complex.default", "aten.resize_as.default", "aten.zero.default",
+}
+
+
+def _is_tensor_type(t: Any) -> bool:
+    text = str(t)
+    return text.startswith("Tensor") and "[]" not in text or text in ("Tensor[]", "Tensor?[]")
+
+
+_RULELESS_DECOMPOSITIONS: dict[Any, Callable[..., Any]] | None = None
 
 
 def decompositions(ops: list[Any]) -> dict[Any, Callable[..., Any]]:

@@ -99,9 +99,20 @@ SCHEDULER_HINT = (
 # ``nll_loss_forward`` with reduction "mean" becomes the "sum" reduction divided by the
 # total weight: DTensor's rule averages the per-rank means, which is not the global mean
 # when ranks hold different numbers of non-ignored targets (ignore_index, class weights).
+# NOTE: [ops without a sharding rule]
+# An ATen op DTensor has no sharding rule for (nor a handler of its own) is decomposed at
+# capture with torch's own decomposition where torch has one (``reflection_pad2d``,
+# ``im2col``, ``hardswish_backward``, ``log_sigmoid_forward``, ``_trilinear``, ...):
+# its parts are ops DTensor has rules for, so the op is expanded instead of refused.
+# Ops with a rule are traced as they are; an op with neither a rule nor a decomposition
+# is refused at expansion with the op and the user's line named. Decompositions are
+# applied below autograd, so a forward op's backward op is decomposed the same way where
+# it has no rule. Numerics: the parts round like torch's reference implementation, not
+# like the fused kernel (float64 tests agree with eager within 1e-15 relative).
 def capture_decompositions() -> dict:
     aten = torch.ops.aten
-    table = private.decompositions([
+    table = dict(private.decompositions_without_sharding_rules())
+    table |= private.decompositions([
         aten.mse_loss.default,
         aten.mse_loss_backward.default,
         aten.smooth_l1_loss.default,
@@ -121,6 +132,8 @@ def capture_decompositions() -> dict:
         aten.native_group_norm_backward.default,
     ])
     table[aten.native_group_norm.default] = _group_norm_by_reshapes
+    for where in (aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther):
+        table[where] = _where_with_scalars
     table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
     table[aten.nll_loss_forward.default] = _nll_loss_forward_global_mean
     table[aten.mse_loss_backward.default] = functools.partial(
@@ -160,6 +173,22 @@ def _group_norm_by_reshapes(
         out = out + bias.reshape(channel)
     return (out.to(input.dtype), mean.reshape(N, group).to(input.dtype),
             rstd.reshape(N, group).to(input.dtype))
+
+
+def _where_with_scalars(condition: torch.Tensor, a: Any, b: Any) -> Any:
+    """``torch.where`` with a Python number on a side (no DTensor rule; torch's own
+    decomposition makes a ``prims.where``, which has none either): the number as a 0-d
+    tensor of the result's dtype, and ``where.self``."""
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        return NotImplemented
+    dtype = torch.result_type(a, b)
+
+    def lift(v: Any) -> torch.Tensor:
+        if isinstance(v, torch.Tensor):
+            return v.to(dtype)
+        return torch.full((), v, dtype=dtype, device=condition.device)
+
+    return torch.ops.aten.where.self(condition, lift(a), lift(b))
 
 
 _MEAN_REDUCTION, _SUM_REDUCTION = 1, 2  # torch's Reduction enum

@@ -220,17 +220,38 @@ def test_torch_attention_modules_every_mode(kind, name, world, run_parity):
     assert seconds < 300, seconds
 
 
+# An op outside aten with a decomposition: not decomposed at capture (NOTE: [ops without
+# a sharding rule] takes aten's only), so DTensor shards it through its decomposition.
+_LIB = torch.library.Library("spmd_test_attention", "DEF")
+_LIB.define("swish(Tensor x) -> Tensor")
+_LIB.impl("swish", lambda x: x * torch.sigmoid(x), "CompositeExplicitAutograd")  # no backward
+_LIB.impl("swish", lambda x: torch.empty_like(x), "Meta")
+
+
+def _swish_decomposition() -> None:
+    from torch._decomp import decomposition_table
+
+    op = torch.ops.spmd_test_attention.swish.default
+    decomposition_table.setdefault(op, lambda x: x * torch.sigmoid(x))
+
+
+class _Swish(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.spmd_test_attention.swish(x)
+
+
 def test_decomposition_search_is_bounded(monkeypatch):
-    """An op DTensor can only shard through its decomposition (hardswish) is refused,
-    naming op and module, when the search exceeds the budget (0 s here)."""
+    """An op DTensor can only shard through its decomposition is refused, naming op and
+    module, when the search exceeds the budget (0 s here)."""
+    _swish_decomposition()
     monkeypatch.setattr(expand_module, "PROPAGATION_BUDGET_SECONDS", 0.0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 4))
+    model = nn.Sequential(nn.Linear(8, 8), _Swish(), nn.Linear(8, 4))
     step = sc.compile(make_mode("ddp"))(_classification_step)
     x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
     with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
         step(model, _adamw(model), x, y)
     message = str(info.value)
-    assert "aten.hardswish" in message and "did not finish within 0 s" in message
+    assert "spmd_test_attention.swish" in message and "did not finish within 0 s" in message
     assert "module:      1" in message
 
 

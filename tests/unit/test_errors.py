@@ -32,17 +32,18 @@ class Net(nn.Module):
         return self.out(torch.tanh(self.fc(x)))
 
 
-class RowRenorm(nn.Module):
-    """Uses ``aten.renorm``, which has no DTensor sharding rule."""
+class RowDistances(nn.Module):
+    """Uses ``aten._cdist_forward``, which has no DTensor sharding rule and no
+    decomposition to compute it by (NOTE: [ops without a sharding rule])."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.renorm(h, 2, 0, 1.0)
+        return h * torch.cdist(h, h).mean(1, keepdim=True)
 
 
 class Blocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Sequential(nn.Tanh(), RowRenorm())])
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Sequential(nn.Tanh(), RowDistances())])
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,8 +275,8 @@ def test_op_without_sharding_rule_names_op_and_module():
     opt = warmed_up(model)
     error = raises_untouched(step, (model, opt, *batch()), model, opt)
     message = str(error)
-    assert "aten.renorm" in message
-    assert error.op is not None and "renorm" in error.op
+    assert "aten._cdist_forward" in message
+    assert error.op is not None and "_cdist_forward" in error.op
     assert error.module_fqn == "blocks.1.1"
     assert "blocks.1.1" in message
     forward_line = line_of(step, "loss = F.cross_entropy(model(x), y)")

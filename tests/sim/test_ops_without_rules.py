@@ -1,0 +1,131 @@
+"""Ops of ordinary models that DTensor has no sharding rule for, on 2 simulated ranks
+against the undecorated step on one device (float64, every tensor within 1e-10).
+
+Each is answered one of two ways (``_torch_private``): a rule of ours where the op works
+on each sample and channel alike (the backward of ``nn.AvgPool2d`` and of 3-d and
+adaptive max pooling, reflection and replication padding, the backward of hardswish,
+hardsigmoid, ELU and other activations), or torch's decomposition at capture (NOTE: [ops
+without a sharding rule]: ``F.unfold``, the log-sigmoid of multi-label soft margin loss;
+``torch.where`` with a number has a decomposition of ours). An op with neither stays
+refused with the op and the user's line named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.parallel_modes import make_mode
+
+TOL = 1e-10
+BATCH, CLASSES = 8, 3
+
+
+class _Image(nn.Module):
+    """A conv, ``body`` on its output (4 channels of 4x4), a linear head on ``features``."""
+
+    def __init__(self, body: Callable[[torch.Tensor], torch.Tensor], features: int) -> None:
+        super().__init__()
+        self.conv, self.body = nn.Conv2d(3, 4, 3, padding=1), body
+        self.head = nn.Linear(features, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.conv(x)).flatten(1))
+
+
+def _volume(pool: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: pool(x[:, None]).flatten(1, 2)  # (N, 1, C, H, W): 3-d pooling
+
+
+BODIES = {  # name: (body, features after it)
+    "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), 16),
+    "avg_pool3d": (_volume(lambda v: F.avg_pool3d(v, 2)), 8),
+    "max_pool3d": (_volume(lambda v: F.max_pool3d(v, 2)), 8),
+    "adaptive_max_pool2d": (lambda x: F.adaptive_max_pool2d(x, 2), 16),
+    "adaptive_avg_pool3d": (_volume(lambda v: F.adaptive_avg_pool3d(v, 2)), 8),
+    "reflection_pad2d": (lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), 144),
+    "reflection_pad1d": (lambda x: F.pad(x.flatten(2), (1, 1), mode="reflect"), 72),
+    "replication_pad2d": (lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"), 144),
+    "unfold": (lambda x: F.unfold(x, 2), 144),
+    "hardswish": (F.hardswish, 64),
+    # eager's hardsigmoid_backward multiplies by a float32 1/6 even in float64: a rule
+    # keeps its kernel (torch's decomposition differs from it by 3e-8)
+    "hardsigmoid": (F.hardsigmoid, 64),
+    "activations": (lambda x: F.mish(F.elu(F.leaky_relu(F.softplus(F.hardtanh(x))))), 64),
+    "where_with_a_number": (lambda x: torch.where(x > 0, x, 0.5) * torch.where(x < 1, 2.0, x), 64),
+}
+
+
+def _step(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def step(model, optim, x, y):  # noqa: ANN001
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    return step
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(BATCH, 3, 4, 4, generator=gen, dtype=torch.float64),
+         torch.randint(0, CLASSES, (BATCH,), generator=gen))
+        for _ in range(2)
+    ]
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_op_matches_one_device(name, mode, run_parity):
+    body, features = BODIES[name]
+    result = run_parity(
+        lambda: _Image(body, features).double(), _sgd, 2, _batches(),
+        step=_step(F.cross_entropy), mode=make_mode(mode),
+    )
+    result.assert_close(TOL)
+
+
+def test_multilabel_soft_margin_loss_matches_one_device(run_parity):
+    """Its ``log_sigmoid_forward`` and backward have no rule: decomposed at capture."""
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.multilabel_soft_margin_loss(logits, F.one_hot(y, CLASSES).to(logits.dtype))
+
+    result = run_parity(
+        lambda: _Image(lambda x: x, 64).double(), _sgd, 2, _batches(),
+        step=_step(loss_fn), mode=make_mode("ddp"),
+    )
+    result.assert_close(TOL)
+
+
+def test_an_op_with_neither_rule_nor_decomposition_is_refused_by_name():
+    """``nn.Bilinear`` computes through ``aten._trilinear``: no rule, no decomposition."""
+
+    class Bilinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bilinear = nn.Bilinear(6, 6, CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bilinear(x, x)
+
+    model = Bilinear().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(_step(F.cross_entropy))
+    x = torch.randn(BATCH, 6, dtype=torch.float64)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, x, torch.randint(0, CLASSES, (BATCH,)))
+    message = str(info.value)
+    assert "_trilinear" in message and "no sharding rule" in message
+    assert "module:      bilinear" in message and "test_ops_without_rules.py" in message
