@@ -2265,20 +2265,33 @@ def _install_weight_norm_strategies() -> None:
         register_sharding(aten._weight_norm_interface_backward.default)(backward)
 
 
-# op name -> (spatial dims, whether its first argument is a gradient it is linear in)
+# op name -> (spatial dims, whether its first argument is a gradient it is linear in,
+# outputs): ops that work on each sample and channel alike
 _PER_SAMPLE_OPS = {
-    **{f"{kind}_pad{k}d": (k, False) for kind in ("reflection", "replication") for k in (1, 2, 3)},
-    **{f"{kind}_pad{k}d_backward": (k, True) for kind in ("reflection", "replication") for k in (1, 2, 3)},
-    "avg_pool2d_backward": (2, True),
-    "avg_pool3d_backward": (3, True),
-    "adaptive_max_pool2d_backward": (2, True),
-    "adaptive_max_pool3d_backward": (3, True),
-    "max_pool3d_with_indices_backward": (3, True),
-    "_adaptive_avg_pool3d_backward": (3, True),
+    **{f"{kind}_pad{k}d": (k, False, 1) for kind in ("reflection", "replication") for k in (1, 2, 3)},
+    **{f"{kind}_pad{k}d_backward": (k, True, 1) for kind in ("reflection", "replication") for k in (1, 2, 3)},
+    # pooling: every torch lacks the backward of average and of adaptive max pooling;
+    # torch 2.11 lacks the forward pooling ops too (nn.MaxPool2d, nn.AvgPool2d, ...)
+    "avg_pool2d": (2, False, 1),
+    "avg_pool3d": (3, False, 1),
+    "avg_pool2d_backward": (2, True, 1),
+    "avg_pool3d_backward": (3, True, 1),
+    "max_pool2d_with_indices": (2, False, 2),
+    "max_pool3d_with_indices": (3, False, 2),
+    "max_pool2d_with_indices_backward": (2, True, 1),
+    "max_pool3d_with_indices_backward": (3, True, 1),
+    "adaptive_max_pool2d": (2, False, 2),
+    "adaptive_max_pool3d": (3, False, 2),
+    "adaptive_max_pool2d_backward": (2, True, 1),
+    "adaptive_max_pool3d_backward": (3, True, 1),
+    "_adaptive_avg_pool2d": (2, False, 1),
+    "_adaptive_avg_pool3d": (3, False, 1),
+    "_adaptive_avg_pool2d_backward": (2, True, 1),
+    "_adaptive_avg_pool3d_backward": (3, True, 1),
     # element-wise activation gradients, torch's pointwise tag missing: every dim alike.
     # A rule keeps eager's kernel: hardsigmoid_backward's decomposition would differ
     # from it by 3e-8 in float64 (the CPU kernel multiplies by a float32 1/6).
-    **{name: (0, True) for name in (
+    **{name: (0, True, 1) for name in (
         "hardsigmoid_backward", "hardswish_backward", "hardtanh_backward", "elu_backward",
         "leaky_relu_backward", "softplus_backward", "mish_backward",
         "rrelu_with_noise_backward",
@@ -2288,7 +2301,8 @@ _PER_SAMPLE_OPS = {
 
 def _install_per_sample_strategies() -> None:
     """Gap on every supported torch: no DTensor rule for the backward of average
-    pooling (``nn.AvgPool2d``), of adaptive max and 3-d pooling, for reflection and
+    pooling (``nn.AvgPool2d``), of adaptive max and 3-d pooling (torch 2.11: for the
+    pooling ops themselves, ``nn.MaxPool2d`` included), for reflection and
     replication padding, and for several activations' backward (``nn.Hardsigmoid``,
     ``nn.Hardswish``, ``nn.ELU``, ...). Each works on the last ``k`` (spatial; 0 for
     element-wise) dims of every sample and channel alike, so where this torch has no
@@ -2298,17 +2312,17 @@ def _install_per_sample_strategies() -> None:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
-    def rule_for(spatial: int, linear: bool) -> Callable[..., list[tuple[list, list]]]:
+    def rule_for(spatial: int, linear: bool, outputs: int) -> Callable[..., list[tuple[list, list]]]:
         def rule(*args: Any) -> list[tuple[list, list]]:
             is_tensor = [hasattr(a, "shape") for a in args]
 
             def alike(placement: Any, first: Any = None) -> tuple[list, list]:
-                """One output placed like the first argument (``first`` where given)."""
+                """The outputs placed like the first argument (``first`` where given)."""
                 ins = [
                     (first if i == 0 and first is not None else placement) if t else None
                     for i, t in enumerate(is_tensor)
                 ]
-                return [first or placement], ins
+                return [first or placement] * outputs, ins
 
             leading = len(args[0].shape) - spatial
             out = [alike(Replicate())] + [alike(Shard(d)) for d in range(leading)]
@@ -2318,10 +2332,10 @@ def _install_per_sample_strategies() -> None:
 
         return rule
 
-    for name, (spatial, linear) in _PER_SAMPLE_OPS.items():
+    for name, (spatial, linear, outputs) in _PER_SAMPLE_OPS.items():
         op = getattr(torch.ops.aten, name).default
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule_for(spatial, linear))
+            register_sharding(op)(rule_for(spatial, linear, outputs))
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:

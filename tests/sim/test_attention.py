@@ -224,7 +224,8 @@ def test_torch_attention_modules_every_mode(kind, name, world, run_parity):
 # a sharding rule] takes aten's only), so DTensor shards it through its decomposition.
 _LIB = torch.library.Library("spmd_test_attention", "DEF")
 _LIB.define("swish(Tensor x) -> Tensor")
-_LIB.impl("swish", lambda x: x * torch.sigmoid(x), "CompositeExplicitAutograd")  # no backward
+_LIB.impl("swish", lambda x: x * torch.sigmoid(x), "CompositeExplicitAutograd")
+_LIB.impl("swish", torch.library.fallthrough_kernel, "Autograd")  # not differentiated
 _LIB.impl("swish", lambda x: torch.empty_like(x), "Meta")
 
 

@@ -44,6 +44,8 @@ def _volume(pool: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Ten
 
 BODIES = {  # name: (body, features after it)
     "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), 16),
+    "max_pool2d": (lambda x: F.max_pool2d(x, 2), 16),  # torch 2.11 has no pooling rules
+    "adaptive_avg_pool2d": (lambda x: F.adaptive_avg_pool2d(x, 3), 36),
     "avg_pool3d": (_volume(lambda v: F.avg_pool3d(v, 2)), 8),
     "max_pool3d": (_volume(lambda v: F.max_pool3d(v, 2)), 8),
     "adaptive_max_pool2d": (lambda x: F.adaptive_max_pool2d(x, 2), 16),

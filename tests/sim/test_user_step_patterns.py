@@ -14,8 +14,9 @@ on 2 simulated ranks against the undecorated step on one device on the global ba
   Conv2d + GroupNorm (per-sample statistics; its op takes the batch size as an integer);
 - a weight-normalized layer (``nn.utils.parametrizations.weight_norm``);
 - the weights read again after ``optimizer.step()`` (a validation loss in eval mode
-  under ``no_grad``) and an EMA copy of the weights updated after the step, both on
-  layers whose rows do not divide the ranks (fsdp holds them padded).
+  under ``no_grad``), an EMA copy of the weights updated after the step, and the
+  optimizer state, gradient and weight read for logging after the step, all on layers
+  whose rows do not divide the ranks (fsdp holds them padded).
 """
 
 from __future__ import annotations
@@ -176,6 +177,18 @@ def ema_step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
+def reads_state_after_update_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    weight = model[0].weight  # 15 rows: padded under fsdp
+    exp_avg = optim.state[weight]["exp_avg"]
+    logged = exp_avg.norm() + exp_avg.sum(0).max() + weight.grad.abs().max() + weight[:, 0].sum()
+    optim.zero_grad()
+    return loss.detach() + grad_norm + logged
+
+
 def padding_mask_step(model, optim, x, y):  # noqa: ANN001
     keep = (x.abs().sum(-1) > 2.0).to(x.dtype)  # (batch, seq): padding from the data
     hidden = model.layer(x, src_key_padding_mask=keep == 0)
@@ -233,6 +246,7 @@ CASES = {  # name: (model, optimizer, step, input shape)
     "eval_after_update": (_odd_mlp, _adamw, eval_after_update_step, VECTOR),
     "ema_of_weights": (_WithEMA, _adamw, ema_step, VECTOR),
     "weight_norm": (_weight_normed, _adamw, plain_step, VECTOR),
+    "reads_state_after_update": (_odd_mlp, _adamw, reads_state_after_update_step, VECTOR),
 }
 
 
