@@ -91,10 +91,17 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
 @pytest.mark.parametrize("name", sorted(BODIES))
 def test_op_matches_one_device(name, mode, run_parity):
     body, features = BODIES[name]
-    result = run_parity(
-        lambda: _Image(body, features).double(), _sgd, 2, _batches(),
-        step=_step(F.cross_entropy), mode=make_mode(mode),
-    )
+    try:
+        result = run_parity(
+            lambda: _Image(body, features).double(), _sgd, 2, _batches(),
+            step=_step(F.cross_entropy), mode=make_mode(mode),
+        )
+    except sc.SPMDCompileError as error:
+        # torch 2.11's index_put rule fails on the decomposed backward of im2col: refused
+        # there with the op named (2.12 and later run it)
+        if name == "unfold" and torch.__version__.startswith("2.11") and "index_put" in str(error):
+            pytest.xfail("torch 2.11: DTensor's index_put rule fails on im2col's backward")
+        raise
     result.assert_close(TOL)
 
 
