@@ -222,11 +222,13 @@ def test_torch_attention_modules_every_mode(kind, name, world, run_parity):
 
 # An op outside aten with a decomposition: not decomposed at capture (NOTE: [ops without
 # a sharding rule] takes aten's only), so DTensor shards it through its decomposition.
-_LIB = torch.library.Library("spmd_test_attention", "DEF")
-_LIB.define("swish(Tensor x) -> Tensor")
-_LIB.impl("swish", lambda x: x * torch.sigmoid(x), "CompositeExplicitAutograd")
-_LIB.impl("swish", torch.library.fallthrough_kernel, "Autograd")  # not differentiated
-_LIB.impl("swish", lambda x: torch.empty_like(x), "Meta")
+# FRAGMENT, defined once: tests/dist imports this module too
+_LIB = torch.library.Library("spmd_test_attention", "FRAGMENT")
+if not hasattr(torch.ops.spmd_test_attention, "swish"):
+    _LIB.define("swish(Tensor x) -> Tensor")
+    _LIB.impl("swish", lambda x: x * torch.sigmoid(x), "CompositeExplicitAutograd")
+    _LIB.impl("swish", torch.library.fallthrough_kernel, "Autograd")  # not differentiated
+    _LIB.impl("swish", lambda x: torch.empty_like(x), "Meta")
 
 
 def _swish_decomposition() -> None:

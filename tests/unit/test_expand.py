@@ -72,16 +72,18 @@ def test_program_inputs_are_local_shapes():
 # A custom op whose integer argument is a size read off the global shape (like group
 # norm's N): its local kernel, run by DTensor with that integer unchanged, returns the
 # wrong number of rows (NOTE: [local shape check]).
-_LIB = torch.library.Library("spmd_test_expand", "DEF")
-_LIB.define("rows_like(Tensor x, SymInt n) -> Tensor")
+# FRAGMENT, defined once: safe if this module is imported twice
+_LIB = torch.library.Library("spmd_test_expand", "FRAGMENT")
 
 
 def _rows_like(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.sum(0, keepdim=True).expand(n, -1).clone()
 
 
-_LIB.impl("rows_like", _rows_like, "CompositeExplicitAutograd")
-_LIB.impl("rows_like", lambda x, n: x.new_empty((n, x.shape[1])), "Meta")
+if not hasattr(torch.ops.spmd_test_expand, "rows_like"):
+    _LIB.define("rows_like(Tensor x, SymInt n) -> Tensor")
+    _LIB.impl("rows_like", _rows_like, "CompositeExplicitAutograd")
+    _LIB.impl("rows_like", lambda x, n: x.new_empty((n, x.shape[1])), "Meta")
 
 
 def _register_rows_like_sharding() -> None:
