@@ -487,7 +487,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
         # (zeros, new_empty, ...) asks for the run-time coordinate even when it cannot
         # matter (every shard the same size); 2.13 asks only where it does
         skip_offset = kwargs.get("skip_offset", args[0] if args else False)
-        even = _even_local_shape(global_shape, mesh, placements) if skip_offset else None
+        even = even_local_shape(global_shape, mesh, placements) if skip_offset else None
         if even is None or not mesh._is_current_rank_part_of_mesh():
             return original_local_shape(global_shape, mesh, placements, *args, **kwargs)
         return even, ()
@@ -667,9 +667,10 @@ def _evenly_sharded(*specs: Any) -> bool:
     return all(n % f == 0 for n, f in zip(shape, factor, strict=True))
 
 
-def _even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...] | None:
+def even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...] | None:
     """The local shape of a ``shape`` DTensor on ``mesh`` when every shard of it has the
-    same size on every rank (None otherwise, or for a symbolic or unknown case)."""
+    same size on every rank (None otherwise, or for a symbolic or unknown case); also
+    NOTE: [local shape check] in expand/retrace.py."""
     if not all(type(n) is int for n in shape):
         return None
     local = list(shape)
@@ -683,12 +684,6 @@ def _even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...]
             return None
         local[p.dim] //= n
     return tuple(local)
-
-
-def even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...] | None:
-    """The local shape of an evenly sharded ``shape`` DTensor (None where a shard is
-    uneven, nested unevenly or symbolic): NOTE: [local shape check] in expand/retrace.py."""
-    return _even_local_shape(shape, mesh, placements)
 
 
 def _even_logical_shape(mesh: Any, src_state: Any, mesh_dim: int, shape: Any) -> list[int] | None:
@@ -2408,30 +2403,28 @@ def _norm_backward_follows_statistics(args: tuple) -> tuple:
     return (moved[0], moved[1], *args[2:])
 
 
+@functools.cache
 def decompositions_without_sharding_rules() -> dict[Any, Callable[..., Any]]:
     """torch's decompositions of the ATen ops this torch's DTensor has no rule for (after
     our fills), nor a handler of its own: NOTE: [ops without a sharding rule] in
-    capture/trace.py. Computed once per process."""
-    global _RULELESS_DECOMPOSITIONS
-    if _RULELESS_DECOMPOSITIONS is None:
-        from torch._decomp import decomposition_table
+    capture/trace.py. Computed once per process; callers copy before changing it."""
+    from torch._decomp import decomposition_table
 
-        install_dtensor_gap_fills()
-        handled = DTensor._op_dispatcher._custom_op_handlers
-        _RULELESS_DECOMPOSITIONS = {
-            op: fn
-            for op, fn in decomposition_table.items()
-            if isinstance(op, torch._ops.OpOverload)
-            and op.namespace == "aten"
-            and op not in handled
-            and not _has_sharding_strategy(op)
-            and not op._schema.is_mutable
-            and not any(r.alias_info is not None for r in op._schema.returns)
-            and any(_is_tensor_type(a.type) for a in op._schema.arguments)
-            and not set(op.tags) & _UNDECOMPOSED_TAGS
-            and str(op) not in _UNDECOMPOSED_OPS
-        }
-    return _RULELESS_DECOMPOSITIONS
+    install_dtensor_gap_fills()
+    handled = DTensor._op_dispatcher._custom_op_handlers
+    return {
+        op: fn
+        for op, fn in decomposition_table.items()
+        if isinstance(op, torch._ops.OpOverload)
+        and op.namespace == "aten"
+        and op not in handled
+        and not _has_sharding_strategy(op)
+        and not op._schema.is_mutable
+        and not any(r.alias_info is not None for r in op._schema.returns)
+        and any(str(a.type).startswith("Tensor") for a in op._schema.arguments)
+        and not set(op.tags) & _UNDECOMPOSED_TAGS
+        and str(op) not in _UNDECOMPOSED_OPS
+    }
 
 
 # Never decomposed by decompositions_without_sharding_rules: random ops (NOTE: [random
@@ -2444,20 +2437,12 @@ _UNDECOMPOSED_TAGS = {
 }
 
 
-# metadata and value-reading ops that reach no kernel, and ``zero`` (a fill, expanded
-# as a filled factory: NOTE: [tensor constants])
+# metadata and value-reading ops that reach no kernel, and ``zero`` (kept as traced, as
+# before this table existed: its decomposition is a fill, not needed by any case seen)
 _UNDECOMPOSED_OPS = {
     "aten.where.default", "aten.lift.default", "aten.sym_numel.default",
     "aten.is_complex.default", "aten.resize_as.default", "aten.zero.default",
 }
-
-
-def _is_tensor_type(t: Any) -> bool:
-    text = str(t)
-    return text.startswith("Tensor") and "[]" not in text or text in ("Tensor[]", "Tensor?[]")
-
-
-_RULELESS_DECOMPOSITIONS: dict[Any, Callable[..., Any]] | None = None
 
 
 def decompositions(ops: list[Any]) -> dict[Any, Callable[..., Any]]:
