@@ -2,7 +2,7 @@
 
 Every parameter is ONE DTensor on the parent (dp, tp) mesh: its TP placement on tp and
 FSDP's Shard(0) on dp (another dimension for a strided TP split, NOTE: [strided TP under
-FSDP]), nested right-to-left where both shard the same tensor dimension
+FSDP], or where sizes do not divide, NOTE: [uneven shards under FSDP x TP]), nested right-to-left where both shard the same tensor dimension
 (NOTE: [parent-mesh sharding] in spmd_compiler/expand/parent_mesh.py). Parameters are gathered
 over dp only at their use (forward and backward groups, as in fully_shard) and stay TP
 sharded; activations follow the TP plan's layouts on tp and keep their batch sharding on
@@ -12,6 +12,7 @@ dp; gradients are reduce-scattered over dp.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import cast
 
@@ -22,7 +23,6 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
-from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.parent_mesh import parent_placements
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
@@ -78,25 +78,52 @@ class FullyShardTensorParallel(ParallelMode):
         if ref.kind is Kind.INPUT:
             return (Shard(0), Replicate()) if meta.shape else (Replicate(), Replicate())
         if ref.kind in (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE) and meta.shape:
-            tp = self.tp.placement_of(ref, meta, mesh)[0]
-            dp = _dp_placement(tp, tuple(meta.shape), mesh.size(DP))
+            tp = self._tp_placement(ref, meta, mesh)
+            dp = _dp_placement(tp, tuple(meta.shape), mesh.size(DP), mesh.size(TP))
             return parent_placements(mesh, {TP: tp}, {DP: dp}, len(meta.shape))
         return (Replicate(), Replicate())
 
+    def _tp_placement(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placement:
+        """The plan's TP placement, or Replicate where its dimension does not divide tp
+        (NOTE: [uneven shards under FSDP x TP])."""
+        tp = self.tp.placement_of(ref, meta, mesh)[0]
+        if isinstance(tp, Shard) and not private.is_strided_shard(tp) and meta.shape[tp.dim] % mesh.size(TP):
+            return Replicate()
+        return tp
+
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
+        whole_on_tp: dict[str, int] = {}
+        whole_on_dp: list[str] = []
         for ref, meta in captured.inputs:
-            if ref.kind is Kind.PARAM and meta.shape:
-                tp = self.tp.placement_of(ref, meta, mesh)[0]
-                if private.is_strided_shard(tp):
-                    continue  # FSDP shards its columns or keeps it (NOTE: [strided TP under FSDP])
-                rows = meta.shape[0] // (mesh.size(TP) if tp == Shard(0) else 1)
-                if meta.shape[0] % (mesh.size(TP) if tp == Shard(0) else 1) or rows % mesh.size(DP):
-                    raise SPMDCompileError(
-                        f"{ref} has {meta.shape[0]} rows; FSDP x TP needs its TP shard to "
-                        f"split evenly over the {mesh.size(DP)} dp ranks.",
-                        hint="use sizes divisible by dp x tp (uneven shards are supported by "
-                        "DataParallel('fully_shard') alone).",
-                    )
+            if ref.kind is not Kind.PARAM or not meta.shape:
+                continue
+            planned = self.tp.placement_of(ref, meta, mesh)[0]
+            tp = self._tp_placement(ref, meta, mesh)
+            if tp != planned:
+                whole_on_tp[ref.name] = meta.shape[cast(Shard, planned).dim]
+            strided = private.is_strided_shard(tp)  # NOTE: [strided TP under FSDP]
+            if not strided and _dp_placement(tp, tuple(meta.shape), mesh.size(DP), mesh.size(TP)) == Replicate():
+                whole_on_dp.append(f"{ref.name} {tuple(meta.shape)}")
+        modules = sorted({m for name in whole_on_tp for m in self.tp.param_modules.get(name, [])})
+        for fqn in modules:
+            self.tp.layouts[fqn] = (Replicate(), Replicate())
+        if modules:
+            warnings.warn(
+                f"FullyShardTensorParallel: {', '.join(modules)} shard(s) a dimension that does "
+                f"not divide the {mesh.size(TP)} tp ranks "
+                f"({', '.join(f'{n}: {size}' for n, size in whole_on_tp.items())}); these "
+                "parameters are not split over tp (FSDP still shards them over dp) and these "
+                "modules compute on whole activations. Use sizes divisible by the tp size for "
+                "tensor-parallel compute.",
+                stacklevel=2,
+            )
+        if whole_on_dp:
+            warnings.warn(
+                f"FullyShardTensorParallel: no dimension of {', '.join(whole_on_dp)} splits "
+                f"evenly over the {mesh.size(DP)} dp ranks; kept whole on dp (its gradient is "
+                "all-reduced over dp, its state is not sharded there).",
+                stacklevel=2,
+            )
         if self.reshard_after_forward:
             remake_param_views_for_backward(captured)
         return super().partition(captured, mesh)
@@ -108,9 +135,13 @@ class FullyShardTensorParallel(ParallelMode):
             """All-gather the dp pieces: with TP inner and FSDP outer, rank (d, t) holds
             piece d of TP shard t, so one all-gather over dp yields TP shard t (done by
             hand: DTensor's planner mishandles _StridedShard -> Replicate when traced)."""
-            dp = value.placements[DP]
+            dp, tp = value.placements
             if not (isinstance(dp, Shard) or private.is_strided_shard(dp)):
                 return value
+            if not private.is_strided_shard(dp) and isinstance(tp, Shard) and tp.dim == dp.dim:
+                # dp outer on the same dim (an update DTensor sharded (Shard(d), Shard(d))):
+                # its dp pieces are not this rank's TP shard; DTensor's plan moves it
+                return value.redistribute(mesh, (Replicate(), tp))
             local = private.all_gather_along(private.local_tensor_of(value), dp.dim, mesh, DP)
             return DTensor.from_local(
                 local, mesh, (Replicate(), value.placements[TP]), run_check=False,
@@ -127,10 +158,13 @@ class FullyShardTensorParallel(ParallelMode):
             with one reduce-scatter (the inverse of gather_over_dp), or is all-reduced
             where FSDP keeps the parameter whole (NOTE: [strided TP under FSDP])."""
             dp, tp = value.placements
-            if not dp.is_partial() or tp.is_partial() or value.dim() == 0:
+            if not dp.is_partial() or value.dim() == 0:
                 return value
+            if tp.is_partial():  # summed over tp too (a norm's weight under a tp-split batch)
+                value = value.redistribute(mesh, (dp, Replicate()))
+                tp = Replicate()
             reduce_op = cast(Partial, dp).reduce_op
-            target = _dp_placement(tp, tuple(value.shape), mesh.size(DP))
+            target = _dp_placement(tp, tuple(value.shape), mesh.size(DP), mesh.size(TP))
             if isinstance(target, Shard):
                 local = private.reduce_scatter_along(
                     private.local_tensor_of(value), reduce_op, target.dim, mesh, DP
@@ -148,7 +182,11 @@ class FullyShardTensorParallel(ParallelMode):
                     return None
                 # a gradient entering the update
                 return [UseStep(UseGroup.REDUCE, redistribute=reduce_scatter_over_dp)]
-            if arg in params:  # gather over dp, stay tensor-parallel
+            updated = arg.meta.get(PHASE) == OPTIMIZER_PHASE and consumer.op == "call_function"
+            if arg in params or updated:
+                # a parameter, or its update read again after the step (an eval forward;
+                # not the state written back), is gathered over dp by hand and stays
+                # tensor-parallel
                 group = UseGroup.COMPUTE
                 if self.reshard_after_forward:
                     group = UseGroup.FORWARD if in_module_forward(consumer) else UseGroup.BACKWARD
@@ -177,12 +215,38 @@ class FullyShardTensorParallel(ParallelMode):
 # gradient is all-reduced over dp instead of reduce-scattered).
 
 
-def _dp_placement(tp: Placement, shape: tuple[int, ...], dp_size: int) -> Placement:
-    """FSDP's placement on dp for a parameter with TP placement ``tp``."""
-    if not private.is_strided_shard(tp):
-        return Shard(0)
-    for dim, size in enumerate(shape):
-        if dim != tp.dim and size % dp_size == 0:
+# NOTE: [uneven shards under FSDP x TP]
+# One program serves every rank, so every shard must have one shape; fully_shard alone
+# pads rows (NOTE: [uneven shards]), but padding a dimension that two mesh dimensions
+# split would need padded shards within padded shards. Instead each parameter takes the
+# even layout nearest to the plan:
+# - tp: the plan's split where its dimension divides the tp size; else the parameter is
+#   not split over tp and its modules compute on whole activations (a warning names them;
+#   TensorParallel alone pads the parameter, with the same compute);
+# - dp: Shard(0) where the TP shard's rows divide the dp size, else the first other
+#   dimension dp divides and tp does not split (a 3-class head, (3, 64): its 64 columns;
+#   a vocabulary of 65: its columns), else whole on dp (a norm of width 7: its gradient is
+#   all-reduced over dp, its state not sharded there; a warning names it).
+# Values DTensor computes from these keep even layouts too (NOTE: [even layouts
+# preferred] in _torch_private.py): tested in float64 with widths 7, 15, 10 and 3
+# classes, clipping and an evaluation after the update (tests/sim/test_fsdp_tp.py).
+
+
+def _dp_placement(tp: Placement, shape: tuple[int, ...], dp_size: int, tp_size: int) -> Placement:
+    """FSDP's placement on dp for a parameter with TP placement ``tp``: Shard(0) where
+    the TP shard's rows split evenly over dp, else the first other dimension that dp
+    divides and TP does not split, else Replicate (NOTE: [uneven shards under FSDP x TP];
+    a strided TP split never takes Shard(0) on top of it: NOTE: [strided TP under FSDP])."""
+    strided = private.is_strided_shard(tp)
+    tp_dim = cast(Shard, tp).dim if strided or isinstance(tp, Shard) else None
+    if strided:
+        candidates = [dim for dim in range(len(shape)) if dim != tp_dim]
+    else:
+        if shape[0] // (tp_size if tp_dim == 0 else 1) % dp_size == 0:
+            return Shard(0)
+        candidates = [dim for dim in range(1, len(shape)) if dim != tp_dim]
+    for dim in candidates:
+        if shape[dim] % dp_size == 0:
             return Shard(dim)
     return Replicate()
 

@@ -219,6 +219,10 @@ def _plan(
 def _rewrite(graph: torch.fx.Graph, bucket: list[_Member]) -> bool:
     """Replace the bucket's collectives by one; False (nothing changed) if an earlier
     bucket moved an input so that the bucket no longer fits before its first use."""
+    for m in bucket:  # an earlier bucket may have replaced an input (a wait it erased)
+        call = parse_collective(m.collective)
+        assert call is not None, f"{m.collective.name} is no longer a collective"
+        m.call = call
     position = positions(graph)
     ready = max(
         (n for m in bucket for n in [*non_free_inputs(m.collective), m.barrier] if n is not None),

@@ -547,7 +547,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
         memo.misses += 1
         pricing[0] = "price"
         try:
-            return original(current_spec, target_spec)
+            return original(current_spec, target_spec) + _uneven_penalty(current_spec, target_spec)
         except data_dependent_error_types():  # NOTE: [uncomputable redistribution costs]
             return float("inf")
         finally:
@@ -648,6 +648,29 @@ def _price_key(spec: Any) -> tuple:
         return (spec, _strided_as_order(spec))
     return (spec.mesh, tuple(spec.placements), spec.shard_order, tuple(meta.shape),
             meta.dtype, _strided_as_order(spec))
+
+
+# NOTE: [even layouts preferred]
+# One program serves every rank (NOTE: [one program for every rank] in expand/retrace.py),
+# so a value split into shards of different sizes on different ranks (a 7-wide dimension
+# over 2 ranks) can only be traced per mesh coordinate, and is refused when the traces
+# differ. DTensor prices its candidate strategies by communication alone and may pick
+# such a split where an even one exists: under FSDP x TP, ``clip_grad_value_`` on a
+# gradient Partial over dp reduce-scattered it over the 7 columns rather than the 8
+# rows. While expanding, redistributing an evenly sharded value to an uneven layout
+# costs UNEVEN_PENALTY more, so an even candidate wins whenever there is one; among
+# uneven candidates the order (and so DTensor's choice) is unchanged.
+UNEVEN_PENALTY = 1e12
+
+
+def _uneven_penalty(current_spec: Any, target_spec: Any) -> float:
+    meta = current_spec.tensor_meta
+    if meta is None or not all(type(n) is int for n in meta.shape):
+        return 0.0
+    mesh = current_spec.mesh
+    even_now = even_local_shape(meta.shape, mesh, current_spec.placements) is not None
+    even_then = even_local_shape(meta.shape, mesh, target_spec.placements) is not None
+    return UNEVEN_PENALTY if even_now and not even_then else 0.0
 
 
 def _evenly_sharded(*specs: Any) -> bool:

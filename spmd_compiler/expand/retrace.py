@@ -243,6 +243,7 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
     except SPMDCompileError as exc:
         if not _caused_by_symbolic_coordinate(exc):
             raise
+        symbolic_failure = exc
     programs = []
     for coordinate in private.mesh_coordinates(mesh):
         with private.fixed_mesh_coordinate(mesh, coordinate):
@@ -250,12 +251,16 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
     first_coordinate, first = programs[0]
     for coordinate, gm in programs[1:]:
         if gm.code != first.code:
+            # name the node whose redistribution needed the coordinate
             raise SPMDCompileError(
                 f"The per-rank program differs between mesh coordinates {first_coordinate} "
-                f"and {coordinate} (a rank-dependent redistribution whose shard sizes DTensor "
-                "cannot express symbolically); one program cannot serve every rank.",
-                hint="choose placements whose shards are even along the sharded dimension, "
-                "or shard the batch on dimension 0.",
+                f"and {coordinate}: DTensor redistributes this node's input to shards of "
+                "different sizes on different ranks (a dimension that does not split evenly), "
+                "so one program cannot serve every rank.",
+                op=symbolic_failure.op, node=symbolic_failure.node,
+                module_fqn=symbolic_failure.module_fqn, user_line=symbolic_failure.user_line,
+                hint="use sizes divisible by the mesh dimensions for the parameters this node "
+                "reads, or shard the batch on dimension 0.",
             )
     private.lift_group_names(first, mesh)
     return first

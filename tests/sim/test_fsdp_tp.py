@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
 from spmd_compiler.parallel_modes import FullyShardTensorParallel
 from spmd_compiler.tools.demo.gpt import gpt_tp_plan, gpt_train_step
 from spmd_compiler.tools.demo.run import DemoConfig, build
-from spmd_compiler.tools.parity import compare_states, full_state
+from spmd_compiler.tools.parity import compare_states, full_state, relative_difference
 
 
 def test_gpt_fsdp_tp_2x2_parity_and_parent_mesh_placements():
@@ -38,13 +44,116 @@ def test_gpt_fsdp_tp_2x2_parity_and_parent_mesh_placements():
     assert set(rows.values()) == {(16, 64)}  # 64 rows / (2 x 2)
 
 
-def test_fsdp_tp_refuses_uneven_parameters():
+class _Block(nn.Module):
+    """LayerNorm, a tensor-parallel feed-forward (up colwise, down rowwise), a head."""
+
+    def __init__(self, width: int, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.down(F.gelu(self.up(self.ln(x)))))
+
+
+def _plain_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _clipped_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)  # reads every gradient
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _eval_after_update_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():  # reads the updated weights again
+        after = F.cross_entropy(model(x), y)
+    return loss.detach(), after
+
+
+_FFN_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+@pytest.mark.parametrize(
+    "sizes,step",
+    [
+        ((8, 16, 4), _eval_after_update_step),  # even: the updated weights gathered over dp
+        ((8, 15, 3), _eval_after_update_step),  # 15 hidden: up / down whole on tp; 3 classes
+        ((7, 16, 5), _clipped_step),  # a norm of 7 kept whole on dp; gradients read before
+        ((6, 10, 3), _plain_step),  # up's TP shard (5 rows) split over dp by its columns
+    ],
+    ids=["even", "uneven_tp", "uneven_dp_clipped", "tp_shard_rows_uneven"],
+)
+def test_fsdp_tp_any_sizes_match_one_device(sizes, step):
+    """NOTE: [uneven shards under FSDP x TP]: sizes that do not divide the mesh train
+    exactly (float64, every parameter and AdamW state tensor against one device)."""
+    torch.manual_seed(0)
+    model = _Block(*sizes).double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(8, sizes[0], generator=gen, dtype=torch.float64), torch.randint(0, sizes[2], (8,), generator=gen))
+        for _ in range(2)
+    ]
+    compiled = sc.compile(FullyShardTensorParallel(_FFN_PLAN, mesh_shape=(2, 2)))(step)
+    with warnings.catch_warnings(record=True) as caught, sc.simulate(4) as sim:
+        warnings.simplefilter("always")
+        for x, y in batches:
+            got, want = compiled(model, optim, x, y), step(reference, ref_optim, x, y)
+            for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+                assert relative_difference(a, b) < 1e-12
+        diffs = compare_states(full_state(model, optim, sim), full_state(reference, ref_optim, None))
+        placements = {name: tuple(p.placements) for name, p in model.named_parameters()}
+    assert max(diffs.values()) < 1e-10, max(diffs.items(), key=lambda kv: kv[1])
+    messages = " ".join(str(w.message) for w in caught)
+    width, hidden, classes = sizes
+    if hidden % 2:  # the tp split of up / down does not divide: whole on tp, warned
+        assert "does not divide the 2 tp ranks" in messages and "up" in messages
+        assert placements["up.weight"][1] == Replicate()
+    else:
+        assert placements["up.weight"][1] == Shard(0)
+    if width % 2:  # no dimension of the norm's weight divides dp
+        assert "kept whole on dp" in messages and "ln.weight (7,)" in messages
+        assert placements["ln.weight"] == (Replicate(), Replicate())
+    if hidden == 10:  # 5 rows per tp shard: FSDP takes the columns
+        assert placements["up.weight"] == (Shard(1), Shard(0))
+    if classes % 2 and width % 2 == 0:  # 3 rows: FSDP shards the head's columns
+        assert placements["head.weight"] == (Shard(1), Replicate())
+
+
+def test_fsdp_tp_demo_gpt_with_a_vocabulary_that_does_not_divide():
+    """The demo GPT with 65 tokens (before: refused): the embedding and head (not in the
+    tp plan) shard their 64 columns over dp, not their 65 rows; parity in float64."""
     config = DemoConfig(steps=1, n_layer=1, vocab_size=65)
-    model, optim, data = build(config)
+    model, _, data = build(config)
+    reference = copy.deepcopy(model).double()
+    model = model.double()
+    optim = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=config.lr)
     step = sc.compile(FullyShardTensorParallel(gpt_tp_plan(), mesh_shape=(2, 2)))(gpt_train_step)
-    with sc.simulate(4), pytest.raises(sc.SPMDCompileError, match="split evenly"):
-        step(model, optim, *data[0])
-    assert not isinstance(model.lm_head.weight, torch.distributed.tensor.DTensor)
+    with sc.simulate(4) as sim:
+        for x, y in data:
+            loss, ref_loss = step(model, optim, x, y), gpt_train_step(reference, ref_optim, x, y)
+            assert abs(loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
+        diffs = compare_states(full_state(model, optim, sim), full_state(reference, ref_optim, None))
+    assert max(diffs.values()) < 1e-10
+    assert model.lm_head.weight.placements == (Shard(1), Replicate())
 
 
 def test_fsdp_tp_expansion_work_is_bounded_by_the_program():
