@@ -211,6 +211,11 @@ def check_local_batch(program: DistributedProgram) -> None:
             continue
         if not (_makes_batch_sized(node, every_size) or any(a in made for a in node.all_input_nodes)):
             continue
+        if not _has_size(node, every_size):
+            # a value with no dimension of a batch size (the loss's scalar gradient)
+            # carries no batch: what it meets later is judged by its own origin (a
+            # contrastive loss's gathered logits are gathered on purpose)
+            continue
         made.add(node)
         problem = _holds_global_batch(node, sizes, state_shapes)
         if problem:
@@ -223,6 +228,11 @@ _FILLED_FACTORIES = {
     torch.ops.aten.full.default,
     torch.ops.aten.empty.memory_format,
 }
+
+
+def _has_size(node: torch.fx.Node, sizes: set[int]) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and any(int(s) in sizes for s in val.shape)
 
 
 def _makes_batch_sized(node: torch.fx.Node, sizes: set[int]) -> bool:

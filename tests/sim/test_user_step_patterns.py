@@ -262,3 +262,45 @@ def test_step_pattern_matches_one_device(name, mode, run_parity):
         result.state_differences.pop("optim.g0.p1.momentum_buffer")
         assert bias < 1e-6
     result.assert_close(TOL)
+
+
+class _TwoTowers(nn.Module):
+    """CLIP-style: two encoders, normalized embeddings, a learned temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Linear(6, BATCH)  # an embedding width equal to the batch size
+        self.text = nn.Linear(5, BATCH)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        i = F.normalize(self.image(images), dim=-1)
+        t = F.normalize(self.text(texts), dim=-1)
+        return self.logit_scale.exp() * i @ t.t()  # every image against every text
+
+
+def contrastive_step(model, optim, images, texts):
+    logits = model(images, texts)
+    labels = torch.arange(logits.shape[0])
+    loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_contrastive_loss_over_the_global_batch(mode, run_parity):
+    """In-batch negatives couple every sample with every other: the compiled step scores
+    each rank's images against the whole batch's texts, as one device does. The local
+    batch check once refused it when the embedding width equals the batch size (the
+    normalizing ``expand`` looked batch-sized, and the loss's scalar gradient computed from
+    it met the gathered logits)."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(BATCH, 6, generator=gen, dtype=torch.float64),
+         torch.randn(BATCH, 5, generator=gen, dtype=torch.float64))
+        for _ in range(3)
+    ]
+    result = run_parity(lambda: _TwoTowers().double(), _adamw, 2, batches, step=contrastive_step, mode=make_mode(mode))
+    result.assert_close(TOL)
