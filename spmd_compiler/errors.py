@@ -81,6 +81,30 @@ def step_frame_from_traceback(
     return found
 
 
+def innermost_model_frame(tb: types.TracebackType | None) -> SourceLocation | None:
+    """The innermost frame of a traceback outside torch and this package: the line of
+    the model (or the train step) where the failure started, e.g. a ``torch.where(mask)``
+    in a module's forward."""
+    import os
+
+    skip = tuple(
+        os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+        for m in (torch, _package()) if m.__file__
+    )
+    found = None
+    for frame_summary in traceback.extract_tb(tb):
+        filename = os.path.abspath(frame_summary.filename)
+        if not filename.startswith(skip) and not filename.startswith("<"):
+            found = SourceLocation(frame_summary.filename, frame_summary.lineno or 0, frame_summary.line or "")
+    return found
+
+
+def _package() -> types.ModuleType:
+    import sys
+
+    return sys.modules[__name__.rpartition(".")[0]]
+
+
 def _codes_of(tb: types.TracebackType | None):
     while tb is not None:
         yield tb.tb_frame.f_code

@@ -37,6 +37,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import (
     SPMDCompileError,
+    innermost_model_frame,
     node_error,
     step_frame_from_traceback,
     step_line_from_stack_trace,
@@ -313,7 +314,7 @@ def _capture(
     tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options)
     private.register_stack_trace_anchor(func)
     try:
-        with _module_scopes(bindings.module_fqns), _tag_backward(), attention_as_math():
+        with _module_scopes(bindings.module_fqns) as scopes, _tag_backward(), attention_as_math():
             first = make_fx(
                 tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
             )(
@@ -325,9 +326,11 @@ def _capture(
         raise SPMDCompileError(
             "The train step reads the value of a tensor in Python (control flow on a "
             "tensor, .item(), .tolist() or a value-dependent shape), which cannot be "
-            "captured into one graph.",
+            f"captured into one graph{_where_it_failed(exc)}.",
+            module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
-            hint="use tensor ops instead (torch.where, masking), or move the check "
+            hint="use ops whose output shape does not depend on values (torch.where(cond, a, b), "
+            "masking) instead, or move the check "
             "outside the compiled step.",
         ) from exc
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
@@ -348,7 +351,8 @@ def _capture(
                 "read it from there, or create it inside the step.",
             ) from exc
         raise SPMDCompileError(
-            f"Capturing the train step failed: {type(exc).__name__}: {exc}",
+            f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}",
+            module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
         ) from exc
     _check_float_arguments_read(first, [r for r, _ in inputs])
@@ -614,9 +618,18 @@ def _tag_backward() -> Iterator[None]:
         yield
 
 
+def _where_it_failed(exc: BaseException) -> str:
+    """' at file:line: "code"' for the innermost model line of ``exc`` ('' if none)."""
+    where = innermost_model_frame(exc.__traceback__)
+    return f" at {where}" if where is not None else ""
+
+
 @contextlib.contextmanager
-def _module_scopes(fqn_of: dict[int, str]) -> Iterator[None]:
-    """Record ``node.meta[MODULE_FQN]`` for nodes traced inside each module's forward."""
+def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.Node | None]]]:
+    """Record ``node.meta[MODULE_FQN]`` for nodes traced inside each module's forward.
+
+    Yields the stack of modules whose forward is running: after an exception it still
+    holds the modules the failure happened in (their post-hooks did not run)."""
     stack: list[tuple[str, torch.fx.Node | None]] = []
 
     def pre_hook(module: torch.nn.Module, args: Any) -> None:
@@ -638,7 +651,7 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[None]:
         torch.nn.modules.module.register_module_forward_hook(post_hook),
     ]
     try:
-        yield
+        yield stack
     finally:
         for h in hooks:
             h.remove()

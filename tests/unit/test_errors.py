@@ -226,6 +226,47 @@ def test_control_flow_on_tensor_value_names_the_line():
     assert error.user_line is not None and error.user_line.code == "if loss > 0:"
 
 
+class Routed(nn.Module):
+    """Mixture-of-experts routing by indices: ``torch.where(mask)`` has a value-dependent
+    shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 2)
+        self.experts = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = torch.where(choice == e)[0]
+            out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+class WithRouting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = Routed()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(x))
+
+
+def test_value_dependent_shape_in_a_module_names_the_module_line():
+    """The error points at the model's line and module, not only at the step's call."""
+    model = WithRouting()
+    opt = warmed_up(model)
+    error = raises_untouched(step, (model, opt, *batch()), model, opt)
+    message = str(error)
+    assert "value-dependent shape" in message
+    where = f"{__file__}:{line_of(Routed.forward, 'rows = torch.where(choice == e)[0]')}"
+    assert where in message and "rows = torch.where(choice == e)[0]" in message
+    assert error.module_fqn == "moe"
+    assert error.user_line is not None and "model(x)" in error.user_line.code
+
+
 def step_modifying_input(model, optim, x, y):
     x.mul_(2)
     loss = F.cross_entropy(model(x), y)
