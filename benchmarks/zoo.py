@@ -118,6 +118,21 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                        attn_pdrop=0.0),
     "t5": _causal_lm("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=8,
                      num_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0),
+    # mixtures of experts: transformers' default experts implementation (grouped_mm) and
+    # its "eager" one (torch.where on the routing mask) cannot be captured (README,
+    # Limitations); "batched_mm" computes every expert for each token's chosen experts by
+    # gathered weights, with static shapes
+    "mixtral": _causal_lm("MixtralForCausalLM", "MixtralConfig", hidden_size=32,
+                          intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=64,
+                          num_local_experts=4, num_experts_per_tok=2,
+                          experts_implementation="batched_mm"),
+    "qwen2_moe": _causal_lm("Qwen2MoeForCausalLM", "Qwen2MoeConfig", hidden_size=32,
+                            intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=24,
+                            shared_expert_intermediate_size=24,
+                            experts_implementation="batched_mm"),
 }
 
 
