@@ -3,7 +3,9 @@
 NOTE: [tensor parallel as placements]
 The plan is the one torch's ``parallelize_module`` takes: module FQN patterns (shell-style
 wildcards, matched level by level) to torch's own ``ColwiseParallel``,
-``RowwiseParallel`` and ``SequenceParallel`` styles, or ``"replicate"``. A style decides
+``RowwiseParallel`` and ``SequenceParallel`` styles, ``PrepareModuleInput`` /
+``PrepareModuleOutput`` / ``PrepareModuleInputOutput`` (activation layouts only, NOTE:
+[prepare styles]), or ``"replicate"``. A style decides
 (a) the placements of its module's parameters: colwise Linear weight/bias Shard(0),
 colwise Embedding weight Shard(1), rowwise Linear weight Shard(1) with a Replicate bias,
 rowwise Embedding weight Shard(0); and (b) the layout of the module's input and output
@@ -50,6 +52,9 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -194,12 +199,13 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"TensorParallel plan keys must be non-empty FQN patterns, got {pattern!r}")
-        styles = (ColwiseParallel, RowwiseParallel, SequenceParallel, MultiheadAttentionParallel)
+        styles = (ColwiseParallel, RowwiseParallel, SequenceParallel, MultiheadAttentionParallel, *_PREPARE)
         if not (isinstance(style, styles) or style == "replicate"):
             raise ValueError(
                 f"TensorParallel plan[{pattern!r}] = {style!r}: use ColwiseParallel(), "
                 "FusedColwiseParallel(chunks), RowwiseParallel(), SequenceParallel(), "
-                "MultiheadAttentionParallel() or 'replicate'."
+                "MultiheadAttentionParallel(), PrepareModuleInput / PrepareModuleOutput / "
+                "PrepareModuleInputOutput, or 'replicate'."
             )
         atoms = pattern.split(".")
         for fqn, _ in model.named_modules():
@@ -211,7 +217,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
 
 def param_placement(style: Style, module: nn.Module, param_name: str, fqn: str) -> Placement:
     """Placement on the tp mesh dimension of ``module.<param_name>`` under ``style``."""
-    if style == "replicate" or isinstance(style, SequenceParallel):
+    if style == "replicate" or isinstance(style, (SequenceParallel, *_PREPARE)):
         return Replicate()
     _check_module_type(style, module, fqn)
     colwise = isinstance(style, ColwiseParallel)
@@ -260,10 +266,37 @@ def _check_module_type(style: Style, module: nn.Module, fqn: str) -> None:
         )
 
 
+# NOTE: [prepare styles]
+# torch's PrepareModuleInput / PrepareModuleOutput (torchtitan's plans put them on
+# attention and feed-forward blocks around their colwise / rowwise Linears) only lay out a
+# module's activations; they shard no parameter. Here a module's boundary has one layout
+# for every floating tensor entering it from outside (the boundary is found by module
+# FQN, not by argument position), so a prepare style contributes its desired layout when
+# its positional and keyword entries agree (None entries: left as they are); where they
+# differ, the module's inputs keep the layouts propagation gives them. A layout never
+# changes a result here (every value has global semantics), only where it is split.
+_PREPARE = (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
+
+
+def _one_layout(layouts: Any) -> Placement | None:
+    wanted = {p for p in (layouts or ()) if p is not None}
+    return wanted.pop() if len(wanted) == 1 else None
+
+
+def _prepare_layouts(style: Any) -> tuple[Placement | None, Placement | None]:
+    if isinstance(style, PrepareModuleInputOutput):
+        return _prepare_layouts(style.prepare_module_input)[0], _prepare_layouts(style.prepare_module_output)[1]
+    if isinstance(style, PrepareModuleInput):
+        return _one_layout([*style.desired_input_layouts, *style.desired_input_kwarg_layouts.values()]), None
+    return None, _one_layout(style.desired_output_layouts)
+
+
 def _layouts(style: Style, module: nn.Module) -> tuple[Placement | None, Placement | None]:
     """(desired input layout, output layout) of a styled module's activations."""
     if style == "replicate":
         return None, None
+    if isinstance(style, _PREPARE):
+        return _prepare_layouts(style)
     if isinstance(style, MultiheadAttentionParallel):
         return Replicate(), Replicate()
     if isinstance(style, SequenceParallel):
@@ -445,19 +478,19 @@ class TensorParallel(ParallelMode):
             return None
         if PHASE in consumer.meta:
             return self._module_output_in_backward(arg, val)
-        inner = _styled_module(consumer.meta.get(MODULE_FQN), self.layouts)
-        outer = _styled_module(arg.meta.get(MODULE_FQN), self.layouts)
-        if inner == outer:
-            return None
+        consumer_fqn, arg_fqn = consumer.meta.get(MODULE_FQN), arg.meta.get(MODULE_FQN)
         steps: list[UseStep] = []
-        if outer is not None and not _within(consumer.meta.get(MODULE_FQN), outer):
-            layout = self.layouts[outer][1]
-            if layout is not None:
-                steps.append(UseStep(UseGroup.MODULE_OUTPUT, (_normalize(layout, val.dim()),), module=outer))
-        if inner is not None and not _within(arg.meta.get(MODULE_FQN), inner):
-            layout = self.layouts[inner][0]
-            if layout is not None:
-                steps.append(UseStep(UseGroup.MODULE_INPUT, (_normalize(layout, val.dim()),), module=inner))
+        # the value leaves every styled module holding its producer but not its reader
+        # (innermost first), then enters every one holding the reader (outermost first):
+        # a parent's prepare style and its Linears' styles both apply (NOTE: [prepare styles])
+        for left in _styled_modules(arg_fqn, self.layouts):
+            layout = self.layouts[left][1]
+            if not _within(consumer_fqn, left) and layout is not None:
+                steps.append(UseStep(UseGroup.MODULE_OUTPUT, (_normalize(layout, val.dim()),), module=left))
+        for entered in reversed(_styled_modules(consumer_fqn, self.layouts)):
+            layout = self.layouts[entered][0]
+            if not _within(arg_fqn, entered) and layout is not None:
+                steps.append(UseStep(UseGroup.MODULE_INPUT, (_normalize(layout, val.dim()),), module=entered))
         return steps or None
 
     def _module_output_in_backward(
@@ -481,6 +514,13 @@ class TensorParallel(ParallelMode):
 
 def _within(fqn: str | None, module: str) -> bool:
     return fqn is not None and (fqn == module or fqn.startswith(module + "."))
+
+
+def _styled_modules(fqn: str | None, layouts: Mapping[str, Any]) -> list[str]:
+    """Every styled module containing ``fqn``, innermost first."""
+    if fqn is None:
+        return []
+    return sorted((m for m in layouts if m and _within(fqn, m)), key=len, reverse=True)
 
 
 def _styled_module(fqn: str | None, layouts: Mapping[str, Any]) -> str | None:

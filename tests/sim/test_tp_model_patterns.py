@@ -16,7 +16,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
@@ -226,3 +232,34 @@ def test_conflicting_tied_placements_are_refused():
     with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="tied"):
         step(model, optim, idx, idx)
     assert not isinstance(model.wte.weight, DTensor)
+
+
+def _sequence_parallel_plan(prepare: bool) -> dict:
+    """torchtitan's layout: norms on sequence shards, the attention and MLP inputs laid
+    out by PrepareModuleInput (NOTE: [prepare styles]), row-wise outputs reduce-scattered."""
+    out: dict = {
+        "ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+        "attn.qkv": FusedColwiseParallel(chunks=3),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "fc_in": ColwiseParallel(input_layouts=Shard(1)),
+        "fc_out": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if prepare:
+        out["attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return out
+
+
+def test_prepare_module_input_in_a_sequence_parallel_plan():
+    """Plans written for torch's parallelize_module with PrepareModuleInput compile and
+    match one device; the style lays out activations only (no parameter is sharded)."""
+    step = run(TinyLM(tied=False), _sequence_parallel_plan(prepare=True))
+    assert step.last_program is not None
+
+
+def test_prepare_module_output_changes_only_where_values_are_split():
+    """PrepareModuleOutput(Shard(1)) on the attention block: its output leaves sequence
+    sharded (more collectives: the residual is gathered again), the result is the same."""
+    base = collective_stats(run(TinyLM(tied=False), plan(tied=False)).last_program.graph_module)
+    sharded_out = {**plan(tied=False), "attn": PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))}
+    changed = collective_stats(run(TinyLM(tied=False), sharded_out).last_program.graph_module)
+    assert changed.counts != base.counts
