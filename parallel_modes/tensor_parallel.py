@@ -287,7 +287,8 @@ def _prepare_layouts(style: Any) -> tuple[Placement | None, Placement | None]:
     if isinstance(style, PrepareModuleInputOutput):
         return _prepare_layouts(style.prepare_module_input)[0], _prepare_layouts(style.prepare_module_output)[1]
     if isinstance(style, PrepareModuleInput):
-        return _one_layout([*style.desired_input_layouts, *style.desired_input_kwarg_layouts.values()]), None
+        positional = cast(tuple, style.desired_input_layouts)  # a tuple after __init__
+        return _one_layout([*positional, *style.desired_input_kwarg_layouts.values()]), None
     return None, _one_layout(style.desired_output_layouts)
 
 
