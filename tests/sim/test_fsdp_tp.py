@@ -181,3 +181,41 @@ def test_fsdp_tp_expansion_work_is_bounded_by_the_program():
     # slice here: the bound then allows no traced coordinate at all
     assert counts["plans"] <= 3 * captured, (counts, captured)
     assert counts["coordinates"] <= live * 5 // 4, (counts, live)
+
+
+def test_fsdp_tp_uneven_checkpoint_resumes_bitwise_in_another_mode(tmp_path):
+    """A checkpoint saved under FSDP x TP with the uneven layouts (a norm whole on dp,
+    up / down whole on tp, the head's columns sharded) loads under fully_shard at world 2
+    and the run continues bitwise."""
+    from spmd_compiler import checkpoint
+    from spmd_compiler.parallel_modes import make_mode
+
+    def fresh():
+        torch.manual_seed(0)
+        model = _Block(7, 15, 3).double()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 7, generator=gen, dtype=torch.float64), torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(4)]
+    folder = str(tmp_path / "ckpt")
+    model, optim = fresh()
+    step = sc.compile(FullyShardTensorParallel(_FFN_PLAN, mesh_shape=(2, 2)))(_plain_step)
+    with warnings.catch_warnings(), sc.simulate(4) as sim:
+        warnings.simplefilter("ignore")
+        losses = []
+        for i, (x, y) in enumerate(data):
+            losses.append(step(model, optim, x, y))
+            if i == 1:
+                checkpoint.save(folder, model, optim)
+                saved = full_state(model, optim, sim)
+    model, optim = fresh()
+    resumed = sc.compile(make_mode("fsdp"))(_plain_step)
+    with sc.simulate(2) as sim:
+        resumed(model, optim, *data[0])  # compile first, then load over it
+        checkpoint.load(folder, model, optim)
+        loaded = full_state(model, optim, sim)
+        after = [resumed(model, optim, x, y) for x, y in data[2:]]
+    for key, value in saved.items():
+        assert torch.equal(loaded[key].to(value.dtype), value), key
+    assert all(torch.equal(a, b) for a, b in zip(after, losses[2:], strict=True))
