@@ -104,19 +104,12 @@ class FullyShardTensorParallel(ParallelMode):
             strided = private.is_strided_shard(tp)  # NOTE: [strided TP under FSDP]
             if not strided and _dp_placement(tp, tuple(meta.shape), mesh.size(DP), mesh.size(TP)) == Replicate():
                 whole_on_dp.append(f"{ref.name} {tuple(meta.shape)}")
-        modules = sorted({m for name in whole_on_tp for m in self.tp.param_modules.get(name, [])})
-        for fqn in modules:
-            self.tp.layouts[fqn] = (Replicate(), Replicate())
-        if modules:
-            warnings.warn(
-                f"FullyShardTensorParallel: {', '.join(modules)} shard(s) a dimension that does "
-                f"not divide the {mesh.size(TP)} tp ranks "
-                f"({', '.join(f'{n}: {size}' for n, size in whole_on_tp.items())}); these "
-                "parameters are not split over tp (FSDP still shards them over dp) and these "
-                "modules compute on whole activations. Use sizes divisible by the tp size for "
-                "tensor-parallel compute.",
-                stacklevel=2,
-            )
+        self.tp.compute_whole(
+            whole_on_tp,
+            f"FullyShardTensorParallel: {{modules}} shard(s) a dimension that does not divide "
+            f"the {mesh.size(TP)} tp ranks ({{sizes}}); these parameters are not split over tp "
+            "(FSDP still shards them over dp) and these modules compute on whole activations.",
+        )
         if whole_on_dp:
             warnings.warn(
                 f"FullyShardTensorParallel: no dimension of {', '.join(whole_on_dp)} splits "
@@ -144,7 +137,7 @@ class FullyShardTensorParallel(ParallelMode):
                 return value.redistribute(mesh, (Replicate(), tp))
             local = private.all_gather_along(private.local_tensor_of(value), dp.dim, mesh, DP)
             return DTensor.from_local(
-                local, mesh, (Replicate(), value.placements[TP]), run_check=False,
+                local, mesh, (Replicate(), tp), run_check=False,
                 shape=value.shape, stride=value.stride(),
             )
 

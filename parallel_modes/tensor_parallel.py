@@ -426,22 +426,31 @@ class TensorParallel(ParallelMode):
             _check_attention(module, fqn, mesh.size())
         dims = self._uneven_dims(captured, mesh.size())
         padded = pad_uneven_state(captured, mesh.size(), dims) if dims else {}
-        modules = sorted({m for name in padded for m in self.param_modules.get(name, [])})
-        for fqn in modules:
-            self.layouts[fqn] = (Replicate(), Replicate())
-        if modules:
-            warnings.warn(
-                f"TensorParallel: {', '.join(modules)} shard(s) a dimension that does not "
-                f"divide the {mesh.size()} ranks ({', '.join(f'{n}: {padded[n][0]}' for n in padded)}); "
-                "the parameters are padded and stay sharded, but these modules compute on "
-                "gathered weights and whole activations. Use sizes divisible by the tp "
-                "size for tensor-parallel compute.",
-                stacklevel=2,
-            )
+        self.compute_whole(
+            {name: rows for name, (rows, _) in padded.items()},
+            f"TensorParallel: {{modules}} shard(s) a dimension that does not divide the "
+            f"{mesh.size()} ranks ({{sizes}}); the parameters are padded and stay sharded, but "
+            "these modules compute on gathered weights and whole activations.",
+        )
         program = super().partition(captured, mesh)
         program.padded = padded
         program.padded_dims = {name: dims[name] for name in padded}
         return program
+
+    def compute_whole(self, sizes: Mapping[str, int], message: str) -> None:
+        """The modules of parameters ``sizes`` (name -> the size that does not divide)
+        take and return whole activations; ``message`` (with ``{modules}`` and
+        ``{sizes}``) warns about it."""
+        modules = sorted({m for name in sizes for m in self.param_modules.get(name, [])})
+        for fqn in modules:
+            self.layouts[fqn] = (Replicate(), Replicate())
+        if modules:
+            listed = ", ".join(f"{n}: {size}" for n, size in sizes.items())
+            warnings.warn(
+                message.format(modules=", ".join(modules), sizes=listed)
+                + " Use sizes divisible by the tp size for tensor-parallel compute.",
+                stacklevel=3,
+            )
 
     def _uneven_dims(self, captured: CapturedStep, world: int) -> dict[str, int]:
         dims: dict[str, int] = {}
@@ -526,14 +535,7 @@ def _styled_modules(fqn: str | None, layouts: Mapping[str, Any]) -> list[str]:
 
 def _styled_module(fqn: str | None, layouts: Mapping[str, Any]) -> str | None:
     """The innermost styled module containing ``fqn``."""
-    if fqn is None:
-        return None
-    best = None
-    for styled in layouts:
-        if styled and _within(fqn, styled):
-            if best is None or len(styled) > len(best):
-                best = styled
-    return best
+    return next(iter(_styled_modules(fqn, layouts)), None)
 
 
 def _normalize(placement: Placement, ndim: int) -> Placement:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import traceback
 import types
 from dataclasses import dataclass
+from typing import cast
 
 import torch.fx
 
@@ -87,22 +88,14 @@ def innermost_model_frame(tb: types.TracebackType | None) -> SourceLocation | No
     in a module's forward."""
     import os
 
-    skip = tuple(
-        os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-        for m in (torch, _package()) if m.__file__
-    )
+    here = os.path.dirname(os.path.abspath(__file__))  # this package
+    skip = (os.path.dirname(os.path.abspath(cast(str, torch.__file__))) + os.sep, here + os.sep)
     found = None
     for frame_summary in traceback.extract_tb(tb):
         filename = os.path.abspath(frame_summary.filename)
         if not filename.startswith(skip) and not filename.startswith("<"):
             found = SourceLocation(frame_summary.filename, frame_summary.lineno or 0, frame_summary.line or "")
     return found
-
-
-def _package() -> types.ModuleType:
-    import sys
-
-    return sys.modules[__name__.rpartition(".")[0]]
 
 
 def _codes_of(tb: types.TracebackType | None):
