@@ -13,6 +13,7 @@ from spmd_compiler.ir.collectives import collective_kind
 from . import bucket_collectives as _bucket_collectives  # noqa: F401  (registers the pass)
 from . import cross_iteration_overlap as _cross_iteration  # noqa: F401  (registers, off by default)
 from . import fuse_optimizer_updates as _fuse_optimizer_updates  # noqa: F401  (registers)
+from . import merge_regathers as _merge_regathers  # noqa: F401  (registers the pass)
 from . import remove_dead_nodes as _remove_dead_nodes  # noqa: F401  (registers the pass)
 from . import remove_duplicate_collectives as _remove_duplicate  # noqa: F401  (registers)
 from . import remove_noop_reshapes as _remove_noop_reshapes  # noqa: F401  (registers)
@@ -53,6 +54,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "remove_noop_reshapes",
     "remove_duplicate_collectives",
     "bucket_collectives",
+    "merge_regathers",
     "schedule_overlap",
     "fuse_optimizer_updates",
 )

@@ -34,6 +34,7 @@ OPTIMIZATION_PASSES = (
     "remove_noop_reshapes",
     "remove_duplicate_collectives",
     "bucket_collectives",
+    "merge_regathers",
     "schedule_overlap",
     "fuse_optimizer_updates",
 )
