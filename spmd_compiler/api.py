@@ -409,6 +409,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     backend: str = "auto",
     cuda_graphs: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
+    inductor_regions: bool | None = None,
 ) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
     """Compile a whole train step (forward, loss, backward, optimizer) for N ranks.
 
@@ -423,11 +424,16 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             every pass on fixed random inputs (slow; for tests and debugging).
         backend: how the per-rank program runs on real ranks: "eager" (the fx
             interpreter, op by op), "inductor" (compiled to C++ / Triton kernels on its
-            first call, collectives kept in the order the passes chose) or "auto" (the
+            first call, collectives kept in the order the passes chose; see
+            ``inductor_regions``) or "auto" (the
             default: inductor for a model on CUDA, eager on CPU; NOTE: [default backend]
             in ``spmd_compiler/lower.py``). Simulated ranks always interpret
             (NOTE: [lowering]).
         cuda_graphs: with backend "inductor" on CUDA, replay each step as a CUDA graph.
+        inductor_regions: with backend "inductor", compile each stretch of compute
+            between collectives as its own graph, so every collective runs exactly where
+            the passes put it (True), or the whole program as one graph (False); None: by
+            device (NOTE: [compute regions] in ``spmd_compiler/lower.py``).
         cache_dir: a directory for the persistent compile cache (default: the
             ``SPMD_COMPILER_CACHE_DIR`` environment variable; unset: no cache). A
             restarted job loads its compiled program from there instead of expanding
@@ -440,7 +446,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         extra_passes=extra_passes, pass_options=pass_options or {},
     )
 
-    lowering = LoweringOptions(backend, cuda_graphs)  # type: ignore[arg-type]
+    lowering = LoweringOptions(backend, cuda_graphs, inductor_regions)  # type: ignore[arg-type]
 
     def decorate(func: Callable[..., Any]) -> CompiledTrainStep:
         return CompiledTrainStep(func, mode, options, lowering, cache_dir)

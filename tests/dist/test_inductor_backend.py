@@ -44,7 +44,7 @@ def _batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return classification_batches(STEPS, GLOBAL_BATCH, FEATURES, CLASSES, dtype)
 
 
-def _worker(rank: int, world: int, mode: str, dtype: torch.dtype) -> dict:
+def _worker(rank: int, world: int, mode: str, dtype: torch.dtype, regions: bool = False) -> dict:
     model = _model(dtype)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if mode == "tp":  # every tp rank sees the whole batch
@@ -54,14 +54,21 @@ def _worker(rank: int, world: int, mode: str, dtype: torch.dtype) -> dict:
         parallel = make_mode(mode)
         share = GLOBAL_BATCH // world
         rows = slice(rank * share, (rank + 1) * share)
-    step = sc.compile(parallel_mode=parallel, backend="inductor")(classification_train_step)
+    step = sc.compile(parallel_mode=parallel, backend="inductor", inductor_regions=regions)(
+        classification_train_step
+    )
     losses = []
     for x, y in _batches(dtype):
         losses.append(step(model, optim, x[rows], y[rows]).detach().clone())
     lowered = step.last_program.executable.step
+    regions_run = [
+        m for m in getattr(lowered._compiled, "children", lambda: [])()
+        if type(m).__name__ == "_CompiledRegion" and m.compiled is not None
+    ]
     return {
         "losses": losses, "state": full_state(model, optim, None),
         "lowered": lowered._compiled is not None, "lower_s": lowered.compile_seconds,
+        "regions": len(regions_run),
     }
 
 
@@ -89,6 +96,21 @@ def test_inductor_matches_single_device(mode: str, dtype: torch.dtype, tolerance
             assert relative_difference(got, want) <= tolerance
     worst = max(relative_difference(results[0]["state"][k], v) for k, v in state.items())
     assert worst <= tolerance, f"max state rel diff {worst:.2e}"
+
+
+@pytest.mark.parametrize(
+    "mode", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)]
+)
+def test_compute_regions_match_single_device(mode: str) -> None:
+    # NOTE: [compute regions]: the collectives run between separately compiled regions
+    results = sc.launch(_worker, WORLD_SIZE, args=(mode, torch.float32, True), timeout_s=900)
+    losses, state = _reference(torch.float32)
+    for rank_result in results:
+        assert rank_result["regions"] >= 2, "the program was not split at its collectives"
+        for got, want in zip(rank_result["losses"], losses, strict=True):
+            assert relative_difference(got, want) <= 1e-5
+    worst = max(relative_difference(results[0]["state"][k], v) for k, v in state.items())
+    assert worst <= 1e-5, f"max state rel diff {worst:.2e}"
 
 
 def test_cuda_graphs_refused_on_cpu() -> None:
