@@ -78,10 +78,11 @@ NOTES = [
     "optimizer). first step s: the wall time of its first call (compiles included).",
     "1-dev eager ms: the undecorated step on the GLOBAL batch in one process with one "
     "thread (both ranks run it at once, one per core): the floor a 2-rank run should beat.",
-    "fsdp bytes: the compiled program's all-gathers move ~1.5x (MLP) to ~1.94x (GPT) the "
-    "parameter bytes, i.e. (inferred from the counts, not traced) it gathers again in "
-    "backward the parameters backward needs, like FSDP2's reshard after forward; hence "
-    "1.25-1.5x the no-regather minimum, but less than FSDP2's own 3x-params pattern.",
+    "fsdp bytes: the GPTs' programs gather again in backward the parameters backward "
+    "needs (reshard after forward: ~1.94x the parameter bytes in all-gathers, 1.47-1.49x "
+    "the no-regather minimum, less than FSDP2's own 3x-params pattern); the MLPs' move the "
+    "minimum: merge_regathers dropped their re-gather, which lowered no estimated peak "
+    "(NOTE: [re-gathers that save nothing]).",
     "timelines: the compute model (calibrated matmul/elementwise throughput + per-op "
     "overhead) ignores the eager runtime's Python and dispatch cost per node, so modelled "
     "steps are well below measured ones; use them for the overlap picture, not for time.",
