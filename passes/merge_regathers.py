@@ -118,7 +118,7 @@ def merge_regathers(program, context: PassContext) -> bool:
         earlier = [made.get(k) for k in keys]
         if all(e is not None for e in earlier) and _unwritten(gather, memory):
             kept = [e for e in earlier if e is not None]
-            if _peak_if_merged(memory, gather, kept) <= memory.peak:
+            if _same_values(gather.results, kept) and _peak_if_merged(memory, gather, kept) <= memory.peak:
                 _merge(gather, kept)
                 memory = live_bytes(graph)
                 changed = True
@@ -175,6 +175,17 @@ def _nodes(value: object) -> list[torch.fx.Node] | None:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, torch.fx.Node) for v in value):
         return None
     return list(value)
+
+
+def _same_values(results: list[torch.fx.Node], kept: list[torch.fx.Node]) -> bool:
+    """Every earlier result has the shape and dtype of the one it would replace."""
+    for result, earlier in zip(results, kept):
+        new, old = result.meta.get("val"), earlier.meta.get("val")
+        if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
+            return False
+        if new.shape != old.shape or new.dtype != old.dtype:
+            return False
+    return True
 
 
 def _source_key(source: torch.fx.Node) -> Hashable:

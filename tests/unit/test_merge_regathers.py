@@ -135,3 +135,19 @@ def test_early_layers_are_gathered_again_where_the_peak_needs_it():
     assert n_params < kept < all_regathers
     assert live_bytes(run.graph).peak <= live_bytes(without.graph).peak
     assert run.max_loss_difference < TOL and run.max_state_difference < TOL
+
+
+def test_low_precision_casts_of_a_shard_are_one_source():
+    # bf16 parameters: each gather reads a cast of the shard; forward's and backward's
+    # casts are separate nodes of the same values, so the re-gather still goes
+    from spmd_compiler.parallel_modes import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(torch.bfloat16)
+    passes = ("bucket_collectives", *PASS)
+    run = train(DataParallelWithPasses("fully_shard", passes, mp_policy=policy), _plain_mlp_setup)
+    without = train(
+        DataParallelWithPasses("fully_shard", passes[:-1], mp_policy=policy), _plain_mlp_setup
+    )
+    assert collective_stats(run.step.last_program.graph_module).counts["all_gather"] == 1
+    assert collective_stats(without.step.last_program.graph_module).counts["all_gather"] == 2
+    assert run.losses == without.losses
