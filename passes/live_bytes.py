@@ -61,18 +61,10 @@ class LiveBytes:
         """The storage ``node``'s (first) tensor lives in; None for the caller's tensors."""
         return self.owner.get(node)
 
-    def max_between(self, start: int, stop: int) -> int:
-        """The largest profile value at positions ``start`` .. ``stop - 1`` (0 if none)."""
-        return max(self.profile[max(start, 0) : max(stop, 0)], default=0)
 
-    def add(self, start: int, stop: int, nbytes: int) -> None:
-        """Count ``nbytes`` more at positions ``start`` .. ``stop - 1``."""
-        for i in range(max(start, 0), min(stop, len(self.profile))):
-            self.profile[i] += nbytes
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of a tensor value (0 for non-tensors and symbolic sizes)."""
+def value_bytes(value: Any) -> int:
+    """Bytes of a tensor value, a node's ``meta['val']`` (0 for non-tensors and symbolic
+    sizes; ``ir.collectives.tensor_bytes`` takes the node and expects concrete sizes)."""
     if not isinstance(value, torch.Tensor):
         return 0
     try:
@@ -98,7 +90,7 @@ def live_bytes(graph: torch.fx.Graph) -> LiveBytes:
         value = node.meta.get("val")
         results = value if isinstance(value, (tuple, list)) else (value,)
         for index, result in enumerate(results):
-            nbytes = tensor_bytes(result)
+            nbytes = value_bytes(result)
             if nbytes:
                 sizes[(node, index)] = nbytes
         owner[node] = (node, 0) if (node, 0) in sizes else None
@@ -140,7 +132,7 @@ def _all_results(node: torch.fx.Node) -> list[Storage]:
     value = node.meta.get("val")
     if not isinstance(value, (tuple, list)):
         return []
-    return [(node, i) for i in range(len(value)) if tensor_bytes(value[i])]
+    return [(node, i) for i in range(len(value)) if value_bytes(value[i])]
 
 
 def _aliased_input(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -178,6 +170,6 @@ def _owner_of_alias(
             # one result of a multi-result node: its own storage
             value = source.meta.get("val")
             if isinstance(value, (tuple, list)):
-                return (source, index) if tensor_bytes(value[index]) else None
+                return (source, index) if value_bytes(value[index]) else None
         return made_here  # an element of a view list (split): the base's storage
     return owner.get(source)

@@ -148,8 +148,10 @@ def _parse_gather(node: torch.fx.Node) -> _Gather | None:
     flats = _nodes(packed.args[0])
     if flats is None or not all(f.target is _aten.reshape.default and len(f.users) == 1 for f in flats):
         return None
-    [rows] = list(wait.users) if len(wait.users) == 1 else [None]
-    if rows is None or rows.target is not _aten.reshape.default or len(rows.users) != 1:
+    if len(wait.users) != 1:
+        return None
+    [rows] = list(wait.users)
+    if rows.target is not _aten.reshape.default or len(rows.users) != 1:
         return None
     [split] = list(rows.users)
     if split.target is not _aten.split_with_sizes.default:
