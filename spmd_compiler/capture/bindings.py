@@ -4,11 +4,22 @@ The train step is called with the user's objects. Before anything is traced we w
 arguments (pytree leaves; modules and optimizers are leaves) and name every piece of
 training state: parameters and buffers by FQN, optimizer state by (parameter FQN, key),
 learning rates by (optimizer, param group).
+
+NOTE: [parameters replaced by DTensors]
+The first compiled call replaces each parameter of the model with a DTensor
+``nn.Parameter`` and points the optimizers it was given at the new ones. An optimizer
+that call was not given (a compiled evaluation step before the first train step, NOTE:
+[steps without an optimizer]) still holds the old parameters; the replacement is
+recorded here (weakly: an old parameter nobody holds is forgotten), and a later call that
+is given that optimizer points it at the new parameters, moving its state with them,
+exactly as the first call would have.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +29,36 @@ import torch
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
+
+# id(old parameter) -> (a weak reference to it, the DTensor parameter that replaced it);
+# an entry goes when its old parameter is freed
+_REPLACED: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
+
+
+def record_replacement(old: torch.Tensor, new: torch.nn.Parameter) -> None:
+    """``new`` replaced ``old`` in its module (NOTE: [parameters replaced by DTensors])."""
+    _REPLACED[id(old)] = (weakref.ref(old), new)
+    weakref.finalize(old, _REPLACED.pop, id(old), None)
+
+
+def _replacement(p: torch.Tensor) -> torch.nn.Parameter | None:
+    entry = _REPLACED.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
+
+
+def _follow_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> None:
+    """Point ``opt`` at the parameters that replaced its own, where the modules own those."""
+    moved = {}
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            new = _replacement(p) if id(p) not in owned else None
+            if new is not None and id(new) in owned:
+                group["params"][i] = moved[id(p)] = new
+    if moved:
+        opt.state = defaultdict(
+            dict, {moved.get(id(p), p): entries for p, entries in opt.state.items()}
+        )
+
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)
@@ -155,8 +196,10 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
     """Name the modules, optimizers and state of a train-step call.
 
     Raises:
-        SPMDCompileError: no module, no optimizer, or an optimizer parameter that no
-            module passed to the step owns.
+        SPMDCompileError: no module, or an optimizer parameter that no module passed
+            to the step owns. A step without an optimizer (an evaluation step, or one
+            that only accumulates gradients) is a program too: NOTE: [steps without an
+            optimizer] in ``capture/trace.py``.
     """
     flat_args, spec = pytree.tree_flatten((args, kwargs), is_leaf=_is_leaf)
     modules = _unique([a for a in flat_args if isinstance(a, torch.nn.Module)])
@@ -167,13 +210,6 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
             "The train step was called without an nn.Module argument.",
             user_line=where,
             hint="pass the model to the step, e.g. train_step(model, optimizer, batch, target).",
-        )
-    if not optimizers:
-        raise SPMDCompileError(
-            "The train step was called without a torch.optim.Optimizer argument.",
-            user_line=where,
-            hint="pass the optimizer to the step; a compiled step runs forward, backward "
-            "and the optimizer update as one program.",
         )
     params: dict[str, torch.nn.Parameter] = {}
     buffers: dict[str, torch.Tensor] = {}
@@ -196,6 +232,7 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
         module_buffers.append(mb)
     owned = {id(p) for p in params.values()}
     for oi, opt in enumerate(optimizers):
+        _follow_replacements(opt, owned)
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) not in owned:

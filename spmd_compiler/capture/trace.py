@@ -14,6 +14,16 @@ NOTE: [capture in two traces]
    leaves the graph as outputs and the runtime installs it.
 The learning rate tensor requires grad during the first trace only so that SGD takes its
 tensor-lr path (``addcmul``) instead of reading ``lr`` as a Python number.
+
+NOTE: [steps without an optimizer]
+A step needs a module, not an optimizer: an evaluation step (forward under ``no_grad``,
+metrics returned) or a step that only accumulates gradients into ``.grad`` is captured,
+placed and expanded like a train step, with the model's state placed by the same mode,
+so it runs on a model a compiled train step left as DTensors (and the other way round).
+Its returned tensors are global values, as a train step's loss is. An optimizer that is
+not an argument but steps inside the step (a global or a closure variable) is refused:
+traced, it would update the real parameters once at capture, not the program's state
+every call.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import torch
 import torch.fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _torch_private as private
 from .._torch_private import pytree
@@ -341,6 +352,16 @@ def _capture(
                 user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
                 hint=SCHEDULER_HINT,
             ) from exc
+        if isinstance(exc, _OptimizerNotPassed):
+            raise SPMDCompileError(
+                f"The train step calls step() of a {type(exc.optimizer).__module__}."
+                f"{type(exc.optimizer).__name__} that is not one of its arguments (a global "
+                "or a closure variable); a compiled step updates only the optimizers it is "
+                "given.",
+                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                hint="pass the optimizer to the step, e.g. train_step(model, optimizer, "
+                "batch, target).",
+            ) from exc
         if "convert all Tensors to FakeTensors" in str(exc):
             raise SPMDCompileError(
                 "The train step uses a tensor that is neither an argument nor part of a "
@@ -446,6 +467,7 @@ class _StepTracer:
                 stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.func.__code__))
                 for oi, opt in enumerate(b.optimizers)
             ]
+            stack.enter_context(_refuse_other_optimizers(b.optimizers))
             with self.floats if stand_ins else contextlib.nullcontext():
                 result = self.func(*args, **kwargs)
             final_buffers = {
@@ -511,6 +533,31 @@ def _cast_forward_inputs(module: torch.nn.Module, dtype: torch.dtype) -> Iterato
         return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class _OptimizerNotPassed(Exception):
+    """An optimizer that is not an argument of the step stepped while it was traced."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(f"{type(optimizer).__name__}.step() of an optimizer not passed to the step")
+        self.optimizer = optimizer
+
+
+@contextlib.contextmanager
+def _refuse_other_optimizers(passed: list[torch.optim.Optimizer]) -> Iterator[None]:
+    """Refuse ``step()`` of an optimizer the step was not given (NOTE: [steps without an
+    optimizer]): it would update the real parameters while the step is traced, once,
+    instead of the program updating them every call."""
+
+    def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if all(opt is not p for p in passed):
+            raise _OptimizerNotPassed(opt)
+
+    handle = register_optimizer_step_pre_hook(pre_hook)
     try:
         yield
     finally:

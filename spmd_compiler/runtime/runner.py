@@ -23,12 +23,13 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from ..capture.bindings import StepBindings
+from ..capture.bindings import StepBindings, record_replacement
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
 from ..errors import SPMDCompileError, SPMDRuntimeError
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import PADDED_KINDS, Kind, StateRef, TensorMeta, contiguous_stride
 from ..lower import Executable, LoweredGraph
+from .eager_calls import guard_direct_calls
 from .faults import attribution
 from .simulate import Simulation
 
@@ -96,6 +97,7 @@ def _install(
             grad_ref = StateRef(Kind.GRAD, name)
             new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)
         new_params[id(p)] = new
+        record_replacement(p, new)
     for mod in bindings.modules:
         for sub in mod.modules():
             for attr, value in list(sub._parameters.items()):
@@ -126,6 +128,7 @@ def _install(
                 converted[key] = value
             new_state[new_p] = converted
         opt.state = new_state
+    guard_direct_calls(bindings.modules)  # NOTE: [calling a placed model directly]
     for name, p in list(bindings.params.items()):
         bindings.params[name] = new_params.get(id(p), p)
     for name in list(bindings.buffers):

@@ -166,12 +166,6 @@ def step_without_module(weight, optim, x, y):
     return loss
 
 
-def step_without_optimizer(model, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    return loss
-
-
 def test_step_without_module():
     weight = nn.Parameter(torch.randn(8, 4))
     opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
@@ -184,13 +178,22 @@ def test_step_without_module():
     assert torch.equal(weight, before) and weight.grad is None
 
 
-def test_step_without_optimizer():
+def test_step_with_an_optimizer_it_was_not_given():
+    """A step needs no optimizer (NOTE: [steps without an optimizer]), but one it steps
+    without being given it would update the real parameters at capture: refused."""
     model = Net()
-    error = raises_untouched(step_without_optimizer, (model, *batch()), model, None)
+    opt = warmed_up(model)
+
+    def step_with_a_closure_optimizer(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    error = raises_untouched(step_with_a_closure_optimizer, (model, *batch()), model, opt)
     message = str(error)
-    assert "torch.optim.Optimizer" in message
-    assert "step_without_optimizer" in message
-    assert all(p.grad is None for p in model.parameters())
+    assert "torch.optim.adamw.AdamW that is not one of its arguments" in message
+    assert 'opt.step()"' in message  # the user's line
 
 
 def test_call_outside_simulation_or_process_group():

@@ -1,0 +1,56 @@
+"""A model whose state a compiled step placed, called directly with plain tensors.
+
+NOTE: [calling a placed model directly]
+After a compiled call the model's parameters are DTensors with the mode's placements
+(NOTE: [steps without an optimizer] in ``capture/trace.py`` for why they stay so). Calling
+the model itself with plain tensors (``model(x)`` for a validation loss) would mix plain
+tensors and DTensors, and DTensor refuses that with an error about its operators that
+says nothing of the step. What such a call should mean (this rank's share of a global
+batch, or a whole batch on every rank) is the mode's to decide, and a guess would be a
+silent wrong result, so the call is refused with what to do: compile the evaluation as a
+step without an optimizer, under the same mode. Calls with DTensor arguments (users who
+place their inputs themselves) pass. The check is a forward pre-hook on each module given
+to a compiled step, a module-level function, so the model still pickles.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._torch_private import pytree
+from ..errors import SPMDCompileError
+
+
+def refuse_plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: refuse plain tensor arguments to a module with DTensor state."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    if not any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in leaves):
+        return
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        return  # its state is not (or no longer) placed: nothing to mix
+    raise SPMDCompileError(
+        f"{type(module).__name__} was called directly with plain tensors, but a compiled "
+        "step placed its parameters as DTensors across the ranks, so one rank's call "
+        "cannot tell which part of the batch it holds.",
+        hint="compile the evaluation as a step of its own under the same parallel mode "
+        "(a step without an optimizer is fine): "
+        "`evaluate = sc.compile(parallel_mode=mode)(eval_step)`, then "
+        "`evaluate(model, batch)` returns global values, like the train step's loss.",
+    )
+
+
+_GUARDED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def guard_direct_calls(modules: list[torch.nn.Module]) -> None:
+    """Install ``refuse_plain_inputs`` on each module once."""
+    for mod in modules:
+        if mod not in _GUARDED:
+            mod.register_forward_pre_hook(refuse_plain_inputs, with_kwargs=True)
+            _GUARDED.add(mod)
+
+
+__all__ = ["guard_direct_calls", "refuse_plain_inputs"]
