@@ -63,8 +63,23 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def eval_step(model, x, y):
+    """An evaluation step: no optimizer (NOTE: [steps without an optimizer])."""
+    with torch.no_grad():
+        logits = model(x)
+        return F.cross_entropy(logits, y), logits
+
+
+def held_out() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(99)
+    return torch.randn(GLOBAL_BATCH, FEATURES, generator=gen), torch.randint(
+        0, CLASSES, (GLOBAL_BATCH,), generator=gen
+    )
+
+
 def compiled_worker(rank: int, world_size: int) -> dict[str, object]:
-    """One rank: for each optimizer, compile the step and train on this rank's halves."""
+    """One rank: for each optimizer, compile the step and train on this rank's halves,
+    with a compiled evaluation on a held-out batch before and after."""
     per_rank = GLOBAL_BATCH // world_size
     local = slice(rank * per_rank, (rank + 1) * per_rank)
     info = sc.init_from_env()  # launch already joined the group: this only reads it
@@ -76,11 +91,16 @@ def compiled_worker(rank: int, world_size: int) -> dict[str, object]:
         model = make_model()
         optim = make_optimizer(model)
         step = sc.compile(backend=backend_under_test())(train_step)
+        evaluate = sc.compile(backend=backend_under_test())(eval_step)
+        xv, yv = held_out()
+        evaluations = [evaluate(model, xv[local], yv[local])]
         losses, compile_counts = [], []
         for x, y in global_batches():
             losses.append(step(model, optim, x[local], y[local]).detach().clone())
             compile_counts.append(step.compile_count)
+        evaluations.append(evaluate(model, xv[local], yv[local]))
         out[name] = {
+            "evaluations": evaluations,
             "losses": torch.stack(losses),
             "state": full_state(model, optim, None),  # full_tensor(): a collective
             "not_dtensor": [k for k, v in model.state_dict().items() if not isinstance(v, DTensor)],
@@ -92,8 +112,14 @@ def compiled_worker(rank: int, world_size: int) -> dict[str, object]:
 def eager_reference(optimizer: str) -> dict[str, object]:
     model = make_model()
     optim = OPTIMIZERS[optimizer](model)
+    evaluations = [eval_step(model, *held_out())]
     losses = [train_step(model, optim, x, y).detach().clone() for x, y in global_batches()]
-    return {"losses": torch.stack(losses), "state": full_state(model, optim, None)}
+    evaluations.append(eval_step(model, *held_out()))
+    return {
+        "losses": torch.stack(losses),
+        "state": full_state(model, optim, None),
+        "evaluations": evaluations,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +148,13 @@ def test_compiled_step_matches_single_device(
         # Step 1 creates the optimizer state (one recompile at step 2); step 3 must reuse.
         assert got["compile_counts"][-1] == got["compile_counts"][-2], f"rank {rank} recompiled"
         errors = {"losses": relative_difference(got["losses"], expected["losses"])}
+        # the evaluation's loss and logits are global values on every rank
+        for when, (loss, logits), (want_loss, want_logits) in zip(
+            ("before", "after"), got["evaluations"], expected["evaluations"], strict=True
+        ):
+            assert logits.shape == want_logits.shape, f"rank {rank}: {when} logits {logits.shape}"
+            errors[f"evaluation {when}: loss"] = relative_difference(loss, want_loss)
+            errors[f"evaluation {when}: logits"] = relative_difference(logits, want_logits)
         assert set(got["state"]) == set(expected["state"])
         for key, want in expected["state"].items():
             errors[key] = relative_difference(got["state"][key], want)
