@@ -34,6 +34,26 @@ def train_step(model, optim, x, y):
     return loss
 
 
+def eval_step(model, x, y):
+    """A validation step: no optimizer, no gradients; compiled like the train step."""
+    with torch.no_grad():
+        logits = model(x)
+        return F.cross_entropy(logits, y), (logits.argmax(-1) == y).float().mean()
+
+
+def held_out(batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(batch, 32, generator=gen), torch.randint(0, 8, (batch,), generator=gen)
+
+
+def reference_validation(seed: int, steps: int, batch: int = 16) -> float:
+    """The validation loss after the eager single-device training."""
+    model, optim, data = make(seed, batch, steps)
+    for x, y in data:
+        train_step(model, optim, x, y)
+    return eval_step(model, *held_out(batch))[0].item()
+
+
 def make(seed: int = 0, batch: int = 16, steps: int = 3):
     """Model, AdamW optimizer and ``steps`` global batches, the same for every seed."""
     torch.manual_seed(seed)

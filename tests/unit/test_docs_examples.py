@@ -123,3 +123,4 @@ def test_torchrun_example_on_two_gloo_ranks() -> None:
         [torchrun, "--standalone", "--nproc-per-node", "2", "examples/torchrun_ddp.py", "--steps", "2"]
     )
     assert "max relative loss difference" in out
+    assert "validation: compiled" in out  # a compiled step without an optimizer
