@@ -107,14 +107,14 @@ def _full_like_accepting_tensors(original: Callable[..., torch.Tensor]) -> Calla
 def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[[BaseException], Any]) -> Iterator[None]:
     """Context for tracing ``opt.step()``: tensor Scalars rewritten, and a Python read of
     a tensor's value inside the optimizer refused with the optimizer's name."""
-    from .. import _torch_private as private
+    from .traced_items import value_read_errors
 
     try:
         with _TensorScalars(), mock.patch.object(
             torch, "full_like", _full_like_accepting_tensors(torch.full_like)
         ):
             yield
-    except private.data_dependent_error_types() as exc:
+    except value_read_errors() as exc:
         raise SPMDCompileError(
             f"optimizer[{oi}] ({type(opt).__module__}.{type(opt).__name__}) reads the value "
             "of a tensor in Python inside its step() (.item() or control flow on a tensor), "

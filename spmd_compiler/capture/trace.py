@@ -70,6 +70,7 @@ from .bindings import StepBindings
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
+from .traced_items import ItemsAsOutputs, ItemUsedInPython, TracedItem, value_read_errors
 
 log = logging.getLogger("spmd_compiler")
 
@@ -333,16 +334,22 @@ def _capture(
             )
     except SPMDCompileError:
         raise
-    except private.data_dependent_error_types() as exc:
+    except value_read_errors() as exc:
         raise SPMDCompileError(
             "The train step reads the value of a tensor in Python (control flow on a "
             "tensor, .item(), .tolist() or a value-dependent shape), which cannot be "
             f"captured into one graph{_where_it_failed(exc)}.",
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
-            hint="use ops whose output shape does not depend on values (torch.where(cond, a, b), "
-            "masking) instead, or move the check "
-            "outside the compiled step.",
+            hint=(
+                "return the value (`return loss.item()` works: NOTE: [returned .item() "
+                "values]) and use the number outside the compiled step, or compute with "
+                "the tensor itself."
+                if isinstance(exc, ItemUsedInPython)
+                else "use ops whose output shape does not depend on values "
+                "(torch.where(cond, a, b), masking) instead, or move the check "
+                "outside the compiled step."
+            ),
         ) from exc
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if _raised_in_lr_scheduler(exc):
@@ -377,6 +384,7 @@ def _capture(
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
         ) from exc
     _check_float_arguments_read(first, [r for r, _ in inputs])
+    _drop_refused_value_reads(first)
     _annotate_user_lines(first, func.__code__)
     gm = _functionalize(first, inputs, fake_mode)
     captured = CapturedStep(
@@ -390,6 +398,16 @@ def _capture(
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
     return captured
+
+
+def _drop_refused_value_reads(gm: torch.fx.GraphModule) -> None:
+    """The trace records ``.item()``'s read before the fake tensor refuses it; a read
+    answered by a ``TracedItem`` (NOTE: [returned .item() values]) or by a constant has
+    no users in the graph and must not run in the second trace."""
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.aten._local_scalar_dense.default and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _requires_grad_in_first_trace(ref: StateRef, meta: TensorMeta) -> bool:
@@ -468,6 +486,7 @@ class _StepTracer:
                 for oi, opt in enumerate(b.optimizers)
             ]
             stack.enter_context(_refuse_other_optimizers(b.optimizers))
+            stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             with self.floats if stand_ins else contextlib.nullcontext():
                 result = self.func(*args, **kwargs)
             final_buffers = {
@@ -484,10 +503,11 @@ class _StepTracer:
         for leaf in leaves:
             if self.floats.is_stand_in(leaf):
                 raise FloatArgumentUsedInPython("the step returns a value computed from a float argument only")
-            if isinstance(leaf, torch.Tensor):
-                self.return_leaves.append(("tensor", len(outs)))
+            if isinstance(leaf, (torch.Tensor, TracedItem)):
+                kind = "item" if isinstance(leaf, TracedItem) else "tensor"
+                self.return_leaves.append((kind, len(outs)))
                 self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
-                outs.append(leaf)
+                outs.append(leaf.tensor if isinstance(leaf, TracedItem) else leaf)
             else:
                 self.return_leaves.append(("const", leaf))
         for name, p in params.items():

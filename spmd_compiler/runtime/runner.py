@@ -213,8 +213,16 @@ def run_program(
     if plan is not None:
         outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
     returned = _write_back(program, bindings, outs, sim)
-    leaves = [returned[v] if kind == "tensor" else v for kind, v in captured.return_leaves]
+    leaves = [
+        returned[v] if kind == "tensor" else _item(returned[v]) if kind == "item" else v
+        for kind, v in captured.return_leaves
+    ]
     return pytree.tree_unflatten(leaves, captured.return_spec), next_carry
+
+
+def _item(value: torch.Tensor) -> Any:
+    """A returned ``.item()`` (NOTE: [returned .item() values] in ``capture/traced_items.py``)."""
+    return (value.full_tensor() if isinstance(value, DTensor) else value).item()
 
 
 def _state_value(bindings: StepBindings, ref: StateRef) -> torch.Tensor:

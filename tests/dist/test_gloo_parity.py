@@ -64,10 +64,11 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def eval_step(model, x, y):
-    """An evaluation step: no optimizer (NOTE: [steps without an optimizer])."""
+    """An evaluation step: no optimizer (NOTE: [steps without an optimizer]); the count
+    of right answers as a Python int (NOTE: [returned .item() values])."""
     with torch.no_grad():
         logits = model(x)
-        return F.cross_entropy(logits, y), logits
+        return F.cross_entropy(logits, y), logits, (logits.argmax(-1) == y).sum().item()
 
 
 def held_out() -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +150,10 @@ def test_compiled_step_matches_single_device(
         assert got["compile_counts"][-1] == got["compile_counts"][-2], f"rank {rank} recompiled"
         errors = {"losses": relative_difference(got["losses"], expected["losses"])}
         # the evaluation's loss and logits are global values on every rank
-        for when, (loss, logits), (want_loss, want_logits) in zip(
+        for when, (loss, logits, right), (want_loss, want_logits, want_right) in zip(
             ("before", "after"), got["evaluations"], expected["evaluations"], strict=True
         ):
+            assert type(right) is int and right == want_right, f"rank {rank}: {when} {right}"
             assert logits.shape == want_logits.shape, f"rank {rank}: {when} logits {logits.shape}"
             errors[f"evaluation {when}: loss"] = relative_difference(loss, want_loss)
             errors[f"evaluation {when}: logits"] = relative_difference(logits, want_logits)

@@ -1,0 +1,75 @@
+"""``loss.item()`` returned by the train step.
+
+NOTE: [returned .item() values]
+``return loss.item()`` (or ``{"loss": loss.item(), ...}``) is how many train steps hand a
+number to the logging loop. A traced program has no value to give ``.item()``: fake
+tensors refuse it. So while the step is traced, an ``.item()`` that the fake tensor
+refuses returns a ``TracedItem`` holding the tensor; a ``TracedItem`` among the step's
+returned values becomes a returned tensor of the program, and the runtime hands back its
+``.item()`` (``int`` / ``float`` / ``bool`` as eager's), the global value as a returned
+loss is. Anything else Python does with it while the step is traced (arithmetic, a
+comparison, ``if``, formatting, ``float()``) would need the value the trace does not
+have, so it raises ``ItemUsedInPython``, which capture reports as a value read in Python
+(the refusal ``.item()`` had before), naming the line. An ``.item()`` a fake tensor can
+answer (a constant made in the step) keeps its value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import _torch_private as private
+
+
+class ItemUsedInPython(Exception):
+    """A traced ``.item()`` was used by Python code, not only returned."""
+
+
+class TracedItem:
+    """The value of ``tensor.item()``, known only when the program runs."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def _used(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ItemUsedInPython(
+            "the value of .item() is computed by the program at run time; inside a compiled "
+            "step it can only be returned"
+        )
+
+    __bool__ = __float__ = __int__ = __index__ = __complex__ = _used
+    __str__ = __format__ = __round__ = __trunc__ = __floor__ = __ceil__ = _used
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
+    __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = _used
+    __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _used  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TracedItem({tuple(self.tensor.shape)} {self.tensor.dtype})"
+
+
+class ItemsAsOutputs(TorchFunctionMode):
+    """Answers ``.item()`` on a traced tensor with a ``TracedItem`` (see the NOTE)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.item:
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except private.data_dependent_error_types():
+            return TracedItem(args[0].detach())
+
+
+def value_read_errors() -> tuple[type[BaseException], ...]:
+    """What a trace raises when Python code needs a tensor's value."""
+    return (*private.data_dependent_error_types(), ItemUsedInPython)
+
+
+__all__ = ["ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "value_read_errors"]

@@ -1,0 +1,128 @@
+"""Train steps that return ``loss.item()`` (NOTE: [returned .item() values]).
+
+The returned numbers equal the undecorated step's on one device on the global batch, with
+the same Python types; ``.item()`` used by Python inside the step (arithmetic, ``if``,
+printing) is refused as a value read, naming the line; an optimizer that reads a value is
+still refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models
+
+TOL = 1e-12
+BATCH, FEATURES, CLASSES = 8, 6, 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES)).double()
+
+
+def logged_step(model, optim, x, y):  # noqa: ANN001
+    logits = model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    correct = (logits.argmax(-1) == y).sum()
+    return {"loss": loss.item(), "correct": correct.item(), "all_right": (correct == len(y)).item()}
+
+
+def plain_item_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64),
+         torch.randint(0, CLASSES, (BATCH,), generator=gen))
+        for _ in range(3)
+    ]
+
+
+def _mode(name: str):  # noqa: ANN202
+    if name == "tp":
+        return make_mode("tp", plan={"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return make_mode(name)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("step", [logged_step, plain_item_step], ids=lambda f: f.__name__)
+def test_returned_items_match_one_device(mode, step):
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = sc.compile(_mode(mode))(step)
+    with sc.simulate(world_size=2) as sim:
+        for batch in _batches():
+            got, want = compiled(model, optim, *batch), step(reference, reference_optim, *batch)
+            got_leaves = got.values() if isinstance(got, dict) else [got]
+            want_leaves = want.values() if isinstance(want, dict) else [want]
+            for a, b in zip(got_leaves, want_leaves, strict=True):
+                assert type(a) is type(b), (a, b)
+                assert abs(a - b) <= TOL * abs(b), (a, b)
+        assert max(compare_models(model, reference, sim).values()) < TOL
+    assert compiled.compile_count == 2  # AdamW's first step, then the steady state
+
+
+def scaled_item_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss.item() * 2
+
+
+def branch_on_item_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    if loss.item() > 1.0:
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def printing_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    print(f"loss {loss.item():.3f}")
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("step", "line"),
+    [(scaled_item_step, "return loss.item() * 2"),
+     (branch_on_item_step, "if loss.item() > 1.0:"),
+     (printing_step, 'print(f"loss {loss.item():.3f}")')],
+    ids=lambda v: getattr(v, "__name__", "line"),
+)
+def test_item_used_by_python_is_refused(step, line):
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, *_batches()[0])
+    message = str(info.value)
+    assert "reads the value of a tensor in Python" in message
+    assert line in message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert compiled.compile_count == 0
