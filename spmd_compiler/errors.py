@@ -86,12 +86,21 @@ def innermost_model_frame(tb: types.TracebackType | None) -> SourceLocation | No
     """The innermost frame of a traceback outside torch and this package: the line of
     the model (or the train step) where the failure started, e.g. a ``torch.where(mask)``
     in a module's forward."""
+    return _innermost_outside_torch(traceback.extract_tb(tb))
+
+
+def innermost_model_frame_of_stack() -> SourceLocation | None:
+    """``innermost_model_frame`` of the running code (the caller's stack)."""
+    return _innermost_outside_torch(traceback.extract_stack())
+
+
+def _innermost_outside_torch(frames: traceback.StackSummary) -> SourceLocation | None:
     import os
 
     here = os.path.dirname(os.path.abspath(__file__))  # this package
     skip = (os.path.dirname(os.path.abspath(cast(str, torch.__file__))) + os.sep, here + os.sep)
     found = None
-    for frame_summary in traceback.extract_tb(tb):
+    for frame_summary in frames:
         filename = os.path.abspath(frame_summary.filename)
         if not filename.startswith(skip) and not filename.startswith("<"):
             found = SourceLocation(frame_summary.filename, frame_summary.lineno or 0, frame_summary.line or "")

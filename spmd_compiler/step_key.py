@@ -50,6 +50,7 @@ by its program key as before (capture, then load). Tests: tests/sim/test_step_ke
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -85,7 +86,7 @@ from .compile_cache import (
     fingerprint,
     source_digest,
 )
-from .ir.signature import CapturedStep, Kind, TensorMeta
+from .ir.signature import CapturedStep, Kind, TensorMeta, ValueCheck
 
 log = logging.getLogger("spmd_compiler.compile_cache")
 
@@ -370,6 +371,7 @@ def entry_bytes(
         "return_spec": _treespec(captured.return_spec),
         "return_leaves": [[kind, enc.value(v)] for kind, v in captured.return_leaves],
         "notes": [str(n) for n in captured.notes],
+        "checks": [dataclasses.asdict(c) for c in captured.checks],  # NOTE: [value checks]
         "graph_args": graph_args, "baked": baked,
         "environment": sorted([k, v] for k, v in environment.items()),
         "manifest": module_manifest(),
@@ -461,6 +463,7 @@ def _captured(
         output_metas=[_tensor_meta(m) for m in output_metas],
         unchanged=[_state_ref(r) for r in unchanged],
         notes=list(entry["notes"]),
+        checks=[ValueCheck(**c) for c in entry.get("checks", [])],
     )
     step._decode_graph = lambda: dec.graph(json.loads(graph))
     return step

@@ -108,12 +108,16 @@ def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[
     """Context for tracing ``opt.step()``: tensor Scalars rewritten, and a Python read of
     a tensor's value inside the optimizer refused with the optimizer's name."""
     from .traced_items import value_read_errors
+    from .value_checks import Undecided
 
     try:
         with _TensorScalars(), mock.patch.object(
             torch, "full_like", _full_like_accepting_tensors(torch.full_like)
         ):
             yield
+    except Undecided as exc:  # NOTE: [value checks]: named if it is refused
+        exc.owner = f"optimizer[{oi}] ({type(opt).__module__}.{type(opt).__name__}) in its step()"
+        raise
     except value_read_errors() as exc:
         raise SPMDCompileError(
             f"optimizer[{oi}] ({type(opt).__module__}.{type(opt).__name__}) reads the value "

@@ -35,7 +35,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import torch
@@ -64,13 +64,22 @@ from ..ir.graph_utils import (
     set_outputs,
 )
 from ..ir.node_meta import MODULE_FQN, USER_LINE, Phase, set_phase
-from ..ir.signature import STATE_KINDS, CapturedStep, Kind, StateRef, TensorMeta, state_dtype
+from ..ir.signature import (
+    STATE_KINDS,
+    CapturedStep,
+    Kind,
+    StateRef,
+    TensorMeta,
+    ValueCheck,
+    state_dtype,
+)
 from .attention import attention_as_math
 from .bindings import StepBindings
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
 from .traced_items import ItemsAsOutputs, ItemUsedInPython, TracedItem, value_read_errors
+from .value_checks import BranchDecisions, Undecided, choose, describe_raise
 
 log = logging.getLogger("spmd_compiler")
 
@@ -148,6 +157,9 @@ def capture_decompositions() -> dict:
     for where in (aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther):
         table[where] = _where_with_scalars
     table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
+    # the conditions of value checks (NOTE: [value checks]): ops with a DTensor rule
+    table[aten._is_all_true.default] = lambda t: torch.all(t)
+    table[aten._is_any_true.default] = lambda t: torch.any(t)
     table[aten.nll_loss_forward.default] = _nll_loss_forward_global_mean
     table[aten.mse_loss_backward.default] = functools.partial(
         _mse_loss_backward_allow_empty, table[aten.mse_loss_backward.default]
@@ -321,17 +333,24 @@ def _capture(
         (StateRef(Kind.INPUT, index=k), meta) for k, meta in enumerate(input_metas)
     ]
     fake_mode = private.fake_tensor_mode()
-    first_trace_inputs = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
-                          for ref, meta in inputs]
-    tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options)
     private.register_stack_trace_anchor(func)
+    scopes: list[tuple[str, torch.fx.Node | None]] = []  # where the last trace stopped
+
+    def trace(decisions: list[bool]) -> tuple[torch.fx.GraphModule, _StepTracer]:
+        fakes = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
+                 for ref, meta in inputs]
+        tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
+        with _module_scopes(bindings.module_fqns) as stack, _tag_backward(), attention_as_math():
+            try:
+                graph = make_fx(
+                    tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
+                )(*fakes)
+            finally:
+                scopes[:] = stack
+        return graph, tracer
+
     try:
-        with _module_scopes(bindings.module_fqns) as scopes, _tag_backward(), attention_as_math():
-            first = make_fx(
-                tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
-            )(
-                *first_trace_inputs
-            )
+        first, tracer = _decide_value_checks(trace, func.__code__)
     except SPMDCompileError:
         raise
     except value_read_errors() as exc:
@@ -394,10 +413,60 @@ def _capture(
         return_spec=tracer.return_spec,
         return_leaves=tracer.return_leaves,
         step_code=func.__code__,
+        checks=tracer.checks,
     )
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
     return captured
+
+
+def _decide_value_checks(
+    trace: Callable[[list[bool]], tuple[torch.fx.GraphModule, _StepTracer]],
+    step_code: Any,
+) -> tuple[torch.fx.GraphModule, _StepTracer]:
+    """Trace the step, deciding each check on a tensor's value on the way (NOTE: [value
+    checks]); the tracer's checks carry what the other answer raised."""
+    decisions: list[bool] = []
+    raised: list[str] = []
+    while True:
+        try:
+            first, tracer = trace(decisions)
+            break
+        except Undecided as undecided:
+            where, owner = undecided.where, undecided.owner
+            step_line = step_frame_from_traceback(undecided.__traceback__, step_code)
+        results: dict[bool, tuple[torch.fx.GraphModule, _StepTracer]] = {}
+        outcomes: dict[bool, BaseException | None] = {}
+        for answer in (True, False):
+            try:
+                results[answer] = trace([*decisions, answer])
+                outcomes[answer] = None
+            except _not_raised_by_the_step():
+                outcomes[answer] = None  # went on (or failed for a reason of ours)
+            except Exception as exc:  # noqa: BLE001 - the step raised: the check's branch
+                outcomes[answer] = exc
+        choice = choose(outcomes)
+        if choice is None:
+            raise SPMDCompileError(
+                f"{owner} uses control flow on a tensor's value (an `if` on a tensor, "
+                f"or bool() of one) at {where}, and both branches go on, so the program "
+                "would depend on the data; a compiled step is one program.",
+                user_line=step_line,
+                hint="compute both branches and select with torch.where(cond, a, b), or "
+                "move the decision outside the compiled step (a guarded Python value "
+                "recompiles when it changes). Only an `if` whose other branch raises is "
+                "kept in the program as a run-time check (NOTE: [value checks]).",
+            )
+        raised.append(describe_raise(cast(BaseException, outcomes[not choice])))
+        decisions.append(choice)
+        if choice in results:
+            first, tracer = results[choice]
+            break
+    tracer.checks = [
+        dataclasses.replace(check, raised=text)
+        for check, text in zip(tracer.checks, raised, strict=True)
+    ]
+    return first, tracer
 
 
 def _drop_refused_value_reads(gm: torch.fx.GraphModule) -> None:
@@ -448,8 +517,11 @@ class _StepTracer:
         bindings: StepBindings,
         refs: list[StateRef],
         options: CaptureOptions,
+        decisions: list[bool],
     ) -> None:
         self.func, self.bindings, self.refs, self.options = func, bindings, refs, options
+        self.branches = BranchDecisions(decisions)  # NOTE: [value checks]
+        self.checks: list[ValueCheck] = []
         self.out_refs: list[StateRef] = []
         self.return_spec: Any = None
         self.return_leaves: list[tuple[str, Any]] = []
@@ -487,6 +559,7 @@ class _StepTracer:
             ]
             stack.enter_context(_refuse_other_optimizers(b.optimizers))
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
+            stack.enter_context(self.branches)
             with self.floats if stand_ins else contextlib.nullcontext():
                 result = self.func(*args, **kwargs)
             final_buffers = {
@@ -510,6 +583,10 @@ class _StepTracer:
                 outs.append(leaf.tensor if isinstance(leaf, TracedItem) else leaf)
             else:
                 self.return_leaves.append(("const", leaf))
+        for site in self.branches.sites:  # NOTE: [value checks]
+            self.checks.append(ValueCheck(len(outs), site.expected, site.where, ""))
+            self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
+            outs.append(site.condition)
         for name, p in params.items():
             self.out_refs.append(StateRef(Kind.PARAM, name))
             outs.append(p)
@@ -565,6 +642,15 @@ class _OptimizerNotPassed(Exception):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(f"{type(optimizer).__name__}.step() of an optimizer not passed to the step")
         self.optimizer = optimizer
+
+
+def _not_raised_by_the_step() -> tuple[type[BaseException], ...]:
+    """Exceptions of the capture itself, not a branch of the step raising (NOTE: [value
+    checks])."""
+    return (
+        SPMDCompileError, Undecided, FloatArgumentUsedInPython, _OptimizerNotPassed,
+        *value_read_errors(),
+    )
 
 
 @contextlib.contextmanager

@@ -106,6 +106,17 @@ def optim_state_dtype(shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype
     return torch.float64 if shape == () and dtype == torch.float32 else dtype
 
 
+@dataclass(frozen=True)
+class ValueCheck:
+    """A condition the program returns and the runtime compares with ``expected`` before
+    it writes any state (NOTE: [value checks] in ``capture/value_checks.py``)."""
+
+    output: int  # the index of the returned tensor holding the condition
+    expected: bool
+    where: str  # the model or train-step line of the ``if``
+    raised: str  # what the step raised, traced with the other answer
+
+
 @dataclass
 class CapturedStep:
     """A train step as one functional single-device graph plus its signature.
@@ -121,6 +132,7 @@ class CapturedStep:
         step_code: the code object of the user's train step, for error messages.
         output_metas: global metadata of each output.
         unchanged: state the step returns exactly as it received it (no output).
+        checks: conditions among the returned tensors the runtime verifies every call.
     """
 
     graph_module: torch.fx.GraphModule
@@ -133,6 +145,7 @@ class CapturedStep:
     unchanged: list[StateRef] = field(default_factory=list)
     capture_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    checks: list[ValueCheck] = field(default_factory=list)
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

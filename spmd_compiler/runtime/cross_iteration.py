@@ -54,6 +54,14 @@ def split_program(program: Any) -> DeferredPlan | None:
     part = deferred_part(graph)
     if not part:
         return None
+    if program.captured.checks:
+        raise SPMDCompileError(
+            "cross_iteration_overlap defers part of each step's update into the next call, "
+            "but this step has checks on tensor values (NOTE: [value checks]): a check that "
+            f"fails (at {program.captured.checks[0].where}) must leave the state of the last "
+            "completed step, and part of that step's update would be in the failed call.",
+            hint="drop cross_iteration_overlap for this step, or the check.",
+        )
     in_part = set(part)
     carried = _carried_values(graph, in_part)
     outs = output_args(gm)

@@ -212,12 +212,33 @@ def run_program(
     next_carry = None
     if plan is not None:
         outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
+    if captured.checks:
+        _verify_checks(program, outs, sim)
     returned = _write_back(program, bindings, outs, sim)
     leaves = [
         returned[v] if kind == "tensor" else _item(returned[v]) if kind == "item" else v
         for kind, v in captured.return_leaves
     ]
     return pytree.tree_unflatten(leaves, captured.return_spec), next_carry
+
+
+def _verify_checks(program: DistributedProgram, outs: list[torch.Tensor], sim: Simulation | None) -> None:
+    """Raise before any state is written when a value check of the step came out other
+    than the program assumed (NOTE: [value checks] in ``capture/value_checks.py``)."""
+    captured = program.captured
+    position = {ref.index: j for j, ref in enumerate(captured.outputs) if ref.kind is Kind.RETURN}
+    for check in captured.checks:
+        j = position[check.output]
+        value = _returned_value(
+            outs[j], program.mesh, program.output_placements[j], captured.output_metas[j], sim
+        )
+        if bool(value.full_tensor() if isinstance(value, DTensor) else value) != check.expected:
+            raise SPMDRuntimeError(
+                f"A check on a tensor's value at {check.where} came out "
+                f"{not check.expected} on this call: the step raises there ({check.raised}). "
+                "Nothing was updated: the model and optimizer keep the state of the last "
+                "completed step."
+            )
 
 
 def _item(value: torch.Tensor) -> Any:

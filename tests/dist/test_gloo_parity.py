@@ -254,3 +254,51 @@ def test_reference_is_not_trivial() -> None:
     assert not torch.equal(losses[0], losses[-1])
     for name, value in before.items():
         assert relative_difference(after["state"][f"param.{name}"], value) > 1e-4, name
+
+
+def finite_checked_step(model, optim, x, y):
+    """A check on a tensor's value (NOTE: [value checks]): kept in the program."""
+    loss = F.cross_entropy(model(x), y)
+    assert torch.isfinite(loss), "the loss is not finite"
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def value_check_worker(rank: int, world_size: int) -> dict[str, object]:
+    """Rank 1's half of the second batch holds a NaN: every rank must refuse that call
+    (the condition is a global value) and keep the first step's state."""
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    sc.init_from_env()
+    model = make_model()
+    optim = OPTIMIZERS["adamw"](model)
+    step = sc.compile(backend=backend_under_test())(finite_checked_step)
+    (x0, y0), (x1, y1), (x2, y2) = global_batches()
+    step(model, optim, x0[local], y0[local])
+    x1 = x1.clone()
+    x1[-1, 0] = float("nan")  # the last row: rank 1's half
+    try:
+        step(model, optim, x1[local], y1[local])
+        refused = ""
+    except sc.SPMDRuntimeError as exc:
+        refused = str(exc)
+    losses = [step(model, optim, x2[local], y2[local]).detach().clone()]
+    return {"refused": refused, "losses": torch.stack(losses), "state": full_state(model, optim, None)}
+
+
+def test_a_failing_value_check_stops_every_rank_and_keeps_the_state() -> None:
+    results = sc.launch(value_check_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
+    model = make_model()
+    optim = OPTIMIZERS["adamw"](model)
+    (x0, y0), _, (x2, y2) = global_batches()
+    finite_checked_step(model, optim, x0, y0)  # the refused batch never happened
+    losses = torch.stack([finite_checked_step(model, optim, x2, y2).detach().clone()])
+    expected = full_state(model, optim, None)
+    for rank, result in enumerate(results):
+        assert "the loss is not finite" in result["refused"], f"rank {rank}: {result['refused']!r}"
+        assert relative_difference(result["losses"], losses) < TOLERANCE
+        errors = {k: relative_difference(result["state"][k], v) for k, v in expected.items()}
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"

@@ -1,0 +1,115 @@
+"""Value checks: ``if`` on a tensor whose other branch only raises.
+
+NOTE: [value checks]
+``torch.distributions`` validates its arguments (``if not torch._is_all_true(valid):
+raise ValueError``), ``F.gaussian_nll_loss`` checks its variance (``if torch.any(var <
+0): raise``), and train steps assert ``torch.isfinite(loss)``. Each is a Python ``if``
+on a tensor's value, which a traced program cannot take, and each has one branch that
+only raises. Capture takes the other branch and keeps the check in the program:
+
+- While the step is traced, ``bool()`` of a tensor whose value the trace does not have
+  is answered from a list of decisions; a check met beyond the list stops the trace
+  (``Undecided``). Capture then traces the step with each answer for that check. When
+  exactly one answer makes the step raise an exception of its own (a ``ValueError``, an
+  ``AssertionError``, ...) before it meets another such ``if``, the other answer is the
+  decision, and capture goes on to the next check. When both answers go on (a real
+  branch: ``if loss > 1: loss = loss * 2``), or both raise, the step is refused as it
+  was before: a value read in Python, naming the line.
+- The condition (``bool(t)`` as a 0-dim bool tensor) becomes a returned tensor of the
+  program, a global value like the loss, and every call the runtime compares it with
+  the decision before any state is written: a check that fails raises
+  ``SPMDRuntimeError`` naming the line and what the step raised there while it was
+  traced, and the model, the optimizer and the gradients keep the state of the last
+  completed step. So the program's results are only ever used when every condition
+  came out as it was compiled: never a result of the branch the program did not take.
+- Each answer costs a trace of the step (two per check), at capture only; a step with
+  no such ``if`` is traced once, as before.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+
+from .. import _torch_private as private
+from ..errors import innermost_model_frame_of_stack
+from ..ir.signature import ValueCheck
+
+
+class Undecided(Exception):
+    """The trace met a value check beyond the decided ones."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"a check on a tensor's value at {where}")
+        self.where = where
+        self.owner = "The train step"  # or the optimizer whose step() it is in
+
+
+@dataclass
+class _Site:
+    condition: torch.Tensor
+    expected: bool
+    where: str
+
+
+class BranchDecisions:
+    """Answers ``bool()`` of a traced tensor from ``decisions`` (see the NOTE).
+
+    A context manager that wraps ``torch.Tensor.__bool__`` while the step is traced: a
+    torch function mode would miss the ``if`` inside torch's own Python functions
+    (``F.gaussian_nll_loss`` runs with the modes it was dispatched through disabled).
+    """
+
+    def __init__(self, decisions: list[bool]) -> None:
+        self.decisions = decisions
+        self.sites: list[_Site] = []
+        self._patch: Any = None
+
+    def __enter__(self) -> BranchDecisions:
+        original = torch.Tensor.__bool__
+
+        def answer(t: torch.Tensor) -> bool:
+            try:
+                return original(t)
+            except private.data_dependent_error_types():
+                return self._decide(t)
+
+        self._patch = mock.patch.object(torch.Tensor, "__bool__", answer)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._patch.__exit__(*exc)
+
+    def _decide(self, t: torch.Tensor) -> bool:
+        found = innermost_model_frame_of_stack()
+        where = str(found) if found is not None else "an unknown line"
+        k = len(self.sites)
+        if k >= len(self.decisions):
+            raise Undecided(where) from None
+        condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(())
+        self.sites.append(_Site(condition, self.decisions[k], where))
+        return self.decisions[k]
+
+
+def describe_raise(exc: BaseException) -> str:
+    """``ValueError: message`` (its first lines), for a failed check's error."""
+    lines = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()
+    text = " ".join(line.strip() for line in lines[:3])
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def choose(outcomes: dict[bool, Any]) -> bool | None:
+    """The decision for a check, given each answer's outcome: an exception the step
+    raised, or None when the trace went on. None when it is not a check."""
+    raising = [answer for answer, outcome in outcomes.items() if outcome is not None]
+    if len(raising) != 1:
+        return None
+    return not raising[0]
+
+
+__all__ = ["BranchDecisions", "Undecided", "ValueCheck", "choose", "describe_raise"]

@@ -1,0 +1,183 @@
+"""Checks on tensor values whose other branch raises (NOTE: [value checks]).
+
+``torch.distributions``' argument validation, ``F.gaussian_nll_loss``'s variance check and
+a train step's own ``assert torch.isfinite(loss)`` compile, with parity against the
+undecorated step on one device (float64); a check that fails at run time raises before
+anything is written, naming the line and what the step raises there, and training goes
+on from the last completed step; a real branch on a value is refused at capture.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError, SPMDRuntimeError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
+
+TOL = 1e-12
+BATCH, FEATURES = 8, 6
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, FEATURES)).double()
+
+
+def normal_likelihood_step(model, optim, x):  # noqa: ANN001
+    """A likelihood from torch.distributions, validated as by default."""
+    mean = model(x)
+    loss = -torch.distributions.Normal(mean, torch.ones_like(mean)).log_prob(x).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def gaussian_nll_step(model, optim, x):  # noqa: ANN001
+    mean = model(x)
+    loss = F.gaussian_nll_loss(mean, x, torch.full_like(mean, 0.5))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def asserting_step(model, optim, x):  # noqa: ANN001
+    loss = F.mse_loss(model(x), x)
+    assert torch.isfinite(loss), "the loss is not finite"
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def raising_step(model, optim, x):  # noqa: ANN001
+    """The other polarity: the raising branch is the True one."""
+    loss = F.mse_loss(model(x), x)
+    if torch.isnan(loss).any():
+        raise ValueError("NaN loss")
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _batches(n: int = 3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64) for _ in range(n)]
+
+
+def _mode(name: str):  # noqa: ANN202
+    if name == "tp":
+        return make_mode("tp", plan={"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return make_mode(name)
+
+
+STEPS = [normal_likelihood_step, gaussian_nll_step, asserting_step, raising_step]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("step", STEPS, ids=lambda f: f.__name__)
+def test_checked_steps_match_one_device(mode, step):
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = sc.compile(_mode(mode))(step)
+    with sc.simulate(world_size=2) as sim:
+        for x in _batches():
+            loss = compiled(model, optim, x)
+            assert relative_difference(loss, step(reference, reference_optim, x)) < TOL
+        state = {**compare_models(model, reference, sim),
+                 **compare_optimizers(optim, reference_optim, sim)}
+    assert max(state.values()) < TOL
+    assert compiled.compile_count == 2
+    assert compiled.last_program.captured.checks, "the check is not in the program"
+
+
+@pytest.mark.parametrize("step", [asserting_step, raising_step], ids=lambda f: f.__name__)
+def test_a_failing_check_raises_and_writes_nothing(step):
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = sc.compile(make_mode("fsdp"))(step)
+    first, second = _batches(2)
+    poisoned = first.clone()
+    poisoned[5, 2] = float("nan")  # on the second rank's half
+    with sc.simulate(world_size=2) as sim:
+        compiled(model, optim, first)
+        step(reference, reference_optim, first)
+        with pytest.raises(SPMDRuntimeError) as info:
+            compiled(model, optim, poisoned)
+        with pytest.raises((AssertionError, ValueError)):
+            step(copy.deepcopy(reference), copy.deepcopy(reference_optim), poisoned)
+        message = str(info.value)
+        expected_text = "the loss is not finite" if step is asserting_step else "NaN loss"
+        assert expected_text in message and "Nothing was updated" in message
+        assert "test_value_checks.py" in message  # the line of the check
+        # the failed call changed nothing: training goes on as if it never happened
+        loss = compiled(model, optim, second)
+        assert relative_difference(loss, step(reference, reference_optim, second)) < TOL
+        state = {**compare_models(model, reference, sim),
+                 **compare_optimizers(optim, reference_optim, sim)}
+    assert max(state.values()) < TOL
+
+
+def branching_step(model, optim, x):  # noqa: ANN001
+    loss = F.mse_loss(model(x), x)
+    if loss > 1.0:
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_a_real_branch_on_a_value_is_refused():
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = sc.compile(make_mode("ddp"))(branching_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, _batches(1)[0])
+    message = str(info.value)
+    assert "both branches go on" in message and "if loss > 1.0:" in message
+    assert info.value.user_line.code == "if loss > 1.0:"
+    assert "torch.where" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert compiled.compile_count == 0
+
+
+def test_checks_survive_the_compile_cache(tmp_path):
+    """A step loaded from the persistent cache keeps its checks (step_key's entry)."""
+    x = _batches(1)[0]
+    poisoned = torch.full_like(x, float("nan"))
+    for attempt in ("miss", "hit"):
+        model = _model()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = sc.compile(make_mode("ddp"), cache_dir=tmp_path)(asserting_step)
+        with sc.simulate(world_size=2):
+            compiled(model, optim, x)
+            before = [p.full_tensor().clone() for p in model.parameters()]
+            with pytest.raises(SPMDRuntimeError, match="the loss is not finite"):
+                compiled(model, optim, poisoned)
+            assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+        assert compiled.records[0].cache == attempt, [r.cache for r in compiled.records]
+        # the hit is found before capture: the checks come from the cache's entry
+        assert compiled.records[0].capture_skipped == (attempt == "hit")
+
+
+def test_cross_iteration_overlap_refuses_a_checked_step():
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"), extra_passes=("cross_iteration_overlap",))(asserting_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="value checks"):
+        compiled(model, optim, _batches(1)[0])
