@@ -156,6 +156,13 @@ def traced_node_of(t: torch.Tensor) -> torch.fx.Node | None:
     return None if slot is None else slot.proxy.node
 
 
+def compiled_module_type() -> type:
+    """The wrapper ``torch.compile(module)`` returns (dynamo's ``OptimizedModule``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule
+
+
 def data_dependent_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions fake tensors raise when Python code reads a tensor's value."""
     from torch._subclasses.fake_tensor import (

@@ -247,6 +247,36 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
     )
 
 
+def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:
+    """Refuse a module torch's FSDP already shards or torch.compile compiles: a traced
+    step fails inside their hooks or dynamo frames with errors about their internals.
+    (A ``DistributedDataParallel`` wrapper traces as its module: its reducer's hooks sit
+    on the real parameters, which the trace swaps out; measured exact on 2 gloo ranks.)"""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    from .. import _torch_private as private
+
+    wrappers = [
+        ((FSDPModule, FullyShardedDataParallel), "sharded by torch's fully_shard / FSDP "
+         "({cls})", "pass the model before fully_shard; DataParallel('fully_shard') "
+         "shards it"),
+        ((private.compiled_module_type(),), "compiled with torch.compile ({cls})",
+         "pass the module before torch.compile (`model._orig_mod`); "
+         "sc.compile(..., backend=\"inductor\") lowers the whole step to kernels"),
+    ]
+    for mi, mod in enumerate(modules):
+        for fqn, sub in mod.named_modules():
+            for classes, what, hint in wrappers:
+                if isinstance(sub, classes):
+                    name = f"module[{mi}]" + (f".{fqn}" if fqn else "")
+                    raise SPMDCompileError(
+                        f"{name} is {what.format(cls=type(sub).__name__)}; a compiled step "
+                        "takes plain modules and places their state itself.",
+                        user_line=where,
+                        hint=hint + ".",
+                    )
+
+
 def _unique(objs: list[Any]) -> list[Any]:
     out: list[Any] = []
     for o in objs:

@@ -74,7 +74,7 @@ from ..ir.signature import (
     state_dtype,
 )
 from .attention import attention_as_math
-from .bindings import StepBindings
+from .bindings import StepBindings, check_plain_modules
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
@@ -319,9 +319,9 @@ def _capture(
     floats: tuple[int, ...],
 ) -> CapturedStep:
     start = time.perf_counter()
-    check_supported_optimizers(
-        bindings.optimizers, f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}"
-    )
+    where = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}"
+    check_supported_optimizers(bindings.optimizers, where)
+    check_plain_modules(bindings.modules, where)
     device = next(iter(bindings.params.values())).device
     inputs: list[tuple[StateRef, TensorMeta]] = []
     for ref, value in bindings.state_refs():

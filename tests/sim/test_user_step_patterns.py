@@ -21,13 +21,18 @@ on 2 simulated ranks against the undecorated step on one device on the global ba
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.parallel import DistributedDataParallel
 
+import spmd_compiler as sc
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models
 
 TOL = 1e-10
 BATCH, FEATURES, CLASSES = 8, 8, 4
@@ -304,3 +309,22 @@ def test_contrastive_loss_over_the_global_batch(mode, run_parity):
     ]
     result = run_parity(lambda: _TwoTowers().double(), _adamw, 2, batches, step=contrastive_step, mode=make_mode(mode))
     result.assert_close(TOL)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_model_wrapped_in_torch_ddp_traces_as_its_module(mode):
+    """Code moving from torch DDP passes the DDP-wrapped model: the trace swaps the
+    parameters out from under DDP's reducer, so the step computes what its module does
+    (NOTE in ``capture/bindings.py``: ``check_plain_modules``)."""
+    with sc.simulate(world_size=2) as sim:
+        torch.manual_seed(0)
+        inner = _mlp()
+        reference = copy.deepcopy(inner)
+        wrapped = DistributedDataParallel(inner)
+        optim, reference_optim = _adamw(wrapped), _adamw(reference)
+        compiled = sc.compile(make_mode(mode))(plain_step)
+        for x, y in _batches(VECTOR):
+            loss = compiled(wrapped, optim, x, y)
+            expected = plain_step(reference, reference_optim, x, y)
+            assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
+        assert max(compare_models(inner, reference, sim).values()) < TOL

@@ -412,3 +412,26 @@ def test_scheduler_stepped_inside_step(kind):
     assert "scheduler.step()" in message  # the user's line
     # optimizer.step's scheduler wrapper: see test_lr_schedule.py (a separate bug).
     assert_untouched(before, model, opt, check_step_attribute=False)
+
+
+# ---------------------------------------------------------------- wrapped modules
+
+
+def test_a_torch_compiled_module_is_refused_with_what_to_do():
+    model = Net()
+    opt = warmed_up(model)
+    compiled_model = torch.compile(model)
+    error = raises_untouched(step, (compiled_model, opt, *batch()), model, opt)
+    assert "compiled with torch.compile" in str(error) and "_orig_mod" in str(error)
+
+
+def test_a_model_sharded_by_fully_shard_is_refused_with_what_to_do():
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net()
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sc.compile()(step)(model, opt, *batch())
+    assert "sharded by torch's fully_shard" in str(info.value)
+    assert "DataParallel('fully_shard')" in str(info.value)
