@@ -181,3 +181,40 @@ def test_cross_iteration_overlap_refuses_a_checked_step():
     compiled = sc.compile(make_mode("ddp"), extra_passes=("cross_iteration_overlap",))(asserting_step)
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="value checks"):
         compiled(model, optim, _batches(1)[0])
+
+
+def policy_gradient_step(model, optim, x, actions):  # noqa: ANN001
+    """A Categorical policy: validation checks the logits and the actions' support."""
+    policy = torch.distributions.Categorical(logits=model(x))
+    loss = -policy.log_prob(actions).mean() - 0.01 * policy.entropy().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def clipped_step(model, optim, x, actions):  # noqa: ANN001
+    """clip_grad_norm_(error_if_nonfinite=True) raises on a non-finite norm."""
+    loss = F.cross_entropy(model(x), actions)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, error_if_nonfinite=True)
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("step", [policy_gradient_step, clipped_step], ids=lambda f: f.__name__)
+def test_library_checks_match_one_device(step):
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = sc.compile(make_mode("fsdp"))(step)
+    gen = torch.Generator().manual_seed(9)
+    with sc.simulate(world_size=2) as sim:
+        for x in _batches():
+            actions = torch.randint(0, FEATURES, (BATCH,), generator=gen)
+            loss = compiled(model, optim, x, actions)
+            assert relative_difference(loss, step(reference, reference_optim, x, actions)) < TOL
+        assert max(compare_models(model, reference, sim).values()) < TOL
+    assert compiled.last_program.captured.checks
