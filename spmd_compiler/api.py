@@ -30,15 +30,29 @@ from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
-from .runtime.runner import StepTimings
+from .runtime.runner import BranchMismatch, StepTimings
 from .runtime.same_inputs import check_same_inputs_on_all_ranks
 from .runtime.simulate import Simulation, active_simulation
-from .runtime.step_executable import StepExecutable
+from .runtime.step_executable import CallResult, StepExecutable
 
 log = logging.getLogger("spmd_compiler")
 
 # A guarded Python value that forced this many recompiles is reported as a warning.
 REPEATED_RECOMPILES = 3
+# programs one step may need for the ways its `if`s on tensor values go (NOTE: [value checks])
+MAX_BRANCH_PROGRAMS = 8
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random-number state a program's draws come from (CPU, and the device's)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 @dataclass
@@ -111,13 +125,68 @@ class CompiledTrainStep:
         if self._last is not None and self._last is not executable:
             self._last.flush()  # another program runs now: finish the old one's update
         self._last = executable
-        call = executable.run(bindings, tensor_args, sim)
+        call = self._run_branches(executable, key, bindings, tensor_args, input_metas, mesh, sim)
         if call.lower_seconds > 0:  # this call lowered a graph (NOTE: [lowering])
             self.timings.compile_seconds += call.lower_seconds
             self.timings.lower_seconds += call.lower_seconds
         else:
             self.timings.step_seconds.append(call.run_seconds)
         return call.value
+
+    def _run_branches(
+        self, executable: StepExecutable, key: tuple, bindings: StepBindings,
+        tensor_args: list[torch.Tensor], input_metas: list[TensorMeta], mesh: DeviceMesh,
+        sim: Simulation | None,
+    ) -> CallResult:
+        """Run the step; when an ``if`` on a tensor's value went the other way than the
+        program took, nothing was written: run the program of that way, compiled on
+        first need, on the same inputs and random-number state (NOTE: [value checks])."""
+        device = next(iter(bindings.params.values())).device
+        for _ in range(MAX_BRANCH_PROGRAMS):
+            rng = _rng_state(device)
+            try:
+                call = executable.run(bindings, tensor_args, sim)
+            except BranchMismatch as mismatch:
+                _set_rng_state(device, rng)
+                executable = self._branch_program(key, bindings, input_metas, mesh, mismatch.decisions)
+                self._last = executable
+                continue
+            self._prefer(key, executable)
+            return call
+        raise SPMDCompileError(
+            f"{self.func.__name__} took {MAX_BRANCH_PROGRAMS} different ways through its `if`s "
+            "on tensor values in one call, each a program of its own.",
+            user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
+            hint="select with torch.where(cond, a, b) instead of branching in Python.",
+        )
+
+    def _branch_program(
+        self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta],
+        mesh: DeviceMesh, decisions: tuple[tuple[bool, str], ...],
+    ) -> StepExecutable:
+        """The program whose first ``if``s go as ``decisions`` (compiled on first need)."""
+        for guards, executable in self._cache.get(key, []):
+            taken = tuple((c.expected, c.raised) for c in executable.program.captured.checks)
+            if taken[: len(decisions)] == decisions and guards.first_change(bindings) is None:
+                return executable
+        if len(self._cache.get(key, [])) >= MAX_BRANCH_PROGRAMS:
+            raise SPMDCompileError(
+                f"{self.func.__name__} has taken {MAX_BRANCH_PROGRAMS} ways through its `if`s "
+                "on tensor values, each a program of its own (NOTE: [value checks]).",
+                user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
+                hint="select with torch.where(cond, a, b) instead of branching in Python.",
+            )
+        log.info("compiling %s for an `if` on a tensor value that went the other way",
+                 self.func.__name__)
+        return self._compile(key, bindings, input_metas, mesh, decisions)
+
+    def _prefer(self, key: tuple, executable: StepExecutable) -> None:
+        """Try ``executable`` first next call: the way the data went last time."""
+        entries = self._cache.get(key, [])
+        for i, (_, e) in enumerate(entries):
+            if e is executable and i > 0:
+                entries.insert(0, entries.pop(i))
+                return
 
     @property
     def has_pending_update(self) -> bool:
@@ -196,8 +265,13 @@ class CompiledTrainStep:
         return TensorMeta(tuple(shape), meta.dtype, meta.device, False)
 
     def _compile(
-        self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh
+        self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,
+        decisions: tuple[tuple[bool, str], ...] = (),
     ) -> StepExecutable:
+        """Compile the step for ``key``; ``decisions``: how its first ``if``s on tensor
+        values go (a branch's other program, NOTE: [value checks]; such a program is not
+        looked up or written by the key before capture, which names the step, not the
+        way)."""
         start = time.perf_counter()
         device_type = next(iter(bindings.params.values())).device.type
         if self.lowering.cuda_graphs and device_type != "cuda":
@@ -209,6 +283,8 @@ class CompiledTrainStep:
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
             pre_key, key_guards = self._step_key(bindings, input_metas, mesh)
+            if decisions:
+                pre_key = ""
             loaded = self._load_uncaptured(pre_key, bindings, mesh, progress)
             skipped = loaded is not None
             if loaded is not None:
@@ -219,7 +295,7 @@ class CompiledTrainStep:
                     step_key.record_environment() if pre_key else contextlib.nullcontext({})
                 )
                 with progress.stage("capture"), recording as environment:
-                    captured, guards = self._capture_guarded(bindings, input_metas)
+                    captured, guards = self._capture_guarded(bindings, input_metas, decisions)
                 capture_seconds = captured.capture_seconds
                 program, how, load_seconds, program_key = self._cached_or_built(
                     captured, mesh, progress
@@ -371,14 +447,17 @@ class CompiledTrainStep:
                         self.func.__name__, type(exc).__name__, exc)
 
     def _capture_guarded(
-        self, bindings: StepBindings, input_metas: list[TensorMeta]
+        self, bindings: StepBindings, input_metas: list[TensorMeta],
+        decisions: tuple[tuple[bool, str], ...] = (),
     ) -> tuple[CapturedStep, Guards]:
         """Capture the step and guard the Python values it read; a step whose trace
         changes a guarded value is captured once more (lazy set-up on the first call)
         and refused if it changes one again (NOTE: [guards on Python values])."""
         for attempt in range(2):
             guards = build_guards(self.func, bindings, frozenset())
-            captured = capture_step(self.func, bindings, input_metas, self.mode.capture_options())
+            captured = capture_step(
+                self.func, bindings, input_metas, self.mode.capture_options(), decisions
+            )
             change = guards.first_change(bindings)
             if change is None:
                 break

@@ -278,6 +278,7 @@ def capture_step(
     bindings: StepBindings,
     input_metas: list[TensorMeta],
     options: CaptureOptions = CaptureOptions(),
+    decisions: tuple[tuple[bool, str], ...] = (),
 ) -> CapturedStep:
     """Trace ``func`` into one functional single-device graph.
 
@@ -290,6 +291,9 @@ def capture_step(
         bindings: its modules, optimizers and named state (``find_bindings``).
         input_metas: global (single-device) metadata of each tensor argument, in the order
             of ``bindings.tensor_args()``.
+        decisions: how the first ``if``s on tensor values go, with what their other
+            branch raised ("" for a branch): a variant after a branch came out the other
+            way (NOTE: [value checks]).
 
     Returns:
         The captured step. Nothing of the user's model or optimizer is changed.
@@ -297,13 +301,13 @@ def capture_step(
     floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
     if floats:
         try:
-            return _capture(func, bindings, input_metas, options, floats)
+            return _capture(func, bindings, input_metas, options, floats, decisions)
         except Exception as exc:  # noqa: BLE001 - retried with the floats as constants
             log.info(
                 "float arguments %s of %s stay guarded constants (%s: %s)", list(floats),
                 func.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
             )
-    return _capture(func, bindings, input_metas, options, ())
+    return _capture(func, bindings, input_metas, options, (), decisions)
 
 
 def float_argument_ref(index: int) -> StateRef:
@@ -317,6 +321,7 @@ def _capture(
     input_metas: list[TensorMeta],
     options: CaptureOptions,
     floats: tuple[int, ...],
+    decisions: tuple[tuple[bool, str], ...],
 ) -> CapturedStep:
     start = time.perf_counter()
     where = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}"
@@ -350,7 +355,7 @@ def _capture(
         return graph, tracer
 
     try:
-        first, tracer = _decide_value_checks(trace, func.__code__)
+        first, tracer = _decide_value_checks(trace, decisions)
     except SPMDCompileError:
         raise
     except value_read_errors() as exc:
@@ -420,21 +425,33 @@ def _capture(
     return captured
 
 
+# `if`s on tensor values one traced call may meet (NOTE: [value checks])
+MAX_VALUE_IFS = 16
+
+
 def _decide_value_checks(
     trace: Callable[[list[bool]], tuple[torch.fx.GraphModule, _StepTracer]],
-    step_code: Any,
+    given: tuple[tuple[bool, str], ...],
 ) -> tuple[torch.fx.GraphModule, _StepTracer]:
-    """Trace the step, deciding each check on a tensor's value on the way (NOTE: [value
-    checks]); the tracer's checks carry what the other answer raised."""
-    decisions: list[bool] = []
-    raised: list[str] = []
+    """Trace the step, deciding each ``if`` on a tensor's value on the way (NOTE: [value
+    checks]), after the ``given`` (decision, what the other answer raised) pairs; the
+    tracer's checks carry what the other answer raised ("" for a branch)."""
+    decisions = [decision for decision, _ in given]
+    raised = [text for _, text in given]
     while True:
         try:
             first, tracer = trace(decisions)
             break
         except Undecided as undecided:
-            where, owner = undecided.where, undecided.owner
-            step_line = step_frame_from_traceback(undecided.__traceback__, step_code)
+            if len(decisions) >= MAX_VALUE_IFS:
+                raise SPMDCompileError(
+                    f"{undecided.owner} meets more than {MAX_VALUE_IFS} `if`s on tensor values "
+                    f"in one call (the last at {undecided.where}); each is traced both ways "
+                    "and verified every call, so this many is refused (a loop that runs "
+                    "until a value converges, say).",
+                    hint="select with torch.where(cond, a, b), or loop a fixed number of "
+                    "times.",
+                ) from None
         results: dict[bool, tuple[torch.fx.GraphModule, _StepTracer]] = {}
         outcomes: dict[bool, BaseException | None] = {}
         for answer in (True, False):
@@ -446,18 +463,13 @@ def _decide_value_checks(
             except Exception as exc:  # noqa: BLE001 - the step raised: the check's branch
                 outcomes[answer] = exc
         choice = choose(outcomes)
-        if choice is None:
-            raise SPMDCompileError(
-                f"{owner} uses control flow on a tensor's value (an `if` on a tensor, "
-                f"or bool() of one) at {where}, and both branches go on, so the program "
-                "would depend on the data; a compiled step is one program.",
-                user_line=step_line,
-                hint="compute both branches and select with torch.where(cond, a, b), or "
-                "move the decision outside the compiled step (a guarded Python value "
-                "recompiles when it changes). Only an `if` whose other branch raises is "
-                "kept in the program as a run-time check (NOTE: [value checks]).",
-            )
-        raised.append(describe_raise(cast(BaseException, outcomes[not choice])))
+        if choice is None and outcomes[True] is not None:
+            raise cast(BaseException, outcomes[True])  # both answers raise: so would eager
+        if choice is None:  # a branch: speculated, verified every call (NOTE: [value checks])
+            choice, text = True, ""
+        else:
+            text = describe_raise(cast(BaseException, outcomes[not choice]))
+        raised.append(text)
         decisions.append(choice)
         if choice in results:
             first, tracer = results[choice]

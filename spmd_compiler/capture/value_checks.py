@@ -1,29 +1,36 @@
-"""Value checks: ``if`` on a tensor whose other branch only raises.
+"""Value checks: ``if`` on a tensor's value, kept in the program and verified every call.
 
 NOTE: [value checks]
 ``torch.distributions`` validates its arguments (``if not torch._is_all_true(valid):
 raise ValueError``), ``F.gaussian_nll_loss`` checks its variance (``if torch.any(var <
-0): raise``), and train steps assert ``torch.isfinite(loss)``. Each is a Python ``if``
-on a tensor's value, which a traced program cannot take, and each has one branch that
-only raises. Capture takes the other branch and keeps the check in the program:
+0): raise``), train steps assert ``torch.isfinite(loss)`` or skip the update of a
+non-finite loss (``if torch.isfinite(loss): loss.backward(); optim.step()``). Each is a
+Python ``if`` on a tensor's value, which one traced program cannot take both ways.
 
 - While the step is traced, ``bool()`` of a tensor whose value the trace does not have
-  is answered from a list of decisions; a check met beyond the list stops the trace
-  (``Undecided``). Capture then traces the step with each answer for that check. When
-  exactly one answer makes the step raise an exception of its own (a ``ValueError``, an
-  ``AssertionError``, ...) before it meets another such ``if``, the other answer is the
-  decision, and capture goes on to the next check. When both answers go on (a real
-  branch: ``if loss > 1: loss = loss * 2``), or both raise, the step is refused as it
-  was before: a value read in Python, naming the line.
+  is answered from a list of decisions; an ``if`` met beyond the list stops the trace
+  (``Undecided``). Capture then traces the step with each answer for it:
+  - a check: exactly one answer makes the step raise an exception of its own (a
+    ``ValueError``, an ``AssertionError``, ...) before it meets another such ``if``. The
+    other answer is the decision, and a call where the condition comes out the raising
+    way raises ``SPMDRuntimeError`` naming the line and what the step raised there;
+  - a branch: both answers go on. The decision is True, speculated; a call where the
+    condition comes out False runs the program of that way instead (below);
+  - both answers raise: the step raises that, as eager would.
 - The condition (``bool(t)`` as a 0-dim bool tensor) becomes a returned tensor of the
-  program, a global value like the loss, and every call the runtime compares it with
-  the decision before any state is written: a check that fails raises
-  ``SPMDRuntimeError`` naming the line and what the step raised there while it was
-  traced, and the model, the optimizer and the gradients keep the state of the last
-  completed step. So the program's results are only ever used when every condition
-  came out as it was compiled: never a result of the branch the program did not take.
-- Each answer costs a trace of the step (two per check), at capture only; a step with
-  no such ``if`` is traced once, as before.
+  program, a global value like the loss. Every call the runtime compares each with its
+  decision, in order, before any state is written. At the first that differs nothing
+  is written (model, optimizer and gradients keep the last completed step's state): a
+  check raises; a branch makes the compiled step run, on the same inputs and
+  random-number state, the program whose decisions are those before it and the way it
+  went, compiling it (capture with those decisions) on first need. The program that
+  ran last is tried first on the next call. So a result is only ever used when every
+  condition came out as its program was compiled: never one of the way not taken.
+- Bounds: ``MAX_VALUE_IFS`` ``if``s per traced call (a ``while`` on a value that runs
+  until it converges is refused), ``MAX_BRANCH_PROGRAMS`` programs per step
+  (``api.py``). Each ``if`` costs two traces of the step at capture, and reading the
+  conditions is one device-to-host copy per call; a step with no such ``if`` is traced
+  once and reads nothing, as before.
 """
 
 from __future__ import annotations

@@ -222,23 +222,38 @@ def run_program(
     return pytree.tree_unflatten(leaves, captured.return_spec), next_carry
 
 
+class BranchMismatch(Exception):
+    """An ``if`` on a tensor's value went the other way than the program took; nothing
+    was written. ``decisions``: the program's decisions up to that ``if``, then how it
+    went, each with what its other branch raises ("" for a branch)."""
+
+    def __init__(self, decisions: tuple[tuple[bool, str], ...]) -> None:
+        super().__init__(f"branch {len(decisions) - 1} went the other way")
+        self.decisions = decisions
+
+
 def _verify_checks(program: DistributedProgram, outs: list[torch.Tensor], sim: Simulation | None) -> None:
-    """Raise before any state is written when a value check of the step came out other
-    than the program assumed (NOTE: [value checks] in ``capture/value_checks.py``)."""
+    """Raise before any state is written when an ``if`` on a tensor's value came out other
+    than the program assumed (NOTE: [value checks] in ``capture/value_checks.py``): a
+    check raises what the step raises there, a branch asks for the other program."""
     captured = program.captured
     position = {ref.index: j for j, ref in enumerate(captured.outputs) if ref.kind is Kind.RETURN}
-    for check in captured.checks:
+    for k, check in enumerate(captured.checks):
         j = position[check.output]
         value = _returned_value(
             outs[j], program.mesh, program.output_placements[j], captured.output_metas[j], sim
         )
-        if bool(value.full_tensor() if isinstance(value, DTensor) else value) != check.expected:
-            raise SPMDRuntimeError(
-                f"A check on a tensor's value at {check.where} came out "
-                f"{not check.expected} on this call: the step raises there ({check.raised}). "
-                "Nothing was updated: the model and optimizer keep the state of the last "
-                "completed step."
-            )
+        if bool(value.full_tensor() if isinstance(value, DTensor) else value) == check.expected:
+            continue
+        if not check.raised:
+            taken = tuple((c.expected, c.raised) for c in captured.checks[:k])
+            raise BranchMismatch((*taken, (not check.expected, "")))
+        raise SPMDRuntimeError(
+            f"A check on a tensor's value at {check.where} came out "
+            f"{not check.expected} on this call: the step raises there ({check.raised}). "
+            "Nothing was updated: the model and optimizer keep the state of the last "
+            "completed step."
+        )
 
 
 def _item(value: torch.Tensor) -> Any:

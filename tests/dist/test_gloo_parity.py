@@ -285,7 +285,28 @@ def value_check_worker(rank: int, world_size: int) -> dict[str, object]:
     except sc.SPMDRuntimeError as exc:
         refused = str(exc)
     losses = [step(model, optim, x2[local], y2[local]).detach().clone()]
-    return {"refused": refused, "losses": torch.stack(losses), "state": full_state(model, optim, None)}
+    # a branch: the NaN call runs the other way's program on every rank
+    skip_model = make_model()
+    skip_optim = OPTIMIZERS["adamw"](skip_model)
+    skip = sc.compile(backend=backend_under_test())(skipping_step)
+    for x, y in ((x0, y0), (x1, y1), (x2, y2)):
+        skip(skip_model, skip_optim, x[local], y[local])
+    return {
+        "refused": refused, "losses": torch.stack(losses),
+        "state": full_state(model, optim, None),
+        "skip_state": full_state(skip_model, skip_optim, None),
+        "skip_programs": skip.compile_count,
+    }
+
+
+def skipping_step(model, optim, x, y):
+    """A branch on a value (NOTE: [value checks]): no update from a non-finite loss."""
+    loss = F.cross_entropy(model(x), y)
+    if torch.isfinite(loss):
+        loss.backward()
+        optim.step()
+    optim.zero_grad()
+    return loss
 
 
 def test_a_failing_value_check_stops_every_rank_and_keeps_the_state() -> None:
@@ -296,7 +317,18 @@ def test_a_failing_value_check_stops_every_rank_and_keeps_the_state() -> None:
     finite_checked_step(model, optim, x0, y0)  # the refused batch never happened
     losses = torch.stack([finite_checked_step(model, optim, x2, y2).detach().clone()])
     expected = full_state(model, optim, None)
+    skip_model = make_model()
+    skip_optim = OPTIMIZERS["adamw"](skip_model)
+    (x0, y0), (x1, y1), _ = global_batches()
+    x1 = x1.clone()
+    x1[-1, 0] = float("nan")
+    for x, y in ((x0, y0), (x1, y1), (x2, y2)):
+        skipping_step(skip_model, skip_optim, x, y)
+    skip_expected = full_state(skip_model, skip_optim, None)
     for rank, result in enumerate(results):
+        skip_errors = {k: relative_difference(result["skip_state"][k], v) for k, v in skip_expected.items()}
+        assert max(skip_errors.values()) < TOLERANCE, f"rank {rank}: {skip_errors}"
+        assert result["skip_programs"] >= 2, "the NaN call did not run another program"
         assert "the loss is not finite" in result["refused"], f"rank {rank}: {result['refused']!r}"
         assert relative_difference(result["losses"], losses) < TOLERANCE
         errors = {k: relative_difference(result["state"][k], v) for k, v in expected.items()}

@@ -335,7 +335,8 @@ def test_batchnorm_running_stats_parity(run_parity, classification_batches, worl
 
 
 class NormCheckingSGD(torch.optim.Optimizer):
-    """A custom optimizer that branches on a tensor value inside step()."""
+    """A custom optimizer that reads a tensor's value inside step() (an ``if`` on the
+    tensor itself would compile: NOTE: [value checks])."""
 
     def __init__(self, params, lr: float = 0.1) -> None:
         super().__init__(params, {"lr": lr})
@@ -344,7 +345,7 @@ class NormCheckingSGD(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad.norm() > 0:
+                if p.grad.norm().item() > 0:
                     p.add_(p.grad * -group["lr"])
 
 
