@@ -44,9 +44,16 @@ class FloatArgumentMode(TorchFunctionMode):
     def __init__(self, stand_ins: list[torch.Tensor]) -> None:
         super().__init__()
         self.scalars: dict[int, torch.Tensor] = {id(t): t for t in stand_ins}
+        # 0-dim bools computed only from stand-ins (``scale > 1``): an ``if`` on one is
+        # Python's decision, which keeps the float a guard (NOTE: [value checks])
+        self.flags: dict[int, torch.Tensor] = {}
 
     def is_stand_in(self, value: Any) -> bool:
         return isinstance(value, torch.Tensor) and id(value) in self.scalars
+
+    def is_python_value(self, value: Any) -> bool:
+        """A stand-in, or a 0-dim result computed only from stand-ins."""
+        return self.is_stand_in(value) or (isinstance(value, torch.Tensor) and id(value) in self.flags)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -60,6 +67,8 @@ class FloatArgumentMode(TorchFunctionMode):
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point():
                     self.scalars[id(t)] = t
+                elif isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == torch.bool:
+                    self.flags[id(t)] = t
             return out
         dtype = _python_scalar_dtype(others)
 

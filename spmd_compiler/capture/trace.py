@@ -532,7 +532,9 @@ class _StepTracer:
         decisions: list[bool],
     ) -> None:
         self.func, self.bindings, self.refs, self.options = func, bindings, refs, options
-        self.branches = BranchDecisions(decisions)  # NOTE: [value checks]
+        self.floats = FloatArgumentMode([])
+        # NOTE: [value checks]; `self.floats` is this call's (set in __call__)
+        self.branches = BranchDecisions(decisions, lambda t: self.floats.is_python_value(t))
         self.checks: list[ValueCheck] = []
         self.out_refs: list[StateRef] = []
         self.return_spec: Any = None

@@ -26,6 +26,9 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
   went, compiling it (capture with those decisions) on first need. The program that
   ran last is tried first on the next call. So a result is only ever used when every
   condition came out as its program was compiled: never one of the way not taken.
+- An ``if`` on a Python float argument (``if scale > 1``: its stand-in tensor, NOTE:
+  [float arguments as graph inputs]) is Python's decision, not the data's: the float
+  stays a guard, as before.
 - Bounds: ``MAX_VALUE_IFS`` ``if``s per traced call (a ``while`` on a value that runs
   until it converges is refused), ``MAX_BRANCH_PROGRAMS`` programs per step
   (``api.py``). Each ``if`` costs two traces of the step at capture, and reading the
@@ -36,6 +39,7 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -45,6 +49,7 @@ import torch
 from .. import _torch_private as private
 from ..errors import innermost_model_frame_of_stack
 from ..ir.signature import ValueCheck
+from .python_scalars import FloatArgumentUsedInPython
 
 
 class Undecided(Exception):
@@ -71,8 +76,9 @@ class BranchDecisions:
     (``F.gaussian_nll_loss`` runs with the modes it was dispatched through disabled).
     """
 
-    def __init__(self, decisions: list[bool]) -> None:
+    def __init__(self, decisions: list[bool], python_value: Callable[[torch.Tensor], bool]) -> None:
         self.decisions = decisions
+        self.python_value = python_value  # a float argument's stand-in: Python's own value
         self.sites: list[_Site] = []
         self._patch: Any = None
 
@@ -93,6 +99,8 @@ class BranchDecisions:
         self._patch.__exit__(*exc)
 
     def _decide(self, t: torch.Tensor) -> bool:
+        if self.python_value(t):  # `if scale > 1` on a float argument: it stays a guard
+            raise FloatArgumentUsedInPython("an `if` on a float argument")
         found = innermost_model_frame_of_stack()
         where = str(found) if found is not None else "an unknown line"
         k = len(self.sites)
