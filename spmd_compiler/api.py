@@ -141,6 +141,8 @@ class CompiledTrainStep:
         """Run the step; when an ``if`` on a tensor's value went the other way than the
         program took, nothing was written: run the program of that way, compiled on
         first need, on the same inputs and random-number state (NOTE: [value checks])."""
+        if not executable.program.captured.checks:  # no `if` on a value: nothing to redo
+            return executable.run(bindings, tensor_args, sim)
         device = next(iter(bindings.params.values())).device
         for _ in range(MAX_BRANCH_PROGRAMS):
             rng = _rng_state(device)
@@ -153,9 +155,12 @@ class CompiledTrainStep:
                 continue
             self._prefer(key, executable)
             return call
-        raise SPMDCompileError(
-            f"{self.func.__name__} took {MAX_BRANCH_PROGRAMS} different ways through its `if`s "
-            "on tensor values in one call, each a program of its own.",
+        raise self._too_many_ways()
+
+    def _too_many_ways(self) -> SPMDCompileError:
+        return SPMDCompileError(
+            f"{self.func.__name__} has taken {MAX_BRANCH_PROGRAMS} ways through its `if`s "
+            "on tensor values, each a program of its own (NOTE: [value checks]).",
             user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
             hint="select with torch.where(cond, a, b) instead of branching in Python.",
         )
@@ -170,12 +175,7 @@ class CompiledTrainStep:
             if taken[: len(decisions)] == decisions and guards.first_change(bindings) is None:
                 return executable
         if len(self._cache.get(key, [])) >= MAX_BRANCH_PROGRAMS:
-            raise SPMDCompileError(
-                f"{self.func.__name__} has taken {MAX_BRANCH_PROGRAMS} ways through its `if`s "
-                "on tensor values, each a program of its own (NOTE: [value checks]).",
-                user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
-                hint="select with torch.where(cond, a, b) instead of branching in Python.",
-            )
+            raise self._too_many_ways()
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self.func.__name__)
         return self._compile(key, bindings, input_metas, mesh, decisions)
@@ -282,9 +282,9 @@ class CompiledTrainStep:
         title = f"{self.func.__name__} for {type(self.mode).__name__}"
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
-            pre_key, key_guards = self._step_key(bindings, input_metas, mesh)
-            if decisions:
-                pre_key = ""
+            pre_key, key_guards = (
+                ("", Guards()) if decisions else self._step_key(bindings, input_metas, mesh)
+            )
             loaded = self._load_uncaptured(pre_key, bindings, mesh, progress)
             skipped = loaded is not None
             if loaded is not None:

@@ -46,6 +46,15 @@ def _replacement(p: torch.Tensor) -> torch.nn.Parameter | None:
     return entry[1] if entry is not None and entry[0]() is p else None
 
 
+def _unowned(opt: torch.optim.Optimizer, owned: set[int]) -> tuple[int, torch.Tensor] | None:
+    """The first (param group, parameter) of ``opt`` that the step's modules do not own."""
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            if id(p) not in owned:
+                return gi, p
+    return None
+
+
 def _follow_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> None:
     """Point ``opt`` at the parameters that replaced its own, where the modules own those."""
     moved = {}
@@ -232,16 +241,18 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
         module_buffers.append(mb)
     owned = {id(p) for p in params.values()}
     for oi, opt in enumerate(optimizers):
-        _follow_replacements(opt, owned)
-        for gi, group in enumerate(opt.param_groups):
-            for p in group["params"]:
-                if id(p) not in owned:
-                    raise SPMDCompileError(
-                        f"optimizer[{oi}].param_groups[{gi}] holds a parameter of shape "
-                        f"{tuple(p.shape)} that no module passed to the step owns.",
-                        user_line=where,
-                        hint="pass every module whose parameters the optimizer updates.",
-                    )
+        stray = _unowned(opt, owned)
+        if stray is not None:  # replaced by a call this optimizer was not given?
+            _follow_replacements(opt, owned)
+            stray = _unowned(opt, owned)
+        if stray is not None:
+            gi, p = stray
+            raise SPMDCompileError(
+                f"optimizer[{oi}].param_groups[{gi}] holds a parameter of shape "
+                f"{tuple(p.shape)} that no module passed to the step owns.",
+                user_line=where,
+                hint="pass every module whose parameters the optimizer updates.",
+            )
     return StepBindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
     )

@@ -485,10 +485,14 @@ def _drop_refused_value_reads(gm: torch.fx.GraphModule) -> None:
     """The trace records ``.item()``'s read before the fake tensor refuses it; a read
     answered by a ``TracedItem`` (NOTE: [returned .item() values]) or by a constant has
     no users in the graph and must not run in the second trace."""
-    for node in list(gm.graph.nodes):
-        if node.target is torch.ops.aten._local_scalar_dense.default and not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
+    dropped = [
+        node for node in gm.graph.nodes
+        if node.target is torch.ops.aten._local_scalar_dense.default and not node.users
+    ]
+    for node in dropped:
+        gm.graph.erase_node(node)
+    if dropped:
+        gm.recompile()
 
 
 def _requires_grad_in_first_trace(ref: StateRef, meta: TensorMeta) -> bool:

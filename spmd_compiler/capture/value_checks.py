@@ -48,7 +48,6 @@ import torch
 
 from .. import _torch_private as private
 from ..errors import innermost_model_frame_of_stack
-from ..ir.signature import ValueCheck
 from .python_scalars import FloatArgumentUsedInPython
 
 
@@ -127,4 +126,4 @@ def choose(outcomes: dict[bool, Any]) -> bool | None:
     return not raising[0]
 
 
-__all__ = ["BranchDecisions", "Undecided", "ValueCheck", "choose", "describe_raise"]
+__all__ = ["BranchDecisions", "Undecided", "choose", "describe_raise"]
