@@ -22,6 +22,7 @@ from spmd_compiler.passes import PassOptions
 from . import compile_cache, step_key
 from .capture.bindings import StepBindings, find_bindings
 from .capture.guards import Guards, build_guards
+from .capture.kept_tensors import install_placeholders, kept_container_ids
 from .capture.trace import capture_step
 from .errors import SPMDCompileError
 from .expand.retrace import DistributedProgram
@@ -474,7 +475,10 @@ class CompiledTrainStep:
             ref.index for ref in captured.input_refs()
             if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0
         )
-        return captured, build_guards(self.func, bindings, graph_args)
+        # NOTE: [tensors the step keeps]: the guards see the attributes the step creates
+        install_placeholders(captured.kept, bindings, captured.output_metas)
+        skipped = kept_container_ids(captured.kept, bindings)
+        return captured, build_guards(self.func, bindings, graph_args, skipped)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

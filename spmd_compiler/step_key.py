@@ -357,6 +357,8 @@ def entry_bytes(
     environment = {**_IMPORT_READS, **environment}
     if _WHOLE_ENVIRONMENT in environment:
         raise Uncacheable("a capture that read the whole environment")
+    if captured.kept:  # live Python objects (NOTE: [tensors the step keeps])
+        raise Uncacheable(f"the places the step keeps tensors in ({captured.kept[0].label})")
     graph_args = sorted(r.index for r in captured.input_refs()
                         if r.kind is Kind.HYPERPARAM and r.optimizer < 0)
     baked = [[i, float.hex(bindings.flat_args[i])]

@@ -86,6 +86,9 @@ class StepBindings:
     module_buffers: list[dict[str, str]]
     flat_args: list[Any]
     args_spec: pytree.TreeSpec
+    # the call's own (args, kwargs): where a step's writes into a dict or list argument
+    # land (NOTE: [tensors the step keeps])
+    call: tuple[tuple, dict] = field(default=((), {}), repr=False)
     _name_of: dict[int, str] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -255,6 +258,7 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
             )
     return StepBindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
+        (args, kwargs),
     )
 
 

@@ -124,14 +124,18 @@ def is_scalar(value: Any) -> bool:
     return False
 
 
-def build_guards(func: Any, bindings: StepBindings, graph_args: frozenset[int]) -> Guards:
+def build_guards(
+    func: Any, bindings: StepBindings, graph_args: frozenset[int], skipped: frozenset[int] = frozenset()
+) -> Guards:
     """Guards for a program traced from ``func`` on ``bindings`` (see the NOTE).
 
     Args:
         graph_args: positions in ``bindings.flat_args`` fed to the program as inputs.
+        skipped: ids of containers not to guard: the lists the step appends to (NOTE:
+            [tensors the step keeps]), which change every call by design.
     """
     guards = Guards()
-    walker = _Walker(guards)
+    walker = _Walker(guards, skipped)
     for i, arg in enumerate(bindings.flat_args):
         if isinstance(arg, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
             continue
@@ -149,13 +153,13 @@ def build_guards(func: Any, bindings: StepBindings, graph_args: frozenset[int]) 
             classes.setdefault(type(sub))
     walker.callable(func)
     for cls in classes:
-        if not _skipped_module(cls.__module__):
-            for fn in _functions_of(inspect.getattr_static(cls, "forward", None)):
+        if not skipped_module(cls.__module__):
+            for fn in functions_of(inspect.getattr_static(cls, "forward", None)):
                 walker.function(fn, cls)
     return guards
 
 
-def _functions_of(value: Any) -> Iterator[types.FunctionType]:
+def functions_of(value: Any) -> Iterator[types.FunctionType]:
     if isinstance(value, (staticmethod, classmethod, types.MethodType)):
         value = value.__func__
     if isinstance(value, property):
@@ -164,17 +168,18 @@ def _functions_of(value: Any) -> Iterator[types.FunctionType]:
         yield value
 
 
-def _skipped_module(name: str | None) -> bool:
+def skipped_module(name: str | None) -> bool:
     return name is None or name.split(".")[0] in _SKIPPED_PACKAGES or name in sys.builtin_module_names
 
 
-def _skipped_function(fn: types.FunctionType) -> bool:
-    return _skipped_module(fn.__globals__.get("__name__")) or fn.__code__.co_filename.startswith(_STDLIB)
+def skipped_function(fn: types.FunctionType) -> bool:
+    return skipped_module(fn.__globals__.get("__name__")) or fn.__code__.co_filename.startswith(_STDLIB)
 
 
 class _Walker:
-    def __init__(self, guards: Guards) -> None:
+    def __init__(self, guards: Guards, skipped: frozenset[int] = frozenset()) -> None:
         self.guards = guards
+        self.skipped = skipped
         self.seen_code: set[int] = set()
         self.seen_objects: set[int] = set()
 
@@ -187,7 +192,7 @@ class _Walker:
             self.value_in_dict(d, key, value, f"{name}.{key}", OBJECT_DEPTH)
 
     def value_in_dict(self, d: dict, key: Any, value: Any, name: str, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) or id(value) in self.skipped:
             return
         if is_scalar(value):
             self.guards.add(_DICT, d, key, value, name)
@@ -195,7 +200,7 @@ class _Walker:
             self.guards.add(_LEN, value, None, len(value), f"the number of entries of {name}")
             for k, v in value.items():
                 self.value_in_dict(value, k, v, f"{name}[{k!r}]", depth - 1)
-        elif depth > 0 and _plain_object(value):
+        elif depth > 0 and plain_object(value):
             self.object_dict(value, name, depth - 1)
 
     def object_dict(self, obj: Any, name: str, depth: int) -> None:
@@ -213,28 +218,28 @@ class _Walker:
             self.callable(func.func)
             return
         if isinstance(func, types.MethodType):
-            if _plain_object(func.__self__):
+            if plain_object(func.__self__):
                 self.object_dict(func.__self__, type(func.__self__).__name__, OBJECT_DEPTH)
             func = func.__func__
         if isinstance(func, types.FunctionType):
             self.function(func)
-        elif _plain_object(func):
+        elif plain_object(func):
             self.object_dict(func, type(func).__name__, OBJECT_DEPTH)
-            for fn in _functions_of(inspect.getattr_static(type(func), "__call__", None)):
+            for fn in functions_of(inspect.getattr_static(type(func), "__call__", None)):
                 self.function(fn, type(func))
 
     def function(self, fn: types.FunctionType, cls: type | None = None) -> None:
         """Walk ``fn``'s code; with ``cls``, the methods of ``cls`` it names too (the
         helpers a ``forward`` calls through ``self``)."""
-        if id(fn.__code__) in self.seen_code or _skipped_function(fn):
+        if id(fn.__code__) in self.seen_code or skipped_function(fn):
             return
         self.seen_code.add(id(fn.__code__))
         self.guards.code_files.add(fn.__code__.co_filename)
         where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
-        names = set(_names(fn.__code__))
+        names = set(names_in(fn.__code__))
         if cls is not None:
             for name in names:
-                for method in _functions_of(inspect.getattr_static(cls, name, None)):
+                for method in functions_of(inspect.getattr_static(cls, name, None)):
                     self.function(method, cls)
         reached: list[Any] = []
         for name in names:
@@ -246,6 +251,8 @@ class _Walker:
                 value = cell.cell_contents
             except ValueError:
                 continue
+            if id(value) in self.skipped:
+                continue
             if is_scalar(value):
                 self.guards.add(_CELL, cell, None, value, f"closure value {name!r} of {where}")
             else:
@@ -254,6 +261,8 @@ class _Walker:
             self.attributes(obj, names, where)
 
     def reach(self, d: dict, name: str, value: Any, label: str, names: set[str], reached: list) -> None:
+        if id(value) in self.skipped:
+            return
         if is_scalar(value):
             self.guards.add(_DICT, d, name, value, label)
         else:
@@ -262,37 +271,39 @@ class _Walker:
     def attributes(self, obj: Any, names: set[str], where: str) -> None:
         """Functions ``obj`` leads to are walked; the scalar attributes the code names
         (``config.scale``) are guarded."""
-        for fn in _functions_of(obj):
+        for fn in functions_of(obj):
             self.function(fn)
             return
         if isinstance(obj, (torch.Tensor, torch.nn.Module)) or not hasattr(obj, "__dict__"):
             return
-        if isinstance(obj, types.ModuleType) and _skipped_module(obj.__name__):
+        if isinstance(obj, types.ModuleType) and skipped_module(obj.__name__):
             return
-        if isinstance(obj, type) and _skipped_module(obj.__module__):
+        if isinstance(obj, type) and skipped_module(obj.__module__):
             return
         d = vars(obj)
         for name in names & d.keys():
             value = d[name]
+            if id(value) in self.skipped:
+                continue
             if is_scalar(value):
                 label = f"{getattr(obj, '__name__', type(obj).__name__)}.{name} read by {where}"
                 self.guards.add(_DICT, d, name, value, label)
             else:
-                for fn in _functions_of(value):
+                for fn in functions_of(value):
                     self.function(fn)
 
 
-def _plain_object(value: Any) -> bool:
+def plain_object(value: Any) -> bool:
     """Objects whose attributes a forward may read as settings (a config object)."""
     if isinstance(value, (types.FunctionType, types.MethodType, types.ModuleType, type)):
         return False
     if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
         return False
-    return hasattr(value, "__dict__") and not _skipped_module(type(value).__module__)
+    return hasattr(value, "__dict__") and not skipped_module(type(value).__module__)
 
 
-def _names(code: types.CodeType) -> Iterator[str]:
+def names_in(code: types.CodeType) -> Iterator[str]:
     yield from code.co_names
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _names(const)
+            yield from names_in(const)

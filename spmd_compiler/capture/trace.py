@@ -75,8 +75,10 @@ from ..ir.signature import (
 )
 from .attention import attention_as_math
 from .bindings import StepBindings, check_plain_modules
+from .kept_tensors import KeptTensor, KeptTensors
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
+from .python_effects import python_effects, refuse_explicit_generators
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
 from .traced_items import ItemsAsOutputs, ItemUsedInPython, TracedItem, value_read_errors
 from .value_checks import BranchDecisions, Undecided, choose, describe_raise
@@ -410,6 +412,7 @@ def _capture(
     _check_float_arguments_read(first, [r for r, _ in inputs])
     _drop_refused_value_reads(first)
     _annotate_user_lines(first, func.__code__)
+    refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
     gm = _functionalize(first, inputs, fake_mode)
     captured = CapturedStep(
         graph_module=gm,
@@ -419,6 +422,7 @@ def _capture(
         return_leaves=tracer.return_leaves,
         step_code=func.__code__,
         checks=tracer.checks,
+        kept=tracer.kept,
     )
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
@@ -543,6 +547,7 @@ class _StepTracer:
         self.out_refs: list[StateRef] = []
         self.return_spec: Any = None
         self.return_leaves: list[tuple[str, Any]] = []
+        self.kept: list[KeptTensor] = []
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         b = self.bindings
@@ -578,17 +583,23 @@ class _StepTracer:
             stack.enter_context(_refuse_other_optimizers(b.optimizers))
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(self.branches)
-            with self.floats if stand_ins else contextlib.nullcontext():
-                result = self.func(*args, **kwargs)
+            stack.enter_context(python_effects(self.func.__code__))
+            keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
+            try:
+                with self.floats if stand_ins else contextlib.nullcontext():
+                    result = self.func(*args, **kwargs)
+                kept = keeper.collect()
+            finally:
+                keeper.restore()
             final_buffers = {
                 b.module_buffers[mi][fqn]: t
                 for mi, mod in enumerate(b.modules)
                 for fqn, t in mod.named_buffers(remove_duplicate=False)
             }
-            outs = self._collect(result, params, final_buffers, swapped, values)
+            outs = self._collect(result, params, final_buffers, swapped, values, kept)
         return outs
 
-    def _collect(self, result, params, final_buffers, swapped, values) -> list[torch.Tensor]:
+    def _collect(self, result, params, final_buffers, swapped, values, kept) -> list[torch.Tensor]:
         leaves, self.return_spec = pytree.tree_flatten(result)
         outs: list[torch.Tensor] = []
         for leaf in leaves:
@@ -605,6 +616,11 @@ class _StepTracer:
             self.checks.append(ValueCheck(len(outs), site.expected, site.where, ""))
             self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
             outs.append(site.condition)
+        for target, value in kept:  # NOTE: [tensors the step keeps]
+            target.index = len(outs)
+            self.kept.append(target)
+            self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
+            outs.append(value.tensor if isinstance(value, TracedItem) else value)
         for name, p in params.items():
             self.out_refs.append(StateRef(Kind.PARAM, name))
             outs.append(p)

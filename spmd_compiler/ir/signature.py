@@ -133,6 +133,9 @@ class CapturedStep:
         output_metas: global metadata of each output.
         unchanged: state the step returns exactly as it received it (no output).
         checks: conditions among the returned tensors the runtime verifies every call.
+        kept: where the step stores returned tensors in Python objects, set again after
+            every call (``capture.kept_tensors.KeptTensor``; NOTE: [tensors the step
+            keeps]).
     """
 
     graph_module: torch.fx.GraphModule
@@ -146,6 +149,7 @@ class CapturedStep:
     capture_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     checks: list[ValueCheck] = field(default_factory=list)
+    kept: list[Any] = field(default_factory=list)
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

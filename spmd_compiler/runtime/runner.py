@@ -215,6 +215,8 @@ def run_program(
     if captured.checks:
         _verify_checks(program, outs, sim)
     returned = _write_back(program, bindings, outs, sim)
+    for kept in captured.kept:  # NOTE: [tensors the step keeps]
+        kept.write(bindings, returned[kept.index])
     leaves = [
         returned[v] if kind == "tensor" else _item(returned[v]) if kind == "item" else v
         for kind, v in captured.return_leaves

@@ -1,0 +1,359 @@
+"""Tensors a train step keeps in Python objects: replayed after every call, or refused.
+
+NOTE: [tensors the step keeps]
+A step may store a tensor where Python code reads it after the call: a module attribute
+(``self.last_hidden = h.detach()`` in ``forward``, an auxiliary loss ``self.aux_loss``),
+an entry of a dict (a forward hook's ``activations[name] = out``), an attribute of an
+object argument (``logger.last = loss``), or an item appended to a list
+(``history.append(loss.item())``). Traced, that Python runs once, at capture, and stores
+a fake tensor: the program never stores again, and the user later finds a
+``FakeTensor`` (or the same stale entry) where eager has the call's value.
+
+So while the step is traced, the places a step can reach are snapshotted (shallowly)
+before the call and compared after it:
+- every submodule of the step's modules (its ``__dict__`` without nn.Module's own
+  entries), and the dicts, lists and plain objects it holds;
+- object arguments of the step (pytree leaves that are neither tensors, modules nor
+  optimizers) and what they hold;
+- the globals and closure cells named by the step function, by the ``forward`` of the
+  modules' own classes and the methods they name, by hooks registered on the modules,
+  and by the functions those reach (as NOTE: [guards on Python values] finds them);
+  dicts, lists and plain objects among them, and what they hold,
+each to ``DEPTH`` levels. A traced tensor (or a returned-style ``.item()``, NOTE:
+[returned .item() values]) that appeared there is kept:
+- set as an attribute or a dict entry, or appended to a list (nothing else in the list
+  changed): it becomes one more output of the program, and after every call the runtime
+  sets the attribute / entry to the call's value, or appends it, the global value as a
+  returned tensor is (``.item()`` of it for an ``.item()``);
+- anywhere else (a list changed otherwise, a new tuple / list / dict holding it): the
+  step is refused, naming where.
+A dict or list argument reaches the traced step as a copy (pytree rebuilds it), so its
+entries are set in the caller's container at the same place of the call's arguments.
+Either way the traced objects are put back as they were before the trace, so a failed
+capture leaves no fake tensor behind; an entry the step creates holds a meta tensor of
+its shape between capture and the end of the first call. Targets are found again on each
+call (modules by FQN, object arguments by position), so a new logger object per call
+gets the value. What is not seen: objects deeper than ``DEPTH``, objects reached only
+through other calls (a method of a library object), and torch's own state; a
+``print`` of a traced value is NOTE: [Python effects at capture].
+Costs: each kept tensor is one output of the program, made global every call (an
+all-gather of a batch-sharded activation on real ranks).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _torch_private as private
+from ..errors import SPMDCompileError
+from .bindings import StepBindings
+from .guards import functions_of, names_in, plain_object, skipped_function, skipped_module
+from .traced_items import TracedItem
+
+DEPTH = 2
+_MISSING = object()
+# What an nn.Module keeps in its __dict__ for itself (hooks, parameters, flags).
+_MODULE_OWN = frozenset(torch.nn.Module().__dict__) | {"training"}
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+)
+
+
+def _traced(value: Any) -> bool:
+    return isinstance(value, TracedItem) or private.is_fake(value)
+
+
+@dataclass(eq=False)
+class KeptTensor:
+    """One place a step stores a traced value, set again after every call.
+
+    Attributes:
+        root: how the object holding it is found on a call: ``("module", mi, fqn)``,
+            ``("arg", position in flat_args)`` (an object argument), ``("call",)`` (the
+            call's ``(args, kwargs)``: a dict or list argument) or ``("live", obj)`` (a
+            global or closure object, held by reference).
+        path: attribute names / dict keys from the root to the container.
+        how: "attr" (set an attribute), "key" (set a dict entry) or "append".
+        key: the attribute name or dict key ("append": None).
+        index: the RETURN output holding the value (set by the tracer).
+        as_item: the step stored ``.item()`` of it.
+        label: where, for messages and logs.
+        new: the attribute / entry did not exist before the step ran.
+    """
+
+    root: tuple
+    path: tuple[tuple[str, Any], ...]
+    how: str
+    key: Any
+    label: str
+    as_item: bool = False
+    new: bool = False
+    index: int = -1
+
+    def container(self, bindings: StepBindings) -> Any:
+        if self.root[0] == "module":
+            obj: Any = bindings.modules[self.root[1]].get_submodule(self.root[2])
+        elif self.root[0] == "arg":
+            obj = bindings.flat_args[self.root[1]]
+        elif self.root[0] == "call":
+            obj = bindings.call
+        else:
+            obj = self.root[1]
+        for how, key in self.path:
+            obj = getattr(obj, key) if how == "attr" else obj[key]
+        return obj
+
+    def write(self, bindings: StepBindings, value: Any) -> None:
+        """Store this call's value where the step stored it."""
+        if self.as_item:
+            value = value.item()
+        target = self.container(bindings)
+        if self.how == "attr":
+            setattr(target, self.key, value)
+        elif self.how == "key":
+            target[self.key] = value
+        else:
+            target.append(value)
+
+
+@dataclass
+class _Holder:
+    obj: Any
+    kind: str  # "object" (its __dict__), "dict" or "list"
+    root: tuple
+    path: tuple[tuple[str, Any], ...]
+    label: str
+    before: Any = None
+
+    def entries(self) -> dict:
+        if self.kind == "object":
+            d = vars(self.obj)
+            if isinstance(self.obj, torch.nn.Module):
+                return {k: v for k, v in d.items() if k not in _MODULE_OWN}
+            return d
+        return self.obj
+
+
+class KeptTensors:
+    """Snapshot of what a step can reach (see the NOTE); ``collect`` after the step ran,
+    ``restore`` always."""
+
+    def __init__(self, func: Callable[..., Any], bindings: StepBindings, traced_call: Any) -> None:
+        self.holders: list[_Holder] = []
+        self.kept: list[tuple[KeptTensor, Any]] = []
+        self._seen: set[int] = set()
+        self._seen_code: set[int] = set()
+        for mi, mod in enumerate(bindings.modules):
+            for fqn, sub in mod.named_modules():
+                name = (f"{mi}." if len(bindings.modules) > 1 else "") + (fqn or "<root>")
+                self._visit(sub, ("module", mi, fqn), (), f"module {name} ({type(sub).__name__})", DEPTH)
+        for i, arg in enumerate(bindings.flat_args):
+            if plain_object(arg):
+                self._visit(arg, ("arg", i), (), f"argument {i} of the step ({type(arg).__name__})", DEPTH)
+        self._arguments(traced_call, (), "the step's arguments")
+        self._functions(func, bindings)
+        for h in self.holders:
+            h.before = dict(h.entries()) if h.kind != "list" else list(h.obj)
+
+    # -- what the step can reach -------------------------------------------------------
+    def _visit(self, obj: Any, root: tuple, path: tuple, label: str, depth: int) -> None:
+        if id(obj) in self._seen:
+            return
+        if type(obj) is list:
+            kind = "list"
+        elif isinstance(obj, dict):
+            kind = "dict"
+        elif isinstance(obj, torch.nn.Module) or plain_object(obj):
+            kind = "object"
+        else:
+            return
+        self._seen.add(id(obj))
+        holder = _Holder(obj, kind, root, path, label)
+        self.holders.append(holder)
+        if depth <= 0 or kind == "list":
+            return
+        step = "attr" if kind == "object" else "key"
+        for key, value in list(holder.entries().items()):
+            if isinstance(value, (torch.nn.Module, torch.Tensor)):
+                continue  # submodules are visited by FQN; tensors are leaves
+            if type(value) is list or isinstance(value, dict) or plain_object(value):
+                where = f".{key}" if step == "attr" else f"[{key!r}]"
+                self._visit(value, root, (*path, (step, key)), label + where, depth - 1)
+
+    def _arguments(self, node: Any, path: tuple, label: str) -> None:
+        """The dicts and lists among the arguments: the step sees copies pytree rebuilt,
+        so their targets are the caller's containers at the same path (``bindings.call``)."""
+        if type(node) is tuple:
+            children: Any = enumerate(node)
+        elif type(node) is list or isinstance(node, dict):
+            self._visit(node, ("call",), path, label, 0)
+            children = node.items() if isinstance(node, dict) else enumerate(node)
+        else:
+            return
+        for key, value in list(children):
+            self._arguments(value, (*path, ("key", key)), f"{label}[{key!r}]")
+
+    def _functions(self, func: Any, bindings: StepBindings) -> None:
+        while isinstance(func, types.MethodType) or hasattr(func, "func") and callable(func.func):
+            if isinstance(func, types.MethodType):
+                self._reach(func.__self__, f"{type(func.__self__).__name__} (the step's object)")
+                func = func.__func__
+            else:  # functools.partial
+                func = func.func
+        starts: list[tuple[types.FunctionType, type | None]] = []
+        if isinstance(func, types.FunctionType):
+            starts.append((func, None))
+        elif plain_object(func):  # an object with __call__
+            self._reach(func, type(func).__name__)
+            starts += [(fn, type(func)) for fn in functions_of(inspect.getattr_static(type(func), "__call__", None))]
+        classes: dict[type, None] = {}
+        for mod in bindings.modules:
+            for sub in mod.modules():
+                classes.setdefault(type(sub))
+                for attr in _HOOK_DICTS:
+                    for hook in getattr(sub, attr, {}).values():
+                        starts += [(fn, None) for fn in _unwrapped(hook)]
+        for owner in classes:
+            if not skipped_module(owner.__module__):
+                starts += [(fn, owner) for fn in functions_of(inspect.getattr_static(owner, "forward", None))]
+        for fn, cls in starts:
+            self._function(fn, cls)
+
+    def _function(self, fn: types.FunctionType, cls: type | None) -> None:
+        if id(fn.__code__) in self._seen_code or skipped_function(fn):
+            return
+        self._seen_code.add(id(fn.__code__))
+        names = set(names_in(fn.__code__))
+        if cls is not None:
+            for name in names:
+                for method in functions_of(inspect.getattr_static(cls, name, None)):
+                    self._function(method, cls)
+        where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
+        values = [(fn.__globals__.get(n, _MISSING), f"global {n!r} read by {where}") for n in names]
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+            try:
+                values.append((cell.cell_contents, f"closure value {name!r} of {where}"))
+            except ValueError:
+                continue
+        for value, label in values:
+            if isinstance(value, types.FunctionType):
+                self._function(value, None)
+            elif value is not _MISSING:
+                self._reach(value, label)
+
+    def _reach(self, value: Any, label: str) -> None:
+        if isinstance(value, (torch.nn.Module, torch.Tensor)):
+            return  # modules of the step are visited by FQN; others hold no traced state
+        self._visit(value, ("live", value), (), label, DEPTH)
+
+    # -- after the step ----------------------------------------------------------------
+    def collect(self) -> list[tuple[KeptTensor, Any]]:
+        """The traced values the step stored, each with where; refuses the places that
+        cannot be replayed."""
+        for h in self.holders:
+            if h.kind == "list":
+                self._list(h)
+                continue
+            step = "attr" if h.kind == "object" else "key"
+            for key, value in list(h.entries().items()):
+                old = h.before.get(key, _MISSING)
+                if value is old:
+                    continue
+                where = f"{h.label}.{key}" if step == "attr" else f"{h.label}[{key!r}]"
+                if _traced(value):
+                    self.kept.append((KeptTensor(
+                        h.root, h.path, step, key, where,
+                        as_item=isinstance(value, TracedItem), new=old is _MISSING,
+                    ), value))
+                elif _holds_traced(value):
+                    raise _refused(where, f"a new {type(value).__name__} holding a traced tensor")
+        return self.kept
+
+    def _list(self, h: _Holder) -> None:
+        now, before = h.obj, h.before
+        old = set(map(id, before))
+        if not any((_traced(v) or _holds_traced(v)) and id(v) not in old for v in now):
+            return
+        appended = now[len(before):]
+        if len(now) < len(before) or any(a is not b for a, b in zip(now, before)) or not all(
+            _traced(v) for v in appended
+        ):
+            raise _refused(h.label, "a list the step changed other than by appending traced tensors")
+        for value in appended:
+            self.kept.append((KeptTensor(
+                h.root, h.path, "append", None, h.label, as_item=isinstance(value, TracedItem),
+            ), value))
+
+    def restore(self) -> None:
+        """Put every traced value back out of the user's objects (see the NOTE)."""
+        for h in self.holders:
+            if h.kind == "list":
+                old = set(map(id, h.before))
+                if any((_traced(v) or _holds_traced(v)) and id(v) not in old for v in h.obj):
+                    h.obj[:] = [v for v in h.obj if id(v) in old or not (_traced(v) or _holds_traced(v))]
+                continue
+            entries = vars(h.obj) if h.kind == "object" else h.obj
+            for key, value in list(h.entries().items()):
+                if value is h.before.get(key, _MISSING) or not (_traced(value) or _holds_traced(value)):
+                    continue
+                if key in h.before:
+                    entries[key] = h.before[key]
+                else:
+                    del entries[key]
+
+
+def install_placeholders(kept: list[KeptTensor], bindings: StepBindings, metas: list[Any]) -> None:
+    """An attribute or entry the step creates holds a meta tensor of its shape until the
+    first call stores its value (so that the guards see the same attributes then)."""
+    for k in kept:
+        if not k.new or k.how == "append":
+            continue
+        meta = metas[k.index]
+        value: Any = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+        container = k.container(bindings)
+        if k.how == "attr":
+            setattr(container, k.key, value)
+        else:
+            container[k.key] = value
+
+
+def kept_container_ids(kept: list[KeptTensor], bindings: StepBindings) -> frozenset[int]:
+    """The lists the step appends to (guards must not compare them across calls)."""
+    return frozenset(id(k.container(bindings)) for k in kept if k.how == "append")
+
+
+def _holds_traced(value: Any) -> bool:
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return any(_traced(v) for v in value)
+    if isinstance(value, dict):
+        return any(_traced(v) for v in value.values())
+    return False
+
+
+def _unwrapped(hook: Any) -> Iterator[types.FunctionType]:
+    while isinstance(hook, types.MethodType) or hasattr(hook, "func") and callable(hook.func):
+        hook = hook.__func__ if isinstance(hook, types.MethodType) else hook.func
+    if isinstance(hook, types.FunctionType):
+        yield hook
+
+
+def _refused(where: str, what: str) -> SPMDCompileError:
+    return SPMDCompileError(
+        f"The train step keeps a traced tensor in {where} ({what}). A compiled step runs "
+        "no Python after capture, and this is not a place it can store the value of "
+        "every call (NOTE: [tensors the step keeps]).",
+        hint="return the value from the step (return loss, {'loss': loss.item()}) and store "
+        "it outside the compiled step; or set it as a module attribute, a dict entry, or "
+        "append it to a list, which the compiled step repeats every call.",
+    )
+
+
+__all__ = [
+    "KeptTensor", "KeptTensors", "install_placeholders", "kept_container_ids",
+]

@@ -1,0 +1,116 @@
+"""What the step's Python does once at capture that eager does every call.
+
+NOTE: [Python effects at capture]
+A compiled step runs its Python once, while it is traced, on tensors that hold no
+values; later calls run only the program. Three effects would silently differ:
+- ``print`` of a traced tensor shows ``FakeTensor(...)`` once and never the numbers.
+  While the step is traced, such a ``print`` prints nothing and logs a warning naming
+  its line, once per line and step (a ``print`` of Python values prints as usual).
+- ``torch.manual_seed`` / ``torch.seed`` / ``torch.set_rng_state`` inside the step would
+  reseed once, at capture, while eager reseeds every call (the same dropout masks every
+  step). Refused, naming the line; torch's own calls (activation checkpointing's
+  ``fork_rng``) go through.
+- A random op given its own ``torch.Generator`` (``torch.randn(..., generator=g)``) is
+  recorded with that generator object, whose state the program neither advances as eager
+  does nor shares across ranks (checked on the first graph: every node with a
+  ``generator`` argument is refused, naming the op and line). The default generator,
+  seeded outside the step, is the supported way (NOTE: [random numbers] in trace.py).
+Tensors the step stores in Python objects are NOTE: [tensors the step keeps].
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.fx
+
+from .. import _torch_private as private
+from ..errors import SPMDCompileError, innermost_model_frame_of_stack, node_error
+from .traced_items import TracedItem
+
+log = logging.getLogger("spmd_compiler")
+
+_RNG_SETTERS = ("manual_seed", "seed", "set_rng_state")
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_warned: set[tuple[Any, str]] = set()
+
+
+def _shows_traced(value: Any, depth: int = 2) -> bool:
+    if isinstance(value, TracedItem) or private.is_fake(value):
+        return True
+    if depth > 0 and isinstance(value, (tuple, list)):
+        return any(_shows_traced(v, depth - 1) for v in value)
+    if depth > 0 and isinstance(value, dict):
+        return any(_shows_traced(v, depth - 1) for v in value.values())
+    return False
+
+
+@contextlib.contextmanager
+def python_effects(step_code: Any) -> Iterator[None]:
+    """While the step is traced: ``print`` of traced values warns instead, reseeding
+    the random-number generator is refused (see the NOTE)."""
+    real_print = builtins.print
+
+    def traced_print(*args: Any, **kwargs: Any) -> None:
+        if not any(_shows_traced(a) for a in args):
+            real_print(*args, **kwargs)
+            return
+        where = innermost_model_frame_of_stack()
+        line = str(where) if where is not None else "the train step"
+        if (step_code, line) not in _warned:
+            _warned.add((step_code, line))
+            log.warning(
+                "print() at %s shows a tensor the compiled program computes: it runs once, "
+                "while the step is traced, when tensors hold no values, so compiled calls "
+                "print nothing there. Return the value (return {'loss': loss.item()}) and "
+                "print it outside the compiled step. (NOTE: [Python effects at capture])",
+                line,
+            )
+
+    def refuse_reseed(name: str, real: Any) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
+                return real(*args, **kwargs)  # torch's own (checkpoint's fork_rng, ...)
+            raise SPMDCompileError(
+                f"The train step calls torch.{name}(): a compiled step runs its Python once, "
+                "at capture, so the generator would be reset once instead of every call, and "
+                "the program's random draws would differ from eager's.",
+                user_line=innermost_model_frame_of_stack(),
+                hint="seed once before the first call (torch.manual_seed(s) outside the "
+                "compiled step); the program draws from the default generator every call.",
+            )
+        return refused
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(builtins, "print", traced_print))
+        for name in _RNG_SETTERS:
+            for owner in (torch, torch.random):
+                if hasattr(owner, name):
+                    real = getattr(owner, name)
+                    stack.enter_context(mock.patch.object(owner, name, refuse_reseed(name, real)))
+        yield
+
+
+def refuse_explicit_generators(gm: torch.fx.GraphModule) -> None:
+    """Refuse random ops given their own ``torch.Generator`` (see the NOTE)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.kwargs.get("generator") is not None:
+            raise node_error(
+                "A random op of the train step draws from its own torch.Generator; the "
+                "compiled program could neither advance it as eager does nor share its "
+                "draws across ranks.",
+                node,
+                hint="draw from the default generator (drop generator=...) and seed it with "
+                "torch.manual_seed outside the compiled step.",
+            )
+
+
+__all__ = ["python_effects", "refuse_explicit_generators"]

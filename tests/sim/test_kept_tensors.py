@@ -1,0 +1,249 @@
+"""Tensors a step stores in Python objects (NOTE: [tensors the step keeps]) and the
+Python effects that run once at capture (NOTE: [Python effects at capture]).
+
+Each kept value is compared after every call with what the undecorated step stores on
+one device on the global batch (float64, within 1e-12): appended to a global list
+(tensors and ``.item()`` numbers), set as a module attribute in ``forward``, written by a
+forward hook into a global dict, set on an object argument, and written into a dict
+argument. Refused places leave no traced tensor behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+
+TOL = 1e-12
+BATCH, FEATURES, CLASSES = 8, 8, 4
+
+
+class _Stashing(nn.Module):
+    """Keeps its hidden activation and an auxiliary loss as plain attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(FEATURES, 16), nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(self.a(x))
+        self.last_hidden = hidden.detach()
+        self.aux_loss = hidden.pow(2).mean()
+        return self.b(hidden)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return _Stashing().double()
+
+
+def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64),
+         torch.randint(0, CLASSES, (BATCH,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _update(model, optim, loss):  # noqa: ANN001
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+history: list = []
+activations: dict = {}
+
+
+def appending_step(model, optim, x, y):  # noqa: ANN001
+    loss = _update(model, optim, F.cross_entropy(model(x), y))
+    history.append(loss.detach())
+    history.append(loss.item())
+    return loss
+
+
+def aux_loss_step(model, optim, x, y):  # noqa: ANN001
+    logits = model(x)
+    return _update(model, optim, F.cross_entropy(logits, y) + 0.1 * model.aux_loss)
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.last = None
+
+
+def logging_step(model, optim, x, y, logger, out):  # noqa: ANN001
+    loss = _update(model, optim, F.cross_entropy(model(x), y))
+    logger.last = loss.detach()
+    out["hidden_norm"] = model.last_hidden.norm()
+    return loss
+
+
+def _mode(name: str):  # noqa: ANN202
+    if name == "tp":  # the hidden activation is sharded on its features
+        return make_mode("tp", plan={"a": ColwiseParallel(), "b": RowwiseParallel()})
+    return make_mode(name)
+
+
+def _pair():
+    model = _model()
+    reference = copy.deepcopy(model)
+    return (model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+            reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+
+
+def _close(a, b) -> bool:  # noqa: ANN001
+    if isinstance(b, torch.Tensor):
+        assert type(a) is torch.Tensor, f"a {type(a).__name__}, not a plain tensor"
+        return a.shape == b.shape and torch.allclose(a, b, rtol=TOL, atol=TOL)
+    return type(a) is type(b) and abs(a - b) <= TOL * max(1.0, abs(b))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_appends_to_a_global_list_every_call(mode):
+    model, optim, reference, ref_optim = _pair()
+    step = sc.compile(_mode(mode))(appending_step)
+    history.clear()
+    with sc.simulate(world_size=2):
+        for x, y in _batches():
+            step(model, optim, x, y)
+    compiled = list(history)
+    history.clear()
+    for x, y in _batches():
+        appending_step(reference, ref_optim, x, y)
+    assert len(compiled) == len(history) == 6
+    assert all(_close(a, b) for a, b in zip(compiled, history))
+    assert step.compile_count == 2  # the first program and the steady state: no recompile
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp"])
+def test_module_attributes_set_in_forward_hold_each_calls_value(mode):
+    model, optim, reference, ref_optim = _pair()
+    step = sc.compile(_mode(mode))(aux_loss_step)
+    with sc.simulate(world_size=2):
+        for x, y in _batches():
+            loss = step(model, optim, x, y)
+            expected = aux_loss_step(reference, ref_optim, x, y)
+            assert torch.allclose(loss, expected, rtol=TOL, atol=TOL)
+            # the global (B, 16) activation, not a rank's share and not a fake tensor
+            assert _close(model.last_hidden, reference.last_hidden)
+            assert _close(model.aux_loss, reference.aux_loss.detach())
+    assert step.compile_count == 2
+
+
+def test_forward_hook_into_a_global_dict():
+    model, optim, reference, ref_optim = _pair()
+    for m in (model, reference):
+        m.a.register_forward_hook(lambda mod, args, out: activations.__setitem__("a", out.detach()))
+    step = sc.compile(make_mode("ddp"))(aux_loss_step)
+    with sc.simulate(world_size=2):
+        for x, y in _batches():
+            step(model, optim, x, y)
+            compiled = activations.pop("a")
+            aux_loss_step(reference, ref_optim, x, y)
+            assert _close(compiled, activations.pop("a"))
+
+
+def test_object_and_dict_arguments():
+    """An object argument's attribute and a dict argument's entry (the step sees a copy of
+    the dict; the value lands in the caller's)."""
+    model, optim, reference, ref_optim = _pair()
+    step = sc.compile(make_mode("fsdp"))(logging_step)
+    with sc.simulate(world_size=2):
+        for x, y in _batches():
+            logger, ref_logger, out, ref_out = _Logger(), _Logger(), {}, {}
+            step(model, optim, x, y, logger, out)
+            logging_step(reference, ref_optim, x, y, ref_logger, ref_out)
+            assert _close(logger.last, ref_logger.last)
+            assert _close(out["hidden_norm"], ref_out["hidden_norm"])
+
+
+def _plain_step(model, optim, x, y):  # noqa: ANN001
+    return _update(model, optim, F.cross_entropy(model(x), y))
+
+
+def _reordering_step(model, optim, x, y):  # noqa: ANN001
+    loss = _update(model, optim, F.cross_entropy(model(x), y))
+    history.insert(0, loss.detach())
+    return loss
+
+
+class _TupleState(_Stashing):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(self.a(x))
+        self.state = (hidden.detach(), hidden.sum())
+        return self.b(hidden)
+
+
+def test_places_that_cannot_be_replayed_are_refused_and_left_clean():
+    model, optim, _, _ = _pair()
+    history[:] = ["kept"]
+    step = sc.compile(make_mode("ddp"))(_reordering_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="global 'history'"):
+        step(model, optim, *_batches(1)[0])
+    assert history == ["kept"]  # no fake tensor left behind
+
+    torch.manual_seed(0)
+    model = _TupleState().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(make_mode("ddp"))(_plain_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=r"state \(a new tuple"):
+        step(model, optim, *_batches(1)[0])
+    assert "state" not in vars(model)
+    history.clear()
+
+
+def _reseeding_step(model, optim, x, y):  # noqa: ANN001
+    torch.manual_seed(123)
+    return _update(model, optim, F.cross_entropy(F.dropout(model(x), 0.5), y))
+
+
+def _own_generator_step(model, optim, x, y):  # noqa: ANN001
+    gen = torch.Generator().manual_seed(5)
+    noise = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    return _update(model, optim, F.cross_entropy(model(x + 0.1 * noise), y))
+
+
+@pytest.mark.parametrize(
+    "step_fn,message",
+    [(_reseeding_step, r"torch\.manual_seed\(\)"), (_own_generator_step, "own torch.Generator")],
+)
+def test_reseeding_and_own_generators_are_refused(step_fn, message):
+    """Eager reseeds every call; a program would reseed once, at capture."""
+    model, optim, _, _ = _pair()
+    state = torch.get_rng_state()
+    step = sc.compile(make_mode("ddp"))(step_fn)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=message) as raised:
+        step(model, optim, *_batches(1)[0])
+    assert "test_kept_tensors.py" in str(raised.value)  # the user's line
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def _printing_step(model, optim, x, y):  # noqa: ANN001
+    loss = _update(model, optim, F.cross_entropy(model(x), y))
+    print("loss", loss)  # noqa: T201 - the pattern under test
+    print("plain", 3)  # noqa: T201
+    return loss
+
+
+def test_print_of_a_traced_value_warns_once(caplog, capsys):
+    model, optim, _, _ = _pair()
+    step = sc.compile(make_mode("ddp"))(_printing_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_compiler"), sc.simulate(world_size=2):
+        for x, y in _batches():
+            step(model, optim, x, y)
+    warnings = [r for r in caplog.records if "print() at" in r.getMessage()]
+    assert len(warnings) == 1 and "test_kept_tensors.py" in warnings[0].getMessage()
+    printed = capsys.readouterr().out
+    assert "FakeTensor" not in printed and "plain 3" in printed
