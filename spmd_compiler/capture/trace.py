@@ -113,6 +113,8 @@ SCHEDULER_HINT = (
 # and its backward are decomposed into plain ATen ops during the first trace; the running
 # statistics then leave the graph as buffer outputs like any other new state, and the
 # batch statistics become reductions that DTensor reduces across ranks.
+# ``embedding_dense_backward`` with ``scale_grad_by_freq`` counts indices per rank; see
+# _embedding_backward_global_counts.
 # ``native_group_norm`` and its backward take the batch size, channels and spatial size
 # as integers read off the global shape; DTensor localizes them in the forward's rule
 # only (torch 2.13; 2.11 and 2.12 have no rule), and derives the backward's rule from
@@ -166,7 +168,27 @@ def capture_decompositions() -> dict:
     table[aten.mse_loss_backward.default] = functools.partial(
         _mse_loss_backward_allow_empty, table[aten.mse_loss_backward.default]
     )
+    table[aten.embedding_dense_backward.default] = _embedding_backward_global_counts
     return table
+
+
+def _embedding_backward_global_counts(
+    grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
+    scale_grad_by_freq: bool,
+) -> Any:
+    """``nn.Embedding(scale_grad_by_freq=True)`` divides each token's gradient by how
+    often its index occurs in the batch. The kernel counts the indices it is given: on a
+    rank, its local batch (found by a probe: 8.8e-3 relative error on the embedding after
+    3 AdamW steps, ddp and fsdp, 2 ranks). Here the counts are an embedding gradient of
+    ones, which DTensor sums over the batch like any embedding gradient, so every rank
+    divides by the global count; the unscaled backward then runs as before."""
+    if not scale_grad_by_freq:
+        return NotImplemented
+    aten = torch.ops.aten
+    ones = grad_output.new_ones((*indices.shape, 1))
+    counts = aten.embedding_dense_backward(ones, indices, num_weights, -1, False)
+    scale = aten.embedding(counts, indices)  # (*indices.shape, 1): each token's count
+    return aten.embedding_dense_backward(grad_output / scale, indices, num_weights, padding_idx, False)
 
 
 def _mse_loss_backward_allow_empty(
