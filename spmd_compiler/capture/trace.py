@@ -443,7 +443,9 @@ def _capture(
                 "cannot tell how to place it across ranks.",
                 user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
                 hint="register it on the model (model.register_buffer('name', t)) and "
-                "read it from there, or create it inside the step.",
+                "read it from there, or create it inside the step; a loss module holding "
+                "one (nn.CrossEntropyLoss(weight=w)) can be passed to the step as an "
+                "argument, train_step(model, criterion, optimizer, x, y).",
             ) from exc
         raise SPMDCompileError(
             f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}",

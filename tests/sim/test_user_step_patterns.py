@@ -328,3 +328,29 @@ def test_a_model_wrapped_in_torch_ddp_traces_as_its_module(mode):
             expected = plain_step(reference, reference_optim, x, y)
             assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
         assert max(compare_models(inner, reference, sim).values()) < TOL
+
+
+def criterion_step(model, criterion, optim, x, y):  # noqa: ANN001
+    return _finish(model, optim, criterion(model(x), y))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_weighted_loss_module_passed_as_an_argument(mode):
+    """nn.CrossEntropyLoss(weight=w) holds its class weights as a buffer: passed to the
+    step it is one more module (its buffer replicated); read as a global it is refused
+    with this advice."""
+    weight = torch.tensor([0.1, 1.0, 2.0, 3.0], dtype=torch.float64)
+    torch.manual_seed(0)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    criterion = nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)
+    ref_criterion = copy.deepcopy(criterion)
+    optim, ref_optim = _adamw(model), _adamw(reference)
+    step = sc.compile(make_mode(mode))(criterion_step)
+    with sc.simulate(world_size=2) as sim:
+        for x, y in _batches(VECTOR):
+            loss = step(model, criterion, optim, x, y)
+            expected = criterion_step(reference, ref_criterion, ref_optim, x, y)
+            assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
+        differences = compare_models(model, reference, sim)
+    assert max(differences.values()) < TOL, differences
