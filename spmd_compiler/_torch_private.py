@@ -1526,6 +1526,7 @@ def install_dtensor_gap_fills() -> None:
     _install_fill_strategies()
     _install_weight_norm_strategies()
     _install_per_sample_strategies()
+    _install_copy_strategy()
 
 
 _GAPS_FILLED = False
@@ -2361,6 +2362,28 @@ def _install_per_sample_strategies() -> None:
         op = getattr(torch.ops.aten, name).default
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule_for(spatial, linear, outputs))
+
+
+def _install_copy_strategy() -> None:
+    """Gap on torch 2.11 to 2.14: no DTensor rule for the out-of-place ``aten.copy``
+    (``F.affine_grid``'s decomposition fills its base grid with it, after functionalize).
+    The result is ``src`` broadcast into ``self``'s shape and dtype: replicated from
+    replicated inputs, or sharded alike where the two have one shape."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    op = torch.ops.aten.copy.default
+    if _has_sharding_strategy(op):
+        return
+
+    def rule(target: Any, source: Any, *rest: Any) -> list[tuple[list, list]]:
+        extra: list[Any] = [None] * len(rest)
+        out: list[tuple[list, list]] = [([Replicate()], [Replicate(), Replicate(), *extra])]
+        if tuple(target.shape) == tuple(source.shape):
+            out += [([Shard(d)], [Shard(d), Shard(d), *extra]) for d in range(len(target.shape))]
+        return out
+
+    register_sharding(op)(rule)
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:

@@ -4,7 +4,8 @@ against the undecorated step on one device (float64, every tensor within 1e-10).
 Each is answered one of two ways (``_torch_private``): a rule of ours where the op works
 on each sample and channel alike (the backward of ``nn.AvgPool2d`` and of 3-d and
 adaptive max pooling, reflection and replication padding, the backward of hardswish,
-hardsigmoid, ELU and other activations), or torch's decomposition at capture (NOTE: [ops
+hardsigmoid, ELU and other activations, the out-of-place ``aten.copy`` of
+``F.affine_grid``), or torch's decomposition at capture (NOTE: [ops
 without a sharding rule]: ``F.unfold``, the log-sigmoid of multi-label soft margin loss;
 ``torch.where`` with a number has a decomposition of ours). An op with neither stays
 refused with the op and the user's line named.
@@ -60,7 +61,16 @@ BODIES = {  # name: (body, features after it)
     "hardsigmoid": (F.hardsigmoid, 64),
     "activations": (lambda x: F.mish(F.elu(F.leaky_relu(F.softplus(F.hardtanh(x))))), 64),
     "where_with_a_number": (lambda x: torch.where(x > 0, x, 0.5) * torch.where(x < 1, 2.0, x), 64),
+    # a spatial transformer: affine_grid's decomposition writes its base grid with the
+    # out-of-place aten.copy, which no torch has a rule for (a rule of ours)
+    "affine_grid_sample": (lambda x: _transformed(x), 64),
 }
+
+
+def _transformed(x: torch.Tensor) -> torch.Tensor:
+    identity = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=x.dtype)
+    theta = identity + 0.1 * torch.cat([x.mean((2, 3)), x.amax((2, 3))[:, :2]], 1).view(-1, 2, 3)
+    return F.grid_sample(x, F.affine_grid(theta, list(x.shape), align_corners=False), align_corners=False)
 
 
 def _step(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
