@@ -190,12 +190,15 @@ def lift_constant(t: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.lift_fresh_copy.default(t)
 
 
-def fake_tensor_mode(with_shape_env: bool = False) -> Any:
+def fake_tensor_mode(with_shape_env: bool = False, allow_real_tensors: bool = False) -> Any:
+    """A fake tensor mode; ``allow_real_tensors``: real tensors met in ops are read as
+    constants (capture: NOTE: [tensors read from outside the arguments])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     return FakeTensorMode(
-        allow_non_fake_inputs=False, shape_env=ShapeEnv() if with_shape_env else None
+        allow_non_fake_inputs=allow_real_tensors,
+        shape_env=ShapeEnv() if with_shape_env else None,
     )
 
 

@@ -478,7 +478,10 @@ class CompiledTrainStep:
         # NOTE: [tensors the step keeps]: the guards see the attributes the step creates
         install_placeholders(captured.kept, bindings, captured.output_metas)
         skipped = kept_container_ids(captured.kept, bindings)
-        return captured, build_guards(self.func, bindings, graph_args, skipped)
+        guards = build_guards(self.func, bindings, graph_args, skipped)
+        for outside in captured.outside:  # NOTE: [tensors read from outside the arguments]
+            guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)
+        return captured, guards
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

@@ -357,6 +357,8 @@ def entry_bytes(
     environment = {**_IMPORT_READS, **environment}
     if _WHOLE_ENVIRONMENT in environment:
         raise Uncacheable("a capture that read the whole environment")
+    if captured.outside:  # live objects (NOTE: [tensors read from outside the arguments])
+        raise Uncacheable(f"guards on tensors read from outside the arguments ({captured.outside[0].label})")
     if captured.kept:  # live Python objects (NOTE: [tensors the step keeps])
         raise Uncacheable(f"the places the step keeps tensors in ({captured.kept[0].label})")
     graph_args = sorted(r.index for r in captured.input_refs()

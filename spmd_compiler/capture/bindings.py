@@ -41,6 +41,44 @@ def record_replacement(old: torch.Tensor, new: torch.nn.Parameter) -> None:
     weakref.finalize(old, _REPLACED.pop, id(old), None)
 
 
+# state tensors a placement replaced (parameters and buffers), weakly: a plain attribute
+# that still aliases one must not be read as a constant (NOTE: [tensors read from outside
+# the arguments])
+_PLACED_AWAY: dict[int, weakref.ref] = {}
+
+
+def record_placed_away(old: torch.Tensor) -> None:
+    _PLACED_AWAY[id(old)] = weakref.ref(old)
+    weakref.finalize(old, _PLACED_AWAY.pop, id(old), None)
+
+
+def aliases_state(t: torch.Tensor, bindings: StepBindings) -> str | None:
+    """The name of the parameter or buffer of ``bindings`` that ``t`` is, or shares
+    storage with, or that a placement replaced; None when it is none of these."""
+    if isinstance(t, torch.nn.Parameter):
+        return "a parameter"
+    placed = _PLACED_AWAY.get(id(t))
+    if placed is not None and placed() is t:
+        return "a parameter or buffer the compiled step placed"
+    pointer = _storage(t)
+    for name, state in (*bindings.params.items(), *bindings.buffers.items()):
+        if state is t or (pointer and _storage(state) == pointer):
+            return name
+    return None
+
+
+def _storage(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    from .. import _torch_private as private
+
+    try:
+        local = private.local_tensor_of(t) if isinstance(t, DTensor) else t
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake, meta or simulated per-rank tensors
+        return 0
+
+
 def _replacement(p: torch.Tensor) -> torch.nn.Parameter | None:
     entry = _REPLACED.get(id(p))
     return entry[1] if entry is not None and entry[0]() is p else None

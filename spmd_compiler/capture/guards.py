@@ -51,8 +51,9 @@ _MODULE_INTERNALS = frozenset(
 _SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "passes", "numpy"})
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
-# Entry kinds: read ``container.get(key)``, a closure cell, a step argument, a dict length.
-_DICT, _CELL, _ARG, _LEN = range(4)
+# Entry kinds: read ``container.get(key)``, a closure cell, a step argument, a dict length,
+# a tensor's identity and version (NOTE: [tensors read from outside the arguments]).
+_DICT, _CELL, _ARG, _LEN, _TENSOR = range(5)
 
 
 @dataclass
@@ -78,6 +79,13 @@ class Guards:
                 return f"{self.names[k]} was {_show(expected)}, now {_show(value)}"
         return None
 
+    def add_tensor(self, container: Any, key: Any, tensor: Any, version: int, name: str) -> None:
+        """``tensor`` must stay at ``container[key]`` (a dict, or a closure cell with key
+        None) with its version counter at ``version`` (NOTE: [tensors read from outside
+        the arguments])."""
+        self.entries.append((_TENSOR, container, (key, tensor), ("the same tensor", version)))
+        self.names.append(name)
+
     def __len__(self) -> int:
         return len(self.entries)
 
@@ -88,6 +96,16 @@ class Guards:
 
 
 def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
+    if kind == _TENSOR:
+        name, tensor = key
+        if isinstance(container, types.CellType):
+            try:
+                current = container.cell_contents
+            except ValueError:
+                current = _MISSING
+        else:
+            current = container.get(name, _MISSING)
+        return ("the same tensor", tensor._version) if current is tensor else ("another value",)
     if kind == _DICT:
         return _frozen(container.get(key, _MISSING))
     if kind == _LEN:

@@ -147,6 +147,9 @@ class KeptTensors:
     def __init__(self, func: Callable[..., Any], bindings: StepBindings, traced_call: Any) -> None:
         self.holders: list[_Holder] = []
         self.kept: list[tuple[KeptTensor, Any]] = []
+        # id(tensor) -> (where, its dict or closure cell, key): NOTE: [tensors read from
+        # outside the arguments]
+        self.outside: dict[int, tuple[str, Any, Any, torch.Tensor]] = {}
         self._seen: set[int] = set()
         self._seen_code: set[int] = set()
         for mi, mod in enumerate(bindings.modules):
@@ -176,11 +179,15 @@ class KeptTensors:
         self._seen.add(id(obj))
         holder = _Holder(obj, kind, root, path, label)
         self.holders.append(holder)
-        if depth <= 0 or kind == "list":
+        if kind == "list":
             return
         step = "attr" if kind == "object" else "key"
+        entries = vars(obj) if kind == "object" else obj
         for key, value in list(holder.entries().items()):
-            if isinstance(value, (torch.nn.Module, torch.Tensor)):
+            if isinstance(value, torch.Tensor) and root[0] != "call":
+                where = f".{key}" if step == "attr" else f"[{key!r}]"
+                self._outside(value, entries, key, label + where)
+            if depth <= 0 or isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue  # submodules are visited by FQN; tensors are leaves
             if type(value) is list or isinstance(value, dict) or plain_object(value):
                 where = f".{key}" if step == "attr" else f"[{key!r}]"
@@ -241,11 +248,27 @@ class KeptTensors:
                 values.append((cell.cell_contents, f"closure value {name!r} of {where}"))
             except ValueError:
                 continue
+        for n in names:
+            value = fn.__globals__.get(n, _MISSING)
+            if isinstance(value, torch.Tensor):
+                self._outside(value, fn.__globals__, n, f"global {n!r} read by {where}")
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+            try:
+                if isinstance(cell.cell_contents, torch.Tensor):
+                    self._outside(cell.cell_contents, cell, None, f"closure value {name!r} of {where}")
+            except ValueError:
+                continue
         for value, label in values:
             if isinstance(value, types.FunctionType):
                 self._function(value, None)
             elif value is not _MISSING:
                 self._reach(value, label)
+
+    def _outside(self, value: torch.Tensor, container: Any, key: Any, label: str) -> None:
+        """A tensor the step may read that is not its argument or its modules' state
+        (NOTE: [tensors read from outside the arguments])."""
+        if not _traced(value):
+            self.outside.setdefault(id(value), (label, container, key, value))
 
     def _reach(self, value: Any, label: str) -> None:
         if isinstance(value, (torch.nn.Module, torch.Tensor)):

@@ -78,6 +78,7 @@ from .bindings import StepBindings, check_plain_modules
 from .kept_tensors import KeptTensor, KeptTensors
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
+from .outside_tensors import OutsideWrites, outside_constants
 from .python_effects import python_effects, refuse_explicit_generators
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
 from .traced_items import ItemsAsOutputs, ItemUsedInPython, TracedItem, value_read_errors
@@ -380,7 +381,7 @@ def _capture(
     inputs += [
         (StateRef(Kind.INPUT, index=k), meta) for k, meta in enumerate(input_metas)
     ]
-    fake_mode = private.fake_tensor_mode()
+    fake_mode = private.fake_tensor_mode(allow_real_tensors=True)
     private.register_stack_trace_anchor(func)
     scopes: list[tuple[str, torch.fx.Node | None]] = []  # where the last trace stopped
 
@@ -436,17 +437,6 @@ def _capture(
                 hint="pass the optimizer to the step, e.g. train_step(model, optimizer, "
                 "batch, target).",
             ) from exc
-        if "convert all Tensors to FakeTensors" in str(exc):
-            raise SPMDCompileError(
-                "The train step uses a tensor that is neither an argument nor part of a "
-                "module or optimizer (a global or a closure variable); a compiled step "
-                "cannot tell how to place it across ranks.",
-                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
-                hint="register it on the model (model.register_buffer('name', t)) and "
-                "read it from there, or create it inside the step; a loss module holding "
-                "one (nn.CrossEntropyLoss(weight=w)) can be passed to the step as an "
-                "argument, train_step(model, criterion, optimizer, x, y).",
-            ) from exc
         raise SPMDCompileError(
             f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}",
             module_fqn=scopes[-1][0] if scopes else None,
@@ -456,6 +446,7 @@ def _capture(
     _drop_refused_value_reads(first)
     _annotate_user_lines(first, func.__code__)
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
+    outside = outside_constants(first, tracer.outside, bindings)  # NOTE: [tensors read from outside the arguments]
     gm = _functionalize(first, inputs, fake_mode)
     captured = CapturedStep(
         graph_module=gm,
@@ -466,6 +457,7 @@ def _capture(
         step_code=func.__code__,
         checks=tracer.checks,
         kept=tracer.kept,
+        outside=outside,
     )
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
@@ -591,6 +583,7 @@ class _StepTracer:
         self.return_spec: Any = None
         self.return_leaves: list[tuple[str, Any]] = []
         self.kept: list[KeptTensor] = []
+        self.outside: dict[int, tuple[str, Any, Any, torch.Tensor]] = {}
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         b = self.bindings
@@ -627,7 +620,9 @@ class _StepTracer:
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(self.branches)
             stack.enter_context(python_effects(self.func.__code__))
+            stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
+            self.outside = keeper.outside
             try:
                 with self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)

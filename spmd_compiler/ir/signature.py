@@ -136,6 +136,9 @@ class CapturedStep:
         kept: where the step stores returned tensors in Python objects, set again after
             every call (``capture.kept_tensors.KeptTensor``; NOTE: [tensors the step
             keeps]).
+        outside: tensors read from the user's objects as program constants, guarded
+            where they were found (``capture.outside_tensors.OutsideTensor``; NOTE:
+            [tensors read from outside the arguments]).
     """
 
     graph_module: torch.fx.GraphModule
@@ -150,6 +153,7 @@ class CapturedStep:
     notes: list[str] = field(default_factory=list)
     checks: list[ValueCheck] = field(default_factory=list)
     kept: list[Any] = field(default_factory=list)
+    outside: list[Any] = field(default_factory=list)
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

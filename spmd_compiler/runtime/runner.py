@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from ..capture.bindings import StepBindings, record_replacement
+from ..capture.bindings import StepBindings, record_placed_away, record_replacement
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
 from ..errors import SPMDCompileError, SPMDRuntimeError
 from ..expand.retrace import DistributedProgram, Placements, format_placements
@@ -98,6 +98,7 @@ def _install(
             new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)
         new_params[id(p)] = new
         record_replacement(p, new)
+        record_placed_away(p)
     for mod in bindings.modules:
         for sub in mod.modules():
             for attr, value in list(sub._parameters.items()):
@@ -108,6 +109,7 @@ def _install(
                     continue
                 name = _buffer_name(bindings, value)
                 ref = StateRef(Kind.BUFFER, name)
+                record_placed_away(value)
                 sub._buffers[attr] = _distribute(
                     value, mesh, placement_of(ref, TensorMeta.of(value), mesh), sim
                 )

@@ -75,7 +75,7 @@ def test_cross_entropy_mean_with_ignored_targets_uneven_across_ranks(weighted):
     """Rank 0's half of the batch has 3 ignored targets, rank 1's none: the global mean
     is sum / (global count), not the average of the two ranks' means (DTensor's rule for
     ``nll_loss_forward``; NOTE: [ops decomposed at capture]). Class weights live on the
-    model (a closure tensor is refused)."""
+    model."""
 
     def batch(gen):
         x = torch.randn(8, 6, generator=gen)

@@ -295,22 +295,25 @@ def test_in_place_change_of_step_argument():
 CLASS_WEIGHT = torch.ones(4)
 
 
-def step_reading_a_global_tensor(model, optim, x, y):
+def step_writing_a_global_tensor(model, optim, x, y):
     loss = F.cross_entropy(model(x), y, weight=CLASS_WEIGHT)
+    CLASS_WEIGHT.mul_(0.5)
     loss.backward()
     optim.step()
     optim.zero_grad()
     return loss
 
 
-def test_tensor_from_outside_the_step_names_the_line():
+def test_write_to_a_tensor_from_outside_the_step_names_the_line():
+    """Reading a global tensor is a guarded constant (tests/sim/test_outside_tensors.py);
+    writing it in place would happen once, at capture: refused before the write."""
     model = Net()
     opt = warmed_up(model)
-    error = raises_untouched(step_reading_a_global_tensor, (model, opt, *batch()), model, opt)
+    error = raises_untouched(step_writing_a_global_tensor, (model, opt, *batch()), model, opt)
     message = str(error)
-    assert "neither an argument nor part of a module" in message
-    assert "register_buffer" in message
-    assert error.user_line is not None and "weight=CLASS_WEIGHT" in error.user_line.code
+    assert "writes in place (mul_)" in message and "register_buffer" in message
+    assert error.user_line is not None and "CLASS_WEIGHT.mul_(0.5)" in error.user_line.code
+    assert torch.equal(CLASS_WEIGHT, torch.ones(4))
 
 
 # ---------------------------------------------------------------- expansion failures

@@ -1,0 +1,149 @@
+"""Tensors a step reads from outside its arguments: program constants, guarded.
+
+NOTE: [tensors read from outside the arguments]
+A step often reads a tensor that is neither an argument nor a parameter or buffer of its
+modules: a plain tensor attribute set in ``__init__`` without ``register_buffer``
+(``self.scale = torch.tensor(...)``), a global or closure tensor (class weights, a mask),
+a tensor held by a config object. The trace reads it as a constant of the program (its
+fake tensor mode accepts real tensors), replicated on every rank like a tensor created
+inside the step (NOTE: [tensor constants]), and each such constant is guarded where the
+step found it (NOTE: [guards on Python values]): the same object still there and its
+version counter unchanged. Replacing it (``model.scale = new``) or changing it in place
+outside the step compiles a new program on the next call; a program never computes
+with a stale value. Where it was found: the walk of NOTE: [tensors the step keeps]
+(module attributes, object arguments, globals and closure cells of the step, its
+modules' ``forward``\\ s and hooks, and what they hold). Refused, naming the line:
+- a constant read from a place that walk does not reach (nothing could guard it);
+- one that requires grad (its gradient would never reach it) or a DTensor;
+- one that is, or shares memory with, a parameter or buffer of the step's modules (an
+  alias such as ``self.w_t = self.weight.t()``), or one a placement replaced: the
+  program's state moves on, a constant would not;
+- an in-place write to a real tensor while the step is traced (``G.mul_(2)``,
+  ``G[0] = 1``, ``out=G``): it would change the user's tensor once, at capture (the
+  check runs before the write, so the tensor is left as it was).
+A step with such constants has no pre-capture cache entry (the guards hold live
+objects); its programs are cached as any.
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from .. import _torch_private as private
+from ..errors import SPMDCompileError, innermost_model_frame_of_stack, node_error
+from .bindings import StepBindings, aliases_state
+
+_LIFTS = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default)
+_IN_PLACE_DUNDERS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__imatmul__",
+})
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+
+
+@dataclass(eq=False)
+class OutsideTensor:
+    """A program constant read from a user's object, and where (see the NOTE)."""
+
+    label: str
+    container: Any  # a dict (module / object __dict__, globals, a dict) or a closure cell
+    key: Any
+    tensor: torch.Tensor
+    version: int
+
+    def current(self) -> Any:
+        if isinstance(self.container, types.CellType):
+            try:
+                return self.container.cell_contents
+            except ValueError:
+                return None
+        return self.container.get(self.key)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not private.is_fake(value)
+
+
+class OutsideWrites(TorchFunctionMode):
+    """Refuses an in-place write to a real tensor while the step is traced."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        writes = (name in _IN_PLACE_DUNDERS or (
+            name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+        )) and bool(args) and _real(args[0])
+        out = kwargs.get("out")
+        if writes or _real(out) or (isinstance(out, (tuple, list)) and any(map(_real, out))):
+            raise SPMDCompileError(
+                f"The train step writes in place ({name}) to a tensor that is neither an "
+                "argument nor part of a module or optimizer (a global, a closure value or "
+                "a plain attribute); a compiled step runs its Python once, so that write "
+                "would happen once, at capture (NOTE: [tensors read from outside the "
+                "arguments]).",
+                user_line=innermost_model_frame_of_stack(),
+                hint="keep state the step updates in a buffer (module.register_buffer) or "
+                "return the value from the step and update it outside.",
+            )
+        return func(*args, **kwargs)
+
+
+def outside_constants(
+    gm: torch.fx.GraphModule, found: dict[int, tuple[str, Any, Any, torch.Tensor]],
+    bindings: StepBindings,
+) -> list[OutsideTensor]:
+    """The first graph's constants that came from outside the step, each with where it
+    was found; refuses those that cannot be guarded or computed with (see the NOTE)."""
+    constants: list[OutsideTensor] = []
+    seen: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = operator.attrgetter(node.target)(gm)
+        if not isinstance(value, torch.Tensor) or id(value) in seen:
+            continue
+        if node.users and all(u.target in _LIFTS for u in node.users):
+            continue  # made from Python data inside the step (NOTE: [tensor constants])
+        seen.add(id(value))
+        user = next(iter(node.users), node)
+        if id(value) not in found:
+            raise node_error(
+                "The train step uses a tensor that is neither an argument nor part of a "
+                "module or optimizer, from a place the compiled step cannot watch for "
+                "changes (NOTE: [tensors read from outside the arguments]).",
+                user,
+                hint="register it on the model (model.register_buffer('name', t)) and read "
+                "it from there, or create it inside the step; a loss module holding one "
+                "(nn.CrossEntropyLoss(weight=w)) can be passed to the step as an argument, "
+                "train_step(model, criterion, optimizer, x, y).",
+            )
+        label, container, key, tensor = found[id(value)]
+        alias = aliases_state(tensor, bindings)
+        if tensor.requires_grad or isinstance(tensor, DTensor) or alias:
+            what = (
+                "requires grad (its gradient would never reach it)" if tensor.requires_grad
+                else "is a DTensor" if isinstance(tensor, DTensor)
+                else f"is (or shares memory with) {alias}: as a constant it would not see "
+                "the updates"
+            )
+            raise node_error(
+                f"The train step reads {label}, a tensor from outside its arguments that "
+                f"{what}.",
+                user,
+                hint="read the parameter or buffer itself in forward, or make the tensor a "
+                "parameter or buffer of a module passed to the step.",
+            )
+        constants.append(OutsideTensor(label, container, key, tensor, tensor._version))
+    return constants
+
+
+__all__ = ["OutsideTensor", "OutsideWrites", "outside_constants"]

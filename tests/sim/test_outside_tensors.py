@@ -1,0 +1,168 @@
+"""Tensors a step reads from outside its arguments (NOTE: [tensors read from outside the
+arguments]): a plain tensor attribute set in ``__init__`` without ``register_buffer``, a
+global and a closure tensor are program constants guarded where they were found.
+Compared with the undecorated step on one device on the global batch (float64, within
+1e-12); replacing the tensor or changing it in place between calls compiles a new
+program that uses the new value. Writing such a tensor in place inside the step, one
+that requires grad, and one reached where no guard can watch it are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models
+
+TOL = 1e-12
+FEATURES, CLASSES = 8, 4
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, CLASSES)
+        self.scale = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)  # not a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+CLASS_WEIGHTS = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+
+
+def weighted_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y, weight=CLASS_WEIGHTS)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _closure_step(offset: torch.Tensor):  # noqa: ANN202
+    def step(model, optim, x, y):  # noqa: ANN001
+        return weighted_step(model, optim, x + offset, y)
+
+    return step
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, FEATURES, generator=gen, dtype=torch.float64),
+         torch.randint(0, CLASSES, (8,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _run(step, mode: str, between=None):  # noqa: ANN001, ANN202
+    torch.manual_seed(0)
+    model = _Scaled().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = sc.compile(make_mode(mode))(step)
+    counts = []
+    with sc.simulate(world_size=2) as sim:
+        for i, (x, y) in enumerate(_batches(4)):
+            if between is not None:
+                between(i, model, reference)
+            loss, expected = compiled(model, optim, x, y), step(reference, ref_optim, x, y)
+            assert torch.allclose(loss, expected, rtol=TOL, atol=0), f"step {i}"
+            counts.append(compiled.compile_count)
+        differences = compare_models(model, reference, sim)
+    assert max(differences.values()) < TOL, differences
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_plain_attribute_global_and_closure_tensors(mode):
+    offset = torch.full((FEATURES,), 0.25, dtype=torch.float64)
+    counts = _run(_closure_step(offset), mode)
+    assert counts == [1, 2, 2, 2]  # the first program, the steady state; no recompile
+
+
+def test_a_replaced_or_changed_tensor_compiles_a_new_program():
+    global CLASS_WEIGHTS
+    saved = CLASS_WEIGHTS
+
+    def between(i, model, reference):  # noqa: ANN001
+        global CLASS_WEIGHTS
+        if i == 2:  # rebound: the program's constant is another object now
+            CLASS_WEIGHTS = torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+        if i == 3:  # changed in place, on both models' shared plain attribute too
+            CLASS_WEIGHTS.mul_(2.0)
+            model.scale = model.scale * 2
+            reference.scale = reference.scale * 2
+
+    try:
+        counts = _run(weighted_step, "ddp", between)
+    finally:
+        CLASS_WEIGHTS = saved
+    assert counts == [1, 2, 3, 4]
+
+
+def _writing_step(model, optim, x, y):  # noqa: ANN001
+    model.scale.add_(1.0)
+    return weighted_step(model, optim, x, y)
+
+
+HIDDEN = types.SimpleNamespace(
+    a=types.SimpleNamespace(b=types.SimpleNamespace(c=types.SimpleNamespace(d=torch.ones(CLASSES))))
+)
+
+
+def _deep_step(model, optim, x, y):  # noqa: ANN001
+    return weighted_step(model, optim, x * HIDDEN.a.b.c.d.sum(), y)
+
+
+GRAD_WEIGHT = nn.Parameter(torch.ones(CLASSES, dtype=torch.float64))
+
+
+def _grad_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x) * GRAD_WEIGHT, y)
+    loss.backward()
+    optim.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("step,message", [
+    (_writing_step, r"writes in place \(add_\)"),
+    (_deep_step, "cannot watch for changes"),
+    (_grad_step, "requires grad"),
+])
+def test_refused_with_the_line_and_nothing_changed(step, message):
+    torch.manual_seed(0)
+    model = _Scaled().double()
+    scale = model.scale.clone()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=message) as raised:
+        compiled(model, optim, *_batches(1)[0])
+    assert "test_outside_tensors.py" in str(raised.value)
+    assert torch.equal(model.scale, scale)
+
+
+class _Aliased(_Scaled):
+    """A plain attribute that is a view of a parameter: eager sees every update."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight_t + self.linear.bias
+
+
+def test_an_alias_of_a_parameter_is_refused():
+    torch.manual_seed(0)
+    model = _Aliased().double()
+    model.weight_t = model.linear.weight.detach().t()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(weighted_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=r"shares memory with\) linear.weight"):
+        compiled(model, optim, *_batches(1)[0])
