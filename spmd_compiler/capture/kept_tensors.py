@@ -34,7 +34,9 @@ capture leaves no fake tensor behind; an entry the step creates holds a meta ten
 its shape between capture and the end of the first call. Targets are found again on each
 call (modules by FQN, object arguments by position), so a new logger object per call
 gets the value. What is not seen: objects deeper than ``DEPTH``, objects reached only
-through other calls (a method of a library object), and torch's own state; a
+through other calls (a method of a library object), a global name the step rebinds
+(``global last; last = loss``: module globals are read, not snapshotted), and torch's
+own state; a
 ``print`` of a traced value is NOTE: [Python effects at capture].
 Costs: each kept tensor is one output of the program, made global every call (an
 all-gather of a batch-sharded activation on real ranks).
