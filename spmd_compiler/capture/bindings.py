@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
@@ -68,10 +70,6 @@ def aliases_state(t: torch.Tensor, bindings: StepBindings) -> str | None:
 
 
 def _storage(t: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    from .. import _torch_private as private
-
     try:
         local = private.local_tensor_of(t) if isinstance(t, DTensor) else t
         return local.untyped_storage().data_ptr()

@@ -44,9 +44,10 @@ all-gather of a batch-sharded activation on real ranks).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,8 +68,18 @@ _HOOK_DICTS = (
 )
 
 
-def _traced(value: Any) -> bool:
+def is_traced(value: Any) -> bool:
+    """A fake tensor of a trace, or a traced ``.item()``."""
     return isinstance(value, TracedItem) or private.is_fake(value)
+
+
+def _leaks(value: Any) -> bool:
+    """A traced value, or a container holding one."""
+    return is_traced(value) or _holds_traced(value)
+
+
+def _where(step: str, key: Any) -> str:
+    return f".{key}" if step == "attr" else f"[{key!r}]"
 
 
 @dataclass(eq=False)
@@ -133,6 +144,10 @@ class _Holder:
     label: str
     before: Any = None
 
+    def storage(self) -> dict:
+        """The dict the entries live in (an object's ``__dict__``)."""
+        return vars(self.obj) if self.kind == "object" else self.obj
+
     def entries(self) -> dict:
         if self.kind == "object":
             d = vars(self.obj)
@@ -184,16 +199,13 @@ class KeptTensors:
         if kind == "list":
             return
         step = "attr" if kind == "object" else "key"
-        entries = vars(obj) if kind == "object" else obj
         for key, value in list(holder.entries().items()):
             if isinstance(value, torch.Tensor) and root[0] != "call":
-                where = f".{key}" if step == "attr" else f"[{key!r}]"
-                self._outside(value, entries, key, label + where)
+                self._outside(value, holder.storage(), key, label + _where(step, key))
             if depth <= 0 or isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue  # submodules are visited by FQN; tensors are leaves
             if type(value) is list or isinstance(value, dict) or plain_object(value):
-                where = f".{key}" if step == "attr" else f"[{key!r}]"
-                self._visit(value, root, (*path, (step, key)), label + where, depth - 1)
+                self._visit(value, root, (*path, (step, key)), label + _where(step, key), depth - 1)
 
     def _arguments(self, node: Any, path: tuple, label: str) -> None:
         """The dicts and lists among the arguments: the step sees copies pytree rebuilt,
@@ -209,12 +221,9 @@ class KeptTensors:
             self._arguments(value, (*path, ("key", key)), f"{label}[{key!r}]")
 
     def _functions(self, func: Any, bindings: StepBindings) -> None:
-        while isinstance(func, types.MethodType) or hasattr(func, "func") and callable(func.func):
-            if isinstance(func, types.MethodType):
-                self._reach(func.__self__, f"{type(func.__self__).__name__} (the step's object)")
-                func = func.__func__
-            else:  # functools.partial
-                func = func.func
+        func, selves = _unwrap(func)
+        for obj in selves:
+            self._reach(obj, f"{type(obj).__name__} (the step's object)")
         starts: list[tuple[types.FunctionType, type | None]] = []
         if isinstance(func, types.FunctionType):
             starts.append((func, None))
@@ -227,7 +236,9 @@ class KeptTensors:
                 classes.setdefault(type(sub))
                 for attr in _HOOK_DICTS:
                     for hook in getattr(sub, attr, {}).values():
-                        starts += [(fn, None) for fn in _unwrapped(hook)]
+                        fn = _unwrap(hook)[0]
+                        if isinstance(fn, types.FunctionType):
+                            starts.append((fn, None))
         for owner in classes:
             if not skipped_module(owner.__module__):
                 starts += [(fn, owner) for fn in functions_of(inspect.getattr_static(owner, "forward", None))]
@@ -244,24 +255,20 @@ class KeptTensors:
                 for method in functions_of(inspect.getattr_static(cls, name, None)):
                     self._function(method, cls)
         where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
-        values = [(fn.__globals__.get(n, _MISSING), f"global {n!r} read by {where}") for n in names]
+        # (value, its dict or closure cell, key, label)
+        values: list[tuple[Any, Any, Any, str]] = [
+            (fn.__globals__.get(n, _MISSING), fn.__globals__, n, f"global {n!r} read by {where}")
+            for n in names
+        ]
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
             try:
-                values.append((cell.cell_contents, f"closure value {name!r} of {where}"))
+                values.append((cell.cell_contents, cell, None, f"closure value {name!r} of {where}"))
             except ValueError:
                 continue
-        for n in names:
-            value = fn.__globals__.get(n, _MISSING)
+        for value, container, key, label in values:
             if isinstance(value, torch.Tensor):
-                self._outside(value, fn.__globals__, n, f"global {n!r} read by {where}")
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
-            try:
-                if isinstance(cell.cell_contents, torch.Tensor):
-                    self._outside(cell.cell_contents, cell, None, f"closure value {name!r} of {where}")
-            except ValueError:
-                continue
-        for value, label in values:
-            if isinstance(value, types.FunctionType):
+                self._outside(value, container, key, label)
+            elif isinstance(value, types.FunctionType):
                 self._function(value, None)
             elif value is not _MISSING:
                 self._reach(value, label)
@@ -269,7 +276,7 @@ class KeptTensors:
     def _outside(self, value: torch.Tensor, container: Any, key: Any, label: str) -> None:
         """A tensor the step may read that is not its argument or its modules' state
         (NOTE: [tensors read from outside the arguments])."""
-        if not _traced(value):
+        if not is_traced(value):
             self.outside.setdefault(id(value), (label, container, key, value))
 
     def _reach(self, value: Any, label: str) -> None:
@@ -290,8 +297,8 @@ class KeptTensors:
                 old = h.before.get(key, _MISSING)
                 if value is old:
                     continue
-                where = f"{h.label}.{key}" if step == "attr" else f"{h.label}[{key!r}]"
-                if _traced(value):
+                where = h.label + _where(step, key)
+                if is_traced(value):
                     self.kept.append((KeptTensor(
                         h.root, h.path, step, key, where,
                         as_item=isinstance(value, TracedItem), new=old is _MISSING,
@@ -303,11 +310,11 @@ class KeptTensors:
     def _list(self, h: _Holder) -> None:
         now, before = h.obj, h.before
         old = set(map(id, before))
-        if not any((_traced(v) or _holds_traced(v)) and id(v) not in old for v in now):
+        if not any(_leaks(v) and id(v) not in old for v in now):
             return
         appended = now[len(before):]
         if len(now) < len(before) or any(a is not b for a, b in zip(now, before)) or not all(
-            _traced(v) for v in appended
+            is_traced(v) for v in appended
         ):
             raise _refused(h.label, "a list the step changed other than by appending traced tensors")
         for value in appended:
@@ -320,17 +327,16 @@ class KeptTensors:
         for h in self.holders:
             if h.kind == "list":
                 old = set(map(id, h.before))
-                if any((_traced(v) or _holds_traced(v)) and id(v) not in old for v in h.obj):
-                    h.obj[:] = [v for v in h.obj if id(v) in old or not (_traced(v) or _holds_traced(v))]
+                if any(_leaks(v) and id(v) not in old for v in h.obj):
+                    h.obj[:] = [v for v in h.obj if id(v) in old or not _leaks(v)]
                 continue
-            entries = vars(h.obj) if h.kind == "object" else h.obj
             for key, value in list(h.entries().items()):
-                if value is h.before.get(key, _MISSING) or not (_traced(value) or _holds_traced(value)):
+                if value is h.before.get(key, _MISSING) or not _leaks(value):
                     continue
                 if key in h.before:
-                    entries[key] = h.before[key]
+                    h.storage()[key] = h.before[key]
                 else:
-                    del entries[key]
+                    del h.storage()[key]
 
 
 def install_placeholders(kept: list[KeptTensor], bindings: StepBindings, metas: list[Any]) -> None:
@@ -355,17 +361,23 @@ def kept_container_ids(kept: list[KeptTensor], bindings: StepBindings) -> frozen
 
 def _holds_traced(value: Any) -> bool:
     if isinstance(value, (tuple, list, set, frozenset)):
-        return any(_traced(v) for v in value)
+        return any(is_traced(v) for v in value)
     if isinstance(value, dict):
-        return any(_traced(v) for v in value.values())
+        return any(is_traced(v) for v in value.values())
     return False
 
 
-def _unwrapped(hook: Any) -> Iterator[types.FunctionType]:
-    while isinstance(hook, types.MethodType) or hasattr(hook, "func") and callable(hook.func):
-        hook = hook.__func__ if isinstance(hook, types.MethodType) else hook.func
-    if isinstance(hook, types.FunctionType):
-        yield hook
+def _unwrap(func: Any) -> tuple[Any, list[Any]]:
+    """The function under bound methods and ``functools.partial`` (as the guards'
+    ``callable`` walk unwraps them), and the objects the methods are bound to."""
+    selves = []
+    while isinstance(func, (types.MethodType, functools.partial)):
+        if isinstance(func, types.MethodType):
+            selves.append(func.__self__)
+            func = func.__func__
+        else:
+            func = func.func
+    return func, selves
 
 
 def _refused(where: str, what: str) -> SPMDCompileError:
@@ -380,5 +392,5 @@ def _refused(where: str, what: str) -> SPMDCompileError:
 
 
 __all__ = [
-    "KeptTensor", "KeptTensors", "install_placeholders", "kept_container_ids",
+    "KeptTensor", "KeptTensors", "install_placeholders", "is_traced", "kept_container_ids",
 ]

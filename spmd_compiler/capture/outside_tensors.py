@@ -28,7 +28,6 @@ objects); its programs are cached as any.
 from __future__ import annotations
 
 import operator
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,14 +58,6 @@ class OutsideTensor:
     key: Any
     tensor: torch.Tensor
     version: int
-
-    def current(self) -> Any:
-        if isinstance(self.container, types.CellType):
-            try:
-                return self.container.cell_contents
-            except ValueError:
-                return None
-        return self.container.get(self.key)
 
 
 def _real(value: Any) -> bool:

@@ -32,9 +32,8 @@ from unittest import mock
 import torch
 import torch.fx
 
-from .. import _torch_private as private
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack, node_error
-from .traced_items import TracedItem
+from .kept_tensors import is_traced
 
 log = logging.getLogger("spmd_compiler")
 
@@ -44,7 +43,7 @@ _warned: set[tuple[Any, str]] = set()
 
 
 def _shows_traced(value: Any, depth: int = 2) -> bool:
-    if isinstance(value, TracedItem) or private.is_fake(value):
+    if is_traced(value):
         return True
     if depth > 0 and isinstance(value, (tuple, list)):
         return any(_shows_traced(v, depth - 1) for v in value)
