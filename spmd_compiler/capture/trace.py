@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -123,6 +124,8 @@ SCHEDULER_HINT = (
 # sizes become reshapes of the global shape, which DTensor localizes. The forward is
 # torch's reference formula (its CPU branch reads the sizes through ``as_strided``, which
 # DTensor refuses).
+# An ``as_strided`` that only names its input's elements in their order becomes a view
+# (_as_strided_as_view: a global average pool of a channels-last input writes one).
 # ``nll_loss_forward`` with reduction "mean" becomes the "sum" reduction divided by the
 # total weight: DTensor's rule averages the per-rank means, which is not the global mean
 # when ranks hold different numbers of non-ignored targets (ignore_index, class weights).
@@ -174,7 +177,49 @@ def capture_decompositions() -> dict:
         table[op] = functools.partial(_reduce_by_count, True)
     for op in (aten.all.default, aten.all.dim, aten.all.dims):
         table[op] = functools.partial(_reduce_by_count, False)
+    table[aten.as_strided.default] = _as_strided_as_view
+    table[aten.as_strided_.default] = functools.partial(_as_strided_as_view, in_place=True)
     return table
+
+
+def _as_strided_as_view(
+    x: torch.Tensor, size: Any, stride: Any, storage_offset: Any = None, in_place: bool = False
+) -> Any:
+    """``as_strided`` where it only names ``x``'s own elements in their order: a view.
+
+    DTensor refuses every ``as_strided``, and ATen writes two harmless ones: a global
+    average pool (``adaptive_avg_pool{1,2}d`` to size 1) of a channels-last input, as
+    ``nn.AdaptiveAvgPool1d(1)`` after a transpose (Swin's pooler), restrides the ``mean``
+    it returns in place (only dimensions of length 1 change stride), and that op's
+    backward writes the gradient into a fresh contiguous buffer through ``as_strided``
+    with contiguous strides. Both become views (the in-place one: nothing, ``x`` keeps its
+    strides). Any other ``as_strided`` is traced as it is and refused at expansion."""
+    size = list(size)
+    if storage_offset is not None and storage_offset != x.storage_offset():
+        return NotImplemented
+    same_shape = size == list(x.shape) and _strides_agree(size, stride, x.stride())
+    same_order = (
+        not in_place and x.is_contiguous() and math.prod(size) == x.numel()
+        and _strides_agree(size, stride, _contiguous_strides(size))
+    )
+    if not (same_shape or same_order):
+        return NotImplemented
+    return x if in_place else torch.ops.aten.view.default(x, size)
+
+
+def _strides_agree(size: list[int], stride: Any, other: Any) -> bool:
+    """The strides address the same elements (a dimension of length 1 has no stride)."""
+    return len(stride) == len(size) and all(
+        n == 1 or s == t for n, s, t in zip(size, stride, other)
+    )
+
+
+def _contiguous_strides(size: list[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
 
 
 def _reduce_by_count(

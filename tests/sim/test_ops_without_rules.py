@@ -5,7 +5,8 @@ Each is answered one of two ways (``_torch_private``): a rule of ours where the 
 on each sample and channel alike (the backward of ``nn.AvgPool2d`` and of 3-d and
 adaptive max pooling, reflection and replication padding, the backward of hardswish,
 hardsigmoid, ELU and other activations, the out-of-place ``aten.copy`` of
-``F.affine_grid``), or torch's decomposition at capture (NOTE: [ops
+``F.affine_grid``), a view of ours for the ``as_strided`` of a global average pool on a
+channels-last input, or torch's decomposition at capture (NOTE: [ops
 without a sharding rule]: ``F.unfold``, the log-sigmoid of multi-label soft margin loss;
 ``torch.where`` with a number has a decomposition of ours). An op with neither stays
 refused with the op and the user's line named.
@@ -50,6 +51,14 @@ BODIES = {  # name: (body, features after it)
     "avg_pool3d": (_volume(lambda v: F.avg_pool3d(v, 2)), 8),
     "max_pool3d": (_volume(lambda v: F.max_pool3d(v, 2)), 8),
     "adaptive_max_pool2d": (lambda x: F.adaptive_max_pool2d(x, 2), 16),
+    # a global average pool of a channels-last input: ATen restrides the mean it returns
+    # with as_strided_, and its backward writes through as_strided (views of ours)
+    "global_avg_pool_channels_last": (
+        lambda x: F.adaptive_avg_pool2d(x.contiguous(memory_format=torch.channels_last), 1), 4
+    ),
+    "adaptive_avg_pool1d_after_transpose": (  # Swin's pooler
+        lambda x: F.adaptive_avg_pool1d(x.flatten(2).transpose(1, 2), 1), 16
+    ),
     "adaptive_avg_pool3d": (_volume(lambda v: F.adaptive_avg_pool3d(v, 2)), 8),
     "reflection_pad2d": (lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), 144),
     "reflection_pad1d": (lambda x: F.pad(x.flatten(2), (1, 1), mode="reflect"), 72),
