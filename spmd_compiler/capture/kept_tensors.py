@@ -26,7 +26,9 @@ each to ``DEPTH`` levels. A traced tensor (or a returned-style ``.item()``, NOTE
   sets the attribute / entry to the call's value, or appends it, the global value as a
   returned tensor is (``.item()`` of it for an ``.item()``);
 - anywhere else (a list changed otherwise, a new tuple / list / dict holding it): the
-  step is refused, naming where.
+  step is refused, naming where; except a module's new list of its own parameters and
+  buffers (``nn.LSTM._flat_weights``, rebuilt by its forward when the parameters were
+  swapped for the trace's), which is the module's state, not a kept value.
 A dict or list argument reaches the traced step as a copy (pytree rebuilds it), so its
 entries are set in the caller's container at the same place of the call's arguments.
 Either way the traced objects are put back as they were before the trace, so a failed
@@ -303,7 +305,7 @@ class KeptTensors:
                         h.root, h.path, step, key, where,
                         as_item=isinstance(value, TracedItem), new=old is _MISSING,
                     ), value))
-                elif _holds_traced(value):
+                elif _holds_traced(value) and not _own_state_cache(h.obj, value):
                     raise _refused(where, f"a new {type(value).__name__} holding a traced tensor")
         return self.kept
 
@@ -357,6 +359,17 @@ def install_placeholders(kept: list[KeptTensor], bindings: StepBindings, metas: 
 def kept_container_ids(kept: list[KeptTensor], bindings: StepBindings) -> frozenset[int]:
     """The lists the step appends to (guards must not compare them across calls)."""
     return frozenset(id(k.container(bindings)) for k in kept if k.how == "append")
+
+
+def _own_state_cache(owner: Any, value: Any) -> bool:
+    """A module's list or tuple of its own parameters and buffers (as swapped in for the
+    trace), such as ``nn.LSTM._flat_weights``, which its forward rebuilds when the
+    parameters change: a view of the module's state, not a value the step keeps;
+    ``restore`` puts the old one back."""
+    if not isinstance(owner, torch.nn.Module) or not isinstance(value, (list, tuple)):
+        return False
+    own = {id(t) for t in (*owner._parameters.values(), *owner._buffers.values()) if t is not None}
+    return all(v is None or id(v) in own for v in value)
 
 
 def _holds_traced(value: Any) -> bool:

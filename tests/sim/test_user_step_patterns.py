@@ -13,6 +13,7 @@ on 2 simulated ranks against the undecorated step on one device on the global ba
 - Conv2d + BatchNorm2d: the batch statistics (and running buffers) of the global batch;
   Conv2d + GroupNorm (per-sample statistics; its op takes the batch size as an integer);
 - a weight-normalized layer (``nn.utils.parametrizations.weight_norm``);
+- recurrent layers (a bidirectional 2-layer ``nn.LSTM`` into an ``nn.GRU``);
 - the weights read again after ``optimizer.step()`` (a validation loss in eval mode
   under ``no_grad``), an EMA copy of the weights updated after the step, and the
   optimizer state, gradient and weight read for logging after the step, all on layers
@@ -52,6 +53,22 @@ class _Checkpointed(nn.Module):
             lambda t: F.gelu(self.a(t)), x, use_reentrant=False
         )
         return self.b(hidden)
+
+
+class _Recurrent(nn.Module):
+    """A 2-layer bidirectional LSTM into a GRU: their forward rebuilds ``_flat_weights``
+    from the parameters swapped in for the trace (not a tensor the step keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(FEATURES, 6, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(12, 8, batch_first=True)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        out, last = self.gru(out)
+        return self.head(last[-1] + out.mean(1))
 
 
 class _Frozen(_Checkpointed):
@@ -252,6 +269,7 @@ CASES = {  # name: (model, optimizer, step, input shape)
     "ema_of_weights": (_WithEMA, _adamw, ema_step, VECTOR),
     "weight_norm": (_weight_normed, _adamw, plain_step, VECTOR),
     "reads_state_after_update": (_odd_mlp, _adamw, reads_state_after_update_step, VECTOR),
+    "lstm_gru": (lambda: _Recurrent().double(), _adamw, plain_step, (BATCH, 5, FEATURES)),
 }
 
 
