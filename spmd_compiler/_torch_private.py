@@ -230,6 +230,37 @@ class RedistributionCache(dict):
             self.bypassed = False
 
 
+def _between_sum_and_avg_partials(local: torch.Tensor, current_spec: Any, target_spec: Any) -> Any:
+    """``Partial("avg")`` to ``Partial("sum")`` (or back) on a mesh dimension, in the
+    local tensor: divide by (multiply by) that dimension's size. Returns the local tensor
+    and its spec after that.
+
+    torch 2.11 gap: its pointwise rule adds a ``Partial("sum")`` and a ``Partial("avg")``
+    by redistributing one to the other, which its redistribution then refuses
+    ("Redistribution from one partial type (P(avg)) to another (P(sum)) is
+    unsupported"): ``F.cross_entropy(out, y) + 0.01 * out.pow(2).mean()`` under data
+    parallelism failed to compile. Both are sums of the ranks' values, one of them
+    divided by the ranks, so the change is local."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    placements = list(current_spec.placements)
+    for i, (cur, tgt) in enumerate(zip(current_spec.placements, target_spec.placements, strict=True)):
+        if not (isinstance(cur, Partial) and isinstance(tgt, Partial)):
+            continue
+        ops = (cur.reduce_op, tgt.reduce_op)
+        if ops == ("avg", "sum"):
+            local = local / current_spec.mesh.size(i)
+        elif ops == ("sum", "avg"):
+            local = local * current_spec.mesh.size(i)
+        else:
+            continue
+        placements[i] = tgt
+    if placements == list(current_spec.placements):
+        return local, current_spec
+    return local, DTensorSpec(current_spec.mesh, tuple(placements), tensor_meta=current_spec.tensor_meta)
+
+
 def _replicate_between_shards(current_spec: Any, target_spec: Any) -> Any:
     """An intermediate spec with Replicate wherever a mesh dimension goes from one shard
     to another (``Shard(a) -> Shard(b)``), or None.
@@ -392,6 +423,7 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
             )
             if current_spec == target_spec:
                 return local_tensor
+        local_tensor, current_spec = _between_sum_and_avg_partials(local_tensor, current_spec, target_spec)
         hop = _replicate_between_shards(current_spec, target_spec)
         if hop is not None:
             local_tensor = original(local_tensor, current_spec, hop, *args, **kwargs)
@@ -1530,6 +1562,7 @@ def install_dtensor_gap_fills() -> None:
     _install_weight_norm_strategies()
     _install_per_sample_strategies()
     _install_copy_strategy()
+    _install_grid_sampler_strategies()
 
 
 _GAPS_FILLED = False
@@ -2387,6 +2420,33 @@ def _install_copy_strategy() -> None:
         return out
 
     register_sharding(op)(rule)
+
+
+def _install_grid_sampler_strategies() -> None:
+    """Gap on torch 2.11 and 2.12 (2.13 has these rules): no DTensor rule for
+    ``grid_sampler_{2,3}d`` and their backward (``F.grid_sample``; the forward is
+    decomposed at capture where torch can, the backward is not). Both work on each sample
+    alone, and the grid has no channel dimension: every tensor replicated, or every
+    tensor sharded on the batch dimension."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def rule_for(outputs: int) -> Callable[..., list[tuple[list, list]]]:
+        def rule(*args: Any) -> list[tuple[list, list]]:
+            def alike(placement: Any) -> tuple[list, list]:
+                return [placement] * outputs, [placement if hasattr(a, "shape") else None for a in args]
+
+            return [alike(Replicate()), alike(Shard(0))]
+
+        return rule
+
+    aten = torch.ops.aten
+    for op, outputs in (
+        (aten.grid_sampler_2d.default, 1), (aten.grid_sampler_3d.default, 1),
+        (aten.grid_sampler_2d_backward.default, 2), (aten.grid_sampler_3d_backward.default, 2),
+    ):
+        if not _has_sharding_strategy(op):
+            register_sharding(op)(rule_for(outputs))
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:

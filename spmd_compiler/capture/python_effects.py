@@ -98,18 +98,30 @@ def python_effects(step_code: Any) -> Iterator[None]:
         yield
 
 
+OWN_GENERATOR = (
+    "A random op of the train step draws from its own torch.Generator; the compiled "
+    "program could neither advance it as eager does nor share its draws across ranks."
+)
+OWN_GENERATOR_HINT = (
+    "draw from the default generator (drop generator=...) and seed it with "
+    "torch.manual_seed outside the compiled step."
+)
+
+
 def refuse_explicit_generators(gm: torch.fx.GraphModule) -> None:
-    """Refuse random ops given their own ``torch.Generator`` (see the NOTE)."""
+    """Refuse random ops given their own ``torch.Generator`` (see the NOTE). (torch 2.11's
+    make_fx fails on such an op itself; the capture names it the same way.)"""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.kwargs.get("generator") is not None:
-            raise node_error(
-                "A random op of the train step draws from its own torch.Generator; the "
-                "compiled program could neither advance it as eager does nor share its "
-                "draws across ranks.",
-                node,
-                hint="draw from the default generator (drop generator=...) and seed it with "
-                "torch.manual_seed outside the compiled step.",
-            )
+            raise node_error(OWN_GENERATOR, node, hint=OWN_GENERATOR_HINT)
 
 
-__all__ = ["python_effects", "refuse_explicit_generators"]
+def is_own_generator_failure(exc: BaseException) -> bool:
+    """torch 2.11's make_fx on an op given a ``torch.Generator``."""
+    return isinstance(exc, NotImplementedError) and "torch._C.Generator" in str(exc)
+
+
+__all__ = [
+    "OWN_GENERATOR", "OWN_GENERATOR_HINT", "is_own_generator_failure", "python_effects",
+    "refuse_explicit_generators",
+]

@@ -80,7 +80,13 @@ from .kept_tensors import KeptTensor, KeptTensors
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .outside_tensors import OutsideWrites, outside_constants
-from .python_effects import python_effects, refuse_explicit_generators
+from .python_effects import (
+    OWN_GENERATOR,
+    OWN_GENERATOR_HINT,
+    is_own_generator_failure,
+    python_effects,
+    refuse_explicit_generators,
+)
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
 from .traced_items import ItemsAsOutputs, ItemUsedInPython, TracedItem, value_read_errors
 from .value_checks import BranchDecisions, Undecided, choose, describe_raise
@@ -481,6 +487,13 @@ def _capture(
                 user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
                 hint="pass the optimizer to the step, e.g. train_step(model, optimizer, "
                 "batch, target).",
+            ) from exc
+        if is_own_generator_failure(exc):
+            raise SPMDCompileError(
+                OWN_GENERATOR,
+                module_fqn=scopes[-1][0] if scopes else None,
+                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                hint=OWN_GENERATOR_HINT,
             ) from exc
         raise SPMDCompileError(
             f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}",

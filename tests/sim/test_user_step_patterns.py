@@ -5,6 +5,7 @@ on 2 simulated ranks against the undecorated step on one device on the global ba
 - the Hugging Face token-mean loss: ``ignore_index=-100`` labels, ``reduction="sum"``
   divided by the global count of counted tokens (a rank must not divide by its own);
 - ``ignore_index`` with label smoothing;
+- a mean over the batch added to the loss (an activation penalty);
 - gradient clipping by the global norm; two micro-batches accumulated in one step;
 - ``zero_grad()`` first (gradients kept between steps); a ``no_grad`` update of the
   parameters after the optimizer; a frozen parameter; two parameter groups;
@@ -155,6 +156,17 @@ def clipped_step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
+def regularized_step(model, optim, x, y):  # noqa: ANN001
+    """A mean over the batch added to the loss (torch 2.11 added its Partial("avg") to the
+    loss's Partial("sum") by a redistribution it refuses)."""
+    out = model(x)
+    loss = F.cross_entropy(out, y) + 0.01 * out.pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def accumulating_step(model, optim, x, y):  # noqa: ANN001
     total = torch.zeros((), dtype=x.dtype)
     for xs, ys in zip(x.chunk(2), y.chunk(2)):
@@ -253,6 +265,7 @@ CASES = {  # name: (model, optimizer, step, input shape)
     "token_mean_loss": (_mlp, _adamw, token_mean_step, VECTOR),
     "ignore_index_label_smoothing": (_mlp, _adamw, label_smoothing_step, VECTOR),
     "clip_grad_norm": (_mlp, _adamw, clipped_step, VECTOR),
+    "mean_regularizer": (_mlp, _adamw, regularized_step, VECTOR),
     "gradient_accumulation": (_mlp, _adamw, accumulating_step, VECTOR),
     "zero_grad_first": (_mlp, _adamw, zero_grad_first_step, VECTOR),
     "no_grad_update": (_mlp, _adamw, no_grad_update_step, VECTOR),
