@@ -1563,6 +1563,8 @@ def install_dtensor_gap_fills() -> None:
     _install_per_sample_strategies()
     _install_copy_strategy()
     _install_grid_sampler_strategies()
+    _install_distance_strategies()
+    _install_along_dim_strategies()
 
 
 _GAPS_FILLED = False
@@ -2447,6 +2449,109 @@ def _install_grid_sampler_strategies() -> None:
     ):
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule_for(outputs))
+
+
+def _install_distance_strategies() -> None:
+    """Gap on every supported torch: no DTensor rule for ``_cdist_forward`` /
+    ``_cdist_backward`` (``torch.cdist`` below 25 rows a side, or with ``p != 2``) nor for
+    ``_pdist_forward`` / ``_pdist_backward`` (``F.pdist``).
+
+    ``cdist(x1 [..., P, M], x2 [..., R, M]) -> [..., P, R]``: replicated; sharded alike
+    on a leading (batch) dimension both inputs have at one size; x1's rows sharded with
+    x2 replicated (output rows); x2's rows sharded with x1 replicated (output columns).
+    Its backward (the gradient of x1 only; torch calls it again with the operands
+    swapped for x2): the same layouts, where x2's rows sharded give a ``Partial`` sum
+    over them; and, linear in the incoming gradient, a ``Partial`` gradient with every
+    other tensor replicated. ``pdist`` pairs every row with every other: replicated only
+    (its backward also maps a ``Partial`` gradient to a ``Partial`` result)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+    R = Replicate()
+
+    def batch_dims(x1: Any, x2: Any) -> list[int]:
+        lead = len(x1.shape) - 2
+        if len(x2.shape) - 2 != lead:
+            return []
+        return [d for d in range(lead) if x1.shape[d] == x2.shape[d]]
+
+    def forward(x1: Any, x2: Any, *rest: Any) -> list[tuple[list, list]]:
+        extra: list[Any] = [None] * len(rest)
+        rows = len(x1.shape) - 2
+        out = [([R], [R, R, *extra])]
+        out += [([Shard(d)], [Shard(d), Shard(d), *extra]) for d in batch_dims(x1, x2)]
+        out += [([Shard(rows)], [Shard(rows), R, *extra]), ([Shard(rows + 1)], [R, Shard(rows), *extra])]
+        return out
+
+    def backward(grad: Any, x1: Any, x2: Any, p: Any, cdist: Any) -> list[tuple[list, list]]:
+        rows = len(x1.shape) - 2
+        out = [([R], [R, R, R, None, R]), ([Partial()], [Partial(), R, R, None, R])]
+        out += [([Shard(d)], [Shard(d), Shard(d), Shard(d), None, Shard(d)]) for d in batch_dims(x1, x2)]
+        out += [
+            ([Shard(rows)], [Shard(rows), Shard(rows), R, None, Shard(rows)]),
+            ([Partial()], [Shard(rows + 1), R, Shard(rows), None, Shard(rows + 1)]),
+        ]
+        return out
+
+    def pdist(x: Any, *rest: Any) -> list[tuple[list, list]]:
+        return [([R], [R, *([None] * len(rest))])]
+
+    def pdist_backward(grad: Any, x: Any, p: Any, result: Any) -> list[tuple[list, list]]:
+        return [([R], [R, R, None, R]), ([Partial()], [Partial(), R, None, R])]
+
+    for op, rule in (
+        (aten._cdist_forward.default, forward), (aten._cdist_backward.default, backward),
+        (aten._pdist_forward.default, pdist), (aten._pdist_backward.default, pdist_backward),
+    ):
+        if not _has_sharding_strategy(op):
+            register_sharding(op)(rule)
+
+
+def _install_along_dim_strategies() -> None:
+    """Gap on every supported torch: no DTensor rule for ``cumprod_backward``
+    (``torch.cumprod`` under autograd) nor ``scatter_reduce.two`` (``Tensor.scatter_reduce``,
+    GNN-style message aggregation). Each works along one dimension ``dim`` of tensors
+    that match elsewhere: every tensor replicated, or every tensor sharded alike on another
+    dimension where their sizes agree; ``cumprod_backward``, linear in its incoming
+    gradient, also maps a ``Partial`` gradient (others replicated) to a ``Partial``
+    result."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+
+    def rule_for(dim_at: int, linear: bool) -> Callable[..., list[tuple[list, list]]]:
+        def rule(*args: Any, **kwargs: Any) -> list[tuple[list, list]]:
+            tensors = [a for a in args if hasattr(a, "shape")]
+            ndim = len(tensors[0].shape)
+            dim = args[dim_at] % ndim if ndim else 0
+
+            def alike(placement: Any, first: Any = None) -> tuple[list, list]:
+                ins = [
+                    (first if i == 0 and first is not None else placement) if hasattr(a, "shape") else None
+                    for i, a in enumerate(args)
+                ]
+                return [first or placement], ins
+
+            out = [alike(Replicate())]
+            out += [
+                alike(Shard(d)) for d in range(ndim)
+                if d != dim and len({t.shape[d] for t in tensors}) == 1
+                and all(len(t.shape) == ndim for t in tensors)
+            ]
+            if linear:
+                out.append(alike(Replicate(), Partial()))
+            return out
+
+        return rule
+
+    for op, dim_at, linear in (
+        (aten.cumprod_backward.default, 2, True),  # (grad, input, dim, output)
+        (aten.scatter_reduce.two, 1, False),  # (self, dim, index, src, reduce, include_self)
+    ):
+        if not _has_sharding_strategy(op):
+            register_sharding(op)(rule_for(dim_at, linear))
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:

@@ -138,7 +138,8 @@ SCHEDULER_HINT = (
 # NOTE: [ops without a sharding rule]
 # An ATen op DTensor has no sharding rule for (nor a handler of its own) is decomposed at
 # capture with torch's own decomposition where torch has one (``reflection_pad2d``,
-# ``im2col``, ``hardswish_backward``, ``log_sigmoid_forward``, ``_trilinear``, ...):
+# ``im2col``, ``hardswish_backward``, ``log_sigmoid_forward``, ...; ``_trilinear``, of
+# ``nn.Bilinear``, has none and becomes an ``einsum`` of ours):
 # its parts are ops DTensor has rules for, so the op is expanded instead of refused.
 # Ops with a rule are traced as they are; an op with neither a rule nor a decomposition
 # is refused at expansion with the op and the user's line named. Decompositions are
@@ -184,8 +185,30 @@ def capture_decompositions() -> dict:
     for op in (aten.all.default, aten.all.dim, aten.all.dims):
         table[op] = functools.partial(_reduce_by_count, False)
     table[aten.as_strided.default] = _as_strided_as_view
+    table[aten._trilinear.default] = _trilinear_as_einsum
     table[aten.as_strided_.default] = functools.partial(_as_strided_as_view, in_place=True)
     return table
+
+
+def _trilinear_as_einsum(
+    i1: torch.Tensor, i2: torch.Tensor, i3: torch.Tensor, expand1: Any, expand2: Any,
+    expand3: Any, sumdim: Any, unroll_dim: int = 1,
+) -> torch.Tensor:
+    """``aten._trilinear`` (``nn.Bilinear``, ``F.bilinear``) as one ``einsum``: the three
+    inputs, each missing the dimensions it is expanded in, multiplied and summed over
+    ``sumdim``. DTensor has no rule for it; ``einsum`` becomes products DTensor shards.
+    ``unroll_dim`` only chooses ATen's loop order. Its backward is more ``_trilinear``
+    calls, each decomposed the same way."""
+    total = i1.dim() + len(expand1)
+    letters = [chr(ord("a") + d) for d in range(total)]
+
+    def term(expanded: Any) -> str:
+        gone = {d % total for d in expanded}
+        return "".join(letters[d] for d in range(total) if d not in gone)
+
+    summed = {d % total for d in sumdim}
+    out = "".join(letters[d] for d in range(total) if d not in summed)
+    return torch.einsum(f"{term(expand1)},{term(expand2)},{term(expand3)}->{out}", i1, i2, i3)
 
 
 def _as_strided_as_view(

@@ -5,9 +5,11 @@ Each is answered one of two ways (``_torch_private``): a rule of ours where the 
 on each sample and channel alike (the backward of ``nn.AvgPool2d`` and of 3-d and
 adaptive max pooling, reflection and replication padding, the backward of hardswish,
 hardsigmoid, ELU and other activations, the out-of-place ``aten.copy`` of
-``F.affine_grid``), a view of ours for the ``as_strided`` of a global average pool on a
+``F.affine_grid``, ``torch.cdist`` and ``F.pdist``, ``torch.cumprod``'s backward and
+``scatter_reduce``), a view of ours for the ``as_strided`` of a global average pool on a
 channels-last input, or torch's decomposition at capture (NOTE: [ops
 without a sharding rule]: ``F.unfold``, the log-sigmoid of multi-label soft margin loss;
+``nn.Bilinear``'s ``_trilinear`` becomes an ``einsum`` of ours;
 ``torch.where`` with a number has a decomposition of ours). An op with neither stays
 refused with the op and the user's line named.
 """
@@ -60,6 +62,16 @@ BODIES = {  # name: (body, features after it)
         lambda x: F.adaptive_avg_pool1d(x.flatten(2).transpose(1, 2), 1), 16
     ),
     "adaptive_avg_pool3d": (_volume(lambda v: F.adaptive_avg_pool3d(v, 2)), 8),
+    # distances: torch.cdist's kernel below 25 rows a side and F.pdist (rules of ours)
+    "cdist_per_sample": (lambda x: torch.cdist(x.flatten(2), x.flatten(2)[:, :2]), 8),
+    "cdist_p1_across_the_batch": (lambda x: torch.cdist(x.flatten(1), x.flatten(1)[:3].detach(), p=1.0), 3),
+    "pdist": (lambda x: x.flatten(1) * F.pdist(x.flatten(1)).mean(), 64),
+    # along one dimension: cumprod's backward and scatter_reduce (rules of ours)
+    "cumprod": (lambda x: torch.cumprod(torch.sigmoid(x), 1), 64),
+    "scatter_reduce_amax": (lambda x: _scatter_reduce(x, "amax"), 64),
+    "scatter_reduce_mean": (lambda x: _scatter_reduce(x, "mean"), 64),
+    # nn.Bilinear computes through aten._trilinear: an einsum at capture
+    "bilinear": (lambda x: F.bilinear(x.flatten(2), x.flatten(2).flip(1), torch.ones(2, 16, 16, dtype=x.dtype) / 16), 8),
     "reflection_pad2d": (lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), 144),
     "reflection_pad1d": (lambda x: F.pad(x.flatten(2), (1, 1), mode="reflect"), 72),
     "replication_pad2d": (lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"), 144),
@@ -74,6 +86,13 @@ BODIES = {  # name: (body, features after it)
     # out-of-place aten.copy, which no torch has a rule for (a rule of ours)
     "affine_grid_sample": (lambda x: _transformed(x), 64),
 }
+
+
+def _scatter_reduce(x: torch.Tensor, reduce: str) -> torch.Tensor:
+    """Each sample's 16 pixels per channel reduced into 4 slots."""
+    values = x.flatten(2)
+    slots = (torch.arange(16) // 4).expand_as(values)
+    return torch.zeros_like(values).scatter_reduce(2, slots, values, reduce, include_self=False)
 
 
 def _transformed(x: torch.Tensor) -> torch.Tensor:
@@ -138,22 +157,23 @@ def test_multilabel_soft_margin_loss_matches_one_device(run_parity):
 
 
 def test_an_op_with_neither_rule_nor_decomposition_is_refused_by_name():
-    """``nn.Bilinear`` computes through ``aten._trilinear``: no rule, no decomposition."""
+    """A Gamma sample draws through ``aten._standard_gamma``: no rule, no decomposition."""
 
-    class Bilinear(nn.Module):
+    class Gamma(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.bilinear = nn.Bilinear(6, 6, CLASSES)
+            self.linear = nn.Linear(6, CLASSES)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.bilinear(x, x)
+            concentration = F.softplus(self.linear(x)) + 1.0
+            return torch.distributions.Gamma(concentration, 1.0).rsample()
 
-    model = Bilinear().double()
+    model = Gamma().double()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = sc.compile(make_mode("ddp"))(_step(F.cross_entropy))
     x = torch.randn(BATCH, 6, dtype=torch.float64)
     with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
         compiled(model, optim, x, torch.randint(0, CLASSES, (BATCH,)))
     message = str(info.value)
-    assert "_trilinear" in message and "no sharding rule" in message
-    assert "module:      bilinear" in message and "test_ops_without_rules.py" in message
+    assert "_standard_gamma" in message and "no sharding rule" in message
+    assert "test_ops_without_rules.py" in message
