@@ -2468,7 +2468,7 @@ def _install_distance_strategies() -> None:
     from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
-    R = Replicate()
+    R: Any = Replicate()
 
     def batch_dims(x1: Any, x2: Any) -> list[int]:
         lead = len(x1.shape) - 2
@@ -2479,14 +2479,14 @@ def _install_distance_strategies() -> None:
     def forward(x1: Any, x2: Any, *rest: Any) -> list[tuple[list, list]]:
         extra: list[Any] = [None] * len(rest)
         rows = len(x1.shape) - 2
-        out = [([R], [R, R, *extra])]
+        out: list[tuple[list, list]] = [([R], [R, R, *extra])]
         out += [([Shard(d)], [Shard(d), Shard(d), *extra]) for d in batch_dims(x1, x2)]
         out += [([Shard(rows)], [Shard(rows), R, *extra]), ([Shard(rows + 1)], [R, Shard(rows), *extra])]
         return out
 
     def backward(grad: Any, x1: Any, x2: Any, p: Any, cdist: Any) -> list[tuple[list, list]]:
         rows = len(x1.shape) - 2
-        out = [([R], [R, R, R, None, R]), ([Partial()], [Partial(), R, R, None, R])]
+        out: list[tuple[list, list]] = [([R], [R, R, R, None, R]), ([Partial()], [Partial(), R, R, None, R])]
         out += [([Shard(d)], [Shard(d), Shard(d), Shard(d), None, Shard(d)]) for d in batch_dims(x1, x2)]
         out += [
             ([Shard(rows)], [Shard(rows), Shard(rows), R, None, Shard(rows)]),
