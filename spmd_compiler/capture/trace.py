@@ -76,6 +76,7 @@ from ..ir.signature import (
 )
 from .attention import attention_as_math
 from .bindings import StepBindings, check_plain_modules
+from .embedding_bag import embedding_bags_as_gathers
 from .kept_tensors import KeptTensor, KeptTensors
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
@@ -463,7 +464,12 @@ def _capture(
         fakes = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
                  for ref, meta in inputs]
         tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
-        with _module_scopes(bindings.module_fqns) as stack, _tag_backward(), attention_as_math():
+        with (
+            _module_scopes(bindings.module_fqns) as stack,
+            _tag_backward(),
+            attention_as_math(),
+            embedding_bags_as_gathers(),
+        ):
             try:
                 graph = make_fx(
                     tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
