@@ -8,14 +8,14 @@ equal length, the form a data-parallel batch splits by rows) with an embedding l
 and a reduction over each bag: ``sum`` (times ``per_sample_weights`` where given),
 ``mean`` (over the bag's entries that are not ``padding_idx``) or ``max`` (over those
 entries; an empty bag gives zeros, as torch's kernel does). ``padding_idx`` entries are
-left out of every bag and get no gradient. Autograd derives the backward from these
-ops. Numerics: sums in the order of the bag, as the kernel does in
+left out of every bag and get no gradient; ``max_norm`` renormalizes the rows used
+before the lookup, as eager does (``_embedding_renorm_over_global_batch``). Autograd
+derives the backward from these ops. Numerics: sums in the order of the bag, as the kernel does in
 float64 tests (within 1e-15); a ``max`` tie between two different rows of equal values
 splits the gradient between them where the kernel gives it to one.
 
 Refused, naming the user's line: a 1-D input with ``offsets`` (its offsets index the
-global token list, which does not split into the ranks' batches), ``max_norm`` (the
-kernel renormalizes rows of the weight in place during the forward), ``sparse=True``
+global token list, which does not split into the ranks' batches), ``sparse=True``
 (sparse gradients) and ``scale_grad_by_freq=True`` (torch's CPU kernel does not divide
 by each row's count as documented: in a probe a row seen once in the batch had its
 gradient divided by 13, another row's count; the program could not match it).
@@ -57,13 +57,6 @@ def embedding_bag(
             "the ranks' batches.",
             "pass a 2-D input (one row per bag, padded to one length with padding_idx).",
         )
-    if max_norm is not None:
-        _refuse(
-            "F.embedding_bag / nn.EmbeddingBag with max_norm cannot be compiled: it "
-            "renormalizes rows of the weight in place during the forward.",
-            "drop max_norm (or renormalize the weight under torch.no_grad() after "
-            "optimizer.step() in the step).",
-        )
     if scale_grad_by_freq:
         _refuse(
             "F.embedding_bag / nn.EmbeddingBag with scale_grad_by_freq=True cannot be "
@@ -87,7 +80,8 @@ def embedding_bag(
             f"supported for mode='sum' (got mode='{mode}'). Please open a feature request "
             "on GitHub."
         )
-    rows = F.embedding(input, weight)  # (bags, length, dim)
+    # (bags, length, dim); max_norm renormalizes the rows used first, in place, as eager
+    rows = F.embedding(input, weight, max_norm=max_norm, norm_type=norm_type)
     if padding_idx is not None:
         padding_idx = padding_idx % weight.size(0)
         kept = input != padding_idx

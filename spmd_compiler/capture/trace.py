@@ -123,7 +123,9 @@ SCHEDULER_HINT = (
 # statistics then leave the graph as buffer outputs like any other new state, and the
 # batch statistics become reductions that DTensor reduces across ranks.
 # ``embedding_dense_backward`` with ``scale_grad_by_freq`` counts indices per rank; see
-# _embedding_backward_global_counts. ``any`` / ``all`` become counts: _reduce_by_count.
+# _embedding_backward_global_counts; ``max_norm``'s in-place renormalization of the rows
+# the batch uses: _embedding_renorm_over_global_batch. ``any`` / ``all`` become counts:
+# _reduce_by_count.
 # ``native_group_norm`` and its backward take the batch size, channels and spatial size
 # as integers read off the global shape; DTensor localizes them in the forward's rule
 # only (torch 2.13; 2.11 and 2.12 have no rule), and derives the backward's rule from
@@ -181,6 +183,7 @@ def capture_decompositions() -> dict:
         _mse_loss_backward_allow_empty, table[aten.mse_loss_backward.default]
     )
     table[aten.embedding_dense_backward.default] = _embedding_backward_global_counts
+    table[aten.embedding_renorm_.default] = _embedding_renorm_over_global_batch
     for op in (aten.any.default, aten.any.dim, aten.any.dims):
         table[op] = functools.partial(_reduce_by_count, True)
     for op in (aten.all.default, aten.all.dim, aten.all.dims):
@@ -250,6 +253,23 @@ def _contiguous_strides(size: list[int]) -> list[int]:
         strides.append(step)
         step *= max(n, 1)
     return strides[::-1]
+
+
+def _embedding_renorm_over_global_batch(
+    weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_type: float
+) -> torch.Tensor:
+    """``nn.Embedding(max_norm=...)``: before the lookup, each row the batch uses whose
+    ``norm_type``-norm exceeds ``max_norm`` is scaled to ``max_norm`` (in place, as
+    torch's kernel: by ``max_norm / (norm + 1e-7)``). DTensor has no rule for the kernel.
+    Here the rows used are those with a nonzero count (an embedding gradient of ones,
+    summed over the global batch like _embedding_backward_global_counts), and every row's
+    norm is computed, the others scaled by 1."""
+    aten = torch.ops.aten
+    ones = weight.new_ones((*indices.shape, 1))
+    used = aten.embedding_dense_backward(ones, indices, weight.size(0), -1, False) > 0
+    norms = torch.linalg.vector_norm(weight, norm_type, dim=1, keepdim=True)
+    scale = torch.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return weight.mul_(scale)
 
 
 def _reduce_by_count(

@@ -1,6 +1,7 @@
-"""``nn.EmbeddingBag`` (NOTE: [embedding bags at capture]) under ddp and fsdp on 2 simulated
-ranks against the undecorated step on one device (float64, every tensor within 1e-10),
-and the forms that are refused with the user's line named."""
+"""``nn.EmbeddingBag`` (NOTE: [embedding bags at capture]) and ``nn.Embedding(max_norm=...)``
+under ddp and fsdp on 2 simulated ranks against the undecorated step on one device
+(float64, every tensor within 1e-10), and the forms that are refused with the user's line
+named."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ BATCH, LENGTH, VOCAB, CLASSES = 8, 6, 20, 4
 
 
 class _Bags(nn.Module):
-    def __init__(self, mode: str, padding_idx: int | None, weighted: bool = False) -> None:
+    def __init__(
+        self, mode: str, padding_idx: int | None, weighted: bool = False, max_norm: float | None = None
+    ) -> None:
         super().__init__()
-        self.bag = nn.EmbeddingBag(VOCAB, 8, mode=mode, padding_idx=padding_idx)
+        self.bag = nn.EmbeddingBag(VOCAB, 8, mode=mode, padding_idx=padding_idx, max_norm=max_norm)
         self.gate = nn.Linear(8, 1) if weighted else None
         self.head = nn.Linear(8, CLASSES)
 
@@ -45,22 +48,43 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-CASES = {  # name: (mode, padding_idx, per-sample weights)
-    "sum": ("sum", None, False),
-    "sum_weighted": ("sum", None, True),
-    "mean_padded": ("mean", 0, False),
-    "max_padded": ("max", 0, False),
+CASES = {  # name: (mode, padding_idx, per-sample weights, max_norm)
+    "sum": ("sum", None, False, None),
+    "sum_weighted": ("sum", None, True, None),
+    "mean_padded": ("mean", 0, False, None),
+    "max_padded": ("max", 0, False, None),
+    # rows start with norms near sqrt(8): max_norm 1 renormalizes every row used
+    "mean_max_norm": ("mean", None, False, 1.0),
 }
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_embedding_bag_matches_one_device(name, mode, run_parity):
-    bag_mode, padding_idx, weighted = CASES[name]
+    bag_mode, padding_idx, weighted, max_norm = CASES[name]
     result = run_parity(
-        lambda: _Bags(bag_mode, padding_idx, weighted).double(), _adamw, 2, _batches(),
+        lambda: _Bags(bag_mode, padding_idx, weighted, max_norm).double(), _adamw, 2, _batches(),
         mode=make_mode(mode),
     )
+    result.assert_close(TOL)
+
+
+class _RenormedLookup(nn.Module):
+    """``nn.Embedding(max_norm=1)``: the rows the batch uses are renormalized in place
+    before the lookup (the global batch's rows, on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8, max_norm=1.0)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_embedding_max_norm_matches_one_device(mode, run_parity):
+    result = run_parity(lambda: _RenormedLookup().double(), _adamw, 2, _batches(), mode=make_mode(mode))
     result.assert_close(TOL)
 
 
@@ -81,11 +105,10 @@ class _Refused(nn.Module):
     "options,words",
     [
         ({"flat": True}, "1-D input and offsets"),
-        ({"max_norm": 1.0}, "max_norm"),
         ({"sparse": True}, "sparse=True"),
         ({"scale_grad_by_freq": True}, "scale_grad_by_freq=True"),
     ],
-    ids=["offsets", "max_norm", "sparse", "scale_grad_by_freq"],
+    ids=["offsets", "sparse", "scale_grad_by_freq"],
 )
 def test_forms_that_cannot_be_compiled_are_refused(options, words):
     model = _Refused(**options).double()
