@@ -503,6 +503,16 @@ def _capture(
     except SPMDCompileError:
         raise
     except value_read_errors() as exc:
+        if _raised_in(exc, "grad_scaler.py"):
+            raise SPMDCompileError(
+                "torch.amp.GradScaler cannot run inside a compiled train step: its step() "
+                "reads whether any gradient is inf or NaN in Python (.item()) to decide "
+                "whether to skip the optimizer step, and it keeps its scale as a tensor it "
+                "creates on first use, which the program would create again every call.",
+                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                hint="train in bfloat16 autocast (torch.autocast(device, torch.bfloat16)), "
+                "which needs no loss scaling, or in float32.",
+            ) from exc
         raise SPMDCompileError(
             "The train step reads the value of a tensor in Python (control flow on a "
             "tensor, .item(), .tolist() or a value-dependent shape), which cannot be "
@@ -520,7 +530,7 @@ def _capture(
             ),
         ) from exc
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
-        if _raised_in_lr_scheduler(exc):
+        if _raised_in(exc, "lr_scheduler.py"):
             raise SPMDCompileError(
                 "An LR scheduler stepped inside the compiled train step: it assigns "
                 "optimizer.param_groups[i]['lr'], which a compiled step reads as an input.",
@@ -655,10 +665,11 @@ def _check_float_arguments_read(gm: torch.fx.GraphModule, refs: list[StateRef]) 
             raise FloatArgumentUsedInPython(f"argument {ref.index} is not read by the program")
 
 
-def _raised_in_lr_scheduler(exc: BaseException) -> bool:
+def _raised_in(exc: BaseException, filename: str) -> bool:
+    """The exception passed through a frame of a file named ``filename``."""
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith("lr_scheduler.py"):
+        if tb.tb_frame.f_code.co_filename.endswith(filename):
             return True
         tb = tb.tb_next
     return False

@@ -419,6 +419,28 @@ def test_scheduler_stepped_inside_step(kind):
     assert_untouched(before, model, opt, check_step_attribute=False)
 
 
+def test_grad_scaler_inside_step_is_refused_with_what_to_do():
+    scaler = torch.amp.GradScaler("cpu")
+
+    def scaled_step(model, optim, x, y):
+        loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optim)
+        scaler.update()
+        optim.zero_grad()
+        return loss
+
+    model = Net()
+    opt = warmed_up(model)
+    before = snapshot(model, opt)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile()(scaled_step)(model, opt, *batch())
+    message = str(info.value)
+    assert "GradScaler" in message and "bfloat16" in message
+    assert "scaler.step(optim)" in message  # the user's line
+    assert_untouched(before, model, opt)
+
+
 # ---------------------------------------------------------------- wrapped modules
 
 
