@@ -15,6 +15,8 @@ values; later calls run only the program. Three effects would silently differ:
   does nor shares across ranks (checked on the first graph: every node with a
   ``generator`` argument is refused, naming the op and line). The default generator,
   seeded outside the step, is the supported way (NOTE: [random numbers] in trace.py).
+- A draw from Python's ``random`` or NumPy's global generator: NOTE: [host random
+  numbers at capture].
 Tensors the step stores in Python objects are NOTE: [tensors the step keeps].
 """
 
@@ -95,7 +97,99 @@ def python_effects(step_code: Any) -> Iterator[None]:
                 if hasattr(owner, name):
                     real = getattr(owner, name)
                     stack.enter_context(mock.patch.object(owner, name, refuse_reseed(name, real)))
+        stack.enter_context(_refuse_host_random_draws())
         yield
+
+
+# NOTE: [host random numbers at capture]
+# Python's ``random`` module and NumPy's global generator are drawn from on the host, in
+# Python: a step that draws its mixup weight with ``np.random.beta(a, a)`` or a coin with
+# ``random.random()`` would draw once, at capture, and every compiled call would reuse
+# that number (found by a probe: the same mixup weight every step, silently). While the
+# step is traced, the module functions of both generators (``random.random``,
+# ``np.random.beta``, ...) refuse, naming the line; a draw through another reference
+# (``from random import random`` imported earlier) is caught afterwards by comparing
+# each generator's state with the one before the trace. Either way each generator's
+# state is put back as it was before the trace. Calls from torch's own files go
+# through. NumPy's ``Generator`` objects (``np.random.default_rng()``) are not watched.
+_HOST_DRAW_HINT = (
+    "draw it with torch inside the step (torch.rand(()), torch.distributions.Beta(a, "
+    "a).sample()), which the program repeats every call from one global draw, or draw it "
+    "outside the step and pass it as a float argument (a graph input, NOTE: [float "
+    "arguments as graph inputs])."
+)
+
+
+def _host_generators() -> list[tuple[str, Any, list[tuple[Any, str]], Any, Any]]:
+    """(name, the generator, its module functions (owner, attribute), get state, set
+    state) of Python's ``random`` module and, where imported, NumPy's global generator."""
+    import random
+
+    out: list[tuple[str, Any, list[tuple[Any, str]], Any, Any]] = [(
+        "Python's random module", random._inst,  # type: ignore[attr-defined]
+        [(random, n) for n in random.__all__],
+        random.getstate, random.setstate,
+    )]
+    np = sys.modules.get("numpy")
+    if np is not None and hasattr(np.random, "mtrand"):
+        global_state = np.random.mtrand._rand
+        out.append((
+            "NumPy's global generator (numpy.random)", global_state,
+            [(np.random, n) for n in getattr(np.random, "__all__", ())],
+            global_state.get_state, global_state.set_state,
+        ))
+    return out
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "tobytes") and hasattr(b, "tobytes"):
+        return bool(a.tobytes() == b.tobytes())
+    return bool(a == b)
+
+
+@contextlib.contextmanager
+def _refuse_host_random_draws() -> Iterator[None]:
+    """See NOTE: [host random numbers at capture]."""
+    generators = _host_generators()
+    before = [get() for _, _, _, get, _ in generators]
+
+    def refused(name: str, attribute: str, real: Any) -> Any:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
+                return real(*args, **kwargs)
+            raise SPMDCompileError(
+                f"The train step draws a random number from {name} ({attribute}()): a "
+                "compiled step runs its Python once, at capture, so every call would reuse "
+                "the number drawn then.",
+                user_line=innermost_model_frame_of_stack(),
+                hint=_HOST_DRAW_HINT,
+            )
+        return draw
+
+    try:
+        with contextlib.ExitStack() as stack:
+            for name, generator, functions, _, _ in generators:
+                for owner, attribute in functions:
+                    real = getattr(owner, attribute, None)
+                    if getattr(real, "__self__", None) is generator:
+                        stack.enter_context(
+                            mock.patch.object(owner, attribute, refused(name, attribute, real))
+                        )
+            yield
+        for (name, _, _, get, _), state in zip(generators, before, strict=True):
+            if not _same_state(get(), state):
+                raise SPMDCompileError(
+                    f"The train step draws random numbers from {name}: a compiled step runs "
+                    "its Python once, at capture, so every call would reuse the numbers "
+                    "drawn then.",
+                    user_line=innermost_model_frame_of_stack(),
+                    hint=_HOST_DRAW_HINT,
+                )
+    finally:
+        for (_, _, _, _, set_state), state in zip(generators, before, strict=True):
+            set_state(state)
 
 
 OWN_GENERATOR = (

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -228,6 +230,43 @@ def test_reseeding_and_own_generators_are_refused(step_fn, message):
         step(model, optim, *_batches(1)[0])
     assert "test_kept_tensors.py" in str(raised.value)  # the user's line
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def _python_random_step(model, optim, x, y):  # noqa: ANN001
+    scale = random.uniform(0.5, 1.0)
+    return _update(model, optim, scale * F.cross_entropy(model(x), y))
+
+
+def _numpy_mixup_step(model, optim, x, y):  # noqa: ANN001
+    lam = float(np.random.beta(1.0, 1.0))
+    perm = torch.randperm(x.size(0))
+    out = model(lam * x + (1 - lam) * x[perm])
+    return _update(model, optim, lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[perm]))
+
+
+def _imported_draw_step(model, optim, x, y):  # noqa: ANN001
+    return _update(model, optim, _draw() * F.cross_entropy(model(x), y))
+
+
+_draw = random.Random.random.__get__(random._inst)  # type: ignore[attr-defined] # a reference no patch reaches
+
+
+@pytest.mark.parametrize(
+    "step_fn,line",
+    [(_python_random_step, True), (_numpy_mixup_step, True), (_imported_draw_step, False)],
+    ids=["random.uniform", "np.random.beta", "other_reference"],
+)
+def test_host_random_draws_are_refused(step_fn, line):
+    """NOTE: [host random numbers at capture]: drawn once at capture, the number would be
+    reused by every call (a mixup weight, silently, before)."""
+    model, optim, _, _ = _pair()
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    step = sc.compile(make_mode("ddp"))(step_fn)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="random numbers? from") as raised:
+        step(model, optim, *_batches(1)[0])
+    assert ("test_kept_tensors.py" in str(raised.value)) == line  # the user's line where seen
+    assert random.getstate() == python_state
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state()[1:2], numpy_state[1:2]))
 
 
 def _printing_step(model, optim, x, y):  # noqa: ANN001
