@@ -1565,6 +1565,7 @@ def install_dtensor_gap_fills() -> None:
     _install_grid_sampler_strategies()
     _install_distance_strategies()
     _install_along_dim_strategies()
+    _install_searchsorted_strategy()
 
 
 _GAPS_FILLED = False
@@ -2552,6 +2553,37 @@ def _install_along_dim_strategies() -> None:
     ):
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule_for(dim_at, linear))
+
+
+def _install_searchsorted_strategy() -> None:
+    """Gap on every supported torch: no DTensor rule for ``searchsorted``
+    (``torch.searchsorted(boundaries, values)``). With one 1-D sorted sequence, each value
+    is looked up alone: the result is placed like the values (replicated or sharded on any
+    dimension), the sequence (and its ``sorter``) replicated. With a batch of sequences
+    (leading dimensions matching the values'): all replicated, or sharded alike on a
+    leading dimension."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    op = torch.ops.aten.searchsorted.Tensor
+    if _has_sharding_strategy(op):
+        return
+
+    def rule(sequence: Any, values: Any, *rest: Any, **kwargs: Any) -> list[tuple[list, list]]:
+        sorter = kwargs.get("sorter")
+        extra: list[Any] = [None] * len(rest)
+
+        def ins(seq: Any, vals: Any) -> list[Any]:
+            return [seq, vals, *extra] + ([seq] if sorter is not None else [])
+
+        out: list[tuple[list, list]] = [([Replicate()], ins(Replicate(), Replicate()))]
+        if len(sequence.shape) == 1:
+            out += [([Shard(d)], ins(Replicate(), Shard(d))) for d in range(len(values.shape))]
+        else:
+            out += [([Shard(d)], ins(Shard(d), Shard(d))) for d in range(len(sequence.shape) - 1)]
+        return out
+
+    register_sharding(op)(rule)
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:

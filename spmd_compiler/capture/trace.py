@@ -133,6 +133,9 @@ SCHEDULER_HINT = (
 # sizes become reshapes of the global shape, which DTensor localizes. The forward is
 # torch's reference formula (its CPU branch reads the sizes through ``as_strided``, which
 # DTensor refuses).
+# A reduction with an empty ``dim`` list names every dimension (_empty_dims_as_all);
+# ``argmax`` / ``argmin`` become the first index of the ``amax`` / ``amin``
+# (_first_index_of).
 # An ``as_strided`` that only names its input's elements in their order becomes a view
 # (_as_strided_as_view: a global average pool of a channels-last input writes one).
 # ``nll_loss_forward`` with reduction "mean" becomes the "sum" reduction divided by the
@@ -189,9 +192,77 @@ def capture_decompositions() -> dict:
     for op in (aten.all.default, aten.all.dim, aten.all.dims):
         table[op] = functools.partial(_reduce_by_count, False)
     table[aten.as_strided.default] = _as_strided_as_view
+    for op, at in _REDUCTIONS_OVER_DIMS:
+        table[op] = functools.partial(_empty_dims_as_all, op, at)
+    table[aten.argmax.default] = functools.partial(_first_index_of, True)
+    table[aten.argmin.default] = functools.partial(_first_index_of, False)
     table[aten._trilinear.default] = _trilinear_as_einsum
     table[aten.as_strided_.default] = functools.partial(_as_strided_as_view, in_place=True)
     return table
+
+
+# (op, position of its ``dim`` list): an empty list reduces every dimension
+_REDUCTIONS_OVER_DIMS = [
+    (torch.ops.aten.sum.dim_IntList, 1), (torch.ops.aten.mean.dim, 1),
+    (torch.ops.aten.amax.default, 1), (torch.ops.aten.amin.default, 1),
+    (torch.ops.aten.nansum.default, 1), (torch.ops.aten.logsumexp.default, 1),
+    (torch.ops.aten.linalg_vector_norm.default, 2), (torch.ops.aten.count_nonzero.dim_IntList, 1),
+    (torch.ops.aten.var.correction, 1), (torch.ops.aten.std.correction, 1),
+    (torch.ops.aten.var_mean.correction, 1), (torch.ops.aten.std_mean.correction, 1),
+]
+
+
+def _empty_dims_as_all(op: Any, at: int, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A reduction given an empty ``dim`` list reduces every dimension, and is traced with
+    them named. DTensor reads the empty list as no dimension at all: a batch-sharded
+    ``x.sum([], keepdim=True)`` stayed "sharded" and gave rank 0's partial sum (also
+    ``mean``, ``amax``, ``logsumexp``, ``vector_norm``; the others failed). Autograd
+    writes one in the backward of every full ``amax()`` / ``amin()`` (the count of the
+    maxima): ``h / h.abs().amax()`` under data parallelism divided by rank 0's count,
+    0 where the maximum was on another rank, and the parameters became NaN (a probe)."""
+    args = list(args)
+    where = at - 1
+    if where < len(args):
+        dims = args[where]
+    else:
+        dims = kwargs.get("dim")
+    if x.dim() == 0 or not isinstance(dims, (list, tuple)) or len(dims) > 0:
+        return NotImplemented
+    every = list(range(x.dim()))
+    if where < len(args):
+        args[where] = every
+    else:
+        kwargs["dim"] = every
+    return op(x, *args, **kwargs)
+
+
+def _first_index_of(
+    largest: bool, x: torch.Tensor, dim: int | None = None, keepdim: bool = False
+) -> torch.Tensor:
+    """``argmax`` / ``argmin`` as the smallest index where ``x`` equals its ``amax`` /
+    ``amin`` (the first one, as torch's kernels; a NaN counts as the extreme, as there).
+    DTensor's handler for these ops, over a sharded dimension, offsets each rank's local
+    index by its shard's start, which it cannot compute while the program is traced for
+    every rank at once (an ``AssertionError`` in ``_get_shard_size_and_offsets``: ``h *
+    h.argmax(0)`` under data parallelism did not compile). Here the indices are a
+    constant ``arange`` that DTensor slices like ``x``, and the reductions are ``amax`` /
+    ``amin``, which DTensor reduces across ranks."""
+    if dim is None:
+        out = _first_index_of(largest, x.reshape(-1), 0)
+        return out.reshape([1] * x.dim()) if keepdim else out
+    if x.dim() == 0:
+        return torch.zeros((), dtype=torch.long, device=x.device)
+    dim = dim % x.dim()
+    n = x.size(dim)
+    extreme = x.amax(dim, keepdim=True) if largest else x.amin(dim, keepdim=True)
+    hit = x == extreme
+    if x.is_floating_point() or x.is_complex():
+        hit = hit | (torch.isnan(x) & torch.isnan(extreme))
+    shape = [1] * x.dim()
+    shape[dim] = n
+    positions = torch.arange(n, device=x.device).reshape(shape)
+    candidates = torch.where(hit, positions, torch.full((), n, dtype=torch.long, device=x.device))
+    return candidates.amin(dim, keepdim=keepdim)
 
 
 def _trilinear_as_einsum(
@@ -280,8 +351,11 @@ def _reduce_by_count(
     linear: ``h * (h > 0).any(0)`` became ``all_reduce(h_full * any_local)``, 2h where
     two ranks each saw a True (26% off the loss in a probe, ddp, 2 ranks). A count is a
     true sum, and comparing it needs the reduced value."""
+    if isinstance(dim, (list, tuple)) and len(dim) == 0:  # any.dims(x, []): element-wise
+        out = x != 0
+        return out.to(torch.uint8) if x.dtype == torch.uint8 else out
     hit = x != 0 if is_any else x == 0
-    dims = [dim] if isinstance(dim, int) else dim
+    dims = [dim] if isinstance(dim, int) else list(range(x.dim())) if dim is None else dim
     count = hit.sum(dims, keepdim=keepdim) if dims else hit.sum()
     out = count > 0 if is_any else count == 0
     return out.to(torch.uint8) if x.dtype == torch.uint8 else out

@@ -4,6 +4,8 @@ With the batch Shard(0), an op along dimension 0 needs the whole batch: expansio
 it, and the backward then re-shards a replicated value (Replicate -> Shard), where each
 rank must take its own slice. A program traced on one rank that bakes in that rank's
 slice index is wrong on every other rank; these tests catch it at world 2 and 4.
+Reductions given an empty dimension list (every dimension), ``argmax`` / ``argmin`` and
+``searchsorted`` over the batch are here too (silent or refused before: see each case).
 """
 
 from __future__ import annotations
@@ -26,6 +28,20 @@ OPS = {
     "all_batch": lambda h: h * (h > -0.5).all(0),
     "any_everything": lambda h: h * (h > 1.5).any(),
     "all_batch_uint8": lambda h: h * (h > -0.5).to(torch.uint8).all(0, keepdim=True),
+    # an empty dim list reduces everything; DTensor read it as nothing (rank 0's partial
+    # sum), also in the backward of a full amax(): the parameters became NaN
+    "amax_everything": lambda h: h / h.abs().amax(),
+    "sum_empty_dims": lambda h: h * h.sum(dim=(), keepdim=True) / 10,
+    "mean_empty_dims": lambda h: h - h.mean(dim=(), keepdim=True),
+    "logsumexp_empty_dims": lambda h: h - torch.logsumexp(h, dim=(), keepdim=True),
+    # argmax / argmin over the batch: DTensor's handler could not offset local indices
+    "argmax_batch": lambda h: h * h.argmax(0),
+    "argmin_everything": lambda h: h * (h.argmin() % 3),
+    # no DTensor rule: one of ours
+    "searchsorted": lambda h: h * torch.searchsorted(torch.tensor([-0.5, 0.0, 0.5]), h.detach()),
+    "searchsorted_sorter": lambda h: h * torch.searchsorted(
+        torch.tensor([0.5, -0.5, 0.0]), h.detach(), sorter=torch.tensor([1, 2, 0])
+    ),
 }
 
 
