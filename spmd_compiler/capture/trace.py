@@ -220,20 +220,17 @@ def _empty_dims_as_all(op: Any, at: int, x: torch.Tensor, *args: Any, **kwargs: 
     writes one in the backward of every full ``amax()`` / ``amin()`` (the count of the
     maxima): ``h / h.abs().amax()`` under data parallelism divided by rank 0's count,
     0 where the maximum was on another rank, and the parameters became NaN (a probe)."""
-    args = list(args)
+    rest = list(args)
     where = at - 1
-    if where < len(args):
-        dims = args[where]
-    else:
-        dims = kwargs.get("dim")
+    dims = rest[where] if where < len(rest) else kwargs.get("dim")
     if x.dim() == 0 or not isinstance(dims, (list, tuple)) or len(dims) > 0:
         return NotImplemented
     every = list(range(x.dim()))
-    if where < len(args):
-        args[where] = every
+    if where < len(rest):
+        rest[where] = every
     else:
         kwargs["dim"] = every
-    return op(x, *args, **kwargs)
+    return op(x, *rest, **kwargs)
 
 
 def _first_index_of(
