@@ -2511,8 +2511,10 @@ def _install_distance_strategies() -> None:
 
 def _install_along_dim_strategies() -> None:
     """Gap on every supported torch: no DTensor rule for ``cumprod_backward``
-    (``torch.cumprod`` under autograd) nor ``scatter_reduce.two`` (``Tensor.scatter_reduce``,
-    GNN-style message aggregation). Each works along one dimension ``dim`` of tensors
+    (``torch.cumprod`` under autograd), ``scatter_reduce.two`` (``Tensor.scatter_reduce``,
+    GNN-style message aggregation) nor ``unfold`` (``Tensor.unfold``, sliding windows:
+    its output keeps the input's dimensions in place and adds the window last). Each
+    works along one dimension ``dim`` of tensors
     that match elsewhere: every tensor replicated, or every tensor sharded alike on another
     dimension where their sizes agree; ``cumprod_backward``, linear in its incoming
     gradient, also maps a ``Partial`` gradient (others replicated) to a ``Partial``
@@ -2550,6 +2552,10 @@ def _install_along_dim_strategies() -> None:
     for op, dim_at, linear in (
         (aten.cumprod_backward.default, 2, True),  # (grad, input, dim, output)
         (aten.scatter_reduce.two, 1, False),  # (self, dim, index, src, reduce, include_self)
+        # Tensor.unfold(dim, size, step), sliding windows: a view with one more (last)
+        # dimension; its backward is decomposed at capture (NOTE: [ops without a
+        # sharding rule])
+        (aten.unfold.default, 1, True),
     ):
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule_for(dim_at, linear))

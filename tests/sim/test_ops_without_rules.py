@@ -5,8 +5,8 @@ Each is answered one of two ways (``_torch_private``): a rule of ours where the 
 on each sample and channel alike (the backward of ``nn.AvgPool2d`` and of 3-d and
 adaptive max pooling, reflection and replication padding, the backward of hardswish,
 hardsigmoid, ELU and other activations, the out-of-place ``aten.copy`` of
-``F.affine_grid``, ``torch.cdist`` and ``F.pdist``, ``torch.cumprod``'s backward and
-``scatter_reduce``), a view of ours for the ``as_strided`` of a global average pool on a
+``F.affine_grid``, ``torch.cdist`` and ``F.pdist``, ``torch.cumprod``'s backward,
+``scatter_reduce`` and ``Tensor.unfold``), a view of ours for the ``as_strided`` of a global average pool on a
 channels-last input, or torch's decomposition at capture (NOTE: [ops
 without a sharding rule]: ``F.unfold``, the log-sigmoid of multi-label soft margin loss;
 ``nn.Bilinear``'s ``_trilinear`` becomes an ``einsum`` of ours;
@@ -68,6 +68,8 @@ BODIES = {  # name: (body, features after it)
     "pdist": (lambda x: x.flatten(1) * F.pdist(x.flatten(1)).mean(), 64),
     # along one dimension: cumprod's backward and scatter_reduce (rules of ours)
     "cumprod": (lambda x: torch.cumprod(torch.sigmoid(x), 1), 64),
+    # Tensor.unfold (overlapping sliding windows): a rule of ours; its backward decomposed
+    "unfold_windows": (lambda x: x.flatten(2).unfold(2, 4, 3).amax(-1), 20),
     "scatter_reduce_amax": (lambda x: _scatter_reduce(x, "amax"), 64),
     "scatter_reduce_mean": (lambda x: _scatter_reduce(x, "mean"), 64),
     # nn.Bilinear computes through aten._trilinear: an einsum at capture

@@ -37,7 +37,8 @@ OPS = {
     # argmax / argmin over the batch: DTensor's handler could not offset local indices
     "argmax_batch": lambda h: h * h.argmax(0),
     "argmin_everything": lambda h: h * (h.argmin() % 3),
-    # no DTensor rule: one of ours
+    # no DTensor rule: ones of ours
+    "unfold_batch": lambda h: h.unfold(0, 2, 2).mean(-1).repeat_interleave(2, 0),
     "searchsorted": lambda h: h * torch.searchsorted(torch.tensor([-0.5, 0.0, 0.5]), h.detach()),
     "searchsorted_sorter": lambda h: h * torch.searchsorted(
         torch.tensor([0.5, -0.5, 0.0]), h.detach(), sorter=torch.tensor([1, 2, 0])
