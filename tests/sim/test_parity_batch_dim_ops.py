@@ -23,6 +23,9 @@ OPS = {
     "sort_batch": lambda h: torch.sort(h, 0).values,
     "cummax_batch": lambda h: torch.cummax(h, 0).values,
     "cumsum_features": lambda h: torch.cumsum(h, 1),
+    # a negative scan dim over the sharded batch: DTensor scanned each shard alone
+    "cumsum_batch_negative_dim": lambda h: torch.cumsum(h, -2),
+    "logcumsumexp_batch_negative_dim": lambda h: torch.logcumsumexp(h, -2),
     # DTensor's bool Partial(sum) of a sharded any(), multiplied as if linear (26% off)
     "any_batch": lambda h: h * (h > 0.5).any(0),
     "all_batch": lambda h: h * (h > -0.5).all(0),
