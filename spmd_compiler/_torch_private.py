@@ -1557,6 +1557,8 @@ def install_dtensor_gap_fills() -> None:
             _VIEW_FILLS.add(name)
     if _strided_reading_conflict_gap():
         _install_strided_reading_conflict_rule()
+    if _div_denominator_partial_gap():
+        _install_div_numerator_partials_only()
     _install_missing_dim_strategies()
     _install_fill_strategies()
     _install_weight_norm_strategies()
@@ -2218,7 +2220,8 @@ def _has_sharding_strategy(op: Any) -> bool:
 
 def _install_missing_dim_strategies() -> None:
     """torch 2.11 gap: no DTensor rule for ``squeeze.dims``, ``flip``, ``roll``,
-    ``cummax`` and ``var_mean.correction``. Each gets ours where this torch has none: a
+    ``cummax``, ``cumprod``, ``logcumsumexp`` and ``var_mean.correction`` (and no torch
+    has one for ``unfold``). Each gets ours where this torch has none: a
     shard along a dimension the op works on (squeezes, reduces) is gathered (Replicate),
     other shards are kept (renumbered past removed dims); a Partial input is kept only by
     the linear ones (squeeze, flip, roll)."""
@@ -2247,7 +2250,12 @@ def _install_missing_dim_strategies() -> None:
         (aten.flip.default, flip_dims, 1, True, False),
         (aten.roll.default, roll_dims, 1, True, False),
         (aten.cummax.default, cummax_dims, 2, False, False),
+        (aten.cumprod.default, cummax_dims, 1, False, False),
+        (aten.logcumsumexp.default, cummax_dims, 1, False, False),
         (aten.var_mean.correction, var_mean_dims, 2, False, True),
+        # every torch: Tensor.unfold(dim, size, step), sliding windows, a view adding the
+        # window as a last dimension (its backward is decomposed at capture)
+        (aten.unfold.default, cummax_dims, 1, True, False),
     ]
     for op, dims_of, outputs, linear, reduces in table:
         if not _has_sharding_strategy(op):
@@ -2511,10 +2519,8 @@ def _install_distance_strategies() -> None:
 
 def _install_along_dim_strategies() -> None:
     """Gap on every supported torch: no DTensor rule for ``cumprod_backward``
-    (``torch.cumprod`` under autograd), ``scatter_reduce.two`` (``Tensor.scatter_reduce``,
-    GNN-style message aggregation) nor ``unfold`` (``Tensor.unfold``, sliding windows:
-    its output keeps the input's dimensions in place and adds the window last). Each
-    works along one dimension ``dim`` of tensors
+    (``torch.cumprod`` under autograd) nor ``scatter_reduce.two`` (``Tensor.scatter_reduce``,
+    GNN-style message aggregation). Each works along one dimension ``dim`` of tensors
     that match elsewhere: every tensor replicated, or every tensor sharded alike on another
     dimension where their sizes agree; ``cumprod_backward``, linear in its incoming
     gradient, also maps a ``Partial`` gradient (others replicated) to a ``Partial``
@@ -2552,13 +2558,49 @@ def _install_along_dim_strategies() -> None:
     for op, dim_at, linear in (
         (aten.cumprod_backward.default, 2, True),  # (grad, input, dim, output)
         (aten.scatter_reduce.two, 1, False),  # (self, dim, index, src, reduce, include_self)
-        # Tensor.unfold(dim, size, step), sliding windows: a view with one more (last)
-        # dimension; its backward is decomposed at capture (NOTE: [ops without a
-        # sharding rule])
-        (aten.unfold.default, 1, True),
     ):
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule_for(dim_at, linear))
+
+
+def _div_denominator_partial_gap() -> bool:
+    """Whether this DTensor lets a ``Partial`` denominator through ``div.Tensor`` (its
+    linearity table calls division multiplicative in both arguments)."""
+    try:
+        from torch.distributed.tensor._ops import _pointwise_ops as pointwise
+    except ImportError:
+        return False
+    table = getattr(pointwise, "linear_pointwise_ops", None)
+    return isinstance(table, dict) and table.get(torch.ops.aten.div.Tensor) == 2
+
+
+def _install_div_numerator_partials_only() -> None:
+    """torch 2.11 gap (silent): its pointwise rule treats ``div.Tensor`` like ``mul``,
+    offering ``Partial / Partial`` results for a ``Partial`` denominator with a replicated
+    numerator: ``a / (b1 + b2)`` computed as ``a / b1 + a / b2``. The backward of a full
+    ``amax()`` divides by the count of maxima, a ``Partial``: ``h / h.abs().amax()``
+    under data parallelism made the parameters NaN (a rank without the maximum divided
+    by 0). Here the rule offers only the layouts whose denominator is not ``Partial``
+    (as torch 2.13's: "div: only through numerator")."""
+    from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo
+    from torch.distributed.tensor._ops import _pointwise_ops as pointwise
+    from torch.distributed.tensor._ops.utils import register_op_strategy
+
+    pointwise_strategy = getattr(pointwise, "pointwise_strategy")  # noqa: B009 - 2.11's name
+
+    def strategy(op_schema: Any) -> Any:
+        offered = pointwise_strategy(op_schema, linearity=2)
+        kept = [
+            s for s in offered.strategies
+            if len(s.input_specs) < 2 or not any(p.is_partial() for p in s.input_specs[1].placements)
+        ]
+        return OpStrategy(kept) if kept else pointwise_strategy(op_schema)
+
+    for op in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor):
+        register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_kwargkey=["out"]))(strategy)
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
+    if cached is not None:
+        cached()
 
 
 def _install_searchsorted_strategy() -> None:

@@ -107,3 +107,18 @@ def test_select_scatter(mesh, self_placement, src_placement):
 
     out = aten.select_scatter.default(placed(x, self_placement), placed(src, src_placement), 1, 2)
     assert torch.equal(out.full_tensor(), expected)
+
+
+@pytest.mark.parametrize("numerator_partial", [False, True], ids=["numerator_replicate", "numerator_partial"])
+@pytest.mark.parametrize("shapes", [((), (1, 1)), ((6,), (4, 6))], ids=["0d_by_1x1", "row_by_matrix"])
+def test_division_by_a_broadcast_partial_sum(mesh, shapes, numerator_partial):
+    """torch 2.11 follows the argument with more dimensions, here the ``Partial``
+    denominator, and then divides by each rank's part of it and sums the quotients
+    (``a / b1 + a / b2``: 13.33 for 5 / 2); the fill keeps only numerator partials
+    (``_install_div_numerator_partials_only``; 2.13 has no such gap)."""
+    numerator_shape, denominator_shape = shapes
+    x = torch.full(numerator_shape, 5.0)
+    numerator = _partial(x, mesh) if numerator_partial else distribute_tensor(x, mesh, [Replicate()])
+    denominator = _partial(torch.full(denominator_shape, 2.0), mesh)
+    out = aten.div.Tensor(numerator, denominator)
+    assert torch.allclose(out.full_tensor(), torch.full(denominator_shape, 2.5).expand(torch.broadcast_shapes(numerator_shape, denominator_shape)))
