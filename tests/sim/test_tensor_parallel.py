@@ -143,10 +143,17 @@ class _FeatureOp(nn.Module):
 @pytest.mark.parametrize("name", sorted(FEATURE_OPS))
 def test_ops_along_the_sharded_features(name, run_parity, classification_batches):
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-    result = run_parity(
-        lambda: _FeatureOp(FEATURE_OPS[name]).double(),
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2,
-        classification_batches(2, dtype=torch.float64),
-        mode=TensorParallel(plan),
-    )
+    try:
+        result = run_parity(
+            lambda: _FeatureOp(FEATURE_OPS[name]).double(),
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2,
+            classification_batches(2, dtype=torch.float64),
+            mode=TensorParallel(plan),
+        )
+    except sc.SPMDCompileError as error:
+        # torch 2.11's index_put rule fails on Tensor.unfold's decomposed backward:
+        # refused there with the op named (as F.unfold, test_ops_without_rules)
+        if name == "unfold_features" and torch.__version__.startswith("2.11") and "index_put" in str(error):
+            pytest.xfail("torch 2.11: DTensor's index_put rule fails on the decomposed backward")
+        raise
     result.assert_close(TOL)
