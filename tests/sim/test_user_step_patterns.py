@@ -5,7 +5,8 @@ on 2 simulated ranks against the undecorated step on one device on the global ba
 - the Hugging Face token-mean loss: ``ignore_index=-100`` labels, ``reduction="sum"``
   divided by the global count of counted tokens (a rank must not divide by its own);
 - ``ignore_index`` with label smoothing;
-- a mean over the batch added to the loss (an activation penalty);
+- a mean over the batch added to the loss (an activation penalty); a gradient penalty
+  (the input gradient's norm, taken with ``create_graph``: a double backward);
 - gradient clipping by the global norm; two micro-batches accumulated in one step;
 - ``zero_grad()`` first (gradients kept between steps); a ``no_grad`` update of the
   parameters after the optimizer; a frozen parameter; two parameter groups;
@@ -167,6 +168,19 @@ def regularized_step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
+def gradient_penalty_step(model, optim, x, y):  # noqa: ANN001
+    """WGAN-GP style: the norm of the input gradient, taken with create_graph, is part of
+    the loss (a double backward)."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    loss = F.cross_entropy(out, y) + ((grad.norm(2, dim=1) - 1) ** 2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def accumulating_step(model, optim, x, y):  # noqa: ANN001
     total = torch.zeros((), dtype=x.dtype)
     for xs, ys in zip(x.chunk(2), y.chunk(2)):
@@ -266,6 +280,7 @@ CASES = {  # name: (model, optimizer, step, input shape)
     "ignore_index_label_smoothing": (_mlp, _adamw, label_smoothing_step, VECTOR),
     "clip_grad_norm": (_mlp, _adamw, clipped_step, VECTOR),
     "mean_regularizer": (_mlp, _adamw, regularized_step, VECTOR),
+    "gradient_penalty": (_mlp, _adamw, gradient_penalty_step, VECTOR),
     "gradient_accumulation": (_mlp, _adamw, accumulating_step, VECTOR),
     "zero_grad_first": (_mlp, _adamw, zero_grad_first_step, VECTOR),
     "no_grad_update": (_mlp, _adamw, no_grad_update_step, VECTOR),
