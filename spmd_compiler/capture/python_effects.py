@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -110,8 +111,12 @@ def python_effects(step_code: Any) -> Iterator[None]:
 # ``np.random.beta``, ...) refuse, naming the line; a draw through another reference
 # (``from random import random`` imported earlier) is caught afterwards by comparing
 # each generator's state with the one before the trace. Either way each generator's
-# state is put back as it was before the trace. Calls from torch's own files go
-# through. NumPy's ``Generator`` objects (``np.random.default_rng()``) are not watched.
+# state is put back as it was before the trace. Calls from torch's own files and from
+# other threads (a data-loading thread drawing augmentations) go through; while other
+# Python threads run (but ours and tqdm's monitor), states are neither compared nor put
+# back (their draws would look like the step's), so a draw through another reference
+# is then not seen. NumPy's ``Generator`` objects (``np.random.default_rng()``) are not
+# watched.
 _HOST_DRAW_HINT = (
     "draw it with torch inside the step (torch.rand(()), torch.distributions.Beta(a, "
     "a).sample()), which the program repeats every call from one global draw, or draw it "
@@ -141,6 +146,17 @@ def _host_generators() -> list[tuple[str, Any, list[tuple[Any, str]], Any, Any]]
     return out
 
 
+# Threads known not to draw random numbers: ours (the progress heartbeat) and tqdm's
+# monitor, which training scripts start with their first progress bar.
+_QUIET_THREADS = ("spmd-", "tqdm_monitor")
+
+
+def _other_threads() -> bool:
+    """Python threads other than this one that might draw random numbers."""
+    me = threading.current_thread()
+    return any(t is not me and not t.name.startswith(_QUIET_THREADS) for t in threading.enumerate())
+
+
 def _same_state(a: Any, b: Any) -> bool:
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
@@ -153,11 +169,15 @@ def _same_state(a: Any, b: Any) -> bool:
 def _refuse_host_random_draws() -> Iterator[None]:
     """See NOTE: [host random numbers at capture]."""
     generators = _host_generators()
-    before = [get() for _, _, _, get, _ in generators]
+    tracing_thread = threading.get_ident()
+    # another thread (a data-loading thread drawing augmentations) may draw meanwhile:
+    # then states are neither compared nor put back
+    alone = not _other_threads()
+    before = [get() for _, _, _, get, _ in generators] if alone else []
 
     def refused(name: str, attribute: str, real: Any) -> Any:
         def draw(*args: Any, **kwargs: Any) -> Any:
-            if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
+            if threading.get_ident() != tracing_thread or sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
                 return real(*args, **kwargs)
             raise SPMDCompileError(
                 f"The train step draws a random number from {name} ({attribute}()): a "
@@ -178,6 +198,8 @@ def _refuse_host_random_draws() -> Iterator[None]:
                             mock.patch.object(owner, attribute, refused(name, attribute, real))
                         )
             yield
+        if not alone or _other_threads():
+            return
         for (name, _, _, get, _), state in zip(generators, before, strict=True):
             if not _same_state(get(), state):
                 raise SPMDCompileError(
@@ -188,8 +210,9 @@ def _refuse_host_random_draws() -> Iterator[None]:
                     hint=_HOST_DRAW_HINT,
                 )
     finally:
-        for (_, _, _, _, set_state), state in zip(generators, before, strict=True):
-            set_state(state)
+        if alone and not _other_threads():
+            for (_, _, _, _, set_state), state in zip(generators, before, strict=True):
+                set_state(state)
 
 
 OWN_GENERATOR = (

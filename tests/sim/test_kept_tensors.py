@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
+from spmd_compiler.capture import python_effects
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
 
@@ -256,9 +259,12 @@ _draw = random.Random.random.__get__(random._inst)  # type: ignore[attr-defined]
     [(_python_random_step, True), (_numpy_mixup_step, True), (_imported_draw_step, False)],
     ids=["random.uniform", "np.random.beta", "other_reference"],
 )
-def test_host_random_draws_are_refused(step_fn, line):
+def test_host_random_draws_are_refused(step_fn, line, monkeypatch):
     """NOTE: [host random numbers at capture]: drawn once at capture, the number would be
     reused by every call (a mixup weight, silently, before)."""
+    # threads an earlier test left (an Inductor compile pool) would turn the state check
+    # off; the case with another thread drawing is the next test
+    monkeypatch.setattr(python_effects, "_other_threads", lambda: False)
     model, optim, _, _ = _pair()
     python_state, numpy_state = random.getstate(), np.random.get_state()
     step = sc.compile(make_mode("ddp"))(step_fn)
@@ -267,6 +273,29 @@ def test_host_random_draws_are_refused(step_fn, line):
     assert ("test_kept_tensors.py" in str(raised.value)) == line  # the user's line where seen
     assert random.getstate() == python_state
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state()[1:2], numpy_state[1:2]))
+
+
+def test_host_random_draws_of_other_threads_go_through():
+    """A data-loading thread drawing from Python's random module while a step compiles is
+    neither refused nor rewound."""
+    model, optim, _, _ = _pair()
+    stop, drawn = threading.Event(), []
+
+    def augment() -> None:
+        while not stop.is_set():
+            drawn.append(random.random())
+            time.sleep(0.001)
+
+    worker = threading.Thread(target=augment)
+    worker.start()
+    try:
+        step = sc.compile(make_mode("ddp"))(_plain_step)
+        with sc.simulate(world_size=2):
+            step(model, optim, *_batches(1)[0])
+    finally:
+        stop.set()
+        worker.join()
+    assert len(drawn) > 0 and len(set(drawn)) == len(drawn)  # fresh numbers throughout
 
 
 def _printing_step(model, optim, x, y):  # noqa: ANN001
