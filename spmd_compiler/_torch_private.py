@@ -1564,7 +1564,6 @@ def install_dtensor_gap_fills() -> None:
     _install_weight_norm_strategies()
     _install_per_sample_strategies()
     _install_copy_strategy()
-    _install_grid_sampler_strategies()
     _install_distance_strategies()
     _install_along_dim_strategies()
     _install_searchsorted_strategy()
@@ -2361,6 +2360,13 @@ _PER_SAMPLE_OPS = {
     "_adaptive_avg_pool3d": (3, False, 1),
     "_adaptive_avg_pool2d_backward": (2, True, 1),
     "_adaptive_avg_pool3d_backward": (3, True, 1),
+    # F.grid_sample, torch 2.11 and 2.12 (2.13 has these rules): each sample alone, and
+    # the grid has no channel dimension, so batch-sharded only (every non-batch dim
+    # counts as spatial)
+    "grid_sampler_2d": (3, False, 1),
+    "grid_sampler_3d": (4, False, 1),
+    "grid_sampler_2d_backward": (3, False, 2),
+    "grid_sampler_3d_backward": (4, False, 2),
     # element-wise activation gradients, torch's pointwise tag missing: every dim alike.
     # A rule keeps eager's kernel: hardsigmoid_backward's decomposition would differ
     # from it by 3e-8 in float64 (the CPU kernel multiplies by a float32 1/6).
@@ -2376,8 +2382,9 @@ def _install_per_sample_strategies() -> None:
     """Gap on every supported torch: no DTensor rule for the backward of average
     pooling (``nn.AvgPool2d``), of adaptive max and 3-d pooling (torch 2.11: for the
     pooling ops themselves, ``nn.MaxPool2d`` included), for reflection and
-    replication padding, and for several activations' backward (``nn.Hardsigmoid``,
-    ``nn.Hardswish``, ``nn.ELU``, ...). Each works on the last ``k`` (spatial; 0 for
+    replication padding, for several activations' backward (``nn.Hardsigmoid``,
+    ``nn.Hardswish``, ``nn.ELU``, ...), and (torch 2.11 and 2.12) for ``F.grid_sample``
+    and its backward. Each works on the last ``k`` (spatial; 0 for
     element-wise) dims of every sample and channel alike, so where this torch has no
     rule: every tensor replicated, or every tensor sharded alike on one leading dim; a
     backward, linear in its incoming gradient, also maps a Partial gradient (other
@@ -2431,33 +2438,6 @@ def _install_copy_strategy() -> None:
         return out
 
     register_sharding(op)(rule)
-
-
-def _install_grid_sampler_strategies() -> None:
-    """Gap on torch 2.11 and 2.12 (2.13 has these rules): no DTensor rule for
-    ``grid_sampler_{2,3}d`` and their backward (``F.grid_sample``; the forward is
-    decomposed at capture where torch can, the backward is not). Both work on each sample
-    alone, and the grid has no channel dimension: every tensor replicated, or every
-    tensor sharded on the batch dimension."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
-
-    def rule_for(outputs: int) -> Callable[..., list[tuple[list, list]]]:
-        def rule(*args: Any) -> list[tuple[list, list]]:
-            def alike(placement: Any) -> tuple[list, list]:
-                return [placement] * outputs, [placement if hasattr(a, "shape") else None for a in args]
-
-            return [alike(Replicate()), alike(Shard(0))]
-
-        return rule
-
-    aten = torch.ops.aten
-    for op, outputs in (
-        (aten.grid_sampler_2d.default, 1), (aten.grid_sampler_3d.default, 1),
-        (aten.grid_sampler_2d_backward.default, 2), (aten.grid_sampler_3d_backward.default, 2),
-    ):
-        if not _has_sharding_strategy(op):
-            register_sharding(op)(rule_for(outputs))
 
 
 def _install_distance_strategies() -> None:

@@ -198,21 +198,22 @@ def _refuse_host_random_draws() -> Iterator[None]:
                             mock.patch.object(owner, attribute, refused(name, attribute, real))
                         )
             yield
-        if not alone or _other_threads():
-            return
-        for (name, _, _, get, _), state in zip(generators, before, strict=True):
-            if not _same_state(get(), state):
-                raise SPMDCompileError(
-                    f"The train step draws random numbers from {name}: a compiled step runs "
-                    "its Python once, at capture, so every call would reuse the numbers "
-                    "drawn then.",
-                    user_line=innermost_model_frame_of_stack(),
-                    hint=_HOST_DRAW_HINT,
-                )
     finally:
-        if alone and not _other_threads():
+        watched = alone and not _other_threads()
+        changed = [
+            name for (name, _, _, get, _), state in zip(generators, before, strict=watched)
+            if watched and not _same_state(get(), state)
+        ]
+        if watched:
             for (_, _, _, _, set_state), state in zip(generators, before, strict=True):
                 set_state(state)
+    if changed:
+        raise SPMDCompileError(
+            f"The train step draws random numbers from {changed[0]}: a compiled step runs "
+            "its Python once, at capture, so every call would reuse the numbers drawn then.",
+            user_line=innermost_model_frame_of_stack(),
+            hint=_HOST_DRAW_HINT,
+        )
 
 
 OWN_GENERATOR = (

@@ -348,9 +348,7 @@ def _embedding_renorm_over_global_batch(
     Here the rows used are those with a nonzero count (an embedding gradient of ones,
     summed over the global batch like _embedding_backward_global_counts), and every row's
     norm is computed, the others scaled by 1."""
-    aten = torch.ops.aten
-    ones = weight.new_ones((*indices.shape, 1))
-    used = aten.embedding_dense_backward(ones, indices, weight.size(0), -1, False) > 0
+    used = _global_index_counts(weight, indices, weight.size(0)) > 0
     norms = torch.linalg.vector_norm(weight, norm_type, dim=1, keepdim=True)
     scale = torch.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
     return weight.mul_(scale)
@@ -374,6 +372,14 @@ def _reduce_by_count(
     return out.to(torch.uint8) if x.dtype == torch.uint8 else out
 
 
+def _global_index_counts(like: torch.Tensor, indices: torch.Tensor, num_weights: int) -> torch.Tensor:
+    """How often each of ``num_weights`` rows occurs in ``indices``, as a (num_weights, 1)
+    tensor of ``like``'s dtype: an embedding gradient of ones, which DTensor sums over a
+    sharded batch like any embedding gradient (the global batch's counts)."""
+    ones = like.new_ones((*indices.shape, 1))
+    return torch.ops.aten.embedding_dense_backward(ones, indices, num_weights, -1, False)
+
+
 def _embedding_backward_global_counts(
     grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
     scale_grad_by_freq: bool,
@@ -387,8 +393,7 @@ def _embedding_backward_global_counts(
     if not scale_grad_by_freq:
         return NotImplemented
     aten = torch.ops.aten
-    ones = grad_output.new_ones((*indices.shape, 1))
-    counts = aten.embedding_dense_backward(ones, indices, num_weights, -1, False)
+    counts = _global_index_counts(grad_output, indices, num_weights)
     scale = aten.embedding(counts, indices)  # (*indices.shape, 1): each token's count
     return aten.embedding_dense_backward(grad_output / scale, indices, num_weights, padding_idx, False)
 
