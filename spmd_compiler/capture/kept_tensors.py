@@ -368,7 +368,7 @@ def _own_state_cache(owner: Any, value: Any) -> bool:
     ``restore`` puts the old one back."""
     if not isinstance(owner, torch.nn.Module) or not isinstance(value, (list, tuple)):
         return False
-    own = {id(t) for t in (*owner._parameters.values(), *owner._buffers.values()) if t is not None}
+    own = {id(t) for t in (*owner.parameters(recurse=False), *owner.buffers(recurse=False))}
     return all(v is None or id(v) in own for v in value)
 
 
