@@ -52,6 +52,7 @@ from . import _torch_private as private
 from .errors import SPMDCompileError
 from .ir.collectives import is_collective, is_wait
 from .progress import compile_progress
+from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
 
 log = logging.getLogger("spmd_compiler.lower")
 
@@ -174,20 +175,36 @@ class LoweredGraph:
         self._constants = lift_constants(gm)
         cache_dir = str(self.inductor_cache_dir) if self.inductor_cache_dir else None
         nodes = len(gm.graph.nodes)
+        inputs = [*flat, *self._constants]
         out: list[torch.Tensor] | None = None  # the first step's results, when it ran here
-        if self.options.regions(_device_of(flat)):
-            outer, regions = split_at_collectives(gm, cache_dir)
-            title = f"a {nodes}-node program with inductor, {regions} compute regions"
-            with compile_progress(title) as progress, progress.stage("lowering (first step)"):
-                out = list(outer(*flat, *self._constants))
-            self._compiled = outer
-        else:
-            title = f"a {nodes}-node program with inductor"
-            with compile_progress(title) as progress, progress.stage("lowering"):
-                self._compiled = private.inductor_compile(
-                    gm, [*flat, *self._constants], cuda_graphs=self.options.cuda_graphs,
-                    cache_dir=cache_dir,
-                )
+        regions = self.options.regions(_device_of(flat))
+        title = f"a {nodes}-node program with inductor"
+        with compile_progress(title) as progress:
+            # NOTE: [scalar prologue]: measured on CPU; CUDA keeps the one graph
+            split = split_scalar_prologue(gm) if _device_of(flat) == "cpu" else None
+            prologue: Callable[..., Sequence[torch.Tensor]] | None = None
+            if split is not None:
+                with progress.stage(f"scalar prologue ({split.moved} nodes)"):
+                    prologue = private.inductor_compile(
+                        split.prologue, [inputs[i] for i in split.prologue_inputs],
+                        cache_dir=cache_dir,
+                    )
+                    gm = split.main
+                    inputs += list(prologue(*(inputs[i] for i in split.prologue_inputs)))
+            compiled: Callable[..., Sequence[torch.Tensor]]
+            if regions:
+                outer, count = split_at_collectives(gm, cache_dir)
+                with progress.stage(f"lowering {count} compute regions (first step)"):
+                    out = list(outer(*inputs))
+                compiled = outer
+            else:
+                with progress.stage("lowering"):
+                    compiled = private.inductor_compile(
+                        gm, inputs, cuda_graphs=self.options.cuda_graphs, cache_dir=cache_dir
+                    )
+            if split is not None and prologue is not None:
+                compiled = WithScalarPrologue(prologue, compiled, split.prologue_inputs)
+        self._compiled = compiled
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs", nodes, self.compile_seconds)
         return out if out is not None else list(self._compiled(*flat, *self._constants))
