@@ -53,6 +53,7 @@ from .errors import SPMDCompileError
 from .ir.collectives import is_collective, is_wait
 from .progress import compile_progress
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
+from .state_donation import Donating, Pairs, donate, donation_pairs
 
 log = logging.getLogger("spmd_compiler.lower")
 
@@ -148,7 +149,10 @@ class LoweredGraph:
     # Inductor's on-disk cache (NOTE: [persistent compile cache]); None: Inductor's default
     inductor_cache_dir: Path | None = None
     compile_seconds: float = 0.0
+    # state this program may update in place once lowered (NOTE: [state donation])
+    donations: Pairs = ()
     _compiled: Callable[..., Sequence[torch.Tensor]] | None = None
+    _donated: Pairs = ()
     _constants: list[torch.Tensor] = field(default_factory=list)
 
     def __call__(self, flat: list[torch.Tensor], simulated: bool) -> list[torch.Tensor]:
@@ -157,6 +161,12 @@ class LoweredGraph:
         if self._compiled is None:
             return self._lower_and_run(flat)
         return list(self._compiled(*flat, *self._constants))
+
+    @property
+    def updates_in_place(self) -> bool:
+        """Whether the lowered program writes some state into its inputs (NOTE: [state
+        donation]): a failure part-way may leave part of the update there."""
+        return bool(self._donated)
 
     def _lower_and_run(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         """Lower the program on its first call and run it. Whole-graph: compile, then run.
@@ -176,6 +186,9 @@ class LoweredGraph:
         cache_dir = str(self.inductor_cache_dir) if self.inductor_cache_dir else None
         nodes = len(gm.graph.nodes)
         inputs = [*flat, *self._constants]
+        outputs = len(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])  # type: ignore[arg-type]
+        # CUDA graphs of Inductor skip a graph that mutates its (non-static) inputs
+        self._donated = () if self.options.cuda_graphs else donate(gm, self.donations, inputs)
         out: list[torch.Tensor] | None = None  # the first step's results, when it ran here
         regions = self.options.regions(_device_of(flat))
         title = f"a {nodes}-node program with inductor"
@@ -204,6 +217,11 @@ class LoweredGraph:
                     )
             if split is not None and prologue is not None:
                 compiled = WithScalarPrologue(prologue, compiled, split.prologue_inputs)
+            if self._donated:
+                compiled = Donating(compiled, self._donated, outputs)
+                if out is not None:
+                    first_outs = out
+                    out = Donating(lambda *_: first_outs, self._donated, outputs)(*inputs)
         self._compiled = compiled
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs", nodes, self.compile_seconds)
@@ -419,10 +437,10 @@ class Executable:
         call on a real rank, where its real inputs serve as examples."""
         plan = getattr(program, "deferred", None)
 
-        def lowered(gm: torch.fx.GraphModule) -> LoweredGraph:
-            return LoweredGraph(gm, options, inductor_cache_dir)
+        def lowered(gm: torch.fx.GraphModule, donations: Pairs = ()) -> LoweredGraph:
+            return LoweredGraph(gm, options, inductor_cache_dir, donations=donations)
 
-        step = lowered(program.graph_module)  # type: ignore[attr-defined]
+        step = lowered(program.graph_module, donation_pairs(program))  # type: ignore[attr-defined]
         if plan is None:
             return cls(step)
         return cls(step, lowered(plan.first), lowered(plan.steady), lowered(plan.finish))

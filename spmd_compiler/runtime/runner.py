@@ -315,16 +315,23 @@ def _run(
     except SPMDCompileError:
         raise
     except Exception as exc:
-        # NOTE: [state ownership]: nothing was written back, the state is intact.
+        # NOTE: [state ownership]: nothing was written back, the state is intact, unless
+        # the lowered program updates it in place (NOTE: [state donation]).
         pending = (
             " The update the previous call deferred (cross_iteration_overlap) was not "
             "applied either." if deferred else ""
         )
+        state = (
+            "The lowered program updates parameters and optimizer state in place: they may "
+            "hold part of this step's update; restore them from a checkpoint."
+            if lowered.updates_in_place
+            else "The model and optimizer hold the state of the last completed step."
+        )
         rank = dist.get_rank()
         raise SPMDRuntimeError(
             f"The compiled step failed on rank {rank}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}. {attribution(rank)} The "
-            f"model and optimizer hold the state of the last completed step.{pending}"
+            f"{str(exc).splitlines()[0] if str(exc) else ''}. {attribution(rank)} "
+            f"{state}{pending}"
         ) from exc
 
 

@@ -57,18 +57,25 @@ def _worker(rank: int, world: int, mode: str, dtype: torch.dtype, regions: bool 
     step = sc.compile(parallel_mode=parallel, backend="inductor", inductor_regions=regions)(
         classification_train_step
     )
-    losses = []
+    losses, addresses = [], []
     for x, y in _batches(dtype):
         losses.append(step(model, optim, x[rows], y[rows]).detach().clone())
+        weight = next(model.parameters())
+        moment = optim.state[weight]["exp_avg"]
+        addresses.append((weight.to_local().data_ptr(), moment.to_local().data_ptr()))
     lowered = step.last_program.executable.step
+    compiled = lowered._compiled
+    while hasattr(compiled, "inner") or hasattr(compiled, "main"):  # donation, scalar prologue
+        compiled = getattr(compiled, "inner", None) or compiled.main
     regions_run = [
-        m for m in getattr(lowered._compiled, "children", lambda: [])()
+        m for m in getattr(compiled, "children", lambda: [])()
         if type(m).__name__ == "_CompiledRegion" and m.compiled is not None
     ]
     return {
         "losses": losses, "state": full_state(model, optim, None),
         "lowered": lowered._compiled is not None, "lower_s": lowered.compile_seconds,
-        "regions": len(regions_run),
+        "regions": len(regions_run), "addresses": addresses,
+        "in_place": lowered.updates_in_place,
     }
 
 
@@ -92,6 +99,10 @@ def test_inductor_matches_single_device(mode: str, dtype: torch.dtype, tolerance
     losses, state = _reference(dtype)
     for rank_result in results:
         assert rank_result["lowered"], "the step did not run through the lowered program"
+        # NOTE: [state donation]: the steady program (steps 2 and 3) writes the parameter
+        # and its optimizer state where they are
+        assert rank_result["in_place"]
+        assert rank_result["addresses"][1] == rank_result["addresses"][2]
         for got, want in zip(rank_result["losses"], losses, strict=True):
             assert relative_difference(got, want) <= tolerance
     worst = max(relative_difference(results[0]["state"][k], v) for k, v in state.items())

@@ -1,0 +1,133 @@
+"""Lowered programs update the state they are given in place.
+
+NOTE: [state donation]
+The per-rank program is functional: it reads each parameter, buffer and optimizer-state
+tensor and returns its new value, and the runtime swaps the new tensor into the DTensor
+(NOTE: [state ownership] in runtime/runner.py). Interpreted, that costs one fresh
+allocation per state tensor per step. Lowered, it costs more: Inductor's fused optimizer
+kernel writes three fresh parameter-sized buffers, and on CPU glibc hands large buffers
+back to the kernel when they are freed, so every step page-faults them in again (MLP-512
+ddp, 2 gloo ranks: ~1,400 page faults per step; 24.0 ms a step, 21.8 ms with glibc told
+to keep its memory). torch's optimizers write in place and allocate nothing.
+
+So a lowered program (Inductor, on a real rank) is given each state tensor it both reads
+and writes as a donated input: before Inductor sees the graph, the new value is copied
+into the input (``aten.copy_`` at the end of the graph, which Inductor turns into kernels
+that write to the input's memory) and dropped from the outputs; the runtime gets the input
+tensor itself back in its place, so the swap it does is a no-op. Not donated:
+
+- a program with value checks (NOTE: [value checks]): a check that fails must leave the
+  state as it was, and the other program runs from it;
+- a program with a deferred part (NOTE: [cross-iteration overlap]): its ``first`` /
+  ``steady`` / ``finish`` programs pass state through a carry;
+- state the runtime pads before feeding it (NOTE: [uneven shards]): the program gets a
+  padded copy, not the state itself;
+- an input whose memory another input shares (Inductor's kernels would see one write
+  through the other);
+- with ``cuda_graphs=True``: Inductor's CUDA graphs skip a graph that mutates inputs it
+  was not told are static;
+- gradients: a program writes ``param.grad`` as a fresh tensor (the user may hold the
+  previous step's).
+
+The cost: a lowered step that fails part-way (a peer died in a collective) may leave part
+of its update in the state; the runtime's error says so for a donating program.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from .ir.signature import PADDED_KINDS, Kind
+
+DONATED_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.OPTIM_STATE)
+
+Pairs = tuple[tuple[int, int], ...]  # (input position, output position)
+
+
+def donation_pairs(program: Any) -> Pairs:
+    """The state ``program`` (a ``DistributedProgram``) reads at input ``i`` and writes at
+    output ``j``, as ``(i, j)`` pairs it may update in place (NOTE: [state donation])."""
+    captured = program.captured
+    if program.deferred is not None or captured.checks:
+        return ()
+    padded = program.padded or {}
+    inputs = {
+        ref: i
+        for i, (ref, _) in enumerate(captured.inputs)
+        if ref.kind in DONATED_KINDS and not (ref.name in padded and ref.kind in PADDED_KINDS)
+    }
+    return tuple((inputs[ref], j) for j, ref in enumerate(captured.outputs) if ref in inputs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def donate(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor]) -> Pairs:
+    """Rewrite ``gm`` to copy each donated state's new value into its input and drop it
+    from the outputs; returns the pairs kept (an input sharing memory with another, or an
+    output of another shape, dtype or device, is left as it was)."""
+    if not pairs:
+        return ()
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outs = list(output.args[0])  # type: ignore[arg-type]
+    shared = Counter(_storage(t) for t in inputs if isinstance(t, torch.Tensor))
+    donated = {j for _, j in pairs}
+    returned = {_viewed_input(o) for j, o in enumerate(outs) if j not in donated}
+    kept = []
+    for i, j in pairs:
+        t, value = inputs[i], outs[j]
+        val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+        if (
+            not isinstance(val, torch.Tensor)
+            or shared[_storage(t)] > 1
+            or placeholders[i] in returned  # returned as it was: it must keep its value
+            or (tuple(val.shape), val.dtype, val.device) != (tuple(t.shape), t.dtype, t.device)
+        ):
+            continue
+        kept.append((i, j))
+        if value is not placeholders[i]:
+            with graph.inserting_before(output):
+                graph.call_function(torch.ops.aten.copy_.default, (placeholders[i], value))
+    if not kept:
+        return ()
+    dropped = {j for _, j in kept}
+    output.args = (tuple(o for j, o in enumerate(outs) if j not in dropped),)
+    graph.lint()
+    gm.recompile()
+    return tuple(kept)
+
+
+def _viewed_input(value: object) -> torch.fx.Node | None:
+    """The placeholder ``value`` is, or is a view of (through ops returning an alias)."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function":
+        schema = getattr(value.target, "_schema", None)
+        returns = schema.returns if schema is not None else ()
+        if not returns or returns[0].alias_info is None or not value.args:
+            return None
+        value = value.args[0]
+    return value if isinstance(value, torch.fx.Node) and value.op == "placeholder" else None
+
+
+class Donating:
+    """Call a program compiled after ``donate`` and put each donated input back among its
+    outputs, where the new value was (NOTE: [state donation])."""
+
+    def __init__(self, inner: Callable[..., Sequence[torch.Tensor]], pairs: Pairs, outputs: int) -> None:
+        self.inner = inner
+        self.input_of = {j: i for i, j in pairs}
+        self.outputs = outputs
+
+    def __call__(self, *inputs: Any) -> list[torch.Tensor]:
+        rest = iter(self.inner(*inputs))
+        return [
+            inputs[self.input_of[j]] if j in self.input_of else next(rest)
+            for j in range(self.outputs)
+        ]

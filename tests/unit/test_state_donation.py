@@ -1,0 +1,91 @@
+"""State donation (NOTE: [state donation]): a lowered program writes the state it reads and
+returns into its inputs; which state qualifies, and that the values do not change."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from spmd_compiler.ir.signature import Kind, StateRef
+from spmd_compiler.state_donation import Donating, donate, donation_pairs
+
+W = StateRef(Kind.PARAM, "w")
+M = StateRef(Kind.OPTIM_STATE, "w", key="exp_avg", optimizer=0)
+G = StateRef(Kind.GRAD, "w")
+X = StateRef(Kind.INPUT, index=0)
+LOSS = StateRef(Kind.RETURN, index=0)
+
+
+def program(inputs, outputs, checks=(), deferred=None, padded=None):
+    captured = SimpleNamespace(
+        inputs=[(ref, None) for ref in inputs], outputs=list(outputs), checks=list(checks)
+    )
+    return SimpleNamespace(captured=captured, deferred=deferred, padded=padded or {})
+
+
+def test_pairs_are_state_read_and_written():
+    p = program([X, W, M, G], [LOSS, W, G, M])
+    assert donation_pairs(p) == ((1, 1), (2, 3))  # the gradient is never donated
+
+
+def test_no_pairs_with_checks_a_deferred_part_or_padding():
+    assert donation_pairs(program([W], [W], checks=[object()])) == ()
+    assert donation_pairs(program([W], [W], deferred=object())) == ()
+    # a padded parameter is fed as a padded copy; its optimizer state too
+    assert donation_pairs(program([W, M], [W, M], padded={"w": (3, 4)})) == ()
+
+
+def step(x, w, m):
+    m2 = m * 0.9 + (x.t() @ x).sum(0) * 0.1
+    w2 = w - 0.01 * m2
+    return (x @ w2).sum(), w2, m2
+
+
+def traced():
+    args = [torch.randn(4, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64),
+            torch.randn(3, dtype=torch.float64)]
+    return make_fx(step)(*args), args
+
+
+def test_donated_values_land_in_the_inputs():
+    gm, args = traced()
+    want = gm(*[a.clone() for a in args])
+    kept = donate(gm, ((1, 1), (2, 2)), args)
+    assert kept == ((1, 1), (2, 2))
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    assert len(copies) == 2
+    w, m = args[1], args[2]
+    got = Donating(gm, kept, 3)(*args)
+    assert got[1] is w and got[2] is m  # the inputs themselves, updated
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_inputs_sharing_memory_or_returned_as_they_were_are_not_donated():
+    gm, args = traced()
+    shared = [args[0], args[1], args[1]]  # the optimizer state is the parameter's memory
+    assert donate(gm, ((1, 1), (2, 2)), shared) == ()
+
+    def keeps_old(x, w):
+        return w, w * 2  # the old value is returned too
+
+    args = [torch.randn(3), torch.randn(3)]
+    gm = make_fx(keeps_old)(*args)
+    assert donate(gm, ((1, 1),), args) == ()
+
+    def keeps_a_view(x, w):
+        return w.view(3, 1), w * 2
+
+    gm = make_fx(keeps_a_view)(*args)
+    assert donate(gm, ((1, 1),), args) == ()
+
+
+def test_a_different_shape_is_not_donated():
+    def grows(x, w):
+        return (w.unsqueeze(0) * x).sum(0, keepdim=True), torch.cat([w, w])
+
+    args = [torch.randn(2, 3), torch.randn(3)]
+    gm = make_fx(grows)(*args)
+    assert donate(gm, ((1, 1),), args) == ()
