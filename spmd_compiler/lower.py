@@ -188,7 +188,8 @@ class LoweredGraph:
         inputs = [*flat, *self._constants]
         outputs = len(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])  # type: ignore[arg-type]
         # CUDA graphs of Inductor skip a graph that mutates its (non-static) inputs
-        self._donated = () if self.options.cuda_graphs else donate(gm, self.donations, inputs)
+        donating = not self.options.cuda_graphs and private.inductor_updates_inputs_safely()
+        self._donated = donate(gm, self.donations, inputs) if donating else ()
         out: list[torch.Tensor] | None = None  # the first step's results, when it ran here
         regions = self.options.regions(_device_of(flat))
         title = f"a {nodes}-node program with inductor"
