@@ -179,12 +179,26 @@ def cuda_markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _steps_measured(results: dict[str, Any]) -> str:
+    """``9 steps``, or with rounds (``--min-seconds``) the range over the models."""
+    options = results["options"]
+    counts = sorted(
+        options["steps"] * c.get("rounds", 1) for c in results["suite"]["cases"].values()
+    )
+    if not counts or counts[0] == counts[-1]:
+        return f"{counts[0] if counts else options['steps']} steps"
+    return (
+        f"{counts[0]}-{counts[-1]} steps (rounds of {options['steps']} until every run had "
+        f"{options.get('min_seconds', 0):g} s of timed steps)"
+    )
+
+
 def markdown(results: dict[str, Any], table: list[dict[str, Any]]) -> str:
     suite = results["suite"]
     cal = suite["calibration"]
     lines = [
         f"CPU suite: {suite['world_size']} gloo ranks, 1 torch thread each, median of "
-        f"{results['options']['steps']} steps after {results['options']['warmup']} warm-up "
+        f"{_steps_measured(results)} after {results['options']['warmup']} warm-up "
         "(a step's time is its slowest rank's), pairs alternating A/B in one launch. "
         f"Suite wall time {results['wall_seconds']['cpu_suite']:.0f} s.",
         *_load_lines(results),

@@ -226,7 +226,7 @@ def run_cuda(
 # torch.compile peer; the CUDA suite keeps its seven runs (the lowering benchmark,
 # ``benchmarks.lowering``, times Inductor there).
 DEFAULT_OPTIONS = {
-    "cpu": SuiteOptions(backends=("eager", "inductor"), torch_compile_peer=True),
+    "cpu": SuiteOptions(backends=("eager", "inductor"), torch_compile_peer=True, min_seconds=1.0),
     "cuda": SuiteOptions(warmup=5, steps=20),
 }
 
@@ -250,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-torch-compile", action="store_true", help="leave out the torch.compile peer"
     )
     parser.add_argument("--cases", default="", help="comma-separated models (cpu; default all)")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        help="measure in rounds of --steps until every run has this many seconds of timed "
+        "steps (cpu 1.0, cuda 0: one round)",
+    )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="smoke run: one tiny model")
     parser.add_argument(
@@ -270,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=default.steps if args.steps is None else args.steps,
         backends=tuple(args.backends.split(",")) if args.backends else default.backends,
         torch_compile_peer=default.torch_compile_peer and not args.no_torch_compile,
+        min_seconds=default.min_seconds if args.min_seconds is None else args.min_seconds,
     )
     if args.suite == "cuda":
         if not torch.cuda.is_available():

@@ -88,7 +88,9 @@ def test_cuda_suite_code_path_on_cpu(tmp_path) -> None:
     """``--suite cuda`` end to end on CPU (gloo, world 1, the quick model): the runs,
     the simulated parity, the device record and both tables."""
     # warm-up 2: a compiled step compiles on its first two calls
-    results = run_cuda(SuiteOptions(warmup=2, steps=2), quick=True, device="cpu", backend="gloo")
+    # two rounds of 2 timed steps: 10 s of timed steps per run is more than 2 rounds give
+    options = SuiteOptions(warmup=2, steps=2, min_seconds=10.0, max_rounds=2)
+    results = run_cuda(options, quick=True, device="cpu", backend="gloo")
     paths = write(results, str(tmp_path), "cuda")
     with open(paths["json"]) as f:
         data = json.load(f)
@@ -100,6 +102,7 @@ def test_cuda_suite_code_path_on_cpu(tmp_path) -> None:
     assert data["suite"]["world_size"] == 1 and data["suite"]["backend"] == "gloo"
     runs = {FLOOR} | {name for pair in PAIRS for name in pair}
     for case in data["suite"]["cases"].values():
+        assert case["rounds"] == 2
         assert set(case["step_seconds"]) == runs
         assert all(math.isfinite(t) and t > 0 for t in case["step_seconds"].values())
         assert case["step_peak_bytes"] == dict.fromkeys(runs)  # no peak off CUDA
