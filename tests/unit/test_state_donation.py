@@ -89,3 +89,16 @@ def test_a_different_shape_is_not_donated():
     args = [torch.randn(2, 3), torch.randn(3)]
     gm = make_fx(grows)(*args)
     assert donate(gm, ((1, 1),), args) == ()
+
+
+def test_the_executable_donates_only_a_program_without_checks():
+    from spmd_compiler.lower import Executable, LoweringOptions
+
+    gm, _ = traced()
+    options = LoweringOptions(backend="inductor")
+    plain = program([X, W, M], [LOSS, W, M])
+    plain.graph_module = gm
+    assert Executable.of(plain, options).step.donations == ((1, 1), (2, 2))
+    checked = program([X, W, M], [LOSS, W, M], checks=[object()])
+    checked.graph_module = gm
+    assert Executable.of(checked, options).step.donations == ()
