@@ -51,6 +51,7 @@ from torch.fx.passes.split_module import split_module
 from . import _torch_private as private
 from .errors import SPMDCompileError
 from .ir.collectives import is_collective, is_wait
+from .ir.graph_utils import output_args, pure_op
 from .progress import compile_progress
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
 from .state_donation import Donating, Pairs, donate, donation_pairs
@@ -186,16 +187,17 @@ class LoweredGraph:
         cache_dir = str(self.inductor_cache_dir) if self.inductor_cache_dir else None
         nodes = len(gm.graph.nodes)
         inputs = [*flat, *self._constants]
-        outputs = len(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])  # type: ignore[arg-type]
+        outputs = len(output_args(gm))
+        device = _device_of(flat)
         # CUDA graphs of Inductor skip a graph that mutates its (non-static) inputs
         donating = not self.options.cuda_graphs and private.inductor_updates_inputs_safely()
         self._donated = donate(gm, self.donations, inputs) if donating else ()
         out: list[torch.Tensor] | None = None  # the first step's results, when it ran here
-        regions = self.options.regions(_device_of(flat))
+        regions = self.options.regions(device)
         title = f"a {nodes}-node program with inductor"
         with compile_progress(title) as progress:
             # NOTE: [scalar prologue]: measured on CPU; CUDA keeps the one graph
-            split = split_scalar_prologue(gm) if _device_of(flat) == "cpu" else None
+            split = split_scalar_prologue(gm) if device == "cpu" else None
             prologue: Callable[..., Sequence[torch.Tensor]] | None = None
             if split is not None:
                 with progress.stage(f"scalar prologue ({split.moved} nodes)"):
@@ -219,10 +221,10 @@ class LoweredGraph:
             if split is not None and prologue is not None:
                 compiled = WithScalarPrologue(prologue, compiled, split.prologue_inputs)
             if self._donated:
-                compiled = Donating(compiled, self._donated, outputs)
+                donating_program = Donating(compiled, self._donated, outputs)
                 if out is not None:
-                    first_outs = out
-                    out = Donating(lambda *_: first_outs, self._donated, outputs)(*inputs)
+                    out = donating_program.restore(out, inputs)
+                compiled = donating_program
         self._compiled = compiled
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs", nodes, self.compile_seconds)
@@ -353,15 +355,10 @@ def fold_rank_values(gm: torch.fx.GraphModule) -> int:
 
 
 def _pure_op(node: torch.fx.Node) -> bool:
-    """An ATen-style op that neither mutates its inputs' values nor draws random numbers:
-    safe to evaluate ahead of time on constant tensors. ``detach_`` changes autograd
-    metadata only (the capture puts it after ``lift_fresh_copy`` of a traced constant)."""
-    if node.target is torch.ops.aten.detach_.default:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+    """``pure_op``: safe to evaluate ahead of time on constant tensors. ``detach_`` changes
+    autograd metadata only (the capture puts it after ``lift_fresh_copy`` of a traced
+    constant)."""
+    return node.target is torch.ops.aten.detach_.default or pure_op(node)
 
 
 def _holds_tensor(value: object) -> bool:

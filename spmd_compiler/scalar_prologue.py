@@ -36,6 +36,7 @@ import torch
 import torch.fx
 
 from .ir.collectives import is_collective, is_wait
+from .ir.graph_utils import placeholders, pure_op
 
 
 @dataclass
@@ -63,12 +64,7 @@ def _scalar_list(value: object) -> bool:
 def _movable_op(node: torch.fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
-    if is_collective(node) or is_wait(node):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+    return not (is_collective(node) or is_wait(node)) and pure_op(node)
 
 
 def scalar_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
@@ -108,11 +104,11 @@ def split_scalar_prologue(gm: torch.fx.GraphModule) -> ScalarSplit | None:
     such value is read by the rest of the program (nothing to gain). ``gm`` is left as it
     is; its placeholders carry ``meta["val"]``."""
     moved = scalar_nodes(gm)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    program_inputs = placeholders(gm)
     crossing = [n for n in gm.graph.nodes if n in moved and any(u not in moved for u in n.users)]
     if not any(u.op != "output" and u not in moved for n in crossing for u in n.users):
         return None
-    used_inputs = [p for p in placeholders if any(u in moved for u in p.users)]
+    used_inputs = [p for p in program_inputs if any(u in moved for u in p.users)]
 
     prologue_graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -126,7 +122,7 @@ def split_scalar_prologue(gm: torch.fx.GraphModule) -> ScalarSplit | None:
 
     main_graph = torch.fx.Graph()
     main_env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for p in placeholders:
+    for p in program_inputs:
         main_env[p] = main_graph.placeholder(p.name)
         main_env[p].meta.update(p.meta)
     for n in crossing:
@@ -138,7 +134,7 @@ def split_scalar_prologue(gm: torch.fx.GraphModule) -> ScalarSplit | None:
         main_env[node] = main_graph.node_copy(node, main_env.__getitem__)
     prologue = torch.fx.GraphModule(gm, prologue_graph)
     main = torch.fx.GraphModule(gm, main_graph)
-    index = {p: i for i, p in enumerate(placeholders)}
+    index = {p: i for i, p in enumerate(program_inputs)}
     return ScalarSplit(prologue, main, tuple(index[p] for p in used_inputs), len(moved))
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .ir.graph_utils import output_values, placeholders, set_outputs
 from .ir.signature import PADDED_KINDS, Kind
 
 DONATED_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.OPTIM_STATE)
@@ -78,9 +79,9 @@ def donate(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor
     if not pairs:
         return ()
     graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    outs = list(output.args[0])  # type: ignore[arg-type]
+    inputs_of = placeholders(gm)
+    output = graph.output_node()
+    outs = output_values(output)
     shared = Counter(_storage(t) for t in inputs if isinstance(t, torch.Tensor))
     donated = {j for _, j in pairs}
     returned = {_viewed_input(o) for j, o in enumerate(outs) if j not in donated}
@@ -91,18 +92,18 @@ def donate(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor
         if (
             not isinstance(val, torch.Tensor)
             or shared[_storage(t)] > 1
-            or placeholders[i] in returned  # returned as it was: it must keep its value
+            or inputs_of[i] in returned  # returned as it was: it must keep its value
             or (tuple(val.shape), val.dtype, val.device) != (tuple(t.shape), t.dtype, t.device)
         ):
             continue
         kept.append((i, j))
-        if value is not placeholders[i]:
+        if value is not inputs_of[i]:
             with graph.inserting_before(output):
-                graph.call_function(torch.ops.aten.copy_.default, (placeholders[i], value))
+                graph.call_function(torch.ops.aten.copy_.default, (inputs_of[i], value))
     if not kept:
         return ()
     dropped = {j for _, j in kept}
-    output.args = (tuple(o for j, o in enumerate(outs) if j not in dropped),)
+    set_outputs(gm, [o for j, o in enumerate(outs) if j not in dropped])
     graph.lint()
     gm.recompile()
     return tuple(kept)
@@ -129,7 +130,11 @@ class Donating:
         self.outputs = outputs
 
     def __call__(self, *inputs: Any) -> list[torch.Tensor]:
-        rest = iter(self.inner(*inputs))
+        return self.restore(self.inner(*inputs), inputs)
+
+    def restore(self, outs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> list[torch.Tensor]:
+        """The whole output list from the compiled program's outputs and its inputs."""
+        rest = iter(outs)
         return [
             inputs[self.input_of[j]] if j in self.input_of else next(rest)
             for j in range(self.outputs)

@@ -114,6 +114,15 @@ def _replace_functional_copy(node: torch.fx.Node) -> None:
         node.graph.erase_node(node)
 
 
+def pure_op(node: torch.fx.Node) -> bool:
+    """An ATen-style op that neither mutates its inputs nor draws random numbers: its value
+    depends on its inputs only, so it may be evaluated ahead of time or moved."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+
+
 def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
