@@ -46,7 +46,7 @@ import torch
 import torch.fx
 
 from .ir.graph_utils import output_values, placeholders, set_outputs
-from .ir.signature import PADDED_KINDS, Kind
+from .ir.signature import Kind
 
 DONATED_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.OPTIM_STATE)
 
@@ -59,11 +59,10 @@ def donation_pairs(program: Any) -> Pairs:
     captured = program.captured
     if program.deferred is not None or captured.checks:
         return ()
-    padded = program.padded or {}
     inputs = {
         ref: i
         for i, (ref, _) in enumerate(captured.inputs)
-        if ref.kind in DONATED_KINDS and not (ref.name in padded and ref.kind in PADDED_KINDS)
+        if ref.kind in DONATED_KINDS and not program.pads(ref)
     }
     return tuple((inputs[ref], j) for j, ref in enumerate(captured.outputs) if ref in inputs)
 

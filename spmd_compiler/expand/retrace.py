@@ -46,7 +46,7 @@ from .. import progress
 from ..errors import SPMDCompileError, node_error
 from ..ir.graph_utils import RetracingInterpreter, placeholders
 from ..ir.node_meta import PADDED, PLACEMENT
-from ..ir.signature import CapturedStep, Kind, TensorMeta, contiguous_stride
+from ..ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta, contiguous_stride
 from ..ir.use_step import UseGroup, UseHook, UseStep
 from .local_rules import LocalRules
 
@@ -88,6 +88,11 @@ class DistributedProgram:
     deferred: DeferredPlan | None = None
     # the lowered graphs that run (``lower.Executable``), set once the passes are done
     executable: Executable | None = None
+
+    def pads(self, ref: StateRef) -> bool:
+        """Whether the runtime feeds ``ref`` row-padded and unpads what it writes back
+        (NOTE: [uneven shards])."""
+        return ref.name in self.padded and ref.kind in PADDED_KINDS
 
 
 def format_placements(placements: Sequence[Placement]) -> str:

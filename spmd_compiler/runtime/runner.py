@@ -27,7 +27,7 @@ from ..capture.bindings import StepBindings, record_placed_away, record_replacem
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
 from ..errors import SPMDCompileError, SPMDRuntimeError
 from ..expand.retrace import DistributedProgram, Placements, format_placements
-from ..ir.signature import PADDED_KINDS, Kind, StateRef, TensorMeta, contiguous_stride
+from ..ir.signature import Kind, StateRef, TensorMeta, contiguous_stride
 from ..lower import Executable, LoweredGraph
 from .eager_calls import guard_direct_calls
 from .faults import attribution
@@ -204,7 +204,7 @@ def run_program(
             flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
         else:
             value = private.local_tensor_of(cast(DTensor, _state_value(bindings, ref)))
-            if program.padded and ref.name in program.padded and ref.kind in PADDED_KINDS:
+            if program.pads(ref):
                 value = _pad_rows(value, local.shape, sim, program.padded_dims.get(ref.name, 0))
             flat.append(value)
     if sim is not None:
@@ -370,7 +370,7 @@ def _write_back(
         clear_grads = False
     for j, value in zip(positions, outs, strict=True):
         ref, meta, placements = captured.outputs[j], captured.output_metas[j], program.output_placements[j]
-        if program.padded and ref.name in program.padded and ref.kind in PADDED_KINDS:
+        if program.pads(ref):
             value, meta = _unpad_rows(
                 value, meta, program.padded[ref.name], mesh, sim, program.padded_dims.get(ref.name, 0)
             )

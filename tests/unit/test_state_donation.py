@@ -3,11 +3,13 @@ returns into its inputs; which state qualifies, and that the values do not chang
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from spmd_compiler.expand.retrace import DistributedProgram
 from spmd_compiler.ir.signature import Kind, StateRef
 from spmd_compiler.state_donation import Donating, donate, donation_pairs
 
@@ -22,7 +24,9 @@ def program(inputs, outputs, checks=(), deferred=None, padded=None):
     captured = SimpleNamespace(
         inputs=[(ref, None) for ref in inputs], outputs=list(outputs), checks=list(checks)
     )
-    return SimpleNamespace(captured=captured, deferred=deferred, padded=padded or {})
+    fake = SimpleNamespace(captured=captured, deferred=deferred, padded=padded or {})
+    fake.pads = functools.partial(DistributedProgram.pads, fake)  # the real method
+    return fake
 
 
 def test_pairs_are_state_read_and_written():
