@@ -283,7 +283,8 @@ def bench_case(
     first: dict[str, float] = {}
     i, rounds = 0, 0
     while True:
-        x, y = data[i if i < len(data) else options.warmup + (i - options.warmup) % options.steps]
+        # later rounds take the timed batches again
+        x, y = data[i if i < options.warmup else options.warmup + (i - options.warmup) % options.steps]
         order = [FLOOR] + [n for g in groups for n in (g if i % 2 == 0 else g[::-1])]
         for name in order:
             seconds = timed_step(runs[name], x, y)

@@ -199,13 +199,11 @@ def _refuse_host_random_draws() -> Iterator[None]:
                         )
             yield
     finally:
-        watched = alone and not _other_threads()
-        changed = [
-            name for (name, _, _, get, _), state in zip(generators, before, strict=watched)
-            if watched and not _same_state(get(), state)
-        ]
-        if watched:
-            for (_, _, _, _, set_state), state in zip(generators, before, strict=True):
+        changed: list[str] = []
+        if alone and not _other_threads():
+            for (name, _, _, get, set_state), state in zip(generators, before, strict=True):
+                if not _same_state(get(), state):
+                    changed.append(name)
                 set_state(state)
     if changed:
         raise SPMDCompileError(
