@@ -2759,6 +2759,20 @@ def functional_collective_ops() -> Any:
     return torch.ops._c10d_functional
 
 
+def process_group_size(group_name: object) -> int | None:
+    """How many ranks the process group registered as ``group_name`` spans (the name a
+    folded program's functional collectives carry, NOTE: [lowering]); None when the name
+    is not a registered group's."""
+    if not isinstance(group_name, str):
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return int(_resolve_process_group(group_name).size())  # type: ignore[arg-type]
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
 def dispatch_mode_base() -> type:
     """``TorchDispatchMode``: the base of a mode that sees every ATen op as it runs
     (the benchmarks count an eager step's collectives with one)."""

@@ -32,7 +32,7 @@ from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.runner import BranchMismatch, StepTimings
-from .runtime.same_inputs import check_same_inputs_on_all_ranks
+from .runtime.same_inputs import InputAgreement
 from .runtime.simulate import Simulation, active_simulation
 from .runtime.step_executable import CallResult, StepExecutable
 
@@ -114,19 +114,23 @@ class CompiledTrainStep:
         bindings = find_bindings(self.func, args, kwargs)
         mesh = self._mesh(bindings)
         tensor_args = [t for _, t in bindings.tensor_args()]
-        if sim is None:  # every call, cached program or not: NOTE: [same inputs on all ranks]
-            check_same_inputs_on_all_ranks(tensor_args)
+        # every call on real ranks, cached program or not: NOTE: [same inputs on all ranks]
+        agreement = InputAgreement(tensor_args) if sim is None and dist.get_world_size() > 1 else None
         input_metas = [
             self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
         ]
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
         executable = self._cached_executable(key, bindings)
         if executable is None:
+            if agreement is not None:
+                agreement.before_compile()
             executable = self._compile(key, bindings, input_metas, mesh)
         if self._last is not None and self._last is not executable:
             self._last.flush()  # another program runs now: finish the old one's update
         self._last = executable
-        call = self._run_branches(executable, key, bindings, tensor_args, input_metas, mesh, sim)
+        call = self._run_branches(
+            executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement
+        )
         if call.lower_seconds > 0:  # this call lowered a graph (NOTE: [lowering])
             self.timings.compile_seconds += call.lower_seconds
             self.timings.lower_seconds += call.lower_seconds
@@ -137,18 +141,18 @@ class CompiledTrainStep:
     def _run_branches(
         self, executable: StepExecutable, key: tuple, bindings: StepBindings,
         tensor_args: list[torch.Tensor], input_metas: list[TensorMeta], mesh: DeviceMesh,
-        sim: Simulation | None,
+        sim: Simulation | None, agreement: InputAgreement | None,
     ) -> CallResult:
         """Run the step; when an ``if`` on a tensor's value went the other way than the
         program took, nothing was written: run the program of that way, compiled on
         first need, on the same inputs and random-number state (NOTE: [value checks])."""
         if not executable.program.captured.checks:  # no `if` on a value: nothing to redo
-            return executable.run(bindings, tensor_args, sim)
+            return executable.run(bindings, tensor_args, sim, agreement)
         device = next(iter(bindings.params.values())).device
         for _ in range(MAX_BRANCH_PROGRAMS):
             rng = _rng_state(device)
             try:
-                call = executable.run(bindings, tensor_args, sim)
+                call = executable.run(bindings, tensor_args, sim, agreement)
             except BranchMismatch as mismatch:
                 _set_rng_state(device, rng)
                 executable = self._branch_program(key, bindings, input_metas, mesh, mismatch.decisions)

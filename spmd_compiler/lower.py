@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
@@ -52,6 +53,13 @@ from . import _torch_private as private
 from .errors import SPMDCompileError
 from .ir.collectives import is_collective, is_wait
 from .ir.graph_utils import output_args, pure_op
+from .ir.signature import Kind
+from .leading_reductions import (
+    NOTHING_SENT,
+    LeadingSplit,
+    split_leading_reductions,
+    world_all_reduces,
+)
 from .progress import compile_progress
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
 from .state_donation import Donating, Pairs, donate, donation_pairs
@@ -152,16 +160,70 @@ class LoweredGraph:
     compile_seconds: float = 0.0
     # state this program may update in place once lowered (NOTE: [state donation])
     donations: Pairs = ()
+    # positions of the step's tensor arguments among the inputs (NOTE: [reductions that
+    # ride the input check])
+    batch_inputs: tuple[int, ...] = ()
     _compiled: Callable[..., Sequence[torch.Tensor]] | None = None
     _donated: Pairs = ()
     _constants: list[torch.Tensor] = field(default_factory=list)
+    # the program without its leading all-reduces (NOTE: [reductions that ride the input
+    # check]), decided on the first call on a real rank; folded for Inductor
+    _leading: LeadingSplit | None = None
+    _prepared: bool = False
+    _early_compiled: Callable[..., Sequence[torch.Tensor]] | None = None
 
-    def __call__(self, flat: list[torch.Tensor], simulated: bool) -> list[torch.Tensor]:
-        if simulated or resolve_backend(self.options.backend, _device_of(flat)) == "eager":
-            return list(self.graph_module(*flat))
+    def __call__(
+        self, flat: list[torch.Tensor], simulated: bool, opened: Sequence[torch.Tensor] = ()
+    ) -> list[torch.Tensor]:
+        """Run the program on ``flat``. On a real rank whose program was cut at the input
+        check's round (``leading``), this runs the rest: ``opened`` holds the round's sums,
+        then what ``early`` returned (NOTE: [reductions that ride the input check])."""
+        cut = not simulated and self._leading is not None
+        if simulated or self._eager(flat):
+            gm = self._leading.main if cut else self.graph_module  # type: ignore[union-attr]
+            return list(gm(*flat, *opened))
         if self._compiled is None:
-            return self._lower_and_run(flat)
-        return list(self._compiled(*flat, *self._constants))
+            return self._lower_and_run(flat, opened)
+        return list(self._compiled(*flat, *opened, *self._constants))
+
+    def _eager(self, flat: list[torch.Tensor]) -> bool:
+        return resolve_backend(self.options.backend, _device_of(flat)) == "eager"
+
+    def leading(self, flat: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
+        """What this program sends in the input check's round on a real rank: a description
+        of the values, and the values (NOTE: [reductions that ride the input check])."""
+        if not self._prepared:
+            self._prepared = True
+            self._leading = self._split_leading(flat)
+        if self._leading is None:
+            return NOTHING_SENT, []
+        return self._leading.signature, list(self._leading.prefix(*flat))
+
+    def early(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run what needs neither the round's sums nor a collective (after ``leading``,
+        while the round is in flight); returns what the rest of the program reads."""
+        split = self._leading
+        if split is None or split.early is None:
+            return []
+        if self._eager(flat):
+            return list(split.early(*flat))
+        if self._early_compiled is None:
+            start = time.perf_counter()
+            cache_dir = str(self.inductor_cache_dir) if self.inductor_cache_dir else None
+            with compile_progress(f"the {len(split.early.graph.nodes)}-node opening of a program"):
+                self._early_compiled = private.inductor_compile(split.early, flat, cache_dir=cache_dir)
+            self.compile_seconds += time.perf_counter() - start
+        return list(self._early_compiled(*flat))
+
+    def _split_leading(self, flat: list[torch.Tensor]) -> LeadingSplit | None:
+        if _device_of(flat) != "cpu" or self.options.cuda_graphs:
+            return None  # NOTE: [reductions that ride the input check]: CPU only
+        folded = copy.deepcopy(self.graph_module)
+        fold_rank_values(folded)
+        eligible = world_all_reduces(folded, private.process_group_size, dist.get_world_size())
+        # the interpreter runs the program as captured; Inductor lowers the folded one
+        program = self.graph_module if self._eager(flat) else folded
+        return split_leading_reductions(program, eligible, set(self.batch_inputs))
 
     @property
     def updates_in_place(self) -> bool:
@@ -169,7 +231,7 @@ class LoweredGraph:
         donation]): a failure part-way may leave part of the update there."""
         return bool(self._donated)
 
-    def _lower_and_run(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _lower_and_run(self, flat: list[torch.Tensor], opened: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Lower the program on its first call and run it. Whole-graph: compile, then run.
         Regions (NOTE: [compute regions]): split, then run; each region compiles on its
         first call with its real inputs, so this first step compiles as it goes (its
@@ -181,12 +243,15 @@ class LoweredGraph:
                 hint="drop cuda_graphs on CPU, or move the model and batch to CUDA.",
             )
         start = time.perf_counter()
-        gm = copy.deepcopy(self.graph_module)
-        fold_rank_values(gm)
+        if self._leading is not None:
+            gm = self._leading.main  # folded already: the program after the round
+        else:
+            gm = copy.deepcopy(self.graph_module)
+            fold_rank_values(gm)
         self._constants = lift_constants(gm)
         cache_dir = str(self.inductor_cache_dir) if self.inductor_cache_dir else None
         nodes = len(gm.graph.nodes)
-        inputs = [*flat, *self._constants]
+        inputs = [*flat, *opened, *self._constants]
         outputs = len(output_args(gm))
         device = _device_of(flat)
         # CUDA graphs of Inductor skip a graph that mutates its (non-static) inputs
@@ -228,7 +293,7 @@ class LoweredGraph:
         self._compiled = compiled
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs", nodes, self.compile_seconds)
-        return out if out is not None else list(self._compiled(*flat, *self._constants))
+        return out if out is not None else list(self._compiled(*flat, *opened, *self._constants))
 
 
 def split_at_collectives(
@@ -435,8 +500,14 @@ class Executable:
         call on a real rank, where its real inputs serve as examples."""
         plan = getattr(program, "deferred", None)
 
+        captured = getattr(program, "captured", None)
+        batch = tuple(
+            i for i, (ref, _) in enumerate(getattr(captured, "inputs", ()))
+            if ref.kind is Kind.INPUT
+        )
+
         def lowered(gm: torch.fx.GraphModule, donations: Pairs = ()) -> LoweredGraph:
-            return LoweredGraph(gm, options, inductor_cache_dir, donations=donations)
+            return LoweredGraph(gm, options, inductor_cache_dir, donations=donations, batch_inputs=batch)
 
         step = lowered(program.graph_module, donation_pairs(program))  # type: ignore[attr-defined]
         if plan is None:

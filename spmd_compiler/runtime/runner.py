@@ -31,6 +31,7 @@ from ..ir.signature import Kind, StateRef, TensorMeta, contiguous_stride
 from ..lower import Executable, LoweredGraph
 from .eager_calls import guard_direct_calls
 from .faults import attribution
+from .same_inputs import InputAgreement
 from .simulate import Simulation
 
 
@@ -182,11 +183,14 @@ def run_program(
     tensor_args: list[torch.Tensor],
     sim: Simulation | None,
     carry: list[torch.Tensor] | None = None,
+    agreement: InputAgreement | None = None,
 ) -> tuple[Any, list[torch.Tensor] | None]:
     """Run one step of ``program`` on the installed state.
 
     With a deferred part (NOTE: [cross-iteration overlap]) the step runs the ``first``
-    program when ``carry`` is None, else ``steady`` on the previous call's carry.
+    program when ``carry`` is None, else ``steady`` on the previous call's carry. On real
+    ranks the input check's round (``agreement``) runs first, carrying the program's
+    leading all-reduces (NOTE: [reductions that ride the input check]).
 
     Returns:
         The step's result, and the carry for the next call (None without a deferred part).
@@ -210,7 +214,7 @@ def run_program(
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
     flat += carry or []
-    outs = _run(graph, flat, sim, deferred=carry is not None)
+    outs = _run(graph, flat, sim, deferred=carry is not None, agreement=agreement)
     next_carry = None
     if plan is not None:
         outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
@@ -304,15 +308,23 @@ def run_finish(
 
 def _run(
     lowered: LoweredGraph, flat: list[torch.Tensor], sim: Simulation | None, deferred: bool,
+    agreement: InputAgreement | None = None,
 ) -> list[torch.Tensor]:
     """Call a program on its flat inputs: on every simulated rank, or on this real rank,
-    where a failure (usually a collective whose peer died) becomes ``SPMDRuntimeError``."""
+    where a failure (usually a collective whose peer died) becomes ``SPMDRuntimeError``.
+    On real ranks the input check's round (``agreement``) comes first, with what the
+    program sends along and its early part computed while the round is in flight (NOTE:
+    [reductions that ride the input check])."""
     if sim is not None:
         with sim.constants_per_rank(lowered.graph_module), sim.ranks():
             return lowered(flat, simulated=True)
     try:
-        return lowered(flat, simulated=False)
-    except SPMDCompileError:
+        if agreement is None:
+            return lowered(flat, simulated=False)
+        round_ = agreement.start(*lowered.leading(flat))
+        early = lowered.early(flat)
+        return lowered(flat, simulated=False, opened=[*round_.finish(), *early])
+    except (SPMDCompileError, SPMDRuntimeError):
         raise
     except Exception as exc:
         # NOTE: [state ownership]: nothing was written back, the state is intact, unless

@@ -1,19 +1,28 @@
-"""Every rank passes tensor arguments of the same shapes and dtypes, checked every call.
+"""Every rank passes tensor arguments of the same shapes and dtypes, checked every call in
+one round that also carries the program's leading all-reduces.
 
 NOTE: [same inputs on all ranks]
 The per-rank program is one program for all ranks: a rank whose local batch has another
 shape runs (or compiles) another program, and the two then wait in different collectives
-until the collective timeout. So every call, before the program cache is consulted,
-each rank reduces a 56-bit digest of its tensor arguments' shapes and dtypes with one
-all-reduce (MAX of ``(digest, -digest)``: the ranks agree exactly when max == min). Only
-when they disagree do the ranks exchange their descriptions (an all-gather of bytes) and
-raise, every rank the same error naming each rank's shapes. Tensor collectives only
-(object collectives need numpy). On NCCL the check runs on a CPU (gloo) side group, so it
-never waits for the GPU.
+until the collective timeout (on gloo, one aborts the process when the sizes differ). So
+every call makes one round before its program issues any collective: a sum all-reduce of
+a few float64 values carrying a 48-bit digest of the rank's tensor arguments' shapes and
+dtypes (``InputAgreement``). A call that compiles makes one more round before it
+compiles, marked pending: a rank whose program is cached and a rank that compiles meet
+there, and the cached rank sends its round again until the other is ready to run. Only
+when the digests disagree do the ranks exchange their descriptions (an all-gather of
+bytes) and raise, every rank the same error naming each rank's shapes. Tensor collectives
+only (object collectives need numpy). On NCCL the round runs on a CPU (gloo) side group,
+so it never waits for the GPU.
+
+The round also carries what the program can reduce before it runs, and the program
+computes what needs no collective while the round is in flight (NOTE: [reductions that
+ride the input check] in ``leading_reductions.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SPMDCompileError, SPMDRuntimeError
+from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
 from .faults import attribution
 
 # One gloo side group per default group, for NCCL jobs (see NOTE above).
@@ -36,8 +46,15 @@ def describe_inputs(tensor_args: Sequence[torch.Tensor]) -> str:
     return ", ".join(parts) or "no tensors"
 
 
+@functools.lru_cache(maxsize=256)
+def _parts_of(text: str) -> tuple[int, ...]:
+    """The parts a round sends of ``text``'s digest (cached: the same texts come back every
+    call)."""
+    return tuple(_parts(_digest(text)))
+
+
 def _digest(description: str) -> int:
-    return int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(description.encode(), digest_size=6).digest(), "big")
 
 
 def _cpu_group() -> Any:
@@ -50,32 +67,129 @@ def _cpu_group() -> Any:
     return _CPU_GROUPS[key]
 
 
-def check_same_inputs_on_all_ranks(tensor_args: Sequence[torch.Tensor]) -> None:
-    """Raise ``SPMDCompileError`` on every rank when ranks pass different shapes or dtypes.
+class InputAgreement:
+    """The ranks' agreement on one call's inputs: every call on real ranks makes one round
+    (a sum all-reduce of ``ROUND`` float64 values) before its program runs, and a call
+    that compiles makes one more before it compiles. See NOTE: [same inputs on all ranks].
 
-    A collective (every rank calls it once per step): see NOTE: [same inputs on all
-    ranks]. A failure of the collective itself (a peer died) is an ``SPMDRuntimeError``
-    naming the rank that failed first.
+    A round carries: whether this rank still compiles before it runs (``pending``), the
+    digest of its inputs' shapes and dtypes, the digest of what its program sends along,
+    and the program's values (NOTE: [reductions that ride the input check]). A 48-bit
+    digest goes as three 16-bit parts, each sent with its square: the ranks sent the same
+    part exactly when sum(h) == world * h and sum(h * h) == world * h * h hold on a rank
+    (then the parts' variance is 0), which every rank reads off the same sums, so every
+    rank decides the same way (float64 sums are exact below 2**53: 2**21 ranks).
     """
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    group = _cpu_group()
-    description = describe_inputs(tensor_args)
-    digest = _digest(description)
-    bounds = torch.tensor([digest, -digest], dtype=torch.int64)
-    _collective(lambda: dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group))
-    if int(bounds[0]) == -int(bounds[1]):
-        return
-    everyone = _all_descriptions(description, group, world)
-    lines = "\n".join(f"    rank {rank}: {text}" for rank, text in enumerate(everyone))
-    raise SPMDCompileError(
-        "The ranks pass tensor arguments of different shapes or dtypes to the train step, "
-        "so they would run different programs (and wait for each other until the "
-        f"collective timeout). Tensor arguments per rank:\n{lines}",
-        hint="give every rank a local batch of the same shape (split the global batch "
-        "evenly; drop or pad the last partial batch).",
-    )
+
+    def __init__(self, tensor_args: Sequence[torch.Tensor]) -> None:
+        self.description = describe_inputs(tensor_args)
+        self.world = dist.get_world_size()
+        self.group = _cpu_group()
+
+    def before_compile(self) -> None:
+        """The round of a rank about to compile: raise if the inputs disagree."""
+        self.start(NOTHING_SENT, [], pending=True).finish()
+
+    def before_run(self, sends: str, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The round of a rank about to run its program, which sends ``values`` (described
+        by ``sends``); returns their sums over the ranks, each in its own dtype and shape."""
+        return self.start(sends, values).finish()
+
+    def start(self, sends: str, values: Sequence[torch.Tensor], pending: bool = False) -> Round:
+        """Issue this rank's round; ``Round.finish`` waits for it. The program may compute
+        in between, as long as it issues no collective (NOTE: [reductions that ride the
+        input check])."""
+        payload = [float(x) for v in values for x in v.detach().reshape(-1).tolist()]
+        if len(payload) > SLOTS:
+            raise ValueError(f"{len(payload)} values do not fit a round of {SLOTS}")
+        parts = [*_parts_of(self.description), *_parts_of(sends)]
+        row = [float(pending)]
+        for h in parts:
+            row += [float(h), float(h * h)]
+        row += payload + [0.0] * (SLOTS - len(payload))
+        buf = torch.tensor(row, dtype=torch.float64)
+        work = _collective(
+            lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        )
+        return Round(self, buf, work, pending, sends, list(values), parts)
+
+    def _read(self, r: Round) -> list[torch.Tensor] | None:
+        """The sums of a finished round, or None when a rank compiles first."""
+        sums = r.buf.tolist()
+        agree = [
+            sums[1 + 2 * k] == self.world * h and sums[2 + 2 * k] == self.world * h * h
+            for k, h in enumerate(r.parts)
+        ]
+        if not all(agree[:_PARTS]):
+            self._raise_disagreement()
+        if r.pending or sums[0] > 0:
+            return None  # a rank compiles first: its next round is the one to read
+        if not all(agree[_PARTS:]):
+            raise SPMDRuntimeError(
+                "The ranks run different programs for the same input shapes (the values "
+                f"their programs send with the input check differ; this rank's: {r.sends}), "
+                "so their collectives would not match. Nothing was updated: the model and "
+                "optimizer keep the state of the last completed step. Make every rank "
+                "read the same Python values in the train step."
+            )
+        out, offset = [], 1 + 2 * len(r.parts)
+        for v in r.values:
+            part = r.buf[offset : offset + v.numel()]
+            out.append(part.to(v.dtype).reshape(v.shape).to(v.device))
+            offset += v.numel()
+        return out
+
+    def _raise_disagreement(self) -> None:
+        everyone = _all_descriptions(self.description, self.group, self.world)
+        lines = "\n".join(f"    rank {rank}: {text}" for rank, text in enumerate(everyone))
+        raise SPMDCompileError(
+            "The ranks pass tensor arguments of different shapes or dtypes to the train step, "
+            "so they would run different programs (and wait for each other until the "
+            f"collective timeout). Tensor arguments per rank:\n{lines}",
+            hint="give every rank a local batch of the same shape (split the global batch "
+            "evenly; drop or pad the last partial batch).",
+        )
+
+
+class Round:
+    """One rank's round in flight (``InputAgreement.start``)."""
+
+    def __init__(
+        self, agreement: InputAgreement, buf: torch.Tensor, work: Any, pending: bool,
+        sends: str, values: list[torch.Tensor], parts: list[int],
+    ) -> None:
+        self.agreement, self.buf, self.work = agreement, buf, work
+        self.pending, self.sends, self.values, self.parts = pending, sends, values, parts
+
+    def finish(self) -> list[torch.Tensor]:
+        """Wait for the round; raise if the ranks disagree; return the sums of the values
+        sent. While another rank compiles first (its round said ``pending``), this rank
+        sends its round again until that rank's next one."""
+        current = self
+        while True:
+            _collective(current.work.wait)
+            sums = self.agreement._read(current)
+            if sums is not None or current.pending:
+                return sums or []
+            current = self.agreement.start(self.sends, self.values)
+
+
+_PARTS, _PART_BITS = 3, 16  # a 48-bit digest in parts whose squares sum exactly
+SLOTS = MAX_SLOTS
+ROUND = 1 + 2 * 2 * _PARTS + SLOTS  # pending, two digests (parts, squares), the values
+
+
+def _parts(digest: int) -> list[int]:
+    mask = (1 << _PART_BITS) - 1
+    return [(digest >> (_PART_BITS * k)) & mask for k in range(_PARTS)]
+
+
+def check_same_inputs_on_all_ranks(tensor_args: Sequence[torch.Tensor]) -> None:
+    """One round that sends nothing: raise ``SPMDCompileError`` on every rank when ranks
+    pass different shapes or dtypes. A failure of the collective itself (a peer died) is
+    an ``SPMDRuntimeError`` naming the rank that failed first."""
+    if dist.get_world_size() > 1:
+        InputAgreement(tensor_args).before_run(NOTHING_SENT, [])
 
 
 def _all_descriptions(description: str, group: Any, world: int) -> list[str]:
@@ -89,9 +203,9 @@ def _all_descriptions(description: str, group: Any, world: int) -> list[str]:
     return [bytes(t.tolist()).rstrip(b"\0").decode() for t in gathered]
 
 
-def _collective(call: Any) -> None:
+def _collective(call: Any) -> Any:
     try:
-        call()
+        return call()
     except Exception as exc:
         rank = dist.get_rank()
         raise SPMDRuntimeError(

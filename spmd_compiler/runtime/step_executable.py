@@ -26,6 +26,7 @@ from ..expand.retrace import DistributedProgram, Placements
 from ..ir.signature import StateRef, TensorMeta
 from ..lower import Executable, LoweringOptions
 from .runner import install_state, run_finish, run_program
+from .same_inputs import InputAgreement
 from .simulate import Simulation
 
 PlacementOf = Callable[[StateRef, TensorMeta, DeviceMesh], Placements]
@@ -83,10 +84,12 @@ class StepExecutable:
         return self._pending is not None
 
     def run(
-        self, bindings: StepBindings, tensor_args: list[torch.Tensor], sim: Simulation | None
+        self, bindings: StepBindings, tensor_args: list[torch.Tensor], sim: Simulation | None,
+        agreement: InputAgreement | None = None,
     ) -> CallResult:
         """One step on ``bindings``' state; a deferred update of another set of objects
-        (or another simulation) is applied first."""
+        (or another simulation) is applied first. ``agreement``: the input check's round
+        of a call on real ranks (NOTE: [same inputs on all ranks])."""
         pending = self._pending
         if pending is not None and (pending.sim is not sim or not _same_objects(pending.bindings, bindings)):
             self.flush()
@@ -96,7 +99,7 @@ class StepExecutable:
         start = time.perf_counter()
         value, carry = run_program(
             self.program, self.lowered, bindings, tensor_args, sim,
-            pending.carry if pending else None,
+            pending.carry if pending else None, agreement,
         )
         elapsed = time.perf_counter() - start
         self._pending = None

@@ -60,3 +60,36 @@ def test_mismatched_shapes_and_dtypes_fail_on_every_rank_within_seconds() -> Non
             assert call["seconds"] < 5.0, f"rank {rank} took {call['seconds']:.1f} s"
     # the ranks stayed in step: training continues after the refused calls
     assert results[0][5]["loss"] == results[1][5]["loss"]
+
+
+def _round_worker(rank: int, world_size: int) -> dict:
+    from spmd_compiler.runtime.same_inputs import InputAgreement
+
+    agreement = InputAgreement([torch.zeros(4, 8), torch.zeros(4, dtype=torch.int64)])
+    count = torch.tensor(float(rank + 3))  # float32
+    pair = torch.tensor([1, 2 + rank])  # int64
+    if rank == 1:  # rank 1 compiles first: rank 0's round meets its pending one, then again
+        agreement.before_compile()
+    sums = agreement.before_run("count and pair", [count, pair])
+    out: dict = {"sums": [s.tolist() for s in sums], "dtypes": [str(s.dtype) for s in sums]}
+    # an in-flight round: the rank computes, then reads the sums
+    flying = agreement.start("count", [count])
+    torch.randn(64, 64) @ torch.randn(64, 64)
+    out["flying"] = flying.finish()[0].item()
+    try:  # the programs send different things: every rank refuses, none reads garbage
+        agreement.before_run("count" if rank == 0 else "another count", [count])
+    except sc.SPMDRuntimeError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def test_the_round_carries_the_programs_sums_and_waits_for_a_compiling_rank() -> None:
+    """NOTE: [reductions that ride the input check]: the round's values come back summed
+    in their own dtypes, a rank that compiles first is waited for, and ranks whose
+    programs send different values refuse together."""
+    results = sc.launch(_round_worker, 2, timeout_s=120, collective_timeout_s=30)
+    for out in results:
+        assert out["sums"] == [7.0, [2, 5]]
+        assert out["dtypes"] == ["torch.float32", "torch.int64"]
+        assert out["flying"] == 7.0
+        assert "different programs" in out["error"]
