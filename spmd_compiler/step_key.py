@@ -268,9 +268,13 @@ def _skipped_roots() -> tuple[str, ...]:
 
 
 def _loaded_files() -> dict[str, Any]:
-    """Source file (as the module names it) -> the module loaded from it."""
-    return {f: m for m in list(sys.modules.values())
-            if isinstance(f := getattr(m, "__file__", None), str)}
+    """Source file (as the module names it) -> the module loaded from it. A module named
+    inside torch's package is torch's, wherever its file lies: Inductor execs the kernels
+    it generates from its cache directory as ``torch._inductor...<key>`` modules, written
+    while the process runs; taken for user files edited while loaded, they left every
+    step compiled after an Inductor compile without a cache entry."""
+    return {f: m for name, m in list(sys.modules.items())
+            if isinstance(f := getattr(m, "__file__", None), str) and not name.startswith("torch.")}
 
 
 def _process_start_ns() -> int:

@@ -1,0 +1,36 @@
+"""The step key's module manifest (NOTE: [cache key before capture]): which loaded
+modules count as sources of the step."""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+import pytest
+
+from spmd_compiler.step_key import Uncacheable, module_manifest
+
+
+def _generated(monkeypatch: pytest.MonkeyPatch, tmp_path, name: str) -> str:
+    """A module made by exec of a file written after this process started (as Inductor
+    loads the kernels it generates)."""
+    path = tmp_path / "generated.py"
+    path.write_text("x = 1\n")
+    module = ModuleType(name)
+    module.__file__ = str(path)
+    monkeypatch.setitem(sys.modules, name, module)
+    return str(path)
+
+
+def test_kernels_inductor_generated_are_not_sources_of_the_step(tmp_path, monkeypatch) -> None:
+    """After any Inductor compile in the process (backend="inductor", torch.compile), its
+    generated modules were taken for user files edited while loaded, and no later step
+    got a cache entry."""
+    path = _generated(monkeypatch, tmp_path, "torch._inductor.runtime.compile_tasks.ckey")
+    assert all(entry[0] != path for entry in module_manifest())
+
+
+def test_a_user_module_written_while_the_process_runs_still_refuses(tmp_path, monkeypatch) -> None:
+    _generated(monkeypatch, tmp_path, "generated_by_the_user")
+    with pytest.raises(Uncacheable, match="changed since it was loaded"):
+        module_manifest()
