@@ -52,7 +52,10 @@ BYTES_NOTE = (
     "bytes; fsdp = params gathered once + grads reduce-scattered once. FSDP2 (reshard "
     "after forward) gathers twice, so its own minimum would be 3x params. The compiled "
     "steps also all-reduce the loss's partial sum (inside the gradient bucket under ddp) "
-    "and its total weight (for an exact global mean): 8 bytes over the minimum."
+    "and its total weight (for an exact global mean): 8 bytes over the minimum. Counts are "
+    "the program's collectives: on these real CPU ranks the total weight's all-reduce "
+    "rides the per-call input check's round instead (NOTE: [reductions that ride the "
+    "input check]), which is not counted."
 )
 NOTES = [
     RATIO_NOTE,

@@ -39,6 +39,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -1289,8 +1290,23 @@ def inductor_cache_dir(directory: str | None) -> Iterator[None]:
         return
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+    _INDUCTOR_DIRS.add(os.path.abspath(directory))
     with temporary_cache_dir(directory):
         yield
+
+
+_INDUCTOR_DIRS: set[str] = set()  # cache directories this process gave Inductor
+
+
+def inductor_cache_roots() -> tuple[str, ...]:
+    """The directories Inductor writes its generated kernels to and loads them from as
+    modules in this process: its cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its
+    default, read without creating it) and those ``inductor_cache_dir`` gave it."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    roots = {os.path.abspath(current), *_INDUCTOR_DIRS}
+    return tuple({r.rstrip(os.sep) + os.sep for root in roots for r in (root, os.path.realpath(root))})
 
 
 def strided_shard(dim: int, split_factor: int) -> Any:

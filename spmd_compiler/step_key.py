@@ -270,9 +270,10 @@ def _skipped_roots() -> tuple[str, ...]:
 def _loaded_files() -> dict[str, Any]:
     """Source file (as the module names it) -> the module loaded from it. A module named
     inside torch's package is torch's, wherever its file lies: Inductor execs the kernels
-    it generates from its cache directory as ``torch._inductor...<key>`` modules, written
-    while the process runs; taken for user files edited while loaded, they left every
-    step compiled after an Inductor compile without a cache entry."""
+    it generates as ``torch._inductor...<key>`` modules (and loads their C++ libraries as
+    ``<key>.kernel``, skipped by their directory, ``inductor_cache_roots``), written while
+    the process runs; taken for user files edited while loaded, they left every step
+    compiled after an Inductor compile without a cache entry."""
     return {f: m for name, m in list(sys.modules.items())
             if isinstance(f := getattr(m, "__file__", None), str) and not name.startswith("torch.")}
 
@@ -322,7 +323,7 @@ def module_manifest() -> list[list[Any]]:
     Raises:
         Uncacheable: a file changed on disk since its module was loaded.
     """
-    skipped = _skipped_roots()
+    skipped = _skipped_roots() + private.inductor_cache_roots()  # torch's generated kernels
     out = []
     for path, module in sorted(_loaded_files().items(), key=lambda item: item[0]):
         if path.startswith(skipped) or not os.path.isfile(path):

@@ -11,10 +11,11 @@ import pytest
 from spmd_compiler.step_key import Uncacheable, module_manifest
 
 
-def _generated(monkeypatch: pytest.MonkeyPatch, tmp_path, name: str) -> str:
+def _generated(monkeypatch: pytest.MonkeyPatch, folder, name: str, file: str = "generated.py") -> str:
     """A module made by exec of a file written after this process started (as Inductor
     loads the kernels it generates)."""
-    path = tmp_path / "generated.py"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / file
     path.write_text("x = 1\n")
     module = ModuleType(name)
     module.__file__ = str(path)
@@ -34,3 +35,11 @@ def test_a_user_module_written_while_the_process_runs_still_refuses(tmp_path, mo
     _generated(monkeypatch, tmp_path, "generated_by_the_user")
     with pytest.raises(Uncacheable, match="changed since it was loaded"):
         module_manifest()
+
+
+def test_compiled_kernel_libraries_in_inductors_cache_are_not_sources(tmp_path, monkeypatch) -> None:
+    """Inductor's C++ kernels load as extension modules named ``<key>.kernel`` from its
+    cache directory (``TORCHINDUCTOR_CACHE_DIR`` here)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    path = _generated(monkeypatch, tmp_path / "inductor" / "ab", "cabkey.kernel", "cabkey.main.so")
+    assert all(entry[0] != path for entry in module_manifest())
