@@ -222,6 +222,9 @@ def _early_nodes(
         if node not in early:
             early.add(node)
             stack.extend(a for a in node.all_input_nodes if a in computable)
+    # an op of several results hands on its elements, never itself: its other getitems
+    # (a layer norm's mean and rstd, read by the backward) come along
+    early |= {u for n in early for u in n.users if u.target is operator.getitem and u in computable}
     return early
 
 

@@ -181,3 +181,23 @@ def test_an_operand_computed_by_many_ops_stays(world_of_one):
 
     split = cut(make_fx(step)(*inputs()))
     assert split is not None and split.metas == ()
+
+
+def test_an_op_of_several_results_is_handed_on_by_its_elements(world_of_one):
+    """The forward reads a layer norm's output; the backward reads its mean and rstd:
+    those come along with it, and no tuple crosses from the early part to main (Inductor
+    refuses a nested output)."""
+
+    def step(w, x, target):
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5)
+        count = _reduced((out @ w.t()).sum(), world_of_one)  # reads out: the forward
+        return out * count, mean * count, rstd  # main reads mean and rstd
+
+    flat = inputs()
+    gm = make_fx(step)(*flat)
+    split = cut(gm)
+    assert split is not None and split.early is not None
+    for value in split.early.graph.output_node().args[0]:
+        assert isinstance(value.meta["val"], torch.Tensor)
+    for e, g in zip(gm(*flat), run_cut(split, flat), strict=True):
+        assert torch.equal(e, g)
