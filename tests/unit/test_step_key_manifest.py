@@ -11,6 +11,16 @@ import pytest
 from spmd_compiler.step_key import Uncacheable, module_manifest
 
 
+@pytest.fixture(autouse=True)
+def without_other_tests_modules(monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> None:
+    """Modules other tests wrote under pytest's temporary directory (plugins, steps) are
+    hidden from the manifest here; they are restored afterwards."""
+    base = str(tmp_path_factory.getbasetemp())
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(base):
+            monkeypatch.delitem(sys.modules, name)
+
+
 def _generated(monkeypatch: pytest.MonkeyPatch, folder, name: str, file: str = "generated.py") -> str:
     """A module made by exec of a file written after this process started (as Inductor
     loads the kernels it generates)."""
