@@ -18,9 +18,11 @@ So on CPU the program is cut at the round (``split_leading_reductions``):
   the program; ``prefix``
   computes their operands and the runtime sends them in the round (float64 slots,
   summed).
-- ``early``: everything computed by pure ops from the inputs alone, needing neither a
-  sum from the round nor any collective (on a ddp step, most of the forward), runs while
-  the round is in flight. Views are not handed on: the rest computes them again, so no
+- ``early``: what the program needs before its first wait on the round or on a
+  collective and can compute by pure ops from the inputs alone (on a ddp step, the
+  forward) runs while the round is in flight; the rest of what is computable from the
+  inputs (an optimizer's decay of its state) stays in ``main``, fused into the update
+  (``_early_nodes``). Views are not handed on: the rest computes them again, so no
   value passed between the parts shares an input's memory (state donation needs that).
 - ``main``: the rest, taking the inputs, then the round's sums, then ``early``'s values.
 

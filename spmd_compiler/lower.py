@@ -186,6 +186,10 @@ class LoweredGraph:
             return self._lower_and_run(flat, opened)
         return list(self._compiled(*flat, *opened, *self._constants))
 
+    @property
+    def _cache_dir(self) -> str | None:
+        return str(self.inductor_cache_dir) if self.inductor_cache_dir else None
+
     def _eager(self, flat: list[torch.Tensor]) -> bool:
         return resolve_backend(self.options.backend, _device_of(flat)) == "eager"
 
@@ -209,9 +213,10 @@ class LoweredGraph:
             return list(split.early(*flat))
         if self._early_compiled is None:
             start = time.perf_counter()
-            cache_dir = str(self.inductor_cache_dir) if self.inductor_cache_dir else None
             with compile_progress(f"the {len(split.early.graph.nodes)}-node opening of a program"):
-                self._early_compiled = private.inductor_compile(split.early, flat, cache_dir=cache_dir)
+                self._early_compiled = private.inductor_compile(
+                    split.early, flat, cache_dir=self._cache_dir
+                )
             self.compile_seconds += time.perf_counter() - start
         return list(self._early_compiled(*flat))
 
@@ -249,7 +254,7 @@ class LoweredGraph:
             gm = copy.deepcopy(self.graph_module)
             fold_rank_values(gm)
         self._constants = lift_constants(gm)
-        cache_dir = str(self.inductor_cache_dir) if self.inductor_cache_dir else None
+        cache_dir = self._cache_dir
         nodes = len(gm.graph.nodes)
         inputs = [*flat, *opened, *self._constants]
         outputs = len(output_args(gm))

@@ -100,13 +100,13 @@ class InputAgreement:
         in between, as long as it issues no collective (NOTE: [reductions that ride the
         input check])."""
         payload = [float(x) for v in values for x in v.detach().reshape(-1).tolist()]
-        if len(payload) > SLOTS:
-            raise ValueError(f"{len(payload)} values do not fit a round of {SLOTS}")
+        if len(payload) > MAX_SLOTS:
+            raise ValueError(f"{len(payload)} values do not fit a round of {MAX_SLOTS}")
         parts = [*_parts_of(self.description), *_parts_of(sends)]
         row = [float(pending)]
         for h in parts:
             row += [float(h), float(h * h)]
-        row += payload + [0.0] * (SLOTS - len(payload))
+        row += payload + [0.0] * (MAX_SLOTS - len(payload))
         buf = torch.tensor(row, dtype=torch.float64)
         work = _collective(
             lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -175,21 +175,12 @@ class Round:
 
 
 _PARTS, _PART_BITS = 3, 16  # a 48-bit digest in parts whose squares sum exactly
-SLOTS = MAX_SLOTS
-ROUND = 1 + 2 * 2 * _PARTS + SLOTS  # pending, two digests (parts, squares), the values
+ROUND = 1 + 2 * 2 * _PARTS + MAX_SLOTS  # pending, two digests (parts, squares), the values
 
 
 def _parts(digest: int) -> list[int]:
     mask = (1 << _PART_BITS) - 1
     return [(digest >> (_PART_BITS * k)) & mask for k in range(_PARTS)]
-
-
-def check_same_inputs_on_all_ranks(tensor_args: Sequence[torch.Tensor]) -> None:
-    """One round that sends nothing: raise ``SPMDCompileError`` on every rank when ranks
-    pass different shapes or dtypes. A failure of the collective itself (a peer died) is
-    an ``SPMDRuntimeError`` naming the rank that failed first."""
-    if dist.get_world_size() > 1:
-        InputAgreement(tensor_args).before_run(NOTHING_SENT, [])
 
 
 def _all_descriptions(description: str, group: Any, world: int) -> list[str]:
