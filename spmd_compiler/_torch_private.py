@@ -1295,17 +1295,21 @@ def inductor_cache_dir(directory: str | None) -> Iterator[None]:
         yield
 
 
-_INDUCTOR_DIRS: set[str] = set()  # cache directories this process gave Inductor
+_INDUCTOR_DIRS: set[str] = set()  # cache directories this process gave Inductor or saw it use
 
 
 def inductor_cache_roots() -> tuple[str, ...]:
     """The directories Inductor writes its generated kernels to and loads them from as
-    modules in this process: its cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its
-    default, read without creating it) and those ``inductor_cache_dir`` gave it."""
+    modules in this process: its default cache directory, ``TORCHINDUCTOR_CACHE_DIR`` now
+    and every value it had when asked before (a kernel loaded from one stays loaded after
+    the variable changes), and those ``inductor_cache_dir`` gave it. Read without
+    creating them."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
-    roots = {os.path.abspath(current), *_INDUCTOR_DIRS}
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current:
+        _INDUCTOR_DIRS.add(os.path.abspath(current))
+    roots = {os.path.abspath(default_cache_dir()), *_INDUCTOR_DIRS}
     return tuple({r.rstrip(os.sep) + os.sep for root in roots for r in (root, os.path.realpath(root))})
 
 

@@ -53,3 +53,15 @@ def test_compiled_kernel_libraries_in_inductors_cache_are_not_sources(tmp_path, 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     path = _generated(monkeypatch, tmp_path / "inductor" / "ab", "cabkey.kernel", "cabkey.main.so")
     assert all(entry[0] != path for entry in module_manifest())
+
+
+def test_kernels_in_inductors_default_cache_stay_skipped_when_the_variable_moves(tmp_path, monkeypatch) -> None:
+    """A kernel loaded from Inductor's default cache stays loaded after
+    ``TORCHINDUCTOR_CACHE_DIR`` points elsewhere (a later compile in another cache, a
+    test's own directory); it was taken for a user file (CI failure of 2026-11-24)."""
+    import torch._inductor.runtime.cache_dir_utils as cache_dir_utils
+
+    monkeypatch.setattr(cache_dir_utils, "default_cache_dir", lambda: str(tmp_path / "default"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    path = _generated(monkeypatch, tmp_path / "default" / "cd", "cdkey.kernel", "cdkey.main.so")
+    assert all(entry[0] != path for entry in module_manifest())
