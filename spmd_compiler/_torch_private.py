@@ -65,6 +65,12 @@ def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tenso
     return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
 
 
+def check_batch_norm_input(module: torch.nn.Module, input: torch.Tensor) -> None:
+    """A batch norm module's own check of its input's rank (``_check_input_dim``: a
+    ``BatchNorm2d`` refuses a 3-D input), as its ``forward`` runs it."""
+    module._check_input_dim(input)  # type: ignore[operator]
+
+
 @contextlib.contextmanager
 def optimizer_capturable_path() -> Iterator[None]:
     """Make torch.optim take its graph-capturable path while we trace ``step()``.

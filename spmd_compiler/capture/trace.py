@@ -75,6 +75,7 @@ from ..ir.signature import (
     state_dtype,
 )
 from .attention import attention_as_math
+from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
 from .embedding_bag import embedding_bags_as_gathers
 from .kept_tensors import KeptTensor, KeptTensors
@@ -582,6 +583,7 @@ def _capture(
             _tag_backward(),
             attention_as_math(),
             embedding_bags_as_gathers(),
+            cumulative_batch_norms(bindings.modules),
         ):
             try:
                 graph = make_fx(

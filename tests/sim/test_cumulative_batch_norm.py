@@ -1,0 +1,109 @@
+"""Batch norm with a cumulative moving average (``momentum=None``; NOTE: [cumulative batch
+norm at capture]) against the undecorated step on one device on the global batch,
+float64: every parameter and buffer (running mean and variance, the batch count) within
+1e-12 after three steps, then an evaluation with the running statistics."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models
+
+TOL = 1e-12
+STEPS = 3
+
+
+class _Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8, momentum=None)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.bn(self.fc(x))))
+
+
+class _Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4, momentum=None)
+        self.ema_bn = nn.BatchNorm2d(4)  # an ordinary one beside it
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ema_bn(F.relu(self.bn(self.conv(x))))
+        return self.out(h.mean((2, 3)))
+
+
+def step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def evaluate(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(x)
+    finally:
+        model.train()
+
+
+SHAPES = {_Dense: (8, 6), _Conv: (8, 2, 5, 5)}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("net", [_Dense, _Conv], ids=["batchnorm1d", "batchnorm2d"])
+def test_cumulative_running_statistics_match_one_device(mode, net) -> None:
+    torch.manual_seed(0)
+    model = net().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    compiled = sc.compile(make_mode(mode))(step)
+    compiled_eval = sc.compile(make_mode(mode))(evaluate)
+    batches = [
+        (torch.randn(SHAPES[net], dtype=torch.float64) * (i + 1) + i, torch.randint(0, 3, (8,)))
+        for i in range(STEPS)
+    ]
+    with sc.simulate(world_size=2) as sim:
+        for x, y in batches:
+            loss = compiled(model, optim, x, y)
+            expected = step(reference, reference_optim, x, y)
+            assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
+        differences = compare_models(model, reference, sim)
+        assert max(differences.values()) <= TOL, differences
+        assert {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"} <= {
+            k.removeprefix("param.").removeprefix("buffer.") for k in differences
+        }, sorted(differences)
+        assert float(sim.full_tensor(model.bn.num_batches_tracked)) == STEPS
+        got = sim.full_tensor(compiled_eval(model, batches[0][0]))
+    want = evaluate(reference, batches[0][0])
+    assert torch.allclose(got, want, rtol=TOL, atol=TOL)
+    assert compiled.compile_count == 2  # the first call (optimizer state), the steady state
+    assert "forward" not in vars(model.bn)  # the module's own forward again
+
+
+def test_an_input_of_the_wrong_rank_is_refused_as_eager_refuses_it() -> None:
+    model = nn.Sequential(nn.BatchNorm2d(2, momentum=None), nn.Flatten(), nn.Linear(10, 3)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 2, 5, dtype=torch.float64), torch.zeros(8, dtype=torch.long)
+    with pytest.raises(ValueError, match="expected 4D input"):
+        step(copy.deepcopy(model), optim, x, y)
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="expected 4D input"):
+        compiled(model, optim, x, y)
+    assert "forward" not in vars(model[0])
