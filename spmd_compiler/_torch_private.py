@@ -65,6 +65,14 @@ def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tenso
     return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
 
 
+def legacy_reduction(size_average: Any, reduce: Any) -> str:
+    """The ``reduction`` a loss's deprecated ``size_average`` / ``reduce`` arguments name,
+    as torch's losses read them."""
+    from torch.nn import _reduction
+
+    return _reduction.legacy_get_string(size_average, reduce)
+
+
 def check_batch_norm_input(module: torch.nn.Module, input: torch.Tensor) -> None:
     """A batch norm module's own check of its input's rank (``_check_input_dim``: a
     ``BatchNorm2d`` refuses a 3-D input), as its ``forward`` runs it."""

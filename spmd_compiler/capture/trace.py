@@ -79,6 +79,7 @@ from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
 from .embedding_bag import embedding_bags_as_gathers
 from .kept_tensors import KeptTensor, KeptTensors
+from .margin_losses import margin_losses_as_ops
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .outside_tensors import OutsideWrites, outside_constants
@@ -584,6 +585,7 @@ def _capture(
             attention_as_math(),
             embedding_bags_as_gathers(),
             cumulative_batch_norms(bindings.modules),
+            margin_losses_as_ops(),
         ):
             try:
                 graph = make_fx(

@@ -28,7 +28,20 @@ LOSSES = {
     "cross_entropy_smoothing": lambda out, y: F.cross_entropy(out, y.argmax(-1), label_smoothing=0.1),
     "nll": lambda out, y: F.nll_loss(F.log_softmax(out, -1), y.argmax(-1)),
     "kl_div": lambda out, y: F.kl_div(F.log_softmax(out, -1), F.softmax(y, -1), reduction="batchmean"),
+    # NOTE: [margin losses at capture]: their backward ops have no DTensor rule
+    "multi_margin": lambda out, y: F.multi_margin_loss(out, y.argmax(-1)),
+    "multi_margin_p2_weighted_sum": lambda out, y: F.multi_margin_loss(
+        out, y.argmax(-1), p=2, margin=0.5, weight=torch.linspace(0.5, 1.5, 6), reduction="sum"
+    ),
+    "multilabel_margin": lambda out, y: nn.MultiLabelMarginLoss()(out, _two_labels_then_stop(y)),
 }
+
+
+def _two_labels_then_stop(y: torch.Tensor) -> torch.Tensor:
+    """Each sample's two largest entries as its labels, then -1 (the end of the list),
+    then classes after the end that do not count."""
+    order = y.argsort(-1, descending=True)
+    return torch.cat([order[:, :2], torch.full_like(order[:, :1], -1), order[:, 3:]], -1)
 
 
 def _check_parity(loss_fn, make_batch, tolerance: float, buffers: dict | None = None) -> None:
