@@ -91,6 +91,7 @@ from .python_effects import (
     refuse_explicit_generators,
 )
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
+from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .traced_items import ItemsAsOutputs, ItemUsedInPython, TracedItem, value_read_errors
 from .value_checks import BranchDecisions, Undecided, choose, describe_raise
 
@@ -182,6 +183,7 @@ def capture_decompositions() -> dict:
     for where in (aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther):
         table[where] = _where_with_scalars
     table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
+    table |= global_draw_decompositions()  # NOTE: [random draws shaped like a tensor]
     # the conditions of value checks (NOTE: [value checks]): ops with a DTensor rule
     table[aten._is_all_true.default] = lambda t: torch.all(t)
     table[aten._is_any_true.default] = lambda t: torch.any(t)
@@ -660,6 +662,7 @@ def _capture(
     _drop_refused_value_reads(first)
     _annotate_user_lines(first, func.__code__)
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
+    refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
     outside = outside_constants(first, tracer.outside, bindings)  # NOTE: [tensors read from outside the arguments]
     gm = _functionalize(first, inputs, fake_mode)
     captured = CapturedStep(

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.tools.parity import compare_models
 
 TOL = 1e-12
@@ -45,12 +46,7 @@ class _Conv(nn.Module):
         return self.out(h.mean((2, 3)))
 
 
-def step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss.detach()
+step = classification_train_step  # forward, cross entropy, backward, step, zero_grad
 
 
 def evaluate(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

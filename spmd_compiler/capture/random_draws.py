@@ -1,0 +1,216 @@
+"""Random draws shaped like a tensor, as draws of the global shape.
+
+NOTE: [random draws shaped like a tensor]
+NOTE: [random numbers] makes dropout's draw a factory op of the global shape, so every
+rank draws the same full tensor from the same seed and keeps its slice. Other random ops
+take a tensor: ``torch.rand_like(x)`` / ``randn_like`` / ``randint_like``, ``x.normal_()``,
+``x.uniform_(a, b)``, ``x.exponential_()`` (``F.gumbel_softmax``), ``torch.bernoulli(p)``,
+``torch.normal(mean, std)``, ``F.rrelu`` in training. DTensor runs such an op on each
+rank's shard with the same seed, so a batch-sharded rank drew the numbers of the first
+shard, not those of its own slice: in a probe, ``x * torch.rand_like(x)`` on 2 ranks gave
+a loss 4% off the same program on 1 rank, and nothing said so.
+
+At capture each of these becomes ops on a draw of the global shape (``torch.rand``,
+``torch.randn``, ``torch.randint``, ``torch.normal`` with a size): ``x.uniform_(a, b)`` is
+``a + (b - a) * rand``, ``exponential_(l)`` is ``-log1p(-rand) / l``, ``log_normal_`` is
+``exp(normal)``, ``cauchy_`` is ``median + sigma * tan(pi * (rand - 1/2))``,
+``bernoulli(p)`` is ``rand < p``, ``normal(mean, std)`` is ``mean + std * randn``, and
+``rrelu`` multiplies its negative inputs by ``lower + (upper - lower) * rand`` (its noise
+tensor holds that factor, 1 elsewhere, as the kernel's). Every rank then sees its slice
+of one global draw, for every mode and world size. The numbers are those of the same
+distribution, not eager's (as for dropout). After capture any random op that still reads
+a tensor (``torch.multinomial``, ``random_``, ``torch.poisson``, gamma and Dirichlet
+samples) is refused, naming the op and the line (``refuse_shard_local_draws``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import node_error
+
+aten = torch.ops.aten
+
+
+def _like(self: torch.Tensor, dtype: Any, device: Any) -> dict[str, Any]:
+    return {"dtype": dtype if dtype is not None else self.dtype,
+            "device": device if device is not None else self.device}
+
+
+def _rand_like(self, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return torch.rand(tuple(self.shape), **_like(self, dtype, device))
+
+
+def _randn_like(self, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return torch.randn(tuple(self.shape), **_like(self, dtype, device))
+
+
+def _randint_like(self, high, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return torch.randint(0, high, tuple(self.shape), **_like(self, dtype, device))
+
+
+def _randint_like_low(self, low, high, *, dtype=None, layout=None, device=None, pin_memory=None,
+                      memory_format=None):
+    return torch.randint(low, high, tuple(self.shape), **_like(self, dtype, device))
+
+
+def _uniform01(self: torch.Tensor) -> torch.Tensor:
+    return torch.rand(tuple(self.shape), dtype=self.dtype, device=self.device)
+
+
+def _normal_(self, mean=0.0, std=1.0, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return self.copy_(torch.normal(mean, std, tuple(self.shape), dtype=self.dtype, device=self.device))
+
+
+def _uniform_(self, low=0.0, high=1.0, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return self.copy_(low + (high - low) * _uniform01(self))
+
+
+def _exponential_(self, lambd=1.0, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return self.copy_(-torch.log1p(-_uniform01(self)) / lambd)
+
+
+def _log_normal_(self, mean=1.0, std=2.0, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return self.copy_(torch.exp(torch.normal(mean, std, tuple(self.shape), dtype=self.dtype, device=self.device)))
+
+
+def _cauchy_(self, median=0.0, sigma=1.0, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return self.copy_(median + sigma * torch.tan(math.pi * (_uniform01(self) - 0.5)))
+
+
+def _bernoulli(self, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return (_uniform01(self) < self).to(self.dtype)
+
+
+def _bernoulli_p(self, p, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return (_uniform01(self) < p).to(self.dtype)
+
+
+def _bernoulli_tensor(self, p, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    draw = torch.rand(tuple(self.shape), dtype=p.dtype if p.is_floating_point() else self.dtype, device=self.device)
+    return (draw < p).to(self.dtype)
+
+
+def _bernoulli_tensor_(self, p, *, generator=None):
+    if generator is not None:
+        return NotImplemented
+    return self.copy_(_bernoulli_tensor(self, p))
+
+
+def _normal_tensor_float(mean, std=1.0, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return mean + std * torch.randn(tuple(mean.shape), dtype=mean.dtype, device=mean.device)
+
+
+def _normal_float_tensor(mean, std, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return mean + std * torch.randn(tuple(std.shape), dtype=std.dtype, device=std.device)
+
+
+def _normal_tensor_tensor(mean, std, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    shape = torch.broadcast_shapes(mean.shape, std.shape)
+    dtype = torch.result_type(mean, std)
+    return mean + std * torch.randn(tuple(shape), dtype=dtype, device=mean.device)
+
+
+def _rrelu_factor(self, noise, lower, upper, training):
+    """(output, noise): non-positive inputs times a uniform factor in training, times
+    the mean slope in evaluation (the kernel's ``leaky_relu``)."""
+    if not training:
+        slope = (lower + upper) / 2
+        return torch.where(self > 0, self, self * slope), noise
+    factor = lower + (upper - lower) * _uniform01(self)
+    negative = self <= 0
+    one = torch.ones((), dtype=self.dtype, device=self.device)
+    return torch.where(negative, self * factor, self), torch.where(negative, factor, one)
+
+
+def _rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3, training=False, generator=None):
+    if generator is not None:
+        return NotImplemented
+    out, new_noise = _rrelu_factor(self, noise, lower, upper, training)
+    if training:
+        noise.copy_(new_noise)
+    return out
+
+
+def _rrelu_with_noise_(self, noise, lower=0.125, upper=1.0 / 3, training=False, generator=None):
+    if generator is not None:
+        return NotImplemented
+    return self.copy_(_rrelu_with_noise(self, noise, lower, upper, training, generator))
+
+
+def global_draw_decompositions() -> dict[Any, Any]:
+    """The capture decompositions of the NOTE (in-place forms: the first trace is not
+    functionalized yet)."""
+    return {
+        aten.rand_like.default: _rand_like,
+        aten.randn_like.default: _randn_like,
+        aten.randint_like.default: _randint_like,
+        aten.randint_like.low_dtype: _randint_like_low,
+        aten.normal_.default: _normal_,
+        aten.uniform_.default: _uniform_,
+        aten.exponential_.default: _exponential_,
+        aten.log_normal_.default: _log_normal_,
+        aten.cauchy_.default: _cauchy_,
+        aten.bernoulli.default: _bernoulli,
+        aten.bernoulli.p: _bernoulli_p,
+        aten.bernoulli.Tensor: _bernoulli_tensor,
+        aten.bernoulli_.Tensor: _bernoulli_tensor_,
+        aten.normal.Tensor_float: _normal_tensor_float,
+        aten.normal.float_Tensor: _normal_float_tensor,
+        aten.normal.Tensor_Tensor: _normal_tensor_tensor,
+        aten.rrelu_with_noise.default: _rrelu_with_noise,
+        aten.rrelu_with_noise_.default: _rrelu_with_noise_,
+    }
+
+
+SHARD_LOCAL_DRAW = (
+    "This random op draws from a tensor argument ({op}). On a batch-sharded rank it would "
+    "draw the numbers of another shard instead of its own slice of one global draw, so "
+    "the result would depend on the number of ranks (NOTE: [random draws shaped like a "
+    "tensor]); refused."
+)
+
+
+def refuse_shard_local_draws(gm: torch.fx.GraphModule) -> None:
+    """Refuse a random op left in the first graph that reads a tensor (see the NOTE)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+            continue
+        if any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
+            raise node_error(
+                SHARD_LOCAL_DRAW.format(op=node.target), node,
+                hint="draw with a factory of the full shape (torch.rand, torch.randn, "
+                "torch.randint with a size) and compute from it, e.g. inverse-CDF sampling "
+                "instead of torch.multinomial.",
+            )
+
+
+__all__ = ["global_draw_decompositions", "refuse_shard_local_draws"]

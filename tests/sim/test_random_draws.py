@@ -1,0 +1,80 @@
+"""Random ops that take a tensor (NOTE: [random draws shaped like a tensor]): a batch
+shard draws its slice of one global draw, so 2 ranks (ddp, fsdp) compute what 1 rank
+computes, float64; a random op that still reads a tensor is refused, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import classification_train_step
+
+TOL = 1e-12
+STEPS = 2
+
+FORMS = {
+    "rand_like": lambda h: h * torch.rand_like(h),
+    "randn_like": lambda h: h + torch.randn_like(h),
+    "randint_like": lambda h: h + torch.randint_like(h, 0, 3),
+    "normal_in_place": lambda h: h + h.detach().clone().normal_(0.5, 2.0),
+    "uniform_in_place": lambda h: h * torch.empty_like(h).uniform_(0.5, 1.5),
+    "gumbel_softmax": lambda h: F.gumbel_softmax(h, tau=0.5),  # exponential_
+    "log_normal_in_place": lambda h: h * torch.empty_like(h).log_normal_(0.0, 0.25),
+    "bernoulli_of_probabilities": lambda h: h * torch.bernoulli(torch.sigmoid(h.detach())),
+    "bernoulli_in_place_of_a_tensor": lambda h: h * torch.empty_like(h).bernoulli_(torch.sigmoid(h.detach())),
+    "normal_of_tensors": lambda h: torch.normal(h, torch.sigmoid(h.detach())),
+    "distribution_rsample": lambda h: torch.distributions.Normal(h, torch.ones_like(h)).rsample(),
+    "rrelu_training": lambda h: F.rrelu(h, training=True),
+}
+
+
+class _Net(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(6, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(FORMS[self.form](self.fc(x)))
+
+
+_step = classification_train_step  # forward, cross entropy, backward, step, zero_grad
+
+
+def _losses(form: str, mode: str, world: int) -> list[float]:
+    torch.manual_seed(0)
+    model = _Net(form).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode(mode))(_step)
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    with sc.simulate(world_size=world):
+        for i in range(STEPS):
+            x = torch.randn(8, 6, dtype=torch.float64, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            torch.manual_seed(100 + i)
+            losses.append(float(compiled(model, optim, x, y)))
+    return losses
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_two_ranks_draw_what_one_rank_draws(form) -> None:
+    one = _losses(form, "ddp", 1)
+    for mode in ("ddp", "fsdp"):
+        assert _losses(form, mode, 2) == pytest.approx(one, rel=TOL), mode
+
+
+def test_a_random_op_that_reads_a_tensor_is_refused() -> None:
+    FORMS["multinomial"] = lambda h: h * torch.multinomial(torch.softmax(h.detach(), -1), 2).sum(-1, keepdim=True)
+    try:
+        with pytest.raises(SPMDCompileError, match="multinomial") as raised:
+            _losses("multinomial", "ddp", 2)
+    finally:
+        del FORMS["multinomial"]
+    assert "multinomial" in (raised.value.op or "") and raised.value.user_line is not None
