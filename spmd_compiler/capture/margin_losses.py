@@ -79,8 +79,8 @@ def multi_margin_loss(
         z = z * z
     if weight is not None:
         z = z * weight[y].unsqueeze(-1)
-    others = torch.arange(classes, device=x.device) != y.unsqueeze(-1)
-    per_sample = torch.where(others, z, torch.zeros((), dtype=z.dtype)).sum(-1) / classes
+    own = F.one_hot(y, classes) > 0  # (torch 2.11 has no rule for the prims.ne of arange != y)
+    per_sample = torch.where(own, torch.zeros((), dtype=z.dtype), z).sum(-1) / classes
     return _reduce(per_sample.squeeze(0) if single else per_sample, reduction)
 
 
