@@ -20,7 +20,9 @@ tensor holds that factor, 1 elsewhere, as the kernel's). Every rank then sees it
 of one global draw, for every mode and world size. The numbers are those of the same
 distribution, not eager's (as for dropout). After capture any random op that still reads
 a tensor (``torch.multinomial``, ``random_``, ``torch.poisson``, gamma and Dirichlet
-samples) is refused, naming the op and the line (``refuse_shard_local_draws``).
+samples) is refused, naming the op and the line (``refuse_shard_local_draws``), also
+into a tensor made by factories alone: in a probe ``torch.empty(n).geometric_(0.5)``
+still gave other losses on 2 simulated ranks than on 1.
 """
 
 from __future__ import annotations
