@@ -16,7 +16,7 @@ What a mode author implements, and the files touched: docs/modes/writing_a_mode.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,27 @@ class ParallelMode(abc.ABC):
             self.placement_of(ref, meta, mesh)
             for ref, meta in zip(captured.outputs, captured.output_metas, strict=True)
         ]
-        return expand(captured, mesh, inputs, outputs, self.placement_at_use(captured, mesh))
+        return expand(
+            captured, mesh, inputs, outputs, self.placement_at_use(captured, mesh),
+            self.gradient_placement(captured, mesh),
+        )
+
+    def gradient_placement(
+        self, captured: CapturedStep, mesh: DeviceMesh
+    ) -> Callable[[str], Placements | None] | None:
+        """Where a parameter's gradient settles when something outside backward first
+        reads it (NOTE: [gradients settle after backward]): by default its ``GRAD``
+        placement on a 1-D mesh; None leaves gradients as DTensor propagates them (a
+        mode that reduces them itself, as FSDP x TP does at the update)."""
+        if mesh.ndim != 1:
+            return None
+        metas = {ref.name: meta for ref, meta in captured.inputs if ref.kind is Kind.PARAM}
+
+        def placement(name: str) -> Placements | None:
+            meta = metas.get(name)
+            return None if meta is None else self.placement_of(StateRef(Kind.GRAD, name), meta, mesh)
+
+        return placement
 
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
         """Placements values must have where particular nodes read them (default: none).

@@ -22,6 +22,7 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from spmd_compiler.capture.gradients import marked_gradient
 from spmd_compiler.capture.trace import CaptureOptions
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
@@ -187,7 +188,9 @@ class DataParallel(ParallelMode):
                 continue
             source, out = node.args[0].meta.get("val"), node.meta.get("val")
             if source is not None and out is not None and source.dtype == low and out.dtype != low:
-                if any(u.meta.get(PHASE) == OPTIMIZER_PHASE for u in node.users):
+                # read by the update, or marked as the gradient backward leaves (NOTE:
+                # [gradients settle after backward])
+                if any(u.meta.get(PHASE) == OPTIMIZER_PHASE or marked_gradient(u) for u in node.users):
                     casts.add(node)
         return casts
 

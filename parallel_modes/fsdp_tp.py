@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
+from spmd_compiler.capture.gradients import gradient_settles
 from spmd_compiler.expand.parent_mesh import parent_placements
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
@@ -174,6 +175,10 @@ class FullyShardTensorParallel(ParallelMode):
                 if arg in state or arg.meta.get(PHASE) == OPTIMIZER_PHASE:
                     return None
                 # a gradient entering the update
+                return [UseStep(UseGroup.REDUCE, redistribute=reduce_scatter_over_dp)]
+            if gradient_settles(consumer, arg):
+                # read between backward and the update (clipped, unscaled): reduced the
+                # same way, once (NOTE: [gradients settle after backward])
                 return [UseStep(UseGroup.REDUCE, redistribute=reduce_scatter_over_dp)]
             updated = arg.meta.get(PHASE) == OPTIMIZER_PHASE and consumer.op == "call_function"
             if arg in params or updated:

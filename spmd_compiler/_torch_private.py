@@ -43,6 +43,7 @@ import os
 import sys
 import time
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeGuard
 from unittest import mock
@@ -77,6 +78,85 @@ def check_batch_norm_input(module: torch.nn.Module, input: torch.Tensor) -> None
     """A batch norm module's own check of its input's rank (``_check_input_dim``: a
     ``BatchNorm2d`` refuses a 3-D input), as its ``forward`` runs it."""
     module._check_input_dim(input)  # type: ignore[operator]
+
+
+# NOTE: [loss scaling in the program] (capture/grad_scalers.py): torch.amp.GradScaler keeps
+# its scale, growth tracker and per-optimizer stages in private attributes; these are the
+# only reads and writes of them.
+GRAD_SCALER_STATE = ("_scale", "_growth_tracker")
+
+
+def grad_scaler_type() -> type:
+    return torch.amp.GradScaler
+
+
+def grad_scaler_enabled(scaler: Any) -> bool:
+    return bool(scaler._enabled)
+
+
+def grad_scaler_state(scaler: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """The scale and growth tracker of an enabled ``scaler``, created on ``device`` as its
+    first ``scale()`` would create them when it has none yet."""
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(device)
+    return {key: getattr(scaler, key) for key in GRAD_SCALER_STATE}
+
+
+def grad_scaler_settings(scaler: Any) -> tuple[float, float, int]:
+    """(growth factor, backoff factor, growth interval): constants of a program."""
+    return (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
+
+
+def grad_scaler_between_steps(scaler: Any) -> bool:
+    """No optimizer of ``scaler`` is unscaled or stepped since its last ``update()``."""
+    return all(
+        state["stage"].name == "READY" and not state["found_inf_per_device"]
+        for state in scaler._per_optimizer_states.values()
+    )
+
+
+def steps_with_amp_scaling(optimizer: Any) -> bool:
+    """``optimizer`` unscales gradients inside its own step (a fused optimizer)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def read_grad_scaler_state(scaler: Any, key: str) -> torch.Tensor:
+    assert key in GRAD_SCALER_STATE, key
+    return getattr(scaler, key)
+
+
+def write_grad_scaler_state(scaler: Any, key: str, value: torch.Tensor) -> None:
+    """Write a program's new scale or growth tracker into ``scaler`` in place, as its
+    ``update()`` writes them."""
+    assert key in GRAD_SCALER_STATE, key
+    getattr(scaler, key).copy_(value)
+
+
+@contextlib.contextmanager
+def traced_grad_scaler(
+    scaler: Any, state: dict[str, torch.Tensor], maybe_opt_step: Callable[..., Any]
+) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+    """Inside: ``scaler`` holds the traced ``state``, fresh per-optimizer stages and
+    ``maybe_opt_step(scaler, optimizer, optimizer_state, *args, **kwargs)`` in place of
+    its own; yields a function giving its state as it is now. Restored on exit."""
+    saved = {key: getattr(scaler, key) for key in (*GRAD_SCALER_STATE, "_per_optimizer_states")}
+    own = scaler.__dict__.get("_maybe_opt_step", _NO_ATTRIBUTE)
+    for key, value in state.items():
+        setattr(scaler, key, value)
+    scaler._per_optimizer_states = defaultdict(saved["_per_optimizer_states"].default_factory)
+    scaler._maybe_opt_step = functools.partial(maybe_opt_step, scaler)
+    try:
+        yield lambda: {key: getattr(scaler, key) for key in GRAD_SCALER_STATE}
+    finally:
+        for key, value in saved.items():
+            setattr(scaler, key, value)
+        if own is _NO_ATTRIBUTE:
+            del scaler._maybe_opt_step
+        else:
+            scaler._maybe_opt_step = own
+
+
+_NO_ATTRIBUTE = object()
 
 
 @contextlib.contextmanager

@@ -98,9 +98,11 @@ _FUNCTION_MODULES = ("operator", "builtins", "math", "torch", "spmd_compiler")
 # Operator namespaces whose implementations and DTensor rules come with torch (its
 # version is in the key); a custom operator's sharding rule could change unseen.
 # ``device_mesh`` holds the run-time mesh coordinate a 2-D program reads (NOTE: [one
-# program for every rank]), registered by torch when a trace first needs it.
+# program for every rank]), registered by torch when a trace first needs it;
+# ``spmd_compiler`` our own marks (``capture/gradients.py``), registered on import.
 _OP_NAMESPACES = frozenset(
-    {"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor", "device_mesh"}
+    {"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor", "device_mesh",
+     "spmd_compiler"}
 )
 
 

@@ -61,6 +61,7 @@ from .leading_reductions import (
     world_all_reduces,
 )
 from .progress import compile_progress
+from .reduction_aliasing import bucket_part_read_elsewhere
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
 from .state_donation import Donating, Pairs, donate, donation_pairs
 
@@ -264,6 +265,10 @@ class LoweredGraph:
         self._donated = donate(gm, self.donations, inputs) if donating else ()
         out: list[torch.Tensor] | None = None  # the first step's results, when it ran here
         regions = self.options.regions(device)
+        hazard = None if regions or self.options.cuda_graphs else bucket_part_read_elsewhere(gm)
+        if hazard is not None:  # NOTE: [buckets reduced in place by Inductor]
+            log.info("lowering by compute regions: %s's bucket has a part read elsewhere", hazard.name)
+            regions = True
         title = f"a {nodes}-node program with inductor"
         with compile_progress(title) as progress:
             # NOTE: [scalar prologue]: measured on CPU; CUDA keeps the one graph

@@ -31,6 +31,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
+from .grad_scalers import find_scalers, scaler_key, scaler_state
 
 # id(old parameter) -> (a weak reference to it, the DTensor parameter that replaced it);
 # an entry goes when its old parameter is freed
@@ -125,6 +126,8 @@ class StepBindings:
     # the call's own (args, kwargs): where a step's writes into a dict or list argument
     # land (NOTE: [tensors the step keeps])
     call: tuple[tuple, dict] = field(default=((), {}), repr=False)
+    # the torch.amp.GradScalers the step names (NOTE: [loss scaling in the program])
+    scalers: list[Any] = field(default_factory=list)
     _name_of: dict[int, str] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -168,6 +171,8 @@ class StepBindings:
                             refs.append(
                                 (StateRef(Kind.OPTIM_STATE, name, key, oi, gi), value)
                             )
+        if self.scalers:
+            refs += scaler_state(self.scalers, next(iter(self.params.values())).device)
         return refs
 
     def hyperparam_refs(self) -> list[StateRef]:
@@ -213,6 +218,8 @@ class StepBindings:
                         (k, _state_hashable(v))
                         for k, v in state.items()
                     ))))
+        if self.scalers:
+            key.append(scaler_key(self.scalers))
         return tuple(key)
 
 
@@ -294,7 +301,7 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
             )
     return StepBindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
-        (args, kwargs),
+        (args, kwargs), find_scalers(func, flat_args),
     )
 
 

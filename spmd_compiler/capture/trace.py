@@ -78,6 +78,13 @@ from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
 from .embedding_bag import embedding_bags_as_gathers
+from .grad_scalers import (
+    SCALER_HINT,
+    loss_scaling_decompositions,
+    traced_scalers,
+    unbound_scaler_error,
+)
+from .gradients import mark_gradients
 from .kept_tensors import KeptTensor, KeptTensors
 from .margin_losses import margin_losses_as_ops
 from .optimizers import check_supported as check_supported_optimizers
@@ -183,6 +190,7 @@ def capture_decompositions() -> dict:
     for where in (aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther):
         table[where] = _where_with_scalars
     table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
+    table |= loss_scaling_decompositions()  # NOTE: [loss scaling in the program]
     table |= global_draw_decompositions()  # NOTE: [random draws shaped like a tensor]
     # the conditions of value checks (NOTE: [value checks]): ops with a DTensor rule
     table[aten._is_all_true.default] = lambda t: torch.all(t)
@@ -583,7 +591,7 @@ def _capture(
         tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
         with (
             _module_scopes(bindings.module_fqns) as stack,
-            _tag_backward(),
+            _tag_backward(tracer.mark_gradients),
             attention_as_math(),
             embedding_bags_as_gathers(),
             cumulative_batch_norms(bindings.modules),
@@ -602,16 +610,6 @@ def _capture(
     except SPMDCompileError:
         raise
     except value_read_errors() as exc:
-        if _raised_in(exc, "grad_scaler.py"):
-            raise SPMDCompileError(
-                "torch.amp.GradScaler cannot run inside a compiled train step: its step() "
-                "reads whether any gradient is inf or NaN in Python (.item()) to decide "
-                "whether to skip the optimizer step, and it keeps its scale as a tensor it "
-                "creates on first use, which the program would create again every call.",
-                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
-                hint="train in bfloat16 autocast (torch.autocast(device, torch.bfloat16)), "
-                "which needs no loss scaling, or in float32.",
-            ) from exc
         raise SPMDCompileError(
             "The train step reads the value of a tensor in Python (control flow on a "
             "tensor, .item(), .tolist() or a value-dependent shape), which cannot be "
@@ -635,6 +633,12 @@ def _capture(
                 "optimizer.param_groups[i]['lr'], which a compiled step reads as an input.",
                 user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
                 hint=SCHEDULER_HINT,
+            ) from exc
+        if isinstance(exc, unbound_scaler_error()):
+            raise SPMDCompileError(
+                str(exc),
+                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                hint=SCALER_HINT,
             ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
@@ -802,6 +806,11 @@ class _StepTracer:
         self.return_leaves: list[tuple[str, Any]] = []
         self.kept: list[KeptTensor] = []
         self.outside: dict[int, tuple[str, Any, Any, torch.Tensor]] = {}
+        self._params: dict[str, torch.Tensor] = {}
+
+    def mark_gradients(self) -> None:
+        """Mark the gradients backward left (NOTE: [gradients settle after backward])."""
+        mark_gradients(self._params)
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         b = self.bindings
@@ -811,6 +820,7 @@ class _StepTracer:
         for r, v in values.items():
             if r.kind is Kind.GRAD:
                 params[r.name].grad = v
+        self._params = params
         traced_args = list(b.flat_args)
         positions = [i for i, _ in b.tensor_args()]
         stand_ins = []
@@ -835,6 +845,8 @@ class _StepTracer:
                 for oi, opt in enumerate(b.optimizers)
             ]
             stack.enter_context(_refuse_other_optimizers(b.optimizers))
+            # NOTE: [loss scaling in the program]
+            scaler_finals = stack.enter_context(traced_scalers(b.scalers, values))
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(self.branches)
             stack.enter_context(python_effects(self.func.__code__))
@@ -853,6 +865,9 @@ class _StepTracer:
                 for fqn, t in mod.named_buffers(remove_duplicate=False)
             }
             outs = self._collect(result, params, final_buffers, swapped, values, kept)
+            for ref, value in scaler_finals():
+                self.out_refs.append(ref)
+                outs.append(value)
         return outs
 
     def _collect(self, result, params, final_buffers, swapped, values, kept) -> list[torch.Tensor]:
@@ -939,7 +954,7 @@ def _not_raised_by_the_step() -> tuple[type[BaseException], ...]:
     checks])."""
     return (
         SPMDCompileError, Undecided, FloatArgumentUsedInPython, _OptimizerNotPassed,
-        *value_read_errors(),
+        unbound_scaler_error(), *value_read_errors(),
     )
 
 
@@ -1044,8 +1059,9 @@ def _check_python_state(opt, oi, groups, before, state, values) -> None:
 
 
 @contextlib.contextmanager
-def _tag_backward() -> Iterator[None]:
-    """Record ``Phase.BACKWARD`` for nodes traced inside ``backward()``."""
+def _tag_backward(after: Callable[[], None]) -> Iterator[None]:
+    """Record ``Phase.BACKWARD`` for nodes traced inside ``backward()``; ``after()`` runs
+    when it returns (NOTE: [gradients settle after backward])."""
     original = torch.Tensor.backward
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -1055,6 +1071,7 @@ def _tag_backward() -> Iterator[None]:
         if graph is not None:
             for node in new_nodes_after(mark, graph):
                 set_phase(node, Phase.BACKWARD, overwrite=False)
+            after()
         return result
 
     with mock.patch.object(torch.Tensor, "backward", backward):

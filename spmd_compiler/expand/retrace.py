@@ -43,6 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import _torch_private as private
 from .. import progress
+from ..capture.gradients import GRADIENT, gradient_settles, marked_gradient
 from ..errors import SPMDCompileError, node_error
 from ..ir.graph_utils import RetracingInterpreter, placeholders
 from ..ir.node_meta import PADDED, PLACEMENT
@@ -145,6 +146,7 @@ def expand(
     input_placements: list[Placements],
     output_placements: list[Placements],
     placement_at_use: UseHook | None = None,
+    gradient_placement: Callable[[str], Placements | None] | None = None,
 ) -> DistributedProgram:
     """Turn the captured single-device graph into the per-rank program.
 
@@ -159,6 +161,9 @@ def expand(
             module's input). Steps apply in order; one redistribution per (arg,
             ``UseStep.key``) is traced, at the first use with that key (see
             ``ir/use_step.py``).
+        gradient_placement: parameter name -> the placement its gradient settles in
+            where something outside backward first reads it (NOTE: [gradients settle
+            after backward]); None (or None for a name): read as DTensor propagates it.
     """
     start = time.perf_counter()
     local = [
@@ -180,7 +185,9 @@ def expand(
             private.bounded_decomposition_propagation(PROPAGATION_BUDGET_SECONDS),
         ):
             rules = local_rules(captured, mesh, input_placements)
-            interpreter = _ExpandingInterpreter(captured, mesh, placement_at_use, memo, rules)
+            interpreter = _ExpandingInterpreter(
+                captured, mesh, placement_at_use, memo, rules, gradient_placement
+            )
             progress.current().set_total(len(captured.graph_module.graph.nodes))
             outs = interpreter.run(*dtensors)
             results = []
@@ -312,16 +319,18 @@ class _ExpandingInterpreter(RetracingInterpreter):
         placement_at_use: UseHook | None,
         memo: private.RedistributionCache,
         rules: LocalRules | None = None,
+        gradient_placement: Callable[[str], Placements | None] | None = None,
     ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
         self.mesh = mesh
         self.rules = rules
         self.memo = memo
         self.placement_at_use = placement_at_use
+        self.gradient_placement = gradient_placement
         self.at_use: dict[tuple[torch.fx.Node, tuple[UseGroup, str]], DTensor] = {}
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple, dict]:
-        if self.placement_at_use is None:
+        if self.placement_at_use is None and self.gradient_placement is None:
             args, kwargs = super().fetch_args_kwargs_from_env(n)
         else:
             args = tuple(torch.fx.node.map_arg(n.args, lambda a: self._value_at_use(n, a)))
@@ -330,6 +339,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
 
     def _value_at_use(self, consumer: torch.fx.Node, arg: torch.fx.Node) -> Any:
         value = self.env[arg]
+        if self.gradient_placement is not None and isinstance(value, DTensor):
+            value = self._settled_gradient(consumer, arg, value)
         steps = self.placement_at_use(consumer, arg) if self.placement_at_use else None
         if not steps or not isinstance(value, DTensor):
             return value
@@ -344,6 +355,28 @@ class _ExpandingInterpreter(RetracingInterpreter):
                 self.at_use[key] = self._redistribute(value, step)
             value = self.at_use[key]
         return value
+
+    def _settled_gradient(self, consumer: torch.fx.Node, arg: torch.fx.Node, value: DTensor) -> DTensor:
+        """A marked gradient read outside backward, in its mode's placement, reduced once
+        (NOTE: [gradients settle after backward] in ``capture/gradients.py``)."""
+        name = marked_gradient(arg)
+        if name is None or not gradient_settles(consumer, arg):
+            return value
+        key = (arg, (UseGroup.REDUCE, "gradient"))
+        if key not in self.at_use:
+            self.at_use[key] = self._settle(value, name)
+        return self.at_use[key]
+
+    def _settle(self, value: DTensor, name: str) -> DTensor:
+        assert self.gradient_placement is not None
+        target = self.gradient_placement(name)
+        if target is None or not any(p.is_partial() for p in value.placements):
+            return value
+        for mesh_dim, p in enumerate(target):  # an uneven shard: as DTensor propagates it
+            if isinstance(p, Shard) and value.shape[p.dim] % self.mesh.size(mesh_dim):
+                return value
+        with self.memo.bypass():
+            return value.redistribute(self.mesh, tuple(target))
 
     def _redistribute(self, value: DTensor, step: UseStep) -> DTensor:
         """``value`` as ``step`` wants it, traced as its own redistribution."""
@@ -362,6 +395,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
             return value.redistribute(self.mesh, placements)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target is GRADIENT:  # NOTE: [gradients settle after backward]: read through
+            return args[0]
         if self.rules is not None:
             result = self.rules.apply(target, args, kwargs)
             if result is not None:

@@ -26,6 +26,8 @@ class Kind(enum.Enum):
     BUFFER = "buffer"
     GRAD = "grad"
     OPTIM_STATE = "optim_state"
+    # a torch.amp.GradScaler's scale and growth tracker (NOTE: [loss scaling in the program])
+    SCALER = "scaler"
     HYPERPARAM = "hyperparam"
     INPUT = "input"
     RETURN = "return"
@@ -34,7 +36,7 @@ class Kind(enum.Enum):
         return self.value
 
 
-STATE_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.GRAD, Kind.OPTIM_STATE)
+STATE_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.GRAD, Kind.OPTIM_STATE, Kind.SCALER)
 # State a fully_shard program holds row-padded when its rows do not divide the ranks
 # (NOTE: [uneven shards] in parallel_modes/padding.py); the runtime pads and unpads it.
 PADDED_KINDS = (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE)
@@ -46,7 +48,8 @@ class StateRef:
 
     ``name`` is the parameter/buffer FQN (prefixed by the module index when the step takes
     several modules); ``key`` is the optimizer-state key (``exp_avg``) or hyper-parameter
-    (``lr``); ``index`` is the position among the step's tensor inputs or returned tensors.
+    (``lr``); ``index`` is the position among the step's tensor inputs or returned tensors,
+    or the scaler's among the step's GradScalers (``key``: ``_scale`` or ``_growth_tracker``).
     """
 
     kind: Kind
@@ -59,6 +62,8 @@ class StateRef:
     def __str__(self) -> str:
         if self.kind is Kind.OPTIM_STATE:
             return f"optimizer[{self.optimizer}].state[{self.name}][{self.key!r}]"
+        if self.kind is Kind.SCALER:
+            return f"scaler[{self.index}].{self.key}"
         if self.kind is Kind.HYPERPARAM and self.optimizer < 0:
             return f"float argument {self.index}"
         if self.kind is Kind.HYPERPARAM:

@@ -206,6 +206,8 @@ def run_program(
             flat.append(torch.tensor(bindings.hyperparam_value(ref), dtype=HYPERPARAM_DTYPE, device=meta.device))
         elif ref.kind is Kind.INPUT:
             flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
+        elif ref.kind is Kind.SCALER:  # plain tensors, replicated (NOTE: [loss scaling in the program])
+            flat.append(_state_value(bindings, ref))
         else:
             value = private.local_tensor_of(cast(DTensor, _state_value(bindings, ref)))
             if program.pads(ref):
@@ -288,6 +290,8 @@ def _state_value(bindings: StepBindings, ref: StateRef) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             raise KeyError(ref)
         return value  # its param group is part of the program's key (static_key)
+    if ref.kind is Kind.SCALER:
+        return private.read_grad_scaler_state(bindings.scalers[ref.index], ref.key)
     raise KeyError(ref)
 
 
@@ -399,6 +403,10 @@ def _write_back(
                 param.grad = _wrap(value, mesh, placements, meta)
             else:
                 private.set_local_tensor(cast(DTensor, param.grad), value)
+        elif ref.kind is Kind.SCALER:
+            private.write_grad_scaler_state(
+                bindings.scalers[ref.index], ref.key, _returned_value(value, mesh, placements, meta, sim)
+            )
         elif ref.kind is Kind.OPTIM_STATE:
             opt = bindings.optimizers[ref.optimizer]
             entry = opt.state[bindings.params[ref.name]]
