@@ -1063,15 +1063,23 @@ def _tag_backward(after: Callable[[], None]) -> Iterator[None]:
     """Record ``Phase.BACKWARD`` for nodes traced inside ``backward()``; ``after()`` runs
     when it returns (NOTE: [gradients settle after backward])."""
     original = torch.Tensor.backward
+    # each torch function mode active in the trace dispatches ``Tensor.backward`` again,
+    # re-entering this wrapper: ``after`` runs once, when the outermost call returns
+    depth = [0]
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         graph = private.current_trace_graph()
         mark = last_node(graph)
-        result = original(self, *args, **kwargs)
+        depth[0] += 1
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
         if graph is not None:
             for node in new_nodes_after(mark, graph):
                 set_phase(node, Phase.BACKWARD, overwrite=False)
-            after()
+            if depth[0] == 0:
+                after()
         return result
 
     with mock.patch.object(torch.Tensor, "backward", backward):
