@@ -1353,9 +1353,11 @@ def is_strided_shard(placement: Any) -> TypeGuard[StridedShard]:
 def placement_types() -> dict[str, type]:
     """DTensor's placement classes by name, private ones included (the compile cache
     rebuilds placements from these names)."""
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-    return {t.__name__: t for t in (Shard, Replicate, Partial, _StridedShard)}
+    # _NormPartial: a vector norm of a shard (clip_grad_norm_ under fully_shard)
+    return {t.__name__: t for t in (Shard, Replicate, Partial, _StridedShard, _NormPartial)}
 
 
 def is_fake(t: Any) -> bool:

@@ -126,7 +126,7 @@ _IMMUTABLE_DICT = torch.fx.immutable_collections.immutable_dict
 
 _PLACEMENT_FIELDS = {
     "Shard": ("dim",), "Replicate": (), "Partial": ("reduce_op",),
-    "_StridedShard": ("dim", "split_factor"),
+    "_StridedShard": ("dim", "split_factor"), "_NormPartial": ("norm_type",),
 }
 
 

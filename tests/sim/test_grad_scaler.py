@@ -226,3 +226,21 @@ def test_a_disabled_scaler_is_the_plain_step():
             assert _same(got, want)
         assert max(compare_models(model, reference, sim).values()) < TOL
     assert not compiled.last_program.captured.checks
+
+
+def test_a_restart_loads_every_program_from_the_compile_cache(tmp_path):
+    """The finite program, its successor with optimizer state and the skip all load from
+    the persistent cache (the clipped fsdp norm is a _NormPartial placement), and the
+    loaded programs train as the compiled ones did."""
+    states = []
+    for attempt in ("miss", "hit"):
+        model = _model()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", **SETTINGS)
+        compiled = sc.compile(make_mode("fsdp"), cache_dir=tmp_path)(scaled_step)
+        with sc.simulate(world_size=2) as sim:
+            for x, y in _batches():
+                compiled(model, optim, scaler, x, y)
+            states.append((compare_models(model, _model(), sim), scaler.state_dict()))
+        assert [r.cache for r in compiled.records] == [attempt] * 3
+    assert states[0] == states[1]
