@@ -301,7 +301,7 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
             )
     return StepBindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
-        (args, kwargs), find_scalers(func, flat_args),
+        (args, kwargs), _unique(find_scalers(func, flat_args)),
     )
 
 

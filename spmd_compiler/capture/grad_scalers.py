@@ -58,7 +58,8 @@ SCALER_HINT = (
 
 def find_scalers(func: Callable[..., Any], flat_args: list[Any]) -> list[Any]:
     """The GradScalers a step can reach by name: its arguments, the globals its code
-    names and its closure variables (in that order, each once)."""
+    names and its closure variables, in that order (a scaler met twice is listed twice;
+    ``find_bindings`` keeps the first)."""
     scaler_type = private.grad_scaler_type()
     found = [a for a in flat_args if isinstance(a, scaler_type)]
     code = getattr(func, "__code__", None)
@@ -69,11 +70,7 @@ def find_scalers(func: Callable[..., Any], flat_args: list[Any]) -> list[Any]:
             with contextlib.suppress(ValueError):  # an empty cell
                 if isinstance(cell.cell_contents, scaler_type):
                     found.append(cell.cell_contents)
-    out: list[Any] = []
-    for s in found:
-        if all(s is not t for t in out):
-            out.append(s)
-    return out
+    return found
 
 
 def scaler_state(scalers: list[Any], device: torch.device) -> list[tuple[StateRef, torch.Tensor]]:
