@@ -87,6 +87,12 @@ def _causal_lm(model_class: str, config_class: str, **config: Any) -> Callable[[
     return build
 
 
+def _classifier(model_class: str, config_class: str, **config: Any) -> Callable[[], torch.nn.Module]:
+    build = _causal_lm(model_class, config_class, **config)
+    build.__doc__ = f"{model_class} (3 labels) in a small random-init config."
+    return build
+
+
 _NO_DROPOUT = {"attention_dropout": 0.0}
 # More architectures, each with its own attention / position / norm variant, in their
 # default configuration (dropout 0), for ``python -m benchmarks.hf_survey``: decoders
@@ -133,6 +139,13 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                             num_experts_per_tok=2, moe_intermediate_size=24,
                             shared_expert_intermediate_size=24,
                             experts_implementation="batched_mm"),
+    # sequence classification as DeBERTa-v3 (the v2 architecture) is fine-tuned: its loss
+    # selects the labelled rows with `(labels >= 0).nonzero()` (NOTE: [selections by a
+    # mask of the batch])
+    "deberta_v2": _classifier("DebertaV2ForSequenceClassification", "DebertaV2Config",
+                              hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
 }
 
 
@@ -161,6 +174,8 @@ def vit_step(model, optim, pixel_values, labels):
 
 
 STEPS = {"gpt2": causal_lm_step, "llama": causal_lm_step, "bert": bert_step, "vit": vit_step}
+# models whose batches are (ids, class labels); their step is causal_lm_step's
+CLASSIFIERS = {"deberta_v2"}
 
 
 def batches(kind: str, steps: int = 2, dtype: torch.dtype = torch.float64) -> list[tuple]:
@@ -172,6 +187,8 @@ def batches(kind: str, steps: int = 2, dtype: torch.dtype = torch.float64) -> li
         labels = torch.randint(0, 3, (BATCH,), generator=gen)
         if kind == "bert":
             out.append((ids, torch.randint(0, 2, (BATCH, LENGTH), generator=gen), labels))
+        elif kind in CLASSIFIERS:
+            out.append((ids, labels))
         elif kind == "vit":
             pixels = torch.randn(BATCH, 3, 16, 16, generator=gen, dtype=torch.float64)
             out.append((pixels.to(dtype), labels))

@@ -87,6 +87,7 @@ from .grad_scalers import (
 from .gradients import mark_gradients
 from .kept_tensors import KeptTensor, KeptTensors
 from .margin_losses import margin_losses_as_ops
+from .mask_selections import mask_selection_decompositions, mask_selections
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .outside_tensors import OutsideWrites, outside_constants
@@ -192,6 +193,8 @@ def capture_decompositions() -> dict:
     table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
     table |= loss_scaling_decompositions()  # NOTE: [loss scaling in the program]
     table |= global_draw_decompositions()  # NOTE: [random draws shaped like a tensor]
+    assert not set(mask_selection_decompositions()) & set(table)
+    table |= mask_selection_decompositions()  # NOTE: [selections by a mask of the batch]
     # the conditions of value checks (NOTE: [value checks]): ops with a DTensor rule
     table[aten._is_all_true.default] = lambda t: torch.all(t)
     table[aten._is_any_true.default] = lambda t: torch.any(t)
@@ -849,6 +852,7 @@ class _StepTracer:
             scaler_finals = stack.enter_context(traced_scalers(b.scalers, values))
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(self.branches)
+            stack.enter_context(mask_selections(self.refs))  # NOTE: [selections by a mask of the batch]
             stack.enter_context(python_effects(self.func.__code__))
             stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]

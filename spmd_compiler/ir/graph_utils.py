@@ -123,6 +123,18 @@ def pure_op(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
 
 
+def placeholders_read_by(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The graph inputs ``node`` is computed from, through any chain of nodes."""
+    seen: set[torch.fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return {n for n in seen if n.op == "placeholder"}
+
+
 def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 

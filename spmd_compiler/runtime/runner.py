@@ -27,7 +27,7 @@ from ..capture.bindings import StepBindings, record_placed_away, record_replacem
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
 from ..errors import SPMDCompileError, SPMDRuntimeError
 from ..expand.retrace import DistributedProgram, Placements, format_placements
-from ..ir.signature import Kind, StateRef, TensorMeta, contiguous_stride
+from ..ir.signature import Kind, StateRef, TensorMeta, ValueCheck, contiguous_stride
 from ..lower import Executable, LoweredGraph
 from .eager_calls import guard_direct_calls
 from .faults import attribution
@@ -216,7 +216,12 @@ def run_program(
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
     flat += carry or []
-    outs = _run(graph, flat, sim, deferred=carry is not None, agreement=agreement)
+    try:
+        outs = _run(graph, flat, sim, deferred=carry is not None, agreement=agreement)
+    except Exception as exc:
+        if not captured.checks:
+            raise
+        raise _failed_before_its_checks(exc, captured.checks) from exc
     next_carry = None
     if plan is not None:
         outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
@@ -240,6 +245,22 @@ class BranchMismatch(Exception):
     def __init__(self, decisions: tuple[tuple[bool, str], ...]) -> None:
         super().__init__(f"branch {len(decisions) - 1} went the other way")
         self.decisions = decisions
+
+
+def _failed_before_its_checks(exc: Exception, checks: list[ValueCheck]) -> SPMDRuntimeError:
+    """A program with value checks failed while it ran, before its checks could be read
+    (NOTE: [value checks]): a call where one does not hold may be why (a mask of the batch
+    with a false element feeding a loss the labels it was meant to leave out)."""
+    text = str(exc) if isinstance(exc, SPMDRuntimeError) else (
+        f"The compiled step failed: {type(exc).__name__}: "
+        f"{str(exc).splitlines()[0].rstrip('.') if str(exc) else ''}."
+    )
+    wheres = "; ".join(dict.fromkeys(check.where for check in checks))
+    return SPMDRuntimeError(
+        f"{text} The program was compiled for conditions on tensor values it verifies "
+        f"after it runs, at: {wheres}. This call may be one where one does not hold. "
+        "Nothing was updated."
+    )
 
 
 def _verify_checks(program: DistributedProgram, outs: list[torch.Tensor], sim: Simulation | None) -> None:

@@ -1,0 +1,202 @@
+"""Selections by a mask of the batch: compiled for the mask that selects everything.
+
+NOTE: [selections by a mask of the batch]
+``torch.nonzero(mask)``, a boolean index ``x[mask]``, ``torch.where(mask)`` and
+``x.masked_select(mask)`` have one row per true element of the mask: a size the data
+decides, which a compiled program, with fixed shapes, cannot have. A step meets them on
+masks that hold for every example of a clean batch: DeBERTa's classification loss (its
+default) selects the labelled rows with ``(labels >= 0).nonzero()`` and gathers them.
+
+- A mask computed from the step's inputs alone (the batch; no parameter, buffer,
+  gradient or optimizer state among what it is computed from) is compiled as all true:
+  ``nonzero`` is every index, in the order torch gives them (row-major), a boolean index
+  selects every element. ``mask.all()`` is a value check (NOTE: [value checks] in
+  ``value_checks.py``), verified every call before any state is written: a call whose
+  mask holds a false element raises ``SPMDRuntimeError`` naming the line, and nothing is
+  updated. The result never depends on a guess: the program runs only on masks it is
+  exact for.
+- A mask computed from the model (mixture-of-experts routing, ``torch.where(choice ==
+  e)`` with ``choice`` from a gate) changes as the model trains, and is never all true
+  for routing: it stays refused at capture as a value-dependent shape, naming the line.
+- A real constant mask (made from Python values in the step) is torch's own: its value
+  is known, the trace computes it.
+- One decision per mask tensor per trace: the backward of ``x[mask]`` reads the same
+  mask again and is not asked twice.
+
+``masked_scatter`` (a vision-language model writing image features into the embeddings at
+the image tokens; the backward of ``masked_select``) has a fixed size but no DTensor rule:
+it is written here in plain ops, for any mask. Each true element takes the source element
+at its rank among the true elements (a ``cumsum`` of the mask), and its backward adds the
+gradient back at those positions.
+
+The other way, a mask with false elements on the batch (padding), cannot be one program
+of fixed shapes; the error says to write the selection with fixed shapes (``masked_fill``,
+``torch.where(mask, x, 0)``, a loss's ``ignore_index``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .. import _torch_private as private
+from ..ir.graph_utils import placeholders_read_by
+from ..ir.signature import STATE_KINDS, StateRef
+
+aten = torch.ops.aten
+
+
+class MaskWithFalseElements(Exception):
+    """The trace of a selection by a mask whose elements are not all true (the other
+    answer of the value check): its size would depend on the values."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "a selection by a mask (torch.nonzero, x[mask], torch.where(mask), "
+            "masked_select) whose elements are not all true has a size the values decide; "
+            "the program is compiled for a mask of the batch that selects every element. "
+            "Write it with fixed shapes: masked_fill, torch.where(mask, x, 0), or a loss's "
+            "ignore_index"
+        )
+
+
+class _Selections:
+    """The trace's state: which graph inputs are state, and the masks decided."""
+
+    def __init__(self, refs: list[StateRef]) -> None:
+        self.refs = refs
+        self.decided: set[torch.fx.Node] = set()
+
+
+_ACTIVE: list[_Selections] = []
+
+
+@contextmanager
+def mask_selections(refs: list[StateRef]) -> Iterator[None]:
+    """While the step is traced on ``refs`` (the graph inputs, in order): selections by a
+    mask of the batch are compiled as all true (see the NOTE)."""
+    _ACTIVE.append(_Selections(refs))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def _computed_from_state(node: torch.fx.Node, selections: _Selections) -> bool:
+    """``node`` reads, through any chain of ops, a graph input that is program state."""
+    inputs = [n for n in node.graph.nodes if n.op == "placeholder"]
+    kinds = {n: ref.kind for n, ref in zip(inputs, selections.refs, strict=False)}
+    return any(kinds.get(n) in STATE_KINDS for n in placeholders_read_by(node))
+
+
+def _selects_everything(mask: torch.Tensor) -> bool:
+    """Whether this selection is compiled as all true: False when torch's own op must
+    run (no trace of ours, a real constant, a mask computed from state)."""
+    if not _ACTIVE or private.is_real_tensor_constant(mask):
+        return False
+    selections = _ACTIVE[-1]
+    node = private.traced_node_of(mask)
+    if node is None or _computed_from_state(node, selections):
+        return False
+    if node in selections.decided:
+        return True
+    # the value check (NOTE: [value checks]): answered by the trace's decisions
+    if not bool(mask.all()):
+        raise MaskWithFalseElements()
+    selections.decided.add(node)
+    return True
+
+
+def every_index(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """``torch.nonzero`` of an all-true tensor of ``shape``: (numel, ndim), row-major."""
+    if len(shape) == 0:
+        return torch.zeros((1, 0), dtype=torch.long, device=device)
+    grids = torch.meshgrid(
+        *[torch.arange(n, device=device) for n in shape], indexing="ij"
+    )
+    return torch.stack([g.reshape(-1) for g in grids], dim=1)
+
+
+def _nonzero(mask: torch.Tensor) -> Any:
+    if not _selects_everything(mask):
+        return NotImplemented
+    return every_index(mask.shape, mask.device)
+
+
+def _index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
+    if not any(
+        i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices
+    ):
+        return NotImplemented
+    converted: list[torch.Tensor | None] = []
+    for i in indices:
+        if i is None or i.dtype not in (torch.bool, torch.uint8):
+            converted.append(i)
+        elif _selects_everything(i):
+            converted.extend(every_index(i.shape, i.device).unbind(1))
+        else:
+            return NotImplemented
+    return aten.index.Tensor(x, converted)
+
+
+def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> Any:
+    if not _selects_everything(mask):
+        return NotImplemented
+    x, mask = torch.broadcast_tensors(x, mask)
+    return x.reshape(-1)
+
+
+def _source_positions(mask: torch.Tensor, source_numel: int) -> torch.Tensor:
+    """For each element of the (flat) mask: the source element a true one takes."""
+    taken = mask.reshape(-1).to(torch.long).cumsum(0) - 1
+    return taken.clamp(min=0, max=max(source_numel - 1, 0))
+
+
+def _masked_scatter(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    x, mask = torch.broadcast_tensors(x, mask)
+    if source.numel() == 0:  # no element can be true (torch checks the count)
+        return x.clone()
+    flat = mask.reshape(-1)
+    values = source.reshape(-1)[_source_positions(flat, source.numel())]
+    return torch.where(flat, values, x.reshape(-1)).reshape(x.shape)
+
+
+def _masked_scatter_(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    return x.copy_(_masked_scatter(x, mask, source))
+
+
+def _masked_scatter_backward(
+    grad: torch.Tensor, mask: torch.Tensor, sizes: list[int]
+) -> torch.Tensor:
+    """The source's gradient: each true element's gradient at its source position."""
+    numel = 1
+    for n in sizes:
+        numel *= n
+    grad, mask = torch.broadcast_tensors(grad, mask)
+    flat = mask.reshape(-1)
+    kept = torch.where(flat, grad.reshape(-1), torch.zeros_like(grad.reshape(-1)))
+    out = grad.new_zeros(numel)
+    if numel:
+        out = out.index_add(0, _source_positions(flat, numel), kept)
+    return out.reshape(sizes)
+
+
+def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The capture decompositions of the NOTE."""
+    return {
+        aten.nonzero.default: _nonzero,
+        aten.index.Tensor: _index,
+        aten.masked_select.default: _masked_select,
+        aten.masked_scatter.default: _masked_scatter,
+        aten.masked_scatter_.default: _masked_scatter_,
+        aten.masked_scatter_backward.default: _masked_scatter_backward,
+    }
+
+
+__all__ = [
+    "MaskWithFalseElements", "every_index", "mask_selection_decompositions",
+    "mask_selections",
+]

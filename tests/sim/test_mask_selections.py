@@ -1,0 +1,274 @@
+"""Selections by a mask of the batch (NOTE: [selections by a mask of the batch]).
+
+``torch.nonzero``, ``x[mask]``, ``torch.where(mask)``, ``torch.argwhere`` and
+``masked_select`` on a mask computed from the batch compile for the mask that selects
+everything, verified every call: parity with the undecorated step on one device
+(float64) under ddp, fsdp and tp; a call whose mask holds a false element raises
+before anything is written, naming the line, and training goes on. ``masked_scatter``
+(any mask) is plain ops of ours. A mask computed from the model stays refused at capture.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd_compiler as sc
+from spmd_compiler.capture.mask_selections import every_index, mask_selection_decompositions
+from spmd_compiler.errors import SPMDCompileError, SPMDRuntimeError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
+
+TOL = 1e-12
+BATCH, FEATURES, CLASSES = 8, 6, 3
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(FEATURES, 16)
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x)))
+
+
+def _select(form: str, logits: torch.Tensor, labels: torch.Tensor):  # noqa: ANN202
+    """The labelled rows (labels >= 0) of ``logits`` and ``labels``, written each way."""
+    keep = labels >= 0
+    if form == "nonzero":  # DeBERTa's classification loss
+        index = keep.nonzero()
+        rows = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
+        return rows, torch.gather(labels, 0, index.view(-1))
+    if form == "bool_index":
+        return logits[keep], labels[keep]
+    if form == "where":
+        (index,) = torch.where(keep)
+        return logits[index], labels[index]
+    if form == "argwhere":
+        index = torch.argwhere(keep).squeeze(1)
+        return logits.index_select(0, index), labels.index_select(0, index)
+    if form == "masked_select":
+        rows = logits.masked_select(keep[:, None]).view(-1, logits.size(1))
+        return rows, labels.masked_select(keep)
+    raise ValueError(form)
+
+
+def _step_for(form: str):  # noqa: ANN202
+    def step(model, optim, x, labels):  # noqa: ANN001
+        rows, kept = _select(form, model(x), labels)
+        loss = F.cross_entropy(rows, kept)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    step.__name__ = f"{form}_step"
+    return step
+
+
+def _twins():  # noqa: ANN202
+    torch.manual_seed(0)
+    model = Classifier().double()
+    reference = copy.deepcopy(model)
+    return (model, reference, torch.optim.AdamW(model.parameters(), lr=1e-2),
+            torch.optim.AdamW(reference.parameters(), lr=1e-2))
+
+
+def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64),
+         torch.randint(0, CLASSES, (BATCH,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _mode(name: str):  # noqa: ANN202
+    if name == "tp":
+        return make_mode("tp", plan={"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    return make_mode(name)
+
+
+def _worst(model, reference, optim, reference_optim, sim) -> float:  # noqa: ANN001
+    return max({**compare_models(model, reference, sim),
+                **compare_optimizers(optim, reference_optim, sim)}.values())
+
+
+FORMS = ["nonzero", "bool_index", "where", "argwhere", "masked_select"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("form", FORMS)
+def test_selections_by_a_batch_mask_match_one_device(form, mode):
+    step = _step_for(form)
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(_mode(mode))(step)
+    with sc.simulate(world_size=2) as sim:
+        for x, labels in _batches():
+            loss = compiled(model, optim, x, labels)
+            assert relative_difference(loss, step(reference, reference_optim, x, labels)) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+    assert compiled.compile_count == 2  # AdamW's first step and its steady state
+    checks = compiled.last_program.captured.checks
+    # one check per mask tensor (masked_select reads two: keep[:, None] and keep)
+    assert checks and all("test_mask_selections.py" in check.where for check in checks)
+
+
+def weighted_step(model, optim, x, weights):  # noqa: ANN001
+    """A loss scaled by the mean positive weight: nothing in the program fails on a mask
+    with a false element, so the check itself must catch it."""
+    scale = weights[weights > 0].mean()
+    loss = model(x).pow(2).mean() * scale
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def masked_rows_step(model, optim, x, weights):  # noqa: ANN001
+    """Rows by a mask, with a gradient: the backward's index_put fails first."""
+    loss = model(x)[weights > 0].pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("step,bad_value", [
+    (weighted_step, 0.0),            # the check catches it
+    (masked_rows_step, 0.0),         # the backward's index_put fails on the mask first
+    (_step_for("nonzero"), -100),    # cross entropy fails on the label first
+], ids=["checked", "index_put", "cross_entropy"])
+def test_a_mask_with_a_false_element_raises_and_writes_nothing(step, bad_value):
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(make_mode("fsdp"))(step)
+    (x, labels), (x2, labels2), _ = _batches()
+    if "nonzero" not in step.__name__:  # weights, not labels
+        labels, labels2 = torch.rand(BATCH, dtype=torch.float64) + 0.5, labels2 + 1.0
+    bad = labels.clone()
+    bad[6] = bad_value  # on the second rank's half
+    with sc.simulate(world_size=2) as sim:
+        compiled(model, optim, x, labels)
+        step(reference, reference_optim, x, labels)
+        with pytest.raises(SPMDRuntimeError) as info:
+            compiled(model, optim, x, bad)
+        message = str(info.value)
+        assert "test_mask_selections.py" in message and "Nothing was updated" in message
+        if step is weighted_step:
+            assert "not all true" in message
+        # nothing was written: training goes on as if the call never happened
+        loss = compiled(model, optim, x2, labels2)
+        assert relative_difference(loss, step(reference, reference_optim, x2, labels2)) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+
+
+class Routed(nn.Module):
+    """Rows chosen by the model's own gate: the mask is computed from parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(FEATURES, 2)
+        self.expert = nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = x[self.gate(x).argmax(-1) == 0]
+        return self.expert(chosen).sum() + 0 * self.gate.weight.sum()
+
+
+def test_a_mask_computed_from_the_model_is_refused_at_capture():
+    model = Routed().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, optim, x):  # noqa: ANN001
+        loss = model(x)
+        loss.backward()
+        optim.step()
+        return loss
+
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, _batches(1)[0][0])
+    assert "value-dependent shape" in str(info.value)
+    assert "chosen = x[self.gate(x).argmax(-1) == 0]" in str(info.value)
+
+
+class Captioner(nn.Module):
+    """A vision-language model's merge: image features written into the text embeddings
+    at the image tokens (``masked_scatter``; a mask with false elements)."""
+
+    IMAGE_TOKEN = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, FEATURES)
+        self.vision = nn.Linear(4, FEATURES)
+        self.head = nn.Linear(FEATURES, 8)
+
+    def forward(self, ids: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed(ids)
+        features = self.vision(patches).reshape(-1, FEATURES)
+        mask = (ids == self.IMAGE_TOKEN)[..., None].expand_as(embeds)
+        return self.head(embeds.masked_scatter(mask, features))
+
+
+def captioner_step(model, optim, ids, patches, targets):  # noqa: ANN001
+    loss = F.cross_entropy(model(ids, patches).flatten(0, 1), targets.flatten())
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_masked_scatter_with_any_mask_matches_one_device(mode):
+    torch.manual_seed(0)
+    model = Captioner().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = sc.compile(make_mode(mode))(captioner_step)
+    gen = torch.Generator().manual_seed(4)
+    with sc.simulate(world_size=2) as sim:
+        for _ in range(3):
+            ids = torch.randint(2, 8, (BATCH, 5), generator=gen)
+            ids[:, 1:3] = Captioner.IMAGE_TOKEN  # two image tokens per example
+            patches = torch.randn(BATCH, 2, 4, generator=gen, dtype=torch.float64)
+            targets = torch.randint(0, 8, (BATCH, 5), generator=gen)
+            loss = compiled(model, optim, ids, patches, targets)
+            expected = captioner_step(reference, reference_optim, ids, patches, targets)
+            assert relative_difference(loss, expected) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+    assert not compiled.last_program.captured.checks  # any mask: nothing to verify
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (2, 3, 4), (3, 0, 2)])
+def test_every_index_is_nonzero_of_an_all_true_tensor(shape):
+    assert torch.equal(every_index(torch.Size(shape), torch.device("cpu")),
+                       torch.ones(shape, dtype=torch.bool).nonzero())
+
+
+@pytest.mark.parametrize("mask_shape", [(4, 5), (4, 1), (5,)])
+def test_masked_scatter_in_plain_ops_is_torchs(mask_shape):
+    table = mask_selection_decompositions()
+    aten = torch.ops.aten
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    mask = torch.rand(mask_shape, generator=gen) > 0.4
+    count = int(torch.broadcast_to(mask, x.shape).sum())
+    source = torch.randn(count + 3, generator=gen, dtype=torch.float64)
+    assert torch.equal(table[aten.masked_scatter.default](x, mask, source),
+                       x.masked_scatter(mask, source))
+    grad = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    expected = aten.masked_scatter_backward.default(grad, mask, [count + 3])
+    assert torch.equal(
+        table[aten.masked_scatter_backward.default](grad, mask, [count + 3]), expected
+    )
