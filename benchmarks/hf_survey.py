@@ -3,9 +3,9 @@
 The zoo (``benchmarks/zoo.py`` MODELS, ``tests/models``) checks four architectures in
 every mode; this survey widens the net: Mistral (sliding window), Qwen2, GPT-NeoX
 (partial rotary), OPT, BLOOM (ALiBi), Phi, Gemma, GPT-J, T5 (encoder-decoder, relative
-position bias), two mixtures of experts and DeBERTa-v2 (sequence classification,
-disentangled attention), each in its default configuration (dropout 0), under ddp and fsdp on 2
-simulated ranks, float64, 2 AdamW steps, against the undecorated step on one device on
+position bias), two mixtures of experts, DeBERTa-v2 (sequence classification,
+disentangled attention) and BEiT (relative position bias), each in its default
+configuration (dropout 0), under ddp and fsdp on 2 simulated ranks, float64, 2 AdamW steps, against the undecorated step on one device on
 the global batch. Writes ``benchmarks/results/hf_survey.{json,md}``.
 
 Needs transformers (``pip install -e .[models]``).

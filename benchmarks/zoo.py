@@ -146,6 +146,13 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                               hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                               intermediate_size=64, max_position_embeddings=64, num_labels=3,
                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # BEiT with relative position bias, as its checkpoints have it: transformers memoizes
+    # the position index (NOTE: [Python effects at capture])
+    "beit": _classifier("BeitForImageClassification", "BeitConfig", image_size=16,
+                        patch_size=4, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, num_labels=3,
+                        use_relative_position_bias=True, drop_path_rate=0.0,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
 }
 
 
@@ -173,7 +180,10 @@ def vit_step(model, optim, pixel_values, labels):
     return loss
 
 
-STEPS = {"gpt2": causal_lm_step, "llama": causal_lm_step, "bert": bert_step, "vit": vit_step}
+STEPS = {
+    "gpt2": causal_lm_step, "llama": causal_lm_step, "bert": bert_step, "vit": vit_step,
+    "beit": vit_step,
+}
 # models whose batches are (ids, class labels); their step is causal_lm_step's
 CLASSIFIERS = {"deberta_v2"}
 
@@ -189,7 +199,7 @@ def batches(kind: str, steps: int = 2, dtype: torch.dtype = torch.float64) -> li
             out.append((ids, torch.randint(0, 2, (BATCH, LENGTH), generator=gen), labels))
         elif kind in CLASSIFIERS:
             out.append((ids, labels))
-        elif kind == "vit":
+        elif STEPS.get(kind) is vit_step:
             pixels = torch.randn(BATCH, 3, 16, 16, generator=gen, dtype=torch.float64)
             out.append((pixels.to(dtype), labels))
         else:

@@ -17,6 +17,13 @@ values; later calls run only the program. Three effects would silently differ:
   seeded outside the step, is the supported way (NOTE: [random numbers] in trace.py).
 - A draw from Python's ``random`` or NumPy's global generator: NOTE: [host random
   numbers at capture].
+- A memoized function that makes tensors (transformers' ``compile_compatible_method_lru_cache``
+  on BEiT's relative position index, DETR's and DINOv3's position embeddings, ~30
+  architectures) would keep the fake tensor of the trace in its cache, for the next
+  trace and for eager calls after it (BEiT was refused as a tensor read from a place the
+  step cannot watch). While the step is traced, transformers' wrapper calls the function
+  through, as it does under ``torch.compile``: the function's ops are traced into the
+  program (index arithmetic on sizes), and the cache is left as it was.
 Tensors the step stores in Python objects are NOTE: [tensors the step keeps].
 """
 
@@ -99,6 +106,19 @@ def python_effects(step_code: Any) -> Iterator[None]:
                     real = getattr(owner, name)
                     stack.enter_context(mock.patch.object(owner, name, refuse_reseed(name, real)))
         stack.enter_context(_refuse_host_random_draws())
+        stack.enter_context(_library_caches_called_through())
+        yield
+
+
+@contextlib.contextmanager
+def _library_caches_called_through() -> Iterator[None]:
+    """transformers' tensor-making lru caches bypassed while the step is traced (the NOTE);
+    nothing when transformers is not imported."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    if utils is None or not hasattr(utils, "is_torchdynamo_compiling"):
+        yield
+        return
+    with mock.patch.object(utils, "is_torchdynamo_compiling", lambda: True):
         yield
 
 

@@ -159,8 +159,9 @@ def test_float32_differences_come_from_adam(kind):
 # each), world 2: T5 (encoder-decoder; its label shift is a fill, which had no DTensor
 # rule) under ddp in CI, the rest slow. Gemma runs with its RMSNorm in the model's dtype
 # (transformers computes it in float32: 2.7e-7 otherwise, float32-exact). DeBERTa-v2
-# classification (its loss selects rows with `nonzero`) under ddp in CI too.
-_SURVEY_IN_CI = {("t5", "ddp"), ("deberta_v2", "ddp")}
+# classification (its loss selects rows with `nonzero`) and BEiT (a memoized position
+# index) under ddp in CI too.
+_SURVEY_IN_CI = {("t5", "ddp"), ("deberta_v2", "ddp"), ("beit", "ddp")}
 SURVEY_CASES = [
     (kind, mode, [] if (kind, mode) in _SURVEY_IN_CI else [pytest.mark.slow])
     for kind in SURVEY_MODELS for mode in ("ddp", "fsdp")
