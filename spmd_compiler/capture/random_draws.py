@@ -16,11 +16,18 @@ At capture each of these becomes ops on a draw of the global shape (``torch.rand
 ``exp(normal)``, ``cauchy_`` is ``median + sigma * tan(pi * (rand - 1/2))``,
 ``bernoulli(p)`` is ``rand < p``, ``normal(mean, std)`` is ``mean + std * randn``, and
 ``rrelu`` multiplies its negative inputs by ``lower + (upper - lower) * rand`` (its noise
-tensor holds that factor, 1 elsewhere, as the kernel's). Every rank then sees its slice
+tensor holds that factor, 1 elsewhere, as the kernel's). ``torch.multinomial(w, n)``
+(``Categorical.sample()``: a policy's actions, negative sampling) with replacement is
+inverse-CDF sampling, one uniform per sample searched in the rows' cumulative weights
+(float64); without replacement it is the exponential race (the ``n`` smallest of
+``Exp(1) / w``, whose order is that of drawing one by one). Both keep zero-weight
+categories out, and eager's refusal of invalid weights (negative, inf or NaN, a row
+summing to 0, fewer positive categories than samples without replacement) is a value
+check (NOTE: [value checks]): a call with such weights raises eager's message before
+anything is written. Every rank then sees its slice
 of one global draw, for every mode and world size. The numbers are those of the same
 distribution, not eager's (as for dropout). After capture any random op that still reads
-a tensor (``torch.multinomial``, ``random_``, ``torch.poisson``, gamma and Dirichlet
-samples) is refused, naming the op and the line (``refuse_shard_local_draws``), also
+a tensor (``random_``, ``torch.poisson``, gamma and Dirichlet samples) is refused, naming the op and the line (``refuse_shard_local_draws``), also
 into a tensor made by factories alone: in a probe ``torch.empty(n).geometric_(0.5)``
 still gave other losses on 2 simulated ranks than on 1.
 """
@@ -166,6 +173,33 @@ def _rrelu_with_noise_(self, noise, lower=0.125, upper=1.0 / 3, training=False, 
     return self.copy_(_rrelu_with_noise(self, noise, lower, upper, training, generator))
 
 
+def _multinomial(self, num_samples, replacement=False, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    weights = self.to(torch.float64)
+    rows = weights.reshape(-1, weights.shape[-1])
+    positive = (rows > 0).sum(-1)
+    valid = (rows >= 0).all() & rows.isfinite().all() & (positive > 0).all()
+    if not replacement:
+        valid = valid & (positive >= num_samples).all()
+    if not bool(valid):  # a value check (NOTE: [value checks]): eager's refusal
+        raise RuntimeError(
+            "multinomial: invalid weights (a negative, inf or NaN weight, a row summing to "
+            "0, or fewer positive categories than samples without replacement)"
+        )
+    if replacement:
+        cumulative = rows.cumsum(-1)
+        draw = torch.rand((rows.shape[0], num_samples), dtype=torch.float64, device=self.device)
+        picked = torch.searchsorted(cumulative, draw * cumulative[:, -1:], right=True)
+        # rounding may pass the total: the last category with a positive weight
+        last = (rows > 0).to(torch.long).cumsum(-1).argmax(-1, keepdim=True)
+        picked = torch.minimum(picked, last)
+    else:
+        race = -torch.log1p(-torch.rand(tuple(rows.shape), dtype=torch.float64, device=self.device))
+        picked = torch.topk(race / rows, num_samples, dim=-1, largest=False).indices
+    return picked.reshape(*self.shape[:-1], num_samples)
+
+
 def global_draw_decompositions() -> dict[Any, Any]:
     """The capture decompositions of the NOTE (in-place forms: the first trace is not
     functionalized yet)."""
@@ -188,6 +222,7 @@ def global_draw_decompositions() -> dict[Any, Any]:
         aten.normal.Tensor_Tensor: _normal_tensor_tensor,
         aten.rrelu_with_noise.default: _rrelu_with_noise,
         aten.rrelu_with_noise_.default: _rrelu_with_noise_,
+        aten.multinomial.default: _multinomial,
     }
 
 
@@ -210,8 +245,7 @@ def refuse_shard_local_draws(gm: torch.fx.GraphModule) -> None:
             raise node_error(
                 SHARD_LOCAL_DRAW.format(op=node.target), node,
                 hint="draw with a factory of the full shape (torch.rand, torch.randn, "
-                "torch.randint with a size) and compute from it, e.g. inverse-CDF sampling "
-                "instead of torch.multinomial.",
+                "torch.randint with a size) and compute from it.",
             )
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
-from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.errors import SPMDCompileError, SPMDRuntimeError
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.tools.demo.steps import classification_train_step
 
@@ -30,6 +30,12 @@ FORMS = {
     "normal_of_tensors": lambda h: torch.normal(h, torch.sigmoid(h.detach())),
     "distribution_rsample": lambda h: torch.distributions.Normal(h, torch.ones_like(h)).rsample(),
     "rrelu_training": lambda h: F.rrelu(h, training=True),
+    "multinomial_with_replacement": lambda h: h * torch.multinomial(
+        torch.softmax(h.detach(), -1), 3, replacement=True).sum(-1, keepdim=True),
+    "multinomial_without_replacement": lambda h: h * torch.multinomial(
+        torch.softmax(h.detach(), -1), 3).sum(-1, keepdim=True),
+    "categorical_sample": lambda h: h + torch.distributions.Categorical(
+        logits=h.detach()).sample()[:, None],
 }
 
 
@@ -71,10 +77,57 @@ def test_two_ranks_draw_what_one_rank_draws(form) -> None:
 
 
 def test_a_random_op_that_reads_a_tensor_is_refused() -> None:
-    FORMS["multinomial"] = lambda h: h * torch.multinomial(torch.softmax(h.detach(), -1), 2).sum(-1, keepdim=True)
+    FORMS["poisson"] = lambda h: h * torch.poisson(torch.sigmoid(h.detach()))
     try:
-        with pytest.raises(SPMDCompileError, match="multinomial") as raised:
-            _losses("multinomial", "ddp", 2)
+        with pytest.raises(SPMDCompileError, match="poisson") as raised:
+            _losses("poisson", "ddp", 2)
     finally:
-        del FORMS["multinomial"]
-    assert "multinomial" in (raised.value.op or "") and raised.value.user_line is not None
+        del FORMS["poisson"]
+    assert "poisson" in (raised.value.op or "") and raised.value.user_line is not None
+
+
+@pytest.mark.parametrize("replacement", [True, False])
+def test_multinomial_draws_from_its_distribution(replacement) -> None:
+    """The decomposition, run on real tensors: the first sample's frequencies are the
+    normalized weights (zero weights never drawn), within 4 standard errors."""
+    from spmd_compiler.capture.random_draws import global_draw_decompositions
+
+    multinomial = global_draw_decompositions()[torch.ops.aten.multinomial.default]
+    weights = torch.tensor([0.0, 1.0, 3.0, 0.0, 4.0, 2.0])
+    draws = 20000
+    torch.manual_seed(0)
+    picked = multinomial(weights.expand(draws, 6), 2, replacement)
+    assert picked.shape == (draws, 2) and picked.dtype == torch.long
+    first = torch.bincount(picked[:, 0], minlength=6).double() / draws
+    expected = (weights / weights.sum()).double()
+    error = (expected * (1 - expected) / draws).sqrt()
+    assert ((first - expected).abs() <= 4 * error + 1e-12).all(), (first, expected)
+    if not replacement:
+        assert (picked[:, 0] != picked[:, 1]).all()
+    assert not ((picked == 0) | (picked == 3)).any()
+
+
+def test_multinomial_of_invalid_weights_raises_eagers_refusal() -> None:
+    """Eager refuses negative weights: the compiled step too, before writing anything."""
+
+    def sampling_step(model, optim, x, y):  # noqa: ANN001
+        h = model.fc(x)
+        picked = torch.multinomial(h.detach() - h.detach().min() + y[:, None], 2, True)
+        loss = (model.out(h) * picked.sum(-1, keepdim=True)).mean()
+        loss.backward()
+        optim.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = _Net("rand_like").double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(sampling_step)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, torch.ones(8, dtype=torch.float64))
+        before = [p.full_tensor().clone() for p in model.parameters()]
+        negative = torch.ones(8, dtype=torch.float64)
+        negative[5] = -1.0  # on the second rank: one row gets a negative weight
+        with pytest.raises(SPMDRuntimeError, match="invalid weights"):
+            compiled(model, optim, x, negative)
+        assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
