@@ -21,13 +21,16 @@ default) selects the labelled rows with ``(labels >= 0).nonzero()`` and gathers 
 - A real constant mask (made from Python values in the step) is torch's own: its value
   is known, the trace computes it.
 - One decision per mask tensor per trace: the backward of ``x[mask]`` reads the same
-  mask again and is not asked twice.
+  mask again and is not asked twice; its ``index_put`` takes the mask's every index too
+  (torch 2.11's DTensor gave a boolean-indexed ``index_put`` the global mask beside a
+  local tensor). A boolean-indexed write on a mask not selected by a read (``x[mask] =
+  0``: a fixed size) is torch's own.
 
 ``masked_scatter`` (a vision-language model writing image features into the embeddings at
 the image tokens; the backward of ``masked_select``) has a fixed size but no DTensor rule:
 it is written here in plain ops, for any mask. Each true element takes the source element
 at its rank among the true elements (a ``cumsum`` of the mask), and its backward adds the
-gradient back at those positions.
+gradient back from those positions.
 
 The other way, a mask with false elements on the batch (padding), cannot be one program
 of fixed shapes; the error says to write the selection with fixed shapes (``masked_fill``,
@@ -142,6 +145,41 @@ def _index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
     return aten.index.Tensor(x, converted)
 
 
+def _decided_indices(indices: list[torch.Tensor | None]) -> list[torch.Tensor | None] | None:
+    """``indices`` with each boolean mask already compiled as all true replaced by its
+    every index (None when there is none)."""
+    if not _ACTIVE:
+        return None
+    decided = _ACTIVE[-1].decided
+    converted: list[torch.Tensor | None] = []
+    changed = False
+    for i in indices:
+        if i is not None and i.dtype in (torch.bool, torch.uint8) and private.traced_node_of(i) in decided:
+            converted.extend(every_index(i.shape, i.device).unbind(1))
+            changed = True
+        else:
+            converted.append(i)
+    return converted if changed else None
+
+
+def _index_put(x, indices, values, accumulate=False):  # noqa: ANN001, ANN202
+    converted = _decided_indices(indices)
+    if converted is None:
+        return NotImplemented
+    return aten.index_put.default(x, converted, values, accumulate)
+
+
+def _index_put_(x, indices, values, accumulate=False):  # noqa: ANN001, ANN202
+    converted = _decided_indices(indices)
+    if converted is None:
+        return NotImplemented
+    return aten.index_put_.default(x, converted, values, accumulate)
+
+
+def _index_put_impl_(x, indices, values, accumulate=False, unsafe=False):  # noqa: ANN001, ANN202
+    return _index_put_(x, indices, values, accumulate)
+
+
 def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> Any:
     if not _selects_everything(mask):
         return NotImplemented
@@ -171,17 +209,21 @@ def _masked_scatter_(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) 
 def _masked_scatter_backward(
     grad: torch.Tensor, mask: torch.Tensor, sizes: list[int]
 ) -> torch.Tensor:
-    """The source's gradient: each true element's gradient at its source position."""
+    """The source's gradient: source element ``k`` takes the gradient of the element
+    holding the (k+1)-th true value (a search in the mask's running count), 0 past the
+    count. A gather: no accumulation (torch 2.11's ``index_put`` rule mis-shards one)."""
     numel = 1
     for n in sizes:
         numel *= n
     grad, mask = torch.broadcast_tensors(grad, mask)
-    flat = mask.reshape(-1)
-    kept = torch.where(flat, grad.reshape(-1), torch.zeros_like(grad.reshape(-1)))
-    out = grad.new_zeros(numel)
-    if numel:
-        out = out.index_add(0, _source_positions(flat, numel), kept)
-    return out.reshape(sizes)
+    flat_grad = grad.reshape(-1)
+    if flat_grad.numel() == 0 or numel == 0:
+        return grad.new_zeros(sizes)
+    counts = mask.reshape(-1).to(torch.long).cumsum(0)
+    wanted = torch.arange(1, numel + 1, device=grad.device)
+    holder = torch.searchsorted(counts, wanted).clamp(max=flat_grad.numel() - 1)
+    zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
+    return torch.where(wanted <= counts[-1:], flat_grad[holder], zero).reshape(sizes)
 
 
 def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
@@ -190,6 +232,9 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
         aten.nonzero.default: _nonzero,
         aten.index.Tensor: _index,
         aten.masked_select.default: _masked_select,
+        aten.index_put.default: _index_put,
+        aten.index_put_.default: _index_put_,
+        aten._index_put_impl_.default: _index_put_impl_,
         aten.masked_scatter.default: _masked_scatter,
         aten.masked_scatter_.default: _masked_scatter_,
         aten.masked_scatter_backward.default: _masked_scatter_backward,
