@@ -1698,6 +1698,8 @@ def install_dtensor_gap_fills() -> None:
     _install_distance_strategies()
     _install_along_dim_strategies()
     _install_searchsorted_strategy()
+    if _index_put_leading_dims_gap():
+        _install_index_put_checked_strategy()
 
 
 _GAPS_FILLED = False
@@ -2709,6 +2711,82 @@ def _install_div_numerator_partials_only() -> None:
 
     for op in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor):
         register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_kwargkey=["out"]))(strategy)
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
+    if cached is not None:
+        cached()
+
+
+def _index_put_leading_dims_gap() -> bool:
+    """Whether this DTensor's ``index_put`` rule is torch 2.11's ``prop_index_put``, which
+    assumes ``values`` has only the non-indexed dims of ``self`` (2.13 replaced it)."""
+    from torch.distributed.tensor._ops import _tensor_ops
+
+    return hasattr(_tensor_ops, "prop_index_put") and not hasattr(
+        _tensor_ops, "index_put_single_dim_strategy"
+    )
+
+
+def _install_index_put_checked_strategy() -> None:
+    """torch 2.11 gap: its ``index_put`` rule shards ``self`` and ``values`` alike on the
+    indexed dimension when ``values`` has as many dimensions as ``self`` (the backward of
+    ``x[idx]``: ``index_put(zeros, [idx], grad)``, 1-D ``idx``): each rank wrote its local
+    rows at global positions ("value tensor of shape [4, 3] cannot be broadcast to
+    indexing result of shape [8, 3]"; silent where a local size of 1 broadcasts). Here
+    its layouts are kept only where ``self`` is sharded on a dimension no index reads and
+    ``values`` on the matching dimension (as torch 2.13's rule maps them), else
+    everything replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, RuntimeSchemaInfo
+    from torch.distributed.tensor._ops import _tensor_ops
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs, register_op_strategy
+
+    original = _tensor_ops.prop_index_put
+
+    def values_dim(self_dim: int, n_indexed: int, broadcast_ndim: int, values_ndim: int, self_ndim: int) -> int:
+        result_ndim = broadcast_ndim + self_ndim - n_indexed
+        return self_dim - n_indexed + broadcast_ndim - (result_ndim - values_ndim)
+
+    def strategy(op_schema: Any) -> Any:
+        in_strategy, indices, values_strategy = op_schema.args_schema[:3]
+        self_meta = in_strategy.strategies[0].output_spec.tensor_meta
+        values_meta = values_strategy.strategies[0].output_spec.tensor_meta
+        index_shapes = [c.strategies[0].output_spec.tensor_meta.shape for c in indices.children]
+        n_indexed, self_ndim, values_ndim = len(index_shapes), len(self_meta.shape), len(values_meta.shape)
+        broadcast_ndim = len(torch.broadcast_shapes(*index_shapes)) if index_shapes else 0
+
+        def valid(spec: Any) -> bool:
+            ins, vals = spec.input_specs[0].placements, spec.input_specs[-1].placements
+            for p_in, p_val in zip(ins, vals, strict=True):
+                if isinstance(p_in, Replicate) and isinstance(p_val, Replicate):
+                    continue
+                if not (isinstance(p_in, Shard) and isinstance(p_val, Shard)) or p_in.dim < n_indexed:
+                    return False
+                want = values_dim(p_in.dim, n_indexed, broadcast_ndim, values_ndim, self_ndim)
+                if want < 0 or p_val.dim != want or values_meta.shape[want] == 1:
+                    return False
+            return True
+
+        offered = original(op_schema)
+        kept = [spec for spec in offered.strategies if valid(spec)]
+        if not kept:
+            mesh = values_strategy.mesh
+            replicated = (Replicate(),) * mesh.ndim
+
+            def spec_of(strategy_: Any) -> Any:
+                meta = strategy_.strategies[0].output_spec.tensor_meta
+                return DTensorSpec(mesh=mesh, placements=replicated, tensor_meta=meta)
+
+            inputs = [spec_of(in_strategy), *[spec_of(c) for c in indices.children], spec_of(values_strategy)]
+            sources = [in_strategy, *indices.children, values_strategy]
+            kept = [OpSpec(
+                output_specs=inputs[0], input_specs=tuple(inputs),
+                redistribute_cost=[generate_redistribute_costs(src, dst) for src, dst in zip(sources, inputs)],
+            )]
+        return OpStrategy(kept)
+
+    ops = [torch.ops.aten.index_put.default, torch.ops.aten._index_put_impl_.default]
+    register_op_strategy(ops, schema_info=RuntimeSchemaInfo(needs_pytree=True))(strategy)
     cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
     if cached is not None:
         cached()
