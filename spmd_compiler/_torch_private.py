@@ -2739,7 +2739,10 @@ def _install_index_put_checked_strategy() -> None:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, RuntimeSchemaInfo
     from torch.distributed.tensor._ops import _tensor_ops
-    from torch.distributed.tensor._ops.utils import generate_redistribute_costs, register_op_strategy
+    from torch.distributed.tensor._ops.utils import (
+        generate_redistribute_costs,
+        register_op_strategy,
+    )
 
     original = _tensor_ops.prop_index_put
 
