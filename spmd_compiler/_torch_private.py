@@ -2744,7 +2744,7 @@ def _install_index_put_checked_strategy() -> None:
         register_op_strategy,
     )
 
-    original = _tensor_ops.prop_index_put
+    original = getattr(_tensor_ops, "prop_index_put")  # noqa: B009 - 2.11 only
 
     def values_dim(self_dim: int, n_indexed: int, broadcast_ndim: int, values_ndim: int, self_ndim: int) -> int:
         result_ndim = broadcast_ndim + self_ndim - n_indexed

@@ -272,3 +272,28 @@ def test_masked_scatter_in_plain_ops_is_torchs(mask_shape):
     assert torch.equal(
         table[aten.masked_scatter_backward.default](grad, mask, [count + 3]), expected
     )
+
+
+def rows_by_index_step(model, optim, x, index):  # noqa: ANN001
+    loss = model(x)[index].pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_rows_taken_by_an_index_match_one_device(mode):
+    """The backward of ``x[index]`` is an ``index_put`` with as many dimensions as ``x``:
+    torch 2.11's rule sharded it on the indexed dimension (a fill of ours,
+    ``_torch_private._install_index_put_checked_strategy``)."""
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(make_mode(mode))(rows_by_index_step)
+    index = torch.tensor([5, 0, 7, 7, 2, 3, 1, 6])
+    with sc.simulate(world_size=2) as sim:
+        for x, _ in _batches():
+            loss = compiled(model, optim, x, index)
+            expected = rows_by_index_step(reference, reference_optim, x, index)
+            assert relative_difference(loss, expected) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
