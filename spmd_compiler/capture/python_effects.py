@@ -14,7 +14,7 @@ values; later calls run only the program. Three effects would silently differ:
   recorded with that generator object, whose state the program neither advances as eager
   does nor shares across ranks (checked on the first graph: every node with a
   ``generator`` argument is refused, naming the op and line). The default generator,
-  seeded outside the step, is the supported way (NOTE: [random numbers] in trace.py).
+  seeded outside the step, is the supported way (NOTE: [random numbers] in random_draws.py).
 - A draw from Python's ``random`` or NumPy's global generator: NOTE: [host random
   numbers at capture].
 - A memoized function that makes tensors (transformers' ``compile_compatible_method_lru_cache``

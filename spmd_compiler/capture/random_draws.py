@@ -200,6 +200,25 @@ def _multinomial(self, num_samples, replacement=False, *, generator=None):
     return picked.reshape(*self.shape[:-1], num_samples)
 
 
+def _bernoulli_with_probability(
+    self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``x.bernoulli_(p)`` as ``x.copy_(rand(global shape) < p)``.
+
+    NOTE: [random numbers]
+    The draw is a factory op of the GLOBAL shape, so every rank draws the same full
+    tensor from the same seed and keeps its slice of it (expansion treats values no
+    DTensor flowed into as Replicate; using them with a shard slices locally). Replicas
+    see the same numbers, shards their slice of one global draw, for every parallel mode
+    and world size, and two runs with one seed are identical. (Functionalized,
+    ``bernoulli_`` would also become ``bernoulli.p``, which DTensor has no rule for.)
+    """
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    draw = torch.rand(tuple(self.shape), dtype=torch.float32, device=self.device)
+    return self.copy_((draw < p).to(self.dtype))
+
+
 def global_draw_decompositions() -> dict[Any, Any]:
     """The capture decompositions of the NOTE (in-place forms: the first trace is not
     functionalized yet)."""
@@ -215,6 +234,7 @@ def global_draw_decompositions() -> dict[Any, Any]:
         aten.cauchy_.default: _cauchy_,
         aten.bernoulli.default: _bernoulli,
         aten.bernoulli.p: _bernoulli_p,
+        aten.bernoulli_.float: _bernoulli_with_probability,
         aten.bernoulli.Tensor: _bernoulli_tensor,
         aten.bernoulli_.Tensor: _bernoulli_tensor_,
         aten.normal.Tensor_float: _normal_tensor_float,

@@ -127,7 +127,7 @@ SCHEDULER_HINT = (
 # times too large on N ranks, found by the parity tests). Decomposed at capture, the
 # global element count is a constant of the single-device graph and stays right.
 # CPU dropout is ``x * empty_like(x).bernoulli_(1 - p) / (1 - p)``; see
-# _bernoulli_with_probability_tensor for how its random draw is traced.
+# random_draws._bernoulli_with_probability for how its random draw is traced.
 # ``aten.native_batch_norm`` updates running_mean/var in place but its schema does not say
 # so, which functionalization then misses (the update would silently hit the inputs). It
 # and its backward are decomposed into plain ATen ops during the first trace; the running
@@ -190,10 +190,8 @@ def capture_decompositions() -> dict:
     table[aten.native_group_norm.default] = _group_norm_by_reshapes
     for where in (aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther):
         table[where] = _where_with_scalars
-    table[aten.bernoulli_.float] = _bernoulli_with_probability_tensor
     table |= loss_scaling_decompositions()  # NOTE: [loss scaling in the program]
     table |= global_draw_decompositions()  # NOTE: [random draws shaped like a tensor]
-    assert not set(mask_selection_decompositions()) & set(table)
     table |= mask_selection_decompositions()  # NOTE: [selections by a mask of the batch]
     # the conditions of value checks (NOTE: [value checks]): ops with a DTensor rule
     table[aten._is_all_true.default] = lambda t: torch.all(t)
@@ -482,28 +480,6 @@ def _nll_loss_forward_global_mean(
         # at the start of the step and overlap the forward (schedule_overlap).
         total_weight = (target != ignore_index).sum(dtype=self.dtype)
     return total / total_weight, total_weight
-
-
-def _bernoulli_with_probability_tensor(
-    self: torch.Tensor, p: float = 0.5, *, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """``x.bernoulli_(p)`` as ``x.copy_(rand(global shape) < p)``.
-
-    NOTE: [random numbers]
-    The draw is a factory op of the GLOBAL shape, so every rank draws the same full
-    tensor from the same seed and keeps its slice of it (expansion treats values no
-    DTensor flowed into as Replicate; using them with a shard slices locally). Replicas
-    see the same numbers, shards their slice of one global draw, for every parallel mode
-    and world size, and two runs with one seed are identical. (Functionalized,
-    ``bernoulli_`` would also become ``bernoulli.p``, which DTensor has no rule for.)
-    """
-    if generator is not None:
-        raise SPMDCompileError(
-            "bernoulli_ with an explicit torch.Generator cannot be captured.",
-            hint="use the default generator (seed it with torch.manual_seed).",
-        )
-    draw = torch.rand(tuple(self.shape), dtype=torch.float32, device=self.device)
-    return self.copy_((draw < p).to(self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)

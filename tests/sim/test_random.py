@@ -1,5 +1,5 @@
 """Dropout in compiled steps: one global draw per seed, whatever the mode and world size
-(NOTE: [random numbers] in capture/trace.py)."""
+(NOTE: [random numbers] in capture/random_draws.py)."""
 
 from __future__ import annotations
 
