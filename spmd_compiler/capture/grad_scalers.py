@@ -48,6 +48,7 @@ import torch
 from .. import _torch_private as private
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef
+from .code_names import names_in
 
 SCALER_HINT = (
     "pass the scaler to the step (train_step(model, optimizer, scaler, batch)) or keep it "
@@ -65,7 +66,8 @@ def find_scalers(func: Callable[..., Any], flat_args: list[Any]) -> list[Any]:
     code = getattr(func, "__code__", None)
     if code is not None:
         namespace = getattr(func, "__globals__", {})
-        found += [namespace[n] for n in code.co_names if isinstance(namespace.get(n), scaler_type)]
+        names = dict.fromkeys(names_in(code))  # nested code too (a lambda, a comprehension)
+        found += [namespace[n] for n in names if isinstance(namespace.get(n), scaler_type)]
         for cell in getattr(func, "__closure__", None) or ():
             with contextlib.suppress(ValueError):  # an empty cell
                 if isinstance(cell.cell_contents, scaler_type):

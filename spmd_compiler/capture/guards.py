@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .bindings import StepBindings
+from .code_names import names_in
 
 OBJECT_DEPTH = 2
 _MISSING = object()
@@ -320,8 +321,3 @@ def plain_object(value: Any) -> bool:
     return hasattr(value, "__dict__") and not skipped_module(type(value).__module__)
 
 
-def names_in(code: types.CodeType) -> Iterator[str]:
-    yield from code.co_names
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from names_in(const)

@@ -58,7 +58,8 @@ import torch
 from .. import _torch_private as private
 from ..errors import SPMDCompileError
 from .bindings import StepBindings
-from .guards import functions_of, names_in, plain_object, skipped_function, skipped_module
+from .code_names import names_in
+from .guards import functions_of, plain_object, skipped_function, skipped_module
 from .traced_items import TracedItem
 
 DEPTH = 2

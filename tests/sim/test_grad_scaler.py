@@ -244,3 +244,16 @@ def test_a_restart_loads_every_program_from_the_compile_cache(tmp_path):
             states.append((compare_models(model, _model(), sim), scaler.state_dict()))
         assert [r.cache for r in compiled.records] == [attempt] * 3
     assert states[0] == states[1]
+
+
+def test_a_global_scaler_named_only_in_nested_code_is_found():
+    """``find_scalers`` reads the names of the step's nested code too (a lambda, a
+    comprehension), as the guards do: such a scaler was refused as one it cannot name."""
+    from spmd_compiler.capture.grad_scalers import find_scalers
+
+    def nested_step(model, optim, x, y):  # noqa: ANN001
+        backward = lambda loss: GLOBAL_SCALER.scale(loss).backward()  # noqa: E731
+        backward(F.cross_entropy(model(x), y))
+        return [GLOBAL_SCALER.step(o) for o in (optim,)]
+
+    assert find_scalers(nested_step, []) == [GLOBAL_SCALER]
