@@ -58,11 +58,10 @@ class MaskWithFalseElements(Exception):
 
     def __init__(self) -> None:
         super().__init__(
-            "a selection by a mask (torch.nonzero, x[mask], torch.where(mask), "
-            "masked_select) whose elements are not all true has a size the values decide; "
-            "the program is compiled for a mask of the batch that selects every element. "
-            "Write it with fixed shapes: masked_fill, torch.where(mask, x, 0), or a loss's "
-            "ignore_index"
+            "the mask has false elements: a selection by it (nonzero, x[mask], "
+            "where(mask), masked_select) has a size the values decide, and the program is "
+            "compiled for a mask that selects everything. Select with fixed shapes: "
+            "masked_fill, torch.where(mask, x, 0), a loss's ignore_index"
         )
 
 

@@ -113,6 +113,8 @@ class BranchDecisions:
 def describe_raise(exc: BaseException) -> str:
     """``ValueError: message`` (its first lines), for a failed check's error."""
     lines = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()
+    if type(exc).__module__.startswith("spmd_compiler."):  # ours: the bare class name
+        lines[0] = lines[0].removeprefix(f"{type(exc).__module__}.")
     text = " ".join(line.strip() for line in lines[:3])
     return text if len(text) <= 300 else text[:297] + "..."
 
