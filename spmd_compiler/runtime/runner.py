@@ -218,6 +218,8 @@ def run_program(
     flat += carry or []
     try:
         outs = _run(graph, flat, sim, deferred=carry is not None, agreement=agreement)
+    except SPMDCompileError:
+        raise  # lowering on first need: not the data
     except Exception as exc:
         if not captured.checks:
             raise
