@@ -39,6 +39,8 @@ of fixed shapes; the error says to write the selection with fixed shapes (``mask
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -128,55 +130,48 @@ def _nonzero(mask: torch.Tensor) -> Any:
     return every_index(mask.shape, mask.device)
 
 
-def _index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
-    if not any(
-        i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices
-    ):
-        return NotImplemented
-    converted: list[torch.Tensor | None] = []
-    for i in indices:
-        if i is None or i.dtype not in (torch.bool, torch.uint8):
-            converted.append(i)
-        elif _selects_everything(i):
-            converted.extend(every_index(i.shape, i.device).unbind(1))
-        else:
-            return NotImplemented
-    return aten.index.Tensor(x, converted)
+def _is_mask(index: torch.Tensor | None) -> bool:
+    return index is not None and index.dtype in (torch.bool, torch.uint8)
 
 
-def _decided_indices(indices: list[torch.Tensor | None]) -> list[torch.Tensor | None] | None:
-    """``indices`` with each boolean mask already compiled as all true replaced by its
-    every index (None when there is none)."""
-    if not _ACTIVE:
-        return None
-    decided = _ACTIVE[-1].decided
+def _masks_as_every_index(
+    indices: list[torch.Tensor | None],
+    convert: Callable[[torch.Tensor], bool],
+    all_or_none: bool,
+) -> list[torch.Tensor | None] | None:
+    """``indices`` with each boolean mask that ``convert`` accepts replaced by its every
+    index; a mask it refuses stays as it is, or, with ``all_or_none``, leaves everything
+    to torch. None when nothing was replaced."""
     converted: list[torch.Tensor | None] = []
     changed = False
     for i in indices:
-        if i is not None and i.dtype in (torch.bool, torch.uint8) and private.traced_node_of(i) in decided:
+        if i is None or not _is_mask(i):
+            converted.append(i)
+        elif convert(i):
             converted.extend(every_index(i.shape, i.device).unbind(1))
             changed = True
+        elif all_or_none:
+            return None
         else:
             converted.append(i)
     return converted if changed else None
 
 
-def _index_put(x, indices, values, accumulate=False):  # noqa: ANN001, ANN202
-    converted = _decided_indices(indices)
-    if converted is None:
-        return NotImplemented
-    return aten.index_put.default(x, converted, values, accumulate)
+def _decided(mask: torch.Tensor) -> bool:
+    """The mask was compiled as all true by a read earlier in this trace."""
+    return bool(_ACTIVE) and private.traced_node_of(mask) in _ACTIVE[-1].decided
 
 
-def _index_put_(x, indices, values, accumulate=False):  # noqa: ANN001, ANN202
-    converted = _decided_indices(indices)
-    if converted is None:
-        return NotImplemented
-    return aten.index_put_.default(x, converted, values, accumulate)
+def _index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
+    converted = _masks_as_every_index(indices, _selects_everything, all_or_none=True)
+    return NotImplemented if converted is None else aten.index.Tensor(x, converted)
 
 
-def _index_put_impl_(x, indices, values, accumulate=False, unsafe=False):  # noqa: ANN001, ANN202
-    return _index_put_(x, indices, values, accumulate)
+def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False):  # noqa: ANN001, ANN202
+    """``index_put`` / ``index_put_`` / ``_index_put_impl_`` (the backward of ``x[mask]``)
+    on a mask a read compiled as all true: by its every index."""
+    converted = _masks_as_every_index(indices, _decided, all_or_none=False)
+    return NotImplemented if converted is None else op(x, converted, values, accumulate)
 
 
 def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -211,9 +206,7 @@ def _masked_scatter_backward(
     """The source's gradient: source element ``k`` takes the gradient of the element
     holding the (k+1)-th true value (a search in the mask's running count), 0 past the
     count. A gather: no accumulation (torch 2.11's ``index_put`` rule mis-shards one)."""
-    numel = 1
-    for n in sizes:
-        numel *= n
+    numel = math.prod(sizes)
     grad, mask = torch.broadcast_tensors(grad, mask)
     flat_grad = grad.reshape(-1)
     if flat_grad.numel() == 0 or numel == 0:
@@ -231,9 +224,9 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
         aten.nonzero.default: _nonzero,
         aten.index.Tensor: _index,
         aten.masked_select.default: _masked_select,
-        aten.index_put.default: _index_put,
-        aten.index_put_.default: _index_put_,
-        aten._index_put_impl_.default: _index_put_impl_,
+        aten.index_put.default: functools.partial(_index_put_as, aten.index_put.default),
+        aten.index_put_.default: functools.partial(_index_put_as, aten.index_put_.default),
+        aten._index_put_impl_.default: functools.partial(_index_put_as, aten.index_put_.default),
         aten.masked_scatter.default: _masked_scatter,
         aten.masked_scatter_.default: _masked_scatter_,
         aten.masked_scatter_backward.default: _masked_scatter_backward,
