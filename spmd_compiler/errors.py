@@ -67,6 +67,13 @@ class SPMDRuntimeError(RuntimeError):
     """A compiled step failed while running (e.g. a peer rank died); state is intact."""
 
 
+def exception_summary(exc: BaseException) -> str:
+    """``TypeName: first line of the message``, without a closing period (callers end
+    their sentence after it)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0].rstrip('.') if text else ''}"
+
+
 def step_frame_from_traceback(
     tb: types.TracebackType | None, step_code: types.CodeType
 ) -> SourceLocation | None:

@@ -25,7 +25,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..capture.bindings import StepBindings, record_placed_away, record_replacement
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
-from ..errors import SPMDCompileError, SPMDRuntimeError
+from ..errors import SPMDCompileError, SPMDRuntimeError, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import Kind, StateRef, TensorMeta, ValueCheck, contiguous_stride
 from ..lower import Executable, LoweredGraph
@@ -254,8 +254,7 @@ def _failed_before_its_checks(exc: Exception, checks: list[ValueCheck]) -> SPMDR
     (NOTE: [value checks]): a call where one does not hold may be why (a mask of the batch
     with a false element feeding a loss the labels it was meant to leave out)."""
     text = str(exc) if isinstance(exc, SPMDRuntimeError) else (
-        f"The compiled step failed: {type(exc).__name__}: "
-        f"{str(exc).splitlines()[0].rstrip('.') if str(exc) else ''}."
+        f"The compiled step failed: {exception_summary(exc)}."
     )
     wheres = "; ".join(dict.fromkeys(check.where for check in checks))
     return SPMDRuntimeError(
@@ -368,9 +367,8 @@ def _run(
         )
         rank = dist.get_rank()
         raise SPMDRuntimeError(
-            f"The compiled step failed on rank {rank}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}. {attribution(rank)} "
-            f"{state}{pending}"
+            f"The compiled step failed on rank {rank}: {exception_summary(exc)}. "
+            f"{attribution(rank)} {state}{pending}"
         ) from exc
 
 

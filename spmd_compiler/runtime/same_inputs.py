@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import SPMDCompileError, SPMDRuntimeError
+from ..errors import SPMDCompileError, SPMDRuntimeError, exception_summary
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
 from .faults import attribution
 
@@ -202,7 +202,7 @@ def _collective(call: Any) -> Any:
         raise SPMDRuntimeError(
             f"The compiled step failed on rank {rank} while comparing input shapes with "
             "the other ranks: "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}. "
+            f"{exception_summary(exc)}. "
             f"{attribution(rank)} The model and optimizer hold the state of the last "
             "completed step."
         ) from exc
