@@ -73,6 +73,17 @@ class _Selections:
     def __init__(self, refs: list[StateRef]) -> None:
         self.refs = refs
         self.decided: set[torch.fx.Node] = set()
+        self._state_inputs: set[torch.fx.Node] | None = None
+
+    def state_inputs(self, graph: torch.fx.Graph) -> set[torch.fx.Node]:
+        """The graph's placeholders that are program state (read once per trace: the
+        placeholders are all there before the step runs)."""
+        if self._state_inputs is None:
+            inputs = [n for n in graph.nodes if n.op == "placeholder"]
+            self._state_inputs = {
+                n for n, ref in zip(inputs, self.refs, strict=False) if ref.kind in STATE_KINDS
+            }
+        return self._state_inputs
 
 
 _ACTIVE: list[_Selections] = []
@@ -91,9 +102,7 @@ def mask_selections(refs: list[StateRef]) -> Iterator[None]:
 
 def _computed_from_state(node: torch.fx.Node, selections: _Selections) -> bool:
     """``node`` reads, through any chain of ops, a graph input that is program state."""
-    inputs = [n for n in node.graph.nodes if n.op == "placeholder"]
-    kinds = {n: ref.kind for n, ref in zip(inputs, selections.refs, strict=False)}
-    return any(kinds.get(n) in STATE_KINDS for n in placeholders_read_by(node))
+    return bool(placeholders_read_by(node) & selections.state_inputs(node.graph))
 
 
 def _selects_everything(mask: torch.Tensor) -> bool:
