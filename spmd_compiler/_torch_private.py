@@ -1700,6 +1700,8 @@ def install_dtensor_gap_fills() -> None:
     _install_searchsorted_strategy()
     if _index_put_leading_dims_gap():
         _install_index_put_checked_strategy()
+    if _grouped_mm_fake_dtype_gap():
+        _install_grouped_mm_fake_kernel()
 
 
 _GAPS_FILLED = False
@@ -3029,3 +3031,89 @@ def register_device_mesh_ops() -> None:
         importlib.import_module("torch.distributed._ops.device_mesh")
     except ImportError:  # a release without it: its programs do not hold the op either
         pass
+
+
+# NOTE: [grouped_mm's fake kernel]
+# ``torch._grouped_mm`` (``F.grouped_mm``: a mixture of experts' matmul over tokens sorted
+# by expert, transformers' default experts implementation) has kernels for float32,
+# float16 and bfloat16 (CPU; CUDA's falls back to a loop of matmuls off bfloat16), but its
+# fake kernel mirrors only CUDA's fast path and accepts bfloat16 alone: a float32 model
+# that runs eagerly could not be traced ("Expected inputs of BF16 type"). Where this torch
+# has that gap, the fake kernel accepts what the kernels accept, with their checks
+# (dimensions, offsets, 16-byte aligned strides), and makes the output as torch's own
+# fake kernel shapes it; bfloat16 goes to torch's kernel unchanged. Other dtypes (float64:
+# no kernel runs it) are refused with the kernels' message.
+
+_GROUPED_MM_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _grouped_mm_fake_dtype_gap() -> bool:
+    """Whether torch's fake ``_grouped_mm`` refuses float32 where its CPU kernel runs it."""
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    if op is None:
+        return False
+    from torch._subclasses import fake_impls
+
+    if op.default in getattr(fake_impls, "op_implementations_dict", {}):
+        return False
+
+    def grouped_mm(device: str) -> None:
+        offs = torch.tensor([4, 8], dtype=torch.int32, device=device)
+        torch._grouped_mm(torch.ones(8, 4, device=device), torch.ones(2, 4, 4, device=device), offs=offs)
+
+    try:
+        grouped_mm("cpu")
+    except (RuntimeError, NotImplementedError):
+        return False  # no float32 kernel: nothing to trace for
+    return _probe_raises(lambda: grouped_mm("meta"), (RuntimeError,))
+
+
+def _grouped_mm_strides_aligned(mat: Any) -> bool:
+    """The kernels' layout rule: one of the last two dims unit-stride, the other's stride
+    a multiple of 16 bytes (as torch's ``_meta_grouped_mm_common`` checks it)."""
+    last = mat.dim() - 1
+    stride, alignment = mat.stride(), 16 // mat.element_size()
+    if stride[last - 1] == 1 and stride[last] >= max(1, mat.shape[last - 1]):
+        return stride[last] % alignment == 0
+    if stride[last] == 1 and stride[last - 1] >= max(1, mat.shape[last]):
+        return stride[last - 1] % alignment == 0
+    return False
+
+
+def _install_grouped_mm_fake_kernel() -> None:
+    """NOTE: [grouped_mm's fake kernel]."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    def fake_grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
+            return NotImplemented  # torch's own fake kernel
+        torch._check(
+            mat_a.dtype == mat_b.dtype and mat_a.dtype in _GROUPED_MM_KERNEL_DTYPES,
+            lambda: "grouped_mm: expected mat_a and mat_b to be Float32, BFloat16 or Float16 "
+            f"matrices of one dtype (torch's kernels), got {mat_a.dtype} and {mat_b.dtype}",
+        )
+        torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
+                     lambda: f"grouped_mm: multiplicands must be 2D or 3D, got {mat_a.dim()}D and {mat_b.dim()}D")
+        if mat_a.dim() == 3 or mat_b.dim() == 3:
+            torch._check(mat_a.size(-1) == mat_b.size(-2),
+                         lambda: "grouped_mm: contraction dimension of mat_a and mat_b must match")
+        for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+            if not _grouped_mm_strides_aligned(mat):
+                raise RuntimeError(
+                    f"grouped_mm: {name} strides {tuple(mat.stride())} (sizes {tuple(mat.shape)}) "
+                    "are not 16-byte aligned with one unit-stride dimension")
+        if mat_a.dim() == 2 or mat_b.dim() == 2:
+            torch._check(offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
+                         lambda: "grouped_mm: a 2D operand needs 1D int32 offsets")
+        else:
+            torch._check(offs is None, lambda: "grouped_mm: offsets given for 3D/3D operands")
+        torch._check(bias is None, lambda: "grouped_mm: a bias is not supported")
+        torch._check(out_dtype is None or out_dtype == mat_a.dtype,
+                     lambda: f"grouped_mm: out_dtype {out_dtype} differs from the inputs' {mat_a.dtype}")
+        with in_kernel_invocation_manager(fake_mode):
+            out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return FakeTensor(fake_mode, out, mat_a.device)
+
+    fake_impls.op_implementations_dict[torch.ops.aten._grouped_mm.default] = fake_grouped_mm
