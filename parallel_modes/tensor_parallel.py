@@ -193,6 +193,56 @@ def validate_plan(plan: Mapping[str, Style]) -> None:
         raise ValueError(f"TensorParallel plan must be a dict of FQN pattern -> style, got {type(plan).__name__}")
 
 
+# NOTE: [transformers' plan names]
+# transformers models carry their own tensor-parallel plan (``model.tp_plan``: full FQN
+# patterns, with ``*`` for the layer index, to style names). The names that mean one of
+# torch's styles are read as that style, with the layouts transformers gives it
+# (transformers/distributed/tensor_parallel.py): "colwise" / "rowwise" are torch's
+# defaults, "colwise_gather_output" / "colwise_rep" gather the output, "rowwise_split_input"
+# / "rowwise_rep" split a replicated input, "embedding_rowwise" shards the vocabulary
+# (input replicated), "embedding_colwise" the hidden dim (output gathered). "replicate" and
+# "replicated_with_grad_allreduce" (a norm after column-split heads) keep the module's
+# parameters whole: here every gradient is the global one whatever the layout, so no
+# style is needed. The rest (packed and MoE expert styles, MLA, sequence parallel, local
+# parameters) have no torch counterpart this mode implements and are refused by name:
+# leave them out of the plan and those modules stay replicated.
+_TRANSFORMERS_STYLES: dict[str, Any] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "replicate": lambda: "replicate",
+    "replicated_with_grad_allreduce": lambda: "replicate",
+}
+
+
+def plan_styles(plan: Mapping[str, Style]) -> dict[str, Style]:
+    """``plan`` with transformers' style names read as torch's styles (NOTE:
+    [transformers' plan names]); a name without a counterpart is refused."""
+    validate_plan(plan)
+    out: dict[str, Style] = {}
+    refused: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if isinstance(style, str):
+            make = _TRANSFORMERS_STYLES.get(style)
+            if make is None:
+                refused[pattern] = style
+                continue
+            style = make()
+        out[pattern] = style
+    if refused:
+        raise ValueError(
+            f"TensorParallel plan entries {refused} name styles this mode does not implement "
+            f"(it reads {sorted(_TRANSFORMERS_STYLES)} from transformers' plans, and torch's "
+            "styles). Leave those entries out of the plan: their modules stay replicated."
+        )
+    return out
+
+
 def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     """Module FQN -> style for every module a plan pattern matches (level by level)."""
     matched: dict[str, Style] = {}
@@ -315,7 +365,9 @@ class TensorParallel(ParallelMode):
 
     Args:
         plan: ``{fqn_pattern: style}`` with torch's ``ColwiseParallel``,
-            ``RowwiseParallel``, ``SequenceParallel`` or ``"replicate"``.
+            ``RowwiseParallel``, ``SequenceParallel`` or ``"replicate"``; a transformers
+            model's own ``model.tp_plan`` is read as torch's styles (NOTE:
+            [transformers' plan names]).
         mesh: a 1-D mesh, or a named 1-D sub-mesh of an N-D mesh (``mesh["tp"]``); by
             default all ranks of the default process group.
 
@@ -332,7 +384,7 @@ class TensorParallel(ParallelMode):
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(f"TensorParallel takes a 1-D (sub-)mesh, got {mesh.ndim}-D {mesh}")
         super().__init__(mesh)
-        self.plan = dict(plan)
+        self.plan = plan_styles(plan)
         self.styles: dict[str, Style] = {}
         self.layouts: dict[str, tuple[Placement | None, Placement | None]] = {}
         self.param_placements: dict[str, Placement] = {}

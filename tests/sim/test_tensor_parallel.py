@@ -107,8 +107,11 @@ def test_malformed_plan_is_refused():
         return loss
 
     with sc.simulate(2):
+        # a style name outside transformers' vocabulary (NOTE: [transformers' plan names])
+        with pytest.raises(ValueError, match="'columnwise'"):
+            sc.compile(TensorParallel({"0": "columnwise"}))(step)(model, optim, torch.randn(2, 4))
         with pytest.raises(ValueError, match="ColwiseParallel"):
-            sc.compile(TensorParallel({"0": "colwise"}))(step)(model, optim, torch.randn(2, 4))
+            sc.compile(TensorParallel({"0": 3}))(step)(model, optim, torch.randn(2, 4))
         relu = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
         with pytest.raises(sc.SPMDCompileError, match="nn.Linear, transformers' Conv1D and nn.Embedding"):
             sc.compile(TensorParallel({"1": RowwiseParallel()}))(step)(
