@@ -78,7 +78,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
-def _causal_lm(model_class: str, config_class: str, **config: Any) -> Callable[[], torch.nn.Module]:
+def _small_model(model_class: str, config_class: str, **config: Any) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         t = _transformers()
         return getattr(t, model_class)(getattr(t, config_class)(vocab_size=VOCAB, **config))
@@ -88,7 +88,7 @@ def _causal_lm(model_class: str, config_class: str, **config: Any) -> Callable[[
 
 
 def _classifier(model_class: str, config_class: str, **config: Any) -> Callable[[], torch.nn.Module]:
-    build = _causal_lm(model_class, config_class, **config)
+    build = _small_model(model_class, config_class, **config)
     build.__doc__ = f"{model_class} (3 labels) in a small random-init config."
     return build
 
@@ -98,31 +98,31 @@ _NO_DROPOUT = {"attention_dropout": 0.0}
 # default configuration (dropout 0), for ``python -m benchmarks.hf_survey``: decoders
 # trained as causal LMs, T5 as a sequence-to-sequence model on (ids, ids).
 SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "mistral": _causal_lm("MistralForCausalLM", "MistralConfig", hidden_size=32,
+    "mistral": _small_model("MistralForCausalLM", "MistralConfig", hidden_size=32,
                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=64, sliding_window=8),
-    "qwen2": _causal_lm("Qwen2ForCausalLM", "Qwen2Config", hidden_size=32, intermediate_size=64,
+    "qwen2": _small_model("Qwen2ForCausalLM", "Qwen2Config", hidden_size=32, intermediate_size=64,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=64),
-    "gpt_neox": _causal_lm("GPTNeoXForCausalLM", "GPTNeoXConfig", hidden_size=32,
+    "gpt_neox": _small_model("GPTNeoXForCausalLM", "GPTNeoXConfig", hidden_size=32,
                            intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            max_position_embeddings=64, rotary_pct=0.5, hidden_dropout=0.0,
                            **_NO_DROPOUT),
-    "opt": _causal_lm("OPTForCausalLM", "OPTConfig", hidden_size=32, ffn_dim=64,
+    "opt": _small_model("OPTForCausalLM", "OPTConfig", hidden_size=32, ffn_dim=64,
                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                       word_embed_proj_dim=32, dropout=0.0, **_NO_DROPOUT),
-    "bloom": _causal_lm("BloomForCausalLM", "BloomConfig", hidden_size=32, n_layer=2, n_head=4,
+    "bloom": _small_model("BloomForCausalLM", "BloomConfig", hidden_size=32, n_layer=2, n_head=4,
                         hidden_dropout=0.0, **_NO_DROPOUT),
-    "phi": _causal_lm("PhiForCausalLM", "PhiConfig", hidden_size=32, intermediate_size=64,
+    "phi": _small_model("PhiForCausalLM", "PhiConfig", hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                       resid_pdrop=0.0, embd_pdrop=0.0, **_NO_DROPOUT),
-    "gemma": _causal_lm("GemmaForCausalLM", "GemmaConfig", hidden_size=32, intermediate_size=64,
+    "gemma": _small_model("GemmaForCausalLM", "GemmaConfig", hidden_size=32, intermediate_size=64,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                         head_dim=8, max_position_embeddings=64),
-    "gptj": _causal_lm("GPTJForCausalLM", "GPTJConfig", n_embd=32, n_layer=2, n_head=4,
+    "gptj": _small_model("GPTJForCausalLM", "GPTJConfig", n_embd=32, n_layer=2, n_head=4,
                        rotary_dim=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                        attn_pdrop=0.0),
-    "t5": _causal_lm("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=8,
+    "t5": _small_model("T5ForConditionalGeneration", "T5Config", d_model=32, d_ff=64, d_kv=8,
                      num_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0),
     # mixtures of experts. transformers' default experts implementation sorts the
     # token-expert pairs by expert and runs torch's grouped_mm, which has no float64
@@ -130,17 +130,17 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     # In float64 the two run "batched_mm" (every token's chosen experts by gathered
     # weights). The "eager" implementation (a Python loop over the experts the routing
     # hit) is refused (README, Limitations).
-    "mixtral_grouped_mm": _causal_lm("MixtralForCausalLM", "MixtralConfig", hidden_size=32,
+    "mixtral_grouped_mm": _small_model("MixtralForCausalLM", "MixtralConfig", hidden_size=32,
                                      intermediate_size=48, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2,
                                      max_position_embeddings=64, num_local_experts=4,
                                      num_experts_per_tok=2),
-    "mixtral": _causal_lm("MixtralForCausalLM", "MixtralConfig", hidden_size=32,
+    "mixtral": _small_model("MixtralForCausalLM", "MixtralConfig", hidden_size=32,
                           intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=64,
                           num_local_experts=4, num_experts_per_tok=2,
                           experts_implementation="batched_mm"),
-    "qwen2_moe": _causal_lm("Qwen2MoeForCausalLM", "Qwen2MoeConfig", hidden_size=32,
+    "qwen2_moe": _small_model("Qwen2MoeForCausalLM", "Qwen2MoeConfig", hidden_size=32,
                             intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
                             num_experts_per_tok=2, moe_intermediate_size=24,
