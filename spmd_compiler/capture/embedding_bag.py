@@ -23,17 +23,10 @@ gradient divided by 13, another row's count; the program could not match it).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
-
-_EMBEDDING_BAG = F.embedding_bag
 
 
 def embedding_bag(
@@ -104,19 +97,4 @@ def _refuse(message: str, hint: str) -> None:
     raise SPMDCompileError(message, user_line=innermost_model_frame_of_stack(), hint=hint)
 
 
-class _BagsAsGathers(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _EMBEDDING_BAG:
-            return embedding_bag(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def embedding_bags_as_gathers() -> Iterator[None]:
-    """Inside: ``F.embedding_bag`` computes with plain ops (see the NOTE)."""
-    with _BagsAsGathers():
-        yield
-
-
-__all__ = ["embedding_bag", "embedding_bags_as_gathers"]
+__all__ = ["embedding_bag"]

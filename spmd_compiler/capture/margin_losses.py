@@ -18,18 +18,12 @@ relative; the hinge's gradient at exactly zero margin is 0 in both.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
-
-_MULTI_MARGIN = F.multi_margin_loss
-_MULTILABEL_MARGIN = F.multilabel_margin_loss
 
 
 def _reduction(size_average: Any, reduce: Any, reduction: str) -> str:
@@ -102,21 +96,4 @@ def multilabel_margin_loss(
     return _reduce(per_sample.squeeze(0) if single else per_sample, reduction)
 
 
-class _MarginLossesAsOps(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _MULTI_MARGIN:
-            return multi_margin_loss(*args, **kwargs)
-        if func is _MULTILABEL_MARGIN:
-            return multilabel_margin_loss(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def margin_losses_as_ops() -> Iterator[None]:
-    """Inside: the two margin losses compute with plain ops (see the NOTE)."""
-    with _MarginLossesAsOps():
-        yield
-
-
-__all__ = ["margin_losses_as_ops", "multi_margin_loss", "multilabel_margin_loss"]
+__all__ = ["multi_margin_loss", "multilabel_margin_loss"]

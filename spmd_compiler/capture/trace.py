@@ -77,7 +77,7 @@ from ..ir.signature import (
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
-from .embedding_bag import embedding_bags_as_gathers
+from .functions_as_ops import functions_as_ops
 from .grad_scalers import (
     SCALER_HINT,
     loss_scaling_decompositions,
@@ -86,7 +86,6 @@ from .grad_scalers import (
 )
 from .gradients import mark_gradients
 from .kept_tensors import KeptTensor, KeptTensors
-from .margin_losses import margin_losses_as_ops
 from .mask_selections import mask_selection_decompositions, mask_selections
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
@@ -572,9 +571,8 @@ def _capture(
             _module_scopes(bindings.module_fqns) as stack,
             _tag_backward(tracer.mark_gradients),
             attention_as_math(),
-            embedding_bags_as_gathers(),
+            functions_as_ops(),  # NOTE: [functions as plain ops at capture]
             cumulative_batch_norms(bindings.modules),
-            margin_losses_as_ops(),
         ):
             try:
                 graph = make_fx(

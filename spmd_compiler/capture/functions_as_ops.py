@@ -1,0 +1,45 @@
+"""torch functions answered with plain ops while the step is traced.
+
+NOTE: [functions as plain ops at capture]
+A few torch functions have no DTensor rule and no decomposition for their kernels (or
+read values a graph cannot hold): ``F.embedding_bag`` (NOTE: [embedding bags at
+capture]), ``F.multi_margin_loss`` and ``F.multilabel_margin_loss`` (NOTE: [margin losses
+at capture]) and ``F.ctc_loss`` (NOTE: [CTC loss at capture]). One ``TorchFunctionMode``,
+entered around the trace, answers each with its formula in plain ops, from which
+autograd derives the backward; every other function runs as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .ctc_loss import ctc_loss
+from .embedding_bag import embedding_bag
+from .margin_losses import multi_margin_loss, multilabel_margin_loss
+
+_AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.embedding_bag: embedding_bag,
+    F.multi_margin_loss: multi_margin_loss,
+    F.multilabel_margin_loss: multilabel_margin_loss,
+    F.ctc_loss: ctc_loss,
+}
+
+
+class _FunctionsAsOps(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return _AS_OPS.get(func, func)(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def functions_as_ops() -> Iterator[None]:
+    """Inside: the functions of the NOTE compute with plain ops."""
+    with _FunctionsAsOps():
+        yield
+
+
+__all__ = ["functions_as_ops"]
