@@ -98,7 +98,8 @@ def ctc_loss(
                           labels.new_full((batch, 1), blank)], 1)
     states = 2 * width + 1
     before_two = torch.cat([extended.new_full((batch, 2), blank), extended[:, :-2]], 1)
-    skips = (extended != blank) & (extended != before_two)
+    # == and ~, not !=: torch 2.11 decomposes ne into prims.ne, which DTensor has no rule for
+    skips = ~(extended == blank) & ~(extended == before_two)
     frame_log_probs = log_probs.gather(2, extended[None].expand(frames, batch, states))
 
     low = torch.finfo(dtype).min / 8
