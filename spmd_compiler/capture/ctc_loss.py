@@ -24,7 +24,9 @@ the logits before a ``log_softmax`` (``exp(log_probs)`` minus the label posterio
 ours is the gradient for ``log_probs`` itself. The two differ by ``exp(log_probs)``,
 which ``log_softmax``'s backward removes, so parameters' gradients agree when the log
 probabilities come from ``log_softmax`` (as torch documents them to); float64 tests
-agree with eager within 1e-12. Eager's argument checks (lengths within the tensors'
+agree with eager within 1e-12. Concatenated 1-D targets are one tensor along the batch
+dim like any input: on real data-parallel ranks each rank's share must have the same
+length (padded 2-D targets have no such condition). Eager's argument checks (lengths within the tensors'
 sizes) are value checks verified every call. The graph grows with the number of frames
 ``T`` (one recursion step per frame).
 """
