@@ -301,16 +301,19 @@ def _norm_in_model_dtype(self, hidden_states):
 
 
 @contextlib.contextmanager
-def rms_norm_in_model_dtype() -> Iterator[None]:
-    """Llama's RMSNorm computing in the model's dtype while the block runs."""
-    from transformers.models.llama import modeling_llama
+def rms_norm_in_model_dtype(norm_class: type | None = None) -> Iterator[None]:
+    """An RMSNorm class of Llama's form (``weight``, ``variance_epsilon``; Llama's by
+    default, Qwen3's, Mistral's, ...) computing in the model's dtype while the block runs."""
+    if norm_class is None:
+        from transformers.models.llama import modeling_llama
 
-    original = modeling_llama.LlamaRMSNorm.forward
-    modeling_llama.LlamaRMSNorm.forward = _norm_in_model_dtype
+        norm_class = modeling_llama.LlamaRMSNorm
+    original = norm_class.forward
+    norm_class.forward = _norm_in_model_dtype
     try:
         yield
     finally:
-        modeling_llama.LlamaRMSNorm.forward = original
+        norm_class.forward = original
 
 
 # A key bias has a zero gradient in exact arithmetic (softmax ignores a per-query

@@ -8,8 +8,6 @@ dtype, as the zoo's Llama tp cases do). Names without a torch counterpart are re
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -54,18 +52,6 @@ def _qwen3() -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64))
 
 
-@contextlib.contextmanager
-def _qwen3_norm_in_model_dtype():  # noqa: ANN202
-    from transformers.models.qwen3 import modeling_qwen3
-
-    original = modeling_qwen3.Qwen3RMSNorm.forward
-    modeling_qwen3.Qwen3RMSNorm.forward = zoo._norm_in_model_dtype
-    try:
-        yield
-    finally:
-        modeling_qwen3.Qwen3RMSNorm.forward = original
-
-
 @pytest.mark.parametrize(("kind", "mode"), [
     ("llama", "tp"),
     pytest.param("llama", "fsdp_tp", marks=pytest.mark.slow),
@@ -77,7 +63,12 @@ def test_a_models_own_plan_trains_as_one_device(monkeypatch, kind: str, mode: st
     plan = make_model(kind)().tp_plan
     assert plan and all(isinstance(style, str) for style in plan.values())
     monkeypatch.setitem(zoo.PLANS, kind, plan)
-    patch = _qwen3_norm_in_model_dtype() if kind == "qwen3" else rms_norm_in_model_dtype()
+    if kind == "qwen3":
+        from transformers.models.qwen3 import modeling_qwen3
+
+        patch = rms_norm_in_model_dtype(modeling_qwen3.Qwen3RMSNorm)
+    else:
+        patch = rms_norm_in_model_dtype()
     with patch:
         run = run_case(ZooCase(kind, mode, 2 if mode == "tp" else 4), norm_in_model_dtype=False)
     assert max(run.loss_differences) < TOL, run.loss_differences
