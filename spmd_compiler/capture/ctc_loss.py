@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-_FRAMES_DIM, _BATCH_DIM = 0, 1
+_BATCH_DIM = 1
 
 
 def _lengths(lengths: Any, device: torch.device) -> torch.Tensor:
@@ -91,11 +91,11 @@ def ctc_loss(
     else:
         _check(target_len.sum() <= targets.numel(), "target_lengths sum past the concatenated targets")
     in_row = torch.arange(width, device=device)[None, :] < target_len[:, None]
-    labels = torch.where(in_row, labels, torch.full_like(labels, blank))
+    blanks = torch.full_like(labels, blank)
+    labels = torch.where(in_row, labels, blanks)
     _check(((labels >= 0) & (labels < classes)) | ~in_row, f"targets must lie in [0, {classes})")
 
     # extended labels: blank, l1, blank, l2, ..., lS, blank
-    blanks = torch.full_like(labels, blank)
     extended = torch.cat([torch.stack([blanks, labels], -1).reshape(batch, 2 * width),
                           labels.new_full((batch, 1), blank)], 1)
     states = 2 * width + 1
