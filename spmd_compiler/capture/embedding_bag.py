@@ -19,6 +19,11 @@ global token list, which does not split into the ranks' batches), ``sparse=True`
 (sparse gradients) and ``scale_grad_by_freq=True`` (torch's CPU kernel does not divide
 by each row's count as documented: in a probe a row seen once in the batch had its
 gradient divided by 13, another row's count; the program could not match it).
+
+``F.embedding`` (``nn.Embedding``) with ``sparse=True`` is refused the same way, naming
+the line: its gradient is a sparse tensor, which no DTensor placement or collective here
+holds (unchecked, the trace failed inside the optimizer with a dispatcher error about the
+SparseCPU backend). ``sparse=False`` computes the same update with a dense gradient.
 """
 
 from __future__ import annotations
@@ -93,8 +98,22 @@ def embedding_bag(
     return summed / count
 
 
+def embedding(input: torch.Tensor, weight: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    """``F.embedding``, refusing ``sparse=True`` (see the NOTE); otherwise unchanged."""
+    # F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    sparse = kwargs.get("sparse", args[4] if len(args) > 4 else False)
+    if sparse:
+        _refuse(
+            "F.embedding / nn.Embedding with sparse=True cannot be compiled: its gradient "
+            "is a sparse tensor, and compiled steps make dense gradients.",
+            "use sparse=False (the same update, with a dense gradient; with SparseAdam, "
+            "switch to Adam or AdamW).",
+        )
+    return F.embedding(input, weight, *args, **kwargs)  # type: ignore[arg-type]
+
+
 def _refuse(message: str, hint: str) -> None:
     raise SPMDCompileError(message, user_line=innermost_model_frame_of_stack(), hint=hint)
 
 
-__all__ = ["embedding_bag"]
+__all__ = ["embedding", "embedding_bag"]

@@ -4,7 +4,8 @@ NOTE: [functions as plain ops at capture]
 A few torch functions have no DTensor rule and no decomposition for their kernels (or
 read values a graph cannot hold): ``F.embedding_bag`` (NOTE: [embedding bags at
 capture]), ``F.multi_margin_loss`` and ``F.multilabel_margin_loss`` (NOTE: [margin losses
-at capture]) and ``F.ctc_loss`` (NOTE: [CTC loss at capture]). One ``TorchFunctionMode``,
+at capture]) and ``F.ctc_loss`` (NOTE: [CTC loss at capture]); ``F.embedding`` passes
+through, refusing ``sparse=True`` with the user's line. One ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
 """
@@ -19,10 +20,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .ctc_loss import ctc_loss
-from .embedding_bag import embedding_bag
+from .embedding_bag import embedding, embedding_bag
 from .margin_losses import multi_margin_loss, multilabel_margin_loss
 
 _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.embedding: embedding,
     F.embedding_bag: embedding_bag,
     F.multi_margin_loss: multi_margin_loss,
     F.multilabel_margin_loss: multilabel_margin_loss,

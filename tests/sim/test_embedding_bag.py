@@ -92,10 +92,14 @@ class _Refused(nn.Module):
     def __init__(self, **options: object) -> None:
         super().__init__()
         self.flat = options.pop("flat", False)
-        self.bag = nn.EmbeddingBag(VOCAB, 8, **options)  # type: ignore[arg-type]
+        self.lookup = options.pop("lookup", False)  # nn.Embedding, mean over the tokens
+        table = nn.Embedding if self.lookup else nn.EmbeddingBag
+        self.bag = table(VOCAB, 8, **options)  # type: ignore[arg-type]
         self.head = nn.Linear(8, CLASSES)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup:
+            return self.head(self.bag(ids).mean(1))
         if self.flat:
             return self.head(self.bag(ids.flatten(), torch.arange(0, ids.numel(), LENGTH)))
         return self.head(self.bag(ids))
@@ -107,8 +111,9 @@ class _Refused(nn.Module):
         ({"flat": True}, "1-D input and offsets"),
         ({"sparse": True}, "sparse=True"),
         ({"scale_grad_by_freq": True}, "scale_grad_by_freq=True"),
+        ({"lookup": True, "sparse": True}, "nn.Embedding with sparse=True"),
     ],
-    ids=["offsets", "sparse", "scale_grad_by_freq"],
+    ids=["offsets", "sparse", "scale_grad_by_freq", "embedding_sparse"],
 )
 def test_forms_that_cannot_be_compiled_are_refused(options, words):
     model = _Refused(**options).double()
