@@ -106,8 +106,9 @@ log = logging.getLogger("spmd_compiler")
 
 HYPERPARAM_DTYPE = torch.float64
 SCHEDULER_HINT = (
-    "call scheduler.step() outside the compiled train step; the learning rate is read "
-    "as a graph input on every call."
+    "call scheduler.step(), or set param_group['lr'] (a hand-written warmup), outside "
+    "the compiled train step, before calling it; the learning rate is read as a graph "
+    "input on every call, so no recompile follows."
 )
 
 # NOTE: [float64 step counters]
@@ -1022,7 +1023,8 @@ def _check_python_state(opt, oi, groups, before, state, values) -> None:
         if group["lr"] is not values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]:
             raise SPMDCompileError(
                 f"The train step changes optimizer[{oi}].param_groups[{gi}]['lr'] "
-                "(an LR scheduler stepped inside the compiled step?).",
+                "(an LR scheduler stepped, or the learning rate set, inside the compiled "
+                "step?).",
                 hint=SCHEDULER_HINT,
             )
     for p, entries in state.items():
