@@ -75,6 +75,32 @@ class CompileRecord:
     capture_skipped: bool = False
 
 
+def _key_change(old: tuple, new: tuple, n_args: int) -> str | None:
+    """What differs between two calls' program keys (``(input metas, static_key,
+    simulated)``) in the step's arguments, in the words the guards use: "<what> was
+    <old>, now <new>"; None when only the rest differs."""
+    old_metas, old_static, _ = old
+    new_metas, new_static, _ = new
+    if len(old_metas) != len(new_metas):
+        return f"the number of tensor arguments was {len(old_metas)}, now {len(new_metas)}"
+    for k, (a, b) in enumerate(zip(old_metas, new_metas)):
+        if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+            was, now = (
+                (list(a.shape), list(b.shape)) if a.shape != b.shape
+                else (f"{a.dtype} on {a.device}", f"{b.dtype} on {b.device}")
+            )
+            what = "the shape" if a.shape != b.shape else "the dtype / device"
+            return f"{what} of tensor argument {k} was {was}, now {now}"
+    if old_static[0] != new_static[0]:
+        return "the structure of the step's arguments was one, now another"
+    for i in range(1, min(n_args + 1, len(old_static), len(new_static))):
+        if old_static[i] != new_static[i]:
+            return f"argument {i - 1} of the step was {old_static[i]!r}, now {new_static[i]!r}"
+    # the rest: train/eval flags, which parameters hold gradients, optimizer settings
+    # and state (the first call creates it): expected changes, not logged
+    return None
+
+
 class CompiledTrainStep:
     """A train step compiled on first call (and again for new shapes or settings).
 
@@ -101,6 +127,7 @@ class CompiledTrainStep:
         self.timings = StepTimings()
         self._last: StepExecutable | None = None  # what the latest call ran
         self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles it caused
+        self._last_key: tuple | None = None  # the program key of the latest call
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -121,6 +148,11 @@ class CompiledTrainStep:
         ]
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
         executable = self._cached_executable(key, bindings)
+        if executable is None and key not in self._cache and self._last_key is not None:
+            change = _key_change(self._last_key, key, len(bindings.flat_args))
+            if change is not None:
+                self._note_recompile(change)
+        self._last_key = key
         if executable is None:
             if agreement is not None:
                 agreement.before_compile()
@@ -214,17 +246,27 @@ class CompiledTrainStep:
             change = guards.first_change(bindings)
             if change is None:
                 return executable
+        self._note_recompile(str(change))
+        return None
+
+    def _note_recompile(self, change: str) -> None:
+        """Log why this call compiles again; warn when one value keeps causing it."""
         log.info("recompiling %s: %s", self.func.__name__, change)
-        what = str(change).split(" was ", 1)[0]
+        what = change.split(" was ", 1)[0]
         self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
         if self._guard_misses[what] == REPEATED_RECOMPILES:
+            hint = (
+                "give the step batches of one shape (pad them, or drop the last partial "
+                "batch)"
+                if what.startswith("the shape")
+                else "keep a value that changes every step in a tensor (a buffer or a "
+                "tensor argument), or pass it as a float argument used in tensor ops"
+            )
             log.warning(
                 "%s changed on %d calls of %s, and each new value compiles a new program; "
-                "keep a value that changes every step in a tensor (a buffer or a tensor "
-                "argument), or pass it as a float argument used in tensor ops.",
-                what, REPEATED_RECOMPILES, self.func.__name__,
+                "%s.",
+                what, REPEATED_RECOMPILES, self.func.__name__, hint,
             )
-        return None
 
     def flush(self) -> bool:
         """Apply the update the last call deferred (``cross_iteration_overlap``): after

@@ -280,3 +280,32 @@ def test_python_counter_changed_by_the_step_is_refused(classification_batches, t
         compiled(model, sgd_momentum(model), *classification_batches(1)[0])
     message = str(info.value)
     assert "module <root>.calls was" in message and "register_buffer" in message
+
+
+def counted_step(model, optim, x, y, iteration):
+    """An int argument (the iteration) that changes every call: each value is baked in."""
+    loss = F.cross_entropy(model(x), y) * min(1.0, (iteration + 1) / 4)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_int_argument_changing_every_call_warns(classification_batches, caplog):
+    """An int argument is part of the program's key: each new value compiles, silently
+    before; now every recompile says which argument changed, and the third warns."""
+    torch.manual_seed(0)
+    model = _mlp()
+    optim = sgd_momentum(model)
+    compiled = sc.compile()(counted_step)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(2):
+        for i, (x, y) in enumerate(classification_batches(5)):
+            compiled(model, optim, x, y, i)
+    assert compiled.compile_count == 5
+    changes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
+    assert changes[0] == "recompiling counted_step: argument 4 of the step was 0, now 1"
+    assert len(changes) == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "argument 4 of the step changed on 3 calls of counted_step"
+    ), warnings

@@ -7,6 +7,7 @@ program (old batch size, old training flag) shows up as a parity failure too.
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -66,13 +67,22 @@ def test_stateless_optimizer_compiles_once(run_parity, classification_batches):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_new_batch_size_recompiles_and_matches(run_parity, classification_batches, world_size):
+def test_new_batch_size_recompiles_and_matches(
+    run_parity, classification_batches, world_size, caplog
+):
     sizes = [8, 8, 16, 16, 8, 4]
     batches = [classification_batches(1, batch_size=n, seed=i)[0] for i, n in enumerate(sizes)]
-    result = run_parity(TrainEvalNet, sgd_momentum, world_size, batches)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"):
+        result = run_parity(TrainEvalNet, sgd_momentum, world_size, batches)
     result.assert_close(FLOAT32_TOLERANCE)
     # 8: state-creating + steady; 16: new; 16 again: cached; back to 8: cached; 4: new.
     assert result.compile_counts == [1, 2, 3, 3, 3, 4]
+    # each new shape says why it compiles (the state-creating call's successor does not)
+    changes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
+    assert changes == [
+        "recompiling classification_train_step: the shape of tensor argument 0 was [8, 8], now [16, 8]",
+        "recompiling classification_train_step: the shape of tensor argument 0 was [8, 8], now [4, 8]",
+    ], changes
     shapes = [
         meta.shape
         for record in result.compiled.records
