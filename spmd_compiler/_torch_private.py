@@ -1242,6 +1242,17 @@ def mesh_get_process_group(mesh: Any, dim: int) -> str:
     return mesh.get_group(dim).group_name
 
 
+def pack_padded_sequence_op() -> Callable[..., Any]:
+    """The builtin ``pack_padded_sequence`` calls (``torch._VF._pack_padded_sequence``);
+    a TorchFunctionMode sees it as this object (NOTE: [packed sequences at capture])."""
+    return torch._pack_padded_sequence
+
+
+def pad_packed_sequence_op() -> Callable[..., Any]:
+    """The builtin ``pad_packed_sequence`` calls (``torch._VF._pad_packed_sequence``)."""
+    return torch._pad_packed_sequence
+
+
 def mesh_group_op() -> Callable[..., Any]:
     """What a traced program calls to look up a mesh dimension's group at run time
     (NOTE: [collective groups] in passes/collective_graph.py)."""

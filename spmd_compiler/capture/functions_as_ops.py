@@ -5,7 +5,10 @@ A few torch functions have no DTensor rule and no decomposition for their kernel
 read values a graph cannot hold): ``F.embedding_bag`` (NOTE: [embedding bags at
 capture]), ``F.multi_margin_loss`` and ``F.multilabel_margin_loss`` (NOTE: [margin losses
 at capture]) and ``F.ctc_loss`` (NOTE: [CTC loss at capture]); ``F.embedding`` passes
-through, refusing ``sparse=True`` with the user's line. One ``TorchFunctionMode``,
+through, refusing ``sparse=True`` with the user's line. Packed sequences stay padded
+(NOTE: [packed sequences at capture]): ``pack_padded_sequence``'s and
+``pad_packed_sequence``'s kernels are answered here, and the recurrent layers given one
+run their masked recurrence. One ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
 """
@@ -19,9 +22,11 @@ from typing import Any
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .. import _torch_private as private
 from .ctc_loss import ctc_loss
 from .embedding_bag import embedding, embedding_bag
 from .margin_losses import multi_margin_loss, multilabel_margin_loss
+from .packed_sequences import pack_padded, packed_sequences, pad_packed, refuse_other_uses
 
 _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.embedding: embedding,
@@ -29,18 +34,24 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.multi_margin_loss: multi_margin_loss,
     F.multilabel_margin_loss: multilabel_margin_loss,
     F.ctc_loss: ctc_loss,
+    private.pack_padded_sequence_op(): pack_padded,
+    private.pad_packed_sequence_op(): pad_packed,
 }
 
 
 class _FunctionsAsOps(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _AS_OPS.get(func, func)(*args, **(kwargs or {}))
+        answer = _AS_OPS.get(func)
+        if answer is None:
+            refuse_other_uses(func, args, kwargs)  # NOTE: [packed sequences at capture]
+            answer = func
+        return answer(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def functions_as_ops() -> Iterator[None]:
     """Inside: the functions of the NOTE compute with plain ops."""
-    with _FunctionsAsOps():
+    with packed_sequences(), _FunctionsAsOps():
         yield
 
 
