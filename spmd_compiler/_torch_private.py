@@ -1591,6 +1591,18 @@ def is_fake_process_group() -> bool:
 DONATION_VERIFIED_RELEASES = ("2.13",)
 
 
+# Releases whose DTensor fails on ``index_put`` with ``None`` in its index list (torch
+# 2.11: "'list' object has no attribute 'children'", seen on the backward of
+# ``index_select`` on dimension 1 of a batch-sharded tensor); 2.13 and 2.14 run it.
+INDEX_PUT_WITH_NONE_GAP_RELEASES = ("2.11",)
+
+
+def dtensor_index_put_with_none_gap() -> bool:
+    """Whether capture should move ``index_put``'s indexed dimension first."""
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return release in INDEX_PUT_WITH_NONE_GAP_RELEASES
+
+
 def inductor_updates_inputs_safely() -> bool:
     """Whether this torch's Inductor may be given state to update in place."""
     release = ".".join(torch.__version__.split("+")[0].split(".")[:2])

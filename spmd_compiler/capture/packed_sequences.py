@@ -179,7 +179,7 @@ def _packed_forward(module: Any, packed: PackedSequence, entry: _Padded, hx: Any
         h0 = data.new_zeros(layers * directions, batch, out_size)
         c0 = data.new_zeros(layers * directions, batch, module.hidden_size) if kind == "LSTM" else None
     else:
-        hx = module.permute_hidden(hx, packed.sorted_indices)
+        hx = _permute_batch(hx, packed.sorted_indices)
         h0, c0 = hx if kind == "LSTM" else (hx, None)
     layer_input, h_n, c_n = data, [], []
     for layer in range(layers):
@@ -214,7 +214,18 @@ def _packed_forward(module: Any, packed: PackedSequence, entry: _Padded, hx: Any
         packed.unsorted_indices,
     )
     hidden: Any = (torch.stack(h_n), torch.stack(c_n)) if kind == "LSTM" else torch.stack(h_n)
-    return output, module.permute_hidden(hidden, packed.unsorted_indices)
+    return output, _permute_batch(hidden, packed.unsorted_indices)
+
+
+def _permute_batch(hidden: Any, permutation: torch.Tensor | None) -> Any:
+    """``permute_hidden``: the states' batch dimension (1) put in ``permutation``'s
+    order, indexed on a leading dimension (torch 2.11's DTensor has no working rule for
+    the backward of ``index_select`` on dimension 1: ``index_put`` with a ``None``)."""
+    if permutation is None:
+        return hidden
+    if isinstance(hidden, tuple):
+        return tuple(_permute_batch(h, permutation) for h in hidden)
+    return hidden.movedim(1, 0)[permutation].movedim(0, 1)
 
 
 def _forward_taking_padded(original: Any) -> Any:

@@ -216,7 +216,31 @@ def capture_decompositions() -> dict:
     table[aten.argmin.default] = functools.partial(_first_index_of, False)
     table[aten._trilinear.default] = _trilinear_as_einsum
     table[aten.as_strided_.default] = functools.partial(_as_strided_as_view, in_place=True)
+    if private.dtensor_index_put_with_none_gap():
+        table[aten.index_put.default] = _index_put_on_a_leading_dim
     return table
+
+
+def _index_put_on_a_leading_dim(
+    x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool = False
+) -> Any:
+    """``index_put`` with ``None`` before its one index (``[None, idx]``: the backward of
+    ``index_select`` on dimension 1, of ``x[:, idx]``) as the same ``index_put`` on that
+    dimension moved first. torch 2.11's DTensor fails on the ``None`` in the list
+    (``'list' object has no attribute 'children'``); equal values, as a view round trip."""
+    leading = 0
+    while leading < len(indices) and indices[leading] is None:
+        leading += 1
+    rest = indices[leading:]
+    if leading == 0 or len(rest) != 1 or rest[0] is None or rest[0].dim() != 1 \
+            or rest[0].dtype == torch.bool:
+        return NotImplemented
+    index = rest[0]
+    shape = (*x.shape[:leading], index.shape[0], *x.shape[leading + 1:])
+    moved = torch.ops.aten.index_put.default(
+        x.movedim(leading, 0), [index], values.expand(shape).movedim(leading, 0), accumulate
+    )
+    return moved.movedim(0, leading)
 
 
 # (op, position of its ``dim`` list): an empty list reduces every dimension

@@ -28,10 +28,11 @@ BATCH, FRAMES, VOCAB, CLASSES = 8, 6, 20, 4
 
 class Tagger(nn.Module):
     def __init__(self, rnn: str = "LSTM", enforce_sorted: bool = True, total_length: bool = False,
-                 initial_state: bool = False, **options: object) -> None:
+                 initial_state: bool = False, time_major: bool = False, **options: object) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 8, padding_idx=0)
-        self.rnn = getattr(nn, rnn)(8, 6, batch_first=True, **options)
+        self.time_major = time_major  # (frames, batch, features) through the layer
+        self.rnn = getattr(nn, rnn)(8, 6, batch_first=not time_major, **options)
         directions = 2 if options.get("bidirectional") else 1
         width = int(options.get("proj_size", 0)) or 6  # type: ignore[call-overload]
         self.head = nn.Linear(width * directions, CLASSES)
@@ -41,8 +42,9 @@ class Tagger(nn.Module):
         self.c0 = nn.Parameter(torch.randn(layers, 1, 6) * 0.1) if initial_state else None
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        embedded = self.embed(tokens).transpose(0, 1) if self.time_major else self.embed(tokens)
         packed = pack_padded_sequence(
-            self.embed(tokens), lengths, batch_first=True, enforce_sorted=self.enforce_sorted
+            embedded, lengths, batch_first=not self.time_major, enforce_sorted=self.enforce_sorted
         )
         hx = None
         if self.h0 is not None:
@@ -51,7 +53,8 @@ class Tagger(nn.Module):
             hx = (h0, c0) if isinstance(self.rnn, nn.LSTM) else h0
         out, hidden = self.rnn(packed, hx)
         total = tokens.shape[1] if self.total_length else None
-        padded, _ = pad_packed_sequence(out, batch_first=True, total_length=total)
+        padded, _ = pad_packed_sequence(out, batch_first=not self.time_major, total_length=total)
+        padded = padded.transpose(0, 1) if self.time_major else padded
         last = (hidden[0] if isinstance(hidden, tuple) else hidden)[-1]
         mean = self.head(padded).sum(1) / lengths[:, None].to(padded.dtype)
         return mean + last.sum(-1, keepdim=True)
@@ -92,6 +95,9 @@ CASES = {
     "gru_unsorted_bidirectional": ({"rnn": "GRU", "enforce_sorted": False, "bidirectional": True}, False),
     "lstm_initial_state_unsorted": ({"initial_state": True, "enforce_sorted": False}, False),
     "gru_initial_state": ({"rnn": "GRU", "initial_state": True}, True),
+    # pad_packed_sequence unsorts on dimension 1: on torch 2.11 its backward needs
+    # capture's index_put on a leading dimension (_index_put_on_a_leading_dim)
+    "gru_time_major_unsorted": ({"rnn": "GRU", "time_major": True, "enforce_sorted": False}, False),
 }
 
 
