@@ -224,23 +224,26 @@ def capture_decompositions() -> dict:
 def _index_put_on_a_leading_dim(
     x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool = False
 ) -> Any:
-    """``index_put`` with ``None`` before its one index (``[None, idx]``: the backward of
-    ``index_select`` on dimension 1, of ``x[:, idx]``) as the same ``index_put`` on that
-    dimension moved first. torch 2.11's DTensor fails on the ``None`` in the list
-    (``'list' object has no attribute 'children'``); equal values, as a view round trip."""
+    """``index_put`` with ``None`` before its indices (``[None, idx]``: the backward of
+    ``index_select`` on dimension 1, of ``x[:, idx]``, of ``F.unfold``) as the same
+    ``index_put`` on those dimensions moved first. torch 2.11's DTensor fails on the
+    ``None`` in the list (``'list' object has no attribute 'children'``); equal values,
+    as view round trips."""
     leading = 0
     while leading < len(indices) and indices[leading] is None:
         leading += 1
-    rest = indices[leading:]
-    if leading == 0 or len(rest) != 1 or rest[0] is None or rest[0].dim() != 1 \
-            or rest[0].dtype == torch.bool:
+    rest = list(indices[leading:])
+    if leading == 0 or not rest or any(i is None or i.dtype == torch.bool for i in rest):
         return NotImplemented
-    index = rest[0]
-    shape = (*x.shape[:leading], index.shape[0], *x.shape[leading + 1:])
+    indexed = list(range(leading, leading + len(rest)))
+    broadcast = torch.broadcast_shapes(*(i.shape for i in rest))
+    shape = (*x.shape[:leading], *broadcast, *x.shape[leading + len(rest):])
+    spans = list(range(leading, leading + len(broadcast)))
     moved = torch.ops.aten.index_put.default(
-        x.movedim(leading, 0), [index], values.expand(shape).movedim(leading, 0), accumulate
+        x.movedim(indexed, list(range(len(rest)))), rest,
+        values.expand(shape).movedim(spans, list(range(len(broadcast)))), accumulate,
     )
-    return moved.movedim(0, leading)
+    return moved.movedim(list(range(len(rest))), indexed)
 
 
 # (op, position of its ``dim`` list): an empty list reduces every dimension
