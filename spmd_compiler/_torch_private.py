@@ -1597,16 +1597,19 @@ DONATION_VERIFIED_RELEASES = ("2.13",)
 INDEX_PUT_WITH_NONE_GAP_RELEASES = ("2.11",)
 
 
+def _release() -> str:
+    """This torch's release, "2.13" for 2.13.0+cpu."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
 def dtensor_index_put_with_none_gap() -> bool:
     """Whether capture should move ``index_put``'s indexed dimension first."""
-    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    return release in INDEX_PUT_WITH_NONE_GAP_RELEASES
+    return _release() in INDEX_PUT_WITH_NONE_GAP_RELEASES
 
 
 def inductor_updates_inputs_safely() -> bool:
     """Whether this torch's Inductor may be given state to update in place."""
-    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    return release in DONATION_VERIFIED_RELEASES
+    return _release() in DONATION_VERIFIED_RELEASES
 
 
 def inductor_compile(

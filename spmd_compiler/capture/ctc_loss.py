@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from .value_checks import eager_check
+
 _BATCH_DIM = 1
 
 
@@ -61,8 +63,7 @@ def _padded_targets(targets: torch.Tensor, target_lengths: torch.Tensor, batch: 
 
 def _check(condition: torch.Tensor, message: str) -> None:
     """Eager's argument check, verified every call (a value check at capture)."""
-    if not bool(condition.all()):
-        raise RuntimeError(f"ctc_loss: {message}")
+    eager_check(condition, f"ctc_loss: {message}")
 
 
 def ctc_loss(

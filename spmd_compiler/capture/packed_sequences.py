@@ -48,6 +48,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .. import _torch_private as private
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
+from .value_checks import eager_check
 
 
 @dataclasses.dataclass
@@ -76,10 +77,9 @@ def padded_of(value: Any) -> _Padded | None:
     return entry if entry is not None and entry.data is value else None
 
 
-def _check(condition: torch.Tensor, message: str) -> None:
-    """Eager's argument check, verified every call (a value check at capture)."""
-    if not bool(condition.all()):
-        raise RuntimeError(message)
+def _running(frames: int, lengths: torch.Tensor) -> torch.Tensor:
+    """(T, B): whether sequence b is still running at frame t."""
+    return torch.arange(frames, device=lengths.device)[:, None] < lengths[None, :]
 
 
 def pack_padded(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,17 +87,16 @@ def pack_padded(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -
     data = input.transpose(0, 1) if batch_first else input
     frames = data.shape[0]
     lengths = lengths.to(device=data.device, dtype=torch.int64)
-    _check(lengths > 0, "Length of all samples has to be greater than 0, but found an "
+    eager_check(lengths > 0, "Length of all samples has to be greater than 0, but found an "
            "element in 'lengths' that is <= 0")
-    _check(lengths <= frames, f"pack_padded_sequence: lengths must be at most the {frames} "
+    eager_check(lengths <= frames, f"pack_padded_sequence: lengths must be at most the {frames} "
            "frames of the input")
     if lengths.shape[0] > 1:
-        _check(lengths[:-1] >= lengths[1:], "`lengths` array must be sorted in decreasing "
+        eager_check(lengths[:-1] >= lengths[1:], "`lengths` array must be sorted in decreasing "
                "order when `enforce_sorted` is True. You can pass `enforce_sorted=False` "
                "to pack_padded_sequence and/or pack_sequence to sidestep this requirement "
                "if you do not need ONNX exportability.")
-    steps = torch.arange(frames, device=data.device)
-    batch_sizes = (lengths[None, :] > steps[:, None]).sum(1)
+    batch_sizes = _running(frames, lengths).sum(1)
     return _remember(data, lengths), batch_sizes
 
 
@@ -112,11 +111,11 @@ def pad_packed(
     frames, lengths = data.shape[0], entry.lengths
     # pad_packed_sequence passes batch_sizes.size(0) (= frames) when it has no total_length
     if _users_total_length() is None:
-        _check(lengths.max() == frames, "pad_packed_sequence: the longest sequence is "
+        eager_check(lengths.max() == frames, "pad_packed_sequence: the longest sequence is "
                f"shorter than the {frames} frames of the padded batch, so eager's output "
                "would have as many frames as the data decides; pass total_length="
                f"{frames} (or pad the batch to its longest sequence)")
-    running = torch.arange(frames, device=data.device)[:, None] < lengths[None, :]
+    running = _running(frames, lengths)
     shape = (frames, data.shape[1]) + (1,) * (data.dim() - 2)
     out = torch.where(running.reshape(shape), data, torch.full((), padding_value, dtype=data.dtype))
     if total_length > frames:
@@ -174,7 +173,7 @@ def _packed_forward(module: Any, packed: PackedSequence, entry: _Padded, hx: Any
     layers = module.num_layers
     proj = getattr(module, "proj_size", 0)
     out_size = proj if proj > 0 else module.hidden_size
-    running = torch.arange(frames, device=data.device)[:, None] < lengths[None, :]  # (T, B)
+    running = _running(frames, lengths)
     if hx is None:
         h0 = data.new_zeros(layers * directions, batch, out_size)
         c0 = data.new_zeros(layers * directions, batch, module.hidden_size) if kind == "LSTM" else None

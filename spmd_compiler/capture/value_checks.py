@@ -110,6 +110,14 @@ class BranchDecisions:
         return self.decisions[k]
 
 
+def eager_check(condition: torch.Tensor, message: str) -> None:
+    """An argument check of an eager kernel answered in plain ops (CTC loss, packed
+    sequences): a value check, so it is verified every call and a failing call raises
+    ``SPMDRuntimeError`` with ``message``, as eager raises ``RuntimeError``."""
+    if not bool(condition.all()):
+        raise RuntimeError(message)
+
+
 def describe_raise(exc: BaseException) -> str:
     """``ValueError: message`` (its first lines), for a failed check's error."""
     lines = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()
@@ -128,4 +136,4 @@ def choose(outcomes: dict[bool, Any]) -> bool | None:
     return not raising[0]
 
 
-__all__ = ["BranchDecisions", "Undecided", "choose", "describe_raise"]
+__all__ = ["BranchDecisions", "Undecided", "choose", "describe_raise", "eager_check"]
