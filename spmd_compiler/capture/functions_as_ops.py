@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
+from . import selected_rows
 from .ctc_loss import ctc_loss
 from .embedding_bag import embedding, embedding_bag
 from .margin_losses import multi_margin_loss, multilabel_margin_loss
@@ -39,13 +40,18 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
 }
 
 
+def _compute(func: Any, args: tuple, kwargs: dict) -> Any:
+    answer = _AS_OPS.get(func)
+    if answer is None:
+        refuse_other_uses(func, args, kwargs)  # NOTE: [packed sequences at capture]
+        answer = func
+    return answer(*args, **kwargs)
+
+
 class _FunctionsAsOps(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        answer = _AS_OPS.get(func)
-        if answer is None:
-            refuse_other_uses(func, args, kwargs)  # NOTE: [packed sequences at capture]
-            answer = func
-        return answer(*args, **(kwargs or {}))
+        # NOTE: [selected rows kept in place]
+        return selected_rows.answer(func, args, kwargs, _compute)
 
 
 @contextlib.contextmanager

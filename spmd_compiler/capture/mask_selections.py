@@ -60,10 +60,10 @@ class MaskWithFalseElements(Exception):
 
     def __init__(self) -> None:
         super().__init__(
-            "the mask has false elements: a selection by it (nonzero, x[mask], "
-            "where(mask), masked_select) has a size the values decide, and the program is "
-            "compiled for a mask that selects everything. Select with fixed shapes: "
-            "masked_fill, torch.where(mask, x, 0), a loss's ignore_index"
+            "the mask has false elements; its selection (nonzero, x[mask], ...) is used "
+            "where its size matters (indices, row count, rows returned), compiled for a "
+            "mask that selects everything. Select with fixed shapes: masked_fill, "
+            "torch.where(mask, x, 0), a loss's ignore_index"
         )
 
 
@@ -103,6 +103,27 @@ def mask_selections(refs: list[StateRef]) -> Iterator[None]:
 def _computed_from_state(node: torch.fx.Node, selections: _Selections) -> bool:
     """``node`` reads, through any chain of ops, a graph input that is program state."""
     return bool(placeholders_read_by(node) & selections.state_inputs(node.graph))
+
+
+def active() -> _Selections | None:
+    """The selections of the step being traced, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def from_the_batch(mask: torch.Tensor) -> bool:
+    """A traced mask computed from the step's inputs alone (not state, not a constant)."""
+    if not _ACTIVE or private.is_real_tensor_constant(mask):
+        return False
+    node = private.traced_node_of(mask)
+    return node is not None and not _computed_from_state(node, _ACTIVE[-1])
+
+
+def settle_selection(mask: torch.Tensor) -> None:
+    """A selection by ``mask`` whose rows were kept in place (NOTE: [selected rows kept
+    in place]) used where only the eager value will do: compiled as all true, verified
+    every call."""
+    if not _selects_everything(mask):  # not expected: such masks are not kept in place
+        raise MaskWithFalseElements()
 
 
 def _selects_everything(mask: torch.Tensor) -> bool:
@@ -243,6 +264,6 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 __all__ = [
-    "MaskWithFalseElements", "every_index", "mask_selection_decompositions",
-    "mask_selections",
+    "MaskWithFalseElements", "active", "every_index", "from_the_batch",
+    "mask_selection_decompositions", "mask_selections", "settle_selection",
 ]

@@ -74,6 +74,7 @@ from ..ir.signature import (
     ValueCheck,
     state_dtype,
 )
+from . import selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
@@ -863,6 +864,8 @@ class _StepTracer:
                 with self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
                 kept = keeper.collect()
+                # NOTE: [selected rows kept in place]: what leaves the step is eager's
+                selected_rows.settle([result, [value for _, value in kept]], at_selection=True)
             finally:
                 keeper.restore()
             final_buffers = {

@@ -38,8 +38,9 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
 
 from __future__ import annotations
 
+import contextlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -101,13 +102,35 @@ class BranchDecisions:
         if self.python_value(t):  # `if scale > 1` on a float argument: it stays a guard
             raise FloatArgumentUsedInPython("an `if` on a float argument")
         found = innermost_model_frame_of_stack()
-        where = str(found) if found is not None else "an unknown line"
+        where = _LOCATED[-1] if _LOCATED else str(found) if found is not None else "an unknown line"
         k = len(self.sites)
         if k >= len(self.decisions):
             raise Undecided(where) from None
         condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(())
         self.sites.append(_Site(condition, self.decisions[k], where))
         return self.decisions[k]
+
+
+_LOCATED: list[str] = []
+
+
+@contextlib.contextmanager
+def located(where: str | None) -> Iterator[None]:
+    """Inside: a value check is reported at ``where`` (a line the step ran earlier) rather
+    than at the innermost line of the step on the stack."""
+    if where is not None:
+        _LOCATED.append(where)
+    try:
+        yield
+    finally:
+        if where is not None:
+            _LOCATED.pop()
+
+
+def where_now() -> str | None:
+    """The innermost line of the step on the stack, as value checks report it."""
+    found = innermost_model_frame_of_stack()
+    return None if found is None else str(found)
 
 
 def eager_check(condition: torch.Tensor, message: str) -> None:
@@ -136,4 +159,7 @@ def choose(outcomes: dict[bool, Any]) -> bool | None:
     return not raising[0]
 
 
-__all__ = ["BranchDecisions", "Undecided", "choose", "describe_raise", "eager_check"]
+__all__ = [
+    "BranchDecisions", "Undecided", "choose", "describe_raise", "eager_check", "located",
+    "where_now",
+]

@@ -117,35 +117,38 @@ def test_selections_by_a_batch_mask_match_one_device(form, mode):
     assert worst < TOL
     assert compiled.compile_count == 2  # AdamW's first step and its steady state
     checks = compiled.last_program.captured.checks
-    # one check per mask tensor (masked_select reads two: keep[:, None] and keep)
-    assert checks and all("test_mask_selections.py" in check.where for check in checks)
+    if form == "bool_index":  # rows kept in place: exact for any mask, nothing to verify
+        assert not checks
+    else:  # one check per mask tensor (masked_select reads two: keep[:, None] and keep)
+        assert checks and all("test_mask_selections.py" in check.where for check in checks)
 
 
-def weighted_step(model, optim, x, weights):  # noqa: ANN001
-    """A loss scaled by the mean positive weight: nothing in the program fails on a mask
-    with a false element, so the check itself must catch it."""
-    scale = weights[weights > 0].mean()
-    loss = model(x).pow(2).mean() * scale
+def counted_step(model, optim, x, weights):  # noqa: ANN001
+    """A mean written with the selection's row count: the count is the size the mask
+    decides, so the selection is compiled as all true and verified every call."""
+    kept = weights[weights > 0]
+    loss = model(x).pow(2).mean() * kept.sum() / kept.shape[0]
     loss.backward()
     optim.step()
     optim.zero_grad()
     return loss
 
 
-def masked_rows_step(model, optim, x, weights):  # noqa: ANN001
-    """Rows by a mask, with a gradient: the backward's index_put fails first."""
-    loss = model(x)[weights > 0].pow(2).mean()
+def returned_rows_step(model, optim, x, weights):  # noqa: ANN001
+    """The selected rows returned: their eager value has the mask's size."""
+    rows = model(x)[weights > 0]
+    loss = rows.pow(2).mean()
     loss.backward()
     optim.step()
     optim.zero_grad()
-    return loss
+    return loss, rows.detach()
 
 
 @pytest.mark.parametrize("step,bad_value", [
-    (weighted_step, 0.0),            # the check catches it
-    (masked_rows_step, 0.0),         # the backward's index_put fails on the mask first
+    (counted_step, 0.0),             # the row count is read
+    (returned_rows_step, 0.0),       # the rows leave the step
     (_step_for("nonzero"), -100),    # cross entropy fails on the label first
-], ids=["checked", "index_put", "cross_entropy"])
+], ids=["counted", "returned", "cross_entropy"])
 def test_a_mask_with_a_false_element_raises_and_writes_nothing(step, bad_value):
     model, reference, optim, reference_optim = _twins()
     compiled = sc.compile(make_mode("fsdp"))(step)
@@ -161,12 +164,17 @@ def test_a_mask_with_a_false_element_raises_and_writes_nothing(step, bad_value):
             compiled(model, optim, x, bad)
         message = str(info.value)
         assert "test_mask_selections.py" in message and "Nothing was updated" in message
-        if step is weighted_step:
+        if step is counted_step:
             assert "MaskWithFalseElements: the mask has false elements" in message
             assert "ignore_index" in message  # the advice is not cut off
+            assert "kept.shape[0]" in message  # the line that needs the count
+        if step is returned_rows_step:  # reported at the selection
+            assert "rows = model(x)[weights > 0]" in message
         # nothing was written: training goes on as if the call never happened
         loss = compiled(model, optim, x2, labels2)
-        assert relative_difference(loss, step(reference, reference_optim, x2, labels2)) < TOL
+        expected = step(reference, reference_optim, x2, labels2)
+        for got, want in zip(*(v if isinstance(v, tuple) else (v,) for v in (loss, expected)), strict=True):
+            assert relative_difference(got, want) < TOL
         worst = _worst(model, reference, optim, reference_optim, sim)
     assert worst < TOL
 

@@ -1,0 +1,513 @@
+"""Rows selected by a mask, kept in place with the mask beside them.
+
+NOTE: [selected rows kept in place]
+``x[mask]`` and ``x.masked_select(mask)`` have one row per true element: a size the data
+decides. Where the mask comes from the batch (padding: ``logits[labels != -100]``,
+``pred[~torch.isnan(y)]``, ELECTRA's ``logits[attention_mask == 1]``, the labels
+``Wav2Vec2ForCTC`` flattens for its CTC loss), NOTE: [selections by a mask of the batch]
+compiles the selection for the mask that selects everything and verifies that every
+call. This module answers the selection exactly for any mask, as long as what the step
+does with the rows is understood:
+
+- While the step is traced, the selection is the whole tensor with the mask's dims
+  flattened into one leading row dim, ``(N, *rest)``, the mask flattened beside it as
+  the rows' validity. The rows the mask drops hold a neutral value (1 for floating
+  point, 0 for integers, False) instead of their data: padding labels (-100) never
+  index, missing targets (NaN) never reach a gradient, and the backward of the
+  selection gives the dropped rows exactly zero.
+- An op on such rows that treats rows independently keeps them (its result is rows with
+  the same validity): pointwise ops (ATen's ``pointwise`` tag, random ones excluded) with
+  other tensors broadcast over the rows, dtype and device conversions, ``F.linear`` /
+  ``matmul`` by a weight, views that keep the leading dim (a reshape must put ``-1``
+  there, as eager's size is unknown), ops along another dim (softmax, ``gather``,
+  reductions, ``cat``), ``F.embedding`` and ``F.one_hot`` of selected indices.
+- Where the rows end, the dropped rows are left out: a reduction over the rows (``sum``,
+  ``mean`` divided by the true count, ``amax``, ``all``, ...) fills them with its
+  identity first; a loss (``cross_entropy`` and ``nll_loss`` by ``ignore_index``, the
+  elementwise losses by their unreduced values, ``kl_div``'s ``batchmean`` by the
+  count) reduces over the kept rows only; ``ctc_loss`` gets its concatenated targets
+  moved to the front, in order (a stable sort by validity).
+- Anything else (a read of the row count, ``.shape``, ``item()``, a reduction whose
+  index would differ, an op that mixes rows, a value the step returns or keeps) is
+  the eager value only when the mask selects everything: the selection settles there
+  into NOTE: [selections by a mask of the batch] (a value check verified every call),
+  exactly as it was compiled before.
+
+A mask computed from the model's state (routing) is not kept in place: it stays refused
+where its rows are used, naming the line. The dropped rows' neutral values can make a
+later op's derivative infinite there (``log(1 - rows)``), which reaches a weight's
+gradient as ``0 * inf`` only if such an op takes that weight (``w * log(1 - rows)``):
+torch's own ``log`` of the kept rows would have met the same values had they been
+selected.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._torch_private import pytree
+from . import mask_selections
+from .value_checks import eager_check, located, where_now
+
+Compute = Callable[[Any, tuple, dict], Any]
+
+
+@dataclass(eq=False)
+class _Rows:
+    """One selection's validity: ``valid`` (N,) bool, from ``mask``."""
+
+    valid: torch.Tensor
+    mask: torch.Tensor
+    where: str | None  # the selection's line
+    settled: bool = False
+
+    def count(self) -> torch.Tensor:
+        return self.valid.sum()
+
+    def along(self, t: torch.Tensor) -> torch.Tensor:
+        """The validity shaped to broadcast over ``t``'s rows."""
+        return self.valid.reshape((-1,) + (1,) * (t.dim() - 1))
+
+
+@dataclass
+class _Registry:
+    rows: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    by_mask: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+
+
+def _registry() -> _Registry | None:
+    selections = mask_selections.active()
+    if selections is None:
+        return None
+    if not hasattr(selections, "selected_rows"):
+        selections.selected_rows = _Registry()  # type: ignore[attr-defined]
+    return selections.selected_rows  # type: ignore[attr-defined, no-any-return]
+
+
+def _neutral(dtype: torch.dtype) -> Any:
+    if dtype == torch.bool:
+        return False
+    return 1 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+def _is_mask(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) and t.dim() > 0
+
+
+def _keep_in_place(registry: _Registry, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """The rows of ``x[mask]`` kept in place, or None when the selection is left to
+    NOTE: [selections by a mask of the batch]."""
+    k = mask.dim()
+    if x.dim() < k or tuple(x.shape[:k]) != tuple(mask.shape) or not mask_selections.from_the_batch(mask):
+        return None
+    rows = registry.by_mask.get(mask)
+    if rows is None:
+        rows = _Rows(mask.reshape(-1).to(torch.bool), mask, where_now())
+        registry.by_mask[mask] = rows
+    flat = x.reshape((-1,) + tuple(x.shape[k:]))
+    kept = torch.where(rows.along(flat), flat, torch.full((), _neutral(x.dtype), dtype=x.dtype, device=x.device))
+    registry.rows[kept] = rows
+    return kept
+
+
+def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    if kwargs or len(args) != 2 or not isinstance(args[0], torch.Tensor):
+        return None
+    x, index = args
+    if name == "__getitem__":
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        return _keep_in_place(registry, x, index) if _is_mask(index) else None
+    if name == "masked_select" and _is_mask(index):
+        x, mask = torch.broadcast_tensors(x, index)
+        return _keep_in_place(registry, x.reshape(-1), mask.reshape(-1))
+    return None
+
+
+# -- which ops keep rows --------------------------------------------------------------
+
+_DUNDER = {
+    "__radd__": "add", "__rsub__": "rsub", "__rmul__": "mul", "__truediv__": "div",
+    "__rtruediv__": "div", "__div__": "div", "__rdiv__": "div", "__pow__": "pow",
+    "__rpow__": "pow", "__and__": "bitwise_and", "__rand__": "bitwise_and",
+    "__or__": "bitwise_or", "__ror__": "bitwise_or", "__xor__": "bitwise_xor",
+    "__rxor__": "bitwise_xor", "__invert__": "bitwise_not", "__neg__": "neg", "__abs__": "abs",
+    "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt",
+    "__ge__": "ge", "__mod__": "remainder", "__iadd__": "add", "__isub__": "sub",
+    "__imul__": "mul", "__itruediv__": "div", "__ipow__": "pow", "__iand__": "bitwise_and",
+    "__ior__": "bitwise_or",
+}
+_EXTRA_POINTWISE = {"logsigmoid", "softsign", "tanhshrink", "relu6", "hardtanh", "threshold"}
+_POINTWISE_CACHE: dict[str, bool] = {}
+
+
+def _pointwise(name: str) -> bool:
+    name = _DUNDER.get(name, name)
+    if name in _EXTRA_POINTWISE:
+        return True
+    base = name[:-1] if name.endswith("_") and not name.startswith("_") else name
+    if base not in _POINTWISE_CACHE:
+        op = getattr(torch.ops.aten, base, None)
+        tags: list[Any] = []
+        if op is not None:
+            try:
+                tags = [t for o in op.overloads() for t in getattr(op, o).tags]
+            except (AttributeError, RuntimeError):
+                tags = []
+        _POINTWISE_CACHE[base] = (
+            torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+        )
+    return _POINTWISE_CACHE[base]
+
+
+_METADATA = {
+    "dim", "ndimension", "is_floating_point", "is_complex", "element_size", "get_device",
+    "is_contiguous", "data_ptr", "__hash__", "is_signed",
+}
+_METADATA_GETTERS = {
+    "dtype", "device", "ndim", "requires_grad", "grad_fn", "is_leaf", "layout", "is_cuda",
+    "is_cpu", "is_meta", "is_sparse", "is_quantized", "names", "_base", "is_nested", "itemsize",
+}
+_CONVERSIONS = {
+    "float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char",
+    "to", "type", "type_as", "detach", "detach_", "clone", "contiguous", "requires_grad_",
+    "cpu", "cuda",
+}
+_ALONG_A_DIM = {  # name: (position of dim, default dim)
+    "softmax": (1, None), "log_softmax": (1, None), "cumsum": (1, None), "cumprod": (1, None),
+    "logcumsumexp": (1, None), "normalize": (2, 1), "glu": (1, -1), "flip": (1, None),
+}
+_REDUCTIONS = {"sum", "nansum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp",
+               "all", "any", "argmax", "argmin", "norm", "std", "var", "count_nonzero",
+               "median", "nanmean", "aminmax", "var_mean", "std_mean"}
+_FILL = {"sum": 0, "nansum": 0, "prod": 1, "amax": -math.inf, "max": -math.inf,
+         "amin": math.inf, "min": math.inf, "logsumexp": -math.inf, "all": True, "any": False,
+         "count_nonzero": 0}
+_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div", "poisson_nll_loss"}
+_SETTLE = object()
+
+
+def _dims(spec: Any, ndim: int) -> tuple[int, ...] | None:
+    """``dim`` argument -> normalized dims; None when it is not one."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        spec = (spec,)
+    if isinstance(spec, (tuple, list)) and all(isinstance(d, int) for d in spec):
+        return tuple(d % max(ndim, 1) for d in spec)
+    return None
+
+
+def _arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+class _Answer:
+    """One op with rows among its arguments: the rule that keeps them, or settles."""
+
+    def __init__(self, registry: _Registry, func: Any, args: tuple, kwargs: dict, compute: Compute) -> None:
+        self.registry, self.func, self.args, self.kwargs = registry, func, args, kwargs
+        self.compute = compute
+        leaves = pytree.tree_leaves((args, kwargs))
+        self.tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        self.ragged = [t for t in self.tensors if self.rows_of(t) is not None]
+        found = {id(self.rows_of(t)): self.rows_of(t) for t in self.ragged}
+        self.rows = next(iter(found.values())) if len(found) == 1 else None
+
+    def rows_of(self, t: torch.Tensor) -> _Rows | None:
+        rows = self.registry.rows.get(t)
+        return None if rows is None or rows.settled else rows
+
+    def keep(self, result: Any) -> Any:
+        assert self.rows is not None
+        n = self.rows.valid.shape[0]
+        for leaf in pytree.tree_leaves(result):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == n:
+                self.registry.rows[leaf] = self.rows
+        return result
+
+    def run(self, args: tuple | None = None, kwargs: dict | None = None) -> Any:
+        return self.compute(self.func, self.args if args is None else args,
+                            self.kwargs if kwargs is None else kwargs)
+
+    # -- rules -------------------------------------------------------------------------
+    def answer(self, name: str) -> Any:
+        if name in _METADATA or (name == "__get__" and self._getter() in _METADATA_GETTERS):
+            return self.run()
+        if self.rows is None or "out" in self.kwargs:
+            return _SETTLE
+        self_ragged = bool(self.args) and isinstance(self.args[0], torch.Tensor) and self.rows_of(self.args[0]) is not None
+        for rule in (self._size, self._loss, self._reduction, self._view):
+            result = rule(name, self_ragged)
+            if result is not None:
+                return result
+        if name in _CONVERSIONS and self_ragged and len(self.ragged) == 1:
+            return self.keep(self.run())
+        if name in _ALONG_A_DIM and self_ragged and len(self.ragged) == 1:
+            position, default = _ALONG_A_DIM[name]
+            dims = _dims(_arg(self.args, self.kwargs, position, "dim", default), self.args[0].dim())
+            return _SETTLE if dims is None or 0 in dims else self.keep(self.run())
+        if name == "dropout" and not (_arg(self.args, self.kwargs, 2, "training", True)
+                                      and _arg(self.args, self.kwargs, 1, "p", 0.5) > 0):
+            return self.keep(self.run())
+        if _pointwise(name) and not (name == "where" and len(self.args) + len(self.kwargs) < 3):
+            return self.keep(self.run()) if self._broadcast_over_rows() else _SETTLE
+        return self._structural(name, self_ragged)
+
+    def _getter(self) -> str:
+        owner = getattr(self.func, "__self__", None)
+        return getattr(owner, "__name__", "")
+
+    def _size(self, name: str, self_ragged: bool) -> Any:
+        if name == "size" and self_ragged and len(self.args) + len(self.kwargs) == 2:
+            dims = _dims(_arg(self.args, self.kwargs, 1, "dim"), self.args[0].dim())
+            return self.run() if dims is not None and 0 not in dims else _SETTLE
+        return None
+
+    def _broadcast_over_rows(self) -> bool:
+        """Every tensor is rows of this selection of one rank, or broadcasts over them
+        without a size of its own along the rows."""
+        ranks = {t.dim() for t in self.ragged}
+        if len(ranks) != 1:
+            return False
+        (rank,) = ranks
+        for t in self.tensors:
+            if self.rows_of(t) is not None:
+                continue
+            if t.dim() > rank or (t.dim() == rank and t.shape[0] != 1):
+                return False
+        return True
+
+    def _reduction(self, name: str, self_ragged: bool) -> Any:
+        if name not in _REDUCTIONS or not self_ragged or len(self.ragged) != 1:
+            return None
+        x = self.args[0]
+        spec = _arg(self.args, self.kwargs, 1, "dim")
+        if isinstance(spec, torch.Tensor):  # max(other): elementwise
+            return None
+        dims = tuple(range(x.dim())) if spec is None else _dims(spec, x.dim())
+        if dims is None:
+            return _SETTLE
+        if 0 not in dims:
+            return self.keep(self.run())
+        assert self.rows is not None
+        if name in ("max", "min") and spec is not None:  # (values, indices): indices differ
+            return _SETTLE
+        if name == "mean":
+            if not (x.dtype.is_floating_point or x.dtype.is_complex or "dtype" in self.kwargs):
+                return _SETTLE  # eager raises
+            total = self.compute(torch.sum, (self._filled(x, 0),) + tuple(self.args[1:]), self.kwargs)
+            per_row = math.prod(x.shape[d] for d in dims if d != 0)
+            return total / (self.rows.count() * per_row)
+        if name not in _FILL:
+            return _SETTLE
+        if name in ("amax", "max", "amin", "min"):
+            eager_check(self.rows.valid.any(), f"{name}(): the selection is empty (a reduction with no identity)")
+        return self.run((self._filled(x, _FILL[name]),) + tuple(self.args[1:]))
+
+    def _filled(self, x: torch.Tensor, value: Any) -> torch.Tensor:
+        assert self.rows is not None
+        if not (x.dtype.is_floating_point or x.dtype.is_complex) and isinstance(value, float):
+            info = torch.iinfo(x.dtype) if x.dtype != torch.bool else None
+            value = (info.min if value < 0 else info.max) if info is not None else value > 0
+        return torch.where(self.rows.along(x), x, torch.full((), value, dtype=x.dtype, device=x.device))
+
+    def _view(self, name: str, self_ragged: bool) -> Any:
+        if not self_ragged or len(self.ragged) != 1:
+            return None
+        x = self.args[0]
+        if name in ("view", "reshape") and not self.kwargs:
+            shape = self.args[1:]
+            if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+                shape = tuple(shape[0])
+            if not shape or not all(isinstance(s, int) for s in shape):
+                return _SETTLE
+            keeps = shape[0] == -1 and -1 not in shape[1:] and math.prod(shape[1:]) == math.prod(x.shape[1:])
+            return self.keep(self.run()) if keeps else _SETTLE
+        single = {"flatten": (1, 0), "unflatten": (1, None), "unsqueeze": (1, None),
+                  "narrow": (1, None), "select": (1, None), "chunk": (2, 0), "split": (2, 0),
+                  "unbind": (1, 0), "tensor_split": (2, 0), "index_select": (1, None)}
+        if name in single:
+            position, default = single[name]
+            dim = _arg(self.args, self.kwargs, position, "start_dim" if name == "flatten" else "dim", default)
+            size = x.dim() + 1 if name == "unsqueeze" else x.dim()
+            return self.keep(self.run()) if isinstance(dim, int) and dim % size != 0 else _SETTLE
+        if name == "squeeze":
+            dims = _dims(_arg(self.args, self.kwargs, 1, "dim"), x.dim())
+            return self.keep(self.run()) if dims and 0 not in dims else _SETTLE
+        if name in ("transpose", "swapaxes", "swapdims"):
+            dims = _dims(list(self.args[1:3]), x.dim())
+            return self.keep(self.run()) if dims and len(dims) == 2 and 0 not in dims else _SETTLE
+        if name == "permute":
+            order = self.args[1] if len(self.args) == 2 else self.args[1:]
+            dims = _dims(list(order), x.dim())
+            return self.keep(self.run()) if dims and dims[0] == 0 else _SETTLE
+        if name == "expand":
+            sizes = self.args[1] if len(self.args) == 2 and not isinstance(self.args[1], int) else self.args[1:]
+            return self.keep(self.run()) if sizes and sizes[0] == -1 else _SETTLE
+        if name == "__getitem__":
+            return self.keep(self.run()) if self._keeps_rows(self.args[1], x.dim()) else _SETTLE
+        return None
+
+    @staticmethod
+    def _keeps_rows(index: Any, ndim: int) -> bool:
+        items = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, torch.Tensor) or isinstance(i, (list, bool)) for i in items):
+            return False
+        if not items:
+            return True
+        first = items[0]
+        if first == slice(None):
+            return True
+        if first is Ellipsis:
+            return sum(1 for i in items[1:] if i is not None) < ndim
+        return False
+
+    def _structural(self, name: str, self_ragged: bool) -> Any:
+        rows = self.rows
+        assert rows is not None
+        if name in ("linear", "matmul", "mm") and self_ragged and len(self.ragged) == 1:
+            other = self.args[1] if len(self.args) > 1 else self.kwargs.get("weight")
+            ok = self.args[0].dim() >= 2 and isinstance(other, torch.Tensor) and other.dim() <= 2
+            return self.keep(self.run()) if ok else _SETTLE
+        if name == "gather" and self_ragged:
+            dim, index = _arg(self.args, self.kwargs, 1, "dim"), _arg(self.args, self.kwargs, 2, "index")
+            ok = isinstance(dim, int) and dim % self.args[0].dim() != 0 and self.rows_of(index) is rows
+            return self.keep(self.run()) if ok else _SETTLE
+        if name in ("cat", "concat", "concatenate", "stack"):
+            tensors = self.args[0] if self.args else self.kwargs.get("tensors", ())
+            dim = _arg(self.args, self.kwargs, 1, "dim", 0)
+            ok = (isinstance(dim, int) and all(self.rows_of(t) is rows for t in tensors)
+                  and dim % (tensors[0].dim() + (name == "stack")) != 0)
+            return self.keep(self.run()) if ok else _SETTLE
+        if name == "embedding" and self.rows_of(self.args[0]) is rows and len(self.ragged) == 1:
+            return self.keep(self.run())
+        if name == "one_hot" and self_ragged and _arg(self.args, self.kwargs, 1, "num_classes", -1) > 0:
+            return self.keep(self.run())
+        if name in ("layer_norm", "rms_norm") and self_ragged and len(self.ragged) == 1:
+            shape = _arg(self.args, self.kwargs, 1, "normalized_shape")
+            ok = isinstance(shape, (tuple, list, torch.Size)) and len(shape) < self.args[0].dim()
+            return self.keep(self.run()) if ok else _SETTLE
+        return _SETTLE
+
+    # -- losses ------------------------------------------------------------------------
+    def _loss(self, name: str, self_ragged: bool) -> Any:
+        if name in ("cross_entropy", "nll_loss"):
+            return self._class_loss()
+        if name == "ctc_loss":
+            return self._ctc()
+        if name in _LOSSES:
+            return self._elementwise_loss(name)
+        return None
+
+    def _legacy(self) -> bool:
+        return self.kwargs.get("size_average") is not None or self.kwargs.get("reduce") is not None
+
+    def _reduce(self, losses: torch.Tensor, reduction: str) -> Any:
+        assert self.rows is not None
+        if reduction == "none":
+            return self.keep(losses)
+        total = self._filled(losses, 0).sum()
+        if reduction == "sum":
+            return total
+        if reduction == "batchmean":
+            return total / self.rows.count()
+        return total / (self.rows.count() * math.prod(losses.shape[1:]))
+
+    def _class_loss(self) -> Any:
+        rows = self.rows
+        assert rows is not None
+        inputs, target = self.args[0], _arg(self.args, self.kwargs, 1, "target")
+        if self._legacy() or len(self.args) > 2 or not isinstance(target, torch.Tensor):
+            return _SETTLE
+        if self.rows_of(inputs) is not rows or self.rows_of(target) is not rows:
+            return _SETTLE
+        weight = self.kwargs.get("weight")
+        if weight is not None and self.rows_of(weight) is not None:
+            return _SETTLE
+        reduction = self.kwargs.get("reduction", "mean")
+        if target.dtype.is_floating_point:  # class probabilities
+            losses = self.run(kwargs={**self.kwargs, "reduction": "none"})
+            return self._reduce(losses, "sum" if reduction == "sum" else reduction)
+        ignore = self.kwargs.get("ignore_index", -100)
+        kept = torch.where(rows.along(target), target, torch.full((), ignore, dtype=target.dtype, device=target.device))
+        result = self.run((inputs, kept) + tuple(self.args[2:]), self.kwargs)
+        return self.keep(result) if reduction == "none" else result
+
+    def _elementwise_loss(self, name: str) -> Any:
+        if self._legacy() or len(self.args) > 2 or not self._broadcast_over_rows():
+            return _SETTLE
+        reduction = self.kwargs.get("reduction", "mean")
+        if reduction not in ("none", "sum", "mean") + (("batchmean",) if name == "kl_div" else ()):
+            return _SETTLE
+        losses = self.run(kwargs={**self.kwargs, "reduction": "none"})
+        return self._reduce(losses, reduction)
+
+    def _ctc(self) -> Any:
+        rows = self.rows
+        assert rows is not None
+        targets = _arg(self.args, self.kwargs, 1, "targets")
+        if len(self.ragged) != 1 or self.rows_of(targets) is not rows or targets.dim() != 1:
+            return _SETTLE
+        lengths = _arg(self.args, self.kwargs, 3, "target_lengths")
+        if isinstance(lengths, torch.Tensor):
+            eager_check(lengths.sum() <= rows.count(), "ctc_loss: target_lengths sum past the concatenated targets")
+        # the kept labels first, in order: eager's concatenated targets, then the others
+        order = torch.sort((~rows.valid).to(torch.int32), stable=True).indices
+        args = list(self.args)
+        if len(args) > 1:
+            args[1] = targets[order]
+            return self.run(tuple(args), self.kwargs)
+        return self.run(tuple(args), {**self.kwargs, "targets": targets[order]})
+
+
+def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any:
+    """``func(*args, **kwargs)`` while the step is traced, with selected rows kept in
+    place (see the NOTE); ``compute`` runs an op the usual way."""
+    kwargs = kwargs or {}
+    registry = _registry()
+    if registry is None:
+        return compute(func, args, kwargs)
+    name = getattr(func, "__name__", "")
+    if name in ("__getitem__", "masked_select") and not any(
+        registry.rows.get(t) is not None for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)
+    ):
+        kept = _selection(registry, name, args, kwargs)
+        if kept is not None:
+            return kept
+    if not len(registry.rows):
+        return compute(func, args, kwargs)
+    one = _Answer(registry, func, args, kwargs, compute)
+    if not one.ragged:
+        return compute(func, args, kwargs)
+    result = one.answer(name)
+    if result is _SETTLE:
+        settle(one.ragged)
+        return compute(func, args, kwargs)
+    return result
+
+
+def settle(values: Sequence[Any], at_selection: bool = False) -> None:
+    """The rows among ``values`` become the selection's eager value: their mask selects
+    everything, verified every call (NOTE: [selections by a mask of the batch]); the
+    check is reported at the line using them, or with ``at_selection`` (rows the step
+    returns or keeps) at the selection's line."""
+    registry = _registry()
+    if registry is None:
+        return
+    for t in pytree.tree_leaves(list(values)):
+        rows = registry.rows.get(t) if isinstance(t, torch.Tensor) else None
+        if rows is not None and not rows.settled:
+            with located(rows.where if at_selection else None):
+                mask_selections.settle_selection(rows.mask)
+            rows.settled = True
+
+
+__all__ = ["answer", "settle"]
