@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from twin_models import adamw_twins
 
 import spmd_compiler as sc
 from spmd_compiler.capture.mask_selections import every_index, mask_selection_decompositions
@@ -73,11 +74,7 @@ def _step_for(form: str):  # noqa: ANN202
 
 
 def _twins():  # noqa: ANN202
-    torch.manual_seed(0)
-    model = Classifier().double()
-    reference = copy.deepcopy(model)
-    return (model, reference, torch.optim.AdamW(model.parameters(), lr=1e-2),
-            torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    return adamw_twins(Classifier)
 
 
 def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:

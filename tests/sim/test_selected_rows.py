@@ -1,0 +1,205 @@
+"""Rows selected by a mask of the batch, kept in place (NOTE: [selected rows kept in place]).
+
+``logits[labels != -100]``, ``pred[~torch.isnan(y)]``, ELECTRA's ``logits[active]`` and
+``labels.masked_select(labels >= 0)`` into a CTC loss train as on one device for any
+mask (float64, 2 simulated ranks, 3 AdamW steps, batches padded differently on each
+rank), with nothing to verify per call. A use of the rows that needs their count
+(``.shape``, an op that mixes rows, rows returned) is compiled for the mask that selects
+everything: exact on a full batch, refused with the line on a padded one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from twin_models import adamw_twins
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDRuntimeError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
+
+TOL = 1e-12
+BATCH, TOKENS, FEATURES, CLASSES = 8, 5, 6, 4
+PAD = -100
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(CLASSES, FEATURES)
+        self.fc = nn.Linear(FEATURES, 16)
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x)))
+
+
+def _finish(model, optim, loss):  # noqa: ANN001, ANN202
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def masked_lm_step(model, optim, x, labels):  # noqa: ANN001
+    logits = model(x)
+    keep = labels != PAD
+    return _finish(model, optim, F.cross_entropy(logits[keep], labels[keep]))
+
+
+def missing_targets_step(model, optim, x, labels):  # noqa: ANN001
+    """Regression with missing targets (NaN): they must not reach a gradient."""
+    target = torch.where(labels == PAD, float("nan"), labels.to(x.dtype))[..., None]
+    pred = model(x)[..., :1]
+    keep = ~torch.isnan(target)
+    return _finish(model, optim, F.mse_loss(pred[keep], target[keep]) + F.huber_loss(pred[keep], target[keep], reduction="sum"))
+
+
+def electra_step(model, optim, x, labels):  # noqa: ANN001
+    """ELECTRA's discriminator loss: logits at the attended tokens, BCE with logits."""
+    logits = model(x)[..., 0]
+    active = (labels != PAD).view(-1, logits.shape[1]) == 1
+    return _finish(model, optim, F.binary_cross_entropy_with_logits(logits[active], (labels[active] > 1).to(x.dtype)))
+
+
+def reductions_step(model, optim, x, labels):  # noqa: ANN001
+    rows = model(x)[labels != PAD]
+    probs = rows.log_softmax(-1).exp()
+    loss = (probs * 2 + 1).pow(2).mean() + rows.sum(-1).abs().mean() + rows.amax() - rows.amin(0).sum()
+    return _finish(model, optim, loss + rows.norm(dim=-1).sum() * 1e-2)
+
+
+def class_losses_step(model, optim, x, labels):  # noqa: ANN001
+    keep = labels != PAD
+    rows, kept = model(x)[keep], labels[keep]
+    loss = F.cross_entropy(rows, kept, reduction="sum", label_smoothing=0.1)
+    loss = loss + F.nll_loss(rows.log_softmax(-1), kept, reduction="none").sum()
+    soft = F.one_hot(kept, CLASSES).to(rows.dtype) * 0.9 + 0.025
+    loss = loss + F.cross_entropy(rows, soft) + F.kl_div(rows.log_softmax(-1), soft, reduction="batchmean")
+    return _finish(model, optim, loss)
+
+
+def selected_ids_step(model, optim, x, labels):  # noqa: ANN001
+    """Selected integer labels as indices: an embedding of them (padding never indexes)."""
+    keep = labels != PAD
+    targets = model.embed(labels[keep])
+    return _finish(model, optim, F.mse_loss(model(x)[keep].softmax(-1) @ model.embed.weight, targets))
+
+
+CASES = {
+    "masked_lm": masked_lm_step,
+    "missing_targets": missing_targets_step,
+    "electra": electra_step,
+    "reductions": reductions_step,
+    "class_losses": class_losses_step,
+    "selected_ids": selected_ids_step,
+}
+
+
+def _batches(padded: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for k in range(3):
+        x = torch.randn(BATCH, TOKENS, FEATURES, generator=gen, dtype=torch.float64)
+        labels = torch.randint(0, CLASSES, (BATCH, TOKENS), generator=gen)
+        if padded and k == 0:
+            labels[5:, 2:] = PAD  # the second rank's half only
+        elif padded and k == 1:
+            labels[:, 3:] = PAD
+            labels[6, 1:] = PAD
+        out.append((x, labels))
+    return out
+
+
+def _twins():  # noqa: ANN202
+    return adamw_twins(Tagger)
+
+
+def _mode(name: str):  # noqa: ANN202
+    if name == "tp":
+        return make_mode("tp", plan={"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    return make_mode(name)
+
+
+def _parity(step, mode: str, batches):  # noqa: ANN001, ANN202
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(_mode(mode))(step)
+    with sc.simulate(world_size=2) as sim:
+        for x, labels in batches:
+            got, want = compiled(model, optim, x, labels), step(reference, reference_optim, x, labels)
+            assert torch.isfinite(want).all()
+            assert relative_difference(got, want) < TOL, (got, want)
+        worst = max({**compare_models(model, reference, sim),
+                     **compare_optimizers(optim, reference_optim, sim)}.values())
+    assert worst < TOL
+    return compiled
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_losses_on_selected_rows_match_one_device_for_any_mask(name, mode):
+    compiled = _parity(CASES[name], mode, _batches())
+    checks = compiled.last_program.captured.checks
+    if name == "reductions":  # amax and amin of no rows raise in eager: that one check
+        assert checks and all("rows.amax()" in c.where for c in checks)
+    else:
+        assert not checks  # exact for any mask: nothing to verify per call
+
+
+def test_selected_rows_under_tensor_parallel():
+    compiled = _parity(masked_lm_step, "tp", _batches())
+    assert not compiled.last_program.captured.checks
+
+
+def ctc_step(model, optim, x, labels):  # noqa: ANN001
+    """transformers' ForCTCLoss: padded labels flattened with masked_select."""
+    logits = model(x)
+    keep = labels >= 0
+    log_probs = F.log_softmax(logits, -1).transpose(0, 1)
+    frames = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+    loss = F.ctc_loss(log_probs, labels.masked_select(keep), frames, keep.sum(-1), blank=0, zero_infinity=True)
+    return _finish(model, optim, loss)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_ctc_targets_flattened_by_masked_select_match_one_device(mode):
+    batches = [(x, labels.masked_fill(labels == 0, 1)) for x, labels in _batches()]  # no blanks
+    _parity(ctc_step, mode, batches)
+
+
+def _use(kind: str):  # noqa: ANN202
+    def step(model, optim, x, labels):  # noqa: ANN001
+        rows = model(x)[labels != PAD]
+        if kind == "count":
+            loss = rows.sum() / rows.shape[0]
+        elif kind == "literal_view":  # eager fails on a padded batch: so must we
+            loss = rows.view(BATCH * TOKENS, -1).pow(2).mean()
+        elif kind == "running_sum":
+            loss = rows.cumsum(0).pow(2).mean()
+        elif kind == "first_row":
+            loss = rows[0].sum() + rows.pow(2).mean()
+        elif kind == "gram":
+            loss = (rows.T @ rows).sum()
+        else:
+            raise ValueError(kind)
+        return _finish(model, optim, loss)
+
+    step.__name__ = f"{kind}_step"
+    return step
+
+
+@pytest.mark.parametrize("kind", ["count", "literal_view", "running_sum", "first_row", "gram"])
+def test_a_use_that_needs_the_row_count_is_exact_on_full_batches_and_refused_on_padded(kind):
+    step = _use(kind)
+    compiled = _parity(step, "ddp", _batches(padded=False))
+    assert compiled.last_program.captured.checks  # compiled for the mask that selects everything
+    model, _, optim, _ = _twins()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDRuntimeError) as info:
+        for x, labels in _batches(padded=True):
+            compiled(model, optim, x, labels)
+    assert "test_selected_rows.py" in str(info.value) and "Nothing was updated" in str(info.value)
