@@ -2343,6 +2343,8 @@ def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
 
     if op is torch.ops.aten.native_layer_norm_backward.default:
         args = _norm_backward_follows_statistics(args)
+    if _release() in MIXED_PARTIALS_GAP_RELEASES:
+        args, kwargs = _reduce_mixed_partials(args, kwargs)
     dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
     strided = [
         d for d in dtensors
@@ -2355,6 +2357,43 @@ def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
         if not any(value is d for d in strided):
             return value
         placements = tuple(Replicate() if is_strided_shard(p) else p for p in value.placements)
+        return value.redistribute(value.device_mesh, placements)
+
+    return pytree.tree_map(settle, args), pytree.tree_map(settle, kwargs)
+
+
+MIXED_PARTIALS_GAP_RELEASES = ("2.11",)
+
+
+def _reduce_mixed_partials(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """torch 2.11 gap: given partial sums beside partial maxima on one mesh dim (``x.amax()
+    + x.mean()`` over a sharded batch), its pointwise rule plans ``P(max) -> P(sum)``,
+    which its redistribute refuses ("Redistribution from one partial type ... is
+    unsupported"). The arguments whose partial type differs from the first sum-like one
+    are reduced to ``Replicate`` on that dim first (2.13's rule does not mix them)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+    if len(dtensors) < 2:
+        return args, kwargs
+    reduce: dict[int, set[int]] = {}  # id of a DTensor -> its mesh dims to reduce
+    for i in range(dtensors[0].device_mesh.ndim):
+        partials = [(d, p) for d in dtensors for p in d.placements[i:i + 1] if isinstance(p, Partial)]
+        kinds = {p.reduce_op for _, p in partials}
+        if len(kinds) < 2:
+            continue
+        kept = next((k for k in ("sum", "avg") if k in kinds), next(iter(kinds)))
+        for d, p in partials:
+            if p.reduce_op != kept:
+                reduce.setdefault(id(d), set()).add(i)
+    if not reduce:
+        return args, kwargs
+
+    def settle(value: Any) -> Any:
+        dims = reduce.get(id(value)) if isinstance(value, DTensor) else None
+        if not dims:
+            return value
+        placements = tuple(Replicate() if i in dims else p for i, p in enumerate(value.placements))
         return value.redistribute(value.device_mesh, placements)
 
     return pytree.tree_map(settle, args), pytree.tree_map(settle, kwargs)

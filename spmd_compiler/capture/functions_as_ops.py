@@ -57,7 +57,7 @@ class _FunctionsAsOps(TorchFunctionMode):
 @contextlib.contextmanager
 def functions_as_ops() -> Iterator[None]:
     """Inside: the functions of the NOTE compute with plain ops."""
-    with packed_sequences(), _FunctionsAsOps():
+    with packed_sequences(), selected_rows.custom_functions_settle(), _FunctionsAsOps():
         yield
 
 

@@ -28,7 +28,8 @@ does with the rows is understood:
   count) reduces over the kept rows only; ``ctc_loss`` gets its concatenated targets
   moved to the front, in order (a stable sort by validity).
 - Anything else (a read of the row count, ``.shape``, ``item()``, a reduction whose
-  index would differ, an op that mixes rows, a value the step returns or keeps) is
+  index would differ, an op that mixes rows, a custom ``autograd.Function``, whose
+  ``apply`` no torch function mode sees, a value the step returns or keeps) is
   the eager value only when the mask selects everything: the selection settles there
   into NOTE: [selections by a mask of the batch] (a value check verified every call),
   exactly as it was compiled before.
@@ -43,8 +44,9 @@ selected.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,7 +291,7 @@ class _Answer:
         if name not in _REDUCTIONS or not self_ragged or len(self.ragged) != 1:
             return None
         x = self.args[0]
-        spec = _arg(self.args, self.kwargs, 1, "dim")
+        spec = _arg(self.args, self.kwargs, 2 if name == "norm" else 1, "dim")  # norm(p, dim)
         if isinstance(spec, torch.Tensor):  # max(other): elementwise
             return None
         dims = tuple(range(x.dim())) if spec is None else _dims(spec, x.dim())
@@ -388,7 +390,9 @@ class _Answer:
                   and dim % (tensors[0].dim() + (name == "stack")) != 0)
             return self.keep(self.run()) if ok else _SETTLE
         if name == "embedding" and self.rows_of(self.args[0]) is rows and len(self.ragged) == 1:
-            return self.keep(self.run())
+            # max_norm renormalizes, scale_grad_by_freq counts, the rows indexed: kept ones only
+            counts = self.kwargs.get("max_norm") is not None or self.kwargs.get("scale_grad_by_freq")
+            return _SETTLE if counts or len(self.args) > 2 else self.keep(self.run())
         if name == "one_hot" and self_ragged and _arg(self.args, self.kwargs, 1, "num_classes", -1) > 0:
             return self.keep(self.run())
         if name in ("layer_norm", "rms_norm") and self_ragged and len(self.ragged) == 1:
@@ -510,4 +514,22 @@ def settle(values: Sequence[Any], at_selection: bool = False) -> None:
             rows.settled = True
 
 
-__all__ = ["answer", "settle"]
+@contextlib.contextmanager
+def custom_functions_settle() -> Iterator[None]:
+    """Inside: a custom ``autograd.Function`` given rows gets eager's value (its
+    ``apply`` is not a torch function: a mode sees only the ops inside its forward, and
+    its own backward would see the dropped rows)."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        settle([args, kwargs])
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original  # type: ignore[method-assign]
+
+
+__all__ = ["answer", "custom_functions_settle", "settle"]

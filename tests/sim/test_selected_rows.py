@@ -171,6 +171,19 @@ def test_ctc_targets_flattened_by_masked_select_match_one_device(mode):
     _parity(ctc_step, mode, batches)
 
 
+class _Doubled(torch.autograd.Function):
+    """A custom function returning its input: autograd makes the output, which no torch
+    function mode sees."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad
+
+
 def _use(kind: str):  # noqa: ANN202
     def step(model, optim, x, labels):  # noqa: ANN001
         rows = model(x)[labels != PAD]
@@ -184,6 +197,10 @@ def _use(kind: str):  # noqa: ANN202
             loss = rows[0].sum() + rows.pow(2).mean()
         elif kind == "gram":
             loss = (rows.T @ rows).sum()
+        elif kind == "norm_over_rows":  # norm(p, dim): the rows' dim is the second argument
+            loss = rows.norm(1, 0).sum()
+        elif kind == "custom_function":
+            loss = _Doubled.apply(rows).mean()
         else:
             raise ValueError(kind)
         return _finish(model, optim, loss)
@@ -192,7 +209,9 @@ def _use(kind: str):  # noqa: ANN202
     return step
 
 
-@pytest.mark.parametrize("kind", ["count", "literal_view", "running_sum", "first_row", "gram"])
+@pytest.mark.parametrize("kind", [
+    "count", "literal_view", "running_sum", "first_row", "gram", "norm_over_rows", "custom_function",
+])
 def test_a_use_that_needs_the_row_count_is_exact_on_full_batches_and_refused_on_padded(kind):
     step = _use(kind)
     compiled = _parity(step, "ddp", _batches(padded=False))
