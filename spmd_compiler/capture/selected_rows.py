@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import _torch_private as private
 from .._torch_private import pytree
 from . import mask_selections
 from .value_checks import eager_check, located, where_now
@@ -80,7 +81,42 @@ class _Rows:
 @dataclass
 class _Registry:
     rows: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-    by_mask: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    by_mask: dict[Any, _Rows] = field(default_factory=dict)  # by _mask_key
+    keys: dict[torch.fx.Node, Any] = field(default_factory=dict)
+
+
+_SAME_ELEMENTS = {  # ops whose result has its input's elements in row-major order
+    "view.default", "_unsafe_view.default", "reshape.default", "alias.default",
+    "flatten.using_ints", "unsqueeze.default", "squeeze.default", "squeeze.dim",
+    "squeeze.dims", "detach.default", "clone.default", "lift_fresh_copy.default",
+}
+_KEY_DEPTH = 32
+
+
+def _mask_key(registry: _Registry, node: torch.fx.Node, depth: int = 0) -> Any:
+    """Masks with one key have the same flattened elements: the same traced node up to
+    views (``mask.view(-1)`` taken twice), or the same ops on the same inputs
+    (``labels.view(-1) != -100`` computed twice)."""
+    known = registry.keys.get(node)
+    if known is not None:
+        return known
+    target = node.target
+    name = getattr(target, "__name__", "") if node.op == "call_function" else ""
+    if name in _SAME_ELEMENTS and node.args and isinstance(node.args[0], torch.fx.Node):
+        key = _mask_key(registry, node.args[0], depth + 1)
+    elif node.op != "call_function" or depth >= _KEY_DEPTH:
+        key = node
+    else:
+        def part(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return _mask_key(registry, a, depth + 1)
+            if isinstance(a, (list, tuple)):
+                return tuple(part(b) for b in a)
+            return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else id(a)
+
+        key = (target, part(node.args), tuple(sorted((k, part(v)) for k, v in node.kwargs.items())))
+    registry.keys[node] = key
+    return key
 
 
 def _registry() -> _Registry | None:
@@ -108,10 +144,12 @@ def _keep_in_place(registry: _Registry, x: torch.Tensor, mask: torch.Tensor) -> 
     k = mask.dim()
     if x.dim() < k or tuple(x.shape[:k]) != tuple(mask.shape) or not mask_selections.from_the_batch(mask):
         return None
-    rows = registry.by_mask.get(mask)
+    node = private.traced_node_of(mask)
+    key = (_mask_key(registry, node) if node is not None else id(mask), mask.numel())
+    rows = registry.by_mask.get(key)
     if rows is None:
         rows = _Rows(mask.reshape(-1).to(torch.bool), mask, where_now())
-        registry.by_mask[mask] = rows
+        registry.by_mask[key] = rows
     flat = x.reshape((-1,) + tuple(x.shape[k:]))
     kept = torch.where(rows.along(flat), flat, torch.full((), _neutral(x.dtype), dtype=x.dtype, device=x.device))
     registry.rows[kept] = rows

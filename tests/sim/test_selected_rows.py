@@ -51,6 +51,16 @@ def masked_lm_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, F.cross_entropy(logits[keep], labels[keep]))
 
 
+def flattened_step(model, optim, x, labels):  # noqa: ANN001
+    """Each selection with its own flattened mask: ``keep.view(-1)`` twice, and the same
+    comparison computed twice; they are one selection's rows."""
+    logits = model(x).view(-1, CLASSES)
+    keep = labels != PAD
+    loss = F.cross_entropy(logits[keep.view(-1)], labels.view(-1)[keep.view(-1)])
+    flat = labels.view(-1)
+    return _finish(model, optim, loss + F.cross_entropy(logits[flat != PAD], flat[flat != PAD]))
+
+
 def missing_targets_step(model, optim, x, labels):  # noqa: ANN001
     """Regression with missing targets (NaN): they must not reach a gradient."""
     target = torch.where(labels == PAD, float("nan"), labels.to(x.dtype))[..., None]
@@ -92,6 +102,7 @@ def selected_ids_step(model, optim, x, labels):  # noqa: ANN001
 
 CASES = {
     "masked_lm": masked_lm_step,
+    "flattened_masks": flattened_step,
     "missing_targets": missing_targets_step,
     "electra": electra_step,
     "reductions": reductions_step,
