@@ -148,7 +148,8 @@ def _keep_in_place(registry: _Registry, x: torch.Tensor, mask: torch.Tensor) -> 
     key = (_mask_key(registry, node) if node is not None else id(mask), mask.numel())
     rows = registry.by_mask.get(key)
     if rows is None:
-        rows = _Rows(mask.reshape(-1).to(torch.bool), mask, where_now())
+        # a copy: the mask written in place later does not change the rows selected now
+        rows = _Rows(mask.reshape(-1).to(torch.bool, copy=True), mask, where_now())
         registry.by_mask[key] = rows
     flat = x.reshape((-1,) + tuple(x.shape[k:]))
     kept = torch.where(rows.along(flat), flat, torch.full((), _neutral(x.dtype), dtype=x.dtype, device=x.device))
@@ -161,8 +162,10 @@ def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> tor
         return None
     x, index = args
     if name == "__getitem__":
-        if isinstance(index, tuple) and len(index) == 1:
-            index = index[0]
+        if isinstance(index, tuple) and index and all(
+            isinstance(i, slice) and i == slice(None) for i in index[1:]
+        ):
+            index = index[0]  # x[mask] written x[mask, :]
         return _keep_in_place(registry, x, index) if _is_mask(index) else None
     if name == "masked_select" and _is_mask(index):
         x, mask = torch.broadcast_tensors(x, index)

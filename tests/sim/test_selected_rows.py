@@ -61,6 +61,12 @@ def flattened_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, loss + F.cross_entropy(logits[flat != PAD], flat[flat != PAD]))
 
 
+def index_tuple_step(model, optim, x, labels):  # noqa: ANN001
+    """``x[mask, :]``: the same rows as ``x[mask]``."""
+    keep = labels != PAD
+    return _finish(model, optim, F.cross_entropy(model(x)[keep, :], labels[keep]))
+
+
 def missing_targets_step(model, optim, x, labels):  # noqa: ANN001
     """Regression with missing targets (NaN): they must not reach a gradient."""
     target = torch.where(labels == PAD, float("nan"), labels.to(x.dtype))[..., None]
@@ -103,6 +109,7 @@ def selected_ids_step(model, optim, x, labels):  # noqa: ANN001
 CASES = {
     "masked_lm": masked_lm_step,
     "flattened_masks": flattened_step,
+    "index_tuple": index_tuple_step,
     "missing_targets": missing_targets_step,
     "electra": electra_step,
     "reductions": reductions_step,
