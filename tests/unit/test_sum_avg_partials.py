@@ -34,3 +34,18 @@ def test_partial_kind_changes_keep_the_value(mesh, source, target):
     moved = DTensor.from_local(local, mesh, [Partial(target)])
     expected = x.mean(0) if source == "avg" else x.sum(0)
     assert torch.equal(moved.full_tensor(), expected)
+
+
+def test_partial_maxima_beside_sums_are_reduced_first(mesh):
+    """torch 2.11's pointwise rule plans ``P(max) -> P(sum)`` for ``x.amax() + x.sum()``,
+    which its redistribute refuses: the maximum is reduced to ``Replicate`` first
+    (``_reduce_mixed_partials``; installed on 2.11 only, checked here on any torch)."""
+    x = torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
+    sharded = distribute_tensor(x, mesh, [Shard(0)])
+    total, top = sharded.sum(), sharded.amax()
+    assert (total.placements, top.placements) == ((Partial("sum"),), (Partial("max"),))
+    (kept, reduced), _ = private._reduce_mixed_partials((total, top), {})
+    assert kept is total and reduced.placements[0].is_replicate()
+    assert torch.equal(reduced.full_tensor(), x.amax())
+    (alone,), _ = private._reduce_mixed_partials((top,), {})
+    assert alone is top  # nothing to mix with
