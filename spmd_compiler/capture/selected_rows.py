@@ -284,7 +284,7 @@ class _Answer:
     def answer(self, name: str) -> Any:
         if name in _METADATA or (name == "__get__" and self._getter() in _METADATA_GETTERS):
             return self.run()
-        if self.rows is None or "out" in self.kwargs:
+        if self.rows is None or self.kwargs.get("out") is not None:
             return _SETTLE
         self_ragged = bool(self.args) and isinstance(self.args[0], torch.Tensor) and self.rows_of(self.args[0]) is not None
         for rule in (self._size, self._loss, self._reduction, self._view):

@@ -240,3 +240,63 @@ def test_a_use_that_needs_the_row_count_is_exact_on_full_batches_and_refused_on_
         for x, labels in _batches(padded=True):
             compiled(model, optim, x, labels)
     assert "test_selected_rows.py" in str(info.value) and "Nothing was updated" in str(info.value)
+
+
+# -- random chains of row-wise ops between a selection and a loss ------------------------
+_ROW_OPS = [
+    lambda r: r.tanh(),
+    lambda r: r * 2 - 1,
+    lambda r: r.log_softmax(-1),
+    lambda r: F.gelu(r),
+    lambda r: r.clamp(min=-0.5),
+    lambda r: torch.where(r > 0, r, 0.1 * r),
+    lambda r: r @ torch.linspace(-1, 1, CLASSES * CLASSES, dtype=r.dtype).view(CLASSES, CLASSES),
+    lambda r: F.normalize(r, dim=-1),
+    lambda r: torch.cat([r, r.exp()], -1)[:, :CLASSES] + r.exp(),
+    lambda r: r.view(-1, 2, 2).transpose(1, 2).reshape(-1, CLASSES),
+    lambda r: r - r.mean(-1, keepdim=True),
+    lambda r: r.softmax(-1) * r.unsqueeze(1).squeeze(1),
+]
+_SINKS = [
+    lambda r, kept: r.mean(),
+    lambda r, kept: r.sum(),
+    lambda r, kept: r.pow(2).sum(-1).mean(),
+    lambda r, kept: F.cross_entropy(r, kept),
+    lambda r, kept: F.mse_loss(r, r.detach() * 0.5),
+    lambda r, kept: F.binary_cross_entropy_with_logits(r, (kept[:, None] == torch.arange(CLASSES)).to(r.dtype)),
+    lambda r, kept: F.kl_div(r.log_softmax(-1), F.one_hot(kept, CLASSES).to(r.dtype) * 0.9 + 0.025,
+                             reduction="batchmean"),
+    lambda r, kept: F.huber_loss(r, torch.zeros(CLASSES, dtype=r.dtype), reduction="sum"),
+]
+
+
+def _random_chain_step(seed: int):  # noqa: ANN202
+    gen = torch.Generator().manual_seed(seed)
+    ops = [_ROW_OPS[int(i)] for i in torch.randint(0, len(_ROW_OPS), (int(torch.randint(1, 4, (), generator=gen)),), generator=gen)]
+    sinks = [_SINKS[int(i)] for i in torch.randperm(len(_SINKS), generator=gen)[:2]]
+
+    def step(model, optim, x, labels):  # noqa: ANN001
+        keep = labels != PAD
+        rows, kept = model(x)[keep], labels[keep]
+        for op in ops:
+            rows = op(rows)
+        return _finish(model, optim, sum(sink(rows, kept) for sink in sinks))
+
+    return step
+
+
+def _random_masks(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + seed)
+    out = []
+    for x, labels in _batches(padded=False):
+        density = 0.3 + 0.7 * float(torch.rand((), generator=gen))
+        drop = torch.rand(labels.shape, generator=gen) > density
+        drop[0, 0] = False  # never an empty selection (eager's mean of none is NaN)
+        out.append((x, labels.masked_fill(drop, PAD)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_chains_on_randomly_masked_rows_match_one_device(seed):
+    compiled = _parity(_random_chain_step(seed), "ddp", _random_masks(seed))
+    assert not compiled.last_program.captured.checks
