@@ -27,6 +27,8 @@ does with the rows is understood:
   elementwise losses by their unreduced values, ``kl_div``'s ``batchmean`` by the
   count) reduces over the kept rows only; ``ctc_loss`` gets its concatenated targets
   moved to the front, in order (a stable sort by validity).
+- ``target[mask] = rows`` with rows of that mask writes each kept row to its place
+  (``out[mask] = f(h[mask])``).
 - Anything else (a read of the row count, ``.shape``, ``item()``, a reduction whose
   index would differ, an op that mixes rows, a custom ``autograd.Function``, whose
   ``apply`` no torch function mode sees, a value the step returns or keeps) is
@@ -68,6 +70,7 @@ class _Rows:
     valid: torch.Tensor
     mask: torch.Tensor
     where: str | None  # the selection's line
+    key: Any  # the mask's elements (_mask_key)
     settled: bool = False
 
     def count(self) -> torch.Tensor:
@@ -144,12 +147,11 @@ def _keep_in_place(registry: _Registry, x: torch.Tensor, mask: torch.Tensor) -> 
     k = mask.dim()
     if x.dim() < k or tuple(x.shape[:k]) != tuple(mask.shape) or not mask_selections.from_the_batch(mask):
         return None
-    node = private.traced_node_of(mask)
-    key = (_mask_key(registry, node) if node is not None else id(mask), mask.numel())
+    key = _key_of(registry, mask)
     rows = registry.by_mask.get(key)
     if rows is None:
         # a copy: the mask written in place later does not change the rows selected now
-        rows = _Rows(mask.reshape(-1).to(torch.bool, copy=True), mask, where_now())
+        rows = _Rows(mask.reshape(-1).to(torch.bool, copy=True), mask, where_now(), key)
         registry.by_mask[key] = rows
     flat = x.reshape((-1,) + tuple(x.shape[k:]))
     kept = torch.where(rows.along(flat), flat, torch.full((), _neutral(x.dtype), dtype=x.dtype, device=x.device))
@@ -157,15 +159,26 @@ def _keep_in_place(registry: _Registry, x: torch.Tensor, mask: torch.Tensor) -> 
     return kept
 
 
+def _key_of(registry: _Registry, mask: torch.Tensor) -> Any:
+    node = private.traced_node_of(mask)
+    return (_mask_key(registry, node) if node is not None else id(mask), mask.numel())
+
+
+def _bare_mask(index: Any) -> Any:
+    """``mask`` for an index ``mask`` or ``(mask, :, ...)``."""
+    if isinstance(index, tuple) and index and all(
+        isinstance(i, slice) and i == slice(None) for i in index[1:]
+    ):
+        return index[0]
+    return index
+
+
 def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if kwargs or len(args) != 2 or not isinstance(args[0], torch.Tensor):
         return None
     x, index = args
     if name == "__getitem__":
-        if isinstance(index, tuple) and index and all(
-            isinstance(i, slice) and i == slice(None) for i in index[1:]
-        ):
-            index = index[0]  # x[mask] written x[mask, :]
+        index = _bare_mask(index)
         return _keep_in_place(registry, x, index) if _is_mask(index) else None
     if name == "masked_select" and _is_mask(index):
         x, mask = torch.broadcast_tensors(x, index)
@@ -434,6 +447,8 @@ class _Answer:
             # max_norm renormalizes, scale_grad_by_freq counts, the rows indexed: kept ones only
             counts = self.kwargs.get("max_norm") is not None or self.kwargs.get("scale_grad_by_freq")
             return _SETTLE if counts or len(self.args) > 2 else self.keep(self.run())
+        if name == "__setitem__":
+            return self._write_back()
         if name == "one_hot" and self_ragged and _arg(self.args, self.kwargs, 1, "num_classes", -1) > 0:
             return self.keep(self.run())
         if name in ("layer_norm", "rms_norm") and self_ragged and len(self.ragged) == 1:
@@ -441,6 +456,24 @@ class _Answer:
             ok = isinstance(shape, (tuple, list, torch.Size)) and len(shape) < self.args[0].dim()
             return self.keep(self.run()) if ok else _SETTLE
         return _SETTLE
+
+    def _write_back(self) -> Any:
+        """``target[mask] = rows`` with the rows of that mask: each kept row written to
+        its own place, the others left as they are."""
+        rows = self.rows
+        assert rows is not None
+        if len(self.args) != 3 or self.kwargs:
+            return _SETTLE
+        target, index, value = self.args[0], _bare_mask(self.args[1]), self.args[2]
+        if not _is_mask(index) or self.rows_of(value) is not rows or len(self.ragged) != 1:
+            return _SETTLE
+        k = index.dim()
+        if (tuple(target.shape[:k]) != tuple(index.shape) or tuple(value.shape[1:]) != tuple(target.shape[k:])
+                or _key_of(self.registry, index) != rows.key):
+            return _SETTLE
+        flat = target.reshape((-1,) + tuple(target.shape[k:]))
+        target.copy_(torch.where(rows.along(value), value.to(target.dtype), flat).reshape(target.shape))
+        return None
 
     # -- losses ------------------------------------------------------------------------
     def _loss(self, name: str, self_ragged: bool) -> Any:

@@ -67,6 +67,16 @@ def index_tuple_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, F.cross_entropy(model(x)[keep, :], labels[keep]))
 
 
+def write_back_step(model, optim, x, labels):  # noqa: ANN001
+    """The kept rows computed apart and written back in place, ``out[mask] = f(h[mask])``."""
+    keep = labels != PAD
+    hidden = torch.tanh(model.fc(x))
+    out = hidden.clone()
+    out[keep] = hidden[keep].pow(2) * 2 - 0.5
+    loss = F.cross_entropy(model.out(out).flatten(0, 1), labels.flatten().clamp(min=0))
+    return _finish(model, optim, loss)
+
+
 def missing_targets_step(model, optim, x, labels):  # noqa: ANN001
     """Regression with missing targets (NaN): they must not reach a gradient."""
     target = torch.where(labels == PAD, float("nan"), labels.to(x.dtype))[..., None]
@@ -110,6 +120,7 @@ CASES = {
     "masked_lm": masked_lm_step,
     "flattened_masks": flattened_step,
     "index_tuple": index_tuple_step,
+    "write_back": write_back_step,
     "missing_targets": missing_targets_step,
     "electra": electra_step,
     "reductions": reductions_step,
