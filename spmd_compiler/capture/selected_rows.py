@@ -228,7 +228,7 @@ _METADATA = {
 }
 _METADATA_GETTERS = {
     "dtype", "device", "ndim", "requires_grad", "grad_fn", "is_leaf", "layout", "is_cuda",
-    "is_cpu", "is_meta", "is_sparse", "is_quantized", "names", "_base", "is_nested", "itemsize",
+    "is_cpu", "is_meta", "is_sparse", "is_quantized", "names", "is_nested", "itemsize",
 }
 _CONVERSIONS = {
     "float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char",
