@@ -1,9 +1,9 @@
 """Selections by a mask of the batch: compiled for the mask that selects everything.
 
 NOTE: [selections by a mask of the batch]
-(``x[mask]`` and ``masked_select`` whose rows end in a loss or a reduction are answered
-first, exactly for any mask, by NOTE: [selected rows kept in place] in
-``selected_rows.py``; what follows is for the other uses and for indices.)
+(``x[mask]``, ``masked_select``, ``where(mask)``, ``nonzero`` and ``argwhere`` whose rows
+end in a loss or a reduction are answered first, exactly for any mask, by NOTE: [selected
+rows kept in place] in ``selected_rows.py``; what follows is for the other uses.)
 ``torch.nonzero(mask)``, a boolean index ``x[mask]``, ``torch.where(mask)`` and
 ``x.masked_select(mask)`` have one row per true element of the mask: a size the data
 decides, which a compiled program, with fixed shapes, cannot have. A step meets them on

@@ -1,8 +1,8 @@
 """Rows selected by a mask, kept in place with the mask beside them.
 
 NOTE: [selected rows kept in place]
-``x[mask]`` and ``x.masked_select(mask)`` have one row per true element: a size the data
-decides. Where the mask comes from the batch (padding: ``logits[labels != -100]``,
+``x[mask]``, ``x.masked_select(mask)`` and ``torch.where(mask)`` have one row per true
+element: a size the data decides. Where the mask comes from the batch (padding: ``logits[labels != -100]``,
 ``pred[~torch.isnan(y)]``, ELECTRA's ``logits[attention_mask == 1]``, the labels
 ``Wav2Vec2ForCTC`` flattens for its CTC loss), NOTE: [selections by a mask of the batch]
 compiles the selection for the mask that selects everything and verifies that every
@@ -29,6 +29,10 @@ does with the rows is understood:
   moved to the front, in order (a stable sort by validity).
 - ``target[mask] = rows`` with rows of that mask writes each kept row to its place
   (``out[mask] = f(h[mask])``).
+- ``torch.where(mask)``, ``nonzero`` and ``argwhere`` are every index of the mask, in
+  row-major order, kept the same way; indexing an unselected tensor on its leading dims
+  by such indices (``x[i, j]``, ``index_select(0, i)``, ``gather(0, i)``) gives rows
+  (the dropped rows' indices are 0 there, so that they index).
 - Anything else (a read of the row count, ``.shape``, ``item()``, a reduction whose
   index would differ, an op that mixes rows, a custom ``autograd.Function``, whose
   ``apply`` no torch function mode sees, a value the step returns or keeps) is
@@ -173,7 +177,31 @@ def _bare_mask(index: Any) -> Any:
     return index
 
 
-def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+def _indices_in_place(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any:
+    """``torch.where(mask)``, ``nonzero`` and ``argwhere``: every index of the mask, in
+    row-major order, the mask's elements as the rows' validity (None: not ours)."""
+    as_tuple = name == "where" or bool(kwargs.get("as_tuple", False))
+    if len(args) != 1 or set(kwargs) - {"as_tuple"} or (name == "where" and kwargs):
+        return None
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not mask_selections.from_the_batch(x):
+        return None
+    mask = x if x.dtype == torch.bool else x != 0
+    key = ("indices", _key_of(registry, x))
+    rows = registry.by_mask.get(key)
+    if rows is None:
+        rows = _Rows(mask.reshape(-1).to(torch.bool, copy=True), x, where_now(), key)
+        registry.by_mask[key] = rows
+    grid = mask_selections.every_index(x.shape, x.device)
+    found = grid.unbind(1) if as_tuple else (grid,)
+    for t in found:
+        registry.rows[t] = rows
+    return found if as_tuple else grid
+
+
+def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any:
+    if name in ("where", "nonzero", "argwhere"):
+        return _indices_in_place(registry, name, args, kwargs)
     if kwargs or len(args) != 2 or not isinstance(args[0], torch.Tensor):
         return None
     x, index = args
@@ -426,9 +454,46 @@ class _Answer:
             return sum(1 for i in items[1:] if i is not None) < ndim
         return False
 
+    def _in_bounds(self, index: torch.Tensor) -> torch.Tensor:
+        """A selected index with the dropped rows' entries 0, so that they index."""
+        assert self.rows is not None
+        return torch.where(self.rows.along(index), index, torch.zeros((), dtype=index.dtype, device=index.device))
+
+    def _by_selected_indices(self, name: str) -> Any:
+        """``x[i0, i1, ...]`` / ``index_select(0, i)`` / ``gather(0, i)`` with selected
+        integer indices on the leading dims of an unselected ``x``: one row each."""
+        rows = self.rows
+        assert rows is not None
+        x = self.args[0]
+        if not isinstance(x, torch.Tensor) or self.rows_of(x) is not None or len(self.args) < 2:
+            return _SETTLE
+
+        def selected_index(t: Any) -> bool:
+            return (isinstance(t, torch.Tensor) and self.rows_of(t) is rows
+                    and not t.dtype.is_floating_point and t.dtype != torch.bool)
+
+        if name == "__getitem__" and not self.kwargs:
+            items = self.args[1] if isinstance(self.args[1], tuple) else (self.args[1],)
+            m = next((j for j, i in enumerate(items) if not selected_index(i)), len(items))
+            ok = (0 < m <= x.dim() and all(items[j].dim() == 1 for j in range(m))
+                  and all(isinstance(i, slice) and i == slice(None) for i in items[m:]))
+            if not ok:
+                return _SETTLE
+            index = tuple(self._in_bounds(i) for i in items[:m]) + tuple(items[m:])
+            return self.keep(self.run((x, index)))
+        if name in ("index_select", "gather"):
+            dim, index = _arg(self.args, self.kwargs, 1, "dim"), _arg(self.args, self.kwargs, 2, "index")
+            if not (isinstance(dim, int) and dim % x.dim() == 0 and selected_index(index)
+                    and len(self.ragged) == 1 and (name == "gather" or index.dim() == 1)):
+                return _SETTLE
+            return self.keep(self.compute(self.func, (x, dim, self._in_bounds(index)), {}))
+        return _SETTLE
+
     def _structural(self, name: str, self_ragged: bool) -> Any:
         rows = self.rows
         assert rows is not None
+        if not self_ragged and name in ("__getitem__", "index_select", "gather"):
+            return self._by_selected_indices(name)
         if name in ("linear", "matmul", "mm") and self_ragged and len(self.ragged) == 1:
             other = self.args[1] if len(self.args) > 1 else self.kwargs.get("weight")
             ok = self.args[0].dim() >= 2 and isinstance(other, torch.Tensor) and other.dim() <= 2
@@ -546,6 +611,9 @@ class _Answer:
         return self.run(tuple(args), {**self.kwargs, "targets": targets[order]})
 
 
+_SOURCES = {"__getitem__", "masked_select", "where", "nonzero", "argwhere"}
+
+
 def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any:
     """``func(*args, **kwargs)`` while the step is traced, with selected rows kept in
     place (see the NOTE); ``compute`` runs an op the usual way."""
@@ -554,7 +622,7 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
     if registry is None:
         return compute(func, args, kwargs)
     name = getattr(func, "__name__", "")
-    if name in ("__getitem__", "masked_select") and not any(
+    if name in _SOURCES and not any(
         registry.rows.get(t) is not None for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)
     ):
         kept = _selection(registry, name, args, kwargs)

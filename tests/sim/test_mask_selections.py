@@ -114,7 +114,7 @@ def test_selections_by_a_batch_mask_match_one_device(form, mode):
     assert worst < TOL
     assert compiled.compile_count == 2  # AdamW's first step and its steady state
     checks = compiled.last_program.captured.checks
-    if form == "bool_index":  # rows kept in place: exact for any mask, nothing to verify
+    if form in ("bool_index", "where", "argwhere"):  # rows kept in place: any mask, no check
         assert not checks
     else:  # one check per mask tensor (masked_select reads two: keep[:, None] and keep)
         assert checks and all("test_mask_selections.py" in check.where for check in checks)

@@ -77,6 +77,19 @@ def write_back_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, loss)
 
 
+def selected_indices_step(model, optim, x, labels):  # noqa: ANN001
+    """Rows taken by the indices of a mask: ``torch.where``, ``argwhere``, ``nonzero``."""
+    logits = model(x)
+    keep = labels != PAD
+    batch, token = torch.where(keep)
+    loss = F.cross_entropy(logits[batch, token], labels[batch, token])
+    flat = keep.view(-1).nonzero().squeeze(1)
+    loss = loss + F.cross_entropy(logits.view(-1, CLASSES).index_select(0, flat), labels.view(-1)[flat])
+    at = torch.argwhere(keep)
+    rows = torch.gather(logits.view(-1, CLASSES), 0, (at[:, 0] * TOKENS + at[:, 1])[:, None].expand(-1, CLASSES))
+    return _finish(model, optim, loss + rows.logsumexp(-1).mean())
+
+
 def missing_targets_step(model, optim, x, labels):  # noqa: ANN001
     """Regression with missing targets (NaN): they must not reach a gradient."""
     target = torch.where(labels == PAD, float("nan"), labels.to(x.dtype))[..., None]
@@ -121,6 +134,7 @@ CASES = {
     "flattened_masks": flattened_step,
     "index_tuple": index_tuple_step,
     "write_back": write_back_step,
+    "selected_indices": selected_indices_step,
     "missing_targets": missing_targets_step,
     "electra": electra_step,
     "reductions": reductions_step,
