@@ -113,20 +113,22 @@ def active() -> _Selections | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def from_the_batch(mask: torch.Tensor) -> bool:
-    """A traced mask computed from the step's inputs alone (not state, not a constant)."""
+def traced(mask: torch.Tensor) -> bool:
+    """A mask the step's trace computed (not a real constant)."""
     if not _ACTIVE or private.is_real_tensor_constant(mask):
         return False
-    node = private.traced_node_of(mask)
-    return node is not None and not _computed_from_state(node, _ACTIVE[-1])
+    return private.traced_node_of(mask) is not None
 
 
 def settle_selection(mask: torch.Tensor) -> None:
     """A selection by ``mask`` whose rows were kept in place (NOTE: [selected rows kept
     in place]) used where only the eager value will do: compiled as all true, verified
-    every call."""
-    if not _selects_everything(mask):  # not expected: such masks are not kept in place
-        raise MaskWithFalseElements()
+    every call, for a mask of the batch; refused at capture, as torch refuses a
+    value-dependent shape, for a mask computed from the model's state."""
+    if _selects_everything(mask):
+        return
+    torch.nonzero(mask)  # torch's own: raises for the value-dependent size
+    raise MaskWithFalseElements()
 
 
 def _selects_everything(mask: torch.Tensor) -> bool:
@@ -267,6 +269,6 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 __all__ = [
-    "MaskWithFalseElements", "active", "every_index", "from_the_batch",
+    "MaskWithFalseElements", "active", "every_index", "traced",
     "mask_selection_decompositions", "mask_selections", "settle_selection",
 ]

@@ -40,8 +40,10 @@ does with the rows is understood:
   into NOTE: [selections by a mask of the batch] (a value check verified every call),
   exactly as it was compiled before.
 
-A mask computed from the model's state (routing) is not kept in place: it stays refused
-where its rows are used, naming the line. The dropped rows' neutral values can make a
+A mask computed from the model's state (OHEM's ``losses[losses > threshold]``, pseudo
+labels kept above a confidence) is kept in place the same way: exact for any mask. Where
+its rows settle it cannot be compiled as all true (routing is never all true), so such a
+use is refused at capture as a value-dependent shape, naming the line. The dropped rows' neutral values can make a
 later op's derivative infinite there (``log(1 - rows)``), which reaches a weight's
 gradient as ``0 * inf`` only if such an op takes that weight (``w * log(1 - rows)``):
 torch's own ``log`` of the kept rows would have met the same values had they been
@@ -149,7 +151,7 @@ def _keep_in_place(registry: _Registry, x: torch.Tensor, mask: torch.Tensor) -> 
     """The rows of ``x[mask]`` kept in place, or None when the selection is left to
     NOTE: [selections by a mask of the batch]."""
     k = mask.dim()
-    if x.dim() < k or tuple(x.shape[:k]) != tuple(mask.shape) or not mask_selections.from_the_batch(mask):
+    if x.dim() < k or tuple(x.shape[:k]) != tuple(mask.shape) or not mask_selections.traced(mask):
         return None
     key = _key_of(registry, mask)
     rows = registry.by_mask.get(key)
@@ -184,7 +186,7 @@ def _indices_in_place(registry: _Registry, name: str, args: tuple, kwargs: dict)
     if len(args) != 1 or set(kwargs) - {"as_tuple"} or (name == "where" and kwargs):
         return None
     x = args[0]
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not mask_selections.from_the_batch(x):
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not mask_selections.traced(x):
         return None
     mask = x if x.dtype == torch.bool else x != 0
     key = ("indices", _key_of(registry, x))

@@ -1,7 +1,8 @@
 """Rows selected by a mask of the batch, kept in place (NOTE: [selected rows kept in place]).
 
-``logits[labels != -100]``, ``pred[~torch.isnan(y)]``, ELECTRA's ``logits[active]`` and
-``labels.masked_select(labels >= 0)`` into a CTC loss train as on one device for any
+``logits[labels != -100]``, ``pred[~torch.isnan(y)]``, ELECTRA's ``logits[active]``,
+``labels.masked_select(labels >= 0)`` into a CTC loss and hard-example mining's
+``losses[losses > threshold]`` (a mask from the model) train as on one device for any
 mask (float64, 2 simulated ranks, 3 AdamW steps, batches padded differently on each
 rank), with nothing to verify per call. A use of the rows that needs their count
 (``.shape``, an op that mixes rows, rows returned) is compiled for the mask that selects
@@ -90,6 +91,14 @@ def selected_indices_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, loss + rows.logsumexp(-1).mean())
 
 
+def hard_examples_step(model, optim, x, labels):  # noqa: ANN001
+    """Online hard example mining: the tokens whose loss is above the mean, a mask the
+    model's own output decides."""
+    losses = F.cross_entropy(model(x).flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
+    hard = losses[losses > losses.mean().detach()]
+    return _finish(model, optim, hard.mean() + 0.1 * losses.mean())
+
+
 def missing_targets_step(model, optim, x, labels):  # noqa: ANN001
     """Regression with missing targets (NaN): they must not reach a gradient."""
     target = torch.where(labels == PAD, float("nan"), labels.to(x.dtype))[..., None]
@@ -135,6 +144,7 @@ CASES = {
     "index_tuple": index_tuple_step,
     "write_back": write_back_step,
     "selected_indices": selected_indices_step,
+    "hard_examples": hard_examples_step,
     "missing_targets": missing_targets_step,
     "electra": electra_step,
     "reductions": reductions_step,
