@@ -8,7 +8,9 @@ at capture]) and ``F.ctc_loss`` (NOTE: [CTC loss at capture]); ``F.embedding`` p
 through, refusing ``sparse=True`` with the user's line. Packed sequences stay padded
 (NOTE: [packed sequences at capture]): ``pack_padded_sequence``'s and
 ``pad_packed_sequence``'s kernels are answered here, and the recurrent layers given one
-run their masked recurrence. One ``TorchFunctionMode``,
+run their masked recurrence. Rows selected by a mask stay in place with the mask beside
+them (NOTE: [selected rows kept in place]): every function first meets that rule. One
+``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
 """

@@ -101,8 +101,7 @@ class BranchDecisions:
     def _decide(self, t: torch.Tensor) -> bool:
         if self.python_value(t):  # `if scale > 1` on a float argument: it stays a guard
             raise FloatArgumentUsedInPython("an `if` on a float argument")
-        found = innermost_model_frame_of_stack()
-        where = _LOCATED[-1] if _LOCATED else str(found) if found is not None else "an unknown line"
+        where = _LOCATED[-1] if _LOCATED else where_now() or "an unknown line"
         k = len(self.sites)
         if k >= len(self.decisions):
             raise Undecided(where) from None
