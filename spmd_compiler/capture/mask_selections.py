@@ -120,15 +120,22 @@ def traced(mask: torch.Tensor) -> bool:
     return private.traced_node_of(mask) is not None
 
 
-def settle_selection(mask: torch.Tensor) -> None:
-    """A selection by ``mask`` whose rows were kept in place (NOTE: [selected rows kept
-    in place]) used where only the eager value will do: compiled as all true, verified
-    every call, for a mask of the batch; refused at capture, as torch refuses a
-    value-dependent shape, for a mask computed from the model's state."""
+class RowsOfAModelMaskCounted(Exception):
+    """Rows selected by a mask computed from the model's state, used where their number
+    matters: a value-dependent shape (refused at capture)."""
+
+
+def settle_selection(mask: torch.Tensor, where: str | None = None) -> None:
+    """A selection by ``mask`` (made at ``where``) whose rows were kept in place (NOTE:
+    [selected rows kept in place]) used where only the eager value will do: compiled as
+    all true, verified every call, for a mask of the batch; refused at capture as a
+    value-dependent shape for a mask computed from the model's state."""
     if _selects_everything(mask):
         return
-    torch.nonzero(mask)  # torch's own: raises for the value-dependent size
-    raise MaskWithFalseElements()
+    raise RowsOfAModelMaskCounted(
+        f"the rows selected at {where or 'an unknown line'} by a mask computed from the "
+        "model are used where their number matters"
+    )
 
 
 def _selects_everything(mask: torch.Tensor) -> bool:
@@ -269,6 +276,6 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 __all__ = [
-    "MaskWithFalseElements", "active", "every_index", "traced",
+    "MaskWithFalseElements", "RowsOfAModelMaskCounted", "active", "every_index", "traced",
     "mask_selection_decompositions", "mask_selections", "settle_selection",
 ]

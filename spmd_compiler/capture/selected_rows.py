@@ -654,7 +654,7 @@ def settle(values: Sequence[Any], at_selection: bool = False) -> None:
         rows = registry.rows.get(t) if isinstance(t, torch.Tensor) else None
         if rows is not None and not rows.settled:
             with located(rows.where if at_selection else None):
-                mask_selections.settle_selection(rows.mask)
+                mask_selections.settle_selection(rows.mask, rows.where)
             rows.settled = True
 
 

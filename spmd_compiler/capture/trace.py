@@ -87,7 +87,7 @@ from .grad_scalers import (
 )
 from .gradients import mark_gradients
 from .kept_tensors import KeptTensor, KeptTensors
-from .mask_selections import mask_selection_decompositions, mask_selections
+from .mask_selections import RowsOfAModelMaskCounted, mask_selection_decompositions, mask_selections
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .outside_tensors import OutsideWrites, outside_constants
@@ -619,7 +619,8 @@ def _capture(
         raise SPMDCompileError(
             "The train step reads the value of a tensor in Python (control flow on a "
             "tensor, .item(), .tolist() or a value-dependent shape), which cannot be "
-            f"captured into one graph{_where_it_failed(exc)}.",
+            f"captured into one graph{_where_it_failed(exc)}"
+            + (f": {exc}." if isinstance(exc, RowsOfAModelMaskCounted) else "."),
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
             hint=(

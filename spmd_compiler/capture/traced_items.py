@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
+from .mask_selections import RowsOfAModelMaskCounted
 
 
 class ItemUsedInPython(Exception):
@@ -69,7 +70,7 @@ class ItemsAsOutputs(TorchFunctionMode):
 
 def value_read_errors() -> tuple[type[BaseException], ...]:
     """What a trace raises when Python code needs a tensor's value."""
-    return (*private.data_dependent_error_types(), ItemUsedInPython)
+    return (*private.data_dependent_error_types(), ItemUsedInPython, RowsOfAModelMaskCounted)
 
 
 __all__ = ["ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "value_read_errors"]
