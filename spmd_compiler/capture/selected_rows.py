@@ -458,8 +458,7 @@ class _Answer:
 
     def _in_bounds(self, index: torch.Tensor) -> torch.Tensor:
         """A selected index with the dropped rows' entries 0, so that they index."""
-        assert self.rows is not None
-        return torch.where(self.rows.along(index), index, torch.zeros((), dtype=index.dtype, device=index.device))
+        return self._filled(index, 0)
 
     def _by_selected_indices(self, name: str) -> Any:
         """``x[i0, i1, ...]`` / ``index_select(0, i)`` / ``gather(0, i)`` with selected
