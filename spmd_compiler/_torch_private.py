@@ -2339,8 +2339,6 @@ def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     (2.13) nothing changes. ``bmm`` keeps them only when every strided shard is on the
     batch dim and both operands agree.
     """
-    from torch.distributed.tensor import Replicate
-
     if op is torch.ops.aten.native_layer_norm_backward.default:
         args = _norm_backward_follows_statistics(args)
     if _release() in MIXED_PARTIALS_GAP_RELEASES:
@@ -2352,11 +2350,21 @@ def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     ]
     if not strided or _keeps_strided(op, dtensors):
         return args, kwargs
+    return _replicated_on(args, kwargs, {
+        id(d): {i for i, p in enumerate(d.placements) if is_strided_shard(p)} for d in strided
+    })
+
+
+def _replicated_on(args: tuple, kwargs: dict, dims: dict[int, set[int]]) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each DTensor whose id is in ``dims`` redistributed to
+    ``Replicate`` on those mesh dims (its other placements kept)."""
+    from torch.distributed.tensor import Replicate
 
     def settle(value: Any) -> Any:
-        if not any(value is d for d in strided):
+        mesh_dims = dims.get(id(value)) if isinstance(value, DTensor) else None
+        if not mesh_dims:
             return value
-        placements = tuple(Replicate() if is_strided_shard(p) else p for p in value.placements)
+        placements = tuple(Replicate() if i in mesh_dims else p for i, p in enumerate(value.placements))
         return value.redistribute(value.device_mesh, placements)
 
     return pytree.tree_map(settle, args), pytree.tree_map(settle, kwargs)
@@ -2371,7 +2379,7 @@ def _reduce_mixed_partials(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     which its redistribute refuses ("Redistribution from one partial type ... is
     unsupported"). The arguments whose partial type differs from the first sum-like one
     are reduced to ``Replicate`` on that dim first (2.13's rule does not mix them)."""
-    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor import Partial
 
     dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
     if len(dtensors) < 2:
@@ -2386,17 +2394,7 @@ def _reduce_mixed_partials(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for d, p in partials:
             if p.reduce_op != kept:
                 reduce.setdefault(id(d), set()).add(i)
-    if not reduce:
-        return args, kwargs
-
-    def settle(value: Any) -> Any:
-        dims = reduce.get(id(value)) if isinstance(value, DTensor) else None
-        if not dims:
-            return value
-        placements = tuple(Replicate() if i in dims else p for i, p in enumerate(value.placements))
-        return value.redistribute(value.device_mesh, placements)
-
-    return pytree.tree_map(settle, args), pytree.tree_map(settle, kwargs)
+    return _replicated_on(args, kwargs, reduce) if reduce else (args, kwargs)
 
 
 def _keeps_strided(op: Any, dtensors: list[DTensor]) -> bool:
@@ -3182,3 +3180,11 @@ def _install_grouped_mm_fake_kernel() -> None:
         return FakeTensor(fake_mode, out, mat_a.device)
 
     fake_impls.op_implementations_dict[torch.ops.aten._grouped_mm.default] = fake_grouped_mm
+
+
+def storage_ref(t: torch.Tensor) -> Any:
+    """A weak reference to ``t``'s storage that compares equal for every tensor viewing it
+    (fake tensors included)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

@@ -9,7 +9,9 @@ through, refusing ``sparse=True`` with the user's line. Packed sequences stay pa
 (NOTE: [packed sequences at capture]): ``pack_padded_sequence``'s and
 ``pad_packed_sequence``'s kernels are answered here, and the recurrent layers given one
 run their masked recurrence. Rows selected by a mask stay in place with the mask beside
-them (NOTE: [selected rows kept in place]): every function first meets that rule. One
+them (NOTE: [selected rows kept in place]): every function first meets that rule.
+Overlapping windows made by ``as_strided`` are gathered by index (NOTE: [windows by
+as_strided]). One
 ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
@@ -21,6 +23,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -30,6 +33,7 @@ from .ctc_loss import ctc_loss
 from .embedding_bag import embedding, embedding_bag
 from .margin_losses import multi_margin_loss, multilabel_margin_loss
 from .packed_sequences import pack_padded, packed_sequences, pad_packed, refuse_other_uses
+from .strided_windows import as_strided, refuse_writes_through_windows, strided_windows
 
 _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.embedding: embedding,
@@ -39,6 +43,8 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.ctc_loss: ctc_loss,
     private.pack_padded_sequence_op(): pack_padded,
     private.pad_packed_sequence_op(): pad_packed,
+    torch.Tensor.as_strided: as_strided,
+    torch.as_strided: as_strided,
 }
 
 
@@ -46,6 +52,7 @@ def _compute(func: Any, args: tuple, kwargs: dict) -> Any:
     answer = _AS_OPS.get(func)
     if answer is None:
         refuse_other_uses(func, args, kwargs)  # NOTE: [packed sequences at capture]
+        refuse_writes_through_windows(func, args, kwargs)  # NOTE: [windows by as_strided]
         answer = func
     return answer(*args, **kwargs)
 
@@ -59,7 +66,7 @@ class _FunctionsAsOps(TorchFunctionMode):
 @contextlib.contextmanager
 def functions_as_ops() -> Iterator[None]:
     """Inside: the functions of the NOTE compute with plain ops."""
-    with packed_sequences(), selected_rows.custom_functions_settle(), _FunctionsAsOps():
+    with packed_sequences(), strided_windows(), selected_rows.custom_functions_settle(), _FunctionsAsOps():
         yield
 
 

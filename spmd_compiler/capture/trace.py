@@ -351,7 +351,8 @@ def _as_strided_as_view(
     it returns in place (only dimensions of length 1 change stride), and that op's
     backward writes the gradient into a fresh contiguous buffer through ``as_strided``
     with contiguous strides. Both become views (the in-place one: nothing, ``x`` keeps its
-    strides). Any other ``as_strided`` is traced as it is and refused at expansion."""
+    strides). Any other ``as_strided`` is traced as it is and refused at expansion (the
+    user's own windows are answered above autograd: NOTE: [windows by as_strided])."""
     size = list(size)
     if storage_offset is not None and storage_offset != x.storage_offset():
         return NotImplemented
@@ -721,10 +722,14 @@ def _decide_value_checks(
                 ) from None
         results: dict[bool, tuple[torch.fx.GraphModule, _StepTracer]] = {}
         outcomes: dict[bool, BaseException | None] = {}
+        refused: dict[bool, BaseException] = {}  # a value read no program can hold
         for answer in (True, False):
             try:
                 results[answer] = trace([*decisions, answer])
                 outcomes[answer] = None
+            except value_read_errors() as exc:
+                outcomes[answer] = None
+                refused[answer] = exc
             except _not_raised_by_the_step():
                 outcomes[answer] = None  # went on (or failed for a reason of ours)
             except Exception as exc:  # noqa: BLE001 - the step raised: the check's branch
@@ -732,7 +737,12 @@ def _decide_value_checks(
         choice = choose(outcomes)
         if choice is None and outcomes[True] is not None:
             raise cast(BaseException, outcomes[True])  # both answers raise: so would eager
-        if choice is None:  # a branch: speculated, verified every call (NOTE: [value checks])
+        if choice is None and len(refused) == 1:
+            # NOTE: [a way no program holds]: the other way is compiled; a call that goes
+            # this way is refused, as a check's raising way is
+            ((way, refusal),) = refused.items()
+            choice, text = not way, _refusal_text(refusal)
+        elif choice is None:  # a branch: speculated, verified every call (NOTE: [value checks])
             choice, text = True, ""
         else:
             text = describe_raise(cast(BaseException, outcomes[not choice]))
@@ -746,6 +756,17 @@ def _decide_value_checks(
         for check, text in zip(tracer.checks, raised, strict=True)
     ]
     return first, tracer
+
+
+def _refusal_text(exc: BaseException) -> str:
+    """What a failed check says of a way the step cannot be compiled (NOTE: [a way no
+    program holds])."""
+    where = _where_it_failed(exc)
+    return (
+        f"it reads a tensor's value in Python{where or ' further on'} (a value-dependent "
+        "shape, .item() or an `if`), which no compiled program holds; only the other way "
+        "was compiled"
+    )
 
 
 def _drop_refused_value_reads(gm: torch.fx.GraphModule) -> None:

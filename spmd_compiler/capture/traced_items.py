@@ -7,9 +7,10 @@ tensors refuse it. So while the step is traced, an ``.item()`` that the fake ten
 refuses returns a ``TracedItem`` holding the tensor; a ``TracedItem`` among the step's
 returned values becomes a returned tensor of the program, and the runtime hands back its
 ``.item()`` (``int`` / ``float`` / ``bool`` as eager's), the global value as a returned
-loss is. Anything else Python does with it while the step is traced (arithmetic, a
-comparison, ``if``, formatting, ``float()``) would need the value the trace does not
-have, so it raises ``ItemUsedInPython``, which capture reports as a value read in Python
+loss is. Its truth value (``if flag.item():``, Longformer's ``if is_global_attn:``) is
+the tensor's, an ``if`` on a tensor's value (NOTE: [value checks]). Anything else Python
+does with it while the step is traced (arithmetic, a comparison, formatting,
+``float()``) would need the value the trace does not have, so it raises ``ItemUsedInPython``, which capture reports as a value read in Python
 (the refusal ``.item()`` had before), naming the line. An ``.item()`` a fake tensor can
 answer (a constant made in the step) keeps its value.
 """
@@ -43,7 +44,13 @@ class TracedItem:
             "step it can only be returned"
         )
 
-    __bool__ = __float__ = __int__ = __index__ = __complex__ = _used
+    def __bool__(self) -> bool:
+        # its truth value is the tensor's: an `if` on it is a value check or branch of the
+        # program (NOTE: [value checks]), as `if tensor:` is. Longformer's
+        # `is_global_attn = mask.any().item(); if is_global_attn:`
+        return bool(self.tensor)
+
+    __float__ = __int__ = __index__ = __complex__ = _used
     __str__ = __format__ = __round__ = __trunc__ = __floor__ = __ceil__ = _used
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used

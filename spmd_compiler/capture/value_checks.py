@@ -17,6 +17,13 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
   - a branch: both answers go on. The decision is True, speculated; a call where the
     condition comes out False runs the program of that way instead (below);
   - both answers raise: the step raises that, as eager would.
+  - NOTE: [a way no program holds]: one answer leads the step to a value read no
+    program can hold (a count read in Python, a value-dependent shape: what capture
+    refuses), and the other goes on. The other is the decision, and the refused way is
+    treated as a check's raising way: a call that goes there raises ``SPMDRuntimeError``
+    naming the ``if`` and the line of the read (Longformer without global attention
+    tokens: ``if is_global_attn:``, whose True way sizes tensors by a count). Before,
+    the whole step was refused at capture.
 - The condition (``bool(t)`` as a 0-dim bool tensor) becomes a returned tensor of the
   program, a global value like the loss. Every call the runtime compares each with its
   decision, in order, before any state is written. At the first that differs nothing

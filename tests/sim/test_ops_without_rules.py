@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import make_mode
 
 TOL = 1e-10
@@ -70,6 +71,10 @@ BODIES = {  # name: (body, features after it)
     "cumprod": (lambda x: torch.cumprod(torch.sigmoid(x), 1), 64),
     # Tensor.unfold (overlapping sliding windows): a rule of ours; its backward decomposed
     "unfold_windows": (lambda x: x.flatten(2).unfold(2, 4, 3).amax(-1), 20),
+    # overlapping windows by as_strided (framing, Longformer's chunks): gathered by index
+    # per sample (NOTE: [windows by as_strided]); on a contiguous tensor and on a transpose
+    "as_strided_windows": (lambda x: _windows(x.flatten(2).transpose(1, 2).contiguous()), 7 * 4 * 4),
+    "as_strided_windows_of_a_transpose": (lambda x: _windows(x.flatten(2).transpose(1, 2)), 7 * 4 * 4),
     "scatter_reduce_amax": (lambda x: _scatter_reduce(x, "amax"), 64),
     "scatter_reduce_mean": (lambda x: _scatter_reduce(x, "mean"), 64),
     # nn.Bilinear computes through aten._trilinear: an einsum at capture
@@ -88,6 +93,15 @@ BODIES = {  # name: (body, features after it)
     # out-of-place aten.copy, which no torch has a rule for (a rule of ours)
     "affine_grid_sample": (lambda x: _transformed(x), 64),
 }
+
+
+def _windows(x: torch.Tensor) -> torch.Tensor:
+    """Windows of 4 every 2 along ``x``'s middle dimension (7 of them), by ``as_strided``
+    with ``x``'s own strides, as eager code frames a signal."""
+    b, n, c = x.shape
+    return x.as_strided(
+        (b, (n - 4) // 2 + 1, 4, c), (x.stride(0), 2 * x.stride(1), x.stride(1), x.stride(2))
+    )
 
 
 def _scatter_reduce(x: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -181,3 +195,51 @@ def test_an_op_with_neither_rule_nor_decomposition_is_refused_by_name():
     message = str(info.value)
     assert "_standard_gamma" in message and "random op draws from a tensor" in message
     assert "test_ops_without_rules.py" in message
+
+
+def test_as_strided_windows_keep_the_batch_sharded():
+    """The windows are gathered per sample (NOTE: [windows by as_strided]): under ddp the
+    program moves only the gradients (no all-gather of the activations)."""
+    model = _Image(lambda x: _windows(x.flatten(2).transpose(1, 2)), 7 * 4 * 4).double()
+    compiled = sc.compile(make_mode("ddp"))(_step(F.cross_entropy))
+    with sc.simulate(2):
+        for x, y in _batches():
+            compiled(model, _sgd(model), x, y)
+    stats = collective_stats(compiled.last_program.graph_module)
+    assert set(stats.counts) == {"all_reduce"}, stats.counts
+
+
+def test_as_strided_past_the_tensor_is_refused_with_the_line():
+    """An ``as_strided`` that names elements its input does not hold (the storage around a
+    view) has no DTensor meaning: refused at expansion, naming the op."""
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        inner = x[:, :, 1:3]  # rows 1 and 2 of each channel; 12 elements reach row 3
+        return inner.as_strided((x.shape[0], 4, 12), (x.stride(0), x.stride(1), 1))
+
+    model = _Image(body, 48).double()
+    compiled = sc.compile(make_mode("ddp"))(_step(F.cross_entropy))
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        x, y = _batches()[0]
+        compiled(model, _sgd(model), x, y)
+    assert "as_strided" in str(info.value)
+
+
+def test_a_write_through_as_strided_windows_is_refused_with_the_line():
+    """The windows are gathered copies: a later write in place to the tensor they view
+    (which eager's windows would see) is refused at capture, naming the line."""
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        signal = x.flatten(2).transpose(1, 2).contiguous()
+        frames = _windows(signal)
+        signal.mul_(2.0)  # eager's frames see this write
+        return frames
+
+    model = _Image(body, 7 * 4 * 4).double()
+    compiled = sc.compile(make_mode("ddp"))(_step(F.cross_entropy))
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        x, y = _batches()[0]
+        compiled(model, _sgd(model), x, y)
+    message = str(info.value)
+    assert "mul_" in message and "as_strided" in message
+    assert 'signal.mul_(2.0)' in message

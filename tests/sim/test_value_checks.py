@@ -262,3 +262,68 @@ def test_library_checks_match_one_device(step):
             assert relative_difference(loss, step(reference, reference_optim, x, actions)) < TOL
         assert max(compare_models(model, reference, sim).values()) < TOL
     assert compiled.last_program.captured.checks
+
+
+def item_branching_step(model, optim, x):  # noqa: ANN001
+    """`if flag.item():` (Longformer's `is_global_attn = mask.any().item()`): the truth
+    of a traced `.item()` is an `if` on the tensor's value (NOTE: [returned .item()
+    values])."""
+    loss = F.mse_loss(model(x), x)
+    is_large = (x.abs() > 2.5).any().item()
+    if is_large:
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def compacting_step(model, optim, x):  # noqa: ANN001
+    """One way of the `if` selects rows by count (a value-dependent shape no program
+    holds); the other is plain (NOTE: [a way no program holds])."""
+    out = model(x)
+    outliers = x.abs() > 2.5
+    if outliers.any().item():
+        kept = int(outliers.sum())  # a count read in Python
+        out = out[:kept]
+    loss = F.mse_loss(out, x[: out.shape[0]])
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_the_truth_of_an_item_branches_like_an_if_on_the_tensor(mode):
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(_mode(mode))(item_branching_step)
+    small, large = _batches(2)
+    large = large * 3
+    with sc.simulate(world_size=2) as sim:
+        for x in [small, large, small, large]:
+            loss = compiled(model, optim, x)
+            assert relative_difference(loss, item_branching_step(reference, reference_optim, x)) < TOL
+        worst = _worst_state_difference(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+    assert 2 <= compiled.compile_count <= 4
+
+
+def test_a_way_no_program_holds_is_refused_when_taken():
+    """The way with a count read in Python cannot be compiled; the other way is, and a
+    call that goes the refused way raises naming both lines, with nothing written."""
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(make_mode("ddp"))(compacting_step)
+    small, large = _batches(2)
+    small = small.clamp(-2, 2)
+    with sc.simulate(world_size=2) as sim:
+        loss = compiled(model, optim, small)
+        assert relative_difference(loss, compacting_step(reference, reference_optim, small)) < TOL
+        with pytest.raises(SPMDRuntimeError) as info:
+            compiled(model, optim, large * 3)
+        message = str(info.value)
+        assert "outliers.any().item()" in message or "if outliers" in message, message
+        assert "kept = int(outliers.sum())" in message and "Nothing was updated" in message
+        loss = compiled(model, optim, small)
+        assert relative_difference(loss, compacting_step(reference, reference_optim, small)) < TOL
+        worst = _worst_state_difference(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
