@@ -8,15 +8,21 @@ refuses returns a ``TracedItem`` holding the tensor; a ``TracedItem`` among the 
 returned values becomes a returned tensor of the program, and the runtime hands back its
 ``.item()`` (``int`` / ``float`` / ``bool`` as eager's), the global value as a returned
 loss is. Its truth value (``if flag.item():``, Longformer's ``if is_global_attn:``) is
-the tensor's, an ``if`` on a tensor's value (NOTE: [value checks]). Anything else Python
-does with it while the step is traced (arithmetic, a comparison, formatting,
-``float()``) would need the value the trace does not have, so it raises ``ItemUsedInPython``, which capture reports as a value read in Python
+the tensor's, an ``if`` on a tensor's value (NOTE: [value checks]). A comparison with a
+number or another item (``if loss.item() > 1e4:``, ``loss.item() != loss.item()``) is
+another ``TracedItem``, computed as Python compares the numbers: in float64 for a float
+item (``.item()`` of a float32 loss is its exact double), in int64 for an integer one;
+a mix that would round there (an integer item against a float, a float item against an
+integer beyond 2**53) is refused. Anything else Python does with it while the step is
+traced (arithmetic, formatting, ``float()``) would need the value the trace does not
+have, so it raises ``ItemUsedInPython``, which capture reports as a value read in Python
 (the refusal ``.item()`` had before), naming the line. An ``.item()`` a fake tensor can
 answer (a constant made in the step) keeps its value.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -55,11 +61,60 @@ class TracedItem:
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
     __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = _used
-    __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _used  # type: ignore[assignment]
+    def _compare(self, other: Any, op: Callable[[torch.Tensor, Any], torch.Tensor]) -> TracedItem:
+        """``item OP other`` as Python compares the numbers, exactly: floats in float64,
+        integers in int64; a mix where that would round is refused (``_used``)."""
+        mine = _exact_operand(self.tensor)
+        theirs = _exact_operand(other.tensor) if isinstance(other, TracedItem) else other
+        if mine is None or theirs is None or not _comparable(mine, theirs):
+            self._used()
+        return TracedItem(op(mine, theirs))
+
+    def __lt__(self, other: Any) -> TracedItem:  # type: ignore[override]
+        return self._compare(other, torch.lt)
+
+    def __le__(self, other: Any) -> TracedItem:  # type: ignore[override]
+        return self._compare(other, torch.le)
+
+    def __gt__(self, other: Any) -> TracedItem:  # type: ignore[override]
+        return self._compare(other, torch.gt)
+
+    def __ge__(self, other: Any) -> TracedItem:  # type: ignore[override]
+        return self._compare(other, torch.ge)
+
+    def __eq__(self, other: Any) -> TracedItem:  # type: ignore[override]
+        return self._compare(other, torch.eq)
+
+    def __ne__(self, other: Any) -> TracedItem:  # type: ignore[override]
+        return self._compare(other, torch.ne)
+
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"TracedItem({tuple(self.tensor.shape)} {self.tensor.dtype})"
+
+
+_EXACT_INTEGERS = 2**53  # a double holds every integer up to this one exactly
+_INT64 = 2**63
+
+
+def _exact_operand(t: torch.Tensor) -> torch.Tensor | None:
+    """The one-element tensor as the number ``.item()`` gives: float64 or int64."""
+    if t.numel() != 1 or t.is_complex():
+        return None
+    return (t.double() if t.is_floating_point() else t.long()).reshape(())
+
+
+def _comparable(mine: torch.Tensor, theirs: Any) -> bool:
+    """``mine OP theirs`` in torch equals Python's comparison of the two numbers."""
+    floating = mine.dtype == torch.float64
+    if isinstance(theirs, torch.Tensor):
+        return (theirs.dtype == torch.float64) == floating
+    if isinstance(theirs, bool) or (isinstance(theirs, int) and not floating):
+        return -_INT64 <= int(theirs) < _INT64
+    if isinstance(theirs, int):
+        return abs(theirs) <= _EXACT_INTEGERS
+    return isinstance(theirs, float) and floating
 
 
 class ItemsAsOutputs(TorchFunctionMode):

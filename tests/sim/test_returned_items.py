@@ -99,6 +99,16 @@ def branch_on_item_step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
+def rounding_comparison_step(model, optim, x, y):  # noqa: ANN001
+    """An integer item against a float: exact in Python, rounded in any one dtype."""
+    loss = F.cross_entropy(model(x), y)
+    if (model(x).argmax(-1) == y).sum().item() > 2.5:
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    return loss
+
+
 def printing_step(model, optim, x, y):  # noqa: ANN001
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -110,7 +120,7 @@ def printing_step(model, optim, x, y):  # noqa: ANN001
 @pytest.mark.parametrize(
     ("step", "line"),
     [(scaled_item_step, "return loss.item() * 2"),
-     (branch_on_item_step, "if loss.item() > 1.0:"),
+     (rounding_comparison_step, "if (model(x).argmax(-1) == y).sum().item() > 2.5:"),
      (printing_step, 'print(f"loss {loss.item():.3f}")')],
     ids=lambda v: getattr(v, "__name__", "line"),
 )
@@ -126,3 +136,37 @@ def test_item_used_by_python_is_refused(step, line):
     assert line in message
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert compiled.compile_count == 0
+
+
+def compared_items_step(model, optim, x, y):  # noqa: ANN001
+    """Comparisons of items, branched on and returned (NOTE: [returned .item() values])."""
+    loss = F.cross_entropy(model(x), y)
+    if loss.item() > 1.5:  # the batches go both ways
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    right = (model(x).argmax(-1) == y).sum().item()
+    return {"loss": loss.item(), "high": loss.item() >= 3.1, "some_right": 0 < right,
+            "none_right": right == 0}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_an_if_on_a_compared_item_branches_and_comparisons_return(mode):
+    """``if loss.item() > 1.0:`` takes the way the data goes, as an ``if`` on the tensor
+    would (NOTE: [value checks]); a returned comparison is a Python bool."""
+    torch.manual_seed(0)
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+    compiled = sc.compile(make_mode(mode))(compared_items_step)
+    batches = _batches()
+    with sc.simulate(world_size=2) as sim:
+        for x, y in [*batches, (batches[0][0] * 4, batches[0][1])]:
+            got = compiled(model, optim, x, y)
+            want = compared_items_step(reference, reference_optim, x, y)
+            assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in want.items()}
+            assert abs(got["loss"] - want["loss"]) <= TOL * abs(want["loss"])
+            assert [got[k] for k in ("high", "some_right", "none_right")] == [
+                want[k] for k in ("high", "some_right", "none_right")]
+        assert max(compare_models(model, reference, sim).values()) < TOL
