@@ -146,6 +146,14 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                             num_experts_per_tok=2, moe_intermediate_size=24,
                             shared_expert_intermediate_size=24,
                             experts_implementation="batched_mm"),
+    # Longformer's sliding-window attention: overlapping chunks by as_strided (NOTE:
+    # [windows by as_strided]) and `if is_global_attn:` on `.any().item()` (no global
+    # tokens in masked LM: the other way is refused when taken, NOTE: [a way no program
+    # holds])
+    "longformer": _small_model("LongformerForMaskedLM", "LongformerConfig", hidden_size=32,
+                             num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                             max_position_embeddings=64, attention_window=4,
+                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     # sequence classification as DeBERTa-v3 (the v2 architecture) is fine-tuned: its loss
     # selects the labelled rows with `(labels >= 0).nonzero()` (NOTE: [selections by a
     # mask of the batch])
@@ -198,6 +206,21 @@ CLASSIFIERS = {"deberta_v2"}
 # order, amplified by AdamW's normalization), within FLOAT32_TOL
 FLOAT32_MODELS = {"mixtral_grouped_mm"}
 FLOAT32_TOL = 1e-4
+
+
+# models whose key biases move by AdamW on rounding noise alone (their gradient is zero in
+# exact arithmetic: a softmax ignores a per-query constant) by steps of order lr, so
+# their relative difference is noise through Adam's normalization: surveyed on the
+# parameters without key biases (GPT-2 / BERT / ViT in real_models.py likewise)
+NOISY_KEY_BIAS_MODELS = {"longformer"}
+
+
+def survey_differences(kind: str, run: ZooRun) -> dict[str, float]:
+    """What the survey checks of ``run``: every state tensor, or for
+    NOISY_KEY_BIAS_MODELS the parameters without their key biases."""
+    if kind in NOISY_KEY_BIAS_MODELS:
+        return run.no_key_bias_differences
+    return run.state_differences
 
 
 def survey_dtype(kind: str) -> torch.dtype:

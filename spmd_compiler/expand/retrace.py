@@ -311,6 +311,10 @@ def _as_dtensor(value: Any, mesh: DeviceMesh) -> Any:
     return value
 
 
+_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+_STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
+
+
 class _ExpandingInterpreter(RetracingInterpreter):
     def __init__(
         self,
@@ -401,7 +405,24 @@ class _ExpandingInterpreter(RetracingInterpreter):
             result = self.rules.apply(target, args, kwargs)
             if result is not None:
                 return result
+        if target in _VIEWS and args and isinstance(args[0], DTensor):
+            return self._view(target, args, kwargs)
         return super().call_function(target, args, kwargs)
+
+    def _view(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """NOTE: [views on strides that functionalization misreports]: the captured graph
+        is functional, but ``torch.func.functionalize`` reports a view of a regenerated
+        base (an in-place write to a view, replayed as a scatter and the view again) with
+        the strides the view had before, not those of the ops it recorded. A ``view``
+        traced on those strides can fail on the real ones (Longformer's backward: "Cannot
+        view a tensor ..."). With no mutation in the graph a copy is the same value, so
+        such a view is taken of a contiguous copy; the failed attempt's nodes are dead."""
+        try:
+            return super().call_function(target, args, kwargs)
+        except RuntimeError as exc:
+            if not any(text in str(exc) for text in _STRIDE_REFUSALS):
+                raise
+        return super().call_function(target, (args[0].contiguous(), *args[1:]), kwargs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         progress.current().advance()

@@ -47,6 +47,13 @@ def _volume(pool: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Ten
     return lambda x: pool(x[:, None]).flatten(1, 2)  # (N, 1, C, H, W): 3-d pooling
 
 
+def _written_back(x: torch.Tensor) -> torch.Tensor:
+    buf = (x * 2).view(x.shape[0], 4, 16)
+    view = buf.transpose(1, 2)
+    view.copy_(view.contiguous())
+    return buf.view(x.shape[0], 64)
+
+
 BODIES = {  # name: (body, features after it)
     "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), 16),
     "max_pool2d": (lambda x: F.max_pool2d(x, 2), 16),  # torch 2.11 has no pooling rules
@@ -75,6 +82,11 @@ BODIES = {  # name: (body, features after it)
     # per sample (NOTE: [windows by as_strided]); on a contiguous tensor and on a transpose
     "as_strided_windows": (lambda x: _windows(x.flatten(2).transpose(1, 2).contiguous()), 7 * 4 * 4),
     "as_strided_windows_of_a_transpose": (lambda x: _windows(x.flatten(2).transpose(1, 2)), 7 * 4 * 4),
+    # a write back through a transposed view (autograd's CopySlices does it in backward):
+    # functionalization reports the regenerated base's strides wrongly, so the view after
+    # it is taken of a copy in expansion (NOTE: [views on strides that functionalization
+    # misreports]); it failed with "Cannot view a tensor" before
+    "write_back_through_a_transposed_view": (_written_back, 64),
     "scatter_reduce_amax": (lambda x: _scatter_reduce(x, "amax"), 64),
     "scatter_reduce_mean": (lambda x: _scatter_reduce(x, "mean"), 64),
     # nn.Bilinear computes through aten._trilinear: an einsum at capture
