@@ -124,6 +124,7 @@ def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[
             "of a tensor in Python inside its step() (.item() or control flow on a tensor), "
             "which cannot be captured into one program.",
             user_line=where(exc),
-            hint="use a torch.optim optimizer other than LBFGS, or make this optimizer's "
+            hint="use another torch.optim optimizer (all but LBFGS, SparseAdam and Adafactor, "
+            "whose step computes with .item() values, compile), or make this optimizer's "
             "step use tensor ops only (its capturable path).",
         ) from exc
