@@ -32,7 +32,10 @@ does with the rows is understood:
 - ``torch.where(mask)``, ``nonzero`` and ``argwhere`` are every index of the mask, in
   row-major order, kept the same way; indexing an unselected tensor on its leading dims
   by such indices (``x[i, j]``, ``index_select(0, i)``, ``gather(0, i)``) gives rows
-  (the dropped rows' indices are 0 there, so that they index).
+  (the dropped rows' indices are 0 there, so that they index). Indexing by the whole
+  tuple ``torch.where(mask)`` on leading dims shaped as the mask is ``x[mask]`` itself:
+  the rows are a view of ``x`` (a batch sharded there stays sharded), not a gather by
+  indices covering every position, which gathers the batch.
 - Anything else (a read of the row count, ``.shape``, ``item()``, a reduction whose
   index would differ, an op that mixes rows, a custom ``autograd.Function``, whose
   ``apply`` no torch function mode sees, a value the step returns or keeps) is
@@ -91,6 +94,8 @@ class _Rows:
 class _Registry:
     rows: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     by_mask: dict[Any, _Rows] = field(default_factory=dict)  # by _mask_key
+    # torch.where(mask)'s index tensors: (their rows, which dim of the mask, its shape)
+    grids: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     keys: dict[torch.fx.Node, Any] = field(default_factory=dict)
 
 
@@ -196,9 +201,32 @@ def _indices_in_place(registry: _Registry, name: str, args: tuple, kwargs: dict)
         registry.by_mask[key] = rows
     grid = mask_selections.every_index(x.shape, x.device)
     found = grid.unbind(1) if as_tuple else (grid,)
-    for t in found:
+    for d, t in enumerate(found):
         registry.rows[t] = rows
+        if as_tuple:
+            registry.grids[t] = (rows, d, tuple(x.shape))
     return found if as_tuple else grid
+
+
+def _rows_of_the_grid(registry: _Registry, x: torch.Tensor, index: Sequence[Any]) -> torch.Tensor | None:
+    """``x[torch.where(mask)]`` (or ``index_select(0, i)`` with ``i, = torch.where(mask)``)
+    on ``x``'s leading dims shaped as the mask: ``x[mask]``'s rows kept in place (a view
+    of ``x``, so a batch sharded there stays sharded), not a gather by indices that
+    cover every position (which gathers it); None when ``index`` is not that grid."""
+    found: list[tuple[_Rows, int, tuple[int, ...]]] = []
+    for i in index:
+        entry = registry.grids.get(i) if isinstance(i, torch.Tensor) else None
+        if entry is None:
+            return None
+        found.append(entry)
+    if not found:
+        return None
+    rows, _, shape = found[0]
+    if (any(f[0] is not rows or f[1] != d for d, f in enumerate(found)) or len(found) != len(shape)
+            or tuple(x.shape[:len(shape)]) != shape):
+        return None
+    flat = x.reshape((-1,) + tuple(x.shape[len(shape):]))
+    return torch.where(rows.along(flat), flat, torch.full((), _neutral(x.dtype), dtype=x.dtype, device=x.device))
 
 
 def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any:
@@ -480,6 +508,9 @@ class _Answer:
                   and all(isinstance(i, slice) and i == slice(None) for i in items[m:]))
             if not ok:
                 return _SETTLE
+            in_place = _rows_of_the_grid(self.registry, x, items[:m])
+            if in_place is not None:
+                return self.keep(in_place)
             index = tuple(self._in_bounds(i) for i in items[:m]) + tuple(items[m:])
             return self.keep(self.run((x, index)))
         if name in ("index_select", "gather"):
@@ -487,6 +518,9 @@ class _Answer:
             if not (isinstance(dim, int) and dim % x.dim() == 0 and selected_index(index)
                     and len(self.ragged) == 1 and (name == "gather" or index.dim() == 1)):
                 return _SETTLE
+            in_place = _rows_of_the_grid(self.registry, x, [index]) if name == "index_select" else None
+            if in_place is not None:
+                return self.keep(in_place)
             return self.keep(self.compute(self.func, (x, dim, self._in_bounds(index)), {}))
         return _SETTLE
 

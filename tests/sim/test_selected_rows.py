@@ -20,6 +20,7 @@ from twin_models import adamw_twins
 
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDRuntimeError
+from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
 
@@ -206,6 +207,25 @@ def test_losses_on_selected_rows_match_one_device_for_any_mask(name, mode):
 def test_selected_rows_under_tensor_parallel():
     compiled = _parity(masked_lm_step, "tp", _batches())
     assert not compiled.last_program.captured.checks
+
+
+def where_indexed_step(model, optim, x, labels):  # noqa: ANN001
+    """``x[torch.where(mask)]``: the same rows as ``x[mask]``."""
+    logits = model(x)
+    index = torch.where(labels != PAD)
+    loss = F.cross_entropy(logits[index], labels[index])
+    flat, = torch.where(labels.view(-1) != PAD)
+    rows = logits.reshape(-1, CLASSES).index_select(0, flat)
+    return _finish(model, optim, loss + rows.logsumexp(-1).mean())
+
+
+def test_rows_by_where_indices_keep_the_batch_sharded():
+    """Indexing by the whole ``torch.where(mask)`` keeps ``x[mask]``'s rows in place (a
+    view of the batch): under ddp the program all-reduces and gathers nothing, where a
+    gather by every index gathered the batch before."""
+    compiled = _parity(where_indexed_step, "ddp", _batches())
+    stats = collective_stats(compiled.last_program.graph_module)
+    assert set(stats.counts) == {"all_reduce"}, stats.counts
 
 
 def ctc_step(model, optim, x, labels):  # noqa: ANN001
