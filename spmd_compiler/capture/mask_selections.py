@@ -76,6 +76,7 @@ class _Selections:
     def __init__(self, refs: list[StateRef]) -> None:
         self.refs = refs
         self.decided: set[torch.fx.Node] = set()
+        self.settled: list[str] = []  # rows compiled as all true, for a failed trace's error
         self._state_inputs: set[torch.fx.Node] | None = None
 
     def state_inputs(self, graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -90,6 +91,7 @@ class _Selections:
 
 
 _ACTIVE: list[_Selections] = []
+_SETTLED: list[str] = []  # by the traces of this capture (every answer of its value checks)
 
 
 @contextmanager
@@ -100,7 +102,26 @@ def mask_selections(refs: list[StateRef]) -> Iterator[None]:
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        _SETTLED.extend(_ACTIVE.pop().settled)
+
+
+def forget_settled() -> None:
+    """A capture begins: no selection of its traces compiled as all true yet."""
+    _SETTLED.clear()
+
+
+def settled_in_capture() -> str:
+    """For a failed capture's error: the selections its traces compiled as all true, as a
+    sentence ('' when none), since a size error after one comes from that assumption."""
+    if not _SETTLED:
+        return ""
+    lines = ", ".join(dict.fromkeys(_SETTLED))
+    return (
+        f". Note: the rows selected by a mask at {lines} were traced as if the mask selected "
+        "every element, since their number is used (NOTE: [selections by a mask of the "
+        "batch]); a size error here is that assumption: a size that must equal the number "
+        "of selected rows cannot be compiled"
+    )
 
 
 def _computed_from_state(node: torch.fx.Node, selections: _Selections) -> bool:
@@ -131,6 +152,7 @@ def settle_selection(mask: torch.Tensor, where: str | None = None) -> None:
     all true, verified every call, for a mask of the batch; refused at capture as a
     value-dependent shape for a mask computed from the model's state."""
     if _selects_everything(mask):
+        _ACTIVE[-1].settled.append(where or "an unknown line")
         return
     raise RowsOfAModelMaskCounted(
         f"the rows selected at {where or 'an unknown line'} by a mask computed from the "
@@ -278,4 +300,5 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
 __all__ = [
     "MaskWithFalseElements", "RowsOfAModelMaskCounted", "active", "every_index", "traced",
     "mask_selection_decompositions", "mask_selections", "settle_selection",
+    "forget_settled", "settled_in_capture",
 ]

@@ -87,7 +87,13 @@ from .grad_scalers import (
 )
 from .gradients import mark_gradients
 from .kept_tensors import KeptTensor, KeptTensors
-from .mask_selections import RowsOfAModelMaskCounted, mask_selection_decompositions, mask_selections
+from .mask_selections import (
+    RowsOfAModelMaskCounted,
+    forget_settled,
+    mask_selection_decompositions,
+    mask_selections,
+    settled_in_capture,
+)
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
 from .outside_tensors import OutsideWrites, outside_constants
@@ -612,6 +618,7 @@ def _capture(
                 scopes[:] = stack
         return graph, tracer
 
+    forget_settled()
     try:
         first, tracer = _decide_value_checks(trace, decisions)
     except SPMDCompileError:
@@ -665,8 +672,11 @@ def _capture(
                 user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
                 hint=OWN_GENERATOR_HINT,
             ) from exc
+        text = f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}"
+        if settled_in_capture():  # a size error from selections traced as all true
+            text = text.rstrip(".") + settled_in_capture()
         raise SPMDCompileError(
-            f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}",
+            text,
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
         ) from exc

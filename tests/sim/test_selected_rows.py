@@ -297,6 +297,25 @@ def test_a_use_that_needs_the_row_count_is_exact_on_full_batches_and_refused_on_
     assert "test_selected_rows.py" in str(info.value) and "Nothing was updated" in str(info.value)
 
 
+def test_rows_paired_with_a_tensor_of_their_count_are_refused_naming_the_selection():
+    """Labels already selected outside the step (BEiT's masked image modeling takes them
+    so): their size is the rows' number, which a program cannot have. The capture error
+    says the rows were traced as all selected, naming the selection's line."""
+
+    def step(model, optim, x, keep, chosen):  # noqa: ANN001
+        rows = model(x)[keep]
+        return _finish(model, optim, F.cross_entropy(rows, chosen))
+
+    model, _, optim, _ = _twins()
+    x, labels = _batches()[0]
+    keep = labels != PAD
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, x, keep, labels[keep])
+    message = str(info.value)
+    assert "rows = model(x)[keep]" in message and "as if the mask selected every element" in message
+
+
 # -- random chains of row-wise ops between a selection and a loss ------------------------
 _ROW_OPS = [
     lambda r: r.tanh(),
