@@ -87,10 +87,42 @@ def windows_by_index(x: torch.Tensor, size: list[int], stride: list[int]) -> Any
     return gathered.movedim([inner + k for k in kept], kept) if lead else gathered
 
 
+def names_its_elements_in_order(
+    x: torch.Tensor, size: list[int], stride: Any, storage_offset: Any = None, in_place: bool = False
+) -> bool:
+    """``x.as_strided(size, stride, storage_offset)`` is a view of ``x``: its own shape
+    and strides, or (not in place) a contiguous ``x``'s elements in their order."""
+    if storage_offset is not None and storage_offset != x.storage_offset():
+        return False
+    same_shape = size == list(x.shape) and _strides_agree(size, stride, x.stride())
+    return same_shape or (
+        not in_place and x.is_contiguous() and math.prod(size) == x.numel()
+        and _strides_agree(size, stride, _contiguous_strides(size))
+    )
+
+
+def _strides_agree(size: list[int], stride: Any, other: Any) -> bool:
+    """The strides address the same elements (a dimension of length 1 has no stride)."""
+    return len(stride) == len(size) and all(
+        n == 1 or s == t for n, s, t in zip(size, stride, other, strict=False)
+    )
+
+
+def _contiguous_strides(size: list[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
+
+
 def as_strided(x: torch.Tensor, size: Any, stride: Any, storage_offset: Any = None) -> Any:
     """``Tensor.as_strided`` while the step is traced: windows of ``x`` gathered by index
-    where they name only its elements (see the NOTE), else ATen's."""
+    where they name only its elements (see the NOTE), else ATen's (a view of ours where
+    it only names ``x``'s elements in order, ``_as_strided_as_view`` in ``trace.py``)."""
     answered = NotImplemented
+    if names_its_elements_in_order(x, list(size), stride, storage_offset):
+        return torch.Tensor.as_strided(x, size, stride, storage_offset)
     if storage_offset is None or storage_offset == x.storage_offset():
         answered = windows_by_index(x, list(size), list(stride))
     if answered is NotImplemented:
@@ -136,4 +168,7 @@ def strided_windows() -> Iterator[None]:
         _COPIED.pop()
 
 
-__all__ = ["MAX_WINDOW_ELEMENTS", "as_strided", "refuse_writes_through_windows", "strided_windows", "windows_by_index"]
+__all__ = [
+    "MAX_WINDOW_ELEMENTS", "as_strided", "names_its_elements_in_order",
+    "refuse_writes_through_windows", "strided_windows", "windows_by_index",
+]

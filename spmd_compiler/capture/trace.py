@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -106,6 +105,7 @@ from .python_effects import (
 )
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
+from .strided_windows import names_its_elements_in_order
 from .traced_items import ItemsAsOutputs, ItemUsedInPython, TracedItem, value_read_errors
 from .value_checks import BranchDecisions, Undecided, choose, describe_raise
 
@@ -360,31 +360,9 @@ def _as_strided_as_view(
     strides). Any other ``as_strided`` is traced as it is and refused at expansion (the
     user's own windows are answered above autograd: NOTE: [windows by as_strided])."""
     size = list(size)
-    if storage_offset is not None and storage_offset != x.storage_offset():
-        return NotImplemented
-    same_shape = size == list(x.shape) and _strides_agree(size, stride, x.stride())
-    same_order = (
-        not in_place and x.is_contiguous() and math.prod(size) == x.numel()
-        and _strides_agree(size, stride, _contiguous_strides(size))
-    )
-    if not (same_shape or same_order):
+    if not names_its_elements_in_order(x, size, stride, storage_offset, in_place):
         return NotImplemented
     return x if in_place else torch.ops.aten.view.default(x, size)
-
-
-def _strides_agree(size: list[int], stride: Any, other: Any) -> bool:
-    """The strides address the same elements (a dimension of length 1 has no stride)."""
-    return len(stride) == len(size) and all(
-        n == 1 or s == t for n, s, t in zip(size, stride, other)
-    )
-
-
-def _contiguous_strides(size: list[int]) -> list[int]:
-    strides, step = [], 1
-    for n in reversed(size):
-        strides.append(step)
-        step *= max(n, 1)
-    return strides[::-1]
 
 
 def _embedding_renorm_over_global_batch(

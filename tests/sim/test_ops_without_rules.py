@@ -47,6 +47,12 @@ def _volume(pool: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Ten
     return lambda x: pool(x[:, None]).flatten(1, 2)  # (N, 1, C, H, W): 3-d pooling
 
 
+def _written_through_a_view(x: torch.Tensor) -> torch.Tensor:
+    y = x * 1.5
+    y.as_strided(y.shape, y.stride()).add_(1.0)
+    return y
+
+
 def _written_back(x: torch.Tensor) -> torch.Tensor:
     buf = (x * 2).view(x.shape[0], 4, 16)
     view = buf.transpose(1, 2)
@@ -82,6 +88,9 @@ BODIES = {  # name: (body, features after it)
     # per sample (NOTE: [windows by as_strided]); on a contiguous tensor and on a transpose
     "as_strided_windows": (lambda x: _windows(x.flatten(2).transpose(1, 2).contiguous()), 7 * 4 * 4),
     "as_strided_windows_of_a_transpose": (lambda x: _windows(x.flatten(2).transpose(1, 2)), 7 * 4 * 4),
+    # an as_strided that names the tensor's elements in order stays a view: a write
+    # through it reaches the tensor, as in eager
+    "as_strided_view_written_in_place": (_written_through_a_view, 64),
     # a write back through a transposed view (autograd's CopySlices does it in backward):
     # functionalization reports the regenerated base's strides wrongly, so the view after
     # it is taken of a copy in expansion (NOTE: [views on strides that functionalization
