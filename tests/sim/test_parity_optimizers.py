@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.tools.parity import relative_difference
 
 FLOAT32_TOLERANCE = 1e-5
@@ -337,8 +338,8 @@ def test_batchnorm_running_stats_parity(run_parity, classification_batches, worl
 
 
 class NormCheckingSGD(torch.optim.Optimizer):
-    """A custom optimizer that reads a tensor's value inside step() (an ``if`` on the
-    tensor itself would compile: NOTE: [value checks])."""
+    """A custom optimizer with an ``if`` on an ``.item()`` inside step(): an ``if`` on the
+    tensor's value, compiled (NOTE: [value checks], [returned .item() values])."""
 
     def __init__(self, params, lr: float = 0.1) -> None:
         super().__init__(params, {"lr": lr})
@@ -351,10 +352,28 @@ class NormCheckingSGD(torch.optim.Optimizer):
                     p.add_(p.grad * -group["lr"])
 
 
+class NormScaledSGD(NormCheckingSGD):
+    """A custom optimizer that computes in Python with a tensor's value inside step()."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad * (-group["lr"] / (1.0 + p.grad.norm().item())))
+
+
+def test_optimizer_with_an_if_on_an_item_matches_one_device(run_parity, classification_batches):
+    result = run_parity(
+        lambda: mlp().double(), lambda m: NormCheckingSGD(m.parameters()), 2,
+        classification_batches(STEPS, dtype=torch.float64), mode=DataParallel("fully_shard"),
+    )
+    result.assert_close(1e-12)
+
+
 def test_optimizer_reading_tensor_values_is_named(classification_batches, train_step):
     model = mlp()
     compiled = sc.compile()(train_step)
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
-        compiled(model, NormCheckingSGD(model.parameters()), *classification_batches(1)[0])
+        compiled(model, NormScaledSGD(model.parameters()), *classification_batches(1)[0])
     message = str(info.value)
-    assert "optimizer[0]" in message and "NormCheckingSGD" in message and "step()" in message
+    assert "optimizer[0]" in message and "NormScaledSGD" in message and "step()" in message
