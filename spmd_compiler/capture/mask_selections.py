@@ -76,7 +76,6 @@ class _Selections:
     def __init__(self, refs: list[StateRef]) -> None:
         self.refs = refs
         self.decided: set[torch.fx.Node] = set()
-        self.settled: list[str] = []  # rows compiled as all true, for a failed trace's error
         self._state_inputs: set[torch.fx.Node] | None = None
 
     def state_inputs(self, graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -91,7 +90,9 @@ class _Selections:
 
 
 _ACTIVE: list[_Selections] = []
-_SETTLED: list[str] = []  # by the traces of this capture (every answer of its value checks)
+# lines of the rows compiled as all true by the traces of this capture (every answer of
+# its value checks), for a failed capture's error
+_SETTLED: list[str] = []
 
 
 @contextmanager
@@ -102,7 +103,7 @@ def mask_selections(refs: list[StateRef]) -> Iterator[None]:
     try:
         yield
     finally:
-        _SETTLED.extend(_ACTIVE.pop().settled)
+        _ACTIVE.pop()
 
 
 def forget_settled() -> None:
@@ -152,7 +153,7 @@ def settle_selection(mask: torch.Tensor, where: str | None = None) -> None:
     all true, verified every call, for a mask of the batch; refused at capture as a
     value-dependent shape for a mask computed from the model's state."""
     if _selects_everything(mask):
-        _ACTIVE[-1].settled.append(where or "an unknown line")
+        _SETTLED.append(where or "an unknown line")
         return
     raise RowsOfAModelMaskCounted(
         f"the rows selected at {where or 'an unknown line'} by a mask computed from the "

@@ -164,10 +164,16 @@ def _keep_in_place(registry: _Registry, x: torch.Tensor, mask: torch.Tensor) -> 
         # a copy: the mask written in place later does not change the rows selected now
         rows = _Rows(mask.reshape(-1).to(torch.bool, copy=True), mask, where_now(), key)
         registry.by_mask[key] = rows
-    flat = x.reshape((-1,) + tuple(x.shape[k:]))
-    kept = torch.where(rows.along(flat), flat, torch.full((), _neutral(x.dtype), dtype=x.dtype, device=x.device))
+    kept = _rows_in_place(rows, x, k)
     registry.rows[kept] = rows
     return kept
+
+
+def _rows_in_place(rows: _Rows, x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` with its first ``k`` dims (the mask's) flattened into rows, the dropped rows
+    holding the neutral value of ``x``'s dtype."""
+    flat = x.reshape((-1,) + tuple(x.shape[k:]))
+    return torch.where(rows.along(flat), flat, torch.full((), _neutral(x.dtype), dtype=x.dtype, device=x.device))
 
 
 def _key_of(registry: _Registry, mask: torch.Tensor) -> Any:
@@ -225,8 +231,7 @@ def _rows_of_the_grid(registry: _Registry, x: torch.Tensor, index: Sequence[Any]
     if (any(f[0] is not rows or f[1] != d for d, f in enumerate(found)) or len(found) != len(shape)
             or tuple(x.shape[:len(shape)]) != shape):
         return None
-    flat = x.reshape((-1,) + tuple(x.shape[len(shape):]))
-    return torch.where(rows.along(flat), flat, torch.full((), _neutral(x.dtype), dtype=x.dtype, device=x.device))
+    return _rows_in_place(rows, x, len(shape))
 
 
 def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any:

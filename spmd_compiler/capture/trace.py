@@ -651,8 +651,9 @@ def _capture(
                 hint=OWN_GENERATOR_HINT,
             ) from exc
         text = f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}"
-        if settled_in_capture():  # a size error from selections traced as all true
-            text = text.rstrip(".") + settled_in_capture()
+        settled = settled_in_capture()
+        if settled:  # a size error from selections traced as all true
+            text = text.rstrip(".") + settled
         raise SPMDCompileError(
             text,
             module_fqn=scopes[-1][0] if scopes else None,

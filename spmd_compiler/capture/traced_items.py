@@ -22,6 +22,7 @@ answer (a constant made in the step) keeps its value.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -61,6 +62,7 @@ class TracedItem:
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
     __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = _used
+
     def _compare(self, other: Any, op: Callable[[torch.Tensor, Any], torch.Tensor]) -> TracedItem:
         """``item OP other`` as Python compares the numbers, exactly: floats in float64,
         integers in int64; a mix where that would round is refused (``_used``)."""
@@ -70,23 +72,12 @@ class TracedItem:
             self._used()
         return TracedItem(op(mine, theirs))
 
-    def __lt__(self, other: Any) -> TracedItem:  # type: ignore[override]
-        return self._compare(other, torch.lt)
-
-    def __le__(self, other: Any) -> TracedItem:  # type: ignore[override]
-        return self._compare(other, torch.le)
-
-    def __gt__(self, other: Any) -> TracedItem:  # type: ignore[override]
-        return self._compare(other, torch.gt)
-
-    def __ge__(self, other: Any) -> TracedItem:  # type: ignore[override]
-        return self._compare(other, torch.ge)
-
-    def __eq__(self, other: Any) -> TracedItem:  # type: ignore[override]
-        return self._compare(other, torch.eq)
-
-    def __ne__(self, other: Any) -> TracedItem:  # type: ignore[override]
-        return self._compare(other, torch.ne)
+    __lt__ = functools.partialmethod(_compare, op=torch.lt)  # type: ignore[assignment]
+    __le__ = functools.partialmethod(_compare, op=torch.le)  # type: ignore[assignment]
+    __gt__ = functools.partialmethod(_compare, op=torch.gt)  # type: ignore[assignment]
+    __ge__ = functools.partialmethod(_compare, op=torch.ge)  # type: ignore[assignment]
+    __eq__ = functools.partialmethod(_compare, op=torch.eq)  # type: ignore[assignment]
+    __ne__ = functools.partialmethod(_compare, op=torch.ne)  # type: ignore[assignment]
 
     __hash__ = None  # type: ignore[assignment]
 
