@@ -23,6 +23,7 @@ from . import compile_cache, step_key
 from .capture.bindings import StepBindings, find_bindings
 from .capture.guards import Guards, build_guards
 from .capture.kept_tensors import install_placeholders, kept_container_ids
+from .capture.lr_schedulers import replayed
 from .capture.trace import capture_step
 from .errors import SPMDCompileError
 from .expand.retrace import DistributedProgram
@@ -160,9 +161,11 @@ class CompiledTrainStep:
         if self._last is not None and self._last is not executable:
             self._last.flush()  # another program runs now: finish the old one's update
         self._last = executable
-        call = self._run_branches(
-            executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement
-        )
+        # NOTE: [schedulers stepped in the step]
+        with replayed(executable.program.captured.scheduler_steps, bindings.schedulers):
+            call = self._run_branches(
+                executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement
+            )
         if call.lower_seconds > 0:  # this call lowered a graph (NOTE: [lowering])
             self.timings.compile_seconds += call.lower_seconds
             self.timings.lower_seconds += call.lower_seconds
@@ -524,6 +527,8 @@ class CompiledTrainStep:
         # NOTE: [tensors the step keeps]: the guards see the attributes the step creates
         install_placeholders(captured.kept, bindings, captured.output_metas)
         skipped = kept_container_ids(captured.kept, bindings)
+        # NOTE: [schedulers stepped in the step]: their state changes every call by design
+        skipped = skipped | {id(bindings.schedulers[s.index]) for s in captured.scheduler_steps}
         guards = build_guards(self.func, bindings, graph_args, skipped)
         for outside in captured.outside:  # NOTE: [tensors read from outside the arguments]
             guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)

@@ -69,6 +69,7 @@ def _run_parity(
     before_step: Callable[[int, nn.Module, nn.Module], None] | None = None,
     check_simulation: Callable[[Any, ParityResult], None] | None = None,
     mode: Any = None,
+    scheduler_in_step: bool = False,
 ) -> ParityResult:
     """Run ``step`` compiled on ``world_size`` simulated ranks and eagerly; compare.
 
@@ -77,7 +78,8 @@ def _run_parity(
             optimizer; the reference is a deepcopy of the model with a fresh optimizer.
         batches: the global batches, one per step (tensor arguments after model, optim).
         make_scheduler: an LR scheduler per optimizer, stepped after every call, outside
-            the compiled step.
+            the compiled step; with ``scheduler_in_step`` it is the step's third argument
+            instead (``step(model, optimizer, scheduler, *batch)``), stepped by the step.
         before_step: ``before_step(i, model, reference)`` runs before step ``i`` (e.g. to
             switch train/eval on both).
         check_simulation: called inside the simulation after the last step.
@@ -98,14 +100,18 @@ def _run_parity(
         for i, batch in enumerate(batches):
             if before_step is not None:
                 before_step(i, model, reference)
-            loss = compiled(model, optimizer, *batch)
-            expected = step(reference, reference_optimizer, *batch)
+            if scheduler_in_step:
+                loss = compiled(model, optimizer, schedulers[0], *batch)
+                expected = step(reference, reference_optimizer, schedulers[1], *batch)
+            else:
+                loss = compiled(model, optimizer, *batch)
+                expected = step(reference, reference_optimizer, *batch)
             assert isinstance(loss, torch.Tensor) and not isinstance(
                 loss, torch.distributed.tensor.DTensor
             ), f"step {i}: the returned loss is a {type(loss).__name__}, not a plain tensor"
             result.loss_differences.append(relative_difference(loss, expected))
             result.compile_counts.append(compiled.compile_count)
-            for scheduler in schedulers:
+            for scheduler in schedulers if not scheduler_in_step else []:
                 scheduler.step()
         result.state_differences.update(compare_models(model, reference, sim))
         result.state_differences.update(compare_optimizers(optimizer, reference_optimizer, sim))

@@ -32,6 +32,7 @@ from .._torch_private import pytree
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
 from .grad_scalers import find_scalers, scaler_key, scaler_state
+from .lr_schedulers import find_schedulers
 
 # id(old parameter) -> (a weak reference to it, the DTensor parameter that replaced it);
 # an entry goes when its old parameter is freed
@@ -128,6 +129,8 @@ class StepBindings:
     call: tuple[tuple, dict] = field(default=((), {}), repr=False)
     # the torch.amp.GradScalers the step names (NOTE: [loss scaling in the program])
     scalers: list[Any] = field(default_factory=list)
+    # the LR schedulers it names (NOTE: [schedulers stepped in the step])
+    schedulers: list[Any] = field(default_factory=list)
     _name_of: dict[int, str] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -302,6 +305,7 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
     return StepBindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
         (args, kwargs), _unique(find_scalers(func, flat_args)),
+        _unique(find_schedulers(func, flat_args)),
     )
 
 

@@ -48,7 +48,7 @@ import torch
 from .. import _torch_private as private
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef
-from .code_names import names_in
+from .code_names import reachable_by_name
 
 SCALER_HINT = (
     "pass the scaler to the step (train_step(model, optimizer, scaler, batch)) or keep it "
@@ -58,21 +58,9 @@ SCALER_HINT = (
 
 
 def find_scalers(func: Callable[..., Any], flat_args: list[Any]) -> list[Any]:
-    """The GradScalers a step can reach by name: its arguments, the globals its code
-    names and its closure variables, in that order (a scaler met twice is listed twice;
-    ``find_bindings`` keeps the first)."""
-    scaler_type = private.grad_scaler_type()
-    found = [a for a in flat_args if isinstance(a, scaler_type)]
-    code = getattr(func, "__code__", None)
-    if code is not None:
-        namespace = getattr(func, "__globals__", {})
-        names = dict.fromkeys(names_in(code))  # nested code too (a lambda, a comprehension)
-        found += [namespace[n] for n in names if isinstance(namespace.get(n), scaler_type)]
-        for cell in getattr(func, "__closure__", None) or ():
-            with contextlib.suppress(ValueError):  # an empty cell
-                if isinstance(cell.cell_contents, scaler_type):
-                    found.append(cell.cell_contents)
-    return found
+    """The GradScalers a step can reach by name (``code_names.reachable_by_name``; a
+    scaler met twice is listed twice; ``find_bindings`` keeps the first)."""
+    return reachable_by_name(func, flat_args, private.grad_scaler_type())
 
 
 def scaler_state(scalers: list[Any], device: torch.device) -> list[tuple[StateRef, torch.Tensor]]:

@@ -158,7 +158,7 @@ def build_guards(
     for i, arg in enumerate(bindings.flat_args):
         if isinstance(arg, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
             continue
-        if i in graph_args:
+        if i in graph_args or id(arg) in skipped:
             continue
         if is_scalar(arg):
             guards.add(_ARG, None, i, arg, f"argument {i} of the step")

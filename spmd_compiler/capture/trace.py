@@ -86,6 +86,12 @@ from .grad_scalers import (
 )
 from .gradients import mark_gradients
 from .kept_tensors import KeptTensor, KeptTensors
+from .lr_schedulers import (
+    LRReadAfterSchedulerStep,
+    SchedulerSteps,
+    learning_rate_of,
+    note_optimizer_step,
+)
 from .mask_selections import (
     RowsOfAModelMaskCounted,
     forget_settled,
@@ -665,6 +671,10 @@ def _capture(
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
     outside = outside_constants(first, tracer.outside, bindings)  # NOTE: [tensors read from outside the arguments]
+    scheduler_steps = []
+    if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
+        scheduler_steps = tracer.schedulers.steps()
+        tracer.schedulers.check_reads(func.__code__)
     gm = _functionalize(first, inputs, fake_mode)
     captured = CapturedStep(
         graph_module=gm,
@@ -676,6 +686,7 @@ def _capture(
         checks=tracer.checks,
         kept=tracer.kept,
         outside=outside,
+        scheduler_steps=scheduler_steps,
     )
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
@@ -822,6 +833,7 @@ class _StepTracer:
         self.return_spec: Any = None
         self.return_leaves: list[tuple[str, Any]] = []
         self.kept: list[KeptTensor] = []
+        self.schedulers: SchedulerSteps | None = None
         self.outside: dict[int, tuple[str, Any, Any, torch.Tensor]] = {}
         self._params: dict[str, torch.Tensor] = {}
 
@@ -864,6 +876,10 @@ class _StepTracer:
             stack.enter_context(_refuse_other_optimizers(b.optimizers))
             # NOTE: [loss scaling in the program]
             scaler_finals = stack.enter_context(traced_scalers(b.scalers, values))
+            # NOTE: [schedulers stepped in the step]
+            self.schedulers = stack.enter_context(
+                SchedulerSteps(b.schedulers, b.optimizers, self.func.__code__)
+            )
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(self.branches)
             stack.enter_context(mask_selections(self.refs))  # NOTE: [selections by a mask of the batch]
@@ -901,6 +917,8 @@ class _StepTracer:
                 self.return_leaves.append((kind, len(outs)))
                 self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
                 outs.append(leaf.tensor if isinstance(leaf, TracedItem) else leaf)
+            elif isinstance(leaf, LRReadAfterSchedulerStep):
+                leaf.refuse()
             else:
                 self.return_leaves.append(("const", leaf))
         for site in self.branches.sites:  # NOTE: [value checks]
@@ -1041,6 +1059,7 @@ def _swap_optimizer(
             opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code)
         ):
             result = original_step(*args, **kwargs)
+        note_optimizer_step(opt)  # NOTE: [schedulers stepped in the step]
         if graph is not None:
             for node in new_nodes_after(mark, graph):
                 set_phase(node, Phase.OPTIMIZER)
@@ -1061,7 +1080,8 @@ def _swap_optimizer(
 def _check_python_state(opt, oi, groups, before, state, values) -> None:
     """Refuse steps whose effect on Python-side optimizer state we could not replay."""
     for gi, group in enumerate(groups):
-        if group["lr"] is not values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]:
+        lr = learning_rate_of(group["lr"])  # NOTE: [schedulers stepped in the step]
+        if lr is not values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]:
             raise SPMDCompileError(
                 f"The train step changes optimizer[{oi}].param_groups[{gi}]['lr'] "
                 "(an LR scheduler stepped, or the learning rate set, inside the compiled "

@@ -144,6 +144,9 @@ class CapturedStep:
         outside: tensors read from the user's objects as program constants, guarded
             where they were found (``capture.outside_tensors.OutsideTensor``; NOTE:
             [tensors read from outside the arguments]).
+        scheduler_steps: the ``scheduler.step()`` calls the runtime replays around
+            every call (``capture.lr_schedulers.SchedulerStep``; NOTE: [schedulers
+            stepped in the step]).
     """
 
     graph_module: torch.fx.GraphModule
@@ -159,6 +162,7 @@ class CapturedStep:
     checks: list[ValueCheck] = field(default_factory=list)
     kept: list[Any] = field(default_factory=list)
     outside: list[Any] = field(default_factory=list)
+    scheduler_steps: list[Any] = field(default_factory=list)
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

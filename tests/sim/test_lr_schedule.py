@@ -8,6 +8,7 @@ the steady-state program; after that the count must stay at 2.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -99,3 +100,207 @@ def test_compiled_call_keeps_the_schedulers_step_wrapper(train_step, classificat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scheduler.step()
+
+
+# --------------------------------------------------------------------------------------
+# NOTE: [schedulers stepped in the step]: scheduler.step() inside the compiled step
+
+
+def step_then_schedule(model, optim, scheduler, x, y):
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    scheduler.step()
+    return loss
+
+
+def schedule_then_step(model, optim, scheduler, x, y):
+    scheduler.step()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+IN_STEP_SCHEDULERS = {
+    **SCHEDULERS,
+    # a warmup then a decay: a scheduler whose step() steps other schedulers
+    "sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5),
+        ],
+        milestones=[2],
+    ),
+}
+
+
+@pytest.mark.parametrize("scheduler", list(IN_STEP_SCHEDULERS))
+def test_scheduler_stepped_inside_the_step(run_parity, classification_batches, scheduler):
+    result = run_parity(
+        lambda: mlp().double(),
+        OPTIMIZERS["adamw"],
+        2,
+        classification_batches(STEPS, dtype=torch.float64),
+        make_scheduler=IN_STEP_SCHEDULERS[scheduler],
+        step=step_then_schedule,
+        scheduler_in_step=True,
+    )
+    result.assert_close(1e-12)
+    assert result.compile_counts == [1, 2, 2, 2, 2]
+    lrs = [g["lr"] for g in result.optimizer.param_groups]
+    assert lrs == [g["lr"] for g in result.reference_optimizer.param_groups]
+    assert lrs != [OPTIMIZERS["adamw"](mlp()).param_groups[0]["lr"]]  # it did step
+
+
+def test_scheduler_stepped_before_the_optimizer_changes_this_steps_rate(
+    run_parity, classification_batches
+):
+    """Stepped before optimizer.step(), the new rate is this call's update's (as eagerly)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's warning about the order, both sides
+        result = run_parity(
+            lambda: mlp().double(),
+            OPTIMIZERS["sgd_momentum"],
+            2,
+            classification_batches(STEPS, dtype=torch.float64),
+            make_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1),
+            step=schedule_then_step,
+            scheduler_in_step=True,
+        )
+    result.assert_close(1e-12)
+    assert result.compile_counts == [1, 2, 2, 2, 2]
+    assert result.optimizer.param_groups[0]["lr"] == pytest.approx(0.2 * 0.1**STEPS)
+
+
+class Trainer:
+    """A step written as a method that reaches its scheduler through ``self``."""
+
+    def __init__(self, model, optim, scheduler):
+        self.model, self.optim, self.scheduler = model, optim, scheduler
+
+    def step(self, model, optim, x, y):
+        return step_then_schedule(model, optim, self.scheduler, x, y)
+
+
+def test_scheduler_of_a_bound_method_step(classification_batches):
+    torch.manual_seed(0)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    optim, ref_optim = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](reference)
+    trainer = Trainer(model, optim, SCHEDULERS["cosine"](optim))
+    ref_trainer = Trainer(reference, ref_optim, SCHEDULERS["cosine"](ref_optim))
+    compiled = sc.compile()(trainer.step)
+    with sc.simulate(world_size=2):
+        for x, y in classification_batches(3):
+            loss = compiled(model, optim, x, y)
+            expected = ref_trainer.step(reference, ref_optim, x, y)
+            assert torch.allclose(loss, expected, rtol=FLOAT32_TOLERANCE)
+    assert compiled.compile_count == 2
+    assert trainer.scheduler.last_epoch == ref_trainer.scheduler.last_epoch == 3
+    assert optim.param_groups[0]["lr"] == ref_optim.param_groups[0]["lr"]
+
+
+def _refusal(step, train_step_args_of, classification_batches, make_scheduler=None):
+    model = mlp()
+    optim = OPTIMIZERS["adamw"](model)
+    scheduler = (make_scheduler or SCHEDULERS["cosine"])(optim)
+    compiled = sc.compile()(step)
+    x, y = classification_batches(1)[0]
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(*train_step_args_of(model, optim, scheduler), x, y)
+    return str(info.value), scheduler, optim
+
+
+def test_scheduler_stepped_with_a_metric_is_refused(classification_batches):
+    def plateau_step(model, optim, scheduler, x, y):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        scheduler.step(loss)
+        return loss
+
+    text, scheduler, optim = _refusal(
+        plateau_step, lambda m, o, s: (m, o, s), classification_batches,
+        lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+    )
+    assert "ReduceLROnPlateau.step() is called with arguments" in text
+    assert "scheduler.step(loss)" in text  # the user's line
+    assert scheduler.last_epoch == 0 and optim.param_groups[0]["lr"] == 2e-2  # untouched
+
+
+def test_reading_the_rate_after_the_scheduler_stepped_is_refused(classification_batches):
+    def logged_step(model, optim, scheduler, x, y):
+        loss = step_then_schedule(model, optim, scheduler, x, y)
+        return loss, optim.param_groups[0]["lr"] * 1.0
+
+    text, scheduler, _ = _refusal(logged_step, lambda m, o, s: (m, o, s), classification_batches)
+    assert "reads param_group['lr'] after scheduler.step()" in text
+    assert "optim.param_groups[0][\"lr\"] * 1.0" in text
+    assert scheduler.last_epoch == 0
+
+
+def test_get_last_lr_inside_the_step_is_refused(classification_batches):
+    def logged_step(model, optim, scheduler, x, y):
+        loss = step_then_schedule(model, optim, scheduler, x, y)
+        return loss, scheduler.get_last_lr()
+
+    text, _, _ = _refusal(logged_step, lambda m, o, s: (m, o, s), classification_batches)
+    assert "CosineAnnealingLR.get_last_lr() is called inside the compiled train step" in text
+
+
+def test_scheduler_between_two_steps_of_its_optimizer_is_refused(classification_batches):
+    def twice(model, optim, scheduler, x, y):
+        step_then_schedule(model, optim, scheduler, x, y)
+        return step_then_schedule(model, optim, scheduler, x, y)
+
+    text, _, _ = _refusal(twice, lambda m, o, s: (m, o, s), classification_batches)
+    assert "after scheduler.step()" in text
+
+
+def test_scheduler_reached_through_another_object_is_refused(classification_batches):
+    class Holder:
+        def __init__(self, scheduler):
+            self.scheduler = scheduler
+
+    def held(model, optim, holder, x, y):
+        return step_then_schedule(model, optim, holder.scheduler, x, y)
+
+    text, _, _ = _refusal(held, lambda m, o, s: (m, o, Holder(s)), classification_batches)
+    assert "reaches only through another object" in text
+
+
+def test_step_reading_the_schedulers_epoch_is_refused(classification_batches):
+    def warm(model, optim, scheduler, x, y):
+        loss = nn.functional.cross_entropy(model(x), y)
+        if scheduler.last_epoch < 2:
+            loss = loss * 0.5
+        loss.backward()
+        optim.step()
+        scheduler.step()
+        return loss
+
+    text, _, _ = _refusal(warm, lambda m, o, s: (m, o, s), classification_batches)
+    assert "reads scheduler attribute(s) ['last_epoch']" in text
+
+
+def test_restarted_step_with_a_scheduler_inside_still_steps_it(tmp_path, classification_batches):
+    """A cached program must not lose the replays: the second compiled step (a restarted
+    job) captures again (no entry before capture) and loads the program."""
+    lrs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = mlp()
+        optim = OPTIMIZERS["adamw"](model)
+        scheduler = SCHEDULERS["lambda"](optim)
+        compiled = sc.compile(cache_dir=tmp_path)(step_then_schedule)
+        with sc.simulate(world_size=2):
+            for x, y in classification_batches(3):
+                compiled(model, optim, scheduler, x, y)
+        lrs.append(optim.param_groups[0]["lr"])
+        assert scheduler.last_epoch == 3
+    assert [r.cache for r in compiled.records] == ["hit", "hit"]
+    assert lrs[0] == lrs[1] == pytest.approx(2e-2 / 4)

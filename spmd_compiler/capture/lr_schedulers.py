@@ -1,0 +1,249 @@
+"""LR schedulers stepped inside the compiled train step.
+
+NOTE: [schedulers stepped in the step]
+``optimizer.step(); scheduler.step()`` at the end of the train step is the everyday
+pattern. A scheduler is a Python state machine: ``step()`` counts an epoch and assigns
+``param_group["lr"]``, which the compiled program reads as an input on every call
+(NOTE: [learning rates as graph inputs] in ``capture/optimizers.py``). A program cannot
+hold that Python, so the runtime replays it:
+
+- **Capture.** While the step is traced, ``step()`` of every ``LRScheduler`` (torch's
+  own and subclasses, a user's included) is recorded, not run: which scheduler, and
+  whether its optimizer had stepped yet in the step.
+- **Calls.** A scheduler stepped before its optimizer's first ``step()`` in the train
+  step is stepped before the program reads the learning rates (the update uses the new
+  rate, as eagerly); one stepped after its optimizer's last ``step()`` (or whose
+  optimizer is not stepped in the train step) is stepped after the program ran. Each is
+  the user's own scheduler object, stepped by its own code on the real optimizer, once
+  per call, in the order the step called them: after every call the scheduler and the
+  learning rates are exactly eager's, and nothing recompiles.
+- **Found by name.** The scheduler must be reachable as the optimizer is: an argument,
+  a global or a closure variable of the step, or an attribute of the object whose bound
+  method is the step (``code_names.reachable_by_name``); a new scheduler passed on a
+  later call is the one stepped.
+- **Refused, with the line:** ``step(...)`` with arguments (``ReduceLROnPlateau.step
+  (metric)`` reads a tensor's value; ``step(epoch)`` is deprecated in torch); a
+  scheduler stepped between two ``step()`` calls of its optimizer; ``get_last_lr()`` in
+  the step (a Python list that changes every call would be baked into the program); a
+  learning rate read from the optimizer after its scheduler stepped (the value the
+  program would read is the one from before the step); a scheduler the step reaches
+  only through another object's attribute.
+
+The scheduler's attributes are not guards of the program (NOTE: [guards on Python
+values]): they change on every call by design. Attributes the step's own code names
+(``scheduler.last_epoch``) still are; one read after the scheduler stepped in the step
+is refused, as the learning rate is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from ..errors import SPMDCompileError, innermost_model_frame_of_stack
+from .code_names import names_in, reachable_by_name
+
+HINT = (
+    "call scheduler.step() with no arguments, after optimizer.step(), and read "
+    "scheduler.get_last_lr() / param_group['lr'] outside the compiled step (after the call)."
+)
+_ACTIVE: list[SchedulerSteps] = []
+
+
+@dataclass(frozen=True)
+class SchedulerStep:
+    """One ``scheduler.step()`` the runtime replays every call."""
+
+    index: int  # in ``StepBindings.schedulers``
+    before: bool  # before the program reads the learning rates
+    where: str  # the train-step line
+
+
+def find_schedulers(func: Callable[..., Any], flat_args: list[Any]) -> list[Any]:
+    """The LR schedulers a step can reach by name (see the NOTE)."""
+    return reachable_by_name(func, flat_args, LRScheduler)
+
+
+class LRReadAfterSchedulerStep:
+    """Stands in for ``param_group["lr"]`` once the group's scheduler stepped in the
+    traced step: any use refuses (see the NOTE)."""
+
+    def __init__(self, original: Any, where: str) -> None:
+        self.original = original
+        self.where = where
+
+    def refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise SPMDCompileError(
+            "The train step reads param_group['lr'] after scheduler.step() stepped its "
+            f"optimizer's schedule ({self.where}); a compiled step reads the learning rate "
+            "once, before the scheduler steps, and replays the scheduler after the call.",
+            user_line=innermost_model_frame_of_stack(),
+            hint=HINT,
+        )
+
+    __float__ = __int__ = __index__ = __bool__ = __neg__ = __pos__ = __abs__ = refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = refuse
+    __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __format__ = refuse
+    __lt__ = __le__ = __gt__ = __ge__ = refuse
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<the learning rate after scheduler.step() at {self.where}: read it outside the compiled step>"
+
+
+def learning_rate_of(value: Any) -> Any:
+    """``param_group["lr"]`` as the capture set it (the stand-in's original)."""
+    return value.original if isinstance(value, LRReadAfterSchedulerStep) else value
+
+
+class SchedulerSteps:
+    """While one trace runs: records the schedulers the step steps (running none) and the
+    ``step()`` calls of its optimizers."""
+
+    def __init__(self, schedulers: list[Any], optimizers: list[torch.optim.Optimizer], step_code: Any) -> None:
+        self.schedulers = schedulers
+        self.optimizers = optimizers
+        self.step_code = step_code
+        self.optimizer_steps = [0] * len(optimizers)
+        # (scheduler index, optimizer index or None, that optimizer's steps so far, line)
+        self.calls: list[tuple[int, int | None, int, str]] = []
+        self._patched: list[tuple[type, str, Any]] = []
+
+    def __enter__(self) -> SchedulerSteps:
+        for cls in _scheduler_classes():
+            for name, replacement in (("step", self._step), ("get_last_lr", _refused_last_lr)):
+                if name in vars(cls):
+                    self._patched.append((cls, name, vars(cls)[name]))
+                    setattr(cls, name, replacement)
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+        for cls, name, original in reversed(self._patched):
+            setattr(cls, name, original)
+        self._patched.clear()
+
+    @property
+    def _step(self) -> Callable[..., None]:
+        recorder = self
+
+        def step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+            recorder.record(scheduler, args, kwargs)
+
+        return step
+
+    def record(self, scheduler: Any, args: tuple, kwargs: dict) -> None:
+        location = innermost_model_frame_of_stack()
+        where = str(location) if location is not None else "the train step"
+        name = f"{type(scheduler).__name__}.step()"
+        if args or kwargs:
+            raise SPMDCompileError(
+                f"{name} is called with arguments inside the compiled train step; a "
+                "compiled step replays a scheduler's step() after every call, which it can "
+                "only do without arguments (ReduceLROnPlateau.step(metric) reads a tensor's "
+                "value).",
+                user_line=location,
+                hint="call scheduler.step(metric) outside the compiled step, with the "
+                "metric the step returns (return loss.item() works).",
+            )
+        index = next((i for i, s in enumerate(self.schedulers) if s is scheduler), None)
+        if index is None:
+            raise SPMDCompileError(
+                f"{name} of a scheduler the train step reaches only through another object "
+                "is called inside the compiled step; its step() is replayed after every "
+                "call, so it must be found by name.",
+                user_line=location,
+                hint="pass the scheduler to the step as an argument (or keep it in a global).",
+            )
+        opt = getattr(scheduler, "optimizer", None)
+        oi = next((i for i, o in enumerate(self.optimizers) if o is opt), None)
+        self.calls.append((index, oi, self.optimizer_steps[oi] if oi is not None else 0, where))
+        if oi is not None and self.optimizer_steps[oi] > 0:  # reads after this would be stale
+            for group in self.optimizers[oi].param_groups:
+                group["lr"] = LRReadAfterSchedulerStep(group["lr"], where)
+
+    def optimizer_stepped(self, opt: torch.optim.Optimizer) -> None:
+        for i, o in enumerate(self.optimizers):
+            if o is opt:
+                self.optimizer_steps[i] += 1
+
+    def steps(self) -> list[SchedulerStep]:
+        """The replays, once the trace ended. Raises SPMDCompileError for a scheduler
+        stepped between two steps of its optimizer."""
+        found = []
+        for index, oi, done, where in self.calls:
+            total = self.optimizer_steps[oi] if oi is not None else 0
+            if 0 < done < total:
+                raise SPMDCompileError(
+                    f"{type(self.schedulers[index]).__name__}.step() runs between two "
+                    f"step() calls of optimizer[{oi}] inside the compiled train step ({where}); "
+                    "the program reads each learning rate once per call.",
+                    hint=HINT,
+                )
+            found.append(SchedulerStep(index, before=done == 0 and total > 0, where=where))
+        return found
+
+    def check_reads(self, step_code: Any) -> None:
+        """Refuse a step whose own code names a stepped scheduler's state (see the NOTE)."""
+        names = set(names_in(step_code)) - {"optimizer"}
+        for index, _, _, where in self.calls:
+            read = sorted(names & vars(self.schedulers[index]).keys())
+            if read:
+                raise SPMDCompileError(
+                    f"The train step reads scheduler attribute(s) {read} and steps the "
+                    f"scheduler ({where}); the compiled program holds the value read while it "
+                    "was traced, which changes every call.",
+                    hint=HINT,
+                )
+
+
+def note_optimizer_step(opt: torch.optim.Optimizer) -> None:
+    """Called by the capture's optimizer ``step()`` (NOTE: [schedulers stepped in the step])."""
+    for recorder in _ACTIVE:
+        recorder.optimizer_stepped(opt)
+
+
+def _refused_last_lr(scheduler: Any) -> Any:
+    raise SPMDCompileError(
+        f"{type(scheduler).__name__}.get_last_lr() is called inside the compiled train step; "
+        "it returns a Python list that changes every call, which a program would hold "
+        "fixed.",
+        user_line=innermost_model_frame_of_stack(),
+        hint=HINT,
+    )
+
+
+def _scheduler_classes() -> list[type]:
+    found: list[type] = []
+    todo: list[type] = [LRScheduler]
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.append(cls)
+            todo.extend(cls.__subclasses__())
+    return found
+
+
+@contextlib.contextmanager
+def replayed(steps: list[SchedulerStep], schedulers: list[Any]) -> Iterator[None]:
+    """Step the schedulers a compiled call replays: those the step ran before its
+    optimizer's step on entry, the others on a normal exit."""
+    for s in steps:
+        if s.before:
+            schedulers[s.index].step()
+    yield
+    for s in steps:
+        if not s.before:
+            schedulers[s.index].step()
+
+
+__all__ = [
+    "HINT", "LRReadAfterSchedulerStep", "SchedulerStep", "SchedulerSteps", "find_schedulers",
+    "learning_rate_of", "note_optimizer_step", "replayed",
+]
