@@ -48,6 +48,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import (
     SPMDCompileError,
+    exception_summary,
     innermost_model_frame,
     node_error,
     step_frame_from_traceback,
@@ -546,8 +547,8 @@ def capture_step(
             return _capture(func, bindings, input_metas, options, floats, decisions)
         except Exception as exc:  # noqa: BLE001 - retried with the floats as constants
             log.info(
-                "float arguments %s of %s stay guarded constants (%s: %s)", list(floats),
-                func.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                "float arguments %s of %s stay guarded constants (%s)", list(floats),
+                func.__name__, exception_summary(exc),
             )
     return _capture(func, bindings, input_metas, options, (), decisions)
 

@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .. import _torch_private as private
 from .. import progress
 from ..capture.gradients import GRADIENT, gradient_settles, marked_gradient
-from ..errors import SPMDCompileError, node_error
+from ..errors import SPMDCompileError, exception_summary, node_error
 from ..ir.graph_utils import RetracingInterpreter, placeholders
 from ..ir.node_meta import PADDED, PLACEMENT
 from ..ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta, contiguous_stride
@@ -451,8 +451,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
             ) from exc
         except Exception as exc:  # noqa: BLE001 - re-raised with the node named
             raise node_error(
-                f"Expanding this node to the per-rank program failed: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                f"Expanding this node to the per-rank program failed: {exception_summary(exc)}",
                 n,
             ) from exc
 
