@@ -102,6 +102,15 @@ def _key_change(old: tuple, new: tuple, n_args: int) -> str | None:
     return None
 
 
+def _settings_change(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The first optimizer setting (not the learning rate: a graph input) that differs
+    between two calls, as "<what> was <old>, now <new>"; None when none does."""
+    for name, value in new.items():
+        if name in old and old[name] != value:
+            return f"{name} was {old[name]!r}, now {value!r}"
+    return None
+
+
 class CompiledTrainStep:
     """A train step compiled on first call (and again for new shapes or settings).
 
@@ -129,6 +138,7 @@ class CompiledTrainStep:
         self._last: StepExecutable | None = None  # what the latest call ran
         self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles it caused
         self._last_key: tuple | None = None  # the program key of the latest call
+        self._last_settings: dict[str, Any] = {}  # its optimizer settings (not the lr)
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -149,11 +159,14 @@ class CompiledTrainStep:
         ]
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
         executable = self._cached_executable(key, bindings)
+        settings = bindings.optimizer_settings()
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))
+            if change is None:
+                change = _settings_change(self._last_settings, settings)
             if change is not None:
                 self._note_recompile(change)
-        self._last_key = key
+        self._last_key, self._last_settings = key, settings
         if executable is None:
             if agreement is not None:
                 agreement.before_compile()
@@ -258,13 +271,16 @@ class CompiledTrainStep:
         what = change.split(" was ", 1)[0]
         self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
         if self._guard_misses[what] == REPEATED_RECOMPILES:
-            hint = (
-                "give the step batches of one shape (pad them, or drop the last partial "
-                "batch)"
-                if what.startswith("the shape")
-                else "keep a value that changes every step in a tensor (a buffer or a "
-                "tensor argument), or pass it as a float argument used in tensor ops"
-            )
+            if what.startswith("the shape"):
+                hint = ("give the step batches of one shape (pad them, or drop the last "
+                        "partial batch)")
+            elif what.startswith("optimizer["):
+                hint = ("only the learning rate is a graph input; keep the other optimizer "
+                        "settings fixed (a scheduler cycling momentum or betas: "
+                        "OneCycleLR / CyclicLR(cycle_momentum=False))")
+            else:
+                hint = ("keep a value that changes every step in a tensor (a buffer or a "
+                        "tensor argument), or pass it as a float argument used in tensor ops")
             log.warning(
                 "%s changed on %d calls of %s, and each new value compiles a new program; "
                 "%s.",

@@ -192,6 +192,17 @@ class StepBindings:
         value = self.optimizers[ref.optimizer].param_groups[ref.group][ref.key]
         return float(value)
 
+    def optimizer_settings(self) -> dict[str, Any]:
+        """The optimizer hyper-parameters that are constants of a program (all but the
+        learning rate), by name: ``optimizer[0].param_groups[0]['betas']``."""
+        return {
+            f"optimizer[{oi}].param_groups[{gi}][{k!r}]": _hashable(v)
+            for oi, opt in enumerate(self.optimizers)
+            for gi, group in enumerate(opt.param_groups)
+            for k, v in group.items()
+            if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
+        }
+
     def static_key(self) -> tuple:
         """Everything besides tensor shapes that a compiled program depends on.
 

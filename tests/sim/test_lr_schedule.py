@@ -9,6 +9,7 @@ the steady-state program; after that the count must stay at 2.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import warnings
 
@@ -304,3 +305,23 @@ def test_restarted_step_with_a_scheduler_inside_still_steps_it(tmp_path, classif
         assert scheduler.last_epoch == 3
     assert [r.cache for r in compiled.records] == ["hit", "hit"]
     assert lrs[0] == lrs[1] == pytest.approx(2e-2 / 4)
+
+
+def test_a_schedule_cycling_momentum_names_the_setting_it_recompiles_for(
+    classification_batches, caplog
+):
+    """Only the learning rate is a graph input: OneCycleLR's default cycle_momentum
+    changes Adam's betas every step, which compiles a program per call. That must not be
+    silent: each recompile names the setting, and the third says what to do."""
+    model = mlp()
+    optim = OPTIMIZERS["adamw"](model)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=2e-2, total_steps=10)
+    compiled = sc.compile()(step_then_schedule)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(world_size=2):
+        for x, y in classification_batches(5):
+            compiled(model, optim, scheduler, x, y)
+    assert compiled.compile_count == 5
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("recompiling step_then_schedule: optimizer[0].param_groups[0]['betas'] was" in m
+               for m in messages)
+    assert any("changed on 3 calls" in m and "cycle_momentum=False" in m for m in messages)
