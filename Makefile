@@ -22,8 +22,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PYTHON) -m spmd_compiler demo
 
+# Two phases: the in-process tests on 2 workers (pytest-xdist, a file per worker at a
+# time), then the real multi-process (gloo) tests alone, so that their ranks and timeouts
+# never share the cores with another test.
 test: $(STAMP)
-	$(PYTHON) -m pytest -m "not slow"
+	$(PYTHON) -m pytest -m "not slow and not dist" -n 2 --dist loadfile
+	$(PYTHON) -m pytest -m "dist and not slow"
 
 test-all: $(STAMP)  # the slow tier too (model zoo, Inductor float64/fsdp, ...)
 	$(PYTHON) -m pytest

@@ -154,6 +154,14 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                              num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                              max_position_embeddings=64, attention_window=4,
                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # masked video pretraining: the visible tubelets of each example, x[~mask].reshape(B,
+    # -1, C), one count per example (NOTE: [rows of one count])
+    "videomae_pt": _small_model("VideoMAEForPreTraining", "VideoMAEConfig", hidden_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                              image_size=16, patch_size=8, num_frames=4, tubelet_size=2,
+                              decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                              decoder_num_attention_heads=4, decoder_intermediate_size=64,
+                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     # sequence classification as DeBERTa-v3 (the v2 architecture) is fine-tuned: its loss
     # selects the labelled rows with `(labels >= 0).nonzero()` (NOTE: [selections by a
     # mask of the batch])
@@ -171,34 +179,35 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
-def causal_lm_step(model, optim, input_ids, labels):
-    loss = model(input_ids=input_ids, labels=labels).loss
+def _updated(optim, loss):
+    """The end of every step here: backward, the optimizer's step, zero_grad."""
     loss.backward()
     optim.step()
     optim.zero_grad()
     return loss
+
+
+def causal_lm_step(model, optim, input_ids, labels):
+    return _updated(optim, model(input_ids=input_ids, labels=labels).loss)
 
 
 def bert_step(model, optim, input_ids, token_type_ids, labels):
-    loss = model(input_ids=input_ids, token_type_ids=token_type_ids, labels=labels).loss
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+    return _updated(optim, model(input_ids=input_ids, token_type_ids=token_type_ids, labels=labels).loss)
 
 
 def vit_step(model, optim, pixel_values, labels):
-    loss = model(pixel_values=pixel_values, labels=labels).loss
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+    return _updated(optim, model(pixel_values=pixel_values, labels=labels).loss)
+
+
+def masked_video_step(model, optim, pixel_values, bool_masked_pos):
+    return _updated(optim, model(pixel_values=pixel_values, bool_masked_pos=bool_masked_pos).loss)
 
 
 STEPS = {
     "gpt2": causal_lm_step, "llama": causal_lm_step, "bert": bert_step, "vit": vit_step,
-    "beit": vit_step,
+    "beit": vit_step, "videomae_pt": masked_video_step,
 }
+VIDEO_TOKENS, VIDEO_MASKED = 8, 6  # tubelets per clip of videomae_pt, masked per example
 # models whose batches are (ids, class labels); their step is causal_lm_step's
 CLASSIFIERS = {"deberta_v2"}
 # models whose kernels do not run float64 (torch's grouped_mm): surveyed in float32, where
@@ -242,6 +251,11 @@ def batches(kind: str, steps: int = 2, dtype: torch.dtype = torch.float64) -> li
             out.append((ids, torch.randint(0, 2, (BATCH, LENGTH), generator=gen), labels))
         elif kind in CLASSIFIERS:
             out.append((ids, labels))
+        elif kind == "videomae_pt":
+            clips = torch.randn(BATCH, 4, 3, 16, 16, generator=gen, dtype=torch.float64)
+            masked = torch.stack([torch.randperm(VIDEO_TOKENS, generator=gen) < VIDEO_MASKED
+                                  for _ in range(BATCH)])
+            out.append((clips.to(dtype), masked))
         elif STEPS.get(kind) is vit_step:
             pixels = torch.randn(BATCH, 3, 16, 16, generator=gen, dtype=torch.float64)
             out.append((pixels.to(dtype), labels))

@@ -251,6 +251,26 @@ def traced_node_of(t: torch.Tensor) -> torch.fx.Node | None:
     return None if slot is None else slot.proxy.node
 
 
+@contextlib.contextmanager
+def outside_the_trace() -> Iterator[None]:
+    """Inside: ops run eagerly on real tensors while a ``make_fx`` trace is active (its
+    proxy and fake modes, and every torch function mode, set aside)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with (
+        disable_proxy_modes_tracing(), unset_fake_temporarily(), _disable_current_modes(),
+        torch._C.DisableTorchFunction(), torch.no_grad(),
+    ):
+        yield
+
+
+def random_op(target: Any) -> bool:
+    """An ATen op that draws random numbers (its ``nondeterministic_seeded`` tag)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
 def compiled_module_type() -> type:
     """The wrapper ``torch.compile(module)`` returns (dynamo's ``OptimizedModule``)."""
     from torch._dynamo.eval_frame import OptimizedModule

@@ -366,6 +366,8 @@ def entry_bytes(
         raise Uncacheable(f"guards on tensors read from outside the arguments ({captured.outside[0].label})")
     if captured.kept:  # live Python objects (NOTE: [tensors the step keeps])
         raise Uncacheable(f"the places the step keeps tensors in ({captured.kept[0].label})")
+    if captured.counted:  # every rank must capture: NOTE: [rows of one count]
+        raise Uncacheable(f"a count per row read from the arguments ({captured.counted[0]})")
     if captured.scheduler_steps:  # their state is no guard (NOTE: [schedulers stepped in the step])
         raise Uncacheable(f"the LR scheduler steps it replays ({captured.scheduler_steps[0].where})")
     graph_args = sorted(r.index for r in captured.input_refs()

@@ -35,6 +35,30 @@ it is written here in plain ops, for any mask. Each true element takes the sourc
 at its rank among the true elements (a ``cumsum`` of the mask), and its backward adds the
 gradient back from those positions.
 
+NOTE: [rows of one count]
+Masked pretraining keeps the same number of elements of every example: VideoMAE's
+``x[~bool_masked_pos].reshape(batch_size, -1, C)``, an MAE-style mask of a fixed ratio.
+The selection is then of a fixed size after all, ``B * K`` rows for ``K`` true elements
+per example, and its rows are each example's, in order. Where capture can read the mask's
+value (a mask computed from the step's tensor arguments alone, with no random draw: the
+subgraph computing it runs on the real arguments, in the capture, apart from the trace)
+and finds one count ``K`` in every row along the first dim (0 < K < the row's size),
+the selection is compiled for that count:
+
+- ``x[mask]`` (a mask over ``x``'s leading dims) is each row's true positions in order
+  (a stable sort of the row's mask) gathered along the row: ``(B * K, *rest)``, a view of
+  the batch, so a batch sharded on its first dim stays sharded; ``masked_select``,
+  ``nonzero`` / ``torch.where(mask)`` and the backward's ``index_put`` (a scatter into
+  the same positions) likewise; rows kept in place (NOTE: [selected rows kept in place])
+  that settle are compacted the same way.
+- The count is a value check (NOTE: [value checks]): every call verifies that every row
+  of the mask holds ``K`` true elements, before any state is written; a call where one
+  does not raises ``SPMDRuntimeError`` naming the line, and nothing is updated.
+- On real ranks each rank reads its own share of the batch: the ranks agree on ``K`` (an
+  all-reduce of the count during capture; ranks that disagree compile the mask as all
+  true, which the check then refuses), so every rank compiles the same program. A step
+  whose capture read a count has no cache entry before capture (every rank captures).
+
 The other way, a mask with false elements on the batch (padding), cannot be one program
 of fixed shapes; the error says to write the selection with fixed shapes (``masked_fill``,
 ``torch.where(mask, x, 0)``, a loss's ``ignore_index``).
@@ -51,8 +75,9 @@ from typing import Any
 import torch
 
 from .. import _torch_private as private
-from ..ir.graph_utils import placeholders_read_by
-from ..ir.signature import STATE_KINDS, StateRef
+from ..ir.graph_utils import ancestors, placeholders_read_by
+from ..ir.signature import STATE_KINDS, Kind, StateRef
+from .value_checks import where_now
 
 aten = torch.ops.aten
 
@@ -61,21 +86,34 @@ class MaskWithFalseElements(Exception):
     """The trace of a selection by a mask whose elements are not all true (the other
     answer of the value check): its size would depend on the values."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_row: int | None = None) -> None:
+        compiled = (
+            "a mask that selects everything" if per_row is None
+            else f"{per_row} true elements in every row along its first dim, the count "
+            "read from the arguments at capture (NOTE: [rows of one count])"
+        )
+        what = "has false elements" if per_row is None else f"does not hold {per_row} in every row"
         super().__init__(
-            "the mask has false elements; its selection (nonzero, x[mask], ...) is used "
-            "where its size matters (indices, row count, rows returned), compiled for a "
-            "mask that selects everything. Select with fixed shapes: masked_fill, "
+            f"the mask {what}; its selection (nonzero, x[mask], ...) is used "
+            "where its size matters (indices, row count, rows returned), compiled for "
+            f"{compiled}. Select with fixed shapes: masked_fill, "
             "torch.where(mask, x, 0), a loss's ignore_index"
         )
+
+
+# A mask's decision: every element selected, or K (> 0) in every row (NOTE: [rows of one count])
+EVERY = -1
 
 
 class _Selections:
     """The trace's state: which graph inputs are state, and the masks decided."""
 
-    def __init__(self, refs: list[StateRef]) -> None:
+    def __init__(
+        self, refs: list[StateRef], real_input: Callable[[int], torch.Tensor] | None = None
+    ) -> None:
         self.refs = refs
-        self.decided: set[torch.fx.Node] = set()
+        self.real_input = real_input  # the real tensor of INPUT k (NOTE: [rows of one count])
+        self.decided: dict[torch.fx.Node, int] = {}
         self._state_inputs: set[torch.fx.Node] | None = None
 
     def state_inputs(self, graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -93,13 +131,18 @@ _ACTIVE: list[_Selections] = []
 # lines of the rows compiled as all true by the traces of this capture (every answer of
 # its value checks), for a failed capture's error
 _SETTLED: list[str] = []
+# lines whose mask's count was read in this capture (NOTE: [rows of one count])
+_COUNTED: list[str] = []
 
 
 @contextmanager
-def mask_selections(refs: list[StateRef]) -> Iterator[None]:
+def mask_selections(
+    refs: list[StateRef], real_input: Callable[[int], torch.Tensor] | None = None
+) -> Iterator[None]:
     """While the step is traced on ``refs`` (the graph inputs, in order): selections by a
-    mask of the batch are compiled as all true (see the NOTE)."""
-    _ACTIVE.append(_Selections(refs))
+    mask of the batch are compiled as all true, or for one count per row read from the
+    real arguments (``real_input(k)``: INPUT ``k``) (see the NOTEs)."""
+    _ACTIVE.append(_Selections(refs, real_input))
     try:
         yield
     finally:
@@ -109,6 +152,12 @@ def mask_selections(refs: list[StateRef]) -> Iterator[None]:
 def forget_settled() -> None:
     """A capture begins: no selection of its traces compiled as all true yet."""
     _SETTLED.clear()
+    _COUNTED.clear()
+
+
+def counted_in_capture() -> list[str]:
+    """The lines whose mask's count per row this capture read (NOTE: [rows of one count])."""
+    return list(dict.fromkeys(_COUNTED))
 
 
 def settled_in_capture() -> str:
@@ -147,14 +196,16 @@ class RowsOfAModelMaskCounted(Exception):
     matters: a value-dependent shape (refused at capture)."""
 
 
-def settle_selection(mask: torch.Tensor, where: str | None = None) -> None:
+def settle_selection(mask: torch.Tensor, where: str | None = None) -> int | None:
     """A selection by ``mask`` (made at ``where``) whose rows were kept in place (NOTE:
     [selected rows kept in place]) used where only the eager value will do: compiled as
-    all true, verified every call, for a mask of the batch; refused at capture as a
+    all true (None) or for ``K`` true elements per row (returned; NOTE: [rows of one
+    count]), verified every call, for a mask of the batch; refused at capture as a
     value-dependent shape for a mask computed from the model's state."""
-    if _selects_everything(mask):
+    decision = _decide(mask)
+    if decision is not None:
         _SETTLED.append(where or "an unknown line")
-        return
+        return None if decision == EVERY else decision
     raise RowsOfAModelMaskCounted(
         f"the rows selected at {where or 'an unknown line'} by a mask computed from the "
         "model are used where their number matters"
@@ -163,20 +214,110 @@ def settle_selection(mask: torch.Tensor, where: str | None = None) -> None:
 
 def _selects_everything(mask: torch.Tensor) -> bool:
     """Whether this selection is compiled as all true: False when torch's own op must
-    run (no trace of ours, a real constant, a mask computed from state)."""
+    run (no trace of ours, a real constant, a mask computed from state) or the mask was
+    compiled for a count per row."""
+    return _decide(mask) == EVERY
+
+
+def _decide(mask: torch.Tensor) -> int | None:
+    """How this selection is compiled: ``EVERY`` element, ``K`` per row, or None when
+    torch's own op must run (see ``_selects_everything``)."""
     if not _ACTIVE or private.is_real_tensor_constant(mask):
-        return False
+        return None
     selections = _ACTIVE[-1]
     node = private.traced_node_of(mask)
     if node is None or _computed_from_state(node, selections):
-        return False
+        return None
     if node in selections.decided:
-        return True
+        return selections.decided[node]
+    per_row = _count_per_row(mask, node, selections)
     # the value check (NOTE: [value checks]): answered by the trace's decisions
-    if not bool(mask.all()):
+    if per_row is not None:
+        counts = (mask.reshape(mask.shape[0], -1) != 0).sum(1)
+        if not bool((counts == per_row).all()):
+            raise MaskWithFalseElements(per_row)
+        _COUNTED.append(where_now() or "an unknown line")
+    elif not bool(mask.all()):
         raise MaskWithFalseElements()
-    selections.decided.add(node)
-    return True
+    decision = EVERY if per_row is None else per_row
+    selections.decided[node] = decision
+    return decision
+
+
+def _count_per_row(mask: torch.Tensor, node: torch.fx.Node, selections: _Selections) -> int | None:
+    """K when the real mask holds K true elements in every row along its first dim, with
+    0 < K < the row's size, agreed by every rank; None otherwise (NOTE: [rows of one
+    count])."""
+    if mask.dim() < 2 or mask.shape[0] == 0 or selections.real_input is None:
+        return None
+    row = math.prod(mask.shape[1:])
+    local = -1
+    real = _real_value(node, selections)
+    if real is not None and real.dim() == mask.dim() and tuple(real.shape[1:]) == tuple(mask.shape[1:]):
+        with private.outside_the_trace():  # real tensors: nothing of this is traced
+            counts = (real.reshape(real.shape[0], -1) != 0).sum(1)
+            if counts.numel() and bool((counts == counts[0]).all()) and 0 < int(counts[0]) < row:
+                local = int(counts[0])
+    agreed = _agreed_by_every_rank(local, real.device if real is not None else mask.device)
+    return agreed if agreed > 0 else None
+
+
+def _agreed_by_every_rank(value: int, device: torch.device) -> int:
+    """``value`` when every real rank read the same one, else -1 (simulated ranks read
+    the global batch: no round)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or private.is_fake_process_group():
+        return value
+    with private.outside_the_trace():
+        both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return value if int(both[0]) == value and int(both[1]) == -value else -1
+
+
+def _real_value(node: torch.fx.Node, selections: _Selections) -> torch.Tensor | None:
+    """``node``'s value on the real arguments: the part of the trace computing it run
+    eagerly, apart from the trace; None when it reads anything but the step's tensor
+    arguments, draws random numbers or fails."""
+    needed = ancestors(node)
+    inputs = [n for n in node.graph.nodes if n.op == "placeholder"]
+    env: dict[torch.fx.Node, Any] = {}
+    for n, ref in zip(inputs, selections.refs, strict=False):
+        if n in needed:
+            if ref.kind is not Kind.INPUT or selections.real_input is None:
+                return None
+            env[n] = selections.real_input(ref.index)
+    try:
+        with private.outside_the_trace():
+            for n in node.graph.nodes:
+                if n not in needed or n.op == "placeholder":
+                    continue
+                if n.op != "call_function" or private.random_op(n.target):
+                    return None
+                args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+                env[n] = n.target(*args, **kwargs)
+                if n is node:
+                    break
+    except Exception:  # noqa: BLE001 - a mask this cannot compute is compiled as all true
+        return None
+    value = env.get(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def row_positions(mask: torch.Tensor, per_row: int) -> torch.Tensor:
+    """``(B, K)``: the positions of each row's true elements, in order (the row is the
+    mask flattened past its first dim)."""
+    flat = mask.reshape(mask.shape[0], -1).to(torch.bool)
+    return torch.sort((~flat).to(torch.int32), dim=1, stable=True).indices[:, :per_row]
+
+
+def compact_rows(rows: torch.Tensor, mask: torch.Tensor, per_row: int) -> torch.Tensor:
+    """``rows`` (``(mask.numel(), *rest)``, one per element of ``mask``) with the rows of
+    the true elements kept, each example's in order: ``(B * K, *rest)``."""
+    b, rest = mask.shape[0], tuple(rows.shape[1:])
+    grid = rows.reshape((b, -1) + rest)
+    index = row_positions(mask, per_row).reshape((b, per_row) + (1,) * len(rest))
+    return grid.gather(1, index.expand((b, per_row) + rest)).reshape((b * per_row,) + rest)
 
 
 def every_index(shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -190,9 +331,18 @@ def every_index(shape: torch.Size, device: torch.device) -> torch.Tensor:
 
 
 def _nonzero(mask: torch.Tensor) -> Any:
-    if not _selects_everything(mask):
+    decision = _decide(mask)
+    if decision is None:
         return NotImplemented
-    return every_index(mask.shape, mask.device)
+    if decision == EVERY:
+        return every_index(mask.shape, mask.device)
+    b = mask.shape[0]
+    positions = row_positions(mask, decision)  # (B, K) within the flattened row
+    columns = [torch.arange(b, device=mask.device).reshape(b, 1).expand(b, decision)]
+    for size in reversed(mask.shape[1:]):  # unravel, last dim first
+        columns.insert(1, positions % size)
+        positions = positions // size
+    return torch.stack([c.reshape(-1) for c in columns], dim=1)
 
 
 def _is_mask(index: torch.Tensor | None) -> bool:
@@ -222,27 +372,64 @@ def _masks_as_every_index(
     return converted if changed else None
 
 
+def _decision_of(mask: torch.Tensor) -> int | None:
+    """The decision a read earlier in this trace made for ``mask`` (None: none)."""
+    return _ACTIVE[-1].decided.get(private.traced_node_of(mask)) if _ACTIVE else None  # type: ignore[arg-type]
+
+
 def _decided(mask: torch.Tensor) -> bool:
     """The mask was compiled as all true by a read earlier in this trace."""
-    return bool(_ACTIVE) and private.traced_node_of(mask) in _ACTIVE[-1].decided
+    return _decision_of(mask) == EVERY
+
+
+def _leading_mask(x: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The mask of ``x[mask]`` indexing ``x``'s leading dims alone, else None."""
+    if len(indices) != 1 or not _is_mask(indices[0]):
+        return None
+    mask = indices[0]
+    assert mask is not None
+    k = mask.dim()
+    return mask if k >= 1 and tuple(x.shape[:k]) == tuple(mask.shape) else None
 
 
 def _index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
+    mask = _leading_mask(x, indices)
+    if mask is not None:
+        decision = _decide(mask)
+        if decision is not None and decision != EVERY:  # NOTE: [rows of one count]
+            return compact_rows(x.reshape((-1,) + tuple(x.shape[mask.dim():])), mask, decision)
     converted = _masks_as_every_index(indices, _selects_everything, all_or_none=True)
     return NotImplemented if converted is None else aten.index.Tensor(x, converted)
 
 
 def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False):  # noqa: ANN001, ANN202
     """``index_put`` / ``index_put_`` / ``_index_put_impl_`` (the backward of ``x[mask]``)
-    on a mask a read compiled as all true: by its every index."""
+    on a mask a read compiled as all true: by its every index; for a count per row: a
+    scatter into each row's true positions."""
+    mask = _leading_mask(x, list(indices))
+    per_row = _decision_of(mask) if mask is not None else None
+    if mask is not None and per_row is None and values.dim() > 0 and values.numel() > 1:
+        per_row = _decide(mask)  # rows written (``out[mask] = rows``): as many as selected
+    if mask is not None and per_row is not None and per_row != EVERY:
+        b, rest = mask.shape[0], tuple(x.shape[mask.dim():])
+        grid = x.reshape((b, -1) + rest)
+        index = row_positions(mask, per_row).reshape((b, per_row) + (1,) * len(rest))
+        index = index.expand((b, per_row) + rest)
+        source = values.expand((b * per_row,) + rest).reshape((b, per_row) + rest).to(x.dtype)
+        put = grid.scatter_add(1, index, source) if accumulate else grid.scatter(1, index, source)
+        put = put.reshape(x.shape)
+        return put if op is aten.index_put.default else x.copy_(put)
     converted = _masks_as_every_index(indices, _decided, all_or_none=False)
     return NotImplemented if converted is None else op(x, converted, values, accumulate)
 
 
 def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> Any:
-    if not _selects_everything(mask):
+    x, wide = torch.broadcast_tensors(x, mask)
+    decision = _decide(mask if wide.shape == mask.shape else wide)
+    if decision is None:
         return NotImplemented
-    x, mask = torch.broadcast_tensors(x, mask)
+    if decision != EVERY:  # NOTE: [rows of one count]
+        return compact_rows(x.reshape(-1), wide, decision)
     return x.reshape(-1)
 
 
@@ -299,7 +486,8 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 __all__ = [
-    "MaskWithFalseElements", "RowsOfAModelMaskCounted", "active", "every_index", "traced",
+    "EVERY", "MaskWithFalseElements", "RowsOfAModelMaskCounted", "active", "compact_rows",
+    "counted_in_capture", "every_index", "row_positions", "traced",
     "mask_selection_decompositions", "mask_selections", "settle_selection",
     "forget_settled", "settled_in_capture",
 ]

@@ -81,6 +81,7 @@ class _Rows:
     where: str | None  # the selection's line
     key: Any  # the mask's elements (_mask_key)
     settled: bool = False
+    per_row: int | None = None  # settled for K true elements per row (NOTE: [rows of one count])
 
     def count(self) -> torch.Tensor:
         return self.valid.sum()
@@ -97,6 +98,10 @@ class _Registry:
     # torch.where(mask)'s index tensors: (their rows, which dim of the mask, its shape)
     grids: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     keys: dict[torch.fx.Node, Any] = field(default_factory=dict)
+    # rows settled for a count per row -> the kept rows alone (NOTE: [rows of one count])
+    compacted: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    counted: bool = False  # some rows settled so
+    compacting: bool = False  # inside _compacted: ops run as they are
 
 
 _SAME_ELEMENTS = {  # ops whose result has its input's elements in row-major order
@@ -245,7 +250,7 @@ def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any
         return _keep_in_place(registry, x, index) if _is_mask(index) else None
     if name == "masked_select" and _is_mask(index):
         x, mask = torch.broadcast_tensors(x, index)
-        return _keep_in_place(registry, x.reshape(-1), mask.reshape(-1))
+        return _keep_in_place(registry, x, mask)  # flat rows; the mask keeps its shape
     return None
 
 
@@ -659,8 +664,10 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
     place (see the NOTE); ``compute`` runs an op the usual way."""
     kwargs = kwargs or {}
     registry = _registry()
-    if registry is None:
+    if registry is None or registry.compacting:
         return compute(func, args, kwargs)
+    if registry.counted:
+        args, kwargs = _compacted(registry, (args, kwargs))
     name = getattr(func, "__name__", "")
     if name in _SOURCES and not any(
         registry.rows.get(t) is not None for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)
@@ -676,8 +683,41 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
     result = one.answer(name)
     if result is _SETTLE:
         settle(one.ragged)
+        if registry.counted:
+            args, kwargs = _compacted(registry, (args, kwargs))
         return compute(func, args, kwargs)
     return result
+
+
+def _compacted(registry: _Registry, values: Any) -> Any:
+    """``values`` with rows settled for a count per row replaced by the kept rows alone,
+    each example's in order (NOTE: [rows of one count])."""
+
+    def compact(t: Any) -> Any:
+        rows = registry.rows.get(t) if isinstance(t, torch.Tensor) else None
+        if rows is None or not rows.settled or rows.per_row is None:
+            return t
+        kept = registry.compacted.get(t)
+        if kept is None:
+            # eager's x[mask], below autograd by the decomposition of the mask's decided
+            # count: its backward is index_put's scatter into the same positions, which
+            # keeps a sharded batch sharded (a gather's backward here would not)
+            grid = t.reshape(tuple(rows.mask.shape) + tuple(t.shape[1:]))
+            kept = torch.ops.aten.index.Tensor(grid, [rows.mask.to(torch.bool)])
+            registry.compacted[t] = kept
+        return kept
+
+    registry.compacting = True
+    try:
+        return pytree.tree_map(compact, values)
+    finally:
+        registry.compacting = False
+
+
+def compacted(values: Any) -> Any:
+    """``values`` (what the step returns or keeps) as eager has them, after ``settle``."""
+    registry = _registry()
+    return values if registry is None or not registry.counted else _compacted(registry, values)
 
 
 def settle(values: Sequence[Any], at_selection: bool = False) -> None:
@@ -692,8 +732,9 @@ def settle(values: Sequence[Any], at_selection: bool = False) -> None:
         rows = registry.rows.get(t) if isinstance(t, torch.Tensor) else None
         if rows is not None and not rows.settled:
             with located(rows.where if at_selection else None):
-                mask_selections.settle_selection(rows.mask, rows.where)
+                rows.per_row = mask_selections.settle_selection(rows.mask, rows.where)
             rows.settled = True
+            registry.counted |= rows.per_row is not None
 
 
 @contextlib.contextmanager
@@ -714,4 +755,4 @@ def custom_functions_settle() -> Iterator[None]:
         torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
-__all__ = ["answer", "custom_functions_settle", "settle"]
+__all__ = ["answer", "compacted", "custom_functions_settle", "settle"]

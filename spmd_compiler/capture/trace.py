@@ -95,6 +95,7 @@ from .lr_schedulers import (
 )
 from .mask_selections import (
     RowsOfAModelMaskCounted,
+    counted_in_capture,
     forget_settled,
     mask_selection_decompositions,
     mask_selections,
@@ -688,6 +689,7 @@ def _capture(
         kept=tracer.kept,
         outside=outside,
         scheduler_steps=scheduler_steps,
+        counted=counted_in_capture(),
     )
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
@@ -883,7 +885,9 @@ class _StepTracer:
             )
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(self.branches)
-            stack.enter_context(mask_selections(self.refs))  # NOTE: [selections by a mask of the batch]
+            real_inputs = [t for _, t in b.tensor_args()]
+            # NOTE: [selections by a mask of the batch], NOTE: [rows of one count]
+            stack.enter_context(mask_selections(self.refs, real_inputs.__getitem__))
             stack.enter_context(python_effects(self.func.__code__))
             stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
@@ -894,6 +898,7 @@ class _StepTracer:
                 kept = keeper.collect()
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
                 selected_rows.settle([result, [value for _, value in kept]], at_selection=True)
+                result, kept = selected_rows.compacted((result, kept))  # NOTE: [rows of one count]
             finally:
                 keeper.restore()
             final_buffers = {

@@ -48,6 +48,13 @@ _FILLED_FACTORIES = {
     aten.empty.memory_format: 0,
 }
 
+# The same, made from a tensor (``grad.new_zeros(size)``: the zeros a gather's or an
+# index's backward scatters into): its options, the size its second argument.
+_NEW_FILLED_FACTORIES = {
+    aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+    aten.new_empty.default,
+}
+
 
 @dataclass(frozen=True)
 class LocalRules:
@@ -64,6 +71,11 @@ class LocalRules:
             return self._expand(args[0], list(args[1]))
         if target in _FILLED_FACTORIES and self.batch_sizes:
             return self._filled_factory(target, args, kwargs)
+        if target in _NEW_FILLED_FACTORIES and self.batch_sizes and isinstance(args[0], DTensor):
+            return self._filled_factory(
+                lambda shape, *rest, **kw: target(private.local_tensor_of(args[0]), shape, *rest, **kw),
+                args[1:], kwargs,
+            )
         if not self.fused_projections:
             return None
         if target in (aten.split.Tensor, aten.split_with_sizes.default):

@@ -123,8 +123,8 @@ def pure_op(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
 
 
-def placeholders_read_by(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The graph inputs ``node`` is computed from, through any chain of nodes."""
+def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """``node`` and every node it is computed from, through any chain of nodes."""
     seen: set[torch.fx.Node] = set()
     todo = [node]
     while todo:
@@ -132,7 +132,12 @@ def placeholders_read_by(node: torch.fx.Node) -> set[torch.fx.Node]:
         if n not in seen:
             seen.add(n)
             todo.extend(n.all_input_nodes)
-    return {n for n in seen if n.op == "placeholder"}
+    return seen
+
+
+def placeholders_read_by(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The graph inputs ``node`` is computed from, through any chain of nodes."""
+    return {n for n in ancestors(node) if n.op == "placeholder"}
 
 
 def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -147,6 +147,8 @@ class CapturedStep:
         scheduler_steps: the ``scheduler.step()`` calls the runtime replays around
             every call (``capture.lr_schedulers.SchedulerStep``; NOTE: [schedulers
             stepped in the step]).
+        counted: the lines of selections compiled for a count per row read from the
+            arguments at capture (NOTE: [rows of one count]).
     """
 
     graph_module: torch.fx.GraphModule
@@ -163,6 +165,7 @@ class CapturedStep:
     kept: list[Any] = field(default_factory=list)
     outside: list[Any] = field(default_factory=list)
     scheduler_steps: list[Any] = field(default_factory=list)
+    counted: list[str] = field(default_factory=list)
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

@@ -304,3 +304,89 @@ def test_rows_taken_by_an_index_match_one_device(mode):
             assert relative_difference(loss, expected) < TOL
         worst = _worst(model, reference, optim, reference_optim, sim)
     assert worst < TOL
+
+
+# -- NOTE: [rows of one count] --------------------------------------------------------
+
+TOKENS, WIDTH, HIDDEN, VISIBLE = 6, 5, 12, 2  # no size equal to BATCH but the batch's
+
+
+class MaskedAutoencoder(nn.Module):
+    """MAE / VideoMAE pretraining: encode the visible tokens of each example
+    (``x[~mask].reshape(B, -1, C)``), put them back among mask tokens, reconstruct the
+    masked ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, HIDDEN)
+        self.encoder = nn.Linear(HIDDEN, HIDDEN)
+        self.decoder = nn.Linear(HIDDEN, WIDTH)
+        self.mask_token = nn.Parameter(torch.randn(HIDDEN))
+
+    def forward(self, x: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        visible = self.embed(x)[~masked].reshape(b, -1, HIDDEN)
+        visible = torch.tanh(self.encoder(visible))
+        tokens = self.mask_token.expand(b, n, HIDDEN).clone()
+        tokens[~masked] = visible.reshape(-1, HIDDEN)
+        reconstructed = self.decoder(tokens)[masked].reshape(b, -1, WIDTH)
+        target = x.masked_select(masked[..., None]).reshape(b, -1, WIDTH)
+        first = masked.nonzero()  # (B * K, 2): each example's first masked token
+        weights = 1.0 + first[:, 1].reshape(b, -1).to(x.dtype) / n
+        return (F.mse_loss(reconstructed, target, reduction="none").mean(-1) * weights).mean()
+
+
+def mae_step(model, optim, x, masked):  # noqa: ANN001
+    loss = model(x, masked)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _mae_batches(n: int, visible: int = VISIBLE) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        (torch.randn(BATCH, TOKENS, WIDTH, generator=gen, dtype=torch.float64),
+         torch.stack([torch.randperm(TOKENS, generator=gen) >= visible for _ in range(BATCH)]))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_masks_of_one_count_per_example_match_one_device(mode):
+    """Every example keeps VISIBLE tokens: the selections are compiled for that count,
+    read from the real mask at capture, and verified every call."""
+    model, reference, optim, reference_optim = adamw_twins(MaskedAutoencoder)
+    compiled = sc.compile(make_mode(mode))(mae_step)
+    with sc.simulate(world_size=2) as sim:
+        for x, masked in _mae_batches(3):
+            loss = compiled(model, optim, x, masked)
+            assert relative_difference(loss, mae_step(reference, reference_optim, x, masked)) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+    assert compiled.compile_count == 2
+    program = compiled.last_program
+    assert program.captured.counted and "reshape(b, -1, HIDDEN)" in program.captured.counted[0]
+    if mode == "ddp":  # each example's rows are gathered in place: the batch stays sharded
+        assert set(program.collectives_before_passes) == {"all_reduce"}
+
+
+def test_a_call_with_another_count_raises_and_writes_nothing():
+    model, reference, optim, reference_optim = adamw_twins(MaskedAutoencoder)
+    compiled = sc.compile(make_mode("ddp"))(mae_step)
+    (x, masked), (x2, masked2) = _mae_batches(2)
+    other = _mae_batches(1, visible=VISIBLE + 1)[0][1]
+    with sc.simulate(world_size=2) as sim:
+        for _ in range(2):  # the steady-state program (AdamW's state made) is the second
+            compiled(model, optim, x, masked)
+            mae_step(reference, reference_optim, x, masked)
+        with pytest.raises(SPMDRuntimeError) as info:
+            compiled(model, optim, x, other)
+        message = str(info.value)
+        assert "Nothing was updated" in message and "test_mask_selections.py" in message
+        assert f"does not hold {VISIBLE} in every row" in message  # ~masked: the visible
+        loss = compiled(model, optim, x2, masked2)
+        assert relative_difference(loss, mae_step(reference, reference_optim, x2, masked2)) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
