@@ -269,10 +269,11 @@ def _agreed_by_every_rank(value: int, device: torch.device) -> int:
 
     if not dist.is_initialized() or dist.get_world_size() == 1 or private.is_fake_process_group():
         return value
-    with private.outside_the_trace():
+    with private.outside_the_trace():  # real tensors: read them before the trace resumes
         both = torch.tensor([value, -value], dtype=torch.int64, device=device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return value if int(both[0]) == value and int(both[1]) == -value else -1
+        most, least = int(both[0]), -int(both[1])
+    return value if most == least == value else -1
 
 
 def _real_value(node: torch.fx.Node, selections: _Selections) -> torch.Tensor | None:

@@ -334,3 +334,68 @@ def test_a_failing_value_check_stops_every_rank_and_keeps_the_state() -> None:
         errors = {k: relative_difference(result["state"][k], v) for k, v in expected.items()}
         worst = max(errors, key=errors.__getitem__)
         assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+
+
+# NOTE: [rows of one count] on real ranks: each rank reads its own half of the masks, and
+# the ranks agree on the count by an all-reduce during capture
+TOKENS, VISIBLE = 6, 2
+
+
+class MaskedEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(FEATURES, HIDDEN)
+        self.decode = nn.Linear(HIDDEN, FEATURES)
+
+    def forward(self, x: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        visible = torch.tanh(self.embed(x[~masked].reshape(b, -1, FEATURES)))
+        return F.mse_loss(self.decode(visible.mean(1, keepdim=True)).expand(b, TOKENS - VISIBLE, FEATURES),
+                          x[masked].reshape(b, -1, FEATURES))
+
+
+def masked_step(model, optim, x, masked):
+    return _finish(model(x, masked), optim)
+
+
+def _finish(loss, optim):
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def masked_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(GLOBAL_BATCH, TOKENS, FEATURES, generator=gen),
+         torch.stack([torch.randperm(TOKENS, generator=gen) >= VISIBLE for _ in range(GLOBAL_BATCH)]))
+        for _ in range(STEPS)
+    ]
+
+
+def masked_worker(rank: int, world_size: int) -> dict[str, object]:
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    sc.init_from_env()
+    model = MaskedEncoder()
+    optim = OPTIMIZERS["adamw"](model)
+    step = sc.compile(backend=backend_under_test())(masked_step)
+    losses = [step(model, optim, x[local], m[local]).detach().clone() for x, m in masked_batches()]
+    return {"losses": torch.stack(losses), "state": full_state(model, optim, None),
+            "counted": step.last_program.captured.counted}
+
+
+def test_masks_of_one_count_on_gloo() -> None:
+    results = sc.launch(masked_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
+    model = MaskedEncoder()
+    optim = OPTIMIZERS["adamw"](model)
+    losses = torch.stack([masked_step(model, optim, x, m).detach() for x, m in masked_batches()])
+    expected = full_state(model, optim, None)
+    for rank, got in enumerate(results):
+        assert got["counted"], f"rank {rank}: the selections were not compiled for a count"
+        errors = {"losses": relative_difference(got["losses"], losses)}
+        errors.update({k: relative_difference(got["state"][k], w) for k, w in expected.items()})
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
