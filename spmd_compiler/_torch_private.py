@@ -1617,6 +1617,18 @@ DONATION_VERIFIED_RELEASES = ("2.13",)
 INDEX_PUT_WITH_NONE_GAP_RELEASES = ("2.11",)
 
 
+# Gap on torch 2.11: compiling a selection for a count per row (NOTE: [rows of one
+# count]) leaves the backward's ``index_put`` with the boolean mask on a tensor of the
+# compacted rows ("The shape of the mask [8, 6] at index 1 does not match the shape of
+# the indexed tensor [8, 3, 5]", at run time); 2.13 and 2.14 run it. On 2.11 such masks
+# are compiled as all true, as before: a call with a false element raises.
+ROWS_OF_ONE_COUNT_GAP_RELEASES = ("2.11",)
+
+
+def rows_of_one_count_gap() -> bool:
+    return _release() in ROWS_OF_ONE_COUNT_GAP_RELEASES
+
+
 def _release() -> str:
     """This torch's release, "2.13" for 2.13.0+cpu."""
     return ".".join(torch.__version__.split("+")[0].split(".")[:2])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import spmd_compiler as sc
+from spmd_compiler import _torch_private as private
 from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.runtime.launch import LaunchError
 from spmd_compiler.tools.parity import (
@@ -387,6 +388,7 @@ def masked_worker(rank: int, world_size: int) -> dict[str, object]:
             "counted": step.last_program.captured.counted}
 
 
+@pytest.mark.skipif(private.rows_of_one_count_gap(), reason="torch 2.11 gap: all true there")
 def test_masks_of_one_count_on_gloo() -> None:
     results = sc.launch(masked_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
     model = MaskedEncoder()
