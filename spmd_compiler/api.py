@@ -97,17 +97,14 @@ def _key_change(old: tuple, new: tuple, n_args: int) -> str | None:
     for i in range(1, min(n_args + 1, len(old_static), len(new_static))):
         if old_static[i] != new_static[i]:
             return f"argument {i - 1} of the step was {old_static[i]!r}, now {new_static[i]!r}"
-    # the rest: train/eval flags, which parameters hold gradients, optimizer settings
-    # and state (the first call creates it): expected changes, not logged
-    return None
-
-
-def _settings_change(old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The first optimizer setting (not the learning rate: a graph input) that differs
-    between two calls, as "<what> was <old>, now <new>"; None when none does."""
-    for name, value in new.items():
-        if name in old and old[name] != value:
-            return f"{name} was {old[name]!r}, now {value!r}"
+    # the optimizer settings but the learning rate (a graph input), by name
+    if min(len(old_static), len(new_static)) > n_args + 1:
+        old_settings = dict(old_static[n_args + 1])
+        for name, value in new_static[n_args + 1]:
+            if name in old_settings and old_settings[name] != value:
+                return f"{name} was {old_settings[name]!r}, now {value!r}"
+    # the rest: train/eval flags, which parameters hold gradients, optimizer state (the
+    # first call creates it): expected changes, not logged
     return None
 
 
@@ -138,7 +135,6 @@ class CompiledTrainStep:
         self._last: StepExecutable | None = None  # what the latest call ran
         self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles it caused
         self._last_key: tuple | None = None  # the program key of the latest call
-        self._last_settings: dict[str, Any] = {}  # its optimizer settings (not the lr)
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -159,14 +155,11 @@ class CompiledTrainStep:
         ]
         key = (tuple(input_metas), bindings.static_key(), sim is not None)
         executable = self._cached_executable(key, bindings)
-        settings = bindings.optimizer_settings()
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))
-            if change is None:
-                change = _settings_change(self._last_settings, settings)
             if change is not None:
                 self._note_recompile(change)
-        self._last_key, self._last_settings = key, settings
+        self._last_key = key
         if executable is None:
             if agreement is not None:
                 agreement.before_compile()

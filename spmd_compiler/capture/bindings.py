@@ -214,16 +214,15 @@ class StepBindings:
         # Float arguments: graph inputs or guards (NOTE: [guards on Python values]).
         key += [a if not isinstance(a, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, float))
                 or type(a) is bool else type(a).__name__ for a in self.flat_args]
+        # by name, at a known place: api._key_change names the one that changed
+        key.append(tuple(self.optimizer_settings().items()))
         key += [tuple(m.training for m in mod.modules()) for mod in self.modules]
         key += [(n, tuple(p.shape), p.dtype, p.grad is not None, p.requires_grad)
                 for n, p in self.params.items()]
         key += [(n, tuple(b.shape), b.dtype) for n, b in self.buffers.items()]
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                key.append(tuple(sorted(
-                    (k, _hashable(v)) for k, v in group.items()
-                    if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
-                )))
+        for oi, opt in enumerate(self.optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                key.append(("group", oi, gi))
                 # which parameters the group holds (moving one to another group changes
                 # its learning rate in the program) and the set of its state
                 for p in group["params"]:

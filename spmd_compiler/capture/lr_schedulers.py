@@ -105,10 +105,9 @@ class SchedulerSteps:
     """While one trace runs: records the schedulers the step steps (running none) and the
     ``step()`` calls of its optimizers."""
 
-    def __init__(self, schedulers: list[Any], optimizers: list[torch.optim.Optimizer], step_code: Any) -> None:
+    def __init__(self, schedulers: list[Any], optimizers: list[torch.optim.Optimizer]) -> None:
         self.schedulers = schedulers
         self.optimizers = optimizers
-        self.step_code = step_code
         self.optimizer_steps = [0] * len(optimizers)
         # (scheduler index, optimizer index or None, that optimizer's steps so far, line)
         self.calls: list[tuple[int, int | None, int, str]] = []

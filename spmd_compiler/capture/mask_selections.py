@@ -314,13 +314,19 @@ def row_positions(mask: torch.Tensor, per_row: int) -> torch.Tensor:
     return torch.sort((~flat).to(torch.int32), dim=1, stable=True).indices[:, :per_row]
 
 
+def _by_example(rows: torch.Tensor, mask: torch.Tensor, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` (``(mask.numel(), *rest)``) as ``(B, row, *rest)``, and the index of each
+    example's true rows along dim 1, ``(B, K, *rest)``."""
+    b, rest = mask.shape[0], tuple(rows.shape[1:])
+    index = row_positions(mask, per_row).reshape((b, per_row) + (1,) * len(rest))
+    return rows.reshape((b, -1) + rest), index.expand((b, per_row) + rest)
+
+
 def compact_rows(rows: torch.Tensor, mask: torch.Tensor, per_row: int) -> torch.Tensor:
     """``rows`` (``(mask.numel(), *rest)``, one per element of ``mask``) with the rows of
     the true elements kept, each example's in order: ``(B * K, *rest)``."""
-    b, rest = mask.shape[0], tuple(rows.shape[1:])
-    grid = rows.reshape((b, -1) + rest)
-    index = row_positions(mask, per_row).reshape((b, per_row) + (1,) * len(rest))
-    return grid.gather(1, index.expand((b, per_row) + rest)).reshape((b * per_row,) + rest)
+    grid, index = _by_example(rows, mask, per_row)
+    return grid.gather(1, index).reshape((-1,) + tuple(grid.shape[2:]))
 
 
 def every_index(shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -414,11 +420,8 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
     if mask is not None and per_row is None and values.dim() > 0 and values.numel() > 1:
         per_row = _decide(mask)  # rows written (``out[mask] = rows``): as many as selected
     if mask is not None and per_row is not None and per_row != EVERY:
-        b, rest = mask.shape[0], tuple(x.shape[mask.dim():])
-        grid = x.reshape((b, -1) + rest)
-        index = row_positions(mask, per_row).reshape((b, per_row) + (1,) * len(rest))
-        index = index.expand((b, per_row) + rest)
-        source = values.expand((b * per_row,) + rest).reshape((b, per_row) + rest).to(x.dtype)
+        grid, index = _by_example(x.reshape((-1,) + tuple(x.shape[mask.dim():])), mask, per_row)
+        source = values.expand((index.shape[0] * per_row,) + index.shape[2:]).reshape(index.shape).to(x.dtype)
         put = grid.scatter_add(1, index, source) if accumulate else grid.scatter(1, index, source)
         put = put.reshape(x.shape)
         return put if op is aten.index_put.default else x.copy_(put)

@@ -881,7 +881,7 @@ class _StepTracer:
             scaler_finals = stack.enter_context(traced_scalers(b.scalers, values))
             # NOTE: [schedulers stepped in the step]
             self.schedulers = stack.enter_context(
-                SchedulerSteps(b.schedulers, b.optimizers, self.func.__code__)
+                SchedulerSteps(b.schedulers, b.optimizers)
             )
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(self.branches)
