@@ -1617,16 +1617,16 @@ DONATION_VERIFIED_RELEASES = ("2.13",)
 INDEX_PUT_WITH_NONE_GAP_RELEASES = ("2.11",)
 
 
-# Gap on torch 2.11: compiling a selection for a count per row (NOTE: [rows of one
-# count]) leaves the backward's ``index_put`` with the boolean mask on a tensor of the
-# compacted rows ("The shape of the mask [8, 6] at index 1 does not match the shape of
-# the indexed tensor [8, 3, 5]", at run time); 2.13 and 2.14 run it. On 2.11 such masks
-# are compiled as all true, as before: a call with a false element raises.
-ROWS_OF_ONE_COUNT_GAP_RELEASES = ("2.11",)
+# Releases whose DTensor ``scatter`` rule offers only all-replicate placements (torch
+# 2.11: "TODO: see if we can support input sharding pattern"); 2.13 and 2.14 shard any
+# dimension other than the scattered one. Capture writes a count per row's rows by
+# ``scatter_add`` and ``where`` there (NOTE: [rows of one count]), else the batch would
+# be gathered.
+SCATTER_REPLICATES_ONLY_RELEASES = ("2.11",)
 
 
-def rows_of_one_count_gap() -> bool:
-    return _release() in ROWS_OF_ONE_COUNT_GAP_RELEASES
+def dtensor_scatter_replicates_only() -> bool:
+    return _release() in SCATTER_REPLICATES_ONLY_RELEASES
 
 
 def _release() -> str:

@@ -50,7 +50,9 @@ the selection is compiled for that count:
   the batch, so a batch sharded on its first dim stays sharded; ``masked_select``,
   ``nonzero`` / ``torch.where(mask)`` and the backward's ``index_put`` (a scatter into
   the same positions) likewise; rows kept in place (NOTE: [selected rows kept in place])
-  that settle are compacted the same way.
+  that settle are compacted the same way. Where a release's DTensor ``scatter`` rule
+  replicates every operand (torch 2.11), a write of rows is ``scatter_add`` into zeros
+  and a ``where`` instead (``_written``): the same values, the batch kept sharded.
 - The count is a value check (NOTE: [value checks]): every call verifies that every row
   of the mask holds ``K`` true elements, before any state is written; a call where one
   does not raises ``SPMDRuntimeError`` naming the line, and nothing is updated.
@@ -250,8 +252,6 @@ def _count_per_row(mask: torch.Tensor, node: torch.fx.Node, selections: _Selecti
     count])."""
     if mask.dim() < 2 or mask.shape[0] == 0 or selections.real_input is None:
         return None
-    if private.rows_of_one_count_gap():  # torch 2.11: compiled as all true, as before
-        return None
     row = math.prod(mask.shape[1:])
     local = -1
     real = _real_value(node, selections)
@@ -422,11 +422,23 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
     if mask is not None and per_row is not None and per_row != EVERY:
         grid, index = _by_example(x.reshape((-1,) + tuple(x.shape[mask.dim():])), mask, per_row)
         source = values.expand((index.shape[0] * per_row,) + index.shape[2:]).reshape(index.shape).to(x.dtype)
-        put = grid.scatter_add(1, index, source) if accumulate else grid.scatter(1, index, source)
+        put = grid.scatter_add(1, index, source) if accumulate else _written(grid, mask, index, source)
         put = put.reshape(x.shape)
         return put if op is aten.index_put.default else x.copy_(put)
     converted = _masks_as_every_index(indices, _decided, all_or_none=False)
     return NotImplemented if converted is None else op(x, converted, values, accumulate)
+
+
+def _written(grid: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``grid`` (``(B, row, *rest)``) with ``source`` written at each example's true
+    positions ``index``. Where DTensor's ``scatter`` rule replicates every operand (torch
+    2.11: the batch would be gathered), the same values by ``scatter_add`` into zeros
+    (each position written once, so the sum is the value) and a ``where``: both keep a
+    batch-sharded grid sharded."""
+    if not private.dtensor_scatter_replicates_only():
+        return grid.scatter(1, index, source)
+    written = mask.reshape(grid.shape[:2] + (1,) * (grid.dim() - 2)).to(torch.bool)
+    return torch.where(written, torch.zeros_like(grid).scatter_add(1, index, source), grid)
 
 
 def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> Any:

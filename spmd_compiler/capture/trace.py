@@ -232,24 +232,28 @@ def capture_decompositions() -> dict:
     table[aten._trilinear.default] = _trilinear_as_einsum
     table[aten.as_strided_.default] = functools.partial(_as_strided_as_view, in_place=True)
     if private.dtensor_index_put_with_none_gap():
-        table[aten.index_put.default] = _index_put_on_a_leading_dim
+        table[aten.index_put.default] = functools.partial(
+            _index_put_on_a_leading_dim, table[aten.index_put.default]
+        )
     return table
 
 
 def _index_put_on_a_leading_dim(
-    x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool = False
+    other: Callable[..., Any], x: torch.Tensor, indices: list, values: torch.Tensor,
+    accumulate: bool = False,
 ) -> Any:
     """``index_put`` with ``None`` before its indices (``[None, idx]``: the backward of
     ``index_select`` on dimension 1, of ``x[:, idx]``, of ``F.unfold``) as the same
     ``index_put`` on those dimensions moved first. torch 2.11's DTensor fails on the
     ``None`` in the list (``'list' object has no attribute 'children'``); equal values,
-    as view round trips."""
+    as view round trips. Any other ``index_put`` goes to ``other`` (a boolean mask's
+    selection, NOTE: [selections by a mask of the batch])."""
     leading = 0
     while leading < len(indices) and indices[leading] is None:
         leading += 1
     rest = list(indices[leading:])
     if leading == 0 or not rest or any(i is None or i.dtype == torch.bool for i in rest):
-        return NotImplemented
+        return other(x, indices, values, accumulate)
     indexed = list(range(leading, leading + len(rest)))
     broadcast = torch.broadcast_shapes(*(i.shape for i in rest))
     shape = (*x.shape[:leading], *broadcast, *x.shape[leading + len(rest):])

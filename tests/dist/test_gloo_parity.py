@@ -388,7 +388,6 @@ def masked_worker(rank: int, world_size: int) -> dict[str, object]:
             "counted": step.last_program.captured.counted}
 
 
-@pytest.mark.skipif(private.rows_of_one_count_gap(), reason="torch 2.11 gap: all true there")
 def test_masks_of_one_count_on_gloo() -> None:
     results = sc.launch(masked_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
     model = MaskedEncoder()

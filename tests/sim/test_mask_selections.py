@@ -20,7 +20,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from twin_models import adamw_twins
 
 import spmd_compiler as sc
-from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.mask_selections import every_index, mask_selection_decompositions
 from spmd_compiler.errors import SPMDCompileError, SPMDRuntimeError
 from spmd_compiler.parallel_modes import make_mode
@@ -354,12 +353,6 @@ def _mae_batches(n: int, visible: int = VISIBLE) -> list[tuple[torch.Tensor, tor
     ]
 
 
-ROWS_OF_ONE_COUNT_GAP = pytest.mark.skipif(
-    private.rows_of_one_count_gap(), reason="torch 2.11 gap: compiled as all true there"
-)
-
-
-@ROWS_OF_ONE_COUNT_GAP
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_masks_of_one_count_per_example_match_one_device(mode):
     """Every example keeps VISIBLE tokens: the selections are compiled for that count,
@@ -379,7 +372,6 @@ def test_masks_of_one_count_per_example_match_one_device(mode):
         assert set(program.collectives_before_passes) == {"all_reduce"}
 
 
-@ROWS_OF_ONE_COUNT_GAP
 def test_a_call_with_another_count_raises_and_writes_nothing():
     model, reference, optim, reference_optim = adamw_twins(MaskedAutoencoder)
     compiled = sc.compile(make_mode("ddp"))(mae_step)
