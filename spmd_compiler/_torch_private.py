@@ -179,6 +179,23 @@ def optimizer_capturable_path() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def torch_checks_answered(kind: type, answer: Callable[[Any], bool]) -> Iterator[None]:
+    """Inside: torch's own condition checks (``torch._check_with``, which ``torch._check``
+    and ``torch._check_tensor_all_with`` call) given a condition of type ``kind`` take its
+    truth from ``answer`` and raise their error where it is false; any other condition
+    goes to torch's (which accepts only ``bool`` / ``SymBool``)."""
+    real = torch._check_with
+
+    def check_with(error_type: type, cond: Any, message: Any = None) -> None:
+        if isinstance(cond, kind):
+            cond = bool(answer(cond))
+        real(error_type, cond, message)
+
+    with mock.patch.object(torch, "_check_with", check_with):
+        yield
+
+
 def register_stack_trace_anchor(fn: Callable[..., Any]) -> None:
     """Keep the frames of ``fn`` (the user's train step) in recorded stack traces.
 

@@ -47,7 +47,7 @@ class SPMDCompileError(RuntimeError):
         user_line: SourceLocation | str | None = None,
         hint: str | None = None,
     ) -> None:
-        self.op, self.node, self.module_fqn = op, node, module_fqn
+        self.message, self.op, self.node, self.module_fqn = message, op, node, module_fqn
         self.user_line, self.hint = user_line, hint
         parts = [message]
         if op:
@@ -61,6 +61,15 @@ class SPMDCompileError(RuntimeError):
         if hint:
             parts.append(f"  what to do:  {hint}")
         super().__init__("\n".join(parts))
+
+    def in_module(self, module_fqn: str) -> SPMDCompileError:
+        """The same error naming ``module_fqn``, where it named no module."""
+        if self.module_fqn is not None:
+            return self
+        return SPMDCompileError(
+            self.message, op=self.op, node=self.node, module_fqn=module_fqn,
+            user_line=self.user_line, hint=self.hint,
+        )
 
 
 class SPMDRuntimeError(RuntimeError):

@@ -24,6 +24,14 @@ values; later calls run only the program. Three effects would silently differ:
   step cannot watch). While the step is traced, transformers' wrapper calls the function
   through, as it does under ``torch.compile``: the function's ops are traced into the
   program (index arithmetic on sizes), and the cache is left as it was.
+- ``module.to(dtype)`` / ``.float()`` / ``.half()`` / ``.cuda()`` (``Module._apply``)
+  inside the step (SwitchTransformers' router: ``self.classifier =
+  self.classifier.to(self.dtype)`` in its forward) would swap the traced parameters
+  for new ones, which fails inside the trace. Where the conversion changes nothing
+  (every parameter, buffer and gradient already has that dtype and device: eager's
+  ``param.data = param``) it does nothing, as eager's does; where it would change one,
+  it is refused naming the module, the tensor and the line: the program's state keeps
+  the dtype and device it was compiled with.
 Tensors the step stores in Python objects are NOTE: [tensors the step keeps].
 """
 
@@ -107,7 +115,34 @@ def python_effects(step_code: Any) -> Iterator[None]:
                     stack.enter_context(mock.patch.object(owner, name, refuse_reseed(name, real)))
         stack.enter_context(_refuse_host_random_draws())
         stack.enter_context(_library_caches_called_through())
+        stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _conversion_that_changes_nothing))
         yield
+
+
+def _conversion_that_changes_nothing(module: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+    """``Module._apply`` (``to`` / ``float`` / ``half`` / ``cuda`` ...) while the step is
+    traced: nothing to do where ``fn`` returns every tensor itself; refused otherwise
+    (see the NOTE)."""
+    owners = module.named_modules() if recurse else [("", module)]
+    with torch.no_grad():
+        for prefix, owner in owners:
+            named = [*owner._parameters.items(), *owner._buffers.items()]
+            for name, tensor in named:
+                for what, t in ((name, tensor), (f"{name}.grad", getattr(tensor, "grad", None))):
+                    if t is None or fn(t) is t:
+                        continue
+                    converted = fn(t)
+                    where = f"{type(owner).__name__}.{what}" + (f" ({prefix})" if prefix else "")
+                    raise SPMDCompileError(
+                        f"The train step converts a module's tensors (Module.to / float / half "
+                        f"/ cuda ...): {where} would go from {t.dtype} on {t.device.type} to "
+                        f"{converted.dtype} on {converted.device.type}. A compiled step's "
+                        "parameters and buffers keep the dtype and device it was compiled with.",
+                        user_line=innermost_model_frame_of_stack(),
+                        hint="convert the model once before the first call (model.to(dtype)), "
+                        "or cast activations inside the step (x.to(dtype), torch.autocast).",
+                    )
+    return module
 
 
 @contextlib.contextmanager

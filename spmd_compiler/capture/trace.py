@@ -114,7 +114,13 @@ from .python_effects import (
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .strided_windows import names_its_elements_in_order
-from .traced_items import ItemsAsOutputs, ItemUsedInPython, TracedItem, value_read_errors
+from .traced_items import (
+    ItemsAsOutputs,
+    ItemUsedInPython,
+    TracedItem,
+    checks_on_items,
+    value_read_errors,
+)
 from .value_checks import BranchDecisions, Undecided, choose, describe_raise
 
 log = logging.getLogger("spmd_compiler")
@@ -611,8 +617,11 @@ def _capture(
     forget_settled()
     try:
         first, tracer = _decide_value_checks(trace, decisions)
-    except SPMDCompileError:
-        raise
+    except SPMDCompileError as exc:
+        named = exc.in_module(scopes[-1][0]) if scopes else exc  # the innermost module running
+        if named is exc:
+            raise
+        raise named from exc
     except value_read_errors() as exc:
         raise SPMDCompileError(
             "The train step reads the value of a tensor in Python (control flow on a "
@@ -888,6 +897,7 @@ class _StepTracer:
                 SchedulerSteps(b.schedulers, b.optimizers)
             )
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
+            stack.enter_context(checks_on_items())
             stack.enter_context(self.branches)
             real_inputs = [t for _, t in b.tensor_args()]
             # NOTE: [selections by a mask of the batch], NOTE: [rows of one count]

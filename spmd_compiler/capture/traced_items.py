@@ -121,9 +121,16 @@ class ItemsAsOutputs(TorchFunctionMode):
             return TracedItem(args[0].detach())
 
 
+def checks_on_items() -> Any:
+    """Inside: ``torch._check(item_condition)`` (transformers' ``torch_compilable_check``:
+    Llava's image-token count) is an ``if`` on the item's tensor, a value check that
+    raises torch's error on a call where it is false (NOTE: [value checks])."""
+    return private.torch_checks_answered(TracedItem, bool)
+
+
 def value_read_errors() -> tuple[type[BaseException], ...]:
     """What a trace raises when Python code needs a tensor's value."""
     return (*private.data_dependent_error_types(), ItemUsedInPython, RowsOfAModelMaskCounted)
 
 
-__all__ = ["ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "value_read_errors"]
+__all__ = ["ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "checks_on_items", "value_read_errors"]

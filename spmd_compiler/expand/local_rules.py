@@ -14,6 +14,14 @@ size of an input's sharded dimension, per mesh dimension); choosing the dimensio
 its size never changes a result, only where the value is split.
 ``passes/checks.py: check_local_batch`` holds every program to this.
 
+NOTE: [unbind along a sharded dimension]
+``list(x)`` / ``x.unbind(0)`` / ``for row in x`` on a batch-sharded ``x`` gives pieces
+that each lie whole on one rank, which no DTensor placement describes; DTensor's rule
+refuses to redistribute inside ``unbind``. Expansion gathers that dimension first
+(``Shard(d)`` -> ``Replicate``) and unbinds the gathered tensor: every rank holds every
+piece, exact, at the cost of an all-gather (Llava's ``list(image_features)``; the
+``cat`` after it is replicated until it meets a sharded operand).
+
 NOTE: [fused projections]
 A fused projection (one Linear making q, k and v, split after) is sharded by
 ``FusedColwiseParallel(chunks=3)`` as ``_StridedShard(dim, split_factor=3)``: rank r
@@ -76,6 +84,8 @@ class LocalRules:
                 lambda shape, *rest, **kw: target(private.local_tensor_of(args[0]), shape, *rest, **kw),
                 args[1:], kwargs,
             )
+        if target is aten.unbind.int and isinstance(args[0], DTensor):
+            return _unbind_gathered(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
         if not self.fused_projections:
             return None
         if target in (aten.split.Tensor, aten.split_with_sizes.default):
@@ -141,6 +151,23 @@ class LocalRules:
             local, self.mesh, placements, run_check=False,
             shape=torch.Size(shape), stride=contiguous_stride(shape),
         )
+
+
+# ------------------------------------------------------------------- unbind
+
+def _unbind_gathered(value: DTensor, dim: int) -> Any:
+    """``unbind`` (``list(x)``, ``for row in x``) along a sharded dimension: each piece
+    lies on one rank, which no placement states, and DTensor's rule refuses to move it
+    (Llava's ``list(image_features)`` of a batch of images). So the dimension is gathered
+    first (NOTE: [unbind along a sharded dimension])."""
+    dim = dim % value.dim()
+    placements = list(value.placements)
+    gathered = [
+        Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in placements
+    ]
+    if gathered == placements:
+        return None
+    return aten.unbind.int(value.redistribute(value.device_mesh, gathered), dim)
 
 
 # ------------------------------------------------------------------- fused projections

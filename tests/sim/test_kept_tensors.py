@@ -315,3 +315,50 @@ def test_print_of_a_traced_value_warns_once(caplog, capsys):
     assert len(warnings) == 1 and "test_kept_tensors.py" in warnings[0].getMessage()
     printed = capsys.readouterr().out
     assert "FakeTensor" not in printed and "plain 3" in printed
+
+
+class _Router(nn.Module):
+    """SwitchTransformers' router: converts its classifier to its own dtype in forward."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.classifier = nn.Linear(FEATURES, CLASSES)
+        self.register_buffer("scale", torch.ones(CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier = self.classifier.to(self.dtype)
+        return self.classifier(x.to(self.dtype)).to(x.dtype) * self.scale.double()
+
+
+def test_a_module_converted_to_its_own_dtype_in_forward_trains_as_eager():
+    """``module.to(dtype)`` that changes nothing does nothing (NOTE: [Python effects at
+    capture]); it made the trace fail swapping the traced parameters."""
+    torch.manual_seed(0)
+    model = _Router(torch.float64).double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = sc.compile(make_mode("ddp"))(_plain_step)
+    with sc.simulate(world_size=2) as sim:
+        for x, y in _batches():
+            assert _close(step(model, optim, x, y), _plain_step(reference, reference_optim, x, y))
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(sim.full_tensor(p), q, rtol=TOL, atol=TOL), name
+        assert model.classifier.weight.dtype == torch.float64
+
+
+def test_a_module_conversion_that_changes_a_dtype_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Router(torch.float32)).double()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = sc.compile(make_mode("ddp"))(_plain_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="converts a module") as raised:
+        step(model, optim, *_batches(1)[0])
+    text = str(raised.value)
+    assert "Linear.weight" in text and "torch.float64" in text and "torch.float32" in text
+    assert "test_kept_tensors.py" in text  # the forward's line
+    assert raised.value.module_fqn == "0"  # the module whose forward converts
+    for n, p in model.named_parameters():  # the model is untouched
+        assert p.dtype == torch.float64 and torch.equal(p, before[n]), n

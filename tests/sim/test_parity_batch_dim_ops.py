@@ -40,6 +40,10 @@ OPS = {
     # argmax / argmin over the batch: DTensor's handler could not offset local indices
     "argmax_batch": lambda h: h * h.argmax(0),
     "argmin_everything": lambda h: h * (h.argmin() % 3),
+    # per-example lists of the sharded batch (Llava's list(image_features)): DTensor's
+    # unbind rule refused the sharded dim (NOTE: [unbind along a sharded dimension])
+    "unbind_batch": lambda h: torch.stack([row * (i + 1) for i, row in enumerate(h.unbind(0))]),
+    "list_of_rows": lambda h: torch.cat([row.flip(0)[None] for row in list(h)]) + h,
     # no DTensor rule: ones of ours
     "unfold_batch": lambda h: h.unfold(0, 2, 2).mean(-1).repeat_interleave(2, 0),
     "searchsorted": lambda h: h * torch.searchsorted(torch.tensor([-0.5, 0.0, 0.5]), h.detach()),

@@ -327,3 +327,50 @@ def test_a_way_no_program_holds_is_refused_when_taken():
         assert relative_difference(loss, compacting_step(reference, reference_optim, small)) < TOL
         worst = _worst_state_difference(model, reference, optim, reference_optim, sim)
     assert worst < TOL
+
+
+def torch_checked_step(model, optim, x, tokens):  # noqa: ANN001
+    """transformers' ``torch_compilable_check`` (Llava's image-token count against its
+    image features): ``torch._check_tensor_all_with`` on a 0-d tensor, and
+    ``torch._check`` on an ``.item()``."""
+    out = model(x)
+    placeholders = (tokens == 3).sum()
+    torch._check_tensor_all_with(
+        ValueError, placeholders * out.shape[-1] <= out.numel(), lambda: "too many image tokens"
+    )
+    torch._check(bool((x.abs() < 100).all().item()), lambda: "an input is out of range")
+    loss = F.mse_loss(out, x) + placeholders.double() * 1e-3
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torch_checks_on_values_are_checked_every_call(mode):
+    """``torch._check`` / ``torch._check_tensor_all_with`` on a traced value are value
+    checks (NOTE: [value checks]): they compiled as a value read before; a call where one
+    is false raises torch's message with nothing written."""
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(_mode(mode))(torch_checked_step)
+    gen = torch.Generator().manual_seed(3)
+    batches = [(x, torch.randint(0, 8, (BATCH, 4), generator=gen)) for x in _batches()]
+    with sc.simulate(world_size=2) as sim:
+        for x, tokens in batches:
+            loss = compiled(model, optim, x, tokens)
+            expected = torch_checked_step(reference, reference_optim, x, tokens)
+            assert relative_difference(loss, expected) < TOL
+        worst = _worst_state_difference(model, reference, optim, reference_optim, sim)
+        assert worst < TOL
+        assert compiled.last_program.captured.checks
+        before = {n: sim.full_tensor(p).clone() for n, p in model.named_parameters()}
+        out_of_range = batches[0][0].clone()
+        out_of_range[6, 0] = 1e3  # on the second rank's half
+        with pytest.raises(SPMDRuntimeError, match="out of range") as info:
+            compiled(model, optim, out_of_range, batches[0][1])
+        assert "Nothing was updated" in str(info.value)
+        for n, p in model.named_parameters():
+            assert torch.equal(sim.full_tensor(p), before[n]), n
+        with pytest.raises(RuntimeError, match="out of range"):  # eager raises too
+            torch_checked_step(copy.deepcopy(reference), copy.deepcopy(reference_optim),
+                               out_of_range, batches[0][1])
