@@ -400,3 +400,36 @@ def test_masks_of_one_count_on_gloo() -> None:
         errors.update({k: relative_difference(got["state"][k], w) for k, w in expected.items()})
         worst = max(errors, key=errors.__getitem__)
         assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+
+
+# NOTE: [torch.distributed inside the step] on real ranks, where the world size is 2: a
+# step ported from DDP (normalizing by the world size, all-reducing its logged loss,
+# gathering predictions) computes what it computes on one device
+def ported_worker(rank: int, world_size: int) -> dict[str, object]:
+    from tests.sim.test_distributed_calls import _batches, _model, ported_from_ddp_step
+
+    sc.init_from_env()
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(backend=backend_under_test())(ported_from_ddp_step)
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    results = [step(model, optim, x[local], y[local]) for x, y in _batches()]
+    return {"losses": torch.stack([loss.detach().clone() for loss, _ in results]),
+            "right": [int(r) for _, r in results], "state": full_state(model, optim, None)}
+
+
+def test_a_step_ported_from_ddp_on_gloo() -> None:
+    from tests.sim.test_distributed_calls import _batches, _model, one_device_step
+
+    results = sc.launch(ported_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = [one_device_step(model, optim, x, y) for x, y in _batches()]
+    state = full_state(model, optim, None)
+    for rank, got in enumerate(results):
+        assert got["right"] == [int(r) for _, r in expected], f"rank {rank}"
+        errors = {"losses": relative_difference(got["losses"], torch.stack([loss for loss, _ in expected]))}
+        errors.update({k: relative_difference(got["state"][k], w) for k, w in state.items()})
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < 1e-12, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"

@@ -1,0 +1,140 @@
+"""``torch.distributed`` called inside the step runs as on a world of one (NOTE:
+[torch.distributed inside the step]).
+
+A step ported from DDP normalizes by the world size, all-reduces its logged loss,
+gathers predictions: compiled, it computes what the same step computes on one device on
+the global batch (float64, 2 simulated ranks, within 1e-12). Before, the world size was
+baked in (the loss halved) and a collective failed with an unrelated error.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.capture import distributed_calls
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
+
+TOL = 1e-12
+BATCH, FEATURES, CLASSES = 8, 6, 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES)).double()
+
+
+def ported_from_ddp_step(model, optim, x, y):  # noqa: ANN001
+    """A DDP step: loss normalized by the global batch, the logged loss averaged over the
+    ranks, predictions gathered into a buffer sized by the world size, asynchronously."""
+    world = dist.get_world_size()
+    loss = F.cross_entropy(model(x), y, reduction="sum") / (x.shape[0] * world)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    logged = loss.detach().clone()
+    dist.all_reduce(logged, op=dist.ReduceOp.SUM)
+    logged /= world
+    predictions = model(x).argmax(-1)
+    gathered = torch.empty(world * predictions.shape[0], dtype=predictions.dtype)
+    dist.all_gather_into_tensor(gathered, predictions, async_op=True).wait()
+    pieces = [torch.empty_like(y) for _ in range(world)]
+    dist.all_gather(pieces, y)
+    right = (gathered == torch.cat(pieces)).sum()
+    if dist.get_rank() == 0:
+        right = right + 0  # rank-0-only logging in a ported step
+    dist.barrier()
+    return logged, right
+
+
+def one_device_step(model, optim, x, y):  # noqa: ANN001
+    """What ``ported_from_ddp_step`` computes on one device: a world of one."""
+    loss = F.cross_entropy(model(x), y, reduction="sum") / x.shape[0]
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach(), (model(x).argmax(-1) == y).sum()
+
+
+def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(4)
+    return [(torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64),
+             torch.randint(0, CLASSES, (BATCH,), generator=gen)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_step_ported_from_ddp_computes_as_one_device(mode, caplog, monkeypatch):
+    monkeypatch.setattr(distributed_calls, "_warned", set())  # once per line and process
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = sc.compile(make_mode(mode))(ported_from_ddp_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_compiler"), sc.simulate(world_size=2) as sim:
+        for x, y in _batches():
+            loss, right = compiled(model, optim, x, y)
+            expected_loss, expected_right = one_device_step(reference, reference_optim, x, y)
+            assert relative_difference(loss, expected_loss) < TOL
+            assert int(right) == int(expected_right)
+        worst = max({**compare_models(model, reference, sim),
+                     **compare_optimizers(optim, reference_optim, sim)}.values())
+    assert worst < TOL
+    warned = [r.getMessage() for r in caplog.records if "world of one" in r.getMessage()]
+    for name in ("get_world_size", "all_reduce", "all_gather_into_tensor", "all_gather", "get_rank"):
+        assert any(f"torch.distributed.{name} at" in w and "test_distributed_calls.py" in w
+                   for w in warned), name
+
+
+def test_a_gathered_list_sized_outside_the_step_is_refused():
+    world = 2  # read outside the step: the list is sized for two ranks
+
+    def step(model, optim, x, y):  # noqa: ANN001
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        pieces = [torch.empty_like(loss) for _ in range(world)]
+        dist.all_gather(pieces, loss.detach())
+        return torch.stack(pieces).mean()
+
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="2 output tensors") as info:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches(1)[0])
+    assert "dist.all_gather(pieces" in str(info.value)  # the line
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_point_to_point_calls_are_refused():
+    def step(model, optim, x, y):  # noqa: ANN001
+        loss = F.cross_entropy(model(x), y)
+        dist.send(loss.detach(), dst=1)
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = _model()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="dist.send|distributed.send") as info:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches(1)[0])
+    assert "no peer" in str(info.value) and "test_distributed_calls.py" in str(info.value)
+
+
+def test_the_process_group_is_answered_as_before_after_the_trace():
+    """Only the trace sees a world of one: after the call, torch.distributed is torch's."""
+    model = _model()
+    compiled = sc.compile(make_mode("ddp"))(one_device_step)
+    with sc.simulate(world_size=2):
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches(1)[0])
+        assert dist.get_world_size() == 2
+        assert dist.all_reduce is dist.distributed_c10d.all_reduce
