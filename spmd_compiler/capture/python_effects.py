@@ -32,6 +32,7 @@ values; later calls run only the program. Three effects would silently differ:
   ``param.data = param``) it does nothing, as eager's does; where it would change one,
   it is refused naming the module, the tensor and the line: the program's state keeps
   the dtype and device it was compiled with.
+- A clock read (``time.perf_counter()``): NOTE: [host clock at capture].
 - ``torch.distributed`` calls in the step: NOTE: [torch.distributed inside the step].
 Tensors the step stores in Python objects are NOTE: [tensors the step keeps].
 """
@@ -53,6 +54,7 @@ import torch.fx
 
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack, node_error
 from .distributed_calls import distributed_calls_as_one_device
+from .host_clock import refuse_clock_reads
 from .kept_tensors import is_traced
 
 log = logging.getLogger("spmd_compiler")
@@ -116,6 +118,7 @@ def python_effects(step_code: Any) -> Iterator[None]:
                     real = getattr(owner, name)
                     stack.enter_context(mock.patch.object(owner, name, refuse_reseed(name, real)))
         stack.enter_context(_refuse_host_random_draws())
+        stack.enter_context(refuse_clock_reads())
         stack.enter_context(_library_caches_called_through())
         stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _conversion_that_changes_nothing))
         stack.enter_context(distributed_calls_as_one_device(step_code))

@@ -9,6 +9,7 @@ still refused by name.
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -170,3 +171,26 @@ def test_an_if_on_a_compared_item_branches_and_comparisons_return(mode):
             assert [got[k] for k in ("high", "some_right", "none_right")] == [
                 want[k] for k in ("high", "some_right", "none_right")]
         assert max(compare_models(model, reference, sim).values()) < TOL
+
+
+def timed_step(model, optim, x, y):  # noqa: ANN001
+    start = time.perf_counter()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item(), time.perf_counter() - start
+
+
+def test_a_clock_read_in_the_step_is_refused():
+    """NOTE: [host clock at capture]: the returned elapsed time was the capture's on every
+    call; now refused with the line, the model untouched, and the clock is torch's again."""
+    model = _model()
+    before = copy.deepcopy(model)
+    compiled = sc.compile(make_mode("ddp"))(timed_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="reads the clock") as info:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches()[0])
+    assert "start = time.perf_counter()" in str(info.value)
+    assert "outside the compiled step" in str(info.value)
+    assert max(compare_models(model, before, None).values()) == 0.0
+    assert time.perf_counter.__module__ == "time"

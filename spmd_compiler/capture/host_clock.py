@@ -1,0 +1,85 @@
+"""Clock reads by the step's own code while it is traced: refused.
+
+NOTE: [host clock at capture]
+A compiled step runs its Python once, at capture. A clock read there
+(``t0 = time.perf_counter()`` ... ``return loss, time.perf_counter() - t0``, a
+timestamp in a returned dict, a schedule computed from ``time.time()``) is a number of
+that moment: every later call returned the capture's elapsed time (measured: 0.0537 s on
+every call of a step whose calls took 2 ms), with no error. Like a draw from Python's
+``random`` (NOTE: [host random numbers at capture]) it is refused, naming the line,
+while the step is traced: ``time.time`` / ``time_ns`` / ``perf_counter`` /
+``perf_counter_ns`` / ``monotonic`` / ``monotonic_ns`` / ``process_time`` /
+``process_time_ns`` called from the user's own files (not from torch, this project,
+the standard library or installed packages, whose clock reads time their own work:
+logging's timestamps, a progress bar). Limit: a function imported by name before the
+trace (``from time import perf_counter``) is not seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+from ..errors import SPMDCompileError, innermost_model_frame_of_stack
+
+CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
+          "process_time", "process_time_ns")
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# files whose clock reads are their own business: torch, this project, the standard
+# library and installed packages
+_NOT_THE_USERS = tuple(
+    os.path.abspath(p) + os.sep
+    for p in {
+        os.path.dirname(os.path.abspath(torch.__file__)),
+        os.path.join(_PACKAGE_ROOT, "spmd_compiler"),
+        os.path.join(_PACKAGE_ROOT, "parallel_modes"),
+        os.path.join(_PACKAGE_ROOT, "passes"),
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+    }
+)
+
+
+def _users_file(filename: str) -> bool:
+    return not filename.startswith("<") and not os.path.abspath(filename).startswith(_NOT_THE_USERS)
+
+
+@contextlib.contextmanager
+def refuse_clock_reads() -> Iterator[None]:
+    """While the step is traced, a clock read from the user's own code raises (the NOTE)."""
+    tracing_thread = threading.get_ident()
+
+    def refused(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def read(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if threading.get_ident() != tracing_thread or not _users_file(caller):
+                return real(*args, **kwargs)
+            raise SPMDCompileError(
+                f"The train step reads the clock (time.{name}()): a compiled step runs its "
+                "Python once, at capture, so every call would reuse the time read then "
+                "(NOTE: [host clock at capture]).",
+                user_line=innermost_model_frame_of_stack(),
+                hint="time the call outside the compiled step (t0 = time.perf_counter(); "
+                "loss = step(...); elapsed = time.perf_counter() - t0).",
+            )
+        return read
+
+    with contextlib.ExitStack() as stack:
+        for name in CLOCKS:
+            real = getattr(time, name, None)
+            if real is not None:
+                stack.enter_context(mock.patch.object(time, name, refused(name, real)))
+        yield
+
+
+__all__ = ["CLOCKS", "refuse_clock_reads"]
