@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -350,11 +349,9 @@ class CompiledTrainStep:
                 program, guards, load_seconds = loaded
                 how, capture_seconds = "hit", 0.0
             else:
-                recording: contextlib.AbstractContextManager[dict[str, str | None]] = (
-                    step_key.record_environment() if pre_key else contextlib.nullcontext({})
-                )
-                with progress.stage("capture"), recording as environment:
+                with progress.stage("capture"), step_key.record_environment() as environment:
                     captured, guards = self._capture_guarded(bindings, input_metas, decisions)
+                guards.add_environment(environment)
                 capture_seconds = captured.capture_seconds
                 program, how, load_seconds, program_key = self._cached_or_built(
                     captured, mesh, progress

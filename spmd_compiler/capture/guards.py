@@ -19,7 +19,10 @@ missing a value):
   it names that holds a scalar, and each scalar attribute it names of a module, class
   or object it reaches that way;
 - non-tensor arguments that are not graph inputs, and the scalar attributes of object
-  arguments.
+  arguments;
+- the environment variables the capture read (``os.environ[...]``, ``os.getenv``), by
+  the step or by a library it calls (a library's reads while it is first imported are
+  its own settings and left out).
 A check is a loop of dictionary lookups and identity tests (measured on the demo GPT in
 the README). A value the trace itself changes (a Python counter in ``forward``) cannot be
 replayed by a compiled program: the step is captured twice and refused if it changes
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import sysconfig
 import types
@@ -86,6 +90,15 @@ class Guards:
         the arguments])."""
         self.entries.append((_TENSOR, container, (key, tensor), ("the same tensor", version)))
         self.names.append(name)
+
+    def add_environment(self, reads: dict[str, str | None]) -> None:
+        """The environment variables the capture read (name -> value, None when unset)
+        keep those values (``os.getenv("SCALE")`` in the step: a new value recompiles)."""
+        for name, value in reads.items():
+            if name.startswith("<"):  # the whole environment was iterated: no one value
+                continue
+            self.entries.append((_DICT, os.environ, name, _MISSING if value is None else value))
+            self.names.append(f"environment variable {name}")
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -9,6 +9,7 @@ kept the first value (one compile, loss off by up to 0.7 relative).
 from __future__ import annotations
 
 import logging
+import os
 import types
 
 import pytest
@@ -309,3 +310,29 @@ def test_int_argument_changing_every_call_warns(classification_batches, caplog):
     assert len(warnings) == 1 and warnings[0].startswith(
         "argument 4 of the step changed on 3 calls of counted_step"
     ), warnings
+
+
+def env_weighted_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y) * float(os.environ.get("SPMD_TEST_LOSS_WEIGHT", "1"))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_changed_environment_variable_recompiles(run_parity, classification_batches, monkeypatch, caplog):
+    """An environment variable the step reads is a guard: it kept its capture value
+    before (0.7 relative off the loss)."""
+    def before_step(i, model, reference):
+        monkeypatch.setenv("SPMD_TEST_LOSS_WEIGHT", str(TEMPERATURES[i]))
+
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"):
+        result = run_parity(
+            _mlp, sgd_momentum, 2, classification_batches(len(TEMPERATURES)),
+            step=env_weighted_step, before_step=before_step,
+        )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+    changes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
+    assert any("environment variable SPMD_TEST_LOSS_WEIGHT was '1.0', now '4.0'" in c
+               for c in changes), changes
