@@ -19,6 +19,9 @@ from ..runtime.simulate import Simulation
 
 
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if actual.is_complex() or expected.is_complex():  # both parts, not the real one alone
+        actual = torch.view_as_real(actual.detach().to(torch.complex128).resolve_conj())
+        expected = torch.view_as_real(expected.detach().to(torch.complex128).resolve_conj())
     actual = actual.detach().to(torch.float64).cpu()
     expected = expected.detach().to(torch.float64).cpu()
     if actual.shape != expected.shape:
