@@ -114,6 +114,7 @@ from .python_effects import (
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .strided_windows import names_its_elements_in_order
+from .tensor_indices import TensorIndicesTaken
 from .traced_items import (
     ItemsAsOutputs,
     ItemUsedInPython,
@@ -902,6 +903,7 @@ class _StepTracer:
             real_inputs = [t for _, t in b.tensor_args()]
             # NOTE: [selections by a mask of the batch], NOTE: [rows of one count]
             stack.enter_context(mask_selections(self.refs, real_inputs.__getitem__))
+            stack.enter_context(TensorIndicesTaken())  # NOTE: [0-d tensor indices at capture]
             stack.enter_context(python_effects(self.func.__code__))
             stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]

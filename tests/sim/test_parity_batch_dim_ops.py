@@ -44,6 +44,12 @@ OPS = {
     # unbind rule refused the sharded dim (NOTE: [unbind along a sharded dimension])
     "unbind_batch": lambda h: torch.stack([row * (i + 1) for i, row in enumerate(h.unbind(0))]),
     "list_of_rows": lambda h: torch.cat([row.flip(0)[None] for row in list(h)]) + h,
+    # a 0-d integer tensor as an index (NOTE: [0-d tensor indices at capture]): a value
+    # read, refused at capture before; a feature chosen over the batch, a row of the
+    # sharded batch chosen by the data
+    "feature_by_argmax": lambda h: h * h[:, h.detach().mean(0).argmax()].unsqueeze(1),
+    "row_by_argmax": lambda h: h * h[h.detach().sum(1).argmax()],
+    "row_by_negative_tensor": lambda h: h + h[..., torch.tensor(-1) - h.detach().argmin() % 2, :].mean(),
     # no DTensor rule: ones of ours
     "unfold_batch": lambda h: h.unfold(0, 2, 2).mean(-1).repeat_interleave(2, 0),
     "searchsorted": lambda h: h * torch.searchsorted(torch.tensor([-0.5, 0.0, 0.5]), h.detach()),
