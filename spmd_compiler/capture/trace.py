@@ -680,6 +680,7 @@ def _capture(
             text,
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+            hint=_COMPILED_INSIDE_HINT if _COMPILED_INSIDE in str(exc) else None,
         ) from exc
     _check_float_arguments_read(first, [r for r, _ in inputs])
     _drop_refused_value_reads(first)
@@ -708,6 +709,17 @@ def _capture(
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
     return captured
+
+
+# torch's words when a trace reaches a function wrapped by torch.compile (transformers'
+# flex_attention path compiles create_block_mask and flex_attention)
+_COMPILED_INSIDE = "symbolically trace a dynamo-optimized function"
+_COMPILED_INSIDE_HINT = (
+    "a function compiled with torch.compile runs inside the step, which a compiled step "
+    "cannot trace: call it uncompiled. For a transformers model with "
+    "attn_implementation='flex_attention', use 'sdpa' (or 'eager'); sc.compile(..., "
+    "backend=\"inductor\") lowers the whole step to kernels."
+)
 
 
 # `if`s on tensor values one traced call may meet (NOTE: [value checks])
