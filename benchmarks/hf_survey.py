@@ -4,7 +4,9 @@ The zoo (``benchmarks/zoo.py`` MODELS, ``tests/models``) checks four architectur
 every mode; this survey widens the net: Mistral (sliding window), Qwen2, GPT-NeoX
 (partial rotary), OPT, BLOOM (ALiBi), Phi, Gemma, GPT-J, T5 (encoder-decoder, relative
 position bias), two mixtures of experts, DeBERTa-v2 (sequence classification,
-disentangled attention) and BEiT (relative position bias), each in its default
+disentangled attention), BEiT (relative position bias), and since the twentieth session
+OLMo2, Phi-3, StarCoder2, SwitchTransformers, LongT5, BigBird-Pegasus, RWKV, ModernBERT and
+Llava (a vision-language model), each in its default
 configuration (dropout 0), under ddp and fsdp on 2 simulated ranks, float64, 2 AdamW steps, against the undecorated step on one device on
 the global batch. Writes ``benchmarks/results/hf_survey.{json,md}``.
 

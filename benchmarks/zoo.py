@@ -162,6 +162,45 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                               decoder_hidden_size=32, decoder_num_hidden_layers=1,
                               decoder_num_attention_heads=4, decoder_intermediate_size=64,
                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # more decoders and encoder-decoders probed by hand on 2026-11-26 (twentieth session),
+    # each with its own twist: OLMo2's q/k norms over the whole projection, Phi-3's fused
+    # qkv / gate-up projections, StarCoder2's LayerNorm and biases, SwitchTransformers'
+    # top-1 router (it converts its classifier to its own dtype in forward), LongT5's
+    # transient-global attention, BigBird-Pegasus' block-sparse encoder, RWKV's time mix,
+    # ModernBERT's alternating local / global attention
+    "olmo2": _small_model("Olmo2ForCausalLM", "Olmo2Config", hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64),
+    "phi3": _small_model("Phi3ForCausalLM", "Phi3Config", hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64, pad_token_id=0),
+    "starcoder2": _small_model("Starcoder2ForCausalLM", "Starcoder2Config", hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64,
+                             residual_dropout=0.0, embedding_dropout=0.0),
+    "switch": _small_model("SwitchTransformersForConditionalGeneration", "SwitchTransformersConfig",
+                         d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=2,
+                         num_heads=4, num_experts=4, expert_capacity=8, router_jitter_noise=0.0,
+                         dropout_rate=0.0, decoder_start_token_id=0),
+    "longt5": _small_model("LongT5ForConditionalGeneration", "LongT5Config", d_model=32, d_ff=64,
+                         d_kv=8, num_layers=2, num_heads=4, local_radius=4, dropout_rate=0.0,
+                         decoder_start_token_id=0, encoder_attention_type="transient-global",
+                         global_block_size=4),
+    "bigbird_pegasus": _small_model("BigBirdPegasusForConditionalGeneration", "BigBirdPegasusConfig",
+                                  d_model=32, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4,
+                                  encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                  block_size=4, num_random_blocks=1),
+    "rwkv": _small_model("RwkvForCausalLM", "RwkvConfig", hidden_size=32, num_hidden_layers=2,
+                       attention_hidden_size=32, intermediate_size=64, context_length=LENGTH),
+    "modernbert": _small_model("ModernBertForMaskedLM", "ModernBertConfig", hidden_size=32,
+                             num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                             max_position_embeddings=64, local_attention=8,
+                             global_attn_every_n_layers=2, pad_token_id=0),
+    # a vision-language model: CLIP's vision tower into Llama, the image's patch features
+    # written at its image tokens (a `torch._check` on their count: NOTE: [value checks])
+    "llava": lambda: _llava(),
     # sequence classification as DeBERTa-v3 (the v2 architecture) is fine-tuned: its loss
     # selects the labelled rows with `(labels >= 0).nonzero()` (NOTE: [selections by a
     # mask of the batch])
@@ -177,6 +216,22 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                         use_relative_position_bias=True, drop_path_rate=0.0,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
 }
+
+
+LLAVA_IMAGE_TOKEN, LLAVA_PATCHES = 2, 16  # a 16x16 image in 4x4 patches
+
+
+def _llava() -> torch.nn.Module:
+    t = _transformers()
+    vision = t.CLIPVisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64, image_size=16, patch_size=4)
+    text = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    return t.LlavaForConditionalGeneration(t.LlavaConfig(
+        vision_config=vision.to_dict(), text_config=text.to_dict(),
+        image_token_id=LLAVA_IMAGE_TOKEN, vision_feature_layer=-1,
+    ))
 
 
 def _updated(optim, loss):
@@ -199,13 +254,17 @@ def vit_step(model, optim, pixel_values, labels):
     return _updated(optim, model(pixel_values=pixel_values, labels=labels).loss)
 
 
+def image_text_step(model, optim, input_ids, pixel_values, labels):
+    return _updated(optim, model(input_ids=input_ids, pixel_values=pixel_values, labels=labels).loss)
+
+
 def masked_video_step(model, optim, pixel_values, bool_masked_pos):
     return _updated(optim, model(pixel_values=pixel_values, bool_masked_pos=bool_masked_pos).loss)
 
 
 STEPS = {
     "gpt2": causal_lm_step, "llama": causal_lm_step, "bert": bert_step, "vit": vit_step,
-    "beit": vit_step, "videomae_pt": masked_video_step,
+    "beit": vit_step, "videomae_pt": masked_video_step, "llava": image_text_step,
 }
 VIDEO_TOKENS, VIDEO_MASKED = 8, 6  # tubelets per clip of videomae_pt, masked per example
 # models whose batches are (ids, class labels); their step is causal_lm_step's
@@ -256,6 +315,11 @@ def batches(kind: str, steps: int = 2, dtype: torch.dtype = torch.float64) -> li
             masked = torch.stack([torch.randperm(VIDEO_TOKENS, generator=gen) < VIDEO_MASKED
                                   for _ in range(BATCH)])
             out.append((clips.to(dtype), masked))
+        elif kind == "llava":  # the image's tokens first, then text
+            text = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=gen)
+            ids = torch.cat([torch.full((BATCH, LLAVA_PATCHES), LLAVA_IMAGE_TOKEN), text], 1)
+            pixels = torch.randn(BATCH, 3, 16, 16, generator=gen, dtype=torch.float64)
+            out.append((ids, pixels.to(dtype), ids.clone()))
         elif STEPS.get(kind) is vit_step:
             pixels = torch.randn(BATCH, 3, 16, 16, generator=gen, dtype=torch.float64)
             out.append((pixels.to(dtype), labels))

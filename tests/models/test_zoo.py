@@ -164,7 +164,8 @@ def test_float32_differences_come_from_adam(kind):
 # (transformers computes it in float32: 2.7e-7 otherwise, float32-exact). DeBERTa-v2
 # classification (its loss selects rows with `nonzero`) and BEiT (a memoized position
 # index) under ddp in CI too.
-_SURVEY_IN_CI = {("t5", "ddp"), ("deberta_v2", "ddp"), ("beit", "ddp"), ("mixtral_grouped_mm", "ddp")}
+_SURVEY_IN_CI = {("t5", "ddp"), ("deberta_v2", "ddp"), ("beit", "ddp"), ("mixtral_grouped_mm", "ddp"),
+                 ("llava", "ddp")}
 SURVEY_CASES = [
     (kind, mode, [] if (kind, mode) in _SURVEY_IN_CI else [pytest.mark.slow])
     for kind in SURVEY_MODELS for mode in ("ddp", "fsdp")
