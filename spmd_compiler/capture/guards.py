@@ -57,8 +57,9 @@ _SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "pass
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 # Entry kinds: read ``container.get(key)``, a closure cell, a step argument, a dict length,
-# a tensor's identity and version (NOTE: [tensors read from outside the arguments]).
-_DICT, _CELL, _ARG, _LEN, _TENSOR = range(5)
+# a tensor's identity and version (NOTE: [tensors read from outside the arguments]), how
+# far an iterator has gone (``iterator_position``).
+_DICT, _CELL, _ARG, _LEN, _TENSOR, _ITERATOR = range(6)
 
 
 @dataclass
@@ -124,6 +125,8 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
         return _frozen(container.get(key, _MISSING))
     if kind == _LEN:
         return len(container)
+    if kind == _ITERATOR:
+        return iterator_position(container)
     if kind == _CELL:
         try:
             return _frozen(container.cell_contents)
@@ -139,6 +142,31 @@ def _frozen(value: Any) -> Any:
     if type(value) is dict:
         return tuple((k, _frozen(v)) for k, v in value.items())
     return value
+
+
+def iterator_position(value: Any) -> Any:
+    """How far an iterator the step can reach has gone, for the iterators whose position
+    can be read (``itertools.count``, a generator's frame, a list or range iterator, a
+    DataLoader's iterator); None for anything else. ``next(counter)`` in the step changes
+    it at capture, which the guards then refuse (the program would reuse the value the
+    capture drew: NOTE: [guards on Python values])."""
+    if isinstance(value, (torch.Tensor, str, bytes, dict, list, tuple)) or not hasattr(value, "__next__"):
+        return None
+    if isinstance(value, types.GeneratorType):
+        frame = value.gi_frame
+        if frame is None:
+            return ("finished",)
+        scalars = tuple((k, v) for k, v in frame.f_locals.items() if is_scalar(v))
+        return ("generator", frame.f_lasti, scalars)
+    yielded = getattr(value, "_num_yielded", None)  # torch's DataLoader iterators
+    if isinstance(yielded, int):
+        return ("yielded", yielded)
+    try:
+        reduced = value.__reduce__()
+    except Exception:  # noqa: BLE001 - an iterator that cannot say where it is
+        return None
+    state = [part for part in reduced[1:] if is_scalar(part)] if isinstance(reduced, tuple) else []
+    return (type(value).__name__, *state) if state else None
 
 
 def _show(value: Any) -> str:
@@ -175,6 +203,8 @@ def build_guards(
             continue
         if is_scalar(arg):
             guards.add(_ARG, None, i, arg, f"argument {i} of the step")
+        elif walker.iterator(arg, f"argument {i} of the step"):
+            continue
         elif hasattr(arg, "__dict__"):
             walker.object_dict(arg, f"argument {i} of the step", OBJECT_DEPTH)
     classes: dict[type, None] = {}
@@ -228,6 +258,8 @@ class _Walker:
             return
         if is_scalar(value):
             self.guards.add(_DICT, d, key, value, name)
+        elif self.iterator(value, name):
+            return
         elif type(value) is dict and depth > 0:
             self.guards.add(_LEN, value, None, len(value), f"the number of entries of {name}")
             for k, v in value.items():
@@ -287,7 +319,7 @@ class _Walker:
                 continue
             if is_scalar(value):
                 self.guards.add(_CELL, cell, None, value, f"closure value {name!r} of {where}")
-            else:
+            elif not self.iterator(value, f"closure value {name!r} of {where}"):
                 reached.append(value)
         for obj in reached:
             self.attributes(obj, names, where)
@@ -297,8 +329,16 @@ class _Walker:
             return
         if is_scalar(value):
             self.guards.add(_DICT, d, name, value, label)
-        else:
+        elif not self.iterator(value, label):
             reached.append(value)
+
+    def iterator(self, value: Any, label: str) -> bool:
+        """Guard where an iterator the step reaches has got to; whether it was one."""
+        position = iterator_position(value)
+        if position is None:
+            return False
+        self.guards.add(_ITERATOR, value, None, position, f"the position of iterator {label}")
+        return True
 
     def attributes(self, obj: Any, names: set[str], where: str) -> None:
         """Functions ``obj`` leads to are walked; the scalar attributes the code names

@@ -115,7 +115,8 @@ def outside_constants(
                 hint="register it on the model (model.register_buffer('name', t)) and read "
                 "it from there, or create it inside the step; a loss module holding one "
                 "(nn.CrossEntropyLoss(weight=w)) can be passed to the step as an argument, "
-                "train_step(model, criterion, optimizer, x, y).",
+                "train_step(model, criterion, optimizer, x, y); a batch drawn inside the "
+                "step (x, y = next(batches)) is drawn outside and passed as arguments.",
             )
         label, container, key, tensor = found[id(value)]
         alias = aliases_state(tensor, bindings)

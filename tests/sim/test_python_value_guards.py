@@ -8,6 +8,7 @@ kept the first value (one compile, loss off by up to 0.7 relative).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import types
@@ -18,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
+from spmd_compiler.capture import guards
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.ir.signature import Kind
 
@@ -336,3 +338,65 @@ def test_changed_environment_variable_recompiles(run_parity, classification_batc
     changes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
     assert any("environment variable SPMD_TEST_LOSS_WEIGHT was '1.0', now '4.0'" in c
                for c in changes), changes
+
+
+WARMUP_STEPS = itertools.count(1)
+
+
+def iterator_warmup_step(model, optim, x, y):  # noqa: ANN001
+    """A warm-up factor from a global counter: ``next`` ran once, at capture, and the
+    program kept the first factor on every call (0.5 relative off by the third step)."""
+    loss = F.cross_entropy(model(x), y) * min(1.0, next(WARMUP_STEPS) / 3)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _generator_step():
+    factors = (min(1.0, i / 3) for i in itertools.count(1))
+
+    def step(model, optim, x, y):  # noqa: ANN001
+        loss = F.cross_entropy(model(x), y) * next(factors)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    return step
+
+
+class _Stepper:
+    def __init__(self) -> None:
+        self.ticks = iter(range(100))
+
+    def step(self, model, optim, x, y):  # noqa: ANN001
+        loss = F.cross_entropy(model(x), y) * (1 + next(self.ticks))
+        loss.backward()
+        optim.step()
+        return loss
+
+
+@pytest.mark.parametrize("where", ["global", "closure", "attribute"])
+def test_an_iterator_advanced_by_the_step_is_refused(classification_batches, where):
+    step = {"global": lambda: iterator_warmup_step, "closure": _generator_step,
+            "attribute": lambda: _Stepper().step}[where]()
+    model = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = sc.compile()(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="changes a Python value") as info:
+        compiled(model, sgd_momentum(model), *classification_batches(1)[0])
+    assert "the position of iterator" in str(info.value)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_iterator_positions():
+    counter, letters = itertools.count(5), iter([1, 2, 3])
+    generator = (i for i in range(3))
+    first = [guards.iterator_position(it) for it in (counter, letters, generator)]
+    for it in (counter, letters, generator):
+        next(it)
+    assert all(a is not None for a in first)
+    assert all(a != guards.iterator_position(it) for a, it in zip(first, (counter, letters, generator)))
+    assert guards.iterator_position([1, 2]) is None and guards.iterator_position(torch.ones(2)) is None
