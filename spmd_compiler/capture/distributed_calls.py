@@ -21,7 +21,9 @@ collective does what it does on a world of one: ``all_reduce`` / ``reduce`` /
 ``barrier`` does nothing, the object collectives keep the object. That is what the
 single-device reference computes (a world of one), and on the global values of the trace
 it is what DDP computes from local ones: the mean loss above is the global mean, a
-gathered metric is the global batch's. Each such call logs a warning naming its line,
+gathered metric is the global batch's. ``torch.distributed.nn.functional``'s
+collectives with a backward (a contrastive loss gathering features across ranks) return
+their one piece the same way. Each such call logs a warning naming its line,
 once per line and step. Refused, with the line: buffers sized for more than one rank
 (``all_gather`` into a list of 2: the code read the world size outside the step), and
 point-to-point calls (``send`` / ``recv``: no peer on one device). Calls from torch and
@@ -192,6 +194,28 @@ def _world_of_one() -> dict[str, Callable[..., Any]]:
     return calls
 
 
+def _autograd_world_of_one() -> dict[str, Callable[..., Any]]:
+    """``torch.distributed.nn.functional`` (collectives with a backward, as contrastive
+    losses gather features with) on a world of one: each returns its one piece."""
+
+    def one_piece(name: str, pieces: Any) -> Any:
+        return _one_piece(name, pieces, "tensors")
+
+    return {
+        "all_gather": lambda tensor, group=None: (tensor,),
+        "all_reduce": lambda tensor, op=None, group=None: tensor,
+        "broadcast": lambda tensor, src, group=None: tensor,
+        "reduce": lambda tensor, dst, op=None, group=None: tensor,
+        "reduce_scatter": lambda output, input_list, op=None, group=None: one_piece(
+            "nn.functional.reduce_scatter", input_list),
+        "all_to_all": lambda output_tensor_list, input_tensor_list, group=None: (
+            one_piece("nn.functional.all_to_all", input_tensor_list),),
+        "all_to_all_single": lambda output, input, *a, **k: input,
+        "gather": lambda tensor, dst=0, group=None: (tensor,),
+        "scatter": lambda tensors, src=0, group=None: one_piece("nn.functional.scatter", tensors),
+    }
+
+
 def _answered(name: str, real: Callable[..., Any], one: Callable[..., Any], step_code: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
@@ -225,6 +249,16 @@ def distributed_calls_as_one_device(step_code: Any) -> Iterator[None]:
             for owner in (dist, dist.distributed_c10d):
                 if getattr(owner, name, None) is real:
                     stack.enter_context(mock.patch.object(owner, name, answered))
+        autograd = sys.modules.get("torch.distributed.nn.functional")
+        if autograd is not None:  # imported by the user's code
+            for name, one in _autograd_world_of_one().items():
+                real = getattr(autograd, name, None)
+                if real is None:
+                    continue
+                answered = _answered(f"nn.functional.{name}", real, one, step_code)
+                for owner in (autograd, sys.modules.get("torch.distributed.nn")):
+                    if getattr(owner, name, None) is real:  # re-exported by torch.distributed.nn
+                        stack.enter_context(mock.patch.object(owner, name, answered))
         yield
 
 

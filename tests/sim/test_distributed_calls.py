@@ -138,3 +138,52 @@ def test_the_process_group_is_answered_as_before_after_the_trace():
         compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches(1)[0])
         assert dist.get_world_size() == 2
         assert dist.all_reduce is dist.distributed_c10d.all_reduce
+
+
+class _TwoTowers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = nn.Linear(FEATURES, 8).double()
+        self.text = nn.Linear(FEATURES, 8).double()
+
+
+def gathered_contrastive_step(model, optim, x, t):  # noqa: ANN001
+    """open_clip's loss as DDP code writes it: features gathered with their gradient
+    (``torch.distributed.nn.all_gather``), labels offset by the rank."""
+    import torch.distributed.nn as dist_nn
+
+    image, text = F.normalize(model.image(x), dim=-1), F.normalize(model.text(t), dim=-1)
+    all_image, all_text = torch.cat(dist_nn.all_gather(image)), torch.cat(dist_nn.all_gather(text))
+    labels = torch.arange(image.shape[0]) + dist.get_rank() * image.shape[0]
+    loss = (F.cross_entropy(10 * image @ all_text.T, labels)
+            + F.cross_entropy(10 * text @ all_image.T, labels)) / 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def contrastive_on_one_device(model, optim, x, t):  # noqa: ANN001
+    image, text = F.normalize(model.image(x), dim=-1), F.normalize(model.text(t), dim=-1)
+    labels = torch.arange(image.shape[0])
+    loss = (F.cross_entropy(10 * image @ text.T, labels) + F.cross_entropy(10 * text @ image.T, labels)) / 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_features_gathered_with_their_gradient_compute_as_one_device(mode):
+    model, reference = _TwoTowers(), _TwoTowers()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiled = sc.compile(make_mode(mode))(gathered_contrastive_step)
+    gen = torch.Generator().manual_seed(6)
+    with sc.simulate(world_size=2) as sim:
+        for _ in range(3):
+            x, t = (torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64) for _ in range(2))
+            loss = compiled(model, optim, x, t)
+            assert relative_difference(loss, contrastive_on_one_device(reference, reference_optim, x, t)) < TOL
+        assert max(compare_models(model, reference, sim).values()) < TOL
