@@ -256,9 +256,9 @@ def distributed_calls_as_one_device(step_code: Any) -> Iterator[None]:
                 if real is None:
                     continue
                 answered = _answered(f"nn.functional.{name}", real, one, step_code)
-                for owner in (autograd, sys.modules.get("torch.distributed.nn")):
-                    if getattr(owner, name, None) is real:  # re-exported by torch.distributed.nn
-                        stack.enter_context(mock.patch.object(owner, name, answered))
+                for module in (autograd, sys.modules.get("torch.distributed.nn")):
+                    if getattr(module, name, None) is real:  # re-exported by torch.distributed.nn
+                        stack.enter_context(mock.patch.object(module, name, answered))
         yield
 
 
