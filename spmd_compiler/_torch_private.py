@@ -1769,6 +1769,7 @@ def install_dtensor_gap_fills() -> None:
     _install_fill_strategies()
     _install_weight_norm_strategies()
     _install_per_sample_strategies()
+    _install_fft_strategies()
     _install_copy_strategy()
     _install_distance_strategies()
     _install_along_dim_strategies()
@@ -2663,6 +2664,31 @@ def _install_per_sample_strategies() -> None:
         op = getattr(torch.ops.aten, name).default
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule_for(spatial, linear, outputs))
+
+
+def _install_fft_strategies() -> None:
+    """Gap on torch 2.11 (2.13 has these rules): no DTensor rule for the FFT kernels
+    (``torch.fft.rfft2`` / ``irfft2`` / ``fft``: ``_fft_r2c``, ``_fft_c2r``, ``_fft_c2c``;
+    a Fourier neural operator was refused). Each transforms the dimensions in its ``dim``
+    argument and treats every other index alike, and is linear: replicated; sharded on a
+    dimension it does not transform (the output keeps the dimension); a ``Partial``
+    input to a ``Partial`` output."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def rule(x: Any, dim: Any, *rest: Any) -> list[tuple[list, list]]:
+        extra: list[Any] = [None] * len(rest)
+        transformed = {d % len(x.shape) for d in dim}
+        out: list[tuple[list, list]] = [([Replicate()], [Replicate(), None, *extra]),
+                                        ([Partial()], [Partial(), None, *extra])]
+        out += [([Shard(d)], [Shard(d), None, *extra])
+                for d in range(len(x.shape)) if d not in transformed]
+        return out
+
+    for op in (torch.ops.aten._fft_r2c.default, torch.ops.aten._fft_c2r.default,
+               torch.ops.aten._fft_c2c.default):
+        if not _has_sharding_strategy(op):
+            register_sharding(op)(rule)
 
 
 def _install_copy_strategy() -> None:
