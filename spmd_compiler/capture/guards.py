@@ -218,6 +218,11 @@ def build_guards(
         if not skipped_module(cls.__module__):
             for fn in functions_of(inspect.getattr_static(cls, "forward", None)):
                 walker.function(fn, cls)
+    for mod in bindings.modules:  # iterators a forward names (next(self.it))
+        for fqn, sub in mod.named_modules():
+            for fn in functions_of(inspect.getattr_static(type(sub), "forward", None)):
+                if not skipped_function(fn):
+                    walker.named_iterators(sub, fn, f"module {fqn or '<root>'}")
     return guards
 
 
@@ -258,7 +263,10 @@ class _Walker:
             return
         if is_scalar(value):
             self.guards.add(_DICT, d, key, value, name)
-        elif self.iterator(value, name):
+        elif iterator_position(value) is not None:
+            # an iterator found by walking a whole object (a trainer's data iterator,
+            # advanced between calls) is guarded only where the step's code names it
+            # (``named_iterators``)
             return
         elif type(value) is dict and depth > 0:
             self.guards.add(_LEN, value, None, len(value), f"the number of entries of {name}")
@@ -284,6 +292,7 @@ class _Walker:
         if isinstance(func, types.MethodType):
             if plain_object(func.__self__):
                 self.object_dict(func.__self__, type(func.__self__).__name__, OBJECT_DEPTH)
+                self.named_iterators(func.__self__, func.__func__, type(func.__self__).__name__)
             func = func.__func__
         if isinstance(func, types.FunctionType):
             self.function(func)
@@ -291,6 +300,15 @@ class _Walker:
             self.object_dict(func, type(func).__name__, OBJECT_DEPTH)
             for fn in functions_of(inspect.getattr_static(type(func), "__call__", None)):
                 self.function(fn, type(func))
+
+    def named_iterators(self, obj: Any, fn: Any, name: str) -> None:
+        """The iterator attributes of ``obj`` that ``fn``'s code names (``next(self.ticks)``)."""
+        code = getattr(fn, "__code__", None)
+        if code is None or not hasattr(obj, "__dict__"):
+            return
+        d = vars(obj)
+        for attribute in set(names_in(code)) & d.keys():
+            self.iterator(d[attribute], f"{name}.{attribute}")
 
     def function(self, fn: types.FunctionType, cls: type | None = None) -> None:
         """Walk ``fn``'s code; with ``cls``, the methods of ``cls`` it names too (the
@@ -357,10 +375,10 @@ class _Walker:
             value = d[name]
             if id(value) in self.skipped:
                 continue
+            label = f"{getattr(obj, '__name__', type(obj).__name__)}.{name} read by {where}"
             if is_scalar(value):
-                label = f"{getattr(obj, '__name__', type(obj).__name__)}.{name} read by {where}"
                 self.guards.add(_DICT, d, name, value, label)
-            else:
+            elif not self.iterator(value, label):
                 for fn in functions_of(value):
                     self.function(fn)
 

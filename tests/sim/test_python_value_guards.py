@@ -400,3 +400,48 @@ def test_iterator_positions():
     assert all(a is not None for a in first)
     assert all(a != guards.iterator_position(it) for a, it in zip(first, (counter, letters, generator)))
     assert guards.iterator_position([1, 2]) is None and guards.iterator_position(torch.ones(2)) is None
+
+
+class _Trainer:
+    """A trainer object holding its data iterator; the loop draws from it between
+    calls of the compiled bound-method step, which never names it."""
+
+    def __init__(self, batches) -> None:  # noqa: ANN001
+        self.batches = iter(batches)
+        self.scale = 1.0
+
+    def step(self, model, optim, x, y):  # noqa: ANN001
+        loss = F.cross_entropy(model(x), y) * self.scale
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+
+def test_an_iterator_the_step_does_not_name_is_not_a_guard(classification_batches):
+    batches = classification_batches(4)
+    trainer = _Trainer(batches)
+    model = _mlp()
+    optim = sgd_momentum(model)
+    compiled = sc.compile()(trainer.step)
+    with sc.simulate(world_size=2):
+        for _ in range(4):
+            compiled(model, optim, *next(trainer.batches))
+    assert compiled.compile_count == 2  # the first step's program and the steady one
+
+
+class _Ticking(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.ticks = itertools.count(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * min(1.0, next(self.ticks) / 3)
+
+
+def test_an_iterator_a_forward_advances_is_refused(classification_batches, train_step):
+    model = _Ticking()
+    compiled = sc.compile()(train_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="position of iterator module <root>.ticks"):
+        compiled(model, sgd_momentum(model), *classification_batches(1)[0])
