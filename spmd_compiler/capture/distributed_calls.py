@@ -8,8 +8,8 @@ placements need. Steps ported from DDP still talk to the process group themselve
 ``loss.sum() / (x.shape[0] * dist.get_world_size())`` to normalize by the global batch,
 Accelerate's ``gather`` of metrics, a hand-written gradient all-reduce. Traced as they
 are, they were wrong or failed: the world size was baked into the program (the
-normalization above halved the loss on 2 ranks, the trace's batch already being
-global), a rank read in Python was rank 0's program on every rank, and a collective on
+normalization above divides by twice the global batch on 2 ranks, the trace's batch
+already being global), a rank read in Python was rank 0's program on every rank, and a collective on
 the trace's fake tensors failed with an unrelated error.
 
 So while the step is traced, the step's own code (anything not in torch or this

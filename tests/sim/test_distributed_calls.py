@@ -4,7 +4,7 @@
 A step ported from DDP normalizes by the world size, all-reduces its logged loss,
 gathers predictions: compiled, it computes what the same step computes on one device on
 the global batch (float64, 2 simulated ranks, within 1e-12). Before, the world size was
-baked in (the loss halved) and a collective failed with an unrelated error.
+baked in (the loss divided by twice the global batch) and a collective failed with an unrelated error.
 """
 
 from __future__ import annotations
