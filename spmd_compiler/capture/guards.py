@@ -98,8 +98,8 @@ class Guards:
         for name, value in reads.items():
             if name.startswith("<"):  # the whole environment was iterated: no one value
                 continue
-            self.entries.append((_DICT, os.environ, name, _MISSING if value is None else value))
-            self.names.append(f"environment variable {name}")
+            self.add(_DICT, os.environ, name, _MISSING if value is None else value,
+                     f"environment variable {name}")
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -212,17 +212,15 @@ def build_guards(
         for fqn, sub in mod.named_modules():
             name = (f"{mi}." if len(bindings.modules) > 1 else "") + (fqn or "<root>")
             walker.module(sub, f"module {name}")
+            for fn in functions_of(inspect.getattr_static(type(sub), "forward", None)):
+                if not skipped_function(fn):  # iterators its forward names (next(self.it))
+                    walker.named_iterators(sub, fn, f"module {name}")
             classes.setdefault(type(sub))
     walker.callable(func)
     for cls in classes:
         if not skipped_module(cls.__module__):
             for fn in functions_of(inspect.getattr_static(cls, "forward", None)):
                 walker.function(fn, cls)
-    for mod in bindings.modules:  # iterators a forward names (next(self.it))
-        for fqn, sub in mod.named_modules():
-            for fn in functions_of(inspect.getattr_static(type(sub), "forward", None)):
-                if not skipped_function(fn):
-                    walker.named_iterators(sub, fn, f"module {fqn or '<root>'}")
     return guards
 
 
