@@ -306,6 +306,14 @@ def data_dependent_error_types() -> tuple[type[BaseException], ...]:
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
+def value_dependent_shape_op(exc: BaseException) -> Any:
+    """The op of a fake-tensor error raised because the op's output shape depends on its
+    input's values (``nonzero``, ``bincount``, ``unique``, ...); None for other errors."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    return exc.func if isinstance(exc, DynamicOutputShapeException) else None
+
+
 def is_real_tensor_constant(t: torch.Tensor) -> bool:
     """True for a real (not fake) tensor met while a fake trace runs: a graph constant."""
     from torch._subclasses.fake_tensor import FakeTensor, maybe_get_fake_mode

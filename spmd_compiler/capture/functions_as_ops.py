@@ -11,7 +11,8 @@ through, refusing ``sparse=True`` with the user's line. Packed sequences stay pa
 run their masked recurrence. Rows selected by a mask stay in place with the mask beside
 them (NOTE: [selected rows kept in place]): every function first meets that rule.
 Overlapping windows made by ``as_strided`` are gathered by index (NOTE: [windows by
-as_strided]). One
+as_strided]). ``torch.cov`` and ``torch.corrcoef`` take their degrees of freedom from
+the shape (NOTE: [covariance at capture]). One
 ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
@@ -29,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
 from . import selected_rows
+from .covariance import corrcoef, cov
 from .ctc_loss import ctc_loss
 from .embedding_bag import embedding, embedding_bag
 from .margin_losses import multi_margin_loss, multilabel_margin_loss
@@ -45,6 +47,10 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     private.pad_packed_sequence_op(): pad_packed,
     torch.Tensor.as_strided: as_strided,
     torch.as_strided: as_strided,
+    torch.cov: cov,
+    torch.Tensor.cov: cov,
+    torch.corrcoef: corrcoef,
+    torch.Tensor.corrcoef: corrcoef,
 }
 
 

@@ -624,11 +624,19 @@ def _capture(
             raise
         raise named from exc
     except value_read_errors() as exc:
+        op = private.value_dependent_shape_op(exc)
         raise SPMDCompileError(
-            "The train step reads the value of a tensor in Python (control flow on a "
-            "tensor, .item(), .tolist() or a value-dependent shape), which cannot be "
-            f"captured into one graph{_where_it_failed(exc)}"
+            (
+                f"{op} in the train step makes a tensor of value-dependent shape (its size "
+                "depends on the values of its input), which cannot be captured into one graph"
+                if op is not None
+                else "The train step reads the value of a tensor in Python (control flow "
+                "on a tensor, .item(), .tolist() or a value-dependent shape), which cannot "
+                "be captured into one graph"
+            )
+            + _where_it_failed(exc)
             + (f": {exc}." if isinstance(exc, RowsOfAModelMaskCounted) else "."),
+            op=str(op) if op is not None else None,
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
             hint=(
@@ -636,7 +644,8 @@ def _capture(
                 "values]) and use the number outside the compiled step, or compute with "
                 "the tensor itself."
                 if isinstance(exc, ItemUsedInPython)
-                else "use ops whose output shape does not depend on values "
+                else _VALUE_SHAPE_HINTS.get(getattr(op, "__name__", "").split(".")[0])
+                or "use ops whose output shape does not depend on values "
                 "(torch.where(cond, a, b), masking) instead, or move the check "
                 "outside the compiled step."
             ),
@@ -824,6 +833,22 @@ def _check_float_arguments_read(gm: torch.fx.GraphModule, refs: list[StateRef]) 
     for node, ref in zip(placeholders(gm), refs, strict=True):
         if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0 and not node.users:
             raise FloatArgumentUsedInPython(f"argument {ref.index} is not read by the program")
+
+
+# What to write instead of an op whose output shape depends on values (by op name).
+_COUNTS_HINT = (
+    "count with a fixed length instead: torch.zeros(n).index_add_(0, labels, "
+    "torch.ones(len(labels))) or F.one_hot(labels, n).sum(0) for bincount(labels, "
+    "minlength=n); (counts > 0).sum() for the number of distinct labels."
+)
+_VALUE_SHAPE_HINTS = {
+    "bincount": _COUNTS_HINT,
+    "_unique2": _COUNTS_HINT,
+    "unique_dim": _COUNTS_HINT,
+    "unique_consecutive": _COUNTS_HINT,
+    "repeat_interleave": "pass repeats as a Python int or list (a shape), or expand and "
+    "mask with a fixed length.",
+}
 
 
 def _raised_in(exc: BaseException, filename: str) -> bool:

@@ -34,6 +34,10 @@ LOSSES = {
         out, y.argmax(-1), p=2, margin=0.5, weight=torch.linspace(0.5, 1.5, 6), reduction="sum"
     ),
     "multilabel_margin": lambda out, y: nn.MultiLabelMarginLoss()(out, _two_labels_then_stop(y)),
+    # NOTE: [covariance at capture]: ATen's cov reads its degrees of freedom as a value;
+    # the covariance of the features over the global batch, as a decorrelation penalty
+    "cov_penalty": lambda out, y: F.mse_loss(out, y) + 0.1 * torch.cov(out.T).triu(1).pow(2).sum(),
+    "corrcoef_penalty": lambda out, y: F.mse_loss(out, y) + 0.1 * out.T.corrcoef().triu(1).pow(2).sum(),
 }
 
 

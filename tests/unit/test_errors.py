@@ -520,3 +520,22 @@ def test_a_torch_compiled_function_inside_the_step_says_what_to_do():
         torch.distributions.Distribution.set_default_validate_args(validating)
     assert "compiled_helper(model(x))" in str(error)
     assert error.hint is not None and "uncompiled" in error.hint and "sdpa" in error.hint
+
+
+def step_counting_labels(model, optim, x, y):
+    per_sample = F.cross_entropy(model(x), y, reduction="none")
+    loss = (per_sample / torch.bincount(y, minlength=4)[y].float()).sum()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_an_op_of_value_dependent_shape_is_named_with_what_to_write_instead():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = warmed_up(model)
+    error = raises_untouched(step_counting_labels, (model, opt, *batch()), model, opt)
+    assert error.op == "aten.bincount.default"
+    message = str(error)
+    assert "aten.bincount.default in the train step makes a tensor of value-dependent shape" in message
+    assert "torch.bincount(y, minlength=4)" in message  # the user's line
+    assert "index_add_" in message and "one_hot" in message  # the fixed-length rewrite
