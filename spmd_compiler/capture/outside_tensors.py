@@ -22,7 +22,10 @@ modules' ``forward``\\ s and hooks, and what they hold). Refused, naming the lin
   ``G[0] = 1``, ``out=G``): it would change the user's tensor once, at capture (the
   check runs before the write, so the tensor is left as it was).
 A step with such constants has no pre-capture cache entry (the guards hold live
-objects); its programs are cached as any.
+objects); its programs are cached as any. On real ranks every call checks that the ranks'
+constants hold the same values (NOTE: [constants agree across ranks] in
+``runtime/same_inputs.py``): a batch inside an object argument that is not opened (NOTE:
+[batch containers]) is refused there instead of training each rank on its own shard.
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ from . import selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
+from .containers import Closed, close_containers
 from .functions_as_ops import functions_as_ops
 from .grad_scalers import (
     SCALER_HINT,
@@ -914,6 +915,9 @@ class _StepTracer:
                 traced_args[r.index] = v
                 stand_ins.append(v)
         args, kwargs = pytree.tree_unflatten(traced_args, b.args_spec)
+        closed = Closed()  # NOTE: [batch containers]
+        if b.containers:
+            args, kwargs = close_containers((args, kwargs), b.containers, closed)
         self.floats = FloatArgumentMode(stand_ins)
         compute = _compute_params(params, self.options.param_dtype)
         with contextlib.ExitStack() as stack:
@@ -948,6 +952,7 @@ class _StepTracer:
             try:
                 with self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
+                closed.refuse_writes(f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}")
                 kept = keeper.collect()
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
                 selected_rows.settle([result, [value for _, value in kept]], at_selection=True)

@@ -26,7 +26,7 @@ from ..expand.retrace import DistributedProgram, Placements
 from ..ir.signature import StateRef, TensorMeta
 from ..lower import Executable, LoweringOptions
 from .runner import install_state, run_finish, run_program
-from .same_inputs import InputAgreement
+from .same_inputs import InputAgreement, describe_constants
 from .simulate import Simulation
 
 PlacementOf = Callable[[StateRef, TensorMeta, DeviceMesh], Placements]
@@ -78,6 +78,7 @@ class StepExecutable:
         program.executable = self.lowered
         self._pending: PendingUpdate | None = None
         self._installed: set[int] = set()  # ids of state tensors install_state checked
+        self._constants: str | None = None  # NOTE: [constants agree across ranks]
 
     @property
     def has_pending_update(self) -> bool:
@@ -90,6 +91,10 @@ class StepExecutable:
         """One step on ``bindings``' state; a deferred update of another set of objects
         (or another simulation) is applied first. ``agreement``: the input check's round
         of a call on real ranks (NOTE: [same inputs on all ranks])."""
+        if agreement is not None:
+            if self._constants is None:  # once: a constant cannot change under a program
+                self._constants = describe_constants(self.program.captured.outside)
+            agreement.constants = self._constants
         pending = self._pending
         if pending is not None and (pending.sim is not sim or not _same_objects(pending.bindings, bindings)):
             self.flush()

@@ -1,0 +1,180 @@
+"""Batch containers pytree does not know: dataclasses, ``UserDict`` s, ``SimpleNamespace`` s.
+
+NOTE: [batch containers]
+A step's arguments are flattened with torch's pytree, which opens tuples, lists, dicts,
+named tuples and the types registered with it (transformers' ``ModelOutput``). Other
+containers were leaves: a Hugging Face ``BatchEncoding`` (a ``UserDict``; what a
+tokenizer or a data collator returns, passed as ``model(**batch)``), a ``@dataclass``
+batch or a ``SimpleNamespace``. Such a leaf failed every call on hashing it into the
+program's key (``TypeError: unhashable type: 'BatchEncoding'``), and the tensors in it
+were not inputs of the program at all.
+
+Before flattening, each such container is replaced by an ``Opened`` node (registered
+with pytree, under its own name, by this module), whose children are its fields or
+items, opened again where they are such containers themselves. The program's inputs are
+then the tensors inside; the key holds the container's type and field names. When the
+step is traced, each ``Opened`` node is closed again into a container of the user's own
+type: a shallow copy of the object passed in, with its fields or items set to the
+traced values, so the step's code (``batch.input_ids``, ``model(**batch)``, methods of
+the class) runs on the type it was written for. Only the types named here are opened:
+an arbitrary object's attributes are not a batch by any convention.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import types
+from typing import Any
+
+from .._torch_private import pytree
+from ..errors import SPMDCompileError
+
+
+class Opened:
+    """A container of the NOTE, its children in order; ``original`` is the object it was
+    opened from (None after pytree rebuilt it: ``close`` takes the originals in order)."""
+
+    __slots__ = ("kind", "names", "original", "values")
+
+    def __init__(self, kind: type, names: tuple[Any, ...], values: list[Any], original: Any = None) -> None:
+        self.kind, self.names, self.values, self.original = kind, names, values, original
+
+
+def _flatten(node: Opened) -> tuple[list[Any], Any]:
+    return list(node.values), (node.kind, node.names)
+
+
+def _unflatten(values: Any, context: Any) -> Opened:
+    kind, names = context
+    return Opened(kind, names, list(values))
+
+
+def _dumpable(context: Any) -> Any:
+    kind, names = context
+    return [f"{kind.__module__}.{kind.__qualname__}", [str(n) for n in names]]
+
+
+def _from_dumpable(dumped: Any) -> Any:
+    return dumped[0], tuple(dumped[1])
+
+
+pytree.register_pytree_node(
+    Opened, _flatten, _unflatten, serialized_type_name="spmd_compiler.capture.containers.Opened",
+    to_dumpable_context=_dumpable, from_dumpable_context=_from_dumpable,
+)
+
+
+def _openable(x: Any) -> bool:
+    """A container of the NOTE that pytree would keep as a leaf."""
+    if isinstance(x, type) or not pytree.tree_is_leaf(x):  # a type pytree opens itself
+        return False
+    return (
+        dataclasses.is_dataclass(x)
+        or isinstance(x, collections.UserDict)
+        or type(x) is types.SimpleNamespace
+    )
+
+
+def _contents(x: Any) -> tuple[tuple[Any, ...], list[Any]]:
+    if dataclasses.is_dataclass(x):
+        names = tuple(f.name for f in dataclasses.fields(x))
+        return names, [getattr(x, n) for n in names]
+    items = x.data if isinstance(x, collections.UserDict) else vars(x)
+    return tuple(items), list(items.values())
+
+
+def open_containers(tree: Any, is_leaf: Any) -> Any:
+    """``tree`` with every container of the NOTE replaced by an ``Opened`` node."""
+
+    def visit(x: Any) -> Any:
+        if not _openable(x):
+            return x
+        names, values = _contents(x)
+        return Opened(type(x), names, [open_containers(v, is_leaf) for v in values], original=x)
+
+    return pytree.tree_map(visit, tree, is_leaf=lambda x: is_leaf(x) or _openable(x))
+
+
+def originals(tree: Any) -> list[Any]:
+    """The objects the ``Opened`` nodes of ``tree`` were opened from, in pytree order."""
+    found: list[Any] = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, Opened):
+            found.append(x.original)
+            for v in x.values:
+                visit_tree(v)
+
+    def visit_tree(t: Any) -> None:
+        pytree.tree_map(visit, t, is_leaf=lambda x: isinstance(x, Opened))
+
+    visit_tree(tree)
+    return found
+
+
+def _entries(x: Any) -> dict[Any, Any]:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dict(vars(x)) if hasattr(x, "__dict__") else {
+            f.name: getattr(x, f.name) for f in dataclasses.fields(x)
+        }
+    return dict(x.data) if isinstance(x, collections.UserDict) else dict(vars(x))
+
+
+class Closed:
+    """The containers a trace's arguments were closed into, to check after the step ran
+    that it did not write into them: a write lands in the copy, which the caller never
+    sees (NOTE: [batch containers])."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[Any, dict[Any, Any]]] = []
+
+    def refuse_writes(self, where: str | None) -> None:
+        for copied, entries in self.copies:
+            now = _entries(copied)
+            changed = sorted(
+                str(k) for k in now.keys() | entries.keys()
+                if k not in now or k not in entries or now[k] is not entries[k]
+            )
+            if changed:
+                raise SPMDCompileError(
+                    f"The train step writes into its {type(copied).__name__} argument "
+                    f"({', '.join(changed)}): a compiled step passes such a container to the "
+                    "traced step as a copy holding the traced tensors, so the write would "
+                    "not reach the object the caller holds.",
+                    user_line=where,
+                    hint="return the value from the step instead of storing it in the "
+                    "batch container.",
+                )
+
+
+def close_containers(tree: Any, objects: list[Any], closed: Closed | None = None) -> Any:
+    """``tree`` (rebuilt by pytree) with each ``Opened`` node closed into a shallow copy of
+    its original object (``objects``, in the order ``originals`` gave) holding the node's
+    values (NOTE: [batch containers]); ``closed`` records the copies."""
+    remaining = iter(objects)
+
+    def close(x: Any) -> Any:
+        if not isinstance(x, Opened):
+            return x
+        new = copy.copy(next(remaining))
+        values = [close_tree(v) for v in x.values]
+        if dataclasses.is_dataclass(new):
+            for name, value in zip(x.names, values, strict=True):
+                object.__setattr__(new, name, value)  # frozen dataclasses too
+        elif isinstance(new, collections.UserDict):
+            new.data = dict(zip(x.names, values, strict=True))
+        else:
+            new.__dict__.update(zip(x.names, values, strict=True))
+        if closed is not None:
+            closed.copies.append((new, _entries(new)))
+        return new
+
+    def close_tree(t: Any) -> Any:
+        return pytree.tree_map(close, t, is_leaf=lambda x: isinstance(x, Opened))
+
+    return close_tree(tree)
+
+
+__all__ = ["Closed", "Opened", "close_containers", "open_containers", "originals"]
