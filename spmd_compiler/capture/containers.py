@@ -18,6 +18,10 @@ type: a shallow copy of the object passed in, with its fields or items set to th
 traced values, so the step's code (``batch.input_ids``, ``model(**batch)``, methods of
 the class) runs on the type it was written for. Only the types named here are opened:
 an arbitrary object's attributes are not a batch by any convention.
+The step's returned value is opened the same way (a returned dataclass came back holding
+the trace's fake tensors) and closed, after every call, into a new container of its type
+holding the call's values. Cached on disk, an ``Opened`` node names its type by module
+and qualified name (a class defined inside a function has no cache entry).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import importlib
 import types
 from typing import Any
 
@@ -53,11 +58,19 @@ def _unflatten(values: Any, context: Any) -> Opened:
 
 def _dumpable(context: Any) -> Any:
     kind, names = context
-    return [f"{kind.__module__}.{kind.__qualname__}", [str(n) for n in names]]
+    if "<locals>" in kind.__qualname__:  # not importable by name: no cache entry
+        raise TypeError(f"{kind.__qualname__} is defined inside a function")
+    if not all(isinstance(n, (str, int)) for n in names):
+        raise TypeError(f"{kind.__qualname__} has keys that are not names")
+    return [kind.__module__, kind.__qualname__, list(names)]
 
 
 def _from_dumpable(dumped: Any) -> Any:
-    return dumped[0], tuple(dumped[1])
+    module, qualname, names = dumped
+    kind: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        kind = getattr(kind, part)
+    return kind, tuple(names)
 
 
 pytree.register_pytree_node(
@@ -177,4 +190,38 @@ def close_containers(tree: Any, objects: list[Any], closed: Closed | None = None
     return close_tree(tree)
 
 
-__all__ = ["Closed", "Opened", "close_containers", "open_containers", "originals"]
+def _new(kind: type, names: tuple[Any, ...], values: list[Any]) -> Any:
+    """A new ``kind`` holding ``values`` (a returned container: there is no object of the
+    caller's to copy)."""
+    items = dict(zip(names, values, strict=True))
+    if kind is types.SimpleNamespace:
+        return types.SimpleNamespace(**items)
+    if issubclass(kind, collections.UserDict):
+        try:
+            return kind(items)
+        except Exception:  # noqa: BLE001 - a constructor of another shape
+            obj = kind.__new__(kind)
+            obj.data = items
+            return obj
+    obj = kind.__new__(kind)  # a dataclass: its fields, set as __init__ would
+    for name, value in items.items():
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+def close_returned(tree: Any) -> Any:
+    """A returned value rebuilt by pytree, its ``Opened`` nodes made new containers of
+    their types (NOTE: [batch containers])."""
+
+    def close(x: Any) -> Any:
+        if not isinstance(x, Opened):
+            return x
+        return _new(x.kind, x.names, [close_tree(v) for v in x.values])
+
+    def close_tree(t: Any) -> Any:
+        return pytree.tree_map(close, t, is_leaf=lambda x: isinstance(x, Opened))
+
+    return close_tree(tree)
+
+
+__all__ = ["Closed", "Opened", "close_containers", "close_returned", "open_containers", "originals"]

@@ -78,7 +78,7 @@ from . import selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
-from .containers import Closed, close_containers
+from .containers import Closed, close_containers, open_containers
 from .functions_as_ops import functions_as_ops
 from .grad_scalers import (
     SCALER_HINT,
@@ -971,7 +971,8 @@ class _StepTracer:
         return outs
 
     def _collect(self, result, params, final_buffers, swapped, values, kept) -> list[torch.Tensor]:
-        leaves, self.return_spec = pytree.tree_flatten(result)
+        # NOTE: [batch containers]: a returned dataclass is opened as an argument is
+        leaves, self.return_spec = pytree.tree_flatten(open_containers(result, lambda x: False))
         outs: list[torch.Tensor] = []
         for leaf in leaves:
             if self.floats.is_stand_in(leaf):

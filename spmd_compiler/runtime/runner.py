@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from .. import _torch_private as private
 from .._torch_private import pytree
 from ..capture.bindings import StepBindings, record_placed_away, record_replacement
+from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
 from ..errors import SPMDCompileError, SPMDRuntimeError, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
@@ -236,7 +237,8 @@ def run_program(
         returned[v] if kind == "tensor" else _item(returned[v]) if kind == "item" else v
         for kind, v in captured.return_leaves
     ]
-    return pytree.tree_unflatten(leaves, captured.return_spec), next_carry
+    returned_value = pytree.tree_unflatten(leaves, captured.return_spec)
+    return close_returned(returned_value), next_carry  # NOTE: [batch containers]
 
 
 class BranchMismatch(Exception):

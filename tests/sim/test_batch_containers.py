@@ -192,3 +192,60 @@ def test_a_write_into_the_container_is_refused_and_leaves_it_untouched():
     assert not hasattr(batch, "loss")
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
+
+
+@dataclasses.dataclass
+class StepOutput:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    examples: int
+
+
+def returning_step(model, optim, batch):
+    logits = model.net(batch.features)
+    loss = F.cross_entropy(logits, batch.labels)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return StepOutput(loss.detach(), logits.detach(), batch.features.shape[0])
+
+
+def _run_returning(cache_dir: Any = None) -> tuple[sc.CompiledTrainStep, list[StepOutput], list[StepOutput]]:
+    torch.manual_seed(0)
+    model = KeywordModel().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"), cache_dir=cache_dir)(returning_step)
+    gen = torch.Generator().manual_seed(3)
+    got, want = [], []
+    with sc.simulate(world_size=2):
+        for _ in range(2):
+            batch = Batch(*_tensors(gen))
+            got.append(compiled(model, optim, batch))
+            want.append(returning_step(reference, ref_optim, batch))
+    return compiled, got, want
+
+
+def _assert_outputs_match(got: list[StepOutput], want: list[StepOutput]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert type(g) is StepOutput and g.examples == w.examples == 8
+        for name in ("loss", "logits"):
+            value = getattr(g, name)
+            assert type(value) is torch.Tensor  # not the trace's fake tensor
+            torch.testing.assert_close(value, getattr(w, name), rtol=1e-12, atol=1e-14)
+
+
+def test_a_returned_dataclass_holds_the_calls_values():
+    """Returned, a dataclass was a leaf: it came back holding the trace's fake tensors."""
+    _, got, want = _run_returning()
+    _assert_outputs_match(got, want)
+    assert got[0].logits.data_ptr() != got[1].logits.data_ptr()
+
+
+def test_containers_round_trip_through_the_compile_cache(tmp_path):
+    first, got, want = _run_returning(tmp_path)
+    assert [r.cache for r in first.records] == ["miss"]
+    second, got, want = _run_returning(tmp_path)
+    assert [r.cache for r in second.records] == ["hit"]
+    _assert_outputs_match(got, want)
