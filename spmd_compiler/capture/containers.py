@@ -200,9 +200,9 @@ def _new(kind: type, names: tuple[Any, ...], values: list[Any]) -> Any:
         try:
             return kind(items)
         except Exception:  # noqa: BLE001 - a constructor of another shape
-            obj = kind.__new__(kind)
-            obj.data = items
-            return obj
+            mapping = kind.__new__(kind)
+            mapping.data = items
+            return mapping
     obj = kind.__new__(kind)  # a dataclass: its fields, set as __init__ would
     for name, value in items.items():
         object.__setattr__(obj, name, value)
