@@ -16,7 +16,10 @@ then the tensors inside; the key holds the container's type and field names. Whe
 step is traced, each ``Opened`` node is closed again into a container of the user's own
 type: a shallow copy of the object passed in, with its fields or items set to the
 traced values, so the step's code (``batch.input_ids``, ``model(**batch)``, methods of
-the class) runs on the type it was written for. Only the types named here are opened:
+the class) runs on the type it was written for. A write into such a copy (a new field or
+item, a replaced one) is refused after the trace, as it would never reach the caller's
+object; a deletion (``labels = inputs.pop("labels")``) is allowed, as for a dict
+argument. Only the types named here are opened:
 an arbitrary object's attributes are not a batch by any convention.
 The step's returned value is opened the same way (a returned dataclass came back holding
 the trace's fake tensors) and closed, after every call, into a new container of its type
@@ -146,10 +149,9 @@ class Closed:
     def refuse_writes(self, where: str | None) -> None:
         for copied, entries in self.copies:
             now = _entries(copied)
-            changed = sorted(
-                str(k) for k in now.keys() | entries.keys()
-                if k not in now or k not in entries or now[k] is not entries[k]
-            )
+            # a deletion (``labels = inputs.pop("labels")``, as Hugging Face trainers do)
+            # changes nothing the caller reads from the program: allowed, as for a dict
+            changed = sorted(str(k) for k in now if k not in entries or now[k] is not entries[k])
             if changed:
                 raise SPMDCompileError(
                     f"The train step writes into its {type(copied).__name__} argument "

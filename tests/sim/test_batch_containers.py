@@ -249,3 +249,28 @@ def test_containers_round_trip_through_the_compile_cache(tmp_path):
     second, got, want = _run_returning(tmp_path)
     assert [r.cache for r in second.records] == ["hit"]
     _assert_outputs_match(got, want)
+
+
+def popping_step(model, optim, batch):
+    labels = batch.pop("labels")  # as Hugging Face trainers' compute_loss does
+    loss = F.cross_entropy(model.net(batch["features"]), labels)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_an_item_popped_from_a_mapping_batch_is_allowed():
+    torch.manual_seed(0)
+    model = KeywordModel().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(popping_step)
+    gen = torch.Generator().manual_seed(3)
+    with sc.simulate(world_size=2):
+        for _ in range(2):
+            features, labels = _tensors(gen)
+            got = compiled(model, optim, Encoding(features=features, labels=labels))
+            want = popping_step(reference, ref_optim, Encoding(features=features, labels=labels))
+            assert abs(got.item() - want.item()) <= 1e-12 * abs(want.item())
