@@ -62,7 +62,10 @@ def corrcoef(input: torch.Tensor) -> torch.Tensor:
     c = _cov(input, 1, "corrcoef")
     if c.dim() == 0:
         return c / c  # nan for a covariance of nan, inf or 0, as torch
-    diagonal = c.diagonal()
+    # indexed, not ``c.diagonal()``: torch 2.11 decomposes the diagonal's backward into
+    # an in-place copy (``prims.copy_to``) that functionalization refuses
+    rows = torch.arange(c.shape[0], device=c.device)
+    diagonal = c[rows, rows]
     stddev = torch.sqrt(diagonal.real if diagonal.is_complex() else diagonal)
     c = c / stddev.view(-1, 1)
     c = c / stddev.view(1, -1)
