@@ -12,7 +12,8 @@ run their masked recurrence. Rows selected by a mask stay in place with the mask
 them (NOTE: [selected rows kept in place]): every function first meets that rule.
 Overlapping windows made by ``as_strided`` are gathered by index (NOTE: [windows by
 as_strided]). ``torch.cov`` and ``torch.corrcoef`` take their degrees of freedom from
-the shape (NOTE: [covariance at capture]). One
+the shape (NOTE: [covariance at capture]); ``fill_diagonal_`` is a masked fill (NOTE:
+[diagonals at capture]). One
 ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
@@ -32,6 +33,7 @@ from .. import _torch_private as private
 from . import selected_rows
 from .covariance import corrcoef, cov
 from .ctc_loss import ctc_loss
+from .diagonals import fill_diagonal_
 from .embedding_bag import embedding, embedding_bag
 from .margin_losses import multi_margin_loss, multilabel_margin_loss
 from .packed_sequences import pack_padded, packed_sequences, pad_packed, refuse_other_uses
@@ -51,6 +53,7 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.Tensor.cov: cov,
     torch.corrcoef: corrcoef,
     torch.Tensor.corrcoef: corrcoef,
+    torch.Tensor.fill_diagonal_: fill_diagonal_,
 }
 
 

@@ -79,6 +79,7 @@ from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
 from .containers import Closed, close_containers, open_containers
+from .diagonals import diagonal_scatter_by_mask
 from .functions_as_ops import functions_as_ops
 from .grad_scalers import (
     SCALER_HINT,
@@ -211,6 +212,8 @@ def capture_decompositions() -> dict:
         aten.native_group_norm_backward.default,
     ])
     table[aten.native_group_norm.default] = _group_norm_by_reshapes
+    if aten.diagonal_scatter.default in table:  # no rule on this torch (2.11)
+        table[aten.diagonal_scatter.default] = diagonal_scatter_by_mask  # NOTE: [diagonals at capture]
     for where in (aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther):
         table[where] = _where_with_scalars
     table |= loss_scaling_decompositions()  # NOTE: [loss scaling in the program]

@@ -38,6 +38,13 @@ LOSSES = {
     # the covariance of the features over the global batch, as a decorrelation penalty
     "cov_penalty": lambda out, y: F.mse_loss(out, y) + 0.1 * torch.cov(out.T).triu(1).pow(2).sum(),
     "corrcoef_penalty": lambda out, y: F.mse_loss(out, y) + 0.1 * out.T.corrcoef().triu(1).pow(2).sum(),
+    # NOTE: [diagonals at capture]: the diagonal's backward is a diagonal_scatter (no rule
+    # on torch 2.11), fill_diagonal_ an as_strided view (refused by DTensor)
+    "barlow_twins_diagonal": lambda out, y: F.mse_loss(out, y)
+    + 0.1 * (1 - (out.T @ y / out.shape[0]).diagonal()).pow(2).sum(),
+    "contrastive_fill_diagonal": lambda out, y: F.cross_entropy(
+        (out @ out.T).fill_diagonal_(float("-inf")), (torch.arange(out.shape[0]) + 1) % out.shape[0]
+    ),
 }
 
 
