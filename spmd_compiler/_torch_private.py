@@ -1778,6 +1778,9 @@ def install_dtensor_gap_fills() -> None:
     _install_weight_norm_strategies()
     _install_per_sample_strategies()
     _install_fft_strategies()
+    _install_upsample_strategies()
+    _install_batch_sharded_convolution()
+    _install_convolution_backward_replicated_inputs()
     _install_copy_strategy()
     _install_distance_strategies()
     _install_along_dim_strategies()
@@ -2672,6 +2675,120 @@ def _install_per_sample_strategies() -> None:
         op = getattr(torch.ops.aten, name).default
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule_for(spatial, linear, outputs))
+
+
+# NOTE: [upsampling rules]
+# torch 2.11's DTensor has rules for some upsample forwards only (bilinear, bicubic,
+# linear, trilinear, nearest 2-d) and for none of their backwards; 2.13 has all of them,
+# and rewrites the backward's ``input_size`` argument (the whole [N, C, ...] shape) to the
+# local shape when the result is sharded. On 2.11, BEiT (its position bias resized) and
+# every model upsampling a batch-sharded feature map were refused at expansion. Where this
+# torch has no rule, each op gets 2.13's: every tensor replicated, or sharded alike on
+# the batch or the channel dimension; linear, so a Partial input gives a Partial result;
+# and a backward's ``input_size`` joins the table of shape arguments DTensor localizes
+# (``op_to_shape_and_stride_idx``, index 2), which 2.11 already has for views.
+_UPSAMPLE_OPS = {
+    "upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
+    "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2, "_upsample_nearest_exact3d": 3,
+    "upsample_linear1d": 1, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2,
+    "upsample_trilinear3d": 3, "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
+}
+
+
+def _install_upsample_strategies() -> None:
+    """NOTE: [upsampling rules]."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+
+    def rule(*args: Any) -> list[tuple[list, list]]:
+        tensors = [hasattr(a, "shape") for a in args]
+
+        def alike(placement: Any) -> tuple[list, list]:
+            return [placement], [placement if t else None for t in tensors]
+
+        return [alike(Replicate()), alike(Shard(0)), alike(Shard(1)), alike(Partial())]
+
+    for name in _UPSAMPLE_OPS:
+        for op_name in (name, f"{name}_backward"):
+            packet = getattr(torch.ops.aten, op_name, None)
+            op = getattr(packet, "default", None) if packet is not None else None
+            if op is None or _has_sharding_strategy(op):
+                continue
+            register_sharding(op)(rule)
+            if op_name.endswith("_backward"):
+                propagator.op_to_shape_and_stride_idx.setdefault(op, 2)
+
+
+def _install_batch_sharded_convolution() -> None:
+    """torch 2.11 gap: DTensor's convolution handler checked its spatial-sharding limits
+    (``Stride must be 1 when there is padding for tensor parallel convolution``) before
+    asking whether the input is sharded spatially at all, so every strided, padded
+    convolution (a ResNet's downsampling, a ViT's patch embedding with padding) was
+    refused under data parallelism. 2.13 checks them only where the ranks exchange
+    border pixels. The local kernels are wrapped to do the same: with no exchange needed
+    (replicated, or sharded on the batch dimension only) the local convolution runs as
+    it is; otherwise torch's own path. On 2.13 the wrapper changes nothing."""
+    from torch.distributed.tensor import _tp_conv as tp_conv
+
+    if getattr(tp_conv.tp_convolution, "_spmd_local_first", False):
+        return
+    forward, backward = tp_conv.tp_convolution, tp_conv.tp_convolution_backward
+
+    def convolution(op_call: Any, local_args: Any, local_kwargs: Any, dim_map: Any) -> Any:
+        if not tp_conv._requires_data_exchange(local_args[4], dim_map):
+            return op_call(*local_args, **local_kwargs)
+        return forward(op_call, local_args, local_kwargs, dim_map)
+
+    def convolution_backward(op_call: Any, local_args: Any, local_kwargs: Any, dim_map: Any) -> Any:
+        if not tp_conv._requires_data_exchange(local_args[5], dim_map):
+            return op_call(*local_args, **local_kwargs)
+        return backward(op_call, local_args, local_kwargs, dim_map)
+
+    convolution._spmd_local_first = True  # type: ignore[attr-defined]
+    setattr(tp_conv, "tp_convolution", convolution)  # noqa: B010 - typed module attribute
+    setattr(tp_conv, "tp_convolution_backward", convolution_backward)  # noqa: B010
+
+
+def _install_convolution_backward_replicated_inputs() -> None:
+    """torch 2.11 gap (silent): its only rule for ``convolution_backward`` (a propagation
+    rule; 2.13 prefers a strategy that has a replicated case) marks the weight's and the
+    bias's gradients ``Partial`` on the first mesh dimension whatever the input's
+    placement. With a replicated input (a convolution after an op that gathers the
+    batch, such as 2.11's upsampling forward, which replicates) every rank computes the
+    whole gradient, which the program then summed over the ranks: a 1x1 convolution head
+    after ``F.interpolate(..., mode="bilinear")`` under ddp had gradients twice eager's.
+    Here those gradients are ``Partial`` on the mesh dimensions where the input is
+    sharded on its batch dimension and ``Replicate`` on the others."""
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.convolution_backward.default
+    rules = getattr(propagator, "op_to_rules", {})
+    strategies = ("op_strategy_funcs", "op_single_dim_strategy_funcs")
+    if op not in rules or any(op in getattr(propagator, t, {}) for t in strategies):
+        return
+    original = rules[op]
+    if getattr(original, "_spmd_replicated_inputs", False):
+        return
+
+    def rule(op_schema: Any) -> Any:
+        sharding = original(op_schema)
+        input_spec = op_schema.args_schema[1]
+        placements = tuple(
+            Partial() if p.is_shard(0) else Replicate() for p in input_spec.placements
+        )
+        specs = list(sharding.output_spec)
+        for k in (1, 2):
+            if k < len(specs) and specs[k] is not None:
+                specs[k] = DTensorSpec(specs[k].mesh, placements, tensor_meta=specs[k].tensor_meta)
+        sharding.output_spec = type(sharding.output_spec)(specs)
+        return sharding
+
+    rule._spmd_replicated_inputs = True  # type: ignore[attr-defined]
+    rules[op] = rule
 
 
 def _install_fft_strategies() -> None:
