@@ -2655,13 +2655,17 @@ def _install_per_sample_strategies() -> None:
         def rule(*args: Any) -> list[tuple[list, list]]:
             is_tensor = [hasattr(a, "shape") for a in args]
 
+            # a backward's output_mask (grid_sampler_2d_backward's last argument): an
+            # output not computed is None, and has no placement
+            mask = args[-1] if outputs > 1 and isinstance(args[-1], (list, tuple)) else [True] * outputs
+
             def alike(placement: Any, first: Any = None) -> tuple[list, list]:
                 """The outputs placed like the first argument (``first`` where given)."""
                 ins = [
                     (first if i == 0 and first is not None else placement) if t else None
                     for i, t in enumerate(is_tensor)
                 ]
-                return [first or placement] * outputs, ins
+                return [(first or placement) if wanted else None for wanted in mask], ins
 
             leading = len(args[0].shape) - spatial
             out = [alike(Replicate())] + [alike(Shard(d)) for d in range(leading)]
@@ -2679,11 +2683,13 @@ def _install_per_sample_strategies() -> None:
 
 # NOTE: [upsampling rules]
 # torch 2.11's DTensor has rules for some upsample forwards only (bilinear, bicubic,
-# linear, trilinear, nearest 2-d) and for none of their backwards; 2.13 has all of them,
+# linear, trilinear, nearest 2-d: replicate-only, each rank upsampling the whole gathered
+# batch) and for none of their backwards; 2.13 has all of them,
 # and rewrites the backward's ``input_size`` argument (the whole [N, C, ...] shape) to the
 # local shape when the result is sharded. On 2.11, BEiT (its position bias resized) and
 # every model upsampling a batch-sharded feature map were refused at expansion. Where this
-# torch has no rule, each op gets 2.13's: every tensor replicated, or sharded alike on
+# torch has no rule, or only the replicating one, each op gets 2.13's: every tensor
+# replicated, or sharded alike on
 # the batch or the channel dimension; linear, so a Partial input gives a Partial result;
 # and a backward's ``input_size`` joins the table of shape arguments DTensor localizes
 # (``op_to_shape_and_stride_idx``, index 2), which 2.11 already has for views.
@@ -2714,7 +2720,14 @@ def _install_upsample_strategies() -> None:
         for op_name in (name, f"{name}_backward"):
             packet = getattr(torch.ops.aten, op_name, None)
             op = getattr(packet, "default", None) if packet is not None else None
-            if op is None or _has_sharding_strategy(op):
+            if op is None:
+                continue
+            # 2.11's forward rules for bilinear, bicubic, linear, trilinear and nearest
+            # 2-d upsampling replicate: each rank upsampled the whole gathered batch
+            replicates = getattr(
+                getattr(propagator, "op_strategy_funcs", {}).get(op), "__name__", ""
+            ) == "linalg_replicate_strategy"
+            if _has_sharding_strategy(op) and not replicates:
                 continue
             register_sharding(op)(rule)
             if op_name.endswith("_backward"):

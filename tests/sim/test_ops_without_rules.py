@@ -113,6 +113,10 @@ BODIES = {  # name: (body, features after it)
     # a spatial transformer: affine_grid's decomposition writes its base grid with the
     # out-of-place aten.copy, which no torch has a rule for (a rule of ours)
     "affine_grid_sample": (lambda x: _transformed(x), 64),
+    # the sampled image needs no gradient (the batch itself in a spatial transformer):
+    # grid_sampler_2d_backward computes the grid's only, its output_mask [False, True];
+    # torch 2.11 with our rule failed (an output with no TensorMeta)
+    "grid_sample_of_a_constant_image": (lambda x: _transformed(x, sampled=x.detach()), 64),
 }
 
 
@@ -132,10 +136,11 @@ def _scatter_reduce(x: torch.Tensor, reduce: str) -> torch.Tensor:
     return torch.zeros_like(values).scatter_reduce(2, slots, values, reduce, include_self=False)
 
 
-def _transformed(x: torch.Tensor) -> torch.Tensor:
+def _transformed(x: torch.Tensor, sampled: torch.Tensor | None = None) -> torch.Tensor:
     identity = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=x.dtype)
     theta = identity + 0.1 * torch.cat([x.mean((2, 3)), x.amax((2, 3))[:, :2]], 1).view(-1, 2, 3)
-    return F.grid_sample(x, F.affine_grid(theta, list(x.shape), align_corners=False), align_corners=False)
+    image = x if sampled is None else sampled
+    return F.grid_sample(image, F.affine_grid(theta, list(x.shape), align_corners=False), align_corners=False)
 
 
 def _step(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
