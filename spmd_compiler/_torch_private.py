@@ -2657,7 +2657,12 @@ def _install_per_sample_strategies() -> None:
 
             # a backward's output_mask (grid_sampler_2d_backward's last argument): an
             # output not computed is None, and has no placement
-            mask = args[-1] if outputs > 1 and isinstance(args[-1], (list, tuple)) else [True] * outputs
+            last = args[-1] if args else None
+            is_mask = (
+                outputs > 1 and isinstance(last, (list, tuple)) and len(last) == outputs
+                and all(type(b) is bool for b in last)
+            )
+            mask: list[bool] = list(last) if is_mask else [True] * outputs  # type: ignore[arg-type]
 
             def alike(placement: Any, first: Any = None) -> tuple[list, list]:
                 """The outputs placed like the first argument (``first`` where given)."""
