@@ -19,8 +19,10 @@ traced values, so the step's code (``batch.input_ids``, ``model(**batch)``, meth
 the class) runs on the type it was written for. A write into such a copy (a new field or
 item, a replaced one) is refused after the trace, as it would never reach the caller's
 object; a deletion (``labels = inputs.pop("labels")``) is allowed, as for a dict
-argument. Only the types named here are opened:
-an arbitrary object's attributes are not a batch by any convention.
+argument. Only the types named here are opened: an arbitrary object's attributes are not
+a batch by any convention, so a plain class instance stays a leaf and the tensors the
+step reads from it are constants of the program (NOTE: [tensors read from outside the
+arguments]), checked to agree across real ranks (NOTE: [constants agree across ranks]).
 The step's returned value is opened the same way (a returned dataclass came back holding
 the trace's fake tensors) and closed, after every call, into a new container of its type
 holding the call's values. Cached on disk, an ``Opened`` node names its type by module
@@ -42,7 +44,8 @@ from ..errors import SPMDCompileError
 
 class Opened:
     """A container of the NOTE, its children in order; ``original`` is the object it was
-    opened from (None after pytree rebuilt it: ``close`` takes the originals in order)."""
+    opened from (None after pytree rebuilt it: ``close_containers`` takes the originals,
+    in the order ``originals`` lists them)."""
 
     __slots__ = ("kind", "names", "original", "values")
 
