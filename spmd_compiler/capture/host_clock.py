@@ -11,8 +11,12 @@ while the step is traced: ``time.time`` / ``time_ns`` / ``perf_counter`` /
 ``perf_counter_ns`` / ``monotonic`` / ``monotonic_ns`` / ``process_time`` /
 ``process_time_ns`` called from the user's own files (not from torch, this project,
 the standard library or installed packages, whose clock reads time their own work:
-logging's timestamps, a progress bar). Limit: a function imported by name before the
-trace (``from time import perf_counter``) is not seen.
+logging's timestamps, a progress bar). A clock imported by name into a user's module
+(``from time import perf_counter``, read as ``perf_counter()``) is the same function
+bound to another name: the user's modules' globals that hold one are refused the same
+way for the trace (found among ``sys.modules`` by their file). Limit: a clock held
+elsewhere (a class attribute, a default argument) or a method of a C type
+(``datetime.datetime.now()``) is not seen.
 """
 
 from __future__ import annotations
@@ -74,12 +78,29 @@ def refuse_clock_reads() -> Iterator[None]:
             )
         return read
 
+    reals = {name: getattr(time, name) for name in CLOCKS if hasattr(time, name)}
     with contextlib.ExitStack() as stack:
-        for name in CLOCKS:
-            real = getattr(time, name, None)
-            if real is not None:
-                stack.enter_context(mock.patch.object(time, name, refused(name, real)))
+        for module, key, name in _clocks_imported_by_name(reals):
+            stack.enter_context(mock.patch.object(module, key, refused(name, reals[name])))
+        for name, real in reals.items():
+            stack.enter_context(mock.patch.object(time, name, refused(name, real)))
         yield
+
+
+def _clocks_imported_by_name(reals: dict[str, Any]) -> list[tuple[Any, str, str]]:
+    """(module, global name, clock) for every global of a user's module that holds one
+    of ``reals`` (``from time import perf_counter``; the NOTE)."""
+    by_id = {id(real): name for name, real in reals.items()}
+    found = []
+    for module in list(sys.modules.values()):
+        filename = getattr(module, "__file__", None)
+        if not isinstance(filename, str) or not _users_file(filename):
+            continue
+        for key, value in list(vars(module).items()):
+            name = by_id.get(id(value))
+            if name is not None and value is reals[name]:
+                found.append((module, key, name))
+    return found
 
 
 __all__ = ["CLOCKS", "refuse_clock_reads"]

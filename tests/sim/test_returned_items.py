@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from time import perf_counter as clock
 
 import pytest
 import torch
@@ -194,3 +195,23 @@ def test_a_clock_read_in_the_step_is_refused():
     assert "outside the compiled step" in str(info.value)
     assert max(compare_models(model, before, None).values()) == 0.0
     assert time.perf_counter.__module__ == "time"
+
+
+def step_timed_by_an_imported_clock(model, optim, x, y):  # noqa: ANN001
+    start = clock()  # `from time import perf_counter as clock` at the top of this file
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item(), clock() - start
+
+
+def test_a_clock_imported_by_name_is_refused_too():
+    """The clock bound to a name of the user's module was not the patched ``time``
+    attribute: the capture's elapsed time was returned on every call."""
+    model = _model()
+    compiled = sc.compile(make_mode("ddp"))(step_timed_by_an_imported_clock)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=r"reads the clock \(time.perf_counter") as info:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches()[0])
+    assert "start = clock()" in str(info.value)
+    assert clock is time.perf_counter  # the module's name holds the real clock again
