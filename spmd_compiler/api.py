@@ -538,7 +538,25 @@ class CompiledTrainStep:
         guards = build_guards(self.func, bindings, graph_args, skipped)
         for outside in captured.outside:  # NOTE: [tensors read from outside the arguments]
             guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)
+        _warn_of_constants_in_arguments(captured.outside)
         return captured, guards
+
+
+def _warn_of_constants_in_arguments(outside: list[Any]) -> None:
+    """A tensor read from an argument object the step's arguments do not open is a
+    constant of the program, the same on every rank: right for a config's tensor, wrong
+    for a batch, which real ranks then refuse (NOTE: [constants agree across ranks]).
+    Said at capture, so that a step developed on simulated ranks (where the constant is
+    the global batch and the numbers match) learns it before it meets real ones."""
+    labels = [o.label for o in outside if o.label.startswith("argument")]
+    if labels:
+        log.warning(
+            "%s: read as a constant of the program, the same on every rank (NOTE: [tensors "
+            "read from outside the arguments]). If it is part of the batch, each real rank "
+            "holds its own and the call is refused there; pass such tensors as arguments "
+            "or in a @dataclass, dict, UserDict or SimpleNamespace (NOTE: [batch "
+            "containers]).", ", ".join(labels),
+        )
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

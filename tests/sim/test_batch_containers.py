@@ -274,3 +274,31 @@ def test_an_item_popped_from_a_mapping_batch_is_allowed():
             got = compiled(model, optim, Encoding(features=features, labels=labels))
             want = popping_step(reference, ref_optim, Encoding(features=features, labels=labels))
             assert abs(got.item() - want.item()) <= 1e-12 * abs(want.item())
+
+
+class PlainBatch:
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        self.features, self.labels = features, labels
+
+
+def plain_step(model, optim, batch):
+    loss = F.cross_entropy(model.net(batch.features), batch.labels)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_batch_in_a_plain_object_is_warned_of_at_capture(caplog):
+    """Simulated ranks compute right with it (the constant is the global batch); real
+    ranks refuse it (tests/dist/test_batch_containers_gloo.py). The capture says so."""
+    torch.manual_seed(0)
+    model = KeywordModel().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(plain_step)
+    with sc.simulate(world_size=2), caplog.at_level("WARNING", logger="spmd_compiler"):
+        compiled(model, optim, PlainBatch(*_tensors(torch.Generator().manual_seed(3))))
+    warned = [r.getMessage() for r in caplog.records if "constant of the program" in r.getMessage()]
+    assert len(warned) == 1
+    assert "argument 2 of the step (PlainBatch).features" in warned[0]
+    assert "@dataclass" in warned[0]
