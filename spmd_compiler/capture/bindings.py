@@ -31,7 +31,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
-from .containers import open_containers, originals
+from .containers import open_containers
 from .grad_scalers import find_scalers, scaler_key, scaler_state
 from .lr_schedulers import find_schedulers
 
@@ -272,8 +272,8 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
             that only accumulates gradients) is a program too: NOTE: [steps without an
             optimizer] in ``capture/trace.py``.
     """
-    opened = open_containers((args, kwargs), _is_leaf)  # NOTE: [batch containers]
-    flat_args, spec = pytree.tree_flatten(opened, is_leaf=_is_leaf)
+    containers: list[Any] = []  # NOTE: [batch containers]
+    flat_args, spec = pytree.tree_flatten(open_containers((args, kwargs), _is_leaf, containers), is_leaf=_is_leaf)
     modules = _unique([a for a in flat_args if isinstance(a, torch.nn.Module)])
     optimizers = _unique([a for a in flat_args if isinstance(a, torch.optim.Optimizer)])
     where = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno} ({func.__name__})"
@@ -319,7 +319,7 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
     return StepBindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
         (args, kwargs), _unique(find_scalers(func, flat_args)),
-        _unique(find_schedulers(func, flat_args)), originals(opened),
+        _unique(find_schedulers(func, flat_args)), containers,
     )
 
 

@@ -45,7 +45,7 @@ from ..errors import SPMDCompileError
 class Opened:
     """A container of the NOTE, its children in order; ``original`` is the object it was
     opened from (None after pytree rebuilt it: ``close_containers`` takes the originals,
-    in the order ``originals`` lists them)."""
+    in the order ``open_containers`` found them)."""
 
     __slots__ = ("kind", "names", "original", "values")
 
@@ -104,33 +104,20 @@ def _contents(x: Any) -> tuple[tuple[Any, ...], list[Any]]:
     return tuple(items), list(items.values())
 
 
-def open_containers(tree: Any, is_leaf: Any) -> Any:
-    """``tree`` with every container of the NOTE replaced by an ``Opened`` node."""
+def open_containers(tree: Any, is_leaf: Any, found: list[Any] | None = None) -> Any:
+    """``tree`` with every container of the NOTE replaced by an ``Opened`` node; ``found``
+    collects the objects opened, in the order ``close_containers`` meets their nodes (a
+    container before the ones inside it)."""
 
     def visit(x: Any) -> Any:
         if not _openable(x):
             return x
+        if found is not None:
+            found.append(x)
         names, values = _contents(x)
-        return Opened(type(x), names, [open_containers(v, is_leaf) for v in values], original=x)
+        return Opened(type(x), names, [open_containers(v, is_leaf, found) for v in values], original=x)
 
     return pytree.tree_map(visit, tree, is_leaf=lambda x: is_leaf(x) or _openable(x))
-
-
-def originals(tree: Any) -> list[Any]:
-    """The objects the ``Opened`` nodes of ``tree`` were opened from, in pytree order."""
-    found: list[Any] = []
-
-    def visit(x: Any) -> None:
-        if isinstance(x, Opened):
-            found.append(x.original)
-            for v in x.values:
-                visit_tree(v)
-
-    def visit_tree(t: Any) -> None:
-        pytree.tree_map(visit, t, is_leaf=lambda x: isinstance(x, Opened))
-
-    visit_tree(tree)
-    return found
 
 
 def _entries(x: Any) -> dict[Any, Any]:
@@ -167,27 +154,26 @@ class Closed:
                 )
 
 
-def close_containers(tree: Any, objects: list[Any], closed: Closed | None = None) -> Any:
-    """``tree`` (rebuilt by pytree) with each ``Opened`` node closed into a shallow copy of
-    its original object (``objects``, in the order ``originals`` gave) holding the node's
-    values (NOTE: [batch containers]); ``closed`` records the copies."""
-    remaining = iter(objects)
+def _fill(obj: Any, names: tuple[Any, ...], values: list[Any]) -> Any:
+    """``obj`` (a fresh copy or instance of a container of the NOTE) holding ``values``."""
+    if dataclasses.is_dataclass(obj):
+        for name, value in zip(names, values, strict=True):
+            object.__setattr__(obj, name, value)  # frozen dataclasses too
+    elif isinstance(obj, collections.UserDict):
+        obj.data = dict(zip(names, values, strict=True))
+    else:
+        obj.__dict__.update(zip(names, values, strict=True))
+    return obj
+
+
+def _close(tree: Any, rebuild: Any) -> Any:
+    """``tree`` (rebuilt by pytree) with each ``Opened`` node, inside ones first, made a
+    container by ``rebuild(node, closed children)``."""
 
     def close(x: Any) -> Any:
         if not isinstance(x, Opened):
             return x
-        new = copy.copy(next(remaining))
-        values = [close_tree(v) for v in x.values]
-        if dataclasses.is_dataclass(new):
-            for name, value in zip(x.names, values, strict=True):
-                object.__setattr__(new, name, value)  # frozen dataclasses too
-        elif isinstance(new, collections.UserDict):
-            new.data = dict(zip(x.names, values, strict=True))
-        else:
-            new.__dict__.update(zip(x.names, values, strict=True))
-        if closed is not None:
-            closed.copies.append((new, _entries(new)))
-        return new
+        return rebuild(x, [close_tree(v) for v in x.values])
 
     def close_tree(t: Any) -> Any:
         return pytree.tree_map(close, t, is_leaf=lambda x: isinstance(x, Opened))
@@ -195,38 +181,39 @@ def close_containers(tree: Any, objects: list[Any], closed: Closed | None = None
     return close_tree(tree)
 
 
-def _new(kind: type, names: tuple[Any, ...], values: list[Any]) -> Any:
-    """A new ``kind`` holding ``values`` (a returned container: there is no object of the
-    caller's to copy)."""
-    items = dict(zip(names, values, strict=True))
+def close_containers(tree: Any, objects: list[Any], closed: Closed | None = None) -> Any:
+    """``tree`` (rebuilt by pytree) with each ``Opened`` node closed into a shallow copy of
+    its original object (``objects``, in the order ``open_containers`` found them)
+    holding the node's values (NOTE: [batch containers]); ``closed`` records the copies."""
+    remaining = iter(objects)
+
+    def rebuild(node: Opened, values: list[Any]) -> Any:
+        new = _fill(copy.copy(next(remaining)), node.names, values)
+        if closed is not None:
+            closed.copies.append((new, _entries(new)))
+        return new
+
+    return _close(tree, rebuild)
+
+
+def _new(node: Opened, values: list[Any]) -> Any:
+    """A new container of ``node``'s type holding ``values`` (a returned container: there
+    is no object of the caller's to copy)."""
+    kind: Any = node.kind
     if kind is types.SimpleNamespace:
-        return types.SimpleNamespace(**items)
+        return types.SimpleNamespace(**dict(zip(node.names, values, strict=True)))
     if issubclass(kind, collections.UserDict):
         try:
-            return kind(items)
+            return kind(dict(zip(node.names, values, strict=True)))
         except Exception:  # noqa: BLE001 - a constructor of another shape
-            mapping = kind.__new__(kind)
-            mapping.data = items
-            return mapping
-    obj = kind.__new__(kind)  # a dataclass: its fields, set as __init__ would
-    for name, value in items.items():
-        object.__setattr__(obj, name, value)
-    return obj
+            pass
+    return _fill(kind.__new__(kind), node.names, values)  # fields set as __init__ would
 
 
 def close_returned(tree: Any) -> Any:
     """A returned value rebuilt by pytree, its ``Opened`` nodes made new containers of
     their types (NOTE: [batch containers])."""
-
-    def close(x: Any) -> Any:
-        if not isinstance(x, Opened):
-            return x
-        return _new(x.kind, x.names, [close_tree(v) for v in x.values])
-
-    def close_tree(t: Any) -> Any:
-        return pytree.tree_map(close, t, is_leaf=lambda x: isinstance(x, Opened))
-
-    return close_tree(tree)
+    return _close(tree, _new)
 
 
-__all__ = ["Closed", "Opened", "close_containers", "close_returned", "open_containers", "originals"]
+__all__ = ["Closed", "Opened", "close_containers", "close_returned", "open_containers"]
