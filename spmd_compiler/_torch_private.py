@@ -1778,7 +1778,6 @@ def install_dtensor_gap_fills() -> None:
     _install_weight_norm_strategies()
     _install_per_sample_strategies()
     _install_fft_strategies()
-    _install_upsample_strategies()
     _install_batch_sharded_convolution()
     _install_convolution_backward_replicated_inputs()
     _install_copy_strategy()
@@ -2596,6 +2595,29 @@ def _install_weight_norm_strategies() -> None:
         register_sharding(aten._weight_norm_interface_backward.default)(backward)
 
 
+# NOTE: [upsampling rules]
+# torch 2.11's DTensor has rules for some upsample forwards only (bilinear, bicubic,
+# linear, trilinear, nearest 2-d: replicate-only, each rank upsampling the whole gathered
+# batch) and for none of their backwards; 2.13 has all of them,
+# and rewrites the backward's ``input_size`` argument (the whole [N, C, ...] shape) to the
+# local shape when the result is sharded. On 2.11, BEiT (its position bias resized) and
+# every model upsampling a batch-sharded feature map were refused at expansion. Where this
+# torch has no rule, or only the replicating one, each op gets the per-sample rule below
+# (2.13's: every tensor replicated, or sharded alike on the batch or the channel
+# dimension; linear, so a Partial input gives a Partial result), and a backward's
+# ``input_size`` joins the table of shape arguments DTensor localizes
+# (``op_to_shape_and_stride_idx``, index 2; ``_SHAPE_ARGUMENTS``), which 2.11 already has
+# for views.
+_UPSAMPLE_OPS = {  # name -> spatial dims
+    "upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
+    "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2, "_upsample_nearest_exact3d": 3,
+    "upsample_linear1d": 1, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2,
+    "upsample_trilinear3d": 3, "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
+}
+# per-sample ops with an argument holding the whole input's shape, by its index
+_SHAPE_ARGUMENTS = {f"{name}_backward": 2 for name in _UPSAMPLE_OPS}
+
+
 # op name -> (spatial dims, whether its first argument is a gradient it is linear in,
 # outputs): ops that work on each sample and channel alike
 _PER_SAMPLE_OPS = {
@@ -2634,6 +2656,9 @@ _PER_SAMPLE_OPS = {
         "leaky_relu_backward", "softplus_backward", "mish_backward",
         "rrelu_with_noise_backward",
     )},
+    # NOTE: [upsampling rules]
+    **{name: (spatial, True, 1) for name, spatial in _UPSAMPLE_OPS.items()},
+    **{f"{name}_backward": (spatial, True, 1) for name, spatial in _UPSAMPLE_OPS.items()},
 }
 
 
@@ -2680,63 +2705,22 @@ def _install_per_sample_strategies() -> None:
 
         return rule
 
-    for name, (spatial, linear, outputs) in _PER_SAMPLE_OPS.items():
-        op = getattr(torch.ops.aten, name).default
-        if not _has_sharding_strategy(op):
-            register_sharding(op)(rule_for(spatial, linear, outputs))
-
-
-# NOTE: [upsampling rules]
-# torch 2.11's DTensor has rules for some upsample forwards only (bilinear, bicubic,
-# linear, trilinear, nearest 2-d: replicate-only, each rank upsampling the whole gathered
-# batch) and for none of their backwards; 2.13 has all of them,
-# and rewrites the backward's ``input_size`` argument (the whole [N, C, ...] shape) to the
-# local shape when the result is sharded. On 2.11, BEiT (its position bias resized) and
-# every model upsampling a batch-sharded feature map were refused at expansion. Where this
-# torch has no rule, or only the replicating one, each op gets 2.13's: every tensor
-# replicated, or sharded alike on
-# the batch or the channel dimension; linear, so a Partial input gives a Partial result;
-# and a backward's ``input_size`` joins the table of shape arguments DTensor localizes
-# (``op_to_shape_and_stride_idx``, index 2), which 2.11 already has for views.
-_UPSAMPLE_OPS = {
-    "upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
-    "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2, "_upsample_nearest_exact3d": 3,
-    "upsample_linear1d": 1, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2,
-    "upsample_trilinear3d": 3, "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
-}
-
-
-def _install_upsample_strategies() -> None:
-    """NOTE: [upsampling rules]."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
-
     propagator = DTensor._op_dispatcher.sharding_propagator
-
-    def rule(*args: Any) -> list[tuple[list, list]]:
-        tensors = [hasattr(a, "shape") for a in args]
-
-        def alike(placement: Any) -> tuple[list, list]:
-            return [placement], [placement if t else None for t in tensors]
-
-        return [alike(Replicate()), alike(Shard(0)), alike(Shard(1)), alike(Partial())]
-
-    for name in _UPSAMPLE_OPS:
-        for op_name in (name, f"{name}_backward"):
-            packet = getattr(torch.ops.aten, op_name, None)
-            op = getattr(packet, "default", None) if packet is not None else None
-            if op is None:
-                continue
-            # 2.11's forward rules for bilinear, bicubic, linear, trilinear and nearest
-            # 2-d upsampling replicate: each rank upsampled the whole gathered batch
-            replicates = getattr(
-                getattr(propagator, "op_strategy_funcs", {}).get(op), "__name__", ""
-            ) == "linalg_replicate_strategy"
-            if _has_sharding_strategy(op) and not replicates:
-                continue
-            register_sharding(op)(rule)
-            if op_name.endswith("_backward"):
-                propagator.op_to_shape_and_stride_idx.setdefault(op, 2)
+    for name, (spatial, linear, outputs) in _PER_SAMPLE_OPS.items():
+        packet = getattr(torch.ops.aten, name, None)
+        op = getattr(packet, "default", None)
+        if op is None:  # not in this torch
+            continue
+        # 2.11's replicate-only rules (its upsampling forwards: each rank upsampled the
+        # whole gathered batch) count as none
+        replicates = getattr(
+            getattr(propagator, "op_strategy_funcs", {}).get(op), "__name__", ""
+        ) == "linalg_replicate_strategy"
+        if _has_sharding_strategy(op) and not replicates:
+            continue
+        register_sharding(op)(rule_for(spatial, linear, outputs))
+        if name in _SHAPE_ARGUMENTS:
+            propagator.op_to_shape_and_stride_idx.setdefault(op, _SHAPE_ARGUMENTS[name])
 
 
 def _install_batch_sharded_convolution() -> None:
