@@ -66,6 +66,9 @@ def _parts_of(text: str) -> tuple[int, ...]:
     return tuple(_parts(_digest(text)))
 
 
+_CONSTANTS = " | constants: "  # where a round's description of what it sends names its constants
+
+
 def describe_constants(outside: Sequence[Any]) -> str:
     """Each program constant's label, shape, dtype and a checksum of its bytes (NOTE:
     [constants agree across ranks]); tensor ops only (no numpy)."""
@@ -131,7 +134,7 @@ class InputAgreement:
         in between, as long as it issues no collective (NOTE: [reductions that ride the
         input check])."""
         if self.constants and not pending:
-            sends = f"{sends} | constants: {self.constants}"
+            sends = f"{sends}{_CONSTANTS}{self.constants}"
         payload = [float(x) for v in values for x in v.detach().reshape(-1).tolist()]
         if len(payload) > MAX_SLOTS:
             raise ValueError(f"{len(payload)} values do not fit a round of {MAX_SLOTS}")
@@ -177,12 +180,12 @@ class InputAgreement:
         """NOTE: [constants agree across ranks]: name each rank's constants when they
         are what differs (every rank reads the same sums, so all of them come here)."""
         everyone = _all_descriptions(sends, self.group, self.world)
-        programs = {text.split(" | constants: ")[0] for text in everyone}
+        parts = [text.partition(_CONSTANTS) for text in everyone]
+        programs = {program for program, _, _ in parts}
         if len(programs) > 1:
             return  # the programs differ: the caller's error
         lines = "\n".join(
-            f"    rank {rank}: {text.partition(' | constants: ')[2] or 'none'}"
-            for rank, text in enumerate(everyone)
+            f"    rank {rank}: {constants or 'none'}" for rank, (_, _, constants) in enumerate(parts)
         )
         raise SPMDCompileError(
             "The ranks hold different values in tensors the train step reads from outside "
