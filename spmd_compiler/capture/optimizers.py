@@ -20,10 +20,12 @@ op's compute dtype (the operands' promoted dtype; float32 for 16-bit floats) and
 once, to the result's dtype. The rewrite computes the product in that dtype too: the
 scalar *and* the tensor it scales are cast to it before they are multiplied, and the
 product stays in it. Multiplying a 16-bit tensor by the 0-dim scalar instead (what the
-rewrite first did) rounds the product to 16 bits before the add: every bf16 Adam, AdamW,
-Adagrad and RMSprop step then differed from eager on one rank by bf16 rounding (5e-3
-relative after 3 steps), and Muon's bf16 orthogonalized update applied to a float32 or
-float64 weight was rounded to bf16 (eager adds it at the weight's precision). An
+rewrite first did) rounds the product to 16 bits before the add: every bf16 Adagrad and
+RMSprop step then differed from eager on one rank by bf16 rounding (5e-3 relative after
+3 steps), and Muon's bf16 orthogonalized update applied to a float32 or float64 weight
+was rounded to bf16 (eager adds it at the weight's precision). (bf16 Adam and AdamW still
+differ from eager by bf16 rounding for another reason: the capturable path they are
+traced through computes with another formula; README, Limitations.) An
 out-of-place op is cast back to the dtype eager's op returns. Calls with Python-number
 scalars are left as they are.
 """
