@@ -70,6 +70,16 @@ class KeywordModel(nn.Module):
         return F.cross_entropy(self.net(features), labels)
 
 
+def _model_and_reference(optimizer: str = "sgd") -> tuple[nn.Module, Any, nn.Module, Any]:
+    """The test model seeded, an eager reference copy, and an optimizer for each."""
+    torch.manual_seed(0)
+    model = KeywordModel().double()
+    reference = copy.deepcopy(model)
+    make = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)}[optimizer]
+    return model, make(model), reference, make(reference)
+
+
 def dataclass_step(model, optim, batch):
     loss = batch.weight * F.cross_entropy(model.net(batch.features), batch.labels)
     loss.backward()
@@ -132,11 +142,7 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[torch.Generator], Any]]] = 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_batch_container_matches_one_device(name, mode):
     step, make_batch = CASES[name]
-    torch.manual_seed(0)
-    model = KeywordModel().double()
-    reference = copy.deepcopy(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model, optim, reference, ref_optim = _model_and_reference("adamw")
     compiled = sc.compile(make_mode(mode))(step)
     gen = torch.Generator().manual_seed(3)
     with sc.simulate(world_size=2) as sim:
@@ -154,11 +160,7 @@ def test_a_float_field_is_an_input_and_other_fields_are_keys():
     """A float field is a graph input like a float argument (NOTE: [float arguments as
     graph inputs]): a new value runs the same program, with the new value. Other
     non-tensor fields are part of the key: a new value is a new program."""
-    torch.manual_seed(0)
-    model = KeywordModel().double()
-    reference = copy.deepcopy(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, optim, reference, ref_optim = _model_and_reference()
     compiled = sc.compile(make_mode("ddp"))(dataclass_step)
     gen = torch.Generator().manual_seed(3)
     with sc.simulate(world_size=2):
@@ -211,11 +213,7 @@ def returning_step(model, optim, batch):
 
 
 def _run_returning(cache_dir: Any = None) -> tuple[sc.CompiledTrainStep, list[StepOutput], list[StepOutput]]:
-    torch.manual_seed(0)
-    model = KeywordModel().double()
-    reference = copy.deepcopy(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, optim, reference, ref_optim = _model_and_reference()
     compiled = sc.compile(make_mode("ddp"), cache_dir=cache_dir)(returning_step)
     gen = torch.Generator().manual_seed(3)
     got, want = [], []
@@ -261,11 +259,7 @@ def popping_step(model, optim, batch):
 
 
 def test_an_item_popped_from_a_mapping_batch_is_allowed():
-    torch.manual_seed(0)
-    model = KeywordModel().double()
-    reference = copy.deepcopy(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, optim, reference, ref_optim = _model_and_reference()
     compiled = sc.compile(make_mode("ddp"))(popping_step)
     gen = torch.Generator().manual_seed(3)
     with sc.simulate(world_size=2):
