@@ -1,0 +1,100 @@
+"""``torch.autocast`` inside the compiled step (bf16 on CPU).
+
+The trace runs under the step's autocast region, so the captured program holds the casts
+autocast made (bf16 matmuls, float32 LayerNorm and loss) and replays them without autocast.
+On one rank the compiled step is the eager step to float32 rounding. On two ranks a bf16
+matmul's weight gradient is each rank's partial product rounded to bf16 and then summed,
+as under torch DDP: it differs from one device's full-batch bf16 product by about one
+bf16 ulp (measured 4e-3 relative), so the 2-rank check is against that per-rank
+reference (each shard's eager autocast gradient, averaged: what torch DDP computes), and
+against the float32 step, to show autocast took effect.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models, relative_difference
+
+BATCH, FEATURES, CLASSES = 8, 8, 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, CLASSES))
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, FEATURES, generator=gen), torch.randint(0, CLASSES, (BATCH,), generator=gen)
+
+
+def _autocast_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model[0](x)
+        with torch.autocast("cpu", enabled=False):  # a float32 island inside the region
+            hidden = model[1](hidden.float())
+        logits = model[3](model[2](hidden))
+    return F.cross_entropy(logits.float(), y)
+
+
+def autocast_step(model, optim, x, y):  # noqa: ANN001
+    loss = _autocast_loss(model, x, y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def autocast_gradients(model, x, y):  # noqa: ANN001
+    _autocast_loss(model, x, y).backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
+def _eager_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> list[torch.Tensor]:
+    model = copy.deepcopy(model)
+    if autocast:
+        return autocast_gradients(model, x, y)
+    F.cross_entropy(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_one_rank_matches_the_eager_autocast_step() -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = sc.compile(make_mode("ddp"))(autocast_step)
+    with sc.simulate(world_size=1) as sim:
+        for seed in range(3):
+            loss = step(model, optim, *_batch(seed))
+            expected = autocast_step(reference, reference_optim, *_batch(seed))
+            assert relative_difference(loss, expected) < 1e-6
+        worst = max(compare_models(model, reference, sim).values())
+    assert worst < 1e-6, worst
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_reduce_the_per_rank_bf16_gradients(mode: str) -> None:
+    model = _model()
+    x, y = _batch()
+    half = BATCH // 2
+    shards = [_eager_gradients(model, x[s], y[s], True) for s in (slice(0, half), slice(half, None))]
+    per_rank = [(a + b) / 2 for a, b in zip(*shards, strict=True)]
+    full_float32 = _eager_gradients(model, x, y, False)
+    step = sc.compile(make_mode(mode))(autocast_gradients)
+    with sc.simulate(world_size=2):
+        grads = step(copy.deepcopy(model), x, y)
+    for got, want in zip(grads, per_rank, strict=True):
+        assert relative_difference(got, want) < 1e-6
+    # autocast took effect: the float32 step's gradients are far from these
+    assert max(relative_difference(g, f) for g, f in zip(grads, full_float32, strict=True)) > 1e-3
