@@ -548,7 +548,7 @@ def _warn_of_constants_in_arguments(outside: list[Any]) -> None:
     for a batch, which real ranks then refuse (NOTE: [constants agree across ranks]).
     Said at capture, so that a step developed on simulated ranks (where the constant is
     the global batch and the numbers match) learns it before it meets real ones."""
-    labels = [o.label for o in outside if o.label.startswith("argument")]
+    labels = [o.label for o in outside if o.in_argument]
     if labels:
         log.warning(
             "%s: read as a constant of the program, the same on every rank (NOTE: [tensors "

@@ -60,6 +60,7 @@ from ..errors import SPMDCompileError
 from .bindings import StepBindings
 from .code_names import names_in
 from .guards import functions_of, plain_object, skipped_function, skipped_module
+from .outside_tensors import FoundTensor
 from .traced_items import TracedItem
 
 DEPTH = 2
@@ -169,7 +170,7 @@ class KeptTensors:
         self.kept: list[tuple[KeptTensor, Any]] = []
         # id(tensor) -> (where, its dict or closure cell, key): NOTE: [tensors read from
         # outside the arguments]
-        self.outside: dict[int, tuple[str, Any, Any, torch.Tensor]] = {}
+        self.outside: dict[int, FoundTensor] = {}
         self._seen: set[int] = set()
         self._seen_code: set[int] = set()
         for mi, mod in enumerate(bindings.modules):
@@ -204,7 +205,7 @@ class KeptTensors:
         step = "attr" if kind == "object" else "key"
         for key, value in list(holder.entries().items()):
             if isinstance(value, torch.Tensor) and root[0] != "call":
-                self._outside(value, holder.storage(), key, label + _where(step, key))
+                self._outside(value, holder.storage(), key, label + _where(step, key), root[0] == "arg")
             if depth <= 0 or isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue  # submodules are visited by FQN; tensors are leaves
             if type(value) is list or isinstance(value, dict) or plain_object(value):
@@ -276,11 +277,13 @@ class KeptTensors:
             elif value is not _MISSING:
                 self._reach(value, label)
 
-    def _outside(self, value: torch.Tensor, container: Any, key: Any, label: str) -> None:
+    def _outside(
+        self, value: torch.Tensor, container: Any, key: Any, label: str, in_argument: bool = False
+    ) -> None:
         """A tensor the step may read that is not its argument or its modules' state
         (NOTE: [tensors read from outside the arguments])."""
         if not is_traced(value):
-            self.outside.setdefault(id(value), (label, container, key, value))
+            self.outside.setdefault(id(value), FoundTensor(label, container, key, value, in_argument))
 
     def _reach(self, value: Any, label: str) -> None:
         if isinstance(value, (torch.nn.Module, torch.Tensor)):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -52,6 +52,17 @@ _IN_PLACE_DUNDERS = frozenset({
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
 
 
+class FoundTensor(NamedTuple):
+    """A tensor the step can reach outside its arguments and modules' state, and where
+    (collected before the trace by ``KeptTensors``)."""
+
+    label: str
+    container: Any  # a dict (module / object __dict__, globals, a dict) or a closure cell
+    key: Any
+    tensor: torch.Tensor
+    in_argument: bool  # inside an argument object the step's arguments do not open
+
+
 @dataclass(eq=False)
 class OutsideTensor:
     """A program constant read from a user's object, and where (see the NOTE)."""
@@ -61,6 +72,7 @@ class OutsideTensor:
     key: Any
     tensor: torch.Tensor
     version: int
+    in_argument: bool = False  # read from an argument object (FoundTensor.in_argument)
 
 
 def _real(value: Any) -> bool:
@@ -92,7 +104,7 @@ class OutsideWrites(TorchFunctionMode):
 
 
 def outside_constants(
-    gm: torch.fx.GraphModule, found: dict[int, tuple[str, Any, Any, torch.Tensor]],
+    gm: torch.fx.GraphModule, found: dict[int, FoundTensor],
     bindings: StepBindings,
 ) -> list[OutsideTensor]:
     """The first graph's constants that came from outside the step, each with where it
@@ -121,7 +133,7 @@ def outside_constants(
                 "train_step(model, criterion, optimizer, x, y); a batch drawn inside the "
                 "step (x, y = next(batches)) is drawn outside and passed as arguments.",
             )
-        label, container, key, tensor = found[id(value)]
+        label, container, key, tensor, in_argument = found[id(value)]
         alias = aliases_state(tensor, bindings)
         if tensor.requires_grad or isinstance(tensor, DTensor) or alias:
             what = (
@@ -137,8 +149,8 @@ def outside_constants(
                 hint="read the parameter or buffer itself in forward, or make the tensor a "
                 "parameter or buffer of a module passed to the step.",
             )
-        constants.append(OutsideTensor(label, container, key, tensor, tensor._version))
+        constants.append(OutsideTensor(label, container, key, tensor, tensor._version, in_argument))
     return constants
 
 
-__all__ = ["OutsideTensor", "OutsideWrites", "outside_constants"]
+__all__ = ["FoundTensor", "OutsideTensor", "OutsideWrites", "outside_constants"]

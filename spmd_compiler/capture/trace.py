@@ -105,7 +105,7 @@ from .mask_selections import (
 )
 from .optimizers import check_supported as check_supported_optimizers
 from .optimizers import tracing_optimizer_step
-from .outside_tensors import OutsideWrites, outside_constants
+from .outside_tensors import FoundTensor, OutsideWrites, outside_constants
 from .python_effects import (
     OWN_GENERATOR,
     OWN_GENERATOR_HINT,
@@ -892,7 +892,7 @@ class _StepTracer:
         self.return_leaves: list[tuple[str, Any]] = []
         self.kept: list[KeptTensor] = []
         self.schedulers: SchedulerSteps | None = None
-        self.outside: dict[int, tuple[str, Any, Any, torch.Tensor]] = {}
+        self.outside: dict[int, FoundTensor] = {}
         self._params: dict[str, torch.Tensor] = {}
 
     def mark_gradients(self) -> None:
