@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from . import _torch_private as private
+from .capture.containers import holds_containers
 from .capture.guards import Guards
 from .compile_cache import (
     ProgramCache,
@@ -466,11 +467,13 @@ def _captured(
     dec = _Decoder([t.to(device) for t in constants], None, private.fake_tensor_mode())
     inputs, outputs, output_metas, unchanged = entry["signature"]
     code = func.__func__.__code__ if isinstance(func, types.MethodType) else func.__code__
+    return_spec = private.treespec_from_text(entry["return_spec"])
     step = LoadedStep(
         graph_module=None,  # type: ignore[arg-type]  # decoded when read
         inputs=[(_state_ref(r), _tensor_meta(m)) for r, m in inputs],
         outputs=[_state_ref(r) for r in outputs],
-        return_spec=private.treespec_from_text(entry["return_spec"]),
+        return_spec=return_spec,
+        returns_containers=holds_containers(return_spec),
         return_leaves=[(kind, dec.value(v)) for kind, v in entry["return_leaves"]],
         step_code=code,
         output_metas=[_tensor_meta(m) for m in output_metas],

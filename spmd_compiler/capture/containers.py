@@ -210,10 +210,18 @@ def _new(node: Opened, values: list[Any]) -> Any:
     return _fill(kind.__new__(kind), node.names, values)  # fields set as __init__ would
 
 
+def holds_containers(spec: pytree.TreeSpec) -> bool:
+    """Whether a return value of this pytree spec holds an ``Opened`` node (its calls
+    then rebuild the value with ``close_returned``; others skip that walk)."""
+    return spec.type is Opened or any(holds_containers(c) for c in spec.children())
+
+
 def close_returned(tree: Any) -> Any:
     """A returned value rebuilt by pytree, its ``Opened`` nodes made new containers of
     their types (NOTE: [batch containers])."""
     return _close(tree, _new)
 
 
-__all__ = ["Closed", "Opened", "close_containers", "close_returned", "open_containers"]
+__all__ = [
+    "Closed", "Opened", "close_containers", "close_returned", "holds_containers", "open_containers",
+]

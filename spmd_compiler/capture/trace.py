@@ -78,7 +78,7 @@ from . import selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
-from .containers import Closed, close_containers, open_containers
+from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
 from .functions_as_ops import functions_as_ops
 from .grad_scalers import (
@@ -711,6 +711,7 @@ def _capture(
         inputs=inputs,
         outputs=tracer.out_refs,
         return_spec=tracer.return_spec,
+        returns_containers=holds_containers(tracer.return_spec),
         return_leaves=tracer.return_leaves,
         step_code=func.__code__,
         checks=tracer.checks,

@@ -149,6 +149,8 @@ class CapturedStep:
             stepped in the step]).
         counted: the lines of selections compiled for a count per row read from the
             arguments at capture (NOTE: [rows of one count]).
+        returns_containers: the return value holds a batch container, rebuilt after
+            every call (NOTE: [batch containers]).
     """
 
     graph_module: torch.fx.GraphModule
@@ -166,6 +168,7 @@ class CapturedStep:
     outside: list[Any] = field(default_factory=list)
     scheduler_steps: list[Any] = field(default_factory=list)
     counted: list[str] = field(default_factory=list)
+    returns_containers: bool = False
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import faults
+from . import faults, teardown
 
 DEFAULT_TIMEOUT_S = 300.0
 # Seconds the surviving ranks get to report after the first failure (see NOTE above).
@@ -192,6 +192,7 @@ def init_from_env(
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
     # after init_process_group: its own hook captures stderr while calling the previous one
     faults.install_excepthook()
+    teardown.install()  # NOTE: [gloo teardown race]
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
 
 
@@ -244,6 +245,7 @@ def _run_rank(
             torch.cuda.set_device(rank)
         store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False, timeout)
         faults.use_launch_store(store)
+        teardown.install()  # NOTE: [gloo teardown race]
         dist.init_process_group(
             backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )

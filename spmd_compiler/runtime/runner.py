@@ -238,7 +238,9 @@ def run_program(
         for kind, v in captured.return_leaves
     ]
     returned_value = pytree.tree_unflatten(leaves, captured.return_spec)
-    return close_returned(returned_value), next_carry  # NOTE: [batch containers]
+    if captured.returns_containers:  # NOTE: [batch containers]
+        returned_value = close_returned(returned_value)
+    return returned_value, next_carry
 
 
 class BranchMismatch(Exception):
