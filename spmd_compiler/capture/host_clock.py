@@ -22,52 +22,25 @@ elsewhere (a class attribute, a default argument) or a method of a C type
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import sysconfig
-import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 from unittest import mock
 
-import torch
-
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
+from .callers import refusing, users_file
 
 CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
           "process_time", "process_time_ns")
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# files whose clock reads are their own business: torch, this project, the standard
-# library and installed packages
-_NOT_THE_USERS = tuple(
-    os.path.abspath(p) + os.sep
-    for p in {
-        os.path.dirname(os.path.abspath(torch.__file__)),
-        os.path.join(_PACKAGE_ROOT, "spmd_compiler"),
-        os.path.join(_PACKAGE_ROOT, "parallel_modes"),
-        os.path.join(_PACKAGE_ROOT, "passes"),
-        sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["purelib"],
-        sysconfig.get_paths()["platlib"],
-    }
-)
-
-
-def _users_file(filename: str) -> bool:
-    return not filename.startswith("<") and not os.path.abspath(filename).startswith(_NOT_THE_USERS)
 
 
 @contextlib.contextmanager
 def refuse_clock_reads() -> Iterator[None]:
     """While the step is traced, a clock read from the user's own code raises (the NOTE)."""
-    tracing_thread = threading.get_ident()
 
     def refused(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def read(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1).f_code.co_filename
-            if threading.get_ident() != tracing_thread or not _users_file(caller):
-                return real(*args, **kwargs)
+        def refuse() -> NoReturn:
             raise SPMDCompileError(
                 f"The train step reads the clock (time.{name}()): a compiled step runs its "
                 "Python once, at capture, so every call would reuse the time read then "
@@ -76,7 +49,7 @@ def refuse_clock_reads() -> Iterator[None]:
                 hint="time the call outside the compiled step (t0 = time.perf_counter(); "
                 "loss = step(...); elapsed = time.perf_counter() - t0).",
             )
-        return read
+        return refusing(real, refuse, users_file)
 
     reals = {name: getattr(time, name) for name in CLOCKS if hasattr(time, name)}
     with contextlib.ExitStack() as stack:
@@ -94,7 +67,7 @@ def _clocks_imported_by_name(reals: dict[str, Any]) -> list[tuple[Any, str, str]
     found = []
     for module in list(sys.modules.values()):
         filename = getattr(module, "__file__", None)
-        if not isinstance(filename, str) or not _users_file(filename):
+        if not isinstance(filename, str) or not users_file(filename):
             continue
         for key, value in list(vars(module).items()):
             name = by_id.get(id(value))

@@ -42,17 +42,17 @@ from __future__ import annotations
 import builtins
 import contextlib
 import logging
-import os
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 from unittest import mock
 
 import torch
 import torch.fx
 
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack, node_error
+from .callers import from_torch, refusing
 from .distributed_calls import distributed_calls_as_one_device
 from .host_clock import refuse_clock_reads
 from .kept_tensors import is_traced
@@ -60,7 +60,6 @@ from .kept_tensors import is_traced
 log = logging.getLogger("spmd_compiler")
 
 _RNG_SETTERS = ("manual_seed", "seed", "set_rng_state")
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _warned: set[tuple[Any, str]] = set()
 
 
@@ -97,9 +96,7 @@ def python_effects(step_code: Any) -> Iterator[None]:
             )
 
     def refuse_reseed(name: str, real: Any) -> Any:
-        def refused(*args: Any, **kwargs: Any) -> Any:
-            if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
-                return real(*args, **kwargs)  # torch's own (checkpoint's fork_rng, ...)
+        def refuse() -> NoReturn:
             raise SPMDCompileError(
                 f"The train step calls torch.{name}(): a compiled step runs its Python once, "
                 "at capture, so the generator would be reset once instead of every call, and "
@@ -108,7 +105,8 @@ def python_effects(step_code: Any) -> Iterator[None]:
                 hint="seed once before the first call (torch.manual_seed(s) outside the "
                 "compiled step); the program draws from the default generator every call.",
             )
-        return refused
+        # torch's own calls (checkpoint's fork_rng, ...) go through
+        return refusing(real, refuse, lambda filename: not from_torch(filename))
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(builtins, "print", traced_print))
@@ -230,16 +228,13 @@ def _same_state(a: Any, b: Any) -> bool:
 def _refuse_host_random_draws() -> Iterator[None]:
     """See NOTE: [host random numbers at capture]."""
     generators = _host_generators()
-    tracing_thread = threading.get_ident()
     # another thread (a data-loading thread drawing augmentations) may draw meanwhile:
     # then states are neither compared nor put back
     alone = not _other_threads()
     before = [get() for _, _, _, get, _ in generators] if alone else []
 
     def refused(name: str, attribute: str, real: Any) -> Any:
-        def draw(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != tracing_thread or sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
-                return real(*args, **kwargs)
+        def refuse() -> NoReturn:
             raise SPMDCompileError(
                 f"The train step draws a random number from {name} ({attribute}()): a "
                 "compiled step runs its Python once, at capture, so every call would reuse "
@@ -247,7 +242,7 @@ def _refuse_host_random_draws() -> Iterator[None]:
                 user_line=innermost_model_frame_of_stack(),
                 hint=_HOST_DRAW_HINT,
             )
-        return draw
+        return refusing(real, refuse, lambda filename: not from_torch(filename))
 
     try:
         with contextlib.ExitStack() as stack:

@@ -1,0 +1,63 @@
+"""Whose code calls a function the trace replaces: the user's, or a library's.
+
+While the step is traced, a few Python functions refuse (reseeding torch's generator,
+Python's and NumPy's random draws, the host clock: NOTE: [Python effects at capture],
+NOTE: [host random numbers at capture], NOTE: [host clock at capture]). They refuse only
+a call of the step's own: one made on the tracing thread (a data-loading thread may draw
+meanwhile), from code the rule is about. ``refusing`` builds that replacement once for
+all of them; the two tests of the calling file live here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# files whose calls are their own business: torch, this project, the standard library
+# and installed packages
+_NOT_THE_USERS = tuple(
+    os.path.abspath(p) + os.sep
+    for p in {
+        TORCH_DIR,
+        os.path.join(_PACKAGE_ROOT, "spmd_compiler"),
+        os.path.join(_PACKAGE_ROOT, "parallel_modes"),
+        os.path.join(_PACKAGE_ROOT, "passes"),
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+    }
+)
+
+
+def from_torch(filename: str) -> bool:
+    """Whether ``filename`` is torch's own code (its checkpointing forks the generator)."""
+    return filename.startswith(TORCH_DIR)
+
+
+def users_file(filename: str) -> bool:
+    """Whether ``filename`` is the user's code: not torch, this project, the standard
+    library or an installed package, nor a file-less frame."""
+    return not filename.startswith("<") and not os.path.abspath(filename).startswith(_NOT_THE_USERS)
+
+
+def refusing(
+    real: Callable[..., Any], refuse: Callable[[], NoReturn], refused_for: Callable[[str], bool]
+) -> Callable[..., Any]:
+    """``real`` for every caller but the tracing thread's calls from a file
+    ``refused_for`` accepts, which ``refuse()`` (it raises). Build it on the tracing thread."""
+    tracing_thread = threading.get_ident()
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == tracing_thread and refused_for(sys._getframe(1).f_code.co_filename):
+            refuse()
+        return real(*args, **kwargs)
+
+    return call
