@@ -255,20 +255,25 @@ def test_comparisons_can_fail(rank_results: list) -> None:
         assert param_difference(view, after) > BF16_TOLERANCE, precision
 
 
-# Measured with SPMD_TEST_BACKEND=inductor (2 gloo ranks): the lowered bf16 step differs
-# from FSDP2's bf16 run by 1.0e-2 (exp_avg_sq; 3.5e-2 in the parameters before casts were
-# emulated), where the interpreter agrees to 1.3e-7. Cause inside Inductor's bf16 kernels
-# not established; strict, so a fix shows up.
-INDUCTOR_BF16 = pytest.mark.xfail(
-    backend_under_test() == "inductor", strict=True,
-    reason="Inductor's bf16 kernels differ from eager bf16 by ~1e-2 (not yet matched)",
-)
+# Inductor's bf16 kernels round differently from eager's, in torch.compile too. Measured
+# 2026-11-27 on this model (AdamW, 3 steps, emulate_precision_casts on, as the lowering
+# sets it): torch.compile of the undecorated single-device bf16 step (one process) differs
+# from the same step run eagerly by 1.05e-2 (exp_avg_sq), 7.3e-3 (parameters), 6.6e-3
+# (losses); with SPMD_TEST_BACKEND=inductor the compiled fully_shard run differs from
+# FSDP2's bf16 run by 1.04e-2, 1.04e-2 and 6.6e-3, and from FSDP2's fp32 run by 3.4e-2.
+# So on Inductor the bf16 comparison allows twice torch.compile's own deviation, and checks
+# that the run is nearer to FSDP2's bf16 run than to its fp32 one.
+INDUCTOR_BF16_TOLERANCE = 2e-2
 
 
-@INDUCTOR_BF16
+def bf16_tolerance() -> float:
+    return INDUCTOR_BF16_TOLERANCE if backend_under_test() == "inductor" else BF16_TOLERANCE
+
+
 @pytest.mark.parametrize("precision", MIXED_PRECISIONS)
 def test_compiled_matches_torch_eager_mixed_precision(rank_results: list, precision: str) -> None:
-    """Compiled fully_shard == FSDP2 with the same bf16 policy, within bf16 tolerance; the
+    """Compiled fully_shard == FSDP2 with the same bf16 policy, within bf16 tolerance (on
+    Inductor, the one measured above), and nearer to it than to FSDP2's fp32 run; the
     compiled step returns the global loss in bf16 and keeps master state in fp32."""
     compiled, eager = STYLES["fully_shard"]
     optimizer = MIXED_PRECISION_OPTIMIZER
@@ -278,14 +283,20 @@ def test_compiled_matches_torch_eager_mixed_precision(rank_results: list, precis
     for key, value in actual.items():
         if key.startswith("param.") or key.endswith(("exp_avg", "exp_avg_sq")):
             assert value.dtype == torch.float32, (precision, key, value.dtype)
-    assert_close(actual, expected, f"{compiled} vs {eager} ({precision})", BF16_TOLERANCE)
+    assert_close(actual, expected, f"{compiled} vs {eager} ({precision})", bf16_tolerance())
+    full_precision = global_view(rank_results, eager, optimizer, "fp32")
+    assert param_difference(actual, expected) < param_difference(actual, full_precision) / 2
 
 
-@INDUCTOR_BF16
 def test_mixed_precision_reduce_dtype_matters(rank_results: list) -> None:
     """The bf16 tolerance above cannot tell the reduce dtypes apart (they move the
     parameters by ~1e-3), so check that the compiled run of each reduce dtype is nearer
-    to FSDP2's run with that reduce dtype than to FSDP2's run with the other one."""
+    to FSDP2's run with that reduce dtype than to FSDP2's run with the other one. Not on
+    Inductor: its own bf16 rounding (1e-2, measured above) is ten times the effect; the
+    program's reduce dtype is checked there by tests/sim/test_data_parallel.py
+    (``test_mixed_precision_bf16``: the reduce-scatter's dtype and bytes)."""
+    if backend_under_test() == "inductor":
+        pytest.skip("Inductor's bf16 rounding (1e-2) is larger than the reduce dtype's effect (1e-3)")
     compiled, eager = STYLES["fully_shard"]
     optimizer = MIXED_PRECISION_OPTIMIZER
     views = {
