@@ -24,9 +24,9 @@ tensor itself back in its place, so the swap it does is a no-op. Not donated:
   padded copy, not the state itself;
 - an input whose memory another input shares (Inductor's kernels would see one write
   through the other);
-- on a torch release whose Inductor was not seen to order a donated input's reads before
-  its update (``_torch_private.DONATION_VERIFIED_RELEASES``: 2.13; on 2.11 it fused
-  LayerNorm's backward with the weight's update and read the new weight);
+- on a torch release where donation was not checked to come out right
+  (``_torch_private.DONATION_VERIFIED_RELEASES``: 2.13; on 2.11 a tp step donating both
+  its parameters and their optimizer state ends 0.12 off, cause not found: see there);
 - with ``cuda_graphs=True``: Inductor's CUDA graphs skip a graph that mutates inputs it
   was not told are static;
 - gradients: a program writes ``param.grad`` as a fresh tensor (the user may hold the
