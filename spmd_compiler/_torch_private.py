@@ -1627,15 +1627,17 @@ def is_fake_process_group() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
 
 
-# Releases where donated state was checked to come out right (NOTE: [state donation]).
-# On torch 2.11 (CPU) the tp step of tests/dist/test_inductor_backend.py ends 0.12 off
-# (param.1.bias, LayerNorm's) after 3 steps; 2.13: 2.5e-7. Probed 2026-11-27 on 2.11: the
-# same step donating the parameters alone, or the optimizer state alone, matched (2.5e-7
-# and 4.1e-7), ddp donating both matched (3.2e-7), tp donating both did not. Not the
-# LayerNorm output recomputed beside the weight's update (as first thought): giving every
-# reader outside the optimizer a copy made by an op Inductor cannot inline left the 0.12
-# unchanged. Cause not found, so not donated there. Other releases: not checked.
+# Releases where donated state was checked to come out right (NOTE: [state donation]):
+# parameters, buffers and optimizer state (2.13: the tp step of
+# tests/dist/test_inductor_backend.py 2.5e-7), or optimizer state alone (2.11). On torch
+# 2.11 (CPU) that tp step donating its parameters too ended 0.12 off after 3 steps: in the
+# generated code the kernel writing the second Linear's weight update ran before the
+# extern matmul of the backward that reads the old weight (grad_input = grad @ W), so the
+# matmul read the new weight. A weight is read by matmuls outside the optimizer;
+# optimizer state is read by the optimizer alone, at the index it writes, and donating it
+# alone matched (4.1e-7, probed 2026-11-27). Other releases: not checked, nothing donated.
 DONATION_VERIFIED_RELEASES = ("2.13",)
+OPTIMIZER_STATE_DONATION_RELEASES = ("2.11",)
 
 
 # Releases whose DTensor fails on ``index_put`` with ``None`` in its index list (torch
@@ -1666,9 +1668,12 @@ def dtensor_index_put_with_none_gap() -> bool:
     return _release() in INDEX_PUT_WITH_NONE_GAP_RELEASES
 
 
-def inductor_updates_inputs_safely() -> bool:
-    """Whether this torch's Inductor may be given state to update in place."""
-    return _release() in DONATION_VERIFIED_RELEASES
+def inductor_donation() -> str:
+    """What this torch's Inductor may be given to update in place (NOTE: [state
+    donation]): ``"all"`` state, ``"optimizer_state"`` alone, or ``"none"``."""
+    if _release() in DONATION_VERIFIED_RELEASES:
+        return "all"
+    return "optimizer_state" if _release() in OPTIMIZER_STATE_DONATION_RELEASES else "none"
 
 
 def inductor_compile(
