@@ -80,6 +80,12 @@ def check_batch_norm_input(module: torch.nn.Module, input: torch.Tensor) -> None
     module._check_input_dim(input)  # type: ignore[operator]
 
 
+def plain_batch_norm_forward(module: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """torch's batch norm ``forward`` without a process group (``_BatchNorm.forward``, the
+    one ``nn.BatchNorm*d`` run), called on ``module`` (a ``SyncBatchNorm`` too)."""
+    return torch.nn.modules.batchnorm._BatchNorm.forward(module, input)  # type: ignore[arg-type]
+
+
 # NOTE: [loss scaling in the program] (capture/grad_scalers.py): torch.amp.GradScaler keeps
 # its scale, growth tracker and per-optimizer stages in private attributes; these are the
 # only reads and writes of them.

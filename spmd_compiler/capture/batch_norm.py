@@ -15,6 +15,19 @@ in float64 as Python's division gives it). The batch statistics are reductions o
 batch, so on N ranks they are the global batch's (as for any batch norm here, NOTE: [ops
 decomposed at capture]). The module's ``forward`` is its own again after the trace.
 Numerics: float64 tests agree with eager within 1e-15 relative.
+
+NOTE: [SyncBatchNorm at capture]
+``nn.SyncBatchNorm`` (what ``convert_sync_batchnorm`` makes of a DDP model's batch norms)
+normalizes with the statistics of every rank's batch, gathered by collectives in its
+``forward``. A compiled step is written for one device on the global batch, where a batch
+norm's statistics are already the global batch's, so while the step is traced a
+``SyncBatchNorm`` runs torch's plain batch norm ``forward`` (and the cumulative one above
+for ``momentum=None``). Before, capture failed on CPU, where torch refuses the module
+("expected input tensor to be on GPU"); on a GPU its ``forward`` would have run its own
+collectives inside the trace (not tried: no GPU when this was written). Refused, with the
+line: a ``SyncBatchNorm`` whose ``process_group``
+spans fewer ranks than the world (statistics over a subset of the batch, which the
+program does not compute).
 """
 
 from __future__ import annotations
@@ -25,9 +38,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _torch_private as private
+from ..errors import SPMDCompileError, innermost_model_frame_of_stack
 
 _TORCH_FORWARDS = (torch.nn.BatchNorm1d.forward,)  # the three share _BatchNorm's forward
 
@@ -42,6 +57,33 @@ def _patched(module: torch.nn.Module) -> bool:
     )
 
 
+def _synced(module: torch.nn.Module) -> bool:
+    """A ``SyncBatchNorm`` with torch's own ``forward`` (NOTE: [SyncBatchNorm at capture])."""
+    return (
+        getattr(type(module), "forward", None) is torch.nn.SyncBatchNorm.forward
+        and "forward" not in vars(module)
+    )
+
+
+def sync_forward(self: Any, input: torch.Tensor) -> torch.Tensor:
+    """A ``SyncBatchNorm``'s ``forward`` in a traced step: the plain batch norm over the
+    (global) batch; refused for a process group of part of the world (the NOTE)."""
+    group = self.process_group
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) != dist.get_world_size():
+        raise SPMDCompileError(
+            f"nn.SyncBatchNorm with a process_group of {dist.get_world_size(group)} of the "
+            f"{dist.get_world_size()} ranks normalizes each group's part of the batch with that "
+            "part's statistics; a compiled step computes the whole batch's (NOTE: "
+            "[SyncBatchNorm at capture]).",
+            user_line=innermost_model_frame_of_stack(),
+            hint="leave process_group unset (the whole batch), or use nn.BatchNorm*d with "
+            "statistics per sample group computed in the model.",
+        )
+    if self.momentum is None:
+        return cumulative_forward(self, input)
+    return private.plain_batch_norm_forward(self, input)
+
+
 def cumulative_forward(self: Any, input: torch.Tensor) -> torch.Tensor:
     """``_BatchNorm.forward`` with the cumulative factor a tensor (training, tracking
     running statistics); torch's own ``forward`` otherwise."""
@@ -50,7 +92,7 @@ def cumulative_forward(self: Any, input: torch.Tensor) -> torch.Tensor:
         and self.num_batches_tracked is not None
         and self.running_mean is not None and self.running_var is not None
     ):
-        return type(self).forward(self, input)
+        return private.plain_batch_norm_forward(self, input)
     private.check_batch_norm_input(self, input)
     self.num_batches_tracked.add_(1)
     factor = torch.reciprocal(self.num_batches_tracked.to(torch.float64))
@@ -68,10 +110,14 @@ def cumulative_forward(self: Any, input: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def cumulative_batch_norms(modules: list[torch.nn.Module]) -> Iterator[None]:
     """Inside: the batch norms of ``modules`` that keep a cumulative average compute its
-    factor as a tensor (see the NOTE); their ``forward`` is restored on the way out."""
-    patched = [m for root in modules for m in root.modules() if _patched(m)]
-    for m in patched:
-        m.forward = types.MethodType(cumulative_forward, m)  # type: ignore[method-assign]
+    factor as a tensor, and ``SyncBatchNorm`` runs the plain batch norm (see the NOTEs);
+    their ``forward`` is restored on the way out."""
+    patched = []
+    for m in (m for root in modules for m in root.modules()):
+        forward = sync_forward if _synced(m) else cumulative_forward if _patched(m) else None
+        if forward is not None:
+            m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
+            patched.append(m)
     try:
         yield
     finally:
@@ -79,4 +125,4 @@ def cumulative_batch_norms(modules: list[torch.nn.Module]) -> Iterator[None]:
             vars(m).pop("forward", None)
 
 
-__all__ = ["cumulative_batch_norms", "cumulative_forward"]
+__all__ = ["cumulative_batch_norms", "cumulative_forward", "sync_forward"]

@@ -1,0 +1,83 @@
+"""NOTE: [SyncBatchNorm at capture]: a model converted for DDP
+(``nn.SyncBatchNorm.convert_sync_batchnorm``) compiles, its batch norms normalizing with
+the global batch's statistics, as on one device; eagerly torch refuses the module on CPU.
+The reference is the same model with its plain batch norms, run eagerly on one device on
+the global batch (float64, 2 simulated ranks, every parameter and buffer within 1e-10)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.parity import compare_models, compare_optimizers
+
+TOL = 1e-10
+
+
+def _net(momentum: float | None) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=momentum), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4), nn.BatchNorm1d(4, momentum=momentum),
+    ).double()
+
+
+def step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 3, 6, 6, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen))
+        for _ in range(3)
+    ]
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["exponential", "cumulative"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_sync_batch_norm_is_the_global_batch_norm(mode: str, momentum: float | None) -> None:
+    reference = _net(momentum)
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    assert sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) == 2
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    compiled = sc.compile(make_mode(mode))(step)
+    with sc.simulate(world_size=2) as sim:
+        for i, (x, y) in enumerate(_batches()):
+            if i == 2:  # an evaluation-mode call: the running statistics normalize
+                model.eval()
+                reference.eval()
+            loss = compiled(model, optim, x, y)
+            expected = step(reference, reference_optim, x, y)
+            assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
+        differences = compare_models(model, reference, sim)
+        differences.update(compare_optimizers(optim, reference_optim, sim))
+    assert "param.1.running_var" in differences
+    assert max(differences.values()) < TOL, sorted(differences.items(), key=lambda kv: -kv[1])[:3]
+    assert all("forward" not in vars(m) for m in model.modules())  # the module is untouched
+
+
+def test_a_process_group_of_part_of_the_world_is_refused() -> None:
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(_net(0.1))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2):
+        part = dist.new_group(ranks=[0])
+        for m in model.modules():
+            if isinstance(m, nn.SyncBatchNorm):
+                m.process_group = part
+        with pytest.raises(SPMDCompileError, match="process_group of 1 of the 2 ranks"):
+            compiled(model, optim, *_batches()[0])
