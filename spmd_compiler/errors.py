@@ -11,6 +11,7 @@ runtime's final install step touches real state.
 
 from __future__ import annotations
 
+import logging
 import traceback
 import types
 from dataclasses import dataclass
@@ -108,6 +109,20 @@ def innermost_model_frame(tb: types.TracebackType | None) -> SourceLocation | No
 def innermost_model_frame_of_stack() -> SourceLocation | None:
     """``innermost_model_frame`` of the running code (the caller's stack)."""
     return _innermost_outside_torch(traceback.extract_stack())
+
+
+_WARNED_LINES: set[tuple[object, ...]] = set()
+
+
+def warn_once_per_line(key: tuple[object, ...], message: str) -> None:
+    """Log ``message`` with ``{line}`` replaced by the line of the user's code running now
+    (the innermost frame outside torch and this package), once per ``key`` and line: a
+    capture warning about a line of the step, said once however often it is traced."""
+    where = innermost_model_frame_of_stack()
+    line = str(where) if where is not None else "the train step"
+    if (*key, line) not in _WARNED_LINES:
+        _WARNED_LINES.add((*key, line))
+        logging.getLogger("spmd_compiler").warning("%s", message.replace("{line}", line))
 
 
 def _innermost_outside_torch(frames: traceback.StackSummary) -> SourceLocation | None:

@@ -34,7 +34,6 @@ process group.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,13 +42,10 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from ..errors import SPMDCompileError, innermost_model_frame_of_stack
-
-log = logging.getLogger("spmd_compiler")
+from ..errors import SPMDCompileError, innermost_model_frame_of_stack, warn_once_per_line
 
 # callers that reach the real process group: torch itself and this project's packages
 _OWN_MODULES = ("torch", "spmd_compiler", "parallel_modes", "passes")
-_warned: set[tuple[Any, str, str]] = set()
 
 
 class _DoneWork:
@@ -221,17 +217,13 @@ def _answered(name: str, real: Callable[..., Any], one: Callable[..., Any], step
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller.split(".")[0] in _OWN_MODULES:
             return real(*args, **kwargs)
-        where = innermost_model_frame_of_stack()
-        line = str(where) if where is not None else "the train step"
-        if (step_code, name, line) not in _warned:
-            _warned.add((step_code, name, line))
-            log.warning(
-                "torch.distributed.%s at %s: a compiled step is traced as one device on the "
-                "global batch, so it runs as on a world of one (rank 0, world size 1; a "
-                "collective keeps its one piece): every value there is already global. "
-                "(NOTE: [torch.distributed inside the step])",
-                name, line,
-            )
+        warn_once_per_line(
+            (step_code, "distributed", name),
+            f"torch.distributed.{name} at {{line}}: a compiled step is traced as one device "
+            "on the global batch, so it runs as on a world of one (rank 0, world size 1; a "
+            "collective keeps its one piece): every value there is already global. "
+            "(NOTE: [torch.distributed inside the step])",
+        )
         return one(*args, **kwargs)
     return call
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import logging
 import sys
 import threading
 from collections.abc import Iterator
@@ -51,16 +50,18 @@ from unittest import mock
 import torch
 import torch.fx
 
-from ..errors import SPMDCompileError, innermost_model_frame_of_stack, node_error
+from ..errors import (
+    SPMDCompileError,
+    innermost_model_frame_of_stack,
+    node_error,
+    warn_once_per_line,
+)
 from .callers import from_torch, refusing
 from .distributed_calls import distributed_calls_as_one_device
 from .host_clock import refuse_clock_reads
 from .kept_tensors import is_traced
 
-log = logging.getLogger("spmd_compiler")
-
 _RNG_SETTERS = ("manual_seed", "seed", "set_rng_state")
-_warned: set[tuple[Any, str]] = set()
 
 
 def _shows_traced(value: Any, depth: int = 2) -> bool:
@@ -83,17 +84,13 @@ def python_effects(step_code: Any) -> Iterator[None]:
         if not any(_shows_traced(a) for a in args):
             real_print(*args, **kwargs)
             return
-        where = innermost_model_frame_of_stack()
-        line = str(where) if where is not None else "the train step"
-        if (step_code, line) not in _warned:
-            _warned.add((step_code, line))
-            log.warning(
-                "print() at %s shows a tensor the compiled program computes: it runs once, "
-                "while the step is traced, when tensors hold no values, so compiled calls "
-                "print nothing there. Return the value (return {'loss': loss.item()}) and "
-                "print it outside the compiled step. (NOTE: [Python effects at capture])",
-                line,
-            )
+        warn_once_per_line(
+            (step_code, "print"),
+            "print() at {line} shows a tensor the compiled program computes: it runs once, "
+            "while the step is traced, when tensors hold no values, so compiled calls "
+            "print nothing there. Return the value (return {'loss': loss.item()}) and "
+            "print it outside the compiled step. (NOTE: [Python effects at capture])",
+        )
 
     def refuse_reseed(name: str, real: Any) -> Any:
         def refuse() -> NoReturn:

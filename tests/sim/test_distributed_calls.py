@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
-from spmd_compiler.capture import distributed_calls
+from spmd_compiler import errors
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
@@ -73,7 +73,7 @@ def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_a_step_ported_from_ddp_computes_as_one_device(mode, caplog, monkeypatch):
-    monkeypatch.setattr(distributed_calls, "_warned", set())  # once per line and process
+    monkeypatch.setattr(errors, "_WARNED_LINES", set())  # once per line and process
     model = _model()
     reference = copy.deepcopy(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
