@@ -1634,16 +1634,18 @@ def is_fake_process_group() -> bool:
 
 
 # Releases where donated state was checked to come out right (NOTE: [state donation]):
-# parameters, buffers and optimizer state (2.13: the tp step of
-# tests/dist/test_inductor_backend.py 2.5e-7), or optimizer state alone (2.11). On torch
-# 2.11 (CPU) that tp step donating its parameters too ended 0.12 off after 3 steps: in the
-# generated code the kernel writing the second Linear's weight update ran before the
-# extern matmul of the backward that reads the old weight (grad_input = grad @ W), so the
-# matmul read the new weight. A weight is read by matmuls outside the optimizer;
-# optimizer state is read by the optimizer alone, at the index it writes, and donating it
-# alone matched (4.1e-7, probed 2026-11-27). Other releases: not checked, nothing donated.
-DONATION_VERIFIED_RELEASES = ("2.13",)
-OPTIMIZER_STATE_DONATION_RELEASES = ("2.11",)
+# parameters, buffers and optimizer state. 2.13: the tp step of
+# tests/dist/test_inductor_backend.py within 2.5e-7. 2.11: that step ended 0.12 off after
+# 3 steps until Inductor's peak-memory reordering was switched off for donating programs
+# (``PEAK_MEMORY_REORDER_MOVES_INPUT_UPDATES``). Other releases: not checked, nothing
+# donated.
+DONATION_VERIFIED_RELEASES = ("2.11", "2.13")
+# Releases whose Inductor's peak-memory reordering (``reorder_for_peak_memory``) moved a
+# kernel writing a donated input before an extern kernel reading its old value: on 2.11
+# the kernel writing the second Linear's weight update ran before the backward's matmul
+# ``grad @ W`` (read off the generated code, 2026-11-27). With the pass off the same step
+# matched (tp 4.1e-7, ddp 3.2e-7); the pass stays on for programs that donate nothing.
+PEAK_MEMORY_REORDER_MOVES_INPUT_UPDATES = ("2.11",)
 
 
 # Releases whose DTensor fails on ``index_put`` with ``None`` in its index list (torch
@@ -1674,12 +1676,23 @@ def dtensor_index_put_with_none_gap() -> bool:
     return _release() in INDEX_PUT_WITH_NONE_GAP_RELEASES
 
 
-def inductor_donation() -> str:
-    """What this torch's Inductor may be given to update in place (NOTE: [state
-    donation]): ``"all"`` state, ``"optimizer_state"`` alone, or ``"none"``."""
-    if _release() in DONATION_VERIFIED_RELEASES:
-        return "all"
-    return "optimizer_state" if _release() in OPTIMIZER_STATE_DONATION_RELEASES else "none"
+def inductor_updates_inputs_safely() -> bool:
+    """Whether this torch's Inductor may be given state to update in place."""
+    return _release() in DONATION_VERIFIED_RELEASES
+
+
+@contextlib.contextmanager
+def inductor_order_for_input_updates(updates_inputs: bool) -> Iterator[None]:
+    """Inductor compiles inside keep a donated input's reads before its update: on the
+    releases of ``PEAK_MEMORY_REORDER_MOVES_INPUT_UPDATES``, a program that updates its
+    inputs is compiled without the peak-memory reordering (NOTE: [state donation])."""
+    if not updates_inputs or _release() not in PEAK_MEMORY_REORDER_MOVES_INPUT_UPDATES:
+        yield
+        return
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(reorder_for_peak_memory=False):
+        yield
 
 
 def inductor_compile(

@@ -63,7 +63,7 @@ from .leading_reductions import (
 from .progress import compile_progress
 from .reduction_aliasing import bucket_part_read_elsewhere
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
-from .state_donation import Donating, Pairs, donate, donated_kinds, donation_pairs
+from .state_donation import Donating, Pairs, donate, donation_pairs
 
 log = logging.getLogger("spmd_compiler.lower")
 
@@ -261,7 +261,8 @@ class LoweredGraph:
         outputs = len(output_args(gm))
         device = _device_of(flat)
         # CUDA graphs of Inductor skip a graph that mutates its (non-static) inputs
-        self._donated = () if self.options.cuda_graphs else donate(gm, self.donations, inputs)
+        donating = not self.options.cuda_graphs and private.inductor_updates_inputs_safely()
+        self._donated = donate(gm, self.donations, inputs) if donating else ()
         out: list[torch.Tensor] | None = None  # the first step's results, when it ran here
         regions = self.options.regions(device)
         hazard = None if regions or self.options.cuda_graphs else bucket_part_read_elsewhere(gm)
@@ -269,7 +270,7 @@ class LoweredGraph:
             log.info("lowering by compute regions: %s's bucket has a part read elsewhere", hazard.name)
             regions = True
         title = f"a {nodes}-node program with inductor"
-        with compile_progress(title) as progress:
+        with compile_progress(title) as progress, private.inductor_order_for_input_updates(bool(self._donated)):
             # NOTE: [scalar prologue]: measured on CPU; CUDA keeps the one graph
             split = split_scalar_prologue(gm) if device == "cpu" else None
             prologue: Callable[..., Sequence[torch.Tensor]] | None = None
@@ -518,7 +519,7 @@ class Executable:
         def lowered(gm: torch.fx.GraphModule, donations: Pairs = ()) -> LoweredGraph:
             return LoweredGraph(gm, options, inductor_cache_dir, donations=donations, batch_inputs=batch)
 
-        step = lowered(program.graph_module, donation_pairs(program, donated_kinds()))  # type: ignore[attr-defined]
+        step = lowered(program.graph_module, donation_pairs(program))  # type: ignore[attr-defined]
         if plan is None:
             return cls(step)
         return cls(step, lowered(plan.first), lowered(plan.steady), lowered(plan.finish))

@@ -24,9 +24,10 @@ tensor itself back in its place, so the swap it does is a no-op. Not donated:
   padded copy, not the state itself;
 - an input whose memory another input shares (Inductor's kernels would see one write
   through the other);
-- on a torch release where donation was not checked to come out right; on torch 2.11
-  only optimizer state is donated (Inductor there ran a weight's in-place update before
-  a matmul that reads the old weight: ``_torch_private.DONATION_VERIFIED_RELEASES``);
+- on a torch release where donation was not checked to come out right
+  (``_torch_private.DONATION_VERIFIED_RELEASES``: 2.11 and 2.13; on 2.11 a donating
+  program is compiled without Inductor's peak-memory reordering, which moved a weight's
+  in-place update before a matmul reading the old weight);
 - with ``cuda_graphs=True``: Inductor's CUDA graphs skip a graph that mutates inputs it
   was not told are static;
 - gradients: a program writes ``param.grad`` as a fresh tensor (the user may hold the
@@ -45,33 +46,24 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import _torch_private as private
 from .ir.graph_utils import output_values, placeholders, set_outputs
 from .ir.signature import Kind
 
 DONATED_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.OPTIM_STATE)
-# what each answer of ``_torch_private.inductor_donation()`` donates
-_KINDS_BY_RELEASE = {"all": DONATED_KINDS, "optimizer_state": (Kind.OPTIM_STATE,), "none": ()}
-
-
-def donated_kinds() -> tuple[Kind, ...]:
-    """The state this torch's Inductor is given to update in place (see the NOTE)."""
-    return _KINDS_BY_RELEASE[private.inductor_donation()]
 
 Pairs = tuple[tuple[int, int], ...]  # (input position, output position)
 
 
-def donation_pairs(program: Any, kinds: tuple[Kind, ...] = DONATED_KINDS) -> Pairs:
-    """The state of ``kinds`` that ``program`` (a ``DistributedProgram``) reads at input
-    ``i`` and writes at output ``j``, as ``(i, j)`` pairs it may update in place (NOTE:
-    [state donation])."""
+def donation_pairs(program: Any) -> Pairs:
+    """The state ``program`` (a ``DistributedProgram``) reads at input ``i`` and writes at
+    output ``j``, as ``(i, j)`` pairs it may update in place (NOTE: [state donation])."""
     captured = program.captured
     if program.deferred is not None or captured.checks:
         return ()
     inputs = {
         ref: i
         for i, (ref, _) in enumerate(captured.inputs)
-        if ref.kind in kinds and not program.pads(ref)
+        if ref.kind in DONATED_KINDS and not program.pads(ref)
     }
     return tuple((inputs[ref], j) for j, ref in enumerate(captured.outputs) if ref in inputs)
 

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_compiler.expand.retrace import DistributedProgram
 from spmd_compiler.ir.signature import Kind, StateRef
-from spmd_compiler.state_donation import Donating, donate, donated_kinds, donation_pairs
+from spmd_compiler.state_donation import Donating, donate, donation_pairs
 
 W = StateRef(Kind.PARAM, "w")
 M = StateRef(Kind.OPTIM_STATE, "w", key="exp_avg", optimizer=0)
@@ -102,25 +102,29 @@ def test_the_executable_donates_only_a_program_without_checks():
     options = LoweringOptions(backend="inductor")
     plain = program([X, W, M], [LOSS, W, M])
     plain.graph_module = gm
-    # torch 2.11 donates optimizer state alone (NOTE: [state donation])
-    want = tuple(pair for pair, ref in (((1, 1), W), ((2, 2), M)) if ref.kind in donated_kinds())
-    assert Executable.of(plain, options).step.donations == want
+    assert Executable.of(plain, options).step.donations == ((1, 1), (2, 2))
     checked = program([X, W, M], [LOSS, W, M], checks=[object()])
     checked.graph_module = gm
     assert Executable.of(checked, options).step.donations == ()
 
 
-def test_what_each_torch_release_donates(monkeypatch):
-    """NOTE: [state donation]: every state on 2.13; optimizer state alone on 2.11 (its
-    Inductor ran a weight's in-place update before a matmul reading the old weight);
-    nothing on a release not checked."""
-    from spmd_compiler import _torch_private as private
-    from spmd_compiler.state_donation import DONATED_KINDS
+def test_torch_2_11_compiles_a_donating_program_without_peak_memory_reordering(monkeypatch):
+    """NOTE: [state donation]: torch 2.11's peak-memory reordering ran a weight's in-place
+    update before the backward's matmul reading the old weight; a donating program is
+    compiled without it there. Elsewhere, and for a program that donates nothing, the
+    setting is Inductor's own."""
+    from torch._inductor import config as inductor_config
 
-    for release, kinds in (("2.13", DONATED_KINDS), ("2.11", (Kind.OPTIM_STATE,)), ("2.12", ())):
+    from spmd_compiler import _torch_private as private
+
+    default = inductor_config.reorder_for_peak_memory
+    for release, donating, want in (
+        ("2.11", True, False), ("2.11", False, default), ("2.13", True, default),
+    ):
         monkeypatch.setattr(private, "_release", lambda r=release: r)
-        assert donated_kinds() == kinds
-        p = program([X, W, M, G], [LOSS, W, G, M])
-        assert donation_pairs(p, donated_kinds()) == tuple(
-            pair for pair, ref in (((1, 1), W), ((2, 3), M)) if ref.kind in kinds
-        )
+        assert private.inductor_updates_inputs_safely()
+        with private.inductor_order_for_input_updates(donating):
+            assert inductor_config.reorder_for_peak_memory is want
+        assert inductor_config.reorder_for_peak_memory is default
+    monkeypatch.setattr(private, "_release", lambda: "2.12")
+    assert not private.inductor_updates_inputs_safely()
