@@ -31,6 +31,16 @@ early runs its gloo thread against the compute it was meant to overlap. So the w
 is the default on CPU; on CUDA, where collectives run on their own stream, only the whole
 graph has been measured, and it stays the default there too. ``cuda_graphs`` needs the
 whole graph (one graph to capture).
+
+NOTE: [programs that run once]
+A step compiles a first program for the call that creates the optimizer state (torch's
+optimizers create it lazily, in their first ``step()``) and a second for every call after,
+which reads it. The first runs once per optimizer, yet Inductor compiled it as long as the
+second (the CPU suite: "2 programs" per compile). So a program that creates optimizer
+state (it writes optimizer state it does not read) runs in the interpreter even when the
+backend is Inductor: its one step costs an interpreted step instead of a whole Inductor
+compile, and the steady program is lowered as before. Its numbers are the interpreter's,
+which is the reference the lowered program is checked against.
 """
 
 from __future__ import annotations
@@ -164,6 +174,9 @@ class LoweredGraph:
     # positions of the step's tensor arguments among the inputs (NOTE: [reductions that
     # ride the input check])
     batch_inputs: tuple[int, ...] = ()
+    # the program runs once (it creates optimizer state): interpreted on every backend
+    # (NOTE: [programs that run once])
+    runs_once: bool = False
     _compiled: Callable[..., Sequence[torch.Tensor]] | None = None
     _donated: Pairs = ()
     _constants: list[torch.Tensor] = field(default_factory=list)
@@ -192,7 +205,7 @@ class LoweredGraph:
         return str(self.inductor_cache_dir) if self.inductor_cache_dir else None
 
     def _eager(self, flat: list[torch.Tensor]) -> bool:
-        return resolve_backend(self.options.backend, _device_of(flat)) == "eager"
+        return self.runs_once or resolve_backend(self.options.backend, _device_of(flat)) == "eager"
 
     def leading(self, flat: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
         """What this program sends in the input check's round on a real rank: a description
@@ -377,6 +390,15 @@ class _CompiledRegion(torch.nn.Module):
         return out[0] if single and isinstance(out, (tuple, list)) else out
 
 
+def creates_optimizer_state(captured: Any) -> bool:
+    """Whether a captured step writes optimizer state it does not read: the call that
+    creates it, which runs once per optimizer (NOTE: [programs that run once])."""
+    if captured is None:
+        return False
+    read = {ref for ref, _ in captured.inputs}
+    return any(ref.kind is Kind.OPTIM_STATE and ref not in read for ref in captured.outputs)
+
+
 def _device_of(flat: list[torch.Tensor]) -> str:
     return next((t.device.type for t in flat if isinstance(t, torch.Tensor)), "cpu")
 
@@ -516,13 +538,20 @@ class Executable:
             if ref.kind is Kind.INPUT
         )
 
-        def lowered(gm: torch.fx.GraphModule, donations: Pairs = ()) -> LoweredGraph:
-            return LoweredGraph(gm, options, inductor_cache_dir, donations=donations, batch_inputs=batch)
+        def lowered(gm: torch.fx.GraphModule, donations: Pairs = (), runs_once: bool = False) -> LoweredGraph:
+            return LoweredGraph(
+                gm, options, inductor_cache_dir, donations=donations, batch_inputs=batch,
+                runs_once=runs_once,
+            )
 
-        step = lowered(program.graph_module, donation_pairs(program))  # type: ignore[attr-defined]
+        once = creates_optimizer_state(captured)
+        step = lowered(program.graph_module, donation_pairs(program), once)  # type: ignore[attr-defined]
         if plan is None:
             return cls(step)
-        return cls(step, lowered(plan.first), lowered(plan.steady), lowered(plan.finish))
+        return cls(
+            step, lowered(plan.first, runs_once=once), lowered(plan.steady, runs_once=once),
+            lowered(plan.finish, runs_once=once),
+        )
 
     def for_call(self, with_carry: bool) -> LoweredGraph:
         """The program one call runs: ``steady`` with a carry from the previous call,

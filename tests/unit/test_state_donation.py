@@ -128,3 +128,21 @@ def test_torch_2_11_compiles_a_donating_program_without_peak_memory_reordering(m
         assert inductor_config.reorder_for_peak_memory is default
     monkeypatch.setattr(private, "_release", lambda: "2.12")
     assert not private.inductor_updates_inputs_safely()
+
+
+def test_a_program_creating_optimizer_state_runs_interpreted():
+    """NOTE: [programs that run once]: the call that creates the optimizer state runs once
+    per optimizer; with backend="inductor" it is interpreted instead of compiled, and the
+    program that reads the state is lowered."""
+    from spmd_compiler.lower import Executable, LoweringOptions
+
+    gm, _ = traced()
+    options = LoweringOptions(backend="inductor")
+    creating = program([X, W], [LOSS, W, M])  # writes M without reading it
+    creating.graph_module = gm
+    steady = program([X, W, M], [LOSS, W, M])
+    steady.graph_module = gm
+    cpu = [torch.zeros(1)]
+    assert Executable.of(creating, options).step._eager(cpu)
+    assert not Executable.of(steady, options).step._eager(cpu)
+    assert Executable.of(steady, LoweringOptions(backend="eager")).step._eager(cpu)
