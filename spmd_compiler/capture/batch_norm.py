@@ -113,11 +113,12 @@ def cumulative_batch_norms(modules: list[torch.nn.Module]) -> Iterator[None]:
     factor as a tensor, and ``SyncBatchNorm`` runs the plain batch norm (see the NOTEs);
     their ``forward`` is restored on the way out."""
     patched = []
-    for m in (m for root in modules for m in root.modules()):
-        forward = sync_forward if _synced(m) else cumulative_forward if _patched(m) else None
-        if forward is not None:
-            m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
-            patched.append(m)
+    for root in modules:
+        for m in root.modules():
+            forward = sync_forward if _synced(m) else cumulative_forward if _patched(m) else None
+            if forward is not None:
+                m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
+                patched.append(m)
     try:
         yield
     finally:

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import classification_train_step as step
 from spmd_compiler.tools.parity import compare_models, compare_optimizers
 
 TOL = 1e-10
@@ -28,14 +28,6 @@ def _net(momentum: float | None) -> nn.Module:
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=momentum), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4), nn.BatchNorm1d(4, momentum=momentum),
     ).double()
-
-
-def step(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss.detach()
 
 
 def _batches():
@@ -61,7 +53,7 @@ def test_sync_batch_norm_is_the_global_batch_norm(mode: str, momentum: float | N
                 model.eval()
                 reference.eval()
             loss = compiled(model, optim, x, y)
-            expected = step(reference, reference_optim, x, y)
+            expected = step(reference, reference_optim, x, y).detach()
             assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
         differences = compare_models(model, reference, sim)
         differences.update(compare_optimizers(optim, reference_optim, sim))
