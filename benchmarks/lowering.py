@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--cases", default="", help="comma-separated model names (default: all)")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="where to write <out>.json and <out>.md (default: benchmarks/results/lowering_<device>)",
+    )
     args = parser.parse_args(argv)
     cases = CUDA_CASES if args.device == "cuda" else CPU_CASES
     if args.cases:
@@ -129,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         "device": device_record(args.device), "world": world, "warmup": args.warmup,
         "steps": args.steps, "cases": merged,
     }
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"lowering_{args.device}"
+    stem = args.out or RESULTS / f"lowering_{args.device}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks of one lent device call, in priority order, each bounded by what is left.
+#
+#   OUT=/some/dir scripts/gpu_check.sh [BUDGET_S]      (default budget 560 s)
+#
+# Installs this checkout (editable, no deps: the GPU machine's torch stays), runs tests/gpu,
+# then `python -m benchmarks.lowering --device cuda` one model at a time (gpt-4x256,
+# mlp-2048, gpt-8x512, gpt-12x768), starting a model only while enough of the budget is left
+# for it. Everything lands in $OUT as it is made (log.txt, gpu_tests.xml,
+# lowering_<model>.json; the device tool returns at most 8
+# files), so a call cut off at its limit still returns what finished.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-check}
+BUDGET=${1:-560}
+mkdir -p "$OUT"
+START=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+exec > >(tee "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+
+echo "== tests/gpu ($(left) s left)"
+timeout 200 $PY -m pytest tests/gpu -q -rA -p no:cacheprovider -n 7 \
+  --junitxml="$OUT/gpu_tests.xml"
+echo "tests/gpu rc=$? at $(( $(date +%s) - START )) s"
+
+# seconds each model needed before (H100, two programs lowered then; one now)
+for spec in gpt-4x256:200 mlp-2048:40 gpt-8x512:260 gpt-12x768:330; do
+  model=${spec%%:*}; need=${spec##*:}
+  if [ "$(left)" -lt "$need" ]; then
+    echo "== $model skipped: $(left) s left, needs ~$need"
+    continue
+  fi
+  echo "== lowering $model ($(left) s left)"
+  timeout "$(left)" $PY -m benchmarks.lowering --device cuda --cases "$model" \
+    --out "$OUT/lowering_$model"
+  echo "lowering $model rc=$? at $(( $(date +%s) - START )) s"
+  rm -f "$OUT/lowering_$model.md"  # printed in the log; the json holds it all
+done
+echo "== done at $(( $(date +%s) - START )) s"
