@@ -9,6 +9,7 @@
 # for it. Everything lands in $OUT as it is made (log.txt, gpu_tests.xml,
 # lowering_<model>.json; the device tool returns at most 8
 # files), so a call cut off at its limit still returns what finished.
+# GPU_CHECK_TESTS=0 skips tests/gpu; GPU_CHECK_MODELS="name:seconds ..." picks the models.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET=${1:-560}
@@ -23,13 +24,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 
-echo "== tests/gpu ($(left) s left)"
-timeout 200 $PY -m pytest tests/gpu -q -rA -p no:cacheprovider -n 7 \
-  --junitxml="$OUT/gpu_tests.xml"
-echo "tests/gpu rc=$? at $(( $(date +%s) - START )) s"
+if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
+  echo "== tests/gpu ($(left) s left)"
+  timeout 200 $PY -m pytest tests/gpu -q -rA -p no:cacheprovider -n 7 \
+    --junitxml="$OUT/gpu_tests.xml"
+  echo "tests/gpu rc=$? at $(( $(date +%s) - START )) s"
+fi
 
-# seconds each model needed before (H100, two programs lowered then; one now)
-for spec in gpt-4x256:200 mlp-2048:40 gpt-8x512:260 gpt-12x768:330; do
+# seconds each model needed on an H200 (2026-11-27), with some margin
+for spec in ${GPU_CHECK_MODELS:-gpt-4x256:160 mlp-2048:45 gpt-8x512:290 gpt-12x768:400}; do
   model=${spec%%:*}; need=${spec##*:}
   if [ "$(left)" -lt "$need" ]; then
     echo "== $model skipped: $(left) s left, needs ~$need"
