@@ -1636,16 +1636,18 @@ def is_fake_process_group() -> bool:
 # Releases where donated state was checked to come out right (NOTE: [state donation]):
 # parameters, buffers and optimizer state. 2.13: the tp step of
 # tests/dist/test_inductor_backend.py within 2.5e-7. 2.11: that step ended 0.12 off after
-# 3 steps until Inductor's peak-memory reordering was switched off for donating programs
-# (``PEAK_MEMORY_REORDER_MOVES_INPUT_UPDATES``). Other releases: not checked, nothing
-# donated.
+# 3 steps when every state tensor was donated (``CALLED_OUT_READS_MAY_FOLLOW_INPUT_UPDATES``).
+# Other releases: not checked, nothing donated.
 DONATION_VERIFIED_RELEASES = ("2.11", "2.13")
-# Releases whose Inductor's peak-memory reordering (``reorder_for_peak_memory``) moved a
-# kernel writing a donated input before an extern kernel reading its old value: on 2.11
-# the kernel writing the second Linear's weight update ran before the backward's matmul
-# ``grad @ W`` (read off the generated code, 2026-11-27). With the pass off the same step
-# matched (tp 4.1e-7, ddp 3.2e-7); the pass stays on for programs that donate nothing.
-PEAK_MEMORY_REORDER_MOVES_INPUT_UPDATES = ("2.11",)
+# Releases whose Inductor may run a kernel writing a donated input before a kernel it
+# calls out to (a library matmul) that reads the input's old value: on 2.11 its
+# peak-memory reordering (``reorder_for_peak_memory``) ran the kernel writing the second
+# Linear's weight update before the backward's matmul ``grad @ W`` (read off the
+# generated code, 2026-11-27). There an input read by such a kernel is not donated
+# (``inductor_calls_out``), and the reordering stays on: switching it off instead cost
+# the GPT its peak memory (H200, gpt-4x256 ddp: 94 MiB against torch DDP's 75; 68 on an
+# H100 with nothing donated and the reordering on).
+CALLED_OUT_READS_MAY_FOLLOW_INPUT_UPDATES = ("2.11",)
 
 
 # Releases whose DTensor fails on ``index_put`` with ``None`` in its index list (torch
@@ -1681,18 +1683,62 @@ def inductor_updates_inputs_safely() -> bool:
     return _release() in DONATION_VERIFIED_RELEASES
 
 
-@contextlib.contextmanager
-def inductor_order_for_input_updates(updates_inputs: bool) -> Iterator[None]:
-    """Inductor compiles inside keep a donated input's reads before its update: on the
-    releases of ``PEAK_MEMORY_REORDER_MOVES_INPUT_UPDATES``, a program that updates its
-    inputs is compiled without the peak-memory reordering (NOTE: [state donation])."""
-    if not updates_inputs or _release() not in PEAK_MEMORY_REORDER_MOVES_INPUT_UPDATES:
-        yield
-        return
-    from torch._inductor import config as inductor_config
+def inductor_called_out_reads_may_follow_input_updates() -> bool:
+    """Whether a donated input must not be read by a kernel Inductor calls out to
+    (``CALLED_OUT_READS_MAY_FOLLOW_INPUT_UPDATES``, NOTE: [state donation])."""
+    return _release() in CALLED_OUT_READS_MAY_FOLLOW_INPUT_UPDATES
 
-    with inductor_config.patch(reorder_for_peak_memory=False):
-        yield
+
+# ATen ops Inductor lowers to a call of a library kernel (cuBLAS / oneDNN matmuls,
+# cuDNN convolutions) in its default configuration, rather than to code it generates.
+_CALLED_OUT_LOWERINGS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm", "convolution",
+    "convolution_backward", "_convolution",
+})
+
+
+def inductor_calls_out(target: object) -> bool:
+    """Whether Inductor computes a node calling ``target`` in a kernel it calls out to (a
+    library matmul or convolution, a collective, an ATen fallback) rather than in a kernel
+    it generates. Unknown targets count as called out."""
+    from torch._inductor.lowering import fallbacks, lowerings
+
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return True
+    if target not in lowerings:  # decomposed first; known only for pointwise ops
+        return target not in _decomposed_ops() or not _pointwise(target)
+    return target in fallbacks or target.overloadpacket.__name__ in _CALLED_OUT_LOWERINGS
+
+
+def _pointwise(op: torch._ops.OpOverload) -> bool:
+    """Tagged pointwise, or the foreach loop of a pointwise op (``_foreach_lerp``)."""
+    if torch.Tag.pointwise in op.tags:
+        return True
+    name = op.overloadpacket.__name__
+    if not name.startswith("_foreach_"):
+        return False
+    single = getattr(torch.ops.aten, name.removeprefix("_foreach_").rstrip("_"), None)
+    return single is not None and all(
+        torch.Tag.pointwise in getattr(single, o).tags for o in single.overloads()
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _decomposed_ops() -> frozenset[object]:
+    """The ops Inductor decomposes before lowering a program compiled with cast emulation
+    (``inductor_compile``'s table)."""
+    return frozenset(_emulation_decompositions(True) or _decomposition_tables()[1])
+
+
+def _decomposition_tables() -> tuple[dict[Any, Callable[..., Any]], dict[Any, Callable[..., Any]]]:
+    """Inductor's decomposition table without and with ``emulate_precision_casts``."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+
+    with inductor_config.patch(emulate_precision_casts=False):
+        plain = select_decomp_table()
+    with inductor_config.patch(emulate_precision_casts=True):
+        return plain, select_decomp_table()
 
 
 def inductor_compile(
@@ -1748,14 +1794,9 @@ def _emulation_decompositions(emulating: bool) -> dict[Any, Callable[..., Any]] 
     cast emulation]); None where nothing needs adding (Inductor's default table)."""
     if not emulating:
         return None
-    from torch._inductor import config as inductor_config
-    from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.lowering import lowerings
 
-    with inductor_config.patch(emulate_precision_casts=False):
-        plain = select_decomp_table()
-    with inductor_config.patch(emulate_precision_casts=True):
-        table = select_decomp_table()
+    plain, table = _decomposition_tables()
     unlowered = {op: fn for op, fn in plain.items() if op not in table and op not in lowerings}
     return {**table, **unlowered} if unlowered else None
 

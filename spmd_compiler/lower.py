@@ -73,7 +73,7 @@ from .leading_reductions import (
 from .progress import compile_progress
 from .reduction_aliasing import bucket_part_read_elsewhere
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
-from .state_donation import Donating, Pairs, donate, donation_pairs
+from .state_donation import Donating, Pairs, donate, donation_pairs, not_read_by
 
 log = logging.getLogger("spmd_compiler.lower")
 
@@ -275,7 +275,10 @@ class LoweredGraph:
         device = _device_of(flat)
         # CUDA graphs of Inductor skip a graph that mutates its (non-static) inputs
         donating = not self.options.cuda_graphs and private.inductor_updates_inputs_safely()
-        self._donated = donate(gm, self.donations, inputs) if donating else ()
+        pairs = self.donations
+        if donating and private.inductor_called_out_reads_may_follow_input_updates():
+            pairs = not_read_by(gm, pairs, private.inductor_calls_out)
+        self._donated = donate(gm, pairs, inputs) if donating else ()
         out: list[torch.Tensor] | None = None  # the first step's results, when it ran here
         regions = self.options.regions(device)
         hazard = None if regions or self.options.cuda_graphs else bucket_part_read_elsewhere(gm)
@@ -283,7 +286,7 @@ class LoweredGraph:
             log.info("lowering by compute regions: %s's bucket has a part read elsewhere", hazard.name)
             regions = True
         title = f"a {nodes}-node program with inductor"
-        with compile_progress(title) as progress, private.inductor_order_for_input_updates(bool(self._donated)):
+        with compile_progress(title) as progress:
             # NOTE: [scalar prologue]: measured on CPU; CUDA keeps the one graph
             split = split_scalar_prologue(gm) if device == "cpu" else None
             prologue: Callable[..., Sequence[torch.Tensor]] | None = None

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_compiler.expand.retrace import DistributedProgram
 from spmd_compiler.ir.signature import Kind, StateRef
-from spmd_compiler.state_donation import Donating, donate, donation_pairs
+from spmd_compiler.state_donation import Donating, donate, donation_pairs, not_read_by
 
 W = StateRef(Kind.PARAM, "w")
 M = StateRef(Kind.OPTIM_STATE, "w", key="exp_avg", optimizer=0)
@@ -108,26 +108,43 @@ def test_the_executable_donates_only_a_program_without_checks():
     assert Executable.of(checked, options).step.donations == ()
 
 
-def test_torch_2_11_compiles_a_donating_program_without_peak_memory_reordering(monkeypatch):
+def test_only_torch_2_11_keeps_inputs_read_by_called_out_kernels_from_donation(monkeypatch):
     """NOTE: [state donation]: torch 2.11's peak-memory reordering ran a weight's in-place
-    update before the backward's matmul reading the old weight; a donating program is
-    compiled without it there. Elsewhere, and for a program that donates nothing, the
-    setting is Inductor's own."""
-    from torch._inductor import config as inductor_config
-
+    update before the backward's matmul reading the old weight; there an input that a
+    kernel Inductor calls out to reads is not donated (the reordering stays on)."""
     from spmd_compiler import _torch_private as private
 
-    default = inductor_config.reorder_for_peak_memory
-    for release, donating, want in (
-        ("2.11", True, False), ("2.11", False, default), ("2.13", True, default),
-    ):
+    for release, want in (("2.11", True), ("2.13", False)):
         monkeypatch.setattr(private, "_release", lambda r=release: r)
         assert private.inductor_updates_inputs_safely()
-        with private.inductor_order_for_input_updates(donating):
-            assert inductor_config.reorder_for_peak_memory is want
-        assert inductor_config.reorder_for_peak_memory is default
+        assert private.inductor_called_out_reads_may_follow_input_updates() is want
     monkeypatch.setattr(private, "_release", lambda: "2.12")
     assert not private.inductor_updates_inputs_safely()
+
+
+def test_an_input_a_matmul_reads_is_not_donated_through_views():
+    from spmd_compiler import _torch_private as private
+
+    def matmul_step(x, w, m):
+        m2 = m * 0.9 + 1.0
+        return (x @ w.t()).sum(), w - 0.1 * m2, m2
+
+    gm = make_fx(matmul_step)(torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3))
+    assert not_read_by(gm, ((1, 1), (2, 2)), private.inductor_calls_out) == ((2, 2),)
+    assert not_read_by(gm, ((1, 1), (2, 2)), lambda target: False) == ((1, 1), (2, 2))
+
+
+def test_which_kernels_inductor_calls_out_to():
+    from spmd_compiler import _torch_private as private
+
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten.convolution.default,
+               aten.native_layer_norm.default, torch.ops._c10d_functional.all_reduce.default,
+               print):
+        assert private.inductor_calls_out(op), op
+    for op in (aten.add.Tensor, aten.mul.Tensor, aten._foreach_lerp.Scalar,
+               aten._foreach_addcdiv.Scalar, aten._foreach_mul.Scalar):
+        assert not private.inductor_calls_out(op), op
 
 
 def test_a_program_creating_optimizer_state_runs_interpreted():
