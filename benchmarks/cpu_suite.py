@@ -175,12 +175,13 @@ def timed_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def step_peak_bytes(run: Run, x: torch.Tensor, y: torch.Tensor) -> int | None:
-    """Peak CUDA bytes allocated during one step of ``run`` above what was allocated just
+    """Peak bytes allocated during one step of ``run`` above what was allocated just
     before it (every run's resident state in this process): activations, gradients,
-    temporaries and buffers the caching allocator hands out. None off CUDA, where no
-    allocator reports an honest per-run peak (see the CPU suite's notes)."""
+    temporaries and buffers. On CUDA the caching allocator's peak; on CPU the profiler's
+    allocation totals (``_torch_private.cpu_allocation_peak``: an upper bound where the
+    step frees older memory before its peak)."""
     if x.device.type != "cuda":
-        return None
+        return private.cpu_allocation_peak(lambda: timed_step(run, x, y))
     synchronize(x.device)
     torch.cuda.reset_peak_memory_stats(x.device)
     before = torch.cuda.memory_allocated(x.device)

@@ -1629,6 +1629,32 @@ def init_fake_process_group(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
+def cpu_allocation_peak(fn: Callable[[], Any]) -> int:
+    """Peak bytes the CPU allocator held during ``fn()`` above what it held when ``fn``
+    began, read off the profiler's allocation events (``profile_memory``: every CPU
+    allocation and free, each with the running total). A block allocated before and freed
+    during ``fn`` is not subtracted (the profiler does not know its size; c10 warns once),
+    so the figure is an upper bound when ``fn`` frees older memory before its peak."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    allocations = []
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            allocations.append(event)
+    if not allocations:
+        return 0
+    allocations.sort(key=lambda e: e.start_time_ns)
+    first = allocations[0].extra_fields
+    base = first.total_allocated - first.alloc_size
+    return max(e.extra_fields.total_allocated for e in allocations) - base
+
+
 def is_fake_process_group() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
 
