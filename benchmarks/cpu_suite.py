@@ -57,6 +57,9 @@ PAIRS = (
 FLOOR = "eager_1dev"
 # torch.compile's peer of compiled ddp: what ``build_run`` compiles is described there.
 TORCH_COMPILE_DDP = "torch_compile_ddp"
+# The kernels issue's GPU peer: the whole undecorated step under torch.compile on one
+# device (forward, backward and the optimizer step compiled), on the global batch.
+TORCH_COMPILE_1DEV = "torch_compile_1dev"
 
 
 def compiled_name(compiled: str, backend: str) -> str:
@@ -115,6 +118,11 @@ def build_run(name: str, case: Case, rank: int, world: int, device: str = "cpu")
     whole = _rows(slice(0, case.batch))
     if name == FLOOR:
         return Run(train_step(case), model, model, build_optimizer(model.parameters()), whole)
+    if name == TORCH_COMPILE_1DEV:
+        # Dynamo compiles the forward and loss (AOTAutograd the backward), breaks at
+        # ``loss.backward()``, and compiles ``optimizer.step()`` as its own graph
+        step = torch.compile(train_step(case))
+        return Run(step, model, model, build_optimizer(model.parameters()), whole)
     if name.startswith("compiled_"):
         # "compiled_ddp" interprets the program; "compiled_ddp@inductor" lowers it
         mode_name, _, backend = name.removeprefix("compiled_").partition("@")

@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.lowering --device cuda`` (world 1 on NCCL, the GPU machine) or
 ``--device cpu`` (2 gloo ranks). Per model, in one launch with runs alternating step by
-step: the single-device eager step, torch DDP, torch.compile over DDP, compiled ddp with
+step: the single-device eager step, torch.compile of that whole step (the issue's GPU
+peer), torch DDP, torch.compile over DDP, compiled ddp with
 the fx interpreter and with Inductor, FSDP2, compiled fsdp with Inductor. Reports median
 step ms after warm-up, the ratios the kernels issue targets, compile seconds (Inductor's
 lowering included) and, on CUDA, each run's step peak memory. Writes
@@ -12,7 +13,6 @@ lowering included) and, on CUDA, each run's step peak memory. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -25,9 +25,10 @@ import spmd_compiler as sc
 from .cpu_suite import FLOOR, build_run, step_peak_bytes, timed_step
 from .cuda_suite import device_record
 from .models import CPU_CASES, CUDA_CASES, Case, global_batches
+from .report import write_json_md
 
 RUNS = (
-    "eager_1_device", "torch_ddp", "torch_compile_ddp", "compiled_ddp",
+    "eager_1_device", "torch_compile_1dev", "torch_ddp", "torch_compile_ddp", "compiled_ddp",
     "compiled_ddp@inductor", "torch_fsdp2", "compiled_fsdp@inductor",
 )
 RESULTS = Path(__file__).parent / "results"
@@ -74,8 +75,13 @@ def bench(rank: int, world: int, cases: tuple[Case, ...], device: str, warmup: i
     return out
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}"
+def _ratio(a: float, b: float | None) -> str:
+    return "n/a" if b is None else f"{a / b:.2f}"
+
+
+def _ms(ms: dict[str, float], name: str) -> str:
+    """A run's step ms; "n/a" for a run the result has not (written before it existed)."""
+    return f"{ms[name]:.2f}" if name in ms else "n/a"
 
 
 def markdown(result: dict) -> str:
@@ -84,19 +90,20 @@ def markdown(result: dict) -> str:
         f"Lowering benchmark on {dev['name']} (torch {dev['torch']}), world {result['world']}, "
         f"median of {result['steps']} steps after {result['warmup']}.",
         "",
-        "| model | eager 1 dev | torch DDP | torch.compile+DDP | compiled ddp (interp) | "
-        "compiled ddp (inductor) | FSDP2 | compiled fsdp (inductor) | ddp ind / DDP | "
-        "ddp ind / torch.compile | fsdp ind / FSDP2 | compile s ddp (interp / inductor) | "
-        "peak MiB ddp ind / DDP |",
-        "|" + "---|" * 14,
+        "| model | eager 1 dev | torch.compile 1 dev | torch DDP | torch.compile+DDP | "
+        "compiled ddp (interp) | compiled ddp (inductor) | FSDP2 | compiled fsdp (inductor) | "
+        "ddp ind / DDP | ddp ind / torch.compile 1 dev | ddp ind / torch.compile+DDP | "
+        "fsdp ind / FSDP2 | compile s ddp (interp / inductor) | peak MiB ddp ind / DDP |",
+        "|" + "---|" * 16,
     ]
     for name, r in result["cases"].items():
         ms, cs, pk = r["step_ms"], r["compile_s"], r["peak_mib"]
         peak = (f"{pk['compiled_ddp@inductor']:.0f} / {pk['torch_ddp']:.0f}"
                 if pk.get("torch_ddp") is not None else "n/a")
         lines.append(
-            f"| {name} | " + " | ".join(f"{ms[n]:.2f}" for n in RUNS) + " | "
+            f"| {name} | " + " | ".join(_ms(ms, n) for n in RUNS) + " | "
             f"{_ratio(ms['compiled_ddp@inductor'], ms['torch_ddp'])} | "
+            f"{_ratio(ms['compiled_ddp@inductor'], ms.get('torch_compile_1dev'))} | "
             f"{_ratio(ms['compiled_ddp@inductor'], ms['torch_compile_ddp'])} | "
             f"{_ratio(ms['compiled_fsdp@inductor'], ms['torch_fsdp2'])} | "
             f"{cs['compiled_ddp']:.1f} / {cs['compiled_ddp@inductor']:.1f} | {peak} |"
@@ -133,11 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": device_record(args.device), "world": world, "warmup": args.warmup,
         "steps": args.steps, "cases": merged,
     }
-    stem = args.out or RESULTS / f"lowering_{args.device}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    write_json_md(args.out or RESULTS / f"lowering_{args.device}", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from .cpu_suite import PAIRS, TORCH_COMPILE_DDP, compiled_name
@@ -13,6 +14,14 @@ STYLE = {"compiled_ddp": "ddp", "compiled_fsdp": "fsdp", "compiled_tp": "tp"}
 TIME_TARGETS = {"ddp": 1.0, "fsdp": 0.6, "tp": 0.7}
 BACKENDS = ("eager", "inductor")
 COMPILE_SCALING_TARGET = 2.2
+
+
+def write_json_md(stem: Path, result: dict[str, Any], md: str) -> None:
+    """``<stem>.json`` (the result) and ``<stem>.md`` (its table), printed as well."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(md)
+    print(md)
 
 
 def minimum_bytes(style: str, param_bytes: int) -> int | None:

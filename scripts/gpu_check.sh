@@ -5,11 +5,12 @@
 #
 # Installs this checkout (editable, no deps: the GPU machine's torch stays), runs tests/gpu,
 # then `python -m benchmarks.lowering --device cuda` one model at a time (gpt-4x256,
-# mlp-2048, gpt-8x512, gpt-12x768), starting a model only while enough of the budget is left
-# for it. Everything lands in $OUT as it is made (log.txt, gpu_tests.xml,
-# lowering_<model>.json; the device tool returns at most 8
+# mlp-2048, gpt-8x512, gpt-12x768) and `benchmarks.gpu_profile` of gpt-4x256, starting
+# each only while enough of the budget is left for it. Everything lands in $OUT as it is
+# made (log.txt, gpu_tests.xml, lowering_<model>.json, profile_<model>.json; the device
+# tool returns at most 8
 # files), so a call cut off at its limit still returns what finished.
-# GPU_CHECK_TESTS=0 skips tests/gpu; GPU_CHECK_MODELS="name:seconds ..." picks the models.
+# GPU_CHECK_TESTS=0 skips tests/gpu; GPU_CHECK_RUNS="kind:model:seconds ..." picks the runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET=${1:-560}
@@ -31,17 +32,24 @@ if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
   echo "tests/gpu rc=$? at $(( $(date +%s) - START )) s"
 fi
 
-# seconds each model needed on an H200 (2026-11-27), with some margin
-for spec in ${GPU_CHECK_MODELS:-gpt-4x256:160 mlp-2048:45 gpt-8x512:290 gpt-12x768:400}; do
-  model=${spec%%:*}; need=${spec##*:}
+# what to run after the tests, in order, as KIND:MODEL:SECONDS (the seconds a run needed
+# on an H200 on 2026-11-27, with some margin; a run starts only while that much is left).
+# lowering: python -m benchmarks.lowering; profile: python -m benchmarks.gpu_profile.
+for spec in ${GPU_CHECK_RUNS:-lowering:gpt-4x256:190 lowering:mlp-2048:50 profile:gpt-4x256:120 lowering:gpt-8x512:330 lowering:gpt-12x768:420}; do
+  IFS=: read -r kind model need <<<"$spec"
   if [ "$(left)" -lt "$need" ]; then
-    echo "== $model skipped: $(left) s left, needs ~$need"
+    echo "== $kind $model skipped: $(left) s left, needs ~$need"
     continue
   fi
-  echo "== lowering $model ($(left) s left)"
-  timeout "$(left)" $PY -m benchmarks.lowering --device cuda --cases "$model" \
-    --out "$OUT/lowering_$model"
-  echo "lowering $model rc=$? at $(( $(date +%s) - START )) s"
-  rm -f "$OUT/lowering_$model.md"  # printed in the log; the json holds it all
+  echo "== $kind $model ($(left) s left)"
+  if [ "$kind" = profile ]; then
+    timeout "$(left)" $PY -m benchmarks.gpu_profile --device cuda --case "$model" \
+      --out "$OUT/profile_$model"
+  else
+    timeout "$(left)" $PY -m benchmarks.lowering --device cuda --cases "$model" \
+      --out "$OUT/${kind}_$model"
+  fi
+  echo "$kind $model rc=$? at $(( $(date +%s) - START )) s"
+  rm -f "$OUT/${kind}_$model.md"  # printed in the log; the json holds it all
 done
 echo "== done at $(( $(date +%s) - START )) s"

@@ -173,3 +173,20 @@ def test_cpu_allocation_peak_is_the_most_a_step_held_at_once() -> None:
     peak = private.cpu_allocation_peak(step)
     assert 3 << 20 <= peak < (3 << 20) + (64 << 10), peak
     assert private.cpu_allocation_peak(lambda: None) == 0
+
+
+@pytest.mark.dist  # starts one gloo rank
+def test_gpu_profile_code_path_on_cpu(tmp_path) -> None:
+    """``benchmarks.gpu_profile`` on CPU (gloo): per run a wall time, the ops per step and
+    the top ops; device busy time only where there is a device."""
+    from benchmarks.gpu_profile import main as profile_main
+
+    out = tmp_path / "p"
+    profile_main(["--device", "cpu", "--case", "mlp-128", "--runs", f"{FLOOR},compiled_ddp",
+                  "--warmup", "3", "--steps", "2", "--out", str(out)])
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert set(data["runs"]) == {FLOOR, "compiled_ddp"}
+    for r in data["runs"].values():
+        assert r["wall_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
+        assert r["busy_ms"] is None and r["idle_fraction"] is None
+    assert "| compiled_ddp |" in out.with_suffix(".md").read_text()
