@@ -75,11 +75,12 @@ def profile_runs(
                 timed_step(run, x, y)
         top, kernels, busy_us = _kernel_rows(prof, on_cuda, steps)
         wall_ms = 1e3 * wall
+        seen = on_cuda and kernels > 0  # no kernel rows: this profiler reported none
         out[name] = {
             "wall_ms": wall_ms,
             "kernels_per_step": kernels,
-            "busy_ms": busy_us / 1e3 if on_cuda else None,
-            "idle_fraction": max(0.0, 1 - busy_us / 1e3 / wall_ms) if on_cuda else None,
+            "busy_ms": busy_us / 1e3 if seen else None,
+            "idle_fraction": max(0.0, 1 - busy_us / 1e3 / wall_ms) if seen else None,
             "top": top,
         }
         if rank == 0:
