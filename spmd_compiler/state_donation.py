@@ -46,6 +46,7 @@ of its update in the state; the runtime's error says so for a donating program.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,6 +139,9 @@ def _read_by(node: torch.fx.Node, calls_out: Callable[[object], bool]) -> bool:
 
 
 def _is_view_of(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether ``user`` returns an alias of ``node`` (a view, or one piece of a split)."""
+    if user.target is operator.getitem:
+        return True
     schema = getattr(user.target, "_schema", None)
     returns = list(schema.returns) if schema is not None else []
     return bool(returns) and returns[0].alias_info is not None and bool(user.args) and user.args[0] is node

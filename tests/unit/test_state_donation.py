@@ -133,6 +133,14 @@ def test_an_input_a_matmul_reads_is_not_donated_through_views():
     assert not_read_by(gm, ((1, 1), (2, 2)), private.inductor_calls_out) == ((2, 2),)
     assert not_read_by(gm, ((1, 1), (2, 2)), lambda target: False) == ((1, 1), (2, 2))
 
+    def split_step(x, w, m):  # one piece of the split weight goes into a matmul
+        top, bottom = w.split(1)
+        halves = m.split(1)
+        return (x @ top.t()).sum() + bottom.sum(), w * 0.9, torch.cat(halves) * 0.5
+
+    gm = make_fx(split_step)(torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3))
+    assert not_read_by(gm, ((1, 1), (2, 2)), private.inductor_calls_out) == ((2, 2),)
+
 
 def test_which_kernels_inductor_calls_out_to():
     from spmd_compiler import _torch_private as private
