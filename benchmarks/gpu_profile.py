@@ -65,14 +65,19 @@ def profile_runs(
     data = [(x.to(device), y.to(device)) for x, y in global_batches(case, warmup + 2 * steps)]
     out: dict[str, Any] = {}
     for name in runs:
-        run = build_run(name, case, rank, world, device)
-        for x, y in data[:warmup]:
-            timed_step(run, x, y)
-        wall = statistics.median(timed_step(run, x, y) for x, y in data[warmup : warmup + steps])
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-        with profile(activities=activities) as prof:
-            for x, y in data[warmup + steps :]:
+        try:
+            run = build_run(name, case, rank, world, device)
+            for x, y in data[:warmup]:
                 timed_step(run, x, y)
+            wall = statistics.median(timed_step(run, x, y) for x, y in data[warmup : warmup + steps])
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+            with profile(activities=activities) as prof:
+                for x, y in data[warmup + steps :]:
+                    timed_step(run, x, y)
+        except Exception as exc:  # one failing run must not cost the others' figures
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            print(f"gpu_profile: {case.name} {name} failed: {out[name]['error'][:300]}", flush=True)
+            continue
         top, kernels, busy_us = _kernel_rows(prof, on_cuda, steps)
         wall_ms = 1e3 * wall
         seen = on_cuda and kernels > 0  # no kernel rows: this profiler reported none
@@ -99,10 +104,15 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in result["runs"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:200]} | | | |")
+            continue
         busy = "n/a" if r["busy_ms"] is None else f"{r['busy_ms']:.2f}"
         idle = "n/a" if r["idle_fraction"] is None else f"{100 * r['idle_fraction']:.0f}%"
         lines.append(f"| {name} | {r['wall_ms']:.2f} | {r['kernels_per_step']} | {busy} | {idle} |")
     for name, r in result["runs"].items():
+        if "error" in r:
+            continue
         lines += ["", f"Top of {name} (per step):", "", "| kernel | calls | us |", "|---|---|---|"]
         lines += [f"| `{t['name'][:90]}` | {t['calls']:.1f} | {t['us']:.1f} |" for t in r["top"]]
     return "\n".join(lines) + "\n"

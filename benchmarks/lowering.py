@@ -46,18 +46,31 @@ def bench(rank: int, world: int, cases: tuple[Case, ...], device: str, warmup: i
         runs, first_call = {}, {}
         data = [(x.to(device), y.to(device)) for x, y in global_batches(case, warmup + steps)]
         times: dict[str, list[float]] = {n: [] for n in RUNS}
+        # a run that raises is dropped and its error kept, so that one peer failing (a
+        # torch.compile of this torch) does not cost a device call the others' figures
+        errors: dict[str, str] = {}
         for name in RUNS:
             runs[name] = _build(name, case, rank, world, device)
         for i, (x, y) in enumerate(data):
             order = RUNS if i % 2 == 0 else RUNS[::-1]
             for name in order:
+                if name in errors:
+                    continue
                 start = time.perf_counter()
-                seconds = timed_step(runs[name], x, y)
+                try:
+                    seconds = timed_step(runs[name], x, y)
+                except Exception as exc:  # recorded in the result and printed
+                    errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+                    print(f"lowering: {case.name} {name} failed: {errors[name][:300]}", flush=True)
+                    continue
                 if i == 0:
                     first_call[name] = time.perf_counter() - start
                 if i >= warmup:
                     times[name].append(seconds)
+        for name in errors:
+            del runs[name], times[name]
         record: dict[str, Any] = {"step_ms": {n: 1e3 * statistics.median(t) for n, t in times.items()}}
+        record["errors"] = errors
         record["first_call_s"] = first_call
         record["compile_s"] = {
             n: r.step.timings.compile_seconds for n, r in runs.items()
@@ -75,8 +88,8 @@ def bench(rank: int, world: int, cases: tuple[Case, ...], device: str, warmup: i
     return out
 
 
-def _ratio(a: float, b: float | None) -> str:
-    return "n/a" if b is None else f"{a / b:.2f}"
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None else f"{a / b:.2f}"
 
 
 def _ms(ms: dict[str, float], name: str) -> str:
@@ -99,15 +112,22 @@ def markdown(result: dict) -> str:
     for name, r in result["cases"].items():
         ms, cs, pk = r["step_ms"], r["compile_s"], r["peak_mib"]
         peak = (f"{pk['compiled_ddp@inductor']:.0f} / {pk['torch_ddp']:.0f}"
-                if pk.get("torch_ddp") is not None else "n/a")
+                if pk.get("torch_ddp") is not None and pk.get("compiled_ddp@inductor") is not None
+                else "n/a")
+        compile_s = " / ".join(
+            f"{cs[n]:.1f}" if n in cs else "n/a" for n in ("compiled_ddp", "compiled_ddp@inductor")
+        )
         lines.append(
             f"| {name} | " + " | ".join(_ms(ms, n) for n in RUNS) + " | "
-            f"{_ratio(ms['compiled_ddp@inductor'], ms['torch_ddp'])} | "
-            f"{_ratio(ms['compiled_ddp@inductor'], ms.get('torch_compile_1dev'))} | "
-            f"{_ratio(ms['compiled_ddp@inductor'], ms['torch_compile_ddp'])} | "
-            f"{_ratio(ms['compiled_fsdp@inductor'], ms['torch_fsdp2'])} | "
-            f"{cs['compiled_ddp']:.1f} / {cs['compiled_ddp@inductor']:.1f} | {peak} |"
+            f"{_ratio(ms.get('compiled_ddp@inductor'), ms.get('torch_ddp'))} | "
+            f"{_ratio(ms.get('compiled_ddp@inductor'), ms.get('torch_compile_1dev'))} | "
+            f"{_ratio(ms.get('compiled_ddp@inductor'), ms.get('torch_compile_ddp'))} | "
+            f"{_ratio(ms.get('compiled_fsdp@inductor'), ms.get('torch_fsdp2'))} | "
+            f"{compile_s} | {peak} |"
         )
+    for name, r in result["cases"].items():
+        for run, error in r.get("errors", {}).items():
+            lines.append(f"\n{name} {run} failed: {error[:300]}")
     return "\n".join(lines) + "\n"
 
 

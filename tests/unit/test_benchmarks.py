@@ -182,11 +182,34 @@ def test_gpu_profile_code_path_on_cpu(tmp_path) -> None:
     from benchmarks.gpu_profile import main as profile_main
 
     out = tmp_path / "p"
-    profile_main(["--device", "cpu", "--case", "mlp-128", "--runs", f"{FLOOR},compiled_ddp",
-                  "--warmup", "3", "--steps", "2", "--out", str(out)])
+    profile_main(["--device", "cpu", "--case", "mlp-128", "--runs",
+                  f"{FLOOR},no_such_run,compiled_ddp", "--warmup", "3", "--steps", "2",
+                  "--out", str(out)])
     data = json.loads(out.with_suffix(".json").read_text())
-    assert set(data["runs"]) == {FLOOR, "compiled_ddp"}
+    assert set(data["runs"]) == {FLOOR, "no_such_run", "compiled_ddp"}
+    # a run that fails is recorded, and the runs after it still measured
+    assert "unknown run" in data["runs"].pop("no_such_run")["error"]
     for r in data["runs"].values():
         assert r["wall_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
         assert r["busy_ms"] is None and r["idle_fraction"] is None
     assert "| compiled_ddp |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.dist  # starts two gloo ranks
+@pytest.mark.inductor  # lowers compiled ddp / fsdp (a C++ compile per rank)
+def test_lowering_benchmark_code_path_on_cpu(tmp_path) -> None:
+    """``benchmarks.lowering`` (what ``scripts/gpu_check.sh`` runs on a GPU) end to end on
+    CPU: every run timed, the ratios and peaks in the table."""
+    from benchmarks.lowering import RUNS
+    from benchmarks.lowering import main as lowering_main
+
+    out = tmp_path / "l"
+    lowering_main(["--device", "cpu", "--cases", "mlp-128", "--warmup", "2", "--steps", "1",
+                   "--out", str(out)])
+    case = json.loads(out.with_suffix(".json").read_text())["cases"]["mlp-128"]
+    assert case["errors"] == {}
+    assert set(case["step_ms"]) == set(RUNS) and all(ms > 0 for ms in case["step_ms"].values())
+    assert all(mib is not None and mib > 0 for mib in case["peak_mib"].values())
+    row = next(line for line in out.with_suffix(".md").read_text().splitlines()
+               if line.startswith("| mlp-128 |"))
+    assert "n/a" not in row
