@@ -14,7 +14,7 @@ all_reduce = torch.ops._c10d_functional.all_reduce.default
 wait = torch.ops._c10d_functional.wait_tensor.default
 
 
-def _program(read_part_again: bool) -> torch.fx.GraphModule:
+def _program(read_part_again: bool, seed_from_part: bool = False) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     weight_grad = graph.placeholder("weight_grad")
     activations = graph.placeholder("activations")
@@ -27,6 +27,8 @@ def _program(read_part_again: bool) -> torch.fx.GraphModule:
     outputs = [reduced]
     if read_part_again:  # the local bias gradient, scaled after the bucket's reduction
         outputs.append(graph.call_function(aten.mul.Tensor, (bias_grad, scale)))
+    if seed_from_part:  # as backward's seed ones_like(loss) reads the loss: its shape only
+        outputs.append(graph.call_function(aten.ones_like.default, (bias_grad,)))
     graph.output(tuple(outputs))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
@@ -38,3 +40,9 @@ def test_a_bucket_part_read_after_the_reduction_is_found():
 
 def test_the_usual_bucket_is_not():
     assert bucket_part_read_elsewhere(_program(read_part_again=False)) is None
+
+
+def test_a_part_whose_other_reader_reads_only_its_shape_is_not():
+    assert bucket_part_read_elsewhere(_program(read_part_again=False, seed_from_part=True)) is None
+    found = bucket_part_read_elsewhere(_program(read_part_again=True, seed_from_part=True))
+    assert found is not None
