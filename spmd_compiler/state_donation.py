@@ -140,19 +140,20 @@ def _read_by(node: torch.fx.Node, calls_out: Callable[[object], bool]) -> bool:
 
 def _is_view_of(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     """Whether ``user`` returns an alias of ``node`` (a view, or one piece of a split)."""
-    if user.target is operator.getitem:
-        return True
-    schema = getattr(user.target, "_schema", None)
+    return user.target is operator.getitem or (_returns_alias(user) and user.args[0] is node)
+
+
+def _returns_alias(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls an op whose result aliases its first argument."""
+    schema = getattr(node.target, "_schema", None)
     returns = list(schema.returns) if schema is not None else []
-    return bool(returns) and returns[0].alias_info is not None and bool(user.args) and user.args[0] is node
+    return bool(returns) and returns[0].alias_info is not None and bool(node.args)
 
 
 def _viewed_input(value: object) -> torch.fx.Node | None:
     """The placeholder ``value`` is, or is a view of (through ops returning an alias)."""
     while isinstance(value, torch.fx.Node) and value.op == "call_function":
-        schema = getattr(value.target, "_schema", None)
-        returns = schema.returns if schema is not None else ()
-        if not returns or returns[0].alias_info is None or not value.args:
+        if not _returns_alias(value):
             return None
         value = value.args[0]
     return value if isinstance(value, torch.fx.Node) and value.op == "placeholder" else None
