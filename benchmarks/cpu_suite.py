@@ -60,6 +60,9 @@ TORCH_COMPILE_DDP = "torch_compile_ddp"
 # The kernels issue's GPU peer: the whole undecorated step under torch.compile on one
 # device (forward, backward and the optimizer step compiled), on the global batch.
 TORCH_COMPILE_1DEV = "torch_compile_1dev"
+# a run name ending so replays its step as CUDA graphs (``cuda_graphs=True``; for
+# torch.compile, mode "reduce-overhead"): CUDA only
+CUDA_GRAPHS = "+cudagraphs"
 
 
 def compiled_name(compiled: str, backend: str) -> str:
@@ -118,16 +121,21 @@ def build_run(name: str, case: Case, rank: int, world: int, device: str = "cpu")
     whole = _rows(slice(0, case.batch))
     if name == FLOOR:
         return Run(train_step(case), model, model, build_optimizer(model.parameters()), whole)
-    if name == TORCH_COMPILE_1DEV:
+    base, graphs = name.removesuffix(CUDA_GRAPHS), name.endswith(CUDA_GRAPHS)
+    if base == TORCH_COMPILE_1DEV:
         # Dynamo compiles the forward and loss (AOTAutograd the backward), breaks at
-        # ``loss.backward()``, and compiles ``optimizer.step()`` as its own graph
-        step = torch.compile(train_step(case))
+        # ``loss.backward()``, and compiles ``optimizer.step()`` as its own graph; with
+        # CUDA graphs: mode "reduce-overhead", each of those graphs replayed as one
+        step = torch.compile(train_step(case), mode="reduce-overhead" if graphs else None)
         return Run(step, model, model, build_optimizer(model.parameters()), whole)
-    if name.startswith("compiled_"):
-        # "compiled_ddp" interprets the program; "compiled_ddp@inductor" lowers it
-        mode_name, _, backend = name.removeprefix("compiled_").partition("@")
+    if base.startswith("compiled_"):
+        # "compiled_ddp" interprets the program; "compiled_ddp@inductor" lowers it;
+        # "compiled_ddp@inductor+cudagraphs" replays the lowered step as a CUDA graph
+        mode_name, _, backend = base.removeprefix("compiled_").partition("@")
         mode = parallel_mode(case, mode_name)
-        step = sc.compile(parallel_mode=mode, backend=backend or "eager")(train_step(case))
+        step = sc.compile(parallel_mode=mode, backend=backend or "eager", cuda_graphs=graphs)(
+            train_step(case)
+        )
         mode_mesh = mode.mesh(torch.device(device).type)
 
         def share(t: torch.Tensor, index: int) -> torch.Tensor:

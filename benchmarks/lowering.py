@@ -22,7 +22,7 @@ import torch
 
 import spmd_compiler as sc
 
-from .cpu_suite import FLOOR, build_run, step_peak_bytes, timed_step
+from .cpu_suite import CUDA_GRAPHS, FLOOR, build_run, step_peak_bytes, timed_step
 from .cuda_suite import device_record
 from .models import CPU_CASES, CUDA_CASES, Case, global_batches
 from .report import write_json_md
@@ -31,6 +31,19 @@ RUNS = (
     "eager_1_device", "torch_compile_1dev", "torch_ddp", "torch_compile_ddp", "compiled_ddp",
     "compiled_ddp@inductor", "torch_fsdp2", "compiled_fsdp@inductor",
 )
+# on CUDA also: each lowered step replayed as a CUDA graph, beside torch.compile's
+# "reduce-overhead" mode (its CUDA graphs) of the single-device step
+CUDA_RUNS = RUNS + tuple(
+    n + CUDA_GRAPHS
+    for n in ("torch_compile_1dev", "compiled_ddp@inductor", "compiled_fsdp@inductor")
+)
+# a lowered run: (its torch eager peer, whether it replays CUDA graphs)
+LOWERED = {
+    "compiled_ddp@inductor": "torch_ddp",
+    "compiled_fsdp@inductor": "torch_fsdp2",
+    "compiled_ddp@inductor" + CUDA_GRAPHS: "torch_ddp",
+    "compiled_fsdp@inductor" + CUDA_GRAPHS: "torch_fsdp2",
+}
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -38,21 +51,24 @@ def _build(name: str, case: Case, rank: int, world: int, device: str) -> Any:
     return build_run(FLOOR if name == "eager_1_device" else name, case, rank, world, device)
 
 
-def bench(rank: int, world: int, cases: tuple[Case, ...], device: str, warmup: int, steps: int) -> dict:
+def bench(
+    rank: int, world: int, cases: tuple[Case, ...], device: str, warmup: int, steps: int,
+    names: tuple[str, ...] = RUNS,
+) -> dict:
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(rank)
     out: dict[str, Any] = {}
     for case in cases:
         runs, first_call = {}, {}
         data = [(x.to(device), y.to(device)) for x, y in global_batches(case, warmup + steps)]
-        times: dict[str, list[float]] = {n: [] for n in RUNS}
+        times: dict[str, list[float]] = {n: [] for n in names}
         # a run that raises is dropped and its error kept, so that one peer failing (a
         # torch.compile of this torch) does not cost a device call the others' figures
         errors: dict[str, str] = {}
-        for name in RUNS:
+        for name in names:
             runs[name] = _build(name, case, rank, world, device)
         for i, (x, y) in enumerate(data):
-            order = RUNS if i % 2 == 0 else RUNS[::-1]
+            order = names if i % 2 == 0 else names[::-1]
             for name in order:
                 if name in errors:
                     continue
@@ -77,9 +93,11 @@ def bench(rank: int, world: int, cases: tuple[Case, ...], device: str, warmup: i
             if isinstance(r.step, sc.CompiledTrainStep)
         }
         x, y = data[0]
+        # a run replaying CUDA graphs allocates nothing in a step (its graphs' memory pool
+        # was taken when they were recorded): no step peak to compare
         record["peak_mib"] = {
             n: (b / 2**20 if (b := step_peak_bytes(r, x, y)) is not None else None)
-            for n, r in runs.items()
+            for n, r in runs.items() if not n.endswith(CUDA_GRAPHS)
         }
         out[case.name] = record
         if rank == 0:
@@ -98,34 +116,44 @@ def _ms(ms: dict[str, float], name: str) -> str:
 
 
 def markdown(result: dict) -> str:
-    dev = result["device"]
+    dev, cases = result["device"], result["cases"]
+    present = [n for n in CUDA_RUNS if any(n in r["step_ms"] for r in cases.values())]
     lines = [
         f"Lowering benchmark on {dev['name']} (torch {dev['torch']}), world {result['world']}, "
-        f"median of {result['steps']} steps after {result['warmup']}.",
+        f"median of {result['steps']} steps after {result['warmup']}. Step ms:",
         "",
-        "| model | eager 1 dev | torch.compile 1 dev | torch DDP | torch.compile+DDP | "
-        "compiled ddp (interp) | compiled ddp (inductor) | FSDP2 | compiled fsdp (inductor) | "
-        "ddp ind / DDP | ddp ind / torch.compile 1 dev | ddp ind / torch.compile+DDP | "
-        "fsdp ind / FSDP2 | compile s ddp (interp / inductor) | peak MiB ddp ind / DDP |",
-        "|" + "---|" * 16,
+        "| model | " + " | ".join(present) + " |",
+        "|---|" + "---|" * len(present),
     ]
-    for name, r in result["cases"].items():
-        ms, cs, pk = r["step_ms"], r["compile_s"], r["peak_mib"]
-        peak = (f"{pk['compiled_ddp@inductor']:.0f} / {pk['torch_ddp']:.0f}"
-                if pk.get("torch_ddp") is not None and pk.get("compiled_ddp@inductor") is not None
-                else "n/a")
-        compile_s = " / ".join(
-            f"{cs[n]:.1f}" if n in cs else "n/a" for n in ("compiled_ddp", "compiled_ddp@inductor")
-        )
-        lines.append(
-            f"| {name} | " + " | ".join(_ms(ms, n) for n in RUNS) + " | "
-            f"{_ratio(ms.get('compiled_ddp@inductor'), ms.get('torch_ddp'))} | "
-            f"{_ratio(ms.get('compiled_ddp@inductor'), ms.get('torch_compile_1dev'))} | "
-            f"{_ratio(ms.get('compiled_ddp@inductor'), ms.get('torch_compile_ddp'))} | "
-            f"{_ratio(ms.get('compiled_fsdp@inductor'), ms.get('torch_fsdp2'))} | "
-            f"{compile_s} | {peak} |"
-        )
-    for name, r in result["cases"].items():
+    for name, r in cases.items():
+        lines.append(f"| {name} | " + " | ".join(_ms(r["step_ms"], n) for n in present) + " |")
+    lines += [
+        "",
+        "Targets, per lowered run: step against its torch peer (DDP or FSDP2), against "
+        "torch.compile of the single-device step (default mode, and with CUDA graphs), "
+        "against torch.compile over DDP; the step's peak memory against the peer's; "
+        "compile seconds. A run replaying CUDA graphs has no step peak (its graphs' memory "
+        "was taken when they were recorded).",
+        "",
+        "| model | run | / torch peer | / torch.compile 1 dev | / torch.compile 1 dev "
+        "(CUDA graphs) | / torch.compile+DDP | peak MiB (run / peer) | compile s |",
+        "|" + "---|" * 8,
+    ]
+    for name, r in cases.items():
+        ms, pk, cs = r["step_ms"], r["peak_mib"], r["compile_s"]
+        for run, peer in LOWERED.items():
+            if run not in ms:
+                continue
+            peak = (f"{pk[run]:.0f} / {pk[peer]:.0f}"
+                    if pk.get(run) is not None and pk.get(peer) is not None else "n/a")
+            lines.append(
+                f"| {name} | {run} | {_ratio(ms[run], ms.get(peer))} | "
+                f"{_ratio(ms[run], ms.get('torch_compile_1dev'))} | "
+                f"{_ratio(ms[run], ms.get('torch_compile_1dev' + CUDA_GRAPHS))} | "
+                f"{_ratio(ms[run], ms.get('torch_compile_ddp'))} | {peak} | "
+                + (f"{cs[run]:.1f}" if run in cs else "n/a") + " |"
+            )
+    for name, r in cases.items():
         for run, error in r.get("errors", {}).items():
             lines.append(f"\n{name} {run} failed: {error[:300]}")
     return "\n".join(lines) + "\n"
@@ -138,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--cases", default="", help="comma-separated model names (default: all)")
     parser.add_argument(
+        "--runs", default="",
+        help="comma-separated runs (default: all; on CUDA the CUDA-graph runs too): "
+        + ", ".join(CUDA_RUNS),
+    )
+    parser.add_argument(
         "--out", type=Path, default=None,
         help="where to write <out>.json and <out>.md (default: benchmarks/results/lowering_<device>)",
     )
@@ -145,17 +178,24 @@ def main(argv: list[str] | None = None) -> None:
     cases = CUDA_CASES if args.device == "cuda" else CPU_CASES
     if args.cases:
         cases = tuple(c for c in cases if c.name in args.cases.split(","))
+    names = CUDA_RUNS if args.device == "cuda" else RUNS
+    if args.runs:
+        names = tuple(n for n in CUDA_RUNS if n in args.runs.split(","))
     world, backend = (1, "nccl") if args.device == "cuda" else (2, "gloo")
     per_rank = sc.launch(
         bench, world, backend=backend, timeout_s=3600,
-        args=(cases, args.device, args.warmup, args.steps),
+        args=(cases, args.device, args.warmup, args.steps, names),
     )
     # a step's time is its slowest rank's median; compile and memory from rank 0
     merged = per_rank[0]
     for other in per_rank[1:]:
         for case, rec in other.items():
-            for n, ms in rec["step_ms"].items():
-                merged[case]["step_ms"][n] = max(merged[case]["step_ms"][n], ms)
+            mine = merged[case]["step_ms"]
+            for n in list(mine):  # a run that failed on some rank is dropped
+                if n in rec["step_ms"]:
+                    mine[n] = max(mine[n], rec["step_ms"][n])
+                else:
+                    del mine[n]
     result = {
         "device": device_record(args.device), "world": world, "warmup": args.warmup,
         "steps": args.steps, "cases": merged,

@@ -33,9 +33,10 @@ if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
 fi
 
 # what to run after the tests, in order, as KIND:MODEL:SECONDS (the seconds a run needed
-# on an H200 on 2026-11-27, with some margin; a run starts only while that much is left).
+# on an H200 on 2026-11-27, with some margin, CUDA-graph runs added; a run starts only while
+# that much is left).
 # lowering: python -m benchmarks.lowering; profile: python -m benchmarks.gpu_profile.
-for spec in ${GPU_CHECK_RUNS:-lowering:gpt-4x256:190 lowering:mlp-2048:50 profile:gpt-4x256:120 lowering:gpt-8x512:330 lowering:gpt-12x768:420}; do
+for spec in ${GPU_CHECK_RUNS:-lowering:gpt-4x256:300 lowering:mlp-2048:80 profile:gpt-4x256:120 lowering:gpt-8x512:450 lowering:gpt-12x768:550}; do
   IFS=: read -r kind model need <<<"$spec"
   if [ "$(left)" -lt "$need" ]; then
     echo "== $kind $model skipped: $(left) s left, needs ~$need"
