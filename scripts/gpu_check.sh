@@ -10,7 +10,8 @@
 # made (log.txt, gpu_tests.xml, lowering_<model>.json, profile_<model>.json; the device
 # tool returns at most 8
 # files), so a call cut off at its limit still returns what finished.
-# GPU_CHECK_TESTS=0 skips tests/gpu; GPU_CHECK_RUNS="kind:model:seconds ..." picks the runs.
+# GPU_CHECK_TESTS=0 skips tests/gpu; GPU_CHECK_RUNS="kind:model:seconds ..." picks the runs;
+# GPU_CHECK_LOWERING_RUNS="run,run" picks the lowering benchmark's runs (its --runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET=${1:-560}
@@ -48,7 +49,7 @@ for spec in ${GPU_CHECK_RUNS:-lowering:gpt-4x256:300 lowering:mlp-2048:80 profil
       --out "$OUT/profile_$model"
   else
     timeout "$(left)" $PY -m benchmarks.lowering --device cuda --cases "$model" \
-      --out "$OUT/${kind}_$model"
+      ${GPU_CHECK_LOWERING_RUNS:+--runs "$GPU_CHECK_LOWERING_RUNS"} --out "$OUT/${kind}_$model"
   fi
   echo "$kind $model rc=$? at $(( $(date +%s) - START )) s"
   rm -f "$OUT/${kind}_$model.md"  # printed in the log; the json holds it all

@@ -44,7 +44,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 from unittest import mock
 
@@ -1769,7 +1769,7 @@ def _decomposition_tables() -> tuple[dict[Any, Callable[..., Any]], dict[Any, Ca
 
 def inductor_compile(
     gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], cuda_graphs: bool = False,
-    cache_dir: str | None = None,
+    cache_dir: str | None = None, static_inputs: Sequence[int] = (),
 ) -> Callable[..., Any]:
     """Compile an ATen-level graph with Inductor (``torch._inductor.compile_fx``).
 
@@ -1777,9 +1777,16 @@ def inductor_compile(
     of the first call. Loop reordering after fusion is switched off: on torch 2.11 it hit
     an internal assertion (``reorder_loops_by_dep_pair``) on the per-rank programs.
     Low-precision casts are emulated (rounded where the program casts), as eager does.
+    With ``cuda_graphs``, ``static_inputs`` are the positions of inputs given at the same
+    address on every call (NOTE: [CUDA graphs and the program's outputs]): the graphs read
+    them where they are, and may update them in place, where they copy every other input
+    into memory of their own first. Inductor learns which inputs are static from
+    Dynamo's tracing context; a graph compiled here has none, so the positions are handed
+    to its inner compile (the inputs of AOTAutograd's inference graph are the graph's
+    inputs in order: nothing is lifted).
     """
     from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat inputs, no pytree wrapper
     gm.recompile()
@@ -1793,11 +1800,33 @@ def inductor_compile(
         patches["emulate_precision_casts"] = True
     if cache_dir is not None:  # NOTE: [persistent compile cache]: kernels reused too
         patches["fx_graph_cache"] = True
+    fixed = sorted(set(static_inputs)) if cuda_graphs else []
+
+    def with_static(gm: torch.fx.GraphModule, inputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+        kwargs["static_input_idxs"] = sorted({*kwargs.get("static_input_idxs", ()), *fixed})
+        return compile_fx_inner(gm, inputs, *args, **kwargs)
+
     with inductor_cache_dir(cache_dir):
         return compile_fx(  # type: ignore[return-value]
             gm, example_inputs, config_patches=patches,
+            inner_compile=with_static if fixed else compile_fx_inner,
             decompositions=_emulation_decompositions(patches.get("emulate_precision_casts", False)),
         )
+
+
+def cudagraph_skips() -> int:
+    """How many graphs Inductor has compiled with CUDA graphs asked for and then run
+    without them (a CPU op, an input mutation it cannot replay; its reason goes to the
+    ``cudagraphs`` log artifact, ``TORCH_LOGS=cudagraphs``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[k].copy_(src[k])`` for every k, in as few kernels as the device allows
+    (``torch._foreach_copy_``, what torch's optimizers use)."""
+    torch._foreach_copy_(dst, src)
 
 
 # NOTE: [unfused fallbacks under cast emulation]

@@ -49,6 +49,7 @@ import copy
 import logging
 import operator
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from . import _torch_private as private
+from .cuda_graph_outputs import Replayed, gradients_not_read_back
 from .errors import SPMDCompileError
 from .ir.collectives import is_collective, is_wait
 from .ir.graph_utils import output_args, pure_op
@@ -73,7 +75,7 @@ from .leading_reductions import (
 from .progress import compile_progress
 from .reduction_aliasing import bucket_part_read_elsewhere
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
-from .state_donation import Donating, Pairs, donate, donation_pairs, not_read_by
+from .state_donation import Donating, Pairs, donatable, donate, donation_pairs, not_read_by
 
 log = logging.getLogger("spmd_compiler.lower")
 
@@ -177,6 +179,9 @@ class LoweredGraph:
     # the program runs once (it creates optimizer state): interpreted on every backend
     # (NOTE: [programs that run once])
     runs_once: bool = False
+    # outputs a CUDA-graph replay may leave in the graphs' pool: gradients the program
+    # does not read back (NOTE: [CUDA graphs and the program's outputs])
+    pool_outputs: tuple[int, ...] = ()
     _compiled: Callable[..., Sequence[torch.Tensor]] | None = None
     _donated: Pairs = ()
     _constants: list[torch.Tensor] = field(default_factory=list)
@@ -273,15 +278,20 @@ class LoweredGraph:
         inputs = [*flat, *opened, *self._constants]
         outputs = len(output_args(gm))
         device = _device_of(flat)
-        # CUDA graphs of Inductor skip a graph that mutates its (non-static) inputs
-        donating = not self.options.cuda_graphs and private.inductor_updates_inputs_safely()
-        pairs = self.donations
+        graphs = self.options.cuda_graphs
+        donating = private.inductor_updates_inputs_safely()
+        in_place = donatable(gm, self.donations, inputs)
+        pairs = in_place
         if donating and private.inductor_called_out_reads_may_follow_input_updates():
             pairs = not_read_by(gm, pairs, private.inductor_calls_out)
         self._donated = donate(gm, pairs, inputs) if donating else ()
+        # NOTE: [CUDA graphs and the program's outputs]: the rest copied in after a replay
+        copied_back = tuple(p for p in in_place if p not in self._donated) if graphs else ()
+        static = [i for i, _ in (*self._donated, *copied_back)]
+        static += range(len(inputs) - len(self._constants), len(inputs))
         out: list[torch.Tensor] | None = None  # the first step's results, when it ran here
         regions = self.options.regions(device)
-        hazard = None if regions or self.options.cuda_graphs else bucket_part_read_elsewhere(gm)
+        hazard = None if regions or graphs else bucket_part_read_elsewhere(gm)
         if hazard is not None:  # NOTE: [buckets reduced in place by Inductor]
             log.info("lowering by compute regions: %s's bucket has a part read elsewhere", hazard.name)
             regions = True
@@ -305,9 +315,18 @@ class LoweredGraph:
                     out = list(outer(*inputs))
                 compiled = outer
             else:
+                skips = private.cudagraph_skips()
                 with progress.stage("lowering"):
                     compiled = private.inductor_compile(
-                        gm, inputs, cuda_graphs=self.options.cuda_graphs, cache_dir=cache_dir
+                        gm, inputs, cuda_graphs=graphs, cache_dir=cache_dir,
+                        static_inputs=static if graphs else (),
+                    )
+                if graphs and private.cudagraph_skips() > skips:
+                    warnings.warn(
+                        f"cuda_graphs=True: Inductor compiled this {nodes}-node program but "
+                        "will run it without CUDA graphs (TORCH_LOGS=cudagraphs says why); "
+                        "its results are the same, its step is not replayed.",
+                        stacklevel=2,
                     )
             if split is not None and prologue is not None:
                 compiled = WithScalarPrologue(prologue, compiled, split.prologue_inputs)
@@ -316,6 +335,8 @@ class LoweredGraph:
                 if out is not None:
                     out = donating_program.restore(out, inputs)
                 compiled = donating_program
+            if graphs:
+                compiled = Replayed(compiled, copied_back, self.pool_outputs)
         self._compiled = compiled
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs", nodes, self.compile_seconds)
@@ -541,14 +562,20 @@ class Executable:
             if ref.kind is Kind.INPUT
         )
 
-        def lowered(gm: torch.fx.GraphModule, donations: Pairs = (), runs_once: bool = False) -> LoweredGraph:
+        def lowered(
+            gm: torch.fx.GraphModule, donations: Pairs = (), runs_once: bool = False,
+            pool_outputs: tuple[int, ...] = (),
+        ) -> LoweredGraph:
             return LoweredGraph(
                 gm, options, inductor_cache_dir, donations=donations, batch_inputs=batch,
-                runs_once=runs_once,
+                runs_once=runs_once, pool_outputs=pool_outputs,
             )
 
         once = creates_optimizer_state(captured)
-        step = lowered(program.graph_module, donation_pairs(program), once)  # type: ignore[attr-defined]
+        step = lowered(
+            program.graph_module, donation_pairs(program), once,  # type: ignore[attr-defined]
+            gradients_not_read_back(captured),
+        )
         if plan is None:
             return cls(step)
         return cls(

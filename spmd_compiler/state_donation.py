@@ -80,16 +80,14 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def donate(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor]) -> Pairs:
-    """Rewrite ``gm`` to copy each donated state's new value into its input and drop it
-    from the outputs; returns the pairs kept (an input sharing memory with another, or an
-    output of another shape, dtype or device, is left as it was)."""
+def donatable(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor]) -> Pairs:
+    """The pairs of ``pairs`` whose input may take its new value in place: not an input
+    sharing memory with another, nor one returned as it was (it must keep its value), nor
+    one whose output has another shape, dtype or device."""
     if not pairs:
         return ()
-    graph = gm.graph
     inputs_of = placeholders(gm)
-    output = graph.output_node()
-    outs = output_values(output)
+    outs = output_values(gm.graph.output_node())
     shared = Counter(_storage(t) for t in inputs if isinstance(t, torch.Tensor))
     donated = {j for _, j in pairs}
     returned = {_viewed_input(o) for j, o in enumerate(outs) if j not in donated}
@@ -98,23 +96,34 @@ def donate(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor
         t, value = inputs[i], outs[j]
         val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
         if (
-            not isinstance(val, torch.Tensor)
-            or shared[_storage(t)] > 1
-            or inputs_of[i] in returned  # returned as it was: it must keep its value
-            or (tuple(val.shape), val.dtype, val.device) != (tuple(t.shape), t.dtype, t.device)
+            isinstance(val, torch.Tensor)
+            and shared[_storage(t)] == 1
+            and inputs_of[i] not in returned
+            and (tuple(val.shape), val.dtype, val.device) == (tuple(t.shape), t.dtype, t.device)
         ):
-            continue
-        kept.append((i, j))
-        if value is not inputs_of[i]:
-            with graph.inserting_before(output):
-                graph.call_function(torch.ops.aten.copy_.default, (inputs_of[i], value))
+            kept.append((i, j))
+    return tuple(kept)
+
+
+def donate(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor]) -> Pairs:
+    """Rewrite ``gm`` to copy each donated state's new value into its input and drop it
+    from the outputs; returns the pairs kept (``donatable``)."""
+    kept = donatable(gm, pairs, inputs)
     if not kept:
         return ()
+    graph = gm.graph
+    inputs_of = placeholders(gm)
+    output = graph.output_node()
+    outs = output_values(output)
+    for i, j in kept:
+        if outs[j] is not inputs_of[i]:
+            with graph.inserting_before(output):
+                graph.call_function(torch.ops.aten.copy_.default, (inputs_of[i], outs[j]))
     dropped = {j for _, j in kept}
     set_outputs(gm, [o for j, o in enumerate(outs) if j not in dropped])
     graph.lint()
     gm.recompile()
-    return tuple(kept)
+    return kept
 
 
 def not_read_by(

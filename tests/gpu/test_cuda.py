@@ -36,7 +36,10 @@ def _lowered_worker(rank: int, world: int, cuda_graphs: bool) -> dict:
     torch.cuda.set_device(rank)
     model, optim, batches = _mlp_case("cuda")
     step = sc.compile(backend="inductor", cuda_graphs=cuda_graphs)(classification_train_step)
-    losses = [step(model, optim, x, y).detach().cpu() for x, y in batches]
+    # kept on the device until the end: each loss must outlive the replays after it
+    # (NOTE: [CUDA graphs and the program's outputs])
+    kept = [step(model, optim, x, y) for x, y in batches]
+    losses = [loss.detach().cpu() for loss in kept]
     state = {k: v.cpu() for k, v in full_state(model, optim, None).items()}
     return {"losses": losses, "state": state}
 
@@ -51,7 +54,7 @@ def _mlp_case(device: str):
     batches = [
         (torch.randn(16, 32, generator=gen).to(device),
          torch.randint(0, 8, (16,), generator=gen).to(device))
-        for _ in range(4)
+        for _ in range(8)  # CUDA graphs: a warm-up, a recording, then replays
     ]
     return model, optim, batches
 
