@@ -35,10 +35,12 @@ tensor itself back in its place, so the swap it does is a no-op. Not donated:
   torch's (2.11 CPU, one gloo rank, GPT 2x128 ddp: 12.6 MiB against torch's 10.2; H200
   gpt-4x256: 94 against 75 MiB). Now, reordering on: GPT 9.6 MiB, MLP-512 16.0 (torch
   16.0; 8.6 with every input donated and no reordering);
-- with ``cuda_graphs=True``: Inductor's CUDA graphs skip a graph that mutates inputs it
-  was not told are static;
 - gradients: a program writes ``param.grad`` as a fresh tensor (the user may hold the
   previous step's).
+
+With ``cuda_graphs=True`` the donated inputs are static inputs of the graphs, and state
+that may be updated in place but is not donated on 2.11 is copied in after each replay
+(NOTE: [CUDA graphs and the program's outputs] in ``cuda_graph_outputs.py``).
 
 The cost: a lowered step that fails part-way (a peer died in a collective) may leave part
 of its update in the state; the runtime's error says so for a donating program.
