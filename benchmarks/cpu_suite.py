@@ -190,6 +190,21 @@ def timed_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def pipelined_step_seconds(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Seconds per step of ``batches`` run back to back, as a training loop runs them: one
+    barrier and device sync before, one after, none between, no loss read, so the host
+    may queue the next step while the device still computes the last (``timed_step``
+    waits for each step)."""
+    shares = [run.local(x, y) for x, y in batches]
+    dist.barrier()
+    synchronize(batches[0][0].device)
+    start = time.perf_counter()
+    for args in shares:
+        run.step(run.wrapper, run.optim, *args)
+    synchronize(batches[0][0].device)
+    return (time.perf_counter() - start) / len(batches)
+
+
 def step_peak_bytes(run: Run, x: torch.Tensor, y: torch.Tensor) -> int | None:
     """Peak bytes allocated during one step of ``run`` above what was allocated just
     before it (every run's resident state in this process): activations, gradients,

@@ -185,6 +185,7 @@ def run_program(
     sim: Simulation | None,
     carry: list[torch.Tensor] | None = None,
     agreement: InputAgreement | None = None,
+    hyperparams: dict[StateRef, tuple[float, torch.Tensor]] | None = None,
 ) -> tuple[Any, list[torch.Tensor] | None]:
     """Run one step of ``program`` on the installed state.
 
@@ -192,6 +193,9 @@ def run_program(
     program when ``carry`` is None, else ``steady`` on the previous call's carry. On real
     ranks the input check's round (``agreement``) runs first, carrying the program's
     leading all-reduces (NOTE: [reductions that ride the input check]).
+
+    ``hyperparams`` (kept by the caller across calls) holds the tensor each learning rate
+    was last fed as (NOTE: [hyper-parameters without a device sync]).
 
     Returns:
         The step's result, and the carry for the next call (None without a deferred part).
@@ -204,7 +208,7 @@ def run_program(
         captured.inputs, program.input_placements, program.local_inputs, strict=True
     ):
         if ref.kind is Kind.HYPERPARAM:
-            flat.append(torch.tensor(bindings.hyperparam_value(ref), dtype=HYPERPARAM_DTYPE, device=meta.device))
+            flat.append(_hyperparam_tensor(hyperparams, ref, bindings.hyperparam_value(ref), meta.device))
         elif ref.kind is Kind.INPUT:
             flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
         elif ref.kind is Kind.SCALER:  # plain tensors, replicated (NOTE: [loss scaling in the program])
@@ -241,6 +245,31 @@ def run_program(
     if captured.returns_containers:  # NOTE: [batch containers]
         returned_value = close_returned(returned_value)
     return returned_value, next_carry
+
+
+# NOTE: [hyper-parameters without a device sync]
+# A learning rate is a Python float the program reads as a 0-d float64 input. Built with
+# ``torch.tensor(value, device=...)`` it was copied from host memory with a blocking copy,
+# which on CUDA waits for every kernel queued before it: each call waited for the previous
+# step to finish on the device before it queued anything, so the host could never run
+# ahead of the GPU. Now the tensor is kept while the value stays the same (an input the
+# program only reads) and made anew by a fill kernel (``torch.full``: the value travels
+# as the kernel's argument, no copy) when it changes, as under a scheduler.
+
+
+def _hyperparam_tensor(
+    cache: dict[StateRef, tuple[float, torch.Tensor]] | None, ref: StateRef, value: float,
+    device: torch.device,
+) -> torch.Tensor:
+    """The 0-d tensor fed for hyper-parameter ``ref`` (NOTE: [hyper-parameters without a
+    device sync])."""
+    kept = cache.get(ref) if cache is not None else None
+    if kept is not None and kept[0] == value and kept[1].device == torch.device(device):
+        return kept[1]
+    t = torch.full((), value, dtype=HYPERPARAM_DTYPE, device=device)
+    if cache is not None:
+        cache[ref] = (value, t)
+    return t
 
 
 class BranchMismatch(Exception):

@@ -79,6 +79,8 @@ class StepExecutable:
         self._pending: PendingUpdate | None = None
         self._installed: set[int] = set()  # ids of state tensors install_state checked
         self._constants: str | None = None  # NOTE: [constants agree across ranks]
+        # NOTE: [hyper-parameters without a device sync]
+        self._hyperparams: dict[StateRef, tuple[float, torch.Tensor]] = {}
 
     @property
     def has_pending_update(self) -> bool:
@@ -104,7 +106,7 @@ class StepExecutable:
         start = time.perf_counter()
         value, carry = run_program(
             self.program, self.lowered, bindings, tensor_args, sim,
-            pending.carry if pending else None, agreement,
+            pending.carry if pending else None, agreement, self._hyperparams,
         )
         elapsed = time.perf_counter() - start
         self._pending = None

@@ -73,3 +73,37 @@ def test_inductor_backend_on_nccl(cuda_graphs):
     state = full_state(model, optim, None)
     worst = max(relative_difference(result["state"][k], v.cpu()) for k, v in state.items())
     assert worst <= 1e-5, worst
+
+
+def _steady_steps_worker(rank: int, world: int, cuda_graphs: bool) -> list[str]:
+    import warnings
+
+    import spmd_compiler as sc
+    from spmd_compiler.tools.demo.steps import classification_train_step
+
+    torch.cuda.set_device(rank)
+    model, optim, batches = _mlp_case("cuda")
+    step = sc.compile(backend="inductor", cuda_graphs=cuda_graphs)(classification_train_step)
+    for x, y in batches[:4]:  # compiles, warm-up, CUDA-graph recording
+        step(model, optim, x, y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in batches[4:]:
+                step(model, optim, x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_steady_steps_do_not_wait_for_the_device(cuda_graphs):
+    """A steady-state step queues its work without waiting for the GPU, so the host can
+    run ahead (NOTE: [hyper-parameters without a device sync]: the learning rate was fed
+    by a blocking copy, which waited for the previous step)."""
+    import spmd_compiler as sc
+
+    syncs = sc.launch(_steady_steps_worker, 1, backend="nccl", args=(cuda_graphs,), timeout_s=600)[0]
+    assert syncs == [], syncs
