@@ -590,7 +590,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             default: inductor for a model on CUDA, eager on CPU; NOTE: [default backend]
             in ``spmd_compiler/lower.py``). Simulated ranks always interpret
             (NOTE: [lowering]).
-        cuda_graphs: with backend "inductor" on CUDA, replay each step as a CUDA graph.
+        cuda_graphs: with backend "inductor" (or "auto") on CUDA, record the step once
+            and replay it as a CUDA graph (static shapes; refused on CPU). State is
+            updated in place, returned values are copies; ``param.grad`` lives in the
+            graphs' memory and is overwritten by the next step, so clone a gradient you
+            keep across steps (NOTE: [CUDA graphs and the program's outputs]).
         inductor_regions: with backend "inductor", compile each stretch of compute
             between collectives as its own graph, so every collective runs exactly where
             the passes put it (True), or the whole program as one graph (False); None: by
