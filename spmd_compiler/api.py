@@ -593,8 +593,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         cuda_graphs: with backend "inductor" (or "auto") on CUDA, record the step once
             and replay it as a CUDA graph (static shapes; refused on CPU). State is
             updated in place, returned values are copies; ``param.grad`` lives in the
-            graphs' memory and is overwritten by the next step, so clone a gradient you
-            keep across steps (NOTE: [CUDA graphs and the program's outputs]).
+            graphs' memory, which the next step reuses: reading a gradient kept from an
+            earlier step raises, so clone one you keep (NOTE: [CUDA graphs and the
+            program's outputs]).
         inductor_regions: with backend "inductor", compile each stretch of compute
             between collectives as its own graph, so every collective runs exactly where
             the passes put it (True), or the whole program as one graph (False); None: by
