@@ -49,7 +49,7 @@ import torch
 import torch.fx
 
 from .ir.collectives import ALL_REDUCE, WAIT, is_collective, is_wait
-from .ir.graph_utils import placeholders, pure_op
+from .ir.graph_utils import placeholders, pure_op, returns_alias
 from .ir.node_meta import is_deferred
 
 MAX_SLOTS = 4  # elements one input-check round carries for the program
@@ -253,8 +253,7 @@ def _aliases(node: torch.fx.Node) -> bool:
     that no value handed from ``early`` to ``main`` shares an input's memory."""
     if node.target is operator.getitem:
         return isinstance(node.args[0], torch.fx.Node) and _aliases(node.args[0])
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None)
+    return returns_alias(node)
 
 
 def _computes(node: torch.fx.Node) -> bool:

@@ -29,18 +29,9 @@ import torch
 import torch.fx
 
 from .ir.collectives import collective_kind
+from .ir.graph_utils import returns_alias
 
 aten = torch.ops.aten
-
-# ops whose result may share its input's memory
-_ALIASING = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
-    aten.transpose.int, aten.permute.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.unsqueeze.default, aten.expand.default, aten.slice.Tensor,
-    aten.select.int, aten.alias.default, aten.as_strided.default, aten.contiguous.default,
-    aten.split_with_sizes.default, aten.split.Tensor,
-}
-
 
 # ops that read their input's shape, dtype and device only, never its values: the loss
 # (a bucket part when it is all-reduced for the step's result) also seeds backward as
@@ -55,17 +46,11 @@ _READS_METADATA_ONLY = {
 }
 
 
-def _aliases(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (
-        node.target in _ALIASING or getattr(node.target, "is_view", False)
-    )
-
-
 def _read_elsewhere(node: torch.fx.Node, cat: torch.fx.Node) -> bool:
     """Whether the memory ``node`` (an input of ``cat``) may live in is read by anything
     but ``cat``: any user, along the chain of aliasing ops it came from, off that chain."""
     chain = [node]
-    while _aliases(chain[-1]) and isinstance(chain[-1].args[0], torch.fx.Node):
+    while returns_alias(chain[-1]) and isinstance(chain[-1].args[0], torch.fx.Node):
         chain.append(chain[-1].args[0])
     if chain[-1].op == "placeholder":  # a program input: the cat copies it anyway
         return False
@@ -83,7 +68,7 @@ def bucket_part_read_elsewhere(gm: torch.fx.GraphModule) -> torch.fx.Node | None
         if collective_kind(node) != "all_reduce":
             continue
         cat = node.args[0]
-        while isinstance(cat, torch.fx.Node) and _aliases(cat) and isinstance(cat.args[0], torch.fx.Node):
+        while isinstance(cat, torch.fx.Node) and returns_alias(cat) and isinstance(cat.args[0], torch.fx.Node):
             cat = cat.args[0]
         if not isinstance(cat, torch.fx.Node) or cat.target is not aten.cat.default:
             continue

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .ir.graph_utils import output_values, placeholders, set_outputs
+from .ir.graph_utils import output_values, placeholders, returns_alias, set_outputs
 from .ir.signature import Kind
 
 DONATED_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.OPTIM_STATE)
@@ -151,20 +151,13 @@ def _read_by(node: torch.fx.Node, calls_out: Callable[[object], bool]) -> bool:
 
 def _is_view_of(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     """Whether ``user`` returns an alias of ``node`` (a view, or one piece of a split)."""
-    return user.target is operator.getitem or (_returns_alias(user) and user.args[0] is node)
-
-
-def _returns_alias(node: torch.fx.Node) -> bool:
-    """Whether ``node`` calls an op whose result aliases its first argument."""
-    schema = getattr(node.target, "_schema", None)
-    returns = list(schema.returns) if schema is not None else []
-    return bool(returns) and returns[0].alias_info is not None and bool(node.args)
+    return user.target is operator.getitem or (returns_alias(user) and user.args[0] is node)
 
 
 def _viewed_input(value: object) -> torch.fx.Node | None:
     """The placeholder ``value`` is, or is a view of (through ops returning an alias)."""
     while isinstance(value, torch.fx.Node) and value.op == "call_function":
-        if not _returns_alias(value):
+        if not returns_alias(value):
             return None
         value = value.args[0]
     return value if isinstance(value, torch.fx.Node) and value.op == "placeholder" else None

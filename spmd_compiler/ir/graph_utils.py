@@ -123,6 +123,25 @@ def pure_op(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
 
 
+# ops whose result shares their first argument's memory though their schema does not say
+# so: ``_unsafe_view`` is a view of a tensor its caller promises nothing else reads
+_ALIASING_UNANNOTATED = {torch.ops.aten._unsafe_view.default}
+
+
+def returns_alias(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s result may share memory with its first argument: an op whose
+    schema marks its result as an alias of it (a view, ``reshape``, ``contiguous``, the
+    pieces of a ``split``), or ``_unsafe_view``. ``getitem`` is not one (a piece of a
+    multi-output op: callers that follow pieces handle it)."""
+    if node.op != "call_function" or not node.args:
+        return False
+    if node.target in _ALIASING_UNANNOTATED:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    returns = list(schema.returns) if schema is not None else []
+    return bool(returns) and returns[0].alias_info is not None
+
+
 def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     """``node`` and every node it is computed from, through any chain of nodes."""
     seen: set[torch.fx.Node] = set()
