@@ -4,14 +4,14 @@
 #   OUT=/some/dir scripts/gpu_check.sh [BUDGET_S]      (default budget 560 s)
 #
 # Installs this checkout (editable, no deps: the GPU machine's torch stays), runs tests/gpu,
-# then `python -m benchmarks.lowering --device cuda` one model at a time (gpt-4x256,
-# mlp-2048, gpt-8x512, gpt-12x768) and `benchmarks.gpu_profile` of gpt-4x256, starting
-# each only while enough of the budget is left for it. Everything lands in $OUT as it is
-# made (log.txt, gpu_tests.xml, lowering_<model>.json, profile_<model>.json; the device
-# tool returns at most 8
-# files), so a call cut off at its limit still returns what finished.
-# GPU_CHECK_TESTS=0 skips tests/gpu; GPU_CHECK_RUNS="kind:model:seconds ..." picks the runs;
-# GPU_CHECK_LOWERING_RUNS="run,run" picks the lowering benchmark's runs (its --runs).
+# then `python -m benchmarks.lowering --device cuda` one model at a time and
+# `benchmarks.gpu_profile` (the list is below), starting each only while enough of the
+# budget is left for it. Everything lands in $OUT as it is made (log.txt, gpu_tests.xml,
+# lowering_<model>.json, profile_<model>.json; the device tool returns at most 8 files),
+# so a call cut off at its limit still returns what finished.
+# GPU_CHECK_TESTS=0 skips tests/gpu; GPU_CHECK_RUNS="kind:model:seconds[:runs] ..." picks
+# the runs; GPU_CHECK_LOWERING_RUNS="run,run" is the lowering benchmark's --runs wherever a
+# spec names none.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 BUDGET=${1:-560}
@@ -33,12 +33,19 @@ if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
   echo "tests/gpu rc=$? at $(( $(date +%s) - START )) s"
 fi
 
-# what to run after the tests, in order, as KIND:MODEL:SECONDS (the seconds a run needed
-# on an H200 on 2026-11-27, with some margin, CUDA-graph runs added; a run starts only while
-# that much is left).
+# what to run after the tests, in order, as KIND:MODEL:SECONDS[:RUNS] (the seconds a run
+# needs, estimated from the H200 calls of 2026-11-27; a run starts only while that much is
+# left; RUNS: the lowering benchmark's --runs, comma-separated, default all of them).
 # lowering: python -m benchmarks.lowering; profile: python -m benchmarks.gpu_profile.
-for spec in ${GPU_CHECK_RUNS:-lowering:gpt-4x256:300 lowering:mlp-2048:80 profile:gpt-4x256:120 lowering:gpt-8x512:450 lowering:gpt-12x768:550}; do
-  IFS=: read -r kind model need <<<"$spec"
+# The default order is what the 2026-11-27 calls left open: mlp-2048's gap to
+# torch.compile (its runs back to back, then its profile), then the larger GPTs.
+BIG="eager_1_device,torch_compile_1dev,torch_ddp,compiled_ddp@inductor,torch_fsdp2"
+BIG="$BIG,compiled_fsdp@inductor,compiled_ddp@inductor+cudagraphs"
+DEFAULT_RUNS="lowering:mlp-2048:80 profile:mlp-2048:90 lowering:gpt-8x512:420:$BIG"
+DEFAULT_RUNS="$DEFAULT_RUNS lowering:gpt-12x768:550:eager_1_device,torch_ddp,compiled_ddp@inductor"
+for spec in ${GPU_CHECK_RUNS:-$DEFAULT_RUNS}; do
+  IFS=: read -r kind model need runs <<<"$spec"
+  runs=${runs:-${GPU_CHECK_LOWERING_RUNS:-}}
   if [ "$(left)" -lt "$need" ]; then
     echo "== $kind $model skipped: $(left) s left, needs ~$need"
     continue
@@ -49,7 +56,7 @@ for spec in ${GPU_CHECK_RUNS:-lowering:gpt-4x256:300 lowering:mlp-2048:80 profil
       --out "$OUT/profile_$model"
   else
     timeout "$(left)" $PY -m benchmarks.lowering --device cuda --cases "$model" \
-      ${GPU_CHECK_LOWERING_RUNS:+--runs "$GPU_CHECK_LOWERING_RUNS"} --out "$OUT/${kind}_$model"
+      ${runs:+--runs "$runs"} --out "$OUT/${kind}_$model"
   fi
   echo "$kind $model rc=$? at $(( $(date +%s) - START )) s"
   rm -f "$OUT/${kind}_$model.md"  # printed in the log; the json holds it all
