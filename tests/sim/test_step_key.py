@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
+from spmd_compiler import _torch_private as private
 from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.tools.parity import full_state, relative_difference
@@ -266,7 +267,8 @@ def test_a_2d_program_reading_the_mesh_coordinate_is_cached(tmp_path: Path) -> N
         with sc.simulate(4):
             losses.append(float(step(model, optim, *data[0])))
     program = step.records[0].program
-    assert any("coordinate_on_dim" in str(n.target) for n in program.graph_module.graph.nodes)
+    if private._coordinate_op_per_rank():  # torch 2.11's programs do not read it at run time
+        assert any("coordinate_on_dim" in str(n.target) for n in program.graph_module.graph.nodes)
     assert [r.cache for r in step.records] == ["hit"] and skipped(step) == [True]
     assert losses[0] == losses[1]
 
