@@ -44,7 +44,7 @@ CUDA_RUNS = RUNS + tuple(
     n + CUDA_GRAPHS
     for n in ("torch_compile_1dev", "compiled_ddp@inductor", "compiled_fsdp@inductor")
 )
-# a lowered run: (its torch eager peer, whether it replays CUDA graphs)
+# a lowered run -> its torch eager peer
 LOWERED = {
     "compiled_ddp@inductor": "torch_ddp",
     "compiled_fsdp@inductor": "torch_fsdp2",
@@ -126,6 +126,16 @@ def _ms(ms: dict[str, float], name: str) -> str:
     return f"{ms[name]:.2f}" if name in ms else "n/a"
 
 
+def _per_run_table(cases: dict, runs: list[str], key: str) -> list[str]:
+    """A markdown table of each case's ``key`` figure (ms) per run."""
+    return [
+        "| model | " + " | ".join(runs) + " |",
+        "|---|" + "---|" * len(runs),
+        *(f"| {name} | " + " | ".join(_ms(r.get(key, {}), n) for n in runs) + " |"
+          for name, r in cases.items()),
+    ]
+
+
 def markdown(result: dict) -> str:
     dev, cases = result["device"], result["cases"]
     present = [n for n in CUDA_RUNS if any(n in r["step_ms"] for r in cases.values())]
@@ -133,24 +143,16 @@ def markdown(result: dict) -> str:
         f"Lowering benchmark on {dev['name']} (torch {dev['torch']}), world {result['world']}, "
         f"median of {result['steps']} steps after {result['warmup']}. Step ms:",
         "",
-        "| model | " + " | ".join(present) + " |",
-        "|---|" + "---|" * len(present),
+        *_per_run_table(cases, present, "step_ms"),
     ]
-    for name, r in cases.items():
-        lines.append(f"| {name} | " + " | ".join(_ms(r["step_ms"], n) for n in present) + " |")
     if any("pipelined_ms" in r for r in cases.values()):
         lines += [
             "",
             "The same runs stepped back to back (no sync between steps: the host may queue "
             "a step while the device computes the last), ms per step:",
             "",
-            "| model | " + " | ".join(present) + " |",
-            "|---|" + "---|" * len(present),
+            *_per_run_table(cases, present, "pipelined_ms"),
         ]
-        for name, r in cases.items():
-            lines.append(
-                f"| {name} | " + " | ".join(_ms(r.get("pipelined_ms", {}), n) for n in present) + " |"
-            )
     lines += [
         "",
         "Targets, per lowered run: step against its torch peer (DDP or FSDP2), against "
