@@ -209,6 +209,7 @@ def test_lowering_benchmark_code_path_on_cpu(tmp_path) -> None:
     case = json.loads(out.with_suffix(".json").read_text())["cases"]["mlp-128"]
     assert case["errors"] == {}
     assert set(case["step_ms"]) == set(RUNS) and all(ms > 0 for ms in case["step_ms"].values())
+    assert set(case["pipelined_ms"]) == set(RUNS) and all(ms > 0 for ms in case["pipelined_ms"].values())
     assert all(mib is not None and mib > 0 for mib in case["peak_mib"].values())
     row = next(line for line in out.with_suffix(".md").read_text().splitlines()
                if line.startswith("| mlp-128 |"))
