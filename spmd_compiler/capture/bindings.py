@@ -134,7 +134,13 @@ class StepBindings:
     schedulers: list[Any] = field(default_factory=list)
     # the batch containers pytree does not open, in pytree order (NOTE: [batch containers])
     containers: list[Any] = field(default_factory=list)
+    # every submodule of ``modules``, as their walk meets them (repeats included): whose
+    # training flags the program key reads
+    submodules: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _name_of: dict[int, str] = field(default_factory=dict, repr=False)
+    # (optimizer, parameter name) -> that parameter's state dict, as the program key last
+    # read it (NOTE: [one walk over the state per call])
+    _state_dicts: dict[tuple[int, str], dict] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def module_fqns(self) -> dict[int, str]:
@@ -156,6 +162,18 @@ class StepBindings:
             if name is None:
                 raise KeyError("parameter not found")
         return name
+
+    def optim_state(self, optimizer: int, name: str) -> dict[str, Any]:
+        """Optimizer ``optimizer``'s state dict of parameter ``name``: the one the last
+        ``static_key`` read (NOTE: [one walk over the state per call]), else looked up."""
+        state = self._state_dicts.get((optimizer, name))
+        if state is None:
+            state = self.optimizers[optimizer].state[self.params[name]]
+        return state
+
+    def forget_state_dicts(self) -> None:
+        """The optimizers' state dicts were replaced (``runtime.runner.install_state``)."""
+        self._state_dicts = {}
 
     def tensor_args(self) -> list[tuple[int, torch.Tensor]]:
         return [(i, a) for i, a in enumerate(self.flat_args) if isinstance(a, torch.Tensor)]
@@ -219,21 +237,27 @@ class StepBindings:
                 or type(a) is bool else type(a).__name__ for a in self.flat_args]
         # by name, at a known place: api._key_change names the one that changed
         key.append(tuple(self.optimizer_settings().items()))
-        key += [tuple(m.training for m in mod.modules()) for mod in self.modules]
+        key.append(tuple([m.training for m in self.submodules]))
         key += [(n, tuple(p.shape), p.dtype, p.grad is not None, p.requires_grad)
                 for n, p in self.params.items()]
         key += [(n, tuple(b.shape), b.dtype) for n, b in self.buffers.items()]
+        # the walk that reads the state's metadata keeps each state dict for feeding and
+        # write-back (NOTE: [one walk over the state per call])
+        state_dicts = self._state_dicts = {}
         for oi, opt in enumerate(self.optimizers):
+            states = opt.state
             for gi, group in enumerate(opt.param_groups):
                 key.append(("group", oi, gi))
                 # which parameters the group holds (moving one to another group changes
                 # its learning rate in the program) and the set of its state
                 for p in group["params"]:
-                    state = opt.state.get(p, {})
-                    key.append((self.param_name(p), tuple(sorted(
-                        (k, _state_hashable(v))
-                        for k, v in state.items()
-                    ))))
+                    name = self.param_name(p)
+                    state = states.get(p)
+                    if not state:
+                        key.append((name, ()))
+                        continue
+                    state_dicts[oi, name] = state
+                    key.append((name, tuple([(k, _state_hashable(state[k])) for k in sorted(state)])))
         if self.scalers:
             key.append(scaler_key(self.scalers))
         return tuple(key)
@@ -244,7 +268,7 @@ def _state_hashable(v: Any) -> Any:
     (warm-up step, loaded checkpoint) is float64 once installed, the same program
     (``state_dtype``; this runs for every state tensor on every call, so no TensorMeta)."""
     if isinstance(v, torch.Tensor):
-        shape = tuple(v.shape)
+        shape = tuple(v.shape)  # a tuple: the compile cache's key describes tuples
         return ("tensor", shape, optim_state_dtype(shape, v.dtype))
     return _hashable(v)
 
@@ -288,18 +312,25 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
     module_params: list[dict[str, str]] = []
     module_buffers: list[dict[str, str]] = []
     seen: dict[int, str] = {}
+    submodules: list[torch.nn.Module] = []
     for mi, mod in enumerate(modules):
         prefix = "" if len(modules) == 1 else f"{mi}."
         mp: dict[str, str] = {}
-        for fqn, p in mod.named_parameters(remove_duplicate=False):
-            name = seen.setdefault(id(p), prefix + fqn)
-            params[name] = p
-            mp[fqn] = name
         mb: dict[str, str] = {}
-        for fqn, b in mod.named_buffers(remove_duplicate=False):
-            name = seen.setdefault(id(b), prefix + fqn)
-            buffers[name] = b
-            mb[fqn] = name
+        # one walk for parameters, buffers and (in static_key) training flags, in the
+        # order named_parameters / named_buffers(remove_duplicate=False) give
+        for path, sub in mod.named_modules(remove_duplicate=False):
+            submodules.append(sub)
+            dot = path + "." if path else ""
+            for attr, p in sub._parameters.items():
+                if p is not None:
+                    name = seen.setdefault(id(p), prefix + dot + attr)
+                    params[name] = p
+                    mp[dot + attr] = name
+            for attr, b in sub._buffers.items():
+                if b is not None:
+                    mb[dot + attr] = name = seen.setdefault(id(b), prefix + dot + attr)
+                    buffers[name] = b
         module_params.append(mp)
         module_buffers.append(mb)
     owned = {id(p) for p in params.values()}
@@ -319,7 +350,7 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
     return StepBindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
         (args, kwargs), _unique(find_scalers(func, flat_args)),
-        _unique(find_schedulers(func, flat_args)), containers,
+        _unique(find_schedulers(func, flat_args)), containers, submodules,
     )
 
 

@@ -78,7 +78,13 @@ class Guards:
     def first_change(self, bindings: StepBindings) -> str | None:
         """A description of the first guarded value that changed, or None."""
         for k, (kind, container, key, expected) in enumerate(self.entries):
-            value = _read(kind, container, key, bindings)
+            if kind == _DICT:  # most guards (attributes): the value itself, read inline
+                value = container.get(key, _MISSING)
+                if value is expected:
+                    continue
+                value = _frozen(value)
+            else:
+                value = _read(kind, container, key, bindings)
             if value is expected:
                 continue
             if type(value) is not type(expected) or value != expected:
