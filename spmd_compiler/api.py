@@ -19,7 +19,7 @@ from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.passes import PassOptions
 
 from . import compile_cache, step_key
-from .capture.bindings import StepBindings, find_bindings
+from .capture.bindings import StateKeyMemo, StepBindings, find_bindings
 from .capture.guards import Guards, build_guards
 from .capture.kept_tensors import install_placeholders, kept_container_ids
 from .capture.lr_schedulers import replayed
@@ -134,6 +134,7 @@ class CompiledTrainStep:
         self._last: StepExecutable | None = None  # what the latest call ran
         self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles it caused
         self._last_key: tuple | None = None  # the program key of the latest call
+        self._state_key_memo = StateKeyMemo()  # NOTE: [one walk over the state per call]
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -152,7 +153,7 @@ class CompiledTrainStep:
         input_metas = [
             self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
         ]
-        key = (tuple(input_metas), bindings.static_key(), sim is not None)
+        key = (tuple(input_metas), bindings.static_key(self._state_key_memo), sim is not None)
         executable = self._cached_executable(key, bindings)
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))

@@ -224,12 +224,14 @@ class StepBindings:
             if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
         }
 
-    def static_key(self) -> tuple:
+    def static_key(self, memo: StateKeyMemo | None = None) -> tuple:
         """Everything besides tensor shapes that a compiled program depends on.
 
         Training flags, optimizer hyper-parameters other than the learning rate, the set
         and non-tensor values of optimizer state, which parameters hold a gradient, and
         the non-tensor arguments of the step. A change to any recompiles the step.
+        ``memo`` (kept by the caller across calls) holds each state dict's part of the
+        key while the dict holds the same tensors (``StateKeyMemo``).
         """
         key: list[Any] = [self.args_spec]
         # Float arguments: graph inputs or guards (NOTE: [guards on Python values]).
@@ -244,6 +246,7 @@ class StepBindings:
         # the walk that reads the state's metadata keeps each state dict for feeding and
         # write-back (NOTE: [one walk over the state per call])
         state_dicts = self._state_dicts = {}
+        kept = memo.start() if memo is not None else None
         for oi, opt in enumerate(self.optimizers):
             states = opt.state
             for gi, group in enumerate(opt.param_groups):
@@ -257,10 +260,59 @@ class StepBindings:
                         key.append((name, ()))
                         continue
                     state_dicts[oi, name] = state
-                    key.append((name, tuple([(k, _state_hashable(state[k])) for k in sorted(state)])))
+                    part = kept.get(state) if kept is not None else None
+                    if part is None:
+                        part = tuple([(k, _state_hashable(state[k])) for k in sorted(state)])
+                        if memo is not None:
+                            memo.put(state, part)
+                    key.append((name, part))
         if self.scalers:
             key.append(scaler_key(self.scalers))
         return tuple(key)
+
+
+class StateKeyMemo:
+    """Each optimizer state dict's part of ``static_key`` (its keys, and each tensor's shape
+    and dtype as the program sees them), kept from one call to the next while the dict
+    holds the same tensor objects under the same keys: an 8-layer GPT has 375 state
+    tensors, and reading each one's shape and dtype every call was a quarter of the
+    step's host work (NOTE: [one walk over the state per call] in ``runtime/runner.py``).
+
+    The runtime changes state only by swapping a DTensor's local tensor, which keeps its
+    shape and dtype; a new tensor (a loaded checkpoint, a new optimizer) is another
+    object and reads afresh. Tensors are held weakly, so the memo keeps no state alive,
+    and only the dicts of the latest call are kept. A dict holding anything but tensors
+    is read every call.
+    """
+
+    def __init__(self) -> None:
+        # id(state dict) -> (its keys, weak references to its values, its part of the key)
+        self._entries: dict[int, tuple[tuple[str, ...], tuple[weakref.ref, ...], tuple]] = {}
+        self._previous: dict[int, tuple[tuple[str, ...], tuple[weakref.ref, ...], tuple]] = {}
+
+    def start(self) -> StateKeyMemo:
+        """Begin a call's walk: what the last call kept is looked up, this call's kept."""
+        self._previous, self._entries = self._entries, {}
+        return self
+
+    def get(self, state: dict[str, Any]) -> tuple | None:
+        entry = self._previous.get(id(state))
+        if entry is None:
+            return None
+        keys, refs, part = entry
+        if len(state) != len(keys):
+            return None
+        for k, ref in zip(keys, refs):
+            held = ref()
+            if held is None or state.get(k) is not held:
+                return None
+        self._entries[id(state)] = entry
+        return part
+
+    def put(self, state: dict[str, Any], part: tuple) -> None:
+        values = tuple(state.values())
+        if all(isinstance(v, torch.Tensor) for v in values):
+            self._entries[id(state)] = (tuple(state), tuple(weakref.ref(v) for v in values), part)
 
 
 def _state_hashable(v: Any) -> Any:

@@ -271,7 +271,11 @@ def run_program(
 # parameter name) instead of hashing the parameter tensor again (``optim_state``). The
 # dicts stay valid through the call: write-back updates them in place, and the one place
 # that replaces them, ``install_state`` on a first call, drops them (they are looked up
-# afresh then). The key still reads every value it read before.
+# afresh then). Each state dict's part of the key (its keys, each tensor's shape and
+# dtype) is kept while the dict holds the same tensor objects (``StateKeyMemo``): the
+# runtime only swaps a DTensor's local tensor, which keeps both, and anything else that
+# changes the state puts new objects there. Everything else the key holds is read every
+# call.
 
 # NOTE: [hyper-parameters without a device sync]
 # A learning rate is a Python float the program reads as a 0-d float64 input. Built with

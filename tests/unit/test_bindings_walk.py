@@ -81,3 +81,27 @@ def test_state_dicts_read_by_the_key_and_looked_up_afresh_when_forgotten() -> No
     # a state tensor of another shape changes the key
     fresh["exp_avg"] = torch.zeros(3)
     assert b.static_key() != key
+
+
+def test_memo_keeps_a_state_part_only_while_its_tensors_stay() -> None:
+    from spmd_compiler.capture.bindings import StateKeyMemo
+
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    model.head(model.shared(model.embed(torch.tensor([1, 2])))).sum().backward()
+    opt.step()
+    memo = StateKeyMemo()
+    first = _bindings(model, opt).static_key(memo)
+    assert first == _bindings(model, opt).static_key()  # the memo changes no key
+    state = opt.state[model.shared.weight]
+    assert memo.start().get(state) is not None  # kept: the same tensors
+    memo.start()  # a walk that did not meet it: dropped from the memo
+    assert memo.start().get(state) is None
+    _bindings(model, opt).static_key(memo)
+    # a state tensor replaced by one of another shape under the same key: read afresh
+    state["exp_avg"] = torch.zeros(3)
+    changed = _bindings(model, opt).static_key(memo)
+    assert changed != first and changed == _bindings(model, opt).static_key()
+    # a key added (a new kind of state): read afresh
+    state["extra"] = torch.zeros(())
+    assert _bindings(model, opt).static_key(memo) == _bindings(model, opt).static_key() != changed
