@@ -214,3 +214,14 @@ def test_lowering_benchmark_code_path_on_cpu(tmp_path) -> None:
     row = next(line for line in out.with_suffix(".md").read_text().splitlines()
                if line.startswith("| mlp-128 |"))
     assert "n/a" not in row
+
+
+def test_host_work_benchmark_code_path_on_cpu(tmp_path) -> None:
+    """``benchmarks.host_work`` end to end on the interpreted backend, a few calls: the
+    stubbed calls are timed."""
+    from benchmarks.host_work import main as host_main
+
+    out = tmp_path / "h"
+    host_main(["--cases", "gpt-2x64", "--run", "compiled_ddp", "--calls", "5", "--out", str(out)])
+    case = json.loads(out.with_suffix(".json").read_text())["cases"]["gpt-2x64"]
+    assert case["host_us"] > 0 and case["parameters"] > 0 and case["optimizer_state_tensors"] > 0
