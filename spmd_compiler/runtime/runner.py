@@ -187,6 +187,7 @@ def run_program(
     carry: list[torch.Tensor] | None = None,
     agreement: InputAgreement | None = None,
     hyperparams: dict[StateRef, tuple[float, torch.Tensor]] | None = None,
+    feed: FeedPlan | None = None,
 ) -> tuple[Any, list[torch.Tensor] | None]:
     """Run one step of ``program`` on the installed state.
 
@@ -196,7 +197,8 @@ def run_program(
     leading all-reduces (NOTE: [reductions that ride the input check]).
 
     ``hyperparams`` (kept by the caller across calls) holds the tensor each learning rate
-    was last fed as (NOTE: [hyper-parameters without a device sync]).
+    was last fed as (NOTE: [hyper-parameters without a device sync]); ``feed`` is the
+    program's ``FeedPlan`` (made here when the caller keeps none).
 
     Returns:
         The step's result, and the carry for the next call (None without a deferred part).
@@ -204,32 +206,7 @@ def run_program(
     captured = program.captured
     plan = program.deferred
     graph = lowered.for_call(carry is not None)
-    flat: list[torch.Tensor] = []
-    padded = bool(program.padded)
-    local_tensor_of = private.local_tensor_of
-    # per input, as cheaply as it goes: a step feeds every state tensor (NOTE: [one walk
-    # over the state per call])
-    for (ref, meta), placements, local in zip(
-        captured.inputs, program.input_placements, program.local_inputs, strict=True
-    ):
-        kind = ref.kind
-        if kind is Kind.HYPERPARAM:
-            flat.append(_hyperparam_tensor(hyperparams, ref, bindings.hyperparam_value(ref), meta.device))
-        elif kind is Kind.INPUT:
-            flat.append(_feed_input(tensor_args[ref.index], program.mesh, placements, local, sim))
-        elif kind is Kind.SCALER:  # plain tensors, replicated (NOTE: [loss scaling in the program])
-            flat.append(_state_value(bindings, ref))
-        else:
-            if kind is Kind.OPTIM_STATE:  # most of the inputs: looked up here, not in _state_value
-                value = bindings.optim_state(ref.optimizer, ref.name)[ref.key]
-                if not isinstance(value, torch.Tensor):
-                    raise KeyError(ref)
-            else:
-                value = _state_value(bindings, ref)
-            value = local_tensor_of(value)  # type: ignore[arg-type]
-            if padded and program.pads(ref):
-                value = _pad_rows(value, local.shape, sim, program.padded_dims.get(ref.name, 0))
-            flat.append(value)
+    flat = _feed(program, feed or FeedPlan.of(program), bindings, tensor_args, sim, hyperparams)
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
     flat += carry or []
@@ -268,7 +245,9 @@ def run_program(
 # ``find_bindings`` walks the module tree once (parameters, buffers and the submodules
 # whose training flags the key reads); ``static_key`` keeps each parameter's optimizer
 # state dict as it reads it, and feeding and write-back index those dicts by (optimizer,
-# parameter name) instead of hashing the parameter tensor again (``optim_state``). The
+# parameter name) instead of hashing the parameter tensor again (``optim_state``);
+# feeding follows a ``FeedPlan`` sorted once per program (one dict lookup per parameter
+# for all its state, no per-input dispatch on the kind). The
 # dicts stay valid through the call: write-back updates them in place, and the one place
 # that replaces them, ``install_state`` on a first call, drops them (they are looked up
 # afresh then). Each state dict's part of the key (its keys, each tensor's shape and
@@ -276,6 +255,85 @@ def run_program(
 # runtime only swaps a DTensor's local tensor, which keeps both, and anything else that
 # changes the state puts new objects there. Everything else the key holds is read every
 # call.
+
+@dataclass(frozen=True)
+class FeedPlan:
+    """Where each input of a program comes from, sorted once per program (NOTE: [one walk
+    over the state per call]): parameters and buffers by name, each parameter's optimizer
+    state together (one dict lookup for its two or three tensors), and the rest (batch
+    inputs, learning rates, gradients, scaler state) fed one by one by kind. ``padded``:
+    the positions fed row-padded (NOTE: [uneven shards]), with their state's name."""
+
+    size: int
+    params: tuple[tuple[int, str], ...]
+    buffers: tuple[tuple[int, str], ...]
+    optim: tuple[tuple[int, str, tuple[tuple[int, str], ...]], ...]
+    other: tuple[int, ...]
+    padded: tuple[tuple[int, str], ...]
+
+    @staticmethod
+    def of(program: DistributedProgram) -> FeedPlan:
+        params, buffers, other, padded = [], [], [], []
+        optim: dict[tuple[int, str], list[tuple[int, str]]] = {}
+        for pos, (ref, _) in enumerate(program.captured.inputs):
+            if ref.kind is Kind.PARAM:
+                params.append((pos, ref.name))
+            elif ref.kind is Kind.BUFFER:
+                buffers.append((pos, ref.name))
+            elif ref.kind is Kind.OPTIM_STATE:
+                optim.setdefault((ref.optimizer, ref.name), []).append((pos, ref.key))
+            else:
+                other.append(pos)
+            if ref.kind not in (Kind.HYPERPARAM, Kind.INPUT, Kind.SCALER) and program.pads(ref):
+                padded.append((pos, ref.name))
+        return FeedPlan(
+            len(program.captured.inputs), tuple(params), tuple(buffers),
+            tuple((oi, name, tuple(slots)) for (oi, name), slots in optim.items()),
+            tuple(other), tuple(padded),
+        )
+
+
+def _feed(
+    program: DistributedProgram, plan: FeedPlan, bindings: StepBindings,
+    tensor_args: list[torch.Tensor], sim: Simulation | None,
+    hyperparams: dict[StateRef, tuple[float, torch.Tensor]] | None,
+) -> list[torch.Tensor]:
+    """The program's flat inputs: this rank's local tensors (per-rank tensors where
+    simulated: ``run_program`` maps them)."""
+    captured = program.captured
+    flat: list[Any] = [None] * plan.size
+    local_tensor_of = private.local_tensor_of
+    for pos in plan.other:
+        ref, meta = captured.inputs[pos]
+        if ref.kind is Kind.HYPERPARAM:
+            flat[pos] = _hyperparam_tensor(hyperparams, ref, bindings.hyperparam_value(ref), meta.device)
+        elif ref.kind is Kind.INPUT:
+            flat[pos] = _feed_input(
+                tensor_args[ref.index], program.mesh, program.input_placements[pos],
+                program.local_inputs[pos], sim,
+            )
+        elif ref.kind is Kind.SCALER:  # plain tensors, replicated (NOTE: [loss scaling in the program])
+            flat[pos] = _state_value(bindings, ref)
+        else:
+            flat[pos] = local_tensor_of(_state_value(bindings, ref))  # type: ignore[arg-type]
+    params, buffers = bindings.params, bindings.buffers
+    for pos, name in plan.params:
+        flat[pos] = local_tensor_of(params[name])  # type: ignore[arg-type]
+    for pos, name in plan.buffers:
+        flat[pos] = local_tensor_of(buffers[name])  # type: ignore[arg-type]
+    for oi, name, slots in plan.optim:
+        state = bindings.optim_state(oi, name)
+        for pos, key in slots:
+            value = state[key]
+            if not isinstance(value, torch.Tensor):
+                raise KeyError(StateRef(Kind.OPTIM_STATE, name, key, oi))
+            flat[pos] = local_tensor_of(value)  # type: ignore[arg-type]
+    for pos, name in plan.padded:
+        flat[pos] = _pad_rows(
+            flat[pos], program.local_inputs[pos].shape, sim, program.padded_dims.get(name, 0)
+        )
+    return flat
+
 
 # NOTE: [hyper-parameters without a device sync]
 # A learning rate is a Python float the program reads as a 0-d float64 input. Built with

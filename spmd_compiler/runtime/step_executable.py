@@ -25,7 +25,7 @@ from ..capture.bindings import StepBindings
 from ..expand.retrace import DistributedProgram, Placements
 from ..ir.signature import StateRef, TensorMeta
 from ..lower import Executable, LoweringOptions
-from .runner import install_state, run_finish, run_program
+from .runner import FeedPlan, install_state, run_finish, run_program
 from .same_inputs import InputAgreement, describe_constants
 from .simulate import Simulation
 
@@ -81,6 +81,7 @@ class StepExecutable:
         self._constants: str | None = None  # NOTE: [constants agree across ranks]
         # NOTE: [hyper-parameters without a device sync]
         self._hyperparams: dict[StateRef, tuple[float, torch.Tensor]] = {}
+        self._feed = FeedPlan.of(program)  # NOTE: [one walk over the state per call]
 
     @property
     def has_pending_update(self) -> bool:
@@ -106,7 +107,7 @@ class StepExecutable:
         start = time.perf_counter()
         value, carry = run_program(
             self.program, self.lowered, bindings, tensor_args, sim,
-            pending.carry if pending else None, agreement, self._hyperparams,
+            pending.carry if pending else None, agreement, self._hyperparams, self._feed,
         )
         elapsed = time.perf_counter() - start
         self._pending = None

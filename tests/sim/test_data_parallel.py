@@ -260,6 +260,27 @@ def test_fully_shard_uneven_and_smaller_than_world(world_size, optimizer):
     chunk = -(-7 // world_size)
     assert rows == {r: max(0, min(chunk, 7 - r * chunk)) for r in range(world_size)}
     assert step.last_program.padded["0.weight"] == (7, chunk * world_size)
+    _check_feed_plan(step.last_program, optimizer)
+
+
+def _check_feed_plan(program, optimizer: str) -> None:
+    """The runtime's FeedPlan (NOTE: [one walk over the state per call]) feeds every input
+    once, each parameter's optimizer state together, and pads exactly what the program
+    pads."""
+    from spmd_compiler.runtime.runner import FeedPlan
+
+    plan = FeedPlan.of(program)
+    positions = [
+        *(pos for pos, _ in plan.params), *(pos for pos, _ in plan.buffers),
+        *(pos for _, _, slots in plan.optim for pos, _ in slots), *plan.other,
+    ]
+    assert sorted(positions) == list(range(len(program.captured.inputs)))
+    keys = {"adamw": {"step", "exp_avg", "exp_avg_sq"}, "sgd_momentum": {"momentum_buffer"}}[optimizer]
+    assert all({key for _, key in slots} == keys for _, _, slots in plan.optim)
+    assert {pos for pos, _ in plan.padded} == {
+        pos for pos, (ref, _) in enumerate(program.captured.inputs)
+        if ref.kind.name in ("PARAM", "GRAD", "OPTIM_STATE") and program.pads(ref)
+    } != set()
 
 
 def _zero_grad_first_step(model, optim, x, y):
