@@ -246,7 +246,8 @@ class StepBindings:
         # the walk that reads the state's metadata keeps each state dict for feeding and
         # write-back (NOTE: [one walk over the state per call])
         state_dicts = self._state_dicts = {}
-        kept = memo.start() if memo is not None else None
+        if memo is not None:
+            memo.start()
         for oi, opt in enumerate(self.optimizers):
             states = opt.state
             for gi, group in enumerate(opt.param_groups):
@@ -260,7 +261,7 @@ class StepBindings:
                         key.append((name, ()))
                         continue
                     state_dicts[oi, name] = state
-                    part = kept.get(state) if kept is not None else None
+                    part = memo.get(state) if memo is not None else None
                     if part is None:
                         part = tuple([(k, _state_hashable(state[k])) for k in sorted(state)])
                         if memo is not None:
@@ -290,10 +291,9 @@ class StateKeyMemo:
         self._entries: dict[int, tuple[tuple[str, ...], tuple[weakref.ref, ...], tuple]] = {}
         self._previous: dict[int, tuple[tuple[str, ...], tuple[weakref.ref, ...], tuple]] = {}
 
-    def start(self) -> StateKeyMemo:
+    def start(self) -> None:
         """Begin a call's walk: what the last call kept is looked up, this call's kept."""
         self._previous, self._entries = self._entries, {}
-        return self
 
     def get(self, state: dict[str, Any]) -> tuple | None:
         entry = self._previous.get(id(state))

@@ -117,6 +117,8 @@ class Guards:
 
 
 def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
+    """The current value of a guard of any kind but ``_DICT`` (``first_change`` reads
+    those inline: most guards are attributes)."""
     if kind == _TENSOR:
         name, tensor = key
         if isinstance(container, types.CellType):
@@ -127,8 +129,6 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
         else:
             current = container.get(name, _MISSING)
         return ("the same tensor", tensor._version) if current is tensor else ("another value",)
-    if kind == _DICT:
-        return _frozen(container.get(key, _MISSING))
     if kind == _LEN:
         return len(container)
     if kind == _ITERATOR:

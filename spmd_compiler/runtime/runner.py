@@ -239,18 +239,18 @@ def run_program(
 # NOTE: [one walk over the state per call]
 # Every call does host work in proportion to the training state: the program key reads
 # each state tensor's shape and dtype, the install check, feeding and write-back visit
-# every tensor again. Measured with the program stubbed out (one gloo rank, AdamW), an
-# 8-layer GPT (100 parameters, 300 optimizer state tensors) spent 1.6 ms a call there,
-# the GPU step's margin over torch's CUDA graphs. So the walks share their lookups:
-# ``find_bindings`` walks the module tree once (parameters, buffers and the submodules
-# whose training flags the key reads); ``static_key`` keeps each parameter's optimizer
-# state dict as it reads it, and feeding and write-back index those dicts by (optimizer,
-# parameter name) instead of hashing the parameter tensor again (``optim_state``);
-# feeding follows a ``FeedPlan`` sorted once per program (one dict lookup per parameter
-# for all its state, no per-input dispatch on the kind). The
-# dicts stay valid through the call: write-back updates them in place, and the one place
-# that replaces them, ``install_state`` on a first call, drops them (they are looked up
-# afresh then). Each state dict's part of the key (its keys, each tensor's shape and
+# every tensor again. Measured with the program stubbed out (``benchmarks.host_work``,
+# one gloo rank, AdamW), an 8-layer GPT (125 parameters, 375 optimizer state tensors)
+# spent 1.7 ms a call there, the GPU step's margin over torch's CUDA graphs. So the walks
+# share their lookups: ``find_bindings`` walks the module tree once (parameters, buffers
+# and the submodules whose training flags the key reads); ``static_key`` keeps each
+# parameter's optimizer state dict as it reads it, and feeding and write-back index those
+# dicts by (optimizer, parameter name) instead of hashing the parameter tensor again
+# (``optim_state``); feeding follows a ``FeedPlan`` sorted once per program (one dict
+# lookup per parameter for all its state, no per-input dispatch on the kind). The dicts
+# stay valid through the call: write-back updates them in place, and the one place that
+# replaces them, ``install_state`` on a first call, drops them (they are looked up afresh
+# then). Each state dict's part of the key (its keys, each tensor's shape and
 # dtype) is kept while the dict holds the same tensor objects (``StateKeyMemo``): the
 # runtime only swaps a DTensor's local tensor, which keeps both, and anything else that
 # changes the state puts new objects there. Everything else the key holds is read every
@@ -284,7 +284,7 @@ class FeedPlan:
                 optim.setdefault((ref.optimizer, ref.name), []).append((pos, ref.key))
             else:
                 other.append(pos)
-            if ref.kind not in (Kind.HYPERPARAM, Kind.INPUT, Kind.SCALER) and program.pads(ref):
+            if program.pads(ref):  # state of the padded kinds only
                 padded.append((pos, ref.name))
         return FeedPlan(
             len(program.captured.inputs), tuple(params), tuple(buffers),
@@ -326,7 +326,7 @@ def _feed(
         for pos, key in slots:
             value = state[key]
             if not isinstance(value, torch.Tensor):
-                raise KeyError(StateRef(Kind.OPTIM_STATE, name, key, oi))
+                raise KeyError(captured.inputs[pos][0])
             flat[pos] = local_tensor_of(value)  # type: ignore[arg-type]
     for pos, name in plan.padded:
         flat[pos] = _pad_rows(

@@ -94,9 +94,11 @@ def test_memo_keeps_a_state_part_only_while_its_tensors_stay() -> None:
     first = _bindings(model, opt).static_key(memo)
     assert first == _bindings(model, opt).static_key()  # the memo changes no key
     state = opt.state[model.shared.weight]
-    assert memo.start().get(state) is not None  # kept: the same tensors
+    memo.start()
+    assert memo.get(state) is not None  # kept: the same tensors
     memo.start()  # a walk that did not meet it: dropped from the memo
-    assert memo.start().get(state) is None
+    memo.start()
+    assert memo.get(state) is None
     _bindings(model, opt).static_key(memo)
     # a state tensor replaced by one of another shape under the same key: read afresh
     state["exp_avg"] = torch.zeros(3)
