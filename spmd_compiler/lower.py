@@ -75,7 +75,17 @@ from .leading_reductions import (
 from .progress import compile_progress
 from .reduction_aliasing import bucket_part_read_elsewhere
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
-from .state_donation import Donating, Pairs, donatable, donate, donation_pairs, not_read_by
+from .state_donation import (
+    WRITES,
+    Donating,
+    Pairs,
+    StateWrites,
+    donatable,
+    donate,
+    donate_in_order,
+    donation_pairs,
+    not_read_by,
+)
 
 log = logging.getLogger("spmd_compiler.lower")
 
@@ -190,6 +200,11 @@ class LoweredGraph:
     _leading: LeadingSplit | None = None
     _prepared: bool = False
     _early_compiled: Callable[..., Sequence[torch.Tensor]] | None = None
+    # the interpreted program, whole (False) or after the round (True), donating
+    _interpreted: dict[bool, tuple[Callable[..., Sequence[torch.Tensor]], StateWrites | None]] = (
+        field(default_factory=dict)
+    )
+    _writes: StateWrites | None = None  # the last interpreted call's, if it donates
 
     def __call__(
         self, flat: list[torch.Tensor], simulated: bool, opened: Sequence[torch.Tensor] = ()
@@ -199,11 +214,31 @@ class LoweredGraph:
         then what ``early`` returned (NOTE: [reductions that ride the input check])."""
         cut = not simulated and self._leading is not None
         if simulated or self._eager(flat):
-            gm = self._leading.main if cut else self.graph_module  # type: ignore[union-attr]
-            return list(gm(*flat, *opened))
+            return self._interpret(flat, opened, cut)
         if self._compiled is None:
             return self._lower_and_run(flat, opened)
         return list(self._compiled(*flat, *opened, *self._constants))
+
+    def _interpret(
+        self, flat: list[torch.Tensor], opened: Sequence[torch.Tensor], cut: bool
+    ) -> list[torch.Tensor]:
+        """Run the program (``main`` after the input check's round when ``cut``) op by op,
+        updating the donated state in place (NOTE: [interpreted programs update state in
+        place]); prepared on the first call, whose inputs say what may be donated."""
+        prepared = self._interpreted.get(cut)
+        if prepared is None:
+            gm = copy.deepcopy(self._leading.main if cut else self.graph_module)  # type: ignore[union-attr]
+            outputs = len(output_args(gm))
+            pairs = donate_in_order(gm, self.donations, [*flat, *opened])
+            run = Donating(gm, pairs, outputs) if pairs else gm
+            prepared = self._interpreted[cut] = (run, getattr(gm, WRITES, None))
+        run, self._writes = prepared
+        if self._writes is not None:
+            self._writes.began = False
+        out = list(run(*flat, *opened))
+        if self._writes is not None:
+            self._writes.began = False  # a later failure before the program runs: intact
+        return out
 
     @property
     def _cache_dir(self) -> str | None:
@@ -251,9 +286,11 @@ class LoweredGraph:
 
     @property
     def updates_in_place(self) -> bool:
-        """Whether the lowered program writes some state into its inputs (NOTE: [state
-        donation]): a failure part-way may leave part of the update there."""
-        return bool(self._donated)
+        """Whether the last call may have written part of its update into the state: the
+        lowered program writes some state into its inputs (NOTE: [state donation]), or the
+        interpreted one had begun to (NOTE: [interpreted programs update state in
+        place])."""
+        return bool(self._donated) or (self._writes is not None and self._writes.began)
 
     def _lower_and_run(self, flat: list[torch.Tensor], opened: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Lower the program on its first call and run it. Whole-graph: compile, then run.

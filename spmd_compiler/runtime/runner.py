@@ -482,8 +482,9 @@ def _run(
             "applied either." if deferred else ""
         )
         state = (
-            "The lowered program updates parameters and optimizer state in place: they may "
-            "hold part of this step's update; restore them from a checkpoint."
+            "The program updates parameters and optimizer state in place and may have "
+            "begun to: they may hold part of this step's update; restore them from a "
+            "checkpoint."
             if lowered.updates_in_place
             else "The model and optimizer hold the state of the last completed step."
         )

@@ -166,3 +166,22 @@ def test_parity_with_and_without_fusion(setup, max_ratio):
     assert ops(off.graph, "_foreach_") == []
     assert len(ops(on.graph, "_foreach_")) > 0
     assert len(_optimizer_ops(on)) < len(_optimizer_ops(off)) * max_ratio
+
+
+def test_a_group_reading_only_inputs_stays_where_its_members_were():
+    # a weight decay, p * c, reads graph inputs alone: fused at its inputs it would run
+    # before the forward and its results be held through it (NOTE: [foreach fusion])
+    t = TinyGraph()
+    x, p0, p1 = t.input("x", 4, 4), t.input("p0", 4, 4), t.input("p1", 4)
+    y = t.op("y", aten.mm.default, x, p0)
+    d0 = t.op("d0", aten.mul.Tensor, p0, 0.9)
+    d1 = t.op("d1", aten.mul.Tensor, p1, 0.9)
+    for node in (d0, d1):
+        node.meta[PHASE] = OPTIMIZER_PHASE
+    program = t.program(y, d0, d1)
+
+    assert fuse_optimizer_updates(program, SimpleNamespace()) is True
+
+    order = [n.name for n in program.graph.nodes]
+    (fused,) = ops(program.graph, "_foreach_mul")
+    assert order.index(fused.name) > order.index("y")
