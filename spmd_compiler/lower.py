@@ -74,6 +74,7 @@ from .leading_reductions import (
 )
 from .progress import compile_progress
 from .reduction_aliasing import bucket_part_read_elsewhere
+from .reinplace import reinplace
 from .scalar_prologue import WithScalarPrologue, split_scalar_prologue
 from .state_donation import (
     WRITES,
@@ -230,7 +231,10 @@ class LoweredGraph:
             gm = copy.deepcopy(self._leading.main if cut else self.graph_module)  # type: ignore[union-attr]
             outputs = len(output_args(gm))
             pairs = donate_in_order(gm, self.donations, [*flat, *opened])
-            run = Donating(gm, pairs, outputs) if pairs else gm
+            gm, _ = reinplace(gm)  # NOTE: [interpreted programs reuse their temporaries]
+            run: Callable[..., Sequence[torch.Tensor]] = (
+                Donating(gm, pairs, outputs) if pairs else gm
+            )
             prepared = self._interpreted[cut] = (run, getattr(gm, WRITES, None))
         run, self._writes = prepared
         if self._writes is not None:

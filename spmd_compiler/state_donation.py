@@ -57,11 +57,13 @@ the input instead, so fx frees the value at the copy. State updated early frees 
 value early: AdamW's ``exp_avg`` is written back before ``exp_avg_sq`` is computed, not
 held with every other new tensor until the program returns. Step peak (profiler CPU
 allocation totals, 2 gloo ranks, MLP-512, MiB, before -> after; torch's eager peer in
-brackets): ddp 44.6 -> 32.6 (16.0), fsdp 32.0 / 24.0 -> 28.0 / 20.0 (two ranks;
-18.3 / 14.5), tp 20.7 -> 12.6 (8.0). The rest is the functional optimizer's
-temporaries (a foreach op writes a new list where torch's writes in place) and
-gradients written fresh. A step that fails part-way may now leave part of its update,
-as a lowered one may (the runtime's error says so).
+brackets): ddp 44.6 -> 32.6 (16.0), tp 20.7 -> 12.6 (8.0). The rest was the functional
+optimizer's temporaries (a foreach op writes a new list where torch's writes in place):
+``reinplace.py`` (NOTE: [interpreted programs reuse their temporaries]) takes ddp to 16.6
+and tp to 4.9. Copies wait for the program's last collective: a peer that dies in one
+leaves this rank's state as it was. A ``StateWrites`` call just before the first write
+into the state tells the runtime whether a step that failed may have left part of its
+update there (its error says which).
 """
 
 from __future__ import annotations
@@ -76,7 +78,14 @@ import torch.fx
 
 from . import _torch_private as private
 from .ir.collectives import is_collective, is_wait
-from .ir.graph_utils import output_values, placeholders, returns_alias, set_outputs
+from .ir.graph_utils import (
+    aliases_of,
+    may_return_alias,
+    output_values,
+    placeholders,
+    returns_alias,
+    set_outputs,
+)
 from .ir.signature import Kind
 
 DONATED_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.OPTIM_STATE)
@@ -163,6 +172,7 @@ class StateWrites(torch.nn.Module):
 
 
 WRITES = "state_writes"  # the submodule's name in a program donate_in_order rewrote
+DONATION_COPY = "donation_copy"  # node meta: a copy donate_in_order placed
 
 
 def donate_in_order(
@@ -195,15 +205,16 @@ def donate_in_order(
     copies = []
     for i, j in kept:
         old, new = inputs_of[i], outs[j]
-        readers = [u for v in _aliases_of(old) for u in v.users if u is not output]
+        readers = [u for v in aliases_of(old) for u in v.users if u is not output]
         after = max([new, *readers, *communication[-1:]], key=order.__getitem__)
         with graph.inserting_after(after):
             copy = graph.call_function(torch.ops.aten.copy_.default, (old, new))
+        copy.meta[DONATION_COPY] = True
         copies.append(copy)
         for user in list(new.users):
             if user is copy or user is output or order.get(user, -1) <= order[after]:
                 continue
-            if user.target is operator.getitem or _returns_any_alias(user):
+            if may_return_alias(user):
                 continue  # a view of the new value stays one of the value, not the state
             user.replace_input_with(new, copy)
         order = {n: k for k, n in enumerate(graph.nodes)}
@@ -215,27 +226,6 @@ def donate_in_order(
     graph.lint()
     gm.recompile()
     return kept
-
-
-def _aliases_of(root: torch.fx.Node) -> set[torch.fx.Node]:
-    """``root`` and every node that may share memory with it: a getitem, or an op whose
-    schema says a result aliases an argument, of one of them."""
-    seen = {root}
-    todo = [root]
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user not in seen and (user.target is operator.getitem or _returns_any_alias(user)):
-                seen.add(user)
-                todo.append(user)
-    return seen
-
-
-def _returns_any_alias(node: torch.fx.Node) -> bool:
-    if returns_alias(node):
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def not_read_by(

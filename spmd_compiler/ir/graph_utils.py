@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -9,6 +10,7 @@ import torch
 import torch.fx
 
 from .. import _torch_private as private
+from .collectives import is_wait
 from .node_meta import MODULE_FQN, ORIGIN, PHASE, USER_LINE
 
 # node.meta keys that follow a value when a graph is re-traced node by node.
@@ -140,6 +142,31 @@ def returns_alias(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     returns = list(schema.returns) if schema is not None else []
     return bool(returns) and returns[0].alias_info is not None
+
+
+def may_return_alias(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s result may share memory with one of its arguments: its schema
+    says a result aliases an argument (views, ops that write in place), ``_unsafe_view``,
+    a ``getitem``, or a collective's ``wait_tensor`` (which hands back its input)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem or returns_alias(node) or is_wait(node):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def aliases_of(root: torch.fx.Node) -> set[torch.fx.Node]:
+    """``root`` and every node that may share its memory: those ``may_return_alias`` says
+    do, of ``root`` or of one of them, transitively."""
+    seen = {root}
+    todo = [root]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen and may_return_alias(user):
+                seen.add(user)
+                todo.append(user)
+    return seen
 
 
 def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:

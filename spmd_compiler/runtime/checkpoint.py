@@ -202,10 +202,17 @@ def _load_simulated(folder: str, state: dict[str, Any], sim: Simulation) -> dict
     return pytree.tree_map(reshard, state, full)
 
 
+def _copied(state: Any) -> Any:
+    return pytree.tree_map(
+        lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, state
+    )
+
+
 def full_state_dict(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any]:
-    """The unsharded state as plain CPU tensors on rank 0 (``{}`` on other ranks), for export.
+    """The unsharded state as plain CPU tensors on rank 0 (``{}`` on other ranks), for export:
+    copies, which later steps do not change.
 
     A collective: every rank must call it. The result is ``{"model": ..., "optimizer":
     ...}`` with the layout of NOTE: [checkpoint layout]; ``torch.save`` it, or load its
@@ -217,7 +224,9 @@ def full_state_dict(
     model_state, optim_state = get_state_dict(model, optimizers, options=options)
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
-    out: dict[str, Any] = {MODEL_KEY: model_state}
+    # copies: a replicated tensor's full value on CPU is the live state itself, which the
+    # next step updates in place (NOTE: [state donation])
+    out: dict[str, Any] = {MODEL_KEY: _copied(model_state)}
     if optimizer is not None:
-        out[OPTIMIZER_KEY] = optim_state
+        out[OPTIMIZER_KEY] = _copied(optim_state)
     return out

@@ -50,21 +50,29 @@ def full_value(t: Any, sim: Simulation | None) -> Any:
 def full_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sim: Simulation | None
 ) -> dict[str, torch.Tensor]:
-    """Every parameter, buffer and optimizer-state tensor, full and on CPU, by name.
+    """Every parameter, buffer and optimizer-state tensor, full and on CPU, by name: copies,
+    which later steps do not change.
 
     Optimizer state is keyed ``optim.g{group}.p{index}.{key}`` (position in the param
     groups), so that two optimizers over two copies of a model line up.
     """
     out: dict[str, torch.Tensor] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        out[f"param.{name}"] = full_value(t, sim).detach().cpu()
+        out[f"param.{name}"] = _snapshot(full_value(t, sim))
     if optimizer is not None:
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 for key, value in sorted(optimizer.state.get(p, {}).items()):
                     if isinstance(value, torch.Tensor):
-                        out[f"optim.g{gi}.p{pi}.{key}"] = full_value(value, sim).detach().cpu()
+                        out[f"optim.g{gi}.p{pi}.{key}"] = _snapshot(full_value(value, sim))
     return out
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` that later steps leave alone: they update state in place (NOTE:
+    [interpreted programs update state in place]), and ``.cpu()`` of a CPU tensor, like a
+    replicated DTensor's full tensor, is the tensor itself."""
+    return t.detach().to("cpu", copy=True)
 
 
 def compare_states(
