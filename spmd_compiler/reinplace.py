@@ -19,7 +19,8 @@ argument (each element of it for a foreach op):
   an op returning views), or a donated state input (one ``donate_in_order`` copies a new
   value into), or a tensor an earlier rewrite wrote into one of those;
 - is read by nothing after the op, through any alias (views, getitems, the results of
-  ops that write in place), and is not returned;
+  ops that write in place), and is not returned; a collective reads its input until its
+  wait (an all-gather sends its input while in flight);
 - has the op's result's shape and dtype (no broadcasting into it, no type promotion),
   float32 or float64 (in 16-bit floats a CPU in-place kernel may round otherwise:
   ``aten.mul_.Scalar`` and ``aten._foreach_mul_.Scalar`` round the scalar to bfloat16
@@ -197,6 +198,8 @@ def _writable(
     memory, readers = _memory(owner)
     if any(r.op == "output" or order[r] > order[node] for r in readers if r is not node):
         return None
+    if any(r.kwargs.get("non_blocking") for r in readers):
+        return None  # a copy that may still be reading when the op writes
     # the op reads its own element only where it writes it (NOTE: [interpreted programs
     # reuse their temporaries])
     for arg in [*node.args[1:], *node.kwargs.values()]:
@@ -220,6 +223,10 @@ def _memory(owner: _Node) -> tuple[set[_Node], set[_Node]]:
             if user.meta.get(DONATION_COPY) and user.args[0] is node:
                 continue
             readers.add(user)
+            if is_collective(user):
+                # a collective reads its input until its wait (an all-gather's or a
+                # reduce-scatter's input is sent while it is in flight)
+                readers.update(u for u in user.users if is_wait(u))
             if user not in memory and may_return_alias(user):
                 memory.add(user)
                 todo.append(user)

@@ -174,3 +174,22 @@ def test_sixteen_bit_tensors_and_matrix_products_are_left_alone():
         n.target for n in gm.graph.nodes if n.meta.get("val") is not None
         and getattr(n.meta["val"], "dtype", None) == torch.bfloat16
     ]
+
+
+def test_a_collectives_input_is_not_written_before_its_wait():
+    from collective_pass_harness import TinyGraph
+
+    t = TinyGraph(world_size=2)
+    a = t.input("a", 4, 3)
+    x = t.op("x", aten.mul.Tensor, a, 2.0)
+    gathered = t.all_gather("ag", x)  # sends x until its wait
+    y = t.op("y", aten.add.Tensor, x, 1.0)  # x's last reader but the collective ...
+    gathered.prepend(y)  # ... placed before the wait: y may not take x's memory
+    z = t.op("z", aten.mul.Tensor, y, 3.0)  # y is free after this: z may take it
+    gm = t.program(z, gathered).graph_module
+
+    gm, _ = reinplace(gm)
+
+    targets = {n.name: n.target for n in gm.graph.nodes}
+    assert targets["y"] is aten.add.Tensor
+    assert targets["z"] is aten.mul_.Tensor
