@@ -200,7 +200,7 @@ def donate_in_order(
     inputs_of = placeholders(gm)
     output = graph.output_node()
     outs = output_values(output)
-    order = {n: k for k, n in enumerate(graph.nodes)}
+    order: dict[torch.fx.Node, float] = {n: k for k, n in enumerate(graph.nodes)}
     communication = [n for n in graph.nodes if is_collective(n) or is_wait(n)]
     copies = []
     for i, j in kept:
@@ -211,13 +211,15 @@ def donate_in_order(
             copy = graph.call_function(torch.ops.aten.copy_.default, (old, new))
         copy.meta[DONATION_COPY] = True
         copies.append(copy)
+        # its position: between ``after`` and the node that followed it (not counted
+        # again for every pair: that made this quadratic in the program's size)
+        order[copy] = (order[after] + order[copy.next]) / 2
         for user in list(new.users):
             if user is copy or user is output or order.get(user, -1) <= order[after]:
                 continue
             if may_return_alias(user):
                 continue  # a view of the new value stays one of the value, not the state
             user.replace_input_with(new, copy)
-        order = {n: k for k, n in enumerate(graph.nodes)}
     gm.add_submodule(WRITES, StateWrites())
     with graph.inserting_before(min(copies, key=order.__getitem__)):
         graph.call_module(WRITES, ())
