@@ -39,11 +39,11 @@ fi
 # took 155 s; every run at once did not finish in 470 s; a run starts only while that much
 # is left; RUNS: the lowering benchmark's --runs, comma-separated, default all of them).
 # lowering: python -m benchmarks.lowering; profile: python -m benchmarks.gpu_profile.
-# The default order is what the 2026-11-27 calls left open: gpt-8x512's fsdp run and its
-# back-to-back figure again (windowed now), then gpt-12x768.
-BIG="torch_compile_1dev,torch_ddp,compiled_ddp@inductor,torch_fsdp2,compiled_fsdp@inductor"
-DEFAULT_RUNS="lowering:gpt-8x512:330:$BIG"
-DEFAULT_RUNS="$DEFAULT_RUNS lowering:gpt-12x768:420:torch_compile_1dev,torch_ddp,compiled_ddp@inductor"
+# The default order is what the fourth call (2026-11-27) left open: why gpt-8x512's
+# synchronized step is 1.19x torch.compile's (a step profile: eager, torch.compile and
+# compiled ddp, each timed and profiled), then gpt-12x768's fsdp runs.
+DEFAULT_RUNS="profile:gpt-8x512:240"
+DEFAULT_RUNS="$DEFAULT_RUNS lowering:gpt-12x768:300:torch_fsdp2,compiled_fsdp@inductor"
 for spec in ${GPU_CHECK_RUNS:-$DEFAULT_RUNS}; do
   IFS=: read -r kind model need runs <<<"$spec"
   runs=${runs:-${GPU_CHECK_LOWERING_RUNS:-}}
