@@ -89,7 +89,7 @@ def inplace_variant(target: Any) -> Any:
     name = target.overloadpacket.__name__
     if not (torch.Tag.pointwise in target.tags or name in FOREACH_ELEMENTWISE):
         return None
-    packet = getattr(getattr(torch.ops, target.namespace), target.overloadpacket.__name__ + "_", None)
+    packet = getattr(getattr(torch.ops, target.namespace), name + "_", None)
     variant = getattr(packet, target._overloadname, None) if packet is not None else None
     if variant is None:
         return None

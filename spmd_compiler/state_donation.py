@@ -153,9 +153,14 @@ def donate(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor
         if outs[j] is not inputs_of[i]:
             with graph.inserting_before(output):
                 graph.call_function(torch.ops.aten.copy_.default, (inputs_of[i], outs[j]))
+    return _drop_donated_outputs(gm, outs, kept)
+
+
+def _drop_donated_outputs(gm: torch.fx.GraphModule, outs: list[Any], kept: Pairs) -> Pairs:
+    """``gm`` without the outputs of ``kept`` (their inputs now hold them), recompiled."""
     dropped = {j for _, j in kept}
     set_outputs(gm, [o for j, o in enumerate(outs) if j not in dropped])
-    graph.lint()
+    gm.graph.lint()
     gm.recompile()
     return kept
 
@@ -190,16 +195,13 @@ def donate_in_order(
     memory, ``donatable``), and the program's last collective or wait. Nodes after the
     copy that read the new value read the input instead, so the value dies there; the
     value leaves the outputs."""
-    kept = tuple(
-        (i, j) for i, j in donatable(gm, pairs, inputs)
-        if _viewed_input(output_values(gm.graph.output_node())[j]) is None
-    )
-    if not kept:
-        return ()
     graph = gm.graph
-    inputs_of = placeholders(gm)
     output = graph.output_node()
     outs = output_values(output)
+    kept = tuple((i, j) for i, j in donatable(gm, pairs, inputs) if _viewed_input(outs[j]) is None)
+    if not kept:
+        return ()
+    inputs_of = placeholders(gm)
     order: dict[torch.fx.Node, float] = {n: k for k, n in enumerate(graph.nodes)}
     communication = [n for n in graph.nodes if is_collective(n) or is_wait(n)]
     copies = []
@@ -223,11 +225,7 @@ def donate_in_order(
     gm.add_submodule(WRITES, StateWrites())
     with graph.inserting_before(min(copies, key=order.__getitem__)):
         graph.call_module(WRITES, ())
-    dropped = {j for _, j in kept}
-    set_outputs(gm, [o for j, o in enumerate(outs) if j not in dropped])
-    graph.lint()
-    gm.recompile()
-    return kept
+    return _drop_donated_outputs(gm, outs, kept)
 
 
 def not_read_by(
