@@ -37,7 +37,8 @@ fi
 # needs, estimated from the H200 calls of 2026-11-27: on gpt-8x512 each compiled Inductor
 # run costs ~90 s of compile (capture ~17, lowering ~74), torch.compile ~30 s, and three runs
 # took 155 s; every run at once did not finish in 470 s; a run starts only while that much
-# is left; RUNS: the lowering benchmark's --runs, comma-separated, default all of them).
+# is left; RUNS: the lowering benchmark's or the profile's --runs, comma-separated, default
+# all of them).
 # lowering: python -m benchmarks.lowering; profile: python -m benchmarks.gpu_profile.
 # The default order is what the fourth call (2026-11-27) left open: why gpt-8x512's
 # synchronized step is 1.19x torch.compile's (a step profile: eager, torch.compile and
@@ -54,7 +55,7 @@ for spec in ${GPU_CHECK_RUNS:-$DEFAULT_RUNS}; do
   echo "== $kind $model ($(left) s left)"
   if [ "$kind" = profile ]; then
     timeout "$(left)" $PY -m benchmarks.gpu_profile --device cuda --case "$model" \
-      --out "$OUT/profile_$model"
+      ${runs:+--runs "$runs"} --out "$OUT/profile_$model"
   else
     timeout "$(left)" $PY -m benchmarks.lowering --device cuda --cases "$model" \
       ${runs:+--runs "$runs"} --out "$OUT/${kind}_$model"

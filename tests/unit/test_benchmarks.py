@@ -190,9 +190,22 @@ def test_gpu_profile_code_path_on_cpu(tmp_path) -> None:
     # a run that fails is recorded, and the runs after it still measured
     assert "unknown run" in data["runs"].pop("no_such_run")["error"]
     for r in data["runs"].values():
-        assert r["wall_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
+        assert r["wall_ms"] > 0 and r["back_to_back_ms"] > 0 and r["kernels_per_step"] > 0 and r["top"]
         assert r["busy_ms"] is None and r["idle_fraction"] is None
+        assert r["timeline"]["wall_ms"] > 0 and "device_busy_ms" not in r["timeline"]
+    # the interpreted program calls no compiled graph; its ops are the step's host calls
+    assert data["runs"]["compiled_ddp"]["timeline"]["graph_calls"] == 0
+    assert data["runs"]["compiled_ddp"]["host_calls"]
     assert "| compiled_ddp |" in out.with_suffix(".md").read_text()
+    assert not out.with_suffix(".partial.json").exists()  # only while runs are left
+
+
+def test_gpu_profile_union_of_kernel_spans() -> None:
+    """Device busy time counts overlapping kernels once; the gaps are what lies between."""
+    from benchmarks.gpu_profile import _union_us
+
+    busy, gaps = _union_us([(10.0, 20.0), (0.0, 5.0), (15.0, 25.0), (40.0, 41.0)])
+    assert busy == 5 + 15 + 1 and gaps == [5.0, 15.0]
 
 
 @pytest.mark.dist  # starts two gloo ranks
