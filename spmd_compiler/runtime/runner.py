@@ -30,6 +30,7 @@ from ..errors import SPMDCompileError, SPMDRuntimeError, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import Kind, StateRef, TensorMeta, ValueCheck, contiguous_stride
 from ..lower import Executable, LoweredGraph
+from ..state_donation import donation_pairs
 from .eager_calls import guard_direct_calls
 from .faults import attribution
 from .same_inputs import InputAgreement
@@ -206,7 +207,8 @@ def run_program(
     captured = program.captured
     plan = program.deferred
     graph = lowered.for_call(carry is not None)
-    flat = _feed(program, feed or FeedPlan.of(program), bindings, tensor_args, sim, hyperparams)
+    feed = feed or FeedPlan.of(program)
+    flat = _feed(program, feed, bindings, tensor_args, sim, hyperparams)
     if sim is not None:
         flat = [sim.per_rank_tensor(t) for t in flat]
     flat += carry or []
@@ -223,7 +225,10 @@ def run_program(
         outs, next_carry = outs[: len(outs) - plan.carry_count], outs[len(outs) - plan.carry_count :]
     if captured.checks:
         _verify_checks(program, outs, sim)
-    returned = _write_back(program, bindings, outs, sim)
+    # state handed back as the very tensor fed is already in place: nothing to swap
+    # (a simulated rank's inputs are per-rank copies: never the same object)
+    unchanged = {j for i, j in feed.passthrough if outs[j] is flat[i]}
+    returned = _write_back(program, bindings, outs, sim, unchanged=unchanged)
     for kept in captured.kept:  # NOTE: [tensors the step keeps]
         kept.write(bindings, returned[kept.index])
     leaves = [
@@ -270,6 +275,9 @@ class FeedPlan:
     optim: tuple[tuple[int, str, tuple[tuple[int, str], ...]], ...]
     other: tuple[int, ...]
     padded: tuple[tuple[int, str], ...]
+    # (input, output) positions of the state the program may hand back as it was fed,
+    # updated in place (NOTE: [state donation]); write-back skips those it did
+    passthrough: tuple[tuple[int, int], ...] = ()
 
     @staticmethod
     def of(program: DistributedProgram) -> FeedPlan:
@@ -289,7 +297,7 @@ class FeedPlan:
         return FeedPlan(
             len(program.captured.inputs), tuple(params), tuple(buffers),
             tuple((oi, name, tuple(slots)) for (oi, name), slots in optim.items()),
-            tuple(other), tuple(padded),
+            tuple(other), tuple(padded), donation_pairs(program),
         )
 
 
@@ -516,9 +524,12 @@ def _write_back(
     outs: list[torch.Tensor],
     sim: Simulation | None,
     positions: tuple[int, ...] | None = None,
+    unchanged: set[int] | frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Install the program's outputs (or, with ``positions``, those outputs only: the
-    ``finish`` program's) as the new state; returns the step's returned tensors."""
+    ``finish`` program's) as the new state; returns the step's returned tensors. The
+    outputs at ``unchanged`` are state tensors the program updated in place, already the
+    state's local tensors: left as they are."""
     captured = program.captured
     mesh = program.mesh
     returned: list[Any] = []
@@ -531,6 +542,8 @@ def _write_back(
     padded = bool(program.padded)
     set_local_tensor = private.set_local_tensor
     for j, value in zip(positions, outs, strict=True):
+        if j in unchanged:
+            continue
         ref, meta, placements = captured.outputs[j], captured.output_metas[j], program.output_placements[j]
         if padded and program.pads(ref):
             value, meta = _unpad_rows(

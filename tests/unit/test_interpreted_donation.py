@@ -153,3 +153,45 @@ def test_copies_follow_the_last_wait_and_a_failure_before_them_leaves_the_state(
     with pytest.raises(RuntimeError, match="a peer died"):
         lowered(list(args), simulated=True)
     assert lowered.updates_in_place
+
+
+def test_write_back_leaves_state_updated_in_place_alone(tmp_path, monkeypatch):
+    """On a real rank the program hands each state tensor it updated in place back as the
+    very tensor it was fed: write-back swaps nothing for it (the step's host work), and
+    the model still trains as the eager step does."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import spmd_compiler as sc
+    from spmd_compiler import _torch_private as private
+    from spmd_compiler.parallel_modes import DataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        def step(model, optim, x, y):
+            F.cross_entropy(model(x), y).backward()
+            optim.step()
+            optim.zero_grad()
+
+        compiled = sc.compile(parallel_mode=DataParallel("replicate"), backend="eager")(step)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+        reference = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+        reference.load_state_dict(model.state_dict())
+        optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+        ref_optim = torch.optim.AdamW(reference.parameters(), lr=0.05)
+        batches = [(torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))) for _ in range(4)]
+        swaps: list[object] = []
+        real_set = private.set_local_tensor
+        for k, (x, y) in enumerate(batches):
+            if k == 3:  # a steady call: state installed, the program prepared
+                monkeypatch.setattr(private, "set_local_tensor", lambda d, v: swaps.append(d) or real_set(d, v))
+                locals_before = [private.local_tensor_of(p) for p in model.parameters()]
+            compiled(model, optim, x, y)
+            step(reference, ref_optim, x, y)
+        assert swaps == []
+        assert all(private.local_tensor_of(p) is q for p, q in zip(model.parameters(), locals_before, strict=True))
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.full_tensor(), q, rtol=1e-12, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
