@@ -40,10 +40,11 @@ fi
 # is left; RUNS: the lowering benchmark's or the profile's --runs, comma-separated, default
 # all of them).
 # lowering: python -m benchmarks.lowering; profile: python -m benchmarks.gpu_profile.
-# The default order is what the fourth call (2026-11-27) left open: why gpt-8x512's
-# synchronized step is 1.19x torch.compile's (a step profile: eager, torch.compile and
-# compiled ddp, each timed and profiled), then gpt-12x768's fsdp runs.
-DEFAULT_RUNS="profile:gpt-8x512:240"
+# The default order is what the fifth call (2026-11-27, 27th session) left open: it found
+# gpt-8x512 launch bound (5.6 ms of kernels in a 16-24 ms step) and cuda_graphs=True at
+# 8.32 ms against torch.compile's reduce-overhead 6.48 (two machine starts); so the larger
+# GPT with CUDA graphs on both sides in one process, then gpt-12x768's fsdp runs.
+DEFAULT_RUNS="lowering:gpt-12x768:300:torch_compile_1dev+cudagraphs,compiled_ddp@inductor+cudagraphs"
 DEFAULT_RUNS="$DEFAULT_RUNS lowering:gpt-12x768:300:torch_fsdp2,compiled_fsdp@inductor"
 for spec in ${GPU_CHECK_RUNS:-$DEFAULT_RUNS}; do
   IFS=: read -r kind model need runs <<<"$spec"
