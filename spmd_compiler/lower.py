@@ -228,10 +228,18 @@ class LoweredGraph:
         place]); prepared on the first call, whose inputs say what may be donated."""
         prepared = self._interpreted.get(cut)
         if prepared is None:
-            gm = copy.deepcopy(self._leading.main if cut else self.graph_module)  # type: ignore[union-attr]
-            outputs = len(output_args(gm))
-            pairs = donate_in_order(gm, self.donations, [*flat, *opened])
-            gm, _ = reinplace(gm)  # NOTE: [interpreted programs reuse their temporaries]
+            source = self._leading.main if cut else self.graph_module  # type: ignore[union-attr]
+            outputs = len(output_args(source))
+            made: list[Pairs] = []
+
+            def donating() -> torch.fx.GraphModule:
+                gm = copy.deepcopy(source)
+                made.append(donate_in_order(gm, self.donations, [*flat, *opened]))
+                return gm
+
+            # NOTE: [interpreted programs reuse their temporaries]; a retry starts afresh
+            gm, _ = reinplace(donating(), donating)
+            pairs = made[-1]
             run: Callable[..., Sequence[torch.Tensor]] = (
                 Donating(gm, pairs, outputs) if pairs else gm
             )

@@ -193,3 +193,39 @@ def test_a_collectives_input_is_not_written_before_its_wait():
     targets = {n.name: n.target for n in gm.graph.nodes}
     assert targets["y"] is aten.add.Tensor
     assert targets["z"] is aten.mul_.Tensor
+
+
+def test_a_state_whose_writes_miss_its_new_value_is_retried_from_a_fresh_program():
+    """``d = w * 0.5`` could be written into w (nothing reads w after it), but w's new
+    value is another tensor: the rewrite is tried again without w. Given ``fresh``, the
+    first try rewrites the program itself and the retry starts from a fresh one (no deep
+    copy when the first try holds); without it the given program stays as it was."""
+
+    def step(x, w):
+        d = w * 0.5
+        w2 = x * 2.0
+        return d.sum(), w2
+
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.rand(3, generator=gen, dtype=torch.float64) for _ in range(2)]
+    want = make_fx(step)(*[a.clone() for a in args])(*[a.clone() for a in args])
+    made = []
+
+    def fresh():
+        gm = make_fx(step)(*args)
+        made.append((gm, donate_in_order(gm, ((1, 1),), args)))
+        return gm
+
+    first = fresh()
+    gm, count = reinplace(first, fresh)
+    assert len(made) == 2 and gm is made[-1][0]  # one retry, from the fresh program
+    assert aten.mul_.Tensor not in _targets(gm) and aten.mul_.Scalar not in _targets(gm)
+    got = Donating(gm, made[-1][1], 2)(*args)
+    _same(got, want)
+    assert got[1] is args[1]
+
+    untouched = make_fx(step)(*args)
+    donate_in_order(untouched, ((1, 1),), args)
+    before = [n.target for n in untouched.graph.nodes]
+    reinplace(untouched)
+    assert [n.target for n in untouched.graph.nodes] == before
