@@ -167,7 +167,8 @@ def compile_breakdown(step) -> dict[str, Any]:
 
 def _result(step, losses: list[float], state: dict[str, torch.Tensor]) -> dict[str, Any]:
     stats = collective_stats(step.last_program.graph_module)
-    steady = step.timings.step_seconds[2:] or step.timings.step_seconds
+    seconds = list(step.timings.step_seconds)
+    steady = seconds[2:] or seconds
     return {
         "losses": losses,
         "state": state,
