@@ -252,6 +252,7 @@ class CompiledTrainStep:
         # the latest call's key again (the steady state): its entries without hashing the
         # key (a tuple's hash is not kept; ~300 parts on an 8-layer GPT, 13-28 us), after
         # an equality test whose parts are mostly the very objects (``StateKeyMemo``)
+        entries: list[tuple[Guards, StepExecutable]] | None
         if self._last_entries is not None and key == self._last_key:
             entries = self._last_entries
         else:
