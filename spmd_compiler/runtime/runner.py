@@ -267,7 +267,10 @@ def run_program(
 # dtype) is kept while the dict holds the same tensor objects (``StateKeyMemo``): the
 # runtime only swaps a DTensor's local tensor, which keeps both, and anything else that
 # changes the state puts new objects there. Everything else the key holds is read every
-# call.
+# call. Write-back skips the state a program updated in place (handed back as the very
+# tensor it was fed, ``FeedPlan.passthrough``), and the walks test ``isinstance(x,
+# DTensor)`` before ``isinstance(x, torch.Tensor)`` (105 against 13 ns for a subclass):
+# 836 -> 603 us a call on the 8-layer GPT with the key's cache shortcut in ``api.py``.
 
 @dataclass(frozen=True)
 class FeedPlan:
