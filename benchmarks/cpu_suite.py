@@ -17,6 +17,7 @@ batches on a GPU, and the timing then synchronizes the device.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
@@ -177,16 +179,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Seconds of one step, from a barrier (and an idle device) to its finished update."""
+def timed_step(run: Run, x: torch.Tensor, y: torch.Tensor, mark: str | None = None) -> float:
+    """Seconds of one step, from a barrier (and an idle device) to its finished update.
+    ``mark``: the timed part runs in a profiler range of that name."""
     args = run.local(x, y)
     dist.barrier()
     synchronize(x.device)
     start = time.perf_counter()
-    loss = run.step(run.wrapper, run.optim, *args)
-    loss = loss.detach()
-    float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-    synchronize(x.device)
+    with record_function(mark) if mark is not None else contextlib.nullcontext():
+        loss = run.step(run.wrapper, run.optim, *args)
+        loss = loss.detach()
+        float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+        synchronize(x.device)
     return time.perf_counter() - start
 
 

@@ -27,13 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 import spmd_compiler as sc
 
-from .cpu_suite import FLOOR, Run, build_run, pipelined_step_seconds, synchronize, timed_step
+from .cpu_suite import FLOOR, build_run, pipelined_step_seconds, timed_step
 from .cuda_suite import device_record
 from .models import CPU_CASES, CUDA_CASES, Case, global_batches
 from .report import write_json_md
@@ -48,18 +46,6 @@ TIMELINE_COLUMNS = (
     "first_kernel_ms", "device_busy_ms", "device_gaps_ms", "device_gaps_over_20us_ms",
     "device_done_to_end_ms",
 )
-
-
-def _marked_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
-    """``timed_step`` with its timed part in a profiler range, so the profile can be cut
-    into steps."""
-    args = run.local(x, y)
-    dist.barrier()
-    synchronize(x.device)
-    with record_function(STEP_MARK):
-        loss = run.step(run.wrapper, run.optim, *args).detach()
-        float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-        synchronize(x.device)
 
 
 def _is_kernel(e: Any) -> bool:
@@ -124,13 +110,14 @@ def _timeline(events: Any, on_cuda: bool) -> tuple[dict[str, float], list[dict[s
     kernels = sorted(
         (e.time_range.start, e.time_range.end) for e in events if on_cuda and _is_kernel(e)
     )
-    rows: dict[str, list[float]] = {}
+    rows: dict[str, list[float]] = {}  # microseconds per step
+    calls: list[int] = []  # compiled graphs called per step
     children: dict[str, list[float]] = {}
     for step in steps:
         s0, s1 = step.time_range.start, step.time_range.end
         gs = [g for g in graphs if s0 <= g[0] < s1]
         ks = [k for k in kernels if s0 <= k[0] < s1]
-        row = {"wall": s1 - s0, "graph_calls": 1e3 * len(gs)}
+        row = {"wall": s1 - s0}
         if gs:
             row |= {
                 "host_before_graphs": gs[0][0] - s0,
@@ -148,14 +135,14 @@ def _timeline(events: Any, on_cuda: bool) -> tuple[dict[str, float], list[dict[s
             }
         for k, v in row.items():
             rows.setdefault(k, []).append(v)
+        calls.append(len(gs))
         for child in step.cpu_children:
             entry = children.setdefault(child.name, [0.0, 0.0])
             entry[0] += 1
             entry[1] += child.time_range.end - child.time_range.start
-    timeline = {
-        k if k == "graph_calls" else f"{k}_ms": statistics.median(vs) / 1e3
-        for k, vs in rows.items()
-    }
+    timeline = {f"{k}_ms": statistics.median(vs) / 1e3 for k, vs in rows.items()}
+    if calls:
+        timeline["graph_calls"] = statistics.median(calls)
     n = max(1, len(steps))
     ranked = sorted(children.items(), key=lambda item: -item[1][1])
     called = [{"name": name, "calls": c / n, "ms": us / n / 1e3} for name, (c, us) in ranked]
@@ -183,7 +170,7 @@ def profile_runs(
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
             with profile(activities=activities) as prof:
                 for x, y in data[warmup + steps :]:
-                    _marked_step(run, x, y)
+                    timed_step(run, x, y, mark=STEP_MARK)
         except Exception as exc:  # one failing run must not cost the others' figures
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             print(f"gpu_profile: {case.name} {name} failed: {out[name]['error'][:300]}", flush=True)
