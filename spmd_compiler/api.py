@@ -218,9 +218,14 @@ class CompiledTrainStep:
         mesh: DeviceMesh, decisions: tuple[tuple[bool, str], ...],
     ) -> StepExecutable:
         """The program whose first ``if``s go as ``decisions`` (compiled on first need)."""
-        for guards, executable in self._cache.get(key, []):
+        entries = self._cache.get(key, [])
+        for i, (guards, executable) in enumerate(entries):
             taken = tuple((c.expected, c.raised) for c in executable.program.captured.checks)
-            if taken[: len(decisions)] == decisions and guards.first_change(bindings) is None:
+            if taken[: len(decisions)] != decisions:
+                continue
+            held, change = guards.for_call(bindings)  # NOTE: [guards follow the call's objects]
+            entries[i] = (held, executable)
+            if change is None:
                 return executable
         if len(self._cache.get(key, [])) >= MAX_BRANCH_PROGRAMS:
             raise self._too_many_ways()
@@ -260,8 +265,10 @@ class CompiledTrainStep:
         if not entries:
             return None
         change = None
-        for guards, executable in entries:
-            change = guards.first_change(bindings)
+        for i, (guards, executable) in enumerate(entries):
+            held, change = guards.for_call(bindings)  # NOTE: [guards follow the call's objects]
+            if held is not guards:
+                entries[i] = (held, executable)
             if change is None:
                 return executable
         self._note_recompile(str(change))
@@ -495,8 +502,7 @@ class CompiledTrainStep:
             program = self.disk_cache.load(program_key, captured, mesh)
         if program is None:
             return None
-        guards = build_guards(self.func, bindings, graph_args)
-        return program, guards, time.perf_counter() - start
+        return program, step_guards(self.func, bindings, graph_args), time.perf_counter() - start
 
     def _write_step_entry(
         self, pre_key: str, program_key: str, captured: CapturedStep, bindings: StepBindings,
@@ -542,14 +548,32 @@ class CompiledTrainStep:
         )
         # NOTE: [tensors the step keeps]: the guards see the attributes the step creates
         install_placeholders(captured.kept, bindings, captured.output_metas)
-        skipped = kept_container_ids(captured.kept, bindings)
-        # NOTE: [schedulers stepped in the step]: their state changes every call by design
-        skipped = skipped | {id(bindings.schedulers[s.index]) for s in captured.scheduler_steps}
-        guards = build_guards(self.func, bindings, graph_args, skipped)
-        for outside in captured.outside:  # NOTE: [tensors read from outside the arguments]
-            guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)
+        guards = step_guards(self.func, bindings, graph_args, captured)
         _warn_of_constants_in_arguments(captured.outside)
         return captured, guards
+
+
+def step_guards(
+    func: Callable[..., Any], bindings: StepBindings, graph_args: frozenset[int],
+    captured: CapturedStep | None = None,
+) -> Guards:
+    """The guards of a program compiled from ``func`` (``captured``: the capture that
+    made it, whose kept containers and stepped schedulers are not guarded and whose
+    outside tensors are), able to derive themselves on another call's objects (NOTE:
+    [guards follow the call's objects])."""
+    skipped: frozenset[int] = frozenset()
+    if captured is not None:
+        # NOTE: [tensors the step keeps]; NOTE: [schedulers stepped in the step]: their
+        # containers and state change every call by design
+        skipped = kept_container_ids(captured.kept, bindings) | {
+            id(bindings.schedulers[s.index]) for s in captured.scheduler_steps
+        }
+    guards = build_guards(func, bindings, graph_args, skipped)
+    if captured is not None:
+        for outside in captured.outside:  # NOTE: [tensors read from outside the arguments]
+            guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)
+    guards.rebuild = functools.partial(step_guards, func, graph_args=graph_args, captured=captured)
+    return guards
 
 
 def _warn_of_constants_in_arguments(outside: list[Any]) -> None:

@@ -27,17 +27,35 @@ A check is a loop of dictionary lookups and identity tests (measured on the demo
 the README). A value the trace itself changes (a Python counter in ``forward``) cannot be
 replayed by a compiled program: the step is captured twice and refused if it changes
 again.
+
+NOTE: [guards follow the call's objects]
+A guard reads a container found by walking the call that compiled the program: a
+submodule's ``__dict__``, a config object's, a global namespace, a closure cell. A later
+call may bring other objects: another model instance, a submodule or config object put
+in place of another, a global rebound to a new config object. Reading the first call's
+containers then checks the wrong objects: a model built with ``scale=3.0`` ran the
+program traced with ``scale=1.0``, silently (and the guards kept the first model's
+parameters alive). So the guards also record how the walk reached each container: the
+call's submodules (weakly, in walk order) and every link (a dict entry, a closure cell,
+an argument) through which it descended into an object. A call whose submodules or links
+are other objects derives the guards afresh from its own objects and compares them with
+the program's, value for value and code object for code object: equal, the program runs
+and its guards read the new objects from then on; different, the step compiles anew,
+logged with the first value that differs. Checking the links costs a dictionary lookup
+and an identity test each; the submodules, one identity test each.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import os
 import sys
 import sysconfig
 import types
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +88,17 @@ class Guards:
     names: list[str] = field(default_factory=list)
     # source files of the user code the walk reached (the pre-capture cache key hashes them)
     code_files: set[str] = field(default_factory=set)
+    # how the walk reached the containers (NOTE: [guards follow the call's objects]): the
+    # call's submodules, weakly, in ``StepBindings.submodules`` order; each link
+    # (kind, container, key, object) it descended through; the code objects it walked
+    roots: list[weakref.ref] = field(default_factory=list, repr=False)
+    root_types: list[type] = field(default_factory=list, repr=False)
+    links: list[tuple[int, Any, Any, Any]] = field(default_factory=list, repr=False)
+    codes: list[types.CodeType] = field(default_factory=list, repr=False)
+    # the same guards built from another call's objects (set by whoever built these)
+    rebuild: Callable[[StepBindings], Guards] | None = field(default=None, repr=False)
+    # the environment variables guarded (``add_environment``), kept by a rebuild
+    environment: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     def add(self, kind: int, container: Any, key: Any, expected: Any, name: str) -> None:
         self.entries.append((kind, container, key, _frozen(expected)))
@@ -91,6 +120,59 @@ class Guards:
                 return f"{self.names[k]} was {_show(expected)}, now {_show(value)}"
         return None
 
+    def for_call(self, bindings: StepBindings) -> tuple[Guards, str | None]:
+        """The guards that apply to this call's objects (these, or these derived afresh
+        from other objects: NOTE: [guards follow the call's objects]) and the first
+        guarded value that changed, or None."""
+        if self.same_objects(bindings) or self.rebuild is None:
+            return self, self.first_change(bindings)
+        fresh = self.rebuild(bindings)
+        fresh.add_environment(self.environment)
+        difference = self.difference(fresh)
+        if difference is not None:
+            return self, difference
+        return fresh, fresh.first_change(bindings)
+
+    def same_objects(self, bindings: StepBindings) -> bool:
+        """Whether the call's submodules and every link lead to the objects these guards
+        were built from."""
+        submodules = bindings.submodules
+        if len(submodules) != len(self.roots):
+            return False
+        if not all(map(operator.is_, submodules, [ref() for ref in self.roots])):
+            return False
+        for kind, container, key, obj in self.links:
+            if kind == _DICT:
+                if container.get(key, _MISSING) is not obj:
+                    return False
+            elif kind == _CELL:
+                try:
+                    if container.cell_contents is not obj:
+                        return False
+                except ValueError:
+                    return False
+            elif key >= len(bindings.flat_args) or bindings.flat_args[key] is not obj:  # _ARG
+                return False
+        return True
+
+    def difference(self, other: Guards) -> str | None:
+        """How ``other`` (the same step walked on other objects) differs from these
+        guards: the first value, or the code walked; None when they are the same."""
+        if len(other.codes) != len(self.codes) or not all(map(operator.is_, other.codes, self.codes)):
+            return "the code the step reaches was replaced"
+        if other.root_types != self.root_types:  # nn.Tanh for nn.Sigmoid: no attribute differs
+            return "a submodule of the step is of another class"
+        for k, (name, (_, _, _, expected)) in enumerate(zip(self.names, self.entries, strict=True)):
+            if k >= len(other.entries) or other.names[k] != name:
+                return f"the Python values the step reads changed ({name} is not read the same way)"
+            value = other.entries[k][3]
+            if value is not expected and (type(value) is not type(expected) or value != expected):
+                return f"{name} was {_show(expected)}, now {_show(value)}"
+        if len(other.entries) != len(self.entries):
+            extra = other.names[len(self.entries)]
+            return f"the Python values the step reads changed ({extra} is read as well)"
+        return None
+
     def add_tensor(self, container: Any, key: Any, tensor: Any, version: int, name: str) -> None:
         """``tensor`` must stay at ``container[key]`` (a dict, or a closure cell with key
         None) with its version counter at ``version`` (NOTE: [tensors read from outside
@@ -101,6 +183,7 @@ class Guards:
     def add_environment(self, reads: dict[str, str | None]) -> None:
         """The environment variables the capture read (name -> value, None when unset)
         keep those values (``os.getenv("SCALE")`` in the step: a new value recompiles)."""
+        self.environment.update(reads)
         for name, value in reads.items():
             if name.startswith("<"):  # the whole environment was iterated: no one value
                 continue
@@ -201,6 +284,8 @@ def build_guards(
             [tensors the step keeps]), which change every call by design.
     """
     guards = Guards()
+    guards.roots = [weakref.ref(sub) for sub in bindings.submodules]
+    guards.root_types = [type(sub) for sub in bindings.submodules]
     walker = _Walker(guards, skipped)
     for i, arg in enumerate(bindings.flat_args):
         if isinstance(arg, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
@@ -209,9 +294,11 @@ def build_guards(
             continue
         if is_scalar(arg):
             guards.add(_ARG, None, i, arg, f"argument {i} of the step")
-        elif walker.iterator(arg, f"argument {i} of the step"):
             continue
-        elif hasattr(arg, "__dict__"):
+        guards.links.append((_ARG, None, i, arg))
+        if walker.iterator(arg, f"argument {i} of the step"):
+            continue
+        if hasattr(arg, "__dict__"):
             walker.object_dict(arg, f"argument {i} of the step", OBJECT_DEPTH)
     classes: dict[type, None] = {}
     for mi, mod in enumerate(bindings.modules):
@@ -262,6 +349,12 @@ class _Walker:
                 continue
             self.value_in_dict(d, key, value, f"{name}.{key}", OBJECT_DEPTH)
 
+    def link(self, kind: int, container: Any, key: Any, value: Any) -> None:
+        """The walk goes on into ``value``, found at ``container[key]``: a call that
+        finds another object there derives the guards afresh (NOTE: [guards follow the
+        call's objects])."""
+        self.guards.links.append((kind, container, key, value))
+
     def value_in_dict(self, d: dict, key: Any, value: Any, name: str, depth: int) -> None:
         if isinstance(value, torch.Tensor) or id(value) in self.skipped:
             return
@@ -273,10 +366,12 @@ class _Walker:
             # (``named_iterators``)
             return
         elif type(value) is dict and depth > 0:
+            self.link(_DICT, d, key, value)
             self.guards.add(_LEN, value, None, len(value), f"the number of entries of {name}")
             for k, v in value.items():
                 self.value_in_dict(value, k, v, f"{name}[{k!r}]", depth - 1)
         elif depth > 0 and plain_object(value):
+            self.link(_DICT, d, key, value)
             self.object_dict(value, name, depth - 1)
 
     def object_dict(self, obj: Any, name: str, depth: int) -> None:
@@ -311,8 +406,9 @@ class _Walker:
         if code is None or not hasattr(obj, "__dict__"):
             return
         d = vars(obj)
-        for attribute in set(names_in(code)) & d.keys():
-            self.iterator(d[attribute], f"{name}.{attribute}")
+        for attribute in sorted(set(names_in(code)) & d.keys()):
+            if self.iterator(d[attribute], f"{name}.{attribute}"):
+                self.link(_DICT, d, attribute, d[attribute])
 
     def function(self, fn: types.FunctionType, cls: type | None = None) -> None:
         """Walk ``fn``'s code; with ``cls``, the methods of ``cls`` it names too (the
@@ -320,9 +416,10 @@ class _Walker:
         if id(fn.__code__) in self.seen_code or skipped_function(fn):
             return
         self.seen_code.add(id(fn.__code__))
+        self.guards.codes.append(fn.__code__)
         self.guards.code_files.add(fn.__code__.co_filename)
         where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
-        names = set(names_in(fn.__code__))
+        names = sorted(set(names_in(fn.__code__)))  # sorted: the same walk every time
         if cls is not None:
             for name in names:
                 for method in functions_of(inspect.getattr_static(cls, name, None)):
@@ -341,17 +438,21 @@ class _Walker:
                 continue
             if is_scalar(value):
                 self.guards.add(_CELL, cell, None, value, f"closure value {name!r} of {where}")
-            elif not self.iterator(value, f"closure value {name!r} of {where}"):
+                continue
+            self.link(_CELL, cell, None, value)
+            if not self.iterator(value, f"closure value {name!r} of {where}"):
                 reached.append(value)
         for obj in reached:
-            self.attributes(obj, names, where)
+            self.attributes(obj, set(names), where)
 
-    def reach(self, d: dict, name: str, value: Any, label: str, names: set[str], reached: list) -> None:
+    def reach(self, d: dict, name: str, value: Any, label: str, names: list[str], reached: list) -> None:
         if id(value) in self.skipped:
             return
         if is_scalar(value):
             self.guards.add(_DICT, d, name, value, label)
-        elif not self.iterator(value, label):
+            return
+        self.link(_DICT, d, name, value)
+        if not self.iterator(value, label):
             reached.append(value)
 
     def iterator(self, value: Any, label: str) -> bool:
@@ -375,14 +476,16 @@ class _Walker:
         if isinstance(obj, type) and skipped_module(obj.__module__):
             return
         d = vars(obj)
-        for name in names & d.keys():
+        for name in sorted(names & d.keys()):
             value = d[name]
             if id(value) in self.skipped:
                 continue
             label = f"{getattr(obj, '__name__', type(obj).__name__)}.{name} read by {where}"
             if is_scalar(value):
                 self.guards.add(_DICT, d, name, value, label)
-            elif not self.iterator(value, label):
+                continue
+            self.link(_DICT, d, name, value)
+            if not self.iterator(value, label):
                 for fn in functions_of(value):
                     self.function(fn)
 

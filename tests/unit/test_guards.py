@@ -81,3 +81,22 @@ def test_graph_arguments_are_not_guarded():
     bindings = _bindings(model, mode=0.25)
     assert "argument 3 of the step" in build_guards(step, bindings, frozenset()).names
     assert "argument 3 of the step" not in build_guards(step, bindings, frozenset({3})).names
+
+
+def test_guards_follow_the_objects_of_the_call():
+    """NOTE: [guards follow the call's objects]: another model is checked as itself."""
+    from spmd_compiler.api import step_guards
+
+    first, other = Net(), Net()
+    guards = step_guards(step, _bindings(first), frozenset())
+    other.temperature = 3.0
+    bindings = _bindings(other)
+    assert not guards.same_objects(bindings)
+    held, change = guards.for_call(bindings)
+    assert held is guards and change == "module <root>.temperature was 2.0, now 3.0"
+    other.temperature = 2.0
+    held, change = guards.for_call(bindings)
+    assert change is None and held is not guards and held.same_objects(bindings)
+    other.config.scale = 5.0  # the derived guards read the new model's config
+    assert held.first_change(bindings) == "module <root>.config.scale was 1.0, now 5.0"
+    assert guards.first_change(_bindings(first)) is None  # the first model's own: unchanged
