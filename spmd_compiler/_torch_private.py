@@ -361,6 +361,54 @@ def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     dtensor._local_tensor = local
 
 
+def plain_attribute_reads() -> contextlib.AbstractContextManager[None]:
+    """Tensor attributes (``shape``, ``grad``, hooks) read off a DTensor at a plain
+    tensor's cost while it is active: a subclass's attribute getters first look for a
+    ``__torch_function__`` override (DTensor has none), 2x slower. Only for reads: no op
+    may run inside (NOTE: [one walk over the state per call])."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def ambient_autocast() -> tuple[tuple[str, torch.dtype], ...]:
+    """The ``torch.autocast`` regions the caller is in: (device type, dtype) each."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
+    )
+
+
+@contextlib.contextmanager
+def autocast_off(ambient: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Leave the autocast regions ``ambient`` for a while (NOTE: [autocast around the
+    step] in ``api.py``)."""
+    with contextlib.ExitStack() as stack:
+        for device, _ in ambient:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def has_tensor_hooks(t: torch.Tensor) -> bool:
+    """Whether a hook is registered on ``t`` itself (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``; removed ones leave an empty dict)."""
+    return bool(t._backward_hooks) or bool(t._post_accumulate_grad_hooks)
+
+
+def global_hook_dicts() -> list[tuple[str, dict]]:
+    """torch's process-wide module and optimizer hooks (``register_module_forward_hook``,
+    ``register_optimizer_step_pre_hook``, ...), each dict with what it holds."""
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return [
+        ("global module forward pre-hooks", module._global_forward_pre_hooks),
+        ("global module forward hooks", module._global_forward_hooks),
+        ("global module backward pre-hooks", module._global_backward_pre_hooks),
+        ("global module backward hooks", module._global_backward_hooks),
+        ("global optimizer step pre-hooks", optimizer._global_optimizer_pre_hooks),
+        ("global optimizer step post-hooks", optimizer._global_optimizer_post_hooks),
+    ]
+
+
 class RedistributionCache(dict):
     """The memo of ``memoized_redistribution``; ``bypass()`` turns it off for a while
     (a mode that asks for a fresh gather, e.g. FSDP's backward re-gather)."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
+from .runtime.eager_calls import guard_direct_calls
 from .runtime.runner import BranchMismatch, StepTimings
 from .runtime.same_inputs import InputAgreement
 from .runtime.simulate import Simulation, active_simulation
@@ -79,8 +81,9 @@ def _key_change(old: tuple, new: tuple, n_args: int) -> str | None:
     """What differs between two calls' program keys (``(input metas, static_key,
     simulated)``) in the step's arguments, in the words the guards use: "<what> was
     <old>, now <new>"; None when only the rest differs."""
-    old_metas, old_static, _ = old
-    new_metas, new_static, _ = new
+    old_metas, old_static, new_metas, new_static = old[0], old[1], new[0], new[1]
+    if old[-1] != new[-1]:  # NOTE: [autocast around the step]
+        return f"the autocast regions around the call were {old[-1]}, now {new[-1]}"
     if len(old_metas) != len(new_metas):
         return f"the number of tensor arguments was {len(old_metas)}, now {len(new_metas)}"
     for k, (a, b) in enumerate(zip(old_metas, new_metas)):
@@ -148,6 +151,30 @@ class CompiledTrainStep:
             )
         sim = active_simulation()
         bindings = find_bindings(self.func, args, kwargs)
+        # NOTE: [calling a placed model directly]: its hook goes on the modules before the
+        # guards, which count module hooks, are read (a second model instance gets it
+        # here too); a call that fails before placing the state takes it off again
+        undo = guard_direct_calls(bindings.modules)
+        if not undo:
+            return self._call(bindings, sim)
+        try:
+            return self._call(bindings, sim)
+        except BaseException:
+            if not any(isinstance(p, DTensor) for m in bindings.modules for p in m.parameters()):
+                for take_off in undo:
+                    take_off()
+            raise
+
+    def _call(self, bindings: StepBindings, sim: Simulation | None) -> Any:
+        from . import _torch_private as private
+
+        ambient = private.ambient_autocast()  # NOTE: [autocast around the step]
+        if not ambient:
+            return self._call_in(bindings, sim, ambient)
+        with private.autocast_off(ambient):
+            return self._call_in(bindings, sim, ambient)
+
+    def _call_in(self, bindings: StepBindings, sim: Simulation | None, ambient: tuple) -> Any:
         mesh = self._mesh(bindings)
         tensor_args = [t for _, t in bindings.tensor_args()]
         # every call on real ranks, cached program or not: NOTE: [same inputs on all ranks]
@@ -155,7 +182,7 @@ class CompiledTrainStep:
         input_metas = [
             self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
         ]
-        key = (tuple(input_metas), bindings.static_key(self._state_key_memo), sim is not None)
+        key = (tuple(input_metas), bindings.static_key(self._state_key_memo), sim is not None, ambient)
         executable = self._cached_executable(key, bindings)
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))
@@ -346,7 +373,8 @@ class CompiledTrainStep:
         """Compile the step for ``key``; ``decisions``: how its first ``if``s on tensor
         values go (a branch's other program, NOTE: [value checks]; such a program is not
         looked up or written by the key before capture, which names the step, not the
-        way)."""
+        way). The key's last part is the autocast regions the call is in, which the
+        capture enters again (NOTE: [autocast around the step])."""
         start = time.perf_counter()
         device_type = next(iter(bindings.params.values())).device.type
         if self.lowering.cuda_graphs and device_type != "cuda":
@@ -354,11 +382,12 @@ class CompiledTrainStep:
                 f"cuda_graphs=True needs the model on CUDA; its parameters are on {device_type}.",
                 hint="drop cuda_graphs on CPU, or move the model and batch to CUDA.",
             )
+        _refuse_parameter_hooks(bindings, self.func)
         title = f"{self.func.__name__} for {type(self.mode).__name__}"
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
             pre_key, key_guards = (
-                ("", Guards()) if decisions else self._step_key(bindings, input_metas, mesh)
+                ("", Guards()) if decisions else self._step_key(bindings, input_metas, mesh, key[-1])
             )
             loaded = self._load_uncaptured(pre_key, bindings, mesh, progress)
             skipped = loaded is not None
@@ -367,7 +396,8 @@ class CompiledTrainStep:
                 how, capture_seconds = "hit", 0.0
             else:
                 with progress.stage("capture"), step_key.record_environment() as environment:
-                    captured, guards = self._capture_guarded(bindings, input_metas, decisions)
+                    with _autocast_again(key[-1]):
+                        captured, guards = self._capture_guarded(bindings, input_metas, decisions)
                 guards.add_environment(environment)
                 capture_seconds = captured.capture_seconds
                 program, how, load_seconds, program_key = self._cached_or_built(
@@ -466,10 +496,12 @@ class CompiledTrainStep:
         return program, "miss", 0.0, key if data else ""
 
     def _step_key(
-        self, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh
+        self, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,
+        ambient: tuple = (),
     ) -> tuple[str, Guards]:
         """The key before capture and the guards it holds ("" when the cache is off or
-        the key cannot describe the step; NOTE: [cache key before capture])."""
+        the key cannot describe the step; NOTE: [cache key before capture]); ``ambient``:
+        the autocast regions around the call (NOTE: [autocast around the step])."""
         guards = Guards()
         if self.disk_cache is None:
             return "", guards
@@ -477,7 +509,7 @@ class CompiledTrainStep:
             guards = build_guards(self.func, bindings, step_key.float_positions(bindings.flat_args))
             settings = compile_cache.settings_parts(
                 self.mode, mesh, self.options, self.lowering, active_simulation() is not None
-            )
+            ) + [["autocast", [[device, str(dtype)] for device, dtype in ambient]]]
             return step_key.step_key(self.func, bindings, input_metas, guards, settings), guards
         except compile_cache.Uncacheable as exc:
             log.info("%s has no key before capture: it would need %s", self.func.__name__, exc)
@@ -574,6 +606,49 @@ def step_guards(
             guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)
     guards.rebuild = functools.partial(step_guards, func, graph_args=graph_args, captured=captured)
     return guards
+
+
+# NOTE: [hooks on parameters]
+# A hook registered on a parameter tensor (``p.register_hook(fn)``,
+# ``register_post_accumulate_grad_hook``) is refused. Its parameter is replaced by a
+# DTensor when the state is installed, which does not carry the hook, so a program
+# compiled after the first call lacked it; one registered after the compile was never
+# run. Both were silent (measured: a gradient scaled by 10 in a hook trained as if
+# unscaled from the second step). The program key holds whether each parameter has a
+# hook, so one registered later recompiles, and the compile refuses it. Module hooks
+# (``register_forward_hook`` and the rest) stay on their modules and are traced; one
+# registered or removed later is a change the guards see (NOTE: [guards on Python
+# values]).
+def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) -> None:
+    from . import _torch_private as private
+
+    for name, p in bindings.params.items():
+        if private.has_tensor_hooks(p):
+            raise SPMDCompileError(
+                f"parameter {name} has a hook registered on it (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook); a compiled step does not run hooks "
+                "on parameters (NOTE: [hooks on parameters]).",
+                user_line=f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}",
+                hint="remove the hook and change the gradient in the step instead, between "
+                "loss.backward() and optimizer.step() (p.grad.clamp_(-1, 1)).",
+            )
+
+
+# NOTE: [autocast around the step]
+# A step called inside ``with torch.autocast(...)`` is captured inside it, so the program
+# holds the casts autocast made (as for autocast inside the step: tests/sim/
+# test_autocast.py), and is run, expanded and lowered outside it: autocast applied again
+# to a program's ops would cast what the program keeps in float32 (the optimizer update,
+# an ``autocast(enabled=False)`` region). The regions are part of the program key. Before,
+# the key ignored them: a program traced without autocast ran under the caller's autocast,
+# its matmuls cast at run time (a loss 3e-3 off the eager autocast step's), and one traced
+# under it ran in float32 calls alike.
+@contextlib.contextmanager
+def _autocast_again(ambient: tuple) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device, dtype in ambient:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
 
 
 def _warn_of_constants_in_arguments(outside: list[Any]) -> None:

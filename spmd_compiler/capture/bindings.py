@@ -240,8 +240,14 @@ class StepBindings:
         # by name, at a known place: api._key_change names the one that changed
         key.append(tuple(self.optimizer_settings().items()))
         key.append(tuple([m.training for m in self.submodules]))
-        key += [(n, tuple(p.shape), p.dtype, p.grad is not None, p.requires_grad)
-                for n, p in self.params.items()]
+        from .. import _torch_private as private
+
+        # and whether a hook sits on the parameter (refused at compile: NOTE: [hooks on
+        # parameters] in ``api.py``), read at a plain tensor's cost
+        with private.plain_attribute_reads():
+            has_hooks = private.has_tensor_hooks
+            key += [(n, tuple(p.shape), p.dtype, p.grad is not None, p.requires_grad, has_hooks(p))
+                    for n, p in self.params.items()]
         key += [(n, tuple(b.shape), b.dtype) for n, b in self.buffers.items()]
         # the walk that reads the state's metadata keeps each state dict for feeding and
         # write-back (NOTE: [one walk over the state per call])

@@ -22,7 +22,12 @@ missing a value):
   arguments;
 - the environment variables the capture read (``os.environ[...]``, ``os.getenv``), by
   the step or by a library it calls (a library's reads while it is first imported are
-  its own settings and left out).
+  its own settings and left out);
+- the hooks that change what the step computes: each module's forward / backward (pre-)
+  hooks, each optimizer's step pre- and post-hooks and torch's global module and
+  optimizer hooks, by number and by identity (a hook registered after the compile ran
+  nowhere before: the program had been traced without it). A hook on a parameter tensor
+  is refused instead (NOTE: [hooks on parameters] in ``api.py``).
 A check is a loop of dictionary lookups and identity tests (measured on the demo GPT in
 the README). A value the trace itself changes (a Python counter in ``forward``) cannot be
 replayed by a compiled program: the step is captured twice and refused if it changes
@@ -71,6 +76,11 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 _MODULE_INTERNALS = frozenset(
     {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_state_dict_hooks"}
 )
+# the hooks that change what a module's forward and backward, or an optimizer's step,
+# compute: one registered after the program was compiled is a change (NOTE: [guards on
+# Python values]); the other hook dicts (state_dict, load) are not the step's
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 _SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "passes", "numpy"})
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
@@ -97,6 +107,8 @@ class Guards:
     codes: list[types.CodeType] = field(default_factory=list, repr=False)
     # the same guards built from another call's objects (set by whoever built these)
     rebuild: Callable[[StepBindings], Guards] | None = field(default=None, repr=False)
+    # the positions of the guards on a hook itself (``described`` leaves them out)
+    hook_entries: set[int] = field(default_factory=set, repr=False)
     # the environment variables guarded (``add_environment``), kept by a rebuild
     environment: dict[str, str | None] = field(default_factory=dict, repr=False)
 
@@ -136,10 +148,13 @@ class Guards:
     def same_objects(self, bindings: StepBindings) -> bool:
         """Whether the call's submodules and every link lead to the objects these guards
         were built from."""
-        submodules = bindings.submodules
-        if len(submodules) != len(self.roots):
+        submodules, optimizers = bindings.submodules, bindings.optimizers
+        if len(submodules) + len(optimizers) != len(self.roots):
             return False
-        if not all(map(operator.is_, submodules, [ref() for ref in self.roots])):
+        roots = [ref() for ref in self.roots]
+        if not all(map(operator.is_, submodules, roots)):
+            return False
+        if not all(map(operator.is_, optimizers, roots[len(submodules):])):
             return False
         for kind, container, key, obj in self.links:
             if kind == _DICT:
@@ -161,7 +176,7 @@ class Guards:
         if len(other.codes) != len(self.codes) or not all(map(operator.is_, other.codes, self.codes)):
             return "the code the step reaches was replaced"
         if other.root_types != self.root_types:  # nn.Tanh for nn.Sigmoid: no attribute differs
-            return "a submodule of the step is of another class"
+            return "a submodule or optimizer of the step is of another class"
         for k, (name, (_, _, _, expected)) in enumerate(zip(self.names, self.entries, strict=True)):
             if k >= len(other.entries) or other.names[k] != name:
                 return f"the Python values the step reads changed ({name} is not read the same way)"
@@ -194,9 +209,11 @@ class Guards:
         return len(self.entries)
 
     def described(self) -> list[tuple[str, Any]]:
-        """Each guard's name and the value it holds (the pre-capture cache key)."""
+        """Each guard's name and the value it holds (the pre-capture cache key), but the
+        hooks themselves: that key describes them by their code (``step_key``)."""
         return [(name, ["unset"] if expected is _MISSING else expected)
-                for name, (_, _, _, expected) in zip(self.names, self.entries, strict=True)]
+                for k, (name, (_, _, _, expected)) in enumerate(zip(self.names, self.entries, strict=True))
+                if k not in self.hook_entries]
 
 
 def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
@@ -283,10 +300,20 @@ def build_guards(
         skipped: ids of containers not to guard: the lists the step appends to (NOTE:
             [tensors the step keeps]), which change every call by design.
     """
+    from .. import _torch_private as private
+
     guards = Guards()
-    guards.roots = [weakref.ref(sub) for sub in bindings.submodules]
-    guards.root_types = [type(sub) for sub in bindings.submodules]
+    roots = [*bindings.submodules, *bindings.optimizers]
+    guards.roots = [weakref.ref(root) for root in roots]
+    guards.root_types = [type(root) for root in roots]
     walker = _Walker(guards, skipped)
+    for label, hooks in private.global_hook_dicts():
+        walker.hooks(hooks, label)
+    for oi, opt in enumerate(bindings.optimizers):
+        for key in _OPTIMIZER_HOOKS:
+            found = vars(opt).get(key)
+            if isinstance(found, dict):
+                walker.hooks(found, f"{_hook_kind(key)} of optimizer[{oi}]")
     for i, arg in enumerate(bindings.flat_args):
         if isinstance(arg, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
             continue
@@ -344,10 +371,23 @@ class _Walker:
     def module(self, mod: torch.nn.Module, name: str) -> None:
         d = mod.__dict__
         self.guards.add(_LEN, d, None, len(d), f"the number of attributes of {name}")
+        for key in _MODULE_HOOKS:
+            hooks = d.get(key)
+            if isinstance(hooks, dict):
+                self.hooks(hooks, f"{_hook_kind(key)} of {name}")
         for key, value in d.items():
             if key in _MODULE_INTERNALS or "hook" in key or isinstance(value, torch.nn.Module):
                 continue
             self.value_in_dict(d, key, value, f"{name}.{key}", OBJECT_DEPTH)
+
+    def hooks(self, hooks: dict, name: str) -> None:
+        """A hook registered or removed after the capture changes what the step
+        computes: their number, and each one by identity, are guards."""
+        self.guards.add(_LEN, hooks, None, len(hooks), f"the number of {name}")
+        for position, (handle, hook) in enumerate(hooks.items()):  # named by position:
+            # handles count up per process, so another model's are other numbers
+            self.guards.hook_entries.add(len(self.guards.entries))
+            self.guards.add(_DICT, hooks, handle, hook, f"{name} #{position}")
 
     def link(self, kind: int, container: Any, key: Any, value: Any) -> None:
         """The walk goes on into ``value``, found at ``container[key]``: a call that
@@ -488,6 +528,15 @@ class _Walker:
             if not self.iterator(value, label):
                 for fn in functions_of(value):
                     self.function(fn)
+
+
+def _hook_kind(key: str) -> str:
+    """``_forward_pre_hooks`` -> ``forward pre-hooks``, ``_optimizer_step_post_hooks``
+    -> ``step post-hooks``."""
+    words = key.strip("_").removeprefix("optimizer_").split("_")
+    if words[-2] in ("pre", "post"):
+        return " ".join([*words[:-2], f"{words[-2]}-{words[-1]}"])
+    return " ".join(words)
 
 
 def plain_object(value: Any) -> bool:

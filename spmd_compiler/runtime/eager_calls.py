@@ -15,7 +15,10 @@ to a compiled step, a module-level function, so the model still pickles.
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -45,12 +48,21 @@ def refuse_plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
 _GUARDED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
-def guard_direct_calls(modules: list[torch.nn.Module]) -> None:
-    """Install ``refuse_plain_inputs`` on each module once."""
+def guard_direct_calls(modules: list[torch.nn.Module]) -> list[Callable[[], None]]:
+    """Install ``refuse_plain_inputs`` on each module once; returns how to take off the
+    ones this call installed (a compile that fails leaves the model as it was)."""
+    undo: list[Callable[[], None]] = []
     for mod in modules:
         if mod not in _GUARDED:
-            mod.register_forward_pre_hook(refuse_plain_inputs, with_kwargs=True)
+            handle = mod.register_forward_pre_hook(refuse_plain_inputs, with_kwargs=True)
             _GUARDED.add(mod)
+            undo.append(functools.partial(_unguard, mod, handle))
+    return undo
+
+
+def _unguard(mod: torch.nn.Module, handle: Any) -> None:
+    handle.remove()
+    _GUARDED.discard(mod)
 
 
 __all__ = ["guard_direct_calls", "refuse_plain_inputs"]

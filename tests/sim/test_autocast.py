@@ -98,3 +98,36 @@ def test_two_ranks_reduce_the_per_rank_bf16_gradients(mode: str) -> None:
         assert relative_difference(got, want) < 1e-6
     # autocast took effect: the float32 step's gradients are far from these
     assert max(relative_difference(g, f) for g, f in zip(grads, full_float32, strict=True)) > 1e-3
+
+
+def plain_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_a_step_called_inside_autocast_is_captured_inside_it() -> None:
+    """NOTE: [autocast around the step] in ``api.py``: calls inside and outside a
+    caller's autocast region alternate, each against the eager step in the same region
+    (one rank: the compiled step is the eager one to float32 rounding). Before, the key
+    ignored the region: the second call ran the first call's float32 program with its
+    matmuls cast at run time (3e-3 off the eager step)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = sc.compile(make_mode("ddp"))(plain_step)
+    with sc.simulate(world_size=1) as sim:
+        for seed, inside in enumerate([False, True, True, False, True]):
+            region = torch.autocast("cpu", dtype=torch.bfloat16, enabled=inside)
+            with region:
+                loss = step(model, optim, *_batch(seed))
+            with region:
+                expected = plain_step(reference, reference_optim, *_batch(seed))
+            assert relative_difference(loss, expected) < 1e-6, (seed, inside)
+        worst = max(compare_models(model, reference, sim).values())
+    assert worst < 1e-6, worst
+    # the first call (no AdamW state yet), then the steady program inside and outside
+    assert step.compile_count == 3
