@@ -9,7 +9,8 @@ graph inputs]) or a guard of the cached program: before a call reuses a program,
 guard is checked, and a changed value compiles a new program (logged with what
 changed). What is guarded, found without running anything (over-guarding rather than
 missing a value):
-- every module and submodule of the step: the scalar entries of its ``__dict__`` (int,
+- every module and submodule of the step, and every module the code reaches by name (a
+  global or closure loss module): the scalar entries of its ``__dict__`` (int,
   float, bool, str, None, torch dtypes and devices, and tuples / lists / dicts of those),
   descending into plain objects it holds (a config object) up to ``OBJECT_DEPTH``, plus
   the number of entries of its ``__dict__`` (an attribute added later is seen);
@@ -380,6 +381,22 @@ class _Walker:
                 continue
             self.value_in_dict(d, key, value, f"{name}.{key}", OBJECT_DEPTH)
 
+    def reached_module(self, mod: torch.nn.Module, name: str) -> None:
+        """A module the step reaches by name, not by argument (a global or closure
+        ``criterion = nn.CrossEntropyLoss(label_smoothing=0.1)``): each submodule's
+        settings and hooks, its own classes' ``forward`` code, and which submodule sits
+        where (a call that finds another derives the guards afresh)."""
+        if id(mod) in self.seen_objects:
+            return
+        self.seen_objects.add(id(mod))
+        for fqn, sub in mod.named_modules():
+            self.module(sub, f"{name}.{fqn}" if fqn else name)
+            for child_name, child in sub._modules.items():
+                self.link(_DICT, sub._modules, child_name, child)
+            if not skipped_module(type(sub).__module__):
+                for fn in functions_of(inspect.getattr_static(type(sub), "forward", None)):
+                    self.function(fn, type(sub))
+
     def hooks(self, hooks: dict, name: str) -> None:
         """A hook registered or removed after the capture changes what the step
         computes: their number, and each one by identity, are guards."""
@@ -509,7 +526,10 @@ class _Walker:
         for fn in functions_of(obj):
             self.function(fn)
             return
-        if isinstance(obj, (torch.Tensor, torch.nn.Module)) or not hasattr(obj, "__dict__"):
+        if isinstance(obj, torch.nn.Module):
+            self.reached_module(obj, f"{type(obj).__name__} read by {where}")
+            return
+        if isinstance(obj, torch.Tensor) or not hasattr(obj, "__dict__"):
             return
         if isinstance(obj, types.ModuleType) and skipped_module(obj.__name__):
             return

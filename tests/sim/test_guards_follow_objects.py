@@ -198,3 +198,40 @@ def test_another_object_argument_gets_its_own_settings():
             got = compiled(a, _sgd_of[id(a)], x, y, Options(weight)).item()
             want = weighted_step(a_twin, _sgd_of[id(a_twin)], x, y, Options(weight)).item()
             assert abs(got - want) <= TOL * max(1.0, abs(want)), (weight, got, want)
+
+
+CRITERION = nn.CrossEntropyLoss()
+
+
+def criterion_step(model, optim, x, y):
+    loss = CRITERION(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_module_the_step_reaches_by_name_is_guarded():
+    """A global loss module (not an argument): its settings changed, then the global
+    rebound to another one. Before, neither recompiled: its label smoothing stayed the
+    capture's."""
+    global CRITERION
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(criterion_step)
+    saved = CRITERION
+    try:
+        with sc.simulate(world_size=WORLD):
+            a, a_twin = _pair(Scaled())
+            _with_optimizers(a, a_twin)
+            for seed in range(4):
+                if seed == 1:
+                    CRITERION.label_smoothing = 0.3
+                if seed == 2:
+                    CRITERION = nn.CrossEntropyLoss(label_smoothing=0.6)
+                x, y = _batch(seed)
+                got = compiled(a, _sgd_of[id(a)], x, y).item()
+                want = criterion_step(a_twin, _sgd_of[id(a_twin)], x, y).item()
+                assert abs(got - want) <= TOL * max(1.0, abs(want)), (seed, got, want)
+            assert compiled.compile_count == 3
+    finally:
+        saved.label_smoothing = 0.0
+        CRITERION = saved
