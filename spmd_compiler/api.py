@@ -20,7 +20,7 @@ from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.passes import PassOptions
 
 from . import compile_cache, step_key
-from .capture.bindings import StateKeyMemo, StepBindings, find_bindings
+from .capture.bindings import StepBindings, WalkMemo, find_bindings
 from .capture.guards import Guards, build_guards
 from .capture.kept_tensors import install_placeholders, kept_container_ids
 from .capture.lr_schedulers import replayed
@@ -139,7 +139,7 @@ class CompiledTrainStep:
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
-        self._state_key_memo = StateKeyMemo()  # NOTE: [one walk over the state per call]
+        self._walk_memo = WalkMemo()  # NOTE: [one walk over the state per call]
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -150,7 +150,7 @@ class CompiledTrainStep:
                 user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
             )
         sim = active_simulation()
-        bindings = find_bindings(self.func, args, kwargs)
+        bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
         # NOTE: [calling a placed model directly]: its hook goes on the modules before the
         # guards, which count module hooks, are read (a second model instance gets it
         # here too); a call that fails before placing the state takes it off again
@@ -182,7 +182,7 @@ class CompiledTrainStep:
         input_metas = [
             self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
         ]
-        key = (tuple(input_metas), bindings.static_key(self._state_key_memo), sim is not None, ambient)
+        key = (tuple(input_metas), bindings.static_key(), sim is not None, ambient)
         executable = self._cached_executable(key, bindings)
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))
@@ -283,7 +283,7 @@ class CompiledTrainStep:
         a changed guarded value is logged."""
         # the latest call's key again (the steady state): its entries without hashing the
         # key (a tuple's hash is not kept; ~300 parts on an 8-layer GPT, 13-28 us), after
-        # an equality test whose parts are mostly the very objects (``StateKeyMemo``)
+        # an equality test whose parts are mostly the very objects (``WalkMemo``)
         entries: list[tuple[Guards, StepExecutable]] | None
         if self._last_entries is not None and key == self._last_key:
             entries = self._last_entries

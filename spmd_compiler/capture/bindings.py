@@ -18,6 +18,7 @@ exactly as the first call would have.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -141,6 +142,11 @@ class StepBindings:
     # (optimizer, parameter name) -> that parameter's state dict, as the program key last
     # read it (NOTE: [one walk over the state per call])
     _state_dicts: dict[tuple[int, str], dict] = field(default_factory=dict, repr=False)
+    # the ``WalkMemo`` whose walks these bindings took, and whether every object those
+    # walks read was the one the memo's last fresh walk read (then ``static_key`` takes
+    # the optimizers' part from it, and ``install_state`` trusts its last check)
+    memo: WalkMemo | None = field(default=None, repr=False)
+    unchanged: bool = field(default=False, repr=False)
 
     @functools.cached_property
     def module_fqns(self) -> dict[int, str]:
@@ -224,14 +230,14 @@ class StepBindings:
             if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
         }
 
-    def static_key(self, memo: StateKeyMemo | None = None) -> tuple:
+    def static_key(self) -> tuple:
         """Everything besides tensor shapes that a compiled program depends on.
 
         Training flags, optimizer hyper-parameters other than the learning rate, the set
         and non-tensor values of optimizer state, which parameters hold a gradient, and
         the non-tensor arguments of the step. A change to any recompiles the step.
-        ``memo`` (kept by the caller across calls) holds each state dict's part of the
-        key while the dict holds the same tensors (``StateKeyMemo``).
+        The optimizers' part is the memo's when the walks found the same objects
+        (``WalkMemo``).
         """
         key: list[Any] = [self.args_spec]
         # Float arguments: graph inputs or guards (NOTE: [guards on Python values]).
@@ -240,8 +246,6 @@ class StepBindings:
         # by name, at a known place: api._key_change names the one that changed
         key.append(tuple(self.optimizer_settings().items()))
         key.append(tuple([m.training for m in self.submodules]))
-        from .. import _torch_private as private
-
         # and whether a hook sits on the parameter (refused at compile: NOTE: [hooks on
         # parameters] in ``api.py``), read at a plain tensor's cost
         with private.plain_attribute_reads():
@@ -251,74 +255,160 @@ class StepBindings:
         key += [(n, tuple(b.shape), b.dtype) for n, b in self.buffers.items()]
         # the walk that reads the state's metadata keeps each state dict for feeding and
         # write-back (NOTE: [one walk over the state per call])
-        state_dicts = self._state_dicts = {}
-        if memo is not None:
-            memo.start()
+        kept = self.memo.optimizer_part(self) if self.memo is not None and self.unchanged else None
+        if kept is None:
+            part, self._state_dicts, memoizable = self._optimizer_part()
+            if self.memo is not None and memoizable:
+                self.memo.keep_optimizer_part(self, part)
+        else:
+            part, self._state_dicts = kept
+        key += part
+        if self.scalers:
+            key.append(scaler_key(self.scalers))
+        return tuple(key)
+
+    def _optimizer_part(self) -> tuple[list[Any], dict[tuple[int, str], dict], bool]:
+        """The optimizers' part of ``static_key``, each parameter's state dict by
+        (optimizer, name), and whether the part may be kept while the same objects stay
+        (every state value a tensor or an immutable scalar)."""
+        part: list[Any] = []
+        state_dicts: dict[tuple[int, str], dict] = {}
+        memoizable = True
         for oi, opt in enumerate(self.optimizers):
             states = opt.state
             for gi, group in enumerate(opt.param_groups):
-                key.append(("group", oi, gi))
+                part.append(("group", oi, gi))
                 # which parameters the group holds (moving one to another group changes
                 # its learning rate in the program) and the set of its state
                 for p in group["params"]:
                     name = self.param_name(p)
                     state = states.get(p)
                     if not state:
-                        key.append((name, ()))
+                        part.append((name, ()))
                         continue
                     state_dicts[oi, name] = state
-                    part = memo.get(state) if memo is not None else None
-                    if part is None:
-                        part = tuple([(k, _state_hashable(state[k])) for k in sorted(state)])
-                        if memo is not None:
-                            memo.put(state, part)
-                    key.append((name, part))
-        if self.scalers:
-            key.append(scaler_key(self.scalers))
-        return tuple(key)
+                    part.append((name, tuple([(k, _state_hashable(state[k])) for k in sorted(state)])))
+                    memoizable = memoizable and all(
+                        isinstance(v, torch.Tensor) or type(v) in _IMMUTABLE for v in state.values()
+                    )
+        return part, state_dicts, memoizable
 
 
-class StateKeyMemo:
-    """Each optimizer state dict's part of ``static_key`` (its keys, and each tensor's shape
-    and dtype as the program sees them), kept from one call to the next while the dict
-    holds the same tensor objects under the same keys: an 8-layer GPT has 375 state
-    tensors, and reading each one's shape and dtype every call was a quarter of the
-    step's host work (NOTE: [one walk over the state per call] in ``runtime/runner.py``).
+_IMMUTABLE = (int, float, bool, str, type(None))
 
-    The runtime changes state only by swapping a DTensor's local tensor, which keeps its
-    shape and dtype; a new tensor (a loaded checkpoint, a new optimizer) is another
-    object and reads afresh. Tensors are held weakly, so the memo keeps no state alive,
-    and only the dicts of the latest call are kept. A dict holding anything but tensors
-    is read every call.
+
+class WalkMemo:
+    """What the last fresh walks of a step's objects found, kept while every object they
+    read is the same one (NOTE: [one walk over the state per call] in
+    ``runtime/runner.py``; one per compiled step).
+
+    The module walk (parameters, buffers, submodules and their names) is a function of
+    the ``_parameters``, ``_buffers`` and ``_modules`` dicts of the submodules it meets:
+    a call lists each dict and its keys and values in one pass and tests them for
+    identity with the last fresh walk's, instead of walking the tree. The optimizers'
+    part of the program key is a function of their param groups and state dicts, and of
+    each state tensor's shape and dtype: a call lists the ids of all of those (the
+    optimizers themselves held weakly: an id is not reused while its object lives, and
+    every object listed is reachable from a live optimizer) and takes the part from the
+    last fresh walk when they are equal. The runtime changes state only by swapping a
+    DTensor's local tensor, which keeps its shape and dtype; anything else that changes
+    the state (a loaded checkpoint, a new optimizer, state created by a first step)
+    puts other objects there. The module walk holds its dicts strongly until the next
+    call (the guards hold them anyway); the optimizers' state is never held, so a
+    dropped optimizer's state is freed at once.
     """
 
     def __init__(self) -> None:
-        # id(state dict) -> (its keys, weak references to its values, its part of the key)
-        self._entries: dict[int, tuple[tuple[str, ...], tuple[weakref.ref, ...], tuple]] = {}
-        self._previous: dict[int, tuple[tuple[str, ...], tuple[weakref.ref, ...], tuple]] = {}
+        self._module_objects: list[Any] = []
+        self._modules: list[weakref.ref] = []
+        self._walk: tuple | None = None
+        self._optimizers: list[weakref.ref] = []
+        self._optimizer_ids: list[int] = []
+        self._optimizer_part: list[Any] | None = None
+        # (optimizer, parameter name) of each state dict, in the optimizers' state order
+        self._state_names: list[tuple[int, str]] = []
+        self.generation = 0  # counts the fresh optimizer walks kept
 
-    def start(self) -> None:
-        """Begin a call's walk: what the last call kept is looked up, this call's kept."""
-        self._previous, self._entries = self._entries, {}
-
-    def get(self, state: dict[str, Any]) -> tuple | None:
-        entry = self._previous.get(id(state))
-        if entry is None:
+    def module_walk(self, modules: list[torch.nn.Module]) -> tuple | None:
+        """The last fresh module walk if every dict it read holds the same objects."""
+        walk = self._walk
+        if walk is None or len(modules) != len(self._modules):
             return None
-        keys, refs, part = entry
-        if len(state) != len(keys):
+        if not all(ref() is mod for ref, mod in zip(self._modules, modules, strict=True)):
             return None
-        for k, ref in zip(keys, refs):
-            held = ref()
-            if held is None or state.get(k) is not held:
-                return None
-        self._entries[id(state)] = entry
-        return part
+        objects = _module_objects(walk[4])
+        if len(objects) != len(self._module_objects) or not all(
+            map(operator.is_, objects, self._module_objects)
+        ):
+            return None
+        return walk
 
-    def put(self, state: dict[str, Any], part: tuple) -> None:
-        values = tuple(state.values())
-        if all(isinstance(v, torch.Tensor) for v in values):
-            self._entries[id(state)] = (tuple(state), tuple(weakref.ref(v) for v in values), part)
+    def keep_module_walk(self, modules: list[torch.nn.Module], walk: tuple) -> None:
+        self._modules = [weakref.ref(m) for m in modules]
+        self._walk = walk
+        self._module_objects = _module_objects(walk[4])
+        self._optimizer_part = None  # its names came from the walk
+
+    def optimizers_unchanged(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        if self._optimizer_part is None or len(optimizers) != len(self._optimizers):
+            return False
+        if not all(ref() is opt for ref, opt in zip(self._optimizers, optimizers, strict=True)):
+            return False
+        return _optimizer_ids(optimizers) == self._optimizer_ids
+
+    def optimizer_part(self, bindings: StepBindings) -> tuple[list[Any], dict[tuple[int, str], dict]] | None:
+        """The optimizers' key part and state dicts (``optimizers_unchanged`` held)."""
+        if self._optimizer_part is None:
+            return None
+        dicts = [d for opt in bindings.optimizers for d in opt.state.values()]
+        return self._optimizer_part, dict(zip(self._state_names, dicts, strict=True))
+
+    def keep_optimizer_part(self, bindings: StepBindings, part: list[Any]) -> None:
+        optimizers = bindings.optimizers
+        by_dict = {id(d): key for key, d in bindings._state_dicts.items()}
+        names = [by_dict.get(id(d)) for opt in optimizers for d in opt.state.values()]
+        if any(name is None for name in names):  # state of a parameter in no group
+            self._optimizer_part = None
+            return
+        self._optimizers = [weakref.ref(o) for o in optimizers]
+        self._optimizer_ids = _optimizer_ids(optimizers)
+        self._optimizer_part = part
+        self._state_names = names  # type: ignore[assignment]
+        self.generation += 1
+
+
+def _module_objects(submodules: list[torch.nn.Module]) -> list[Any]:
+    """Each submodule's parameter, buffer and child dicts, and their keys and values."""
+    out: list[Any] = []
+    for sub in submodules:
+        for d in (sub._parameters, sub._buffers, sub._modules):
+            out.append(d)
+            if d:
+                out += d
+                out += d.values()
+    return out
+
+
+def _optimizer_ids(optimizers: list[torch.optim.Optimizer]) -> list[int]:
+    """The ids of the optimizers' param groups, their parameters, the state dict, its
+    keys (parameters), each parameter's state dict and its keys and values."""
+    out: list[int] = []
+    for opt in optimizers:
+        groups = opt.param_groups
+        out.append(id(groups))
+        for group in groups:
+            params = group["params"]
+            out.append(id(group))
+            out.append(id(params))
+            out += map(id, params)
+        state = opt.state
+        out.append(id(state))
+        out += map(id, state)
+        dicts = list(state.values())
+        out += map(id, dicts)
+        out += [id(k) for d in dicts for k in d]
+        out += [id(v) for d in dicts for v in d.values()]
+    return out
 
 
 def _state_hashable(v: Any) -> Any:
@@ -345,8 +435,11 @@ def _is_leaf(x: Any) -> bool:
     return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
 
 
-def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBindings:
-    """Name the modules, optimizers and state of a train-step call.
+def find_bindings(
+    func: Callable[..., Any], args: tuple, kwargs: dict, memo: WalkMemo | None = None
+) -> StepBindings:
+    """Name the modules, optimizers and state of a train-step call; ``memo`` (kept by
+    the caller across calls) holds the last fresh walk (``WalkMemo``).
 
     Raises:
         SPMDCompileError: no module, or an optimizer parameter that no module passed
@@ -365,6 +458,26 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
             user_line=where,
             hint="pass the model to the step, e.g. train_step(model, optimizer, batch, target).",
         )
+    walk = memo.module_walk(modules) if memo is not None else None
+    unchanged = walk is not None and memo is not None and memo.optimizers_unchanged(optimizers)
+    if walk is None:
+        walk = _walk_modules(modules)
+        if memo is not None:
+            memo.keep_module_walk(modules, walk)
+    params, buffers, module_params, module_buffers, submodules = walk
+    if not unchanged:  # the same objects as a call that passed this check: it holds
+        _check_ownership(optimizers, params, where)
+    return StepBindings(
+        modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
+        (args, kwargs), _unique(find_scalers(func, flat_args)),
+        _unique(find_schedulers(func, flat_args)), containers, submodules,
+        memo=memo, unchanged=unchanged,
+    )
+
+
+def _walk_modules(modules: list[torch.nn.Module]) -> tuple:
+    """Parameters and buffers by name, each module's FQN -> name tables, and every
+    submodule as the walk meets it (repeats included)."""
     params: dict[str, torch.nn.Parameter] = {}
     buffers: dict[str, torch.Tensor] = {}
     module_params: list[dict[str, str]] = []
@@ -391,6 +504,12 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
                     buffers[name] = b
         module_params.append(mp)
         module_buffers.append(mb)
+    return params, buffers, module_params, module_buffers, submodules
+
+
+def _check_ownership(
+    optimizers: list[torch.optim.Optimizer], params: dict[str, torch.nn.Parameter], where: str
+) -> None:
     owned = {id(p) for p in params.values()}
     for oi, opt in enumerate(optimizers):
         stray = _unowned(opt, owned)
@@ -405,11 +524,6 @@ def find_bindings(func: Callable[..., Any], args: tuple, kwargs: dict) -> StepBi
                 user_line=where,
                 hint="pass every module whose parameters the optimizer updates.",
             )
-    return StepBindings(
-        modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
-        (args, kwargs), _unique(find_scalers(func, flat_args)),
-        _unique(find_schedulers(func, flat_args)), containers, submodules,
-    )
 
 
 def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:

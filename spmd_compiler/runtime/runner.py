@@ -62,17 +62,26 @@ def install_state(
     placement_of: Any,
     mesh: DeviceMesh,
     sim: Simulation | None,
-    verified: set[int] | None = None,
+    verified: set[Any] | None = None,
 ) -> None:
     """Turn every plain state tensor of the step into a DTensor with its placement.
 
     ``verified`` (kept by the compiled step) holds the ids of state tensors already
     installed and checked; when every tensor of the call is among them, nothing is
-    walked again (the common case: every step after the first two).
+    walked again (the common case: every step after the first two). When the call's
+    walks found every object of the last fresh walk (``WalkMemo``) and this set was
+    last checked against that walk, not even that (NOTE: [one walk over the state per
+    call]).
     """
+    memo = bindings.memo
+    walk = (id(memo), memo.generation) if memo is not None and bindings.unchanged else None
+    if verified is not None and walk is not None and walk in verified:
+        return
     if verified is not None and all(
         isinstance(t, DTensor) and id(t) in verified for t in _state_tensors(bindings)
     ):
+        if walk is not None:
+            verified.add(walk)
         return
     _install(bindings, placement_of, mesh, sim)
     bindings.forget_state_dicts()  # the optimizers' state dicts are new ones now
@@ -263,11 +272,16 @@ def run_program(
 # lookup per parameter for all its state, no per-input dispatch on the kind). The dicts
 # stay valid through the call: write-back updates them in place, and the one place that
 # replaces them, ``install_state`` on a first call, drops them (they are looked up afresh
-# then). Each state dict's part of the key (its keys, each tensor's shape and
-# dtype) is kept while the dict holds the same tensor objects (``StateKeyMemo``): the
-# runtime only swaps a DTensor's local tensor, which keeps both, and anything else that
-# changes the state puts new objects there. Everything else the key holds is read every
-# call. Write-back skips the state a program updated in place (handed back as the very
+# then). The walks themselves are kept while the objects they read stay (``WalkMemo``
+# in ``capture/bindings.py``, since the twenty-eighth session): a call lists the module
+# tree's parameter, buffer and child dicts with their keys and values, and the ids of
+# the optimizers' groups and state, in one pass each, and when all are the last fresh
+# walk's it takes that walk's names and the optimizers' part of the key (each state
+# tensor's shape and dtype: the runtime only swaps a DTensor's local tensor, which keeps
+# both, and anything else that changes the state puts new objects there), and
+# ``install_state`` skips its check when it last passed on that walk. Everything else
+# the key holds (training flags, hyper-parameters, each parameter's shape, gradient,
+# ``requires_grad`` and hooks) is read every call. Write-back skips the state a program updated in place (handed back as the very
 # tensor it was fed, ``FeedPlan.passthrough``), and the walks test ``isinstance(x,
 # DTensor)`` before ``isinstance(x, torch.Tensor)`` (105 against 13 ns for a subclass):
 # 836 -> 603 us a call on the 8-layer GPT with the key's cache shortcut in ``api.py``.

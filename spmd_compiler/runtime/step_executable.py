@@ -77,7 +77,8 @@ class StepExecutable:
         self.lowered = Executable.of(program, lowering, inductor_dir)
         program.executable = self.lowered
         self._pending: PendingUpdate | None = None
-        self._installed: set[int] = set()  # ids of state tensors install_state checked
+        # ids of state tensors install_state checked, and the walks it checked them on
+        self._installed: set[Any] = set()
         self._constants: str | None = None  # NOTE: [constants agree across ranks]
         # NOTE: [hyper-parameters without a device sync]
         self._hyperparams: dict[StateRef, tuple[float, torch.Tensor]] = {}

@@ -83,27 +83,101 @@ def test_state_dicts_read_by_the_key_and_looked_up_afresh_when_forgotten() -> No
     assert b.static_key() != key
 
 
-def test_memo_keeps_a_state_part_only_while_its_tensors_stay() -> None:
-    from spmd_compiler.capture.bindings import StateKeyMemo
+def _memo_bindings(model: nn.Module, opt: torch.optim.Optimizer, memo):
+    return find_bindings(_step, (model, opt, torch.zeros(2, 4)), {}, memo)
+
+
+def _trained(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model.head(model.shared(model.embed(torch.tensor([1, 2])))).sum().backward()
+    opt.step()
+
+
+def _agrees(model: nn.Module, opt: torch.optim.Optimizer, memo) -> object:
+    """The memo's bindings and key are a fresh walk's; returns the memo's bindings."""
+    kept, fresh = _memo_bindings(model, opt, memo), _bindings(model, opt)
+    assert kept.static_key() == fresh.static_key()
+    assert list(kept.params.items()) == list(fresh.params.items())
+    assert list(kept.buffers.items()) == list(fresh.buffers.items())
+    assert kept.module_params == fresh.module_params
+    assert kept.submodules == fresh.submodules
+    for (oi, name), state in fresh._state_dicts.items():
+        assert kept.optim_state(oi, name) is state
+    return kept
+
+
+def test_walk_memo_is_taken_only_while_every_object_stays() -> None:
+    """NOTE: [one walk over the state per call]: each change below makes the next call
+    walk afresh (``unchanged`` False) and agree with a fresh walk; the call after it
+    takes the memo again."""
+    from spmd_compiler.capture.bindings import WalkMemo
 
     model = _Tied()
     opt = torch.optim.AdamW(model.parameters())
-    model.head(model.shared(model.embed(torch.tensor([1, 2])))).sum().backward()
-    opt.step()
-    memo = StateKeyMemo()
-    first = _bindings(model, opt).static_key(memo)
-    assert first == _bindings(model, opt).static_key()  # the memo changes no key
+    _trained(model, opt)
+    memo = WalkMemo()
+
+    def settles() -> None:
+        assert not _agrees(model, opt, memo).unchanged  # the change: walked afresh
+        assert _agrees(model, opt, memo).unchanged  # then kept
+
+    settles()
+    model.head.weight = nn.Parameter(torch.zeros(10, 4))  # untied: a new parameter
+    opt.param_groups[0]["params"].append(model.head.weight)
+    settles()
+    model.act = nn.ReLU()  # a submodule added
+    settles()
+    model.act = nn.Tanh()  # and replaced
+    settles()
+    model.register_buffer("extra", torch.zeros(3))  # a buffer added
+    settles()
+    model.extra2 = model._buffers.pop("extra")  # renamed: the same tensor, another key
+    model.register_buffer("renamed", model.__dict__.pop("extra2"))
+    settles()
     state = opt.state[model.shared.weight]
-    memo.start()
-    assert memo.get(state) is not None  # kept: the same tensors
-    memo.start()  # a walk that did not meet it: dropped from the memo
-    memo.start()
-    assert memo.get(state) is None
-    _bindings(model, opt).static_key(memo)
-    # a state tensor replaced by one of another shape under the same key: read afresh
-    state["exp_avg"] = torch.zeros(3)
-    changed = _bindings(model, opt).static_key(memo)
-    assert changed != first and changed == _bindings(model, opt).static_key()
-    # a key added (a new kind of state): read afresh
-    state["extra"] = torch.zeros(())
-    assert _bindings(model, opt).static_key(memo) == _bindings(model, opt).static_key() != changed
+    state["exp_avg"] = torch.zeros(3)  # a state tensor of another shape
+    settles()
+    state["extra"] = torch.zeros(())  # a new kind of state
+    settles()
+    opt.state[model.shared.weight] = dict(state)  # the same tensors in a new dict
+    settles()
+    model.scale = nn.Parameter(torch.ones(2))  # a parameter in a group of its own
+    settles()
+    opt.add_param_group({"params": [model.scale], "lr": 0.5})
+    settles()
+    other = torch.optim.AdamW(model.parameters())  # another optimizer
+    assert not _agrees(model, other, memo).unchanged
+    assert _agrees(model, other, memo).unchanged
+
+
+def test_walk_memo_never_keeps_mutable_state() -> None:
+    """A state value that is neither a tensor nor an immutable scalar (a list) can change
+    in place: every call reads it."""
+    from spmd_compiler.capture.bindings import WalkMemo
+
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    _trained(model, opt)
+    opt.state[model.shared.weight]["history"] = [1]
+    memo = WalkMemo()
+    for _ in range(3):
+        assert not _agrees(model, opt, memo).unchanged
+    opt.state[model.shared.weight]["history"].append(2)
+    assert not _agrees(model, opt, memo).unchanged
+
+
+def test_walk_memo_holds_no_optimizer_state() -> None:
+    import gc
+    import weakref
+
+    from spmd_compiler.capture.bindings import WalkMemo
+
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    _trained(model, opt)
+    memo = WalkMemo()
+    for _ in range(2):
+        _memo_bindings(model, opt, memo).static_key()
+    held = weakref.ref(opt.state[model.shared.weight]["exp_avg"])
+    del opt
+    gc.collect()
+    assert held() is None
