@@ -87,8 +87,9 @@ _STDLIB = sysconfig.get_paths()["stdlib"]
 
 # Entry kinds: read ``container.get(key)``, a closure cell, a step argument, a dict length,
 # a tensor's identity and version (NOTE: [tensors read from outside the arguments]), how
-# far an iterator has gone (``iterator_position``).
-_DICT, _CELL, _ARG, _LEN, _TENSOR, _ITERATOR = range(6)
+# far an iterator has gone (``iterator_position``), the sizes of all hook dicts at once
+# (one entry: four a module; its key names each dict).
+_DICT, _CELL, _ARG, _LEN, _TENSOR, _ITERATOR, _HOOK_COUNTS = range(7)
 
 
 @dataclass
@@ -125,6 +126,16 @@ class Guards:
                 if value is expected:
                     continue
                 value = _frozen(value)
+            elif kind == _LEN:  # the next most (a dict's size)
+                value = len(container)
+                if value == expected:
+                    continue
+            elif kind == _HOOK_COUNTS:
+                value = tuple(map(len, container))
+                if value == expected:
+                    continue
+                i = next(i for i, (a, b) in enumerate(zip(value, expected, strict=True)) if a != b)
+                return f"the number of {key[i]} was {expected[i]}, now {value[i]}"
             else:
                 value = _read(kind, container, key, bindings)
             if value is expected:
@@ -342,6 +353,7 @@ def build_guards(
         if not skipped_module(cls.__module__):
             for fn in functions_of(inspect.getattr_static(cls, "forward", None)):
                 walker.function(fn, cls)
+    walker.counted_hooks()
     return guards
 
 
@@ -368,6 +380,17 @@ class _Walker:
         self.skipped = skipped
         self.seen_code: set[int] = set()
         self.seen_objects: set[int] = set()
+        self.hook_dicts: list[dict] = []
+        self.hook_names: list[str] = []
+
+    def counted_hooks(self) -> None:
+        """One guard on the sizes of every hook dict the walk met (hundreds: a length
+        test each, in one C loop)."""
+        if self.hook_dicts:
+            self.guards.add(
+                _HOOK_COUNTS, self.hook_dicts, tuple(self.hook_names),
+                tuple(map(len, self.hook_dicts)), "the number of hooks",
+            )
 
     def module(self, mod: torch.nn.Module, name: str) -> None:
         d = mod.__dict__
@@ -399,8 +422,10 @@ class _Walker:
 
     def hooks(self, hooks: dict, name: str) -> None:
         """A hook registered or removed after the capture changes what the step
-        computes: their number, and each one by identity, are guards."""
-        self.guards.add(_LEN, hooks, None, len(hooks), f"the number of {name}")
+        computes: their number (one guard for all the dicts: ``counted_hooks``), and
+        each one by identity, are guards."""
+        self.hook_dicts.append(hooks)
+        self.hook_names.append(name)
         for position, (handle, hook) in enumerate(hooks.items()):  # named by position:
             # handles count up per process, so another model's are other numbers
             self.guards.hook_entries.add(len(self.guards.entries))

@@ -12,6 +12,8 @@ DTensor's local tensor (no copy). Nothing is installed until compilation has suc
 
 from __future__ import annotations
 
+import operator
+import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -303,6 +305,9 @@ class FeedPlan:
     # (input, output) positions of the state the program may hand back as it was fed,
     # updated in place (NOTE: [state donation]); write-back skips those it did
     passthrough: tuple[tuple[int, int], ...] = ()
+    # the state DTensors the last fresh feed read, weakly, with their positions and the
+    # walk they were read on (``WalkMemo``): a call on that walk reads them again
+    kept: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     @staticmethod
     def of(program: DistributedProgram) -> FeedPlan:
@@ -324,6 +329,34 @@ class FeedPlan:
             tuple((oi, name, tuple(slots)) for (oi, name), slots in optim.items()),
             tuple(other), tuple(padded), donation_pairs(program),
         )
+
+
+def _feed_state(
+    plan: FeedPlan, bindings: StepBindings, flat: list[Any], captured: Any
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Feed the parameters, buffers and optimizer state by name; returns the positions
+    and the DTensors fed."""
+    local_tensor_of = private.local_tensor_of
+    positions: list[int] = []
+    objects: list[torch.Tensor] = []
+    params, buffers = bindings.params, bindings.buffers
+    for pos, name in plan.params:
+        objects.append(params[name])
+        positions.append(pos)
+    for pos, name in plan.buffers:
+        objects.append(buffers[name])
+        positions.append(pos)
+    for oi, name, slots in plan.optim:
+        state = bindings.optim_state(oi, name)
+        for pos, key in slots:
+            value = state[key]
+            if not isinstance(value, DTensor) and not isinstance(value, torch.Tensor):
+                raise KeyError(captured.inputs[pos][0])
+            objects.append(value)
+            positions.append(pos)
+    for pos, value in zip(positions, objects, strict=True):
+        flat[pos] = local_tensor_of(value)  # type: ignore[arg-type]
+    return positions, objects
 
 
 def _feed(
@@ -349,18 +382,16 @@ def _feed(
             flat[pos] = _state_value(bindings, ref)
         else:
             flat[pos] = local_tensor_of(_state_value(bindings, ref))  # type: ignore[arg-type]
-    params, buffers = bindings.params, bindings.buffers
-    for pos, name in plan.params:
-        flat[pos] = local_tensor_of(params[name])  # type: ignore[arg-type]
-    for pos, name in plan.buffers:
-        flat[pos] = local_tensor_of(buffers[name])  # type: ignore[arg-type]
-    for oi, name, slots in plan.optim:
-        state = bindings.optim_state(oi, name)
-        for pos, key in slots:
-            value = state[key]
-            if not isinstance(value, DTensor) and not isinstance(value, torch.Tensor):
-                raise KeyError(captured.inputs[pos][0])
-            flat[pos] = local_tensor_of(value)  # type: ignore[arg-type]
+    memo = bindings.memo
+    walk = (id(memo), memo.generation) if memo is not None and bindings.unchanged else None
+    kept = plan.kept
+    if walk is not None and kept and kept[0] == walk:  # the same objects: no lookups
+        positions, refs = kept[1], kept[2]
+        for pos, local in zip(positions, private.local_tensors_of(map(operator.call, refs)), strict=True):
+            flat[pos] = local
+    else:
+        positions, objects = _feed_state(plan, bindings, flat, captured)
+        kept[:] = [walk, positions, [weakref.ref(t) for t in objects]] if walk is not None else []
     for pos, name in plan.padded:
         flat[pos] = _pad_rows(
             flat[pos], program.local_inputs[pos].shape, sim, program.padded_dims.get(name, 0)
