@@ -11,7 +11,8 @@ changed). What is guarded, found without running anything (over-guarding rather 
 missing a value):
 - every module and submodule of the step, and every module the code reaches by name (a
   global or closure loss module): the scalar entries of its ``__dict__`` (int,
-  float, bool, str, None, torch dtypes and devices, and tuples / lists / dicts of those),
+  float, bool, str, None, torch dtypes and devices, NumPy scalars and arrays (by
+  value), and tuples / lists / dicts of those),
   descending into plain objects it holds (a config object) up to ``OBJECT_DEPTH``, plus
   the number of entries of its ``__dict__`` (an attribute added later is seen);
 - the code of the step function and of the ``forward`` of the modules' own classes (not
@@ -254,12 +255,34 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
 
 
 def _frozen(value: Any) -> Any:
-    """Mutable containers compared by content (lists become tuples)."""
+    """Mutable containers compared by content (lists become tuples; a NumPy array its
+    dtype, shape and values, a NumPy scalar its dtype and value)."""
     if type(value) is list:
         return tuple(_frozen(v) for v in value)
     if type(value) is dict:
         return tuple((k, _frozen(v)) for k, v in value.items())
+    numpy = _numpy_kind(value)
+    if numpy == "scalar":
+        return ("numpy", str(value.dtype), value.item())
+    if numpy == "array":
+        values = value.tolist() if value.size <= NUMPY_VALUES else value.tobytes()
+        return ("numpy array", str(value.dtype), value.shape, _frozen(values))
     return value
+
+
+# a NumPy array guarded by more values than this is compared by its bytes (which the
+# persistent cache's key cannot describe: such a step has no key before capture)
+NUMPY_VALUES = 4096
+
+
+def _numpy_kind(value: Any) -> str | None:
+    """"array", "scalar" or None; NumPy is not imported (an optional dependency)."""
+    cls = type(value)
+    if cls.__module__ != "numpy":
+        return None
+    if cls.__name__ == "ndarray":
+        return "array"
+    return "scalar" if hasattr(value, "dtype") and hasattr(value, "item") else None
 
 
 def iterator_position(value: Any) -> Any:
@@ -293,7 +316,7 @@ def _show(value: Any) -> str:
 
 def is_scalar(value: Any) -> bool:
     """Python values a trace bakes in as constants (and containers of them)."""
-    if isinstance(value, _SCALARS):
+    if isinstance(value, _SCALARS) or _numpy_kind(value) is not None:
         return True
     if type(value) in (tuple, list):
         return all(is_scalar(v) for v in value)

@@ -100,3 +100,24 @@ def test_guards_follow_the_objects_of_the_call():
     other.config.scale = 5.0  # the derived guards read the new model's config
     assert held.first_change(bindings) == "module <root>.config.scale was 1.0, now 5.0"
     assert guards.first_change(_bindings(first)) is None  # the first model's own: unchanged
+
+
+def test_numpy_values_are_guarded_by_value():
+    """A NumPy scalar or array a forward reads is baked into the program like a Python
+    number; before, neither was guarded (a new `np.float32` scale, or an array changed
+    in place, kept the capture's value)."""
+    import numpy as np
+
+    model = Net()
+    model.np_scale = np.float32(2.0)
+    model.np_weights = np.array([1.0, 2.0])
+    bindings = _bindings(model)
+    guards = build_guards(step, bindings, frozenset())
+    assert guards.first_change(bindings) is None
+    model.np_weights[1] = 5.0  # in place: the same object
+    assert guards.first_change(bindings).startswith("module <root>.np_weights was ('numpy array'")
+    model.np_weights[1] = 2.0
+    model.np_scale = np.float64(2.0)  # the same value, another dtype
+    assert guards.first_change(bindings) == (
+        "module <root>.np_scale was ('numpy', 'float32', 2.0), now ('numpy', 'float64', 2.0)"
+    )
