@@ -240,9 +240,13 @@ class StepBindings:
         (``WalkMemo``).
         """
         key: list[Any] = [self.args_spec]
-        # Float arguments: graph inputs or guards (NOTE: [guards on Python values]).
+        # Float arguments: graph inputs or guards (NOTE: [guards on Python values]); an
+        # unhashable one (a NumPy array) by its type, its value is a guard
         key += [a if not isinstance(a, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, float))
                 or type(a) is bool else type(a).__name__ for a in self.flat_args]
+        for i, a in enumerate(key):
+            if getattr(type(a), "__hash__", None) is None:
+                key[i] = _unhashable_argument(a, i - 1)
         # by name, at a known place: api._key_change names the one that changed
         key.append(tuple(self.optimizer_settings().items()))
         key.append(tuple([m.training for m in self.submodules]))
@@ -409,6 +413,18 @@ def _optimizer_ids(optimizers: list[torch.optim.Optimizer]) -> list[int]:
         out += [id(k) for d in dicts for k in d]
         out += [id(v) for d in dicts for v in d.values()]
     return out
+
+
+def _unhashable_argument(value: Any, index: int) -> str:
+    """The key's part for an argument that cannot be hashed: its type, when the guards
+    hold its value (a NumPy array); else refused (nothing would tell two calls apart)."""
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        return "numpy.ndarray"
+    raise SPMDCompileError(
+        f"argument {index} of the step is a {type(value).__name__}, which cannot be hashed: "
+        "a compiled step could not tell its values in two calls apart.",
+        hint="pass it as a tuple, a tensor (a batch input) or an object with attributes.",
+    )
 
 
 def _state_hashable(v: Any) -> Any:

@@ -5,6 +5,7 @@ gave."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -181,3 +182,19 @@ def test_walk_memo_holds_no_optimizer_state() -> None:
     del opt
     gc.collect()
     assert held() is None
+
+
+def test_unhashable_arguments_in_the_key() -> None:
+    """A NumPy array argument is keyed by its type (its values are a guard); before, the
+    key's hash failed with numpy's TypeError. Another unhashable one is refused."""
+    import numpy as np
+
+    from spmd_compiler.errors import SPMDCompileError
+
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    key = find_bindings(_step, (model, opt, np.array([1.0, 2.0])), {}).static_key()
+    hash(key)
+    assert "numpy.ndarray" in key
+    with pytest.raises(SPMDCompileError, match="argument 2 of the step is a set"):
+        find_bindings(_step, (model, opt, {1, 2}), {}).static_key()
