@@ -43,13 +43,15 @@ in place of another, a global rebound to a new config object. Reading the first 
 containers then checks the wrong objects: a model built with ``scale=3.0`` ran the
 program traced with ``scale=1.0``, silently (and the guards kept the first model's
 parameters alive). So the guards also record how the walk reached each container: the
-call's submodules (weakly, in walk order) and every link (a dict entry, a closure cell,
-an argument) through which it descended into an object. A call whose submodules or links
-are other objects derives the guards afresh from its own objects and compares them with
-the program's, value for value and code object for code object: equal, the program runs
-and its guards read the new objects from then on; different, the step compiles anew,
-logged with the first value that differs. Checking the links costs a dictionary lookup
-and an identity test each; the submodules, one identity test each.
+call's submodules and optimizers (weakly, in walk order, with their classes) and every
+link (a dict entry, a closure cell, an argument) through which it descended into an
+object. A call whose submodules, optimizers or links are other objects derives the
+guards afresh from its own objects and compares them with the program's, value for
+value, code object for code object and class for class (a stateless ``nn.Sigmoid`` in
+place of an ``nn.Tanh`` differs in nothing else): equal, the program runs and its guards
+read the new objects from then on; different, the step compiles anew, logged with the
+first difference. Checking the links costs a dictionary lookup and an identity test
+each; the submodules and optimizers, one identity test each (4 us on an 8-layer GPT).
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ NUMPY_VALUES = 4096
 
 
 def _numpy_kind(value: Any) -> str | None:
-    """"array", "scalar" or None; NumPy is not imported (an optional dependency)."""
+    """"array", "scalar" or None, without importing NumPy (most steps never meet it)."""
     cls = type(value)
     if cls.__module__ != "numpy":
         return None
