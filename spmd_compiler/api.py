@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.passes import PassOptions
 
+from . import _torch_private as private
 from . import compile_cache, step_key
 from .capture.bindings import StepBindings, WalkMemo, find_bindings
 from .capture.guards import Guards, build_guards
@@ -166,8 +167,6 @@ class CompiledTrainStep:
             raise
 
     def _call(self, bindings: StepBindings, sim: Simulation | None) -> Any:
-        from . import _torch_private as private
-
         ambient = private.ambient_autocast()  # NOTE: [autocast around the step]
         if not ambient:
             return self._call_in(bindings, sim, ambient)
@@ -620,8 +619,6 @@ def step_guards(
 # registered or removed later is a change the guards see (NOTE: [guards on Python
 # values]).
 def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) -> None:
-    from . import _torch_private as private
-
     for name, p in bindings.params.items():
         if private.has_tensor_hooks(p):
             raise SPMDCompileError(
