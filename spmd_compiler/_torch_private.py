@@ -388,12 +388,12 @@ def ambient_autocast() -> tuple[tuple[str, torch.dtype], ...]:
 
 
 @contextlib.contextmanager
-def autocast_off(ambient: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
-    """Leave the autocast regions ``ambient`` for a while (NOTE: [autocast around the
-    step] in ``api.py``)."""
+def autocast_regions(ambient: tuple[tuple[str, torch.dtype], ...], enabled: bool) -> Iterator[None]:
+    """Enter the autocast regions ``ambient`` again, or leave them for a while
+    (``enabled=False``; NOTE: [autocast around the step] in ``api.py``)."""
     with contextlib.ExitStack() as stack:
-        for device, _ in ambient:
-            stack.enter_context(torch.autocast(device, enabled=False))
+        for device, dtype in ambient:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
         yield
 
 

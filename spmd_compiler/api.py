@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,7 +169,7 @@ class CompiledTrainStep:
         ambient = private.ambient_autocast()  # NOTE: [autocast around the step]
         if not ambient:
             return self._call_in(bindings, sim, ambient)
-        with private.autocast_off(ambient):
+        with private.autocast_regions(ambient, enabled=False):
             return self._call_in(bindings, sim, ambient)
 
     def _call_in(self, bindings: StepBindings, sim: Simulation | None, ambient: tuple) -> Any:
@@ -253,7 +252,7 @@ class CompiledTrainStep:
             entries[i] = (held, executable)
             if change is None:
                 return executable
-        if len(self._cache.get(key, [])) >= MAX_BRANCH_PROGRAMS:
+        if len(entries) >= MAX_BRANCH_PROGRAMS:
             raise self._too_many_ways()
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self.func.__name__)
@@ -395,7 +394,7 @@ class CompiledTrainStep:
                 how, capture_seconds = "hit", 0.0
             else:
                 with progress.stage("capture"), step_key.record_environment() as environment:
-                    with _autocast_again(key[-1]):
+                    with private.autocast_regions(key[-1], enabled=True):
                         captured, guards = self._capture_guarded(bindings, input_metas, decisions)
                 guards.add_environment(environment)
                 capture_seconds = captured.capture_seconds
@@ -639,13 +638,8 @@ def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) ->
 # an ``autocast(enabled=False)`` region). The regions are part of the program key. Before,
 # the key ignored them: a program traced without autocast ran under the caller's autocast,
 # its matmuls cast at run time (a loss 3e-3 off the eager autocast step's), and one traced
-# under it ran in float32 calls alike.
-@contextlib.contextmanager
-def _autocast_again(ambient: tuple) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for device, dtype in ambient:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
-        yield
+# under it ran in float32 calls alike. (``private.autocast_regions``: left in ``_call``,
+# entered again around the capture in ``_compile``.)
 
 
 def _warn_of_constants_in_arguments(outside: list[Any]) -> None:

@@ -148,6 +148,14 @@ class StepBindings:
     memo: WalkMemo | None = field(default=None, repr=False)
     unchanged: bool = field(default=False, repr=False)
 
+    @property
+    def walk(self) -> tuple[int, int] | None:
+        """Which fresh walk these bindings' objects are all from (the memo and its
+        generation), or None when some object is another: what the runtime's checks and
+        lookups on those objects are kept by (NOTE: [one walk over the state per call])."""
+        memo = self.memo
+        return (id(memo), memo.generation) if memo is not None and self.unchanged else None
+
     @functools.cached_property
     def module_fqns(self) -> dict[int, str]:
         """id(submodule) -> display FQN (computed when a compile needs it, not per step)."""
@@ -418,13 +426,23 @@ def _optimizer_ids(optimizers: list[torch.optim.Optimizer]) -> list[int]:
 def _unhashable_argument(value: Any, index: int) -> str:
     """The key's part for an argument that cannot be hashed: its type, when the guards
     hold its value (a NumPy array); else refused (nothing would tell two calls apart)."""
-    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+    if numpy_kind(value) == "array":
         return "numpy.ndarray"
     raise SPMDCompileError(
         f"argument {index} of the step is a {type(value).__name__}, which cannot be hashed: "
         "a compiled step could not tell its values in two calls apart.",
         hint="pass it as a tuple, a tensor (a batch input) or an object with attributes.",
     )
+
+
+def numpy_kind(value: Any) -> str | None:
+    """"array", "scalar" or None, without importing NumPy (most steps never meet it)."""
+    cls = type(value)
+    if cls.__module__ != "numpy":
+        return None
+    if cls.__name__ == "ndarray":
+        return "array"
+    return "scalar" if hasattr(value, "dtype") and hasattr(value, "item") else None
 
 
 def _state_hashable(v: Any) -> Any:

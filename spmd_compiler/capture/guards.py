@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from .bindings import StepBindings
+from .bindings import StepBindings, numpy_kind
 from .code_names import names_in
 
 OBJECT_DEPTH = 2
@@ -263,7 +263,7 @@ def _frozen(value: Any) -> Any:
         return tuple(_frozen(v) for v in value)
     if type(value) is dict:
         return tuple((k, _frozen(v)) for k, v in value.items())
-    numpy = _numpy_kind(value)
+    numpy = numpy_kind(value)
     if numpy == "scalar":
         return ("numpy", str(value.dtype), value.item())
     if numpy == "array":
@@ -275,16 +275,6 @@ def _frozen(value: Any) -> Any:
 # a NumPy array guarded by more values than this is compared by its bytes (which the
 # persistent cache's key cannot describe: such a step has no key before capture)
 NUMPY_VALUES = 4096
-
-
-def _numpy_kind(value: Any) -> str | None:
-    """"array", "scalar" or None, without importing NumPy (most steps never meet it)."""
-    cls = type(value)
-    if cls.__module__ != "numpy":
-        return None
-    if cls.__name__ == "ndarray":
-        return "array"
-    return "scalar" if hasattr(value, "dtype") and hasattr(value, "item") else None
 
 
 def iterator_position(value: Any) -> Any:
@@ -318,7 +308,7 @@ def _show(value: Any) -> str:
 
 def is_scalar(value: Any) -> bool:
     """Python values a trace bakes in as constants (and containers of them)."""
-    if isinstance(value, _SCALARS) or _numpy_kind(value) is not None:
+    if isinstance(value, _SCALARS) or numpy_kind(value) is not None:
         return True
     if type(value) in (tuple, list):
         return all(is_scalar(v) for v in value)

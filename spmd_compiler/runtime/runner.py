@@ -75,8 +75,7 @@ def install_state(
     last checked against that walk, not even that (NOTE: [one walk over the state per
     call]).
     """
-    memo = bindings.memo
-    walk = (id(memo), memo.generation) if memo is not None and bindings.unchanged else None
+    walk = bindings.walk
     if verified is not None and walk is not None and walk in verified:
         return
     if verified is not None and all(
@@ -283,10 +282,11 @@ def run_program(
 # both, and anything else that changes the state puts new objects there), and
 # ``install_state`` skips its check when it last passed on that walk. Everything else
 # the key holds (training flags, hyper-parameters, each parameter's shape, gradient,
-# ``requires_grad`` and hooks) is read every call. Write-back skips the state a program updated in place (handed back as the very
-# tensor it was fed, ``FeedPlan.passthrough``), and the walks test ``isinstance(x,
-# DTensor)`` before ``isinstance(x, torch.Tensor)`` (105 against 13 ns for a subclass):
-# 836 -> 603 us a call on the 8-layer GPT with the key's cache shortcut in ``api.py``.
+# ``requires_grad`` and hooks) is read every call. Write-back skips the state a program
+# updated in place (handed back as the very tensor it was fed, ``FeedPlan.passthrough``),
+# and the walks test ``isinstance(x, DTensor)`` before ``isinstance(x, torch.Tensor)``
+# (105 against 13 ns for a subclass): 836 -> 603 us a call on the 8-layer GPT with the
+# key's cache shortcut in ``api.py``; 636 -> 402 with ``WalkMemo``.
 
 @dataclass(frozen=True)
 class FeedPlan:
@@ -382,8 +382,7 @@ def _feed(
             flat[pos] = _state_value(bindings, ref)
         else:
             flat[pos] = local_tensor_of(_state_value(bindings, ref))  # type: ignore[arg-type]
-    memo = bindings.memo
-    walk = (id(memo), memo.generation) if memo is not None and bindings.unchanged else None
+    walk = bindings.walk
     kept = plan.kept
     if walk is not None and kept and kept[0] == walk:  # the same objects: no lookups
         positions, refs = kept[1], kept[2]
