@@ -22,7 +22,7 @@ from . import _torch_private as private
 from . import compile_cache, step_key
 from .capture.bindings import StepBindings, WalkMemo, find_bindings
 from .capture.guards import Guards, build_guards
-from .capture.kept_tensors import install_placeholders, kept_container_ids
+from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import replayed
 from .capture.trace import capture_step
 from .errors import SPMDCompileError
@@ -585,12 +585,13 @@ class CompiledTrainStep:
 
 def step_guards(
     func: Callable[..., Any], bindings: StepBindings, graph_args: frozenset[int],
-    captured: CapturedStep | None = None,
+    captured: CapturedStep | None = None, again: bool = False,
 ) -> Guards:
     """The guards of a program compiled from ``func`` (``captured``: the capture that
     made it, whose kept containers and stepped schedulers are not guarded and whose
     outside tensors are), able to derive themselves on another call's objects (NOTE:
-    [guards follow the call's objects])."""
+    [guards follow the call's objects]); ``again``: derived on such a call, whose
+    outside tensors are found afresh where the capture found its own."""
     skipped: frozenset[int] = frozenset()
     if captured is not None:
         # NOTE: [tensors the step keeps]; NOTE: [schedulers stepped in the step]: their
@@ -599,10 +600,18 @@ def step_guards(
             id(bindings.schedulers[s.index]) for s in captured.scheduler_steps
         }
     guards = build_guards(func, bindings, graph_args, skipped)
-    if captured is not None:
-        for outside in captured.outside:  # NOTE: [tensors read from outside the arguments]
-            guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)
-    guards.rebuild = functools.partial(step_guards, func, graph_args=graph_args, captured=captured)
+    if captured is not None and captured.outside:  # NOTE: [tensors read from outside the arguments]
+        found = {f.label: f for f in KeptTensors(func, bindings, bindings.call).outside.values()} if again else {}
+        for outside in captured.outside:
+            place = found.get(outside.label)
+            if not again:
+                guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)
+            elif place is None:  # the call's objects hold no tensor there: a change
+                guards.add_absent_tensor(outside.label)
+            else:  # another tensor there differs from the program's constant (its id)
+                version = outside.version if place.tensor is outside.tensor else place.tensor._version
+                guards.add_tensor(place.container, place.key, place.tensor, version, outside.label)
+    guards.rebuild = functools.partial(step_guards, func, graph_args=graph_args, captured=captured, again=True)
     return guards
 
 

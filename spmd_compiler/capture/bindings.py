@@ -35,6 +35,7 @@ from ..ir.signature import Kind, StateRef, optim_state_dtype
 from .containers import open_containers
 from .grad_scalers import find_scalers, scaler_key, scaler_state
 from .lr_schedulers import find_schedulers
+from .plain_objects import keyed_by_class
 
 # id(old parameter) -> (a weak reference to it, the DTensor parameter that replaced it);
 # an entry goes when its old parameter is freed
@@ -249,11 +250,14 @@ class StepBindings:
         """
         key: list[Any] = [self.args_spec]
         # Float arguments: graph inputs or guards (NOTE: [guards on Python values]); an
-        # unhashable one (a NumPy array) by its type, its value is a guard
+        # unhashable one (a NumPy array) by its type, its value is a guard; a plain
+        # object by its class, what it holds is guarded (``keyed_by_class``)
         key += [a if not isinstance(a, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, float))
                 or type(a) is bool else type(a).__name__ for a in self.flat_args]
         for i, a in enumerate(key):
-            if getattr(type(a), "__hash__", None) is None:
+            if i and type(a) is not str and keyed_by_class(a):
+                key[i] = ("an object of class", type(a))
+            elif getattr(type(a), "__hash__", None) is None:
                 key[i] = _unhashable_argument(a, i - 1)
         # by name, at a known place: api._key_change names the one that changed
         key.append(tuple(self.optimizer_settings().items()))

@@ -18,6 +18,16 @@ def names_in(code: types.CodeType) -> Iterator[str]:
             yield from names_in(const)
 
 
+def strings_in(code: types.CodeType) -> Iterator[str]:
+    """The string constants of ``code`` and its nested code that are identifiers: the
+    attribute names a ``getattr(obj, "name")`` and the keys a ``d["name"]`` read."""
+    for const in code.co_consts:
+        if isinstance(const, str) and const.isidentifier():
+            yield const
+        elif isinstance(const, types.CodeType):
+            yield from strings_in(const)
+
+
 def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type | tuple[type, ...]) -> list[Any]:
     """The objects of ``kind`` a step can reach by name: its arguments, the globals its
     code names, its closure variables and, for a bound method, the attributes of its
@@ -40,4 +50,4 @@ def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type
     return found
 
 
-__all__ = ["names_in", "reachable_by_name"]
+__all__ = ["names_in", "reachable_by_name", "strings_in"]

@@ -12,16 +12,19 @@ missing a value):
 - every module and submodule of the step, and every module the code reaches by name (a
   global or closure loss module): the scalar entries of its ``__dict__`` (int,
   float, bool, str, None, torch dtypes and devices, NumPy scalars and arrays (by
-  value), and tuples / lists / dicts of those),
-  descending into plain objects it holds (a config object) up to ``OBJECT_DEPTH``, plus
-  the number of entries of its ``__dict__`` (an attribute added later is seen);
+  value), and tuples / lists / dicts of those, named tuples and ``OrderedDict`` s
+  too), descending into the plain objects, dicts, lists and tuples it holds (a config
+  object, a list of them) up to ``OBJECT_DEPTH``, and below that by name (NOTE:
+  [guards below the walked depth]), plus the number of entries of each ``__dict__``,
+  dict and list (an attribute added later is seen);
 - the code of the step function and of the ``forward`` of the modules' own classes (not
   torch's), and of every method, function they reach through ``self.name``, global
-  names, attribute names and closure cells, transitively: each global or closure cell
-  it names that holds a scalar, and each scalar attribute it names of a module, class
-  or object it reaches that way;
-- non-tensor arguments that are not graph inputs, and the scalar attributes of object
-  arguments;
+  names, attribute names and closure cells, transitively: each global or closure value
+  it names, walked by name (NOTE: [guards below the walked depth]), and each class
+  attribute it names of those classes (``class Block(nn.Module): scale = 2.0``);
+- non-tensor arguments that are not graph inputs, and what object arguments hold (an
+  object argument is keyed by its class, so a new one with the same settings reuses
+  the program: ``capture/plain_objects.py``);
 - the environment variables the capture read (``os.environ[...]``, ``os.getenv``), by
   the step or by a library it calls (a library's reads while it is first imported are
   its own settings and left out);
@@ -52,16 +55,45 @@ place of an ``nn.Tanh`` differs in nothing else): equal, the program runs and it
 read the new objects from then on; different, the step compiles anew, logged with the
 first difference. Checking the links costs a dictionary lookup and an identity test
 each; the submodules and optimizers, one identity test each (4 us on an 8-layer GPT).
+
+NOTE: [guards below the walked depth]
+The walk above reads every entry of what a module holds down to ``OBJECT_DEPTH`` levels.
+Deeper values (``self.cfg.model.attention.scale``), and the objects the step's code
+reaches by name (a global or closure config object, and so what a helper reads of the
+global it is handed: ``gain_of(GAIN)`` reading ``g.inner.k``), are walked by name: of
+an object, module or class, the attributes that some code the walk reached names
+(``co_names``, and the string constants for ``getattr(cfg, "scale")`` and
+``d["key"]``); of a dict, list or tuple, every item. An attribute the code names that
+the object does not hold but its class does (``class Settings: base = 2.0``) is guarded
+on the class, and its absence on the object too (a value set there later shadows the
+class's); a method the code calls on it is walked, so the names and globals it reads
+join. The walk repeats until no walked code adds a name. Before it, a list of config
+objects on a module, an attribute three objects down, an object in a global tuple or
+dict, a class attribute, and what a helper reads of a global were all unguarded: a
+change ran the old program silently (``tests/unit/test_guards_by_name_walk.py``,
+``tests/sim/test_guards_by_name.py``). Bounds:
+- what a library's code reaches by name (transformers' registries and logger) and
+  what the standard library's objects hold (a logger, ``linecache.cache``,
+  ``os.environ``; ``SimpleNamespace`` and ``argparse.Namespace`` excepted) are read one
+  level: the scalars the code names of them, nothing below;
+- at most ``NAMED_OBJECTS`` objects are walked by name; a walk that reaches more (a
+  dataset's list of samples) stops there, logs a warning naming where, and leaves what
+  lies below unguarded;
+- what no walked code names is not guarded: a value torch's own code reads of a user's
+  object, or an attribute read through a computed name.
+A name shared by many objects (``step``, ``scale``) is guarded wherever the walk meets
+it: over-guarding, which recompiles (logged) rather than runs a stale value.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import functools
 import inspect
+import logging
 import operator
 import os
-import sys
-import sysconfig
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -71,7 +103,10 @@ from typing import Any
 import torch
 
 from .bindings import StepBindings, numpy_kind
-from .code_names import names_in
+from .code_names import names_in, strings_in
+from .plain_objects import plain_object, skipped_function, skipped_module, stdlib_module
+
+log = logging.getLogger("spmd_compiler")
 
 OBJECT_DEPTH = 2
 _MISSING = object()
@@ -85,14 +120,14 @@ _MODULE_INTERNALS = frozenset(
 # Python values]); the other hook dicts (state_dict, load) are not the step's
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
-_SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "passes", "numpy"})
-_STDLIB = sysconfig.get_paths()["stdlib"]
 
 # Entry kinds: read ``container.get(key)``, a closure cell, a step argument, a dict length,
 # a tensor's identity and version (NOTE: [tensors read from outside the arguments]), how
 # far an iterator has gone (``iterator_position``), the sizes of all hook dicts at once
-# (one entry: four a module; its key names each dict).
-_DICT, _CELL, _ARG, _LEN, _TENSOR, _ITERATOR, _HOOK_COUNTS = range(7)
+# (one entry: four a module; its key names each dict), a list or tuple item
+# (``container[key]``), a ``_DICT`` guard on a value holding NumPy values (compared
+# frozen: ``_frozen``).
+_DICT, _CELL, _ARG, _LEN, _TENSOR, _ITERATOR, _HOOK_COUNTS, _ITEM, _NUMPY_DICT = range(9)
 
 
 @dataclass
@@ -116,9 +151,13 @@ class Guards:
     hook_entries: set[int] = field(default_factory=set, repr=False)
     # the environment variables guarded (``add_environment``), kept by a rebuild
     environment: dict[str, str | None] = field(default_factory=dict, repr=False)
+    # where the walk by name stopped, if it reached more than ``NAMED_OBJECTS`` objects
+    cut_short: str | None = field(default=None, repr=False)
 
     def add(self, kind: int, container: Any, key: Any, expected: Any, name: str) -> None:
-        self.entries.append((kind, container, key, _frozen(expected)))
+        if kind == _DICT and _numpy_inside(expected):
+            kind = _NUMPY_DICT
+        self.entries.append((kind, container, key, _snapshot(expected)))
         self.names.append(name)
 
     def first_change(self, bindings: StepBindings) -> str | None:
@@ -128,7 +167,6 @@ class Guards:
                 value = container.get(key, _MISSING)
                 if value is expected:
                     continue
-                value = _frozen(value)
             elif kind == _LEN:  # the next most (a dict's size)
                 value = len(container)
                 if value == expected:
@@ -143,7 +181,7 @@ class Guards:
                 value = _read(kind, container, key, bindings)
             if value is expected:
                 continue
-            if type(value) is not type(expected) or value != expected:
+            if type(value) is not type(expected) or _unequal(value, expected):
                 return f"{self.names[k]} was {_show(expected)}, now {_show(value)}"
         return None
 
@@ -181,6 +219,9 @@ class Guards:
                         return False
                 except ValueError:
                     return False
+            elif kind == _ITEM:
+                if key >= len(container) or container[key] is not obj:
+                    return False
             elif key >= len(bindings.flat_args) or bindings.flat_args[key] is not obj:  # _ARG
                 return False
         return True
@@ -196,7 +237,7 @@ class Guards:
             if k >= len(other.entries) or other.names[k] != name:
                 return f"the Python values the step reads changed ({name} is not read the same way)"
             value = other.entries[k][3]
-            if value is not expected and (type(value) is not type(expected) or value != expected):
+            if value is not expected and (type(value) is not type(expected) or _unequal(value, expected)):
                 return f"{name} was {_show(expected)}, now {_show(value)}"
         if len(other.entries) != len(self.entries):
             extra = other.names[len(self.entries)]
@@ -207,7 +248,13 @@ class Guards:
         """``tensor`` must stay at ``container[key]`` (a dict, or a closure cell with key
         None) with its version counter at ``version`` (NOTE: [tensors read from outside
         the arguments])."""
-        self.entries.append((_TENSOR, container, (key, tensor), ("the same tensor", version)))
+        self.entries.append((_TENSOR, container, (key, tensor), _held(tensor, version)))
+        self.names.append(name)
+
+    def add_absent_tensor(self, name: str) -> None:
+        """Derived on another call's objects, no tensor sits where the program's
+        constant ``name`` was read: these guards differ from the program's there."""
+        self.entries.append((_DICT, {}, None, "no tensor"))
         self.names.append(name)
 
     def add_environment(self, reads: dict[str, str | None]) -> None:
@@ -226,7 +273,7 @@ class Guards:
     def described(self) -> list[tuple[str, Any]]:
         """Each guard's name and the value it holds (the pre-capture cache key), but the
         hooks themselves: that key describes them by their code (``step_key``)."""
-        return [(name, ["unset"] if expected is _MISSING else expected)
+        return [(name, ["unset"] if expected is _MISSING else _frozen(expected))
                 for k, (name, (_, _, _, expected)) in enumerate(zip(self.names, self.entries, strict=True))
                 if k not in self.hook_entries]
 
@@ -243,26 +290,64 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
                 current = _MISSING
         else:
             current = container.get(name, _MISSING)
-        return ("the same tensor", tensor._version) if current is tensor else ("another value",)
+        return _held(tensor, tensor._version) if current is tensor else ("another value",)
     if kind == _LEN:
         return len(container)
+    if kind == _ITEM:
+        return _current(container[key]) if key < len(container) else _MISSING
+    if kind == _NUMPY_DICT:
+        return _frozen(container.get(key, _MISSING))
     if kind == _ITERATOR:
         return iterator_position(container)
     if kind == _CELL:
         try:
-            return _frozen(container.cell_contents)
+            return _current(container.cell_contents)
         except ValueError:
             return _MISSING
-    return _frozen(bindings.flat_args[key])
+    return _current(bindings.flat_args[key])
+
+
+def _snapshot(value: Any) -> Any:
+    """What a guard keeps of a value: a container deep-copied (compared with the live
+    one in C, no freezing per check), or frozen if it holds NumPy values."""
+    if _numpy_inside(value):
+        return _frozen(value)
+    return copy.deepcopy(value) if isinstance(value, (list, dict, tuple)) else value
+
+
+def _current(value: Any) -> Any:
+    """A live value as its guard's snapshot compares with it."""
+    return _frozen(value) if _numpy_inside(value) else value
+
+
+def _numpy_inside(value: Any) -> bool:
+    if numpy_kind(value) is not None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(map(_numpy_inside, value))
+    if isinstance(value, dict):
+        return any(map(_numpy_inside, value.values()))
+    return False
+
+
+def _unequal(value: Any, expected: Any) -> bool:
+    try:
+        return bool(value != expected)
+    except Exception:  # noqa: BLE001 - an array compared element-wise: not the same value
+        return True
 
 
 def _frozen(value: Any) -> Any:
-    """Mutable containers compared by content (lists become tuples; a NumPy array its
-    dtype, shape and values, a NumPy scalar its dtype and value)."""
-    if type(value) is list:
+    """A value holding NumPy values as one that compares by content (lists become
+    tuples; a NumPy array its dtype, shape and values, a NumPy scalar its dtype and
+    value); also how the key before capture describes every value."""
+    if isinstance(value, list):
         return tuple(_frozen(v) for v in value)
-    if type(value) is dict:
+    if isinstance(value, dict):  # an OrderedDict, a defaultdict too
         return tuple((k, _frozen(v)) for k, v in value.items())
+    if isinstance(value, tuple) and type(value) is not torch.Size:  # (1, [2, 3]): the list
+        items = tuple(_frozen(v) for v in value)
+        return value if all(map(operator.is_, items, value)) else items
     numpy = numpy_kind(value)
     if numpy == "scalar":
         return ("numpy", str(value.dtype), value.item())
@@ -302,17 +387,30 @@ def iterator_position(value: Any) -> Any:
     return (type(value).__name__, *state) if state else None
 
 
+def _held(tensor: torch.Tensor, version: int) -> tuple[str, int, int]:
+    """What a tensor guard expects: this tensor (by id: the guard holds it, so the id is
+    its own) at this version; guards derived on another call's objects that found
+    another tensor differ in it (NOTE: [guards follow the call's objects])."""
+    return ("the same tensor", version, id(tensor))
+
+
 def _show(value: Any) -> str:
-    return "unset" if value is _MISSING else repr(value)
+    if value is _MISSING:
+        return "unset"
+    if type(value) is tuple and value[:1] == ("the same tensor",):
+        return f"the tensor read at capture (version {value[1]})"
+    if type(value) is tuple and value == ("another value",):
+        return "another value"
+    return repr(value)
 
 
 def is_scalar(value: Any) -> bool:
     """Python values a trace bakes in as constants (and containers of them)."""
     if isinstance(value, _SCALARS) or numpy_kind(value) is not None:
         return True
-    if type(value) in (tuple, list):
+    if isinstance(value, (tuple, list)):  # named tuples and subclasses too
         return all(is_scalar(v) for v in value)
-    if type(value) is dict:
+    if isinstance(value, dict):
         return all(isinstance(k, _SCALARS) and is_scalar(v) for k, v in value.items())
     return False
 
@@ -353,7 +451,7 @@ def build_guards(
         if walker.iterator(arg, f"argument {i} of the step"):
             continue
         if hasattr(arg, "__dict__"):
-            walker.object_dict(arg, f"argument {i} of the step", OBJECT_DEPTH)
+            walker.whole(arg, f"argument {i} of the step", OBJECT_DEPTH)
     classes: dict[type, None] = {}
     for mi, mod in enumerate(bindings.modules):
         for fqn, sub in mod.named_modules():
@@ -368,6 +466,7 @@ def build_guards(
         if not skipped_module(cls.__module__):
             for fn in functions_of(inspect.getattr_static(cls, "forward", None)):
                 walker.function(fn, cls)
+    walker.by_name()
     walker.counted_hooks()
     return guards
 
@@ -381,14 +480,6 @@ def functions_of(value: Any) -> Iterator[types.FunctionType]:
         yield value
 
 
-def skipped_module(name: str | None) -> bool:
-    return name is None or name.split(".")[0] in _SKIPPED_PACKAGES or name in sys.builtin_module_names
-
-
-def skipped_function(fn: types.FunctionType) -> bool:
-    return skipped_module(fn.__globals__.get("__name__")) or fn.__code__.co_filename.startswith(_STDLIB)
-
-
 class _Walker:
     def __init__(self, guards: Guards, skipped: frozenset[int] = frozenset()) -> None:
         self.guards = guards
@@ -397,6 +488,15 @@ class _Walker:
         self.seen_objects: set[int] = set()
         self.hook_dicts: list[dict] = []
         self.hook_names: list[str] = []
+        # NOTE: [guards below the walked depth]: every name and string the walked code
+        # holds; what waits to be walked by those names, as (value, path, where read)
+        self.read_names: set[str] = set()
+        # (value, path, where read, whether what it holds is walked on: not where only
+        # a library's code reaches it)
+        self.pending: collections.deque[tuple[Any, str, str, bool]] = collections.deque()
+        self.named: list[tuple[Any, str, str, bool, set[str]]] = []
+        self.visited = 0
+        self.seen_class_attributes: set[tuple[int, str]] = set()
 
     def counted_hooks(self) -> None:
         """One guard on the sizes of every hook dict the walk met (hundreds: a length
@@ -417,7 +517,7 @@ class _Walker:
         for key, value in d.items():
             if key in _MODULE_INTERNALS or "hook" in key or isinstance(value, torch.nn.Module):
                 continue
-            self.value_in_dict(d, key, value, f"{name}.{key}", OBJECT_DEPTH)
+            self.value(_DICT, d, key, value, f"{name}.{key}", OBJECT_DEPTH)
 
     def reached_module(self, mod: torch.nn.Module, name: str) -> None:
         """A module the step reaches by name, not by argument (a global or closure
@@ -452,32 +552,137 @@ class _Walker:
         call's objects])."""
         self.guards.links.append((kind, container, key, value))
 
-    def value_in_dict(self, d: dict, key: Any, value: Any, name: str, depth: int) -> None:
+    def value(self, kind: int, container: Any, key: Any, value: Any, name: str, depth: int) -> None:
+        """``value``, found at ``container[key]`` (``kind``: a dict entry or a list /
+        tuple item): guarded if a scalar, else walked whole for ``depth`` more levels and
+        by name below them."""
         if isinstance(value, torch.Tensor) or id(value) in self.skipped:
             return
         if is_scalar(value):
-            self.guards.add(_DICT, d, key, value, name)
+            self.guards.add(kind, container, key, value, name)
         elif iterator_position(value) is not None:
             # an iterator found by walking a whole object (a trainer's data iterator,
             # advanced between calls) is guarded only where the step's code names it
             # (``named_iterators``)
             return
-        elif type(value) is dict and depth > 0:
-            self.link(_DICT, d, key, value)
-            self.guards.add(_LEN, value, None, len(value), f"the number of entries of {name}")
-            for k, v in value.items():
-                self.value_in_dict(value, k, v, f"{name}[{k!r}]", depth - 1)
-        elif depth > 0 and plain_object(value):
-            self.link(_DICT, d, key, value)
-            self.object_dict(value, name, depth - 1)
+        elif depth > 0 and _descends(value):
+            self.link(kind, container, key, value)
+            self.whole(value, name, depth - 1)
+        elif depth <= 0 and _by_name(value):
+            self.link(kind, container, key, value)
+            self.pending.append((value, name, "", _deep(value)))
 
-    def object_dict(self, obj: Any, name: str, depth: int) -> None:
-        if id(obj) in self.seen_objects:  # a config object many submodules share
+    def whole(self, value: Any, name: str, depth: int) -> None:
+        """Every entry of a dict, list, tuple or plain object's ``__dict__``, and of
+        what they hold for ``depth`` more levels (a config object, a list of them); its
+        number of entries too (an attribute added later is seen)."""
+        if id(value) in self.seen_objects:  # a config object many submodules share
             return
-        self.seen_objects.add(id(obj))
-        d = vars(obj)
-        for k, v in list(d.items()):
-            self.value_in_dict(d, k, v, f"{name}.{k}", depth)
+        self.seen_objects.add(id(value))
+        for kind, container, key, item, path in _entries(value, name):
+            if key is None:
+                self.guards.add(_LEN, container, None, len(container), path)
+            else:
+                self.value(kind, container, key, item, path, depth)
+        if not _container(value):  # its class's attributes the code names
+            self.named.append((value, name, "", _deep(value), set(vars(value))))
+
+    def by_name(self) -> None:
+        """NOTE: [guards below the walked depth]: what lies deeper than ``OBJECT_DEPTH``,
+        and the objects the step's code reaches by name (a global or closure config
+        object), walked to any depth through the attributes some walked code names;
+        containers (dicts, lists, tuples) whole. Runs until no walked code adds a name."""
+        while True:
+            while self.pending:
+                value, path, where, deep = self.pending.popleft()
+                if id(value) in self.seen_objects:
+                    continue
+                self.seen_objects.add(id(value))
+                self.visited += 1
+                if self.visited > NAMED_OBJECTS:
+                    self.cut_short(path + where)
+                    return
+                if _container(value):
+                    for kind, container, key, item, name in _entries(value, path):
+                        if key is None:
+                            self.guards.add(_LEN, container, None, len(container), name + where)
+                        else:
+                            self.named_value(kind, container, key, item, name, where, deep)
+                else:
+                    self.named.append((value, path, where, deep, set()))
+            grew = False
+            for obj, path, where, deep, done in self.named:
+                d = vars(obj)
+                for attribute in sorted((d.keys() & self.read_names) - done):
+                    done.add(attribute)
+                    grew = True
+                    self.named_value(_DICT, d, attribute, d[attribute], f"{path}.{attribute}", where, deep)
+                if isinstance(obj, (type, types.ModuleType)):
+                    continue
+                for attribute in sorted(((_class_names(type(obj)) & self.read_names) - done) - d.keys()):
+                    # read from its class: guarded there, and a value set on the object
+                    # later would shadow it
+                    done.add(attribute)
+                    grew = True
+                    self.class_attribute(type(obj), attribute)
+                    self.guards.add(_DICT, d, attribute, _MISSING, f"{path}.{attribute}{where}")
+            if not grew and not self.pending:
+                return
+
+    def cut_short(self, path: str) -> None:
+        self.guards.cut_short = path
+        if path not in _WARNED:
+            _WARNED.add(path)
+            log.warning(
+                "guards: the step reaches more than %d objects by name; %s and what lies "
+                "below it are not guarded, so a change there will not recompile the step "
+                "(NOTE: [guards below the walked depth])", NAMED_OBJECTS, path,
+            )
+
+    def named_value(
+        self, kind: int, container: Any, key: Any, value: Any, path: str, where: str, descend: bool,
+        deep: bool | None = None,
+    ) -> None:
+        """A value found by name (``by_name``): guarded if a scalar; functions walked,
+        modules as ``reached_module``; objects and containers walked on by name if
+        ``descend``, what they hold too if ``deep`` (default: ``descend``)."""
+        if isinstance(value, torch.Tensor) or id(value) in self.skipped:
+            return
+        name = path + where
+        if is_scalar(value):
+            self.guards.add(kind, container, key, value, name)
+            return
+        if self.iterator(value, name):  # the code names it: ``next(self.ticks)``
+            self.link(kind, container, key, value)
+            return
+        functions = list(functions_of(value))
+        if not (functions or isinstance(value, torch.nn.Module) or _by_name(value)):
+            return
+        self.link(kind, container, key, value)
+        for fn in functions:
+            self.function(fn)
+        if isinstance(value, torch.nn.Module):
+            self.reached_module(value, name)
+        elif not functions and descend:
+            self.pending.append((value, path, where, (descend if deep is None else deep) and _deep(value)))
+
+    def class_attribute(self, cls: type, attribute: str) -> bool:
+        """Where a user class (or a base) defines ``attribute``: guarded if a scalar
+        (``class Block(nn.Module): scale = 2.0``), walked with ``cls`` if a method;
+        whether one defines it."""
+        for owner in cls.__mro__:
+            if skipped_module(owner.__module__) or stdlib_module(owner.__module__):
+                return False
+            d = owner.__dict__
+            if attribute in d:
+                value = d[attribute]
+                if is_scalar(value) and (id(d), attribute) not in self.seen_class_attributes:
+                    self.seen_class_attributes.add((id(d), attribute))
+                    self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
+                for fn in functions_of(value):  # a method the code calls on the object
+                    self.function(fn, cls)
+                return True
+        return False
 
     def callable(self, func: Any) -> None:
         """The step: a function, a bound method, a ``functools.partial`` or an object
@@ -487,13 +692,13 @@ class _Walker:
             return
         if isinstance(func, types.MethodType):
             if plain_object(func.__self__):
-                self.object_dict(func.__self__, type(func.__self__).__name__, OBJECT_DEPTH)
+                self.whole(func.__self__, type(func.__self__).__name__, OBJECT_DEPTH)
                 self.named_iterators(func.__self__, func.__func__, type(func.__self__).__name__)
             func = func.__func__
         if isinstance(func, types.FunctionType):
             self.function(func)
         elif plain_object(func):
-            self.object_dict(func, type(func).__name__, OBJECT_DEPTH)
+            self.whole(func, type(func).__name__, OBJECT_DEPTH)
             for fn in functions_of(inspect.getattr_static(type(func), "__call__", None)):
                 self.function(fn, type(func))
 
@@ -509,7 +714,8 @@ class _Walker:
 
     def function(self, fn: types.FunctionType, cls: type | None = None) -> None:
         """Walk ``fn``'s code; with ``cls``, the methods of ``cls`` it names too (the
-        helpers a ``forward`` calls through ``self``)."""
+        helpers a ``forward`` calls through ``self``) and the scalar class attributes
+        it names (``self.scale`` set on the class)."""
         if id(fn.__code__) in self.seen_code or skipped_function(fn):
             return
         self.seen_code.add(id(fn.__code__))
@@ -517,40 +723,42 @@ class _Walker:
         self.guards.code_files.add(fn.__code__.co_filename)
         where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
         names = sorted(set(names_in(fn.__code__)))  # sorted: the same walk every time
+        # a library's globals (transformers' registries, its logger) are its own: what
+        # they hold is not walked, only the values its code names of them
+        deep = "-packages" not in fn.__code__.co_filename
+        self.read_names.update(names)
+        self.read_names.update(strings_in(fn.__code__))  # getattr(config, "scale"), d["key"]
         if cls is not None:
             for name in names:
-                for method in functions_of(inspect.getattr_static(cls, name, None)):
-                    self.function(method, cls)
-        reached: list[Any] = []
+                self.class_attribute(cls, name)
         for name in names:
-            value = fn.__globals__.get(name, _MISSING)
+            # ``@pytest_ar``, ``@py_builtins``: what pytest's rewritten ``assert`` calls,
+            # not the step's (its source cache would be a guard: ``linecache.cache``)
+            value = fn.__globals__.get(name, _MISSING) if name.isidentifier() else _MISSING
             if value is not _MISSING:
-                self.reach(fn.__globals__, name, value, f"global {name!r} read by {where}", names, reached)
+                self.reach(_DICT, fn.__globals__, name, value, f"global {name}", f" (read by {where})", deep)
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
             try:
                 value = cell.cell_contents
             except ValueError:
                 continue
-            if id(value) in self.skipped:
-                continue
-            if is_scalar(value):
-                self.guards.add(_CELL, cell, None, value, f"closure value {name!r} of {where}")
-                continue
-            self.link(_CELL, cell, None, value)
-            if not self.iterator(value, f"closure value {name!r} of {where}"):
-                reached.append(value)
-        for obj in reached:
-            self.attributes(obj, set(names), where)
+            self.reach(_CELL, cell, None, value, f"closure value {name}", f" (of {where})", deep)
 
-    def reach(self, d: dict, name: str, value: Any, label: str, names: list[str], reached: list) -> None:
+    def reach(self, kind: int, container: Any, key: Any, value: Any, path: str, where: str, deep: bool) -> None:
+        """A global or closure value the code names: a scalar is guarded; functions,
+        modules, objects and containers are walked by name (``by_name``), and what
+        those hold too if ``deep`` (the user's code names it, not a library's)."""
         if id(value) in self.skipped:
             return
-        if is_scalar(value):
-            self.guards.add(_DICT, d, name, value, label)
+        # torch's and the standard library's modules and classes hold no settings of the
+        # step (``linecache.cache``, ``logging``'s state)
+        if isinstance(value, types.ModuleType) and (
+            skipped_module(value.__name__) or stdlib_module(value.__name__)
+        ):
             return
-        self.link(_DICT, d, name, value)
-        if not self.iterator(value, label):
-            reached.append(value)
+        if isinstance(value, type) and (skipped_module(value.__module__) or stdlib_module(value.__module__)):
+            return
+        self.named_value(kind, container, key, value, path, where, True, deep)
 
     def iterator(self, value: Any, label: str) -> bool:
         """Guard where an iterator the step reaches has got to; whether it was one."""
@@ -560,34 +768,85 @@ class _Walker:
         self.guards.add(_ITERATOR, value, None, position, f"the position of iterator {label}")
         return True
 
-    def attributes(self, obj: Any, names: set[str], where: str) -> None:
-        """Functions ``obj`` leads to are walked; the scalar attributes the code names
-        (``config.scale``) are guarded."""
-        for fn in functions_of(obj):
-            self.function(fn)
-            return
-        if isinstance(obj, torch.nn.Module):
-            self.reached_module(obj, f"{type(obj).__name__} read by {where}")
-            return
-        if isinstance(obj, torch.Tensor) or not hasattr(obj, "__dict__"):
-            return
-        if isinstance(obj, types.ModuleType) and skipped_module(obj.__name__):
-            return
-        if isinstance(obj, type) and skipped_module(obj.__module__):
-            return
-        d = vars(obj)
-        for name in sorted(names & d.keys()):
-            value = d[name]
-            if id(value) in self.skipped:
-                continue
-            label = f"{getattr(obj, '__name__', type(obj).__name__)}.{name} read by {where}"
-            if is_scalar(value):
-                self.guards.add(_DICT, d, name, value, label)
-                continue
-            self.link(_DICT, d, name, value)
-            if not self.iterator(value, label):
-                for fn in functions_of(value):
-                    self.function(fn)
+
+# objects the walk by name visits at most (NOTE: [guards below the walked depth])
+NAMED_OBJECTS = 10_000
+_WARNED: set[str] = set()
+
+
+_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _container(value: Any) -> bool:
+    """A dict (an ``OrderedDict``, a ``defaultdict``), a list or a tuple (a named tuple
+    too). Other subclasses are walked as plain objects: their ``get`` may be their own."""
+    cls = type(value)
+    return cls in _MAPPINGS or cls in (list, tuple) or (issubclass(cls, tuple) and hasattr(cls, "_fields"))
+
+
+def _descends(value: Any) -> bool:
+    """Whether the walk goes into ``value``: a container of more than scalars, or a
+    plain object."""
+    return _container(value) or plain_object(value)
+
+
+# the standard library's classes whose objects hold settings (``args.dropout``)
+_NAMESPACES = frozenset({"types.SimpleNamespace", "argparse.Namespace"})
+
+
+def _by_name(value: Any) -> bool:
+    """Whether the walk by name goes into ``value``: a container, a plain object, or a
+    module or class that is not torch's (or this compiler's, or a builtin), nor a
+    module of the standard library."""
+    if _container(value) or plain_object(value):
+        return True
+    if isinstance(value, types.ModuleType):  # not the standard library's (``linecache``)
+        return not skipped_module(value.__name__) and not stdlib_module(value.__name__)
+    return isinstance(value, type) and not skipped_module(value.__module__)
+
+
+def _deep(value: Any) -> bool:
+    """Whether the walk by name goes on into what ``value`` holds: not for a library's
+    or the standard library's modules (``linecache.cache``, ``os.environ``: only the
+    values the code names of them), nor for objects of the standard library's classes
+    (a logger, a file) other than namespaces."""
+    if _container(value):
+        return True
+    if isinstance(value, types.ModuleType):
+        path = getattr(value, "__file__", None) or ""
+        return not stdlib_module(value.__name__) and "-packages" not in path
+    cls = value if isinstance(value, type) else type(value)
+    return not stdlib_module(cls.__module__) or f"{cls.__module__}.{cls.__qualname__}" in _NAMESPACES
+
+
+def _class_names(cls: type) -> set[str]:
+    """The attribute names the user classes among ``cls`` and its bases define."""
+    names: set[str] = set()
+    for owner in cls.__mro__:
+        if skipped_module(owner.__module__) or stdlib_module(owner.__module__):
+            break
+        names.update(owner.__dict__)
+    return names
+
+
+def _entries(value: Any, name: str) -> Iterator[tuple[int, Any, Any, Any, str]]:
+    """(kind, container, key, item, name) for each entry of a dict, list, tuple or
+    object's ``__dict__`` (a class's or module's too); first, for all but a tuple,
+    (``_LEN``, container, None, None, name of its size)."""
+    if type(value) in _MAPPINGS:
+        yield _LEN, value, None, None, f"the number of entries of {name}"
+        for k, v in list(value.items()):
+            yield _DICT, value, k, v, f"{name}[{k!r}]"
+    elif _container(value):
+        if type(value) is list:
+            yield _LEN, value, None, None, f"the number of items of {name}"
+        for i, v in enumerate(value):
+            yield _ITEM, value, i, v, f"{name}[{i}]"
+    else:
+        d = vars(value)
+        yield _LEN, d, None, None, f"the number of attributes of {name}"
+        for k, v in list(d.items()):
+            yield _DICT, d, k, v, f"{name}.{k}"
 
 
 def _hook_kind(key: str) -> str:
@@ -597,14 +856,5 @@ def _hook_kind(key: str) -> str:
     if words[-2] in ("pre", "post"):
         return " ".join([*words[:-2], f"{words[-2]}-{words[-1]}"])
     return " ".join(words)
-
-
-def plain_object(value: Any) -> bool:
-    """Objects whose attributes a forward may read as settings (a config object)."""
-    if isinstance(value, (types.FunctionType, types.MethodType, types.ModuleType, type)):
-        return False
-    if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
-        return False
-    return hasattr(value, "__dict__") and not skipped_module(type(value).__module__)
 
 

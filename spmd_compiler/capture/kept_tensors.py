@@ -59,8 +59,9 @@ from .. import _torch_private as private
 from ..errors import SPMDCompileError
 from .bindings import StepBindings
 from .code_names import names_in
-from .guards import functions_of, plain_object, skipped_function, skipped_module
+from .guards import functions_of
 from .outside_tensors import FoundTensor
+from .plain_objects import plain_object, skipped_function, skipped_module
 from .traced_items import TracedItem
 
 DEPTH = 2

@@ -187,17 +187,19 @@ def weighted_step(model, optim, x, y, options: Options):
 
 
 def test_another_object_argument_gets_its_own_settings():
-    """(An object argument is part of the program key by identity: each new one
-    compiles; what matters here is that none runs another's settings.)"""
+    """An object argument is keyed by its class (``keyed_by_class``): a new one with
+    the settings of a program already compiled runs that program, and none runs
+    another's settings."""
     compiled = sc.compile(parallel_mode=DataParallel("replicate"))(weighted_step)
     with sc.simulate(world_size=WORLD):
         a, a_twin = _pair(Scaled())
         _with_optimizers(a, a_twin)
-        for seed, weight in enumerate([1.0, 3.0, 3.0]):
+        for seed, weight in enumerate([1.0, 3.0, 3.0, 1.0]):
             x, y = _batch(seed)
             got = compiled(a, _sgd_of[id(a)], x, y, Options(weight)).item()
             want = weighted_step(a_twin, _sgd_of[id(a_twin)], x, y, Options(weight)).item()
             assert abs(got - want) <= TOL * max(1.0, abs(want)), (weight, got, want)
+    assert compiled.compile_count == 2
 
 
 CRITERION = nn.CrossEntropyLoss()

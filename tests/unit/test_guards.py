@@ -53,7 +53,7 @@ def test_guards_name_what_forward_and_its_helpers_read():
     assert "module <root>.config.scale" in names
     assert "module <root>.config.inner.flag" in names
     assert "module act.negative_slope" in names
-    assert any(n.startswith("global 'THRESHOLD' read by clip") for n in names)
+    assert any(n.startswith("global THRESHOLD (read by clip") for n in names)
     assert not any("UNREAD_GLOBAL" in n for n in names)
     assert "argument 3 of the step" in names
 

@@ -1,0 +1,63 @@
+"""Which code and objects are the user's: what the guards walk and how arguments are keyed.
+
+A *plain object* is an instance of a class that is not torch's, NumPy's, this
+compiler's or a builtin, with a ``__dict__``, and not a function, module, class, tensor,
+``nn.Module`` or optimizer: a config object, a trainer, a loss object with settings.
+The guards walk its attributes (NOTE: [guards on Python values] in ``guards.py``). Such
+an object passed to the step is keyed by its class (``keyed_by_class``), not by
+identity: a new config object on every call with the same settings reuses the program,
+since the guards compare what it holds (NOTE: [guards follow the call's objects]).
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import sysconfig
+import types
+from typing import Any
+
+import torch
+
+_SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "passes", "numpy"})
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def skipped_module(name: str | None) -> bool:
+    return name is None or name.split(".")[0] in _SKIPPED_PACKAGES or name in sys.builtin_module_names
+
+
+def skipped_function(fn: types.FunctionType) -> bool:
+    return skipped_module(fn.__globals__.get("__name__")) or fn.__code__.co_filename.startswith(_STDLIB)
+
+
+def plain_object(value: Any) -> bool:
+    """Objects whose attributes a forward may read as settings (a config object)."""
+    if isinstance(value, (types.FunctionType, types.MethodType, types.ModuleType, type)):
+        return False
+    if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+        return False
+    return hasattr(value, "__dict__") and not skipped_module(type(value).__module__)
+
+
+def stdlib_module(name: str | None) -> bool:
+    """A module of the standard library (or a builtin one): its objects are not walked
+    by name (a logger, ``linecache.cache``, ``os.environ``: NOTE: [guards below the
+    walked depth])."""
+    if name is None or name in sys.builtin_module_names:
+        return True
+    path = getattr(sys.modules.get(name), "__file__", None)
+    return not isinstance(path, str) or (path.startswith(_STDLIB) and "-packages" not in path)
+
+
+def keyed_by_class(value: Any) -> bool:
+    """Whether an argument of the step is keyed by its class, its contents guarded: a
+    plain object of a class with a source file outside the standard library (a
+    ``functools.partial`` keeps its function where no guard sees it), not an enum
+    member (keyed by value)."""
+    if not plain_object(value) or isinstance(value, enum.Enum):
+        return False
+    return not stdlib_module(type(value).__module__)
+
+
+__all__ = ["keyed_by_class", "plain_object", "skipped_function", "skipped_module", "stdlib_module"]

@@ -1,0 +1,192 @@
+"""Guards below ``OBJECT_DEPTH`` and through what the code reaches by name (no tracing).
+
+NOTE: [guards below the walked depth] in ``capture/guards.py``. Each case builds the
+guards of a step, changes one Python value the step reads, and checks that
+``first_change`` names it. Before the walk by name, every one of these values was
+unguarded: the compiled step silently ran the program traced with the old value
+(``tests/sim/test_guards_by_name.py`` runs some of them end to end).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+from spmd_compiler.capture import guards as guards_module
+from spmd_compiler.capture.bindings import find_bindings
+from spmd_compiler.capture.guards import build_guards
+
+
+class Stage:
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+
+class Holder:
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+
+class Gain:
+    def __init__(self, gain: float) -> None:
+        self.gain = gain
+
+
+class Note:
+    def __init__(self, label: str) -> None:
+        self.label = label  # no code the step runs names it
+
+
+class Settings:
+    base = 2.0  # a class attribute the code reads through an instance
+
+    def __init__(self) -> None:
+        self.inner = Holder(Stage(1.5))
+
+    def factor(self) -> float:
+        return self.base * MULTIPLIER
+
+
+class Pair(NamedTuple):
+    low: float
+    high: float
+
+
+MULTIPLIER = 3.0
+SETTINGS = Settings()
+STAGES = (Stage(2.0), Stage(4.0))
+TABLE = {"gain": Stage(0.5)}
+
+
+def read_inner(settings: Settings) -> float:
+    """A helper handed a global object: reads what the caller's code never names."""
+    return settings.inner.inner.k
+
+
+class Net(nn.Module):
+    scale = 1.0  # a class attribute of the module's class
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.stages = [Stage(1.0), Stage(2.0)]
+        self.deep = Holder(Holder(Holder(Stage(3.0))))
+        self.named = Holder(Holder(Gain(1.0)))  # ``gain`` is only a string in forward
+        self.spec = (1, [2, 3])
+        self.table = collections.OrderedDict(a=1.0)
+        self.pair = Pair(0.0, 1.0)
+        self.shallow = Holder(Note("x"))  # within OBJECT_DEPTH: walked whole
+        self.unread = Holder(Holder(Note("x")))  # the note below it: by name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x) * self.scale * self.stages[1].k * self.deep.inner.inner.inner.k
+        h = h * getattr(self.named.inner.inner, "gain") * self.spec[1][0] * self.table["a"]  # noqa: B009
+        h = h.clamp(self.pair.low, self.pair.high)
+        h = h * read_inner(SETTINGS) * SETTINGS.factor() * STAGES[1].k * TABLE["gain"].k
+        return h
+
+
+def step(model, optim, x):  # noqa: ANN001
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+@pytest.fixture
+def restore():
+    """Put back the globals and class attributes a case changes."""
+    yield
+    Net.scale, Settings.base = 1.0, 2.0
+    SETTINGS.__dict__.pop("base", None)
+    SETTINGS.inner.inner.k, STAGES[1].k, TABLE["gain"].k = 1.5, 4.0, 0.5
+    globals()["MULTIPLIER"] = 3.0
+
+
+def _guards(model: nn.Module):
+    bindings = find_bindings(step, (model, torch.optim.SGD(model.parameters(), lr=0.1), torch.ones(2, 4)), {})
+    guards = build_guards(step, bindings, frozenset())
+    assert guards.first_change(bindings) is None
+    return guards, bindings
+
+
+CHANGES = {
+    "a list item's attribute": (lambda m: setattr(m.stages[1], "k", 5.0), "module <root>.stages[1].k"),
+    "an attribute four objects down": (lambda m: setattr(m.deep.inner.inner.inner, "k", 5.0), ".inner.inner.inner.k"),
+    "an attribute read by getattr": (lambda m: setattr(m.named.inner.inner, "gain", 2.0), ".named.inner.inner.gain"),
+    "a list inside a tuple": (lambda m: m.spec[1].__setitem__(0, 7), "module <root>.spec"),
+    "an OrderedDict entry": (lambda m: m.table.__setitem__("a", 2.0), "module <root>.table"),
+    "a named tuple replaced": (lambda m: setattr(m, "pair", Pair(0.0, 2.0)), "module <root>.pair"),
+    "a module class attribute": (lambda m: setattr(Net, "scale", 2.0), "class Net.scale"),
+    "what a helper reads of a global it is passed": (
+        lambda m: setattr(SETTINGS.inner.inner, "k", 2.5), "global SETTINGS.inner.inner.k"),
+    "a class attribute a method reads": (lambda m: setattr(Settings, "base", 5.0), "class Settings.base"),
+    "an instance attribute shadowing it": (lambda m: setattr(SETTINGS, "base", 5.0), "global SETTINGS.base"),
+    "a global a method reads": (lambda m: globals().__setitem__("MULTIPLIER", 4.0), "global MULTIPLIER"),
+    "an object in a global tuple": (lambda m: setattr(STAGES[1], "k", 5.0), "global STAGES[1].k"),
+    "an object in a global dict": (lambda m: setattr(TABLE["gain"], "k", 5.0), "global TABLE['gain'].k"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHANGES))
+def test_a_change_below_the_walked_depth_is_seen(case, restore):
+    model = Net()
+    guards, bindings = _guards(model)
+    mutate, where = CHANGES[case]
+    mutate(model)
+    change = guards.first_change(bindings)
+    assert change is not None and where in change, change
+
+
+def test_attributes_no_code_names_are_not_guarded():
+    """Below the depth walked whole, only the attributes some walked code names."""
+    guards, _ = _guards(Net())
+    assert "module <root>.shallow.inner.label" in guards.names
+    assert not any(".unread.inner.inner.label" in name for name in guards.names)
+    assert any(".deep.inner.inner.inner.k" in name for name in guards.names)
+
+
+def test_a_walk_by_name_that_reaches_too_much_stops_and_warns(monkeypatch, caplog):
+    monkeypatch.setattr(guards_module, "NAMED_OBJECTS", 3)
+    monkeypatch.setattr(guards_module, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="spmd_compiler"):
+        guards, _ = _guards(Net())
+    assert guards.cut_short is not None
+    assert "are not guarded" in caplog.text and guards.cut_short in caplog.text
+
+
+class Options:
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+
+
+class OtherOptions(Options):
+    pass
+
+
+def _key(arg: object) -> tuple:
+    model = nn.Linear(2, 2)
+    return find_bindings(step, (model, torch.optim.SGD(model.parameters(), lr=0.1), arg), {}).static_key()
+
+
+def test_an_object_argument_is_keyed_by_its_class():
+    """Its contents are guards; two objects with the same class share a key (the guards
+    tell them apart), other classes do not, and what guards cannot see into stays keyed
+    by identity (a partial)."""
+    assert _key(Options(1.0)) == _key(Options(2.0))
+    assert _key(Options(1.0)) != _key(OtherOptions(1.0))
+    twice = functools.partial(max, 2)
+    assert _key(twice) == _key(twice)
+    assert _key(twice) != _key(functools.partial(max, 2))
+
+
+def test_the_model_runs():
+    """The forward these guards describe is a real one (its reads are the ones named)."""
+    model = Net()
+    assert model(torch.ones(2, 4)).shape == (2, 4)
