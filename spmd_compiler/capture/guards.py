@@ -580,7 +580,7 @@ class _Walker:
             return
         self.seen_objects.add(id(value))
         for kind, container, key, item, path in _entries(value, name):
-            if key is None:
+            if kind == _LEN:
                 self.guards.add(_LEN, container, None, len(container), path)
             else:
                 self.value(kind, container, key, item, path, depth)
@@ -604,7 +604,7 @@ class _Walker:
                     return
                 if _container(value):
                     for kind, container, key, item, name in _entries(value, path):
-                        if key is None:
+                        if kind == _LEN:
                             self.guards.add(_LEN, container, None, len(container), name + where)
                         else:
                             self.named_value(kind, container, key, item, name, where, deep)

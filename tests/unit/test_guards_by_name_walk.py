@@ -190,3 +190,13 @@ def test_the_model_runs():
     """The forward these guards describe is a real one (its reads are the ones named)."""
     model = Net()
     assert model(torch.ones(2, 4)).shape == (2, 4)
+
+
+def test_a_dict_entry_keyed_by_none_is_walked():
+    """``_entries`` marks a container's size by its kind, not by a None key."""
+    model = Net()
+    model.by_none = {None: Holder(Stage(1.0)), "x": 1}
+    guards, bindings = _guards(model)
+    model.by_none[None].inner.k = 4.0
+    change = guards.first_change(bindings)
+    assert change is not None and "module <root>.by_none[None].inner.k" in change, change
