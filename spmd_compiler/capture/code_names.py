@@ -5,6 +5,8 @@ GradScalers and LR schedulers a step uses)."""
 from __future__ import annotations
 
 import contextlib
+import dis
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,6 +28,36 @@ def strings_in(code: types.CodeType) -> Iterator[str]:
             yield const
         elif isinstance(const, types.CodeType):
             yield from strings_in(const)
+
+
+_METHOD_LOADS = frozenset({"LOAD_METHOD"})
+_STORES = frozenset({"STORE_ATTR", "DELETE_ATTR", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"})
+_VALUE_NAMES: dict[types.CodeType, frozenset[str]] = {}
+
+
+def value_names_in(code: types.CodeType) -> frozenset[str]:
+    """The names of ``code`` (and its nested code) read as values: not those only stored
+    (``self.seen = 0``) or named as a method called at once (``optim.step()``: a counter
+    ``trainer.step`` is no such method, calling it would raise). Cached per code
+    object."""
+    found = _VALUE_NAMES.get(code)
+    if found is None:
+        names: set[str] = set()
+        for instruction in dis.get_instructions(code):
+            if not isinstance(instruction.argval, str) or instruction.opname == "LOAD_CONST":
+                continue
+            if instruction.opname in _STORES:  # ``self.seen = 0`` reads nothing
+                continue
+            if instruction.opname in _METHOD_LOADS or (  # 3.12+: LOAD_ATTR, low bit set
+                sys.version_info >= (3, 12) and instruction.opname == "LOAD_ATTR" and (instruction.arg or 0) & 1
+            ):
+                continue
+            names.add(instruction.argval)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names |= value_names_in(const)
+        found = _VALUE_NAMES[code] = frozenset(names)
+    return found
 
 
 def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type | tuple[type, ...]) -> list[Any]:
@@ -50,4 +82,4 @@ def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type
     return found
 
 
-__all__ = ["names_in", "reachable_by_name", "strings_in"]
+__all__ = ["names_in", "reachable_by_name", "strings_in", "value_names_in"]

@@ -10,7 +10,9 @@ guard is checked, and a changed value compiles a new program (logged with what
 changed). What is guarded, found without running anything (over-guarding rather than
 missing a value):
 - every module and submodule of the step, and every module the code reaches by name (a
-  global or closure loss module): the scalar entries of its ``__dict__`` (int,
+  global or closure loss module): of a module of torch's or a library's class, the
+  scalar entries of its ``__dict__``; of the user's own classes, those some walked code
+  names (NOTE: [guards on the names the code reads]). Scalars are (int,
   float, bool, str, None, torch dtypes and devices, NumPy scalars and arrays (by
   value), and tuples / lists / dicts of those, named tuples and ``OrderedDict`` s
   too), descending into the plain objects, dicts, lists and tuples it holds (a config
@@ -83,10 +85,45 @@ change ran the old program silently (``tests/unit/test_guards_by_name_walk.py``,
   object, or an attribute read through a computed name.
 A name shared by many objects (``step``, ``scale``) is guarded wherever the walk meets
 it: over-guarding, which recompiles (logged) rather than runs a stale value.
+
+NOTE: [guards on the names the code reads]
+Walking every entry of what a module or object holds guards values no code reads: a
+counter or log the training loop keeps on its trainer or model (``self.global_step +=
+1``, ``model.seen += n``, ``trainer.history.append(loss)``) compiled a new program on
+every call, the step never reading it. Of an object whose classes are all the user's own
+(``read_by_name``: not torch's, a library's or the standard library's, ``nn.Module``,
+``abc.ABC`` and ``typing.Generic`` aside, and none with ``__getattr__`` or
+``__getattribute__``), the walk guards only the attributes some walked code names, at
+every depth; what such an attribute holds within ``OBJECT_DEPTH`` is walked as before
+(a transformers config on a user's module, whole). The number of its attributes stays
+a guard (an attribute set later may shadow a class attribute or answer a ``getattr``
+default: one recompile). So that a name the code reads in a way Python hides is still
+named, the walk also reads:
+- every definition of a method along the class's bases, for ``super().forward(x)``;
+- the special methods a user class defines (``__call__`` for ``self.scorer(x)``,
+  ``__getitem__``, ``__eq__``, ...), and the constructor of a class the code names
+  (``Options()`` runs ``__init__``);
+- the function a decorator of torch or the standard library wraps (``@torch.no_grad()``:
+  the wrapper's own code is torch's);
+- the code of each forward and backward hook, and of each optimizer step hook;
+- a property's getter and setter, as a method the code names.
+A scalar the code names only as a method it calls at once (``optim.step()`` names
+``step``: ``value_names_in``) is not guarded, on any object the walk by name reads:
+calling a number would raise, so the trainer's ``self.step`` counter is no guard.
+Code that reads every attribute of an object (``vars``, ``__dict__``, ``asdict``,
+``fields``, ``dir``) turns this off for the step: every entry is guarded, as before.
+Torch's and libraries' classes keep the whole walk: their own code reads what their
+objects hold (``nn.Dropout``'s ``forward`` reads ``self.p``; transformers hands its
+attention modules to functions it looks up at run time, which the walk does not read),
+so a counter kept on a transformers model still recompiles the step. What is left
+unguarded: an attribute of a user's object that only code the walk does not reach
+reads (the user's module handed to such a looked-up library function), or that is read
+through a computed name (``getattr(self, f"use_{kind}")``).
 """
 
 from __future__ import annotations
 
+import abc
 import collections
 import copy
 import functools
@@ -95,6 +132,7 @@ import logging
 import operator
 import os
 import types
+import typing
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -103,8 +141,16 @@ from typing import Any
 import torch
 
 from .bindings import StepBindings, numpy_kind
-from .code_names import names_in, strings_in
-from .plain_objects import plain_object, skipped_function, skipped_module, stdlib_module
+from .code_names import names_in, strings_in, value_names_in
+from .plain_objects import (
+    plain_object,
+    read_by_name,
+    skipped_function,
+    skipped_module,
+    stdlib_module,
+    users_class,
+    users_own_class,
+)
 
 log = logging.getLogger("spmd_compiler")
 
@@ -416,7 +462,8 @@ def is_scalar(value: Any) -> bool:
 
 
 def build_guards(
-    func: Any, bindings: StepBindings, graph_args: frozenset[int], skipped: frozenset[int] = frozenset()
+    func: Any, bindings: StepBindings, graph_args: frozenset[int], skipped: frozenset[int] = frozenset(),
+    by_name: bool = True,
 ) -> Guards:
     """Guards for a program traced from ``func`` on ``bindings`` (see the NOTE).
 
@@ -424,6 +471,8 @@ def build_guards(
         graph_args: positions in ``bindings.flat_args`` fed to the program as inputs.
         skipped: ids of containers not to guard: the lists the step appends to (NOTE:
             [tensors the step keeps]), which change every call by design.
+        by_name: guard what the user's objects hold by the names the code reads (NOTE:
+            [guards on the names the code reads]); False: every entry, as for torch's.
     """
     from .. import _torch_private as private
 
@@ -431,7 +480,7 @@ def build_guards(
     roots = [*bindings.submodules, *bindings.optimizers]
     guards.roots = [weakref.ref(root) for root in roots]
     guards.root_types = [type(root) for root in roots]
-    walker = _Walker(guards, skipped)
+    walker = _Walker(guards, skipped, by_name)
     for label, hooks in private.global_hook_dicts():
         walker.hooks(hooks, label)
     for oi, opt in enumerate(bindings.optimizers):
@@ -463,10 +512,10 @@ def build_guards(
             classes.setdefault(type(sub))
     walker.callable(func)
     for cls in classes:
-        if not skipped_module(cls.__module__):
-            for fn in functions_of(inspect.getattr_static(cls, "forward", None)):
-                walker.function(fn, cls)
+        walker.class_attribute(cls, "forward")
     walker.by_name()
+    if by_name and walker.read_names & _READS_EVERY_ATTRIBUTE:  # vars(cfg), asdict(cfg)
+        return build_guards(func, bindings, graph_args, skipped, by_name=False)
     walker.counted_hooks()
     return guards
 
@@ -481,9 +530,10 @@ def functions_of(value: Any) -> Iterator[types.FunctionType]:
 
 
 class _Walker:
-    def __init__(self, guards: Guards, skipped: frozenset[int] = frozenset()) -> None:
+    def __init__(self, guards: Guards, skipped: frozenset[int] = frozenset(), by_name: bool = True) -> None:
         self.guards = guards
         self.skipped = skipped
+        self.read_by_name = by_name  # NOTE: [guards on the names the code reads]
         self.seen_code: set[int] = set()
         self.seen_objects: set[int] = set()
         self.hook_dicts: list[dict] = []
@@ -491,10 +541,18 @@ class _Walker:
         # NOTE: [guards below the walked depth]: every name and string the walked code
         # holds; what waits to be walked by those names, as (value, path, where read)
         self.read_names: set[str] = set()
+        # of those, the names read as values (not only as a method called at once,
+        # ``optim.step()``): a scalar of a user's object is guarded by these
+        self.value_names: set[str] = set()
         # (value, path, where read, whether what it holds is walked on: not where only
         # a library's code reaches it)
         self.pending: collections.deque[tuple[Any, str, str, bool]] = collections.deque()
-        self.named: list[tuple[Any, str, str, bool, set[str]]] = []
+        # (object, path, where read, deep, attributes done, whether its number of
+        # attributes is guarded: an attribute set later is seen without guarding each
+        # name it does not hold, how many levels below it are walked whole: a named
+        # attribute of a user's object within ``OBJECT_DEPTH``)
+        self.named: list[tuple[Any, str, str, bool, set[str], bool, int]] = []
+        self.implicit_done: set[tuple[type, frozenset[str] | None]] = set()
         self.visited = 0
         self.seen_class_attributes: set[tuple[int, str]] = set()
 
@@ -514,8 +572,13 @@ class _Walker:
             hooks = d.get(key)
             if isinstance(hooks, dict):
                 self.hooks(hooks, f"{_hook_kind(key)} of {name}")
+        if self.read_by_name and read_by_name(type(mod)):  # a user's module class
+            self.guards.add(_DICT, d, "training", d.get("training", _MISSING), f"{name}.training")
+            internal = {k for k in d if _module_internal(k) or k == "training"}
+            self.named.append((mod, name, "", True, internal, True, OBJECT_DEPTH))
+            return
         for key, value in d.items():
-            if key in _MODULE_INTERNALS or "hook" in key or isinstance(value, torch.nn.Module):
+            if _module_internal(key) or isinstance(value, torch.nn.Module):
                 continue
             self.value(_DICT, d, key, value, f"{name}.{key}", OBJECT_DEPTH)
 
@@ -531,9 +594,7 @@ class _Walker:
             self.module(sub, f"{name}.{fqn}" if fqn else name)
             for child_name, child in sub._modules.items():
                 self.link(_DICT, sub._modules, child_name, child)
-            if not skipped_module(type(sub).__module__):
-                for fn in functions_of(inspect.getattr_static(type(sub), "forward", None)):
-                    self.function(fn, type(sub))
+            self.class_attribute(type(sub), "forward")
 
     def hooks(self, hooks: dict, name: str) -> None:
         """A hook registered or removed after the capture changes what the step
@@ -545,6 +606,24 @@ class _Walker:
             # handles count up per process, so another model's are other numbers
             self.guards.hook_entries.add(len(self.guards.entries))
             self.guards.add(_DICT, hooks, handle, hook, f"{name} #{position}")
+        for position, hook in enumerate(list(hooks.values())):  # what a hook reads of a module
+            self.code_of(hook, f"{name} #{position}")
+
+    def code_of(self, value: Any, name: str) -> None:
+        """Walk the code a callable runs: a function, a bound method (with what its
+        object holds), a ``functools.partial``, an object with ``__call__``."""
+        if isinstance(value, functools.partial):
+            self.code_of(value.func, name)
+        elif isinstance(value, types.MethodType):
+            if plain_object(value.__self__):
+                self.whole(value.__self__, name, OBJECT_DEPTH)
+            self.code_of(value.__func__, name)
+        elif isinstance(value, types.FunctionType):
+            self.function(value)
+        elif plain_object(value):
+            self.whole(value, name, OBJECT_DEPTH)
+            for fn in functions_of(inspect.getattr_static(type(value), "__call__", None)):
+                self.function(fn, type(value))
 
     def link(self, kind: int, container: Any, key: Any, value: Any) -> None:
         """The walk goes on into ``value``, found at ``container[key]``: a call that
@@ -579,13 +658,18 @@ class _Walker:
         if id(value) in self.seen_objects:  # a config object many submodules share
             return
         self.seen_objects.add(id(value))
+        if self.read_by_name and not _container(value) and read_by_name(type(value)):
+            d = vars(value)
+            self.guards.add(_LEN, d, None, len(d), f"the number of attributes of {name}")
+            self.named.append((value, name, "", _deep(value), set(), True, depth))
+            return
         for kind, container, key, item, path in _entries(value, name):
             if kind == _LEN:
                 self.guards.add(_LEN, container, None, len(container), path)
             else:
                 self.value(kind, container, key, item, path, depth)
         if not _container(value):  # its class's attributes the code names
-            self.named.append((value, name, "", _deep(value), set(vars(value))))
+            self.named.append((value, name, "", _deep(value), set(vars(value)), True, 0))
 
     def by_name(self) -> None:
         """NOTE: [guards below the walked depth]: what lies deeper than ``OBJECT_DEPTH``,
@@ -609,25 +693,55 @@ class _Walker:
                         else:
                             self.named_value(kind, container, key, item, name, where, deep)
                 else:
-                    self.named.append((value, path, where, deep, set()))
+                    self.named.append((value, path, where, deep, set(), False, 0))
             grew = False
-            for obj, path, where, deep, done in self.named:
+            for obj, path, where, deep, done, counted, depth in self.named:
                 d = vars(obj)
                 for attribute in sorted((d.keys() & self.read_names) - done):
+                    value = d[attribute]
+                    if attribute not in self.value_names and is_scalar(value):
+                        continue  # a user's ``self.step`` counter, named only by ``optim.step()``
                     done.add(attribute)
                     grew = True
-                    self.named_value(_DICT, d, attribute, d[attribute], f"{path}.{attribute}", where, deep)
+                    if depth > 0 and _descends(value) and not is_scalar(value):  # walked whole as
+                        self.value(_DICT, d, attribute, value, f"{path}.{attribute}", depth)  # before
+                    else:
+                        self.named_value(_DICT, d, attribute, value, f"{path}.{attribute}", where, deep)
+                if isinstance(obj, type) and not path.startswith(_SUPER_CELL):  # a class the
+                    # code names: ``Options(...)`` runs its __init__
+                    grew |= self.implicit_methods(obj, _CONSTRUCTION)
                 if isinstance(obj, (type, types.ModuleType)):
                     continue
+                grew |= self.implicit_methods(type(obj))
                 for attribute in sorted(((_class_names(type(obj)) & self.read_names) - done) - d.keys()):
                     # read from its class: guarded there, and a value set on the object
-                    # later would shadow it
+                    # later would shadow it (seen by the number of its attributes, if
+                    # guarded, else guarded as absent)
                     done.add(attribute)
                     grew = True
                     self.class_attribute(type(obj), attribute)
-                    self.guards.add(_DICT, d, attribute, _MISSING, f"{path}.{attribute}{where}")
+                    if not counted:
+                        self.guards.add(_DICT, d, attribute, _MISSING, f"{path}.{attribute}{where}")
             if not grew and not self.pending:
                 return
+
+    def implicit_methods(self, cls: type, only: frozenset[str] | None = None) -> bool:
+        """Walk the special methods a user class defines (``__call__``, ``__getitem__``,
+        ``__eq__``, a property's ``fget`` aside: Python calls them without the code naming
+        them: ``self.scorer(x)`` runs ``Scorer.__call__``), but those that make, copy
+        state into or drop an object (``__init__``: the attributes it sets are not read);
+        with ``only``, just those. Whether any was new."""
+        # an installed library's are not walked (transformers' config ``__eq__``, ``__repr__``)
+        if (cls, only) in self.implicit_done or not users_own_class(cls):
+            return False
+        self.implicit_done.add((cls, only))
+        walked = False
+        for attribute in sorted(_class_names(cls)):
+            if not (attribute.startswith("__") and attribute.endswith("__")):
+                continue
+            if (attribute in only) if only is not None else (attribute not in _NOT_CALLED_ON_READ):
+                walked |= self.class_attribute(cls, attribute)
+        return walked
 
     def cut_short(self, path: str) -> None:
         self.guards.cut_short = path
@@ -668,21 +782,29 @@ class _Walker:
 
     def class_attribute(self, cls: type, attribute: str) -> bool:
         """Where a user class (or a base) defines ``attribute``: guarded if a scalar
-        (``class Block(nn.Module): scale = 2.0``), walked with ``cls`` if a method;
-        whether one defines it."""
+        (``class Block(nn.Module): scale = 2.0``), walked with ``cls`` if a method, and
+        so are the bases' methods of that name (``super().forward(x)``); whether one
+        defines it."""
+        found = False
         for owner in cls.__mro__:
-            if skipped_module(owner.__module__) or stdlib_module(owner.__module__):
-                return False
+            if owner in _NEUTRAL_BASES:
+                continue
+            if not users_class(owner):
+                break
             d = owner.__dict__
-            if attribute in d:
-                value = d[attribute]
-                if is_scalar(value) and (id(d), attribute) not in self.seen_class_attributes:
-                    self.seen_class_attributes.add((id(d), attribute))
-                    self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
-                for fn in functions_of(value):  # a method the code calls on the object
-                    self.function(fn, cls)
-                return True
-        return False
+            if attribute not in d:
+                continue
+            value = d[attribute]
+            if not found and is_scalar(value) and (id(d), attribute) not in self.seen_class_attributes:
+                self.seen_class_attributes.add((id(d), attribute))
+                self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
+            functions = list(functions_of(value))
+            for fn in functions:  # a method the code calls on the object
+                self.function(fn, cls)
+            found = True
+            if not functions:  # a value shadows what the bases define
+                break
+        return found
 
     def callable(self, func: Any) -> None:
         """The step: a function, a bound method, a ``functools.partial`` or an object
@@ -716,7 +838,12 @@ class _Walker:
         """Walk ``fn``'s code; with ``cls``, the methods of ``cls`` it names too (the
         helpers a ``forward`` calls through ``self``) and the scalar class attributes
         it names (``self.scale`` set on the class)."""
-        if id(fn.__code__) in self.seen_code or skipped_function(fn):
+        if skipped_function(fn):  # torch's or the standard library's: a decorator's wrapper
+            wrapped = getattr(fn, "__wrapped__", None)  # (``@torch.no_grad()``) runs this
+            if isinstance(wrapped, types.FunctionType) and wrapped is not fn:
+                self.function(wrapped, cls)
+            return
+        if id(fn.__code__) in self.seen_code:
             return
         self.seen_code.add(id(fn.__code__))
         self.guards.codes.append(fn.__code__)
@@ -727,7 +854,10 @@ class _Walker:
         # they hold is not walked, only the values its code names of them
         deep = "-packages" not in fn.__code__.co_filename
         self.read_names.update(names)
-        self.read_names.update(strings_in(fn.__code__))  # getattr(config, "scale"), d["key"]
+        strings = list(strings_in(fn.__code__))
+        self.read_names.update(strings)  # getattr(config, "scale"), d["key"]
+        self.value_names.update(value_names_in(fn.__code__))
+        self.value_names.update(strings)
         if cls is not None:
             for name in names:
                 self.class_attribute(cls, name)
@@ -769,12 +899,35 @@ class _Walker:
         return True
 
 
+# names of code that reads every attribute of an object: a walk that meets one guards
+# every entry, as before NOTE: [guards on the names the code reads]
+_READS_EVERY_ATTRIBUTE = frozenset(
+    {"__dict__", "vars", "asdict", "astuple", "fields", "__getstate__", "getmembers", "dir"}
+)
+# special methods that make an object or set what it holds (``implicit_methods`` walks
+# them only for a class the code names), and a class's own records
+_CONSTRUCTION = frozenset({"__init__", "__new__", "__post_init__"})
+# the cell ``super()`` reads its class from: not a class the code constructs
+_SUPER_CELL = "closure value __class__"
+_NOT_CALLED_ON_READ = _CONSTRUCTION | frozenset(
+    {"__del__", "__setattr__", "__delattr__", "__set_name__", "__init_subclass__", "__class_getitem__",
+     "__setstate__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+     "__slots__", "__parameters__", "__orig_bases__", "__abstractmethods__", "__dataclass_fields__",
+     "__dataclass_params__", "__match_args__", "__firstlineno__", "__static_attributes__"}
+)
+
 # objects the walk by name visits at most (NOTE: [guards below the walked depth])
 NAMED_OBJECTS = 10_000
 _WARNED: set[str] = set()
 
 
 _MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _module_internal(key: str) -> bool:
+    """An entry of a module's ``__dict__`` that is torch's bookkeeping (its parameter,
+    buffer and hook dicts), not a setting: a user's ``self.hook_gain`` is one."""
+    return key in _MODULE_INTERNALS or (key.startswith("_") and "hook" in key)
 
 
 def _container(value: Any) -> bool:
@@ -823,10 +976,16 @@ def _class_names(cls: type) -> set[str]:
     """The attribute names the user classes among ``cls`` and its bases define."""
     names: set[str] = set()
     for owner in cls.__mro__:
-        if skipped_module(owner.__module__) or stdlib_module(owner.__module__):
+        if owner in _NEUTRAL_BASES:
+            continue
+        if not users_class(owner):
             break
         names.update(owner.__dict__)
     return names
+
+
+# bases that define no attribute of the step's (``abc.ABC``, ``typing.Generic``)
+_NEUTRAL_BASES = (object, abc.ABC, typing.Generic)
 
 
 def _entries(value: Any, name: str) -> Iterator[tuple[int, Any, Any, Any, str]]:

@@ -11,10 +11,12 @@ since the guards compare what it holds (NOTE: [guards follow the call's objects]
 
 from __future__ import annotations
 
+import abc
 import enum
 import sys
 import sysconfig
 import types
+import typing
 from typing import Any
 
 import torch
@@ -50,6 +52,42 @@ def stdlib_module(name: str | None) -> bool:
     return not isinstance(path, str) or (path.startswith(_STDLIB) and "-packages" not in path)
 
 
+# bases that read no attribute of their objects (an abstract base, a generic class)
+_NEUTRAL_BASES = (object, torch.nn.Module, abc.ABC, typing.Generic)
+
+
+def users_class(cls: type) -> bool:
+    """A class of the user's or a library's code: not torch's, NumPy's, this compiler's,
+    a builtin or the standard library's (a notebook's ``__main__`` has no file: the
+    user's)."""
+    module = cls.__module__
+    return not skipped_module(module) and (module == "__main__" or not stdlib_module(module))
+
+
+def users_own_class(cls: type) -> bool:
+    """A class of the user's own code: not an installed library's either."""
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    return users_class(cls) and "-packages" not in path
+
+
+def read_by_name(cls: type) -> bool:
+    """Whether code reads the attributes of a ``cls`` object only by naming them (NOTE:
+    [guards on the names the code reads] in ``guards.py``): every class it derives from
+    is the user's own (``nn.Module``, ``object``, ``abc.ABC`` and ``typing.Generic``
+    aside), so no torch, library or standard library code of its own reads them (a
+    subclass of ``nn.Dropout`` has torch's ``forward`` read ``self.p``; transformers hands
+    its attention modules to functions it looks up at run time), and none computes
+    attributes (``__getattr__``, ``__getattribute__``)."""
+    for owner in cls.__mro__:
+        if owner in _NEUTRAL_BASES:
+            continue
+        if not users_own_class(owner):
+            return False
+        if "__getattr__" in owner.__dict__ or "__getattribute__" in owner.__dict__:
+            return False
+    return True
+
+
 def keyed_by_class(value: Any) -> bool:
     """Whether an argument of the step is keyed by its class, its contents guarded: a
     plain object of a class with a source file outside the standard library (a
@@ -60,4 +98,7 @@ def keyed_by_class(value: Any) -> bool:
     return not stdlib_module(type(value).__module__)
 
 
-__all__ = ["keyed_by_class", "plain_object", "skipped_function", "skipped_module", "stdlib_module"]
+__all__ = [
+    "keyed_by_class", "plain_object", "read_by_name", "skipped_function", "skipped_module", "stdlib_module",
+    "users_class", "users_own_class",
+]

@@ -128,3 +128,41 @@ def test_a_new_options_object_every_call_reuses_its_program():
         for weight in (1.0, 1.0, 1.0, 3.0, 3.0, 1.0):
             run.check(model, twin, Options(weight))
     assert len(run.compiled.records) == 2
+
+
+class Counted(Staged):
+    """Counters and logs the training loop keeps on the model; no code the step runs
+    reads them (NOTE: [guards on the names the code reads])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+        self.metrics: dict[str, float] = {}
+
+
+def test_counters_the_loop_bumps_compile_nothing():
+    """Before, each bump of ``seen`` compiled a new program (every call)."""
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Counted())
+        for _ in range(4):
+            run.check(model, twin)
+            model.seen += 8
+            model.metrics["seen"] = float(model.seen)
+    assert len(run.compiled.records) == 1
+
+
+def test_a_value_a_hook_reads_recompiles():
+    """``hook_gain`` was skipped as hook bookkeeping before: a new value ran the old
+    program silently."""
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Staged())
+        for m in (model, twin):
+            m.hook_gain = 1.0
+            m.register_forward_hook(lambda module, args, out: out * module.hook_gain)
+        run.check(model, twin)
+        for m in (model, twin):
+            m.hook_gain = 3.0
+        run.check(model, twin)
+    assert len(run.compiled.records) == 2

@@ -23,7 +23,8 @@ class Net(nn.Module):
         self.config = types.SimpleNamespace(scale=1.0, inner=types.SimpleNamespace(flag=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._helper(self.act(self.fc(x))) / self.temperature
+        h = self._helper(self.act(self.fc(x))) / self.temperature
+        return h * self.config.scale if self.config.inner.flag else h
 
     def _helper(self, h: torch.Tensor) -> torch.Tensor:
         return clip(h)
@@ -108,7 +109,11 @@ def test_numpy_values_are_guarded_by_value():
     in place, kept the capture's value)."""
     import numpy as np
 
-    model = Net()
+    class ReadsNumPy(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * self.np_scale * float(self.np_weights.sum())
+
+    model = ReadsNumPy()
     model.np_scale = np.float32(2.0)
     model.np_weights = np.array([1.0, 2.0])
     bindings = _bindings(model)

@@ -81,8 +81,8 @@ class Net(nn.Module):
         self.spec = (1, [2, 3])
         self.table = collections.OrderedDict(a=1.0)
         self.pair = Pair(0.0, 1.0)
-        self.shallow = Holder(Note("x"))  # within OBJECT_DEPTH: walked whole
-        self.unread = Holder(Holder(Note("x")))  # the note below it: by name
+        self.shallow = Holder(Note("x"))  # a user's class: by name at every depth
+        self.unread = Holder(Holder(Note("x")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x) * self.scale * self.stages[1].k * self.deep.inner.inner.inner.k
@@ -145,10 +145,10 @@ def test_a_change_below_the_walked_depth_is_seen(case, restore):
 
 
 def test_attributes_no_code_names_are_not_guarded():
-    """Below the depth walked whole, only the attributes some walked code names."""
+    """Of a user's objects, at any depth, only the attributes some walked code names
+    (NOTE: [guards on the names the code reads])."""
     guards, _ = _guards(Net())
-    assert "module <root>.shallow.inner.label" in guards.names
-    assert not any(".unread.inner.inner.label" in name for name in guards.names)
+    assert not any(".shallow" in name or ".unread" in name for name in guards.names)
     assert any(".deep.inner.inner.inner.k" in name for name in guards.names)
 
 
@@ -192,10 +192,18 @@ def test_the_model_runs():
     assert model(torch.ones(2, 4)).shape == (2, 4)
 
 
+class KeyedByNone(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_none = {None: Holder(Stage(1.0)), "x": 1}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.by_none[None].inner.k
+
+
 def test_a_dict_entry_keyed_by_none_is_walked():
     """``_entries`` marks a container's size by its kind, not by a None key."""
-    model = Net()
-    model.by_none = {None: Holder(Stage(1.0)), "x": 1}
+    model = KeyedByNone()
     guards, bindings = _guards(model)
     model.by_none[None].inner.k = 4.0
     change = guards.first_change(bindings)
