@@ -119,6 +119,22 @@ so a counter kept on a transformers model still recompiles the step. What is lef
 unguarded: an attribute of a user's object that only code the walk does not reach
 reads (the user's module handed to such a looked-up library function), or that is read
 through a computed name (``getattr(self, f"use_{kind}")``).
+
+NOTE: [functions an object holds]
+A function, builtin, bound method or ``functools.partial`` that a module, a user's
+object or a container holds (``self.act = F.gelu``, ``self.ops = {"scale": fn}``) is a
+guard by identity (``_pinned``), and its code is walked. Before, the walk skipped such
+values where it read an object whole, and a function found by name was followed by a
+link whose replacement re-derived the guards, which compared only the code walked: for
+torch's functions, none. So ``model.act = F.relu`` in place of ``F.gelu``, a function
+swapped in a dict on the model, or a global ``ACT = F.gelu`` rebound to ``F.relu`` ran
+the old program silently (a loss 1% off eager, ``tests/sim/test_guards_by_name.py``).
+Re-derived guards now also differ where a linked function is another object
+(``difference``). A global or closure function, and a class's or module's, is not
+pinned: its link sees it replaced. The key before capture describes a function by its
+module and qualified name (``_described``), its source file being part of that key. A
+second model instance holding the same functions reuses the program; one holding
+per-instance lambdas compiles its own.
 """
 
 from __future__ import annotations
@@ -277,6 +293,11 @@ class Guards:
         guards: the first value, or the code walked; None when they are the same."""
         if len(other.codes) != len(self.codes) or not all(map(operator.is_, other.codes, self.codes)):
             return "the code the step reaches was replaced"
+        if len(other.links) != len(self.links):
+            return "the objects the step reaches changed"
+        for (_, _, key, mine), (_, _, _, theirs) in zip(self.links, other.links, strict=True):
+            if mine is not theirs and (_pinned(mine) or _pinned(theirs)):  # torch's F.relu for
+                return f"the function at {key!r} was replaced"  # F.gelu: no code of its walked
         if other.root_types != self.root_types:  # nn.Tanh for nn.Sigmoid: no attribute differs
             return "a submodule or optimizer of the step is of another class"
         for k, (name, (_, _, _, expected)) in enumerate(zip(self.names, self.entries, strict=True)):
@@ -319,7 +340,7 @@ class Guards:
     def described(self) -> list[tuple[str, Any]]:
         """Each guard's name and the value it holds (the pre-capture cache key), but the
         hooks themselves: that key describes them by their code (``step_key``)."""
-        return [(name, ["unset"] if expected is _MISSING else _frozen(expected))
+        return [(name, ["unset"] if expected is _MISSING else _described(expected))
                 for k, (name, (_, _, _, expected)) in enumerate(zip(self.names, self.entries, strict=True))
                 if k not in self.hook_entries]
 
@@ -639,6 +660,9 @@ class _Walker:
             return
         if is_scalar(value):
             self.guards.add(kind, container, key, value, name)
+        elif _pinned(value):  # ``self.act = my_act``, ``self.ops = {"a": fn}``
+            self.guards.add(kind, container, key, value, name)
+            self.code_of(value, name)
         elif iterator_position(value) is not None:
             # an iterator found by walking a whole object (a trainer's data iterator,
             # advanced between calls) is guarded only where the step's code names it
@@ -705,8 +729,9 @@ class _Walker:
                     grew = True
                     if depth > 0 and _descends(value) and not is_scalar(value):  # walked whole as
                         self.value(_DICT, d, attribute, value, f"{path}.{attribute}", depth)  # before
-                    else:
-                        self.named_value(_DICT, d, attribute, value, f"{path}.{attribute}", where, deep)
+                    else:  # a class's or module's functions: their links are compared (``difference``)
+                        self.named_value(_DICT, d, attribute, value, f"{path}.{attribute}", where, deep,
+                                         pin=not isinstance(obj, (type, types.ModuleType)))
                 if isinstance(obj, type) and not path.startswith(_SUPER_CELL):  # a class the
                     # code names: ``Options(...)`` runs its __init__
                     grew |= self.implicit_methods(obj, _CONSTRUCTION)
@@ -755,22 +780,27 @@ class _Walker:
 
     def named_value(
         self, kind: int, container: Any, key: Any, value: Any, path: str, where: str, descend: bool,
-        deep: bool | None = None,
+        deep: bool | None = None, pin: bool = True,
     ) -> None:
-        """A value found by name (``by_name``): guarded if a scalar; functions walked,
-        modules as ``reached_module``; objects and containers walked on by name if
-        ``descend``, what they hold too if ``deep`` (default: ``descend``)."""
+        """A value found by name (``by_name``): guarded if a scalar, and by identity if
+        a function (with ``pin``: not a global or closure value, which a link follows);
+        functions walked, modules as ``reached_module``; objects and containers walked on
+        by name if ``descend``, what they hold too if ``deep`` (default: ``descend``)."""
         if isinstance(value, torch.Tensor) or id(value) in self.skipped:
             return
         name = path + where
         if is_scalar(value):
             self.guards.add(kind, container, key, value, name)
             return
+        if pin and _pinned(value):  # another function put there: torch's ``F.relu`` for
+            self.guards.add(kind, container, key, value, name)  # ``F.gelu`` has no code walked
         if self.iterator(value, name):  # the code names it: ``next(self.ticks)``
             self.link(kind, container, key, value)
             return
         functions = list(functions_of(value))
         if not (functions or isinstance(value, torch.nn.Module) or _by_name(value)):
+            if _pinned(value):  # a builtin (``ACT = F.gelu``): the link sees it replaced
+                self.link(kind, container, key, value)
             return
         self.link(kind, container, key, value)
         for fn in functions:
@@ -888,7 +918,7 @@ class _Walker:
             return
         if isinstance(value, type) and (skipped_module(value.__module__) or stdlib_module(value.__module__)):
             return
-        self.named_value(kind, container, key, value, path, where, True, deep)
+        self.named_value(kind, container, key, value, path, where, True, deep, pin=False)
 
     def iterator(self, value: Any, label: str) -> bool:
         """Guard where an iterator the step reaches has got to; whether it was one."""
@@ -922,6 +952,28 @@ _WARNED: set[str] = set()
 
 
 _MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+
+
+def _pinned(value: Any) -> bool:
+    """A function, builtin, bound method or ``functools.partial`` an object holds: guarded
+    by identity (NOTE: [functions an object holds]). Before, putting another one in its
+    place (``model.act = F.relu`` for ``F.gelu``) ran the old program silently."""
+    return isinstance(value, _CALLABLES)
+
+
+def _described(value: Any) -> Any:
+    """How the key before capture describes a guarded value: a function by where it is
+    defined (its source file is part of that key), not by its address."""
+    if isinstance(value, functools.partial):
+        return ["partial", _described(value.func), list(value.args), dict(value.keywords)]
+    if isinstance(value, types.MethodType):
+        return ["method", _described(value.__func__), type(value.__self__).__qualname__]
+    if _pinned(value):
+        return ["function", getattr(value, "__module__", None), getattr(value, "__qualname__", None)]
+    return _frozen(value)
 
 
 def _module_internal(key: str) -> bool:

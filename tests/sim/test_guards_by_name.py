@@ -166,3 +166,26 @@ def test_a_value_a_hook_reads_recompiles():
             m.hook_gain = 3.0
         run.check(model, twin)
     assert len(run.compiled.records) == 2
+
+
+class Activated(Staged):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = F.gelu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+def test_another_function_put_on_the_model_recompiles():
+    """``model.act = F.relu`` for ``F.gelu`` ran the gelu program silently before (NOTE:
+    [functions an object holds])."""
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Activated())
+        run.check(model, twin)
+        for m in (model, twin):
+            m.act = F.relu
+        run.check(model, twin)
+        run.check(model, twin)
+    assert len(run.compiled.records) == 2
