@@ -118,7 +118,8 @@ attention modules to functions it looks up at run time, which the walk does not 
 so a counter kept on a transformers model still recompiles the step. What is left
 unguarded: an attribute of a user's object that only code the walk does not reach
 reads (the user's module handed to such a looked-up library function), or that is read
-through a computed name (``getattr(self, f"use_{kind}")``).
+through a computed name (``getattr(self, f"use_{kind}")``; a name held as a guarded
+string, ``getattr(self, self.key)``, is read: ``names_held``).
 
 NOTE: [functions an object holds]
 A function, builtin, bound method or ``functools.partial`` that a module, a user's
@@ -660,6 +661,7 @@ class _Walker:
             return
         if is_scalar(value):
             self.guards.add(kind, container, key, value, name)
+            self.names_held(value)
         elif _pinned(value):  # ``self.act = my_act``, ``self.ops = {"a": fn}``
             self.guards.add(kind, container, key, value, name)
             self.code_of(value, name)
@@ -791,6 +793,7 @@ class _Walker:
         name = path + where
         if is_scalar(value):
             self.guards.add(kind, container, key, value, name)
+            self.names_held(value)
             return
         if pin and _pinned(value):  # another function put there: torch's ``F.relu`` for
             self.guards.add(kind, container, key, value, name)  # ``F.gelu`` has no code walked
@@ -809,6 +812,16 @@ class _Walker:
             self.reached_module(value, name)
         elif not functions and descend:
             self.pending.append((value, path, where, (descend if deep is None else deep) and _deep(value)))
+
+    def names_held(self, value: Any) -> None:
+        """A guarded string (or tuple / list of them) may be an attribute name the code
+        reads by (``self.key = "alpha"``, then ``getattr(self, self.key)``): it names
+        that attribute (NOTE: [guards on the names the code reads])."""
+        strings = [value] if isinstance(value, str) else value if isinstance(value, (tuple, list)) else ()
+        for item in strings:
+            if isinstance(item, str) and item.isidentifier():
+                self.read_names.add(item)
+                self.value_names.add(item)
 
     def class_attribute(self, cls: type, attribute: str) -> bool:
         """Where a user class (or a base) defines ``attribute``: guarded if a scalar

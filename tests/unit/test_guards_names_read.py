@@ -255,3 +255,21 @@ def test_a_name_only_called_as_a_method_guards_no_counter():
     guards, bindings = _guards(Net(), trainer.train_step)
     trainer.step += 1
     assert guards.first_change(bindings) is None
+
+
+class ByHeldName(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.source = "gain_value"  # the attribute forward reads, by this string
+        self.gain_value = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * getattr(self, self.source)
+
+
+def test_an_attribute_read_by_a_name_the_object_holds():
+    model = ByHeldName()
+    guards, bindings = _guards(model)
+    model.gain_value = 2.0
+    assert guards.first_change(bindings) == "module <root>.gain_value was 1.0, now 2.0"
+    assert model(torch.ones(2, 4)).shape == (2, 4)
