@@ -140,7 +140,6 @@ per-instance lambdas compiles its own.
 
 from __future__ import annotations
 
-import abc
 import collections
 import copy
 import functools
@@ -149,7 +148,6 @@ import logging
 import operator
 import os
 import types
-import typing
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -165,7 +163,7 @@ from .plain_objects import (
     skipped_function,
     skipped_module,
     stdlib_module,
-    users_class,
+    users_bases,
     users_own_class,
 )
 
@@ -631,19 +629,25 @@ class _Walker:
         for position, hook in enumerate(list(hooks.values())):  # what a hook reads of a module
             self.code_of(hook, f"{name} #{position}")
 
-    def code_of(self, value: Any, name: str) -> None:
+    def code_of(self, value: Any, name: str | None, iterators: bool = False) -> None:
         """Walk the code a callable runs: a function, a bound method (with what its
-        object holds), a ``functools.partial``, an object with ``__call__``."""
+        object holds, labelled ``name`` or by its class; with ``iterators``, the
+        iterators the method names of it too), a ``functools.partial`` (whose own
+        arguments cannot change), an object with ``__call__``."""
         if isinstance(value, functools.partial):
-            self.code_of(value.func, name)
+            self.code_of(value.func, name, iterators)
         elif isinstance(value, types.MethodType):
-            if plain_object(value.__self__):
-                self.whole(value.__self__, name, OBJECT_DEPTH)
-            self.code_of(value.__func__, name)
+            owner = value.__self__
+            if plain_object(owner):
+                label = name or type(owner).__name__
+                self.whole(owner, label, OBJECT_DEPTH)
+                if iterators:
+                    self.named_iterators(owner, value.__func__, label)
+            self.code_of(value.__func__, name, iterators)
         elif isinstance(value, types.FunctionType):
             self.function(value)
         elif plain_object(value):
-            self.whole(value, name, OBJECT_DEPTH)
+            self.whole(value, name or type(value).__name__, OBJECT_DEPTH)
             for fn in functions_of(inspect.getattr_static(type(value), "__call__", None)):
                 self.function(fn, type(value))
 
@@ -829,11 +833,7 @@ class _Walker:
         so are the bases' methods of that name (``super().forward(x)``); whether one
         defines it."""
         found = False
-        for owner in cls.__mro__:
-            if owner in _NEUTRAL_BASES:
-                continue
-            if not users_class(owner):
-                break
+        for owner in users_bases(cls):
             d = owner.__dict__
             if attribute not in d:
                 continue
@@ -850,22 +850,9 @@ class _Walker:
         return found
 
     def callable(self, func: Any) -> None:
-        """The step: a function, a bound method, a ``functools.partial`` or an object
-        with ``__call__``."""
-        if isinstance(func, functools.partial):  # its own arguments cannot change
-            self.callable(func.func)
-            return
-        if isinstance(func, types.MethodType):
-            if plain_object(func.__self__):
-                self.whole(func.__self__, type(func.__self__).__name__, OBJECT_DEPTH)
-                self.named_iterators(func.__self__, func.__func__, type(func.__self__).__name__)
-            func = func.__func__
-        if isinstance(func, types.FunctionType):
-            self.function(func)
-        elif plain_object(func):
-            self.whole(func, type(func).__name__, OBJECT_DEPTH)
-            for fn in functions_of(inspect.getattr_static(type(func), "__call__", None)):
-                self.function(fn, type(func))
+        """The step: a function, a bound method (and the iterators its code names of its
+        object), a ``functools.partial`` or an object with ``__call__``."""
+        self.code_of(func, None, iterators=True)
 
     def named_iterators(self, obj: Any, fn: Any, name: str) -> None:
         """The iterator attributes of ``obj`` that ``fn``'s code names (``next(self.ticks)``)."""
@@ -1040,17 +1027,9 @@ def _deep(value: Any) -> bool:
 def _class_names(cls: type) -> set[str]:
     """The attribute names the user classes among ``cls`` and its bases define."""
     names: set[str] = set()
-    for owner in cls.__mro__:
-        if owner in _NEUTRAL_BASES:
-            continue
-        if not users_class(owner):
-            break
+    for owner in users_bases(cls):
         names.update(owner.__dict__)
     return names
-
-
-# bases that define no attribute of the step's (``abc.ABC``, ``typing.Generic``)
-_NEUTRAL_BASES = (object, abc.ABC, typing.Generic)
 
 
 def _entries(value: Any, name: str) -> Iterator[tuple[int, Any, Any, Any, str]]:

@@ -17,6 +17,7 @@ import sys
 import sysconfig
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,8 +53,9 @@ def stdlib_module(name: str | None) -> bool:
     return not isinstance(path, str) or (path.startswith(_STDLIB) and "-packages" not in path)
 
 
-# bases that read no attribute of their objects (an abstract base, a generic class)
-_NEUTRAL_BASES = (object, torch.nn.Module, abc.ABC, typing.Generic)
+# bases that define no attribute of the user's and read none of their objects' (an
+# abstract base, a generic class)
+NEUTRAL_BASES = (object, abc.ABC, typing.Generic)
 
 
 def users_class(cls: type) -> bool:
@@ -62,6 +64,17 @@ def users_class(cls: type) -> bool:
     user's)."""
     module = cls.__module__
     return not skipped_module(module) and (module == "__main__" or not stdlib_module(module))
+
+
+def users_bases(cls: type) -> Iterator[type]:
+    """``cls`` and its bases, in method resolution order, while they are the user's or a
+    library's (``users_class``); the neutral ones skipped."""
+    for owner in cls.__mro__:
+        if owner in NEUTRAL_BASES:
+            continue
+        if not users_class(owner):
+            return
+        yield owner
 
 
 def users_own_class(cls: type) -> bool:
@@ -79,7 +92,7 @@ def read_by_name(cls: type) -> bool:
     its attention modules to functions it looks up at run time), and none computes
     attributes (``__getattr__``, ``__getattribute__``)."""
     for owner in cls.__mro__:
-        if owner in _NEUTRAL_BASES:
+        if owner in NEUTRAL_BASES or owner is torch.nn.Module:
             continue
         if not users_own_class(owner):
             return False
@@ -100,5 +113,5 @@ def keyed_by_class(value: Any) -> bool:
 
 __all__ = [
     "keyed_by_class", "plain_object", "read_by_name", "skipped_function", "skipped_module", "stdlib_module",
-    "users_class", "users_own_class",
+    "NEUTRAL_BASES", "users_bases", "users_class", "users_own_class",
 ]
