@@ -60,6 +60,79 @@ def value_names_in(code: types.CodeType) -> frozenset[str]:
     return found
 
 
+# functions that read an attribute by a name given as an argument: the position of that
+# argument (``getattr(obj, name)``: 2; ``obj.__getattribute__(name)``: the last, 0)
+_NAME_ARGUMENT = {"getattr": 2, "hasattr": 2, "getattr_static": 2, "__getattribute__": 0}
+# readers whose names cannot be told from the call (``attrgetter("a.b")``,
+# ``methodcaller(name)``): always computed
+_ALWAYS_COMPUTED = frozenset({"attrgetter", "methodcaller"})
+_LOADS = frozenset(
+    {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_FAST", "LOAD_ATTR", "LOAD_METHOD", "LOAD_CLASSDEREF",
+     "LOAD_FROM_DICT_OR_DEREF", "LOAD_FROM_DICT_OR_GLOBALS", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST"}
+)
+_CALLS = frozenset({"PRECALL", "CALL", "CALL_FUNCTION", "CALL_METHOD"})
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+_COMPUTED: dict[types.CodeType, bool] = {}
+
+
+def reads_computed_attributes(code: types.CodeType) -> bool:
+    """Whether ``code`` (or its nested code) reads an attribute by a name it computes:
+    ``getattr(self, "gain_" + kind)``, ``hasattr(cfg, f"use_{x}")``,
+    ``reduce(getattr, path.split("."), obj)``. A call whose name argument is a string
+    constant (``getattr(self, "scale", 1.0)``) is not: ``strings_in`` has that name.
+    Anything this cannot follow (a branch or a ``*args`` call among the arguments, an
+    unknown opcode) counts as computed. Cached per code object."""
+    found = _COMPUTED.get(code)
+    if found is None:
+        instructions = list(dis.get_instructions(code))
+        found = any(
+            i.opname in _LOADS and i.argval in _ALWAYS_COMPUTED
+            or i.opname in _LOADS and i.argval in _NAME_ARGUMENT and not _constant_name(instructions, n)
+            for n, i in enumerate(instructions)
+        ) or any(reads_computed_attributes(c) for c in code.co_consts if isinstance(c, types.CodeType))
+        _COMPUTED[code] = found
+    return found
+
+
+def _constant_name(instructions: list[dis.Instruction], at: int) -> bool:
+    """Whether the reader loaded at ``instructions[at]`` is called at once with an
+    identifier constant as its name argument (a stack walk over its arguments)."""
+    position = _NAME_ARGUMENT[instructions[at].argval]
+    depth, depths = 0, []  # values pushed since the reader, after each instruction
+    previous = ""
+    for instruction in instructions[at + 1 :]:
+        # 3.11 calls are PRECALL n then CALL n: the CALL is the same call
+        called = instruction.opname in _CALLS and not (instruction.opname == "CALL" and previous == "PRECALL")
+        previous = instruction.opname
+        if called and depth == (instruction.arg or 0):
+            argc = depth
+            break
+        if instruction.opcode in _JUMPS or instruction.opname.startswith(("CALL_FUNCTION_", "CALL_KW")):
+            return False
+        try:
+            depth += dis.stack_effect(
+                instruction.opcode, instruction.arg if instruction.opcode >= dis.HAVE_ARGUMENT else None
+            )
+        except ValueError:
+            return False
+        if depth < 0:  # the reader was handed on (``reduce(getattr, ...)``), not called
+            return False
+        depths.append(depth)
+    else:
+        return False
+    k = position or argc
+    if not 1 <= k <= argc:
+        return False
+    # the k-th argument ends where the depth last comes down to k, and starts after the
+    # last point before that where it stood at k - 1
+    end = max(n for n, d in enumerate(depths) if d == k and all(e >= k for e in depths[n:]))
+    start = max((n for n, d in enumerate(depths[:end]) if d == k - 1), default=-1)
+    if end != start + 1:
+        return False
+    name = instructions[at + 1 + end]
+    return name.opname == "LOAD_CONST" and isinstance(name.argval, str) and name.argval.isidentifier()
+
+
 def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type | tuple[type, ...]) -> list[Any]:
     """The objects of ``kind`` a step can reach by name: its arguments, the globals its
     code names, its closure variables and, for a bound method, the attributes of its
@@ -82,4 +155,4 @@ def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type
     return found
 
 
-__all__ = ["names_in", "reachable_by_name", "strings_in", "value_names_in"]
+__all__ = ["names_in", "reachable_by_name", "reads_computed_attributes", "strings_in", "value_names_in"]
