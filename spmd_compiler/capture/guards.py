@@ -18,7 +18,10 @@ missing a value):
   too), descending into the plain objects, dicts, lists and tuples it holds (a config
   object, a list of them) up to ``OBJECT_DEPTH``, and below that by name (NOTE:
   [guards below the walked depth]), plus the number of entries of each ``__dict__``,
-  dict and list (an attribute added later is seen);
+  dict and list (an attribute added later is seen). An object with ``__slots__``
+  (``@dataclass(slots=True)``) is read through ``plain_objects.attributes``, a mapping of
+  its set slots and its ``__dict__`` if any: before, it was not walked (a changed float
+  ran the old program silently; a tensor it held was refused);
 - the code of the step function and of the ``forward`` of the modules' own classes (not
   torch's), and of every method, function they reach through ``self.name``, global
   names, attribute names and closure cells, transitively: each global or closure value
@@ -106,7 +109,10 @@ named, the walk also reads:
 - the function a decorator of torch or the standard library wraps (``@torch.no_grad()``:
   the wrapper's own code is torch's);
 - the code of each forward and backward hook, and of each optimizer step hook;
-- a property's getter and setter, as a method the code names.
+- a property's getter and setter, and a ``functools.cached_property``'s function, as a
+  method the code names; the ``__get__`` and ``__set__`` of a user's descriptor the
+  code names (``gain = Doubled()`` reading ``obj.halved_gain``: unguarded before, a
+  loss 1.47 off eager's 2.58 after a change).
 A scalar the code names only as a method it calls at once (``optim.step()`` names
 ``step``: ``value_names_in``) is not guarded, on any object the walk by name reads:
 calling a number would raise, so the trainer's ``self.step`` counter is no guard.
@@ -164,10 +170,12 @@ import torch
 from .bindings import StepBindings, numpy_kind
 from .code_names import names_in, reads_computed_attributes, strings_in, value_names_in
 from .plain_objects import (
+    attributes,
     plain_object,
     read_by_name,
     skipped_function,
     skipped_module,
+    slot_names,
     stdlib_module,
     users_bases,
     users_own_class,
@@ -525,7 +533,7 @@ def build_guards(
         guards.links.append((_ARG, None, i, arg))
         if walker.iterator(arg, f"argument {i} of the step"):
             continue
-        if hasattr(arg, "__dict__"):
+        if hasattr(arg, "__dict__") or slot_names(type(arg)):
             walker.whole(arg, f"argument {i} of the step", OBJECT_DEPTH)
     classes: dict[type, None] = {}
     for mi, mod in enumerate(bindings.modules):
@@ -555,7 +563,9 @@ def build_guards(
 def functions_of(value: Any) -> Iterator[types.FunctionType]:
     if isinstance(value, (staticmethod, classmethod, types.MethodType)):
         value = value.__func__
-    if isinstance(value, property):
+    if isinstance(value, (functools.cached_property, functools.partialmethod)):
+        yield from functions_of(value.func)
+    elif isinstance(value, property):
         yield from (f for f in (value.fget, value.fset) if isinstance(f, types.FunctionType))
     elif isinstance(value, types.FunctionType):
         yield value
@@ -703,7 +713,7 @@ class _Walker:
             return
         self.seen_objects.add(id(value))
         if self.read_by_name and not _container(value) and read_by_name(type(value)):
-            d = vars(value)
+            d = attributes(value)
             self.guards.add(_LEN, d, None, len(d), f"the number of attributes of {name}")
             self.named.append((value, name, "", _deep(value), set(), True, depth))
             return
@@ -713,7 +723,7 @@ class _Walker:
             else:
                 self.value(kind, container, key, item, path, depth)
         if not _container(value):  # its class's attributes the code names
-            self.named.append((value, name, "", _deep(value), set(vars(value)), True, 0))
+            self.named.append((value, name, "", _deep(value), set(attributes(value)), True, 0))
 
     def by_name(self) -> None:
         """NOTE: [guards below the walked depth]: what lies deeper than ``OBJECT_DEPTH``,
@@ -740,7 +750,7 @@ class _Walker:
                     self.named.append((value, path, where, deep, set(), False, 0))
             grew = False
             for obj, path, where, deep, done, counted, depth in self.named:
-                d = vars(obj)
+                d = attributes(obj)
                 for attribute in sorted((d.keys() & self.read_names) - done):
                     value = d[attribute]
                     if attribute not in self.value_names and is_scalar(value):
@@ -860,8 +870,21 @@ class _Walker:
                 self.function(fn, cls)
             found = True
             if not functions:  # a value shadows what the bases define
+                self.descriptor(value, f"class {owner.__qualname__}.{attribute}", cls)
                 break
         return found
+
+    def descriptor(self, value: Any, name: str, cls: type) -> None:
+        """A user's descriptor as a class attribute (``gain = Doubled()``): reading the
+        attribute runs its ``__get__``, whose code names what it reads of the object
+        (``obj._base``); what the descriptor holds is walked too."""
+        kind = type(value)
+        if not plain_object(value) or not users_own_class(kind) or not hasattr(kind, "__get__"):
+            return
+        for special in ("__get__", "__set__"):
+            for fn in functions_of(inspect.getattr_static(kind, special, None)):
+                self.function(fn, kind)
+        self.whole(value, name, OBJECT_DEPTH)
 
     def callable(self, func: Any) -> None:
         """The step: a function, a bound method (and the iterators its code names of its
@@ -871,9 +894,9 @@ class _Walker:
     def named_iterators(self, obj: Any, fn: Any, name: str) -> None:
         """The iterator attributes of ``obj`` that ``fn``'s code names (``next(self.ticks)``)."""
         code = getattr(fn, "__code__", None)
-        if code is None or not hasattr(obj, "__dict__"):
+        if code is None or not (hasattr(obj, "__dict__") or slot_names(type(obj))):
             return
-        d = vars(obj)
+        d = attributes(obj)
         for attribute in sorted(set(names_in(code)) & d.keys()):
             if self.iterator(d[attribute], f"{name}.{attribute}"):
                 self.link(_DICT, d, attribute, d[attribute])
@@ -1062,7 +1085,7 @@ def _entries(value: Any, name: str) -> Iterator[tuple[int, Any, Any, Any, str]]:
         for i, v in enumerate(value):
             yield _ITEM, value, i, v, f"{name}[{i}]"
     else:
-        d = vars(value)
+        d = attributes(value)
         yield _LEN, d, None, None, f"the number of attributes of {name}"
         for k, v in list(d.items()):
             yield _DICT, d, k, v, f"{name}.{k}"

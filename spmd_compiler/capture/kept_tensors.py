@@ -61,7 +61,7 @@ from .bindings import StepBindings
 from .code_names import names_in
 from .guards import functions_of
 from .outside_tensors import FoundTensor
-from .plain_objects import plain_object, skipped_function, skipped_module
+from .plain_objects import attributes, plain_object, skipped_function, skipped_module
 from .traced_items import TracedItem
 
 DEPTH = 2
@@ -149,13 +149,14 @@ class _Holder:
     label: str
     before: Any = None
 
-    def storage(self) -> dict:
-        """The dict the entries live in (an object's ``__dict__``)."""
-        return vars(self.obj) if self.kind == "object" else self.obj
+    def storage(self) -> Any:
+        """The dict the entries live in (an object's ``__dict__``, or its slots:
+        ``attributes``)."""
+        return attributes(self.obj) if self.kind == "object" else self.obj
 
-    def entries(self) -> dict:
+    def entries(self) -> Any:
         if self.kind == "object":
-            d = vars(self.obj)
+            d = attributes(self.obj)
             if isinstance(self.obj, torch.nn.Module):
                 return {k: v for k, v in d.items() if k not in _MODULE_OWN}
             return d

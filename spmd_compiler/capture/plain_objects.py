@@ -12,11 +12,14 @@ since the guards compare what it holds (NOTE: [guards follow the call's objects]
 from __future__ import annotations
 
 import abc
+import collections.abc
+import contextlib
 import enum
 import sys
 import sysconfig
 import types
 import typing
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,12 +38,102 @@ def skipped_function(fn: types.FunctionType) -> bool:
 
 
 def plain_object(value: Any) -> bool:
-    """Objects whose attributes a forward may read as settings (a config object)."""
+    """Objects whose attributes a forward may read as settings (a config object, one
+    with ``__slots__`` too: ``@dataclass(slots=True)``)."""
     if isinstance(value, (types.FunctionType, types.MethodType, types.ModuleType, type)):
         return False
     if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
         return False
-    return hasattr(value, "__dict__") and not skipped_module(type(value).__module__)
+    return (hasattr(value, "__dict__") or bool(slot_names(type(value)))) and not skipped_module(
+        type(value).__module__
+    )
+
+
+def slot_names(cls: type) -> tuple[str, ...]:
+    """The attributes the ``__slots__`` of ``cls`` and its bases hold (a private
+    ``__x`` under its mangled name), ``__dict__`` and ``__weakref__`` aside. Cached per
+    class (weakly)."""
+    try:
+        return _SLOT_NAMES[cls]
+    except (KeyError, TypeError):
+        pass
+    names: list[str] = []
+    for owner in cls.__mro__:
+        slots = owner.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{owner.__name__.lstrip('_')}{name}"
+            names.append(name)
+    found = tuple(dict.fromkeys(names))
+    with contextlib.suppress(TypeError):
+        _SLOT_NAMES[cls] = found
+    return found
+
+
+_SLOT_NAMES: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+class Attributes(collections.abc.MutableMapping):
+    """What an object with ``__slots__`` holds, its slots (those set) and its
+    ``__dict__`` if it has one, as the mapping ``vars`` gives of other objects: what the
+    guards and kept tensors read and write (NOTE: [guards on Python values] in
+    ``guards.py``)."""
+
+    __slots__ = ("obj", "slots", "rest")
+
+    def __init__(self, obj: Any, slots: tuple[str, ...]) -> None:
+        self.obj, self.slots = obj, frozenset(slots)
+        self.rest: dict[str, Any] = vars(obj) if hasattr(obj, "__dict__") else {}
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self.slots:
+            try:
+                return object.__getattribute__(self.obj, key)
+            except AttributeError:  # not set
+                return default
+        return self.rest.get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        value = self.get(key, _UNSET)
+        if value is _UNSET:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self.slots:
+            object.__setattr__(self.obj, key, value)
+        else:
+            self.rest[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        if key in self.slots:
+            try:
+                object.__delattr__(self.obj, key)
+            except AttributeError:
+                raise KeyError(key) from None
+        else:
+            del self.rest[key]
+
+    def __iter__(self) -> Iterator[str]:
+        for key in sorted(self.slots):
+            if self.get(key, _UNSET) is not _UNSET:
+                yield key
+        yield from self.rest
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+_UNSET = object()
+
+
+def attributes(obj: Any) -> Any:
+    """``vars(obj)``, or for an object with ``__slots__`` a mapping of what they hold
+    (``Attributes``)."""
+    slots = slot_names(type(obj))
+    return Attributes(obj, slots) if slots else vars(obj)
 
 
 def stdlib_module(name: str | None) -> bool:
@@ -112,6 +205,6 @@ def keyed_by_class(value: Any) -> bool:
 
 
 __all__ = [
-    "keyed_by_class", "plain_object", "read_by_name", "skipped_function", "skipped_module", "stdlib_module",
+    "Attributes", "attributes", "keyed_by_class", "slot_names", "plain_object", "read_by_name", "skipped_function", "skipped_module", "stdlib_module",
     "NEUTRAL_BASES", "users_bases", "users_class", "users_own_class",
 ]

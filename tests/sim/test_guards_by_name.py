@@ -11,6 +11,7 @@ first one's plain tensor attribute).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.nn as nn
@@ -248,3 +249,71 @@ def test_a_trainer_attribute_read_by_an_f_string_name_recompiles():
             want = got_twin(twin, run.optims[id(twin)], x, y).item()
             assert abs(got - want) <= TOL * max(1.0, abs(want)), (got, want)
     assert len(run.compiled.records) == 2
+
+
+class Doubled:
+    """A descriptor: reading ``gain`` runs ``__get__``, which reads ``halved_gain``."""
+
+    def __get__(self, obj: nn.Module, cls: type | None = None) -> float:
+        return obj.halved_gain * 2
+
+
+class Described(nn.Module):
+    gain = Doubled()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.halved_gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.gain
+
+
+def test_an_attribute_a_descriptor_reads_recompiles():
+    """No code the walk read named ``halved_gain`` (``__get__`` was not walked): a new value
+    ran the old program silently."""
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Described())
+        run.check(model, twin)
+        for m in (model, twin):
+            m.halved_gain = 4.0
+        run.check(model, twin)
+    assert len(run.compiled.records) == 2
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedOptions:
+    scale: float
+    shift: torch.Tensor
+
+
+class Slotted(Staged):
+    def __init__(self) -> None:
+        super().__init__()
+        self.options = SlottedOptions(1.0, torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.options.scale + self.options.shift
+
+
+def test_what_an_object_with_slots_holds_is_guarded():
+    """A ``@dataclass(slots=True)`` config on the model: its float was unguarded (an
+    object without ``__dict__`` was not walked: the old program ran silently) and its
+    tensor was refused as one the step cannot watch."""
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Slotted())
+        run.check(model, twin)
+        for m in (model, twin):
+            m.options.scale = 3.0
+        run.check(model, twin)
+        for m in (model, twin):
+            m.options.shift.mul_(2.0)  # in place: the tensor's version is a guard
+        run.check(model, twin)
+        for m in (model, twin):
+            m.options = SlottedOptions(0.5, torch.zeros(3, dtype=torch.float64))
+        run.check(model, twin)
+        run.check(model, twin)
+    assert len(run.compiled.records) == 4
