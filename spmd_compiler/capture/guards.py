@@ -618,11 +618,11 @@ class _Walker:
                 self.hooks(hooks, f"{_hook_kind(key)} of {name}")
         if self.read_by_name and read_by_name(type(mod)):  # a user's module class
             self.guards.add(_DICT, d, "training", d.get("training", _MISSING), f"{name}.training")
-            internal = {k for k in d if _module_internal(k) or k == "training"}
+            internal = {k for k, v in d.items() if _module_internal(k, v) or k == "training"}
             self.named.append((mod, name, "", True, internal, True, OBJECT_DEPTH))
             return
         for key, value in d.items():
-            if _module_internal(key) or isinstance(value, torch.nn.Module):
+            if _module_internal(key, value) or isinstance(value, torch.nn.Module):
                 continue
             self.value(_DICT, d, key, value, f"{name}.{key}", OBJECT_DEPTH)
 
@@ -1015,10 +1015,19 @@ def _described(value: Any) -> Any:
     return _frozen(value)
 
 
-def _module_internal(key: str) -> bool:
+def _module_internal(key: str, value: Any) -> bool:
     """An entry of a module's ``__dict__`` that is torch's bookkeeping (its parameter,
-    buffer and hook dicts), not a setting: a user's ``self.hook_gain`` is one."""
-    return key in _MODULE_INTERNALS or (key.startswith("_") and "hook" in key)
+    buffer and hook dicts, what ``nn.Module.__init__`` sets), not a setting: a user's
+    ``self.hook_gain`` or ``self._hook_scale = 2.0`` is one."""
+    return (
+        key in _MODULE_INTERNALS
+        or key in _TORCH_MODULE_ENTRIES
+        or (key.startswith("_") and "hook" in key and isinstance(value, dict))
+    )
+
+
+# what every module holds from ``nn.Module.__init__`` (``training`` is a setting)
+_TORCH_MODULE_ENTRIES = frozenset(vars(torch.nn.Module())) - {"training"}
 
 
 def _container(value: Any) -> bool:

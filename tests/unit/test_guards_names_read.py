@@ -151,6 +151,18 @@ def test_a_hook_reads_what_it_names():
     assert guards.first_change(bindings) == "module <root>.hook_gain was 2.0, now 3.0"
 
 
+def test_a_private_hook_setting_is_not_torchs_bookkeeping():
+    """``_hook_scale`` is a float, not one of torch's hook dicts: guarded (it was taken
+    for torch's bookkeeping by its name); torch's own hook dicts stay out."""
+    model = Net()
+    model._hook_scale = 2.0
+    model.register_forward_hook(lambda module, args, out: out * module._hook_scale)
+    guards, bindings = _guards(model)
+    assert not any("_forward_hooks" in name or "_is_full_backward_hook" in name for name in guards.names)
+    model._hook_scale = 3.0
+    assert guards.first_change(bindings) == "module <root>._hook_scale was 2.0, now 3.0"
+
+
 class ReadsEverything(Net):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         total = sum(v for v in vars(self.scorer).values() if isinstance(v, float))
