@@ -317,3 +317,75 @@ def test_what_an_object_with_slots_holds_is_guarded():
         run.check(model, twin)
         run.check(model, twin)
     assert len(run.compiled.records) == 4
+
+
+DAMPING = 1.0
+
+
+class DampedSGD(torch.optim.Optimizer):
+    """A user's optimizer: its ``step`` reads a global and an attribute of its own."""
+
+    def __init__(self, params, lr: float) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": lr})
+        self.extra = 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * DAMPING * self.extra)
+
+
+def test_what_a_users_optimizer_reads_recompiles():
+    """The optimizer's class and object were not walked: a new ``DAMPING`` or
+    ``extra`` ran the old program silently (the optimizer's update off eager's)."""
+    global DAMPING
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Staged())
+        for m in (model, twin):
+            run.optims[id(m)] = DampedSGD(m.parameters(), lr=0.1)
+        run.check(model, twin)
+        run.check(model, twin)
+        DAMPING = 5.0
+        try:
+            run.check(model, twin)
+            run.check(model, twin)  # the loss after the damped update
+        finally:
+            DAMPING = 1.0
+        for m in (model, twin):
+            run.optims[id(m)].extra = 0.5
+        run.check(model, twin)
+        run.check(model, twin)
+    assert len(run.compiled.records) == 3
+
+
+class ScaledConv(nn.Conv1d):
+    """Overrides a method torch's ``Conv1d.forward`` calls: no code of the user's names it."""
+
+    def _conv_forward(self, input, weight, bias):  # noqa: ANN001, ANN202, A002
+        return super()._conv_forward(input, weight * DAMPING, bias)
+
+
+class Convolved(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = ScaledConv(6, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.unsqueeze(-1)).squeeze(-1)
+
+
+def test_a_global_an_override_of_torchs_method_reads_recompiles():
+    """``_conv_forward`` was not walked: a new ``DAMPING`` ran the old program silently."""
+    global DAMPING
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Convolved())
+        run.check(model, twin)
+        DAMPING = 3.0
+        try:
+            run.check(model, twin)
+        finally:
+            DAMPING = 1.0
+    assert len(run.compiled.records) == 2
