@@ -116,7 +116,8 @@ named, the walk also reads:
   entries aside (``optimizer``). Before, neither was walked: a global or an attribute
   such code read ran the old program silently (losses 0.41 and 0.12 off eager);
 - a property's getter and setter, and a ``functools.cached_property``'s function, as a
-  method the code names; the ``__get__`` and ``__set__`` of a user's descriptor the
+  method the code names, and what a ``functools.cache`` / ``lru_cache`` wrapper runs;
+  the ``__get__`` and ``__set__`` of a user's descriptor the
   code names (``gain = Doubled()`` reading ``obj.halved_gain``: unguarded before, a
   loss 1.47 off eager's 2.58 after a change).
 A scalar the code names only as a method it calls at once (``optim.step()`` names
@@ -575,10 +576,17 @@ def functions_of(value: Any) -> Iterator[types.FunctionType]:
         value = value.__func__
     if isinstance(value, (functools.cached_property, functools.partialmethod)):
         yield from functions_of(value.func)
+    elif isinstance(value, _CACHED_FUNCTION):  # ``@functools.lru_cache``, ``@functools.cache``
+        yield from functions_of(value.__wrapped__)
     elif isinstance(value, property):
         yield from (f for f in (value.fget, value.fset) if isinstance(f, types.FunctionType))
     elif isinstance(value, types.FunctionType):
         yield value
+
+
+# the type of a function under ``functools.lru_cache`` (a C type; what it runs is its
+# ``__wrapped__``)
+_CACHED_FUNCTION = type(functools.lru_cache(maxsize=None)(lambda: None))
 
 
 class _Walker:

@@ -285,3 +285,33 @@ def test_an_attribute_read_by_a_name_the_object_holds():
     model.gain_value = 2.0
     assert guards.first_change(bindings) == "module <root>.gain_value was 1.0, now 2.0"
     assert model(torch.ones(2, 4)).shape == (2, 4)
+
+
+GAINS = {"main": 1.0}
+
+
+@functools.cache
+def cached_gain(key: str) -> float:
+    return GAINS[key] * 2
+
+
+class CachedGain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * cached_gain("main")
+
+
+def test_a_cached_helper_is_walked():
+    """``@functools.cache`` makes a C wrapper, not a function: its code was not
+    walked, so ``GAINS`` was unguarded (a new value with ``cache_clear()`` ran the old
+    program)."""
+    guards, bindings = _guards(CachedGain())
+    GAINS["main"] = 3.0
+    try:
+        change = guards.first_change(bindings)
+    finally:
+        GAINS["main"] = 1.0
+    assert change is not None and change.startswith("global GAINS"), change
