@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from spmd_compiler.passes import PassOptions
 from . import _torch_private as private
 from . import compile_cache, step_key
 from .capture.bindings import StepBindings, WalkMemo, find_bindings
+from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, build_guards
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import replayed
@@ -140,14 +142,23 @@ class CompiledTrainStep:
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
         self._walk_memo = WalkMemo()  # NOTE: [one walk over the state per call]
-        functools.update_wrapper(self, func)
+        if step_function(func) is None:
+            raise SPMDCompileError(
+                f"The train step {func!r} runs no Python function: a compiled step traces "
+                "the code of a function, a method, a functools.partial of one or an object "
+                "whose class defines __call__ in Python.",
+                hint="wrap it: @spmd_compiler.compile(...) def train_step(...): return step(...)",
+            )
+        self._where, self._name = step_where(func), step_name(func)  # for errors and logs
+        # a function's name and docstring; a callable object's attributes are its own
+        functools.update_wrapper(self, func, updated=() if not isinstance(func, types.FunctionType) else ("__dict__",))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not dist.is_initialized():
             raise SPMDCompileError(
                 "No process group: run under torchrun / spmd_compiler.launch (real ranks) "
                 "or inside `with spmd_compiler.simulate(world_size=N):` (simulated ranks).",
-                user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
+                user_line=self._where,
             )
         sim = active_simulation()
         bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
@@ -232,9 +243,9 @@ class CompiledTrainStep:
 
     def _too_many_ways(self) -> SPMDCompileError:
         return SPMDCompileError(
-            f"{self.func.__name__} has taken {MAX_BRANCH_PROGRAMS} ways through its `if`s "
+            f"{self._name} has taken {MAX_BRANCH_PROGRAMS} ways through its `if`s "
             "on tensor values, each a program of its own (NOTE: [value checks]).",
-            user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
+            user_line=self._where,
             hint="select with torch.where(cond, a, b) instead of branching in Python.",
         )
 
@@ -255,7 +266,7 @@ class CompiledTrainStep:
         if len(entries) >= MAX_BRANCH_PROGRAMS:
             raise self._too_many_ways()
         log.info("compiling %s for an `if` on a tensor value that went the other way",
-                 self.func.__name__)
+                 self._name)
         return self._compile(key, bindings, input_metas, mesh, decisions)
 
     def _prefer(self, key: tuple, executable: StepExecutable) -> None:
@@ -301,7 +312,7 @@ class CompiledTrainStep:
 
     def _note_recompile(self, change: str) -> None:
         """Log why this call compiles again; warn when one value keeps causing it."""
-        log.info("recompiling %s: %s", self.func.__name__, change)
+        log.info("recompiling %s: %s", self._name, change)
         what = change.split(" was ", 1)[0]
         self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
         if self._guard_misses[what] == REPEATED_RECOMPILES:
@@ -318,7 +329,7 @@ class CompiledTrainStep:
             log.warning(
                 "%s changed on %d calls of %s, and each new value compiles a new program; "
                 "%s.",
-                what, REPEATED_RECOMPILES, self.func.__name__, hint,
+                what, REPEATED_RECOMPILES, self._name, hint,
             )
 
     def flush(self) -> bool:
@@ -381,7 +392,7 @@ class CompiledTrainStep:
                 hint="drop cuda_graphs on CPU, or move the model and batch to CUDA.",
             )
         _refuse_parameter_hooks(bindings, self.func)
-        title = f"{self.func.__name__} for {type(self.mode).__name__}"
+        title = f"{self._name} for {type(self.mode).__name__}"
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
             pre_key, key_guards = (
@@ -426,7 +437,7 @@ class CompiledTrainStep:
         log.info(
             "compiled %s with %r in %.2fs (capture %.2fs, expand %.2fs, passes %.2fs, "
             "cache %s, load %.2fs)",
-            self.func.__name__, self.mode, total, record.capture_seconds,
+            self._name, self.mode, total, record.capture_seconds,
             record.expand_seconds, record.pass_seconds, how, load_seconds,
         )
         return executable
@@ -460,11 +471,11 @@ class CompiledTrainStep:
                 captured, self.mode, mesh, self.options, self.lowering, sim is not None
             )
         except compile_cache.Uncacheable as exc:
-            log.info("%s is not cached: its key would need %s", self.func.__name__, exc)
+            log.info("%s is not cached: its key would need %s", self._name, exc)
             return self._build(captured, mesh, progress), "uncacheable", 0.0, ""
         except Exception as exc:  # noqa: BLE001 - the cache must never fail a compile
             log.warning("%s is not cached: its key failed (%s: %s)",
-                        self.func.__name__, type(exc).__name__, exc)
+                        self._name, type(exc).__name__, exc)
             return self._build(captured, mesh, progress), "uncacheable", 0.0, ""
         start = time.perf_counter()
         with progress.stage("load"):
@@ -510,10 +521,10 @@ class CompiledTrainStep:
             ) + [["autocast", [[device, str(dtype)] for device, dtype in ambient]]]
             return step_key.step_key(self.func, bindings, input_metas, guards, settings), guards
         except compile_cache.Uncacheable as exc:
-            log.info("%s has no key before capture: it would need %s", self.func.__name__, exc)
+            log.info("%s has no key before capture: it would need %s", self._name, exc)
         except Exception as exc:  # noqa: BLE001 - the cache must never fail a compile
             log.warning("%s has no key before capture (%s: %s)",
-                        self.func.__name__, type(exc).__name__, exc)
+                        self._name, type(exc).__name__, exc)
         return "", guards
 
     def _load_uncaptured(
@@ -543,10 +554,10 @@ class CompiledTrainStep:
             data = step_key.entry_bytes(pre_key, program_key, captured, bindings, environment)
             self.disk_cache.write_step(pre_key, data)
         except compile_cache.Uncacheable as exc:
-            log.info("%s has no step entry: it would need %s", self.func.__name__, exc)
+            log.info("%s has no step entry: it would need %s", self._name, exc)
         except Exception as exc:  # noqa: BLE001 - a compiled program must not fail on it
             log.warning("%s: the step entry could not be written (%s: %s)",
-                        self.func.__name__, type(exc).__name__, exc)
+                        self._name, type(exc).__name__, exc)
 
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta],
@@ -567,7 +578,7 @@ class CompiledTrainStep:
                 raise SPMDCompileError(
                     f"The train step changes a Python value every time it runs: {change}. "
                     "A compiled step runs no Python, so it cannot repeat that change.",
-                    user_line=f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}",
+                    user_line=self._where,
                     hint="keep changing state in a tensor (a buffer: "
                     "self.register_buffer('count', torch.zeros(()))) or change it outside "
                     "the compiled step.",
@@ -633,7 +644,7 @@ def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) ->
                 f"parameter {name} has a hook registered on it (Tensor.register_hook or "
                 "register_post_accumulate_grad_hook); a compiled step does not run hooks "
                 "on parameters (NOTE: [hooks on parameters]).",
-                user_line=f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}",
+                user_line=step_where(func),
                 hint="remove the hook and change the gradient in the step instead, between "
                 "loss.backward() and optimizer.step() (p.grad.clamp_(-1, 1)).",
             )

@@ -32,6 +32,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
+from .code_names import step_name, step_where
 from .containers import open_containers
 from .grad_scalers import find_scalers, scaler_key, scaler_state
 from .lr_schedulers import find_schedulers
@@ -489,7 +490,7 @@ def find_bindings(
     flat_args, spec = pytree.tree_flatten(open_containers((args, kwargs), _is_leaf, containers), is_leaf=_is_leaf)
     modules = _unique([a for a in flat_args if isinstance(a, torch.nn.Module)])
     optimizers = _unique([a for a in flat_args if isinstance(a, torch.optim.Optimizer)])
-    where = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno} ({func.__name__})"
+    where = f"{step_where(func)} ({step_name(func)})"
     if not modules:
         raise SPMDCompileError(
             "The train step was called without an nn.Module argument.",

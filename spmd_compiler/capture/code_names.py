@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
+import inspect
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -133,6 +135,53 @@ def _constant_name(instructions: list[dis.Instruction], at: int) -> bool:
     return name.opname == "LOAD_CONST" and isinstance(name.argval, str) and name.argval.isidentifier()
 
 
+def step_function(func: Any) -> types.FunctionType | None:
+    """The Python function a step callable runs: the function itself, a bound method's
+    (a classmethod's too), a ``functools.partial``'s, a callable object's ``__call__``;
+    None for anything else (a builtin)."""
+    for _ in range(16):  # a partial of a bound method of ...
+        if isinstance(func, types.FunctionType):
+            return func
+        if isinstance(func, types.MethodType):
+            func = func.__func__
+        elif isinstance(func, functools.partial):
+            func = func.func
+        else:
+            call = inspect.getattr_static(type(func), "__call__", None)
+            if not isinstance(call, types.FunctionType):
+                return None
+            func = call
+    return None
+
+
+def step_code(func: Any) -> types.CodeType:
+    """The code of the function a step callable runs (``step_function``).
+
+    Raises:
+        TypeError: a callable without Python code (checked when the step is compiled).
+    """
+    fn = step_function(func)
+    if fn is None:
+        raise TypeError(f"{func!r} runs no Python function")
+    return fn.__code__
+
+
+def step_where(func: Any) -> str:
+    """``file:line`` of the function a step callable runs (for errors)."""
+    fn = step_function(func)
+    return f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}" if fn is not None else repr(func)
+
+
+def step_name(func: Any) -> str:
+    """A step callable's name for logs: a function's or method's own, a partial's
+    function's, a callable object's class."""
+    if isinstance(func, (types.FunctionType, types.MethodType)):
+        return func.__name__
+    if isinstance(func, functools.partial):
+        return step_name(func.func)
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
 def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type | tuple[type, ...]) -> list[Any]:
     """The objects of ``kind`` a step can reach by name: its arguments, the globals its
     code names, its closure variables and, for a bound method, the attributes of its
@@ -155,4 +204,7 @@ def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type
     return found
 
 
-__all__ = ["names_in", "reachable_by_name", "reads_computed_attributes", "strings_in", "value_names_in"]
+__all__ = [
+    "names_in", "reachable_by_name", "reads_computed_attributes", "step_code", "step_function", "step_name", "step_where",
+    "strings_in", "value_names_in",
+]

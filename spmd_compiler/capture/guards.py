@@ -685,6 +685,8 @@ class _Walker:
                 self.whole(owner, label, OBJECT_DEPTH)
                 if iterators:
                     self.named_iterators(owner, value.__func__, label)
+            elif isinstance(owner, type) and users_class(owner):  # a classmethod: ``cls.scale``
+                self.pending.append((owner, name or f"class {owner.__qualname__}", "", _deep(owner)))
             self.code_of(value.__func__, name, iterators)
         elif isinstance(value, types.FunctionType):
             self.function(value)
@@ -927,7 +929,7 @@ class _Walker:
     def descriptor(self, value: Any, name: str, cls: type) -> None:
         """A user's descriptor as a class attribute (``gain = Doubled()``): reading the
         attribute runs its ``__get__``, whose code names what it reads of the object
-        (``obj._base``); what the descriptor holds is walked too."""
+        (``obj.halved_gain``); what the descriptor holds is walked too."""
         kind = type(value)
         if not plain_object(value) or not users_own_class(kind) or not hasattr(kind, "__get__"):
             return

@@ -78,6 +78,7 @@ from . import selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
+from .code_names import step_code
 from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
 from .functions_as_ops import functions_as_ops
@@ -583,7 +584,8 @@ def _capture(
     decisions: tuple[tuple[bool, str], ...],
 ) -> CapturedStep:
     start = time.perf_counter()
-    where = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}"
+    code = step_code(func)
+    where = f"{code.co_filename}:{code.co_firstlineno}"
     check_supported_optimizers(bindings.optimizers, where)
     check_plain_modules(bindings.modules, where)
     device = next(iter(bindings.params.values())).device
@@ -642,7 +644,7 @@ def _capture(
             + (f": {exc}." if isinstance(exc, RowsOfAModelMaskCounted) else "."),
             op=str(op) if op is not None else None,
             module_fqn=scopes[-1][0] if scopes else None,
-            user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+            user_line=step_frame_from_traceback(exc.__traceback__, code),
             hint=(
                 "return the value (`return loss.item()` works: NOTE: [returned .item() "
                 "values]) and use the number outside the compiled step, or compute with "
@@ -659,13 +661,13 @@ def _capture(
             raise SPMDCompileError(
                 "An LR scheduler stepped inside the compiled train step: it assigns "
                 "optimizer.param_groups[i]['lr'], which a compiled step reads as an input.",
-                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint=SCHEDULER_HINT,
             ) from exc
         if isinstance(exc, unbound_scaler_error()):
             raise SPMDCompileError(
                 str(exc),
-                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint=SCALER_HINT,
             ) from exc
         if isinstance(exc, _OptimizerNotPassed):
@@ -674,7 +676,7 @@ def _capture(
                 f"{type(exc.optimizer).__name__} that is not one of its arguments (a global "
                 "or a closure variable); a compiled step updates only the optimizers it is "
                 "given.",
-                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint="pass the optimizer to the step, e.g. train_step(model, optimizer, "
                 "batch, target).",
             ) from exc
@@ -682,7 +684,7 @@ def _capture(
             raise SPMDCompileError(
                 OWN_GENERATOR,
                 module_fqn=scopes[-1][0] if scopes else None,
-                user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint=OWN_GENERATOR_HINT,
             ) from exc
         text = f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}"
@@ -692,19 +694,19 @@ def _capture(
         raise SPMDCompileError(
             text,
             module_fqn=scopes[-1][0] if scopes else None,
-            user_line=step_frame_from_traceback(exc.__traceback__, func.__code__),
+            user_line=step_frame_from_traceback(exc.__traceback__, code),
             hint=_COMPILED_INSIDE_HINT if _COMPILED_INSIDE in str(exc) else None,
         ) from exc
     _check_float_arguments_read(first, [r for r, _ in inputs])
     _drop_refused_value_reads(first)
-    _annotate_user_lines(first, func.__code__)
+    _annotate_user_lines(first, code)
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
     outside = outside_constants(first, tracer.outside, bindings)  # NOTE: [tensors read from outside the arguments]
     scheduler_steps = []
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
         scheduler_steps = tracer.schedulers.steps()
-        tracer.schedulers.check_reads(func.__code__)
+        tracer.schedulers.check_reads(code)
     gm = _functionalize(first, inputs, fake_mode)
     captured = CapturedStep(
         graph_module=gm,
@@ -713,7 +715,7 @@ def _capture(
         return_spec=tracer.return_spec,
         returns_containers=holds_containers(tracer.return_spec),
         return_leaves=tracer.return_leaves,
-        step_code=func.__code__,
+        step_code=code,
         checks=tracer.checks,
         kept=tracer.kept,
         outside=outside,
@@ -884,6 +886,7 @@ class _StepTracer:
         decisions: list[bool],
     ) -> None:
         self.func, self.bindings, self.refs, self.options = func, bindings, refs, options
+        self.code = step_code(func)
         self.floats = FloatArgumentMode([])
         # NOTE: [value checks]; `self.floats` is this call's (set in __call__)
         self.branches = BranchDecisions(decisions, lambda t: self.floats.is_python_value(t))
@@ -932,7 +935,7 @@ class _StepTracer:
                 if self.options.param_dtype is not None:
                     stack.enter_context(_cast_forward_inputs(mod, self.options.param_dtype))
             swapped = [
-                stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.func.__code__))
+                stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.code))
                 for oi, opt in enumerate(b.optimizers)
             ]
             stack.enter_context(_refuse_other_optimizers(b.optimizers))
@@ -949,14 +952,14 @@ class _StepTracer:
             # NOTE: [selections by a mask of the batch], NOTE: [rows of one count]
             stack.enter_context(mask_selections(self.refs, real_inputs.__getitem__))
             stack.enter_context(TensorIndicesTaken())  # NOTE: [0-d tensor indices at capture]
-            stack.enter_context(python_effects(self.func.__code__))
+            stack.enter_context(python_effects(self.code))
             stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = keeper.outside
             try:
                 with self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
-                closed.refuse_writes(f"{self.func.__code__.co_filename}:{self.func.__code__.co_firstlineno}")
+                closed.refuse_writes(f"{self.code.co_filename}:{self.code.co_firstlineno}")
                 kept = keeper.collect()
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
                 selected_rows.settle([result, [value for _, value in kept]], at_selection=True)
