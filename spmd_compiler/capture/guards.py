@@ -677,6 +677,12 @@ class _Walker:
         iterators the method names of it too), a ``functools.partial`` (whose own
         arguments cannot change), an object with ``__call__``."""
         if isinstance(value, functools.partial):
+            # its arguments cannot be replaced, but what an object or container among
+            # them holds can change (``partial(step, cfg=cfg)``, then ``cfg.scale = 2``)
+            bound = [*enumerate(value.args), *value.keywords.items()]
+            for key, arg in bound:
+                if _container(arg) or plain_object(arg):
+                    self.whole(arg, f"argument {key!r} of {name or 'the partial'}", OBJECT_DEPTH)
             self.code_of(value.func, name, iterators)
         elif isinstance(value, types.MethodType):
             owner = value.__self__

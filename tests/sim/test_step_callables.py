@@ -1,7 +1,7 @@
 """Train steps that are not plain functions, compiled against the same callable run
 eagerly (2 simulated ranks, float64): an object whose class defines ``__call__``, a
-``functools.partial``, a classmethod reading its class's attributes. Before, the first
-two failed on their first call (``'Step' object has no attribute '__code__'``), and the
+``functools.partial`` (and what objects bound in it hold), a classmethod reading its
+class's attributes. Before, the first two failed on their first call (``'Step' object has no attribute '__code__'``), and the
 classmethod's class attribute was unguarded (a new value ran the old program
 silently: loss 1.23 against eager's 4.91). A callable without Python code is refused
 when the step is compiled."""
@@ -78,6 +78,27 @@ def test_an_object_with_call_as_the_step():
 def test_a_partial_as_the_step():
     fn = functools.partial(weighted_step, weight=2.0)
     assert _run(fn, fn) == 1
+
+
+class Settings:
+    def __init__(self) -> None:
+        self.weight = 1.0
+
+
+def settings_step(model, optim, x, y, settings: Settings, extra: dict):  # noqa: ANN001
+    return weighted_step(model, optim, x, y, settings.weight * extra["w"])
+
+
+def test_what_objects_bound_in_a_partial_hold_is_guarded():
+    """``partial(step, settings=s, extra=d)``: ``s.weight`` and ``d["w"]`` were not
+    guarded (the partial's own arguments cannot be replaced, what they hold can)."""
+    settings, extra = Settings(), {"w": 1.0}
+    fn = functools.partial(settings_step, settings=settings, extra=extra)
+
+    def change() -> None:
+        settings.weight, extra["w"] = 4.0, 0.5
+
+    assert _run(fn, fn, change=change) == 2
 
 
 def test_a_classmethod_reading_its_class():
