@@ -492,10 +492,15 @@ def find_bindings(
     optimizers = _unique([a for a in flat_args if isinstance(a, torch.optim.Optimizer)])
     where = f"{step_where(func)} ({step_name(func)})"
     if not modules:
+        owner = getattr(func, "__self__", None)
         raise SPMDCompileError(
-            "The train step was called without an nn.Module argument.",
+            "The train step was called without an nn.Module argument"
+            + (f" (it is a method of the {type(owner).__name__} module: the modules a step "
+               "trains are found among its arguments)." if isinstance(owner, torch.nn.Module) else "."),
             user_line=where,
-            hint="pass the model to the step, e.g. train_step(model, optimizer, batch, target).",
+            hint="compile a function that takes the model: def step(model, optimizer, x): return "
+            "model.train_step(optimizer, x)" if isinstance(owner, torch.nn.Module) else
+            "pass the model to the step, e.g. train_step(model, optimizer, batch, target).",
         )
     walk = memo.module_walk(modules) if memo is not None else None
     unchanged = walk is not None and memo is not None and memo.optimizers_unchanged(optimizers)

@@ -181,6 +181,32 @@ def test_step_without_module():
     assert torch.equal(weight, before) and weight.grad is None
 
 
+class SelfTraining(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+    def train_step(self, optim, x, y):  # noqa: ANN001, ANN201
+        loss = F.cross_entropy(self(x), y)
+        loss.backward()
+        optim.step()
+        return loss
+
+
+def test_a_method_of_the_model_as_the_step_says_what_to_do():
+    model = SelfTraining()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile()(model.train_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        step(opt, *batch())
+    message = str(info.value)
+    assert "method of the SelfTraining module" in message
+    assert "def step(model, optimizer, x): return model.train_step(optimizer, x)" in message
+
+
 def test_step_with_an_optimizer_it_was_not_given():
     """A step needs no optimizer (NOTE: [steps without an optimizer]), but one it steps
     without being given it would update the real parameters at capture: refused."""
