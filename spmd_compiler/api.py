@@ -151,7 +151,7 @@ class CompiledTrainStep:
             )
         self._where, self._name = step_where(func), step_name(func)  # for errors and logs
         # a function's name and docstring; a callable object's attributes are its own
-        functools.update_wrapper(self, func, updated=() if not isinstance(func, types.FunctionType) else ("__dict__",))
+        functools.update_wrapper(self, func, updated=("__dict__",) if isinstance(func, types.FunctionType) else ())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not dist.is_initialized():

@@ -178,11 +178,11 @@ from .bindings import StepBindings, numpy_kind
 from .code_names import names_in, reads_computed_attributes, strings_in, value_names_in
 from .plain_objects import (
     attributes,
+    holds_attributes,
     plain_object,
     read_by_name,
     skipped_function,
     skipped_module,
-    slot_names,
     stdlib_module,
     users_bases,
     users_class,
@@ -541,7 +541,7 @@ def build_guards(
         guards.links.append((_ARG, None, i, arg))
         if walker.iterator(arg, f"argument {i} of the step"):
             continue
-        if hasattr(arg, "__dict__") or slot_names(type(arg)):
+        if holds_attributes(arg):
             walker.whole(arg, f"argument {i} of the step", OBJECT_DEPTH)
     classes: dict[type, None] = {}
     for mi, mod in enumerate(bindings.modules):
@@ -952,7 +952,7 @@ class _Walker:
     def named_iterators(self, obj: Any, fn: Any, name: str) -> None:
         """The iterator attributes of ``obj`` that ``fn``'s code names (``next(self.ticks)``)."""
         code = getattr(fn, "__code__", None)
-        if code is None or not (hasattr(obj, "__dict__") or slot_names(type(obj))):
+        if code is None or not holds_attributes(obj):
             return
         d = attributes(obj)
         for attribute in sorted(set(names_in(code)) & d.keys()):

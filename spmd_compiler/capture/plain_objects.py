@@ -44,9 +44,13 @@ def plain_object(value: Any) -> bool:
         return False
     if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
         return False
-    return (hasattr(value, "__dict__") or bool(slot_names(type(value)))) and not skipped_module(
-        type(value).__module__
-    )
+    return holds_attributes(value) and not skipped_module(type(value).__module__)
+
+
+def holds_attributes(value: Any) -> bool:
+    """Whether ``value`` holds attributes ``attributes`` can read: a ``__dict__`` or
+    ``__slots__``."""
+    return hasattr(value, "__dict__") or bool(slot_names(type(value)))
 
 
 def slot_names(cls: type) -> tuple[str, ...]:
@@ -81,10 +85,10 @@ class Attributes(collections.abc.MutableMapping):
     guards and kept tensors read and write (NOTE: [guards on Python values] in
     ``guards.py``)."""
 
-    __slots__ = ("obj", "slots", "rest")
+    __slots__ = ("obj", "order", "slots", "rest")
 
     def __init__(self, obj: Any, slots: tuple[str, ...]) -> None:
-        self.obj, self.slots = obj, frozenset(slots)
+        self.obj, self.order, self.slots = obj, slots, frozenset(slots)
         self.rest: dict[str, Any] = vars(obj) if hasattr(obj, "__dict__") else {}
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -117,7 +121,7 @@ class Attributes(collections.abc.MutableMapping):
             del self.rest[key]
 
     def __iter__(self) -> Iterator[str]:
-        for key in sorted(self.slots):
+        for key in self.order:  # ``slot_names`` order: no sort per guard check
             if self.get(key, _UNSET) is not _UNSET:
                 yield key
         yield from self.rest
@@ -205,6 +209,6 @@ def keyed_by_class(value: Any) -> bool:
 
 
 __all__ = [
-    "Attributes", "attributes", "keyed_by_class", "slot_names", "plain_object", "read_by_name", "skipped_function", "skipped_module", "stdlib_module",
+    "Attributes", "attributes", "holds_attributes", "keyed_by_class", "slot_names", "plain_object", "read_by_name", "skipped_function", "skipped_module", "stdlib_module",
     "NEUTRAL_BASES", "users_bases", "users_class", "users_own_class",
 ]

@@ -78,7 +78,7 @@ from . import selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules
-from .code_names import step_code
+from .code_names import step_code, step_where
 from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
 from .functions_as_ops import functions_as_ops
@@ -584,8 +584,7 @@ def _capture(
     decisions: tuple[tuple[bool, str], ...],
 ) -> CapturedStep:
     start = time.perf_counter()
-    code = step_code(func)
-    where = f"{code.co_filename}:{code.co_firstlineno}"
+    code, where = step_code(func), step_where(func)
     check_supported_optimizers(bindings.optimizers, where)
     check_plain_modules(bindings.modules, where)
     device = next(iter(bindings.params.values())).device
@@ -959,7 +958,7 @@ class _StepTracer:
             try:
                 with self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
-                closed.refuse_writes(f"{self.code.co_filename}:{self.code.co_firstlineno}")
+                closed.refuse_writes(step_where(self.func))
                 kept = keeper.collect()
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
                 selected_rows.settle([result, [value for _, value in kept]], at_selection=True)
