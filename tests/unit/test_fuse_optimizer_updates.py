@@ -119,6 +119,36 @@ def test_dependent_ops_of_one_kind_are_not_fused_together():
     assert single.args[0].target is operator.getitem
 
 
+def test_the_foreach_op_runs_once_per_layout(monkeypatch):
+    """Members of one group with 2 distinct input layouts: the fake foreach op runs on 2
+    of them, and each member's own value becomes its result's (NOTE: [foreach fusion])."""
+    from spmd_compiler.passes import fuse_optimizer_updates as pass_module
+
+    t = TinyGraph()
+    members = []
+    for i in range(6):
+        x = t.input(f"x{i}", 4, 2 + i % 2)
+        members.append(t.op(f"m{i}", aten.mul.Tensor, x, 0.5))
+        members[-1].meta[PHASE] = OPTIMIZER_PHASE
+    program = t.program(*members)
+    own = [m.meta["val"] for m in members]
+    sizes = []
+    run_fake = pass_module._run_fake
+
+    def counted(rule, args, kwargs, group):
+        sizes.append(len(args[0]))
+        return run_fake(rule, args, kwargs, group)
+
+    monkeypatch.setattr(pass_module, "_run_fake", counted)
+    assert fuse_optimizer_updates(program, SimpleNamespace()) is True
+
+    assert sizes == [2]
+    (fused,) = ops(program.graph, "_foreach_mul")
+    assert all(a is b for a, b in zip(fused.meta["val"], own, strict=True))
+    results = [n.meta["val"] for n in ops(program.graph, "getitem")]
+    assert all(a is b for a, b in zip(results, own, strict=True))
+
+
 def test_no_optimizer_section_is_a_no_op():
     t = TinyGraph()
     x, y = t.input("x", 4), t.input("y", 4)
