@@ -746,7 +746,8 @@ def custom_functions_settle() -> Iterator[None]:
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         settle([args, kwargs])
-        return original.__func__(cls, *args, **kwargs)
+        # a classmethod on 2.13, a C classmethod_descriptor (no __func__) on 2.14
+        return original.__get__(None, cls)(*args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
     try:
