@@ -301,7 +301,7 @@ def _fake_results(
 
     A foreach op's meta kernel computes each list position from that position's tensors
     alone, so the op runs on one member per distinct layout of its tensor arguments (an
-    optimizer's parameters share a few shapes: 18 groups of ~200 members each took ~60%
+    optimizer's parameters share a few shapes: 18 groups of ~200 members each took over half
     of this pass on a 16-layer GPT). Where every member's own value has the layout its
     representative's result has, the members' values are the fused node's results;
     otherwise the op runs on the whole group, as it did before."""
