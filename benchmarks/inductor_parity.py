@@ -40,7 +40,17 @@ import spmd_compiler as sc
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.tools.parity import full_state, relative_difference
 
-from .zoo import BATCH, STEPS, TOL, adamw, batches, causal_lm_step, make_model, state_differences
+from .zoo import (
+    BATCH,
+    STEPS,
+    TOL,
+    adamw,
+    batches,
+    causal_lm_step,
+    make_model,
+    rms_norm_in_model_dtype,
+    state_differences,
+)
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 WORLD, STEP_COUNT = 2, 2
@@ -72,25 +82,17 @@ NOTES = [
 ]
 
 
-def _t5_norm_in_model_dtype(self: Any, hidden: torch.Tensor) -> torch.Tensor:
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
-
-
 @contextlib.contextmanager
 def _patched(case: str) -> Iterator[None]:
-    """T5's layer norm computing in the model's dtype, for the case that asks for it."""
+    """T5's layer norm (Llama's RMSNorm form: ``weight``, ``variance_epsilon``) computing
+    in the model's dtype, for the case that asks for it."""
     if case != "t5 (norm in model dtype)":
         yield
         return
     from transformers.models.t5 import modeling_t5
 
-    original = modeling_t5.T5LayerNorm.forward
-    modeling_t5.T5LayerNorm.forward = _t5_norm_in_model_dtype
-    try:
+    with rms_norm_in_model_dtype(modeling_t5.T5LayerNorm):
         yield
-    finally:
-        modeling_t5.T5LayerNorm.forward = original
 
 
 def _kind(case: str) -> str:
