@@ -30,6 +30,7 @@ from spmd_compiler.ir.graph_utils import placeholders
 from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PHASE, in_module_forward
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
+from spmd_compiler.runtime.simulate import mesh_is_live
 
 from .base import ParallelMode
 from .data_parallel import _param_nodes, remake_param_views_for_backward
@@ -63,12 +64,15 @@ class FullyShardTensorParallel(ParallelMode):
         if mesh is None and (mesh_shape is None or len(mesh_shape) != 2):
             raise ValueError("give a 2-D mesh or mesh_shape=(dp, tp)")
         super().__init__(mesh)
+        self._own_mesh = mesh is None
         self.mesh_shape = tuple(mesh.shape) if mesh is not None else tuple(cast(tuple[int, int], mesh_shape))
         self.tp = TensorParallel(plan)
         self.reshard_after_forward = reshard_after_forward
 
     def mesh(self, device_type: str) -> DeviceMesh:
-        if self._mesh is None:
+        # its own mesh is made again once its simulation has ended (NOTE: [state after a
+        # simulation]); a mesh the user gave stays the user's
+        if self._mesh is None or (self._own_mesh and not mesh_is_live(self._mesh)):
             self._mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("dp", "tp"))
         return super().mesh(device_type)
 

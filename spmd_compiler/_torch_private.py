@@ -36,6 +36,7 @@ detected by asking torch for the feature, never by its version string:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -56,6 +57,7 @@ from torch.utils import _pytree as pytree  # re-exported: the package's one way 
 
 if TYPE_CHECKING:
     from torch._C._distributed import StridedShard
+    from torch.distributed.device_mesh import DeviceMesh
 
 # ---------------------------------------------------------------------------- capture
 
@@ -350,6 +352,17 @@ def fake_tensor_mode(with_shape_env: bool = False, allow_real_tensors: bool = Fa
 
 
 # ---------------------------------------------------------------------------- DTensor
+
+
+def rehome(dtensor: DTensor, mesh: DeviceMesh) -> None:
+    """Put ``dtensor`` on ``mesh``, a mesh equal to its own (the same ranks, shape and
+    names) whose process groups are live, in place: parameters and optimizer state keep
+    their identity (NOTE: [state after a simulation] in runtime/simulate.py)."""
+    if dtensor.device_mesh != mesh:
+        raise ValueError(f"{dtensor.device_mesh} and {mesh} are not the same ranks")
+    spec = copy.copy(dtensor._spec)
+    spec.mesh = mesh  # DTensorSpec.__setattr__ drops its cached hash
+    dtensor._spec = spec
 
 
 def local_tensor_of(dtensor: DTensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
 from .runtime.runner import BranchMismatch, StepTimings
 from .runtime.same_inputs import InputAgreement
-from .runtime.simulate import Simulation, active_simulation
+from .runtime.simulate import Simulation, active_simulation, mesh_is_live
 from .runtime.step_executable import CallResult, StepExecutable
 
 log = logging.getLogger("spmd_compiler")
@@ -142,6 +142,7 @@ class CompiledTrainStep:
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
         self._walk_memo = WalkMemo()  # NOTE: [one walk over the state per call]
+        self._mesh_checked_in: Simulation | None = None  # NOTE: [state after a simulation]
         if step_function(func) is None:
             raise SPMDCompileError(
                 f"The train step {func!r} runs no Python function: a compiled step traces "
@@ -184,7 +185,7 @@ class CompiledTrainStep:
             return self._call_in(bindings, sim, ambient)
 
     def _call_in(self, bindings: StepBindings, sim: Simulation | None, ambient: tuple) -> Any:
-        mesh = self._mesh(bindings)
+        mesh = self._mesh(bindings, sim)
         tensor_args = [t for _, t in bindings.tensor_args()]
         # every call on real ranks, cached program or not: NOTE: [same inputs on all ranks]
         agreement = InputAgreement(tensor_args) if sim is None and dist.get_world_size() > 1 else None
@@ -342,10 +343,16 @@ class CompiledTrainStep:
     def compile_count(self) -> int:
         return len(self.records)
 
-    def _mesh(self, bindings: StepBindings) -> DeviceMesh:
+    def _mesh(self, bindings: StepBindings, sim: Simulation | None) -> DeviceMesh:
         device_type = next(iter(bindings.params.values())).device.type
         world = dist.get_world_size()
         key = f"{device_type}:{world}"
+        if sim is not None and sim is not self._mesh_checked_in:
+            # NOTE: [state after a simulation]: a mesh of an ended simulation has lost
+            # its groups, and the programs name them: make both again
+            if key in self._meshes and not mesh_is_live(self._meshes[key]):
+                self._forget_programs()
+            self._mesh_checked_in = sim
         if key not in self._meshes:
             mesh = self.mode.mesh(device_type)
             if mesh.size() != world:
@@ -354,8 +361,24 @@ class CompiledTrainStep:
                     f"group has {world}.",
                     hint="build the mesh over all ranks (init_device_mesh).",
                 )
+            if sim is not None and not mesh_is_live(mesh):
+                raise SPMDCompileError(
+                    f"{self.mode!r} was given a mesh made in a simulation that has ended: its "
+                    "process groups ended with it.",
+                    hint="make the mesh inside the `with spmd_compiler.simulate(...)` block "
+                    "that runs the step, or leave it to the mode (mesh_shape=...).",
+                    user_line=self._where,
+                )
             self._meshes[key] = mesh
         return self._meshes[key]
+
+    def _forget_programs(self) -> None:
+        """Drop every program and mesh, so the next call makes and compiles them again."""
+        self._cache.clear()
+        self._meshes.clear()
+        self._last = None
+        self._last_key = None
+        self._last_entries = None
 
     def _global_input_meta(
         self, index: int, t: torch.Tensor, mesh: DeviceMesh, sim: Simulation | None

@@ -29,7 +29,9 @@ reading anything (NOTE: [checkpoint checksums] in checkpoint_checksums.py).
 Inside ``simulate`` (one process holding every simulated rank) the checkpoint holds the
 full tensors, written and read without collectives (DCP's planner sees only one real
 rank); it is the checkpoint of one rank holding everything, so it loads into any mode and
-world size, simulated or real, and vice versa.
+world size, simulated or real, and vice versa. ``save``, ``load`` and ``full_state_dict``
+also work on a simulated model after its ``simulate`` block has ended (NOTE: [state after
+a simulation] in simulate.py).
 
 Compiled steps keep Adam's step counter as a float64 0-d tensor; an eager optimizer keeps
 float32. Counters are small integers, exact in both, and DCP copies into whatever dtype
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,13 +62,22 @@ from .checkpoint_checksums import (
     verify,
     write_manifest,
 )
-from .simulate import Simulation, active_simulation
+from .simulate import Simulation, simulation_for
 from .step_executable import flush_pending_updates
 
 __all__ = ["CheckpointError", "full_state_dict", "load", "save"]
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
+
+
+def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[Any]:
+    """The state's tensors, for ``simulation_for`` to tell what ranks they live on."""
+    yield from model.parameters()
+    yield from model.buffers()
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            yield from per_param.values()
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -95,12 +107,12 @@ def save(
         optimizer: its optimizer, or None to save the model only.
     """
     folder = os.fspath(path)
-    state = _state(model, optimizer)
-    sim = active_simulation()
-    if sim is not None:
-        metadata = dcp.save(_full_tensors(state, sim), checkpoint_id=folder, no_dist=True)
-        write_manifest(folder, _with_storage_data(metadata, folder), 0, 1, _no_collective)
-        return
+    with simulation_for(_tensors(model, optimizer)) as sim:
+        state = _state(model, optimizer)
+        if sim is not None:
+            metadata = dcp.save(_full_tensors(state, sim), checkpoint_id=folder, no_dist=True)
+            write_manifest(folder, _with_storage_data(metadata, folder), 0, 1, _no_collective)
+            return
     metadata = dcp.save(state, checkpoint_id=folder)
     rank, world = _rank_and_world()
     write_manifest(folder, _with_storage_data(metadata, folder), rank, world, process_group_all_reduce)
@@ -144,7 +156,17 @@ def load(
             has no checksums; the model and optimizer are then unchanged.
     """
     folder = os.fspath(path)
-    sim = active_simulation()
+    with simulation_for(_tensors(model, optimizer)) as sim:
+        _load(folder, model, optimizer, sim, verify_checksums)
+
+
+def _load(
+    folder: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    sim: Simulation | None,
+    verify_checksums: bool,
+) -> None:
     if verify_checksums:
         if sim is not None:
             verify(folder, 0, 1, _no_collective)
@@ -216,8 +238,13 @@ def full_state_dict(
 
     A collective: every rank must call it. The result is ``{"model": ..., "optimizer":
     ...}`` with the layout of NOTE: [checkpoint layout]; ``torch.save`` it, or load its
-    ``"model"`` entry into an uncompiled model with ``load_state_dict``.
+    ``"model"`` entry into an uncompiled model with ``load_state_dict``. On simulated
+    ranks it works inside ``simulate`` and after the block has ended (NOTE: [state after
+    a simulation]): the way to take a model trained there out of it.
     """
+    with simulation_for(_tensors(model, optimizer)) as sim:
+        if sim is not None:  # one process holds every rank: gathered without collectives
+            return _copied(_full_tensors(_state(model, optimizer), sim))
     flush_pending_updates()
     optimizers = [optimizer] if optimizer is not None else []
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -36,7 +36,7 @@ from ..state_donation import donation_pairs
 from .eager_calls import guard_direct_calls
 from .faults import attribution
 from .same_inputs import InputAgreement
-from .simulate import Simulation
+from .simulate import Simulation, mesh_is_live
 
 
 @dataclass
@@ -112,6 +112,7 @@ def _install(
         placements = placement_of(ref, TensorMeta.of(p), mesh)
         if isinstance(p, DTensor):
             _check_installed(ref, p, mesh, placements)
+            _rehome(p.grad, mesh)
             continue
         dt = _distribute(p.detach(), mesh, placements, sim)
         new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -128,6 +129,7 @@ def _install(
                     sub._parameters[attr] = new_params[id(value)]
             for attr, value in list(sub._buffers.items()):
                 if value is None or isinstance(value, DTensor):
+                    _rehome(value, mesh)
                     continue
                 name = _buffer_name(bindings, value)
                 ref = StateRef(Kind.BUFFER, name)
@@ -144,6 +146,7 @@ def _install(
             name = bindings.param_name(p)
             converted = {}
             for key, value in entries.items():
+                _rehome(value, mesh)
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                     ref = StateRef(Kind.OPTIM_STATE, name, key, oi, _group_of(opt, new_p))
                     meta = TensorMeta.of(value)
@@ -160,6 +163,7 @@ def _install(
 
 
 def _check_installed(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements) -> None:
+    _rehome(p, mesh)
     if p.device_mesh != mesh or tuple(p.placements) != tuple(placements):
         raise SPMDCompileError(
             f"{ref} is already a DTensor with placement {format_placements(p.placements)} on "
@@ -167,6 +171,14 @@ def _check_installed(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Pl
             f"on {mesh}.",
             hint="use one parallel mode per model, or rebuild the model from a full state dict.",
         )
+
+
+def _rehome(t: torch.Tensor | None, mesh: DeviceMesh) -> None:
+    """A DTensor of a simulation that has ended onto this step's mesh of the same ranks
+    (NOTE: [state after a simulation] in simulate.py); anything else stays."""
+    if isinstance(t, DTensor) and t.device_mesh is not mesh and t.device_mesh == mesh \
+            and not mesh_is_live(t.device_mesh):
+        private.rehome(t, mesh)
 
 
 def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None) -> DTensor:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
 from .. import _torch_private as private
@@ -41,6 +41,7 @@ class Simulation:
         self._token: contextvars.Token | None = None
         self._mode = None
         self._exit_hooks: list[Callable[[], object]] = []
+        self._fresh_meshes: dict[tuple, DeviceMesh] = {}
 
     def at_exit(self, hook: Callable[[], object]) -> None:
         """Run ``hook`` when the simulation ends, while its ranks still exist (compiled
@@ -93,9 +94,35 @@ class Simulation:
         if isinstance(value, DTensor):
             # through the redistribution gap fills (NOTE: [DTensor gap fills]): torch 2.11
             # cannot gather a _StridedShard its planner does not read as a shard order
+            live = self._on_live_mesh(value)
             with self.ranks(), private.memoized_redistribution():
-                value = value.full_tensor()
+                value = live.full_tensor()
         return self.reconcile(value)
+
+    def _on_live_mesh(self, value: DTensor) -> DTensor:
+        """``value`` on a mesh whose process groups exist in this simulation: itself, or
+        the same local values on a new mesh of the same shape (NOTE: [state after a
+        simulation])."""
+        mesh = value.device_mesh
+        if mesh_is_live(mesh):
+            return value
+        key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape),
+               mesh.mesh_dim_names)
+        fresh = self._fresh_meshes.get(key)
+        if fresh is None:
+            if key[1] != tuple(range(self.world_size)):
+                raise RuntimeError(
+                    f"the state lives on {mesh}, a mesh of a simulation that has ended and not "
+                    f"over ranks 0..{self.world_size - 1} in order; read it inside that "
+                    "simulation (spmd_compiler.checkpoint.full_state_dict)"
+                )
+            fresh = init_device_mesh(mesh.device_type, key[2], mesh_dim_names=key[3])
+            self._fresh_meshes[key] = fresh
+        with self.ranks():
+            return DTensor.from_local(
+                private.local_tensor_of(value), fresh, value.placements, run_check=False,
+                shape=value.shape, stride=value.stride(),
+            )
 
     def reconcile(self, value: torch.Tensor) -> torch.Tensor:
         """The value every simulated rank holds; raises if the ranks disagree."""
@@ -163,6 +190,28 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
+def mesh_is_live(mesh: DeviceMesh) -> bool:
+    """Whether ``mesh``'s process groups exist and are the ones it was made with: those
+    of a mesh made in a simulation end with it, and a later simulation may give their
+    names to groups of other ranks (NOTE: [state after a simulation])."""
+    if not dist.is_initialized():
+        return False
+    found = (mesh.mesh == dist.get_rank()).nonzero()  # this process's rank's coordinate
+    if len(found) == 0:  # not in the mesh: nothing to tell by
+        return True
+    coordinate = found[0].tolist()
+    try:
+        for dim in range(mesh.ndim):
+            index: list[Any] = list(coordinate)
+            index[dim] = slice(None)
+            members = mesh.mesh[tuple(index)].tolist()
+            if dist.get_process_group_ranks(mesh.get_group(dim)) != members:
+                return False
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return True
+
+
 def _is_lifted_constant(node: torch.fx.Node) -> bool:
     """A constant of the user's step (expansion reads it through ``lift_fresh_copy``),
     not one of DTensor's own (the mesh tensor its coordinate op reads as a plain tensor)."""
@@ -174,6 +223,49 @@ def _is_lifted_constant(node: torch.fx.Node) -> bool:
 def simulate(world_size: int) -> Simulation:
     """Context manager: run compiled steps on ``world_size`` simulated ranks."""
     return Simulation(world_size)
+
+
+def simulated_world_size(tensors: Iterable[Any]) -> int | None:
+    """The number of simulated ranks the first simulated tensor among ``tensors`` holds
+    values for (a DTensor over one, or one itself); None when none is simulated."""
+    local_type = private.local_tensor_type()
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = private.local_tensor_of(t)
+        if isinstance(t, torch.Tensor) and isinstance(t, local_type):
+            return len(private.per_rank_tensors(t))
+    return None
+
+
+@contextlib.contextmanager
+def simulation_for(tensors: Iterable[Any]) -> Iterator[Simulation | None]:
+    """The simulation that ``tensors`` can be read in: the active one; or, after the
+    ``with simulate(...)`` block that trained them has ended, a new one of their world
+    size (NOTE: [state after a simulation]); None for real ranks and plain tensors.
+
+    NOTE: [state after a simulation]
+    A model trained inside ``simulate`` keeps DTensor parameters whose local values are
+    simulated tensors, so that a later simulation continues it. Once the block has ended
+    their mesh's (fake) process group is gone: gathering a sharded one fails in torch
+    ("Could not resolve the process group registered under the name 0"), and a simulated
+    tensor has no storage ``torch.save`` can write. The checkpoint functions read such
+    state in a new simulation of the same world size and hand back plain tensors. A 1-D
+    mesh over every rank is the default group's, which the new simulation has again; a
+    2-D one had groups of its own, so ``Simulation.full_tensor`` puts the same local
+    values on a new mesh of the same shape there before gathering. A compiled step called
+    in a later simulation makes its mesh again and compiles again (its programs name the
+    old groups), and its first call moves the state onto the new mesh (``rehome``).
+    """
+    sim = active_simulation()
+    if sim is not None or dist.is_initialized():
+        yield sim
+        return
+    world = simulated_world_size(tensors)
+    if world is None:
+        yield None
+        return
+    with simulate(world) as sim:
+        yield sim
 
 
 def active_simulation() -> Simulation | None:
