@@ -104,6 +104,7 @@ def _state_tensors(bindings: StepBindings) -> list[torch.Tensor]:
 def _install(
     bindings: StepBindings, placement_of: Any, mesh: DeviceMesh, sim: Simulation | None
 ) -> None:
+    _live_meshes.clear()
     new_params: dict[int, torch.nn.Parameter] = {}
     p: torch.Tensor  # a parameter, later an optimizer's state key
     value: torch.Tensor | None  # a parameter, a buffer, later an optimizer's state entry
@@ -176,9 +177,18 @@ def _check_installed(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Pl
 def _rehome(t: torch.Tensor | None, mesh: DeviceMesh) -> None:
     """A DTensor of a simulation that has ended onto this step's mesh of the same ranks
     (NOTE: [state after a simulation] in simulate.py); anything else stays."""
-    if isinstance(t, DTensor) and t.device_mesh is not mesh and t.device_mesh == mesh \
-            and not mesh_is_live(t.device_mesh):
+    if not isinstance(t, DTensor) or t.device_mesh is mesh or t.device_mesh != mesh:
+        return
+    live = _live_meshes.get(id(t.device_mesh))
+    if live is None:
+        live = _live_meshes[id(t.device_mesh)] = mesh_is_live(t.device_mesh)
+    if not live:
         private.rehome(t, mesh)
+
+
+# by id, the meshes this install found live or not (a second step's state sits on the
+# first step's mesh: hundreds of tensors, one mesh); cleared when an install starts
+_live_meshes: dict[int, bool] = {}
 
 
 def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None) -> DTensor:
