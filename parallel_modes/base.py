@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.capture.trace import CaptureOptions
 from spmd_compiler.expand.retrace import DistributedProgram, Placements, expand
@@ -100,7 +101,8 @@ class ParallelMode(abc.ABC):
         return None
 
     def local_batch(
-        self, x: torch.Tensor, rank: int, *, index: int = 0, mesh: DeviceMesh | None = None
+        self, x: torch.Tensor, rank: int, *, index: int = 0, mesh: DeviceMesh | None = None,
+        name: str = "",
     ) -> torch.Tensor:
         """Rank ``rank``'s share of ``x``, the step's ``index``-th tensor argument of the
         global batch: what that rank passes on real ranks.
@@ -113,10 +115,12 @@ class ParallelMode(abc.ABC):
             rank: the global rank whose share to cut.
             index: the position of ``x`` among the step's tensor arguments.
             mesh: the mode's mesh; by default ``self.mesh(x.device.type)``.
+            name: the argument's name in the step (``h``, ``batch['mask']``), which a
+                mode may place by (``input_batch_dim``, NOTE: [inputs by name]).
         """
         mesh = mesh if mesh is not None else self.mesh(x.device.type)
         meta = TensorMeta(tuple(x.shape), x.dtype, x.device, False)
-        placements = self.placement_of(StateRef(Kind.INPUT, index=index), meta, mesh)
+        placements = self.placement_of(StateRef(Kind.INPUT, name=name, index=index), meta, mesh)
         return shard_for_rank(x, mesh, placements, rank)
 
     def transform_and_compile(
@@ -143,10 +147,9 @@ def shard_for_rank(
         ValueError: ``rank`` is not in ``mesh``, a placement is neither Shard nor
             Replicate, or a sharded dimension does not divide evenly.
     """
-    found = (mesh.mesh == rank).nonzero()
-    if found.shape[0] != 1:
+    coordinate = private.mesh_coordinate(mesh, rank)
+    if coordinate is None:
         raise ValueError(f"rank {rank} is not in {mesh}")
-    coordinate = found[0].tolist()
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Replicate):
             continue

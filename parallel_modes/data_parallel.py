@@ -22,9 +22,9 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.capture.gradients import marked_gradient
 from spmd_compiler.capture.trace import CaptureOptions
-from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import node_arg, placeholders
 from spmd_compiler.ir.node_meta import MODULE_FQN, OPTIMIZER_PHASE, PHASE, in_module_forward
@@ -33,6 +33,7 @@ from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 from spmd_compiler.passes import OverlapOptions, PassOptions
 
 from .base import ParallelMode, replicate
+from .batch_dims import BatchDims, batch_dim_of, check_batch_dim_names, checked_batch_dims
 from .mixed_precision import MixedPrecisionPolicy
 from .padding import pad_uneven_state
 
@@ -61,7 +62,12 @@ class DataParallel(ParallelMode):
         style: ``"replicate"`` (DDP: state Replicate, gradients all-reduced) or
             ``"fully_shard"`` (FSDP: state Shard(0), parameters gathered at use,
             gradients reduce-scattered).
-        input_batch_dim: the dimension of each tensor argument that holds the batch.
+        input_batch_dim: the dimension of each tensor argument that holds the batch:
+            one for all, or ``{argument name: dimension}`` for the arguments whose batch
+            lies elsewhere, with None for one that holds no batch (every rank passes the
+            same whole tensor: class weights, a table); arguments not named use 0. Names
+            as the step's signature has them, ``batch['mask']`` inside one (NOTE:
+            [inputs by name] in ``parallel_modes/batch_dims.py``).
         mesh: a 1-D mesh; by default all ranks of the default process group.
         reshard_after_forward: fully_shard only: free gathered parameters after
             forward and gather them again in backward.
@@ -79,7 +85,7 @@ class DataParallel(ParallelMode):
         self,
         style: Style = "replicate",
         *,
-        input_batch_dim: int = 0,
+        input_batch_dim: BatchDims = 0,
         mesh: DeviceMesh | None = None,
         reshard_after_forward: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
@@ -91,7 +97,7 @@ class DataParallel(ParallelMode):
             raise ValueError(f"DataParallel takes a 1-D mesh, got a {mesh.ndim}-D mesh {mesh}")
         super().__init__(mesh)
         self.style = style
-        self.input_batch_dim = input_batch_dim
+        self.input_batch_dim = checked_batch_dims(input_batch_dim)
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.prefetch_depth = prefetch_depth
@@ -101,21 +107,16 @@ class DataParallel(ParallelMode):
     def sharded(self) -> bool:
         return self.style == "fully_shard"
 
+    def prepare(self, bindings: StepBindings) -> None:
+        check_batch_dim_names(self.input_batch_dim, bindings)
+
     def capture_options(self) -> CaptureOptions:
         return CaptureOptions(param_dtype=self.mp_policy.param_dtype)
 
     def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
         if ref.kind is Kind.INPUT:
-            if not meta.shape:
-                return replicate(mesh)
-            dim = self.input_batch_dim
-            if not -len(meta.shape) <= dim < len(meta.shape):
-                raise SPMDCompileError(
-                    f"{ref} of shape {meta.shape} has no batch dimension {dim} "
-                    f"(DataParallel(input_batch_dim={dim})).",
-                    hint="set input_batch_dim to the dimension that holds the batch.",
-                )
-            return (Shard(dim % len(meta.shape)),)
+            dim = batch_dim_of(self.input_batch_dim, ref, meta)
+            return replicate(mesh) if dim is None else (Shard(dim),)
         if self.sharded and ref.kind in (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE) and meta.shape:
             return (Shard(0),)
         return replicate(mesh)
@@ -198,7 +199,7 @@ class DataParallel(ParallelMode):
         extra = f", reshard_after_forward={self.reshard_after_forward}" if self.sharded else ""
         if self.mp_policy != MixedPrecisionPolicy():
             extra += f", mp_policy={self.mp_policy}"
-        return f"DataParallel({self.style!r}, input_batch_dim={self.input_batch_dim}{extra})"
+        return f"DataParallel({self.style!r}, input_batch_dim={self.input_batch_dim!r}{extra})"
 
 
 def _param_nodes(captured: CapturedStep) -> set[torch.fx.Node]:

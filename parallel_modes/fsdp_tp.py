@@ -33,6 +33,7 @@ from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 from spmd_compiler.runtime.simulate import mesh_is_live
 
 from .base import ParallelMode
+from .batch_dims import BatchDims, batch_dim_of, check_batch_dim_names, checked_batch_dims
 from .data_parallel import _param_nodes, remake_param_views_for_backward
 from .tensor_parallel import Style, TensorParallel
 
@@ -47,6 +48,9 @@ class FullyShardTensorParallel(ParallelMode):
         mesh: a 2-D mesh whose right-most dimension is tp, or ``mesh_shape=(dp, tp)``
             to build one over the default process group.
         reshard_after_forward: gather parameters again in backward.
+        input_batch_dim: the dimension of each tensor argument that holds the batch,
+            split over dp (every tp rank of a dp group passes the same share): as
+            ``DataParallel``'s, one for all or ``{argument name: dimension or None}``.
     """
 
     name = "fsdp_tp"
@@ -58,6 +62,7 @@ class FullyShardTensorParallel(ParallelMode):
         mesh: DeviceMesh | None = None,
         mesh_shape: tuple[int, int] | None = None,
         reshard_after_forward: bool = True,
+        input_batch_dim: BatchDims = 0,
     ) -> None:
         if mesh is not None and mesh.ndim != 2:
             raise ValueError(f"FullyShardTensorParallel takes a 2-D (dp, tp) mesh, got {mesh}")
@@ -68,6 +73,7 @@ class FullyShardTensorParallel(ParallelMode):
         self.mesh_shape = tuple(mesh.shape) if mesh is not None else tuple(cast(tuple[int, int], mesh_shape))
         self.tp = TensorParallel(plan)
         self.reshard_after_forward = reshard_after_forward
+        self.input_batch_dim = checked_batch_dims(input_batch_dim)
 
     def mesh(self, device_type: str) -> DeviceMesh:
         # its own mesh is made again once its simulation has ended (NOTE: [state after a
@@ -77,11 +83,13 @@ class FullyShardTensorParallel(ParallelMode):
         return super().mesh(device_type)
 
     def prepare(self, bindings: StepBindings) -> None:
+        check_batch_dim_names(self.input_batch_dim, bindings)
         self.tp.prepare(bindings)
 
     def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
         if ref.kind is Kind.INPUT:
-            return (Shard(0), Replicate()) if meta.shape else (Replicate(), Replicate())
+            dim = batch_dim_of(self.input_batch_dim, ref, meta)
+            return (Replicate() if dim is None else Shard(dim), Replicate())
         if ref.kind in (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE) and meta.shape:
             tp = self._tp_placement(ref, meta, mesh)
             dp = _dp_placement(tp, tuple(meta.shape), mesh.size(DP), mesh.size(TP))
@@ -199,7 +207,8 @@ class FullyShardTensorParallel(ParallelMode):
         return at_use
 
     def __repr__(self) -> str:
-        return f"FullyShardTensorParallel(plan={self.tp.plan}, mesh_shape={self.mesh_shape})"
+        extra = f", input_batch_dim={self.input_batch_dim!r}" if self.input_batch_dim != 0 else ""
+        return f"FullyShardTensorParallel(plan={self.tp.plan}, mesh_shape={self.mesh_shape}{extra})"
 
 
 # NOTE: [strided TP under FSDP]

@@ -47,7 +47,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 from unittest import mock
 
 import torch
@@ -1573,8 +1573,7 @@ def chunk_at_coordinate(local: torch.Tensor, mesh: Any, mesh_dim: int, tensor_di
             local = make_local_tensor({rank: local for rank in mode.ranks})
     if isinstance(local, local_tensor_type()):
         coordinates = {
-            rank: [int(c) for c in (mesh.mesh == rank).nonzero()[0]]
-            for rank in per_rank_tensors(local)
+            rank: cast(list[int], mesh_coordinate(mesh, rank)) for rank in per_rank_tensors(local)
         }
         ctx = mode.disable() if mode is not None else contextlib.nullcontext()
         with ctx:
@@ -1675,6 +1674,14 @@ def _coordinate_aware_mode_class() -> type:
             return _combine_int_rank_results(per_rank)
 
     return CoordinateAwareLocalTensorMode
+
+
+def mesh_coordinate(mesh: DeviceMesh, rank: int) -> list[int] | None:
+    """``rank``'s coordinate in ``mesh`` (None when it is not in it), read off the mesh's
+    rank tensor: ``mesh.get_coordinate()`` gives SymInts under the simulation, which do
+    not index a tensor, and knows only this process's rank."""
+    found = (mesh.mesh == rank).nonzero()
+    return found[0].tolist() if found.shape[0] == 1 else None
 
 
 def local_tensor_type() -> type:

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.passes import PassOptions
 
 from . import _torch_private as private
 from . import compile_cache, step_key
-from .capture.bindings import StepBindings, WalkMemo, find_bindings
+from .capture.bindings import StepBindings, WalkMemo, find_bindings, tensor_argument_names
 from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, build_guards
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
@@ -36,7 +36,7 @@ from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
 from .runtime.runner import BranchMismatch, StepTimings
-from .runtime.same_inputs import InputAgreement
+from .runtime.same_inputs import InputAgreement, warn_on_same_shares
 from .runtime.simulate import Simulation, active_simulation, mesh_is_live
 from .runtime.step_executable import CallResult, StepExecutable
 
@@ -112,6 +112,15 @@ def _key_change(old: tuple, new: tuple, n_args: int) -> str | None:
     return None
 
 
+def _plain_input_meta(index: int, t: torch.Tensor) -> TensorMeta:
+    if isinstance(t, DTensor):
+        raise SPMDCompileError(
+            f"tensor argument {index} of the train step is a DTensor; pass plain "
+            "tensors (each rank's local batch, or the global batch in simulation)."
+        )
+    return TensorMeta(tuple(t.shape), t.dtype, t.device, False)
+
+
 class CompiledTrainStep:
     """A train step compiled on first call (and again for new shapes or settings).
 
@@ -137,11 +146,15 @@ class CompiledTrainStep:
         self._meshes: dict[str, DeviceMesh] = {}
         self.timings = StepTimings()
         self._last: StepExecutable | None = None  # what the latest call ran
-        self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles it caused
+        self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles its new values caused
+        self._guard_values: dict[str, set[str]] = {}  # guarded value -> the values it had
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
         self._walk_memo = WalkMemo()  # NOTE: [one walk over the state per call]
+        # the tensor arguments' names per argument structure (NOTE: [inputs by name])
+        self._input_names: dict[Any, list[str]] = {}
+        self._shares_compared = False  # NOTE: [the same share on every rank]
         self._mesh_checked_in: Simulation | None = None  # NOTE: [state after a simulation]
         if step_function(func) is None:
             raise SPMDCompileError(
@@ -187,11 +200,27 @@ class CompiledTrainStep:
     def _call_in(self, bindings: StepBindings, sim: Simulation | None, ambient: tuple) -> Any:
         mesh = self._mesh(bindings, sim)
         tensor_args = [t for _, t in bindings.tensor_args()]
-        # every call on real ranks, cached program or not: NOTE: [same inputs on all ranks]
-        agreement = InputAgreement(tensor_args) if sim is None and dist.get_world_size() > 1 else None
-        input_metas = [
-            self._global_input_meta(k, t, mesh, sim) for k, t in enumerate(tensor_args)
-        ]
+        agreement = None
+        if sim is None:
+            names = self._tensor_argument_names(bindings)
+            placed = [
+                self._global_input_meta(k, name, t, mesh) for k, (name, t) in enumerate(zip(names, tensor_args))
+            ]
+            input_metas = [meta for meta, _ in placed]
+            if dist.get_world_size() > 1:
+                # every call on real ranks, cached program or not: NOTE: [same inputs on
+                # all ranks]; with the values of the arguments every rank passes whole
+                passed_whole = [
+                    (f"{names[k]} (input[{k}])", t)
+                    for k, ((_, whole), t) in enumerate(zip(placed, tensor_args))
+                    if whole and t.device.type == "cpu"
+                ]
+                if not self._shares_compared:  # NOTE: [the same share on every rank]
+                    self._shares_compared = True
+                    warn_on_same_shares(self._split_arguments(names, tensor_args, mesh))
+                agreement = InputAgreement(tensor_args, passed_whole)
+        else:
+            input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
         key = (tuple(input_metas), bindings.static_key(), sim is not None, ambient)
         executable = self._cached_executable(key, bindings)
         if executable is None and key not in self._cache and self._last_key is not None:
@@ -314,7 +343,14 @@ class CompiledTrainStep:
     def _note_recompile(self, change: str) -> None:
         """Log why this call compiles again; warn when one value keeps causing it."""
         log.info("recompiling %s: %s", self._name, change)
-        what = change.split(" was ", 1)[0]
+        what, _, values = change.partition(" was ")
+        was, _, now = values.rpartition(", now ")
+        # only a value not seen before counts: a flag that alternates (accumulate, then
+        # step) compiles a program per value and the optimizer's first step, not per call
+        seen = self._guard_values.setdefault(what, {was})
+        if now in seen:
+            return
+        seen.add(now)
         self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
         if self._guard_misses[what] == REPEATED_RECOMPILES:
             if what.startswith("the shape"):
@@ -380,23 +416,42 @@ class CompiledTrainStep:
         self._last_key = None
         self._last_entries = None
 
+    def _tensor_argument_names(self, bindings: StepBindings) -> list[str]:
+        names = self._input_names.get(bindings.args_spec)
+        if names is None:
+            names = self._input_names[bindings.args_spec] = tensor_argument_names(self.func, bindings)
+        return names
+
+    def _split_arguments(
+        self, names: list[str], tensor_args: list[torch.Tensor], mesh: DeviceMesh
+    ) -> list[tuple[str, torch.Tensor, int]]:
+        """``(label, tensor, dimension)`` of each CPU tensor argument the mode splits
+        along one dimension of its data: NOTE: [the same share on every rank]."""
+        out = []
+        for k, (name, t) in enumerate(zip(names, tensor_args, strict=True)):
+            if t.device.type != "cpu" or not t.shape:
+                continue
+            meta = _plain_input_meta(k, t)
+            dims = {p.dim for p in self.mode.placement_of(StateRef(Kind.INPUT, name=name, index=k), meta, mesh)
+                    if isinstance(p, Shard)}
+            if len(dims) == 1:
+                out.append((f"{name} (input[{k}])", t, dims.pop()))
+        return out
+
     def _global_input_meta(
-        self, index: int, t: torch.Tensor, mesh: DeviceMesh, sim: Simulation | None
-    ) -> TensorMeta:
-        if isinstance(t, DTensor):
-            raise SPMDCompileError(
-                f"tensor argument {index} of the train step is a DTensor; pass plain "
-                "tensors (each rank's local batch, or the global batch in simulation)."
-            )
-        meta = TensorMeta(tuple(t.shape), t.dtype, t.device, False)
-        if sim is not None:
-            return meta
-        placements = self.mode.placement_of(StateRef(Kind.INPUT, index=index), meta, mesh)
+        self, index: int, name: str, t: torch.Tensor, mesh: DeviceMesh
+    ) -> tuple[TensorMeta, bool]:
+        """The global meta of this rank's tensor argument ``t`` on real ranks (its shape
+        times the mesh size along each dimension the mode shards it on), and whether
+        every rank holds it whole (Replicate on every mesh dimension)."""
+        meta = _plain_input_meta(index, t)
+        placements = self.mode.placement_of(StateRef(Kind.INPUT, name=name, index=index), meta, mesh)
         shape = list(meta.shape)
         for mesh_dim, p in enumerate(placements):
             if isinstance(p, Shard) and p.dim < len(shape):
                 shape[p.dim] *= mesh.size(mesh_dim)
-        return TensorMeta(tuple(shape), meta.dtype, meta.device, False)
+        whole = all(isinstance(p, Replicate) for p in placements)
+        return TensorMeta(tuple(shape), meta.dtype, meta.device, False), whole
 
     def _compile(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,

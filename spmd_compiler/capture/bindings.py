@@ -18,6 +18,7 @@ exactly as the first call would have.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import weakref
 from collections import defaultdict
@@ -149,6 +150,8 @@ class StepBindings:
     # the optimizers' part from it, and ``install_state`` trusts its last check)
     memo: WalkMemo | None = field(default=None, repr=False)
     unchanged: bool = field(default=False, repr=False)
+    # the step called (None where the bindings were made without one)
+    step: Callable[..., Any] | None = field(default=None, repr=False)
 
     @property
     def walk(self) -> tuple[int, int] | None:
@@ -470,6 +473,53 @@ def _hashable(v: Any) -> Any:
     return v
 
 
+def argument_paths(func: Callable[..., Any], spec: pytree.TreeSpec) -> list[str]:
+    """The path of every leaf of a call's flattened arguments (``StepBindings.flat_args``,
+    whose structure ``spec`` is), as the step's code names it: the parameter's name, then
+    keys and attributes inside it (``x``, ``batch['input_ids']``, ``state.h``,
+    ``hidden[1]``). Arguments caught by ``*args`` are ``args[i]``; a step whose signature
+    cannot be read names its positional arguments ``args[i]``.
+
+    NOTE: [inputs by name]: what ``DataParallel(input_batch_dim={...})`` matches.
+    """
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = next((p.name for p in parameters if p.kind is p.VAR_POSITIONAL), "args")
+    args, kwargs = pytree.tree_unflatten([object() for _ in range(spec.num_leaves)], spec)
+    named = [
+        (positional[i] if i < len(positional) else f"{rest}[{i - len(positional)}]", a)
+        for i, a in enumerate(args)
+    ] + [(str(k), v) for k, v in kwargs.items()]
+    paths = []
+    for name, value in named:
+        try:
+            paths += [name + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(value)[0]]
+        except ValueError:  # a node type registered without keys: the argument's name
+            paths += [name] * len(pytree.tree_leaves(value))
+    return paths
+
+
+def tensor_argument_names(func: Callable[..., Any], bindings: StepBindings) -> list[str]:
+    """The path of each tensor argument (``argument_paths``), in the order of
+    ``bindings.tensor_args()``: the names of the step's ``Kind.INPUT`` refs."""
+    paths = argument_paths(func, bindings.args_spec)
+    return [paths[i] for i, _ in bindings.tensor_args()]
+
+
+def argument_names(func: Callable[..., Any]) -> tuple[list[str], bool]:
+    """The names of a step's parameters (``*args`` / ``**kwargs`` by their names), and
+    whether it takes keyword arguments of any name; ([], True) when its signature cannot
+    be read."""
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return [], True
+    return [p.name for p in parameters], any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def _is_leaf(x: Any) -> bool:
     return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
 
@@ -515,7 +565,7 @@ def find_bindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
         (args, kwargs), _unique(find_scalers(func, flat_args)),
         _unique(find_schedulers(func, flat_args)), containers, submodules,
-        memo=memo, unchanged=unchanged,
+        memo=memo, unchanged=unchanged, step=func,
     )
 
 

@@ -57,6 +57,14 @@ def _flatten(node: Opened) -> tuple[list[Any], Any]:
     return list(node.values), (node.kind, node.names)
 
 
+def _flatten_with_keys(node: Opened) -> tuple[list[tuple[Any, Any]], Any]:
+    """Children keyed as the step reads them: ``batch['ids']`` in a ``UserDict``,
+    ``batch.ids`` in a dataclass or namespace (the argument paths of
+    ``bindings.argument_paths``)."""
+    key = pytree.MappingKey if issubclass(node.kind, collections.UserDict) else pytree.GetAttrKey
+    return [(key(n), v) for n, v in zip(node.names, node.values, strict=True)], (node.kind, node.names)
+
+
 def _unflatten(values: Any, context: Any) -> Opened:
     kind, names = context
     return Opened(kind, names, list(values))
@@ -82,6 +90,7 @@ def _from_dumpable(dumped: Any) -> Any:
 pytree.register_pytree_node(
     Opened, _flatten, _unflatten, serialized_type_name="spmd_compiler.capture.containers.Opened",
     to_dumpable_context=_dumpable, from_dumpable_context=_from_dumpable,
+    flatten_with_keys_fn=_flatten_with_keys,
 )
 
 

@@ -77,7 +77,7 @@ from ..ir.signature import (
 from . import selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
-from .bindings import StepBindings, check_plain_modules
+from .bindings import StepBindings, check_plain_modules, tensor_argument_names
 from .code_names import step_code, step_where
 from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
@@ -594,8 +594,10 @@ def _capture(
         inputs.append((ref, dataclasses.replace(meta, dtype=state_dtype(ref, meta))))
     inputs += [(ref, TensorMeta((), HYPERPARAM_DTYPE, device)) for ref in bindings.hyperparam_refs()]
     inputs += [(float_argument_ref(i), TensorMeta((), HYPERPARAM_DTYPE, device)) for i in floats]
+    names = tensor_argument_names(func, bindings)
     inputs += [
-        (StateRef(Kind.INPUT, index=k), meta) for k, meta in enumerate(input_metas)
+        (StateRef(Kind.INPUT, name=name, index=k), meta)
+        for k, (name, meta) in enumerate(zip(names, input_metas, strict=True))
     ]
     fake_mode = private.fake_tensor_mode(allow_real_tensors=True)
     private.register_stack_trace_anchor(func)

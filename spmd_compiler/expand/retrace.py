@@ -113,8 +113,11 @@ def format_placements(placements: Sequence[Placement]) -> str:
     return "[" + ", ".join(out) + "]"
 
 
-def local_meta(meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what: str) -> TensorMeta:
-    """Local metadata of a tensor sharded evenly by ``placements`` on ``mesh``.
+def local_meta(
+    meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what: str, argument: str | None = None
+) -> TensorMeta:
+    """Local metadata of a tensor sharded evenly by ``placements`` on ``mesh``;
+    ``argument``: the step argument's name, for a tensor argument.
 
     Raises:
         SPMDCompileError: a sharded dimension is missing or not divisible.
@@ -133,8 +136,12 @@ def local_meta(meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what:
                 raise SPMDCompileError(
                     f"{what} has size {meta.shape[p.dim]} in dimension {p.dim}, which "
                     f"is not divisible by the {n} ranks of mesh dimension {mesh_dim}.",
-                    hint=f"use a global batch that is a multiple of {n} (each rank gets "
-                    "an equal share), or replicate this input.",
+                    hint=None if argument is None else (
+                        f"use a global batch that is a multiple of {n} (each rank gets an "
+                        "equal share). If this argument's batch lies in another dimension, "
+                        "or it holds no batch, say so: input_batch_dim="
+                        f"{{{(argument or 'name')!r}: 1}} or {{{(argument or 'name')!r}: None}}."
+                    ),
                 )
             shape[p.dim] //= n
     return TensorMeta(tuple(shape), meta.dtype, meta.device, False)
@@ -167,7 +174,7 @@ def expand(
     """
     start = time.perf_counter()
     local = [
-        local_meta(meta, mesh, pl, str(ref))
+        local_meta(meta, mesh, pl, str(ref), ref.name if ref.kind is Kind.INPUT else None)
         for (ref, meta), pl in zip(captured.inputs, input_placements, strict=True)
     ]
 

@@ -47,7 +47,8 @@ class StateRef:
     """Names one graph input or output.
 
     ``name`` is the parameter/buffer FQN (prefixed by the module index when the step takes
-    several modules); ``key`` is the optimizer-state key (``exp_avg``) or hyper-parameter
+    several modules), or a tensor argument's path in the step's arguments (``x``,
+    ``batch['input_ids']``: NOTE: [inputs by name] in ``capture/bindings.py``); ``key`` is the optimizer-state key (``exp_avg``) or hyper-parameter
     (``lr``); ``index`` is the position among the step's tensor inputs or returned tensors,
     or the scaler's among the step's GradScalers (``key``: ``_scale`` or ``_growth_tracker``).
     """
@@ -68,6 +69,8 @@ class StateRef:
             return f"float argument {self.index}"
         if self.kind is Kind.HYPERPARAM:
             return f"optimizer[{self.optimizer}].param_groups[{self.group}][{self.key!r}]"
+        if self.kind is Kind.INPUT and self.name:
+            return f"{self.kind.value}[{self.index}] ({self.name})"
         if self.kind in (Kind.INPUT, Kind.RETURN):
             return f"{self.kind.value}[{self.index}]"
         return f"{self.kind.value} {self.name}"

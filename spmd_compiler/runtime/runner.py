@@ -104,7 +104,7 @@ def _state_tensors(bindings: StepBindings) -> list[torch.Tensor]:
 def _install(
     bindings: StepBindings, placement_of: Any, mesh: DeviceMesh, sim: Simulation | None
 ) -> None:
-    _live_meshes.clear()
+    rehome = _Rehome(mesh)
     new_params: dict[int, torch.nn.Parameter] = {}
     p: torch.Tensor  # a parameter, later an optimizer's state key
     value: torch.Tensor | None  # a parameter, a buffer, later an optimizer's state entry
@@ -112,8 +112,9 @@ def _install(
         ref = StateRef(Kind.PARAM, name)
         placements = placement_of(ref, TensorMeta.of(p), mesh)
         if isinstance(p, DTensor):
+            rehome(p)
             _check_installed(ref, p, mesh, placements)
-            _rehome(p.grad, mesh)
+            rehome(p.grad)
             continue
         dt = _distribute(p.detach(), mesh, placements, sim)
         new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -130,7 +131,7 @@ def _install(
                     sub._parameters[attr] = new_params[id(value)]
             for attr, value in list(sub._buffers.items()):
                 if value is None or isinstance(value, DTensor):
-                    _rehome(value, mesh)
+                    rehome(value)
                     continue
                 name = _buffer_name(bindings, value)
                 ref = StateRef(Kind.BUFFER, name)
@@ -147,7 +148,7 @@ def _install(
             name = bindings.param_name(p)
             converted = {}
             for key, value in entries.items():
-                _rehome(value, mesh)
+                rehome(value)
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                     ref = StateRef(Kind.OPTIM_STATE, name, key, oi, _group_of(opt, new_p))
                     meta = TensorMeta.of(value)
@@ -164,7 +165,6 @@ def _install(
 
 
 def _check_installed(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements) -> None:
-    _rehome(p, mesh)
     if p.device_mesh != mesh or tuple(p.placements) != tuple(placements):
         raise SPMDCompileError(
             f"{ref} is already a DTensor with placement {format_placements(p.placements)} on "
@@ -174,21 +174,24 @@ def _check_installed(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Pl
         )
 
 
-def _rehome(t: torch.Tensor | None, mesh: DeviceMesh) -> None:
-    """A DTensor of a simulation that has ended onto this step's mesh of the same ranks
-    (NOTE: [state after a simulation] in simulate.py); anything else stays."""
-    if not isinstance(t, DTensor) or t.device_mesh is mesh or t.device_mesh != mesh:
-        return
-    live = _live_meshes.get(id(t.device_mesh))
-    if live is None:
-        live = _live_meshes[id(t.device_mesh)] = mesh_is_live(t.device_mesh)
-    if not live:
-        private.rehome(t, mesh)
+class _Rehome:
+    """Moves a DTensor of a simulation that has ended onto this step's mesh of the same
+    ranks (NOTE: [state after a simulation] in simulate.py); anything else stays. Which
+    meshes are live is found once per mesh for one install (a second step's state sits
+    on the first step's mesh: hundreds of tensors, one mesh)."""
 
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.live: dict[int, bool] = {}
 
-# by id, the meshes this install found live or not (a second step's state sits on the
-# first step's mesh: hundreds of tensors, one mesh); cleared when an install starts
-_live_meshes: dict[int, bool] = {}
+    def __call__(self, t: torch.Tensor | None) -> None:
+        if not isinstance(t, DTensor) or t.device_mesh is self.mesh or t.device_mesh != self.mesh:
+            return
+        live = self.live.get(id(t.device_mesh))
+        if live is None:
+            live = self.live[id(t.device_mesh)] = mesh_is_live(t.device_mesh)
+        if not live:
+            private.rehome(t, self.mesh)
 
 
 def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None) -> DTensor:

@@ -31,12 +31,37 @@ of its bytes (a sum and a position-weighted sum, computed once per program: a co
 cannot change without a guard compiling a new program). When the ranks' constants
 differ, every rank raises the same error naming each rank's constants, before any
 collective of the program and before anything is updated.
+
+NOTE: [inputs every rank passes whole]
+A tensor argument the mode places Replicate on every mesh dimension (a 0-d tensor, or
+one ``input_batch_dim`` names None: class weights, a table; NOTE: [inputs by name] in
+``parallel_modes/batch_dims.py``) is one value the program reads on every rank as the
+same. A rank passing another value would train on it without an error, so the round's
+first digest also covers these arguments' values, by the checksum the constants use, on
+every call: ranks that pass different values get the disagreement error before any
+collective of the program. CPU tensors only: a CUDA tensor's checksum would wait for the
+GPU every call; on CUDA such arguments are trusted to agree.
+
+NOTE: [the same share on every rank]
+The other way round, an argument that holds no batch but that the mode splits (nobody
+named it None in ``input_batch_dim``) is read on real ranks as one rank's share of a
+tensor ``world`` times longer: class weights ``w`` of 3 classes became 6 on 2 ranks, and
+``w / w.sum()`` came out halved, loss and gradients half of one device's, with no error
+(in simulation, where the user passes the global value, it was right). Nothing in one
+call tells such an argument from a batch, but the first call of a step on real ranks
+makes one more round (``warn_on_same_shares``): for each split argument, whether every
+rank passed the same values, and whether its share's slices along the split dimension
+differ from each other. An argument that is the same on every rank but not the same
+slice repeated (as a mask of ones or the rows of ``position_ids`` are) is no batch a data
+loader would give, so the ranks warn, naming it and the ``input_batch_dim`` entry that
+passes it whole. A warning, not an error: a test may give every rank the same batch.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,16 +97,22 @@ _CONSTANTS = " | constants: "  # where a round's description of what it sends na
 def describe_constants(outside: Sequence[Any]) -> str:
     """Each program constant's label, shape, dtype and a checksum of its bytes (NOTE:
     [constants agree across ranks]); tensor ops only (no numpy)."""
-    parts = []
-    for constant in outside:
-        t = constant.tensor.detach()
-        raw = t.cpu().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
-        weights = torch.arange(raw.numel(), dtype=torch.int64) % 65521 + 1
-        parts.append(
-            f"{constant.label} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "
-            f"checksum {int(raw.sum())}/{int((raw * weights).sum())}"
-        )
-    return "; ".join(parts)
+    return "; ".join(f"{constant.label} {_checksum(constant.tensor)}" for constant in outside)
+
+
+_WHOLE = " | values of the arguments passed whole: "
+
+
+def _checksum(t: torch.Tensor) -> str:
+    """``(3,) float32 checksum 1234/56789``: a sum and a position-weighted sum of the
+    bytes of ``t``."""
+    t = t.detach()
+    raw = t.cpu().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(raw.numel(), dtype=torch.int64) % 65521 + 1
+    return (
+        f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "
+        f"checksum {int(raw.sum())}/{int((raw * weights).sum())}"
+    )
 
 
 def _digest(description: str) -> int:
@@ -112,8 +143,14 @@ class InputAgreement:
     rank decides the same way (float64 sums are exact below 2**53: 2**21 ranks).
     """
 
-    def __init__(self, tensor_args: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, tensor_args: Sequence[torch.Tensor], whole: Sequence[tuple[str, torch.Tensor]] = ()
+    ) -> None:
+        """``whole``: the CPU tensor arguments every rank passes whole (Replicate), by
+        label, whose values must agree too (NOTE: [inputs every rank passes whole])."""
         self.description = describe_inputs(tensor_args)
+        if whole:
+            self.description += _WHOLE + "; ".join(f"{label} {_checksum(t)}" for label, t in whole)
         self.world = dist.get_world_size()
         self.group = _cpu_group()
         # the program's constants (``describe_constants``), set before it runs: NOTE:
@@ -202,6 +239,15 @@ class InputAgreement:
     def _raise_disagreement(self) -> None:
         everyone = _all_descriptions(self.description, self.group, self.world)
         lines = "\n".join(f"    rank {rank}: {text}" for rank, text in enumerate(everyone))
+        if len({text.partition(_WHOLE)[0] for text in everyone}) == 1:
+            raise SPMDCompileError(
+                "The ranks pass different values for a tensor argument that every rank "
+                "passes whole (the mode does not split it: a 0-d tensor, or one "
+                "input_batch_dim names None), so each rank would train on its own value. "
+                f"Nothing was updated. Tensor arguments per rank:\n{lines}",
+                hint="pass the same value on every rank, or give the argument's batch "
+                "dimension in input_batch_dim if each rank passes its own share.",
+            )
         raise SPMDCompileError(
             "The ranks pass tensor arguments of different shapes or dtypes to the train step, "
             "so they would run different programs (and wait for each other until the "
@@ -236,6 +282,43 @@ class Round:
 
 _PARTS, _PART_BITS = 3, 16  # a 48-bit digest in parts whose squares sum exactly
 ROUND = 1 + 2 * 2 * _PARTS + MAX_SLOTS  # pending, two digests (parts, squares), the values
+
+
+_SHARE_SLOTS = 32  # split arguments the first call's round looks at (the first ones)
+
+
+def warn_on_same_shares(split: Sequence[tuple[str, torch.Tensor, int]]) -> None:
+    """The first call's round of NOTE: [the same share on every rank]: warn for each
+    ``(label, tensor, split dimension)`` whose values every rank passed alike."""
+    split = [item for item in split if item[1].numel() > 1][:_SHARE_SLOTS]
+    world = dist.get_world_size()
+    row = [0.0] * (3 * _SHARE_SLOTS)
+    for k, (_, t, dim) in enumerate(split):
+        h = _digest(_checksum(t)) & ((1 << 20) - 1)
+        row[3 * k : 3 * k + 3] = [float(h), float(h * h), float(_slices_differ(t, dim))]
+    buf = torch.tensor(row, dtype=torch.float64)
+    _collective(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=_cpu_group()))
+    sums = buf.tolist()
+    for k, (label, t, dim) in enumerate(split):
+        part, square, differ = row[3 * k : 3 * k + 3]
+        alike = sums[3 * k] == world * part and sums[3 * k + 1] == world * square
+        if alike and differ and sums[3 * k + 2] == world * differ:
+            name = label.split(" (input[")[0]
+            warnings.warn(
+                f"Every rank passed the same values for {label} {tuple(t.shape)}, which the "
+                f"parallel mode splits along dimension {dim} as each rank's share of the "
+                "batch: the program reads it as a tensor "
+                f"{world} times longer. If it holds no batch (class weights, a table), pass "
+                f"it whole: input_batch_dim={{{name!r}: None}} (NOTE: [the same share on "
+                "every rank]).",
+                stacklevel=4,
+            )
+
+
+def _slices_differ(t: torch.Tensor, dim: int) -> bool:
+    """Whether the slices of ``t`` along ``dim`` are not all equal."""
+    t = t.detach()
+    return bool(t.size(dim) > 1 and not torch.equal(t.narrow(dim, 0, 1).expand_as(t), t))
 
 
 def _parts(digest: int) -> list[int]:

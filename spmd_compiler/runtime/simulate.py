@@ -196,10 +196,9 @@ def mesh_is_live(mesh: DeviceMesh) -> bool:
     names to groups of other ranks (NOTE: [state after a simulation])."""
     if not dist.is_initialized():
         return False
-    found = (mesh.mesh == dist.get_rank()).nonzero()  # this process's rank's coordinate
-    if len(found) == 0:  # not in the mesh: nothing to tell by
+    coordinate = private.mesh_coordinate(mesh, dist.get_rank())
+    if coordinate is None:  # not in the mesh: nothing to tell by
         return True
-    coordinate = found[0].tolist()
     try:
         for dim in range(mesh.ndim):
             index: list[Any] = list(coordinate)

@@ -314,6 +314,30 @@ def test_int_argument_changing_every_call_warns(classification_batches, caplog):
     ), warnings
 
 
+def accumulating_step(model, optim, x, y, do_step):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y) / 2
+    loss.backward()
+    if do_step:
+        optim.step()
+        optim.zero_grad()
+    return loss
+
+
+def test_a_flag_that_alternates_does_not_warn(classification_batches, caplog):
+    """Accumulate, then step: the flag's two values and the optimizer's first step make 4
+    programs over 8 calls, none after; a value seen before is no reason to warn (it
+    warned "changed on 3 calls ... each new value compiles a new program" before)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    optim = sgd_momentum(model)
+    compiled = sc.compile()(accumulating_step)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(2):
+        for i, (x, y) in enumerate(classification_batches(8)):
+            compiled(model, optim, x, y, i % 2 == 1)
+    assert compiled.compile_count == 4
+    assert not [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
 def env_weighted_step(model, optim, x, y):  # noqa: ANN001
     loss = F.cross_entropy(model(x), y) * float(os.environ.get("SPMD_TEST_LOSS_WEIGHT", "1"))
     loss.backward()

@@ -6,6 +6,7 @@ in tests/unit/test_docs_examples.py (it aborted at exit about 1 run in 20 before
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import sys
 import threading
 import time
@@ -42,8 +43,12 @@ def test_waits_while_a_worker_runs_and_returns_once_it_sleeps(monkeypatch: pytes
         _name_this_thread(teardown.GLOO_WORKER_THREAD)
         started.set()
         end = time.monotonic() + busy_s
+        block = bytes(1 << 20)
         while time.monotonic() < end:  # a worker still putting down its tensors
-            pass
+            # in C with the GIL released, as gloo's threads run: a loop of Python
+            # bytecode waited for the GIL whenever the test read /proc, so it looked
+            # asleep and idle on a loaded machine (the wait ended at 0.14 s of 0.3)
+            hashlib.sha256(block).digest()
         stop.wait()  # then asleep, waiting for work
 
     thread = threading.Thread(target=worker, daemon=True)

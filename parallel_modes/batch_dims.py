@@ -1,0 +1,104 @@
+"""Which dimension of each tensor argument holds the batch, for the data-parallel modes.
+
+NOTE: [inputs by name]
+A data-parallel mode splits every tensor argument of the step along one dimension: each
+rank passes its own share on real ranks, and a simulated rank is cut its share of the
+global batch. One dimension for every argument was the only choice, so a step could not
+take an RNN's hidden state (batch in dimension 1 of ``(layers, batch, hidden)``) beside
+a batch-first input, nor a tensor that is no batch at all (class weights, a lookup
+table): every rank passes the same whole tensor. Such an argument was read as one
+rank's share of a tensor ``world`` times longer: on real ranks ``w.sum()`` of class
+weights came out ``world`` times too large, while in simulation, where the user passes
+the global value, it was right.
+
+``input_batch_dim`` takes either one dimension for every tensor argument, or a mapping
+from argument names to a dimension, or to None for an argument that holds no batch
+(Replicate: every rank passes, and computes with, the same whole tensor; on real ranks
+every call checks that the ranks' values agree, NOTE: [same inputs on all ranks]).
+Arguments the mapping does not name keep dimension 0. A name is the step's parameter
+name, then keys and attributes inside it as the step's code reads them (``h``,
+``batch['class_weights']``, ``state.h``, ``args[2]`` for one caught by ``*args``:
+``capture.bindings.argument_paths``); a name covers everything inside it, and the
+longest name that covers an argument wins. A name that is none of the step's
+parameters is refused at compile time (a typo would leave the argument on dimension 0).
+0-d tensor arguments are always Replicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from spmd_compiler.capture.bindings import StepBindings, argument_names
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.ir.signature import StateRef, TensorMeta
+
+BatchDims = int | Mapping[str, int | None]
+
+
+def checked_batch_dims(batch_dims: BatchDims) -> int | dict[str, int | None]:
+    """``batch_dims`` as a mode keeps it; raises TypeError on anything else."""
+    if isinstance(batch_dims, bool) or not isinstance(batch_dims, (int, Mapping)):
+        raise TypeError(
+            f"input_batch_dim must be an int or a dict from argument names to an int or "
+            f"None, got {batch_dims!r}"
+        )
+    if isinstance(batch_dims, int):
+        return batch_dims
+    out: dict[str, int | None] = {}
+    for name, dim in batch_dims.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"input_batch_dim's keys are argument names, got {name!r}")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+            raise TypeError(f"input_batch_dim[{name!r}] must be an int or None, got {dim!r}")
+        out[name] = dim
+    return out
+
+
+def _covers(name: str, path: str) -> bool:
+    return path == name or path.startswith((name + "[", name + "."))
+
+
+def batch_dim_of(batch_dims: int | dict[str, int | None], ref: StateRef, meta: TensorMeta) -> int | None:
+    """The dimension of tensor argument ``ref`` that holds the batch, normalized to
+    ``0 <= dim < ndim``; None where it holds none (0-d, or named None).
+
+    Raises:
+        SPMDCompileError: the argument has no such dimension.
+    """
+    if not meta.shape:
+        return None
+    if isinstance(batch_dims, int):
+        dim: int | None = batch_dims
+        how = f"input_batch_dim={batch_dims}"
+    else:
+        names = [n for n in batch_dims if _covers(n, ref.name)]
+        chosen = max(names, key=len) if names else None
+        dim = batch_dims[chosen] if chosen is not None else 0
+        how = f"input_batch_dim[{chosen!r}]={dim}" if chosen is not None else "the default batch dimension 0"
+    if dim is None:
+        return None
+    if not -len(meta.shape) <= dim < len(meta.shape):
+        raise SPMDCompileError(
+            f"{ref} of shape {meta.shape} has no batch dimension {dim} ({how}).",
+            hint="name the dimension that holds this argument's batch, or None when it holds "
+            f"none: input_batch_dim={{{(ref.name or 'name')!r}: 1}} or {{{(ref.name or 'name')!r}: None}}.",
+        )
+    return dim % len(meta.shape)
+
+
+def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: StepBindings) -> None:
+    """Refuse a name of ``input_batch_dim`` that is none of the step's parameters."""
+    if isinstance(batch_dims, int) or bindings.step is None:
+        return
+    parameters, any_keyword = argument_names(bindings.step)
+    if any_keyword:
+        return
+    for name in batch_dims:
+        top = name.split("[", 1)[0].split(".", 1)[0]
+        if top not in parameters:
+            raise SPMDCompileError(
+                f"input_batch_dim names {name!r}, but the train step has no parameter "
+                f"{top!r}; its parameters: {', '.join(parameters)}.",
+                hint="name an argument as the step's signature does (a key or attribute "
+                "inside it as batch['mask'] or batch.mask).",
+            )

@@ -1,0 +1,118 @@
+"""Tensor arguments that are not split on dimension 0, on 2 real gloo ranks (NOTE: [inputs
+by name] in ``parallel_modes/batch_dims.py``, NOTE: [inputs every rank passes whole] in
+``runtime/same_inputs.py``).
+
+A GRU step takes its hidden state (batch in dimension 1) and class weights that hold no
+batch. Each rank passes its share of ``x``, ``y`` and ``h`` and the whole weights; with
+``input_batch_dim={"h": 1, "weights": None}`` the ranks train as one device does on the
+global batch (float64). Before, every argument was one rank's share along dimension 0: the
+hidden state could not be passed at all, and the weights were read as a table twice as
+long, so the normalized weights ``w / w.sum()`` came out halved on 2 ranks (a loss and
+gradients half of one device's, no error). A rank that passes other weights than its
+peers is refused, every rank naming each rank's values, with nothing updated. Weights not
+named are still read as each rank's share: the first call warns on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.parity import full_state, launch_timeout, relative_difference
+from tests.sim.test_inputs_by_name import BATCH, Tagger, _batches
+from tests.sim.test_inputs_by_name import rnn_step as step
+
+pytestmark = pytest.mark.dist
+
+WORLD_SIZE = 2
+
+
+def _setup() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Tagger().double()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _data() -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    return _batches(), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+
+
+def worker(rank: int, world_size: int, other_weights: bool) -> dict:
+    model, optim = _setup()
+    before = copy.deepcopy(full_state(model, optim, None))
+    compiled = sc.compile(DataParallel("replicate", input_batch_dim={"h": 1, "weights": None}))(step)
+    batches, weights = _data()
+    if other_weights and rank == 1:
+        weights = weights.flip(0)
+    share = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    h = torch.zeros(1, BATCH, 8, dtype=torch.float64)
+    losses = []
+    try:
+        for x, y in batches:
+            loss, h = compiled(model, optim, x[share], y[share], h[:, share], weights)
+            losses.append(loss.detach().clone())
+    except SPMDCompileError as exc:
+        after = full_state(model, optim, None)
+        return {"error": str(exc), "untouched": all(torch.equal(after[k], v) for k, v in before.items())}
+    return {"losses": torch.stack(losses), "h": h, "state": full_state(model, optim, None)}
+
+
+def test_a_hidden_state_and_whole_class_weights_train_as_one_device() -> None:
+    results = sc.launch(worker, WORLD_SIZE, args=(False,), timeout_s=launch_timeout(180))
+    model, optim = _setup()
+    batches, weights = _data()
+    h = torch.zeros(1, BATCH, 8, dtype=torch.float64)
+    losses = []
+    for x, y in batches:
+        loss, h = step(model, optim, x, y, h, weights)
+        losses.append(loss.detach())
+    state = full_state(model, optim, None)
+    for rank, got in enumerate(results):
+        assert "error" not in got, got.get("error")
+        errors = {"losses": relative_difference(got["losses"], torch.stack(losses)),
+                  "h": relative_difference(got["h"], h)}
+        errors.update({k: relative_difference(got["state"][k], v) for k, v in state.items()})
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < 1e-12, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+
+
+def unnamed_then_other_weights(rank: int, world_size: int) -> dict:
+    """Weights not named: the first call warns on every rank (its loss is half one
+    device's); then the refusal of ranks passing other named weights."""
+    model, optim = _setup()
+    compiled = sc.compile(DataParallel("replicate", input_batch_dim={"h": 1}))(step)
+    (x, y), weights = _data()[0][0], _data()[1]
+    share = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, _ = compiled(model, optim, x[share], y[share], torch.zeros(1, BATCH // world_size, 8,
+                           dtype=torch.float64), weights)
+    out = worker(rank, world_size, True)
+    out["unnamed"] = (float(loss), [str(w.message) for w in caught if "same values" in str(w.message)])
+    return out
+
+
+def test_ranks_passing_other_whole_weights_are_refused_with_nothing_updated() -> None:
+    results = sc.launch(unnamed_then_other_weights, WORLD_SIZE, timeout_s=launch_timeout(240))
+    model, optim = _setup()
+    (x, y), weights = _data()[0][0], _data()[1]
+    one_device = float(step(model, optim, x, y, torch.zeros(1, BATCH, 8, dtype=torch.float64), weights)[0])
+    for rank, got in enumerate(results):
+        # NOTE: [the same share on every rank]: the weights read as a table twice as long
+        loss, warned = got["unnamed"]
+        assert abs(loss - one_device / 2) < 1e-12 * one_device, (rank, loss, one_device)
+        assert len(warned) == 1 and "weights (input[3]) (3,)" in warned[0], warned
+        assert "input_batch_dim={'weights': None}" in warned[0]
+    for rank, got in enumerate(results):
+        assert "error" in got, f"rank {rank} trained with its own weights: {got}"
+        message = got["error"]
+        assert "pass different values for a tensor argument that every rank passes whole" in message
+        assert "weights (input[3]) (3,) float64 checksum" in message
+        assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"

@@ -1,0 +1,222 @@
+"""Tensor arguments placed by name: ``input_batch_dim={name: dim or None}`` (NOTE: [inputs by
+name] in ``parallel_modes/batch_dims.py``).
+
+Before, a data-parallel mode split every tensor argument along one dimension: a step
+could not take an RNN's hidden state (batch in dimension 1) beside batch-first inputs,
+nor a tensor that holds no batch. The real-rank side (each rank passing its share, the
+weights whole, the ranks' values compared) is ``tests/dist/test_inputs_by_name_gloo.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import functools
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd_compiler as sc
+from spmd_compiler._torch_private import pytree
+from spmd_compiler.capture.bindings import argument_paths
+from spmd_compiler.capture.containers import open_containers
+from spmd_compiler.ir.signature import Kind, StateRef, TensorMeta
+from spmd_compiler.parallel_modes import DataParallel, FullyShardTensorParallel
+from spmd_compiler.parallel_modes.batch_dims import batch_dim_of
+from spmd_compiler.tools.parity import compare_states, full_state, relative_difference
+
+WORLD, BATCH, STEPS = 2, 4, 3
+
+
+def _paths(func, *args, **kwargs) -> list[str]:
+    leaf = lambda x: isinstance(x, torch.nn.Module)  # noqa: E731
+    _, spec = pytree.tree_flatten(open_containers((args, kwargs), leaf), is_leaf=leaf)
+    return argument_paths(func, spec)
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    mask: torch.Tensor
+
+
+class Trainer:
+    def step(self, model, batch, *extra, h=None):
+        return model
+
+
+def test_argument_paths_name_each_leaf_as_the_step_reads_it() -> None:
+    t = torch.zeros(1)
+
+    def step(model, optim, x, batch, *more, h=None, **rest):
+        return model
+
+    paths = _paths(step, nn.Linear(1, 1), None, t, {"ids": t, "pair": [t, t]}, t, (t,),
+                   h=t, extra=Batch(t, t))
+    assert paths == ["model", "optim", "x", "batch['ids']", "batch['pair'][0]", "batch['pair'][1]",
+                     "more[0]", "more[1][0]", "h", "extra.x", "extra.mask"]
+    bound = Trainer().step  # self is not an argument of the call
+    assert _paths(bound, nn.Linear(1, 1), collections.UserDict(x=t), t, h=t) == [
+        "model", "batch['x']", "extra[0]", "h"]
+    assert _paths(bound, nn.Linear(1, 1), types.SimpleNamespace(x=t)) == ["model", "batch.x"]
+    assert _paths(functools.partial(step, nn.Linear(1, 1)), None, t) == ["optim", "x"]
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(6, 8, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x, h):
+        o, h = self.rnn(x, h)
+        return self.out(o), h
+
+
+def rnn_step(model, optim, x, y, h, weights):
+    logits, h = model(x, h)
+    w = weights / weights.sum()
+    per_token = F.cross_entropy(logits.reshape(-1, 3), y.reshape(-1), reduction="none")
+    loss = (per_token * w[y.reshape(-1)]).sum() / y.numel()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss, h.detach()
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 5, 6, generator=gen, dtype=torch.float64),
+             torch.randint(0, 3, (BATCH, 5), generator=gen)) for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_a_hidden_state_in_dimension_1_and_whole_weights_train_as_one_device(style: str) -> None:
+    torch.manual_seed(0)
+    model = Tagger().double()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    weights = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)  # 3 classes: no even split
+    mode = DataParallel(style, input_batch_dim={"h": 1, "weights": None})
+    compiled = sc.compile(mode)(rnn_step)
+    h = ref_h = torch.zeros(1, BATCH, 8, dtype=torch.float64)
+    with sc.simulate(world_size=WORLD) as sim:
+        for x, y in _batches():
+            loss, h = compiled(model, optim, x, y, h, weights)
+            ref_loss, ref_h = rnn_step(ref, ref_optim, x, y, ref_h, weights)
+            assert relative_difference(loss, ref_loss) < 1e-12
+            assert relative_difference(h, ref_h) < 1e-12
+        errors = compare_states(full_state(model, optim, sim), full_state(ref, ref_optim, None))
+        # what a real rank passes: its share of h, the weights whole
+        assert torch.equal(mode.local_batch(h, 1, index=2, name="h"), h[:, BATCH // WORLD:])
+        assert torch.equal(mode.local_batch(weights, 1, index=3, name="weights"), weights)
+    assert max(errors.values()) < 1e-12, errors
+    program = compiled.last_program
+    placements = {ref.name: pl for (ref, _), pl in zip(program.captured.inputs, program.input_placements)
+                  if ref.kind is Kind.INPUT}
+    assert placements == {"x": (Shard(0),), "y": (Shard(0),), "h": (Shard(1),), "weights": (Replicate(),)}
+
+
+def test_the_longest_name_that_covers_an_argument_wins() -> None:
+    mode = DataParallel("replicate", input_batch_dim={"batch": 1, "batch['table']": None, "batch.x": 2})
+    meta = TensorMeta((4, 6, 8), torch.float32, torch.device("cpu"))
+
+    def dim(name: str):
+        return mode.input_batch_dim, StateRef(Kind.INPUT, name=name, index=0)
+
+    assert batch_dim_of(*dim("batch['ids']"), meta) == 1
+    assert batch_dim_of(*dim("batch['table']"), meta) is None
+    assert batch_dim_of(*dim("batch.x"), meta) == 2
+    assert batch_dim_of(*dim("batches"), meta) == 0  # "batch" does not cover "batches"
+    assert batch_dim_of(*dim("other"), TensorMeta((), torch.float32, torch.device("cpu"))) is None
+    assert "input_batch_dim={'batch': 1" in repr(mode)
+
+
+def test_fsdp_tp_splits_a_named_dimension_over_dp_only() -> None:
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    def step(model, optim, xt, y, weights):
+        loss = F.cross_entropy(model(xt.t()), y, weight=weights)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    mode = FullyShardTensorParallel({"up": ColwiseParallel(), "down": RowwiseParallel()}, mesh_shape=(2, 2),
+                                    input_batch_dim={"xt": 1, "weights": None})
+    compiled = sc.compile(mode)(step)
+    gen = torch.Generator().manual_seed(2)
+    weights = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    with sc.simulate(world_size=4) as sim:
+        for _ in range(2):
+            x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 3, (8,), generator=gen)
+            loss = compiled(model, optim, x.t().contiguous(), y, torch.cat([weights, weights[:1]]))
+            ref_loss = step(ref, ref_optim, x.t().contiguous(), y, torch.cat([weights, weights[:1]]))
+            assert relative_difference(loss, ref_loss) < 1e-12
+        errors = compare_states(full_state(model, optim, sim), full_state(ref, ref_optim, None))
+    assert max(errors.values()) < 1e-12, errors
+    program = compiled.last_program
+    placements = [pl for (ref, _), pl in zip(program.captured.inputs, program.input_placements)
+                  if ref.kind is Kind.INPUT]
+    assert placements == [(Shard(1), Replicate()), (Shard(0), Replicate()), (Replicate(), Replicate())]
+
+
+def _linear_step(model, optim, x, weights):
+    loss = (model(x) * weights).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _linear():
+    model = nn.Linear(3, 3)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_name_that_is_no_parameter_of_the_step_is_refused() -> None:
+    model, optim = _linear()
+    compiled = sc.compile(DataParallel("replicate", input_batch_dim={"weight": None}))(_linear_step)
+    with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, torch.randn(4, 3), torch.ones(3))
+    message = str(info.value)
+    assert "input_batch_dim names 'weight', but the train step has no parameter 'weight'" in message
+    assert "its parameters: model, optim, x, weights" in message
+
+
+@pytest.mark.parametrize(("batch_dims", "expected"), [
+    ({"weights": 1}, ["input[1] (weights) of shape (3,) has no batch dimension 1 (input_batch_dim['weights']=1)",
+                      "{'weights': None}"]),
+    (0, ["input[1] (weights) has size 3 in dimension 0, which is not divisible by the 2 ranks",
+         "input_batch_dim={'weights': 1} or {'weights': None}"]),
+], ids=["no_such_dimension", "not_divisible"])
+def test_an_argument_that_cannot_be_split_is_refused_by_name(batch_dims, expected) -> None:
+    model, optim = _linear()
+    compiled = sc.compile(DataParallel("replicate", input_batch_dim=batch_dims))(_linear_step)
+    with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, torch.randn(4, 3), torch.ones(3))
+    for text in expected:
+        assert text in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [True, "h", {"h": "1"}, {1: 0}, {"": None}])
+def test_input_batch_dim_of_another_type_is_refused(bad) -> None:
+    with pytest.raises(TypeError, match="input_batch_dim"):
+        DataParallel("replicate", input_batch_dim=bad)
