@@ -425,11 +425,12 @@ class CompiledTrainStep:
     def _split_arguments(
         self, names: list[str], tensor_args: list[torch.Tensor], mesh: DeviceMesh
     ) -> list[tuple[str, torch.Tensor, int]]:
-        """``(label, tensor, dimension)`` of each CPU tensor argument the mode splits
-        along one dimension of its data: NOTE: [the same share on every rank]."""
+        """``(label, tensor, dimension)`` of each tensor argument the mode splits along
+        one dimension of its data: NOTE: [the same share on every rank] (once per step: a
+        CUDA argument's checksum waits for the GPU)."""
         out = []
         for k, (name, t) in enumerate(zip(names, tensor_args, strict=True)):
-            if t.device.type != "cpu" or not t.shape:
+            if not t.shape:
                 continue
             meta = _plain_input_meta(k, t)
             dims = {p.dim for p in self.mode.placement_of(StateRef(Kind.INPUT, name=name, index=k), meta, mesh)

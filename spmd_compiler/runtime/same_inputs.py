@@ -55,6 +55,7 @@ differ from each other. An argument that is the same on every rank but not the s
 slice repeated (as a mask of ones or the rows of ``position_ids`` are) is no batch a data
 loader would give, so the ranks warn, naming it and the ``input_batch_dim`` entry that
 passes it whole. A warning, not an error: a test may give every rank the same batch.
+CUDA arguments too: the checksum copies them to the host once per step object.
 """
 
 from __future__ import annotations
