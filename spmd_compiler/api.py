@@ -21,7 +21,7 @@ from spmd_compiler.passes import PassOptions
 
 from . import _torch_private as private
 from . import compile_cache, step_key
-from .capture.bindings import StepBindings, WalkMemo, find_bindings, tensor_argument_names
+from .capture.bindings import StepBindings, WalkMemo, argument_paths, find_bindings
 from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, build_guards
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
@@ -152,7 +152,7 @@ class CompiledTrainStep:
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
         self._walk_memo = WalkMemo()  # NOTE: [one walk over the state per call]
-        # the tensor arguments' names per argument structure (NOTE: [inputs by name])
+        # the arguments' names per argument structure (NOTE: [inputs by name])
         self._input_names: dict[Any, list[str]] = {}
         self._shares_compared = False  # NOTE: [the same share on every rank]
         self._mesh_checked_in: Simulation | None = None  # NOTE: [state after a simulation]
@@ -218,7 +218,10 @@ class CompiledTrainStep:
                 if not self._shares_compared:  # NOTE: [the same share on every rank]
                     self._shares_compared = True
                     warn_on_same_shares(self._split_arguments(names, tensor_args, mesh))
-                agreement = InputAgreement(tensor_args, passed_whole)
+                paths = self._argument_paths(bindings)
+                scalars = [(paths[i], a) for i, a in enumerate(bindings.flat_args)
+                           if type(a) in (bool, int, float, str)]
+                agreement = InputAgreement(tensor_args, passed_whole, scalars)
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
         key = (tuple(input_metas), bindings.static_key(), sim is not None, ambient)
@@ -416,11 +419,16 @@ class CompiledTrainStep:
         self._last_key = None
         self._last_entries = None
 
+    def _argument_paths(self, bindings: StepBindings) -> list[str]:
+        """Every argument leaf's name (``argument_paths``), per argument structure."""
+        paths = self._input_names.get(bindings.args_spec)
+        if paths is None:
+            paths = self._input_names[bindings.args_spec] = argument_paths(self.func, bindings.args_spec)
+        return paths
+
     def _tensor_argument_names(self, bindings: StepBindings) -> list[str]:
-        names = self._input_names.get(bindings.args_spec)
-        if names is None:
-            names = self._input_names[bindings.args_spec] = tensor_argument_names(self.func, bindings)
-        return names
+        paths = self._argument_paths(bindings)
+        return [paths[i] for i, _ in bindings.tensor_args()]
 
     def _split_arguments(
         self, names: list[str], tensor_args: list[torch.Tensor], mesh: DeviceMesh

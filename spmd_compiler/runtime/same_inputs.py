@@ -33,6 +33,10 @@ differ, every rank raises the same error naming each rank's constants, before an
 collective of the program and before anything is updated.
 
 NOTE: [inputs every rank passes whole]
+(The step's Python numbers, flags and strings are such values too: a float argument
+feeds the program on every call and an int or a flag is a constant of it, each read as
+one value on every rank. Two ranks passing their own scale, 1.0 and 2.0, trained on the
+mean of two differently scaled losses with no error; the round's digest covers them.)
 A tensor argument the mode places Replicate on every mesh dimension (a 0-d tensor, or
 one ``input_batch_dim`` names None: class weights, a table; NOTE: [inputs by name] in
 ``parallel_modes/batch_dims.py``) is one value the program reads on every rank as the
@@ -102,6 +106,15 @@ def describe_constants(outside: Sequence[Any]) -> str:
 
 
 _WHOLE = " | values of the arguments passed whole: "
+_SCALARS = " | Python values: "
+
+
+def _sections(description: str) -> tuple[str, str, str]:
+    """A round's description cut into its shapes, its whole arguments' checksums and its
+    Python values."""
+    rest, _, scalars = description.partition(_SCALARS)
+    shapes, _, whole = rest.partition(_WHOLE)
+    return shapes, whole, scalars
 
 
 def _checksum(t: torch.Tensor) -> str:
@@ -145,13 +158,18 @@ class InputAgreement:
     """
 
     def __init__(
-        self, tensor_args: Sequence[torch.Tensor], whole: Sequence[tuple[str, torch.Tensor]] = ()
+        self, tensor_args: Sequence[torch.Tensor], whole: Sequence[tuple[str, torch.Tensor]] = (),
+        scalars: Sequence[tuple[str, Any]] = (),
     ) -> None:
         """``whole``: the CPU tensor arguments every rank passes whole (Replicate), by
-        label, whose values must agree too (NOTE: [inputs every rank passes whole])."""
+        label, whose values must agree too (NOTE: [inputs every rank passes whole]);
+        ``scalars``: the step's Python number, bool and string arguments, by name, which
+        must agree as well."""
         self.description = describe_inputs(tensor_args)
         if whole:
             self.description += _WHOLE + "; ".join(f"{label} {_checksum(t)}" for label, t in whole)
+        if scalars:
+            self.description += _SCALARS + ", ".join(f"{name}={value!r}" for name, value in scalars)
         self.world = dist.get_world_size()
         self.group = _cpu_group()
         # the program's constants (``describe_constants``), set before it runs: NOTE:
@@ -240,7 +258,17 @@ class InputAgreement:
     def _raise_disagreement(self) -> None:
         everyone = _all_descriptions(self.description, self.group, self.world)
         lines = "\n".join(f"    rank {rank}: {text}" for rank, text in enumerate(everyone))
-        if len({text.partition(_WHOLE)[0] for text in everyone}) == 1:
+        sections = [_sections(text) for text in everyone]
+        if len({shapes for shapes, _, _ in sections}) == 1 and len({whole for _, whole, _ in sections}) == 1:
+            raise SPMDCompileError(
+                "The ranks pass different Python values to the train step (numbers, flags "
+                "or strings, which the program reads as one value on every rank), so they "
+                "would train on different settings. Nothing was updated. Per rank:\n"
+                + "\n".join(f"    rank {rank}: {scalars}" for rank, (_, _, scalars) in enumerate(sections)),
+                hint="pass the same values on every rank; a value that is each rank's own "
+                "(a local count) goes in a tensor argument split like the batch.",
+            )
+        if len({shapes for shapes, _, _ in sections}) == 1:
             raise SPMDCompileError(
                 "The ranks pass different values for a tensor argument that every rank "
                 "passes whole (the mode does not split it: a 0-d tensor, or one "

@@ -10,7 +10,9 @@ hidden state could not be passed at all, and the weights were read as a table tw
 long, so the normalized weights ``w / w.sum()`` came out halved on 2 ranks (a loss and
 gradients half of one device's, no error). A rank that passes other weights than its
 peers is refused, every rank naming each rank's values, with nothing updated. Weights not
-named are still read as each rank's share: the first call warns on every rank.
+named are still read as each rank's share: the first call warns on every rank. Ranks
+passing their own Python float (a scale) are refused the same way; before, each trained
+on its own and the mean of the two differently scaled losses was applied, no error.
 """
 
 from __future__ import annotations
@@ -96,7 +98,22 @@ def unnamed_then_other_weights(rank: int, world_size: int) -> dict:
                            dtype=torch.float64), weights)
     out = worker(rank, world_size, True)
     out["unnamed"] = (float(loss), [str(w.message) for w in caught if "same values" in str(w.message)])
+    # a Python float each rank passes its own: NOTE: [inputs every rank passes whole]
+    scaled = sc.compile(DataParallel("replicate"))(scaled_step)
+    linear = nn.Linear(6, 3).double()
+    try:
+        scaled(linear, torch.optim.SGD(linear.parameters(), lr=0.1), x[share, 0], y[share, 0], 1.0 + rank)
+    except SPMDCompileError as exc:
+        out["scale"] = str(exc)
     return out
+
+
+def scaled_step(model, optim, x, y, scale):
+    loss = nn.functional.cross_entropy(model(x), y) * scale
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
 
 
 def test_ranks_passing_other_whole_weights_are_refused_with_nothing_updated() -> None:
@@ -111,6 +128,8 @@ def test_ranks_passing_other_whole_weights_are_refused_with_nothing_updated() ->
         assert len(warned) == 1 and "weights (input[3]) (3,)" in warned[0], warned
         assert "input_batch_dim={'weights': None}" in warned[0]
     for rank, got in enumerate(results):
+        assert "The ranks pass different Python values to the train step" in got.get("scale", ""), got
+        assert "rank 0: scale=1.0" in got["scale"] and "rank 1: scale=2.0" in got["scale"]
         assert "error" in got, f"rank {rank} trained with its own weights: {got}"
         message = got["error"]
         assert "pass different values for a tensor argument that every rank passes whole" in message
