@@ -36,7 +36,7 @@ from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
 from .runtime.runner import BranchMismatch, StepTimings
-from .runtime.same_inputs import InputAgreement, warn_on_same_shares
+from .runtime.same_inputs import InputAgreement, checks_whole_values, warn_on_same_shares
 from .runtime.simulate import Simulation, active_simulation, mesh_is_live
 from .runtime.step_executable import CallResult, StepExecutable
 
@@ -210,12 +210,13 @@ class CompiledTrainStep:
             if dist.get_world_size() > 1:
                 # every call on real ranks, cached program or not: NOTE: [same inputs on
                 # all ranks]; with the values of the arguments every rank passes whole
+                first = not self._shares_compared
                 passed_whole = [
                     (f"{names[k]} (input[{k}])", t)
                     for k, ((_, whole), t) in enumerate(zip(placed, tensor_args))
-                    if whole and t.device.type == "cpu"
+                    if whole and checks_whole_values(t, first, any(not w for _, w in placed))
                 ]
-                if not self._shares_compared:  # NOTE: [the same share on every rank]
+                if first:  # NOTE: [the same share on every rank]
                     self._shares_compared = True
                     warn_on_same_shares(self._split_arguments(names, tensor_args, mesh))
                 paths = self._argument_paths(bindings)

@@ -41,10 +41,14 @@ A tensor argument the mode places Replicate on every mesh dimension (a 0-d tenso
 one ``input_batch_dim`` names None: class weights, a table; NOTE: [inputs by name] in
 ``parallel_modes/batch_dims.py``) is one value the program reads on every rank as the
 same. A rank passing another value would train on it without an error, so the round's
-first digest also covers these arguments' values, by the checksum the constants use, on
-every call: ranks that pass different values get the disagreement error before any
-collective of the program. CPU tensors only: a CUDA tensor's checksum would wait for the
-GPU every call; on CUDA such arguments are trusted to agree.
+first digest also covers these arguments' values, by the checksum the constants use:
+ranks that pass different values get the disagreement error before any collective of the
+program. Every call for 0-d tensors and for whole arguments of at most 64 KiB; a larger
+one on the step's first call only (a checksum costs a pass over its bytes). Only where
+the mode splits the batch otherwise: under tensor parallel every argument is whole by
+design, and checking the whole batch every call would cost a pass over it. CPU tensors
+only: a CUDA tensor's checksum would wait for the GPU; on CUDA such arguments are
+trusted to agree.
 
 NOTE: [the same share on every rank]
 The other way round, an argument that holds no batch but that the mode splits (nobody
@@ -103,6 +107,22 @@ def describe_constants(outside: Sequence[Any]) -> str:
     """Each program constant's label, shape, dtype and a checksum of its bytes (NOTE:
     [constants agree across ranks]); tensor ops only (no numpy)."""
     return "; ".join(f"{constant.label} {_checksum(constant.tensor)}" for constant in outside)
+
+
+WHOLE_CHECK_BYTES = 1 << 16  # a whole argument at most this large is checked every call
+
+
+def checks_whole_values(t: torch.Tensor, first_call: bool, batch_split: bool) -> bool:
+    """Whether the round compares the values of ``t``, an argument every rank passes
+    whole (NOTE: [inputs every rank passes whole]): a 0-d tensor always; another where
+    the mode splits the step's batch (so this one was named whole), up to
+    ``WHOLE_CHECK_BYTES`` every call and larger ones on the step's first call. A CUDA
+    tensor never (its checksum would wait for the GPU)."""
+    if t.device.type != "cpu":
+        return False
+    if t.dim() == 0:
+        return True
+    return batch_split and (first_call or t.numel() * t.element_size() <= WHOLE_CHECK_BYTES)
 
 
 _WHOLE = " | values of the arguments passed whole: "
