@@ -43,10 +43,11 @@ one ``input_batch_dim`` names None: class weights, a table; NOTE: [inputs by nam
 same. A rank passing another value would train on it without an error, so the round's
 first digest also covers these arguments' values, by the checksum the constants use:
 ranks that pass different values get the disagreement error before any collective of the
-program. Every call for 0-d tensors and for whole arguments of at most 64 KiB; a larger
-one on the step's first call only (a checksum costs a pass over its bytes). Only where
-the mode splits the batch otherwise: under tensor parallel every argument is whole by
-design, and checking the whole batch every call would cost a pass over it. CPU tensors
+program. Every argument on the step's first call; on later calls 0-d tensors, and
+whole arguments of at most 64 KiB where the mode splits the batch otherwise (a checksum
+costs a pass over the bytes: under tensor parallel every argument, the batch too, is
+whole by design, so a TP batch is checked on the first call only; that call catches
+ranks given their own data shards, as a sampler over every rank would). CPU tensors
 only: a CUDA tensor's checksum would wait for the GPU; on CUDA such arguments are
 trusted to agree.
 
@@ -114,15 +115,15 @@ WHOLE_CHECK_BYTES = 1 << 16  # a whole argument at most this large is checked ev
 
 def checks_whole_values(t: torch.Tensor, first_call: bool, batch_split: bool) -> bool:
     """Whether the round compares the values of ``t``, an argument every rank passes
-    whole (NOTE: [inputs every rank passes whole]): a 0-d tensor always; another where
-    the mode splits the step's batch (so this one was named whole), up to
-    ``WHOLE_CHECK_BYTES`` every call and larger ones on the step's first call. A CUDA
-    tensor never (its checksum would wait for the GPU)."""
+    whole (NOTE: [inputs every rank passes whole]): on the step's first call always; on
+    later calls a 0-d tensor, and one of at most ``WHOLE_CHECK_BYTES`` where the mode
+    splits the step's batch otherwise (so this one was named whole). A CUDA tensor never
+    (its checksum would wait for the GPU)."""
     if t.device.type != "cpu":
         return False
-    if t.dim() == 0:
+    if first_call or t.dim() == 0:
         return True
-    return batch_split and (first_call or t.numel() * t.element_size() <= WHOLE_CHECK_BYTES)
+    return batch_split and t.numel() * t.element_size() <= WHOLE_CHECK_BYTES
 
 
 _WHOLE = " | values of the arguments passed whole: "
@@ -291,8 +292,9 @@ class InputAgreement:
         if len({shapes for shapes, _, _ in sections}) == 1:
             raise SPMDCompileError(
                 "The ranks pass different values for a tensor argument that every rank "
-                "passes whole (the mode does not split it: a 0-d tensor, or one "
-                "input_batch_dim names None), so each rank would train on its own value. "
+                "passes whole (the mode does not split it: a 0-d tensor, one "
+                "input_batch_dim names None, or any argument under tensor parallel, whose "
+                "ranks all take the same batch), so each rank would train on its own value. "
                 f"Nothing was updated. Tensor arguments per rank:\n{lines}",
                 hint="pass the same value on every rank, or give the argument's batch "
                 "dimension in input_batch_dim if each rank passes its own share.",

@@ -12,7 +12,8 @@ gradients half of one device's, no error). A rank that passes other weights than
 peers is refused, every rank naming each rank's values, with nothing updated. Weights not
 named are still read as each rank's share: the first call warns on every rank. Ranks
 passing their own Python float (a scale) are refused the same way; before, each trained
-on its own and the mean of the two differently scaled losses was applied, no error.
+on its own and the mean of the two differently scaled losses was applied, no error. So
+are tensor-parallel ranks given their own data shards (checked on the first call).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
-from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.parallel_modes import DataParallel, TensorParallel
 from spmd_compiler.tools.parity import full_state, launch_timeout, relative_difference
 from tests.sim.test_inputs_by_name import BATCH, Tagger, _batches
 from tests.sim.test_inputs_by_name import rnn_step as step
@@ -105,6 +107,14 @@ def unnamed_then_other_weights(rank: int, world_size: int) -> dict:
         scaled(linear, torch.optim.SGD(linear.parameters(), lr=0.1), x[share, 0], y[share, 0], 1.0 + rank)
     except SPMDCompileError as exc:
         out["scale"] = str(exc)
+    # tensor parallel takes the same batch on every rank: a rank given its own shard
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    tp = sc.compile(TensorParallel({"0": ColwiseParallel(), "2": RowwiseParallel()}))(scaled_step)
+    try:
+        tp(mlp, torch.optim.SGD(mlp.parameters(), lr=0.1), x[share, 0], y[share, 0], 1.0)
+    except SPMDCompileError as exc:
+        out["tp"] = str(exc)
     return out
 
 
@@ -130,6 +140,8 @@ def test_ranks_passing_other_whole_weights_are_refused_with_nothing_updated() ->
     for rank, got in enumerate(results):
         assert "The ranks pass different Python values to the train step" in got.get("scale", ""), got
         assert "rank 0: scale=1.0" in got["scale"] and "rank 1: scale=2.0" in got["scale"]
+        assert "any argument under tensor parallel" in got.get("tp", ""), got
+        assert "x (input[0]) (2, 6) float64 checksum" in got["tp"]
         assert "error" in got, f"rank {rank} trained with its own weights: {got}"
         message = got["error"]
         assert "pass different values for a tensor argument that every rank passes whole" in message
