@@ -27,7 +27,7 @@ open (a plain class instance holding ``x`` and ``y``, NOTE: [batch containers]) 
 rank's local batch read as a replicated constant, so every rank trained on its own
 shard alone and the ranks drifted apart (2 gloo ranks, 3 SGD steps: 31% off one device,
 no error). So the round's second digest also covers each constant's value: a checksum
-of its bytes (a sum and a position-weighted sum, computed once per program: a constant
+of its bytes (a BLAKE2b digest, computed once per program: a constant
 cannot change without a guard compiling a new program). When the ranks' constants
 differ, every rank raises the same error naming each rank's constants, before any
 collective of the program and before anything is updated.
@@ -44,7 +44,7 @@ same. A rank passing another value would train on it without an error, so the ro
 first digest also covers these arguments' values, by the checksum the constants use:
 ranks that pass different values get the disagreement error before any collective of the
 program. Every argument on the step's first call; on later calls 0-d tensors, and
-whole arguments of at most 64 KiB where the mode splits the batch otherwise (a checksum
+whole arguments of at most 16 KiB where the mode splits the batch otherwise (a checksum
 costs a pass over the bytes: under tensor parallel every argument, the batch too, is
 whole by design, so a TP batch is checked on the first call only; that call catches
 ranks given their own data shards, as a sampler over every rank would). CPU tensors
@@ -69,6 +69,7 @@ CUDA arguments too: the checksum copies them to the host once per step object.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import warnings
@@ -110,7 +111,7 @@ def describe_constants(outside: Sequence[Any]) -> str:
     return "; ".join(f"{constant.label} {_checksum(constant.tensor)}" for constant in outside)
 
 
-WHOLE_CHECK_BYTES = 1 << 16  # a whole argument at most this large is checked every call
+WHOLE_CHECK_BYTES = 1 << 14  # a whole argument at most this large is checked every call
 
 
 def checks_whole_values(t: torch.Tensor, first_call: bool, batch_split: bool) -> bool:
@@ -139,15 +140,15 @@ def _sections(description: str) -> tuple[str, str, str]:
 
 
 def _checksum(t: torch.Tensor) -> str:
-    """``(3,) float32 checksum 1234/56789``: a sum and a position-weighted sum of the
-    bytes of ``t``."""
-    t = t.detach()
-    raw = t.cpu().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
-    weights = torch.arange(raw.numel(), dtype=torch.int64) % 65521 + 1
-    return (
-        f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "
-        f"checksum {int(raw.sum())}/{int((raw * weights).sum())}"
-    )
+    """``(3,) float32 checksum 9f0c...``: a BLAKE2b digest of the bytes of ``t``, read in
+    place (hashlib releases the GIL): 0.2 ms for 64 KiB on a loaded 2-core machine, where
+    the sum and position-weighted sum of the bytes as int64 tensors it replaced took
+    2.2 ms."""
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    nbytes = t.numel() * t.element_size()
+    data = (ctypes.c_char * nbytes).from_address(t.data_ptr()) if nbytes else b""
+    digest = hashlib.blake2b(data, digest_size=8).hexdigest()
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} checksum {digest}"
 
 
 def _digest(description: str) -> int:
