@@ -28,7 +28,7 @@ from .capture.kept_tensors import KeptTensors, install_placeholders, kept_contai
 from .capture.lr_schedulers import replayed
 from .capture.trace import capture_step
 from .errors import SPMDCompileError
-from .expand.retrace import DistributedProgram
+from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
 from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from .lower import LoweringOptions
@@ -121,6 +121,20 @@ def _plain_input_meta(index: int, t: torch.Tensor) -> TensorMeta:
     return TensorMeta(tuple(t.shape), t.dtype, t.device, False)
 
 
+def _split_arguments(
+    names: list[str], tensor_args: list[torch.Tensor], placements: list[Placements]
+) -> list[tuple[str, torch.Tensor, int]]:
+    """``(label, tensor, dimension)`` of each tensor argument the mode splits along one
+    dimension of its data: NOTE: [the same share on every rank] (once per step: a CUDA
+    argument's checksum waits for the GPU)."""
+    out = []
+    for k, (name, t, pl) in enumerate(zip(names, tensor_args, placements, strict=True)):
+        dims = {p.dim for p in pl if isinstance(p, Shard)}
+        if t.shape and len(dims) == 1:
+            out.append((f"{name} (input[{k}])", t, dims.pop()))
+    return out
+
+
 class CompiledTrainStep:
     """A train step compiled on first call (and again for new shapes or settings).
 
@@ -211,14 +225,16 @@ class CompiledTrainStep:
                 # every call on real ranks, cached program or not: NOTE: [same inputs on
                 # all ranks]; with the values of the arguments every rank passes whole
                 first = not self._shares_compared
+                whole = [all(isinstance(p, Replicate) for p in pl) for _, pl in placed]
+                batch_split = not all(whole)
                 passed_whole = [
                     (f"{names[k]} (input[{k}])", t)
-                    for k, ((_, whole), t) in enumerate(zip(placed, tensor_args))
-                    if whole and checks_whole_values(t, first, any(not w for _, w in placed))
+                    for k, (w, t) in enumerate(zip(whole, tensor_args))
+                    if w and checks_whole_values(t, first, batch_split)
                 ]
                 if first:  # NOTE: [the same share on every rank]
                     self._shares_compared = True
-                    warn_on_same_shares(self._split_arguments(names, tensor_args, mesh))
+                    warn_on_same_shares(_split_arguments(names, tensor_args, [pl for _, pl in placed]))
                 paths = self._argument_paths(bindings)
                 scalars = [(paths[i], a) for i, a in enumerate(bindings.flat_args)
                            if type(a) in (bool, int, float, str)]
@@ -431,37 +447,19 @@ class CompiledTrainStep:
         paths = self._argument_paths(bindings)
         return [paths[i] for i, _ in bindings.tensor_args()]
 
-    def _split_arguments(
-        self, names: list[str], tensor_args: list[torch.Tensor], mesh: DeviceMesh
-    ) -> list[tuple[str, torch.Tensor, int]]:
-        """``(label, tensor, dimension)`` of each tensor argument the mode splits along
-        one dimension of its data: NOTE: [the same share on every rank] (once per step: a
-        CUDA argument's checksum waits for the GPU)."""
-        out = []
-        for k, (name, t) in enumerate(zip(names, tensor_args, strict=True)):
-            if not t.shape:
-                continue
-            meta = _plain_input_meta(k, t)
-            dims = {p.dim for p in self.mode.placement_of(StateRef(Kind.INPUT, name=name, index=k), meta, mesh)
-                    if isinstance(p, Shard)}
-            if len(dims) == 1:
-                out.append((f"{name} (input[{k}])", t, dims.pop()))
-        return out
-
     def _global_input_meta(
         self, index: int, name: str, t: torch.Tensor, mesh: DeviceMesh
-    ) -> tuple[TensorMeta, bool]:
+    ) -> tuple[TensorMeta, Placements]:
         """The global meta of this rank's tensor argument ``t`` on real ranks (its shape
-        times the mesh size along each dimension the mode shards it on), and whether
-        every rank holds it whole (Replicate on every mesh dimension)."""
+        times the mesh size along each dimension the mode shards it on), and its
+        placements."""
         meta = _plain_input_meta(index, t)
         placements = self.mode.placement_of(StateRef(Kind.INPUT, name=name, index=index), meta, mesh)
         shape = list(meta.shape)
         for mesh_dim, p in enumerate(placements):
             if isinstance(p, Shard) and p.dim < len(shape):
                 shape[p.dim] *= mesh.size(mesh_dim)
-        whole = all(isinstance(p, Replicate) for p in placements)
-        return TensorMeta(tuple(shape), meta.dtype, meta.device, False), whole
+        return TensorMeta(tuple(shape), meta.dtype, meta.device, False), placements
 
     def _compile(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,

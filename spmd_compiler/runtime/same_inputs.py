@@ -33,10 +33,6 @@ differ, every rank raises the same error naming each rank's constants, before an
 collective of the program and before anything is updated.
 
 NOTE: [inputs every rank passes whole]
-(The step's Python numbers, flags and strings are such values too: a float argument
-feeds the program on every call and an int or a flag is a constant of it, each read as
-one value on every rank. Two ranks passing their own scale, 1.0 and 2.0, trained on the
-mean of two differently scaled losses with no error; the round's digest covers them.)
 A tensor argument the mode places Replicate on every mesh dimension (a 0-d tensor, or
 one ``input_batch_dim`` names None: class weights, a table; NOTE: [inputs by name] in
 ``parallel_modes/batch_dims.py``) is one value the program reads on every rank as the
@@ -50,6 +46,10 @@ whole by design, so a TP batch is checked on the first call only; that call catc
 ranks given their own data shards, as a sampler over every rank would). CPU tensors
 only: a CUDA tensor's checksum would wait for the GPU; on CUDA such arguments are
 trusted to agree.
+The step's Python numbers, flags and strings are such values too: a float argument
+feeds the program on every call and an int or a flag is a constant of it, each read as
+one value on every rank. Two ranks passing their own scale, 1.0 and 2.0, trained on the
+mean of two differently scaled losses with no error; the round's digest covers them.
 
 NOTE: [the same share on every rank]
 The other way round, an argument that holds no batch but that the mode splits (nobody
