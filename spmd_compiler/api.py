@@ -248,18 +248,26 @@ class CompiledTrainStep:
             if change is not None:
                 self._note_recompile(change)
         self._last_key = key
+        made = None  # NOTE: [optimizer state made before the first program]
         if executable is None:
             if agreement is not None:
                 agreement.before_compile()
-            executable = self._compile(key, bindings, input_metas, mesh)
+            executable, key = self._compile(key, bindings, input_metas, mesh)
+            self._last_key = key
+            made = executable.program.captured.made_state
         if self._last is not None and self._last is not executable:
             self._last.flush()  # another program runs now: finish the old one's update
         self._last = executable
         # NOTE: [schedulers stepped in the step]
-        with replayed(executable.program.captured.scheduler_steps, bindings.schedulers):
-            call = self._run_branches(
-                executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement
-            )
+        try:
+            with replayed(executable.program.captured.scheduler_steps, bindings.schedulers):
+                call = self._run_branches(
+                    executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement
+                )
+        except BaseException:
+            if made is not None:  # the optimizer is left as the call found it
+                made.remove(bindings)
+            raise
         if call.lower_seconds > 0:  # this call lowered a graph (NOTE: [lowering])
             self.timings.compile_seconds += call.lower_seconds
             self.timings.lower_seconds += call.lower_seconds
@@ -317,7 +325,7 @@ class CompiledTrainStep:
             raise self._too_many_ways()
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self._name)
-        return self._compile(key, bindings, input_metas, mesh, decisions)
+        return self._compile(key, bindings, input_metas, mesh, decisions)[0]
 
     def _prefer(self, key: tuple, executable: StepExecutable) -> None:
         """Try ``executable`` first next call: the way the data went last time."""
@@ -464,12 +472,14 @@ class CompiledTrainStep:
     def _compile(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,
         decisions: tuple[tuple[bool, str], ...] = (),
-    ) -> StepExecutable:
+    ) -> tuple[StepExecutable, tuple]:
         """Compile the step for ``key``; ``decisions``: how its first ``if``s on tensor
         values go (a branch's other program, NOTE: [value checks]; such a program is not
         looked up or written by the key before capture, which names the step, not the
         way). The key's last part is the autocast regions the call is in, which the
-        capture enters again (NOTE: [autocast around the step])."""
+        capture enters again (NOTE: [autocast around the step]). Returns the program
+        and its key: another one where the capture made the optimizer state (NOTE:
+        [optimizer state made before the first program])."""
         start = time.perf_counter()
         device_type = next(iter(bindings.params.values())).device.type
         if self.lowering.cuda_graphs and device_type != "cuda":
@@ -495,9 +505,16 @@ class CompiledTrainStep:
                         captured, guards = self._capture_guarded(bindings, input_metas, decisions)
                 guards.add_environment(environment)
                 capture_seconds = captured.capture_seconds
-                program, how, load_seconds, program_key = self._cached_or_built(
-                    captured, mesh, progress
-                )
+                if captured.made_state is not None:  # the key of the state it made
+                    key = (key[0], bindings.static_key(), *key[2:])
+                try:
+                    program, how, load_seconds, program_key = self._cached_or_built(
+                        captured, mesh, progress
+                    )
+                except BaseException:
+                    if captured.made_state is not None:
+                        captured.made_state.remove(bindings)
+                    raise
                 if pre_key and program_key and key_guards.first_change(bindings) is None:
                     self._write_step_entry(pre_key, program_key, captured, bindings, environment)
             inductor_dir = self.disk_cache.inductor_dir if self.disk_cache else None
@@ -526,7 +543,7 @@ class CompiledTrainStep:
             self._name, self.mode, total, record.capture_seconds,
             record.expand_seconds, record.pass_seconds, how, load_seconds,
         )
-        return executable
+        return executable, key
 
     def _build(self, captured: CapturedStep, mesh: DeviceMesh, progress: Any) -> DistributedProgram:
         """Expand, run the passes, split: the program of ``captured`` (no cache)."""
@@ -652,14 +669,20 @@ class CompiledTrainStep:
         """Capture the step and guard the Python values it read; a step whose trace
         changes a guarded value is captured once more (lazy set-up on the first call)
         and refused if it changes one again (NOTE: [guards on Python values])."""
+        # NOTE: [optimizer state made before the first program]; the persistent cache
+        # keeps both programs instead, so that a restart loads them without tracing
+        make_state = not decisions and self.disk_cache is None
         for attempt in range(2):
             guards = build_guards(self.func, bindings, frozenset())
             captured = capture_step(
-                self.func, bindings, input_metas, self.mode.capture_options(), decisions
+                self.func, bindings, input_metas, self.mode.capture_options(), decisions,
+                make_state=make_state,
             )
             change = guards.first_change(bindings)
             if change is None:
                 break
+            if captured.made_state is not None:
+                captured.made_state.remove(bindings)
             if attempt == 1:
                 raise SPMDCompileError(
                     f"The train step changes a Python value every time it runs: {change}. "

@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 from unittest import mock
@@ -74,11 +73,11 @@ from ..ir.signature import (
     ValueCheck,
     state_dtype,
 )
-from . import selected_rows
+from . import initial_state, selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import StepBindings, check_plain_modules, tensor_argument_names
-from .code_names import step_code, step_where
+from .code_names import step_code, step_name, step_where
 from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
 from .functions_as_ops import functions_as_ops
@@ -539,6 +538,7 @@ def capture_step(
     input_metas: list[TensorMeta],
     options: CaptureOptions = CaptureOptions(),
     decisions: tuple[tuple[bool, str], ...] = (),
+    make_state: bool = False,
 ) -> CapturedStep:
     """Trace ``func`` into one functional single-device graph.
 
@@ -554,25 +554,51 @@ def capture_step(
         decisions: how the first ``if``s on tensor values go, with what their other
             branch raised ("" for a branch): a variant after a branch came out the other
             way (NOTE: [value checks]).
+        make_state: make the optimizer state the step's first ``optimizer.step()``
+            would make before the program, where that leaves the program the same
+            (NOTE: [optimizer state made before the first program]).
 
     Returns:
-        The captured step. Nothing of the user's model or optimizer is changed.
+        The captured step. Nothing of the user's model or optimizer is changed, except
+        with ``make_state``: when ``made_state`` of the result is set, the optimizers
+        hold that state (``MadeState.remove`` takes it out again).
     """
     floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
     if floats:
         try:
-            return _capture(func, bindings, input_metas, options, floats, decisions)
+            return _capture(func, bindings, input_metas, options, floats, decisions, make_state)
         except Exception as exc:  # noqa: BLE001 - retried with the floats as constants
             log.info(
                 "float arguments %s of %s stay guarded constants (%s)", list(floats),
                 func.__name__, exception_summary(exc),
             )
-    return _capture(func, bindings, input_metas, options, (), decisions)
+    return _capture(func, bindings, input_metas, options, (), decisions, make_state)
 
 
 def float_argument_ref(index: int) -> StateRef:
     """The graph input standing for the float at ``bindings.flat_args[index]``."""
     return StateRef(Kind.HYPERPARAM, key="arg", index=index)
+
+
+@dataclasses.dataclass
+class _FirstTrace:
+    """The first trace of a step (NOTE: [capture in two traces]) and what came with it."""
+
+    graph: torch.fx.GraphModule
+    tracer: _StepTracer
+    inputs: list[tuple[StateRef, TensorMeta]]
+    fake_mode: Any
+    code: Any
+    outside: list[Any]
+    scheduler_steps: list[Any]
+
+    def refs(self) -> list[StateRef]:
+        return [ref for ref, _ in self.inputs]
+
+    def side(self) -> tuple[Any, ...]:
+        """What the capture records besides the graph, for ``StatePlan``."""
+        t = self.tracer
+        return (t.return_spec, t.return_leaves, self.scheduler_steps, counted_in_capture())
 
 
 def _capture(
@@ -582,8 +608,72 @@ def _capture(
     options: CaptureOptions,
     floats: tuple[int, ...],
     decisions: tuple[tuple[bool, str], ...],
+    make_state: bool = False,
 ) -> CapturedStep:
     start = time.perf_counter()
+    first = _trace_first(func, bindings, input_metas, options, floats, decisions)
+    if make_state and not decisions:
+        steady = _steady_with_made_state(first, func, bindings, input_metas, options, floats, start)
+        if steady is not None:
+            return steady
+    return _finish(first, start)
+
+
+def _steady_with_made_state(
+    first: _FirstTrace, func: Callable[..., Any], bindings: StepBindings,
+    input_metas: list[TensorMeta], options: CaptureOptions, floats: tuple[int, ...], start: float,
+) -> CapturedStep | None:
+    """The steady step's capture, with the state the first trace made put into the
+    optimizers; None when it is not made (NOTE: [optimizer state made before the first
+    program])."""
+    tracer = first.tracer
+    if tracer.checks or tracer.kept or first.outside:
+        return None
+    try:
+        state_plan = initial_state.plan(
+            first.graph, first.refs(), tracer.out_refs, tracer.swapped, first.side()
+        )
+    except initial_state.NotPlanned as exc:
+        log.info("%s keeps a first program: its optimizer state %s", step_name(func), exc)
+        return None
+    if state_plan is None:
+        return None
+    made = state_plan.made
+    made.install(bindings)
+    try:
+        steady = _trace_first(func, bindings, input_metas, options, floats, ())
+        reason = state_plan.differs_from(
+            steady.graph, steady.refs(), steady.tracer.out_refs, steady.side()
+        ) or (
+            "the steady trace keeps values or checks"
+            if steady.tracer.checks or steady.tracer.kept or steady.outside else None
+        )
+    except Exception as exc:  # noqa: BLE001 - the first trace goes on as before
+        reason = f"the steady trace failed ({exception_summary(exc)})"
+    if reason is not None:
+        made.remove(bindings)
+        log.info("%s keeps a first program: %s", step_name(func), reason)
+        # the capture's module-level records are the steady trace's now: trace again
+        return _finish(_trace_first(func, bindings, input_metas, options, floats, ()), start)
+    try:
+        captured = _finish(steady, start)
+    except BaseException:
+        made.remove(bindings)
+        raise
+    captured.made_state = made
+    log.info("%s makes its optimizer state before the first program: %s",
+             step_name(func), ", ".join(made.names()))
+    return captured
+
+
+def _trace_first(
+    func: Callable[..., Any],
+    bindings: StepBindings,
+    input_metas: list[TensorMeta],
+    options: CaptureOptions,
+    floats: tuple[int, ...],
+    decisions: tuple[tuple[bool, str], ...],
+) -> _FirstTrace:
     code, where = step_code(func), step_where(func)
     check_supported_optimizers(bindings.optimizers, where)
     check_plain_modules(bindings.modules, where)
@@ -708,19 +798,25 @@ def _capture(
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
         scheduler_steps = tracer.schedulers.steps()
         tracer.schedulers.check_reads(code)
-    gm = _functionalize(first, inputs, fake_mode)
+    return _FirstTrace(first, tracer, inputs, fake_mode, code, outside, scheduler_steps)
+
+
+def _finish(first: _FirstTrace, start: float) -> CapturedStep:
+    """The second trace (NOTE: [capture in two traces]) and the captured step."""
+    tracer = first.tracer
+    gm = _functionalize(first.graph, first.inputs, first.fake_mode)
     captured = CapturedStep(
         graph_module=gm,
-        inputs=inputs,
+        inputs=first.inputs,
         outputs=tracer.out_refs,
         return_spec=tracer.return_spec,
         returns_containers=holds_containers(tracer.return_spec),
         return_leaves=tracer.return_leaves,
-        step_code=code,
+        step_code=first.code,
         checks=tracer.checks,
         kept=tracer.kept,
-        outside=outside,
-        scheduler_steps=scheduler_steps,
+        outside=first.outside,
+        scheduler_steps=first.scheduler_steps,
         counted=counted_in_capture(),
     )
     _finish_signature(captured)
@@ -899,6 +995,8 @@ class _StepTracer:
         self.schedulers: SchedulerSteps | None = None
         self.outside: dict[int, FoundTensor] = {}
         self._params: dict[str, torch.Tensor] = {}
+        # each optimizer's state during the trace, and its parameters by name
+        self.swapped: list[tuple[initial_state.RecordedStates, dict[str, tuple[int, torch.Tensor]]]] = []
 
     def mark_gradients(self) -> None:
         """Mark the gradients backward left (NOTE: [gradients settle after backward])."""
@@ -935,7 +1033,7 @@ class _StepTracer:
                 stack.enter_context(private.reparametrize_module(mod, swap))
                 if self.options.param_dtype is not None:
                     stack.enter_context(_cast_forward_inputs(mod, self.options.param_dtype))
-            swapped = [
+            swapped = self.swapped = [
                 stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.code))
                 for oi, opt in enumerate(b.optimizers)
             ]
@@ -1094,7 +1192,7 @@ def _swap_optimizer(
     params: dict[str, torch.Tensor],
     values: dict[StateRef, torch.Tensor],
     step_code: Any,
-) -> Iterator[tuple[dict, dict]]:
+) -> Iterator[tuple[initial_state.RecordedStates, dict[str, tuple[int, torch.Tensor]]]]:
     """Point ``opt`` at traced parameters, state and learning rates; restore on exit."""
     saved_groups, saved_state = opt.param_groups, opt.state
     groups, by_param = [], {}
@@ -1112,13 +1210,15 @@ def _swap_optimizer(
         if new.get("fused"):
             new["fused"] = False
         groups.append(new)
-    state: defaultdict = defaultdict(dict)
+    # NOTE: [optimizer state made before the first program]: the dicts note new entries
+    state = initial_state.RecordedStates()
     for p, entries in saved_state.items():
         name = b.param_name(p)
-        state[params[name]] = {
+        state[params[name]] = initial_state.RecordedState({
             key: values.get(StateRef(Kind.OPTIM_STATE, name, key, oi, by_param[name][0]), v)
             for key, v in entries.items()
-        }
+        })
+        state.before[id(params[name])] = set(entries)
     before = {k: dict(v) for k, v in state.items()}
     opt.param_groups, opt.state = groups, state
     original_step = opt.step

@@ -172,6 +172,10 @@ class CapturedStep:
     scheduler_steps: list[Any] = field(default_factory=list)
     counted: list[str] = field(default_factory=list)
     returns_containers: bool = False
+    # the optimizer state made before this program, when this capture made it
+    # (``capture.initial_state.MadeState``; NOTE: [optimizer state made before the first
+    # program])
+    made_state: Any = None
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

@@ -153,7 +153,7 @@ def test_a_batch_container_matches_one_device(name, mode):
         differences = compare_models(model, reference, sim)
         differences.update(compare_optimizers(optim, ref_optim, sim))
     assert max_difference(differences) < 1e-12
-    assert compiled.compile_count == 2
+    assert compiled.compile_count == 1  # AdamW's state made first: one program
 
 
 def test_a_float_field_is_an_input_and_other_fields_are_keys():

@@ -36,6 +36,8 @@ OPTIMIZERS = {
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=2e-2, weight_decay=0.1),
 }
+# programs compiled after each of the STEPS calls
+PROGRAMS = {"sgd_momentum": [1, 2, 2, 2, 2], "adamw": [1, 1, 1, 1, 1]}
 
 
 @pytest.mark.parametrize("world_size", [1, 4])
@@ -52,7 +54,9 @@ def test_scheduler_between_steps(
         make_scheduler=SCHEDULERS[scheduler],
     )
     result.assert_close(FLOAT32_TOLERANCE)
-    assert result.compile_counts == [1, 2, 2, 2, 2]
+    # AdamW's state is made before the first program (NOTE: [optimizer state made before
+    # the first program]); SGD's momentum buffer is its first gradient: two programs
+    assert result.compile_counts == PROGRAMS[optimizer]
     # The schedule really changed the rate each step (same on both optimizers).
     lrs = [g["lr"] for g in result.optimizer.param_groups]
     assert lrs == [g["lr"] for g in result.reference_optimizer.param_groups]
@@ -151,7 +155,7 @@ def test_scheduler_stepped_inside_the_step(run_parity, classification_batches, s
         scheduler_in_step=True,
     )
     result.assert_close(1e-12)
-    assert result.compile_counts == [1, 2, 2, 2, 2]
+    assert result.compile_counts == PROGRAMS["adamw"]
     lrs = [g["lr"] for g in result.optimizer.param_groups]
     assert lrs == [g["lr"] for g in result.reference_optimizer.param_groups]
     assert lrs != [OPTIMIZERS["adamw"](mlp()).param_groups[0]["lr"]]  # it did step
@@ -200,7 +204,7 @@ def test_scheduler_of_a_bound_method_step(classification_batches):
             loss = compiled(model, optim, x, y)
             expected = ref_trainer.step(reference, ref_optim, x, y)
             assert torch.allclose(loss, expected, rtol=FLOAT32_TOLERANCE)
-    assert compiled.compile_count == 2
+    assert compiled.compile_count == 1
     assert trainer.scheduler.last_epoch == ref_trainer.scheduler.last_epoch == 3
     assert optim.param_groups[0]["lr"] == ref_optim.param_groups[0]["lr"]
 

@@ -112,8 +112,10 @@ def test_selections_by_a_batch_mask_match_one_device(form, mode):
             assert relative_difference(loss, step(reference, reference_optim, x, labels)) < TOL
         worst = _worst(model, reference, optim, reference_optim, sim)
     assert worst < TOL
-    assert compiled.compile_count == 2  # AdamW's first step and its steady state
     checks = compiled.last_program.captured.checks
+    # AdamW's state is made before the first program where no `if` on a value is
+    # verified (NOTE: [optimizer state made before the first program])
+    assert compiled.compile_count == (2 if checks else 1)
     if form in ("bool_index", "where", "argwhere"):  # rows kept in place: any mask, no check
         assert not checks
     else:  # one check per mask tensor (masked_select reads two: keep[:, None] and keep)
@@ -365,7 +367,7 @@ def test_masks_of_one_count_per_example_match_one_device(mode):
             assert relative_difference(loss, mae_step(reference, reference_optim, x, masked)) < TOL
         worst = _worst(model, reference, optim, reference_optim, sim)
     assert worst < TOL
-    assert compiled.compile_count == 2
+    assert compiled.compile_count == 1  # AdamW's state made before the first program
     program = compiled.last_program
     assert program.captured.counted and "reshape(b, -1, HIDDEN)" in program.captured.counted[0]
     if mode == "ddp":  # each example's rows are gathered in place: the batch stays sharded

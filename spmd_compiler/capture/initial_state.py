@@ -1,0 +1,374 @@
+"""Optimizer state made before the first program, so that one program serves every call.
+
+NOTE: [optimizer state made before the first program]
+An optimizer makes its state on its first ``step()`` (Adam's ``exp_avg``, ``exp_avg_sq``
+and step counter). Traced as it is, the first call is a program of its own that creates
+the state, and the second call, which finds the state, compiles the steady program: two
+captures, two expansions, two runs of the passes, for programs that differ only in where
+the state comes from. Instead, the first call's capture goes like this:
+
+1. Trace the step once (the first trace only, no functionalization or expansion: about
+   a quarter of a compile). The optimizer's state dicts record each new entry when it
+   is first assigned: the node of the trace that made the tensor, or the Python value.
+2. Each new tensor must come from factory ops alone (``zeros_like(p)``, ``zeros(())``,
+   ``full_like(p, v)``, a constant): ops that read nothing but shapes and dtypes, or
+   constants. Those nodes are evaluated on real tensors, so the state is made as the
+   optimizer would make it, and put into the optimizer. A value read from the batch or
+   a gradient (SGD's momentum buffer is the first gradient) is not made this way: the
+   step keeps its first program, from the trace of step 1.
+3. The step is traced again, now finding the state: the steady step. It is used only
+   if it is the first trace with the made tensors read as inputs: the same ops in the
+   same order on the same arguments, the same constants, the same outputs by name, and
+   no other difference the capture records. Then the steady program, fed the made
+   state, computes exactly what the first call's program would have, and it is the one
+   program compiled. Otherwise the state is taken out again and the first trace goes on
+   as before (NOTE: [capture in two traces]).
+
+So an Adam step compiles once, not twice. Steps with an ``if`` on a tensor value, or
+with the persistent compile cache (which keeps both programs, so a restart loads both
+without tracing), compile as before. If the compile or the first call fails, the made
+state is taken out of the optimizer again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx
+
+from .. import _torch_private as private
+from ..ir.graph_utils import output_args, placeholders
+from ..ir.signature import Kind, StateRef
+
+# ops whose output depends on their first argument's shape, dtype and device alone
+_FROM_METADATA = frozenset({
+    "aten::zeros_like", "aten::ones_like", "aten::full_like",
+    "aten::new_zeros", "aten::new_ones", "aten::new_full",
+})
+# ops whose output depends on their arguments' values, which must be made here too
+_FROM_VALUES = frozenset({
+    "aten::zeros", "aten::ones", "aten::full", "aten::scalar_tensor",
+    "aten::lift_fresh_copy", "aten::clone", "aten::_to_copy", "aten::detach", "aten::alias",
+})
+
+
+class _PythonValue:
+    """A non-tensor state entry as it was first assigned."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class RecordedState(dict):
+    """One parameter's optimizer state during capture: notes how each entry was first
+    set (the trace node that made a tensor, or the value). A change it cannot see
+    entry by entry marks it ``unobserved``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.made: dict[Any, torch.fx.Node | _PythonValue | None] = {}
+        self.unobserved = False
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self.made:
+            self.made[key] = (
+                private.traced_node_of(value) if isinstance(value, torch.Tensor) else _PythonValue(value)
+            )
+        super().__setitem__(key, value)
+
+    def _unseen(self, name: str) -> Any:
+        method = getattr(super(), name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.unobserved = True
+            return method(*args, **kwargs)
+
+        return call
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._unseen("update")(*args, **kwargs)
+
+    def setdefault(self, *args: Any) -> Any:
+        return self._unseen("setdefault")(*args)
+
+    def __ior__(self, other: Any) -> Any:  # type: ignore[misc]
+        self.unobserved = True
+        return super().__ior__(other)
+
+
+class RecordedStates(defaultdict):
+    """An optimizer's ``state`` during capture: each parameter's dict a
+    ``RecordedState``; ``before`` holds the keys each parameter had."""
+
+    def __init__(self) -> None:
+        super().__init__(RecordedState)
+        self.before: dict[int, set[Any]] = {}
+        self.unobserved = False
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not isinstance(value, RecordedState):
+            self.unobserved = True  # a whole dict set at once (``self.state[p] = {...}``)
+        super().__setitem__(key, value)
+
+
+@dataclasses.dataclass
+class MadeState:
+    """The state entries made before the first program: (optimizer index, parameter
+    name, key, value)."""
+
+    entries: list[tuple[int, str, Any, Any]]
+
+    def install(self, bindings: Any) -> None:
+        for oi, name, key, value in self.entries:
+            bindings.optimizers[oi].state[bindings.params[name]][key] = value
+        _refresh(bindings)
+
+    def remove(self, bindings: Any) -> None:
+        """Take the made entries out again (of whatever state dict the parameter has
+        now: the runtime may have placed it)."""
+        for oi, name, key, _ in self.entries:
+            state = bindings.optimizers[oi].state
+            p = bindings.params[name]
+            entries = state.get(p)
+            if entries is None:
+                continue
+            entries.pop(key, None)
+            if not entries:
+                del state[p]
+        _refresh(bindings)
+
+    def names(self) -> list[str]:
+        return sorted({f"optimizer[{oi}] {key!r}" for oi, _, key, _ in self.entries})
+
+
+def _refresh(bindings: Any) -> None:
+    # the walk memo's optimizer part and the state dicts it kept describe the old state
+    bindings.unchanged = False
+    bindings.forget_state_dicts()
+
+
+class NotPlanned(Exception):
+    """Why the state cannot be made before the first program."""
+
+
+@dataclasses.dataclass
+class StatePlan:
+    """What the first trace made, and how to check the steady trace against it."""
+
+    graph: torch.fx.GraphModule
+    refs: list[StateRef]
+    roots: dict[torch.fx.Node, StateRef]  # the node that made each tensor -> its state
+    made_nodes: set[torch.fx.Node]  # the nodes that only make the state
+    out_refs: list[StateRef]
+    side: tuple[Any, ...]  # what else the capture records, compared as is
+    made: MadeState
+
+    def differs_from(
+        self, graph: torch.fx.GraphModule, refs: list[StateRef], out_refs: list[StateRef],
+        side: tuple[Any, ...],
+    ) -> str | None:
+        """Why the steady trace (``graph`` with inputs ``refs``) is not this first
+        trace with the made tensors read as inputs; None when it is."""
+        if not _same_side(self.side, side):
+            return "the capture recorded other returns, checks or kept values"
+        node_of = dict(zip(refs, placeholders(graph), strict=True))
+        mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+        for node, ref in zip(placeholders(self.graph), self.refs, strict=True):
+            if ref not in node_of:
+                return f"the steady trace has no input {ref}"
+            mapping[node] = node_of[ref]
+        for root, ref in self.roots.items():
+            target = node_of.get(ref)
+            if target is None:
+                return f"the steady trace has no input for {ref}"
+            if not _same_meta(root.meta.get("val"), target.meta.get("val")):
+                return f"{ref} is read as another shape or dtype than it was made"
+            mapping[root] = target
+        used = set(mapping.values())
+        for node in placeholders(graph):
+            if node not in used and node.users:
+                return f"the steady trace reads {node.name}, which the first did not"
+        first = [n for n in self.graph.graph.nodes
+                 if n.op not in ("placeholder", "output") and n not in self.made_nodes]
+        steady = [n for n in graph.graph.nodes if n.op not in ("placeholder", "output")]
+        if len(first) != len(steady):
+            return f"{len(first)} ops against {len(steady)}"
+        for a, b in zip(first, steady, strict=True):
+            reason = _node_differs(a, b, self.graph, graph, mapping)
+            if reason:
+                return reason
+            mapping[a] = b
+        firsts = dict(zip(self.out_refs, output_args(self.graph), strict=True))
+        steadies = dict(zip(out_refs, output_args(graph), strict=True))
+        if set(firsts) != set(steadies):
+            return "other outputs"
+        for ref, value in firsts.items():
+            if not _same_arg(value, steadies[ref], mapping):
+                return f"output {ref} differs"
+        return None
+
+
+def plan(
+    graph: torch.fx.GraphModule, refs: list[StateRef], out_refs: list[StateRef],
+    swapped: list[tuple[RecordedStates, dict[str, tuple[int, torch.Tensor]]]],
+    side: tuple[Any, ...],
+) -> StatePlan | None:
+    """The plan for the state the first trace made (None: it made none). Raises
+    ``NotPlanned`` when some of it cannot be made before the program."""
+    roots: dict[torch.fx.Node, StateRef] = {}
+    python: list[tuple[int, str, Any, Any]] = []
+    for oi, (states, by_param) in enumerate(swapped):
+        if states.unobserved:
+            raise NotPlanned("a parameter's whole state dict was set at once")
+        for name, (gi, traced_p) in by_param.items():
+            entries = states.get(traced_p)
+            if not entries:
+                continue
+            if entries.unobserved:
+                raise NotPlanned("state set by update() or setdefault()")
+            before = states.before.get(id(traced_p), set())
+            for key, value in entries.items():
+                if key in before:
+                    continue
+                made = entries.made.get(key)
+                if isinstance(value, torch.Tensor):
+                    if not isinstance(made, torch.fx.Node):
+                        raise NotPlanned(f"{key!r} was not made by a traced op")
+                    if made in roots:
+                        raise NotPlanned(f"{key!r} is the same tensor as another entry")
+                    roots[made] = StateRef(Kind.OPTIM_STATE, name, key, oi, gi)
+                elif isinstance(made, _PythonValue) and made.value is value:
+                    python.append((oi, name, key, value))
+                else:
+                    raise NotPlanned(f"{key!r} changed after it was set")
+    if not roots and not python:
+        return None
+    made_nodes: set[torch.fx.Node] = set()
+    values = _Evaluator(graph, made_nodes)
+    entries = [(ref.optimizer, ref.name, ref.key, values(root)) for root, ref in roots.items()]
+    return StatePlan(graph, refs, roots, made_nodes, out_refs, side, MadeState(entries + python))
+
+
+class _Evaluator:
+    """Evaluate the nodes that make a state tensor on real tensors, noting each."""
+
+    def __init__(self, graph: torch.fx.GraphModule, seen: set[torch.fx.Node]) -> None:
+        self.graph, self.seen = graph, seen
+        self.values: dict[torch.fx.Node, Any] = {}
+
+    def __call__(self, node: torch.fx.Node) -> torch.Tensor:
+        with torch.no_grad():
+            value = self._value(node)
+        if not isinstance(value, torch.Tensor) or not _same_meta(value, node.meta.get("val")):
+            raise NotPlanned(f"{node.name} made another tensor here than in the trace")
+        return value
+
+    def _value(self, node: torch.fx.Node) -> Any:
+        if node in self.values:
+            return self.values[node]
+        if node.op == "get_attr":
+            value = getattr(self.graph, str(node.target))
+            if not isinstance(value, torch.Tensor):
+                raise NotPlanned(f"{node.name} is not a tensor constant")
+            value = value.clone()
+        elif node.op == "call_function" and private.is_op_overload(node.target):
+            op: Any = node.target
+            name = op._schema.name
+            if name in _FROM_METADATA:
+                first = _stand_in(node.args[0])
+                args = [first, *[self._argument(a) for a in node.args[1:]]]
+            elif name in _FROM_VALUES:
+                args = [self._argument(a) for a in node.args]
+            else:
+                raise NotPlanned(f"the state is made by {node.target}")
+            kwargs = {k: self._argument(v) for k, v in node.kwargs.items()}
+            value = op(*args, **kwargs)
+        else:
+            raise NotPlanned(f"the state is made from {node.name}")
+        self.seen.add(node)
+        self.values[node] = value
+        return value
+
+    def _argument(self, arg: Any) -> Any:
+        if isinstance(arg, torch.fx.Node):
+            return self._value(arg)
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self._argument(a) for a in arg)
+        if isinstance(arg, torch.Tensor):
+            raise NotPlanned("a tensor argument outside the graph")
+        return arg
+
+
+def _stand_in(node: Any) -> torch.Tensor:
+    """An uninitialized tensor of ``node``'s shape, strides, dtype and device: what an
+    op that reads only those is given in its place."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        raise NotPlanned("an argument of unknown metadata")
+    return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=val.device)
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    return (tuple(a.shape), a.dtype, a.device) == (tuple(b.shape), b.dtype, b.device)
+
+
+def _node_differs(
+    a: torch.fx.Node, b: torch.fx.Node, graph_a: torch.fx.GraphModule, graph_b: torch.fx.GraphModule,
+    mapping: dict[torch.fx.Node, torch.fx.Node],
+) -> str | None:
+    where = f"{a.name} ({a.target}) against {b.name} ({b.target})"
+    if a.op != b.op:
+        return where
+    if a.op == "get_attr":
+        ta, tb = getattr(graph_a, str(a.target)), getattr(graph_b, str(b.target))
+        if not (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)):
+            return where
+        if not _same_meta(ta, tb) or not torch.equal(ta, tb):
+            return f"constant {where}"
+        return None
+    if a.op != "call_function" or a.target is not b.target:
+        return where
+    if not _same_arg(a.args, b.args, mapping) or not _same_arg(a.kwargs, b.kwargs, mapping):
+        return f"arguments of {where}"
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if isinstance(va, torch.Tensor) != isinstance(vb, torch.Tensor):
+        return f"the result of {where}"
+    if isinstance(va, torch.Tensor) and not _same_meta(va, vb):
+        return f"the result's shape or dtype of {where}"
+    return None
+
+
+_PLAIN = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _same_arg(a: Any, b: Any, mapping: dict[torch.fx.Node, torch.fx.Node]) -> bool:
+    if isinstance(a, torch.fx.Node):
+        return isinstance(b, torch.fx.Node) and mapping.get(a) is b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_arg(x, y, mapping) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_arg(a[k], b[k], mapping) for k in a)
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, slice):
+        return _same_arg((a.start, a.stop, a.step), (b.start, b.stop, b.step), mapping)
+    if isinstance(a, _PLAIN) or a is Ellipsis:
+        return a == b
+    if callable(a):  # an op, a function
+        return a is b
+    return False
+
+
+def _same_side(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    try:
+        return len(a) == len(b) and all(x == y for x, y in zip(a, b, strict=True))
+    except Exception:  # noqa: BLE001 - something that cannot be compared is not the same
+        return False
