@@ -2,8 +2,10 @@
 
 ``python -m benchmarks.demo_compile [--dump DIR] [CASE ...]`` with CASE one of ``ddp``,
 ``fsdp``, ``tp``, ``fsdp_tp:2x2``, ``fsdp_tp:2x4`` (default: all). Each case runs the
-demo's first two steps on simulated ranks (the two compiles the demo makes: before and
-after the optimizer creates its state) and prints, summed over both compiles, the
+demo's first two steps on simulated ranks (one compile since AdamW's state is made
+before the first program, NOTE: [optimizer state made before the first program]; two
+before: the call that created the state, then the steady one) and prints, summed over
+the compiles, the
 seconds of capture / expand / passes / lowering and the whole compile. ``--dump`` writes
 each program's generated code (one file per case and compile) so that two runs, e.g.
 before and after a compile-time change, can be compared text for text.

@@ -54,7 +54,7 @@ def bench(rank: int, world: int, cases: tuple[Case, ...], run_name: str, calls: 
     for case in cases:
         data = global_batches(case, 6)
         run = build_run(run_name, case, rank, world)
-        for x, y in data:  # compiles both programs and reaches the steady one
+        for x, y in data:  # compiles the program(s) and reaches the steady one
             timed_step(run, x, y)
         args = run.local(*data[0])
         params = sum(1 for _ in run.model.parameters())

@@ -43,8 +43,9 @@ NOTES = [
     "float32 rounding noise in a gradient stays noise-sized in the parameters.",
     "Llama under tp and fsdp_tp runs with RMSNorm computing in the model's dtype "
     "(transformers' LlamaRMSNorm casts to float32 even in a float64 model).",
-    "compile s: step.timings.compile_seconds (two programs: the first call creates the "
-    "optimizer state, the second is the steady state). step ms: median of the compiled "
+    "compile s: step.timings.compile_seconds (every program compiled: one since AdamW's "
+    "state is made before the first program; two before, the call that created the state "
+    "and the steady one). step ms: median of the compiled "
     "steps after the first, N simulated ranks in ONE process (LocalTensorMode): a "
     "checking tool, not a real-rank time. eager ms: the undecorated step on one device, "
     "same process.",

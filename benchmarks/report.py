@@ -97,7 +97,7 @@ def peer_rows(suite: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def compile_rows(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Compile seconds per model, style and backend (both programs, lowering included)."""
+    """Compile seconds per model, style and backend (every program, lowering included)."""
     return [
         {k: r[k] for k in ("model", "style", "backend", "compile_seconds", "compile_count")}
         for r in table

@@ -66,9 +66,9 @@ NOTES = [
     "shapes, NOT a measured peak: activations, buffers and DDP/FSDP communication buffers "
     "are excluded (no honest per-rank peak on CPU: tracemalloc does not see torch's "
     "allocator, and RSS mixes all runs of one process).",
-    "compile s: step.timings.compile_seconds on rank 0 (both programs: the first step "
-    "creates optimizer state, the second is the steady state; with backend inductor it "
-    "includes Inductor's lowering of both programs to C++ kernels), real gloo ranks "
+    "compile s: step.timings.compile_seconds on rank 0 (every program, counted beside the "
+    "seconds: AdamW's state is made before the first program, so one; with backend "
+    "inductor it includes Inductor's lowering to C++ kernels), real gloo ranks "
     "sharing 2 cores with other work. Run with an empty TORCHINDUCTOR_CACHE_DIR (cold "
     "Inductor compiles, also for the torch.compile peer) and TORCHINDUCTOR_COMPILE_THREADS=1 "
     "(no compile worker pool per rank on 2 cores); the header says what was set.",

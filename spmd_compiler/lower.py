@@ -40,7 +40,11 @@ second (the CPU suite: "2 programs" per compile). So a program that creates opti
 state (it writes optimizer state it does not read) runs in the interpreter even when the
 backend is Inductor: its one step costs an interpreted step instead of a whole Inductor
 compile, and the steady program is lowered as before. Its numbers are the interpreter's,
-which is the reference the lowered program is checked against.
+which is the reference the lowered program is checked against. Since NOTE: [optimizer
+state made before the first program] (``capture/initial_state.py``) most steps compile no
+such program: only those whose optimizer makes its state from the first gradient or the
+learning rate (SGD's momentum, ASGD, Rprop), those with an ``if`` on a tensor value,
+and those compiled with the persistent cache.
 """
 
 from __future__ import annotations
