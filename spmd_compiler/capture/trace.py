@@ -628,6 +628,8 @@ def _steady_with_made_state(
     program])."""
     tracer = first.tracer
     if tracer.checks or tracer.kept or first.outside:
+        log.debug("%s makes no optimizer state before its program: it has value checks, "
+                  "kept values or tensors from outside its arguments", step_name(func))
         return None
     try:
         state_plan = initial_state.plan(

@@ -85,9 +85,31 @@ def test_marks_the_last_ready_reductions_up_to_the_cap():
     assert all(n.meta.get(PHASE) == OPTIMIZER_PHASE for n in part if n not in waits)
 
 
-def test_first_call_of_a_program_runs_without_carry_and_the_first_compile_defers_nothing():
-    """The first program creates the optimizer state, so nothing can be handed back."""
+def test_the_first_call_runs_without_carry_and_hands_its_update_on():
+    """AdamW's state is made before the first program (NOTE: [optimizer state made
+    before the first program]): the steady program runs from the first call, without a
+    carry, and hands its update to the next call, exactly as the plain program."""
     model, optim, batches = mlp_setup(3)
+    reference, ref_optim, _ = mlp_setup(3)
+    step, plain = _compile("ddp"), sc.compile(make_mode("ddp"))(classification_step)
+    with sc.simulate(2) as sim:
+        for k, batch in enumerate(batches):
+            step(model, optim, *batch)
+            plain(reference, ref_optim, *batch)
+            assert step.compile_count == 1 and step.last_program.deferred is not None
+            assert step.has_pending_update, k
+        assert step.flush() is True
+        diff = max_difference(
+            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
+        )
+    assert diff == 0.0
+
+
+def test_a_program_that_creates_the_optimizer_state_defers_nothing():
+    """SGD's momentum buffer is its first gradient: the first program creates the state,
+    so nothing can be handed back."""
+    model, _, batches = mlp_setup(3)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = _compile("ddp")
     with sc.simulate(2):
         step(model, optim, *batches[0])
