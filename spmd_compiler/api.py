@@ -696,9 +696,14 @@ class CompiledTrainStep:
             ref.index for ref in captured.input_refs()
             if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0
         )
-        # NOTE: [tensors the step keeps]: the guards see the attributes the step creates
-        install_placeholders(captured.kept, bindings, captured.output_metas)
-        guards = step_guards(self.func, bindings, graph_args, captured)
+        try:
+            # NOTE: [tensors the step keeps]: the guards see the attributes the step creates
+            install_placeholders(captured.kept, bindings, captured.output_metas)
+            guards = step_guards(self.func, bindings, graph_args, captured)
+        except BaseException:
+            if captured.made_state is not None:
+                captured.made_state.remove(bindings)
+            raise
         _warn_of_constants_in_arguments(captured.outside)
         return captured, guards
 
