@@ -80,20 +80,13 @@ class RecordedState(dict):
             )
         super().__setitem__(key, value)
 
-    def _unseen(self, name: str) -> Any:
-        method = getattr(super(), name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.unobserved = True
-            return method(*args, **kwargs)
-
-        return call
-
     def update(self, *args: Any, **kwargs: Any) -> None:
-        self._unseen("update")(*args, **kwargs)
+        self.unobserved = True
+        super().update(*args, **kwargs)
 
     def setdefault(self, *args: Any) -> Any:
-        return self._unseen("setdefault")(*args)
+        self.unobserved = True
+        return super().setdefault(*args)
 
     def __ior__(self, other: Any) -> Any:  # type: ignore[misc]
         self.unobserved = True

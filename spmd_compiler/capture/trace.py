@@ -595,6 +595,11 @@ class _FirstTrace:
     def refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]
 
+    def holds_more(self) -> bool:
+        """Whether the capture recorded value checks, kept values or outside tensors,
+        which a made state's program is not compared on."""
+        return bool(self.tracer.checks or self.tracer.kept or self.outside)
+
     def side(self) -> tuple[Any, ...]:
         """What the capture records besides the graph, for ``StatePlan``."""
         t = self.tracer
@@ -627,7 +632,7 @@ def _steady_with_made_state(
     optimizers; None when it is not made (NOTE: [optimizer state made before the first
     program])."""
     tracer = first.tracer
-    if tracer.checks or tracer.kept or first.outside:
+    if first.holds_more():
         log.debug("%s makes no optimizer state before its program: it has value checks, "
                   "kept values or tensors from outside its arguments", step_name(func))
         return None
@@ -646,10 +651,7 @@ def _steady_with_made_state(
         steady = _trace_first(func, bindings, input_metas, options, floats, ())
         reason = state_plan.differs_from(
             steady.graph, steady.refs(), steady.tracer.out_refs, steady.side()
-        ) or (
-            "the steady trace keeps values or checks"
-            if steady.tracer.checks or steady.tracer.kept or steady.outside else None
-        )
+        ) or ("the steady trace keeps values or checks" if steady.holds_more() else None)
     except Exception as exc:  # noqa: BLE001 - the first trace goes on as before
         reason = f"the steady trace failed ({exception_summary(exc)})"
     if reason is not None:
