@@ -736,7 +736,7 @@ def _trace_first(
                 "be captured into one graph"
             )
             + _where_it_failed(exc)
-            + (f": {exc}." if isinstance(exc, RowsOfAModelMaskCounted) else "."),
+            + (f": {exc}." if isinstance(exc, (RowsOfAModelMaskCounted, ItemUsedInPython)) else "."),
             op=str(op) if op is not None else None,
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, code),

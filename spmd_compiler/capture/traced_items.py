@@ -17,7 +17,10 @@ integer beyond 2**53) is refused. Anything else Python does with it while the st
 traced (arithmetic, formatting, ``float()``) would need the value the trace does not
 have, so it raises ``ItemUsedInPython``, which capture reports as a value read in Python
 (the refusal ``.item()`` had before), naming the line. An ``.item()`` a fake tensor can
-answer (a constant made in the step) keeps its value.
+answer (a constant made in the step) keeps its value. ``float(t)`` and ``int(t)`` cannot
+return a ``TracedItem`` (Python requires the built-in type), so they are refused as an
+``ItemUsedInPython`` that says to write ``t.item()``: before, ``{"grad_norm":
+float(gn)}`` got the advice for value-dependent shapes.
 """
 
 from __future__ import annotations
@@ -113,12 +116,24 @@ class ItemsAsOutputs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if func is not torch.Tensor.item:
+        if func is not torch.Tensor.item and func not in _CONVERSIONS:
             return func(*args, **kwargs)
         try:
             return func(*args, **kwargs)
         except private.data_dependent_error_types():
-            return TracedItem(args[0].detach())
+            if func is torch.Tensor.item:
+                return TracedItem(args[0].detach())
+            name = _CONVERSIONS[func]
+            raise ItemUsedInPython(
+                f"{name}() of a tensor needs its value in Python while the step is traced "
+                f"(Python requires {name}() to return a {name}); `.item()` gives the same "
+                f"number and may be returned: write `t.item()` for `{name}(t)`"
+            ) from None
+
+
+# Python's conversions of a tensor to a number: they must return the built-in type, so
+# they cannot hand back a TracedItem (NOTE: [returned .item() values])
+_CONVERSIONS = {torch.Tensor.__float__: "float", torch.Tensor.__int__: "int"}
 
 
 def checks_on_items() -> Any:

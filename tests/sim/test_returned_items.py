@@ -119,9 +119,27 @@ def printing_step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
+def float_of_norm_step(model, optim, x, y):  # noqa: ANN001
+    """``float()`` / ``int()`` must return the built-in type: refused, pointing at ``.item()``."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optim.step()
+    return {"loss": loss.detach(), "grad_norm": float(norm)}
+
+
+def int_of_count_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss, int((model(x).argmax(-1) == y).sum())
+
+
 @pytest.mark.parametrize(
     ("step", "line"),
     [(scaled_item_step, "return loss.item() * 2"),
+     (float_of_norm_step, 'return {"loss": loss.detach(), "grad_norm": float(norm)}'),
+     (int_of_count_step, "return loss, int((model(x).argmax(-1) == y).sum())"),
      (rounding_comparison_step, "if (model(x).argmax(-1) == y).sum().item() > 2.5:"),
      (printing_step, 'print(f"loss {loss.item():.3f}")')],
     ids=lambda v: getattr(v, "__name__", "line"),
@@ -136,6 +154,9 @@ def test_item_used_by_python_is_refused(step, line):
     message = str(info.value)
     assert "reads the value of a tensor in Python" in message
     assert line in message
+    conversion = {float_of_norm_step: "float", int_of_count_step: "int"}.get(step)
+    if conversion:  # the error names .item() instead
+        assert f"write `t.item()` for `{conversion}(t)`" in message
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert compiled.compile_count == 0
 
