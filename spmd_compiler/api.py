@@ -27,6 +27,7 @@ from .capture.guards import Guards, build_guards
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import replayed
 from .capture.trace import capture_step
+from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import SPMDCompileError
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
@@ -44,8 +45,6 @@ log = logging.getLogger("spmd_compiler")
 
 # A guarded Python value that forced this many recompiles is reported as a warning.
 REPEATED_RECOMPILES = 3
-# programs one step may need for the ways its `if`s on tensor values go (NOTE: [value checks])
-MAX_BRANCH_PROGRAMS = 8
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -124,7 +124,14 @@ from .traced_items import (
     checks_on_items,
     value_read_errors,
 )
-from .value_checks import BranchDecisions, Undecided, choose, describe_raise
+from .value_checks import (
+    MAX_BRANCH_PROGRAMS,
+    MAX_COIN_BRANCHES,
+    BranchDecisions,
+    Undecided,
+    choose,
+    describe_raise,
+)
 
 log = logging.getLogger("spmd_compiler")
 
@@ -852,11 +859,14 @@ def _decide_value_checks(
     tracer's checks carry what the other answer raised ("" for a branch)."""
     decisions = [decision for decision, _ in given]
     raised = [text for _, text in given]
+    coins: list[str] = []  # NOTE: [ifs on random draws alone]
     while True:
         try:
             first, tracer = trace(decisions)
             break
         except Undecided as undecided:
+            coin = undecided.coin
+            where = undecided.where
             if len(decisions) >= MAX_VALUE_IFS:
                 raise SPMDCompileError(
                     f"{undecided.owner} meets more than {MAX_VALUE_IFS} `if`s on tensor values "
@@ -890,6 +900,9 @@ def _decide_value_checks(
             choice, text = not way, _refusal_text(refusal)
         elif choice is None:  # a branch: speculated, verified every call (NOTE: [value checks])
             choice, text = True, ""
+            if coin:
+                coins.append(where)
+                _refuse_coin_branches(coins)
         else:
             text = describe_raise(cast(BaseException, outcomes[not choice]))
         raised.append(text)
@@ -902,6 +915,26 @@ def _decide_value_checks(
         for check, text in zip(tracer.checks, raised, strict=True)
     ]
     return first, tracer
+
+
+def _refuse_coin_branches(coins: list[str]) -> None:
+    """Refuse a step whose `if`s on random draws alone need more programs than a step
+    may have (NOTE: [ifs on random draws alone])."""
+    if len(coins) <= MAX_COIN_BRANCHES:
+        return
+    lines = list(dict.fromkeys(coins))  # a loop's `if` is one line met many times
+    places = "; ".join(lines[:3]) + ("; ..." if len(lines) > 3 else "")
+    raise SPMDCompileError(
+        f"The train step branches on random draws alone at more than {MAX_COIN_BRANCHES} "
+        f"`if`s in one call ({places}): which way each goes changes from call to call, "
+        f"and each way through them is a program of its own, so its calls may need "
+        f"{2 ** len(coins)} or more programs, more than the {MAX_BRANCH_PROGRAMS} a step "
+        "may have (NOTE: [ifs on random draws alone]). LayerDrop (`if torch.rand([]) < "
+        "self.layerdrop`) is the usual cause.",
+        hint="set the model's layerdrop to 0 (config.layerdrop, encoder_layerdrop, "
+        "decoder_layerdrop), or select with torch.where(draw < p, x, layer(x)) instead of "
+        "branching in Python.",
+    )
 
 
 def _refusal_text(exc: BaseException) -> str:

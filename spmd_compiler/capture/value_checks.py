@@ -37,10 +37,26 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
   [float arguments as graph inputs]) is Python's decision, not the data's: the float
   stays a guard, as before.
 - Bounds: ``MAX_VALUE_IFS`` ``if``s per traced call (a ``while`` on a value that runs
-  until it converges is refused), ``MAX_BRANCH_PROGRAMS`` programs per step
-  (``api.py``). Each ``if`` costs two traces of the step at capture, and reading the
-  conditions is one device-to-host copy per call; a step with no such ``if`` is traced
-  once and reads nothing, as before.
+  until it converges is refused), ``MAX_BRANCH_PROGRAMS`` programs per step (used by
+  ``api.py``), and ``MAX_COIN_BRANCHES`` branches on random draws alone (NOTE: [ifs on
+  random draws alone]). Each ``if`` costs two traces of the step at capture, and reading
+  the conditions is one device-to-host copy per call; a step with no such ``if`` is
+  traced once and reads nothing, as before.
+
+NOTE: [ifs on random draws alone]
+LayerDrop (transformers' M2M100, NLLB, Wav2Vec2, Hubert, ... with ``layerdrop`` /
+``encoder_layerdrop`` above 0, M2M100's and Wav2Vec2's defaults) skips each layer on a
+coin flip: ``if torch.rand([]) < self.layerdrop``. Each such ``if`` is a branch whose way
+changes from call to call at random, so the calls of a step with ``n`` of them need up
+to ``2 ** n`` programs. Before, such a step compiled program after program as the flips
+came (M2M100 with 2 + 2 layers: 10 compiles in its first 2 calls) until it met the
+``MAX_BRANCH_PROGRAMS`` refusal, which with a small ``layerdrop`` may come only after
+thousands of steps. A branch whose condition is computed from random draws and constants
+alone (``drawn_alone``: no input of the step behind it) is counted at capture, and a
+step with more than ``MAX_COIN_BRANCHES`` of them (more ways than ``MAX_BRANCH_PROGRAMS``
+programs hold) is refused on its first call, naming the ``if``s. An ``if`` on a value
+that a random draw only touches (``if torch.isfinite(loss)`` after dropout) reads the
+step's inputs too and is not counted: its way is the data's, not a coin's.
 """
 
 from __future__ import annotations
@@ -58,14 +74,21 @@ from .. import _torch_private as private
 from ..errors import innermost_model_frame_of_stack
 from .python_scalars import FloatArgumentUsedInPython
 
+# programs one step may need for the ways its `if`s on tensor values go (``api.py``)
+MAX_BRANCH_PROGRAMS = 8
+# branches on random draws alone: 2 ** 3 ways fill MAX_BRANCH_PROGRAMS (NOTE: [ifs on
+# random draws alone])
+MAX_COIN_BRANCHES = 3
+
 
 class Undecided(Exception):
     """The trace met a value check beyond the decided ones."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, coin: bool = False) -> None:
         super().__init__(f"a check on a tensor's value at {where}")
         self.where = where
         self.owner = "The train step"  # or the optimizer whose step() it is in
+        self.coin = coin  # NOTE: [ifs on random draws alone]
 
 
 @dataclass
@@ -111,13 +134,37 @@ class BranchDecisions:
         where = _LOCATED[-1] if _LOCATED else where_now() or "an unknown line"
         k = len(self.sites)
         if k >= len(self.decisions):
-            raise Undecided(where) from None
+            raise Undecided(where, coin=drawn_alone(t)) from None
         condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(())
         self.sites.append(_Site(condition, self.decisions[k], where))
         return self.decisions[k]
 
 
 _LOCATED: list[str] = []
+
+
+def drawn_alone(t: torch.Tensor) -> bool:
+    """Whether the traced ``t`` is computed from random draws and constants alone: no
+    input of the step (parameter, batch, state) among what it is computed from (NOTE:
+    [ifs on random draws alone])."""
+    node = private.traced_node_of(t)
+    if node is None:
+        return False
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    drawn = False
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return False
+        drawn |= n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(
+            n.target, "tags", ()
+        )
+        stack.extend(n.all_input_nodes)
+    return drawn
 
 
 @contextlib.contextmanager
@@ -166,6 +213,6 @@ def choose(outcomes: dict[bool, Any]) -> bool | None:
 
 
 __all__ = [
-    "BranchDecisions", "Undecided", "choose", "describe_raise", "eager_check", "located",
-    "where_now",
+    "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "BranchDecisions", "Undecided", "choose", "describe_raise", "drawn_alone", "eager_check",
+    "located", "where_now",
 ]
