@@ -14,6 +14,7 @@ import spmd_compiler as sc
 from spmd_compiler.capture.value_checks import MAX_COIN_BRANCHES, drawn_alone
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import classification_train_step as _step
 
 BATCH, WIDTH = 8, 6
 
@@ -35,14 +36,6 @@ class LayerDropStack(nn.Module):
                     continue
             x = torch.tanh(layer(x))
         return self.head(x)
-
-
-def _step(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -438,7 +438,7 @@ def test_one_rank_is_bit_exact(run_parity, classification_batches, optimizer, dt
 
 @pytest.mark.parametrize(("optimizer", "state", "steps"), [("nadam", "mu_product", 3), ("asgd", "eta", 5)])
 @pytest.mark.parametrize("default", [torch.float32, torch.float64])
-def test_scalar_state_in_float32_by_default(optimizer, state, steps, default):
+def test_scalar_state_in_float32_by_default(train_step, optimizer, state, steps, default):
     """NAdam's ``mu_product`` and ASGD's ``eta`` are float32 in eager under the default
     dtype, float64 in compiled programs (README, Numerics notes): a float64 model differs
     by the float32 rounding of that state only, and not at all when eager keeps it in
@@ -452,11 +452,11 @@ def test_scalar_state_in_float32_by_default(optimizer, state, steps, default):
         optim = MORE_OPTIMIZERS[optimizer](model)
         reference_optim = MORE_OPTIMIZERS[optimizer](reference)
         x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
-        compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_plain_step)
+        compiled = sc.compile(parallel_mode=DataParallel("replicate"))(train_step)
         with sc.simulate(world_size=2) as sim:
             for _ in range(steps):
                 compiled(model, optim, x, y)
-                _plain_step(reference, reference_optim, x, y)
+                train_step(reference, reference_optim, x, y)
             params = compare_models(model, reference, sim)
             states = compare_optimizers(optim, reference_optim, sim)
     finally:
@@ -470,10 +470,3 @@ def test_scalar_state_in_float32_by_default(optimizer, state, steps, default):
         assert 1e-10 < worst_param < 1e-8
         assert 1e-9 < worst_state < 1e-7
 
-
-def _plain_step(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
