@@ -6,8 +6,9 @@ global batch (the floor), and compiled ``ddp`` / ``fsdp`` / ``tp`` beside torch'
 runs once per lowering backend (``compiled_ddp`` interprets the program,
 ``compiled_ddp@inductor`` lowers it through Inductor), and the ddp group also holds the
 torch.compile peer (``torch_compile_ddp``: ``torch.compile`` over the DDP-wrapped model).
-After warm-up (the compiled step compiles on its first two calls: optimizer state is
-created, then the steady state), every measured step times each run once, between
+After warm-up (the compiled AdamW step compiles one program on its first call, its
+optimizer state made first; a step whose state cannot be made that way compiles a second
+program on its second call), every measured step times each run once, between
 barriers, with the order inside each style's group flipped every step so no run always
 runs first.
 

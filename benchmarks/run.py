@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warmup",
         type=int,
-        help="warm-up steps (cpu 3, cuda 5); at least 2: a compiled step compiles on its "
-        "first two calls",
+        help="warm-up steps (cpu 3, cuda 5); at least 2: a compiled step may compile on "
+        "its first two calls (SGD momentum: the call that makes its state, then the steady "
+        "one)",
     )
     parser.add_argument(
         "--backends",
