@@ -213,6 +213,6 @@ def choose(outcomes: dict[bool, Any]) -> bool | None:
 
 
 __all__ = [
-    "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "BranchDecisions", "Undecided", "choose", "describe_raise", "drawn_alone", "eager_check",
-    "located", "where_now",
+    "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "BranchDecisions", "Undecided", "choose",
+    "describe_raise", "drawn_alone", "eager_check", "located", "where_now",
 ]
