@@ -215,6 +215,36 @@ SURVEY_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                         num_attention_heads=4, intermediate_size=64, num_labels=3,
                         use_relative_position_bias=True, drop_path_rate=0.0,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    # from the thirty-sixth session's hunt over 41 architectures not surveyed before (all
+    # but Nystromformer trained as one device): a few kept as regressions. Qwen3's q/k
+    # norms per head, Falcon's parallel attention and MLP, StableLM's partial rotary,
+    # BART's learned positions and encoder-decoder, DistilBERT classification, and two
+    # image classifiers without attention (ResNet's BatchNorm, ConvNeXt's depthwise
+    # convolutions and LayerNorm over channels)
+    "qwen3": _small_model("Qwen3ForCausalLM", "Qwen3Config", hidden_size=32,
+                          intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, max_position_embeddings=64),
+    "falcon": _small_model("FalconForCausalLM", "FalconConfig", hidden_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.0,
+                           attention_dropout=0.0),
+    "stablelm": _small_model("StableLmForCausalLM", "StableLmConfig", hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64,
+                             hidden_dropout=0.0, attention_dropout=0.0),
+    "bart": _small_model("BartForConditionalGeneration", "BartConfig", d_model=32,
+                         encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                         max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                         activation_dropout=0.0),
+    "distilbert": _classifier("DistilBertForSequenceClassification", "DistilBertConfig",
+                              dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                              max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                              seq_classif_dropout=0.0, num_labels=3),
+    "resnet": _classifier("ResNetForImageClassification", "ResNetConfig", embedding_size=8,
+                          hidden_sizes=[16, 32], depths=[1, 1], num_labels=3),
+    "convnext": _classifier("ConvNextForImageClassification", "ConvNextConfig", image_size=16,
+                            num_stages=2, hidden_sizes=[16, 32], depths=[2, 2], num_labels=3,
+                            drop_path_rate=0.0),
 }
 
 
@@ -265,10 +295,11 @@ def masked_video_step(model, optim, pixel_values, bool_masked_pos):
 STEPS = {
     "gpt2": causal_lm_step, "llama": causal_lm_step, "bert": bert_step, "vit": vit_step,
     "beit": vit_step, "videomae_pt": masked_video_step, "llava": image_text_step,
+    "resnet": vit_step, "convnext": vit_step,
 }
 VIDEO_TOKENS, VIDEO_MASKED = 8, 6  # tubelets per clip of videomae_pt, masked per example
 # models whose batches are (ids, class labels); their step is causal_lm_step's
-CLASSIFIERS = {"deberta_v2"}
+CLASSIFIERS = {"deberta_v2", "distilbert"}
 # models whose kernels do not run float64 (torch's grouped_mm): surveyed in float32, where
 # the compiled and the eager run differ by float32 rounding (gradient sums in another
 # order, amplified by AdamW's normalization), within FLOAT32_TOL
