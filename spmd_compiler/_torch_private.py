@@ -258,6 +258,94 @@ def _install_stack_trace_anchor_filter() -> None:
     TracerBase._filter_traceback_frames = filter_frames  # type: ignore[method-assign,assignment]
 
 
+# NOTE: [stack traces without the whole stack]
+# A trace that records stack traces (the capture's, so that errors name the model's and
+# the train step's lines) has fx take the whole Python stack at every node it creates
+# (``CapturedTraceback.extract().summary()`` in ``TracerBase.create_node``), look up the
+# file, name and source line of each of its ~100 frames (the capture's dispatch modes,
+# make_fx and the autograd engine are all on it), then keep the few frames its filter
+# wants: under make_fx, ``forward`` frames, the registered anchors (the train step) and
+# ``torch/__init__.py``. That was 2.2 s of the 8-layer demo GPT's 21 s compile (py-spy).
+# ``light_stack_traces`` walks the frames instead and builds frame summaries only for
+# those the filter would keep, source lines read lazily when the trace is formatted: fx's
+# filter then runs on them as before, so every node's ``stack_trace`` is the same text
+# (checked node for node on the demo GPT's program, and by
+# ``tests/unit/test_light_stack_traces.py``). A tracer that keeps more than those frames
+# (``_record_forward_stack_traces_only`` false) gets torch's own extraction.
+
+
+class _FramesKept:
+    """``CapturedTraceback``'s ``extract().summary()`` for a tracer that keeps the forward
+    frames and anchors only (NOTE: [stack traces without the whole stack])."""
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames
+
+    def summary(self) -> Any:
+        import traceback
+
+        return traceback.StackSummary.from_list(self.frames)
+
+
+class _LightTraceback:
+    """Stands for ``CapturedTraceback`` in ``torch.fx.proxy`` inside ``light_stack_traces``."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def extract(self, *args: Any, **kwargs: Any) -> Any:
+        import traceback
+
+        caller = sys._getframe(1)
+        tracer = caller.f_locals.get("self") if caller.f_code.co_name == "create_node" else None
+        if args or kwargs:
+            return self.real.extract(*args, **kwargs)
+        if not getattr(tracer, "_record_forward_stack_traces_only", False):
+            return self.real.extract(skip=1)  # as if called from ``caller``
+        anchors = _stack_trace_anchors()
+        kept = []
+        frame: Any = caller
+        while frame is not None:
+            code = frame.f_code
+            if (
+                code.co_name == "forward"
+                or code.co_filename.endswith("torch/__init__.py")
+                or (code.co_filename, code.co_name) in anchors
+            ):
+                kept.append(traceback.FrameSummary(
+                    code.co_filename, frame.f_lineno, code.co_name, lookup_line=False
+                ))
+            frame = frame.f_back
+        kept.reverse()
+        return _FramesKept(kept)
+
+
+def _stack_trace_anchors() -> set[tuple[str, str]]:
+    import torch.fx.proxy as fx_proxy
+
+    return getattr(fx_proxy, "_STACK_TRACE_ANCHORS", _STACK_TRACE_ANCHORS)
+
+
+@contextlib.contextmanager
+def light_stack_traces() -> Iterator[None]:
+    """Inside: fx tracers that keep forward frames only record their stack traces from a
+    walk over the kept frames (NOTE: [stack traces without the whole stack])."""
+    import torch.fx.proxy as fx_proxy
+
+    real = fx_proxy.CapturedTraceback
+    if isinstance(real, _LightTraceback):  # nested
+        yield
+        return
+    fx_proxy.CapturedTraceback = _LightTraceback(real)  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        fx_proxy.CapturedTraceback = real  # type: ignore[misc]
+
+
 def current_trace_graph() -> torch.fx.Graph | None:
     """The graph that the active ``make_fx`` trace is writing to, if any."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode

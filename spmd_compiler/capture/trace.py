@@ -714,6 +714,7 @@ def _trace_first(
             attention_as_math(),
             functions_as_ops(),  # NOTE: [functions as plain ops at capture]
             cumulative_batch_norms(bindings.modules),
+            private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
         ):
             try:
                 graph = make_fx(
