@@ -28,7 +28,7 @@ from .capture.kept_tensors import KeptTensors, install_placeholders, kept_contai
 from .capture.lr_schedulers import replayed
 from .capture.trace import capture_step
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
-from .errors import SPMDCompileError
+from .errors import Change, SPMDCompileError
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
 from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
@@ -78,15 +78,15 @@ class CompileRecord:
     capture_skipped: bool = False
 
 
-def _key_change(old: tuple, new: tuple, n_args: int) -> str | None:
+def _key_change(old: tuple, new: tuple, n_args: int) -> Change | None:
     """What differs between two calls' program keys (``(input metas, static_key,
     simulated)``) in the step's arguments, in the words the guards use: "<what> was
     <old>, now <new>"; None when only the rest differs."""
     old_metas, old_static, new_metas, new_static = old[0], old[1], new[0], new[1]
     if old[-1] != new[-1]:  # NOTE: [autocast around the step]
-        return f"the autocast regions around the call were {old[-1]}, now {new[-1]}"
+        return Change("the autocast regions around the call", str(old[-1]), str(new[-1]), verb="were")
     if len(old_metas) != len(new_metas):
-        return f"the number of tensor arguments was {len(old_metas)}, now {len(new_metas)}"
+        return Change("the number of tensor arguments", str(len(old_metas)), str(len(new_metas)))
     for k, (a, b) in enumerate(zip(old_metas, new_metas)):
         if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
             was, now = (
@@ -94,18 +94,18 @@ def _key_change(old: tuple, new: tuple, n_args: int) -> str | None:
                 else (f"{a.dtype} on {a.device}", f"{b.dtype} on {b.device}")
             )
             what = "the shape" if a.shape != b.shape else "the dtype / device"
-            return f"{what} of tensor argument {k} was {was}, now {now}"
+            return Change(f"{what} of tensor argument {k}", str(was), str(now))
     if old_static[0] != new_static[0]:
-        return "the structure of the step's arguments was one, now another"
+        return Change("the structure of the step's arguments", "one", "another")
     for i in range(1, min(n_args + 1, len(old_static), len(new_static))):
         if old_static[i] != new_static[i]:
-            return f"argument {i - 1} of the step was {old_static[i]!r}, now {new_static[i]!r}"
+            return Change(f"argument {i - 1} of the step", repr(old_static[i]), repr(new_static[i]))
     # the optimizer settings but the learning rate (a graph input), by name
     if min(len(old_static), len(new_static)) > n_args + 1:
         old_settings = dict(old_static[n_args + 1])
         for name, value in new_static[n_args + 1]:
             if name in old_settings and old_settings[name] != value:
-                return f"{name} was {old_settings[name]!r}, now {value!r}"
+                return Change(name, repr(old_settings[name]), repr(value))
     # the rest: train/eval flags, which parameters hold gradients, optimizer state (the
     # first call creates it): expected changes, not logged
     return None
@@ -160,7 +160,7 @@ class CompiledTrainStep:
         self.timings = StepTimings()
         self._last: StepExecutable | None = None  # what the latest call ran
         self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles its new values caused
-        self._guard_values: dict[str, set[str]] = {}  # guarded value -> the values it had
+        self._guard_values: dict[str, set[str | None]] = {}  # guarded value -> the values it had
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
@@ -364,14 +364,14 @@ class CompiledTrainStep:
                 entries[i] = (held, executable)
             if change is None:
                 return executable
-        self._note_recompile(str(change))
+        if change is not None:  # every entry's guards found one
+            self._note_recompile(change)
         return None
 
-    def _note_recompile(self, change: str) -> None:
+    def _note_recompile(self, change: Change) -> None:
         """Log why this call compiles again; warn when one value keeps causing it."""
         log.info("recompiling %s: %s", self._name, change)
-        what, _, values = change.partition(" was ")
-        was, _, now = values.rpartition(", now ")
+        what, was, now = change.what, change.was, change.now
         # only a value not seen before counts: a flag that alternates (accumulate, then
         # step) compiles a program per value and the optimizer's first step, not per call
         seen = self._guard_values.setdefault(what, {was})

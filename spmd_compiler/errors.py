@@ -35,6 +35,25 @@ class SourceLocation:
         return f'{self.filename}:{self.lineno}: "{self.code}"'
 
 
+class Change(str):
+    """Why a call cannot run a program compiled before, in the words logged
+    (``<what> was <old>, now <new>``), with its parts kept: the compiled step counts the
+    new values of each ``what`` to warn about repeated recompiles. ``was`` / ``now`` are
+    the values as shown; None for a change told in words alone (``the code the step
+    reaches was replaced``)."""
+
+    what: str
+    was: str | None
+    now: str | None
+
+    def __new__(cls, what: str, was: str | None = None, now: str | None = None,
+                verb: str = "was") -> Change:
+        text = what if was is None else f"{what} {verb} {was}, now {now}"
+        change = super().__new__(cls, text)
+        change.what, change.was, change.now = what, was, now
+        return change
+
+
 class SPMDCompileError(RuntimeError):
     """A train step that cannot be compiled (or run) as asked; the model is untouched."""
 

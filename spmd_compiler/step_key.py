@@ -87,6 +87,7 @@ from .compile_cache import (
     fingerprint,
     source_digest,
 )
+from .errors import Change
 from .ir.signature import CapturedStep, Kind, TensorMeta, ValueCheck
 
 log = logging.getLogger("spmd_compiler.compile_cache")
@@ -429,16 +430,16 @@ def load(
     return entry["program_key"], captured, frozenset(entry["graph_args"])
 
 
-def _first_change(entry: dict[str, Any], bindings: Any) -> str | None:
+def _first_change(entry: dict[str, Any], bindings: Any) -> Change | None:
     for index, value in entry["baked"]:
         arg = bindings.flat_args[index]
         if type(arg) is not float or float.hex(arg) != value:
-            return f"float argument {index} was {float.fromhex(value)!r}, now {arg!r}"
+            return Change(f"float argument {index}", repr(float.fromhex(value)), repr(arg))
     for name, value in entry["environment"]:
         if os.environ.get(name) != value:
-            return f"environment variable {name} was {value!r}, now {os.environ.get(name)!r}"
+            return Change(f"environment variable {name}", repr(value), repr(os.environ.get(name)))
     path = _manifest_holds(entry["manifest"])
-    return None if path is None else f"{path} changed"
+    return None if path is None else Change(f"{path} changed")
 
 
 class LoadedStep(CapturedStep):

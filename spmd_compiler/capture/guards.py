@@ -174,6 +174,7 @@ from typing import Any
 
 import torch
 
+from ..errors import Change
 from .bindings import StepBindings, numpy_kind
 from .code_names import names_in, reads_computed_attributes, strings_in, value_names_in
 from .plain_objects import (
@@ -243,7 +244,7 @@ class Guards:
         self.entries.append((kind, container, key, _snapshot(expected)))
         self.names.append(name)
 
-    def first_change(self, bindings: StepBindings) -> str | None:
+    def first_change(self, bindings: StepBindings) -> Change | None:
         """A description of the first guarded value that changed, or None."""
         for k, (kind, container, key, expected) in enumerate(self.entries):
             if kind == _DICT:  # most guards (attributes): the value itself, read inline
@@ -259,16 +260,16 @@ class Guards:
                 if value == expected:
                     continue
                 i = next(i for i, (a, b) in enumerate(zip(value, expected, strict=True)) if a != b)
-                return f"the number of {key[i]} was {expected[i]}, now {value[i]}"
+                return Change(f"the number of {key[i]}", str(expected[i]), str(value[i]))
             else:
                 value = _read(kind, container, key, bindings)
             if value is expected:
                 continue
             if type(value) is not type(expected) or _unequal(value, expected):
-                return f"{self.names[k]} was {_show(expected)}, now {_show(value)}"
+                return Change(self.names[k], _show(expected), _show(value))
         return None
 
-    def for_call(self, bindings: StepBindings) -> tuple[Guards, str | None]:
+    def for_call(self, bindings: StepBindings) -> tuple[Guards, Change | None]:
         """The guards that apply to this call's objects (these, or these derived afresh
         from other objects: NOTE: [guards follow the call's objects]) and the first
         guarded value that changed, or None."""
@@ -309,27 +310,27 @@ class Guards:
                 return False
         return True
 
-    def difference(self, other: Guards) -> str | None:
+    def difference(self, other: Guards) -> Change | None:
         """How ``other`` (the same step walked on other objects) differs from these
         guards: the first value, or the code walked; None when they are the same."""
         if len(other.codes) != len(self.codes) or not all(map(operator.is_, other.codes, self.codes)):
-            return "the code the step reaches was replaced"
+            return Change("the code the step reaches was replaced")
         if len(other.links) != len(self.links):
-            return "the objects the step reaches changed"
+            return Change("the objects the step reaches changed")
         for (_, _, key, mine), (_, _, _, theirs) in zip(self.links, other.links, strict=True):
             if mine is not theirs and (_pinned(mine) or _pinned(theirs)):  # torch's F.relu for
-                return f"the function at {key!r} was replaced"  # F.gelu: no code of its walked
+                return Change(f"the function at {key!r} was replaced")  # F.gelu: no code of its walked
         if other.root_types != self.root_types:  # nn.Tanh for nn.Sigmoid: no attribute differs
-            return "a submodule or optimizer of the step is of another class"
+            return Change("a submodule or optimizer of the step is of another class")
         for k, (name, (_, _, _, expected)) in enumerate(zip(self.names, self.entries, strict=True)):
             if k >= len(other.entries) or other.names[k] != name:
-                return f"the Python values the step reads changed ({name} is not read the same way)"
+                return Change(f"the Python values the step reads changed ({name} is not read the same way)")
             value = other.entries[k][3]
             if value is not expected and (type(value) is not type(expected) or _unequal(value, expected)):
-                return f"{name} was {_show(expected)}, now {_show(value)}"
+                return Change(name, _show(expected), _show(value))
         if len(other.entries) != len(self.entries):
             extra = other.names[len(self.entries)]
-            return f"the Python values the step reads changed ({extra} is read as well)"
+            return Change(f"the Python values the step reads changed ({extra} is read as well)")
         return None
 
     def add_tensor(self, container: Any, key: Any, tensor: Any, version: int, name: str) -> None:

@@ -565,3 +565,18 @@ def test_an_op_of_value_dependent_shape_is_named_with_what_to_write_instead():
     assert "aten.bincount.default in the train step makes a tensor of value-dependent shape" in message
     assert "torch.bincount(y, minlength=4)" in message  # the user's line
     assert "index_add_" in message and "one_hot" in message  # the fixed-length rewrite
+
+
+def test_a_change_keeps_its_parts() -> None:
+    """A recompile's reason reads as before and keeps what changed apart from the values,
+    which may hold the words that once split it (``, now``)."""
+    from spmd_compiler.errors import Change
+
+    change = Change("argument 4 of the step", "'a, now b'", "'c was d'")
+    assert change == "argument 4 of the step was 'a, now b', now 'c was d'"
+    assert (change.what, change.was, change.now) == ("argument 4 of the step", "'a, now b'", "'c was d'")
+    assert Change("the autocast regions around the call", "()", "(bf16,)", verb="were") == (
+        "the autocast regions around the call were (), now (bf16,)"
+    )
+    told = Change("the code the step reaches was replaced")
+    assert told == "the code the step reaches was replaced" and told.now is None
