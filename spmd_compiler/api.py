@@ -21,7 +21,13 @@ from spmd_compiler.passes import PassOptions
 
 from . import _torch_private as private
 from . import compile_cache, step_key
-from .capture.bindings import StepBindings, WalkMemo, argument_paths, find_bindings
+from .capture.bindings import (
+    StepBindings,
+    WalkMemo,
+    argument_paths,
+    find_bindings,
+    tensor_argument_names,
+)
 from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, build_guards
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
@@ -451,8 +457,7 @@ class CompiledTrainStep:
         return paths
 
     def _tensor_argument_names(self, bindings: StepBindings) -> list[str]:
-        paths = self._argument_paths(bindings)
-        return [paths[i] for i, _ in bindings.tensor_args()]
+        return tensor_argument_names(self.func, bindings, self._argument_paths(bindings))
 
     def _global_input_meta(
         self, index: int, name: str, t: torch.Tensor, mesh: DeviceMesh

@@ -502,10 +502,14 @@ def argument_paths(func: Callable[..., Any], spec: pytree.TreeSpec) -> list[str]
     return paths
 
 
-def tensor_argument_names(func: Callable[..., Any], bindings: StepBindings) -> list[str]:
-    """The path of each tensor argument (``argument_paths``), in the order of
-    ``bindings.tensor_args()``: the names of the step's ``Kind.INPUT`` refs."""
-    paths = argument_paths(func, bindings.args_spec)
+def tensor_argument_names(
+    func: Callable[..., Any], bindings: StepBindings, paths: list[str] | None = None
+) -> list[str]:
+    """The path of each tensor argument (``argument_paths``, or ``paths`` a caller keeps
+    per argument structure), in the order of ``bindings.tensor_args()``: the names of the
+    step's ``Kind.INPUT`` refs."""
+    if paths is None:
+        paths = argument_paths(func, bindings.args_spec)
     return [paths[i] for i, _ in bindings.tensor_args()]
 
 
