@@ -1587,6 +1587,28 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def out_of_place_twin(op: Any) -> Any:
+    """The out-of-place twin of in-place op ``op`` (NOTE: [functional by rewriting] in
+    ``capture/functional_rewrite.py``): ``add.Tensor`` for ``add_.Tensor``, the same
+    overload of the name without ``_``, with the same argument names, writing nothing
+    and returning a fresh tensor; None when there is none."""
+    name = op.overloadpacket.__name__
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    if not isinstance(twin, torch._ops.OpOverload):
+        return None
+    mine, theirs = op._schema, twin._schema
+    if [a.name for a in mine.arguments] != [a.name for a in theirs.arguments]:
+        return None
+    if any(a.alias_info is not None for a in theirs.arguments) or len(theirs.returns) != 1:
+        return None
+    if theirs.returns[0].alias_info is not None:
+        return None
+    return twin
+
+
 def is_op_overload(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 

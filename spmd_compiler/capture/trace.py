@@ -80,6 +80,7 @@ from .bindings import StepBindings, check_plain_modules, tensor_argument_names
 from .code_names import step_code, step_name, step_where
 from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
+from .functional_rewrite import functional_by_rewriting
 from .functions_as_ops import functions_as_ops
 from .grad_scalers import (
     SCALER_HINT,
@@ -1384,6 +1385,10 @@ def _annotate_user_lines(gm: torch.fx.GraphModule, step_code: Any) -> None:
             node.meta[USER_LINE] = line
 
 
+# NOTE: [functional by rewriting]; False: always the retrace (tests compare the two)
+REWRITE_FUNCTIONAL = True
+
+
 def _functionalize(
     first: torch.fx.GraphModule, inputs: list[tuple[StateRef, TensorMeta]], fake_mode: Any
 ) -> torch.fx.GraphModule:
@@ -1395,8 +1400,11 @@ def _functionalize(
         with fx_traceback.preserve_node_meta():
             return RetracingInterpreter(first).run(*flat)
 
-    fakes = [_fake(meta, fake_mode, first_trace=False) for _, meta in inputs]
-    gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="fake")(*fakes)
+    if REWRITE_FUNCTIONAL and functional_by_rewriting(first, [r for r, _ in inputs], fake_mode):
+        gm = first  # NOTE: [functional by rewriting]
+    else:
+        fakes = [_fake(meta, fake_mode, first_trace=False) for _, meta in inputs]
+        gm = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="fake")(*fakes)
     remove_profiler_and_detach(gm)
     _constants_without_copies(gm)
     _drop_legacy_empty_cat_inputs(gm)
