@@ -189,6 +189,19 @@ def optimizer_capturable_path() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def optimizer_state_left_unmade() -> Iterator[None]:
+    """Inside: ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` /
+    ``set_state_dict`` leave an optimizer that has not stepped without state, where they
+    would make it with one ``step()`` at ``lr=0`` on zero gradients (``_init_optim_state``):
+    a step Adam counts, Rprop's step sizes made from ``lr=0``, and the user's step hooks
+    run (NOTE: [an optimizer saved before its first step] in runtime/checkpoint.py)."""
+    from torch.distributed.checkpoint import state_dict
+
+    with mock.patch.object(state_dict, "_init_optim_state", lambda optim: None):
+        yield
+
+
+@contextlib.contextmanager
 def torch_checks_answered(kind: type, answer: Callable[[Any], bool]) -> Iterator[None]:
     """Inside: torch's own condition checks (``torch._check_with``, which ``torch._check``
     and ``torch._check_tensor_all_with`` call) given a condition of type ``kind`` take its

@@ -19,7 +19,9 @@ loading rank holds (resharding, e.g. fully_shard -> replicate).
 - not yet compiled (plain tensors): every rank reads the full tensors, and the first
   compiled call installs them with the mode's placements. An optimizer that has not
   stepped yet has no state to read into; ``get_state_dict`` creates it with one step at
-  ``lr=0`` on zero gradients (parameters do not change). Reading full tensors costs
+  ``lr=0`` on zero gradients (parameters do not change), and the checkpoint's values
+  overwrite it (a checkpoint saved before the first step holds none: NOTE: [an optimizer
+  saved before its first step]). Reading full tensors costs
   one full copy of the model and optimizer per rank, once; use a compiled model where
   that does not fit.
 
@@ -40,6 +42,7 @@ the loading side holds, so checkpoints cross between eager and compiled training
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from collections.abc import Iterator
@@ -55,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from .. import _torch_private as private
 from .._torch_private import pytree
 from .checkpoint_checksums import (
     CheckpointError,
@@ -80,14 +84,40 @@ def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) ->
             yield from per_param.values()
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+# NOTE: [an optimizer saved before its first step]
+# An optimizer that has not stepped holds no state. torch's ``get_state_dict`` makes it
+# with one ``step()`` at ``lr=0`` on zero gradients, so that a load has tensors to read
+# into. For a save that step stayed in the user's optimizer: AdamW's ``step`` counter at
+# 1 before any training, so every later bias correction was one step off (a float64
+# ``nn.Linear`` after 2 compiled steps: 1.1e-2 away from the same run without the save,
+# no error), and the checkpoint held that step too. Rprop would take its step sizes from
+# ``lr=0``, and the user's step hooks ran. So ``save`` and ``full_state_dict`` leave such
+# an optimizer as it is (``optimizer_state_left_unmade``) and store its param groups with
+# no state; ``load`` of such a checkpoint leaves the loading optimizer without state, as
+# the saved one had, and takes the param groups. A checkpoint that holds state is read
+# as before: into state made for it, every entry overwritten.
+
+
+def _state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, make_state: bool = False
+) -> dict[str, Any]:
+    """The state dict to save or to read into. ``make_state``: an optimizer that has not
+    stepped gets its state made to read into (NOTE: [an optimizer saved before its first
+    step])."""
     flush_pending_updates()  # NOTE: [cross-iteration overlap]: state of the last step
     optimizers = [optimizer] if optimizer is not None else []
-    model_state, optim_state = get_state_dict(model, optimizers)
+    with contextlib.nullcontext() if make_state else private.optimizer_state_left_unmade():
+        model_state, optim_state = get_state_dict(model, optimizers)
     state: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer is not None:
         state[OPTIMIZER_KEY] = optim_state
     return state
+
+
+def _holds_optimizer_state(folder: str) -> bool:
+    """Whether the checkpoint in ``folder`` holds optimizer state (not only param groups)."""
+    keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return any(key.startswith(f"{OPTIMIZER_KEY}.state.") for key in keys)
 
 
 def save(
@@ -172,8 +202,11 @@ def _load(
             verify(folder, 0, 1, _no_collective)
         else:
             verify(folder, *_rank_and_world(), process_group_all_reduce)
-    state = _state(model, optimizer)
     try:
+        with_state = optimizer is not None and _holds_optimizer_state(folder)
+        state = _state(model, optimizer, make_state=with_state)
+        if optimizer is not None and not with_state:  # saved before its first step
+            state[OPTIMIZER_KEY] = {"state": {}, "param_groups": state[OPTIMIZER_KEY]["param_groups"]}
         if sim is not None:
             state = _load_simulated(folder, state, sim)
         else:
@@ -181,12 +214,13 @@ def _load(
     except (pickle.UnpicklingError, EOFError) as exc:
         raise CheckpointError(f"checkpoint {folder} could not be read: {exc}") from exc
     optimizers = [optimizer] if optimizer is not None else []
-    set_state_dict(
-        model,
-        optimizers,
-        model_state_dict=state[MODEL_KEY],
-        optim_state_dict=state.get(OPTIMIZER_KEY, {}),
-    )
+    with contextlib.nullcontext() if with_state else private.optimizer_state_left_unmade():
+        set_state_dict(
+            model,
+            optimizers,
+            model_state_dict=state[MODEL_KEY],
+            optim_state_dict=state.get(OPTIMIZER_KEY, {}),
+        )
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -219,7 +253,9 @@ def _load_simulated(folder: str, state: dict[str, Any], sim: Simulation) -> dict
     def reshard(current: Any, loaded: Any) -> Any:
         if isinstance(current, DTensor):
             return sim.shard(loaded, current.device_mesh, current.placements)
-        return current
+        # a plain tensor was read in place; a Python value (a param group's lr,
+        # momentum) was replaced in ``full``, and the state must take it from there
+        return loaded
 
     return pytree.tree_map(reshard, state, full)
 

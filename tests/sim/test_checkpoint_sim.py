@@ -49,6 +49,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
         for i, (x, y) in enumerate(batches()):
             losses.append(step(model, optim, x, y).detach().clone())
             if i + 1 == SAVE_AFTER:
+                # what a scheduler sets: the resumed run must take it from the checkpoint
+                # (a simulated load kept the loading optimizer's param groups)
+                optim.param_groups[0].update(lr=5e-3, weight_decay=0.02)
                 checkpoint.save(folder, model, optim)
                 saved = full_state(model, optim, sim)
         state = full_state(model, optim, sim)
@@ -134,3 +137,40 @@ def test_missing_or_damaged_manifest_is_refused(uninterrupted: dict, tmp_path) -
     os.remove(os.path.join(folder, MANIFEST))
     with pytest.raises(CheckpointError, match="verify_checksums=False"):
         _resume(folder, "fully_shard", 2, compile_first=False)
+
+
+def test_saved_before_the_first_step(tmp_path) -> None:
+    """NOTE: [an optimizer saved before its first step]: saving (or exporting) an AdamW that
+    has not stepped left it a step counted at lr=0, and every later update 1e-2 off."""
+    data = batches()
+
+    def train(model, optim, sim, steps) -> dict:  # noqa: ANN001
+        step = sc.compile(DataParallel("fully_shard"))(classification_train_step)
+        for x, y in steps:
+            step(model, optim, x, y)
+        return full_state(model, optim, sim)
+
+    model, optim = build()
+    with sc.simulate(world_size=2) as sim:
+        expected = train(model, optim, sim, data[:2])
+    folder = str(tmp_path / "step0")
+    model, optim = build()
+    with sc.simulate(world_size=2) as sim:
+        checkpoint.save(folder, model, optim)
+        checkpoint.full_state_dict(model, optim)
+        assert not optim.state, dict(optim.state)
+        after_save = train(model, optim, sim, data[:2])
+    for key, value in expected.items():
+        assert torch.equal(after_save[key], value), key
+    for compile_first in (False, True):
+        model, optim = build()
+        optim.param_groups[0]["lr"] = 0.5  # the checkpoint's param groups replace it
+        with sc.simulate(world_size=2) as sim:
+            if compile_first:  # a stepped optimizer: loading gives it the saved (no) state
+                train(model, optim, sim, data[2:3])
+            checkpoint.load(folder, model, optim)
+            assert not optim.state and optim.param_groups[0]["lr"] == 1e-2
+            # the parameters are the saved ones again: the run goes on as the first did
+            resumed = train(model, optim, sim, data[:2])
+        for key, value in expected.items():
+            assert torch.equal(resumed[key], value), (compile_first, key)
