@@ -65,6 +65,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from . import _torch_private as private
+from .bool_collectives import gather_bools_as_bytes
 from .cuda_graph_outputs import Replayed, gradients_not_read_back
 from .errors import SPMDCompileError
 from .ir.collectives import is_collective, is_wait
@@ -369,6 +370,7 @@ class LoweredGraph:
                 compiled = outer
             else:
                 skips = private.cudagraph_skips()
+                gather_bools_as_bytes(gm)  # NOTE: [bool collectives as bytes]
                 with progress.stage("lowering"):
                     compiled = private.inductor_compile(
                         gm, inputs, cuda_graphs=graphs, cache_dir=cache_dir,
