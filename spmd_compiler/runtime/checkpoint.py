@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _torch_private as private
 from .._torch_private import pytree
@@ -143,7 +143,7 @@ def save(
             metadata = dcp.save(_full_tensors(state, sim), checkpoint_id=folder, no_dist=True)
             write_manifest(folder, _with_storage_data(metadata, folder), 0, 1, _no_collective)
             return
-    metadata = dcp.save(state, checkpoint_id=folder)
+    metadata = dcp.save(_without_strided_shards(state), checkpoint_id=folder)
     rank, world = _rank_and_world()
     write_manifest(folder, _with_storage_data(metadata, folder), rank, world, process_group_all_reduce)
 
@@ -210,7 +210,9 @@ def _load(
         if sim is not None:
             state = _load_simulated(folder, state, sim)
         else:
-            dcp.load(state, checkpoint_id=folder)
+            readable = _without_strided_shards(state)
+            dcp.load(readable, checkpoint_id=folder)
+            state = pytree.tree_map(_placed_as, state, readable)
     except (pickle.UnpicklingError, EOFError) as exc:
         raise CheckpointError(f"checkpoint {folder} could not be read: {exc}") from exc
     optimizers = [optimizer] if optimizer is not None else []
@@ -221,6 +223,39 @@ def _load(
             model_state_dict=state[MODEL_KEY],
             optim_state_dict=state.get(OPTIMIZER_KEY, {}),
         )
+
+
+# NOTE: [strided shards in a checkpoint]
+# Tensor parallel's fused projections (``FusedColwiseParallel``: q, k and v in one
+# weight) shard their state as ``_StridedShard``: each rank holds rows from every chunk,
+# which is no one block of the global tensor. DCP describes a rank's shard by one offset
+# and size, so saving such state on real ranks failed in DCP's planner ("overlapping
+# chunks", then ``Failed to validate global plan``: GPT-2 under the zoo's TP plan). Those
+# tensors are written and read whole on the strided mesh dimensions (replicated there:
+# DCP stores a replicated chunk once) and placed back as the state holds them after a
+# load. The checkpoint is then the one any mode writes for that tensor, so it loads
+# into other modes and world sizes as well. Simulated ranks write full tensors anyway.
+
+
+def _without_strided_shards(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every DTensor sharded as ``_StridedShard`` replicated on those mesh
+    dimensions (NOTE: [strided shards in a checkpoint])."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, DTensor) and any(map(private.is_strided_shard, value.placements)):
+            placements = [Replicate() if private.is_strided_shard(p) else p for p in value.placements]
+            return value.redistribute(value.device_mesh, placements)
+        return value
+
+    return pytree.tree_map(plain, state)
+
+
+def _placed_as(current: Any, loaded: Any) -> Any:
+    """A value read by DCP, placed as the state holds it (a DTensor read whole on strided
+    dimensions goes back to them); DCP replaced a Python value in the dict it read into."""
+    if isinstance(current, DTensor) and loaded is not current:
+        return loaded.redistribute(current.device_mesh, current.placements)
+    return loaded
 
 
 def _rank_and_world() -> tuple[int, int]:
