@@ -49,12 +49,13 @@ and those compiled with the persistent cache.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import operator
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -67,7 +68,7 @@ from torch.fx.passes.split_module import split_module
 from . import _torch_private as private
 from .bool_collectives import gather_bools_as_bytes
 from .cuda_graph_outputs import Replayed, gradients_not_read_back
-from .errors import SPMDCompileError
+from .errors import SPMDCompileError, exception_summary
 from .ir.collectives import is_collective, is_wait
 from .ir.graph_utils import output_args, pure_op
 from .ir.signature import Kind
@@ -284,7 +285,8 @@ class LoweredGraph:
             return list(split.early(*flat))
         if self._early_compiled is None:
             start = time.perf_counter()
-            with compile_progress(f"the {len(split.early.graph.nodes)}-node opening of a program"):
+            title = f"the {len(split.early.graph.nodes)}-node opening of a program"
+            with compile_progress(title), _lowering(title):
                 self._early_compiled = private.inductor_compile(
                     split.early, flat, cache_dir=self._cache_dir
                 )
@@ -350,12 +352,13 @@ class LoweredGraph:
             log.info("lowering by compute regions: %s's bucket has a part read elsewhere", hazard.name)
             regions = True
         title = f"a {nodes}-node program with inductor"
+        program = f"this rank's {nodes}-node program"
         with compile_progress(title) as progress:
             # NOTE: [scalar prologue]: measured on CPU; CUDA keeps the one graph
             split = split_scalar_prologue(gm) if device == "cpu" else None
             prologue: Callable[..., Sequence[torch.Tensor]] | None = None
             if split is not None:
-                with progress.stage(f"scalar prologue ({split.moved} nodes)"):
+                with progress.stage(f"scalar prologue ({split.moved} nodes)"), _lowering(program):
                     prologue = private.inductor_compile(
                         split.prologue, [inputs[i] for i in split.prologue_inputs],
                         cache_dir=cache_dir,
@@ -371,7 +374,7 @@ class LoweredGraph:
             else:
                 skips = private.cudagraph_skips()
                 gather_bools_as_bytes(gm)  # NOTE: [bool collectives as bytes]
-                with progress.stage("lowering"):
+                with progress.stage("lowering"), _lowering(program):
                     compiled = private.inductor_compile(
                         gm, inputs, cuda_graphs=graphs, cache_dir=cache_dir,
                         static_inputs=static if graphs else (),
@@ -396,6 +399,25 @@ class LoweredGraph:
         self.compile_seconds = time.perf_counter() - start
         log.info("lowered a %d-node program with inductor in %.1fs", nodes, self.compile_seconds)
         return out if out is not None else list(self._compiled(*flat, *opened, *self._constants))
+
+
+@contextlib.contextmanager
+def _lowering(what: str) -> Iterator[None]:
+    """Inside: Inductor compiles ``what`` before any of it runs, so a failure is the
+    compiler's, on every rank alike, not the data's nor a peer's, and it leaves the state
+    as it was. Raised as such (it read as a failed step, "may hold part of this step's
+    update", and blamed no other rank while every rank failed the same way)."""
+    try:
+        yield
+    except SPMDCompileError:
+        raise
+    except Exception as exc:
+        raise SPMDCompileError(
+            f"Inductor failed to compile {what}: {exception_summary(exc)}. None of it ran: "
+            "the model and optimizer hold the state of the last completed step.",
+            hint='backend="eager" runs the same per-rank program interpreted; the failure '
+            "is Inductor's (TORCH_LOGS=output_code shows the code it generated).",
+        ) from exc
 
 
 def split_at_collectives(

@@ -207,3 +207,33 @@ def test_a_gathered_bool_mask_lowers() -> None:
         assert relative_difference(a, b) < 1e-5
     for key, value in interpreted["state"].items():
         assert relative_difference(lowered["state"][key], value) < 1e-5, key
+
+
+def _failing_lowering_worker(rank: int, world: int) -> dict:
+    """The masked step with the bool gather left as it was: Inductor fails on the first
+    call, which lowers its program (one program for an AdamW step)."""
+    from spmd_compiler import lower
+
+    lower.gather_bools_as_bytes = lambda gm: 0  # this process only
+    model = _MaskedMixer()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(parallel_mode=make_mode("ddp"), backend="inductor")(_masked_step)
+    share = GLOBAL_BATCH // world
+    batch = tuple(t[rank * share:(rank + 1) * share] for t in _masked_batches()[0])
+    before = full_state(model, optim, None)
+    try:
+        step(model, optim, *batch)
+    except SPMDCompileError as exc:
+        after = full_state(model, optim, None)
+        kept = after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+        return {"error": str(exc), "kept": kept}
+    return {"error": None}
+
+
+def test_an_inductor_failure_is_a_compile_error_that_keeps_the_state() -> None:
+    """It was a failed step that "may hold part of this step's update" and blamed no
+    other rank, while every rank failed the same way before anything ran."""
+    for result in sc.launch(_failing_lowering_worker, WORLD_SIZE, backend="gloo"):
+        assert result["error"] is not None and "Inductor failed to compile this rank's" in result["error"]
+        assert "None of it ran" in result["error"] and 'backend="eager"' in result["error"]
+        assert result["kept"]
