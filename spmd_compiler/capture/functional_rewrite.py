@@ -65,6 +65,12 @@ from ..ir.signature import STATE_KINDS, StateRef
 log = logging.getLogger(__name__)
 
 
+# ops whose result shares its input's memory without the schema saying so (matmul's
+# ``_unsafe_view`` of a fresh product): a view where anything else reads the input, so
+# that a write to either while the other is read later refuses
+_UNDECLARED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
 class _NotRewritten(Exception):
     """Why a graph keeps the retrace."""
 
@@ -170,7 +176,10 @@ def _plan(gm: torch.fx.GraphModule, refs: list[StateRef]) -> _Plan:
             latest[args[0]] = n
             root[n] = n
             continue
-        aliased = _aliased_argument(schema, args, kwargs)
+        if n.target in _UNDECLARED_VIEWS:
+            aliased = args[0] if len(args[0].users) > 1 else None
+        else:
+            aliased = _aliased_argument(schema, args, kwargs)
         if aliased is None:
             root[n] = n
             results_alias[n] = None
