@@ -111,7 +111,9 @@ def _slice_for_compute(graph: torch.fx.Graph, param: torch.fx.Node, rows: int, d
         if _is_optimizer(user) or user.op == "output":
             continue
         if user.target is torch.ops.aten._to_copy.default:
-            # mixed precision: cast the padded shard, slice the cast (gathered low-precision)
+            # mixed precision or autocast: cast the padded shard, slice the cast (gathered
+            # low-precision); the cast holds the padding rows too (NOTE: [local shape check])
+            user.meta[PADDED] = param.meta[PADDED]
             _slice_for_compute(graph, user, rows, dim)
             continue
         with graph.inserting_before(user):

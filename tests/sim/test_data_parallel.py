@@ -371,3 +371,25 @@ def test_mixed_precision_bf16(style, reduce_dtype):
         grad_bytes = param_count * (4 if reduce_dtype == torch.float32 else 2)
         # the gradients once, in reduce_dtype, plus the bf16 loss and its total weight
         assert stats.bytes["all_reduce"] - grad_bytes in (2 + 2, 2 + 4)
+
+
+def test_mixed_precision_with_uneven_rows():
+    """A bf16 cast of a padded shard (7 and 5 rows over 2 ranks, NOTE: [uneven shards])
+    failed the local shape check at expansion; world 2 now equals world 1 within bf16."""
+    from spmd_compiler.parallel_modes import MixedPrecisionPolicy
+    from spmd_compiler.tools.parity import compare_states, full_state
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    results = {}
+    for world_size in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 7), nn.GELU(), nn.Linear(7, 5))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+        step = sc.compile(DataParallel("fully_shard", mp_policy=policy))(_step)
+        gen = torch.Generator().manual_seed(1)
+        with sc.simulate(world_size) as sim:
+            for _ in range(3):
+                step(model, optim, torch.randn(16, 8, generator=gen), torch.randint(0, 5, (16,), generator=gen))
+            results[world_size] = full_state(model, optim, sim)
+    diffs = compare_states(results[2], results[1])
+    assert max(v for k, v in diffs.items() if k.startswith("param.")) < 2e-2, diffs
