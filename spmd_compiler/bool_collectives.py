@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from . import _torch_private as private
 from .ir.collectives import is_wait
 
-_c10d = torch.ops._c10d_functional
+_c10d = private.functional_collective_ops()
 # collectives that move values without combining them
 _MOVES = (
     _c10d.all_gather_into_tensor.default,
