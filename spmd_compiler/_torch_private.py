@@ -769,6 +769,15 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
             module.redistribute_local_tensor = original  # type: ignore[attr-defined]
 
 
+def redistribute(value: DTensor, placements: Sequence[Any]) -> DTensor:
+    """``value.redistribute`` to ``placements`` on its mesh, outside a trace, with this
+    torch's gaps filled (``memoized_redistribution``'s hops, its cache bypassed): torch
+    2.11 cannot plan a ``_StridedShard`` to ``Replicate`` (NOTE: [strided shards in a
+    checkpoint])."""
+    with memoized_redistribution() as cache, cache.bypass():
+        return value.redistribute(value.device_mesh, tuple(placements))
+
+
 class CostMemo(dict):
     """The memo of ``memoized_redistribute_cost``: (source spec, target spec) -> cost,
     with how often DTensor asked (``calls``) and how often it was computed (``misses``)."""

@@ -244,7 +244,7 @@ def _without_strided_shards(state: dict[str, Any]) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if isinstance(value, DTensor) and any(map(private.is_strided_shard, value.placements)):
             placements = [Replicate() if private.is_strided_shard(p) else p for p in value.placements]
-            return value.redistribute(value.device_mesh, placements)
+            return private.redistribute(value, placements)
         return value
 
     return pytree.tree_map(plain, state)
@@ -254,7 +254,7 @@ def _placed_as(current: Any, loaded: Any) -> Any:
     """A value read by DCP, placed as the state holds it (a DTensor read whole on strided
     dimensions goes back to them); DCP replaced a Python value in the dict it read into."""
     if isinstance(current, DTensor) and loaded is not current:
-        return loaded.redistribute(current.device_mesh, current.placements)
+        return private.redistribute(loaded, current.placements)
     return loaded
 
 

@@ -13,8 +13,9 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from .. import _torch_private as private
 from ..runtime.simulate import Simulation
 
 
@@ -42,8 +43,8 @@ def full_value(t: Any, sim: Simulation | None) -> Any:
         return t
     if sim is not None:
         return sim.full_tensor(t)
-    if isinstance(t, DTensor):
-        return t.full_tensor()
+    if isinstance(t, DTensor):  # through the gap fills: torch 2.11 cannot gather a _StridedShard
+        return private.redistribute(t, [Replicate()] * t.device_mesh.ndim).to_local()
     return t
 
 
