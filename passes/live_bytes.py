@@ -35,12 +35,11 @@ from typing import Any
 import torch
 import torch.fx
 
+from spmd_compiler.ir.graph_utils import ALIASING_UNANNOTATED
+
 from .checks import is_wait
 
 Storage = tuple[torch.fx.Node, int]  # (the node that made it, which of its results)
-
-# ops that alias their first argument though their schema does not say so
-_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 @dataclass
@@ -139,7 +138,7 @@ def _aliased_input(node: torch.fx.Node) -> torch.fx.Node | None:
     """The input whose storage ``node``'s result shares, if it makes none of its own."""
     if node.op != "call_function":
         return None
-    if node.target is operator.getitem or is_wait(node) or node.target in _UNANNOTATED_VIEWS:
+    if node.target is operator.getitem or is_wait(node) or node.target in ALIASING_UNANNOTATED:
         source = node.args[0]
         return source if isinstance(source, torch.fx.Node) else None
     if node.target is torch.ops.aten.reshape.default:

@@ -1617,18 +1617,28 @@ def out_of_place_twin(op: Any) -> Any:
     name = op.overloadpacket.__name__
     if not name.endswith("_") or name.endswith("__"):
         return None
-    packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
-    twin = getattr(packet, op._overloadname, None) if packet is not None else None
-    if not isinstance(twin, torch._ops.OpOverload):
+    twin = overload_named(op, name[:-1])
+    if twin is None:
         return None
-    mine, theirs = op._schema, twin._schema
-    if [a.name for a in mine.arguments] != [a.name for a in theirs.arguments]:
-        return None
+    theirs = twin._schema
     if any(a.alias_info is not None for a in theirs.arguments) or len(theirs.returns) != 1:
         return None
     if theirs.returns[0].alias_info is not None:
         return None
     return twin
+
+
+def overload_named(op: Any, name: str) -> Any:
+    """The overload of op ``name`` in ``op``'s namespace with ``op``'s overload name and
+    argument names (``aten.mul_.Tensor`` for ``aten.mul.Tensor`` and ``"mul_"``), or None:
+    an op's in-place variant or out-of-place twin."""
+    packet = getattr(getattr(torch.ops, op.namespace), name, None)
+    other = getattr(packet, op._overloadname, None) if packet is not None else None
+    if not isinstance(other, torch._ops.OpOverload):
+        return None
+    if [a.name for a in other._schema.arguments] != [a.name for a in op._schema.arguments]:
+        return None
+    return other
 
 
 def is_op_overload(target: Any) -> bool:

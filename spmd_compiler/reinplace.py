@@ -94,14 +94,11 @@ def inplace_variant(target: Any) -> Any:
     name = target.overloadpacket.__name__
     if not (torch.Tag.pointwise in target.tags or name in FOREACH_ELEMENTWISE):
         return None
-    packet = getattr(getattr(torch.ops, target.namespace), name + "_", None)
-    variant = getattr(packet, target._overloadname, None) if packet is not None else None
+    variant = private.overload_named(target, name + "_")
     if variant is None:
         return None
-    arguments = variant._schema.arguments
-    writes = [a.alias_info is not None and a.alias_info.is_write for a in arguments]
-    same = [a.name for a in arguments] == [a.name for a in target._schema.arguments]
-    return variant if same and writes[:1] == [True] and not any(writes[1:]) else None
+    writes = [a.alias_info is not None and a.alias_info.is_write for a in variant._schema.arguments]
+    return variant if writes[:1] == [True] and not any(writes[1:]) else None
 
 
 def reinplace(

@@ -59,16 +59,10 @@ import torch
 import torch.fx
 
 from .. import _torch_private as private
-from ..ir.graph_utils import placeholders
+from ..ir.graph_utils import ALIASING_UNANNOTATED, placeholders
 from ..ir.signature import STATE_KINDS, StateRef
 
 log = logging.getLogger(__name__)
-
-
-# ops whose result shares its input's memory without the schema saying so (matmul's
-# ``_unsafe_view`` of a fresh product): a view where anything else reads the input, so
-# that a write to either while the other is read later refuses
-_UNDECLARED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 class _NotRewritten(Exception):
@@ -176,7 +170,10 @@ def _plan(gm: torch.fx.GraphModule, refs: list[StateRef]) -> _Plan:
             latest[args[0]] = n
             root[n] = n
             continue
-        if n.target in _UNDECLARED_VIEWS:
+        if n.target in ALIASING_UNANNOTATED:
+            # matmul's ``_unsafe_view`` of a fresh product, unannotated: a view where
+            # anything else reads its input, so that a write to either while the other
+            # is read later refuses
             aliased = args[0] if len(args[0].users) > 1 else None
         else:
             aliased = _aliased_argument(schema, args, kwargs)

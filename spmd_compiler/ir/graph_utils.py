@@ -127,7 +127,7 @@ def pure_op(node: torch.fx.Node) -> bool:
 
 # ops whose result shares their first argument's memory though their schema does not say
 # so: ``_unsafe_view`` is a view of a tensor its caller promises nothing else reads
-_ALIASING_UNANNOTATED = {torch.ops.aten._unsafe_view.default}
+ALIASING_UNANNOTATED = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 def returns_alias(node: torch.fx.Node) -> bool:
@@ -137,7 +137,7 @@ def returns_alias(node: torch.fx.Node) -> bool:
     multi-output op: callers that follow pieces handle it)."""
     if node.op != "call_function" or not node.args:
         return False
-    if node.target in _ALIASING_UNANNOTATED:
+    if node.target in ALIASING_UNANNOTATED:
         return True
     schema = getattr(node.target, "_schema", None)
     returns = list(schema.returns) if schema is not None else []

@@ -18,6 +18,7 @@ import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture import trace
 from spmd_compiler.tools.demo.gpt import GPT, GPTConfig, gpt_train_step
+from spmd_compiler.tools.demo.steps import classification_train_step
 
 
 def _value(v: Any) -> Any:
@@ -67,14 +68,6 @@ def _captured(build: Callable[[], tuple], rewrite: bool, monkeypatch: pytest.Mon
     return [_canonical(gm) for gm in graphs]
 
 
-def _classification(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
-
-
 def _clipped(model, optim, x, y):  # noqa: ANN001
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -98,7 +91,7 @@ def _gpt() -> tuple:
 def _batch_norm() -> tuple:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True), nn.Linear(16, 4))
-    return model, torch.optim.Adam(model.parameters()), _classification, _batch()
+    return model, torch.optim.Adam(model.parameters()), classification_train_step, _batch()
 
 
 def _dropout_clipped() -> tuple:
@@ -110,7 +103,7 @@ def _dropout_clipped() -> tuple:
 def _momentum() -> tuple:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _classification, _batch()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), classification_train_step, _batch()
 
 
 class _RowWrite(nn.Module):
@@ -131,7 +124,7 @@ class _RowWrite(nn.Module):
 def _row_write() -> tuple:
     torch.manual_seed(0)
     model = _RowWrite()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1), _classification, _batch()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), classification_train_step, _batch()
 
 
 def _view_read_after(model, optim, x, y):  # noqa: ANN001
@@ -176,7 +169,7 @@ def test_rewrite_is_the_retrace(name, monkeypatch, caplog):
 
 def _writes_its_argument(model, optim, x, y):  # noqa: ANN001
     x.mul_(2)
-    return _classification(model, optim, x, y)
+    return classification_train_step(model, optim, x, y)
 
 
 def test_a_step_writing_its_argument_is_refused_as_before():
