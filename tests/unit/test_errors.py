@@ -521,6 +521,20 @@ def test_a_model_sharded_by_fully_shard_is_refused_with_what_to_do():
     assert "DataParallel('fully_shard')" in str(info.value)
 
 
+def test_a_model_on_the_meta_device_is_refused_with_what_to_do():
+    """A model built under torch.device("meta") (FSDP2's deferred initialization) has no
+    values to place: refused before capture, naming the tensor and how to materialize it
+    (capture failed on the first op before: "found at least two devices, cpu and meta")."""
+    with torch.device("meta"):
+        model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile()(step)(model, opt, *batch())
+    message = str(info.value)
+    assert "is on the meta device" in message and "to_empty" in message
+    assert all(p.device.type == "meta" and not isinstance(p, DTensor) for p in model.parameters())
+
+
 def _helper(h: torch.Tensor) -> torch.Tensor:
     return torch.tanh(h) * 2
 
