@@ -33,7 +33,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
-from .code_names import step_name, step_where
+from .code_names import reachable_by_name, step_name, step_where
 from .containers import open_containers
 from .grad_scalers import find_scalers, scaler_key, scaler_state
 from .lr_schedulers import find_schedulers
@@ -542,27 +542,26 @@ def find_bindings(
     """
     containers: list[Any] = []  # NOTE: [batch containers]
     flat_args, spec = pytree.tree_flatten(open_containers((args, kwargs), _is_leaf, containers), is_leaf=_is_leaf)
-    modules = _unique([a for a in flat_args if isinstance(a, torch.nn.Module)])
+    modules = _unique([a for a in flat_args if isinstance(a, torch.nn.Module)]) or _named_modules(func)
     optimizers = _unique([a for a in flat_args if isinstance(a, torch.optim.Optimizer)])
     where = f"{step_where(func)} ({step_name(func)})"
     if not modules:
-        owner = getattr(func, "__self__", None)
         raise SPMDCompileError(
-            "The train step was called without an nn.Module argument"
-            + (f" (it is a method of the {type(owner).__name__} module: the modules a step "
-               "trains are found among its arguments)." if isinstance(owner, torch.nn.Module) else "."),
+            "The train step trains no nn.Module: none is among its arguments, nor among the "
+            "globals and closure variables its code names or the attributes of its object "
+            "(NOTE: [modules and optimizers by name]).",
             user_line=where,
-            hint="compile a function that takes the model: def step(model, optimizer, x): return "
-            "model.train_step(optimizer, x)" if isinstance(owner, torch.nn.Module) else
-            "pass the model to the step, e.g. train_step(model, optimizer, batch, target).",
+            hint="pass the model to the step, e.g. train_step(model, optimizer, batch, target).",
         )
     walk = memo.module_walk(modules) if memo is not None else None
-    unchanged = walk is not None and memo is not None and memo.optimizers_unchanged(optimizers)
+    remembered = walk is not None
     if walk is None:
         walk = _walk_modules(modules)
         if memo is not None:
             memo.keep_module_walk(modules, walk)
     params, buffers, module_params, module_buffers, submodules = walk
+    optimizers += _named_optimizers(func, optimizers, params)
+    unchanged = remembered and memo is not None and memo.optimizers_unchanged(optimizers)
     if not unchanged:  # the same objects as a call that passed this check: it holds
         _check_ownership(optimizers, params, where)
     return StepBindings(
@@ -571,6 +570,48 @@ def find_bindings(
         _unique(find_schedulers(func, flat_args)), containers, submodules,
         memo=memo, unchanged=unchanged, step=func,
     )
+
+
+# NOTE: [modules and optimizers by name]
+# The modules a step trains are its module arguments. A step given none (a script's
+# ``def train_step(x, y)`` over a global ``model`` and ``optimizer``, a trainer's method
+# over ``self.model``, a model's own method) trains the modules its code can reach by name
+# (``reachable_by_name``: the globals and closure variables its code names, the
+# attributes of its bound object, and that object itself when it is a module) that hold
+# state, leaving out a module inside another one found (``self.head = self.model.head``)
+# and parameterless ones (a global ``criterion = nn.CrossEntropyLoss()``, which would only
+# prefix the parameters' names). Arguments win: a step given its model reads other named
+# modules (a frozen global teacher) as tensors from outside, as before. Optimizers are
+# the arguments' and, after them, those reachable by name whose every parameter the
+# modules own (after following DTensor replacements, NOTE: [parameters replaced by
+# DTensors]); a named optimizer over other parameters is left out, and its ``step()`` in
+# the trace is refused (``_OptimizerNotPassed`` in ``capture/trace.py``). Capture swaps
+# state on the module objects themselves, so the step's code reaching them by name traces
+# the same program as one given them. Names are found anew on each call: a global rebound
+# to another model between calls trains the new one.
+def _named_modules(func: Callable[..., Any]) -> list[torch.nn.Module]:
+    found = _unique(reachable_by_name(func, [], torch.nn.Module))
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and all(owner is not m for m in found):
+        found.insert(0, owner)
+    holding = [m for m in found if any(True for _ in m.parameters()) or any(True for _ in m.buffers())]
+    inner = {id(sub) for m in holding for sub in m.modules() if sub is not m}
+    return [m for m in holding if id(m) not in inner]
+
+
+def _named_optimizers(
+    func: Callable[..., Any], given: list[torch.optim.Optimizer], params: dict[str, torch.nn.Parameter]
+) -> list[torch.optim.Optimizer]:
+    owned = {id(p) for p in params.values()}
+    found: list[torch.optim.Optimizer] = []
+    for opt in _unique(reachable_by_name(func, [], torch.optim.Optimizer)):
+        if any(opt is g for g in given) or any(opt is f for f in found):
+            continue
+        if _unowned(opt, owned) is not None:
+            _follow_replacements(opt, owned)
+        if _unowned(opt, owned) is None:
+            found.append(opt)
+    return found
 
 
 def _walk_modules(modules: list[torch.nn.Module]) -> tuple:

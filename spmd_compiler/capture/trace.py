@@ -777,12 +777,12 @@ def _trace_first(
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
                 f"The train step calls step() of a {type(exc.optimizer).__module__}."
-                f"{type(exc.optimizer).__name__} that is not one of its arguments (a global "
-                "or a closure variable); a compiled step updates only the optimizers it is "
-                "given.",
+                f"{type(exc.optimizer).__name__} that is not among its optimizers: those it "
+                "is given, and those its code names whose every parameter belongs to the "
+                "modules it trains (NOTE: [modules and optimizers by name]).",
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
-                hint="pass the optimizer to the step, e.g. train_step(model, optimizer, "
-                "batch, target).",
+                hint="pass the optimizer, and the modules whose parameters it updates, to "
+                "the step, e.g. train_step(model, optimizer, batch, target).",
             ) from exc
         if is_own_generator_failure(exc):
             raise SPMDCompileError(

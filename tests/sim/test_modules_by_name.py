@@ -1,0 +1,214 @@
+"""A step that reaches its model and optimizer by name trains as one that is given them
+(NOTE: [modules and optimizers by name] in ``capture/bindings.py``): a script's
+``def train_step(x, y)`` over a global model and optimizer, closure variables, a trainer's
+method over ``self.model``, a model's own method. Each runs 3 AdamW steps on 2 simulated
+ranks against the same code run eagerly on one device (float64). Before, each was
+refused on its first call ("called without an nn.Module argument", or "calls step() of
+a ... that is not one of its arguments")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.parity import full_state, relative_difference
+
+WORLD, STEPS, TOL = 2, 3, 1e-12
+MODES = ["replicate", "fully_shard"]
+
+model: nn.Module | None = None
+optimizer: torch.optim.Optimizer | None = None
+criterion = nn.CrossEntropyLoss()  # parameterless: not trained, not a prefix of the names
+
+
+def script_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    assert model is not None and optimizer is not None
+    loss = criterion(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 6, dtype=torch.float64, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+        for _ in range(STEPS)
+    ]
+
+
+def _assert_matches(
+    mode: str,
+    compiled_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    eager_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    trained: tuple[nn.Module, torch.optim.Optimizer],
+    reference: tuple[nn.Module, torch.optim.Optimizer],
+) -> None:
+    with sc.simulate(world_size=WORLD) as sim:
+        for x, y in _batches():
+            got, want = compiled_call(x, y), eager_call(x, y)
+            assert abs(got.item() - want.item()) <= TOL, (got, want)
+        state = full_state(*trained, sim)
+    expected = full_state(*reference, None)
+    assert state.keys() == expected.keys()
+    worst = max(relative_difference(state[k], expected[k]) for k in expected)
+    assert worst <= TOL, worst
+    assert all(isinstance(p, DTensor) for p in trained[0].parameters())
+
+
+def _pair(net: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return net, torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_global_model_and_optimizer(mode):
+    global model, optimizer
+    trained, reference = _pair(_net()), _pair(_net())
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(script_step)
+
+    def eager(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        global model, optimizer
+        model, optimizer = reference
+        try:
+            return script_step(x, y)
+        finally:
+            model, optimizer = trained
+
+    model, optimizer = trained
+    try:
+        _assert_matches(mode, compiled, eager, trained, reference)
+    finally:
+        model = optimizer = None
+    assert len(compiled.records) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_closure_variables_and_an_optimizer_beside_a_model_argument(mode):
+    (net, opt), reference = _pair(_net()), _pair(_net())
+
+    def make(opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+        def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(make(opt))
+    eager = make(reference[1])
+    _assert_matches(
+        mode, lambda x, y: compiled(net, x, y), lambda x, y: eager(reference[0], x, y), (net, opt), reference
+    )
+
+
+class Trainer:
+    def __init__(self, net: nn.Module) -> None:
+        self.model = net
+        self.head = net[2]  # inside the model: not trained twice
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+        self.optimizer = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.criterion(self.model(x), y) + 0.01 * self.head.weight.square().sum()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_trainer_method_over_its_attributes(mode):
+    trainer, twin = Trainer(_net()), Trainer(_net())
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(trainer.step)
+    _assert_matches(
+        mode, compiled, twin.step, (trainer.model, trainer.optimizer), (twin.model, twin.optimizer)
+    )
+    assert trainer.head is trainer.model[2]
+
+
+class SelfTraining(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def train_step(self, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(self(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_method_of_the_model(mode):
+    trained, reference = _pair(SelfTraining()), _pair(SelfTraining())
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(trained[0].train_step)
+    _assert_matches(
+        mode,
+        lambda x, y: compiled(trained[1], x, y),
+        lambda x, y: reference[0].train_step(reference[1], x, y),
+        trained,
+        reference,
+    )
+
+
+def test_a_global_rebound_to_another_model_trains_the_new_one():
+    global model, optimizer
+    first, second = _pair(_net(0)), _pair(_net(1))
+    twins = [_pair(_net(0)), _pair(_net(1))]
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(script_step)
+    try:
+        with sc.simulate(world_size=WORLD) as sim:
+            for i, (x, y) in enumerate(_batches()):
+                k = 0 if i == 0 else 1  # the first model, then another one
+                model, optimizer = (first, second)[k]
+                got = compiled(x, y)
+                model, optimizer = twins[k]
+                want = script_step(x, y)
+                assert abs(got.item() - want.item()) <= TOL, (i, got, want)
+            state = full_state(*second, sim)
+    finally:
+        model = optimizer = None
+    expected = full_state(*twins[1], None)
+    assert max(relative_difference(state[k], expected[k]) for k in expected) <= TOL
+
+
+def test_an_optimizer_over_other_parameters_is_not_taken():
+    """A named optimizer whose parameters the step's modules do not own is left out; its
+    step() in the step is refused with the user's line, nothing changed."""
+    net, other = _net(), _net(1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+
+    def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        other_opt.step()
+        return loss
+
+    before = [p.detach().clone() for p in (*net.parameters(), *other.parameters())]
+    x, y = _batches()[0]
+    with sc.simulate(world_size=WORLD), pytest.raises(SPMDCompileError) as info:
+        sc.compile()(step)(net, x, y)
+    assert "that is not among its optimizers" in str(info.value)
+    assert "other_opt.step()" in str(info.value)
+    after = [p.detach() for p in (*net.parameters(), *other.parameters())]
+    assert all(torch.equal(a, b) and not isinstance(a, DTensor) for a, b in zip(after, before, strict=True))
