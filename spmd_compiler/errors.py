@@ -125,9 +125,20 @@ def innermost_model_frame(tb: types.TracebackType | None) -> SourceLocation | No
     return _innermost_outside_torch(traceback.extract_tb(tb))
 
 
-def innermost_model_frame_of_stack() -> SourceLocation | None:
-    """``innermost_model_frame`` of the running code (the caller's stack)."""
-    return _innermost_outside_torch(traceback.extract_stack())
+def innermost_model_frame_of_stack(skip_stdlib: bool = False) -> SourceLocation | None:
+    """``innermost_model_frame`` of the running code (the caller's stack); with
+    ``skip_stdlib``, Python's own library is passed over too (``logging`` formatting a
+    message for the user's ``log.info(...)`` line)."""
+    frames = traceback.extract_stack()
+    if skip_stdlib:
+        import os
+        import sysconfig
+
+        stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+        frames = traceback.StackSummary.from_list(
+            [f for f in frames if not os.path.abspath(f.filename).startswith(stdlib)]
+        )
+    return _innermost_outside_torch(frames)
 
 
 _WARNED_LINES: set[tuple[object, ...]] = set()

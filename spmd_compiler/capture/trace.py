@@ -122,6 +122,7 @@ from .traced_items import (
     ItemsAsOutputs,
     ItemUsedInPython,
     TracedItem,
+    caught_item_uses,
     checks_on_items,
     value_read_errors,
 )
@@ -718,11 +719,24 @@ def _trace_first(
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
         ):
             try:
-                graph = make_fx(
-                    tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
-                )(*fakes)
+                with caught_item_uses() as uses:  # NOTE: [an item use the step caught]
+                    graph = make_fx(
+                        tracer, capture_decompositions(), tracing_mode="fake", record_stack_traces=True
+                    )(*fakes)
             finally:
                 scopes[:] = stack
+        if uses:
+            exc, line = uses[0]
+            raise SPMDCompileError(
+                "The train step used the value of a tensor in Python, and its code caught the "
+                f"error this raised ({exc}): logging catches it (\"--- Logging error ---\"), "
+                "as does a try/except. The trace then went on along the handler's path, "
+                "which the step run eagerly does not take (NOTE: [an item use the step "
+                "caught]).",
+                user_line=line,
+                hint="return the value (`return {'loss': loss.item()}`) and log or use it "
+                "outside the compiled step.",
+            )
         return graph, tracer
 
     forget_settled()

@@ -25,14 +25,17 @@ float(gn)}`` got the advice for value-dependent shapes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
+from ..errors import SourceLocation, innermost_model_frame_of_stack
 from .mask_selections import RowsOfAModelMaskCounted
 
 
@@ -49,7 +52,7 @@ class TracedItem:
         self.tensor = tensor
 
     def _used(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise ItemUsedInPython(
+        _raise_used(
             "the value of .item() is computed by the program at run time; inside a compiled "
             "step it can only be returned"
         )
@@ -124,11 +127,47 @@ class ItemsAsOutputs(TorchFunctionMode):
             if func is torch.Tensor.item:
                 return TracedItem(args[0].detach())
             name = _CONVERSIONS[func]
-            raise ItemUsedInPython(
+            _raise_used(
                 f"{name}() of a tensor needs its value in Python while the step is traced "
                 f"(Python requires {name}() to return a {name}); `.item()` gives the same "
                 f"number and may be returned: write `t.item()` for `{name}(t)`"
-            ) from None
+            )
+
+
+# NOTE: [an item use the step caught]
+# ``ItemUsedInPython`` stops the trace where Python needs a value the trace does not
+# have. Code between that use and the capture can catch it: ``logging`` does, for a
+# ``log.info("loss %.3f", loss.item())`` in the step (it prints "--- Logging error ---"
+# with the traceback and goes on), and so does a ``try: ... except Exception:`` of the
+# user's. The trace then went on along the handler's path, which eager, having the value,
+# never takes: the program would silently differ from the step (the log line is never
+# written on a compiled call; a fallback branch is compiled in). So every use raised while
+# the step is traced is recorded (``caught_item_uses``), and a trace that ends normally
+# after one is refused as the use itself would have been, naming the line.
+class _ItemUses(threading.local):
+    def __init__(self) -> None:
+        self.raised: list[tuple[ItemUsedInPython, SourceLocation | None]] | None = None
+
+
+_ITEM_USES = _ItemUses()
+
+
+def _raise_used(message: str) -> NoReturn:
+    exc = ItemUsedInPython(message)
+    if _ITEM_USES.raised is not None:
+        _ITEM_USES.raised.append((exc, innermost_model_frame_of_stack(skip_stdlib=True)))
+    raise exc
+
+
+@contextlib.contextmanager
+def caught_item_uses() -> Iterator[list[tuple[ItemUsedInPython, SourceLocation | None]]]:
+    """Inside: every ``ItemUsedInPython`` raised is recorded in the list yielded, with
+    the user's line (see the NOTE)."""
+    outer, _ITEM_USES.raised = _ITEM_USES.raised, []
+    try:
+        yield _ITEM_USES.raised
+    finally:
+        _ITEM_USES.raised = outer
 
 
 # Python's conversions of a tensor to a number: they must return the built-in type, so
@@ -148,4 +187,6 @@ def value_read_errors() -> tuple[type[BaseException], ...]:
     return (*private.data_dependent_error_types(), ItemUsedInPython, RowsOfAModelMaskCounted)
 
 
-__all__ = ["ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "checks_on_items", "value_read_errors"]
+__all__ = [
+    "ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "caught_item_uses", "checks_on_items", "value_read_errors",
+]

@@ -9,6 +9,7 @@ still refused by name.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from time import perf_counter as clock
 
@@ -157,6 +158,54 @@ def test_item_used_by_python_is_refused(step, line):
     conversion = {float_of_norm_step: "float", int_of_count_step: "int"}.get(step)
     if conversion:  # the error names .item() instead
         assert f"write `t.item()` for `{conversion}(t)`" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert compiled.compile_count == 0
+
+
+_USER_LOG = logging.getLogger("user.train")
+
+
+def logging_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    _USER_LOG.warning("loss %.3f", loss.item())
+    return loss
+
+
+def fallback_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    try:
+        scale = 2.0 if float(loss) > 1.0 else 1.0
+    except Exception:  # noqa: BLE001 - the user's fallback, which eager never takes
+        scale = 3.0
+    (loss * scale).backward()
+    optim.step()
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("step", "line"),
+    [(logging_step, '_USER_LOG.warning("loss %.3f", loss.item())'),
+     (fallback_step, "scale = 2.0 if float(loss) > 1.0 else 1.0")],
+    ids=lambda v: getattr(v, "__name__", "line"),
+)
+def test_an_item_use_the_step_caught_is_refused(step, line, monkeypatch):
+    """logging (and a try/except) caught the error a use of .item() raised, and the trace
+    went on: the log was never written on a compiled call, and the fallback was compiled
+    in (scale 3 where eager scales by 2 or 1). NOTE: [an item use the step caught]."""
+    # pytest's log capture re-raises a handler's error while this is set; a plain handler
+    # prints "--- Logging error ---" and goes on: so do pytest's without it
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, *_batches()[0])
+    message = str(info.value)
+    assert "its code caught the error this raised" in message
+    assert line in message
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert compiled.compile_count == 0
 
