@@ -146,20 +146,25 @@ def int_of_count_step(model, optim, x, y):  # noqa: ANN001
     ids=lambda v: getattr(v, "__name__", "line"),
 )
 def test_item_used_by_python_is_refused(step, line):
+    message = _refusal_leaving_the_model_untouched(step)
+    assert "reads the value of a tensor in Python" in message
+    assert line in message
+    conversion = {float_of_norm_step: "float", int_of_count_step: "int"}.get(step)
+    if conversion:  # the error names .item() instead
+        assert f"write `t.item()` for `{conversion}(t)`" in message
+
+
+def _refusal_leaving_the_model_untouched(step) -> str:  # noqa: ANN001
+    """The message of the first call's refusal; the model unchanged, nothing compiled."""
     model = _model()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     compiled = sc.compile(make_mode("ddp"))(step)
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
         compiled(model, optim, *_batches()[0])
-    message = str(info.value)
-    assert "reads the value of a tensor in Python" in message
-    assert line in message
-    conversion = {float_of_norm_step: "float", int_of_count_step: "int"}.get(step)
-    if conversion:  # the error names .item() instead
-        assert f"write `t.item()` for `{conversion}(t)`" in message
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert compiled.compile_count == 0
+    return str(info.value)
 
 
 _USER_LOG = logging.getLogger("user.train")
@@ -197,17 +202,9 @@ def test_an_item_use_the_step_caught_is_refused(step, line, monkeypatch):
     # pytest's log capture re-raises a handler's error while this is set; a plain handler
     # prints "--- Logging error ---" and goes on: so do pytest's without it
     monkeypatch.setattr(logging, "raiseExceptions", False)
-    model = _model()
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = [p.detach().clone() for p in model.parameters()]
-    compiled = sc.compile(make_mode("ddp"))(step)
-    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
-        compiled(model, optim, *_batches()[0])
-    message = str(info.value)
+    message = _refusal_leaving_the_model_untouched(step)
     assert "its code caught the error this raised" in message
     assert line in message
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert compiled.compile_count == 0
 
 
 def compared_items_step(model, optim, x, y):  # noqa: ANN001
