@@ -769,6 +769,41 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
             module.redistribute_local_tensor = original  # type: ignore[attr-defined]
 
 
+# NOTE: [Python numbers in DTensor's native sharding cache]
+# DTensor's C++ dispatch caches each sharding decision under a key that reads a Python
+# number argument as a 0-d replicated tensor of the number's dtype (torch 2.11, 2.13 and
+# 2.14.1 alike). So ``add(P, 2.0)``, with ``P`` a partial 0-d float64 sum, found the
+# decision cached for ``add(P, R)``, ``R`` a 0-d replicated float64 tensor: keep the sum
+# partial and split ``R`` over the ranks. It then added 2.0 on every rank, silently: a
+# step returning ``(x * w).sum() + b + 2.0`` under data parallelism lost 54.1 where one
+# device gives 52.1, and the same ``+ 2.0`` was wrong in a second step compiled after
+# one holding ``+ b`` (the cache outlives a compile). The opposite order failed
+# ("'float' object has no attribute 'placements'"). An op given a Python number therefore
+# runs with the native cache emptied before and after it: it finds no tensor's decision
+# and leaves none of its own. Its decision comes from the Python propagator, whose key
+# holds the number's place (``OpSchema``'s comparison key). Tested by
+# tests/sim/test_python_numbers_in_sharding.py.
+_PYTHON_NUMBERS = (bool, int, float, complex)
+
+
+@contextlib.contextmanager
+def numbers_kept_out_of_sharding_cache(args: tuple, kwargs: dict) -> Iterator[None]:
+    """Inside: DTensor ops given a Python number among ``args`` / ``kwargs`` (see the
+    NOTE) neither read nor write DTensor's native sharding cache."""
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    values = (*args, *kwargs.values())
+    if clear is None or not any(type(a) in _PYTHON_NUMBERS for a in values) or not any(
+        isinstance(a, DTensor) and any(p.is_partial() for p in a.placements) for a in values
+    ):
+        yield
+        return
+    clear()
+    try:
+        yield
+    finally:
+        clear()
+
+
 def redistribute(value: DTensor, placements: Sequence[Any]) -> DTensor:
     """``value.redistribute`` to ``placements`` on its mesh, outside a trace, with this
     torch's gaps filled (``memoized_redistribution``'s hops, its cache bypassed): torch

@@ -408,6 +408,11 @@ class _ExpandingInterpreter(RetracingInterpreter):
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if target is GRADIENT:  # NOTE: [gradients settle after backward]: read through
             return args[0]
+        # NOTE: [Python numbers in DTensor's native sharding cache]
+        with private.numbers_kept_out_of_sharding_cache(args, kwargs):
+            return self._call_function(target, args, kwargs)
+
+    def _call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.rules is not None:
             result = self.rules.apply(target, args, kwargs)
             if result is not None:
