@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 from unittest import mock
 
@@ -178,7 +178,8 @@ SCHEDULER_HINT = (
 # torch's reference formula (its CPU branch reads the sizes through ``as_strided``, which
 # DTensor refuses).
 # A reduction with an empty ``dim`` list names every dimension (_empty_dims_as_all); a
-# scan's negative ``dim`` is counted from the front (_scan_with_nonnegative_dim);
+# scan's negative ``dim`` is counted from the front (_scan_with_nonnegative_dim), so is
+# ``select_backward`` and ``slice_backward's (_backward_with_nonnegative_dim);
 # ``argmax`` / ``argmin`` become the first index of the ``amax`` / ``amin``
 # (_first_index_of).
 # An ``as_strided`` that only names its input's elements in their order becomes a view
@@ -247,6 +248,8 @@ def capture_decompositions() -> dict:
         table[op] = functools.partial(_empty_dims_as_all, op, at)
     for op in (aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default):
         table[op] = functools.partial(_scan_with_nonnegative_dim, op)
+    for op in (aten.select_backward.default, aten.slice_backward.default):
+        table[op] = functools.partial(_backward_with_nonnegative_dim, op)
     table[aten.argmax.default] = functools.partial(_first_index_of, True)
     table[aten.argmin.default] = functools.partial(_first_index_of, False)
     table[aten._trilinear.default] = _trilinear_as_einsum
@@ -315,6 +318,22 @@ def _empty_dims_as_all(op: Any, at: int, x: torch.Tensor, *args: Any, **kwargs: 
     else:
         kwargs["dim"] = every
     return op(x, *rest, **kwargs)
+
+
+def _backward_with_nonnegative_dim(
+    op: Any, grad: torch.Tensor, input_sizes: Sequence[Any], dim: int, *args: Any
+) -> Any:
+    """``select_backward`` / ``slice_backward`` with a negative ``dim`` (the backward of
+    ``x.select(-1, i)``, ``x.narrow(-1, ...)``) are traced with it counted from the front.
+    DTensor's rules compare it with the shard's dimension unnormalized: ``select_backward``
+    moved a batch-sharded gradient's ``Shard(0)`` to ``Shard(1)`` of the result (-1 <= 0),
+    which then broadcast silently where the shapes let it (a parameter 4.9e-2 off after two
+    SGD steps, a probe of ``torch.select(x * w, -1, 2)``) and failed elsewhere.
+    ``slice_backward``'s rule makes the same unnormalized comparison
+    (``placement.dim == dim``); no failure of it was seen, the normalization is the same."""
+    if dim >= 0:
+        return NotImplemented
+    return op(grad, input_sizes, dim % len(input_sizes), *args)
 
 
 def _scan_with_nonnegative_dim(op: Any, x: torch.Tensor, dim: int, *args: Any, **kwargs: Any) -> Any:

@@ -50,6 +50,11 @@ OPS = {
     "feature_by_argmax": lambda h: h * h[:, h.detach().mean(0).argmax()].unsqueeze(1),
     "row_by_argmax": lambda h: h * h[h.detach().sum(1).argmax()],
     "row_by_negative_tensor": lambda h: h + h[..., torch.tensor(-1) - h.detach().argmin() % 2, :].mean(),
+    # negative dims in the backward's select / slice (NOTE: [ops without a sharding rule]
+    # in capture/trace.py): DTensor moved the batch's Shard(0) to Shard(1) of
+    # select_backward's result ("size of tensor a (4) must match ... b (8)" at run time)
+    "select_last_dim": lambda h: h * h.select(-1, 2).unsqueeze(-1),
+    "narrow_last_dim": lambda h: h * h.narrow(-1, 1, 3).sum(-1, keepdim=True),
     # no DTensor rule: ones of ours
     "unfold_batch": lambda h: h.unfold(0, 2, 2).mean(-1).repeat_interleave(2, 0),
     "searchsorted": lambda h: h * torch.searchsorted(torch.tensor([-0.5, 0.0, 0.5]), h.detach()),
@@ -110,3 +115,32 @@ def test_embedding_scale_grad_by_freq_counts_the_global_batch(run_parity, mode, 
         2, batches, mode=make_mode(mode),
     )
     result.assert_close(1e-12)
+
+
+class _SelectLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([[0.5, 1.0, 1.5]], dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.select(x * self.w, -1, 2).sin()
+
+
+def test_select_of_the_last_dim_with_one_row_per_rank(run_parity):
+    """With a local batch of 1 and a size-1 dimension, select_backward's wrong Shard(1)
+    broadcast instead of failing: the parameter was 4.9e-2 off after two SGD steps."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 1, 3, dtype=torch.float64, generator=gen),
+                torch.randn(2, 1, dtype=torch.float64, generator=gen)) for _ in range(2)]
+    result = run_parity(
+        _SelectLast, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2, batches, step=_mse_step,
+    )
+    result.assert_close(1e-12)
+
+
+def _mse_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
