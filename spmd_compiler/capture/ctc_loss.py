@@ -20,11 +20,19 @@ answered by the forward (alpha) recursion in log space, in plain ops with static
 Unreachable states hold a large finite negative number, not ``-inf``, so every gradient
 is finite and theirs is exactly zero. Autograd derives the backward through the
 recursion. Eager's kernel returns, as the gradient for ``log_probs``, the gradient for
-the logits before a ``log_softmax`` (``exp(log_probs)`` minus the label posteriors);
-ours is the gradient for ``log_probs`` itself. The two differ by ``exp(log_probs)``,
-which ``log_softmax``'s backward removes, so parameters' gradients agree when the log
-probabilities come from ``log_softmax`` (as torch documents them to); float64 tests
-agree with eager within 1e-12. Concatenated 1-D targets are one tensor along the batch
+the logits before a ``log_softmax``: ``exp(log_probs)`` minus the label posteriors, over
+each sample's first ``input_length`` frames (0 after them). Autograd through the
+recursion gives the posteriors alone (the gradient for ``log_probs`` itself), so each
+sample's negative log likelihood passes through ``_KernelGradient``, whose backward adds
+``exp(log_probs)`` over the sample's frames (a ``m - m.detach()`` term would do it in
+value 0, but not where ``exp`` overflows: ``inf - inf``). So the gradient is eager's
+whether or not the log probabilities come from ``log_softmax``. Before (2026-12-02) the
+term was missing: the two agreed only after a ``log_softmax``, and a model feeding the
+loss unnormalized scores trained silently differently (a bias 1.0 off after two steps,
+found by a sweep of torch's module database). Float64 tests agree with eager within
+1e-12. One difference is kept: for an impossible alignment without ``zero_infinity``
+(the loss is ``inf``) eager's gradient is NaN (``-inf + inf`` in its kernel), ours 0.
+Concatenated 1-D targets are one tensor along the batch
 dim like any input: on real data-parallel ranks each rank's share must have the same
 length (padded 2-D targets have no such condition). Eager's argument checks (lengths within the tensors'
 sizes) are value checks verified every call. The graph grows with the number of frames
@@ -64,6 +72,23 @@ def _padded_targets(targets: torch.Tensor, target_lengths: torch.Tensor, batch: 
 def _check(condition: torch.Tensor, message: str) -> None:
     """Eager's argument check, verified every call (a value check at capture)."""
     eager_check(condition, f"ctc_loss: {message}")
+
+
+class _KernelGradient(torch.autograd.Function):
+    """The negative log likelihood, passed through; its backward adds to ``log_probs``'
+    gradient ``exp(log_probs)`` times the sample's incoming gradient over the sample's
+    frames, which eager's kernel includes (see the NOTE)."""
+
+    @staticmethod
+    def forward(ctx: Any, nll: torch.Tensor, log_probs: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(log_probs, frames)
+        return nll.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        log_probs, frames = ctx.saved_tensors
+        mass = torch.where(frames[..., None], log_probs.exp() * grad[None, :, None], 0.0)
+        return grad, mass, None
 
 
 def ctc_loss(
@@ -126,7 +151,10 @@ def ctc_loss(
     log_likelihood = torch.where(input_len > 0, log_likelihood, empty)
     impossible = log_likelihood < low / 2
     inf = torch.full_like(log_likelihood, float("inf"))
-    nll = torch.where(impossible, torch.zeros_like(inf) if zero_infinity else inf, -log_likelihood)
+    frame_in_sample = torch.arange(frames, device=device)[:, None] < input_len[None, :]
+    # eager's gradient for log_probs: the recursion's plus exp(log_probs) (see the NOTE)
+    nll = _KernelGradient.apply(-log_likelihood, log_probs, frame_in_sample)
+    nll = torch.where(impossible, torch.zeros_like(inf) if zero_infinity else inf, nll)
     if reduction == "mean":
         return (nll / target_len.clamp(min=1).to(dtype)).mean()
     if reduction == "sum":

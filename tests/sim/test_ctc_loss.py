@@ -39,14 +39,18 @@ def _case(form: str, impossible: bool) -> tuple:
 @pytest.mark.parametrize("form", ["padded", "concatenated", "unbatched"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("zero_infinity", [False, True])
-def test_plain_ops_match_the_kernel(form: str, reduction: str, zero_infinity: bool) -> None:
+@pytest.mark.parametrize("normalized", [True, False], ids=["log_softmax", "raw_scores"])
+def test_plain_ops_match_the_kernel(form: str, reduction: str, zero_infinity: bool, normalized: bool) -> None:
+    """The loss, and the gradient for the scores given to it: through ``log_softmax``, and
+    for raw scores, where eager's kernel gradient is not the true one (it includes
+    ``exp(log_probs)``); before 2026-12-02 the raw scores' gradient was the true one."""
     # an impossible alignment (3 frames for labels needing 4) only where it is zeroed:
     # otherwise eager's loss is inf and its gradient not finite
     logits, targets, input_lengths, target_lengths = _case(form, impossible=zero_infinity)
     results = []
     for fn in (F.ctc_loss, ctc_loss):
         x = logits.clone().requires_grad_()
-        loss = fn(x.log_softmax(-1), targets, input_lengths, target_lengths, blank=0,
+        loss = fn(x.log_softmax(-1) if normalized else x, targets, input_lengths, target_lengths, blank=0,
                   reduction=reduction, zero_infinity=zero_infinity)
         (grad,) = torch.autograd.grad(loss.sum(), x)
         results.append((loss.detach(), grad))
@@ -78,6 +82,15 @@ def ctc_step(model, optim, features, targets, input_lengths, target_lengths):  #
     return loss
 
 
+def raw_scores_ctc_step(model, optim, features, targets, input_lengths, target_lengths):  # noqa: ANN001, ANN201
+    scores = model(features).transpose(0, 1)  # not normalized: eager's gradient is its kernel's
+    loss = F.ctc_loss(scores, targets, input_lengths, target_lengths, zero_infinity=True)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def _batches(steps: int, long_input: bool = False) -> list[tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(5)
     out = []
@@ -98,9 +111,10 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+@pytest.mark.parametrize("step", [ctc_step, raw_scores_ctc_step], ids=["log_softmax", "raw_scores"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_ctc_step_matches_one_device(run_parity, mode: str) -> None:
-    result = run_parity(lambda: Recognizer().double(), _adamw, 2, _batches(3), step=ctc_step,
+def test_ctc_step_matches_one_device(run_parity, mode: str, step) -> None:  # noqa: ANN001
+    result = run_parity(lambda: Recognizer().double(), _adamw, 2, _batches(3), step=step,
                         mode=make_mode(mode))
     result.assert_close(TOL)
 
