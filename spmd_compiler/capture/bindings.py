@@ -560,6 +560,8 @@ def find_bindings(
         if memo is not None:
             memo.keep_module_walk(modules, walk)
     params, buffers, module_params, module_buffers, submodules = walk
+    if not remembered:
+        _refuse_uninitialized(params, buffers, where)
     optimizers += _named_optimizers(func, optimizers, params)
     unchanged = remembered and memo is not None and memo.optimizers_unchanged(optimizers)
     if not unchanged:  # the same objects as a call that passed this check: it holds
@@ -612,6 +614,24 @@ def _named_optimizers(
         if _unowned(opt, owned) is None:
             found.append(opt)
     return found
+
+
+def _refuse_uninitialized(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], where: str) -> None:
+    """A lazy module (``nn.LazyLinear``, ``nn.LazyConv2d``, ...) makes its parameters on
+    its first forward; before it, they have no shape to place or trace (torch raised
+    "Can't access the shape of an uninitialized parameter" from the program key)."""
+    for kind, tensors in (("parameter", params), ("buffer", buffers)):
+        for name, t in tensors.items():
+            if torch.nn.parameter.is_lazy(t):
+                raise SPMDCompileError(
+                    f"{kind} {name} belongs to a lazy module that has not run yet, so it has "
+                    "no shape; a compiled step places the model's state as it is before the "
+                    "first call.",
+                    user_line=where,
+                    hint="run the model once on a batch before the first compiled call (a dry "
+                    "run, as torch's lazy modules need before an optimizer is made: "
+                    "`with torch.no_grad(): model(batch)`), or give the module its sizes.",
+                )
 
 
 def _walk_modules(modules: list[torch.nn.Module]) -> tuple:

@@ -511,6 +511,25 @@ def test_a_model_on_the_meta_device_is_refused_with_what_to_do():
     assert all(p.device.type == "meta" and not isinstance(p, DTensor) for p in model.parameters())
 
 
+def test_a_lazy_module_before_its_first_forward_is_refused_then_trains():
+    """An uninitialized lazy module has no shapes: refused naming the parameter and the dry
+    run (torch's "Can't access the shape of an uninitialized parameter" before); after a
+    dry run the step compiles."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step_fn = sc.compile()(step)
+    x, y = batch()
+    with sc.simulate(world_size=2):
+        with pytest.raises(SPMDCompileError) as info:
+            step_fn(model, opt, x, y)
+        assert "parameter 0.weight belongs to a lazy module" in str(info.value)
+        assert "dry run" in str(info.value)
+        with torch.no_grad():
+            model(x)
+        step_fn(model, opt, x, y)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _helper(h: torch.Tensor) -> torch.Tensor:
     return torch.tanh(h) * 2
 
