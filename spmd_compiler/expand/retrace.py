@@ -465,6 +465,12 @@ class _ExpandingInterpreter(RetracingInterpreter):
             raise node_error(
                 f"Expanding this node to the per-rank program failed: {exception_summary(exc)}",
                 n,
+                hint="where the op's input is a step argument whose dimension 0 is not its "
+                "batch dimension (an unbatched (C, L) input, a time-major (T, N, C) "
+                "sequence), name its batch dimension with the mode's input_batch_dim "
+                "(DataParallel('replicate', input_batch_dim={'x': 1}); None passes it "
+                "whole); otherwise the op cannot be placed this way: compute it on "
+                "differently laid out values.",
             ) from exc
 
     def _record(self, source: torch.fx.Node, result: Any, created: list[torch.fx.Node]) -> Any:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import spmd_compiler as sc
 from spmd_compiler import SPMDCompileError
+from spmd_compiler.parallel_modes import DataParallel
 
 
 class Net(nn.Module):
@@ -528,6 +529,27 @@ def test_a_lazy_module_before_its_first_forward_is_refused_then_trains():
             model(x)
         step_fn(model, opt, x, y)
     assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_an_argument_split_on_a_dimension_that_is_not_its_batch_says_what_to_do():
+    """An unbatched (C, L) input to a Conv1d is split on its channels by default: the
+    expansion error names input_batch_dim, with which the step compiles."""
+
+    def conv_step(model, optim, x):  # noqa: ANN001, ANN202
+        loss = model(x).square().mean()
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = nn.Conv1d(4, 5, 3).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with sc.simulate(world_size=2):
+        with pytest.raises(SPMDCompileError) as info:
+            sc.compile(DataParallel("replicate"))(conv_step)(model, opt, x)
+        assert "input_batch_dim" in str(info.value)
+        whole = DataParallel("replicate", input_batch_dim={"x": None})
+        sc.compile(whole)(conv_step)(model, opt, x)
 
 
 def _helper(h: torch.Tensor) -> torch.Tensor:
