@@ -3066,8 +3066,11 @@ _PER_SAMPLE_OPS = {
     **{name: (0, True, 1) for name in (
         "hardsigmoid_backward", "hardswish_backward", "hardtanh_backward", "elu_backward",
         "leaky_relu_backward", "softplus_backward", "mish_backward",
-        "rrelu_with_noise_backward",
+        "rrelu_with_noise_backward", "hardshrink_backward", "softshrink_backward",
     )},
+    # nn.FractionalMaxPool2d / 3d's backward: each sample and channel alike
+    "fractional_max_pool2d_backward": (2, True, 1),
+    "fractional_max_pool3d_backward": (3, True, 1),
     # NOTE: [upsampling rules]
     **{name: (spatial, True, 1) for name, spatial in _UPSAMPLE_OPS.items()},
     **{f"{name}_backward": (spatial, True, 1) for name, spatial in _UPSAMPLE_OPS.items()},

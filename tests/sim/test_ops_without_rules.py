@@ -4,7 +4,8 @@ against the undecorated step on one device (float64, every tensor within 1e-10).
 Each is answered one of two ways (``_torch_private``): a rule of ours where the op works
 on each sample and channel alike (the backward of ``nn.AvgPool2d`` and of 3-d and
 adaptive max pooling, reflection and replication padding, the backward of hardswish,
-hardsigmoid, ELU and other activations, the out-of-place ``aten.copy`` of
+hardsigmoid, ELU, hard / soft shrink and other activations, of fractional max pooling,
+the out-of-place ``aten.copy`` of
 ``F.affine_grid``, ``torch.cdist`` and ``F.pdist``, ``torch.cumprod``'s backward,
 ``scatter_reduce`` and ``Tensor.unfold``), a view of ours for the ``as_strided`` of a global average pool on a
 channels-last input, or torch's decomposition at capture (NOTE: [ops
@@ -109,6 +110,12 @@ BODIES = {  # name: (body, features after it)
     # keeps its kernel (torch's decomposition differs from it by 3e-8)
     "hardsigmoid": (F.hardsigmoid, 64),
     "activations": (lambda x: F.mish(F.elu(F.leaky_relu(F.softplus(F.hardtanh(x))))), 64),
+    "shrink": (lambda x: F.softshrink(F.hardshrink(x, 0.3), 0.2), 64),
+    # its pooling regions drawn from the data, not the random stream (which compiled
+    # draws do not reproduce): the backward's rule is ours
+    "fractional_max_pool2d": (lambda x: F.fractional_max_pool2d(
+        x, 2, output_size=2, _random_samples=torch.sigmoid(x.detach().mean((2, 3)))[..., None].expand(-1, -1, 2),
+    ), 16),
     "where_with_a_number": (lambda x: torch.where(x > 0, x, 0.5) * torch.where(x < 1, 2.0, x), 64),
     # a spatial transformer: affine_grid's decomposition writes its base grid with the
     # out-of-place aten.copy, which no torch has a rule for (a rule of ours)
