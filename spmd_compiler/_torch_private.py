@@ -3068,7 +3068,10 @@ _PER_SAMPLE_OPS = {
         "leaky_relu_backward", "softplus_backward", "mish_backward",
         "rrelu_with_noise_backward", "hardshrink_backward", "softshrink_backward",
     )},
-    # nn.FractionalMaxPool2d / 3d's backward: each sample and channel alike
+    # nn.FractionalMaxPool2d / 3d (torch 2.11: the pooling too): each sample and channel
+    # alike; the random samples (N, C, 2 or 3) split with the batch
+    "fractional_max_pool2d": (2, False, 2),
+    "fractional_max_pool3d": (3, False, 2),
     "fractional_max_pool2d_backward": (2, True, 1),
     "fractional_max_pool3d_backward": (3, True, 1),
     # NOTE: [upsampling rules]
