@@ -3283,21 +3283,30 @@ def _install_distance_strategies() -> None:
             return []
         return [d for d in range(lead) if x1.shape[d] == x2.shape[d]]
 
+    # rows and columns of the output are its last two dims: with batch dims broadcast
+    # from inputs of different ranks (``cdist(x [P, M], c [1, R, M])``) not x1's rows dim.
+    # Before 2026-12-02 the output took x1's (a learned query against a batch of point
+    # sets lost 6.46 where one device gives 7.44, silently, where the wrong dim had size 1)
     def forward(x1: Any, x2: Any, *rest: Any) -> list[tuple[list, list]]:
         extra: list[Any] = [None] * len(rest)
-        rows = len(x1.shape) - 2
+        rows, columns = len(x1.shape) - 2, len(x2.shape) - 2
+        out_rows = max(len(x1.shape), len(x2.shape)) - 2
         out: list[tuple[list, list]] = [([R], [R, R, *extra])]
         out += [([Shard(d)], [Shard(d), Shard(d), *extra]) for d in batch_dims(x1, x2)]
-        out += [([Shard(rows)], [Shard(rows), R, *extra]), ([Shard(rows + 1)], [R, Shard(rows), *extra])]
+        out += [
+            ([Shard(out_rows)], [Shard(rows), R, *extra]),
+            ([Shard(out_rows + 1)], [R, Shard(columns), *extra]),
+        ]
         return out
 
     def backward(grad: Any, x1: Any, x2: Any, p: Any, cdist: Any) -> list[tuple[list, list]]:
-        rows = len(x1.shape) - 2
+        rows, columns = len(x1.shape) - 2, len(x2.shape) - 2
+        out_rows = len(grad.shape) - 2
         out: list[tuple[list, list]] = [([R], [R, R, R, None, R]), ([Partial()], [Partial(), R, R, None, R])]
         out += [([Shard(d)], [Shard(d), Shard(d), Shard(d), None, Shard(d)]) for d in batch_dims(x1, x2)]
         out += [
-            ([Shard(rows)], [Shard(rows), Shard(rows), R, None, Shard(rows)]),
-            ([Partial()], [Shard(rows + 1), R, Shard(rows), None, Shard(rows + 1)]),
+            ([Shard(rows)], [Shard(out_rows), Shard(rows), R, None, Shard(out_rows)]),
+            ([Partial()], [Shard(out_rows + 1), R, Shard(columns), None, Shard(out_rows + 1)]),
         ]
         return out
 

@@ -205,6 +205,34 @@ def test_multilabel_soft_margin_loss_matches_one_device(run_parity):
     result.assert_close(TOL)
 
 
+class _Queries(nn.Module):
+    """``torch.cdist`` between inputs of different ranks: learned points (1, M) against
+    each sample's point set (B, R, M), and each sample's point (B, M) against learned
+    point sets (1, R, M). The output's rows and columns are its last two dims, not x1's;
+    our rule took x1's before 2026-12-02 (6.46 where one device gives 7.44, silently:
+    the wrong dim had size 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.linspace(-1.0, 1.0, 5).reshape(1, 5))
+        self.sets = nn.Parameter(torch.linspace(-1.0, 1.0, 15).reshape(1, 3, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        to_sets = torch.cdist(self.query, x.reshape(x.shape[0], 3, 5))  # (B, 1, 3)
+        from_points = torch.cdist(x[:, :5], self.sets)  # (1, B, 3)
+        return to_sets.flatten(1) + from_points[0]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_cdist_between_inputs_of_different_ranks(mode, run_parity):
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 15, dtype=torch.float64, generator=gen), torch.randint(0, 3, (4,), generator=gen))
+               for _ in range(2)]
+    result = run_parity(lambda: _Queries().double(), _sgd, 2, batches, step=_step(F.cross_entropy),
+                        mode=make_mode(mode))
+    result.assert_close(TOL)
+
+
 def test_an_op_with_neither_rule_nor_decomposition_is_refused_by_name():
     """A Gamma sample draws through ``aten._standard_gamma``: no rule, no decomposition; a
     random op that reads a tensor, refused at capture (NOTE: [random draws shaped like a
