@@ -1113,6 +1113,24 @@ def even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...] 
     return tuple(local)
 
 
+def local_sizes_where_even(shape: Any, mesh: Any, placements: Any) -> tuple[int | None, ...] | None:
+    """Per dimension, the local size of a ``shape`` DTensor on ``mesh`` where it is the
+    same on every rank: None for a dimension some mesh dimension shards unevenly (its
+    local size depends on the rank); None for all of it where ``even_local_shape`` can
+    say nothing (a symbolic shape, a placement it does not know)."""
+    if not all(type(n) is int for n in shape):
+        return None
+    local: list[int | None] = list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if p.is_replicate() or p.is_partial():
+            continue
+        if not (p.is_shard() or is_strided_shard(p)):
+            return None
+        size, n = local[p.dim], mesh.size(mesh_dim)
+        local[p.dim] = None if size is None or size % (n * getattr(p, "split_factor", 1)) else size // n
+    return tuple(local)
+
+
 def _even_logical_shape(mesh: Any, src_state: Any, mesh_dim: int, shape: Any) -> list[int] | None:
     """``DTensorRedistributePlanner.get_logical_shape`` for evenly sharded dimensions:
     the global size divided by every other mesh dimension sharding it (None where a

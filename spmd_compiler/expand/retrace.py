@@ -495,11 +495,15 @@ class _ExpandingInterpreter(RetracingInterpreter):
 # N, C and HxW; DTensor adjusts views, factories and the ops it knows, not an op whose
 # rule it derived from the op's decomposition), the local kernel computes on a wrong
 # shape: it fails, or it returns a tensor of the wrong local size, which is a wrong
-# result downstream. Every evenly sharded output is therefore checked against the local
-# shape its placements imply, and every output's global shape against the single-device
-# value's (padded where a mode pads it, NOTE: [uneven shards]); a mismatch is refused
-# with the node named. The second check found a value the padding had missed (an
-# updated weight read again after ``optimizer.step()``).
+# result downstream. Every output is therefore checked against the local shape its
+# placements imply, and every output's global shape against the single-device value's
+# (padded where a mode pads it, NOTE: [uneven shards]); a mismatch is refused with the
+# node named. The second check found a value the padding had missed (an updated weight
+# read again after ``optimizer.step()``). A dimension sharded unevenly has a local size
+# that depends on the rank, and is not compared; until 2026-12-02 such an output was not
+# checked at all, so a wrong rule placing a result on a size-1 dimension went unseen
+# while its other dimensions were plainly wrong (``cdist`` between inputs of different
+# ranks: a batch-sized dimension half the batch).
 def _check_global_shape(source: torch.fx.Node, value: DTensor, captured: Any) -> None:
     """The DTensor's global shape is the captured value's (the padded size along the
     padded dim of a value a mode holds padded): NOTE: [local shape check]."""
@@ -523,13 +527,16 @@ def _check_global_shape(source: torch.fx.Node, value: DTensor, captured: Any) ->
 
 def _check_local_shape(source: torch.fx.Node, value: DTensor) -> None:
     local = tuple(private.local_tensor_of(value).shape)
-    expected = private.even_local_shape(tuple(value.shape), value.device_mesh, value.placements)
-    if expected is None or local == expected:
+    expected = private.local_sizes_where_even(tuple(value.shape), value.device_mesh, value.placements)
+    if expected is None or len(expected) != len(local) or all(
+        want is None or type(got) is not int or got == want for got, want in zip(local, expected)
+    ):
         return
+    shown = tuple("?" if want is None else want for want in expected)
     raise node_error(
         f"DTensor computed this op's local result with shape {local}, where its "
         f"placement {format_placements(value.placements)} of the global shape "
-        f"{tuple(value.shape)} means {expected}: an argument of the op is a size read off "
+        f"{tuple(value.shape)} means {shown} (?: unevenly sharded, by rank): an argument of the op is a size read off "
         "the global shape, which DTensor passed to the local kernel unchanged. Refused "
         "rather than computing on the wrong shape (NOTE: [local shape check]).",
         source,
