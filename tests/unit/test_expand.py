@@ -112,3 +112,37 @@ def test_a_local_result_of_the_wrong_shape_is_refused_with_the_node_named():
     message = str(info.value)
     assert "local result with shape (8, 8)" in message and "(4, 8)" in message
     assert "rows_like" in message and "test_expand.py" in message
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(1, keepdim=True)
+
+
+if not hasattr(torch.ops.spmd_test_expand, "row_sums"):
+    _LIB.define("row_sums(Tensor x) -> Tensor")
+    _LIB.impl("row_sums", _row_sums, "CompositeExplicitAutograd")
+    _LIB.impl("row_sums", lambda x: x.new_empty((x.shape[0], 1)), "Meta")
+
+
+def test_a_wrong_local_result_on_an_unevenly_sharded_output_is_refused():
+    """A rule placing the (8, 1) result on its size-1 dimension (uneven over 2 ranks) while
+    the kernel keeps the rows local: the rows are still checked (an unevenly sharded output
+    was not checked at all before 2026-12-02, so the wrong result was silent)."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.spmd_test_expand.row_sums.default)
+    def _(x):  # noqa: ANN001, ANN202 - the wrong claim: the result's columns follow x's rows
+        return [([Shard(1)], [Shard(0)]), ([Replicate()], [Replicate()])]
+
+    def step(model, optim, x, y):  # noqa: ANN001
+        loss = model(x).mean() * torch.ops.spmd_test_expand.row_sums(x).mean()
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = nn.Linear(8, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile()(step)(model, optim, torch.randn(8, 8), torch.randint(0, 4, (8,)))
+    message = str(info.value)
+    assert "local result with shape (4, 1)" in message and "(8, '?')" in message
