@@ -1098,26 +1098,17 @@ def even_local_shape(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...] 
     """The local shape of a ``shape`` DTensor on ``mesh`` when every shard of it has the
     same size on every rank (None otherwise, or for a symbolic or unknown case); also
     NOTE: [local shape check] in expand/retrace.py."""
-    if not all(type(n) is int for n in shape):
+    sizes = local_sizes_where_even(shape, mesh, placements)
+    if sizes is None or any(n is None for n in sizes):
         return None
-    local = list(shape)
-    for mesh_dim, p in enumerate(placements):
-        if p.is_replicate() or p.is_partial():
-            continue
-        if not (p.is_shard() or is_strided_shard(p)):
-            return None
-        n = mesh.size(mesh_dim)
-        if local[p.dim] % (n * getattr(p, "split_factor", 1)):
-            return None
-        local[p.dim] //= n
-    return tuple(local)
+    return cast(tuple[int, ...], sizes)
 
 
 def local_sizes_where_even(shape: Any, mesh: Any, placements: Any) -> tuple[int | None, ...] | None:
     """Per dimension, the local size of a ``shape`` DTensor on ``mesh`` where it is the
     same on every rank: None for a dimension some mesh dimension shards unevenly (its
-    local size depends on the rank); None for all of it where ``even_local_shape`` can
-    say nothing (a symbolic shape, a placement it does not know)."""
+    local size depends on the rank); None for all of it for a symbolic shape or a
+    placement it does not know."""
     if not all(type(n) is int for n in shape):
         return None
     local: list[int | None] = list(shape)

@@ -485,7 +485,6 @@ class CompiledTrainStep:
         and its key: another one where the capture made the optimizer state (NOTE:
         [optimizer state made before the first program])."""
         start = time.perf_counter()
-        _refuse_meta_state(bindings, self.func)
         device_type = next(iter(bindings.params.values())).device.type
         if self.lowering.cuda_graphs and device_type != "cuda":
             raise SPMDCompileError(
@@ -767,29 +766,6 @@ def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) ->
                 hint="remove the hook and change the gradient in the step instead, between "
                 "loss.backward() and optimizer.step() (p.grad.clamp_(-1, 1)).",
             )
-
-
-# NOTE: [state on the meta device]
-# A model built under ``torch.device("meta")`` (FSDP2's deferred initialization) has
-# shapes but no values. A compiled step places the state from the values the model holds
-# (each rank keeps its share of them), so meta state is refused before capture, naming the
-# first such tensor; capture would otherwise fail on the first op that meets the batch
-# ("found at least two devices, cpu and meta"). Sharded initialization of a meta model
-# (each rank making only its share) is not offered: it cannot reproduce the values one
-# device's construction draws, which the single-device equivalence rests on.
-def _refuse_meta_state(bindings: StepBindings, func: Callable[..., Any]) -> None:
-    for kind, tensors in (("parameter", bindings.params), ("buffer", bindings.buffers)):
-        for name, t in tensors.items():
-            if t.device.type == "meta":
-                raise SPMDCompileError(
-                    f"{kind} {name} is on the meta device, so it has no values; a compiled "
-                    "step places the model's state from the values it holds "
-                    "(NOTE: [state on the meta device]).",
-                    user_line=step_where(func),
-                    hint="materialize the model before the first call: "
-                    "model.to_empty(device=...) and then initialize it (each module's "
-                    "reset_parameters(), or your own init), or build it on the device.",
-                )
 
 
 # NOTE: [autocast around the step]

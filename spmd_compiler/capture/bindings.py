@@ -98,6 +98,16 @@ def _unowned(opt: torch.optim.Optimizer, owned: set[int]) -> tuple[int, torch.Te
     return None
 
 
+def _stray_after_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> tuple[int, torch.Tensor] | None:
+    """``_unowned`` once ``opt`` follows the replacements of parameters a call this
+    optimizer was not given made (NOTE: [parameters replaced by DTensors])."""
+    stray = _unowned(opt, owned)
+    if stray is not None:
+        _follow_replacements(opt, owned)
+        stray = _unowned(opt, owned)
+    return stray
+
+
 def _follow_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> None:
     """Point ``opt`` at the parameters that replaced its own, where the modules own those."""
     moved = {}
@@ -557,11 +567,10 @@ def find_bindings(
     remembered = walk is not None
     if walk is None:
         walk = _walk_modules(modules)
+        _refuse_state_without_values(walk[0], walk[1], where)  # a refused walk is not kept
         if memo is not None:
             memo.keep_module_walk(modules, walk)
     params, buffers, module_params, module_buffers, submodules = walk
-    if not remembered:
-        _refuse_uninitialized(params, buffers, where)
     optimizers += _named_optimizers(func, optimizers, params)
     unchanged = remembered and memo is not None and memo.optimizers_unchanged(optimizers)
     if not unchanged:  # the same objects as a call that passed this check: it holds
@@ -609,17 +618,18 @@ def _named_optimizers(
     for opt in _unique(reachable_by_name(func, [], torch.optim.Optimizer)):
         if any(opt is g for g in given) or any(opt is f for f in found):
             continue
-        if _unowned(opt, owned) is not None:
-            _follow_replacements(opt, owned)
-        if _unowned(opt, owned) is None:
+        if _stray_after_replacements(opt, owned) is None:
             found.append(opt)
     return found
 
 
-def _refuse_uninitialized(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], where: str) -> None:
-    """A lazy module (``nn.LazyLinear``, ``nn.LazyConv2d``, ...) makes its parameters on
-    its first forward; before it, they have no shape to place or trace (torch raised
-    "Can't access the shape of an uninitialized parameter" from the program key)."""
+def _refuse_state_without_values(
+    params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], where: str
+) -> None:
+    """State a compiled step cannot place: a tensor on the meta device (NOTE: [state on
+    the meta device]) or of a lazy module that has not run (``nn.LazyLinear``, ...: no
+    shape before its first forward; torch raised "Can't access the shape of an
+    uninitialized parameter" from the program key)."""
     for kind, tensors in (("parameter", params), ("buffer", buffers)):
         for name, t in tensors.items():
             if torch.nn.parameter.is_lazy(t):
@@ -632,6 +642,27 @@ def _refuse_uninitialized(params: dict[str, torch.Tensor], buffers: dict[str, to
                     "run, as torch's lazy modules need before an optimizer is made: "
                     "`with torch.no_grad(): model(batch)`), or give the module its sizes.",
                 )
+            if t.device.type == "meta":
+                raise SPMDCompileError(
+                    f"{kind} {name} is on the meta device, so it has no values; a compiled "
+                    "step places the model's state from the values it holds "
+                    "(NOTE: [state on the meta device]).",
+                    user_line=where,
+                    hint="materialize the model before the first call: "
+                    "model.to_empty(device=...) and then initialize it (each module's "
+                    "reset_parameters(), or your own init), or build it on the device.",
+                )
+
+
+# NOTE: [state on the meta device]
+# A model built under ``torch.device("meta")`` (FSDP2's deferred initialization) has
+# shapes but no values. A compiled step places the state from the values the model holds
+# (each rank keeps its share of them), so meta state is refused when the step's modules
+# are walked, naming the first such tensor; capture would otherwise fail on the first op
+# that meets the batch ("found at least two devices, cpu and meta"). Sharded
+# initialization of a meta model (each rank making only its share) is not offered: it
+# cannot reproduce the values one device's construction draws, which the single-device
+# equivalence rests on.
 
 
 def _walk_modules(modules: list[torch.nn.Module]) -> tuple:
@@ -671,10 +702,7 @@ def _check_ownership(
 ) -> None:
     owned = {id(p) for p in params.values()}
     for oi, opt in enumerate(optimizers):
-        stray = _unowned(opt, owned)
-        if stray is not None:  # replaced by a call this optimizer was not given?
-            _follow_replacements(opt, owned)
-            stray = _unowned(opt, owned)
+        stray = _stray_after_replacements(opt, owned)
         if stray is not None:
             gi, p = stray
             raise SPMDCompileError(

@@ -179,7 +179,7 @@ SCHEDULER_HINT = (
 # DTensor refuses).
 # A reduction with an empty ``dim`` list names every dimension (_empty_dims_as_all); a
 # scan's negative ``dim`` is counted from the front (_scan_with_nonnegative_dim), so is
-# ``select_backward`` and ``slice_backward's (_backward_with_nonnegative_dim);
+# ``select_backward``'s and ``slice_backward``'s (_backward_with_nonnegative_dim);
 # ``argmax`` / ``argmin`` become the first index of the ``amax`` / ``amin``
 # (_first_index_of).
 # An ``as_strided`` that only names its input's elements in their order becomes a view
