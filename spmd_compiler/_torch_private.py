@@ -393,6 +393,35 @@ def outside_the_trace() -> Iterator[None]:
         yield
 
 
+def eager_attention_takes_cpu_flash(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+    dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+) -> bool:
+    """Whether eager ``F.scaled_dot_product_attention`` runs torch's CPU flash kernel for
+    tensors like these (NOTE: [the CPU flash kernel at capture]): ``_fused_sdp_choice`` on
+    empty real tensors of their shapes, strides, dtypes and ``requires_grad``, in the
+    caller's grad mode and under autocast never (autocast casts the call's inputs)."""
+    from torch.nn.attention import SDPBackend
+
+    tensors = [t for t in (query, key, value, attn_mask) if t is not None]
+    if any(t.device.type != "cpu" for t in tensors) or torch.is_autocast_enabled("cpu"):
+        return False
+    if any(not isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride())):
+        return False
+    grad = torch.is_grad_enabled()
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        real = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+        return real.requires_grad_(t.requires_grad)
+
+    with outside_the_trace(), torch.set_grad_enabled(grad):
+        choice = torch._fused_sdp_choice(
+            empty(query), empty(key), empty(value), attn_mask=None if attn_mask is None else empty(attn_mask),
+            dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        )
+    return bool(choice == SDPBackend.FLASH_ATTENTION.value)
+
+
 def random_op(target: Any) -> bool:
     """An ATen op that draws random numbers (its ``nondeterministic_seeded`` tag)."""
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags

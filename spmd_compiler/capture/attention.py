@@ -1,4 +1,5 @@
-"""Scaled dot-product attention as plain ATen ops at capture.
+"""Scaled dot-product attention at capture: torch's CPU flash kernel where eager takes
+it, plain ATen ops elsewhere.
 
 NOTE: [attention decomposed at capture]
 ``F.scaled_dot_product_attention`` picks a fused kernel by device and arguments
@@ -16,9 +17,29 @@ the math formulation torch itself uses for its reference path
 dropout, then the product with v. Every op is one DTensor shards on batch (data
 parallel) and on heads (tensor parallel), and autograd derives the backward from them.
 Dropout draws with ``bernoulli_`` like ``nn.Dropout``, so it takes its values from the
-one global draw. On every device the program computes attention this way; the fused
-kernels' speed is not used (the eager reference uses them: its numbers agree to
-float32 rounding).
+one global draw. That is the program wherever NOTE: [the CPU flash kernel at capture]
+does not apply: on CUDA, under autocast, and on CPU where eager itself takes the math
+path (dropout, a mask that requires grad, 3-D inputs, a last dimension not contiguous).
+
+NOTE: [the CPU flash kernel at capture]
+On CPU, where eager's own choice (``_fused_sdp_choice``, asked on empty real tensors of
+the call's shapes, strides, dtypes and ``requires_grad``) is the flash kernel, the call
+is captured as ``spmd_compiler::flash_attention_cpu`` and its backward as
+``spmd_compiler::flash_attention_cpu_backward``: custom ops over
+``_scaled_dot_product_flash_attention_for_cpu`` and its backward, with a boolean mask
+converted to an additive one as torch's own ``scaled_dot_product_attention`` converts it
+before the kernel. They exist so that the mask is a positional argument: DTensor
+redistributes positional tensors to the chosen strategy, but passes keyword-only ones
+(the ATen op's ``attn_mask``) as they are, so a mask laid out unlike the rule would reach
+the kernel as a wrong shard. Their sharding rule (``register_sharding``): everything
+replicated; or q, k, v, the output and the log-sum-exp sharded alike on the batch
+(dimension 0) or on the heads (dimension 1; with as many key as query heads), the mask
+sharded there too where it has that dimension at full size, replicated where it
+broadcasts. Grouped-query attention (fewer key than query heads) keeps the math
+formulation, whose repeated key heads shard with the query's. Each (batch, head) row is computed alone by the kernel, so a rank's share
+gives bit for bit the rows eager computes on the whole batch: the compiled step matches
+eager on CPU exactly, where the math formulation matched it to rounding only, and holds
+no (batch, heads, L, S) score matrix. Measured in ``tests/sim/test_attention.py``.
 """
 
 from __future__ import annotations
@@ -53,6 +74,13 @@ def scaled_dot_product_attention(
             "scaled_dot_product_attention on nested tensors cannot be captured.",
             hint="pad the sequences and pass an attention mask instead.",
         )
+    if key.shape[:-2] == query.shape[:-2] and private.eager_attention_takes_cpu_flash(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    ):
+        mask = attn_mask
+        if mask is not None and mask.dtype == torch.bool:
+            mask = _boolean_as_additive(mask, query)
+        return torch.ops.spmd_compiler.flash_attention_cpu.default(query, key, value, mask, is_causal, scale)[0]
     head_dim = query.size(-1)
     scale_value = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     root = math.sqrt(abs(scale_value))
@@ -85,10 +113,15 @@ def _additive_mask(
     if attn_mask is None:
         return None
     if attn_mask.dtype == torch.bool:
-        zero = torch.zeros((), dtype=query.dtype, device=query.device)
-        minus_inf = torch.full((), float("-inf"), dtype=query.dtype, device=query.device)
-        return torch.where(attn_mask, zero, minus_inf)
+        return _boolean_as_additive(attn_mask, query)
     return attn_mask
+
+
+def _boolean_as_additive(attn_mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """0 where attending, -inf elsewhere, in the query's dtype (as torch converts it)."""
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    minus_inf = torch.full((), float("-inf"), dtype=query.dtype, device=query.device)
+    return torch.where(attn_mask, zero, minus_inf)
 
 
 def _repeat_groups(
@@ -108,6 +141,104 @@ def _repeat_groups(
 
 
 _FUSED = F.scaled_dot_product_attention
+
+
+def _flash_attention_cpu(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    is_causal: bool, scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention output and its log-sum-exp (which backward reads)."""
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    return out, logsumexp
+
+
+def _flash_attention_cpu_backward(
+    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: torch.Tensor | None, out: torch.Tensor, logsumexp: torch.Tensor, is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of query, key and value."""
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        grad, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    return grads[0], grads[1], grads[2]
+
+
+# NOTE: [the CPU flash kernel at capture]; the ATen ops' meta kernels give the fake outputs
+_FLASH_CPU = torch.library.custom_op(
+    "spmd_compiler::flash_attention_cpu",
+    _flash_attention_cpu,
+    mutates_args=(),
+    schema="(Tensor query, Tensor key, Tensor value, Tensor? mask, bool is_causal, float? scale) -> (Tensor, Tensor)",
+)
+_FLASH_CPU.register_fake(_flash_attention_cpu)
+_FLASH_CPU_BACKWARD = torch.library.custom_op(
+    "spmd_compiler::flash_attention_cpu_backward",
+    _flash_attention_cpu_backward,
+    mutates_args=(),
+    schema="(Tensor grad, Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor out, "
+    "Tensor logsumexp, bool is_causal, float? scale) -> (Tensor, Tensor, Tensor)",
+)
+_FLASH_CPU_BACKWARD.register_fake(_flash_attention_cpu_backward)
+
+
+def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
+    query, key, value, mask, ctx.is_causal, ctx.scale = inputs
+    ctx.save_for_backward(query, key, value, mask, *output)
+
+
+def _attention_backward(ctx: Any, grad: torch.Tensor, grad_logsumexp: Any) -> tuple:
+    query, key, value, mask, out, logsumexp = ctx.saved_tensors
+    grads = torch.ops.spmd_compiler.flash_attention_cpu_backward.default(
+        grad, query, key, value, mask, out, logsumexp, ctx.is_causal, ctx.scale
+    )
+    return (*grads, None, None, None)
+
+
+_FLASH_CPU.register_autograd(_attention_backward, setup_context=_save_for_backward)
+
+
+def _install_flash_attention_cpu_rules() -> None:
+    """DTensor's strategies for the two ops (NOTE: [the CPU flash kernel at capture])."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    replicate: Any = Replicate()
+    # the batch or the heads (query, key and value have the same batch and heads: grouped
+    # query attention takes the math formulation, whose repeated key heads shard alike)
+    split_dims = (0, 1)
+
+    def mask_placement(mask: Any, dim: int) -> Any:
+        if mask is None:
+            return None
+        own = dim - (4 - len(mask.shape))  # the mask broadcasts from the right
+        return replicate if own < 0 or mask.shape[own] == 1 else Shard(own)
+
+    def forward(query: Any, key: Any, value: Any, mask: Any, *flags: Any) -> list[tuple[list, list]]:
+        rest = [None, None]
+        whole = None if mask is None else replicate
+        rules = [([replicate] * 2, [replicate] * 3 + [whole] + rest)]
+        for dim in split_dims:
+            shard = Shard(dim)
+            rules.append(([shard] * 2, [shard] * 3 + [mask_placement(mask, dim)] + rest))
+        return rules
+
+    def backward(grad: Any, query: Any, key: Any, value: Any, mask: Any, *rest: Any) -> list[tuple[list, list]]:
+        flags = [None, None]
+        whole = None if mask is None else replicate
+        rules = [([replicate] * 3, [replicate] * 4 + [whole] + [replicate] * 2 + flags)]
+        for dim in split_dims:
+            shard = Shard(dim)
+            rules.append(([shard] * 3, [shard] * 4 + [mask_placement(mask, dim)] + [shard] * 2 + flags))
+        return rules
+
+    register_sharding(torch.ops.spmd_compiler.flash_attention_cpu.default)(forward)
+    register_sharding(torch.ops.spmd_compiler.flash_attention_cpu_backward.default)(backward)
+
+
+_install_flash_attention_cpu_rules()
 
 
 class _AttentionAsMath(TorchFunctionMode):

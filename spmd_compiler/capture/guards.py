@@ -401,7 +401,35 @@ def _snapshot(value: Any) -> Any:
     one in C, no freezing per check), or frozen if it holds NumPy values."""
     if _numpy_inside(value):
         return _frozen(value)
-    return copy.deepcopy(value) if isinstance(value, (list, dict, tuple)) else value
+    if not isinstance(value, (list, dict, tuple)):
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - a class that answers copy's probes wrongly
+        # (``class AttrDict(dict): __getattr__ = dict.__getitem__`` raises KeyError for
+        # ``__deepcopy__``): a container of its class holding copies of its items, made
+        # without calling its methods
+        return _items_copied(value)
+
+
+def _items_copied(value: Any) -> Any:
+    cls: Any = type(value)
+    if isinstance(value, dict):
+        copied: Any = cls.__new__(cls)
+        dict.update(copied, {key: _items_copied(item) for key, item in dict.items(value)})
+    elif isinstance(value, list):
+        copied = cls.__new__(cls)
+        list.extend(copied, [_items_copied(item) for item in list.__iter__(value)])
+    elif isinstance(value, tuple):
+        copied = tuple.__new__(cls, [_items_copied(item) for item in tuple.__iter__(value)])
+    else:
+        return copy.copy(value)
+    try:  # the instance's own attributes, read past a ``__getattr__`` of its class
+        own = object.__getattribute__(value, "__dict__")
+    except AttributeError:  # __slots__
+        return copied
+    object.__getattribute__(copied, "__dict__").update(own)
+    return copied
 
 
 def _current(value: Any) -> Any:

@@ -40,6 +40,8 @@ class _Attention(nn.Module):
         self.v = nn.Linear(WIDTH, kv, bias=False)
         self.o = nn.Linear(WIDTH, WIDTH)
         self.head = nn.Linear(WIDTH, 4)
+        if form == "learned_bias":  # a mask that requires grad: eager takes the math path
+            self.bias = nn.Parameter(torch.zeros(6, 6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
@@ -57,6 +59,11 @@ class _Attention(nn.Module):
             kwargs["attn_mask"] = -0.1 * distance.float()
         elif self.form == "gqa":
             kwargs.update(is_causal=True, enable_gqa=True)
+        elif self.form == "padded":  # per sample: which keys each sample attends to
+            first = torch.ones_like(x[:, :1, 0], dtype=torch.bool)
+            kwargs["attn_mask"] = torch.cat([first, x[:, 1:, 0] > -1.0], 1)[:, None, None, :]
+        elif self.form == "learned_bias":
+            kwargs["attn_mask"] = self.bias
         out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         return self.head(self.o(out.transpose(1, 2).reshape(b, n, WIDTH))).mean(1)
 
@@ -105,13 +112,67 @@ def test_sdpa_masked_every_mode(name, world, run_parity):
     )
     result.assert_close(TOL)
     if name == "tp":
-        program = result.compiled.last_program.graph_module
-        bmm_shapes = {
-            tuple(n.meta["val"].shape) for n in program.graph.nodes
-            if n.op == "call_function" and n.target is torch.ops.aten.bmm.default
-        }
-        # (batch x local heads, length, ...): each rank holds 2 of the 4 heads
-        assert all(shape[0] == 8 * HEADS // 2 for shape in bmm_shapes), bmm_shapes
+        cores = _attention_cores(result.compiled.last_program.graph_module)
+        # batch x local heads: each rank holds 2 of the 4 heads
+        assert cores == {8 * HEADS // 2}, cores
+
+
+_FLASH_OPS = (torch.ops.spmd_compiler.flash_attention_cpu.default, torch.ops.spmd_compiler.flash_attention_cpu_backward.default)
+
+
+def _attention_cores(program: torch.fx.GraphModule) -> set[int]:
+    """How many (batch, head) rows each attention product of the per-rank program holds:
+    a ``bmm``'s batch (the math formulation), or the fused kernel's query batch x heads
+    (NOTE: [the CPU flash kernel at capture])."""
+    cores = set()
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.bmm.default:
+            cores.add(node.meta["val"].shape[0])
+        elif node.target in _FLASH_OPS:
+            query = node.args[0 if node.target is _FLASH_OPS[0] else 1].meta["val"]
+            cores.add(query.shape[0] * query.shape[1])
+    return cores
+
+
+_FLASH_CASES = [(form, "ddp", 2) for form in ("none", "causal", "bool_scale", "float", "padded")]
+_FLASH_CASES += [(form, "tp", 2) for form in ("causal", "float", "padded")]
+_FLASH_CASES += [("padded", "fsdp", 4), ("padded", "fsdp_tp", 4)]
+
+
+@pytest.mark.parametrize("form,name,world", _FLASH_CASES)
+def test_cpu_flash_kernel_where_eager_takes_it(form, name, world, run_parity):
+    """NOTE: [the CPU flash kernel at capture]: where eager runs torch's CPU flash kernel,
+    the program runs it too, on the rank's batch (data parallel) or heads (tensor
+    parallel), with no score matrix (no softmax) and no gather; a per-sample padding mask
+    is split with the batch and kept whole over heads. float64, within 1e-10 of eager."""
+    result = run_parity(
+        lambda: _Attention(form).double(), _adamw, world, _batches(dtype=torch.float64),
+        mode=_mode(name, _HEADS_PLAN),
+    )
+    result.assert_close(1e-10)
+    program = result.compiled.last_program.graph_module
+    targets = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    assert set(_FLASH_OPS) <= targets, targets
+    assert torch.ops.aten._safe_softmax.default not in targets
+    local_batch, local_heads = {"ddp": (4, 4), "fsdp": (2, 4), "tp": (8, 2), "fsdp_tp": (4, 2)}[name]
+    assert _attention_cores(program) == {local_batch * local_heads}
+    assert "all_gather" not in collective_stats(program).counts or name.startswith("fsdp")
+
+
+@pytest.mark.parametrize("form", ["learned_bias", "gqa"])
+def test_math_formulation_where_eager_takes_it_or_heads_are_grouped(form, run_parity):
+    """A mask that requires grad makes eager take its math path, which the program then
+    computes too; grouped-query attention takes it as well (its repeated key heads shard
+    like the query's)."""
+    result = run_parity(
+        lambda: _Attention(form).double(), _adamw, 2, _batches(dtype=torch.float64), mode=_mode("ddp"),
+    )
+    result.assert_close(1e-10)
+    targets = {n.target for n in result.compiled.last_program.graph_module.graph.nodes}
+    assert not set(_FLASH_OPS) & targets
+    assert torch.ops.aten._safe_softmax.default in targets
 
 
 def _dropout_losses(name: str, world: int) -> list[float]:
@@ -295,10 +356,7 @@ def test_torch_attention_heads_tensor_parallel(kind, run_parity):
     if "regroup" not in private.view_fills():
         return  # torch 2.11 / 2.12: their own view fills gather the heads (README)
     program = result.compiled.last_program.graph_module
-    batches = {
-        n.meta["val"].shape[0] for n in program.graph.nodes
-        if n.op == "call_function" and n.target is torch.ops.aten.bmm.default
-    }
+    batches = _attention_cores(program)
     if kind == "decoder":
         # the cross-attention (multihead_attn, q from tgt, k/v from memory) splits its
         # packed weight into [E, 2E] rows, which gathers it: its core runs on all heads

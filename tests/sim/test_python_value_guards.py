@@ -80,27 +80,42 @@ def test_changed_module_attribute_recompiles(run_parity, classification_batches,
 LOSS_WEIGHT = 1.0
 
 
+class AttrDict(dict):
+    """The config idiom whose ``__getattr__`` raises KeyError (``copy.deepcopy`` probes
+    ``__deepcopy__`` with getattr): before 2026-12-02 the guard's snapshot crashed on it."""
+
+    __getattr__ = dict.__getitem__
+    __setattr__ = dict.__setitem__
+
+
+SETTINGS = AttrDict(weight=1.0)
+
+
 def global_weighted_step(model, optim, x, y):
-    loss = F.cross_entropy(model(x), y) * LOSS_WEIGHT
+    loss = F.cross_entropy(model(x), y) * LOSS_WEIGHT * SETTINGS.weight
     loss.backward()
     optim.step()
     optim.zero_grad()
     return loss
 
 
-def test_changed_global_recompiles(run_parity, classification_batches):
-    def before_step(i, model, reference):
-        global LOSS_WEIGHT
-        LOSS_WEIGHT = TEMPERATURES[i]
+def _set_loss_weight(value: float) -> None:
+    global LOSS_WEIGHT
+    LOSS_WEIGHT = value
 
+
+@pytest.mark.parametrize(
+    "set_weight", [_set_loss_weight, lambda v: setattr(SETTINGS, "weight", v)],
+    ids=["global_float", "attr_dict_config"],
+)
+def test_changed_global_recompiles(run_parity, classification_batches, set_weight):
     try:
         result = run_parity(
-            _mlp, sgd_momentum, 2,
-            classification_batches(len(TEMPERATURES)), step=global_weighted_step,
-            before_step=before_step,
+            _mlp, sgd_momentum, 2, classification_batches(len(TEMPERATURES)), step=global_weighted_step,
+            before_step=lambda i, model, reference: set_weight(TEMPERATURES[i]),
         )
     finally:
-        globals()["LOSS_WEIGHT"] = 1.0
+        set_weight(1.0)
     result.assert_close(FLOAT32_TOLERANCE)
     assert result.compile_counts == [1, 2, 3, 3, 4]
 
