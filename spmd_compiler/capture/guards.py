@@ -211,7 +211,7 @@ _OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 # (one entry: four a module; its key names each dict), a list or tuple item
 # (``container[key]``), a ``_DICT`` guard on a value holding NumPy values (compared
 # frozen: ``_frozen``).
-_DICT, _CELL, _ARG, _LEN, _TENSOR, _ITERATOR, _HOOK_COUNTS, _ITEM, _NUMPY_DICT = range(9)
+_DICT, _CELL, _ARG, _LEN, _TENSOR, _ITERATOR, _HOOK_COUNTS, _ITEM, _NUMPY_DICT, _DEFAULT = range(10)
 
 
 @dataclass
@@ -306,6 +306,9 @@ class Guards:
             elif kind == _ITEM:
                 if key >= len(container) or container[key] is not obj:
                     return False
+            elif kind == _DEFAULT:
+                if _default_of(container, key) is not obj:
+                    return False
             elif key >= len(bindings.flat_args) or bindings.flat_args[key] is not obj:  # _ARG
                 return False
         return True
@@ -393,7 +396,21 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
             return _current(container.cell_contents)
         except ValueError:
             return _MISSING
+    if kind == _DEFAULT:
+        return _current(_default_of(container, key))
     return _current(bindings.flat_args[key])
+
+
+def _default_of(fn: types.FunctionType, key: tuple[str, Any]) -> Any:
+    """A default argument of ``fn``: ``key`` is ``("__defaults__", position)`` or
+    ``("__kwdefaults__", name)``; read anew (code may assign either attribute whole)."""
+    attribute, which = key
+    held = getattr(fn, attribute)
+    if held is None:
+        return _MISSING
+    if attribute == "__defaults__":
+        return held[which] if which < len(held) else _MISSING
+    return held.get(which, _MISSING)
 
 
 def _snapshot(value: Any) -> Any:
@@ -625,8 +642,8 @@ class _Walker:
         self.read_by_name = by_name  # NOTE: [guards on the names the code reads]
         self.seen_code: set[int] = set()
         self.seen_objects: set[int] = set()
-        self.hook_dicts: list[dict] = []
-        self.hook_names: list[str] = []
+        self.counted_dicts: list[dict] = []
+        self.counted_names: list[str] = []
         # NOTE: [guards below the walked depth]: every name and string the walked code
         # holds; what waits to be walked by those names, as (value, path, where read)
         self.read_names: set[str] = set()
@@ -648,17 +665,18 @@ class _Walker:
         self.seen_class_attributes: set[tuple[int, str]] = set()
 
     def counted_hooks(self) -> None:
-        """One guard on the sizes of every hook dict the walk met (hundreds: a length
-        test each, in one C loop)."""
-        if self.hook_dicts:
+        """One guard on the sizes of every hook dict the walk met, and of every
+        parameter's attributes (hundreds: a length test each, in one C loop)."""
+        if self.counted_dicts:
             self.guards.add(
-                _HOOK_COUNTS, self.hook_dicts, tuple(self.hook_names),
-                tuple(map(len, self.hook_dicts)), "the number of hooks",
+                _HOOK_COUNTS, self.counted_dicts, tuple(self.counted_names),
+                tuple(map(len, self.counted_dicts)), "the number of hooks",
             )
 
     def module(self, mod: torch.nn.Module, name: str) -> None:
         d = mod.__dict__
         self.guards.add(_LEN, d, None, len(d), f"the number of attributes of {name}")
+        self.parameter_attributes(d.get("_parameters") or {}, name)
         for key in _MODULE_HOOKS:
             hooks = d.get(key)
             if isinstance(hooks, dict):
@@ -672,6 +690,18 @@ class _Walker:
             if _module_internal(key, value) or isinstance(value, torch.nn.Module):
                 continue
             self.value(_DICT, d, key, value, f"{name}.{key}", OBJECT_DEPTH)
+
+    def parameter_attributes(self, parameters: dict[str, Any], name: str) -> None:
+        """The Python attributes code set on a module's parameters (NOTE: [Python
+        attributes of parameters] in ``trace.py``): their number and values."""
+        for key, p in parameters.items():
+            own = getattr(p, "__dict__", None)
+            if own is None:
+                continue
+            self.counted_dicts.append(own)  # one set later: ``counted_hooks``
+            self.counted_names.append(f"attributes of {name}.{key}")
+            for attribute, value in own.items():
+                self.value(_DICT, own, attribute, value, f"{name}.{key}.{attribute}", OBJECT_DEPTH)
 
     def reached_module(self, mod: torch.nn.Module, name: str) -> None:
         """A module the step reaches by name, not by argument (a global or closure
@@ -691,8 +721,8 @@ class _Walker:
         """A hook registered or removed after the capture changes what the step
         computes: their number (one guard for all the dicts: ``counted_hooks``), and
         each one by identity, are guards."""
-        self.hook_dicts.append(hooks)
-        self.hook_names.append(name)
+        self.counted_dicts.append(hooks)
+        self.counted_names.append(name)
         for position, (handle, hook) in enumerate(hooks.items()):  # named by position:
             # handles count up per process, so another model's are other numbers
             self.guards.hook_entries.add(len(self.guards.entries))
@@ -953,6 +983,11 @@ class _Walker:
                 self.seen_class_attributes.add((id(d), attribute))
                 self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
             functions = list(functions_of(value))
+            if functions and not found and (id(d), attribute) not in self.seen_class_attributes:
+                # a method replaced on the class (``Block.forward = patched``, a notebook's
+                # fix) is another program: guarded by identity
+                self.seen_class_attributes.add((id(d), attribute))
+                self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
             for fn in functions:  # a method the code calls on the object
                 self.function(fn, cls)
             found = True
@@ -1029,6 +1064,24 @@ class _Walker:
             except ValueError:
                 continue
             self.reach(_CELL, cell, None, value, f"closure value {name}", f" (of {where})", deep)
+        if deep:
+            self.defaults(fn, where)
+
+    def defaults(self, fn: types.FunctionType, where: str) -> None:
+        """NOTE: [default arguments]: the default values of a user's function's parameters,
+        guarded like the values its code names (``def loss(x, scale=2.0)`` then
+        ``loss.__defaults__ = (4.0,)``; ``def head(x, cfg=CFG)``, whose ``cfg.scale`` the
+        walk follows by name). Before 2026-12-02 no default was guarded: a new value, or
+        a config object reachable only as a default, ran the old program."""
+        parameters = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+        positional = fn.__defaults__ or ()
+        for position, value in enumerate(positional):
+            name = parameters[len(parameters) - len(positional) + position]
+            self.named_value(
+                _DEFAULT, fn, ("__defaults__", position), value, f"default of {name}", f" (of {where})", True
+            )
+        for name, value in (fn.__kwdefaults__ or {}).items():
+            self.named_value(_DEFAULT, fn, ("__kwdefaults__", name), value, f"default of {name}", f" (of {where})", True)
 
     def reach(self, kind: int, container: Any, key: Any, value: Any, path: str, where: str, deep: bool) -> None:
         """A global or closure value the code names: a scalar is guarded; functions,

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 from unittest import mock
 
@@ -1098,6 +1098,7 @@ class _StepTracer:
             args, kwargs = close_containers((args, kwargs), b.containers, closed)
         self.floats = FloatArgumentMode(stand_ins)
         compute = _compute_params(params, self.options.param_dtype)
+        _carry_python_attributes(b.params, params, compute)  # NOTE: [Python attributes of parameters]
         with contextlib.ExitStack() as stack:
             for mi, mod in enumerate(b.modules):
                 swap = {fqn: compute[name] for fqn, name in b.module_params[mi].items()}
@@ -1193,6 +1194,25 @@ class _StepTracer:
 
 
 _MISSING = object()
+
+
+def _carry_python_attributes(real: Mapping[str, torch.Tensor], *traced: dict[str, torch.Tensor]) -> None:
+    """NOTE: [Python attributes of parameters]
+    Code marks parameters with Python attributes (``p.no_decay = True``, a muP
+    ``p.lr_scale``) and reads them in the step (``getattr(p, "no_decay", False)``). The
+    trace runs on stand-in tensors, which had none: before 2026-12-02 ``getattr`` gave
+    its default, silently, from the first call on. The stand-ins now carry each real
+    parameter's attributes (tensor-valued ones left out: a tensor read that way is no
+    input of the program, and reading one fails as before). The guards keep their values
+    (``_Walker.parameter_attributes``: how many each parameter has, and what each holds),
+    and the installed replacement of a parameter holds the same dict of attributes
+    (``runtime/runner.py``): the guards built on the parameter read what code sets on
+    its replacement."""
+    for name, p in real.items():
+        own = {key: value for key, value in vars(p).items() if not isinstance(value, torch.Tensor)}
+        if own:
+            for values in traced:
+                vars(values[name]).update(own)
 
 
 def _compute_params(

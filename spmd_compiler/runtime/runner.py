@@ -118,6 +118,9 @@ def _install(
             continue
         dt = _distribute(p.detach(), mesh, placements, sim)
         new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+        # NOTE: [Python attributes of parameters]: the replacement holds the same dict of
+        # attributes, so the guards built on the parameter see what code sets on it later
+        new.__dict__ = p.__dict__
         if p.grad is not None:
             grad_ref = StateRef(Kind.GRAD, name)
             new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)

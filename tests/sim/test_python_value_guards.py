@@ -124,6 +124,79 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+SCALING = types.SimpleNamespace(scale=1.0)
+
+
+def scaled_logits(logits, temperature=1.0, *, settings=SCALING):
+    return logits * settings.scale / temperature
+
+
+class DefaultsReader(nn.Module):
+    """A forward calling a helper whose parameters have defaults: a float, and a config
+    object reachable only as a keyword-only default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scaled_logits(self.net(x))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda v: setattr(scaled_logits, "__defaults__", (v,)),
+        lambda v: setattr(SCALING, "scale", v),
+        lambda v: setattr(scaled_logits, "__kwdefaults__", {"settings": types.SimpleNamespace(scale=v)}),
+    ],
+    ids=["positional_default", "default_object_attribute", "keyword_default_replaced"],
+)
+def test_changed_default_argument_recompiles(run_parity, classification_batches, change):
+    """NOTE: [default arguments] in capture/guards.py: before 2026-12-02 each of these
+    ran the first program (loss off by up to 2.3 on the sweep's repros)."""
+    defaults, kwdefaults = scaled_logits.__defaults__, scaled_logits.__kwdefaults__
+    try:
+        result = run_parity(
+            DefaultsReader, sgd_momentum, 2, classification_batches(len(TEMPERATURES)),
+            before_step=lambda i, model, reference: change(TEMPERATURES[i]),
+        )
+    finally:
+        scaled_logits.__defaults__, scaled_logits.__kwdefaults__ = defaults, kwdefaults
+        SCALING.scale = 1.0
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3, 4]
+
+
+class Patched(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _doubled_forward(self, x):
+    return 2.0 * self.net(x)
+
+
+def test_method_replaced_on_the_class_recompiles(run_parity, classification_batches):
+    """A notebook's fix (``Patched.forward = other``) between calls: before 2026-12-02
+    the old program ran (its code was walked, the class's entry not guarded)."""
+    original = Patched.forward
+
+    def before_step(i, model, reference):
+        Patched.forward = _doubled_forward if i >= 2 else original
+
+    try:
+        result = run_parity(Patched, sgd_momentum, 2, classification_batches(4), before_step=before_step)
+    finally:
+        Patched.forward = original
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 3, 3]  # SGD momentum: two programs, then the patch
+
+
 def _closure_step():
     weight = 1.0
 
@@ -484,3 +557,37 @@ def test_an_iterator_a_forward_advances_is_refused(classification_batches, train
     compiled = sc.compile()(train_step)
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="position of iterator module <root>.ticks"):
         compiled(model, sgd_momentum(model), *classification_batches(1)[0])
+
+
+def frozen_flag_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        if getattr(p, "no_update", False):
+            p.grad = None
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_python_attributes_of_parameters_are_read_and_guarded(run_parity, classification_batches):
+    """NOTE: [Python attributes of parameters] in capture/trace.py: a flag set on a
+    parameter before the first call (the trace's stand-ins had none: ``getattr`` gave its
+    default, the layer trained; loss 1.3537 against 1.3457 on the sweep's repro), then one
+    set on another parameter between calls (its installed replacement holds the same
+    attributes, which the guards watch)."""
+
+    def before_step(i, model, reference):
+        for m in (model, reference):
+            if i == 0:
+                m[0].weight.no_update = True
+            if i == 2:
+                m[2].weight.no_update = True
+
+    result = run_parity(
+        _mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2, classification_batches(4),
+        step=frozen_flag_step, before_step=before_step,
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 1, 2, 2]
+    assert result.model[2].weight.no_update and hasattr(result.model[0].weight, "no_update")
