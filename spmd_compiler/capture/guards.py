@@ -194,7 +194,11 @@ log = logging.getLogger("spmd_compiler")
 
 OBJECT_DEPTH = 2
 _MISSING = object()
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, complex, bytes, range, slice)
+# containers of scalars guarded by value, beside lists, tuples and dicts (``self.skip =
+# {"norm"}`` read as ``name in self.skip``; before 2026-12-02 neither these nor complex
+# numbers, ranges and slices were guarded: a change ran the old program)
+_SCALAR_COLLECTIONS = (set, frozenset, collections.deque)
 # nn.Module internals that are not settings the forward reads.
 _MODULE_INTERNALS = frozenset(
     {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_state_dict_hooks"}
@@ -418,7 +422,7 @@ def _snapshot(value: Any) -> Any:
     one in C, no freezing per check), or frozen if it holds NumPy values."""
     if _numpy_inside(value):
         return _frozen(value)
-    if not isinstance(value, (list, dict, tuple)):
+    if not isinstance(value, (list, dict, tuple, *_SCALAR_COLLECTIONS)):
         return value
     try:
         return copy.deepcopy(value)
@@ -439,7 +443,7 @@ def _items_copied(value: Any) -> Any:
         list.extend(copied, [_items_copied(item) for item in list.__iter__(value)])
     elif isinstance(value, tuple):
         copied = tuple.__new__(cls, [_items_copied(item) for item in tuple.__iter__(value)])
-    else:
+    else:  # a set or deque of scalars
         return copy.copy(value)
     try:  # the instance's own attributes, read past a ``__getattr__`` of its class
         own = object.__getattribute__(value, "__dict__")
@@ -542,7 +546,7 @@ def is_scalar(value: Any) -> bool:
     """Python values a trace bakes in as constants (and containers of them)."""
     if isinstance(value, _SCALARS) or numpy_kind(value) is not None:
         return True
-    if isinstance(value, (tuple, list)):  # named tuples and subclasses too
+    if isinstance(value, (tuple, list, *_SCALAR_COLLECTIONS)):  # named tuples and subclasses too
         return all(is_scalar(v) for v in value)
     if isinstance(value, dict):
         return all(isinstance(k, _SCALARS) and is_scalar(v) for k, v in value.items())
@@ -908,11 +912,11 @@ class _Walker:
         its methods (``overrides``) and, by the names that code reads, what the object
         holds (``self.extra``), torch's own entries aside (its ``param_groups`` are keyed
         on their own, its ``state`` is the program's). Torch's optimizers read only
-        those: nothing is walked."""
-        if not users_class(type(opt)):
-            return
-        self.class_attribute(type(opt), "step")
-        self.overrides(type(opt))
+        those, but for what code set on the object (``opt.loss_scale = 2.0``, read by
+        the step: before 2026-12-02 not guarded), walked by name like a user's."""
+        if users_class(type(opt)):
+            self.class_attribute(type(opt), "step")
+            self.overrides(type(opt))
         self.named.append((opt, name, "", _deep(opt), set(_torch_optimizer_entries()), False, OBJECT_DEPTH))
 
     def cut_short(self, path: str) -> None:

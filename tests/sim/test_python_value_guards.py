@@ -591,3 +591,72 @@ def test_python_attributes_of_parameters_are_read_and_guarded(run_parity, classi
     result.assert_close(FLOAT32_TOLERANCE)
     assert result.compile_counts == [1, 1, 2, 2]
     assert result.model[2].weight.no_update and hasattr(result.model[0].weight, "no_update")
+
+
+class Switched(nn.Module):
+    """Settings held in a set (``"tanh" in self.skip``) and in a range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+        self.skip: set[str] = set()
+        self.rows = range(0, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        out = out if "tanh" in self.skip else torch.tanh(out)
+        return out * len(self.rows) / 4
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda m: m.skip.add("tanh"), lambda m: setattr(m, "rows", range(0, 8))],
+    ids=["set_mutated", "range_replaced"],
+)
+def test_changed_set_or_range_recompiles(run_parity, classification_batches, change):
+    """Before 2026-12-02 sets, deques, ranges, slices and complex numbers were neither
+    guarded nor walked: a change ran the old program (loss 1.07 against 0.71 on the
+    sweep's repro for a set)."""
+
+    def before_step(i, model, reference):
+        if i == 2:
+            change(model)
+            change(reference)
+
+    result = run_parity(
+        Switched, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2, classification_batches(4),
+        before_step=before_step,
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 1, 2, 2]
+
+
+def optimizer_scaled_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y) * optim.loss_scale
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_attribute_set_on_a_torch_optimizer_recompiles(run_parity, classification_batches):
+    """What code sets on one of torch's optimizers and the step reads (``optim.loss_scale``):
+    before 2026-12-02 torch's optimizers were not walked (loss 3.15 against 0.76 on the
+    sweep's repro after the scale changed)."""
+    made: list[torch.optim.Optimizer] = []  # the compiled step's and the reference's
+
+    def make_optimizer(model):
+        made.append(torch.optim.SGD(model.parameters(), lr=0.1))
+        made[-1].loss_scale = 1.0
+        return made[-1]
+
+    def before_step(i, model, reference):
+        for optim in made:
+            optim.loss_scale = 4.0 if i >= 2 else 1.0
+
+    result = run_parity(
+        _mlp, make_optimizer, 2, classification_batches(4), step=optimizer_scaled_step,
+        before_step=before_step,
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 1, 2, 2]
