@@ -428,13 +428,20 @@ class _ExpandingInterpreter(RetracingInterpreter):
         the strides the view had before, not those of the ops it recorded. A ``view``
         traced on those strides can fail on the real ones (Longformer's backward: "Cannot
         view a tensor ..."). With no mutation in the graph a copy is the same value, so
-        such a view is taken of a contiguous copy; the failed attempt's nodes are dead."""
+        such a view is taken of a contiguous copy; the failed attempt's nodes are dead.
+        The same holds where a rank's shard has other strides than the whole tensor the
+        capture saw: a tensor-parallel activation transposed so that its sharded dimension
+        moves, whose gradient the Linear's backward views (2026-12-02: refused before, with
+        the ``ValueError`` a view of a local tensor raises)."""
         try:
             return super().call_function(target, args, kwargs)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             if not any(text in str(exc) for text in _STRIDE_REFUSALS):
                 raise
-        return super().call_function(target, (args[0].contiguous(), *args[1:]), kwargs)
+        # a copy always (``contiguous()`` reads the whole tensor's strides, which may call
+        # it contiguous where the rank's shard is not)
+        copied = torch.ops.aten.clone.default(args[0], memory_format=torch.contiguous_format)
+        return super().call_function(target, (copied, *args[1:]), kwargs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         progress.current().advance()

@@ -160,3 +160,39 @@ def test_ops_along_the_sharded_features(name, run_parity, classification_batches
             pytest.xfail("torch 2.11: DTensor's index_put rule fails on the decomposed backward")
         raise
     result.assert_close(TOL)
+
+
+class _Transposed(nn.Module):
+    """A column-parallel activation (batch, length, features) transposed so that its
+    sharded features move to dim 1, then element-wise ops (which keep the transposed
+    layout): its gradient reaches the Linear's backward as a view that the whole
+    tensor's strides allow and a rank's shard's do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.up(x).transpose(1, 2)
+        return out.sin().sum() + (out * out).sum() / out.numel()
+
+
+def _loss_step(model, optim, x):  # noqa: ANN001, ANN202
+    loss = model(x)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_sharded_features_transposed(run_parity):
+    """Before 2026-12-02 refused at expansion ("Cannot view a tensor with shape [4, 4, 2]
+    and strides (8, 1, 4) as a tensor with shape (16, 2)"): NOTE: [views on strides that
+    functionalization misreports] in expand/retrace.py."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 4, 4, generator=gen, dtype=torch.float64),) for _ in range(2)]
+    result = run_parity(
+        lambda: _Transposed().double(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2, batches,
+        step=_loss_step, mode=TensorParallel({"up": ColwiseParallel()}),
+    )
+    result.assert_close(TOL)
