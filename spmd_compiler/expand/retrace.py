@@ -433,6 +433,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
         capture saw: a tensor-parallel activation transposed so that its sharded dimension
         moves, whose gradient the Linear's backward views (2026-12-02: refused before, with
         the ``ValueError`` a view of a local tensor raises)."""
+        if args[0].numel() == 0:
+            return self._empty_view(target, args, kwargs)
         try:
             return super().call_function(target, args, kwargs)
         except (RuntimeError, ValueError) as exc:
@@ -442,6 +444,16 @@ class _ExpandingInterpreter(RetracingInterpreter):
         # it contiguous where the rank's shard is not)
         copied = torch.ops.aten.clone.default(args[0], memory_format=torch.contiguous_format)
         return super().call_function(target, (copied, *args[1:]), kwargs)
+
+    def _empty_view(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """A view of a tensor with no elements: a new empty tensor of the view's shape,
+        replicated. DTensor's view rule never returns on some such shapes (its
+        ``view_groups`` loops forever on ``[0, 4] -> [0]``, torch 2.11 to 2.14: an empty
+        batch flattened hung the compile, 2026-12-02); with no element there is nothing
+        for a view to share, so a new tensor is the same value."""
+        with private.outside_the_trace():  # the view's shape, -1 resolved, on meta
+            shape = target(torch.empty(tuple(args[0].shape), device="meta"), *args[1:], **kwargs).shape
+        return super().call_function(torch.ops.aten.new_empty.default, (args[0], list(shape)), {})
 
     def run_node(self, n: torch.fx.Node) -> Any:
         progress.current().advance()

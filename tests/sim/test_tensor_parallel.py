@@ -196,3 +196,36 @@ def test_sharded_features_transposed(run_parity):
         step=_loss_step, mode=TensorParallel({"up": ColwiseParallel()}),
     )
     result.assert_close(TOL)
+
+
+class _Flattened(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x).flatten().sin().sum()
+
+
+def test_empty_activation_viewed(run_parity):
+    """An empty batch through a column-parallel layer, flattened: before 2026-12-02 the
+    compile never finished (DTensor's view rule loops on ``[0, 4] -> [0]``); a view of an
+    empty tensor is now a new empty tensor (``_ExpandingInterpreter._empty_view``). The
+    alarm turns a hang back into a failure."""
+    import signal
+
+    def timed_out(signum, frame):  # noqa: ANN001, ANN202
+        raise TimeoutError("the compile of a view of an empty tensor did not finish in 120 s")
+
+    previous = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(120)
+    try:
+        result = run_parity(
+            lambda: _Flattened().double(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2,
+            [(torch.zeros(0, 4, dtype=torch.float64),)] * 2, step=_loss_step,
+            mode=TensorParallel({"up": ColwiseParallel()}),
+        )
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    result.assert_close(TOL)
