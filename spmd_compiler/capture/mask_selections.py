@@ -103,8 +103,10 @@ class MaskWithFalseElements(Exception):
         )
 
 
-# A mask's decision: every element selected, or K (> 0) in every row (NOTE: [rows of one count])
+# A mask's decision: every element selected, or K (> 0) in every row (NOTE: [rows of one
+# count]), or its own value, a constant (NOTE: [masks made from shapes alone])
 EVERY = -1
+CONSTANT = -2
 
 
 class _Selections:
@@ -116,6 +118,7 @@ class _Selections:
         self.refs = refs
         self.real_input = real_input  # the real tensor of INPUT k (NOTE: [rows of one count])
         self.decided: dict[torch.fx.Node, int] = {}
+        self.constants: dict[torch.fx.Node, torch.Tensor] = {}  # the real masks of CONSTANT
         self._state_inputs: set[torch.fx.Node] | None = None
 
     def state_inputs(self, graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -205,6 +208,11 @@ def settle_selection(mask: torch.Tensor, where: str | None = None) -> int | None
     count]), verified every call, for a mask of the batch; refused at capture as a
     value-dependent shape for a mask computed from the model's state."""
     decision = _decide(mask)
+    if decision == CONSTANT:
+        raise RowsOfAModelMaskCounted(
+            f"the rows selected at {where or 'an unknown line'} by a mask made from shapes "
+            "and Python values alone are used where their number matters"
+        )
     if decision is not None:
         _SETTLED.append(where or "an unknown line")
         return None if decision == EVERY else decision
@@ -215,10 +223,10 @@ def settle_selection(mask: torch.Tensor, where: str | None = None) -> int | None
 
 
 def _selects_everything(mask: torch.Tensor) -> bool:
-    """Whether this selection is compiled as all true: False when torch's own op must
-    run (no trace of ours, a real constant, a mask computed from state) or the mask was
-    compiled for a count per row."""
-    return _decide(mask) == EVERY
+    """Whether this selection is compiled as all true (or as the mask's constant value):
+    False when torch's own op must run (no trace of ours, a real constant, a mask
+    computed from state) or the mask was compiled for a count per row."""
+    return _decide(mask) in (EVERY, CONSTANT)
 
 
 def _decide(mask: torch.Tensor) -> int | None:
@@ -232,6 +240,18 @@ def _decide(mask: torch.Tensor) -> int | None:
         return None
     if node in selections.decided:
         return selections.decided[node]
+    if not placeholders_read_by(node):
+        # NOTE: [masks made from shapes alone]
+        # A mask the trace computed from no input at all (factories, shapes and Python
+        # values: ``torch.combinations`` selects the upper triangle of an index grid) is a
+        # constant of the program: its value, computed apart from the trace, answers the
+        # selection exactly. Before 2026-12-02 such a mask was compiled as all true, and
+        # the value check failed on every call.
+        real = _real_value(node, selections)
+        if real is not None:
+            selections.constants[node] = real
+            selections.decided[node] = CONSTANT
+            return CONSTANT
     per_row = _count_per_row(mask, node, selections)
     # the value check (NOTE: [value checks]): answered by the trace's decisions
     if per_row is not None:
@@ -339,12 +359,28 @@ def every_index(shape: torch.Size, device: torch.device) -> torch.Tensor:
     return torch.stack([g.reshape(-1) for g in grids], dim=1)
 
 
+def _constant_indices(mask: torch.Tensor) -> torch.Tensor:
+    """``torch.nonzero`` of a mask decided CONSTANT: made in the trace from its values,
+    as ``torch.tensor([...])`` written in the step is (a constant of the program)."""
+    real = _ACTIVE[-1].constants[private.traced_node_of(mask)]  # type: ignore[index]
+    with private.outside_the_trace():
+        values = torch.nonzero(real.expand(mask.shape)).tolist()
+    return torch.tensor(values, dtype=torch.long, device=mask.device).reshape(-1, mask.dim())
+
+
+def _indices_of(mask: torch.Tensor) -> torch.Tensor:
+    """The indices a mask decided EVERY or CONSTANT selects, as ``torch.nonzero``."""
+    if _decision_of(mask) == CONSTANT:
+        return _constant_indices(mask)
+    return every_index(mask.shape, mask.device)
+
+
 def _nonzero(mask: torch.Tensor) -> Any:
     decision = _decide(mask)
     if decision is None:
         return NotImplemented
-    if decision == EVERY:
-        return every_index(mask.shape, mask.device)
+    if decision in (EVERY, CONSTANT):
+        return _indices_of(mask)
     b = mask.shape[0]
     positions = row_positions(mask, decision)  # (B, K) within the flattened row
     columns = [torch.arange(b, device=mask.device).reshape(b, 1).expand(b, decision)]
@@ -372,7 +408,7 @@ def _masks_as_every_index(
         if i is None or not _is_mask(i):
             converted.append(i)
         elif convert(i):
-            converted.extend(every_index(i.shape, i.device).unbind(1))
+            converted.extend(_indices_of(i).unbind(1))
             changed = True
         elif all_or_none:
             return None
@@ -387,8 +423,9 @@ def _decision_of(mask: torch.Tensor) -> int | None:
 
 
 def _decided(mask: torch.Tensor) -> bool:
-    """The mask was compiled as all true by a read earlier in this trace."""
-    return _decision_of(mask) == EVERY
+    """The mask was compiled as all true, or as its constant value, by a read earlier in
+    this trace."""
+    return _decision_of(mask) in (EVERY, CONSTANT)
 
 
 def _leading_mask(x: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -405,7 +442,7 @@ def _index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
     mask = _leading_mask(x, indices)
     if mask is not None:
         decision = _decide(mask)
-        if decision is not None and decision != EVERY:  # NOTE: [rows of one count]
+        if decision is not None and decision not in (EVERY, CONSTANT):  # NOTE: [rows of one count]
             return compact_rows(x.reshape((-1,) + tuple(x.shape[mask.dim():])), mask, decision)
     converted = _masks_as_every_index(indices, _selects_everything, all_or_none=True)
     return NotImplemented if converted is None else aten.index.Tensor(x, converted)
@@ -419,7 +456,7 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
     per_row = _decision_of(mask) if mask is not None else None
     if mask is not None and per_row is None and values.dim() > 0 and values.numel() > 1:
         per_row = _decide(mask)  # rows written (``out[mask] = rows``): as many as selected
-    if mask is not None and per_row is not None and per_row != EVERY:
+    if mask is not None and per_row is not None and per_row not in (EVERY, CONSTANT):
         grid, index = _by_example(x.reshape((-1,) + tuple(x.shape[mask.dim():])), mask, per_row)
         source = values.expand((index.shape[0] * per_row,) + index.shape[2:]).reshape(index.shape).to(x.dtype)
         put = grid.scatter_add(1, index, source) if accumulate else _written(grid, mask, index, source)
@@ -446,6 +483,8 @@ def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> Any:
     decision = _decide(mask if wide.shape == mask.shape else wide)
     if decision is None:
         return NotImplemented
+    if decision == CONSTANT:  # NOTE: [masks made from shapes alone]
+        return x[_indices_of(mask if wide.shape == mask.shape else wide).unbind(1)]
     if decision != EVERY:  # NOTE: [rows of one count]
         return compact_rows(x.reshape(-1), wide, decision)
     return x.reshape(-1)

@@ -393,3 +393,38 @@ def test_a_call_with_another_count_raises_and_writes_nothing():
         assert relative_difference(loss, mae_step(reference, reference_optim, x2, masked2)) < TOL
         worst = _worst(model, reference, optim, reference_optim, sim)
     assert worst < TOL
+
+
+class PairwiseInteractions(nn.Module):
+    """A factorization-machine style layer: every pair of feature embeddings multiplied,
+    the pairs listed by ``torch.combinations`` (which selects the upper triangle of an
+    index grid with a mask made from shapes alone) and by a boolean triangle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(1, 4)
+        self.out = nn.Linear(2 * FEATURES * (FEATURES - 1) // 2, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.embed(x.unsqueeze(-1))  # (batch, features, 4)
+        pairs = torch.combinations(torch.arange(FEATURES), r=2)
+        products = (e[:, pairs[:, 0]] * e[:, pairs[:, 1]]).sum(-1)
+        upper = torch.ones(FEATURES, FEATURES, dtype=torch.bool).triu(1)
+        gram = (e @ e.transpose(1, 2))[:, upper]  # the same pairs, by a boolean index
+        return self.out(torch.cat([products, gram], 1))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_masks_made_from_shapes_alone_select_their_value(mode):
+    """NOTE: [masks made from shapes alone]: before 2026-12-02 ``torch.combinations`` in a
+    step failed on every call ("the mask has false elements": its triangle was compiled
+    as all true)."""
+    step = _step_for("bool_index")
+    model, reference, optim, reference_optim = adamw_twins(PairwiseInteractions)
+    compiled = sc.compile(_mode(mode))(step)
+    with sc.simulate(world_size=2) as sim:
+        for x, labels in _batches():
+            loss = compiled(model, optim, x, labels.clamp(min=0))
+            assert relative_difference(loss, step(reference, reference_optim, x, labels.clamp(min=0))) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
