@@ -318,6 +318,19 @@ def _as_dtensor(value: Any, mesh: DeviceMesh) -> Any:
     return value
 
 
+_LAYOUT_HINT = (
+    "the op cannot be placed on the layouts its inputs have here: compute it on values laid "
+    "out otherwise (a parallel style's output_layouts, a redistribution before it), or leave "
+    "the modules producing them out of the plan."
+)
+# where the mode split a step argument (before 2026-12-02 every failed expansion said
+# this, tensor parallel too, which splits no argument)
+_BATCH_DIM_HINT = (
+    "where the op's input is a step argument whose dimension 0 is not its batch dimension "
+    "(an unbatched (C, L) input, a time-major (T, N, C) sequence), name its batch dimension "
+    "with the mode's input_batch_dim (DataParallel('replicate', input_batch_dim={'x': 1}); "
+    "None passes it whole); otherwise " + _LAYOUT_HINT
+)
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 _STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
 
@@ -333,6 +346,9 @@ class _ExpandingInterpreter(RetracingInterpreter):
         gradient_placement: Callable[[str], Placements | None] | None = None,
     ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
+        self.input_refs = [ref for ref, _ in captured.inputs]
+        self.split_an_argument = False  # set as the placeholders are read
+        self._placeholders_read = 0
         self.mesh = mesh
         self.rules = rules
         self.memo = memo
@@ -484,13 +500,21 @@ class _ExpandingInterpreter(RetracingInterpreter):
             raise node_error(
                 f"Expanding this node to the per-rank program failed: {exception_summary(exc)}",
                 n,
-                hint="where the op's input is a step argument whose dimension 0 is not its "
-                "batch dimension (an unbatched (C, L) input, a time-major (T, N, C) "
-                "sequence), name its batch dimension with the mode's input_batch_dim "
-                "(DataParallel('replicate', input_batch_dim={'x': 1}); None passes it "
-                "whole); otherwise the op cannot be placed this way: compute it on "
-                "differently laid out values.",
+                hint=_BATCH_DIM_HINT if self._splits_an_argument() else _LAYOUT_HINT,
             ) from exc
+
+    def _splits_an_argument(self) -> bool:
+        """Whether the mode split a tensor argument of the step (data parallel): only
+        then can naming its batch dimension be the way out of a failed expansion."""
+        return self.split_an_argument
+
+    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = super().placeholder(target, args, kwargs)
+        ref = self.input_refs[self._placeholders_read] if self._placeholders_read < len(self.input_refs) else None
+        self._placeholders_read += 1
+        if ref is not None and ref.kind is Kind.INPUT and isinstance(value, DTensor):
+            self.split_an_argument |= any(p.is_shard() for p in value.placements)
+        return value
 
     def _record(self, source: torch.fx.Node, result: Any, created: list[torch.fx.Node]) -> Any:
         result = _wrap_tree(result, self.mesh)

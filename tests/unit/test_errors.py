@@ -552,6 +552,36 @@ def test_an_argument_split_on_a_dimension_that_is_not_its_batch_says_what_to_do(
         sc.compile(whole)(conv_step)(model, opt, x)
 
 
+def test_a_failed_expansion_under_tensor_parallel_does_not_name_input_batch_dim():
+    """Tensor parallel splits no argument: its failed expansion (``as_strided`` on a
+    column-parallel activation, which DTensor refuses) says what applies there; before
+    2026-12-02 it named DataParallel's input_batch_dim."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from spmd_compiler.parallel_modes import TensorParallel
+
+    class Strided(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.as_strided_copy(self.up(x), (2, 2), (1, 1)).sum()
+
+    def loss_step(model, optim, x):  # noqa: ANN001, ANN202
+        loss = model(x)
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = Strided()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(TensorParallel({"up": ColwiseParallel()}))(loss_step)(model, opt, torch.randn(3, 4))
+    assert "as_strided" in str(info.value) and "input_batch_dim" not in str(info.value)
+    assert "output_layouts" in str(info.value)
+
+
 def _helper(h: torch.Tensor) -> torch.Tensor:
     return torch.tanh(h) * 2
 
