@@ -824,7 +824,10 @@ def _trace_first(
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint=OWN_GENERATOR_HINT,
             ) from exc
-        text = f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}"
+        if _VALUES_READ in str(exc):
+            text = f"Capturing the train step failed{_where_it_failed(exc)}: {_VALUES_READ_TEXT}"
+        else:
+            text = f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}"
         settled = settled_in_capture()
         if settled:  # a size error from selections traced as all true
             text = text.rstrip(".") + settled
@@ -832,7 +835,8 @@ def _trace_first(
             text,
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, code),
-            hint=_COMPILED_INSIDE_HINT if _COMPILED_INSIDE in str(exc) else None,
+            hint=_COMPILED_INSIDE_HINT if _COMPILED_INSIDE in str(exc)
+            else _VALUES_READ_HINT if _VALUES_READ in str(exc) else None,
         ) from exc
     _check_float_arguments_read(first, [r for r, _ in inputs])
     _drop_refused_value_reads(first)
@@ -878,6 +882,21 @@ _COMPILED_INSIDE_HINT = (
     "cannot trace: call it uncompiled. For a transformers model with "
     "attn_implementation='flex_attention', use 'sdpa' (or 'eager'); sc.compile(..., "
     "backend=\"inductor\") lowers the whole step to kernels."
+)
+
+
+# torch's words when a C++ function reads the data of a traced tensor: one taking a tensor
+# of sizes or indices (``torch.tensor_split(x, idx_tensor)``) to shape its result. Before
+# 2026-12-02 the error went on about custom kernels and Caffe2.
+_VALUES_READ = "its data is not allocated yet"
+_VALUES_READ_TEXT = (
+    "a torch function read the values of a tensor to decide the shape of its result (a "
+    "tensor of sizes or split indices); the trace holds no values, and a compiled step "
+    "has fixed shapes."
+)
+_VALUES_READ_HINT = (
+    "pass the sizes or indices as Python ints (a list: `idx.tolist()` outside the step), "
+    "or compute them from shapes."
 )
 
 

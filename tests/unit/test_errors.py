@@ -641,3 +641,31 @@ def test_a_change_keeps_its_parts() -> None:
     )
     told = Change("the code the step reaches was replaced")
     assert told == "the code the step reaches was replaced" and told.now is None
+
+
+def test_a_split_by_a_tensor_of_indices_says_what_to_do():
+    """``torch.tensor_split`` by a tensor of indices reads its values in C++: before
+    2026-12-02 the refusal was torch's words about custom kernels and Caffe2."""
+
+    class Split(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(5))
+            self.register_buffer("at", torch.tensor([1, 3]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tensor_split(x * self.w, self.at, dim=1)[1].sum()
+
+    def loss_step(model, optim, x):  # noqa: ANN001, ANN202
+        loss = model(x)
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = Split()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(DataParallel("replicate"))(loss_step)(model, opt, torch.randn(4, 5))
+    text = str(info.value)
+    assert "read the values of a tensor" in text and "tensor_split" in text and "Caffe2" not in text
+    assert "Python ints" in text
