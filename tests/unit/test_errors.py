@@ -552,6 +552,13 @@ def test_an_argument_split_on_a_dimension_that_is_not_its_batch_says_what_to_do(
         sc.compile(whole)(conv_step)(model, opt, x)
 
 
+def _loss_step(model, optim, x):  # noqa: ANN001, ANN202
+    loss = model(x)
+    loss.backward()
+    optim.step()
+    return loss
+
+
 def test_a_failed_expansion_under_tensor_parallel_does_not_name_input_batch_dim():
     """Tensor parallel splits no argument: its failed expansion (``as_strided`` on a
     column-parallel activation, which DTensor refuses) says what applies there; before
@@ -568,16 +575,10 @@ def test_a_failed_expansion_under_tensor_parallel_does_not_name_input_batch_dim(
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.as_strided_copy(self.up(x), (2, 2), (1, 1)).sum()
 
-    def loss_step(model, optim, x):  # noqa: ANN001, ANN202
-        loss = model(x)
-        loss.backward()
-        optim.step()
-        return loss
-
     model = Strided()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
-        sc.compile(TensorParallel({"up": ColwiseParallel()}))(loss_step)(model, opt, torch.randn(3, 4))
+        sc.compile(TensorParallel({"up": ColwiseParallel()}))(_loss_step)(model, opt, torch.randn(3, 4))
     assert "as_strided" in str(info.value) and "input_batch_dim" not in str(info.value)
     assert "output_layouts" in str(info.value)
 
@@ -656,16 +657,10 @@ def test_a_split_by_a_tensor_of_indices_says_what_to_do():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.tensor_split(x * self.w, self.at, dim=1)[1].sum()
 
-    def loss_step(model, optim, x):  # noqa: ANN001, ANN202
-        loss = model(x)
-        loss.backward()
-        optim.step()
-        return loss
-
     model = Split()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
-        sc.compile(DataParallel("replicate"))(loss_step)(model, opt, torch.randn(4, 5))
+        sc.compile(DataParallel("replicate"))(_loss_step)(model, opt, torch.randn(4, 5))
     text = str(info.value)
     assert "read the values of a tensor" in text and "tensor_split" in text and "Caffe2" not in text
     assert "Python ints" in text
