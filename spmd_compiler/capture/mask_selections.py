@@ -359,13 +359,25 @@ def every_index(shape: torch.Size, device: torch.device) -> torch.Tensor:
     return torch.stack([g.reshape(-1) for g in grids], dim=1)
 
 
-def _constant_indices(mask: torch.Tensor) -> torch.Tensor:
-    """``torch.nonzero`` of a mask decided CONSTANT: made in the trace from its values,
-    as ``torch.tensor([...])`` written in the step is (a constant of the program)."""
+def _constant_indices(mask: torch.Tensor, size: int | None = None, fill_value: int = -1) -> torch.Tensor:
+    """``torch.nonzero`` of a mask decided CONSTANT (``nonzero_static`` with ``size``):
+    made in the trace from its values, as ``torch.tensor([...])`` written in the step is
+    (a constant of the program)."""
     real = _ACTIVE[-1].constants[private.traced_node_of(mask)]  # type: ignore[index]
     with private.outside_the_trace():
         values = torch.nonzero(real.expand(mask.shape)).tolist()
+    if size is not None:
+        values = values[:size] + [[fill_value] * mask.dim()] * max(size - len(values), 0)
     return torch.tensor(values, dtype=torch.long, device=mask.device).reshape(-1, mask.dim())
+
+
+def _nonzero_static(mask: torch.Tensor, *, size: int, fill_value: int = -1) -> Any:
+    """``nonzero_static`` (torch 2.14's ``torch.combinations`` lists its pairs with it) of a
+    mask made from shapes alone: its constant value; any other is torch's own."""
+    node = private.traced_node_of(mask) if _ACTIVE else None
+    if node is None or placeholders_read_by(node) or _decide(mask) != CONSTANT:
+        return NotImplemented
+    return _constant_indices(mask, size, fill_value)
 
 
 def _indices_of(mask: torch.Tensor) -> torch.Tensor:
@@ -531,6 +543,7 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
     """The capture decompositions of the NOTE."""
     return {
         aten.nonzero.default: _nonzero,
+        aten.nonzero_static.default: _nonzero_static,
         aten.index.Tensor: _index,
         aten.masked_select.default: _masked_select,
         aten.index_put.default: functools.partial(_index_put_as, aten.index_put.default),
