@@ -347,7 +347,10 @@ class _ExpandingInterpreter(RetracingInterpreter):
     ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
         self.input_refs = [ref for ref, _ in captured.inputs]
-        self.split_an_argument = False  # set as the placeholders are read
+        # whether the mode split a tensor argument of the step (data parallel), set as the
+        # placeholders are read: only then can naming its batch dimension be the way out
+        # of a failed expansion
+        self.split_an_argument = False
         self._placeholders_read = 0
         self.mesh = mesh
         self.rules = rules
@@ -500,13 +503,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
             raise node_error(
                 f"Expanding this node to the per-rank program failed: {exception_summary(exc)}",
                 n,
-                hint=_BATCH_DIM_HINT if self._splits_an_argument() else _LAYOUT_HINT,
+                hint=_BATCH_DIM_HINT if self.split_an_argument else _LAYOUT_HINT,
             ) from exc
-
-    def _splits_an_argument(self) -> bool:
-        """Whether the mode split a tensor argument of the step (data parallel): only
-        then can naming its batch dimension be the way out of a failed expansion."""
-        return self.split_an_argument
 
     def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
         value = super().placeholder(target, args, kwargs)
