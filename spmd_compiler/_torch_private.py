@@ -63,10 +63,28 @@ if TYPE_CHECKING:
 
 
 def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
-    """Context manager: ``module``'s parameters and buffers are ``tensors`` inside it."""
+    """Context manager: ``module``'s parameters and buffers are ``tensors`` inside it.
+
+    NOTE: [one submodule under two names]. A submodule registered under two paths
+    (timm's CoaT hands one ``ConvRelPosEnc`` to every block of a stage) gives each of its
+    tensors two names. torch swaps name by name and restores in the same order: the
+    second name's "original" is the tensor the first name swapped in, so the module kept
+    the trace's stand-in after the step (the next call refused the optimizer's parameter
+    as owned by no module). One name per (module, attribute) is swapped here; the caller
+    names every path (``named_modules(remove_duplicate=False)``), so tensors tied across
+    modules are all given and torch's own tying, which would add the dropped names back,
+    is off."""
     from torch.nn.utils.stateless import _reparametrize_module
 
-    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+    owners: set[tuple[int, str]] = set()
+    once: dict[str, torch.Tensor] = {}
+    for fqn, t in tensors.items():
+        prefix, _, attr = fqn.rpartition(".")
+        key = (id(module.get_submodule(prefix)), attr)
+        if key not in owners:
+            owners.add(key)
+            once[fqn] = t
+    return _reparametrize_module(module, once, tie_weights=False, strict=False)
 
 
 def legacy_reduction(size_average: Any, reduce: Any) -> str:

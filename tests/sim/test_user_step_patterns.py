@@ -16,6 +16,7 @@ on 2 simulated ranks against the undecorated step on one device on the global ba
   Conv2d + GroupNorm (per-sample statistics; its op takes the batch size as an integer);
 - a weight-normalized layer (``nn.utils.parametrizations.weight_norm``);
 - recurrent layers (a bidirectional 2-layer ``nn.LSTM`` into an ``nn.GRU``);
+- one submodule registered under two paths (its tensors have two names);
 - the weights read again after ``optimizer.step()`` (a validation loss in eval mode
   under ``no_grad``), an EMA copy of the weights updated after the step, and the
   optimizer state, gradient and weight read for logging after the step, all on layers
@@ -55,6 +56,26 @@ class _Checkpointed(nn.Module):
             lambda t: F.gelu(self.a(t)), x, use_reentrant=False
         )
         return self.b(hidden)
+
+
+class _SharedSubmodule(nn.Module):
+    """One module registered under several paths (timm's CoaT hands one relative
+    position encoder to every block of a stage): its tensors have a name per path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.stem = nn.Linear(FEATURES, 16)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(self.shared, nn.GELU()), nn.Sequential(nn.Linear(16, 16), self.shared)]
+        )
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
 
 
 class _Recurrent(nn.Module):
@@ -298,6 +319,7 @@ CASES = {  # name: (model, optimizer, step, input shape)
     "weight_norm": (_weight_normed, _adamw, plain_step, VECTOR),
     "reads_state_after_update": (_odd_mlp, _adamw, reads_state_after_update_step, VECTOR),
     "lstm_gru": (lambda: _Recurrent().double(), _adamw, plain_step, (BATCH, 5, FEATURES)),
+    "shared_submodule": (lambda: _SharedSubmodule().double(), _adamw, plain_step, VECTOR),
 }
 
 
