@@ -312,7 +312,14 @@ class KeptTensors:
                         as_item=isinstance(value, TracedItem), new=old is _MISSING,
                     ), value))
                 elif _holds_traced(value) and not _own_state_cache(h.obj, value):
-                    raise _refused(where, f"a new {type(value).__name__} holding a traced tensor")
+                    raise _refused(
+                        where, f"a new {type(value).__name__} holding a traced tensor",
+                        hint=f"a container the step builds is not repeated after the call, only "
+                        "a tensor set directly. If the step reads it back itself (a cache "
+                        "such as torchvision RAFT's corr_pyramid), delete it in the step once "
+                        f"used (del <owner>{_where(step, key)}), or keep it in a local variable; "
+                        "if you need it after the call, return it from the step.",
+                    )
         return self.kept
 
     def _list(self, h: _Holder) -> None:
@@ -399,14 +406,14 @@ def _unwrap(func: Any) -> tuple[Any, list[Any]]:
     return func, selves
 
 
-def _refused(where: str, what: str) -> SPMDCompileError:
+def _refused(where: str, what: str, hint: str | None = None) -> SPMDCompileError:
     return SPMDCompileError(
         f"The train step keeps a traced tensor in {where} ({what}). A compiled step runs "
         "no Python after capture, and this is not a place it can store the value of "
         "every call (NOTE: [tensors the step keeps]).",
-        hint="return the value from the step (return loss, {'loss': loss.item()}) and store "
-        "it outside the compiled step; or set it as a module attribute, a dict entry, or "
-        "append it to a list, which the compiled step repeats every call.",
+        hint=hint or "return the value from the step (return loss, {'loss': loss.item()}) "
+        "and store it outside the compiled step; or set it as a module attribute, a dict "
+        "entry, or append it to a list, which the compiled step repeats every call.",
     )
 
 

@@ -30,6 +30,44 @@ _StridedShard through the Linear but all-gathers at the ``split``; the rules her
 (and ``cat`` back, in backward) the local tensor instead when the pieces are exactly the
 ``split_factor`` blocks: piece i of a ``_StridedShard(d, k)`` tensor is ``Shard(d)``,
 and k equal ``Shard(d)`` pieces concatenated on d are ``_StridedShard(d, k)``.
+
+NOTE: [variances by sums]
+A batch norm in training normalizes with the global batch's mean and variance: at capture
+it is decomposed into a ``var_mean`` over the batch (and spatial) dimensions. DTensor's
+rule for ``var_mean`` (a reduction that is not linear) gathers a sharded reduced
+dimension, so every batch norm of a convolutional network all-gathered its input, the
+whole activation, where ``nn.SyncBatchNorm`` exchanges a few numbers per channel. Over a
+sharded dimension the variance is computed here as the mean (a sum, divided by the
+global count) and the sum of squared deviations from it, each a sum DTensor reduces
+across ranks (an all-reduce of one value per channel): exact, the two-pass formula
+(float64 within 1e-15 of eager's kernel). Also ``var``, ``std`` and ``std_mean``; a
+reduction over unsharded dimensions is DTensor's.
+The backward of a batch norm multiplies the activation (sharded) by per-channel sums
+(Partial): DTensor's rule gathered the activation, multiplied, and reduce-scattered the
+product back; a pointwise ``mul`` / ``add`` / ``sub`` / ``div`` of a Partial operand
+smaller than a sharded one now reduces the small one first (an all-reduce of a value per
+channel). ``tests/sim/test_variances_by_sums.py``: a two-batch-norm convolutional step
+under ddp issued 2 all-gathers and 2 reduce-scatters of an activation each plus the
+forward's gathers before; only all-reduces now.
+
+NOTE: [batch concatenation]
+Views of one batch concatenated along the batch dimension and run through one model
+(SimCLR's two augmented views, RAFT's ``feature_encoder(torch.cat([image1, image2]))``,
+siamese networks) have no ``Shard`` placement: rank r holds its share of each view, which
+is not one contiguous block of the concatenation. DTensor's ``cat`` rule therefore
+moved the operands: torch 2.13 gathered them (every rank ran the encoder on every row),
+torch 2.14 sharded another dimension when that was cheaper to reach, the channels of an
+image batch (from 64 x 64 images on), whose convolution DTensor then ran on the local
+channels as if they were all (refused by NOTE: [local shape check]). On a 1-D mesh,
+inputs of one shape sharded alike on the ``cat`` dimension are concatenated locally
+into ``_StridedShard(dim, k)`` (as for fused projections above): each rank's encoder
+runs on its own rows, and ``chunk`` / ``split`` / ``slice`` into the k views give back
+``Shard(dim)`` locally. Ops DTensor has no ``_StridedShard`` rule for redistribute it
+(correct, gathered). Other concatenations along a sharded dimension (views of different
+sizes; a 2-D mesh) gather the operands on those mesh dimensions first, on every torch.
+A dimension counts as the batch where an operand is sharded on it with a global size the
+mode shards a step argument on (as in NOTE: [local batch only]); a concatenation along a
+tensor-parallel dimension is left to DTensor.
 """
 
 from __future__ import annotations
@@ -86,7 +124,14 @@ class LocalRules:
             )
         if target is aten.unbind.int and isinstance(args[0], DTensor):
             return _unbind_gathered(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
-        if not self.fused_projections:
+        if target in _BINARY_POINTWISE and len(args) >= 2:
+            return _partial_reduced_first(target, args, kwargs)
+        if target in _VARIANCES and isinstance(args[0], DTensor):
+            return _variance_by_sums(target, args, kwargs)
+        if target is aten.cat.default and self.batch_sizes:
+            return _cat_along_the_batch(args, kwargs, self.batch_sizes, strided=self.mesh.ndim == 1)
+        strided_views = self.fused_projections or (self.batch_sizes and self.mesh.ndim == 1)
+        if not strided_views:
             return None
         if target in (aten.split.Tensor, aten.split_with_sizes.default):
             return _split_strided(target, args, kwargs)
@@ -151,6 +196,67 @@ class LocalRules:
             local, self.mesh, placements, run_check=False,
             shape=torch.Size(shape), stride=contiguous_stride(shape),
         )
+
+
+# ------------------------------------------------------------------- variances
+
+# op -> (returns the standard deviation, returns the mean too)
+_VARIANCES = {
+    aten.var.correction: (False, False), aten.var_mean.correction: (False, True),
+    aten.std.correction: (True, False), aten.std_mean.correction: (True, True),
+}
+
+
+def _variance_by_sums(target: Any, args: tuple, kwargs: dict) -> Any:
+    """A variance over a sharded dimension as two sums (NOTE: [variances by sums])."""
+    x: DTensor = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    dims = list(range(x.dim())) if not dims else [d % x.dim() for d in dims]
+    if x.is_complex() or not x.is_floating_point() or not any(
+        (isinstance(p, Shard) or private.is_strided_shard(p)) and p.dim in dims
+        for p in x.placements
+    ):
+        return None
+    correction = kwargs.get("correction")
+    correction = 1 if correction is None else correction
+    keepdim = bool(kwargs.get("keepdim", False))
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    mean = aten.sum.dim_IntList(x, dims, True) / count
+    deviation = x - mean
+    variance = aten.sum.dim_IntList(deviation * deviation, dims, keepdim) / max(count - correction, 0)
+    root, with_mean = _VARIANCES[target]
+    out = aten.sqrt.default(variance) if root else variance
+    if not with_mean:
+        return out
+    return out, mean if keepdim else aten.squeeze.dims(mean, dims)
+
+
+_BINARY_POINTWISE = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor}
+
+
+def _partial_reduced_first(target: Any, args: tuple, kwargs: dict) -> Any:
+    """A pointwise op of a small Partial operand and a larger sharded one (NOTE:
+    [variances by sums]): the Partial one is reduced first."""
+    a, b = args[0], args[1]
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
+        return None
+    moved = False
+    operands = [a, b]
+    for i, (small, large) in enumerate(((a, b), (b, a))):
+        if small.numel() >= large.numel():
+            continue
+        placements = list(small.placements)
+        for m, p in enumerate(small.placements):
+            if p.is_partial() and isinstance(large.placements[m], Shard):
+                placements[m] = Replicate()
+        if placements != list(small.placements):
+            operands[i] = small.redistribute(small.device_mesh, placements)
+            moved = True
+    if not moved:
+        return None
+    return target(*operands, *args[2:], **kwargs)
 
 
 # ------------------------------------------------------------------- unbind
@@ -283,3 +389,33 @@ def _cat_to_strided(args: tuple, kwargs: dict) -> DTensor | None:
         shape=torch.Size(shape), stride=contiguous_stride(shape),
     )
 
+
+# ------------------------------------------------------------------- batch concatenation
+
+
+def _cat_along_the_batch(
+    args: tuple, kwargs: dict, batch_sizes: Mapping[int, frozenset[int]], strided: bool
+) -> DTensor | None:
+    """``cat`` along a dimension some input holds sharded as a batch: a global batch
+    size of the mesh dimension it is sharded on (NOTE: [batch concatenation])."""
+    tensors = [t for t in args[0] if isinstance(t, DTensor)]
+    if not tensors:
+        return None
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % max(tensors[0].dim(), 1)
+    sharded = {
+        m for t in tensors for m, p in enumerate(t.placements)
+        if type(p) is Shard and p.dim == dim and t.shape[dim] in batch_sizes.get(m, ())
+    }
+    if not sharded:
+        return None
+    if strided:
+        kept = _cat_to_strided(args, kwargs)
+        if kept is not None:
+            return kept
+    gathered = [
+        t.redistribute(t.device_mesh, [
+            Replicate() if m in sharded else p for m, p in enumerate(t.placements)
+        ]) if isinstance(t, DTensor) else t
+        for t in args[0]
+    ]
+    return aten.cat.default(gathered, dim)

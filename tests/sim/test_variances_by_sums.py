@@ -1,0 +1,86 @@
+"""Variances over the batch as sums (NOTE: [variances by sums] in
+``spmd_compiler/expand/local_rules.py``): a batch norm's statistics, and ``var`` / ``std``
+/ ``std_mean`` of a step, reduce one value per channel across ranks instead of gathering
+the activation. float64, 2 simulated ranks, against the undecorated step on one device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spmd_compiler.ir.collectives import collective_stats
+from spmd_compiler.parallel_modes import make_mode
+
+TOL = 1e-10
+BATCH, CLASSES = 8, 4
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(6)
+        self.head = nn.Linear(6, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(x + self.bn2(self.conv2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+def plain_step(model, optim, x, y):  # noqa: ANN001, ANN201
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def statistics_step(model, optim, x, y):  # noqa: ANN001, ANN201
+    """Batch statistics in the loss: a whitening penalty, unbiased and not."""
+    features = model.conv1(x).mean((2, 3))
+    std, mean = torch.std_mean(features, dim=0)
+    penalty = (std - 1).pow(2).mean() + mean.pow(2).mean() + features.var(0, correction=0).mean()
+    loss = F.cross_entropy(model(x), y) + 0.1 * penalty + 0.01 * features.std()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        (torch.randn(BATCH, 3, 8, 8, generator=gen, dtype=torch.float64) * 3 + 1,
+         torch.randint(0, CLASSES, (BATCH,), generator=gen))
+        for _ in range(3)
+    ]
+
+
+def _run(step, mode: str, run_parity):  # noqa: ANN001, ANN202
+    result = run_parity(
+        lambda: _ConvNet().double(),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        2, _batches(), step=step, mode=make_mode(mode),
+    )
+    result.assert_close(TOL)
+    return result
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("step", [plain_step, statistics_step], ids=["batch_norm", "statistics"])
+def test_variances_over_the_batch_train_as_one_device(step, mode, run_parity):
+    _run(step, mode, run_parity)
+
+
+def test_batch_norms_gather_no_activation(run_parity):
+    """Under ddp the program all-reduces only: per channel sums for each batch norm (and
+    the gradients), no all-gather of an activation (before: one per batch norm)."""
+    result = _run(plain_step, "ddp", run_parity)
+    stats = collective_stats(result.compiled.last_program.graph_module)
+    assert set(stats.counts) == {"all_reduce"}, stats.counts
