@@ -63,7 +63,8 @@ inputs of one shape sharded alike on the ``cat`` dimension are concatenated loca
 into ``_StridedShard(dim, k)`` (as for fused projections above): each rank's encoder
 runs on its own rows, and ``chunk`` / ``split`` / ``slice`` into the k views give back
 ``Shard(dim)`` locally. Ops DTensor has no ``_StridedShard`` rule for redistribute it
-(correct, gathered). Other concatenations along a sharded dimension (views of different
+(correct, gathered): torch 2.11's convolution rule is one of them, so there the encoder
+still runs on the gathered batch. Other concatenations along a sharded dimension (views of different
 sizes; a 2-D mesh) gather the operands on those mesh dimensions first, on every torch.
 A dimension counts as the batch where an operand is sharded on it with a global size the
 mode shards a step argument on (as in NOTE: [local batch only]); a concatenation along a
