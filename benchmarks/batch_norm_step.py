@@ -17,10 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.demo.steps import classification_train_step as _step
 
 
 def _net() -> nn.Module:
@@ -31,14 +31,6 @@ def _net() -> nn.Module:
         layers += [nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
         channels = width
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
-
-
-def _step(model, optim, x, y):  # noqa: ANN001, ANN201
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def _rank(rank: int, world: int, size: int, local: int, steps: int) -> tuple[float, float, float]:

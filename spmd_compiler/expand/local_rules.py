@@ -268,13 +268,16 @@ def _unbind_gathered(value: DTensor, dim: int) -> Any:
     (Llava's ``list(image_features)`` of a batch of images). So the dimension is gathered
     first (NOTE: [unbind along a sharded dimension])."""
     dim = dim % value.dim()
-    placements = list(value.placements)
-    gathered = [
-        Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in placements
-    ]
-    if gathered == placements:
+    sharded = {m for m, p in enumerate(value.placements) if isinstance(p, Shard) and p.dim == dim}
+    if not sharded:
         return None
-    return aten.unbind.int(value.redistribute(value.device_mesh, gathered), dim)
+    return aten.unbind.int(_gathered_on(value, sharded), dim)
+
+
+def _gathered_on(value: DTensor, mesh_dims: set[int]) -> DTensor:
+    """``value`` replicated on ``mesh_dims``, its other placements kept."""
+    placements = [Replicate() if m in mesh_dims else p for m, p in enumerate(value.placements)]
+    return value.redistribute(value.device_mesh, placements)
 
 
 # ------------------------------------------------------------------- fused projections
@@ -413,10 +416,5 @@ def _cat_along_the_batch(
         kept = _cat_to_strided(args, kwargs)
         if kept is not None:
             return kept
-    gathered = [
-        t.redistribute(t.device_mesh, [
-            Replicate() if m in sharded else p for m, p in enumerate(t.placements)
-        ]) if isinstance(t, DTensor) else t
-        for t in args[0]
-    ]
+    gathered = [_gathered_on(t, sharded) if isinstance(t, DTensor) else t for t in args[0]]
     return aten.cat.default(gathered, dim)

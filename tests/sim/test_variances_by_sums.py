@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import classification_train_step as plain_step
 
 TOL = 1e-10
 BATCH, CLASSES = 8, 4
@@ -31,14 +32,6 @@ class _ConvNet(nn.Module):
         x = F.relu(self.bn1(self.conv1(x)))
         x = F.relu(x + self.bn2(self.conv2(x)))
         return self.head(x.mean((2, 3)))
-
-
-def plain_step(model, optim, x, y):  # noqa: ANN001, ANN201
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def statistics_step(model, optim, x, y):  # noqa: ANN001, ANN201
