@@ -55,6 +55,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree  # re-exported: the package's one way to pytree
 
+from .stack_room import call_with_room
+
 if TYPE_CHECKING:
     from torch._C._distributed import StridedShard
     from torch.distributed.device_mesh import DeviceMesh
@@ -2118,8 +2120,8 @@ def inductor_compile(
         return compile_fx_inner(gm, inputs, *args, **kwargs)
 
     with inductor_cache_dir(cache_dir):
-        return compile_fx(  # type: ignore[return-value]
-            gm, example_inputs, config_patches=patches,
+        return call_with_room(  # type: ignore[return-value]  # NOTE: [room on the Python stack]
+            compile_fx, gm, example_inputs, config_patches=patches,
             inner_compile=with_static if fixed else compile_fx_inner,
             decompositions=_emulation_decompositions(patches.get("emulate_precision_casts", False)),
         )

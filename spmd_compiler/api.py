@@ -46,6 +46,7 @@ from .runtime.runner import BranchMismatch, StepTimings
 from .runtime.same_inputs import InputAgreement, checks_whole_values, warn_on_same_shares
 from .runtime.simulate import Simulation, active_simulation, mesh_is_live
 from .runtime.step_executable import CallResult, StepExecutable
+from .stack_room import call_with_room
 
 log = logging.getLogger("spmd_compiler")
 
@@ -476,6 +477,13 @@ class CompiledTrainStep:
     def _compile(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,
         decisions: tuple[tuple[bool, str], ...] = (),
+    ) -> tuple[StepExecutable, tuple]:
+        # NOTE: [room on the Python stack]: no frame-stack chunk edge under the compile
+        return call_with_room(self._compile_here, key, bindings, input_metas, mesh, decisions)
+
+    def _compile_here(
+        self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,
+        decisions: tuple[tuple[bool, str], ...],
     ) -> tuple[StepExecutable, tuple]:
         """Compile the step for ``key``; ``decisions``: how its first ``if``s on tensor
         values go (a branch's other program, NOTE: [value checks]; such a program is not
