@@ -379,6 +379,27 @@ def light_stack_traces() -> Iterator[None]:
         fx_proxy.CapturedTraceback = real  # type: ignore[misc]
 
 
+@contextlib.contextmanager
+def lazy_graph_modules() -> Iterator[None]:
+    """Inside: graph modules that make_fx returns, and the ``recompile()`` calls on them,
+    generate their Python code only when it is read or the module is called.
+
+    NOTE: [code generated once]
+    A compile traces four graph modules (the first and the steady capture, the
+    functionalization, the per-rank program) and rewrites them pass by pass; fx generated
+    and ``exec``-ed each one's whole Python source at its construction and at every
+    ``recompile()`` (ten per compile). Measured on the 8-layer demo GPT (ddp, 2 simulated
+    ranks, 4,909 nodes): 3.66 s of a 32.3 s compile. The runtime calls only the final
+    program, and an error or ``explain`` reads only its ``code``: with torch's
+    ``_LazyGraphModule`` (what Inductor uses for its pattern graphs) each is generated
+    where it is needed.
+    """
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        yield
+
+
 def current_trace_graph() -> torch.fx.Graph | None:
     """The graph that the active ``make_fx`` trace is writing to, if any."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode

@@ -478,8 +478,10 @@ class CompiledTrainStep:
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,
         decisions: tuple[tuple[bool, str], ...] = (),
     ) -> tuple[StepExecutable, tuple]:
-        # NOTE: [room on the Python stack]: no frame-stack chunk edge under the compile
-        return call_with_room(self._compile_here, key, bindings, input_metas, mesh, decisions)
+        # NOTE: [room on the Python stack]: no frame-stack chunk edge under the compile;
+        # NOTE: [code generated once]
+        with private.lazy_graph_modules():
+            return call_with_room(self._compile_here, key, bindings, input_metas, mesh, decisions)
 
     def _compile_here(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,
