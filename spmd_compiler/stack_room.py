@@ -18,7 +18,7 @@ expansion took 34 s against 12 s for 8 layers (3x for 2x the nodes), and the com
 A compile therefore runs inside ``call_with_room``: a call whose frame has 66,000
 unused local slots, so CPython gives it a chunk of its own of 1 MiB (the next power of
 two above the frame and 1,000 slots of headroom). The frame takes a little more than
-half of it; the compile's frames take the rest (about 520 KiB, thousands of frames)
+half of it; the compile's frames take the rest (about 508 KiB, thousands of frames)
 and no edge lies under its loops. One chunk is mapped per compile, and the frame's
 slots are written once (129 pages). Measured the same way: 16 layers 60.4 s (expansion
 21.6 s, 0.7 s in the kernel, 98,000 page faults), 8 layers 31.3 s (9,222 faults, from
