@@ -20,10 +20,13 @@ unused local slots, so CPython gives it a chunk of its own of 1 MiB (the next po
 two above the frame and 1,000 slots of headroom). The frame takes a little more than
 half of it; the compile's frames take the rest (about 508 KiB, thousands of frames)
 and no edge lies under its loops. One chunk is mapped per compile, and the frame's
-slots are written once (129 pages). Measured the same way: 16 layers 60.4 s (expansion
-21.6 s, 0.7 s in the kernel, 98,000 page faults), 8 layers 31.3 s (9,222 faults, from
-130,786). The steady steps do not cross edges (6 page faults per simulated step), and
-are not run this way: the frame's 129 pages would cost more than they save.
+slots are written once (129 pages). Measured the same way, fresh processes alternating
+with the code before, two rounds: 16 layers 62.8 / 62.9 s against 66.3 / 81.9 s, 0.7 s in
+the kernel against 8.6 / 9.0 s, 94,000 page faults against 710,000; 8 layers 30.4 / 31.9
+s against 29.9 / 38.0 s. The steady steps do not cross edges (6 page faults per
+simulated step), and are not run this way: the frame's 129 pages would cost more than
+they save. An exception raised through the frame keeps a copy of its slots (516 KiB)
+with its traceback, until the exception is dropped.
 
 Not applied where it is not needed: CPython 3.10 allocates each frame on its own, and
 3.14 keeps a spare chunk. Test: ``tests/unit/test_stack_room.py``; its loop across chunk
