@@ -37,11 +37,21 @@ it is decomposed into a ``var_mean`` over the batch (and spatial) dimensions. DT
 rule for ``var_mean`` (a reduction that is not linear) gathers a sharded reduced
 dimension, so every batch norm of a convolutional network all-gathered its input, the
 whole activation, where ``nn.SyncBatchNorm`` exchanges a few numbers per channel. Over a
-sharded dimension the variance is computed here as the mean (a sum, divided by the
-global count) and the sum of squared deviations from it, each a sum DTensor reduces
-across ranks (an all-reduce of one value per channel): exact, the two-pass formula
-(float64 within 1e-15 of eager's kernel). Also ``var``, ``std`` and ``std_mean``; a
-reduction over unsharded dimensions is DTensor's.
+dimension split evenly by plain shards, each rank computes its part's sum and the sum of
+squared deviations from its own mean (two values per channel), one all-gather brings
+every rank's pair to every rank, and each rank combines them in the parallel form of
+Welford's method (Chan et al.; what ``nn.SyncBatchNorm`` does with
+``batch_norm_gather_stats_with_counts``): mean = (sum of the sums) / N, M2 = (sum of the
+parts' M2) + n * (sum over parts of (part mean - mean)^2), variance = M2 / (N -
+correction). The statistics are ready after one round trip, where a forward batch norm
+waits for them; and no sum of squares of raw values is subtracted (the one-pass formula
+loses the variance to cancellation when the mean is large). Until the forty-second
+session it was the two-pass formula over the ranks: the mean's all-reduce, then the
+squared deviations' all-reduce, two dependent round trips per batch norm; both agree with
+eager's kernel within float64 rounding (``tests/sim/test_variances_by_sums.py``). Other
+splits (``_StridedShard``, uneven, a Partial input) keep the two-pass sums, each a sum
+DTensor reduces across ranks (an all-reduce of one value per channel). Also ``var``,
+``std`` and ``std_mean``; a reduction over unsharded dimensions is DTensor's.
 The backward of a batch norm multiplies the activation (sharded) by per-channel sums
 (Partial): DTensor's rule gathered the activation, multiplied, and reduce-scattered the
 product back; a pointwise ``mul`` / ``add`` / ``sub`` / ``div`` of a Partial operand
@@ -221,17 +231,93 @@ def _variance_by_sums(target: Any, args: tuple, kwargs: dict) -> Any:
     correction = kwargs.get("correction")
     correction = 1 if correction is None else correction
     keepdim = bool(kwargs.get("keepdim", False))
+    root, with_mean = _VARIANCES[target]
+    moments = _variance_by_gathered_moments(x, dims, correction, keepdim)
+    if moments is not None:
+        variance, mean = moments
+        out = aten.sqrt.default(variance) if root else variance
+        return (out, mean) if with_mean else out
     count = 1
     for d in dims:
         count *= x.shape[d]
     mean = aten.sum.dim_IntList(x, dims, True) / count
     deviation = x - mean
     variance = aten.sum.dim_IntList(deviation * deviation, dims, keepdim) / max(count - correction, 0)
-    root, with_mean = _VARIANCES[target]
     out = aten.sqrt.default(variance) if root else variance
     if not with_mean:
         return out
     return out, mean if keepdim else aten.squeeze.dims(mean, dims)
+
+
+def _variance_by_gathered_moments(
+    x: DTensor, dims: list[int], correction: Any, keepdim: bool
+) -> tuple[DTensor, DTensor] | None:
+    """The variance and mean of ``x`` over ``dims`` from each rank's count, sum and sum
+    of squared deviations from its own mean, gathered in one collective and combined
+    (NOTE: [variances by sums]); None where ``x`` is not split evenly by plain shards of
+    reduced dimensions (the two sums then)."""
+    mesh = x.device_mesh
+    gathered: list[int] = []  # mesh dims whose shards of a reduced dim are gathered
+    parts = dict.fromkeys(dims, 1)  # reduced dim -> how many parts the mesh splits it in
+    for m, p in enumerate(x.placements):
+        if isinstance(p, Replicate):
+            continue
+        if type(p) is not Shard:  # Partial, _StridedShard
+            return None
+        if p.dim in dims:
+            parts[p.dim] *= mesh.size(m)
+            gathered.append(m)
+    if any(x.shape[d] % n for d, n in parts.items()):  # uneven: ranks count differently
+        return None
+    local = private.local_tensor_of(x)
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    local = local.to(compute)
+    local_count = 1
+    count = 1
+    for d in dims:
+        local_count *= local.shape[d]
+        count *= x.shape[d]
+    local_sum = aten.sum.dim_IntList(local, dims, True)
+    deviation = local - local_sum / local_count
+    squares = aten.sum.dim_IntList(deviation * deviation, dims, True)
+    lead = len(gathered)
+    stacked = torch.stack([local_sum, squares]).reshape((1,) * lead + (2, *local_sum.shape))
+    reduced_shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
+    shape = [mesh.size(m) for m in gathered] + [2, *reduced_shape]
+    placements: list[Placement] = [Replicate()] * mesh.ndim
+    for m, p in enumerate(x.placements):
+        if m in gathered:
+            placements[m] = Shard(gathered.index(m))
+        elif isinstance(p, Shard):  # a kept dimension (a tensor-parallel channel split)
+            placements[m] = Shard(lead + 1 + p.dim)
+    spread = DTensor.from_local(
+        stacked, mesh, placements, run_check=False,
+        shape=torch.Size(shape), stride=contiguous_stride(shape),
+    )
+    kept = [Replicate() if m in gathered else p for m, p in enumerate(placements)]
+    every = private.local_tensor_of(spread.redistribute(mesh, kept))
+    every = every.reshape(-1, *every.shape[lead:])  # (ranks, 2, *reduced)
+    sums, deviations = every[:, 0], every[:, 1]
+    mean = sums.sum(0) / count
+    spread_of_means = sums / local_count - mean
+    m2 = deviations.sum(0) + local_count * (spread_of_means * spread_of_means).sum(0)
+    variance = m2 / max(count - correction, 0)
+    if not keepdim:
+        variance, mean = variance.squeeze(dims), mean.squeeze(dims)
+    out_shape = [s for d, s in enumerate(reduced_shape) if keepdim or d not in dims]
+    out_placements: list[Placement] = []
+    for p in x.placements:
+        if isinstance(p, Shard) and p.dim not in dims:
+            out_placements.append(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)))
+        else:
+            out_placements.append(Replicate())
+    return tuple(  # type: ignore[return-value]
+        DTensor.from_local(
+            t.to(x.dtype), mesh, out_placements, run_check=False,
+            shape=torch.Size(out_shape), stride=contiguous_stride(out_shape),
+        )
+        for t in (variance, mean)
+    )
 
 
 _BINARY_POINTWISE = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor}

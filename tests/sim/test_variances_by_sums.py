@@ -6,14 +6,18 @@ the activation. float64, 2 simulated ranks, against the undecorated step on one 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spmd_compiler.ir.collectives import collective_stats
+import spmd_compiler as sc
+from spmd_compiler.ir.collectives import collective_kind, is_collective, tensor_bytes
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.tools.demo.steps import classification_train_step as plain_step
+from spmd_compiler.tools.parity import full_value, relative_difference
 
 TOL = 1e-10
 BATCH, CLASSES = 8, 4
@@ -71,9 +75,36 @@ def test_variances_over_the_batch_train_as_one_device(step, mode, run_parity):
     _run(step, mode, run_parity)
 
 
-def test_batch_norms_gather_no_activation(run_parity):
-    """Under ddp the program all-reduces only: per channel sums for each batch norm (and
-    the gradients), no all-gather of an activation (before: one per batch norm)."""
+def test_batch_norms_exchange_statistics_only(run_parity):
+    """Under ddp each batch norm's forward statistics travel in one all-gather of two
+    values per channel and rank (its sum and squared deviations: one round trip, where
+    the two-pass sums took two dependent all-reduces); no activation is gathered (before
+    the sums: one all-gather of the activation per batch norm), and the rest are
+    all-reduces (backward's per-channel sums, the gradients)."""
     result = _run(plain_step, "ddp", run_parity)
-    stats = collective_stats(result.compiled.last_program.graph_module)
-    assert set(stats.counts) == {"all_reduce"}, stats.counts
+    graph = result.compiled.last_program.graph_module.graph
+    kinds = [collective_kind(n) for n in graph.nodes if is_collective(n)]
+    assert set(kinds) == {"all_reduce", "all_gather"}, kinds
+    gathers = [n for n in graph.nodes if is_collective(n) and collective_kind(n) == "all_gather"]
+    assert len(gathers) == 2  # one per batch norm
+    for node in gathers:
+        assert tensor_bytes(node) == 2 * 2 * 6 * 8  # ranks x (sum, M2) x channels x float64
+
+
+def test_a_large_mean_keeps_the_variance():
+    """The parts' statistics are combined without subtracting raw sums of squares: a
+    batch norm of values around 1e4 with a spread of 1e-3 normalizes as eager does (the
+    one-pass formula, E[x^2] - E[x]^2, is 3.7e-2 off the variance there in float64, and
+    the output 1.2e-2)."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(3, eps=1e-12).double()
+    reference = copy.deepcopy(norm)
+    x = 1e4 + 1e-3 * torch.randn(BATCH, 3, dtype=torch.float64)
+
+    def step(module, inputs):  # noqa: ANN001, ANN202
+        return module(inputs)
+
+    with sc.simulate(world_size=2) as sim:
+        out = sc.compile(make_mode("ddp"))(step)(norm, x)
+        assert relative_difference(full_value(out, sim), step(reference, x)) < 1e-6
+
