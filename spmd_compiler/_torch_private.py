@@ -208,6 +208,26 @@ def optimizer_capturable_path() -> Iterator[None]:
         yield
 
 
+def adafactor_single_tensor_step() -> Any:
+    """torch's per-parameter Adafactor update (``torch.optim._adafactor``, private), or
+    None where this torch has none."""
+    try:
+        import torch.optim._adafactor as module
+    except ImportError:
+        return None
+    return getattr(module, "_single_tensor_adafactor", None)
+
+
+@contextlib.contextmanager
+def adafactor_single_tensor_step_replaced(replacement: Callable[..., None]) -> Iterator[None]:
+    """Inside: torch's Adafactor runs ``replacement`` as its per-parameter update (NOTE:
+    [Adafactor in tensor ops] in capture/adafactor.py)."""
+    import torch.optim._adafactor as module
+
+    with mock.patch.object(module, "_single_tensor_adafactor", replacement):
+        yield
+
+
 @contextlib.contextmanager
 def optimizer_state_left_unmade() -> Iterator[None]:
     """Inside: ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` /

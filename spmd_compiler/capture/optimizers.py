@@ -41,6 +41,7 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _torch_private as private
 from ..errors import SPMDCompileError
 
 # Optimizers that cannot become one program, and what the user can do instead.
@@ -159,6 +160,23 @@ def _full_like_accepting_tensors(original: Callable[..., torch.Tensor]) -> Calla
 
 
 @contextlib.contextmanager
+def _adafactor_in_tensor_ops(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """For a ``torch.optim.Adafactor``: its update traced with tensor scalars (NOTE:
+    [Adafactor in tensor ops] in ``adafactor.py``), where this torch's update is the one
+    mirrored; anything else as it is."""
+    from . import adafactor
+
+    adafactor_class = getattr(torch.optim, "Adafactor", None)
+    if adafactor_class is None or not isinstance(opt, adafactor_class) or not adafactor.mirrors(
+        private.adafactor_single_tensor_step()
+    ):
+        yield
+        return
+    with private.adafactor_single_tensor_step_replaced(adafactor.single_tensor_adafactor):
+        yield
+
+
+@contextlib.contextmanager
 def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[[BaseException], Any]) -> Iterator[None]:
     """Context for tracing ``opt.step()``: tensor Scalars rewritten, and a Python read of
     a tensor's value inside the optimizer refused with the optimizer's name."""
@@ -168,7 +186,7 @@ def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[
     try:
         with _TensorScalars(), mock.patch.object(
             torch, "full_like", _full_like_accepting_tensors(torch.full_like)
-        ):
+        ), _adafactor_in_tensor_ops(opt):
             yield
     except Undecided as exc:  # NOTE: [value checks]: named if it is refused
         exc.owner = f"optimizer[{oi}] ({type(opt).__module__}.{type(opt).__name__}) in its step()"
@@ -179,7 +197,6 @@ def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[
             "of a tensor in Python inside its step() (.item() or control flow on a tensor), "
             "which cannot be captured into one program.",
             user_line=where(exc),
-            hint="use another torch.optim optimizer (all but LBFGS, SparseAdam and Adafactor, "
-            "whose step computes with .item() values, compile), or make this optimizer's "
-            "step use tensor ops only (its capturable path).",
+            hint="use another torch.optim optimizer (all but LBFGS and SparseAdam compile), "
+            "or make this optimizer's step use tensor ops only (its capturable path).",
         ) from exc

@@ -113,11 +113,21 @@ def format_placements(placements: Sequence[Placement]) -> str:
     return "[" + ", ".join(out) + "]"
 
 
+_FACTORED_STATE_HINT = (
+    "this optimizer state is shaped unlike its parameter (Adafactor's factored second "
+    "moments: a row factor and a column factor), and the mode shards it as it shards the "
+    "parameter; run this optimizer where its state is replicated (ddp), or use an optimizer "
+    "whose state is shaped like its parameters (Adam, AdamW, SGD, ...) in this mode."
+)
+
+
 def local_meta(
-    meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what: str, argument: str | None = None
+    meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what: str, argument: str | None = None,
+    hint: str | None = None,
 ) -> TensorMeta:
     """Local metadata of a tensor sharded evenly by ``placements`` on ``mesh``;
-    ``argument``: the step argument's name, for a tensor argument.
+    ``argument``: the step argument's name, for a tensor argument; ``hint``: what to do
+    where a state tensor does not divide.
 
     Raises:
         SPMDCompileError: a sharded dimension is missing or not divisible.
@@ -136,7 +146,7 @@ def local_meta(
                 raise SPMDCompileError(
                     f"{what} has size {meta.shape[p.dim]} in dimension {p.dim}, which "
                     f"is not divisible by the {n} ranks of mesh dimension {mesh_dim}.",
-                    hint=None if argument is None else (
+                    hint=hint if argument is None else (
                         f"use a global batch that is a multiple of {n} (each rank gets an "
                         "equal share). If this argument's batch lies in another dimension, "
                         "or it holds no batch, say so: input_batch_dim="
@@ -173,8 +183,13 @@ def expand(
             after backward]); None (or None for a name): read as DTensor propagates it.
     """
     start = time.perf_counter()
+    param_shapes = {ref.name: meta.shape for ref, meta in captured.inputs if ref.kind is Kind.PARAM}
     local = [
-        local_meta(meta, mesh, pl, str(ref), ref.name if ref.kind is Kind.INPUT else None)
+        local_meta(
+            meta, mesh, pl, str(ref), ref.name if ref.kind is Kind.INPUT else None,
+            _FACTORED_STATE_HINT if ref.kind is Kind.OPTIM_STATE
+            and param_shapes.get(ref.name, meta.shape) != meta.shape else None,
+        )
         for (ref, meta), pl in zip(captured.inputs, input_placements, strict=True)
     ]
 

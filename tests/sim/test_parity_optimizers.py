@@ -116,8 +116,6 @@ def test_scalar_lr_optimizers_follow_a_scheduler(run_parity, classification_batc
     [
         (lambda m: torch.optim.LBFGS(m.parameters()), "LBFGS", "another optimizer"),
         (lambda m: torch.optim.SparseAdam(list(m.parameters())), "SparseAdam", "Adam"),
-        # its step computes with .item() values (the step count, a parameter's norm)
-        (lambda m: torch.optim.Adafactor(m.parameters()), "Adafactor", "another torch.optim optimizer"),
     ],
 )
 def test_unsupported_optimizers_are_refused_by_name(

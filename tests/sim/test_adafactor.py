@@ -1,0 +1,99 @@
+"""``torch.optim.Adafactor`` in a compiled step (NOTE: [Adafactor in tensor ops] in
+``spmd_compiler/capture/adafactor.py``): its step reads the step count and two norms with
+``.item()``; traced with those values as tensors, float64, 2 simulated ranks, against the
+undecorated step on one device on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler import _torch_private as private
+from spmd_compiler.capture import adafactor
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import classification_train_step as plain_step
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.optim, "Adafactor"), reason="this torch has no torch.optim.Adafactor"
+)
+
+TOL = 1e-13
+BATCH, CLASSES = 8, 4
+
+
+def _mlp() -> nn.Module:
+    """Rows that do not divide 2 ranks, a 2-D weight (factored state) and biases
+    (a second moment shaped like the bias)."""
+    return nn.Sequential(nn.Linear(8, 15), nn.GELU(), nn.Linear(15, CLASSES)).double()
+
+
+class _Conv(nn.Module):
+    """4-D weights: Adafactor factors their last two dimensions, so the factors keep the
+    weight's first dimension, the one fsdp shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.mix = nn.Conv2d(4, CLASSES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(F.relu(self.conv(x))).mean((2, 3))
+
+
+def _batches(shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(shape, generator=gen, dtype=torch.float64),
+         torch.randint(0, CLASSES, (BATCH,), generator=gen))
+        for _ in range(4)
+    ]
+
+
+SETTINGS = {
+    "defaults": {},
+    "weight_decay_maximize": {"weight_decay": 0.1, "maximize": True},
+    # lr above 1 / sqrt(step) for the first steps: the step size is the smaller one
+    "large_lr_small_eps": {"lr": 0.5, "eps": (1e-30, 1e-3), "d": 2.0, "beta2_decay": -0.5},
+}
+
+
+def test_this_torch_has_the_update_mirrored():
+    """A torch whose Adafactor update takes other arguments keeps its own (and the step
+    is refused as before): this says when that happens."""
+    assert adafactor.mirrors(private.adafactor_single_tensor_step())
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_adafactor_under_ddp_matches_one_device(setting, run_parity):
+    result = run_parity(
+        _mlp, lambda m: torch.optim.Adafactor(m.parameters(), **SETTINGS[setting]), 2,
+        _batches((BATCH, 8)), step=plain_step, mode=make_mode("ddp"),
+    )
+    result.assert_close(TOL)
+    assert result.compile_counts[-1] == 1
+    assert "optim.g0.p0.row_var" in result.state_differences  # the factored state compared
+
+
+def test_adafactor_under_fsdp_shards_convolution_factors(run_parity):
+    result = run_parity(
+        lambda: _Conv().double(), lambda m: torch.optim.Adafactor(m.parameters()), 2,
+        _batches((BATCH, 3, 6, 6)), step=plain_step, mode=make_mode("fsdp"),
+    )
+    result.assert_close(TOL)
+
+
+def test_a_factored_2d_weight_under_fsdp_is_refused_with_the_way_out():
+    """A 2-D weight's column factor has one row: fsdp cannot shard it as the weight."""
+    model = _mlp()
+    optimizer = torch.optim.Adafactor(model.parameters())
+    compiled = sc.compile(make_mode("fsdp"))(plain_step)
+    x, y = _batches((BATCH, 8))[0]
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optimizer, x, y)
+    message = str(info.value)
+    assert "col_var" in message and "shaped unlike its parameter" in message
+    assert "ddp" in message
