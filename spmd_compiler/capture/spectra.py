@@ -1,0 +1,112 @@
+"""Short-time Fourier transforms at capture: frames gathered by index, then the FFT.
+
+NOTE: [short-time Fourier transforms at capture]
+``torch.stft`` cuts its (padded) signal into overlapping frames with an ``as_strided``
+inside ATen's kernel, below the Python functions NOTE: [windows by as_strided] answers,
+so a step computing a spectrogram (an audio model's front end) was refused at expansion
+(DTensor has no ``as_strided``; its backward writes a whole storage). While the step is
+traced, ``torch.stft`` / ``Tensor.stft`` runs ATen's algorithm here in ops DTensor has
+rules for, step for step:
+
+1. ``center``: the signal padded by ``n_fft // 2`` on each side with ``pad_mode``, as
+   ``torch.functional.stft`` pads it;
+2. the frames ``(batch, n_frames, n_fft)`` at ``hop_length`` steps: the same window grid
+   ATen's ``as_strided`` names, gathered by index (``windows_by_index``), so the batch
+   stays sharded and autograd derives the backward from the gather;
+3. the window: ``win_length`` < ``n_fft`` centres it in zeros (a window of ones where
+   none is given), and the frames are multiplied by it;
+4. ``_fft_r2c`` (real frames; ``onesided`` by default) or ``_fft_c2c`` (complex) over the
+   last dimension, normalized by ``1 / sqrt(n_fft)`` when ``normalized``; frequencies
+   moved before frames, the batch dimension dropped for a 1-D signal.
+
+The result equals ``torch.stft``'s bit for bit (``tests/unit/test_spectra.py`` compares
+them over the options on real tensors). Only ``return_complex=True`` with a 1-D or 2-D
+signal, no ``align_to_window``, and arguments ATen accepts are answered here; any other
+call is torch's own, which raises ATen's error or is refused at expansion as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .strided_windows import windows_by_index
+
+aten = torch.ops.aten
+
+_NORM_NONE, _NORM_BY_ROOT_N = 0, 1  # ATen's fft_norm_mode
+
+
+def stft(
+    input: torch.Tensor,
+    n_fft: int,
+    hop_length: int | None = None,
+    win_length: int | None = None,
+    window: torch.Tensor | None = None,
+    center: bool = True,
+    pad_mode: str = "reflect",
+    normalized: bool = False,
+    onesided: bool | None = None,
+    return_complex: bool | None = None,
+    align_to_window: bool | None = None,
+) -> Any:
+    """``torch.stft`` while the step is traced (see the NOTE)."""
+    def torch_own() -> Any:
+        extra = {} if align_to_window is None else {"align_to_window": align_to_window}
+        return torch.stft(
+            input, n_fft, hop_length=hop_length, win_length=win_length, window=window,
+            center=center, pad_mode=pad_mode, normalized=normalized, onesided=onesided,
+            return_complex=return_complex, **extra,
+        )
+
+    hop = n_fft // 4 if hop_length is None else hop_length
+    win = n_fft if win_length is None else win_length
+    signal_dim = input.dim() if isinstance(input, torch.Tensor) else 0
+    if (
+        return_complex is not True or align_to_window is not None or signal_dim not in (1, 2)
+        or not isinstance(n_fft, int) or not isinstance(hop, int) or not isinstance(win, int)
+        or hop <= 0 or not 0 < win <= n_fft
+        or (window is not None and (window.dim() != 1 or window.shape[0] != win))
+    ):
+        return torch_own()
+    signal = input
+    if center:
+        pad = int(n_fft // 2)
+        shape = [1] * (3 - signal_dim) + list(signal.size())
+        signal = F.pad(signal.view(shape), [pad, pad], pad_mode)
+        signal = signal.view(signal.shape[-signal_dim:])
+    batched = signal if signal_dim == 2 else signal.unsqueeze(0)
+    length = batched.shape[-1]
+    if not 0 < n_fft <= length:
+        return torch_own()
+    frames_n = 1 + (length - n_fft) // hop
+    frames = windows_by_index(
+        batched, [batched.shape[0], frames_n, n_fft],
+        [batched.stride(0), hop * batched.stride(1), batched.stride(1)],
+    )
+    if frames is NotImplemented:
+        return torch_own()
+    taper = window
+    if win < n_fft:
+        left = (n_fft - win) // 2
+        if taper is None:
+            taper = torch.ones(win, dtype=batched.dtype, device=batched.device)
+        taper = F.pad(taper, [left, n_fft - win - left])
+    if taper is not None:
+        frames = frames.mul(taper)
+    complex_fft = frames.is_complex()
+    sided = not complex_fft if onesided is None else onesided
+    if complex_fft and sided:
+        return torch_own()  # ATen refuses a onesided transform of complex frames
+    norm = _NORM_BY_ROOT_N if normalized else _NORM_NONE
+    if complex_fft:
+        out = aten._fft_c2c(frames, [2], norm, True)
+    else:
+        out = aten._fft_r2c(frames, [2], norm, sided)
+    out = out.transpose(1, 2)
+    return out.squeeze(0) if signal_dim == 1 else out
+
+
+__all__ = ["stft"]
