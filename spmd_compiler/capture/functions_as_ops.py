@@ -13,8 +13,8 @@ them (NOTE: [selected rows kept in place]): every function first meets that rule
 Overlapping windows made by ``as_strided`` are gathered by index (NOTE: [windows by
 as_strided]). ``torch.cov`` and ``torch.corrcoef`` take their degrees of freedom from
 the shape (NOTE: [covariance at capture]); ``fill_diagonal_`` is a masked fill (NOTE:
-[diagonals at capture]); ``torch.stft`` frames its signal by index (NOTE: [short-time
-Fourier transforms at capture]). One
+[diagonals at capture]); ``torch.stft`` / ``torch.istft`` frame and overlap by index
+(NOTE: [short-time Fourier transforms at capture]). One
 ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
@@ -38,7 +38,7 @@ from .diagonals import fill_diagonal_
 from .embedding_bag import embedding, embedding_bag
 from .margin_losses import multi_margin_loss, multilabel_margin_loss
 from .packed_sequences import pack_padded, packed_sequences, pad_packed, refuse_other_uses
-from .spectra import stft
+from .spectra import istft, stft
 from .strided_windows import as_strided, refuse_writes_through_windows, strided_windows
 
 _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
@@ -58,6 +58,8 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.Tensor.fill_diagonal_: fill_diagonal_,
     torch.stft: stft,
     torch.Tensor.stft: stft,
+    torch.istft: istft,
+    torch.Tensor.istft: istft,
 }
 
 

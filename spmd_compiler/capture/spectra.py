@@ -1,4 +1,5 @@
-"""Short-time Fourier transforms at capture: frames gathered by index, then the FFT.
+"""Short-time Fourier transforms at capture: frames gathered (``stft``) or overlapped
+(``istft``) by index around ATen's FFT ops.
 
 NOTE: [short-time Fourier transforms at capture]
 ``torch.stft`` cuts its (padded) signal into overlapping frames with an ``as_strided``
@@ -19,10 +20,19 @@ rules for, step for step:
    last dimension, normalized by ``1 / sqrt(n_fft)`` when ``normalized``; frequencies
    moved before frames, the batch dimension dropped for a 1-D signal.
 
-The result equals ``torch.stft``'s bit for bit (``tests/unit/test_spectra.py`` compares
-them over the options on real tensors). Only ``return_complex=True`` with a 1-D or 2-D
-signal, no ``align_to_window``, and arguments ATen accepts are answered here; any other
-call is torch's own, which raises ATen's error or is refused at expansion as before.
+``torch.istft`` (a mask applied to the spectrum, then the waveform again: speech
+enhancement, source separation) runs ATen's inverse the same way: ``_fft_c2r`` of each
+frame, the window, the frames overlapped and added along time by ``index_add`` (frame
+after frame at each sample, the order of ATen's ``unfold_backward``), divided by the
+window's overlapped squares. ATen refuses a window whose envelope vanishes (NOLA) by
+reading the envelope's minimum with ``.item()``; here it is an ``if`` on the value, which
+the program keeps and checks on every call (NOTE: [value checks]).
+
+Both results equal torch's bit for bit (``tests/unit/test_spectra.py`` compares them over
+the options on real tensors). Only ``stft`` with ``return_complex=True`` and a 1-D or 2-D
+signal, no ``align_to_window``, ``istft`` of a complex spectrum to a real signal, and
+arguments ATen accepts are answered here; any other call is torch's own, which raises
+ATen's error or is refused at expansion as before.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from .strided_windows import windows_by_index
 
 aten = torch.ops.aten
 
-_NORM_NONE, _NORM_BY_ROOT_N = 0, 1  # ATen's fft_norm_mode
+_NORM_NONE, _NORM_BY_ROOT_N, _NORM_BY_N = 0, 1, 2  # ATen's fft_norm_mode
 
 
 def stft(
@@ -109,4 +119,80 @@ def stft(
     return out.squeeze(0) if signal_dim == 1 else out
 
 
-__all__ = ["stft"]
+def istft(
+    input: torch.Tensor,
+    n_fft: int,
+    hop_length: int | None = None,
+    win_length: int | None = None,
+    window: torch.Tensor | None = None,
+    center: bool = True,
+    normalized: bool = False,
+    onesided: bool | None = None,
+    length: int | None = None,
+    return_complex: bool = False,
+) -> Any:
+    """``torch.istft`` while the step is traced (see the NOTE): the inverse FFT of each
+    frame, windowed, overlapped and added by ``index_add`` along time, divided by the
+    window's overlapped envelope; the envelope's check that it nowhere vanishes (NOLA)
+    is an ``if`` on a value, which the program keeps and checks every call (NOTE: [value
+    checks]) where ATen reads it with ``.item()``."""
+    def torch_own() -> Any:
+        return torch.istft(
+            input, n_fft, hop_length=hop_length, win_length=win_length, window=window,
+            center=center, normalized=normalized, onesided=onesided, length=length,
+            return_complex=return_complex,
+        )
+
+    hop = n_fft // 4 if hop_length is None else hop_length
+    win = n_fft if win_length is None else win_length
+    if (
+        not isinstance(input, torch.Tensor) or not input.is_complex() or input.dim() not in (2, 3)
+        or return_complex or not isinstance(n_fft, int) or not isinstance(hop, int)
+        or not isinstance(win, int) or not 0 < hop <= win or not 0 < win <= n_fft
+        or (window is not None and (window.dim() != 1 or window.shape[0] != win or window.is_complex()))
+    ):
+        return torch_own()
+    spectrum = input if input.dim() == 3 else input.unsqueeze(0)  # (channel, freq, frames)
+    frames_n, fft_size = spectrum.shape[-1], spectrum.shape[-2]
+    sided = fft_size != n_fft if onesided is None else onesided
+    if frames_n < 1 or fft_size != (n_fft // 2 + 1 if sided else n_fft) or (center and n_fft // 2 < 0):
+        return torch_own()
+    total = n_fft + hop * (frames_n - 1)
+    start = n_fft // 2 if center else 0
+    if length is not None:
+        end = start + length
+    else:
+        end = total - n_fft // 2 if center else total
+    if end <= start:
+        return torch_own()
+    real_dtype = spectrum.real.dtype
+    taper = torch.ones(win, dtype=real_dtype, device=spectrum.device) if window is None else window
+    if win != n_fft:
+        left = (n_fft - win) // 2
+        taper = F.pad(taper, [left, n_fft - win - left])
+    frames = spectrum.resolve_conj().transpose(1, 2)  # (channel, frames, freq)
+    norm = _NORM_BY_ROOT_N if normalized else _NORM_BY_N
+    if not sided:
+        frames = frames.narrow(-1, 0, n_fft // 2 + 1)
+    frames = aten._fft_c2r(frames, [2], norm, n_fft)  # (channel, frames, n_fft)
+    frames = frames * taper.view(1, 1, n_fft)
+    positions = (
+        torch.arange(frames_n, device=frames.device).unsqueeze(-1) * hop
+        + torch.arange(n_fft, device=frames.device)
+    ).reshape(-1)
+    signal = frames.new_zeros(frames.shape[0], total).index_add(1, positions, frames.reshape(frames.shape[0], -1))
+    squares = taper.pow(2).expand(frames_n, n_fft).reshape(-1)
+    envelope = squares.new_zeros(total).index_add(0, positions, squares)
+    stop = min(end, total)
+    signal, envelope = signal[:, start:stop], envelope[start:stop]
+    if envelope.abs().min() < 1e-11:
+        raise RuntimeError("istft(...): window overlap add min is below 1e-11 (the window does not satisfy NOLA)")
+    signal = signal / envelope
+    if input.dim() == 2:
+        signal = signal.squeeze(0)
+    if end > total:
+        signal = F.pad(signal, [0, end - total])
+    return signal
+
+
+__all__ = ["istft", "stft"]

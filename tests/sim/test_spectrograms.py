@@ -1,7 +1,7 @@
-"""A spectrogram front end in the step (``torch.stft``, NOTE: [short-time Fourier
-transforms at capture]): float64, 2 simulated ranks, against the undecorated step on one
-device on the global batch; the signal's frames stay on their rank (no all-gather of the
-batch under ddp)."""
+"""A spectrogram front end in the step (``torch.stft``), and a spectral mask turned back
+into a waveform (``torch.istft``; NOTE: [short-time Fourier transforms at capture]):
+float64, 2 simulated ranks, against the undecorated step on one device on the global
+batch; the frames stay on their rank (no all-gather of the batch under ddp)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDRuntimeError
 from spmd_compiler.ir.collectives import collective_kind, is_collective
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.tools.demo.steps import classification_train_step as plain_step
@@ -60,3 +62,62 @@ def test_spectrogram_front_end_matches_one_device(mode, method, run_parity):
         graph = result.compiled.last_program.graph_module.graph
         kinds = {collective_kind(n) for n in graph.nodes if is_collective(n)}
         assert kinds == {"all_reduce"}, kinds
+
+
+class _MaskEnhancer(nn.Module):
+    """Speech-enhancement shape: a mask predicted from the magnitude spectrum multiplies
+    the complex spectrum, and the inverse transform gives the waveform back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("window", torch.hann_window(16, dtype=torch.float64))
+        self.mask = nn.Linear(9, 9)
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:
+        spec = torch.stft(wave, 16, hop_length=4, window=self.window, return_complex=True)
+        gain = torch.sigmoid(self.mask(spec.abs().transpose(1, 2))).transpose(1, 2)
+        return (spec * gain).istft(16, hop_length=4, window=self.window, length=wave.shape[-1])
+
+
+def enhancement_step(model, optim, noisy, clean):  # noqa: ANN001, ANN201
+    loss = F.l1_loss(model(noisy), clean)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _wave_pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(4)
+    pairs = []
+    for _ in range(3):
+        clean = torch.randn(BATCH, SAMPLES, generator=gen, dtype=torch.float64)
+        pairs.append((clean + 0.3 * torch.randn(BATCH, SAMPLES, generator=gen, dtype=torch.float64), clean))
+    return pairs
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_spectral_mask_and_inverse_match_one_device(mode, run_parity):
+    result = run_parity(
+        lambda: _MaskEnhancer().double(),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        2, _wave_pairs(), step=enhancement_step, mode=make_mode(mode),
+    )
+    result.assert_close(TOL)
+
+
+def test_a_window_that_stops_overlapping_is_refused_on_the_call():
+    """ATen refuses a window whose overlapped squares vanish somewhere (NOLA); the
+    compiled step checks it on every call, and a call that fails it writes nothing."""
+    model = _MaskEnhancer().double()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = sc.compile(make_mode("ddp"))(enhancement_step)
+    noisy, clean = _wave_pairs()[0]
+    with sc.simulate(world_size=2):
+        compiled(model, optim, noisy, clean)
+        weight = model.mask.weight.full_tensor().clone()
+        with torch.no_grad():
+            model.window.zero_()
+        with pytest.raises(SPMDRuntimeError, match="window overlap add"):
+            compiled(model, optim, noisy, clean)
+        assert torch.equal(model.mask.weight.full_tensor(), weight)
