@@ -63,6 +63,7 @@ def pad_uneven_state(
     }
     if not plan:
         return plan
+    _refuse_state_shaped_otherwise(captured, plan)
     for ref, _ in captured.inputs:
         if ref.kind is Kind.GRAD and ref.name in plan and dim_of.get(ref.name, 0):
             raise SPMDCompileError(
@@ -86,6 +87,28 @@ def pad_uneven_state(
     ]
     gm.recompile()
     return plan
+
+
+def _refuse_state_shaped_otherwise(captured: CapturedStep, plan: dict[str, tuple[int, int]]) -> None:
+    """Padding rows stay zero for state shaped like its parameter (the NOTE); state of
+    another shape (Adafactor's row and column factors) is computed across the rows, where
+    zero rows would change it: refused, naming it."""
+    params = {ref.name: meta.shape for ref, meta in captured.inputs if ref.kind is Kind.PARAM}
+    pairs = list(captured.inputs) + list(zip(captured.outputs, captured.output_metas, strict=True))
+    for ref, meta in pairs:
+        if (
+            ref.kind is Kind.OPTIM_STATE and ref.name in plan and meta.shape
+            and tuple(meta.shape) != tuple(params.get(ref.name, meta.shape))
+        ):
+            rows = plan[ref.name][0]
+            raise SPMDCompileError(
+                f"{ref} has shape {tuple(meta.shape)}, unlike its parameter's "
+                f"{tuple(params[ref.name])}; the parameter's {rows} rows do not divide the "
+                "ranks, and the zero rows that pad its shard (NOTE: [uneven shards]) would "
+                "enter this state, which the optimizer computes across rows.",
+                hint="give this parameter a size the ranks divide, or run this optimizer "
+                "where its state is replicated (ddp).",
+            )
 
 
 def _padded_meta(

@@ -87,8 +87,9 @@ def test_adafactor_under_fsdp_shards_convolution_factors(run_parity):
 
 
 def test_a_factored_2d_weight_under_fsdp_is_refused_with_the_way_out():
-    """A 2-D weight's column factor has one row: fsdp cannot shard it as the weight."""
-    model = _mlp()
+    """A 2-D weight's column factor has one row: fsdp cannot shard it as the weight
+    (rows that divide the ranks; uneven ones are refused earlier, below)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, CLASSES)).double()
     optimizer = torch.optim.Adafactor(model.parameters())
     compiled = sc.compile(make_mode("fsdp"))(plain_step)
     x, y = _batches((BATCH, 8))[0]
@@ -97,3 +98,23 @@ def test_a_factored_2d_weight_under_fsdp_is_refused_with_the_way_out():
     message = str(info.value)
     assert "col_var" in message and "shaped unlike its parameter" in message
     assert "ddp" in message
+
+
+class _OddConv(_Conv):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3)  # 5 output channels: fsdp pads them to 6
+        self.mix = nn.Conv2d(5, CLASSES, 1)
+
+
+def test_factored_state_of_a_padded_weight_is_refused():
+    """Zero rows padding an uneven shard would enter the factors (computed across the
+    rows), so the step is refused, naming the state (NOTE: [uneven shards])."""
+    model = _OddConv().double()
+    optimizer = torch.optim.Adafactor(model.parameters())
+    compiled = sc.compile(make_mode("fsdp"))(plain_step)
+    x, y = _batches((BATCH, 3, 6, 6))[0]
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optimizer, x, y)
+    message = str(info.value)
+    assert "state[conv.weight]" in message and "unlike its parameter" in message
