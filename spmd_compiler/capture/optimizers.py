@@ -98,8 +98,11 @@ def _cpu_alpha_rounds_to_dtype(dtype: torch.dtype) -> bool:
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     eps = torch.finfo(dtype).eps
-    one = torch.ones(1, dtype=dtype)
-    return bool(one.add(one, alpha=eps / 2 * (1 + eps / 4)) == 1)
+    # first asked inside a trace: the probe must run on real tensors, or its comparison
+    # would be an `if` on a traced value (NOTE: [value checks]) kept in the program
+    with private.outside_the_trace():
+        one = torch.ones(1, dtype=dtype)
+        return bool(one.add(one, alpha=eps / 2 * (1 + eps / 4)) == 1)
 
 
 def _add_with_tensor_alpha(op: Any, self_: torch.Tensor, other: torch.Tensor, alpha: torch.Tensor,

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_compiler as sc
+from spmd_compiler.capture.optimizers import _cpu_alpha_rounds_to_dtype
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import DataParallel
 from spmd_compiler.tools.parity import compare_models, compare_optimizers, relative_difference
@@ -432,6 +433,25 @@ def test_one_rank_is_bit_exact(run_parity, classification_batches, optimizer, dt
     assert result.state_differences and max(result.loss_differences) == 0.0
     differing = {k: v for k, v in result.state_differences.items() if v != 0.0}
     assert not differing, differing
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("optimizer", ["adagrad", "rmsprop", "adadelta"])
+def test_16_bit_tensor_scalars_add_no_value_check(classification_batches, train_step, optimizer, dtype):
+    """The probe of how torch's CPU ``add`` rounds a 16-bit ``alpha`` (NOTE: [tensor
+    hyper-parameters in Scalar arguments]) runs on real tensors even when it is first
+    asked inside a trace: before, its comparison became an ``if`` on a traced value,
+    kept in the program as a check (and the state was not made before the first
+    program: two programs)."""
+    _cpu_alpha_rounds_to_dtype.cache_clear()  # first asked inside this test's trace
+    model = mlp().to(dtype)
+    compiled = sc.compile()(train_step)
+    optimizer_ = MORE_OPTIMIZERS[optimizer](model)
+    x, y = classification_batches(1, dtype=dtype)[0]
+    with sc.simulate(world_size=2):
+        compiled(model, optimizer_, x, y)
+    assert compiled.compile_count == 1
+    assert not compiled.last_program.captured.checks
 
 
 @pytest.mark.parametrize(("optimizer", "state", "steps"), [("nadam", "mu_product", 3), ("asgd", "eta", 5)])
