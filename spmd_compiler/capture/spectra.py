@@ -12,8 +12,10 @@ rules for, step for step:
 1. ``center``: the signal padded by ``n_fft // 2`` on each side with ``pad_mode``, as
    ``torch.functional.stft`` pads it;
 2. the frames ``(batch, n_frames, n_fft)`` at ``hop_length`` steps: the same window grid
-   ATen's ``as_strided`` names, gathered by index (``windows_by_index``), so the batch
-   stays sharded and autograd derives the backward from the gather;
+   ATen's ``as_strided`` names, gathered by index as NOTE: [windows by as_strided]
+   gathers (the batch stays sharded, autograd derives the backward from the gather),
+   without its element-by-element check or size cap: a long signal's grid is large,
+   and lies in the signal by construction;
 3. the window: ``win_length`` < ``n_fft`` centres it in zeros (a window of ones where
    none is given), and the frames are multiplied by it;
 4. ``_fft_r2c`` (real frames; ``onesided`` by default) or ``_fft_c2c`` (complex) over the
@@ -42,11 +44,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .strided_windows import windows_by_index
-
 aten = torch.ops.aten
 
 _NORM_NONE, _NORM_BY_ROOT_N, _NORM_BY_N = 0, 1, 2  # ATen's fft_norm_mode
+
+
+def _frames(signal: torch.Tensor, n_fft: int, hop: int, frames_n: int) -> torch.Tensor:
+    """``signal.as_strided((batch, frames_n, n_fft), (s0, hop * s1, s1))``, the frames
+    ATen's kernel views, gathered by index: sample ``f * hop + k`` of the signal for frame
+    ``f``, position ``k``. As in ``windows_by_index`` the batch is moved last for the
+    gather (no ``None`` before the index, so a batch sharded there stays sharded), but
+    the grid needs no element-by-element check: every frame lies in the signal (``n_fft
+    <= length``), whatever its size."""
+    positions = (
+        torch.arange(frames_n, device=signal.device).unsqueeze(-1) * hop
+        + torch.arange(n_fft, device=signal.device)
+    )
+    return signal.movedim(0, -1)[positions].movedim(-1, 0)
 
 
 def stft(
@@ -91,13 +105,7 @@ def stft(
     length = batched.shape[-1]
     if not 0 < n_fft <= length:
         return torch_own()
-    frames_n = 1 + (length - n_fft) // hop
-    frames = windows_by_index(
-        batched, [batched.shape[0], frames_n, n_fft],
-        [batched.stride(0), hop * batched.stride(1), batched.stride(1)],
-    )
-    if frames is NotImplemented:
-        return torch_own()
+    frames = _frames(batched, n_fft, hop, 1 + (length - n_fft) // hop)
     taper = window
     if win < n_fft:
         left = (n_fft - win) // 2

@@ -121,3 +121,30 @@ def test_a_window_that_stops_overlapping_is_refused_on_the_call():
         with pytest.raises(SPMDRuntimeError, match="window overlap add"):
             compiled(model, optim, noisy, clean)
         assert torch.equal(model.mask.weight.full_tensor(), weight)
+
+
+class _LongSignal(nn.Module):
+    """A window grid of over a million samples per signal (1,025 frames of 1,024): the
+    frames are indexed directly, without a per-element check or size cap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("window", torch.hann_window(1024, dtype=torch.float64))
+        self.head = nn.Linear(513, CLASSES)
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:
+        spec = torch.stft(wave, 1024, hop_length=16, window=self.window, center=False, return_complex=True)
+        return self.head(spec.abs().mean(-1))
+
+
+def test_a_long_signal_compiles(run_parity):
+    gen = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randn(4, 1024 + 16 * 1024, generator=gen, dtype=torch.float64),
+         torch.randint(0, CLASSES, (4,), generator=gen))
+    ]
+    result = run_parity(
+        lambda: _LongSignal().double(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        2, batches, step=plain_step, mode=make_mode("ddp"),
+    )
+    result.assert_close(TOL)
