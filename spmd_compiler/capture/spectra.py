@@ -25,7 +25,7 @@ rules for, step for step:
 ``torch.istft`` (a mask applied to the spectrum, then the waveform again: speech
 enhancement, source separation) runs ATen's inverse the same way: ``_fft_c2r`` of each
 frame, the window, the frames overlapped and added along time by ``index_add`` (frame
-after frame at each sample, the order of ATen's ``unfold_backward``), divided by the
+after frame at each sample: the tests find ATen's sums bit for bit), divided by the
 window's overlapped squares. ATen refuses a window whose envelope vanishes (NOLA) by
 reading the envelope's minimum with ``.item()``; here it is an ``if`` on the value, which
 the program keeps and checks on every call (NOTE: [value checks]).
