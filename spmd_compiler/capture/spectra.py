@@ -49,6 +49,18 @@ aten = torch.ops.aten
 _NORM_NONE, _NORM_BY_ROOT_N, _NORM_BY_N = 0, 1, 2  # ATen's fft_norm_mode
 
 
+def _frame_positions(frames_n: int, n_fft: int, hop: int, device: torch.device) -> torch.Tensor:
+    """``(frames_n, n_fft)``: the sample each frame position reads (``stft``) or adds
+    into (``istft``), ``f * hop + k``."""
+    return torch.arange(frames_n, device=device).unsqueeze(-1) * hop + torch.arange(n_fft, device=device)
+
+
+def _centred(taper: torch.Tensor, win: int, n_fft: int) -> torch.Tensor:
+    """A window of ``win`` samples centred in ``n_fft`` zeros, as ATen centres it."""
+    left = (n_fft - win) // 2
+    return F.pad(taper, [left, n_fft - win - left]) if win < n_fft else taper
+
+
 def _frames(signal: torch.Tensor, n_fft: int, hop: int, frames_n: int) -> torch.Tensor:
     """``signal.as_strided((batch, frames_n, n_fft), (s0, hop * s1, s1))``, the frames
     ATen's kernel views, gathered by index: sample ``f * hop + k`` of the signal for frame
@@ -56,10 +68,7 @@ def _frames(signal: torch.Tensor, n_fft: int, hop: int, frames_n: int) -> torch.
     gather (no ``None`` before the index, so a batch sharded there stays sharded), but
     the grid needs no element-by-element check: every frame lies in the signal (``n_fft
     <= length``), whatever its size."""
-    positions = (
-        torch.arange(frames_n, device=signal.device).unsqueeze(-1) * hop
-        + torch.arange(n_fft, device=signal.device)
-    )
+    positions = _frame_positions(frames_n, n_fft, hop, signal.device)
     return signal.movedim(0, -1)[positions].movedim(-1, 0)
 
 
@@ -107,13 +116,10 @@ def stft(
         return torch_own()
     frames = _frames(batched, n_fft, hop, 1 + (length - n_fft) // hop)
     taper = window
-    if win < n_fft:
-        left = (n_fft - win) // 2
-        if taper is None:
-            taper = torch.ones(win, dtype=batched.dtype, device=batched.device)
-        taper = F.pad(taper, [left, n_fft - win - left])
+    if taper is None and win < n_fft:  # ATen: a window of ones, centred
+        taper = torch.ones(win, dtype=batched.dtype, device=batched.device)
     if taper is not None:
-        frames = frames.mul(taper)
+        frames = frames.mul(_centred(taper, win, n_fft))
     complex_fft = frames.is_complex()
     sided = not complex_fft if onesided is None else onesided
     if complex_fft and sided:
@@ -163,7 +169,7 @@ def istft(
     spectrum = input if input.dim() == 3 else input.unsqueeze(0)  # (channel, freq, frames)
     frames_n, fft_size = spectrum.shape[-1], spectrum.shape[-2]
     sided = fft_size != n_fft if onesided is None else onesided
-    if frames_n < 1 or fft_size != (n_fft // 2 + 1 if sided else n_fft) or (center and n_fft // 2 < 0):
+    if frames_n < 1 or fft_size != (n_fft // 2 + 1 if sided else n_fft):
         return torch_own()
     total = n_fft + hop * (frames_n - 1)
     start = n_fft // 2 if center else 0
@@ -174,20 +180,17 @@ def istft(
     if end <= start:
         return torch_own()
     real_dtype = spectrum.real.dtype
-    taper = torch.ones(win, dtype=real_dtype, device=spectrum.device) if window is None else window
-    if win != n_fft:
-        left = (n_fft - win) // 2
-        taper = F.pad(taper, [left, n_fft - win - left])
+    taper = _centred(
+        torch.ones(win, dtype=real_dtype, device=spectrum.device) if window is None else window,
+        win, n_fft,
+    )
     frames = spectrum.resolve_conj().transpose(1, 2)  # (channel, frames, freq)
     norm = _NORM_BY_ROOT_N if normalized else _NORM_BY_N
     if not sided:
         frames = frames.narrow(-1, 0, n_fft // 2 + 1)
     frames = aten._fft_c2r(frames, [2], norm, n_fft)  # (channel, frames, n_fft)
     frames = frames * taper.view(1, 1, n_fft)
-    positions = (
-        torch.arange(frames_n, device=frames.device).unsqueeze(-1) * hop
-        + torch.arange(n_fft, device=frames.device)
-    ).reshape(-1)
+    positions = _frame_positions(frames_n, n_fft, hop, frames.device).reshape(-1)
     signal = frames.new_zeros(frames.shape[0], total).index_add(1, positions, frames.reshape(frames.shape[0], -1))
     squares = taper.pow(2).expand(frames_n, n_fft).reshape(-1)
     envelope = squares.new_zeros(total).index_add(0, positions, squares)
