@@ -63,11 +63,23 @@ class ParallelMode(abc.ABC):
     def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
         """The placement of one graph input or output on ``mesh``."""
 
+    def placements(
+        self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh, param_shape: Sequence[int] | None = None
+    ) -> Placements:
+        """``placement_of``, with the rule every mode shares for optimizer state shaped
+        unlike its parameter (NOTE: [state shaped unlike its parameter]);
+        ``param_shape``: the global shape of the parameter ``ref`` names, for state."""
+        placements = self.placement_of(ref, meta, mesh)
+        if ref.kind is Kind.OPTIM_STATE and param_shape is not None:
+            return placements_for_state(placements, tuple(meta.shape), tuple(param_shape))
+        return placements
+
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         """Phase 1: the distributed per-rank program for ``captured``."""
-        inputs = [self.placement_of(ref, meta, mesh) for ref, meta in captured.inputs]
+        params = {ref.name: meta.shape for ref, meta in captured.inputs if ref.kind is Kind.PARAM}
+        inputs = [self.placements(ref, meta, mesh, params.get(ref.name)) for ref, meta in captured.inputs]
         outputs = [
-            self.placement_of(ref, meta, mesh)
+            self.placements(ref, meta, mesh, params.get(ref.name))
             for ref, meta in zip(captured.outputs, captured.output_metas, strict=True)
         ]
         return expand(
@@ -135,6 +147,39 @@ class ParallelMode(abc.ABC):
 
 def replicate(mesh: DeviceMesh) -> tuple[Placement, ...]:
     return tuple(Replicate() for _ in range(mesh.ndim))
+
+
+# NOTE: [state shaped unlike its parameter]
+# A mode places an optimizer's state as it places the state's parameter: the state is
+# read beside the parameter, element by element, in the update. Some optimizers keep
+# state of another shape: torch's Adafactor keeps a 2-D weight's second moment as a row
+# factor (rows, 1) and a column factor (1, cols). Sharding those as the weight is sharded
+# (fsdp's Shard(0)) would split the column factor's single row over the ranks, which no
+# even shard can do. So a shard of state stays on a mesh dimension only where the state
+# has the parameter's size in the sharded dimension (the row factor keeps the weight's
+# row shard); elsewhere the state is replicated on that mesh dimension. Any placement is
+# exact (DTensor's rules bring operands to a common placement), so this chooses layout,
+# not numbers: the column factor, a mean over the weight's rows, is all-reduced once and
+# kept whole on every rank (cols elements), where a shard of it would be redistributed at
+# every use. The runner installs state by the same rule (``ParallelMode.placements``), so
+# the program and the state agree. State of a parameter padded to an uneven shard stays
+# refused (``padding._refuse_state_shaped_otherwise``): its factors are computed across
+# the zero rows.
+def placements_for_state(
+    placements: Placements, shape: tuple[int, ...], param_shape: tuple[int, ...]
+) -> Placements:
+    """``placements`` (the parameter's) for state of global ``shape``: a shard kept on a
+    mesh dimension only where ``shape`` has the parameter's size in the sharded dim."""
+    if shape == param_shape:
+        return placements
+    out: list[Placement] = []
+    for p in placements:
+        if isinstance(p, Shard) or private.is_strided_shard(p):
+            dim = p.dim % len(shape) if shape and -len(shape) <= p.dim < len(shape) else None
+            if dim is None or dim >= len(param_shape) or shape[dim] != param_shape[dim]:
+                p = Replicate()
+        out.append(p)
+    return tuple(out)
 
 
 def shard_for_rank(

@@ -533,7 +533,7 @@ class CompiledTrainStep:
                     self._write_step_entry(pre_key, program_key, captured, bindings, environment)
             inductor_dir = self.disk_cache.inductor_dir if self.disk_cache else None
             executable = StepExecutable(
-                program, self.mode.placement_of, self.lowering.for_device(device_type),
+                program, self.mode.placements, self.lowering.for_device(device_type),
                 inductor_dir,
             )
         total = time.perf_counter() - start

@@ -156,7 +156,9 @@ def _install(
                     ref = StateRef(Kind.OPTIM_STATE, name, key, oi, _group_of(opt, new_p))
                     meta = TensorMeta.of(value)
                     value = value.to(state_dtype(ref, meta))
-                    value = _distribute(value, mesh, placement_of(ref, meta, mesh), sim)
+                    # NOTE: [state shaped unlike its parameter] in parallel_modes/base.py
+                    placements = placement_of(ref, meta, mesh, tuple(new_p.shape))
+                    value = _distribute(value, mesh, placements, sim)
                 converted[key] = value
             new_state[new_p] = converted
         opt.state = new_state

@@ -19,17 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from ..capture.bindings import StepBindings
 from ..expand.retrace import DistributedProgram, Placements
-from ..ir.signature import StateRef, TensorMeta
+from ..ir.signature import StateRef
 from ..lower import Executable, LoweringOptions
 from .runner import FeedPlan, install_state, run_finish, run_program
 from .same_inputs import InputAgreement, describe_constants
 from .simulate import Simulation
 
-PlacementOf = Callable[[StateRef, TensorMeta, DeviceMesh], Placements]
+#: ``ParallelMode.placements``: (ref, global meta, mesh[, parameter's shape, for state])
+PlacementOf = Callable[..., Placements]
 
 
 @dataclass

@@ -9,12 +9,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_compiler as sc
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture import adafactor
 from spmd_compiler.errors import SPMDCompileError
-from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.parallel_modes import FullyShardTensorParallel, TensorParallel, make_mode
+from spmd_compiler.parallel_modes.base import placements_for_state
 from spmd_compiler.tools.demo.steps import classification_train_step as plain_step
 
 pytestmark = pytest.mark.skipif(
@@ -86,18 +89,57 @@ def test_adafactor_under_fsdp_shards_convolution_factors(run_parity):
     result.assert_close(TOL)
 
 
-def test_a_factored_2d_weight_under_fsdp_is_refused_with_the_way_out():
-    """A 2-D weight's column factor has one row: fsdp cannot shard it as the weight
-    (rows that divide the ranks; uneven ones are refused earlier, below)."""
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, CLASSES)).double()
-    optimizer = torch.optim.Adafactor(model.parameters())
-    compiled = sc.compile(make_mode("fsdp"))(plain_step)
-    x, y = _batches((BATCH, 8))[0]
-    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
-        compiled(model, optimizer, x, y)
-    message = str(info.value)
-    assert "col_var" in message and "shaped unlike its parameter" in message
-    assert "ddp" in message
+def _even_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, CLASSES)).double()
+
+
+_TP_PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+MODES = {
+    "fsdp": (lambda: make_mode("fsdp"), 2),
+    "tp": (lambda: TensorParallel(_TP_PLAN), 2),
+    "fsdp_tp": (lambda: FullyShardTensorParallel(_TP_PLAN, mesh_shape=(2, 2)), 4),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_factored_2d_weights_under_sharded_modes_match_one_device(mode, run_parity):
+    """A 2-D weight's column factor (1, cols) cannot be sharded as the weight's rows
+    are: it is replicated there, the row factor keeps the weight's shard (NOTE: [state
+    shaped unlike its parameter] in parallel_modes/base.py), and the update is exact."""
+    make, world = MODES[mode]
+    placements: dict[str, tuple] = {}
+
+    def record(sim, result):
+        for p, entries in result.optimizer.state.items():
+            name = next(n for n, q in result.model.named_parameters() if q is p)
+            for key in ("row_var", "col_var"):
+                if key in entries:
+                    placements[f"{name}.{key}"] = tuple(entries[key].placements)
+
+    result = run_parity(
+        _even_mlp, lambda m: torch.optim.Adafactor(m.parameters()), world,
+        _batches((BATCH, 8)), step=plain_step, mode=make(), check_simulation=record,
+    )
+    result.assert_close(TOL)
+    assert result.compile_counts[-1] == 1
+    assert "optim.g0.p0.col_var" in result.state_differences
+    if mode == "fsdp":  # rows sharded as the weight's, the single-row column factor whole
+        assert placements["0.weight.row_var"] == (Shard(0),)
+        assert placements["0.weight.col_var"] == (Replicate(),)
+    if mode == "tp":  # the rowwise weight is sharded on its columns: so is its column factor
+        assert placements["2.weight.row_var"] == (Replicate(),)
+        assert placements["2.weight.col_var"] == (Shard(1),)
+
+
+def test_placements_for_state_keep_only_shards_of_the_parameters_size():
+    strided = private.strided_shard(0, 2)
+    assert placements_for_state((Shard(0),), (16, 1), (16, 8)) == (Shard(0),)
+    assert placements_for_state((Shard(0),), (1, 8), (16, 8)) == (Replicate(),)
+    assert placements_for_state((Shard(1),), (1, 8), (16, 8)) == (Shard(1),)
+    assert placements_for_state((Shard(-1),), (16, 1), (16, 8)) == (Replicate(),)
+    assert placements_for_state((strided, Shard(0)), (1, 8), (16, 8)) == (Replicate(), Replicate())
+    assert placements_for_state((Shard(0),), (), (16, 8)) == (Replicate(),)
+    assert placements_for_state((Shard(0),), (16, 8), (16, 8)) == (Shard(0),)
 
 
 class _OddConv(_Conv):
