@@ -1727,6 +1727,14 @@ def is_strided_shard(placement: Any) -> TypeGuard[StridedShard]:
     return isinstance(placement, _StridedShard)
 
 
+def is_mask_partial(placement: Any) -> bool:
+    """DTensor's ``_MaskPartial``: an embedding's output over a vocabulary-sharded weight,
+    pending a sum that zeroes the rows other ranks own by a mask shaped like the indices."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    return isinstance(placement, _MaskPartial)
+
+
 def placement_types() -> dict[str, type]:
     """DTensor's placement classes by name, private ones included (the compile cache
     rebuilds placements from these names)."""

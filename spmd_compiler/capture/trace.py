@@ -238,6 +238,7 @@ def capture_decompositions() -> dict:
         _mse_loss_backward_allow_empty, table[aten.mse_loss_backward.default]
     )
     table[aten.embedding_dense_backward.default] = _embedding_backward_global_counts
+    table[aten.embedding.default] = _embedding_of_one_index
     table[aten.embedding_renorm_.default] = _embedding_renorm_over_global_batch
     for op in (aten.any.default, aten.any.dim, aten.any.dims):
         table[op] = functools.partial(_reduce_by_count, True)
@@ -457,6 +458,20 @@ def _global_index_counts(like: torch.Tensor, indices: torch.Tensor, num_weights:
     return torch.ops.aten.embedding_dense_backward(ones, indices, num_weights, -1, False)
 
 
+def _embedding_of_one_index(
+    weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1,
+    scale_grad_by_freq: bool = False, sparse: bool = False,
+) -> Any:
+    """An embedding looked up by a 0-d index (``emb(torch.tensor(2))``) as a lookup of
+    one index, then the row: DTensor's vocabulary-sharded rule masks the indices with
+    ``t[mask] = 0``, which on a 0-d tensor needs the count of true elements (a
+    data-dependent size; it refused such a lookup under RowwiseParallel). Same values."""
+    if indices.dim() != 0:
+        return NotImplemented
+    row = torch.ops.aten.embedding(weight, indices.reshape(1), padding_idx, scale_grad_by_freq, sparse)
+    return row.reshape(weight.shape[1:])
+
+
 def _embedding_backward_global_counts(
     grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
     scale_grad_by_freq: bool,
@@ -466,10 +481,15 @@ def _embedding_backward_global_counts(
     rank, its local batch (found by a probe: 8.8e-3 relative error on the embedding after
     3 AdamW steps, ddp and fsdp, 2 ranks). Here the counts are an embedding gradient of
     ones, which DTensor sums over the batch like any embedding gradient, so every rank
-    divides by the global count; the unscaled backward then runs as before."""
+    divides by the global count; the unscaled backward then runs as before. A 0-d index's
+    backward runs as one index's (see _embedding_of_one_index)."""
+    aten = torch.ops.aten
+    if indices.dim() == 0:
+        return aten.embedding_dense_backward(
+            grad_output.reshape(1, -1), indices.reshape(1), num_weights, padding_idx, scale_grad_by_freq
+        )
     if not scale_grad_by_freq:
         return NotImplemented
-    aten = torch.ops.aten
     counts = _global_index_counts(grad_output, indices, num_weights)
     scale = aten.embedding(counts, indices)  # (*indices.shape, 1): each token's count
     return aten.embedding_dense_backward(grad_output / scale, indices, num_weights, padding_idx, False)

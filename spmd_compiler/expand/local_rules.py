@@ -133,6 +133,11 @@ class LocalRules:
                 lambda shape, *rest, **kw: target(private.local_tensor_of(args[0]), shape, *rest, **kw),
                 args[1:], kwargs,
             )
+        if (
+            target in _SHAPE_CHANGING_VIEWS and args and isinstance(args[0], DTensor)
+            and any(private.is_mask_partial(p) for p in args[0].placements)
+        ):
+            return _mask_partial_reduced_first(target, args, kwargs)
         if target is aten.unbind.int and isinstance(args[0], DTensor):
             return _unbind_gathered(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
         if target in _BINARY_POINTWISE and len(args) >= 2:
@@ -344,6 +349,30 @@ def _partial_reduced_first(target: Any, args: tuple, kwargs: dict) -> Any:
     if not moved:
         return None
     return target(*operands, *args[2:], **kwargs)
+
+
+# NOTE: [views of a masked embedding]
+# A lookup in a vocabulary-sharded embedding (RowwiseParallel on nn.Embedding) leaves each
+# rank's rows as ``_MaskPartial``: a pending sum that first zeroes, by a mask shaped like
+# the indices, the rows whose index another rank owns. DTensor's view rules carry that
+# placement through a reshape, after which the mask no longer lines up with the rows
+# (``_MaskBuffer.apply_mask`` indexes the leading dimensions with it): the reduction
+# raised a shape error at run time. A view that changes the shape of such a value reduces
+# it first (the all-reduce the module's Replicate output would issue anyway). Capture
+# writes one: an embedding looked up by a 0-d index runs as a lookup of one index and a
+# reshape to the row (``capture/trace.py: _embedding_of_one_index``).
+_SHAPE_CHANGING_VIEWS = frozenset({
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.select.int,
+    aten.permute.default, aten.t.default, aten.transpose.int, aten.slice.Tensor,
+    aten.flatten.using_ints,
+})
+
+
+def _mask_partial_reduced_first(target: Any, args: tuple, kwargs: dict) -> Any:
+    value = args[0]
+    placements = [Replicate() if private.is_mask_partial(p) else p for p in value.placements]
+    return target(value.redistribute(value.device_mesh, placements), *args[1:], **kwargs)
 
 
 # ------------------------------------------------------------------- unbind
