@@ -288,13 +288,16 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
             # name the node whose redistribution needed the coordinate
             raise SPMDCompileError(
                 f"The per-rank program differs between mesh coordinates {first_coordinate} "
-                f"and {coordinate}: DTensor redistributes this node's input to shards of "
-                "different sizes on different ranks (a dimension that does not split evenly), "
-                "so one program cannot serve every rank.",
+                f"and {coordinate}: DTensor's handling of this node depends on the rank in a "
+                "way the program cannot compute at run time (shards of different sizes on "
+                "different ranks where a dimension does not split evenly, or a rank's offset "
+                "into a sharded dimension read by a data-dependent op), so one program cannot "
+                "serve every rank.",
                 op=symbolic_failure.op, node=symbolic_failure.node,
                 module_fqn=symbolic_failure.module_fqn, user_line=symbolic_failure.user_line,
                 hint="use sizes divisible by the mesh dimensions for the parameters this node "
-                "reads, or shard the batch on dimension 0.",
+                "reads, or shard the batch on dimension 0; if the sizes divide, compute this "
+                "op on replicated values (leave its module out of the plan).",
             )
     private.lift_group_names(first, mesh)
     return first
