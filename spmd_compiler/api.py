@@ -396,7 +396,10 @@ class CompiledTrainStep:
                         "OneCycleLR / CyclicLR(cycle_momentum=False))")
             else:
                 hint = ("keep a value that changes every step in a tensor (a buffer or a "
-                        "tensor argument), or pass it as a float argument used in tensor ops")
+                        "tensor argument), or pass it as a float argument used in tensor ops; "
+                        "where a counter only decides an `if` (gradient accumulation: "
+                        "`(step + 1) % accum == 0`), pass the decision as a bool argument "
+                        "instead (two values, two programs)")
             log.warning(
                 "%s changed on %d calls of %s, and each new value compiles a new program; "
                 "%s.",

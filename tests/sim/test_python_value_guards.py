@@ -400,6 +400,7 @@ def test_int_argument_changing_every_call_warns(classification_batches, caplog):
     assert len(warnings) == 1 and warnings[0].startswith(
         "argument 4 of the step changed on 3 calls of counted_step"
     ), warnings
+    assert "pass the decision as a bool argument" in warnings[0]  # the accumulation way out
 
 
 def accumulating_step(model, optim, x, y, do_step):  # noqa: ANN001
