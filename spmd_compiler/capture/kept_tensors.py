@@ -25,10 +25,16 @@ each to ``DEPTH`` levels. A traced tensor (or a returned-style ``.item()``, NOTE
   changed): it becomes one more output of the program, and after every call the runtime
   sets the attribute / entry to the call's value, or appends it, the global value as a
   returned tensor is (``.item()`` of it for an ``.item()``);
-- anywhere else (a list changed otherwise, a new tuple / list / dict holding it): the
-  step is refused, naming where; except a module's new list of its own parameters and
-  buffers (``nn.LSTM._flat_weights``, rebuilt by its forward when the parameters were
-  swapped for the trace's), which is the module's state, not a kept value.
+- a new list, tuple or dict of traced values (nothing else in it) set as an attribute or
+  a dict entry (torchvision RAFT's ``self.corr_pyramid = [corr]``, grown by appends and
+  read back in the same forward; a hook's ``self.maps = {"a": x, "b": y}``): each value
+  is one more output, and after every call the runtime sets a new container of the same
+  type holding the call's values (``KeptTensor.part``; since the forty-third session, the
+  step was refused before);
+- anywhere else (a list changed otherwise, a container holding other objects or other
+  containers): the step is refused, naming where; except a module's new list of its own
+  parameters and buffers (``nn.LSTM._flat_weights``, rebuilt by its forward when the
+  parameters were swapped for the trace's), which is the module's state, not a kept value.
 A dict or list argument reaches the traced step as a copy (pytree rebuilds it), so its
 entries are set in the caller's container at the same place of the call's arguments.
 Either way the traced objects are put back as they were before the trace, so a failed
@@ -103,6 +109,10 @@ class KeptTensor:
         as_item: the step stored ``.item()`` of it.
         label: where, for messages and logs.
         new: the attribute / entry did not exist before the step ran.
+        part: for a value in a container the step set (a new list, tuple or dict):
+            ``(type, slot, i, n)``, the container's type, the value's index or key, its
+            place among the ``n`` values; the first makes the container, the last of a
+            tuple freezes it.
     """
 
     root: tuple
@@ -113,6 +123,7 @@ class KeptTensor:
     as_item: bool = False
     new: bool = False
     index: int = -1
+    part: tuple[type, Any, int, int] | None = None
 
     def container(self, bindings: StepBindings) -> Any:
         if self.root[0] == "module":
@@ -129,15 +140,29 @@ class KeptTensor:
 
     def write(self, bindings: StepBindings, value: Any) -> None:
         """Store this call's value where the step stored it."""
-        if self.as_item:
-            value = value.item()
+        self.store(bindings, value.item() if self.as_item else value)
+
+    def store(self, bindings: StepBindings, value: Any) -> None:
         target = self.container(bindings)
+        if self.how == "append":
+            target.append(value)
+            return
+        if self.part is not None:
+            kind, slot, i, n = self.part
+            if i == 0:  # a new container every call, as the step makes one
+                self._set(target, {} if kind is dict else [None] * n)
+            held = getattr(target, self.key) if self.how == "attr" else target[self.key]
+            held[slot] = value
+            if i == n - 1 and kind is tuple:
+                self._set(target, tuple(held))
+            return
+        self._set(target, value)
+
+    def _set(self, target: Any, value: Any) -> None:
         if self.how == "attr":
             setattr(target, self.key, value)
-        elif self.how == "key":
-            target[self.key] = value
         else:
-            target.append(value)
+            target[self.key] = value
 
 
 @dataclass
@@ -312,11 +337,20 @@ class KeptTensors:
                         as_item=isinstance(value, TracedItem), new=old is _MISSING,
                     ), value))
                 elif _holds_traced(value) and not _own_state_cache(h.obj, value):
+                    parts = _container_parts(value)
+                    for i, (slot, item) in enumerate(parts or ()):
+                        self.kept.append((KeptTensor(
+                            h.root, h.path, step, key, f"{where}[{slot!r}]",
+                            as_item=isinstance(item, TracedItem), new=old is _MISSING,
+                            part=(type(value), slot, i, len(parts or ())),
+                        ), item))
+                    if parts:
+                        continue
                     raise _refused(
                         where, f"a new {type(value).__name__} holding a traced tensor",
-                        hint=f"a container the step builds is not repeated after the call, only "
-                        "a tensor set directly. If the step reads it back itself (a cache "
-                        "such as torchvision RAFT's corr_pyramid), delete it in the step once "
+                        hint=f"a container the step builds is repeated after the call only "
+                        "when it is a list, tuple or dict of tensors and nothing else. If the "
+                        "step reads it back itself (a cache), delete it in the step once "
                         f"used (del <owner>{_where(step, key)}), or keep it in a local variable; "
                         "if you need it after the call, return it from the step.",
                     )
@@ -361,12 +395,7 @@ def install_placeholders(kept: list[KeptTensor], bindings: StepBindings, metas: 
         if not k.new or k.how == "append":
             continue
         meta = metas[k.index]
-        value: Any = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-        container = k.container(bindings)
-        if k.how == "attr":
-            setattr(container, k.key, value)
-        else:
-            container[k.key] = value
+        k.store(bindings, torch.empty(meta.shape, dtype=meta.dtype, device="meta"))
 
 
 def kept_container_ids(kept: list[KeptTensor], bindings: StepBindings) -> frozenset[int]:
@@ -383,6 +412,18 @@ def _own_state_cache(owner: Any, value: Any) -> bool:
         return False
     own = {id(t) for t in (*owner.parameters(recurse=False), *owner.buffers(recurse=False))}
     return all(v is None or id(v) in own for v in value)
+
+
+def _container_parts(value: Any) -> list[tuple[Any, Any]] | None:
+    """``(slot, value)`` of a non-empty list, tuple or dict (exactly those types; a
+    dict with str or int keys) of traced values only; None for any other container."""
+    if type(value) in (list, tuple) and value and all(is_traced(v) for v in value):
+        return list(enumerate(value))
+    if type(value) is dict and value and all(
+        isinstance(k, (str, int)) and is_traced(v) for k, v in value.items()
+    ):
+        return list(value.items())
+    return None
 
 
 def _holds_traced(value: Any) -> bool:

@@ -187,8 +187,55 @@ def _reordering_step(model, optim, x, y):  # noqa: ANN001
 class _TupleState(_Stashing):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = F.gelu(self.a(x))
-        self.state = (hidden.detach(), hidden.sum())
+        self.state = (hidden.detach(), [hidden.sum()])  # a list inside: not replayed
         return self.b(hidden)
+
+
+class _Pyramid(_Stashing):
+    """Containers of activations built in ``forward``: a list grown by appends and read
+    back before the forward ends (as torchvision RAFT's ``corr_pyramid``), a tuple and a
+    dict; the last two also as entries of a dict the module holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Linear(16 * 3, CLASSES)
+        self.store: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(self.a(x))
+        self.pyramid = [hidden]
+        for _ in range(2):
+            self.pyramid.append(self.pyramid[-1] * 0.5 + 1)
+        self.pair = (hidden.mean(), hidden.amax())
+        self.store["maps"] = {"first": hidden.detach(), "norm": hidden.norm()}
+        return self.b(torch.cat(self.pyramid, -1))
+
+
+def _containers(model: nn.Module) -> list:
+    return [*model.pyramid, *model.pair, *model.store["maps"].values()]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp"])
+def test_containers_of_tensors_set_in_forward_are_remade_every_call(mode):
+    torch.manual_seed(0)
+    model = _Pyramid().double()
+    reference = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    step = sc.compile(_mode(mode))(_plain_step)
+    lists = []
+    with sc.simulate(world_size=2):
+        for x, y in _batches():
+            loss = step(model, optim, x, y)
+            expected = _plain_step(reference, ref_optim, x, y)
+            assert torch.allclose(loss, expected, rtol=TOL, atol=TOL)
+            lists.append(model.pyramid)
+            assert type(model.pyramid) is list and type(model.pair) is tuple
+            assert list(model.store["maps"]) == ["first", "norm"]
+            got, want = _containers(model), _containers(reference)
+            assert len(got) == len(want) == 7
+            assert all(_close(a, b.detach()) for a, b in zip(got, want))
+    assert step.compile_count == 2
+    assert len({id(lst) for lst in lists}) == len(lists)  # a new list each call, as the step makes
 
 
 def test_places_that_cannot_be_replayed_are_refused_and_left_clean():
