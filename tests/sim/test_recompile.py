@@ -155,3 +155,39 @@ def test_state_created_before_the_first_call_compiles_once(
         differences = compare_models(model, reference, sim)
         differences.update(compare_optimizers(optimizer, reference_optimizer, sim))
     assert max(differences.values()) < FLOAT32_TOLERANCE
+
+
+def _accumulating_step(model, optim, x, y, i):  # noqa: ANN001
+    """An int counter steering an `if`: each new value is a guard miss and a capture."""
+    loss = nn.functional.cross_entropy(model(x), y) / 4
+    loss.backward()
+    if (i + 1) % 4 == 0:
+        optim.step()
+        optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_recaptured_programs_are_reused_from_memory(classification_batches, mode):
+    """NOTE: [programs reused in memory]: a counter over 12 calls captures 12 times, but
+    most captures meet a program the step built already, which is decoded instead of
+    expanded again; every call stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 15), nn.ReLU(), nn.Linear(15, 4)).double()
+    reference = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference))
+    step = sc.compile(sc.parallel_modes.make_mode(mode))(_accumulating_step)
+    batches = classification_batches(12, dtype=torch.float64)
+    with sc.simulate(2) as sim:
+        for i, (x, y) in enumerate(batches):
+            loss = step(model, optim, x, y, i)
+            expected = _accumulating_step(reference, ref_optim, x, y, i)
+            assert relative_difference(loss, expected) < 1e-13
+        worst = max({**compare_models(model, reference, sim),
+                     **compare_optimizers(optim, ref_optim, sim)}.values())
+    assert worst < 1e-13
+    how = [record.cache for record in step.records]
+    assert len(how) == 12 and how[0] == "off"
+    assert how.count("memory") >= 6, how
+    reused = [r for r in step.records if r.cache == "memory"]
+    assert all(r.expand_seconds == 0.0 and r.pass_seconds == 0.0 for r in reused)
