@@ -76,10 +76,15 @@ class ParallelMode(abc.ABC):
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         """Phase 1: the distributed per-rank program for ``captured``."""
-        params = {ref.name: meta.shape for ref, meta in captured.inputs if ref.kind is Kind.PARAM}
-        inputs = [self.placements(ref, meta, mesh, params.get(ref.name)) for ref, meta in captured.inputs]
+        params = captured.param_metas()
+
+        def placements(ref: StateRef, meta: TensorMeta) -> Placements:
+            param = params.get(ref.name)
+            return self.placements(ref, meta, mesh, param.shape if param is not None else None)
+
+        inputs = [placements(ref, meta) for ref, meta in captured.inputs]
         outputs = [
-            self.placements(ref, meta, mesh, params.get(ref.name))
+            placements(ref, meta)
             for ref, meta in zip(captured.outputs, captured.output_metas, strict=True)
         ]
         return expand(
@@ -96,7 +101,7 @@ class ParallelMode(abc.ABC):
         mode that reduces them itself, as FSDP x TP does at the update)."""
         if mesh.ndim != 1:
             return None
-        metas = {ref.name: meta for ref, meta in captured.inputs if ref.kind is Kind.PARAM}
+        metas = captured.param_metas()
 
         def placement(name: str) -> Placements | None:
             meta = metas.get(name)

@@ -93,7 +93,7 @@ def _refuse_state_shaped_otherwise(captured: CapturedStep, plan: dict[str, tuple
     """Padding rows stay zero for state shaped like its parameter (the NOTE); state of
     another shape (Adafactor's row and column factors) is computed across the rows, where
     zero rows would change it: refused, naming it."""
-    params = {ref.name: meta.shape for ref, meta in captured.inputs if ref.kind is Kind.PARAM}
+    params = {name: meta.shape for name, meta in captured.param_metas().items()}
     pairs = list(captured.inputs) + list(zip(captured.outputs, captured.output_metas, strict=True))
     for ref, meta in pairs:
         if (

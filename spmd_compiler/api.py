@@ -164,7 +164,7 @@ class CompiledTrainStep:
         self.disk_cache = compile_cache.ProgramCache(root) if root is not None else None
         self.records: list[CompileRecord] = []
         # NOTE: [programs reused in memory]: program key -> the program built for it
-        self._built_programs: dict[str, DistributedProgram] = {}
+        self._built_programs: dict[str, DistributedProgram | None] = {}
         self._cache: dict[tuple, list[tuple[Guards, StepExecutable]]] = {}
         self._meshes: dict[str, DeviceMesh] = {}
         self.timings = StepTimings()
@@ -664,7 +664,8 @@ class CompiledTrainStep:
             if program is not None:
                 return program, "memory", time.perf_counter() - start, ""
         program = self._build(captured, mesh, progress)
-        self._built_programs[key] = program
+        # a program that failed to encode stays None: not tried (nor warned of) again
+        self._built_programs[key] = program if key not in self._built_programs else None
         return program, "off", 0.0, ""
 
     def _step_key(

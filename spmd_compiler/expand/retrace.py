@@ -183,12 +183,12 @@ def expand(
             after backward]); None (or None for a name): read as DTensor propagates it.
     """
     start = time.perf_counter()
-    param_shapes = {ref.name: meta.shape for ref, meta in captured.inputs if ref.kind is Kind.PARAM}
+    params = captured.param_metas()
     local = [
         local_meta(
             meta, mesh, pl, str(ref), ref.name if ref.kind is Kind.INPUT else None,
             _FACTORED_STATE_HINT if ref.kind is Kind.OPTIM_STATE
-            and param_shapes.get(ref.name, meta.shape) != meta.shape else None,
+            and ref.name in params and params[ref.name].shape != meta.shape else None,
         )
         for (ref, meta), pl in zip(captured.inputs, input_placements, strict=True)
     ]

@@ -180,6 +180,10 @@ class CapturedStep:
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]
 
+    def param_metas(self) -> dict[str, TensorMeta]:
+        """Parameter name -> its global metadata, as the inputs hold it."""
+        return {ref.name: meta for ref, meta in self.inputs if ref.kind is Kind.PARAM}
+
     def input_meta(self, ref: StateRef) -> TensorMeta:
         for r, meta in self.inputs:
             if r == ref:
