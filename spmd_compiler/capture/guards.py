@@ -182,6 +182,7 @@ from .plain_objects import (
     holds_attributes,
     plain_object,
     read_by_name,
+    reads_its_own_way,
     skipped_function,
     skipped_module,
     stdlib_module,
@@ -424,6 +425,8 @@ def _snapshot(value: Any) -> Any:
         return _frozen(value)
     if not isinstance(value, (list, dict, tuple, *_SCALAR_COLLECTIONS)):
         return value
+    if reads_its_own_way(type(value)):  # not through its class's code (NOTE: [containers
+        return _items_copied(value)  # that read their own way] in plain_objects.py)
     try:
         return copy.deepcopy(value)
     except Exception:  # noqa: BLE001 - a class that answers copy's probes wrongly
@@ -442,7 +445,12 @@ def _items_copied(value: Any) -> Any:
         copied = cls.__new__(cls)
         list.extend(copied, [_items_copied(item) for item in list.__iter__(value)])
     elif isinstance(value, tuple):
-        copied = tuple.__new__(cls, [_items_copied(item) for item in tuple.__iter__(value)])
+        items = [_items_copied(item) for item in tuple.__iter__(value)]
+        try:
+            copied = tuple.__new__(cls, items)
+        except TypeError:  # a C struct sequence (``sys.version_info``) cannot be made so;
+            # it holds scalars, immutable: the value itself is its copy
+            return value if all(map(operator.is_, items, tuple.__iter__(value))) else tuple(items)
     else:  # a set or deque of scalars
         return copy.copy(value)
     try:  # the instance's own attributes, read past a ``__getattr__`` of its class
@@ -461,15 +469,24 @@ def _current(value: Any) -> Any:
 def _numpy_inside(value: Any) -> bool:
     if numpy_kind(value) is not None:
         return True
-    if isinstance(value, (list, tuple)):
-        return any(map(_numpy_inside, value))
     if isinstance(value, dict):
-        return any(map(_numpy_inside, value.values()))
+        return any(map(_numpy_inside, dict.values(value)))
+    if isinstance(value, (list, tuple)):
+        return any(map(_numpy_inside, _stored_items(value)))
     return False
+
+
+def _stored_items(value: list | tuple) -> Iterator[Any]:
+    """The items a list or tuple holds, read past its class (NOTE: [containers that
+    read their own way] in plain_objects.py)."""
+    return tuple.__iter__(value) if isinstance(value, tuple) else list.__iter__(value)
 
 
 def _unequal(value: Any, expected: Any) -> bool:
     try:
+        if reads_its_own_way(type(expected)):  # compared by what it stores (NOTE:
+            base = dict if isinstance(expected, dict) else list if isinstance(expected, list) else tuple
+            return not base.__eq__(value, expected)  # [containers that read their own way])
         return bool(value != expected)
     except Exception:  # noqa: BLE001 - an array compared element-wise: not the same value
         return True
@@ -480,12 +497,13 @@ def _frozen(value: Any) -> Any:
     tuples; a NumPy array its dtype, shape and values, a NumPy scalar its dtype and
     value); also how the key before capture describes every value."""
     if isinstance(value, list):
-        return tuple(_frozen(v) for v in value)
+        return tuple(_frozen(v) for v in list.__iter__(value))
     if isinstance(value, dict):  # an OrderedDict, a defaultdict too
-        return tuple((k, _frozen(v)) for k, v in value.items())
+        entries = dict.items(value) if reads_its_own_way(type(value)) else value.items()
+        return tuple((k, _frozen(v)) for k, v in entries)
     if isinstance(value, tuple) and type(value) is not torch.Size:  # (1, [2, 3]): the list
-        items = tuple(_frozen(v) for v in value)
-        return value if all(map(operator.is_, items, value)) else items
+        items = tuple(_frozen(v) for v in tuple.__iter__(value))
+        return value if all(map(operator.is_, items, tuple.__iter__(value))) else items
     numpy = numpy_kind(value)
     if numpy == "scalar":
         return ("numpy", str(value.dtype), value.item())
@@ -543,13 +561,17 @@ def _show(value: Any) -> str:
 
 
 def is_scalar(value: Any) -> bool:
-    """Python values a trace bakes in as constants (and containers of them)."""
+    """Python values a trace bakes in as constants (and containers of them: their
+    items read past their class, NOTE: [containers that read their own way] in
+    plain_objects.py)."""
     if isinstance(value, _SCALARS) or numpy_kind(value) is not None:
         return True
-    if isinstance(value, (tuple, list, *_SCALAR_COLLECTIONS)):  # named tuples and subclasses too
-        return all(is_scalar(v) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, _SCALARS) and is_scalar(v) for k, v in value.items())
+        return all(isinstance(k, _SCALARS) and is_scalar(v) for k, v in dict.items(value))
+    if isinstance(value, (tuple, list)):  # named tuples and subclasses too
+        return all(map(is_scalar, _stored_items(value)))
+    if isinstance(value, _SCALAR_COLLECTIONS):
+        return all(map(is_scalar, value))
     return False
 
 

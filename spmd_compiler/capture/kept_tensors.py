@@ -67,7 +67,13 @@ from .bindings import StepBindings
 from .code_names import names_in
 from .guards import functions_of
 from .outside_tensors import FoundTensor
-from .plain_objects import attributes, plain_object, skipped_function, skipped_module
+from .plain_objects import (
+    attributes,
+    plain_object,
+    reads_its_own_way,
+    skipped_function,
+    skipped_module,
+)
 from .traced_items import TracedItem
 
 DEPTH = 2
@@ -218,8 +224,8 @@ class KeptTensors:
             return
         if type(obj) is list:
             kind = "list"
-        elif isinstance(obj, dict):
-            kind = "dict"
+        elif isinstance(obj, dict) and not reads_its_own_way(type(obj)):
+            kind = "dict"  # else its attributes (NOTE: [containers that read their own way])
         elif isinstance(obj, torch.nn.Module) or plain_object(obj):
             kind = "object"
         else:

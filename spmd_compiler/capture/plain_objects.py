@@ -209,6 +209,42 @@ def keyed_by_class(value: Any) -> bool:
 
 
 __all__ = [
-    "Attributes", "attributes", "holds_attributes", "keyed_by_class", "slot_names", "plain_object", "read_by_name", "skipped_function", "skipped_module", "stdlib_module",
+    "Attributes", "attributes", "holds_attributes", "keyed_by_class", "slot_names", "plain_object", "read_by_name", "reads_its_own_way", "skipped_function", "skipped_module", "stdlib_module",
     "NEUTRAL_BASES", "users_bases", "users_class", "users_own_class",
 ]
+
+
+# NOTE: [containers that read their own way]
+# A subclass of dict, list or tuple may answer reads with its own code: transformers'
+# ``_LazyAutoMapping(OrderedDict)`` keeps nothing in the dict and imports every model
+# class in ``items()`` (which raised for a step whose code merely named such a mapping).
+# The guards read what such a container stores by the base type's methods, never
+# through its class: whether it is a constant, its snapshot (copied item by item, not by
+# ``deepcopy``, which would call ``items()`` too), the comparison of each call's value
+# with it (``dict.__eq__``) and its description in the key before capture. So a config
+# of such a class (mmengine's ``ConfigDict`` over ``addict.Dict``, which defines
+# ``__deepcopy__``) is still guarded by what it holds, and the lazy mapping, which
+# stores nothing, costs nothing. Capture's walk for the tensors a step keeps reads its
+# attributes instead of its items. Only methods written in Python count: a C type's
+# (``OrderedDict``, ``defaultdict``, a struct sequence such as ``sys.version_info``,
+# whose snapshot is the value itself: it cannot be made item by item) read its storage.
+_ITEM_READERS = frozenset({
+    "__iter__", "__getitem__", "__len__", "__contains__", "__eq__", "__ne__", "items",
+    "keys", "values", "get", "__reduce__", "__reduce_ex__", "__deepcopy__", "__copy__",
+})
+
+
+_OWN_WAY: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def reads_its_own_way(cls: type) -> bool:
+    """Whether ``cls`` (a dict, list or tuple subclass) reads its items in its own Python
+    code (see the NOTE); cached per class (weakly)."""
+    known = _OWN_WAY.get(cls)
+    if known is None:
+        known = _OWN_WAY[cls] = any(
+            isinstance(owner.__dict__[name], (types.FunctionType, staticmethod, classmethod, property))
+            for owner in cls.__mro__
+            for name in _ITEM_READERS & owner.__dict__.keys()
+        )
+    return known

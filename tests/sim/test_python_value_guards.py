@@ -8,10 +8,12 @@ kept the first value (one compile, loss off by up to 0.7 relative).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
 import types
+from sys import version_info
 
 import pytest
 import torch
@@ -91,8 +93,26 @@ class AttrDict(dict):
 SETTINGS = AttrDict(weight=1.0)
 
 
+class ConfigDict(dict):
+    """addict's ``Dict`` (mmengine's ``ConfigDict``) idiom: a dict whose class reads in its
+    own Python code; the guards read what it stores past that code (NOTE: [containers
+    that read their own way]), and still see a change."""
+
+    def __getattr__(self, name):  # noqa: ANN001, ANN204
+        return self[name]
+
+    def __getitem__(self, name):  # noqa: ANN001, ANN204
+        return dict.__getitem__(self, name)
+
+    def __deepcopy__(self, memo):  # noqa: ANN001, ANN204
+        raise AssertionError("the guards copied a config through its class's code")
+
+
+CONFIG = ConfigDict(weight=1.0)
+
+
 def global_weighted_step(model, optim, x, y):
-    loss = F.cross_entropy(model(x), y) * LOSS_WEIGHT * SETTINGS.weight
+    loss = F.cross_entropy(model(x), y) * LOSS_WEIGHT * SETTINGS.weight * CONFIG.weight
     loss.backward()
     optim.step()
     optim.zero_grad()
@@ -105,8 +125,9 @@ def _set_loss_weight(value: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "set_weight", [_set_loss_weight, lambda v: setattr(SETTINGS, "weight", v)],
-    ids=["global_float", "attr_dict_config"],
+    "set_weight",
+    [_set_loss_weight, lambda v: setattr(SETTINGS, "weight", v), lambda v: dict.__setitem__(CONFIG, "weight", v)],
+    ids=["global_float", "attr_dict_config", "config_reading_its_own_way"],
 )
 def test_changed_global_recompiles(run_parity, classification_batches, set_weight):
     try:
@@ -122,6 +143,41 @@ def test_changed_global_recompiles(run_parity, classification_batches, set_weigh
 
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+class _LazyRegistry(collections.OrderedDict):
+    """transformers' ``_LazyAutoMapping`` idiom: stores nothing in the dict and imports
+    every model class when read; a step's code that merely names one made the guards
+    read it (the capture failed with the registry's error)."""
+
+    def _load(self, *args):  # noqa: ANN001, ANN202
+        raise AssertionError("the guards read a lazy registry through its class's code")
+
+    __getitem__ = __iter__ = __len__ = items = keys = values = _load
+
+
+REGISTRY = _LazyRegistry()
+
+
+def registry_step(model, optim, x, y):
+    if x.dim() == 0:  # never: the code only names the registry
+        model = REGISTRY["mlp"]
+    # a C struct sequence, which cannot be copied item by item
+    loss = F.cross_entropy(model(x), y) * (2.0 if version_info.releaselevel == "never" else 1.0)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_containers_read_their_own_way_and_struct_sequences_are_guarded(run_parity, classification_batches):
+    """NOTE: [containers that read their own way]: found by a LoRA probe (peft over
+    transformers, whose code names its lazy model mappings) and a step reading
+    ``sys.version_info`` (the snapshot raised ``tuple.__new__(sys.version_info) is not
+    safe``)."""
+    result = run_parity(_mlp, sgd_momentum, 2, classification_batches(3), step=registry_step)
+    result.assert_close(FLOAT32_TOLERANCE)
+    assert result.compile_counts == [1, 2, 2]  # the momentum buffers made, then steady
 
 
 SCALING = types.SimpleNamespace(scale=1.0)
