@@ -125,7 +125,8 @@ def _plain_input_meta(index: int, t: torch.Tensor) -> TensorMeta:
             f"tensor argument {index} of the train step is a DTensor; pass plain "
             "tensors (each rank's local batch, or the global batch in simulation)."
         )
-    return TensorMeta(tuple(t.shape), t.dtype, t.device, False)
+    # requires_grad in the key: NOTE: [tensor arguments that require grad] in capture/trace.py
+    return TensorMeta(tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
 def _split_arguments(
@@ -478,7 +479,7 @@ class CompiledTrainStep:
         for mesh_dim, p in enumerate(placements):
             if isinstance(p, Shard) and p.dim < len(shape):
                 shape[p.dim] *= mesh.size(mesh_dim)
-        return TensorMeta(tuple(shape), meta.dtype, meta.device, False), placements
+        return TensorMeta(tuple(shape), meta.dtype, meta.device, meta.requires_grad), placements
 
     def _compile(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,

@@ -1039,7 +1039,35 @@ def _drop_refused_value_reads(gm: torch.fx.GraphModule) -> None:
 def _requires_grad_in_first_trace(ref: StateRef, meta: TensorMeta) -> bool:
     if ref.kind is Kind.HYPERPARAM:
         return ref.optimizer >= 0  # learning rates (NOTE: [capture in two traces])
-    return ref.kind is Kind.PARAM and meta.requires_grad
+    # a tensor argument as the caller's (NOTE: [tensor arguments that require grad])
+    return ref.kind in (Kind.PARAM, Kind.INPUT) and meta.requires_grad
+
+
+def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor]) -> None:
+    """NOTE: [tensor arguments that require grad]
+    A tensor argument that requires grad is traced as one, so the step computes as eager
+    does with it (``torch.autograd.grad(out, x)``, a gradient penalty, needs nothing
+    more). But where the step's ``backward()`` reaches it, eager leaves the gradient in
+    the caller's ``x.grad`` (or, for a tensor made by autograd-tracked code outside the
+    step, carries it back into that code), and the program writes no gradient of its
+    arguments back: before 2026-12-03 such a step returned ``x.grad`` as None and left
+    the caller's unset, silently. That is refused, naming the argument; the way out
+    keeps eager's result and the program's alike: a copy made in the step,
+    ``x = x.detach().requires_grad_()``, whose gradient the step reads and returns."""
+    for ref, traced in values.items():
+        if ref.kind is Kind.INPUT and traced.requires_grad and traced.grad is not None:
+            name = ref.name or f"input[{ref.index}]"
+            raise SPMDCompileError(
+                f"backward() in the train step computes a gradient for its tensor argument "
+                f"{name}, which requires grad: eager leaves it in {name}.grad (or carries it "
+                "back into the code outside the step that made the tensor), but a compiled "
+                "step does not write gradients of its arguments back (NOTE: [tensor "
+                "arguments that require grad]).",
+                hint=f"pass {name} without requires_grad (`.detach()`), and where the step "
+                f"needs its gradient (an adversarial example), make the leaf in the step: "
+                f"`{name} = {name}.detach().requires_grad_()`, then read `{name}.grad` there "
+                "and return what the caller needs.",
+            )
 
 
 def _check_float_arguments_read(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:
@@ -1170,6 +1198,7 @@ class _StepTracer:
             try:
                 with self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
+                _refuse_argument_gradients(values)
                 closed.refuse_writes(step_where(self.func))
                 kept = keeper.collect()
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
