@@ -523,7 +523,9 @@ class CompiledTrainStep:
             else:
                 with progress.stage("capture"), step_key.record_environment() as environment:
                     with private.autocast_regions(key[-1], enabled=True):
-                        captured, guards = self._capture_guarded(bindings, input_metas, decisions)
+                        captured, guards = self._capture_guarded(
+                            bindings, input_metas, decisions, loads_uncaptured=bool(pre_key)
+                        )
                 guards.add_environment(environment)
                 capture_seconds = captured.capture_seconds
                 if captured.made_state is not None:  # the key of the state it made
@@ -726,14 +728,17 @@ class CompiledTrainStep:
 
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta],
-        decisions: tuple[tuple[bool, str], ...] = (),
+        decisions: tuple[tuple[bool, str], ...] = (), loads_uncaptured: bool = False,
     ) -> tuple[CapturedStep, Guards]:
         """Capture the step and guard the Python values it read; a step whose trace
         changes a guarded value is captured once more (lazy set-up on the first call)
-        and refused if it changes one again (NOTE: [guards on Python values])."""
+        and refused if it changes one again (NOTE: [guards on Python values]).
+        ``loads_uncaptured``: the call has a key before capture for the persistent cache."""
         # NOTE: [optimizer state made before the first program]; the persistent cache
-        # keeps both programs instead, so that a restart loads them without tracing
-        make_state = not decisions and self.disk_cache is None
+        # keeps both programs instead, so that a restart loads them without tracing,
+        # where it can: without a key before capture a restart traces each program
+        # anyway, and the state made first saves the first program's compile there too
+        make_state = not decisions and (self.disk_cache is None or not loads_uncaptured)
         for attempt in range(2):
             guards = build_guards(self.func, bindings, frozenset())
             captured = capture_step(

@@ -133,7 +133,7 @@ def step_key(
         files.append([path, file_digest(path)])
     parts = [
         FORMAT, files, [target.__module__, target.__qualname__],
-        [[name, fingerprint(value)] for name, value in guards.described()],
+        [[name, _guarded_value(name, value)] for name, value in guards.described()],
         _structure(bindings),
         [_meta(m) for m in input_metas],
         [[_ref(r), _meta(TensorMeta.of(v))] for r, v in bindings.state_refs()],
@@ -145,6 +145,14 @@ def step_key(
         *settings,
     ]
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _guarded_value(name: str, value: Any) -> Any:
+    """A guarded value as the key holds it. Raises Uncacheable naming the guard."""
+    try:
+        return fingerprint(value)
+    except Uncacheable as exc:
+        raise Uncacheable(f"a description of {name} ({type(value).__qualname__})") from exc
 
 
 def _structure(bindings: Any) -> list[Any]:

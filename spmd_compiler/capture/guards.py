@@ -1190,6 +1190,16 @@ def _described(value: Any) -> Any:
         return ["method", _described(value.__func__), type(value.__self__).__qualname__]
     if _pinned(value):
         return ["function", getattr(value, "__module__", None), getattr(value, "__qualname__", None)]
+    if isinstance(value, property):  # a config class's properties (transformers' configs)
+        return ["property", *[None if f is None else _described(f) for f in (value.fget, value.fset, value.fdel)]]
+    if isinstance(value, (staticmethod, classmethod)):
+        return [type(value).__name__, _described(value.__func__)]
+    cls = type(value)
+    if hasattr(cls, "__get__") and hasattr(value, "__dict__") and users_class(cls):
+        # a library's descriptor (transformers' ``classproperty``): by its class and what
+        # it holds (its functions by where they are defined)
+        return ["descriptor", f"{cls.__module__}.{cls.__qualname__}",
+                [[k, _described(v)] for k, v in sorted(vars(value).items())]]
     return _frozen(value)
 
 
