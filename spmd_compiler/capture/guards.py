@@ -862,7 +862,11 @@ class _Walker:
             grew = False
             for obj, path, where, deep, done, counted, depth in self.named:
                 d = attributes(obj)
-                for attribute in sorted((d.keys() & self.read_names) - done):
+                # an object with ``__slots__`` (``Attributes``): its few keys as a set, not
+                # the Python mapping's ``__contains__`` once per name read (a peft model's
+                # walk: 128 million calls, 18 minutes of a capture)
+                keys = d.keys() if isinstance(d, dict) else frozenset(d)
+                for attribute in sorted((keys & self.read_names) - done):
                     value = d[attribute]
                     if attribute not in self.value_names and is_scalar(value):
                         continue  # a user's ``self.step`` counter, named only by ``optim.step()``
@@ -879,7 +883,7 @@ class _Walker:
                 if isinstance(obj, (type, types.ModuleType)):
                     continue
                 grew |= self.implicit_methods(type(obj)) | self.overrides(type(obj))
-                for attribute in sorted(((_class_names(type(obj)) & self.read_names) - done) - d.keys()):
+                for attribute in sorted(((_class_names(type(obj)) & self.read_names) - done) - keys):
                     # read from its class: guarded there, and a value set on the object
                     # later would shadow it (seen by the number of its attributes, if
                     # guarded, else guarded as absent)
