@@ -730,8 +730,22 @@ def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:
          "pass the module before torch.compile (`model._orig_mod`); "
          "sc.compile(..., backend=\"inductor\") lowers the whole step to kernels"),
     ]
+    from torch.ao.quantization import FakeQuantizeBase
+
     for mi, mod in enumerate(modules):
         for fqn, sub in mod.named_modules():
+            if isinstance(sub, FakeQuantizeBase):  # found by a probe: refused deep inside
+                name = f"module[{mi}]" + (f".{fqn}" if fqn else "")  # torch's observers
+                raise SPMDCompileError(
+                    f"{name} is {type(sub).__name__}, a fake-quantization module of "
+                    "quantization-aware training (torch.ao.quantization.prepare_qat), which a "
+                    "compiled step does not support: its observers decide in Python, on tensor "
+                    "values, whether to update and quantize (more than 16 such `if`s per "
+                    "step), and the fused observer op has no DTensor sharding rule.",
+                    user_line=where,
+                    hint="compile the step of the float model (before prepare_qat), and run "
+                    "the quantization-aware fine-tuning steps uncompiled.",
+                )
             for classes, what, hint in wrappers:
                 if isinstance(sub, classes):
                     name = f"module[{mi}]" + (f".{fqn}" if fqn else "")

@@ -57,7 +57,15 @@ UNSUPPORTED = {
         "computes dense gradients",
         "use torch.optim.Adam or AdamW (dense gradients) in the compiled step",
     ),
+    "ZeroRedundancyOptimizer": (
+        "it shards the optimizer state over the ranks itself and steps an inner optimizer "
+        "it builds, which is not an argument of the step",
+        "pass the inner optimizer (torch.optim.Adam(model.parameters(), ...)) and compile "
+        "with DataParallel('fully_shard') (make_mode('fsdp')), which shards parameters, "
+        "gradients and optimizer state",
+    ),
 }
+_OPTIMIZER_PACKAGES = ("torch.optim", "torch.distributed.optim")
 
 _ALPHA_OPS = frozenset({"add", "add_", "sub", "sub_"})
 _VALUE_OPS = frozenset({"addcdiv", "addcdiv_", "addcmul", "addcmul_"})
@@ -68,9 +76,10 @@ def check_supported(optimizers: list[torch.optim.Optimizer], where: str | None) 
     for oi, opt in enumerate(optimizers):
         for cls in type(opt).__mro__:
             reason = UNSUPPORTED.get(cls.__name__)
-            if reason is not None and cls.__module__.startswith("torch.optim"):
+            if reason is not None and cls.__module__.startswith(_OPTIMIZER_PACKAGES):
+                package = next(p for p in reversed(_OPTIMIZER_PACKAGES) if cls.__module__.startswith(p))
                 raise SPMDCompileError(
-                    f"optimizer[{oi}] is torch.optim.{cls.__name__}, which a compiled train "
+                    f"optimizer[{oi}] is {package}.{cls.__name__}, which a compiled train "
                     f"step cannot run: {reason[0]}.",
                     user_line=where,
                     hint=reason[1] + ".",

@@ -8,6 +8,7 @@ module hooks capture installs) and checks them after the error.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import types
@@ -664,3 +665,21 @@ def test_a_split_by_a_tensor_of_indices_says_what_to_do():
     text = str(info.value)
     assert "read the values of a tensor" in text and "tensor_split" in text and "Caffe2" not in text
     assert "Python ints" in text
+
+
+def test_quantization_aware_training_is_refused_before_the_trace():
+    """Fake-quantization modules (prepare_qat) were refused deep in torch's observers (a
+    fused op without a sharding rule, or 16 `if`s on tensor values with advice the user
+    could not act on); now by the module, with what to do."""
+    from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model.train()
+    model.qconfig = get_default_qat_qconfig("fbgemm")
+    prepare_qat(model, inplace=True)
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile()(_loss_step)(model, opt, torch.randn(4, 4))
+    assert "quantization-aware training" in str(info.value) and "prepare_qat" in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
