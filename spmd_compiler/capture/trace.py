@@ -1043,7 +1043,7 @@ def _requires_grad_in_first_trace(ref: StateRef, meta: TensorMeta) -> bool:
     return ref.kind in (Kind.PARAM, Kind.INPUT) and meta.requires_grad
 
 
-def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor]) -> None:
+def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: list[StateRef]) -> None:
     """NOTE: [tensor arguments that require grad]
     A tensor argument that requires grad is traced as one, so the step computes as eager
     does with it (``torch.autograd.grad(out, x)``, a gradient penalty, needs nothing
@@ -1053,9 +1053,14 @@ def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor]) -> None:
     arguments back: before 2026-12-03 such a step returned ``x.grad`` as None and left
     the caller's unset, silently. That is refused, naming the argument; the way out
     keeps eager's result and the program's alike: a copy made in the step,
-    ``x = x.detach().requires_grad_()``, whose gradient the step reads and returns."""
-    for ref, traced in values.items():
-        if ref.kind is Kind.INPUT and traced.requires_grad and traced.grad is not None:
+    ``x = x.detach().requires_grad_()``, whose gradient the step reads and returns.
+    An argument the caller passed without requires_grad and the step switched on
+    (``real.requires_grad_()`` for an R1 penalty) is not refused: it compiled before, and
+    its gradient reaches the weights alike (eager's side effect on the caller's tensor,
+    its flag and ``.grad``, is not repeated)."""
+    for ref in requiring:
+        traced = values[ref]
+        if traced.grad is not None:
             name = ref.name or f"input[{ref.index}]"
             raise SPMDCompileError(
                 f"backward() in the train step computes a gradient for its tensor argument "
@@ -1152,6 +1157,8 @@ class _StepTracer:
         self._params = params
         traced_args = list(b.flat_args)
         positions = [i for i, _ in b.tensor_args()]
+        # NOTE: [tensor arguments that require grad]: as the caller passed them
+        requiring = [r for r, v in values.items() if r.kind is Kind.INPUT and v.requires_grad]
         stand_ins = []
         for r, v in values.items():
             if r.kind is Kind.INPUT:
@@ -1198,7 +1205,7 @@ class _StepTracer:
             try:
                 with self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
-                _refuse_argument_gradients(values)
+                _refuse_argument_gradients(values, requiring)
                 closed.refuse_writes(step_where(self.func))
                 kept = keeper.collect()
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's

@@ -129,3 +129,33 @@ def test_arguments_requiring_grad_train_as_eager(mode, step_fn):
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-14)
     assert all(x.grad is None for x, _ in eager_inputs)  # eager left the callers' x alone too
+
+
+def r1_penalty(model, optim, x, y):
+    """R1 regularization on the caller's batch: the step switches requires_grad on itself."""
+    x.requires_grad_()
+    out = model(x)
+    (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    loss = F.cross_entropy(out, y) + grad.pow(2).sum(1).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_an_argument_the_step_makes_require_grad_still_trains_as_eager():
+    """Not refused: it compiled before, and the weights follow eager's (the caller's tensor
+    is not switched to requires_grad, eager's side effect)."""
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = copy.deepcopy(model)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = sc.compile(make_mode("ddp"))(r1_penalty)
+    with sc.simulate(world_size=WORLD):
+        compiled = [step(model, optim, x.clone(), y) for x, y in _batches(2)]
+        state = sc.checkpoint.full_state_dict(model)["model"]
+    eager = [r1_penalty(reference, reference_optim, x.clone(), y) for x, y in _batches(2)]
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-14)
