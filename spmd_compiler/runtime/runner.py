@@ -600,7 +600,9 @@ def _feed_input(
         raise SPMDCompileError(
             f"local input of shape {tuple(arg.shape)} does not match the compiled {local.shape}"
         )
-    return arg.contiguous()
+    # detached: an argument that requires grad (one no backward reaches, NOTE: [tensor
+    # arguments that require grad]) must not make the program record autograd
+    return arg.detach().contiguous()
 
 
 def _write_back(
