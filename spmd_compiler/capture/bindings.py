@@ -734,8 +734,8 @@ def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:
 
     for mi, mod in enumerate(modules):
         for fqn, sub in mod.named_modules():
-            if isinstance(sub, FakeQuantizeBase):  # found by a probe: refused deep inside
-                name = f"module[{mi}]" + (f".{fqn}" if fqn else "")  # torch's observers
+            name = f"module[{mi}]" + (f".{fqn}" if fqn else "")
+            if isinstance(sub, FakeQuantizeBase):  # before: refused deep in torch's observers
                 raise SPMDCompileError(
                     f"{name} is {type(sub).__name__}, a fake-quantization module of "
                     "quantization-aware training (torch.ao.quantization.prepare_qat), which a "
@@ -748,7 +748,6 @@ def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:
                 )
             for classes, what, hint in wrappers:
                 if isinstance(sub, classes):
-                    name = f"module[{mi}]" + (f".{fqn}" if fqn else "")
                     raise SPMDCompileError(
                         f"{name} is {what.format(cls=type(sub).__name__)}; a compiled step "
                         "takes plain modules and places their state itself.",

@@ -484,9 +484,10 @@ def _stored_items(value: list | tuple) -> Iterator[Any]:
 
 def _unequal(value: Any, expected: Any) -> bool:
     try:
-        if reads_its_own_way(type(expected)):  # compared by what it stores (NOTE:
-            base = dict if isinstance(expected, dict) else list if isinstance(expected, list) else tuple
-            return not base.__eq__(value, expected)  # [containers that read their own way])
+        base = next((b for b in (dict, list, tuple) if isinstance(expected, b)), None)
+        if base is not None and reads_its_own_way(type(expected)):  # compared by what it
+            return not base.__eq__(value, expected)  # stores (NOTE: [containers that read
+            # their own way]); a set subclass by its own ``!=``, as before
         return bool(value != expected)
     except Exception:  # noqa: BLE001 - an array compared element-wise: not the same value
         return True
