@@ -210,6 +210,30 @@ _MODULE_INTERNALS = frozenset(
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 
+# NOTE: [values of one process]
+# A few attributes of libraries' objects hold a value that differs in every process by
+# construction, however the object was made: transformers' ``GenerationConfig`` keeps
+# ``hash(self)`` (a hash of its JSON text, which Python salts per process) to see later
+# whether the user edited it. Every generative transformers model holds one, walked whole
+# with the model, so the key before capture (``described``) differed in every process and
+# no restart skipped its capture (GPT-2: 5.5 s of captures against a 0.3 s load). Such an
+# attribute stays a guard within the process; the key leaves it out, which loses nothing:
+# it is a function of the object's other attributes, guarded beside it (transformers
+# itself leaves it out of ``to_dict``). By (module, class qualified name) along the MRO.
+_PER_PROCESS_ATTRIBUTES: dict[tuple[str, str], frozenset[str]] = {
+    ("transformers.generation.configuration_utils", "GenerationConfig"):
+        frozenset({"_original_object_hash"}),
+}
+
+
+def per_process_attributes(cls: type) -> frozenset[str]:
+    """The attributes of ``cls``'s objects whose values are per process (NOTE: [values of
+    one process])."""
+    names: frozenset[str] = frozenset()
+    for owner in cls.__mro__:
+        names |= _PER_PROCESS_ATTRIBUTES.get((owner.__module__, owner.__qualname__), frozenset())
+    return names
+
 # Entry kinds: read ``container.get(key)``, a closure cell, a step argument, a dict length,
 # a tensor's identity and version (NOTE: [tensors read from outside the arguments]), how
 # far an iterator has gone (``iterator_position``), the sizes of all hook dicts at once
@@ -236,8 +260,10 @@ class Guards:
     codes: list[types.CodeType] = field(default_factory=list, repr=False)
     # the same guards built from another call's objects (set by whoever built these)
     rebuild: Callable[[StepBindings], Guards] | None = field(default=None, repr=False)
-    # the positions of the guards on a hook itself (``described`` leaves them out)
+    # the positions of the guards on a hook itself, and on a value of one process (NOTE:
+    # [values of one process]): ``described`` leaves them out
     hook_entries: set[int] = field(default_factory=set, repr=False)
+    per_process_entries: set[int] = field(default_factory=set, repr=False)
     # the environment variables guarded (``add_environment``), kept by a rebuild
     environment: dict[str, str | None] = field(default_factory=dict, repr=False)
     # where the walk by name stopped, if it reached more than ``NAMED_OBJECTS`` objects
@@ -372,7 +398,7 @@ class Guards:
         hooks themselves: that key describes them by their code (``step_key``)."""
         return [(name, ["unset"] if expected is _MISSING else _described(expected))
                 for k, (name, (_, _, _, expected)) in enumerate(zip(self.names, self.entries, strict=True))
-                if k not in self.hook_entries]
+                if k not in self.hook_entries and k not in self.per_process_entries]
 
 
 def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
@@ -829,9 +855,13 @@ class _Walker:
             self.guards.add(_LEN, d, None, len(d), f"the number of attributes of {name}")
             self.named.append((value, name, "", _deep(value), set(), True, depth))
             return
+        per_process = frozenset() if _container(value) else per_process_attributes(type(value))
         for kind, container, key, item, path in _entries(value, name):
             if kind == _LEN:
                 self.guards.add(_LEN, container, None, len(container), path)
+            elif key in per_process and is_scalar(item):
+                self.guards.per_process_entries.add(len(self.guards.entries))
+                self.guards.add(kind, container, key, item, path)
             else:
                 self.value(kind, container, key, item, path, depth)
         if not _container(value):  # its class's attributes the code names
