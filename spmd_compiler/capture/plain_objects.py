@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-_SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "passes", "numpy"})
+# The guard walk reads nothing of these. Beside torch, numpy and ours: libraries that only
+# show progress and log lines, whose objects and class attributes change as they run
+# (tqdm starts a monitor thread and sets ``tqdm.monitor`` on its first bar: a step whose
+# code named ``monitor`` and ``tqdm`` compiled again after the training loop's first bar,
+# a peft LoRA step among them, 13 s) and hold no setting of what a step computes.
+_DISPLAY_PACKAGES = frozenset({"tqdm", "rich", "loguru", "colorama", "termcolor"})
+_SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "passes", "numpy"}) | _DISPLAY_PACKAGES
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import spmd_compiler as sc
 from spmd_compiler.capture import guards
@@ -597,6 +598,36 @@ def test_an_iterator_the_step_does_not_name_is_not_a_guard(classification_batche
         for _ in range(4):
             compiled(model, optim, *next(trainer.batches))
     assert compiled.compile_count == 2  # the first step's program and the steady one
+
+
+class _Monitored(nn.Module):
+    """A forward that names ``monitor`` and, behind a flag, tqdm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.monitor = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.monitor:
+            tqdm.write("forward")
+        return self.fc(x)
+
+
+def test_a_progress_bars_state_is_not_a_guard(classification_batches, train_step, monkeypatch):
+    """tqdm sets ``tqdm.monitor`` (a thread) on its first bar; the walk guarded it where
+    the code names ``monitor`` and ``tqdm``, so a training loop's first bar compiled the
+    step again (a peft LoRA step, 13 s). Display-only libraries are not walked."""
+    monkeypatch.setattr(tqdm, "monitor", None)
+    model = _Monitored()
+    optim = sgd_momentum(model)
+    compiled = sc.compile()(train_step)
+    with sc.simulate(world_size=2):
+        for i, (x, y) in enumerate(classification_batches(4)):
+            compiled(model, optim, x, y)
+            if i == 1:  # after the steady program's first call, as a loop's first bar does
+                monkeypatch.setattr(tqdm, "monitor", types.SimpleNamespace(report=lambda: True))
+    assert compiled.compile_count == 2  # the momentum buffers made, then steady
 
 
 class _Ticking(nn.Module):
