@@ -58,6 +58,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+from torch.nn.utils import parametrize
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
@@ -173,11 +174,18 @@ def _attention_placements(module: nn.Module) -> dict[str, Placement]:
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2 and relatives): weight (in, out), ``y = x @ W + b``."""
-    weight = getattr(module, "weight", None)
+    """transformers' ``Conv1D`` (GPT-2 and relatives): weight (in, out), ``y = x @ W + b``.
+    The weight is read as stored: reading a parametrized one computes it, and
+    ``spectral_norm``'s computation advances its power iteration in the model's buffers
+    (once more than eager per compile, silently: 2e-2 off after 3 steps)."""
+    if type(module).__name__ != "Conv1D":
+        return False
+    if parametrize.is_parametrized(module, "weight"):
+        weight = getattr(cast(Any, module).parametrizations["weight"], "original", None)
+    else:
+        weight = getattr(module, "weight", None)
     return (
-        type(module).__name__ == "Conv1D"
-        and isinstance(getattr(module, "nf", None), int)
+        isinstance(getattr(module, "nf", None), int)
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 2
         and weight.shape[1] == module.nf

@@ -1751,6 +1751,15 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def traced_within_transforms(t: torch.Tensor) -> bool:
+    """Whether ``t`` is, or wraps, a fake tensor: torch.func's transforms (``vmap``,
+    ``grad``, ``jacrev``: ``hessian``) hand their functions wrapper tensors around the
+    trace's fake ones."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return is_fake(t)
+
+
 def out_of_place_twin(op: Any) -> Any:
     """The out-of-place twin of in-place op ``op`` (NOTE: [functional by rewriting] in
     ``capture/functional_rewrite.py``): ``add.Tensor`` for ``add_.Tensor``, the same

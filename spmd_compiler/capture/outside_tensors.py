@@ -76,14 +76,36 @@ class OutsideTensor:
 
 
 def _real(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and not private.is_fake(value)
+    return isinstance(value, torch.Tensor) and not private.traced_within_transforms(value)
+
+
+def _sets_data(func: Any) -> bool:
+    """``tensor.data = value``: the setter of ``Tensor.data``."""
+    return getattr(func, "__name__", "") == "__set__" and getattr(func, "__self__", None) is torch.Tensor.data
 
 
 class OutsideWrites(TorchFunctionMode):
-    """Refuses an in-place write to a real tensor while the step is traced."""
+    """Refuses an in-place write to a real tensor while the step is traced, and any
+    ``tensor.data = value`` (NOTE: [data replaced inside the step])."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if _sets_data(func):
+            # NOTE: [data replaced inside the step]
+            # ``p.data = value`` swaps the tensor's storage outside autograd and outside
+            # torch's dispatcher: no op records it, so the program never wrote the new
+            # values (``model.weight.data = model.weight.data.clamp(-c, c)`` after the
+            # optimizer step left the weights unclamped, silently). Refused with the
+            # line and the in-place form, which the program records and computes alike.
+            raise SPMDCompileError(
+                "The train step sets a tensor's .data (tensor.data = value): that swaps "
+                "its storage outside every op the compiled program records, so the "
+                "program would never write the new values.",
+                user_line=innermost_model_frame_of_stack(),
+                hint="write the values in place instead, which compiles and computes "
+                "alike: `with torch.no_grad(): param.copy_(value)` (or "
+                "`param.data.copy_(value)`, `param.data.clamp_(-c, c)`).",
+            )
         name = getattr(func, "__name__", "")
         writes = (name in _IN_PLACE_DUNDERS or (
             name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES

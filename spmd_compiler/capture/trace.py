@@ -199,6 +199,10 @@ SCHEDULER_HINT = (
 # applied below autograd, so a forward op's backward op is decomposed the same way where
 # it has no rule. Numerics: the parts round like torch's reference implementation, not
 # like the fused kernel (float64 tests agree with eager within 1e-15 relative).
+def _zeros_for_zero_tensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):  # noqa: ANN001, ANN202
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+
+
 def capture_decompositions() -> dict:
     aten = torch.ops.aten
     table = dict(private.decompositions_without_sharding_rules())
@@ -226,6 +230,10 @@ def capture_decompositions() -> dict:
         table[aten.diagonal_scatter.default] = diagonal_scatter_by_mask  # NOTE: [diagonals at capture]
     for where in (aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther):
         table[where] = _where_with_scalars
+    # autograd's zero gradients in a second derivative (``torch.func.hessian``): a
+    # ZeroTensor has no DTensor rule and its meta kernel makes a real meta tensor, which
+    # expansion's fake mode refused; plain zeros hold the same values
+    table[aten._efficientzerotensor.default] = _zeros_for_zero_tensor
     table |= loss_scaling_decompositions()  # NOTE: [loss scaling in the program]
     table |= global_draw_decompositions()  # NOTE: [random draws shaped like a tensor]
     table |= mask_selection_decompositions()  # NOTE: [selections by a mask of the batch]

@@ -101,6 +101,17 @@ def _state_tensors(bindings: StepBindings) -> list[torch.Tensor]:
     return out
 
 
+def mark_parameters(bindings: StepBindings) -> None:
+    """A DTensor parameter is an ``nn.Parameter`` by the ``_is_param`` mark torch sets in
+    its ``__dict__``, which ``_install`` replaces with the plain parameter's: put there
+    before the guards count that dict's entries (a plain parameter ignores it). Without
+    it ``isinstance(p, nn.Parameter)`` was False after the first call, and assigning an
+    installed parameter to a module (``head.weight = emb.weight``) raised TypeError."""
+    for p in bindings.params.values():
+        if not isinstance(p, DTensor):
+            p.__dict__.setdefault("_is_param", True)
+
+
 def _install(
     bindings: StepBindings, placement_of: Any, mesh: DeviceMesh, sim: Simulation | None
 ) -> None:
@@ -120,6 +131,7 @@ def _install(
         new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
         # NOTE: [Python attributes of parameters]: the replacement holds the same dict of
         # attributes, so the guards built on the parameter see what code sets on it later
+        # (with the mark ``mark_parameters`` put there)
         new.__dict__ = p.__dict__
         if p.grad is not None:
             grad_ref = StateRef(Kind.GRAD, name)

@@ -134,8 +134,15 @@ def _grad_step(model, optim, x, y):  # noqa: ANN001
     return loss.detach()
 
 
+def _data_setting_step(model, optim, x, y):  # noqa: ANN001
+    loss = weighted_step(model, optim, x, y)
+    model.linear.weight.data = model.linear.weight.data.clamp(-0.1, 0.1)  # never recorded
+    return loss
+
+
 @pytest.mark.parametrize("step,message", [
     (_writing_step, r"writes in place \(add_\)"),
+    (_data_setting_step, r"sets a tensor's \.data"),  # NOTE: [data replaced inside the step]
     (_deep_step, "cannot watch for changes"),
     (_grad_step, "requires grad"),
 ])

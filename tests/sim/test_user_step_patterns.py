@@ -202,6 +202,19 @@ def gradient_penalty_step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
+def hessian_penalty_step(model, optim, x, y):  # noqa: ANN001
+    """The squared Hessian of the logits' sum in the first example's input
+    (``torch.func.hessian``: forward over reverse; autograd's zero gradients in a second
+    derivative were ZeroTensors no expansion could make, and torch.func's basis, written
+    in place inside ``vmap``, was taken for a write to a tensor outside the step)."""
+    penalty = torch.func.hessian(lambda xi: model(xi).sum())(x[0]).pow(2).sum()
+    loss = F.cross_entropy(model(x), y) + 1e-3 * penalty
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def accumulating_step(model, optim, x, y):  # noqa: ANN001
     total = torch.zeros((), dtype=x.dtype)
     for xs, ys in zip(x.chunk(2), y.chunk(2)):
@@ -303,6 +316,7 @@ CASES = {  # name: (model, optimizer, step, input shape)
     "mean_regularizer": (_mlp, _adamw, regularized_step, VECTOR),
     "gradient_penalty": (_mlp, _adamw, gradient_penalty_step, VECTOR),
     "gradient_accumulation": (_mlp, _adamw, accumulating_step, VECTOR),
+    "hessian_penalty": (_mlp, _adamw, hessian_penalty_step, VECTOR),
     "zero_grad_first": (_mlp, _adamw, zero_grad_first_step, VECTOR),
     "no_grad_update": (_mlp, _adamw, no_grad_update_step, VECTOR),
     "frozen_parameter": (lambda: _Frozen().double(), _sgd, plain_step, VECTOR),
@@ -422,3 +436,19 @@ def test_a_weighted_loss_module_passed_as_an_argument(mode):
             assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
         differences = compare_models(model, reference, sim)
     assert max(differences.values()) < TOL, differences
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_installed_parameters_are_still_parameters(mode):
+    """A placed parameter is a DTensor ``nn.Parameter`` (torch's ``_is_param`` mark):
+    ``isinstance(p, nn.Parameter)`` was False after the first call, and tying a layer
+    to it between calls raised torch's TypeError."""
+    model = _mlp()
+    optim = _adamw(model)
+    step = sc.compile(make_mode(mode))(plain_step)
+    with sc.simulate(world_size=2):
+        step(model, optim, *_batches(VECTOR)[0])
+        assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+        other = nn.Linear(16, CLASSES)
+        other.weight = model[2].weight  # a module takes only an nn.Parameter
+        assert other.weight is model[2].weight
