@@ -32,6 +32,7 @@ from spmd_compiler.parallel_modes import (
     FusedColwiseParallel,
     TensorParallel,
 )
+from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.tools.parity import compare_states, full_state, relative_difference
 
 TOL = 1e-5
@@ -265,14 +266,6 @@ def test_prepare_module_output_changes_only_where_values_are_split():
     assert changed.counts != base.counts
 
 
-def _classify(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
-
-
 def test_a_spectral_normed_layer_is_not_computed_outside_the_step():
     """``spectral_norm``'s parametrization advances its power iteration in the module's
     buffers each time the weight is read. Placing the plan read ``module.weight`` (to tell
@@ -284,14 +277,14 @@ def test_a_spectral_normed_layer_is_not_computed_outside_the_step():
     reference = copy.deepcopy(model)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    step = sc.compile(TensorParallel({"0": ColwiseParallel(), "2": RowwiseParallel()}))(_classify)
+    step = sc.compile(TensorParallel({"0": ColwiseParallel(), "2": RowwiseParallel()}))(classification_train_step)
     gen = torch.Generator().manual_seed(4)
     with sc.simulate(2) as sim:
         for _ in range(3):
             x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
             y = torch.randint(0, 4, (8,), generator=gen)
             step(model, optim, x, y)
-            _classify(reference, ref_optim, x, y)
+            classification_train_step(reference, ref_optim, x, y)
         diffs = compare_states(full_state(model, optim, sim), full_state(reference, ref_optim, None))
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] < 1e-12, (worst, diffs[worst])
