@@ -120,7 +120,12 @@ class OutsideWrites(TorchFunctionMode):
                 "arguments]).",
                 user_line=innermost_model_frame_of_stack(),
                 hint="keep state the step updates in a buffer (module.register_buffer) or "
-                "return the value from the step and update it outside.",
+                "return the value from the step and update it outside. An average of the "
+                "weights (diffusers' EMAModel, timm's ModelEma keeping plain tensors): hold "
+                "it as a module and pass it to the step, "
+                "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn="
+                "get_ema_multi_avg_fn(decay)) updated there with update_parameters(model); "
+                "outside the step the model's weights are placed DTensors.",
             )
         return func(*args, **kwargs)
 
