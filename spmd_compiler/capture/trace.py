@@ -203,6 +203,34 @@ def _zeros_for_zero_tensor(size, *, dtype=None, layout=None, device=None, pin_me
     return torch.zeros(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
 
 
+# namespaces whose ops writing an argument the capture handles (torch's own)
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "_c10d_functional_autograd"})
+
+
+def _refuse_custom_ops_writing_arguments(gm: torch.fx.GraphModule) -> None:
+    """A user's ``torch.library.custom_op`` with ``mutates_args`` writes its arguments in
+    place, which the program's functional form cannot express (torch's functionalization
+    raised its own RuntimeError about "alias annotations", for an op returning nothing).
+    Refused naming the op and the line, with the functional form that compiles."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not private.is_op_overload(target):
+            continue
+        if target.namespace in _TORCH_NAMESPACES:
+            continue
+        written = [a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        if written:
+            raise node_error(
+                f"The custom operator {target.name()} writes its argument(s) "
+                f"{', '.join(written)} in place (mutates_args); the compiled program is "
+                "functional and cannot express an operator's own writes.",
+                node,
+                hint="make the operator return the new value (mutates_args=()) and write "
+                "it in Python in the step: `buf.copy_(op(x, buf))` under torch.no_grad() "
+                "for a buffer.",
+            )
+
+
 def capture_decompositions() -> dict:
     aten = torch.ops.aten
     table = dict(private.decompositions_without_sharding_rules())
@@ -870,6 +898,7 @@ def _trace_first(
     _drop_refused_value_reads(first)
     _annotate_user_lines(first, code)
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
+    _refuse_custom_ops_writing_arguments(first)
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
     outside = outside_constants(first, tracer.outside, bindings)  # NOTE: [tensors read from outside the arguments]
     scheduler_steps = []
