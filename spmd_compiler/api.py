@@ -828,7 +828,9 @@ def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) ->
                 "on parameters (NOTE: [hooks on parameters]).",
                 user_line=step_where(func),
                 hint="remove the hook and change the gradient in the step instead, between "
-                "loss.backward() and optimizer.step() (p.grad.clamp_(-1, 1)).",
+                "loss.backward() and optimizer.step() (p.grad.clamp_(-1, 1)); an optimizer "
+                "stepped from register_post_accumulate_grad_hook (optimizer in backward): "
+                "call optimizer.step() and zero_grad() in the step after loss.backward().",
             )
 
 
