@@ -13,6 +13,7 @@ undecorated step on one device and checks the compile count:
   first, then overwritten by the gradient on step 1 only): the steady trace is not the
   first one with the zeros read as inputs, so two programs, exact;
 - a state dict set at once (``self.state[p] = {...}``): two programs;
+- a step reading a tensor from outside its arguments (a global table): one program;
 - a compile that fails after the state was made, and a first call that fails: the
   optimizer is left with no state;
 - the persistent compile cache: two programs (both kept for a restart).
@@ -115,12 +116,21 @@ OPTIMIZERS = {
 }
 
 
-def _run(make_opt, mode: str = "replicate", cache_dir=None):  # noqa: ANN001
+# a table read from outside the step's arguments (diffusers' ``scheduler.add_noise``
+# reads its ``alphas_cumprod`` so)
+_SCALES = torch.linspace(0.5, 1.5, 8, dtype=torch.float64)
+
+
+def _scaled_step(model, optim, x, y):  # noqa: ANN001
+    return _step(model, optim, x * _SCALES, y)
+
+
+def _run(make_opt, mode: str = "replicate", cache_dir=None, step=_step):  # noqa: ANN001
     model, batches = _model(), [(torch.randn(8, 8).double(), torch.randint(0, 4, (8,))) for _ in range(3)]
     ref = copy.deepcopy(model)
     optim, ref_optim = make_opt(model), make_opt(ref)
-    want = [_step(ref, ref_optim, x, y).item() for x, y in batches]
-    compiled = sc.compile(parallel_mode=DataParallel(mode), cache_dir=cache_dir)(_step)
+    want = [step(ref, ref_optim, x, y).item() for x, y in batches]
+    compiled = sc.compile(parallel_mode=DataParallel(mode), cache_dir=cache_dir)(step)
     with sc.simulate(world_size=2) as sim:
         got = [compiled(model, optim, x, y).item() for x, y in batches]
         states = compare_states(full_state(model, optim, sim), full_state(ref, ref_optim, None))
@@ -138,6 +148,15 @@ def test_programs_per_optimizer(name, mode):
     assert compiled.compile_count == programs
     made = [r.program.captured.made_state for r in compiled.records]
     assert (made[0] is not None) == (programs == 1)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_a_step_reading_a_tensor_from_outside_its_arguments(mode):
+    """Its two traces read the same outside tensor (compared by identity and version):
+    one program, where it compiled two before."""
+    compiled = _run(OPTIMIZERS["adamw"][0], mode, step=_scaled_step)
+    assert compiled.compile_count == 1
+    assert compiled.records[0].program.captured.made_state is not None
 
 
 def test_the_persistent_cache_keeps_two_programs(tmp_path):
