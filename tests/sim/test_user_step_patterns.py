@@ -35,6 +35,7 @@ import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
 from spmd_compiler.tools.parity import compare_models
 
@@ -341,6 +342,12 @@ CASES = {  # name: (model, optimizer, step, input shape)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_step_pattern_matches_one_device(name, mode, run_parity):
     make_model, make_optimizer, step, shape = CASES[name]
+    if name == "hessian_penalty" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        # torch 2.11 has no DTensor rule for the diagonal_scatter that functionalizing
+        # torch.func's basis (``diagonal(...).fill_(1)``) makes: refused by name
+        with pytest.raises(SPMDCompileError, match="diagonal_scatter"):
+            run_parity(make_model, make_optimizer, 2, _batches(shape), step=step, mode=make_mode(mode))
+        return
     result = run_parity(
         make_model, make_optimizer, 2, _batches(shape), step=step, mode=make_mode(mode)
     )
