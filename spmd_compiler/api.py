@@ -42,7 +42,7 @@ from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
-from .runtime.runner import BranchMismatch, StepTimings, mark_parameters
+from .runtime.runner import BranchMismatch, StepTimings
 from .runtime.same_inputs import InputAgreement, checks_whole_values, warn_on_same_shares
 from .runtime.simulate import Simulation, active_simulation, mesh_is_live
 from .runtime.step_executable import CallResult, StepExecutable
@@ -512,7 +512,6 @@ class CompiledTrainStep:
         title = f"{self._name} for {type(self.mode).__name__}"
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
-            mark_parameters(bindings)
             pre_key, key_guards = (
                 ("", Guards()) if decisions else self._step_key(bindings, input_metas, mesh, key[-1])
             )

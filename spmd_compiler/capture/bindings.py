@@ -762,3 +762,16 @@ def _unique(objs: list[Any]) -> list[Any]:
         if all(o is not x for x in out):
             out.append(o)
     return out
+
+
+def mark_parameters(bindings: StepBindings) -> None:
+    """A DTensor parameter is an ``nn.Parameter`` by the ``_is_param`` mark torch sets in
+    its ``__dict__``, which ``_install`` replaces with the plain parameter's: put there
+    before the guards count that dict's entries (``build_guards``, for every call whose
+    objects are walked: another model with the same settings reuses the program; a
+    plain parameter ignores the mark). Without
+    it ``isinstance(p, nn.Parameter)`` was False after the first call, and assigning an
+    installed parameter to a module (``head.weight = emb.weight``) raised TypeError."""
+    for p in bindings.params.values():
+        if not isinstance(p, DTensor):  # a DTensor parameter holds its own
+            p.__dict__.setdefault("_is_param", True)

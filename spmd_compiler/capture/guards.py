@@ -175,7 +175,7 @@ from typing import Any
 import torch
 
 from ..errors import Change
-from .bindings import StepBindings, numpy_kind
+from .bindings import StepBindings, mark_parameters, numpy_kind
 from .code_names import names_in, reads_computed_attributes, strings_in, value_names_in
 from .plain_objects import (
     attributes,
@@ -617,6 +617,7 @@ def build_guards(
     """
     from .. import _torch_private as private
 
+    mark_parameters(bindings)  # before the walk counts each parameter's attributes
     guards = Guards()
     roots = [*bindings.submodules, *bindings.optimizers]
     guards.roots = [weakref.ref(root) for root in roots]

@@ -101,17 +101,6 @@ def _state_tensors(bindings: StepBindings) -> list[torch.Tensor]:
     return out
 
 
-def mark_parameters(bindings: StepBindings) -> None:
-    """A DTensor parameter is an ``nn.Parameter`` by the ``_is_param`` mark torch sets in
-    its ``__dict__``, which ``_install`` replaces with the plain parameter's: put there
-    before the guards count that dict's entries (a plain parameter ignores it). Without
-    it ``isinstance(p, nn.Parameter)`` was False after the first call, and assigning an
-    installed parameter to a module (``head.weight = emb.weight``) raised TypeError."""
-    for p in bindings.params.values():
-        if not isinstance(p, DTensor):
-            p.__dict__.setdefault("_is_param", True)
-
-
 def _install(
     bindings: StepBindings, placement_of: Any, mesh: DeviceMesh, sim: Simulation | None
 ) -> None:
