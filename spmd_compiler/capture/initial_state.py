@@ -29,7 +29,8 @@ arguments]) are part of what is compared: the same objects at the same versions 
 traces (since 2026-12-03; such a step, diffusers' ``scheduler.add_noise`` reading its
 ``alphas_cumprod``, compiled two programs before: a tiny UNet +44 s).
 
-So an Adam step compiles once, not twice. Steps with an ``if`` on a tensor value, or
+So an Adam step compiles once, not twice; for torch's Adam and AdamW the first trace is
+skipped too (NOTE: [Adam's first state predicted]). Steps with an ``if`` on a tensor value, or
 with the persistent compile cache (which keeps both programs, so a restart loads both
 without tracing), compile as before. If the compile or the first call fails, the made
 state is taken out of the optimizer again.
@@ -39,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -98,19 +101,86 @@ class RecordedState(dict):
         return super().__ior__(other)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 class RecordedStates(defaultdict):
     """An optimizer's ``state`` during capture: each parameter's dict a
-    ``RecordedState``; ``before`` holds the keys each parameter had."""
+    ``RecordedState``; ``before`` holds the keys each parameter had; ``read_by`` where
+    code other than the optimizer's own class (``owners``: the files of its classes) and
+    this package read the dict (NOTE: [Adam's first state predicted])."""
 
-    def __init__(self) -> None:
+    def __init__(self, owners: frozenset[str] = frozenset()) -> None:
         super().__init__(RecordedState)
         self.before: dict[int, set[Any]] = {}
         self.unobserved = False
+        self.owners = owners
+        self.read_by: list[str] = []
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if not isinstance(value, RecordedState):
             self.unobserved = True  # a whole dict set at once (``self.state[p] = {...}``)
         super().__setitem__(key, value)
+
+    def _read(self) -> None:
+        frame = sys._getframe(2)  # the caller of the reading method
+        where = frame.f_code.co_filename
+        if where not in self.owners and not where.startswith(_PACKAGE):
+            self.read_by.append(f"{where}:{frame.f_lineno}")
+
+    def __getitem__(self, key: Any) -> Any:
+        self._read()
+        return super().__getitem__(key)
+
+    def get(self, *args: Any) -> Any:
+        self._read()
+        return super().get(*args)
+
+    def __contains__(self, key: Any) -> bool:
+        self._read()
+        return super().__contains__(key)
+
+    def __iter__(self) -> Any:
+        self._read()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._read()
+        return super().__len__()
+
+    def keys(self) -> Any:
+        self._read()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._read()
+        return super().values()
+
+    def items(self) -> Any:
+        self._read()
+        return super().items()
+
+    def copy(self) -> Any:
+        self._read()
+        return super().copy()
+
+    def __repr__(self) -> str:
+        self._read()
+        return super().__repr__()
+
+
+def class_files(obj: Any) -> frozenset[str]:
+    """The source files of ``obj``'s classes but ``torch.optim.Optimizer``'s (which
+    reads the state for ``state_dict()``) and ``object``'s."""
+    files = set()
+    for cls in type(obj).__mro__:
+        if cls in (torch.optim.Optimizer, object):
+            continue
+        module = sys.modules.get(cls.__module__)
+        where = getattr(module, "__file__", None)
+        if where:
+            files.add(where)
+    return frozenset(files)
 
 
 @dataclasses.dataclass
@@ -119,6 +189,7 @@ class MadeState:
     name, key, value)."""
 
     entries: list[tuple[int, str, Any, Any]]
+    predicted: bool = False  # NOTE: [Adam's first state predicted], not traced
 
     def install(self, bindings: Any) -> None:
         for oi, name, key, value in self.entries:
@@ -370,3 +441,85 @@ def _same_side(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         return len(a) == len(b) and all(x == y for x, y in zip(a, b, strict=True))
     except Exception:  # noqa: BLE001 - something that cannot be compared is not the same
         return False
+
+
+# NOTE: [Adam's first state predicted]
+# Making the state from a first trace (NOTE: [optimizer state made before the first
+# program]) costs that trace: a third of a compile, most of it the optimizer's own update
+# ops (GPT-2, 8 layers: 59% of the captured nodes are AdamW's per-parameter update). For
+# torch's Adam and AdamW (those exact classes) the state their first step makes is known
+# without tracing: ``_init_group`` gives each parameter with a gradient, on the capturable
+# path the capture takes (torch 2.11 to 2.14, one code): ``step``, a 0-d zero on the
+# parameter's device (float64 in the trace: NOTE: [float64 step counters]), and
+# ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with ``amsgrad``), zeros shaped like
+# the parameter; no other line of their first step differs from a later one's. So that
+# state is put in and the steady step traced once. It is the step's program only when
+# the trace shows the prediction changed nothing but the state Adam read:
+# 1. every predicted entry is read by an op of the trace (Adam found and used it: a
+#    parameter without a gradient, whose state Adam would not make, fails this);
+# 2. the trace made no state of its own, and kept no values or checks;
+# 3. no code but the optimizer's own classes and this package read the state dicts
+#    (``RecordedStates.read_by``: a step asking ``len(opt.state)`` or calling
+#    ``opt.state_dict()`` would see the predicted state where its first eager call sees
+#    none). The trace's inputs differ from a first trace's in the state dicts alone, so
+#    code that reads none of them runs the same both ways.
+# Otherwise the state is taken out and the two traces go on as before. A dict kept from
+# before the call (``s = opt.state`` at module level, read inside the step) is not seen
+# by 3. ``tests/sim/test_adam_state_predicted.py`` compares the predicted state and the
+# program with what the first trace makes, for each setting of these optimizers.
+_PREDICTED = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def predicted(bindings: Any) -> MadeState | None:
+    """The state torch's Adam / AdamW make on their first step, for each parameter that
+    requires grad; None when some optimizer is another, has state, or takes a path
+    this does not know."""
+    entries: list[tuple[int, str, Any, Any]] = []
+    for oi, opt in enumerate(bindings.optimizers):
+        if type(opt) not in _PREDICTED or len(opt.state):
+            return None
+        for group in opt.param_groups:
+            if group.get("differentiable"):
+                return None
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                name = bindings.param_name(p)
+                # the trace's stand-in of ``p`` is contiguous (``trace._fake``)
+                like = {"dtype": p.dtype, "device": p.device}
+                entries.append((oi, name, "step", torch.zeros((), dtype=torch.float64, device=p.device)))
+                entries.append((oi, name, "exp_avg", torch.zeros(p.shape, **like)))
+                entries.append((oi, name, "exp_avg_sq", torch.zeros(p.shape, **like)))
+                if group["amsgrad"]:
+                    entries.append((oi, name, "max_exp_avg_sq", torch.zeros(p.shape, **like)))
+    return MadeState(entries, predicted=True) if entries else None
+
+
+def prediction_differs(
+    made: MadeState, graph: torch.fx.GraphModule, refs: list[StateRef],
+    swapped: list[tuple[RecordedStates, dict[str, tuple[int, torch.Tensor]]]],
+) -> str | None:
+    """Why the steady trace (``graph``, inputs ``refs``, the optimizers' state dicts
+    ``swapped``) does not show ``made`` to be the first step's state; None when it does
+    (NOTE: [Adam's first state predicted])."""
+    for oi, (states, by_param) in enumerate(swapped):
+        if states.read_by:
+            return f"optimizer[{oi}].state is read at {states.read_by[0]}"
+        if states.unobserved:
+            return "a parameter's whole state dict was set at once"
+        for name, (_gi, traced_p) in by_param.items():
+            entries = dict.get(states, traced_p)
+            if entries is not None and (
+                entries.unobserved or set(entries) - states.before.get(id(traced_p), set())
+            ):
+                return f"the trace made optimizer[{oi}] state of {name}"
+    read = {
+        (ref.optimizer, ref.name, ref.key)
+        for ref, node in zip(refs, placeholders(graph), strict=True)
+        # read by an op: every state tensor also leaves the trace as an output
+        if ref.kind is Kind.OPTIM_STATE and any(user.op != "output" for user in node.users)
+    }
+    for oi, name, key, _ in made.entries:
+        if (oi, name, key) not in read:
+            return f"optimizer[{oi}] {key!r} of {name} is not read (no gradient?)"
+    return None

@@ -704,12 +704,48 @@ def _capture(
     make_state: bool = False,
 ) -> CapturedStep:
     start = time.perf_counter()
+    if make_state and not decisions:
+        steady = _steady_with_predicted_state(func, bindings, input_metas, options, floats, start)
+        if steady is not None:
+            return steady
     first = _trace_first(func, bindings, input_metas, options, floats, decisions)
     if make_state and not decisions:
         steady = _steady_with_made_state(first, func, bindings, input_metas, options, floats, start)
         if steady is not None:
             return steady
     return _finish(first, start)
+
+
+def _steady_with_predicted_state(
+    func: Callable[..., Any], bindings: StepBindings, input_metas: list[TensorMeta],
+    options: CaptureOptions, floats: tuple[int, ...], start: float,
+) -> CapturedStep | None:
+    """The steady step's capture with torch Adam's first state predicted, not traced;
+    None when it is not shown right (NOTE: [Adam's first state predicted])."""
+    made = initial_state.predicted(bindings)
+    if made is None:
+        return None
+    made.install(bindings)
+    try:
+        steady = _trace_first(func, bindings, input_metas, options, floats, ())
+        reason = ("the trace keeps values or checks" if steady.holds_more() else None) or (
+            initial_state.prediction_differs(made, steady.graph, steady.refs(), steady.tracer.swapped)
+        )
+    except Exception as exc:  # noqa: BLE001 - the two traces go on as before
+        reason = f"the trace failed ({exception_summary(exc)})"
+    if reason is not None:
+        made.remove(bindings)
+        log.info("%s: the optimizer state is traced, not predicted: %s", step_name(func), reason)
+        return None
+    try:
+        captured = _finish(steady, start)
+    except BaseException:
+        made.remove(bindings)
+        raise
+    captured.made_state = made
+    log.info("%s makes its optimizer state before the first program (predicted): %s",
+             step_name(func), ", ".join(made.names()))
+    return captured
 
 
 def _steady_with_made_state(
@@ -1419,7 +1455,7 @@ def _swap_optimizer(
             new["fused"] = False
         groups.append(new)
     # NOTE: [optimizer state made before the first program]: the dicts note new entries
-    state = initial_state.RecordedStates()
+    state = initial_state.RecordedStates(initial_state.class_files(opt))
     for p, entries in saved_state.items():
         name = b.param_name(p)
         state[params[name]] = initial_state.RecordedState({
