@@ -128,45 +128,22 @@ class RecordedStates(defaultdict):
         if where not in self.owners and not where.startswith(_PACKAGE):
             self.read_by.append(f"{where}:{frame.f_lineno}")
 
-    def __getitem__(self, key: Any) -> Any:
-        self._read()
-        return super().__getitem__(key)
 
-    def get(self, *args: Any) -> Any:
-        self._read()
-        return super().get(*args)
+def _reading(name: str) -> Any:
+    """``dict``'s method ``name``, noting the read (``RecordedStates._read``)."""
+    method = getattr(defaultdict, name)
 
-    def __contains__(self, key: Any) -> bool:
+    def read(self: RecordedStates, *args: Any, **kwargs: Any) -> Any:
         self._read()
-        return super().__contains__(key)
+        return method(self, *args, **kwargs)
 
-    def __iter__(self) -> Any:
-        self._read()
-        return super().__iter__()
+    read.__name__ = name
+    return read
 
-    def __len__(self) -> int:
-        self._read()
-        return super().__len__()
 
-    def keys(self) -> Any:
-        self._read()
-        return super().keys()
-
-    def values(self) -> Any:
-        self._read()
-        return super().values()
-
-    def items(self) -> Any:
-        self._read()
-        return super().items()
-
-    def copy(self) -> Any:
-        self._read()
-        return super().copy()
-
-    def __repr__(self) -> str:
-        self._read()
-        return super().__repr__()
+for _name in ("__getitem__", "get", "__contains__", "__iter__", "__len__", "keys", "values",
+              "items", "copy", "__repr__"):
+    setattr(RecordedStates, _name, _reading(_name))
 
 
 def class_files(obj: Any) -> frozenset[str]:
