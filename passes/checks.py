@@ -78,6 +78,28 @@ def check_program(gm: torch.fx.GraphModule) -> None:
             )
 
 
+def record_values(nodes: list[torch.fx.Node]) -> None:
+    """Give each op node of ``nodes`` (new nodes of a pass, in graph order) that has no
+    ``meta["val"]`` one: its op run on its inputs' values (FakeTensors). Later passes
+    read shapes, dtypes and bytes there (``live_bytes``, bucketing, the in-place and
+    state-donation rewrites), where one that is missing reads as unknown, not as an
+    error. Raises AssertionError naming the node where its op fails on those values."""
+    for node in nodes:
+        if node.op != "call_function" or "val" in node.meta:
+            continue
+        if any("val" not in arg.meta for arg in node.all_input_nodes):
+            continue  # a graph without values (a test's): nothing reads them
+        try:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)  # type: ignore[operator]
+        except Exception as exc:  # noqa: BLE001 - reported naming the node
+            raise AssertionError(
+                f"{node.name} ({short_op_name(node)}), which the pass made, has no meta['val'] and "
+                f"none could be computed from its inputs' ({type(exc).__name__}: {exc}); set "
+                "it to the result's FakeTensor (passes/collective_graph.py: new_node)"
+            ) from exc
+
+
 def _check_waited_once(collective: torch.fx.Node, result: torch.fx.Node) -> None:
     waits = [u for u in result.users if is_wait(u)]
     if len(waits) != 1:

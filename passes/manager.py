@@ -16,7 +16,9 @@ entry-point group ``spmd_compiler.passes`` (see ``registry.py``).
   maps pass names to instances (or dicts of fields). They are bound when the pipeline is
   built and reach the pass as ``context.options``; nothing is kept between compiles.
 - Checks (``PassOptions.check``; always with ``SPMD_DEBUG``), after every pass: the returned
-  flag is a bool and "no change" means the graph is untouched; graph lint; every collective
+  flag is a bool and "no change" means the graph is untouched; graph lint; every op node
+  the pass made has its value in ``meta["val"]`` (one it did not set is computed from its
+  inputs' values: ``checks.record_values``); every collective
   waited before its first use; the collective sequence (op, group, payload shapes) is
   unchanged unless the pass declares ``changes_collectives=True``; the pass's ``ensures``.
   Its ``requires`` run before it. With ``PassOptions.verify_numerics`` in a simulation the
@@ -43,7 +45,15 @@ from spmd_compiler import progress
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.ir.node_meta import CREATED_BY, PLACEMENT
 
-from .checks import CheckFailed, PassGuard, check_program, graph_fingerprint, is_collective, is_wait
+from .checks import (
+    CheckFailed,
+    PassGuard,
+    check_program,
+    graph_fingerprint,
+    is_collective,
+    is_wait,
+    record_values,
+)
 from .cost_model import CostModel
 from .debug import DebugSession, PassRecord
 from .registry import (
@@ -361,9 +371,14 @@ def _run_pass(
     except Exception as exc:  # noqa: BLE001 - re-raised naming the pass
         raise PassFailure(spec.name, ran, "the pass ran", f"{type(exc).__name__}: {exc}") from exc
     elapsed = time.perf_counter() - start
-    for node in gm.graph.nodes:
-        if node not in existing:
-            node.meta.setdefault(CREATED_BY, spec.name)
+    made = [node for node in gm.graph.nodes if node not in existing]
+    for node in made:
+        node.meta.setdefault(CREATED_BY, spec.name)
+    try:
+        record_values(made)
+    except AssertionError as exc:
+        if guard.active:
+            raise PassFailure(spec.name, ran, "new nodes carry meta['val']", str(exc)) from exc
     debug.after(index, spec.name, gm, counts)
     _guarded(spec, ran, guard.after, spec, changed, fingerprint)
     program.passes_applied.append(spec.name)

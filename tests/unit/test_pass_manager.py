@@ -562,3 +562,38 @@ def test_debug_level_3_dumps_graphs_with_placements(monkeypatch, tmp_path, regis
     assert re.search(r"^mul\w*\s+\[S\(0\)\]\s+= aten\.mul\(%x, 2\.0\)$", after, re.M)
     added = (tmp_path / "dumps" / "02_append_multiply_after.txt").read_text()
     assert re.search(r"= aten\.mul\(%mul\w*, 3\.0\)  # by append_multiply$", added, re.M)
+
+
+# ------------------------------------------------------------------------- node values
+
+
+def _program_with_values() -> _Program:
+    """y = x * 2 with ``meta['val']`` on every node, as an expanded program has."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    program = _tiny_program()
+    FakeTensorProp(program.graph_module).propagate(torch.empty(3, 4))
+    return program
+
+
+def test_a_pass_that_sets_no_value_gets_one_computed(registry):
+    """Later passes read shapes and bytes in ``meta['val']``: a node a plugin made
+    without one gets its op's result on its inputs' values."""
+    _register_rewrite(
+        "transpose_no_val", lambda g, x: g.call_function(torch.ops.aten.t.default, (x,))
+    )
+    program = _program_with_values()
+    run_pipeline(program, PassOptions(), pipeline=("transpose_no_val",))
+    made = next(n for n in program.graph_module.graph.nodes if n.target is torch.ops.aten.t.default)
+    assert tuple(made.meta["val"].shape) == (4, 3)
+    assert made.meta[CREATED_BY] == "transpose_no_val"
+
+
+def test_a_node_whose_value_cannot_be_made_is_named(registry):
+    _register_rewrite(
+        "square_by_mm", lambda g, x: g.call_function(torch.ops.aten.mm.default, (x, x))
+    )
+    with pytest.raises(PassFailure, match="'square_by_mm' broke") as info:
+        run_pipeline(_program_with_values(), PassOptions(), pipeline=("square_by_mm",))
+    assert info.value.check == "new nodes carry meta['val']"
+    assert "aten.mm" in str(info.value) and "new_node" in str(info.value)
