@@ -192,6 +192,23 @@ def is_transposed_linear(module: nn.Module) -> bool:
     )
 
 
+def _warn_parametrized(module: nn.Module, fqn: str) -> None:
+    """A planned module's parametrized tensors (``spectral_norm``, ``weight_norm``,
+    ``orthogonal``: their ``original`` parameters live in ``module.parametrizations``) are
+    not placed by its style: they stay replicated, so the layer computes exactly, on its
+    full weight on every rank, and holds it whole. Said once per compile, not silently."""
+    if not parametrize.is_parametrized(module):
+        return
+    names = sorted(cast(Any, module).parametrizations.keys())
+    warnings.warn(
+        f"TensorParallel: {fqn!r} has parametrized {', '.join(names)} (spectral_norm, "
+        "weight_norm or another nn.utils.parametrize parametrization); the plan does not "
+        "shard those: they stay replicated on every rank (the results are exact; the "
+        "memory and compute of that weight are not split).",
+        stacklevel=4,
+    )
+
+
 def _is_linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_transposed_linear(module)
 
@@ -413,6 +430,7 @@ class TensorParallel(ParallelMode):
                 if isinstance(style, MultiheadAttentionParallel):
                     self._place_attention(bindings, mi, model, fqn, prefix)
                     continue
+                _warn_parametrized(module, prefix + fqn)
                 for pname, _ in module.named_parameters(recurse=False):
                     full = f"{fqn}.{pname}" if fqn else pname
                     name = bindings.module_params[mi].get(full)
