@@ -187,6 +187,14 @@ class MadeState:
                 del state[p]
         _refresh(bindings)
 
+    def without(self, entries: set[tuple[int, str, Any]], bindings: Any) -> MadeState | None:
+        """This state but ``entries`` (oi, name, key), which are taken out of the
+        optimizers again; None when nothing is left."""
+        dropped = MadeState([e for e in self.entries if e[:3] in entries], self.predicted)
+        dropped.remove(bindings)
+        kept = [e for e in self.entries if e[:3] not in entries]
+        return MadeState(kept, self.predicted) if kept else None
+
     def names(self) -> list[str]:
         return sorted({f"optimizer[{oi}] {key!r}" for oi, _, key, _ in self.entries})
 
@@ -432,8 +440,12 @@ def _same_side(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 # the parameter; no other line of their first step differs from a later one's. So that
 # state is put in and the steady step traced once. It is the step's program only when
 # the trace shows the prediction changed nothing but the state Adam read:
-# 1. every predicted entry is read by an op of the trace (Adam found and used it: a
-#    parameter without a gradient, whose state Adam would not make, fails this);
+# 1. each parameter's predicted entries are read by ops of the trace (Adam found and
+#    used them), or none of them is read but as the trace's outputs: a parameter
+#    without a gradient, or a call that does not step (gradient accumulation), whose
+#    state Adam does not make. Those entries are taken out of the trace's inputs and
+#    outputs and out of the optimizer (``trace._drop_unread_state``): nothing read them,
+#    so the trace is the one taken without them;
 # 2. the trace made no state of its own, and kept no values or checks;
 # 3. no code but the optimizer's own classes and this package read the state dicts
 #    (``RecordedStates.read_by``: a step asking ``len(opt.state)`` or calling
@@ -475,28 +487,33 @@ def predicted(bindings: Any) -> MadeState | None:
 def prediction_differs(
     made: MadeState, graph: torch.fx.GraphModule, refs: list[StateRef],
     swapped: list[tuple[RecordedStates, dict[str, tuple[int, torch.Tensor]]]],
-) -> str | None:
+) -> tuple[str | None, set[tuple[int, str, Any]]]:
     """Why the steady trace (``graph``, inputs ``refs``, the optimizers' state dicts
-    ``swapped``) does not show ``made`` to be the first step's state; None when it does
-    (NOTE: [Adam's first state predicted])."""
+    ``swapped``) does not show ``made`` to be the first step's state (None when it
+    does), and the entries of the parameters the optimizer did not step, which nothing
+    read: those the first step does not make (NOTE: [Adam's first state predicted])."""
     for oi, (states, by_param) in enumerate(swapped):
         if states.read_by:
-            return f"optimizer[{oi}].state is read at {states.read_by[0]}"
+            return f"optimizer[{oi}].state is read at {states.read_by[0]}", set()
         if states.unobserved:
-            return "a parameter's whole state dict was set at once"
+            return "a parameter's whole state dict was set at once", set()
         for name, (_gi, traced_p) in by_param.items():
             entries = dict.get(states, traced_p)
             if entries is not None and (
                 entries.unobserved or set(entries) - states.before.get(id(traced_p), set())
             ):
-                return f"the trace made optimizer[{oi}] state of {name}"
+                return f"the trace made optimizer[{oi}] state of {name}", set()
     read = {
         (ref.optimizer, ref.name, ref.key)
         for ref, node in zip(refs, placeholders(graph), strict=True)
         # read by an op: every state tensor also leaves the trace as an output
         if ref.kind is Kind.OPTIM_STATE and any(user.op != "output" for user in node.users)
     }
+    read_of: dict[tuple[int, str], set[bool]] = defaultdict(set)
     for oi, name, key, _ in made.entries:
-        if (oi, name, key) not in read:
-            return f"optimizer[{oi}] {key!r} of {name} is not read (no gradient?)"
-    return None
+        read_of[(oi, name)].add((oi, name, key) in read)
+    for (oi, name), seen in read_of.items():
+        if len(seen) > 1:
+            return f"optimizer[{oi}] read part of the state of {name}", set()
+    unread = {(oi, name, key) for oi, name, key, _ in made.entries if (oi, name, key) not in read}
+    return None, unread

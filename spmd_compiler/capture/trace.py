@@ -726,26 +726,57 @@ def _steady_with_predicted_state(
     if made is None:
         return None
     made.install(bindings)
+    unread: set[tuple[int, str, Any]] = set()
     try:
         steady = _trace_first(func, bindings, input_metas, options, floats, ())
-        reason = ("the trace keeps values or checks" if steady.holds_more() else None) or (
-            initial_state.prediction_differs(made, steady.graph, steady.refs(), steady.tracer.swapped)
-        )
+        if steady.holds_more():
+            reason: str | None = "the trace keeps values or checks"
+        else:
+            reason, unread = initial_state.prediction_differs(
+                made, steady.graph, steady.refs(), steady.tracer.swapped
+            )
     except Exception as exc:  # noqa: BLE001 - the two traces go on as before
         reason = f"the trace failed ({exception_summary(exc)})"
     if reason is not None:
         made.remove(bindings)
         log.info("%s: the optimizer state is traced, not predicted: %s", step_name(func), reason)
         return None
+    kept: initial_state.MadeState | None = made
+    if unread:  # parameters the optimizer did not step: no state, as eager's first step
+        _drop_unread_state(steady, unread)
+        kept = made.without(unread, bindings)
     try:
         captured = _finish(steady, start)
     except BaseException:
-        made.remove(bindings)
+        if kept is not None:
+            kept.remove(bindings)
         raise
-    captured.made_state = made
-    log.info("%s makes its optimizer state before the first program (predicted): %s",
-             step_name(func), ", ".join(made.names()))
+    captured.made_state = kept
+    if kept is not None:
+        log.info("%s makes its optimizer state before the first program (predicted): %s",
+                 step_name(func), ", ".join(kept.names()))
     return captured
+
+
+def _drop_unread_state(trace: _FirstTrace, unread: set[tuple[int, str, Any]]) -> None:
+    """Take predicted state entries that nothing but the trace's outputs read out of
+    its inputs and outputs: the trace is then the one taken without them (the
+    optimizer skipped their parameters, no gradient, or did not step), whose program
+    makes no state for them (NOTE: [Adam's first state predicted])."""
+    def dropped(ref: StateRef) -> bool:
+        return ref.kind is Kind.OPTIM_STATE and (ref.optimizer, ref.name, ref.key) in unread
+
+    gm, tracer = trace.graph, trace.tracer
+    values = output_args(gm)
+    kept = [(ref, value) for ref, value in zip(tracer.out_refs, values, strict=True) if not dropped(ref)]
+    tracer.out_refs[:] = [ref for ref, _ in kept]
+    set_outputs(gm, [value for _, value in kept])
+    for (ref, _), node in zip(trace.inputs, placeholders(gm), strict=True):
+        if dropped(ref):
+            gm.graph.erase_node(node)  # its one user, the output, no longer reads it
+    trace.inputs[:] = [(ref, meta) for ref, meta in trace.inputs if not dropped(ref)]
+    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat inputs, fewer of them
+    gm.recompile()
 
 
 def _steady_with_made_state(

@@ -8,8 +8,10 @@ step on one device:
   optimizers, float32 and float64, ddp / fsdp / tp): the predicted state and the
   captured program are the ones the first trace makes (the same entries and values, the
   same graph code), with one program and eager's losses and state;
+- a parameter that gets no gradient, and a call that does not step (gradient
+  accumulation): Adam makes them no state, and the program leaves it out;
 - where the prediction would be wrong, the trace shows it and the two traces run as
-  before, exact: a parameter that gets no gradient (Adam makes it no state), a step that
+  before, exact: a step that
   reads ``len(optimizer.state)`` before stepping (its first eager call takes another
   way: two programs), ``optimizer.state_dict()`` read inside the step, and a subclass of
   Adam (not predicted: its first step may differ).
@@ -18,6 +20,7 @@ step on one device:
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -173,13 +176,65 @@ def test_two_optimizers(monkeypatch):
     assert _first(compiled).graph_module.code == _first(traced).graph_module.code
 
 
-def test_a_parameter_without_a_gradient_is_traced():
-    """Adam makes no state for it; the trace shows its predicted state unread."""
+def test_a_parameter_without_a_gradient_gets_no_state(monkeypatch):
+    """Adam makes it no state: the trace shows its predicted state unread, and the
+    program leaves it out, as the first trace's does (the same program)."""
     compiled = _run(SETTINGS["adamw"], unused=True)
     assert compiled.compile_count == 1
     made = _first(compiled).made_state
-    assert made is not None and not made.predicted
+    assert made is not None and made.predicted
     assert not any(name.startswith("spare") for _, name, _, _ in made.entries)
+    with monkeypatch.context() as m:
+        _traced_only(m)
+        traced = _run(SETTINGS["adamw"], unused=True)
+    assert _canonical(_first(compiled)) == _canonical(_first(traced))
+    assert _first(compiled).inputs == _first(traced).inputs
+
+
+def _canonical(captured) -> str:  # noqa: ANN001
+    """The program's code with its inputs named by position (an input taken out leaves
+    a gap in the names)."""
+    names: dict[str, str] = {}
+    return re.sub(r"\barg\d+_\d+\b", lambda m: names.setdefault(m.group(), f"input{len(names)}"),
+                  captured.graph_module.code)
+
+
+def _accumulating_step(model, optim, x, y, last):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if last:
+        optim.step()
+        optim.zero_grad()
+    return loss
+
+
+def test_a_call_that_does_not_step_makes_no_state(monkeypatch):
+    """Gradient accumulation: the calls that only accumulate make no optimizer state
+    (eager's do not), those that step make it; each program is traced once. Three
+    programs: accumulating before any state, stepping, accumulating beside the state."""
+    from spmd_compiler.capture import trace
+
+    traces = []
+    original = trace._trace_first
+    monkeypatch.setattr(trace, "_trace_first", lambda *a, **k: traces.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    model = Net().double()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = SETTINGS["adamw"](model), SETTINGS["adamw"](ref)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_accumulating_step)
+    with sc.simulate(world_size=2) as sim:
+        for call in range(4):
+            x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+            last = call % 2 == 1
+            got = compiled(model, optim, x, y, last).item()
+            want = _accumulating_step(ref, ref_optim, x, y, last).item()
+            assert abs(got - want) < 1e-10
+            if call == 0:
+                assert len(optim.state) == 0 and compiled.records[0].program.captured.made_state is None
+        states = compare_states(full_state(model, optim, sim), full_state(ref, ref_optim, None))
+    assert max(states.values()) < 1e-10
+    assert compiled.compile_count == 3 and len(traces) == 3
+    assert compiled.records[1].program.captured.made_state.predicted
 
 
 def test_a_step_that_reads_the_state_count_is_traced():
