@@ -465,7 +465,7 @@ def predicted(bindings: Any) -> MadeState | None:
     this does not know."""
     entries: list[tuple[int, str, Any, Any]] = []
     for oi, opt in enumerate(bindings.optimizers):
-        if type(opt) not in _PREDICTED or len(opt.state):
+        if type(opt) not in _PREDICTED or any(opt.state.values()):  # an empty dict is no state
             return None
         for group in opt.param_groups:
             if group.get("differentiable"):

@@ -254,3 +254,15 @@ def test_a_subclass_of_adam_is_traced():
     compiled = _run(lambda m: MyAdam(m.parameters(), lr=1e-2))
     assert compiled.compile_count == 1
     assert not _first(compiled).made_state.predicted
+
+
+def test_an_empty_state_dict_read_before_the_first_call_is_no_state():
+    """``optimizer.state[p]`` read before training makes an empty dict (a defaultdict):
+    Adam's first step still makes the state, and so does the prediction."""
+    def make(m):  # noqa: ANN001, ANN202
+        optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        assert len(optim.state[m.up.weight]) == 0
+        return optim
+
+    compiled = _run(make)
+    assert compiled.compile_count == 1 and _first(compiled).made_state.predicted
