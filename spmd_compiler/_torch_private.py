@@ -1796,6 +1796,13 @@ def is_op_overload(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
 
+def use_plain_codegen(gm: torch.fx.GraphModule) -> None:
+    """Call ``gm`` with flat positional inputs, as many as its placeholders (a pytree
+    codegen keeps the count it was traced with), and recompile it."""
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm.recompile()
+
+
 def has_plain_codegen(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` is called with flat positional inputs and returns as its graph
     says (no pytree codegen that a rebuilt graph would lose)."""
@@ -2159,8 +2166,7 @@ def inductor_compile(
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat inputs, no pytree wrapper
-    gm.recompile()
+    use_plain_codegen(gm)  # flat inputs, no pytree wrapper
     patches: dict[str, Any] = {"triton.cudagraphs": cuda_graphs}
     if hasattr(inductor_config, "loop_ordering_after_fusion"):
         patches["loop_ordering_after_fusion"] = False

@@ -775,8 +775,7 @@ def _drop_unread_state(trace: _FirstTrace, unread: set[tuple[int, str, Any]]) ->
         if dropped(ref):
             gm.graph.erase_node(node)  # its one user, the output, no longer reads it
     trace.inputs[:] = [(ref, meta) for ref, meta in trace.inputs if not dropped(ref)]
-    gm.graph._codegen = torch.fx.graph.CodeGen()  # flat inputs, fewer of them
-    gm.recompile()
+    private.use_plain_codegen(gm)  # flat inputs, fewer of them
 
 
 def _steady_with_made_state(
