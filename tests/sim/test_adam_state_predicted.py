@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import spmd_compiler as sc
 from spmd_compiler.capture import initial_state
 from spmd_compiler.parallel_modes import DataParallel, TensorParallel
+from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.tools.parity import compare_states, full_state
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -45,14 +46,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.norm(F.gelu(self.up(x))))
-
-
-def _step(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def _two_step(model, optims, x, y):  # noqa: ANN001
@@ -103,7 +96,7 @@ SETTINGS = {
 }
 
 
-def _run(make_opt, *, mode=None, dtype=torch.float64, step=_step, unused=False, steps=3):  # noqa: ANN001
+def _run(make_opt, *, mode=None, dtype=torch.float64, step=classification_train_step, unused=False, steps=3):  # noqa: ANN001
     torch.manual_seed(0)
     model = Net(unused).to(dtype)
     ref = copy.deepcopy(model)
