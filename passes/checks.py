@@ -30,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.ir.collectives import is_collective, is_wait
+from spmd_compiler.ir.graph_utils import computed_value
 from spmd_compiler.ir.node_meta import MODULE_FQN, PLACEMENT, Phase, phase
 from spmd_compiler.ir.signature import Kind
 
@@ -90,8 +91,7 @@ def record_values(nodes: list[torch.fx.Node]) -> None:
         if any("val" not in arg.meta for arg in node.all_input_nodes):
             continue  # a graph without values (a test's): nothing reads them
         try:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-            node.meta["val"] = node.target(*args, **kwargs)  # type: ignore[operator]
+            node.meta["val"] = computed_value(node.target, node.args, dict(node.kwargs))
         except Exception as exc:  # noqa: BLE001 - reported naming the node
             raise AssertionError(
                 f"{node.name} ({short_op_name(node)}), which the pass made, has no meta['val'] and "

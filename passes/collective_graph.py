@@ -43,6 +43,7 @@ from spmd_compiler.ir.collectives import (
     tensor_bytes,
     wait_of,
 )
+from spmd_compiler.ir.graph_utils import computed_value
 from spmd_compiler.ir.node_meta import BUCKET_MEMBERS, DEFERRED
 
 from .manager import PassContext
@@ -200,10 +201,7 @@ def new_node(graph: torch.fx.Graph, target: Any, args: tuple, val: Any = None) -
     """``call_function`` node at the current insert point, with ``meta['val']`` computed on
     the inputs' fake values (or ``val`` where running ``target`` on them is not possible)."""
     node = graph.call_function(target, args)
-    if val is None:
-        fake_args = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-        val = target(*fake_args)
-    node.meta["val"] = val
+    node.meta["val"] = computed_value(target, args) if val is None else val
     return node
 
 

@@ -43,6 +43,7 @@ import math
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -266,6 +267,26 @@ class StatePlan:
         return None
 
 
+def _recorded_entries(
+    swapped: list[tuple[RecordedStates, dict[str, tuple[int, torch.Tensor]]]],
+) -> Iterator[tuple[int, str, int, RecordedState, list[Any]]]:
+    """Each parameter's recorded state dict that holds entries, as (optimizer index,
+    parameter name, group index, the dict, the keys the trace added to it). Raises
+    ``NotPlanned`` where a trace set state the records cannot follow: a whole dict at
+    once, or entries by ``update()`` / ``setdefault()``."""
+    for oi, (states, by_param) in enumerate(swapped):
+        if states.unobserved:
+            raise NotPlanned("a parameter's whole state dict was set at once")
+        for name, (gi, traced_p) in by_param.items():
+            entries = dict.get(states, traced_p)  # not a read of the step's
+            if not entries:
+                continue
+            if entries.unobserved:
+                raise NotPlanned("state set by update() or setdefault()")
+            before = states.before.get(id(traced_p), set())
+            yield oi, name, gi, entries, [key for key in entries if key not in before]
+
+
 def plan(
     graph: torch.fx.GraphModule, refs: list[StateRef], out_refs: list[StateRef],
     swapped: list[tuple[RecordedStates, dict[str, tuple[int, torch.Tensor]]]],
@@ -275,36 +296,25 @@ def plan(
     ``NotPlanned`` when some of it cannot be made before the program."""
     roots: dict[torch.fx.Node, StateRef] = {}
     python: list[tuple[int, str, Any, Any]] = []
-    for oi, (states, by_param) in enumerate(swapped):
-        if states.unobserved:
-            raise NotPlanned("a parameter's whole state dict was set at once")
-        for name, (gi, traced_p) in by_param.items():
-            entries = states.get(traced_p)
-            if not entries:
-                continue
-            if entries.unobserved:
-                raise NotPlanned("state set by update() or setdefault()")
-            before = states.before.get(id(traced_p), set())
-            for key, value in entries.items():
-                if key in before:
-                    continue
-                made = entries.made.get(key)
-                if isinstance(value, torch.Tensor):
-                    if not isinstance(made, torch.fx.Node):
-                        raise NotPlanned(f"{key!r} was not made by a traced op")
-                    if made in roots:
-                        raise NotPlanned(f"{key!r} is the same tensor as another entry")
-                    roots[made] = StateRef(Kind.OPTIM_STATE, name, key, oi, gi)
-                elif isinstance(made, _PythonValue) and made.value is value:
-                    python.append((oi, name, key, value))
-                else:
-                    raise NotPlanned(f"{key!r} changed after it was set")
+    for oi, name, gi, entries, new in _recorded_entries(swapped):
+        for key in new:
+            value, made = entries[key], entries.made.get(key)
+            if isinstance(value, torch.Tensor):
+                if not isinstance(made, torch.fx.Node):
+                    raise NotPlanned(f"{key!r} was not made by a traced op")
+                if made in roots:
+                    raise NotPlanned(f"{key!r} is the same tensor as another entry")
+                roots[made] = StateRef(Kind.OPTIM_STATE, name, key, oi, gi)
+            elif isinstance(made, _PythonValue) and made.value is value:
+                python.append((oi, name, key, value))
+            else:
+                raise NotPlanned(f"{key!r} changed after it was set")
     if not roots and not python:
         return None
     made_nodes: set[torch.fx.Node] = set()
     values = _Evaluator(graph, made_nodes)
-    entries = [(ref.optimizer, ref.name, ref.key, values(root)) for root, ref in roots.items()]
-    return StatePlan(graph, refs, roots, made_nodes, out_refs, side, MadeState(entries + python))
+    tensors = [(ref.optimizer, ref.name, ref.key, values(root)) for root, ref in roots.items()]
+    return StatePlan(graph, refs, roots, made_nodes, out_refs, side, MadeState(tensors + python))
 
 
 class _Evaluator:
@@ -492,17 +502,15 @@ def prediction_differs(
     ``swapped``) does not show ``made`` to be the first step's state (None when it
     does), and the entries of the parameters the optimizer did not step, which nothing
     read: those the first step does not make (NOTE: [Adam's first state predicted])."""
-    for oi, (states, by_param) in enumerate(swapped):
+    for oi, (states, _) in enumerate(swapped):
         if states.read_by:
             return f"optimizer[{oi}].state is read at {states.read_by[0]}", set()
-        if states.unobserved:
-            return "a parameter's whole state dict was set at once", set()
-        for name, (_gi, traced_p) in by_param.items():
-            entries = dict.get(states, traced_p)
-            if entries is not None and (
-                entries.unobserved or set(entries) - states.before.get(id(traced_p), set())
-            ):
+    try:
+        for oi, name, _gi, _entries, new in _recorded_entries(swapped):
+            if new:
                 return f"the trace made optimizer[{oi}] state of {name}", set()
+    except NotPlanned as exc:
+        return str(exc), set()
     read = {
         (ref.optimizer, ref.name, ref.key)
         for ref, node in zip(refs, placeholders(graph), strict=True)

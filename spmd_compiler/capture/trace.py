@@ -745,17 +745,7 @@ def _steady_with_predicted_state(
     if unread:  # parameters the optimizer did not step: no state, as eager's first step
         _drop_unread_state(steady, unread)
         kept = made.without(unread, bindings)
-    try:
-        captured = _finish(steady, start)
-    except BaseException:
-        if kept is not None:
-            kept.remove(bindings)
-        raise
-    captured.made_state = kept
-    if kept is not None:
-        log.info("%s makes its optimizer state before the first program (predicted): %s",
-                 step_name(func), ", ".join(kept.names()))
-    return captured
+    return _finish_with_state(steady, kept, func, bindings, start, " (predicted)")
 
 
 def _drop_unread_state(trace: _FirstTrace, unread: set[tuple[int, str, Any]]) -> None:
@@ -813,14 +803,25 @@ def _steady_with_made_state(
         log.info("%s keeps a first program: %s", step_name(func), reason)
         # the capture's module-level records are the steady trace's now: trace again
         return _finish(_trace_first(func, bindings, input_metas, options, floats, ()), start)
+    return _finish_with_state(steady, made, func, bindings, start)
+
+
+def _finish_with_state(
+    steady: _FirstTrace, made: initial_state.MadeState | None, func: Callable[..., Any],
+    bindings: StepBindings, start: float, how: str = "",
+) -> CapturedStep:
+    """``_finish`` of a steady trace taken with ``made`` in the optimizers, which the
+    captured step then holds; ``made`` leaves the optimizers again where it fails."""
     try:
         captured = _finish(steady, start)
     except BaseException:
-        made.remove(bindings)
+        if made is not None:
+            made.remove(bindings)
         raise
     captured.made_state = made
-    log.info("%s makes its optimizer state before the first program: %s",
-             step_name(func), ", ".join(made.names()))
+    if made is not None:
+        log.info("%s makes its optimizer state before the first program%s: %s",
+                 step_name(func), how, ", ".join(made.names()))
     return captured
 
 

@@ -186,6 +186,13 @@ def placeholders_read_by(node: torch.fx.Node) -> set[torch.fx.Node]:
     return {n for n in ancestors(node) if n.op == "placeholder"}
 
 
+def computed_value(target: Any, args: tuple, kwargs: dict[str, Any] | None = None) -> Any:
+    """``target`` run on its node arguments' ``meta["val"]`` (FakeTensors): the value a
+    new node's ``meta["val"]`` holds. Raises what the op raises on those values."""
+    fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+    return target(*fake_args, **fake_kwargs)
+
+
 def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
