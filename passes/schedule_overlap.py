@@ -130,8 +130,9 @@ def schedule_overlap(program, context: PassContext) -> bool:
         return False
     before = list(order)
     after = _prefetch_limits(pending, options.prefetch_depth)
-    _hoist_collectives(order, pending, options.max_in_flight_bytes, after)
-    _sink_waits(order, pending, options.max_in_flight_bytes)
+    barriers = {node for node in order if is_barrier(node)}  # moving changes no node
+    _hoist_collectives(order, pending, options.max_in_flight_bytes, after, barriers)
+    _sink_waits(order, pending, options.max_in_flight_bytes, barriers)
     if order == before:
         return False
     output = order[-1]
@@ -167,17 +168,18 @@ def _hoist_collectives(
     pending: list[_Pending],
     cap: int,
     after: dict[torch.fx.Node, torch.fx.Node],
+    barriers: set[torch.fx.Node],
 ) -> None:
     """Move each collective (with its feeders) up to its inputs, by priority: first the
     earliest ready, then the earliest needed. A collective does not pass one of higher
     priority, so the issue order follows the priority, nor the node ``after`` names for
-    it (NOTE: [FSDP prefetch])."""
+    it (NOTE: [FSDP prefetch]), nor a side effect of ``barriers``."""
     index = _index(order)
     prologue = _prologue(order)
 
     def priority(item: _Pending) -> tuple[int, int]:
         collective, wait, _ = item
-        floor = _floor(collective, order, index)
+        floor = _floor(collective, order, index, barriers)
         ready = -1 if floor < 0 or order[floor] in prologue else floor
         return ready, min((index[u] for u in wait.users), default=len(order))
 
@@ -186,7 +188,7 @@ def _hoist_collectives(
         placed.add(collective)
         index = _index(order)
         in_flight = _in_flight(order, pending, index)
-        floor = _floor(collective, order, index)
+        floor = _floor(collective, order, index, barriers)
         if collective in after:
             floor = max(floor, index[after[collective]])
         start = target = index[collective]
@@ -204,7 +206,9 @@ def _hoist_collectives(
         order[target : start + 1] = moved + rest
 
 
-def _sink_waits(order: list[torch.fx.Node], pending: list[_Pending], cap: int) -> None:
+def _sink_waits(
+    order: list[torch.fx.Node], pending: list[_Pending], cap: int, barriers: set[torch.fx.Node]
+) -> None:
     """Move each wait down to just before its first use (or a side effect, or the cap)."""
     for _, wait, nbytes in list(pending):
         if not wait.users:
@@ -215,21 +219,24 @@ def _sink_waits(order: list[torch.fx.Node], pending: list[_Pending], cap: int) -
         ceiling = min(index[u] for u in wait.users)
         target = start + 1  # the wait will sit just before order[target]
         while (
-            target < ceiling and not is_barrier(order[target]) and in_flight[target] + nbytes <= cap
+            target < ceiling and order[target] not in barriers and in_flight[target] + nbytes <= cap
         ):
             target += 1
         if target > start + 1:
             order.insert(target - 1, order.pop(start))
 
 
-def _floor(collective: torch.fx.Node, order: list[torch.fx.Node], index: dict) -> int:
+def _floor(
+    collective: torch.fx.Node, order: list[torch.fx.Node], index: dict,
+    barriers: set[torch.fx.Node],
+) -> int:
     """Index of the last node the collective (and its feeders) must stay after: an
     input from outside the feeders, a side effect before it, or the last placeholder."""
     chain = _feeders(collective)
     inputs = {a for n in chain | {collective} for a in n.all_input_nodes} - chain
     floor = max((index[n] for n in inputs), default=-1)
     for i in range(index[collective] - 1, floor, -1):
-        if is_barrier(order[i]) or order[i].op == "placeholder":
+        if order[i] in barriers or order[i].op == "placeholder":
             return i
     return floor
 
