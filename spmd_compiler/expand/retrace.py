@@ -121,6 +121,26 @@ _FACTORED_STATE_HINT = (
 )
 
 
+def _batch_hint(argument: str, size: int, n: int) -> str:
+    """What to do where a step argument's batch dimension does not divide by ``n``
+    ranks; a size of 1 reads first as a tensor broadcast over the batch (position ids of
+    shape (1, S)), which holds no batch."""
+    split = (
+        f"use a global batch that is a multiple of {n} (each rank gets an equal share)"
+    )
+    none, other = f"input_batch_dim={{{argument!r}: None}}", f"input_batch_dim={{{argument!r}: 1}}"
+    if size == 1:
+        return (
+            f"if this argument is broadcast over the batch (size 1), it holds no batch: say so "
+            f"with {none}, and every rank reads it whole. If it is a batch, {split}; if its "
+            f"batch lies in another dimension, {other}."
+        )
+    return (
+        f"{split}. If this argument's batch lies in another dimension, or it holds no batch, "
+        f"say so: {other} or {{{argument!r}: None}}."
+    )
+
+
 def local_meta(
     meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what: str, argument: str | None = None,
     hint: str | None = None,
@@ -146,12 +166,7 @@ def local_meta(
                 raise SPMDCompileError(
                     f"{what} has size {meta.shape[p.dim]} in dimension {p.dim}, which "
                     f"is not divisible by the {n} ranks of mesh dimension {mesh_dim}.",
-                    hint=hint if argument is None else (
-                        f"use a global batch that is a multiple of {n} (each rank gets an "
-                        "equal share). If this argument's batch lies in another dimension, "
-                        "or it holds no batch, say so: input_batch_dim="
-                        f"{{{(argument or 'name')!r}: 1}} or {{{(argument or 'name')!r}: None}}."
-                    ),
+                    hint=hint if argument is None else _batch_hint(argument, meta.shape[p.dim], n),
                 )
             shape[p.dim] //= n
     return TensorMeta(tuple(shape), meta.dtype, meta.device, False)

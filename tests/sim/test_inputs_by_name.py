@@ -216,6 +216,25 @@ def test_an_argument_that_cannot_be_split_is_refused_by_name(batch_dims, expecte
         assert text in str(info.value)
 
 
+def test_an_argument_broadcast_over_the_batch_is_pointed_at_none() -> None:
+    """A (1, n) argument (position ids broadcast over the batch) does not divide; the
+    hint leads with the spelling that compiles, input_batch_dim={name: None}."""
+    model, optim = _linear()
+    compiled = sc.compile(DataParallel("replicate"))(_linear_step)
+    with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, torch.randn(4, 3), torch.ones(1, 3))
+    message = str(info.value)
+    assert "if this argument is broadcast over the batch (size 1), it holds no batch: say so " \
+        "with input_batch_dim={'weights': None}" in message
+    fixed = sc.compile(DataParallel("replicate", input_batch_dim={"weights": None}))(_linear_step)
+    reference = copy.deepcopy(model)
+    x, w = torch.randn(4, 3), torch.rand(1, 3)
+    with sc.simulate(world_size=WORLD):
+        loss = fixed(model, optim, x, w)
+    expected = _linear_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, w)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("bad", [True, "h", {"h": "1"}, {1: 0}, {"": None}])
 def test_input_batch_dim_of_another_type_is_refused(bad) -> None:
     with pytest.raises(TypeError, match="input_batch_dim"):
