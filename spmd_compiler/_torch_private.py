@@ -838,6 +838,15 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
             current_spec = hop
         return original(local_tensor, current_spec, target_spec, *args, **kwargs)
 
+    # NOTE: [a masked partial redistributed twice]
+    # A ``_MaskPartial`` value (an embedding's output over a vocabulary-sharded weight)
+    # gives up its mask to its first reduction. Where a second use asks for another target
+    # (tied embedding and head under fsdp_tp: (Shard, Shard) for one reader, (Shard,
+    # Replicate) for the next), torch found the mask gone and failed an assertion. The
+    # second redistribution starts from the first one's reduced result instead: the same
+    # value, with no partial left.
+    reduced: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
+
     def cached(local_tensor, current_spec, target_spec, *args, **kwargs):
         if cache.bypassed:
             return redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
@@ -845,7 +854,14 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
         hit = cache.get(key)
         if hit is not None and hit[0] is local_tensor:
             return hit[1]
-        out = redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
+        masked = any(is_mask_partial(p) for p in current_spec.placements)
+        earlier = reduced.get((id(local_tensor), current_spec)) if masked else None
+        if earlier is not None and earlier[0] is local_tensor:
+            out = cached(earlier[1], earlier[2], target_spec, *args, **kwargs)
+        else:
+            out = redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
+            if masked and not any(p.is_partial() for p in target_spec.placements):
+                reduced[(id(local_tensor), current_spec)] = (local_tensor, out, target_spec)
         cache[key] = (local_tensor, out)
         return out
 
