@@ -175,7 +175,7 @@ def _hoist_collectives(
     priority, so the issue order follows the priority, nor the node ``after`` names for
     it (NOTE: [FSDP prefetch]), nor a side effect of ``barriers``."""
     index = _index(order)
-    prologue = _prologue(order)
+    prologue = _prologue(order, barriers)
 
     def priority(item: _Pending) -> tuple[int, int]:
         collective, wait, _ = item
@@ -200,7 +200,7 @@ def _hoist_collectives(
             target -= 1
         if target == start:
             continue
-        chain = _feeders(collective)
+        chain = _feeders(collective, barriers)
         moved = [n for n in order[target:start] if n in chain] + [collective]
         rest = [n for n in order[target : start + 1] if n not in moved]
         order[target : start + 1] = moved + rest
@@ -232,7 +232,7 @@ def _floor(
 ) -> int:
     """Index of the last node the collective (and its feeders) must stay after: an
     input from outside the feeders, a side effect before it, or the last placeholder."""
-    chain = _feeders(collective)
+    chain = _feeders(collective, barriers)
     inputs = {a for n in chain | {collective} for a in n.all_input_nodes} - chain
     floor = max((index[n] for n in inputs), default=-1)
     for i in range(index[collective] - 1, floor, -1):
@@ -254,7 +254,7 @@ def _in_flight(order: list[torch.fx.Node], pending: list[_Pending], index: dict)
     return out
 
 
-def _feeders(collective: torch.fx.Node) -> set[torch.fx.Node]:
+def _feeders(collective: torch.fx.Node, barriers: set[torch.fx.Node]) -> set[torch.fx.Node]:
     """Nodes that move with the collective: its free group nodes and the pure nodes that
     only feed it (a bucket's packing, a view of the input)."""
     chain: set[torch.fx.Node] = set()
@@ -265,7 +265,7 @@ def _feeders(collective: torch.fx.Node) -> set[torch.fx.Node]:
             continue
         private = (
             n.op == "call_function"
-            and not is_barrier(n)
+            and n not in barriers
             and not n.is_impure()
             and not is_collective(n)
             and not is_wait(n)
@@ -277,13 +277,13 @@ def _feeders(collective: torch.fx.Node) -> set[torch.fx.Node]:
     return chain
 
 
-def _prologue(order: list[torch.fx.Node]) -> set[torch.fx.Node]:
+def _prologue(order: list[torch.fx.Node], barriers: set[torch.fx.Node]) -> set[torch.fx.Node]:
     """Nodes computed from graph inputs alone (ready at the start, wherever they sit)."""
     found: set[torch.fx.Node] = set()
     for n in order:
         if n.op in ("placeholder", "get_attr") or (
             n.op == "call_function"
-            and not is_barrier(n)
+            and n not in barriers
             and not is_collective(n)
             and not is_wait(n)
             and all(a in found for a in n.all_input_nodes)
