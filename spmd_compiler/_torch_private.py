@@ -2099,6 +2099,16 @@ INDEX_PUT_WITH_NONE_GAP_RELEASES = ("2.11",)
 SCATTER_REPLICATES_ONLY_RELEASES = ("2.11",)
 
 
+# Releases whose DTensor carries an embedding's ``_MaskPartial`` placement, mask and all,
+# on to values computed from it (NOTE: [masked partials reduced before use] in
+# expand/retrace.py); 2.13 and 2.14 redistribute it at its first reader.
+MASKS_SHARED_BY_DERIVED_VALUES_RELEASES = ("2.11",)
+
+
+def derived_values_share_masks() -> bool:
+    return _release() in MASKS_SHARED_BY_DERIVED_VALUES_RELEASES
+
+
 def dtensor_scatter_replicates_only() -> bool:
     return _release() in SCATTER_REPLICATES_ONLY_RELEASES
 

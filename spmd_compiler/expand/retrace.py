@@ -383,6 +383,34 @@ _BATCH_DIM_HINT = (
     "None passes it whole); otherwise " + _LAYOUT_HINT
 )
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+
+# NOTE: [masked partials reduced before use]
+# An embedding over a vocabulary-sharded table (a table tied to a planned head, the
+# embedding itself unplanned) gives a ``_MaskPartial`` value: a sum pending over tp whose
+# reduction first zeroes, by a mask shaped like the indices, the rows other ranks own,
+# and then drops the mask. torch 2.11 carries the placement, mask and all, on through
+# ops linear in it (the RMSNorm's ``x * rsqrt(...)``): a second value sharing the mask,
+# whose own reduction then finds it gone (an assertion in DTensor), and whose rows, after
+# an op that moves them (a transpose), the mask would no longer line up with. There every
+# op reading such a value reads it reduced (``Replicate`` on that mesh dimension; one
+# all-reduce, shared by every reader through the redistribution memo). torch 2.13 and
+# 2.14 redistribute it at its first reader themselves (NOTE: [a masked partial
+# redistributed twice] in ``_torch_private.py``); their programs are unchanged.
+def _masked_partials_reduced(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def masked(value: Any) -> bool:
+        return isinstance(value, DTensor) and any(map(private.is_mask_partial, value.placements))
+
+    if not any(map(masked, private.pytree.tree_leaves((args, kwargs)))):
+        return args, kwargs
+
+    def reduced(value: Any) -> Any:
+        if not masked(value):
+            return value
+        placements = tuple(Replicate() if private.is_mask_partial(p) else p for p in value.placements)
+        return value.redistribute(value.device_mesh, placements)
+
+    return private.pytree.tree_map(reduced, (args, kwargs))
 _STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
 
 
@@ -483,6 +511,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
             return self._call_function(target, args, kwargs)
 
     def _call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if private.derived_values_share_masks():
+            args, kwargs = _masked_partials_reduced(args, kwargs)
         if self.rules is not None:
             result = self.rules.apply(target, args, kwargs)
             if result is not None:
