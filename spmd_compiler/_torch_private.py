@@ -971,7 +971,10 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
     Inside a plan, the graph-based planner prices each step of its search from the two
     states' specs (``one_step_redistribute_cost``), a pure function of the mesh, the
     tensor's metadata and the two states; every plan of a tensor of that shape asks it
-    again, so each step is priced once per trace too.
+    again, so each step is priced once per trace too, and each state's neighbours
+    (``get_next_state``, with their step costs) are listed once per trace, keyed also by
+    what the plan's target admits (its strided shards and partials' reduce ops, which the
+    planner collects per plan).
 
     The rank's coordinate on a mesh dimension is traced once per trace (mesh, dimension
     and fake mode), not once per redistribution that reads it: each trace of it added an
@@ -1113,6 +1116,26 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
 
         planner.cost_function = cost_function
 
+    original_next = getattr(Planner, "get_next_state", None)
+    next_states: dict[Any, Any] = {}
+
+    def get_next_state(planner, *args):
+        # The graph planner's search asks each state's neighbours and their step costs: a
+        # pure function of the mesh, the tensor's metadata, the state and what the plan's
+        # target admits (its strided shards, its partials' reduce ops); every plan of a
+        # tensor of that shape searches mostly the same states again. Asked once per trace
+        # here (the search only reads the answer).
+        try:
+            key = (planner.device_mesh, planner.dtensor_meta, args,
+                   frozenset(getattr(planner, "strided_shard_placements_in_target", ())),
+                   frozenset(getattr(planner, "partial_reduce_ops_in_target", ())))
+            hit = next_states.get(key)
+        except TypeError:  # a SymInt in the metadata is not hashable
+            return original_next(planner, *args)
+        if hit is None:
+            hit = next_states[key] = original_next(planner, *args)
+        return hit
+
     modules = [importlib.import_module(name) for name in _COST_CALLERS]
     # every caller's current function (DTensor's own, or our uncomputable-cost wrapper of
     # it, NOTE: [uncomputable redistribution costs]) is replaced, and put back after
@@ -1134,6 +1157,7 @@ def memoized_redistribute_cost() -> Iterator[CostMemo]:
                 (Planner if original_graph else None, "generate_graph_based_transform_infos",
                  graph_based),
                 (Planner, "setup_cost_callbacks", setup_cost_callbacks),
+                (Planner if original_next else None, "get_next_state", get_next_state),
             ):
                 if owner is not None and hasattr(owner, name):
                     stack.enter_context(mock.patch.object(owner, name, replacement))
