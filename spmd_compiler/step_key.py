@@ -82,6 +82,7 @@ from .compile_cache import (
     _signature,
     _state_ref,
     _tensor_meta,
+    collector_paused,
     encoded_graph,
     file_digest,
     fingerprint,
@@ -415,6 +416,13 @@ def load(
     data = cache.read_step(key)
     if data is None:
         return None
+    with collector_paused():  # NOTE: [no collector while an entry is decoded]
+        return _loaded(cache, key, data, func, bindings)
+
+
+def _loaded(
+    cache: ProgramCache, key: str, data: bytes, func: Callable[..., Any], bindings: Any
+) -> tuple[str, CapturedStep, frozenset[int]] | None:
     try:
         body = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         for name, expected in (("format", FORMAT), ("key", key), ("digest", source_digest())):

@@ -188,6 +188,45 @@ def test_a_broken_entry_warns_and_recompiles(tmp_path: Path, damage: str) -> Non
     assert caches(step) == ["hit", "hit"]
 
 
+def test_entries_are_decoded_with_the_collector_paused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE: [no collector while an entry is decoded]: the step entry and each program
+    are decoded with CPython's cyclic collector off, and it is back on after, also when a
+    decode fails; a collector the user turned off stays off."""
+    import gc
+
+    from spmd_compiler import step_key
+
+    run(tmp_path)
+    seen: list[tuple[str, bool]] = []
+    for module, name in ((compile_cache, "program_from_bytes"), (step_key, "_captured")):
+        original = getattr(module, name)
+
+        def watched(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, gc.isenabled()))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, watched)
+    step, _, _ = run(tmp_path)
+    assert caches(step) == ["hit", "hit"]
+    assert {n for n, _ in seen} == {"program_from_bytes", "_captured"}
+    assert not any(enabled for _, enabled in seen)
+    assert gc.isenabled()
+    for p in (tmp_path / "programs").glob("*.pt"):
+        p.write_bytes(b"not a cache entry")
+    with pytest.warns(UserWarning, match="ignoring the compile-cache entry"):
+        run(tmp_path)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with compile_cache.collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 class Tempered(nn.Module):
     def __init__(self) -> None:
         super().__init__()
