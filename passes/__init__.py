@@ -53,10 +53,10 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "remove_dead_nodes",
     "remove_noop_reshapes",
     "remove_duplicate_collectives",
+    "fuse_optimizer_updates",
     "bucket_collectives",
     "merge_regathers",
     "schedule_overlap",
-    "fuse_optimizer_updates",
 )
 
 __all__ = [

@@ -96,6 +96,7 @@ _RULES: dict[Any, list[_Rule]] = {
     "fuse_optimizer_updates",
     "fuse per-parameter element-wise optimizer ops into aten._foreach_* calls",
     after=("remove_dead_nodes",),
+    before=("bucket_collectives",),
 )
 def fuse_optimizer_updates(program, context: PassContext) -> bool:
     """Replace same-kind, independent optimizer ops of many parameters by one foreach op.

@@ -45,6 +45,7 @@ from .. import _torch_private as private
 from .. import progress
 from ..capture.gradients import GRADIENT, gradient_settles, marked_gradient
 from ..errors import SPMDCompileError, exception_summary, node_error
+from ..ir.collectives import is_wait
 from ..ir.graph_utils import RetracingInterpreter, placeholders, replace_with_input
 from ..ir.node_meta import PADDED, PLACEMENT
 from ..ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta, contiguous_stride
@@ -238,6 +239,7 @@ def expand(
     gm = _trace_rank_generic(per_rank, local, mesh)
     _views_to_reshapes(gm)
     _drop_detaches(gm)
+    _drop_repeated_waits(gm)
     for node, pl in zip(placeholders(gm), input_placements, strict=True):
         node.meta[PLACEMENT] = tuple(pl)
     gm.graph.eliminate_dead_code()
@@ -346,6 +348,21 @@ def _drop_detaches(gm: torch.fx.GraphModule) -> None:
     detaches = (torch.ops.aten.detach.default, torch.ops.aten.detach_.default)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in detaches:
+            replace_with_input(node)
+
+
+def _drop_repeated_waits(gm: torch.fx.GraphModule) -> None:
+    """Replace a ``wait_tensor`` of a ``wait_tensor``'s result by that result.
+
+    DTensor waits on a collective's result where it redistributes, and waits again where
+    a later step of the same redistribution reads it (torch 2.13: each dp reduce-scatter
+    of a gradient summed over tp, 24 in the demo GPT's fsdp_tp program). The second wait
+    waits for nothing, but to the passes it is the result's first use, right after the
+    collective: no two such reduce-scatters could share a bucket (NOTE: [buckets in
+    rounds] in passes/bucket_collectives.py).
+    """
+    for node in list(gm.graph.nodes):
+        if is_wait(node) and isinstance(node.args[0], torch.fx.Node) and is_wait(node.args[0]):
             replace_with_input(node)
 
 
