@@ -210,7 +210,10 @@ def test_entries_are_decoded_with_the_collector_paused(
         monkeypatch.setattr(module, name, watched)
     step, _, _ = run(tmp_path)
     assert caches(step) == ["hit", "hit"]
-    assert {n for n, _ in seen} == {"program_from_bytes", "_captured"}
+    # the step entry is read where the process has a key before capture (alone, it has;
+    # in a worker that loaded a module since changed or deleted it may not): the program
+    # entries are decoded either way
+    assert "program_from_bytes" in {n for n, _ in seen}
     assert not any(enabled for _, enabled in seen)
     assert gc.isenabled()
     for p in (tmp_path / "programs").glob("*.pt"):
