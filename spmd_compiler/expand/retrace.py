@@ -400,6 +400,7 @@ _BATCH_DIM_HINT = (
     "None passes it whole); otherwise " + _LAYOUT_HINT
 )
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+_STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
 
 
 # NOTE: [masked partials reduced before use]
@@ -428,7 +429,6 @@ def _masked_partials_reduced(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return value.redistribute(value.device_mesh, placements)
 
     return private.pytree.tree_map(reduced, (args, kwargs))
-_STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
 
 
 class _ExpandingInterpreter(RetracingInterpreter):
