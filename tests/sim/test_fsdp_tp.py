@@ -212,6 +212,33 @@ def test_fsdp_tp_gradient_reductions_share_buckets():
     assert sum(map(payload_bytes, scatters)) > 0
 
 
+def test_fsdp_tp_layer_norm_gradients_reduce_on_tp_like_megatron():
+    """NOTE: [norm backward in its forward's layout] in _torch_private.py: the gradient
+    reaching a LayerNorm's backward is a partial sum over tp (the colwise q/k/v input
+    gradients); reduced to the norm's own layout (Replicate on tp, one all-reduce), not
+    reduce-scattered onto the batch, which tp then split in place of the heads down to the
+    weight gradients and AdamW (torch 2.13: the demo GPT's 2x2 program had 45 tp
+    all-gathers and gathered every colwise parameter and its AdamW state each step). Per
+    layer: two tp all-reduces in forward (the rowwise outputs) and two in backward (the
+    colwise inputs' gradients), nothing else over tp; the step matches one device."""
+    from spmd_compiler.tools.explain import explain
+
+    config = DemoConfig(steps=1, n_layer=1)
+    model, _, data = build(config)
+    reference, _, _ = build(config)
+    model, reference = model.double(), reference.double()
+    optim = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=config.lr)
+    step = sc.compile(FullyShardTensorParallel(gpt_tp_plan(), mesh_shape=(2, 2)))(gpt_train_step)
+    with sc.simulate(4) as sim:
+        loss, ref_loss = step(model, optim, *data[0]), gpt_train_step(reference, ref_optim, *data[0])
+        diffs = compare_states(full_state(model, optim, sim), full_state(reference, ref_optim, None))
+    tp = [row.kind for row in explain(step).collectives if row.mesh_dim == 1]
+    assert tp == ["all_reduce"] * 4, tp
+    assert abs(loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
+    assert max(diffs.values()) < 1e-10
+
+
 def test_fsdp_tp_uneven_checkpoint_resumes_bitwise_in_another_mode(tmp_path):
     """A checkpoint saved under FSDP x TP with the uneven layouts (a norm whole on dp,
     up / down whole on tp, the head's columns sharded) loads under fully_shard at world 2
