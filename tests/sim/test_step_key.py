@@ -257,15 +257,21 @@ def test_a_source_edited_while_running_gets_no_key(tmp_path: Path, monkeypatch: 
 def test_a_2d_program_reading_the_mesh_coordinate_is_cached(tmp_path: Path) -> None:
     """An fsdp_tp GPT program reads the run-time mesh coordinate (``device_mesh`` op);
     such programs were uncacheable (an operator outside torch's namespaces) and every
-    2-D restart compiled again. Now the restart skips capture and expansion."""
+    2-D restart compiled again. Now the restart skips capture and expansion. (The head
+    planned colwise with its logits replicated: its backward takes this rank's columns
+    of the replicated logits' gradient, a slice at the coordinate.)"""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     from spmd_compiler.parallel_modes import FullyShardTensorParallel
     from spmd_compiler.tools.demo.gpt import gpt_tp_plan, gpt_train_step
     from spmd_compiler.tools.demo.run import DemoConfig, build
 
+    plan = {**gpt_tp_plan(), "lm_head": ColwiseParallel(output_layouts=Replicate())}
     losses = []
     for _ in range(2):
         model, optim, data = build(DemoConfig(steps=1, n_layer=1))
-        step = sc.compile(FullyShardTensorParallel(gpt_tp_plan(), mesh_shape=(2, 2)),
+        step = sc.compile(FullyShardTensorParallel(plan, mesh_shape=(2, 2)),
                           cache_dir=tmp_path)(gpt_train_step)
         with sc.simulate(4):
             losses.append(float(step(model, optim, *data[0])))
