@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
-from spmd_compiler.capture.gradients import gradient_settles
+from spmd_compiler.capture.gradients import gradient_settles, marked_gradient
 from spmd_compiler.expand.parent_mesh import parent_placements
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
@@ -159,7 +159,15 @@ class FullyShardTensorParallel(ParallelMode):
             if ref.kind is not Kind.INPUT
         }
 
-        def reduce_scatter_over_dp(value: DTensor) -> DTensor:
+        # each parameter's plain TP shard: where its gradient arrives whole on tp, this
+        # rank's rows of it (NOTE: [a gradient computed whole on tp])
+        tp_shards = {
+            ref.name: tp for ref, meta in captured.inputs
+            if ref.kind is Kind.PARAM and meta.shape
+            and type(tp := self._tp_placement(ref, meta, mesh)) is Shard
+        }
+
+        def reduce_scatter_over_dp(value: DTensor, tp_shard: Placement | None = None) -> DTensor:
             """A gradient Partial over dp becomes this rank's FSDP piece of its TP shard
             with one reduce-scatter (the inverse of gather_over_dp), or is all-reduced
             where FSDP keeps the parameter whole (NOTE: [strided TP under FSDP])."""
@@ -169,6 +177,9 @@ class FullyShardTensorParallel(ParallelMode):
             if tp.is_partial():  # summed over tp too (a norm's weight under a tp-split batch)
                 value = value.redistribute(mesh, (dp, Replicate()))
                 tp = Replicate()
+            if isinstance(tp, Replicate) and tp_shard is not None:
+                value = value.redistribute(mesh, (dp, tp_shard))  # a slice, no collective
+                tp = tp_shard
             reduce_op = cast(Partial, dp).reduce_op
             target = _dp_placement(tp, tuple(value.shape), mesh.size(DP), mesh.size(TP))
             if isinstance(target, Shard):
@@ -182,16 +193,19 @@ class FullyShardTensorParallel(ParallelMode):
                 local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
             )
 
+        def reduced(arg: torch.fx.Node) -> list[UseStep]:
+            tp_shard = tp_shards.get(marked_gradient(arg) or "")
+            return [UseStep(UseGroup.REDUCE, redistribute=lambda v: reduce_scatter_over_dp(v, tp_shard))]
+
         def at_use(consumer: torch.fx.Node, arg: torch.fx.Node) -> list[UseStep] | None:
             if consumer.meta.get(PHASE) == OPTIMIZER_PHASE:
                 if arg in state or arg.meta.get(PHASE) == OPTIMIZER_PHASE:
                     return None
-                # a gradient entering the update
-                return [UseStep(UseGroup.REDUCE, redistribute=reduce_scatter_over_dp)]
+                return reduced(arg)  # a gradient entering the update
             if gradient_settles(consumer, arg):
                 # read between backward and the update (clipped, unscaled): reduced the
                 # same way, once (NOTE: [gradients settle after backward])
-                return [UseStep(UseGroup.REDUCE, redistribute=reduce_scatter_over_dp)]
+                return reduced(arg)
             updated = arg.meta.get(PHASE) == OPTIMIZER_PHASE and consumer.op == "call_function"
             if arg in params or updated:
                 # a parameter, or its update read again after the step (an eval forward;
@@ -224,6 +238,17 @@ class FullyShardTensorParallel(ParallelMode):
 # the row blocks: (Shard(1), _S(0, 3)), which DTensor gathers right; the rows of a
 # transposed Conv1D weight), and keeps it whole on dp where there is none (a bias: its
 # gradient is all-reduced over dp instead of reduce-scattered).
+
+
+# NOTE: [a gradient computed whole on tp]
+# A head planned colwise with its logits replicated (``ColwiseParallel(output_layouts=
+# Replicate())``, transformers' own plans) gets the logits' gradient whole on every tp rank;
+# DTensor computes the weight gradient from it unsliced (no redistribution either way),
+# so it arrives at the update whole on tp while the parameter and its state hold rows.
+# Reduced over dp as it was, the update then gathered the parameter and its AdamW state
+# over both mesh dimensions every step (HF Qwen2's lm_head: two all-gathers after the
+# reduce-scatter). The gradient is cut to the parameter's rows on tp first, a slice of
+# the rank's own copy, then reduce-scattered over dp into the parameter's layout.
 
 
 # NOTE: [uneven shards under FSDP x TP]
