@@ -11,7 +11,8 @@ relative difference of every parameter, buffer and optimizer-state tensor
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,28 @@ def classification_batches() -> Callable[..., list[Batch]]:
 def train_step() -> Callable[..., Any]:
     """forward, cross entropy, backward, optimizer step, zero_grad; returns the loss."""
     return standard_train_step
+
+
+@pytest.fixture(autouse=True)
+def _forget_test_modules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Modules tests wrote under pytest's temporary directory (steps, modes, pass plugins)
+    are forgotten before and after each test, after its monkeypatches are undone (this
+    fixture is set up first). The compile cache's key lists every loaded module's source
+    (NOTE: [cache key before capture]) and refuses one whose file is newer than what was
+    loaded: one such module left behind (``test_pass_plugins``' ``broken_passes_plugin``,
+    restored by monkeypatch after another test had replaced it) left every later step of
+    that pytest worker without a key before capture, and a cache test failed depending on
+    the order the workers drew the tests in."""
+    base = str(tmp_path_factory.getbasetemp())
+
+    def forget() -> None:
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(base):
+                del sys.modules[name]
+
+    forget()
+    yield
+    forget()
 
 
 @pytest.fixture(autouse=True)

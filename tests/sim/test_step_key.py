@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,23 +31,6 @@ from tests.sim.test_compile_cache import Tempered  # a guarded Python attribute
 
 TOLERANCE = 1e-5
 STEPS = 2
-
-
-@pytest.fixture(autouse=True)
-def forget_test_modules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Modules tests wrote under pytest's temporary directory (here or in another test
-    file) are forgotten before and after each test: the manifest lists every loaded
-    module, and one edited while loaded leaves every later step without an entry."""
-    base = str(tmp_path_factory.getbasetemp())
-
-    def forget() -> None:
-        for name, module in list(sys.modules.items()):
-            if str(getattr(module, "__file__", None) or "").startswith(base):
-                del sys.modules[name]
-
-    forget()
-    yield
-    forget()
 
 
 def mlp(act: type[nn.Module] = nn.ReLU) -> nn.Module:
