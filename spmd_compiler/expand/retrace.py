@@ -454,6 +454,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
         self.placement_at_use = placement_at_use
         self.gradient_placement = gradient_placement
         self.at_use: dict[tuple[torch.fx.Node, tuple[UseGroup, str]], DTensor] = {}
+        self.narrowed = _gradients_computed_narrow(captured.graph_module.graph, gradient_placement)
+        self._node: torch.fx.Node | None = None
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple, dict]:
         if self.placement_at_use is None and self.gradient_placement is None:
@@ -530,6 +532,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
     def _call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if private.derived_values_share_masks():
             args, kwargs = _masked_partials_reduced(args, kwargs)
+        if self._node in self.narrowed:
+            args = _narrowed_matmul(args, self.narrowed[self._node], self.mesh)
         if self.rules is not None:
             result = self.rules.apply(target, args, kwargs)
             if result is not None:
@@ -574,6 +578,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         progress.current().advance()
+        self._node = n
         try:
             return super().run_node(n)
         except SPMDCompileError:
@@ -626,6 +631,62 @@ class _ExpandingInterpreter(RetracingInterpreter):
                 if node is not None and node in created:
                     node.meta[PLACEMENT] = tuple(value.placements)
         return result
+
+
+# NOTE: [weight gradients computed on the rows kept]
+# A Linear whose output a tensor-parallel plan replicates (``ColwiseParallel(
+# output_layouts=Replicate())``, transformers' ``colwise_rep``: the head of most of its
+# plans) gets the output gradient whole on every tp rank, and DTensor computed the weight
+# gradient ``mm(t(grad_out), x)`` whole from it (no redistribution either way), to be
+# sliced to the rank's rows where the update reads it: tp times that matmul's work (the
+# head's: vocabulary x width x tokens). Where a parameter's gradient is that ``mm``
+# (through transposes only) and the gradient settles sharded on a mesh dimension where
+# both operands are replicated, the operand holding the sharded dimension is sliced
+# first (a local slice, no collective) and the ``mm`` computes the rank's rows only: the
+# same values, 1/tp of the work.
+_TRANSPOSES = (torch.ops.aten.t.default,)
+
+
+def _gradients_computed_narrow(
+    graph: torch.fx.Graph, gradient_placement: Callable[[str], Placements | None] | None
+) -> dict[torch.fx.Node, list[tuple[int, int]]]:
+    """``mm`` node -> [(mesh dim, output dim)] to compute sharded: see the NOTE."""
+    if gradient_placement is None:
+        return {}
+    narrowed: dict[torch.fx.Node, list[tuple[int, int]]] = {}
+    for node in graph.nodes:
+        name = marked_gradient(node)
+        if name is None or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        source, flipped = node.args[0], False
+        while source.target in _TRANSPOSES and len(source.users) == 1 and isinstance(source.args[0], torch.fx.Node):
+            source, flipped = source.args[0], not flipped
+        if source.target is not torch.ops.aten.mm.default or len(source.users) != 1:
+            continue
+        target = gradient_placement(name) or ()
+        dims = [(m, 1 - p.dim if flipped else p.dim) for m, p in enumerate(target)
+                if type(p) is Shard and p.dim in (0, 1)]
+        if dims:
+            narrowed[source] = dims
+    return narrowed
+
+
+def _narrowed_matmul(args: tuple, dims: list[tuple[int, int]], mesh: DeviceMesh) -> tuple:
+    """``mm``'s operands with the one holding each output dim sharded on its mesh dim,
+    where both are replicated there and the dim splits evenly (see the NOTE)."""
+    operands = list(args[:2])
+    if not all(isinstance(a, DTensor) for a in operands):
+        return args
+    for mesh_dim, out_dim in dims:
+        if not all(isinstance(a.placements[mesh_dim], Replicate) for a in operands):
+            continue
+        i, dim = (0, 0) if out_dim == 0 else (1, 1)
+        if operands[i].shape[dim] % mesh.size(mesh_dim):
+            continue
+        placements = list(operands[i].placements)
+        placements[mesh_dim] = Shard(dim)
+        operands[i] = operands[i].redistribute(mesh, tuple(placements))
+    return (*operands, *args[2:])
 
 
 # NOTE: [local shape check]

@@ -91,3 +91,21 @@ def test_fsdp_tp_update_reads_no_gathered_state():
     assert "reduce_scatter" not in [kind for kind, dim in collectives if dim == 1], collectives
     last_scatter = max(i for i, (kind, _) in enumerate(collectives) if kind == "reduce_scatter")
     assert all(kind != "all_gather" for kind, _ in collectives[last_scatter:]), collectives
+
+
+def test_a_replicated_output_layers_weight_gradient_is_computed_on_its_rows():
+    """NOTE: [weight gradients computed on the rows kept] in expand/retrace.py: the head's
+    logits are replicated, so its output gradient is whole on every tp rank; the weight
+    gradient ``mm(t(grad_out), x)`` was computed whole (6 x 8 here) and sliced at the
+    update. Now its rows are sliced first: no matmul of the program makes a whole (6, 8)."""
+    model, reference, optim, ref_optim = adamw_twins(_GatedBlock)
+    step = sc.compile(TensorParallel(PLAN))(_step)
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 6, (8,), generator=gen)
+    with sc.simulate(2):
+        step(model, optim, x, y)
+    matmuls = [
+        tuple(n.meta["val"].shape) for n in step.records[0].program.graph_module.graph.nodes
+        if n.target is torch.ops.aten.mm.default and "val" in n.meta
+    ]
+    assert (3, 8) in matmuls and (6, 8) not in matmuls, matmuls
