@@ -179,7 +179,7 @@ def placements_for_state(
         return placements
     out: list[Placement] = []
     for p in placements:
-        if isinstance(p, Shard) or private.is_strided_shard(p):
+        if private.is_shard_like(p):
             dim = p.dim % len(shape) if shape and -len(shape) <= p.dim < len(shape) else None
             if dim is None or dim >= len(param_shape) or shape[dim] != param_shape[dim]:
                 p = Replicate()

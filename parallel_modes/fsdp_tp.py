@@ -142,7 +142,7 @@ class FullyShardTensorParallel(ParallelMode):
             piece d of TP shard t, so one all-gather over dp yields TP shard t (done by
             hand: DTensor's planner mishandles _StridedShard -> Replicate when traced)."""
             dp, tp = value.placements
-            if not (isinstance(dp, Shard) or private.is_strided_shard(dp)):
+            if not private.is_shard_like(dp):
                 return value
             if not private.is_strided_shard(dp) and isinstance(tp, Shard) and tp.dim == dp.dim:
                 # dp outer on the same dim (an update DTensor sharded (Shard(d), Shard(d))):

@@ -60,6 +60,7 @@ from .stack_room import call_with_room
 if TYPE_CHECKING:
     from torch._C._distributed import StridedShard
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
 
 # ---------------------------------------------------------------------------- capture
 
@@ -1782,6 +1783,14 @@ def is_strided_shard(placement: Any) -> TypeGuard[StridedShard]:
     return isinstance(placement, _StridedShard)
 
 
+def is_shard_like(placement: Any) -> TypeGuard[Shard | StridedShard]:
+    """A placement that splits dimension ``placement.dim``: ``Shard`` or ``_StridedShard``
+    (which is no ``Shard`` on some releases)."""
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placement, Shard) or is_strided_shard(placement)
+
+
 def is_mask_partial(placement: Any) -> bool:
     """DTensor's ``_MaskPartial``: an embedding's output over a vocabulary-sharded weight,
     pending a sum that zeroes the rows other ranks own by a mask shaped like the indices."""
@@ -2691,7 +2700,7 @@ def _nested_unflatten_fixes(placements, rule, mesh_sizes) -> dict[int, Any] | No
             return None  # the dim also feeds a flatten or is kept whole: not a pure unflatten
         group = list(next(iter(splits.values()))[1].group_shape)
         for m, p in enumerate(placements):
-            if not (isinstance(p, Shard) or is_strided_shard(p)) or p.dim != dim:
+            if not is_shard_like(p) or p.dim != dim:
                 continue
             split_factor = p.split_factor if is_strided_shard(p) else 1
             piece = next(
@@ -2776,7 +2785,7 @@ def _regroup_fixes(placements, shape, rule, mesh_sizes) -> dict[int, Any]:
         dims = [d.input_dim for d in flatten.input_dims]
         sharders = [
             m for m, p in enumerate(placements)
-            if (isinstance(p, Shard) or is_strided_shard(p)) and p.dim in dims
+            if is_shard_like(p) and p.dim in dims
         ]
         if not sharders:
             continue

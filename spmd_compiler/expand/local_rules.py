@@ -231,7 +231,7 @@ def _variance_by_sums(target: Any, args: tuple, kwargs: dict) -> Any:
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
     dims = list(range(x.dim())) if not dims else [d % x.dim() for d in dims]
     if x.is_complex() or not x.is_floating_point() or not any(
-        (isinstance(p, Shard) or private.is_strided_shard(p)) and p.dim in dims
+        private.is_shard_like(p) and p.dim in dims
         for p in x.placements
     ):
         return None
@@ -384,7 +384,7 @@ def _partial_matmul_operand_reduced(target: Any, args: tuple, kwargs: dict) -> A
     operands = [args[i], args[j]]
     for k, (value, other) in enumerate(((args[i], args[j]), (args[j], args[i]))):
         placements = [
-            Replicate() if p.is_partial() and _sharded(other.placements[m]) else p
+            Replicate() if p.is_partial() and private.is_shard_like(other.placements[m]) else p
             for m, p in enumerate(value.placements)
         ]
         if placements != list(value.placements):
@@ -394,10 +394,6 @@ def _partial_matmul_operand_reduced(target: Any, args: tuple, kwargs: dict) -> A
     moved = list(args)
     moved[i], moved[j] = operands
     return target(*moved, **kwargs)
-
-
-def _sharded(p: Placement) -> bool:
-    return isinstance(p, Shard) or private.is_strided_shard(p)
 
 
 # NOTE: [views of a masked embedding]

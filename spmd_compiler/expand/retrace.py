@@ -155,7 +155,7 @@ def local_meta(
     """
     shape = list(meta.shape)
     for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Shard) or private.is_strided_shard(p):
+        if private.is_shard_like(p):
             n = mesh.size(mesh_dim)
             if p.dim >= len(shape) or p.dim < -len(shape):
                 raise SPMDCompileError(
@@ -680,12 +680,12 @@ def _narrowed_matmul(args: tuple, dims: list[tuple[int, int]], mesh: DeviceMesh)
     for mesh_dim, out_dim in dims:
         if not all(isinstance(a.placements[mesh_dim], Replicate) for a in operands):
             continue
-        i, dim = (0, 0) if out_dim == 0 else (1, 1)
-        if operands[i].shape[dim] % mesh.size(mesh_dim):
+        # output rows come from the first operand's rows, columns from the second's
+        if operands[out_dim].shape[out_dim] % mesh.size(mesh_dim):
             continue
-        placements = list(operands[i].placements)
-        placements[mesh_dim] = Shard(dim)
-        operands[i] = operands[i].redistribute(mesh, tuple(placements))
+        placements = list(operands[out_dim].placements)
+        placements[mesh_dim] = Shard(out_dim)
+        operands[out_dim] = operands[out_dim].redistribute(mesh, tuple(placements))
     return (*operands, *args[2:])
 
 
