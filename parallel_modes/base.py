@@ -89,7 +89,7 @@ class ParallelMode(abc.ABC):
         ]
         return expand(
             captured, mesh, inputs, outputs, self.placement_at_use(captured, mesh),
-            self.gradient_placement(captured, mesh),
+            self.gradient_placement(captured, mesh), self.gradient_rows(captured, mesh),
         )
 
     def gradient_placement(
@@ -108,6 +108,16 @@ class ParallelMode(abc.ABC):
             return None if meta is None else self.placement_of(StateRef(Kind.GRAD, name), meta, mesh)
 
         return placement
+
+    def gradient_rows(
+        self, captured: CapturedStep, mesh: DeviceMesh
+    ) -> Callable[[str], Placements | None] | None:
+        """Where each parameter's gradient ends up sharded, read for its ``Shard``
+        entries only: a gradient that is one ``mm`` of operands replicated on such a mesh
+        dimension is computed on the rank's rows there (NOTE: [weight gradients computed
+        on the rows kept] in ``expand/retrace.py``). By default where it settles
+        (``gradient_placement``); a mode that reduces gradients itself names its own."""
+        return self.gradient_placement(captured, mesh)
 
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
         """Placements values must have where particular nodes read them (default: none).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch
@@ -134,6 +134,29 @@ class FullyShardTensorParallel(ParallelMode):
             remake_param_views_for_backward(captured)
         return super().partition(captured, mesh)
 
+    def _tp_shards(self, captured: CapturedStep, mesh: DeviceMesh) -> dict[str, Shard]:
+        """Parameter name -> its plain TP shard, for the parameters the plan shards."""
+        return {
+            ref.name: tp for ref, meta in captured.inputs
+            if ref.kind is Kind.PARAM and meta.shape
+            and type(tp := self._tp_placement(ref, meta, mesh)) is Shard
+        }
+
+    def gradient_rows(
+        self, captured: CapturedStep, mesh: DeviceMesh
+    ) -> Callable[[str], Placements | None] | None:
+        """A gradient ends on its parameter's TP rows (the dp reduce-scatter follows at
+        its use): one computed whole on tp from replicated operands (a colwise layer whose
+        output the plan replicates) is computed on those rows (NOTE: [weight gradients
+        computed on the rows kept] in ``expand/retrace.py``)."""
+        tp_shards = self._tp_shards(captured, mesh)
+
+        def rows(name: str) -> Placements | None:
+            tp = tp_shards.get(name)
+            return None if tp is None else (Replicate(), tp)
+
+        return rows
+
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
         params = _param_nodes(captured)
 
@@ -161,11 +184,7 @@ class FullyShardTensorParallel(ParallelMode):
 
         # each parameter's plain TP shard: where its gradient arrives whole on tp, this
         # rank's rows of it (NOTE: [a gradient computed whole on tp])
-        tp_shards = {
-            ref.name: tp for ref, meta in captured.inputs
-            if ref.kind is Kind.PARAM and meta.shape
-            and type(tp := self._tp_placement(ref, meta, mesh)) is Shard
-        }
+        tp_shards = self._tp_shards(captured, mesh)
 
         def reduce_scatter_over_dp(value: DTensor, tp_shard: Placement | None = None) -> DTensor:
             """A gradient Partial over dp becomes this rank's FSDP piece of its TP shard
@@ -248,7 +267,11 @@ class FullyShardTensorParallel(ParallelMode):
 # Reduced over dp as it was, the update then gathered the parameter and its AdamW state
 # over both mesh dimensions every step (HF Qwen2's lm_head: two all-gathers after the
 # reduce-scatter). The gradient is cut to the parameter's rows on tp first, a slice of
-# the rank's own copy, then reduce-scattered over dp into the parameter's layout.
+# the rank's own copy, then reduce-scattered over dp into the parameter's layout. Since
+# the fiftieth session a gradient that is one ``mm`` of such operands is computed on those
+# rows in the first place (``gradient_rows``, NOTE: [weight gradients computed on the
+# rows kept] in ``expand/retrace.py``: 1/tp of the matmul); the cut stays for gradients
+# of other shapes.
 
 
 # NOTE: [uneven shards under FSDP x TP]

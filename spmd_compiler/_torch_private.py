@@ -2997,6 +2997,19 @@ def _strided_aware_ops() -> frozenset[Any]:
     })
 
 
+def arguments_for_dtensor_rules(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``op``'s DTensor arguments redistributed where DTensor's rule for ``op`` would
+    choose a worse layout or a wrong one, before the op runs: a LayerNorm backward's
+    gradient in its statistics' layout (NOTE: [norm backward in its forward's layout]),
+    partials of two kinds reduced on releases that mix them, and strided shards this
+    torch's rule does not know gathered (NOTE: [DTensor gap fills])."""
+    if op is torch.ops.aten.native_layer_norm_backward.default:
+        args = _norm_backward_follows_statistics(args)
+    if _release() in MIXED_PARTIALS_GAP_RELEASES:
+        args, kwargs = _reduce_mixed_partials(args, kwargs)
+    return settle_strided_shards(op, args, kwargs)
+
+
 def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Gather the strided shards of ``op``'s DTensor arguments where this torch's rule for
     ``op`` does not know them (NOTE: [DTensor gap fills]).
@@ -3007,10 +3020,6 @@ def settle_strided_shards(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     (2.13) nothing changes. ``bmm`` keeps them only when every strided shard is on the
     batch dim and both operands agree.
     """
-    if op is torch.ops.aten.native_layer_norm_backward.default:
-        args = _norm_backward_follows_statistics(args)
-    if _release() in MIXED_PARTIALS_GAP_RELEASES:
-        args, kwargs = _reduce_mixed_partials(args, kwargs)
     dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
     strided = [
         d for d in dtensors

@@ -180,6 +180,7 @@ def expand(
     output_placements: list[Placements],
     placement_at_use: UseHook | None = None,
     gradient_placement: Callable[[str], Placements | None] | None = None,
+    gradient_rows: Callable[[str], Placements | None] | None = None,
 ) -> DistributedProgram:
     """Turn the captured single-device graph into the per-rank program.
 
@@ -197,6 +198,10 @@ def expand(
         gradient_placement: parameter name -> the placement its gradient settles in
             where something outside backward first reads it (NOTE: [gradients settle
             after backward]); None (or None for a name): read as DTensor propagates it.
+        gradient_rows: parameter name -> the placement its gradient ends up in, read for
+            its ``Shard`` entries: a gradient that is one ``mm`` is computed on the rows
+            kept there (NOTE: [weight gradients computed on the rows kept]); None: as
+            DTensor propagates it.
     """
     start = time.perf_counter()
     params = captured.param_metas()
@@ -224,7 +229,7 @@ def expand(
         ):
             rules = local_rules(captured, mesh, input_placements)
             interpreter = _ExpandingInterpreter(
-                captured, mesh, placement_at_use, memo, rules, gradient_placement
+                captured, mesh, placement_at_use, memo, rules, gradient_placement, gradient_rows
             )
             progress.current().set_total(len(captured.graph_module.graph.nodes))
             outs = interpreter.run(*dtensors)
@@ -440,6 +445,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
         memo: private.RedistributionCache,
         rules: LocalRules | None = None,
         gradient_placement: Callable[[str], Placements | None] | None = None,
+        gradient_rows: Callable[[str], Placements | None] | None = None,
     ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
         self.input_refs = [ref for ref, _ in captured.inputs]
@@ -454,7 +460,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
         self.placement_at_use = placement_at_use
         self.gradient_placement = gradient_placement
         self.at_use: dict[tuple[torch.fx.Node, tuple[UseGroup, str]], DTensor] = {}
-        self.narrowed = _gradients_computed_narrow(captured.graph_module.graph, gradient_placement)
+        self.narrowed = _gradients_computed_narrow(captured.graph_module.graph, gradient_rows)
         self._node: torch.fx.Node | None = None
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple, dict]:
@@ -463,7 +469,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
         else:
             args = tuple(torch.fx.node.map_arg(n.args, lambda a: self._value_at_use(n, a)))
             kwargs = dict(torch.fx.node.map_arg(n.kwargs, lambda a: self._value_at_use(n, a)))
-        return private.settle_strided_shards(n.target, args, kwargs)
+        return private.arguments_for_dtensor_rules(n.target, args, kwargs)
 
     def _value_at_use(self, consumer: torch.fx.Node, arg: torch.fx.Node) -> Any:
         value = self.env[arg]
@@ -643,15 +649,18 @@ class _ExpandingInterpreter(RetracingInterpreter):
 # (through transposes only) and the gradient settles sharded on a mesh dimension where
 # both operands are replicated, the operand holding the sharded dimension is sliced
 # first (a local slice, no collective) and the ``mm`` computes the rank's rows only: the
-# same values, 1/tp of the work.
+# same values, 1/tp of the work. The mode names where gradients end
+# (``ParallelMode.gradient_rows``): on a 1-D mesh where they settle, under FSDP x TP the
+# parameter's TP rows (its gradient is then reduce-scattered over dp at the update; the
+# operands are batch-sharded on dp, so only tp narrows).
 _TRANSPOSES = (torch.ops.aten.t.default,)
 
 
 def _gradients_computed_narrow(
-    graph: torch.fx.Graph, gradient_placement: Callable[[str], Placements | None] | None
+    graph: torch.fx.Graph, gradient_rows: Callable[[str], Placements | None] | None
 ) -> dict[torch.fx.Node, list[tuple[int, int]]]:
     """``mm`` node -> [(mesh dim, output dim)] to compute sharded: see the NOTE."""
-    if gradient_placement is None:
+    if gradient_rows is None:
         return {}
     narrowed: dict[torch.fx.Node, list[tuple[int, int]]] = {}
     for node in graph.nodes:
@@ -663,7 +672,7 @@ def _gradients_computed_narrow(
             source, flipped = source.args[0], not flipped
         if source.target is not torch.ops.aten.mm.default or len(source.users) != 1:
             continue
-        target = gradient_placement(name) or ()
+        target = gradient_rows(name) or ()
         dims = [(m, 1 - p.dim if flipped else p.dim) for m, p in enumerate(target)
                 if type(p) is Shard and p.dim in (0, 1)]
         if dims:

@@ -11,6 +11,7 @@ a residual stream, a final RMSNorm and a colwise head whose logits are replicate
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -98,13 +99,16 @@ def test_fsdp_tp_update_reads_no_gathered_state():
     assert all(kind != "all_gather" for kind, _ in collectives[last_scatter:]), collectives
 
 
-def test_a_replicated_output_layers_weight_gradient_is_computed_on_its_rows():
+@pytest.mark.parametrize("mode, world", [
+    (TensorParallel(PLAN), 2), (FullyShardTensorParallel(PLAN, mesh_shape=(2, 2)), 4),
+], ids=["tp", "fsdp_tp"])
+def test_a_replicated_output_layers_weight_gradient_is_computed_on_its_rows(mode, world):  # noqa: ANN001
     """NOTE: [weight gradients computed on the rows kept] in expand/retrace.py: the head's
     logits are replicated, so its output gradient is whole on every tp rank; the weight
     gradient ``mm(t(grad_out), x)`` was computed whole (6 x 8 here) and sliced at the
-    update. Now its rows are sliced first: no matmul of the program makes a whole (6, 8),
-    and the steps still match one device."""
-    step = _run(TensorParallel(PLAN), 2)
+    update (under fsdp_tp: before the dp reduce-scatter). Now its rows are sliced first:
+    no matmul of the program makes a whole (6, 8), and the steps still match one device."""
+    step = _run(mode, world)
     matmuls = [
         tuple(n.meta["val"].shape) for n in step.records[0].program.graph_module.graph.nodes
         if n.target is torch.ops.aten.mm.default and "val" in n.meta
