@@ -30,6 +30,7 @@ from .capture.bindings import (
 )
 from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, build_guards
+from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import replayed
 from .capture.trace import capture_step
@@ -515,17 +516,17 @@ class CompiledTrainStep:
             pre_key, key_guards = (
                 ("", Guards()) if decisions else self._step_key(bindings, input_metas, mesh, key[-1])
             )
-            loaded = self._load_uncaptured(pre_key, bindings, mesh, progress)
+            loaded = self._load_uncaptured(pre_key, bindings, input_metas, mesh, key[-1], progress)
             skipped = loaded is not None
             if loaded is not None:
                 program, guards, load_seconds = loaded
                 how, capture_seconds = "hit", 0.0
+                if program.captured.made_state is not None:  # the key of the state it made
+                    key = (key[0], bindings.static_key(), *key[2:])
             else:
                 with progress.stage("capture"), step_key.record_environment() as environment:
                     with private.autocast_regions(key[-1], enabled=True):
-                        captured, guards = self._capture_guarded(
-                            bindings, input_metas, decisions, loads_uncaptured=bool(pre_key)
-                        )
+                        captured, guards = self._capture_guarded(bindings, input_metas, decisions)
                 guards.add_environment(environment)
                 capture_seconds = captured.capture_seconds
                 if captured.made_state is not None:  # the key of the state it made
@@ -539,7 +540,10 @@ class CompiledTrainStep:
                         captured.made_state.remove(bindings)
                     raise
                 if pre_key and program_key and key_guards.first_change(bindings) is None:
-                    self._write_step_entry(pre_key, program_key, captured, bindings, environment)
+                    self._write_step_entries(
+                        pre_key, program_key, captured, bindings, input_metas, mesh, key[-1],
+                        environment,
+                    )
             inductor_dir = self.disk_cache.inductor_dir if self.disk_cache else None
             executable = StepExecutable(
                 program, self.mode.placements, self.lowering.for_device(device_type),
@@ -695,32 +699,77 @@ class CompiledTrainStep:
         return "", guards
 
     def _load_uncaptured(
-        self, pre_key: str, bindings: StepBindings, mesh: DeviceMesh, progress: Any
+        self, pre_key: str, bindings: StepBindings, input_metas: list[TensorMeta],
+        mesh: DeviceMesh, ambient: tuple, progress: Any,
     ) -> tuple[DistributedProgram, Guards, float] | None:
         """The program found by the key before capture, its guards and the seconds spent
-        loading; None when there is none (NOTE: [cache key before capture])."""
+        loading; None when there is none (NOTE: [cache key before capture]). Where the
+        first job made the optimizer state before its program, the state is made again
+        and the program found by the key the call has with it (NOTE: [optimizer state
+        made on a restart]); it is taken out again if no program is found."""
         if not pre_key or self.disk_cache is None:
             return None
         start = time.perf_counter()
+        made = None
         with progress.stage("load"):
-            found = step_key.load(self.disk_cache, pre_key, self.func, bindings)
-            if found is None:
-                return None
-            program_key, captured, graph_args = found
-            program = self.disk_cache.load(program_key, captured, mesh)
-        if program is None:
+            recipe = step_key.load_state_recipe(self.disk_cache, pre_key, bindings)
+            if recipe is not None:
+                made = self._made_from(recipe, bindings)
+            if made is not None:
+                made.install(bindings)
+                pre_key, _ = self._step_key(bindings, input_metas, mesh, ambient)
+            found = self._program_by_step_key(pre_key, bindings, mesh)
+        if found is None:
+            if made is not None:
+                made.remove(bindings)
             return None
+        program, graph_args = found
+        program.captured.made_state = made
         return program, step_guards(self.func, bindings, graph_args), time.perf_counter() - start
 
-    def _write_step_entry(
+    def _made_from(self, recipe: list[list[Any]], bindings: StepBindings) -> MadeState | None:
+        if any(bindings.optimizers[i].state for i in {e[1] for e in recipe if e[1] < len(bindings.optimizers)}):
+            return None  # the state entry is for a step that finds no state
+        try:
+            return made_from(recipe, bindings)
+        except Exception as exc:  # noqa: BLE001 - a broken entry is ignored, never used
+            log.warning("%s: ignoring a state entry (%s: %s)", self._name, type(exc).__name__, exc)
+            return None
+
+    def _program_by_step_key(
+        self, pre_key: str, bindings: StepBindings, mesh: DeviceMesh
+    ) -> tuple[DistributedProgram, frozenset[int]] | None:
+        assert self.disk_cache is not None
+        found = step_key.load(self.disk_cache, pre_key, self.func, bindings) if pre_key else None
+        if found is None:
+            return None
+        program_key, captured, graph_args = found
+        program = self.disk_cache.load(program_key, captured, mesh)
+        return None if program is None else (program, graph_args)
+
+    def _write_step_entries(
         self, pre_key: str, program_key: str, captured: CapturedStep, bindings: StepBindings,
+        input_metas: list[TensorMeta], mesh: DeviceMesh, ambient: tuple,
         environment: dict[str, str | None],
     ) -> None:
+        """The step entry of ``pre_key``; where the capture made the optimizer state, the
+        step entry of the key the call has with that state and a state entry under
+        ``pre_key`` (NOTE: [optimizer state made on a restart])."""
         assert self.disk_cache is not None
         try:
+            made = captured.made_state
+            if made is not None:
+                recipe = made.recipe(bindings)
+                pre_key, state_key = self._step_key(bindings, input_metas, mesh, ambient)[0], pre_key
+                if not pre_key:
+                    return
             data = step_key.entry_bytes(pre_key, program_key, captured, bindings, environment)
             self.disk_cache.write_step(pre_key, data)
-        except compile_cache.Uncacheable as exc:
+            if made is not None:
+                self.disk_cache.write_state(
+                    state_key, step_key.state_entry_bytes(state_key, recipe, captured, bindings, environment)
+                )
+        except (compile_cache.Uncacheable, ValueError) as exc:
             log.info("%s has no step entry: it would need %s", self._name, exc)
         except Exception as exc:  # noqa: BLE001 - a compiled program must not fail on it
             log.warning("%s: the step entry could not be written (%s: %s)",
@@ -728,17 +777,14 @@ class CompiledTrainStep:
 
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta],
-        decisions: tuple[tuple[bool, str], ...] = (), loads_uncaptured: bool = False,
+        decisions: tuple[tuple[bool, str], ...] = (),
     ) -> tuple[CapturedStep, Guards]:
         """Capture the step and guard the Python values it read; a step whose trace
         changes a guarded value is captured once more (lazy set-up on the first call)
-        and refused if it changes one again (NOTE: [guards on Python values]).
-        ``loads_uncaptured``: the call has a key before capture for the persistent cache."""
-        # NOTE: [optimizer state made before the first program]; the persistent cache
-        # keeps both programs instead, so that a restart loads them without tracing,
-        # where it can: without a key before capture a restart traces each program
-        # anyway, and the state made first saves the first program's compile there too
-        make_state = not decisions and (self.disk_cache is None or not loads_uncaptured)
+        and refused if it changes one again (NOTE: [guards on Python values])."""
+        # NOTE: [optimizer state made before the first program]; with the persistent
+        # cache a restart makes it again (NOTE: [optimizer state made on a restart])
+        make_state = not decisions
         for attempt in range(2):
             guards = build_guards(self.func, bindings, frozenset())
             captured = capture_step(

@@ -649,13 +649,15 @@ def program_from_bytes(
 
 class ProgramCache:
     """Entries under ``<root>/programs/<key>.pt``, step entries (NOTE: [cache key before
-    capture] in ``step_key.py``) under ``<root>/steps/<key>.pt``; Inductor's cache under
-    ``<root>/inductor``."""
+    capture] in ``step_key.py``) under ``<root>/steps/<key>.pt``, state entries (NOTE:
+    [optimizer state made on a restart]) under ``<root>/states/<key>.pt``; Inductor's
+    cache under ``<root>/inductor``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.programs = root / "programs"
         self.steps = root / "steps"
+        self.states = root / "states"
 
     @property
     def inductor_dir(self) -> Path:
@@ -667,8 +669,17 @@ class ProgramCache:
     def step_path(self, key: str) -> Path:
         return self.steps / f"{key}.pt"
 
+    def state_path(self, key: str) -> Path:
+        return self.states / f"{key}.pt"
+
     def read(self, key: str) -> bytes | None:
         return _read(self.path(key))
+
+    def read_state(self, key: str) -> bytes | None:
+        return _read(self.state_path(key))
+
+    def write_state(self, key: str, data: bytes) -> None:
+        _write_atomically(self.state_path(key), data)
 
     def read_step(self, key: str) -> bytes | None:
         return _read(self.step_path(key))

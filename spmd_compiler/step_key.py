@@ -44,7 +44,10 @@ set-up in a forward: the state after the first call differs from what the key sa
 writes no step entry, nor does one whose capture iterated the whole environment. What
 the key cannot describe exactly (an object argument, a hook that is not a function, a
 class without a source file) leaves the step without a pre-capture key: it is cached
-by its program key as before (capture, then load). Tests: tests/sim/test_step_key.py.
+by its program key as before (capture, then load). A first call that made the
+optimizer state before its program writes its step entry under the key it has with that
+state, and a state entry under the key it had without (NOTE: [optimizer state made on a
+restart] in ``capture/initial_state.py``). Tests: tests/sim/test_step_key.py.
 """
 
 from __future__ import annotations
@@ -381,10 +384,7 @@ def entry_bytes(
         raise Uncacheable(f"a count per row read from the arguments ({captured.counted[0]})")
     if captured.scheduler_steps:  # their state is no guard (NOTE: [schedulers stepped in the step])
         raise Uncacheable(f"the LR scheduler steps it replays ({captured.scheduler_steps[0].where})")
-    graph_args = sorted(r.index for r in captured.input_refs()
-                        if r.kind is Kind.HYPERPARAM and r.optimizer < 0)
-    baked = [[i, float.hex(bindings.flat_args[i])]
-             for i in sorted(float_positions(bindings.flat_args) - set(graph_args))]
+    graph_args, baked = _float_arguments(captured, bindings)
     encoded, graph_constants = encoded_graph(captured.graph_module)
     constants = list(graph_constants)
     enc = _Encoder(constants)  # return values are encoded after the graph's constants
@@ -407,6 +407,70 @@ def entry_bytes(
     return buffer.getvalue()
 
 
+def _float_arguments(captured: CapturedStep, bindings: Any) -> tuple[list[int], list[list[Any]]]:
+    """The float arguments the program reads as graph inputs, and [position, value] of
+    those it baked in (NOTE: [float arguments as graph inputs])."""
+    graph_args = sorted(r.index for r in captured.input_refs()
+                        if r.kind is Kind.HYPERPARAM and r.optimizer < 0)
+    baked = [[i, float.hex(bindings.flat_args[i])]
+             for i in sorted(float_positions(bindings.flat_args) - set(graph_args))]
+    return graph_args, baked
+
+
+def state_entry_bytes(
+    key: str, recipe: list[list[Any]], captured: CapturedStep, bindings: Any,
+    environment: dict[str, str | None],
+) -> bytes:
+    """The state entry of ``key`` (NOTE: [optimizer state made on a restart] in
+    ``capture/initial_state.py``): the made state's recipe and the facts the capture
+    that made it read, as its step entry records them (a float the program reads as an
+    input cannot reach the made state: only factory ops make it). Raises Uncacheable."""
+    environment = {**_IMPORT_READS, **environment}
+    if _WHOLE_ENVIRONMENT in environment:
+        raise Uncacheable("a capture that read the whole environment")
+    body = {
+        "made_state": recipe,
+        "baked": _float_arguments(captured, bindings)[1],
+        "environment": sorted([k, v] for k, v in environment.items()),
+        "manifest": module_manifest(),
+    }
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT, "key": key, "digest": source_digest(),
+                "entry": json.dumps(body, separators=(",", ":"))}, buffer)
+    return buffer.getvalue()
+
+
+def load_state_recipe(cache: ProgramCache, key: str, bindings: Any) -> list[list[Any]] | None:
+    """The recipe of the state entry under ``key``, or None: no entry, a recorded fact
+    that no longer holds (logged), or a broken entry (warned)."""
+    data = cache.read_state(key)
+    if data is None:
+        return None
+    entry = _checked_body(data, key, cache.state_path(key), "state entry")
+    if entry is None:
+        return None
+    change = _first_change(entry, bindings)
+    if change is not None:
+        log.info("the state entry %s does not apply: %s", cache.state_path(key), change)
+        return None
+    return entry["made_state"]
+
+
+def _checked_body(data: bytes, key: str, path: Path, kind: str) -> dict[str, Any] | None:
+    """The JSON body of an entry whose format, key and compiler digest are this
+    process's; None (warned) otherwise."""
+    try:
+        with collector_paused():  # NOTE: [no collector while an entry is decoded]
+            body = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        for name, expected in (("format", FORMAT), ("key", key), ("digest", source_digest())):
+            if body.get(name) != expected:
+                raise ValueError(f"its {name} is {body.get(name)!r:.20}, not {expected!r:.20}")
+        return {**json.loads(body["entry"]), "_body": body}
+    except Exception as exc:  # noqa: BLE001 - a broken entry is ignored, never used
+        log.warning("ignoring the %s %s: %s: %.200s", kind, path, type(exc).__name__, exc)
+        return None
+
+
 def load(
     cache: ProgramCache, key: str, func: Callable[..., Any], bindings: Any
 ) -> tuple[str, CapturedStep, frozenset[int]] | None:
@@ -423,16 +487,10 @@ def load(
 def _loaded(
     cache: ProgramCache, key: str, data: bytes, func: Callable[..., Any], bindings: Any
 ) -> tuple[str, CapturedStep, frozenset[int]] | None:
-    try:
-        body = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        for name, expected in (("format", FORMAT), ("key", key), ("digest", source_digest())):
-            if body.get(name) != expected:
-                raise ValueError(f"its {name} is {body.get(name)!r:.20}, not {expected!r:.20}")
-        entry = json.loads(body["entry"])
-    except Exception as exc:  # noqa: BLE001 - a broken entry is ignored, never used
-        log.warning("ignoring the step entry %s: %s: %.200s", cache.step_path(key),
-                    type(exc).__name__, exc)
+    entry = _checked_body(data, key, cache.step_path(key), "step entry")
+    if entry is None:
         return None
+    body = entry.pop("_body")
     change = _first_change(entry, bindings)
     if change is not None:
         log.info("the step entry %s does not apply: %s", cache.step_path(key), change)

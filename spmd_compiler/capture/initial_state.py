@@ -30,10 +30,11 @@ traces (since 2026-12-03; such a step, diffusers' ``scheduler.add_noise`` readin
 ``alphas_cumprod``, compiled two programs before: a tiny UNet +44 s).
 
 So an Adam step compiles once, not twice; for torch's Adam and AdamW the first trace is
-skipped too (NOTE: [Adam's first state predicted]). Steps with an ``if`` on a tensor value, or
-with the persistent compile cache (which keeps both programs, so a restart loads both
-without tracing), compile as before. If the compile or the first call fails, the made
-state is taken out of the optimizer again.
+skipped too (NOTE: [Adam's first state predicted]). Steps with an ``if`` on a tensor value
+compile as before. With the persistent compile cache a restart makes the same state from
+a state entry and loads the program without tracing (NOTE: [optimizer state made on a
+restart]; until the fiftieth session such steps kept both programs instead). If the
+compile or the first call fails, the made state is taken out of the optimizer again.
 """
 
 from __future__ import annotations
@@ -198,6 +199,78 @@ class MadeState:
 
     def names(self) -> list[str]:
         return sorted({f"optimizer[{oi}] {key!r}" for oi, _, key, _ in self.entries})
+
+    def recipe(self, bindings: Any) -> list[list[Any]]:
+        """The entries as JSON data that ``made_from`` makes again (NOTE: [optimizer
+        state made on a restart]). Raises ValueError for an entry it cannot describe."""
+        return [_entry_recipe(oi, name, key, value, bindings.params[name]) for oi, name, key, value in self.entries]
+
+
+# NOTE: [optimizer state made on a restart]
+# With the persistent compile cache a restarted job loads its program without tracing
+# (NOTE: [cache key before capture] in ``step_key.py``), but the first call of a fresh
+# job finds no optimizer state, and the program it loads reads state. So the first job
+# also records the state it made (a *state entry*, under the key the call had before
+# the state existed), and a restart makes the same state from it, then looks the steady
+# program up by the key the call has with the state. The state is described, not
+# stored: only entries the capture made from factory ops are made here, and those are
+# a uniform fill (zeros, a step counter); each is kept as its shape, strides, dtype,
+# device (its parameter's, or the CPU) and the fill's exact value (``float.hex``), or
+# as a plain Python value (int, float, bool, str, None). Anything else (a tensor of
+# several values, another device, a state key that is not a string) has no state entry:
+# such a restart captures, making the state as the first job did.
+_PLAIN_TYPES = (int, float, bool, str, type(None))
+
+
+def _entry_recipe(oi: int, name: str, key: Any, value: Any, param: torch.Tensor) -> list[Any]:
+    if type(key) is not str:
+        raise ValueError(f"state key {key!r} of {name} is not a string")
+    if type(value) in _PLAIN_TYPES:
+        return ["value", oi, name, key, float.hex(value) if type(value) is float else value, type(value).__name__]
+    if type(value) is not torch.Tensor or value.requires_grad or value.is_complex():
+        raise ValueError(f"state {key!r} of {name} is a {type(value).__name__}")
+    if value.device == param.device:
+        where = "param"
+    elif value.device.type == "cpu":
+        where = "cpu"
+    else:
+        raise ValueError(f"state {key!r} of {name} is on {value.device}")
+    fill = value.reshape(-1)[0].item() if value.numel() else 0
+    made = _filled(list(value.shape), list(value.stride()), value.dtype, value.device, fill)
+    if not (torch.equal(made, value) and torch.equal(_bits(made), _bits(value))):
+        raise ValueError(f"state {key!r} of {name} holds more than one value")
+    encoded = float.hex(fill) if isinstance(fill, float) else int(fill)
+    return ["tensor", oi, name, key, list(value.shape), list(value.stride()), str(value.dtype), where, encoded]
+
+
+def _filled(shape: list[int], stride: list[int], dtype: torch.dtype, device: torch.device, fill: Any) -> torch.Tensor:
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(fill)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Signs too: ``torch.equal`` holds -0.0 equal to 0.0."""
+    return torch.signbit(t) if t.is_floating_point() else t
+
+
+def made_from(recipe: list[list[Any]], bindings: Any) -> MadeState:
+    """The state ``recipe`` describes (``MadeState.recipe``), made for ``bindings``'s
+    parameters; not installed. Raises ValueError where the recipe names what is not there."""
+    entries: list[tuple[int, str, Any, Any]] = []
+    for kind, oi, name, key, *rest in recipe:
+        if oi >= len(bindings.optimizers) or name not in bindings.params:
+            raise ValueError(f"optimizer {oi} or parameter {name} is not in this step")
+        if kind == "value":
+            value, type_name = rest
+            entries.append((oi, name, key, float.fromhex(value) if type_name == "float" else value))
+            continue
+        shape, stride, dtype_name, where, fill = rest
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype_name}")
+        device = bindings.params[name].device if where == "param" else torch.device("cpu")
+        value = float.fromhex(fill) if isinstance(fill, str) else fill
+        entries.append((oi, name, key, _filled(shape, stride, dtype, device, value)))
+    return MadeState(entries)
 
 
 def _refresh(bindings: Any) -> None:

@@ -1,7 +1,9 @@
 """The persistent compile cache on 2 real gloo ranks (NOTE: [persistent compile cache]).
 
-First launch: for each program one rank compiles and the other receives it through the
-store ("shared") or, when it arrives after the write, from the shared directory ("hit"). Second launch (a restarted job): both ranks load from disk ("hit").
+First launch: the program (one: AdamW's state is made before it) is compiled by one rank
+and the other receives it through the store ("shared") or, when it arrives after the
+write, from the shared directory ("hit"). Second launch (a restarted job): both ranks
+make the state from the state entry and load the program from disk ("hit").
 Both launches compute what one device computes eagerly on the global batch.
 """
 
@@ -60,15 +62,14 @@ def eager() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 def test_one_rank_compiles_and_a_restart_loads(tmp_path: Path) -> None:
     first = sc.launch(worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=300)
-    # each of the two programs (before / after the optimizer state exists) was compiled
-    # by one rank; the other received it through the store, or (the directory is shared
-    # here) found it on disk when it got there after the write
-    for k in range(2):
-        got = sorted(r["cache"][k] for r in first)
-        assert got in (["miss", "shared"], ["hit", "miss"]), [r["cache"] for r in first]
-    assert len(list((tmp_path / "programs").glob("*.pt"))) == 2
+    # the program was compiled by one rank; the other received it through the store, or
+    # (the directory is shared here) found it on disk when it got there after the write
+    got = sorted(r["cache"][0] for r in first)
+    assert got in (["miss", "shared"], ["hit", "miss"]), [r["cache"] for r in first]
+    assert all(len(r["cache"]) == 1 for r in first), [r["cache"] for r in first]
+    assert len(list((tmp_path / "programs").glob("*.pt"))) == 1
     second = sc.launch(worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=300)
-    assert [r["cache"] for r in second] == [["hit", "hit"]] * WORLD_SIZE
+    assert [r["cache"] for r in second] == [["hit"]] * WORLD_SIZE
     ref_losses, ref_state = eager()
     for run in (first, second):
         for r in run:
@@ -100,7 +101,7 @@ def test_inductor_kernels_are_cached_too(tmp_path: Path) -> None:
     first = sc.launch(inductor_worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=600)
     assert any((tmp_path / "inductor").rglob("*")), "Inductor wrote nothing under the cache"
     second = sc.launch(inductor_worker, WORLD_SIZE, args=(str(tmp_path),), timeout_s=600)
-    assert [r["cache"] for r in second] == [["hit", "hit"]] * WORLD_SIZE
+    assert [r["cache"] for r in second] == [["hit"]] * WORLD_SIZE
     ref_losses, _ = eager()
     for r in (*first, *second):
         assert relative_difference(r["losses"], ref_losses) < TOLERANCE

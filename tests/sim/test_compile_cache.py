@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,11 +90,13 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("extra_passes", [(), ("cross_iteration_overlap",)])
 def test_hit_loads_the_same_program_and_matches_eager(tmp_path: Path, extra_passes) -> None:
     first, first_losses, first_state = run(tmp_path, extra_passes=extra_passes)
-    # step 1 creates the optimizer state: two programs, both compiled and written
-    assert caches(first) == ["miss", "miss"]
-    assert len(entries(tmp_path)) == 2
+    # AdamW's state is made before the one program (NOTE: [optimizer state made before
+    # the first program]); a restart makes it again and loads that program (NOTE:
+    # [optimizer state made on a restart])
+    assert caches(first) == ["miss"]
+    assert len(entries(tmp_path)) == 1
     second, losses, state = run(tmp_path, extra_passes=extra_passes)
-    assert caches(second) == ["hit", "hit"]
+    assert caches(second) == ["hit"]
     assert second.timings.expand_seconds == 0.0 and second.timings.pass_seconds == 0.0
     assert second.timings.cache_load_seconds > 0.0
     assert first.timings.expand_seconds > 0.0
@@ -120,9 +123,9 @@ def fsdp_tp() -> object:
 @pytest.mark.slow
 def test_fsdp_tp_2x2_hit_matches_eager(tmp_path: Path) -> None:
     first, first_losses, first_state = run(tmp_path, mode=fsdp_tp, world_size=4)
-    assert caches(first) == ["miss", "miss"]
+    assert caches(first) == ["miss"]
     second, losses, state = run(tmp_path, mode=fsdp_tp, world_size=4)
-    assert caches(second) == ["hit", "hit"]
+    assert caches(second) == ["hit"]
     assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
     assert_same(first_state, state)
     ref_losses, ref_state = eager()
@@ -130,18 +133,21 @@ def test_fsdp_tp_2x2_hit_matches_eager(tmp_path: Path) -> None:
     assert max(relative_difference(state[k], ref_state[k]) for k in ref_state) < TOLERANCE
 
 
+CHANGES = [
+    {"mode": lambda: DataParallel("fully_shard")},
+    {"world_size": 4},
+    {"make_optimizer": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, amsgrad=True)},
+    {"make_optimizer": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)},
+    {"make_model": lambda: mlp(hidden=32)},
+    {"disable_passes": ("bucket_collectives",)},
+    "torch_version",
+    "compiler_source",
+]
+
+
 @pytest.mark.parametrize(
     "change",
-    [
-        {"mode": lambda: DataParallel("fully_shard")},
-        {"world_size": 4},
-        {"make_optimizer": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, amsgrad=True)},
-        {"make_optimizer": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)},
-        {"make_model": lambda: mlp(hidden=32)},
-        {"disable_passes": ("bucket_collectives",)},
-        "torch_version",
-        "compiler_source",
-    ],
+    CHANGES,
     ids=["mode", "mesh", "amsgrad", "optimizer", "model_shape", "passes", "torch", "source"],
 )
 def test_a_change_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change) -> None:
@@ -153,8 +159,9 @@ def test_a_change_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change
     if change == "compiler_source":
         monkeypatch.setattr(compile_cache, "source_digest", lambda: "another compiler")
     step, losses, state = run(tmp_path, **kwargs)
-    assert caches(step) == ["miss", "miss"]
-    assert len(entries(tmp_path) - written) == 2
+    # SGD with momentum makes its state in its first program: two programs
+    assert caches(step) == ["miss"] * (2 if change is CHANGES[3] else 1)
+    assert len(entries(tmp_path) - written) == len(step.records)
 
 
 def test_rank_is_not_in_the_key_but_the_mesh_is(tmp_path: Path) -> None:
@@ -162,30 +169,28 @@ def test_rank_is_not_in_the_key_but_the_mesh_is(tmp_path: Path) -> None:
     second run with the same world hits."""
     run(tmp_path, world_size=4)
     step, _, _ = run(tmp_path, world_size=4)
-    assert caches(step) == ["hit", "hit"]
+    assert caches(step) == ["hit"]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other_key"])
 def test_a_broken_entry_warns_and_recompiles(tmp_path: Path, damage: str) -> None:
     _, first_losses, first_state = run(tmp_path)
-    paths = sorted((tmp_path / "programs").glob("*.pt"))
+    (path,) = (tmp_path / "programs").glob("*.pt")
     if damage == "garbage":
-        for p in paths:
-            p.write_bytes(b"not a cache entry")
+        path.write_bytes(b"not a cache entry")
     elif damage == "truncated":
-        for p in paths:
-            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
-    else:  # each file holds the other program: its stored key does not match
-        a, b = (p.read_bytes() for p in paths)
-        paths[0].write_bytes(b)
-        paths[1].write_bytes(a)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # the file holds another step's program: its stored key does not match
+        run(tmp_path / "other", make_model=lambda: mlp(hidden=32))
+        (other,) = (tmp_path / "other" / "programs").glob("*.pt")
+        path.write_bytes(other.read_bytes())
     with pytest.warns(UserWarning, match="ignoring the compile-cache entry"):
         step, losses, state = run(tmp_path)
-    assert caches(step) == ["miss", "miss"]
+    assert caches(step) == ["miss"]
     assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
     assert_same(first_state, state)
     step, _, _ = run(tmp_path)  # the entries were rewritten
-    assert caches(step) == ["hit", "hit"]
+    assert caches(step) == ["hit"]
 
 
 def test_entries_are_decoded_with_the_collector_paused(
@@ -209,7 +214,7 @@ def test_entries_are_decoded_with_the_collector_paused(
 
         monkeypatch.setattr(module, name, watched)
     step, _, _ = run(tmp_path)
-    assert caches(step) == ["hit", "hit"]
+    assert caches(step) == ["hit"]
     # the step entry is read where the process has a key before capture (alone, it has;
     # in a worker that loaded a module since changed or deleted it may not): the program
     # entries are decoded either way
@@ -256,7 +261,7 @@ def test_guards_fire_on_a_loaded_program(tmp_path: Path) -> None:
             expected = classification_train_step(reference, ref_optimizer, x, y)
             differences.append(relative_difference(loss, expected))
         state = full_state(model, optimizer, sim)
-    assert caches(step) == ["hit", "hit", "miss"]
+    assert caches(step) == ["hit", "miss"]
     assert max(differences) < TOLERANCE
     ref_state = full_state(reference, ref_optimizer, None)
     assert max(relative_difference(state[k], ref_state[k]) for k in ref_state) < TOLERANCE
@@ -282,7 +287,7 @@ def test_off_without_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert caches(step) == ["off"]  # NOTE: [optimizer state made before the first program]
     monkeypatch.setenv(compile_cache.CACHE_ENV, str(tmp_path))
     step, _, _ = run(None)
-    assert caches(step) == ["miss", "miss"] and len(entries(tmp_path)) == 2
+    assert caches(step) == ["miss"] and len(entries(tmp_path)) == 1
 
 
 RESTART_SCRIPT = textwrap.dedent(
@@ -314,6 +319,10 @@ RESTART_SCRIPT = textwrap.dedent(
 def test_a_restarted_process_loads_the_program(tmp_path: Path) -> None:
     script = tmp_path / "restart.py"
     script.write_text(RESTART_SCRIPT)
+    # older than the processes: a file written within their first second may have changed
+    # after its module loaded, which leaves the step without a key before capture
+    past = time.time() - 3600
+    os.utime(script, (past, past))
     env = {k: v for k, v in os.environ.items() if k != compile_cache.CACHE_ENV}
     runs = []
     for _ in range(2):
@@ -323,7 +332,8 @@ def test_a_restarted_process_loads_the_program(tmp_path: Path) -> None:
         )
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     first, second = runs
-    assert first["cache"] == ["miss", "miss"] and second["cache"] == ["hit", "hit"]
+    assert first["cache"] == ["miss"] and second["cache"] == ["hit"]
+    assert second["capture"] == [0.0]  # the state made from the state entry, no trace
     assert first["losses"] == second["losses"]  # bit for bit
     print(f"first compile {sum(first['compile']):.2f} s, restart {sum(second['compile']):.2f} s "
           f"(capture {sum(second['capture']):.2f} s, load {sum(second['load']):.2f} s)")
@@ -353,10 +363,10 @@ def test_a_user_mode_class_is_keyed_by_its_source(
 
     cache = tmp_path / "cache"
     try:
-        assert caches(run(cache, mode=user.UserMode)[0]) == ["miss", "miss"]
-        assert caches(run(cache, mode=user.UserMode)[0]) == ["hit", "hit"]
+        assert caches(run(cache, mode=user.UserMode)[0]) == ["miss"]
+        assert caches(run(cache, mode=user.UserMode)[0]) == ["hit"]
         source.write_text(USER_MODE + "\n# edited: placement_of could have changed\n")
-        assert caches(run(cache, mode=user.UserMode)[0]) == ["miss", "miss"]
+        assert caches(run(cache, mode=user.UserMode)[0]) == ["miss"]
     finally:
         # edited while loaded: left loaded, it would keep every later test's step from a
         # key before capture (step_key refuses a loaded module whose source changed)

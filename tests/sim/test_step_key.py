@@ -75,11 +75,15 @@ def skipped(step: sc.CompiledTrainStep) -> list[bool]:
 
 def test_a_restart_skips_the_capture_and_matches_eager(tmp_path: Path) -> None:
     first, error = run(tmp_path)
-    assert skipped(first) == [False, False] and error < TOLERANCE
-    assert len(list((tmp_path / "steps").glob("*.pt"))) == 2
+    assert skipped(first) == [False] and error < TOLERANCE
+    # one program (AdamW's state made first): its step entry, by the key the call has
+    # with that state, and a state entry by the key it had without (NOTE: [optimizer
+    # state made on a restart])
+    assert len(list((tmp_path / "steps").glob("*.pt"))) == 1
+    assert len(list((tmp_path / "states").glob("*.pt"))) == 1
     second, error = run(tmp_path)
-    assert skipped(second) == [True, True]
-    assert [r.cache for r in second.records] == ["hit", "hit"]
+    assert skipped(second) == [True]
+    assert [r.cache for r in second.records] == ["hit"]
     assert second.timings.capture_seconds == 0.0 and second.timings.expand_seconds == 0.0
     assert error < TOLERANCE
     # the loaded step's single-device graph is decoded when read, and is the captured one
@@ -120,10 +124,10 @@ def test_a_change_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first,
     if "env" in second:
         monkeypatch.setenv("SPMD_STEP_KEY_TEST_SCALE", second.pop("env"))
     step, error = run(tmp_path, **second)
-    assert skipped(step) == [False, False]
+    assert skipped(step) == [False]
     assert error < TOLERANCE
     step, error = run(tmp_path, **second)  # the new step's own entry
-    assert skipped(step) == [True, True] and error < TOLERANCE
+    assert skipped(step) == [True] and error < TOLERANCE
 
 
 HELPER = "def scale(x):\n    return x * {}\n"
@@ -176,9 +180,9 @@ def test_edited_code_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edi
         return importlib.import_module("step_key_test_step").train_step
 
     cache = tmp_path / "cache"
-    assert skipped(run(cache, step_fn=load())[0]) == [False, False]
+    assert skipped(run(cache, step_fn=load())[0]) == [False]
     step, error = run(cache, step_fn=load())
-    assert skipped(step) == [True, True] and error < TOLERANCE
+    assert skipped(step) == [True] and error < TOLERANCE
     if edit == "helper":
         write(helper, HELPER.format("30.0"), age=3600)
     elif edit == "import_environment":
@@ -186,7 +190,7 @@ def test_edited_code_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edi
     else:
         write(source, STEP.format(" * 0.5"), age=3600)
     step, error = run(cache, step_fn=load())
-    assert skipped(step) == [False, False]
+    assert skipped(step) == [False]
     assert error < TOLERANCE
 
 
@@ -211,10 +215,10 @@ def branching_step(model, optimizer, x, y, scale):
 def test_float_arguments(tmp_path: Path) -> None:
     run(tmp_path / "a", step_fn=scaled_step, extra=(0.5,))
     step, error = run(tmp_path / "a", step_fn=scaled_step, extra=(2.0,))
-    assert skipped(step) == [True, True] and error < TOLERANCE
+    assert skipped(step) == [True] and error < TOLERANCE
     run(tmp_path / "b", step_fn=branching_step, extra=(0.5,))
     step, error = run(tmp_path / "b", step_fn=branching_step, extra=(2.0,))
-    assert skipped(step) == [False, False] and error < TOLERANCE
+    assert skipped(step) == [False] and error < TOLERANCE
 
 
 def test_a_source_edited_while_running_gets_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,7 +281,7 @@ def test_a_launchers_main_without_a_file_still_keys_an_imported_step(
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     first, _ = run(tmp_path)
     second, error = run(tmp_path)
-    assert skipped(second) == [True, True] and error < TOLERANCE
+    assert skipped(second) == [True] and error < TOLERANCE
     namespace: dict = {"__name__": "__main__", "F": F}
     exec(  # noqa: S102 - a step defined in the interactive __main__
         "def step(model, optim, x, y):\n"
@@ -327,7 +331,7 @@ def test_properties_and_descriptors_of_a_config_class_are_in_the_key(tmp_path: P
     had no key before capture)."""
     run(tmp_path, make_model=WithSettings)
     step, error = run(tmp_path, make_model=WithSettings)
-    assert skipped(step) == [True, True] and error < TOLERANCE
+    assert skipped(step) == [True] and error < TOLERANCE
 
 
 def _scaled_output(scale: float, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
