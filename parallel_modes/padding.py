@@ -162,14 +162,20 @@ def _gradients_by_parameter(captured: CapturedStep) -> dict[str, list[torch.fx.N
             n = parent[n]
         return n
 
+    # hyper-parameters and what is computed from them alone (``1 - beta1``, AdamW's beta1
+    # cast once to the parameters' dtype and read by every update) join no chains
+    shared = {n for n, ref in refs.items() if ref.kind is Kind.HYPERPARAM}
+    for node in gm.graph.nodes:
+        if _is_optimizer(node) and node.all_input_nodes and all(a in shared for a in node.all_input_nodes):
+            shared.add(node)
     boundary: list[tuple[torch.fx.Node, torch.fx.Node]] = []
     for node in gm.graph.nodes:
-        if not _is_optimizer(node):
+        if not _is_optimizer(node) or node in shared:
             continue
         for arg in node.all_input_nodes:
-            ref = refs.get(arg)
-            if ref is not None and ref.kind is Kind.HYPERPARAM:
+            if arg in shared:
                 continue
+            ref = refs.get(arg)
             if ref is None and not _is_optimizer(arg):
                 boundary.append((arg, node))
                 continue

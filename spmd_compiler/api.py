@@ -396,9 +396,9 @@ class CompiledTrainStep:
                 hint = ("give the step batches of one shape (pad them, or drop the last "
                         "partial batch)")
             elif what.startswith("optimizer["):
-                hint = ("only the learning rate is a graph input; keep the other optimizer "
-                        "settings fixed (a scheduler cycling momentum or betas: "
-                        "OneCycleLR / CyclicLR(cycle_momentum=False))")
+                hint = ("only the learning rate (and Adam's / AdamW's first beta) is a graph "
+                        "input; keep the other optimizer settings fixed (a scheduler cycling "
+                        "momentum or betas: OneCycleLR / CyclicLR(cycle_momentum=False))")
             else:
                 hint = ("keep a value that changes every step in a tensor (a buffer or a "
                         "tensor argument), or pass it as a float argument used in tensor ops; "

@@ -124,6 +124,27 @@ def _follow_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> None:
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)
+BETA1 = "beta1"
+
+# NOTE: [Adam's beta1 as a graph input]
+# ``OneCycleLR`` and ``CyclicLR`` cycle Adam's first beta with the learning rate by
+# default (``cycle_momentum=True``); as a setting of the program, each new value compiled
+# a new program on every call. torch's Adam and AdamW take a 0-dim tensor beta in their
+# capturable single-tensor path (the one the capture runs: ``lerp_(grad, 1 - beta1)``
+# and ``1 - beta1 ** step``), so for those two classes ``betas[0]`` is fed like the
+# learning rate, a float64 0-dim input read from the group on every call, and only
+# ``betas[1]`` stays a setting. Other optimizers with betas (NAdam, RAdam, Adamax, ...)
+# keep both as settings.
+_BETA1_INPUT_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def beta1_is_input(opt: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s first beta is a graph input (NOTE: [Adam's beta1 as a graph input])."""
+    betas = group.get("betas")
+    return (
+        type(opt) in _BETA1_INPUT_CLASSES and isinstance(betas, tuple) and len(betas) == 2
+        and all(type(b) is float for b in betas) and not group.get("differentiable")
+    )
 
 
 @dataclass
@@ -232,15 +253,15 @@ class StepBindings:
         return [
             StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi)
             for oi, opt in enumerate(self.optimizers)
-            for gi, _ in enumerate(opt.param_groups)
-            for key in TENSOR_HYPERPARAMS
+            for gi, group in enumerate(opt.param_groups)
+            for key in TENSOR_HYPERPARAMS + ((BETA1,) if beta1_is_input(opt, group) else ())
         ]
 
     def hyperparam_value(self, ref: StateRef) -> float:
         if ref.optimizer < 0:  # a float argument of the step (capture.float_argument_ref)
             return float(self.flat_args[ref.index])
-        value = self.optimizers[ref.optimizer].param_groups[ref.group][ref.key]
-        return float(value)
+        group = self.optimizers[ref.optimizer].param_groups[ref.group]
+        return float(group["betas"][0] if ref.key == BETA1 else group[ref.key])
 
     def optimizer_settings(self) -> dict[str, Any]:
         """The optimizer hyper-parameters that are constants of a program (all but the
@@ -251,6 +272,12 @@ class StepBindings:
             for gi, group in enumerate(opt.param_groups)
             for k, v in group.items()
             if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
+            and not (k == "betas" and beta1_is_input(opt, group))
+        } | {  # NOTE: [Adam's beta1 as a graph input]: beta2 alone is a setting
+            f"optimizer[{oi}].param_groups[{gi}]['betas'][1]": _hashable(group["betas"][1])
+            for oi, opt in enumerate(self.optimizers)
+            for gi, group in enumerate(opt.param_groups)
+            if beta1_is_input(opt, group)
         }
 
     def static_key(self) -> tuple:

@@ -76,7 +76,7 @@ from ..ir.signature import (
 from . import initial_state, selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
-from .bindings import StepBindings, check_plain_modules, tensor_argument_names
+from .bindings import BETA1, StepBindings, check_plain_modules, tensor_argument_names
 from .code_names import step_code, step_name, step_where
 from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
@@ -1477,6 +1477,9 @@ def _swap_optimizer(
         for p in group["params"]:
             by_param[b.param_name(p)] = (gi, params[b.param_name(p)])
         new["lr"] = values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]
+        beta1 = values.get(StateRef(Kind.HYPERPARAM, key=BETA1, optimizer=oi, group=gi))
+        if beta1 is not None:  # NOTE: [Adam's beta1 as a graph input]
+            new["betas"] = (beta1, group["betas"][1])
         # NOTE: [capture in two traces] explains these three flags.
         if "capturable" in new:
             new["capturable"] = True

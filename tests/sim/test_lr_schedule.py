@@ -313,21 +313,51 @@ def test_restarted_step_with_a_scheduler_inside_still_steps_it(tmp_path, classif
     assert lrs[0] == lrs[1] == pytest.approx(2e-2 / 4)
 
 
+ONE_CYCLE = {
+    "adamw": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=10),
+    "sgd_momentum": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10),
+}
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("in_step", [True, False], ids=["in_step", "between_calls"])
+def test_one_cycle_cycling_adams_beta1_compiles_once(run_parity, classification_batches, mode, in_step):
+    """NOTE: [Adam's beta1 as a graph input] in capture/bindings.py: OneCycleLR's default
+    ``cycle_momentum`` changes AdamW's ``betas[0]`` every step; it is read as an input like
+    the learning rate, so one program serves every call (before: one program per call)
+    and the updates are eager's."""
+    from spmd_compiler.parallel_modes import DataParallel
+
+    result = run_parity(
+        lambda: mlp().double(),
+        OPTIMIZERS["adamw"],
+        2,
+        classification_batches(STEPS, dtype=torch.float64),
+        make_scheduler=ONE_CYCLE["adamw"],
+        mode=DataParallel(mode),
+        **({"step": step_then_schedule, "scheduler_in_step": True} if in_step else {}),
+    )
+    result.assert_close(1e-12)
+    assert result.compile_counts == [1] * STEPS
+    betas = result.optimizer.param_groups[0]["betas"]
+    assert betas == result.reference_optimizer.param_groups[0]["betas"] and betas[0] != 0.95
+
+
 def test_a_schedule_cycling_momentum_names_the_setting_it_recompiles_for(
     classification_batches, caplog
 ):
-    """Only the learning rate is a graph input: OneCycleLR's default cycle_momentum
-    changes Adam's betas every step, which compiles a program per call. That must not be
+    """Of the momentum settings, only Adam's and AdamW's first beta is a graph input:
+    OneCycleLR cycling SGD's momentum compiles a program per call. That must not be
     silent: each recompile names the setting, and the third says what to do."""
     model = mlp()
-    optim = OPTIMIZERS["adamw"](model)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=2e-2, total_steps=10)
+    optim = OPTIMIZERS["sgd_momentum"](model)
+    scheduler = ONE_CYCLE["sgd_momentum"](optim)
     compiled = sc.compile()(step_then_schedule)
     with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(world_size=2):
         for x, y in classification_batches(5):
             compiled(model, optim, scheduler, x, y)
     assert compiled.compile_count == 5
     messages = [r.getMessage() for r in caplog.records]
-    assert any("recompiling step_then_schedule: optimizer[0].param_groups[0]['betas'] was" in m
+    assert any("recompiling step_then_schedule: optimizer[0].param_groups[0]['momentum'] was" in m
                for m in messages)
     assert any("changed on 3 calls" in m and "cycle_momentum=False" in m for m in messages)

@@ -189,8 +189,9 @@ def test_one_lr_placeholder_per_param_group():
         lr=1e-2,
     )
     captured = capture(model, opt, *batch())
-    groups = [ref.group for ref, _ in captured.inputs if ref.kind is Kind.HYPERPARAM]
-    assert groups == [0, 1]
+    # the learning rate and AdamW's beta1 (NOTE: [Adam's beta1 as a graph input])
+    groups = [(ref.group, ref.key) for ref, _ in captured.inputs if ref.kind is Kind.HYPERPARAM]
+    assert groups == [(0, "lr"), (0, "beta1"), (1, "lr"), (1, "beta1")]
     state_groups = {
         (ref.name, ref.group) for ref in captured.outputs if ref.kind is Kind.OPTIM_STATE
     }
