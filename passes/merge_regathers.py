@@ -121,7 +121,10 @@ def merge_regathers(program, context: PassContext) -> bool:
         earlier = [made.get(k) for k in keys]
         if all(e is not None for e in earlier) and _unwritten(gather, memory):
             kept = [e for e in earlier if e is not None]
-            if _same_values(gather.results, kept) and _peak_if_merged(memory, gather, kept) <= memory.peak:
+            if (
+                _same_values(gather.results, kept) and _defined_before_readers(gather, kept, memory)
+                and _peak_if_merged(memory, gather, kept) <= memory.peak
+            ):
                 _merge(gather, kept)
                 memory = live_bytes(graph)
                 changed = True
@@ -189,6 +192,19 @@ def _same_values(results: list[torch.fx.Node], kept: list[torch.fx.Node]) -> boo
         if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
             return False
         if new.shape != old.shape or new.dtype != old.dtype:
+            return False
+    return True
+
+
+def _defined_before_readers(gather: _Gather, kept: list[torch.fx.Node], memory: LiveBytes) -> bool:
+    """Every earlier result comes before each reader of the result it would replace. An
+    earlier bucket is issued first but unpacked where its members are first read, which
+    can be after this gather's readers; pointing them there read a value before it was
+    defined (fsdp_tp 2x2 with SGD's momentum: two buckets of the same shards gathered
+    around the update, the pass failing its graph check)."""
+    for result, earlier in zip(gather.results, kept):
+        defined = memory.position[earlier]
+        if any(memory.position[user] <= defined for user in result.users):
             return False
     return True
 

@@ -73,6 +73,27 @@ def test_a_shard_written_in_between_is_gathered_again():
     assert len(ops(program.graph, "all_gather")) == 2
 
 
+def test_an_earlier_gather_unpacked_after_the_readers_is_not_read_early():
+    """The earlier gather is issued first but its result is defined after the later
+    gather's reader (an earlier bucket unpacked where first read): pointing that reader at
+    it would read a value before it exists, so the later gather stays (the pass failed
+    its graph check under fsdp_tp 2x2 with SGD's momentum)."""
+    g = TinyGraph()
+    shard = g.input("shard", 2, 3)
+    first = g.all_gather("first", shard)
+    second = g.all_gather("second", shard)
+    second_use = g.op("second_use", aten.mul.Tensor, second, 3.0)
+    second_use.append(first)  # the earlier result, unpacked after the later reader
+    first_use = g.op("first_use", aten.mul.Tensor, first, 2.0)
+    program = g.program(second_use, first_use)
+
+    run_pipeline(program, PassOptions(), pipeline=PASS)
+
+    program.graph.lint()
+    assert [n.name for n in ops(program.graph, "all_gather")] == ["first", "second"]
+    assert second_use.args[0] is second
+
+
 def _plain_mlp_setup():
     """Linear, GELU, Linear: only the second weight is read again in backward."""
     torch.manual_seed(0)
