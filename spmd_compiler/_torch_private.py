@@ -1799,6 +1799,60 @@ def is_mask_partial(placement: Any) -> bool:
     return isinstance(placement, _MaskPartial)
 
 
+# NOTE: [a mask for every lookup]
+# An embedding over a vocabulary-sharded table splits its replicated ids into a
+# ``_MaskPartial`` (each rank's ids shifted to its rows, a mask of the ids it does not
+# hold), and its output is the same kind of partial, reduced by zeroing the masked rows
+# and summing. The mask lives in the placement object, and DTensor's sharding strategy
+# for ``aten.embedding`` is cached: every lookup with the same shapes and placements gets
+# the one ``_MaskPartial`` of the first, for its ids and its output alike. A second lookup
+# of the same ids (a model called twice, a teacher beside its student: the memoized
+# split of the ids is reused, no new mask) found the mask released by the first output's
+# reduction (an empty ``AssertionError``); a second table of the same shape over other
+# ids split them onto the shared object too ("Mixing fake modes"), and had one lookup's
+# mask been applied to another's rows the sums would have been wrong. Each lookup now
+# splits its ids onto a ``_MaskPartial`` of its own and runs on the rank's rows (what
+# DTensor's rowwise rule runs), its output carrying that placement, mask and all. (Given
+# ids already split, DTensor's propagation does not keep them: it picked the batch rule,
+# reduce-scattering the masked ids, so the lookup is not handed back to it.)
+def lookup_with_own_masks(args: tuple, kwargs: dict) -> DTensor | None:
+    """``aten.embedding(weight, ids, ...)`` where the table is vocabulary-sharded on some
+    mesh dim and the ids replicated there: the ids split onto a ``_MaskPartial`` of their
+    own and the lookup run on the rank's rows, its output carrying that placement (see the
+    NOTE). On the other mesh dims a replicated table keeps the ids' layout. None for any
+    other layout (DTensor's rule runs)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    weight, ids = args[0], args[1]
+    if kwargs or not isinstance(weight, DTensor) or not isinstance(ids, DTensor) or weight.dim() != 2:
+        return None
+    split: list[Any] = []
+    for pw, pi in zip(weight.placements, ids.placements, strict=True):
+        if type(pw) is Shard and pw.dim == 0 and isinstance(pi, Replicate):
+            split.append(_MaskPartial(offset_shape=torch.Size(weight.shape), offset_dim=0))
+        elif isinstance(pw, Replicate) and (isinstance(pi, Replicate) or type(pi) is Shard):
+            split.append(pi)
+        else:
+            return None
+    if not any(is_mask_partial(p) for p in split):
+        return None
+    # DTensor.redistribute refuses a partial target ("for internal use"): split by hand
+    import torch.distributed.tensor._redistribute as redistribute_module
+
+    target = DTensorSpec(ids.device_mesh, tuple(split), tensor_meta=ids._spec.tensor_meta)
+    local_ids = redistribute_module.redistribute_local_tensor(ids._local_tensor, ids._spec, target)
+    local = torch.ops.aten.embedding.default(weight._local_tensor, local_ids, *args[2:])
+    shape = torch.Size((*ids.shape, weight.shape[1]))
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    return DTensor.from_local(
+        local, ids.device_mesh, tuple(split), run_check=False, shape=shape, stride=tuple(stride)
+    )
+
+
 def placement_types() -> dict[str, type]:
     """DTensor's placement classes by name, private ones included (the compile cache
     rebuilds placements from these names)."""
