@@ -443,6 +443,18 @@ class TensorParallel(ParallelMode):
                 "parameter stays replicated.",
                 stacklevel=3,
             )
+            return
+        unmatched = [
+            pattern for pattern, style in self.plan.items()
+            if not any(match_plan(model, {pattern: style}) for model in bindings.modules)
+        ]
+        if unmatched:  # a typo leaves its modules replicated: correct, but not what was asked
+            warnings.warn(
+                f"TensorParallel plan entries {unmatched} match no module of the step (module "
+                "paths such as 'layers.0.attn.q_proj', '*' for one path segment); those "
+                "modules stay replicated.",
+                stacklevel=3,
+            )
 
     def _place_attention(
         self, bindings: StepBindings, mi: int, model: nn.Module, fqn: str, prefix: str

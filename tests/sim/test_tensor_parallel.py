@@ -94,6 +94,28 @@ def test_empty_or_unmatched_plan_warns():
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def test_a_plan_entry_matching_no_module_warns_by_name():
+    """A typo in one entry (``q_proj`` for a module named ``q``) left that module
+    replicated without a word while the rest of the plan applied; it is named now."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, optim, x):
+        loss = model(x).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3.q_proj": ColwiseParallel()}
+    compiled = sc.compile(TensorParallel(plan))(step)
+    with sc.simulate(2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(model, optim, torch.randn(2, 4))
+    named = [str(w.message) for w in caught if "match no module" in str(w.message)]
+    assert len(named) == 1 and "['3.q_proj']" in named[0], named
+
+
 def test_malformed_plan_is_refused():
     with pytest.raises(ValueError, match="dict"):
         TensorParallel([("a", ColwiseParallel())])
