@@ -318,9 +318,10 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
                 "serve every rank.",
                 op=symbolic_failure.op, node=symbolic_failure.node,
                 module_fqn=symbolic_failure.module_fqn, user_line=symbolic_failure.user_line,
-                hint="use sizes divisible by the mesh dimensions for the parameters this node "
-                "reads, or shard the batch on dimension 0; if the sizes divide, compute this "
-                "op on replicated values (leave its module out of the plan).",
+                hint="use sizes the mesh dimensions divide for what this node reads (a "
+                "parameter's sharded dimension; under SequenceParallel the sequence length, "
+                "which it splits over tp), or shard the batch on dimension 0; if the sizes "
+                "divide, compute this op on replicated values (leave its module out of the plan).",
             )
     private.lift_group_names(first, mesh)
     return first
@@ -403,6 +404,17 @@ _BATCH_DIM_HINT = (
     "(an unbatched (C, L) input, a time-major (T, N, C) sequence), name its batch dimension "
     "with the mode's input_batch_dim (DataParallel('replicate', input_batch_dim={'x': 1}); "
     "None passes it whole); otherwise " + _LAYOUT_HINT
+)
+# DTensor's view rule, where a view splits a sharded dimension into groups the ranks do
+# not divide (3 attention heads of a colwise q projection over 2 tp ranks); torch 2.11's
+# words for it, then 2.13's and 2.14's
+_UNEVEN_UNFLATTEN = ("into multiple subdimensions", "Cannot unflatten unevenly sharded tensor")
+_UNEVEN_HEADS_HINT = (
+    "this view splits a dimension the mesh shards into groups its ranks do not divide: "
+    "most often attention heads (or key / value heads under grouped-query attention) of "
+    "column-wise q / k / v projections, fewer or not a multiple of the tp ranks. Use a tp "
+    "size that divides the number of heads and of key / value heads, or leave those "
+    "projections (and the row-wise output projection) out of the plan."
 )
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 _STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
@@ -618,10 +630,12 @@ class _ExpandingInterpreter(RetracingInterpreter):
                 "strategy for it (torch.distributed.tensor.experimental.register_sharding).",
             ) from exc
         except Exception as exc:  # noqa: BLE001 - re-raised with the node named
+            hint = _BATCH_DIM_HINT if self.split_an_argument else _LAYOUT_HINT
+            if n.target in _VIEWS and any(text in str(exc) for text in _UNEVEN_UNFLATTEN):
+                hint = _UNEVEN_HEADS_HINT
             raise node_error(
                 f"Expanding this node to the per-rank program failed: {exception_summary(exc)}",
-                n,
-                hint=_BATCH_DIM_HINT if self.split_an_argument else _LAYOUT_HINT,
+                n, hint=hint,
             ) from exc
 
     def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:

@@ -251,3 +251,36 @@ def test_empty_activation_viewed(run_parity):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     result.assert_close(TOL)
+
+
+class _ThreeHeads(nn.Module):
+    def __init__(self, dim: int = 24, heads: int = 3) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_heads_the_tp_ranks_do_not_divide_are_refused_naming_heads():
+    """Colwise q / k / v with 3 heads over 2 ranks: the width divides, the heads do not.
+    DTensor's view rule refuses the split; the error says it is about heads."""
+    model = _ThreeHeads()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, optim, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+    compiled = sc.compile(TensorParallel(plan))(step)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="divides the number of heads") as refused:
+        compiled(model, optim, torch.randn(2, 4, 24))
+    assert "aten.view" in str(refused.value)
