@@ -26,6 +26,7 @@ from .capture.bindings import (
     WalkMemo,
     argument_paths,
     find_bindings,
+    retire_replaced_parameters,
     tensor_argument_names,
 )
 from .capture.code_names import step_function, step_name, step_where
@@ -217,10 +218,13 @@ class CompiledTrainStep:
 
     def _call(self, bindings: StepBindings, sim: Simulation | None) -> Any:
         ambient = private.ambient_autocast()  # NOTE: [autocast around the step]
-        if not ambient:
-            return self._call_in(bindings, sim, ambient)
-        with private.autocast_regions(ambient, enabled=False):
-            return self._call_in(bindings, sim, ambient)
+        try:
+            if not ambient:
+                return self._call_in(bindings, sim, ambient)
+            with private.autocast_regions(ambient, enabled=False):
+                return self._call_in(bindings, sim, ambient)
+        finally:  # NOTE: [replaced parameters held outside the step]
+            retire_replaced_parameters()
 
     def _call_in(self, bindings: StepBindings, sim: Simulation | None, ambient: tuple) -> Any:
         mesh = self._mesh(bindings, sim)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from ..errors import SPMDCompileError
+from ..errors import SPMDCompileError, SPMDRuntimeError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
 from .code_names import reachable_by_name, step_name, step_where
 from .containers import open_containers
@@ -42,12 +42,74 @@ from .plain_objects import keyed_by_class
 # id(old parameter) -> (a weak reference to it, the DTensor parameter that replaced it);
 # an entry goes when its old parameter is freed
 _REPLACED: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
+# old parameters replaced during the current call, retired when it ends, with their names
+_TO_RETIRE: list[tuple[weakref.ref, str]] = []
 
 
-def record_replacement(old: torch.Tensor, new: torch.nn.Parameter) -> None:
+def record_replacement(old: torch.Tensor, new: torch.nn.Parameter, name: str = "") -> None:
     """``new`` replaced ``old`` in its module (NOTE: [parameters replaced by DTensors])."""
     _REPLACED[id(old)] = (weakref.ref(old), new)
     weakref.finalize(old, _REPLACED.pop, id(old), None)
+    if type(old) is torch.nn.Parameter:
+        _TO_RETIRE.append((weakref.ref(old), name))
+
+
+# NOTE: [replaced parameters held outside the step]
+# Code that holds the model's parameters from before the first compiled call (an
+# optimizer that call was not given, stepped eagerly after a compiled backward-only step;
+# a ``params = list(model.parameters())`` handed to ``clip_grad_norm_`` between a compiled
+# backward and a compiled update) held parameters no program reads or writes: their
+# ``.grad`` stayed None, so the eager update and the clip did nothing, silently (a
+# model that did not train in 3 steps; a clip that left the update 133x too large). When
+# the call that replaced them ends, such an old parameter becomes a
+# ``ReplacedParameter``: reading or setting its ``.grad`` reaches its replacement's (the
+# clip, and an eager ``zero_grad``, act on the gradients the program left, as eagerly),
+# and any other use (an eager optimizer's update, reading its values) raises an error
+# naming the parameter and what to do. Only plain ``nn.Parameter`` objects are retired.
+class ReplacedParameter(torch.nn.Parameter):
+    """A parameter a compiled call replaced by a DTensor parameter (see the NOTE)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        old = args[0] if args else None
+        if func is torch.Tensor.__hash__:
+            return id(old)
+        new = _replacement(old) if isinstance(old, ReplacedParameter) else None
+        on_grad = getattr(func, "__self__", None) is _GRAD  # the ``.grad`` descriptor's methods
+        if new is not None and on_grad and func.__name__ == "__get__":
+            return new.grad
+        if new is not None and on_grad and func.__name__ == "__set__":
+            new.grad = args[1]
+            return None
+        if func is torch.Tensor.__repr__:
+            return f"ReplacedParameter({_RETIRED_NAMES.get(id(old), '?')}: replaced by a DTensor parameter)"
+        name = _RETIRED_NAMES.get(id(old), "a parameter")
+        raise SPMDRuntimeError(
+            f"{name} was replaced by a DTensor parameter at the first compiled call, and "
+            f"this code still holds the old one ({getattr(func, '__name__', func)} on it): "
+            "the compiled program neither reads nor updates it. Take the parameters from "
+            "model.parameters() after the first compiled call, and give the optimizer to a "
+            "compiled step (it is then pointed at the new parameters) instead of stepping "
+            "it eagerly."
+        )
+
+
+_RETIRED_NAMES: dict[int, str] = {}
+_GRAD: Any = torch.Tensor.grad  # the descriptor
+
+
+def retire_replaced_parameters() -> None:
+    """Turn the old parameters replaced during this call into ``ReplacedParameter``s
+    (NOTE: [replaced parameters held outside the step])."""
+    while _TO_RETIRE:
+        ref, name = _TO_RETIRE.pop()
+        old = ref()
+        if old is None or type(old) is not torch.nn.Parameter:
+            continue
+        _RETIRED_NAMES[id(old)] = f"parameter {name!r}" if name else "a parameter"
+        weakref.finalize(old, _RETIRED_NAMES.pop, id(old), None)
+        old.__class__ = ReplacedParameter
 
 
 # state tensors a placement replaced (parameters and buffers), weakly: a plain attribute

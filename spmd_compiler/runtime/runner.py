@@ -126,7 +126,7 @@ def _install(
             grad_ref = StateRef(Kind.GRAD, name)
             new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)
         new_params[id(p)] = new
-        record_replacement(p, new)
+        record_replacement(p, new, name)
         record_placed_away(p)
     for mod in bindings.modules:
         for sub in mod.modules():
