@@ -1844,12 +1844,12 @@ def lookup_with_own_masks(args: tuple, kwargs: dict) -> DTensor | None:
     target = DTensorSpec(ids.device_mesh, tuple(split), tensor_meta=ids._spec.tensor_meta)
     local_ids = redistribute_module.redistribute_local_tensor(ids._local_tensor, ids._spec, target)
     local = torch.ops.aten.embedding.default(weight._local_tensor, local_ids, *args[2:])
+    from .ir.signature import contiguous_stride
+
     shape = torch.Size((*ids.shape, weight.shape[1]))
-    stride = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        stride[d] = stride[d + 1] * shape[d + 1]
     return DTensor.from_local(
-        local, ids.device_mesh, tuple(split), run_check=False, shape=shape, stride=tuple(stride)
+        local, ids.device_mesh, tuple(split), run_check=False, shape=shape,
+        stride=contiguous_stride(shape),
     )
 
 
