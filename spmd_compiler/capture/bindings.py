@@ -84,6 +84,9 @@ class ReplacedParameter(torch.nn.Parameter):
             return None
         if func is torch.Tensor.__repr__:
             return f"ReplacedParameter({_RETIRED_NAMES.get(id(old), '?')}: replaced by a DTensor parameter)"
+        read = getattr(func, "__self__", None) if getattr(func, "__name__", None) == "__get__" else func
+        if getattr(read, "__name__", None) in _METADATA:  # counting parameters, say: harmless
+            return super().__torch_function__(func, types, args, kwargs)
         name = _RETIRED_NAMES.get(id(old), "a parameter")
         raise SPMDRuntimeError(
             f"{name} was replaced by a DTensor parameter at the first compiled call, and "
@@ -96,6 +99,12 @@ class ReplacedParameter(torch.nn.Parameter):
 
 
 _RETIRED_NAMES: dict[int, str] = {}
+# what an old parameter still answers: its metadata, the same as its replacement's global
+# metadata (not a setter: ``p.requires_grad = False`` on it would freeze nothing)
+_METADATA = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "numel", "dim",
+    "size", "nelement", "element_size", "is_floating_point", "is_complex", "__len__",
+})
 _GRAD: Any = torch.Tensor.grad  # the descriptor
 
 

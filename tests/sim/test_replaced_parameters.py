@@ -77,6 +77,11 @@ def test_an_optimizer_stepped_eagerly_on_replaced_parameters_is_refused() -> Non
             optim.step()
         optim.zero_grad()  # reaches the gradients the program left
         assert all(p.grad is None for p in model.parameters())
+        # metadata still answers (counting parameters); a setter does not
+        stale = optim.param_groups[0]["params"]
+        assert sum(p.numel() for p in stale) == 212 and stale[0].shape == (16, 8)
+        with pytest.raises(sc.SPMDRuntimeError, match="was replaced"):
+            stale[0].requires_grad_(False)
 
 
 def test_an_optimizer_held_through_an_evaluation_first_still_trains() -> None:
