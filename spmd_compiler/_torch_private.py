@@ -851,7 +851,10 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     def cached(local_tensor, current_spec, target_spec, *args, **kwargs):
         if cache.bypassed:
             return redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
-        key = (id(local_tensor), current_spec, target_spec)
+        # a split onto a masked partial is its mask object's own (NOTE: [a mask for every
+        # lookup]): equal placements of two lookups share no split
+        masks = tuple(id(p) for p in target_spec.placements if is_mask_partial(p))
+        key = (id(local_tensor), current_spec, target_spec, masks)
         hit = cache.get(key)
         if hit is not None and hit[0] is local_tensor:
             return hit[1]
@@ -1812,9 +1815,11 @@ def is_mask_partial(placement: Any) -> bool:
 # ids split them onto the shared object too ("Mixing fake modes"), and had one lookup's
 # mask been applied to another's rows the sums would have been wrong. Each lookup now
 # splits its ids onto a ``_MaskPartial`` of its own and runs on the rank's rows (what
-# DTensor's rowwise rule runs), its output carrying that placement, mask and all. (Given
-# ids already split, DTensor's propagation does not keep them: it picked the batch rule,
-# reduce-scattering the masked ids, so the lookup is not handed back to it.)
+# DTensor's rowwise rule runs), its output carrying that placement, mask and all (a
+# local rule, ``expand/local_rules.py``). (Given ids already split, DTensor's propagation
+# does not keep them: it picked the batch rule, reduce-scattering the masked ids, so the
+# lookup is not handed back to it.) The redistribution memo keys such a split by its
+# mask object, so a second lookup of the same ids splits them again, filling its mask.
 def lookup_with_own_masks(args: tuple, kwargs: dict) -> DTensor | None:
     """``aten.embedding(weight, ids, ...)`` where the table is vocabulary-sharded on some
     mesh dim and the ids replicated there: the ids split onto a ``_MaskPartial`` of their

@@ -138,6 +138,8 @@ class LocalRules:
             and any(private.is_mask_partial(p) for p in args[0].placements)
         ):
             return _mask_partial_reduced_first(target, args, kwargs)
+        if target is aten.embedding.default:  # NOTE: [a mask for every lookup] (_torch_private)
+            return private.lookup_with_own_masks(args, kwargs)
         if target is aten.unbind.int and isinstance(args[0], DTensor):
             return _unbind_gathered(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
         if target in _BINARY_POINTWISE and len(args) >= 2:

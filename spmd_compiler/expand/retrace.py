@@ -545,16 +545,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
             return args[0]
         # NOTE: [Python numbers in DTensor's native sharding cache]
         with private.numbers_kept_out_of_sharding_cache(args, kwargs):
-            if target is torch.ops.aten.embedding.default:
-                return self._lookup(args, kwargs)
             return self._call_function(target, args, kwargs)
-
-    def _lookup(self, args: tuple, kwargs: dict) -> Any:
-        """An embedding whose ids split with a mask of their own (NOTE: [a mask for every
-        lookup] in ``_torch_private.py``)."""
-        with self.memo.bypass():
-            out = private.lookup_with_own_masks(args, kwargs)
-        return self._call_function(torch.ops.aten.embedding.default, args, kwargs) if out is None else out
 
     def _call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if private.derived_values_share_masks():
