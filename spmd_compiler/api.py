@@ -732,8 +732,9 @@ class CompiledTrainStep:
         return program, step_guards(self.func, bindings, graph_args), time.perf_counter() - start
 
     def _made_from(self, recipe: list[list[Any]], bindings: StepBindings) -> MadeState | None:
-        if any(bindings.optimizers[i].state for i in {e[1] for e in recipe if e[1] < len(bindings.optimizers)}):
-            return None  # the state entry is for a step that finds no state
+        named = {oi for _, oi, *_ in recipe if oi < len(bindings.optimizers)}
+        if any(bindings.optimizers[oi].state for oi in named):
+            return None  # the entry makes state its optimizers do not hold yet
         try:
             return made_from(recipe, bindings)
         except Exception as exc:  # noqa: BLE001 - a broken entry is ignored, never used

@@ -373,9 +373,6 @@ def entry_bytes(
     environment: dict[str, str | None],
 ) -> bytes:
     """The step entry of ``key``. Raises Uncacheable."""
-    environment = {**_IMPORT_READS, **environment}
-    if _WHOLE_ENVIRONMENT in environment:
-        raise Uncacheable("a capture that read the whole environment")
     if captured.outside:  # live objects (NOTE: [tensors read from outside the arguments])
         raise Uncacheable(f"guards on tensors read from outside the arguments ({captured.outside[0].label})")
     if captured.kept:  # live Python objects (NOTE: [tensors the step keeps])
@@ -384,7 +381,7 @@ def entry_bytes(
         raise Uncacheable(f"a count per row read from the arguments ({captured.counted[0]})")
     if captured.scheduler_steps:  # their state is no guard (NOTE: [schedulers stepped in the step])
         raise Uncacheable(f"the LR scheduler steps it replays ({captured.scheduler_steps[0].where})")
-    graph_args, baked = _float_arguments(captured, bindings)
+    facts = _recorded_facts(captured, bindings, environment)
     encoded, graph_constants = encoded_graph(captured.graph_module)
     constants = list(graph_constants)
     enc = _Encoder(constants)  # return values are encoded after the graph's constants
@@ -396,9 +393,7 @@ def entry_bytes(
         "return_leaves": [[kind, enc.value(v)] for kind, v in captured.return_leaves],
         "notes": [str(n) for n in captured.notes],
         "checks": [dataclasses.asdict(c) for c in captured.checks],  # NOTE: [value checks]
-        "graph_args": graph_args, "baked": baked,
-        "environment": sorted([k, v] for k, v in environment.items()),
-        "manifest": module_manifest(),
+        "graph_args": _graph_float_arguments(captured), **facts,
     }
     buffer = io.BytesIO()
     # the graph apart: parsed only when a loaded step's graph is read (LoadedStep)
@@ -407,14 +402,28 @@ def entry_bytes(
     return buffer.getvalue()
 
 
-def _float_arguments(captured: CapturedStep, bindings: Any) -> tuple[list[int], list[list[Any]]]:
-    """The float arguments the program reads as graph inputs, and [position, value] of
-    those it baked in (NOTE: [float arguments as graph inputs])."""
-    graph_args = sorted(r.index for r in captured.input_refs()
-                        if r.kind is Kind.HYPERPARAM and r.optimizer < 0)
-    baked = [[i, float.hex(bindings.flat_args[i])]
-             for i in sorted(float_positions(bindings.flat_args) - set(graph_args))]
-    return graph_args, baked
+def _graph_float_arguments(captured: CapturedStep) -> list[int]:
+    """The float arguments the program reads as graph inputs (NOTE: [float arguments as
+    graph inputs])."""
+    return sorted(r.index for r in captured.input_refs() if r.kind is Kind.HYPERPARAM and r.optimizer < 0)
+
+
+def _recorded_facts(
+    captured: CapturedStep, bindings: Any, environment: dict[str, str | None]
+) -> dict[str, Any]:
+    """What an entry records for ``_first_change`` to compare on load: the floats the
+    program baked in, the environment variables the capture read, the loaded modules.
+    Raises Uncacheable for a capture that read the whole environment."""
+    environment = {**_IMPORT_READS, **environment}
+    if _WHOLE_ENVIRONMENT in environment:
+        raise Uncacheable("a capture that read the whole environment")
+    graph_args = set(_graph_float_arguments(captured))
+    return {
+        "baked": [[i, float.hex(bindings.flat_args[i])]
+                  for i in sorted(float_positions(bindings.flat_args) - graph_args)],
+        "environment": sorted([k, v] for k, v in environment.items()),
+        "manifest": module_manifest(),
+    }
 
 
 def state_entry_bytes(
@@ -425,15 +434,7 @@ def state_entry_bytes(
     ``capture/initial_state.py``): the made state's recipe and the facts the capture
     that made it read, as its step entry records them (a float the program reads as an
     input cannot reach the made state: only factory ops make it). Raises Uncacheable."""
-    environment = {**_IMPORT_READS, **environment}
-    if _WHOLE_ENVIRONMENT in environment:
-        raise Uncacheable("a capture that read the whole environment")
-    body = {
-        "made_state": recipe,
-        "baked": _float_arguments(captured, bindings)[1],
-        "environment": sorted([k, v] for k, v in environment.items()),
-        "manifest": module_manifest(),
-    }
+    body = {"made_state": recipe, **_recorded_facts(captured, bindings, environment)}
     buffer = io.BytesIO()
     torch.save({"format": FORMAT, "key": key, "digest": source_digest(),
                 "entry": json.dumps(body, separators=(",", ":"))}, buffer)
@@ -444,31 +445,31 @@ def load_state_recipe(cache: ProgramCache, key: str, bindings: Any) -> list[list
     """The recipe of the state entry under ``key``, or None: no entry, a recorded fact
     that no longer holds (logged), or a broken entry (warned)."""
     data = cache.read_state(key)
-    if data is None:
-        return None
-    entry = _checked_body(data, key, cache.state_path(key), "state entry")
-    if entry is None:
-        return None
-    change = _first_change(entry, bindings)
-    if change is not None:
-        log.info("the state entry %s does not apply: %s", cache.state_path(key), change)
-        return None
-    return entry["made_state"]
+    applying = None if data is None else _applying(data, key, cache.state_path(key), "state entry", bindings)
+    return None if applying is None else applying[1]["made_state"]
 
 
-def _checked_body(data: bytes, key: str, path: Path, kind: str) -> dict[str, Any] | None:
-    """The JSON body of an entry whose format, key and compiler digest are this
-    process's; None (warned) otherwise."""
+def _applying(
+    data: bytes, key: str, path: Path, kind: str, bindings: Any
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The stored dict and its JSON entry, where the format, key and compiler digest are
+    this process's (else warned) and the facts it recorded still hold (else logged);
+    None otherwise."""
     try:
         with collector_paused():  # NOTE: [no collector while an entry is decoded]
             body = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         for name, expected in (("format", FORMAT), ("key", key), ("digest", source_digest())):
             if body.get(name) != expected:
                 raise ValueError(f"its {name} is {body.get(name)!r:.20}, not {expected!r:.20}")
-        return {**json.loads(body["entry"]), "_body": body}
+        entry = json.loads(body["entry"])
     except Exception as exc:  # noqa: BLE001 - a broken entry is ignored, never used
         log.warning("ignoring the %s %s: %s: %.200s", kind, path, type(exc).__name__, exc)
         return None
+    change = _first_change(entry, bindings)
+    if change is not None:
+        log.info("the %s %s does not apply: %s", kind, path, change)
+        return None
+    return body, entry
 
 
 def load(
@@ -487,14 +488,10 @@ def load(
 def _loaded(
     cache: ProgramCache, key: str, data: bytes, func: Callable[..., Any], bindings: Any
 ) -> tuple[str, CapturedStep, frozenset[int]] | None:
-    entry = _checked_body(data, key, cache.step_path(key), "step entry")
-    if entry is None:
+    applying = _applying(data, key, cache.step_path(key), "step entry", bindings)
+    if applying is None:
         return None
-    body = entry.pop("_body")
-    change = _first_change(entry, bindings)
-    if change is not None:
-        log.info("the step entry %s does not apply: %s", cache.step_path(key), change)
-        return None
+    body, entry = applying
     try:
         captured = _captured(entry, body["graph"], body["constants"], func, bindings)
     except Exception as exc:  # noqa: BLE001

@@ -73,19 +73,20 @@ def test_plan_matches_level_by_level():
     assert match_plan(model, {"layers.*.q_proj": ColwiseParallel()}) == {}
 
 
+def _sum_step(model, optim, x):  # noqa: ANN001, ANN202
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def test_empty_or_unmatched_plan_warns():
     model = nn.Sequential(nn.Linear(4, 4))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def step(model, optim, x):
-        loss = model(x).sum()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
     for plan in ({}, {"missing": ColwiseParallel()}):
-        compiled = sc.compile(TensorParallel(plan))(step)
+        compiled = sc.compile(TensorParallel(plan))(_sum_step)
         with sc.simulate(2), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             compiled(model, optim, torch.randn(2, 4))
@@ -100,15 +101,8 @@ def test_a_plan_entry_matching_no_module_warns_by_name():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def step(model, optim, x):
-        loss = model(x).sum()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3.q_proj": ColwiseParallel()}
-    compiled = sc.compile(TensorParallel(plan))(step)
+    compiled = sc.compile(TensorParallel(plan))(_sum_step)
     with sc.simulate(2), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled(model, optim, torch.randn(2, 4))
@@ -271,16 +265,8 @@ def test_heads_the_tp_ranks_do_not_divide_are_refused_naming_heads():
     DTensor's view rule refuses the split; the error says it is about heads."""
     model = _ThreeHeads()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(model, optim, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
     plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
-    compiled = sc.compile(TensorParallel(plan))(step)
+    compiled = sc.compile(TensorParallel(plan))(_sum_step)
     with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="divides the number of heads") as refused:
         compiled(model, optim, torch.randn(2, 4, 24))
     assert "aten.view" in str(refused.value)
