@@ -44,7 +44,7 @@ from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
-from .runtime.runner import BranchMismatch, StepTimings
+from .runtime.runner import BranchMismatch, StepTimings, keep_installs, undo_installs
 from .runtime.same_inputs import InputAgreement, checks_whole_values, warn_on_same_shares
 from .runtime.simulate import Simulation, active_simulation, mesh_is_live
 from .runtime.step_executable import CallResult, StepExecutable
@@ -223,7 +223,11 @@ class CompiledTrainStep:
                 return self._call_in(bindings, sim, ambient)
             with private.autocast_regions(ambient, enabled=False):
                 return self._call_in(bindings, sim, ambient)
+        except BaseException:  # NOTE: [a failed first call leaves the model as it was]
+            undo_installs()
+            raise
         finally:  # NOTE: [replaced parameters held outside the step]
+            keep_installs()
             retire_replaced_parameters()
 
     def _call_in(self, bindings: StepBindings, sim: Simulation | None, ambient: tuple) -> Any:
@@ -281,6 +285,7 @@ class CompiledTrainStep:
                 )
         except BaseException:
             if made is not None:  # the optimizer is left as the call found it
+                undo_installs()  # first: the made entries are in the state dicts it puts back
                 made.remove(bindings)
             raise
         if call.lower_seconds > 0:  # this call lowered a graph (NOTE: [lowering])
@@ -400,7 +405,8 @@ class CompiledTrainStep:
                 hint = ("give the step batches of one shape (pad them, or drop the last "
                         "partial batch)")
             elif what.startswith("optimizer["):
-                hint = ("only the learning rate (and Adam's / AdamW's first beta) is a graph "
+                hint = ("only the learning rate (and Adam's / AdamW's first beta, SGD's "
+                        "momentum where the step reads it only in optimizer.step()) is a graph "
                         "input; keep the other optimizer settings fixed (a scheduler cycling "
                         "momentum or betas: OneCycleLR / CyclicLR(cycle_momentum=False))")
             else:
@@ -528,12 +534,16 @@ class CompiledTrainStep:
                 if program.captured.made_state is not None:  # the key of the state it made
                     key = (key[0], bindings.static_key(), *key[2:])
             else:
+                settings = bindings.optimizer_settings()
                 with progress.stage("capture"), step_key.record_environment() as environment:
                     with private.autocast_regions(key[-1], enabled=True):
                         captured, guards = self._capture_guarded(bindings, input_metas, decisions)
                 guards.add_environment(environment)
                 capture_seconds = captured.capture_seconds
-                if captured.made_state is not None:  # the key of the state it made
+                # NOTE: [SGD's momentum as a graph input]: a momentum the step used in
+                # Python became a setting; the key and the pre-capture key name it then
+                rekeyed = bindings.optimizer_settings() != settings
+                if captured.made_state is not None or rekeyed:  # the key of the state it made
                     key = (key[0], bindings.static_key(), *key[2:])
                 try:
                     program, how, load_seconds, program_key = self._cached_or_built(
@@ -543,7 +553,7 @@ class CompiledTrainStep:
                     if captured.made_state is not None:
                         captured.made_state.remove(bindings)
                     raise
-                if pre_key and program_key and key_guards.first_change(bindings) is None:
+                if pre_key and program_key and not rekeyed and key_guards.first_change(bindings) is None:
                     self._write_step_entries(
                         pre_key, program_key, captured, bindings, input_metas, mesh, key[-1],
                         environment,

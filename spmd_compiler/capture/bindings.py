@@ -54,6 +54,18 @@ def record_replacement(old: torch.Tensor, new: torch.nn.Parameter, name: str = "
         _TO_RETIRE.append((weakref.ref(old), name))
 
 
+def forget_replacement(old: torch.Tensor) -> None:
+    """``old`` is back in its module (NOTE: [a failed first call leaves the model as it
+    was] in runtime/runner.py): not replaced, not placed away, not to be retired."""
+    entry = _REPLACED.get(id(old))
+    if entry is not None and entry[0]() is old:
+        del _REPLACED[id(old)]
+    placed = _PLACED_AWAY.get(id(old))
+    if placed is not None and placed() is old:
+        del _PLACED_AWAY[id(old)]
+    _TO_RETIRE[:] = [(ref, name) for ref, name in _TO_RETIRE if ref() is not old]
+
+
 # NOTE: [replaced parameters held outside the step]
 # Code that holds the model's parameters from before the first compiled call (an
 # optimizer that call was not given, stepped eagerly after a compiled backward-only step;
@@ -209,6 +221,35 @@ BETA1 = "beta1"
 _BETA1_INPUT_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
 
+MOMENTUM = "momentum"
+# SGDs whose momentum a step used other than as a graph input: a setting of their
+# programs from then on (NOTE: [SGD's momentum as a graph input] in capture/optimizers.py)
+_MOMENTUM_KEYED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def momentum_is_input(opt: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s momentum is a graph input (NOTE: [SGD's momentum as a graph
+    input] in capture/optimizers.py): torch's SGD, a momentum that is not 0."""
+    momentum = group.get(MOMENTUM)
+    return (
+        type(opt) is torch.optim.SGD and type(momentum) in (float, int) and momentum != 0
+        and not group.get("differentiable") and opt not in _MOMENTUM_KEYED
+    )
+
+
+def keep_momentum_a_setting(opt: torch.optim.Optimizer) -> None:
+    """``opt``'s momentum was used by a step other than as a graph input: from now on it
+    is a setting of the program (a program per value)."""
+    _MOMENTUM_KEYED.add(opt)
+
+
+def cycled_inputs(opt: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
+    """The hyper-parameters of ``group`` besides the learning rate fed to the program."""
+    if beta1_is_input(opt, group):
+        return (BETA1,)
+    return (MOMENTUM,) if momentum_is_input(opt, group) else ()
+
+
 def beta1_is_input(opt: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether ``group``'s first beta is a graph input (NOTE: [Adam's beta1 as a graph input])."""
     betas = group.get("betas")
@@ -325,7 +366,7 @@ class StepBindings:
             StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi)
             for oi, opt in enumerate(self.optimizers)
             for gi, group in enumerate(opt.param_groups)
-            for key in TENSOR_HYPERPARAMS + ((BETA1,) if beta1_is_input(opt, group) else ())
+            for key in TENSOR_HYPERPARAMS + cycled_inputs(opt, group)
         ]
 
     def hyperparam_value(self, ref: StateRef) -> float:
@@ -344,6 +385,7 @@ class StepBindings:
             for k, v in group.items()
             if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
             and not (k == "betas" and beta1_is_input(opt, group))
+            and not (k == MOMENTUM and momentum_is_input(opt, group))
         } | {  # NOTE: [Adam's beta1 as a graph input]: beta2 alone is a setting
             f"optimizer[{oi}].param_groups[{gi}]['betas'][1]": _hashable(group["betas"][1])
             for oi, opt in enumerate(self.optimizers)

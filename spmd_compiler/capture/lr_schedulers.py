@@ -73,14 +73,16 @@ class LRReadAfterSchedulerStep:
     """Stands in for ``param_group["lr"]`` once the group's scheduler stepped in the
     traced step: any use refuses (see the NOTE)."""
 
-    def __init__(self, original: Any, where: str) -> None:
+    def __init__(self, original: Any, where: str, key: str = "lr") -> None:
         self.original = original
         self.where = where
+        self.key = key
 
     def refuse(self, *args: Any, **kwargs: Any) -> Any:
+        what = "learning rate" if self.key == "lr" else self.key
         raise SPMDCompileError(
-            "The train step reads param_group['lr'] after scheduler.step() stepped its "
-            f"optimizer's schedule ({self.where}); a compiled step reads the learning rate "
+            f"The train step reads param_group['{self.key}'] after scheduler.step() stepped "
+            f"its optimizer's schedule ({self.where}); a compiled step reads the {what} "
             "once, before the scheduler steps, and replays the scheduler after the call.",
             user_line=innermost_model_frame_of_stack(),
             hint=HINT,
@@ -89,11 +91,11 @@ class LRReadAfterSchedulerStep:
     __float__ = __int__ = __index__ = __bool__ = __neg__ = __pos__ = __abs__ = refuse
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = refuse
     __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __format__ = refuse
-    __lt__ = __le__ = __gt__ = __ge__ = refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __getitem__ = __iter__ = __len__ = refuse
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"<the learning rate after scheduler.step() at {self.where}: read it outside the compiled step>"
+        return f"<param_group['{self.key}'] after scheduler.step() at {self.where}: read it outside the compiled step>"
 
 
 def learning_rate_of(value: Any) -> Any:
@@ -164,8 +166,13 @@ class SchedulerSteps:
         oi = next((i for i, o in enumerate(self.optimizers) if o is opt), None)
         self.calls.append((index, oi, self.optimizer_steps[oi] if oi is not None else 0, where))
         if oi is not None and self.optimizer_steps[oi] > 0:  # reads after this would be stale
+            # OneCycleLR / CyclicLR cycle the momentum or the first beta too
+            cycled = ("momentum", "betas") if getattr(scheduler, "cycle_momentum", False) else ()
             for group in self.optimizers[oi].param_groups:
                 group["lr"] = LRReadAfterSchedulerStep(group["lr"], where)
+                for key in cycled:
+                    if key in dict.keys(group):  # not a read (MomentumGroup)
+                        dict.__setitem__(group, key, LRReadAfterSchedulerStep(dict.__getitem__(group, key), where, key))
 
     def optimizer_stepped(self, opt: torch.optim.Optimizer) -> None:
         for i, o in enumerate(self.optimizers):

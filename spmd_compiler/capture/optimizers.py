@@ -141,6 +141,121 @@ def _scaled_operand(op: Any, self_: torch.Tensor, t1: torch.Tensor, t2: torch.Te
     return out if op.__name__.endswith("_") else out.to(result)
 
 
+# NOTE: [SGD's momentum as a graph input]
+# ``OneCycleLR`` / ``CyclicLR`` with SGD (torch's own OneCycleLR example) set a new
+# ``momentum`` every step; as a setting of the program, each value compiled a program on
+# every call. torch's SGD reads momentum in Python (``if momentum != 0``), so it cannot be
+# handed a tensor as Adam is its first beta (NOTE: [Adam's beta1 as a graph input]).
+# Instead, while the traced ``step()`` of a ``torch.optim.SGD`` runs, its group holds a
+# ``CycledValue``: a float equal to the momentum (``!= 0`` and truth answer in Python,
+# which the program key already fixes: momentum is an input only while it is not 0) that
+# carries the 0-dim float64 graph input. ``_TensorScalars`` feeds the tensor wherever the
+# value reaches a torch op: ``buf.mul_(momentum)`` (in the op's compute dtype, as eager's
+# kernel multiplies by a Python float) and Nesterov's ``alpha=momentum`` (NOTE: [tensor
+# hyper-parameters in Scalar arguments]). Any other use, inside the step or out of it,
+# would bake the value silently, so it is not allowed to happen: Python arithmetic,
+# ordering or ``float()`` on the value, another op taking it, or a read of the group's
+# momentum outside ``step()`` (the user's step logging it; a ``MomentumGroup``
+# records reads) raise ``CycledValueUsed``, and the step is captured again with the
+# momentum of that optimizer a setting of the program, as before (``bindings.
+# keep_momentum_a_setting``): a program per value, never a stale one.
+
+
+class CycledValueUsed(BaseException):
+    """A cycled hyper-parameter was used other than as a graph input: capture again with
+    it a setting of the program (NOTE: [SGD's momentum as a graph input]). Not an
+    ``Exception``: the capture's handlers of the step's own errors let it through."""
+
+    def __init__(self, optimizer: int, how: str) -> None:
+        super().__init__(f"optimizer[{optimizer}]'s momentum {how}")
+        self.optimizer = optimizer
+
+
+class CycledValue(float):
+    """A hyper-parameter fed to the program as ``tensor`` (NOTE: [SGD's momentum as a
+    graph input]): a float whose only Python uses are ``!= 0``, ``== 0`` and truth."""
+
+    tensor: torch.Tensor
+    optimizer: int
+
+    def __new__(cls, value: float, tensor: torch.Tensor, optimizer: int) -> CycledValue:
+        made = super().__new__(cls, value)
+        made.tensor, made.optimizer = tensor, optimizer
+        return made
+
+    def _used(self, *args: Any) -> Any:
+        raise CycledValueUsed(self.optimizer, "was computed with in Python")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
+    __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = __float__ = __int__ = __round__ = _used
+    __lt__ = __le__ = __gt__ = __ge__ = __trunc__ = __floor__ = __ceil__ = _used
+    __hash__ = float.__hash__
+
+
+class MomentumGroup(dict):
+    """A traced param group whose ``momentum`` is a graph input: the ``CycledValue`` while
+    the optimizer's ``step()`` runs (``opened``); a read at any other time raises
+    ``CycledValueUsed`` (NOTE: [SGD's momentum as a graph input])."""
+
+    def __init__(self, entries: dict[str, Any], value: CycledValue) -> None:
+        super().__init__(entries)
+        self.value, self.open = value, False
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[None]:
+        self.open = True
+        try:
+            yield
+        finally:
+            self.open = False
+
+    def __getitem__(self, key: Any) -> Any:
+        if key != "momentum":
+            return super().__getitem__(key)
+        if not self.open:
+            raise CycledValueUsed(self.value.optimizer, "was read outside its step()")
+        return self.value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def __iter__(self) -> Iterator[Any]:  # dict(g), {**g}: through __getitem__
+        return iter(list(self.keys()))
+
+    def items(self) -> Any:
+        return [(k, self[k]) for k in self.keys()]
+
+    def values(self) -> Any:
+        return [self[k] for k in self.keys()]
+
+    def copy(self) -> dict[str, Any]:
+        return dict(self.items())
+
+
+def _cycled_values_fed(func: Any, name: str, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``args`` / ``kwargs`` with each ``CycledValue`` replaced by its tensor, where the op
+    is one whose use of it is known: ``mul`` / ``mul_``'s factor, ``add`` / ``sub``'s alpha."""
+    for position, a in [*enumerate(args), *kwargs.items()]:
+        if isinstance(a, CycledValue) and not (
+            (name in ("mul", "mul_") and position == 1) or (name in _ALPHA_OPS and position == "alpha")
+        ):
+            raise CycledValueUsed(a.optimizer, f"was given to {name}")
+    fed = tuple(a.tensor if isinstance(a, CycledValue) else a for a in args)
+    return fed, {k: v.tensor if isinstance(v, CycledValue) else v for k, v in kwargs.items()}
+
+
+def _scaled(op: Any, self_: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``op(self_, factor)`` (``mul`` / ``mul_``) for a float64 0-dim ``factor`` standing
+    for a Python float: multiplied in the op's compute dtype (a 16-bit tensor's float32,
+    where eager's kernel keeps the float) and rounded once to ``self_``'s dtype."""
+    _, compute = _compute_dtype(self_)
+    if compute == self_.dtype:
+        return op(self_, factor.to(compute))
+    product = self_.to(compute) * factor.to(compute)
+    return self_.copy_(product) if op.__name__.endswith("_") else product.to(self_.dtype)
+
+
 class _TensorScalars(TorchFunctionMode):
     """Rewrites Scalar arguments given as tensors (NOTE: [tensor hyper-parameters in
     Scalar arguments])."""
@@ -148,6 +263,10 @@ class _TensorScalars(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
+        if any(isinstance(a, CycledValue) for a in (*args, *kwargs.values())):
+            args, kwargs = _cycled_values_fed(func, name, args, kwargs)
+            if name in ("mul", "mul_"):
+                return _scaled(func, args[0], args[1])
         if name in _ALPHA_OPS and isinstance(kwargs.get("alpha"), torch.Tensor):
             alpha = kwargs.pop("alpha")
             return _add_with_tensor_alpha(func, args[0], args[1], alpha, tuple(args[2:]), kwargs)

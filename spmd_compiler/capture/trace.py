@@ -76,7 +76,14 @@ from ..ir.signature import (
 from . import initial_state, selected_rows
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
-from .bindings import BETA1, StepBindings, check_plain_modules, tensor_argument_names
+from .bindings import (
+    BETA1,
+    MOMENTUM,
+    StepBindings,
+    check_plain_modules,
+    keep_momentum_a_setting,
+    tensor_argument_names,
+)
 from .code_names import step_code, step_name, step_where
 from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
@@ -104,8 +111,8 @@ from .mask_selections import (
     mask_selections,
     settled_in_capture,
 )
+from .optimizers import CycledValue, CycledValueUsed, MomentumGroup, tracing_optimizer_step
 from .optimizers import check_supported as check_supported_optimizers
-from .optimizers import tracing_optimizer_step
 from .outside_tensors import FoundTensor, OutsideWrites, outside_constants
 from .python_effects import (
     OWN_GENERATOR,
@@ -647,6 +654,18 @@ def capture_step(
         with ``make_state``: when ``made_state`` of the result is set, the optimizers
         hold that state (``MadeState.remove`` takes it out again).
     """
+    while True:
+        try:
+            return _capture_step(func, bindings, input_metas, options, decisions, make_state)
+        except CycledValueUsed as used:  # NOTE: [SGD's momentum as a graph input]
+            log.info("%s: %s; it is a setting of the program from now on", step_name(func), used)
+            keep_momentum_a_setting(bindings.optimizers[used.optimizer])
+
+
+def _capture_step(
+    func: Callable[..., Any], bindings: StepBindings, input_metas: list[TensorMeta],
+    options: CaptureOptions, decisions: tuple[tuple[bool, str], ...], make_state: bool,
+) -> CapturedStep:
     floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
     if floats:
         try:
@@ -735,6 +754,9 @@ def _steady_with_predicted_state(
             reason, unread = initial_state.prediction_differs(
                 made, steady.graph, steady.refs(), steady.tracer.swapped
             )
+    except CycledValueUsed:  # captured again: the optimizers as they were
+        made.remove(bindings)
+        raise
     except Exception as exc:  # noqa: BLE001 - the two traces go on as before
         reason = f"the trace failed ({exception_summary(exc)})"
     if reason is not None:
@@ -796,6 +818,9 @@ def _steady_with_made_state(
         reason = state_plan.differs_from(
             steady.graph, steady.refs(), steady.tracer.out_refs, steady.side()
         ) or ("the steady trace keeps values or checks" if steady.holds_more() else None)
+    except CycledValueUsed:  # captured again: the optimizers as they were
+        made.remove(bindings)
+        raise
     except Exception as exc:  # noqa: BLE001 - the first trace goes on as before
         reason = f"the steady trace failed ({exception_summary(exc)})"
     if reason is not None:
@@ -1480,6 +1505,9 @@ def _swap_optimizer(
         beta1 = values.get(StateRef(Kind.HYPERPARAM, key=BETA1, optimizer=oi, group=gi))
         if beta1 is not None:  # NOTE: [Adam's beta1 as a graph input]
             new["betas"] = (beta1, group["betas"][1])
+        momentum = values.get(StateRef(Kind.HYPERPARAM, key=MOMENTUM, optimizer=oi, group=gi))
+        if momentum is not None:  # NOTE: [SGD's momentum as a graph input]
+            new = MomentumGroup(new, CycledValue(group[MOMENTUM], momentum, oi))
         # NOTE: [capture in two traces] explains these three flags.
         if "capturable" in new:
             new["capturable"] = True
@@ -1508,7 +1536,10 @@ def _swap_optimizer(
         mark = last_node(graph)
         with private.optimizer_capturable_path(), tracing_optimizer_step(
             opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code)
-        ):
+        ), contextlib.ExitStack() as opened:
+            for group in groups:
+                if isinstance(group, MomentumGroup):
+                    opened.enter_context(group.opened())
             result = original_step(*args, **kwargs)
         note_optimizer_step(opt)  # NOTE: [schedulers stepped in the step]
         if graph is not None:

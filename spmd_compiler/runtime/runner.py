@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -25,7 +26,12 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from ..capture.bindings import StepBindings, record_placed_away, record_replacement
+from ..capture.bindings import (
+    StepBindings,
+    forget_replacement,
+    record_placed_away,
+    record_replacement,
+)
 from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
 from ..errors import SPMDCompileError, SPMDRuntimeError, exception_summary
@@ -59,6 +65,33 @@ class StepTimings:
 STEP_TIMES_KEPT = 10_000
 
 
+# NOTE: [a failed first call leaves the model as it was]
+# The first call of a step places the model and optimizer state (``_install``: each
+# parameter and buffer replaced in its module by a DTensor, the optimizers pointed at the
+# new parameters, their state converted) before the program runs. When that call then
+# fails (a value check that came out the way no program holds, a fault on a rank, an
+# error in a branch's compile), nothing was updated, but the model was left placed: its
+# parameters DTensors, so the user could not go on eagerly (calling the model raised),
+# where a failure at capture leaves the model untouched. Each install records how to put
+# back what it replaced; the call that made it undoes it if it fails (``undo_installs``,
+# from ``CompiledTrainStep._call``) and keeps it otherwise (``keep_installs``). The old
+# parameter objects come back (what the user holds is the model's again), with their
+# gradients and the optimizers' old state dicts, and the verified-set of the program
+# that installed is cleared.
+_UNDO: list[Callable[[], None]] = []
+
+
+def undo_installs() -> None:
+    """Put back what this call's installs replaced (see the NOTE), newest first."""
+    while _UNDO:
+        _UNDO.pop()()
+
+
+def keep_installs() -> None:
+    """This call succeeded: its installs stay."""
+    _UNDO.clear()
+
+
 def install_state(
     bindings: StepBindings,
     placement_of: Any,
@@ -88,6 +121,7 @@ def install_state(
     bindings.forget_state_dicts()  # the optimizers' state dicts are new ones now
     if verified is not None:
         verified.update(id(t) for t in _state_tensors(bindings))
+        _UNDO.append(verified.clear)  # undone first: ids of the DTensors undone
 
 
 def _state_tensors(bindings: StepBindings) -> list[torch.Tensor]:
@@ -106,6 +140,7 @@ def _install(
 ) -> None:
     rehome = _Rehome(mesh)
     new_params: dict[int, torch.nn.Parameter] = {}
+    _UNDO.append(_undo_of(bindings))
     p: torch.Tensor  # a parameter, later an optimizer's state key
     value: torch.Tensor | None  # a parameter, a buffer, later an optimizer's state entry
     for name, p in list(bindings.params.items()):
@@ -168,6 +203,40 @@ def _install(
         bindings.params[name] = new_params.get(id(p), p)
     for name in list(bindings.buffers):
         bindings.buffers[name] = _find_buffer(bindings, name)
+
+
+def _undo_of(bindings: StepBindings) -> Callable[[], None]:
+    """How to put back everything ``_install`` may replace for ``bindings`` (NOTE: [a
+    failed first call leaves the model as it was])."""
+    slots: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        (entries, dict(entries))
+        for mod in bindings.modules for sub in mod.modules()
+        for entries in (sub._parameters, sub._buffers)
+    ]
+    optimizers = [
+        (opt, opt.state, [(group, group["params"]) for group in opt.param_groups])
+        for opt in bindings.optimizers
+    ]
+    params: dict[str, Any] = dict(bindings.params)
+    buffers: dict[str, Any] = dict(bindings.buffers)
+
+    def undo() -> None:
+        for entries, before in slots:
+            entries.clear()
+            entries.update(before)
+        for opt, state, groups in optimizers:
+            opt.state = state
+            for group, group_params in groups:
+                group["params"] = group_params
+        bindings.params.clear()
+        bindings.params.update(params)
+        bindings.buffers.clear()
+        bindings.buffers.update(buffers)
+        bindings.forget_state_dicts()
+        for t in (*params.values(), *buffers.values()):
+            forget_replacement(t)
+
+    return undo
 
 
 def _check_installed(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements) -> None:

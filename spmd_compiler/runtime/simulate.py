@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ class Simulation:
         self._mode = None
         self._exit_hooks: list[Callable[[], object]] = []
         self._fresh_meshes: dict[tuple, DeviceMesh] = {}
+        self._excepthook = sys.excepthook
 
     def at_exit(self, hook: Callable[[], object]) -> None:
         """Run ``hook`` when the simulation ends, while its ranks still exist (compiled
@@ -56,6 +58,9 @@ class Simulation:
                     "initialized; run simulations in a process without torch.distributed."
                 )
             dist.destroy_process_group()
+        # init_process_group wraps sys.excepthook in one that prefixes "[rank0]: " to every
+        # line, again on each call: after N simulations an uncaught error printed N prefixes
+        self._excepthook = sys.excepthook
         private.init_fake_process_group(self.world_size)
         self._owns_group = True
         self._mode = private.local_tensor_mode(self.world_size)
@@ -76,6 +81,8 @@ class Simulation:
             _ACTIVE.reset(self._token)
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self._owns_group:
+            sys.excepthook = self._excepthook
 
     @contextlib.contextmanager
     def ranks(self) -> Iterator[None]:

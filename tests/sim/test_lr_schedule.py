@@ -343,21 +343,135 @@ def test_one_cycle_cycling_adams_beta1_compiles_once(run_parity, classification_
     assert betas == result.reference_optimizer.param_groups[0]["betas"] and betas[0] != 0.95
 
 
-def test_a_schedule_cycling_momentum_names_the_setting_it_recompiles_for(
-    classification_batches, caplog
-):
-    """Of the momentum settings, only Adam's and AdamW's first beta is a graph input:
-    OneCycleLR cycling SGD's momentum compiles a program per call. That must not be
-    silent: each recompile names the setting, and the third says what to do."""
+SGDS = {
+    "momentum": {"momentum": 0.9},
+    "nesterov": {"momentum": 0.9, "nesterov": True},
+    "dampening_decay_maximize": {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.05,
+                                 "maximize": True},
+}
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("sgd", list(SGDS))
+@pytest.mark.parametrize("in_step", [True, False], ids=["in_step", "between_calls"])
+def test_one_cycle_cycling_sgd_momentum_compiles_twice(run_parity, classification_batches, mode, sgd, in_step):
+    """NOTE: [SGD's momentum as a graph input] in capture/optimizers.py: OneCycleLR's
+    default ``cycle_momentum`` (torch's own example: SGD, momentum 0.9) changes SGD's
+    momentum every step; it is an input, so the two programs of SGD with momentum (the
+    first makes the buffer) serve every call (before: one per call), and the updates
+    are eager's."""
+    from spmd_compiler.parallel_modes import DataParallel
+
+    result = run_parity(
+        lambda: mlp().double(),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.2, **SGDS[sgd]),
+        2,
+        classification_batches(STEPS, dtype=torch.float64),
+        make_scheduler=ONE_CYCLE["sgd_momentum"],
+        mode=DataParallel(mode),
+        **({"step": step_then_schedule, "scheduler_in_step": True} if in_step else {}),
+    )
+    result.assert_close(1e-12)
+    assert result.compile_counts == PROGRAMS["sgd_momentum"]
+    momentum = result.optimizer.param_groups[0]["momentum"]
+    assert momentum == result.reference_optimizer.param_groups[0]["momentum"] != 0.9
+
+
+def _logs_momentum(model, optim, scheduler, x, y):
+    loss = nn.functional.cross_entropy(model(x), y)
+    scaled = loss.detach() * optim.param_groups[0]["momentum"]
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    scheduler.step()
+    return loss, scaled
+
+
+def test_momentum_the_step_reads_itself_is_a_setting(classification_batches):
+    """NOTE: [SGD's momentum as a graph input]: a step that uses the momentum itself
+    (here: scales a returned value by it) would keep the value it was traced with in a
+    program fed the momentum; such a momentum is a setting of the program instead, a
+    program per value, and every value returned is eager's."""
+    torch.manual_seed(0)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    scheduler = ONE_CYCLE["sgd_momentum"](optim)
+    reference_scheduler = ONE_CYCLE["sgd_momentum"](reference_optim)
+    compiled = sc.compile()(_logs_momentum)
+    with sc.simulate(world_size=2):
+        for x, y in classification_batches(4, dtype=torch.float64):
+            loss, scaled = compiled(model, optim, scheduler, x, y)
+            expected_loss, expected_scaled = _logs_momentum(reference, reference_optim, reference_scheduler, x, y)
+            assert torch.allclose(loss, expected_loss, rtol=1e-12, atol=0)
+            assert torch.allclose(scaled, expected_scaled, rtol=1e-12, atol=0)
+    assert compiled.compile_count == 4
+    state = sc.checkpoint.full_state_dict(model, optim)
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state["model"][name], value, rtol=1e-12, atol=1e-15), name
+
+
+def test_reading_the_momentum_after_the_scheduler_stepped_is_refused(classification_batches):
+    """Eager reads the momentum OneCycleLR just set; the program would read the one from
+    before the scheduler's step, which the runtime replays after the call."""
+    def logged_step(model, optim, scheduler, x, y):
+        loss = step_then_schedule(model, optim, scheduler, x, y)
+        return loss, loss.detach() * optim.param_groups[0]["momentum"]
+
     model = mlp()
     optim = OPTIMIZERS["sgd_momentum"](model)
     scheduler = ONE_CYCLE["sgd_momentum"](optim)
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as refused:
+        sc.compile()(logged_step)(model, optim, scheduler, *classification_batches(1)[0])
+    text = str(refused.value)
+    assert "reads param_group['momentum'] after scheduler.step()" in text
+    assert 'optim.param_groups[0]["momentum"]' in text
+    assert scheduler.last_epoch == 0
+
+
+def test_momentum_set_from_zero_compiles_its_program(classification_batches, train_step):
+    """Momentum is an input only while it is not 0 (``if momentum != 0`` in torch's SGD
+    decides whether there is a buffer at all): 0 -> 0.5 -> 0.7 by hand compiles for the
+    first change, not the second, and matches eager."""
+    torch.manual_seed(0)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = train_step
+    compiled = sc.compile()(step)
+    counts = []
+    with sc.simulate(world_size=2):
+        for i, (x, y) in enumerate(classification_batches(5, dtype=torch.float64)):
+            for opt in (optim, reference_optim):
+                opt.param_groups[0]["momentum"] = [0.0, 0.5, 0.5, 0.7, 0.7][i]
+            loss = compiled(model, optim, x, y)
+            assert torch.allclose(loss, step(reference, reference_optim, x, y), rtol=1e-12, atol=0)
+            counts.append(compiled.compile_count)
+    # 0: one program; 0.5: the buffer's first program, then the steady one; 0.7: no new one
+    assert counts == [1, 2, 3, 3, 3]
+    state = sc.checkpoint.full_state_dict(model, optim)
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state["model"][name], value, rtol=1e-12, atol=1e-15), name
+
+
+def test_a_schedule_cycling_momentum_names_the_setting_it_recompiles_for(
+    classification_batches, caplog
+):
+    """Of the momentum settings, only Adam's and AdamW's first beta and SGD's momentum are
+    graph inputs: OneCycleLR cycling NAdam's first beta compiles a program per call.
+    That must not be silent: each recompile names the setting, and the third says what
+    to do."""
+    model = mlp()
+    optim = torch.optim.NAdam(model.parameters(), lr=1e-2)
+    scheduler = ONE_CYCLE["adamw"](optim)
     compiled = sc.compile()(step_then_schedule)
     with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(world_size=2):
         for x, y in classification_batches(5):
             compiled(model, optim, scheduler, x, y)
     assert compiled.compile_count == 5
     messages = [r.getMessage() for r in caplog.records]
-    assert any("recompiling step_then_schedule: optimizer[0].param_groups[0]['momentum'] was" in m
+    assert any("recompiling step_then_schedule: optimizer[0].param_groups[0]['betas'] was" in m
                for m in messages)
     assert any("changed on 3 calls" in m and "cycle_momentum=False" in m for m in messages)

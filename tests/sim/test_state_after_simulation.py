@@ -135,3 +135,15 @@ def test_a_given_mesh_of_an_ended_simulation_is_refused() -> None:
     step = sc.compile(mode)(classification_train_step)
     with sc.simulate(world_size=4), pytest.raises(sc.SPMDCompileError, match="simulation that has ended"):
         step(model, optim, torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 3, (8,)))
+
+
+def test_simulations_leave_the_excepthook_as_they_found_it():
+    """torch's init_process_group wraps sys.excepthook in a "[rank0]: " prefixer on each
+    call: after N simulations an uncaught error printed N prefixes on every line."""
+    import sys
+
+    before = sys.excepthook
+    for _ in range(3):
+        with sc.simulate(world_size=2):
+            pass
+    assert sys.excepthook is before

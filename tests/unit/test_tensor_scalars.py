@@ -69,3 +69,49 @@ def test_python_number_scalars_are_left_alone():
     with _TensorScalars():
         got = param.clone().add_(other, alpha=LR)
     assert torch.equal(got, param.clone().add_(other, alpha=LR))
+
+
+MOMENTUM = 0.8999999761581421  # not a bf16 / fp16 value: rounding it first would show
+CYCLED_CALLS = {  # torch's SGD: buf.mul_(momentum); Nesterov's grad.add(buf, alpha=momentum)
+    "mul_": lambda p, o, m: p.clone().mul_(m),
+    "mul": lambda p, o, m: torch.mul(p, m),
+    "add_alpha": lambda p, o, m: p.add(o, alpha=m),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("call", list(CYCLED_CALLS))
+def test_cycled_value_is_fed_as_the_eager_kernel_reads_a_float(dtype, call):
+    """NOTE: [SGD's momentum as a graph input]: the momentum's tensor, where the op meets
+    the float, gives eager's result bit for bit (a 16-bit buffer multiplied in float32)."""
+    from spmd_compiler.capture.optimizers import CycledValue
+
+    param, other, _ = _operands(dtype, dtype)
+    expected = CYCLED_CALLS[call](param, other, MOMENTUM)
+    cycled = CycledValue(MOMENTUM, torch.tensor(MOMENTUM, dtype=torch.float64), 0)
+    with _TensorScalars():
+        got = CYCLED_CALLS[call](param, other, cycled)
+    assert got.dtype == expected.dtype
+    assert torch.equal(got, expected)
+
+
+def test_cycled_value_used_any_other_way_asks_for_a_setting():
+    """Every use of the value that would keep the float it was traced with raises
+    ``CycledValueUsed`` (the capture then makes it a setting of the program); its zero
+    test and truth, which the program key fixes, answer in Python."""
+    from spmd_compiler.capture.optimizers import CycledValue, CycledValueUsed
+
+    cycled = CycledValue(0.9, torch.tensor(0.9, dtype=torch.float64), 3)
+    assert cycled != 0 and not cycled == 0 and bool(cycled)
+    x = torch.ones(4)
+    uses = [
+        lambda: 1 - cycled, lambda: cycled * 2, lambda: -cycled, lambda: float(cycled),
+        lambda: cycled > 0.5, lambda: round(cycled),
+    ]
+    for use in uses:
+        with pytest.raises(CycledValueUsed, match=r"optimizer\[3\]'s momentum"):
+            use()
+    with _TensorScalars(), pytest.raises(CycledValueUsed, match="given to lerp"):
+        torch.lerp(x, x, cycled)
+    with _TensorScalars(), pytest.raises(CycledValueUsed, match="given to add"):
+        x.add(cycled)  # as the tensor added, not its alpha

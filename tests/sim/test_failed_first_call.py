@@ -1,0 +1,68 @@
+"""A first call that fails after it placed the state leaves the model as it was (NOTE: [a
+failed first call leaves the model as it was] in ``spmd_compiler/runtime/runner.py``).
+
+A value check that comes out the way no program holds is found while the program runs,
+after the call replaced the parameters by DTensors. Before, the error said nothing was
+updated, yet the model's parameters stayed DTensors: calling the model eagerly raised,
+and the user could not go on without the compiler.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.parallel_modes import DataParallel
+
+
+def _counted_step(model, optim, x, y):
+    out = model(x)
+    count = torch.nonzero(y).shape[0]  # compiled for an all-true mask, checked every call
+    loss = F.cross_entropy(out, y, reduction="sum") / count
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),  # state made first
+}
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_first_call_failing_its_value_check_leaves_the_model_plain(mode, optimizer):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    optim = OPTIMIZERS[optimizer](model)
+    reference = copy.deepcopy(model)
+    reference_optim = OPTIMIZERS[optimizer](reference)
+    held = list(model.parameters())
+    x = torch.randn(8, 8, dtype=torch.float64)
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(_counted_step)
+    with sc.simulate(world_size=2):
+        with pytest.raises(sc.SPMDRuntimeError, match="Nothing was updated"):
+            compiled(model, optim, x, torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]))
+        # the same parameter objects, plain, with the optimizer's state as before
+        assert all(a is b for a, b in zip(held, model.parameters(), strict=True))
+        assert all(type(p) is nn.Parameter for p in model.parameters())
+        assert all(optim.param_groups[0]["params"][i] is p for i, p in enumerate(held))
+        assert not optim.state
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+        # the model trains eagerly, then compiled, as the reference does
+        y = torch.tensor([1, 2, 3, 1, 2, 3, 1, 2])
+        for m, o in ((model, optim), (reference, reference_optim)):
+            _counted_step(m, o, x, y)
+        loss = compiled(model, optim, x, y)
+        expected = _counted_step(reference, reference_optim, x, y)
+        assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
+    state = sc.checkpoint.full_state_dict(model, optim)
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state["model"][name], value, rtol=1e-10, atol=1e-14), name
