@@ -2447,6 +2447,7 @@ def install_dtensor_gap_fills() -> None:
     _install_fft_strategies()
     _install_batch_sharded_convolution()
     _install_convolution_backward_replicated_inputs()
+    _install_convolution_operands_placed()
     _install_copy_strategy()
     _install_distance_strategies()
     _install_along_dim_strategies()
@@ -3433,6 +3434,65 @@ def _install_batch_sharded_convolution() -> None:
     convolution._spmd_local_first = True  # type: ignore[attr-defined]
     setattr(tp_conv, "tp_convolution", convolution)  # noqa: B010 - typed module attribute
     setattr(tp_conv, "tp_convolution_backward", convolution_backward)  # noqa: B010
+
+
+# NOTE: [convolution operands placed first]
+# DTensor runs ``convolution`` and ``convolution_backward`` through handlers of their own
+# (``_tp_conv``), which propagate the sharding and then run the local kernel on the
+# arguments as they are: where the propagation asks for a redistribution (2.13 / 2.14's
+# strategy wants a replicated weight) the handler drops the request, and 2.11's rule
+# copies the input's placement to the output whatever the weight's. Three ways a user
+# met it, found by a probe of vision models (float64, 2 simulated ranks):
+# - silently wrong: the double backward of a convolution (a gradient penalty on the
+#   input: WGAN-GP, R1) computes its weight term as ``convolution(a.transpose(0, 1),
+#   v.transpose(0, 1))``, the batch (sharded) now the convolution's input channels: a
+#   sum over the ranks, taken as a shard of the output's channels; the penalty's weight
+#   gradient came out 1/world of eager's (ddp and fsdp), and with per-sample
+#   ``grad_outputs`` the replicas of a weight diverged;
+# - refused: under fsdp a convolution reading its weight after ``optimizer.step()`` in
+#   the same step (a GAN's generator step) got the updated weight still sharded; under
+#   ddp a weight scaled by a value sharded as a batch (``spectral_norm`` on a
+#   convolution with as many output channels as the batch has samples).
+# Before the handler runs, the weight and bias are made replicated, and an input sharded
+# on its channel dimension, or a partial sum (which the bias would meet on every rank),
+# replicated on those mesh dimensions; batch and spatial shards stay (the local kernel
+# or the handler's halo exchange serves them). The common case, a replicated weight and
+# a batch-sharded input, passes through unchanged.
+def _install_convolution_operands_placed() -> None:
+    from torch.distributed.tensor import Replicate
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+
+    def replicated(t: Any, keep: Callable[[Any], bool]) -> Any:
+        if not isinstance(t, DTensor) or all(keep(p) for p in t.placements):
+            return t
+        return t.redistribute(t.device_mesh, [p if keep(p) else Replicate() for p in t.placements])
+
+    def input_kept(p: Any) -> bool:
+        return not p.is_partial() and not p.is_shard(1)
+
+    def is_replicate(p: Any) -> bool:
+        return p.is_replicate()
+
+    def placed(original: Callable[..., Any], input_index: int, bias_index: int | None) -> Callable[..., Any]:
+        def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+            moved = list(args)
+            moved[input_index] = replicated(args[input_index], input_kept)
+            moved[input_index + 1] = replicated(args[input_index + 1], is_replicate)
+            if bias_index is not None:
+                moved[bias_index] = replicated(args[bias_index], is_replicate)
+            return original(op_call, tuple(moved), kwargs)
+
+        handler._spmd_operands_placed = True  # type: ignore[attr-defined]
+        return handler
+
+    for op, input_index, bias_index in (
+        (torch.ops.aten.convolution.default, 0, 2),
+        (torch.ops.aten.convolution_backward.default, 1, None),
+    ):
+        original = handlers.get(op)
+        if original is not None and not getattr(original, "_spmd_operands_placed", False):
+            handlers[op] = placed(original, input_index, bias_index)
 
 
 def _install_convolution_backward_replicated_inputs() -> None:

@@ -23,6 +23,7 @@ of the float. The rule that keeps this exact:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -61,6 +62,14 @@ class FloatArgumentMode(TorchFunctionMode):
         ours = [t for t in leaves if self.is_stand_in(t)]
         if not ours:
             return func(*args, **kwargs)
+        if inspect.isfunction(func):
+            # a function written in Python (F.smooth_l1_loss tests ``beta == 0.0`` and
+            # passes beta on as a Scalar): run under this mode, so that its own ops and
+            # its Python decisions on the value are seen as the step's are; before, a
+            # float argument given to one had its `if` taken for a check on a tensor
+            # value and one way compiled, the other refused at run time
+            with self:
+                return func(*args, **kwargs)
         others = [t for t in leaves if isinstance(t, torch.Tensor) and not self.is_stand_in(t)]
         if not others:
             out = func(*args, **kwargs)

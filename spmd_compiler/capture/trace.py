@@ -988,7 +988,8 @@ def _trace_first(
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, code),
             hint=_COMPILED_INSIDE_HINT if _COMPILED_INSIDE in str(exc)
-            else _VALUES_READ_HINT if _VALUES_READ in str(exc) else None,
+            else _VALUES_READ_HINT if _VALUES_READ in str(exc)
+            else _NUMPY_HINT if _NUMPY in str(exc) else None,
         ) from exc
     _check_float_arguments_read(first, [r for r, _ in inputs])
     _drop_refused_value_reads(first)
@@ -1041,6 +1042,13 @@ _COMPILED_INSIDE_HINT = (
 # torch's words when a C++ function reads the data of a traced tensor: one taking a tensor
 # of sizes or indices (``torch.tensor_split(x, idx_tensor)``) to shape its result. Before
 # 2026-12-02 the error went on about custom kernels and Caffe2.
+# ``t.numpy()`` of a traced tensor (torch's words: the trace's tensors are subclasses)
+_NUMPY = ".numpy() is not supported for tensor subclasses"
+_NUMPY_HINT = (
+    "a compiled step has no values while it is traced, so .numpy() cannot run inside it: "
+    "return the tensor (or `loss.item()`, a number) and call .numpy() on what the call "
+    "returns."
+)
 _VALUES_READ = "its data is not allocated yet"
 _VALUES_READ_TEXT = (
     "a torch function read the values of a tensor to decide the shape of its result (a "

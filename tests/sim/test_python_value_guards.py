@@ -407,6 +407,29 @@ def test_float_argument_keeps_python_type_promotion(run_parity, classification_b
     assert result.compile_counts == [1, 2, 2]
 
 
+def test_float_argument_a_torch_function_decides_on_stays_a_guard(run_parity, classification_batches):
+    """``F.smooth_l1_loss`` tests ``beta == 0.0`` in Python and passes beta on as a
+    Scalar: the float is a guard, a program per value. Before, the `if` inside torch's
+    function was taken for a check on a tensor value: only the ``beta == 0`` way was
+    compiled, and every call with another beta was refused at run time."""
+
+    def step(model, optim, x, y, beta):
+        target = F.one_hot(y, 4).to(x.dtype)
+        loss = F.smooth_l1_loss(model(x), target, beta=beta)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    betas = [0.5, 0.5, 1.0, 0.0, 0.5]
+    result = run_parity(
+        _mlp, sgd_momentum, 2, _with_scales(classification_batches(5), betas), step=step
+    )
+    result.assert_close(FLOAT32_TOLERANCE)
+    # 0.5: state-creating + steady; 1.0: new; 0.0 (the l1 way): new; 0.5 again: cached
+    assert result.compile_counts == [1, 2, 3, 4, 4]
+
+
 # ---------------------------------------------------------------- Python side effects
 
 

@@ -282,3 +282,22 @@ def test_a_clock_imported_by_name_is_refused_too():
         compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches()[0])
     assert "start = clock()" in str(info.value)
     assert clock is time.perf_counter  # the module's name holds the real clock again
+
+
+def numpy_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach().numpy()
+
+
+def test_numpy_in_the_step_says_what_to_do():
+    """torch's own words ("not supported for tensor subclasses") named nothing the user
+    wrote; the hint says to return the tensor and call .numpy() on the result."""
+    model = _model()
+    compiled = sc.compile(make_mode("ddp"))(numpy_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches()[0])
+    assert "return loss.detach().numpy()" in str(info.value)
+    assert "call .numpy() on what the call returns" in str(info.value)
