@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
@@ -45,7 +45,60 @@ def refuse_plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
     )
 
 
+# NOTE: [loading plain tensors into a placed model]
+# ``model.load_state_dict(best)`` with plain tensors (a checkpoint's weights, the
+# ``"model"`` entry ``sc.checkpoint.full_state_dict`` returns: rolling back to the best
+# weights) on a model a compiled step placed failed in torch's ``copy_`` ("got mixed
+# torch.Tensor and DTensor"), naming neither the compiler nor what to do. A
+# load-state-dict pre-hook on each module given to a compiled step (every submodule, so
+# ``model.block.load_state_dict`` works too) places each plain tensor its own entries
+# receive as the DTensor it replaces is placed, read as the full value: on simulated
+# ranks shared out by the simulation (inside ``simulate`` or after it), on real ranks
+# each rank taking its share of the full tensor it was given (every rank loads the same
+# values, as with an unplaced model; no collective). Shapes that differ are left to
+# torch's own size check.
+def place_loaded_tensors(
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """Load-state-dict pre-hook: the plain tensors for ``module``'s own DTensor state,
+    placed like it (see the NOTE)."""
+    from .simulate import simulation_for
+
+    own = {**module._parameters, **module._buffers}
+    targets = {
+        prefix + name: current for name, current in own.items()
+        if isinstance(current, DTensor) and _plain(state_dict.get(prefix + name))
+        and tuple(state_dict[prefix + name].shape) == tuple(current.shape)
+    }
+    if not targets:
+        return
+    with simulation_for(targets.values()) as sim:
+        for key, current in targets.items():
+            full = state_dict[key].detach().to(dtype=current.dtype)
+            if sim is not None:
+                state_dict[key] = sim.shard(full, current.device_mesh, current.placements)
+            else:
+                full = full.to(current.to_local().device)
+                state_dict[key] = distribute_tensor(
+                    full, current.device_mesh, current.placements, src_data_rank=None
+                )
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+
+
 _GUARDED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_LOADING: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def place_loaded_state(modules: list[torch.nn.Module]) -> None:
+    """Install ``place_loaded_tensors`` on every submodule of ``modules``, once."""
+    for mod in modules:
+        for sub in mod.modules():
+            if sub not in _LOADING:
+                sub.register_load_state_dict_pre_hook(place_loaded_tensors)
+                _LOADING.add(sub)
 
 
 def guard_direct_calls(modules: list[torch.nn.Module]) -> list[Callable[[], None]]:
@@ -65,4 +118,4 @@ def _unguard(mod: torch.nn.Module, handle: Any) -> None:
     _GUARDED.discard(mod)
 
 
-__all__ = ["guard_direct_calls", "refuse_plain_inputs"]
+__all__ = ["guard_direct_calls", "place_loaded_state", "refuse_plain_inputs"]

@@ -39,7 +39,7 @@ from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import Kind, StateRef, TensorMeta, ValueCheck, contiguous_stride
 from ..lower import Executable, LoweredGraph
 from ..state_donation import donation_pairs
-from .eager_calls import guard_direct_calls
+from .eager_calls import guard_direct_calls, place_loaded_state
 from .faults import attribution
 from .same_inputs import InputAgreement
 from .simulate import Simulation, mesh_is_live
@@ -199,6 +199,7 @@ def _install(
             new_state[new_p] = converted
         opt.state = new_state
     guard_direct_calls(bindings.modules)  # NOTE: [calling a placed model directly]
+    place_loaded_state(bindings.modules)  # NOTE: [loading plain tensors into a placed model]
     for name, p in list(bindings.params.items()):
         bindings.params[name] = new_params.get(id(p), p)
     for name in list(bindings.buffers):

@@ -259,3 +259,26 @@ def test_tensor_parallel_fused_projection_resumes(tmp_path) -> None:
     DCP's planner ("Failed to validate global plan"); now it resumes bit for bit."""
     results = sc.launch(_fused_worker, WORLD_SIZE, backend="gloo", args=(str(tmp_path / "tp"),))
     assert results == [0.0, 0.0]
+
+
+def plain_load_worker(rank: int, world_size: int) -> dict[str, object]:
+    """Plain weights (every rank the same full values) loaded into a placed model: NOTE:
+    [loading plain tensors into a placed model]; each rank takes its share, uneven rows
+    included."""
+    model, optim = build()
+    step = sc.compile(DataParallel("fully_shard"))(train_step)
+    step(model, optim, *local_batches(rank, world_size)[0])
+    fresh, _ = build()
+    model.load_state_dict(fresh.state_dict())
+    return {
+        "state": full_state(model, optim, None),
+        "fresh": {k: v.detach().clone() for k, v in fresh.state_dict().items()},
+        "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
+
+
+def test_plain_weights_load_into_a_placed_model() -> None:
+    for result in sc.launch(plain_load_worker, WORLD_SIZE, timeout_s=180):
+        assert result["dtensors"]
+        for name, value in result["fresh"].items():
+            assert torch.equal(result["state"][f"param.{name}"], value), name
