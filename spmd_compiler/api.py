@@ -33,7 +33,7 @@ from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, build_guards
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
-from .capture.lr_schedulers import replayed
+from .capture.lr_schedulers import replayed, scheduler_state
 from .capture.trace import capture_step
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import Change, SPMDCompileError
@@ -279,10 +279,9 @@ class CompiledTrainStep:
         self._last = executable
         # NOTE: [schedulers stepped in the step]
         try:
-            with replayed(executable.program.captured.scheduler_steps, bindings.schedulers):
-                call = self._run_branches(
-                    executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement
-                )
+            call = self._run_branches(
+                executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement
+            )
         except BaseException:
             if made is not None:  # the optimizer is left as the call found it
                 undo_installs()  # first: the made entries are in the state dicts it puts back
@@ -302,15 +301,24 @@ class CompiledTrainStep:
     ) -> CallResult:
         """Run the step; when an ``if`` on a tensor's value went the other way than the
         program took, nothing was written: run the program of that way, compiled on
-        first need, on the same inputs and random-number state (NOTE: [value checks])."""
+        first need, on the same inputs and random-number state (NOTE: [value checks]).
+        The schedulers each program steps are replayed around it (NOTE: [schedulers
+        stepped in the step]): the way that ran decides which, and those a mismatched
+        program stepped before it ran are set back (``scheduler_state``)."""
         if not executable.program.captured.checks:  # no `if` on a value: nothing to redo
-            return executable.run(bindings, tensor_args, sim, agreement)
+            with replayed(executable.program.captured.scheduler_steps, bindings.schedulers):
+                return executable.run(bindings, tensor_args, sim, agreement)
         device = next(iter(bindings.params.values())).device
         for _ in range(MAX_BRANCH_PROGRAMS):
             rng = _rng_state(device)
+            steps = executable.program.captured.scheduler_steps
+            restore = scheduler_state(bindings.schedulers, bindings.optimizers) if steps else None
             try:
-                call = executable.run(bindings, tensor_args, sim, agreement)
+                with replayed(steps, bindings.schedulers):
+                    call = executable.run(bindings, tensor_args, sim, agreement)
             except BranchMismatch as mismatch:
+                if restore is not None:  # a scheduler stepped before this program ran
+                    restore()
                 _set_rng_state(device, rng)
                 executable = self._branch_program(key, bindings, input_metas, mesh, mismatch.decisions)
                 self._last = executable

@@ -191,6 +191,15 @@ def _stray_after_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> tu
     return stray
 
 
+def follow_replaced_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Point ``optimizer`` at the parameters that replaced its own in ``model`` (a
+    compiled step without it placed them: an evaluation step first), as its next
+    compiled call would (NOTE: [parameters replaced by DTensors]); the checkpoint
+    functions read it through torch's state-dict API, which met the old parameters."""
+    if optimizer is not None:
+        _follow_replacements(optimizer, {id(p) for p in model.parameters()})
+
+
 def _follow_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> None:
     """Point ``opt`` at the parameters that replaced its own, where the modules own those."""
     moved = {}

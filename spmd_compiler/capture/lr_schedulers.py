@@ -236,6 +236,25 @@ def _scheduler_classes() -> list[type]:
     return found
 
 
+def scheduler_state(schedulers: list[Any], optimizers: list[torch.optim.Optimizer]) -> Callable[[], None]:
+    """How to set ``schedulers`` and the settings of ``optimizers``' param groups (what
+    a scheduler's ``step()`` writes: the learning rate, a cycled momentum or beta) back
+    to what they are now: a program whose ``if`` on a tensor's value went the other way
+    wrote nothing, so the scheduler steps replayed before it are taken back
+    (``CompiledTrainStep._run_branches``)."""
+    states = [s.state_dict() for s in schedulers]
+    groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
+
+    def restore() -> None:
+        for scheduler, state in zip(schedulers, states, strict=True):
+            scheduler.load_state_dict(state)
+        for opt, saved in zip(optimizers, groups, strict=True):
+            for group, entries in zip(opt.param_groups, saved, strict=True):
+                group.update(entries)
+
+    return restore
+
+
 @contextlib.contextmanager
 def replayed(steps: list[SchedulerStep], schedulers: list[Any]) -> Iterator[None]:
     """Step the schedulers a compiled call replays: those the step ran before its
@@ -251,5 +270,5 @@ def replayed(steps: list[SchedulerStep], schedulers: list[Any]) -> Iterator[None
 
 __all__ = [
     "HINT", "LRReadAfterSchedulerStep", "SchedulerStep", "SchedulerSteps", "find_schedulers",
-    "learning_rate_of", "note_optimizer_step", "replayed",
+    "learning_rate_of", "note_optimizer_step", "replayed", "scheduler_state",
 ]

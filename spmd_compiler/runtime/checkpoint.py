@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,6 +59,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _torch_private as private
 from .._torch_private import pytree
+from ..capture.bindings import follow_replaced_parameters
 from .checkpoint_checksums import (
     CheckpointError,
     process_group_all_reduce,
@@ -75,13 +75,16 @@ MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 
 
-def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[Any]:
-    """The state's tensors, for ``simulation_for`` to tell what ranks they live on."""
-    yield from model.parameters()
-    yield from model.buffers()
+def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[Any]:
+    """The state's tensors, for ``simulation_for`` to tell what ranks they live on (the
+    optimizer first pointed at the model's placed parameters: every checkpoint function
+    starts here)."""
+    follow_replaced_parameters(model, optimizer)
+    found: list[Any] = [*model.parameters(), *model.buffers()]
     if optimizer is not None:
         for per_param in optimizer.state.values():
-            yield from per_param.values()
+            found += per_param.values()
+    return found
 
 
 # NOTE: [an optimizer saved before its first step]

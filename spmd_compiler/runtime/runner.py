@@ -36,7 +36,14 @@ from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
 from ..errors import SPMDCompileError, SPMDRuntimeError, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
-from ..ir.signature import Kind, StateRef, TensorMeta, ValueCheck, contiguous_stride
+from ..ir.signature import (
+    Kind,
+    StateRef,
+    TensorMeta,
+    ValueCheck,
+    contiguous_stride,
+    optim_state_dtype,
+)
 from ..lower import Executable, LoweredGraph
 from ..state_donation import donation_pairs
 from .eager_calls import guard_direct_calls, place_loaded_state
@@ -188,6 +195,11 @@ def _install(
             converted = {}
             for key, value in entries.items():
                 rehome(value)
+                if isinstance(value, DTensor) and value.dtype != optim_state_dtype(tuple(value.shape), value.dtype):
+                    # a float32 step counter put back as a DTensor (``load_state_dict`` of a
+                    # fused Adam's state casts it): the programs count in float64 (NOTE:
+                    # [float64 step counters]); before, the program ran on the float32 one
+                    value = value.to(torch.float64)
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                     ref = StateRef(Kind.OPTIM_STATE, name, key, oi, _group_of(opt, new_p))
                     meta = TensorMeta.of(value)

@@ -475,3 +475,45 @@ def test_a_schedule_cycling_momentum_names_the_setting_it_recompiles_for(
     assert any("recompiling step_then_schedule: optimizer[0].param_groups[0]['betas'] was" in m
                for m in messages)
     assert any("changed on 3 calls" in m and "cycle_momentum=False" in m for m in messages)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("before", [False, True], ids=["after_step", "before_step"])
+def test_a_scheduler_in_a_branch_the_call_skipped_is_not_stepped(classification_batches, mode, before):
+    """The replay follows the way the call took: a non-finite batch skips the update and
+    its scheduler step, as eagerly. Before, the first program's scheduler steps were
+    replayed whichever way the `if` went (one epoch ahead per skipped batch, parameters
+    3e-2 off after 6 calls, silently); a scheduler stepped before the update is set back
+    when its program turns out to be the wrong way."""
+    from spmd_compiler.parallel_modes import DataParallel
+
+    def step(model, optim, scheduler, x, y):
+        loss = nn.functional.cross_entropy(model(x), y)
+        if torch.isfinite(loss):
+            if before:
+                scheduler.step()
+            loss.backward()
+            optim.step()
+            if not before:
+                scheduler.step()
+            optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](reference)
+    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    batches = classification_batches(6, dtype=torch.float64)
+    batches[2] = (torch.full_like(batches[2][0], float("nan")), batches[2][1])
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(step)
+    with sc.simulate(world_size=2):
+        for x, y in batches:
+            compiled(model, optim, scheduler, x, y)
+            step(reference, reference_optim, reference_scheduler, x, y)
+            assert scheduler.last_epoch == reference_scheduler.last_epoch  # after every call
+        state = sc.checkpoint.full_state_dict(model, optim)
+    assert scheduler.last_epoch == 5
+    assert optim.param_groups[0]["lr"] == reference_optim.param_groups[0]["lr"]
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state["model"][name], value, rtol=1e-12, atol=1e-15), name

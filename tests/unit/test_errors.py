@@ -532,9 +532,12 @@ def test_a_lazy_module_before_its_first_forward_is_refused_then_trains():
     assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
-def test_an_argument_split_on_a_dimension_that_is_not_its_batch_says_what_to_do():
-    """An unbatched (C, L) input to a Conv1d is split on its channels by default: the
-    expansion error names input_batch_dim, with which the step compiles."""
+def test_an_unbatched_convolution_input_split_on_its_channels_computes_eagers_loss():
+    """An unbatched (C, L) input to a Conv1d is split on its channels by default (its
+    first dimension). Before the convolution's operands were placed first (NOTE:
+    [convolution operands placed first]) the expansion failed, naming input_batch_dim;
+    now the program gathers the channels, and the step computes what one device
+    computes on the whole input, as with ``input_batch_dim={"x": None}``."""
 
     def conv_step(model, optim, x):  # noqa: ANN001, ANN202
         loss = model(x).square().mean()
@@ -542,15 +545,20 @@ def test_an_argument_split_on_a_dimension_that_is_not_its_batch_says_what_to_do(
         optim.step()
         return loss
 
+    torch.manual_seed(0)
     model = nn.Conv1d(4, 5, 3).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    whole_model = copy.deepcopy(model)
+    eager_model = copy.deepcopy(model)
     x = torch.randn(4, 3, dtype=torch.float64)
+    expected = conv_step(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.1), x)
     with sc.simulate(world_size=2):
-        with pytest.raises(SPMDCompileError) as info:
-            sc.compile(DataParallel("replicate"))(conv_step)(model, opt, x)
-        assert "input_batch_dim" in str(info.value)
+        split = sc.compile(DataParallel("replicate"))(conv_step)(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), x
+        )
         whole = DataParallel("replicate", input_batch_dim={"x": None})
-        sc.compile(whole)(conv_step)(model, opt, x)
+        kept = sc.compile(whole)(conv_step)(whole_model, torch.optim.SGD(whole_model.parameters(), lr=0.1), x)
+    assert torch.allclose(split, expected, rtol=1e-12, atol=0)
+    assert torch.allclose(kept, expected, rtol=1e-12, atol=0)
 
 
 def _loss_step(model, optim, x):  # noqa: ANN001, ANN202
