@@ -641,6 +641,14 @@ def build_guards(
         guards.links.append((_ARG, None, i, arg))
         if walker.iterator(arg, f"argument {i} of the step"):
             continue
+        if any(arg is s for s in bindings.schedulers):
+            # an LR scheduler this program does not step (one it steps is skipped: NOTE:
+            # [schedulers stepped in the step]) changes every call all the same, stepped
+            # by the program of another way (gradient accumulation stepping it in the
+            # branch that updates): guarded by the attributes the code names. Walked
+            # whole, its ``last_epoch`` compiled a program for every update
+            walker.named.append((arg, f"argument {i} of the step", "", False, set(), False, 0))
+            continue
         if holds_attributes(arg):
             walker.whole(arg, f"argument {i} of the step", OBJECT_DEPTH)
     classes: dict[type, None] = {}

@@ -517,3 +517,64 @@ def test_a_scheduler_in_a_branch_the_call_skipped_is_not_stepped(classification_
     assert optim.param_groups[0]["lr"] == reference_optim.param_groups[0]["lr"]
     for name, value in reference.state_dict().items():
         assert torch.allclose(state["model"][name], value, rtol=1e-12, atol=1e-15), name
+
+
+def test_a_scheduler_stepped_only_by_the_updating_way_compiles_no_more(classification_batches):
+    """Gradient accumulation with the scheduler in the branch that updates: the program of
+    the accumulating way does not step it, and guarded its ``last_epoch`` as a value,
+    which the other way changes every update: a program per update. Now such a scheduler
+    is guarded by the names the code reads: 4 programs (each way before and after the
+    first update made the momentum buffer), none after the fourth call; parity with
+    eager."""
+    def step(model, optim, scheduler, x, y, update):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if update:
+            optim.step()
+            scheduler.step()
+            optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = OPTIMIZERS["sgd_momentum"](model), OPTIMIZERS["sgd_momentum"](reference)
+    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    compiled = sc.compile()(step)
+    counts = []
+    with sc.simulate(world_size=2):
+        for i, (x, y) in enumerate(classification_batches(10, dtype=torch.float64)):
+            update = i % 2 == 1
+            compiled(model, optim, scheduler, x, y, update)
+            step(reference, reference_optim, reference_scheduler, x, y, update)
+            counts.append(compiled.compile_count)
+        state = sc.checkpoint.full_state_dict(model, optim)
+    assert counts == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]  # before: one more per update
+    assert scheduler.last_epoch == reference_scheduler.last_epoch == 5
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state["model"][name], value, rtol=1e-12, atol=1e-15), name
+
+
+def test_a_scheduler_attribute_the_step_reads_is_still_guarded(classification_batches):
+    """A scheduler the step does not step but whose ``last_epoch`` it reads (stepped
+    between calls): a new value is a new program, as before."""
+    def step(model, optim, scheduler, x, y):
+        loss = nn.functional.cross_entropy(model(x), y) / (1 + scheduler.last_epoch)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](reference)
+    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    compiled = sc.compile()(step)
+    with sc.simulate(world_size=2):
+        for x, y in classification_batches(3, dtype=torch.float64):
+            loss = compiled(model, optim, scheduler, x, y)
+            assert torch.allclose(loss, step(reference, reference_optim, reference_scheduler, x, y), rtol=1e-12, atol=0)
+            scheduler.step()
+            reference_scheduler.step()
+    assert compiled.compile_count == 3
