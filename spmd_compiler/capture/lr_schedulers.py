@@ -169,10 +169,12 @@ class SchedulerSteps:
             # OneCycleLR / CyclicLR cycle the momentum or the first beta too
             cycled = ("momentum", "betas") if getattr(scheduler, "cycle_momentum", False) else ()
             for group in self.optimizers[oi].param_groups:
-                group["lr"] = LRReadAfterSchedulerStep(group["lr"], where)
-                for key in cycled:
-                    if key in dict.keys(group):  # not a read (MomentumGroup)
-                        dict.__setitem__(group, key, LRReadAfterSchedulerStep(dict.__getitem__(group, key), where, key))
+                for key in ("lr", *cycled):
+                    # dict's own methods: not a read (MomentumGroup); a scheduler stepped
+                    # twice wraps once (each step is replayed)
+                    value = dict.get(group, key)
+                    if key in dict.keys(group) and not isinstance(value, LRReadAfterSchedulerStep):
+                        dict.__setitem__(group, key, LRReadAfterSchedulerStep(value, where, key))
 
     def optimizer_stepped(self, opt: torch.optim.Optimizer) -> None:
         for i, o in enumerate(self.optimizers):

@@ -578,3 +578,30 @@ def test_a_scheduler_attribute_the_step_reads_is_still_guarded(classification_ba
             scheduler.step()
             reference_scheduler.step()
     assert compiled.compile_count == 3
+
+
+def test_a_scheduler_stepped_twice_in_the_step_is_replayed_twice(classification_batches):
+    """Refused before, with a message about the learning rate changing inside the step:
+    the second step wrapped the first's stand-in of the rate again."""
+    def step(model, optim, scheduler, x, y):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        scheduler.step()
+        scheduler.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](reference)
+    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    compiled = sc.compile()(step)
+    with sc.simulate(world_size=2):
+        for x, y in classification_batches(3, dtype=torch.float64):
+            loss = compiled(model, optim, scheduler, x, y)
+            assert torch.allclose(loss, step(reference, reference_optim, reference_scheduler, x, y), rtol=1e-12, atol=0)
+    assert scheduler.last_epoch == reference_scheduler.last_epoch == 6
+    assert optim.param_groups[0]["lr"] == reference_optim.param_groups[0]["lr"]
+    assert compiled.compile_count == 1
