@@ -477,6 +477,16 @@ def test_a_schedule_cycling_momentum_names_the_setting_it_recompiles_for(
     assert any("changed on 3 calls" in m and "cycle_momentum=False" in m for m in messages)
 
 
+def _twins(optimizer: str) -> tuple:
+    """A float64 MLP and its eager copy, each with its optimizer and LambdaLR schedule."""
+    torch.manual_seed(0)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = OPTIMIZERS[optimizer](model), OPTIMIZERS[optimizer](reference)
+    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    return model, reference, optim, reference_optim, scheduler, reference_scheduler
+
+
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
 @pytest.mark.parametrize("before", [False, True], ids=["after_step", "before_step"])
 def test_a_scheduler_in_a_branch_the_call_skipped_is_not_stepped(classification_batches, mode, before):
@@ -499,11 +509,7 @@ def test_a_scheduler_in_a_branch_the_call_skipped_is_not_stepped(classification_
             optim.zero_grad()
         return loss
 
-    torch.manual_seed(0)
-    model = mlp().double()
-    reference = copy.deepcopy(model)
-    optim, reference_optim = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](reference)
-    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    model, reference, optim, reference_optim, scheduler, reference_scheduler = _twins("adamw")
     batches = classification_batches(6, dtype=torch.float64)
     batches[2] = (torch.full_like(batches[2][0], float("nan")), batches[2][1])
     compiled = sc.compile(parallel_mode=DataParallel(mode))(step)
@@ -535,11 +541,7 @@ def test_a_scheduler_stepped_only_by_the_updating_way_compiles_no_more(classific
             optim.zero_grad()
         return loss
 
-    torch.manual_seed(0)
-    model = mlp().double()
-    reference = copy.deepcopy(model)
-    optim, reference_optim = OPTIMIZERS["sgd_momentum"](model), OPTIMIZERS["sgd_momentum"](reference)
-    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    model, reference, optim, reference_optim, scheduler, reference_scheduler = _twins("sgd_momentum")
     compiled = sc.compile()(step)
     counts = []
     with sc.simulate(world_size=2):
@@ -565,11 +567,7 @@ def test_a_scheduler_attribute_the_step_reads_is_still_guarded(classification_ba
         optim.zero_grad()
         return loss
 
-    torch.manual_seed(0)
-    model = mlp().double()
-    reference = copy.deepcopy(model)
-    optim, reference_optim = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](reference)
-    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    model, reference, optim, reference_optim, scheduler, reference_scheduler = _twins("adamw")
     compiled = sc.compile()(step)
     with sc.simulate(world_size=2):
         for x, y in classification_batches(3, dtype=torch.float64):
@@ -592,11 +590,7 @@ def test_a_scheduler_stepped_twice_in_the_step_is_replayed_twice(classification_
         optim.zero_grad()
         return loss
 
-    torch.manual_seed(0)
-    model = mlp().double()
-    reference = copy.deepcopy(model)
-    optim, reference_optim = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](reference)
-    scheduler, reference_scheduler = (SCHEDULERS["lambda"](o) for o in (optim, reference_optim))
+    model, reference, optim, reference_optim, scheduler, reference_scheduler = _twins("adamw")
     compiled = sc.compile()(step)
     with sc.simulate(world_size=2):
         for x, y in classification_batches(3, dtype=torch.float64):
