@@ -209,6 +209,22 @@ def optimizer_capturable_path() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def adam_update_as_eager() -> Iterator[None]:
+    """Inside: torch's per-parameter Adam / AdamW update takes its non-capturable branch
+    (the state is made as the capturable path makes it; NOTE: [Adam's update as eager's]
+    in capture/optimizers.py)."""
+    import torch.optim.adam as module
+
+    original = module._single_tensor_adam
+
+    def update(*args: Any, capturable: bool = False, differentiable: bool = False, **kwargs: Any) -> None:
+        return original(*args, capturable=capturable and differentiable, differentiable=differentiable, **kwargs)
+
+    with mock.patch.object(module, "_single_tensor_adam", update):
+        yield
+
+
 def adafactor_single_tensor_step() -> Any:
     """torch's per-parameter Adafactor update (``torch.optim._adafactor``, private), or
     None where this torch has none."""

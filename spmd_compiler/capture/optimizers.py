@@ -141,6 +141,24 @@ def _scaled_operand(op: Any, self_: torch.Tensor, t1: torch.Tensor, t2: torch.Te
     return out if op.__name__.endswith("_") else out.to(result)
 
 
+# NOTE: [Adam's update as eager's]
+# The capture runs torch.optim's capturable path (NOTE: [capture in two traces]): its
+# step counter and learning rate are tensors there. Its Adam / AdamW update is written
+# for that path as ``param.addcdiv_(exp_avg, denom)`` with ``denom = sqrt(v) /
+# (bc2_sqrt * -step_size) + eps / -step_size``: at a learning rate of exactly 0 (every
+# transformers warmup schedule starts there; a group held at 0 to freeze it) ``-step_size``
+# is -0, and an element whose second moment is 0 (an embedding row no batch used, a
+# gradient that is exactly 0) gets 0 / -0 = NaN: the whole model NaN after two steps of a
+# GPT-2 fine-tune, silently, where eager leaves the parameters as they are. So the update
+# takes torch's other branch, eager's own formula: ``denom = sqrt(v) / bc2_sqrt + eps``,
+# ``param.addcdiv_(exp_avg, denom, value=-step_size)`` with the 0-d ``step_size`` a tensor
+# (the call rewritten by NOTE: [tensor hyper-parameters in Scalar arguments]; the step
+# counter read as a tensor, ``_get_value`` under the patched ``is_compiling``). The state
+# is still made by the capturable path's ``_init_group`` (``capturable`` in the group);
+# only ``_single_tensor_adam`` is told otherwise (``_torch_private.adam_update_as_eager``),
+# unless the group is differentiable. Eager's formula is also eager's rounding.
+
+
 # NOTE: [SGD's momentum as a graph input]
 # ``OneCycleLR`` / ``CyclicLR`` with SGD (torch's own OneCycleLR example) set a new
 # ``momentum`` every step; as a setting of the program, each value compiled a program on
@@ -317,7 +335,7 @@ def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[
     try:
         with _TensorScalars(), mock.patch.object(
             torch, "full_like", _full_like_accepting_tensors(torch.full_like)
-        ), _adafactor_in_tensor_ops(opt):
+        ), _adafactor_in_tensor_ops(opt), private.adam_update_as_eager():
             yield
     except Undecided as exc:  # NOTE: [value checks]: named if it is refused
         exc.owner = f"optimizer[{oi}] ({type(opt).__module__}.{type(opt).__name__}) in its step()"

@@ -35,16 +35,24 @@ _REDUCED = (torch.float16, torch.bfloat16)
 
 
 class FloatArgumentUsedInPython(Exception):
-    """The trace used a float argument other than in tensor ops; capture it as a guard."""
+    """The trace used a float argument other than in tensor ops; capture it as a guard.
+    ``indices``: the positions of the arguments concerned, where known (the others stay
+    graph inputs); None: every float argument becomes a guard."""
+
+    def __init__(self, message: str, indices: frozenset[int] | None = None) -> None:
+        super().__init__(message)
+        self.indices = indices
 
 
 class FloatArgumentMode(TorchFunctionMode):
     """Tracks the stand-ins of float arguments (and scalars computed only from them)
     and casts them where they meet other tensors (see the NOTE)."""
 
-    def __init__(self, stand_ins: list[torch.Tensor]) -> None:
+    def __init__(self, stand_ins: list[torch.Tensor], indices: list[int] | None = None) -> None:
         super().__init__()
         self.scalars: dict[int, torch.Tensor] = {id(t): t for t in stand_ins}
+        # id(stand-in) -> the position of its float in the step's flat arguments
+        self.index_of: dict[int, int] = {id(t): i for t, i in zip(stand_ins, indices or [], strict=False)}
         # 0-dim bools computed only from stand-ins (``scale > 1``): an ``if`` on one is
         # Python's decision, which keeps the float a guard (NOTE: [value checks])
         self.flags: dict[int, torch.Tensor] = {}
@@ -62,14 +70,20 @@ class FloatArgumentMode(TorchFunctionMode):
         ours = [t for t in leaves if self.is_stand_in(t)]
         if not ours:
             return func(*args, **kwargs)
-        if inspect.isfunction(func):
-            # a function written in Python (F.smooth_l1_loss tests ``beta == 0.0`` and
-            # passes beta on as a Scalar): run under this mode, so that its own ops and
-            # its Python decisions on the value are seen as the step's are; before, a
-            # float argument given to one had its `if` taken for a check on a tensor
-            # value and one way compiled, the other refused at run time
-            with self:
-                return func(*args, **kwargs)
+        if inspect.isfunction(func) and getattr(func, "__module__", "") != "torch._tensor":
+            # a torch function written in Python (F.smooth_l1_loss tests ``beta == 0.0``
+            # and passes beta on as a Scalar): its Python would decide on the value where
+            # this mode cannot see it (its ops run with the mode off), and a decision on
+            # a stand-in was taken for a check on a tensor's value, one way compiled and
+            # every call of another value refused at run time. The float stays a guard.
+            # (Running the function under this mode instead re-entered it through its
+            # own ``handle_torch_function``: a RecursionError on ``F.cross_entropy``.)
+            # ``torch._tensor``'s operators (``1 - scale``) are tensor ops.
+            known = [self.index_of.get(id(t)) for t in ours]
+            raise FloatArgumentUsedInPython(
+                f"a float argument is passed to {func.__module__}.{func.__qualname__}",
+                None if None in known else frozenset(i for i in known if i is not None),
+            )
         others = [t for t in leaves if isinstance(t, torch.Tensor) and not self.is_stand_in(t)]
         if not others:
             out = func(*args, **kwargs)

@@ -667,15 +667,29 @@ def _capture_step(
     options: CaptureOptions, decisions: tuple[tuple[bool, str], ...], make_state: bool,
 ) -> CapturedStep:
     floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
-    if floats:
+    while floats:
         try:
             return _capture(func, bindings, input_metas, options, floats, decisions, make_state)
         except Exception as exc:  # noqa: BLE001 - retried with the floats as constants
+            used = _float_arguments_used(exc)
+            kept = tuple(i for i in floats if used is not None and i not in used)
             log.info(
-                "float arguments %s of %s stay guarded constants (%s)", list(floats),
-                func.__name__, exception_summary(exc),
+                "float arguments %s of %s stay guarded constants (%s)",
+                [i for i in floats if i not in kept], func.__name__, exception_summary(exc),
             )
+            floats = kept  # the others are graph inputs still
     return _capture(func, bindings, input_metas, options, (), decisions, make_state)
+
+
+def _float_arguments_used(exc: BaseException) -> frozenset[int] | None:
+    """The float arguments a failed capture with floats as inputs names as used in Python
+    (``FloatArgumentUsedInPython.indices``, through the errors that wrap it); None: all."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FloatArgumentUsedInPython):
+            return seen.indices
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def float_argument_ref(index: int) -> StateRef:
@@ -1300,18 +1314,19 @@ class _StepTracer:
         positions = [i for i, _ in b.tensor_args()]
         # NOTE: [tensor arguments that require grad]: as the caller passed them
         requiring = [r for r, v in values.items() if r.kind is Kind.INPUT and v.requires_grad]
-        stand_ins = []
+        stand_ins, stand_in_indices = [], []
         for r, v in values.items():
             if r.kind is Kind.INPUT:
                 traced_args[positions[r.index]] = v
             elif r.kind is Kind.HYPERPARAM and r.optimizer < 0:
                 traced_args[r.index] = v
                 stand_ins.append(v)
+                stand_in_indices.append(r.index)
         args, kwargs = pytree.tree_unflatten(traced_args, b.args_spec)
         closed = Closed()  # NOTE: [batch containers]
         if b.containers:
             args, kwargs = close_containers((args, kwargs), b.containers, closed)
-        self.floats = FloatArgumentMode(stand_ins)
+        self.floats = FloatArgumentMode(stand_ins, stand_in_indices)
         compute = _compute_params(params, self.options.param_dtype)
         _carry_python_attributes(b.params, params, compute)  # NOTE: [Python attributes of parameters]
         with contextlib.ExitStack() as stack:

@@ -430,6 +430,30 @@ def test_float_argument_a_torch_function_decides_on_stays_a_guard(run_parity, cl
     assert result.compile_counts == [1, 2, 3, 4, 4]
 
 
+def test_a_float_a_torch_function_takes_leaves_the_others_graph_inputs(run_parity, classification_batches):
+    """``label_smoothing=ls`` is a guard (``F.cross_entropy`` takes it as a Python
+    number); ``scale``, used in tensor ops alone, stays a graph input: a program per value
+    of ``ls``, none per value of ``scale``. Before, the first made every float argument a
+    guard (a program per call)."""
+
+    def step(model, optim, x, y, scale, ls):
+        loss = F.cross_entropy(model(x), y, label_smoothing=ls) * scale
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    batches = [(*b, scale, ls) for b, scale, ls in zip(
+        classification_batches(5), [1.0, 0.5, 2.0, 0.25, 3.0], [0.0, 0.0, 0.1, 0.1, 0.1], strict=True
+    )]
+    result = run_parity(_mlp, sgd_momentum, 2, batches, step=step)
+    result.assert_close(FLOAT32_TOLERANCE)
+    # ls 0.0: state-creating + steady; ls 0.1: one more; scale never
+    assert result.compile_counts == [1, 2, 3, 3, 3]
+    refs = result.compiled.last_program.captured.input_refs()
+    assert [str(r) for r in refs if r.kind is Kind.HYPERPARAM and r.optimizer < 0] == ["float argument 4"]
+
+
 # ---------------------------------------------------------------- Python side effects
 
 
