@@ -864,6 +864,19 @@ def _finish_with_state(
     return captured
 
 
+@contextlib.contextmanager
+def _without_onednn() -> Iterator[None]:
+    """NOTE: [recurrent layers without oneDNN]: torch's oneDNN switch off while the step
+    is traced (``torch.backends.mkldnn.flags`` would also set its TF32 switch, which warns
+    on a CPU build)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before  # type: ignore[assignment]
+
+
 def _trace_first(
     func: Callable[..., Any],
     bindings: StepBindings,
@@ -899,6 +912,10 @@ def _trace_first(
             _module_scopes(bindings.module_fqns) as stack,
             _tag_backward(tracer.mark_gradients),
             attention_as_math(),
+            # NOTE: [recurrent layers without oneDNN]: float32 nn.LSTM / nn.GRU on CPU take
+            # oneDNN's ``mkldnn_rnn_layer``, which no DTensor rule shards (refused at
+            # expansion); without it they trace as torch's own cell ops (float64 always did)
+            _without_onednn(),
             functions_as_ops(),  # NOTE: [functions as plain ops at capture]
             cumulative_batch_norms(bindings.modules),
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
