@@ -74,6 +74,8 @@ class DataParallel(ParallelMode):
         mp_policy: mixed precision (``MixedPrecisionPolicy``): parameters are cast to
             ``param_dtype`` before they are gathered, compute runs in it, gradients are
             reduced in ``reduce_dtype``; master weights and optimizer state stay fp32.
+            torch's own ``torch.distributed.fsdp.MixedPrecisionPolicy`` is converted
+            (its ``output_dtype`` and ``cast_forward_inputs=False`` refused).
         prefetch_depth: fully_shard only: how many all-gather buckets may run ahead of
             the one in use (NOTE: [FSDP prefetch] in ``passes/schedule_overlap.py``); 1
             is FSDP2's prefetch of the next unit, None issues every gather as early as
@@ -99,7 +101,7 @@ class DataParallel(ParallelMode):
         self.style = style
         self.input_batch_dim = checked_batch_dims(input_batch_dim)
         self.reshard_after_forward = reshard_after_forward
-        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.mp_policy = MixedPrecisionPolicy.of(mp_policy) if mp_policy is not None else MixedPrecisionPolicy()
         self.prefetch_depth = prefetch_depth
         self.name = "ddp" if style == "replicate" else "fsdp"
 

@@ -373,6 +373,27 @@ def test_mixed_precision_bf16(style, reduce_dtype):
         assert stats.bytes["all_reduce"] - grad_bytes in (2 + 2, 2 + 4)
 
 
+def test_torchs_own_mixed_precision_policy_is_converted():
+    """A script ported from FSDP2 passes ``torch.distributed.fsdp.MixedPrecisionPolicy``:
+    accepted, then the first call failed inside the mode (no ``effective_reduce_dtype``).
+    It is converted; what this mode does not do is refused when the mode is made."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    from spmd_compiler.parallel_modes import MixedPrecisionPolicy
+
+    mode = DataParallel("fully_shard", mp_policy=TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert mode.mp_policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _mlp()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    with sc.simulate(2):
+        loss = sc.compile(mode)(_step)(model, optim, torch.randn(16, 8), torch.randint(0, 8, (16,)))
+    assert loss.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="output_dtype"):
+        DataParallel("fully_shard", mp_policy=TorchPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    with pytest.raises(ValueError, match="cast_forward_inputs"):
+        DataParallel("fully_shard", mp_policy=TorchPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False))
+
+
 def test_mixed_precision_with_uneven_rows():
     """A bf16 cast of a padded shard (7 and 5 rows over 2 ranks, NOTE: [uneven shards])
     failed the local shape check at expansion; world 2 now equals world 1 within bf16."""
