@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import operator
 import time
@@ -95,6 +96,18 @@ from .state_donation import (
 )
 
 log = logging.getLogger("spmd_compiler.lower")
+
+
+@functools.cache
+def _say_simulation_interprets() -> None:
+    """Once per process: backend="inductor" asked for, simulated ranks interpret (NOTE:
+    [lowering]). Before, nothing said so, and a parity check in simulation seemed to
+    cover Inductor's kernels."""
+    log.warning(
+        'backend="inductor" under sc.simulate: simulated ranks run the program in the '
+        "interpreter (one program for all ranks at once); Inductor's kernels run on real "
+        "ranks (torchrun, sc.launch)."
+    )
 
 Backend = Literal["auto", "eager", "inductor"]
 BACKENDS: tuple[str, ...] = ("auto", "eager", "inductor")
@@ -221,6 +234,8 @@ class LoweredGraph:
         then what ``early`` returned (NOTE: [reductions that ride the input check])."""
         cut = not simulated and self._leading is not None
         if simulated or self._eager(flat):
+            if simulated and self.options.backend == "inductor":
+                _say_simulation_interprets()
             return self._interpret(flat, opened, cut)
         if self._compiled is None:
             return self._lower_and_run(flat, opened)

@@ -47,3 +47,20 @@ def test_backend_under_test_reads_the_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(TEST_BACKEND_ENV, "tvm")
     with pytest.raises(ValueError, match="SPMD_TEST_BACKEND='tvm'"):
         backend_under_test()
+
+
+def test_inductor_under_simulation_says_it_interprets(caplog: pytest.LogCaptureFixture) -> None:
+    """Simulated ranks run the interpreter whatever the backend (NOTE: [lowering]); a
+    parity check there does not run Inductor's kernels, and the log now says so."""
+    from spmd_compiler.lower import _say_simulation_interprets
+
+    _say_simulation_interprets.cache_clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(backend="inductor")(classification_train_step)
+    with caplog.at_level("WARNING", logger="spmd_compiler.lower"), sc.simulate(world_size=2):
+        for _ in range(2):
+            step(model, optim, torch.randn(4, 4), torch.randint(0, 2, (4,)))
+    said = [r for r in caplog.records if "simulated ranks run the program in the interpreter" in r.getMessage()]
+    assert len(said) == 1
