@@ -278,12 +278,13 @@ class CompiledTrainStep:
             self._last.flush()  # another program runs now: finish the old one's update
         self._last = executable
         # NOTE: [schedulers stepped in the step]
+        ran = [False]  # whether a program completed (``_run_branches``)
         try:
             call = self._run_branches(
-                executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement
+                executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement, ran
             )
         except BaseException:
-            if made is not None:  # the optimizer is left as the call found it
+            if made is not None and not ran[0]:  # the optimizer is left as the call found it
                 undo_installs()  # first: the made entries are in the state dicts it puts back
                 made.remove(bindings)
             raise
@@ -297,28 +298,27 @@ class CompiledTrainStep:
     def _run_branches(
         self, executable: StepExecutable, key: tuple, bindings: StepBindings,
         tensor_args: list[torch.Tensor], input_metas: list[TensorMeta], mesh: DeviceMesh,
-        sim: Simulation | None, agreement: InputAgreement | None,
+        sim: Simulation | None, agreement: InputAgreement | None, ran: list[bool],
     ) -> CallResult:
         """Run the step; when an ``if`` on a tensor's value went the other way than the
         program took, nothing was written: run the program of that way, compiled on
         first need, on the same inputs and random-number state (NOTE: [value checks]).
         The schedulers each program steps are replayed around it (NOTE: [schedulers
         stepped in the step]): the way that ran decides which, and those a mismatched
-        program stepped before it ran are set back (``scheduler_state``)."""
+        program stepped before it ran are set back (``scheduler_state``), as they are
+        when the call fails before its program completed. Once a program completed,
+        the call's state install is kept (``keep_installs``) and ``ran`` set: an error
+        after it (a scheduler stepped after the update raising, as eagerly) leaves the
+        update in place, as eager's error does (NOTE: [a failed first call leaves the
+        model as it was])."""
         if not executable.program.captured.checks:  # no `if` on a value: nothing to redo
-            with replayed(executable.program.captured.scheduler_steps, bindings.schedulers):
-                return executable.run(bindings, tensor_args, sim, agreement)
+            return self._run_once(executable, bindings, tensor_args, sim, agreement, ran)
         device = next(iter(bindings.params.values())).device
         for _ in range(MAX_BRANCH_PROGRAMS):
             rng = _rng_state(device)
-            steps = executable.program.captured.scheduler_steps
-            restore = scheduler_state(bindings.schedulers, bindings.optimizers) if steps else None
             try:
-                with replayed(steps, bindings.schedulers):
-                    call = executable.run(bindings, tensor_args, sim, agreement)
+                call = self._run_once(executable, bindings, tensor_args, sim, agreement, ran)
             except BranchMismatch as mismatch:
-                if restore is not None:  # a scheduler stepped before this program ran
-                    restore()
                 _set_rng_state(device, rng)
                 executable = self._branch_program(key, bindings, input_metas, mesh, mismatch.decisions)
                 self._last = executable
@@ -326,6 +326,26 @@ class CompiledTrainStep:
             self._prefer(key, executable)
             return call
         raise self._too_many_ways()
+
+    @staticmethod
+    def _run_once(
+        executable: StepExecutable, bindings: StepBindings, tensor_args: list[torch.Tensor],
+        sim: Simulation | None, agreement: InputAgreement | None, ran: list[bool],
+    ) -> CallResult:
+        """One program, with the scheduler steps it replays (see ``_run_branches``)."""
+        steps = executable.program.captured.scheduler_steps
+        before = any(s.before for s in steps)
+        restore = scheduler_state(bindings.schedulers, bindings.optimizers) if before else None
+        try:
+            with replayed(steps, bindings.schedulers):
+                call = executable.run(bindings, tensor_args, sim, agreement)
+                ran[0] = True
+                keep_installs()
+        except BaseException:
+            if restore is not None and not ran[0]:  # a scheduler stepped before the program
+                restore()
+            raise
+        return call
 
     def _too_many_ways(self) -> SPMDCompileError:
         return SPMDCompileError(

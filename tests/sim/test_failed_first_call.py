@@ -66,3 +66,64 @@ def test_a_first_call_failing_its_value_check_leaves_the_model_plain(mode, optim
     state = sc.checkpoint.full_state_dict(model, optim)
     for name, value in reference.state_dict().items():
         assert torch.allclose(state["model"][name], value, rtol=1e-10, atol=1e-14), name
+
+
+def test_a_failed_call_sets_back_the_scheduler_it_stepped_first():
+    """A scheduler stepped before the update is replayed before the program runs; when
+    the program's value check then fails, "nothing was updated" holds for it too (it
+    was left one epoch ahead)."""
+
+    def step(model, optim, scheduler, x, y):
+        out = model(x)
+        loss = F.cross_entropy(out, y, reduction="sum") / torch.nonzero(y).shape[0]
+        scheduler.step()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda e: 1 / (1 + e))
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(step)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with sc.simulate(world_size=2):
+        with pytest.raises(sc.SPMDRuntimeError, match="Nothing was updated"):
+            compiled(model, optim, scheduler, x, torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]))
+        assert scheduler.last_epoch == 0 and optim.param_groups[0]["lr"] == 0.1
+        compiled(model, optim, scheduler, x, torch.tensor([1, 2, 3, 1, 2, 3, 1, 2]))
+        assert scheduler.last_epoch == 1 and optim.param_groups[0]["lr"] == 0.05
+
+
+def test_an_error_after_the_update_keeps_it_as_eager_does():
+    """The scheduler stepped after the update raises (a schedule at its end), as it does
+    eagerly; the update the program made stays, as eager's does (the undo of a failed
+    first call put the model back before it)."""
+
+    def step(model, optim, scheduler, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        scheduler.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    parts = []
+    for m in (model, reference):
+        optim = torch.optim.SGD(m.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=0.5, total_steps=1)
+        scheduler.step()  # at its end: the next step() raises
+        parts.append((optim, scheduler))
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with sc.simulate(world_size=2):
+        with pytest.raises(ValueError, match="Tried to step"):
+            sc.compile(parallel_mode=DataParallel("replicate"))(step)(model, *parts[0], x, y)
+        with pytest.raises(ValueError, match="Tried to step"):
+            step(reference, *parts[1], x, y)
+        state = sc.checkpoint.full_state_dict(model)["model"]
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state[name], value, rtol=1e-12, atol=1e-15), name
