@@ -93,7 +93,12 @@ def test_fsdp_tp_update_reads_no_gathered_state():
     the head's weight and state over dp and tp after the reduce-scatter. Over tp only the
     logits are gathered; over dp only the parameters (before the forward)."""
     collectives = _collectives(_run(FullyShardTensorParallel(PLAN, mesh_shape=(2, 2)), 4))
-    assert [c for c in collectives if c[0] == "all_gather"] == [("all_gather", 0), ("all_gather", 1)], collectives
+    gathers = [i for i, (kind, _) in enumerate(collectives) if kind == "all_gather"]
+    assert [collectives[i][1] for i in gathers].count(1) == 1, collectives  # the logits
+    # over dp the parameters alone, before the backward (in one bucket or two: since
+    # Adam's update is traced as eager's, the bucketing pass splits them in two)
+    first_scatter = min(i for i, (kind, _) in enumerate(collectives) if kind == "reduce_scatter")
+    assert all(i < first_scatter for i in gathers), collectives
     assert "reduce_scatter" not in [kind for kind, dim in collectives if dim == 1], collectives
     last_scatter = max(i for i, (kind, _) in enumerate(collectives) if kind == "reduce_scatter")
     assert all(kind != "all_gather" for kind, _ in collectives[last_scatter:]), collectives
