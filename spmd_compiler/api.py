@@ -33,7 +33,7 @@ from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, build_guards
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
-from .capture.lr_schedulers import replayed, scheduler_state
+from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import capture_step
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import Change, SPMDCompileError
@@ -278,16 +278,16 @@ class CompiledTrainStep:
             self._last.flush()  # another program runs now: finish the old one's update
         self._last = executable
         # NOTE: [schedulers stepped in the step]
-        ran = [False]  # whether a program completed (``_run_branches``)
         try:
-            call = self._run_branches(
-                executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement, ran
-            )
+            call, ran = self._run_branches(executable, key, bindings, tensor_args, input_metas, mesh, sim, agreement)
         except BaseException:
-            if made is not None and not ran[0]:  # the optimizer is left as the call found it
+            if made is not None:  # no program completed: the optimizer is left as the call found it
                 undo_installs()  # first: the made entries are in the state dicts it puts back
                 made.remove(bindings)
             raise
+        # the program completed and its install is kept: a scheduler stepped after the
+        # update raising (one at its end, as eagerly) leaves the update, as eager's error does
+        step_replayed(ran.program.captured.scheduler_steps, bindings.schedulers, before=False)
         if call.lower_seconds > 0:  # this call lowered a graph (NOTE: [lowering])
             self.timings.compile_seconds += call.lower_seconds
             self.timings.lower_seconds += call.lower_seconds
@@ -298,53 +298,51 @@ class CompiledTrainStep:
     def _run_branches(
         self, executable: StepExecutable, key: tuple, bindings: StepBindings,
         tensor_args: list[torch.Tensor], input_metas: list[TensorMeta], mesh: DeviceMesh,
-        sim: Simulation | None, agreement: InputAgreement | None, ran: list[bool],
-    ) -> CallResult:
+        sim: Simulation | None, agreement: InputAgreement | None,
+    ) -> tuple[CallResult, StepExecutable]:
         """Run the step; when an ``if`` on a tensor's value went the other way than the
         program took, nothing was written: run the program of that way, compiled on
         first need, on the same inputs and random-number state (NOTE: [value checks]).
-        The schedulers each program steps are replayed around it (NOTE: [schedulers
-        stepped in the step]): the way that ran decides which, and those a mismatched
-        program stepped before it ran are set back (``scheduler_state``), as they are
-        when the call fails before its program completed. Once a program completed,
-        the call's state install is kept (``keep_installs``) and ``ran`` set: an error
-        after it (a scheduler stepped after the update raising, as eagerly) leaves the
-        update in place, as eager's error does (NOTE: [a failed first call leaves the
-        model as it was])."""
+        Returns the call and the program that completed it, whose schedulers stepped
+        after the update the caller replays (NOTE: [schedulers stepped in the step]);
+        those a program steps before its update are replayed here, and set back when
+        it does not complete (a mismatched way, an error)."""
         if not executable.program.captured.checks:  # no `if` on a value: nothing to redo
-            return self._run_once(executable, bindings, tensor_args, sim, agreement, ran)
+            return self._run_once(executable, bindings, tensor_args, sim, agreement), executable
         device = next(iter(bindings.params.values())).device
         for _ in range(MAX_BRANCH_PROGRAMS):
             rng = _rng_state(device)
             try:
-                call = self._run_once(executable, bindings, tensor_args, sim, agreement, ran)
+                call = self._run_once(executable, bindings, tensor_args, sim, agreement)
             except BranchMismatch as mismatch:
                 _set_rng_state(device, rng)
                 executable = self._branch_program(key, bindings, input_metas, mesh, mismatch.decisions)
                 self._last = executable
                 continue
             self._prefer(key, executable)
-            return call
+            return call, executable
         raise self._too_many_ways()
 
     @staticmethod
     def _run_once(
         executable: StepExecutable, bindings: StepBindings, tensor_args: list[torch.Tensor],
-        sim: Simulation | None, agreement: InputAgreement | None, ran: list[bool],
+        sim: Simulation | None, agreement: InputAgreement | None,
     ) -> CallResult:
-        """One program, with the scheduler steps it replays (see ``_run_branches``)."""
+        """One program, with the scheduler steps it replays before its update; once it
+        completed, the call's state install is kept (NOTE: [a failed first call leaves
+        the model as it was])."""
         steps = executable.program.captured.scheduler_steps
-        before = any(s.before for s in steps)
-        restore = scheduler_state(bindings.schedulers, bindings.optimizers) if before else None
+        restore = None
+        if any(s.before for s in steps):
+            restore = scheduler_state(bindings.schedulers, bindings.optimizers)
         try:
-            with replayed(steps, bindings.schedulers):
-                call = executable.run(bindings, tensor_args, sim, agreement)
-                ran[0] = True
-                keep_installs()
+            step_replayed(steps, bindings.schedulers, before=True)
+            call = executable.run(bindings, tensor_args, sim, agreement)
         except BaseException:
-            if restore is not None and not ran[0]:  # a scheduler stepped before the program
+            if restore is not None:  # nothing was updated: the schedule is set back too
                 restore()
             raise
+        keep_installs()
         return call
 
     def _too_many_ways(self) -> SPMDCompileError:

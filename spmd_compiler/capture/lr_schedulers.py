@@ -37,8 +37,7 @@ is refused, as the learning rate is.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,20 +256,15 @@ def scheduler_state(schedulers: list[Any], optimizers: list[torch.optim.Optimize
     return restore
 
 
-@contextlib.contextmanager
-def replayed(steps: list[SchedulerStep], schedulers: list[Any]) -> Iterator[None]:
+def step_replayed(steps: list[SchedulerStep], schedulers: list[Any], *, before: bool) -> None:
     """Step the schedulers a compiled call replays: those the step ran before its
-    optimizer's step on entry, the others on a normal exit."""
+    optimizer's step (``before``) ahead of the program, the others after it completed."""
     for s in steps:
-        if s.before:
-            schedulers[s.index].step()
-    yield
-    for s in steps:
-        if not s.before:
+        if s.before == before:
             schedulers[s.index].step()
 
 
 __all__ = [
     "HINT", "LRReadAfterSchedulerStep", "SchedulerStep", "SchedulerSteps", "find_schedulers",
-    "learning_rate_of", "note_optimizer_step", "replayed", "scheduler_state",
+    "learning_rate_of", "note_optimizer_step", "scheduler_state", "step_replayed",
 ]

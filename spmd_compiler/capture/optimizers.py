@@ -208,7 +208,6 @@ class CycledValue(float):
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
     __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = __float__ = __int__ = __round__ = _used
     __lt__ = __le__ = __gt__ = __ge__ = __trunc__ = __floor__ = __ceil__ = _used
-    __hash__ = float.__hash__
 
 
 class MomentumGroup(dict):
