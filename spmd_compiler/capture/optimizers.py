@@ -84,6 +84,29 @@ def check_supported(optimizers: list[torch.optim.Optimizer], where: str | None) 
                     user_line=where,
                     hint=reason[1] + ".",
                 )
+        for gi, group in enumerate(opt.param_groups):
+            for key, value in group.items():
+                if key not in ("params", "lr") and _holds_tensor(value):
+                    # before: traced as a tensor from outside the step, refused as one
+                    # (`aten.rsub` "neither an argument nor part of a module"), misleading
+                    raise SPMDCompileError(
+                        f"optimizer[{oi}].param_groups[{gi}][{key!r}] is given as a tensor "
+                        f"({type(opt).__name__}(..., {key}=tensor)); a compiled step takes a "
+                        "tensor only for the learning rate, other hyper-parameters as "
+                        "Python numbers.",
+                        user_line=where,
+                        hint=f"pass {key} as " + ("floats, e.g. betas=(0.9, 0.999)" if key == "betas"
+                                                  else "a Python number") + ": a scheduler "
+                        "changing them (OneCycleLR's cycled momentum) does not recompile "
+                        "Adam's first beta or SGD's momentum, which are fed to the program "
+                        "like the learning rate.",
+                    )
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)
 
 
 def _compute_dtype(*operands: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:

@@ -395,6 +395,20 @@ def test_lr_assigned_inside_step():
     assert opt.param_groups[0]["lr"] == 1e-2
 
 
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_tensor_betas_are_refused_naming_the_setting(cls):
+    """torch takes ``betas`` as two tensors; the trace read them as tensors from outside
+    the step and refused an ``aten.rsub`` "neither an argument nor part of a module"."""
+    model = Net()
+    betas = (torch.tensor(0.9), torch.tensor(0.999))
+    opt = cls(model.parameters(), lr=1e-2, betas=betas)
+    step(model, opt, *batch())
+    message = str(raises_untouched(step, (model, opt, *batch()), model, opt))
+    assert "optimizer[0].param_groups[0]['betas'] is given as a tensor" in message
+    assert "betas=(0.9, 0.999)" in message and "outside" not in message
+    assert opt.param_groups[0]["betas"] == betas
+
+
 def make_step_with_scheduler(scheduler):
     def step_with_scheduler(model, optim, x, y):
         loss = F.cross_entropy(model(x), y)
