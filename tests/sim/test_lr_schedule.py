@@ -487,6 +487,13 @@ def _twins(optimizer: str) -> tuple:
     return model, reference, optim, reference_optim, scheduler, reference_scheduler
 
 
+def _same_loss(compiled, step, twins: tuple, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One call of ``compiled`` on the model of ``_twins`` and of ``step`` on its eager copy."""
+    model, reference, optim, reference_optim, scheduler, reference_scheduler = twins
+    loss = compiled(model, optim, scheduler, x, y)
+    assert torch.allclose(loss, step(reference, reference_optim, reference_scheduler, x, y), rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
 @pytest.mark.parametrize("before", [False, True], ids=["after_step", "before_step"])
 def test_a_scheduler_in_a_branch_the_call_skipped_is_not_stepped(classification_batches, mode, before):
@@ -567,12 +574,11 @@ def test_a_scheduler_attribute_the_step_reads_is_still_guarded(classification_ba
         optim.zero_grad()
         return loss
 
-    model, reference, optim, reference_optim, scheduler, reference_scheduler = _twins("adamw")
+    model, reference, optim, reference_optim, scheduler, reference_scheduler = twins = _twins("adamw")
     compiled = sc.compile()(step)
     with sc.simulate(world_size=2):
         for x, y in classification_batches(3, dtype=torch.float64):
-            loss = compiled(model, optim, scheduler, x, y)
-            assert torch.allclose(loss, step(reference, reference_optim, reference_scheduler, x, y), rtol=1e-12, atol=0)
+            _same_loss(compiled, step, twins, x, y)
             scheduler.step()
             reference_scheduler.step()
     assert compiled.compile_count == 3
@@ -590,12 +596,11 @@ def test_a_scheduler_stepped_twice_in_the_step_is_replayed_twice(classification_
         optim.zero_grad()
         return loss
 
-    model, reference, optim, reference_optim, scheduler, reference_scheduler = _twins("adamw")
+    model, reference, optim, reference_optim, scheduler, reference_scheduler = twins = _twins("adamw")
     compiled = sc.compile()(step)
     with sc.simulate(world_size=2):
         for x, y in classification_batches(3, dtype=torch.float64):
-            loss = compiled(model, optim, scheduler, x, y)
-            assert torch.allclose(loss, step(reference, reference_optim, reference_scheduler, x, y), rtol=1e-12, atol=0)
+            _same_loss(compiled, step, twins, x, y)
     assert scheduler.last_epoch == reference_scheduler.last_epoch == 6
     assert optim.param_groups[0]["lr"] == reference_optim.param_groups[0]["lr"]
     assert compiled.compile_count == 1
