@@ -143,9 +143,12 @@ def _placement_fields(p: Placement) -> dict[str, Any]:
 class _Encoder:
     """Values -> nested lists / str / numbers / tensors; refuses what it cannot rebuild."""
 
-    def __init__(self, constants: list[torch.Tensor] | None = None, mesh: Any = None) -> None:
+    def __init__(
+        self, constants: list[torch.Tensor] | None = None, mesh: Any = None, passes: tuple[str, ...] = ()
+    ) -> None:
         self.constants = constants
         self.mesh = mesh
+        self.passes = passes  # whose metadata an entry keeps (NOTE: [pass metadata in entries])
 
     def value(self, v: Any) -> Any:  # noqa: PLR0911 - one branch per supported type
         if v is None or type(v) in (bool, int, float, str):
@@ -230,7 +233,7 @@ class _Encoder:
         out = []
         for k in sorted(node.meta):
             value = node.meta[k]
-            if not (k in _META_KEYS or k.startswith("spmd_")):
+            if not (k in _META_KEYS or k.startswith("spmd_") or self.by_pass(k)):
                 continue
             if isinstance(value, torch.distributed.ProcessGroup):
                 continue  # a process group looked up at run time: no value to keep
@@ -238,6 +241,11 @@ class _Encoder:
                 continue
             out.append([k, self.value(value)])
         return out
+
+    def by_pass(self, key: Any) -> bool:
+        """Whether ``key`` is metadata a third-party pass of the program wrote: its name,
+        or its name and a dot (``count_collectives.index``)."""
+        return isinstance(key, str) and any(key == p or key.startswith(p + ".") for p in self.passes)
 
     def _attribute(self, gm: torch.fx.GraphModule, target: str) -> Any:
         value = gm
@@ -403,7 +411,13 @@ def fingerprint(obj: Any, depth: int = 6) -> Any:
     if isinstance(obj, DeviceMesh):
         return ["mesh", obj.device_type, obj.mesh.tolist(), list(obj.mesh_dim_names or ())]
     module = type(obj).__module__ or ""
-    if depth > 0 and module.split(".")[0] in ("torch", *_PACKAGES) and hasattr(obj, "__dict__"):
+    ours = module.split(".")[0] in ("torch", *_PACKAGES)
+    if depth > 0 and not ours and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # a pass's options given as its own dataclass (docs/writing_passes.md allows it):
+        # its fields, and its class's code (defaults, checks) by its source file
+        return [f"{module}.{type(obj).__qualname__}", _class_sources(type(obj)),
+                fingerprint({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, depth - 1)]
+    if depth > 0 and ours and hasattr(obj, "__dict__"):
         if callable(obj):  # code the key cannot describe (a module, a partial)
             raise Uncacheable(f"a callable {type(obj).__qualname__}")
         return [f"{module}.{type(obj).__qualname__}",
@@ -441,20 +455,47 @@ def source_digest() -> str:
 
 
 def _plugin_digest() -> list[str]:
-    from spmd_compiler.passes.registry import registered_passes
+    """The code of every third-party pass: the source files of the package (or the lone
+    module) that defines it. The installed plugins are imported first: a key computed
+    before the first pipeline was built (the pre-capture key of a fresh process) left a
+    plugin out, so a changed pass reused the program the old one wrote (NOTE: [pass
+    plugins in the key])."""
+    from spmd_compiler.passes.registry import load_plugins, registered_passes
 
+    load_plugins()
     digests = []
     for name, spec in sorted(registered_passes().items()):
         module = sys.modules.get(getattr(spec.fn, "__module__", "") or "")
         if module is None:
             raise Uncacheable(f"pass {name}'s module is unknown")
-        if module.__name__.split(".")[0] in _PACKAGES:
+        top = module.__name__.split(".")[0]
+        if top in _PACKAGES:
             continue
         source = getattr(module, "__file__", None)
         if not source:
             raise Uncacheable(f"pass {name}'s module has no source file")
-        digests.append(name + ":" + file_digest(source))
+        digests.append(name + ":" + _package_digest(sys.modules.get(top, module), source))
     return digests
+
+
+# NOTE: [pass plugins in the key]
+# A third-party pass decides the program as much as the graph does, so the key holds its
+# code: every ``.py`` file of the top-level package its function's module belongs to (a
+# helper module the pass imports changes the program too), or the module's own file when
+# it is not in a package. Code it imports from another package is not covered (as a
+# user's step importing an installed library by name is checked by version, not content).
+
+
+def _package_digest(top: Any, source: str) -> str:
+    folders = [Path(f) for f in getattr(top, "__path__", ())]
+    if not folders:
+        return file_digest(source)
+    digest = hashlib.sha256()
+    for folder in sorted(folders):
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(str(path.relative_to(folder)).encode())
+            digest.update(file_digest(path).encode())
+    return digest.hexdigest()
 
 
 def _class_sources(cls: type) -> list[str]:
@@ -541,7 +582,7 @@ def encode_program(program: DistributedProgram) -> dict[str, Any]:
     """The entry of ``program``: plain data and tensors (see the NOTE). Raises
     Uncacheable."""
     constants: list[torch.Tensor] = []
-    enc = _Encoder(constants, mesh=program.mesh)
+    enc = _Encoder(constants, mesh=program.mesh, passes=_third_party(program.passes_applied))
     plan = program.deferred
     graphs = {"step": enc.graph(program.graph_module)}
     if plan is not None:
@@ -557,11 +598,31 @@ def encode_program(program: DistributedProgram) -> dict[str, Any]:
         "passes_applied": enc.value(program.passes_applied),
         "pass_seconds": enc.value(program.pass_seconds),
         "expand_seconds": program.expand_seconds,
+        "graph_meta": enc.value({k: v for k, v in program.graph_module.meta.items() if enc.by_pass(k)}),
         "deferred": None if plan is None else enc.value(
             [list(plan.positions), plan.carry_count, plan.deferred_nodes]
         ),
     }
     return {"graphs": graphs, "fields": fields, "constants": constants}
+
+
+# NOTE: [pass metadata in entries]
+# A third-party pass may leave its findings as metadata (docs/writing_passes.md: the
+# example's ``graph_module.meta["count_collectives"]`` and ``node.meta[
+# "count_collectives.index"]``). On a cache hit no pass runs, so an entry keeps what the
+# program's third-party passes wrote under their own name (the key, or the name and a
+# dot), graph and node alike; a value the entry cannot hold (not plain data) leaves the
+# program uncached, as any other. Built-in passes keep theirs under ``spmd_``.
+
+
+def _third_party(passes: list[str]) -> tuple[str, ...]:
+    from spmd_compiler.passes.registry import registered_passes
+
+    registered = registered_passes()
+    return tuple(
+        p for p in passes
+        if p in registered and (getattr(registered[p].fn, "__module__", "") or "").split(".")[0] not in _PACKAGES
+    )
 
 
 def _tensor_meta(data: list[Any]) -> TensorMeta:
@@ -601,6 +662,7 @@ def decode_program(
             graphs["first"], graphs["steady"], graphs["finish"], tuple(positions),
             carry_count, deferred_nodes,
         )
+    graphs["step"].meta.update(dec.value(f["graph_meta"]))  # NOTE: [pass metadata in entries]
     return DistributedProgram(
         graph_module=graphs["step"], captured=captured, mesh=mesh,
         input_placements=[tuple(p) for p in dec.value(f["input_placements"])],

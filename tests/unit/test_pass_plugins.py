@@ -99,7 +99,8 @@ def _default_order() -> list[str]:
     return [b.name for b in build_pipeline(PassOptions())]
 
 
-def _compile_and_run(**compile_options):
+def _compile_and_run(how: list[str] | None = None, **compile_options):
+    """The program of a one-call run; ``how`` gets how each program was obtained."""
     # bucketing would merge the four all-reduces this file counts
     compile_options.setdefault("disable_passes", ("bucket_collectives",))
     torch.manual_seed(0)
@@ -108,6 +109,8 @@ def _compile_and_run(**compile_options):
     step = sc.compile(**compile_options)(_step)
     with sc.simulate(world_size=2):
         step(model, optim, torch.randn(4, 4), torch.randint(0, 3, (4,)))
+    if how is not None:
+        how += [r.cache for r in step.records]
     return step.last_program
 
 
@@ -211,3 +214,98 @@ def test_a_plugin_added_after_the_first_build_is_found_when_named(
     monkeypatch.syspath_prepend(str(later))
     names = [b.name for b in build_pipeline(PassOptions(extra_passes=("late_noop",)))]
     assert names == [*_default_order(), "late_noop"]
+
+
+SCALING_PLUGIN = '''
+import torch
+from spmd_compiler.passes import is_wait, register_pass
+
+from . import factors
+
+
+@register_pass("scale_reduced", "scales the largest all-reduce by factors.FACTOR", after="bucket_collectives")
+def scale_reduced(program, context):
+    graph = program.graph_module.graph
+    waits = [n for n in graph.nodes if is_wait(n) and n.users]
+    # the gradients' bucket (the loss and its count cancel each other when both scale)
+    wait = max(waits, key=lambda n: n.meta["val"].numel())
+    users = list(wait.users)
+    with graph.inserting_after(wait):
+        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (wait, factors.FACTOR))
+    for user in users:
+        user.replace_input_with(wait, scaled)
+    return bool(waits)
+'''
+
+
+def _scaled_loss(cache_dir: Path) -> tuple[float, str]:
+    """The second call's loss of a step with ``scale_reduced`` (a fresh registry and
+    plugin scan, as in a new process), and how its first program was obtained."""
+    pass_registry._REGISTRY.pop("scale_reduced", None)
+    pass_registry._PLUGINS = pass_registry._PluginState()
+    for module in ("scaling_passes", "scaling_passes.factors"):
+        sys.modules.pop(module, None)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(extra_passes=("scale_reduced",), cache_dir=str(cache_dir))(_step)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with sc.simulate(world_size=2):
+        step(model, optim, x, y)
+        loss = step(model, optim, x, y)
+    return float(loss), step.records[0].cache
+
+
+def test_a_changed_plugin_pass_is_not_served_from_the_compile_cache(site, tmp_path, monkeypatch):
+    """NOTE: [pass plugins in the key]: the pre-capture key of a process that had not
+    built a pipeline left a lazily loaded plugin out, and only the pass function's own
+    file was hashed: a pass edited between jobs, or a module of its package it imports,
+    reused the program the old pass wrote (the loss of the old factor, silently)."""
+    package = site / "scaling_passes"
+    package.mkdir()
+    (package / "__init__.py").write_text(SCALING_PLUGIN)
+    (package / "factors.py").write_text("FACTOR = 1.0\n")
+    _install(site, "scaling-passes", {"scale_reduced": "scaling_passes"})
+    monkeypatch.setattr(pass_registry, "_PLUGINS", pass_registry._PluginState())
+    cache = tmp_path / "cache"
+    first, how = _scaled_loss(cache)
+    assert how == "miss"
+    assert _scaled_loss(cache) == (first, "hit")
+    (package / "factors.py").write_text("FACTOR = 0.25\n")  # another size: no stale bytecode
+    changed, how = _scaled_loss(cache)
+    assert how == "miss" and changed != first
+    assert _scaled_loss(tmp_path / "fresh") == (changed, "miss")
+
+
+def test_pass_options_given_as_their_dataclass_are_keyed():
+    """A pass's options as an instance of its own dataclass made the step uncacheable
+    ("its key would need a ScaleOptions"); now its fields and class source are keyed."""
+    import dataclasses
+
+    from spmd_compiler.compile_cache import fingerprint
+
+    @dataclasses.dataclass(frozen=True)
+    class ScaleOptions:
+        factor: float = 1.0
+
+    assert fingerprint(ScaleOptions(1.0)) == fingerprint(ScaleOptions(1.0))
+    assert fingerprint(ScaleOptions(1.0)) != fingerprint(ScaleOptions(2.0))
+
+
+def test_a_plugin_pass_metadata_comes_back_with_a_cached_program(site, tmp_path):
+    """NOTE: [pass metadata in entries]: on a cache hit no pass runs, and the entry kept
+    only ``spmd_`` metadata: the documented ``graph_module.meta["count_collectives"]``
+    was missing (KeyError) and the nodes' ``count_collectives.index`` too."""
+    options = {"extra_passes": ("count_collectives",), "cache_dir": str(tmp_path),
+               "pass_options": {"count_collectives": {"tag_nodes": True}}}
+    how: list[str] = []
+    compiled = _compile_and_run(how, **options)
+    loaded = _compile_and_run(how, **options)
+    assert how == ["miss", "hit"]  # before, "miss" again: the plugin was keyed once loaded
+    assert loaded is not compiled and "count_collectives" in loaded.passes_applied
+    assert loaded.graph_module.meta["count_collectives"] == compiled.graph_module.meta["count_collectives"]
+
+    def indices(program):
+        return [n.meta.get("count_collectives.index") for n in program.graph_module.graph.nodes if is_collective(n)]
+
+    assert indices(loaded) == indices(compiled) == [0, 1, 2, 3]
