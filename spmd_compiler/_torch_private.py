@@ -110,6 +110,79 @@ def plain_batch_norm_forward(module: torch.nn.Module, input: torch.Tensor) -> to
     return torch.nn.modules.batchnorm._BatchNorm.forward(module, input)  # type: ignore[arg-type]
 
 
+class NestedEncoderCall:
+    """What ``transformer_encoder_would_nest`` found out for a call that eager would run
+    on a nested tensor: ``valid`` (N, L) bool, the positions torch keeps (its
+    ``src_key_padding_mask.logical_not()`` on the canonical mask), the ``is_causal`` torch
+    gives the layers, and whether torch checked the mask's left alignment first (its
+    ``mask_check``)."""
+
+    __slots__ = ("alignment_checked", "is_causal", "valid")
+
+    def __init__(self, valid: torch.Tensor, is_causal: bool, alignment_checked: bool) -> None:
+        self.valid, self.is_causal, self.alignment_checked = valid, is_causal, alignment_checked
+
+
+class _WouldNest(Exception):
+    def __init__(self, valid: torch.Tensor) -> None:
+        super().__init__()
+        self.valid = valid
+
+
+class _WouldNotNest(Exception):
+    pass
+
+
+def transformer_encoder_would_nest(
+    module: torch.nn.Module, src: torch.Tensor, mask: torch.Tensor | None,
+    src_key_padding_mask: torch.Tensor | None, is_causal: bool | None,
+) -> NestedEncoderCall | None:
+    """Whether eager ``nn.TransformerEncoder.forward`` would take its nested-tensor fast
+    path for this call (NOTE: [nn.TransformerEncoder's nested fast path] in
+    capture/transformer_fast_path.py), asked of torch's own ``forward`` (the same in 2.11
+    to 2.14) run with the trace's traits hidden: ``has_torch_function`` and
+    ``is_compiling`` answer False, the left-alignment check (a read of the mask's values)
+    answers True and is recorded (the caller decides alignment in the graph), and the two
+    calls after the decision stop the run, before any layer: ``_nested_tensor_from_mask``
+    (it would nest) and ``_get_seq_len`` (it would not). None where it would not nest."""
+    transformer = torch.nn.modules.transformer
+    seq_len = transformer._get_seq_len
+    asked: list[bool] = []
+
+    def left_aligned(t: torch.Tensor, valid: torch.Tensor) -> bool:
+        asked.append(True)
+        return True
+
+    def nest(t: torch.Tensor, valid: torch.Tensor, mask_check: bool = True) -> torch.Tensor:
+        raise _WouldNest(valid)
+
+    def stop(*args: Any) -> int:
+        raise _WouldNotNest
+
+    with (
+        mock.patch.object(torch.overrides, "has_torch_function", lambda *args: False),
+        mock.patch.object(torch.compiler, "is_compiling", lambda: False),
+        mock.patch.object(torch, "_nested_tensor_from_mask_left_aligned", left_aligned),
+        mock.patch.object(torch, "_nested_tensor_from_mask", nest),
+        mock.patch.object(transformer, "_get_seq_len", stop),
+    ):
+        try:
+            torch.nn.TransformerEncoder.forward(
+                module, src, mask, src_key_padding_mask, is_causal  # type: ignore[arg-type]
+            )
+        except _WouldNest as nested:
+            length = seq_len(src, cast(Any, module).layers[0].self_attn.batch_first)
+            causal = transformer._detect_is_causal_mask(None, is_causal, length)
+            return NestedEncoderCall(nested.valid, causal, bool(asked))
+        except _WouldNotNest:
+            return None
+    raise RuntimeError(
+        "torch's nn.TransformerEncoder.forward ran to the end without deciding on its nested "
+        "fast path where spmd_compiler expects it to (NOTE: [nn.TransformerEncoder's nested "
+        "fast path]); this torch release is not supported."
+    )
+
+
 # NOTE: [loss scaling in the program] (capture/grad_scalers.py): torch.amp.GradScaler keeps
 # its scale, growth tracker and per-optimizer stages in private attributes; these are the
 # only reads and writes of them.
@@ -2324,6 +2397,11 @@ def inductor_compile(
         # fp32 intermediates, and a mixed-precision step computed in fp32 (measured: 3.5e-2
         # from eager FSDP2's bf16 run, the size of the bf16-vs-fp32 difference itself).
         patches["emulate_precision_casts"] = True
+    if hasattr(inductor_config, "fallback_random"):
+        # the program's random draws (NOTE: [random numbers]) by torch's own kernels from
+        # the global generator, as the interpreter draws them: Inductor's own lowering
+        # drew other numbers (dropout losses 12.6% apart between the backends, a probe)
+        patches["fallback_random"] = True
     if cache_dir is not None:  # NOTE: [persistent compile cache]: kernels reused too
         patches["fx_graph_cache"] = True
     fixed = sorted(set(static_inputs)) if cuda_graphs else []

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -108,14 +108,15 @@ def cumulative_forward(self: Any, input: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def cumulative_batch_norms(modules: list[torch.nn.Module]) -> Iterator[None]:
-    """Inside: the batch norms of ``modules`` that keep a cumulative average compute its
-    factor as a tensor, and ``SyncBatchNorm`` runs the plain batch norm (see the NOTEs);
-    their ``forward`` is restored on the way out."""
+def forwards_replaced(
+    modules: list[torch.nn.Module], replacement: Callable[[torch.nn.Module], Callable[..., Any] | None]
+) -> Iterator[None]:
+    """Inside: each submodule of ``modules`` for which ``replacement`` gives a function
+    runs it as its ``forward`` (set on the instance); taken off on the way out."""
     patched = []
     for root in modules:
         for m in root.modules():
-            forward = sync_forward if _synced(m) else cumulative_forward if _patched(m) else None
+            forward = replacement(m)
             if forward is not None:
                 m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
                 patched.append(m)
@@ -126,4 +127,13 @@ def cumulative_batch_norms(modules: list[torch.nn.Module]) -> Iterator[None]:
             vars(m).pop("forward", None)
 
 
-__all__ = ["cumulative_batch_norms", "cumulative_forward", "sync_forward"]
+def cumulative_batch_norms(modules: list[torch.nn.Module]) -> contextlib.AbstractContextManager[None]:
+    """Inside: the batch norms of ``modules`` that keep a cumulative average compute its
+    factor as a tensor, and ``SyncBatchNorm`` runs the plain batch norm (see the NOTEs);
+    their ``forward`` is restored on the way out."""
+    return forwards_replaced(
+        modules, lambda m: sync_forward if _synced(m) else cumulative_forward if _patched(m) else None
+    )
+
+
+__all__ = ["cumulative_batch_norms", "cumulative_forward", "forwards_replaced", "sync_forward"]

@@ -720,7 +720,7 @@ def find_bindings(
         if memo is not None:
             memo.keep_module_walk(modules, walk)
     params, buffers, module_params, module_buffers, submodules = walk
-    optimizers += _named_optimizers(func, optimizers, params)
+    optimizers += _named_optimizers(func, optimizers, params, flat_args)
     unchanged = remembered and memo is not None and memo.optimizers_unchanged(optimizers)
     if not unchanged:  # the same objects as a call that passed this check: it holds
         _check_ownership(optimizers, params, where)
@@ -760,11 +760,12 @@ def _named_modules(func: Callable[..., Any]) -> list[torch.nn.Module]:
 
 
 def _named_optimizers(
-    func: Callable[..., Any], given: list[torch.optim.Optimizer], params: dict[str, torch.nn.Parameter]
+    func: Callable[..., Any], given: list[torch.optim.Optimizer], params: dict[str, torch.nn.Parameter],
+    flat_args: list[Any],
 ) -> list[torch.optim.Optimizer]:
     owned = {id(p) for p in params.values()}
     found: list[torch.optim.Optimizer] = []
-    for opt in _unique(reachable_by_name(func, [], torch.optim.Optimizer)):
+    for opt in _unique(reachable_by_name(func, [], torch.optim.Optimizer, holders=flat_args)):
         if any(opt is g for g in given) or any(opt is f for f in found):
             continue
         if _stray_after_replacements(opt, owned) is None:

@@ -10,7 +10,7 @@ import functools
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -182,15 +182,20 @@ def step_name(func: Any) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
-def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type | tuple[type, ...]) -> list[Any]:
+def reachable_by_name(
+    func: Callable[..., Any], flat_args: list[Any], kind: type | tuple[type, ...], holders: Sequence[Any] = (),
+) -> list[Any]:
     """The objects of ``kind`` a step can reach by name: its arguments, the globals its
-    code names, its closure variables and, for a bound method, the attributes of its
-    ``self`` (``self.scheduler`` of a trainer object), in that order; an object met twice
-    is listed twice."""
+    code names, its closure variables, for a bound method the attributes of its ``self``
+    (``self.scheduler`` of a trainer object), and the attributes the code names of a
+    plain object among ``flat_args`` and ``holders`` (an RL agent's ``opts.critic``,
+    refused before as an optimizer the step was not given), in that order; an object met
+    twice is listed twice."""
     found = [a for a in flat_args if isinstance(a, kind)]
     owner = getattr(func, "__self__", None)
     func = getattr(func, "__func__", func)
     code = getattr(func, "__code__", None)
+    names: dict[str, None] = {}
     if code is not None:
         namespace = getattr(func, "__globals__", {})
         names = dict.fromkeys(names_in(code))  # nested code too (a lambda, a comprehension)
@@ -201,6 +206,12 @@ def reachable_by_name(func: Callable[..., Any], flat_args: list[Any], kind: type
                     found.append(cell.cell_contents)
     if owner is not None and hasattr(owner, "__dict__"):
         found += [v for v in vars(owner).values() if isinstance(v, kind)]
+    for holder in [*flat_args, *holders]:
+        if isinstance(holder, kind) or type(holder).__module__.split(".")[0] == "torch":
+            continue
+        held = getattr(holder, "__dict__", None)
+        if isinstance(held, dict):
+            found += [v for n, v in held.items() if n in names and isinstance(v, kind)]
     return found
 
 

@@ -133,6 +133,7 @@ from .traced_items import (
     checks_on_items,
     value_read_errors,
 )
+from .transformer_fast_path import transformer_encoders_as_eager
 from .value_checks import (
     MAX_BRANCH_PROGRAMS,
     MAX_COIN_BRANCHES,
@@ -918,6 +919,7 @@ def _trace_first(
             _without_onednn(),
             functions_as_ops(),  # NOTE: [functions as plain ops at capture]
             cumulative_batch_norms(bindings.modules),
+            transformer_encoders_as_eager(bindings.modules),
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
         ):
             try:

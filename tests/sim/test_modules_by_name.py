@@ -142,6 +142,40 @@ def test_a_trainer_method_over_its_attributes(mode):
     assert trainer.head is trainer.model[2]
 
 
+class Optimizers:
+    """An RL agent's optimizers, one per head, held by an object the step is given."""
+
+    def __init__(self, net: nn.Module) -> None:
+        self.body = torch.optim.AdamW(net[0].parameters(), lr=0.05, weight_decay=0.1)
+        self.head = torch.optim.SGD(net[2].parameters(), lr=0.1)
+
+
+def two_optimizer_step(net: nn.Module, opts: Optimizers, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(net(x), y)
+    loss.backward()
+    opts.body.step()
+    opts.head.step()
+    opts.body.zero_grad()
+    opts.head.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_optimizers_an_object_argument_holds(mode):
+    """Refused before: "calls step() of a AdamW that is not among its optimizers", though
+    every parameter it updates belongs to the trained module."""
+    net, twin = _net(), _net()
+    opts, twin_opts = Optimizers(net), Optimizers(twin)
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(two_optimizer_step)
+    with sc.simulate(world_size=WORLD) as sim:
+        for x, y in _batches():
+            got, want = compiled(net, opts, x, y), two_optimizer_step(twin, twin_opts, x, y)
+            assert abs(got.item() - want.item()) <= TOL
+        state = full_state(net, opts.body, sim) | full_state(net, opts.head, sim)
+    expected = full_state(twin, twin_opts.body, None) | full_state(twin, twin_opts.head, None)
+    assert max(relative_difference(state[k], expected[k]) for k in expected) <= TOL
+
+
 class SelfTraining(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import json
 import os
 import sys
 import time
@@ -101,6 +102,28 @@ class FromEnvironment(nn.Module):
         return self.fc(x) * float(os.environ.get("SPMD_STEP_KEY_TEST_SCALE", "1"))
 
 
+ACTIVATION: Callable[[torch.Tensor], torch.Tensor] = F.relu  # globals a config could set
+ACT_MODULE: nn.Module = nn.ReLU()
+LOSS = functools.partial(F.cross_entropy, label_smoothing=0.0)
+
+
+class GloballyActivated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(ACT_MODULE(ACTIVATION(self.fc1(x))))
+
+
+def partial_loss_step(model, optimizer, x, y):
+    loss = LOSS(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def _hooked(model: nn.Module) -> None:
     model.register_forward_hook(lambda mod, args, out: out * 2.0)
 
@@ -113,8 +136,17 @@ def _hooked(model: nn.Module) -> None:
         ({}, {"make_model": lambda: mlp(nn.Tanh)}),
         ({}, {"prepare": _hooked}),
         ({"make_model": FromEnvironment}, {"make_model": FromEnvironment, "env": "3"}),
+        # NOTE: [links in the key before capture]: each loaded the first job's program
+        ({"make_model": GloballyActivated},
+         {"make_model": GloballyActivated, "globals": {"ACTIVATION": F.silu}}),
+        ({"make_model": GloballyActivated},
+         {"make_model": GloballyActivated, "globals": {"ACT_MODULE": nn.SiLU()}}),
+        ({"step_fn": partial_loss_step},
+         {"step_fn": partial_loss_step,
+          "globals": {"LOSS": functools.partial(F.cross_entropy, label_smoothing=0.3)}}),
     ],
-    ids=["guarded_value", "module_class", "forward_hook", "environment_variable"],
+    ids=["guarded_value", "module_class", "forward_hook", "environment_variable",
+         "global_function", "global_module", "global_partial"],
 )
 def test_a_change_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first, second) -> None:
     monkeypatch.delenv("SPMD_STEP_KEY_TEST_SCALE", raising=False)
@@ -123,6 +155,8 @@ def test_a_change_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first,
     second = dict(second)
     if "env" in second:
         monkeypatch.setenv("SPMD_STEP_KEY_TEST_SCALE", second.pop("env"))
+    for name, value in second.pop("globals", {}).items():
+        monkeypatch.setitem(globals(), name, value)
     step, error = run(tmp_path, **second)
     assert skipped(step) == [False]
     assert error < TOLERANCE
@@ -192,6 +226,43 @@ def test_edited_code_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edi
     step, error = run(cache, step_fn=load())
     assert skipped(step) == [False]
     assert error < TOLERANCE
+
+
+SETTINGS = {"path": ""}
+
+
+@functools.cache
+def loaded_settings() -> dict:
+    """A settings loader called once (a value no guard sees)."""
+    with open(SETTINGS["path"]) as f:
+        return json.load(f)
+
+
+class Configured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * loaded_settings()["scale"]
+
+
+def test_a_value_read_from_a_settings_file_gets_no_key_before_capture(tmp_path: Path, monkeypatch) -> None:
+    """NOTE: [values from outside Python's objects]: a restart with another scale in the
+    settings file loaded the first job's program by the key before capture (silently:
+    parameters 0.93 relative off eager, a probe). Such a step is captured on every
+    restart; its program still comes from the cache when the value is the same."""
+    path = tmp_path / "settings.json"
+    monkeypatch.setitem(SETTINGS, "path", str(path))
+    cache = tmp_path / "cache"
+    hows = []
+    for scale in (1.0, 3.0, 3.0):
+        path.write_text(json.dumps({"scale": scale}))
+        loaded_settings.cache_clear()  # a new process
+        step, error = run(cache, make_model=Configured)
+        assert skipped(step) == [False] and error < TOLERANCE
+        hows.append(step.records[0].cache)
+    assert hows == ["miss", "miss", "hit"]
 
 
 def scaled_step(model, optimizer, x, y, scale):
