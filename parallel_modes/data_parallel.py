@@ -97,6 +97,13 @@ class DataParallel(ParallelMode):
             raise ValueError(f"DataParallel style must be 'replicate' or 'fully_shard', got {style!r}")
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(f"DataParallel takes a 1-D mesh, got a {mesh.ndim}-D mesh {mesh}")
+        if prefetch_depth is not None and (
+            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0
+        ):  # refused here, not at the first call's schedule_overlap
+            raise ValueError(
+                f"DataParallel prefetch_depth must be an int >= 0 (1: FSDP2's prefetch of the "
+                f"next unit) or None (no limit), got {prefetch_depth!r}"
+            )
         super().__init__(mesh)
         self.style = style
         self.input_batch_dim = checked_batch_dims(input_batch_dim)

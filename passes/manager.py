@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import os
 import time
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -289,14 +290,39 @@ def _bind_options(spec: Pass, given: Any) -> Any:
     if given is None or isinstance(given, cls):
         return cls() if given is None else given
     if isinstance(given, Mapping):
+        _check_field_types(spec.name, cls, given)
         try:
             return cls(**given)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # the options class's own checks, too
             raise PipelineError(f"options for pass {spec.name!r}: {exc}") from exc
     raise PipelineError(
         f"options for pass {spec.name!r} must be a {cls.__name__} (or a dict of its "
         f"fields), got {type(given).__name__}: {given!r}"
     )
+
+
+# Field types checked on a dict of options: a dict's "no" for a bool is truthy, and "2"
+# for a float fails deep inside the pass. Numbers stay interchangeable (cap_bytes=25e6);
+# other annotations are left to the class.
+_PLAIN_FIELD_TYPES: dict[type, tuple[type, ...]] = {
+    bool: (bool,), int: (int, float), float: (int, float), str: (str,),
+}
+
+
+def _check_field_types(name: str, cls: type, given: Mapping[str, Any]) -> None:
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an annotation we cannot resolve is not checked
+        return
+    for key, value in given.items():
+        accepted = _PLAIN_FIELD_TYPES.get(hints.get(key))  # type: ignore[arg-type]
+        if accepted is None:
+            continue
+        if not isinstance(value, accepted) or (isinstance(value, bool) and hints[key] is not bool):
+            raise PipelineError(
+                f"options for pass {name!r}: {key} must be of type {hints[key].__name__}, "
+                f"got {type(value).__name__}: {value!r}"
+            )
 
 
 def describe_pipeline(options: PassOptions | None = None) -> str:

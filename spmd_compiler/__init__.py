@@ -38,15 +38,15 @@ _EXPORTS = {
 }
 # public name -> a module users reach as an attribute (``sc.checkpoint.save(...)``)
 _MODULES = {
-    "checkpoint": ".runtime.checkpoint",
+    "checkpoint": ".checkpoint",  # the public names of .runtime.checkpoint
     "parity": ".tools.parity",
 }
 
 if TYPE_CHECKING:
+    from . import checkpoint
     from .api import CompiledTrainStep, compile
     from .errors import SPMDCompileError, SPMDRuntimeError
     from .expand.parent_mesh import shard_onto_parent
-    from .runtime import checkpoint
     from .runtime.launch import init_from_env, launch
     from .runtime.simulate import Simulation, active_simulation, simulate
     from .tools import parity

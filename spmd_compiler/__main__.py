@@ -119,11 +119,23 @@ def _world(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.mode == "fsdp_tp" and not args.mesh and world_size % 2:
         parser.error(f"--mode fsdp_tp needs an even --world-size or a --mesh (got {world_size})")
     batch = getattr(args, "batch_size", None)
-    # tp: every rank sees the whole batch; fsdp_tp: the dp ranks (demo_mode: 2 by default)
-    ranks = {"tp": 1, "fsdp_tp": args.mesh[0] if args.mesh else 2}.get(args.mode, world_size)
+    ranks = _data_parallel_ranks(args, world_size)
     if batch is not None and batch % ranks:
         parser.error(f"--batch-size {batch} does not split over {ranks} data-parallel ranks")
+    if getattr(args, "backend", None) == "nccl":
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < world_size:
+            parser.error(f"--backend nccl runs one rank per CUDA device: {world_size} ranks need "
+                         f"{world_size} devices, found {found}; use --backend gloo (or sim) here")
     return world_size
+
+
+def _data_parallel_ranks(args: argparse.Namespace, world_size: int) -> int:
+    """The ranks the batch is split over: tp gives every rank the whole batch; fsdp_tp
+    splits it over the dp ranks (demo_mode: 2 by default)."""
+    return {"tp": 1, "fsdp_tp": args.mesh[0] if args.mesh else 2}.get(args.mode, world_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +177,11 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
     from spmd_compiler.tools.explain import explain_demo
     from spmd_compiler.tools.explain import write_json as write_explanation_json
 
-    config = DemoConfig(mode=args.mode, world_size=world_size, mesh=args.mesh, n_layer=args.layers, steps=1)
+    # explain has no --batch-size: the demo's batch, rounded up to split over the dp ranks
+    ranks = _data_parallel_ranks(args, world_size)
+    batch_size = -(-DemoConfig.batch_size // ranks) * ranks
+    config = DemoConfig(mode=args.mode, world_size=world_size, mesh=args.mesh, n_layer=args.layers,
+                        steps=1, batch_size=batch_size)
     explanation, _ = explain_demo(config)
     print(explanation.format(dump=args.dump))
     if args.json:

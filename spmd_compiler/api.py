@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.passes import PassOptions
+from spmd_compiler.passes.registry import pass_names
 
 from . import _torch_private as private
 from . import compile_cache, step_key
@@ -90,11 +91,13 @@ class CompileRecord:
 
 def _key_change(old: tuple, new: tuple, n_args: int) -> Change | None:
     """What differs between two calls' program keys (``(input metas, static_key,
-    simulated)``) in the step's arguments, in the words the guards use: "<what> was
+    simulated, default dtype, autocast)``) in the step's arguments, in the words the guards use: "<what> was
     <old>, now <new>"; None when only the rest differs."""
     old_metas, old_static, new_metas, new_static = old[0], old[1], new[0], new[1]
     if old[-1] != new[-1]:  # NOTE: [autocast around the step]
         return Change("the autocast regions around the call", str(old[-1]), str(new[-1]), verb="were")
+    if old[-2] != new[-2]:
+        return Change("torch's default dtype", str(old[-2]), str(new[-2]))
     if len(old_metas) != len(new_metas):
         return Change("the number of tensor arguments", str(len(old_metas)), str(len(new_metas)))
     for k, (a, b) in enumerate(zip(old_metas, new_metas)):
@@ -164,6 +167,12 @@ class CompiledTrainStep:
         self.options = options
         self.lowering = lowering or LoweringOptions()
         root = compile_cache.resolve_cache_dir(cache_dir)
+        if root is not None and root.exists() and not root.is_dir():
+            raise SPMDCompileError(
+                f"The compile cache directory {str(root)!r} is an existing file"
+                + (f" (from {compile_cache.CACHE_ENV})" if cache_dir is None else "") + ".",
+                hint="pass a directory (it is made if missing) as cache_dir, or None for no cache",
+            )
         self.disk_cache = compile_cache.ProgramCache(root) if root is not None else None
         self.records: list[CompileRecord] = []
         # NOTE: [programs reused in memory]: program key -> the program built for it
@@ -260,7 +269,8 @@ class CompiledTrainStep:
                 agreement = InputAgreement(tensor_args, passed_whole, scalars)
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
-        key = (tuple(input_metas), bindings.static_key(), sim is not None, ambient)
+        # the default dtype: a step's factories (torch.tensor([0.1] * n)) make tensors of it
+        key = (tuple(input_metas), bindings.static_key(), sim is not None, torch.get_default_dtype(), ambient)
         executable = self._cached_executable(key, bindings)
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))
@@ -949,10 +959,36 @@ def _warn_of_constants_in_arguments(outside: list[Any]) -> None:
         )
 
 
+def _check_compile_options(
+    parallel_mode: Any, check_passes: Any, verify_numerics: Any, backend: str, inductor_regions: Any,
+) -> None:
+    """Refuse at ``sc.compile`` the options that would only fail (or do nothing) later."""
+    if parallel_mode is not None and not isinstance(parallel_mode, ParallelMode):
+        given = (f"the class {parallel_mode.__name__}" if isinstance(parallel_mode, type)
+                 else f"{parallel_mode!r} ({type(parallel_mode).__name__})")
+        raise SPMDCompileError(
+            f"parallel_mode must be an instance of spmd_compiler.parallel_modes.ParallelMode; "
+            f"got {given}.",
+            hint='pass an instance, e.g. parallel_mode=DataParallel("replicate"), '
+            'DataParallel("fully_shard") or TensorParallel(...) from spmd_compiler.parallel_modes',
+        )
+    for name, value in (("check_passes", check_passes), ("verify_numerics", verify_numerics)):
+        if not isinstance(value, bool):
+            raise SPMDCompileError(f"{name} must be True or False; got {value!r}.")
+    if inductor_regions is not None and not isinstance(inductor_regions, bool):
+        raise SPMDCompileError(f"inductor_regions must be True, False or None; got {inductor_regions!r}.")
+    if inductor_regions and backend == "eager":
+        raise SPMDCompileError(
+            "inductor_regions=True splits the program Inductor compiles into compute regions; "
+            "backend='eager' runs no Inductor, so it would have no effect.",
+            hint="use backend='inductor' (or 'auto') with inductor_regions, or drop it.",
+        )
+
+
 def compile(  # noqa: A001 - the public name mirrors torch.compile
     parallel_mode: ParallelMode | None = None,
     *,
-    disable_passes: tuple[str, ...] = (),
+    disable_passes: str | tuple[str, ...] = (),
     check_passes: bool = True,
     extra_passes: tuple[str, ...] = (),
     pass_options: dict[str, Any] | None = None,
@@ -966,7 +1002,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
     Args:
         parallel_mode: how to spread the step (default ``DTensorExpandMode()``).
-        disable_passes: names of passes to skip (also ``SPMD_DISABLE_PASSES``).
+        disable_passes: names of passes to skip, or one name (also ``SPMD_DISABLE_PASSES``).
         check_passes: lint and collective checks after every pass.
         extra_passes: registered passes to run besides the default pipeline (passes of
             installed plugins run only when named here).
@@ -996,10 +1032,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             and optimizing it again. See NOTE: [persistent compile cache] in
             ``spmd_compiler/compile_cache.py``.
     """
+    _check_compile_options(parallel_mode, check_passes, verify_numerics, backend, inductor_regions)
     mode = parallel_mode if parallel_mode is not None else DTensorExpandMode()
     options = PassOptions(
-        disabled=frozenset(disable_passes), check=check_passes, verify_numerics=verify_numerics,
-        extra_passes=extra_passes, pass_options=pass_options or {},
+        disabled=frozenset(pass_names(disable_passes)), check=check_passes,
+        verify_numerics=verify_numerics, extra_passes=extra_passes, pass_options=pass_options or {},
     )
 
     lowering = LoweringOptions(backend, cuda_graphs, inductor_regions)  # type: ignore[arg-type]

@@ -761,19 +761,42 @@ class ProgramCache:
 
 
 def _read(path: Path) -> bytes | None:
+    """An entry's bytes; None when it is missing or cannot be read (warned: the cache
+    only saves time, so an unreadable entry is a miss, not a failed step)."""
     try:
         return path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:  # another user's entry, a directory where a file should be, ...
+        warnings.warn(f"spmd_compiler: could not read the compile cache entry {path} ({exc}); "
+                      "treated as missing.", stacklevel=3)
+        return None
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux tells it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: the only portable read sets it, so set it back
+    os.umask(mask)
+    return mask
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    """A temporary file in the same directory, then ``os.replace``."""
+    """A temporary file in the same directory, then ``os.replace``. The entry gets the
+    mode a plain ``open`` would give it (mkstemp's 0600 would hide a cache shared by
+    several users, ``/scratch/spmd-cache``, from all but its writer)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

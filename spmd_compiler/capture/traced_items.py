@@ -19,8 +19,12 @@ have, so it raises ``ItemUsedInPython``, which capture reports as a value read i
 (the refusal ``.item()`` had before), naming the line. An ``.item()`` a fake tensor can
 answer (a constant made in the step) keeps its value. ``float(t)`` and ``int(t)`` cannot
 return a ``TracedItem`` (Python requires the built-in type), so they are refused as an
-``ItemUsedInPython`` that says to write ``t.item()``: before, ``{"grad_norm":
-float(gn)}`` got the advice for value-dependent shapes.
+``ItemUsedInPython`` that says to write ``t.item()`` to return the number (before,
+``{"grad_norm": float(gn)}`` got the advice for value-dependent shapes) and to keep it a
+tensor to use it in the step. An item used as a size or index (``x.narrow(0, 0,
+n.item())``, ``x.split(counts.tolist())``) reaches torch's argument parser, which
+refuses its type with a TypeError; ``caught_item_uses`` turns that into the
+``ItemUsedInPython`` of a value-dependent shape.
 """
 
 from __future__ import annotations
@@ -129,8 +133,14 @@ class ItemsAsOutputs(TorchFunctionMode):
             name = _CONVERSIONS[func]
             _raise_used(
                 f"{name}() of a tensor needs its value in Python while the step is traced "
-                f"(Python requires {name}() to return a {name}); `.item()` gives the same "
-                f"number and may be returned: write `t.item()` for `{name}(t)`"
+                f"(Python requires {name}() to return {'an' if name == 'int' else 'a'} {name}). To "
+                f"return the number (`{{'value': {name}(t)}}`), write `t.item()`, which may be "
+                "returned. "
+                "To use it in the step (an index, a slice bound, a size), `.item()` is "
+                "refused too: keep it a tensor (index with it: `buf.index_copy_(0, ptr + "
+                "torch.arange(n), rows)`, `torch.roll`, `torch.where`), or keep the number "
+                "as a plain Python value outside the step (an int attribute the loop "
+                "updates after each call)"
             )
 
 
@@ -166,6 +176,17 @@ def caught_item_uses() -> Iterator[list[tuple[ItemUsedInPython, SourceLocation |
     outer, _ITEM_USES.raised = _ITEM_USES.raised, []
     try:
         yield _ITEM_USES.raised
+    except TypeError as exc:
+        # torch's argument parser tries __index__ (refused), clears that error and
+        # raises its own TypeError naming our type: an item used as a size or index
+        # (`x.narrow(0, 0, n.item())`, `x.split(counts.tolist())`), a value read in Python
+        if TracedItem.__name__ not in str(exc):
+            raise
+        raise ItemUsedInPython(
+            "a value of .item() or .tolist() is used as a size or index (a split size, a "
+            "narrow length, a shape): the result's shape would depend on tensor values "
+            "the program computes at run time (a value-dependent shape)"
+        ).with_traceback(exc.__traceback__) from exc
     finally:
         _ITEM_USES.raised = outer
 

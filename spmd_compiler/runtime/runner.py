@@ -49,7 +49,7 @@ from ..state_donation import donation_pairs
 from .eager_calls import guard_direct_calls, place_loaded_state
 from .faults import attribution
 from .same_inputs import InputAgreement
-from .simulate import Simulation, mesh_is_live
+from .simulate import RanksDisagree, Simulation, mesh_is_live
 
 
 @dataclass
@@ -728,7 +728,10 @@ def _write_back(
             else:
                 entry[ref.key] = _wrap(value, mesh, placements, meta)
         elif kind is Kind.RETURN:
-            returned.append(_returned_value(value, mesh, placements, meta, sim))
+            try:
+                returned.append(_returned_value(value, mesh, placements, meta, sim))
+            except RanksDisagree as exc:
+                raise _ranks_disagree(program, ref, exc) from exc
         elif kind is Kind.PARAM:
             set_local_tensor(bindings.params[ref.name], value)  # type: ignore[arg-type]
         elif kind is Kind.BUFFER:
@@ -741,15 +744,32 @@ def _write_back(
             else:
                 private.set_local_tensor(cast(DTensor, param.grad), value)
         elif kind is Kind.SCALER:
-            private.write_grad_scaler_state(
-                bindings.scalers[ref.index], ref.key, _returned_value(value, mesh, placements, meta, sim)
-            )
+            try:
+                scaler_value = _returned_value(value, mesh, placements, meta, sim)
+            except RanksDisagree as exc:
+                raise _ranks_disagree(program, ref, exc) from exc
+            private.write_grad_scaler_state(bindings.scalers[ref.index], ref.key, scaler_value)
     if clear_grads:
         kept = {ref.name for ref in captured.unchanged if ref.kind is Kind.GRAD}
         for name, p in bindings.params.items():
             if name not in grads_out and name not in kept:
                 p.grad = None
     return returned
+
+
+def _ranks_disagree(program: DistributedProgram, ref: StateRef, exc: RanksDisagree) -> SPMDRuntimeError:
+    """The simulated ranks computed different values of output ``ref`` that the program
+    returns replicated: a program that is wrong, most often after a pass changed it (a
+    collective dropped or moved)."""
+    applied = ", ".join(program.passes_applied) or "none"
+    return SPMDRuntimeError(
+        f"The compiled program computed different values on the simulated ranks for "
+        f"{ref}, which it returns replicated ({exc}). The program is wrong: most often "
+        f"a pass changed what it computes (one that drops, moves or rewrites a "
+        f"collective). Passes applied: {applied}. Compile with verify_numerics=True to "
+        "find the pass that changed the values, or disable_passes=... to leave one out. "
+        "The model and optimizer may hold part of this step's update."
+    )
 
 
 def _pad_rows(

@@ -31,6 +31,11 @@ _ACTIVE: contextvars.ContextVar[Simulation | None] = contextvars.ContextVar(
 )
 
 
+class RanksDisagree(AssertionError):
+    """Simulated ranks hold different values for a tensor that should be replicated:
+    the program is wrong (a pass that changed it, most likely), not the user's step."""
+
+
 class Simulation:
     """An active simulation of ``world_size`` ranks. Use ``simulate()`` to make one."""
 
@@ -154,7 +159,7 @@ class Simulation:
             first = per_rank[min(per_rank)]
             for rank, t in per_rank.items():
                 if not same_value(t, first):
-                    raise AssertionError(
+                    raise RanksDisagree(
                         f"simulated rank {rank} holds a different value than rank "
                         f"{min(per_rank)} for a tensor that should be replicated"
                     )

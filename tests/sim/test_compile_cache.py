@@ -193,6 +193,40 @@ def test_a_broken_entry_warns_and_recompiles(tmp_path: Path, damage: str) -> Non
     assert caches(step) == ["hit"]
 
 
+def test_an_unreadable_entry_warns_and_misses(tmp_path: Path) -> None:
+    """Only a missing entry was a miss; any other error reading one (another user's file,
+    a directory in its place) failed the step, though the cache only saves time."""
+    _, first_losses, _ = run(tmp_path)
+    written = sorted(tmp_path.glob("*/*.pt"))
+    assert {p.parent.name for p in written} == {"programs", "steps", "states"}
+    for path in written:
+        path.unlink()
+        path.mkdir()  # reading it raises IsADirectoryError (a PermissionError as root would not)
+    with pytest.warns(UserWarning, match="could not read the compile cache entry"):
+        step, losses, _ = run(tmp_path)
+    assert caches(step) == ["miss"]
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
+
+
+def test_entries_get_the_mode_of_a_plain_file(tmp_path: Path) -> None:
+    """Entries were 0600 (tempfile.mkstemp): a cache shared by several users was readable
+    by its writer alone. Now 0666 less the umask, as ``open`` makes files."""
+    old = os.umask(0o027)
+    try:
+        run(tmp_path)
+    finally:
+        os.umask(old)
+    modes = {oct(p.stat().st_mode & 0o777) for p in tmp_path.glob("*/*.pt")}
+    assert modes == {oct(0o640)}
+
+
+def test_a_cache_dir_that_is_a_file_is_refused_at_compile(tmp_path: Path) -> None:
+    file = tmp_path / "not_a_dir"
+    file.write_text("x")
+    with pytest.raises(sc.SPMDCompileError, match="is an existing file"):
+        sc.compile(DataParallel("replicate"), cache_dir=file)(classification_train_step)
+
+
 def test_entries_are_decoded_with_the_collector_paused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

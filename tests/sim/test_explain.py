@@ -196,3 +196,11 @@ def test_cli_prints_tables_and_writes_json(tmp_path, capsys) -> None:
     assert report["totals"]["param_bytes"] == sum(p["param_bytes"] for p in report["params"])
     assert report["collectives"] and report["passes"]
     assert "def forward(" in report["code"]
+
+
+def test_cli_explains_a_mesh_the_demo_batch_does_not_split_over(capsys) -> None:
+    """explain has no --batch-size, yet refused 3 ranks with "use a global batch that is
+    a multiple of 3" (the demo's 16); it rounds the batch up to the dp ranks now."""
+    assert main(["explain", "--mode", "ddp", "--world-size", "3", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "lm_head.weight" in out and "all_reduce" in out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import torch
 import torch.nn as nn
@@ -389,3 +390,95 @@ def test_a_global_an_override_of_torchs_method_reads_recompiles():
         finally:
             DAMPING = 1.0
     assert len(run.compiled.records) == 2
+
+
+ACT_MODULE: nn.Module = nn.ReLU()  # a parameterless module a global holds
+LOSS = functools.partial(F.cross_entropy, reduction="mean")
+
+
+class GloballyActivated(Staged):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ACT_MODULE(super().forward(x))
+
+
+def partial_loss_step(model, optim, x, y):  # noqa: ANN001
+    loss = LOSS(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_global_module_rebound_to_another_class_recompiles(monkeypatch):
+    """``ACT_MODULE = nn.SiLU()`` for ``nn.ReLU()``: the link saw another object, but the
+    guards derived on it held the same values (``inplace``), and the relu program ran
+    silently (a loss 2.3e-2 off eager, a probe)."""
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(GloballyActivated())
+        run.check(model, twin)
+        monkeypatch.setitem(globals(), "ACT_MODULE", nn.SiLU())
+        run.check(model, twin)
+        run.check(model, twin)
+    assert len(run.compiled.records) == 2
+
+
+def test_a_partials_keyword_changed_in_place_recompiles(monkeypatch):
+    """``LOSS.keywords["reduction"] = "sum"``: the partial was guarded by identity only
+    (the mean program ran silently, a loss 0.88 off eager, a probe)."""
+    monkeypatch.setitem(globals(), "LOSS", functools.partial(F.cross_entropy, reduction="mean"))
+    run = Run(partial_loss_step)
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Staged())
+        run.check(model, twin)
+        LOSS.keywords["reduction"] = "sum"
+        run.check(model, twin)
+        run.check(model, twin)
+    assert len(run.compiled.records) == 2
+
+
+class Constant(Staged):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.tensor([0.1, 0.2, 0.3]).to(x.dtype)
+
+
+def test_a_changed_default_dtype_recompiles():
+    """A tensor the forward makes from Python numbers has the default dtype: after
+    ``torch.set_default_dtype(torch.float64)`` the float32 program ran (4.2e-9 off)."""
+    run = Run()
+    try:
+        with sc.simulate(world_size=WORLD):
+            model, twin = run.twin(Constant())
+            run.check(model, twin)
+            torch.set_default_dtype(torch.float64)
+            run.check(model, twin)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert len(run.compiled.records) == 2
+
+
+class Tanhed(Staged):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+def test_a_torch_modules_forward_replaced_on_its_class_recompiles(monkeypatch):
+    """``nn.Tanh.forward = patched`` (a fix applied behind a flag): torch's classes were
+    keyed by torch's version only, and the unpatched program ran silently (parameters
+    0.35 off eager, a probe); the replacement's own code is walked as the user's."""
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Tanhed())
+        run.check(model, twin)
+        monkeypatch.setattr(nn.Tanh, "forward", lambda self, x: torch.tanh(x) * GAIN.inner.k)
+        run.check(model, twin)
+        GAIN.inner.k = 2.0  # read by the replacement only
+        try:
+            run.check(model, twin)
+        finally:
+            GAIN.inner.k = 1.0
+    assert len(run.compiled.records) == 3

@@ -150,8 +150,56 @@ def test_item_used_by_python_is_refused(step, line):
     assert "reads the value of a tensor in Python" in message
     assert line in message
     conversion = {float_of_norm_step: "float", int_of_count_step: "int"}.get(step)
-    if conversion:  # the error names .item() instead
-        assert f"write `t.item()` for `{conversion}(t)`" in message
+    if conversion:  # to return the number, the error names .item() instead
+        assert f"To return the number (`{{'value': {conversion}(t)}}`), write `t.item()`" in message
+
+
+def pointer_step(model, optim, x, y):  # noqa: ANN001
+    """MoCo's enqueue: a queue pointer read with int(); `.item()` (the advice before) is
+    refused as well when the number is used as a slice bound."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    pointer = int((model(x).argmax(-1) == y).sum())
+    return loss, x[pointer:pointer + 2]
+
+
+def test_int_of_a_tensor_used_in_the_step_advises_keeping_a_tensor():
+    message = _refusal_leaving_the_model_untouched(pointer_step)
+    assert "`.item()` is refused too: keep it a tensor" in message
+    assert "index_copy_" in message and "outside the step" in message
+
+
+def split_by_counts_step(model, optim, x, y):  # noqa: ANN001
+    counts = F.one_hot(y, 3).sum(0)
+    chunks = model(x).split(counts.tolist())  # MegaBlocks-style per-expert chunks
+    loss = sum(F.cross_entropy(c, t) for c, t in zip(chunks, y.split(counts.tolist())))
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def narrow_by_item_step(model, optim, x, y):  # noqa: ANN001
+    n = (y > 0).sum().item()
+    loss = F.cross_entropy(model(x).narrow(0, 0, n), y.narrow(0, 0, n))
+    loss.backward()
+    optim.step()
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("step", "line"),
+    [(split_by_counts_step, "chunks = model(x).split(counts.tolist())"),
+     (narrow_by_item_step, "loss = F.cross_entropy(model(x).narrow(0, 0, n), y.narrow(0, 0, n))")],
+    ids=lambda v: getattr(v, "__name__", "line"),
+)
+def test_items_used_as_sizes_are_a_value_dependent_shape(step, line):
+    """These reached torch's argument parser, whose raw TypeError named our internal
+    type ("found element of type TracedItem")."""
+    message = _refusal_leaving_the_model_untouched(step)
+    assert "reads the value of a tensor in Python" in message and line in message
+    assert "used as a size or index" in message and "value-dependent shape" in message
+    assert "TracedItem" not in message and "TypeError" not in message
 
 
 def _refusal_leaving_the_model_untouched(step) -> str:  # noqa: ANN001

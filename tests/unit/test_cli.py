@@ -22,6 +22,8 @@ from spmd_compiler.__main__ import main
         (["demo", "--world-size", "3"], "--batch-size 16 does not split over 3"),
         (["demo", "--dropout", "1.5"], "1.5 is not in [0, 1)"),
         (["explain", "--mode", "fsdp_tp", "--world-size", "3"], "needs an even --world-size"),
+        (["demo", "--mode", "tp", "--world-size", "64", "--backend", "nccl"],
+         "--backend nccl runs one rank per CUDA device: 64 ranks need 64 devices"),
     ],
 )
 def test_bad_options_end_in_one_error_line_and_exit_2(argv, message, capsys):
@@ -79,3 +81,16 @@ def test_public_names_load_on_first_use():
     assert "compile" in dir(spmd_compiler)
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         spmd_compiler.nothing  # noqa: B018
+
+
+def test_checkpoint_is_importable_by_the_path_the_readme_gives():
+    """``spmd_compiler.checkpoint.save/load/full_state_dict`` (README) was only an
+    attribute: ``from spmd_compiler.checkpoint import ...`` failed (ModuleNotFoundError)."""
+    import spmd_compiler.checkpoint as by_path
+    from spmd_compiler.checkpoint import CheckpointError, full_state_dict, load, save
+    from spmd_compiler.runtime import checkpoint as defined
+
+    assert spmd_compiler.checkpoint is by_path
+    assert (full_state_dict, load, save, CheckpointError) == (
+        defined.full_state_dict, defined.load, defined.save, defined.CheckpointError)
+    assert sorted(by_path.__all__) == sorted(defined.__all__)

@@ -212,6 +212,35 @@ def test_call_outside_simulation_or_process_group():
     assert_untouched(before, model, opt)
 
 
+# ---------------------------------------------------------------- compile options
+
+
+def test_disable_passes_takes_a_lone_name_as_one_name():
+    """A lone string was split into letters (12 "not a registered pass" warnings, and
+    the pass still ran); it is one name, as extra_passes takes it."""
+    compiled = sc.compile(DataParallel("replicate"), disable_passes="bucket_collectives")(step)
+    assert compiled.options.disabled == frozenset({"bucket_collectives"})
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"parallel_mode": "ddp"}, "got 'ddp' \\(str\\)"),
+        ({"parallel_mode": DataParallel}, "got the class DataParallel"),
+        ({"check_passes": "no"}, "check_passes must be True or False; got 'no'"),
+        ({"inductor_regions": "yes"}, "inductor_regions must be True, False or None; got 'yes'"),
+        ({"backend": "eager", "inductor_regions": True}, "backend='eager' runs no Inductor"),
+    ],
+)
+def test_wrong_compile_options_are_refused_at_compile(options, expected):
+    """These were accepted and failed at the first call with an unrelated AttributeError
+    or TypeError (a mode), or were silently truthy / without effect (the flags)."""
+    with pytest.raises(SPMDCompileError, match=expected) as info:
+        sc.compile(**options)
+    if "parallel_mode" in options:
+        assert "DataParallel(" in str(info.value) and "ParallelMode" in str(info.value)
+
+
 # ---------------------------------------------------------------- capture failures
 
 

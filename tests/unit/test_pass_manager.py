@@ -263,6 +263,29 @@ def test_options_of_the_wrong_type_are_an_error(registry):
         _order("pass_plain", pass_options={"pass_plain": {"x": 1}})
 
 
+@dataclass(frozen=True)
+class _CheckedOptions:
+    factor: float = 1.0
+    tag_nodes: bool = False
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"factor must be positive, got {self.factor}")
+
+
+def test_options_the_class_refuses_name_the_pass(registry):
+    """A ValueError of the options class's own checks came out raw, and a dict's wrong
+    field type ("no" for a bool: truthy) was taken; both name the pass now."""
+    _noop_pass("pass_checked", options=_CheckedOptions)
+    with pytest.raises(PipelineError, match="'pass_checked': factor must be positive, got -1"):
+        _order("pass_checked", pass_options={"pass_checked": {"factor": -1.0}})
+    with pytest.raises(PipelineError, match="'pass_checked': tag_nodes must be of type bool, got str"):
+        _order("pass_checked", pass_options={"pass_checked": {"tag_nodes": "no"}})
+    with pytest.raises(PipelineError, match="factor must be of type float, got str: '2'"):
+        _order("pass_checked", pass_options={"pass_checked": {"factor": "2"}})
+    _order("pass_checked", pass_options={"pass_checked": {"factor": 2, "tag_nodes": True}})
+
+
 def test_the_same_pass_runs_in_two_pipelines_with_their_own_options(registry):
     seen = _register_scale(registry)
     first, second = _tiny_program(), _tiny_program()
@@ -494,6 +517,44 @@ def test_verify_numerics_on_a_compiled_step(registry):
             else:
                 compiled(model, optim, torch.randn(4, 4), torch.randint(0, 3, (4,)))
                 assert compiled.last_program.passes_applied[-1] == extra
+
+
+def test_ranks_made_to_disagree_by_a_pass_name_the_output_and_the_passes(registry):
+    """A pass that drops the gradients' all-reduce makes the simulated ranks' parameters,
+    then their losses, differ; that was a bare AssertionError naming neither."""
+    import torch.nn as nn
+
+    import spmd_compiler as sc
+    from spmd_compiler.errors import SPMDRuntimeError
+    from spmd_compiler.parallel_modes import DataParallel
+    from spmd_compiler.passes import collective_kind, is_wait
+    from spmd_compiler.tools.demo.steps import classification_train_step
+
+    @register_pass("drop_gradient_all_reduce", "drops the largest all-reduce (wrong on purpose)",
+                   after="schedule_overlap", changes_collectives=True)
+    def _drop(program, context):
+        graph = program.graph_module.graph
+        waits = [n for n in graph.nodes if is_wait(n) and collective_kind(n.args[0]) == "all_reduce"]
+        wait = max(waits, key=lambda n: n.meta["val"].numel())
+        collective = wait.args[0]
+        wait.replace_all_uses_with(collective.args[0])
+        graph.erase_node(wait)
+        graph.erase_node(collective)
+        return True
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(DataParallel("replicate"), extra_passes="drop_gradient_all_reduce")(
+        classification_train_step
+    )
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with sc.simulate(world_size=2), pytest.raises(SPMDRuntimeError) as info:
+        for _ in range(2):
+            compiled(model, optim, x, y)
+    text = str(info.value)
+    assert "different values on the simulated ranks for return[0]" in text
+    assert "drop_gradient_all_reduce" in text and "verify_numerics=True" in text
 
 
 # ---------------------------------------------------------------------------- debugging

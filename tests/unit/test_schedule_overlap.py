@@ -265,6 +265,16 @@ def test_prefetch_depth_must_not_be_negative():
         OverlapOptions(prefetch_depth=-1)
 
 
+@pytest.mark.parametrize("depth", [-1, 1.5, "2", True])
+def test_data_parallel_refuses_a_bad_prefetch_depth_when_made(depth):
+    """It was taken, and refused at the first call by schedule_overlap's options."""
+    from spmd_compiler.parallel_modes import DataParallel
+
+    with pytest.raises(ValueError, match=f"DataParallel prefetch_depth must be .*got {depth!r}"):
+        DataParallel("fully_shard", prefetch_depth=depth)
+    assert DataParallel("fully_shard", prefetch_depth=0).prefetch_depth == 0
+
+
 @pytest.mark.parametrize("depth", [1, None])
 def test_fully_shard_mode_prefetches_one_bucket_ahead_by_default(depth):
     """``DataParallel("fully_shard")`` passes its ``prefetch_depth`` (default 1, FSDP2's)
