@@ -44,6 +44,7 @@ import operator
 import os
 import sys
 import time
+import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -108,6 +109,101 @@ def plain_batch_norm_forward(module: torch.nn.Module, input: torch.Tensor) -> to
     """torch's batch norm ``forward`` without a process group (``_BatchNorm.forward``, the
     one ``nn.BatchNorm*d`` run), called on ``module`` (a ``SyncBatchNorm`` too)."""
     return torch.nn.modules.batchnorm._BatchNorm.forward(module, input)  # type: ignore[arg-type]
+
+
+# NOTE: [torch's functions replaced by the user]
+# torch's overridable functions hand themselves to ``__torch_function__`` by their
+# module's global name (``handle_torch_function(silu, ...)`` inside ``F.silu``). A script
+# that replaced one with a wrapper calling the original (``F.silu = lambda x, inplace=False:
+# orig(x) * 2.0``, a patched ``scaled_dot_product_attention``) thus had the wrapper handed
+# to every function mode active while the step is traced (the capture's own and torch's
+# ``TorchFunctionMetadataMode``), and each one called it again: the wrapper ran once per
+# mode (its factor 2 ** 7 times instead of once: losses 32.8 against eager's 1.52,
+# silently). Eager runs no mode. So while a step is traced each such replacement is
+# called through a shim that puts torch's own function back under the name for the
+# duration of the call (the replacement runs once; the original it calls hands itself
+# to the modes, as eager would run it), and the replacement is the name's value again
+# after it. torch's own functions are the ones the namespaces held when this module was
+# imported; a function replaced before that (its code is not torch's) cannot be told
+# from torch's: where its call re-enters itself (the modes handing it back) the step is
+# refused.
+def _namespaces() -> list[Any]:
+    import torch.nn.functional
+
+    return [torch, torch.nn.functional, torch.functional, torch.linalg, torch.fft, torch.special]
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_ORIGINALS: list[tuple[Any, dict[str, Any]]] = [
+    (module, {k: v for k, v in vars(module).items()
+              if isinstance(v, (types.FunctionType, types.BuiltinFunctionType))})
+    for module in _namespaces()
+]
+
+
+def _torch_code(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is None or code.co_filename.startswith(_TORCH_DIR)
+
+
+def _shim(module: Any, name: str, original: Any, replacement: Any) -> Callable[..., Any]:
+    d = vars(module)
+
+    def shim(*args: Any, **kwargs: Any) -> Any:
+        d[name] = original
+        try:
+            return replacement(*args, **kwargs)
+        finally:
+            d[name] = shim
+
+    return functools.wraps(replacement)(shim)
+
+
+def _reentry_refused(module: Any, name: str, replacement: Any) -> Callable[..., Any]:
+    running: list[bool] = []
+
+    def shim(*args: Any, **kwargs: Any) -> Any:
+        if running:
+            from .errors import SPMDCompileError
+
+            raise SPMDCompileError(
+                f"{module.__name__}.{name} was replaced (by {getattr(replacement, '__qualname__', replacement)!r}) "
+                "before spmd_compiler was imported, and the replacement calls the function it "
+                "replaced: the compiled step cannot tell torch's own function from it (NOTE: "
+                "[torch's functions replaced by the user] in spmd_compiler/_torch_private.py).",
+                hint="import spmd_compiler before replacing torch's functions.",
+            )
+        running.append(True)
+        try:
+            return replacement(*args, **kwargs)
+        finally:
+            running.pop()
+
+    return functools.wraps(replacement)(shim)
+
+
+@contextlib.contextmanager
+def torch_functions_replaced_by_the_user() -> Iterator[None]:
+    """Inside: each function of a torch namespace the user replaced runs through a shim
+    (see the NOTE); the namespaces hold the user's functions again on the way out."""
+    installed: list[tuple[dict[str, Any], str, Any]] = []
+    for module, originals in _ORIGINALS:
+        d = vars(module)
+        for name, original in originals.items():
+            current = d.get(name)
+            if current is None or isinstance(current, type) or not callable(current):
+                continue
+            if current is not original:
+                installed.append((d, name, current))
+                d[name] = _shim(module, name, original, current)
+            elif not _torch_code(current):
+                installed.append((d, name, current))
+                d[name] = _reentry_refused(module, name, current)
+    try:
+        yield
+    finally:
+        for d, name, current in installed:
+            d[name] = current
 
 
 class NestedEncoderCall:

@@ -836,8 +836,11 @@ class CompiledTrainStep:
         # NOTE: [optimizer state made before the first program]; with the persistent
         # cache a restart makes it again (NOTE: [optimizer state made on a restart])
         make_state = not decisions
+        before = None
         for attempt in range(2):
             guards = build_guards(self.func, bindings, frozenset())
+            if before is None:
+                before = guards
             captured = capture_step(
                 self.func, bindings, input_metas, self.mode.capture_options(), decisions,
                 make_state=make_state,
@@ -848,6 +851,7 @@ class CompiledTrainStep:
             if captured.made_state is not None:
                 captured.made_state.remove(bindings)
             if attempt == 1:
+                before.put_back()  # the refused call leaves the values as it found them
                 raise SPMDCompileError(
                     f"The train step changes a Python value every time it runs: {change}. "
                     "A compiled step runs no Python, so it cannot repeat that change.",

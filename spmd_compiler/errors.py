@@ -96,6 +96,11 @@ class SPMDRuntimeError(RuntimeError):
     """A compiled step failed while running (e.g. a peer rank died); state is intact."""
 
 
+class CollectiveFailure(SPMDRuntimeError):
+    """A collective of the compiled step failed on this rank (a peer failed, left or was
+    slower than the timeout); its message names the rank that failed first."""
+
+
 def exception_summary(exc: BaseException) -> str:
     """``TypeName: first line of the message``, without a closing period (callers end
     their sentence after it)."""

@@ -140,7 +140,7 @@ def _repeat_groups(
     return repeat(key), repeat(value)
 
 
-_FUSED = F.scaled_dot_product_attention
+_FUSED = private.aten_nn_bindings().scaled_dot_product_attention  # torch's, if a script replaced F's
 
 
 def _flash_attention_cpu(
@@ -259,7 +259,10 @@ def attention_as_math() -> Iterator[None]:
     taken before (``from torch.nn.functional import scaled_dot_product_attention``).
     """
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", scaled_dot_product_attention))
+        if F.scaled_dot_product_attention is _FUSED:  # a script's replacement (a wrapper of
+            # torch's) runs as eagerly, its call of torch's caught by the mode (NOTE:
+            # [torch's functions replaced by the user] in _torch_private.py)
+            stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", scaled_dot_product_attention))
         stack.enter_context(
             mock.patch.object(private.aten_nn_bindings(), "scaled_dot_product_attention", scaled_dot_product_attention)
         )

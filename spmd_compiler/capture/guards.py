@@ -396,6 +396,23 @@ class Guards:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def put_back(self) -> list[str]:
+        """Set every guarded scalar held in a dict (an attribute of a module or object, a
+        dict entry, a global) that changed back to the value it had when these guards
+        were built; returns the names set back. A capture that is refused for changing
+        one on every run leaves the user's objects as the call found them (a hook's
+        ``self.calls += 1`` counted each refused call before)."""
+        restored = []
+        for name, (kind, container, key, expected) in zip(self.names, self.entries, strict=True):
+            if kind != _DICT or not isinstance(container, dict) or not is_scalar(expected):
+                continue
+            value = container.get(key, _MISSING)
+            if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
+                continue
+            container[key] = expected
+            restored.append(name)
+        return restored
+
     def described(self) -> list[tuple[str, Any]]:
         """Each guard's name and the value it holds (the pre-capture cache key), but the
         hooks themselves: that key describes them by their code (``step_key``)."""
@@ -717,6 +734,9 @@ class _Walker:
         # NOTE: [guards below the walked depth]: every name and string the walked code
         # holds; what waits to be walked by those names, as (value, path, where read)
         self.read_names: set[str] = set()
+        # torch's modules the walked code names (``F``, ``torch``): the functions it names
+        # of them are guarded by identity (``torch_namespaces``), their code not walked
+        self.torch_modules: dict[int, tuple[types.ModuleType, str, set[str]]] = {}
         # of those, the names read as values (not only as a method called at once,
         # ``optim.step()``): a scalar of a user's object is guarded by these
         self.value_names: set[str] = set()
@@ -953,8 +973,28 @@ class _Walker:
                     self.class_attribute(type(obj), attribute)
                     if not counted:
                         self.guards.add(_DICT, d, attribute, _MISSING, f"{path}.{attribute}{where}")
+            grew |= self.torch_namespaces()
             if not grew and not self.pending:
                 return
+
+    def torch_namespaces(self) -> bool:
+        """NOTE: [torch's functions replaced]: each function of a torch module the walked
+        code names (``F.silu``), by identity; one the user put there is walked as theirs.
+        Returns whether any was added."""
+        grew = False
+        for module, path, done in self.torch_modules.values():
+            d = vars(module)
+            for attribute in sorted((d.keys() & self.read_names) - done):
+                done.add(attribute)
+                value = d[attribute]
+                if not callable(value) or isinstance(value, (type, types.ModuleType)):
+                    continue
+                self.guards.add(_DICT, d, attribute, value, f"{path}.{attribute}")
+                for fn in functions_of(value):
+                    if not skipped_function(fn):
+                        self.function(fn)
+                        grew = True
+        return grew
 
     def implicit_methods(self, cls: type, only: frozenset[str] | None = None) -> bool:
         """Walk the special methods a user class defines (``__call__``, ``__getitem__``,
@@ -1201,6 +1241,10 @@ class _Walker:
         those hold too if ``deep`` (the user's code names it, not a library's)."""
         if id(value) in self.skipped:
             return
+        if isinstance(value, types.ModuleType) and (value.__name__ or "").split(".")[0] == "torch":
+            # NOTE: [torch's functions replaced]: the functions the code names of it
+            self.torch_modules.setdefault(id(value), (value, path, set()))
+            return
         # torch's and the standard library's modules and classes hold no settings of the
         # step (``linecache.cache``, ``logging``'s state)
         if isinstance(value, types.ModuleType) and (
@@ -1287,6 +1331,17 @@ def _described(value: Any) -> Any:
         return ["descriptor", f"{cls.__module__}.{cls.__qualname__}",
                 [[k, _described(v)] for k, v in sorted(vars(value).items())]]
     return _frozen(value)
+
+
+# NOTE: [torch's functions replaced]
+# A script may replace one of torch's functions (``F.scaled_dot_product_attention =
+# flash_sdpa`` behind a flag, a fix to ``F.silu``): torch's modules are not walked, so
+# the program compiled with the old function ran after the change, in the process and
+# after a restart (a loss 2.4e-2 off eager, parameters 0.50, a probe). The functions the
+# walked code names of a torch module it reads (``F``, ``torch``, ``torch.nn.init``) are
+# guarded by identity (their code is torch's, versioned with it), and a replacement that
+# is not torch's code is walked as the user's; a torch class's ``forward`` likewise
+# (``torch_forward``). The key before capture describes them by where they are defined.
 
 
 # NOTE: [links in the key before capture]

@@ -920,6 +920,8 @@ def _trace_first(
             functions_as_ops(),  # NOTE: [functions as plain ops at capture]
             cumulative_batch_norms(bindings.modules),
             transformer_encoders_as_eager(bindings.modules),
+            # NOTE: [torch's functions replaced by the user]
+            private.torch_functions_replaced_by_the_user(),
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
         ):
             try:

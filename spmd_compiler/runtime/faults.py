@@ -112,7 +112,12 @@ def attribution(my_rank: int, wait_s: float = WAIT_FOR_RECORD_S) -> str:
             f"Rank {record['rank']} had already left: it {RETURNED_EARLY} (did the ranks "
             "run different numbers of steps?)."
         )
-    return f"Rank {record['rank']} failed first: it {record['what']}."
+    waited = "timed out" in record["what"].lower() or "timeout" in record["what"].lower()
+    return f"Rank {record['rank']} failed first: it {record['what']}." + (
+        " Its own wait ran out: it was waiting elsewhere (a barrier, another collective, "
+        "the next step) while this rank was in the step; did the ranks run different "
+        "numbers of steps (uneven data)?" if waited else ""
+    )
 
 
 # The store ``launch``'s rank body connected to the parent with (the default group's

@@ -734,3 +734,26 @@ def test_quantization_aware_training_is_refused_before_the_trace():
         sc.compile()(_loss_step)(model, opt, torch.randn(4, 4))
     assert "quantization-aware training" in str(info.value) and "prepare_qat" in str(info.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class CountingHook(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.out.register_full_backward_hook(self._count)
+
+    def _count(self, module, grad_input, grad_output) -> None:  # noqa: ANN001
+        self.calls += 1
+
+
+def test_a_step_refused_for_changing_a_value_leaves_it_as_it_was():
+    """The refusal ("changes a Python value every time it runs") came after two traces
+    had run the hook: ``model.calls`` read 2, 4, 6 after three refused calls."""
+    model = CountingHook()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        message = str(raises_untouched(step, (model, opt, *batch()), model, opt))
+        assert "changes a Python value every time it runs" in message
+        assert model.calls == 0
+    step(model, opt, *batch())  # eagerly, as a user falling back would
+    assert model.calls == 1
