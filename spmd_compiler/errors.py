@@ -96,9 +96,13 @@ class SPMDRuntimeError(RuntimeError):
     """A compiled step failed while running (e.g. a peer rank died); state is intact."""
 
 
-class CollectiveFailure(SPMDRuntimeError):
-    """A collective of the compiled step failed on this rank (a peer failed, left or was
-    slower than the timeout); its message names the rank that failed first."""
+def collective_failure(message: str) -> SPMDRuntimeError:
+    """The error of a collective of the compiled step that failed on this rank (a peer
+    failed, left or was slower than the timeout; ``message`` names the rank that failed
+    first), marked ``collective`` so that what catches it adds no cause of its own."""
+    error = SPMDRuntimeError(message)
+    error.collective = True  # type: ignore[attr-defined]
+    return error
 
 
 def exception_summary(exc: BaseException) -> str:

@@ -34,7 +34,7 @@ from ..capture.bindings import (
 )
 from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
-from ..errors import CollectiveFailure, SPMDCompileError, SPMDRuntimeError, exception_summary
+from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import (
     Kind,
@@ -348,7 +348,7 @@ def run_program(
     except SPMDCompileError:
         raise  # lowering on first need: not the data
     except Exception as exc:
-        if not captured.checks or isinstance(exc, CollectiveFailure):  # another rank's
+        if not captured.checks or getattr(exc, "collective", False):  # another rank's
             raise  # failure, named: the program's checks have nothing to do with it
         raise _failed_before_its_checks(exc, captured.checks) from exc
     next_carry = None
@@ -665,7 +665,7 @@ def _run(
             else "The model and optimizer hold the state of the last completed step."
         )
         rank = dist.get_rank()
-        raise CollectiveFailure(
+        raise collective_failure(
             f"The compiled step failed on rank {rank}: {exception_summary(exc)}. "
             f"{attribution(rank)} {state}{pending}"
         ) from exc

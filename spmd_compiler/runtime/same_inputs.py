@@ -79,7 +79,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveFailure, SPMDCompileError, SPMDRuntimeError, exception_summary
+from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
 from .faults import attribution
 
@@ -394,7 +394,7 @@ def _collective(call: Any) -> Any:
         return call()
     except Exception as exc:
         rank = dist.get_rank()
-        raise CollectiveFailure(
+        raise collective_failure(
             f"The compiled step failed on rank {rank} while comparing input shapes with "
             "the other ranks: "
             f"{exception_summary(exc)}. "
