@@ -195,6 +195,17 @@ def _bare_mask(index: Any) -> Any:
     return index
 
 
+def _mask_then_basic(index: Any) -> tuple[torch.Tensor, tuple] | None:
+    """(mask, rest) for an index ``(mask, i, j, ...)`` whose other entries are ints and
+    slices (basic indices after the mask's dimensions), else None."""
+    if not (isinstance(index, tuple) and len(index) > 1 and _is_mask(index[0])):
+        return None
+    rest = index[1:]
+    if not all(type(i) is int or isinstance(i, slice) for i in rest):
+        return None
+    return index[0], rest
+
+
 def _indices_in_place(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any:
     """``torch.where(mask)``, ``nonzero`` and ``argwhere``: every index of the mask, in
     row-major order, the mask's elements as the rows' validity (None: not ours)."""
@@ -247,7 +258,15 @@ def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any
     x, index = args
     if name == "__getitem__":
         index = _bare_mask(index)
-        return _keep_in_place(registry, x, index) if _is_mask(index) else None
+        if _is_mask(index):
+            return _keep_in_place(registry, x, index)
+        basic = _mask_then_basic(index)
+        if basic is not None:  # ``x[mask, k]`` is ``x[:, k][mask]`` (a router's top-k
+            # weights of the tokens an expert takes; refused before as a nonzero)
+            mask, rest = basic
+            if mask.dim() + len(rest) <= x.dim():
+                return _keep_in_place(registry, x[(slice(None),) * mask.dim() + rest], mask)
+        return None
     if name == "masked_select" and _is_mask(index):
         x, mask = torch.broadcast_tensors(x, index)
         return _keep_in_place(registry, x, mask)  # flat rows; the mask keeps its shape

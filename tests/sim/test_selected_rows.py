@@ -139,7 +139,18 @@ def selected_ids_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, F.mse_loss(model(x)[keep].softmax(-1) @ model.embed.weight, targets))
 
 
+def mask_and_index_step(model, optim, x, labels):  # noqa: ANN001
+    """``logits[keep, 0]`` (a mask beside an int, the weight of an expert's tokens in a
+    router) and ``logits[keep, 1:]``: refused before as a nonzero of value-dependent
+    shape; they are ``logits[:, :, 0][keep]`` and ``logits[:, :, 1:][keep]``."""
+    logits = model(x)
+    keep = labels != PAD
+    first, rest = logits[keep, 0], logits[keep, 1:]
+    return _finish(model, optim, (first.square() + rest.logsumexp(-1)).mean())
+
+
 CASES = {
+    "mask_and_index": mask_and_index_step,
     "masked_lm": masked_lm_step,
     "flattened_masks": flattened_step,
     "index_tuple": index_tuple_step,
