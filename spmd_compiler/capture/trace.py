@@ -960,6 +960,9 @@ def _trace_first(
                 f"{op} in the train step makes a tensor of value-dependent shape (its size "
                 "depends on the values of its input), which cannot be captured into one graph"
                 if op is not None
+                else "The train step uses rows a mask selects where their number matters (a "
+                "value-dependent shape), which cannot be captured into one graph"
+                if isinstance(exc, RowsOfAModelMaskCounted)
                 else "The train step reads the value of a tensor in Python (control flow "
                 "on a tensor, .item(), .tolist() or a value-dependent shape), which cannot "
                 "be captured into one graph"
@@ -974,6 +977,11 @@ def _trace_first(
                 "values]) and use the number outside the compiled step, or compute with "
                 "the tensor itself."
                 if isinstance(exc, ItemUsedInPython)
+                else "keep the rows in place and combine with the mask instead of indexing "
+                "by what it selects: `y[mask] += expert(h[mask]) * gate[mask]`, or "
+                "`torch.where(mask[..., None], expert(h), 0)`; losses and sums over the "
+                "selected rows work as they are."
+                if isinstance(exc, RowsOfAModelMaskCounted)
                 else _VALUE_SHAPE_HINTS.get(getattr(op, "__name__", "").split(".")[0])
                 or "use ops whose output shape does not depend on values "
                 "(torch.where(cond, a, b), masking) instead, or move the check "

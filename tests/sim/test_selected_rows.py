@@ -327,6 +327,25 @@ def test_rows_paired_with_a_tensor_of_their_count_are_refused_naming_the_selecti
     assert "rows = model(x)[keep]" in message and "as if the mask selected every element" in message
 
 
+def test_indices_of_a_model_mask_used_by_count_are_refused_with_what_to_do():
+    """A mixture of experts' ``index_add`` of the rows ``torch.where`` found for an
+    expert: the message said the step read a tensor's value in Python (it reads none)."""
+
+    def step(model, optim, x, labels):  # noqa: ANN001
+        h = model(x)
+        rows, cols = torch.where(h.argmax(-1) == 0)
+        y = torch.zeros_like(h).index_add(0, rows, h[rows, cols])
+        return _finish(model, optim, y.square().mean())
+
+    model, _, optim, _ = _twins()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, *_batches()[0])
+    message = str(info.value)
+    assert "uses rows a mask selects where their number matters" in message
+    assert "keep the rows in place" in message and "reads the value of a tensor" not in message
+
+
 # -- random chains of row-wise ops between a selection and a loss ------------------------
 _ROW_OPS = [
     lambda r: r.tanh(),
