@@ -967,7 +967,11 @@ def _check_compile_options(
     parallel_mode: Any, check_passes: Any, verify_numerics: Any, backend: str, inductor_regions: Any,
 ) -> None:
     """Refuse at ``sc.compile`` the options that would only fail (or do nothing) later."""
-    if parallel_mode is not None and not isinstance(parallel_mode, ParallelMode):
+    # by what it is, not by class: ``parallel_modes`` is importable under two names (the
+    # package and ``spmd_compiler.parallel_modes``), whose classes differ
+    if parallel_mode is not None and (
+        isinstance(parallel_mode, (str, type)) or not callable(getattr(parallel_mode, "capture_options", None))
+    ):
         given = (f"the class {parallel_mode.__name__}" if isinstance(parallel_mode, type)
                  else f"{parallel_mode!r} ({type(parallel_mode).__name__})")
         raise SPMDCompileError(

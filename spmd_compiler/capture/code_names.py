@@ -188,9 +188,9 @@ def reachable_by_name(
     """The objects of ``kind`` a step can reach by name: its arguments, the globals its
     code names, its closure variables, for a bound method the attributes of its ``self``
     (``self.scheduler`` of a trainer object), and the attributes the code names of a
-    plain object among ``flat_args`` and ``holders`` (an RL agent's ``opts.critic``,
-    refused before as an optimizer the step was not given), in that order; an object met
-    twice is listed twice."""
+    plain object among ``holders`` (the step's arguments, for optimizers: an RL agent's
+    ``opts.critic``, refused before as an optimizer the step was not given), in that
+    order; an object met twice is listed twice."""
     found = [a for a in flat_args if isinstance(a, kind)]
     owner = getattr(func, "__self__", None)
     func = getattr(func, "__func__", func)
@@ -206,7 +206,7 @@ def reachable_by_name(
                     found.append(cell.cell_contents)
     if owner is not None and hasattr(owner, "__dict__"):
         found += [v for v in vars(owner).values() if isinstance(v, kind)]
-    for holder in [*flat_args, *holders]:
+    for holder in holders:
         if isinstance(holder, kind) or type(holder).__module__.split(".")[0] == "torch":
             continue
         held = getattr(holder, "__dict__", None)
