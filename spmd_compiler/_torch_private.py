@@ -193,7 +193,7 @@ def torch_functions_replaced_by_the_user() -> Iterator[None]:
             current = d.get(name)
             if current is None or isinstance(current, type) or not callable(current):
                 continue
-            if current is not original:
+            if current is not original and not _torch_code(current):  # torch's own swaps stay
                 installed.append((d, name, current))
                 d[name] = _shim(module, name, original, current)
             elif not _torch_code(current):

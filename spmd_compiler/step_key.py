@@ -166,7 +166,7 @@ def step_key(
 # new value changes. (Within one process such a value is read once, at capture: a file
 # edited while the job runs is not seen, as in any traced program.)
 _OUTSIDE_SOURCES = frozenset({
-    "open", "input", "argv", "stdin", "read_text", "read_bytes", "load", "loads", "safe_load",
+    "open", "argv", "stdin", "read_text", "read_bytes", "load", "loads", "safe_load",
 })
 
 
