@@ -142,19 +142,34 @@ _ORIGINALS: list[tuple[Any, dict[str, Any]]] = [
 
 
 def _torch_code(fn: Any) -> bool:
-    code = getattr(fn, "__code__", None)
-    return code is None or code.co_filename.startswith(_TORCH_DIR)
+    """Whether ``fn`` is torch's: a builtin or Python code under torch's folder, and so is
+    every function it wraps (``functools.wraps(F.silu)`` on a user's wrapper: the user's;
+    ``torch.compiler.disable(user_fn)``: the user's)."""
+    for _ in range(16):
+        if isinstance(fn, types.BuiltinFunctionType):
+            return True
+        code = getattr(fn, "__code__", None)
+        if code is None or not code.co_filename.startswith(_TORCH_DIR + os.sep):
+            return False
+        wrapped = getattr(fn, "__wrapped__", None)
+        if wrapped is None:
+            return True
+        fn = wrapped
+    return False
 
 
-def _shim(module: Any, name: str, original: Any, replacement: Any) -> Callable[..., Any]:
+def _shim(module: Any, name: str, original: Any, replacement: Any, live: list[bool]) -> Callable[..., Any]:
     d = vars(module)
 
     def shim(*args: Any, **kwargs: Any) -> Any:
+        if not live:  # the trace ended (a reference kept past it): the replacement, plainly
+            return replacement(*args, **kwargs)
         d[name] = original
         try:
             return replacement(*args, **kwargs)
         finally:
-            d[name] = shim
+            if live:
+                d[name] = shim
 
     return functools.wraps(replacement)(shim)
 
@@ -186,24 +201,29 @@ def _reentry_refused(module: Any, name: str, replacement: Any) -> Callable[..., 
 def torch_functions_replaced_by_the_user() -> Iterator[None]:
     """Inside: each function of a torch namespace the user replaced runs through a shim
     (see the NOTE); the namespaces hold the user's functions again on the way out."""
-    installed: list[tuple[dict[str, Any], str, Any]] = []
-    for module, originals in _ORIGINALS:
-        d = vars(module)
-        for name, original in originals.items():
-            current = d.get(name)
-            if current is None or isinstance(current, type) or not callable(current):
-                continue
-            if current is not original and not _torch_code(current):  # torch's own swaps stay
-                installed.append((d, name, current))
-                d[name] = _shim(module, name, original, current)
-            elif not _torch_code(current):
-                installed.append((d, name, current))
-                d[name] = _reentry_refused(module, name, current)
+    installed: list[tuple[dict[str, Any], str, Any, Any]] = []
+    live = [True]
     try:
+        for module, originals in _ORIGINALS:
+            d = vars(module)
+            for name, original in originals.items():
+                current = d.get(name)
+                if current is None or isinstance(current, type) or not callable(current) or _torch_code(current):
+                    continue  # torch's own (its swaps too)
+                if current is not original:
+                    shim = _shim(module, name, original, current, live)
+                elif isinstance(current, types.FunctionType) and not _torch_code(current):
+                    shim = _reentry_refused(module, name, current)
+                else:
+                    continue
+                installed.append((d, name, current, shim))
+                d[name] = shim
         yield
     finally:
-        for d, name, current in installed:
-            d[name] = current
+        live.clear()
+        for d, name, current, shim in installed:
+            if d.get(name) is shim or d.get(name) is not current:
+                d[name] = current
 
 
 class NestedEncoderCall:

@@ -178,7 +178,7 @@ def _refuse_values_from_outside(guards: Guards) -> None:
         named = _OUTSIDE_SOURCES.intersection(names_in(code))
         if named:
             raise Uncacheable(
-                f"{code.co_qualname} reads {sorted(named)[0]!r} (a file, the command line): "
+                f"{getattr(code, 'co_qualname', code.co_name)} reads {sorted(named)[0]!r} (a file, the command line): "
                 "what it reads is in no key"
             )
 

@@ -162,6 +162,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import hashlib
 import inspect
 import logging
 import operator
@@ -982,11 +983,16 @@ class _Walker:
         code names (``F.silu``), by identity; one the user put there is walked as theirs.
         Returns whether any was added."""
         grew = False
-        for module, path, done in self.torch_modules.values():
+        for module, path, done in list(self.torch_modules.values()):
             d = vars(module)
             for attribute in sorted((d.keys() & self.read_names) - done):
                 done.add(attribute)
                 value = d[attribute]
+                if isinstance(value, types.ModuleType) and (value.__name__ or "").startswith("torch."):
+                    # ``nn.functional.gelu``, ``torch.nn.functional.gelu``: through a submodule
+                    self.torch_modules.setdefault(id(value), (value, f"{path}.{attribute}", set()))
+                    grew = True
+                    continue
                 if not callable(value) or isinstance(value, (type, types.ModuleType)):
                     continue
                 self.guards.add(_DICT, d, attribute, value, f"{path}.{attribute}")
@@ -1111,8 +1117,8 @@ class _Walker:
             d = owner.__dict__
             if not owner.__module__.startswith("torch.") or "forward" not in d:
                 continue
-            if (id(d), "forward") not in self.seen_class_attributes:
-                self.seen_class_attributes.add((id(d), "forward"))
+            if (id(owner), "forward") not in self.seen_class_attributes:  # by the class: each
+                self.seen_class_attributes.add((id(owner), "forward"))  # ``__dict__`` is a new proxy
                 value = d["forward"]
                 self.guards.add(_DICT, d, "forward", value, f"class {owner.__qualname__}.forward")
                 for fn in functions_of(value):
@@ -1131,14 +1137,14 @@ class _Walker:
             if attribute not in d:
                 continue
             value = d[attribute]
-            if not found and is_scalar(value) and (id(d), attribute) not in self.seen_class_attributes:
-                self.seen_class_attributes.add((id(d), attribute))
+            if not found and is_scalar(value) and (id(owner), attribute) not in self.seen_class_attributes:
+                self.seen_class_attributes.add((id(owner), attribute))
                 self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
             functions = list(functions_of(value))
-            if functions and not found and (id(d), attribute) not in self.seen_class_attributes:
+            if functions and not found and (id(owner), attribute) not in self.seen_class_attributes:
                 # a method replaced on the class (``Block.forward = patched``, a notebook's
                 # fix) is another program: guarded by identity
-                self.seen_class_attributes.add((id(d), attribute))
+                self.seen_class_attributes.add((id(owner), attribute))
                 self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
             for fn in functions:  # a method the code calls on the object
                 self.function(fn, cls)
@@ -1318,6 +1324,10 @@ def _described(value: Any) -> Any:
         return ["partial", _described(value.func), list(value.args), dict(value.keywords)]
     if isinstance(value, types.MethodType):
         return ["method", _described(value.__func__), type(value.__self__).__qualname__]
+    if isinstance(value, types.FunctionType):  # and its code: two lambdas a config picks
+        # between share a module, a qualified name and a file (NOTE: [links in the key
+        # before capture])
+        return ["function", value.__module__, value.__qualname__, _code_digest(value.__code__)]
     if _pinned(value):
         return ["function", getattr(value, "__module__", None), getattr(value, "__qualname__", None)]
     if isinstance(value, property):  # a config class's properties (transformers' configs)
@@ -1353,6 +1363,18 @@ def _described(value: Any) -> Any:
 # program (losses 1.5-3% off, parameters 1.0 relative, a probe). Each link is described
 # by where it was found and what it is: a function by where it is defined (its source
 # file is in the key), a partial with its arguments, anything else by its class.
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """The bytecode and constants of ``code`` and the code nested in it (no addresses)."""
+    digest = hashlib.sha256(code.co_code)
+    for const in code.co_consts:
+        text = (_code_digest(const) if isinstance(const, types.CodeType)
+                else repr(sorted(map(repr, const))) if isinstance(const, frozenset)  # hash-ordered
+                else repr(const))
+        digest.update(text.encode())
+    digest.update(repr(code.co_names).encode())
+    return digest.hexdigest()[:16]
 
 
 def _link_key(key: Any) -> Any:

@@ -86,7 +86,9 @@ def check_supported(optimizers: list[torch.optim.Optimizer], where: str | None) 
                 )
         for gi, group in enumerate(opt.param_groups):
             for key, value in group.items():
-                if key not in ("params", "lr") and _holds_tensor(value):
+                # the optimizer's own settings only: a scheduler adds keys its step never
+                # reads (``initial_lr``, a clone of a tensor ``lr``; ``max_lr``, ...)
+                if key in opt.defaults and key != "lr" and _holds_tensor(value):
                     # before: traced as a tensor from outside the step, refused as one
                     # (`aten.rsub` "neither an argument nor part of a module"), misleading
                     raise SPMDCompileError(

@@ -454,3 +454,13 @@ def test_a_generative_models_per_process_hash_is_not_in_the_key(tmp_path: Path, 
     second, error = run(tmp_path, make_model=_tiny_gpt2, step_fn=_language_model_step,
                         prepare=another_process)
     assert all(skipped(second)) and error < TOLERANCE
+
+
+def test_two_lambdas_a_config_picks_between_are_described_apart() -> None:
+    """Functions were described by module and qualified name: ``ACTS = {"a": lambda x: x *
+    2.0, "b": lambda x: x * 3.0}`` picked by a config keyed alike (found by a review)."""
+    from spmd_compiler.capture.guards import _described
+
+    acts = {"a": lambda x: x * 2.0, "b": lambda x: x * 3.0}
+    assert _described(acts["a"]) != _described(acts["b"])
+    assert _described(acts["a"]) == _described(acts["a"])

@@ -75,3 +75,45 @@ def test_a_wrapper_of_torchs_function_runs_once(monkeypatch):
 def test_a_function_replaced_between_calls_recompiles(monkeypatch, replace_after):
     """torch's modules were not walked: the program of the old function ran silently."""
     assert _compare(monkeypatch, replace_after) == 2
+
+
+class ThroughNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.silu(self.fc(x))).mean(1)  # F reached through nn
+
+
+def test_a_function_reached_through_a_submodule_path_is_guarded(monkeypatch):
+    """``nn.functional.silu`` is torch.nn's attribute ``functional``'s ``silu``: the walk
+    stopped at the submodule, and a replacement ran the old program (found by a review)."""
+    torch.manual_seed(0)
+    model = ThroughNN().double()
+    twin = copy.deepcopy(model)
+    optim, twin_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(step)
+    gen = torch.Generator().manual_seed(1)
+    with sc.simulate(world_size=2):
+        for i in range(3):
+            if i == 1:
+                monkeypatch.setattr(F, "silu", doubled_silu)
+            x = torch.randn(8, 2, 8, dtype=torch.float64, generator=gen)
+            y = torch.randint(0, 4, (8,), generator=gen)
+            got, want = compiled(model, optim, x, y).item(), step(twin, twin_optim, x, y).item()
+            assert abs(got - want) <= 1e-12 * abs(want), (i, got, want)
+    assert len(compiled.records) == 2
+
+
+def test_a_class_forward_is_guarded_once_per_class():
+    """Each module instance added its own guard on ``Linear.forward`` (a class's
+    ``__dict__`` is a new proxy each time it is read)."""
+    from spmd_compiler.capture.bindings import find_bindings
+    from spmd_compiler.capture.guards import build_guards
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 4), torch.randint(0, 4, (2,))
+    guards = build_guards(step, find_bindings(step, (model, optim, x, y), {}), frozenset())
+    assert sum(name == "class Linear.forward" for name in guards.names) == 1

@@ -757,3 +757,15 @@ def test_a_step_refused_for_changing_a_value_leaves_it_as_it_was():
         assert model.calls == 0
     step(model, opt, *batch())  # eagerly, as a user falling back would
     assert model.calls == 1
+
+
+def test_a_tensor_learning_rate_with_a_scheduler_is_not_refused():
+    """A scheduler clones a tensor ``lr`` into ``initial_lr``, a key the optimizer never
+    reads: the tensor-setting refusal named it as the user's (found by a review)."""
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    compiled = sc.compile()(step)
+    with sc.simulate(world_size=2):
+        compiled(model, opt, *batch())
+    assert compiled.compile_count == 1
