@@ -46,9 +46,16 @@ def step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
-def _compare(monkeypatch, replace_after: int | None) -> int:
+def _replace_both(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(F, "silu", doubled_silu)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", tempered_attention)
+
+
+def _compare(monkeypatch, replace_after: int | None, make=None, replace=_replace_both) -> int:  # noqa: ANN001
+    """Compiled and eager twins over 4 calls, the functions replaced before call
+    ``replace_after`` (None: before the first); returns the number of programs."""
     torch.manual_seed(0)
-    model = Block().double()
+    model = (make or Block)().double()
     twin = copy.deepcopy(model)
     optim, twin_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
     compiled = sc.compile(parallel_mode=DataParallel("replicate"))(step)
@@ -56,8 +63,7 @@ def _compare(monkeypatch, replace_after: int | None) -> int:
     with sc.simulate(world_size=2):
         for i in range(4):
             if i == (replace_after or 0):
-                monkeypatch.setattr(F, "silu", doubled_silu)
-                monkeypatch.setattr(F, "scaled_dot_product_attention", tempered_attention)
+                replace(monkeypatch)
             x = torch.randn(8, 2, 8, dtype=torch.float64, generator=gen)
             y = torch.randint(0, 4, (8,), generator=gen)
             got, want = compiled(model, optim, x, y).item(), step(twin, twin_optim, x, y).item()
@@ -89,21 +95,8 @@ class ThroughNN(nn.Module):
 def test_a_function_reached_through_a_submodule_path_is_guarded(monkeypatch):
     """``nn.functional.silu`` is torch.nn's attribute ``functional``'s ``silu``: the walk
     stopped at the submodule, and a replacement ran the old program (found by a review)."""
-    torch.manual_seed(0)
-    model = ThroughNN().double()
-    twin = copy.deepcopy(model)
-    optim, twin_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
-    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(step)
-    gen = torch.Generator().manual_seed(1)
-    with sc.simulate(world_size=2):
-        for i in range(3):
-            if i == 1:
-                monkeypatch.setattr(F, "silu", doubled_silu)
-            x = torch.randn(8, 2, 8, dtype=torch.float64, generator=gen)
-            y = torch.randint(0, 4, (8,), generator=gen)
-            got, want = compiled(model, optim, x, y).item(), step(twin, twin_optim, x, y).item()
-            assert abs(got - want) <= 1e-12 * abs(want), (i, got, want)
-    assert len(compiled.records) == 2
+    programs = _compare(monkeypatch, 1, ThroughNN, lambda mp: mp.setattr(F, "silu", doubled_silu))
+    assert programs == 2
 
 
 def test_a_class_forward_is_guarded_once_per_class():
