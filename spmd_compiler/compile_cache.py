@@ -72,7 +72,7 @@ import tempfile
 import types
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -446,11 +446,16 @@ def source_digest() -> str:
         module = importlib.import_module(f"spmd_compiler.{sub}")
         assert module.__file__ is not None, f"spmd_compiler.{sub} has no source file"
         roots.add(Path(module.__file__).resolve().parent)
+    return _tree_digest(roots)
+
+
+def _tree_digest(folders: Iterable[Path]) -> str:
+    """SHA-256 over every ``.py`` file under ``folders``: its relative path and content."""
     digest = hashlib.sha256()
-    for folder in sorted(roots):
+    for folder in sorted(folders):
         for path in sorted(folder.rglob("*.py")):
             digest.update(str(path.relative_to(folder)).encode())
-            digest.update(path.read_bytes())
+            digest.update(file_digest(path).encode())
     return digest.hexdigest()
 
 
@@ -468,14 +473,20 @@ def _plugin_digest() -> list[str]:
         module = sys.modules.get(getattr(spec.fn, "__module__", "") or "")
         if module is None:
             raise Uncacheable(f"pass {name}'s module is unknown")
-        top = module.__name__.split(".")[0]
-        if top in _PACKAGES:
+        if not _third_party_pass(spec):
             continue
         source = getattr(module, "__file__", None)
         if not source:
             raise Uncacheable(f"pass {name}'s module has no source file")
-        digests.append(name + ":" + _package_digest(sys.modules.get(top, module), source))
+        top = sys.modules.get(module.__name__.split(".")[0], module)
+        folders = [Path(f) for f in getattr(top, "__path__", ())]
+        digests.append(name + ":" + (_tree_digest(folders) if folders else file_digest(source)))
     return digests
+
+
+def _third_party_pass(spec: Any) -> bool:
+    """Whether a registered pass is defined outside this compiler's packages."""
+    return (getattr(spec.fn, "__module__", "") or "").split(".")[0] not in _PACKAGES
 
 
 # NOTE: [pass plugins in the key]
@@ -484,18 +495,6 @@ def _plugin_digest() -> list[str]:
 # helper module the pass imports changes the program too), or the module's own file when
 # it is not in a package. Code it imports from another package is not covered (as a
 # user's step importing an installed library by name is checked by version, not content).
-
-
-def _package_digest(top: Any, source: str) -> str:
-    folders = [Path(f) for f in getattr(top, "__path__", ())]
-    if not folders:
-        return file_digest(source)
-    digest = hashlib.sha256()
-    for folder in sorted(folders):
-        for path in sorted(folder.rglob("*.py")):
-            digest.update(str(path.relative_to(folder)).encode())
-            digest.update(file_digest(path).encode())
-    return digest.hexdigest()
 
 
 def _class_sources(cls: type) -> list[str]:
@@ -619,10 +618,7 @@ def _third_party(passes: list[str]) -> tuple[str, ...]:
     from spmd_compiler.passes.registry import registered_passes
 
     registered = registered_passes()
-    return tuple(
-        p for p in passes
-        if p in registered and (getattr(registered[p].fn, "__module__", "") or "").split(".")[0] not in _PACKAGES
-    )
+    return tuple(p for p in passes if p in registered and _third_party_pass(registered[p]))
 
 
 def _tensor_meta(data: list[Any]) -> TensorMeta:

@@ -397,22 +397,19 @@ class Guards:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def put_back(self) -> list[str]:
+    def put_back(self) -> None:
         """Set every guarded scalar held in a dict (an attribute of a module or object, a
         dict entry, a global) that changed back to the value it had when these guards
-        were built; returns the names set back. A capture that is refused for changing
-        one on every run leaves the user's objects as the call found them (a hook's
-        ``self.calls += 1`` counted each refused call before)."""
-        restored = []
-        for name, (kind, container, key, expected) in zip(self.names, self.entries, strict=True):
+        were built. A capture that is refused for changing one on every run leaves the
+        user's objects as the call found them (a hook's ``self.calls += 1`` counted each
+        refused call before)."""
+        for kind, container, key, expected in self.entries:
             if kind != _DICT or not isinstance(container, dict) or not is_scalar(expected):
                 continue
             value = container.get(key, _MISSING)
             if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
                 continue
             container[key] = expected
-            restored.append(name)
-        return restored
 
     def described(self) -> list[tuple[str, Any]]:
         """Each guard's name and the value it holds (the pre-capture cache key), but the
@@ -988,7 +985,7 @@ class _Walker:
             for attribute in sorted((d.keys() & self.read_names) - done):
                 done.add(attribute)
                 value = d[attribute]
-                if isinstance(value, types.ModuleType) and (value.__name__ or "").startswith("torch."):
+                if _torch_module(value):
                     # ``nn.functional.gelu``, ``torch.nn.functional.gelu``: through a submodule
                     self.torch_modules.setdefault(id(value), (value, f"{path}.{attribute}", set()))
                     grew = True
@@ -1121,9 +1118,8 @@ class _Walker:
                 self.seen_class_attributes.add((id(owner), "forward"))  # ``__dict__`` is a new proxy
                 value = d["forward"]
                 self.guards.add(_DICT, d, "forward", value, f"class {owner.__qualname__}.forward")
-                for fn in functions_of(value):
-                    if not (getattr(fn, "__module__", None) or "").startswith("torch."):
-                        self.function(fn, cls)
+                for fn in functions_of(value):  # torch's own code is skipped there
+                    self.function(fn, cls)
             return
 
     def class_attribute(self, cls: type, attribute: str) -> bool:
@@ -1247,8 +1243,7 @@ class _Walker:
         those hold too if ``deep`` (the user's code names it, not a library's)."""
         if id(value) in self.skipped:
             return
-        if isinstance(value, types.ModuleType) and (value.__name__ or "").split(".")[0] == "torch":
-            # NOTE: [torch's functions replaced]: the functions the code names of it
+        if _torch_module(value):  # NOTE: [torch's functions replaced]: the functions the code names of it
             self.torch_modules.setdefault(id(value), (value, path, set()))
             return
         # torch's and the standard library's modules and classes hold no settings of the
@@ -1375,6 +1370,10 @@ def _code_digest(code: types.CodeType) -> str:
         digest.update(text.encode())
     digest.update(repr(code.co_names).encode())
     return digest.hexdigest()[:16]
+
+
+def _torch_module(value: Any) -> bool:
+    return isinstance(value, types.ModuleType) and (value.__name__ or "").split(".")[0] == "torch"
 
 
 def _link_key(key: Any) -> Any:
