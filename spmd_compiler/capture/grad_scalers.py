@@ -59,8 +59,9 @@ SCALER_HINT = (
 
 def find_scalers(func: Callable[..., Any], flat_args: list[Any]) -> list[Any]:
     """The GradScalers a step can reach by name (``code_names.reachable_by_name``; a
-    scaler met twice is listed twice; ``find_bindings`` keeps the first)."""
-    return reachable_by_name(func, flat_args, private.grad_scaler_type())
+    scaler met twice is listed twice; ``find_bindings`` keeps the first), an object
+    argument's included (``agent.scaler.step(agent.opt)``)."""
+    return reachable_by_name(func, flat_args, private.grad_scaler_type(), holders=flat_args)
 
 
 def scaler_state(scalers: list[Any], device: torch.device) -> list[tuple[StateRef, torch.Tensor]]:
@@ -143,8 +144,8 @@ def _only_bound(method: Callable[..., Any], scalers: list[Any]) -> Callable[...,
         if all(self is not s for s in scalers):
             raise _UnboundScaler(
                 "The train step uses a torch.amp.GradScaler that is neither one of its "
-                "arguments, nor a global or closure variable it names (an attribute of "
-                "another object, say); a compiled step reads and writes the scale of the "
+                "arguments (or their attributes), nor a global or closure variable it names "
+                "(an attribute of a global object, say); a compiled step reads and writes the scale of the "
                 "scalers it can name."
             )
         if method.__name__ == "step" and args and private.steps_with_amp_scaling(args[0]):

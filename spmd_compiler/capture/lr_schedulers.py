@@ -27,7 +27,7 @@ hold that Python, so the runtime replays it:
   the step (a Python list that changes every call would be baked into the program); a
   learning rate read from the optimizer after its scheduler stepped (the value the
   program would read is the one from before the step); a scheduler the step reaches
-  only through another object's attribute.
+  only through an attribute of an object that is not an argument (a global holder's).
 
 The scheduler's attributes are not guards of the program (NOTE: [guards on Python
 values]): they change on every call by design. Attributes the step's own code names
@@ -64,8 +64,9 @@ class SchedulerStep:
 
 
 def find_schedulers(func: Callable[..., Any], flat_args: list[Any]) -> list[Any]:
-    """The LR schedulers a step can reach by name (see the NOTE)."""
-    return reachable_by_name(func, flat_args, LRScheduler)
+    """The LR schedulers a step can reach by name (see the NOTE), an object argument's
+    included (``agent.sched.step()``)."""
+    return reachable_by_name(func, flat_args, LRScheduler, holders=flat_args)
 
 
 class LRReadAfterSchedulerStep:
@@ -159,7 +160,8 @@ class SchedulerSteps:
                 "is called inside the compiled step; its step() is replayed after every "
                 "call, so it must be found by name.",
                 user_line=location,
-                hint="pass the scheduler to the step as an argument (or keep it in a global).",
+                hint="pass the scheduler to the step as an argument, or an object holding it "
+                "(agent.scheduler.step() of an argument `agent` is found), or keep it in a global.",
             )
         opt = getattr(scheduler, "optimizer", None)
         oi = next((i for i, o in enumerate(self.optimizers) if o is opt), None)

@@ -93,7 +93,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) < TOL
 
 
-def _run(mode: str, step, with_scaler: bool = True):  # noqa: ANN001, ANN202
+def _run(mode: str, step, with_scaler: bool = True, held: bool = False):  # noqa: ANN001, ANN202
     model = _model()
     reference = copy.deepcopy(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -104,7 +104,10 @@ def _run(mode: str, step, with_scaler: bool = True):  # noqa: ANN001, ANN202
     scales = []
     with sc.simulate(world_size=2) as sim:
         for x, y in _batches():
-            if with_scaler:
+            if held:  # the step's argument is an object holding the scaler
+                got = compiled(model, optim, _Trainer(scaler), x, y)
+                want = step(reference, reference_optim, _Trainer(reference_scaler), x, y)
+            elif with_scaler:
                 got = compiled(model, optim, scaler, x, y)
                 want = step(reference, reference_optim, reference_scaler, x, y)
             else:
@@ -154,8 +157,8 @@ def test_a_global_scaler_is_state_of_the_program():
 
 
 class _Trainer:
-    def __init__(self) -> None:
-        self.scaler = torch.amp.GradScaler("cpu", **SETTINGS)
+    def __init__(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        self.scaler = scaler if scaler is not None else torch.amp.GradScaler("cpu", **SETTINGS)
 
 
 def attribute_scaler_step(model, optim, trainer, x, y):  # noqa: ANN001
@@ -163,7 +166,15 @@ def attribute_scaler_step(model, optim, trainer, x, y):  # noqa: ANN001
     trainer.scaler.scale(loss).backward()
     trainer.scaler.step(optim)
     trainer.scaler.update()
+    optim.zero_grad()
     return loss
+
+
+HOLDER = _Trainer()
+
+
+def global_holder_scaler_step(model, optim, x, y):  # noqa: ANN001
+    return attribute_scaler_step(model, optim, HOLDER, x, y)
 
 
 def step_without_update(model, optim, scaler, x, y):  # noqa: ANN001
@@ -184,9 +195,17 @@ def _refusal(step, *extra, fused: bool = False) -> str:  # noqa: ANN001
     return str(info.value)
 
 
+def test_a_scaler_held_by_an_argument_is_state_of_the_program():
+    """``trainer.scaler`` of an argument `trainer` (refused before as a scaler the step
+    cannot name)."""
+    _, scaler, reference_scaler, scales = _run("ddp", attribute_scaler_step, held=True)
+    assert scaler.state_dict() == reference_scaler.state_dict()
+    assert scales[SKIPPED] == scales[SKIPPED - 1] / 2
+
+
 def test_a_scaler_the_step_cannot_name_is_refused():
-    message = _refusal(attribute_scaler_step, _Trainer())
-    assert "GradScaler" in message and "trainer.scaler.scale(loss)" in message
+    message = _refusal(global_holder_scaler_step)
+    assert "GradScaler" in message and "attribute_scaler_step(model, optim, HOLDER, x, y)" in message
 
 
 def test_step_without_update_is_refused():

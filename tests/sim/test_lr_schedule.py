@@ -266,15 +266,46 @@ def test_scheduler_between_two_steps_of_its_optimizer_is_refused(classification_
     assert "after scheduler.step()" in text
 
 
-def test_scheduler_reached_through_another_object_is_refused(classification_batches):
-    class Holder:
-        def __init__(self, scheduler):
-            self.scheduler = scheduler
+class Holder:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+
+def test_scheduler_held_by_an_argument_is_stepped(classification_batches):
+    """An RL agent / trainer state object given to the step holds the scheduler:
+    ``agent.scheduler.step()`` is replayed as a global's is (it was refused as
+    "reaches only through another object")."""
 
     def held(model, optim, holder, x, y):
         return step_then_schedule(model, optim, holder.scheduler, x, y)
 
-    text, _, _ = _refusal(held, lambda m, o, s: (m, o, Holder(s)), classification_batches)
+    torch.manual_seed(0)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    optim, ref_optim = OPTIMIZERS["adamw"](model), OPTIMIZERS["adamw"](reference)
+    holder, ref_holder = Holder(SCHEDULERS["cosine"](optim)), Holder(SCHEDULERS["cosine"](ref_optim))
+    compiled = sc.compile()(held)
+    with sc.simulate(world_size=2):
+        for x, y in classification_batches(3, dtype=torch.float64):
+            loss = compiled(model, optim, holder, x, y)
+            expected = held(reference, ref_optim, ref_holder, x, y)
+            assert abs(float(loss) - float(expected)) < 1e-12
+    assert compiled.compile_count == 1
+    assert holder.scheduler.last_epoch == ref_holder.scheduler.last_epoch == 3
+    assert optim.param_groups[0]["lr"] == ref_optim.param_groups[0]["lr"]
+
+
+def test_scheduler_reached_through_a_closure_objects_attribute_is_refused(classification_batches):
+    outer = Holder(None)  # the step names `outer`, a closure variable; its attribute is not searched
+
+    def held(model, optim, x, y):
+        return step_then_schedule(model, optim, outer.scheduler, x, y)
+
+    def args_of(model, optim, scheduler):
+        outer.scheduler = scheduler
+        return model, optim
+
+    text, _, _ = _refusal(held, args_of, classification_batches)
     assert "reaches only through another object" in text
 
 
