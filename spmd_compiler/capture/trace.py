@@ -123,6 +123,7 @@ from .python_effects import (
 )
 from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
+from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
 from .strided_windows import names_its_elements_in_order
 from .tensor_indices import TensorIndicesTaken
 from .traced_items import (
@@ -272,6 +273,7 @@ def capture_decompositions() -> dict:
     table[aten._efficientzerotensor.default] = _zeros_for_zero_tensor
     table |= loss_scaling_decompositions()  # NOTE: [loss scaling in the program]
     table |= global_draw_decompositions()  # NOTE: [random draws shaped like a tensor]
+    table |= replayed_draw_decompositions()  # NOTE: [draws replayed by a restored generator]
     table |= mask_selection_decompositions()  # NOTE: [selections by a mask of the batch]
     # the conditions of value checks (NOTE: [value checks]): ops with a DTensor rule
     table[aten._is_all_true.default] = lambda t: torch.all(t)
@@ -923,6 +925,7 @@ def _trace_first(
             # NOTE: [torch's functions replaced by the user]
             private.torch_functions_replaced_by_the_user(),
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
+            generators_counted_in_draws(),  # NOTE: [draws replayed by a restored generator]
         ):
             try:
                 with caught_item_uses() as uses:  # NOTE: [an item use the step caught]
