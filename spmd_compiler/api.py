@@ -376,6 +376,7 @@ class CompiledTrainStep:
             held, change = guards.for_call(bindings)  # NOTE: [guards follow the call's objects]
             entries[i] = (held, executable)
             if change is None:
+                held.replay_writes()  # NOTE: [a step that changes what it reads]
                 return executable
         if len(entries) >= MAX_BRANCH_PROGRAMS:
             raise self._too_many_ways()
@@ -420,6 +421,7 @@ class CompiledTrainStep:
             if held is not guards:
                 entries[i] = (held, executable)
             if change is None:
+                held.replay_writes()  # NOTE: [a step that changes what it reads]
                 return executable
         if change is not None:  # every entry's guards found one
             self._note_recompile(change)
@@ -564,6 +566,7 @@ class CompiledTrainStep:
             )
             loaded = self._load_uncaptured(pre_key, bindings, input_metas, mesh, key[-1], progress)
             skipped = loaded is not None
+            also: list[Guards] = []  # more values the program serves (NOTE: [a step that changes what it reads])
             if loaded is not None:
                 program, guards, load_seconds = loaded
                 how, capture_seconds = "hit", 0.0
@@ -573,8 +576,9 @@ class CompiledTrainStep:
                 settings = bindings.optimizer_settings()
                 with progress.stage("capture"), step_key.record_environment() as environment:
                     with private.autocast_regions(key[-1], enabled=True):
-                        captured, guards = self._capture_guarded(bindings, input_metas, decisions)
-                guards.add_environment(environment)
+                        captured, guards, also = self._capture_guarded(bindings, input_metas, decisions)
+                for g in (guards, *also):
+                    g.add_environment(environment)
                 capture_seconds = captured.capture_seconds
                 # NOTE: [SGD's momentum as a graph input]: a momentum the step used in
                 # Python became a setting; the key and the pre-capture key name it then
@@ -607,7 +611,7 @@ class CompiledTrainStep:
             skipped,
         )
         self.records.append(record)
-        self._cache.setdefault(key, []).append((guards, executable))
+        self._cache.setdefault(key, []).extend((g, executable) for g in (guards, *also) if not g.once)
         timings = self.timings
         timings.compile_seconds += total
         timings.capture_seconds += record.capture_seconds
@@ -829,37 +833,42 @@ class CompiledTrainStep:
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta],
         decisions: tuple[tuple[bool, str], ...] = (),
-    ) -> tuple[CapturedStep, Guards]:
-        """Capture the step and guard the Python values it read; a step whose trace
-        changes a guarded value is captured once more (lazy set-up on the first call)
-        and refused if it changes one again (NOTE: [guards on Python values])."""
+    ) -> tuple[CapturedStep, Guards, list[Guards]]:
+        """Capture the step and guard the Python values it read, as the call found them;
+        a step whose trace changes a guarded value is traced once more, on the changed
+        values, to refuse a value changed on every run; where that trace is the same
+        program, the guards of the changed values too (NOTE: [a step that changes what
+        it reads])."""
         # NOTE: [optimizer state made before the first program]; with the persistent
         # cache a restart makes it again (NOTE: [optimizer state made on a restart])
-        make_state = not decisions
-        before = None
-        for attempt in range(2):
-            guards = build_guards(self.func, bindings, frozenset())
-            if before is None:
-                before = guards
-            captured = capture_step(
-                self.func, bindings, input_metas, self.mode.capture_options(), decisions,
-                make_state=make_state,
-            )
-            change = guards.first_change(bindings)
-            if change is None:
-                break
-            if captured.made_state is not None:
-                captured.made_state.remove(bindings)
-            if attempt == 1:
-                before.put_back()  # the refused call leaves the values as it found them
-                raise SPMDCompileError(
-                    f"The train step changes a Python value every time it runs: {change}. "
-                    "A compiled step runs no Python, so it cannot repeat that change.",
-                    user_line=self._where,
-                    hint="keep changing state in a tensor (a buffer: "
-                    "self.register_buffer('count', torch.zeros(()))) or change it outside "
-                    "the compiled step.",
+        before = build_guards(self.func, bindings, frozenset())
+        captured = capture_step(
+            self.func, bindings, input_metas, self.mode.capture_options(), decisions,
+            make_state=not decisions,
+        )
+        change = before.first_change(bindings)
+        if change is not None:
+            after = build_guards(self.func, bindings, frozenset())
+            try:
+                probe = capture_step(
+                    self.func, bindings, input_metas, self.mode.capture_options(), decisions,
+                    make_state=False,
                 )
+                again = after.first_change(bindings)
+                if again is not None:
+                    raise SPMDCompileError(
+                        f"The train step changes a Python value every time it runs: {again}. "
+                        "A compiled step runs no Python, so it cannot repeat that change.",
+                        user_line=self._where,
+                        hint="keep changing state in a tensor (a buffer: "
+                        "self.register_buffer('count', torch.zeros(()))) or change it outside "
+                        "the compiled step.",
+                    )
+            except BaseException:
+                before.put_back()  # the refused call leaves the values as it found them
+                if captured.made_state is not None:
+                    captured.made_state.remove(bindings)
+                raise
         graph_args = frozenset(
             ref.index for ref in captured.input_refs()
             if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0
@@ -868,12 +877,18 @@ class CompiledTrainStep:
             # NOTE: [tensors the step keeps]: the guards see the attributes the step creates
             install_placeholders(captured.kept, bindings, captured.output_metas)
             guards = step_guards(self.func, bindings, graph_args, captured)
+            also = []
+            if change is not None:  # NOTE: [a step that changes what it reads]
+                if compile_cache.same_program(captured, probe):
+                    also.append(step_guards(self.func, bindings, graph_args, captured))
+                if not guards.as_found(before):
+                    guards.once = True  # a write no call can repeat: this call's program only
         except BaseException:
             if captured.made_state is not None:
                 captured.made_state.remove(bindings)
             raise
         _warn_of_constants_in_arguments(captured.outside)
-        return captured, guards
+        return captured, guards, also
 
 
 def step_guards(

@@ -573,6 +573,26 @@ def program_key(
     return digest.hexdigest()
 
 
+def same_program(a: CapturedStep, b: CapturedStep) -> bool:
+    """Whether two captures of a step traced the same program: the graph, its constants
+    and signature as the key reads them, and what the runtime does around it (returns,
+    checks, kept tensors, schedulers); False where the key cannot describe them."""
+    try:
+        (graph_a, constants_a), (graph_b, constants_b) = encoded_graph(a.graph_module), encoded_graph(b.graph_module)
+    except Uncacheable:
+        return False
+    around = ("return_spec", "return_leaves", "checks", "kept", "outside", "scheduler_steps", "counted",
+              "returns_containers")
+    return (
+        graph_a == graph_b
+        and _signature(a) == _signature(b)
+        and all(repr(getattr(a, name)) == repr(getattr(b, name)) for name in around)
+        and len(constants_a) == len(constants_b)
+        and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+                for x, y in zip(constants_a, constants_b, strict=True))
+    )
+
+
 # --------------------------------------------------------------------------- entries
 _GRAPHS = ("step", "first", "steady", "finish")
 

@@ -135,7 +135,9 @@ class BranchDecisions:
         k = len(self.sites)
         if k >= len(self.decisions):
             raise Undecided(where, coin=drawn_alone(t)) from None
-        condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(())
+        # a copy: a view of a buffer the branch then writes (``if not self.done:
+        # self.done.fill_(True)``) read the written value, and the check failed every call
+        condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(()).clone()
         self.sites.append(_Site(condition, self.decisions[k], where))
         return self.decisions[k]
 

@@ -416,6 +416,16 @@ _UNEVEN_HEADS_HINT = (
     "size that divides the number of heads and of key / value heads, or leave those "
     "projections (and the row-wise output projection) out of the plan."
 )
+# the same view of a batch a mode split (GRPO's ``rewards.view(-1, group)``, DPO's
+# ``logps.view(2, -1)``): groups spanning ranks; before, the heads hint above was given
+_UNEVEN_BATCH_HINT = (
+    "this view splits a dimension the mesh shards into groups its ranks do not divide: "
+    "with a batch split over the ranks, groups of rows that span ranks (rewards.view(-1, "
+    "group_size) with a group larger than one rank's rows). Keep each group on one rank "
+    "(a per-rank batch that holds whole groups: fewer ranks or larger batches), or select "
+    "without a view (chunk / slices work); under tensor parallel, the heads of column-wise "
+    "q / k / v projections that the tp ranks do not divide."
+)
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 _STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
 
@@ -623,7 +633,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
         except Exception as exc:  # noqa: BLE001 - re-raised with the node named
             hint = _BATCH_DIM_HINT if self.split_an_argument else _LAYOUT_HINT
             if n.target in _VIEWS and any(text in str(exc) for text in _UNEVEN_UNFLATTEN):
-                hint = _UNEVEN_HEADS_HINT
+                hint = _UNEVEN_BATCH_HINT if self.split_an_argument else _UNEVEN_HEADS_HINT
             raise node_error(
                 f"Expanding this node to the per-rank program failed: {exception_summary(exc)}",
                 n, hint=hint,

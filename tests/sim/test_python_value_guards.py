@@ -9,6 +9,7 @@ kept the first value (one compile, loss off by up to 0.7 relative).
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import logging
 import os
@@ -25,6 +26,7 @@ import spmd_compiler as sc
 from spmd_compiler.capture import guards
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.ir.signature import Kind
+from spmd_compiler.tools.parity import compare_models
 
 FLOAT32_TOLERANCE = 1e-5
 TEMPERATURES = [1.0, 1.0, 4.0, 4.0, 0.5]
@@ -475,6 +477,121 @@ def test_python_counter_changed_by_the_step_is_refused(classification_batches, t
         compiled(model, sgd_momentum(model), *classification_batches(1)[0])
     message = str(info.value)
     assert "module <root>.calls was" in message and "register_buffer" in message
+
+
+class ActNorm(nn.Module):
+    """Glow's ActNorm: initialized from the first batch (a Python flag), then trained."""
+
+    def __init__(self, features: int = 8) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(features, dtype=torch.float64))
+        self.log_scale = nn.Parameter(torch.zeros(features, dtype=torch.float64))
+        self.initialized = False
+        self.head = nn.Linear(features, 4).double()
+        self.warmup = True  # a warm-up flag the step sets off
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            with torch.no_grad():
+                self.bias.copy_(-x.mean(0))
+                self.log_scale.copy_(-torch.log(x.std(0) + 1e-6))
+            self.initialized = True
+        return self.head((x + self.bias) * torch.exp(self.log_scale))
+
+
+def set_up_on_the_first_call(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    if model.warmup:
+        loss = loss * 0.1
+        model.warmup = False
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_step_that_sets_itself_up_runs_the_set_up_on_its_first_call(classification_batches, mode):
+    """NOTE: [a step that changes what it reads]: the first call's program is the path of
+    the values it began with (before, the second trace's ran it: a loss 10x off, ActNorm
+    never initialized from the data)."""
+    torch.manual_seed(0)
+    model = ActNorm()
+    reference = copy.deepcopy(model)
+    optim, ref_optim = sgd_momentum(model), sgd_momentum(reference)
+    compiled = sc.compile(sc.parallel_modes.make_mode(mode))(set_up_on_the_first_call)
+    with sc.simulate(world_size=2) as sim:
+        for x, y in classification_batches(4, dtype=torch.float64):
+            x = 3.0 * x + 1.0
+            got = compiled(model, optim, x, y)
+            want = set_up_on_the_first_call(reference, ref_optim, x, y)
+            assert abs(float(got) - float(want)) <= 1e-12 * abs(float(want))
+        worst = max(compare_models(model, reference, sim).values())
+    assert worst < 1e-12
+    assert compiled.compile_count == 2  # the set-up path, then the steady one
+    assert not model.warmup and model.initialized
+
+
+class Built(nn.Module):
+    """A flag the forward reads and sets, whose branch computes nothing: one program
+    serves both values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.built = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.built:
+            self.built = True
+        return self.fc(x)
+
+
+def test_a_flag_the_step_sets_and_never_branches_on_compiles_once(classification_batches, train_step):
+    model = Built()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile()(train_step)
+    with sc.simulate(world_size=2):
+        for x, y in classification_batches(3):
+            compiled(model, optim, x, y)
+    assert compiled.compile_count == 1 and model.built
+
+
+def train_mode_step(model, optim, x, y):
+    model.train()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def eval_mode_step(model, x, y):
+    model.eval()
+    with torch.no_grad():
+        return F.cross_entropy(model(x), y)
+
+
+def test_steps_that_set_the_models_mode_themselves_compile_once_each_way(classification_batches):
+    """``model.train()`` / ``model.eval()`` inside the steps: each switch recaptured the
+    step before; now each program serves the mode it found and the one it left, and a
+    call served by it leaves the model in the mode eager leaves it in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).double()
+    reference = copy.deepcopy(model)
+    optim, ref_optim = sgd_momentum(model), sgd_momentum(reference)
+    train, evaluate = sc.compile()(train_mode_step), sc.compile()(eval_mode_step)
+    with sc.simulate(world_size=2) as sim:
+        for i, (x, y) in enumerate(classification_batches(9, dtype=torch.float64)):
+            if i % 3 == 2:
+                got, want = evaluate(model, x, y), eval_mode_step(reference, x, y)
+            else:
+                got, want = train(model, optim, x, y), train_mode_step(reference, ref_optim, x, y)
+            assert abs(float(got) - float(want)) <= 1e-12 * abs(float(want))
+            assert model.training == reference.training and model[1].training == reference[1].training
+        assert max(compare_models(model, reference, sim).values()) < 1e-12
+    # SGD momentum's first step (state made) and the step from eval mode; eval once
+    assert (train.compile_count, evaluate.compile_count) == (3, 1)
 
 
 def counted_step(model, optim, x, y, iteration):

@@ -374,3 +374,47 @@ def test_torch_checks_on_values_are_checked_every_call(mode):
         with pytest.raises(RuntimeError, match="out of range"):  # eager raises too
             torch_checked_step(copy.deepcopy(reference), copy.deepcopy(reference_optim),
                                out_of_range, batches[0][1])
+
+
+class Flagged(nn.Module):
+    """A one-shot flag in a bool buffer (the refusal of a Python counter's advice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("warmed", torch.tensor(False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def warm_up_once(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    if not model.warmed:  # the branch writes the very tensor it decided on
+        loss = loss * 0.1
+        model.warmed.fill_(True)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_branch_that_writes_its_own_condition_checks_the_value_it_decided_on(mode):
+    """The check read the buffer after the branch wrote it: each program's check failed
+    on every call, and the step was refused as having taken 8 ways."""
+    torch.manual_seed(0)
+    model = Flagged().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+    compiled = sc.compile(make_mode(mode))(warm_up_once)
+    gen = torch.Generator().manual_seed(1)
+    with sc.simulate(world_size=2) as sim:
+        for _ in range(3):
+            x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 4, (8,), generator=gen)
+            got, want = compiled(model, optim, x, y), warm_up_once(reference, ref_optim, x, y)
+            assert relative_difference(got, want) < 1e-12
+        assert max(compare_models(model, reference, sim).values()) < 1e-12
+    assert compiled.compile_count == 2
