@@ -393,8 +393,10 @@ class TensorParallel(ParallelMode):
             ``RowwiseParallel``, ``SequenceParallel`` or ``"replicate"``; a transformers
             model's own ``model.tp_plan`` is read as torch's styles (NOTE:
             [transformers' plan names]).
-        mesh: a 1-D mesh, or a named 1-D sub-mesh of an N-D mesh (``mesh["tp"]``); by
-            default all ranks of the default process group.
+        mesh: a 1-D mesh over every rank of the default process group (the default).
+            A sub-mesh of an N-D mesh (``mesh["tp"]``) spans part of the ranks and is
+            refused: tensor parallel inside data parallel is ``FSDPTensorParallel``
+            (``"fsdp_tp"``) on the 2-D mesh.
 
     Inputs are Replicate (every tensor-parallel rank sees the whole batch); parameters not
     covered by the plan are Replicate.

@@ -483,9 +483,12 @@ class CompiledTrainStep:
             mesh = self.mode.mesh(device_type)
             if mesh.size() != world:
                 raise SPMDCompileError(
-                    f"{self.mode!r} uses a mesh of {mesh.size()} ranks but the process "
-                    f"group has {world}.",
-                    hint="build the mesh over all ranks (init_device_mesh).",
+                    f"{type(self.mode).__name__} uses a mesh of {mesh.size()} ranks but the "
+                    f"process group has {world}: the other ranks would have no part of the "
+                    "step (a sub-mesh such as mesh['tp'] of a 2-D mesh spans part of the ranks).",
+                    hint="build the mesh over all ranks (init_device_mesh); for tensor parallel "
+                    "inside data parallel use the fsdp_tp mode on the 2-D mesh "
+                    "(make_mode('fsdp_tp', mesh_shape=(dp, tp), plan=...)).",
                 )
             if sim is not None and not mesh_is_live(mesh):
                 raise SPMDCompileError(

@@ -635,6 +635,34 @@ def test_a_failed_expansion_under_tensor_parallel_does_not_name_input_batch_dim(
     assert "output_layouts" in str(info.value)
 
 
+def test_tensor_parallel_on_a_sub_mesh_names_the_2d_mode():
+    """``TensorParallel(mesh=mesh["tp"])`` of a 2-D mesh (its docstring offered it): the
+    refusal names the mode (not the whole plan's repr) and points to fsdp_tp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from spmd_compiler.parallel_modes import TensorParallel
+
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.up(x).sum()
+
+    model = Up()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(world_size=4), pytest.raises(SPMDCompileError) as info:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        sc.compile(TensorParallel({"up": ColwiseParallel()}, mesh=mesh["tp"]))(_loss_step)(
+            model, opt, torch.randn(4, 4)
+        )
+    message = str(info.value)
+    assert message.startswith("TensorParallel uses a mesh of 2 ranks but the process group has 4")
+    assert "fsdp_tp" in message and "ColwiseParallel" not in message
+
+
 def _helper(h: torch.Tensor) -> torch.Tensor:
     return torch.tanh(h) * 2
 
