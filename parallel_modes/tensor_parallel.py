@@ -269,8 +269,10 @@ def plan_styles(plan: Mapping[str, Style]) -> dict[str, Style]:
 
 
 def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
-    """Module FQN -> style for every module a plan pattern matches (level by level)."""
+    """Module FQN -> style for every module a plan pattern matches (level by level); a
+    module two patterns give different styles is refused (the last one won, silently)."""
     matched: dict[str, Style] = {}
+    by: dict[str, str] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"TensorParallel plan keys must be non-empty FQN patterns, got {pattern!r}")
@@ -286,8 +288,20 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
         for fqn, _ in model.named_modules():
             parts = fqn.split(".") if fqn else []
             if len(parts) == len(atoms) and all(fnmatch.fnmatch(p, a) for p, a in zip(parts, atoms)):
-                matched[fqn] = style
+                if fqn in matched and not _same_style(matched[fqn], style):
+                    raise ValueError(
+                        f"TensorParallel plan: module {fqn or '<root>'} matches {by[fqn]!r} "
+                        f"({matched[fqn]!r}) and {pattern!r} ({style!r}); a module takes one "
+                        "style. Make the patterns disjoint (name the layers each one covers)."
+                    )
+                matched[fqn], by[fqn] = style, pattern
     return matched
+
+
+def _same_style(a: Style, b: Style) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return type(a) is type(b) and vars(a) == vars(b)
 
 
 def param_placement(style: Style, module: nn.Module, param_name: str, fqn: str) -> Placement:

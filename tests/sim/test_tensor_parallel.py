@@ -73,6 +73,19 @@ def test_plan_matches_level_by_level():
     assert match_plan(model, {"layers.*.q_proj": ColwiseParallel()}) == {}
 
 
+def test_two_patterns_giving_one_module_different_styles_are_refused():
+    """The last entry won, silently (``layers.0.up`` row-wise under a column-wise
+    ``layers.*.up``); the same style twice is fine."""
+    from parallel_modes.tensor_parallel import match_plan
+
+    model, _, _ = build(DemoConfig(n_layer=2))
+    with pytest.raises(ValueError) as info:
+        match_plan(model, {"layers.*.attn.q_proj": ColwiseParallel(), "layers.0.attn.q_proj": RowwiseParallel()})
+    assert "layers.0.attn.q_proj matches 'layers.*.attn.q_proj'" in str(info.value)
+    same = match_plan(model, {"layers.*.attn.q_proj": ColwiseParallel(), "layers.0.attn.q_proj": ColwiseParallel()})
+    assert sorted(same) == ["layers.0.attn.q_proj", "layers.1.attn.q_proj"]
+
+
 def _sum_step(model, optim, x):  # noqa: ANN001, ANN202
     loss = model(x).sum()
     loss.backward()
