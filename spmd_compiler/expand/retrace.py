@@ -748,14 +748,39 @@ def _check_global_shape(source: torch.fx.Node, value: DTensor, captured: Any) ->
         expected[padding[2]] = padding[1]
     if tuple(value.shape) == tuple(expected):
         return
+    padded = _padded_ancestor(source)
+    hint = (
+        "this is a bug in spmd_compiler or in the parallel mode; please report it with the step."
+        if padded is None else
+        f"it computes from a value the mode holds padded ({padded[1]} rows of dimension "
+        f"{padded[3]} stored as {padded[2]}: a size its ranks do not divide), through "
+        "ops that move the padded dimension (a transpose into a matrix product: Muon's "
+        "Newton-Schulz, a whitening); give that dimension a size the ranks divide (a "
+        "vocabulary padded to a multiple of the tp degree), or leave its module out of the plan."
+    )
     raise node_error(
         f"Expanding this op gave a value of global shape {tuple(value.shape)}, where the "
         f"single-device step computes shape {tuple(expected)}: refused rather than "
         "computing on the wrong shape (NOTE: [local shape check]).",
         source,
-        hint="this is a bug in spmd_compiler or in the parallel mode; please report it "
-        "with the step.",
+        hint=hint,
     )
+
+
+def _padded_ancestor(source: torch.fx.Node) -> tuple[str, int, int, int] | None:
+    """The nearest value ``source`` computes from that a mode holds padded, as (node
+    name, true size, padded size, dim), or None."""
+    seen, todo = {source}, [source]
+    while todo:
+        node = todo.pop(0)
+        padding = node.meta.get(PADDED) if node is not source else None
+        if padding is not None:
+            return (node.name, *padding)
+        for parent in node.all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return None
 
 
 def _check_local_shape(source: torch.fx.Node, value: DTensor) -> None:
