@@ -39,6 +39,7 @@ optimizer update stay sharded; its activations are not, and a warning says so.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import warnings
 from collections.abc import Mapping
@@ -465,10 +466,15 @@ class TensorParallel(ParallelMode):
             if not any(match_plan(model, {pattern: style}) for model in bindings.modules)
         ]
         if unmatched:  # a typo leaves its modules replicated: correct, but not what was asked
+            paths = [fqn for model in bindings.modules for fqn, _ in model.named_modules() if fqn]
+            near = [difflib.get_close_matches(p, paths, n=1, cutoff=0.6) for p in unmatched]
+            close = {p: m[0] for p, m in zip(unmatched, near, strict=True) if m}
+            shown = "; the closest module paths: " + ", ".join(f"{p!r} -> {m!r}" for p, m in close.items()) if close else ""
+            example = paths[-1] if paths else "layers.0.attn.q_proj"
             warnings.warn(
                 f"TensorParallel plan entries {unmatched} match no module of the step (module "
-                "paths such as 'layers.0.attn.q_proj', '*' for one path segment); those "
-                "modules stay replicated.",
+                f"paths such as {example!r}, '*' for one path segment){shown}; those modules "
+                "stay replicated.",
                 stacklevel=3,
             )
 

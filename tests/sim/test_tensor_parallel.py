@@ -123,6 +123,19 @@ def test_a_plan_entry_matching_no_module_warns_by_name():
     assert len(named) == 1 and "['3.q_proj']" in named[0], named
 
 
+def test_a_plan_typo_is_told_the_closest_module_path():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    holder = nn.ModuleDict({"mlp": model})
+    optim = torch.optim.SGD(holder.parameters(), lr=0.1)
+    plan = {"mlp.0": ColwiseParallel(), "mlpp.2": RowwiseParallel()}
+    compiled = sc.compile(TensorParallel(plan))(lambda m, o, x: _sum_step(m["mlp"], o, x))
+    with sc.simulate(2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(holder, optim, torch.randn(2, 4))
+    named = [str(w.message) for w in caught if "match no module" in str(w.message)]
+    assert len(named) == 1 and "'mlpp.2' -> 'mlp.2'" in named[0], named
+
+
 def test_malformed_plan_is_refused():
     with pytest.raises(ValueError, match="dict"):
         TensorParallel([("a", ColwiseParallel())])
