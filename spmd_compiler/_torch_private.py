@@ -28,7 +28,8 @@ detected by asking torch for the feature, never by its version string:
   (a FutureWarning on every patch);
 - NOTE: [DTensor gap fills]: 2.11's view rule (incl. a flatten split again), strided-shard
   redistribution (from and to ``_StridedShard``s its planner cannot read), sharding
-  strategies for squeeze.dims / flip / roll / cummax / var_mean.correction, and rules
+  strategies for squeeze.dims / flip / roll / cummax / var_mean.correction /
+  constant_pad_nd (2.11's replicates with one placement on any mesh), and rules
   that ignore ``_StridedShard`` (``settle_strided_shards``).
 ``scripts/compat.sh VERSION`` runs the suite against one release.
 """
@@ -2592,7 +2593,9 @@ def default_store() -> Any:
 # third process group the program does not otherwise use; and the "different reduction
 # orders" it mentions are covered by the fsdp_tp parity tests (every rank runs the same
 # program, so all ranks reduce in the same order). So the message is filtered while we
-# expand; outside expansion (the user's own DTensor code) it is left alone.
+# expand and while ``sc.checkpoint.full_state_dict`` gathers the state for export (its
+# gathers run once, outside any step); elsewhere (the user's own DTensor code) it is left
+# alone.
 _REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 _SEQUENTIAL_WARNING = "This is suboptimal"
 
@@ -2664,6 +2667,8 @@ def install_dtensor_gap_fills() -> None:
     _install_searchsorted_strategy()
     if _index_put_leading_dims_gap():
         _install_index_put_checked_strategy()
+    if _constant_pad_replicates_only_gap():
+        _install_constant_pad_strategy()
     if _grouped_mm_fake_dtype_gap():
         _install_grouped_mm_fake_kernel()
 
@@ -4018,6 +4023,72 @@ def _install_index_put_checked_strategy() -> None:
 
     ops = [torch.ops.aten.index_put.default, torch.ops.aten._index_put_impl_.default]
     register_op_strategy(ops, schema_info=RuntimeSchemaInfo(needs_pytree=True))(strategy)
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
+    if cached is not None:
+        cached()
+
+
+def _constant_pad_replicates_only_gap() -> bool:
+    """Whether this DTensor's ``constant_pad_nd`` rule is torch 2.11's
+    ``constant_pad_nd_strategy`` (2.13 replaced it by a single-dim strategy)."""
+    from torch.distributed.tensor._ops import _matrix_ops
+
+    rule = getattr(_matrix_ops, "constant_pad_nd_strategy", None)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    registered = propagator.op_strategy_funcs.get(torch.ops.aten.constant_pad_nd.default)
+    return rule is not None and registered is rule
+
+
+def _install_constant_pad_strategy() -> None:
+    """torch 2.11 gap: its ``constant_pad_nd`` rule offers one replicated layout with one
+    placement whatever the mesh, so on a 2-D mesh (fsdp_tp) expansion failed ("zip()
+    argument 2 is shorter than argument 1"): ``F.pad(labels, (0, 1), value=-100)`` in
+    transformers' ``ForCausalLMLoss`` kept every causal LM with ``labels=`` from training
+    there. Here, as torch 2.13's rule: a shard on a dimension the pad leaves alone is kept
+    (the output has that dimension's size), a shard on a padded dimension (or a
+    ``_StridedShard``) is gathered first; a ``Partial`` stays ``Partial`` where every
+    rank's pad value reduces to the value (avg, max, min; sum only for a pad value of 0
+    or no padding), else it is reduced first."""
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.utils import (
+        generate_redistribute_costs,
+        register_op_strategy,
+    )
+
+    def zero(value: Any) -> bool:
+        return isinstance(value, (int, float)) and value == 0
+
+    def strategy(op_schema: Any) -> Any:
+        source, pad = op_schema.args_schema[0], list(op_schema.args_schema[1])
+        value = op_schema.args_schema[2] if len(op_schema.args_schema) > 2 else 0
+        ndim = source.ndim
+        # pad is (last dim's left, right, the dim before's left, right, ...)
+        padded = {ndim - 1 - i // 2 for i, amount in enumerate(pad) if not zero(amount)}
+        partial_ops = {"avg", "max", "min"} | ({"sum"} if not padded or zero(value) else set())
+
+        def kept(p: Any) -> bool:
+            if is_strided_shard(p):
+                return False
+            if p.is_shard():
+                return p.dim not in padded
+            # a subclass (an embedding's _MaskPartial) holds state of the input's shape
+            return not p.is_partial() or (type(p) is Partial and p.reduce_op in partial_ops)
+
+        result = OpStrategy([])
+        for candidate in source.strategies:
+            spec = candidate.output_spec
+            wanted = tuple(p if kept(p) else Replicate() for p in spec.placements)
+            target = DTensorSpec(spec.mesh, wanted, tensor_meta=spec.tensor_meta)
+            result.strategies.append(OpSpec(
+                output_specs=DTensorSpec(spec.mesh, wanted),
+                input_specs=(target,),
+                redistribute_cost=[generate_redistribute_costs(source, target)],
+            ))
+        return result
+
+    register_op_strategy(torch.ops.aten.constant_pad_nd.default, schema_info=RuntimeSchemaInfo(1))(strategy)
     cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
     if cached is not None:
         cached()

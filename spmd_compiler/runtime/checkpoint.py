@@ -316,13 +316,17 @@ def full_state_dict(
     ranks it works inside ``simulate`` and after the block has ended (NOTE: [state after
     a simulation]): the way to take a model trained there out of it.
     """
-    with simulation_for(_tensors(model, optimizer)) as sim:
-        if sim is not None:  # one process holds every rank: gathered without collectives
-            return _copied(_full_tensors(_state(model, optimizer), sim))
-    flush_pending_updates()
-    optimizers = [optimizer] if optimizer is not None else []
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state, optim_state = get_state_dict(model, optimizers, options=options)
+    # gathering a 2-D mesh's (dp, tp) shards logs DTensor's sequential-collective
+    # warning, whose advice is not the user's to follow (NOTE: [DTensor's
+    # sequential-collective warning] in _torch_private.py)
+    with private.quiet_sequential_collective_warning():
+        with simulation_for(_tensors(model, optimizer)) as sim:
+            if sim is not None:  # one process holds every rank: gathered without collectives
+                return _copied(_full_tensors(_state(model, optimizer), sim))
+        flush_pending_updates()
+        optimizers = [optimizer] if optimizer is not None else []
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(model, optimizers, options=options)
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     # copies: a replicated tensor's full value on CPU is the live state itself, which the

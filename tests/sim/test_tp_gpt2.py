@@ -72,6 +72,13 @@ def test_gpt2_tensor_parallel_parity():
     assert attn.c_proj.weight.placements == (Shard(0),)  # Conv1D row-wise: its in dim
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.transformer.wte.weight.placements == (Shard(0),)
-    # the logits all-gather (lm_head output Replicate) and all-reduces, no other gather
     stats = collective_stats(step.last_program.graph_module)
+    if "strided_view" in private.view_fills():
+        # torch 2.11: its rules do not read the fused c_attn's _StridedShard, so
+        # settle_strided_shards gathers it (and its gradient and AdamW state, and the
+        # attention tensors split from its output) besides the logits: exact, but not
+        # Megatron's communication (README, Supported torch)
+        assert stats.counts == {"all_gather": 4, "all_reduce": 8}, stats.counts
+        return
+    # the logits all-gather (lm_head output Replicate) and all-reduces, no other gather
     assert stats.counts.get("all_gather") == 1 and set(stats.counts) <= {"all_gather", "all_reduce"}
