@@ -589,6 +589,37 @@ def _stack_trace_anchors() -> set[tuple[str, str]]:
     return getattr(fx_proxy, "_STACK_TRACE_ANCHORS", _STACK_TRACE_ANCHORS)
 
 
+# NOTE: [compiled helpers and selective checkpointing at capture]
+# Two torch features ask "is this a compiler's trace?" and, under our make_fx capture,
+# answer yes, then expect the rest of torch.compile that we do not run:
+# - a ``torch.compile``d function or submodule the model calls (``@torch.compile`` on an
+#   activation helper): dynamo refused to be traced by FX ("Detected that you are using
+#   FX to symbolically trace a dynamo-optimized function"), so the step was refused.
+#   Dynamo's own setting ``error_on_nested_fx_trace=False`` runs the function's Python
+#   instead, which the capture traces into the program as any other code: its kernels
+#   come from the step's own backend.
+# - selective activation checkpointing (``checkpoint(..., context_fn=
+#   create_selective_checkpoint_contexts(policy))``): under a proxy mode torch's SAC saves
+#   every op's output and tags nodes for AOT autograd's partitioner, which this program
+#   has not; a dropout inside (its noise written in place after being saved) failed with
+#   "Tensor cached during selective activation checkpoint has been mutated". While the
+#   step is traced SAC runs as eagerly: the policy's saved ops are reused, the others
+#   recomputed in the backward (the memory the user asked for), their draws replayed
+#   (NOTE: [draws replayed by a restored generator]).
+@contextlib.contextmanager
+def compiled_helpers_and_checkpoints_as_eager() -> Iterator[None]:
+    """While the step is traced: see the NOTE."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    with contextlib.ExitStack() as stack:
+        if hasattr(checkpoint_module, "_is_compiling"):
+            stack.enter_context(mock.patch.object(checkpoint_module, "_is_compiling", lambda *a, **k: False))
+        dynamo = sys.modules.get("torch._dynamo")  # imported by the user's torch.compile, if any
+        if dynamo is not None and hasattr(dynamo.config, "error_on_nested_fx_trace"):
+            stack.enter_context(dynamo.config.patch(error_on_nested_fx_trace=False))
+        yield
+
+
 @contextlib.contextmanager
 def light_stack_traces() -> Iterator[None]:
     """Inside: fx tracers that keep forward frames only record their stack traces from a
@@ -693,13 +724,6 @@ def eager_attention_takes_cpu_flash(
 def random_op(target: Any) -> bool:
     """An ATen op that draws random numbers (its ``nondeterministic_seeded`` tag)."""
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-
-
-def compiled_module_type() -> type:
-    """The wrapper ``torch.compile(module)`` returns (dynamo's ``OptimizedModule``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return OptimizedModule
 
 
 def data_dependent_error_types() -> tuple[type[BaseException], ...]:

@@ -864,21 +864,17 @@ def _check_ownership(
 
 
 def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:
-    """Refuse a module torch's FSDP already shards or torch.compile compiles: a traced
-    step fails inside their hooks or dynamo frames with errors about their internals.
+    """Refuse a module torch's FSDP already shards: a traced step fails inside its hooks
+    with errors about their internals. (A ``torch.compile``d module traces as its Python:
+    NOTE: [compiled helpers and selective checkpointing at capture].)
     (A ``DistributedDataParallel`` wrapper traces as its module: its reducer's hooks sit
     on the real parameters, which the trace swaps out; measured exact on 2 gloo ranks.)"""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    from .. import _torch_private as private
 
     wrappers = [
         ((FSDPModule, FullyShardedDataParallel), "sharded by torch's fully_shard / FSDP "
          "({cls})", "pass the model before fully_shard; DataParallel('fully_shard') "
          "shards it"),
-        ((private.compiled_module_type(),), "compiled with torch.compile ({cls})",
-         "pass the module before torch.compile (`model._orig_mod`); "
-         "sc.compile(..., backend=\"inductor\") lowers the whole step to kernels"),
     ]
     from torch.ao.quantization import FakeQuantizeBase
 

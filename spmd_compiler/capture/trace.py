@@ -926,6 +926,8 @@ def _trace_first(
             private.torch_functions_replaced_by_the_user(),
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
             generators_counted_in_draws(),  # NOTE: [draws replayed by a restored generator]
+            # NOTE: [compiled helpers and selective checkpointing at capture]
+            private.compiled_helpers_and_checkpoints_as_eager(),
         ):
             try:
                 with caught_item_uses() as uses:  # NOTE: [an item use the step caught]

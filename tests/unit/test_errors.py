@@ -516,20 +516,6 @@ def test_grad_scaler_the_step_cannot_name_is_refused_with_what_to_do():
 # ---------------------------------------------------------------- wrapped modules
 
 
-def test_a_torch_compiled_module_is_refused_with_what_to_do():
-    model = Net()
-    opt = warmed_up(model)
-    validating = torch.distributions.Distribution._validate_args
-    try:
-        # torch.compile switches torch.distributions' argument validation off for the
-        # process (torch/_dynamo/eval_frame.py): later tests of value checks need it
-        compiled_model = torch.compile(model)
-        error = raises_untouched(step, (compiled_model, opt, *batch()), model, opt)
-    finally:
-        torch.distributions.Distribution.set_default_validate_args(validating)
-    assert "compiled with torch.compile" in str(error) and "_orig_mod" in str(error)
-
-
 def test_a_model_sharded_by_fully_shard_is_refused_with_what_to_do():
     from torch.distributed.fsdp import fully_shard
 
