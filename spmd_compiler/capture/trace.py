@@ -1035,7 +1035,7 @@ def _trace_first(
             text,
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, code),
-            hint=_COMPILED_INSIDE_HINT if _COMPILED_INSIDE in str(exc)
+            hint=_FLEX_HINT if any(word in text for word in _FLEX)
             else _VALUES_READ_HINT if _VALUES_READ in str(exc)
             else _NUMPY_HINT if _NUMPY in str(exc) else None,
         ) from exc
@@ -1076,13 +1076,14 @@ def _finish(first: _FirstTrace, start: float) -> CapturedStep:
     return captured
 
 
-# torch's words when a trace reaches a function wrapped by torch.compile (transformers'
-# flex_attention path compiles create_block_mask and flex_attention)
-_COMPILED_INSIDE = "symbolically trace a dynamo-optimized function"
-_COMPILED_INSIDE_HINT = (
-    "a function compiled with torch.compile runs inside the step, which a compiled step "
-    "cannot trace: call it uncompiled. For a transformers model with "
-    "attn_implementation='flex_attention', use 'sdpa' (or 'eager'); sc.compile(..., "
+# a failure inside FlexAttention (transformers' attn_implementation="flex_attention" path,
+# which torch.compiles flex_attention; its Python runs under capture, NOTE: [compiled
+# helpers and selective checkpointing at capture]): on CPU it has no backward, and no
+# DTensor rule shards its higher-order op
+_FLEX = ("flex_attention", "FlexAttention")
+_FLEX_HINT = (
+    "FlexAttention (a transformers model with attn_implementation='flex_attention') is not "
+    "supported in a compiled step: use 'sdpa' (or 'eager'); sc.compile(..., "
     "backend=\"inductor\") lowers the whole step to kernels."
 )
 

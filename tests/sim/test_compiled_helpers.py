@@ -17,7 +17,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import make_mode
@@ -138,3 +142,27 @@ def test_selective_checkpointing_trains_as_the_plain_block(p):
     if p == 0.0:  # no draws: eager's numbers too
         eager = _train(copy.deepcopy(plain), compiled=False)
         assert max(abs(a - b) for a, b in zip(got[0], eager[0], strict=True)) < 1e-12
+
+
+def test_transformers_flex_attention_is_refused_with_what_to_do(validation_kept):
+    """transformers' attn_implementation="flex_attention" torch.compiles FlexAttention; its
+    Python now runs under capture, and the refusal still says to use sdpa."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )
+    config._attn_implementation = "flex_attention"
+    model = transformers.LlamaForCausalLM(config)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 64, (4, 16))
+
+    def lm_step(model, optim, ids):  # noqa: ANN001, ANN202
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optim.step()
+        return loss
+
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(lm_step)(model, optim, ids)
+    assert info.value.hint is not None and "'sdpa'" in info.value.hint

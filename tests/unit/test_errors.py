@@ -649,33 +649,6 @@ def test_tensor_parallel_on_a_sub_mesh_names_the_2d_mode():
     assert "fsdp_tp" in message and "ColwiseParallel" not in message
 
 
-def _helper(h: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(h) * 2
-
-
-def test_a_torch_compiled_function_inside_the_step_says_what_to_do():
-    """transformers' flex_attention path compiles its helpers: the capture names the line
-    and says to call them uncompiled (torch's own error said only "not supported")."""
-    model = Net()
-    opt = warmed_up(model)
-    validating = torch.distributions.Distribution._validate_args
-    try:  # torch.compile switches distributions' validation off for the process
-        compiled_helper = torch.compile(_helper)
-
-        def step_calling_a_compiled_function(model, optim, x, y):  # noqa: ANN001
-            loss = F.cross_entropy(compiled_helper(model(x)), y)
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            return loss
-
-        error = raises_untouched(step_calling_a_compiled_function, (model, opt, *batch()), model, opt)
-    finally:
-        torch.distributions.Distribution.set_default_validate_args(validating)
-    assert "compiled_helper(model(x))" in str(error)
-    assert error.hint is not None and "uncompiled" in error.hint and "sdpa" in error.hint
-
-
 def step_counting_labels(model, optim, x, y):
     per_sample = F.cross_entropy(model(x), y, reduction="none")
     loss = (per_sample / torch.bincount(y, minlength=4)[y].float()).sum()
