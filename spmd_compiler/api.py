@@ -46,7 +46,12 @@ from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
 from .runtime.runner import BranchMismatch, StepTimings, keep_installs, undo_installs
-from .runtime.same_inputs import InputAgreement, checks_whole_values, warn_on_same_shares
+from .runtime.same_inputs import (
+    InputAgreement,
+    checks_whole_values,
+    peer_batches,
+    warn_on_same_shares,
+)
 from .runtime.simulate import Simulation, active_simulation, mesh_is_live
 from .runtime.step_executable import CallResult, StepExecutable
 from .stack_room import call_with_room
@@ -262,7 +267,11 @@ class CompiledTrainStep:
                 ]
                 if first:  # NOTE: [the same share on every rank]
                     self._shares_compared = True
-                    warn_on_same_shares(_split_arguments(names, tensor_args, [pl for _, pl in placed]))
+                    placements = [pl for _, pl in placed]  # NOTE: [tp peers pass one batch slice]
+                    warn_on_same_shares(
+                        _split_arguments(names, tensor_args, placements),
+                        peer_batches(names, tensor_args, placements, mesh),
+                    )
                 paths = self._argument_paths(bindings)
                 scalars = [(paths[i], a) for i, a in enumerate(bindings.flat_args)
                            if type(a) in (bool, int, float, str)]

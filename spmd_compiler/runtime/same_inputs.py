@@ -65,6 +65,23 @@ slice repeated (as a mask of ones or the rows of ``position_ids`` are) is no bat
 loader would give, so the ranks warn, naming it and the ``input_batch_dim`` entry that
 passes it whole. A warning, not an error: a test may give every rank the same batch.
 CUDA arguments too: the checksum copies them to the host once per step object.
+
+NOTE: [tp peers pass one batch slice]
+An argument the mode splits on some mesh dimensions and passes whole on the others (the
+batch under fsdp_tp: S(0) on dp, R on tp) is one slice per dp group, read as the same by
+the group's ranks (the tp peers, which split the model, not the batch). Nothing compared
+them: 4 gloo ranks on a (2, 2) mesh, each passing its own quarter of the global batch (as
+a DistributedSampler over all ranks gives), trained 3 AdamW steps with no error and
+ended 1.56 relative off one device. So the first call's round of NOTE: [the same share
+on every rank] also carries, for each such argument (``peer_batches``), the checksum
+digest of its value in a slot per dp group (a 48-bit digest as three 16-bit parts, each
+with its square): a group's ranks passed the same value exactly when its slot's
+variance, n * sum(h * h) - sum(h) ** 2 over its n ranks, is 0 (exact in float64 for up
+to 2**10 peers), which every rank reads off the same sums, so every rank raises the
+error, naming the argument and the ranks of each dp group that differ, before anything
+is compiled or updated. On the first call only, as the tensor-parallel batch of NOTE:
+[inputs every rank passes whole]: a checksum is a pass over the batch's bytes, and that
+call catches a sampler over every rank; later calls cost nothing more.
 """
 
 from __future__ import annotations
@@ -72,12 +89,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
@@ -339,18 +359,70 @@ ROUND = 1 + 2 * 2 * _PARTS + MAX_SLOTS  # pending, two digests (parts, squares),
 _SHARE_SLOTS = 32  # split arguments the first call's round looks at (the first ones)
 
 
-def warn_on_same_shares(split: Sequence[tuple[str, torch.Tensor, int]]) -> None:
+class PeerBatch(NamedTuple):
+    """An argument split on some mesh dimensions and whole on the others, which the ranks
+    of one group (one dp group's tp peers) must pass alike: NOTE: [tp peers pass one
+    batch slice]."""
+
+    label: str
+    tensor: torch.Tensor
+    group: int  # this rank's group: its index in ``members``
+    members: tuple[tuple[int, ...], ...]  # each group's ranks
+    split_on: str  # the mesh dimensions that split it (``dp``)
+    whole_on: str  # those it is whole on (``tp``)
+
+
+def peer_batches(
+    names: Sequence[str], tensor_args: Sequence[torch.Tensor],
+    placements: Sequence[Sequence[Any]], mesh: DeviceMesh,
+) -> list[PeerBatch]:
+    """The tensor arguments whose placements split them on some dimensions of ``mesh``
+    and leave them Replicate on others (NOTE: [tp peers pass one batch slice]); an
+    argument Replicate everywhere is the round's (NOTE: [inputs every rank passes
+    whole]), one split everywhere has no peers."""
+    out = []
+    dim_names = mesh.mesh_dim_names or tuple(f"mesh dimension {d}" for d in range(mesh.ndim))
+    rank = dist.get_rank()
+    for k, (name, t, pl) in enumerate(zip(names, tensor_args, placements, strict=True)):
+        whole = [d for d, p in enumerate(pl) if isinstance(p, Replicate)]
+        split = [d for d in range(len(pl)) if d not in whole]
+        if not whole or not split or t.numel() == 0:
+            continue
+        groups = mesh.mesh.permute(*split, *whole).reshape(-1, math.prod(mesh.size(d) for d in whole))
+        members = tuple(tuple(int(r) for r in row) for row in groups.tolist())
+        group = next(g for g, ranks in enumerate(members) if rank in ranks)
+        out.append(PeerBatch(
+            f"{name} (input[{k}])", t, group, members,
+            ", ".join(dim_names[d] for d in split), ", ".join(dim_names[d] for d in whole),
+        ))
+    return out
+
+
+def warn_on_same_shares(
+    split: Sequence[tuple[str, torch.Tensor, int]], peers: Sequence[PeerBatch] = (),
+) -> None:
     """The first call's round of NOTE: [the same share on every rank]: warn for each
-    ``(label, tensor, split dimension)`` whose values every rank passed alike."""
+    ``(label, tensor, split dimension)`` whose values every rank passed alike. The round
+    also carries ``peers`` (``peer_batches``): raise when the ranks of one group passed
+    different values (NOTE: [tp peers pass one batch slice])."""
     split = [item for item in split if item[1].numel() > 1][:_SHARE_SLOTS]
+    peers = list(peers)[:_SHARE_SLOTS]
     world = dist.get_world_size()
     row = [0.0] * (3 * _SHARE_SLOTS)
     for k, (_, t, dim) in enumerate(split):
         h = _digest(_checksum(t)) & ((1 << 20) - 1)
         row[3 * k : 3 * k + 3] = [float(h), float(h * h), float(_slices_differ(t, dim))]
+    for peer in peers:  # a slot per group, this rank's filled
+        slots = [0.0] * (2 * _PARTS * len(peer.members))
+        parts = _parts(_digest(_checksum(peer.tensor)))
+        slots[2 * _PARTS * peer.group : 2 * _PARTS * (peer.group + 1)] = [
+            float(x) for h in parts for x in (h, h * h)
+        ]
+        row += slots
     buf = torch.tensor(row, dtype=torch.float64)
     _collective(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=_cpu_group()))
     sums = buf.tolist()
+    _raise_if_peers_differ(peers, sums[3 * _SHARE_SLOTS :])
     for k, (label, t, dim) in enumerate(split):
         part, square, differ = row[3 * k : 3 * k + 3]
         alike = sums[3 * k] == world * part and sums[3 * k + 1] == world * square
@@ -365,6 +437,45 @@ def warn_on_same_shares(split: Sequence[tuple[str, torch.Tensor, int]]) -> None:
                 "every rank]).",
                 stacklevel=4,
             )
+
+
+def _raise_if_peers_differ(peers: Sequence[PeerBatch], sums: Sequence[float]) -> None:
+    """NOTE: [tp peers pass one batch slice]: raise, on every rank alike, when the ranks
+    of a group passed different values for one of ``peers``; ``sums`` are the round's
+    slots for them."""
+    wrong, offset = [], 0
+    for peer in peers:
+        differ = []
+        for g, ranks in enumerate(peer.members):
+            n = len(ranks)
+            cell = sums[offset + 2 * _PARTS * g : offset + 2 * _PARTS * (g + 1)]
+            if any(n * cell[2 * j + 1] != cell[2 * j] ** 2 for j in range(_PARTS)):
+                differ.append(g)
+        offset += 2 * _PARTS * len(peer.members)
+        if differ:
+            wrong.append((peer, differ))
+    if not wrong:
+        return
+    peer = wrong[0][0]
+    groups = len(peer.members)
+    lines = "\n".join(
+        f"    {p.label} {tuple(p.tensor.shape)}: {p.split_on} group {g} (ranks "
+        f"{', '.join(map(str, p.members[g]))}) passed different values"
+        for p, differ in wrong for g in differ
+    )
+    raise SPMDCompileError(
+        f"The ranks of one {peer.split_on} group (the {peer.whole_on} peers) pass "
+        f"different values for {peer.label}, a tensor argument the mode splits only over "
+        f"{peer.split_on}: the group's ranks must pass the same batch slice, which the "
+        f"program reads as one (its {peer.whole_on} ranks split the model, not the batch), "
+        "so each rank would train on its own slice as if it were the group's, without an "
+        f"error. Nothing was updated. Per argument:\n{lines}",
+        hint=f"give the ranks of one {peer.split_on} group the same slice of the global "
+        f"batch: sample over the {peer.split_on} dimension, not over all "
+        f"{dist.get_world_size()} ranks: DistributedSampler(dataset, num_replicas={groups}, "
+        f"rank={peer.split_on}_index), the {peer.split_on} size and the rank's coordinate on "
+        f"{peer.split_on} (mesh.get_coordinate(); {peer.group} on this rank).",
+    )
 
 
 def _slices_differ(t: torch.Tensor, dim: int) -> bool:
