@@ -100,3 +100,36 @@ def test_a_recompute_drawing_otherwise_is_refused():
     message = str(info.value)
     assert "not the same draw" in message and "aten.rand" in message
     assert "torch.rand(x.shape[0], 8)" in message  # the user's line
+
+
+class Forked(nn.Module):
+    """Draws inside ``torch.random.fork_rng()`` and again after it: eagerly the same
+    numbers, so the noise cancels and the step is deterministic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        with torch.random.fork_rng():
+            first = torch.randn_like(h)
+        return h + first - torch.randn_like(h)
+
+
+def test_a_draw_after_fork_rng_repeats_the_draw_inside_it():
+    """The program drew anew after the fork (5.14 off eager); now exactly eager's step."""
+    torch.manual_seed(0)
+    model = Forked().double()
+    reference = Forked().double()
+    reference.load_state_dict(model.state_dict())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(step)
+    gen = torch.Generator().manual_seed(1)
+    with sc.simulate(world_size=2):
+        for _ in range(2):
+            x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 4, (8,), generator=gen)
+            got, want = float(compiled(model, optim, x, y)), float(step(reference, ref_optim, x, y))
+            assert abs(got - want) < 1e-12 * abs(want)
