@@ -35,7 +35,7 @@ from .capture.guards import Guards, build_guards
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
-from .capture.trace import capture_step
+from .capture.trace import capture_step, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import Change, SPMDCompileError
 from .expand.retrace import DistributedProgram, Placements
@@ -191,6 +191,11 @@ class CompiledTrainStep:
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
+        # this call's (NOTE: [a step that changes what it reads]): the program served from
+        # the cache with the guards whose writes it makes once it completes; the values
+        # the call found, as guards, once a compile in it has traced the step
+        self._served: tuple[StepExecutable, Guards] | None = None
+        self._found: Guards | None = None
         self._walk_memo = WalkMemo()  # NOTE: [one walk over the state per call]
         # the arguments' names per argument structure (NOTE: [inputs by name])
         self._input_names: dict[Any, list[str]] = {}
@@ -215,6 +220,7 @@ class CompiledTrainStep:
                 user_line=self._where,
             )
         sim = active_simulation()
+        self._served = self._found = None
         bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
         # NOTE: [calling a placed model directly]: its hook goes on the modules before the
         # guards, which count module hooks, are read (a second model instance gets it
@@ -304,6 +310,8 @@ class CompiledTrainStep:
                 undo_installs()  # first: the made entries are in the state dicts it puts back
                 made.remove(bindings)
             raise
+        if self._served is not None and self._served[0] is ran:  # NOTE: [a step that changes what it reads]
+            self._served[1].replay_writes()
         # the program completed and its install is kept: a scheduler stepped after the
         # update raising (one at its end, as eagerly) leaves the update, as eager's error does
         step_replayed(ran.program.captured.scheduler_steps, bindings.schedulers, before=False)
@@ -385,12 +393,14 @@ class CompiledTrainStep:
             held, change = guards.for_call(bindings)  # NOTE: [guards follow the call's objects]
             entries[i] = (held, executable)
             if change is None:
-                held.replay_writes()  # NOTE: [a step that changes what it reads]
+                self._served = (executable, held)  # NOTE: [a step that changes what it reads]
                 return executable
         if len(entries) >= MAX_BRANCH_PROGRAMS:
             raise self._too_many_ways()
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self._name)
+        if self._found is not None:  # a compile in this call traced the step: its values
+            self._found.put_back()  # back as the call found them, for this way's trace
         return self._compile(key, bindings, input_metas, mesh, decisions)[0]
 
     def _prefer(self, key: tuple, executable: StepExecutable) -> None:
@@ -430,7 +440,7 @@ class CompiledTrainStep:
             if held is not guards:
                 entries[i] = (held, executable)
             if change is None:
-                held.replay_writes()  # NOTE: [a step that changes what it reads]
+                self._served = (executable, held)  # NOTE: [a step that changes what it reads]
                 return executable
         if change is not None:  # every entry's guards found one
             self._note_recompile(change)
@@ -854,18 +864,24 @@ class CompiledTrainStep:
         # NOTE: [optimizer state made before the first program]; with the persistent
         # cache a restart makes it again (NOTE: [optimizer state made on a restart])
         before = build_guards(self.func, bindings, frozenset())
-        captured = capture_step(
-            self.func, bindings, input_metas, self.mode.capture_options(), decisions,
-            make_state=not decisions,
-        )
+        if self._found is None:
+            self._found = before
+        # every trace of a capture (a value check's ways, a float argument's retry) starts
+        # from the values the call found, not from what an earlier trace of it left
+        with traces_start_from(before):
+            captured = capture_step(
+                self.func, bindings, input_metas, self.mode.capture_options(), decisions,
+                make_state=not decisions,
+            )
         change = before.first_change(bindings)
         if change is not None:
             after = build_guards(self.func, bindings, frozenset())
             try:
-                probe = capture_step(
-                    self.func, bindings, input_metas, self.mode.capture_options(), decisions,
-                    make_state=False,
-                )
+                with traces_start_from(after):  # its own ways: the changed values may skip the `if`s
+                    probe = capture_step(
+                        self.func, bindings, input_metas, self.mode.capture_options(), (),
+                        make_state=False,
+                    )
                 again = after.first_change(bindings)
                 if again is not None:
                     raise SPMDCompileError(

@@ -435,6 +435,21 @@ class Guards:
                 continue
             container[key] = expected
 
+    def written(self) -> list[tuple[dict, Any, Any]]:
+        """(dict, key, value) of each guarded scalar held in a dict that no longer holds
+        the value these guards were built with: what a trace wrote there."""
+        out: list[tuple[dict, Any, Any]] = []
+        for kind, container, key, expected in self.entries:
+            if kind != _DICT or not isinstance(container, dict) or not is_scalar(expected):
+                continue
+            value = container.get(key, _MISSING)
+            if value is _MISSING or value is expected or (
+                type(value) is type(expected) and not _unequal(value, expected)
+            ):
+                continue
+            out.append((container, key, value))
+        return out
+
     def as_found(self, before: Guards) -> bool:
         """Expect, of each guard ``before`` (built on the same objects when the call began)
         also holds, the value it held then, and write the value the trace left there

@@ -24,9 +24,13 @@ So a checkpointed block's recompute reads the very numbers its forward drew: the
 keeps that draw from the forward until the recompute (the size of the block's random
 numbers; torch.compile keeps a seed and an offset instead, which a CPU generator has not).
 
-Refused, naming the op and the line: a replayed position whose draw was another op, shape
-or dtype (the recompute took another path than the forward), a draw changed in place
-since it was drawn, and a state set that no ``get_rng_state`` of the trace returned.
+Refused, naming the op and the line: after activation checkpointing's restore, a
+replayed position whose draw was another op, shape or dtype (the recompute took another
+path than the forward) or a draw changed in place since it was drawn; and a state set
+that no ``get_rng_state`` of the trace returned. After another restore (a step's own
+``fork_rng`` block, then a dropout of another shape) such a draw is drawn anew, and the
+position moves to the end: eager's numbers there share the stream, the program's are
+of the same distribution (NOTE: [random numbers]).
 Outside a trace nothing changes; the user's own ``torch.set_rng_state`` inside a step is
 refused before it gets here (NOTE: [Python effects at capture]).
 """
@@ -34,6 +38,8 @@ refused before it gets here (NOTE: [Python effects at capture]).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -72,15 +78,19 @@ class _Generators:
         self.position: dict[str, int] = {}
         self.states: list[tuple[torch.Tensor, str, int]] = []  # kept alive: matched by identity
         self.drawing = False
+        # whether the last restore was activation checkpointing's (its recompute must draw
+        # what its forward drew); another's (the user's ``fork_rng``) may draw otherwise
+        self.by_checkpoint: dict[str, bool] = {}
 
     def taken(self, state: torch.Tensor, device_type: str) -> torch.Tensor:
         self.states.append((state, device_type, self._at(device_type)))
         return state
 
-    def put_back(self, state: torch.Tensor, device_type: str) -> None:
+    def put_back(self, state: torch.Tensor, device_type: str, by_checkpoint: bool) -> None:
         for kept, kind, position in self.states:
             if kept is state and kind == device_type:
                 self.position[device_type] = position
+                self.by_checkpoint[device_type] = by_checkpoint
                 return
         raise SPMDCompileError(
             f"torch set the {device_type} random-number generator to a state that was not "
@@ -105,7 +115,12 @@ class _Generators:
         at = self._at(device_type)
         self.position[device_type] = at + 1
         if at < len(drawn):
-            return self._again(drawn[at], key)
+            if drawn[at].key == key or self.by_checkpoint.get(device_type, False):
+                return self._again(drawn[at], key)
+            # another draw than the one at this position, after a restore that was not a
+            # recompute's (a step's own fork_rng, then dropout): eager's numbers there are
+            # not the program's anyway; a new draw, and the position moves to the end
+            self.position[device_type] = len(drawn) + 1
         self.drawing = True
         try:
             out = op(*args, **kwargs)
@@ -150,6 +165,19 @@ def _plain(value: Any) -> Any:
 
 
 _CURRENT: list[_Generators] = []
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _called_from_checkpoint() -> bool:
+    """Whether the code setting the generator, past this package's and mock's frames, is
+    ``torch.utils.checkpoint``."""
+    frame = sys._getframe(2)
+    while frame is not None and (
+        os.path.abspath(frame.f_code.co_filename).startswith(_OURS) or "unittest" in frame.f_code.co_filename
+    ):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.endswith(_CHECKPOINT)
 
 
 def replayed_draw_decompositions() -> dict[Any, Any]:
@@ -179,7 +207,7 @@ def generators_counted_in_draws() -> Iterator[None]:
 
     def setter(real: Any, device_type: str) -> Any:
         def set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            generators.put_back(new_state, device_type)
+            generators.put_back(new_state, device_type, _called_from_checkpoint())
             real(new_state, *args, **kwargs)
 
         return set_rng_state

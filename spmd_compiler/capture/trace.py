@@ -948,11 +948,13 @@ def _trace_first(
                 hint="return the value (`return {'loss': loss.item()}`) and log or use it "
                 "outside the compiled step.",
             )
+        tracer.written = _TRACE_STARTS[-1].written() if _TRACE_STARTS else []
         return graph, tracer
 
     forget_settled()
     try:
         first, tracer = _decide_value_checks(trace, decisions)
+        _leave_written(tracer)  # NOTE: [a step that changes what it reads]
     except SPMDCompileError as exc:
         named = exc.in_module(scopes[-1][0]) if scopes else exc  # the innermost module running
         if named is exc:
@@ -1305,6 +1307,31 @@ def _fake(meta: TensorMeta, fake_mode: Any, first_trace: bool) -> torch.Tensor:
     return t.requires_grad_(first_trace)
 
 
+# NOTE: [a step that changes what it reads] (capture/guards.py): one capture may trace the
+# step several times (the ways of a value check, a float argument retried as a constant,
+# SGD's momentum retried); each trace starts from the values the call found, which the
+# innermost ``traces_start_from`` guards put back (an earlier trace's ``model.warmup =
+# False`` made the next one trace the path without the set-up: loss 9x off on the first
+# call), and the capture leaves the values the trace of its program wrote (a value
+# check's other way, traced last, left its own)
+_TRACE_STARTS: list[Any] = []
+
+
+@contextlib.contextmanager
+def traces_start_from(found: Any) -> Iterator[None]:
+    """``found``: the guards of the values the call found (``put_back`` / ``written``)."""
+    _TRACE_STARTS.append(found)
+    try:
+        yield
+    finally:
+        _TRACE_STARTS.pop()
+
+
+def _leave_written(tracer: _StepTracer) -> None:
+    for container, key, value in tracer.written:
+        container[key] = value
+
+
 class _StepTracer:
     """The function traced by ``make_fx``: the user's step on swapped-in state."""
 
@@ -1319,6 +1346,8 @@ class _StepTracer:
         self.func, self.bindings, self.refs, self.options = func, bindings, refs, options
         self.code = step_code(func)
         self.floats = FloatArgumentMode([])
+        # the Python values this trace wrote (NOTE: [a step that changes what it reads])
+        self.written: list[tuple[dict, Any, Any]] = []
         # NOTE: [value checks]; `self.floats` is this call's (set in __call__)
         self.branches = BranchDecisions(decisions, lambda t: self.floats.is_python_value(t))
         self.checks: list[ValueCheck] = []
@@ -1337,6 +1366,8 @@ class _StepTracer:
         mark_gradients(self._params)
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
+        if _TRACE_STARTS:  # NOTE: [a step that changes what it reads]
+            _TRACE_STARTS[-1].put_back()
         b = self.bindings
         values = dict(zip(self.refs, flat, strict=True))
         params = {r.name: v for r, v in values.items() if r.kind is Kind.PARAM}

@@ -133,3 +133,27 @@ def test_a_draw_after_fork_rng_repeats_the_draw_inside_it():
             y = torch.randint(0, 4, (8,), generator=gen)
             got, want = float(compiled(model, optim, x, y)), float(step(reference, ref_optim, x, y))
             assert abs(got - want) < 1e-12 * abs(want)
+
+
+class Peeking(nn.Module):
+    """A step's own ``fork_rng`` block that peeks at a draw of another shape, then dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.random.fork_rng():
+            peek = torch.rand(3)
+        return F.dropout(self.lin(x), 0.5, self.training) + 0 * peek.sum().to(x.dtype)
+
+
+def test_another_draw_after_a_steps_own_fork_rng_is_drawn_anew():
+    """After a restore that is not checkpointing's, a draw of another shape at a drawn
+    position is new (it was refused as a recompute drawing otherwise)."""
+    model = Peeking().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    with sc.simulate(world_size=2):
+        loss = sc.compile(make_mode("ddp"))(step)(model, optim, x, y)
+    assert torch.isfinite(loss)
