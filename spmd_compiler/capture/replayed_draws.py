@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -172,7 +173,7 @@ _CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
 def _called_from_checkpoint() -> bool:
     """Whether the code setting the generator, past this package's and mock's frames, is
     ``torch.utils.checkpoint``."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and (
         os.path.abspath(frame.f_code.co_filename).startswith(_OURS) or "unittest" in frame.f_code.co_filename
     ):
