@@ -53,7 +53,12 @@ a set-up the step is traced once more on the changed values: a value that change
 is refused, and the values are put back as the call found them; where that trace is the
 same program (``compile_cache.same_program``: a flag whose branch computes nothing, a
 step that calls ``model.train()`` / ``model.eval()`` itself), the program is kept under
-the guards of both values, and the next call compiles nothing. Before, a train step and
+the guards of both values, and the next call compiles nothing. A capture that traces the
+step several times (the ways of an ``if`` on a tensor's value, a float argument's retry)
+starts each trace from the values the call found and leaves those its program's own way
+wrote (``capture/trace.py`` ``traces_start_from``); a program served from the cache makes
+its writes once it has completed (a way that mismatched writes nothing, and the other
+way's program is captured on the values the call found). Before, a train step and
 an eval step that each set the mode themselves recaptured on every switch (84 calls of
 an alternating loop on 2 gloo ranks: 25 compiles, 60.6 s; 4 compiles, 2.9 s now).
 Until the fifty-third session the second trace's program ran the first call too (the
