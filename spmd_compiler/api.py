@@ -400,7 +400,7 @@ class CompiledTrainStep:
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self._name)
         if self._found is not None:  # a compile in this call traced the step: its values
-            self._found.put_back()  # back as the call found them, for this way's trace
+            self._found.unwrite()  # back as the call found them, for this way's trace
         return self._compile(key, bindings, input_metas, mesh, decisions)[0]
 
     def _prefer(self, key: tuple, executable: StepExecutable) -> None:

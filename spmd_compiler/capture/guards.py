@@ -441,19 +441,27 @@ class Guards:
             container[key] = expected
 
     def written(self) -> list[tuple[dict, Any, Any]]:
-        """(dict, key, value) of each guarded scalar held in a dict that no longer holds
-        the value these guards were built with: what a trace wrote there."""
+        """(dict, key, value) of each guarded value held in a dict that went from one plain
+        value (``_WRITABLE``) to another since these guards were built: what a trace wrote
+        there. A value that became an object (a GradScaler's lazily made scale tensor, set
+        by the capture itself) is no write of the step's."""
         out: list[tuple[dict, Any, Any]] = []
         for kind, container, key, expected in self.entries:
-            if kind != _DICT or not isinstance(container, dict) or not is_scalar(expected):
+            if kind != _DICT or not isinstance(container, dict) or not isinstance(expected, _WRITABLE):
                 continue
             value = container.get(key, _MISSING)
-            if value is _MISSING or value is expected or (
+            if not isinstance(value, _WRITABLE) or value is expected or (
                 type(value) is type(expected) and not _unequal(value, expected)
             ):
                 continue
             out.append((container, key, value))
         return out
+
+    def unwrite(self) -> None:
+        """Set back what ``written`` lists (a trace starts from the values the call found)."""
+        found = {(id(c), k): e for kind, c, k, e in self.entries if kind == _DICT}
+        for container, key, _ in self.written():
+            container[key] = found[(id(container), key)]
 
     def as_found(self, before: Guards) -> bool:
         """Expect, of each guard ``before`` (built on the same objects when the call began)

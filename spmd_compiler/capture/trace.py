@@ -1319,7 +1319,7 @@ _TRACE_STARTS: list[Any] = []
 
 @contextlib.contextmanager
 def traces_start_from(found: Any) -> Iterator[None]:
-    """``found``: the guards of the values the call found (``put_back`` / ``written``)."""
+    """``found``: the guards of the values the call found (``unwrite`` / ``written``)."""
     _TRACE_STARTS.append(found)
     try:
         yield
@@ -1367,7 +1367,7 @@ class _StepTracer:
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         if _TRACE_STARTS:  # NOTE: [a step that changes what it reads]
-            _TRACE_STARTS[-1].put_back()
+            _TRACE_STARTS[-1].unwrite()
         b = self.bindings
         values = dict(zip(self.refs, flat, strict=True))
         params = {r.name: v for r, v in values.items() if r.kind is Kind.PARAM}
