@@ -386,7 +386,7 @@ def peer_batches(
     for k, (name, t, pl) in enumerate(zip(names, tensor_args, placements, strict=True)):
         whole = [d for d, p in enumerate(pl) if isinstance(p, Replicate)]
         split = [d for d in range(len(pl)) if d not in whole]
-        if not whole or not split or t.numel() == 0:
+        if not whole or not split:  # decided by placements alone: every rank sends as many slots
             continue
         groups = mesh.mesh.permute(*split, *whole).reshape(-1, math.prod(mesh.size(d) for d in whole))
         members = tuple(tuple(int(r) for r in row) for row in groups.tolist())
