@@ -14,6 +14,7 @@ import os
 import sys
 import sysconfig
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -40,6 +41,19 @@ _NOT_THE_USERS = tuple(
 def from_torch(filename: str) -> bool:
     """Whether ``filename`` is torch's own code (its checkpointing forks the generator)."""
     return filename.startswith(TORCH_DIR)
+
+
+_OURS = os.path.join(_PACKAGE_ROOT, "spmd_compiler") + os.sep
+_CHECKPOINT = os.path.join(TORCH_DIR, "utils", "checkpoint.py")
+
+
+def called_from_torch_checkpoint() -> bool:
+    """Whether the code calling the caller, past this package's frames (a refusing
+    wrapper), is ``torch.utils.checkpoint``."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OURS):
+        frame = frame.f_back
+    return frame is not None and os.path.abspath(frame.f_code.co_filename) == _CHECKPOINT
 
 
 def users_file(filename: str) -> bool:

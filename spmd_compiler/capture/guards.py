@@ -445,7 +445,16 @@ class Guards:
         value (``_WRITABLE``) to another since these guards were built: what a trace wrote
         there. A value that became an object (a GradScaler's lazily made scale tensor, set
         by the capture itself) is no write of the step's."""
-        out: list[tuple[dict, Any, Any]] = []
+        return [(container, key, value) for container, key, _, value in self._plain_changes()]
+
+    def unwrite(self) -> None:
+        """Set back what ``written`` lists (a trace starts from the values the call found)."""
+        for container, key, expected, _ in self._plain_changes():
+            container[key] = expected
+
+    def _plain_changes(self) -> list[tuple[dict, Any, Any, Any]]:
+        """(dict, key, value these guards hold, value now) of ``written``'s entries."""
+        out: list[tuple[dict, Any, Any, Any]] = []
         for kind, container, key, expected in self.entries:
             if kind != _DICT or not isinstance(container, dict) or not isinstance(expected, _WRITABLE):
                 continue
@@ -454,14 +463,8 @@ class Guards:
                 type(value) is type(expected) and not _unequal(value, expected)
             ):
                 continue
-            out.append((container, key, value))
+            out.append((container, key, expected, value))
         return out
-
-    def unwrite(self) -> None:
-        """Set back what ``written`` lists (a trace starts from the values the call found)."""
-        found = {(id(c), k): e for kind, c, k, e in self.entries if kind == _DICT}
-        for container, key, _ in self.written():
-            container[key] = found[(id(container), key)]
 
     def as_found(self, before: Guards) -> bool:
         """Expect, of each guard ``before`` (built on the same objects when the call began)

@@ -38,9 +38,6 @@ refused before it gets here (NOTE: [Python effects at capture]).
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +46,7 @@ from unittest import mock
 import torch
 
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
+from .callers import called_from_torch_checkpoint
 
 aten = torch.ops.aten
 
@@ -166,19 +164,6 @@ def _plain(value: Any) -> Any:
 
 
 _CURRENT: list[_Generators] = []
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
-
-
-def _called_from_checkpoint() -> bool:
-    """Whether the code setting the generator, past this package's and mock's frames, is
-    ``torch.utils.checkpoint``."""
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None and (
-        os.path.abspath(frame.f_code.co_filename).startswith(_OURS) or "unittest" in frame.f_code.co_filename
-    ):
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.endswith(_CHECKPOINT)
 
 
 def replayed_draw_decompositions() -> dict[Any, Any]:
@@ -208,7 +193,7 @@ def generators_counted_in_draws() -> Iterator[None]:
 
     def setter(real: Any, device_type: str) -> Any:
         def set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            generators.put_back(new_state, device_type, _called_from_checkpoint())
+            generators.put_back(new_state, device_type, called_from_torch_checkpoint())
             real(new_state, *args, **kwargs)
 
         return set_rng_state

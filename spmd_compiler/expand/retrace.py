@@ -752,8 +752,8 @@ def _check_global_shape(source: torch.fx.Node, value: DTensor, captured: Any) ->
     hint = (
         "this is a bug in spmd_compiler or in the parallel mode; please report it with the step."
         if padded is None else
-        f"it computes from a value the mode holds padded ({padded[1]} rows of dimension "
-        f"{padded[3]} stored as {padded[2]}: a size its ranks do not divide), through "
+        f"it computes from a value the mode holds padded ({padded[0]} rows of dimension "
+        f"{padded[2]} stored as {padded[1]}: a size its ranks do not divide), through "
         "ops that move the padded dimension (a transpose into a matrix product: Muon's "
         "Newton-Schulz, a whitening); give that dimension a size the ranks divide (a "
         "vocabulary padded to a multiple of the tp degree), or leave its module out of the plan."
@@ -767,15 +767,15 @@ def _check_global_shape(source: torch.fx.Node, value: DTensor, captured: Any) ->
     )
 
 
-def _padded_ancestor(source: torch.fx.Node) -> tuple[str, int, int, int] | None:
-    """The nearest value ``source`` computes from that a mode holds padded, as (node
-    name, true size, padded size, dim), or None."""
+def _padded_ancestor(source: torch.fx.Node) -> tuple[int, int, int] | None:
+    """The ``PADDED`` meta (true size, padded size, dim) of the nearest value ``source``
+    computes from that a mode holds padded, or None."""
     seen, todo = {source}, [source]
     while todo:
         node = todo.pop(0)
         padding = node.meta.get(PADDED) if node is not source else None
         if padding is not None:
-            return (node.name, *padding)
+            return padding
         for parent in node.all_input_nodes:
             if parent not in seen:
                 seen.add(parent)
