@@ -25,14 +25,7 @@ from torch.utils.checkpoint import (
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import make_mode
-
-
-def step(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+from spmd_compiler.tools.demo.steps import classification_train_step as step
 
 
 def _act(h: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import classification_train_step as step
 
 
 class Block(nn.Module):
@@ -39,14 +40,6 @@ class Block(nn.Module):
         else:
             h = checkpoint(self.body, h, use_reentrant=self.how == "reentrant")
         return self.out(F.dropout(h, 0.3, self.training))  # drawn after the recompute's fork
-
-
-def step(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def _train(how: str, mode: str, sim_world: int = 2):  # noqa: ANN202
