@@ -28,9 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from torch.distributed.tensor import Shard
+
 from spmd_compiler.capture.bindings import StepBindings, argument_names
 from spmd_compiler.errors import SPMDCompileError
-from spmd_compiler.ir.signature import StateRef, TensorMeta
+from spmd_compiler.expand.iterated_batches import check_iterated_batches
+from spmd_compiler.expand.retrace import DistributedProgram
+from spmd_compiler.ir.signature import Kind, StateRef, TensorMeta
+from spmd_compiler.runtime.simulate import active_simulation
 
 BatchDims = int | Mapping[str, int | None]
 
@@ -84,6 +89,27 @@ def batch_dim_of(batch_dims: int | dict[str, int | None], ref: StateRef, meta: T
             f"none: input_batch_dim={{{(ref.name or 'name')!r}: 1}} or {{{(ref.name or 'name')!r}: None}}.",
         )
     return dim % len(meta.shape)
+
+
+def check_batch_iterations(
+    program: DistributedProgram, batch_dims: int | dict[str, int | None], given: bool
+) -> None:
+    """NOTE: [a batch dimension iterated over] in ``expand/iterated_batches.py``: an
+    argument whose split dimension the step iterates over must have its batch dimension
+    named (``given``: whether the mode was given ``input_batch_dim`` at all)."""
+
+    def named(argument: str) -> bool:
+        if isinstance(batch_dims, int):
+            return given
+        return any(_covers(name, argument) for name in batch_dims)
+
+    split = {
+        ref.name: (p.dim, tuple(meta.shape))
+        for (ref, meta), placements in zip(program.captured.inputs, program.input_placements, strict=True)
+        if ref.kind is Kind.INPUT and ref.name
+        for p in placements[:1] if isinstance(p, Shard)
+    }
+    check_iterated_batches(program.iterated_batches, named, split, simulated=active_simulation() is not None)
 
 
 def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: StepBindings) -> None:

@@ -33,7 +33,13 @@ from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 from spmd_compiler.passes import OverlapOptions, PassOptions
 
 from .base import ParallelMode, replicate
-from .batch_dims import BatchDims, batch_dim_of, check_batch_dim_names, checked_batch_dims
+from .batch_dims import (
+    BatchDims,
+    batch_dim_of,
+    check_batch_dim_names,
+    check_batch_iterations,
+    checked_batch_dims,
+)
 from .mixed_precision import MixedPrecisionPolicy
 from .padding import pad_uneven_state
 
@@ -87,7 +93,7 @@ class DataParallel(ParallelMode):
         self,
         style: Style = "replicate",
         *,
-        input_batch_dim: BatchDims = 0,
+        input_batch_dim: BatchDims | None = None,
         mesh: DeviceMesh | None = None,
         reshard_after_forward: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
@@ -106,7 +112,9 @@ class DataParallel(ParallelMode):
             )
         super().__init__(mesh)
         self.style = style
-        self.input_batch_dim = checked_batch_dims(input_batch_dim)
+        self.input_batch_dim = checked_batch_dims(0 if input_batch_dim is None else input_batch_dim)
+        # NOTE: [a batch dimension iterated over]: whether the dimension was chosen
+        self.batch_dim_given = input_batch_dim is not None
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy.of(mp_policy) if mp_policy is not None else MixedPrecisionPolicy()
         self.prefetch_depth = prefetch_depth
@@ -151,6 +159,7 @@ class DataParallel(ParallelMode):
                 remake_param_views_for_backward(captured)
         program = super().partition(captured, mesh)
         program.padded = padded
+        check_batch_iterations(program, self.input_batch_dim, self.batch_dim_given)
         return program
 
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:

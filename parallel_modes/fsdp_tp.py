@@ -33,7 +33,13 @@ from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 from spmd_compiler.runtime.simulate import mesh_is_live
 
 from .base import ParallelMode
-from .batch_dims import BatchDims, batch_dim_of, check_batch_dim_names, checked_batch_dims
+from .batch_dims import (
+    BatchDims,
+    batch_dim_of,
+    check_batch_dim_names,
+    check_batch_iterations,
+    checked_batch_dims,
+)
 from .data_parallel import _param_nodes, remake_param_views_for_backward
 from .tensor_parallel import Style, TensorParallel
 
@@ -62,7 +68,7 @@ class FullyShardTensorParallel(ParallelMode):
         mesh: DeviceMesh | None = None,
         mesh_shape: tuple[int, int] | None = None,
         reshard_after_forward: bool = True,
-        input_batch_dim: BatchDims = 0,
+        input_batch_dim: BatchDims | None = None,
     ) -> None:
         if mesh is not None and mesh.ndim != 2:
             raise ValueError(f"FullyShardTensorParallel takes a 2-D (dp, tp) mesh, got {mesh}")
@@ -73,7 +79,9 @@ class FullyShardTensorParallel(ParallelMode):
         self.mesh_shape = tuple(mesh.shape) if mesh is not None else tuple(cast(tuple[int, int], mesh_shape))
         self.tp = TensorParallel(plan)
         self.reshard_after_forward = reshard_after_forward
-        self.input_batch_dim = checked_batch_dims(input_batch_dim)
+        self.input_batch_dim = checked_batch_dims(0 if input_batch_dim is None else input_batch_dim)
+        # NOTE: [a batch dimension iterated over]: whether the dimension was chosen
+        self.batch_dim_given = input_batch_dim is not None
 
     def mesh(self, device_type: str) -> DeviceMesh:
         # its own mesh is made again once its simulation has ended (NOTE: [state after a
@@ -132,7 +140,9 @@ class FullyShardTensorParallel(ParallelMode):
             )
         if self.reshard_after_forward:
             remake_param_views_for_backward(captured)
-        return super().partition(captured, mesh)
+        program = super().partition(captured, mesh)
+        check_batch_iterations(program, self.input_batch_dim, self.batch_dim_given)
+        return program
 
     def _tp_shards(self, captured: CapturedStep, mesh: DeviceMesh) -> dict[str, Shard]:
         """Parameter name -> its plain TP shard, for the parameters the plan shards."""

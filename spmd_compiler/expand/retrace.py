@@ -50,6 +50,7 @@ from ..ir.graph_utils import RetracingInterpreter, placeholders, replace_with_in
 from ..ir.node_meta import PADDED, PLACEMENT
 from ..ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta, contiguous_stride
 from ..ir.use_step import UseGroup, UseHook, UseStep
+from .iterated_batches import BatchIterations, IteratedBatch
 from .local_rules import LocalRules
 
 if TYPE_CHECKING:  # typing only: lowering and the runtime import this module
@@ -90,6 +91,9 @@ class DistributedProgram:
     deferred: DeferredPlan | None = None
     # the lowered graphs that run (``lower.Executable``), set once the passes are done
     executable: Executable | None = None
+    # ops iterating over a split argument's batch dimension, as expansion found them
+    # (NOTE: [a batch dimension iterated over]; read by the data-parallel modes, not cached)
+    iterated_batches: list[IteratedBatch] = field(default_factory=list)
 
     def pads(self, ref: StateRef) -> bool:
         """Whether the runtime feeds ``ref`` row-padded and unpads what it writes back
@@ -205,6 +209,7 @@ def expand(
     """
     start = time.perf_counter()
     params = captured.param_metas()
+    iterations = BatchIterations(captured.graph_module.graph)
     local = [
         local_meta(
             meta, mesh, pl, str(ref), ref.name if ref.kind is Kind.INPUT else None,
@@ -229,7 +234,8 @@ def expand(
         ):
             rules = local_rules(captured, mesh, input_placements)
             interpreter = _ExpandingInterpreter(
-                captured, mesh, placement_at_use, memo, rules, gradient_placement, gradient_rows
+                captured, mesh, placement_at_use, memo, rules, gradient_placement, gradient_rows,
+                iterations,
             )
             progress.current().set_total(len(captured.graph_module.graph.nodes))
             outs = interpreter.run(*dtensors)
@@ -257,6 +263,7 @@ def expand(
         output_placements=[tuple(p) for p in output_placements],
         local_inputs=local,
         expand_seconds=time.perf_counter() - start,
+        iterated_batches=iterations.found,
     )
 
 
@@ -468,8 +475,10 @@ class _ExpandingInterpreter(RetracingInterpreter):
         rules: LocalRules | None = None,
         gradient_placement: Callable[[str], Placements | None] | None = None,
         gradient_rows: Callable[[str], Placements | None] | None = None,
+        iterations: BatchIterations | None = None,
     ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
+        self.iterations = iterations or BatchIterations(captured.graph_module.graph)
         self.input_refs = [ref for ref, _ in captured.inputs]
         # whether the mode split a tensor argument of the step (data parallel), set as the
         # placeholders are read: only then can naming its batch dimension be the way out
@@ -558,6 +567,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
             return self._call_function(target, args, kwargs)
 
     def _call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self._node is not None:  # NOTE: [a batch dimension iterated over]
+            self.iterations.op(self._node, target, args, kwargs)
         if private.derived_values_share_masks():
             args, kwargs = _masked_partials_reduced(args, kwargs)
         if self._node in self.narrowed:
@@ -645,6 +656,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
         self._placeholders_read += 1
         if ref is not None and ref.kind is Kind.INPUT and isinstance(value, DTensor):
             self.split_an_argument |= any(p.is_shard() for p in value.placements)
+            if self._node is not None:
+                self.iterations.argument(self._node, ref.name or str(ref), value)
         return value
 
     def _record(self, source: torch.fx.Node, result: Any, created: list[torch.fx.Node]) -> Any:

@@ -147,3 +147,52 @@ def test_ranks_passing_other_whole_weights_are_refused_with_nothing_updated() ->
         assert "pass different values for a tensor argument that every rank passes whole" in message
         assert "weights (input[3]) (3,) float64 checksum" in message
         assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"
+
+
+def time_major_worker(rank: int, world_size: int) -> dict:
+    """A time-major GRU input, each rank passing its share of the batch (dimension 1):
+    refused with the mode's default batch dimension (NOTE: [a batch dimension iterated
+    over]), trained with ``input_batch_dim={'x': 1, 'y': 1}`` (the labels are (T, B))."""
+    from tests.sim.test_iterated_batches import TimeMajor, _batches
+    from tests.sim.test_iterated_batches import step as gru_step
+
+    torch.manual_seed(0)
+    model = TimeMajor().double()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(full_state(model, optim, None))
+    batches = _batches()
+    batch = batches[0][1].shape[1]
+    share = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
+    out: dict = {}
+    try:
+        sc.compile(DataParallel("replicate"))(gru_step)(model, optim, batches[0][0][:, share], batches[0][1][:, share])
+    except SPMDCompileError as exc:
+        after = full_state(model, optim, None)
+        out["error"] = str(exc)
+        out["untouched"] = all(torch.equal(after[k], v) for k, v in before.items())
+    named = sc.compile(DataParallel("replicate", input_batch_dim={"x": 1, "y": 1}))(gru_step)
+    for x, y in batches:
+        named(model, optim, x[:, share], y[:, share])
+    out["state"] = full_state(model, optim, None)
+    return out
+
+
+def test_a_time_major_input_is_refused_unless_its_batch_dimension_is_named() -> None:
+    from tests.sim.test_iterated_batches import TimeMajor, _batches
+    from tests.sim.test_iterated_batches import step as gru_step
+
+    results = sc.launch(time_major_worker, WORLD_SIZE, timeout_s=launch_timeout(180))
+    torch.manual_seed(0)
+    model = TimeMajor().double()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in _batches():
+        gru_step(model, optim, x, y)
+    want = full_state(model, optim, None)
+    for rank, got in enumerate(results):
+        message = got.get("error", "")
+        assert "iterates over dimension 0 of a value computed from the step argument(s) 'x'" in message, (rank, got)
+        assert "input_batch_dim={'x': 1, 'y': 1}" in message and "aten.unbind.int" in message
+        assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"
+        errors = {k: relative_difference(got["state"][k], v) for k, v in want.items()}
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < 1e-12, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"

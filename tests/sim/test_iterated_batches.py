@@ -1,0 +1,144 @@
+"""A step that iterates over the dimension a data-parallel mode splits as the batch
+(NOTE: [a batch dimension iterated over] in ``spmd_compiler/expand/iterated_batches.py``).
+
+A time-major argument passed without naming its batch dimension is split along time. In
+simulation the global value is split and put back right, so the step matches eager
+either way; the compile warns, naming the op, the module and the line, because on real
+ranks the same step would read each rank's share as a longer sequence and train wrong
+(refused there: ``tests/dist/test_inputs_by_name_gloo.py``). Naming the dimension
+silences it, and batch-first recurrences never warn.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+import spmd_compiler as sc
+from spmd_compiler.parallel_modes import DataParallel, FullyShardTensorParallel
+from spmd_compiler.tools.parity import compare_states, full_state
+
+WORLD, T, BATCH = 2, 6, 4
+
+
+class TimeMajor(nn.Module):
+    """A tagger on nn.GRU with its default layout: (T, B, F) in, every step classified
+    (so labels are (T, B) and shapes agree however the time axis is cut)."""
+
+    def __init__(self, batch_first: bool = False) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = nn.GRU(5, 8, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out)
+
+
+class HandLoop(nn.Module):
+    """A recurrence written by hand over the time steps of a time-major input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(5, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = x.new_zeros(x.shape[1], 8), []
+        for t in range(x.shape[0]):
+            h = self.cell(x[t], h)
+            out.append(h)
+        return self.head(torch.stack(out))
+
+
+def step(model, optim, x, y):
+    loss = F.cross_entropy(model(x).reshape(-1, 3), y.reshape(-1))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _batches(batch_first: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    shape = (BATCH, T) if batch_first else (T, BATCH)
+    return [(torch.randn(*shape, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, shape, generator=gen))
+            for _ in range(3)]
+
+
+def _train(model: nn.Module, mode, batch_first: bool = False) -> tuple[list[str], dict]:
+    """Three steps of ``model`` (a copy) under ``mode`` on 2 simulated ranks against the
+    undecorated step; returns the warnings about iterated batches and the worst error."""
+    torch.manual_seed(0)
+    eager = copy.deepcopy(model)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    compiled_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(compiled_model.parameters(), lr=1e-2)
+    compiled = sc.compile(parallel_mode=mode)(step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sc.simulate(world_size=WORLD):
+            for x, y in _batches(batch_first):
+                compiled(compiled_model, opt, x, y)
+                step(eager, eager_opt, x, y)
+            got = full_state(compiled_model, opt, None)
+    want = full_state(eager, eager_opt, None)
+    return [str(w.message) for w in caught if "iterates over dimension" in str(w.message)], compare_states(got, want)
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_a_time_major_gru_warns_naming_the_op_and_the_way_out_and_matches_eager(style: str) -> None:
+    torch.manual_seed(0)
+    warned, errors = _train(TimeMajor().double(), DataParallel(style))
+    assert max(errors.values()) < 1e-12, errors
+    assert len(warned) == 1, warned
+    message = warned[0]
+    assert "dimension 0 of a value computed from the step argument(s) 'x'" in message, message
+    assert "aten.unbind.int" in message and "module:      rnn" in message
+    # the labels, (T, B) beside x's (T, B, F), are named with it
+    assert "input_batch_dim={'x': 1, 'y': 1}" in message and "input_batch_dim={'x': 0}" in message
+    assert "'y' has a dimension 0 of the same size" in message
+    assert "refused on real ranks" in message
+    assert "test_iterated_batches.py" in message  # the train step's line
+
+
+def test_a_named_batch_dimension_compiles_quietly_and_matches_eager() -> None:
+    torch.manual_seed(0)
+    for batch_dims in ({"x": 1, "y": 1}, {"x": 0}):
+        warned, errors = _train(TimeMajor().double(), DataParallel("replicate", input_batch_dim=batch_dims))
+        assert warned == [], (batch_dims, warned)
+        assert max(errors.values()) < 1e-12, (batch_dims, errors)
+    warned, _ = _train(TimeMajor().double(), DataParallel("replicate", input_batch_dim=0))
+    assert warned == []  # an explicit int names every argument's dimension
+
+
+def test_a_hand_written_time_loop_warns() -> None:
+    torch.manual_seed(0)
+    warned, errors = _train(HandLoop().double(), DataParallel("replicate"))
+    assert max(errors.values()) < 1e-12, errors
+    assert len(warned) == 1 and "aten.select.int" in warned[0], warned
+
+
+def test_batch_first_recurrence_does_not_warn() -> None:
+    torch.manual_seed(0)
+    warned, errors = _train(TimeMajor(batch_first=True).double(), DataParallel("replicate"), batch_first=True)
+    assert warned == [] and max(errors.values()) < 1e-12, (warned, errors)
+
+
+def test_fsdp_tp_warns_for_its_dp_split_too() -> None:
+    torch.manual_seed(0)
+    plan = {"head": ColwiseParallel()}
+    mode = FullyShardTensorParallel({"head": ColwiseParallel()}, mesh_shape=(2, 1))
+    warned, errors = _train(TimeMajor().double(), mode)
+    assert len(warned) == 1 and "'x'" in warned[0], warned
+    assert max(errors.values()) < 1e-12, errors
+    named = FullyShardTensorParallel(plan, mesh_shape=(2, 1), input_batch_dim={"x": 1, "y": 1})
+    warned, errors = _train(TimeMajor().double(), named)
+    assert warned == [] and max(errors.values()) < 1e-12, (warned, errors)
