@@ -606,12 +606,29 @@ def _stack_trace_anchors() -> set[tuple[str, str]]:
 #   step is traced SAC runs as eagerly: the policy's saved ops are reused, the others
 #   recomputed in the backward (the memory the user asked for), their draws replayed
 #   (NOTE: [draws replayed by a restored generator]).
+# - a ``@torch.jit.script`` function runs in the TorchScript interpreter, where an ``if``
+#   on a tensor's value (``if bool(x.max() > 0.5):``) failed the capture with the
+#   interpreter's bare "RuntimeError:" (an ``if`` in the step's own Python is a value
+#   check, NOTE: [value checks]). While the step is traced such a function runs the
+#   Python it was scripted from (``_torchdynamo_inline``, the function torch.compile
+#   inlines in its place), the same ops; a scripted function with no Python behind it
+#   (made from a string) runs as before. Scripted modules (``torch.jit.script(module)``)
+#   keep no Python: they run in the interpreter as before.
 @contextlib.contextmanager
 def compiled_helpers_and_checkpoints_as_eager() -> Iterator[None]:
     """While the step is traced: see the NOTE."""
     import torch.utils.checkpoint as checkpoint_module
 
+    script_call = torch.jit.ScriptFunction.__call__
+
+    def call_as_python(self: Any, *args: Any, **kwargs: Any) -> Any:
+        python = getattr(self, "_torchdynamo_inline", None)
+        if callable(python):
+            return python(*args, **kwargs)
+        return script_call(self, *args, **kwargs)
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.jit.ScriptFunction, "__call__", call_as_python))
         if hasattr(checkpoint_module, "_is_compiling"):
             stack.enter_context(mock.patch.object(checkpoint_module, "_is_compiling", lambda *a, **k: False))
         dynamo = sys.modules.get("torch._dynamo")  # imported by the user's torch.compile, if any

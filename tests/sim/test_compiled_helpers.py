@@ -159,3 +159,35 @@ def test_transformers_flex_attention_is_refused_with_what_to_do(validation_kept)
     with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
         sc.compile(make_mode("ddp"))(lm_step)(model, optim, ids)
     assert info.value.hint is not None and "'sdpa'" in info.value.hint
+
+
+@torch.jit.script
+def _scripted_branch(h: torch.Tensor) -> torch.Tensor:
+    if bool(h.abs().max() > 0.9):  # a decision on a tensor's value
+        return torch.tanh(h) * 2.0
+    return torch.tanh(h)
+
+
+_from_source = torch.jit.CompilationUnit("def act(h: Tensor) -> Tensor:\n    return torch.tanh(h) * 2.0\n").act
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torch_jit_script_functions_run_their_python_and_decide_per_call(mode):
+    """A scripted function with an ``if`` on a tensor's value failed the capture with the
+    TorchScript interpreter's bare "RuntimeError:"; it runs its Python now, the ``if`` a
+    value check (batches scaled to take both ways). One scripted from a string (no Python
+    behind it) runs in the interpreter as before."""
+    torch.manual_seed(0)
+    for act, scales in ((_scripted_branch, (0.01, 10.0, 0.01, 10.0)), (_from_source, (1.0, 1.0))):
+        reference = Net(lambda h, act=act: act(h)).double()  # a ScriptFunction does not deepcopy
+        model = copy.deepcopy(reference)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+        compiled = sc.compile(make_mode(mode))(step)
+        with sc.simulate(world_size=2) as sim:
+            for (x, y), scale in zip(_batches(len(scales)), scales, strict=True):
+                got, want = compiled(model, optim, x * scale, y), step(reference, ref_optim, x * scale, y)
+                assert abs(float(got) - float(want)) < 1e-12, (act, scale)
+            state = _state(model, sim)
+        want_state = reference.state_dict()
+        assert max(float((state[k] - want_state[k]).abs().max()) for k in state) < 1e-12
