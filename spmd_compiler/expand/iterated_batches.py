@@ -11,11 +11,11 @@ program reads as one rank's share of a sequence ``world`` times longer: shapes a
 nothing fails, and the step trains wrong (a GRU 4.9e-2 off one device after 3 steps on
 2 gloo ranks, fifty-third session).
 
-What gives it away is the step iterating over that dimension: ``unbind`` or ``select``
-along a dimension that is the split dimension of a value computed from a split argument
-(torch's own recurrent layers unbind time steps; a hand-written ``for t in range(T):
-x[t]``). A batch dimension is rarely walked that way (a per-sample loop), a time axis
-always. Expansion records each such op (``BatchIterations``); the data-parallel modes
+What gives it away is the step iterating over that dimension: ``unbind``, or ``select``
+of two or more indices, along a dimension that is the split dimension of a value
+computed from a split argument (torch's own recurrent layers unbind time steps; a
+hand-written ``for t in range(T): x[t]``). A batch dimension is rarely walked that way
+(a per-sample loop), a time axis always; one sample picked (``x[0]``) is not a walk. Expansion records each such op (``BatchIterations``); the data-parallel modes
 then refuse the program on real ranks unless ``input_batch_dim`` names every argument
 concerned (``{'x': 1}`` for time-major, ``{'x': 0}`` to confirm a per-sample loop), and
 warn once in simulation, where the result is right either way but the same step would
@@ -63,6 +63,8 @@ class BatchIterations:
         self._mesh_dims: set[int] = set()  # mesh dimensions that split an argument
         self._reach: dict[torch.fx.Node, frozenset[str]] | None = None
         self._seen: set[tuple[str, ...]] = set()
+        # (the selected value's node, dimension) -> the indices selected from it
+        self._selected: dict[tuple[Any, int], set[Any]] = {}
         self.found: list[IteratedBatch] = []
 
     def argument(self, node: torch.fx.Node, name: str, value: Any) -> None:
@@ -89,6 +91,14 @@ class BatchIterations:
             for m, p in enumerate(value.placements) if m in self._mesh_dims
         ):
             return
+        if target is torch.ops.aten.select.int:
+            # one sample picked (``x[0]``: a penalty on the first sample) is no iteration;
+            # a second index of the same value and dimension is
+            index = args[2] if len(args) > 2 else None
+            picked = self._selected.setdefault((node.args[0], dim), set())
+            picked.add(index)
+            if len(picked) < 2:
+                return
         arguments = tuple(sorted(self._reaching(node)))
         if arguments and arguments not in self._seen:
             self._seen.add(arguments)
