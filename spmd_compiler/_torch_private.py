@@ -2703,6 +2703,7 @@ def install_dtensor_gap_fills() -> None:
     _install_convolution_backward_replicated_inputs()
     _install_convolution_operands_placed()
     _install_copy_strategy()
+    _install_integer_sum_partition()
     _install_distance_strategies()
     _install_along_dim_strategies()
     _install_searchsorted_strategy()
@@ -3814,6 +3815,42 @@ def _install_fft_strategies() -> None:
                torch.ops.aten._fft_c2c.default):
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule)
+
+
+# NOTE: [integer sums made partial]
+# Adding a replicated value to a pending sum (a counter buffer, replicated, plus a count
+# over the batch, ``model.tokens += (y >= 0).sum()``: a Partial(sum) under data
+# parallelism) makes the replicated operand partial too: DTensor's
+# ``Partial._partition_value`` hands each rank ``v / n``, so that the ranks' parts sum
+# to ``v``. On an integer tensor that is true division: a float32 part, and the sum, the
+# counter and the gradient bucket it was packed in all float32 (an int64 token count
+# 2**40 + 25 came back as the float 2**40, 25 off, after 3 steps; an int32 per-class
+# count as floats; indexing with it failed the next step; found in the fifty-fourth
+# session, torch 2.11 to 2.14). For integer and bool tensors the value is given whole
+# to the rank at coordinate 0 and zeros to the others, which sums to ``v`` exactly in
+# the value's own dtype; floating values keep torch's ``v / n``.
+def _install_integer_sum_partition() -> None:
+    """NOTE: [integer sums made partial]; idempotent."""
+    from torch.distributed.tensor import Partial
+
+    original = Partial._partition_value
+    if getattr(original, "_spmd_integer_sum", False):
+        return
+
+    def partition_value(self: Any, tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+        if self.reduce_op != "sum" or tensor.is_floating_point() or tensor.is_complex():
+            return original(self, tensor, mesh, mesh_dim)
+        n = mesh.size(mesh_dim=mesh_dim)
+        coordinate = mesh._sym_get_coordinate(mesh_dim)
+        if isinstance(coordinate, int):
+            return tensor.clone() if coordinate == 0 else torch.zeros_like(tensor)
+        # a traced coordinate (one program for every rank): rank r takes row r of
+        # [v, 0, ..., 0]
+        rows = torch.stack([tensor] + [torch.zeros_like(tensor)] * (n - 1))
+        return rows.narrow(0, coordinate, 1).squeeze(0)
+
+    partition_value._spmd_integer_sum = True  # type: ignore[attr-defined]
+    Partial._partition_value = partition_value  # type: ignore[method-assign]
 
 
 def _install_copy_strategy() -> None:
