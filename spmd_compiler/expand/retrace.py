@@ -248,6 +248,7 @@ def expand(
         return results
 
     gm = _trace_rank_generic(per_rank, local, mesh)
+    _check_output_dtypes(gm, captured)
     _views_to_reshapes(gm)
     _drop_detaches(gm)
     _drop_repeated_waits(gm)
@@ -332,6 +333,32 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
             )
     private.lift_group_names(first, mesh)
     return first
+
+
+def _check_output_dtypes(gm: torch.fx.GraphModule, captured: CapturedStep) -> None:
+    """Each output of the per-rank program has the dtype the single-device step gives it.
+
+    The runtime writes outputs into the model's state as they come: an expansion that
+    changed a dtype (DTensor made an int64 counter partial by dividing it, NOTE:
+    [integer sums made partial] in ``_torch_private.py``) would store a float32 in an
+    int64 buffer, and a lowered program read its bytes as int64 (values of 1e18 on 2
+    gloo ranks). Refused here instead, naming the value.
+
+    Raises:
+        SPMDCompileError: an output whose dtype differs.
+    """
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    for i, (node, ref, meta) in enumerate(zip(values, captured.outputs, captured.output_metas, strict=False)):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype != meta.dtype:
+            raise SPMDCompileError(
+                f"Expanding the step changed the dtype of output {i} ({ref}) from {meta.dtype} "
+                f"to {val.dtype}: refused rather than storing it with the wrong dtype. This is "
+                "a bug in spmd_compiler or in a sharding rule it relies on.",
+                hint="report the step; until then, keep that value in a floating dtype or "
+                "update it outside the compiled step.",
+            )
 
 
 def _views_to_reshapes(gm: torch.fx.GraphModule) -> None:
