@@ -5,7 +5,10 @@ A compiled step runs its Python once, while it is traced, on tensors that hold n
 values; later calls run only the program. Three effects would silently differ:
 - ``print`` of a traced tensor shows ``FakeTensor(...)`` once and never the numbers.
   While the step is traced, such a ``print`` prints nothing and logs a warning naming
-  its line, once per line and step (a ``print`` of Python values prints as usual).
+  its line, once per line and step. A ``print`` of Python values prints at capture and
+  warns, once per line, that later calls will not print it (before the fifty-fourth
+  session it printed on the first call alone, silently; a progress bar's ``update()``
+  in the step has the same fate and cannot be seen).
 - ``torch.manual_seed`` / ``torch.seed`` / ``torch.set_rng_state`` inside the step would
   reseed once, at capture, while eager reseeds every call (the same dropout masks every
   step). Refused, naming the line; torch's own calls (activation checkpointing's
@@ -83,6 +86,15 @@ def python_effects(step_code: Any) -> Iterator[None]:
     def traced_print(*args: Any, **kwargs: Any) -> None:
         if not any(_shows_traced(a) for a in args):
             real_print(*args, **kwargs)
+            if not from_torch(sys._getframe(1).f_code.co_filename):
+                warn_once_per_line(
+                    (step_code, "print once"),
+                    "print() at {line} runs while the step is traced, at its first call; "
+                    "later compiled calls run the program, which holds tensor ops only, and "
+                    "print nothing (a progress bar's update() or a counter kept in Python "
+                    "is the same: it happens at capture only). Print, log and count outside "
+                    "the compiled step. (NOTE: [Python effects at capture])",
+                )
             return
         warn_once_per_line(
             (step_code, "print"),
