@@ -385,18 +385,20 @@ def _run_pass(
     context = PassContext(
         program, spec.name, bound.options, options.cost_model, tuple(ran), options, bound_options
     )
+    # a pass's seconds include the bookkeeping around it (the metadata of the nodes it
+    # made, the checks): the sum is what the progress line's "passes" stage shows (the
+    # pass alone left 3 of 11 s of a 16-layer fsdp compile unaccounted for)
+    start = time.perf_counter()
     _guarded(spec, ran, guard.before, spec)
     existing = set(gm.graph.nodes)
     counts = debug.before(index, spec.name, gm)
     fingerprint = graph_fingerprint(gm) if guard.active else None
-    start = time.perf_counter()
     try:
         changed = spec.fn(program, context)
     except SPMDCompileError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised naming the pass
         raise PassFailure(spec.name, ran, "the pass ran", f"{type(exc).__name__}: {exc}") from exc
-    elapsed = time.perf_counter() - start
     made = [node for node in gm.graph.nodes if node not in existing]
     for node in made:
         node.meta.setdefault(CREATED_BY, spec.name)
@@ -407,6 +409,7 @@ def _run_pass(
             raise PassFailure(spec.name, ran, "new nodes carry meta['val']", str(exc)) from exc
     debug.after(index, spec.name, gm, counts)
     _guarded(spec, ran, guard.after, spec, changed, fingerprint)
+    elapsed = time.perf_counter() - start
     program.passes_applied.append(spec.name)
     program.pass_seconds[spec.name] = elapsed
     log.debug("pass %-28s %s %.4fs", spec.name, "changed" if changed else "no-op", elapsed)
