@@ -1132,6 +1132,7 @@ def _decide_value_checks(
             break
         except Undecided as undecided:
             coin = undecided.coin
+            settled = undecided.settled
             where = undecided.where
             if len(decisions) >= MAX_VALUE_IFS:
                 raise SPMDCompileError(
@@ -1166,7 +1167,9 @@ def _decide_value_checks(
             choice, text = not way, _refusal_text(refusal)
         elif choice is None:  # a branch: speculated, verified every call (NOTE: [value checks])
             choice, text = True, ""
-            if coin:
+            if coin and settled is not None:  # NOTE: [ifs on random draws alone]
+                choice = settled
+            elif coin:
                 coins.append(where)
                 _refuse_coin_branches(coins)
         else:

@@ -54,7 +54,11 @@ came (M2M100 with 2 + 2 layers: 10 compiles in its first 2 calls) until it met t
 thousands of steps. A branch whose condition is computed from random draws and constants
 alone (``drawn_alone``: no input of the step behind it) is counted at capture, and a
 step with more than ``MAX_COIN_BRANCHES`` of them (more ways than ``MAX_BRANCH_PROGRAMS``
-programs hold) is refused on its first call, naming the ``if``s. An ``if`` on a value
+programs hold) is refused on its first call, naming the ``if``s. A coin that goes one
+way whatever it draws (a uniform draw compared with a number outside (0, 1): peft's
+LoHa / LoKr ``torch.rand(1) > module_dropout`` at their default dropout 0, one per
+adapted layer) is decided that way and not counted (``settled_coin``; refused at 4
+adapted layers before the fifty-fourth session); its value check still runs every call. An ``if`` on a value
 that a random draw only touches (``if torch.isfinite(loss)`` after dropout) reads the
 step's inputs too and is not counted: its way is the data's, not a coin's.
 """
@@ -84,11 +88,12 @@ MAX_COIN_BRANCHES = 3
 class Undecided(Exception):
     """The trace met a value check beyond the decided ones."""
 
-    def __init__(self, where: str, coin: bool = False) -> None:
+    def __init__(self, where: str, coin: bool = False, settled: bool | None = None) -> None:
         super().__init__(f"a check on a tensor's value at {where}")
         self.where = where
         self.owner = "The train step"  # or the optimizer whose step() it is in
         self.coin = coin  # NOTE: [ifs on random draws alone]
+        self.settled = settled  # the way a coin goes whatever it draws, if it has one
 
 
 @dataclass
@@ -134,7 +139,8 @@ class BranchDecisions:
         where = _LOCATED[-1] if _LOCATED else where_now() or "an unknown line"
         k = len(self.sites)
         if k >= len(self.decisions):
-            raise Undecided(where, coin=drawn_alone(t)) from None
+            coin = drawn_alone(t)
+            raise Undecided(where, coin=coin, settled=settled_coin(t) if coin else None) from None
         # a copy: a view of a buffer the branch then writes (``if not self.done:
         # self.done.fill_(True)``) read the written value, and the check failed every call
         condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(()).clone()
@@ -167,6 +173,44 @@ def drawn_alone(t: torch.Tensor) -> bool:
         )
         stack.extend(n.all_input_nodes)
     return drawn
+
+
+_UNIFORM_DRAWS = (torch.ops.aten.rand.default, torch.ops.aten.rand_like.default)
+_PASSING = (
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.squeeze.default,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.select.int, torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default, torch.ops.aten._to_copy.default, torch.ops.aten.detach.default,
+)
+# comparison of a draw u in [0, 1) with a number c -> the way it goes whatever u is, or
+# None: (True when, False when)
+_SETTLED: dict[Any, tuple[Callable[[float], bool], Callable[[float], bool]]] = {
+    torch.ops.aten.gt.Scalar: (lambda c: c <= 0, lambda c: c >= 1),
+    torch.ops.aten.ge.Scalar: (lambda c: c <= 0, lambda c: c >= 1),
+    torch.ops.aten.lt.Scalar: (lambda c: c >= 1, lambda c: c <= 0),
+    torch.ops.aten.le.Scalar: (lambda c: c >= 1, lambda c: c <= 0),
+}
+
+
+def settled_coin(t: torch.Tensor) -> bool | None:
+    """The way an ``if`` on ``t`` goes whatever its draw, where ``t`` compares a uniform
+    draw in [0, 1) with a number outside (0, 1): peft's LoHa / LoKr ``torch.rand(1) >
+    module_dropout`` with its default dropout 0 is True (but for a draw of exactly 0, 2**-24
+    of the time, which the value check still catches every call). None otherwise (NOTE:
+    [ifs on random draws alone])."""
+    node = private.traced_node_of(t)
+    while node is not None and node.target in _PASSING:
+        node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+    if node is None or node.target not in _SETTLED or len(node.args) < 2:
+        return None
+    draw, c = node.args[0], node.args[1]
+    while isinstance(draw, torch.fx.Node) and draw.target in _PASSING:
+        draw = draw.args[0]
+    if not isinstance(draw, torch.fx.Node) or draw.target not in _UNIFORM_DRAWS or isinstance(c, bool):
+        return None
+    if not isinstance(c, (int, float)):
+        return None
+    true_when, false_when = _SETTLED[node.target]
+    return True if true_when(float(c)) else False if false_when(float(c)) else None
 
 
 @contextlib.contextmanager

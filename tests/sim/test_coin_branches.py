@@ -102,3 +102,49 @@ def test_drawn_alone_tells_a_coin_from_a_value_a_draw_touches() -> None:
         "coin": True, "scaled coin": True, "dropout then data": False, "data": False,
         "constant": False,
     }
+
+
+class Adapted(nn.Module):
+    """peft's LoHa / LoKr forward: each adapted layer adds its adapter unless a module
+    dropout draw says not to, ``torch.rand(1) > module_dropout``, 0 by default."""
+
+    def __init__(self, layers: int, module_dropout: float, compare: str = "gt") -> None:
+        super().__init__()
+        self.base = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+        self.adapters = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))
+        self.head = nn.Linear(WIDTH, 3)
+        self.module_dropout, self.compare = module_dropout, compare
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for base, adapter in zip(self.base, self.adapters, strict=True):
+            out = base(x)
+            draw = torch.rand(1)
+            keep = draw > self.module_dropout if self.compare == "gt" else draw < self.module_dropout
+            if (not self.training) or (self.training and keep):
+                out = out + adapter(x)
+            x = torch.tanh(out)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("module_dropout", "compare"), [(0.0, "gt"), (0.0, "lt"), (1.0, "lt")])
+def test_a_coin_that_goes_one_way_whatever_it_draws_is_not_counted(module_dropout, compare) -> None:
+    """Refused at 4 adapted layers before the fifty-fourth session ("branches on random
+    draws alone"); decided the way it always goes now, one program, eager's numbers (its
+    draws too: the program draws the same numbers from the same generator)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Adapted(MAX_COIN_BRANCHES + 1, module_dropout, compare).double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(_step)
+    with sc.simulate(world_size=2):
+        for i in range(3):
+            x, y = _batch()
+            torch.manual_seed(10 + i)
+            got = compiled(model, optim, x, y)
+            torch.manual_seed(10 + i)
+            want = _step(reference, ref_optim, x, y)
+            assert abs(float(got) - float(want)) < 1e-12, (i, float(got), float(want))
+    assert compiled.compile_count == 1
