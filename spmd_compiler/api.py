@@ -171,6 +171,10 @@ class CompiledTrainStep:
         self.mode = mode
         self.options = options
         self.lowering = lowering or LoweringOptions()
+        self._cache_dir = cache_dir  # as given: a step per object gets it too
+        # NOTE: [a compiled step written on a method]: the class it was written in
+        self._owner: type | None = None
+        self._attribute = getattr(func, "__name__", "")
         root = compile_cache.resolve_cache_dir(cache_dir)
         if root is not None and root.exists() and not root.is_dir():
             raise SPMDCompileError(
@@ -212,7 +216,48 @@ class CompiledTrainStep:
         # a function's name and docstring; a callable object's attributes are its own
         functools.update_wrapper(self, func, updated=("__dict__",) if isinstance(func, types.FunctionType) else ())
 
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._owner, self._attribute = owner, name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        """NOTE: [a compiled step written on a method]: ``obj.step`` is the step of ``obj``."""
+        if obj is None or not isinstance(self.func, types.FunctionType):
+            return self  # on the class; or a bound method / partial / object: binds nothing
+        return self._of(obj)
+
+    def _of(self, obj: Any) -> CompiledTrainStep:
+        """The step compiled for ``obj``'s bound method, made on first need and kept on
+        ``obj`` (NOTE: [a compiled step written on a method])."""
+        held = vars(obj).get(_STEPS_OF_AN_OBJECT) if hasattr(obj, "__dict__") else None
+        step = held.get(self) if isinstance(held, _StepsOfAnObject) else None
+        if step is not None and step.func.__self__ is obj:
+            return step
+        if not isinstance(held, _StepsOfAnObject) or any(s.func.__self__ is not obj for s in held.values()):
+            held = _StepsOfAnObject()  # none yet, or a shallow copy's: the original's stay its own
+            try:
+                if isinstance(obj, type):
+                    type.__setattr__(obj, _STEPS_OF_AN_OBJECT, held)
+                else:
+                    object.__setattr__(obj, _STEPS_OF_AN_OBJECT, held)
+            except (AttributeError, TypeError) as exc:
+                raise SPMDCompileError(
+                    f"{self._name} is compiled per object, and kept on it; a "
+                    f"{type(obj).__qualname__} object cannot hold it ({exc}): a class with "
+                    "__slots__ and no __dict__.",
+                    user_line=self._where,
+                    hint="add '__dict__' to __slots__, or compile the bound method in "
+                    f"__init__: self.{self._attribute} = spmd_compiler.compile(...)"
+                    f"(self.{self._attribute}).",
+                ) from None
+        step = held[self] = CompiledTrainStep(
+            types.MethodType(self.func, obj), self.mode, self.options, self.lowering, self._cache_dir,
+        )
+        return step
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._owner is not None and args and isinstance(args[0], self._owner):
+            # ``Trainer.step(trainer, x)``: the call ``trainer.step(x)`` is
+            return self._of(args[0])(*args[1:], **kwargs)
         if not dist.is_initialized():
             raise SPMDCompileError(
                 "No process group: run under torchrun / spmd_compiler.launch (real ranks) "
@@ -917,6 +962,34 @@ class CompiledTrainStep:
             raise
         _warn_of_constants_in_arguments(captured.outside)
         return captured, guards, also
+
+
+# NOTE: [a compiled step written on a method]
+# ``@spmd_compiler.compile(...)`` written on a method in a class body compiles the step of
+# each object apart, as ``self.step = spmd_compiler.compile(...)(self.step)`` in
+# ``__init__`` does: the compiled step is a descriptor, and ``trainer.step`` is a
+# ``CompiledTrainStep`` of the bound method ``trainer``'s (its programs, guards, records,
+# ``compile_count``, ``last_program``, ``flush()``, what ``explain`` reads), made on its
+# first access and kept on the object, so ``trainer.step is trainer.step``;
+# ``Trainer.step(trainer, x)`` calls it too, and ``Trainer.step`` is the decorator's
+# object, which compiles nothing itself. Two trainers over two models share no program
+# or guard. The steps are kept in a ``_StepsOfAnObject`` under one attribute: a copy of
+# the object (``copy.deepcopy``, pickling) gets none, so it compiles its own on its first
+# call, and a shallow copy that shares the original's gets its own on first access (the
+# original's, bound to the original, would train the original's model). Before, the
+# compiled step was no descriptor: ``trainer.step(x, y)`` called the plain function
+# without ``self`` and was refused ("The train step trains no nn.Module").
+_STEPS_OF_AN_OBJECT = "_spmd_compiled_steps"
+
+
+class _StepsOfAnObject(dict):  # type: ignore[type-arg]
+    """The compiled steps of one object, by the class's compiled step; copied empty."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _StepsOfAnObject:
+        return _StepsOfAnObject()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_StepsOfAnObject, ())
 
 
 def step_guards(

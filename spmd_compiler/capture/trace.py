@@ -1315,8 +1315,11 @@ def _fake(meta: TensorMeta, fake_mode: Any, first_trace: bool) -> torch.Tensor:
 # SGD's momentum retried); each trace starts from the values the call found, which the
 # innermost ``traces_start_from`` guards put back (an earlier trace's ``model.warmup =
 # False`` made the next one trace the path without the set-up: loss 9x off on the first
-# call), and the capture leaves the values the trace of its program wrote (a value
-# check's other way, traced last, left its own)
+# call), and the capture leaves the values the trace of its program wrote, on the values
+# the call found (a value check's other way, traced last, left its own: until the
+# fifty-fourth session they stayed where the program's trace wrote nothing, so a step
+# with ``model.eval()``, a ``torch.multinomial`` and ``model.train()`` was left in eval
+# mode and refused as changing ``training`` every run)
 _TRACE_STARTS: list[Any] = []
 
 
@@ -1331,6 +1334,14 @@ def traces_start_from(found: Any) -> Iterator[None]:
 
 
 def _leave_written(tracer: _StepTracer) -> None:
+    """Leave the values as the trace of the program left them: first those the call
+    found, since a way traced after it (a value check's raising way) left its own where
+    the program's trace wrote nothing or wrote the value back (``model.eval()``, a
+    ``torch.multinomial`` check's raise, ``model.train()``: the raising way stopped with
+    ``training`` False, the program's way changed nothing, and the capture left the
+    model in eval mode, refused as a value changed every run)."""
+    if _TRACE_STARTS:
+        _TRACE_STARTS[-1].unwrite()
     for container, key, value in tracer.written:
         container[key] = value
 

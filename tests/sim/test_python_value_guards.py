@@ -673,6 +673,87 @@ def test_steps_that_set_the_models_mode_themselves_compile_once_each_way(classif
     assert (train.compile_count, evaluate.compile_count) == (3, 1)
 
 
+class Sampler(nn.Module):
+    """Logits whose batch norm reads the mode: running statistics in eval, the batch's
+    (and an update of the running ones) in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 12, bias=False)  # a bias before the norm: a gradient of rounding
+        self.norm = nn.BatchNorm1d(12)
+        self.out = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.fc(x))))
+
+
+def sample_then_train_step(model, optim, x):
+    """Sample targets in eval mode, then train on them: ``torch.multinomial``'s check of
+    its weights is an `if` on a tensor value, traced both ways."""
+    model.eval()
+    with torch.no_grad():
+        picked = torch.multinomial(F.softmax(model(x), -1), 1)[:, 0]
+    model.train()
+    loss = F.cross_entropy(model(x), picked)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss, picked
+
+
+def train_on(model, optim, x, picked):
+    """The step run eagerly on the targets it drew when compiled."""
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    loss = F.cross_entropy(model(x), picked)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _sampled_run(world: int) -> tuple[list[torch.Tensor], nn.Module, nn.Module, float, int]:
+    torch.manual_seed(0)
+    model = Sampler().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    compiled = sc.compile(sc.parallel_modes.DataParallel("replicate"))(sample_then_train_step)
+    data = torch.Generator().manual_seed(1)
+    drawn = []
+    with sc.simulate(world_size=world) as sim:
+        for i in range(3):
+            x = torch.randn(8, 6, dtype=torch.float64, generator=data)
+            torch.manual_seed(10 + i)
+            loss, picked = compiled(model, optim, x)
+            assert model.training and model.norm.training  # as eager leaves it
+            want = train_on(reference, ref_optim, x, picked)
+            assert abs(float(loss) - float(want)) <= 1e-12 * abs(float(want))
+            drawn.append(picked)
+        worst = max(compare_models(model, reference, sim).values())
+    return drawn, model, reference, worst, compiled.compile_count
+
+
+def test_a_step_that_samples_in_eval_mode_then_trains():
+    """``model.eval()``, ``torch.multinomial``, ``model.train()`` in the step: the trace of
+    the check's raising way stopped in eval mode, and the capture left the model there,
+    refused as "changes a Python value every time it runs: module <root>.training was
+    False, now True" (NOTE: [a step that changes what it reads]). Now it compiles; the
+    model left in training mode; the update, given the tokens drawn, eager's within
+    1e-12 on 2 ranks (ddp); the draws those of 1 rank (one global draw, NOTE: [random
+    draws shaped like a tensor]), each a category of the distribution."""
+    drawn, model, reference, worst, compiles = _sampled_run(2)
+    # AdamW's first step (its state traced, not predicted, in a step with a value check)
+    # and the steps after it; the mode compiles nothing
+    assert worst < 1e-12 and compiles == 2
+    alone, *_ = _sampled_run(1)
+    assert all(torch.equal(a, b) for a, b in zip(drawn, alone))
+    assert all(p.shape == (8,) and p.dtype == torch.long and 0 <= int(p.min()) and int(p.max()) < 5
+               for p in drawn)
+
+
 def counted_step(model, optim, x, y, iteration):
     """An int argument (the iteration) that changes every call: each value is baked in."""
     loss = F.cross_entropy(model(x), y) * min(1.0, (iteration + 1) / 4)
