@@ -611,21 +611,37 @@ def _stack_trace_anchors() -> set[tuple[str, str]]:
 #   interpreter's bare "RuntimeError:" (an ``if`` in the step's own Python is a value
 #   check, NOTE: [value checks]). While the step is traced such a function runs the
 #   Python it was scripted from (``_torchdynamo_inline``, the function torch.compile
-#   inlines in its place), the same ops; a scripted function with no Python behind it
-#   (made from a string) runs as before. Scripted modules (``torch.jit.script(module)``)
-#   keep no Python: they run in the interpreter as before.
+#   inlines in its place), the same ops, its own ``raise`` raised as the
+#   ``torch.jit.Error`` TorchScript raises; a scripted function with no Python behind it
+#   (made from a string) and a ``torch.jit.trace``d one (it froze one way through its
+#   Python's ifs) run as before. Scripted modules (``torch.jit.script(module)``) keep no
+#   Python: they run in the interpreter as before.
+# what a scripted function's own ``raise`` / ``assert`` raise in Python; TorchScript
+# raises them as ``torch.jit.Error`` (a step may catch that)
+_SCRIPT_RAISES = (
+    ValueError, AssertionError, TypeError, LookupError, ArithmeticError, NotImplementedError,
+)
+
+
 @contextlib.contextmanager
 def compiled_helpers_and_checkpoints_as_eager() -> Iterator[None]:
     """While the step is traced: see the NOTE."""
     import torch.utils.checkpoint as checkpoint_module
+    from torch.jit._state import _try_get_jit_cached_function
 
     script_call = torch.jit.ScriptFunction.__call__
 
     def call_as_python(self: Any, *args: Any, **kwargs: Any) -> Any:
         python = getattr(self, "_torchdynamo_inline", None)
-        if callable(python):
+        # scripted, not traced: ``torch.jit.trace`` sets ``_torchdynamo_inline`` too, but
+        # its function froze one way through the Python's ifs, which eager keeps taking
+        scripted = _try_get_jit_cached_function(python) if callable(python) else None
+        if scripted is None or scripted.qualified_name != self.qualified_name:
+            return script_call(self, *args, **kwargs)
+        try:
             return python(*args, **kwargs)
-        return script_call(self, *args, **kwargs)
+        except _SCRIPT_RAISES as exc:  # a ``raise`` in TorchScript is a torch.jit.Error
+            raise torch.jit.Error(f"{type(exc).__name__}: {exc}") from exc
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch.jit.ScriptFunction, "__call__", call_as_python))

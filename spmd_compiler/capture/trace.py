@@ -63,7 +63,7 @@ from ..ir.graph_utils import (
     replace_with_input,
     set_outputs,
 )
-from ..ir.node_meta import MODULE_FQN, USER_LINE, Phase, set_phase
+from ..ir.node_meta import MODULE_FQN, TIME_MAJOR_RNN, USER_LINE, Phase, set_phase
 from ..ir.signature import (
     STATE_KINDS,
     CapturedStep,
@@ -1737,8 +1737,12 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
         if fqn is None or not stack or graph is None:
             return
         _, mark = stack.pop()
+        # NOTE: [a batch dimension iterated over]: torch's recurrent layers on (T, B, F)
+        time_major = isinstance(module, torch.nn.RNNBase) and not module.batch_first
         for node in new_nodes_after(mark, graph):
             node.meta.setdefault(MODULE_FQN, fqn)
+            if time_major:
+                node.meta.setdefault(TIME_MAJOR_RNN, fqn)
 
     hooks = [
         torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),

@@ -179,7 +179,7 @@ _UNIFORM_DRAWS = (torch.ops.aten.rand.default, torch.ops.aten.rand_like.default)
 _PASSING = (
     torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.squeeze.default,
     torch.ops.aten.squeeze.dim, torch.ops.aten.select.int, torch.ops.aten.clone.default,
-    torch.ops.aten.alias.default, torch.ops.aten._to_copy.default, torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default, torch.ops.aten.detach.default,  # no casts: `rand(1).long() > 0` is False
 )
 # comparison of a draw u in [0, 1) with a number c -> the way it goes whatever u is, or
 # None: (True when, False when)

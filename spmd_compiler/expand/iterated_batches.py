@@ -8,18 +8,24 @@ batch dimension is split along time instead. In simulation, where the caller pas
 global value, DTensor puts the pieces back together and the step computes what eager
 does; on real ranks each rank passes its own share, ``(T, B / world, F)``, which the
 program reads as one rank's share of a sequence ``world`` times longer: shapes agree,
-nothing fails, and the step trains wrong (a GRU 4.9e-2 off one device after 3 steps on
-2 gloo ranks, fifty-third session).
+nothing fails, and the step trains wrong (a GRU tagger's weights 0.09-0.13 relative off
+one device after 3 steps on 2 gloo ranks, fifty-third and fifty-fourth sessions).
 
-What gives it away is the step iterating over that dimension: ``unbind``, or ``select``
-of two or more indices, along a dimension that is the split dimension of a value
-computed from a split argument (torch's own recurrent layers unbind time steps; a
-hand-written ``for t in range(T): x[t]``). A batch dimension is rarely walked that way
-(a per-sample loop), a time axis always; one sample picked (``x[0]``) is not a walk. Expansion records each such op (``BatchIterations``); the data-parallel modes
-then refuse the program on real ranks unless ``input_batch_dim`` names every argument
-concerned (``{'x': 1}`` for time-major, ``{'x': 0}`` to confirm a per-sample loop), and
-warn once in simulation, where the result is right either way but the same step would
-be refused on real ranks. Before the fifty-fourth session this trained wrong silently.
+What gives it away is the step walking along that dimension: ``unbind`` (``for x_t in
+x``), ``split`` into pieces of 1, or ``select`` / a slice of length 1 at two or more
+positions, along a dimension that is the split dimension (on a mesh dimension of more
+than one rank) of a value computed from a split argument. One sample picked (``x[0]``) is
+no walk. Expansion records each such op (``BatchIterations``). Two kinds:
+- inside torch's own time-major recurrent layers (``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``
+  with ``batch_first=False``: the capture marks their nodes, ``TIME_MAJOR_RNN``), the
+  dimension is time for certain: the data-parallel modes refuse the program on real
+  ranks unless ``input_batch_dim`` names every argument concerned (``{'x': 1}``), and
+  warn in simulation, where the result is right either way;
+- anywhere else it is a time loop written by hand (``for t in range(T): x[t]``) or a
+  loop over samples (``for xi in x``, ``zip(x, y)``: valid code, which a refusal would
+  break), which nothing here can tell apart: a warning, on real ranks and in simulation,
+  naming the op, the line and both ways to say which it is.
+Before the fifty-fourth session all of this trained wrong silently on real ranks.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as private
 from ..errors import node_error
+from ..ir.node_meta import TIME_MAJOR_RNN
 
-# op -> the position of its dimension argument (and the default where it has one)
-_ITERATIONS: dict[Any, tuple[int, int | None]] = {
-    torch.ops.aten.unbind.int: (1, 0),
-    torch.ops.aten.select.int: (1, None),
-}
+# op -> the position of its dimension argument and its default
+_UNBIND = torch.ops.aten.unbind.int
+_SELECT = torch.ops.aten.select.int
+_SPLIT = torch.ops.aten.split.Tensor
+_SLICE = torch.ops.aten.slice.Tensor
+_DIMENSION: dict[Any, tuple[int, int | None]] = {_UNBIND: (1, 0), _SELECT: (1, None), _SPLIT: (2, 0), _SLICE: (1, 0)}
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class IteratedBatch:
     node: torch.fx.Node
     arguments: tuple[str, ...]
     dim: int
+    # the time-major torch recurrent layer it is in (NOTE's first kind), if any
+    recurrent: str | None = None
 
 
 class BatchIterations:
@@ -71,16 +81,17 @@ class BatchIterations:
         """Placeholder ``node`` holds step argument ``name`` as ``value``."""
         if not isinstance(value, DTensor):
             return
-        dims = {m for m, p in enumerate(value.placements) if private.is_shard_like(p)}
+        mesh = value.device_mesh
+        dims = {m for m, p in enumerate(value.placements) if private.is_shard_like(p) and mesh.size(m) > 1}
         if dims:
             self._split[node] = name
             self._mesh_dims |= dims
 
     def op(self, node: torch.fx.Node, target: Any, args: tuple, kwargs: dict) -> None:
-        """Record ``node`` if it iterates over the split dimension of its input."""
-        if target not in _ITERATIONS or not self._split or not args or not isinstance(args[0], DTensor):
+        """Record ``node`` if it walks along the split dimension of its input."""
+        if target not in _DIMENSION or not self._split or not args or not isinstance(args[0], DTensor):
             return
-        position, default = _ITERATIONS[target]
+        position, default = _DIMENSION[target]
         dim = args[position] if len(args) > position else kwargs.get("dim", default)
         value = args[0]
         if not isinstance(dim, int) or not value.ndim:
@@ -91,18 +102,26 @@ class BatchIterations:
             for m, p in enumerate(value.placements) if m in self._mesh_dims
         ):
             return
-        if target is torch.ops.aten.select.int:
-            # one sample picked (``x[0]``: a penalty on the first sample) is no iteration;
-            # a second index of the same value and dimension is
-            index = args[2] if len(args) > 2 else None
+        if target is _SPLIT and args[1] != 1:
+            return  # pieces of more than one: a batch cut in parts, no walk
+        if target in (_SELECT, _SLICE):
+            if target is _SLICE:  # a slice of length 1 is a select
+                start, end = (list(args[2:4]) + [None, None])[:2]
+                if not isinstance(start, int) or not isinstance(end, int) or end - start != 1:
+                    return
+                where: Any = start
+            else:
+                where = args[2] if len(args) > 2 else None
+            # one sample picked (``x[0]``: a penalty on the first sample) is no walk; a
+            # second position of the same value and dimension is
             picked = self._selected.setdefault((node.args[0], dim), set())
-            picked.add(index)
+            picked.add(where)
             if len(picked) < 2:
                 return
         arguments = tuple(sorted(self._reaching(node)))
         if arguments and arguments not in self._seen:
             self._seen.add(arguments)
-            self.found.append(IteratedBatch(node, arguments, dim))
+            self.found.append(IteratedBatch(node, arguments, dim, node.meta.get(TIME_MAJOR_RNN)))
 
     def _reaching(self, node: torch.fx.Node) -> frozenset[str]:
         """The split arguments ``node`` is computed from (one pass over the graph, the
@@ -119,50 +138,64 @@ class BatchIterations:
 
 def check_iterated_batches(
     found: list[IteratedBatch], named: Callable[[str], bool], split: dict[str, tuple[int, tuple[int, ...]]],
-    simulated: bool,
+    simulated: bool, hint: str | None = None,
 ) -> None:
-    """Refuse (real ranks) or warn once (simulation) for each record whose arguments
-    ``input_batch_dim`` does not all name: NOTE: [a batch dimension iterated over].
-    ``split``: each split argument's split dimension and global shape, to suggest the
-    arguments laid out alike (labels ``(T, B)`` beside a ``(T, B, F)`` input: naming
-    the input alone would leave them cut along time).
+    """Refuse or warn, once for all records whose arguments ``input_batch_dim`` does not
+    name (NOTE: [a batch dimension iterated over]). ``split``: each split argument's split
+    dimension and global shape, to suggest the arguments laid out alike (``(T, B)`` labels
+    beside a ``(T, B, F)`` input: naming the input alone would leave them cut along time);
+    ``hint``: what to do, for a mode without ``input_batch_dim``.
 
     Raises:
-        SPMDCompileError: on real ranks.
+        SPMDCompileError: on real ranks, where a time-major torch recurrent layer walks
+            the split dimension.
     """
-    for record in found:
-        unnamed = [a for a in record.arguments if not named(a)]
-        if not unnamed:
-            continue
-        listed = ", ".join(repr(a) for a in unnamed)
-        first = unnamed[0]
-        sizes = {split[a][1][split[a][0]] for a in unnamed if a in split}
-        alike = [a for a, (d, shape) in split.items()
-                 if a in unnamed or (not named(a) and len(shape) > 1 and shape[d] in sizes)]
-        time_major = ", ".join(f"{a!r}: 1" for a in alike) or f"{first!r}: 1"
+    records = [r for r in found if any(not named(a) for a in r.arguments)]
+    if not records:
+        return
+    unnamed = list(dict.fromkeys(a for r in records for a in r.arguments if not named(a)))
+    recurrent = next((r for r in records if r.recurrent is not None), None)
+    record = recurrent or records[0]
+    listed = ", ".join(repr(a) for a in unnamed)
+    sizes = {split[a][1][split[a][0]] for a in unnamed if a in split}
+    alike = [a for a, (d, shape) in split.items()
+             if len(shape) > 1 and not named(a) and (a in unnamed or shape[d] in sizes)]
+    others = [a for a in alike if a not in unnamed]
+    also = (
+        f" ({', '.join(repr(a) for a in others)} {'has' if len(others) == 1 else 'have'} a "
+        "dimension 0 of the same size: name every argument laid out this way)" if others else ""
+    )
+    per_sample = "{" + ", ".join(f"{a!r}: 0" for a in unnamed) + "}"
+    time_major = (
+        f"input_batch_dim={{{', '.join(f'{a!r}: 1' for a in alike)}}} for time-major (T, B, ...) "
+        f"arguments{also}, or " if alike else ""
+    )
+    hint = hint or (
+        f"name the batch dimension in the mode: {time_major}input_batch_dim={per_sample} if "
+        "dimension 0 is the batch and the step loops over samples."
+    )
+    if recurrent is not None:
         message = (
-            f"This op iterates over dimension {record.dim} of a value computed from the "
-            f"step argument(s) {listed}, the dimension the mode splits as the batch "
-            f"(input_batch_dim does not name {'it' if len(unnamed) == 1 else 'them'}). A "
-            f"time-major argument ((T, B, ...): an RNN's input) is split along time this way: "
-            "on real ranks each rank's share would be read as its part of a sequence as many "
-            "times longer as there are ranks, and the step would train wrong."
+            f"The time-major recurrent layer {recurrent.recurrent!r} (batch_first=False) walks "
+            f"along dimension {record.dim} of a value computed from the step argument(s) "
+            f"{listed}, the dimension the mode splits as the batch (input_batch_dim does not "
+            "name it): on real ranks each rank's share would be read as its part of a "
+            "sequence as many times longer as there are ranks, and the step would train wrong."
         )
-        others = [a for a in alike if a not in unnamed]
-        also = (
-            f" ({', '.join(repr(a) for a in others)} {'has' if len(others) == 1 else 'have'} a "
-            f"dimension 0 of the same size: name every argument laid out this way)" if others else ""
+    else:
+        message = (
+            f"This op walks along dimension {record.dim} of a value computed from the step "
+            f"argument(s) {listed}, the dimension the mode splits as the batch (input_batch_dim "
+            "does not name it): a loop over samples (valid), or over the time steps of a "
+            "time-major (T, B, ...) argument, which on real ranks each rank's share would "
+            "make part of a sequence as many times longer as there are ranks: the step would "
+            "train wrong."
         )
-        hint = (
-            f"name the batch dimension in the mode: input_batch_dim={{{time_major}}} for "
-            f"time-major (T, B, ...) arguments{also}, or input_batch_dim={{{first!r}: 0}} if "
-            f"dimension 0 is the batch and the step loops over samples."
-        )
-        error = node_error(message, record.node, hint=hint)
-        if not simulated:
-            raise error
-        warnings.warn(
-            f"{error} (refused on real ranks; simulated ranks are passed the global value, "
-            "which is split right either way)",
-            stacklevel=2,
-        )
+    error = node_error(message, record.node, hint=hint)
+    if recurrent is not None and not simulated:
+        raise error
+    warnings.warn(
+        f"{error}" + (" (refused on real ranks; simulated ranks are passed the global value, "
+                      "which is split right either way)" if recurrent is not None else ""),
+        stacklevel=2,
+    )

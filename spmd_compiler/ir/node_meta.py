@@ -8,6 +8,7 @@ reader can find every writer and reader of a key by its accessor's name.
 | key | written by | value |
 |---|---|---|
 | ``MODULE_FQN`` | capture (module forward hooks) | FQN of the innermost module whose forward traced the node |
+| ``TIME_MAJOR_RNN`` | capture (module forward hooks) | FQN of the time-major ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (``batch_first=False``) whose forward traced the node |
 | ``USER_LINE`` | capture | ``errors.SourceLocation`` of the train-step line |
 | ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
 | ``PADDED`` | a mode's padding of uneven state | ``(true size, padded size, dim)`` of a value held padded |
@@ -28,6 +29,7 @@ import enum
 import torch.fx
 
 MODULE_FQN = "spmd_module_fqn"
+TIME_MAJOR_RNN = "spmd_time_major_rnn"
 USER_LINE = "spmd_user_line"
 PLACEMENT = "spmd_placement"
 ORIGIN = "spmd_origin"

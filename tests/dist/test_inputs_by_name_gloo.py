@@ -190,7 +190,7 @@ def test_a_time_major_input_is_refused_unless_its_batch_dimension_is_named() -> 
     want = full_state(model, optim, None)
     for rank, got in enumerate(results):
         message = got.get("error", "")
-        assert "iterates over dimension 0 of a value computed from the step argument(s) 'x'" in message, (rank, got)
+        assert "The time-major recurrent layer 'rnn' (batch_first=False) walks along dimension 0" in message, (rank, got)
         assert "input_batch_dim={'x': 1, 'y': 1}" in message and "aten.unbind.int" in message
         assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"
         errors = {k: relative_difference(got["state"][k], v) for k, v in want.items()}

@@ -191,3 +191,46 @@ def test_torch_jit_script_functions_run_their_python_and_decide_per_call(mode):
             state = _state(model, sim)
         want_state = reference.state_dict()
         assert max(float((state[k] - want_state[k]).abs().max()) for k in state) < 1e-12
+
+
+def _width_checked(h: torch.Tensor) -> torch.Tensor:
+    if h.shape[-1] % 8 != 0:
+        raise ValueError("width must be a multiple of 8")
+    return torch.tanh(h)
+
+
+_scripted_check = torch.jit.script(_width_checked)
+
+
+def _branchy(h: torch.Tensor) -> torch.Tensor:
+    if h.sum() > 0:
+        return h * 2
+    return h
+
+
+def test_traced_functions_and_scripted_raises_keep_torchscripts_behaviour():
+    """A ``torch.jit.trace``d function froze one way through its ``if``: it runs as traced,
+    not as its Python (whose ``if`` would go the other way on some batches); a scripted
+    function's ``raise`` reaches the step as the ``torch.jit.Error`` TorchScript raises."""
+    traced = torch.jit.trace(_branchy, torch.ones(2, 16, dtype=torch.float64))
+
+    def guarded(h: torch.Tensor) -> torch.Tensor:
+        try:
+            # below 0 always: the Python's `if` goes the way the trace did not freeze
+            return traced(_scripted_check(h) - 2.0) if h.shape[-1] == 16 else _scripted_check(h)
+        except torch.jit.Error:
+            return torch.relu(h)
+
+    torch.manual_seed(0)
+    for width in (16, 12):
+        reference = Net(guarded).double()
+        reference.a = nn.Linear(8, width).double()
+        reference.b = nn.Linear(width, 4).double()
+        model = copy.deepcopy(reference)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+        compiled = sc.compile(make_mode("ddp"))(step)
+        with sc.simulate(world_size=2):
+            for x, y in _batches(2):
+                got, want = compiled(model, optim, x, y), step(reference, ref_optim, x, y)
+                assert abs(float(got) - float(want)) < 1e-12, width

@@ -76,6 +76,10 @@ def _batches(batch_first: bool = False) -> list[tuple[torch.Tensor, torch.Tensor
 def _train(model: nn.Module, mode, batch_first: bool = False) -> tuple[list[str], dict]:
     """Three steps of ``model`` (a copy) under ``mode`` on 2 simulated ranks against the
     undecorated step; returns the warnings about iterated batches and the worst error."""
+    return _train_world(model, mode, batch_first=batch_first, world=WORLD)
+
+
+def _train_world(model: nn.Module, mode, batch_first: bool = False, world: int = WORLD) -> tuple[list[str], dict]:
     torch.manual_seed(0)
     eager = copy.deepcopy(model)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -84,13 +88,13 @@ def _train(model: nn.Module, mode, batch_first: bool = False) -> tuple[list[str]
     compiled = sc.compile(parallel_mode=mode)(step)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with sc.simulate(world_size=WORLD):
+        with sc.simulate(world_size=world):
             for x, y in _batches(batch_first):
                 compiled(compiled_model, opt, x, y)
                 step(eager, eager_opt, x, y)
             got = full_state(compiled_model, opt, None)
     want = full_state(eager, eager_opt, None)
-    return [str(w.message) for w in caught if "iterates over dimension" in str(w.message)], compare_states(got, want)
+    return [str(w.message) for w in caught if "walks along dimension" in str(w.message)], compare_states(got, want)
 
 
 @pytest.mark.parametrize("style", ["replicate", "fully_shard"])
@@ -100,7 +104,8 @@ def test_a_time_major_gru_warns_naming_the_op_and_the_way_out_and_matches_eager(
     assert max(errors.values()) < 1e-12, errors
     assert len(warned) == 1, warned
     message = warned[0]
-    assert "dimension 0 of a value computed from the step argument(s) 'x'" in message, message
+    assert "The time-major recurrent layer 'rnn' (batch_first=False) walks along dimension 0" in message
+    assert "computed from the step argument(s) 'x'" in message
     assert "aten.unbind.int" in message and "module:      rnn" in message
     # the labels, (T, B) beside x's (T, B, F), are named with it
     assert "input_batch_dim={'x': 1, 'y': 1}" in message and "input_batch_dim={'x': 0}" in message
@@ -120,10 +125,63 @@ def test_a_named_batch_dimension_compiles_quietly_and_matches_eager() -> None:
 
 
 def test_a_hand_written_time_loop_warns() -> None:
+    """A loop by hand may walk time or samples: warned (both ways named), not refused."""
     torch.manual_seed(0)
     warned, errors = _train(HandLoop().double(), DataParallel("replicate"))
     assert max(errors.values()) < 1e-12, errors
     assert len(warned) == 1 and "aten.select.int" in warned[0], warned
+    assert "a loop over samples (valid), or over the time steps" in warned[0]
+    assert "refused on real ranks" not in warned[0]
+
+
+class PerSample(nn.Module):
+    """A batch-first step looping over its samples (``for xi in x``), and one sample picked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.lin(xi).mean(0) for xi in x]) + 0.0 * self.lin(x[0]).sum()
+
+
+def _per_sample_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_loop_over_samples_warns_with_both_ways_out_and_names_only_what_can_be_named() -> None:
+    torch.manual_seed(0)
+    model = PerSample().double()
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_per_sample_step)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, T, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=gen)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sc.simulate(world_size=WORLD):
+            compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    warned = [str(w.message) for w in caught if "walks along dimension" in str(w.message)]
+    assert len(warned) == 1 and "input_batch_dim={'x': 0}" in warned[0], warned
+    # y, (B,), has no dimension 1 to suggest
+    assert "'y': 1" not in warned[0]
+
+
+def test_a_single_rank_has_no_split_to_walk() -> None:
+    torch.manual_seed(0)
+    warned, errors = _train_world(TimeMajor().double(), DataParallel("replicate"), world=1)
+    assert warned == [] and max(errors.values()) < 1e-12, (warned, errors)
+
+
+def test_dtensor_expand_mode_warns_with_its_own_way_out() -> None:
+    from spmd_compiler.parallel_modes import DTensorExpandMode
+
+    torch.manual_seed(0)
+    warned, errors = _train(TimeMajor().double(), DTensorExpandMode())
+    assert max(errors.values()) < 1e-12, errors
+    assert len(warned) == 1 and "input_placements={i: (Shard(1),)}" in warned[0], warned
 
 
 def test_batch_first_recurrence_does_not_warn() -> None:
