@@ -632,11 +632,11 @@ def compiled_helpers_and_checkpoints_as_eager() -> Iterator[None]:
     script_call = torch.jit.ScriptFunction.__call__
 
     def call_as_python(self: Any, *args: Any, **kwargs: Any) -> Any:
-        python = getattr(self, "_torchdynamo_inline", None)
+        python: Callable[..., Any] | None = getattr(self, "_torchdynamo_inline", None)
         # scripted, not traced: ``torch.jit.trace`` sets ``_torchdynamo_inline`` too, but
         # its function froze one way through the Python's ifs, which eager keeps taking
         scripted = _try_get_jit_cached_function(python) if callable(python) else None
-        if scripted is None or scripted.qualified_name != self.qualified_name:
+        if python is None or scripted is None or scripted.qualified_name != self.qualified_name:
             return script_call(self, *args, **kwargs)
         try:
             return python(*args, **kwargs)
