@@ -110,8 +110,9 @@ def _sync_batch_norms(modules: list[torch.nn.Module]) -> Iterator[None]:
     finally:
         with _SYNCED.lock:
             _SYNCED.active.remove(ids)
-            if not _SYNCED.active:
-                torch.nn.SyncBatchNorm.forward = _SYNCED.original  # type: ignore[method-assign]
+            original = _SYNCED.original
+            if not _SYNCED.active and original is not None:
+                torch.nn.SyncBatchNorm.forward = original  # type: ignore[method-assign]
                 _SYNCED.original = None
 
 
