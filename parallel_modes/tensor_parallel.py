@@ -139,7 +139,7 @@ def _check_attention(module: nn.Module, fqn: str, tp_size: int | None = None) ->
     if not isinstance(module, nn.MultiheadAttention):
         raise SPMDCompileError(
             f"MultiheadAttentionParallel applies to nn.MultiheadAttention; module {fqn!r} "
-            f"is a {type(module).__name__}.",
+            f"is a {_class_path(module)}.",
             module_fqn=fqn,
             hint="plan Linear layers with ColwiseParallel() / RowwiseParallel().",
         )
@@ -326,7 +326,7 @@ def param_placement(style: Style, module: nn.Module, param_name: str, fqn: str) 
     if isinstance(style, FusedColwiseParallel):
         raise SPMDCompileError(
             f"FusedColwiseParallel applies to a fused Linear or Conv1D; module {fqn!r} is a "
-            f"{type(module).__name__}.",
+            f"{_class_path(module)}.",
             module_fqn=fqn,
             hint="plan the fused projection layer itself, or use ColwiseParallel().",
         )
@@ -345,15 +345,46 @@ def _check_module_type(style: Style, module: nn.Module, fqn: str) -> None:
             hint="plan it MultiheadAttentionParallel() (heads split over the tp ranks, "
             "out_proj row-wise).",
         )
-    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not (
-        _is_linear_like(module) or isinstance(module, nn.Embedding)
-    ):
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not _styled_layer(module):
+        child = _wrapped_layer(module)
+        hint = "plan only Linear/Conv1D/Embedding modules with Colwise/Rowwise styles."
+        if child is not None:
+            hint = (
+                f"plan the layer it wraps instead: '{fqn}.{child}' (a "
+                f"{_class_path(module.get_submodule(child))}) with {type(style).__name__}()."
+            )
         raise SPMDCompileError(
             f"{type(style).__name__} applies to nn.Linear, transformers' Conv1D and "
-            f"nn.Embedding; module {fqn!r} is a {type(module).__name__}.",
+            f"nn.Embedding; module {fqn!r} is a {_class_path(module)}.",
             module_fqn=fqn,
-            hint="plan only Linear/Conv1D/Embedding modules with Colwise/Rowwise styles.",
+            hint=hint,
         )
+
+
+def _styled_layer(module: nn.Module) -> bool:
+    """A module ``ColwiseParallel`` / ``RowwiseParallel`` shard."""
+    return _is_linear_like(module) or isinstance(module, nn.Embedding)
+
+
+def _class_path(module: nn.Module) -> str:
+    """The module's class with the module defining it: an adapter's wrapper (peft's
+    ``peft.tuners.lora.layer.Linear``) is no ``nn.Linear``, whatever its name. Before
+    2026-12-05 the refusal named the class alone ("... is a Linear")."""
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _wrapped_layer(module: nn.Module) -> str | None:
+    """The path (relative to ``module``) of the one layer ``module`` wraps that the
+    Colwise / Rowwise styles shard: its ``base_layer`` (peft's adapter layers wrap the
+    model's Linear there), or its only such child; None where there is none or several."""
+    base = getattr(module, "base_layer", None)
+    if isinstance(base, nn.Module) and _styled_layer(base):
+        for name, child in module.named_children():
+            if child is base:
+                return name
+    styled = [name for name, child in module.named_children() if _styled_layer(child)]
+    return styled[0] if len(styled) == 1 else None
 
 
 # NOTE: [prepare styles]

@@ -2723,6 +2723,7 @@ def install_dtensor_gap_fills() -> None:
     _install_distance_strategies()
     _install_along_dim_strategies()
     _install_searchsorted_strategy()
+    _install_block_diag_strategy()
     if _index_put_leading_dims_gap():
         _install_index_put_checked_strategy()
     if _constant_pad_replicates_only_gap():
@@ -4001,6 +4002,44 @@ def _install_along_dim_strategies() -> None:
     ):
         if not _has_sharding_strategy(op):
             register_sharding(op)(rule_for(dim_at, linear))
+
+
+def _install_block_diag_strategy() -> None:
+    """Gap on every supported torch: no DTensor rule for ``block_diag`` (peft's BOFT
+    builds its rotation with ``torch.block_diag(*blocks)``), so a step using it was
+    refused in every mode, ddp included, where every input is replicated ("Operator
+    aten.block_diag.default does not have a sharding strategy registered"). Here: every
+    input replicated, the output replicated (a sharded or ``Partial`` input is gathered
+    first). Its backward slices the output's gradient (``block_diag_backward``: ``narrow``
+    ops, which have rules), so needs none."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.utils import (
+        generate_redistribute_costs,
+        register_op_strategy,
+    )
+
+    op = torch.ops.aten.block_diag.default
+    if _has_sharding_strategy(op):
+        return
+
+    def strategy(op_schema: Any) -> Any:
+        children = list(op_schema.args_schema[0].children)
+        mesh = children[0].mesh
+        replicated = (Replicate(),) * mesh.ndim
+        inputs = tuple(
+            DTensorSpec(mesh, replicated, tensor_meta=c.strategies[0].output_spec.tensor_meta) for c in children
+        )
+        return OpStrategy([OpSpec(
+            output_specs=DTensorSpec(mesh, replicated), input_specs=inputs,
+            redistribute_cost=[generate_redistribute_costs(c, spec) for c, spec in zip(children, inputs)],
+        )])
+
+    register_op_strategy(op, schema_info=RuntimeSchemaInfo(needs_pytree=True))(strategy)
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
+    if cached is not None:
+        cached()
 
 
 def _div_denominator_partial_gap() -> bool:

@@ -24,8 +24,13 @@ norm's statistics are already the global batch's, so while the step is traced a
 ``SyncBatchNorm`` runs torch's plain batch norm ``forward`` (and the cumulative one above
 for ``momentum=None``). Before, capture failed on CPU, where torch refuses the module
 ("expected input tensor to be on GPU"); on a GPU its ``forward`` would have run its own
-collectives inside the trace (not tried: no GPU when this was written). Refused, with the
-line: a ``SyncBatchNorm`` whose ``process_group``
+collectives inside the trace (not tried: no GPU when this was written). The replacement is
+``SyncBatchNorm.forward`` itself on the class while the step is traced, for the step's
+modules (any other instance runs torch's), so a subclass whose ``forward`` calls
+``super().forward(x)`` (timm's ``SyncBatchNormAct``, what ``timm.layers.
+convert_sync_batchnorm`` makes) reaches it too: before 2026-12-05 only an instance whose
+class kept torch's ``forward`` was replaced, and such a subclass failed at capture with
+torch's CPU refusal. Refused, with the line: a ``SyncBatchNorm`` whose ``process_group``
 spans fewer ranks than the world (statistics over a subset of the batch, which the
 program does not compute).
 """
@@ -33,6 +38,7 @@ program does not compute).
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,12 +63,57 @@ def _patched(module: torch.nn.Module) -> bool:
     )
 
 
-def _synced(module: torch.nn.Module) -> bool:
-    """A ``SyncBatchNorm`` with torch's own ``forward`` (NOTE: [SyncBatchNorm at capture])."""
-    return (
-        getattr(type(module), "forward", None) is torch.nn.SyncBatchNorm.forward
-        and "forward" not in vars(module)
+class _SyncedModules:
+    """The ids of the ``SyncBatchNorm`` modules of the steps being traced (a trace per
+    thread may run at once); ``SyncBatchNorm.forward`` is replaced while any is."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active: list[frozenset[int]] = []
+        self.original: Callable[..., Any] | None = None
+
+    def holds(self, module: torch.nn.Module) -> bool:
+        return any(id(module) in ids for ids in list(self.active))
+
+
+_SYNCED = _SyncedModules()
+
+
+def _sync_batch_norm_forward(self: Any, input: torch.Tensor) -> torch.Tensor:
+    """``SyncBatchNorm.forward`` while steps are traced: ``sync_forward`` for their
+    modules, torch's for any other (NOTE: [SyncBatchNorm at capture])."""
+    if _SYNCED.holds(self):
+        return sync_forward(self, input)
+    original = _SYNCED.original
+    assert original is not None
+    return original(self, input)
+
+
+@contextlib.contextmanager
+def _sync_batch_norms(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """Inside: ``SyncBatchNorm.forward``, however it is reached (the module's own
+    ``forward`` or a subclass's ``super().forward(x)``), runs ``sync_forward`` for the
+    ``SyncBatchNorm`` submodules of ``modules``; torch's again on the way out."""
+    ids = frozenset(
+        id(m) for root in modules for m in root.modules() if isinstance(m, torch.nn.SyncBatchNorm)
     )
+    if not ids:
+        yield
+        return
+    with _SYNCED.lock:
+        if not _SYNCED.active:
+            _SYNCED.original = torch.nn.SyncBatchNorm.__dict__["forward"]
+            torch.nn.SyncBatchNorm.forward = _sync_batch_norm_forward  # type: ignore[method-assign]
+        _SYNCED.active.append(ids)
+    try:
+        yield
+    finally:
+        with _SYNCED.lock:
+            _SYNCED.active.remove(ids)
+            original = _SYNCED.original
+            if not _SYNCED.active and original is not None:
+                torch.nn.SyncBatchNorm.forward = original  # type: ignore[method-assign]
+                _SYNCED.original = None
 
 
 def sync_forward(self: Any, input: torch.Tensor) -> torch.Tensor:
@@ -127,13 +178,15 @@ def forwards_replaced(
             vars(m).pop("forward", None)
 
 
-def cumulative_batch_norms(modules: list[torch.nn.Module]) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def cumulative_batch_norms(modules: list[torch.nn.Module]) -> Iterator[None]:
     """Inside: the batch norms of ``modules`` that keep a cumulative average compute its
     factor as a tensor, and ``SyncBatchNorm`` runs the plain batch norm (see the NOTEs);
     their ``forward`` is restored on the way out."""
-    return forwards_replaced(
-        modules, lambda m: sync_forward if _synced(m) else cumulative_forward if _patched(m) else None
-    )
+    with _sync_batch_norms(modules), forwards_replaced(
+        modules, lambda m: cumulative_forward if _patched(m) else None
+    ):
+        yield
 
 
 __all__ = ["cumulative_batch_norms", "cumulative_forward", "forwards_replaced", "sync_forward"]

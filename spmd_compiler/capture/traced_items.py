@@ -13,7 +13,12 @@ number or another item (``if loss.item() > 1e4:``, ``loss.item() != loss.item()`
 another ``TracedItem``, computed as Python compares the numbers: in float64 for a float
 item (``.item()`` of a float32 loss is its exact double), in int64 for an integer one;
 a mix that would round there (an integer item against a float, a float item against an
-integer beyond 2**53) is refused. Anything else Python does with it while the step is
+integer beyond 2**53) is refused. A comparison with a tensor (``p.masked_fill_(score
+<= thr, 0.0)`` with ``thr = kthvalue(score, k)[0].item()``: peft AdaLoRA's budget mask)
+is the tensor eager's comparison gives, the number converted to the dtype torch compares
+in (``TracedItem._against_tensor``), as torch.compile traces it; before 2026-12-05 it was
+refused as "used as a size or index" (the reflected comparison made a ``TracedItem`` of
+the whole mask, which ``masked_fill_`` could not take). Anything else Python does with it while the step is
 traced (arithmetic, formatting, ``float()``) would need the value the trace does not
 have, so it raises ``ItemUsedInPython``, which capture reports as a value read in Python
 (the refusal ``.item()`` had before), naming the line. An ``.item()`` a fake tensor can
@@ -24,13 +29,16 @@ return a ``TracedItem`` (Python requires the built-in type), so they are refused
 tensor to use it in the step. An item used as a size or index (``x.narrow(0, 0,
 n.item())``, ``x.split(counts.tolist())``) reaches torch's argument parser, which
 refuses its type with a TypeError; ``caught_item_uses`` turns that into the
-``ItemUsedInPython`` of a value-dependent shape.
+``ItemUsedInPython`` of a value-dependent shape, or, where the function takes a number
+there (``torch.where(c, x, thr)``, ``x.clamp(max=thr)``), one that says to pass the
+0-d tensor instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -73,14 +81,41 @@ class TracedItem:
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
     __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = _used
 
-    def _compare(self, other: Any, op: Callable[[torch.Tensor, Any], torch.Tensor]) -> TracedItem:
+    def _compare(self, other: Any, op: Callable[[torch.Tensor, Any], torch.Tensor]) -> TracedItem | torch.Tensor:
         """``item OP other`` as Python compares the numbers, exactly: floats in float64,
-        integers in int64; a mix where that would round is refused (``_used``)."""
+        integers in int64; a mix where that would round is refused (``_used``). Against
+        a tensor, the tensor eager's comparison gives (``_against_tensor``)."""
+        if isinstance(other, torch.Tensor):
+            return self._against_tensor(other, op)
         mine = _exact_operand(self.tensor)
         theirs = _exact_operand(other.tensor) if isinstance(other, TracedItem) else other
         if mine is None or theirs is None or not _comparable(mine, theirs):
             self._used()
         return TracedItem(op(mine, theirs))
+
+    def _against_tensor(self, other: torch.Tensor, op: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+        """``number OP tensor`` as eager computes it for the number ``.item()`` gives
+        (``score <= thr`` reaches here reflected, as ``thr >= score``): the number is
+        converted to the dtype torch compares in, ``torch.result_type(tensor, number)``
+        (a Python number does not promote a tensor of its kind), and compared
+        elementwise; a tensor, as eager's. The conversion is the one eager makes of the
+        number (the item's tensor holds it exactly: ``.item()`` of a float32 is its
+        double). Refused (``_used``): a complex operand, and a float16 / bfloat16 tensor,
+        which eager compares against the number converted to float32 on CUDA but to the
+        tensor's dtype on CPU."""
+        t = self.tensor
+        if t.numel() != 1 or t.is_complex() or other.is_complex():
+            self._used()
+        number: bool | int | float = True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
+        dtype = torch.result_type(other, number)
+        if dtype.is_floating_point and torch.finfo(dtype).bits < 32:
+            _raise_used(
+                f"a value of .item() is compared with a {dtype} tensor; eager converts the "
+                "number to float32 on CUDA but to the tensor's dtype on CPU, so the program "
+                "cannot follow both. Keep it a tensor (`score <= thr_tensor`, thr_tensor "
+                "the 0-d tensor .item() was called on) and convert it as wanted"
+            )
+        return op(t.reshape(()).to(dtype), other)
 
     __lt__ = functools.partialmethod(_compare, op=torch.lt)  # type: ignore[assignment]
     __le__ = functools.partialmethod(_compare, op=torch.le)  # type: ignore[assignment]
@@ -182,13 +217,37 @@ def caught_item_uses() -> Iterator[list[tuple[ItemUsedInPython, SourceLocation |
         # (`x.narrow(0, 0, n.item())`, `x.split(counts.tolist())`), a value read in Python
         if TracedItem.__name__ not in str(exc):
             raise
-        raise ItemUsedInPython(
-            "a value of .item() or .tolist() is used as a size or index (a split size, a "
-            "narrow length, a shape): the result's shape would depend on tensor values "
-            "the program computes at run time (a value-dependent shape)"
-        ).with_traceback(exc.__traceback__) from exc
+        raise ItemUsedInPython(_argument_use(str(exc))).with_traceback(exc.__traceback__) from exc
     finally:
         _ITEM_USES.raised = outer
+
+
+def _argument_use(parser_error: str) -> str:
+    """What torch's argument parser refused a ``TracedItem`` for (its TypeError): a
+    number operand where the function takes a ``Number`` (``torch.le(x, thr)``,
+    ``torch.where(c, x, thr)``, ``x.clamp(max=thr)``), else a size or index. Before
+    2026-12-05 every such use was called a size or index."""
+    called = re.match(r"(\w+)\(", parser_error)
+    name = f"{called.group(1)}()" if called else "a torch function"
+    if "Number" in parser_error and not (called and called.group(1) in _SIZE_FROM_NUMBERS):
+        return (
+            f"a value of .item() or .tolist() is passed to {name} as a number operand (a "
+            "comparison's or torch.where's other value, a clamp bound, a fill value): the "
+            "number is computed by the program at run time, and torch takes a Python "
+            "number as a constant. Keep it a tensor: pass the 0-d tensor .item() was "
+            "called on (`torch.le(score, thr_t)`, `torch.where(c, x, thr_t)`, "
+            "`x.clamp(max=thr_t)`); a comparison written with the operator, `score <= "
+            "thr`, works as it is"
+        )
+    return (
+        f"a value of .item() or .tolist() is used as a size or index by {name} (a split "
+        "size, a narrow length, a shape): the result's shape would depend on tensor "
+        "values the program computes at run time (a value-dependent shape)"
+    )
+
+
+# functions whose Number arguments give the result's shape (``torch.arange(n.item())``)
+_SIZE_FROM_NUMBERS = frozenset({"arange", "range", "linspace", "logspace"})
 
 
 # Python's conversions of a tensor to a number: they must return the built-in type, so

@@ -7,7 +7,7 @@ adaptive max pooling, reflection and replication padding, the backward of hardsw
 hardsigmoid, ELU, hard / soft shrink and other activations, of fractional max pooling,
 the out-of-place ``aten.copy`` of
 ``F.affine_grid``, ``torch.cdist`` and ``F.pdist``, ``torch.cumprod``'s backward,
-``scatter_reduce`` and ``Tensor.unfold``), a view of ours for the ``as_strided`` of a global average pool on a
+``scatter_reduce``, ``Tensor.unfold`` and ``torch.block_diag``), a view of ours for the ``as_strided`` of a global average pool on a
 channels-last input, or torch's decomposition at capture (NOTE: [ops
 without a sharding rule]: ``F.unfold``, the log-sigmoid of multi-label soft margin loss;
 ``nn.Bilinear``'s ``_trilinear`` becomes an ``einsum`` of ours;
@@ -304,3 +304,34 @@ def test_a_write_through_as_strided_windows_is_refused_with_the_line():
     message = str(info.value)
     assert "mul_" in message and "as_strided" in message
     assert 'signal.mul_(2.0)' in message
+
+
+class _BlockRotation(nn.Module):
+    """peft BOFT's rotation in miniature: ``torch.block_diag`` of parameter blocks (of two
+    sizes), and of the batch's mean (a ``Partial`` under ddp: gathered first). DTensor has
+    no rule for ``block_diag``: before 2026-12-05 refused in every mode ("Operator
+    aten.block_diag.default does not have a sharding strategy registered")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+        self.blocks = nn.Parameter(torch.eye(3).repeat(2, 1, 1) + 0.1 * torch.randn(2, 3, 3))
+        self.corner = nn.Parameter(torch.eye(2) + 0.1 * torch.randn(2, 2))
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        rotation = torch.block_diag(*self.blocks.unbind(0), self.corner)  # (8, 8)
+        mean = h.mean(0)
+        shift = torch.block_diag(mean[None, :3], mean[None, 3:]).sum(0)  # (8,)
+        return self.head(h @ rotation + shift)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_block_diag_matches_one_device(mode, run_parity):
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(BATCH, 6, dtype=torch.float64, generator=gen),
+                torch.randint(0, CLASSES, (BATCH,), generator=gen)) for _ in range(2)]
+    result = run_parity(lambda: _BlockRotation().double(), _sgd, 2, batches, step=_step(F.cross_entropy),
+                        mode=make_mode(mode))
+    result.assert_close(TOL)

@@ -349,3 +349,59 @@ def test_numpy_in_the_step_says_what_to_do():
         compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches()[0])
     assert "return loss.detach().numpy()" in str(info.value)
     assert "call .numpy() on what the call returns" in str(info.value)
+
+
+def pruned_by_threshold_step(model, optim, x, y):  # noqa: ANN001
+    """peft AdaLoRA's budget mask in miniature: a threshold read with ``.item()``,
+    compared with tensors (both ways round, and an integer item with an integer tensor)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    with torch.no_grad():
+        weight = model[0].weight
+        score = (weight * weight.grad).abs()
+        threshold = torch.kthvalue(score.flatten(), k=20)[0].item()
+        weight.masked_fill_(score <= threshold, 0.0)
+        model[0].bias.mul_(torch.where(threshold < model[0].bias.abs(), 1.0, 0.5))
+        counts = F.one_hot(y, CLASSES).sum(0)
+        most = counts.max().item()
+        model[2].bias.add_((counts == most).to(model[2].bias.dtype) * 0.1)
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_tensor_compared_with_an_item_is_the_tensor_comparison(mode):
+    """Before 2026-12-05 refused as "used as a size or index": ``score <= threshold``
+    made a ``TracedItem`` of the whole mask, which ``masked_fill_`` could not take."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode(mode))(pruned_by_threshold_step)
+    with sc.simulate(world_size=2) as sim:
+        for batch in _batches():
+            loss = compiled(model, optim, *batch)
+            expected = pruned_by_threshold_step(reference, reference_optim, *batch)
+            assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
+        assert max(compare_models(model, reference, sim).values()) < TOL
+    assert int((reference[0].weight == 0).sum()) >= 20  # the mask pruned
+
+
+def where_with_an_item_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        bound = model[0].weight.abs().mean().item()
+        model[0].weight.copy_(torch.where(model[0].weight.abs() > bound, model[0].weight, bound))
+    optim.step()
+    return loss
+
+
+def test_an_item_passed_as_a_number_operand_says_to_keep_the_tensor():
+    """It was told "used as a size or index (a split size, a narrow length, a shape)"."""
+    message = _refusal_leaving_the_model_untouched(where_with_an_item_step)
+    assert "passed to where() as a number operand" in message
+    assert "Keep it a tensor: pass the 0-d tensor .item() was called on" in message
+    assert "size or index" not in message and "TracedItem" not in message
+    assert "model[0].weight.copy_(torch.where(model[0].weight.abs() > bound, model[0].weight, bound))" in message

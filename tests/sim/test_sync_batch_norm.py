@@ -73,3 +73,55 @@ def test_a_process_group_of_part_of_the_world_is_refused() -> None:
                 m.process_group = part
         with pytest.raises(SPMDCompileError, match="process_group of 1 of the 2 ranks"):
             compiled(model, optim, *_batches()[0])
+
+
+class _SyncBatchNormAct(nn.SyncBatchNorm):
+    """timm's ``SyncBatchNormAct`` in miniature: its own ``forward`` calls torch's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+class _BatchNormAct(nn.BatchNorm2d):
+    """The same on one device, on the global batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+def _net_act(norm: type[nn.Module], momentum: float | None) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), norm(8, momentum=momentum),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    ).double()
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["exponential", "cumulative"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_subclass_calling_super_forward_is_the_global_batch_norm(mode: str, momentum: float | None) -> None:
+    """Before 2026-12-05 only a module whose class kept torch's ``forward`` ran the plain
+    batch norm: a subclass's ``super().forward(x)`` reached torch's, which refused the CPU
+    input at capture ("SyncBatchNorm expected input tensor to be on GPU")."""
+    reference = _net_act(_BatchNormAct, momentum)
+    model = _net_act(_SyncBatchNormAct, momentum)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    compiled = sc.compile(make_mode(mode))(step)
+    with sc.simulate(world_size=2) as sim:
+        for i, (x, y) in enumerate(_batches()):
+            if i == 2:  # an evaluation-mode call: the running statistics normalize
+                model.eval()
+                reference.eval()
+            loss = compiled(model, optim, x, y)
+            expected = step(reference, reference_optim, x, y).detach()
+            assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
+        differences = compare_models(model, reference, sim)
+        differences.update(compare_optimizers(optim, reference_optim, sim))
+    assert "param.1.running_var" in differences
+    assert max(differences.values()) < TOL, sorted(differences.items(), key=lambda kv: -kv[1])[:3]
+    assert compiled.compile_count == 3  # the first call, with momentum buffers, evaluation: no more
+    assert nn.SyncBatchNorm.__dict__["forward"] is _SYNC_FORWARD  # torch's again after capture
+
+
+_SYNC_FORWARD = nn.SyncBatchNorm.__dict__["forward"]

@@ -296,3 +296,48 @@ def test_heads_the_tp_ranks_do_not_divide_are_refused_naming_heads():
     with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="divides the number of heads") as refused:
         compiled(model, optim, torch.randn(2, 4, 24))
     assert "aten.view" in str(refused.value)
+
+
+class Linear(nn.Module):
+    """peft's LoRA layer in miniature (``peft.tuners.lora.layer.Linear``): no nn.Linear,
+    though named so; it wraps the model's Linear as ``base_layer``."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+class _AdaptedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = Linear(nn.Linear(8, 16)), Linear(nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_wrapped_linear_is_named_with_its_class_path_and_the_layer_it_wraps(run_parity):
+    """Before 2026-12-05: "module 'up' is a Linear" (the wrapper's class name alone, which
+    reads as nn.Linear), and the hint did not say what to plan. The layer it names trains
+    as one device (float64)."""
+    model = _AdaptedMLP().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile(TensorParallel(plan))(_sum_step)(model, optim, torch.randn(4, 8, dtype=torch.float64))
+    assert f"module 'up' is a {Linear.__module__}.Linear." in info.value.message
+    assert "plan the layer it wraps instead: 'up.base_layer' (a torch.nn.modules.linear.Linear) with " \
+        "ColwiseParallel()" in (info.value.hint or "")
+
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(4, 8, dtype=torch.float64, generator=gen),) for _ in range(2)]
+    wrapped = {"up.base_layer": ColwiseParallel(), "down.base_layer": RowwiseParallel()}
+    result = run_parity(lambda: _AdaptedMLP().double(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2,
+                        batches, step=_sum_step, mode=TensorParallel(wrapped))
+    result.assert_close(1e-10)
