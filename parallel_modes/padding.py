@@ -10,8 +10,9 @@ expansion:
 - compute reads a parameter through ``slice(P_padded, 0, 0, d)`` (one slice per reader,
   so FSDP still gathers per forward/backward group);
 - the gradient (d rows) is zero-padded where the optimizer reads it;
-- the optimizer updates the padded parameter and state; padding rows stay zero for
-  element-wise optimizers (zero gradient, zero state, zero weight decay);
+- the optimizer updates the padded parameter and state where its ops are element-wise
+  (NOTE: [what the optimizer computes on padded rows]); any other op of the step's
+  ``optimizer.step()`` reads true-row slices, and padding rows stay zero;
 - a gradient that outlives the step (``zero_grad`` at the start of the step, or
   accumulation) is padded state too: read through a slice, written back zero-padded;
 - a value the optimizer computed (the updated weight, its state) read again later in the
@@ -22,6 +23,31 @@ expansion:
   this rewrite missed is refused, not computed with the padding rows.
 The DTensors the user sees keep the true shape; the runtime feeds each rank's rows plus
 zero padding and keeps the real rows of the results (``DistributedProgram.padded``).
+
+NOTE: [what the optimizer computes on padded rows]
+Every op traced inside ``optimizer.step()`` is tagged optimizer phase: the optimizer's own
+update, but also its step pre- and post-hooks (an EMA, a weight centering, a logged
+statistic) and whatever a hand-written ``step`` computes (a row mean, a Newton-Schulz
+iteration). Keying the rule on the phase (or untagging hooks) would not cover the last,
+so the rule is keyed on what each op does (``_padded_values``). An optimizer-phase op
+reads a padded value as is only where the padding rows cannot reach the true rows:
+- an element-wise op (``torch.Tag.pointwise``, or a copy/cast) whose other inputs hold no
+  rows (scalars, the learning rate, a tensor broadcast along the padded dimension): its
+  result is held padded too. It keeps padding rows zero where the op maps zero to zero
+  (``_padding_stays_zero``: ``0 * x``, ``0 / x``, ``lerp(0, 0, w)``, ``sqrt(0)``, ...);
+  otherwise (Adam's ``sqrt(v) + eps``) the padding rows hold other values, which only
+  element-wise ops read: a state written back from such a value has its padding rows
+  zeroed (``_zero_padding_rows``: a ``where`` on each rank's shard, no collective; Adamax's
+  ``max(|g| + eps, ...)``). torch's Adam, AdamW, SGD (momentum, nesterov), RMSprop,
+  Adagrad, NAdam, RAdam and Adadelta end in zero-preserving ops: no added op at all.
+Every other op (a mean or variance counts the padding rows, a matrix product or a view
+moves rows, an element-wise op combining a padded value with one holding the true rows,
+such as an EMA buffer; also a norm or sum, which zero rows would not change, but whose
+partial result on a padded tensor-parallel shard came out wrong stacked with other
+statistics) reads ``slice(value, dim, 0, true size)``, like compute outside the
+optimizer, and its result is unpadded; written back to padded state it is zero-padded.
+Before this rule a post-hook centering the 3 rows of a weight over 2 ranks counted the
+padding row (2.18e-01 off eager) and wrote its mean into that row.
 """
 
 from __future__ import annotations
@@ -31,6 +57,7 @@ import dataclasses
 import torch
 import torch.fx
 
+from spmd_compiler import _torch_private as private
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.ir.graph_utils import output_args, placeholders, set_outputs
 from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PADDED, PHASE
@@ -75,11 +102,11 @@ def pad_uneven_state(
             )
     gm = captured.graph_module
     pads = _pad_gradients(captured, plan, dim_of)
-    padded_values = _padded_values(captured, plan, dim_of, pads)
-    _match_outputs(captured, plan, dim_of, padded_values)
+    padded_values, reads_padded, nonzero = _padded_values(captured, plan, dim_of, pads)
+    _match_outputs(captured, plan, dim_of, padded_values, nonzero, reads_padded, pads)
     for node, (rows, padded, dim) in padded_values.items():
         node.meta[PADDED] = (rows, padded, dim)
-        _slice_for_compute(gm.graph, node, rows, dim)
+        _slice_for_compute(gm.graph, node, rows, dim, reads_padded)
     captured.inputs = [(ref, _padded_meta(ref, meta, plan, dim_of)) for ref, meta in captured.inputs]
     captured.output_metas = [
         _padded_meta(ref, meta, plan, dim_of)
@@ -129,15 +156,19 @@ def _is_optimizer(node: torch.fx.Node) -> bool:
     return node.meta.get(PHASE) == OPTIMIZER_PHASE
 
 
-def _slice_for_compute(graph: torch.fx.Graph, param: torch.fx.Node, rows: int, dim: int = 0) -> None:
+def _slice_for_compute(
+    graph: torch.fx.Graph, param: torch.fx.Node, rows: int, dim: int, reads_padded: set[torch.fx.Node]
+) -> None:
+    """Every reader of the padded value ``param`` but those in ``reads_padded`` (NOTE:
+    [what the optimizer computes on padded rows]) and the outputs reads its true rows."""
     for user in list(param.users):
-        if _is_optimizer(user) or user.op == "output":
+        if user in reads_padded or user.op == "output":
             continue
-        if user.target is torch.ops.aten._to_copy.default:
+        if user.target is torch.ops.aten._to_copy.default and not _is_optimizer(user):
             # mixed precision or autocast: cast the padded shard, slice the cast (gathered
             # low-precision); the cast holds the padding rows too (NOTE: [local shape check])
             user.meta[PADDED] = param.meta[PADDED]
-            _slice_for_compute(graph, user, rows, dim)
+            _slice_for_compute(graph, user, rows, dim, reads_padded)
             continue
         with graph.inserting_before(user):
             view = graph.call_function(torch.ops.aten.slice.Tensor, (param, dim, 0, rows))
@@ -235,13 +266,14 @@ def _padded_values(
     plan: dict[str, tuple[int, int]],
     dims: dict[str, int],
     pads: dict[torch.fx.Node, str],
-) -> dict[torch.fx.Node, tuple[int, int, int]]:
-    """Every value the program holds padded: node -> (true size, padded size, dim).
+) -> tuple[dict[torch.fx.Node, tuple[int, int, int]], set[torch.fx.Node], set[torch.fx.Node]]:
+    """Every value the program holds padded: node -> (true size, padded size, dim); the
+    ops that read padded values as they are; the padded values whose padding rows may be
+    nonzero.
 
-    The padded state placeholders, the gradients' pads, and the optimizer's values
-    computed from them that keep the parameter's size along its padded dimension (a norm
-    or a scalar computed from a padded value is not padded: zero rows add nothing).
-    Values outside the optimizer are computed from slices and are never padded.
+    The padded state placeholders, the gradients' pads, and the optimizer's element-wise
+    values computed from them (NOTE: [what the optimizer computes on padded rows]).
+    Every other value is computed from slices and is never padded.
     """
     gm = captured.graph_module
     info: dict[torch.fx.Node, tuple[int, int, int]] = {}
@@ -252,13 +284,100 @@ def _padded_values(
                 info[node] = (*plan[ref.name], dim)
     for pad, name in pads.items():
         info[pad] = (*plan[name], dims.get(name, 0))
+    reads: set[torch.fx.Node] = set()
+    nonzero: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         if node in info or not _is_optimizer(node):
             continue
-        source = next((info[a] for a in node.all_input_nodes if a in info), None)
-        if source is not None and _has_rows(node, source[0], source[2]):
-            info[node] = source
-    return info
+        padded_inputs = [a for a in node.all_input_nodes if a in info]
+        if not padded_inputs:
+            continue
+        spec = info[padded_inputs[0]]
+        if _row_local(node, spec, info):
+            info[node] = spec
+            reads.add(node)
+            if not _padding_stays_zero(node, {a for a in padded_inputs if a not in nonzero}):
+                nonzero.add(node)
+    return info, reads, nonzero
+
+
+# element-wise ops torch does not tag pointwise
+_ROW_LOCAL_COPIES = {
+    torch.ops.aten._to_copy.default, torch.ops.aten.copy.default,
+    torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+}
+
+
+def _row_local(
+    node: torch.fx.Node, spec: tuple[int, int, int], info: dict[torch.fx.Node, tuple[int, int, int]]
+) -> bool:
+    """Whether ``node`` is element-wise over the padded rows of its inputs: an element-wise
+    op whose padded inputs share ``spec`` and whose other inputs hold no rows (they
+    broadcast along the padded dimension), with a result of the padded inputs' shape."""
+    target = node.target
+    if not private.is_op_overload(target):
+        return False
+    if target not in _ROW_LOCAL_COPIES and torch.Tag.pointwise not in getattr(target, "tags", ()):
+        return False
+    rows, _, dim = spec
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not _has_rows(node, rows, dim):
+        return False
+    for arg in node.all_input_nodes:
+        val = _true_value(arg)
+        if arg in info:
+            if info[arg] != spec or not isinstance(val, torch.Tensor) or val.dim() != out.dim():
+                return False
+            continue
+        if not isinstance(val, torch.Tensor):
+            continue
+        aligned = dim - (out.dim() - val.dim())
+        if aligned >= 0 and val.shape[aligned] != 1:
+            return False
+    return True
+
+
+def _true_value(node: torch.fx.Node) -> object:
+    """The single-device value of ``node``; a gradient's zero pad (made here, without
+    one) stands for the gradient's."""
+    if "val" not in node.meta and node.target is torch.ops.aten.constant_pad_nd.default:
+        source = node.args[0]
+        return source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    return node.meta.get("val")
+
+
+def _padding_stays_zero(node: torch.fx.Node, zero: set[torch.fx.Node]) -> bool:
+    """Whether the element-wise ``node`` maps padding rows to zero, given the inputs in
+    ``zero`` (padded, padding rows zero). ``0 * x`` and ``0 / x`` count as zero where ``x``
+    is not itself zero-padded (``0 / 0``): its padding rows are finite and nonzero where
+    torch's optimizers compute them (Adam's denominator holds ``eps`` there)."""
+    aten = torch.ops.aten
+    packet = getattr(node.target, "overloadpacket", None)
+    args = list(node.args)
+
+    def is_zero(k: int) -> bool:
+        return k < len(args) and isinstance(args[k], torch.fx.Node) and args[k] in zero
+
+    if packet is aten.mul:
+        return is_zero(0) or is_zero(1)
+    if packet is aten.div:
+        return is_zero(0) and not is_zero(1)
+    if packet in (aten.neg, aten.sqrt, aten.abs, aten.sign, aten.sgn, aten.relu,
+                  aten.clone, aten._to_copy, aten.alias, aten.detach, aten.conj_physical):
+        return is_zero(0)
+    if packet is aten.pow and node.target is aten.pow.Tensor_Scalar:
+        return is_zero(0) and isinstance(args[1], (int, float)) and args[1] > 0
+    if packet in (aten.add, aten.sub, aten.maximum, aten.minimum, aten.lerp):
+        return is_zero(0) and is_zero(1)
+    if packet is aten.copy:
+        return is_zero(1)
+    if packet is aten.where:
+        return is_zero(1) and is_zero(2)
+    if packet is aten.addcmul:
+        return is_zero(0) and (is_zero(1) or is_zero(2))
+    if packet is aten.addcdiv:
+        return is_zero(0) and is_zero(1) and not is_zero(2)
+    return False
 
 
 def _match_outputs(
@@ -266,12 +385,16 @@ def _match_outputs(
     plan: dict[str, tuple[int, int]],
     dims: dict[str, int],
     padded_values: dict[torch.fx.Node, tuple[int, int, int]],
+    nonzero: set[torch.fx.Node],
+    reads_padded: set[torch.fx.Node],
+    pads: dict[torch.fx.Node, str],
 ) -> None:
     """Each output in the form its signature gives it: padded state leaves padded (a
     value computed outside the optimizer, such as a gradient kept between steps or an
-    EMA of the weights updated under ``no_grad``, is zero-padded); every other output
-    (what the step returns, unpadded state) leaves with its true size (a padded value is
-    sliced)."""
+    EMA of the weights updated under ``no_grad``, or computed from slices, is
+    zero-padded; a padded value whose padding rows may be nonzero has them zeroed,
+    ``_zero_padding_rows``); every other output (what the step returns, unpadded state)
+    leaves with its true size (a padded value is sliced)."""
     gm = captured.graph_module
     graph = gm.graph
     outputs = list(output_args(gm))
@@ -279,7 +402,12 @@ def _match_outputs(
         if not isinstance(value, torch.fx.Node):
             continue
         wants_padding = ref.kind in PADDED_KINDS and ref.name in plan
-        if wants_padding and value not in padded_values:
+        if wants_padding and value in nonzero:
+            grads = [pad.args[0] for pad, name in pads.items() if name == ref.name]
+            outputs[k] = _zero_padding_rows(
+                graph, value, padded_values, reads_padded, plan[ref.name][1], grads
+            )
+        elif wants_padding and value not in padded_values:
             rows, padded = plan[ref.name]
             dim = dims.get(ref.name, 0)
             if _has_rows(value, rows, dim):
@@ -291,3 +419,48 @@ def _match_outputs(
                     torch.ops.aten.slice.Tensor, (value, dim, 0, rows)
                 )
     set_outputs(gm, outputs)
+
+
+def _zero_padding_rows(
+    graph: torch.fx.Graph,
+    value: torch.fx.Node,
+    padded_values: dict[torch.fx.Node, tuple[int, int, int]],
+    reads_padded: set[torch.fx.Node],
+    padded: int,
+    grads: list,
+) -> torch.fx.Node:
+    """``value`` (held padded) with its padding rows zeroed, for a padded state output
+    (NOTE: [what the optimizer computes on padded rows]).
+
+    Where the parameter has a gradient of ``value``'s shape, a mask of its padded rows,
+    ``constant_pad_nd(ones_like(gradient))``, is laid out like the gradient's pad: an
+    element-wise ``where`` on each rank's shard (Adamax's ``max(|g| + eps, ...)``). Otherwise
+    the true rows are sliced (gathered) and zero-padded."""
+    rows, _, dim = padded_values[value]
+    val = value.meta["val"]
+    grad = next(
+        (g for g in grads if isinstance(g, torch.fx.Node)
+         and isinstance(g.meta.get("val"), torch.Tensor) and g.meta["val"].shape == val.shape),
+        None,
+    )
+    aten = torch.ops.aten
+    meta = {PHASE: OPTIMIZER_PHASE}
+    with graph.inserting_before(value.next):
+        if grad is None:
+            true_rows = graph.call_function(aten.slice.Tensor, (value, dim, 0, rows))
+            true_rows.meta = {"val": val, **meta}
+            reads_padded.add(true_rows)
+            return _zero_pad_after(graph, true_rows, rows, padded, dim)
+        ones = graph.call_function(aten.ones_like.default, (grad,), {"dtype": torch.bool})
+        pad_spec = [0, 0] * (val.dim() - 1 - dim) + [0, padded - rows]
+        mask = graph.call_function(aten.constant_pad_nd.default, (ones, pad_spec, 0.0))
+        zero = graph.call_function(
+            aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device}
+        )
+        kept = graph.call_function(aten.where.self, (mask, value, zero))
+    for node in (ones, mask, zero, kept):
+        node.meta = dict(meta)
+    for node in (mask, kept):
+        padded_values[node] = padded_values[value]
+        reads_padded.add(node)
+    return kept
