@@ -1624,7 +1624,7 @@ def _swap_optimizer(
         graph = private.current_trace_graph()
         mark = last_node(graph)
         with private.optimizer_capturable_path(), tracing_optimizer_step(
-            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code)
+            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code), numbers
         ), contextlib.ExitStack() as opened:
             for group in groups:
                 if isinstance(group, MomentumGroup):
@@ -1636,6 +1636,15 @@ def _swap_optimizer(
                 set_phase(node, Phase.OPTIMIZER)
         return result
 
+    # the inputs that stand for Python floats of eager's groups (NOTE: [hyper-parameters
+    # kept Python numbers] in capture/optimizers.py)
+    numbers = tuple(
+        values[StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi)]
+        for gi, group in enumerate(saved_groups)
+        for key in ("lr", BETA1)
+        if StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi) in values
+        and (key == BETA1 or type(group["lr"]) in (float, int))
+    )
     opt.step = capturable_step  # type: ignore[method-assign]
     try:
         yield state, by_param
