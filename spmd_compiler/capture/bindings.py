@@ -226,7 +226,9 @@ BETA1 = "beta1"
 # and ``1 - beta1 ** step``), so for those two classes ``betas[0]`` is fed like the
 # learning rate, a float64 0-dim input read from the group on every call, and only
 # ``betas[1]`` stays a setting. Other optimizers with betas (NAdam, RAdam, Adamax, ...)
-# keep both as settings.
+# keep both as settings. torch casts a tensor beta1 to the weights' dtype; the program
+# keeps it a float64 number, as eager's Python float (NOTE: [hyper-parameters kept
+# Python numbers] in capture/optimizers.py).
 _BETA1_INPUT_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
 

@@ -23,9 +23,9 @@ product stays in it. Multiplying a 16-bit tensor by the 0-dim scalar instead (wh
 rewrite first did) rounds the product to 16 bits before the add: every bf16 Adagrad and
 RMSprop step then differed from eager on one rank by bf16 rounding (5e-3 relative after
 3 steps), and Muon's bf16 orthogonalized update applied to a float32 or float64 weight
-was rounded to bf16 (eager adds it at the weight's precision). (bf16 Adam and AdamW still
-differ from eager by bf16 rounding for another reason: the capturable path they are
-traced through computes with another formula; README, Limitations.) An
+was rounded to bf16 (eager adds it at the weight's precision). (Adam and AdamW compute
+eager's single-tensor update bit for bit: NOTE: [Adam's update as eager's], NOTE:
+[hyper-parameters kept Python numbers].) An
 out-of-place op is cast back to the dtype eager's op returns. Calls with Python-number
 scalars are left as they are.
 """
@@ -68,6 +68,7 @@ UNSUPPORTED = {
 _OPTIMIZER_PACKAGES = ("torch.optim", "torch.distributed.optim")
 
 _ALPHA_OPS = frozenset({"add", "add_", "sub", "sub_"})
+_NOT_HANDLED = object()
 _VALUE_OPS = frozenset({"addcdiv", "addcdiv_", "addcmul", "addcmul_"})
 
 
@@ -298,13 +299,88 @@ def _scaled(op: Any, self_: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return self_.copy_(product) if op.__name__.endswith("_") else product.to(self_.dtype)
 
 
+# NOTE: [hyper-parameters kept Python numbers]
+# Eager's optimizer holds the learning rate and Adam's first beta as Python floats; a
+# program holds them as float64 0-dim graph inputs (NOTE: [Adam's beta1 as a graph
+# input]). torch's Adam casts a tensor beta1 to the weights' dtype before ``exp_avg.lerp_
+# (grad, 1 - beta1)`` (``beta1.to(device=, dtype=param.dtype)``, a workaround for CUDA
+# graphs), where eager subtracts in double and its lerp kernel computes with the weight
+# in the op's compute dtype (float32 for 16-bit weights). bf16 rounds 0.9 to 0.8984375:
+# ``1 - beta1`` was 0.1015625, every bf16 ``exp_avg`` 1.6% too large (compiled 1.15e-2
+# off exact float64 Adam after 3 steps, eager 1.79e-3; the weights 2.0e-2 off eager),
+# silently; float32 weights were 3.6e-7 off eager after 3 steps. While the step is
+# traced those inputs, and 0-dim values computed from them alone (``1 - beta1``), are
+# numbers: a cast of one to a floating dtype keeps it float64 (a Python float has no
+# dtype of its own), and ``lerp`` / ``lerp_`` with one as the weight computes in the op's
+# compute dtype, weight included, and rounds once to the result's dtype, as eager's
+# kernel does with a Python weight (``torch.lerp`` on float32 operands is the 16-bit
+# kernel's own arithmetic: bf16 and fp16 Adam and AdamW on one rank are now bit-exact
+# with eager's single-tensor update, ``test_one_rank_is_bit_exact``). Other ops see the
+# float64 tensor as before (a 0-dim operand does not promote a tensor with dimensions,
+# and the CPU kernels read it in the op's compute dtype).
+
+
+def _cast_dtype(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The dtype ``Tensor.to(*args, **kwargs)`` casts to, where it names one."""
+    dtype = kwargs.get("dtype")
+    for a in args[1:]:
+        if isinstance(a, torch.dtype):
+            dtype = a
+    return dtype
+
+
+def _lerp_in_compute_dtype(op: Any, self_: torch.Tensor, end: torch.Tensor, weight: torch.Tensor,
+                           kwargs: dict[str, Any]) -> torch.Tensor:
+    """``op(self_, end, weight)`` (``lerp`` / ``lerp_``) for a float64 0-dim ``weight``
+    standing for a Python float: computed in the op's compute dtype and rounded once to
+    the result's dtype (NOTE: [hyper-parameters kept Python numbers])."""
+    result, compute = _compute_dtype(self_, end)
+    if compute == self_.dtype and result == self_.dtype:
+        return op(self_, end, weight.to(compute), **kwargs)
+    out = torch.lerp(self_.to(compute), end.to(compute), weight.to(compute))
+    return self_.copy_(out) if op.__name__.endswith("_") else out.to(result)
+
+
 class _TensorScalars(TorchFunctionMode):
     """Rewrites Scalar arguments given as tensors (NOTE: [tensor hyper-parameters in
-    Scalar arguments])."""
+    Scalar arguments]); ``numbers``: the graph inputs that stand for Python floats
+    (NOTE: [hyper-parameters kept Python numbers])."""
+
+    def __init__(self, numbers: tuple[torch.Tensor, ...] = ()) -> None:
+        super().__init__()
+        self.numbers = {id(t): t for t in numbers}
+
+    def _number(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and id(value) in self.numbers
+
+    def _numbers_kept(self, func: Any, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The result of an op on numbers (NOTE: [hyper-parameters kept Python
+        numbers]), or ``_NOT_HANDLED``."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not any(self._number(t) for t in tensors):
+            return _NOT_HANDLED
+        if name in ("lerp", "lerp_") and len(args) == 3 and self._number(args[2]) and not self._number(args[0]):
+            return _lerp_in_compute_dtype(func, args[0], args[1], args[2], kwargs)
+        if not all(self._number(t) for t in tensors):
+            return _NOT_HANDLED
+        if name == "to":
+            dtype = _cast_dtype(args, kwargs)
+            if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                return _NOT_HANDLED
+            kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+            args = tuple(a for a in args if not isinstance(a, torch.dtype))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.dtype == torch.float64:
+            self.numbers[id(out)] = out
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
+        if self.numbers:
+            kept = self._numbers_kept(func, name, args, kwargs)
+            if kept is not _NOT_HANDLED:
+                return kept
         if any(isinstance(a, CycledValue) for a in (*args, *kwargs.values())):
             args, kwargs = _cycled_values_fed(func, name, args, kwargs)
             if name in ("mul", "mul_"):
@@ -350,14 +426,17 @@ def _adafactor_in_tensor_ops(opt: torch.optim.Optimizer) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[[BaseException], Any]) -> Iterator[None]:
-    """Context for tracing ``opt.step()``: tensor Scalars rewritten, and a Python read of
-    a tensor's value inside the optimizer refused with the optimizer's name."""
+def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[[BaseException], Any],
+                           numbers: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
+    """Context for tracing ``opt.step()``: tensor Scalars rewritten, the graph inputs
+    ``numbers`` computed with as eager computes with Python floats (NOTE: [hyper-parameters
+    kept Python numbers]), and a Python read of a tensor's value inside the optimizer
+    refused with the optimizer's name."""
     from .traced_items import value_read_errors
     from .value_checks import Undecided
 
     try:
-        with _TensorScalars(), mock.patch.object(
+        with _TensorScalars(numbers), mock.patch.object(
             torch, "full_like", _full_like_accepting_tensors(torch.full_like)
         ), _adafactor_in_tensor_ops(opt), private.adam_update_as_eager():
             yield

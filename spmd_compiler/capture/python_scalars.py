@@ -10,10 +10,12 @@ of the float. The rule that keeps this exact:
 - The float must be used numerically only, in tensor ops. Anything Python does with
   the value itself (``if scale > 0``, ``float(scale)``, ``math.exp(scale)``, ``range``,
   a Scalar argument such as ``F.dropout(x, p)`` or ``full_like(x, scale)``, returning
-  it, storing it) fails the tensor trace, and the step is captured again with the float
-  as a guard (a new value recompiles, which is then exact by construction). A float the
-  traced program does not read at all (used only through a type test, say) is a guard
-  too.
+  a number computed from it, storing it) fails the tensor trace, and the step is
+  captured again with the float as a guard (a new value recompiles, which is then exact
+  by construction). A float the traced program does not read at all (used only through
+  a type test, say) is a guard too. The float itself returned (``{"scale": scale}``)
+  comes back from the program as the Python float, as a returned ``.item()`` does
+  (NOTE: [returned .item() values]; before, a guard: a program per value).
 - Type promotion and rounding are the ones a Python number gets: where the tensor
   stand-in meets other tensors in an op, it is cast first to the dtype the op computes
   in with a Python scalar (the other floating operands' dtype, float32 opmath for
@@ -23,13 +25,16 @@ of the float. The rule that keeps this exact:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .._torch_private import pytree
+from ..errors import innermost_model_frame_of_stack
 
 _REDUCED = (torch.float16, torch.bfloat16)
 
@@ -117,3 +122,110 @@ def _python_scalar_dtype(others: list[torch.Tensor]) -> torch.dtype:
     if dtype in _REDUCED and dims:
         return torch.float32  # opmath: the scalar is not rounded to 16 bits
     return dtype
+
+
+# NOTE: [optimizer settings read in the step]
+# A step that logs its learning rate (``return {"loss": loss.item(), "lr":
+# opt.param_groups[0]["lr"]}``) reads a graph input: the group's ``lr`` (and Adam's first
+# beta) is a float64 0-dim tensor while the step is traced (NOTE: [Adam's beta1 as a
+# graph input]), so the call returned ``tensor(0.0010)`` where eager returns ``0.001``,
+# and ``json.dumps`` of the metrics failed; ``loss * lr`` promoted a float32 loss to
+# float64 (eager keeps float32: 3e-11 off in the logged value). While the user's step
+# runs (not the optimizer's ``step()``, which NOTE: [hyper-parameters kept Python
+# numbers] covers), ``GroupNumbers`` follows those inputs as Python numbers:
+# - one meeting other tensors in an op is cast first to the dtype the op computes a
+#   Python number in (``_python_scalar_dtype``, as for float arguments);
+# - ``+ - * /``, negation and ``abs`` among them and Python numbers give numbers, in
+#   float64, exactly as Python computes them; a comparison gives a flag;
+# - the step returning one gives back the Python number of eager's type (the input's
+#   value, a float, or an int where the group holds an int; a flag's bool), from the
+#   program, as a returned ``.item()`` is (NOTE: [returned .item() values]).
+# A number computed any other way (``lr ** 0.5``, ``torch.log(lr)``, or from a group
+# value that is an int) would come back as a number Python might not have computed, so
+# returning it is refused, naming the line; ``float(lr)``, ``math.log(lr)`` and format
+# strings are refused as a read of a tensor's value, as before.
+
+_EXACT = frozenset({
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__neg__", "__pos__", "__abs__", "add", "sub", "rsub", "mul", "div",
+    "true_divide", "neg", "abs",
+})
+_COMPARISONS = frozenset({
+    "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "lt", "le", "gt", "ge", "eq", "ne",
+})
+_ACTIVE: list[GroupNumbers] = []
+
+
+class GroupNumbers(TorchFunctionMode):
+    """Optimizer group values read in the step, followed as Python numbers (NOTE:
+    [optimizer settings read in the step]). ``stand_ins``: each input with the type
+    of eager's value (``float`` / ``int``) and what it is (``param_groups[0]['lr']``)."""
+
+    def __init__(self, stand_ins: list[tuple[torch.Tensor, type, str]]) -> None:
+        super().__init__()
+        # id -> (tensor, how it was made: "float" / "int" the input itself, "exact",
+        # "flag", or the op / group value that makes returning it inexact, and the label)
+        self.numbers: dict[int, tuple[torch.Tensor, str, str]] = {
+            id(t): (t, kind.__name__, label) for t, kind, label in stand_ins
+        }
+        self.paused = 0
+
+    def __enter__(self) -> GroupNumbers:
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+        super().__exit__(*exc)
+
+    def returned(self, value: Any) -> tuple[str, str] | None:
+        """(how, label) where ``value`` is one of the numbers, else None."""
+        entry = self.numbers.get(id(value)) if isinstance(value, torch.Tensor) else None
+        return None if entry is None or entry[0] is not value else (entry[1], entry[2])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        ours = [self.numbers[id(t)] for t in leaves if self.returned(t) is not None]
+        if not ours or (inspect.isfunction(func) and getattr(func, "__module__", "") != "torch._tensor"):
+            return func(*args, **kwargs)
+        others = [t for t in leaves if self.returned(t) is None]
+        if others:
+            dtype = _python_scalar_dtype(others)
+
+            def cast(x: Any) -> Any:
+                return x.to(dtype) if self.returned(x) is not None else x
+
+            args, kwargs = pytree.tree_map(cast, (args, kwargs))
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.dim() == 0:
+            name = getattr(func, "__name__", "")
+            inexact = [
+                "arithmetic on its int value" if how == "int" else how for _, how, _ in ours
+                if how not in ("float", "exact", "flag")
+            ]
+            label = ours[0][2]
+            if out.dtype == torch.bool and name in _COMPARISONS:
+                self.numbers[id(out)] = (out, inexact[0] if inexact else "flag", label)
+            elif out.is_floating_point():
+                how = inexact[0] if inexact else "exact" if name in _EXACT else (
+                    f"`{name}` ({innermost_model_frame_of_stack() or 'in the step'})"
+                )
+                self.numbers[id(out)] = (out, how, label)
+        return out
+
+
+@contextlib.contextmanager
+def group_numbers_paused() -> Iterator[None]:
+    """Inside: the active ``GroupNumbers`` leaves ops alone (an optimizer's ``step()``)."""
+    active = _ACTIVE[-1] if _ACTIVE else None
+    if active is not None:
+        active.paused += 1
+    try:
+        yield
+    finally:
+        if active is not None:
+            active.paused -= 1

@@ -121,7 +121,12 @@ from .python_effects import (
     python_effects,
     refuse_explicit_generators,
 )
-from .python_scalars import FloatArgumentMode, FloatArgumentUsedInPython
+from .python_scalars import (
+    FloatArgumentMode,
+    FloatArgumentUsedInPython,
+    GroupNumbers,
+    group_numbers_paused,
+)
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
 from .strided_windows import names_its_elements_in_order
@@ -1360,6 +1365,7 @@ class _StepTracer:
         self.func, self.bindings, self.refs, self.options = func, bindings, refs, options
         self.code = step_code(func)
         self.floats = FloatArgumentMode([])
+        self.group_numbers = GroupNumbers([])  # NOTE: [optimizer settings read in the step]
         # the Python values this trace wrote (NOTE: [a step that changes what it reads])
         self.written: list[tuple[dict, Any, Any]] = []
         # NOTE: [value checks]; `self.floats` is this call's (set in __call__)
@@ -1407,6 +1413,7 @@ class _StepTracer:
         if b.containers:
             args, kwargs = close_containers((args, kwargs), b.containers, closed)
         self.floats = FloatArgumentMode(stand_ins, stand_in_indices)
+        self.group_numbers = GroupNumbers(_group_numbers(b, values))
         compute = _compute_params(params, self.options.param_dtype)
         _carry_python_attributes(b.params, params, compute)  # NOTE: [Python attributes of parameters]
         with contextlib.ExitStack() as stack:
@@ -1439,7 +1446,7 @@ class _StepTracer:
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = keeper.outside
             try:
-                with self.floats if stand_ins else contextlib.nullcontext():
+                with self.group_numbers, self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
                 _refuse_argument_gradients(values, requiring)
                 closed.refuse_writes(step_where(self.func))
@@ -1465,9 +1472,20 @@ class _StepTracer:
         leaves, self.return_spec = pytree.tree_flatten(open_containers(result, lambda x: False))
         outs: list[torch.Tensor] = []
         for leaf in leaves:
-            if self.floats.is_stand_in(leaf):
+            number = self.group_numbers.returned(leaf)
+            if self.floats.is_stand_in(leaf) and id(leaf) in self.floats.index_of:
+                # a float argument returned as it is: the number eager returns
+                # (NOTE: [float arguments as graph inputs])
+                self.return_leaves.append(("item", len(outs)))
+                self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
+                outs.append(leaf)
+            elif self.floats.is_stand_in(leaf):
                 raise FloatArgumentUsedInPython("the step returns a value computed from a float argument only")
-            if isinstance(leaf, (torch.Tensor, TracedItem)):
+            elif number is not None:  # NOTE: [optimizer settings read in the step]
+                self.return_leaves.append((_returned_number(*number, step_where(self.func)), len(outs)))
+                self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
+                outs.append(leaf)
+            elif isinstance(leaf, (torch.Tensor, TracedItem)):
                 kind = "item" if isinstance(leaf, TracedItem) else "tensor"
                 self.return_leaves.append((kind, len(outs)))
                 self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
@@ -1637,8 +1655,8 @@ def _swap_optimizer(
     def capturable_step(*args: Any, **kwargs: Any) -> Any:
         graph = private.current_trace_graph()
         mark = last_node(graph)
-        with private.optimizer_capturable_path(), tracing_optimizer_step(
-            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code)
+        with group_numbers_paused(), private.optimizer_capturable_path(), tracing_optimizer_step(
+            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code), numbers
         ), contextlib.ExitStack() as opened:
             for group in groups:
                 if isinstance(group, MomentumGroup):
@@ -1650,6 +1668,15 @@ def _swap_optimizer(
                 set_phase(node, Phase.OPTIMIZER)
         return result
 
+    # the inputs that stand for Python floats of eager's groups (NOTE: [hyper-parameters
+    # kept Python numbers] in capture/optimizers.py)
+    numbers = tuple(
+        values[StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi)]
+        for gi, group in enumerate(saved_groups)
+        for key in ("lr", BETA1)
+        if StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi) in values
+        and (key == BETA1 or type(group["lr"]) in (float, int))
+    )
     opt.step = capturable_step  # type: ignore[method-assign]
     try:
         yield state, by_param
@@ -1660,6 +1687,39 @@ def _swap_optimizer(
         else:
             opt.step = instance_step  # type: ignore[method-assign]
         opt.param_groups, opt.state = saved_groups, saved_state
+
+
+def _group_numbers(b: StepBindings, values: dict[StateRef, torch.Tensor]) -> list[tuple[torch.Tensor, type, str]]:
+    """The group values the program takes as inputs whose eager value is a Python
+    number, with its type and name (NOTE: [optimizer settings read in the step])."""
+    found = []
+    for ref, value in values.items():
+        if ref.kind is not Kind.HYPERPARAM or ref.optimizer < 0 or ref.key not in ("lr", BETA1):
+            continue
+        group = b.optimizers[ref.optimizer].param_groups[ref.group]
+        eager = group["lr"] if ref.key == "lr" else group["betas"][0]
+        if type(eager) in (float, int):
+            where = "lr" if ref.key == "lr" else "betas'][0"
+            found.append((value, type(eager), f"optimizer[{ref.optimizer}].param_groups[{ref.group}]['{where}']"))
+    return found
+
+
+def _returned_number(how: str, label: str, where: str) -> str:
+    """How the runtime hands back a returned group number (NOTE: [optimizer settings
+    read in the step]): ``item`` (a float, or a flag's bool), ``int``; else refused."""
+    if how in ("float", "exact", "flag"):
+        return "item"
+    if how == "int":
+        return "int"
+    raise SPMDCompileError(
+        f"The train step returns a number computed from {label} by {how}: the group "
+        "value is a graph input of the program, and only the value itself, `+ - * /`, "
+        "negation, abs and comparisons with Python numbers come back as the Python "
+        "number eager computes (NOTE: [optimizer settings read in the step]).",
+        user_line=where,
+        hint="return the group value itself and compute the rest outside the compiled "
+        "step, or read it from the optimizer after the call.",
+    )
 
 
 def _check_python_state(opt, oi, groups, before, state, values) -> None:

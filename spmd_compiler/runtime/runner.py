@@ -363,7 +363,8 @@ def run_program(
     for kept in captured.kept:  # NOTE: [tensors the step keeps]
         kept.write(bindings, returned[kept.index])
     leaves = [
-        returned[v] if kind == "tensor" else _item(returned[v]) if kind == "item" else v
+        returned[v] if kind == "tensor" else _item(returned[v]) if kind == "item"
+        else int(_item(returned[v])) if kind == "int" else v
         for kind, v in captured.return_leaves
     ]
     returned_value = pytree.tree_unflatten(leaves, captured.return_spec)

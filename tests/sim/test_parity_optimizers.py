@@ -410,8 +410,11 @@ def test_muon_parity_float64(run_parity, classification_batches, world_size):
 
 # Optimizers whose learning rate reaches a Scalar argument (NOTE: [tensor hyper-parameters
 # in Scalar arguments]) compute what eager computes bit for bit on one rank, 16-bit
-# weights included (Adam's family takes its capturable path, which rounds differently
-# in bf16; see the README's Limitations). Every tensor of the model has a multiple of 64
+# weights included, and so do Adam and AdamW (eager's single-tensor formula, NOTE:
+# [Adam's update as eager's], with beta1 kept a Python number: NOTE: [hyper-parameters
+# kept Python numbers]; before, bf16 and float32 Adam differed from eager after one
+# step). NAdam and Adamax take their capturable path, which rounds differently in bf16
+# (see the README's Limitations). Every tensor of the model has a multiple of 64
 # elements: CPU kernels round a 16-bit product in their scalar tail loop but not in
 # their vector body, so eager itself treats the last elements of a shorter tensor
 # differently from the rest, and where the tail falls depends on the machine's vector
@@ -422,6 +425,9 @@ BIT_EXACT_ON_ONE_RANK = {
     "rmsprop": MORE_OPTIMIZERS["rmsprop"],
     "adadelta": MORE_OPTIMIZERS["adadelta"],
     "muon": _muon_on_weights,
+    "adam": OPTIMIZERS["adam"],
+    "adamw_single_tensor": OPTIMIZERS["adamw_single_tensor"],
+    "adam_amsgrad": MORE_OPTIMIZERS["adam_amsgrad"],
 }
 
 
