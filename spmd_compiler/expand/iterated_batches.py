@@ -21,15 +21,18 @@ no walk. Expansion records each such op (``BatchIterations``). Two kinds:
   dimension is time for certain: the data-parallel modes refuse the program on real
   ranks unless ``input_batch_dim`` names every argument concerned (``{'x': 1}``), and
   warn in simulation, where the result is right either way;
-- anywhere else it is a time loop written by hand (``for t in range(T): x[t]``) or a
-  loop over samples (``for xi in x``, ``zip(x, y)``: valid code, which a refusal would
-  break), which nothing here can tell apart: a warning, on real ranks and in simulation,
-  naming the op, the line and both ways to say which it is.
+- anywhere else in the user's code it is a time loop written by hand (``for t in
+  range(T): x[t]``) or a loop over samples (``for xi in x``, ``zip(x, y)``: valid code,
+  which a refusal would break), which nothing here can tell apart: a warning, on real
+  ranks and in simulation, naming the op, the line and both ways to say which it is.
+  Walks in an installed library's code (transformers' LLaVA over its images) are loops
+  over samples of batch-first inputs by convention: not warned about.
 Before the fifty-fourth session all of this trained wrong silently on real ranks.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,10 +121,13 @@ class BatchIterations:
             picked.add(where)
             if len(picked) < 2:
                 return
+        recurrent = node.meta.get(TIME_MAJOR_RNN)
+        if recurrent is None and _in_a_library(node):
+            return  # batch-first by convention (transformers' LLaVA walks its images)
         arguments = tuple(sorted(self._reaching(node)))
         if arguments and arguments not in self._seen:
             self._seen.add(arguments)
-            self.found.append(IteratedBatch(node, arguments, dim, node.meta.get(TIME_MAJOR_RNN)))
+            self.found.append(IteratedBatch(node, arguments, dim, recurrent))
 
     def _reaching(self, node: torch.fx.Node) -> frozenset[str]:
         """The split arguments ``node`` is computed from (one pass over the graph, the
@@ -134,6 +140,23 @@ class BatchIterations:
                     names |= self._reach.get(source, frozenset())
                 self._reach[n] = frozenset(names)
         return self._reach.get(node, frozenset())
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def _in_a_library(node: torch.fx.Node) -> bool:
+    """Whether the innermost frame outside torch that traced ``node`` is an installed
+    package's (a library loops over its batch-first inputs' samples, not over time: a
+    walk there is not warned about; torch's own recurrent layers are marked apart)."""
+    files = []
+    for line in (node.meta.get("stack_trace") or "").splitlines():
+        text = line.strip()
+        if text.startswith('File "'):
+            files.append(os.path.abspath(text.split('"')[1]))
+    outside = [f for f in files if not f.startswith(_TORCH_DIR)]
+    return bool(outside) and any(part in outside[-1] for part in _LIBRARIES)
 
 
 def check_iterated_batches(

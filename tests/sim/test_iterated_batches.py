@@ -200,3 +200,28 @@ def test_fsdp_tp_warns_for_its_dp_split_too() -> None:
     named = FullyShardTensorParallel(plan, mesh_shape=(2, 1), input_batch_dim={"x": 1, "y": 1})
     warned, errors = _train(TimeMajor().double(), named)
     assert warned == [] and max(errors.values()) < 1e-12, (warned, errors)
+
+
+def test_a_loop_over_samples_in_an_installed_library_is_not_warned_about(tmp_path, monkeypatch) -> None:
+    """transformers' LLaVA walks its images (batch-first by convention): a library's loop
+    is no time loop of the user's; the same loop in the step's own code warns (above)."""
+    library = tmp_path / "site-packages"
+    library.mkdir()
+    (library / "per_sample_library.py").write_text(
+        "import torch\n\n\nclass PerSample(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.lin = torch.nn.Linear(5, 3)\n\n"
+        "    def forward(self, x):\n        return torch.stack([self.lin(xi).mean(0) for xi in x])\n"
+    )
+    monkeypatch.syspath_prepend(str(library))
+    import per_sample_library
+
+    torch.manual_seed(0)
+    model = per_sample_library.PerSample().double()
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_per_sample_step)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, T, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=gen)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sc.simulate(world_size=WORLD):
+            compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    assert not [w for w in caught if "walks along dimension" in str(w.message)]
