@@ -26,7 +26,7 @@ parameters is refused at compile time (a typo would leave the argument on dimens
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from torch.distributed.tensor import Shard
 
@@ -103,13 +103,24 @@ def check_batch_iterations(
             return given
         return any(_covers(name, argument) for name in batch_dims)
 
+    check_program_iterations(program, named)
+
+
+def check_program_iterations(
+    program: DistributedProgram, named: Callable[[str], bool], hint: str | None = None
+) -> None:
+    """``check_iterated_batches`` for ``program``, whose split arguments are read off its
+    input placements (their first mesh dimension's shard); ``named``: whether the mode
+    names an argument's batch dimension; ``hint``: for a mode without ``input_batch_dim``."""
     split = {
         ref.name: (p.dim, tuple(meta.shape))
         for (ref, meta), placements in zip(program.captured.inputs, program.input_placements, strict=True)
         if ref.kind is Kind.INPUT and ref.name
         for p in placements[:1] if isinstance(p, Shard)
     }
-    check_iterated_batches(program.iterated_batches, named, split, simulated=active_simulation() is not None)
+    check_iterated_batches(
+        program.iterated_batches, named, split, simulated=active_simulation() is not None, hint=hint
+    )
 
 
 def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: StepBindings) -> None:

@@ -7,12 +7,11 @@ from collections.abc import Sequence
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from spmd_compiler.expand.iterated_batches import check_iterated_batches
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
-from spmd_compiler.runtime.simulate import active_simulation
 
 from .base import ParallelMode, replicate
+from .batch_dims import check_program_iterations
 
 
 class DTensorExpandMode(ParallelMode):
@@ -52,10 +51,8 @@ class DTensorExpandMode(ParallelMode):
         program = super().partition(captured, mesh)
         # NOTE: [a batch dimension iterated over]: this mode names no batch dimension
         given = {ref.name for ref, _ in captured.inputs if ref.kind is Kind.INPUT and ref.index in self.input_placements}
-        split = {ref.name: (0, tuple(meta.shape)) for ref, meta in captured.inputs
-                 if ref.kind is Kind.INPUT and ref.name and ref.index not in self.input_placements and meta.shape}
-        check_iterated_batches(
-            program.iterated_batches, lambda name: name in given, split, active_simulation() is not None,
+        check_program_iterations(
+            program, lambda name: name in given,
             hint="this mode splits every tensor argument on dimension 0: compile with "
             "DataParallel('replicate', input_batch_dim={'x': 1}) for a time-major argument "
             "x (and its (T, B) labels), or give this mode input_placements={i: (Shard(1),)} "

@@ -187,10 +187,18 @@ def step_line_from_stack_trace(
     stack_trace: str | None, step_code: types.CodeType
 ) -> SourceLocation | None:
     """Parse a node's recorded ``stack_trace`` for the line inside the train step."""
-    if not stack_trace:
-        return None
-    lines = stack_trace.splitlines()
     found = None
+    for filename, lineno, func, code in stack_trace_frames(stack_trace):
+        if filename == step_code.co_filename and func == step_code.co_name:
+            found = SourceLocation(filename, lineno, code)
+    return found
+
+
+def stack_trace_frames(stack_trace: str | None) -> list[tuple[str, int, str, str]]:
+    """(file, line, function, code) of each frame of a node's recorded ``stack_trace``,
+    outermost first."""
+    lines = (stack_trace or "").splitlines()
+    frames = []
     for i, line in enumerate(lines):
         text = line.strip()
         if not text.startswith("File "):
@@ -201,10 +209,8 @@ def step_line_from_stack_trace(
             func = text.split(", in ")[1].strip()
         except (IndexError, ValueError):
             continue
-        if filename == step_code.co_filename and func == step_code.co_name:
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            found = SourceLocation(filename, lineno, code)
-    return found
+        frames.append((filename, lineno, func, lines[i + 1].strip() if i + 1 < len(lines) else ""))
+    return frames
 
 
 def node_error(message: str, node: torch.fx.Node, *, hint: str | None = None) -> SPMDCompileError:

@@ -191,23 +191,24 @@ _SETTLED: dict[Any, tuple[Callable[[float], bool], Callable[[float], bool]]] = {
 }
 
 
+def _through_views(node: Any) -> torch.fx.Node | None:
+    """The node ``node`` views or copies through ``_PASSING`` ops (None: not a node)."""
+    while isinstance(node, torch.fx.Node) and node.target in _PASSING:
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) else None
+
+
 def settled_coin(t: torch.Tensor) -> bool | None:
     """The way an ``if`` on ``t`` goes whatever its draw, where ``t`` compares a uniform
     draw in [0, 1) with a number outside (0, 1): peft's LoHa / LoKr ``torch.rand(1) >
     module_dropout`` with its default dropout 0 is True (but for a draw of exactly 0, 2**-24
     of the time, which the value check still catches every call). None otherwise (NOTE:
     [ifs on random draws alone])."""
-    node = private.traced_node_of(t)
-    while node is not None and node.target in _PASSING:
-        node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+    node = _through_views(private.traced_node_of(t))
     if node is None or node.target not in _SETTLED or len(node.args) < 2:
         return None
-    draw, c = node.args[0], node.args[1]
-    while isinstance(draw, torch.fx.Node) and draw.target in _PASSING:
-        draw = draw.args[0]
-    if not isinstance(draw, torch.fx.Node) or draw.target not in _UNIFORM_DRAWS or isinstance(c, bool):
-        return None
-    if not isinstance(c, (int, float)):
+    draw, c = _through_views(node.args[0]), node.args[1]
+    if draw is None or draw.target not in _UNIFORM_DRAWS or isinstance(c, bool) or not isinstance(c, (int, float)):
         return None
     true_when, false_when = _SETTLED[node.target]
     return True if true_when(float(c)) else False if false_when(float(c)) else None

@@ -43,7 +43,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as private
-from ..errors import node_error
+from ..errors import node_error, stack_trace_frames
 from ..ir.node_meta import TIME_MAJOR_RNN
 
 # op -> the position of its dimension argument and its default
@@ -150,11 +150,7 @@ def _in_a_library(node: torch.fx.Node) -> bool:
     """Whether the innermost frame outside torch that traced ``node`` is an installed
     package's (a library loops over its batch-first inputs' samples, not over time: a
     walk there is not warned about; torch's own recurrent layers are marked apart)."""
-    files = []
-    for line in (node.meta.get("stack_trace") or "").splitlines():
-        text = line.strip()
-        if text.startswith('File "'):
-            files.append(os.path.abspath(text.split('"')[1]))
+    files = [os.path.abspath(frame[0]) for frame in stack_trace_frames(node.meta.get("stack_trace"))]
     outside = [f for f in files if not f.startswith(_TORCH_DIR)]
     return bool(outside) and any(part in outside[-1] for part in _LIBRARIES)
 

@@ -153,9 +153,9 @@ def _per_sample_step(model, optim, x, y):
     return loss
 
 
-def test_a_loop_over_samples_warns_with_both_ways_out_and_names_only_what_can_be_named() -> None:
-    torch.manual_seed(0)
-    model = PerSample().double()
+def _per_sample_warnings(model: nn.Module) -> list[str]:
+    """The iterated-batch warnings of one ddp call of ``_per_sample_step`` on ``model``
+    (batch-first x (B, T, 5), labels y (B,))."""
     compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_per_sample_step)
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(BATCH, T, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=gen)
@@ -163,7 +163,12 @@ def test_a_loop_over_samples_warns_with_both_ways_out_and_names_only_what_can_be
         warnings.simplefilter("always")
         with sc.simulate(world_size=WORLD):
             compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
-    warned = [str(w.message) for w in caught if "walks along dimension" in str(w.message)]
+    return [str(w.message) for w in caught if "walks along dimension" in str(w.message)]
+
+
+def test_a_loop_over_samples_warns_with_both_ways_out_and_names_only_what_can_be_named() -> None:
+    torch.manual_seed(0)
+    warned = _per_sample_warnings(PerSample().double())
     assert len(warned) == 1 and "input_batch_dim={'x': 0}" in warned[0], warned
     # y, (B,), has no dimension 1 to suggest
     assert "'y': 1" not in warned[0]
@@ -216,12 +221,4 @@ def test_a_loop_over_samples_in_an_installed_library_is_not_warned_about(tmp_pat
     import per_sample_library
 
     torch.manual_seed(0)
-    model = per_sample_library.PerSample().double()
-    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_per_sample_step)
-    gen = torch.Generator().manual_seed(3)
-    x, y = torch.randn(BATCH, T, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=gen)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with sc.simulate(world_size=WORLD):
-            compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
-    assert not [w for w in caught if "walks along dimension" in str(w.message)]
+    assert not _per_sample_warnings(per_sample_library.PerSample().double())

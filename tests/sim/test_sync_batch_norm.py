@@ -7,6 +7,7 @@ the global batch (float64, 2 simulated ranks, every parameter and buffer within 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -38,12 +39,9 @@ def _batches():
     ]
 
 
-@pytest.mark.parametrize("momentum", [0.1, None], ids=["exponential", "cumulative"])
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_sync_batch_norm_is_the_global_batch_norm(mode: str, momentum: float | None) -> None:
-    reference = _net(momentum)
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
-    assert sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) == 2
+def _trains_as(model: nn.Module, reference: nn.Module, mode: str) -> Any:
+    """Three SGD-momentum calls of ``model`` compiled under ``mode`` (the third in eval
+    mode) against ``reference`` eagerly on one device; returns the compiled step."""
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     compiled = sc.compile(make_mode(mode))(step)
@@ -59,6 +57,16 @@ def test_sync_batch_norm_is_the_global_batch_norm(mode: str, momentum: float | N
         differences.update(compare_optimizers(optim, reference_optim, sim))
     assert "param.1.running_var" in differences
     assert max(differences.values()) < TOL, sorted(differences.items(), key=lambda kv: -kv[1])[:3]
+    return compiled
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["exponential", "cumulative"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_sync_batch_norm_is_the_global_batch_norm(mode: str, momentum: float | None) -> None:
+    reference = _net(momentum)
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    assert sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) == 2
+    _trains_as(model, reference, mode)
     assert all("forward" not in vars(m) for m in model.modules())  # the module is untouched
 
 
@@ -105,21 +113,7 @@ def test_a_subclass_calling_super_forward_is_the_global_batch_norm(mode: str, mo
     input at capture ("SyncBatchNorm expected input tensor to be on GPU")."""
     reference = _net_act(_BatchNormAct, momentum)
     model = _net_act(_SyncBatchNormAct, momentum)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    compiled = sc.compile(make_mode(mode))(step)
-    with sc.simulate(world_size=2) as sim:
-        for i, (x, y) in enumerate(_batches()):
-            if i == 2:  # an evaluation-mode call: the running statistics normalize
-                model.eval()
-                reference.eval()
-            loss = compiled(model, optim, x, y)
-            expected = step(reference, reference_optim, x, y).detach()
-            assert abs(float(loss) - float(expected)) <= TOL * abs(float(expected))
-        differences = compare_models(model, reference, sim)
-        differences.update(compare_optimizers(optim, reference_optim, sim))
-    assert "param.1.running_var" in differences
-    assert max(differences.values()) < TOL, sorted(differences.items(), key=lambda kv: -kv[1])[:3]
+    compiled = _trains_as(model, reference, mode)
     assert compiled.compile_count == 3  # the first call, with momentum buffers, evaluation: no more
     assert nn.SyncBatchNorm.__dict__["forward"] is _SYNC_FORWARD  # torch's again after capture
 
