@@ -63,7 +63,7 @@ from ..ir.graph_utils import (
     replace_with_input,
     set_outputs,
 )
-from ..ir.node_meta import MODULE_FQN, TIME_MAJOR_RNN, USER_LINE, Phase, set_phase
+from ..ir.node_meta import MODULE_FQN, TIME_MAJOR_INPUT, TIME_MAJOR_RNN, USER_LINE, Phase, set_phase
 from ..ir.signature import (
     STATE_KINDS,
     CapturedStep,
@@ -1790,6 +1790,7 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
         fqn = fqn_of.get(id(module))
         if fqn is not None:
             stack.append((fqn, last_node(private.current_trace_graph())))
+            _mark_time_major_inputs(module, fqn, args)
 
     def post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         fqn = fqn_of.get(id(module))
@@ -1802,7 +1803,7 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
         for node in new_nodes_after(mark, graph):
             node.meta.setdefault(MODULE_FQN, fqn)
             if time_major:
-                node.meta.setdefault(TIME_MAJOR_RNN, fqn)
+                node.meta.setdefault(TIME_MAJOR_RNN, f"{fqn!r} ({type(module).__name__})")
 
     hooks = [
         torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
@@ -1813,6 +1814,27 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
     finally:
         for h in hooks:
             h.remove()
+
+
+def _time_major_inputs(module: torch.nn.Module) -> int:
+    """How many leading arguments of ``module``'s forward hold time on dimension 0: torch's
+    recurrent layers (input) and attention (query, key, value) with ``batch_first=False``
+    (their ``(T, B, ...)`` and unbatched ``(T, ...)`` layouts); 0 for any other module."""
+    if getattr(module, "batch_first", True):
+        return 0
+    if isinstance(module, torch.nn.RNNBase):
+        return 1
+    return 3 if isinstance(module, torch.nn.MultiheadAttention) else 0
+
+
+def _mark_time_major_inputs(module: torch.nn.Module, fqn: str, args: Any) -> None:
+    """NOTE: [a batch dimension iterated over]: the nodes whose values a time-major layer
+    reads with time on dimension 0 (``TIME_MAJOR_INPUT``), checked against the split
+    dimension at expansion."""
+    for arg in args[: _time_major_inputs(module)]:
+        node = private.traced_node_of(arg) if isinstance(arg, torch.Tensor) else None
+        if node is not None:
+            node.meta.setdefault(TIME_MAJOR_INPUT, f"{fqn!r} ({type(module).__name__})")
 
 
 def _annotate_user_lines(gm: torch.fx.GraphModule, step_code: Any) -> None:

@@ -11,17 +11,22 @@ program reads as one rank's share of a sequence ``world`` times longer: shapes a
 nothing fails, and the step trains wrong (a GRU tagger's weights 0.09-0.13 relative off
 one device after 3 steps on 2 gloo ranks, fifty-third and fifty-fourth sessions).
 
-What gives it away is the step walking along that dimension: ``unbind`` (``for x_t in
-x``), ``split`` into pieces of 1, or ``select`` / a slice of length 1 at two or more
-positions, along a dimension that is the split dimension (on a mesh dimension of more
-than one rank) of a value computed from a split argument. One sample picked (``x[0]``) is
-no walk. Expansion records each such op (``BatchIterations``). Two kinds:
-- inside torch's own time-major recurrent layers (``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM``
-  with ``batch_first=False``: the capture marks their nodes, ``TIME_MAJOR_RNN``), the
-  dimension is time for certain: the data-parallel modes refuse the program on real
-  ranks unless ``input_batch_dim`` names every argument concerned (``{'x': 1}``), and
-  warn in simulation, where the result is right either way;
-- anywhere else in the user's code it is a time loop written by hand (``for t in
+What gives it away is torch's own time-major layers reading it, or the step walking along
+it. Expansion records each such op (``BatchIterations``). Two kinds:
+- torch's time-major layers (``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` / ``nn.MultiheadAttention``,
+  so ``nn.TransformerEncoderLayer`` / ``nn.Transformer``, with ``batch_first=False``) read
+  dimension 0 of their input (attention: query, key, value) as time. The capture marks
+  the values they are given (``TIME_MAJOR_INPUT``) and the nodes a recurrent layer traces
+  (``TIME_MAJOR_RNN``); a marked value split along dimension 0, or a walk inside such a
+  layer, is a split along time for certain (attention never walks: it reads the whole
+  sequence at once, and before the fifty-fifth session an encoder layer trained wrong,
+  silently, on real ranks). The data-parallel modes refuse the program on real ranks
+  unless ``input_batch_dim`` names every argument concerned (``{'x': 1}``), and warn in
+  simulation, where the result is right either way;
+- a walk along the split dimension (``unbind``: ``for x_t in x``; ``split`` into pieces
+  of 1; ``select`` / a slice of length 1 at two or more positions; one sample picked,
+  ``x[0]``, is no walk) of a value computed from a split argument, on a mesh dimension of
+  more than one rank, anywhere else in the user's code: a time loop written by hand (``for t in
   range(T): x[t]``) or a loop over samples (``for xi in x``, ``zip(x, y)``: valid code,
   which a refusal would break), which nothing here can tell apart: a warning, on real
   ranks and in simulation, naming the op, the line and both ways to say which it is.
@@ -44,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as private
 from ..errors import node_error, stack_trace_frames
-from ..ir.node_meta import TIME_MAJOR_RNN
+from ..ir.node_meta import TIME_MAJOR_INPUT, TIME_MAJOR_RNN
 
 # op -> the position of its dimension argument and its default
 _UNBIND = torch.ops.aten.unbind.int
@@ -62,7 +67,8 @@ class IteratedBatch:
     node: torch.fx.Node
     arguments: tuple[str, ...]
     dim: int
-    # the time-major torch recurrent layer it is in (NOTE's first kind), if any
+    # the time-major torch layer (``"'fqn' (Class)"``) that reads dimension ``dim`` as
+    # time (NOTE's first kind), if any
     recurrent: str | None = None
 
 
@@ -75,7 +81,7 @@ class BatchIterations:
         self._split: dict[torch.fx.Node, str] = {}  # placeholder -> argument name
         self._mesh_dims: set[int] = set()  # mesh dimensions that split an argument
         self._reach: dict[torch.fx.Node, frozenset[str]] | None = None
-        self._seen: set[tuple[str, ...]] = set()
+        self._seen: set[tuple[tuple[str, ...], bool]] = set()
         # (the selected value's node, dimension) -> the indices selected from it
         self._selected: dict[tuple[Any, int], set[Any]] = {}
         self.found: list[IteratedBatch] = []
@@ -90,9 +96,24 @@ class BatchIterations:
             self._split[node] = name
             self._mesh_dims |= dims
 
+    def _split_along(self, value: DTensor, dim: int) -> bool:
+        return any(
+            private.is_shard_like(p) and p.dim == dim
+            for m, p in enumerate(value.placements) if m in self._mesh_dims
+        )
+
     def op(self, node: torch.fx.Node, target: Any, args: tuple, kwargs: dict) -> None:
-        """Record ``node`` if it walks along the split dimension of its input."""
-        if target not in _DIMENSION or not self._split or not args or not isinstance(args[0], DTensor):
+        """Record ``node`` if it reads a time-major layer's input split along time, or
+        walks along the split dimension of its input."""
+        if not self._split:
+            return
+        for source, value in zip(node.args, args):
+            if not isinstance(source, torch.fx.Node) or not isinstance(value, DTensor):
+                continue
+            layer = source.meta.get(TIME_MAJOR_INPUT)
+            if layer is not None and value.ndim and self._split_along(value, 0):
+                self._record(node, source, 0, layer)
+        if target not in _DIMENSION or not args or not isinstance(args[0], DTensor):
             return
         position, default = _DIMENSION[target]
         dim = args[position] if len(args) > position else kwargs.get("dim", default)
@@ -100,10 +121,7 @@ class BatchIterations:
         if not isinstance(dim, int) or not value.ndim:
             return
         dim %= value.ndim
-        if not any(
-            private.is_shard_like(p) and p.dim == dim
-            for m, p in enumerate(value.placements) if m in self._mesh_dims
-        ):
+        if not self._split_along(value, dim):
             return
         if target is _SPLIT and args[1] != 1:
             return  # pieces of more than one: a batch cut in parts, no walk
@@ -124,10 +142,13 @@ class BatchIterations:
         recurrent = node.meta.get(TIME_MAJOR_RNN)
         if recurrent is None and _in_a_library(node):
             return  # batch-first by convention (transformers' LLaVA walks its images)
-        arguments = tuple(sorted(self._reaching(node)))
-        if arguments and arguments not in self._seen:
-            self._seen.add(arguments)
-            self.found.append(IteratedBatch(node, arguments, dim, recurrent))
+        self._record(node, node, dim, recurrent)
+
+    def _record(self, node: torch.fx.Node, value: torch.fx.Node, dim: int, layer: str | None) -> None:
+        arguments = tuple(sorted(self._reaching(value)))
+        if arguments and (arguments, layer is None) not in self._seen:
+            self._seen.add((arguments, layer is None))
+            self.found.append(IteratedBatch(node, arguments, dim, layer))
 
     def _reaching(self, node: torch.fx.Node) -> frozenset[str]:
         """The split arguments ``node`` is computed from (one pass over the graph, the
@@ -195,11 +216,11 @@ def check_iterated_batches(
     )
     if recurrent is not None:
         message = (
-            f"The time-major recurrent layer {recurrent.recurrent!r} (batch_first=False) walks "
-            f"along dimension {record.dim} of a value computed from the step argument(s) "
-            f"{listed}, the dimension the mode splits as the batch (input_batch_dim does not "
-            "name it): on real ranks each rank's share would be read as its part of a "
-            "sequence as many times longer as there are ranks, and the step would train wrong."
+            f"The time-major layer {recurrent.recurrent} (batch_first=False) reads dimension "
+            f"{record.dim} of a value computed from the step argument(s) {listed} as time, the "
+            "dimension the mode splits as the batch (input_batch_dim does not name it): on real "
+            "ranks each rank's share would be read as its part of a sequence as many times "
+            "longer as there are ranks, and the step would train wrong."
         )
     else:
         message = (

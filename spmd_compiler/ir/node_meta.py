@@ -9,6 +9,7 @@ reader can find every writer and reader of a key by its accessor's name.
 |---|---|---|
 | ``MODULE_FQN`` | capture (module forward hooks) | FQN of the innermost module whose forward traced the node |
 | ``TIME_MAJOR_RNN`` | capture (module forward hooks) | FQN of the time-major ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (``batch_first=False``) whose forward traced the node |
+| ``TIME_MAJOR_INPUT`` | capture (module forward pre-hooks) | ``"'fqn' (Class)"`` of a time-major ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` / ``nn.MultiheadAttention`` (``batch_first=False``) that reads the node's value with time on dimension 0 |
 | ``USER_LINE`` | capture | ``errors.SourceLocation`` of the train-step line |
 | ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
 | ``PADDED`` | a mode's padding of uneven state | ``(true size, padded size, dim)`` of a value held padded |
@@ -30,6 +31,7 @@ import torch.fx
 
 MODULE_FQN = "spmd_module_fqn"
 TIME_MAJOR_RNN = "spmd_time_major_rnn"
+TIME_MAJOR_INPUT = "spmd_time_major_input"
 USER_LINE = "spmd_user_line"
 PLACEMENT = "spmd_placement"
 ORIGIN = "spmd_origin"

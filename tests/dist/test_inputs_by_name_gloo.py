@@ -149,15 +149,22 @@ def test_ranks_passing_other_whole_weights_are_refused_with_nothing_updated() ->
         assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"
 
 
-def time_major_worker(rank: int, world_size: int) -> dict:
-    """A time-major GRU input, each rank passing its share of the batch (dimension 1):
-    refused with the mode's default batch dimension (NOTE: [a batch dimension iterated
-    over]), trained with ``input_batch_dim={'x': 1, 'y': 1}`` (the labels are (T, B))."""
-    from tests.sim.test_iterated_batches import TimeMajor, _batches
-    from tests.sim.test_iterated_batches import step as gru_step
+def _time_major_model(layer: str) -> nn.Module:
+    from tests.sim.test_iterated_batches import TimeMajor, TimeMajorEncoder
 
     torch.manual_seed(0)
-    model = TimeMajor().double()
+    return (TimeMajor() if layer == "rnn" else TimeMajorEncoder()).double()
+
+
+def time_major_worker(rank: int, world_size: int, layer: str) -> dict:
+    """A time-major GRU or encoder layer input, each rank passing its share of the batch
+    (dimension 1): refused with the mode's default batch dimension (NOTE: [a batch
+    dimension iterated over]), trained with ``input_batch_dim={'x': 1, 'y': 1}`` (the
+    labels are (T, B))."""
+    from tests.sim.test_iterated_batches import _batches
+    from tests.sim.test_iterated_batches import step as gru_step
+
+    model = _time_major_model(layer)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = copy.deepcopy(full_state(model, optim, None))
     batches = _batches()
@@ -177,22 +184,23 @@ def time_major_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_a_time_major_input_is_refused_unless_its_batch_dimension_is_named() -> None:
-    from tests.sim.test_iterated_batches import TimeMajor, _batches
+@pytest.mark.parametrize(("layer", "fqn"), [("rnn", "'rnn' (GRU)"), ("attention", "'enc.self_attn' (MultiheadAttention)")])
+def test_a_time_major_input_is_refused_unless_its_batch_dimension_is_named(layer: str, fqn: str) -> None:
+    from tests.sim.test_iterated_batches import _batches
     from tests.sim.test_iterated_batches import step as gru_step
 
-    results = sc.launch(time_major_worker, WORLD_SIZE, timeout_s=launch_timeout(180))
-    torch.manual_seed(0)
-    model = TimeMajor().double()
+    results = sc.launch(time_major_worker, WORLD_SIZE, args=(layer,), timeout_s=launch_timeout(180))
+    model = _time_major_model(layer)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for x, y in _batches():
         gru_step(model, optim, x, y)
     want = full_state(model, optim, None)
     for rank, got in enumerate(results):
         message = got.get("error", "")
-        assert "The time-major recurrent layer 'rnn' (batch_first=False) walks along dimension 0" in message, (rank, got)
-        assert "input_batch_dim={'x': 1, 'y': 1}" in message and "aten.unbind.int" in message
+        assert f"The time-major layer {fqn} (batch_first=False) reads dimension 0" in message, (rank, got)
+        assert "input_batch_dim={'x': 1, 'y': 1}" in message
         assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"
         errors = {k: relative_difference(got["state"][k], v) for k, v in want.items()}
         worst = max(errors, key=errors.__getitem__)
-        assert errors[worst] < 1e-12, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+        # attention: the key bias's gradient is rounding only (the sim test says why)
+        assert errors[worst] < (1e-12 if layer == "rnn" else 1e-9), f"rank {rank}: {worst} differs by {errors[worst]:.2e}"

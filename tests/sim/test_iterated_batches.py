@@ -42,6 +42,22 @@ class TimeMajor(nn.Module):
         return self.head(out)
 
 
+class TimeMajorEncoder(nn.Module):
+    """torch's own encoder layer with its default layout, sequence first: attention never
+    walks time, it reads the whole of dimension 0 at once. ``transpose``: the step's input
+    is batch-first and turned sequence-first before the layer (nothing to warn about)."""
+
+    def __init__(self, transpose: bool = False) -> None:
+        super().__init__()
+        self.transpose = transpose
+        self.enc = nn.TransformerEncoderLayer(5, 1, 8, dropout=0.0)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.enc(x.transpose(0, 1) if self.transpose else x)
+        return self.head(out.transpose(0, 1) if self.transpose else out)
+
+
 class HandLoop(nn.Module):
     """A recurrence written by hand over the time steps of a time-major input."""
 
@@ -94,7 +110,7 @@ def _train_world(model: nn.Module, mode, batch_first: bool = False, world: int =
                 step(eager, eager_opt, x, y)
             got = full_state(compiled_model, opt, None)
     want = full_state(eager, eager_opt, None)
-    return [str(w.message) for w in caught if "walks along dimension" in str(w.message)], compare_states(got, want)
+    return [str(w.message) for w in caught if "the dimension the mode splits as the batch" in str(w.message)], compare_states(got, want)
 
 
 @pytest.mark.parametrize("style", ["replicate", "fully_shard"])
@@ -104,14 +120,37 @@ def test_a_time_major_gru_warns_naming_the_op_and_the_way_out_and_matches_eager(
     assert max(errors.values()) < 1e-12, errors
     assert len(warned) == 1, warned
     message = warned[0]
-    assert "The time-major recurrent layer 'rnn' (batch_first=False) walks along dimension 0" in message
-    assert "computed from the step argument(s) 'x'" in message
-    assert "aten.unbind.int" in message and "module:      rnn" in message
+    assert "The time-major layer 'rnn' (GRU) (batch_first=False) reads dimension 0" in message
+    assert "computed from the step argument(s) 'x' as time" in message
+    assert "module:      rnn" in message
     # the labels, (T, B) beside x's (T, B, F), are named with it
     assert "input_batch_dim={'x': 1, 'y': 1}" in message and "input_batch_dim={'x': 0}" in message
     assert "'y' has a dimension 0 of the same size" in message
     assert "refused on real ranks" in message
     assert "test_iterated_batches.py" in message  # the train step's line
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_sequence_first_attention_warns_and_matches_eager(style: str) -> None:
+    """nn.MultiheadAttention (in nn.TransformerEncoderLayer) with batch_first=False reads
+    dimension 0 as the sequence: split there without a name, it is refused on real ranks
+    (``tests/dist/test_inputs_by_name_gloo.py``) and warned about here."""
+    torch.manual_seed(0)
+    warned, errors = _train(TimeMajorEncoder().double(), DataParallel(style))
+    # the key bias's gradient is zero but for rounding (softmax ignores a constant per
+    # query): its Adam update is rounding divided by rounding, 1e-10 relative at worst
+    assert max(errors.values()) < 1e-9, errors
+    assert len(warned) == 1, warned
+    assert "The time-major layer 'enc.self_attn' (MultiheadAttention) (batch_first=False) reads dimension 0" in warned[0]
+    assert "input_batch_dim={'x': 1, 'y': 1}" in warned[0] and "refused on real ranks" in warned[0]
+    warned, errors = _train(TimeMajorEncoder().double(), DataParallel(style, input_batch_dim={"x": 1, "y": 1}))
+    assert warned == [] and max(errors.values()) < 1e-9, (warned, errors)
+
+
+def test_a_batch_first_input_turned_sequence_first_does_not_warn() -> None:
+    torch.manual_seed(0)
+    warned, errors = _train(TimeMajorEncoder(transpose=True).double(), DataParallel("replicate"), batch_first=True)
+    assert warned == [] and max(errors.values()) < 1e-9, (warned, errors)
 
 
 def test_a_named_batch_dimension_compiles_quietly_and_matches_eager() -> None:
@@ -163,7 +202,7 @@ def _per_sample_warnings(model: nn.Module) -> list[str]:
         warnings.simplefilter("always")
         with sc.simulate(world_size=WORLD):
             compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
-    return [str(w.message) for w in caught if "walks along dimension" in str(w.message)]
+    return [str(w.message) for w in caught if "the dimension the mode splits as the batch" in str(w.message)]
 
 
 def test_a_loop_over_samples_warns_with_both_ways_out_and_names_only_what_can_be_named() -> None:
