@@ -533,6 +533,14 @@ class CompiledTrainStep:
     def compile_count(self) -> int:
         return len(self.records)
 
+    def explain(self) -> Any:
+        """The tables of the latest program (``spmd_compiler.tools.explain.explain``): each
+        parameter's placement and per-rank bytes, the collectives of one step, the passes;
+        ``print(step.explain().format())``, ``to_dict()`` for JSON. Call the step first."""
+        from .tools.explain import explain
+
+        return explain(self)
+
     def _mesh(self, bindings: StepBindings, sim: Simulation | None) -> DeviceMesh:
         device_type = next(iter(bindings.params.values())).device.type
         world = dist.get_world_size()

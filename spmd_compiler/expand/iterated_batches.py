@@ -37,6 +37,7 @@ Before the fifty-fourth session all of this trained wrong silently on real ranks
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from collections.abc import Callable
@@ -140,8 +141,10 @@ class BatchIterations:
             if len(picked) < 2:
                 return
         recurrent = node.meta.get(TIME_MAJOR_RNN)
-        if recurrent is None and _in_a_library(node):
-            return  # batch-first by convention (transformers' LLaVA walks its images)
+        if recurrent is None and (_in_a_library(node) or _read_out(node)):
+            # batch-first by convention (transformers' LLaVA walks its images), or the
+            # values read out as Python numbers (``.tolist()``), which computes nothing
+            return
         self._record(node, node, dim, recurrent)
 
     def _record(self, node: torch.fx.Node, value: torch.fx.Node, dim: int, layer: str | None) -> None:
@@ -161,6 +164,25 @@ class BatchIterations:
                     names |= self._reach.get(source, frozenset())
                 self._reach[n] = frozenset(names)
         return self._reach.get(node, frozenset())
+
+
+_READ_OUT = torch.ops.aten._local_scalar_dense.default
+_WALKS_OR_VIEWS = {_UNBIND, _SELECT, _SPLIT, _SLICE, torch.ops.aten.view.default, torch.ops.aten.alias.default}
+
+
+def _read_out(node: torch.fx.Node, depth: int = 0) -> bool:
+    """Whether every use of ``node``'s pieces ends in ``.item()`` or the step's outputs
+    (``.tolist()`` walks its tensor and reads each element out as a Python number, the
+    capture returning them as outputs: a walk that computes nothing)."""
+    if depth > 8 or not node.users:
+        return False
+    for user in node.users:
+        if user.target is _READ_OUT or user.op == "output":
+            continue
+        if (user.target is operator.getitem or user.target in _WALKS_OR_VIEWS) and _read_out(user, depth + 1):
+            continue
+        return False
+    return True
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep

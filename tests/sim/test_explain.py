@@ -150,6 +150,7 @@ def test_explain_after_first_call_reads_new_optimizer_state_from_outputs() -> No
     with sc.simulate(world_size=2):
         step(model, optim, torch.randn(4, 8), torch.randint(0, 4, (4,)))
     explanation = explain(step)
+    assert step.explain().to_dict() == explanation.to_dict()  # the step's own method
     rows = {r.name: r for r in explanation.params}
     assert rows["0.weight"].param_bytes == 6 * 8 * F32
     assert rows["0.weight"].optimizer_bytes == 2 * 6 * 8 * F32 + F64

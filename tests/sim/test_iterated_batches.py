@@ -261,3 +261,31 @@ def test_a_loop_over_samples_in_an_installed_library_is_not_warned_about(tmp_pat
 
     torch.manual_seed(0)
     assert not _per_sample_warnings(per_sample_library.PerSample().double())
+
+
+def test_values_read_out_with_tolist_are_no_walk() -> None:
+    """``.tolist()`` of batch-shaped results (predictions kept for metrics) walks the batch
+    dimension only to read each element out: no warning, and eager's lists."""
+
+    def predictions(model, optim, x, y):
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss, logits.argmax(-1).tolist(), logits.detach()[:, :2].tolist()
+
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).double()
+    eager = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=gen)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(predictions)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sc.simulate(world_size=WORLD):
+            _, got, rows = compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    _, want, want_rows = predictions(eager, torch.optim.SGD(eager.parameters(), lr=0.1), x, y)
+    assert not [w for w in caught if "the dimension the mode splits as the batch" in str(w.message)]
+    assert got == want and len(rows) == BATCH
+    assert max(abs(a - b) for r, s in zip(rows, want_rows) for a, b in zip(r, s)) < 1e-12
