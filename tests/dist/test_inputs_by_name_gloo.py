@@ -177,6 +177,14 @@ def time_major_worker(rank: int, world_size: int, layer: str) -> dict:
         after = full_state(model, optim, None)
         out["error"] = str(exc)
         out["untouched"] = all(torch.equal(after[k], v) for k, v in before.items())
+    try:  # the input named, its (T, B) labels not (NOTE: [arguments laid out alike])
+        sc.compile(DataParallel("replicate", input_batch_dim={"x": 1}))(gru_step)(
+            model, optim, batches[0][0][:, share], batches[0][1][:, share]
+        )
+    except SPMDCompileError as exc:
+        after = full_state(model, optim, None)
+        out["labels_error"] = str(exc)
+        out["untouched"] &= all(torch.equal(after[k], v) for k, v in before.items())
     named = sc.compile(DataParallel("replicate", input_batch_dim={"x": 1, "y": 1}))(gru_step)
     for x, y in batches:
         named(model, optim, x[:, share], y[:, share])
@@ -199,6 +207,9 @@ def test_a_time_major_input_is_refused_unless_its_batch_dimension_is_named(layer
         message = got.get("error", "")
         assert f"The time-major layer {fqn} (batch_first=False) reads dimension 0" in message, (rank, got)
         assert "input_batch_dim={'x': 1, 'y': 1}" in message
+        labels = got.get("labels_error", "")
+        assert "The step argument(s) 'y' is laid out like 'x'" in labels, (rank, labels)
+        assert "input_batch_dim={'x': 1, 'y': 1}" in labels and "{'y': 0}" in labels
         assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"
         errors = {k: relative_difference(got["state"][k], v) for k, v in want.items()}
         worst = max(errors, key=errors.__getitem__)

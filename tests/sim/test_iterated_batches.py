@@ -289,3 +289,35 @@ def test_values_read_out_with_tolist_are_no_walk() -> None:
     assert not [w for w in caught if "the dimension the mode splits as the batch" in str(w.message)]
     assert got == want and len(rows) == BATCH
     assert max(abs(a - b) for r, s in zip(rows, want_rows) for a, b in zip(r, s)) < 1e-12
+
+
+@pytest.mark.parametrize("model", ["rnn", "attention"])
+def test_labels_laid_out_like_a_named_time_major_input_warn(model: str) -> None:
+    """NOTE: [arguments laid out alike] in ``parallel_modes/batch_dims.py``: the input
+    named time-major, its (T, B) labels not: warned here (refused on real ranks,
+    ``tests/dist/test_inputs_by_name_gloo.py``); naming both, or the labels' dimension 0
+    explicitly, is quiet."""
+    torch.manual_seed(0)
+    layer = TimeMajor() if model == "rnn" else TimeMajorEncoder()
+
+    def alike(mode) -> tuple[list[str], dict]:
+        eager = copy.deepcopy(layer).double()
+        compiled = sc.compile(parallel_mode=mode)(step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with sc.simulate(world_size=WORLD):
+                trained = copy.deepcopy(layer).double()
+                opt, eager_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (trained, eager))
+                for x, y in _batches():
+                    compiled(trained, opt, x, y)
+                    step(eager, eager_opt, x, y)
+                got = full_state(trained, opt, None)
+        return [str(w.message) for w in caught if "laid out like" in str(w.message)], compare_states(
+            got, full_state(eager, eager_opt, None))
+
+    warned, errors = alike(DataParallel("replicate", input_batch_dim={"x": 1}))
+    assert len(warned) == 1 and "The step argument(s) 'y' is laid out like 'x'" in warned[0], warned
+    assert "refused on real ranks" in warned[0] and max(errors.values()) < 1e-9, errors
+    for quiet in ({"x": 1, "y": 1}, {"x": 1, "y": 0}):
+        warned, _ = alike(DataParallel("replicate", input_batch_dim=quiet))
+        assert warned == [], (quiet, warned)
