@@ -87,6 +87,7 @@ from .bindings import (
 from .code_names import step_code, step_name, step_where
 from .containers import Closed, close_containers, holds_containers, open_containers
 from .diagonals import diagonal_scatter_by_mask
+from .dtype_agreement import refuse_mixed_dtype_operands
 from .functional_rewrite import functional_by_rewriting
 from .functions_as_ops import functions_as_ops
 from .grad_scalers import (
@@ -1049,6 +1050,7 @@ def _trace_first(
     _check_float_arguments_read(first, [r for r, _ in inputs])
     _drop_refused_value_reads(first)
     _annotate_user_lines(first, code)
+    refuse_mixed_dtype_operands(first)  # NOTE: [operands of one dtype]
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
     _refuse_custom_ops_writing_arguments(first)
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
