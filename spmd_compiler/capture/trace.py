@@ -1450,7 +1450,7 @@ class _StepTracer:
                     result = self.func(*args, **kwargs)
                 _refuse_argument_gradients(values, requiring)
                 closed.refuse_writes(step_where(self.func))
-                kept = keeper.collect()
+                kept = keeper.collect(step_where(self.func))
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
                 selected_rows.settle([result, [value for _, value in kept]], at_selection=True)
                 result, kept = selected_rows.compacted((result, kept))  # NOTE: [rows of one count]
