@@ -6,6 +6,9 @@
   changed other than by appending traced values) was dropped silently (weights 0.60
   relative off after 4 calls). Refused now; ``.item()`` and tensors written into a dict
   argument still come back after every call, equal to eager's (float64, 1e-12).
+- NOTE: [param-group writes in the step]: a write to a param group other than ``lr``
+  (``weight_decay``, ``betas``, ``momentum``, a custom key, a new key) landed in the
+  traced copy of the group and was dropped silently. Refused now, as ``lr`` is.
 
 A refused step leaves the model, the optimizer (groups and state) and the argument as
 they were.
@@ -143,3 +146,60 @@ def test_item_values_and_tensors_written_into_arguments_come_back_every_call(mod
         assert len(history) == len(ref_history) == 3
         assert all(abs(float(a) - float(b)) <= TOL for a, b in zip(history, ref_history))
 
+
+# -- optimizer param groups ----------------------------------------------------------------
+
+def _decay_weight_decay(group):  # noqa: ANN001
+    group["weight_decay"] *= 0.5
+
+
+def _decay_betas(group):  # noqa: ANN001
+    group["betas"] = (group["betas"][0] * 0.9, group["betas"][1])
+
+
+def _decay_momentum(group):  # noqa: ANN001
+    group["momentum"] *= 0.9
+
+
+def _count_in_group(group):  # noqa: ANN001
+    group["micro"] += 1
+
+
+def _new_key(group):  # noqa: ANN001
+    group["seen"] = True
+
+
+_GROUP_WRITES = {
+    "weight_decay": (_decay_weight_decay, lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.8)),
+    "betas": (_decay_betas, lambda p: torch.optim.Adam(p, lr=0.1)),
+    "momentum": (_decay_momentum, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    "micro": (_count_in_group, lambda p: torch.optim.AdamW(p, lr=0.1)),
+    "seen": (_new_key, lambda p: torch.optim.SGD(p, lr=0.1)),
+}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("key", list(_GROUP_WRITES))
+def test_a_param_group_write_in_the_step_is_refused(mode, key):
+    write, make = _GROUP_WRITES[key]
+
+    def group_step(model, optim, x, y):  # noqa: ANN001
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        write(optim.param_groups[0])
+        return loss
+
+    model = _model()
+    optim = make(model.parameters())
+    if key == "micro":
+        optim.param_groups[0]["micro"] = 0
+    before = _snapshot(model, optim)
+    step = sc.compile(make_mode(mode))(group_step)
+    with sc.simulate(world_size=2), pytest.raises(
+        SPMDCompileError, match=rf"param_groups\[0\]\['{key}'\]"
+    ) as err:
+        step(model, optim, *_batches(1)[0])
+    assert "param-group writes in the step" in str(err.value)
+    _assert_untouched(model, optim, before)
