@@ -36,7 +36,8 @@ each to ``DEPTH`` levels. A traced tensor (or a returned-style ``.item()``, NOTE
   parameters and buffers (``nn.LSTM._flat_weights``, rebuilt by its forward when the
   parameters were swapped for the trace's), which is the module's state, not a kept value.
 A dict or list argument reaches the traced step as a copy (pytree rebuilds it), so its
-entries are set in the caller's container at the same place of the call's arguments.
+entries are set in the caller's container at the same place of the call's arguments;
+a Python value written there is refused (NOTE: [Python values written into arguments]).
 Either way the traced objects are put back as they were before the trace, so a failed
 capture leaves no fake tensor behind; an entry the step creates holds a meta tensor of
 its shape between capture and the end of the first call. Targets are found again on each
@@ -204,6 +205,7 @@ class KeptTensors:
         # id(tensor) -> (where, its dict or closure cell, key): NOTE: [tensors read from
         # outside the arguments]
         self.outside: dict[int, FoundTensor] = {}
+        self.where: str | None = None  # the step's line, for the refusals of ``collect``
         self._seen: set[int] = set()
         self._seen_code: set[int] = set()
         for mi, mod in enumerate(bindings.modules):
@@ -213,7 +215,11 @@ class KeptTensors:
         for i, arg in enumerate(bindings.flat_args):
             if plain_object(arg):
                 self._visit(arg, ("arg", i), (), f"argument {i} of the step ({type(arg).__name__})", DEPTH)
-        self._arguments(traced_call, (), "the step's arguments")
+        args, kwargs = traced_call
+        for i, arg in enumerate(args):
+            self._arguments(arg, (("key", 0), ("key", i)), f"the step's argument {i}")
+        for name, arg in kwargs.items():
+            self._arguments(arg, (("key", 1), ("key", name)), f"the step's argument {name!r}")
         self._functions(func, bindings)
         for h in self.holders:
             h.before = dict(h.entries()) if h.kind != "list" else list(h.obj)
@@ -324,9 +330,10 @@ class KeptTensors:
         self._visit(value, ("live", value), (), label, DEPTH)
 
     # -- after the step ----------------------------------------------------------------
-    def collect(self) -> list[tuple[KeptTensor, Any]]:
+    def collect(self, where: str | None = None) -> list[tuple[KeptTensor, Any]]:
         """The traced values the step stored, each with where; refuses the places that
-        cannot be replayed."""
+        cannot be replayed (``where``: the step's line, for those messages)."""
+        self.where = where
         for h in self.holders:
             if h.kind == "list":
                 self._list(h)
@@ -342,6 +349,8 @@ class KeptTensors:
                         h.root, h.path, step, key, where,
                         as_item=isinstance(value, TracedItem), new=old is _MISSING,
                     ), value))
+                elif h.root[0] == "call" and not _holds_traced(value) and not _same_number(value, old):
+                    raise _python_write(where, self.where)  # NOTE: [Python values written into arguments]
                 elif _holds_traced(value) and not _own_state_cache(h.obj, value):
                     parts = _container_parts(value)
                     for i, (slot, item) in enumerate(parts or ()):
@@ -365,9 +374,14 @@ class KeptTensors:
     def _list(self, h: _Holder) -> None:
         now, before = h.obj, h.before
         old = set(map(id, before))
+        appended = now[len(before):]
+        if h.root[0] == "call" and (
+            len(now) < len(before) or any(a is not b for a, b in zip(now, before))
+            or not all(is_traced(v) for v in appended)
+        ):  # NOTE: [Python values written into arguments]
+            raise _python_write(h.label, self.where)
         if not any(_leaks(v) and id(v) not in old for v in now):
             return
-        appended = now[len(before):]
         if len(now) < len(before) or any(a is not b for a, b in zip(now, before)) or not all(
             is_traced(v) for v in appended
         ):
@@ -451,6 +465,39 @@ def _unwrap(func: Any) -> tuple[Any, list[Any]]:
         else:
             func = func.func
     return func, selves
+
+
+def _same_number(value: Any, old: Any) -> bool:
+    """A Python scalar written over an equal one of its type (``d["mode"] = "train"``
+    where it was already): the caller's container ends the same either way."""
+    return type(value) is type(old) and type(value) in (bool, int, float, str, type(None)) and value == old
+
+
+def _python_write(where: str, line: str | None) -> SPMDCompileError:
+    """NOTE: [Python values written into arguments]
+    A dict or list argument reaches the traced step as a copy pytree rebuilt. A traced
+    value the step stores there (``metrics["loss"] = loss.item()``, a tensor) is kept:
+    set in the caller's container after every call (NOTE: [tensors the step keeps]).
+    Any other write into the copy (a Python value: ``state["micro"] += 1``,
+    ``metrics["steps"] = metrics.get("steps", 0) + 1``, a list changed other than by
+    appending traced values) ran once, at capture, on the copy: the caller's container
+    never saw it, and until the fifty-fifth session it was dropped silently (a
+    micro-step counter gating ``opt.step()`` stayed 0 and the optimizer never stepped:
+    weights 0.60 relative off after 4 calls). It is refused now, as a write into a
+    dataclass or namespace argument is (NOTE: [batch containers]): replaying it exactly
+    would need the value recomputed from the container every call, which a program
+    that runs no Python cannot do. Deleting an entry (``inputs.pop("labels")``) and
+    writing back an equal Python scalar stay allowed."""
+    return SPMDCompileError(
+        f"The train step writes a Python value into {where}: a compiled "
+        "step passes a dict or list argument to the traced step as a copy, and runs no "
+        "Python after capture, so the write would happen once, on the copy, and never "
+        "reach the caller's container (NOTE: [Python values written into arguments]).",
+        user_line=line,
+        hint="keep the counter or setting outside the compiled step (count calls in the "
+        "training loop) or in a tensor (a module buffer); return values from the step; "
+        "a tensor or .item() stored in a dict argument is set after every call.",
+    )
 
 
 def _refused(where: str, what: str, hint: str | None = None) -> SPMDCompileError:

@@ -1452,7 +1452,7 @@ class _StepTracer:
                     result = self.func(*args, **kwargs)
                 _refuse_argument_gradients(values, requiring)
                 closed.refuse_writes(step_where(self.func))
-                kept = keeper.collect()
+                kept = keeper.collect(step_where(self.func))
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
                 selected_rows.settle([result, [value for _, value in kept]], at_selection=True)
                 result, kept = selected_rows.compacted((result, kept))  # NOTE: [rows of one count]
@@ -1639,6 +1639,9 @@ def _swap_optimizer(
         if new.get("fused"):
             new["fused"] = False
         groups.append(new)
+    # what the capture set in each traced group, to refuse the step's own writes to it
+    # (NOTE: [param-group writes in the step]); dict's own methods: not a read (MomentumGroup)
+    set_groups = [{k: dict.__getitem__(g, k) for k in dict.keys(g)} for g in groups]
     # NOTE: [optimizer state made before the first program]: the dicts note new entries
     state = initial_state.RecordedStates(initial_state.class_files(opt))
     for p, entries in saved_state.items():
@@ -1682,7 +1685,7 @@ def _swap_optimizer(
     opt.step = capturable_step  # type: ignore[method-assign]
     try:
         yield state, by_param
-        _check_python_state(opt, oi, groups, before, state, values)
+        _check_python_state(opt, oi, groups, before, state, values, set_groups)
     finally:
         if instance_step is _MISSING:
             del opt.step
@@ -1724,8 +1727,24 @@ def _returned_number(how: str, label: str, where: str) -> str:
     )
 
 
-def _check_python_state(opt, oi, groups, before, state, values) -> None:
-    """Refuse steps whose effect on Python-side optimizer state we could not replay."""
+def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> None:
+    """Refuse steps whose effect on Python-side optimizer state we could not replay.
+
+    NOTE: [param-group writes in the step]
+    The step's optimizer sees traced copies of its param groups (``_swap_optimizer``),
+    so a write into a group inside the step (``g["weight_decay"] *= 0.5``, Adam's
+    ``betas``, SGD's ``momentum``, ``eps``, a custom ``g["micro"] += 1`` counter, a new
+    key) lands in the copy: it ran once, at capture, on the copy, and never reached the
+    user's group. Until the fifty-fifth session only ``lr`` was compared, and the others
+    were dropped silently (AdamW's weight decay halved each step by hand: 0.146 relative
+    off in the weights after 4 steps; a group counter gating the optimizer step: 0.84).
+    Every key but ``params`` is now compared, by identity, with what the capture set
+    (a scheduler's stand-in, NOTE: [schedulers stepped in the step], counts as its
+    original), and a change is refused before the program exists, leaving the user's
+    groups as they were: a compiled step runs no Python, so it cannot repeat the write.
+    Settings changed between calls, outside the step, are read by the next call (AdamW's
+    weight decay halved between 4 calls: within 1.7e-16 of eager, a program per value).
+    """
     for gi, group in enumerate(groups):
         lr = learning_rate_of(group["lr"])  # NOTE: [schedulers stepped in the step]
         if lr is not values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]:
@@ -1734,6 +1753,25 @@ def _check_python_state(opt, oi, groups, before, state, values) -> None:
                 "(an LR scheduler stepped, or the learning rate set, inside the compiled "
                 "step?).",
                 hint=SCHEDULER_HINT,
+            )
+        was = set_groups[gi]
+        changed = sorted(
+            repr(k) for k in {*dict.keys(group), *was}
+            if k not in ("params", "lr") and (
+                k not in was or k not in dict.keys(group)
+                or learning_rate_of(dict.__getitem__(group, k)) is not was[k]
+            )
+        )
+        if changed:
+            raise SPMDCompileError(
+                f"The train step writes optimizer[{oi}].param_groups[{gi}][{', '.join(changed)}] "
+                f"({type(opt).__name__}): a compiled step runs no Python after capture, so "
+                "the write would happen once, on the traced copy of the group, and never "
+                "on later calls (NOTE: [param-group writes in the step]).",
+                hint="change param-group settings outside the compiled step, between calls "
+                "(the next call reads them; a setting other than the learning rate compiles "
+                "a program per value), or use an LR scheduler for the learning rate; "
+                "keep a step counter outside the step (count calls in the training loop).",
             )
     for p, entries in state.items():
         for key, value in entries.items():
