@@ -45,7 +45,13 @@ from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
-from .runtime.runner import BranchMismatch, StepTimings, keep_installs, undo_installs
+from .runtime.runner import (
+    BranchMismatch,
+    StepTimings,
+    check_state_world,
+    keep_installs,
+    undo_installs,
+)
 from .runtime.same_inputs import (
     InputAgreement,
     checks_whole_values,
@@ -96,9 +102,11 @@ class CompileRecord:
 
 def _key_change(old: tuple, new: tuple, n_args: int) -> Change | None:
     """What differs between two calls' program keys (``(input metas, static_key,
-    simulated, default dtype, autocast)``) in the step's arguments, in the words the guards use: "<what> was
-    <old>, now <new>"; None when only the rest differs."""
+    (simulated, world size), default dtype, autocast)``) in the step's arguments, in the words the guards use:
+    "<what> was <old>, now <new>"; None when only the rest differs."""
     old_metas, old_static, new_metas, new_static = old[0], old[1], new[0], new[1]
+    if old[2][1] != new[2][1]:
+        return Change("the world size", str(old[2][1]), str(new[2][1]))
     if old[-1] != new[-1]:  # NOTE: [autocast around the step]
         return Change("the autocast regions around the call", str(old[-1]), str(new[-1]), verb="were")
     if old[-2] != new[-2]:
@@ -205,6 +213,8 @@ class CompiledTrainStep:
         self._input_names: dict[Any, list[str]] = {}
         self._shares_compared = False  # NOTE: [the same share on every rank]
         self._mesh_checked_in: Simulation | None = None  # NOTE: [state after a simulation]
+        # the mesh the state was last found placed for (NOTE: [state placed for another world size])
+        self._state_checked_on: DeviceMesh | None = None
         if step_function(func) is None:
             raise SPMDCompileError(
                 f"The train step {func!r} runs no Python function: a compiled step traces "
@@ -297,6 +307,9 @@ class CompiledTrainStep:
 
     def _call_in(self, bindings: StepBindings, sim: Simulation | None, ambient: tuple) -> Any:
         mesh = self._mesh(bindings, sim)
+        if mesh is not self._state_checked_on:  # NOTE: [state placed for another world size]
+            check_state_world(bindings, mesh.size(), sim)
+            self._state_checked_on = mesh
         tensor_args = [t for _, t in bindings.tensor_args()]
         agreement = None
         if sim is None:
@@ -330,7 +343,12 @@ class CompiledTrainStep:
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
         # the default dtype: a step's factories (torch.tensor([0.1] * n)) make tensors of it
-        key = (tuple(input_metas), bindings.static_key(), sim is not None, torch.get_default_dtype(), ambient)
+        # and the world size: a program is sharded for its ranks (NOTE: [state placed for
+        # another world size])
+        key = (
+            tuple(input_metas), bindings.static_key(), (sim is not None, mesh.size()), torch.get_default_dtype(),
+            ambient,
+        )
         executable = self._cached_executable(key, bindings)
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))
