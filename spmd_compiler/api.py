@@ -269,11 +269,7 @@ class CompiledTrainStep:
             # ``Trainer.step(trainer, x)``: the call ``trainer.step(x)`` is
             return self._of(args[0])(*args[1:], **kwargs)
         if not dist.is_initialized():
-            raise SPMDCompileError(
-                "No process group: run under torchrun / spmd_compiler.launch (real ranks) "
-                "or inside `with spmd_compiler.simulate(world_size=N):` (simulated ranks).",
-                user_line=self._where,
-            )
+            raise self._no_process_group()
         sim = active_simulation()
         self._served = self._found = None
         bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
@@ -290,6 +286,27 @@ class CompiledTrainStep:
                 for take_off in undo:
                     take_off()
             raise
+
+    def _no_process_group(self) -> SPMDCompileError:
+        """A call with no process group. Under torchrun (``RANK`` and ``WORLD_SIZE`` set)
+        the script forgot to join its ranks: said so, rather than "run under torchrun"
+        to a script that does."""
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return SPMDCompileError(
+                f"No process group, though this process is rank {os.environ['RANK']} of "
+                f"{os.environ['WORLD_SIZE']} (RANK and WORLD_SIZE are set: torchrun or a "
+                "launcher like it): the ranks have not joined their process group.",
+                user_line=self._where,
+                hint="call `spmd_compiler.init_from_env()` once on every rank before the first "
+                "compiled call (after torchrun starts the script), or "
+                "`torch.distributed.init_process_group(...)` yourself.",
+            )
+        return SPMDCompileError(
+            "No process group: run under torchrun / spmd_compiler.launch (real ranks) "
+            "or inside `with spmd_compiler.simulate(world_size=N):` (simulated ranks).",
+            user_line=self._where,
+            hint="under torchrun, call `spmd_compiler.init_from_env()` first.",
+        )
 
     def _call(self, bindings: StepBindings, sim: Simulation | None) -> Any:
         ambient = private.ambient_autocast()  # NOTE: [autocast around the step]

@@ -212,6 +212,22 @@ def test_call_outside_simulation_or_process_group():
     assert_untouched(before, model, opt)
 
 
+def test_call_under_torchrun_without_init_from_env_says_to_call_it(monkeypatch):
+    """Under torchrun (RANK, WORLD_SIZE set) a script that forgot ``sc.init_from_env()``
+    was told to "run under torchrun / spmd_compiler.launch", which it did."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = Net()
+    opt = warmed_up(model)
+    before = snapshot(model, opt)
+    with pytest.raises(SPMDCompileError) as info:
+        sc.compile()(step)(model, opt, *batch())
+    message = str(info.value)
+    assert "rank 1 of 2" in message and "init_from_env()" in message, message
+    assert "run under torchrun" not in message, message
+    assert_untouched(before, model, opt)
+
+
 # ---------------------------------------------------------------- compile options
 
 
