@@ -37,7 +37,7 @@ from .capture.kept_tensors import KeptTensors, install_placeholders, kept_contai
 from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import capture_step, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
-from .errors import Change, SPMDCompileError
+from .errors import Change, SPMDCompileError, mesh_of_another_size
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
 from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
@@ -581,14 +581,7 @@ class CompiledTrainStep:
         if key not in self._meshes:
             mesh = self.mode.mesh(device_type)
             if mesh.size() != world:
-                raise SPMDCompileError(
-                    f"{type(self.mode).__name__} uses a mesh of {mesh.size()} ranks but the "
-                    f"process group has {world}: the other ranks would have no part of the "
-                    "step (a sub-mesh such as mesh['tp'] of a 2-D mesh spans part of the ranks).",
-                    hint="build the mesh over all ranks (init_device_mesh); for tensor parallel "
-                    "inside data parallel use the fsdp_tp mode on the 2-D mesh "
-                    "(make_mode('fsdp_tp', mesh_shape=(dp, tp), plan=...)).",
-                )
+                raise mesh_of_another_size(type(self.mode).__name__, mesh.size(), world)
             if sim is not None and not mesh_is_live(mesh):
                 raise SPMDCompileError(
                     f"{self.mode!r} was given a mesh made in a simulation that has ended: its "
