@@ -12,11 +12,13 @@ dp; gradients are reduce-scattered over dp.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -24,6 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.capture.gradients import gradient_settles, marked_gradient
+from spmd_compiler.errors import mesh_of_another_size
 from spmd_compiler.expand.parent_mesh import parent_placements
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import placeholders
@@ -87,6 +90,11 @@ class FullyShardTensorParallel(ParallelMode):
         # its own mesh is made again once its simulation has ended (NOTE: [state after a
         # simulation]); a mesh the user gave stays the user's
         if self._mesh is None or (self._own_mesh and not mesh_is_live(self._mesh)):
+            # a shape of another size than the world: the library's refusal, not torch's
+            # "Mesh should not be bigger than default world size" (``mesh_of_another_size``)
+            size, world = math.prod(self.mesh_shape), dist.get_world_size()
+            if size != world:
+                raise mesh_of_another_size(type(self).__name__, size, world, tuple(self.mesh_shape))
             self._mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=("dp", "tp"))
         return super().mesh(device_type)
 

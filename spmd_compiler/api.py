@@ -37,7 +37,7 @@ from .capture.kept_tensors import KeptTensors, install_placeholders, kept_contai
 from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import capture_step, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
-from .errors import Change, SPMDCompileError
+from .errors import Change, SPMDCompileError, mesh_of_another_size
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
 from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
@@ -45,7 +45,13 @@ from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
-from .runtime.runner import BranchMismatch, StepTimings, keep_installs, undo_installs
+from .runtime.runner import (
+    BranchMismatch,
+    StepTimings,
+    check_state_world,
+    keep_installs,
+    undo_installs,
+)
 from .runtime.same_inputs import (
     InputAgreement,
     checks_whole_values,
@@ -96,9 +102,11 @@ class CompileRecord:
 
 def _key_change(old: tuple, new: tuple, n_args: int) -> Change | None:
     """What differs between two calls' program keys (``(input metas, static_key,
-    simulated, default dtype, autocast)``) in the step's arguments, in the words the guards use: "<what> was
-    <old>, now <new>"; None when only the rest differs."""
+    (simulated, world size), default dtype, autocast)``) in the step's arguments, in the words the guards use:
+    "<what> was <old>, now <new>"; None when only the rest differs."""
     old_metas, old_static, new_metas, new_static = old[0], old[1], new[0], new[1]
+    if old[2][1] != new[2][1]:
+        return Change("the world size", str(old[2][1]), str(new[2][1]))
     if old[-1] != new[-1]:  # NOTE: [autocast around the step]
         return Change("the autocast regions around the call", str(old[-1]), str(new[-1]), verb="were")
     if old[-2] != new[-2]:
@@ -205,6 +213,8 @@ class CompiledTrainStep:
         self._input_names: dict[Any, list[str]] = {}
         self._shares_compared = False  # NOTE: [the same share on every rank]
         self._mesh_checked_in: Simulation | None = None  # NOTE: [state after a simulation]
+        # the mesh the state was last found placed for (NOTE: [state placed for another world size])
+        self._state_checked_on: DeviceMesh | None = None
         if step_function(func) is None:
             raise SPMDCompileError(
                 f"The train step {func!r} runs no Python function: a compiled step traces "
@@ -259,11 +269,7 @@ class CompiledTrainStep:
             # ``Trainer.step(trainer, x)``: the call ``trainer.step(x)`` is
             return self._of(args[0])(*args[1:], **kwargs)
         if not dist.is_initialized():
-            raise SPMDCompileError(
-                "No process group: run under torchrun / spmd_compiler.launch (real ranks) "
-                "or inside `with spmd_compiler.simulate(world_size=N):` (simulated ranks).",
-                user_line=self._where,
-            )
+            raise self._no_process_group()
         sim = active_simulation()
         self._served = self._found = None
         bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
@@ -281,6 +287,27 @@ class CompiledTrainStep:
                     take_off()
             raise
 
+    def _no_process_group(self) -> SPMDCompileError:
+        """A call with no process group. Under torchrun (``RANK`` and ``WORLD_SIZE`` set)
+        the script forgot to join its ranks: said so, rather than "run under torchrun"
+        to a script that does."""
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return SPMDCompileError(
+                f"No process group, though this process is rank {os.environ['RANK']} of "
+                f"{os.environ['WORLD_SIZE']} (RANK and WORLD_SIZE are set: torchrun or a "
+                "launcher like it): the ranks have not joined their process group.",
+                user_line=self._where,
+                hint="call `spmd_compiler.init_from_env()` once on every rank before the first "
+                "compiled call (after torchrun starts the script), or "
+                "`torch.distributed.init_process_group(...)` yourself.",
+            )
+        return SPMDCompileError(
+            "No process group: run under torchrun / spmd_compiler.launch (real ranks) "
+            "or inside `with spmd_compiler.simulate(world_size=N):` (simulated ranks).",
+            user_line=self._where,
+            hint="under torchrun, call `spmd_compiler.init_from_env()` first.",
+        )
+
     def _call(self, bindings: StepBindings, sim: Simulation | None) -> Any:
         ambient = private.ambient_autocast()  # NOTE: [autocast around the step]
         try:
@@ -297,6 +324,9 @@ class CompiledTrainStep:
 
     def _call_in(self, bindings: StepBindings, sim: Simulation | None, ambient: tuple) -> Any:
         mesh = self._mesh(bindings, sim)
+        if mesh is not self._state_checked_on:  # NOTE: [state placed for another world size]
+            check_state_world(bindings, mesh.size(), sim)
+            self._state_checked_on = mesh
         tensor_args = [t for _, t in bindings.tensor_args()]
         agreement = None
         if sim is None:
@@ -330,7 +360,12 @@ class CompiledTrainStep:
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
         # the default dtype: a step's factories (torch.tensor([0.1] * n)) make tensors of it
-        key = (tuple(input_metas), bindings.static_key(), sim is not None, torch.get_default_dtype(), ambient)
+        # and the world size: a program is sharded for its ranks (NOTE: [state placed for
+        # another world size])
+        key = (
+            tuple(input_metas), bindings.static_key(), (sim is not None, mesh.size()), torch.get_default_dtype(),
+            ambient,
+        )
         executable = self._cached_executable(key, bindings)
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))
@@ -554,14 +589,7 @@ class CompiledTrainStep:
         if key not in self._meshes:
             mesh = self.mode.mesh(device_type)
             if mesh.size() != world:
-                raise SPMDCompileError(
-                    f"{type(self.mode).__name__} uses a mesh of {mesh.size()} ranks but the "
-                    f"process group has {world}: the other ranks would have no part of the "
-                    "step (a sub-mesh such as mesh['tp'] of a 2-D mesh spans part of the ranks).",
-                    hint="build the mesh over all ranks (init_device_mesh); for tensor parallel "
-                    "inside data parallel use the fsdp_tp mode on the 2-D mesh "
-                    "(make_mode('fsdp_tp', mesh_shape=(dp, tp), plan=...)).",
-                )
+                raise mesh_of_another_size(type(self.mode).__name__, mesh.size(), world)
             if sim is not None and not mesh_is_live(mesh):
                 raise SPMDCompileError(
                     f"{self.mode!r} was given a mesh made in a simulation that has ended: its "

@@ -224,3 +224,27 @@ def node_error(message: str, node: torch.fx.Node, *, hint: str | None = None) ->
         user_line=node.meta.get(USER_LINE),
         hint=hint,
     )
+
+
+def mesh_of_another_size(mode: str, mesh_size: int, world: int, shape: tuple[int, ...] | None = None) -> SPMDCompileError:
+    """A mode's mesh that does not span the process group's ranks: smaller (the other
+    ranks would have no part of the step) or bigger (``mesh_shape=(2, 2)`` at 2 ranks,
+    which torch's ``init_device_mesh`` refused with its own "Mesh should not be bigger
+    than default world size"). One message for both, raised before any state is placed."""
+    asked = f" (mesh_shape={shape})" if shape is not None else ""
+    if mesh_size > world:
+        return SPMDCompileError(
+            f"{mode} uses a mesh of {mesh_size} ranks{asked} but the process group has {world}: "
+            "the mesh asks for ranks that do not exist.",
+            hint=f"make the mesh's shape multiply to {world} (e.g. mesh_shape=(1, {world}) for tensor "
+            f"parallel alone, ({world}, 1) for data parallel alone), or run on {mesh_size} ranks "
+            f"(simulate(world_size={mesh_size}), torchrun --nproc-per-node {mesh_size}).",
+        )
+    return SPMDCompileError(
+        f"{mode} uses a mesh of {mesh_size} ranks but the process group has {world}: the other "
+        "ranks would have no part of the step (a sub-mesh such as mesh['tp'] of a 2-D mesh spans "
+        "part of the ranks).",
+        hint="build the mesh over all ranks (init_device_mesh); for tensor parallel "
+        "inside data parallel use the fsdp_tp mode on the 2-D mesh "
+        "(make_mode('fsdp_tp', mesh_shape=(dp, tp), plan=...)).",
+    )

@@ -22,6 +22,37 @@ def names_in(code: types.CodeType) -> Iterator[str]:
             yield from names_in(const)
 
 
+# NOTE: [globals by the bytecode]
+# ``co_names`` holds the names of attributes (``LOAD_ATTR``, ``LOAD_METHOD``) and of
+# globals (``LOAD_GLOBAL``) alike. Looking each of them up as a global guarded a script's
+# global that merely shares an attribute's name: a loss log ``out = []`` appended every
+# call, with a model reading ``self.out``, compiled a new program on every call (6
+# programs for 6 calls, the warning naming ``global out``, which ``forward`` never reads).
+# The globals a code reads are the names of its global loads: ``LOAD_GLOBAL``, and
+# ``LOAD_NAME`` / ``LOAD_FROM_DICT_OR_GLOBALS`` (a class body's names, which fall back to
+# the globals), on every Python from 3.10 to 3.13 (``dis`` gives the name, without 3.11's
+# NULL bit). A global only stored (``global seen; seen = 1``) is not read by that code.
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+_GLOBAL_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
+
+
+def global_names_in(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` and its nested code (comprehensions, lambdas, inner functions,
+    class bodies) load as globals (NOTE: [globals by the bytecode]), in order of first
+    load. Cached per code object."""
+    found = _GLOBAL_NAMES.get(code)
+    if found is None:
+        names: dict[str, None] = {}
+        for instruction in dis.get_instructions(code):
+            if instruction.opname in _GLOBAL_LOADS and isinstance(instruction.argval, str):
+                names.setdefault(instruction.argval)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names.update(dict.fromkeys(global_names_in(const)))
+        found = _GLOBAL_NAMES[code] = tuple(names)
+    return found
+
+
 def strings_in(code: types.CodeType) -> Iterator[str]:
     """The string constants of ``code`` and its nested code that are identifiers: the
     attribute names a ``getattr(obj, "name")`` and the keys a ``d["name"]`` read."""
@@ -216,6 +247,6 @@ def reachable_by_name(
 
 
 __all__ = [
-    "names_in", "reachable_by_name", "reads_computed_attributes", "step_code", "step_function", "step_name", "step_where",
+    "global_names_in", "names_in", "reachable_by_name", "reads_computed_attributes", "step_code", "step_function", "step_name", "step_where",
     "strings_in", "value_names_in",
 ]

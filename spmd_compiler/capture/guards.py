@@ -94,7 +94,8 @@ an object, module or class, the attributes that some code the walk reached names
 the object does not hold but its class does (``class Settings: base = 2.0``) is guarded
 on the class, and its absence on the object too (a value set there later shadows the
 class's); a method the code calls on it is walked, so the names and globals it reads
-join. The walk repeats until no walked code adds a name. Before it, a list of config
+join. A global is what the code loads as one (``LOAD_GLOBAL``), not any name of
+``co_names``: NOTE: [globals by the bytecode]. The walk repeats until no walked code adds a name. Before it, a list of config
 objects on a module, an attribute three objects down, an object in a global tuple or
 dict, a class attribute, and what a helper reads of a global were all unguarded: a
 change ran the old program silently (``tests/unit/test_guards_by_name_walk.py``,
@@ -200,7 +201,13 @@ import torch
 
 from ..errors import Change
 from .bindings import StepBindings, mark_parameters, numpy_kind
-from .code_names import names_in, reads_computed_attributes, strings_in, value_names_in
+from .code_names import (
+    global_names_in,
+    names_in,
+    reads_computed_attributes,
+    strings_in,
+    value_names_in,
+)
 from .plain_objects import (
     attributes,
     holds_attributes,
@@ -1298,7 +1305,9 @@ class _Walker:
         if cls is not None:
             for name in names:
                 self.class_attribute(cls, name)
-        for name in names:
+        # the names it loads as globals, not every name (an attribute ``self.out`` is no
+        # read of a script's global ``out``): NOTE: [globals by the bytecode]
+        for name in sorted(global_names_in(fn.__code__)):
             # ``@pytest_ar``, ``@py_builtins``: what pytest's rewritten ``assert`` calls,
             # not the step's (its source cache would be a guard: ``linecache.cache``)
             value = fn.__globals__.get(name, _MISSING) if name.isidentifier() else _MISSING

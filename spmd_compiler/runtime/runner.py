@@ -155,7 +155,7 @@ def _install(
         placements = placement_of(ref, TensorMeta.of(p), mesh)
         if isinstance(p, DTensor):
             rehome(p)
-            _check_installed(ref, p, mesh, placements)
+            _check_installed(ref, p, mesh, placements, sim)
             rehome(p.grad)
             continue
         dt = _distribute(p.detach(), mesh, placements, sim)
@@ -252,7 +252,52 @@ def _undo_of(bindings: StepBindings) -> Callable[[], None]:
     return undo
 
 
-def _check_installed(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements) -> None:
+# NOTE: [state placed for another world size]
+# A compiled model's parameters and optimizer state are sharded for the ranks of its first
+# compiled call; they cannot be run at another world size in place. Calling the same step
+# first in ``simulate(world_size=2)`` and then in ``simulate(world_size=4)`` ran the
+# world-size-2 program (the program key did not hold the world size) and failed feeding
+# its inputs with torch's bare ``AssertionError`` (``get_coordinate`` of the local-tensor
+# mesh); a new step on that model said "use one parallel mode per model". Both now refuse
+# before anything runs, naming the two world sizes and the way to move a model to other
+# ranks (through ``sc.checkpoint``, into a fresh model and optimizer); the state is left as
+# it was, and a call at the old world size goes on. The program key holds the world size,
+# so a fresh model at the new one compiles its own program
+# (``tests/sim/test_state_after_simulation.py``).
+def state_on_another_world(what: str, placed: DeviceMesh, world: int, sim: Simulation | None) -> SPMDCompileError:
+    """The error of a call at ``world`` ranks on state (``what``) placed on ``placed``
+    (NOTE: [state placed for another world size])."""
+    here = f"`simulate(world_size={world})`" if sim is not None else f"a process group of {world} ranks"
+    return SPMDCompileError(
+        f"{what} is placed on {placed.size()} ranks (by a compiled step's first call), but this "
+        f"call runs on {here}: a compiled model's parameters and optimizer state are sharded "
+        f"for one world size and cannot run at another in place. Nothing was changed; calls "
+        f"on {placed.size()} ranks go on as before.",
+        hint=(
+            f"to go on at {world} ranks, move the state into a fresh model and optimizer: "
+            "`sc.checkpoint.save(path, model, optim)` on the old ranks, then build a new model "
+            "and optimizer and `sc.checkpoint.load(path, new_model, new_optim)` at the new "
+            "world size (it reshards; the step may be the same compiled one), or, for the "
+            "weights alone, `new_model.load_state_dict(sc.checkpoint.full_state_dict(model)"
+            "['model'])`."
+        ),
+    )
+
+
+def check_state_world(bindings: StepBindings, world: int, sim: Simulation | None) -> None:
+    """Refuse a call at ``world`` ranks whose model state is placed on another number of
+    ranks (NOTE: [state placed for another world size]); run when the step's mesh changes."""
+    for kind, tensors in (("param", bindings.params), ("buffer", bindings.buffers)):
+        for name, t in tensors.items():
+            if isinstance(t, DTensor) and t.device_mesh.size() != world:
+                raise state_on_another_world(f"{kind} {name}", t.device_mesh, world, sim)
+
+
+def _check_installed(
+    ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None
+) -> None:
+    if p.device_mesh.size() != mesh.size():  # NOTE: [state placed for another world size]
+        raise state_on_another_world(str(ref), p.device_mesh, mesh.size(), sim)
     if p.device_mesh != mesh or tuple(p.placements) != tuple(placements):
         raise SPMDCompileError(
             f"{ref} is already a DTensor with placement {format_placements(p.placements)} on "

@@ -482,3 +482,34 @@ def test_a_torch_modules_forward_replaced_on_its_class_recompiles(monkeypatch):
         finally:
             GAIN.inner.k = 1.0
     assert len(run.compiled.records) == 3
+
+
+out: list[float] = []  # a script's loss log, named as the model's attribute ``self.out``
+OUT_GAIN = 1.0  # a global the forward does read
+
+
+class Shadowed(Staged):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(super().forward(x)) * OUT_GAIN
+
+
+def test_a_global_named_as_an_attribute_compiles_once(monkeypatch):
+    """NOTE: [globals by the bytecode]: ``out.append(loss)`` each call, the forward
+    reading ``self.out``, compiled a new program on every call (6 for 6, warned as
+    ``global out (read by ...forward)``); a global the forward loads still recompiles."""
+    monkeypatch.setitem(globals(), "out", [])
+    run = Run()
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Shadowed())
+        for _ in range(4):
+            run.check(model, twin)
+            out.append(float(len(out)))
+        assert len(run.compiled.records) == 1
+        monkeypatch.setitem(globals(), "OUT_GAIN", 2.5)
+        run.check(model, twin)
+        run.check(model, twin)
+    assert len(run.compiled.records) == 2

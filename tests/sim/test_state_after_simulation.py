@@ -147,3 +147,41 @@ def test_simulations_leave_the_excepthook_as_they_found_it():
         with sc.simulate(world_size=2):
             pass
     assert sys.excepthook is before
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_another_world_size_is_refused_and_the_checkpoint_moves_the_state(mode: str, tmp_path) -> None:
+    """NOTE: [state placed for another world size]: the same step on the same model in
+    ``simulate(world_size=4)`` after ``world_size=2`` ran the 2-rank program and failed
+    with torch's bare AssertionError; a new step said "use one parallel mode per model".
+    Both now name the two world sizes and the way out, leave the state as it was (the
+    model goes on at 2 ranks as eagerly), and the way out (``checkpoint.save`` /
+    ``load`` into a fresh model and optimizer) continues at 4 ranks as eagerly."""
+    model, optim = _build()
+    reference, ref_optim = _build()
+    step = sc.compile(_mode(mode))(classification_train_step)
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(4)]
+    want = [classification_train_step(reference, ref_optim, x, y).item() for x, y in data]
+    with sc.simulate(world_size=2):
+        got = [step(model, optim, x, y).item() for x, y in data[:2]]
+    before = checkpoint.full_state_dict(model, optim)
+    for stepper in (step, sc.compile(_mode(mode))(classification_train_step)):
+        with sc.simulate(world_size=4), pytest.raises(sc.SPMDCompileError) as refused:
+            stepper(model, optim, *data[2])
+        message = str(refused.value)
+        assert "placed on 2 ranks" in message and "simulate(world_size=4)" in message, message
+        assert "sc.checkpoint.save" in message and "sc.checkpoint.load" in message, message
+    after = checkpoint.full_state_dict(model, optim)
+    for a, b in zip(torch.utils._pytree.tree_leaves(before), torch.utils._pytree.tree_leaves(after), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    checkpoint.save(tmp_path / "ckpt", model, optim)
+    fresh, fresh_optim = _build()
+    with sc.simulate(world_size=4):  # the way out, with the same compiled step
+        checkpoint.load(tmp_path / "ckpt", fresh, fresh_optim)
+        moved = got + [step(fresh, fresh_optim, x, y).item() for x, y in data[2:]]
+    with sc.simulate(world_size=2):  # and the refused model goes on where it was
+        got += [step(model, optim, x, y).item() for x, y in data[2:]]
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert moved == pytest.approx(want, rel=1e-12, abs=0)

@@ -212,6 +212,22 @@ def test_call_outside_simulation_or_process_group():
     assert_untouched(before, model, opt)
 
 
+def test_call_under_torchrun_without_init_from_env_says_to_call_it(monkeypatch):
+    """Under torchrun (RANK, WORLD_SIZE set) a script that forgot ``sc.init_from_env()``
+    was told to "run under torchrun / spmd_compiler.launch", which it did."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = Net()
+    opt = warmed_up(model)
+    before = snapshot(model, opt)
+    with pytest.raises(SPMDCompileError) as info:
+        sc.compile()(step)(model, opt, *batch())
+    message = str(info.value)
+    assert "rank 1 of 2" in message and "init_from_env()" in message, message
+    assert "run under torchrun" not in message, message
+    assert_untouched(before, model, opt)
+
+
 # ---------------------------------------------------------------- compile options
 
 
@@ -647,6 +663,36 @@ def test_tensor_parallel_on_a_sub_mesh_names_the_2d_mode():
     message = str(info.value)
     assert message.startswith("TensorParallel uses a mesh of 2 ranks but the process group has 4")
     assert "fsdp_tp" in message and "ColwiseParallel" not in message
+
+
+@pytest.mark.parametrize(("shape", "world"), [((2, 2), 2), ((1, 2), 4)])
+def test_an_fsdp_tp_mesh_shape_of_another_size_is_refused_with_what_to_do(shape, world):
+    """``mesh_shape=(2, 2)`` at 2 ranks leaked torch's "Mesh should not be bigger than
+    default world size" RuntimeError; a smaller shape had the library's error. Both now
+    have it, naming the two sizes, and the model is untouched."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from spmd_compiler.parallel_modes import FullyShardTensorParallel
+
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.up(x).sum()
+
+    model = Up()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    mode = FullyShardTensorParallel({"up": ColwiseParallel()}, mesh_shape=shape)
+    with sc.simulate(world_size=world), pytest.raises(SPMDCompileError) as info:
+        sc.compile(mode)(_loss_step)(model, opt, torch.randn(4, 4))
+    message = str(info.value)
+    assert message.startswith(
+        f"FullyShardTensorParallel uses a mesh of {shape[0] * shape[1]} ranks"
+    ) and f"the process group has {world}" in message, message
+    assert_untouched(before, model, opt)
 
 
 def step_counting_labels(model, optim, x, y):

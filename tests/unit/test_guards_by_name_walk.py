@@ -260,3 +260,26 @@ def test_slotted_objects_are_walked_by_their_keys(monkeypatch):
     model.knobs[3].scale = 7.0
     change = guards.first_change(bindings)
     assert change is not None and "knobs[3].scale" in change.what
+
+
+LOADED = 1.0
+
+
+def _loads_globals(obj, xs):  # noqa: ANN001, ANN202 - every way code loads a global
+    scaled = [LOADED * x for x in xs]  # in a comprehension
+    pick = lambda: SHOWN  # noqa: E731, F821 - in a lambda (defined or not)
+
+    class Local:
+        attr = CLASS_READ  # noqa: F821 - a class body's LOAD_NAME
+
+    return obj.out(scaled), obj.helper.attr, pick, Local
+
+
+def test_globals_are_the_names_the_code_loads_as_globals():
+    """NOTE: [globals by the bytecode]: ``co_names`` names attributes too; only loads
+    of globals count (``out``, ``helper``, ``attr`` are attributes here)."""
+    from spmd_compiler.capture.code_names import global_names_in
+
+    names = set(global_names_in(_loads_globals.__code__))
+    assert {"LOADED", "SHOWN", "CLASS_READ"} <= names
+    assert not names & {"out", "helper", "attr"}
