@@ -26,6 +26,7 @@ parameters is refused at compile time (a typo would leave the argument on dimens
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Mapping
 
@@ -202,3 +203,52 @@ def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: Ste
                 hint="name an argument as the step's signature does (a key or attribute "
                 "inside it as batch['mask'] or batch.mask).",
             )
+
+
+# NOTE: [capture failures of split arguments]
+# On real ranks each rank passes its share of every split argument, and the step is
+# captured at the global shapes the mode builds from them: the share's batch dimension
+# times the ranks. Where that dimension is not the argument's batch (a time-major
+# ``(S, B, E)`` sequence into ``nn.TransformerEncoder(batch_first=False)``, nothing
+# named), the captured arguments disagree although each rank's own tensors agree, and
+# torch's error quotes the global sizes ("Expected key_padded_mask.shape[0] to be 4,
+# but got 8", "Expected input batch_size (4) to match target batch_size (8)" on 2 gloo
+# ranks, 2026-12-05), with no word of input_batch_dim. A capture failure on real ranks
+# whose message names the global size of a split dimension says which dimension of
+# which argument was read as the batch, and how to name another; as an "if": the
+# mismatch may be the step's own.
+
+
+def split_arguments_hint(
+    splits: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], message: str
+) -> str | None:
+    """What to do where a capture failure on real ranks may come from a split argument
+    whose batch is not where the mode read it (NOTE: [capture failures of split
+    arguments]); ``splits``: ``(name, this rank's shape, captured shape, dimension)`` of
+    each argument split along ``dimension``. None where ``message`` quotes no captured
+    size of a split dimension."""
+    numbers = {int(n) for n in re.findall(r"(?<![\w.])\d+(?!\w|\.\d)", message)}
+    if not any(whole[dim] in numbers for _, _, whole, dim in splits):
+        return None
+    shown = [
+        f"{name!r} along dimension {dim} (this rank's {_shape(local)} as {_shape(whole)})"
+        for name, local, whole, dim in splits[:_SHOWN_SPLITS]
+    ]
+    if len(splits) > _SHOWN_SPLITS:
+        shown.append(f"and {len(splits) - _SHOWN_SPLITS} more")
+    first = splits[0][0]
+    return (
+        "if the sizes that disagree are those of arguments split over the ranks: the step "
+        "was captured at the global shapes the mode builds from each rank's share, taking "
+        f"these dimensions as the batch: {', '.join(shown)}. If an argument's batch lies in "
+        "another dimension (a time-major (S, B, E) sequence: dimension 1), name it with the "
+        f"mode's input_batch_dim (input_batch_dim={{{first!r}: 1}}), or None for one every "
+        "rank passes whole."
+    )
+
+
+_SHOWN_SPLITS = 6
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"

@@ -4,7 +4,8 @@ NOTE: [fully_shard as placements]
 fully_shard keeps every parameter, gradient and optimizer-state tensor Shard(0) on the
 mesh. The per-rank program then gathers a parameter where forward or backward reads it
 (``placement_at_use``: Replicate at each use outside the optimizer, one all-gather per
-parameter and group) and the gradient, Partial after backward, meets the Shard(0)
+parameter and group; a parameter updated by an ``optimizer.step()`` inside the step and
+read again after it, by a second forward, is gathered at those uses the same way) and the gradient, Partial after backward, meets the Shard(0)
 optimizer state, which DTensor resolves with a reduce-scatter. With
 ``reshard_after_forward`` forward and backward are separate groups (two all-gathers per
 parameter, the forward copy freed after its last forward use); views of a parameter
@@ -163,7 +164,7 @@ class DataParallel(ParallelMode):
         return program
 
     def placement_at_use(self, captured: CapturedStep, mesh: DeviceMesh) -> UseHook | None:
-        params = _param_nodes(captured)
+        params = _param_values(captured)
         casts = _param_casts(captured)
         grad_casts = self._low_precision_grad_casts(captured)
         if not self.sharded and not grad_casts:
@@ -228,9 +229,36 @@ def _param_nodes(captured: CapturedStep) -> set[torch.fx.Node]:
     }
 
 
+# NOTE: [parameters updated inside the step]
+# A step that calls ``optimizer.step()`` before another forward (a GAN's discriminator
+# step, then the generator's loss through it; a model updated twice per call) reads the
+# update's result, an optimizer value, where it reads the parameter. fully_shard holds
+# that value Shard(0) like the parameter it replaces; left to DTensor's propagation, the
+# later forward computed on the rows, tensor-parallel style (the batch all-gathered at
+# 2 ranks), and on 1 rank, where every redistribution is free, it sharded a Linear(16, 1)
+# head's output on its size-1 feature dimension, which the ``squeeze(-1)`` after it
+# cannot remove (2026-12-05: SPMDCompileError "would remove or reshape sharded dimension
+# 1"). Such a value is gathered at its uses outside the optimizer as the parameter is
+# (fsdp_tp gathers it the same way): gathering is exact whatever the value is; any other
+# optimizer value read after the step (a step count) is replicated already.
+
+
+def _param_values(captured: CapturedStep) -> set[torch.fx.Node]:
+    """The parameters and their values updated inside the step (NOTE: [parameters
+    updated inside the step]): the optimizer's results read by a call outside it."""
+    values = _param_nodes(captured)
+    for node in captured.graph_module.graph.nodes:
+        if node.meta.get(PHASE) == OPTIMIZER_PHASE and any(
+            user.op == "call_function" and user.meta.get(PHASE) != OPTIMIZER_PHASE
+            for user in node.users
+        ):
+            values.add(node)
+    return values
+
+
 def _param_casts(captured: CapturedStep) -> set[torch.fx.Node]:
     """Compute's casts of parameters (mixed precision): ``_to_copy(P, dtype=bf16)``."""
-    params = _param_nodes(captured)
+    params = _param_values(captured)
     return {
         user
         for p in params
@@ -250,7 +278,7 @@ def remake_param_views_for_backward(captured: CapturedStep) -> int:
     0 when forward and backward share no view, and on a second call.
     """
     graph = captured.graph_module.graph
-    params = _param_nodes(captured)
+    params = _param_values(captured)
     views: list[torch.fx.Node] = []
     derived = params | _param_casts(captured)
     for node in graph.nodes:

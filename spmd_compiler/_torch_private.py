@@ -2702,6 +2702,7 @@ def install_dtensor_gap_fills() -> None:
         ("nested_unflatten", _nested_strided_unflatten_gap, _install_nested_strided_unflatten_rule),
         ("regroup", _regroup_gathers_gap, _install_regroup_rule),
         ("gather_fallback", _view_rule_raises_gap, _install_view_gather_fallback),
+        ("single_rank", _single_rank_view_gap, _install_single_rank_views),
     ):
         if gap():
             install()
@@ -2740,7 +2741,8 @@ def view_fills() -> frozenset[str]:
     """Which of our view-rule fills this torch got (after ``install_dtensor_gap_fills``):
     "strided_view" (2.11), "split_flatten" (2.12), "nested_unflatten" and "regroup"
     (NOTE: [nested strided unflatten], NOTE: [head-local regroup]; 2.13 and later),
-    "gather_fallback" (NOTE: [view rule that raises])."""
+    "gather_fallback" (NOTE: [view rule that raises]), "single_rank" (NOTE: [views of a
+    shard on one rank])."""
     install_dtensor_gap_fills()
     return frozenset(_VIEW_FILLS)
 
@@ -3209,6 +3211,56 @@ def _install_view_gather_fallback() -> None:
                 except (*_VIEW_RULE_BUGS, RuntimeError):
                     continue
             raise error
+
+    _view_ops.propagate_shape_and_sharding = propagate
+
+
+# NOTE: [views of a shard on one rank]
+# A mesh dimension of size 1 holds the whole tensor on its one rank whatever its
+# placement says: Shard(d) there is Replicate. Where every redistribution on it is free,
+# DTensor's strategies may shard a dimension of size 1 on it (a ColwiseParallel
+# Linear(16, 1) head at tp=1 gives its output Shard(1) on (8, 1)), and its strict view
+# rule then refuses the ``squeeze(-1)`` after it ("This operation would remove or
+# reshape sharded dimension 1, which requires redistribution", torch 2.13, 2026-12-05).
+# Where the rule raises, the view is asked again with such mesh dims replicated: the
+# input keeps its placement there (its local tensor is already the whole one, no
+# collective) and the output is Replicate there. Other mesh dims keep torch's answer or
+# its error.
+
+
+def _single_rank_view_gap() -> bool:
+    """True when DTensor's view rule (as patched so far) refuses ``(8, 1) -> (8,)`` with
+    dim 1 sharded on a mesh of one rank."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._ops import _view_ops
+
+    def probe() -> None:
+        rule = _view_ops.view_groups((8, 1), (8,))
+        _view_ops.propagate_shape_and_sharding((Shard(1),), (8, 1), rule, (1,), True)
+
+    return _probe_raises(probe, (RuntimeError,))
+
+
+def _install_single_rank_views() -> None:
+    """NOTE: [views of a shard on one rank]: where the view rule raises, answer it with
+    the shards on mesh dims of size 1 read as Replicate."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._ops import _view_ops
+
+    current = _view_ops.propagate_shape_and_sharding
+
+    def propagate(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view=False):
+        try:
+            return current(input_src_placements, global_input_shape, rule, mesh_sizes, strict_view)
+        except RuntimeError:
+            fixes = {
+                m: Replicate() for m, p in enumerate(input_src_placements)
+                if mesh_sizes[m] == 1 and (p.is_shard() or is_strided_shard(p))
+            }
+            if not fixes:
+                raise
+        return _propagate_with_fixes(current, fixes, input_src_placements, global_input_shape,
+                                     rule, mesh_sizes, strict_view)
 
     _view_ops.propagate_shape_and_sharding = propagate
 

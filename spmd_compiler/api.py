@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
+from spmd_compiler.parallel_modes.batch_dims import split_arguments_hint
 from spmd_compiler.passes import PassOptions
 from spmd_compiler.passes.registry import pass_names
 
@@ -35,7 +36,7 @@ from .capture.guards import Guards, build_guards
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
-from .capture.trace import capture_step, traces_start_from
+from .capture.trace import CAPTURE_FAILED, capture_step, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import Change, SPMDCompileError, mesh_of_another_size
 from .expand.retrace import DistributedProgram, Placements
@@ -679,7 +680,13 @@ class CompiledTrainStep:
                 settings = bindings.optimizer_settings()
                 with progress.stage("capture"), step_key.record_environment() as environment:
                     with private.autocast_regions(key[-1], enabled=True):
-                        captured, guards, also = self._capture_guarded(bindings, input_metas, decisions)
+                        try:
+                            captured, guards, also = self._capture_guarded(bindings, input_metas, decisions)
+                        except SPMDCompileError as exc:
+                            hinted = self._split_arguments_hinted(exc, bindings, input_metas, mesh)
+                            if hinted is None:
+                                raise
+                            raise hinted.with_traceback(exc.__traceback__) from exc.__cause__
                 for g in (guards, *also):
                     g.add_environment(environment)
                 capture_seconds = captured.capture_seconds
@@ -932,6 +939,34 @@ class CompiledTrainStep:
         except Exception as exc:  # noqa: BLE001 - a compiled program must not fail on it
             log.warning("%s: the step entry could not be written (%s: %s)",
                         self._name, type(exc).__name__, exc)
+
+    def _split_arguments_hinted(
+        self, exc: SPMDCompileError, bindings: StepBindings, input_metas: list[TensorMeta],
+        mesh: DeviceMesh,
+    ) -> SPMDCompileError | None:
+        """``exc`` with the hint of NOTE: [capture failures of split arguments] in
+        ``parallel_modes/batch_dims.py``: a capture failure with no hint of its own, on
+        real ranks, that quotes the captured size of a split dimension; None otherwise."""
+        if exc.hint is not None or not exc.message.startswith(CAPTURE_FAILED) or active_simulation() is not None:
+            return None
+        splits = []
+        names = self._tensor_argument_names(bindings)
+        for k, (name, meta) in enumerate(zip(names, input_metas, strict=True)):
+            placements = self.mode.placement_of(StateRef(Kind.INPUT, name=name, index=k), meta, mesh)
+            local, dims = list(meta.shape), []
+            for mesh_dim, p in enumerate(placements):
+                if isinstance(p, Shard) and p.dim < len(local) and mesh.size(mesh_dim) > 1:
+                    local[p.dim] //= mesh.size(mesh_dim)
+                    dims.append(p.dim)
+            if dims:
+                splits.append((name, tuple(local), tuple(meta.shape), dims[0]))
+        hint = split_arguments_hint(splits, exc.message)
+        if hint is None:
+            return None
+        return SPMDCompileError(
+            exc.message, op=exc.op, node=exc.node, module_fqn=exc.module_fqn,
+            user_line=exc.user_line, hint=hint,
+        )
 
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta],

@@ -1033,9 +1033,9 @@ def _trace_first(
                 hint=OWN_GENERATOR_HINT,
             ) from exc
         if _VALUES_READ in str(exc):
-            text = f"Capturing the train step failed{_where_it_failed(exc)}: {_VALUES_READ_TEXT}"
+            text = f"{CAPTURE_FAILED}{_where_it_failed(exc)}: {_VALUES_READ_TEXT}"
         else:
-            text = f"Capturing the train step failed{_where_it_failed(exc)}: {type(exc).__name__}: {exc}"
+            text = f"{CAPTURE_FAILED}{_where_it_failed(exc)}: {type(exc).__name__}: {exc}"
         settled = settled_in_capture()
         if settled:  # a size error from selections traced as all true
             text = text.rstrip(".") + settled
@@ -1089,6 +1089,10 @@ def _finish(first: _FirstTrace, start: float) -> CapturedStep:
 # which torch.compiles flex_attention; its Python runs under capture, NOTE: [compiled
 # helpers and selective checkpointing at capture]): on CPU it has no backward, and no
 # DTensor rule shards its higher-order op
+# How a capture failure the step raised (no more specific refusal) begins; the compile
+# adds what to do where split arguments may be the cause (NOTE: [capture failures of split
+# arguments] in ``parallel_modes/batch_dims.py``)
+CAPTURE_FAILED = "Capturing the train step failed"
 _FLEX = ("flex_attention", "FlexAttention")
 _FLEX_HINT = (
     "FlexAttention (a transformers model with attn_implementation='flex_attention') is not "

@@ -13,7 +13,11 @@ peers is refused, every rank naming each rank's values, with nothing updated. We
 named are still read as each rank's share: the first call warns on every rank. Ranks
 passing their own Python float (a scale) are refused the same way; before, each trained
 on its own and the mean of the two differently scaled losses was applied, no error. So
-are tensor-parallel ranks given their own data shards (checked on the first call).
+are tensor-parallel ranks given their own data shards (checked on the first call). A
+time-major input pooled over time, nothing named, fails capture at the global shapes the
+mode builds (torch's "Expected input batch_size (4) to match target batch_size (8)"); the
+error now says which dimension of each argument was taken as the batch and how to name
+another (NOTE: [capture failures of split arguments]).
 """
 
 from __future__ import annotations
@@ -189,6 +193,43 @@ def time_major_worker(rank: int, world_size: int, layer: str) -> dict:
     for x, y in batches:
         named(model, optim, x[:, share], y[:, share])
     out["state"] = full_state(model, optim, None)
+    if layer == "rnn":
+        out.update(pooled_worker(rank, world_size))
+    return out
+
+
+def pooled_step(model, optim, x, y):
+    """A time-major (S, B, E) input pooled over time, with (B,) labels."""
+    loss = nn.functional.cross_entropy(model(x.mean(0)), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _pooled_setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).double()
+    x, y = torch.randn(6, 8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), x, y
+
+
+def pooled_worker(rank: int, world_size: int) -> dict:
+    """NOTE: [capture failures of split arguments]: nothing named, ``x`` is captured as
+    (12, 4, 5) beside (8,) labels and torch's cross_entropy refuses the batch sizes; the
+    error says which dimensions were taken as the batch and how to name another."""
+    model, optim, x, y = _pooled_setup()
+    before = copy.deepcopy(full_state(model, optim, None))
+    share = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    out: dict = {}
+    try:
+        sc.compile(DataParallel("replicate"))(pooled_step)(model, optim, x[:, share], y[share])
+    except SPMDCompileError as exc:
+        after = full_state(model, optim, None)
+        out["pooled_error"] = str(exc)
+        out["pooled_untouched"] = all(torch.equal(after[k], v) for k, v in before.items())
+    named = sc.compile(DataParallel("replicate", input_batch_dim={"x": 1}))(pooled_step)
+    out["pooled_loss"] = float(named(model, optim, x[:, share], y[share]))
     return out
 
 
@@ -215,3 +256,15 @@ def test_a_time_major_input_is_refused_unless_its_batch_dimension_is_named(layer
         worst = max(errors, key=errors.__getitem__)
         # attention: the key bias's gradient is rounding only (the sim test says why)
         assert errors[worst] < (1e-12 if layer == "rnn" else 1e-9), f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+    if layer != "rnn":
+        return
+    model, optim, x, y = _pooled_setup()
+    want_loss = float(pooled_step(model, optim, x, y))
+    for rank, got in enumerate(results):
+        message = got.get("pooled_error", "")
+        assert "Expected input batch_size (4) to match target batch_size (8)" in message, (rank, got)
+        assert "'x' along dimension 0 (this rank's (6, 4, 5) as (12, 4, 5))" in message, message
+        assert "'y' along dimension 0 (this rank's (4,) as (8,))" in message, message
+        assert "input_batch_dim={'x': 1}" in message, message
+        assert got["pooled_untouched"], f"rank {rank}: the refused call changed the model"
+        assert abs(got["pooled_loss"] - want_loss) <= 1e-12 * abs(want_loss)

@@ -414,3 +414,50 @@ def test_mixed_precision_with_uneven_rows():
             results[world_size] = full_state(model, optim, sim)
     diffs = compare_states(results[2], results[1])
     assert max(v for k, v in diffs.items() if k.startswith("param.")) < 2e-2, diffs
+
+
+def _updated_twice_step(model, optim, x, y):
+    """An optimizer step between two backward passes: the second forward reads the
+    parameters the first step updated (a GAN's D then G step, reduced to one model)."""
+    first = F.mse_loss(model(x).squeeze(-1), y)
+    optim.zero_grad()
+    first.backward()
+    optim.step()
+    second = F.mse_loss(model(x + 1).squeeze(-1), y)
+    optim.zero_grad()
+    second.backward()
+    optim.step()
+    return first, second
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no_reshard"])
+def test_fully_shard_gathers_parameters_updated_inside_the_step(world_size, reshard):
+    """NOTE: [parameters updated inside the step]: the second forward reads the update's
+    result gathered, as the first reads the parameter. On 1 rank this failed (a
+    Linear(16, 1) head's output sharded on its size-1 dimension, which ``squeeze(-1)``
+    could not remove); on 2 the second forward all-gathered the batch instead of the
+    parameters. Equal to eager in float64, and the batch is never gathered."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).double()
+    reference = copy.deepcopy(model)
+    make = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    optim, ref_optim = make(model.parameters()), make(reference.parameters())
+    mode = DataParallel("fully_shard", reshard_after_forward=reshard)
+    step = sc.compile(mode, disable_passes=UNBUCKETED)(_updated_twice_step)
+    gen = torch.Generator().manual_seed(1)
+    with sc.simulate(world_size) as sim:
+        for _ in range(2):
+            x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+            y = torch.randn(8, generator=gen, dtype=torch.float64)
+            got, want = step(model, optim, x, y), _updated_twice_step(reference, ref_optim, x, y)
+            for g, w in zip(got, want, strict=True):
+                assert abs(g.item() - w.item()) <= 1e-12 * abs(w.item())
+        diff = max_difference(compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim))
+    assert diff < 1e-12
+    # every all-gather gathers a parameter (the head's rows padded to the ranks), never the
+    # batch ((8, 8) inputs, (8, 16) activations)
+    rows = -(-1 // world_size) * world_size
+    shapes = {(16, 8), (16,), (rows, 16), (rows,)}
+    gathers = [n for n in step.last_program.graph_module.graph.nodes if "all_gather" in str(n.target)]
+    assert {tuple(n.meta["val"].shape) for n in gathers} <= shapes

@@ -341,3 +341,29 @@ def test_a_wrapped_linear_is_named_with_its_class_path_and_the_layer_it_wraps(ru
     result = run_parity(lambda: _AdaptedMLP().double(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2,
                         batches, step=_sum_step, mode=TensorParallel(wrapped))
     result.assert_close(1e-10)
+
+
+def _squeezed_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_one_wide_head_squeezed_on_one_rank(run_parity):
+    """NOTE: [views of a shard on one rank] in ``_torch_private.py``: a ColwiseParallel
+    Linear(16, 1) head at tp=1 leaves its output Shard(1) on (8, 1); DTensor's view rule
+    refused the ``squeeze(-1)`` ("would remove or reshape sharded dimension 1") although
+    one rank holds the whole tensor. Now the view reads that shard as Replicate."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64))
+        for _ in range(2)
+    ]
+    result = run_parity(
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).double(),
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), 1, batches, step=_squeezed_step,
+        mode=TensorParallel({"2": ColwiseParallel()}),
+    )
+    result.assert_close(TOL)

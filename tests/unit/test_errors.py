@@ -802,3 +802,39 @@ def test_a_tensor_learning_rate_with_a_scheduler_is_not_refused():
     with sc.simulate(world_size=2):
         compiled(model, opt, *batch())
     assert compiled.compile_count == 1
+
+
+def test_split_arguments_hint_only_where_the_message_quotes_a_captured_batch_size():
+    """NOTE: [capture failures of split arguments]: what real ranks add to a capture
+    failure (tested end to end on 2 gloo ranks in tests/dist/test_inputs_by_name_gloo.py)."""
+    from spmd_compiler.parallel_modes.batch_dims import split_arguments_hint
+
+    splits = [("x", (6, 4, 5), (12, 4, 5), 0), ("y", (4,), (8,), 0)]
+    hint = split_arguments_hint(splits, "ValueError: Expected input batch_size (4) to match target batch_size (8).")
+    assert hint is not None and hint.startswith("if the sizes that disagree")
+    assert "'x' along dimension 0 (this rank's (6, 4, 5) as (12, 4, 5))" in hint
+    assert "'y' along dimension 0 (this rank's (4,) as (8,))" in hint
+    assert "input_batch_dim={'x': 1}" in hint
+    assert split_arguments_hint(splits, "RuntimeError: got 12.") is not None
+    # no captured size of a split dimension quoted (4 is a local size; 8.0 and x8 are no sizes)
+    assert split_arguments_hint(splits, "KeyError: 'missing' at layer 4, scale 8.0, x8") is None
+    many = [(f"a{i}", (2,), (4,), 0) for i in range(8)]
+    assert "and 2 more" in (split_arguments_hint(many, "size 4") or "")
+
+
+def test_a_capture_failure_in_simulation_gets_no_split_hint():
+    """In simulation the step is captured at the shapes the user passed: a mismatch is the
+    step's own, and the error adds nothing about split arguments."""
+    model = nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, opt, x, y):
+        loss = F.cross_entropy(model(x.mean(0)), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    with sc.simulate(2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(sc.parallel_modes.DataParallel("replicate"))(step)(model, opt, torch.randn(6, 4, 5), torch.zeros(8, dtype=torch.long))
+    assert "Expected input batch_size (4) to match target batch_size (8)" in str(info.value)
+    assert info.value.hint is None
