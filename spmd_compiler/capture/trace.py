@@ -919,6 +919,7 @@ def _trace_first(
         tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
         with (
             _module_scopes(bindings.module_fqns) as stack,
+            _time_major_marks(bindings.modules, bindings.module_fqns),
             _tag_backward(tracer.mark_gradients),
             attention_as_math(),
             # NOTE: [recurrent layers without oneDNN]: float32 nn.LSTM / nn.GRU on CPU take
@@ -1834,7 +1835,6 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
         fqn = fqn_of.get(id(module))
         if fqn is not None:
             stack.append((fqn, last_node(private.current_trace_graph())))
-            _mark_time_major_inputs(module, fqn, args)
 
     def post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         fqn = fqn_of.get(id(module))
@@ -1860,25 +1860,42 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
             h.remove()
 
 
-def _time_major_inputs(module: torch.nn.Module) -> int:
-    """How many leading arguments of ``module``'s forward hold time on dimension 0: torch's
-    recurrent layers (input) and attention (query, key, value) with ``batch_first=False``
-    (their ``(T, B, ...)`` and unbatched ``(T, ...)`` layouts); 0 for any other module."""
+def _time_major_inputs(module: torch.nn.Module) -> tuple[str, ...]:
+    """The forward parameters of ``module`` that hold time on dimension 0: torch's
+    recurrent layers (``input``) and attention (``query``, ``key``, ``value``) with
+    ``batch_first=False`` (their ``(T, B, ...)`` and unbatched ``(T, ...)`` layouts); none
+    for any other module."""
     if getattr(module, "batch_first", True):
-        return 0
+        return ()
     if isinstance(module, torch.nn.RNNBase):
-        return 1
-    return 3 if isinstance(module, torch.nn.MultiheadAttention) else 0
+        return ("input",)
+    return ("query", "key", "value") if isinstance(module, torch.nn.MultiheadAttention) else ()
 
 
-def _mark_time_major_inputs(module: torch.nn.Module, fqn: str, args: Any) -> None:
-    """NOTE: [a batch dimension iterated over]: the nodes whose values a time-major layer
-    reads with time on dimension 0 (``TIME_MAJOR_INPUT``), checked against the split
-    dimension at expansion."""
-    for arg in args[: _time_major_inputs(module)]:
-        node = private.traced_node_of(arg) if isinstance(arg, torch.Tensor) else None
-        if node is not None:
-            node.meta.setdefault(TIME_MAJOR_INPUT, f"{fqn!r} ({type(module).__name__})")
+@contextlib.contextmanager
+def _time_major_marks(modules: list[torch.nn.Module], fqn_of: dict[int, str]) -> Iterator[None]:
+    """NOTE: [a batch dimension iterated over]: mark the nodes whose values a time-major
+    layer reads with time on dimension 0 (``TIME_MAJOR_INPUT``), passed by position or by
+    keyword (``attn(query=x, key=x, value=x)``: the global module hooks see positional
+    arguments only), checked against the split dimension at expansion."""
+
+    def mark(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        names = _time_major_inputs(module)
+        values = [*args[: len(names)], *(kwargs[n] for n in names[len(args):] if n in kwargs)]
+        for value in values:
+            node = private.traced_node_of(value) if isinstance(value, torch.Tensor) else None
+            if node is not None:
+                node.meta.setdefault(TIME_MAJOR_INPUT, f"{fqn_of.get(id(module), '?')!r} ({type(module).__name__})")
+
+    hooks = [
+        sub.register_forward_pre_hook(mark, with_kwargs=True)
+        for mod in modules for sub in mod.modules() if _time_major_inputs(sub)
+    ]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _annotate_user_lines(gm: torch.fx.GraphModule, step_code: Any) -> None:

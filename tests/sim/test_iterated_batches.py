@@ -58,6 +58,18 @@ class TimeMajorEncoder(nn.Module):
         return self.head(out.transpose(0, 1) if self.transpose else out)
 
 
+class KeywordAttention(nn.Module):
+    """nn.MultiheadAttention (sequence first) called with keywords, as many models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(5, 1)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(query=x, key=x, value=x, need_weights=False)[0])
+
+
 class HandLoop(nn.Module):
     """A recurrence written by hand over the time steps of a time-major input."""
 
@@ -145,6 +157,13 @@ def test_sequence_first_attention_warns_and_matches_eager(style: str) -> None:
     assert "input_batch_dim={'x': 1, 'y': 1}" in warned[0] and "refused on real ranks" in warned[0]
     warned, errors = _train(TimeMajorEncoder().double(), DataParallel(style, input_batch_dim={"x": 1, "y": 1}))
     assert warned == [] and max(errors.values()) < 1e-9, (warned, errors)
+
+
+def test_sequence_first_attention_called_with_keywords_warns() -> None:
+    torch.manual_seed(0)
+    warned, errors = _train(KeywordAttention().double(), DataParallel("replicate"))
+    assert max(errors.values()) < 1e-9, errors
+    assert len(warned) == 1 and "The time-major layer 'attn' (MultiheadAttention)" in warned[0], warned
 
 
 def test_a_batch_first_input_turned_sequence_first_does_not_warn() -> None:
