@@ -1250,6 +1250,26 @@ def _requires_grad_in_first_trace(ref: StateRef, meta: TensorMeta) -> bool:
     return ref.kind in (Kind.PARAM, Kind.INPUT) and meta.requires_grad
 
 
+def _refuse_hooks_left_on_parameters(
+    params: dict[str, torch.Tensor], compute: dict[str, torch.Tensor], where: str | None
+) -> None:
+    """NOTE: [hooks on parameters] in ``api.py``: a hook the step registered on a
+    parameter and left registered is refused (one it removed is traced)."""
+    for name, p in params.items():
+        if private.has_tensor_hooks(p) or private.has_tensor_hooks(compute.get(name, p)):
+            raise SPMDCompileError(
+                f"The train step registers a hook on parameter {name} (Tensor.register_hook "
+                "or register_post_accumulate_grad_hook) and leaves it registered: eager runs "
+                "it again on every later step, while a compiled step runs only the hooks "
+                "registered and removed within the same call (NOTE: [hooks on parameters]).",
+                user_line=where,
+                hint="remove the hook before the step returns (handle = p.register_hook(fn); "
+                "...; handle.remove()) and register it on every call, or change the "
+                "gradient in the step between loss.backward() and optimizer.step() "
+                "(p.grad.mul_(0.1)).",
+            )
+
+
 def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: list[StateRef]) -> None:
     """NOTE: [tensor arguments that require grad]
     A tensor argument that requires grad is traced as one, so the step computes as eager
@@ -1456,6 +1476,7 @@ class _StepTracer:
                 with self.group_numbers, self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
                 _refuse_argument_gradients(values, requiring)
+                _refuse_hooks_left_on_parameters(params, compute, step_where(self.func))
                 closed.refuse_writes(step_where(self.func))
                 kept = keeper.collect(step_where(self.func))
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
