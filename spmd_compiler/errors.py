@@ -240,6 +240,13 @@ def mesh_of_another_size(mode: str, mesh_size: int, world: int, shape: tuple[int
             f"parallel alone, ({world}, 1) for data parallel alone), or run on {mesh_size} ranks "
             f"(simulate(world_size={mesh_size}), torchrun --nproc-per-node {mesh_size}).",
         )
+    if shape is not None:
+        return SPMDCompileError(
+            f"{mode} uses a mesh of {mesh_size} ranks{asked} but the process group has {world}: "
+            "the other ranks would have no part of the step.",
+            hint=f"make the mesh's shape multiply to {world} (e.g. mesh_shape=(1, {world}) for tensor "
+            f"parallel alone, ({world}, 1) for data parallel alone).",
+        )
     return SPMDCompileError(
         f"{mode} uses a mesh of {mesh_size} ranks but the process group has {world}: the other "
         "ranks would have no part of the step (a sub-mesh such as mesh['tp'] of a 2-D mesh spans "

@@ -350,7 +350,10 @@ class KeptTensors:
                         as_item=isinstance(value, TracedItem), new=old is _MISSING,
                     ), value))
                 elif h.root[0] == "call" and not _holds_traced(value) and not _same_number(value, old):
-                    raise _python_write(where, self.where)  # NOTE: [Python values written into arguments]
+                    raise _python_write(  # NOTE: [Python values written into arguments]
+                        where, self.where,
+                        "a tensor from outside the step" if isinstance(value, torch.Tensor) else "a Python value",
+                    )
                 elif _holds_traced(value) and not _own_state_cache(h.obj, value):
                     parts = _container_parts(value)
                     for i, (slot, item) in enumerate(parts or ()):
@@ -375,16 +378,15 @@ class KeptTensors:
         now, before = h.obj, h.before
         old = set(map(id, before))
         appended = now[len(before):]
-        if h.root[0] == "call" and (
-            len(now) < len(before) or any(a is not b for a, b in zip(now, before))
-            or not all(is_traced(v) for v in appended)
-        ):  # NOTE: [Python values written into arguments]
-            raise _python_write(h.label, self.where)
+        only_appended = (
+            len(now) >= len(before) and all(a is b for a, b in zip(now, before))
+            and all(is_traced(v) for v in appended)
+        )
+        if h.root[0] == "call" and not only_appended:  # NOTE: [Python values written into arguments]
+            raise _python_write(h.label, self.where, "a change other than appending values the step computes")
         if not any(_leaks(v) and id(v) not in old for v in now):
             return
-        if len(now) < len(before) or any(a is not b for a, b in zip(now, before)) or not all(
-            is_traced(v) for v in appended
-        ):
+        if not only_appended:
             raise _refused(h.label, "a list the step changed other than by appending traced tensors")
         for value in appended:
             self.kept.append((KeptTensor(
@@ -473,7 +475,7 @@ def _same_number(value: Any, old: Any) -> bool:
     return type(value) is type(old) and type(value) in (bool, int, float, str, type(None)) and value == old
 
 
-def _python_write(where: str, line: str | None) -> SPMDCompileError:
+def _python_write(where: str, line: str | None, what: str) -> SPMDCompileError:
     """NOTE: [Python values written into arguments]
     A dict or list argument reaches the traced step as a copy pytree rebuilt. A traced
     value the step stores there (``metrics["loss"] = loss.item()``, a tensor) is kept:
@@ -486,10 +488,13 @@ def _python_write(where: str, line: str | None) -> SPMDCompileError:
     weights 0.60 relative off after 4 calls). It is refused now, as a write into a
     dataclass or namespace argument is (NOTE: [batch containers]): replaying it exactly
     would need the value recomputed from the container every call, which a program
-    that runs no Python cannot do. Deleting an entry (``inputs.pop("labels")``) and
-    writing back an equal Python scalar stay allowed."""
+    that runs no Python cannot do. A value from outside the step (a constant flag, a
+    global tensor) is refused too, though the same every call: the key it adds would
+    not reach the caller's container either. Writing back an equal Python scalar stays
+    allowed, and so does deleting an entry (``inputs.pop("labels")``), which is not
+    replayed: the caller's dict keeps the entry eager would have removed."""
     return SPMDCompileError(
-        f"The train step writes a Python value into {where}: a compiled "
+        f"The train step writes {what} into {where}: a compiled "
         "step passes a dict or list argument to the traced step as a copy, and runs no "
         "Python after capture, so the write would happen once, on the copy, and never "
         "reach the caller's container (NOTE: [Python values written into arguments]).",

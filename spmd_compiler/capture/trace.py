@@ -1790,14 +1790,18 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
         )
         if changed:
             raise SPMDCompileError(
-                f"The train step writes optimizer[{oi}].param_groups[{gi}][{', '.join(changed)}] "
+                f"The train step, or the optimizer's own step(), writes "
+                f"optimizer[{oi}].param_groups[{gi}][{', '.join(changed)}] "
                 f"({type(opt).__name__}): a compiled step runs no Python after capture, so "
                 "the write would happen once, on the traced copy of the group, and never "
                 "on later calls (NOTE: [param-group writes in the step]).",
                 hint="change param-group settings outside the compiled step, between calls "
                 "(the next call reads them; a setting other than the learning rate compiles "
                 "a program per value), or use an LR scheduler for the learning rate; "
-                "keep a step counter outside the step (count calls in the training loop).",
+                "keep a step counter outside the step (count calls in the training loop); "
+                "an optimizer that counts its steps in a param group (group['step'] += 1) "
+                "can keep the count in its per-parameter state (self.state[p]['step'], a "
+                "tensor) instead.",
             )
     for p, entries in state.items():
         for key, value in entries.items():
