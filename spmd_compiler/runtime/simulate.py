@@ -105,13 +105,21 @@ class Simulation:
         eager ``optimizer.step()`` on a parameter whose gradient a program wrote, a
         replicated optimizer state loaded back into live objects and then updated) ran
         once per rank on it, where each real rank updates its own copy (Rprop's step
-        sizes 44% off after a reload, a parameter 5.5e-2 off)."""
+        sizes 44% off after a reload, a parameter 5.5e-2 off).
+
+        Every rank's value is contiguous (NOTE: [contiguous simulated shards])."""
         with self.ranks():
             placed = distribute_tensor(tensor.detach(), mesh, list(placements), src_data_rank=None)
         local = private.local_tensor_of(placed)
         if isinstance(local, private.local_tensor_type()):
-            return placed
-        own = private.make_local_tensor({r: local.clone() for r in range(self.world_size)})
+            per_rank = private.per_rank_tensors(local)
+            if all(t.is_contiguous() for t in per_rank.values()):
+                return placed
+            own = private.make_local_tensor({r: t.contiguous() for r, t in per_rank.items()})
+        else:
+            own = private.make_local_tensor(
+                {r: local.clone(memory_format=torch.contiguous_format) for r in range(self.world_size)}
+            )
         with self.ranks():
             return DTensor.from_local(
                 own, mesh, list(placements), run_check=False, shape=placed.shape, stride=placed.stride()
@@ -205,6 +213,21 @@ class Simulation:
         if isinstance(value, private.local_tensor_type()):
             return private.per_rank_tensors(value)
         return {r: value for r in range(self.world_size)}
+
+
+# NOTE: [contiguous simulated shards]
+# A simulated tensor holds one value per rank but runs a composite op's decisions once
+# for all of them: ``reshape`` asks whether a view fits the strides and then views every
+# rank's value. ``distribute_tensor`` leaves a shard of a non-contiguous tensor (a
+# transposed parameter, ``nn.Parameter(w.T)``, or the ``Vh[:r]`` a low-rank
+# parametrization's ``right_inverse`` returns) with the whole tensor's strides, and a
+# rank whose uneven shard is zero-padded (NOTE: [uneven shards]) gets a contiguous copy,
+# so the ranks disagreed: fully_shard of 3 such rows over 2 ranks failed on the first
+# call with "view size is not compatible with input tensor's size and stride" (rank 0's
+# shard strides (1, 2), rank 1's padded one (16, 1)); tensor parallel over 4 ranks with
+# 30 columns the same. Real ranks each decide on their own strides and trained it
+# exactly. The programs are traced on contiguous local values (``retrace``), so every
+# simulated rank's shard is made contiguous where the state enters the simulation.
 
 
 def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
