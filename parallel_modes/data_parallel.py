@@ -5,7 +5,9 @@ fully_shard keeps every parameter, gradient and optimizer-state tensor Shard(0) 
 mesh. The per-rank program then gathers a parameter where forward or backward reads it
 (``placement_at_use``: Replicate at each use outside the optimizer, one all-gather per
 parameter and group; a parameter updated by an ``optimizer.step()`` inside the step and
-read again after it, by a second forward, is gathered at those uses the same way) and the gradient, Partial after backward, meets the Shard(0)
+read again after it, by a second forward, is gathered at those uses the same way; an
+element-wise update of state outside forward and backward, an EMA of the weights, is
+computed on the shards) and the gradient, Partial after backward, meets the Shard(0)
 optimizer state, which DTensor resolves with a reduce-scatter. With
 ``reshard_after_forward`` forward and backward are separate groups (two all-gathers per
 parameter, the forward copy freed after its last forward use); views of a parameter
@@ -16,6 +18,7 @@ gather, so no gathered parameter lives across the forward/backward boundary.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Literal
 
 import torch
@@ -23,12 +26,20 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from spmd_compiler import _torch_private as private
 from spmd_compiler.capture.bindings import StepBindings
 from spmd_compiler.capture.gradients import marked_gradient
 from spmd_compiler.capture.trace import CaptureOptions
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.graph_utils import node_arg, placeholders
-from spmd_compiler.ir.node_meta import MODULE_FQN, OPTIMIZER_PHASE, PHASE, in_module_forward
+from spmd_compiler.ir.node_meta import (
+    MODULE_FQN,
+    OPTIMIZER_PHASE,
+    PHASE,
+    Phase,
+    in_module_forward,
+    phase,
+)
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.ir.use_step import UseGroup, UseHook, UseStep
 from spmd_compiler.passes import OverlapOptions, PassOptions
@@ -169,6 +180,7 @@ class DataParallel(ParallelMode):
         grad_casts = self._low_precision_grad_casts(captured)
         if not self.sharded and not grad_casts:
             return None
+        local = _shard_local_updates(captured, params) if self.sharded else set()
         gathered = replicate(mesh)
         reduced = (Shard(0),) if self.sharded else gathered
 
@@ -183,6 +195,10 @@ class DataParallel(ParallelMode):
                 rows = arg.meta["val"].shape[0] if arg.meta["val"].dim() else 0
                 return UseStep(UseGroup.REDUCE, reduced if rows % mesh.size() == 0 else gathered)
             if not self.sharded or consumer.meta.get(PHASE) == OPTIMIZER_PHASE:
+                return None
+            if consumer in local or consumer.op == "output":
+                # NOTE: [state updated element-wise outside forward]; an output leaves
+                # in the placement the program gives it, gathered or not
                 return None
             if arg in params and consumer in casts:
                 return None  # cast the shard; the cast is what gets gathered
@@ -240,7 +256,9 @@ def _param_nodes(captured: CapturedStep) -> set[torch.fx.Node]:
 # cannot remove (2026-12-05: SPMDCompileError "would remove or reshape sharded dimension
 # 1"). Such a value is gathered at its uses outside the optimizer as the parameter is
 # (fsdp_tp gathers it the same way): gathering is exact whatever the value is; any other
-# optimizer value read after the step (a step count) is replicated already.
+# optimizer value read after the step (a step count) is replicated already. Element-wise
+# updates of state from it (an EMA of the weights) compute on the shards instead, and a
+# step's output is not gathered: NOTE: [state updated element-wise outside forward].
 
 
 def _param_values(captured: CapturedStep) -> set[torch.fx.Node]:
@@ -254,6 +272,98 @@ def _param_values(captured: CapturedStep) -> set[torch.fx.Node]:
         ):
             values.add(node)
     return values
+
+
+# NOTE: [state updated element-wise outside forward]
+# An EMA of the weights updated after ``optimizer.step()`` (``ema.mul_(d).add_(p, alpha=1
+# - d)``, ``AveragedModel.update_parameters``), or a weight decay applied by hand, reads
+# the parameters and their updated values with element-wise ops and writes the result
+# back to Shard(0) state. Gathered at those uses like forward's reads, the EMA parameters
+# and (NOTE: [parameters updated inside the step]) the updated weights were all-gathered
+# and the result cut back to Shard(0): on a Linear(16, 16) and its EMA copy at 2 ranks,
+# 2 all-gathers a step (6528 bytes; 4352 before that note) where the step without the
+# EMA needs 1 (2176 bytes). Such an op computes each row from the same row of its
+# inputs, so it is left to DTensor on the shards, exact and with no collective, where:
+# - it is element-wise (``torch.Tag.pointwise``, or a copy/cast), not random, outside
+#   any module's forward, backward and the optimizer;
+# - every tensor input is a gathered-at-use value (parameter, updated value) or such an
+#   op's result, of the result's shape, or a 0-d tensor;
+# - its result is read only by such ops or by the step's outputs (a state write-back).
+# A read whose value goes anywhere else (a loss term, a matmul, a view, a padded
+# parameter's true-row slice) is gathered as before; so is every forward and backward
+# read, where fully_shard computes on whole weights.
+
+# element-wise ops torch does not tag pointwise (as padding's ``_ROW_LOCAL_COPIES``)
+_ELEMENTWISE_COPIES = {
+    torch.ops.aten._to_copy.default, torch.ops.aten.copy.default,
+    torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+    torch.ops.aten.clone.default,
+}
+
+
+def _shard_local_updates(captured: CapturedStep, gathered: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The element-wise ops outside forward, backward and the optimizer that compute on
+    the shards of ``gathered`` values (NOTE: [state updated element-wise outside forward])."""
+    nodes = [n for n in captured.graph_module.graph.nodes if _elementwise_outside_compute(n)]
+    local = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            if node.target is operator.getitem:  # one tensor of a foreach op's results
+                reads = node.args[0] in local
+            else:
+                reads = _reads_only_shards(node, gathered | local)
+            if node in local and not (reads and all(u in local or u.op == "output" for u in node.users)):
+                local.discard(node)
+                changed = True
+    return local
+
+
+def _elementwise_outside_compute(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or in_module_forward(node) or phase(node) is not Phase.FORWARD:
+        return False
+    target = node.target
+    if target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, torch.fx.Node) and _elementwise_outside_compute(source)
+    if not private.is_op_overload(target):
+        return False
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False
+    name = getattr(target, "__name__", "").split(".")[0]
+    if name.startswith("_foreach_") and getattr(target, "namespace", None) == "aten":
+        # per tensor as the op it names (the shapes are checked: ``_foreach_max`` and
+        # ``_foreach_norm`` make 0-d results)
+        packet = getattr(torch.ops.aten, name.removeprefix("_foreach_"), None)
+        overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+        return any(o in _ELEMENTWISE_COPIES or torch.Tag.pointwise in o.tags for o in overloads)
+    return target in _ELEMENTWISE_COPIES or torch.Tag.pointwise in tags
+
+
+def _reads_only_shards(node: torch.fx.Node, sharded: set[torch.fx.Node]) -> bool:
+    """Whether each tensor ``node`` reads is in ``sharded`` with the shape of the result
+    it makes (a foreach op: the result at its index) or is 0-d."""
+    outs = node.meta.get("val")
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if not outs or not all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outs):
+        return False
+
+    def fits(arg: object, out: torch.Tensor) -> bool:
+        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            return False
+        return val.dim() == 0 or (arg in sharded and val.shape == out.shape)
+
+    for arg in (*node.args, *node.kwargs.values()):
+        if isinstance(arg, torch.fx.Node):
+            if not all(fits(arg, out) for out in outs):
+                return False
+        elif isinstance(arg, (list, tuple)) and any(isinstance(a, torch.fx.Node) for a in arg):
+            if len(arg) != len(outs) or not all(fits(a, out) for a, out in zip(arg, outs, strict=True)):
+                return False
+    return True
 
 
 def _param_casts(captured: CapturedStep) -> set[torch.fx.Node]:
