@@ -231,7 +231,7 @@ def split_arguments_hint(
     if not any(whole[dim] in numbers for _, _, whole, dim in splits):
         return None
     shown = [
-        f"{name!r} along dimension {dim} (this rank's {_shape(local)} as {_shape(whole)})"
+        f"{name!r} along dimension {dim} (this rank's {tuple(local)} as {tuple(whole)})"
         for name, local, whole, dim in splits[:_SHOWN_SPLITS]
     ]
     if len(splits) > _SHOWN_SPLITS:
@@ -248,7 +248,3 @@ def split_arguments_hint(
 
 
 _SHOWN_SPLITS = 6
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"

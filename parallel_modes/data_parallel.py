@@ -53,7 +53,7 @@ from .batch_dims import (
     checked_batch_dims,
 )
 from .mixed_precision import MixedPrecisionPolicy
-from .padding import pad_uneven_state
+from .padding import elementwise_op, pad_uneven_state
 
 Style = Literal["replicate", "fully_shard"]
 
@@ -293,12 +293,11 @@ def _param_values(captured: CapturedStep) -> set[torch.fx.Node]:
 # parameter's true-row slice) is gathered as before; so is every forward and backward
 # read, where fully_shard computes on whole weights.
 
-# element-wise ops torch does not tag pointwise (as padding's ``_ROW_LOCAL_COPIES``)
-_ELEMENTWISE_COPIES = {
-    torch.ops.aten._to_copy.default, torch.ops.aten.copy.default,
-    torch.ops.aten.alias.default, torch.ops.aten.detach.default,
-    torch.ops.aten.clone.default,
-}
+
+def _elementwise(target: object) -> bool:
+    """padding's element-wise ops, and ``clone`` (a copy of the weights kept as the EMA's
+    start)."""
+    return target is torch.ops.aten.clone.default or elementwise_op(target)
 
 
 def _shard_local_updates(captured: CapturedStep, gathered: set[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -338,8 +337,8 @@ def _elementwise_outside_compute(node: torch.fx.Node) -> bool:
         # ``_foreach_norm`` make 0-d results)
         packet = getattr(torch.ops.aten, name.removeprefix("_foreach_"), None)
         overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
-        return any(o in _ELEMENTWISE_COPIES or torch.Tag.pointwise in o.tags for o in overloads)
-    return target in _ELEMENTWISE_COPIES or torch.Tag.pointwise in tags
+        return any(_elementwise(o) for o in overloads)
+    return _elementwise(target)
 
 
 def _reads_only_shards(node: torch.fx.Node, sharded: set[torch.fx.Node]) -> bool:

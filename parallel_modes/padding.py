@@ -302,10 +302,16 @@ def _padded_values(
 
 
 # element-wise ops torch does not tag pointwise
-_ROW_LOCAL_COPIES = {
+_ROW_LOCAL_COPIES = frozenset({
     torch.ops.aten._to_copy.default, torch.ops.aten.copy.default,
     torch.ops.aten.alias.default, torch.ops.aten.detach.default,
-}
+})
+
+
+def elementwise_op(target: object) -> bool:
+    """Whether op ``target`` computes each element from the same element of its inputs:
+    torch's pointwise ops and the copies it does not tag so (``_ROW_LOCAL_COPIES``)."""
+    return target in _ROW_LOCAL_COPIES or torch.Tag.pointwise in getattr(target, "tags", ())
 
 
 def _row_local(
@@ -317,7 +323,7 @@ def _row_local(
     target = node.target
     if not private.is_op_overload(target):
         return False
-    if target not in _ROW_LOCAL_COPIES and torch.Tag.pointwise not in getattr(target, "tags", ()):
+    if not elementwise_op(target):
         return False
     rows, _, dim = spec
     out = node.meta.get("val")

@@ -953,20 +953,12 @@ class CompiledTrainStep:
         names = self._tensor_argument_names(bindings)
         for k, (name, meta) in enumerate(zip(names, input_metas, strict=True)):
             placements = self.mode.placement_of(StateRef(Kind.INPUT, name=name, index=k), meta, mesh)
-            local, dims = list(meta.shape), []
-            for mesh_dim, p in enumerate(placements):
-                if isinstance(p, Shard) and p.dim < len(local) and mesh.size(mesh_dim) > 1:
-                    local[p.dim] //= mesh.size(mesh_dim)
-                    dims.append(p.dim)
-            if dims:
-                splits.append((name, tuple(local), tuple(meta.shape), dims[0]))
+            dims = [p.dim for m, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(m) > 1]
+            local = private.even_local_shape(meta.shape, mesh, placements) if dims else None
+            if local is not None:  # the captured shapes are each rank's share times the ranks
+                splits.append((name, local, tuple(meta.shape), dims[0]))
         hint = split_arguments_hint(splits, exc.message)
-        if hint is None:
-            return None
-        return SPMDCompileError(
-            exc.message, op=exc.op, node=exc.node, module_fqn=exc.module_fqn,
-            user_line=exc.user_line, hint=hint,
-        )
+        return None if hint is None else exc.with_hint(hint)
 
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta],

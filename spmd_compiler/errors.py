@@ -92,6 +92,14 @@ class SPMDCompileError(RuntimeError):
         )
 
 
+    def with_hint(self, hint: str) -> SPMDCompileError:
+        """The same error with ``hint`` as what to do."""
+        return SPMDCompileError(
+            self.message, op=self.op, node=self.node, module_fqn=self.module_fqn,
+            user_line=self.user_line, hint=hint,
+        )
+
+
 class SPMDRuntimeError(RuntimeError):
     """A compiled step failed while running (e.g. a peer rank died); state is intact."""
 
@@ -231,21 +239,17 @@ def mesh_of_another_size(mode: str, mesh_size: int, world: int, shape: tuple[int
     ranks would have no part of the step) or bigger (``mesh_shape=(2, 2)`` at 2 ranks,
     which torch's ``init_device_mesh`` refused with its own "Mesh should not be bigger
     than default world size"). One message for both, raised before any state is placed."""
-    asked = f" (mesh_shape={shape})" if shape is not None else ""
-    if mesh_size > world:
+    if mesh_size > world or shape is not None:
+        asked = f" (mesh_shape={shape})" if shape is not None else ""
+        bigger = mesh_size > world
         return SPMDCompileError(
             f"{mode} uses a mesh of {mesh_size} ranks{asked} but the process group has {world}: "
-            "the mesh asks for ranks that do not exist.",
+            + ("the mesh asks for ranks that do not exist." if bigger else
+               "the other ranks would have no part of the step."),
             hint=f"make the mesh's shape multiply to {world} (e.g. mesh_shape=(1, {world}) for tensor "
-            f"parallel alone, ({world}, 1) for data parallel alone), or run on {mesh_size} ranks "
-            f"(simulate(world_size={mesh_size}), torchrun --nproc-per-node {mesh_size}).",
-        )
-    if shape is not None:
-        return SPMDCompileError(
-            f"{mode} uses a mesh of {mesh_size} ranks{asked} but the process group has {world}: "
-            "the other ranks would have no part of the step.",
-            hint=f"make the mesh's shape multiply to {world} (e.g. mesh_shape=(1, {world}) for tensor "
-            f"parallel alone, ({world}, 1) for data parallel alone).",
+            f"parallel alone, ({world}, 1) for data parallel alone)"
+            + (f", or run on {mesh_size} ranks (simulate(world_size={mesh_size}), torchrun "
+               f"--nproc-per-node {mesh_size})." if bigger else "."),
         )
     return SPMDCompileError(
         f"{mode} uses a mesh of {mesh_size} ranks but the process group has {world}: the other "

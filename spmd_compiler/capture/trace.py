@@ -1868,11 +1868,11 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
             return
         _, mark = stack.pop()
         # NOTE: [a batch dimension iterated over]: torch's recurrent layers on (T, B, F)
-        time_major = isinstance(module, torch.nn.RNNBase) and not module.batch_first
+        recurrent = _layer_label(fqn, module) if isinstance(module, torch.nn.RNNBase) and _time_major_inputs(module) else None
         for node in new_nodes_after(mark, graph):
             node.meta.setdefault(MODULE_FQN, fqn)
-            if time_major:
-                node.meta.setdefault(TIME_MAJOR_RNN, f"{fqn!r} ({type(module).__name__})")
+            if recurrent is not None:
+                node.meta.setdefault(TIME_MAJOR_RNN, recurrent)
 
     hooks = [
         torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
@@ -1897,6 +1897,11 @@ def _time_major_inputs(module: torch.nn.Module) -> tuple[str, ...]:
     return ("query", "key", "value") if isinstance(module, torch.nn.MultiheadAttention) else ()
 
 
+def _layer_label(fqn: str, module: torch.nn.Module) -> str:
+    """How the time-major checks name a layer: ``"'enc.self_attn' (MultiheadAttention)"``."""
+    return f"{fqn!r} ({type(module).__name__})"
+
+
 @contextlib.contextmanager
 def _time_major_marks(modules: list[torch.nn.Module], fqn_of: dict[int, str]) -> Iterator[None]:
     """NOTE: [a batch dimension iterated over]: mark the nodes whose values a time-major
@@ -1910,7 +1915,7 @@ def _time_major_marks(modules: list[torch.nn.Module], fqn_of: dict[int, str]) ->
         for value in values:
             node = private.traced_node_of(value) if isinstance(value, torch.Tensor) else None
             if node is not None:
-                node.meta.setdefault(TIME_MAJOR_INPUT, f"{fqn_of.get(id(module), '?')!r} ({type(module).__name__})")
+                node.meta.setdefault(TIME_MAJOR_INPUT, _layer_label(fqn_of.get(id(module), "?"), module))
 
     hooks = [
         sub.register_forward_pre_hook(mark, with_kwargs=True)
