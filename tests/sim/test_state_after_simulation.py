@@ -100,6 +100,12 @@ def test_checkpoint_after_the_block_resumes_in_a_new_simulation(tmp_path) -> Non
                        got["expected"]["param.0.weight"])
 
 
+def _four_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(4)]
+
+
 @pytest.mark.parametrize(("mode", "world"), [("fully_shard", 2), ("fsdp_tp", 4)])
 def test_the_same_step_continues_in_a_later_block(mode: str, world: int) -> None:
     """fsdp_tp's second block failed in expansion ("Could not resolve the process group
@@ -107,9 +113,7 @@ def test_the_same_step_continues_in_a_later_block(mode: str, world: int) -> None
     model, optim = _build()
     reference, ref_optim = _build()
     step = sc.compile(_mode(mode))(classification_train_step)
-    gen = torch.Generator().manual_seed(3)
-    data = [(torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (8,), generator=gen))
-            for _ in range(4)]
+    data = _four_batches()
     want = [classification_train_step(reference, ref_optim, x, y).item() for x, y in data]
     got = []
     for block in (data[:2], data[2:]):
@@ -160,9 +164,7 @@ def test_another_world_size_is_refused_and_the_checkpoint_moves_the_state(mode: 
     model, optim = _build()
     reference, ref_optim = _build()
     step = sc.compile(_mode(mode))(classification_train_step)
-    gen = torch.Generator().manual_seed(3)
-    data = [(torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (8,), generator=gen))
-            for _ in range(4)]
+    data = _four_batches()
     want = [classification_train_step(reference, ref_optim, x, y).item() for x, y in data]
     with sc.simulate(world_size=2):
         got = [step(model, optim, x, y).item() for x, y in data[:2]]

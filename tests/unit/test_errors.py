@@ -637,6 +637,17 @@ def test_a_failed_expansion_under_tensor_parallel_does_not_name_input_batch_dim(
     assert "output_layouts" in str(info.value)
 
 
+class _Up(nn.Module):
+    """One planned Linear whose output the step sums: the mesh tests' model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x).sum()
+
+
 def test_tensor_parallel_on_a_sub_mesh_names_the_2d_mode():
     """``TensorParallel(mesh=mesh["tp"])`` of a 2-D mesh (its docstring offered it): the
     refusal names the mode (not the whole plan's repr) and points to fsdp_tp."""
@@ -645,15 +656,7 @@ def test_tensor_parallel_on_a_sub_mesh_names_the_2d_mode():
 
     from spmd_compiler.parallel_modes import TensorParallel
 
-    class Up(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.up = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.up(x).sum()
-
-    model = Up()
+    model = _Up()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with sc.simulate(world_size=4), pytest.raises(SPMDCompileError) as info:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -674,15 +677,7 @@ def test_an_fsdp_tp_mesh_shape_of_another_size_is_refused_with_what_to_do(shape,
 
     from spmd_compiler.parallel_modes import FullyShardTensorParallel
 
-    class Up(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.up = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.up(x).sum()
-
-    model = Up()
+    model = _Up()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = snapshot(model, opt)
     mode = FullyShardTensorParallel({"up": ColwiseParallel()}, mesh_shape=shape)
