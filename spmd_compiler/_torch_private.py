@@ -778,6 +778,20 @@ def value_dependent_shape_op(exc: BaseException) -> Any:
     return exc.func if isinstance(exc, DynamicOutputShapeException) else None
 
 
+def graph_node_at_line(gm: torch.fx.GraphModule, lineno: int) -> torch.fx.Node | None:
+    """The node whose code is at line ``lineno`` of ``gm``'s generated ``forward``, or None
+    (fx's ``_lineno_map``, keyed by the line within the function, gives the node's index:
+    how dynamo finds the node of a frame in a graph module, ``output_graph.py``)."""
+    lines = getattr(gm, "_lineno_map", None)
+    if not lines:
+        return None
+    index = lines.get(lineno - type(gm).forward.__code__.co_firstlineno)
+    if index is None:
+        return None
+    nodes = list(gm.graph.nodes)
+    return nodes[index] if 0 <= index < len(nodes) else None
+
+
 def is_real_tensor_constant(t: torch.Tensor) -> bool:
     """True for a real (not fake) tensor met while a fake trace runs: a graph constant."""
     from torch._subclasses.fake_tensor import FakeTensor, maybe_get_fake_mode

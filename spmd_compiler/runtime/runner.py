@@ -47,7 +47,8 @@ from ..ir.signature import (
 from ..lower import Executable, LoweredGraph
 from ..state_donation import donation_pairs
 from .eager_calls import guard_direct_calls, place_loaded_state
-from .faults import attribution
+from .faults import attribution, default_store, describe_exception, record_failure
+from .kernel_failures import failing_node, in_a_collective, where
 from .same_inputs import InputAgreement
 from .simulate import RanksDisagree, Simulation, mesh_is_live
 
@@ -686,8 +687,19 @@ def _run(
     program sends along and its early part computed while the round is in flight (NOTE:
     [reductions that ride the input check])."""
     if sim is not None:
-        with sim.constants_per_rank(lowered.graph_module), sim.ranks():
-            return lowered(flat, simulated=True)
+        try:
+            with sim.constants_per_rank(lowered.graph_module), sim.ranks():
+                return lowered(flat, simulated=True)
+        except (SPMDCompileError, SPMDRuntimeError):
+            raise
+        except Exception as exc:
+            node = failing_node(exc)
+            if node is None or in_a_collective(node):
+                raise
+            raise SPMDRuntimeError(
+                f"The compiled step failed at {where(node)}: {exception_summary(exc)}. "
+                f"{_state_after_failure(lowered, deferred)}"
+            ) from exc
     try:
         if agreement is None:
             return lowered(flat, simulated=False)
@@ -697,24 +709,41 @@ def _run(
     except (SPMDCompileError, SPMDRuntimeError):
         raise
     except Exception as exc:
-        # NOTE: [state ownership]: nothing was written back, the state is intact, unless
-        # the lowered program updates it in place (NOTE: [state donation]).
-        pending = (
-            " The update the previous call deferred (cross_iteration_overlap) was not "
-            "applied either." if deferred else ""
-        )
-        state = (
-            "The program updates parameters and optimizer state in place and may have "
-            "begun to: they may hold part of this step's update; restore them from a "
-            "checkpoint."
-            if lowered.updates_in_place
-            else "The model and optimizer hold the state of the last completed step."
-        )
         rank = dist.get_rank()
+        state = _state_after_failure(lowered, deferred)
+        node = failing_node(exc)
+        if node is not None and not in_a_collective(node):
+            # NOTE: [where a program failed]: this rank's own failure, recorded at once
+            store = default_store()
+            if store is not None:
+                record_failure(store, rank, f"{describe_exception(exc)} at {where(node)}")
+            raise SPMDRuntimeError(
+                f"The compiled step failed on rank {rank} at {where(node)}: "
+                f"{exception_summary(exc)}. This rank's own computation failed, not a "
+                "collective: every rank runs this program, so ranks given such data fail "
+                f"alike. {state}"
+            ) from exc
         raise collective_failure(
             f"The compiled step failed on rank {rank}: {exception_summary(exc)}. "
-            f"{attribution(rank)} {state}{pending}"
+            f"{attribution(rank)} {state}"
         ) from exc
+
+
+def _state_after_failure(lowered: LoweredGraph, deferred: bool) -> str:
+    """What a failed program left of the state (NOTE: [state ownership]): nothing was
+    written back, the state is intact, unless the program updates it in place (NOTE:
+    [state donation])."""
+    pending = (
+        " The update the previous call deferred (cross_iteration_overlap) was not "
+        "applied either." if deferred else ""
+    )
+    if lowered.updates_in_place:
+        return (
+            "The program updates parameters and optimizer state in place and may have "
+            "begun to: they may hold part of this step's update; restore them from a "
+            f"checkpoint.{pending}"
+        )
+    return f"The model and optimizer hold the state of the last completed step.{pending}"
 
 
 def _feed_input(

@@ -113,3 +113,36 @@ def test_survivor_names_the_rank_that_failed_first(how: str, tmp_path) -> None:
     assert "conditions on tensor values" not in failures[0]
     delay = float((tmp_path / "survivor").read_text()) - float((tmp_path / "death").read_text())
     assert delay < 10.0, f"the survivor's error came {delay:.1f} s after the death"
+
+
+def _bad_index_worker(rank: int, world_size: int, bad_ranks: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(DataParallel("replicate"))(_step)
+    gen = torch.Generator().manual_seed(rank)
+    for i in range(2):
+        x, y = torch.randint(0, 10, (4, 2), generator=gen), torch.randint(0, 4, (4,), generator=gen)
+        if i == 1 and rank in bad_ranks:
+            x[0, 0] = 50  # past the embedding's 10 rows
+        step(model, optim, x, y)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("bad_ranks", [(0, 1), (1,)])
+def test_a_kernel_error_names_its_op_and_the_rank_it_happened_on(bad_ranks) -> None:
+    """NOTE: [where a program failed]: a kernel error in the program names its op, module
+    and train-step line; a rank whose own computation failed says so (every rank said "No
+    other rank recorded a failure" before, each blaming a peer), and a rank whose
+    collective broke because of it names that rank and its cause."""
+    with pytest.raises(LaunchError) as info:
+        sc.launch(_bad_index_worker, 2, args=(bad_ranks,), timeout_s=180, collective_timeout_s=10)
+    failures = info.value.failures
+    where = "at aten.embedding.default (graph node embedding) in module '0', train step line"
+    for rank in bad_ranks:
+        assert f"failed on rank {rank} {where}" in failures[rank]
+        assert "IndexError: index out of range in self" in failures[rank]
+        assert "This rank's own computation failed" in failures[rank]
+        assert "No other rank recorded" not in failures[rank]
+    if bad_ranks == (1,):
+        assert "Rank 1 failed first: it raised IndexError: index out of range in self " + where in failures[0]

@@ -1,0 +1,64 @@
+"""Where a compiled program failed while it ran: its node, op, module and train-step line.
+
+NOTE: [where a program failed]
+A kernel that raises inside the per-rank program (an index out of range in an
+embedding, a shape a data-dependent op did not expect) surfaced as torch's bare message
+("index out of range in self"), which names nothing of the user's step. On real ranks it
+was worse: every rank that failed that way waited for another rank's record and then
+said "No other rank recorded a failure: one may be stuck elsewhere", blaming a peer for
+a failure of its own (2 gloo ranks, an embedding index out of range on both).
+
+The interpreted program is an fx ``GraphModule``, whose generated code fx maps back to
+its nodes (``private.graph_node_at_line``): the innermost frame of such code in the
+traceback is the node that raised, and its meta carry the op, the module FQN and the
+train-step line. A failure at a collective's node is a peer's (NOTE: [fault
+attribution] names the rank that failed first); any other node's is this rank's own
+computation: the rank records it at once, so that its peers, whose collectives break
+when it leaves, name it and its cause, and says so instead of looking for another rank.
+A program lowered by Inductor runs no such code: its failures are told as before.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch.fx
+
+from .. import _torch_private as private
+from ..ir.collectives import is_collective, is_wait
+from ..ir.node_meta import MODULE_FQN, USER_LINE
+
+
+def failing_node(exc: BaseException) -> torch.fx.Node | None:
+    """The node of the innermost graph-module frame in ``exc``'s traceback, or None."""
+    found = None
+    tb: types.TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        gm = frame.f_locals.get("self")
+        if (
+            isinstance(gm, torch.fx.GraphModule)
+            and frame.f_code is getattr(type(gm).forward, "__code__", None)
+        ):
+            found = private.graph_node_at_line(gm, tb.tb_lineno) or found
+        tb = tb.tb_next
+    return found
+
+
+def in_a_collective(node: torch.fx.Node) -> bool:
+    """Whether ``node`` sends or waits: its failure is a peer's, not this rank's."""
+    return is_collective(node) or is_wait(node)
+
+
+def where(node: torch.fx.Node) -> str:
+    """``aten.embedding.default (graph node embedding) in module 'emb', train step line
+    f.py:12: "out = model(x)"``."""
+    op = str(node.target) if node.op == "call_function" else node.op
+    text = f"{op} (graph node {node.name})"
+    fqn = node.meta.get(MODULE_FQN)
+    if fqn is not None:
+        text += f" in module '{fqn}'" if fqn else " in the root module"
+    line = node.meta.get(USER_LINE)
+    if line:
+        text += f", train step line {line}"
+    return text
