@@ -120,16 +120,39 @@ def reads_computed_attributes(code: types.CodeType) -> bool:
         instructions = list(dis.get_instructions(code))
         found = any(
             i.opname in _LOADS and i.argval in _ALWAYS_COMPUTED
-            or i.opname in _LOADS and i.argval in _NAME_ARGUMENT and not _constant_name(instructions, n)
+            or i.opname in _LOADS and i.argval in _NAME_ARGUMENT and _constant_name(instructions, n) is None
             for n, i in enumerate(instructions)
         ) or any(reads_computed_attributes(c) for c in code.co_consts if isinstance(c, types.CodeType))
         _COMPUTED[code] = found
     return found
 
 
-def _constant_name(instructions: list[dis.Instruction], at: int) -> bool:
-    """Whether the reader loaded at ``instructions[at]`` is called at once with an
-    identifier constant as its name argument (a stack walk over its arguments)."""
+_PROBED: dict[types.CodeType, frozenset[str]] = {}
+
+
+def probed_names(code: types.CodeType) -> frozenset[str]:
+    """The attribute names ``code`` (or its nested code) reads by a constant that may
+    be absent: ``getattr(opt, "count", 0)``, ``hasattr(self, "cache")``. A guard of the
+    object each is read from must see it appear (NOTE: [names read that may be absent]
+    in ``guards.py``). Cached per code object."""
+    found = _PROBED.get(code)
+    if found is None:
+        instructions = list(dis.get_instructions(code))
+        names = {
+            name for n, i in enumerate(instructions)
+            if i.opname in _LOADS and i.argval in ("getattr", "hasattr")
+            and (name := _constant_name(instructions, n)) is not None
+        }
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names |= probed_names(const)
+        found = _PROBED[code] = frozenset(names)
+    return found
+
+
+def _constant_name(instructions: list[dis.Instruction], at: int) -> str | None:
+    """The identifier constant the reader loaded at ``instructions[at]`` is called with at
+    once as its name argument, or None (a stack walk over its arguments)."""
     position = _NAME_ARGUMENT[instructions[at].argval]
     depth, depths = 0, []  # values pushed since the reader, after each instruction
     previous = ""
@@ -141,29 +164,31 @@ def _constant_name(instructions: list[dis.Instruction], at: int) -> bool:
             argc = depth
             break
         if instruction.opcode in _JUMPS or instruction.opname.startswith(("CALL_FUNCTION_", "CALL_KW")):
-            return False
+            return None
         try:
             depth += dis.stack_effect(
                 instruction.opcode, instruction.arg if instruction.opcode >= dis.HAVE_ARGUMENT else None
             )
         except ValueError:
-            return False
+            return None
         if depth < 0:  # the reader was handed on (``reduce(getattr, ...)``), not called
-            return False
+            return None
         depths.append(depth)
     else:
-        return False
+        return None
     k = position or argc
     if not 1 <= k <= argc:
-        return False
+        return None
     # the k-th argument ends where the depth last comes down to k, and starts after the
     # last point before that where it stood at k - 1
     end = max(n for n, d in enumerate(depths) if d == k and all(e >= k for e in depths[n:]))
     start = max((n for n, d in enumerate(depths[:end]) if d == k - 1), default=-1)
     if end != start + 1:
-        return False
+        return None
     name = instructions[at + 1 + end]
-    return name.opname == "LOAD_CONST" and isinstance(name.argval, str) and name.argval.isidentifier()
+    if name.opname == "LOAD_CONST" and isinstance(name.argval, str) and name.argval.isidentifier():
+        return name.argval
+    return None
 
 
 def step_function(func: Any) -> types.FunctionType | None:

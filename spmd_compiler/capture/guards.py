@@ -178,6 +178,20 @@ pinned: its link sees it replaced. The key before capture describes a function b
 module and qualified name (``_described``), its source file being part of that key. A
 second model instance holding the same functions reuses the program; one holding
 per-instance lambdas compiles its own.
+
+NOTE: [names read that may be absent]
+An attribute the walk by name finds on no object guards nothing there, yet the user's
+code may read it with a default (``getattr(optim, "loss_scale", 1.0)``,
+``hasattr(self, "ready")``): set later by the training loop, the old program ran
+silently (a returned loss 2x eager's); made by the step itself as a counter
+(``optim.calls = getattr(optim, "calls", 0) + 1``) it stayed at 1 after the first call
+and the program traced with it ran on (parameters 0.196 relative off eager after 5
+SGD steps). So each name the user's code passes as a constant to ``getattr`` /
+``hasattr`` (``code_names.probed_names``) is guarded as absent on every object walked
+by name that lacks it (unless its number of attributes is guarded): a value set later
+recompiles; one the step makes is a set-up or a counter (NOTE: [a step that changes
+what it reads]), and absence is a value a trace starts from, replays and puts back
+(``set_or_delete``): a refused counter leaves the object without the attribute.
 """
 
 from __future__ import annotations
@@ -204,6 +218,7 @@ from .bindings import StepBindings, mark_parameters, numpy_kind
 from .code_names import (
     global_names_in,
     names_in,
+    probed_names,
     reads_computed_attributes,
     strings_in,
     value_names_in,
@@ -440,7 +455,12 @@ class Guards:
         user's objects as the call found them (a hook's ``self.calls += 1`` counted each
         refused call before)."""
         for kind, container, key, expected in self.entries:
-            if kind != _DICT or not isinstance(container, dict) or not is_scalar(expected):
+            if kind != _DICT or not isinstance(container, dict):
+                continue
+            if expected is _MISSING:  # an attribute the step made (NOTE: [names read that may be absent])
+                container.pop(key, None)
+                continue
+            if not is_scalar(expected):
                 continue
             value = container.get(key, _MISSING)
             if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
@@ -457,16 +477,17 @@ class Guards:
     def unwrite(self) -> None:
         """Set back what ``written`` lists (a trace starts from the values the call found)."""
         for container, key, expected, _ in self._plain_changes():
-            container[key] = expected
+            set_or_delete(container, key, expected)
 
     def _plain_changes(self) -> list[tuple[dict, Any, Any, Any]]:
-        """(dict, key, value these guards hold, value now) of ``written``'s entries."""
+        """(dict, key, value these guards hold, value now) of ``written``'s entries; a
+        value absent then or now is ``_MISSING`` (made or deleted by the step)."""
         out: list[tuple[dict, Any, Any, Any]] = []
         for kind, container, key, expected in self.entries:
-            if kind != _DICT or not isinstance(container, dict) or not isinstance(expected, _WRITABLE):
+            if kind != _DICT or not isinstance(container, dict) or not _writable(expected):
                 continue
             value = container.get(key, _MISSING)
-            if not isinstance(value, _WRITABLE) or value is expected or (
+            if not _writable(value) or value is expected or (
                 type(value) is type(expected) and not _unequal(value, expected)
             ):
                 continue
@@ -492,7 +513,7 @@ class Guards:
             if then is expected or (type(then) is type(expected) and not _unequal(then, expected)):
                 continue
             self.entries[k] = (kind, container, key, then)
-            if kind == _DICT and isinstance(container, dict) and isinstance(expected, _WRITABLE):
+            if kind == _DICT and isinstance(container, dict) and _writable(expected) and _writable(then):
                 self.writes.append((k, expected))
             else:
                 replayable = False
@@ -503,7 +524,7 @@ class Guards:
         no Python: ``model.eval()`` in the step left the model in training mode before)."""
         for k, value in self.writes:
             _, container, key, _ = self.entries[k]
-            container[key] = value
+            set_or_delete(container, key, value)
 
     def described(self) -> list[tuple[str, Any]]:
         """Each guard's name and the value it holds (the pre-capture cache key), but the
@@ -564,6 +585,19 @@ def _default_of(fn: types.FunctionType, key: tuple[str, Any]) -> Any:
 # values the step's Python wrote that a compiled call writes again (immutable, so the
 # value the trace left can be set as it is)
 _WRITABLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _writable(value: Any) -> bool:
+    """A value a step's write can be replayed or undone with: a plain one, or absence."""
+    return value is _MISSING or isinstance(value, _WRITABLE)
+
+
+def set_or_delete(container: dict, key: Any, value: Any) -> None:
+    """``container[key] = value``, or remove ``key`` where ``value`` is absence."""
+    if value is _MISSING:
+        container.pop(key, None)
+    else:
+        container[key] = value
 
 
 def _snapshot(value: Any) -> Any:
@@ -831,6 +865,9 @@ class _Walker:
         # NOTE: [guards below the walked depth]: every name and string the walked code
         # holds; what waits to be walked by those names, as (value, path, where read)
         self.read_names: set[str] = set()
+        # names the user's code reads by getattr / hasattr with a constant (NOTE: [names
+        # read that may be absent])
+        self.probed_names: set[str] = set()
         # torch's modules the walked code names (``F``, ``torch``): the functions it names
         # of them are guarded by identity (``torch_namespaces``), their code not walked
         self.torch_modules: dict[int, tuple[types.ModuleType, str, set[str]]] = {}
@@ -1070,6 +1107,10 @@ class _Walker:
                     self.class_attribute(type(obj), attribute)
                     if not counted:
                         self.guards.add(_DICT, d, attribute, _MISSING, f"{path}.{attribute}{where}")
+                if not counted:  # NOTE: [names read that may be absent]
+                    for attribute in sorted(self.probed_names - keys - done - _class_names(type(obj))):
+                        done.add(attribute)
+                        self.guards.add(_DICT, d, attribute, _MISSING, f"{path}.{attribute}{where}")
             grew |= self.torch_namespaces()
             if not grew and not self.pending:
                 return
@@ -1300,6 +1341,8 @@ class _Walker:
         self.read_names.update(strings)  # getattr(config, "scale"), d["key"]
         self.value_names.update(value_names_in(fn.__code__))
         self.value_names.update(strings)
+        if deep:
+            self.probed_names.update(probed_names(fn.__code__))
         if deep and reads_computed_attributes(fn.__code__):
             self.computed_reads.append(where)
         if cls is not None:

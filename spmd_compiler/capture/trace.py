@@ -97,6 +97,7 @@ from .grad_scalers import (
     unbound_scaler_error,
 )
 from .gradients import mark_gradients
+from .guards import set_or_delete
 from .kept_tensors import KeptTensor, KeptTensors
 from .lr_schedulers import (
     LRReadAfterSchedulerStep,
@@ -1375,7 +1376,7 @@ def _leave_written(tracer: _StepTracer) -> None:
     if _TRACE_STARTS:
         _TRACE_STARTS[-1].unwrite()
     for container, key, value in tracer.written:
-        container[key] = value
+        set_or_delete(container, key, value)
 
 
 class _StepTracer:
