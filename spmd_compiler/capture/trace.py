@@ -1869,7 +1869,7 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
             return
         _, mark = stack.pop()
         # NOTE: [a batch dimension iterated over]: torch's recurrent layers on (T, B, F)
-        recurrent = _layer_label(fqn, module) if isinstance(module, torch.nn.RNNBase) and _time_major_inputs(module) else None
+        recurrent = _layer_label(fqn, module) if isinstance(module, torch.nn.RNNBase) else None
         for node in new_nodes_after(mark, graph):
             node.meta.setdefault(MODULE_FQN, fqn)
             if recurrent is not None:
@@ -1886,41 +1886,47 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
             h.remove()
 
 
-def _time_major_inputs(module: torch.nn.Module) -> tuple[str, ...]:
-    """The forward parameters of ``module`` that hold time on dimension 0: torch's
-    recurrent layers (``input``) and attention (``query``, ``key``, ``value``) with
-    ``batch_first=False`` (their ``(T, B, ...)`` and unbatched ``(T, ...)`` layouts); none
-    for any other module."""
-    if getattr(module, "batch_first", True):
-        return ()
+def _timed_inputs(module: torch.nn.Module) -> tuple[str, ...]:
+    """The forward parameters of ``module`` that hold time: torch's recurrent layers
+    (``input``) and attention (``query``, ``key``, ``value``); none for any other module."""
     if isinstance(module, torch.nn.RNNBase):
         return ("input",)
     return ("query", "key", "value") if isinstance(module, torch.nn.MultiheadAttention) else ()
 
 
+def _time_dim(module: torch.nn.Module, value: torch.Tensor) -> int:
+    """The dimension of ``value`` that ``module`` reads as time: 1 of a batched input with
+    ``batch_first=True`` (``(B, T, F)``), else 0 (``(T, B, F)``, or unbatched ``(T, F)``)."""
+    return 1 if getattr(module, "batch_first", False) and value.ndim == 3 else 0
+
+
 def _layer_label(fqn: str, module: torch.nn.Module) -> str:
-    """How the time-major checks name a layer: ``"'enc.self_attn' (MultiheadAttention)"``."""
-    return f"{fqn!r} ({type(module).__name__})"
+    """How the time checks name a layer: ``"'enc.self_attn' (MultiheadAttention,
+    batch_first=False)"``."""
+    return f"{fqn!r} ({type(module).__name__}, batch_first={bool(getattr(module, 'batch_first', False))})"
 
 
 @contextlib.contextmanager
 def _time_major_marks(modules: list[torch.nn.Module], fqn_of: dict[int, str]) -> Iterator[None]:
-    """NOTE: [a batch dimension iterated over]: mark the nodes whose values a time-major
-    layer reads with time on dimension 0 (``TIME_MAJOR_INPUT``), passed by position or by
-    keyword (``attn(query=x, key=x, value=x)``: the global module hooks see positional
-    arguments only), checked against the split dimension at expansion."""
+    """NOTE: [a batch dimension iterated over]: mark the nodes whose values torch's
+    recurrent and attention layers read, with the dimension they read as time
+    (``TIME_MAJOR_INPUT``: 0 time-major, 1 batch-first), passed by position or by keyword
+    (``attn(query=x, key=x, value=x)``: the global module hooks see positional arguments
+    only), checked against the split dimension at expansion."""
 
     def mark(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        names = _time_major_inputs(module)
+        names = _timed_inputs(module)
         values = [*args[: len(names)], *(kwargs[n] for n in names[len(args):] if n in kwargs)]
         for value in values:
             node = private.traced_node_of(value) if isinstance(value, torch.Tensor) else None
             if node is not None:
-                node.meta.setdefault(TIME_MAJOR_INPUT, _layer_label(fqn_of.get(id(module), "?"), module))
+                node.meta.setdefault(
+                    TIME_MAJOR_INPUT, (_layer_label(fqn_of.get(id(module), "?"), module), _time_dim(module, value))
+                )
 
     hooks = [
         sub.register_forward_pre_hook(mark, with_kwargs=True)
-        for mod in modules for sub in mod.modules() if _time_major_inputs(sub)
+        for mod in modules for sub in mod.modules() if _timed_inputs(sub)
     ]
     try:
         yield

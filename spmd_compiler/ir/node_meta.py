@@ -8,8 +8,8 @@ reader can find every writer and reader of a key by its accessor's name.
 | key | written by | value |
 |---|---|---|
 | ``MODULE_FQN`` | capture (module forward hooks) | FQN of the innermost module whose forward traced the node |
-| ``TIME_MAJOR_RNN`` | capture (module forward hooks) | FQN of the time-major ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (``batch_first=False``) whose forward traced the node |
-| ``TIME_MAJOR_INPUT`` | capture (module forward pre-hooks) | ``"'fqn' (Class)"`` of a time-major ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` / ``nn.MultiheadAttention`` (``batch_first=False``) that reads the node's value with time on dimension 0 |
+| ``TIME_MAJOR_RNN`` | capture (module forward hooks) | ``"'fqn' (Class, batch_first=...)"`` of the ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` whose forward traced the node (a walk there is along time) |
+| ``TIME_MAJOR_INPUT`` | capture (module forward pre-hooks) | ``("'fqn' (Class, batch_first=...)", dim)``: an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` / ``nn.MultiheadAttention`` reads the node's value with time on dimension ``dim`` (0 time-major or unbatched, 1 batch-first) |
 | ``USER_LINE`` | capture | ``errors.SourceLocation`` of the train-step line |
 | ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
 | ``PADDED`` | a mode's padding of uneven state | ``(true size, padded size, dim)`` of a value held padded |

@@ -233,7 +233,7 @@ def pooled_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("layer", "fqn"), [("rnn", "'rnn' (GRU)"), ("attention", "'enc.self_attn' (MultiheadAttention)")])
+@pytest.mark.parametrize(("layer", "fqn"), [("rnn", "'rnn' (GRU, batch_first=False)"), ("attention", "'enc.self_attn' (MultiheadAttention, batch_first=False)")])
 def test_a_time_major_input_is_refused_unless_its_batch_dimension_is_named(layer: str, fqn: str) -> None:
     from tests.sim.test_iterated_batches import _batches
     from tests.sim.test_iterated_batches import step as gru_step
@@ -246,7 +246,7 @@ def test_a_time_major_input_is_refused_unless_its_batch_dimension_is_named(layer
     want = full_state(model, optim, None)
     for rank, got in enumerate(results):
         message = got.get("error", "")
-        assert f"The time-major layer {fqn} (batch_first=False) reads dimension 0" in message, (rank, got)
+        assert f"The layer {fqn} reads dimension 0" in message, (rank, got)
         assert "input_batch_dim={'x': 1, 'y': 1}" in message
         labels = got.get("labels_error", "")
         assert "The step argument(s) 'y' is laid out like 'x'" in labels, (rank, labels)
