@@ -1041,6 +1041,7 @@ def _trace_first(
         settled = settled_in_capture()
         if settled:  # a size error from selections traced as all true
             text = text.rstrip(".") + settled
+        text = text.rstrip() + _NOTHING_APPLIED
         raise SPMDCompileError(
             text,
             module_fqn=scopes[-1][0] if scopes else None,
@@ -1095,6 +1096,13 @@ def _finish(first: _FirstTrace, start: float) -> CapturedStep:
 # adds what to do where split arguments may be the cause (NOTE: [capture failures of split
 # arguments] in ``parallel_modes/batch_dims.py``)
 CAPTURE_FAILED = "Capturing the train step failed"
+# A failed capture changes nothing; the step run eagerly keeps what ran before its error
+# (gradients a backward() accumulated, an optimizer step): a loop that catches the error
+# and goes on would part from eager without this said.
+_NOTHING_APPLIED = (
+    " (nothing of this call was applied: the model, its gradients and the optimizer are "
+    "as before the call, where the step run eagerly keeps what ran before the error)"
+)
 _FLEX = ("flex_attention", "FlexAttention")
 _FLEX_HINT = (
     "FlexAttention (a transformers model with attn_implementation='flex_attention') is not "

@@ -127,3 +127,36 @@ def test_an_error_after_the_update_keeps_it_as_eager_does():
         state = sc.checkpoint.full_state_dict(model)["model"]
     for name, value in reference.state_dict().items():
         assert torch.allclose(state[name], value, rtol=1e-12, atol=1e-15), name
+
+
+class _BadBatch(Exception):
+    pass
+
+
+def test_an_error_the_step_raises_at_capture_says_nothing_was_applied():
+    """Eager keeps what ran before the step's own ``raise`` (here the gradients of
+    ``backward()``); the failed capture applies nothing, and the message says so (a loop
+    catching the error and going on would part from eager unawares)."""
+
+    def step(model, optim, x, y, bad):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if bad:
+            raise _BadBatch("a bad batch")
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(step)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, y, 0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(sc.SPMDCompileError) as info:
+            compiled(model, optim, x, y, 1)
+        assert all(torch.equal(p.detach(), before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert isinstance(info.value.__cause__, _BadBatch)
+    assert "_BadBatch: a bad batch (nothing of this call was applied: the model, its gradients" in str(info.value)
