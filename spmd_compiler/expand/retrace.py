@@ -240,10 +240,10 @@ def expand(
             progress.current().set_total(len(captured.graph_module.graph.nodes))
             outs = interpreter.run(*dtensors)
             results = []
-            for value, target in zip(outs, output_placements, strict=True):
+            for k, (value, target) in enumerate(zip(outs, output_placements, strict=True)):
                 dt = _as_dtensor(value, mesh)
                 if tuple(dt.placements) != tuple(target):
-                    dt = dt.redistribute(mesh, target)
+                    dt = _redistribute_output(dt, mesh, target, captured, k)
                 results.append(private.local_tensor_of(dt))
         return results
 
@@ -333,6 +333,40 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
             )
     private.lift_group_names(first, mesh)
     return first
+
+
+def _redistribute_output(
+    dt: DTensor, mesh: DeviceMesh, target: Placements, captured: CapturedStep, k: int
+) -> DTensor:
+    """Output ``k`` moved to the placements the mode keeps it in.
+
+    NOTE: [outputs moved by way of Replicate]
+    torch 2.13's redistribution from a strided shard on a 2-D mesh to another 2-D
+    sharding can fail an internal check (fsdp_tp 2x2: a momentum buffer computed in
+    ``[_StridedShard(0, sf=2), Shard(0)]`` for ``[Shard(0), Shard(1)]`` raised a bare
+    "Expected cond to be True" from DTensor's unpadding, the step never compiled). Where
+    the direct move fails, the output is gathered whole and cut as the mode keeps it:
+    more bytes, for this output only, the same values. A failure of that too becomes an
+    error naming the output and both placements."""
+    try:
+        return dt.redistribute(mesh, target)
+    except Exception:  # noqa: BLE001 - by way of Replicate, below
+        pass
+    try:
+        whole = dt.redistribute(mesh, [Replicate()] * mesh.ndim)
+        return whole.redistribute(mesh, target)
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the output
+        what = str(captured.outputs[k]) if k < len(captured.outputs) else f"output {k}"
+        raise SPMDCompileError(
+            f"Expansion could not move {what} (global shape {tuple(dt.shape)}) from the "
+            f"placements the step computed it in, {format_placements(dt.placements)}, to "
+            f"those the mode keeps it in, {format_placements(tuple(target))}: "
+            f"{exception_summary(exc)}.",
+            hint="a tensor the step builds with a size equal to the global batch (a table "
+            "made by torch.zeros / torch.full of that many rows) is split as the batch "
+            "(NOTE: [local batch only]); build it from a size that is not the batch, or "
+            "pass it to the step as an argument named None in input_batch_dim.",
+        ) from exc
 
 
 def _check_output_dtypes(gm: torch.fx.GraphModule, captured: CapturedStep) -> None:
