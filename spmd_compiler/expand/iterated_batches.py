@@ -157,6 +157,11 @@ class BatchIterations:
             self._seen.add((arguments, layer is None))
             self.found.append(IteratedBatch(node, arguments, dim, layer))
 
+    def reaching(self, node: torch.fx.Node) -> frozenset[str]:
+        """The names of the split step arguments ``node`` (of the captured graph) is
+        computed from."""
+        return self._reaching(node)
+
     def _reaching(self, node: torch.fx.Node) -> frozenset[str]:
         """The split arguments ``node`` is computed from (one pass over the graph, the
         first time it is asked)."""

@@ -730,7 +730,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
             if isinstance(value, DTensor):
                 if len(captured) == len(values):
                     _check_global_shape(source, value, captured[i])
-                _check_local_shape(source, value)
+                _check_local_shape(source, value, self.iterations)
                 node = private.traced_node_of(private.local_tensor_of(value))
                 if node is not None and node in created:
                     node.meta[PLACEMENT] = tuple(value.placements)
@@ -857,7 +857,7 @@ def _padded_ancestor(source: torch.fx.Node) -> tuple[int, int, int] | None:
     return None
 
 
-def _check_local_shape(source: torch.fx.Node, value: DTensor) -> None:
+def _check_local_shape(source: torch.fx.Node, value: DTensor, iterations: BatchIterations) -> None:
     local = tuple(private.local_tensor_of(value).shape)
     expected = private.local_sizes_where_even(tuple(value.shape), value.device_mesh, value.placements)
     if expected is None or len(expected) != len(local) or all(
@@ -865,6 +865,14 @@ def _check_local_shape(source: torch.fx.Node, value: DTensor) -> None:
     ):
         return
     shown = tuple("?" if want is None else want for want in expected)
+    split = sorted(iterations.reaching(source))
+    named = (
+        "if " + ", ".join(repr(a) for a in split) + (" holds" if len(split) == 1 else " hold")
+        + " the batch on another dimension "
+        "than the one the mode splits (a time-major (T, B, ...) argument is split along "
+        "time), name it: input_batch_dim={" + ", ".join(f"{a!r}: <its batch dimension>" for a in split)
+        + "}; otherwise " if split else ""
+    )
     raise node_error(
         f"DTensor computed this op's local result with shape {local}, where its "
         f"placement {format_placements(value.placements)} of the global shape "
@@ -872,8 +880,8 @@ def _check_local_shape(source: torch.fx.Node, value: DTensor) -> None:
         "the global shape, which DTensor passed to the local kernel unchanged. Refused "
         "rather than computing on the wrong shape (NOTE: [local shape check]).",
         source,
-        hint="register a sharding strategy that localizes the op's size arguments, or "
-        "replace the op with ops DTensor adjusts (views, reshapes).",
+        hint=f"{named}register a sharding strategy that localizes the op's size arguments, "
+        "or replace the op with ops DTensor adjusts (views, reshapes).",
     )
 
 

@@ -377,3 +377,31 @@ def test_labels_laid_out_like_a_named_time_major_input_warn(model: str) -> None:
     for quiet in ({"x": 1, "y": 1}, {"x": 1, "y": 0}):
         warned, _ = alike(DataParallel("replicate", input_batch_dim=quiet))
         assert warned == [], (quiet, warned)
+
+
+class TimeMajorConv(nn.Module):
+    """A convolution over time of a ``(T, B, C)`` input: split unnamed along time, the
+    convolution's local result cannot be computed from a share of its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(5, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.conv(x.permute(1, 2, 0))).permute(2, 0, 1))
+
+
+def test_a_local_shape_refusal_of_a_split_argument_names_input_batch_dim() -> None:
+    """The refusal's hint was only about sharding strategies; the way out, naming the
+    time-major argument's batch dimension, trains as eager."""
+    torch.manual_seed(0)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(step)
+    x, y = _batches()[0]
+    model = TimeMajorConv().double()
+    with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    assert "if 'x' holds the batch on another dimension" in str(info.value)
+    assert "input_batch_dim={'x': <its batch dimension>}" in str(info.value)
+    warned, errors = _train(TimeMajorConv().double(), DataParallel("replicate", input_batch_dim={"x": 1, "y": 1}))
+    assert warned == [] and max(errors.values()) < 1e-12, (warned, errors)
