@@ -634,12 +634,13 @@ def _hashable(v: Any) -> Any:
     return v
 
 
-def argument_paths(func: Callable[..., Any], spec: pytree.TreeSpec) -> list[str]:
+def argument_paths(func: Callable[..., Any], spec: pytree.TreeSpec, nones: bool = False) -> list[str]:
     """The path of every leaf of a call's flattened arguments (``StepBindings.flat_args``,
     whose structure ``spec`` is), as the step's code names it: the parameter's name, then
     keys and attributes inside it (``x``, ``batch['input_ids']``, ``state.h``,
     ``hidden[1]``). Arguments caught by ``*args`` are ``args[i]``; a step whose signature
-    cannot be read names its positional arguments ``args[i]``.
+    cannot be read names its positional arguments ``args[i]``. ``nones``: the paths of
+    None values too (no leaf of pytree's: a ``batch['mask']`` passed as None this call).
 
     NOTE: [inputs by name]: what ``DataParallel(input_batch_dim={...})`` matches.
     """
@@ -657,7 +658,8 @@ def argument_paths(func: Callable[..., Any], spec: pytree.TreeSpec) -> list[str]
     paths = []
     for name, value in named:
         try:
-            paths += [name + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(value)[0]]
+            leaves = pytree.tree_flatten_with_path(value, is_leaf=(lambda v: v is None) if nones else None)[0]
+            paths += [name + pytree.keystr(path) for path, _ in leaves]
         except ValueError:  # a node type registered without keys: the argument's name
             paths += [name] * len(pytree.tree_leaves(value))
     return paths
