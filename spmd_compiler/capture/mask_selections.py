@@ -222,6 +222,23 @@ def settle_selection(mask: torch.Tensor, where: str | None = None) -> int | None
     )
 
 
+def _refuse_a_model_mask(mask: torch.Tensor) -> None:
+    """A selection by a mask computed from the model that reaches torch's own op (its rows
+    were not kept in place: a selection of rows already selected, ``sel[conf > t]``, or
+    indices used as they are): refused as the rows of such a mask used by their number,
+    with the advice to combine with the mask, not torch's raw error on ``nonzero``."""
+    if not _ACTIVE or private.is_real_tensor_constant(mask):
+        return
+    node = private.traced_node_of(mask)
+    if node is not None and _computed_from_state(node, _ACTIVE[-1]):
+        raise RowsOfAModelMaskCounted(
+            "a selection by a mask computed from the model has one row per true element, a "
+            "number the model decides, and these rows cannot be kept in place beside the "
+            "mask (as for rows selected from rows already selected; NOTE: [selected rows "
+            "kept in place])"
+        )
+
+
 def _selects_everything(mask: torch.Tensor) -> bool:
     """Whether this selection is compiled as all true (or as the mask's constant value):
     False when torch's own op must run (no trace of ours, a real constant, a mask
@@ -390,6 +407,7 @@ def _indices_of(mask: torch.Tensor) -> torch.Tensor:
 def _nonzero(mask: torch.Tensor) -> Any:
     decision = _decide(mask)
     if decision is None:
+        _refuse_a_model_mask(mask)
         return NotImplemented
     if decision in (EVERY, CONSTANT):
         return _indices_of(mask)
@@ -457,7 +475,12 @@ def _index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
         if decision is not None and decision not in (EVERY, CONSTANT):  # NOTE: [rows of one count]
             return compact_rows(x.reshape((-1,) + tuple(x.shape[mask.dim():])), mask, decision)
     converted = _masks_as_every_index(indices, _selects_everything, all_or_none=True)
-    return NotImplemented if converted is None else aten.index.Tensor(x, converted)
+    if converted is None:
+        for i in indices:
+            if i is not None and _is_mask(i):
+                _refuse_a_model_mask(i)
+        return NotImplemented
+    return aten.index.Tensor(x, converted)
 
 
 def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False):  # noqa: ANN001, ANN202
@@ -494,6 +517,7 @@ def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> Any:
     x, wide = torch.broadcast_tensors(x, mask)
     decision = _decide(mask if wide.shape == mask.shape else wide)
     if decision is None:
+        _refuse_a_model_mask(mask)
         return NotImplemented
     if decision == CONSTANT:  # NOTE: [masks made from shapes alone]
         return x[_indices_of(mask if wide.shape == mask.shape else wide).unbind(1)]

@@ -28,7 +28,12 @@ does with the rows is understood:
   count) reduces over the kept rows only; ``ctc_loss`` gets its concatenated targets
   moved to the front, in order (a stable sort by validity).
 - ``target[mask] = rows`` with rows of that mask writes each kept row to its place
-  (``out[mask] = f(h[mask])``).
+  (``out[mask] = f(h[mask])``); ``target[mask] = v`` with ``v`` one row broadcast over
+  the selected rows (BERT's and MAE's mask token) is ``torch.where(mask, v, target)``.
+- ``x[mask, None]``, ``x[mask, ...]`` and ``x[mask, i, 1:]`` (ints, slices, None after
+  the mask) are ``x[:, None][mask]`` and so on: the mask is the only advanced index, so
+  its rows come first, as in eager. ``x[mask, i]`` with ``i`` integer rows of that
+  selection (``logits[keep, labels[keep]]``) is a ``gather`` of each row's own entry.
 - ``torch.where(mask)``, ``nonzero`` and ``argwhere`` are every index of the mask, in
   row-major order, kept the same way; indexing an unselected tensor on its leading dims
   by such indices (``x[i, j]``, ``index_select(0, i)``, ``gather(0, i)``) gives rows
@@ -187,23 +192,26 @@ def _key_of(registry: _Registry, mask: torch.Tensor) -> Any:
 
 
 def _bare_mask(index: Any) -> Any:
-    """``mask`` for an index ``mask`` or ``(mask, :, ...)``."""
-    if isinstance(index, tuple) and index and all(
-        isinstance(i, slice) and i == slice(None) for i in index[1:]
+    """``mask`` for an index ``mask``, ``(mask, :, ...)`` or ``(mask, ...)``."""
+    if isinstance(index, tuple) and index and sum(i is Ellipsis for i in index[1:]) <= 1 and all(
+        i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index[1:]
     ):
         return index[0]
     return index
 
 
-def _mask_then_basic(index: Any) -> tuple[torch.Tensor, tuple] | None:
-    """(mask, rest) for an index ``(mask, i, j, ...)`` whose other entries are ints and
-    slices (basic indices after the mask's dimensions), else None."""
+def _mask_then_basic(index: Any) -> tuple[torch.Tensor, tuple, int] | None:
+    """(mask, rest, dims rest indexes) for an index ``(mask, i, j, ...)`` whose other
+    entries are ints, slices, None and at most one Ellipsis (basic indices after the
+    mask's dimensions), else None."""
     if not (isinstance(index, tuple) and len(index) > 1 and _is_mask(index[0])):
         return None
     rest = index[1:]
-    if not all(type(i) is int or isinstance(i, slice) for i in rest):
+    if not all(type(i) is int or isinstance(i, slice) or i is None or i is Ellipsis for i in rest):
         return None
-    return index[0], rest
+    if sum(i is Ellipsis for i in rest) > 1:
+        return None
+    return index[0], rest, sum(1 for i in rest if i is not None and i is not Ellipsis)
 
 
 def _indices_in_place(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any:
@@ -262,15 +270,44 @@ def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any
             return _keep_in_place(registry, x, index)
         basic = _mask_then_basic(index)
         if basic is not None:  # ``x[mask, k]`` is ``x[:, k][mask]`` (a router's top-k
-            # weights of the tokens an expert takes; refused before as a nonzero)
-            mask, rest = basic
-            if mask.dim() + len(rest) <= x.dim():
+            # weights of the tokens an expert takes; refused before as a nonzero), and
+            # ``x[mask, None]`` / ``x[mask, ...]`` are ``x[:, None][mask]`` / ``x[mask]``
+            # (the mask is the only advanced index: its rows come first, as in eager)
+            mask, rest, used = basic
+            if mask.dim() + used <= x.dim():
                 return _keep_in_place(registry, x[(slice(None),) * mask.dim() + rest], mask)
         return None
     if name == "masked_select" and _is_mask(index):
         x, mask = torch.broadcast_tensors(x, index)
         return _keep_in_place(registry, x, mask)  # flat rows; the mask keeps its shape
     return None
+
+
+def _write_of_one_row(registry: _Registry, args: tuple, kwargs: dict) -> bool:
+    """``x[mask] = v`` with a tensor ``v`` broadcast over the selected rows (BERT's and
+    MAE's mask token, wav2vec2's ``masked_spec_embed``): written as ``torch.where(mask,
+    v, x)``, the same values for any mask, and ``v``'s gradient the sum over the kept
+    positions, as eager's. True when written so; False leaves the write to torch (rows
+    of a selection as ``v``: ``_write_back``)."""
+    if kwargs or len(args) != 3:
+        return False
+    target, index, value = args[0], _bare_mask(args[1]), args[2]
+    if not (isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor) and _is_mask(index)):
+        return False
+    k = index.dim()
+    one_row = value.shape[1:] if value.dim() == target.dim() - k + 1 and value.shape[0] == 1 else value.shape
+    if (target.dim() < k or tuple(target.shape[:k]) != tuple(index.shape) or value.dtype != target.dtype
+            or len(one_row) > target.dim() - k or not mask_selections.traced(index)
+            or any(registry.rows.get(t) is not None for t in (target, index, value))):
+        return False  # eager raises on other dtypes: torch's own write says so
+    try:
+        if torch.broadcast_shapes(tuple(one_row), tuple(target.shape[k:])) != tuple(target.shape[k:]):
+            return False
+    except RuntimeError:  # eager raises: torch's own write says so
+        return False
+    written = index.to(torch.bool).reshape(tuple(index.shape) + (1,) * (target.dim() - k))
+    target.copy_(torch.where(written, value.reshape(one_row), target))
+    return True
 
 
 # -- which ops keep rows --------------------------------------------------------------
@@ -532,6 +569,8 @@ class _Answer:
 
         if name == "__getitem__" and not self.kwargs:
             items = self.args[1] if isinstance(self.args[1], tuple) else (self.args[1],)
+            if items and _is_mask(items[0]):
+                return self._picked_per_row(x, items, selected_index)
             m = next((j for j, i in enumerate(items) if not selected_index(i)), len(items))
             ok = (0 < m <= x.dim() and all(items[j].dim() == 1 for j in range(m))
                   and all(isinstance(i, slice) and i == slice(None) for i in items[m:]))
@@ -552,6 +591,30 @@ class _Answer:
                 return self.keep(in_place)
             return self.keep(self.compute(self.func, (x, dim, self._in_bounds(index)), {}))
         return _SETTLE
+
+    def _picked_per_row(self, x: torch.Tensor, items: tuple, selected_index: Callable[[Any], bool]) -> Any:
+        """``x[mask, i]`` with ``i`` integer rows of that mask's selection (each row's
+        target logit, ``logits[keep, labels[keep]]``): eager pairs the k-th true element
+        of the mask with ``i``'s k-th entry, so each row in place takes its own entry
+        of ``x[mask]``'s rows along their next dim (a ``gather`` there: the batch stays
+        sharded); the dropped rows take 1 (their index is 0)."""
+        rows = self.rows
+        assert rows is not None
+        if len(items) < 2 or not selected_index(items[1]):
+            return _SETTLE
+        mask, index = items[0], items[1]
+        k = mask.dim()
+        if not (index.dim() == 1
+                and all(isinstance(i, slice) and i == slice(None) for i in items[2:])
+                and x.dim() > k and tuple(x.shape[:k]) == tuple(mask.shape)
+                and mask_selections.traced(mask) and _key_of(self.registry, mask) == rows.key):
+            return _SETTLE
+        kept = _rows_in_place(rows, x, k)  # (N, size, *rest), the dropped rows neutral
+        size, rest = kept.shape[1], tuple(kept.shape[2:])
+        # eager indexes from the end for a negative index; a gather does not
+        at = self._in_bounds(torch.where(index < 0, index + size, index))
+        at = at.reshape((-1, 1) + (1,) * len(rest)).expand((at.shape[0], 1) + rest)
+        return self.keep(kept.gather(1, at).squeeze(1))
 
     def _structural(self, name: str, self_ragged: bool) -> Any:
         rows = self.rows
@@ -694,6 +757,8 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
         kept = _selection(registry, name, args, kwargs)
         if kept is not None:
             return kept
+    if name == "__setitem__" and _write_of_one_row(registry, args, kwargs):
+        return None
     if not len(registry.rows):
         return compute(func, args, kwargs)
     one = _Answer(registry, func, args, kwargs, compute)

@@ -209,6 +209,70 @@ def test_a_mask_computed_from_the_model_is_refused_at_capture():
     assert "return self.expert(chosen).sum() / len(chosen)" in str(info.value)
 
 
+class Experts(nn.Module):
+    """Top-1 routing written as the refusal's hint says, ``out[m] += expert(h[m]) *
+    w[m, None]``, and the tokens the gate is unsure of replaced by a learned token
+    (``x[m] = token``): masks computed from the model, exact for any routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(FEATURES, 2)
+        self.experts = nn.ModuleList(nn.Linear(FEATURES, 16) for _ in range(2))
+        self.unsure = nn.Parameter(torch.randn(FEATURES))
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        weight, choice = probs.max(-1)
+        x = x.clone()
+        x[weight.detach() < 0.55] = self.unsure
+        out = torch.zeros(x.shape[0], 16, dtype=x.dtype)
+        for e, expert in enumerate(self.experts):
+            m = choice == e
+            out[m] += torch.tanh(expert(x[m])) * weight[m, None]
+        return self.out(out)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_routing_by_a_model_mask_with_the_mask_beside_the_rows_matches_one_device(mode):
+    """``w[m, None]`` was refused at capture with torch's raw ``aten.nonzero`` error
+    (``w[m][:, None]`` was exact), and ``x[m] = token`` likewise; both are kept in place."""
+    model, reference, optim, reference_optim = adamw_twins(Experts)
+    step = _step_for("bool_index")
+    compiled = sc.compile(make_mode(mode))(step)
+    routed = set()
+    with sc.simulate(world_size=2) as sim:
+        for x, labels in _batches():
+            routed.add(int((reference.gate(x).argmax(-1) == 0).sum()))
+            loss = compiled(model, optim, x, labels)
+            assert relative_difference(loss, step(reference, reference_optim, x, labels)) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL and routed - {0, BATCH}  # some batch routed to both experts
+    assert not compiled.last_program.captured.checks
+
+
+def test_rows_selected_again_by_a_model_mask_are_refused_with_what_to_do():
+    """``sel[conf > t]`` on rows already selected: refused with the advice to combine
+    with the mask, not torch's raw error on ``aten.nonzero``."""
+
+    def step(model, optim, x, labels):  # noqa: ANN001
+        keep = labels > 0
+        sel = model(x)[keep]
+        conf = sel.softmax(-1).amax(-1).detach()
+        loss = F.cross_entropy(sel[conf > 0.4], labels[keep][conf > 0.4])
+        loss.backward()
+        optim.step()
+        return loss
+
+    model, _, optim, _ = _twins()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, *_batches(1)[0])
+    message = str(info.value)
+    assert "sel[conf > 0.4]" in message and "aten.nonzero" not in message
+    assert "a mask computed from the model" in message and "y[mask] += expert(h[mask])" in message
+
+
 class Captioner(nn.Module):
     """A vision-language model's merge: image features written into the text embeddings
     at the image tokens (``masked_scatter``; a mask with false elements)."""

@@ -149,7 +149,19 @@ def mask_and_index_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, (first.square() + rest.logsumexp(-1)).mean())
 
 
+def mask_spellings_step(model, optim, x, labels):  # noqa: ANN001
+    """``logits[keep, ...]``, ``logits[keep, None]`` (views of ``logits[keep]``) and
+    ``logits[keep, labels[keep]]`` (each row's target logit): refused before on a padded
+    batch (compiled for the mask that selects everything)."""
+    logits = model(x)
+    keep = labels != PAD
+    target = logits[keep, labels[keep]] + logits[keep, labels[keep] - CLASSES] ** 2  # from the end too
+    loss = F.cross_entropy(logits[keep, ...], labels[keep]) + (logits[keep, None] ** 2).mean()
+    return _finish(model, optim, loss - target.mean() + logits[keep, ..., 1:].exp().mean())
+
+
 CASES = {
+    "mask_spellings": mask_spellings_step,
     "mask_and_index": mask_and_index_step,
     "masked_lm": masked_lm_step,
     "flattened_masks": flattened_step,
@@ -190,8 +202,8 @@ def _mode(name: str):  # noqa: ANN202
     return make_mode(name)
 
 
-def _parity(step, mode: str, batches):  # noqa: ANN001, ANN202
-    model, reference, optim, reference_optim = _twins()
+def _parity(step, mode: str, batches, make=Tagger):  # noqa: ANN001, ANN202
+    model, reference, optim, reference_optim = adamw_twins(make)
     compiled = sc.compile(_mode(mode))(step)
     with sc.simulate(world_size=2) as sim:
         for x, labels in batches:
@@ -217,6 +229,51 @@ def test_losses_on_selected_rows_match_one_device_for_any_mask(name, mode):
 
 def test_selected_rows_under_tensor_parallel():
     compiled = _parity(masked_lm_step, "tp", _batches())
+    assert not compiled.last_program.captured.checks
+
+
+class MaskedTokens(Tagger):
+    """BERT's / MAE's mask token (wav2vec2's ``masked_spec_embed``): a parameter written
+    over the masked positions, ``h[mask] = self.mask_token``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask_token = nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor, masked: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        if masked is not None:
+            h = h.clone()
+            h[masked] = self.mask_token
+            h[masked, ...] = h[masked] * 0.5  # rows of the mask: written back in place
+        return self.out(h)
+
+
+def mask_token_step(model, optim, x, labels):  # noqa: ANN001
+    masked = labels == PAD
+    return _finish(model, optim, F.cross_entropy(model(x, masked).flatten(0, 1), labels.flatten().clamp(min=0)))
+
+
+def broadcast_values_step(model, optim, x, labels):  # noqa: ANN001
+    """Values of one row in other shapes: a detached token, ``(1, D)``, a 0-dim tensor,
+    and ``ones`` over a 2-D mask's trailing dims."""
+    masked = labels == PAD
+    h = torch.tanh(model.fc(x)).clone()
+    h[masked] = model.mask_token.detach() * 2
+    h[masked[:, -1]] = model.mask_token[None] + h[:, 0].sum(0)  # (BATCH,) mask: (TOKENS, 16) rows
+    g = model.out(h).clone()
+    g[masked] = torch.tensor(0.25, dtype=g.dtype)
+    g[masked[:, -1]] = torch.ones(CLASSES, dtype=g.dtype)
+    return _finish(model, optim, F.cross_entropy(g.flatten(0, 1), labels.flatten().clamp(min=0)))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("step", [mask_token_step, broadcast_values_step])
+def test_a_value_broadcast_over_masked_positions_matches_one_device_for_any_mask(step, mode):
+    """``x[mask] = v`` with ``v`` one row broadcast over the selected rows was compiled
+    for the mask that selects everything, and refused on every padded batch; it is
+    ``torch.where(mask, v, x)``: exact for any mask, ``v``'s gradient as eager's."""
+    compiled = _parity(step, mode, _batches(), make=MaskedTokens)
     assert not compiled.last_program.captured.checks
 
 
