@@ -360,6 +360,20 @@ class CompiledTrainStep:
                 agreement = InputAgreement(tensor_args, passed_whole, scalars)
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
+        if agreement is None:
+            return self._call_program(bindings, sim, ambient, mesh, tensor_args, input_metas, agreement)
+        try:
+            return self._call_program(bindings, sim, ambient, mesh, tensor_args, input_metas, agreement)
+        except Exception as exc:  # NOTE: [a rank that fails before its program]
+            agreement.fail(exc)
+            raise
+
+    def _call_program(
+        self, bindings: StepBindings, sim: Simulation | None, ambient: tuple, mesh: DeviceMesh,
+        tensor_args: list[torch.Tensor], input_metas: list[TensorMeta],
+        agreement: InputAgreement | None,
+    ) -> Any:
+        """The call's program, compiled on first need, run on ``bindings``."""
         # the default dtype: a step's factories (torch.tensor([0.1] * n)) make tensors of it
         # and the world size: a program is sharded for its ranks (NOTE: [state placed for
         # another world size])
@@ -713,6 +727,7 @@ class CompiledTrainStep:
                 program, self.mode.placements, self.lowering.for_device(device_type),
                 inductor_dir,
             )
+            executable.guards = guards  # NOTE: [Python values agree across ranks]
         total = time.perf_counter() - start
         built = how in ("off", "uncacheable", "miss")
         record = CompileRecord(

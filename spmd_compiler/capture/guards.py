@@ -205,6 +205,7 @@ import inspect
 import logging
 import operator
 import os
+import re
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -537,6 +538,32 @@ class Guards:
         # was in no key: a restart with another one loaded the old program (NOTE: [links
         # in the key before capture])
         return values + [("link", [_link_key(key), _linked(obj)]) for _, _, key, obj in self.links]
+
+
+    def across_ranks(self) -> list[tuple[str, str]]:
+        """Each Python value these guards hold that every rank must read alike, by name
+        and as text that is the same in every process (NOTE: [Python values agree across
+        ranks] in ``runtime/same_inputs.py``): the scalars, and containers of them, held
+        in attributes, dict entries, globals, closures, defaults and arguments. Not a
+        hook, a value of one process (NOTE: [values of one process]), an environment
+        variable (launchers set ``RANK``, ``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES`` per
+        rank) or a device (each rank's own GPU)."""
+        out = []
+        for k, (kind, _, _, expected) in enumerate(self.entries):
+            if kind not in _VALUE_KINDS or k in self.hook_entries or k in self.per_process_entries:
+                continue
+            name = self.names[k]
+            if name.startswith("environment variable "):
+                continue
+            if expected is _MISSING:
+                out.append((name, "unset"))
+                continue
+            if not is_scalar(expected):
+                continue
+            text = _rank_text(expected)
+            if text is not None:
+                out.append((name, text))
+        return out
 
 
 def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
@@ -1454,6 +1481,34 @@ def _pinned(value: Any) -> bool:
     by identity (NOTE: [functions an object holds]). Before, putting another one in its
     place (``model.act = F.relu`` for ``F.gelu``) ran the old program silently."""
     return isinstance(value, _CALLABLES)
+
+
+_VALUE_KINDS = frozenset({_DICT, _CELL, _ARG, _ITEM, _NUMPY_DICT, _DEFAULT})
+_DEVICE_TEXT = re.compile(r"[a-z]+:\d+")  # "cuda:1": a rank's own device, named by a string
+
+
+def _rank_text(value: Any) -> str | None:
+    """``value`` as text that is the same in every process (a set's items sorted: the
+    order of strings in a set is salted per process), or None where the value holds a
+    device (each rank's own)."""
+    if isinstance(value, torch.device) or (isinstance(value, str) and _DEVICE_TEXT.fullmatch(value)):
+        return None
+    if isinstance(value, (set, frozenset)):  # the stored items (a subclass may read its own way)
+        stored = frozenset.__iter__(value) if isinstance(value, frozenset) else set.__iter__(value)
+        items = [_rank_text(v) for v in stored]
+        return None if None in items else "{" + ", ".join(sorted(str(v) for v in items)) + "}"
+    if isinstance(value, (list, tuple, collections.deque)):
+        stored = list.__iter__(value) if isinstance(value, list) else tuple.__iter__(value) if isinstance(
+            value, tuple
+        ) else iter(value)
+        items = [_rank_text(v) for v in stored]
+        return None if None in items else f"{type(value).__name__}({', '.join(str(v) for v in items)})"
+    if isinstance(value, dict):
+        pairs = [(_rank_text(k), _rank_text(v)) for k, v in dict.items(value)]
+        if any(k is None or v is None for k, v in pairs):
+            return None
+        return "{" + ", ".join(f"{k}: {v}" for k, v in pairs) + "}"
+    return repr(value)
 
 
 def _described(value: Any) -> Any:

@@ -19,6 +19,21 @@ The round also carries what the program can reduce before it runs, and the progr
 computes what needs no collective while the round is in flight (NOTE: [reductions that
 ride the input check] in ``leading_reductions.py``).
 
+NOTE: [a rank that fails before its program]
+A rank whose call fails after its pending round and before its program's round (its
+capture raised: a flag of that rank's own sent the step to a ``raise``) left its peers
+waiting in their round, which carries no call number: the peers' next round met the
+failed rank's next call's, and a rank whose program was cached ran it on its own batch
+of this call and the other rank's of the next, with no error (2 gloo ranks: rank 0
+returned the loss of half of batch 3 and half of batch 4, and the ranks stayed a call
+apart). So a call that fails on a rank while it still owes its peers this call's round
+(``InputAgreement.fail``) sends it marked failed, and every rank whose round meets one
+so marked gathers each rank's failure (an all-gather of its first line, on this error
+path only) and raises, naming the ranks that failed and how, before its program runs:
+the ranks stay in step and the next call runs on both. A round's one more slot is the
+only cost. A failure once this rank's program round is settled (its program's own
+collectives) is ``NOTE: [fault attribution]``'s.
+
 NOTE: [constants agree across ranks]
 A tensor the step reads from outside its arguments is a constant of the program, the
 same on every rank by design (NOTE: [tensors read from outside the arguments]). On real
@@ -31,6 +46,23 @@ of its bytes (a BLAKE2b digest, computed once per program: a constant
 cannot change without a guard compiling a new program). When the ranks' constants
 differ, every rank raises the same error naming each rank's constants, before any
 collective of the program and before anything is updated.
+
+NOTE: [Python values agree across ranks]
+A Python value the step reads from outside its arguments (``model.loss_scale``, a
+global, a closure's setting) is baked into the program (NOTE: [guards on Python
+values]). Set per rank (from a per-rank config), each rank compiled its own program, and
+nothing compared them: the programs send the same with the round, so the check for
+"different programs" above passed, and 2 gloo ranks with ``loss_scale`` 1.0 and 2.0
+trained on the mean of the two scaled losses' gradients with no error (ddp and fsdp:
+loss 2.0215 on both ranks, which neither scale gives). So the round's second digest also
+covers a digest of the values each program's guards hold (``Guards.across_ranks``, taken
+once per program: a value cannot change under a program without its guard compiling a
+new one); when it differs, the ranks gather their values (on this error path only) and
+every rank raises the same error, naming each value that differs and each rank's value,
+before any collective of the program and before anything is updated. Left out: the
+environment variables and devices guarded, which launchers set per rank by design, and
+the learning rates, which are graph inputs (NOTE: [hyper-parameters without a device
+sync]).
 
 NOTE: [inputs every rank passes whole]
 A tensor argument the mode places Replicate on every mesh dimension (a 0-d tensor, or
@@ -125,6 +157,20 @@ def _parts_of(text: str) -> tuple[int, ...]:
 _CONSTANTS = " | constants: "  # where a round's description of what it sends names its constants
 
 
+_VALUES = " | Python values read: "  # after the constants: the digest of the values read
+
+
+def describe_values_read(values: Sequence[tuple[str, str]]) -> str:
+    """The text of the values a program's guards hold (``Guards.across_ranks``): NOTE:
+    [Python values agree across ranks]."""
+    return "\n".join(f"{name}\t{value}" for name, value in values)
+
+
+def values_digest(text: str) -> str:
+    """What the round's second digest covers of ``describe_values_read``'s text."""
+    return _VALUES + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def describe_constants(outside: Sequence[Any]) -> str:
     """Each program constant's label, shape, dtype and a checksum of its bytes (NOTE:
     [constants agree across ranks]); tensor ops only (no numpy)."""
@@ -217,6 +263,13 @@ class InputAgreement:
         # the program's constants (``describe_constants``), set before it runs: NOTE:
         # [constants agree across ranks]
         self.constants = ""
+        # the program's values read (``describe_values_read``), whose digest ends
+        # ``constants``: NOTE: [Python values agree across ranks]
+        self.values_read = ""
+        # whether this rank still owes its peers this call's round, and the round it has
+        # in flight: NOTE: [a rank that fails before its program]
+        self.owed = True
+        self._flying: Round | None = None
 
     def before_compile(self) -> None:
         """The round of a rank about to compile: raise if the inputs disagree."""
@@ -226,6 +279,30 @@ class InputAgreement:
         """The round of a rank about to run its program, which sends ``values`` (described
         by ``sends``); returns their sums over the ranks, each in its own dtype and shape."""
         return self.start(sends, values).finish()
+
+    def fail(self, exc: BaseException) -> None:
+        """This rank's call raised ``exc``: when it still owes its peers the call's round,
+        send it marked failed, so that their call fails too, naming this rank, instead of
+        meeting this rank's next call (NOTE: [a rank that fails before its program]).
+        The caller raises ``exc`` afterwards."""
+        if not self.owed or getattr(exc, "collective", False):  # a broken group: no round
+            return
+        flying, self._flying = self._flying, None
+        try:
+            if flying is not None:  # a round in flight (the program's early part raised)
+                _collective(flying.work.wait)
+                if self._read(flying) is not None:
+                    return  # the peers run their programs: their collectives fail, named
+            if not self.owed:
+                return
+            self.owed = False
+            row = [0.0] * ROUND
+            row[1] = 1.0
+            buf = torch.tensor(row, dtype=torch.float64)
+            _collective(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group))
+            _all_descriptions(_failure_line(exc), self.group, self.world)
+        except (SPMDCompileError, SPMDRuntimeError):
+            pass  # the peers' errors (they failed too, or disagree): this rank raises its own
 
     def start(self, sends: str, values: Sequence[torch.Tensor], pending: bool = False) -> Round:
         """Issue this rank's round; ``Round.finish`` waits for it. The program may compute
@@ -237,7 +314,7 @@ class InputAgreement:
         if len(payload) > MAX_SLOTS:
             raise ValueError(f"{len(payload)} values do not fit a round of {MAX_SLOTS}")
         parts = [*_parts_of(self.description), *_parts_of(sends)]
-        row = [float(pending)]
+        row = [float(pending), 0.0]  # the second: failed (NOTE: [a rank that fails before its program])
         for h in parts:
             row += [float(h), float(h * h)]
         row += payload + [0.0] * (MAX_SLOTS - len(payload))
@@ -245,19 +322,26 @@ class InputAgreement:
         work = _collective(
             lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         )
-        return Round(self, buf, work, pending, sends, list(values), parts)
+        self._flying = Round(self, buf, work, pending, sends, list(values), parts)
+        return self._flying
 
     def _read(self, r: Round) -> list[torch.Tensor] | None:
         """The sums of a finished round, or None when a rank compiles first."""
+        self._flying = None
         sums = r.buf.tolist()
+        if sums[1] > 0:  # NOTE: [a rank that fails before its program]
+            self.owed = False
+            self._raise_peer_failure()
         agree = [
-            sums[1 + 2 * k] == self.world * h and sums[2 + 2 * k] == self.world * h * h
+            sums[2 + 2 * k] == self.world * h and sums[3 + 2 * k] == self.world * h * h
             for k, h in enumerate(r.parts)
         ]
         if not all(agree[:_PARTS]):
+            self.owed = False
             self._raise_disagreement()
         if r.pending or sums[0] > 0:
             return None  # a rank compiles first: its next round is the one to read
+        self.owed = False  # every rank's program runs now
         if not all(agree[_PARTS:]):
             self._raise_if_constants_differ(r.sends)
             raise SPMDRuntimeError(
@@ -267,12 +351,29 @@ class InputAgreement:
                 "optimizer keep the state of the last completed step. Make every rank "
                 "read the same Python values in the train step."
             )
-        out, offset = [], 1 + 2 * len(r.parts)
+        out, offset = [], 2 + 2 * len(r.parts)
         for v in r.values:
             part = r.buf[offset : offset + v.numel()]
             out.append(part.to(v.dtype).reshape(v.shape).to(v.device))
             offset += v.numel()
         return out
+
+    def _raise_peer_failure(self) -> None:
+        """Another rank's call failed before its program ran (its round came marked
+        failed): name each rank that failed and how (NOTE: [a rank that fails before its
+        program])."""
+        everyone = _all_descriptions("", self.group, self.world)
+        failed = [(rank, text) for rank, text in enumerate(everyone) if text]
+        lines = "\n".join(f"    rank {rank}: {text}" for rank, text in failed)
+        ranks = ", ".join(str(rank) for rank, _ in failed)
+        raise SPMDRuntimeError(
+            f"The compiled step failed on rank{'s' if len(failed) > 1 else ''} {ranks} "
+            "before its program ran (while capturing or preparing the step), so this "
+            f"rank (rank {dist.get_rank()}) did not run its program either: its "
+            "collectives would have met that rank's next call. Nothing was updated: the "
+            "model and optimizer keep the state of the last completed step, and the ranks "
+            f"stay in step for the next call. Per rank:\n{lines}"
+        )
 
     def _raise_if_constants_differ(self, sends: str) -> None:
         """NOTE: [constants agree across ranks]: name each rank's constants when they
@@ -282,8 +383,11 @@ class InputAgreement:
         programs = {program for program, _, _ in parts}
         if len(programs) > 1:
             return  # the programs differ: the caller's error
+        tensors = [constants.partition(_VALUES) for _, _, constants in parts]
+        if len({digest for _, _, digest in tensors}) > 1:
+            self._raise_values_differ()
         lines = "\n".join(
-            f"    rank {rank}: {constants or 'none'}" for rank, (_, _, constants) in enumerate(parts)
+            f"    rank {rank}: {constants or 'none'}" for rank, (constants, _, _) in enumerate(tensors)
         )
         raise SPMDCompileError(
             "The ranks hold different values in tensors the train step reads from outside "
@@ -295,6 +399,32 @@ class InputAgreement:
             "dataclass, UserDict or SimpleNamespace is read this way: pass the batch's "
             "tensors as arguments, or make its class a @dataclass (NOTE: [batch "
             "containers]); a per-rank tensor the model holds belongs in a buffer.",
+        )
+
+    def _raise_values_differ(self) -> None:
+        """NOTE: [Python values agree across ranks]: name each Python value the ranks'
+        programs read differently, with each rank's value."""
+        everyone = [
+            dict(line.split("\t", 1) for line in text.splitlines() if "\t" in line)
+            for text in _all_descriptions(self.values_read, self.group, self.world)
+        ]
+        names = list(dict.fromkeys(name for values in everyone for name in values))
+        differ = [name for name in names if len({values.get(name, "not read") for values in everyone}) > 1]
+        lines = "\n".join(
+            f"    {name}: " + ", ".join(
+                f"rank {rank}: {values.get(name, 'not read')}" for rank, values in enumerate(everyone)
+            )
+            for name in differ[:8]
+        ) + (f"\n    ... and {len(differ) - 8} more" if len(differ) > 8 else "")
+        raise SPMDCompileError(
+            "The ranks read different Python values in the train step. The program bakes "
+            "each Python value it reads in as one value on every rank (NOTE: [guards on "
+            "Python values]); run with each rank's own value, the ranks would train on a "
+            "mix of their settings (their gradients are averaged), which no single value "
+            f"gives. Nothing was updated. Per value:\n{lines}",
+            hint="set these the same on every rank (from one config, not a per-rank one); "
+            "a value that is each rank's own (a local count) goes in a tensor argument "
+            "split like the batch.",
         )
 
     def _raise_disagreement(self) -> None:
@@ -353,7 +483,15 @@ class Round:
 
 
 _PARTS, _PART_BITS = 3, 16  # a 48-bit digest in parts whose squares sum exactly
-ROUND = 1 + 2 * 2 * _PARTS + MAX_SLOTS  # pending, two digests (parts, squares), the values
+ROUND = 2 + 2 * 2 * _PARTS + MAX_SLOTS  # pending, failed, two digests (parts, squares), the values
+
+
+def _failure_line(exc: BaseException) -> str:
+    """What a rank that failed before its program tells its peers: the first line of its
+    error, and where in the train step, when known."""
+    text = exception_summary(exc)
+    where = getattr(exc, "user_line", None)
+    return f"{text} (at {where})" if where and str(where) not in text else text
 
 
 _SHARE_SLOTS = 32  # split arguments the first call's round looks at (the first ones)

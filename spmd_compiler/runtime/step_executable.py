@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from ..capture.bindings import StepBindings
+from ..capture.guards import Guards
 from ..expand.retrace import DistributedProgram, Placements
 from ..ir.signature import StateRef
 from ..lower import Executable, LoweringOptions
 from .runner import FeedPlan, install_state, run_finish, run_program
-from .same_inputs import InputAgreement, describe_constants
+from .same_inputs import InputAgreement, describe_constants, describe_values_read, values_digest
 from .simulate import Simulation
 
 #: ``ParallelMode.placements``: (ref, global meta, mesh[, parameter's shape, for state])
@@ -80,6 +81,10 @@ class StepExecutable:
         # ids of state tensors install_state checked, and the walks it checked them on
         self._installed: set[Any] = set()
         self._constants: str | None = None  # NOTE: [constants agree across ranks]
+        # the guards the program was compiled under (set by who compiled it), whose
+        # values the ranks compare: NOTE: [Python values agree across ranks]
+        self.guards: Guards | None = None
+        self._values_read = ""
         # NOTE: [hyper-parameters without a device sync]
         self._hyperparams: dict[StateRef, tuple[float, torch.Tensor]] = {}
         self._feed = FeedPlan.of(program)  # NOTE: [one walk over the state per call]
@@ -97,8 +102,11 @@ class StepExecutable:
         of a call on real ranks (NOTE: [same inputs on all ranks])."""
         if agreement is not None:
             if self._constants is None:  # once: a constant cannot change under a program
-                self._constants = describe_constants(self.program.captured.outside)
-            agreement.constants = self._constants
+                self._values_read = describe_values_read(self.guards.across_ranks() if self.guards else [])
+                self._constants = describe_constants(self.program.captured.outside) + values_digest(
+                    self._values_read
+                )
+            agreement.constants, agreement.values_read = self._constants, self._values_read
         pending = self._pending
         if pending is not None and (pending.sim is not sim or not _same_objects(pending.bindings, bindings)):
             self.flush()

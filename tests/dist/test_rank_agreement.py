@@ -93,3 +93,85 @@ def test_the_round_carries_the_programs_sums_and_waits_for_a_compiling_rank() ->
         assert out["dtypes"] == ["torch.float32", "torch.int64"]
         assert out["flying"] == 7.0
         assert "different programs" in out["error"]
+
+
+class _Boom(Exception):
+    pass
+
+
+def _flagged_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    loss = nn.functional.cross_entropy(model(x), y) * model.loss_scale
+    loss.backward()
+    if model.bad:  # a rank's own check on its shard, read in Python
+        raise _Boom("bad shard")
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _flagged_worker(rank: int, world_size: int, calls: list[tuple[bool, float]]) -> list:
+    """``calls``: (whether rank 1's step raises, rank 1's loss_scale) per call; rank 0
+    never raises and reads 1.0. Returns each call's loss or error, and the eager losses
+    of the calls that should complete, on the global batch (float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).double()
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).double()
+    ref.load_state_dict(model.state_dict())
+    ref.loss_scale, ref.bad = 1.0, False
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = sc.compile(DataParallel("replicate"))(_flagged_step)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for bad, scale in calls:
+        x, y = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen)
+        model.bad, model.loss_scale = (bad, scale) if rank == 1 else (False, 1.0)
+        try:
+            got: object = float(step(model, optim, x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]))
+        except Exception as exc:  # noqa: BLE001
+            got = f"{type(exc).__name__}: {exc}"
+        eager = None
+        if not bad and scale == 1.0:  # a call every rank completes: eager's step too
+            eager = _flagged_step(ref, ref_optim, x, y).item()
+        out.append((got, eager))
+    return out
+
+
+def test_a_rank_that_fails_before_its_program_fails_its_peers_call_too() -> None:
+    """NOTE: [a rank that fails before its program]: rank 1's step raises on call 1 (it
+    recompiles for its flag and its capture raises) while rank 0 runs its cached
+    program. Before, rank 0's round met rank 1's next call's: rank 0 returned a loss of
+    half of call 1's batch and half of call 2's with no error, and the ranks stayed a
+    call apart. Now rank 0's call 1 fails naming rank 1 and its error, and call 2 runs
+    on both, as eager's second step."""
+    results = sc.launch(
+        _flagged_worker, 2, args=([(False, 1.0), (True, 1.0), (False, 1.0)],),
+        timeout_s=240, collective_timeout_s=30,
+    )
+    (first0, _), (failed0, _), (last0, eager) = results[0]
+    assert isinstance(first0, float) and isinstance(last0, float), results
+    assert "failed on rank 1 before its program ran" in failed0, failed0
+    assert "rank 1: SPMDCompileError" in failed0 and "_Boom: bad shard" in failed0, failed0
+    assert "_Boom" in results[1][1][0] or "bad shard" in results[1][1][0], results[1]
+    assert results[1][2][0] == last0
+    assert abs(last0 - eager) <= 1e-12 * abs(eager), (last0, eager)
+
+
+def test_python_values_the_step_reads_must_agree_across_ranks() -> None:
+    """NOTE: [Python values agree across ranks]: ``model.loss_scale`` read by the step,
+    1.0 on rank 0 and 2.0 on rank 1, trained both ranks on a mix of the two (loss 2.0215
+    on both, which neither scale gives) with no error. Now the first call and a later
+    one where rank 1 alone changes it are refused on both ranks, naming the value, and
+    leave the model as eager's."""
+    results = sc.launch(
+        _flagged_worker, 2, args=([(False, 2.0), (False, 1.0), (False, 3.0), (False, 1.0)],),
+        timeout_s=240, collective_timeout_s=30,
+    )
+    for rank, calls in enumerate(results):
+        for k, other in ((0, "2.0"), (2, "3.0")):
+            error = calls[k][0]
+            assert isinstance(error, str) and "different Python values" in error, (rank, calls)
+            assert f"loss_scale: rank 0: 1.0, rank 1: {other}" in error, error
+        for k in (1, 3):
+            loss, eager = calls[k]
+            assert isinstance(loss, float) and abs(loss - eager) <= 1e-12 * abs(eager), (rank, calls)
