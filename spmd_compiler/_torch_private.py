@@ -848,6 +848,12 @@ def local_tensors_of(dtensors: Iterable[DTensor]) -> Iterator[torch.Tensor]:
     return map(_LOCAL_TENSOR, dtensors)
 
 
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter, which every in-place write to it advances (NOTE: [writes
+    between calls while an update is pending] in runtime/step_executable.py)."""
+    return t._version
+
+
 def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     """Swap the local shard of ``dtensor`` for ``local`` (same shape, dtype, device)."""
     dtensor._local_tensor = local

@@ -60,7 +60,12 @@ from .runtime.same_inputs import (
     warn_on_same_shares,
 )
 from .runtime.simulate import Simulation, active_simulation, mesh_is_live
-from .runtime.step_executable import CallResult, StepExecutable
+from .runtime.step_executable import (
+    CallResult,
+    StepExecutable,
+    any_pending_updates,
+    flush_pending_updates,
+)
 from .stack_room import call_with_room
 
 log = logging.getLogger("spmd_compiler")
@@ -168,7 +173,10 @@ class CompiledTrainStep:
     Call it exactly like the original function. ``records`` lists every compilation;
     ``last_program`` is the per-rank program of the latest call. With the
     ``cross_iteration_overlap`` pass, call ``flush()`` after the last step (or before
-    reading the model between steps): it applies the update the last call deferred.
+    reading or writing the model between steps): it applies the update the last call
+    deferred. Any compiled call, checkpointing and ``load_state_dict`` of the model or
+    optimizer flush by themselves; another write while an update is pending is refused
+    at the next call or flush (NOTE: [writes between calls while an update is pending]).
     """
 
     def __init__(
@@ -274,6 +282,8 @@ class CompiledTrainStep:
         sim = active_simulation()
         self._served = self._found = None
         bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
+        if any_pending_updates():  # NOTE: [another step flushes first]
+            flush_pending_updates(keep=self._last, sharing=bindings)
         # NOTE: [calling a placed model directly]: its hook goes on the modules before the
         # guards, which count module hooks, are read (a second model instance gets it
         # here too); a call that fails before placing the state takes it off again

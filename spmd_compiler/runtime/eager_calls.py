@@ -61,8 +61,13 @@ def place_loaded_tensors(
     module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
     """Load-state-dict pre-hook: the plain tensors for ``module``'s own DTensor state,
-    placed like it (see the NOTE)."""
+    placed like it (see the NOTE). Every deferred update is applied first (NOTE: [writes
+    between calls while an update is pending]): the load lands on the completed step."""
     from .simulate import simulation_for
+    from .step_executable import any_pending_updates, flush_pending_updates
+
+    if any_pending_updates():
+        flush_pending_updates()
 
     own = {**module._parameters, **module._buffers}
     targets = {
@@ -101,6 +106,26 @@ def place_loaded_state(modules: list[torch.nn.Module]) -> None:
                 _LOADING.add(sub)
 
 
+def flush_before_optimizer_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Optimizer load-state-dict pre-hook: apply every deferred update first (NOTE:
+    [writes between calls while an update is pending])."""
+    from .step_executable import any_pending_updates, flush_pending_updates
+
+    if any_pending_updates():
+        flush_pending_updates()
+
+
+_FLUSHING: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def flush_before_loads(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Install ``flush_before_optimizer_load`` on each optimizer, once."""
+    for opt in optimizers:
+        if opt not in _FLUSHING:
+            opt.register_load_state_dict_pre_hook(flush_before_optimizer_load)
+            _FLUSHING.add(opt)
+
+
 def guard_direct_calls(modules: list[torch.nn.Module]) -> list[Callable[[], None]]:
     """Install ``refuse_plain_inputs`` on each module once; returns how to take off the
     ones this call installed (a compile that fails leaves the model as it was)."""
@@ -118,4 +143,4 @@ def _unguard(mod: torch.nn.Module, handle: Any) -> None:
     _GUARDED.discard(mod)
 
 
-__all__ = ["guard_direct_calls", "place_loaded_state", "refuse_plain_inputs"]
+__all__ = ["flush_before_loads", "guard_direct_calls", "place_loaded_state", "refuse_plain_inputs"]

@@ -46,7 +46,7 @@ from ..ir.signature import (
 )
 from ..lower import Executable, LoweredGraph
 from ..state_donation import donation_pairs
-from .eager_calls import guard_direct_calls, place_loaded_state
+from .eager_calls import flush_before_loads, guard_direct_calls, place_loaded_state
 from .faults import attribution, default_store, describe_exception, record_failure
 from .kernel_failures import failing_node, in_a_collective, where
 from .same_inputs import InputAgreement
@@ -213,6 +213,7 @@ def _install(
         opt.state = new_state
     guard_direct_calls(bindings.modules)  # NOTE: [calling a placed model directly]
     place_loaded_state(bindings.modules)  # NOTE: [loading plain tensors into a placed model]
+    flush_before_loads(bindings.optimizers)  # NOTE: [writes between calls while an update is pending]
     for name, p in list(bindings.params.items()):
         bindings.params[name] = new_params.get(id(p), p)
     for name in list(bindings.buffers):
@@ -539,9 +540,9 @@ def _feed(
                 program.local_inputs[pos], sim,
             )
         elif ref.kind is Kind.SCALER:  # plain tensors, replicated (NOTE: [loss scaling in the program])
-            flat[pos] = _state_value(bindings, ref)
+            flat[pos] = state_value(bindings, ref)
         else:
-            flat[pos] = local_tensor_of(_state_value(bindings, ref))  # type: ignore[arg-type]
+            flat[pos] = local_tensor_of(state_value(bindings, ref))  # type: ignore[arg-type]
     walk = bindings.walk
     kept = plan.kept
     if walk is not None and kept and kept[0] == walk:  # the same objects: no lookups
@@ -637,7 +638,7 @@ def _item(value: torch.Tensor) -> Any:
     return (value.full_tensor() if isinstance(value, DTensor) else value).item()
 
 
-def _state_value(bindings: StepBindings, ref: StateRef) -> torch.Tensor:
+def state_value(bindings: StepBindings, ref: StateRef) -> torch.Tensor:
     """The current value of state ``ref`` (what ``bindings.state_refs()`` pairs with it),
     looked up directly: building every ref each step cost ~0.7 ms on a 65-parameter GPT."""
     if ref.kind is Kind.PARAM:
@@ -659,18 +660,36 @@ def _state_value(bindings: StepBindings, ref: StateRef) -> torch.Tensor:
     raise KeyError(ref)
 
 
+def current_state_value(bindings: StepBindings, ref: StateRef) -> torch.Tensor:
+    """``state_value``, with a parameter looked up in its module now (``bindings`` of an
+    earlier call hold the parameters as that call found them) and the optimizers' state
+    dicts afresh."""
+    bindings.forget_state_dicts()
+    if ref.kind is Kind.PARAM:
+        for module, names in zip(bindings.modules, bindings.module_params, strict=True):
+            for fqn, name in names.items():
+                if name == ref.name:
+                    return module.get_parameter(fqn)
+        raise KeyError(ref)
+    return state_value(bindings, ref)
+
+
 def run_finish(
     program: DistributedProgram,
     lowered: Executable,
     bindings: StepBindings,
     carry: list[torch.Tensor],
     sim: Simulation | None,
+    discard: bool = False,
 ) -> None:
-    """Apply the deferred part of the last step (its ``finish`` program) to the state."""
+    """Apply the deferred part of the last step (its ``finish`` program) to the state;
+    with ``discard``, only run it (its reductions waited for) and write nothing."""
     plan = program.deferred
     finish = lowered.finish
     assert plan is not None and finish is not None, "run_finish needs a deferred part"
     outs = _run(finish, list(carry), sim, deferred=True)
+    if discard:
+        return
     # an earlier call's bindings: its state dicts are looked up afresh, as the optimizer
     # holds them now (NOTE: [one walk over the state per call])
     bindings.forget_state_dicts()

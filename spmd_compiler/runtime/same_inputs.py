@@ -154,6 +154,7 @@ def _parts_of(text: str) -> tuple[int, ...]:
     return tuple(_parts(_digest(text)))
 
 
+_PENDING = " | deferred update pending: "  # NOTE: [a flush on some ranks only]
 _CONSTANTS = " | constants: "  # where a round's description of what it sends names its constants
 
 
@@ -270,6 +271,9 @@ class InputAgreement:
         # in flight: NOTE: [a rank that fails before its program]
         self.owed = True
         self._flying: Round | None = None
+        # whether the program runs on a deferred update of the last call (None: the
+        # program defers nothing): NOTE: [a flush on some ranks only]
+        self.pending_update: bool | None = None
 
     def before_compile(self) -> None:
         """The round of a rank about to compile: raise if the inputs disagree."""
@@ -308,6 +312,8 @@ class InputAgreement:
         """Issue this rank's round; ``Round.finish`` waits for it. The program may compute
         in between, as long as it issues no collective (NOTE: [reductions that ride the
         input check])."""
+        if self.pending_update is not None and not pending:
+            sends = f"{sends}{_PENDING}{self.pending_update}"
         if self.constants and not pending:
             sends = f"{sends}{_CONSTANTS}{self.constants}"
         payload = [float(x) for v in values for x in v.detach().reshape(-1).tolist()]
@@ -343,7 +349,9 @@ class InputAgreement:
             return None  # a rank compiles first: its next round is the one to read
         self.owed = False  # every rank's program runs now
         if not all(agree[_PARTS:]):
-            self._raise_if_constants_differ(r.sends)
+            everyone = _all_descriptions(r.sends, self.group, self.world)  # one gather for both
+            self._raise_if_pending_differs(everyone)
+            self._raise_if_constants_differ(everyone)
             raise SPMDRuntimeError(
                 "The ranks run different programs for the same input shapes (the values "
                 f"their programs send with the input check differ; this rank's: {r.sends}), "
@@ -375,10 +383,34 @@ class InputAgreement:
             f"stay in step for the next call. Per rank:\n{lines}"
         )
 
-    def _raise_if_constants_differ(self, sends: str) -> None:
+    # NOTE: [a flush on some ranks only]
+    # A step with cross_iteration_overlap runs its ``steady`` program on the update the
+    # last call deferred, or its ``first`` program when that update was applied. A
+    # ``step.flush()`` on some ranks only (under ``if rank == 0:``, next to a save) made the
+    # ranks run different programs, reported as "make every rank read the same Python
+    # values", which pointed away from the cause. Each round says whether the rank's
+    # program runs on a pending update, and a disagreement on that is named.
+    @staticmethod
+    def _raise_if_pending_differs(everyone: list[str]) -> None:
+        """NOTE: [a flush on some ranks only]: name the ranks whose deferred update was
+        applied; ``everyone``: each rank's description of what its program sends."""
+        flags = [text.partition(_PENDING)[2].partition(" | ")[0] for text in everyone]
+        if len(set(flags)) < 2 or "" in flags:
+            return
+        flushed = [rank for rank, flag in enumerate(flags) if flag != "True"]
+        raise SPMDRuntimeError(
+            "The ranks disagree on the update the last call of this step deferred "
+            "(cross_iteration_overlap): it was already applied on rank(s) "
+            f"{', '.join(map(str, flushed))} (a step.flush(), a checkpoint or another compiled "
+            "step ran there only) and is pending on the others, so the ranks would run "
+            "different programs. Nothing was updated by this call. Call step.flush() "
+            "(and checkpoint saves, which flush) on every rank, not under `if rank == 0:`."
+        )
+
+    def _raise_if_constants_differ(self, everyone: list[str]) -> None:
         """NOTE: [constants agree across ranks]: name each rank's constants when they
-        are what differs (every rank reads the same sums, so all of them come here)."""
-        everyone = _all_descriptions(sends, self.group, self.world)
+        are what differs (every rank reads the same sums, so all of them come here);
+        ``everyone``: each rank's description of what its program sends."""
         parts = [text.partition(_CONSTANTS) for text in everyone]
         programs = {program for program, _, _ in parts}
         if len(programs) > 1:

@@ -59,3 +59,27 @@ def test_deferred_update_is_bit_identical_after_flush(mode):
         assert torch.equal(deferred["state"][key], value), key
     for key, value in plain["exported"].items():
         assert torch.equal(deferred["exported"][key], value), key
+
+
+def flush_on_rank_0_worker(rank: int, world_size: int) -> str:
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(make_mode("ddp"), extra_passes=("cross_iteration_overlap",))(classification_train_step)
+    gen = torch.Generator().manual_seed(rank)  # each rank's own share of the batch
+    x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+    step(model, optim, x, y)
+    if rank == 0:
+        step.flush()
+    try:
+        step(model, optim, x, y)
+    except sc.SPMDRuntimeError as exc:
+        step.flush()
+        return str(exc)
+    return "no error"
+
+
+def test_a_flush_on_one_rank_only_is_named():
+    """NOTE: [a flush on some ranks only]: before, "ranks run different programs ... read
+    the same Python values", pointing away from the cause."""
+    for message in sc.launch(flush_on_rank_0_worker, 2, backend="gloo"):
+        assert "already applied on rank(s) 0" in message and "on every rank" in message, message
