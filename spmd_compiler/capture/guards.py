@@ -1488,8 +1488,8 @@ _DEVICE_TEXT = re.compile(r"[a-z]+:\d+")  # "cuda:1": a rank's own device, named
 
 
 def _rank_text(value: Any) -> str | None:
-    """``value`` as text that is the same in every process (a set's items sorted: the
-    order of strings in a set is salted per process), or None where the value holds a
+    """``value`` as text that is the same in every process (a set's items and a dict's
+    pairs sorted: the order of strings in a set is salted per process), or None where the value holds a
     device (each rank's own)."""
     if isinstance(value, torch.device) or (isinstance(value, str) and _DEVICE_TEXT.fullmatch(value)):
         return None
@@ -1507,7 +1507,9 @@ def _rank_text(value: Any) -> str | None:
         pairs = [(_rank_text(k), _rank_text(v)) for k, v in dict.items(value)]
         if any(k is None or v is None for k, v in pairs):
             return None
-        return "{" + ", ".join(f"{k}: {v}" for k, v in pairs) + "}"
+        # sorted: a dict built from a set of strings is ordered per process; equality
+        # ignores order, as the guard's own comparison does
+        return "{" + ", ".join(sorted(f"{k}: {v}" for k, v in pairs)) + "}"
     return repr(value)
 
 

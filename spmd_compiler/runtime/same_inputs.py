@@ -55,14 +55,18 @@ nothing compared them: the programs send the same with the round, so the check f
 "different programs" above passed, and 2 gloo ranks with ``loss_scale`` 1.0 and 2.0
 trained on the mean of the two scaled losses' gradients with no error (ddp and fsdp:
 loss 2.0215 on both ranks, which neither scale gives). So the round's second digest also
-covers a digest of the values each program's guards hold (``Guards.across_ranks``, taken
-once per program: a value cannot change under a program without its guard compiling a
-new one); when it differs, the ranks gather their values (on this error path only) and
-every rank raises the same error, naming each value that differs and each rank's value,
-before any collective of the program and before anything is updated. Left out: the
-environment variables and devices guarded, which launchers set per rank by design, and
-the learning rates, which are graph inputs (NOTE: [hyper-parameters without a device
-sync]).
+covers a digest of the captured step as traced (``captured_step_text``: each node's op
+and the Python values it was given, taken once per program): ranks whose Python values
+made them trace different steps differ there. A value that differs per rank but leaves
+the trace alone (a ``f"[rank {r}]"`` prefix of a log line, an ``is_main`` flag guarding a
+print) changes no node and is not refused (a first version digested every value the
+guards hold and refused such steps). When the digest differs, the ranks gather the
+values their guards hold (``Guards.across_ranks``, on this error path only) and every
+rank raises the same error, naming each value that differs and each rank's value, before
+any collective of the program and before anything is updated. Environment variables and
+devices are left out of that list (launchers set them per rank by design); learning
+rates are graph inputs (NOTE: [hyper-parameters without a device sync]), not traced
+values.
 
 NOTE: [inputs every rank passes whole]
 A tensor argument the mode places Replicate on every mesh dimension (a 0-d tensor, or
@@ -128,6 +132,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
@@ -168,8 +173,33 @@ def describe_values_read(values: Sequence[tuple[str, str]]) -> str:
 
 
 def values_digest(text: str) -> str:
-    """What the round's second digest covers of ``describe_values_read``'s text."""
+    """What the round's second digest covers of ``captured_step_text``'s text."""
     return _VALUES + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def captured_step_text(graph: torch.fx.Graph) -> str:
+    """Each node's op and the Python values it was given, one line per node, in a text
+    the same in every process (NOTE: [Python values agree across ranks]): values are
+    written by ``_literal``; a node argument by its position, not its name."""
+    index = {node: k for k, node in enumerate(graph.nodes)}
+
+    def literal(value: Any) -> str:
+        if isinstance(value, torch.fx.Node):
+            return f"%{index.get(value, -1)}"
+        if isinstance(value, (list, tuple)):
+            return "(" + ",".join(literal(v) for v in value) + ")"
+        if isinstance(value, dict):
+            return "{" + ",".join(f"{k}:{literal(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+        if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device,
+                                                torch.layout, torch.memory_format)):
+            return repr(value)
+        return type(value).__name__  # an object of one process (its repr may hold an address)
+
+    lines = []
+    for node in graph.nodes:
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", type(node.target).__name__)
+        lines.append(f"{node.op} {target} {literal(node.args)} {literal(node.kwargs)}")
+    return "\n".join(lines)
 
 
 def describe_constants(outside: Sequence[Any]) -> str:
@@ -442,6 +472,17 @@ class InputAgreement:
         ]
         names = list(dict.fromkeys(name for values in everyone for name in values))
         differ = [name for name in names if len({values.get(name, "not read") for values in everyone}) > 1]
+        if not differ:  # a value no guard holds (or not as a plain value) made the difference
+            raise SPMDCompileError(
+                "The ranks traced different train steps for the same input shapes: the "
+                "Python values their steps read differ (constants baked into the program "
+                "differ between ranks), though no value the compiler guards does. Run with "
+                "each rank's own program, the ranks would train on a mix of their settings. "
+                "Nothing was updated.",
+                hint="set every value the step reads the same on every rank (from one "
+                "config, not a per-rank one); a value that is each rank's own goes in a "
+                "tensor argument split like the batch.",
+            )
         lines = "\n".join(
             f"    {name}: " + ", ".join(
                 f"rank {rank}: {values.get(name, 'not read')}" for rank, values in enumerate(everyone)

@@ -38,7 +38,13 @@ from .runner import (
     run_program,
     state_value,
 )
-from .same_inputs import InputAgreement, describe_constants, describe_values_read, values_digest
+from .same_inputs import (
+    InputAgreement,
+    captured_step_text,
+    describe_constants,
+    describe_values_read,
+    values_digest,
+)
 from .simulate import Simulation
 
 #: ``ParallelMode.placements``: (ref, global meta, mesh[, parameter's shape, for state])
@@ -216,7 +222,7 @@ class StepExecutable:
             if self._constants is None:  # once: a constant cannot change under a program
                 self._values_read = describe_values_read(self.guards.across_ranks() if self.guards else [])
                 self._constants = describe_constants(self.program.captured.outside) + values_digest(
-                    self._values_read
+                    captured_step_text(self.program.captured.graph_module.graph)
                 )
             agreement.constants, agreement.values_read = self._constants, self._values_read
         pending = self._pending
