@@ -32,6 +32,7 @@ import inspect
 import re
 import warnings
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch.distributed.tensor import Shard
 
@@ -41,7 +42,7 @@ from spmd_compiler.capture.bindings import (
     argument_paths,
     tensor_argument_names,
 )
-from spmd_compiler.capture.code_names import step_where
+from spmd_compiler.capture.code_names import step_code, step_where
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.iterated_batches import check_iterated_batches
 from spmd_compiler.expand.retrace import DistributedProgram
@@ -89,7 +90,11 @@ def checked_batch_dims(batch_dims: BatchDims) -> int | dict[str, int | None]:
 # index or a ``**inputs`` prefix names another path as the call's structure goes, and
 # the placement of an argument is decided from its path alone (on real ranks before the
 # mode is prepared). A bare parameter name the call does not pass (``h=None`` left out)
-# is accepted: it names the argument of the calls that pass it.
+# is accepted: it names the argument of the calls that pass it. So is a key of a dict the
+# call passes without it where the name covered an argument of an earlier call of the
+# step (``batch['attention_mask']`` a collator drops from some batches: refused on
+# those calls by the first version of this check); left out of a step's first call, it
+# cannot be told from a typo and is refused.
 _TOP = re.compile(r"\s*([A-Za-z_]\w*)")
 _PART = re.compile(r"\s*(?:\.\s*([A-Za-z_]\w*)|\[([^\[\]]*)\])")
 Part = tuple[str, "str | int"]
@@ -266,14 +271,18 @@ def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: Ste
     parameters, any_keyword = argument_names(step)
     var_keyword = _var_keyword(step)
     paths = argument_paths(step, bindings.args_spec, nones=True)
+    covered = _COVERED.setdefault((step_code(step), tuple(sorted(batch_dims.items(), key=str))), set())
     for name in batch_dims:
         if any(_covers(name, path) for path in paths):
+            covered.add(name)
             continue
         parsed = _parsed(name)
         top = parsed[0] if parsed is not None else name.split("[", 1)[0].split(".", 1)[0]
         passed = any(_covers(top, path) for path in paths)
         if name == top and top in parameters and top != var_keyword and not passed:
             continue  # a parameter this call leaves out: names it in the calls that pass it
+        if name in covered and parsed is not None and _key_of_a_passed_dict(parsed, paths):
+            continue  # a key an earlier call passed and this call's dict leaves out
         tensors = tensor_argument_names(step, bindings)
         shown = ", ".join(tensors[:_SHOWN_PATHS]) + (
             f" and {len(tensors) - _SHOWN_PATHS} more" if len(tensors) > _SHOWN_PATHS else ""
@@ -310,6 +319,29 @@ def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: Ste
 
 
 _SHOWN_PATHS = 12
+
+
+# names of input_batch_dim that covered an argument of an earlier call, per step and
+# names (NOTE: [names that name nothing])
+_COVERED: dict[tuple[Any, tuple[tuple[str, Any], ...]], set[str]] = {}
+
+
+def _key_of_a_passed_dict(parsed: tuple[str, list[Part]], paths: list[str]) -> bool:
+    """Whether ``parsed`` is a string key of a dict this call passes (and leaves the key
+    out): ``batch['attention_mask']`` where a collator drops the mask from some batches.
+    Accepted where the name covered an argument of an earlier call, as a parameter left
+    out is; on a first call it cannot be told from a typo (``batch['tokens']`` for
+    ``batch['tok']``), and is refused."""
+    top, parts = parsed
+    if not parts or parts[-1][0] != "key" or not isinstance(parts[-1][1], str):
+        return False
+    parent = _render(top, parts[:-1])
+    for path in paths:
+        if path.startswith(parent + "["):
+            sub = _parsed("x" + path[len(parent):])
+            if sub is not None and sub[1] and sub[1][0][0] == "key" and isinstance(sub[1][0][1], str):
+                return True
+    return False
 
 
 def _var_keyword(step: Callable[..., object]) -> str | None:
