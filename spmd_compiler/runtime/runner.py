@@ -171,6 +171,14 @@ def _install(
         new_params[id(p)] = new
         record_replacement(p, new, name)
         record_placed_away(p)
+    # NOTE: [a buffer held by several modules]: one buffer tensor registered in two
+    # modules (shared running state: one writes it in place, the other reads it), or in
+    # two model arguments, is one state tensor of the capture (``_walk_modules`` dedupes
+    # buffers by id). It was placed once per (module, attribute): two DTensors, the
+    # program's write-back went to one, the other module kept reading the old zeros
+    # (losses off from the second call). It is placed once, and the same DTensor goes in
+    # every module that holds it, as for parameters.
+    new_buffers: dict[int, DTensor] = {}
     for mod in bindings.modules:
         for sub in mod.modules():
             for attr, value in list(sub._parameters.items()):
@@ -180,12 +188,15 @@ def _install(
                 if value is None or isinstance(value, DTensor):
                     rehome(value)
                     continue
-                name = _buffer_name(bindings, value)
-                ref = StateRef(Kind.BUFFER, name)
-                record_placed_away(value)
-                sub._buffers[attr] = _distribute(
-                    value, mesh, placement_of(ref, TensorMeta.of(value), mesh), sim
-                )
+                placed = new_buffers.get(id(value))
+                if placed is None:
+                    name = _buffer_name(bindings, value)
+                    ref = StateRef(Kind.BUFFER, name)
+                    record_placed_away(value)
+                    placed = new_buffers[id(value)] = _distribute(
+                        value, mesh, placement_of(ref, TensorMeta.of(value), mesh), sim
+                    )
+                sub._buffers[attr] = placed
     for oi, opt in enumerate(bindings.optimizers):
         for group in opt.param_groups:
             group["params"] = [new_params.get(id(p), p) for p in group["params"]]
