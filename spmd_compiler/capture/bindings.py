@@ -721,6 +721,7 @@ def find_bindings(
     if walk is None:
         walk = _walk_modules(modules)
         _refuse_state_without_values(walk[0], walk[1], where)  # a refused walk is not kept
+        _refuse_overlapping_state(walk[0], walk[1], where)
         if memo is not None:
             memo.keep_module_walk(modules, walk)
     params, buffers, module_params, module_buffers, submodules = walk
@@ -806,6 +807,59 @@ def _refuse_state_without_values(
                     "model.to_empty(device=...) and then initialize it (each module's "
                     "reset_parameters(), or your own init), or build it on the device.",
                 )
+
+
+# NOTE: [state tensors sharing memory]
+# A parameter made as a view of another's storage (``v = nn.Parameter(w.data[:, :3])``)
+# is one memory in eager: an update of ``w`` moves ``v``. A compiled step places each
+# state tensor as its own DTensor, so the two drifted apart silently (``w`` 9.9e-2 off
+# after 3 SGD steps, ddp and fsdp alike). State tensors whose memory overlaps without
+# being the same object are refused when the step's modules are walked, before anything
+# is placed, naming both. The same tensor registered twice (tied parameters, a buffer
+# held by two modules) is one entry of the walk and goes on working. The test is on the
+# byte ranges each tensor can reach in its storage (public ``untyped_storage``,
+# ``data_ptr``, sizes and strides), so two strided views that interleave without sharing
+# an element (``w[:, ::2]`` and ``w[:, 1::2]``) are refused too: a refusal, never a
+# wrong result. Only plain dense tensors are looked at (a placed DTensor, a meta or
+# sparse tensor has no plain storage of its own to share).
+def _refuse_overlapping_state(
+    params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], where: str
+) -> None:
+    """Refuse two state tensors over one memory (NOTE: [state tensors sharing memory])."""
+    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for kind, tensors in (("parameter", params), ("buffer", buffers)):
+        for name, t in tensors.items():
+            if isinstance(t, DTensor) or t.layout != torch.strided or t.device.type == "meta" or t.numel() == 0:
+                continue
+            try:
+                base = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+                continue
+            if base == 0:
+                continue
+            start = t.data_ptr()
+            reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+            key = (str(t.device), base)
+            spans.setdefault(key, []).append((start, start + reach * t.element_size(), f"{kind} {name}"))
+    for entries in spans.values():
+        if len(entries) < 2:
+            continue
+        entries.sort()
+        end, holder = entries[0][1], entries[0][2]
+        for start, stop, name in entries[1:]:
+            if start < end:
+                raise SPMDCompileError(
+                    f"{holder} and {name} share memory (one is a view of the other's storage, "
+                    "e.g. `nn.Parameter(w.data[:, :3])`): eager updates of one move the other, "
+                    "but a compiled step places each state tensor on its own, so they would "
+                    "train apart. Nothing was placed.",
+                    user_line=where,
+                    hint="give the second its own memory (`nn.Parameter(w.data[:, :3].clone())`), "
+                    "or keep one parameter and take the view in forward (`self.w[:, :3]`); "
+                    "the same tensor registered in two modules (tied weights) is fine.",
+                )
+            if stop > end:
+                end, holder = stop, name
 
 
 # NOTE: [state on the meta device]

@@ -12,6 +12,7 @@ DTensor's local tensor (no copy). Nothing is installed until compilation has suc
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections import defaultdict, deque
@@ -169,8 +170,17 @@ def _install(
             grad_ref = StateRef(Kind.GRAD, name)
             new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)
         new_params[id(p)] = new
+        private.guard_data_assignment(new, functools.partial(_data_assigned, f"parameter {name}"))
         record_replacement(p, new, name)
         record_placed_away(p)
+    # NOTE: [a buffer held by several modules]: one buffer tensor registered in two
+    # modules (shared running state: one writes it in place, the other reads it), or in
+    # two model arguments, is one state tensor of the capture (``_walk_modules`` dedupes
+    # buffers by id). It was placed once per (module, attribute): two DTensors, the
+    # program's write-back went to one, the other module kept reading the old zeros
+    # (losses off from the second call). It is placed once, and the same DTensor goes in
+    # every module that holds it, as for parameters.
+    new_buffers: dict[int, DTensor] = {}
     for mod in bindings.modules:
         for sub in mod.modules():
             for attr, value in list(sub._parameters.items()):
@@ -180,12 +190,16 @@ def _install(
                 if value is None or isinstance(value, DTensor):
                     rehome(value)
                     continue
-                name = _buffer_name(bindings, value)
-                ref = StateRef(Kind.BUFFER, name)
-                record_placed_away(value)
-                sub._buffers[attr] = _distribute(
-                    value, mesh, placement_of(ref, TensorMeta.of(value), mesh), sim
-                )
+                placed = new_buffers.get(id(value))
+                if placed is None:
+                    name = _buffer_name(bindings, value)
+                    ref = StateRef(Kind.BUFFER, name)
+                    record_placed_away(value)
+                    placed = new_buffers[id(value)] = _distribute(
+                        value, mesh, placement_of(ref, TensorMeta.of(value), mesh), sim
+                    )
+                    private.guard_data_assignment(placed, functools.partial(_data_assigned, f"buffer {name}"))
+                sub._buffers[attr] = placed
     for oi, opt in enumerate(bindings.optimizers):
         for group in opt.param_groups:
             group["params"] = [new_params.get(id(p), p) for p in group["params"]]
@@ -327,6 +341,21 @@ class _Rehome:
             live = self.live[id(t.device_mesh)] = mesh_is_live(t.device_mesh)
         if not live:
             private.rehome(t, self.mesh)
+
+
+def _data_assigned(what: str) -> SPMDRuntimeError:
+    """The refusal of ``.data = value`` on a placed tensor (NOTE: [data replaced between
+    calls] in ``_torch_private.py``)."""
+    return SPMDRuntimeError(
+        f"{what} was placed as a DTensor by a compiled step's first call; assigning its "
+        "`.data` (`tensor.data = value`, also done by `vector_to_parameters`) swaps the "
+        "DTensor's wrapper but not the local shard the compiled program reads and updates, "
+        "so the new values would be silently ignored. Nothing was changed.\n"
+        "  what to do:  write the values in place, which the program sees: "
+        "`tensor.data.clamp_(-c, c)`, `with torch.no_grad(): tensor.clamp_(-c, c)` or "
+        "`with torch.no_grad(): tensor.copy_(value)` (value a DTensor of the same placement, "
+        "or `distribute_tensor(value, tensor.device_mesh, tensor.placements)`)."
+    )
 
 
 def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None) -> DTensor:
