@@ -4639,39 +4639,3 @@ def storage_ref(t: torch.Tensor) -> Any:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
-
-
-# NOTE: [data replaced between calls]
-# ``w.data = w.data.clamp(-c, c)`` (out of place; WGAN-style clipping, or
-# ``vector_to_parameters``) on a parameter a compiled step placed, between two calls:
-# torch's ``Tensor.data`` setter swaps the DTensor wrapper's implementation but leaves its
-# ``_local_tensor``, which the program reads and writes. The assignment was silently
-# ignored (the weight 12.4x off eager after 2 more calls; losses 0.972434 / 0.902185
-# against 1.053880 / 1.014909). The setter itself is not dispatched for DTensor (its
-# ``__torch_function__`` is disabled), and noticing at the next call would cost a look at
-# every parameter's storage on every call; so ``DTensor.data`` gets a property whose
-# setter refuses, at the assignment's own line, for the tensors a compiled step placed
-# (``guard_data_assignment``), and does what torch's does for any other DTensor. The
-# getter is torch's. The in-place forms (``w.data.clamp_(...)``, ``with torch.no_grad():
-# w.clamp_(...)``) write the local tensor and work as eager.
-_DATA_DESCRIPTOR: Any = torch._C.TensorBase.data  # a getset_descriptor
-_DATA_GUARDED: dict[int, tuple[Any, Callable[[], BaseException]]] = {}  # id -> (weakref, refusal)
-
-
-def guard_data_assignment(t: torch.Tensor, refusal: Callable[[], BaseException]) -> None:
-    """Make ``t.data = value`` raise ``refusal()`` for the placed DTensor ``t`` (NOTE:
-    [data replaced between calls]); the property is put on ``DTensor`` once."""
-    import weakref
-
-    if "data" not in DTensor.__dict__:
-
-        def set_data(self: torch.Tensor, value: torch.Tensor) -> None:
-            entry = _DATA_GUARDED.get(id(self))
-            if entry is not None and entry[0]() is self:
-                raise entry[1]()
-            _DATA_DESCRIPTOR.__set__(self, value)
-
-        DTensor.data = property(_DATA_DESCRIPTOR.__get__, set_data)  # type: ignore[assignment,method-assign]
-    if id(t) not in _DATA_GUARDED:
-        weakref.finalize(t, _DATA_GUARDED.pop, id(t), None)
-    _DATA_GUARDED[id(t)] = (weakref.ref(t), refusal)

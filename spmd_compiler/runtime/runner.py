@@ -12,7 +12,6 @@ DTensor's local tensor (no copy). Nothing is installed until compilation has suc
 
 from __future__ import annotations
 
-import functools
 import operator
 import weakref
 from collections import defaultdict, deque
@@ -170,7 +169,6 @@ def _install(
             grad_ref = StateRef(Kind.GRAD, name)
             new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)
         new_params[id(p)] = new
-        private.guard_data_assignment(new, functools.partial(_data_assigned, f"parameter {name}"))
         record_replacement(p, new, name)
         record_placed_away(p)
     # NOTE: [a buffer held by several modules]: one buffer tensor registered in two
@@ -198,7 +196,6 @@ def _install(
                     placed = new_buffers[id(value)] = _distribute(
                         value, mesh, placement_of(ref, TensorMeta.of(value), mesh), sim
                     )
-                    private.guard_data_assignment(placed, functools.partial(_data_assigned, f"buffer {name}"))
                 sub._buffers[attr] = placed
     for oi, opt in enumerate(bindings.optimizers):
         for group in opt.param_groups:
@@ -341,21 +338,6 @@ class _Rehome:
             live = self.live[id(t.device_mesh)] = mesh_is_live(t.device_mesh)
         if not live:
             private.rehome(t, self.mesh)
-
-
-def _data_assigned(what: str) -> SPMDRuntimeError:
-    """The refusal of ``.data = value`` on a placed tensor (NOTE: [data replaced between
-    calls] in ``_torch_private.py``)."""
-    return SPMDRuntimeError(
-        f"{what} was placed as a DTensor by a compiled step's first call; assigning its "
-        "`.data` (`tensor.data = value`, also done by `vector_to_parameters`) swaps the "
-        "DTensor's wrapper but not the local shard the compiled program reads and updates, "
-        "so the new values would be silently ignored. Nothing was changed.\n"
-        "  what to do:  write the values in place, which the program sees: "
-        "`tensor.data.clamp_(-c, c)`, `with torch.no_grad(): tensor.clamp_(-c, c)` or "
-        "`with torch.no_grad(): tensor.copy_(value)` (value a DTensor of the same placement, "
-        "or `distribute_tensor(value, tensor.device_mesh, tensor.placements)`)."
-    )
 
 
 def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None) -> DTensor:
