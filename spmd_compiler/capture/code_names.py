@@ -128,11 +128,14 @@ def reads_computed_attributes(code: types.CodeType) -> bool:
 
 
 _PROBED: dict[types.CodeType, frozenset[str]] = {}
+# names whose use in a function makes every attribute name it reads one that may be absent
+_PROBING_NAMES = frozenset({"AttributeError", "__dict__", "vars"})
 
 
 def probed_names(code: types.CodeType) -> frozenset[str]:
     """The attribute names ``code`` (or its nested code) reads by a constant that may
-    be absent: ``getattr(opt, "count", 0)``, ``hasattr(self, "cache")``. A guard of the
+    be absent: ``getattr(opt, "count", 0)``, ``hasattr(self, "cache")``, and every name
+    read by code that catches ``AttributeError`` or reads ``__dict__`` / ``vars``. A guard of the
     object each is read from must see it appear (NOTE: [names read that may be absent]
     in ``guards.py``). Cached per code object."""
     found = _PROBED.get(code)
@@ -143,6 +146,10 @@ def probed_names(code: types.CodeType) -> frozenset[str]:
             if i.opname in _LOADS and i.argval in ("getattr", "hasattr")
             and (name := _constant_name(instructions, n)) is not None
         }
+        if _PROBING_NAMES & set(code.co_names):
+            # ``try: s = opt.scale / except AttributeError``, ``opt.__dict__.get("scale")``,
+            # ``"scale" in vars(opt)``: any name it reads may be absent
+            names |= {n for n in names_in(code) if n.isidentifier()} | set(strings_in(code))
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 names |= probed_names(const)

@@ -187,11 +187,15 @@ silently (a returned loss 2x eager's); made by the step itself as a counter
 (``optim.calls = getattr(optim, "calls", 0) + 1``) it stayed at 1 after the first call
 and the program traced with it ran on (parameters 0.196 relative off eager after 5
 SGD steps). So each name the user's code passes as a constant to ``getattr`` /
-``hasattr`` (``code_names.probed_names``) is guarded as absent on every object walked
+``hasattr``, and every name read by user code that catches ``AttributeError`` or reads
+``__dict__`` / ``vars`` (``code_names.probed_names``), is guarded as absent on every object walked
 by name that lacks it (unless its number of attributes is guarded): a value set later
 recompiles; one the step makes is a set-up or a counter (NOTE: [a step that changes
 what it reads]), and absence is a value a trace starts from, replays and puts back
-(``set_or_delete``): a refused counter leaves the object without the attribute.
+(``set_or_delete``): a refused counter leaves the object without the attribute. Not
+covered: a name computed at run time (``getattr(optim, NAME, 1.0)`` with ``NAME`` a
+global) on an object walked by name, the optimizer above all (its number of attributes
+is not guarded: torch and schedulers add their own).
 """
 
 from __future__ import annotations

@@ -570,3 +570,30 @@ def test_a_set_up_made_on_an_absent_attribute_compiles_both_ways():
         for _ in range(3):
             run.check(model, twin)
     assert model.ready and len(run.compiled.records) == 2
+
+
+def _try_scaled_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    try:
+        scale = optim.loss_scale
+    except AttributeError:
+        scale = 1.0
+    return step(model, optim, x, y) * scale
+
+
+def _dict_scaled_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    return step(model, optim, x, y) * optim.__dict__.get("loss_scale", 1.0)
+
+
+@pytest.mark.parametrize("func", [_try_scaled_step, _dict_scaled_step], ids=["try_except", "dict_get"])
+def test_an_absent_attribute_read_another_way_recompiles_when_it_appears(func) -> None:  # noqa: ANN001
+    """NOTE: [names read that may be absent]: read through ``except AttributeError`` or
+    ``__dict__.get``, the attribute set later ran the old program silently (the review
+    measured a loss half of eager's)."""
+    run = Run(func)
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Staged())
+        run.check(model, twin)
+        for m in (model, twin):
+            run.optims[id(m)].loss_scale = 2.0  # type: ignore[attr-defined]
+        run.check(model, twin)
+    assert len(run.compiled.records) == 2
