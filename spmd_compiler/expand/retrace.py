@@ -345,14 +345,16 @@ def _redistribute_output(
     sharding can fail an internal check (fsdp_tp 2x2: a momentum buffer computed in
     ``[_StridedShard(0, sf=2), Shard(0)]`` for ``[Shard(0), Shard(1)]`` raised a bare
     "Expected cond to be True" from DTensor's unpadding, the step never compiled). Where
-    the direct move fails, the output is gathered whole and cut as the mode keeps it:
+    the direct move from a strided shard fails, the output is gathered whole and cut as
+    the mode keeps it:
     more bytes, for this output only, the same values. A failure of that too becomes an
     error naming the output and both placements."""
     try:
-        return dt.redistribute(mesh, target)
-    except Exception:  # noqa: BLE001 - by way of Replicate, below
-        pass
-    try:
+        try:
+            return dt.redistribute(mesh, target)
+        except Exception:
+            if not any(private.is_strided_shard(p) for p in dt.placements):
+                raise  # only the strided move is known to fail in torch: anything else is named
         whole = dt.redistribute(mesh, [Replicate()] * mesh.ndim)
         return whole.redistribute(mesh, target)
     except Exception as exc:  # noqa: BLE001 - re-raised naming the output
