@@ -31,7 +31,9 @@ n.item())``, ``x.split(counts.tolist())``) reaches torch's argument parser, whic
 refuses its type with a TypeError; ``caught_item_uses`` turns that into the
 ``ItemUsedInPython`` of a value-dependent shape, or, where the function takes a number
 there (``torch.where(c, x, thr)``, ``x.clamp(max=thr)``), one that says to pass the
-0-d tensor instead.
+0-d tensor instead. An item put back into a tensor (``losses[k] = loss.item()``,
+``torch.tensor([a.item(), b.item()])``) is that tensor's element, the item's tensor
+converted (NOTE: [items kept in a tensor]).
 """
 
 from __future__ import annotations
@@ -158,6 +160,10 @@ class ItemsAsOutputs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], TracedItem):
+            return func(args[0], args[1], _assigned(args[2], args[0]))
+        if func is torch.tensor and args and _holds_items(args[0]):
+            return _tensor_of_items(args[0], **kwargs)
         if func is not torch.Tensor.item and func not in _CONVERSIONS:
             return func(*args, **kwargs)
         try:
@@ -177,6 +183,124 @@ class ItemsAsOutputs(TorchFunctionMode):
                 "as a plain Python value outside the step (an int attribute the loop "
                 "updates after each call)"
             )
+
+
+# NOTE: [items kept in a tensor]
+# nanoGPT's estimate_loss writes ``losses[k] = loss.item()`` into a tensor made in the
+# step, and steps write ``torch.tensor([a.item(), b.item()])``: the number goes back into
+# a tensor, so the program needs no value in Python. ``t[k] = item`` is traced as
+# ``t[k] = item_tensor`` converted to t's dtype and device, and ``torch.tensor(data)``
+# with items among the (nested) list's numbers as the stack of the items' 0-d tensors and
+# the numbers, of the dtype torch.tensor infers (a float among them: the default dtype;
+# else an int: int64; else bool) or is given, on its device (the default device). That
+# is eager's result where the conversion is eager's: the item's tensor holds the number
+# ``.item()`` gives exactly, and converting it to the same dtype, a wider one of its
+# kind, an integer one to float32 / float64 or anything to bool (a bool to anything)
+# gives the number eager converts. Other conversions are refused, saying what to write
+# (``t[k] = x.detach()``, ``torch.stack(...)``): a float into an integer tensor, an
+# integer into a narrower integer or a 16-bit float tensor (eager checks for overflow), a
+# float64 item assigned into a float32 tensor (eager's assignment refuses a number
+# beyond float32's range; torch.tensor makes it inf, as the conversion does), complex.
+# Before 2026-12-06 the assignment was refused as "used as a size or index", and
+# torch.tensor raised "Could not infer dtype of TracedItem".
+def _converts_as_eager(item: torch.dtype, target: torch.dtype, *, assigned: bool) -> bool:
+    """Converting the item's tensor to ``target`` gives what eager's conversion of the
+    Python number gives (NOTE: [items kept in a tensor])."""
+    if item == target or item == torch.bool or target == torch.bool and not item.is_floating_point:
+        return not item.is_complex
+    if item.is_complex or target.is_complex or target == torch.bool:
+        return False
+    if not item.is_floating_point:
+        if target.is_floating_point:
+            return target in (torch.float32, torch.float64)
+        return torch.promote_types(item, target) == target
+    if target not in (torch.float32, torch.float64):
+        return False
+    return torch.promote_types(item, target) == target or not assigned
+
+
+_KEEP_A_TENSOR = (
+    "keep it a tensor: `losses[k] = loss.detach()` (converted as wanted: "
+    "`.to(losses.dtype)`), `torch.stack([a.detach(), b.detach()])` for a "
+    "torch.tensor of items"
+)
+
+
+def _assigned(item: TracedItem, target: torch.Tensor) -> torch.Tensor:
+    """``target[k] = item`` as the 0-d tensor eager assigns (NOTE: [items kept in a tensor])."""
+    t = item.tensor
+    if t.numel() != 1 or not _converts_as_eager(t.dtype, target.dtype, assigned=True):
+        _raise_used(
+            f"a value of .item() ({t.dtype}) is assigned into a {target.dtype} tensor, a "
+            "conversion the program does not make as eager converts the number; "
+            + _KEEP_A_TENSOR
+        )
+    return t.detach().reshape(()).to(device=target.device, dtype=target.dtype)
+
+
+def _holds_items(data: Any) -> bool:
+    if isinstance(data, TracedItem):
+        return True
+    return isinstance(data, (list, tuple)) and any(_holds_items(d) for d in data)
+
+
+def _tensor_of_items(
+    data: Any, dtype: torch.dtype | None = None, device: Any = None, requires_grad: bool = False,
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """``torch.tensor(data)`` with items among data's numbers (NOTE: [items kept in a tensor])."""
+    leaves: list[Any] = []
+
+    def collect(d: Any) -> None:
+        if isinstance(d, (list, tuple)):
+            if not d:
+                _refuse_tensor_of_items("an empty list among them")
+            for x in d:
+                collect(x)
+        elif isinstance(d, (TracedItem, bool, int, float)):
+            leaves.append(d)
+        else:
+            what = "tensor" if isinstance(d, torch.Tensor) else type(d).__name__
+            _refuse_tensor_of_items(f"a {what} among them")
+
+    collect(data)
+    if requires_grad or pin_memory:
+        _refuse_tensor_of_items("requires_grad=True or pin_memory=True")
+    kinds = [x.tensor.dtype if isinstance(x, TracedItem) else x for x in leaves]
+    if dtype is None:
+        if any(isinstance(k, float) or isinstance(k, torch.dtype) and k.is_floating_point for k in kinds):
+            dtype = torch.get_default_dtype()
+        elif any(isinstance(k, int) and not isinstance(k, bool) or k in _INTEGERS for k in kinds):
+            dtype = torch.int64
+        elif all(isinstance(k, bool) or k == torch.bool for k in kinds):
+            dtype = torch.bool
+        else:
+            _refuse_tensor_of_items("a complex item among them")
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    for x in leaves:
+        if isinstance(x, TracedItem) and (
+            x.tensor.numel() != 1 or not _converts_as_eager(x.tensor.dtype, dtype, assigned=False)
+        ):
+            _refuse_tensor_of_items(f"a {x.tensor.dtype} item converted to {dtype}")
+
+    def build(d: Any) -> torch.Tensor:
+        if isinstance(d, (list, tuple)):
+            return torch.stack([build(x) for x in d])
+        if isinstance(d, TracedItem):
+            return d.tensor.detach().reshape(()).to(device=device, dtype=dtype)
+        return torch.tensor(d, dtype=dtype, device=device)
+
+    return build(data)
+
+
+_INTEGERS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+def _refuse_tensor_of_items(what: str) -> NoReturn:
+    _raise_used(
+        f"torch.tensor() of values of .item() ({what}) cannot be made as eager makes it; "
+        + _KEEP_A_TENSOR
+    )
 
 
 # NOTE: [an item use the step caught]

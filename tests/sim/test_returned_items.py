@@ -405,3 +405,59 @@ def test_an_item_passed_as_a_number_operand_says_to_keep_the_tensor():
     assert "Keep it a tensor: pass the 0-d tensor .item() was called on" in message
     assert "size or index" not in message and "TracedItem" not in message
     assert "model[0].weight.copy_(torch.where(model[0].weight.abs() > bound, model[0].weight, bound))" in message
+
+
+def estimated_loss_step(model, optim, x, y):  # noqa: ANN001
+    """nanoGPT's estimate_loss in the step: items written back into tensors made in it."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():
+        losses = torch.zeros(3, dtype=torch.float64)
+        for k in range(3):
+            losses[k] = F.cross_entropy(model(x[k:]), y[k:]).item()
+        halves = torch.tensor([F.cross_entropy(model(x[:4]), y[:4]).item(), losses[0].item(), 0.5],
+                              dtype=torch.float64)
+        counts = torch.tensor([[(model(x).argmax(-1) == y).sum().item(), 2], [True, 1]])
+        first = torch.tensor(loss.item())  # a float item, in the default dtype
+    return {"losses": losses.mean(), "halves": halves, "counts": counts, "first": first}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_items_written_into_a_tensor_are_its_elements(mode):
+    """Before 2026-12-06 ``losses[k] = loss.item()`` was refused as "used as a size or
+    index", and ``torch.tensor([a.item(), ...])`` raised "Could not infer dtype of
+    TracedItem" (NOTE: [items kept in a tensor])."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode(mode))(estimated_loss_step)
+    with sc.simulate(world_size=2) as sim:
+        for batch in _batches():
+            got, want = compiled(model, optim, *batch), estimated_loss_step(reference, reference_optim, *batch)
+            assert got.keys() == want.keys()
+            for key in want:
+                g, w = torch.as_tensor(got[key]), want[key]
+                assert g.dtype == w.dtype and g.shape == w.shape, key
+                assert torch.allclose(g, w, rtol=TOL, atol=0), (key, g, w)
+        assert max(compare_models(model, reference, sim).values()) < TOL
+
+
+def float_item_into_an_integer_tensor_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    totals = torch.zeros(2, dtype=torch.long)
+    totals[0] = loss.item()
+    return loss, totals
+
+
+def test_an_item_assigned_with_another_conversion_says_to_keep_the_tensor():
+    """Eager converts a float into an int64 tensor with an overflow check; refused, saying
+    what to write, without torch's TypeError or our type's name."""
+    message = _refusal_leaving_the_model_untouched(float_item_into_an_integer_tensor_step)
+    assert "totals[0] = loss.item()" in message
+    assert "is assigned into a torch.int64 tensor" in message and "`losses[k] = loss.detach()`" in message
+    assert "size or index" not in message and "TracedItem" not in message
