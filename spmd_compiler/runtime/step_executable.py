@@ -38,7 +38,14 @@ from .runner import (
     run_program,
     state_value,
 )
-from .same_inputs import InputAgreement, describe_constants, describe_values_read, values_digest
+from .same_inputs import (
+    InputAgreement,
+    describe_constants,
+    describe_generators,
+    describe_values_read,
+    drawn_devices,
+    values_digest,
+)
 from .simulate import Simulation
 
 #: ``ParallelMode.placements``: (ref, global meta, mesh[, parameter's shape, for state])
@@ -183,6 +190,9 @@ class StepExecutable:
         # values the ranks compare: NOTE: [Python values agree across ranks]
         self.guards: Guards | None = None
         self._values_read = ""
+        # the device types whose default generator the program draws from (None: not
+        # looked at yet): NOTE: [generators agree across ranks]
+        self._drawn: tuple[str, ...] | None = None
         # NOTE: [hyper-parameters without a device sync]
         self._hyperparams: dict[StateRef, tuple[float, torch.Tensor]] = {}
         self._feed = FeedPlan.of(program)  # NOTE: [one walk over the state per call]
@@ -219,6 +229,10 @@ class StepExecutable:
                     self._values_read
                 )
             agreement.constants, agreement.values_read = self._constants, self._values_read
+            if self._drawn is None:
+                self._drawn = drawn_devices(self.program.captured.graph_module)
+            if self._drawn:  # every call: the draws move the state (NOTE: [generators agree across ranks])
+                agreement.generators = describe_generators(self._drawn)
         pending = self._pending
         if pending is not None and (pending.sim is not sim or not _same_objects(pending.bindings, bindings)):
             self.flush()
