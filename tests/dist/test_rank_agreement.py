@@ -236,3 +236,21 @@ def test_ranks_seeded_apart_are_refused_when_the_step_draws() -> None:
             assert abs(loss - eager) <= 1e-12 * abs(eager), (rank, out)
         assert out["worst"] <= 1e-12, (rank, out)
     assert results[0]["losses"] == results[1]["losses"]
+
+
+def _resend_worker(rank: int, world_size: int) -> object:
+    from spmd_compiler.runtime.same_inputs import InputAgreement
+
+    agreement = InputAgreement([torch.zeros(4, 8)])
+    agreement.constants = "none | Python values read: 0123"  # as every real program's
+    agreement.generators = "cpu 0123"  # NOTE: [generators agree across ranks]
+    if rank == 1:  # rank 1 compiles first: rank 0 sends its round again
+        agreement.before_compile()
+    return agreement.before_run("count", [torch.tensor(1.0)])[0].item()
+
+
+def test_a_round_sent_again_sends_what_it_sent_first() -> None:
+    """A rank whose round met a compiling peer's sent it again with its constants (and
+    generator states) appended twice, so the ranks' digests differed and both raised a
+    false disagreement; now the round sent again is the first one."""
+    assert sc.launch(_resend_worker, 2, timeout_s=120, collective_timeout_s=30) == [2.0, 2.0]
