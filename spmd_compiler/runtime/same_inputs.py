@@ -68,6 +68,25 @@ devices are left out of that list (launchers set them per rank by design); learn
 rates are graph inputs (NOTE: [hyper-parameters without a device sync]), not traced
 values.
 
+NOTE: [generators agree across ranks]
+A program's random draws come from each rank's default generator (NOTE: [random numbers]
+in ``capture/random_draws.py``: every rank draws the same full tensor and keeps its
+slice), which holds only when the ranks' generators are in the same state. Seeded per
+rank (``torch.manual_seed(seed + rank)``, as timm's ``random_seed(seed, rank)`` and many
+DDP scripts do), each rank drew its own numbers: cleanrl's PPO update, whose
+``torch.randperm(B)`` picks the minibatches, on 2 gloo ranks under replicate ran each
+rank's own minibatches (losses [0.1331, 0.1235, 0.0874] on rank 0, [0.2857, 0.1166,
+0.0785] on rank 1), the "replicated" weights were 0.0275 apart after 3 calls, and
+``full_state_dict`` returned rank 0's copy, with no error. So a program that draws
+(a random op in its captured graph) also sends, in the round's second digest, a
+BLAKE2b digest of the state of each default generator it draws from (the CPU one, and
+the device's for draws on CUDA: ``torch.cuda.get_rng_state`` reads the seed and
+offset on the host, no GPU sync), taken every call just before the round: no new
+collective. Ranks whose generators start alike stay alike (every rank draws the same
+global shapes from them), so the check does not fire after the first call. When they
+differ, every rank raises the same error before its program runs: nothing is updated
+and nothing is drawn. Programs that draw nothing send nothing more and pay nothing.
+
 NOTE: [inputs every rank passes whole]
 A tensor argument the mode places Replicate on every mesh dimension (a 0-d tensor, or
 one ``input_batch_dim`` names None: class weights, a table; NOTE: [inputs by name] in
@@ -136,6 +155,7 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
+from .. import _torch_private as private
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
 from .faults import attribution
@@ -164,6 +184,35 @@ _CONSTANTS = " | constants: "  # where a round's description of what it sends na
 
 
 _VALUES = " | Python values read: "  # after the constants: the digest of the values read
+_GENERATORS = " | random-number generators: "  # last: NOTE: [generators agree across ranks]
+
+
+def drawn_devices(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The device types whose default generator the graph's random ops draw from
+    (NOTE: [generators agree across ranks]); empty when it draws nothing."""
+    devices: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not private.random_op(node.target):
+            continue
+        val = node.meta.get("val")
+        device = val.device if isinstance(val, torch.Tensor) else node.kwargs.get("device")
+        devices.add(torch.device(device).type if device is not None else "cpu")
+    return tuple(sorted(devices))
+
+
+def describe_generators(devices: Sequence[str]) -> str:
+    """A digest of the state of each default generator in ``devices`` (``drawn_devices``;
+    CUDA's of the current device, the rank's): NOTE: [generators agree across ranks]."""
+    parts = []
+    for kind in devices:
+        if kind == "cpu":
+            state = torch.get_rng_state()
+        elif kind == "cuda":
+            state = torch.cuda.get_rng_state()
+        else:  # another accelerator's generator: not compared
+            continue
+        parts.append(f"{kind} {_checksum(state).rpartition(' ')[2]}")
+    return ", ".join(parts)
 
 
 def describe_values_read(values: Sequence[tuple[str, str]]) -> str:
@@ -297,6 +346,9 @@ class InputAgreement:
         # the program's values read (``describe_values_read``), whose digest ends
         # ``constants``: NOTE: [Python values agree across ranks]
         self.values_read = ""
+        # the digest of the generators the program draws from (``describe_generators``),
+        # set each call before it runs: NOTE: [generators agree across ranks]
+        self.generators = ""
         # whether this rank still owes its peers this call's round, and the round it has
         # in flight: NOTE: [a rank that fails before its program]
         self.owed = True
@@ -344,12 +396,16 @@ class InputAgreement:
         input check])."""
         if self.pending_update is not None and not pending:
             sends = f"{sends}{_PENDING}{self.pending_update}"
+        resend = sends
         if self.constants and not pending:
             sends = f"{sends}{_CONSTANTS}{self.constants}"
+        if self.generators and not pending:  # last, and new every call: not cached
+            sends = f"{sends}{_GENERATORS}{self.generators}"
         payload = [float(x) for v in values for x in v.detach().reshape(-1).tolist()]
         if len(payload) > MAX_SLOTS:
             raise ValueError(f"{len(payload)} values do not fit a round of {MAX_SLOTS}")
-        parts = [*_parts_of(self.description), *_parts_of(sends)]
+        sent = _parts(_digest(sends)) if self.generators and not pending else _parts_of(sends)
+        parts = [*_parts_of(self.description), *sent]
         row = [float(pending), 0.0]  # the second: failed (NOTE: [a rank that fails before its program])
         for h in parts:
             row += [float(h), float(h * h)]
@@ -358,7 +414,7 @@ class InputAgreement:
         work = _collective(
             lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         )
-        self._flying = Round(self, buf, work, pending, sends, list(values), parts)
+        self._flying = Round(self, buf, work, pending, sends, list(values), parts, resend)
         return self._flying
 
     def _read(self, r: Round) -> list[torch.Tensor] | None:
@@ -380,6 +436,8 @@ class InputAgreement:
         self.owed = False  # every rank's program runs now
         if not all(agree[_PARTS:]):
             everyone = _all_descriptions(r.sends, self.group, self.world)  # one gather for both
+            self._raise_if_generators_differ(everyone)
+            everyone = [text.partition(_GENERATORS)[0] for text in everyone]
             self._raise_if_pending_differs(everyone)
             self._raise_if_constants_differ(everyone)
             raise SPMDRuntimeError(
@@ -435,6 +493,31 @@ class InputAgreement:
             "step ran there only) and is pending on the others, so the ranks would run "
             "different programs. Nothing was updated by this call. Call step.flush() "
             "(and checkpoint saves, which flush) on every rank, not under `if rank == 0:`."
+        )
+
+    @staticmethod
+    def _raise_if_generators_differ(everyone: list[str]) -> None:
+        """NOTE: [generators agree across ranks]: raise when the ranks' generator states
+        are all that differs in what their programs send (every rank reads the same
+        sums, so all of them come here); ``everyone``: each rank's description."""
+        parts = [text.partition(_GENERATORS) for text in everyone]
+        if len({rest for rest, _, _ in parts}) > 1 or len({state for _, _, state in parts}) < 2:
+            return  # the programs differ otherwise (the other errors), or the states agree
+        lines = "\n".join(f"    rank {rank}: {state}" for rank, (_, _, state) in enumerate(parts))
+        raise SPMDCompileError(
+            "The ranks' default random-number generators differ (seeded per rank? as "
+            "torch.manual_seed(seed + rank) or timm's random_seed(seed, rank) do), and the "
+            "train step draws random numbers (torch.randperm, torch.rand, dropout, "
+            "sampling). The compiled program draws every random tensor whole on each rank "
+            "from its default generator and reads it as one value (NOTE: [random "
+            "numbers]); with each rank's own numbers the replicated weights would drift "
+            "apart without an error. Nothing was updated and nothing was drawn. Generator "
+            f"state digests per rank:\n{lines}",
+            hint="seed every rank alike: torch.manual_seed(seed) (the same seed on every "
+            "rank) before compiling and before each call that reseeds; per-rank "
+            "randomness such as dropout masks is handled by the compiler, each rank "
+            "keeping its own slice of one global draw. A per-rank stream for your own "
+            "code outside the step (data augmentation) goes in its own torch.Generator.",
         )
 
     def _raise_if_constants_differ(self, everyone: list[str]) -> None:
@@ -537,10 +620,13 @@ class Round:
 
     def __init__(
         self, agreement: InputAgreement, buf: torch.Tensor, work: Any, pending: bool,
-        sends: str, values: list[torch.Tensor], parts: list[int],
+        sends: str, values: list[torch.Tensor], parts: list[int], resend: str = "",
     ) -> None:
+        """``sends``: what the round's second digest was taken of; ``resend``: what
+        ``start`` was given, which a round sent again starts from."""
         self.agreement, self.buf, self.work = agreement, buf, work
         self.pending, self.sends, self.values, self.parts = pending, sends, values, parts
+        self.resend = resend or sends
 
     def finish(self) -> list[torch.Tensor]:
         """Wait for the round; raise if the ranks disagree; return the sums of the values
@@ -552,7 +638,7 @@ class Round:
             sums = self.agreement._read(current)
             if sums is not None or current.pending:
                 return sums or []
-            current = self.agreement.start(self.sends, self.values)
+            current = self.agreement.start(self.resend, self.values)
 
 
 _PARTS, _PART_BITS = 3, 16  # a 48-bit digest in parts whose squares sum exactly

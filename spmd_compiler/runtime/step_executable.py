@@ -42,7 +42,9 @@ from .same_inputs import (
     InputAgreement,
     captured_step_text,
     describe_constants,
+    describe_generators,
     describe_values_read,
+    drawn_devices,
     values_digest,
 )
 from .simulate import Simulation
@@ -189,6 +191,9 @@ class StepExecutable:
         # values the ranks compare: NOTE: [Python values agree across ranks]
         self.guards: Guards | None = None
         self._values_read = ""
+        # the device types whose default generator the program draws from (None: not
+        # looked at yet): NOTE: [generators agree across ranks]
+        self._drawn: tuple[str, ...] | None = None
         # NOTE: [hyper-parameters without a device sync]
         self._hyperparams: dict[StateRef, tuple[float, torch.Tensor]] = {}
         self._feed = FeedPlan.of(program)  # NOTE: [one walk over the state per call]
@@ -225,6 +230,10 @@ class StepExecutable:
                     captured_step_text(self.program.captured.graph_module.graph)
                 )
             agreement.constants, agreement.values_read = self._constants, self._values_read
+            if self._drawn is None:
+                self._drawn = drawn_devices(self.program.captured.graph_module)
+            if self._drawn:  # every call: the draws move the state (NOTE: [generators agree across ranks])
+                agreement.generators = describe_generators(self._drawn)
         pending = self._pending
         if pending is not None and (pending.sim is not sim or not _same_objects(pending.bindings, bindings)):
             self.flush()

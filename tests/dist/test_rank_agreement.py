@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.tools.demo.steps import classification_train_step
 from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.demo.steps import classification_train_step
 
 pytestmark = pytest.mark.dist
 
@@ -189,6 +189,16 @@ def _tagged_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor
     return loss
 
 
+def _noisy_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    perm = torch.randperm(x.shape[1])  # a draw of the default generator, as PPO's minibatches
+    x = x[:, perm] + 0.1 * torch.randn_like(x)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def _tagged_worker(rank: int, world_size: int) -> list:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).double()
@@ -214,3 +224,72 @@ def test_python_values_that_differ_per_rank_but_trace_nothing_are_accepted() -> 
     for rank, calls in enumerate(results):
         for got, eager in calls:
             assert abs(got - eager) <= 1e-12 * abs(eager), (rank, calls)
+
+
+def _seeded_worker(rank: int, world_size: int) -> dict:
+    """Call 1 with each rank seeded ``seed + rank``; then every rank seeded alike once,
+    and 3 calls without reseeding, against eager on the global batch (float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).double()
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).double()
+    ref.load_state_dict(model.state_dict())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = sc.compile(DataParallel("replicate"))(_noisy_step)
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen))
+        for _ in range(3)
+    ]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(10 + rank)  # per rank, as timm's random_seed(seed, rank)
+    x, y = batches[0]
+    try:
+        step(model, optim, x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4])
+        refused = ""
+    except sc.SPMDCompileError as exc:
+        refused = str(exc)
+    after = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in model.state_dict().items()}
+    untouched = all(torch.equal(v, after[k]) for k, v in before.items())
+    torch.manual_seed(10)  # alike: the ranks' generators then stay in step call after call
+    losses = [float(step(model, optim, x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4])) for x, y in batches]
+    torch.manual_seed(10)
+    eager = [_noisy_step(ref, ref_optim, x, y).item() for x, y in batches]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    worst = max((p - q).abs().max().item() for p, q in zip(local, ref.parameters(), strict=True))
+    return {"refused": refused, "untouched": untouched, "losses": losses, "eager": eager, "worst": worst}
+
+
+def test_ranks_seeded_apart_are_refused_when_the_step_draws() -> None:
+    """NOTE: [generators agree across ranks]: ranks seeded ``seed + rank`` ran a step
+    drawing ``torch.randperm`` each with its own numbers (cleanrl's PPO update on 2 gloo
+    ranks: replicated weights 0.0275 apart after 3 calls, no error). Now such a call is
+    refused on both ranks before anything is updated; seeded alike once, 3 calls in a
+    row (no reseeding) match eager on the global batch exactly."""
+    results = sc.launch(_seeded_worker, 2, timeout_s=240, collective_timeout_s=30)
+    for rank, out in enumerate(results):
+        assert "default random-number generators differ" in out["refused"], (rank, out)
+        assert "torch.manual_seed(seed)" in out["refused"], out["refused"]
+        assert out["untouched"], rank
+        for loss, eager in zip(out["losses"], out["eager"], strict=True):
+            assert abs(loss - eager) <= 1e-12 * abs(eager), (rank, out)
+        assert out["worst"] <= 1e-12, (rank, out)
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+def _resend_worker(rank: int, world_size: int) -> object:
+    from spmd_compiler.runtime.same_inputs import InputAgreement
+
+    agreement = InputAgreement([torch.zeros(4, 8)])
+    agreement.constants = "none | Python values read: 0123"  # as every real program's
+    agreement.generators = "cpu 0123"  # NOTE: [generators agree across ranks]
+    if rank == 1:  # rank 1 compiles first: rank 0 sends its round again
+        agreement.before_compile()
+    return agreement.before_run("count", [torch.tensor(1.0)])[0].item()
+
+
+def test_a_round_sent_again_sends_what_it_sent_first() -> None:
+    """A rank whose round met a compiling peer's sent it again with its constants (and
+    generator states) appended twice, so the ranks' digests differed and both raised a
+    false disagreement; now the round sent again is the first one."""
+    assert sc.launch(_resend_worker, 2, timeout_s=120, collective_timeout_s=30) == [2.0, 2.0]
