@@ -143,10 +143,12 @@ def _only_bound(method: Callable[..., Any], scalers: list[Any]) -> Callable[...,
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         if all(self is not s for s in scalers):
             raise _UnboundScaler(
-                "The train step uses a torch.amp.GradScaler that is neither one of its "
-                "arguments (or their attributes), nor a global or closure variable it names "
-                "(an attribute of a global object, say); a compiled step reads and writes the scale of the "
-                "scalers it can name."
+                "The train step uses a torch.amp.GradScaler that its code does not name: "
+                "not an argument, nor an attribute path or a global or closure variable the "
+                "step's code names (one held by another object that drives it in its own "
+                "methods, as timm's NativeScaler holds self._scaler, is not found); a "
+                "compiled step reads and writes the scale of the scalers it can name. Name it "
+                "in the step (scaler = loss_scaler._scaler) or pass it as an argument."
             )
         if method.__name__ == "step" and args and private.steps_with_amp_scaling(args[0]):
             raise SPMDCompileError(
