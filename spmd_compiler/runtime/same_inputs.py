@@ -506,7 +506,9 @@ class InputAgreement:
         lines = "\n".join(f"    rank {rank}: {state}" for rank, (_, _, state) in enumerate(parts))
         raise SPMDCompileError(
             "The ranks' default random-number generators differ (seeded per rank? as "
-            "torch.manual_seed(seed + rank) or timm's random_seed(seed, rank) do), and the "
+            "torch.manual_seed(seed + rank) or timm's random_seed(seed, rank) do; or a rank "
+            "drew random numbers the others did not between calls: sampling a generation "
+            "for a log under `if rank == 0:`, a data loader shuffling on some ranks), and the "
             "train step draws random numbers (torch.randperm, torch.rand, dropout, "
             "sampling). The compiled program draws every random tensor whole on each rank "
             "from its default generator and reads it as one value (NOTE: [random "
@@ -517,7 +519,8 @@ class InputAgreement:
             "rank) before compiling and before each call that reseeds; per-rank "
             "randomness such as dropout masks is handled by the compiler, each rank "
             "keeping its own slice of one global draw. A per-rank stream for your own "
-            "code outside the step (data augmentation) goes in its own torch.Generator.",
+            "code outside the step (data augmentation, a rank-0 sample, a sampler) goes "
+            "in its own torch.Generator.",
         )
 
     def _raise_if_constants_differ(self, everyone: list[str]) -> None:
