@@ -86,6 +86,14 @@ collective. Ranks whose generators start alike stay alike (every rank draws the 
 global shapes from them), so the check does not fire after the first call. When they
 differ, every rank raises the same error before its program runs: nothing is updated
 and nothing is drawn. Programs that draw nothing send nothing more and pay nothing.
+Under data parallelism (the batch split over every mesh dimension), forward's
+element-wise draws (dropout, drop-path, noise on activations) need no agreement: each
+rank keeps its slice of a batch-shaped draw, and slices of the ranks' own draws are an
+equally good draw; they are left out, so timm's per-rank seeds with dropout still train
+(a first version refused them). Permutations, index draws (``randint``,
+``multinomial``) and any draw in backward or the optimizer (noise on gradients or
+parameters, which replicated state would take apart) are checked; under tensor
+parallelism every draw is, since the tp ranks of one batch compute one value.
 
 NOTE: [inputs every rank passes whole]
 A tensor argument the mode places Replicate on every mesh dimension (a 0-d tensor, or
@@ -157,6 +165,7 @@ from torch.distributed.tensor import Replicate
 
 from .. import _torch_private as private
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
+from ..ir.node_meta import Phase, phase
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
 from .faults import attribution
 
@@ -187,12 +196,30 @@ _VALUES = " | Python values read: "  # after the constants: the digest of the va
 _GENERATORS = " | random-number generators: "  # last: NOTE: [generators agree across ranks]
 
 
-def drawn_devices(gm: torch.fx.GraphModule) -> tuple[str, ...]:
-    """The device types whose default generator the graph's random ops draw from
-    (NOTE: [generators agree across ranks]); empty when it draws nothing."""
+# draws of independent elements (a dropout mask, noise): on a value split over every rank,
+# each rank keeps its slice of a draw, and slices of the ranks' own draws are as good a
+# draw (NOTE: [generators agree across ranks])
+_ELEMENTWISE_DRAWS = frozenset({
+    "bernoulli", "native_dropout", "rand", "randn", "rand_like", "randn_like", "uniform",
+    "normal", "exponential", "cauchy", "log_normal", "geometric", "poisson",
+})
+
+
+def drawn_devices(gm: torch.fx.GraphModule, batch_split_everywhere: bool = False) -> tuple[str, ...]:
+    """The device types whose default generator the graph's random ops draw from, of the
+    draws whose numbers the ranks must agree on (NOTE: [generators agree across ranks]);
+    empty when there are none. ``batch_split_everywhere``: the mode splits the batch over
+    every mesh dimension (data parallel), where forward's element-wise draws (dropout)
+    need no agreement."""
     devices: set[str] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function" or not private.random_op(node.target):
+            continue
+        if (
+            batch_split_everywhere
+            and phase(node) is Phase.FORWARD
+            and node.target._opname.rstrip("_") in _ELEMENTWISE_DRAWS  # type: ignore[union-attr]
+        ):
             continue
         val = node.meta.get("val")
         device = val.device if isinstance(val, torch.Tensor) else node.kwargs.get("device")

@@ -27,7 +27,7 @@ from ..capture.bindings import StepBindings
 from ..capture.guards import Guards
 from ..errors import SPMDRuntimeError
 from ..expand.retrace import DistributedProgram, Placements
-from ..ir.signature import StateRef
+from ..ir.signature import Kind, StateRef
 from ..lower import Executable, LoweringOptions
 from .faults import default_store, record_failure
 from .runner import (
@@ -168,6 +168,19 @@ def _first_write(left: list[StateLeft], bindings: StepBindings, current_param: b
     return None
 
 
+def _batch_split_everywhere(program: DistributedProgram) -> bool:
+    """Whether every batch argument is split over every mesh dimension (data
+    parallelism), with at least one: NOTE: [generators agree across ranks]."""
+    batch = [
+        placements for (ref, meta), placements in zip(program.captured.inputs, program.input_placements, strict=True)
+        if ref.kind is Kind.INPUT and meta.shape
+    ]
+    return bool(batch) and all(
+        len(placements) == program.mesh.ndim and all(private.is_shard_like(p) for p in placements)
+        for placements in batch
+    )
+
+
 class StepExecutable:
     """One compiled program, ready to run on the user's state."""
 
@@ -231,7 +244,7 @@ class StepExecutable:
                 )
             agreement.constants, agreement.values_read = self._constants, self._values_read
             if self._drawn is None:
-                self._drawn = drawn_devices(self.program.captured.graph_module)
+                self._drawn = drawn_devices(self.program.captured.graph_module, _batch_split_everywhere(self.program))
             if self._drawn:  # every call: the draws move the state (NOTE: [generators agree across ranks])
                 agreement.generators = describe_generators(self._drawn)
         pending = self._pending

@@ -277,6 +277,36 @@ def test_ranks_seeded_apart_are_refused_when_the_step_draws() -> None:
     assert results[0]["losses"] == results[1]["losses"]
 
 
+def _dropout_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    loss = nn.functional.cross_entropy(nn.functional.dropout(model(x), 0.2), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _dropout_worker(rank: int, world_size: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(DataParallel("replicate"))(_dropout_step)
+    torch.manual_seed(10 + rank)  # per rank, as timm's random_seed(seed, rank)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        step(model, optim, torch.randn(4, 8, generator=gen, dtype=torch.float64), torch.randint(0, 4, (4,), generator=gen))
+    return [p.to_local().clone() for p in model.parameters()]
+
+
+def test_ranks_seeded_apart_train_a_data_parallel_step_with_dropout() -> None:
+    """NOTE: [generators agree across ranks]: forward's element-wise draws on a batch split
+    over every rank need no agreement (each rank keeps its slice of a draw; the ranks' own
+    draws make as good a mask): timm-style per-rank seeds with dropout still train, and
+    the replicated weights stay identical."""
+    results = sc.launch(_dropout_worker, 2, timeout_s=240, collective_timeout_s=30)
+    for p, q in zip(results[0], results[1], strict=True):
+        assert torch.equal(p, q)
+
+
 def _resend_worker(rank: int, world_size: int) -> object:
     from spmd_compiler.runtime.same_inputs import InputAgreement
 
