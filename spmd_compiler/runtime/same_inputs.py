@@ -153,6 +153,7 @@ import ctypes
 import functools
 import hashlib
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -253,15 +254,23 @@ def values_digest(text: str) -> str:
     return _VALUES + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+_DEVICE_NAME = re.compile(r"[a-z]+:\d+")
+
+
 def captured_step_text(graph: torch.fx.Graph) -> str:
     """Each node's op and the Python values it was given, one line per node, in a text
-    the same in every process (NOTE: [Python values agree across ranks]): values are
-    written by ``_literal``; a node argument by its position, not its name."""
+    the same in every process (NOTE: [Python values agree across ranks]): a node
+    argument by its position, not its name; a device by its type (each rank holds its own
+    GPU: ``cuda:1`` on rank 1 made every multi-GPU job differ, the second review found)."""
     index = {node: k for k, node in enumerate(graph.nodes)}
 
     def literal(value: Any) -> str:
         if isinstance(value, torch.fx.Node):
             return f"%{index.get(value, -1)}"
+        if isinstance(value, torch.device):  # each rank's own GPU: its type only
+            return repr(value.type)
+        if isinstance(value, str) and _DEVICE_NAME.fullmatch(value):
+            return repr(value.partition(":")[0])
         if isinstance(value, (list, tuple)):
             return "(" + ",".join(literal(v) for v in value) + ")"
         if isinstance(value, dict):
@@ -421,9 +430,9 @@ class InputAgreement:
         """Issue this rank's round; ``Round.finish`` waits for it. The program may compute
         in between, as long as it issues no collective (NOTE: [reductions that ride the
         input check])."""
+        resend = sends  # what a round sent again starts from: each part is added once
         if self.pending_update is not None and not pending:
             sends = f"{sends}{_PENDING}{self.pending_update}"
-        resend = sends
         if self.constants and not pending:
             sends = f"{sends}{_CONSTANTS}{self.constants}"
         if self.generators and not pending:  # last, and new every call: not cached
@@ -516,8 +525,8 @@ class InputAgreement:
         raise SPMDRuntimeError(
             "The ranks disagree on the update the last call of this step deferred "
             "(cross_iteration_overlap): it was already applied on rank(s) "
-            f"{', '.join(map(str, flushed))} (a step.flush(), a checkpoint or another compiled "
-            "step ran there only) and is pending on the others, so the ranks would run "
+            f"{', '.join(map(str, flushed))} (a step.flush(), a checkpoint, another compiled "
+            "step, or a recompile for a value that changed there only, ran on those ranks) and is pending on the others, so the ranks would run "
             "different programs. Nothing was updated by this call. Call step.flush() "
             "(and checkpoint saves, which flush) on every rank, not under `if rank == 0:`."
         )

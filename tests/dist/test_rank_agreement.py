@@ -313,6 +313,7 @@ def _resend_worker(rank: int, world_size: int) -> object:
     agreement = InputAgreement([torch.zeros(4, 8)])
     agreement.constants = "none | Python values read: 0123"  # as every real program's
     agreement.generators = "cpu 0123"  # NOTE: [generators agree across ranks]
+    agreement.pending_update = True  # a cross_iteration_overlap step on its steady program
     if rank == 1:  # rank 1 compiles first: rank 0 sends its round again
         agreement.before_compile()
     return agreement.before_run("count", [torch.tensor(1.0)])[0].item()
@@ -320,6 +321,23 @@ def _resend_worker(rank: int, world_size: int) -> object:
 
 def test_a_round_sent_again_sends_what_it_sent_first() -> None:
     """A rank whose round met a compiling peer's sent it again with its constants (and
-    generator states) appended twice, so the ranks' digests differed and both raised a
+    generator states, and its deferred-update flag: the second review) appended twice, so the ranks' digests differed and both raised a
     false disagreement; now the round sent again is the first one."""
     assert sc.launch(_resend_worker, 2, timeout_s=120, collective_timeout_s=30) == [2.0, 2.0]
+
+
+def test_the_captured_step_text_holds_no_rank_device() -> None:
+    """NOTE: [Python values agree across ranks]: each rank's own GPU (``cuda:1`` on rank 1)
+    in a traced op's arguments made every multi-GPU job's ranks differ (the second
+    review); a device is written by its type."""
+    from spmd_compiler.runtime.same_inputs import captured_step_text
+
+    def text(device: str) -> str:
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        made = graph.call_function(torch.ops.aten.arange.start, (0, 4), {"device": torch.device(device)})
+        moved = graph.call_function(torch.ops.aten._to_copy.default, (x,), {"device": device})
+        graph.output((made, moved))
+        return captured_step_text(graph)
+
+    assert text("cuda:0") == text("cuda:1") != text("cpu")
