@@ -165,6 +165,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from .. import _torch_private as private
+from .._torch_private import pytree
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..ir.node_meta import Phase, phase
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
@@ -258,15 +259,18 @@ _DEVICE_NAME = re.compile(r"[a-z]+:\d+")
 
 
 def captured_step_text(graph: torch.fx.Graph) -> str:
-    """Each node's op and the Python values it was given, one line per node, in a text
-    the same in every process (NOTE: [Python values agree across ranks]): a node
-    argument by its position, not its name; a device by its type (each rank holds its own
-    GPU: ``cuda:1`` on rank 1 made every multi-GPU job differ, the second review found)."""
-    index = {node: k for k, node in enumerate(graph.nodes)}
+    """The Python values the captured step's live ops were given, as a text the same in
+    every process (NOTE: [Python values agree across ranks]): one line per distinct
+    ``op(values)``, node arguments written ``%``, sorted. Only the values count: a program
+    loaded from the compile cache holds its captured graph in another node order, with a
+    dead duplicate dropped (a rank that compiled and one that loaded differed, CI found),
+    and a node-only line carries no Python value. A device is written by its type (each
+    rank holds its own GPU: ``cuda:1`` on rank 1 made every multi-GPU job differ, the
+    second review found)."""
 
     def literal(value: Any) -> str:
         if isinstance(value, torch.fx.Node):
-            return f"%{index.get(value, -1)}"
+            return "%"
         if isinstance(value, torch.device):  # each rank's own GPU: its type only
             return repr(value.type)
         if isinstance(value, str) and _DEVICE_NAME.fullmatch(value):
@@ -275,16 +279,25 @@ def captured_step_text(graph: torch.fx.Graph) -> str:
             return "(" + ",".join(literal(v) for v in value) + ")"
         if isinstance(value, dict):
             return "{" + ",".join(f"{k}:{literal(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
-        if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device,
-                                                torch.layout, torch.memory_format)):
+        if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.layout,
+                                                torch.memory_format)):
             return repr(value)
         return type(value).__name__  # an object of one process (its repr may hold an address)
 
-    lines = []
+    live: set[torch.fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output" or node.is_impure() or any(user in live for user in node.users):
+            live.add(node)
+    lines = set()
     for node in graph.nodes:
-        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", type(node.target).__name__)
-        lines.append(f"{node.op} {target} {literal(node.args)} {literal(node.kwargs)}")
-    return "\n".join(lines)
+        if node not in live or node.op != "call_function":
+            continue
+        values = [v for v in pytree.tree_leaves((node.args, node.kwargs)) if not isinstance(v, torch.fx.Node)]
+        if not values:
+            continue  # no Python value: nothing a rank could set apart
+        target = getattr(node.target, "__name__", type(node.target).__name__)
+        lines.add(f"{target} {literal(node.args)} {literal(node.kwargs)}")
+    return "\n".join(sorted(lines))
 
 
 def describe_constants(outside: Sequence[Any]) -> str:
