@@ -221,12 +221,16 @@ def stack_trace_frames(stack_trace: str | None) -> list[tuple[str, int, str, str
     return frames
 
 
+def node_op(node: torch.fx.Node) -> str:
+    """How errors name ``node``'s op: its target for a call, else its kind."""
+    return str(node.target) if node.op == "call_function" else node.op
+
+
 def node_error(message: str, node: torch.fx.Node, *, hint: str | None = None) -> SPMDCompileError:
     """An error about ``node`` that carries its op, FQN and train-step line."""
-    op = str(node.target) if node.op == "call_function" else node.op
     return SPMDCompileError(
         message,
-        op=op,
+        op=node_op(node),
         node=node.name,
         module_fqn=node.meta.get(MODULE_FQN),
         user_line=node.meta.get(USER_LINE),

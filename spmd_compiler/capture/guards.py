@@ -1488,14 +1488,14 @@ def _pinned(value: Any) -> bool:
 
 
 _VALUE_KINDS = frozenset({_DICT, _CELL, _ARG, _ITEM, _NUMPY_DICT, _DEFAULT})
-_DEVICE_TEXT = re.compile(r"[a-z]+:\d+")  # "cuda:1": a rank's own device, named by a string
+DEVICE_NAME = re.compile(r"[a-z]+:\d+")  # "cuda:1": a rank's own device, named by a string
 
 
 def _rank_text(value: Any) -> str | None:
     """``value`` as text that is the same in every process (a set's items and a dict's
     pairs sorted: the order of strings in a set is salted per process), or None where the value holds a
     device (each rank's own)."""
-    if isinstance(value, torch.device) or (isinstance(value, str) and _DEVICE_TEXT.fullmatch(value)):
+    if isinstance(value, torch.device) or (isinstance(value, str) and DEVICE_NAME.fullmatch(value)):
         return None
     if isinstance(value, (set, frozenset)):  # the stored items (a subclass may read its own way)
         stored = frozenset.__iter__(value) if isinstance(value, frozenset) else set.__iter__(value)

@@ -25,6 +25,7 @@ import types
 import torch.fx
 
 from .. import _torch_private as private
+from ..errors import node_op
 from ..ir.collectives import is_collective, is_wait
 from ..ir.node_meta import MODULE_FQN, USER_LINE
 
@@ -53,8 +54,7 @@ def in_a_collective(node: torch.fx.Node) -> bool:
 def where(node: torch.fx.Node) -> str:
     """``aten.embedding.default (graph node embedding) in module 'emb', train step line
     f.py:12: "out = model(x)"``."""
-    op = str(node.target) if node.op == "call_function" else node.op
-    text = f"{op} (graph node {node.name})"
+    text = f"{node_op(node)} (graph node {node.name})"
     fqn = node.meta.get(MODULE_FQN)
     if fqn is not None:
         text += f" in module '{fqn}'" if fqn else " in the root module"

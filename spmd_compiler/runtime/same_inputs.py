@@ -153,7 +153,6 @@ import ctypes
 import functools
 import hashlib
 import math
-import re
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -166,6 +165,7 @@ from torch.distributed.tensor import Replicate
 
 from .. import _torch_private as private
 from .._torch_private import pytree
+from ..capture.guards import DEVICE_NAME
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..ir.node_meta import Phase, phase
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
@@ -255,9 +255,6 @@ def values_digest(text: str) -> str:
     return _VALUES + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-_DEVICE_NAME = re.compile(r"[a-z]+:\d+")
-
-
 def captured_step_text(graph: torch.fx.Graph) -> str:
     """The Python values the captured step's live ops were given, as a text the same in
     every process (NOTE: [Python values agree across ranks]): one line per distinct
@@ -273,7 +270,7 @@ def captured_step_text(graph: torch.fx.Graph) -> str:
             return "%"
         if isinstance(value, torch.device):  # each rank's own GPU: its type only
             return repr(value.type)
-        if isinstance(value, str) and _DEVICE_NAME.fullmatch(value):
+        if isinstance(value, str) and DEVICE_NAME.fullmatch(value):
             return repr(value.partition(":")[0])
         if isinstance(value, (list, tuple)):
             return "(" + ",".join(literal(v) for v in value) + ")"

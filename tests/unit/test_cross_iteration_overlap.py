@@ -22,6 +22,11 @@ from spmd_compiler.tools.parity import compare_models, compare_optimizers, max_d
 PASS = ("cross_iteration_overlap",)
 
 
+def _state_difference(model, optim, reference, ref_optim, sim) -> float:  # noqa: ANN001
+    """The worst relative difference of the compiled model and optimizer from eager's."""
+    return max_difference(compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim))
+
+
 def _compile(mode: str, cap: int | None = None, step=classification_step) -> sc.CompiledTrainStep:
     return sc.compile(
         make_mode(mode), extra_passes=PASS,
@@ -44,9 +49,7 @@ def _run(mode: str, cap: int | None, steps: int = 4, world: int = 4, lrs=None):
             losses.append((deferred(model, optim, *batch).item(), plain(reference, ref_optim, *batch).item()))
         before = compare_models(model, reference, sim)
         assert deferred.flush() is True
-        after = max_difference(
-            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
-        )
+        after = _state_difference(model, optim, reference, ref_optim, sim)
     return losses, before, after, deferred
 
 
@@ -101,9 +104,7 @@ def test_the_first_call_runs_without_carry_and_hands_its_update_on():
             assert step.compile_count == 1 and step.last_program.deferred is not None
             assert step.has_pending_update, k
         assert step.flush() is True
-        diff = max_difference(
-            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
-        )
+        diff = _state_difference(model, optim, reference, ref_optim, sim)
     assert diff == 0.0
 
 
@@ -136,9 +137,7 @@ def test_recompile_and_checkpoint_flush_first():
         step(model, optim, x[:8], y[:8])
         plain(reference, ref_optim, x[:8], y[:8])
         assert flush_pending_updates() == 1 and flush_pending_updates() == 0
-        diff = max_difference(
-            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
-        )
+        diff = _state_difference(model, optim, reference, ref_optim, sim)
     assert diff == 0.0
 
 
@@ -168,9 +167,7 @@ def test_gradient_clipping(mode):
         assert plan is not None and len(plan.positions) == 3 * n_params  # param, m, v
         assert "cross_iteration_overlap" in step.last_program.passes_applied
         step.flush()
-        diff = max_difference(
-            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
-        )
+        diff = _state_difference(model, optim, reference, ref_optim, sim)
     assert diff == 0.0
 
 
@@ -190,9 +187,7 @@ def test_demo_gpt_ddp_bit_identical_after_flush():
             assert deferred(model, optim, *batch).item() == plain(reference, ref_optim, *batch).item()
         assert deferred.last_program.deferred is not None
         deferred.flush()
-        diff = max_difference(
-            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
-        )
+        diff = _state_difference(model, optim, reference, ref_optim, sim)
     assert diff == 0.0
 
 
@@ -244,9 +239,7 @@ def test_another_step_applies_the_pending_update_first(mode, second_overlaps):
             loss, expected = step(model, optim, *batch).item(), eager(reference, ref_optim, *batch).item()
             assert loss == pytest.approx(expected, rel=1e-10)
         flush_pending_updates()
-        diff = max_difference(
-            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
-        )
+        diff = _state_difference(model, optim, reference, ref_optim, sim)
     assert diff < 1e-12
 
 
@@ -279,9 +272,7 @@ def test_load_state_dict_between_calls_applies_the_pending_update_first(mode, wh
                     saved["compiled"] = copy.deepcopy(optim.state_dict())
                     saved["eager"] = copy.deepcopy(ref_optim.state_dict())
         step.flush()
-        diff = max_difference(
-            compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim)
-        )
+        diff = _state_difference(model, optim, reference, ref_optim, sim)
     assert diff < 1e-12
 
 
