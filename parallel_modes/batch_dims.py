@@ -30,9 +30,10 @@ import ast
 import difflib
 import inspect
 import re
+import types
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from torch.distributed.tensor import Shard
 
@@ -262,16 +263,18 @@ def check_program_iterations(
     )
 
 
-def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: StepBindings) -> None:
+def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: StepBindings, mode: object) -> None:
     """Refuse a name of ``input_batch_dim`` that names no argument of the call (NOTE:
-    [names that name nothing]); run before anything is placed."""
+    [names that name nothing]); run before anything is placed. ``mode``: the mode whose
+    names these are; what covered an argument of its earlier calls is its own record
+    (``_COVERED``)."""
     if isinstance(batch_dims, int) or bindings.step is None:
         return
     step = bindings.step
     parameters, any_keyword = argument_names(step)
     var_keyword = _var_keyword(step)
     paths = argument_paths(step, bindings.args_spec, nones=True)
-    covered = _COVERED.setdefault((step_code(step), tuple(sorted(batch_dims.items(), key=str))), set())
+    covered = _COVERED.setdefault(mode, {}).setdefault(step_code(step), set())
     for name in batch_dims:
         if any(_covers(name, path) for path in paths):
             covered.add(name)
@@ -320,10 +323,11 @@ def check_batch_dim_names(batch_dims: int | dict[str, int | None], bindings: Ste
 
 _SHOWN_PATHS = 12
 
-
-# names of input_batch_dim that covered an argument of an earlier call, per step and
-# names (NOTE: [names that name nothing])
-_COVERED: dict[tuple[Any, tuple[tuple[str, Any], ...]], set[str]] = {}
+# per mode and step, the names of input_batch_dim that covered an argument of an earlier
+# call (NOTE: [names that name nothing]). Kept by the mode's identity, not in it: the
+# compile cache keys a program by the mode's attributes, which a record of calls would
+# change; and not per step and names alone, which two modes given the same names shared
+_COVERED: weakref.WeakKeyDictionary[object, dict[types.CodeType, set[str]]] = weakref.WeakKeyDictionary()
 
 
 def _key_of_a_passed_dict(parsed: tuple[str, list[Part]], paths: list[str]) -> bool:

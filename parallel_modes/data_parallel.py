@@ -137,7 +137,7 @@ class DataParallel(ParallelMode):
         return self.style == "fully_shard"
 
     def prepare(self, bindings: StepBindings) -> None:
-        check_batch_dim_names(self.input_batch_dim, bindings)
+        check_batch_dim_names(self.input_batch_dim, bindings, self)
 
     def capture_options(self) -> CaptureOptions:
         return CaptureOptions(param_dtype=self.mp_policy.param_dtype)

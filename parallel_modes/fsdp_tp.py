@@ -99,7 +99,7 @@ class FullyShardTensorParallel(ParallelMode):
         return super().mesh(device_type)
 
     def prepare(self, bindings: StepBindings) -> None:
-        check_batch_dim_names(self.input_batch_dim, bindings)
+        check_batch_dim_names(self.input_batch_dim, bindings, self)
         self.tp.prepare(bindings)
 
     def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:

@@ -417,3 +417,8 @@ def test_a_named_key_later_batches_leave_out_is_accepted_but_not_on_a_first_call
     model = nn.Linear(6, 3).double()
     with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError, match="batch\\['w'\\]"):
         fresh(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": batch["x"], "y": batch["y"]})
+    # what an earlier call covered is the mode's own record: another mode given the same
+    # step and names starts afresh (a module-level record accepted the key here)
+    again = sc.compile(parallel_mode=DataParallel("replicate", input_batch_dim=dict(names)))(_optional_step)
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError, match="batch\\['w'\\]"):
+        again(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": batch["x"], "y": batch["y"]})
