@@ -12,6 +12,7 @@ runtime's final install step touches real state.
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 import types
 from dataclasses import dataclass
@@ -66,9 +67,12 @@ class SPMDCompileError(RuntimeError):
         module_fqn: str | None = None,
         user_line: SourceLocation | str | None = None,
         hint: str | None = None,
+        failed_at: SourceLocation | None = None,
     ) -> None:
+        """``failed_at``: the innermost line of model code where the failure started,
+        where it is not ``user_line`` (the note on a line of an installed package)."""
         self.message, self.op, self.node, self.module_fqn = message, op, node, module_fqn
-        self.user_line, self.hint = user_line, hint
+        self.user_line, self.hint, self.failed_at = user_line, hint, failed_at
         parts = [message]
         if op:
             parts.append(f"  op:          {op}")
@@ -80,6 +84,13 @@ class SPMDCompileError(RuntimeError):
             parts.append(f"  train step:  {user_line}")
         if hint:
             parts.append(f"  what to do:  {hint}")
+        package = installed_package_of(failed_at or user_line)
+        if package is not None:
+            parts.append(
+                f"  note:        the line is in the installed package {package!r}, not in the "
+                f"step's own code: make the change through what leads there (the package's "
+                f"configuration, or the arguments the step passes it)"
+            )
         super().__init__("\n".join(parts))
 
     def in_module(self, module_fqn: str) -> SPMDCompileError:
@@ -88,7 +99,7 @@ class SPMDCompileError(RuntimeError):
             return self
         return SPMDCompileError(
             self.message, op=self.op, node=self.node, module_fqn=module_fqn,
-            user_line=self.user_line, hint=self.hint,
+            user_line=self.user_line, hint=self.hint, failed_at=self.failed_at,
         )
 
 
@@ -96,8 +107,31 @@ class SPMDCompileError(RuntimeError):
         """The same error with ``hint`` as what to do."""
         return SPMDCompileError(
             self.message, op=self.op, node=self.node, module_fqn=self.module_fqn,
-            user_line=self.user_line, hint=hint,
+            user_line=self.user_line, hint=hint, failed_at=self.failed_at,
         )
+
+
+# the folders installed packages lie in, as a part of a file's path
+LIBRARY_DIRS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def in_installed_package(path: str) -> bool:
+    """Whether ``path`` is a file of an installed package (not the user's own code)."""
+    return any(marker in path for marker in LIBRARY_DIRS)
+
+
+def installed_package_of(where: SourceLocation | str | None) -> str | None:
+    """The top-level name of the installed package (``transformers``) whose file holds
+    ``where``, or None for a line of the user's own code. An error's hint is written for
+    code the user can change; at a line of a library it applies to what reaches it."""
+    if not isinstance(where, SourceLocation):
+        return None
+    path = os.path.abspath(where.filename)
+    for marker in LIBRARY_DIRS:
+        if marker in path:
+            top = path.split(marker, 1)[1].split(os.sep, 1)[0]
+            return top.removesuffix(".py") or None
+    return None
 
 
 class SPMDRuntimeError(RuntimeError):
@@ -148,7 +182,6 @@ def innermost_model_frame_of_stack(skip_stdlib: bool = False) -> SourceLocation 
     message for the user's ``log.info(...)`` line)."""
     frames = traceback.extract_stack()
     if skip_stdlib:
-        import os
         import sysconfig
 
         stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
@@ -173,8 +206,6 @@ def warn_once_per_line(key: tuple[object, ...], message: str) -> None:
 
 
 def _innermost_outside_torch(frames: traceback.StackSummary) -> SourceLocation | None:
-    import os
-
     here = os.path.dirname(os.path.abspath(__file__))  # this package
     skip = (os.path.dirname(os.path.abspath(cast(str, torch.__file__))) + os.sep, here + os.sep)
     found = None

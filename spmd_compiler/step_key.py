@@ -92,7 +92,7 @@ from .compile_cache import (
     fingerprint,
     source_digest,
 )
-from .errors import Change
+from .errors import Change, in_installed_package
 from .ir.signature import CapturedStep, Kind, TensorMeta, ValueCheck
 
 log = logging.getLogger("spmd_compiler.compile_cache")
@@ -285,14 +285,10 @@ def _importing() -> str:
         if code.co_name == "<module>" and module is None:
             module = code.co_filename
         elif code.co_filename.startswith("<frozen importlib") and module is not None:
-            library = module.startswith(_skipped_roots()) or _in_site_packages(module)
+            library = module.startswith(_skipped_roots()) or in_installed_package(module)
             return "library" if library else "user"
         frame = frame.f_back
     return ""
-
-
-def _in_site_packages(path: str) -> bool:
-    return f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
 
 
 def _text(value: Any) -> str:
@@ -376,7 +372,7 @@ def module_manifest() -> list[list[Any]]:
             continue
         if stale_source(path, module):
             raise Uncacheable(f"{path}, changed since it was loaded")
-        if _in_site_packages(path):
+        if in_installed_package(path):
             stat = os.stat(path)
             out.append([path, "stat", stat.st_size, stat.st_mtime_ns])
         else:

@@ -987,6 +987,7 @@ def _trace_first(
             op=str(op) if op is not None else None,
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, code),
+            failed_at=innermost_model_frame(exc.__traceback__),
             hint=(
                 "return the value (`return loss.item()` works: NOTE: [returned .item() "
                 "values]) and use the number outside the compiled step, or compute with "
@@ -1046,6 +1047,7 @@ def _trace_first(
             text,
             module_fqn=scopes[-1][0] if scopes else None,
             user_line=step_frame_from_traceback(exc.__traceback__, code),
+            failed_at=innermost_model_frame(exc.__traceback__),
             hint=_FLEX_HINT if any(word in text for word in _FLEX)
             else _VALUES_READ_HINT if _VALUES_READ in str(exc)
             else _NUMPY_HINT if _NUMPY in str(exc) else None,

@@ -53,7 +53,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as private
-from ..errors import node_error, stack_trace_frames
+from ..errors import in_installed_package, node_error, stack_trace_frames
 from ..ir.node_meta import TIME_MAJOR_INPUT, TIME_MAJOR_RNN
 
 # op -> the position of its dimension argument and its default
@@ -195,7 +195,6 @@ def _read_out(node: torch.fx.Node, depth: int = 0) -> bool:
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
 def _in_a_library(node: torch.fx.Node) -> bool:
@@ -204,7 +203,7 @@ def _in_a_library(node: torch.fx.Node) -> bool:
     walk there is not warned about; torch's own recurrent layers are marked apart)."""
     files = [os.path.abspath(frame[0]) for frame in stack_trace_frames(node.meta.get("stack_trace"))]
     outside = [f for f in files if not f.startswith(_TORCH_DIR)]
-    return bool(outside) and any(part in outside[-1] for part in _LIBRARIES)
+    return bool(outside) and in_installed_package(outside[-1])
 
 
 def check_iterated_batches(

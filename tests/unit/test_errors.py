@@ -283,6 +283,47 @@ def test_control_flow_on_tensor_value_names_the_line():
     assert error.user_line is not None and error.user_line.code == "if float(loss) > 0:"
 
 
+_LIBRARY_MODULE = """
+import torch
+import torch.nn as nn
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if float(x.abs().sum()) > 0:  # a value read in Python, inside the library
+            x = x * 2
+        return self.fc(x)
+"""
+
+
+def test_a_refusal_at_a_line_of_an_installed_package_says_so(tmp_path, monkeypatch):
+    """A hint is written for code the user can change; at a line of an installed package
+    (a branch inside transformers) the error says the line is the package's, and that
+    the change goes through what reaches it."""
+    package = tmp_path / "site-packages" / "fancylib"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(_LIBRARY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    import importlib
+
+    fancylib = importlib.import_module("fancylib")
+    model = fancylib.Gated()
+    opt = warmed_up(model)
+    error = raises_untouched(step, (model, opt, *batch()), model, opt)
+    assert error.failed_at is not None and "site-packages" in error.failed_at.filename
+    assert "the line is in the installed package 'fancylib'" in str(error)
+    # a line of the user's own code gets no such note
+    mine = Net()
+    mine_opt = warmed_up(mine)
+    own = raises_untouched(step_with_tensor_branch, (mine, mine_opt, *batch()), mine, mine_opt)
+    assert "installed package" not in str(own)
+    assert sc.errors.installed_package_of(own.user_line) is None
+
+
 class Routed(nn.Module):
     """Mixture-of-experts routing by indices: ``torch.where(mask)`` has a value-dependent
     shape."""
