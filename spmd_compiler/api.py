@@ -108,11 +108,13 @@ class CompileRecord:
 
 def _key_change(old: tuple, new: tuple, n_args: int) -> Change | None:
     """What differs between two calls' program keys (``(input metas, static_key,
-    (simulated, world size), default dtype, autocast)``) in the step's arguments, in the words the guards use:
-    "<what> was <old>, now <new>"; None when only the rest differs."""
+    (simulated, world size), grad mode, default dtype, autocast)``) in the step's arguments, in the words the
+    guards use: "<what> was <old>, now <new>"; None when only the rest differs."""
     old_metas, old_static, new_metas, new_static = old[0], old[1], new[0], new[1]
     if old[2][1] != new[2][1]:
         return Change("the world size", str(old[2][1]), str(new[2][1]))
+    if old[3] != new[3]:  # NOTE: [grad mode around the step]
+        return Change("the grad mode around the call", *(("no_grad", "enabled")[g] for g in (old[3], new[3])))
     if old[-1] != new[-1]:  # NOTE: [autocast around the step]
         return Change("the autocast regions around the call", str(old[-1]), str(new[-1]), verb="were")
     if old[-2] != new[-2]:
@@ -279,6 +281,12 @@ class CompiledTrainStep:
             return self._of(args[0])(*args[1:], **kwargs)
         if not dist.is_initialized():
             raise self._no_process_group()
+        if torch.is_inference_mode_enabled():  # NOTE: [grad mode around the step]
+            with torch.inference_mode(False), torch.no_grad():
+                return self._call_with(args, kwargs)
+        return self._call_with(args, kwargs)
+
+    def _call_with(self, args: tuple, kwargs: dict) -> Any:
         sim = active_simulation()
         self._served = self._found = None
         bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
@@ -387,9 +395,11 @@ class CompiledTrainStep:
         # the default dtype: a step's factories (torch.tensor([0.1] * n)) make tensors of it
         # and the world size: a program is sharded for its ranks (NOTE: [state placed for
         # another world size])
+        # and the grad mode: a step captured under no_grad holds no backward (NOTE: [grad
+        # mode around the step])
         key = (
-            tuple(input_metas), bindings.static_key(), (sim is not None, mesh.size()), torch.get_default_dtype(),
-            ambient,
+            tuple(input_metas), bindings.static_key(), (sim is not None, mesh.size()), torch.is_grad_enabled(),
+            torch.get_default_dtype(), ambient,
         )
         executable = self._cached_executable(key, bindings)
         if executable is None and key not in self._cache and self._last_key is not None:
@@ -1146,6 +1156,24 @@ def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) ->
                 "stepped from register_post_accumulate_grad_hook (optimizer in backward): "
                 "call optimizer.step() and zero_grad() in the step after loss.backward().",
             )
+
+
+# NOTE: [grad mode around the step]
+# A step called under ``torch.no_grad()`` is captured under it, as eagerly: a loss that
+# does not require grad (``if loss.requires_grad: loss.backward(); opt.step()``, one step
+# for training and evaluation) takes no backward and no update, and a step that calls
+# ``backward`` fails as eager's does. The grad mode is part of the program key, so a call
+# in the other mode compiles its own program and both stay cached. Before, the key
+# ignored it: the program captured by the first call served every later one, so an
+# evaluation call first left the model untrained (weight 0.375 relative off after three
+# training calls, simulated and real ranks) and a training call first trained on the
+# evaluation batches (0.227 off). ``torch.inference_mode`` is left for ``no_grad`` around
+# the whole call (capture, state placement, the program, a pending update's flush): the
+# tensors the runtime makes (placed parameters, optimizer state) would be inference
+# tensors, which a later training call cannot update in place (a first call under it
+# failed the next training call under fully_shard). Its program is the no_grad one, and
+# its outputs are plain tensors that do not require grad (eager's are inference tensors).
+# (The key before capture, ``step_key.py``, holds ``torch.is_grad_enabled()`` too.)
 
 
 # NOTE: [autocast around the step]
