@@ -36,9 +36,9 @@ from .capture.guards import Guards, build_guards
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
-from .capture.trace import CAPTURE_FAILED, capture_step, traces_start_from
+from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
-from .errors import Change, SPMDCompileError, mesh_of_another_size
+from .errors import Change, SPMDCompileError, innermost_model_frame_of_stack, mesh_of_another_size
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
 from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
@@ -281,6 +281,8 @@ class CompiledTrainStep:
             return self._of(args[0])(*args[1:], **kwargs)
         if not dist.is_initialized():
             raise self._no_process_group()
+        # NOTE: [anomaly detection at capture]: a cached program too would run unchecked
+        refuse_anomaly_checks(innermost_model_frame_of_stack())
         if torch.is_inference_mode_enabled():  # NOTE: [grad mode around the step]
             with torch.inference_mode(False), torch.no_grad():
                 return self._call_with(args, kwargs)

@@ -46,9 +46,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import (
+    SourceLocation,
     SPMDCompileError,
     exception_summary,
     innermost_model_frame,
+    innermost_model_frame_of_stack,
     node_error,
     step_frame_from_traceback,
     step_line_from_stack_trace,
@@ -922,6 +924,7 @@ def _trace_first(
             _module_scopes(bindings.module_fqns) as stack,
             _time_major_marks(bindings.modules, bindings.module_fqns),
             _tag_backward(tracer.mark_gradients),
+            _refuse_anomaly_checks(),  # NOTE: [anomaly detection at capture]
             attention_as_math(),
             # NOTE: [recurrent layers without oneDNN]: float32 nn.LSTM / nn.GRU on CPU take
             # oneDNN's ``mkldnn_rnn_layer``, which no DTensor rule shards (refused at
@@ -1850,6 +1853,57 @@ def _tag_backward(after: Callable[[], None]) -> Iterator[None]:
         return result
 
     with mock.patch.object(torch.Tensor, "backward", backward):
+        yield
+
+
+_ANOMALY_HINT = (
+    "switch anomaly detection off around the compiled step (torch.autograd."
+    "set_detect_anomaly(False), or no `with torch.autograd.detect_anomaly():` inside it); "
+    "to hunt a NaN, run the undecorated step eagerly with it on (or use "
+    "detect_anomaly(check_nan=False), which checks no values)."
+)
+
+
+def refuse_anomaly_checks(user_line: SourceLocation | str | None) -> None:
+    """Refuse a step while autograd's anomaly detection checks for NaN (NOTE: [anomaly
+    detection at capture]); ``user_line`` is where it was met."""
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        raise SPMDCompileError(
+            "The train step runs with autograd's anomaly detection on "
+            "(torch.autograd.set_detect_anomaly(True) or detect_anomaly()): its NaN check "
+            "reads the value of every gradient backward computes, in Python, which a "
+            "compiled step cannot do (one graph runs them all). Nothing was applied.",
+            user_line=user_line,
+            hint=_ANOMALY_HINT,
+        )
+
+
+@contextlib.contextmanager
+def _refuse_anomaly_checks() -> Iterator[None]:
+    """NOTE: [anomaly detection at capture]
+    With ``torch.autograd.set_detect_anomaly(True)`` (or ``detect_anomaly()`` around the
+    step's ``backward()``), autograd checks every gradient it computes for NaN, reading
+    its value (``isnan().any()`` as a Python bool). A trace has no values: before
+    2026-12-06 every step was refused as "reads the value of a tensor in Python" at its
+    backward line, with nothing naming anomaly detection. Capturing with the check
+    switched off would silently drop the check the user asked for, and one graph cannot
+    raise where a NaN appears; so a backward traced with the NaN check on is refused,
+    naming it, before anything of it is traced, and every call made with it switched on
+    is refused as well (``CompiledTrainStep.__call__``), a program compiled before
+    included: it would run without the check. ``check_nan=False`` reads no values (it
+    only keeps forward stack traces for autograd's own errors) and compiles as usual."""
+    backward, grad = torch.autograd.backward, torch.autograd.grad
+
+    def checked_backward(*args: Any, **kwargs: Any) -> Any:
+        refuse_anomaly_checks(innermost_model_frame_of_stack())
+        return backward(*args, **kwargs)
+
+    def checked_grad(*args: Any, **kwargs: Any) -> Any:
+        refuse_anomaly_checks(innermost_model_frame_of_stack())
+        return grad(*args, **kwargs)
+
+    with mock.patch.object(torch.autograd, "backward", checked_backward), \
+            mock.patch.object(torch.autograd, "grad", checked_grad):
         yield
 
 
