@@ -565,7 +565,7 @@ def _module_objects(submodules: list[torch.nn.Module]) -> list[Any]:
         for d in (sub._parameters, sub._buffers, sub._modules):
             out.append(d)
             if d:
-                out += d
+                out += d.keys()
                 out += d.values()
     return out
 
@@ -923,7 +923,17 @@ def _check_ownership(
 
 def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:
     """Refuse a module torch's FSDP already shards: a traced step fails inside its hooks
-    with errors about their internals. (A ``torch.compile``d module traces as its Python:
+    with errors about their internals.
+
+    NOTE: [TorchScript modules]
+    A ``torch.jit.script`` / ``torch.jit.trace`` submodule crashed the first call with a
+    raw ``TypeError: contains(): incompatible function arguments`` (its ``_parameters``
+    is TorchScript's ``OrderedDictWrapper``, which has no ``__iter__``; ``_module_objects``
+    now reads its keys). Past that, the capture traces it, but installing the placed
+    state fails half-way (TorchScript modules take no state-dict hooks and their dicts
+    cannot be cleared), and the module hooks that name nodes and guard direct calls do
+    not run inside TorchScript; so it is refused here, naming it, before anything is
+    placed. A ``@torch.jit.script`` function called in forward is traced as its ops. (A ``torch.compile``d module traces as its Python:
     NOTE: [compiled helpers and selective checkpointing at capture].)
     (A ``DistributedDataParallel`` wrapper traces as its module: its reducer's hooks sit
     on the real parameters, which the trace swaps out; measured exact on 2 gloo ranks.)"""
@@ -949,6 +959,21 @@ def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:
                     user_line=where,
                     hint="compile the step of the float model (before prepare_qat), and run "
                     "the quantization-aware fine-tuning steps uncompiled.",
+                )
+            if isinstance(sub, torch.jit.ScriptModule):  # NOTE: [TorchScript modules]
+                made = "torch.jit.trace" if isinstance(sub, torch.jit.TopLevelTracedModule) else "torch.jit.script"
+                raise SPMDCompileError(
+                    f"{name} is a TorchScript module ({type(sub).__name__}, made by "
+                    f"{made} or loaded by torch.jit.load), which a compiled step does not "
+                    "support: its forward runs in TorchScript's interpreter, out of reach "
+                    "of the module hooks that name the graph's nodes, and its parameters "
+                    "live in TorchScript's own slots, where the sharded state cannot be "
+                    "installed. Nothing was applied.",
+                    module_fqn=name,
+                    user_line=where,
+                    hint="pass the plain nn.Module (the one given to torch.jit.script / "
+                    "torch.jit.trace); `@torch.jit.script` functions called in forward work "
+                    "as they are.",
                 )
             for classes, what, hint in wrappers:
                 if isinstance(sub, classes):

@@ -805,6 +805,22 @@ def test_quantization_aware_training_is_refused_before_the_trace():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_submodule_is_refused_by_name(how):
+    """A ``torch.jit.script`` / ``torch.jit.trace`` submodule crashed the first call with
+    a raw ``TypeError: contains(): incompatible function arguments`` from the bindings
+    walk (NOTE: [TorchScript modules]); now refused naming it, with what to do, and
+    nothing touched (an AdamW with state included)."""
+    model = Net()
+    opt = warmed_up(model)
+    model.fc = torch.jit.script(model.fc) if how == "script" else torch.jit.trace(model.fc, batch()[0])
+    error = raises_untouched(step, (model, opt, *batch()), model, opt)
+    text = str(error)
+    assert "module[0].fc is a TorchScript module" in text and f"torch.jit.{how}" in text, text
+    assert "pass the plain nn.Module" in text, text
+    step(model, opt, *batch())  # the eager step still runs on the untouched model
+
+
 class CountingHook(Net):
     def __init__(self) -> None:
         super().__init__()
