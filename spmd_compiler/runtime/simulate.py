@@ -107,18 +107,35 @@ class Simulation:
         once per rank on it, where each real rank updates its own copy (Rprop's step
         sizes 44% off after a reload, a parameter 5.5e-2 off).
 
-        Every rank's value is contiguous (NOTE: [contiguous simulated shards])."""
+        Every rank's value is contiguous (NOTE: [contiguous simulated shards]).
+
+        NOTE: [plain tensor subclasses simulated]
+        A buffer of a Tensor subclass of the user's with no ``__torch_dispatch__``
+        (``register_buffer("mask", t.as_subclass(Tagged))``) crashed here: LocalTensorMode
+        answers no op of a tensor type it does not know ("Multiple dispatch failed for
+        'aten.detach.default'"). Real ranks place it as a DTensor whose local tensor is
+        the subclass (2 gloo ranks: float64 losses equal to eager's, the full tensor a
+        ``Tagged``). Here it is placed as its plain value, and each rank's value is made
+        the subclass again, as on real ranks; the program's ops run on each rank's value
+        outside the mode, where ``__torch_function__`` of the class answers as eager."""
+        subclass = _plain_subclass(tensor)  # NOTE: [plain tensor subclasses simulated]
+        if subclass is not None:
+            tensor = tensor.detach().as_subclass(torch.Tensor)
+
+        def own_value(t: torch.Tensor) -> torch.Tensor:
+            return t.contiguous() if subclass is None else t.contiguous().as_subclass(subclass)
+
         with self.ranks():
             placed = distribute_tensor(tensor.detach(), mesh, list(placements), src_data_rank=None)
         local = private.local_tensor_of(placed)
         if isinstance(local, private.local_tensor_type()):
             per_rank = private.per_rank_tensors(local)
-            if all(t.is_contiguous() for t in per_rank.values()):
+            if subclass is None and all(t.is_contiguous() for t in per_rank.values()):
                 return placed
-            own = private.make_local_tensor({r: t.contiguous() for r, t in per_rank.items()})
+            own = private.make_local_tensor({r: own_value(t) for r, t in per_rank.items()})
         else:
             own = private.make_local_tensor(
-                {r: local.clone(memory_format=torch.contiguous_format) for r in range(self.world_size)}
+                {r: own_value(local.clone(memory_format=torch.contiguous_format)) for r in range(self.world_size)}
             )
         with self.ranks():
             return DTensor.from_local(
@@ -320,3 +337,14 @@ def simulation_for(tensors: Iterable[Any]) -> Iterator[Simulation | None]:
 
 def active_simulation() -> Simulation | None:
     return _ACTIVE.get()
+
+
+def _plain_subclass(tensor: torch.Tensor) -> type | None:
+    """The class of ``tensor`` where it is a subclass of torch.Tensor of the user's with no
+    ``__torch_dispatch__`` of its own (``t.as_subclass(Tagged)``), else None."""
+    cls = type(tensor)
+    if cls is torch.Tensor or isinstance(tensor, (DTensor, torch.nn.Parameter)):
+        return None
+    if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+        return None
+    return cls
