@@ -2740,6 +2740,7 @@ def install_dtensor_gap_fills() -> None:
     _install_convolution_backward_replicated_inputs()
     _install_convolution_operands_placed()
     _install_copy_strategy()
+    _install_fake_quantize_strategies()
     _install_integer_sum_partition()
     _install_distance_strategies()
     _install_along_dim_strategies()
@@ -3962,6 +3963,53 @@ def _install_copy_strategy() -> None:
         return out
 
     register_sharding(op)(rule)
+
+
+def _install_fake_quantize_strategies() -> None:
+    """Gap on every supported torch: no DTensor rule for the fake-quantize kernels of
+    hand-written quantization-aware training (``torch.fake_quantize_per_tensor_affine``
+    traces as ``fake_quantize_per_tensor_affine_cachemask``, with tensor qparams as
+    ``_fake_quantize_per_tensor_affine_cachemask_tensor_qparams``,
+    ``torch.fake_quantize_per_channel_affine`` as ``fake_quantize_per_channel_affine_cachemask``;
+    both were refused at expansion). Each element's output and mask depend on that element
+    and its channel's (or the tensor's one) scale and zero point only, and rounding is not
+    linear: ``self`` replicated or sharded on any dim, outputs and mask sharded alike; the
+    per-tensor qparams (and the enabled flag) replicated; the per-channel scale and zero
+    point (one per index of ``axis``) sharded on their dim 0 where ``self`` is sharded on
+    ``axis``, else replicated. No ``Partial``: a sum of rounded parts is not the rounded
+    sum. (The backward, ``grad * mask``, is traced as its ops.)"""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+    R: Any = Replicate()
+
+    def per_tensor(x: Any, scale: Any, zero_point: Any, enabled: Any, *rest: Any) -> list[tuple[list, list]]:
+        extra: list[Any] = [None] * len(rest)
+        out: list[tuple[list, list]] = [([R, R], [R, R, R, R, *extra])]
+        out += [([Shard(d), Shard(d)], [Shard(d), R, R, R, *extra]) for d in range(len(x.shape))]
+        return out
+
+    def per_tensor_numbers(x: Any, *rest: Any) -> list[tuple[list, list]]:
+        extra: list[Any] = [None] * len(rest)  # scale, zero point and range as Python numbers
+        return [([R, R], [R, *extra])] + [([Shard(d), Shard(d)], [Shard(d), *extra]) for d in range(len(x.shape))]
+
+    def per_channel(x: Any, scale: Any, zero_point: Any, axis: int, *rest: Any) -> list[tuple[list, list]]:
+        extra: list[Any] = [None] * len(rest)
+        axis %= len(x.shape)
+        out: list[tuple[list, list]] = [([R, R], [R, R, R, None, *extra])]
+        for d in range(len(x.shape)):
+            qparams = Shard(0) if d == axis else R
+            out.append(([Shard(d), Shard(d)], [Shard(d), qparams, qparams, None, *extra]))
+        return out
+
+    for op, rule in (
+        (aten.fake_quantize_per_tensor_affine_cachemask.default, per_tensor_numbers),
+        (aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams.default, per_tensor),
+        (aten.fake_quantize_per_channel_affine_cachemask.default, per_channel),
+    ):
+        if not _has_sharding_strategy(op):
+            register_sharding(op)(rule)
 
 
 def _install_distance_strategies() -> None:

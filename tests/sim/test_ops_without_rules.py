@@ -7,7 +7,8 @@ adaptive max pooling, reflection and replication padding, the backward of hardsw
 hardsigmoid, ELU, hard / soft shrink and other activations, of fractional max pooling,
 the out-of-place ``aten.copy`` of
 ``F.affine_grid``, ``torch.cdist`` and ``F.pdist``, ``torch.cumprod``'s backward,
-``scatter_reduce``, ``Tensor.unfold`` and ``torch.block_diag``), a view of ours for the ``as_strided`` of a global average pool on a
+``scatter_reduce``, ``Tensor.unfold``, ``torch.block_diag`` and torch's fake-quantize
+kernels per tensor and per channel), a view of ours for the ``as_strided`` of a global average pool on a
 channels-last input, or torch's decomposition at capture (NOTE: [ops
 without a sharding rule]: ``F.unfold``, the log-sigmoid of multi-label soft margin loss;
 ``nn.Bilinear``'s ``_trilinear`` becomes an ``einsum`` of ours;
@@ -124,7 +125,24 @@ BODIES = {  # name: (body, features after it)
     # grid_sampler_2d_backward computes the grid's only, its output_mask [False, True];
     # torch 2.11 with our rule failed (an output with no TensorMeta)
     "grid_sample_of_a_constant_image": (lambda x: _transformed(x, sampled=x.detach()), 64),
+    # hand-written quantization-aware training: torch's fake-quantize kernels (rules of
+    # ours); the scales from the whole batch, per channel, and per sample (its scale and
+    # zero point vectors sharded like the batch)
+    "fake_quantize_per_tensor": (lambda x: torch.fake_quantize_per_tensor_affine(x, 0.05, 3, -128, 127), 64),
+    "fake_quantize_per_tensor_tensor_qparams": (lambda x: torch.fake_quantize_per_tensor_affine(
+        x, x.detach().abs().amax() / 127, torch.tensor(-2, dtype=torch.int32), -128, 127), 64),
+    "fake_quantize_per_channel": (lambda x: _fake_quantized(x, axis=1), 64),
+    "fake_quantize_per_sample": (lambda x: _fake_quantized(x, axis=0), 64),
 }
+
+
+def _fake_quantized(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """``torch.fake_quantize_per_channel_affine`` along ``axis`` (its scales float32, as
+    the kernel takes them), each channel's scale from its largest magnitude."""
+    others = [d for d in range(x.dim()) if d != axis]
+    scale = (x.detach().abs().amax(others) / 127).float()
+    zero_point = torch.arange(x.shape[axis], dtype=torch.int32) % 3
+    return torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, -128, 127)
 
 
 def _windows(x: torch.Tensor) -> torch.Tensor:
@@ -262,6 +280,21 @@ def test_as_strided_windows_keep_the_batch_sharded():
     """The windows are gathered per sample (NOTE: [windows by as_strided]): under ddp the
     program moves only the gradients (no all-gather of the activations)."""
     model = _Image(lambda x: _windows(x.flatten(2).transpose(1, 2)), 7 * 4 * 4).double()
+    compiled = sc.compile(make_mode("ddp"))(_step(F.cross_entropy))
+    with sc.simulate(2):
+        for x, y in _batches():
+            compiled(model, _sgd(model), x, y)
+    stats = collective_stats(compiled.last_program.graph_module)
+    assert set(stats.counts) == {"all_reduce"}, stats.counts
+
+
+@pytest.mark.parametrize("name", sorted(n for n in BODIES if n.startswith("fake_quantize")))
+def test_fake_quantize_keeps_the_batch_sharded(name):
+    """Each rank fake-quantizes its share of the batch (the per-sample scales sharded with
+    it): under ddp the program gathers no activation, only all-reduces (the gradients, and
+    the largest magnitudes the scales come from)."""
+    body, features = BODIES[name]
+    model = _Image(body, features).double()
     compiled = sc.compile(make_mode("ddp"))(_step(F.cross_entropy))
     with sc.simulate(2):
         for x, y in _batches():
