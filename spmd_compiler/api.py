@@ -41,6 +41,7 @@ from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import Change, SPMDCompileError, innermost_model_frame_of_stack, mesh_of_another_size
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
+from .ir.node_meta import BACKWARD_PHASE, PHASE
 from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from .lower import LoweringOptions
 from .progress import compile_progress
@@ -281,8 +282,6 @@ class CompiledTrainStep:
             return self._of(args[0])(*args[1:], **kwargs)
         if not dist.is_initialized():
             raise self._no_process_group()
-        # NOTE: [anomaly detection at capture]: a cached program too would run unchecked
-        refuse_anomaly_checks(innermost_model_frame_of_stack())
         if torch.is_inference_mode_enabled():  # NOTE: [grad mode around the step]
             with torch.inference_mode(False), torch.no_grad():
                 return self._call_with(args, kwargs)
@@ -404,6 +403,10 @@ class CompiledTrainStep:
             torch.get_default_dtype(), ambient,
         )
         executable = self._cached_executable(key, bindings)
+        if executable is not None and torch.is_anomaly_enabled():  # NOTE: [anomaly detection at capture]
+            graph = executable.program.captured.graph_module.graph
+            if any(node.meta.get(PHASE) == BACKWARD_PHASE for node in graph.nodes):
+                refuse_anomaly_checks(innermost_model_frame_of_stack())
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(self._last_key, key, len(bindings.flat_args))
             if change is not None:

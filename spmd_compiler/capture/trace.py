@@ -1888,10 +1888,12 @@ def _refuse_anomaly_checks() -> Iterator[None]:
     backward line, with nothing naming anomaly detection. Capturing with the check
     switched off would silently drop the check the user asked for, and one graph cannot
     raise where a NaN appears; so a backward traced with the NaN check on is refused,
-    naming it, before anything of it is traced, and every call made with it switched on
-    is refused as well (``CompiledTrainStep.__call__``), a program compiled before
-    included: it would run without the check. ``check_nan=False`` reads no values (it
-    only keeps forward stack traces for autograd's own errors) and compiles as usual."""
+    naming it, before anything of it is traced; a program compiled before, with it off,
+    is refused too when a call switches it on and the program runs a backward
+    (``CompiledTrainStep._call_program``): it would run without the check. A step without
+    a backward (an evaluation step) is not refused: the check has nothing to read there.
+    ``check_nan=False`` reads no values (it only keeps forward stack traces for
+    autograd's own errors) and compiles as usual."""
     backward, grad = torch.autograd.backward, torch.autograd.grad
 
     def checked_backward(*args: Any, **kwargs: Any) -> Any:

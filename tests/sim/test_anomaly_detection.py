@@ -6,9 +6,10 @@ graph cannot do: a step compiled or called with it on (``set_detect_anomaly(True
 ``detect_anomaly()`` inside the step) is refused with a message naming it, the model and
 optimizer untouched; before 2026-12-06 it was refused as "reads the value of a tensor in
 Python" at the backward line. A program compiled with it off is refused too when a later
-call switches it on (it would run without the check). With it off again, and with
-``check_nan=False`` (which reads no values), the step compiles and matches the
-undecorated step on one device on the global batch (float64, 2 simulated ranks).
+call switches it on (it would run without the check); one without a backward (an
+evaluation step) is not. With it off again, and with ``check_nan=False`` (which reads
+no values), the step compiles and matches the undecorated step on one device on the
+global batch (float64, 2 simulated ranks).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def test_set_detect_anomaly_refused_then_compiles_when_off(mode):
         torch.autograd.set_detect_anomaly(True)
         with pytest.raises(SPMDCompileError) as error:
             step(model, optim, *batches[0])
-        _assert_refused(error, "step(model, optim, *batches[0])")
+        _assert_refused(error, '"loss.backward()"')
         _assert_untouched(model, reference, optim)
         torch.autograd.set_detect_anomaly(False)
         _train_and_compare(step, model, reference, optim, reference_optim, batches, sim)
@@ -113,18 +114,28 @@ def test_detect_anomaly_inside_the_step_refused_at_its_backward():
     _assert_untouched(model, reference, optim)
 
 
+def evaluate(model, x, y):  # noqa: ANN001
+    with torch.no_grad():
+        return F.cross_entropy(model(x), y)
+
+
 def test_a_compiled_program_refused_when_anomaly_detection_is_switched_on():
-    model, _, optim, _, batches = _setup()
+    model, reference, optim, reference_optim, batches = _setup()
     step = sc.compile(make_mode("ddp"))(train_step)
-    with sc.simulate(world_size=2):
-        step(model, optim, *batches[0])
+    compiled_evaluate = sc.compile(make_mode("ddp"))(evaluate)
+    with sc.simulate(world_size=2) as sim:
+        _train_and_compare(step, model, reference, optim, reference_optim, batches[:1], sim)
+        compiled_evaluate(model, *batches[0])
         torch.autograd.set_detect_anomaly(True)
         with pytest.raises(SPMDCompileError) as error:
             step(model, optim, *batches[1])
         _assert_refused(error, "step(model, optim, *batches[1])")
+        # no backward: nothing for the check to read
+        loss = compiled_evaluate(model, *batches[1])
+        assert abs(float(loss) - float(evaluate(reference, *batches[1]))) < TOL
         torch.autograd.set_detect_anomaly(False)
-        step(model, optim, *batches[1])
-    assert step.compile_count == 1
+        _train_and_compare(step, model, reference, optim, reference_optim, batches[1:], sim)
+    assert step.compile_count == 1 and compiled_evaluate.compile_count == 1
 
 
 def test_anomaly_detection_without_its_nan_check_compiles():
