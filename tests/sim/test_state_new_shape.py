@@ -13,12 +13,14 @@ in float64 against the undecorated step on one device (global batch):
 - torch.ao's per-channel observers (min/max and moving average), ddp and fsdp;
 - an optimizer whose state starts empty and takes its parameter's shape on the second
   step (sharded under fsdp): the state is placed for its new shape;
-- a buffer reassigned between calls, outside the step, with another shape.
+- a buffer reassigned between calls, outside the step, with another shape;
+- a parameter given a new shape (refused), a buffer that grows every call (named).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -216,3 +218,24 @@ def test_parameter_given_a_new_shape_is_refused():
     with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError, match="changes parameter 'stat'"):
         compiled(model, opt, x, y)
     assert type(model.stat) is nn.Parameter and model.stat.shape == (0,)
+
+
+def test_a_buffer_that_grows_every_call_is_named(caplog):
+    """Exact, a program per shape, and the recompiles name the buffer (warned after 3)."""
+
+    class History(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("seen", torch.tensor([]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen = torch.cat([self.seen, x.detach().amax().reshape(1)])
+            return x
+
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"):
+        diff, compiles = _run(Net(History()), _sgd, "replicate", 2)
+    assert diff <= TOL
+    assert compiles == 4
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("the shape of buffer obs.seen was [1], now [2]" in m for m in messages), messages
+    assert any("make the buffer at its final shape" in m for m in messages), messages
