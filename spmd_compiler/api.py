@@ -141,9 +141,28 @@ def _key_change(old: tuple, new: tuple, n_args: int) -> Change | None:
         for name, value in new_static[n_args + 1]:
             if name in old_settings and old_settings[name] != value:
                 return Change(name, repr(old_settings[name]), repr(value))
+    # a buffer the step gives a new shape (NOTE: [state the step gives a new shape] in
+    # runtime/runner.py): named, so one that grows every call is warned about
+    old_buffers, new_buffers = _buffer_metas(old_static), _buffer_metas(new_static)
+    for name, (shape, dtype) in new_buffers.items():
+        before = old_buffers.get(name)
+        if before is not None and before[0] != shape:
+            return Change(f"the shape of buffer {name}", str(list(before[0])), str(list(shape)))
+        if before is not None and before[1] != dtype:
+            return Change(f"the dtype of buffer {name}", str(before[1]), str(dtype))
     # the rest: train/eval flags, which parameters hold gradients, optimizer state (the
     # first call creates it): expected changes, not logged
     return None
+
+
+def _buffer_metas(static: tuple) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The buffers' ``(name, shape, dtype)`` entries of a ``static_key`` (only read when a
+    call compiles again)."""
+    return {
+        part[0]: (part[1], part[2]) for part in static
+        if type(part) is tuple and len(part) == 3 and type(part[0]) is str
+        and type(part[1]) is tuple and isinstance(part[2], torch.dtype)
+    }
 
 
 def _plain_input_meta(index: int, t: torch.Tensor) -> TensorMeta:
@@ -578,7 +597,10 @@ class CompiledTrainStep:
         seen.add(now)
         self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
         if self._guard_misses[what] == REPEATED_RECOMPILES:
-            if what.startswith("the shape"):
+            if what.startswith(("the shape of buffer", "the dtype of buffer")):
+                hint = ("make the buffer at its final shape (a buffer that grows every call "
+                        "compiles a program per shape)")
+            elif what.startswith("the shape"):
                 hint = ("give the step batches of one shape (pad them, or drop the last "
                         "partial batch)")
             elif what.startswith("optimizer["):

@@ -2098,15 +2098,42 @@ def _drop_copy_back(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:
                 gm.graph.erase_node(node)
 
 
+def _refuse_new_parameter_shape(ref: StateRef, before: TensorMeta, after: TensorMeta, node: torch.fx.Node) -> None:
+    """A parameter the step leaves with another shape or dtype (a frozen one made empty
+    and ``resize_``-d on the first call) is refused: its optimizers hold it by object
+    and the modes place it for its shape, so it cannot be given a new one as a buffer is
+    (NOTE: [state the step gives a new shape] in ``runtime/runner.py``); before, the
+    DTensor kept its old global shape under the new values."""
+    if (before.shape, before.dtype) == (after.shape, after.dtype):
+        return
+    was, now = (
+        (before.shape, after.shape) if before.shape != after.shape else (before.dtype, after.dtype)
+    )
+    raise node_error(
+        f"The train step changes parameter {ref.name!r} from {was} to {now}: a compiled "
+        "step keeps each parameter's shape and dtype (its optimizers hold it, and it is "
+        "placed on the ranks for its shape).",
+        node,
+        hint="keep a value whose shape changes in a buffer (register_buffer: a buffer may "
+        "take a new shape in the step), or give the parameter its final shape before the "
+        "first compiled call.",
+    )
+
+
 def _finish_signature(captured: CapturedStep) -> None:
     """Drop outputs that return a state input unchanged; the runtime skips them."""
     gm = captured.graph_module
     ref_of = dict(zip(placeholders(gm), captured.input_refs(), strict=True))
+    meta_of = dict(captured.inputs)
     keep_vals, keep_refs = [], []
     for value, ref in zip(output_args(gm), captured.outputs, strict=True):
         if ref.kind is not Kind.RETURN and ref_of.get(value) == ref:
             captured.unchanged.append(ref)
             continue
+        if ref.kind is Kind.PARAM:
+            before = meta_of.get(ref)
+            if before is not None:
+                _refuse_new_parameter_shape(ref, before, TensorMeta.of(value.meta["val"]), value)
         keep_vals.append(value)
         keep_refs.append(ref)
     set_outputs(gm, keep_vals)

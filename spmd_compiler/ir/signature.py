@@ -9,6 +9,7 @@ write the new state back; parallel modes use them to choose placements.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,6 +180,17 @@ class CapturedStep:
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]
+
+    @functools.cached_property
+    def reshaped_state(self) -> frozenset[int]:
+        """The positions of the buffer and optimizer-state outputs whose shape or dtype
+        is not the one their input had (or that have no input): NOTE: [state the step
+        gives a new shape] in ``runtime/runner.py``. Read once per program, not per call."""
+        before = {ref: (meta.shape, meta.dtype) for ref, meta in self.inputs}
+        return frozenset(
+            j for j, (ref, meta) in enumerate(zip(self.outputs, self.output_metas, strict=True))
+            if ref.kind in (Kind.BUFFER, Kind.OPTIM_STATE) and before.get(ref) != (meta.shape, meta.dtype)
+        )
 
     def param_metas(self) -> dict[str, TensorMeta]:
         """Parameter name -> its global metadata, as the inputs hold it."""

@@ -816,6 +816,7 @@ def _write_back(
         clear_grads = False
     padded = bool(program.padded)
     set_local_tensor = private.set_local_tensor
+    reshaped = captured.reshaped_state  # NOTE: [state the step gives a new shape]
     for j, value in zip(positions, outs, strict=True):
         if j in unchanged:
             continue
@@ -828,7 +829,7 @@ def _write_back(
         if kind is Kind.OPTIM_STATE:  # the most outputs: first
             entry = bindings.optim_state(ref.optimizer, ref.name)
             current = entry.get(ref.key)
-            if isinstance(current, DTensor):
+            if isinstance(current, DTensor) and not (reshaped and j in reshaped and _reshaped(current, meta)):
                 set_local_tensor(current, value)
             else:
                 entry[ref.key] = _wrap(value, mesh, placements, meta)
@@ -840,7 +841,11 @@ def _write_back(
         elif kind is Kind.PARAM:
             set_local_tensor(bindings.params[ref.name], value)  # type: ignore[arg-type]
         elif kind is Kind.BUFFER:
-            set_local_tensor(bindings.buffers[ref.name], value)  # type: ignore[arg-type]
+            buffer = bindings.buffers[ref.name]
+            if reshaped and j in reshaped and _reshaped(buffer, meta):
+                _replace_buffer(bindings, ref.name, buffer, _wrap(value, mesh, placements, meta))
+            else:
+                set_local_tensor(buffer, value)  # type: ignore[arg-type]
         elif kind is Kind.GRAD:
             grads_out.add(ref.name)
             param = bindings.params[ref.name]
@@ -860,6 +865,44 @@ def _write_back(
             if name not in grads_out and name not in kept:
                 p.grad = None
     return returned
+
+
+# NOTE: [state the step gives a new shape]
+# A buffer made empty and filled on the first call (torch.ao's PerChannelMinMaxObserver:
+# ``min_val = torch.tensor([])``, then ``resize_`` to the channels and ``copy_``; or
+# ``self.buf = new``) leaves the step with another shape than it came in with. Write-back
+# swapped the buffer DTensor's local tensor only, which kept the DTensor's global shape:
+# the buffer still read (0,) (``numel() == 0``), so the program key, which holds each
+# buffer's shape, never changed, and every later call ran the first call's program, which
+# took the first call's branch (``new = cur``): the running max was overwritten by each
+# batch's (0.40 where eager had 3.03 after three calls), losses and weights unchanged.
+# Now the buffer and optimizer-state outputs whose global shape or dtype differs from
+# their input's (``CapturedStep.reshaped_state``, found once per program; none in a
+# steady program, so a call tests one empty set) are written back as a new DTensor of
+# the output's shape, dtype and placement, put in every module slot that held the old
+# one (the new object also tells ``WalkMemo`` the state changed). The next call's key
+# reads the new shape and compiles again; that trace sees the filled buffer and takes
+# the other branch. The placement is the mode's for the new shape, the one the next
+# program is fed with, so a sharded state whose shape changes needs no refusal. A
+# buffer reassigned between calls is a new plain tensor in the module: the key reads
+# its shape and it is placed at that call's install, as before.
+
+
+def _reshaped(state: torch.Tensor, meta: TensorMeta) -> bool:
+    """Whether ``state`` (a DTensor) has another global shape or dtype than ``meta``."""
+    return tuple(state.shape) != meta.shape or state.dtype != meta.dtype
+
+
+def _replace_buffer(bindings: StepBindings, name: str, old: torch.Tensor, new: DTensor) -> None:
+    """Put ``new`` in every module slot that holds buffer ``old`` (NOTE: [a buffer held by
+    several modules]); once per new shape, so walking the modules costs nothing per call."""
+    for mod in bindings.modules:
+        for sub in mod.modules():
+            buffers = sub._buffers
+            for attr, value in buffers.items():
+                if value is old:
+                    buffers[attr] = new
+    bindings.buffers[name] = new
 
 
 def _ranks_disagree(program: DistributedProgram, ref: StateRef, exc: RanksDisagree) -> SPMDRuntimeError:
