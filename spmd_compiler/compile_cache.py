@@ -546,8 +546,10 @@ _ENCODED: weakref.WeakKeyDictionary[torch.fx.GraphModule, tuple[list[Any], list[
 
 def encoded_graph(gm: torch.fx.GraphModule) -> tuple[list[Any], list[torch.Tensor]]:
     """``gm`` encoded with its node meta, and its tensor constants; computed once per
-    graph (the program key and the step entry both encode the captured graph, which
-    nothing changes after capture). Raises Uncacheable."""
+    graph (the program key and the step entry both encode the captured graph). The
+    pipeline rewrites the captured graph in place (padding), after the key: the step
+    entry, written after it, gets the graph as captured from here (NOTE: [the traced
+    step as captured]). Raises Uncacheable."""
     hit = _ENCODED.get(gm)
     if hit is None:
         constants: list[torch.Tensor] = []

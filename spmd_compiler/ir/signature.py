@@ -177,6 +177,10 @@ class CapturedStep:
     # (``capture.initial_state.MadeState``; NOTE: [optimizer state made before the first
     # program])
     made_state: Any = None
+    # the Python values the captured graph's ops were given, as the ranks compare them
+    # (``runtime.same_inputs.traced_text``), taken before the pipeline rewrites the graph
+    # in place; None: not taken yet (NOTE: [the traced step as captured])
+    traced_text: str | None = None
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

@@ -68,6 +68,20 @@ devices are left out of that list (launchers set them per rank by design); learn
 rates are graph inputs (NOTE: [hyper-parameters without a device sync]), not traced
 values.
 
+NOTE: [the traced step as captured]
+The digest above must be taken of the same graph on every rank, but the captured graph a
+program holds was not: the pipeline rewrites it in place (fully_shard pads a parameter
+whose rows do not divide by the world size, ``padding.pad_uneven_state``, adding a
+``constant_pad_nd`` per gradient and a ``slice`` per read), so the rank that compiled
+held the padded graph, while a rank that received the program through the store or
+loaded it from disk holds its own capture, unpadded. Every first job with a cache
+directory and an uneven parameter failed on both ranks ("the ranks traced different
+train steps", 2 gloo ranks, fsdp with a ``Linear(32, 5)``). So the compiling rank
+takes the text before the pipeline runs (``traced_text``, kept on the captured step).
+A step entry holds the graph as the program key encoded it, before the pipeline
+(``compile_cache.encoded_graph`` keeps that encoding), so a restart that skips the
+capture computes the text of the capture too, whichever rank wrote the entry.
+
 NOTE: [generators agree across ranks]
 A program's random draws come from each rank's default generator (NOTE: [random numbers]
 in ``capture/random_draws.py``: every rank draws the same full tensor and keeps its
@@ -168,6 +182,7 @@ from .._torch_private import pytree
 from ..capture.guards import DEVICE_NAME
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..ir.node_meta import Phase, phase
+from ..ir.signature import CapturedStep
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
 from .faults import attribution
 
@@ -295,6 +310,15 @@ def captured_step_text(graph: torch.fx.Graph) -> str:
         target = getattr(node.target, "__name__", type(node.target).__name__)
         lines.add(f"{target} {literal(node.args)} {literal(node.kwargs)}")
     return "\n".join(sorted(lines))
+
+
+def traced_text(captured: CapturedStep) -> str:
+    """``captured_step_text`` of ``captured``'s graph as captured: taken on the first
+    call, which the compiling rank makes before the pipeline rewrites the graph in place
+    (NOTE: [the traced step as captured]), and kept."""
+    if captured.traced_text is None:
+        captured.traced_text = captured_step_text(captured.graph_module.graph)
+    return captured.traced_text
 
 
 def describe_constants(outside: Sequence[Any]) -> str:

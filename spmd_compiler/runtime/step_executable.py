@@ -40,11 +40,11 @@ from .runner import (
 )
 from .same_inputs import (
     InputAgreement,
-    captured_step_text,
     describe_constants,
     describe_generators,
     describe_values_read,
     drawn_devices,
+    traced_text,
     values_digest,
 )
 from .simulate import Simulation
@@ -240,7 +240,7 @@ class StepExecutable:
             if self._constants is None:  # once: a constant cannot change under a program
                 self._values_read = describe_values_read(self.guards.across_ranks() if self.guards else [])
                 self._constants = describe_constants(self.program.captured.outside) + values_digest(
-                    captured_step_text(self.program.captured.graph_module.graph)
+                    traced_text(self.program.captured)  # NOTE: [the traced step as captured]
                 )
             agreement.constants, agreement.values_read = self._constants, self._values_read
             if self._drawn is None:
