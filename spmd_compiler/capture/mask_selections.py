@@ -502,7 +502,33 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
     if one is not None:  # NOTE: [mask writes of one value]
         return one if op is aten.index_put.default else x.copy_(one)
     converted = _masks_as_every_index(indices, _decided, all_or_none=False)
-    return NotImplemented if converted is None else op(x, converted, values, accumulate)
+    if converted is None:
+        flat = _mask_over_one_dim(x, list(indices), values, accumulate)
+        if flat is not None:  # NOTE: [mask writes of one value]
+            return flat if op is aten.index_put.default else x.copy_(flat)
+        return NotImplemented
+    return op(x, converted, values, accumulate)
+
+
+def _mask_over_one_dim(
+    x: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool
+) -> torch.Tensor | None:
+    """``x[..., mask] = rows`` with a mask of 2 or more dims (after Nones) as the same
+    write on those dims flattened into one, by the flattened mask: the same elements in
+    the same order, and an index of one dim, which is what DTensor's rule takes a
+    boolean mask for (NOTE: [mask writes of one value]); None when not such a write."""
+    j = next((i for i, index in enumerate(indices) if index is not None), len(indices))
+    if j != len(indices) - 1 or not _is_mask(indices[j]):
+        return None
+    mask = indices[j]
+    assert mask is not None
+    k = mask.dim()
+    if k < 2 or x.dim() < j + k or tuple(x.shape[j:j + k]) != tuple(mask.shape):
+        return None
+    flat = aten.index_put.default(
+        x.flatten(j, j + k - 1), [None] * j + [mask.reshape(-1)], values, accumulate
+    )
+    return flat.reshape(x.shape)
 
 
 # NOTE: [mask writes of one value]
@@ -517,6 +543,10 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
 # shape of the mask [3, 4, 6] at index 1 does not match the shape of the indexed tensor
 # [3, 2, 6]"); a ``where`` keeps any sharding. Before 2026-12-06 only a tensor value on
 # the leading dims became a ``where`` (``_write_of_one_row`` in ``selected_rows.py``).
+# A write of rows (one value per selected element, ``x[:, mask] = rows``) that reaches
+# torch's own op with a mask of 2 or more dims is the same write on those dims flattened
+# into one (``_mask_over_one_dim``): DTensor then reads its index right, and gathers the
+# batch where it is in one of those dims.
 def _one_value_per_selection(
     x: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool
 ) -> torch.Tensor | None:

@@ -319,6 +319,22 @@ def test_a_mask_write_of_one_value_with_the_batch_in_dim_one_matches_one_device(
     assert not compiled.last_program.captured.checks
 
 
+def rows_written_past_the_batch_dim_step(model, optim, x, labels):  # noqa: ANN001
+    """``x[:, mask] = rows`` on ``(16, T, B)`` features: the batch in the mask's second dim."""
+    h = torch.tanh(model.fc(x))
+    s = h.permute(2, 1, 0).clone()
+    s[:, labels.T > -1000] = torch.sin(h.permute(2, 1, 0).reshape(16, -1))
+    return _finish(model, optim, F.cross_entropy(model.out(s.permute(2, 1, 0)).flatten(0, 1), labels.flatten().clamp(min=0)))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_rows_written_by_a_mask_over_the_batch_dim_match_one_device(mode):
+    """A write of rows by a mask of 2 dims whose second is the batch failed on its first
+    call as the writes of one value did; it is the write on the mask's dims flattened,
+    which DTensor indexes right (NOTE: [mask writes of one value])."""
+    _parity(rows_written_past_the_batch_dim_step, mode, _batches())
+
+
 def where_indexed_step(model, optim, x, labels):  # noqa: ANN001
     """``x[torch.where(mask)]``: the same rows as ``x[mask]``."""
     logits = model(x)
