@@ -206,13 +206,29 @@ def warn_once_per_line(key: tuple[object, ...], message: str) -> None:
 
 
 def _innermost_outside_torch(frames: traceback.StackSummary) -> SourceLocation | None:
-    here = os.path.dirname(os.path.abspath(__file__))  # this package
-    skip = (os.path.dirname(os.path.abspath(cast(str, torch.__file__))) + os.sep, here + os.sep)
     found = None
     for frame_summary in frames:
-        filename = os.path.abspath(frame_summary.filename)
-        if not filename.startswith(skip) and not filename.startswith("<"):
+        if _outside_torch(frame_summary.filename):
             found = SourceLocation(frame_summary.filename, frame_summary.lineno or 0, frame_summary.line or "")
+    return found
+
+
+def _outside_torch(filename: str) -> bool:
+    """A file of the user's model or a library it uses: not torch's, not this package's."""
+    here = os.path.dirname(os.path.abspath(__file__))  # this package
+    skip = (os.path.dirname(os.path.abspath(cast(str, torch.__file__))) + os.sep, here + os.sep)
+    path = os.path.abspath(filename)
+    return not path.startswith(skip) and not path.startswith("<")
+
+
+def innermost_model_frame_of_stack_trace(stack_trace: str | None) -> SourceLocation | None:
+    """``innermost_model_frame`` of a node's recorded ``stack_trace``: the line of the
+    model, or of a library module it calls (transformers' ``modeling_*.py``), that made
+    the node's op."""
+    found = None
+    for filename, lineno, _, code in stack_trace_frames(stack_trace):
+        if _outside_torch(filename):
+            found = SourceLocation(filename, lineno, code)
     return found
 
 

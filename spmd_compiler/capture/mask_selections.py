@@ -26,8 +26,9 @@ default) selects the labelled rows with ``(labels >= 0).nonzero()`` and gathers 
 - One decision per mask tensor per trace: the backward of ``x[mask]`` reads the same
   mask again and is not asked twice; its ``index_put`` takes the mask's every index too
   (torch 2.11's DTensor gave a boolean-indexed ``index_put`` the global mask beside a
-  local tensor). A boolean-indexed write on a mask not selected by a read (``x[mask] =
-  0``: a fixed size) is torch's own.
+  local tensor). A boolean-indexed write of one value on a mask not selected by a read
+  (``x[mask] = 0``: a fixed size) is a ``torch.where`` (NOTE: [mask writes of one
+  value]); one of rows is torch's own.
 
 ``masked_scatter`` (a vision-language model writing image features into the embeddings at
 the image tokens; the backward of ``masked_select``) has a fixed size but no DTensor rule:
@@ -497,8 +498,86 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
         put = grid.scatter_add(1, index, source) if accumulate else _written(grid, mask, index, source)
         put = put.reshape(x.shape)
         return put if op is aten.index_put.default else x.copy_(put)
+    one = _one_value_per_selection(x, list(indices), values, accumulate)
+    if one is not None:  # NOTE: [mask writes of one value]
+        return one if op is aten.index_put.default else x.copy_(one)
     converted = _masks_as_every_index(indices, _decided, all_or_none=False)
-    return NotImplemented if converted is None else op(x, converted, values, accumulate)
+    if converted is None:
+        flat = _mask_over_one_dim(x, list(indices), values, accumulate)
+        if flat is not None:  # NOTE: [mask writes of one value]
+            return flat if op is aten.index_put.default else x.copy_(flat)
+        return NotImplemented
+    return op(x, converted, values, accumulate)
+
+
+def _mask_over_one_dim(
+    x: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool
+) -> torch.Tensor | None:
+    """``x[..., mask] = rows`` with a mask of 2 or more dims (after Nones) as the same
+    write on those dims flattened into one, by the flattened mask: the same elements in
+    the same order, and an index of one dim, which is what DTensor's rule takes a
+    boolean mask for (NOTE: [mask writes of one value]); None when not such a write."""
+    j = next((i for i, index in enumerate(indices) if index is not None), len(indices))
+    if j != len(indices) - 1 or not _is_mask(indices[j]):
+        return None
+    mask = indices[j]
+    assert mask is not None
+    k = mask.dim()
+    if k < 2 or x.dim() < j + k or tuple(x.shape[j:j + k]) != tuple(mask.shape):
+        return None
+    flat = aten.index_put.default(
+        x.flatten(j, j + k - 1), [None] * j + [mask.reshape(-1)], values, accumulate
+    )
+    return flat.reshape(x.shape)
+
+
+# NOTE: [mask writes of one value]
+# ``x[mask] = v`` with ``v`` the same for every selected element (a Python number,
+# wav2vec2's ``logits[1:][neg_is_pos] = float("-inf")``, a per-row value ``x[:, mask] =
+# v[:, None]``) and ``index_put_((mask,), v, accumulate=True)`` are ``torch.where(mask, v,
+# x)`` (``x + v`` added): the same values for any mask, ``v``'s gradient the sum over the
+# selected elements as eager's. torch's own ``index_put`` failed under DTensor once the
+# batch was in a dim the mask covers past its first (the contrastive logits ``(K + 1, B,
+# T)``): DTensor's rule (torch 2.13) reads a boolean mask as an index of one dim, so it
+# kept ``x`` sharded on the mask's second dim and gave the kernel the whole mask ("The
+# shape of the mask [3, 4, 6] at index 1 does not match the shape of the indexed tensor
+# [3, 2, 6]"); a ``where`` keeps any sharding. Before 2026-12-06 only a tensor value on
+# the leading dims became a ``where`` (``_write_of_one_row`` in ``selected_rows.py``).
+# A write of rows (one value per selected element, ``x[:, mask] = rows``) that reaches
+# torch's own op with a mask of 2 or more dims is the same write on those dims flattened
+# into one (``_mask_over_one_dim``): DTensor then reads its index right, and gathers the
+# batch where it is in one of those dims.
+def _one_value_per_selection(
+    x: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool
+) -> torch.Tensor | None:
+    """``x[..., mask] = v`` (NOTE: [mask writes of one value]) as ``torch.where``: ``x``
+    with ``v`` written (or, with ``accumulate``, added) at the mask's true elements, when
+    ``indices`` is Nones then one boolean mask shaped as the dims it covers and ``v`` is
+    the same for every selected element; None leaves the write to what follows."""
+    j = next((i for i, index in enumerate(indices) if index is not None), len(indices))
+    if j != len(indices) - 1 or not _is_mask(indices[j]):
+        return None
+    mask = indices[j]
+    assert mask is not None
+    k = mask.dim()
+    after = tuple(x.shape[j + k:])
+    if (k == 0 or x.dim() < j + k or tuple(x.shape[j:j + k]) != tuple(mask.shape)
+            or values.dtype != x.dtype or values.dim() > j + 1 + len(after)):
+        return None  # eager raises (or writes rows): torch's own write says so
+    # values broadcast to eager's (*x.shape[:j], selected, *after): the same value for
+    # every selected element when its dim there is 1 (or absent)
+    aligned = (1,) * (j + 1 + len(after) - values.dim()) + tuple(values.shape)
+    if aligned[j] != 1:
+        return None
+    one_row = tuple(x.shape[:j]) + (1,) + after
+    try:
+        if torch.broadcast_shapes(aligned, one_row) != one_row:
+            return None
+    except RuntimeError:
+        return None
+    value = values.reshape(aligned[:j] + (1,) * k + aligned[j + 1:])
+    written = mask.to(torch.bool).reshape((1,) * j + tuple(mask.shape) + (1,) * len(after))
+    return torch.where(written, x + value if accumulate else value, x)
 
 
 def _written(grid: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

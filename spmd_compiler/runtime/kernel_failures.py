@@ -25,7 +25,7 @@ import types
 import torch.fx
 
 from .. import _torch_private as private
-from ..errors import node_op
+from ..errors import innermost_model_frame_of_stack_trace, node_op
 from ..ir.collectives import is_collective, is_wait
 from ..ir.node_meta import MODULE_FQN, USER_LINE
 
@@ -53,7 +53,11 @@ def in_a_collective(node: torch.fx.Node) -> bool:
 
 def where(node: torch.fx.Node) -> str:
     """``aten.embedding.default (graph node embedding) in module 'emb', train step line
-    f.py:12: "out = model(x)"``."""
+    f.py:12: "out = model(x)", op made at model.py:30: "h = self.emb(ids)"``: the last
+    part, the innermost line of the model or a library module it calls in the node's
+    recorded stack trace, where it is another line than the train step's (a failing write
+    deep in transformers' ``modeling_wav2vec2.py`` was named by the harness's ``out =
+    model(**batch)`` alone)."""
     text = f"{node_op(node)} (graph node {node.name})"
     fqn = node.meta.get(MODULE_FQN)
     if fqn is not None:
@@ -61,4 +65,9 @@ def where(node: torch.fx.Node) -> str:
     line = node.meta.get(USER_LINE)
     if line:
         text += f", train step line {line}"
+    made = innermost_model_frame_of_stack_trace(node.meta.get("stack_trace"))
+    if made is not None and (
+        not line or (made.filename, made.lineno) != (getattr(line, "filename", None), getattr(line, "lineno", None))
+    ):
+        text += f", op made at {made}"
     return text

@@ -613,10 +613,13 @@ def _failed_before_its_checks(exc: Exception, checks: list[ValueCheck]) -> SPMDR
         f"The compiled step failed: {exception_summary(exc)}."
     )
     wheres = "; ".join(dict.fromkeys(check.where for check in checks))
+    # the checks were not read: whether one failed is unknown, so both causes are told
+    # (an ``if x.any():`` before a write that fails for its own reasons was blamed alone)
     return SPMDRuntimeError(
         f"{text} The program was compiled for conditions on tensor values it verifies "
-        f"after it runs, at: {wheres}. This call may be one where one does not hold. "
-        "Nothing was updated."
+        f"after it runs, at: {wheres}; it failed before it could verify them. Either this "
+        "call is one where one of them does not hold, or, if they all hold, the failure "
+        "is that op's own. Nothing was updated."
     )
 
 

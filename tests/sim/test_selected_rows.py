@@ -277,6 +277,64 @@ def test_a_value_broadcast_over_masked_positions_matches_one_device_for_any_mask
     assert not compiled.last_program.captured.checks
 
 
+def contrastive_step(model, optim, x, labels):  # noqa: ANN001
+    """wav2vec2's contrastive logits: negatives gathered from the whole flattened batch,
+    the batch in dim 1 of ``(K + 1, B, T)`` logits, the negatives equal to their positive
+    masked by ``logits[1:][neg_is_pos] = -inf`` (a write into a slice view)."""
+    h = torch.tanh(model.fc(x))  # (B, T, 16)
+    q = torch.round(h * 2) / 2  # coarse: negatives equal to their positive are common
+    flat = labels.clamp(min=0).view(-1)
+    index = torch.stack([(flat * 7 + 3 * k) % flat.numel() for k in range(2)], -1)  # (B*T, K)
+    index[0, 0] = 0  # the first position's own vector among its negatives
+    negs = q.reshape(-1, 16)[index.view(-1)].view(BATCH, TOKENS, 2, 16).permute(2, 0, 1, 3)
+    logits = torch.cat([(q * h).sum(-1)[None], (negs * h[None]).sum(-1)], 0)  # (K + 1, B, T)
+    neg_is_pos = (q == negs).all(-1)  # (K, B, T)
+    logits[1:][neg_is_pos] = float("-inf")
+    return _finish(model, optim, F.cross_entropy(logits.permute(1, 2, 0).flatten(0, 1), torch.zeros_like(flat)))
+
+
+def class_masks_step(model, optim, x, labels):  # noqa: ANN001
+    """Masks of ``(CLASSES, B, T)`` scores, the batch in dim 1: the masks' own dim 1 (an
+    int written, a value added: ``index_put_(..., accumulate=True)``), and a mask after a
+    leading dim (``x[:, mask] = v``, ``index_put`` with ``None`` first) with a value per
+    leading row."""
+    scores = model(x).permute(2, 0, 1).clone()
+    hits = labels[None] == torch.arange(CLASSES)[:, None, None]  # (CLASSES, B, T)
+    scores[hits] = 1
+    scores.index_put_((hits.flip(0),), torch.tensor(0.25, dtype=scores.dtype), accumulate=True)
+    scores[:, labels == PAD] = torch.arange(CLASSES, dtype=scores.dtype)[:, None] * 0.5
+    return _finish(model, optim, F.cross_entropy(scores.permute(1, 2, 0).flatten(0, 1), labels.flatten().clamp(min=0)))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("step", [contrastive_step, class_masks_step])
+def test_a_mask_write_of_one_value_with_the_batch_in_dim_one_matches_one_device(step, mode):
+    """``x[mask] = v`` (``v`` the same for every selected element) on a tensor whose batch
+    is in dim 1 failed on its first call: DTensor's ``index_put`` rule takes a boolean
+    mask for one indexed dim, left ``x`` sharded on the mask's second dim and gave it the
+    whole mask ("The shape of the mask [3, 4, 6] at index 1 does not match the shape of
+    the indexed tensor [3, 2, 6]"). It is ``torch.where`` (NOTE: [mask writes of one
+    value]): exact for any mask, with nothing to verify per call."""
+    compiled = _parity(step, mode, _batches())
+    assert not compiled.last_program.captured.checks
+
+
+def rows_written_past_the_batch_dim_step(model, optim, x, labels):  # noqa: ANN001
+    """``x[:, mask] = rows`` on ``(16, T, B)`` features: the batch in the mask's second dim."""
+    h = torch.tanh(model.fc(x))
+    s = h.permute(2, 1, 0).clone()
+    s[:, labels.T > -1000] = torch.sin(h.permute(2, 1, 0).reshape(16, -1))
+    return _finish(model, optim, F.cross_entropy(model.out(s.permute(2, 1, 0)).flatten(0, 1), labels.flatten().clamp(min=0)))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_rows_written_by_a_mask_over_the_batch_dim_match_one_device(mode):
+    """A write of rows by a mask of 2 dims whose second is the batch failed on its first
+    call as the writes of one value did; it is the write on the mask's dims flattened,
+    which DTensor indexes right (NOTE: [mask writes of one value])."""
+    _parity(rows_written_past_the_batch_dim_step, mode, _batches())
+
+
 def where_indexed_step(model, optim, x, labels):  # noqa: ANN001
     """``x[torch.where(mask)]``: the same rows as ``x[mask]``."""
     logits = model(x)
