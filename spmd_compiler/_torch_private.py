@@ -3799,11 +3799,20 @@ def _install_batch_sharded_convolution() -> None:
 #   the same step (a GAN's generator step) got the updated weight still sharded; under
 #   ddp a weight scaled by a value sharded as a batch (``spectral_norm`` on a
 #   convolution with as many output channels as the batch has samples).
+# - refused: an input sharded along a spatial dimension (sequence parallelism's
+#   ``RowwiseParallel(output_layouts=Shard(1))`` or ``SequenceParallel()`` feeding a
+#   depthwise ``nn.Conv1d`` over time, tp 2): 2.13's strategy gives such a convolution
+#   a replicated output, so the handler saw no sharded dimension, did no halo exchange
+#   and ran the kernel on the local half of the sequence (a (4, 16, 4) result for a
+#   replicated (4, 16, 8)), which the local shape check refused.
 # Before the handler runs, the weight and bias are made replicated, and an input sharded
-# on its channel dimension, or a partial sum (which the bias would meet on every rank),
-# replicated on those mesh dimensions; batch and spatial shards stay (the local kernel
-# or the handler's halo exchange serves them). The common case, a replicated weight and
-# a batch-sharded input, passes through unchanged.
+# on any dimension but the batch, or a partial sum (which the bias would meet on every
+# rank), replicated on those mesh dimensions; only batch shards stay (the local kernel
+# serves them exactly). Gathering a spatial shard costs one all-gather of the input
+# where DTensor's halo exchange would send the borders, but that exchange serves only
+# the last spatial dimension, a stride of 1 and (backward) 4-d inputs, and the
+# strategy's replicated output disowns it anyway. The common case, a replicated weight
+# and a batch-sharded input, passes through unchanged.
 def _install_convolution_operands_placed() -> None:
     from torch.distributed.tensor import Replicate
 
@@ -3815,7 +3824,9 @@ def _install_convolution_operands_placed() -> None:
         return t.redistribute(t.device_mesh, [p if keep(p) else Replicate() for p in t.placements])
 
     def input_kept(p: Any) -> bool:
-        return not p.is_partial() and not p.is_shard(1)
+        # Shard(0) or _StridedShard(0) (a batch concatenated from views, NOTE: [batch
+        # concatenation] in expand/local_rules.py); 2.13's _StridedShard is no Shard
+        return p.is_replicate() or (not p.is_partial() and getattr(p, "dim", None) == 0)
 
     def is_replicate(p: Any) -> bool:
         return p.is_replicate()
