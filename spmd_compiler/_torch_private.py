@@ -2019,14 +2019,41 @@ def mesh_coordinates(mesh: Any) -> list[tuple[int, ...]]:
 
 @contextlib.contextmanager
 def fixed_mesh_coordinate(mesh: Any, coordinate: tuple[int, ...]) -> Iterator[None]:
-    """Trace as the rank at ``coordinate`` of ``mesh`` (its 1-D sub-meshes included)."""
+    """Trace as the rank at ``coordinate`` of ``mesh`` (its 1-D sub-meshes included).
+
+    NOTE: [sharding decisions made at one coordinate]
+    DTensor's sharding decisions are cached by the op's global schema (its native C++
+    cache, NOTE: [Python numbers in DTensor's native sharding cache], and the Python
+    propagator's), and a decision holds the shape arguments it localized: a view of an
+    uneven sequence shard traced here at coordinate (0,) got rank 0's 4 of 7 positions.
+    The next compile's trace with a symbolic coordinate found that decision instead of
+    failing over to the per-coordinate traces, and its program held rank 0's shape on
+    every rank: after a step refused at T=7, tp 2 (``SequenceParallel()`` alone on a
+    norm), the same model with ``SequenceParallel()`` on a Linear compiled and failed at
+    run time ("shape '[16, 16]' is invalid for input of size 192"), where alone it is
+    refused; a decision holding a rank's offset would have been wrong on the other
+    ranks without an error. Both caches are emptied on the way in (a decision made at
+    another coordinate) and out."""
     install_dtensor_gap_fills()
     saved = mesh._coordinate_on_dim
+    _forget_sharding_propagation()
     mesh._coordinate_on_dim = list(coordinate)
     try:
         yield
     finally:
         mesh._coordinate_on_dim = saved
+        _forget_sharding_propagation()
+
+
+def _forget_sharding_propagation() -> None:
+    """Empty DTensor's caches of sharding decisions (NOTE: [sharding decisions made at
+    one coordinate])."""
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
+    if cached is not None:
+        cached()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:
+        native()
 
 
 def all_gather_along(local: torch.Tensor, tensor_dim: int, mesh: Any, mesh_dim: int) -> torch.Tensor:

@@ -346,3 +346,19 @@ def test_a_sequence_length_tp_does_not_divide_is_refused_naming_it(case):
     assert all(not isinstance(t, DTensor) for t in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not optim.state
+
+
+def test_a_refused_uneven_sequence_leaves_no_decision_for_the_next_compile():
+    """NOTE: [sharding decisions made at one coordinate]: after ``norm_alone`` was refused,
+    DTensor's sharding cache held rank 0's localized view shapes, and the next compile in
+    the process (``SequenceParallel()`` on a Linear of the same model, refused alone) was
+    accepted with rank 0's shape in every rank's program and failed at run time ("shape
+    '[16, 16]' is invalid for input of size 192"). Both are refused now."""
+    for tp_plan in (_uneven_sequence_plans()["norm_alone"][1], {"up": SequenceParallel()}):
+        torch.manual_seed(0)
+        model = NormMLP()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = sc.compile(parallel_mode=TensorParallel(tp_plan))(_square_step)
+        with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="per-rank program differs"):
+            step(model, optim, torch.randn(4, 7, 16))
+        assert all(not isinstance(t, DTensor) for t in model.parameters())
