@@ -214,9 +214,27 @@ def _is_linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_transposed_linear(module)
 
 
+# NOTE: [a style for the whole model]
+# torch's ``parallelize_module(model, mesh, ColwiseParallel())`` takes a bare style for the
+# module it is given; a model that is itself one Linear has no submodule to name. A bare
+# style is the plan ``{"": style}``, and the key ``""`` names the root module (the model
+# the step is given): its parameters are placed by the style and its input and output
+# laid out as the style says, like any styled module's.
+def as_plan(plan: Mapping[str, Style] | ParallelStyle) -> Mapping[str, Style]:
+    """``plan``, with a bare style read as the style of the root module (NOTE: [a style
+    for the whole model]); anything else that is not a dict is refused."""
+    if isinstance(plan, ParallelStyle):
+        return {"": plan}
+    validate_plan(plan)
+    return plan
+
+
 def validate_plan(plan: Mapping[str, Style]) -> None:
     if not isinstance(plan, Mapping):
-        raise ValueError(f"TensorParallel plan must be a dict of FQN pattern -> style, got {type(plan).__name__}")
+        raise ValueError(
+            f"TensorParallel plan must be a dict of FQN pattern -> style (the key '' for the "
+            f"whole model), or one style for the whole model, got {type(plan).__name__}"
+        )
 
 
 # NOTE: [transformers' plan names]
@@ -275,8 +293,8 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     matched: dict[str, Style] = {}
     by: dict[str, str] = {}
     for pattern, style in plan.items():
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"TensorParallel plan keys must be non-empty FQN patterns, got {pattern!r}")
+        if not isinstance(pattern, str):
+            raise ValueError(f"TensorParallel plan keys must be FQN patterns ('' for the whole model), got {pattern!r}")
         styles = (ColwiseParallel, RowwiseParallel, SequenceParallel, MultiheadAttentionParallel, *_PREPARE)
         if not (isinstance(style, styles) or style == "replicate"):
             raise ValueError(
@@ -285,7 +303,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
                 "MultiheadAttentionParallel(), PrepareModuleInput / PrepareModuleOutput / "
                 "PrepareModuleInputOutput, or 'replicate'."
             )
-        atoms = pattern.split(".")
+        atoms = pattern.split(".") if pattern else []  # '': the root module
         for fqn, _ in model.named_modules():
             parts = fqn.split(".") if fqn else []
             if len(parts) == len(atoms) and all(fnmatch.fnmatch(p, a) for p, a in zip(parts, atoms)):
@@ -436,7 +454,9 @@ class TensorParallel(ParallelMode):
 
     Args:
         plan: ``{fqn_pattern: style}`` with torch's ``ColwiseParallel``,
-            ``RowwiseParallel``, ``SequenceParallel`` or ``"replicate"``; a transformers
+            ``RowwiseParallel``, ``SequenceParallel`` or ``"replicate"`` (the pattern
+            ``""`` names the model itself; a bare style is ``{"": style}``, NOTE: [a
+            style for the whole model]); a transformers
             model's own ``model.tp_plan`` is read as torch's styles (NOTE:
             [transformers' plan names]).
         mesh: a 1-D mesh over every rank of the default process group (the default).
@@ -450,10 +470,8 @@ class TensorParallel(ParallelMode):
 
     name = "tp"
 
-    def __init__(self, plan: Mapping[str, Style], *, mesh: DeviceMesh | None = None) -> None:
-        validate_plan(plan)
-        if not isinstance(plan, Mapping):
-            raise ValueError(f"TensorParallel plan must be a dict of FQN pattern -> style, got {type(plan).__name__}")
+    def __init__(self, plan: Mapping[str, Style] | ParallelStyle, *, mesh: DeviceMesh | None = None) -> None:
+        plan = as_plan(plan)
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(f"TensorParallel takes a 1-D (sub-)mesh, got {mesh.ndim}-D {mesh}")
         super().__init__(mesh)
@@ -472,19 +490,21 @@ class TensorParallel(ParallelMode):
             matched = match_plan(model, self.plan)
             for fqn, style in matched.items():
                 module = model.get_submodule(fqn)
-                _check_module_type(style, module, prefix + fqn)
-                self.styles[prefix + fqn] = style
-                self.layouts[prefix + fqn] = _layouts(style, module)
+                # the display FQN of the capture (a root module of several: "1", not "1.")
+                shown = (prefix + fqn).rstrip(".")
+                _check_module_type(style, module, shown)
+                self.styles[shown] = style
+                self.layouts[shown] = _layouts(style, module)
                 if isinstance(style, MultiheadAttentionParallel):
                     self._place_attention(bindings, mi, model, fqn, prefix)
                     continue
-                _warn_parametrized(module, prefix + fqn)
+                _warn_parametrized(module, shown)
                 for pname, _ in module.named_parameters(recurse=False):
                     full = f"{fqn}.{pname}" if fqn else pname
                     name = bindings.module_params[mi].get(full)
                     if name is not None:
                         self._place(name, param_placement(style, module, pname, fqn), prefix + full)
-                        self.param_modules.setdefault(name, []).append(prefix + fqn)
+                        self.param_modules.setdefault(name, []).append(shown)
         if not self.plan or not self.styles:
             warnings.warn(
                 f"TensorParallel plan {list(self.plan) or '{}'} matches no module; every "
@@ -517,8 +537,8 @@ class TensorParallel(ParallelMode):
             name = bindings.module_params[mi].get(full)
             if name is not None:
                 self._place(name, placement, prefix + full)
-                self.param_modules.setdefault(name, []).append(prefix + fqn)
-        self.attention_modules[prefix + fqn] = model.get_submodule(fqn)
+                self.param_modules.setdefault(name, []).append((prefix + fqn).rstrip("."))
+        self.attention_modules[(prefix + fqn).rstrip(".")] = model.get_submodule(fqn)
 
     def _place(self, name: str, placement: Placement, fqn: str) -> None:
         """Record ``name``'s placement; a tied parameter must get one placement."""
@@ -639,11 +659,11 @@ class TensorParallel(ParallelMode):
         for left in _styled_modules(arg_fqn, self.layouts):
             layout = self.layouts[left][1]
             if not _within(consumer_fqn, left) and layout is not None:
-                steps.append(UseStep(UseGroup.MODULE_OUTPUT, (_normalize(layout, val.dim()),), module=left))
+                steps.append(UseStep(UseGroup.MODULE_OUTPUT, (_normalize(layout, val.dim()),), module=_use_module(left)))
         for entered in reversed(_styled_modules(consumer_fqn, self.layouts)):
             layout = self.layouts[entered][0]
             if not _within(arg_fqn, entered) and layout is not None:
-                steps.append(UseStep(UseGroup.MODULE_INPUT, (_normalize(layout, val.dim()),), module=entered))
+                steps.append(UseStep(UseGroup.MODULE_INPUT, (_normalize(layout, val.dim()),), module=_use_module(entered)))
         return steps or None
 
     def _module_output_in_backward(
@@ -659,21 +679,29 @@ class TensorParallel(ParallelMode):
         if not leaves:
             return None
         layout = _normalize(cast(Placement, self.layouts[outer][1]), val.dim())
-        return [UseStep(UseGroup.MODULE_OUTPUT, (layout,), module=outer)]
+        return [UseStep(UseGroup.MODULE_OUTPUT, (layout,), module=_use_module(outer))]
 
     def __repr__(self) -> str:
         return f"TensorParallel(plan={self.plan})"
 
 
+def _use_module(fqn: str) -> str:
+    """A styled module as a ``UseStep`` names it: the root module (FQN '') by a name no
+    submodule has."""
+    return fqn or "<root module>"
+
+
 def _within(fqn: str | None, module: str) -> bool:
-    return fqn is not None and (fqn == module or fqn.startswith(module + "."))
+    """Whether a node of module ``fqn`` runs inside ``module`` ('': the root module, which
+    holds every node of the model; the step's own code has no module, None)."""
+    return fqn is not None and (fqn == module or not module or fqn.startswith(module + "."))
 
 
 def _styled_modules(fqn: str | None, layouts: Mapping[str, Any]) -> list[str]:
     """Every styled module containing ``fqn``, innermost first."""
     if fqn is None:
         return []
-    return sorted((m for m in layouts if m and _within(fqn, m)), key=len, reverse=True)
+    return sorted((m for m in layouts if _within(fqn, m)), key=len, reverse=True)
 
 
 def _styled_module(fqn: str | None, layouts: Mapping[str, Any]) -> str | None:

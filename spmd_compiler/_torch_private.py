@@ -2019,14 +2019,41 @@ def mesh_coordinates(mesh: Any) -> list[tuple[int, ...]]:
 
 @contextlib.contextmanager
 def fixed_mesh_coordinate(mesh: Any, coordinate: tuple[int, ...]) -> Iterator[None]:
-    """Trace as the rank at ``coordinate`` of ``mesh`` (its 1-D sub-meshes included)."""
+    """Trace as the rank at ``coordinate`` of ``mesh`` (its 1-D sub-meshes included).
+
+    NOTE: [sharding decisions made at one coordinate]
+    DTensor's sharding decisions are cached by the op's global schema (its native C++
+    cache, NOTE: [Python numbers in DTensor's native sharding cache], and the Python
+    propagator's), and a decision holds the shape arguments it localized: a view of an
+    uneven sequence shard traced here at coordinate (0,) got rank 0's 4 of 7 positions.
+    The next compile's trace with a symbolic coordinate found that decision instead of
+    failing over to the per-coordinate traces, and its program held rank 0's shape on
+    every rank: after a step refused at T=7, tp 2 (``SequenceParallel()`` alone on a
+    norm), the same model with ``SequenceParallel()`` on a Linear compiled and failed at
+    run time ("shape '[16, 16]' is invalid for input of size 192"), where alone it is
+    refused; a decision holding a rank's offset would have been wrong on the other
+    ranks without an error. Both caches are emptied on the way in (a decision made at
+    another coordinate) and out."""
     install_dtensor_gap_fills()
     saved = mesh._coordinate_on_dim
+    _forget_sharding_propagation()
     mesh._coordinate_on_dim = list(coordinate)
     try:
         yield
     finally:
         mesh._coordinate_on_dim = saved
+        _forget_sharding_propagation()
+
+
+def _forget_sharding_propagation() -> None:
+    """Empty DTensor's caches of sharding decisions (NOTE: [sharding decisions made at
+    one coordinate])."""
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
+    if cached is not None:
+        cached()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:
+        native()
 
 
 def all_gather_along(local: torch.Tensor, tensor_dim: int, mesh: Any, mesh_dim: int) -> torch.Tensor:
@@ -3800,11 +3827,20 @@ def _install_batch_sharded_convolution() -> None:
 #   the same step (a GAN's generator step) got the updated weight still sharded; under
 #   ddp a weight scaled by a value sharded as a batch (``spectral_norm`` on a
 #   convolution with as many output channels as the batch has samples).
+# - refused: an input sharded along a spatial dimension (sequence parallelism's
+#   ``RowwiseParallel(output_layouts=Shard(1))`` or ``SequenceParallel()`` feeding a
+#   depthwise ``nn.Conv1d`` over time, tp 2): 2.13's strategy gives such a convolution
+#   a replicated output, so the handler saw no sharded dimension, did no halo exchange
+#   and ran the kernel on the local half of the sequence (a (4, 16, 4) result for a
+#   replicated (4, 16, 8)), which the local shape check refused.
 # Before the handler runs, the weight and bias are made replicated, and an input sharded
-# on its channel dimension, or a partial sum (which the bias would meet on every rank),
-# replicated on those mesh dimensions; batch and spatial shards stay (the local kernel
-# or the handler's halo exchange serves them). The common case, a replicated weight and
-# a batch-sharded input, passes through unchanged.
+# on any dimension but the batch, or a partial sum (which the bias would meet on every
+# rank), replicated on those mesh dimensions; only batch shards stay (the local kernel
+# serves them exactly). Gathering a spatial shard costs one all-gather of the input
+# where DTensor's halo exchange would send the borders, but that exchange serves only
+# the last spatial dimension, a stride of 1 and (backward) 4-d inputs, and the
+# strategy's replicated output disowns it anyway. The common case, a replicated weight
+# and a batch-sharded input, passes through unchanged.
 def _install_convolution_operands_placed() -> None:
     from torch.distributed.tensor import Replicate
 
@@ -3816,7 +3852,9 @@ def _install_convolution_operands_placed() -> None:
         return t.redistribute(t.device_mesh, [p if keep(p) else Replicate() for p in t.placements])
 
     def input_kept(p: Any) -> bool:
-        return not p.is_partial() and not p.is_shard(1)
+        # Shard(0) or _StridedShard(0) (a batch concatenated from views, NOTE: [batch
+        # concatenation] in expand/local_rules.py); 2.13's _StridedShard is no Shard
+        return p.is_replicate() or (not p.is_partial() and getattr(p, "dim", None) == 0)
 
     def is_replicate(p: Any) -> bool:
         return p.is_replicate()

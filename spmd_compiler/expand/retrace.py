@@ -312,27 +312,44 @@ def _trace_rank_generic(fn: Callable[..., Any], local: list[TensorMeta], mesh: D
     programs = []
     for coordinate in private.mesh_coordinates(mesh):
         with private.fixed_mesh_coordinate(mesh, coordinate):
-            programs.append((coordinate, make_fx(fn, tracing_mode="fake")(*fakes(False))))
+            try:
+                programs.append((coordinate, make_fx(fn, tracing_mode="fake")(*fakes(False))))
+            except SPMDCompileError as exc:
+                # NOTE: [a coordinate that does not fix the trace]: with the coordinate
+                # fixed, DTensor can still read a shard's size off a tensor (torch 2.13's
+                # uneven Shard -> Replicate under ``SequenceParallel()`` alone on a norm,
+                # T=7 at tp 2): the same cause as the symbolic failure, refused as one
+                if not _caused_by_symbolic_coordinate(exc):
+                    raise
+                raise _differs_between_coordinates(
+                    f"(placing this node needed the rank's coordinate as a number even with it "
+                    f"fixed to {coordinate})", exc,
+                ) from exc
     first_coordinate, first = programs[0]
     for coordinate, gm in programs[1:]:
         if gm.code != first.code:
             # name the node whose redistribution needed the coordinate
-            raise SPMDCompileError(
-                f"The per-rank program differs between mesh coordinates {first_coordinate} "
-                f"and {coordinate}: DTensor's handling of this node depends on the rank in a "
-                "way the program cannot compute at run time (shards of different sizes on "
-                "different ranks where a dimension does not split evenly, or a rank's offset "
-                "into a sharded dimension read by a data-dependent op), so one program cannot "
-                "serve every rank.",
-                op=symbolic_failure.op, node=symbolic_failure.node,
-                module_fqn=symbolic_failure.module_fqn, user_line=symbolic_failure.user_line,
-                hint="use sizes the mesh dimensions divide for what this node reads (a "
-                "parameter's sharded dimension; under SequenceParallel the sequence length, "
-                "which it splits over tp), or shard the batch on dimension 0; if the sizes "
-                "divide, compute this op on replicated values (leave its module out of the plan).",
-            )
+            raise _differs_between_coordinates(f"{first_coordinate} and {coordinate}", symbolic_failure)
     private.lift_group_names(first, mesh)
     return first
+
+
+def _differs_between_coordinates(where: str, failure: SPMDCompileError) -> SPMDCompileError:
+    """The refusal of a step whose per-rank program depends on the rank's mesh coordinate
+    (NOTE: [one program for every rank]), naming ``failure``'s node."""
+    return SPMDCompileError(
+        f"The per-rank program differs between mesh coordinates {where}: DTensor's "
+        "handling of this node depends on the rank in a way the program cannot compute at "
+        "run time (shards of different sizes on different ranks where a dimension does not "
+        "split evenly, or a rank's offset into a sharded dimension read by a data-dependent "
+        "op), so one program cannot serve every rank.",
+        op=failure.op, node=failure.node, module_fqn=failure.module_fqn, user_line=failure.user_line,
+        hint="use sizes the mesh dimensions divide for what this node reads (a "
+        "parameter's sharded dimension; under SequenceParallel the sequence length, "
+        "which it splits over tp: pad it to a multiple of the tp size), or shard the batch "
+        "on dimension 0; if the sizes divide, compute this op on replicated values (leave "
+        "its module out of the plan).",
+    )
 
 
 def _redistribute_output(

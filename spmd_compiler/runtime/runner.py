@@ -315,8 +315,16 @@ def _check_installed(
         raise SPMDCompileError(
             f"{ref} is already a DTensor with placement {format_placements(p.placements)} on "
             f"{p.device_mesh}, but this compiled step wants {format_placements(placements)} "
-            f"on {mesh}.",
-            hint="use one parallel mode per model, or rebuild the model from a full state dict.",
+            f"on {mesh}: a compiled model's state stays placed as the first step placed it, "
+            "and a step with another parallel mode or plan cannot run on it in place. "
+            "Nothing was changed; the steps that placed it go on as before.",
+            hint=(
+                "to go on under the new mode or plan, move the state into a fresh model and "
+                "optimizer: `sc.checkpoint.save(path, model, optim)`, then build a new model "
+                "and optimizer and `sc.checkpoint.load(path, new_model, new_optim)` (it "
+                "reshards), and call the new step on them; or, for the weights alone, "
+                "`new_model.load_state_dict(sc.checkpoint.full_state_dict(model)['model'])`."
+            ),
         )
 
 

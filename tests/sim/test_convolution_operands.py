@@ -112,3 +112,87 @@ def test_ddp_weight_scaled_by_a_batch_sized_value(run_parity):
         _batches((8, 1, 5, 5)), step=square_step, mode=DataParallel("replicate"),
     )
     result.assert_close(TOL)
+
+
+class SequenceConv(nn.Module):
+    """A sequence-parallel MLP block (its output sharded along the sequence, torchtitan's
+    ``RowwiseParallel(output_layouts=Shard(1))``) feeding a depthwise convolution over
+    time (a Conformer's or Mamba's short convolution) that no style names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.conv = nn.Conv1d(16, 16, 3, padding=1, groups=16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.down(F.gelu(self.up(x)))
+        return self.conv(h.transpose(1, 2)).transpose(1, 2)
+
+
+class SequenceMix(nn.Module):
+    """A module holding the convolution under ``SequenceParallel()`` (its input arrives
+    sharded along the sequence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(16, 16, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+class MixThenMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix, self.up, self.down = SequenceMix(), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mix(x)
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class RowsConv(nn.Module):
+    """Channels-last image tokens (N, H, W, C) through a row-wise layer whose output is
+    sharded along the image's rows, then a 3x3 convolution over (H, W) (ConvNeXt-like):
+    the convolution's input sharded on its height."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(F.gelu(self.up(x)))
+        return self.conv(h.permute(0, 3, 1, 2))
+
+
+def _sequence_plans():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    rows = {"up": ColwiseParallel(), "down": RowwiseParallel(output_layouts=Shard(1))}
+    return {
+        "rowwise_output_sharded_then_conv1d": (SequenceConv, rows, (4, 8, 16)),
+        "sequence_parallel_module_with_conv1d": (MixThenMLP, {
+            "mix": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+        }, (4, 8, 16)),
+        "rows_sharded_conv2d": (RowsConv, rows, (2, 6, 5, 4)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_sequence_plans()))
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_convolution_over_a_sharded_sequence_is_eagers(run_parity, case, world):
+    """An input sharded along a spatial dimension (the sequence) is gathered before the
+    convolution: it was refused (2.13's strategy gives the convolution a replicated
+    output, so the handler ran the kernel on the local half of the sequence)."""
+    from spmd_compiler.parallel_modes import FullyShardTensorParallel, TensorParallel
+
+    make, plan, shape = _sequence_plans()[case]
+    mode = TensorParallel(plan) if world == 2 else FullyShardTensorParallel(plan, mesh_shape=(2, 2))
+    result = run_parity(
+        lambda: make().double(), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), world,
+        _batches(shape), step=square_step, mode=mode,
+    )
+    result.assert_close(TOL)

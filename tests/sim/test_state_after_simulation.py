@@ -187,3 +187,42 @@ def test_another_world_size_is_refused_and_the_checkpoint_moves_the_state(mode: 
         got += [step(model, optim, x, y).item() for x, y in data[2:]]
     assert got == pytest.approx(want, rel=1e-12, abs=0)
     assert moved == pytest.approx(want, rel=1e-12, abs=0)
+
+
+def _swapped_tp():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return TensorParallel({"0": RowwiseParallel(), "2": ColwiseParallel()})
+
+
+@pytest.mark.parametrize("second", ["swapped_tp", "replicate", "fully_shard"])
+def test_another_mode_at_the_same_world_size_is_refused_and_the_checkpoint_moves_the_state(
+    second: str, tmp_path
+) -> None:
+    """After tp steps, a step with another plan or mode at the same world size is refused
+    (the state stays placed as the first step placed it). The message said only "use one
+    parallel mode per model, or rebuild the model from a full state dict"; it now says
+    nothing was changed and names the way out (``checkpoint.save`` / ``load`` into a fresh
+    model and optimizer), which continues under the new mode as eagerly."""
+    model, optim = _build()
+    reference, ref_optim = _build()
+    step = sc.compile(_mode("tp"))(classification_train_step)
+    new_step = sc.compile(_swapped_tp() if second == "swapped_tp" else _mode(second))(classification_train_step)
+    data = _four_batches()
+    want = [classification_train_step(reference, ref_optim, x, y).item() for x, y in data]
+    with sc.simulate(world_size=2):
+        got = [step(model, optim, x, y).item() for x, y in data[:2]]
+        before = checkpoint.full_state_dict(model, optim)
+        with pytest.raises(sc.SPMDCompileError) as refused:
+            new_step(model, optim, *data[2])
+        message = str(refused.value)
+        assert "another parallel mode or plan" in message and "Nothing was changed" in message, message
+        assert "sc.checkpoint.save" in message and "sc.checkpoint.load" in message, message
+        after = checkpoint.full_state_dict(model, optim)
+        for a, b in zip(torch.utils._pytree.tree_leaves(before), torch.utils._pytree.tree_leaves(after), strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        checkpoint.save(tmp_path / "ckpt", model, optim)
+        fresh, fresh_optim = _build()
+        checkpoint.load(tmp_path / "ckpt", fresh, fresh_optim)
+        got += [new_step(fresh, fresh_optim, x, y).item() for x, y in data[2:]]
+    assert got == pytest.approx(want, rel=1e-12, abs=0)

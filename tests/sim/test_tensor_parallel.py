@@ -162,6 +162,42 @@ def test_malformed_plan_is_refused():
         assert not isinstance(relu[0].weight, DTensor)
 
 
+def _root_plans() -> dict:
+    return {
+        "bare_colwise": (ColwiseParallel(), (Shard(0),), (Shard(0),)),
+        "bare_rowwise": (RowwiseParallel(), (Shard(1),), (Replicate(),)),
+        "root_key_colwise_replicated_output": (
+            {"": ColwiseParallel(output_layouts=Replicate())}, (Shard(0),), (Shard(0),)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_root_plans()))
+def test_a_model_that_is_one_linear_takes_a_style(case, run_parity):
+    """NOTE: [a style for the whole model]: a model that is itself one Linear had no plan:
+    a bare style (torch's ``parallelize_module`` takes one) was refused "plan must be a
+    dict", the key '' "non-empty FQN patterns". Both now style the root module; float64,
+    3 steps, as eagerly."""
+    plan, weight, bias = _root_plans()[case]
+
+    def batches():
+        gen = torch.Generator().manual_seed(2)
+        return [(torch.randn(4, 8, 16, generator=gen, dtype=torch.float64),) for _ in range(3)]
+
+    def step(model, optim, x):  # noqa: ANN001, ANN202
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    result = run_parity(
+        lambda: nn.Linear(16, 48).double(), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), 2,
+        batches(), step=step, mode=TensorParallel(plan),
+    )
+    result.assert_close(1e-12)
+    assert result.model.weight.placements == weight and result.model.bias.placements == bias
+
+
 # Ops along the feature dimension a column-parallel layer shards (NOTE: [ops decomposed at
 # capture]): a scan given a negative dim ran on each rank's shard alone (4.5e-2 off the
 # loss), an empty dim list reduced nothing, argmax could not offset local indices.

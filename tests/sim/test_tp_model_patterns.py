@@ -292,3 +292,73 @@ def test_a_spectral_normed_layer_is_not_computed_outside_the_step():
         diffs = compare_states(full_state(model, optim, sim), full_state(reference, ref_optim, None))
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] < 1e-12, (worst, diffs[worst])
+
+
+class NormMLP(nn.Module):
+    """A pre-norm residual MLP block over (batch, sequence, width)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return h + self.down(torch.relu(self.up(h)))
+
+
+def _uneven_sequence_plans() -> dict:
+    return {
+        "norm_then_colwise_rowwise": (NormMLP, {
+            "norm": SequenceParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}),
+        "norm_alone": (NormMLP, {"norm": SequenceParallel()}),
+        "torchtitan": (NormMLP, {
+            "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))}),
+    }
+
+
+def _square_step(model, optim, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("case", list(_uneven_sequence_plans()))
+def test_a_sequence_length_tp_does_not_divide_is_refused_naming_it(case):
+    """T=7 at tp 2 under sequence parallelism: one program cannot serve both ranks (shards
+    of 4 and 3 positions). Refused as the README says, with a hint naming the sequence
+    length, the model untouched. A plan with no row- or column-wise layer after the
+    sequence shards (``norm_alone``) was refused with fake tensors' bare
+    ``DataDependentOutputException: aten._local_scalar_dense.default`` at a backward
+    ``mm`` (NOTE: [a coordinate that does not fix the trace] in
+    ``spmd_compiler/expand/retrace.py``)."""
+    torch.manual_seed(0)
+    make, tp_plan = _uneven_sequence_plans()[case]
+    model = make()
+    before = copy.deepcopy(model.state_dict())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sc.compile(parallel_mode=TensorParallel(tp_plan))(_square_step)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="per-rank program differs between mesh coordinates") as info:
+        step(model, optim, torch.randn(4, 7, 16))
+    assert "the sequence length" in str(info.value)
+    assert all(not isinstance(t, DTensor) for t in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not optim.state
+
+
+def test_a_refused_uneven_sequence_leaves_no_decision_for_the_next_compile():
+    """NOTE: [sharding decisions made at one coordinate]: after ``norm_alone`` was refused,
+    DTensor's sharding cache held rank 0's localized view shapes, and the next compile in
+    the process (``SequenceParallel()`` on a Linear of the same model, refused alone) was
+    accepted with rank 0's shape in every rank's program and failed at run time ("shape
+    '[16, 16]' is invalid for input of size 192"). Both are refused now."""
+    for tp_plan in (_uneven_sequence_plans()["norm_alone"][1], {"up": SequenceParallel()}):
+        torch.manual_seed(0)
+        model = NormMLP()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = sc.compile(parallel_mode=TensorParallel(tp_plan))(_square_step)
+        with sc.simulate(2), pytest.raises(sc.SPMDCompileError, match="per-rank program differs"):
+            step(model, optim, torch.randn(4, 7, 16))
+        assert all(not isinstance(t, DTensor) for t in model.parameters())
