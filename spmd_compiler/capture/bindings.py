@@ -216,6 +216,32 @@ def _follow_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> None:
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)
+# optimizers whose step read the learning rate's value in Python: a setting of their
+# programs from then on (NOTE: [a learning rate read in Python] in capture/optimizers.py)
+_LR_KEYED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def lr_is_input(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s learning rates are graph inputs (NOTE: [a learning rate read in
+    Python] in capture/optimizers.py): unless its step read one in Python."""
+    return opt not in _LR_KEYED
+
+
+def lr_may_become_a_setting(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s learning rates are graph inputs that may become settings: each
+    a Python number (a tensor the user gave stays a tensor)."""
+    return lr_is_input(opt) and all(type(g.get("lr")) in (float, int) for g in opt.param_groups)
+
+
+def keep_lr_a_setting(opt: torch.optim.Optimizer) -> None:
+    """``opt``'s step read its learning rate in Python: from now on it is a setting of
+    the program (a program per value)."""
+    _LR_KEYED.add(opt)
+
+
+def tensor_hyperparams(opt: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The keys of ``TENSOR_HYPERPARAMS`` that are ``opt``'s graph inputs."""
+    return TENSOR_HYPERPARAMS if lr_is_input(opt) else ()
 BETA1 = "beta1"
 
 # NOTE: [Adam's beta1 as a graph input]
@@ -377,7 +403,7 @@ class StepBindings:
             StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi)
             for oi, opt in enumerate(self.optimizers)
             for gi, group in enumerate(opt.param_groups)
-            for key in TENSOR_HYPERPARAMS + cycled_inputs(opt, group)
+            for key in tensor_hyperparams(opt) + cycled_inputs(opt, group)
         ]
 
     def hyperparam_value(self, ref: StateRef) -> float:
@@ -394,7 +420,7 @@ class StepBindings:
             for oi, opt in enumerate(self.optimizers)
             for gi, group in enumerate(opt.param_groups)
             for k, v in group.items()
-            if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
+            if k != "params" and k not in tensor_hyperparams(opt) and k != "initial_lr"
             and not (k == "betas" and beta1_is_input(opt, group))
             and not (k == MOMENTUM and momentum_is_input(opt, group))
         } | {  # NOTE: [Adam's beta1 as a graph input]: beta2 alone is a setting

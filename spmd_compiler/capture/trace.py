@@ -81,7 +81,9 @@ from .bindings import (
     MOMENTUM,
     StepBindings,
     check_plain_modules,
+    keep_lr_a_setting,
     keep_momentum_a_setting,
+    lr_may_become_a_setting,
     tensor_argument_names,
 )
 from .code_names import step_code, step_name, step_where
@@ -669,7 +671,10 @@ def capture_step(
             return _capture_step(func, bindings, input_metas, options, decisions, make_state)
         except CycledValueUsed as used:  # NOTE: [SGD's momentum as a graph input]
             log.info("%s: %s; it is a setting of the program from now on", step_name(func), used)
-            keep_momentum_a_setting(bindings.optimizers[used.optimizer])
+            if used.key == "lr":  # NOTE: [a learning rate read in Python]
+                keep_lr_a_setting(bindings.optimizers[used.optimizer])
+            else:
+                keep_momentum_a_setting(bindings.optimizers[used.optimizer])
 
 
 def _capture_step(
@@ -1653,13 +1658,16 @@ def _swap_optimizer(
 ) -> Iterator[tuple[initial_state.RecordedStates, dict[str, tuple[int, torch.Tensor]]]]:
     """Point ``opt`` at traced parameters, state and learning rates; restore on exit."""
     saved_groups, saved_state = opt.param_groups, opt.state
+    lr_setting = lr_may_become_a_setting(opt)  # NOTE: [a learning rate read in Python]
     groups, by_param = [], {}
     for gi, group in enumerate(saved_groups):
         new = dict(group)
         new["params"] = [params[b.param_name(p)] for p in group["params"]]
         for p in group["params"]:
             by_param[b.param_name(p)] = (gi, params[b.param_name(p)])
-        new["lr"] = values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]
+        lr = values.get(StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi))
+        if lr is not None:  # else a setting (NOTE: [a learning rate read in Python])
+            new["lr"] = lr
         beta1 = values.get(StateRef(Kind.HYPERPARAM, key=BETA1, optimizer=oi, group=gi))
         if beta1 is not None:  # NOTE: [Adam's beta1 as a graph input]
             new["betas"] = (beta1, group["betas"][1])
@@ -1696,7 +1704,8 @@ def _swap_optimizer(
         graph = private.current_trace_graph()
         mark = last_node(graph)
         with group_numbers_paused(), private.optimizer_capturable_path(), tracing_optimizer_step(
-            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code), numbers
+            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code), numbers,
+            lr_setting,
         ), contextlib.ExitStack() as opened:
             for group in groups:
                 if isinstance(group, MomentumGroup):
@@ -1782,7 +1791,9 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
     """
     for gi, group in enumerate(groups):
         lr = learning_rate_of(group["lr"])  # NOTE: [schedulers stepped in the step]
-        if lr is not values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]:
+        # a setting: the number the capture left there (NOTE: [a learning rate read in Python])
+        was_lr = values.get(StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi), set_groups[gi].get("lr"))
+        if lr is not was_lr:
             raise SPMDCompileError(
                 f"The train step changes optimizer[{oi}].param_groups[{gi}]['lr'] "
                 "(an LR scheduler stepped, or the learning rate set, inside the compiled "
