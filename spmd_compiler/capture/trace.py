@@ -1827,10 +1827,21 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
         for key, value in entries.items():
             old = before.get(p, {}).get(key, None)
             if not isinstance(value, torch.Tensor) and value != old:
+                # NOTE: [per-parameter state kept a Python number]: the hint's claim (a
+                # tensor count and tensor arithmetic on it compile, matching eager) is
+                # tested in tests/sim/test_python_writes_in_the_step.py
                 raise SPMDCompileError(
                     f"optimizer[{oi}] ({type(opt).__name__}) keeps non-tensor state "
-                    f"{key!r} that changes every step; it cannot become a graph input.",
-                    hint="use an optimizer whose state is made of tensors.",
+                    f"{key!r} that changes every step ({old!r} -> {value!r}): a compiled "
+                    "step runs no Python after capture, so a Python number in the state "
+                    "would keep the value it had when the step was traced.",
+                    hint=f"keep it in a tensor, as torch.optim's optimizers keep their step "
+                    f"count: `state[{key!r}] = torch.zeros((), dtype=torch.float64)` where the "
+                    f"state is made (float64 computes as Python numbers do); `state[{key!r}] += 1` "
+                    "then counts in the program, and "
+                    f"arithmetic on it must be tensor ops too (`1 - beta ** state[{key!r}]`, "
+                    "`.sqrt()`, `torch.pow`, not math.sqrt / math.pow / float()), or use a "
+                    "torch.optim optimizer (Adam, AdamW, Adafactor, ...).",
                 )
 
 
