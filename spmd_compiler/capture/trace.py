@@ -1022,6 +1022,19 @@ def _trace_first(
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint=SCALER_HINT,
             ) from exc
+        if isinstance(exc, _OptimizerNotPassed) and (held := _held_by_an_optimizer(exc.optimizer, bindings)):
+            # NOTE: [modules and optimizers by name]: an attribute of an optimizer is not
+            # searched (a wrapper's inner optimizer: SAM's base_optimizer, Lookahead's)
+            raise SPMDCompileError(
+                f"The train step calls step() of a {type(exc.optimizer).__module__}."
+                f"{type(exc.optimizer).__name__} it reaches only as {held}, an attribute of "
+                "an optimizer it is given: a compiled step finds optimizers among its "
+                "arguments and the names its code uses, not inside another optimizer.",
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
+                hint=f"pass it to the step as an argument too, e.g. train_step(model, "
+                f"optimizer, {held}, batch, target) with train_step taking it as an unused "
+                "parameter; the wrapper's own step() then runs it as before.",
+            ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
                 f"The train step calls step() of a {type(exc.optimizer).__module__}."
@@ -1611,6 +1624,16 @@ def _cast_forward_inputs(module: torch.nn.Module, dtype: torch.dtype) -> Iterato
         yield
     finally:
         handle.remove()
+
+
+def _held_by_an_optimizer(opt: torch.optim.Optimizer, bindings: StepBindings) -> str | None:
+    """How the code reaches ``opt`` through an attribute of one of the step's optimizers
+    (``optimizer.base_optimizer``), or None."""
+    for holder in bindings.optimizers:
+        for name, value in vars(holder).items():
+            if value is opt:
+                return f"optimizer.{name}"
+    return None
 
 
 class _OptimizerNotPassed(Exception):
