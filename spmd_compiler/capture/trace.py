@@ -1855,7 +1855,9 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
                 # tested in tests/sim/test_python_writes_in_the_step.py
                 raise SPMDCompileError(
                     f"optimizer[{oi}] ({type(opt).__name__}) keeps non-tensor state "
-                    f"{key!r} that changes every step ({old!r} -> {value!r}): a compiled "
+                    f"{key!r} that changes every step ("
+                    + (f"{old!r} -> {value!r}" if key in before.get(p, {}) else f"set to {value!r} while the step was traced")
+                    + "): a compiled "
                     "step runs no Python after capture, so a Python number in the state "
                     "would keep the value it had when the step was traced.",
                     hint=f"keep it in a tensor, as torch.optim's optimizers keep their step "
