@@ -773,8 +773,10 @@ def find_bindings(
 # and parameterless ones (a global ``criterion = nn.CrossEntropyLoss()``, which would only
 # prefix the parameters' names). Arguments win: a step given its model reads other named
 # modules (a frozen global teacher) as tensors from outside, as before. Optimizers are
-# the arguments' and, after them, those reachable by name whose every parameter the
-# modules own (after following DTensor replacements, NOTE: [parameters replaced by
+# the arguments' and, after them, those the given ones hold in an attribute (SAM's and
+# Lookahead's inner ``base_optimizer``, stepped by the wrapper's own step(); refused as
+# "not among its optimizers" before the fifty-seventh session) and those reachable by
+# name, each where every parameter it updates the modules own (after following DTensor replacements, NOTE: [parameters replaced by
 # DTensors]); a named optimizer over other parameters is left out, and its ``step()`` in
 # the trace is refused (``_OptimizerNotPassed`` in ``capture/trace.py``). Capture swaps
 # state on the module objects themselves, so the step's code reaching them by name traces
@@ -796,7 +798,10 @@ def _named_optimizers(
 ) -> list[torch.optim.Optimizer]:
     owned = {id(p) for p in params.values()}
     found: list[torch.optim.Optimizer] = []
-    for opt in _unique(reachable_by_name(func, [], torch.optim.Optimizer, holders=flat_args)):
+    # an optimizer a given one holds (SAM's / Lookahead's inner optimizer, which the
+    # wrapper's own step() steps): NOTE: [modules and optimizers by name]
+    held = [v for g in given for v in vars(g).values() if isinstance(v, torch.optim.Optimizer)]
+    for opt in _unique([*held, *reachable_by_name(func, [], torch.optim.Optimizer, holders=flat_args)]):
         if any(opt is g for g in given) or any(opt is f for f in found):
             continue
         if _stray_after_replacements(opt, owned) is None:

@@ -1023,17 +1023,15 @@ def _trace_first(
                 hint=SCALER_HINT,
             ) from exc
         if isinstance(exc, _OptimizerNotPassed) and (held := _held_by_an_optimizer(exc.optimizer, bindings)):
-            # NOTE: [modules and optimizers by name]: an attribute of an optimizer is not
-            # searched (a wrapper's inner optimizer: SAM's base_optimizer, Lookahead's)
+            # NOTE: [modules and optimizers by name]: an optimizer a given one holds is
+            # taken where the step's modules own its every parameter; this one's are not
             raise SPMDCompileError(
                 f"The train step calls step() of a {type(exc.optimizer).__module__}."
-                f"{type(exc.optimizer).__name__} it reaches only as {held}, an attribute of "
-                "an optimizer it is given: a compiled step finds optimizers among its "
-                "arguments and the names its code uses, not inside another optimizer.",
+                f"{type(exc.optimizer).__name__}, {held} (an attribute of an optimizer it "
+                "is given), which updates parameters that no module the step trains owns.",
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
-                hint=f"pass it to the step as an argument too, e.g. train_step(model, "
-                f"optimizer, {held}, batch, target) with train_step taking it as an unused "
-                "parameter; the wrapper's own step() then runs it as before.",
+                hint=f"build {held} over the parameters of the modules passed to the step, "
+                "or pass the modules that own its parameters to the step too.",
             ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
