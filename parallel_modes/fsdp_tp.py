@@ -114,8 +114,11 @@ class FullyShardTensorParallel(ParallelMode):
 
     def _tp_placement(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placement:
         """The plan's TP placement, or Replicate where its dimension does not divide tp
-        (NOTE: [uneven shards under FSDP x TP])."""
+        (NOTE: [uneven shards under FSDP x TP]) or the tensor has no such dimension
+        (NOTE: [state with fewer dimensions than its parameter])."""
         tp = self.tp.placement_of(ref, meta, mesh)[0]
+        if private.is_shard_like(tp) and not -len(meta.shape) <= cast(Shard, tp).dim < len(meta.shape):
+            return Replicate()
         if isinstance(tp, Shard) and not private.is_strided_shard(tp) and meta.shape[tp.dim] % mesh.size(TP):
             return Replicate()
         return tp
@@ -290,6 +293,19 @@ class FullyShardTensorParallel(ParallelMode):
 # rows in the first place (``gradient_rows``, NOTE: [weight gradients computed on the
 # rows kept] in ``expand/retrace.py``: 1/tp of the matmul); the cut stays for gradients
 # of other shapes.
+
+
+# NOTE: [state with fewer dimensions than its parameter]
+# Optimizer state is placed as its parameter is (NOTE: [state shaped unlike its
+# parameter] in base.py), but some state has fewer dimensions: an Adafactor or SM3 that
+# keeps a 2-D weight's column statistics as a 1-D (cols,) vector. The TP plan's split of
+# a rowwise weight, Shard(1), names a dimension such state does not have (reading its
+# size raised a bare IndexError). Such state is replicated on tp, as TensorParallel
+# alone ends up placing it (``placements_for_state``); dp then shards it where its size
+# allows, and ``placements_for_state`` keeps that shard only where the state has the
+# parameter's size in that dimension. The layout only: DTensor brings the operands of
+# each use to a common placement, so the numbers are eager's (tested in float64 under
+# 2x2 and 2x1 meshes, tests/sim/test_fsdp_tp.py).
 
 
 # NOTE: [uneven shards under FSDP x TP]

@@ -98,7 +98,11 @@ def pad_uneven_state(
                 f"dimension {dim_of[ref.name]} of size {plan[ref.name][0]}, not a multiple "
                 f"of {world} ranks; a padded tensor-parallel gradient cannot be kept "
                 "between steps.",
-                hint="call optimizer.zero_grad() at the end of the step.",
+                hint="let the step keep no gradient: end it with optimizer.zero_grad() with "
+                "set_to_none=True (its default); zero_grad(set_to_none=False) keeps zeroed "
+                "gradients, which are kept across steps too (to accumulate over calls, "
+                "accumulate inside one step instead). Or give the dimension a size the "
+                f"{world} ranks divide.",
             )
     gm = captured.graph_module
     pads = _pad_gradients(captured, plan, dim_of)

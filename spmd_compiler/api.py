@@ -108,10 +108,12 @@ class CompileRecord:
     capture_skipped: bool = False
 
 
-def _key_change(old: tuple, new: tuple, n_args: int) -> Change | None:
+def _key_change(old: tuple, new: tuple, n_args: int, names: Callable[[], list[str]] | None = None) -> Change | None:
     """What differs between two calls' program keys (``(input metas, static_key,
-    (simulated, world size), grad mode, default dtype, autocast)``) in the step's arguments, in the words the
-    guards use: "<what> was <old>, now <new>"; None when only the rest differs."""
+    (simulated, world size), grad mode, default dtype, autocast)``) in the step's arguments, in the
+    words the guards use: "<what> was <old>, now <new>"; None when only the rest differs.
+    ``names()``: the step's name for each flattened argument (``argument_paths``), read
+    only for a change."""
     old_metas, old_static, new_metas, new_static = old[0], old[1], new[0], new[1]
     if old[2][1] != new[2][1]:
         return Change("the world size", str(old[2][1]), str(new[2][1]))
@@ -135,7 +137,9 @@ def _key_change(old: tuple, new: tuple, n_args: int) -> Change | None:
         return Change("the structure of the step's arguments", "one", "another")
     for i in range(1, min(n_args + 1, len(old_static), len(new_static))):
         if old_static[i] != new_static[i]:
-            return Change(f"argument {i - 1} of the step", repr(old_static[i]), repr(new_static[i]))
+            paths = names() if names is not None else []
+            label = paths[i - 1] if len(paths) == n_args else i - 1
+            return Change(f"argument {label} of the step", repr(old_static[i]), repr(new_static[i]))
     # the optimizer settings but the learning rate (a graph input), by name
     if min(len(old_static), len(new_static)) > n_args + 1:
         old_settings = dict(old_static[n_args + 1])
@@ -164,6 +168,17 @@ def _buffer_metas(static: tuple) -> dict[str, tuple[tuple[int, ...], torch.dtype
         if type(part) is tuple and len(part) == 3 and type(part[0]) is str
         and type(part[1]) is tuple and isinstance(part[2], torch.dtype)
     }
+
+
+def _is_float_repr(text: str | None) -> bool:
+    """Whether a guard's value text is a Python float's repr (``0.3``, ``1e-05``, ``inf``)."""
+    if text is None:
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return not text.lstrip("-").isdigit()
 
 
 def _plain_input_meta(index: int, t: torch.Tensor) -> TensorMeta:
@@ -428,7 +443,10 @@ class CompiledTrainStep:
             if any(node.meta.get(PHASE) == BACKWARD_PHASE for node in graph.nodes):
                 refuse_anomaly_checks(innermost_model_frame_of_stack())
         if executable is None and key not in self._cache and self._last_key is not None:
-            change = _key_change(self._last_key, key, len(bindings.flat_args))
+            change = _key_change(
+                self._last_key, key, len(bindings.flat_args),
+                lambda: self._argument_paths(bindings),
+            )
             if change is not None:
                 self._note_recompile(change)
         self._last_key = key
@@ -609,6 +627,17 @@ class CompiledTrainStep:
                         "momentum where the step reads it only in optimizer.step()) is a graph "
                         "input; keep the other optimizer settings fixed (a scheduler cycling "
                         "momentum or betas: OneCycleLR / CyclicLR(cycle_momentum=False))")
+            elif what.startswith("argument ") and _is_float_repr(was) and _is_float_repr(now):
+                # a float argument is a graph input unless the step reads it in Python
+                # (NOTE: [float arguments as graph inputs]): a tensor there is read too
+                hint = ("it is a float the step reads in Python (float(), math, an `if`: "
+                        "torch's clip_grad_norm_ calls float(max_norm)), so each value is a "
+                        "setting of the program, and a tensor there would be read the same "
+                        "way (refused); a float the step uses only in tensor ops is a graph "
+                        "input and compiles once: clip by a changing max_norm by hand, "
+                        "`norm = torch.nn.utils.get_total_norm(grads)` then "
+                        "`torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))`, "
+                        "or keep the value fixed")
             else:
                 hint = ("keep a value that changes every step in a tensor (a buffer or a "
                         "tensor argument), or pass it as a float argument used in tensor ops; "

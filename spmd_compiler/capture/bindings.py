@@ -216,6 +216,32 @@ def _follow_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> None:
 
 # Hyper-parameters fed to the graph as tensors each step (so schedulers never recompile).
 TENSOR_HYPERPARAMS = ("lr",)
+# optimizers whose step read the learning rate's value in Python: a setting of their
+# programs from then on (NOTE: [a learning rate read in Python] in capture/optimizers.py)
+_LR_KEYED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def lr_is_input(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s learning rates are graph inputs (NOTE: [a learning rate read in
+    Python] in capture/optimizers.py): unless its step read one in Python."""
+    return opt not in _LR_KEYED
+
+
+def lr_may_become_a_setting(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s learning rates are graph inputs that may become settings: each
+    a Python number (a tensor the user gave stays a tensor)."""
+    return lr_is_input(opt) and all(type(g.get("lr")) in (float, int) for g in opt.param_groups)
+
+
+def keep_lr_a_setting(opt: torch.optim.Optimizer) -> None:
+    """``opt``'s step read its learning rate in Python: from now on it is a setting of
+    the program (a program per value)."""
+    _LR_KEYED.add(opt)
+
+
+def tensor_hyperparams(opt: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The keys of ``TENSOR_HYPERPARAMS`` that are ``opt``'s graph inputs."""
+    return TENSOR_HYPERPARAMS if lr_is_input(opt) else ()
 BETA1 = "beta1"
 
 # NOTE: [Adam's beta1 as a graph input]
@@ -377,7 +403,7 @@ class StepBindings:
             StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi)
             for oi, opt in enumerate(self.optimizers)
             for gi, group in enumerate(opt.param_groups)
-            for key in TENSOR_HYPERPARAMS + cycled_inputs(opt, group)
+            for key in tensor_hyperparams(opt) + cycled_inputs(opt, group)
         ]
 
     def hyperparam_value(self, ref: StateRef) -> float:
@@ -394,7 +420,7 @@ class StepBindings:
             for oi, opt in enumerate(self.optimizers)
             for gi, group in enumerate(opt.param_groups)
             for k, v in group.items()
-            if k != "params" and k not in TENSOR_HYPERPARAMS and k != "initial_lr"
+            if k != "params" and k not in tensor_hyperparams(opt) and k != "initial_lr"
             and not (k == "betas" and beta1_is_input(opt, group))
             and not (k == MOMENTUM and momentum_is_input(opt, group))
         } | {  # NOTE: [Adam's beta1 as a graph input]: beta2 alone is a setting
@@ -747,8 +773,10 @@ def find_bindings(
 # and parameterless ones (a global ``criterion = nn.CrossEntropyLoss()``, which would only
 # prefix the parameters' names). Arguments win: a step given its model reads other named
 # modules (a frozen global teacher) as tensors from outside, as before. Optimizers are
-# the arguments' and, after them, those reachable by name whose every parameter the
-# modules own (after following DTensor replacements, NOTE: [parameters replaced by
+# the arguments' and, after them, those the given ones hold in an attribute (SAM's and
+# Lookahead's inner ``base_optimizer``, stepped by the wrapper's own step(); refused as
+# "not among its optimizers" before the fifty-seventh session) and those reachable by
+# name, each where every parameter it updates the modules own (after following DTensor replacements, NOTE: [parameters replaced by
 # DTensors]); a named optimizer over other parameters is left out, and its ``step()`` in
 # the trace is refused (``_OptimizerNotPassed`` in ``capture/trace.py``). Capture swaps
 # state on the module objects themselves, so the step's code reaching them by name traces
@@ -770,7 +798,10 @@ def _named_optimizers(
 ) -> list[torch.optim.Optimizer]:
     owned = {id(p) for p in params.values()}
     found: list[torch.optim.Optimizer] = []
-    for opt in _unique(reachable_by_name(func, [], torch.optim.Optimizer, holders=flat_args)):
+    # an optimizer a given one holds (SAM's / Lookahead's inner optimizer, which the
+    # wrapper's own step() steps): NOTE: [modules and optimizers by name]
+    held = [v for g in given for v in vars(g).values() if isinstance(v, torch.optim.Optimizer)]
+    for opt in _unique([*held, *reachable_by_name(func, [], torch.optim.Optimizer, holders=flat_args)]):
         if any(opt is g for g in given) or any(opt is f for f in found):
             continue
         if _stray_after_replacements(opt, owned) is None:

@@ -219,7 +219,7 @@ from typing import Any
 import torch
 
 from ..errors import Change
-from .bindings import StepBindings, mark_parameters, numpy_kind
+from .bindings import StepBindings, argument_paths, mark_parameters, numpy_kind
 from .code_names import (
     global_names_in,
     names_in,
@@ -789,6 +789,22 @@ def is_scalar(value: Any) -> bool:
     return False
 
 
+def _argument_labels(func: Any, bindings: StepBindings) -> list[str]:
+    """How a guard names each of ``bindings.flat_args``: by the step's own name for it
+    (``argument max_norm of the step``, ``argument batch['lr'] of the step``), which a
+    recompile warning repeats; by position where the signature cannot be read."""
+    try:
+        paths = argument_paths(func, bindings.args_spec)
+    except Exception:  # noqa: BLE001 - a signature or structure not read: positions
+        paths = []
+    if len(paths) != len(bindings.flat_args):
+        paths = []
+    return [
+        f"argument {paths[i]} of the step" if paths else f"argument {i} of the step"
+        for i in range(len(bindings.flat_args))
+    ]
+
+
 def build_guards(
     func: Any, bindings: StepBindings, graph_args: frozenset[int], skipped: frozenset[int] = frozenset(),
     by_name: bool = True,
@@ -817,16 +833,17 @@ def build_guards(
             found = vars(opt).get(key)
             if isinstance(found, dict):
                 walker.hooks(found, f"{_hook_kind(key)} of optimizer[{oi}]")
+    labels = _argument_labels(func, bindings)
     for i, arg in enumerate(bindings.flat_args):
         if isinstance(arg, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
             continue
         if i in graph_args or id(arg) in skipped:
             continue
         if is_scalar(arg):
-            guards.add(_ARG, None, i, arg, f"argument {i} of the step")
+            guards.add(_ARG, None, i, arg, labels[i])
             continue
         guards.links.append((_ARG, None, i, arg))
-        if walker.iterator(arg, f"argument {i} of the step"):
+        if walker.iterator(arg, labels[i]):
             continue
         if any(arg is s for s in bindings.schedulers):
             # an LR scheduler this program does not step (one it steps is skipped: NOTE:
@@ -834,10 +851,10 @@ def build_guards(
             # by the program of another way (gradient accumulation stepping it in the
             # branch that updates): guarded by the attributes the code names. Walked
             # whole, its ``last_epoch`` compiled a program for every update
-            walker.named.append((arg, f"argument {i} of the step", "", False, set(), False, 0))
+            walker.named.append((arg, labels[i], "", False, set(), False, 0))
             continue
         if holds_attributes(arg):
-            walker.whole(arg, f"argument {i} of the step", OBJECT_DEPTH)
+            walker.whole(arg, labels[i], OBJECT_DEPTH)
     classes: dict[type, None] = {}
     for mi, mod in enumerate(bindings.modules):
         for fqn, sub in mod.named_modules():

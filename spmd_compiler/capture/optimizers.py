@@ -205,14 +205,40 @@ def _scaled_operand(op: Any, self_: torch.Tensor, t1: torch.Tensor, t2: torch.Te
 # keep_momentum_a_setting``): a program per value, never a stale one.
 
 
-class CycledValueUsed(BaseException):
-    """A cycled hyper-parameter was used other than as a graph input: capture again with
-    it a setting of the program (NOTE: [SGD's momentum as a graph input]). Not an
-    ``Exception``: the capture's handlers of the step's own errors let it through."""
+# NOTE: [a learning rate read in Python]
+# The learning rate is a graph input (NOTE: [tensor hyper-parameters in Scalar
+# arguments]): while the step is traced, each group's ``lr`` is a 0-dim tensor. torch's
+# optimizers compute with it in tensor ops only; a custom one may do Python arithmetic
+# on it (``step_size = math.sqrt(group["lr"]) * 0.3``, a warmup ``min(1.0, ...)``), which
+# reads the tensor's value and was refused as "reads the value of a tensor in Python",
+# although the user's code read a float. As SGD's momentum does (NOTE: [SGD's momentum as
+# a graph input]), such an optimizer's learning rates then become settings of its
+# programs: the step is captured again with each group's ``lr`` the Python number eager
+# reads (``CycledValueUsed`` with key ``lr``, ``bindings.keep_lr_a_setting``), and the
+# program key holds the value: a program per value, never a stale one (a scheduler
+# changing it recompiles at each new value). Only where every group's ``lr`` is a Python
+# number: a tensor the user gave stays a tensor, and its read stays refused. A step that
+# still reads a tensor in Python with the learning rates numbers is refused as before,
+# the read being elsewhere. torch's foreach ops taking a Scalar (``torch._foreach_add_(
+# params, updates, alpha=-group["lr"])``) read a tensor given there too; those with a
+# rule here compute per tensor with the learning rate a graph input instead (the
+# arithmetic of their per-tensor ops, NOTE: [tensor hyper-parameters in Scalar
+# arguments]): no program per value. An op whose argument parser takes a Number only
+# (``torch._foreach_lerp_(exp_avgs, grads, group["lr"])``) raises a TypeError before
+# any rule sees it; such an error inside the step makes the learning rates settings too
+# (a TypeError of the optimizer's own survives that capture and is raised as before).
 
-    def __init__(self, optimizer: int, how: str) -> None:
-        super().__init__(f"optimizer[{optimizer}]'s momentum {how}")
+
+class CycledValueUsed(BaseException):
+    """A cycled hyper-parameter (``key``) was used other than as a graph input: capture
+    again with it a setting of the program (NOTE: [SGD's momentum as a graph input],
+    NOTE: [a learning rate read in Python]). Not an ``Exception``: the capture's handlers
+    of the step's own errors let it through."""
+
+    def __init__(self, optimizer: int, how: str, key: str = "momentum") -> None:
+        super().__init__(f"optimizer[{optimizer}]'s {key} {how}")
         self.optimizer = optimizer
+        self.key = key
 
 
 class CycledValue(float):
@@ -341,6 +367,48 @@ def _lerp_in_compute_dtype(op: Any, self_: torch.Tensor, end: torch.Tensor, weig
     return self_.copy_(out) if op.__name__.endswith("_") else out.to(result)
 
 
+_FOREACH_ALPHA_OPS = ("_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_")
+_FOREACH_VALUE_OPS = ("_foreach_addcdiv", "_foreach_addcdiv_", "_foreach_addcmul", "_foreach_addcmul_")
+_FOREACH_LERP_OPS = ("_foreach_lerp", "_foreach_lerp_")
+
+
+def _foreach_accepting_tensors(
+    name: str, original: Callable[..., Any], scalars: _TensorScalars
+) -> Callable[..., Any]:
+    """``torch.<name>`` (a foreach op) whose Scalar argument may be a 0-dim tensor
+    (``torch._foreach_add_(params, updates, alpha=-group["lr"])``): computed as its
+    per-tensor ops, which ``_TensorScalars`` rewrites (NOTE: [a learning rate read in
+    Python]); the argument parser refuses a traced tensor there before any
+    ``__torch_function__`` could see it, and the per-tensor ops' parser refuses one that
+    requires grad (a group's ``lr`` in the first trace, NOTE: [capture in two traces]),
+    so it is given detached (a number of ``scalars`` stays one). The foreach kernels
+    compute each tensor's per-tensor arithmetic. Any other call: the op as it is."""
+    in_place = name.endswith("_")
+    base = name.removeprefix("_foreach_").removesuffix("_")
+    per_tensor = getattr(torch.Tensor, base + "_") if in_place else getattr(torch, base)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        lists = [a for a in args if isinstance(a, (list, tuple))]
+        if name in _FOREACH_ALPHA_OPS:
+            key, scalar, n = "alpha", kwargs.get("alpha"), 2
+        elif name in _FOREACH_VALUE_OPS:
+            key, scalar, n = "value", kwargs.get("value", args[3] if len(args) == 4 else None), 3
+        else:
+            key, scalar, n = "weight", kwargs.get("weight", args[2] if len(args) == 3 else None), 2
+        if not (isinstance(scalar, torch.Tensor) and scalar.dim() == 0) or len(lists) != n \
+                or set(kwargs) - {key} or len(args) not in (n, n + 1):
+            return original(*args, **kwargs)
+        if scalar.requires_grad:
+            detached = scalar.detach()
+            if scalars._number(scalar):
+                scalars.numbers[id(detached)] = detached
+            scalar = detached
+        outs = [per_tensor(*tensors, **{key: scalar}) for tensors in zip(*args[:n], strict=True)]
+        return None if in_place else outs
+
+    return call
+
+
 class _TensorScalars(TorchFunctionMode):
     """Rewrites Scalar arguments given as tensors (NOTE: [tensor hyper-parameters in
     Scalar arguments]); ``numbers``: the graph inputs that stand for Python floats
@@ -427,23 +495,37 @@ def _adafactor_in_tensor_ops(opt: torch.optim.Optimizer) -> Iterator[None]:
 
 @contextlib.contextmanager
 def tracing_optimizer_step(opt: torch.optim.Optimizer, oi: int, where: Callable[[BaseException], Any],
-                           numbers: tuple[torch.Tensor, ...] = ()) -> Iterator[None]:
+                           numbers: tuple[torch.Tensor, ...] = (), lr_setting: bool = False) -> Iterator[None]:
     """Context for tracing ``opt.step()``: tensor Scalars rewritten, the graph inputs
     ``numbers`` computed with as eager computes with Python floats (NOTE: [hyper-parameters
     kept Python numbers]), and a Python read of a tensor's value inside the optimizer
-    refused with the optimizer's name."""
+    refused with the optimizer's name; with ``lr_setting`` (its learning rates are
+    inputs that may become settings) such a read captures the step again with them
+    settings first (NOTE: [a learning rate read in Python])."""
     from .traced_items import value_read_errors
     from .value_checks import Undecided
 
+    scalars = _TensorScalars(numbers)
     try:
-        with _TensorScalars(numbers), mock.patch.object(
+        with scalars, mock.patch.object(
             torch, "full_like", _full_like_accepting_tensors(torch.full_like)
-        ), _adafactor_in_tensor_ops(opt), private.adam_update_as_eager():
+        ), _adafactor_in_tensor_ops(opt), private.adam_update_as_eager(), contextlib.ExitStack() as foreach:
+            for name in (*_FOREACH_ALPHA_OPS, *_FOREACH_VALUE_OPS, *_FOREACH_LERP_OPS):
+                if hasattr(torch, name):
+                    foreach.enter_context(
+                        mock.patch.object(torch, name, _foreach_accepting_tensors(name, getattr(torch, name), scalars))
+                    )
             yield
     except Undecided as exc:  # NOTE: [value checks]: named if it is refused
         exc.owner = f"optimizer[{oi}] ({type(opt).__module__}.{type(opt).__name__}) in its step()"
         raise
+    except TypeError as exc:
+        if lr_setting:  # NOTE: [a learning rate read in Python]: a tensor given for a Number
+            raise CycledValueUsed(oi, f"was refused by an op inside its step() ({exc})", key="lr") from exc
+        raise
     except value_read_errors() as exc:
+        if lr_setting:  # NOTE: [a learning rate read in Python]
+            raise CycledValueUsed(oi, "was read in Python inside its step()", key="lr") from exc
         raise SPMDCompileError(
             f"optimizer[{oi}] ({type(opt).__module__}.{type(opt).__name__}) reads the value "
             "of a tensor in Python inside its step() (.item() or control flow on a tensor), "

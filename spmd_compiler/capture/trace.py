@@ -83,7 +83,9 @@ from .bindings import (
     MOMENTUM,
     StepBindings,
     check_plain_modules,
+    keep_lr_a_setting,
     keep_momentum_a_setting,
+    lr_may_become_a_setting,
     tensor_argument_names,
 )
 from .code_names import step_code, step_name, step_where
@@ -671,7 +673,10 @@ def capture_step(
             return _capture_step(func, bindings, input_metas, options, decisions, make_state)
         except CycledValueUsed as used:  # NOTE: [SGD's momentum as a graph input]
             log.info("%s: %s; it is a setting of the program from now on", step_name(func), used)
-            keep_momentum_a_setting(bindings.optimizers[used.optimizer])
+            if used.key == "lr":  # NOTE: [a learning rate read in Python]
+                keep_lr_a_setting(bindings.optimizers[used.optimizer])
+            else:
+                keep_momentum_a_setting(bindings.optimizers[used.optimizer])
 
 
 def _capture_step(
@@ -1020,6 +1025,17 @@ def _trace_first(
                 str(exc),
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint=SCALER_HINT,
+            ) from exc
+        if isinstance(exc, _OptimizerNotPassed) and (held := _held_by_an_optimizer(exc.optimizer, bindings)):
+            # NOTE: [modules and optimizers by name]: an optimizer a given one holds is
+            # taken where the step's modules own its every parameter; this one's are not
+            raise SPMDCompileError(
+                f"The train step calls step() of a {type(exc.optimizer).__module__}."
+                f"{type(exc.optimizer).__name__}, {held} (an attribute of an optimizer it "
+                "is given), which updates parameters that no module the step trains owns.",
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
+                hint=f"build {held} over the parameters of the modules passed to the step, "
+                "or pass the modules that own its parameters to the step too.",
             ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
@@ -1613,6 +1629,16 @@ def _cast_forward_inputs(module: torch.nn.Module, dtype: torch.dtype) -> Iterato
         handle.remove()
 
 
+def _held_by_an_optimizer(opt: torch.optim.Optimizer, bindings: StepBindings) -> str | None:
+    """How the code reaches ``opt`` through an attribute of one of the step's optimizers
+    (``optimizer.base_optimizer``), or None."""
+    for holder in bindings.optimizers:
+        for name, value in vars(holder).items():
+            if value is opt:
+                return f"optimizer.{name}"
+    return None
+
+
 class _OptimizerNotPassed(Exception):
     """An optimizer that is not an argument of the step stepped while it was traced."""
 
@@ -1658,13 +1684,16 @@ def _swap_optimizer(
 ) -> Iterator[tuple[initial_state.RecordedStates, dict[str, tuple[int, torch.Tensor]]]]:
     """Point ``opt`` at traced parameters, state and learning rates; restore on exit."""
     saved_groups, saved_state = opt.param_groups, opt.state
+    lr_setting = lr_may_become_a_setting(opt)  # NOTE: [a learning rate read in Python]
     groups, by_param = [], {}
     for gi, group in enumerate(saved_groups):
         new = dict(group)
         new["params"] = [params[b.param_name(p)] for p in group["params"]]
         for p in group["params"]:
             by_param[b.param_name(p)] = (gi, params[b.param_name(p)])
-        new["lr"] = values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]
+        lr = values.get(StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi))
+        if lr is not None:  # else a setting (NOTE: [a learning rate read in Python])
+            new["lr"] = lr
         beta1 = values.get(StateRef(Kind.HYPERPARAM, key=BETA1, optimizer=oi, group=gi))
         if beta1 is not None:  # NOTE: [Adam's beta1 as a graph input]
             new["betas"] = (beta1, group["betas"][1])
@@ -1701,7 +1730,8 @@ def _swap_optimizer(
         graph = private.current_trace_graph()
         mark = last_node(graph)
         with group_numbers_paused(), private.optimizer_capturable_path(), tracing_optimizer_step(
-            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code), numbers
+            opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code), numbers,
+            lr_setting,
         ), contextlib.ExitStack() as opened:
             for group in groups:
                 if isinstance(group, MomentumGroup):
@@ -1787,7 +1817,9 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
     """
     for gi, group in enumerate(groups):
         lr = learning_rate_of(group["lr"])  # NOTE: [schedulers stepped in the step]
-        if lr is not values[StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi)]:
+        # a setting: the number the capture left there (NOTE: [a learning rate read in Python])
+        was_lr = values.get(StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi), set_groups[gi].get("lr"))
+        if lr is not was_lr:
             raise SPMDCompileError(
                 f"The train step changes optimizer[{oi}].param_groups[{gi}]['lr'] "
                 "(an LR scheduler stepped, or the learning rate set, inside the compiled "
@@ -1821,10 +1853,23 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
         for key, value in entries.items():
             old = before.get(p, {}).get(key, None)
             if not isinstance(value, torch.Tensor) and value != old:
+                # NOTE: [per-parameter state kept a Python number]: the hint's claim (a
+                # tensor count and tensor arithmetic on it compile, matching eager) is
+                # tested in tests/sim/test_python_writes_in_the_step.py
                 raise SPMDCompileError(
                     f"optimizer[{oi}] ({type(opt).__name__}) keeps non-tensor state "
-                    f"{key!r} that changes every step; it cannot become a graph input.",
-                    hint="use an optimizer whose state is made of tensors.",
+                    f"{key!r} that changes every step ("
+                    + (f"{old!r} -> {value!r}" if key in before.get(p, {}) else f"set to {value!r} while the step was traced")
+                    + "): a compiled "
+                    "step runs no Python after capture, so a Python number in the state "
+                    "would keep the value it had when the step was traced.",
+                    hint=f"keep it in a tensor, as torch.optim's optimizers keep their step "
+                    f"count: `state[{key!r}] = torch.zeros((), dtype=torch.float64)` where the "
+                    f"state is made (float64 computes as Python numbers do); `state[{key!r}] += 1` "
+                    "then counts in the program, and "
+                    f"arithmetic on it must be tensor ops too (`1 - beta ** state[{key!r}]`, "
+                    "`.sqrt()`, `torch.pow`, not math.sqrt / math.pow / float()), or use a "
+                    "torch.optim optimizer (Adam, AdamW, Adafactor, ...).",
                 )
 
 

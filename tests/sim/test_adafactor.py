@@ -131,6 +131,47 @@ def test_factored_2d_weights_under_sharded_modes_match_one_device(mode, run_pari
         assert placements["2.weight.col_var"] == (Shard(1),)
 
 
+class _VectorFactors(torch.optim.Optimizer):
+    """An SM3 / fairseq-Adafactor-like update keeping a 2-D weight's statistics as 1-D
+    vectors: a (rows,) and a (cols,) mean of its squared gradient."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if p.ndim != 2:
+                    p.add_(p.grad, alpha=-group["lr"])
+                    continue
+                if not state:
+                    state["row"] = torch.zeros(p.shape[0], dtype=p.dtype)
+                    state["col"] = torch.zeros(p.shape[1], dtype=p.dtype)
+                square = p.grad.square()
+                state["row"].mul_(0.9).add_(square.mean(1), alpha=0.1)
+                state["col"].mul_(0.9).add_(square.mean(0), alpha=0.1)
+                scale = (state["row"][:, None] * state["col"][None, :]).sqrt() + 1e-8
+                p.addcdiv_(p.grad, scale, value=-group["lr"])
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 1)])
+def test_vector_factors_of_a_rowwise_weight_under_fsdp_tp_match_one_device(shape, run_parity):
+    """A rowwise weight's (cols,) statistics have no dimension 1 for its tp split
+    Shard(1): placing them raised a bare IndexError; they are replicated on tp, as
+    TensorParallel alone places them (NOTE: [state with fewer dimensions than its
+    parameter] in parallel_modes/fsdp_tp.py), and the update is exact."""
+    result = run_parity(
+        _even_mlp, lambda m: _VectorFactors(m.parameters()), shape[0] * shape[1], _batches((BATCH, 8)),
+        step=plain_step,
+        mode=FullyShardTensorParallel(_TP_PLAN, mesh_shape=shape),
+    )
+    result.assert_close(TOL)
+    assert result.compile_counts[-1] == 1
+    assert "optim.g0.p2.col" in result.state_differences  # the rowwise weight's (cols,) state
+
+
 def test_placements_for_state_keep_only_shards_of_the_parameters_size():
     strided = private.strided_shard(0, 2)
     assert placements_for_state((Shard(0),), (16, 1), (16, 8)) == (Shard(0),)

@@ -635,3 +635,88 @@ def test_a_scheduler_stepped_twice_in_the_step_is_replayed_twice(classification_
     assert scheduler.last_epoch == reference_scheduler.last_epoch == 6
     assert optim.param_groups[0]["lr"] == reference_optim.param_groups[0]["lr"]
     assert compiled.compile_count == 1
+
+
+class _SqrtLR(torch.optim.Optimizer):
+    """A custom optimizer doing Python arithmetic on its learning rate."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            step_size = math.sqrt(group["lr"]) * 0.3
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-step_size)
+
+
+def test_learning_rate_a_custom_optimizer_reads_in_python_is_a_setting(run_parity, classification_batches):
+    """NOTE: [a learning rate read in Python] in capture/optimizers.py: the learning rate
+    is a graph input, so `math.sqrt(group["lr"])` read a tensor and the step was refused
+    ("reads the value of a tensor in Python inside its step()"); the optimizer's learning
+    rates are settings of its programs instead, a program per value, each eager's."""
+    result = run_parity(
+        lambda: mlp().double(), lambda m: _SqrtLR(m.parameters()), 2,
+        classification_batches(STEPS, dtype=torch.float64), make_scheduler=SCHEDULERS["lambda"],
+    )
+    result.assert_close(1e-13)
+    assert result.compile_counts == [1, 2, 3, 4, 5]  # each new learning rate: its program
+
+
+class _ForeachMomentum(torch.optim.Optimizer):
+    """A custom optimizer giving its learning rate to foreach ops' Scalar arguments."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            params = list(group["params"])
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["m"] = torch.zeros_like(p)
+                    self.state[p]["v"] = torch.ones_like(p)
+            ms = [self.state[p]["m"] for p in params]
+            vs = [self.state[p]["v"] for p in params]
+            grads = [p.grad for p in params]
+            torch._foreach_lerp_(ms, grads, group["lr"])
+            torch._foreach_addcmul_(vs, grads, grads, value=group["lr"])
+            torch._foreach_addcdiv_(params, ms, vs, value=-group["lr"])
+            torch._foreach_add_(params, grads, alpha=-group["lr"])
+
+
+def test_foreach_ops_given_the_learning_rate_keep_it_an_input(run_parity, classification_batches):
+    """`torch._foreach_add_(params, updates, alpha=-group["lr"])` (and addcmul / addcdiv's
+    value) read the learning rate's tensor as a Scalar and were refused;
+    they compute per tensor with the learning rate a graph input (NOTE: [a learning rate
+    read in Python]): one program through the schedule, eager's numbers."""
+    result = run_parity(
+        lambda: mlp().double(), lambda m: _ForeachMomentum(m.parameters()), 2,
+        classification_batches(STEPS, dtype=torch.float64), make_scheduler=SCHEDULERS["lambda"],
+    )
+    result.assert_close(1e-13)
+    assert result.compile_counts[-1] == 1
+
+
+class _RenormLR(_ForeachMomentum):
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                update = p.grad.renorm(2, 0, group["lr"]) if p.ndim == 2 else p.grad  # a Scalar maxnorm
+                p.sub_(update)
+
+
+def test_an_op_taking_the_learning_rate_as_a_scalar_makes_it_a_setting(run_parity, classification_batches):
+    """torch's argument parser refuses the learning rate's traced tensor for `renorm`'s
+    Scalar maxnorm (a TypeError before any rule sees the call; without grad, a read of
+    its value): the learning rates become settings (NOTE: [a learning rate read in
+    Python]), a program per value, eager's numbers."""
+    result = run_parity(
+        lambda: mlp().double(), lambda m: _RenormLR(m.parameters(), lr=0.01), 2,
+        classification_batches(3, dtype=torch.float64), make_scheduler=SCHEDULERS["lambda"],
+    )
+    result.assert_close(1e-13)
+    assert result.compile_counts == [1, 2, 3]

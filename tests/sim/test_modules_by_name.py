@@ -246,3 +246,74 @@ def test_an_optimizer_over_other_parameters_is_not_taken():
     assert "other_opt.step()" in str(info.value)
     after = [p.detach() for p in (*net.parameters(), *other.parameters())]
     assert all(torch.equal(a, b) and not isinstance(a, DTensor) for a, b in zip(after, before, strict=True))
+
+
+class _SAM(torch.optim.Optimizer):
+    """davda54/sam's wrapper: it builds its inner optimizer itself, keeps it as an
+    attribute and shares its param groups."""
+
+    def __init__(self, params, base, rho: float = 0.05, **kwargs) -> None:  # noqa: ANN001
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        norm = torch.stack([p.grad.norm() for g in self.param_groups for p in g["params"]]).norm()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["old_p"] = p.detach().clone()
+                p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.copy_(self.state[p]["old_p"])
+        self.base_optimizer.step()
+
+
+def _sam_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.first_step()
+    optim.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optim.second_step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_optimizer_held_by_a_given_optimizer_is_taken(mode):
+    """SAM's inner optimizer, reached only as ``optimizer.base_optimizer``, was refused
+    as "not among ... those its code names whose every parameter belongs to the modules
+    it trains", which it does; it is taken as a named optimizer is (NOTE: [modules and
+    optimizers by name]) and the step matches eager."""
+    net, reference = _net(), _net()
+    optim = _SAM(net.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    reference_optim = _SAM(reference.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    step = sc.compile(DataParallel(mode))(_sam_step)
+    with sc.simulate(world_size=WORLD) as sim:
+        for x, y in _batches():
+            loss = step(net, optim, x, y)
+            assert relative_difference(loss, _sam_step(reference, reference_optim, x, y)) <= TOL
+        state = full_state(net, optim.base_optimizer, sim)
+    expected = full_state(reference, reference_optim.base_optimizer, None)
+    assert any("momentum_buffer" in k for k in expected)
+    assert max(relative_difference(state[k], expected[k]) for k in expected) <= TOL
+
+
+def test_an_optimizer_held_over_other_parameters_is_refused_by_its_attribute():
+    """An inner optimizer over parameters the step's modules do not own is left out, and
+    its step() refused naming the attribute it is reached by, nothing changed."""
+    net, other = _net(), _net(1)
+    optim = _SAM(net.parameters(), torch.optim.SGD, lr=0.1)
+    optim.base_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in (*net.parameters(), *other.parameters())]
+    x, y = _batches()[0]
+    with sc.simulate(world_size=WORLD), pytest.raises(SPMDCompileError) as info:
+        sc.compile()(_sam_step)(net, optim, x, y)
+    assert "optimizer.base_optimizer (an attribute of an optimizer it is given)" in str(info.value)
+    after = [p.detach() for p in (*net.parameters(), *other.parameters())]
+    assert all(torch.equal(a, b) and not isinstance(a, DTensor) for a, b in zip(after, before, strict=True))

@@ -775,13 +775,82 @@ def test_int_argument_changing_every_call_warns(classification_batches, caplog):
             compiled(model, optim, x, y, i)
     assert compiled.compile_count == 5
     changes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
-    assert changes[0] == "recompiling counted_step: argument 4 of the step was 0, now 1"
+    assert changes[0] == "recompiling counted_step: argument iteration of the step was 0, now 1"
     assert len(changes) == 4
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith(
-        "argument 4 of the step changed on 3 calls of counted_step"
+        "argument iteration of the step changed on 3 calls of counted_step"
     ), warnings
     assert "pass the decision as a bool argument" in warnings[0]  # the accumulation way out
+
+
+def clipped_step(model, optim, x, y, max_norm):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # float(max_norm)
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def clipped_by_hand_step(model, optim, x, y, max_norm):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    norm = torch.nn.utils.get_total_norm(grads)
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_float_read_in_python_changing_every_call_is_named_and_told_the_way_out(classification_batches):
+    """torch's clip_grad_norm_ calls float(max_norm): a float argument changing every call
+    compiles per value. The warning said "argument 4 of the step" and "keep it in a
+    tensor", which is refused there (float() of a tensor); it names `max_norm` and the
+    clip by hand its hint gives compiles once and matches eager."""
+    norms = [0.3, 0.1, 0.2, 0.05, 0.15]
+    handler = _Messages()
+    logger = logging.getLogger("spmd_compiler")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        torch.manual_seed(0)
+        model = _mlp().double()
+        compiled = sc.compile()(clipped_step)
+        with sc.simulate(2):
+            for (x, y), max_norm in zip(classification_batches(5, dtype=torch.float64), norms, strict=True):
+                compiled(model, sgd_momentum(model), x, y, max_norm)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    warnings = [r.getMessage() for r in handler.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("argument max_norm of the step changed on 3 calls")
+    assert "torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))" in warnings[0]
+    assert "in a tensor" not in warnings[0]
+
+    torch.manual_seed(0)
+    model = _mlp().double()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = sgd_momentum(model), sgd_momentum(reference)
+    compiled = sc.compile()(clipped_by_hand_step)
+    with sc.simulate(2):
+        for (x, y), max_norm in zip(classification_batches(5, dtype=torch.float64), norms, strict=True):
+            loss = compiled(model, optim, x, y, max_norm)
+            expected = clipped_step(reference, reference_optim, x, y, max_norm)
+            assert abs(loss.item() - expected.item()) <= 1e-12 * expected.item()
+        assert max(compare_models(model, reference, None).values()) < 1e-12
+    assert compiled.compile_count <= 2  # the first call's program and the steady one
 
 
 def accumulating_step(model, optim, x, y, do_step):  # noqa: ANN001

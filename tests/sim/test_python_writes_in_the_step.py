@@ -203,3 +203,68 @@ def test_a_param_group_write_in_the_step_is_refused(mode, key):
         step(model, optim, *_batches(1)[0])
     assert "param-group writes in the step" in str(err.value)
     _assert_untouched(model, optim, before)
+
+
+# -- per-parameter state kept a Python number ------------------------------------------------
+
+class _CountingAdam(torch.optim.Optimizer):
+    """transformers' Adafactor / many LAMB and RAdam copies: a per-parameter step count,
+    a Python int (``as_tensor=False``) or the tensor the refusal's hint asks for."""
+
+    def __init__(self, params, as_tensor: bool) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": 0.01})
+        self.as_tensor = as_tensor
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float64) if self.as_tensor else 0
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                state["v"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                bias1, bias2 = 1 - 0.9 ** state["step"], 1 - 0.999 ** state["step"]
+                root = bias2.sqrt() if self.as_tensor else bias2 ** 0.5
+                p.addcdiv_(state["m"], state["v"].sqrt().add_(1e-8), value=-group["lr"] * root / bias1)
+
+
+def _plain_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_python_step_count_in_the_state_is_refused_saying_to_keep_it_in_a_tensor(mode):
+    """The refusal said only "use an optimizer whose state is made of tensors"; it says
+    how: a 0-dim tensor count, and tensor arithmetic on it. Done so, the same optimizer
+    compiles once and matches eager."""
+    model = _model()
+    optim = _CountingAdam(model.parameters(), as_tensor=False)
+    _plain_step(model, optim, *_batches(1)[0])  # its state exists: a count of 1
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    step = sc.compile(make_mode(mode))(_plain_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="'step'") as err:
+        step(model, optim, *_batches(1)[0])
+    text = str(err.value)
+    assert "state['step'] = torch.zeros((), dtype=torch.float64)" in text and "state['step'] += 1" in text
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(s["step"] == 1 for s in optim.state.values())
+
+    model, reference = _model(), _model()
+    optim = _CountingAdam(model.parameters(), as_tensor=True)
+    reference_optim = _CountingAdam(reference.parameters(), as_tensor=True)
+    step = sc.compile(make_mode(mode))(_plain_step)
+    with sc.simulate(world_size=2):
+        for x, y in _batches(4):
+            loss, expected = step(model, optim, x, y), _plain_step(reference, reference_optim, x, y)
+            assert abs(loss.item() - expected.item()) <= TOL * abs(expected.item())
+        state = sc.checkpoint.full_state_dict(model, optim)
+    for k, v in reference.state_dict().items():
+        assert torch.allclose(state["model"][k], v, rtol=TOL, atol=0), k
+    assert step.compile_count <= 2

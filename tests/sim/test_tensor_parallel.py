@@ -403,3 +403,28 @@ def test_a_one_wide_head_squeezed_on_one_rank(run_parity):
         mode=TensorParallel({"2": ColwiseParallel()}),
     )
     result.assert_close(TOL)
+
+
+def test_zero_grad_keeping_zeros_on_a_padded_tp_weight_is_told_set_to_none():
+    """A rowwise weight of width 5 on 2 tp ranks is padded; a gradient kept between steps
+    cannot be. ``zero_grad(set_to_none=False)`` at the end of the step keeps zeroed
+    gradients: the refusal told the user to "call optimizer.zero_grad() at the end of
+    the step", which it did; it says set_to_none=True now."""
+
+    def keep_zeros(model, optim, x, y):  # noqa: ANN001
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = sc.compile(TensorParallel({"0": ColwiseParallel(), "2": RowwiseParallel()}))(keep_zeros)
+    x, y = torch.randn(8, 7, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with sc.simulate(2):
+        step(model, optim, x, y)  # no gradient yet: compiles
+        with pytest.raises(sc.SPMDCompileError, match="cannot be kept between steps") as err:
+            step(model, optim, x, y)  # zeroed gradients kept: refused
+    assert "set_to_none=True" in str(err.value)

@@ -56,7 +56,7 @@ def test_guards_name_what_forward_and_its_helpers_read():
     assert "module act.negative_slope" in names
     assert any(n.startswith("global THRESHOLD (read by clip") for n in names)
     assert not any("UNREAD_GLOBAL" in n for n in names)
-    assert "argument 3 of the step" in names
+    assert "argument mode of the step" in names
 
 
 def test_first_change_is_none_until_a_value_changes():
@@ -80,8 +80,8 @@ def test_first_change_is_none_until_a_value_changes():
 def test_graph_arguments_are_not_guarded():
     model = Net()
     bindings = _bindings(model, mode=0.25)
-    assert "argument 3 of the step" in build_guards(step, bindings, frozenset()).names
-    assert "argument 3 of the step" not in build_guards(step, bindings, frozenset({3})).names
+    assert "argument mode of the step" in build_guards(step, bindings, frozenset()).names
+    assert "argument mode of the step" not in build_guards(step, bindings, frozenset({3})).names
 
 
 def test_guards_follow_the_objects_of_the_call():
