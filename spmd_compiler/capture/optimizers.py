@@ -227,6 +227,9 @@ def _scaled_operand(op: Any, self_: torch.Tensor, t1: torch.Tensor, t2: torch.Te
 # (``torch._foreach_lerp_(exp_avgs, grads, group["lr"])``) raises a TypeError before
 # any rule sees it; such an error inside the step makes the learning rates settings too
 # (a TypeError of the optimizer's own survives that capture and is raised as before).
+# A scheduler the step steps before the optimizer's step is refused then
+# (``_refuse_schedules_of_settings`` in trace.py): recorded, not run, at capture, it
+# would leave the program the value from before its step (a review: 0.157 off).
 
 
 class CycledValueUsed(BaseException):

@@ -82,10 +82,13 @@ from .bindings import (
     BETA1,
     MOMENTUM,
     StepBindings,
+    beta1_is_input,
     check_plain_modules,
     keep_lr_a_setting,
     keep_momentum_a_setting,
+    lr_is_input,
     lr_may_become_a_setting,
+    momentum_is_input,
     tensor_argument_names,
 )
 from .code_names import step_code, step_name, step_where
@@ -105,6 +108,7 @@ from .guards import set_or_delete
 from .kept_tensors import KeptTensor, KeptTensors
 from .lr_schedulers import (
     LRReadAfterSchedulerStep,
+    SchedulerStep,
     SchedulerSteps,
     learning_rate_of,
     note_optimizer_step,
@@ -1083,7 +1087,52 @@ def _trace_first(
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
         scheduler_steps = tracer.schedulers.steps()
         tracer.schedulers.check_reads(code)
+        _refuse_schedules_of_settings(scheduler_steps, bindings)
     return _FirstTrace(first, tracer, inputs, fake_mode, code, outside, scheduler_steps)
+
+
+def _refuse_schedules_of_settings(steps: list[SchedulerStep], bindings: StepBindings) -> None:
+    """Refuse a scheduler stepped before its optimizer's step in the train step where the
+    learning rate (or a cycled momentum) it sets is a setting of the program, not a graph
+    input (NOTE: [a learning rate read in Python], NOTE: [SGD's momentum as a graph
+    input]): the capture records the scheduler without running it, so the program would
+    hold the value from before its step, and every call would update with the rate of the
+    call before (found by a review: 0.157 relative off after 6 calls of a LambdaLR, no
+    sign). Stepped after the optimizer's step, the program's value is the one eager uses."""
+    for s in steps:
+        if not s.before:
+            continue
+        scheduler = bindings.schedulers[s.index]
+        oi = next((i for i, o in enumerate(bindings.optimizers) if o is getattr(scheduler, "optimizer", None)), None)
+        if oi is None:
+            continue
+        opt = bindings.optimizers[oi]
+        cycled = getattr(scheduler, "cycle_momentum", False)
+        keyed = [
+            key for key, kept in (
+                ("learning rate", not lr_is_input(opt)),
+                ("momentum", cycled and any(
+                    MOMENTUM in g and not momentum_is_input(opt, g) for g in opt.param_groups
+                )),
+                ("first beta", cycled and any(
+                    "betas" in g and not beta1_is_input(opt, g) for g in opt.param_groups
+                )),
+            ) if kept
+        ]
+        if keyed:
+            raise SPMDCompileError(
+                f"{type(scheduler).__name__}.step() runs before optimizer[{oi}].step() inside "
+                f"the compiled train step ({s.where}), and optimizer[{oi}]'s "
+                f"{' and '.join(keyed)} {'is a setting' if len(keyed) == 1 else 'are settings'} "
+                "of the program, not a graph input: the program would hold the value from "
+                "before the scheduler's step, and every call would update with the value "
+                "of the call before.",
+                hint="step the scheduler after optimizer.step() (the order torch's schedulers "
+                "ask for: the program then holds the value the update uses)"
+                + (", or compute with group['lr'] in tensor ops inside the optimizer's "
+                   "step() (no math.* or float() on it) so it stays a graph input."
+                   if "learning rate" in keyed else "."),
+            )
 
 
 def _finish(first: _FirstTrace, start: float) -> CapturedStep:
