@@ -490,8 +490,11 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
     scatter into each row's true positions."""
     mask = _leading_mask(x, list(indices))
     per_row = _decision_of(mask) if mask is not None else None
-    if mask is not None and per_row is None and values.dim() > 0 and values.numel() > 1:
-        per_row = _decide(mask)  # rows written (``out[mask] = rows``): as many as selected
+    if mask is not None and per_row is None and values.dim() > x.dim() - mask.dim() and values.numel() > 1:
+        # rows written (``out[mask] = rows``): as many as selected; a value with no more
+        # dims than an element of the selection (a row broadcast to every selected
+        # element) is one value (NOTE: [mask writes of one value])
+        per_row = _decide(mask)
     if mask is not None and per_row is not None and per_row not in (EVERY, CONSTANT):
         grid, index = _by_example(x.reshape((-1,) + tuple(x.shape[mask.dim():])), mask, per_row)
         source = values.expand((index.shape[0] * per_row,) + index.shape[2:]).reshape(index.shape).to(x.dtype)

@@ -306,8 +306,19 @@ def class_masks_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, F.cross_entropy(scores.permute(1, 2, 0).flatten(0, 1), labels.flatten().clamp(min=0)))
 
 
+def row_to_every_selected_step(model, optim, x, labels):  # noqa: ANN001
+    """A row added to every selected position through a leading mask
+    (``index_put_((mask,), row, accumulate=True)``, ``row`` one value per feature): one
+    value per selection, not rows; it was read as rows and refused on any mask with a
+    false element (the second review)."""
+    h = torch.tanh(model.fc(x))
+    out = h.clone()
+    out.index_put_((labels == 1,), h.mean((0, 1)).detach(), accumulate=True)
+    return _finish(model, optim, F.cross_entropy(model.out(out).flatten(0, 1), labels.flatten().clamp(min=0)))
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-@pytest.mark.parametrize("step", [contrastive_step, class_masks_step])
+@pytest.mark.parametrize("step", [contrastive_step, class_masks_step, row_to_every_selected_step])
 def test_a_mask_write_of_one_value_with_the_batch_in_dim_one_matches_one_device(step, mode):
     """``x[mask] = v`` (``v`` the same for every selected element) on a tensor whose batch
     is in dim 1 failed on its first call: DTensor's ``index_put`` rule takes a boolean
