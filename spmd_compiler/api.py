@@ -41,7 +41,7 @@ from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import Change, SPMDCompileError, innermost_model_frame_of_stack, mesh_of_another_size
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
-from .ir.node_meta import BACKWARD_PHASE, PHASE
+from .ir.node_meta import traced_by_autograd
 from .ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from .lower import LoweringOptions
 from .progress import compile_progress
@@ -440,7 +440,7 @@ class CompiledTrainStep:
         executable = self._cached_executable(key, bindings)
         if executable is not None and torch.is_anomaly_enabled():  # NOTE: [anomaly detection at capture]
             graph = executable.program.captured.graph_module.graph
-            if any(node.meta.get(PHASE) == BACKWARD_PHASE for node in graph.nodes):
+            if any(traced_by_autograd(node) for node in graph.nodes):
                 refuse_anomaly_checks(innermost_model_frame_of_stack())
         if executable is None and key not in self._cache and self._last_key is not None:
             change = _key_change(

@@ -65,7 +65,15 @@ from ..ir.graph_utils import (
     replace_with_input,
     set_outputs,
 )
-from ..ir.node_meta import MODULE_FQN, TIME_MAJOR_INPUT, TIME_MAJOR_RNN, USER_LINE, Phase, set_phase
+from ..ir.node_meta import (
+    MODULE_FQN,
+    TIME_MAJOR_INPUT,
+    TIME_MAJOR_RNN,
+    USER_LINE,
+    Phase,
+    set_phase,
+    set_traced_by_autograd,
+)
 from ..ir.signature import (
     STATE_KINDS,
     CapturedStep,
@@ -1990,13 +1998,31 @@ def _refuse_anomaly_checks() -> Iterator[None]:
     autograd's own errors) and compiles as usual."""
     backward, grad = torch.autograd.backward, torch.autograd.grad
 
+    def tagged(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # the nodes autograd traces are marked: a call of the compiled program made with
+        # the check on is refused where they are (a gradient penalty's
+        # torch.autograd.grad, a direct torch.autograd.backward: not Tensor.backward's
+        # Phase.BACKWARD, which the first version of this check looked for alone)
+        roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+        roots = roots if isinstance(roots, (list, tuple)) else [roots]
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in roots):
+            # else autograd's own error ("does not require grad", a train step called
+            # under no_grad) is the one to see, as eagerly (the first review)
+            refuse_anomaly_checks(innermost_model_frame_of_stack())
+        graph = private.current_trace_graph()
+        mark = last_node(graph)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            if graph is not None:
+                for node in new_nodes_after(mark, graph):
+                    set_traced_by_autograd(node)
+
     def checked_backward(*args: Any, **kwargs: Any) -> Any:
-        refuse_anomaly_checks(innermost_model_frame_of_stack())
-        return backward(*args, **kwargs)
+        return tagged(backward, *args, **kwargs)
 
     def checked_grad(*args: Any, **kwargs: Any) -> Any:
-        refuse_anomaly_checks(innermost_model_frame_of_stack())
-        return grad(*args, **kwargs)
+        return tagged(grad, *args, **kwargs)
 
     with mock.patch.object(torch.autograd, "backward", checked_backward), \
             mock.patch.object(torch.autograd, "grad", checked_grad):

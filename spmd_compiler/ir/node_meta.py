@@ -12,6 +12,7 @@ reader can find every writer and reader of a key by its accessor's name.
 | ``TIME_MAJOR_INPUT`` | capture (module forward pre-hooks) | ``("'fqn' (Class, batch_first=...)", dim)``: an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` / ``nn.MultiheadAttention`` reads the node's value with time on dimension ``dim`` (0 time-major or unbatched, 1 batch-first) |
 | ``USER_LINE`` | capture | ``errors.SourceLocation`` of the train-step line |
 | ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
+| ``AUTOGRAD`` | capture | True on a node autograd traced (``Tensor.backward``, ``torch.autograd.backward`` / ``grad``): where anomaly detection would check values |
 | ``PADDED`` | a mode's padding of uneven state | ``(true size, padded size, dim)`` of a value held padded |
 | ``ORIGIN`` | expansion | name of the captured node a per-rank node was expanded from |
 | ``PLACEMENT`` | expansion | DTensor placements of the node's output |
@@ -40,6 +41,7 @@ PHASE = "spmd_phase"
 PADDED = "spmd_padded"
 DEFERRED = "spmd_deferred"
 BUCKET_MEMBERS = "spmd_bucket_members"
+AUTOGRAD = "spmd_autograd"
 
 
 class Phase(str, enum.Enum):
@@ -66,6 +68,16 @@ def set_phase(node: torch.fx.Node, value: Phase, *, overwrite: bool = True) -> N
     if overwrite or PHASE not in node.meta:
         node.meta[PHASE] = value.value
 
+
+
+def set_traced_by_autograd(node: torch.fx.Node) -> None:
+    node.meta[AUTOGRAD] = True
+
+
+def traced_by_autograd(node: torch.fx.Node) -> bool:
+    """Whether autograd traced ``node`` (a backward, a ``torch.autograd.grad``); a
+    ``Tensor.backward`` node is tagged ``Phase.BACKWARD`` as well."""
+    return bool(node.meta.get(AUTOGRAD, False)) or phase(node) is Phase.BACKWARD
 
 
 def in_module_forward(node: torch.fx.Node) -> bool:

@@ -138,6 +138,42 @@ def test_a_compiled_program_refused_when_anomaly_detection_is_switched_on():
     assert step.compile_count == 1 and compiled_evaluate.compile_count == 1
 
 
+def autograd_backward_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    torch.autograd.backward(loss)
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def autograd_grad_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    params = list(model.parameters())
+    for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
+        p.grad = g
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("step_fn", [autograd_backward_step, autograd_grad_step])
+def test_a_program_whose_backward_is_not_tensor_backward_is_refused_when_switched_on(step_fn):
+    """A backward traced by ``torch.autograd.backward`` / ``grad`` (a gradient penalty's,
+    a SAM step's) carries no ``Phase.BACKWARD``: a call made with the check on ran the
+    program without it (the first review), where ``loss.backward()``'s was refused."""
+    model, reference, optim, reference_optim, batches = _setup()
+    step = sc.compile(make_mode("ddp"))(step_fn)
+    with sc.simulate(world_size=2) as sim:
+        _train_and_compare(step, model, reference, optim, reference_optim, batches[:1], sim)
+        torch.autograd.set_detect_anomaly(True)
+        with pytest.raises(SPMDCompileError) as error:
+            step(model, optim, *batches[1])
+        _assert_refused(error, "step(model, optim, *batches[1])")
+        torch.autograd.set_detect_anomaly(False)
+        _train_and_compare(step, model, reference, optim, reference_optim, batches[1:], sim)
+    assert step.compile_count == 1
+
+
 def test_anomaly_detection_without_its_nan_check_compiles():
     model, reference, optim, reference_optim, batches = _setup()
     step = sc.compile(make_mode("ddp"))(train_step)
