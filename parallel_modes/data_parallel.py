@@ -169,7 +169,10 @@ class DataParallel(ParallelMode):
             padded = pad_uneven_state(captured, mesh.size())
             if self.reshard_after_forward:
                 remake_param_views_for_backward(captured)
-        program = super().partition(captured, mesh)
+        # every mesh dimension splits the arguments: a convolution's spatial shard is a
+        # mislabelled batch (NOTE in _torch_private, ``convolution_spatial_shards_kept``)
+        with private.convolution_spatial_shards_kept(range(mesh.ndim)):
+            program = super().partition(captured, mesh)
         program.padded = padded
         check_batch_iterations(program, self.input_batch_dim, self.batch_dim_given)
         return program

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
+from spmd_compiler import _torch_private as private
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 
@@ -48,7 +49,10 @@ class DTensorExpandMode(ParallelMode):
         return replicate(mesh)
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
-        program = super().partition(captured, mesh)
+        # the arguments are split over every mesh dimension: a convolution's spatial
+        # shard is a mislabelled batch (``convolution_spatial_shards_kept``)
+        with private.convolution_spatial_shards_kept(range(mesh.ndim)):
+            program = super().partition(captured, mesh)
         # NOTE: [a batch dimension iterated over]: this mode names no batch dimension
         given = {ref.name for ref, _ in captured.inputs if ref.kind is Kind.INPUT and ref.index in self.input_placements}
         check_program_iterations(

@@ -151,7 +151,10 @@ class FullyShardTensorParallel(ParallelMode):
             )
         if self.reshard_after_forward:
             remake_param_views_for_backward(captured)
-        program = super().partition(captured, mesh)
+        # dp splits the arguments: a convolution's spatial shard there is a mislabelled
+        # batch; on tp it is sequence parallelism, gathered (``convolution_spatial_shards_kept``)
+        with private.convolution_spatial_shards_kept([DP]):
+            program = super().partition(captured, mesh)
         check_batch_iterations(program, self.input_batch_dim, self.batch_dim_given)
         return program
 

@@ -3841,22 +3841,51 @@ def _install_batch_sharded_convolution() -> None:
 # the last spatial dimension, a stride of 1 and (backward) 4-d inputs, and the
 # strategy's replicated output disowns it anyway. The common case, a replicated weight
 # and a batch-sharded input, passes through unchanged.
+# A spatial shard on a mesh dimension a data-parallel mode splits the step's arguments
+# over is no sequence parallelism: it is an argument split on a dimension that is not its
+# batch (a time-major ``(T, B, C)`` input a convolution reads over time, without
+# ``input_batch_dim``). Gathered, the convolution would compute on the whole time axis in
+# simulation, and on real ranks, where each rank passes its share of the batch, on the
+# ranks' different samples joined along time, silently (a review of the fifty-seventh
+# session). There it is kept, and the local shape check refuses the step naming
+# ``input_batch_dim``, as before that session. The modes that split arguments say over
+# which mesh dimensions (``convolution_spatial_shards_kept``).
+_SPATIAL_SHARDS_KEPT_ON: list[frozenset[int]] = []
+
+
+@contextlib.contextmanager
+def convolution_spatial_shards_kept(mesh_dims: Iterable[int]) -> Iterator[None]:
+    """While a data-parallel mode expands its program: a convolution's input sharded on a
+    spatial dimension over one of ``mesh_dims`` is kept sharded (and refused by the
+    local shape check), not gathered (see the comment above)."""
+    _SPATIAL_SHARDS_KEPT_ON.append(frozenset(mesh_dims))
+    try:
+        yield
+    finally:
+        _SPATIAL_SHARDS_KEPT_ON.pop()
+
+
 def _install_convolution_operands_placed() -> None:
     from torch.distributed.tensor import Replicate
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
 
-    def replicated(t: Any, keep: Callable[[Any], bool]) -> Any:
-        if not isinstance(t, DTensor) or all(keep(p) for p in t.placements):
+    def replicated(t: Any, keep: Callable[[Any, int], bool]) -> Any:
+        if not isinstance(t, DTensor) or all(keep(p, i) for i, p in enumerate(t.placements)):
             return t
-        return t.redistribute(t.device_mesh, [p if keep(p) else Replicate() for p in t.placements])
+        return t.redistribute(
+            t.device_mesh, [p if keep(p, i) else Replicate() for i, p in enumerate(t.placements)]
+        )
 
-    def input_kept(p: Any) -> bool:
+    def input_kept(p: Any, mesh_dim: int) -> bool:
         # Shard(0) or _StridedShard(0) (a batch concatenated from views, NOTE: [batch
         # concatenation] in expand/local_rules.py); 2.13's _StridedShard is no Shard
-        return p.is_replicate() or (not p.is_partial() and getattr(p, "dim", None) == 0)
+        if p.is_replicate() or (not p.is_partial() and getattr(p, "dim", None) == 0):
+            return True
+        spatial = not p.is_partial() and getattr(p, "dim", None) not in (None, 1)
+        return spatial and bool(_SPATIAL_SHARDS_KEPT_ON) and mesh_dim in _SPATIAL_SHARDS_KEPT_ON[-1]
 
-    def is_replicate(p: Any) -> bool:
+    def is_replicate(p: Any, mesh_dim: int) -> bool:
         return p.is_replicate()
 
     def placed(original: Callable[..., Any], input_index: int, bias_index: int | None) -> Callable[..., Any]:

@@ -392,6 +392,22 @@ class TimeMajorConv(nn.Module):
         return self.head(F.relu(self.conv(x.permute(1, 2, 0))).permute(2, 0, 1))
 
 
+@pytest.mark.parametrize("mode", ["fsdp_tp", "dtensor_expand"])
+def test_a_convolution_over_a_time_major_argument_split_unnamed_is_refused(mode) -> None:
+    """A convolution's input sharded on a spatial dimension is gathered where tensor
+    parallelism put the shard (sequence parallelism); over the mesh dimensions a mode
+    splits the arguments on, it is an argument split along time, which on real ranks
+    would join the ranks' samples along time: refused there (a first version of the
+    gather compiled it: found by CI of the fifty-seventh session)."""
+    from spmd_compiler.parallel_modes import DTensorExpandMode
+
+    made = FullyShardTensorParallel({}, mesh_shape=(WORLD, 1)) if mode == "fsdp_tp" else DTensorExpandMode()
+    x, y = _batches()[0]
+    model = TimeMajorConv().double()
+    with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError, match="local result"):
+        sc.compile(made)(step)(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+
+
 def test_a_local_shape_refusal_of_a_split_argument_names_input_batch_dim() -> None:
     """The refusal's hint was only about sharding strategies; the way out, naming the
     time-major argument's batch dimension, trains as eager."""
