@@ -513,6 +513,22 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
     return op(x, converted, values, accumulate)
 
 
+def _mask_after_nones(
+    x: torch.Tensor, indices: list[torch.Tensor | None]
+) -> tuple[int, torch.Tensor] | None:
+    """``(j, mask)`` where ``indices`` is ``j`` Nones then one boolean mask of at least one
+    dim shaped as the dims of ``x`` it covers (``x[:, mask]``); None otherwise."""
+    j = next((i for i, index in enumerate(indices) if index is not None), len(indices))
+    if j != len(indices) - 1 or not _is_mask(indices[j]):
+        return None
+    mask = indices[j]
+    assert mask is not None
+    k = mask.dim()
+    if k == 0 or x.dim() < j + k or tuple(x.shape[j:j + k]) != tuple(mask.shape):
+        return None
+    return j, mask
+
+
 def _mask_over_one_dim(
     x: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool
 ) -> torch.Tensor | None:
@@ -520,14 +536,11 @@ def _mask_over_one_dim(
     write on those dims flattened into one, by the flattened mask: the same elements in
     the same order, and an index of one dim, which is what DTensor's rule takes a
     boolean mask for (NOTE: [mask writes of one value]); None when not such a write."""
-    j = next((i for i, index in enumerate(indices) if index is not None), len(indices))
-    if j != len(indices) - 1 or not _is_mask(indices[j]):
+    found = _mask_after_nones(x, indices)
+    if found is None or found[1].dim() < 2:
         return None
-    mask = indices[j]
-    assert mask is not None
+    j, mask = found
     k = mask.dim()
-    if k < 2 or x.dim() < j + k or tuple(x.shape[j:j + k]) != tuple(mask.shape):
-        return None
     flat = aten.index_put.default(
         x.flatten(j, j + k - 1), [None] * j + [mask.reshape(-1)], values, accumulate
     )
@@ -557,15 +570,13 @@ def _one_value_per_selection(
     with ``v`` written (or, with ``accumulate``, added) at the mask's true elements, when
     ``indices`` is Nones then one boolean mask shaped as the dims it covers and ``v`` is
     the same for every selected element; None leaves the write to what follows."""
-    j = next((i for i, index in enumerate(indices) if index is not None), len(indices))
-    if j != len(indices) - 1 or not _is_mask(indices[j]):
+    found = _mask_after_nones(x, indices)
+    if found is None:
         return None
-    mask = indices[j]
-    assert mask is not None
+    j, mask = found
     k = mask.dim()
     after = tuple(x.shape[j + k:])
-    if (k == 0 or x.dim() < j + k or tuple(x.shape[j:j + k]) != tuple(mask.shape)
-            or values.dtype != x.dtype or values.dim() > j + 1 + len(after)):
+    if values.dtype != x.dtype or values.dim() > j + 1 + len(after):
         return None  # eager raises (or writes rows): torch's own write says so
     # values broadcast to eager's (*x.shape[:j], selected, *after): the same value for
     # every selected element when its dim there is 1 (or absent)

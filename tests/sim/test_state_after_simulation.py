@@ -175,9 +175,7 @@ def test_another_world_size_is_refused_and_the_checkpoint_moves_the_state(mode: 
         message = str(refused.value)
         assert "placed on 2 ranks" in message and "simulate(world_size=4)" in message, message
         assert "sc.checkpoint.save" in message and "sc.checkpoint.load" in message, message
-    after = checkpoint.full_state_dict(model, optim)
-    for a, b in zip(torch.utils._pytree.tree_leaves(before), torch.utils._pytree.tree_leaves(after), strict=True):
-        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    _assert_same_state(before, checkpoint.full_state_dict(model, optim))
     checkpoint.save(tmp_path / "ckpt", model, optim)
     fresh, fresh_optim = _build()
     with sc.simulate(world_size=4):  # the way out, with the same compiled step
@@ -187,6 +185,12 @@ def test_another_world_size_is_refused_and_the_checkpoint_moves_the_state(mode: 
         got += [step(model, optim, x, y).item() for x, y in data[2:]]
     assert got == pytest.approx(want, rel=1e-12, abs=0)
     assert moved == pytest.approx(want, rel=1e-12, abs=0)
+
+
+def _assert_same_state(before, after) -> None:  # noqa: ANN001
+    """Two full state dicts hold the same values (a refused step changed nothing)."""
+    for a, b in zip(torch.utils._pytree.tree_leaves(before), torch.utils._pytree.tree_leaves(after), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 def _swapped_tp():
@@ -218,9 +222,7 @@ def test_another_mode_at_the_same_world_size_is_refused_and_the_checkpoint_moves
         message = str(refused.value)
         assert "another parallel mode or plan" in message and "Nothing was changed" in message, message
         assert "sc.checkpoint.save" in message and "sc.checkpoint.load" in message, message
-        after = checkpoint.full_state_dict(model, optim)
-        for a, b in zip(torch.utils._pytree.tree_leaves(before), torch.utils._pytree.tree_leaves(after), strict=True):
-            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        _assert_same_state(before, checkpoint.full_state_dict(model, optim))
         checkpoint.save(tmp_path / "ckpt", model, optim)
         fresh, fresh_optim = _build()
         checkpoint.load(tmp_path / "ckpt", fresh, fresh_optim)

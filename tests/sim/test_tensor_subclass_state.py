@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import make_mode
+from spmd_compiler.tools.demo.steps import classification_train_step as train_step
 from spmd_compiler.tools.parity import compare_models, compare_optimizers
 
 TOL = 1e-10
@@ -34,14 +34,6 @@ class Masked(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * self.mask
-
-
-def train_step(model, optim, x, y):  # noqa: ANN001
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss.detach()
 
 
 def _model() -> nn.Module:
