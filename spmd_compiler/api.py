@@ -521,7 +521,9 @@ class CompiledTrainStep:
         if any(s.before for s in steps):
             restore = scheduler_state(bindings.schedulers, bindings.optimizers)
         try:
-            step_replayed(steps, bindings.schedulers, before=True)
+            # NOTE: [settings a scheduler changes before the update]
+            step_replayed(steps, bindings.schedulers, before=True,
+                          settings=bindings.optimizer_settings if restore is not None else None)
             call = executable.run(bindings, tensor_args, sim, agreement)
         except BaseException:
             if restore is not None:  # nothing was updated: the schedule is set back too

@@ -258,12 +258,49 @@ def scheduler_state(schedulers: list[Any], optimizers: list[torch.optim.Optimize
     return restore
 
 
-def step_replayed(steps: list[SchedulerStep], schedulers: list[Any], *, before: bool) -> None:
+def step_replayed(
+    steps: list[SchedulerStep], schedulers: list[Any], *, before: bool,
+    settings: Callable[[], dict[str, Any]] | None = None,
+) -> None:
     """Step the schedulers a compiled call replays: those the step ran before its
-    optimizer's step (``before``) ahead of the program, the others after it completed."""
+    optimizer's step (``before``) ahead of the program, the others after it completed.
+    ``settings``: the optimizers' settings of the program (``StepBindings.
+    optimizer_settings``), read around the ``before`` steps (NOTE: [settings a scheduler
+    changes before the update])."""
+    held = settings() if settings is not None else None
     for s in steps:
         if s.before == before:
             schedulers[s.index].step()
+    if held is not None and settings is not None:
+        _refuse_changed_settings(held, settings(), [(schedulers[s.index], s) for s in steps if s.before == before])
+
+
+# NOTE: [settings a scheduler changes before the update]
+# A program holds the optimizers' settings (weight decay, eps, a beta or momentum that is
+# no graph input) as constants, chosen by the call's key before the call replays the
+# schedulers the step steps before its optimizer's step. Torch's own schedulers set only
+# the learning rate and a cycled momentum / beta, whose settings the capture refuses
+# (``_refuse_schedules_of_settings`` in trace.py); a user's ``LRScheduler`` subclass can
+# set anything in ``get_lr()`` (a weight-decay schedule): the program then updated with
+# the weight decay from before the scheduler's step, every call one step behind (a probe:
+# parameters 6e-3 relative off after 4 AdamW calls, no sign). The settings are read
+# around the replay; a change is refused, naming it, and the call's caller sets the
+# schedule back (nothing was updated).
+def _refuse_changed_settings(held: dict[str, Any], now: dict[str, Any], stepped: list[tuple[Any, SchedulerStep]]) -> None:
+    changed = [k for k in now.keys() | held.keys() if held.get(k) != now.get(k)]
+    if not changed:
+        return
+    name = sorted(changed)[0]
+    names = ", ".join(f"{type(sch).__name__}.step() ({s.where})" for sch, s in stepped)
+    raise SPMDCompileError(
+        f"{names} ran before the optimizer's step inside the compiled train step and "
+        f"changed {name} from {held.get(name)!r} to {now.get(name)!r}"
+        + (f" (and {len(changed) - 1} more setting(s))" if len(changed) > 1 else "")
+        + ": a setting of the program, chosen before the scheduler steps, so the update "
+        "would use the value from before its step. Nothing was updated.",
+        hint="step the scheduler after optimizer.step() (the program then holds the value "
+        "the update uses), or set that value outside the compiled step, before the call.",
+    )
 
 
 __all__ = [

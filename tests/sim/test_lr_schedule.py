@@ -761,3 +761,39 @@ def test_an_op_taking_the_learning_rate_as_a_scalar_makes_it_a_setting(run_parit
     )
     result.assert_close(1e-13)
     assert result.compile_counts == [1, 2, 3]
+
+
+class _DecayingWeightDecay(torch.optim.lr_scheduler.LRScheduler):
+    """A user's schedule that sets the weight decay beside the learning rate."""
+
+    def get_lr(self) -> list[float]:
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = 0.1 * (1 + self.last_epoch)
+        return [group["initial_lr"] / (1 + self.last_epoch) for group in self.optimizer.param_groups]
+
+
+def test_a_user_scheduler_before_the_step_changing_a_setting_is_refused(run_parity, classification_batches):
+    """NOTE: [settings a scheduler changes before the update]: a user's LRScheduler that
+    sets the weight decay, stepped before the optimizer's step, trained with the weight
+    decay of the call before (6e-3 relative off after 4 AdamW calls, no sign). Refused at
+    the call, naming the setting, the schedule and model as they were; stepped after the
+    optimizer's step it matches eager (a program per weight decay)."""
+    model = mlp().double()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = _DecayingWeightDecay(optim)
+    before = copy.deepcopy(model.state_dict())
+    x, y = classification_batches(1, dtype=torch.float64)[0]
+    compiled = sc.compile()(schedule_then_step)
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "lr_scheduler.step() before optimizer.step()"
+        compiled(model, optim, scheduler, x, y)
+    text = str(info.value)
+    assert "_DecayingWeightDecay.step()" in text and "ran before the optimizer's step" in text
+    assert "changed optimizer[0].param_groups[0]['weight_decay'] from 0.1 to 0.2" in text
+    assert scheduler.last_epoch == 0 and optim.param_groups[0]["weight_decay"] == 0.1 and not optim.state
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    run_parity(
+        lambda: mlp().double(), lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), 2,
+        classification_batches(3, dtype=torch.float64), step=step_then_schedule,
+        make_scheduler=_DecayingWeightDecay, scheduler_in_step=True,
+    ).assert_close(1e-13)
