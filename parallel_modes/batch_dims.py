@@ -438,7 +438,7 @@ def split_arguments_hint(
     ]
     if len(splits) > _SHOWN_SPLITS:
         shown.append(f"and {len(splits) - _SHOWN_SPLITS} more")
-    first = splits[0][0]
+    first = _named_in(splits, message)
     return (
         "if the sizes that disagree are those of arguments split over the ranks: the step "
         "was captured at the global shapes the mode builds from each rank's share, taking "
@@ -450,3 +450,14 @@ def split_arguments_hint(
 
 
 _SHOWN_SPLITS = 6
+
+
+def _named_in(splits: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], message: str) -> str:
+    """The split argument the example of ``split_arguments_hint`` names: the one whose
+    whole captured shape (of two dimensions or more) the message quotes (``got [4, 4,
+    8]``: a GRU's unnamed ``h0``, not the batch-first ``x`` before it), else the first."""
+    runs = [tuple(int(n) for n in re.findall(r"\d+", m)) for m in re.findall(r"[(\[][\d,\s]+[)\]]", message)]
+    for name, _, whole, _ in splits:
+        if len(whole) > 1 and tuple(whole) in runs:  # "(8)" may be any size
+            return name
+    return splits[0][0]

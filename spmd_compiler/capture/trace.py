@@ -2089,7 +2089,8 @@ def _time_dim(module: torch.nn.Module, value: torch.Tensor) -> int:
 def _layer_label(fqn: str, module: torch.nn.Module) -> str:
     """How the time checks name a layer: ``"'enc.self_attn' (MultiheadAttention,
     batch_first=False)"``."""
-    return f"{fqn!r} ({type(module).__name__}, batch_first={bool(getattr(module, 'batch_first', False))})"
+    name = repr(fqn) if fqn else "<root module>"
+    return f"{name} ({type(module).__name__}, batch_first={bool(getattr(module, 'batch_first', False))})"
 
 
 @contextlib.contextmanager

@@ -421,3 +421,40 @@ def test_a_local_shape_refusal_of_a_split_argument_names_input_batch_dim() -> No
     assert "input_batch_dim={'x': <its batch dimension>}" in str(info.value)
     warned, errors = _train(TimeMajorConv().double(), DataParallel("replicate", input_batch_dim={"x": 1, "y": 1}))
     assert warned == [] and max(errors.values()) < 1e-12, (warned, errors)
+
+
+def _gru_with_h0_step(model, optim, x, h0):  # noqa: ANN001
+    out, _ = model(x, h0)
+    loss = out.pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_a_recurrent_layers_initial_hidden_state_is_named_by_the_way_out() -> None:
+    """A batch-first GRU given ``h0`` (layers, B, H) unnamed: the layer walks over h0's
+    dimension 0, warned of in simulation with the way out ``input_batch_dim={'h0': 1}``
+    (on real ranks the GRU's shape check refuses it, the hint naming h0: tests/unit/
+    test_errors.py) and the root module named as such (it was ''); named, it compiles
+    quietly and matches eager."""
+    torch.manual_seed(0)
+    model = nn.GRU(5, 8, num_layers=2, batch_first=True).double()
+    eager, other = copy.deepcopy(model), copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, T, 5, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(2, BATCH, 8, generator=gen, dtype=torch.float64)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate", input_batch_dim={"h0": 1}))(_gru_with_h0_step)
+    unnamed = sc.compile(parallel_mode=DataParallel("replicate"))(_gru_with_h0_step)
+    with warnings.catch_warnings(record=True) as caught, sc.simulate(world_size=WORLD):
+        warnings.simplefilter("always")
+        loss = unnamed(other, torch.optim.SGD(other.parameters(), lr=0.1), x, h0)
+        named = compiled(model, optim, x, h0)
+    assert torch.allclose(named, _gru_with_h0_step(eager, eager_opt, x, h0), rtol=1e-13, atol=0)
+    assert torch.allclose(loss, named, rtol=1e-13, atol=0)
+    warned = [str(w.message) for w in caught if "the dimension the mode splits as the batch" in str(w.message)]
+    assert len(warned) == 1, warned  # the unnamed compile's only
+    assert "The layer <root module> (GRU, batch_first=True)" in warned[0]
+    assert "input_batch_dim={'h0': 1}" in warned[0]

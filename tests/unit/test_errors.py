@@ -870,6 +870,12 @@ def test_split_arguments_hint_only_where_the_message_quotes_a_captured_batch_siz
     assert split_arguments_hint(splits, "RuntimeError: got 12.") is not None
     # no captured size of a split dimension quoted (4 is a local size; 8.0 and x8 are no sizes)
     assert split_arguments_hint(splits, "KeyError: 'missing' at layer 4, scale 8.0, x8") is None
+    # the example names the argument whose whole captured shape the message quotes (a
+    # GRU's unnamed h0 (layers, B, H) after a batch-first x: "Expected hidden size
+    # (2, 8, 8), got [4, 4, 8]" on 2 gloo ranks, where the example named x)
+    gru = [("x", (4, 5, 6), (8, 5, 6), 0), ("h0", (2, 4, 8), (4, 4, 8), 0)]
+    hint = split_arguments_hint(gru, "RuntimeError: Expected hidden size (2, 8, 8), got [4, 4, 8]")
+    assert hint is not None and "input_batch_dim={'h0': 1}" in hint
     many = [(f"a{i}", (2,), (4,), 0) for i in range(8)]
     assert "and 2 more" in (split_arguments_hint(many, "size 4") or "")
 
