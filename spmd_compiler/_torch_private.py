@@ -4548,7 +4548,16 @@ def decompositions_without_sharding_rules() -> dict[Any, Callable[..., Any]]:
         and any(str(a.type).startswith("Tensor") for a in op._schema.arguments)
         and not set(op.tags) & _UNDECOMPOSED_TAGS
         and str(op) not in _UNDECOMPOSED_OPS
+        and not is_composite_implicit(op)
     }
+
+
+def is_composite_implicit(op: torch._ops.OpOverload) -> bool:
+    """An op autograd decomposes with its own C++ kernel (``nll_loss``, ``var.dim``,
+    ``upsample_bilinear2d.vec``, ...): traced as its parts, except under inference mode,
+    where it reaches make_fx as itself and must not meet torch's Python reference of it
+    (NOTE: [inference mode in the step] in capture/trace.py)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
 # Never decomposed by decompositions_without_sharding_rules: random ops (NOTE: [random

@@ -231,6 +231,27 @@ SCHEDULER_HINT = (
 # applied below autograd, so a forward op's backward op is decomposed the same way where
 # it has no rule. Numerics: the parts round like torch's reference implementation, not
 # like the fused kernel (float64 tests agree with eager within 1e-15 relative).
+# NOTE: [inference mode in the step]
+# ``torch.inference_mode()`` inside the step is traced as it runs eagerly: its tensors are
+# inference tensors on the fakes too, so using one where autograd saves it ("Inference
+# tensors cannot be saved for backward") or writing one in place outside the region
+# fails at capture with eager's message, and the values are the ones ``no_grad`` traces.
+# What differs is dispatch: inference mode turns autograd's keys off, so an op autograd
+# decomposes with its own C++ kernel (CompositeImplicitAutograd: ``nll_loss``,
+# ``var.dim``, ``upsample_bilinear2d.vec``, ``fft_rfft``, ``prelu``, ...) reaches
+# make_fx as itself, which looks it up in the decomposition table before running that
+# kernel. torch's table holds Python references for some of these whose signatures are
+# the ``torch.nn.functional`` ones, not the op's: ``aten.nll_loss(self, target, weight,
+# reduction, ignore_index)`` called ``nll_loss(input, target, weight, size_average,
+# ignore_index, ...)``, the int reduction read as ``size_average``. Cross-entropy's
+# "sum" returned the mean (1.4585 for eager's 5.8339), "none" the sum as a 0-d tensor,
+# ``ignore_index=0`` half the sum (1.334 for 2.668), ``ignore_index=-100`` failed at run
+# time indexing with -100, every world size, ddp and fsdp; ``var(x, 0)`` and ``rfft``
+# were refused (a prim without a sharding rule), ``hinge_embedding_loss`` failed at
+# capture. decompositions_without_sharding_rules leaves these ops out: under inference
+# mode make_fx runs their own kernel, as autograd does otherwise, and the trace is the
+# one ``no_grad`` gives (tests/sim/test_inference_mode_in_the_step.py). Our own entries
+# keyed on such ops (``where.Scalar``) take the op's schema and are correct either way.
 def _zeros_for_zero_tensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):  # noqa: ANN001, ANN202
     return torch.zeros(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
 
