@@ -165,6 +165,7 @@ class DataParallel(ParallelMode):
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         padded: dict[str, tuple[int, int]] = {}
+        cast_gradients_for_reduction(captured, self.mp_policy.effective_reduce_dtype)
         if self.sharded:
             padded = pad_uneven_state(captured, mesh.size())
             if self.reshard_after_forward:
@@ -214,10 +215,10 @@ class DataParallel(ParallelMode):
         return at_use
 
     def _low_precision_grad_casts(self, captured: CapturedStep) -> set[torch.fx.Node]:
-        """Backward's casts of low-precision gradients up to the parameter dtype, when
-        gradients must be reduced before them (``reduce_dtype`` == ``param_dtype``)."""
-        low = self.mp_policy.param_dtype
-        if low is None or self.mp_policy.effective_reduce_dtype != low:
+        """Backward's casts of gradients from ``reduce_dtype`` to the parameter dtype:
+        the gradient is reduced before them (NOTE: [gradients reduced in reduce_dtype])."""
+        low = self.mp_policy.effective_reduce_dtype
+        if low is None:
             return set()
         casts = set()
         for node in captured.graph_module.graph.nodes:
@@ -238,6 +239,53 @@ class DataParallel(ParallelMode):
         if self.mp_policy != MixedPrecisionPolicy():
             extra += f", mp_policy={self.mp_policy}"
         return f"DataParallel({self.style!r}, input_batch_dim={self.input_batch_dim!r}{extra})"
+
+
+# NOTE: [gradients reduced in reduce_dtype]
+# FSDP2 casts each gradient to ``reduce_dtype`` before its reduce-scatter / all-reduce
+# and the reduced gradient back to the parameter's dtype after it. With ``param_dtype``
+# set, backward's gradients are already in it and capture casts them up to the
+# parameter's dtype where ``backward()`` leaves them; reducing before that cast is
+# ``reduce_dtype == param_dtype``. Any other ``reduce_dtype`` was ignored before
+# (2026-12-06: ``(None, bf16)`` and ``(bf16, fp16)`` reduced in float32, twice the
+# bytes asked for): now each marked gradient not already in ``reduce_dtype`` (nor cast
+# up from it) gets ``_to_copy(reduce_dtype)`` then ``_to_copy(its own dtype)`` before the
+# mark, and the mode reduces between the two like the bf16 case. A ``reduce_dtype``
+# equal to the gradient's dtype inserts nothing (float32 reduce of bf16 compute reduces
+# after capture's cast up, as before). Gradients of ``torch.autograd.grad``, and those
+# that require grad, are not marked (NOTE: [gradients settle after backward]) and are
+# reduced in their own dtype.
+
+
+def cast_gradients_for_reduction(captured: CapturedStep, reduce_dtype: torch.dtype | None) -> int:
+    """Insert the casts of NOTE: [gradients reduced in reduce_dtype]; returns how many
+    gradients got them (0 on a second call: the inserted cast up is from reduce_dtype)."""
+    if reduce_dtype is None:
+        return 0
+    graph = captured.graph_module.graph
+    count = 0
+    for mark in list(graph.nodes):
+        if marked_gradient(mark) is None:
+            continue
+        grad = mark.args[0]
+        val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == reduce_dtype:
+            continue
+        if grad.target is torch.ops.aten._to_copy.default:
+            source = grad.args[0].meta.get("val") if isinstance(grad.args[0], torch.fx.Node) else None
+            if isinstance(source, torch.Tensor) and source.dtype == reduce_dtype:
+                continue  # capture's cast up from param_dtype == reduce_dtype, or ours
+        meta = {k: v for k, v in mark.meta.items() if k not in ("val", "tensor_meta", MODULE_FQN)}
+        with graph.inserting_before(mark):
+            down = graph.call_function(torch.ops.aten._to_copy.default, (grad,), {"dtype": reduce_dtype})
+            up = graph.call_function(torch.ops.aten._to_copy.default, (down,), {"dtype": val.dtype})
+        down.meta = {**meta, "val": val.to(reduce_dtype)}
+        up.meta = {**meta, "val": val.to(reduce_dtype).to(val.dtype)}
+        mark.replace_input_with(grad, up)
+        count += 1
+    if count:
+        captured.graph_module.recompile()
+    return count
 
 
 def _param_nodes(captured: CapturedStep) -> set[torch.fx.Node]:
