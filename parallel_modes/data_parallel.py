@@ -18,7 +18,9 @@ gather, so no gathered parameter lives across the forward/backward boundary.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -56,6 +58,18 @@ from .mixed_precision import MixedPrecisionPolicy
 from .padding import elementwise_op, pad_uneven_state
 
 Style = Literal["replicate", "fully_shard"]
+
+
+class _Default(enum.Enum):
+    """An option left at its default (told apart from the same value given)."""
+
+    DEFAULT = "default"
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_DEFAULT = _Default.DEFAULT
 
 # Ops that only re-view or re-type a parameter; forward's results of these are re-made
 # in backward from the backward gather (NOTE: [fully_shard as placements]).
@@ -97,8 +111,9 @@ class DataParallel(ParallelMode):
         prefetch_depth: fully_shard only: how many all-gather buckets may run ahead of
             the one in use (NOTE: [FSDP prefetch] in ``passes/schedule_overlap.py``); 1
             is FSDP2's prefetch of the next unit, None issues every gather as early as
-            the in-flight cap allows. Applies when ``compile`` gets no options for
-            ``schedule_overlap``.
+            the in-flight cap allows. Merged into ``schedule_overlap``'s options unless
+            they give a ``prefetch_depth`` themselves (refused if that differs from one
+            given here).
     """
 
     def __init__(
@@ -109,13 +124,13 @@ class DataParallel(ParallelMode):
         mesh: DeviceMesh | None = None,
         reshard_after_forward: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
-        prefetch_depth: int | None = 1,
+        prefetch_depth: int | None | _Default = _DEFAULT,
     ) -> None:
         if style not in ("replicate", "fully_shard"):
             raise ValueError(f"DataParallel style must be 'replicate' or 'fully_shard', got {style!r}")
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(f"DataParallel takes a 1-D mesh, got a {mesh.ndim}-D mesh {mesh}")
-        if prefetch_depth is not None and (
+        if prefetch_depth is not None and not isinstance(prefetch_depth, _Default) and (
             isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0
         ):  # refused here, not at the first call's schedule_overlap
             raise ValueError(
@@ -123,13 +138,17 @@ class DataParallel(ParallelMode):
                 f"next unit) or None (no limit), got {prefetch_depth!r}"
             )
         super().__init__(mesh)
+        # NOTE: [prefetch depth beside other overlap options]: whether the caller chose it
+        self._prefetch_depth_given = not isinstance(prefetch_depth, _Default)
+        if isinstance(prefetch_depth, _Default):
+            prefetch_depth = 1  # FSDP2's prefetch of the next unit
         self.style = style
         self.input_batch_dim = checked_batch_dims(0 if input_batch_dim is None else input_batch_dim)
         # NOTE: [a batch dimension iterated over]: whether the dimension was chosen
         self.batch_dim_given = input_batch_dim is not None
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy.of(mp_policy) if mp_policy is not None else MixedPrecisionPolicy()
-        self.prefetch_depth = prefetch_depth
+        self.prefetch_depth: int | None = prefetch_depth
         self.name = "ddp" if style == "replicate" else "fsdp"
 
     @property
@@ -156,12 +175,44 @@ class DataParallel(ParallelMode):
         """The pipeline, with fully_shard's gather prefetch depth as ``schedule_overlap``'s
         default (the caller's own options for that pass win)."""
         options = options or PassOptions()
-        if self.sharded and "schedule_overlap" not in options.pass_options:
-            overlap = OverlapOptions(prefetch_depth=self.prefetch_depth)
+        if self.sharded:
+            overlap = self._overlap_with_prefetch(options.pass_options.get("schedule_overlap"))
             options = dataclasses.replace(
                 options, pass_options={**options.pass_options, "schedule_overlap": overlap}
             )
         return super().transform_and_compile(program, options)
+
+    def _overlap_with_prefetch(self, given: object) -> object:
+        """``schedule_overlap``'s options with this mode's ``prefetch_depth`` merged in.
+
+        NOTE: [prefetch depth beside other overlap options]: the depth was passed only
+        when ``compile`` got no options for the pass at all, so any of them
+        (``{"max_in_flight_bytes": ...}``, even the defaults) dropped it: the gathers ran
+        as early as the cap allowed (the probe's 6-layer MLP, 600-byte buckets: 25,344
+        gathered bytes at once instead of 20,608 at depth 0 or 1). A depth the caller
+        gives the pass (a dict's ``prefetch_depth`` key, or a non-None field of
+        ``OverlapOptions``, whose None default cannot be told from unset) wins over the
+        mode's default; one that differs from a depth also given to the mode is refused,
+        naming both. Options of another type are left to the pass's own check."""
+        if given is None:
+            return OverlapOptions(prefetch_depth=self.prefetch_depth)
+        if isinstance(given, OverlapOptions):
+            explicit, theirs = given.prefetch_depth is not None, given.prefetch_depth
+        elif isinstance(given, Mapping):
+            explicit, theirs = "prefetch_depth" in given, given.get("prefetch_depth")
+        else:
+            return given
+        if not explicit:
+            if isinstance(given, OverlapOptions):
+                return dataclasses.replace(given, prefetch_depth=self.prefetch_depth)
+            return {**given, "prefetch_depth": self.prefetch_depth}
+        if self._prefetch_depth_given and theirs != self.prefetch_depth:
+            raise ValueError(
+                f"DataParallel('fully_shard', prefetch_depth={self.prefetch_depth!r}) and "
+                f"pass_options['schedule_overlap'] prefetch_depth={theirs!r} disagree; give the "
+                "depth in one of the two places."
+            )
+        return given
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         padded: dict[str, tuple[int, int]] = {}
