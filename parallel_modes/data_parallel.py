@@ -137,6 +137,21 @@ class DataParallel(ParallelMode):
                 f"DataParallel prefetch_depth must be an int >= 0 (1: FSDP2's prefetch of the "
                 f"next unit) or None (no limit), got {prefetch_depth!r}"
             )
+        fsdp_only = {
+            name: value
+            for name, value, default in (
+                ("reshard_after_forward", reshard_after_forward, True),
+                ("prefetch_depth", prefetch_depth, 1),
+            )
+            if value is not _DEFAULT and value != default
+        }
+        if style == "replicate" and fsdp_only:
+            # they were taken and dropped: nothing is gathered to reshard or prefetch
+            given = ", ".join(f"{k}={v!r}" for k, v in fsdp_only.items())
+            raise ValueError(
+                f"DataParallel('replicate', {given}): these options apply to 'fully_shard' "
+                "only (replicate gathers no parameters); drop them or use 'fully_shard'."
+            )
         super().__init__(mesh)
         # NOTE: [prefetch depth beside other overlap options]: whether the caller chose it
         self._prefetch_depth_given = not isinstance(prefetch_depth, _Default)
@@ -287,6 +302,8 @@ class DataParallel(ParallelMode):
 
     def __repr__(self) -> str:
         extra = f", reshard_after_forward={self.reshard_after_forward}" if self.sharded else ""
+        if self.sharded and self._prefetch_depth_given:
+            extra += f", prefetch_depth={self.prefetch_depth!r}"
         if self.mp_policy != MixedPrecisionPolicy():
             extra += f", mp_policy={self.mp_policy}"
         return f"DataParallel({self.style!r}, input_batch_dim={self.input_batch_dim!r}{extra})"

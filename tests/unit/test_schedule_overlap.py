@@ -337,3 +337,27 @@ def test_fully_shard_prefetch_depth_kept_beside_other_overlap_options():
         mode._overlap_with_prefetch({"prefetch_depth": 2})
     with pytest.raises(ValueError, match=r"prefetch_depth=1\).*prefetch_depth=None disagree"):
         DataParallel("fully_shard", prefetch_depth=1)._overlap_with_prefetch({"prefetch_depth": None})
+
+
+def test_overlap_options_are_checked_when_made():
+    """``kinds={"allgather"}`` moved no collective, silently; a non-positive cap too."""
+    with pytest.raises(ValueError, match=r"'allgather'.*did you mean 'all_gather'"):
+        OverlapOptions(kinds=frozenset({"allgather"}))
+    with pytest.raises(ValueError, match="max_in_flight_bytes must be a positive int"):
+        OverlapOptions(max_in_flight_bytes=-1)
+    OverlapOptions(kinds=frozenset({"all_to_all", "broadcast"}))
+
+
+def test_replicate_refuses_fully_shard_options():
+    """``DataParallel("replicate", reshard_after_forward=False, prefetch_depth=3)`` was
+    taken and both dropped; refused now, naming them. Their defaults stay accepted, and
+    a fully_shard mode's repr shows a depth it was given."""
+    from spmd_compiler.parallel_modes import DataParallel
+
+    with pytest.raises(ValueError, match=r"reshard_after_forward=False, prefetch_depth=3\): these options apply to 'fully_shard' only"):
+        DataParallel("replicate", reshard_after_forward=False, prefetch_depth=3)
+    with pytest.raises(ValueError, match=r"'replicate', prefetch_depth=None\)"):
+        DataParallel("replicate", prefetch_depth=None)
+    DataParallel("replicate", reshard_after_forward=True, prefetch_depth=1)
+    assert "prefetch_depth=2" in repr(DataParallel("fully_shard", prefetch_depth=2))
+    assert "prefetch_depth" not in repr(DataParallel("fully_shard"))
