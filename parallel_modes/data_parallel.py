@@ -18,7 +18,9 @@ gather, so no gathered parameter lives across the forward/backward boundary.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -56,6 +58,18 @@ from .mixed_precision import MixedPrecisionPolicy
 from .padding import elementwise_op, pad_uneven_state
 
 Style = Literal["replicate", "fully_shard"]
+
+
+class _Default(enum.Enum):
+    """An option left at its default (told apart from the same value given)."""
+
+    DEFAULT = "default"
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_DEFAULT = _Default.DEFAULT
 
 # Ops that only re-view or re-type a parameter; forward's results of these are re-made
 # in backward from the backward gather (NOTE: [fully_shard as placements]).
@@ -97,8 +111,9 @@ class DataParallel(ParallelMode):
         prefetch_depth: fully_shard only: how many all-gather buckets may run ahead of
             the one in use (NOTE: [FSDP prefetch] in ``passes/schedule_overlap.py``); 1
             is FSDP2's prefetch of the next unit, None issues every gather as early as
-            the in-flight cap allows. Applies when ``compile`` gets no options for
-            ``schedule_overlap``.
+            the in-flight cap allows. Merged into ``schedule_overlap``'s options unless
+            they give a ``prefetch_depth`` themselves (refused if that differs from one
+            given here).
     """
 
     def __init__(
@@ -109,27 +124,46 @@ class DataParallel(ParallelMode):
         mesh: DeviceMesh | None = None,
         reshard_after_forward: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
-        prefetch_depth: int | None = 1,
+        prefetch_depth: int | None | _Default = _DEFAULT,
     ) -> None:
         if style not in ("replicate", "fully_shard"):
             raise ValueError(f"DataParallel style must be 'replicate' or 'fully_shard', got {style!r}")
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(f"DataParallel takes a 1-D mesh, got a {mesh.ndim}-D mesh {mesh}")
-        if prefetch_depth is not None and (
+        if prefetch_depth is not None and not isinstance(prefetch_depth, _Default) and (
             isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0
         ):  # refused here, not at the first call's schedule_overlap
             raise ValueError(
                 f"DataParallel prefetch_depth must be an int >= 0 (1: FSDP2's prefetch of the "
                 f"next unit) or None (no limit), got {prefetch_depth!r}"
             )
+        fsdp_only = {
+            name: value
+            for name, value, default in (
+                ("reshard_after_forward", reshard_after_forward, True),
+                ("prefetch_depth", prefetch_depth, 1),
+            )
+            if value is not _DEFAULT and value != default
+        }
+        if style == "replicate" and fsdp_only:
+            # they were taken and dropped: nothing is gathered to reshard or prefetch
+            given = ", ".join(f"{k}={v!r}" for k, v in fsdp_only.items())
+            raise ValueError(
+                f"DataParallel('replicate', {given}): these options apply to 'fully_shard' "
+                "only (replicate gathers no parameters); drop them or use 'fully_shard'."
+            )
         super().__init__(mesh)
+        # NOTE: [prefetch depth beside other overlap options]: whether the caller chose it
+        self._prefetch_depth_given = not isinstance(prefetch_depth, _Default)
+        if isinstance(prefetch_depth, _Default):
+            prefetch_depth = 1  # FSDP2's prefetch of the next unit
         self.style = style
         self.input_batch_dim = checked_batch_dims(0 if input_batch_dim is None else input_batch_dim)
         # NOTE: [a batch dimension iterated over]: whether the dimension was chosen
         self.batch_dim_given = input_batch_dim is not None
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy.of(mp_policy) if mp_policy is not None else MixedPrecisionPolicy()
-        self.prefetch_depth = prefetch_depth
+        self.prefetch_depth: int | None = prefetch_depth
         self.name = "ddp" if style == "replicate" else "fsdp"
 
     @property
@@ -156,15 +190,48 @@ class DataParallel(ParallelMode):
         """The pipeline, with fully_shard's gather prefetch depth as ``schedule_overlap``'s
         default (the caller's own options for that pass win)."""
         options = options or PassOptions()
-        if self.sharded and "schedule_overlap" not in options.pass_options:
-            overlap = OverlapOptions(prefetch_depth=self.prefetch_depth)
+        if self.sharded:
+            overlap = self._overlap_with_prefetch(options.pass_options.get("schedule_overlap"))
             options = dataclasses.replace(
                 options, pass_options={**options.pass_options, "schedule_overlap": overlap}
             )
         return super().transform_and_compile(program, options)
 
+    def _overlap_with_prefetch(self, given: object) -> object:
+        """``schedule_overlap``'s options with this mode's ``prefetch_depth`` merged in.
+
+        NOTE: [prefetch depth beside other overlap options]: the depth was passed only
+        when ``compile`` got no options for the pass at all, so any of them
+        (``{"max_in_flight_bytes": ...}``, even the defaults) dropped it: the gathers ran
+        as early as the cap allowed (the probe's 6-layer MLP, 600-byte buckets: 25,344
+        gathered bytes at once instead of 20,608 at depth 0 or 1). A depth the caller
+        gives the pass (a dict's ``prefetch_depth`` key, or a non-None field of
+        ``OverlapOptions``, whose None default cannot be told from unset) wins over the
+        mode's default; one that differs from a depth also given to the mode is refused,
+        naming both. Options of another type are left to the pass's own check."""
+        if given is None:
+            return OverlapOptions(prefetch_depth=self.prefetch_depth)
+        if isinstance(given, OverlapOptions):
+            explicit, theirs = given.prefetch_depth is not None, given.prefetch_depth
+        elif isinstance(given, Mapping):
+            explicit, theirs = "prefetch_depth" in given, given.get("prefetch_depth")
+        else:
+            return given
+        if not explicit:
+            if isinstance(given, OverlapOptions):
+                return dataclasses.replace(given, prefetch_depth=self.prefetch_depth)
+            return {**given, "prefetch_depth": self.prefetch_depth}
+        if self._prefetch_depth_given and theirs != self.prefetch_depth:
+            raise ValueError(
+                f"DataParallel('fully_shard', prefetch_depth={self.prefetch_depth!r}) and "
+                f"pass_options['schedule_overlap'] prefetch_depth={theirs!r} disagree; give the "
+                "depth in one of the two places."
+            )
+        return given
+
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         padded: dict[str, tuple[int, int]] = {}
+        cast_gradients_for_reduction(captured, self.mp_policy.effective_reduce_dtype)
         if self.sharded:
             padded = pad_uneven_state(captured, mesh.size())
             if self.reshard_after_forward:
@@ -214,10 +281,10 @@ class DataParallel(ParallelMode):
         return at_use
 
     def _low_precision_grad_casts(self, captured: CapturedStep) -> set[torch.fx.Node]:
-        """Backward's casts of low-precision gradients up to the parameter dtype, when
-        gradients must be reduced before them (``reduce_dtype`` == ``param_dtype``)."""
-        low = self.mp_policy.param_dtype
-        if low is None or self.mp_policy.effective_reduce_dtype != low:
+        """Backward's casts of gradients from ``reduce_dtype`` to the parameter dtype:
+        the gradient is reduced before them (NOTE: [gradients reduced in reduce_dtype])."""
+        low = self.mp_policy.effective_reduce_dtype
+        if low is None:
             return set()
         casts = set()
         for node in captured.graph_module.graph.nodes:
@@ -235,9 +302,58 @@ class DataParallel(ParallelMode):
 
     def __repr__(self) -> str:
         extra = f", reshard_after_forward={self.reshard_after_forward}" if self.sharded else ""
+        if self.sharded and self._prefetch_depth_given:
+            extra += f", prefetch_depth={self.prefetch_depth!r}"
         if self.mp_policy != MixedPrecisionPolicy():
             extra += f", mp_policy={self.mp_policy}"
         return f"DataParallel({self.style!r}, input_batch_dim={self.input_batch_dim!r}{extra})"
+
+
+# NOTE: [gradients reduced in reduce_dtype]
+# FSDP2 casts each gradient to ``reduce_dtype`` before its reduce-scatter / all-reduce
+# and the reduced gradient back to the parameter's dtype after it. With ``param_dtype``
+# set, backward's gradients are already in it and capture casts them up to the
+# parameter's dtype where ``backward()`` leaves them; reducing before that cast is
+# ``reduce_dtype == param_dtype``. Any other ``reduce_dtype`` was ignored before
+# (2026-12-06: ``(None, bf16)`` and ``(bf16, fp16)`` reduced in float32, twice the
+# bytes asked for): now each marked gradient not already in ``reduce_dtype`` (nor cast
+# up from it) gets ``_to_copy(reduce_dtype)`` then ``_to_copy(its own dtype)`` before the
+# mark, and the mode reduces between the two like the bf16 case. A ``reduce_dtype``
+# equal to the gradient's dtype inserts nothing (float32 reduce of bf16 compute reduces
+# after capture's cast up, as before). Gradients of ``torch.autograd.grad``, and those
+# that require grad, are not marked (NOTE: [gradients settle after backward]) and are
+# reduced in their own dtype.
+
+
+def cast_gradients_for_reduction(captured: CapturedStep, reduce_dtype: torch.dtype | None) -> int:
+    """Insert the casts of NOTE: [gradients reduced in reduce_dtype]; returns how many
+    gradients got them (0 on a second call: the inserted cast up is from reduce_dtype)."""
+    if reduce_dtype is None:
+        return 0
+    graph = captured.graph_module.graph
+    count = 0
+    for mark in list(graph.nodes):
+        if marked_gradient(mark) is None:
+            continue
+        grad = mark.args[0]
+        val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == reduce_dtype:
+            continue
+        if grad.target is torch.ops.aten._to_copy.default:
+            source = grad.args[0].meta.get("val") if isinstance(grad.args[0], torch.fx.Node) else None
+            if isinstance(source, torch.Tensor) and source.dtype == reduce_dtype:
+                continue  # capture's cast up from param_dtype == reduce_dtype, or ours
+        meta = {k: v for k, v in mark.meta.items() if k not in ("val", "tensor_meta", MODULE_FQN)}
+        with graph.inserting_before(mark):
+            down = graph.call_function(torch.ops.aten._to_copy.default, (grad,), {"dtype": reduce_dtype})
+            up = graph.call_function(torch.ops.aten._to_copy.default, (down,), {"dtype": val.dtype})
+        down.meta = {**meta, "val": val.to(reduce_dtype)}
+        up.meta = {**meta, "val": val.to(reduce_dtype).to(val.dtype)}
+        mark.replace_input_with(grad, up)
+        count += 1
+    if count:
+        captured.graph_module.recompile()
+    return count
 
 
 def _param_nodes(captured: CapturedStep) -> set[torch.fx.Node]:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from spmd_compiler import _torch_private as private
+from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 
 from .base import ParallelMode, replicate
 from .batch_dims import check_program_iterations
+
+# per mode, the input_placements indices that named a tensor argument of an earlier call
+_COVERED: weakref.WeakKeyDictionary[object, set[int]] = weakref.WeakKeyDictionary()
 
 
 class DTensorExpandMode(ParallelMode):
@@ -25,7 +30,9 @@ class DTensorExpandMode(ParallelMode):
 
     Args:
         input_placements: ``{i: placements}`` for the i-th tensor argument of the step
-            (counting tensor arguments only, in call order).
+            (counting tensor arguments only, in call order, from 0), one placement per
+            mesh dimension; an index that names no tensor argument of the first call
+            that lacks it (and of no earlier call) is refused, naming the valid ones.
         mesh: a 1-D mesh; by default all ranks of the default process group.
     """
 
@@ -49,6 +56,7 @@ class DTensorExpandMode(ParallelMode):
         return replicate(mesh)
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
+        self._check_input_placements(captured, mesh)
         # the arguments are split over every mesh dimension: a convolution's spatial
         # shard is a mislabelled batch (``convolution_spatial_shards_kept``)
         with private.convolution_spatial_shards_kept(range(mesh.ndim)):
@@ -64,6 +72,37 @@ class DTensorExpandMode(ParallelMode):
             "is the batch of a step that loops over samples.",
         )
         return program
+
+    def _check_input_placements(self, captured: CapturedStep, mesh: DeviceMesh) -> None:
+        """Refuse an index that is no tensor argument of the call (it was ignored: the
+        argument it meant stayed Shard(0)), and placements of a length other than the
+        mesh's dimensions (a 2-tuple on a 1-D mesh failed in DTensor with "zip()
+        argument 2 is shorter than argument 1")."""
+        arguments = {ref.index: ref.name for ref, _ in captured.inputs if ref.kind is Kind.INPUT}
+        shown = ", ".join(f"{i} ({name})" for i, name in sorted(arguments.items())) or "none"
+        # an index that covered an argument of an earlier call: an optional argument this
+        # call leaves out (kept by the mode's identity, as batch_dims' _COVERED is)
+        covered = _COVERED.setdefault(self, set())
+        covered.update(i for i in self.input_placements if i in arguments)
+        for index, placements in self.input_placements.items():
+            if index not in arguments and index in covered:
+                continue
+            if index not in arguments:
+                raise SPMDCompileError(
+                    f"DTensorExpandMode input_placements names index {index}, but the step "
+                    f"has {len(arguments)} tensor argument(s) in this call; the argument it "
+                    "meant would be split on dimension 0. Valid indices (tensor arguments "
+                    f"only, in call order, counted from 0): {shown}.",
+                    hint="key input_placements by one of the valid indices.",
+                )
+            if len(placements) != mesh.ndim:
+                raise SPMDCompileError(
+                    f"DTensorExpandMode input_placements[{index}] for tensor argument "
+                    f"{arguments[index]!r} has {len(placements)} entries {placements}, but the "
+                    f"mesh has {mesh.ndim} dimension(s): one placement per mesh dimension.",
+                    hint=f"give {mesh.ndim} placement(s), e.g. "
+                    f"{tuple(Replicate() for _ in range(mesh.ndim))}.",
+                )
 
     def __repr__(self) -> str:
         return f"DTensorExpandMode(input_placements={self.input_placements})"

@@ -15,8 +15,9 @@ class MixedPrecisionPolicy:
         param_dtype: dtype of the gathered parameters and of forward/backward compute
             (the root module's floating inputs are cast too). ``None`` keeps fp32.
         reduce_dtype: dtype in which gradients are reduced across ranks; ``None`` means
-            ``param_dtype`` (as in FSDP2). Reduced gradients are cast to the parameter's
-            dtype before the optimizer reads them.
+            ``param_dtype`` (as in FSDP2). Each gradient is cast to it before its
+            reduction and the reduced gradient to the parameter's dtype before the
+            optimizer reads it (NOTE: [gradients reduced in reduce_dtype]).
     """
 
     param_dtype: torch.dtype | None = None

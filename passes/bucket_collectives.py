@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from spmd_compiler.ir.collectives import check_byte_count, check_kinds
 from spmd_compiler.ir.node_meta import (
     CREATED_BY,
     MODULE_FQN,
@@ -76,6 +77,9 @@ from .manager import PassContext, register_pass
 _aten = torch.ops.aten
 
 
+_BUCKETED_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
+
+
 @dataclass(frozen=True)
 class BucketOptions:
     """Options of ``bucket_collectives``.
@@ -97,6 +101,13 @@ class BucketOptions:
     cap_bytes: int = 25 * 2**20
     first_bucket_bytes: int | None = 2**20
     kinds: frozenset[str] = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
+
+    def __post_init__(self) -> None:
+        # NOTE: options checked when made: a misspelt kind bucketed nothing and a
+        # negative cap was taken, both silently
+        check_byte_count("BucketOptions", "cap_bytes", self.cap_bytes)
+        check_byte_count("BucketOptions", "first_bucket_bytes", self.first_bucket_bytes, allow_none=True)
+        check_kinds("BucketOptions", self.kinds, _BUCKETED_KINDS)
 
 
 @dataclass

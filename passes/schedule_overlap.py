@@ -35,7 +35,12 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from spmd_compiler.ir.collectives import collective_kind
+from spmd_compiler.ir.collectives import (
+    COLLECTIVE_KINDS,
+    check_byte_count,
+    check_kinds,
+    collective_kind,
+)
 
 from . import bucket_collectives as _ordered_after  # noqa: F401  (registers it)
 from .collective_graph import (
@@ -78,6 +83,9 @@ class OverlapOptions:
     def __post_init__(self) -> None:
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0 or None, got {self.prefetch_depth}")
+        check_byte_count("OverlapOptions", "max_in_flight_bytes", self.max_in_flight_bytes)
+        if self.kinds is not None:  # a misspelt kind moved nothing, silently
+            check_kinds("OverlapOptions", self.kinds, COLLECTIVE_KINDS)
 
 
 @register_pass(

@@ -53,8 +53,9 @@ def _probability(text: str) -> float:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="dtensor_expand", metavar="MODE", help=MODE_HELP)
-    p.add_argument("--world-size", type=_positive, default=4, metavar="N",
-                   help="number of ranks (simulated or real); default %(default)s")
+    # default None, read as 4: an explicit one that --mesh contradicts is refused
+    p.add_argument("--world-size", type=_positive, default=None, metavar="N",
+                   help="number of ranks (simulated or real); default 4 (DP*TP with --mesh)")
     p.add_argument("--mesh", type=_mesh, default=(), metavar="DPxTP",
                    help="mesh for fsdp_tp, e.g. 2x2; sets the world size to DP*TP "
                    "(default: 2 x world-size/2)")
@@ -115,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _world(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.mesh and args.mode != "fsdp_tp":
         parser.error(f"--mesh is for --mode fsdp_tp, not {args.mode}")
-    world_size = args.mesh[0] * args.mesh[1] if args.mesh else args.world_size
+    if args.mesh and args.world_size is not None and args.world_size != args.mesh[0] * args.mesh[1]:
+        # it ran at DP*TP ranks, the --world-size dropped without a word
+        parser.error(f"--world-size {args.world_size} contradicts --mesh {args.mesh[0]}x{args.mesh[1]} "
+                     f"({args.mesh[0] * args.mesh[1]} ranks); give one of the two")
+    default = 4 if args.world_size is None else args.world_size
+    world_size = args.mesh[0] * args.mesh[1] if args.mesh else default
     if args.mode == "fsdp_tp" and not args.mesh and world_size % 2:
         parser.error(f"--mode fsdp_tp needs an even --world-size or a --mesh (got {world_size})")
     batch = getattr(args, "batch_size", None)

@@ -42,6 +42,35 @@ _KINDS = {
     "broadcast": ("broadcast", "input"),
 }
 
+# every short kind, what pass options that name kinds accept
+COLLECTIVE_KINDS = frozenset(kind for kind, _ in _KINDS.values())
+
+
+def check_kinds(owner: str, kinds: object, allowed: frozenset[str]) -> None:
+    """Refuse a ``kinds`` option naming no collective kind of ``allowed`` (a misspelt
+    ``"allreduce"`` matched nothing, which silently turned the option's effect off)."""
+    import difflib
+
+    if isinstance(kinds, str) or not isinstance(kinds, (set, frozenset, list, tuple)):
+        raise ValueError(f"{owner}.kinds must be a set of collective kinds, got {kinds!r}")
+    for kind in kinds:
+        if kind not in allowed:
+            close = difflib.get_close_matches(str(kind), sorted(allowed), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"{owner}.kinds names {kind!r}, not a collective kind it handles{hint}; "
+                f"valid: {', '.join(sorted(allowed))}"
+            )
+
+
+def check_byte_count(owner: str, name: str, value: object, *, allow_none: bool = False) -> None:
+    """Refuse a byte count that is not a positive int (``cap_bytes=-5`` was taken)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{owner}.{name} must be a positive int{none}, got {value!r}")
+
 
 @dataclass
 class CommStats:

@@ -422,3 +422,50 @@ def test_a_named_key_later_batches_leave_out_is_accepted_but_not_on_a_first_call
     again = sc.compile(parallel_mode=DataParallel("replicate", input_batch_dim=dict(names)))(_optional_step)
     with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError, match="batch\\['w'\\]"):
         again(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": batch["x"], "y": batch["y"]})
+
+
+def _dtensor_expand_step(model, optim, x, y, mask=None):
+    out = model(x) if mask is None else model(x * mask)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_dtensor_expand_input_placements_naming_no_argument_are_refused():
+    """``DTensorExpandMode(input_placements=...)``: an index past the tensor arguments
+    (7, or -1, of a step called with x and y) was ignored, the argument it meant split on
+    dimension 0; a placements tuple longer than the mesh failed inside DTensor ("zip()
+    argument 2 is shorter than argument 1"). Both are refused at the first call, naming
+    the valid indices / the mesh's dimensions, the model untouched. An index that
+    covered an optional argument of an earlier call stays accepted when a call leaves it
+    out."""
+    from spmd_compiler.errors import SPMDCompileError
+    from spmd_compiler.parallel_modes import DTensorExpandMode
+
+    def call(mode, with_mask=False):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        before = copy.deepcopy(model.state_dict())
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = sc.compile(mode)(_dtensor_expand_step)
+        x, y = torch.randn(BATCH, 8), torch.randint(0, 4, (BATCH,))
+        extra = (torch.ones(1, 8),) if with_mask else ()
+        try:
+            with sc.simulate(WORLD):
+                step(model, optim, x, y, *extra)
+        except SPMDCompileError:
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+            raise
+        return step
+
+    for index in (7, -1):
+        with pytest.raises(SPMDCompileError, match=rf"names index {index}.*Valid indices.*0 \(x\), 1 \(y\)"):
+            call(DTensorExpandMode(input_placements={index: (Replicate(),)}))
+    with pytest.raises(SPMDCompileError, match=r"has 2 entries .* but the mesh has 1 dimension"):
+        call(DTensorExpandMode(input_placements={0: (Replicate(), Replicate())}))
+    call(DTensorExpandMode(input_placements={1: (Replicate(),)}))
+    mode = DTensorExpandMode(input_placements={2: (Replicate(),)})
+    call(mode, with_mask=True)
+    call(mode)  # the mask left out by a later call

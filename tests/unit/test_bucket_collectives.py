@@ -185,3 +185,20 @@ def test_chained_collectives_on_two_groups_bucket_without_stale_inputs():
                 upstream.add(arg)
                 stack.append(arg)
     assert tp in upstream
+
+
+def test_bucket_options_are_checked_when_made():
+    """``kinds={"allreduce"}`` (a typo of all_reduce) bucketed nothing, and
+    ``cap_bytes=-5`` was taken, silently; both are refused, the typo naming the kind it
+    was near. Through ``compile``'s dict the pass names itself."""
+    from spmd_compiler.passes import PipelineError
+    from spmd_compiler.passes.manager import build_pipeline
+
+    with pytest.raises(ValueError, match=r"'allreduce'.*did you mean 'all_reduce'"):
+        BucketOptions(kinds=frozenset({"allreduce"}))
+    for name, value in (("cap_bytes", -5), ("cap_bytes", 0), ("first_bucket_bytes", -1)):
+        with pytest.raises(ValueError, match=rf"BucketOptions.{name} must be a positive int"):
+            BucketOptions(**{name: value})
+    with pytest.raises(PipelineError, match="bucket_collectives.*cap_bytes must be a positive int, got -5"):
+        build_pipeline(PassOptions(pass_options={"bucket_collectives": {"cap_bytes": -5}}))
+    BucketOptions(kinds=frozenset(), first_bucket_bytes=None)

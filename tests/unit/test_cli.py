@@ -22,6 +22,9 @@ from spmd_compiler.__main__ import main
         (["demo", "--world-size", "3"], "--batch-size 16 does not split over 3"),
         (["demo", "--dropout", "1.5"], "1.5 is not in [0, 1)"),
         (["explain", "--mode", "fsdp_tp", "--world-size", "3"], "needs an even --world-size"),
+        # ran at 4 ranks, the explicit 6 dropped
+        (["explain", "--mode", "fsdp_tp", "--mesh", "2x2", "--world-size", "6"],
+         "--world-size 6 contradicts --mesh 2x2 (4 ranks)"),
         (["demo", "--mode", "tp", "--world-size", "64", "--backend", "nccl"],
          "--backend nccl runs one rank per CUDA device: 64 ranks need 64 devices"),
     ],

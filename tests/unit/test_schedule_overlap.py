@@ -300,3 +300,64 @@ def test_fully_shard_mode_prefetches_one_bucket_ahead_by_default(depth):
     first_uses = [min(nodes.index(u) for u in wait_of(c).users) for c in gathers]
     ahead = [nodes.index(c) > first_uses[j - 1] for j, c in enumerate(gathers) if j >= 1]
     assert all(ahead) if depth == 1 else not all(ahead)
+
+
+def _fully_shard_peak(mode, overlap_options):
+    from collective_pass_harness import classification_step, mlp_setup
+
+    import spmd_compiler as sc
+
+    model, optim, batches = mlp_setup(2)
+    pass_options = {"bucket_collectives": {"cap_bytes": 600}}
+    if overlap_options is not None:
+        pass_options["schedule_overlap"] = overlap_options
+    step = sc.compile(mode, pass_options=pass_options)(classification_step)
+    with sc.simulate(4):
+        step(model, optim, *batches[0])
+    return _gathered_bytes_peak(step.last_program.graph_module.graph)
+
+
+def test_fully_shard_prefetch_depth_kept_beside_other_overlap_options():
+    """NOTE: [prefetch depth beside other overlap options]: any ``schedule_overlap``
+    option (here the default cap, or ``overlap_compute``) dropped the mode's depth, and
+    the gathers ran as early as the cap allowed; the depth is merged in now. A depth
+    given to the pass wins over the mode's default, and is refused when it differs from
+    one given to the mode."""
+    from spmd_compiler.parallel_modes import DataParallel
+
+    unlimited = _fully_shard_peak(DataParallel("fully_shard", prefetch_depth=None), None)
+    depth0 = _fully_shard_peak(DataParallel("fully_shard", prefetch_depth=0), None)
+    assert depth0 < unlimited
+    for given in ({"max_in_flight_bytes": 256 * 2**20}, OverlapOptions(overlap_compute=True)):
+        assert _fully_shard_peak(DataParallel("fully_shard", prefetch_depth=0), given) == depth0
+    assert _fully_shard_peak(DataParallel("fully_shard"), {"prefetch_depth": None}) == unlimited
+    mode = DataParallel("fully_shard", prefetch_depth=0)
+    assert mode._overlap_with_prefetch(OverlapOptions(prefetch_depth=0)).prefetch_depth == 0
+    with pytest.raises(ValueError, match=r"prefetch_depth=0\).*prefetch_depth=2 disagree"):
+        mode._overlap_with_prefetch({"prefetch_depth": 2})
+    with pytest.raises(ValueError, match=r"prefetch_depth=1\).*prefetch_depth=None disagree"):
+        DataParallel("fully_shard", prefetch_depth=1)._overlap_with_prefetch({"prefetch_depth": None})
+
+
+def test_overlap_options_are_checked_when_made():
+    """``kinds={"allgather"}`` moved no collective, silently; a non-positive cap too."""
+    with pytest.raises(ValueError, match=r"'allgather'.*did you mean 'all_gather'"):
+        OverlapOptions(kinds=frozenset({"allgather"}))
+    with pytest.raises(ValueError, match="max_in_flight_bytes must be a positive int"):
+        OverlapOptions(max_in_flight_bytes=-1)
+    OverlapOptions(kinds=frozenset({"all_to_all", "broadcast"}))
+
+
+def test_replicate_refuses_fully_shard_options():
+    """``DataParallel("replicate", reshard_after_forward=False, prefetch_depth=3)`` was
+    taken and both dropped; refused now, naming them. Their defaults stay accepted, and
+    a fully_shard mode's repr shows a depth it was given."""
+    from spmd_compiler.parallel_modes import DataParallel
+
+    with pytest.raises(ValueError, match=r"reshard_after_forward=False, prefetch_depth=3\): these options apply to 'fully_shard' only"):
+        DataParallel("replicate", reshard_after_forward=False, prefetch_depth=3)
+    with pytest.raises(ValueError, match=r"'replicate', prefetch_depth=None\)"):
+        DataParallel("replicate", prefetch_depth=None)
+    DataParallel("replicate", reshard_after_forward=True, prefetch_depth=1)
+    assert "prefetch_depth=2" in repr(DataParallel("fully_shard", prefetch_depth=2))
+    assert "prefetch_depth" not in repr(DataParallel("fully_shard"))
