@@ -1090,7 +1090,7 @@ def _trace_first(
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
     _refuse_custom_ops_writing_arguments(first)
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
-    outside = outside_constants(first, tracer.outside, bindings)  # NOTE: [tensors read from outside the arguments]
+    outside = outside_constants(first, tracer.outside, bindings, tracer.unplaced)  # NOTE: [tensors read from outside the arguments]
     scheduler_steps = []
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
         scheduler_steps = tracer.schedulers.steps()
@@ -1491,6 +1491,7 @@ class _StepTracer:
         self.kept: list[KeptTensor] = []
         self.schedulers: SchedulerSteps | None = None
         self.outside: dict[int, FoundTensor] = {}
+        self.unplaced: dict[int, str] = {}  # KeptTensors.unplaced
         self._params: dict[str, torch.Tensor] = {}
         # each optimizer's state during the trace, and its parameters by name
         self.swapped: list[tuple[initial_state.RecordedStates, dict[str, tuple[int, torch.Tensor]]]] = []
@@ -1559,6 +1560,7 @@ class _StepTracer:
             stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = keeper.outside
+            self.unplaced = keeper.unplaced
             try:
                 with self.group_numbers, self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)
