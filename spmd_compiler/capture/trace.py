@@ -1309,6 +1309,18 @@ def _refusal_text(exc: BaseException) -> str:
     """What a failed check says of a way the step cannot be compiled (NOTE: [a way no
     program holds])."""
     where = _where_it_failed(exc)
+    if isinstance(exc, ItemUsedInPython):
+        # a comparison of the number (``max(n, 1)``, ``n if n > 0 else 1``) is the `if`,
+        # and the number itself is used further on: the refusal capture gives ``l / n``
+        # alone, with its advice, rather than the `if`'s generic words (fifty-eighth
+        # session: "a check ... came out False" on the first call, no hint)
+        return (
+            f"it uses the value of .item() in Python{where or ' further on'}: {exc}; only "
+            "the way that does not was compiled. Return the value (`return loss.item()` "
+            "works: NOTE: [returned .item() values]) and use the number outside the "
+            "compiled step, or compute with the tensor itself (a count as "
+            "`(y != -100).sum().clamp(min=1)`, not `max(n.item(), 1)`)"
+        )
     return (
         f"it reads a tensor's value in Python{where or ' further on'} (a value-dependent "
         "shape, .item() or an `if`), which no compiled program holds; only the other way "
