@@ -33,7 +33,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError, SPMDRuntimeError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
-from .code_names import reachable_by_name, step_name, step_where
+from .code_names import modules_read_by_name, reachable_by_name, step_name, step_where
 from .containers import open_containers
 from .grad_scalers import find_scalers, scaler_key, scaler_state
 from .lr_schedulers import find_schedulers
@@ -731,7 +731,7 @@ def find_bindings(
     """
     containers: list[Any] = []  # NOTE: [batch containers]
     flat_args, spec = pytree.tree_flatten(open_containers((args, kwargs), _is_leaf, containers), is_leaf=_is_leaf)
-    modules = _unique([a for a in flat_args if isinstance(a, torch.nn.Module)]) or _named_modules(func)
+    modules = _named_modules(func, _unique([a for a in flat_args if isinstance(a, torch.nn.Module)]))
     optimizers = _unique([a for a in flat_args if isinstance(a, torch.optim.Optimizer)])
     where = f"{step_where(func)} ({step_name(func)})"
     if not modules:
@@ -771,8 +771,9 @@ def find_bindings(
 # attributes of its bound object, and that object itself when it is a module) that hold
 # state, leaving out a module inside another one found (``self.head = self.model.head``)
 # and parameterless ones (a global ``criterion = nn.CrossEntropyLoss()``, which would only
-# prefix the parameters' names). Arguments win: a step given its model reads other named
-# modules (a frozen global teacher) as tensors from outside, as before. Optimizers are
+# prefix the parameters' names). A step given its model takes, after it, the other
+# modules its code reads by name (NOTE: [modules read by name beside the given ones]).
+# Optimizers are
 # the arguments' and, after them, those the given ones hold in an attribute (SAM's and
 # Lookahead's inner ``base_optimizer``, stepped by the wrapper's own step(); refused as
 # "not among its optimizers" before the fifty-seventh session) and those reachable by
@@ -782,14 +783,46 @@ def find_bindings(
 # state on the module objects themselves, so the step's code reaching them by name traces
 # the same program as one given them. Names are found anew on each call: a global rebound
 # to another model between calls trains the new one.
-def _named_modules(func: Callable[..., Any]) -> list[torch.nn.Module]:
-    found = _unique(reachable_by_name(func, [], torch.nn.Module))
+#
+# NOTE: [modules read by name beside the given ones]
+# A knowledge-distillation step is given its student and optimizer and reads a frozen
+# teacher by name (a global, a closure variable, ``self.teacher`` of the trainer whose
+# method is the step, or a name read by a helper function the step calls). Until the
+# fifty-eighth session such a module was left out of the step's state, and its
+# parameters, read by the trace as tensors from outside no walk had found, refused the
+# step ("neither an argument nor part of a module or optimizer", at the teacher's first
+# op, its hint for a plain tensor). Such a module is state now, after the given ones
+# (``modules_read_by_name``: the globals the step's code loads, its closure variables,
+# the attributes of its bound object that its code names, and the same in the user
+# functions and methods it names), as if it had been passed: placed as the mode places
+# state (replicated by ddp, sharded by fsdp), read by the program on every call, so a
+# teacher updated in place between calls (an EMA outside the step) is seen by the next
+# call, and one the step updates itself is updated as eager does. Left out: a module
+# inside a given one (its state is already the step's), one holding no state, one
+# sharing state with a given module without being inside it (a wrapper of the model:
+# its own tensors are then refused as from outside, naming the module, NOTE: [tensors
+# read from outside the arguments]), and an attribute of the bound object its code does
+# not name (a trainer's ``self.ema_model`` the step never reads stays as it is). A
+# module reached otherwise (an entry of a dict, an attribute of a plain object) is not
+# taken: its tensors are refused naming the module and where it was found.
+def _named_modules(func: Callable[..., Any], given: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    by_name = [m for m, _ in modules_read_by_name(func)]
+    if not given:
+        by_name[:0] = reachable_by_name(func, [], torch.nn.Module)
+    found = _unique(by_name)
     owner = getattr(func, "__self__", None)
-    if isinstance(owner, torch.nn.Module) and all(owner is not m for m in found):
+    if not given and isinstance(owner, torch.nn.Module) and all(owner is not m for m in found):
         found.insert(0, owner)
     holding = [m for m in found if any(True for _ in m.parameters()) or any(True for _ in m.buffers())]
+    if given and holding:
+        inside = {id(sub) for g in given for sub in g.modules()}
+        state = {id(t) for g in given for t in (*g.parameters(), *g.buffers())}
+        holding = [
+            m for m in holding if id(m) not in inside
+            and not any(id(t) in state for t in (*m.parameters(), *m.buffers()))
+        ]
     inner = {id(sub) for m in holding for sub in m.modules() if sub is not m}
-    return [m for m in holding if id(m) not in inner]
+    return [*given, *(m for m in holding if id(m) not in inner)]
 
 
 def _named_optimizers(

@@ -13,6 +13,10 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
+from .plain_objects import skipped_function
+
 
 def names_in(code: types.CodeType) -> Iterator[str]:
     """``co_names`` of ``code`` and of every code object nested in it."""
@@ -278,7 +282,77 @@ def reachable_by_name(
     return found
 
 
+_NAMES: dict[types.CodeType, frozenset[str]] = {}
+_METHODS: dict[tuple[type, types.CodeType], tuple[Any, ...]] = {}
+
+
+def _methods_named(cls: type, code: types.CodeType, names: frozenset[str]) -> tuple[Any, ...]:
+    """The functions of ``cls`` (methods, static and class methods) that ``code``
+    names. Cached per class and code object (``inspect.getattr_static`` of every name a
+    step reads took most of a call's walk)."""
+    found = _METHODS.get((cls, code))
+    if found is None:
+        methods = []
+        for name in names:
+            method = inspect.getattr_static(cls, name, None)
+            if isinstance(method, (staticmethod, classmethod)):
+                method = method.__func__
+            if isinstance(method, types.FunctionType):
+                methods.append(method)
+        found = _METHODS[(cls, code)] = tuple(methods)
+    return found
+
+
+def modules_read_by_name(func: Callable[..., Any], depth: int = 4) -> list[tuple[Any, str]]:
+    """The ``nn.Module`` objects a step's code reads by name, each with where (for
+    messages): the globals its code loads, its closure variables, for a bound method the
+    attributes of its ``self`` that the code names, and the same in the user functions it
+    reaches that way (a helper ``kd_loss`` it calls, the methods of its ``self`` it
+    names), to ``depth`` calls deep; library code (torch's, ...) is not entered
+    (NOTE: [modules read by name beside the given ones] in ``capture/bindings.py``). An
+    object met twice is listed twice."""
+    bound: Any = func
+    while isinstance(bound, functools.partial):
+        bound = bound.func
+    owner = getattr(bound, "__self__", None)
+    start = step_function(func)
+    found: list[tuple[Any, str]] = []
+    attribute_names: set[str] = set()
+    seen: set[int] = set()
+
+    def visit(fn: types.FunctionType, left: int) -> None:
+        if id(fn.__code__) in seen or left < 0 or skipped_function(fn):
+            return
+        seen.add(id(fn.__code__))
+        where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
+        values = [(fn.__globals__.get(n), f"global {n!r} read by {where}") for n in global_names_in(fn.__code__)]
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+            with contextlib.suppress(ValueError):  # an empty cell
+                values.append((cell.cell_contents, f"closure variable {name!r} of {where}"))
+        names = _NAMES.get(fn.__code__)
+        if names is None:
+            names = _NAMES[fn.__code__] = frozenset(names_in(fn.__code__))
+        attribute_names.update(names)
+        if owner is not None:
+            values += [(method, "") for method in _methods_named(type(owner), fn.__code__, names)]
+        for value, label in values:
+            if isinstance(value, torch.nn.Module):
+                found.append((value, label))
+            elif isinstance(value, types.FunctionType):
+                visit(value, left - 1)
+
+    if start is not None:
+        visit(start, depth)
+    if owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, type):
+        found += [
+            (value, f"attribute {name!r} of the step's object ({type(owner).__name__})")
+            for name, value in vars(owner).items()
+            if name in attribute_names and isinstance(value, torch.nn.Module)
+        ]
+    return found
+
+
 __all__ = [
-    "global_names_in", "names_in", "reachable_by_name", "reads_computed_attributes", "step_code", "step_function", "step_name", "step_where",
+    "global_names_in", "modules_read_by_name", "names_in", "reachable_by_name", "reads_computed_attributes", "step_code", "step_function", "step_name", "step_where",
     "strings_in", "value_names_in",
 ]

@@ -205,6 +205,11 @@ class KeptTensors:
         # id(tensor) -> (where, its dict or closure cell, key): NOTE: [tensors read from
         # outside the arguments]
         self.outside: dict[int, FoundTensor] = {}
+        # id(tensor) -> which module's state it is and where the module was found, for a
+        # module the walk meets that is not one of the step's (NOTE: [modules read by name
+        # beside the given ones])
+        self.unplaced: dict[int, str] = {}
+        self._state_modules = {id(sub) for mod in bindings.modules for sub in mod.modules()}
         self.where: str | None = None  # the step's line, for the refusals of ``collect``
         self._seen: set[int] = set()
         self._seen_code: set[int] = set()
@@ -245,6 +250,8 @@ class KeptTensors:
         for key, value in list(holder.entries().items()):
             if isinstance(value, torch.Tensor) and root[0] != "call":
                 self._outside(value, holder.storage(), key, label + _where(step, key), root[0] == "arg")
+            elif isinstance(value, torch.nn.Module):
+                self._module(value, label + _where(step, key))
             if depth <= 0 or isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue  # submodules are visited by FQN; tensors are leaves
             if type(value) is list or isinstance(value, dict) or plain_object(value):
@@ -324,7 +331,20 @@ class KeptTensors:
         if not is_traced(value):
             self.outside.setdefault(id(value), FoundTensor(label, container, key, value, in_argument))
 
+    def _module(self, module: torch.nn.Module, label: str) -> None:
+        """A module found outside the step's modules: its state, by tensor, for the
+        refusal of a read of it (NOTE: [modules read by name beside the given ones])."""
+        if id(module) in self._state_modules:
+            return
+        what = f"a {type(module).__name__} ({label})"
+        for name, p in module.named_parameters():
+            self.unplaced.setdefault(id(p), f"parameter {name} of {what}")
+        for name, b in module.named_buffers():
+            self.unplaced.setdefault(id(b), f"buffer {name} of {what}")
+
     def _reach(self, value: Any, label: str) -> None:
+        if isinstance(value, torch.nn.Module):
+            self._module(value, label)
         if isinstance(value, (torch.nn.Module, torch.Tensor)):
             return  # modules of the step are visited by FQN; others hold no traced state
         self._visit(value, ("live", value), (), label, DEPTH)

@@ -132,10 +132,12 @@ class OutsideWrites(TorchFunctionMode):
 
 def outside_constants(
     gm: torch.fx.GraphModule, found: dict[int, FoundTensor],
-    bindings: StepBindings,
+    bindings: StepBindings, unplaced: dict[int, str] | None = None,
 ) -> list[OutsideTensor]:
     """The first graph's constants that came from outside the step, each with where it
-    was found; refuses those that cannot be guarded or computed with (see the NOTE)."""
+    was found; refuses those that cannot be guarded or computed with (see the NOTE).
+    ``unplaced``: the state of modules the walk met that are not the step's, by tensor
+    (``KeptTensors.unplaced``), named when the step reads one."""
     constants: list[OutsideTensor] = []
     seen: set[int] = set()
     for node in gm.graph.nodes:
@@ -148,6 +150,19 @@ def outside_constants(
             continue  # made from Python data inside the step (NOTE: [tensor constants])
         seen.add(id(value))
         user = next(iter(node.users), node)
+        if unplaced and id(value) in unplaced:
+            raise node_error(
+                f"The train step reads {unplaced[id(value)]}, a module that is neither "
+                "an argument of the step nor one it reads by name (a global, a closure "
+                "variable or an attribute of its object that its code names), so its "
+                "state is not the step's and cannot be placed or watched for changes "
+                "(NOTE: [modules read by name beside the given ones]).",
+                user,
+                hint="pass the module to the step as an argument, train_step(model, "
+                "teacher, optimizer, x, y), or read it by a name of its own (a global "
+                "or closure variable, self.teacher) rather than through a dict, list "
+                "or other object.",
+            )
         if id(value) not in found:
             raise node_error(
                 "The train step uses a tensor that is neither an argument nor part of a "

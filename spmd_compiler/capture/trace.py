@@ -1111,7 +1111,7 @@ def _trace_first(
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
     _refuse_custom_ops_writing_arguments(first)
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
-    outside = outside_constants(first, tracer.outside, bindings)  # NOTE: [tensors read from outside the arguments]
+    outside = outside_constants(first, tracer.outside, bindings, tracer.unplaced)  # NOTE: [tensors read from outside the arguments]
     scheduler_steps = []
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
         scheduler_steps = tracer.schedulers.steps()
@@ -1330,6 +1330,18 @@ def _refusal_text(exc: BaseException) -> str:
     """What a failed check says of a way the step cannot be compiled (NOTE: [a way no
     program holds])."""
     where = _where_it_failed(exc)
+    if isinstance(exc, ItemUsedInPython):
+        # a comparison of the number (``max(n, 1)``, ``n if n > 0 else 1``) is the `if`,
+        # and the number itself is used further on: the refusal capture gives ``l / n``
+        # alone, with its advice, rather than the `if`'s generic words (fifty-eighth
+        # session: "a check ... came out False" on the first call, no hint)
+        return (
+            f"it uses the value of .item() in Python{where or ' further on'}: {exc}; only "
+            "the way that does not was compiled. Return the value (`return loss.item()` "
+            "works: NOTE: [returned .item() values]) and use the number outside the "
+            "compiled step, or compute with the tensor itself (a count as "
+            "`(y != -100).sum().clamp(min=1)`, not `max(n.item(), 1)`)"
+        )
     return (
         f"it reads a tensor's value in Python{where or ' further on'} (a value-dependent "
         "shape, .item() or an `if`), which no compiled program holds; only the other way "
@@ -1512,6 +1524,7 @@ class _StepTracer:
         self.kept: list[KeptTensor] = []
         self.schedulers: SchedulerSteps | None = None
         self.outside: dict[int, FoundTensor] = {}
+        self.unplaced: dict[int, str] = {}  # KeptTensors.unplaced
         self._params: dict[str, torch.Tensor] = {}
         # each optimizer's state during the trace, and its parameters by name
         self.swapped: list[tuple[initial_state.RecordedStates, dict[str, tuple[int, torch.Tensor]]]] = []
@@ -1580,6 +1593,7 @@ class _StepTracer:
             stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = keeper.outside
+            self.unplaced = keeper.unplaced
             try:
                 with self.group_numbers, self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)

@@ -426,8 +426,8 @@ def criterion_step(model, criterion, optim, x, y):  # noqa: ANN001
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_a_weighted_loss_module_passed_as_an_argument(mode):
     """nn.CrossEntropyLoss(weight=w) holds its class weights as a buffer: passed to the
-    step it is one more module (its buffer replicated); read as a global it is refused
-    with this advice."""
+    step it is one more module (its buffer replicated), as it is read by name beside a
+    given model (NOTE: [modules read by name beside the given ones])."""
     weight = torch.tensor([0.1, 1.0, 2.0, 3.0], dtype=torch.float64)
     torch.manual_seed(0)
     model = _mlp()

@@ -418,3 +418,44 @@ def test_a_branch_that_writes_its_own_condition_checks_the_value_it_decided_on(m
             assert relative_difference(got, want) < 1e-12
         assert max(compare_models(model, reference, sim).values()) < 1e-12
     assert compiled.compile_count == 2
+
+
+def counted_mean_step(model, optim, x, y):  # noqa: ANN001
+    """A mean over the labels not ignored, the count read with .item() and kept above 0
+    by Python's max: the comparison is an `if` whose way with n >= 1 divides by the
+    number itself, which no program holds (NOTE: [a way no program holds])."""
+    total = F.cross_entropy(model(x), y, ignore_index=-100, reduction="sum")
+    n = (y != -100).sum().item()
+    loss = total / max(n, 1)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_count_kept_above_zero_by_max_is_refused_with_the_advice_of_item():
+    """Before the fifty-eighth session the first call with a label not ignored raised
+    "A check on a tensor's value ... came out False ... (it reads a tensor's value in
+    Python ... which no compiled program holds)", with no advice; it now says that the
+    .item() value is used in Python and what to do, as ``total / n`` alone does. A batch
+    with every label ignored (the compiled way) matches eager; nothing is written by the
+    refused call."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    ignored, labelled = torch.full((4,), -100), torch.tensor([1, -100, 2, 0])
+    compiled = sc.compile(make_mode("ddp"))(counted_mean_step)
+    with sc.simulate(world_size=2) as sim:
+        loss = compiled(model, optim, x, ignored)
+        assert relative_difference(loss, counted_mean_step(reference, reference_optim, x, ignored)) < TOL
+        with pytest.raises(SPMDRuntimeError) as info:
+            compiled(model, optim, x, labelled)
+        differences = compare_models(model, reference, sim)
+    message = str(info.value)
+    assert "uses the value of .item() in Python" in message, message
+    assert "can only be returned" in message and "clamp(min=1)" in message, message
+    assert "loss = total / max(n, 1)" in message and "Nothing was updated" in message, message
+    assert max(differences.values()) < TOL, differences
