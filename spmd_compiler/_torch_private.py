@@ -3850,6 +3850,24 @@ def _install_batch_sharded_convolution() -> None:
 # session). There it is kept, and the local shape check refuses the step naming
 # ``input_batch_dim``, as before that session. The modes that split arguments say over
 # which mesh dimensions (``convolution_spatial_shards_kept``).
+# ``convolution_backward`` pairs ``grad_output`` with the input sample by sample, so the
+# two must be split over the ranks alike. DTensor's handler redistributes
+# ``grad_output`` to the input's placements, but a ``_StridedShard`` reached that way is
+# read as a shard order (``use_strided_shard_as_shard_order``), while the input's, made
+# by a view (``torch.stack([v1, v2]).flatten(0, 1)``, a video's ``x.transpose(0,
+# 1).flatten(0, 1)``), is a plain strided split: equal placements, unequal specs, so
+# 2.13's strategy matched neither to the other, chose to replicate all three operands,
+# and the handler, dropping that request, ran the kernel on the two local shards and
+# called the weight's gradient replicated, with no sum over the ranks. Whenever a
+# batch-mixing op (a BatchNorm, ``h - h.mean(0)``, an MSE between the views) left the
+# gradient replicated or partial, the weight gradient was one rank's (ddp and fsdp,
+# world 2 and 4, simulated and gloo: 1e-2 to 9e-2 off eager after 1 to 3 steps, the
+# replicas diverging; found by a probe of vision models in the fifty-eighth session).
+# Here ``grad_output`` is laid out as the input first: replicated on the mesh dims the
+# input splits with a stride, then cut there with ``_StridedShard``'s own split, and
+# given the input's reading. After placing, the strategy the handler will follow must
+# ask for no redistribution (the handler would drop it): where it still does, the step
+# is refused rather than computed on operands laid out differently.
 _SPATIAL_SHARDS_KEPT_ON: list[frozenset[int]] = []
 
 
@@ -3895,6 +3913,9 @@ def _install_convolution_operands_placed() -> None:
             moved[input_index + 1] = replicated(args[input_index + 1], is_replicate)
             if bias_index is not None:
                 moved[bias_index] = replicated(args[bias_index], is_replicate)
+            if input_index == 1:  # convolution_backward: grad_output as the input
+                moved[0] = _laid_out_as(moved[0], moved[1])
+            _refuse_dropped_redistribution(op_call, tuple(moved), kwargs, input_index)
             return original(op_call, tuple(moved), kwargs)
 
         handler._spmd_operands_placed = True  # type: ignore[attr-defined]
@@ -3907,6 +3928,80 @@ def _install_convolution_operands_placed() -> None:
         original = handlers.get(op)
         if original is not None and not getattr(original, "_spmd_operands_placed", False):
             handlers[op] = placed(original, input_index, bias_index)
+
+
+def _laid_out_as(value: Any, like: Any) -> Any:
+    """``value`` (a DTensor of ``like``'s leading size) split over the ranks as ``like``
+    is, with ``like``'s reading of its ``_StridedShard``s, so that the local rows of the
+    two are the same samples (NOTE: [convolution operands placed first])."""
+    import torch.distributed.tensor._redistribute as redistribute_module
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    if not (isinstance(value, DTensor) and isinstance(like, DTensor)):
+        return value
+    spec, target = value._spec, like._spec
+    if tuple(spec.placements) == tuple(target.placements) and (
+        _strided_as_order(spec) == _strided_as_order(target)
+    ):
+        return value
+    if not any(is_strided_shard(p) for p in target.placements):
+        return value.redistribute(like.device_mesh, target.placements)
+    # replicated where ``like`` is split with a stride (read back by the reading it was
+    # made with), then cut there as a view would cut it
+    cleared = tuple(
+        Replicate() if is_strided_shard(t) or is_strided_shard(p) else p
+        for p, t in zip(spec.placements, target.placements, strict=True)
+    )
+    if cleared != tuple(spec.placements):
+        value = value.redistribute(like.device_mesh, cleared)
+    want = DTensorSpec(target.mesh, tuple(target.placements), tensor_meta=value._spec.tensor_meta)
+    local, _ = _scatter_strided_shards(
+        value._local_tensor, value._spec, want,
+        lambda t, a, b: redistribute_module.redistribute_local_tensor(t, a, b),
+    )
+    reading: dict[str, Any] = {}
+    if _strided_as_order(target) is not None:  # torch 2.13 on: how a _StridedShard is read
+        reading = {
+            "shard_order": None if _strided_as_order(target) else target.shard_order,
+            "use_strided_shard_as_shard_order": _strided_as_order(target),
+        }
+    laid = DTensorSpec(
+        target.mesh, tuple(target.placements), tensor_meta=value._spec.tensor_meta, **reading
+    )
+    return DTensor(local, laid, requires_grad=value.requires_grad)
+
+
+def _refuse_dropped_redistribution(op_call: Any, args: tuple, kwargs: dict, input_index: int) -> None:
+    """Refuse a convolution whose strategy, after the operands were placed, still asks for
+    a redistribution: DTensor's handler would drop it and run the kernel on operands laid
+    out otherwise (NOTE: [convolution operands placed first]). An input kept sharded
+    along a spatial dimension is left to the local shape check, as before."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    dispatcher = DTensor._op_dispatcher
+    if input_index == 1 and isinstance(args[0], DTensor) and isinstance(args[1], DTensor):
+        # what DTensor's handler does first (a no-op once laid out as the input)
+        args = (args[0].redistribute(args[1].device_mesh, args[1].placements), *args[1:])
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    if sharding is None or not sharding.needs_redistribute:
+        return
+    specs = [s for s in op_info.flat_args_schema if isinstance(s, DTensorSpec)]
+    if any(
+        not p.is_partial() and getattr(p, "dim", None) not in (None, 0, 1)
+        for s in specs for p in s.placements
+    ):
+        return  # a spatial shard kept on purpose: the local shape check refuses it
+    shown = ", ".join(f"{tuple(s.shape)} {list(s.placements)}" for s in specs)
+    raise RuntimeError(
+        f"spmd_compiler: {op_call} cannot be computed on these operands as they are split "
+        f"over the ranks ({shown}): its rule asks to move them, which DTensor's "
+        f"convolution handler would not do, and the result would be silently wrong. "
+        f"Build the batch with torch.cat rather than torch.stack(...).flatten, or report "
+        f"this with the model."
+    )
 
 
 def _install_convolution_backward_replicated_inputs() -> None:

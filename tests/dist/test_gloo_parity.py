@@ -402,6 +402,57 @@ def test_masks_of_one_count_on_gloo() -> None:
         assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
 
 
+class StackedViewsEncoder(nn.Module):
+    """A convolution over two stacked views (``torch.stack([v1, v2]).flatten(0, 1)``),
+    then a BatchNorm (NOTE: [convolution operands placed first])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def stacked_views_step(model, optim, x, y):
+    a, b = model(torch.stack([x, x.flip(3) * 0.7]).flatten(0, 1)).chunk(2)
+    return _finish(F.cross_entropy(a, y) + F.mse_loss(a, b), optim)
+
+
+def image_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(GLOBAL_BATCH, 3, 6, 6, generator=gen, dtype=torch.float64),
+             torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=gen)) for _ in range(STEPS)]
+
+
+def stacked_views_worker(rank: int, world_size: int) -> dict[str, object]:
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    sc.init_from_env()
+    model = StackedViewsEncoder().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = sc.compile(backend=backend_under_test())(stacked_views_step)
+    losses = [step(model, optim, x[local], y[local]).detach().clone() for x, y in image_batches()]
+    return {"losses": torch.stack(losses), "state": full_state(model, optim, None)}
+
+
+def test_convolution_over_stacked_views_on_gloo() -> None:
+    """The weight gradient was one rank's (replicas 7e-3 apart after 3 steps)."""
+    results = sc.launch(stacked_views_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
+    model = StackedViewsEncoder().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = torch.stack([stacked_views_step(model, optim, x, y).detach() for x, y in image_batches()])
+    expected = full_state(model, optim, None)
+    for rank, got in enumerate(results):
+        errors = {"losses": relative_difference(got["losses"], losses)}
+        errors.update({k: relative_difference(got["state"][k], w) for k, w in expected.items()})
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < 1e-10, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+
+
 # NOTE: [torch.distributed inside the step] on real ranks, where the world size is 2: a
 # step ported from DDP (normalizing by the world size, all-reducing its logged loss,
 # gathering predictions) computes what it computes on one device
