@@ -57,7 +57,9 @@ from .runtime.runner import (
 from .runtime.same_inputs import (
     InputAgreement,
     checks_whole_values,
+    metadata_advice,
     peer_batches,
+    step_label,
     traced_text,
     warn_on_same_shares,
 )
@@ -401,17 +403,20 @@ class CompiledTrainStep:
                     for k, (w, t) in enumerate(zip(whole, tensor_args))
                     if w and checks_whole_values(t, first, batch_split)
                 ]
+                step = step_label(self._name, self._where)
                 if first:  # NOTE: [the same share on every rank]
-                    self._shares_compared = True
                     placements = [pl for _, pl in placed]  # NOTE: [tp peers pass one batch slice]
                     warn_on_same_shares(
                         _split_arguments(names, tensor_args, placements),
-                        peer_batches(names, tensor_args, placements, mesh),
+                        peer_batches(names, tensor_args, placements, mesh), step,
                     )
+                    # after the round: one that met another step's round (NOTE: [every rank
+                    # in the same step's round]) is made again on the next call
+                    self._shares_compared = True
                 paths = self._argument_paths(bindings)
                 scalars = [(paths[i], a) for i, a in enumerate(bindings.flat_args)
                            if type(a) in (bool, int, float, str)]
-                agreement = InputAgreement(tensor_args, passed_whole, scalars)
+                agreement = InputAgreement(tensor_args, passed_whole, scalars, step)
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
         if agreement is None:
@@ -608,8 +613,12 @@ class CompiledTrainStep:
 
     def _note_recompile(self, change: Change) -> None:
         """Log why this call compiles again; warn when one value keeps causing it."""
-        log.info("recompiling %s: %s", self._name, change)
         what, was, now = change.what, change.was, change.now
+        # NOTE: [strings that differ per sample]: a string argument that changes (a file
+        # name of the batch) is warned about at its second new value, with the advice
+        strings = what.startswith("argument ") and all((v or "")[:1] in ("'", '"') for v in (was, now))
+        log.info("recompiling %s: %s%s", self._name, change, " (a string that changes from call to "
+                 "call looks like per-sample metadata: pass the step only what it reads)" if strings else "")
         # only a value not seen before counts: a flag that alternates (accumulate, then
         # step) compiles a program per value and the optimizer's first step, not per call
         seen = self._guard_values.setdefault(what, {was})
@@ -617,8 +626,10 @@ class CompiledTrainStep:
             return
         seen.add(now)
         self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
-        if self._guard_misses[what] == REPEATED_RECOMPILES:
-            if what.startswith(("the shape of buffer", "the dtype of buffer")):
+        if self._guard_misses[what] == (2 if strings else REPEATED_RECOMPILES):
+            if strings:
+                hint = metadata_advice([what.removeprefix("argument ").removesuffix(" of the step")], "every call")
+            elif what.startswith(("the shape of buffer", "the dtype of buffer")):
                 hint = ("make the buffer at its final shape (a buffer that grows every call "
                         "compiles a program per shape)")
             elif what.startswith("the shape"):
@@ -649,7 +660,7 @@ class CompiledTrainStep:
             log.warning(
                 "%s changed on %d calls of %s, and each new value compiles a new program; "
                 "%s.",
-                what, REPEATED_RECOMPILES, self._name, hint,
+                what, self._guard_misses[what], self._name, hint.rstrip("."),
             )
 
     def flush(self) -> bool:

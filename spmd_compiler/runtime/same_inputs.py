@@ -13,7 +13,8 @@ there, and the cached rank sends its round again until the other is ready to run
 when the digests disagree do the ranks exchange their descriptions (an all-gather of
 bytes) and raise, every rank the same error naming each rank's shapes. Tensor collectives
 only (object collectives need numpy). On NCCL the round runs on a CPU (gloo) side group,
-so it never waits for the GPU.
+so it never waits for the GPU. Every round opens with a header of the same size on every
+rank naming the step (NOTE: [every rank in the same step's round]).
 
 The round also carries what the program can reduce before it runs, and the program
 computes what needs no collective while the round is in flight (NOTE: [reductions that
@@ -167,6 +168,7 @@ import ctypes
 import functools
 import hashlib
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -387,7 +389,8 @@ class InputAgreement:
     that compiles makes one more before it compiles. See NOTE: [same inputs on all ranks].
 
     A round carries: whether this rank still compiles before it runs (``pending``), the
-    digest of its inputs' shapes and dtypes, the digest of what its program sends along,
+    step's identity (NOTE: [every rank in the same step's round]), the digest of its
+    inputs' shapes and dtypes, the digest of what its program sends along,
     and the program's values (NOTE: [reductions that ride the input check]). A 48-bit
     digest goes as three 16-bit parts, each sent with its square: the ranks sent the same
     part exactly when sum(h) == world * h and sum(h * h) == world * h * h hold on a rank
@@ -397,12 +400,16 @@ class InputAgreement:
 
     def __init__(
         self, tensor_args: Sequence[torch.Tensor], whole: Sequence[tuple[str, torch.Tensor]] = (),
-        scalars: Sequence[tuple[str, Any]] = (),
+        scalars: Sequence[tuple[str, Any]] = (), step: str = "",
     ) -> None:
         """``whole``: the CPU tensor arguments every rank passes whole (Replicate), by
         label, whose values must agree too (NOTE: [inputs every rank passes whole]);
         ``scalars``: the step's Python number, bool and string arguments, by name, which
-        must agree as well."""
+        must agree as well; ``step``: the compiled step's ``step_label``, whose identity
+        the round's header carries (NOTE: [every rank in the same step's round])."""
+        self.step = step
+        self.step_parts = _step_parts(step, "call")
+        self.scalars = list(scalars)
         self.description = describe_inputs(tensor_args)
         if whole:
             self.description += _WHOLE + "; ".join(f"{label} {_checksum(t)}" for label, t in whole)
@@ -427,6 +434,11 @@ class InputAgreement:
         # program defers nothing): NOTE: [a flush on some ranks only]
         self.pending_update: bool | None = None
 
+    def step_call(self) -> str:
+        """What this rank's round is, for the error of NOTE: [every rank in the same
+        step's round]."""
+        return self.step or "a compiled step"
+
     def before_compile(self) -> None:
         """The round of a rank about to compile: raise if the inputs disagree."""
         self.start(NOTHING_SENT, [], pending=True).finish()
@@ -446,16 +458,17 @@ class InputAgreement:
         flying, self._flying = self._flying, None
         try:
             if flying is not None:  # a round in flight (the program's early part raised)
-                _collective(flying.work.wait)
+                _collective(flying.work.wait, self.step)
                 if self._read(flying) is not None:
                     return  # the peers run their programs: their collectives fail, named
             if not self.owed:
                 return
             self.owed = False
-            row = [0.0] * ROUND
-            row[1] = 1.0
-            buf = torch.tensor(row, dtype=torch.float64)
-            _collective(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group))
+            row = _header(self.step_parts, failed=True)
+            buf = torch.tensor(row + [0.0] * (ROUND - len(row)), dtype=torch.float64)
+            _collective(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group), self.step)
+            if not _header_agrees(buf.tolist(), self.step_parts, self.world):  # a peer in another step
+                _raise_other_steps(self.step_call(), self.group, self.world)
             _all_descriptions(_failure_line(exc), self.group, self.world)
         except (SPMDCompileError, SPMDRuntimeError):
             pass  # the peers' errors (they failed too, or disagree): this rank raises its own
@@ -476,13 +489,14 @@ class InputAgreement:
             raise ValueError(f"{len(payload)} values do not fit a round of {MAX_SLOTS}")
         sent = _parts(_digest(sends)) if self.generators and not pending else _parts_of(sends)
         parts = [*_parts_of(self.description), *sent]
-        row = [float(pending), 0.0]  # the second: failed (NOTE: [a rank that fails before its program])
+        row = _header(self.step_parts, pending=pending)
         for h in parts:
             row += [float(h), float(h * h)]
         row += payload + [0.0] * (MAX_SLOTS - len(payload))
         buf = torch.tensor(row, dtype=torch.float64)
         work = _collective(
-            lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+            self.step,
         )
         self._flying = Round(self, buf, work, pending, sends, list(values), parts, resend)
         return self._flying
@@ -491,11 +505,14 @@ class InputAgreement:
         """The sums of a finished round, or None when a rank compiles first."""
         self._flying = None
         sums = r.buf.tolist()
+        if not _header_agrees(sums, self.step_parts, self.world):
+            self.owed = False  # NOTE: [every rank in the same step's round]
+            _raise_other_steps(self.step_call(), self.group, self.world)
         if sums[1] > 0:  # NOTE: [a rank that fails before its program]
             self.owed = False
             self._raise_peer_failure()
         agree = [
-            sums[2 + 2 * k] == self.world * h and sums[3 + 2 * k] == self.world * h * h
+            sums[_HEADER + 2 * k] == self.world * h and sums[_HEADER + 1 + 2 * k] == self.world * h * h
             for k, h in enumerate(r.parts)
         ]
         if not all(agree[:_PARTS]):
@@ -517,7 +534,7 @@ class InputAgreement:
                 "optimizer keep the state of the last completed step. Make every rank "
                 "read the same Python values in the train step."
             )
-        out, offset = [], 2 + 2 * len(r.parts)
+        out, offset = [], _HEADER + 2 * len(r.parts)
         for v in r.values:
             part = r.buf[offset : offset + v.numel()]
             out.append(part.to(v.dtype).reshape(v.shape).to(v.device))
@@ -619,6 +636,31 @@ class InputAgreement:
             "containers]); a per-rank tensor the model holds belongs in a buffer.",
         )
 
+    def _raise_if_strings_differ(self) -> None:
+        """NOTE: [strings that differ per sample]: raise the metadata error when every
+        Python argument the ranks pass differently is a string (each rank's values
+        gathered, on this error path only)."""
+        mine = "\n".join(f"{name}\t{type(value).__name__}\t{value!r}" for name, value in self.scalars)
+        everyone = [
+            {name: (kind, value) for name, kind, value in (line.split("\t", 2) for line in text.splitlines())}
+            for text in _all_descriptions(mine, self.group, self.world)
+        ]
+        names = list(dict.fromkeys(name for values in everyone for name in values))
+        differ = [name for name in names if len({values.get(name) for values in everyone}) > 1]
+        if not differ or any(values.get(name, ("", ""))[0] != "str" for name in differ for values in everyone):
+            return
+        lines = "\n".join(
+            f"    {name}: " + ", ".join(f"rank {rank}: {values[name][1]}" for rank, values in enumerate(everyone))
+            for name in differ[:8]
+        ) + (f"\n    ... and {len(differ) - 8} more" if len(differ) > 8 else "")
+        raise SPMDCompileError(
+            "The ranks pass different strings to the train step. A string argument is "
+            "read as one value on every rank (the program is compiled for it), so the "
+            "ranks cannot run one program on these. Nothing was updated. Per value:\n"
+            f"{lines}",
+            hint=metadata_advice(differ, "every rank"),
+        )
+
     def _raise_values_differ(self) -> None:
         """NOTE: [Python values agree across ranks]: name each Python value the ranks'
         programs read differently, with each rank's value."""
@@ -661,6 +703,7 @@ class InputAgreement:
         lines = "\n".join(f"    rank {rank}: {text}" for rank, text in enumerate(everyone))
         sections = [_sections(text) for text in everyone]
         if len({shapes for shapes, _, _ in sections}) == 1 and len({whole for _, whole, _ in sections}) == 1:
+            self._raise_if_strings_differ()
             raise SPMDCompileError(
                 "The ranks pass different Python values to the train step (numbers, flags "
                 "or strings, which the program reads as one value on every rank), so they "
@@ -707,7 +750,7 @@ class Round:
         sends its round again until that rank's next one."""
         current = self
         while True:
-            _collective(current.work.wait)
+            _collective(current.work.wait, self.agreement.step)
             sums = self.agreement._read(current)
             if sums is not None or current.pending:
                 return sums or []
@@ -715,7 +758,107 @@ class Round:
 
 
 _PARTS, _PART_BITS = 3, 16  # a 48-bit digest in parts whose squares sum exactly
-ROUND = 2 + 2 * 2 * _PARTS + MAX_SLOTS  # pending, failed, two digests (parts, squares), the values
+# NOTE: [every rank in the same step's round]: pending, failed, the step's identity
+# (parts, squares), the length of what follows (and its square)
+_HEADER = 2 + 2 * _PARTS + 2
+ROUND = _HEADER + 2 * 2 * _PARTS + MAX_SLOTS  # the header, two digests (parts, squares), the values
+
+
+# NOTE: [every rank in the same step's round]
+# Every collective of a round is one message of the same size on every rank only when
+# every rank is in the same kind of round of the same step. A compiled step called on some
+# ranks only (the DDP habit ``if rank == 0: val = evaluate(model, VX, VY)`` with a compiled
+# eval step), or ranks calling different compiled steps (``step = with_metrics if rank
+# == 0 else plain``), put one rank's round against another's of another size (the first
+# call's share comparison, 96 values, against a call's round): gloo aborted the process
+# (SIGABRT, "op.preamble.length <= op.nbytes. 192 vs 40 ... Is there a distributed
+# collective mismatch"), with no Python error, and torchrun killed the job. Where both
+# ranks had compiled both steps the rounds met, and the error blamed the Python values
+# the steps read. So the first exchange of every round is the same ``ROUND`` values on
+# every rank, and starts with a header: the step's identity (a digest of its name and
+# ``file:line``, and of the round's kind: a call's input check or the first call's share
+# comparison) and the length of the payload that follows a header (the share
+# comparison's; a call's round carries its payload in the same message). Ranks whose
+# headers differ gather each rank's step (an all-gather of its label, on this error path
+# only) and every rank raises the same error naming them, before any program runs:
+# nothing is updated, and the rank that called another step gets the error too. A rank
+# that never enters the step (rank 0 evaluates, rank 1 has finished) leaves the others
+# in the round until the collective timeout, whose error names the step and the cause.
+# The header costs 8 more float64 values in the round a call makes anyway.
+def step_label(name: str, where: str) -> str:
+    """``train (train.py:12)``: how a round names its step."""
+    return f"{name} ({where})"
+
+
+def _step_parts(label: str, kind: str) -> tuple[int, ...]:
+    """The digest parts of a step's identity in a round of ``kind``: its name and the
+    file name (without the directory, which may differ between machines) and line."""
+    name, _, where = label.partition(" (")
+    return _parts_of(f"{name} {where.rpartition('/')[2]} {kind}")
+
+
+def _header(step_parts: Sequence[int], pending: bool = False, failed: bool = False, length: int = 0) -> list[float]:
+    """The first ``_HEADER`` values of a round (NOTE: [every rank in the same step's round])."""
+    row = [float(pending), float(failed)]  # failed: NOTE: [a rank that fails before its program]
+    for h in step_parts:
+        row += [float(h), float(h * h)]
+    return row + [float(length), float(length * length)]
+
+
+def _header_agrees(sums: Sequence[float], step_parts: Sequence[int], world: int) -> bool:
+    """Whether every rank's round carried this rank's step identity."""
+    return all(
+        sums[2 + 2 * k] == world * h and sums[3 + 2 * k] == world * h * h for k, h in enumerate(step_parts)
+    )
+
+
+def _raise_other_steps(this: str, group: Any, world: int) -> None:
+    """NOTE: [every rank in the same step's round]: every rank raises, naming each rank's
+    step; ``this``: this rank's step and round."""
+    everyone = _all_descriptions(this, group, world)
+    lines = "\n".join(f"    rank {rank}: {text}" for rank, text in enumerate(everyone))
+    raise SPMDRuntimeError(
+        "The ranks called different compiled steps, or the same one at a different point "
+        "(a compiled step called on some ranks only, as `if rank == 0: evaluate(...)` "
+        "does, or one rank calling another step): every rank must call the same compiled "
+        "steps in the same order, since their programs meet in collectives. Nothing was "
+        f"updated by this call. Per rank:\n{lines}\n"
+        "  what to do:  call a compiled step on every rank (a compiled evaluation on every "
+        "rank, each on its share of the eval batch), or run what one rank does alone "
+        "uncompiled (the model called eagerly under torch.no_grad() on rank 0); pick a "
+        "step variant (one that logs more) from a value every rank shares, not the rank."
+    )
+
+
+# NOTE: [strings that differ per sample]
+# A dataset whose items hold a file name or an id string ({"x": ..., "y": ..., "name":
+# "sample_12.png"}) gives, through the default collate, a batch holding a list of strings
+# the step never reads. Each string is a Python argument, baked into the program: in
+# simulation every call compiled again (20 compiles in 20 calls), on real ranks each
+# rank's own names were refused as "different settings", whose advice (a tensor
+# argument) did not fit. Whether the step reads a string cannot be told in general, so
+# nothing is guessed: the recompile warning (by the third call) and the ranks' refusal
+# say that such strings look like per-sample metadata and to pass the step only what it
+# reads.
+def metadata_advice(paths: Sequence[str], where: str) -> str:
+    """What to do about the string arguments at ``paths`` (``batch['name'][0]``) that
+    differ across ``where`` ("every rank", "every call"): NOTE: [strings that differ
+    per sample]."""
+    containers = list(dict.fromkeys(re.sub(r"(\[\d+\])+$", "", path) for path in paths))
+    pops = []
+    for container in containers[:3]:
+        keyed = re.fullmatch(r"(\w+)\[('[^']*'|\"[^\"]*\")\]", container)
+        if keyed:
+            pops.append(f"`{keyed.group(1)}.pop({keyed.group(2)})`")
+    drop = " or ".join(pops) + " before the call, or " if pops else ""
+    return (
+        f"{', '.join(containers[:3])} look{'s' if len(containers) == 1 else ''} like per-sample "
+        "metadata (file names, ids: a data loader's default collate makes a list of "
+        "strings of them): pass the step only what it reads: "
+        f"{drop}a batch without them (a collate_fn that leaves them out; Hugging Face "
+        "datasets: remove_unused_columns / batch.remove_columns). A string the step "
+        f"does read is compiled into the program and must be the same on {where}."
+    )
 
 
 def _failure_line(exc: BaseException) -> str:
@@ -769,12 +912,14 @@ def peer_batches(
 
 
 def warn_on_same_shares(
-    split: Sequence[tuple[str, torch.Tensor, int]], peers: Sequence[PeerBatch] = (),
+    split: Sequence[tuple[str, torch.Tensor, int]], peers: Sequence[PeerBatch] = (), step: str = "",
 ) -> None:
     """The first call's round of NOTE: [the same share on every rank]: warn for each
     ``(label, tensor, split dimension)`` whose values every rank passed alike. The round
     also carries ``peers`` (``peer_batches``): raise when the ranks of one group passed
-    different values (NOTE: [tp peers pass one batch slice])."""
+    different values (NOTE: [tp peers pass one batch slice]). ``step``: the step's
+    ``step_label``, which the round's header carries (NOTE: [every rank in the same
+    step's round])."""
     split = [item for item in split if item[1].numel() > 1][:_SHARE_SLOTS]
     peers = list(peers)[:_SHARE_SLOTS]
     world = dist.get_world_size()
@@ -789,8 +934,18 @@ def warn_on_same_shares(
             float(x) for h in parts for x in (h, h * h)
         ]
         row += slots
+    # the header first, as every round's (NOTE: [every rank in the same step's round])
+    step_parts = _step_parts(step, "first call")
+    head = _header(step_parts, length=len(row))
+    header = torch.tensor(head + [0.0] * (ROUND - len(head)), dtype=torch.float64)
+    _collective(lambda: dist.all_reduce(header, op=dist.ReduceOp.SUM, group=_cpu_group()), step)
+    sums = header.tolist()
+    if not _header_agrees(sums, step_parts, world):
+        _raise_other_steps(f"{step or 'a compiled step'}, its first call", _cpu_group(), world)
+    if sums[_HEADER - 2 : _HEADER] != [world * len(row), world * len(row) ** 2]:
+        return  # the ranks' arguments differ in number: the call's round refuses them
     buf = torch.tensor(row, dtype=torch.float64)
-    _collective(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=_cpu_group()))
+    _collective(lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=_cpu_group()), step)
     sums = buf.tolist()
     _raise_if_peers_differ(peers, sums[3 * _SHARE_SLOTS :])
     for k, (label, t, dim) in enumerate(split):
@@ -870,15 +1025,19 @@ def _all_descriptions(description: str, group: Any, world: int) -> list[str]:
     return [bytes(t.tolist()).rstrip(b"\0").decode() for t in gathered]
 
 
-def _collective(call: Any) -> Any:
+def _collective(call: Any, step: str = "") -> Any:
+    """Run a round's collective; its failure (a peer left, or the timeout) names the
+    round, the step and, where the peers never came, the likely cause."""
     try:
         return call()
     except Exception as exc:
         rank = dist.get_rank()
         raise collective_failure(
-            f"The compiled step failed on rank {rank} while comparing input shapes with "
-            "the other ranks: "
-            f"{exception_summary(exc)}. "
+            f"The compiled step {step + ' ' if step else ''}failed on rank {rank} while "
+            "comparing its inputs with the other ranks (the round every call makes before "
+            f"its program runs): {exception_summary(exc)}. "
             f"{attribution(rank)} The model and optimizer hold the state of the last "
-            "completed step."
+            "completed step. If the other ranks never called this step (a compiled step "
+            "under `if rank == 0:`, as an evaluation), call it on every rank or run that "
+            "part uncompiled (NOTE: [every rank in the same step's round])."
         ) from exc

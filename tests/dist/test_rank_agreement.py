@@ -341,3 +341,82 @@ def test_the_captured_step_text_holds_no_rank_device() -> None:
         return captured_step_text(graph)
 
     assert text("cuda:0") == text("cuda:1") != text("cpu")
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return nn.functional.cross_entropy(model(x), y)
+
+
+def _dict_step(model: nn.Module, optim: torch.optim.Optimizer, batch: dict) -> torch.Tensor:
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _steps_worker(rank: int, world_size: int) -> dict:
+    """Train; rank 0 evaluates alone (the eval step's first call); both evaluate; rank 0
+    evaluates alone again (both programs cached); a dict batch holding each rank's file
+    names; train again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    train = sc.compile(DataParallel("replicate"))(classification_train_step)
+    evaluate = sc.compile(DataParallel("replicate"))(_evaluate)
+    dict_train = sc.compile(DataParallel("replicate"))(_dict_step)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen))
+               for _ in range(2)]
+    shares = [(x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]) for x, y in batches]
+    names = [f"sample_{4 * rank + i}.png" for i in range(4)]
+    calls = [
+        lambda: train(model, optim, *shares[0]),
+        lambda: evaluate(model, *shares[0]) if rank == 0 else train(model, optim, *shares[1]),
+        lambda: evaluate(model, *shares[0]),
+        lambda: evaluate(model, *shares[0]) if rank == 0 else train(model, optim, *shares[1]),
+        lambda: dict_train(model, optim, {"x": shares[1][0], "y": shares[1][1], "name": names}),
+        lambda: train(model, optim, *shares[1]),
+    ]
+    out: dict = {"calls": []}
+    for call in calls:
+        start = time.monotonic()
+        try:
+            call()
+            out["calls"].append({"seconds": time.monotonic() - start})
+        except (sc.SPMDCompileError, sc.SPMDRuntimeError) as exc:
+            out["calls"].append({"error": str(exc), "seconds": time.monotonic() - start})
+    out["state"] = sc.checkpoint.full_state_dict(model, optim).get("model")  # rank 0's
+    return out
+
+
+def test_ranks_calling_different_compiled_steps_are_refused_on_every_rank() -> None:
+    """NOTE: [every rank in the same step's round]: ``if rank == 0: evaluate(...)`` with a
+    compiled eval step put the eval step's first round against the train step's: gloo
+    aborted rank 1 (SIGABRT, "op.preamble.length <= op.nbytes"), with no Python error.
+    Once both steps were compiled, the error blamed the Python values the steps read.
+    Now every rank raises one error naming each rank's step, nothing is updated, and the
+    ranks go on in step. NOTE: [strings that differ per sample]: each rank's file names
+    in a dict batch are refused as per-sample metadata, with how to drop them."""
+    results = sc.launch(_steps_worker, 2, timeout_s=240, collective_timeout_s=30)
+    for rank, result in enumerate(results):
+        calls = result["calls"]
+        assert [("error" in c) for c in calls] == [False, True, False, True, True, False], (rank, calls)
+        for call in (calls[1], calls[3]):
+            assert "The ranks called different compiled steps" in call["error"]
+            assert "rank 0: _evaluate (" in call["error"] and "rank 1: classification_train_step (" in call["error"]
+            assert call["seconds"] < 10.0
+        assert "its first call" in calls[1]["error"]  # the eval step's first call on rank 0
+        assert "per-sample metadata" in calls[4]["error"] and "`batch.pop('name')`" in calls[4]["error"]
+        assert "batch['name'][0]: rank 0: 'sample_0.png', rank 1: 'sample_4.png'" in calls[4]["error"]
+    # two updates, on the two global batches, as eagerly
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen)
+        classification_train_step(reference, reference_optim, x, y)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(results[0]["state"][name], value, rtol=1e-12, atol=1e-12)

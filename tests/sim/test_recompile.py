@@ -191,3 +191,43 @@ def test_recaptured_programs_are_reused_from_memory(classification_batches, mode
     assert how.count("memory") >= 6, how
     reused = [r for r in step.records if r.cache == "memory"]
     assert all(r.expand_seconds == 0.0 and r.pass_seconds == 0.0 for r in reused)
+
+
+def dict_batch_step(model, optim, batch):  # noqa: ANN001
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_per_sample_strings_warn_by_the_third_call_with_the_metadata_advice(caplog):
+    """A dict batch whose file names the default collate made a list of strings, which
+    the step never reads: every call compiles again (one program per name). The warning
+    came at the 4th call and advised a tensor or a float argument (NOTE: [strings that
+    differ per sample]); it comes at the 3rd, naming the strings as per-sample metadata
+    and how to drop them. The numbers stay those of the eager step (float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = sgd_momentum(model), sgd_momentum(reference)
+    compiled = sc.compile()(dict_batch_step)
+    gen = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(2):
+        for call in range(3):
+            batch = {
+                "x": torch.randn(8, 8, generator=gen, dtype=torch.float64),
+                "y": torch.randint(0, 4, (8,), generator=gen),
+                "name": [f"sample_{8 * call + i}.png" for i in range(8)],
+            }
+            loss = compiled(model, optim, batch)
+            expected = dict_batch_step(reference, reference_optim, batch)
+            assert abs(loss.item() - expected.item()) <= 1e-12 * expected.item()
+        assert max(compare_models(model, reference, None).values()) < 1e-12
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("argument batch['name'][0] of the step changed on 2 calls")
+    assert "per-sample metadata" in warnings[0] and "`batch.pop('name')`" in warnings[0]
+    assert "must be the same on every call" in warnings[0]
+    notes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
+    assert len(notes) == 2 and all("per-sample metadata" in note for note in notes)
