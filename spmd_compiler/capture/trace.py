@@ -937,6 +937,7 @@ def _trace_first(
         fakes = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
                  for ref, meta in inputs]
         tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
+        rewound: list[str] = []  # NOTE: [a step's own fork_rng]
         with (
             _module_scopes(bindings.module_fqns) as stack,
             _time_major_marks(bindings.modules, bindings.module_fqns),
@@ -953,7 +954,7 @@ def _trace_first(
             # NOTE: [torch's functions replaced by the user]
             private.torch_functions_replaced_by_the_user(),
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
-            generators_counted_in_draws(),  # NOTE: [draws replayed by a restored generator]
+            generators_counted_in_draws(rewound),  # NOTE: [draws replayed by a restored generator]
             # NOTE: [compiled helpers and selective checkpointing at capture]
             private.compiled_helpers_and_checkpoints_as_eager(),
         ):
@@ -977,6 +978,7 @@ def _trace_first(
                 "outside the compiled step.",
             )
         tracer.written = _TRACE_STARTS[-1].written() if _TRACE_STARTS else []
+        tracer.rewound_generators = tuple(rewound)
         return graph, tracer
 
     forget_settled()
@@ -1160,6 +1162,7 @@ def _finish(first: _FirstTrace, start: float) -> CapturedStep:
         outside=first.outside,
         scheduler_steps=first.scheduler_steps,
         counted=counted_in_capture(),
+        rewound_generators=tracer.rewound_generators,
     )
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
@@ -1489,6 +1492,8 @@ class _StepTracer:
         self.return_spec: Any = None
         self.return_leaves: list[tuple[str, Any]] = []
         self.kept: list[KeptTensor] = []
+        # NOTE: [a step's own fork_rng]: set when the trace completes
+        self.rewound_generators: tuple[str, ...] = ()
         self.schedulers: SchedulerSteps | None = None
         self.outside: dict[int, FoundTensor] = {}
         self._params: dict[str, torch.Tensor] = {}
@@ -1555,7 +1560,7 @@ class _StepTracer:
             # NOTE: [selections by a mask of the batch], NOTE: [rows of one count]
             stack.enter_context(mask_selections(self.refs, real_inputs.__getitem__))
             stack.enter_context(TensorIndicesTaken())  # NOTE: [0-d tensor indices at capture]
-            stack.enter_context(python_effects(self.code))
+            stack.enter_context(python_effects(self.code, (self.func, *b.modules, *b.flat_args)))
             stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = keeper.outside
