@@ -62,7 +62,7 @@ from ..errors import (
     node_error,
     warn_once_per_line,
 )
-from .callers import from_torch, refusing
+from .callers import from_stdlib, from_torch, refusing
 from .distributed_calls import distributed_calls_as_one_device
 from .host_clock import refuse_clock_reads
 from .kept_tensors import is_traced
@@ -301,8 +301,9 @@ def _refuse_host_random_draws() -> Iterator[None]:
 #   their states taken before the trace and compared after it; a moved one is refused,
 #   naming its type and where it was found, and every state is put back. One reachable
 #   otherwise (through a library's module) is not seen.
-# Calls from torch's files, and other threads' (while they run, states are not compared),
-# go through. A generator made inside the step with a fixed seed draws the same numbers
+# Calls from torch's files and the standard library's (``tempfile`` names files with a
+# ``random.Random`` of its own), and other threads' (while they run, states are not
+# compared), go through. A generator made inside the step with a fixed seed draws the same numbers
 # every call eagerly, as the program reuses: such NumPy draws are not refused.
 _GENERATOR_OBJECT_HINT = (
     "draw with torch ops inside the step (torch.rand(()) and the like, from the default "
@@ -416,7 +417,8 @@ def _refuse_generator_object_draws(step_code: Any, roots: tuple[Any, ...]) -> It
                 user_line=innermost_model_frame_of_stack(),
                 hint=_GENERATOR_OBJECT_HINT,
             )
-        return refusing(real, refuse, lambda filename: not from_torch(filename))
+        # the standard library's own instances (tempfile's names) go through too
+        return refusing(real, refuse, lambda filename: not from_torch(filename) and not from_stdlib(filename))
 
     objects = _reachable_numpy_generators(roots) if roots and not _other_threads() else []
     before = [g.bit_generator.state if hasattr(g, "bit_generator") else g.get_state() for _, g in objects]

@@ -244,7 +244,10 @@ class StepExecutable:
                 )
             agreement.constants, agreement.values_read = self._constants, self._values_read
             if self._drawn is None:
-                self._drawn = drawn_devices(self.program.captured.graph_module, _batch_split_everywhere(self.program))
+                self._drawn = drawn_devices(
+                    self.program.captured.graph_module, _batch_split_everywhere(self.program),
+                    self.program.graph_module, self.program.mesh.ndim,
+                )
             if self._drawn:  # every call: the draws move the state (NOTE: [generators agree across ranks])
                 agreement.generators = describe_generators(self._drawn)
         pending = self._pending

@@ -100,3 +100,22 @@ def test_a_generator_made_in_the_step_with_a_fixed_seed_goes_through():
     x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
     with sc.simulate(world_size=2):
         assert torch.isfinite(sc.compile(make_mode("ddp"))(step)(model, optim, x, y))
+
+
+def test_the_standard_librarys_own_generator_objects_go_through():
+    """``tempfile`` names files with a ``random.Random`` of its own (a lazy import of
+    torch's inductor reached it on gloo ranks): not the step's draw."""
+    import tempfile
+
+    def step(model, optim, x, y):  # noqa: ANN001, ANN202
+        next(tempfile._get_candidate_names())  # type: ignore[attr-defined]
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = nn.Linear(8, 4).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
+    with sc.simulate(world_size=2):
+        assert torch.isfinite(sc.compile(make_mode("ddp"))(step)(model, optim, x, y))
