@@ -191,11 +191,13 @@ def _library_caches_called_through() -> Iterator[None]:
 # back (their draws would look like the step's), so a draw through another reference
 # is then not seen. NumPy's ``Generator`` objects (``np.random.default_rng()``) are not
 # watched.
+# NOTE: not torch.distributions.Beta(a, a).sample() for np.random.beta: its
+# aten._sample_dirichlet reads a tensor and is refused too (refuse_shard_local_draws)
 _HOST_DRAW_HINT = (
-    "draw it with torch inside the step (torch.rand(()), torch.distributions.Beta(a, "
-    "a).sample()), which the program repeats every call from one global draw, or draw it "
-    "outside the step and pass it as a float argument (a graph input, NOTE: [float "
-    "arguments as graph inputs])."
+    "draw it with torch inside the step (torch.rand(()), torch.randn(()), "
+    "torch.randint), which the program draws anew every call, or draw it outside the "
+    "step (a mixup weight from np.random.beta(a, a), say) and pass it as a float or 0-d "
+    "tensor argument (a graph input, NOTE: [float arguments as graph inputs])."
 )
 
 

@@ -1243,7 +1243,12 @@ def _decide_value_checks(
                     "and verified every call, so this many is refused (a loop that runs "
                     "until a value converges, say).",
                     hint="select with torch.where(cond, a, b), or loop a fixed number of "
-                    "times.",
+                    "times." if undecided.in_torch is None else
+                    f"the `if`s are in torch's own {undecided.in_torch} (a loop until its values "
+                    "settle), which the step calls: run it outside the compiled step (initialise "
+                    "parameters before the first call), or use an equivalent without `if`s on "
+                    "values (for nn.init.trunc_normal_: normal_(mean, std).clamp_(a, b), which puts the "
+                    "tails at the bounds instead of redrawing them).",
                 ) from None
         results: dict[bool, tuple[torch.fx.GraphModule, _StepTracer]] = {}
         outcomes: dict[bool, BaseException | None] = {}

@@ -176,3 +176,27 @@ def test_only_forward_draws_each_rank_slices_skip_the_generator_check(how, check
     assert _batch_split_everywhere(program)
     drawn = drawn_devices(program.captured.graph_module, True, program.graph_module, program.mesh.ndim)
     assert drawn == (("cpu",) if checked else ())
+
+
+def _trunc_normal_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    with torch.no_grad():
+        nn.init.trunc_normal_(model.weight, std=0.02)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_trunc_normal_in_the_step_is_refused_naming_torchs_loop():
+    """``nn.init.trunc_normal_`` redraws until no value is out of bounds (an ``if`` on a
+    tensor's value per round): refused as more than 16 ``if``s, with a hint that asked to
+    rewrite the loop with torch.where; it now names torch's function and says to
+    initialise outside the step or use normal_ + clamp_."""
+    model = nn.Linear(8, 4).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
+    with sc.simulate(world_size=1), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(_trunc_normal_step)(model, optim, x, y)
+    message = str(info.value)
+    assert "torch.nn.init.trunc_normal_" in message and "clamp_" in message
+    assert "outside the compiled step" in message
