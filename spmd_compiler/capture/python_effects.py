@@ -377,14 +377,21 @@ def _reachable_numpy_generators(roots: tuple[Any, ...]) -> list[tuple[str, Any]]
                 if name in obj.__globals__:
                     visit(name, obj.__globals__[name], depth - 1)
             return
+        # NOTE: only what is stored, read without the objects' own code (a lazy registry's
+        # items() imports every model class; a proxy's __getattr__ may do anything)
         if isinstance(obj, dict):
-            for key, value in list(obj.items())[:_SCAN_WIDTH]:
+            for key, value in list(dict.items(obj))[:_SCAN_WIDTH]:
                 visit(f"{where}[{key!r}]", value, depth - 1)
         elif isinstance(obj, (list, tuple)):
-            for i, value in enumerate(obj[:_SCAN_WIDTH]):
+            for i, value in enumerate(list.__iter__(obj) if isinstance(obj, list) else tuple.__iter__(obj)):
+                if i >= _SCAN_WIDTH:
+                    break
                 visit(f"{where}[{i}]", value, depth - 1)
         else:
-            attributes = getattr(obj, "__dict__", None)
+            try:
+                attributes = object.__getattribute__(obj, "__dict__")
+            except Exception:  # noqa: BLE001 - no plain attributes
+                attributes = None
             if isinstance(attributes, dict):
                 for key, value in list(attributes.items())[:_SCAN_WIDTH]:
                     visit(f"{where}.{key}", value, depth - 1)

@@ -119,3 +119,30 @@ def test_the_standard_librarys_own_generator_objects_go_through():
     x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
     with sc.simulate(world_size=2):
         assert torch.isfinite(sc.compile(make_mode("ddp"))(step)(model, optim, x, y))
+
+
+class _Lazy(dict):
+    """transformers' lazy registry idiom: reading it through its own code imports."""
+
+    def _load(self, *args):  # noqa: ANN001, ANN202
+        raise AssertionError("the generator scan read a dict through its class's code")
+
+    __getitem__ = __iter__ = __len__ = items = keys = values = _load
+
+
+REGISTRY = _Lazy()
+
+
+def test_the_generator_scan_reads_no_object_through_its_own_code():
+    def step(model, optim, x, y):  # noqa: ANN001, ANN202
+        _ = REGISTRY  # named by the step's code: its globals are looked into
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = nn.Linear(8, 4).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
+    with sc.simulate(world_size=2):
+        assert torch.isfinite(sc.compile(make_mode("ddp"))(step)(model, optim, x, y))
