@@ -409,6 +409,8 @@ def entry_bytes(
         raise Uncacheable(f"a count per row read from the arguments ({captured.counted[0]})")
     if captured.scheduler_steps:  # their state is no guard (NOTE: [schedulers stepped in the step])
         raise Uncacheable(f"the LR scheduler steps it replays ({captured.scheduler_steps[0].where})")
+    if captured.rewound_generators:  # not in the entry (NOTE: [a step's own fork_rng])
+        raise Uncacheable("the random-number generators it sets back after every call (fork_rng)")
     facts = _recorded_facts(captured, bindings, environment)
     encoded, graph_constants = encoded_graph(captured.graph_module)
     constants = list(graph_constants)

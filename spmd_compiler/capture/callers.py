@@ -43,6 +43,16 @@ def from_torch(filename: str) -> bool:
     return filename.startswith(TORCH_DIR)
 
 
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def from_stdlib(filename: str) -> bool:
+    """Whether ``filename`` is Python's standard library (``tempfile`` draws its names
+    from a ``random.Random`` of its own), not a package installed beside it."""
+    path = os.path.abspath(filename)
+    return path.startswith(_STDLIB) and "site-packages" not in path[len(_STDLIB):]
+
+
 _OURS = os.path.join(_PACKAGE_ROOT, "spmd_compiler") + os.sep
 _CHECKPOINT = os.path.join(TORCH_DIR, "utils", "checkpoint.py")
 

@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import linecache
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any, NoReturn
 from unittest import mock
@@ -54,12 +56,13 @@ import torch
 import torch.fx
 
 from ..errors import (
+    SourceLocation,
     SPMDCompileError,
     innermost_model_frame_of_stack,
     node_error,
     warn_once_per_line,
 )
-from .callers import from_torch, refusing
+from .callers import from_stdlib, from_torch, refusing
 from .distributed_calls import distributed_calls_as_one_device
 from .host_clock import refuse_clock_reads
 from .kept_tensors import is_traced
@@ -78,9 +81,11 @@ def _shows_traced(value: Any, depth: int = 2) -> bool:
 
 
 @contextlib.contextmanager
-def python_effects(step_code: Any) -> Iterator[None]:
+def python_effects(step_code: Any, roots: tuple[Any, ...] = ()) -> Iterator[None]:
     """While the step is traced: ``print`` of traced values warns instead, reseeding
-    the random-number generator is refused (see the NOTE)."""
+    the random-number generator is refused (see the NOTE). ``roots``: the step function
+    and what it is called with, where NumPy generator objects are looked for (NOTE:
+    [host random generator objects at capture])."""
     real_print = builtins.print
 
     def traced_print(*args: Any, **kwargs: Any) -> None:
@@ -125,6 +130,7 @@ def python_effects(step_code: Any) -> Iterator[None]:
                     real = getattr(owner, name)
                     stack.enter_context(mock.patch.object(owner, name, refuse_reseed(name, real)))
         stack.enter_context(_refuse_host_random_draws())
+        stack.enter_context(_refuse_generator_object_draws(step_code, roots))
         stack.enter_context(refuse_clock_reads())
         stack.enter_context(_library_caches_called_through())
         stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _conversion_that_changes_nothing))
@@ -185,11 +191,13 @@ def _library_caches_called_through() -> Iterator[None]:
 # back (their draws would look like the step's), so a draw through another reference
 # is then not seen. NumPy's ``Generator`` objects (``np.random.default_rng()``) are not
 # watched.
+# NOTE: not torch.distributions.Beta(a, a).sample() for np.random.beta: its
+# aten._sample_dirichlet reads a tensor and is refused too (refuse_shard_local_draws)
 _HOST_DRAW_HINT = (
-    "draw it with torch inside the step (torch.rand(()), torch.distributions.Beta(a, "
-    "a).sample()), which the program repeats every call from one global draw, or draw it "
-    "outside the step and pass it as a float argument (a graph input, NOTE: [float "
-    "arguments as graph inputs])."
+    "draw it with torch inside the step (torch.rand(()), torch.randn(()), "
+    "torch.randint), which the program draws anew every call, or draw it outside the "
+    "step (a mixup weight from np.random.beta(a, a), say) and pass it as a float or 0-d "
+    "tensor argument (a graph input, NOTE: [float arguments as graph inputs])."
 )
 
 
@@ -276,6 +284,180 @@ def _refuse_host_random_draws() -> Iterator[None]:
             "its Python once, at capture, so every call would reuse the numbers drawn then.",
             user_line=innermost_model_frame_of_stack(),
             hint=_HOST_DRAW_HINT,
+        )
+
+
+# NOTE: [host random generator objects at capture]
+# The objects of those generators drew once too: an augmentation object holding its own
+# ``random.Random(seed)`` or ``np.random.default_rng(seed)`` / ``np.random.RandomState``
+# drew at capture, and every compiled call reused that number (found by a probe: losses
+# equal to eager's with the first draw reused, silently; before the fifty-eighth
+# session only the module functions were refused). While the step is traced:
+# - ``random.Random``'s drawing methods (``random``, ``uniform``, ``gauss``, ``choice``,
+#   ...), patched on the class, refuse, naming the method and the line, for every
+#   instance (the module functions are bound to its own instance before, and are
+#   refused by the NOTE above).
+# - NumPy's ``Generator`` and ``RandomState`` are extension types whose methods cannot
+#   be patched: the ones the step can reach (its closure and the globals its code names,
+#   a few levels into the objects found there, and the attributes of its modules) have
+#   their states taken before the trace and compared after it; a moved one is refused,
+#   naming its type and where it was found, and every state is put back. One reachable
+#   otherwise (through a library's module) is not seen.
+# Calls from torch's files and the standard library's (``tempfile`` names files with a
+# ``random.Random`` of its own), and other threads' (while they run, states are not
+# compared), go through. A generator made inside the step with a fixed seed draws the same numbers
+# every call eagerly, as the program reuses: such NumPy draws are not refused.
+_GENERATOR_OBJECT_HINT = (
+    "draw with torch ops inside the step (torch.rand(()) and the like, from the default "
+    "generator seeded outside the step), which the program draws anew every call, or "
+    "draw outside the step and pass the value as a tensor argument."
+)
+_RANDOM_METHODS = (
+    "random", "uniform", "triangular", "randint", "randrange", "choice", "choices",
+    "shuffle", "sample", "randbytes", "getrandbits", "gauss", "normalvariate",
+    "lognormvariate", "expovariate", "vonmisesvariate", "gammavariate", "betavariate",
+    "paretovariate", "weibullvariate", "binomialvariate",
+)
+_SCAN_DEPTH = 3
+_SCAN_WIDTH = 256  # entries of one container looked at
+
+
+def _numpy_generator_kinds() -> tuple[type, ...]:
+    np = sys.modules.get("numpy")
+    if np is None or not hasattr(np.random, "Generator"):
+        return ()
+    return (np.random.Generator, np.random.RandomState)
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _reachable_numpy_generators(roots: tuple[Any, ...]) -> list[tuple[str, Any]]:
+    """(where found, generator) of the NumPy generator objects ``roots`` reach (see the
+    NOTE); NumPy's global one is the module functions' NOTE's."""
+    kinds = _numpy_generator_kinds()
+    if not kinds:
+        return []
+    global_one = getattr(getattr(sys.modules["numpy"].random, "mtrand", None), "_rand", None)
+    seen: set[int] = set()
+    found: list[tuple[str, Any]] = []
+
+    def visit(where: str, obj: Any, depth: int) -> None:
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.Tensor)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, kinds):
+            if obj is not global_one:
+                found.append((where, obj))
+            return
+        if depth <= 0 or isinstance(obj, (type, types.ModuleType)):
+            return
+        if isinstance(obj, torch.nn.Module):
+            for name, sub in obj.named_modules():
+                for key, value in vars(sub).items():
+                    if not key.startswith("_"):
+                        visit(f"{where}.{name}.{key}" if name else f"{where}.{key}", value, depth - 1)
+            return
+        if isinstance(obj, types.MethodType):
+            visit(where, obj.__self__, depth)
+            visit(where, obj.__func__, depth)
+            return
+        if isinstance(obj, types.FunctionType):
+            for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=False):
+                try:
+                    visit(name, cell.cell_contents, depth - 1)
+                except ValueError:  # an empty cell
+                    continue
+            for name in _code_names(obj.__code__):
+                if name in obj.__globals__:
+                    visit(name, obj.__globals__[name], depth - 1)
+            return
+        # NOTE: only what is stored, read without the objects' own code (a lazy registry's
+        # items() imports every model class; a proxy's __getattr__ may do anything)
+        if isinstance(obj, dict):
+            for key, value in list(dict.items(obj))[:_SCAN_WIDTH]:
+                visit(f"{where}[{key!r}]", value, depth - 1)
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(list.__iter__(obj) if isinstance(obj, list) else tuple.__iter__(obj)):
+                if i >= _SCAN_WIDTH:
+                    break
+                visit(f"{where}[{i}]", value, depth - 1)
+        else:
+            try:
+                attributes = object.__getattribute__(obj, "__dict__")
+            except Exception:  # noqa: BLE001 - no plain attributes
+                attributes = None
+            if isinstance(attributes, dict):
+                for key, value in list(attributes.items())[:_SCAN_WIDTH]:
+                    visit(f"{where}.{key}", value, depth - 1)
+            call = vars(type(obj)).get("__call__")
+            if isinstance(call, types.FunctionType):  # a callable object's code
+                visit(where, call, depth - 1)
+
+    for i, root in enumerate(roots):
+        visit(getattr(root, "__name__", f"argument {i}"), root, _SCAN_DEPTH)
+    return found
+
+
+def _step_line(step_code: Any) -> SourceLocation | None:
+    """The ``def`` line of the step."""
+    if not isinstance(step_code, types.CodeType):
+        return None
+    return SourceLocation(step_code.co_filename, step_code.co_firstlineno,
+                          linecache.getline(step_code.co_filename, step_code.co_firstlineno).strip())
+
+
+@contextlib.contextmanager
+def _refuse_generator_object_draws(step_code: Any, roots: tuple[Any, ...]) -> Iterator[None]:
+    """See NOTE: [host random generator objects at capture]."""
+    import random
+
+    def refused(name: str, real: Any) -> Any:
+        def refuse() -> NoReturn:
+            raise SPMDCompileError(
+                f"The train step draws a random number from a random.Random object "
+                f"(random.Random.{name}()): a compiled step runs its Python once, at capture, "
+                "so every call would reuse the number drawn then.",
+                user_line=innermost_model_frame_of_stack(),
+                hint=_GENERATOR_OBJECT_HINT,
+            )
+        # the standard library's own instances (tempfile's names) go through too
+        return refusing(real, refuse, lambda filename: not from_torch(filename) and not from_stdlib(filename))
+
+    objects = _reachable_numpy_generators(roots) if roots and not _other_threads() else []
+    before = [g.bit_generator.state if hasattr(g, "bit_generator") else g.get_state() for _, g in objects]
+    with contextlib.ExitStack() as stack:
+        for name in _RANDOM_METHODS:
+            real = random.Random.__dict__.get(name) or getattr(random.Random, name, None)
+            if real is not None:
+                stack.enter_context(mock.patch.object(random.Random, name, refused(name, real)))
+        try:
+            yield
+        finally:
+            changed: list[tuple[str, Any]] = []
+            if not _other_threads():
+                for (where, g), state in zip(objects, before, strict=True):
+                    if hasattr(g, "bit_generator"):
+                        if not _same_state(g.bit_generator.state, state):
+                            changed.append((where, g))
+                        g.bit_generator.state = state
+                    else:
+                        if not _same_state(g.get_state(), state):
+                            changed.append((where, g))
+                        g.set_state(state)
+    if changed:
+        where, g = changed[0]
+        raise SPMDCompileError(
+            f"The train step draws random numbers from a NumPy {type(g).__name__} object "
+            f"({where}): a compiled step runs its Python once, at capture, so every call "
+            "would reuse the numbers drawn then.",
+            user_line=_step_line(step_code),  # the draw's line is not known: the step's
+            hint=_GENERATOR_OBJECT_HINT,
         )
 
 

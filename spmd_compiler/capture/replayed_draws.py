@@ -27,10 +27,23 @@ numbers; torch.compile keeps a seed and an offset instead, which a CPU generator
 Refused, naming the op and the line: after activation checkpointing's restore, a
 replayed position whose draw was another op, shape or dtype (the recompute took another
 path than the forward) or a draw changed in place since it was drawn; and a state set
-that no ``get_rng_state`` of the trace returned. After another restore (a step's own
-``fork_rng`` block, then a dropout of another shape) such a draw is drawn anew, and the
-position moves to the end: eager's numbers there share the stream, the program's are
-of the same distribution (NOTE: [random numbers]).
+that no ``get_rng_state`` of the trace returned.
+
+NOTE: [a step's own fork_rng]
+A step's own ``with torch.random.fork_rng():`` block (or torch code doing the same
+get/set pair) puts eager's generator back where it was: the block's draws repeat every
+call and what follows draws on from there. The program draws every distinct draw once
+per call, so its generator ends ``len(draws)`` draws on; before the fifty-eighth session
+it ended there whatever the block restored (in a probe the "fixed" noise of a
+``fork_rng`` block changed every call, and ``torch.rand(3)`` after 3 calls differed from
+eager's). Now, when the trace ends: a generator whose position is at the end of its
+draws (nothing restored, or what followed the block drew the block's draws again:
+copies) is eager's already; one whose position is back at the start (every draw of the
+call was inside ``fork_rng`` blocks) is set back after every call by the runtime to its
+state before the call (``CapturedStep.rewound_generators``), as eager's is; any other
+restore (draws before the block and inside it only, or another draw than the block's
+after it: eager's generator then ends where the program's cannot) is refused, naming
+``fork_rng`` and the line of the draw or of the step.
 Outside a trace nothing changes; the user's own ``torch.set_rng_state`` inside a step is
 refused before it gets here (NOTE: [Python effects at capture]).
 """
@@ -45,7 +58,7 @@ from unittest import mock
 
 import torch
 
-from ..errors import SPMDCompileError, innermost_model_frame_of_stack
+from ..errors import SourceLocation, SPMDCompileError, innermost_model_frame_of_stack
 from .callers import called_from_torch_checkpoint
 
 aten = torch.ops.aten
@@ -80,6 +93,10 @@ class _Generators:
         # whether the last restore was activation checkpointing's (its recompute must draw
         # what its forward drew); another's (the user's ``fork_rng``) may draw otherwise
         self.by_checkpoint: dict[str, bool] = {}
+        # a draw after another restore than checkpointing's that is not the block's draw
+        # (NOTE: [a step's own fork_rng]): the line where it happened
+        self.inexact: dict[str, SourceLocation | None] = {}
+        self.restored_at: dict[str, SourceLocation | None] = {}  # the last such restore's line
 
     def taken(self, state: torch.Tensor, device_type: str) -> torch.Tensor:
         self.states.append((state, device_type, self._at(device_type)))
@@ -90,6 +107,8 @@ class _Generators:
             if kept is state and kind == device_type:
                 self.position[device_type] = position
                 self.by_checkpoint[device_type] = by_checkpoint
+                if not by_checkpoint:
+                    self.restored_at[device_type] = innermost_model_frame_of_stack(skip_stdlib=True)
                 return
         raise SPMDCompileError(
             f"torch set the {device_type} random-number generator to a state that was not "
@@ -117,8 +136,9 @@ class _Generators:
             if drawn[at].key == key or self.by_checkpoint.get(device_type, False):
                 return self._again(drawn[at], key)
             # another draw than the one at this position, after a restore that was not a
-            # recompute's (a step's own fork_rng, then dropout): eager's numbers there are
-            # not the program's anyway; a new draw, and the position moves to the end
+            # recompute's (a step's own fork_rng, then dropout): eager's generator ends
+            # where the program's cannot; refused when the trace ends (the NOTE)
+            self.inexact.setdefault(device_type, innermost_model_frame_of_stack())
             self.position[device_type] = len(drawn) + 1
         self.drawing = True
         try:
@@ -127,6 +147,36 @@ class _Generators:
             self.drawing = False
         drawn.append(_Draw(key, out, out._version))
         return out
+
+    def rewound(self) -> tuple[str, ...]:
+        """The device types whose generator the runtime sets back after every call to its
+        state before it; the other restores of NOTE: [a step's own fork_rng] refused."""
+        out: list[str] = []
+        for device_type, drawn in self.draws.items():
+            at = self._at(device_type)
+            line = self.inexact.get(device_type) or self.restored_at.get(device_type)
+            if device_type not in self.inexact and at == len(drawn):
+                continue
+            if device_type not in self.inexact and at == 0:
+                out.append(device_type)
+                continue
+            raise SPMDCompileError(
+                f"The train step restores the {device_type} random-number generator "
+                "(torch.random.fork_rng(), or get_rng_state / set_rng_state in torch's "
+                "code) and then "
+                + ("draws another draw than the restored block drew"
+                   if device_type in self.inexact else
+                   f"ends {len(drawn) - at} draw(s) before its last, after drawing before the "
+                   "block too")
+                + ": eager's generator ends where the compiled program's cannot (it draws "
+                "every distinct draw once per call; NOTE: [a step's own fork_rng]).",
+                user_line=line,
+                hint="draw the fork_rng block's numbers outside the compiled step and pass "
+                "them in as a tensor argument, or put every draw of the step inside the "
+                "fork_rng block (the generator is then set back after every call, as "
+                "eagerly), or drop fork_rng.",
+            )
+        return tuple(out)
 
     def _again(self, first: _Draw, key: tuple[Any, ...]) -> torch.Tensor:
         if first.key != key or first.tensor._version != first.version:
@@ -180,9 +230,10 @@ def replayed_draw_decompositions() -> dict[Any, Any]:
 
 
 @contextlib.contextmanager
-def generators_counted_in_draws() -> Iterator[None]:
+def generators_counted_in_draws(rewound: list[str]) -> Iterator[None]:
     """While one trace runs: the generator's state taken and set by torch counts draws
-    (see the NOTE)."""
+    (see the NOTE). ``rewound`` gets, once the trace completed, the device types whose
+    generator the runtime sets back after every call (NOTE: [a step's own fork_rng])."""
     generators = _Generators()
 
     def getter(real: Any, device_type: str) -> Any:
@@ -211,6 +262,7 @@ def generators_counted_in_draws() -> Iterator[None]:
             yield
         finally:
             _CURRENT.pop()
+        rewound[:] = generators.rewound()
 
 
 __all__ = ["DRAWS", "generators_counted_in_draws", "replayed_draw_decompositions"]

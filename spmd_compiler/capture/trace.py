@@ -958,6 +958,7 @@ def _trace_first(
         fakes = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
                  for ref, meta in inputs]
         tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
+        rewound: list[str] = []  # NOTE: [a step's own fork_rng]
         with (
             _module_scopes(bindings.module_fqns) as stack,
             _time_major_marks(bindings.modules, bindings.module_fqns),
@@ -974,7 +975,7 @@ def _trace_first(
             # NOTE: [torch's functions replaced by the user]
             private.torch_functions_replaced_by_the_user(),
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
-            generators_counted_in_draws(),  # NOTE: [draws replayed by a restored generator]
+            generators_counted_in_draws(rewound),  # NOTE: [draws replayed by a restored generator]
             # NOTE: [compiled helpers and selective checkpointing at capture]
             private.compiled_helpers_and_checkpoints_as_eager(),
         ):
@@ -998,6 +999,7 @@ def _trace_first(
                 "outside the compiled step.",
             )
         tracer.written = _TRACE_STARTS[-1].written() if _TRACE_STARTS else []
+        tracer.rewound_generators = tuple(rewound)
         return graph, tracer
 
     forget_settled()
@@ -1181,6 +1183,7 @@ def _finish(first: _FirstTrace, start: float) -> CapturedStep:
         outside=first.outside,
         scheduler_steps=first.scheduler_steps,
         counted=counted_in_capture(),
+        rewound_generators=tracer.rewound_generators,
     )
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
@@ -1261,7 +1264,12 @@ def _decide_value_checks(
                     "and verified every call, so this many is refused (a loop that runs "
                     "until a value converges, say).",
                     hint="select with torch.where(cond, a, b), or loop a fixed number of "
-                    "times.",
+                    "times." if undecided.in_torch is None else
+                    f"the `if`s are in torch's own {undecided.in_torch} (a loop until its values "
+                    "settle), which the step calls: run it outside the compiled step (initialise "
+                    "parameters before the first call), or use an equivalent without `if`s on "
+                    "values (for nn.init.trunc_normal_: normal_(mean, std).clamp_(a, b), which puts the "
+                    "tails at the bounds instead of redrawing them).",
                 ) from None
         results: dict[bool, tuple[torch.fx.GraphModule, _StepTracer]] = {}
         outcomes: dict[bool, BaseException | None] = {}
@@ -1522,6 +1530,8 @@ class _StepTracer:
         self.return_spec: Any = None
         self.return_leaves: list[tuple[str, Any]] = []
         self.kept: list[KeptTensor] = []
+        # NOTE: [a step's own fork_rng]: set when the trace completes
+        self.rewound_generators: tuple[str, ...] = ()
         self.schedulers: SchedulerSteps | None = None
         self.outside: dict[int, FoundTensor] = {}
         self.unplaced: dict[int, str] = {}  # KeptTensors.unplaced
@@ -1589,7 +1599,7 @@ class _StepTracer:
             # NOTE: [selections by a mask of the batch], NOTE: [rows of one count]
             stack.enter_context(mask_selections(self.refs, real_inputs.__getitem__))
             stack.enter_context(TensorIndicesTaken())  # NOTE: [0-d tensor indices at capture]
-            stack.enter_context(python_effects(self.code))
+            stack.enter_context(python_effects(self.code, (self.func, *b.modules, *b.flat_args)))
             stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = keeper.outside

@@ -94,6 +94,27 @@ class Undecided(Exception):
         self.owner = "The train step"  # or the optimizer whose step() it is in
         self.coin = coin  # NOTE: [ifs on random draws alone]
         self.settled = settled  # the way a coin goes whatever it draws, if it has one
+        # the torch function the step called that holds the `if` (``torch.nn.init.
+        # trunc_normal_``'s rejection loop), if it is torch's: the refusal says so
+        self.in_torch = torch_function_called()
+
+
+def torch_function_called() -> str | None:
+    """The torch function the innermost frame of the user's code called, where the
+    running code is inside it (``torch.nn.init.trunc_normal_``); None otherwise."""
+    import os
+    import sys
+
+    from .callers import TORCH_DIR, users_file
+
+    frame: Any = sys._getframe(1)
+    inner = None
+    while frame is not None and not users_file(frame.f_code.co_filename):
+        inner, frame = frame, frame.f_back
+    if frame is None or inner is None or not inner.f_code.co_filename.startswith(TORCH_DIR):
+        return None
+    module = os.path.relpath(inner.f_code.co_filename, os.path.dirname(TORCH_DIR.rstrip(os.sep)))
+    return f"{os.path.splitext(module)[0].replace(os.sep, '.')}.{inner.f_code.co_name}"
 
 
 @dataclass

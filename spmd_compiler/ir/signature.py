@@ -155,6 +155,9 @@ class CapturedStep:
             arguments at capture (NOTE: [rows of one count]).
         returns_containers: the return value holds a batch container, rebuilt after
             every call (NOTE: [batch containers]).
+        rewound_generators: the device types ("cpu", "cuda") whose default generator
+            the runtime sets back after every call to its state before it, as the
+            step's own ``fork_rng`` does eagerly (NOTE: [a step's own fork_rng]).
     """
 
     graph_module: torch.fx.GraphModule
@@ -173,6 +176,7 @@ class CapturedStep:
     scheduler_steps: list[Any] = field(default_factory=list)
     counted: list[str] = field(default_factory=list)
     returns_containers: bool = False
+    rewound_generators: tuple[str, ...] = ()
     # the optimizer state made before this program, when this capture made it
     # (``capture.initial_state.MadeState``; NOTE: [optimizer state made before the first
     # program])

@@ -105,7 +105,14 @@ Under data parallelism (the batch split over every mesh dimension), forward's
 element-wise draws (dropout, drop-path, noise on activations) need no agreement: each
 rank keeps its slice of a batch-shaped draw, and slices of the ranks' own draws are an
 equally good draw; they are left out, so timm's per-rank seeds with dropout still train
-(a first version refused them). Permutations, index draws (``randint``,
+(a first version refused them). Left out is a draw the per-rank program only slices: its
+every use, through replicated values computed from it alone, is the redistribution's
+``slice`` on every mesh dimension (``_sliced_per_rank``, read on the expanded graph,
+whose nodes name their captured node in ``ORIGIN``). Until the fifty-eighth session every
+forward ``rand`` / ``randn`` / ``normal`` was left out by op name: a 0-d mixup weight, a
+``torch.randn(1, D)`` shift or noise on a replicated weight, read whole by every rank,
+trained each rank with its own value (losses of no single-device run), and a LayerDrop
+coin was refused as Python values that differ instead of as generators. Permutations, index draws (``randint``,
 ``multinomial``) and any draw in backward or the optimizer (noise on gradients or
 parameters, which replicated state would take apart) are checked; under tensor
 parallelism every draw is, since the tp ranks of one batch compute one value.
@@ -183,7 +190,7 @@ from .. import _torch_private as private
 from .._torch_private import pytree
 from ..capture.guards import DEVICE_NAME
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
-from ..ir.node_meta import Phase, phase
+from ..ir.node_meta import ORIGIN, PLACEMENT, Phase, phase
 from ..ir.signature import CapturedStep
 from ..leading_reductions import MAX_SLOTS, NOTHING_SENT
 from .faults import attribution
@@ -224,20 +231,67 @@ _ELEMENTWISE_DRAWS = frozenset({
 })
 
 
-def drawn_devices(gm: torch.fx.GraphModule, batch_split_everywhere: bool = False) -> tuple[str, ...]:
+def _sliced_per_rank(draw: torch.fx.Node, mesh_ndim: int) -> bool:
+    """Whether every use of the per-rank program's ``draw`` (and of the replicated values
+    computed from it alone) is a slice on every mesh dimension that the program's
+    redistribution made: each rank keeps its own part of the draw and no rank reads the
+    whole (a 0-d mixup weight, a row of noise added to a batch, noise on a replicated
+    weight are read whole). NOTE: [generators agree across ranks]."""
+    seen: set[torch.fx.Node] = set()
+    todo = [draw]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            placements = user.meta.get(PLACEMENT)
+            if placements is not None:
+                if not all(isinstance(p, Replicate) for p in placements):
+                    return False  # a sharded value computed from the whole draw
+                todo.append(user)  # still replicated: computed from the draw alone
+                continue
+            slices, at = 0, user
+            while at.op == "call_function" and at.target in _SLICES and at.meta.get(PLACEMENT) is None:
+                slices += at.target is torch.ops.aten.slice.Tensor
+                users = list(at.users)
+                if len(users) != 1 or slices >= mesh_ndim:
+                    break
+                at = users[0]
+            if slices < mesh_ndim:
+                return False  # read whole (a graph output, a collective) or sliced on fewer dims
+    return True
+
+
+_SLICES = (torch.ops.aten.slice.Tensor, torch.ops.aten.clone.default)
+
+
+def drawn_devices(
+    gm: torch.fx.GraphModule, batch_split_everywhere: bool = False,
+    program: torch.fx.GraphModule | None = None, mesh_ndim: int = 1,
+) -> tuple[str, ...]:
     """The device types whose default generator the graph's random ops draw from, of the
     draws whose numbers the ranks must agree on (NOTE: [generators agree across ranks]);
     empty when there are none. ``batch_split_everywhere``: the mode splits the batch over
     every mesh dimension (data parallel), where forward's element-wise draws (dropout)
+    that the per-rank ``program`` (over ``mesh_ndim`` dimensions) only slices per rank
     need no agreement."""
     devices: set[str] = set()
+    expanded: dict[str, list[torch.fx.Node]] = {}
+    if program is not None:
+        for node in program.graph.nodes:
+            if node.op == "call_function" and private.random_op(node.target) and ORIGIN in node.meta:
+                expanded.setdefault(node.meta[ORIGIN], []).append(node)
     for node in gm.graph.nodes:
         if node.op != "call_function" or not private.random_op(node.target):
             continue
+        per_rank = expanded.get(node.name, [])
         if (
             batch_split_everywhere
             and phase(node) is Phase.FORWARD
             and node.target._opname.rstrip("_") in _ELEMENTWISE_DRAWS  # type: ignore[union-attr]
+            and per_rank
+            and all(_sliced_per_rank(d, mesh_ndim) for d in per_rank)
         ):
             continue
         val = node.meta.get("val")

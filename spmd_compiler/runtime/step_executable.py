@@ -244,7 +244,10 @@ class StepExecutable:
                 )
             agreement.constants, agreement.values_read = self._constants, self._values_read
             if self._drawn is None:
-                self._drawn = drawn_devices(self.program.captured.graph_module, _batch_split_everywhere(self.program))
+                self._drawn = drawn_devices(
+                    self.program.captured.graph_module, _batch_split_everywhere(self.program),
+                    self.program.graph_module, self.program.mesh.ndim,
+                )
             if self._drawn:  # every call: the draws move the state (NOTE: [generators agree across ranks])
                 agreement.generators = describe_generators(self._drawn)
         pending = self._pending
@@ -257,12 +260,15 @@ class StepExecutable:
             agreement.pending_update = pending is not None  # NOTE: [a flush on some ranks only]
         install_state(bindings, self.placement_of, self.program.mesh, sim, self._installed)
         lowered_before = self.lowered.compile_seconds
+        rewind = _generator_states(self.program.captured.rewound_generators)
         start = time.perf_counter()
         value, carry = run_program(
             self.program, self.lowered, bindings, tensor_args, sim,
             pending.carry if pending else None, agreement, self._hyperparams, self._feed,
         )
         elapsed = time.perf_counter() - start
+        for put_back in rewind:  # NOTE: [a step's own fork_rng]
+            put_back()
         self._pending = None
         if carry is not None:
             self._pending = PendingUpdate(bindings, carry, sim, _left_by(self.program, bindings))
@@ -309,6 +315,21 @@ class StepExecutable:
             if store is not None:
                 record_failure(store, dist.get_rank(), f"a state write refused: {ref} {how} while its update was deferred")
         raise SPMDRuntimeError(message)
+
+
+def _generator_states(device_types: tuple[str, ...]) -> list[Any]:
+    """For each device type in ``device_types``, a function that sets its default
+    generator back to its state now (NOTE: [a step's own fork_rng]; CUDA's of the
+    current device, the rank's)."""
+    out: list[Any] = []
+    for kind in device_types:
+        if kind == "cpu":
+            state = torch.get_rng_state()
+            out.append(lambda state=state: torch.set_rng_state(state))
+        elif kind == "cuda":
+            state = torch.cuda.get_rng_state()
+            out.append(lambda state=state: torch.cuda.set_rng_state(state))
+    return out
 
 
 def _same_objects(a: StepBindings, b: StepBindings) -> bool:

@@ -307,6 +307,52 @@ def test_ranks_seeded_apart_train_a_data_parallel_step_with_dropout() -> None:
         assert torch.equal(p, q)
 
 
+def _whole_draw_step(how: str):  # noqa: ANN202
+    def step(model, optim, x, y):  # noqa: ANN001, ANN202
+        if how == "scalar":  # a mixup weight: one number for the whole batch
+            out = model(x * torch.rand(()))
+        elif how == "weight":  # noise on a replicated weight
+            w = model.weight + 0.1 * torch.randn_like(model.weight)
+            out = nn.functional.linear(x, w, model.bias)
+        else:  # LayerDrop: one coin per step
+            out = model(x) * (0.0 if torch.rand(()) < 0.5 else 1.0)
+        loss = nn.functional.cross_entropy(out, y)
+        loss.backward()
+        optim.step()
+        return loss
+
+    return step
+
+
+def _whole_draw_worker(rank: int, world_size: int) -> dict:
+    out = {}
+    for how in ("scalar", "weight", "branch"):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4).double()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = sc.compile(DataParallel("replicate"))(_whole_draw_step(how))
+        torch.manual_seed(10 + rank)  # per rank
+        x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
+        try:
+            step(model, optim, x, y)
+            out[how] = "ran"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out[how] = str(exc)
+    return out
+
+
+def test_ranks_seeded_apart_are_refused_for_a_forward_draw_every_rank_reads_whole() -> None:
+    """NOTE: [generators agree across ranks]: only draws each rank slices are left out of
+    the check. A 0-d mixup weight, noise on a replicated weight and a LayerDrop coin were
+    left out by op name: each rank trained with its own value (losses of no single-device
+    run), and the coin was refused as a Python value that differs; now each is refused
+    as generators that differ."""
+    results = sc.launch(_whole_draw_worker, 2, timeout_s=240, collective_timeout_s=30)
+    for rank, out in enumerate(results):
+        for how, message in out.items():
+            assert "default random-number generators differ" in message, (rank, how, message)
+
+
 def _resend_worker(rank: int, world_size: int) -> object:
     from spmd_compiler.runtime.same_inputs import InputAgreement
 

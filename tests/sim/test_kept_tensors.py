@@ -319,6 +319,9 @@ def test_host_random_draws_are_refused(step_fn, line, monkeypatch):
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="random numbers? from") as raised:
         step(model, optim, *_batches(1)[0])
     assert ("test_kept_tensors.py" in str(raised.value)) == line  # the user's line where seen
+    # the hint named torch.distributions.Beta(a, a).sample(), itself refused (its
+    # _sample_dirichlet reads a tensor); it says to draw outside and pass a 0-d tensor
+    assert "Beta" not in str(raised.value) and "0-d tensor argument" in str(raised.value)
     assert random.getstate() == python_state
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state()[1:2], numpy_state[1:2]))
 

@@ -131,3 +131,72 @@ def test_multinomial_of_invalid_weights_raises_eagers_refusal() -> None:
         with pytest.raises(SPMDRuntimeError, match="invalid weights"):
             compiled(model, optim, x, negative)
         assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+
+
+def _forward_draw_step(how: str):  # noqa: ANN202
+    def step(model, optim, x, y):  # noqa: ANN001, ANN202
+        if how == "dropout":
+            out = model(F.dropout(x, 0.5))
+        elif how == "noise":
+            out = model(x + torch.randn_like(x))
+        elif how == "scalar":
+            out = model(x * torch.rand(()))
+        elif how == "row":
+            out = model(x + torch.randn(1, x.shape[1], dtype=x.dtype))
+        else:
+            out = F.linear(x, model.weight + 0.1 * torch.randn_like(model.weight), model.bias)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        optim.step()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "how,checked", [("dropout", False), ("noise", False), ("scalar", True), ("row", True), ("weight", True)]
+)
+def test_only_forward_draws_each_rank_slices_skip_the_generator_check(how, checked, mode):
+    """NOTE: [generators agree across ranks]: a forward draw is left out of the per-rank
+    generator check only where the per-rank program slices it on every mesh dimension
+    (dropout, noise shaped like the batch). A 0-d mixup weight, a row of noise and noise
+    on a weight are read whole by every rank; they were left out by op name (per-rank
+    seeds then trained each rank on its own value, silently)."""
+    from spmd_compiler.runtime.same_inputs import drawn_devices
+    from spmd_compiler.runtime.step_executable import _batch_split_everywhere
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode(mode))(_forward_draw_step(how))
+    with sc.simulate(world_size=2):
+        compiled(model, optim, torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,)))
+    (program,) = [ex.program for entries in compiled._cache.values() for _, ex in entries]
+    assert _batch_split_everywhere(program)
+    drawn = drawn_devices(program.captured.graph_module, True, program.graph_module, program.mesh.ndim)
+    assert drawn == (("cpu",) if checked else ())
+
+
+def _trunc_normal_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    with torch.no_grad():
+        nn.init.trunc_normal_(model.weight, std=0.02)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_trunc_normal_in_the_step_is_refused_naming_torchs_loop():
+    """``nn.init.trunc_normal_`` redraws until no value is out of bounds (an ``if`` on a
+    tensor's value per round): refused as more than 16 ``if``s, with a hint that asked to
+    rewrite the loop with torch.where; it now names torch's function and says to
+    initialise outside the step or use normal_ + clamp_."""
+    model = nn.Linear(8, 4).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 4, (4,))
+    with sc.simulate(world_size=1), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(_trunc_normal_step)(model, optim, x, y)
+    message = str(info.value)
+    assert "torch.nn.init.trunc_normal_" in message and "clamp_" in message
+    assert "outside the compiled step" in message

@@ -141,12 +141,73 @@ class Peeking(nn.Module):
         return F.dropout(self.lin(x), 0.5, self.training) + 0 * peek.sum().to(x.dtype)
 
 
-def test_another_draw_after_a_steps_own_fork_rng_is_drawn_anew():
+def test_another_draw_after_a_steps_own_fork_rng_is_refused():
     """After a restore that is not checkpointing's, a draw of another shape at a drawn
-    position is new (it was refused as a recompute drawing otherwise)."""
+    position: eager's generator then ends after the dropout alone, the program's after
+    both draws (NOTE: [a step's own fork_rng]). It was drawn anew, silently; now refused."""
     model = Peeking().double()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(step)(model, optim, x, y)
+    message = str(info.value)
+    assert "fork_rng" in message and "F.dropout(self.lin(x)" in message
+
+
+def _noise_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    with torch.random.fork_rng():
+        noise = torch.randn_like(x)
+    loss = F.mse_loss(model(x + noise), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss, noise.sum()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_fork_rng_block_draws_the_same_noise_every_call_as_eagerly(mode):
+    """Every draw of the step inside ``fork_rng``: eagerly the same noise every call and
+    the generator untouched by the step. The compiled step advanced the generator: new
+    noise every call, and ``torch.rand(3)`` after 3 calls was not eager's. Now the runtime
+    sets the generator back after every call (NOTE: [a step's own fork_rng])."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    reference = nn.Linear(4, 2).double()
+    reference.load_state_dict(model.state_dict())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    torch.manual_seed(1)
+    eager = [[float(t) for t in _noise_step(reference, ref_optim, x, y)] for _ in range(3)]
+    eager_after = torch.rand(3)
+    compiled = sc.compile(make_mode(mode))(_noise_step)
+    torch.manual_seed(1)
     with sc.simulate(world_size=2):
-        loss = sc.compile(make_mode("ddp"))(step)(model, optim, x, y)
-    assert torch.isfinite(loss)
+        got = [[float(t) for t in compiled(model, optim, x, y)] for _ in range(3)]
+    assert torch.equal(torch.rand(3), eager_after)
+    assert got[0][1] == got[1][1] == got[2][1] == eager[0][1]
+    for (loss, _), (want, _) in zip(got, eager, strict=True):
+        assert abs(loss - want) <= 1e-12 * abs(want)
+
+
+def _drawn_before_and_inside(model, optim, x, y):  # noqa: ANN001, ANN202
+    h = F.dropout(x, 0.5)
+    with torch.random.fork_rng():
+        noise = torch.randn_like(h)
+    loss = F.mse_loss(model(h + noise), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_draws_before_a_fork_rng_block_only_are_refused():
+    """Eager's generator ends after the dropout, the program's after the dropout and the
+    block's noise: refused, naming fork_rng and the block's line."""
+    model = nn.Linear(4, 2).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(_drawn_before_and_inside)(model, optim, x, y)
+    message = str(info.value)
+    assert "fork_rng" in message and "with torch.random.fork_rng()" in message
+    assert optim.state == {}
