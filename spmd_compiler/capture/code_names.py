@@ -303,6 +303,25 @@ def _methods_named(cls: type, code: types.CodeType, names: frozenset[str]) -> tu
     return found
 
 
+def _self_attributes(code: types.CodeType) -> frozenset[str]:
+    """The attributes ``code`` reads from its first argument (``self.teacher``)."""
+    found = _SELF_ATTRIBUTES.get(code)
+    if found is None:
+        names: set[str] = set()
+        if code.co_argcount:
+            first, previous = code.co_varnames[0], None
+            for ins in dis.get_instructions(code):
+                if (ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None
+                        and previous.opname == "LOAD_FAST" and previous.argval == first):
+                    names.add(ins.argval)
+                previous = ins
+        found = _SELF_ATTRIBUTES[code] = frozenset(names)
+    return found
+
+
+_SELF_ATTRIBUTES: dict[types.CodeType, frozenset[str]] = {}
+
+
 def modules_read_by_name(func: Callable[..., Any], depth: int = 4) -> list[tuple[Any, str]]:
     """The ``nn.Module`` objects a step's code reads by name, each with where (for
     messages): the globals its code loads, its closure variables, for a bound method the
@@ -320,7 +339,7 @@ def modules_read_by_name(func: Callable[..., Any], depth: int = 4) -> list[tuple
     attribute_names: set[str] = set()
     seen: set[int] = set()
 
-    def visit(fn: types.FunctionType, left: int) -> None:
+    def visit(fn: types.FunctionType, left: int, *, of_owner: bool) -> None:
         if id(fn.__code__) in seen or left < 0 or skipped_function(fn):
             return
         seen.add(id(fn.__code__))
@@ -332,17 +351,22 @@ def modules_read_by_name(func: Callable[..., Any], depth: int = 4) -> list[tuple
         names = _NAMES.get(fn.__code__)
         if names is None:
             names = _NAMES[fn.__code__] = frozenset(names_in(fn.__code__))
-        attribute_names.update(names)
-        if owner is not None:
-            values += [(method, "") for method in _methods_named(type(owner), fn.__code__, names)]
+        methods: tuple[Any, ...] = ()
+        if owner is not None and of_owner:
+            # ``self.<name>`` only: ``F.linear`` in the code names no ``self.linear``
+            # (a first review: an unread module of the trainer placed, its eager use broken)
+            attribute_names.update(_self_attributes(fn.__code__))
+            methods = _methods_named(type(owner), fn.__code__, names)
         for value, label in values:
             if isinstance(value, torch.nn.Module):
                 found.append((value, label))
             elif isinstance(value, types.FunctionType):
-                visit(value, left - 1)
+                visit(value, left - 1, of_owner=False)
+        for method in methods:
+            visit(method, left - 1, of_owner=True)
 
     if start is not None:
-        visit(start, depth)
+        visit(start, depth, of_owner=owner is not None)
     if owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, type):
         found += [
             (value, f"attribute {name!r} of the step's object ({type(owner).__name__})")
