@@ -1575,12 +1575,18 @@ class _StepTracer:
         compute = _compute_params(params, self.options.param_dtype)
         _carry_python_attributes(b.params, params, compute)  # NOTE: [Python attributes of parameters]
         with contextlib.ExitStack() as stack:
+            casts: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
             for mi, mod in enumerate(b.modules):
-                swap = {fqn: compute[name] for fqn, name in b.module_params[mi].items()}
+                # NOTE: [low-precision parameters inside forward only]: the step sees
+                # the parameters themselves; module forward calls see their casts
+                swap = {fqn: params[name] for fqn, name in b.module_params[mi].items()}
                 swap.update({fqn: buffers[name] for fqn, name in b.module_buffers[mi].items()})
                 stack.enter_context(private.reparametrize_module(mod, swap))
                 if self.options.param_dtype is not None:
+                    casts.append((mod, {fqn: compute[name] for fqn, name in b.module_params[mi].items()}))
                     stack.enter_context(_cast_forward_inputs(mod, self.options.param_dtype))
+            if casts:
+                stack.enter_context(_casts_inside_forward(casts))
             swapped = self.swapped = [
                 stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.code))
                 for oi, opt in enumerate(b.optimizers)
@@ -1714,6 +1720,54 @@ def _compute_params(
         name: p.to(dtype) if p.is_floating_point() and p.dtype != dtype else p
         for name, p in params.items()
     }
+
+
+@contextlib.contextmanager
+def _casts_inside_forward(casts: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]) -> Iterator[None]:
+    """NOTE: [low-precision parameters inside forward only]
+    With ``param_dtype`` set, forward and backward compute with each parameter's cast.
+    Before 2026-12-06 the casts were swapped into the modules for the whole step, so
+    ``model.parameters()`` after ``backward()`` gave the casts: non-leaf tensors whose
+    ``.grad`` is None. ``clip_grad_norm_(model.parameters(), 0.05)`` skipped them all,
+    returned 0.0 and clipped nothing (the 6-8-4 MLP, SGD lr 1, 3 steps: losses 1.42,
+    1.18, 1.05 where eager clipped gives 1.43, 1.40, 1.37; parameters 0.285 off), and
+    ``p.grad.norm()`` failed on None. As FSDP2 does, the casts are now what a module's
+    forward reads, and the parameters themselves, with their float32 ``.grad``, are what
+    the step reads anywhere else (clipping, gradient reads, the optimizer, a loss term
+    read from a weight outside forward). A call of any module of the step's models
+    (the root, or a submodule called directly, and the recompute of an activation
+    checkpoint inside backward) swaps every model's casts in until the outermost such
+    call returns or raises. The casts are made once per trace (tied weights share one),
+    so the program is the one the whole-step swap gave."""
+    members = {id(m) for root, _ in casts for m in root.modules()}
+    depth = [0]
+    inside = contextlib.ExitStack()
+
+    def pre_hook(module: torch.nn.Module, args: Any) -> None:
+        if id(module) not in members:
+            return
+        if depth[0] == 0:
+            for root, swap in casts:
+                inside.enter_context(private.reparametrize_module(root, swap))
+        depth[0] += 1
+
+    def post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if id(module) not in members or depth[0] == 0:
+            return
+        depth[0] -= 1
+        if depth[0] == 0:
+            inside.close()
+
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+        torch.nn.modules.module.register_module_forward_hook(post_hook, always_call=True),
+    ]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        inside.close()
 
 
 @contextlib.contextmanager

@@ -508,6 +508,93 @@ def test_mixed_precision_with_uneven_rows():
     assert max(v for k, v in diffs.items() if k.startswith("param.")) < 2e-2, diffs
 
 
+
+def _clip_norm_step(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    optim.step()
+    optim.zero_grad()
+    return loss, norm
+
+
+def _clip_value_step(model, optim, x, y):
+    """``clip_grad_value_``, then the gradients read directly (their norm, scaled in place)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+    for p in model.parameters():
+        p.grad.mul_(0.5)
+    optim.step()
+    optim.zero_grad()
+    return loss, norm
+
+
+class _OnCasts:
+    """Eager as FSDP2 computes: forward (and so backward) on ``dtype`` casts of the
+    float32 parameters, whose gradients land on the parameters themselves, which
+    ``parameters()`` gives the step's clipping and gradient reads."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        casts = {name: p.to(self.dtype) for name, p in self.model.named_parameters()}
+        return torch.func.functional_call(self.model, casts, (x.to(self.dtype),))
+
+    def parameters(self):
+        return self.model.parameters()
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+@pytest.mark.parametrize(
+    "step,dtype",
+    [(_clip_norm_step, torch.bfloat16), (_clip_norm_step, torch.float16), (_clip_value_step, torch.bfloat16)],
+    ids=["clip_norm_bf16", "clip_norm_fp16", "clip_value_and_grad_reads_bf16"],
+)
+def test_mixed_precision_clips_the_parameters_gradients(style, step, dtype):
+    """NOTE: [low-precision parameters inside forward only]: with ``param_dtype`` the
+    casts were the module's parameters for the whole step, so ``clip_grad_norm_`` after
+    ``backward()`` found no ``.grad``, returned 0.0 and clipped nothing (measured
+    2026-12-06: the parameters 0.285 off the clipped reference after 3 SGD steps), and
+    ``p.grad.norm()`` failed on None at capture. Now the step reads the float32
+    parameters and their gradients: the norms and parameters match an eager reference
+    that computes on the same casts, within the low precision."""
+    from spmd_compiler.parallel_modes import MixedPrecisionPolicy
+    from spmd_compiler.tools.parity import full_state
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    reference, unclipped = copy.deepcopy(model), copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=1.0)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=1.0)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    policy = MixedPrecisionPolicy(param_dtype=dtype)
+    compiled = sc.compile(DataParallel(style, mp_policy=policy))(step)
+    with sc.simulate(2) as sim:
+        for _ in range(3):
+            loss, norm = compiled(model, optim, x, y)
+            ref_loss, ref_norm = (t.detach() for t in step(_OnCasts(reference, dtype), ref_optim, x, y))
+            assert float(norm) > 0.01
+            assert abs(float(norm) - float(ref_norm)) <= 2e-2 * float(ref_norm)
+            assert abs(float(loss) - float(ref_loss)) <= 2e-2 * float(ref_loss)
+        state = full_state(model, optim, sim)
+    sgd = torch.optim.SGD(unclipped.parameters(), lr=1.0)
+    for _ in range(3):
+        F.cross_entropy(unclipped(x), y).backward()
+        sgd.step()
+        sgd.zero_grad()
+    off_clipped, off_unclipped = 0.0, 0.0
+    for (name, p), q in zip(reference.named_parameters(), unclipped.parameters(), strict=True):
+        got = state[f"param.{name}"]
+        assert got.dtype == torch.float32
+        off_clipped = max(off_clipped, float((got - p.detach()).abs().max()))
+        off_unclipped = max(off_unclipped, float((got - q.detach()).abs().max()))
+    assert off_clipped < 5e-3 and off_unclipped > 0.05, (off_clipped, off_unclipped)
+
+
 def _updated_twice_step(model, optim, x, y):
     """An optimizer step between two backward passes: the second forward reads the
     parameters the first step updated (a GAN's D then G step, reduced to one model)."""
