@@ -59,6 +59,7 @@ from .runtime.same_inputs import (
     checks_whole_values,
     metadata_advice,
     peer_batches,
+    per_sample_path,
     step_label,
     traced_text,
     warn_on_same_shares,
@@ -616,7 +617,8 @@ class CompiledTrainStep:
         what, was, now = change.what, change.was, change.now
         # NOTE: [strings that differ per sample]: a string argument that changes (a file
         # name of the batch) is warned about at its second new value, with the advice
-        strings = what.startswith("argument ") and all((v or "")[:1] in ("'", '"') for v in (was, now))
+        strings = (what.startswith("argument ") and all((v or "")[:1] in ("'", '"') for v in (was, now))
+                   and per_sample_path(what.removeprefix("argument ").removesuffix(" of the step")))
         log.info("recompiling %s: %s%s", self._name, change, " (a string that changes from call to "
                  "call looks like per-sample metadata: pass the step only what it reads)" if strings else "")
         # only a value not seen before counts: a flag that alternates (accumulate, then

@@ -703,6 +703,8 @@ class InputAgreement:
         differ = [name for name in names if len({values.get(name) for values in everyone}) > 1]
         if not differ or any(values.get(name, ("", ""))[0] != "str" for name in differ for values in everyone):
             return
+        if not all(per_sample_path(name) for name in differ):
+            return
         lines = "\n".join(
             f"    {name}: " + ", ".join(f"rank {rank}: {values[name][1]}" for rank, values in enumerate(everyone))
             for name in differ[:8]
@@ -894,6 +896,13 @@ def _raise_other_steps(this: str, group: Any, world: int) -> None:
 # nothing is guessed: the recompile warning (by the third call) and the ranks' refusal
 # say that such strings look like per-sample metadata and to pass the step only what it
 # reads.
+def per_sample_path(path: str) -> bool:
+    """Whether argument ``path`` is an element of a sequence (``batch['name'][0]``: a
+    collated list of strings), not one string argument (a ``phase`` the step branches
+    on, a program per value: no metadata; the second review)."""
+    return re.search(r"\[\d+\]$", path) is not None
+
+
 def metadata_advice(paths: Sequence[str], where: str) -> str:
     """What to do about the string arguments at ``paths`` (``batch['name'][0]``) that
     differ across ``where`` ("every rank", "every call"): NOTE: [strings that differ

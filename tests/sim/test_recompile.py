@@ -231,3 +231,35 @@ def test_per_sample_strings_warn_by_the_third_call_with_the_metadata_advice(capl
     assert "must be the same on every call" in warnings[0]
     notes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
     assert len(notes) == 2 and all("per-sample metadata" in note for note in notes)
+
+
+def phase_step(model, optim, x, y, phase):  # noqa: ANN001
+    scale = {"warmup": 0.5, "train": 1.0, "finetune": 0.25}[phase]
+    loss = nn.functional.cross_entropy(model(x), y) * scale
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_a_string_the_step_branches_on_is_no_metadata(caplog):
+    """A ``phase`` string the step reads (a program per phase: three values, three
+    programs) is not per-sample metadata: no metadata advice and no warning at its second
+    new value (the second review: the first version said "must be the same on every
+    call" for it); the numbers are eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = sgd_momentum(model), sgd_momentum(reference)
+    compiled = sc.compile()(phase_step)
+    gen = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(2):
+        for phase in ("warmup", "train", "finetune"):
+            x, y = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen)
+            loss = compiled(model, optim, x, y, phase)
+            expected = phase_step(reference, reference_optim, x, y, phase)
+            assert abs(loss.item() - expected.item()) <= 1e-12 * expected.item()
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("metadata" in m for m in messages), messages
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("recompiling phase_step: argument phase" in m for m in messages) == 2
