@@ -66,6 +66,7 @@ from .checkpoint_checksums import (
     verify,
     write_manifest,
 )
+from .same_inputs import checkpoint_round
 from .simulate import Simulation, simulation_for
 from .step_executable import flush_pending_updates
 
@@ -141,6 +142,8 @@ def save(
     """
     folder = os.fspath(path)
     with simulation_for(_tensors(model, optimizer)) as sim:
+        if sim is None and dist.is_initialized():
+            checkpoint_round("save")  # NOTE: [a checkpoint on some ranks only]
         state = _state(model, optimizer)
         if sim is not None:
             metadata = dcp.save(_full_tensors(state, sim), checkpoint_id=folder, no_dist=True)
@@ -200,6 +203,8 @@ def _load(
     sim: Simulation | None,
     verify_checksums: bool,
 ) -> None:
+    if sim is None and dist.is_initialized():
+        checkpoint_round("load")  # NOTE: [a checkpoint on some ranks only]
     if verify_checksums:
         if sim is not None:
             verify(folder, 0, 1, _no_collective)
@@ -310,7 +315,11 @@ def full_state_dict(
     """The unsharded state as plain CPU tensors on rank 0 (``{}`` on other ranks), for export:
     copies, which later steps do not change.
 
-    A collective: every rank must call it. The result is ``{"model": ..., "optimizer":
+    A collective: every rank must call it (not under ``if rank == 0:``; a rank that
+    calls it while another is in a compiled call or another checkpoint function gets an
+    error at once: NOTE: [a checkpoint on some ranks only]). To write one file:
+    ``state = sc.checkpoint.full_state_dict(model, optim)`` on every rank, then
+    ``if rank == 0: torch.save(state, path)``. The result is ``{"model": ..., "optimizer":
     ...}`` with the layout of NOTE: [checkpoint layout]; ``torch.save`` it, or load its
     ``"model"`` entry into an uncompiled model with ``load_state_dict``. On simulated
     ranks it works inside ``simulate`` and after the block has ended (NOTE: [state after
@@ -320,9 +329,13 @@ def full_state_dict(
     # warning, whose advice is not the user's to follow (NOTE: [DTensor's
     # sequential-collective warning] in _torch_private.py)
     with private.quiet_sequential_collective_warning():
-        with simulation_for(_tensors(model, optimizer)) as sim:
+        with simulation_for(tensors := _tensors(model, optimizer)) as sim:
             if sim is not None:  # one process holds every rank: gathered without collectives
                 return _copied(_full_tensors(_state(model, optimizer), sim))
+        if dist.is_initialized() and any(isinstance(t, DTensor) for t in tensors):
+            # every rank gathers: NOTE: [a checkpoint on some ranks only] (plain state,
+            # not placed yet, is each rank's own and gathers nothing)
+            checkpoint_round("full_state_dict")
         flush_pending_updates()
         optimizers = [optimizer] if optimizer is not None else []
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)

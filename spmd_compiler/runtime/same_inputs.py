@@ -870,9 +870,12 @@ def _header_agrees(sums: Sequence[float], step_parts: Sequence[int], world: int)
 
 def _raise_other_steps(this: str, group: Any, world: int) -> None:
     """NOTE: [every rank in the same step's round]: every rank raises, naming each rank's
-    step; ``this``: this rank's step and round."""
+    step; ``this``: this rank's step and round. Where a rank was in a checkpoint call,
+    the error is the checkpoint's (NOTE: [a checkpoint on some ranks only])."""
     everyone = _all_descriptions(this, group, world)
     lines = "\n".join(f"    rank {rank}: {text}" for rank, text in enumerate(everyone))
+    if any(text.startswith(CHECKPOINT_PREFIX) for text in everyone):
+        _raise_checkpoint_on_some_ranks(everyone, lines)
     raise SPMDRuntimeError(
         "The ranks called different compiled steps, or the same one at a different point "
         "(a compiled step called on some ranks only, as `if rank == 0: evaluate(...)` "
@@ -883,6 +886,105 @@ def _raise_other_steps(this: str, group: Any, world: int) -> None:
         "rank, each on its share of the eval batch), or run what one rank does alone "
         "uncompiled (the model called eagerly under torch.no_grad() on rank 0); pick a "
         "step variant (one that logs more) from a value every rank shares, not the rank."
+    )
+
+
+# NOTE: [a checkpoint on some ranks only]
+# ``sc.checkpoint.full_state_dict`` gathers every rank's shards, and ``save`` / ``load``
+# write and read each rank's own through DCP's collectives: every rank must call them.
+# The plain-DDP habit ``if rank == 0: state = sc.checkpoint.full_state_dict(model, opt)``
+# left rank 0 in the gathers' collectives while rank 1 went on: its next compiled call's
+# round met rank 0's all-gather, and the job waited until the collective timeout (2 gloo
+# ranks, fully_shard: 120 s, sc.launch's timeout_s; under torchrun gloo's 30 minutes) or
+# gloo aborted on the sizes. So on real ranks each of them first makes one round of the
+# ``ROUND`` values every compiled call's round sends (``checkpoint_round``), its header
+# naming the function (not the line: ranks may call it from the two branches of an
+# ``if``). Met by another rank's compiled call (the rank that skipped the save went on
+# training) or by another checkpoint function, the headers differ and every rank raises
+# the same error within the round, naming each rank's call and what to do; nothing was
+# gathered, written or updated. A rank that skipped it for a collective of its own
+# (``dist.barrier()``) or finished cannot be met by a round of ours: the caller then
+# waits, and after ``CHECKPOINT_WAIT_WARNING_S`` it warns, naming the likely cause,
+# until the collective timeout (waiting is not refused: a rank may be late for a good
+# reason, as rank 0 evaluating alone before every rank saves). The round costs one
+# all-reduce of ``ROUND`` float64 values per call.
+CHECKPOINT_PREFIX = "sc.checkpoint."
+CHECKPOINT_WAIT_WARNING_S = 10.0
+
+_CHECKPOINT_ADVICE = (
+    "  what to do:  call it on every rank, and write the file on rank 0 only: `state = "
+    "sc.checkpoint.full_state_dict(model, optim)` on every rank (it returns {} on the "
+    "others), then `if rank == 0: torch.save(state, path)`; sc.checkpoint.save(path, "
+    "model, optim) and sc.checkpoint.load(path, model, optim) on every rank too (each rank "
+    "writes and reads its own shards)."
+)
+
+
+def checkpoint_round(function: str) -> None:
+    """NOTE: [a checkpoint on some ranks only]: the round every rank makes on entering
+    the checkpoint ``function`` (``"full_state_dict"``) on real ranks, before it gathers,
+    writes or reads anything; raises when another rank is in a compiled call or another
+    checkpoint function, and warns when the peers have not come after
+    ``CHECKPOINT_WAIT_WARNING_S``."""
+    import datetime
+
+    from ..errors import innermost_model_frame_of_stack
+
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    name = CHECKPOINT_PREFIX + function
+    where = innermost_model_frame_of_stack()
+    this = f"{name} ({where.filename.rpartition('/')[2]}:{where.lineno})" if where else name
+    step_parts = _parts_of(f"{name} checkpoint")
+    head = _header(step_parts)
+    buf = torch.tensor(head + [0.0] * (ROUND - len(head)), dtype=torch.float64)
+    group = _cpu_group()
+    try:
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        try:
+            work.wait(datetime.timedelta(seconds=CHECKPOINT_WAIT_WARNING_S))
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the collective failed: not the wait
+            warnings.warn(
+                f"Rank {dist.get_rank()} has waited {CHECKPOINT_WAIT_WARNING_S:.0f} s in {this} "
+                "for the other ranks. It is a collective: every rank must call it. If the "
+                "other ranks skipped it (the DDP habit of saving under `if rank == 0:`), this "
+                "waits until the collective timeout (NOTE: [a checkpoint on some ranks "
+                f"only]).\n{_CHECKPOINT_ADVICE}",
+                stacklevel=3,
+            )
+            work.wait()
+    except Exception as exc:
+        if isinstance(exc, (SPMDCompileError, SPMDRuntimeError)):
+            raise
+        rank = dist.get_rank()
+        raise collective_failure(
+            f"{this} failed on rank {rank} while waiting for the other ranks to call it "
+            f"too: {exception_summary(exc)}. {attribution(rank)} It is a collective: if the "
+            "other ranks never called it (under `if rank == 0:`), they could not meet "
+            f"it (NOTE: [a checkpoint on some ranks only]).\n{_CHECKPOINT_ADVICE}"
+        ) from exc
+    if not _header_agrees(buf.tolist(), step_parts, world):
+        _raise_other_steps(this, group, world)
+
+
+def _raise_checkpoint_on_some_ranks(everyone: Sequence[str], lines: str) -> None:
+    """NOTE: [a checkpoint on some ranks only]: every rank raises, naming each rank's
+    call; ``everyone``: each rank's checkpoint function or compiled step."""
+    called = [rank for rank, text in enumerate(everyone) if text.startswith(CHECKPOINT_PREFIX)]
+    functions = sorted({everyone[rank].partition(" (")[0] for rank in called})
+    which = " and ".join(functions)
+    ranks = ", ".join(map(str, called))
+    raise SPMDRuntimeError(
+        f"{which} was called on rank{'s' if len(called) > 1 else ''} {ranks} while the other "
+        "ranks were elsewhere (per rank below): it is a collective, and every rank must "
+        "call it, the same function at the same point (its state is gathered from, or "
+        "written and read by, the shards of every rank), not under `if rank == 0:` as "
+        "plain DDP saves. Nothing was gathered, written or read, and no compiled step "
+        "ran: the model and optimizer keep the state of the last completed step. Per "
+        f"rank:\n{lines}\n{_CHECKPOINT_ADVICE}"
     )
 
 

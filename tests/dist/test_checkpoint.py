@@ -282,3 +282,41 @@ def test_plain_weights_load_into_a_placed_model() -> None:
         assert result["dtensors"]
         for name, value in result["fresh"].items():
             assert torch.equal(result["state"][f"param.{name}"], value), name
+
+
+def rank0_export_worker(rank: int, world_size: int) -> dict[str, object]:
+    """Rank 0 exports under ``if rank == 0:`` (the plain-DDP habit) while rank 1 goes on
+    to its next compiled call; then both export and train, as they should have."""
+    import time
+
+    model, optim = build()
+    step = sc.compile(DataParallel("fully_shard"))(train_step)
+    batches = local_batches(rank, world_size)
+    step(model, optim, *batches[0])
+    errors: dict[str, str] = {}
+    start = time.perf_counter()
+    try:
+        if rank == 0:
+            checkpoint.full_state_dict(model, optim)
+        else:
+            step(model, optim, *batches[1])
+    except sc.SPMDRuntimeError as exc:
+        errors["first"] = str(exc)
+    seconds = time.perf_counter() - start
+    exported = checkpoint.full_state_dict(model, optim)  # every rank: fine, and in step
+    loss = step(model, optim, *batches[1]).item()
+    return {"error": errors.get("first", ""), "seconds": seconds, "keys": sorted(exported), "loss": loss}
+
+
+def test_full_state_dict_on_rank_0_only_fails_fast_on_every_rank() -> None:
+    """NOTE: [a checkpoint on some ranks only]: before, rank 0 waited in the gathers and
+    rank 1's next compiled call met them, until the launch timeout (here 60 s)."""
+    results = sc.launch(rank0_export_worker, WORLD_SIZE, timeout_s=60, collective_timeout_s=30)
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert "sc.checkpoint.full_state_dict was called on rank 0 " in error, (rank, error)
+        assert "every rank must call it" in error and "if rank == 0: torch.save(state, path)" in error
+        assert "rank 1: train" in error or "rank 1: classification_train_step" in error, error
+        assert result["seconds"] < 15, result["seconds"]
+    assert results[0]["keys"] == ["model", "optimizer"] and results[1]["keys"] == []
+    assert results[0]["loss"] == results[1]["loss"]
