@@ -543,9 +543,7 @@ class InputAgreement:
             raise ValueError(f"{len(payload)} values do not fit a round of {MAX_SLOTS}")
         sent = _parts(_digest(sends)) if self.generators and not pending else _parts_of(sends)
         parts = [*_parts_of(self.description), *sent]
-        row = _header(self.step_parts, pending=pending)
-        for h in parts:
-            row += [float(h), float(h * h)]
+        row = _header(self.step_parts, pending=pending) + _with_squares(parts)
         row += payload + [0.0] * (MAX_SLOTS - len(payload))
         buf = torch.tensor(row, dtype=torch.float64)
         work = _collective(
@@ -565,10 +563,7 @@ class InputAgreement:
         if sums[1] > 0:  # NOTE: [a rank that fails before its program]
             self.owed = False
             self._raise_peer_failure()
-        agree = [
-            sums[_HEADER + 2 * k] == self.world * h and sums[_HEADER + 1 + 2 * k] == self.world * h * h
-            for k, h in enumerate(r.parts)
-        ]
+        agree = _parts_agree(sums, _HEADER, r.parts, self.world)
         if not all(agree[:_PARTS]):
             self.owed = False
             self._raise_disagreement()
@@ -705,10 +700,7 @@ class InputAgreement:
             return
         if not all(per_sample_path(name) for name in differ):
             return
-        lines = "\n".join(
-            f"    {name}: " + ", ".join(f"rank {rank}: {values[name][1]}" for rank, values in enumerate(everyone))
-            for name in differ[:8]
-        ) + (f"\n    ... and {len(differ) - 8} more" if len(differ) > 8 else "")
+        lines = _per_value_lines(differ, [{k: v[1] for k, v in values.items()} for values in everyone])
         raise SPMDCompileError(
             "The ranks pass different strings to the train step. A string argument is "
             "read as one value on every rank (the program is compiled for it), so the "
@@ -737,12 +729,7 @@ class InputAgreement:
                 "config, not a per-rank one); a value that is each rank's own goes in a "
                 "tensor argument split like the batch.",
             )
-        lines = "\n".join(
-            f"    {name}: " + ", ".join(
-                f"rank {rank}: {values.get(name, 'not read')}" for rank, values in enumerate(everyone)
-            )
-            for name in differ[:8]
-        ) + (f"\n    ... and {len(differ) - 8} more" if len(differ) > 8 else "")
+        lines = _per_value_lines(differ, everyone)
         raise SPMDCompileError(
             "The ranks read different Python values in the train step. The program bakes "
             "each Python value it reads in as one value on every rank (NOTE: [guards on "
@@ -841,6 +828,17 @@ ROUND = _HEADER + 2 * 2 * _PARTS + MAX_SLOTS  # the header, two digests (parts, 
 # that never enters the step (rank 0 evaluates, rank 1 has finished) leaves the others
 # in the round until the collective timeout, whose error names the step and the cause.
 # The header costs 8 more float64 values in the round a call makes anyway.
+def _per_value_lines(differ: Sequence[str], everyone: Sequence[dict[str, str]]) -> str:
+    """The lines of an error naming, for each of the first 8 values that ``differ``,
+    each rank's value (``everyone``: each rank's values by name; one a rank did not
+    read: "not read")."""
+    lines = "\n".join(
+        f"    {name}: " + ", ".join(f"rank {rank}: {values.get(name, 'not read')}" for rank, values in enumerate(everyone))
+        for name in differ[:8]
+    )
+    return lines + (f"\n    ... and {len(differ) - 8} more" if len(differ) > 8 else "")
+
+
 def step_label(name: str, where: str) -> str:
     """``train (train.py:12)``: how a round names its step."""
     return f"{name} ({where})"
@@ -855,17 +853,28 @@ def _step_parts(label: str, kind: str) -> tuple[int, ...]:
 
 def _header(step_parts: Sequence[int], pending: bool = False, failed: bool = False, length: int = 0) -> list[float]:
     """The first ``_HEADER`` values of a round (NOTE: [every rank in the same step's round])."""
-    row = [float(pending), float(failed)]  # failed: NOTE: [a rank that fails before its program]
-    for h in step_parts:
-        row += [float(h), float(h * h)]
-    return row + [float(length), float(length * length)]
+    # failed: NOTE: [a rank that fails before its program]
+    return [float(pending), float(failed), *_with_squares(step_parts), *_with_squares([length])]
 
 
 def _header_agrees(sums: Sequence[float], step_parts: Sequence[int], world: int) -> bool:
     """Whether every rank's round carried this rank's step identity."""
-    return all(
-        sums[2 + 2 * k] == world * h and sums[3 + 2 * k] == world * h * h for k, h in enumerate(step_parts)
-    )
+    return all(_parts_agree(sums, 2, step_parts, world))
+
+
+def _with_squares(parts: Sequence[int]) -> list[float]:
+    """Each digest part followed by its square, as a round sends it (see
+    ``InputAgreement``)."""
+    return [v for h in parts for v in (float(h), float(h * h))]
+
+
+def _parts_agree(sums: Sequence[float], offset: int, parts: Sequence[int], world: int) -> list[bool]:
+    """For each of ``parts`` (sent with its square from ``offset``), whether every rank
+    sent this rank's value: sum(h) == world * h and sum(h * h) == world * h * h."""
+    return [
+        sums[offset + 2 * k] == world * h and sums[offset + 1 + 2 * k] == world * h * h
+        for k, h in enumerate(parts)
+    ]
 
 
 def _raise_other_steps(this: str, group: Any, world: int) -> None:
