@@ -303,23 +303,37 @@ def _methods_named(cls: type, code: types.CodeType, names: frozenset[str]) -> tu
     return found
 
 
-def _self_attributes(code: types.CodeType) -> frozenset[str]:
-    """The attributes ``code`` reads from its first argument (``self.teacher``)."""
-    found = _SELF_ATTRIBUTES.get(code)
+def _self_attributes(code: types.CodeType, name: str | None = None) -> frozenset[str]:
+    """The attributes ``code`` reads from its first argument (``self.teacher``, or
+    ``getattr(self, "teacher")`` with the name written out), and those that the
+    functions and comprehensions nested in it read from it as a free variable (``self``
+    in a ``def`` or lambda inside the method). ``name``: the variable that is ``self``
+    in nested code."""
+    found = _SELF_ATTRIBUTES.get((code, name))
     if found is None:
         names: set[str] = set()
-        if code.co_argcount:
-            first, previous = code.co_varnames[0], None
+        first = name if name is not None else (code.co_varnames[0] if code.co_argcount else None)
+        if first is not None:
+            loads = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW")
+            recent: list[dis.Instruction] = []
             for ins in dis.get_instructions(code):
-                if (ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None
-                        and previous.opname == "LOAD_FAST" and previous.argval == first):
-                    names.add(ins.argval)
-                previous = ins
-        found = _SELF_ATTRIBUTES[code] = frozenset(names)
+                if ins.opname == "CACHE":
+                    continue
+                if recent and recent[-1].opname in loads and recent[-1].argval == first:
+                    if ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                        names.add(ins.argval)
+                    elif (ins.opname == "LOAD_CONST" and isinstance(ins.argval, str) and len(recent) > 1
+                          and recent[-2].opname == "LOAD_GLOBAL" and recent[-2].argval == "getattr"):
+                        names.add(ins.argval)
+                recent = [*recent[-1:], ins]
+            for const in code.co_consts:
+                if isinstance(const, types.CodeType) and first in const.co_freevars:
+                    names.update(_self_attributes(const, first))
+        found = _SELF_ATTRIBUTES[(code, name)] = frozenset(names)
     return found
 
 
-_SELF_ATTRIBUTES: dict[types.CodeType, frozenset[str]] = {}
+_SELF_ATTRIBUTES: dict[tuple[types.CodeType, str | None], frozenset[str]] = {}
 
 
 def modules_read_by_name(func: Callable[..., Any], depth: int = 4) -> list[tuple[Any, str]]:

@@ -106,8 +106,12 @@ def install_state(
     mesh: DeviceMesh,
     sim: Simulation | None,
     verified: set[Any] | None = None,
+    before_placing: Callable[[], None] | None = None,
 ) -> None:
     """Turn every plain state tensor of the step into a DTensor with its placement.
+
+    ``before_placing`` is called first when some state tensor is still a plain one
+    (its placing broadcasts on real ranks: NOTE: [a rank that fails before its program]).
 
     ``verified`` (kept by the compiled step) holds the ids of state tensors already
     installed and checked; when every tensor of the call is among them, nothing is
@@ -125,6 +129,8 @@ def install_state(
         if walk is not None:
             verified.add(walk)
         return
+    if before_placing is not None and not all(isinstance(t, DTensor) for t in _state_tensors(bindings)):
+        before_placing()
     _install(bindings, placement_of, mesh, sim)
     bindings.forget_state_dicts()  # the optimizers' state dicts are new ones now
     if verified is not None:

@@ -34,6 +34,14 @@ path only) and raises, naming the ranks that failed and how, before its program 
 the ranks stay in step and the next call runs on both. A round's one more slot is the
 only cost. A failure once this rank's program round is settled (its program's own
 collectives) is ``NOTE: [fault attribution]``'s.
+A call that places state (the first call: ``distribute_tensor`` broadcasts every
+replicated parameter from rank 0) issues collectives before its program's round: a rank
+whose first capture raised sent its failed round while its peer waited in the first
+parameter's broadcast, and both hung until the collective timeout (gloo's 30 minutes
+under torchrun; a later call's failure was handled). So such a call makes one more
+round before it places anything (``before_install``): it waits, as the program's round
+does, until no rank compiles, and meets a failed round there; the program's round is
+still owed after it.
 
 NOTE: [constants agree across ranks]
 A tensor the step reads from outside its arguments is a constant of the program, the
@@ -496,6 +504,14 @@ class InputAgreement:
     def before_compile(self) -> None:
         """The round of a rank about to compile: raise if the inputs disagree."""
         self.start(NOTHING_SENT, [], pending=True).finish()
+
+    def before_install(self) -> None:
+        """The round of a rank about to place state, whose broadcasts are collectives of
+        their own: wait until no rank compiles, raise if a rank failed or the inputs
+        disagree (NOTE: [a rank that fails before its program]). The program's round is
+        still owed after it."""
+        self.start(NOTHING_SENT, []).finish()
+        self.owed = True
 
     def before_run(self, sends: str, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The round of a rank about to run its program, which sends ``values`` (described

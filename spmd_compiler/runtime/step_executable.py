@@ -258,7 +258,10 @@ class StepExecutable:
             self._refuse_writes(pending, bindings, current_param=False)
         if agreement is not None and self.program.deferred is not None:
             agreement.pending_update = pending is not None  # NOTE: [a flush on some ranks only]
-        install_state(bindings, self.placement_of, self.program.mesh, sim, self._installed)
+        install_state(
+            bindings, self.placement_of, self.program.mesh, sim, self._installed,
+            agreement.before_install if agreement is not None else None,
+        )
         lowered_before = self.lowered.compile_seconds
         rewind = _generator_states(self.program.captured.rewound_generators)
         start = time.perf_counter()

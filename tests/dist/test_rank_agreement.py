@@ -159,6 +159,26 @@ def test_a_rank_that_fails_before_its_program_fails_its_peers_call_too() -> None
     assert abs(last0 - eager) <= 1e-12 * abs(eager), (last0, eager)
 
 
+def test_a_rank_whose_first_capture_fails_fails_its_peers_first_call_too() -> None:
+    """NOTE: [a rank that fails before its program], on the FIRST call: rank 1's capture
+    raises while rank 0's succeeds and places the model (a broadcast per parameter).
+    Before, rank 1's failed round met rank 0's first broadcast: both hung until the
+    collective timeout (30 s here, gloo's 30 minutes under torchrun) and the group was
+    broken for call 2. Now rank 0's call fails naming rank 1 before placing anything,
+    and call 2 runs on both, as eager's first step."""
+    start = time.monotonic()
+    results = sc.launch(
+        _flagged_worker, 2, args=([(True, 1.0), (False, 1.0)],), timeout_s=240, collective_timeout_s=30,
+    )
+    (failed0, _), (last0, eager) = results[0]
+    assert "failed on rank 1 before its program ran" in failed0, failed0
+    assert "_Boom: bad shard" in failed0, failed0
+    assert "_Boom" in results[1][0][0], results[1]
+    assert results[1][1][0] == last0
+    assert isinstance(last0, float) and abs(last0 - eager) <= 1e-12 * abs(eager), (last0, eager)
+    assert time.monotonic() - start < 120
+
+
 def test_python_values_the_step_reads_must_agree_across_ranks() -> None:
     """NOTE: [Python values agree across ranks]: ``model.loss_scale`` read by the step,
     1.0 on rank 0 and 2.0 on rank 1, trained both ranks on a mix of the two (loss 2.0215

@@ -107,6 +107,24 @@ class Trainer:
         return _update(_kd(model(x), t, y), optim)
 
 
+class NestedTrainer(Trainer):
+    """Reads its teacher inside a nested function and through ``getattr`` with the name
+    written out (before the fifty-ninth session only ``self.<name>`` in the method's own
+    code was found: these steps were refused at the teacher's first op)."""
+
+    def step(self, model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def soft_targets() -> torch.Tensor:
+            with torch.no_grad():
+                return self.teacher(x)
+
+        return _update(_kd(model(x), soft_targets(), y), optim)
+
+    def by_getattr(self, model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            t = getattr(self, "teacher")(x)  # noqa: B009 - the form under test
+        return _update(_kd(model(x), t, y), optim)
+
+
 def _setup() -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
     student = _net(0)
     return student, torch.optim.SGD(student.parameters(), lr=0.2, momentum=0.9), _net(1).requires_grad_(False)
@@ -148,13 +166,15 @@ def _run(
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("where", ["global", "helper", "closure", "attribute"])
+@pytest.mark.parametrize("where", ["global", "helper", "closure", "attribute", "nested", "getattr"])
 def test_a_frozen_teacher_read_by_name(mode, where):
     makers: dict[str, Callable[[nn.Module], Callable[..., torch.Tensor]]] = {
         "global": lambda _: global_step,
         "helper": lambda _: helper_step,
         "closure": closure_step,
         "attribute": lambda held: Trainer(held).step,
+        "nested": lambda held: NestedTrainer(held).step,
+        "getattr": lambda held: NestedTrainer(held).by_getattr,
     }
     _run(mode, makers[where])
 
