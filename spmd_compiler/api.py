@@ -78,6 +78,10 @@ log = logging.getLogger("spmd_compiler")
 # A guarded Python value that forced this many recompiles is reported as a warning.
 REPEATED_RECOMPILES = 3
 
+# NOTE: [programs kept in memory]: the programs a compiled step keeps, least recently
+# used dropped first.
+KEPT_PROGRAMS = 32
+
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The random-number state a program's draws come from (CPU, and the device's)."""
@@ -96,7 +100,8 @@ class CompileRecord:
     """What one compilation produced and how long each stage took."""
 
     key: tuple
-    program: DistributedProgram
+    # None once the step dropped the program (NOTE: [programs kept in memory])
+    program: DistributedProgram | None
     capture_seconds: float
     expand_seconds: float
     pass_seconds: float
@@ -244,7 +249,10 @@ class CompiledTrainStep:
         self.records: list[CompileRecord] = []
         # NOTE: [programs reused in memory]: program key -> the program built for it
         self._built_programs: dict[str, DistributedProgram | None] = {}
+        # in the order of last use, oldest first (NOTE: [programs kept in memory])
         self._cache: dict[tuple, list[tuple[Guards, StepExecutable]]] = {}
+        self._record_of: dict[int, CompileRecord] = {}  # id(program) -> its record, while kept
+        self._dropped = 0  # programs dropped (NOTE: [programs kept in memory])
         self._meshes: dict[str, DeviceMesh] = {}
         self.timings = StepTimings()
         self._last: StepExecutable | None = None  # what the latest call ran
@@ -597,7 +605,9 @@ class CompiledTrainStep:
         if self._last_entries is not None and key == self._last_key:
             entries = self._last_entries
         else:
-            entries = self._last_entries = self._cache.get(key)
+            entries = self._last_entries = self._cache.pop(key, None)
+            if entries is not None:  # the most recently used now (NOTE: [programs kept in memory])
+                self._cache[key] = entries
         if not entries:
             return None
         change = None
@@ -707,6 +717,37 @@ class CompiledTrainStep:
                 )
             self._meshes[key] = mesh
         return self._meshes[key]
+
+    def _drop_old_programs(self, kept: tuple) -> None:
+        """Drop the least recently used keys' programs while more than ``KEPT_PROGRAMS``
+        are kept, never ``kept``'s (NOTE: [programs kept in memory])."""
+        count = sum(len(entries) for entries in self._cache.values())
+        while count > KEPT_PROGRAMS:
+            oldest = next(iter(self._cache))
+            if oldest == kept:
+                return
+            entries = self._cache.pop(oldest)
+            if entries is self._last_entries:
+                self._last_entries = None
+            for _, executable in entries:
+                if executable is self._last:
+                    self._last.flush()  # its deferred update first (cross_iteration_overlap)
+                    self._last = None
+                record = self._record_of.pop(id(executable.program), None)
+                if record is not None:
+                    record.program = None
+            count -= len(entries)
+            if self._dropped == 0:
+                log.warning(
+                    "%s has compiled %d programs and keeps the last %d in memory: the least "
+                    "recently used are dropped (compiled again if needed). A step that "
+                    "compiles on most calls reads a value that changes every call: see the "
+                    "recompile messages above.", self._name, len(self.records), KEPT_PROGRAMS,
+                )
+            self._dropped += len(entries)
+        # the programs built once per program key, kept for reuse: as many, oldest first
+        while len(self._built_programs) > KEPT_PROGRAMS:
+            del self._built_programs[next(iter(self._built_programs))]
 
     def _forget_programs(self) -> None:
         """Drop every program and mesh, so the next call makes and compiles them again."""
@@ -828,7 +869,10 @@ class CompiledTrainStep:
             skipped,
         )
         self.records.append(record)
-        self._cache.setdefault(key, []).extend((g, executable) for g in (guards, *also) if not g.once)
+        self._record_of[id(program)] = record
+        self._cache[key] = self._cache.pop(key, [])  # the most recently used
+        self._cache[key].extend((g, executable) for g in (guards, *also) if not g.once)
+        self._drop_old_programs(key)
         timings = self.timings
         timings.compile_seconds += total
         timings.capture_seconds += record.capture_seconds
@@ -909,6 +953,19 @@ class CompiledTrainStep:
                 share.publish(data)
         return program, "miss", 0.0, key if data else ""
 
+    # NOTE: [programs kept in memory]
+    # A step that compiles on most calls (an int step counter it reads, a sequence length
+    # per call) kept every program it compiled, in its cache and its ``records``: 1.7 MB of
+    # RSS per call for an 8-16-4 MLP (41 calls, 2 simulated ranks), without bound, where a
+    # long run only warned. So a compiled step keeps ``KEPT_PROGRAMS`` programs, its keys
+    # in the order of last use (a hit on another key than the last call's moves it last;
+    # the steady state looks nothing up), and drops the least recently used key's
+    # programs after a compile, with one warning; a dropped program's record keeps its
+    # figures with ``program`` None, and its key compiles again when it comes back. The
+    # programs kept for reuse by program key are as many, oldest dropped. Measured: 100
+    # calls of that step grew RSS 1.7 MB per call before, 0.3 after the first 32
+    # (437.7 MB against 522.1 at call 100; what remains is the allocator's and the
+    # records').
     # NOTE: [programs reused in memory]
     # A recompile often captures a program this step already compiled: an int argument
     # that steers an `if` (a gradient-accumulation counter, `if (i + 1) % accum == 0`)
