@@ -484,6 +484,10 @@ class CompiledTrainStep:
             raise
         if self._served is not None and self._served[0] is ran:  # NOTE: [a step that changes what it reads]
             self._served[1].replay_writes()
+        if ran.program.captured.requires_grad_after:  # NOTE: [requires_grad set in the step]
+            params = bindings.params
+            for name, flag in ran.program.captured.requires_grad_after:
+                params[name].requires_grad_(flag)
         # the program completed and its install is kept: a scheduler stepped after the
         # update raising (one at its end, as eagerly) leaves the update, as eager's error does
         step_replayed(ran.program.captured.scheduler_steps, bindings.schedulers, before=False)

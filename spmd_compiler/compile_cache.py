@@ -584,7 +584,7 @@ def same_program(a: CapturedStep, b: CapturedStep) -> bool:
     except Uncacheable:
         return False
     around = ("return_spec", "return_leaves", "checks", "kept", "outside", "scheduler_steps", "counted",
-              "returns_containers", "rewound_generators")
+              "returns_containers", "rewound_generators", "requires_grad_after")
     return (
         graph_a == graph_b
         and _signature(a) == _signature(b)

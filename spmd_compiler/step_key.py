@@ -411,6 +411,8 @@ def entry_bytes(
         raise Uncacheable(f"the LR scheduler steps it replays ({captured.scheduler_steps[0].where})")
     if captured.rewound_generators:  # not in the entry (NOTE: [a step's own fork_rng])
         raise Uncacheable("the random-number generators it sets back after every call (fork_rng)")
+    if captured.requires_grad_after:  # not in the entry (NOTE: [requires_grad set in the step])
+        raise Uncacheable(f"the requires_grad it sets ({captured.requires_grad_after[0][0]})")
     facts = _recorded_facts(captured, bindings, environment)
     encoded, graph_constants = encoded_graph(captured.graph_module)
     constants = list(graph_constants)

@@ -1184,6 +1184,7 @@ def _finish(first: _FirstTrace, start: float) -> CapturedStep:
         scheduler_steps=first.scheduler_steps,
         counted=counted_in_capture(),
         rewound_generators=tracer.rewound_generators,
+        requires_grad_after=tracer.requires_grad_after,
     )
     _finish_signature(captured)
     captured.capture_seconds = time.perf_counter() - start
@@ -1398,6 +1399,71 @@ def _refuse_hooks_left_on_parameters(
             )
 
 
+def _requires_grad_set(
+    params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], real: Mapping[str, torch.Tensor],
+    found: list[tuple[str, bool]], param_dtype: torch.dtype | None, where: str | None,
+) -> tuple[tuple[str, bool], ...]:
+    """NOTE: [requires_grad set in the step]
+    A step that freezes or unfreezes parameters itself (``model[0].requires_grad_(False)``
+    on some call; pix2pix's ``set_requires_grad(netD, False)`` before the generator's
+    update, left so) runs that Python at capture only, on the stand-ins of the trace:
+    the program computes as eager does on that call, but before the fifty-ninth session
+    the user's parameters kept their flags, so the next call's program key saw the old
+    flags and ran the program of those, training the frozen layer on (SGD, float64,
+    freeze on call 2 of 4: the first layer's weight 6.2e-2 relative off eager, no
+    warning; unfreezing alike). The flag each parameter has when the step returns is
+    recorded here, where it differs from the one the trace found (a toggle and back
+    records nothing), and set on the user's parameters after every call of the program
+    completed (``api.py``), so the next call's key reads them and runs, or compiles, the
+    program for those flags; a call refused or failed sets nothing. Refused: a buffer
+    made to require grad (eager would make it an autograd leaf; the program's buffers
+    take no gradient), and, with ``param_dtype``, a parameter made to require grad (its
+    cast for forward was made, without a gradient, before the step ran). Refused too,
+    with the flag put back: the user's parameter itself set while traced, reached
+    through a reference held outside the modules (a global list of parameters): the
+    trace's stand-in kept its flag, so the program would train a layer eager freezes
+    (3.4e-2 off eager before)."""
+    for name, before in found:
+        if real[name].requires_grad != before:
+            for other, flag in found:
+                real[other].requires_grad_(flag)
+            raise SPMDCompileError(
+                f"The train step sets requires_grad of parameter {name} through a reference "
+                "held outside its modules (a list of parameters made before the call): the "
+                "compiled step traces the modules' parameters, so the program would not see "
+                "the change (NOTE: [requires_grad set in the step]).",
+                user_line=where,
+                hint="set it through the module inside the step (model[0].requires_grad_(False), "
+                "or on p for p in model[0].parameters()), or before calling the step.",
+            )
+    for name, b in buffers.items():
+        if b.requires_grad and b.is_leaf:  # an in-place update from a graph is no flag set
+            raise SPMDCompileError(
+                f"The train step makes buffer {name} require grad (requires_grad_() on it, or "
+                "on a module that holds it): a compiled step's buffers take no gradient "
+                "(NOTE: [requires_grad set in the step]).",
+                user_line=where,
+                hint="make it a parameter (nn.Parameter, registered on the module) if it is "
+                "to be trained, or leave its requires_grad False.",
+            )
+    changed = tuple(
+        (name, params[name].requires_grad) for name, before in found
+        if params[name].requires_grad != before
+    )
+    if param_dtype is not None and any(flag for _, flag in changed):
+        name = next(n for n, flag in changed if flag)
+        raise SPMDCompileError(
+            f"The train step makes parameter {name} require grad (requires_grad_(True)), "
+            f"with param_dtype={param_dtype}: its cast for forward is made before the step "
+            "runs, so the program would compute no gradient for it, where eager does "
+            "(NOTE: [requires_grad set in the step]).",
+            user_line=where,
+            hint="unfreeze the parameter before calling the compiled step (outside it): the "
+            "next call then compiles the program for the new flags.",
+        )
+    return changed
+
+
 def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: list[StateRef]) -> None:
     """NOTE: [tensor arguments that require grad]
     A tensor argument that requires grad is traced as one, so the step computes as eager
@@ -1536,6 +1602,9 @@ class _StepTracer:
         self.outside: dict[int, FoundTensor] = {}
         self.unplaced: dict[int, str] = {}  # KeptTensors.unplaced
         self._params: dict[str, torch.Tensor] = {}
+        # NOTE: [requires_grad set in the step]: (parameter name, flag) of each parameter
+        # whose requires_grad the step left other than it found it
+        self.requires_grad_after: tuple[tuple[str, bool], ...] = ()
         # each optimizer's state during the trace, and its parameters by name
         self.swapped: list[tuple[initial_state.RecordedStates, dict[str, tuple[int, torch.Tensor]]]] = []
 
@@ -1574,6 +1643,7 @@ class _StepTracer:
         self.group_numbers = GroupNumbers(_group_numbers(b, values))
         compute = _compute_params(params, self.options.param_dtype)
         _carry_python_attributes(b.params, params, compute)  # NOTE: [Python attributes of parameters]
+        found_flags = [(name, p.requires_grad) for name, p in params.items()]
         with contextlib.ExitStack() as stack:
             casts: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
             for mi, mod in enumerate(b.modules):
@@ -1615,6 +1685,9 @@ class _StepTracer:
                     result = self.func(*args, **kwargs)
                 _refuse_argument_gradients(values, requiring)
                 _refuse_hooks_left_on_parameters(params, compute, step_where(self.func))
+                self.requires_grad_after = _requires_grad_set(
+                    params, buffers, b.params, found_flags, self.options.param_dtype, step_where(self.func)
+                )
                 closed.refuse_writes(step_where(self.func))
                 kept = keeper.collect(step_where(self.func))
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's

@@ -158,6 +158,9 @@ class CapturedStep:
         rewound_generators: the device types ("cpu", "cuda") whose default generator
             the runtime sets back after every call to its state before it, as the
             step's own ``fork_rng`` does eagerly (NOTE: [a step's own fork_rng]).
+        requires_grad_after: (parameter name, flag) of each parameter whose
+            ``requires_grad`` the step changed, set on the user's parameters after every
+            call (NOTE: [requires_grad set in the step] in ``capture/trace.py``).
     """
 
     graph_module: torch.fx.GraphModule
@@ -177,6 +180,7 @@ class CapturedStep:
     counted: list[str] = field(default_factory=list)
     returns_containers: bool = False
     rewound_generators: tuple[str, ...] = ()
+    requires_grad_after: tuple[tuple[str, bool], ...] = ()
     # the optimizer state made before this program, when this capture made it
     # (``capture.initial_state.MadeState``; NOTE: [optimizer state made before the first
     # program])
