@@ -1033,9 +1033,9 @@ def _trace_first(
             user_line=step_frame_from_traceback(exc.__traceback__, code),
             failed_at=innermost_model_frame(exc.__traceback__),
             hint=(
-                "return the value (`return loss.item()` works: NOTE: [returned .item() "
-                "values]) and use the number outside the compiled step, or compute with "
-                "the tensor itself."
+                getattr(exc, "hint", None) or "return the value (`return loss.item()` works: NOTE: [returned "
+                ".item() values]) and use the number outside the compiled step, or compute "
+                "with the tensor itself."
                 if isinstance(exc, ItemUsedInPython)
                 else "keep the rows in place and combine with the mask instead of indexing "
                 "by what it selects: `y[mask] += expert(h[mask]) * gate[mask]`, or "
