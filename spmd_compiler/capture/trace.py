@@ -1917,7 +1917,8 @@ def _swap_optimizer(
         if StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi) in values
     }
     try:
-        with _GroupValuesWrittenInPlace(oi, stand_ins):  # NOTE: [group values changed in place]
+        # NOTE: [group values changed in place] (no mode where no group value is an input)
+        with _GroupValuesWrittenInPlace(oi, stand_ins) if stand_ins else contextlib.nullcontext():
             yield state, by_param
         _check_python_state(opt, oi, groups, before, state, values, set_groups)
     finally:
