@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m spmd_compiler",
         description="spmd_compiler: compile a whole PyTorch train step into one SPMD "
         "program. Environment: SPMD_PROGRESS, SPMD_LOG_LEVEL, SPMD_DEBUG, SPMD_DEBUG_DIR, "
-        "SPMD_DISABLE_PASSES (docs/environment.md).",
+        "SPMD_DISABLE_PASSES, SPMD_COMPILER_CACHE_DIR, SPMD_TEST_BACKEND "
+        "(docs/environment.md).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain}")

@@ -849,12 +849,50 @@ def _decode_or_warn(
         with collector_paused():  # NOTE: [no collector while an entry is decoded]
             return program_from_bytes(data, key, captured, mesh)
     except Exception as exc:  # noqa: BLE001 - any broken entry is ignored, never used
-        warnings.warn(
-            f"spmd_compiler: ignoring the compile-cache entry {where}: "
-            f"{type(exc).__name__}: {str(exc)[:200]}; compiling the step again.",
-            stacklevel=4,
-        )
+        warn_broken_entry(f"compile-cache entry {where}", data, exc, stacklevel=5)
         return None
+
+
+# NOTE: [one warning per broken entry]
+# A call reads the same program entry twice when it is broken: once by the key before
+# capture (NOTE: [cache key before capture]) and once after capturing; each warned, from a
+# different line, so Python's own once-per-location filter showed both. The entry's path
+# and bytes are remembered: the same broken file warns once per process (a rewritten entry
+# that breaks again warns again). The error is its first line, cut at a sentence end (or
+# a space) within _REASON_CHARS: torch's zip reader says "... your checkpoint file is
+# corrupted ..." in one long line, which a cut at 200 characters ended at "file is".
+_WARNED_BROKEN: set[tuple[str, str]] = set()
+_REASON_CHARS = 240
+
+
+def short_reason(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``: the message's first line, cut at a sentence end (or
+    else a space, with "...") when longer than _REASON_CHARS."""
+    text = str(exc).strip().split("\n", 1)[0].strip()
+    if len(text) > _REASON_CHARS:
+        head = text[:_REASON_CHARS]
+        end = head.rfind(". ")
+        if end > 0:
+            text = head[: end + 1]
+        else:
+            text = head[: head.rfind(" ")].rstrip(",;:") + " ..." if " " in head else head + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def warn_broken_entry(what: str, data: bytes, exc: BaseException, stacklevel: int) -> None:
+    """Warn once per process that the broken cache entry ``what`` (its kind and path) is
+    ignored (NOTE: [one warning per broken entry])."""
+    seen = (what, hashlib.sha256(data).hexdigest())
+    if seen in _WARNED_BROKEN:
+        log.info("ignoring the %s again: %s", what, short_reason(exc))
+        return
+    _WARNED_BROKEN.add(seen)
+    reason = short_reason(exc)
+    end = "" if reason.endswith((".", "...")) else "."
+    warnings.warn(
+        f"spmd_compiler: ignoring the {what}: {reason}{end} Compiling the step again.",
+        stacklevel=stacklevel,
+    )
 
 
 # --------------------------------------------------------------------------- ranks

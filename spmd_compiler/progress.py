@@ -25,6 +25,7 @@ handful of lines plus one counter, and the package keeps no dependency for it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -36,15 +37,23 @@ PROGRESS_ENV = "SPMD_PROGRESS"
 SHOW_AFTER_S = 1.5
 HEARTBEAT_S = 15.0
 _TICK_S = 0.2
+_OFF = ("0", "off", "false", "no", "none")
+_WARNED: set[str] = set()  # unknown values already warned about
+
+log = logging.getLogger("spmd_compiler.progress")
 
 
 def progress_style(stream: TextIO | None = None) -> str:
     """``live``, ``plain`` or ``off`` from ``SPMD_PROGRESS``, the stream and ``CI``."""
     raw = os.environ.get(PROGRESS_ENV, "auto").strip().lower()
-    if raw in ("0", "off", "false", "no", "none"):
+    if raw in _OFF:
         return "off"
     if raw in ("live", "plain"):
         return raw
+    if raw not in ("auto", "") and raw not in _WARNED:  # a typo was silently auto
+        _WARNED.add(raw)
+        log.warning("%s=%r is not a progress style (auto, live, plain, 0 / off); using auto",
+                    PROGRESS_ENV, raw)
     stream = stream if stream is not None else sys.stderr
     is_tty = bool(getattr(stream, "isatty", lambda: False)())
     return "live" if is_tty and not os.environ.get("CI") else "plain"

@@ -91,6 +91,7 @@ from .compile_cache import (
     file_digest,
     fingerprint,
     source_digest,
+    warn_broken_entry,
 )
 from .errors import Change, in_installed_package
 from .ir.signature import CapturedStep, Kind, TensorMeta, ValueCheck
@@ -495,7 +496,7 @@ def _applying(
                 raise ValueError(f"its {name} is {body.get(name)!r:.20}, not {expected!r:.20}")
         entry = json.loads(body["entry"])
     except Exception as exc:  # noqa: BLE001 - a broken entry is ignored, never used
-        log.warning("ignoring the %s %s: %s: %.200s", kind, path, type(exc).__name__, exc)
+        warn_broken_entry(f"{kind} {path}", data, exc, stacklevel=5)
         return None
     change = _first_change(entry, bindings)
     if change is not None:
@@ -527,8 +528,7 @@ def _loaded(
     try:
         captured = _captured(entry, body["graph"], body["constants"], func, bindings)
     except Exception as exc:  # noqa: BLE001
-        log.warning("ignoring the step entry %s: %s: %.200s", cache.step_path(key),
-                    type(exc).__name__, exc)
+        warn_broken_entry(f"step entry {cache.step_path(key)}", data, exc, stacklevel=5)
         return None
     return entry["program_key"], captured, frozenset(entry["graph_args"])
 

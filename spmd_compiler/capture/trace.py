@@ -42,6 +42,7 @@ import torch.fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
 from .._torch_private import pytree
@@ -1032,9 +1033,9 @@ def _trace_first(
             user_line=step_frame_from_traceback(exc.__traceback__, code),
             failed_at=innermost_model_frame(exc.__traceback__),
             hint=(
-                "return the value (`return loss.item()` works: NOTE: [returned .item() "
-                "values]) and use the number outside the compiled step, or compute with "
-                "the tensor itself."
+                getattr(exc, "hint", None) or "return the value (`return loss.item()` works: NOTE: [returned "
+                ".item() values]) and use the number outside the compiled step, or compute "
+                "with the tensor itself."
                 if isinstance(exc, ItemUsedInPython)
                 else "keep the rows in place and combine with the mask instead of indexing "
                 "by what it selects: `y[mask] += expert(h[mask]) * gate[mask]`, or "
@@ -1982,8 +1983,16 @@ def _swap_optimizer(
         and (key == BETA1 or type(group["lr"]) in (float, int))
     )
     opt.step = capturable_step  # type: ignore[method-assign]
+    stand_ins = {
+        (gi, "lr" if key == "lr" else "betas'][0"): values[StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi)]
+        for gi in range(len(saved_groups))
+        for key in ("lr", BETA1)
+        if StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi) in values
+    }
     try:
-        yield state, by_param
+        # NOTE: [group values changed in place] (no mode where no group value is an input)
+        with _GroupValuesWrittenInPlace(oi, stand_ins) if stand_ins else contextlib.nullcontext():
+            yield state, by_param
         _check_python_state(opt, oi, groups, before, state, values, set_groups)
     finally:
         if instance_step is _MISSING:
@@ -1991,6 +2000,52 @@ def _swap_optimizer(
         else:
             opt.step = instance_step  # type: ignore[method-assign]
         opt.param_groups, opt.state = saved_groups, saved_state
+
+
+# NOTE: [group values changed in place]
+# A learning rate that is a graph input (and Adam's beta1) is a 0-d tensor in the traced
+# param group. `g["lr"] = g["lr"] * 0.5` in the step (or in an optimizer step hook) puts a
+# new object in the group, which _check_python_state refuses clearly ("changes
+# optimizer[0].param_groups[0]['lr']"); `g["lr"] *= 0.5` instead changed the tensor
+# itself: the first trace, where the stand-in requires grad, failed with torch's "a leaf
+# Variable that requires grad is being used in an in-place operation", and in a trace
+# without grad the group would keep its object and the write go unseen. While the step
+# runs, an in-place op (`*=`, `mul_`, `copy_`, `out=`) on a stand-in is refused with the
+# same words as the assignment, naming the line.
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in
+    ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+     "rshift", "matmul")
+)
+
+
+class _GroupValuesWrittenInPlace(TorchFunctionMode):
+    """Refuses an in-place op on a traced group value (NOTE: [group values changed in place])."""
+
+    def __init__(self, optimizer: int, stand_ins: dict[tuple[int, str], torch.Tensor]) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+        self.stand_ins = stand_ins
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.stand_ins:
+            name = getattr(func, "__name__", "")
+            written = (
+                args[0] if args and (name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")))
+                else kwargs.get("out")
+            )
+            if isinstance(written, torch.Tensor):
+                for (gi, key), tensor in self.stand_ins.items():
+                    if written is tensor:
+                        raise SPMDCompileError(
+                            f"The train step changes optimizer[{self.optimizer}].param_groups[{gi}]"
+                            f"['{key}'] in place ({name}, as `g['lr'] *= 0.5` runs; an LR scheduler "
+                            "stepped, or the learning rate set, inside the compiled step?).",
+                            user_line=innermost_model_frame_of_stack(),
+                            hint=SCHEDULER_HINT,
+                        )
+        return func(*args, **kwargs)
 
 
 def _group_numbers(b: StepBindings, values: dict[StateRef, torch.Tensor]) -> list[tuple[torch.Tensor, type, str]]:

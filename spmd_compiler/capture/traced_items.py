@@ -54,18 +54,57 @@ from .mask_selections import RowsOfAModelMaskCounted
 
 
 class ItemUsedInPython(Exception):
-    """A traced ``.item()`` was used by Python code, not only returned."""
+    """A traced ``.item()`` was used by Python code, not only returned; ``hint``: what
+    to do, where the capture's generic advice does not fit (a list from ``.tolist()``)."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+# NOTE: [values of .tolist() in messages]
+# ``t.tolist()`` of a traced tensor reaches ``ItemsAsOutputs`` as one ``.item()`` per
+# element (torch's tolist does not dispatch itself), so its values are TracedItems and
+# every refusal said ".item()": `for t in torch.linspace(9, 0, 5).long().tolist(): x + t`
+# was told about ".item()" and to "pass the 0-d tensor .item() was called on", which does
+# not fit a list of loop counts. An item is marked as from .tolist() where the user's line
+# that made it calls .tolist() and not .item(); a refusal then says ".tolist()" and to
+# compute such a list in Python (a tensor the step makes from constants is still the
+# program's value: the capture reads no tensor's value). Messages only: nothing traced
+# depends on the mark.
+TOLIST_HINT = (
+    "compute a list the step uses as numbers (loop counts, timesteps) in Python: a list "
+    "literal or comprehension, `numpy.linspace(...)`, or torch outside the compiled step "
+    "passed in as an argument; or keep it a tensor and compute with it. A list from "
+    ".tolist() may only be returned."
+)
+
+
+def _origin_on_line() -> str:
+    """``.tolist()`` where the user's line running now calls .tolist() and not .item(),
+    else ``.item()`` (NOTE: [values of .tolist() in messages])."""
+    where = innermost_model_frame_of_stack(skip_stdlib=True)
+    line = where.code if where is not None else ""
+    return ".tolist()" if ".tolist(" in line and ".item(" not in line else ".item()"
 
 
 class TracedItem:
     """The value of ``tensor.item()``, known only when the program runs."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "origin")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, origin: str = ".item()") -> None:
         self.tensor = tensor
+        self.origin = origin  # NOTE: [values of .tolist() in messages]
 
     def _used(self, *args: Any, **kwargs: Any) -> NoReturn:
+        if self.origin == ".tolist()":
+            _raise_used(
+                "the values of .tolist() are computed by the program at run time (also "
+                "those of a tensor the step makes from constants: the capture reads no "
+                "tensor's values); inside a compiled step they can only be returned",
+                hint=TOLIST_HINT,
+            )
         _raise_used(
             "the value of .item() is computed by the program at run time; inside a compiled "
             "step it can only be returned"
@@ -93,7 +132,7 @@ class TracedItem:
         theirs = _exact_operand(other.tensor) if isinstance(other, TracedItem) else other
         if mine is None or theirs is None or not _comparable(mine, theirs):
             self._used()
-        return TracedItem(op(mine, theirs))
+        return TracedItem(op(mine, theirs), self.origin)
 
     def _against_tensor(self, other: torch.Tensor, op: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
         """``number OP tensor`` as eager computes it for the number ``.item()`` gives
@@ -170,7 +209,10 @@ class ItemsAsOutputs(TorchFunctionMode):
             return func(*args, **kwargs)
         except private.data_dependent_error_types():
             if func is torch.Tensor.item:
-                return TracedItem(args[0].detach())
+                item = TracedItem(args[0].detach(), _origin_on_line())
+                if _ITEM_USES.origins is not None:
+                    _ITEM_USES.origins.add(item.origin)
+                return item
             name = _CONVERSIONS[func]
             _raise_used(
                 f"{name}() of a tensor needs its value in Python while the step is traced "
@@ -316,13 +358,14 @@ def _refuse_tensor_of_items(what: str) -> NoReturn:
 class _ItemUses(threading.local):
     def __init__(self) -> None:
         self.raised: list[tuple[ItemUsedInPython, SourceLocation | None]] | None = None
+        self.origins: set[str] | None = None  # of the items this trace made
 
 
 _ITEM_USES = _ItemUses()
 
 
-def _raise_used(message: str) -> NoReturn:
-    exc = ItemUsedInPython(message)
+def _raise_used(message: str, hint: str | None = None) -> NoReturn:
+    exc = ItemUsedInPython(message, hint)
     if _ITEM_USES.raised is not None:
         _ITEM_USES.raised.append((exc, innermost_model_frame_of_stack(skip_stdlib=True)))
     raise exc
@@ -333,6 +376,7 @@ def caught_item_uses() -> Iterator[list[tuple[ItemUsedInPython, SourceLocation |
     """Inside: every ``ItemUsedInPython`` raised is recorded in the list yielded, with
     the user's line (see the NOTE)."""
     outer, _ITEM_USES.raised = _ITEM_USES.raised, []
+    outer_origins, _ITEM_USES.origins = _ITEM_USES.origins, set()
     try:
         yield _ITEM_USES.raised
     except TypeError as exc:
@@ -341,18 +385,31 @@ def caught_item_uses() -> Iterator[list[tuple[ItemUsedInPython, SourceLocation |
         # (`x.narrow(0, 0, n.item())`, `x.split(counts.tolist())`), a value read in Python
         if TracedItem.__name__ not in str(exc):
             raise
-        raise ItemUsedInPython(_argument_use(str(exc))).with_traceback(exc.__traceback__) from exc
+        # the parser does not say which item: .tolist() where every item came from one
+        tolist = _ITEM_USES.origins == {".tolist()"}
+        raise ItemUsedInPython(
+            _argument_use(str(exc), tolist), TOLIST_HINT if tolist else None
+        ).with_traceback(exc.__traceback__) from exc
     finally:
         _ITEM_USES.raised = outer
+        _ITEM_USES.origins = outer_origins
 
 
-def _argument_use(parser_error: str) -> str:
+def _argument_use(parser_error: str, tolist: bool = False) -> str:
     """What torch's argument parser refused a ``TracedItem`` for (its TypeError): a
     number operand where the function takes a ``Number`` (``torch.le(x, thr)``,
     ``torch.where(c, x, thr)``, ``x.clamp(max=thr)``), else a size or index. Before
     2026-12-05 every such use was called a size or index."""
     called = re.match(r"(\w+)\(", parser_error)
     name = f"{called.group(1)}()" if called else "a torch function"
+    if "Number" in parser_error and not (called and called.group(1) in _SIZE_FROM_NUMBERS) and tolist:
+        return (
+            f"a value of .tolist() is passed to {name} as a number operand (a fill value, "
+            "a comparison's or torch.where's other value, a clamp bound): the values of "
+            ".tolist() are computed by the program at run time (also those of a tensor "
+            "the step makes from constants: the capture reads no tensor's values), and "
+            "torch takes a Python number as a constant"
+        )
     if "Number" in parser_error and not (called and called.group(1) in _SIZE_FROM_NUMBERS):
         return (
             f"a value of .item() or .tolist() is passed to {name} as a number operand (a "
@@ -364,7 +421,7 @@ def _argument_use(parser_error: str) -> str:
             "thr`, works as it is"
         )
     return (
-        f"a value of .item() or .tolist() is used as a size or index by {name} (a split "
+        f"a value of {'.tolist()' if tolist else '.item() or .tolist()'} is used as a size or index by {name} (a split "
         "size, a narrow length, a shape): the result's shape would depend on tensor "
         "values the program computes at run time (a value-dependent shape)"
     )

@@ -45,6 +45,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,6 +74,31 @@ from .simulate import Simulation, simulation_for
 from .step_executable import flush_pending_updates
 
 __all__ = ["CheckpointError", "full_state_dict", "load", "save"]
+
+# NOTE: [DCP's single-process warning]
+# dcp.save / dcp.load warn "torch.distributed is disabled, unavailable or uninitialized,
+# assuming the intent is to save in a single process" whenever they run without a process
+# group, also when told so (no_dist=True). Here that is always the intent: simulated ranks
+# write and read the full tensors from one process (no_dist=True), and a save without a
+# process group is documented as a single-process save. So every save and load printed
+# it. Filtered around our own DCP calls that have no process group, that message only.
+_SINGLE_PROCESS = re.compile(
+    r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent "
+    r"is to (save|load) in a single process"
+)
+
+
+@contextlib.contextmanager
+def _single_process_dcp(single: bool) -> Iterator[None]:
+    """Inside: DCP's single-process warning is not shown when ``single`` (NOTE: [DCP's
+    single-process warning])."""
+    if not single:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS.pattern, category=UserWarning)
+        yield
+
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -146,10 +174,12 @@ def save(
             checkpoint_round("save")  # NOTE: [a checkpoint on some ranks only]
         state = _state(model, optimizer)
         if sim is not None:
-            metadata = dcp.save(_full_tensors(state, sim), checkpoint_id=folder, no_dist=True)
+            with _single_process_dcp(True):
+                metadata = dcp.save(_full_tensors(state, sim), checkpoint_id=folder, no_dist=True)
             write_manifest(folder, _with_storage_data(metadata, folder), 0, 1, _no_collective)
             return
-    metadata = dcp.save(_without_strided_shards(state), checkpoint_id=folder)
+    with _single_process_dcp(not dist.is_initialized()):
+        metadata = dcp.save(_without_strided_shards(state), checkpoint_id=folder)
     rank, world = _rank_and_world()
     write_manifest(folder, _with_storage_data(metadata, folder), rank, world, process_group_all_reduce)
 
@@ -219,7 +249,8 @@ def _load(
             state = _load_simulated(folder, state, sim)
         else:
             readable = _without_strided_shards(state)
-            dcp.load(readable, checkpoint_id=folder)
+            with _single_process_dcp(not dist.is_initialized()):
+                dcp.load(readable, checkpoint_id=folder)
             state = pytree.tree_map(_placed_as, state, readable)
     except (pickle.UnpicklingError, EOFError) as exc:
         raise CheckpointError(f"checkpoint {folder} could not be read: {exc}") from exc
@@ -291,7 +322,8 @@ def _load_simulated(folder: str, state: dict[str, Any], sim: Simulation) -> dict
         if isinstance(v, DTensor) else v,
         state,
     )
-    dcp.load(full, checkpoint_id=folder, no_dist=True)
+    with _single_process_dcp(True):
+        dcp.load(full, checkpoint_id=folder, no_dist=True)
 
     def reshard(current: Any, loaded: Any) -> Any:
         if isinstance(current, DTensor):

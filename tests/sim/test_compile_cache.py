@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -184,13 +185,42 @@ def test_a_broken_entry_warns_and_recompiles(tmp_path: Path, damage: str) -> Non
         run(tmp_path / "other", make_model=lambda: mlp(hidden=32))
         (other,) = (tmp_path / "other" / "programs").glob("*.pt")
         path.write_bytes(other.read_bytes())
-    with pytest.warns(UserWarning, match="ignoring the compile-cache entry"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         step, losses, state = run(tmp_path)
+    # one warning (NOTE: [one warning per broken entry]): the entry is read by the key
+    # before capture and again after it, and each read warned; its reason ends at a
+    # sentence end, where a cut at 200 characters ended "your checkpoint file is"
+    (warned,) = [str(w.message) for w in caught if "ignoring the" in str(w.message)]
+    assert "ignoring the compile-cache entry" in warned
+    assert warned.endswith(". Compiling the step again."), warned
     assert caches(step) == ["miss"]
     assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
     assert_same(first_state, state)
     step, _, _ = run(tmp_path)  # the entries were rewritten
     assert caches(step) == ["hit"]
+
+
+def test_a_broken_step_entry_warns_once_and_recompiles(tmp_path: Path) -> None:
+    """A truncated step entry was logged (``log.warning``) with torch's reason cut at 200
+    characters, mid-sentence; now one UserWarning, as a broken program entry."""
+    _, first_losses, _ = run(tmp_path)
+    (path,) = (tmp_path / "steps").glob("*.pt")
+    path.write_bytes(path.read_bytes()[:1000])  # torch's reader: "... is corrupted" in one long line
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, losses, _ = run(tmp_path)
+    (warned,) = [str(w.message) for w in caught if "ignoring the" in str(w.message)]
+    assert f"ignoring the step entry {path}: RuntimeError:" in warned
+    assert warned.endswith("checkpoint file is corrupted. Compiling the step again."), warned
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
+
+
+def test_short_reason_cuts_at_a_sentence_or_a_space() -> None:
+    long = "first sentence. " + "word " * 80
+    assert compile_cache.short_reason(ValueError(long)) == "ValueError: first sentence."
+    assert compile_cache.short_reason(ValueError("x" * 10 + " " + "y" * 300)) == "ValueError: xxxxxxxxxx ..."
+    assert compile_cache.short_reason(OSError("line one\nline two")) == "OSError: line one"
 
 
 def test_an_unreadable_entry_warns_and_misses(tmp_path: Path) -> None:

@@ -407,6 +407,41 @@ def test_an_item_passed_as_a_number_operand_says_to_keep_the_tensor():
     assert "model[0].weight.copy_(torch.where(model[0].weight.abs() > bound, model[0].weight, bound))" in message
 
 
+def loop_over_constant_tolist_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    for t in torch.linspace(3, 0, 2).long().tolist():  # diffusers-style timesteps
+        loss = loss + t
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def fill_from_constant_tolist_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    for t in torch.linspace(3, 0, 2).long().tolist():
+        loss = loss + torch.full((1,), t).sum()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("step", "said"),
+    [(loop_over_constant_tolist_step, "the values of .tolist() are computed by the program"),
+     (fill_from_constant_tolist_step, "a value of .tolist() is passed to full() as a number operand")],
+    ids=lambda v: getattr(v, "__name__", "said"),
+)
+def test_a_tolist_value_used_in_python_says_tolist(step, said):
+    """NOTE: [values of .tolist() in messages]: `for t in torch.linspace(...).tolist():`
+    used as numbers was told about ".item()" (`loss + t`) and, for `torch.full(.., t)`,
+    to "pass the 0-d tensor .item() was called on"; now .tolist(), and to compute the
+    list in Python."""
+    message = _refusal_leaving_the_model_untouched(step)
+    assert said in message, message
+    assert ".item() was called on" not in message and "value of .item()" not in message
+    assert "compute a list the step uses as numbers (loop counts, timesteps) in Python" in message
+
+
 def estimated_loss_step(model, optim, x, y):  # noqa: ANN001
     """nanoGPT's estimate_loss in the step: items written back into tensors made in it."""
     loss = F.cross_entropy(model(x), y)

@@ -481,6 +481,42 @@ def test_lr_assigned_inside_step():
     assert opt.param_groups[0]["lr"] == 1e-2
 
 
+def step_decaying_lr_in_place(model, optim, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.param_groups[0]["lr"] *= 0.5
+    optim.zero_grad()
+    return loss
+
+
+def _halve_lr(optim, args, kwargs):
+    for group in optim.param_groups:
+        group["lr"] *= 0.5
+
+
+@pytest.mark.parametrize("where", ["body", "post_hook"])
+def test_lr_decayed_in_place_inside_step(where):
+    """NOTE: [group values changed in place]: `g["lr"] *= 0.5` after optim.step() or in an
+    optimizer step post-hook failed with torch's "a leaf Variable that requires grad is
+    being used in an in-place operation"; now the words of the assignment, and its line."""
+    model = Net()
+    opt = warmed_up(model)
+    func = step_decaying_lr_in_place if where == "body" else step
+    handle = opt.register_step_post_hook(_halve_lr) if where == "post_hook" else None
+    try:
+        error = raises_untouched(func, (model, opt, *batch()), model, opt)
+    finally:
+        if handle is not None:
+            handle.remove()
+    message = str(error)
+    assert "changes optimizer[0].param_groups[0]['lr'] in place" in message, message
+    assert "scheduler" in message and "set param_group['lr']" in message
+    assert "leaf Variable" not in message
+    assert '["lr"] *= 0.5' in message
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
 def test_tensor_betas_are_refused_naming_the_setting(cls):
     """torch takes ``betas`` as two tensors; the trace read them as tensors from outside

@@ -28,6 +28,24 @@ def test_style_follows_env_terminal_and_ci(monkeypatch):
     assert progress.progress_style(_Tty()) == "off"
 
 
+def test_an_unknown_progress_style_warns_once(monkeypatch, caplog):
+    """SPMD_PROGRESS=plian was auto without a word (SPMD_DEBUG=abc warns); now a warning,
+    once per value, and auto as before."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv(progress.PROGRESS_ENV, "Plian-test")
+    with caplog.at_level(logging.WARNING, logger="spmd_compiler.progress"):
+        assert progress.progress_style(_Tty()) == "live"
+        assert progress.progress_style(io.StringIO()) == "plain"
+    said = [r.getMessage() for r in caplog.records if r.name == "spmd_compiler.progress"]
+    assert said == ["SPMD_PROGRESS='plian-test' is not a progress style (auto, live, plain, "
+                    "0 / off); using auto"], said
+    caplog.clear()
+    for value in ("auto", "live", "plain", "off", "0"):
+        monkeypatch.setenv(progress.PROGRESS_ENV, value)
+        progress.progress_style(_Tty())
+    assert not caplog.records
+
+
 def test_short_compile_prints_nothing(monkeypatch):
     monkeypatch.setenv(progress.PROGRESS_ENV, "plain")
     out = io.StringIO()
