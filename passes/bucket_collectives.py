@@ -33,6 +33,17 @@ model at once; how much earlier to issue them is ``schedule_overlap``'s decision
 under its in-flight byte cap. The bucket's wait directly follows the collective; the
 split sits before the first use of any member and each member's slice before its own
 first use, so ``schedule_overlap`` can sink the wait.
+
+NOTE: [bucket results stay contiguous]
+A collective's result is contiguous, and kernels may rely on it: eager's
+``_weight_norm_interface_backward`` refuses a non-contiguous ``v`` ("saved_v must be
+contiguous"). A gathered member's columns of the ``(G, N)`` buffer are strided by ``N``;
+reshaping them copies, except where the member's shape splits as ``(G, n_i)`` (a rank's
+shard is one row: ``Linear(16, 4)``'s weight or bias at G = 4), where the
+reshape is a view with the buffer's row stride. There (decided on the fake values, so
+once per compile) the part is copied to contiguous memory before the reshape: the same
+one copy every other member gets from its reshape. Reduced members' parts are
+contiguous slices of a 1-D buffer and stay views.
 """
 
 from __future__ import annotations
@@ -289,7 +300,7 @@ def _rewrite(graph: torch.fx.Graph, bucket: list[_Member]) -> bool:
     for index, (m, use) in enumerate(zip(bucket, uses)):
         with graph.inserting_before(use):
             part = getitem(graph, parts, index)
-            result = new_node(graph, _aten.reshape.default, (part, list(m.wait.meta["val"].shape)))
+            result = _member_result(graph, part, m.wait)
         result.meta.update({k: v for k, v in m.wait.meta.items() if k not in ("val", CREATED_BY)})
         m.wait.replace_all_uses_with(result)
         graph.erase_node(m.wait)
@@ -341,6 +352,23 @@ def _split(graph: torch.fx.Graph, bucket: list[_Member], wait: torch.fx.Node) ->
     if call.kind == "reduce_scatter":
         numels = [n // call.ranks for n in numels]
     return new_node(graph, _aten.split_with_sizes.default, (wait, numels))
+
+
+def _member_result(graph: torch.fx.Graph, part: torch.fx.Node, wait: torch.fx.Node) -> torch.fx.Node:
+    """``part`` of the bucket's result reshaped to the shape of the member's result
+    ``wait``, contiguous where that was (NOTE: [bucket results stay contiguous])."""
+    shape = list(wait.meta["val"].shape)
+    result = new_node(graph, _aten.reshape.default, (part, shape))
+    if result.meta["val"].is_contiguous() or not wait.meta["val"].is_contiguous():
+        return result
+    graph.erase_node(result)
+    copy = graph.call_function(
+        _aten.clone.default, (part,), {"memory_format": torch.contiguous_format}
+    )
+    copy.meta["val"] = part.meta["val"].clone(memory_format=torch.contiguous_format)
+    result = new_node(graph, _aten.reshape.default, (copy, shape))
+    assert result.meta["val"].is_contiguous(), f"{wait.name}: a reshaped copy is not contiguous"
+    return result
 
 
 def _member_label(m: _Member) -> str:

@@ -160,12 +160,15 @@ def _parse_gather(node: torch.fx.Node) -> _Gather | None:
     if split.target is not _aten.split_with_sizes.default:
         return None
     results: list[torch.fx.Node | None] = [None] * len(flats)
-    parts = []
+    parts, copies = [], []
     for part in split.users:
         index = part.args[1] if part.target is operator.getitem else None
         if not isinstance(index, int) or len(part.users) != 1 or results[index] is not None:
             return None
         [result] = list(part.users)
+        if result.target is _aten.clone.default and len(result.users) == 1:
+            copies.append(result)  # NOTE: [bucket results stay contiguous]
+            [result] = list(result.users)
         if result.target is not _aten.reshape.default:
             return None
         results[index] = result
@@ -173,7 +176,7 @@ def _parse_gather(node: torch.fx.Node) -> _Gather | None:
     if any(r is None for r in results):
         return None
     done = [r for r in results if r is not None]
-    nodes = [*done, *parts, split, rows, wait, node, packed, *flats]
+    nodes = [*done, *copies, *parts, split, rows, wait, node, packed, *flats]
     sources = _nodes([f.args[0] for f in flats])
     return None if sources is None else _Gather(node, sources, done, nodes, group)
 

@@ -211,6 +211,42 @@ def test_fully_shard_uneven_keeps_gradients_between_steps_on_gloo() -> None:
         assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
 
 
+def make_weight_normed_model() -> nn.Module:
+    """A weight-normed last Linear(16, 2): each of the 2 ranks holds one row of its ``v``
+    (NOTE: [bucket results stay contiguous] in passes/bucket_collectives.py)."""
+    torch.manual_seed(0)
+    last = torch.nn.utils.parametrizations.weight_norm(nn.Linear(HIDDEN, 2))
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), last)
+
+
+def weight_norm_worker(rank: int, world_size: int) -> dict[str, object]:
+    from spmd_compiler.parallel_modes import DataParallel
+
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    sc.init_from_env()
+    model = make_weight_normed_model()
+    optim = OPTIMIZERS["adamw"](model)
+    step = sc.compile(DataParallel("fully_shard"), backend=backend_under_test())(train_step)
+    losses = [step(model, optim, x[local], y[local] % 2).detach().clone() for x, y in global_batches()]
+    return {"losses": torch.stack(losses), "state": full_state(model, optim, None)}
+
+
+def test_fully_shard_weight_norm_one_row_a_rank_on_gloo() -> None:
+    """The first step failed in the weight norm's backward ("saved_v must be contiguous"):
+    the bucketed gather handed it a strided view of the bucket."""
+    results = sc.launch(weight_norm_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
+    model = make_weight_normed_model()
+    optim = OPTIMIZERS["adamw"](model)
+    losses = [train_step(model, optim, x, y % 2).detach().clone() for x, y in global_batches()]
+    expected = full_state(model, optim, None)
+    for rank, result in enumerate(results):
+        errors = {"losses": relative_difference(result["losses"], torch.stack(losses))}
+        errors.update({k: relative_difference(result["state"][k], v) for k, v in expected.items()})
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < TOLERANCE, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+
+
 def failing_worker(rank: int, world_size: int) -> None:
     """Rank 1 raises; rank 0 waits in a collective that will never complete."""
     if rank == 1:

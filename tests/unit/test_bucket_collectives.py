@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from collective_pass_harness import TOL, DataParallelWithPasses, ops, train
+from collective_pass_harness import TOL, DataParallelWithPasses, mlp_setup, ops, train
 
 from spmd_compiler.ir.collectives import collective_stats
 from spmd_compiler.passes import PassOptions, run_pipeline
@@ -87,6 +87,39 @@ def test_parity(style, bucketed):
         flat = scatter.args[0]
         assert flat.args[0].target is torch.ops.aten.cat.default and flat.args[0].args[1] == 1
         assert all(r.args[1][0] == 4 for r in flat.args[0].args[0])
+
+
+def _one_row_setup():
+    """mlp_setup with a last Linear(16, 4): at 4 ranks each shard of its weight is one
+    row and of its bias one element."""
+    model, _, batches = mlp_setup()
+    torch.manual_seed(0)
+    model[3] = torch.nn.Linear(16, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    return model, optim, [(x, y % 4) for x, y in batches]
+
+
+def test_gathered_one_row_shards_stay_contiguous():
+    """Gathered, a one-row shard's columns of the bucket reshape to a strided view of the
+    buffer, not the contiguous tensor the lone all-gather made (eager's weight norm
+    backward refused it: "saved_v must be contiguous"); such a member is copied first
+    (NOTE: [bucket results stay contiguous])."""
+    run = train(DataParallelWithPasses("fully_shard", PASS), _one_row_setup)
+    assert run.max_loss_difference < TOL and run.max_state_difference < TOL
+    copies = ops(run.graph, "clone")
+    # the last weight's and bias's columns in forward's bucket, the weight's in backward's
+    assert sorted(tuple(c.meta["val"].shape) for c in copies) == [(4, 1), (4, 16), (4, 16)]
+    for copy in copies:
+        (result,) = copy.users
+        assert result.target is torch.ops.aten.reshape.default
+    results = []
+    for gather in ops(run.graph, "all_gather"):
+        ((rows,),) = [wait.users for wait in gather.users]
+        (split,) = rows.users
+        for part in split.users:
+            (result,) = part.users
+            results.append(next(iter(result.users)) if result in copies else result)
+    assert len(results) == 6 + 3 and all(r.meta["val"].is_contiguous() for r in results)
 
 
 def test_only_the_kinds_asked_for_are_bucketed():

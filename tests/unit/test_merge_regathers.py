@@ -125,6 +125,32 @@ def test_the_last_layers_regather_goes_and_training_is_exact(bucketed: bool):
     assert run.losses == without.losses  # the same values, read from forward's copies
 
 
+def _weight_normed_setup():
+    """Linear, Tanh, and a weight-normed Linear(16, 4): backward re-gathers its ``v`` (one
+    row a rank) and ``g`` (one element) in one bucket."""
+    _, _, batches = _plain_mlp_setup()
+    torch.manual_seed(0)
+    last = torch.nn.utils.parametrizations.weight_norm(nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), last)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    return model, optim, [(x, y % 4) for x, y in batches]
+
+
+def test_a_bucket_whose_members_are_copied_to_contiguous_merges():
+    """bucket_collectives copies a one-row member's columns before reshaping them (NOTE:
+    [bucket results stay contiguous]); the re-gather bucket goes with its copies."""
+    passes = ("bucket_collectives",) + PASS
+    without = train(DataParallelWithPasses("fully_shard", passes[:-1]), _weight_normed_setup)
+    run = train(DataParallelWithPasses("fully_shard", passes), _weight_normed_setup)
+    # forward: g, v, bias; backward: g, v
+    assert len(ops(without.graph, "clone")) == 5
+    assert collective_stats(without.step.last_program.graph_module).counts["all_gather"] == 2
+    assert len(ops(run.graph, "clone")) == 3
+    assert collective_stats(run.step.last_program.graph_module).counts["all_gather"] == 1
+    assert run.max_loss_difference < TOL and run.max_state_difference < TOL
+    assert run.losses == without.losses
+
+
 def test_a_norm_whose_gap_holds_the_peak_is_gathered_again():
     # mlp_setup's LayerNorm sits early: its weight and bias would be alive at the loss,
     # where this program peaks; the last Linear's weight goes
