@@ -144,6 +144,7 @@ from .python_scalars import (
     FloatArgumentUsedInPython,
     GroupNumbers,
     group_numbers_paused,
+    is_float_argument,
 )
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
@@ -716,7 +717,7 @@ def _capture_step(
     func: Callable[..., Any], bindings: StepBindings, input_metas: list[TensorMeta],
     options: CaptureOptions, decisions: tuple[tuple[bool, str], ...], make_state: bool,
 ) -> CapturedStep:
-    floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
+    floats = tuple(i for i, a in enumerate(bindings.flat_args) if is_float_argument(a))
     while floats:
         try:
             return _capture(func, bindings, input_metas, options, floats, decisions, make_state)
@@ -934,7 +935,11 @@ def _trace_first(
     options: CaptureOptions,
     floats: tuple[int, ...],
     decisions: tuple[tuple[bool, str], ...],
+    plain: frozenset[int] = frozenset(),
 ) -> _FirstTrace:
+    """One trace of the step (with its value checks' ways); ``plain``: float arguments
+    of ``floats`` the step gets as the Python floats, their inputs left unread (NOTE:
+    [float arguments the program does not read])."""
     code, where = step_code(func), step_where(func)
     check_supported_optimizers(bindings.optimizers, where)
     check_plain_modules(bindings.modules, where)
@@ -958,6 +963,7 @@ def _trace_first(
         fakes = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
                  for ref, meta in inputs]
         tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
+        tracer.plain = plain
         rewound: list[str] = []  # NOTE: [a step's own fork_rng]
         with (
             _module_scopes(bindings.module_fqns) as stack,
@@ -1106,7 +1112,7 @@ def _trace_first(
             else _VALUES_READ_HINT if _VALUES_READ in str(exc)
             else _NUMPY_HINT if _NUMPY in str(exc) else None,
         ) from exc
-    _check_float_arguments_read(first, [r for r, _ in inputs])
+    unread = _unread_float_arguments(first, [r for r, _ in inputs]) - plain
     _drop_refused_value_reads(first)
     _annotate_user_lines(first, code)
     refuse_mixed_dtype_operands(first)  # NOTE: [operands of one dtype]
@@ -1119,7 +1125,12 @@ def _trace_first(
         scheduler_steps = tracer.schedulers.steps()
         tracer.schedulers.check_reads(code)
         _refuse_schedules_of_settings(scheduler_steps, bindings)
-    return _FirstTrace(first, tracer, inputs, fake_mode, code, outside, scheduler_steps)
+    found = _FirstTrace(first, tracer, inputs, fake_mode, code, outside, scheduler_steps)
+    if not unread or plain:  # a plain trace is compared by the trace that asked for it
+        return found
+    return _plain_if_the_same(found, unread, functools.partial(
+        _trace_first, func, bindings, input_metas, options, floats, decisions, unread,
+    ))
 
 
 def _refuse_schedules_of_settings(steps: list[SchedulerStep], bindings: StepBindings) -> None:
@@ -1430,12 +1441,72 @@ def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: 
             )
 
 
-def _check_float_arguments_read(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:
-    """A float argument the program does not read may have steered Python (a type test):
-    it must be a guarded constant instead (NOTE: [float arguments as graph inputs])."""
-    for node, ref in zip(placeholders(gm), refs, strict=True):
-        if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0 and not node.users:
-            raise FloatArgumentUsedInPython(f"argument {ref.index} is not read by the program")
+# NOTE: [float arguments the program does not read]
+# A float argument the trace with tensor stand-ins (NOTE: [float arguments as graph
+# inputs]) leaves unread (an unused ``lr_for_logging``, ``w if use_w else 1.0`` with
+# ``use_w`` False) was a guard, so every new value compiled a new program for nothing
+# (measured: 5 compiles in 5 calls, each capture traced twice). Its value steered nothing
+# the stand-in could see: every read of it in Python (``if w > 0``, ``float(w)``,
+# ``math.exp(w)``, a format string, returning it) is a torch call on the stand-in, which
+# fails the stand-in trace (the float then stays a guard). What that trace cannot see is
+# a test of its type or identity (``isinstance(w, float)`` is False for a tensor), which
+# may send it down another path than eager's, one that does not read it. So the step is
+# traced once more with those floats as the Python floats (their inputs kept, unread): where
+# that trace is the same program (ops, constants, returns, checks: ``graphs_differ``), the
+# value steered nothing on the path eager takes, the floats stay graph inputs the program
+# does not read (a new value compiles nothing; their type is still keyed, as every graph
+# input's), and the capture goes on with the plain trace. Where it differs (``scale = w if
+# isinstance(w, float) else 1.0``), the floats are guards, as before. Not seen: a type
+# test whose branch reads the value into the same program at this value only (``if
+# isinstance(w, float) and w > 0.5`` called first with 0.3), as for a float the program
+# reads (README, Limitations).
+
+
+def _unread_float_arguments(gm: torch.fx.GraphModule, refs: list[StateRef]) -> frozenset[int]:
+    """The float arguments whose inputs the program does not read (NOTE: [float
+    arguments the program does not read])."""
+    return frozenset(
+        ref.index for node, ref in zip(placeholders(gm), refs, strict=True)
+        if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0 and not node.users
+    )
+
+
+def _plain_if_the_same(
+    stand_in: _FirstTrace, unread: frozenset[int], trace_plain: Callable[[], _FirstTrace]
+) -> _FirstTrace:
+    """The trace with the ``unread`` floats as Python floats where it is ``stand_in``'s
+    program; else raises FloatArgumentUsedInPython for them (NOTE: [float arguments the
+    program does not read])."""
+    named = ", ".join(str(i) for i in sorted(unread))
+    try:
+        plain = trace_plain()
+    except CycledValueUsed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - captured again with them as guards
+        raise FloatArgumentUsedInPython(
+            f"arguments {named} are not read by the program, and the trace with their "
+            f"values failed ({exception_summary(exc)})", unread,
+        ) from exc
+    reason = initial_state.graphs_differ(stand_in.graph, plain.graph)
+    if reason is None and not _same_records(stand_in, plain):
+        reason = "other returns, checks or kept values"
+    if reason is not None:
+        raise FloatArgumentUsedInPython(
+            f"arguments {named} are not read by the program, but the trace with their values "
+            f"differs ({reason})", unread,
+        )
+    log.info("%s does not read float arguments %s: graph inputs it leaves unread", step_name(plain.tracer.func), named)
+    return plain
+
+
+def _same_records(a: _FirstTrace, b: _FirstTrace) -> bool:
+    """Whether two traces recorded the same returns, checks, kept values and schedules."""
+    def records(t: _FirstTrace) -> tuple[Any, ...]:
+        return (*t.side(), t.tracer.checks, t.tracer.kept, t.tracer.rewound_generators)
+    try:
+        return bool(records(a) == records(b))
+    except Exception:  # noqa: BLE001 - what cannot be compared is not the same
+        return False
 
 
 # What to write instead of an op whose output shape depends on values (by op name).
@@ -1520,6 +1591,9 @@ class _StepTracer:
         self.func, self.bindings, self.refs, self.options = func, bindings, refs, options
         self.code = step_code(func)
         self.floats = FloatArgumentMode([])
+        # float arguments traced as the Python floats (NOTE: [float arguments the program
+        # does not read])
+        self.plain: frozenset[int] = frozenset()
         self.group_numbers = GroupNumbers([])  # NOTE: [optimizer settings read in the step]
         # the Python values this trace wrote (NOTE: [a step that changes what it reads])
         self.written: list[tuple[dict, Any, Any]] = []
@@ -1562,7 +1636,7 @@ class _StepTracer:
         for r, v in values.items():
             if r.kind is Kind.INPUT:
                 traced_args[positions[r.index]] = v
-            elif r.kind is Kind.HYPERPARAM and r.optimizer < 0:
+            elif r.kind is Kind.HYPERPARAM and r.optimizer < 0 and r.index not in self.plain:
                 traced_args[r.index] = v
                 stand_ins.append(v)
                 stand_in_indices.append(r.index)
@@ -1639,7 +1713,11 @@ class _StepTracer:
         outs: list[torch.Tensor] = []
         for leaf in leaves:
             number = self.group_numbers.returned(leaf)
-            if self.floats.is_stand_in(leaf) and id(leaf) in self.floats.index_of:
+            index = self.floats.index_of.get(id(leaf)) if self.floats.is_stand_in(leaf) else None
+            if index is not None and type(self.bindings.flat_args[index]) is not float:
+                # a NumPy float64 would come back a float
+                raise FloatArgumentUsedInPython("the step returns a NumPy float64 argument", frozenset({index}))
+            if index is not None:
                 # a float argument returned as it is: the number eager returns
                 # (NOTE: [float arguments as graph inputs])
                 self.return_leaves.append(("item", len(outs)))
