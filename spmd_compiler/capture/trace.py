@@ -167,6 +167,7 @@ from .value_checks import (
     choose,
     describe_raise,
 )
+from .watched_floats import WatchedReads
 
 log = logging.getLogger("spmd_compiler")
 
@@ -936,10 +937,11 @@ def _trace_first(
     floats: tuple[int, ...],
     decisions: tuple[tuple[bool, str], ...],
     plain: frozenset[int] = frozenset(),
+    watched: WatchedReads | None = None,
 ) -> _FirstTrace:
     """One trace of the step (with its value checks' ways); ``plain``: float arguments
-    of ``floats`` the step gets as the Python floats, their inputs left unread (NOTE:
-    [float arguments the program does not read])."""
+    of ``floats`` the step gets as the Python floats, their inputs left unread, and
+    ``watched`` records their reads (NOTE: [float arguments the program does not read])."""
     code, where = step_code(func), step_where(func)
     check_supported_optimizers(bindings.optimizers, where)
     check_plain_modules(bindings.modules, where)
@@ -963,7 +965,7 @@ def _trace_first(
         fakes = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
                  for ref, meta in inputs]
         tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
-        tracer.plain = plain
+        tracer.plain, tracer.watched = plain, watched
         rewound: list[str] = []  # NOTE: [a step's own fork_rng]
         with (
             _module_scopes(bindings.module_fqns) as stack,
@@ -1451,15 +1453,19 @@ def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: 
 # fails the stand-in trace (the float then stays a guard). What that trace cannot see is
 # a test of its type or identity (``isinstance(w, float)`` is False for a tensor), which
 # may send it down another path than eager's, one that does not read it. So the step is
-# traced once more with those floats as the Python floats (their inputs kept, unread): where
-# that trace is the same program (ops, constants, returns, checks: ``graphs_differ``), the
-# value steered nothing on the path eager takes, the floats stay graph inputs the program
-# does not read (a new value compiles nothing; their type is still keyed, as every graph
-# input's), and the capture goes on with the plain trace. Where it differs (``scale = w if
-# isinstance(w, float) else 1.0``), the floats are guards, as before. Not seen: a type
-# test whose branch reads the value into the same program at this value only (``if
-# isinstance(w, float) and w > 0.5`` called first with 0.3), as for a float the program
-# reads (README, Limitations).
+# traced twice more, their inputs kept, unread: with those floats as ``Watched`` floats
+# (``watched_floats.py``: float subclasses that record every read of their value in Python
+# or by a torch call; ``if isinstance(w, float) and w != 1.0: loss = loss * w`` called
+# first with 1.0 is the stand-in's program, but reads it), then, last, as the Python
+# floats, whose trace must be the stand-in's program (ops, constants, returns, checks:
+# ``graphs_differ``; it catches ``if type(w) is float: loss = loss * 2``, which a float
+# subclass fails too). Where nothing read them and the programs are the same, the floats
+# stay graph inputs the program does not read (a new value compiles nothing; their type
+# is still keyed, as every graph input's), and the capture goes on with the plain trace;
+# else they are guards, as before (measured: ``loss * w`` after the 1.0 test ran every
+# later value as 1.0, loss 1.0 relative off, without the watched trace). Not seen: an
+# exact type test whose branch reads the value by a C function (``type(w) is float and
+# math.exp(w) > 2``) into the same program at the first value only.
 
 
 def _unread_float_arguments(gm: torch.fx.GraphModule, refs: list[StateRef]) -> frozenset[int]:
@@ -1472,14 +1478,16 @@ def _unread_float_arguments(gm: torch.fx.GraphModule, refs: list[StateRef]) -> f
 
 
 def _plain_if_the_same(
-    stand_in: _FirstTrace, unread: frozenset[int], trace_plain: Callable[[], _FirstTrace]
+    stand_in: _FirstTrace, unread: frozenset[int], trace_plain: Callable[..., _FirstTrace]
 ) -> _FirstTrace:
     """The trace with the ``unread`` floats as Python floats where it is ``stand_in``'s
     program; else raises FloatArgumentUsedInPython for them (NOTE: [float arguments the
     program does not read])."""
     named = ", ".join(str(i) for i in sorted(unread))
+    watched = WatchedReads()
     try:
-        plain = trace_plain()
+        trace_plain(watched)  # the floats as floats that record their reads
+        plain = trace_plain()  # last: the capture goes on with this trace's records
     except CycledValueUsed:
         raise
     except Exception as exc:  # noqa: BLE001 - captured again with them as guards
@@ -1487,13 +1495,14 @@ def _plain_if_the_same(
             f"arguments {named} are not read by the program, and the trace with their "
             f"values failed ({exception_summary(exc)})", unread,
         ) from exc
-    reason = initial_state.graphs_differ(stand_in.graph, plain.graph)
+    reason = f"it reads them: {', '.join(dict.fromkeys(watched.reads))}" if watched.reads else None
+    reason = reason or initial_state.graphs_differ(stand_in.graph, plain.graph)
     if reason is None and not _same_records(stand_in, plain):
         reason = "other returns, checks or kept values"
     if reason is not None:
         raise FloatArgumentUsedInPython(
             f"arguments {named} are not read by the program, but the trace with their values "
-            f"differs ({reason})", unread,
+            f"is another ({reason})", unread,
         )
     log.info("%s does not read float arguments %s: graph inputs it leaves unread", step_name(plain.tracer.func), named)
     return plain
@@ -1594,6 +1603,7 @@ class _StepTracer:
         # float arguments traced as the Python floats (NOTE: [float arguments the program
         # does not read])
         self.plain: frozenset[int] = frozenset()
+        self.watched: WatchedReads | None = None
         self.group_numbers = GroupNumbers([])  # NOTE: [optimizer settings read in the step]
         # the Python values this trace wrote (NOTE: [a step that changes what it reads])
         self.written: list[tuple[dict, Any, Any]] = []
@@ -1636,7 +1646,10 @@ class _StepTracer:
         for r, v in values.items():
             if r.kind is Kind.INPUT:
                 traced_args[positions[r.index]] = v
-            elif r.kind is Kind.HYPERPARAM and r.optimizer < 0 and r.index not in self.plain:
+            elif r.kind is Kind.HYPERPARAM and r.optimizer < 0 and r.index in self.plain:
+                if self.watched is not None:
+                    traced_args[r.index] = self.watched.watch(traced_args[r.index])
+            elif r.kind is Kind.HYPERPARAM and r.optimizer < 0:
                 traced_args[r.index] = v
                 stand_ins.append(v)
                 stand_in_indices.append(r.index)
@@ -1675,6 +1688,8 @@ class _StepTracer:
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(checks_on_items())
             stack.enter_context(self.branches)
+            if self.watched is not None:
+                stack.enter_context(self.watched)
             real_inputs = [t for _, t in b.tensor_args()]
             # NOTE: [selections by a mask of the batch], NOTE: [rows of one count]
             stack.enter_context(mask_selections(self.refs, real_inputs.__getitem__))

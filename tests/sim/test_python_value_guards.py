@@ -544,6 +544,16 @@ def _type_tested_step(model, optim, x, y, w):
     return loss
 
 
+def _skipped_at_one_step(model, optim, x, y, w):
+    loss = F.cross_entropy(model(x), y)
+    if isinstance(w, float) and w != 1.0:  # at 1.0 the same program as a tensor's way
+        loss = loss * w
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def _type_branch_step(model, optim, x, y, w):
     loss = F.cross_entropy(model(x), y)
     if type(w) is float:  # does not read the value, but eager takes this way
@@ -554,19 +564,23 @@ def _type_branch_step(model, optim, x, y, w):
     return loss
 
 
-@pytest.mark.parametrize("step", [_type_tested_step, _type_branch_step], ids=["reads-after", "type-branch"])
+@pytest.mark.parametrize(
+    "step", [_type_tested_step, _skipped_at_one_step, _type_branch_step],
+    ids=["reads-after", "skipped-at-one", "type-branch"],
+)
 def test_a_float_argument_a_type_test_sends_another_way_stays_a_guard(
     run_parity, classification_batches, step
 ):
     """A float the trace with a tensor stand-in leaves unread because a type test sent
     that trace another way than eager's: the trace with the Python float is another
-    program, so the float stays a guard (NOTE: [float arguments the program does not
-    read]) and every call matches eager."""
-    scales = [0.5, 0.5, 2.0, 3.0]
+    program, or the same one at the first value (1.0) but reading the value (the trace
+    with a float that records its reads sees it), so the float stays a guard (NOTE:
+    [float arguments the program does not read]) and every call matches eager."""
+    scales = [1.0, 1.0, 0.5, 2.0]
     batches = _with_scales(classification_batches(4, dtype=torch.float64), scales)
     result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=step)
     result.assert_close(1e-12)
-    assert result.compile_counts[-1] == 4  # 0.5: state-creating + steady; 2.0, 3.0: one each
+    assert result.compile_counts[-1] == 4  # 1.0: state-creating + steady; 0.5, 2.0: one each
 
 
 
