@@ -36,6 +36,7 @@ from .capture.guards import Guards, build_guards
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
+from .capture.python_scalars import is_float_argument
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import Change, SPMDCompileError, innermost_model_frame_of_stack, mesh_of_another_size
@@ -179,9 +180,12 @@ def _buffer_metas(static: tuple) -> dict[str, tuple[tuple[int, ...], torch.dtype
 
 
 def _is_float_repr(text: str | None) -> bool:
-    """Whether a guard's value text is a Python float's repr (``0.3``, ``1e-05``, ``inf``)."""
+    """Whether a guard's value text is a Python float's repr (``0.3``, ``1e-05``, ``inf``)
+    or a NumPy float64's (``np.float64(0.3)``)."""
     if text is None:
         return False
+    if text.startswith("np.float64(") and text.endswith(")"):
+        text = text[len("np.float64("):-1]
     try:
         float(text)
     except ValueError:
@@ -258,6 +262,8 @@ class CompiledTrainStep:
         self._last: StepExecutable | None = None  # what the latest call ran
         self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles its new values caused
         self._guard_values: dict[str, set[str | None]] = {}  # guarded value -> the values it had
+        # the change this call recompiles for, counted once it compiled (_count_recompile)
+        self._recompiling: tuple[Change, bool] | None = None
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
@@ -424,7 +430,7 @@ class CompiledTrainStep:
                     self._shares_compared = True
                 paths = self._argument_paths(bindings)
                 scalars = [(paths[i], a) for i, a in enumerate(bindings.flat_args)
-                           if type(a) in (bool, int, float, str)]
+                           if type(a) in (bool, int, float, str) or is_float_argument(a)]
                 agreement = InputAgreement(tensor_args, passed_whole, scalars, step)
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
@@ -451,6 +457,7 @@ class CompiledTrainStep:
             tuple(input_metas), bindings.static_key(), (sim is not None, mesh.size()), torch.is_grad_enabled(),
             torch.get_default_dtype(), ambient,
         )
+        self._recompiling = None  # a refused call's, never counted
         executable = self._cached_executable(key, bindings)
         if executable is not None and torch.is_anomaly_enabled():  # NOTE: [anomaly detection at capture]
             graph = executable.program.captured.graph_module.graph
@@ -469,6 +476,7 @@ class CompiledTrainStep:
             if agreement is not None:
                 agreement.before_compile()
             executable, key = self._compile(key, bindings, input_metas, mesh)
+            self._count_recompile()
             self._last_key = key
             made = executable.program.captured.made_state
         if self._last is not None and self._last is not executable:
@@ -627,7 +635,7 @@ class CompiledTrainStep:
         return None
 
     def _note_recompile(self, change: Change) -> None:
-        """Log why this call compiles again; warn when one value keeps causing it."""
+        """Log why this call compiles again (``_count_recompile`` counts it once it did)."""
         what, was, now = change.what, change.was, change.now
         # NOTE: [strings that differ per sample]: a string argument that changes (a file
         # name of the batch) is warned about at its second new value, with the advice
@@ -635,6 +643,16 @@ class CompiledTrainStep:
                    and per_sample_path(what.removeprefix("argument ").removesuffix(" of the step")))
         log.info("recompiling %s: %s%s", self._name, change, " (a string that changes from call to "
                  "call looks like per-sample metadata: pass the step only what it reads)" if strings else "")
+        # counted once the call compiled: a refused call (a batch the world size does not
+        # divide) compiles nothing; before, it counted toward the warning
+        self._recompiling = (change, bool(strings))
+
+    def _count_recompile(self) -> None:
+        """Count the change the call compiled for; warn when one value keeps causing it."""
+        if self._recompiling is None:
+            return
+        (change, strings), self._recompiling = self._recompiling, None
+        what, was, now = change.what, change.was, change.now
         # only a value not seen before counts: a flag that alternates (accumulate, then
         # step) compiles a program per value and the optimizer's first step, not per call
         seen = self._guard_values.setdefault(what, {was})
@@ -656,6 +674,11 @@ class CompiledTrainStep:
                         "momentum where the step reads it only in optimizer.step()) is a graph "
                         "input; keep the other optimizer settings fixed (a scheduler cycling "
                         "momentum or betas: OneCycleLR / CyclicLR(cycle_momentum=False))")
+            elif what.startswith("argument ") and all(v.startswith(("np.float32(", "np.float16(")) for v in (was or "", now or "")):
+                # NOTE: [float arguments as graph inputs]: not a float subclass
+                hint = ("it is a NumPy float32 / float16, whose arithmetic rounds to its own "
+                        "precision, so each value is a setting of the program; pass `float(value)` "
+                        "(a float the step uses only in tensor ops is a graph input and compiles once)")
             elif what.startswith("argument ") and _is_float_repr(was) and _is_float_repr(now):
                 # a float argument is a graph input unless the step reads it in Python
                 # (NOTE: [float arguments as graph inputs]): a tensor there is read too

@@ -5,16 +5,22 @@ A Python ``float`` argument of the train step (a loss weight, a temperature, a
 schedule value) that changes every call would compile a new program every call if it
 were a guard. Capture first tries it as a graph input: a 0-dim float64 tensor in place
 of the float. The rule that keeps this exact:
-- Only ``float`` arguments (``type(a) is float``). ``int`` and ``bool`` arguments stay
-  guards: they usually steer shapes, indices, loop counts and branches.
+- Only ``float`` and NumPy ``float64`` arguments (``is_float_argument``: a float64 is a
+  float subclass whose arithmetic is float's; a NumPy cosine schedule returns one, and
+  each value compiled a program). ``int`` and ``bool`` arguments stay guards: they
+  usually steer shapes, indices, loop counts and branches; so do other NumPy scalars
+  (``np.float32`` rounds its arithmetic to 32 bits, which a float64 stand-in would not).
+  A ``float64`` returned as itself stays a guard (the program gives back a ``float``).
 - The float must be used numerically only, in tensor ops. Anything Python does with
   the value itself (``if scale > 0``, ``float(scale)``, ``math.exp(scale)``, ``range``,
   a Scalar argument such as ``F.dropout(x, p)`` or ``full_like(x, scale)``, returning
   a number computed from it, storing it) fails the tensor trace, and the step is
   captured again with the float as a guard (a new value recompiles, which is then exact
-  by construction). A float the traced program does not read at all (used only through
-  a type test, say) is a guard too. The float itself returned (``{"scale": scale}``)
-  comes back from the program as the Python float, as a returned ``.item()`` does
+  by construction). A float the traced program does not read at all is an input it
+  leaves unread where the trace with the float itself is the same program, else a
+  guard (NOTE: [float arguments the program does not read]). The float itself
+  returned (``{"scale": scale}``) comes back from the program as the Python float, as a
+  returned ``.item()`` does
   (NOTE: [returned .item() values]; before, a guard: a program per value).
 - Type promotion and rounding are the ones a Python number gets: where the tensor
   stand-in meets other tensors in an op, it is cast first to the dtype the op computes
@@ -37,6 +43,13 @@ from .._torch_private import pytree
 from ..errors import innermost_model_frame_of_stack
 
 _REDUCED = (torch.float16, torch.bfloat16)
+
+
+def is_float_argument(value: Any) -> bool:
+    """A float argument that may be a graph input (see the NOTE): a ``float`` or a NumPy
+    ``float64``, told apart without importing NumPy."""
+    cls = type(value)
+    return cls is float or (cls.__name__ == "float64" and cls.__module__ == "numpy")
 
 
 class FloatArgumentUsedInPython(Exception):

@@ -456,6 +456,134 @@ def test_a_float_a_torch_function_takes_leaves_the_others_graph_inputs(run_parit
     assert [str(r) for r in refs if r.kind is Kind.HYPERPARAM and r.optimizer < 0] == ["float argument 4"]
 
 
+def _double_mlp() -> nn.Module:
+    return _mlp().double()
+
+
+def _unread_step(model, optim, x, y, lr_for_logging):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _untaken_branch_step(model, optim, x, y, w, use_w=False):
+    loss = F.cross_entropy(model(x), y) * (w if use_w else 1.0)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("step", [_unread_step, _untaken_branch_step], ids=["unused", "untaken-branch"])
+def test_a_float_argument_the_step_does_not_read_compiles_once(run_parity, classification_batches, step):
+    """NOTE: [float arguments the program does not read]: a float the step never reads
+    (or reads only in a branch a bool argument skips) is an input the program leaves
+    unread. Before, it was a guard: a program per value (5 compiles in 5 calls), each
+    call's capture traced twice, and the recompile warning said the step read it in
+    Python."""
+    scales = [0.1, 0.2, 0.3, 0.4, 0.5]
+    batches = _with_scales(classification_batches(5, dtype=torch.float64), scales)
+    result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=step)
+    result.assert_close(1e-12)
+    assert result.compile_counts == [1, 2, 2, 2, 2]  # state-creating + steady, never again
+
+
+def test_a_numpy_float64_argument_is_a_graph_input(run_parity, classification_batches):
+    """A NumPy float64 (what a NumPy cosine schedule gives) is a float subclass with
+    float's arithmetic: a graph input like a float (NOTE: [float arguments as graph
+    inputs]). Before, a guard: 5 compiles in 5 calls where ``float(w)`` compiled once."""
+    np = pytest.importorskip("numpy")
+    scales = [np.float64(0.5 * (1 + np.cos(np.pi * i / 5))) for i in range(5)]
+    batches = _with_scales(classification_batches(5, dtype=torch.float64), scales)
+    result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=scaled_step)
+    result.assert_close(1e-12)
+    assert result.compile_counts == [1, 2, 2, 2, 2]
+
+
+def test_a_numpy_float64_returned_as_itself_stays_eagers_type():
+    """A float64 argument returned as itself comes back a float64, as eager's (the
+    program's number would be a float): it stays a guard."""
+    np = pytest.importorskip("numpy")
+
+    def step(model, optim, x, y, w):
+        loss = F.cross_entropy(model(x), y) * w
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return {"loss": loss, "w": w}
+
+    torch.manual_seed(0)
+    model = _double_mlp()
+    compiled = sc.compile()(step)
+    with sc.simulate(2):
+        for w in (0.5, 0.25):
+            x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+            out = compiled(model, sgd_momentum(model), x, y, np.float64(w))
+            assert type(out["w"]) is np.float64 and out["w"] == w
+
+
+def test_a_numpy_float32_argument_stays_a_guard(run_parity, classification_batches):
+    """A NumPy float32 is no float subclass and rounds its arithmetic to 32 bits: a
+    guard, a program per value, each as eager."""
+    np = pytest.importorskip("numpy")
+    scales = [np.float32(0.1), np.float32(0.1), np.float32(0.3)]
+    batches = _with_scales(classification_batches(3, dtype=torch.float64), scales)
+    result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=scaled_step)
+    result.assert_close(1e-12)
+    assert result.compile_counts == [1, 2, 3]
+
+
+def _type_tested_step(model, optim, x, y, w):
+    scale = w if isinstance(w, float) else 1.0  # a stand-in tensor takes the other way
+    loss = F.cross_entropy(model(x), y) * scale
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _skipped_at_one_step(model, optim, x, y, w):
+    loss = F.cross_entropy(model(x), y)
+    if isinstance(w, float) and w != 1.0:  # at 1.0 the same program as a tensor's way
+        loss = loss * w
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _type_branch_step(model, optim, x, y, w):
+    loss = F.cross_entropy(model(x), y)
+    if type(w) is float:  # does not read the value, but eager takes this way
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize(
+    "step", [_type_tested_step, _skipped_at_one_step, _type_branch_step],
+    ids=["reads-after", "skipped-at-one", "type-branch"],
+)
+def test_a_float_argument_a_type_test_sends_another_way_stays_a_guard(
+    run_parity, classification_batches, step
+):
+    """A float the trace with a tensor stand-in leaves unread because a type test sent
+    that trace another way than eager's: the trace with the Python float is another
+    program, or the same one at the first value (1.0) but reading the value (the trace
+    with a float that records its reads sees it), so the float stays a guard (NOTE:
+    [float arguments the program does not read]) and every call matches eager."""
+    scales = [1.0, 1.0, 0.5, 2.0]
+    batches = _with_scales(classification_batches(4, dtype=torch.float64), scales)
+    result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=step)
+    result.assert_close(1e-12)
+    assert result.compile_counts[-1] == 4  # 1.0: state-creating + steady; 0.5, 2.0: one each
+
+
+
 # ---------------------------------------------------------------- Python side effects
 
 

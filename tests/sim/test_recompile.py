@@ -97,6 +97,37 @@ def test_new_batch_size_recompiles_and_matches(
     assert shapes == [(8, 8), (8, 8), (16, 8), (4, 8)]
 
 
+def test_refused_calls_do_not_count_toward_the_recompile_warning(classification_batches, caplog):
+    """A call refused before it compiles (a batch the world size does not divide)
+    compiles nothing, so it does not count toward "changed on 3 calls ... each new value
+    compiles a new program". Before, it did: batches 8, 8, 4, 6, 5 at world size 4 (6
+    and 5 refused) warned at the 5th call after one recompile."""
+    torch.manual_seed(0)
+    model = TrainEvalNet()
+    optimizer = sgd_momentum(model)
+    compiled = sc.compile()(_train_step)
+    refused = 0
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(4):
+        for i, n in enumerate([8, 8, 4, 6, 5, 10]):
+            x, y = classification_batches(1, batch_size=n, seed=i)[0]
+            try:
+                compiled(model, optimizer, x, y)
+            except sc.SPMDCompileError as exc:
+                assert "not divisible by the 4 ranks" in str(exc)
+                refused += 1
+    assert refused == 3
+    assert compiled.compile_count == 3  # 8: state-creating + steady; 4: new
+    assert not [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def _train_step(model, optimizer, x, y):
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_train_eval_switch_recompiles_and_matches(run_parity, classification_batches, world_size):
     modes = [True, True, False, False, True, False]
