@@ -32,7 +32,7 @@ from .capture.bindings import (
     tensor_argument_names,
 )
 from .capture.code_names import step_function, step_name, step_where
-from .capture.guards import Guards, build_guards
+from .capture.guards import Guards, argument_labels, build_guards
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
@@ -250,6 +250,8 @@ class CompiledTrainStep:
         self._last: StepExecutable | None = None  # what the latest call ran
         self._guard_misses: dict[str, int] = {}  # guarded value -> recompiles its new values caused
         self._guard_values: dict[str, set[str | None]] = {}  # guarded value -> the values it had
+        # a float argument's guard -> the op that read it (CapturedStep.floats_read)
+        self._floats_read: dict[str, str] = {}
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
@@ -642,6 +644,11 @@ class CompiledTrainStep:
                         "momentum where the step reads it only in optimizer.step()) is a graph "
                         "input; keep the other optimizer settings fixed (a scheduler cycling "
                         "momentum or betas: OneCycleLR / CyclicLR(cycle_momentum=False))")
+            elif what in self._floats_read:  # NOTE: [float arguments in Scalar arguments]
+                hint = (f"{self._floats_read[what]}, so each value is a setting of the program; "
+                        "compute with the float in tensor ops instead (`x * w` as an operand; "
+                        "add / sub `alpha=`, addcmul / addcdiv `value=`, lerp's weight and "
+                        "their foreach forms take it as a graph input), or keep the value fixed")
             elif what.startswith("argument ") and _is_float_repr(was) and _is_float_repr(now):
                 # a float argument is a graph input unless the step reads it in Python
                 # (NOTE: [float arguments as graph inputs]): a tensor there is read too
@@ -796,6 +803,9 @@ class CompiledTrainStep:
                 for g in (guards, *also):
                     g.add_environment(environment)
                 capture_seconds = captured.capture_seconds
+                labels = argument_labels(self.func, bindings)
+                for i, why in captured.floats_read.items():  # NOTE: [float arguments in Scalar arguments]
+                    self._floats_read[labels[i]] = why
                 # NOTE: [SGD's momentum as a graph input]: a momentum the step used in
                 # Python became a setting; the key and the pre-capture key name it then
                 rekeyed = bindings.optimizer_settings() != settings
