@@ -32,7 +32,7 @@ from .capture.bindings import (
     tensor_argument_names,
 )
 from .capture.code_names import step_function, step_name, step_where
-from .capture.guards import Guards, build_guards
+from .capture.guards import Guards, argument_labels, build_guards
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
@@ -264,6 +264,8 @@ class CompiledTrainStep:
         self._guard_values: dict[str, set[str | None]] = {}  # guarded value -> the values it had
         # the change this call recompiles for, counted once it compiled (_count_recompile)
         self._recompiling: tuple[Change, bool] | None = None
+        # a float argument's guard -> the op that read it (CapturedStep.floats_read)
+        self._floats_read: dict[str, str] = {}
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
@@ -679,6 +681,11 @@ class CompiledTrainStep:
                 hint = ("it is a NumPy float32 / float16, whose arithmetic rounds to its own "
                         "precision, so each value is a setting of the program; pass `float(value)` "
                         "(a float the step uses only in tensor ops is a graph input and compiles once)")
+            elif what in self._floats_read:  # NOTE: [float arguments in Scalar arguments]
+                hint = (f"{self._floats_read[what]}, so each value is a setting of the program; "
+                        "compute with the float in tensor ops instead (`x * w` as an operand; "
+                        "add / sub `alpha=`, addcmul / addcdiv `value=`, lerp's weight and "
+                        "their foreach forms take it as a graph input), or keep the value fixed")
             elif what.startswith("argument ") and _is_float_repr(was) and _is_float_repr(now):
                 # a float argument is a graph input unless the step reads it in Python
                 # (NOTE: [float arguments as graph inputs]): a tensor there is read too
@@ -864,6 +871,9 @@ class CompiledTrainStep:
                 for g in (guards, *also):
                     g.add_environment(environment)
                 capture_seconds = captured.capture_seconds
+                labels = argument_labels(self.func, bindings)
+                for i, why in captured.floats_read.items():  # NOTE: [float arguments in Scalar arguments]
+                    self._floats_read[labels[i]] = why
                 # NOTE: [SGD's momentum as a graph input]: a momentum the step used in
                 # Python became a setting; the key and the pre-capture key name it then
                 rekeyed = bindings.optimizer_settings() != settings

@@ -789,7 +789,7 @@ def is_scalar(value: Any) -> bool:
     return False
 
 
-def _argument_labels(func: Any, bindings: StepBindings) -> list[str]:
+def argument_labels(func: Any, bindings: StepBindings) -> list[str]:
     """How a guard names each of ``bindings.flat_args``: by the step's own name for it
     (``argument max_norm of the step``, ``argument batch['lr'] of the step``), which a
     recompile warning repeats; by position where the signature cannot be read."""
@@ -833,7 +833,7 @@ def build_guards(
             found = vars(opt).get(key)
             if isinstance(found, dict):
                 walker.hooks(found, f"{_hook_kind(key)} of optimizer[{oi}]")
-    labels = _argument_labels(func, bindings)
+    labels = argument_labels(func, bindings)
     for i, arg in enumerate(bindings.flat_args):
         if isinstance(arg, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
             continue

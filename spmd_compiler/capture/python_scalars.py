@@ -13,7 +13,8 @@ of the float. The rule that keeps this exact:
   A ``float64`` returned as itself stays a guard (the program gives back a ``float``).
 - The float must be used numerically only, in tensor ops. Anything Python does with
   the value itself (``if scale > 0``, ``float(scale)``, ``math.exp(scale)``, ``range``,
-  a Scalar argument such as ``F.dropout(x, p)`` or ``full_like(x, scale)``, returning
+  a Scalar argument such as ``F.dropout(x, p)`` or ``full_like(x, scale)`` but those of
+  NOTE: [float arguments in Scalar arguments], returning
   a number computed from it, storing it) fails the tensor trace, and the step is
   captured again with the float as a guard (a new value recompiles, which is then exact
   by construction). A float the traced program does not read at all is an input it
@@ -27,6 +28,24 @@ of the float. The rule that keeps this exact:
   in with a Python scalar (the other floating operands' dtype, float32 opmath for
   16-bit floats next to a non-scalar operand, the default dtype next to integer
   tensors). Arithmetic among stand-ins alone stays in float64, as Python's does.
+
+NOTE: [float arguments in Scalar arguments]
+An EMA written ``e.mul_(d).add_(p, alpha=1 - d)`` with the decay ``d`` a float argument
+gave the stand-in to ``add_``'s ``alpha``, a Scalar argument: torch's argument parser
+read its value, the trace failed, and ``d`` became a guard: a program per value (every
+call of an EMA warm-up, 0.5-1 s each on a Linear(16, 4) at 2 simulated ranks, where
+``add_(p * (1 - d))`` compiled once), with a warning blaming ``float()`` / math / an
+``if``. Such calls are now computed with the stand-in as a tensor operand, the rewrites
+of NOTE: [tensor hyper-parameters in Scalar arguments] in ``optimizers.py``: ``add`` /
+``sub`` ``alpha=`` as ``addcmul`` (eager's fused multiply-add), ``addcmul`` / ``addcdiv``
+``value=`` folded into the first operand in the op's compute dtype, ``lerp``'s weight
+applied in the compute dtype, and their foreach forms per tensor. float32 and float64
+results are eager's bit for bit; 16-bit ones are the vectorized CPU kernel's, whose
+scalar tail (the last ``numel % 32`` elements) rounds some elements differently by
+1 ulp (eager's own result depends on an element's position there). Any other op whose
+parser reads the stand-in as a number (``full_like(x, d)``, ``addmm(beta=d)``) keeps
+that float a guard, and the recompile warning names the op and the argument
+(``CapturedStep.floats_read``) instead of the generic "float() / math / an `if`".
 """
 
 from __future__ import annotations
@@ -41,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._torch_private import pytree
 from ..errors import innermost_model_frame_of_stack
+from .optimizers import _add_with_tensor_alpha, _lerp_in_compute_dtype, _scaled_operand
 
 _REDUCED = (torch.float16, torch.bfloat16)
 
@@ -57,9 +77,13 @@ class FloatArgumentUsedInPython(Exception):
     ``indices``: the positions of the arguments concerned, where known (the others stay
     graph inputs); None: every float argument becomes a guard."""
 
-    def __init__(self, message: str, indices: frozenset[int] | None = None) -> None:
+    def __init__(self, message: str, indices: frozenset[int] | None = None,
+                 op: str | None = None, argument: str | None = None) -> None:
         super().__init__(message)
         self.indices = indices
+        # the op and its Scalar argument that read the float, where one did (NOTE:
+        # [float arguments in Scalar arguments]): the recompile warning names them
+        self.op, self.argument = op, argument
 
 
 class FloatArgumentMode(TorchFunctionMode):
@@ -101,10 +125,15 @@ class FloatArgumentMode(TorchFunctionMode):
             raise FloatArgumentUsedInPython(
                 f"a float argument is passed to {func.__module__}.{func.__qualname__}",
                 None if None in known else frozenset(i for i in known if i is not None),
+                op=f"{func.__module__}.{func.__qualname__}",
             )
         others = [t for t in leaves if isinstance(t, torch.Tensor) and not self.is_stand_in(t)]
+        name = getattr(func, "__name__", "")
+        rewritten = self._scalar_argument_as_operand(func, name, args, kwargs, others)
+        if rewritten is not _NOT_REWRITTEN:
+            return rewritten
         if not others:
-            out = func(*args, **kwargs)
+            out = self._call(func, name, args, kwargs)
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point():
                     self.scalars[id(t)] = t
@@ -116,8 +145,96 @@ class FloatArgumentMode(TorchFunctionMode):
         def cast(x: Any) -> Any:
             return x.to(dtype) if self.is_stand_in(x) else x
 
-        args, kwargs = pytree.tree_map(cast, (args, kwargs))
-        return func(*args, **kwargs)
+        return self._call(func, name, *pytree.tree_map(cast, (args, kwargs)), stand_ins=(args, kwargs))
+
+    def _scalar_argument_as_operand(
+        self, func: Any, name: str, args: tuple, kwargs: dict[str, Any], others: list[torch.Tensor],
+    ) -> Any:
+        """The op computed with a stand-in given for its Scalar ``alpha=`` / ``value=`` /
+        lerp ``weight`` as a tensor operand (NOTE: [float arguments in Scalar
+        arguments]), or ``_NOT_REWRITTEN``."""
+        foreach = _FOREACH_SCALARS.get(name.removesuffix("_"))
+        if foreach is not None:
+            return self._foreach_as_operands(name, foreach, args, kwargs)
+        key = "alpha" if name in _ALPHA_OPS else "value" if name in _VALUE_OPS else None
+        if key is not None:
+            scalar = kwargs.get(key)
+            count = 2 if key == "alpha" else 3
+            if not (self.is_stand_in(scalar) and others and len(args) >= count
+                    and set(kwargs) <= {key}
+                    and all(isinstance(a, torch.Tensor) for a in args[:count])):
+                return _NOT_REWRITTEN
+            dtype = _python_scalar_dtype(others)
+            operands = [a.to(dtype) if self.is_stand_in(a) else a for a in args[:count]]
+            assert isinstance(scalar, torch.Tensor)
+            if key == "alpha":
+                return _add_with_tensor_alpha(func, operands[0], operands[1], scalar, tuple(args[2:]), {})
+            return _scaled_operand(func, operands[0], operands[1], operands[2], scalar, {})
+        if name in ("lerp", "lerp_") and len(args) == 3 and not kwargs and self.is_stand_in(args[2]) \
+                and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor) \
+                and not self.is_stand_in(args[0]) and not self.is_stand_in(args[1]):
+            # a lerp.Tensor weight must have the operands' dtype; eager's Python weight
+            # is applied in the op's compute dtype and rounded once
+            return _lerp_in_compute_dtype(func, args[0], args[1], args[2], {})
+        return _NOT_REWRITTEN
+
+    def _foreach_as_operands(self, name: str, key: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A foreach op given a stand-in for its Scalar (``torch._foreach_lerp_(emas,
+        params, 1 - d)``) as its per-tensor ops, each rewritten as above; the foreach
+        kernels compute each tensor's per-tensor arithmetic. Or ``_NOT_REWRITTEN``."""
+        n = 3 if key == "value" else 2
+        scalar = kwargs.get(key, args[n] if len(args) == n + 1 else None)
+        lists = args[:n]
+        if not (self.is_stand_in(scalar) and set(kwargs) <= {key} and len(args) in (n, n + 1)
+                and all(isinstance(a, (list, tuple)) for a in lists)
+                and len({len(a) for a in lists}) == 1
+                and all(isinstance(t, torch.Tensor) and not self.is_stand_in(t) for a in lists for t in a)):
+            return _NOT_REWRITTEN
+        in_place = name.endswith("_")
+        base = name.removeprefix("_foreach_").removesuffix("_")
+        per_tensor = getattr(torch.Tensor, base + "_") if in_place else getattr(torch, base)
+        outs = []
+        for tensors in zip(*lists, strict=True):
+            args_, kwargs_ = ((*tensors, scalar), {}) if key == "weight" else (tensors, {key: scalar})
+            outs.append(self._scalar_argument_as_operand(per_tensor, per_tensor.__name__, args_, kwargs_, list(tensors)))
+        return None if in_place else outs
+
+    def _call(self, func: Any, name: str, args: tuple, kwargs: dict[str, Any],
+              stand_ins: tuple[tuple, dict[str, Any]] | None = None) -> Any:
+        """``func(*args, **kwargs)``; where its argument parser reads the value of a
+        stand-in given for a Number (a Scalar argument, ``F``'s functions aside), the
+        float stays a guard, and the reason names the op and the argument (NOTE: [float
+        arguments in Scalar arguments])."""
+        from .traced_items import value_read_errors  # not at the top: an import cycle
+
+        try:
+            return func(*args, **kwargs)
+        except value_read_errors() as exc:
+            given_args, given_kwargs = stand_ins if stand_ins is not None else (args, kwargs)
+            slots = [
+                (f"argument {k + 1}" if isinstance(k, int) else f"{k}=", a)
+                for k, a in [*enumerate(given_args), *given_kwargs.items()] if self.is_stand_in(a)
+            ]
+            if not slots or name.startswith("__") or name in ("item", "tolist"):
+                raise  # float(d), d.item(): Python reads it, not an op's argument
+            known = [self.index_of.get(id(a)) for _, a in slots]
+            slot = " / ".join(s for s, _ in slots)
+            raise FloatArgumentUsedInPython(
+                f"a float argument is given to `{name or func}` as {slot}, which reads it as a "
+                "Python number (a Scalar argument)",
+                None if None in known else frozenset(i for i in known if i is not None),
+                op=name or str(func), argument=slot,
+            ) from exc
+
+
+_NOT_REWRITTEN = object()
+# foreach ops (without the in-place ``_``) -> their Scalar argument rewritten per tensor
+_FOREACH_SCALARS = {
+    "_foreach_add": "alpha", "_foreach_sub": "alpha", "_foreach_addcmul": "value",
+    "_foreach_addcdiv": "value", "_foreach_lerp": "weight",
+}
+_ALPHA_OPS = frozenset({"add", "add_", "sub", "sub_"})
+_VALUE_OPS = frozenset({"addcdiv", "addcdiv_", "addcmul", "addcmul_"})
 
 
 def _python_scalar_dtype(others: list[torch.Tensor]) -> torch.dtype:

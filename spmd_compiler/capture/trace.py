@@ -720,27 +720,40 @@ def _capture_step(
     options: CaptureOptions, decisions: tuple[tuple[bool, str], ...], make_state: bool,
 ) -> CapturedStep:
     floats = tuple(i for i, a in enumerate(bindings.flat_args) if is_float_argument(a))
+    read: dict[int, str] = {}  # CapturedStep.floats_read
     while floats:
         try:
-            return _capture(func, bindings, input_metas, options, floats, decisions, make_state)
+            captured = _capture(func, bindings, input_metas, options, floats, decisions, make_state)
+            captured.floats_read = read
+            return captured
         except Exception as exc:  # noqa: BLE001 - retried with the floats as constants
-            used = _float_arguments_used(exc)
+            found = _float_argument_error(exc)
+            used = found.indices if found is not None else None
             kept = tuple(i for i in floats if used is not None and i not in used)
+            if found is not None and found.op is not None:
+                for i in floats:
+                    if i not in kept:
+                        read[i] = (f"the step gives it to `{found.op}` as {found.argument}, a Scalar "
+                                   "argument it reads as a Python number" if found.argument else
+                                   f"the step gives it to `{found.op}`, which reads it in Python")
             log.info(
                 "float arguments %s of %s stay guarded constants (%s)",
                 [i for i in floats if i not in kept], func.__name__, exception_summary(exc),
             )
             floats = kept  # the others are graph inputs still
-    return _capture(func, bindings, input_metas, options, (), decisions, make_state)
+    captured = _capture(func, bindings, input_metas, options, (), decisions, make_state)
+    captured.floats_read = read
+    return captured
 
 
-def _float_arguments_used(exc: BaseException) -> frozenset[int] | None:
-    """The float arguments a failed capture with floats as inputs names as used in Python
-    (``FloatArgumentUsedInPython.indices``, through the errors that wrap it); None: all."""
+def _float_argument_error(exc: BaseException) -> FloatArgumentUsedInPython | None:
+    """The ``FloatArgumentUsedInPython`` a failed capture with floats as inputs raised,
+    through the errors that wrap it (its ``indices``: the floats used in Python, None:
+    all); None where another error failed it (every float is kept a guard)."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, FloatArgumentUsedInPython):
-            return seen.indices
+            return seen
         seen = seen.__cause__ or seen.__context__
     return None
 

@@ -15,7 +15,12 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
     other answer is the decision, and a call where the condition comes out the raising
     way raises ``SPMDRuntimeError`` naming the line and what the step raised there;
   - a branch: both answers go on. The decision is True, speculated; a call where the
-    condition comes out False runs the program of that way instead (below);
+    condition comes out False runs the program of that way instead (below). The
+    speculated program may be one no call runs: ``AveragedModel.update_parameters``
+    (``if n == 0: copy``, ``if n > 0: average``) compiles (True, True) first, then
+    (True, False) on its first call and (False, True) on its second, and again per
+    program key (AdamW's state made by the first call): 3 programs with SGD, 4 with
+    AdamW (``test_averaged_model_programs_are_counted``);
   - both answers raise: the step raises that, as eager would.
   - NOTE: [a way no program holds]: one answer leads the step to a value read no
     program can hold (a count read in Python, a value-dependent shape: what capture

@@ -189,6 +189,10 @@ class CapturedStep:
     # (``runtime.same_inputs.traced_text``), taken before the pipeline rewrites the graph
     # in place; None: not taken yet (NOTE: [the traced step as captured])
     traced_text: str | None = None
+    # why a float argument the program bakes as a setting is one, by its position in the
+    # flat arguments, where an op named it (NOTE: [float arguments in Scalar arguments]
+    # in ``capture/python_scalars.py``): the recompile warning repeats it
+    floats_read: dict[int, str] = field(default_factory=dict)
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

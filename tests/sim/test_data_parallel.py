@@ -669,6 +669,50 @@ def _average_step(model, optim, x, y, *, average=True):
     return loss
 
 
+def _average_step_grads_cleared(model, optim, x, y):
+    """``_average_step`` with ``zero_grad()`` after ``optim.step()``: no gradient left."""
+    loss = F.mse_loss(model.net(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    model.ema.update_parameters(model.net)
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize(("optimizer", "cleared", "counts"), [
+    ("sgd", True, [2, 3, 3, 3, 3]), ("sgd", False, [2, 4, 4, 4, 4]), ("adamw", True, [2, 4, 4, 4, 4]),
+])
+def test_averaged_model_programs_are_counted(mode, optimizer, cleared, counts):
+    """``AveragedModel.update_parameters`` reads its counter in two ``if``s (``n == 0``:
+    copy; ``n > 0``: average). NOTE: [value checks] compiles a branch whose ways both go
+    on as True first, so each program key the calls reach compiles the (True, True) way,
+    which no call takes, then the way its call took ("went the other way"): 2 programs a
+    key. The first call has a key of its own where it leaves the step a new one (AdamW's
+    state made, gradients left by a ``zero_grad()`` before ``backward()``): 4 programs,
+    else 3; none after the second call. The README said "a second program once" (a
+    probe measured 3 with SGD, 4 with AdamW). Equal to eager in float64 on every call."""
+    model = _WithAverage(True)
+    reference = copy.deepcopy(model)
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.1)) if optimizer == "sgd" else (  # noqa: E731
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    optim, ref_optim = make(model.net.parameters()), make(reference.net.parameters())
+    step_fn = _average_step_grads_cleared if cleared else _average_step
+    step = sc.compile(DataParallel(mode))(step_fn)
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    with sc.simulate(2) as sim:
+        for _ in counts:
+            x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+            y = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+            got, want = step(model, optim, x, y), step_fn(reference, ref_optim, x, y)
+            assert abs(got.item() - want.item()) <= 1e-12 * abs(want.item())
+            seen.append(step.compile_count)
+        diff = max_difference(compare_models(model, reference, sim), compare_optimizers(optim, ref_optim, sim))
+    assert diff < 1e-12
+    assert seen == counts
+
+
 @pytest.mark.parametrize("averaged", [False, True], ids=["by_hand", "AveragedModel"])
 def test_fully_shard_updates_an_average_of_the_weights_on_the_shards(averaged):
     """NOTE: [state updated element-wise outside forward]: an EMA of the weights after
