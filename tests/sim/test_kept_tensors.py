@@ -517,3 +517,33 @@ def test_a_hook_that_reads_back_what_it_keeps_is_refused_naming_it():
         with pytest.raises(SPMDCompileError, match=r"adaptive_clip .*\['prev'\] back on a later call"):
             step(model, optim, *batches[1])
 
+
+def test_a_refused_capture_leaves_hooks_and_lists_as_found():
+    """A step registering a hook every call is refused; before, the refused call left
+    the two hooks its captures registered on ``model.a`` (its output 1.5 ** 2 times
+    eager's afterwards). A hook's list of ``.item()`` values is left without the
+    capture's placeholders when the step is refused for another reason."""
+    model, optim, _, _ = _pair()
+    x, y = _batches(1)[0]
+    with torch.no_grad():
+        before = model(x)
+
+    def registering_step(model, optim, x, y):  # noqa: ANN001, ANN202
+        model.a.register_forward_hook(lambda m, a, o: o * 1.5)
+        return _plain_step(model, optim, x, y)
+
+    step = sc.compile(make_mode("ddp"))(registering_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="forward hooks"):
+        step(model, optim, x, y)
+    assert len(model.a._forward_hooks) == 0
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+
+    norms: list = []
+    optim.register_step_pre_hook(lambda o, a, k: norms.append(_grad_norm(o).item()))
+    history[:] = ["kept"]
+    step = sc.compile(make_mode("ddp"))(_reordering_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="global 'history'"):
+        step(model, optim, x, y)
+    assert norms == [] and history == ["kept"]
+    history.clear()
