@@ -105,12 +105,16 @@ _HOOK_DICTS = (
 _OPTIMIZER_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 
 
-@functools.cache
+
 def _optimizer_own() -> frozenset[str]:
     """What torch's ``Optimizer`` keeps on every optimizer object (its state, groups,
-    hooks), and what an LR scheduler puts there."""
+    hooks), and what an LR scheduler puts there. Made at import: a probe optimizer made
+    while the step is traced would be one the step made (its parameter a fake tensor)."""
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     return frozenset(vars(probe)) | {"step", "_opt_called"}
+
+
+_OPTIMIZER_OWN = _optimizer_own()
 
 
 def is_traced(value: Any) -> bool:
@@ -222,7 +226,7 @@ class _Holder:
             if isinstance(self.obj, torch.nn.Module):
                 return {k: v for k, v in d.items() if k not in _MODULE_OWN}
             if isinstance(self.obj, torch.optim.Optimizer):  # its state is the program's
-                return {k: v for k, v in d.items() if k not in _optimizer_own()}
+                return {k: v for k, v in d.items() if k not in _OPTIMIZER_OWN}
             return d
         return self.obj
 
