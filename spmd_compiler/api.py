@@ -33,6 +33,7 @@ from .capture.bindings import (
 )
 from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, argument_labels, build_guards
+from .capture.hooks_as_found import HooksAsFound
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
@@ -821,8 +822,13 @@ class CompiledTrainStep:
     ) -> tuple[StepExecutable, tuple]:
         # NOTE: [room on the Python stack]: no frame-stack chunk edge under the compile;
         # NOTE: [code generated once]
-        with private.lazy_graph_modules():
-            return call_with_room(self._compile_here, key, bindings, input_metas, mesh, decisions)
+        hooks = HooksAsFound(bindings)  # NOTE: [hooks a refused step registered]
+        try:
+            with private.lazy_graph_modules():
+                return call_with_room(self._compile_here, key, bindings, input_metas, mesh, decisions)
+        except BaseException:
+            hooks.put_back()
+            raise
 
     def _compile_here(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta], mesh: DeviceMesh,

@@ -15,11 +15,20 @@ before the call and compared after it:
   entries), and the dicts, lists and plain objects it holds;
 - object arguments of the step (pytree leaves that are neither tensors, modules nor
   optimizers) and what they hold;
+- each optimizer of the step (its ``__dict__`` without torch's own entries: a custom
+  optimizer's ``self.last_norm`` set in its ``step``);
 - the globals and closure cells named by the step function, by the ``forward`` of the
   modules' own classes and the methods they name, by hooks registered on the modules,
-  and by the functions those reach (as NOTE: [guards on Python values] finds them);
-  dicts, lists and plain objects among them, and what they hold,
-each to ``DEPTH`` levels. A traced tensor (or a returned-style ``.item()``, NOTE:
+  by each optimizer's step pre- and post-hooks, by torch's global module and optimizer
+  hooks (``register_module_forward_hook``, ``register_optimizer_step_pre_hook``), by a
+  user's optimizer class's ``step``, and by the functions those reach (as NOTE: [guards
+  on Python values] finds them); dicts, lists and plain objects among them, and what
+  they hold,
+each to ``DEPTH`` levels. (Until the fifty-ninth session the optimizers, their hooks,
+their ``step`` and torch's global hooks were not walked: a step pre-hook's
+``log["grad_norm"] = norm`` held the capture's ``FakeTensor`` after every call, with no
+error, and its ``norms.append(norm.item())`` was refused as a Python value changed
+every run.) A traced tensor (or a returned-style ``.item()``, NOTE:
 [returned .item() values]) that appeared there is kept:
 - set as an attribute or a dict entry, or appended to a list (nothing else in the list
   changed): it becomes one more output of the program, and after every call the runtime
@@ -40,7 +49,14 @@ entries are set in the caller's container at the same place of the call's argume
 a Python value written there is refused (NOTE: [Python values written into arguments]).
 Either way the traced objects are put back as they were before the trace, so a failed
 capture leaves no fake tensor behind; an entry the step creates holds a meta tensor of
-its shape between capture and the end of the first call. Targets are found again on each
+its shape between capture and the end of the first call (not an entry of a global or
+closure dict: its guards see the dict without it, so the second call is traced again).
+A step that reads back on a later call a tensor it keeps (a hook clipping against
+``state["prev"]``, the last call's norm) is refused then, naming the place
+(``refuse_kept_read_back``): the program would hold it as a constant every call
+replaces; before the fifty-ninth session the program traced without the entry ran on
+silently (parameters 1.35 relative off eager after 4 calls), or, from an optimizer
+hook, the call was refused naming only the step's line. Targets are found again on each
 call (modules by FQN, object arguments by position), so a new logger object per call
 gets the value. What is not seen: objects deeper than ``DEPTH``, objects reached only
 through other calls (a method of a library object), a global name the step rebinds
@@ -86,6 +102,21 @@ _HOOK_DICTS = (
 )
 
 
+_OPTIMIZER_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+
+
+
+def _optimizer_own() -> frozenset[str]:
+    """What torch's ``Optimizer`` keeps on every optimizer object (its state, groups,
+    hooks), and what an LR scheduler puts there. Made at import: a probe optimizer made
+    while the step is traced would be one the step made (its parameter a fake tensor)."""
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    return frozenset(vars(probe)) | {"step", "_opt_called"}
+
+
+_OPTIMIZER_OWN = _optimizer_own()
+
+
 def is_traced(value: Any) -> bool:
     """A fake tensor of a trace, or a traced ``.item()``."""
     return isinstance(value, TracedItem) or private.is_fake(value)
@@ -106,7 +137,8 @@ class KeptTensor:
 
     Attributes:
         root: how the object holding it is found on a call: ``("module", mi, fqn)``,
-            ``("arg", position in flat_args)`` (an object argument), ``("call",)`` (the
+            ``("optimizer", oi)``, ``("arg", position in flat_args)`` (an object
+            argument), ``("call",)`` (the
             call's ``(args, kwargs)``: a dict or list argument) or ``("live", obj)`` (a
             global or closure object, held by reference).
         path: attribute names / dict keys from the root to the container.
@@ -135,6 +167,8 @@ class KeptTensor:
     def container(self, bindings: StepBindings) -> Any:
         if self.root[0] == "module":
             obj: Any = bindings.modules[self.root[1]].get_submodule(self.root[2])
+        elif self.root[0] == "optimizer":
+            obj = bindings.optimizers[self.root[1]]
         elif self.root[0] == "arg":
             obj = bindings.flat_args[self.root[1]]
         elif self.root[0] == "call":
@@ -191,6 +225,8 @@ class _Holder:
             d = attributes(self.obj)
             if isinstance(self.obj, torch.nn.Module):
                 return {k: v for k, v in d.items() if k not in _MODULE_OWN}
+            if isinstance(self.obj, torch.optim.Optimizer):  # its state is the program's
+                return {k: v for k, v in d.items() if k not in _OPTIMIZER_OWN}
             return d
         return self.obj
 
@@ -217,6 +253,9 @@ class KeptTensors:
             for fqn, sub in mod.named_modules():
                 name = (f"{mi}." if len(bindings.modules) > 1 else "") + (fqn or "<root>")
                 self._visit(sub, ("module", mi, fqn), (), f"module {name} ({type(sub).__name__})", DEPTH)
+        for oi, opt in enumerate(bindings.optimizers):
+            name = f"optimizer[{oi}] ({type(opt).__name__})"
+            self._visit(opt, ("optimizer", oi), (), name, DEPTH)
         for i, arg in enumerate(bindings.flat_args):
             if plain_object(arg):
                 self._visit(arg, ("arg", i), (), f"argument {i} of the step ({type(arg).__name__})", DEPTH)
@@ -237,7 +276,7 @@ class KeptTensors:
             kind = "list"
         elif isinstance(obj, dict) and not reads_its_own_way(type(obj)):
             kind = "dict"  # else its attributes (NOTE: [containers that read their own way])
-        elif isinstance(obj, torch.nn.Module) or plain_object(obj):
+        elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or plain_object(obj):
             kind = "object"
         else:
             return
@@ -280,15 +319,22 @@ class KeptTensors:
         elif plain_object(func):  # an object with __call__
             self._reach(func, type(func).__name__)
             starts += [(fn, type(func)) for fn in functions_of(inspect.getattr_static(type(func), "__call__", None))]
+        hook_dicts = [hooks for _, hooks in private.global_hook_dicts()]
         classes: dict[type, None] = {}
         for mod in bindings.modules:
             for sub in mod.modules():
                 classes.setdefault(type(sub))
-                for attr in _HOOK_DICTS:
-                    for hook in getattr(sub, attr, {}).values():
-                        fn = _unwrap(hook)[0]
-                        if isinstance(fn, types.FunctionType):
-                            starts.append((fn, None))
+                hook_dicts += [getattr(sub, attr, {}) for attr in _HOOK_DICTS]
+        for opt in bindings.optimizers:
+            hook_dicts += [vars(opt).get(attr, {}) for attr in _OPTIMIZER_HOOK_DICTS]
+            if not skipped_module(type(opt).__module__):  # a user's step(): self.last_norm = ...
+                step = inspect.unwrap(inspect.getattr_static(type(opt), "step", None))
+                starts += [(fn, type(opt)) for fn in functions_of(step)]
+        for hooks in hook_dicts:
+            for hook in list(hooks.values()):
+                fn = _unwrap(hook)[0]
+                if isinstance(fn, types.FunctionType):
+                    starts.append((fn, None))
         for owner in classes:
             if not skipped_module(owner.__module__):
                 starts += [(fn, owner) for fn in functions_of(inspect.getattr_static(owner, "forward", None))]
@@ -432,12 +478,46 @@ class KeptTensors:
 
 def install_placeholders(kept: list[KeptTensor], bindings: StepBindings, metas: list[Any]) -> None:
     """An attribute or entry the step creates holds a meta tensor of its shape until the
-    first call stores its value (so that the guards see the same attributes then)."""
+    first call stores its value (so that the guards see the same attributes then).
+    Not an entry of a global or closure dict (a hook's ``state["prev"] = norm``): its
+    guards see the dict without it, so the second call, which finds it, is traced again
+    and a step that reads it back (``if "prev" in state``) is refused then
+    (``refuse_kept_read_back``) instead of running the program traced without it."""
     for k in kept:
-        if not k.new or k.how == "append":
+        if not k.new or k.how == "append" or (k.how == "key" and k.root[0] == "live"):
             continue
         meta = metas[k.index]
         k.store(bindings, torch.empty(meta.shape, dtype=meta.dtype, device="meta"))
+
+
+def refuse_kept_read_back(
+    outside: list[Any], kept: list[KeptTensor], bindings: StepBindings, line: str | None,
+) -> None:
+    """Refuse a step that reads a tensor from a place it keeps one in (a hook's
+    ``state["prev"]`` read back on the next call, adaptive clipping against the last
+    norm): the program would read it as a constant (NOTE: [tensors read from outside
+    the arguments]) that every call replaces, and carrying it from one call to the next
+    is not done."""
+    for o in outside:
+        for k in kept:
+            if k.how == "append":
+                continue
+            try:
+                target = k.container(bindings)
+            except (AttributeError, KeyError, IndexError, TypeError):
+                continue
+            held = target if k.how == "key" else attributes(target)
+            if o.key == k.key and (o.container is held or o.container is target):
+                raise SPMDCompileError(
+                    f"The train step reads the tensor it keeps in {k.label} back on a later "
+                    "call. A compiled step stores that tensor after every call (NOTE: "
+                    "[tensors the step keeps]) but cannot carry it into the next call's "
+                    "program: it would be a constant of the program, replaced every call.",
+                    user_line=line,
+                    hint="keep the value in a tensor the step updates in place (a module "
+                    "buffer: self.register_buffer('prev', torch.zeros(())); "
+                    "self.prev.copy_(norm)), or pass it to the step as an argument.",
+                )
 
 
 def kept_container_ids(kept: list[KeptTensor], bindings: StepBindings) -> frozenset[int]:
@@ -538,4 +618,5 @@ def _refused(where: str, what: str, hint: str | None = None) -> SPMDCompileError
 
 __all__ = [
     "KeptTensor", "KeptTensors", "install_placeholders", "is_traced", "kept_container_ids",
+    "refuse_kept_read_back",
 ]

@@ -114,7 +114,7 @@ from .grad_scalers import (
 )
 from .gradients import mark_gradients
 from .guards import set_or_delete
-from .kept_tensors import KeptTensor, KeptTensors
+from .kept_tensors import KeptTensor, KeptTensors, refuse_kept_read_back
 from .lr_schedulers import (
     LRReadAfterSchedulerStep,
     SchedulerStep,
@@ -1136,6 +1136,7 @@ def _trace_first(
     _refuse_custom_ops_writing_arguments(first)
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
     outside = outside_constants(first, tracer.outside, bindings, tracer.unplaced)  # NOTE: [tensors read from outside the arguments]
+    refuse_kept_read_back(outside, tracer.kept, bindings, step_where(func))  # NOTE: [tensors the step keeps]
     scheduler_steps = []
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
         scheduler_steps = tracer.schedulers.steps()

@@ -554,3 +554,48 @@ def test_a_layer_frozen_in_the_step_stays_frozen_on_gloo() -> None:
         errors.update({k: relative_difference(got["state"][k], w) for k, w in state.items()})
         worst = max(errors, key=errors.__getitem__)
         assert errors[worst] < 1e-12, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"
+
+
+# NOTE: [tensors the step keeps]: what an optimizer step pre-hook stores (a tensor in a
+# dict, an .item() appended to a list) is the call's global value on every rank; before
+# the fifty-ninth session the dict held the capture's FakeTensor after every call
+def _logged_sgd() -> tuple[nn.Module, torch.optim.Optimizer, dict, list]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    log: dict = {}
+    norms: list = []
+
+    def record(o, args, kwargs):  # noqa: ANN001, ANN202
+        norm = torch.stack([p.grad.norm() for g in o.param_groups for p in g["params"]]).norm()
+        log["grad_norm"] = norm.detach()
+        norms.append(norm.item())
+
+    optim.register_step_pre_hook(record)
+    return model, optim, log, norms
+
+
+def logged_worker(rank: int, world_size: int) -> dict[str, object]:
+    sc.init_from_env()
+    model, optim, log, norms = _logged_sgd()
+    step = sc.compile(backend=backend_under_test())(train_step)
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    logged = []
+    for x, y in global_batches():
+        step(model, optim, x[local].double(), y[local])
+        logged.append(log["grad_norm"].clone())
+    return {"logged": logged, "norms": norms}
+
+
+def test_an_optimizer_hooks_logged_norm_on_gloo() -> None:
+    results = sc.launch(logged_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
+    model, optim, log, norms = _logged_sgd()
+    logged = []
+    for x, y in global_batches():
+        train_step(model, optim, x.double(), y)
+        logged.append(log["grad_norm"].clone())
+    for rank, got in enumerate(results):
+        assert all(type(t) is torch.Tensor for t in got["logged"]), f"rank {rank}: {got['logged']}"
+        assert relative_difference(torch.stack(got["logged"]), torch.stack(logged)) < 1e-12, f"rank {rank}"
+        assert got["norms"] == pytest.approx(norms, rel=1e-12), f"rank {rank}"

@@ -1,0 +1,58 @@
+"""The hook dicts of a step's modules and optimizers, put back after a refused capture.
+
+NOTE: [hooks a refused step registered]
+A step that registers a hook (``model[0].register_forward_hook(fn)`` on every call) is
+refused: the number of hooks changes every call (NOTE: [guards on Python values]). The
+capture runs the step's Python, once or twice (NOTE: [a step that changes what it
+reads]), on the user's modules, so before the fifty-ninth session the refused call left
+the hooks it registered behind (two forward hooks on ``model[0]``, which had none) and
+changed the model's eager output afterwards, though the error said nothing ran. Now
+every hook dict of the step's modules (forward, forward-pre, backward, backward-pre,
+state-dict and load hooks, and the kwargs / always-called sets of the forward ones), of
+its optimizers (step, state-dict and load hooks) and torch's global module and
+optimizer hook dicts are copied (shallowly: a few dict copies per submodule) before a
+compile and, if the compile fails, set back to what they held, in place. A compile that
+succeeds keeps what the step registered, as eager would. What is not put back: a Python
+side effect of the hook itself (a counter in a closure dict), NOTE: [Python effects at
+capture].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _torch_private as private
+from .bindings import StepBindings
+
+
+def _hook_dicts(obj: Any) -> list[dict]:
+    """The hook dicts an nn.Module or optimizer keeps in its ``__dict__``."""
+    return [
+        value for key, value in vars(obj).items()
+        if "hook" in key and isinstance(value, dict)
+    ]
+
+
+class HooksAsFound:
+    """The hook dicts the step can change, as a compile found them; ``put_back``
+    after a failed one."""
+
+    def __init__(self, bindings: StepBindings) -> None:
+        dicts: list[dict] = [hooks for _, hooks in private.global_hook_dicts()]
+        for mod in bindings.modules:
+            for sub in mod.modules():
+                dicts += _hook_dicts(sub)
+        for opt in bindings.optimizers:
+            dicts += _hook_dicts(opt)
+        self.found = [(d, list(d.items())) for d in dicts]
+
+    def put_back(self) -> None:
+        for d, items in self.found:
+            if len(d) != len(items) or any(
+                k not in d or d[k] is not v for k, v in items
+            ):
+                d.clear()
+                d.update(items)
+
+
+__all__ = ["HooksAsFound"]
