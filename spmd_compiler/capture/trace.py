@@ -2096,16 +2096,24 @@ def _swap_optimizer(
         for key in ("lr", BETA1)
         if StateRef(Kind.HYPERPARAM, key=key, optimizer=oi, group=gi) in values
     }
+    instance_add = opt.__dict__.get("add_param_group", _MISSING)
+    opt.add_param_group = functools.partial(_refuse_add_param_group, opt, oi)  # type: ignore[method-assign]
     try:
         # NOTE: [group values changed in place] (no mode where no group value is an input)
         with _GroupValuesWrittenInPlace(oi, stand_ins) if stand_ins else contextlib.nullcontext():
             yield state, by_param
+        if len(groups) != len(set_groups):  # NOTE: [param groups added in the step]
+            raise _groups_added_in_the_step(opt, oi, None)
         _check_python_state(opt, oi, groups, before, state, values, set_groups)
     finally:
         if instance_step is _MISSING:
             del opt.step
         else:
             opt.step = instance_step  # type: ignore[method-assign]
+        if instance_add is _MISSING:
+            del opt.add_param_group
+        else:
+            opt.add_param_group = instance_add  # type: ignore[method-assign]
         opt.param_groups, opt.state = saved_groups, saved_state
 
 
@@ -2153,6 +2161,35 @@ class _GroupValuesWrittenInPlace(TorchFunctionMode):
                             hint=SCHEDULER_HINT,
                         )
         return func(*args, **kwargs)
+
+
+def _refuse_add_param_group(opt: torch.optim.Optimizer, oi: int, *args: Any, **kwargs: Any) -> None:
+    """NOTE: [param groups added in the step]
+    ``optimizer.add_param_group(...)`` inside the step (unfreezing a layer on a flag)
+    appended to the traced copy of the groups (``_swap_optimizer``), and the capture
+    then failed at its own check with "IndexError: list index out of range" at
+    contextlib.py, naming neither ``add_param_group`` nor the step's line (2026-12-06).
+    A compiled step runs no Python after capture: the group would be added once, to
+    the copy, and never to the user's optimizer. Refused at the call, naming its line,
+    before anything is added; a group appended to ``optimizer.param_groups`` by other
+    means is refused after the trace. Added between calls, the group is read by the
+    next call, which compiles a program for it."""
+    raise _groups_added_in_the_step(opt, oi, innermost_model_frame_of_stack())
+
+
+def _groups_added_in_the_step(
+    opt: torch.optim.Optimizer, oi: int, where: SourceLocation | None
+) -> SPMDCompileError:
+    return SPMDCompileError(
+        f"The train step adds a param group to optimizer[{oi}] ({type(opt).__name__}."
+        "add_param_group): a compiled step runs no Python after capture, so the group would "
+        "be added once, to the traced copy of the optimizer's groups, and never to the "
+        "optimizer (NOTE: [param groups added in the step]).",
+        user_line=where,
+        hint="call optimizer.add_param_group(...) outside the compiled step, between calls "
+        "(set requires_grad there too when unfreezing a layer): the next call reads the new "
+        "group and compiles a program for it.",
+    )
 
 
 def _group_numbers(b: StepBindings, values: dict[StateRef, torch.Tensor]) -> list[tuple[torch.Tensor, type, str]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -79,14 +79,88 @@ def place_loaded_tensors(
         return
     with simulation_for(targets.values()) as sim:
         for key, current in targets.items():
-            full = state_dict[key].detach().to(dtype=current.dtype)
-            if sim is not None:
-                state_dict[key] = sim.shard(full, current.device_mesh, current.placements)
-            else:
-                full = full.to(current.to_local().device)
-                state_dict[key] = distribute_tensor(
-                    full, current.device_mesh, current.placements, src_data_rank=None
+            state_dict[key] = _placed_like(state_dict[key], current, sim)
+
+
+def _placed_like(full: torch.Tensor, current: DTensor, sim: Any) -> DTensor:
+    """The plain tensor ``full`` (a whole value, the same on every rank) placed as
+    ``current`` is: shared out by the simulation ``sim``, or each real rank's share."""
+    full = full.detach().to(dtype=current.dtype)
+    if sim is not None:
+        return sim.shard(full, current.device_mesh, current.placements)  # type: ignore[no-any-return]
+    full = full.to(current.to_local().device)
+    return distribute_tensor(full, current.device_mesh, current.placements, src_data_rank=None)
+
+
+# NOTE: [assigning a parametrized tensor of a placed model]
+# ``module.weight = A`` on a module with a ``torch.nn.utils.parametrize`` parametrization
+# (re-initialising an ``orthogonal`` one with ``torch.eye``, a symmetric one with a new
+# matrix) runs the parametrizations' ``right_inverse`` and sets the result into
+# ``parametrizations.weight.original``. Once a compiled step placed that original as a
+# DTensor, torch's ``_maybe_set`` swapped it with the plain result and failed with
+# "Cannot swap t1 and t2 if they have different slots" (2026-12-06). Each
+# ``ParametrizationList`` of a module given to a compiled step gets an instance
+# ``right_inverse`` (a module-level function in a ``functools.partial``: the model still
+# pickles) that, where an original is placed, runs torch's own ``right_inverse`` on a
+# plain stand-in of the original (its checks, and the parametrizations' own writes, as
+# in eager), then copies the result into the placed original in place, placed like it
+# (as ``load_state_dict`` does above): the parameter keeps its identity, so the
+# optimizer and its state go on with it as in eager. Every deferred update is applied
+# first (NOTE: [writes between calls while an update is pending]). A parametrization
+# whose own buffers the call replaces (``orthogonal``'s ``base``) leaves plain tensors
+# there, which the next compiled call places as it places any replaced buffer. A result
+# of another shape than the placed original (which eager would take, resizing it) is
+# refused: a placed tensor keeps its shape.
+def _placed_right_inverse(plist: torch.nn.Module, value: Any) -> None:
+    """``ParametrizationList.right_inverse`` for a list whose originals may be placed."""
+    from .simulate import simulation_for
+    from .step_executable import any_pending_updates, flush_pending_updates
+
+    cls_inverse = type(plist).right_inverse  # type: ignore[attr-defined]
+    slots: dict[str, tuple[dict[str, Any], DTensor]] = {
+        name: (entries, current)
+        for entries in cast("tuple[dict[str, Any], ...]", (plist._parameters, plist._buffers))
+        for name, current in entries.items()
+        if name.startswith("original") and isinstance(current, DTensor)
+    }
+    if not slots:
+        cls_inverse(plist, value)
+        return
+    if any_pending_updates():
+        flush_pending_updates()
+    stand_ins: dict[str, torch.Tensor] = {}
+    for name, (entries, current) in slots.items():
+        plain = torch.empty(current.shape, dtype=current.dtype)
+        stand_ins[name] = (
+            torch.nn.Parameter(plain, requires_grad=current.requires_grad)
+            if isinstance(current, torch.nn.Parameter) else plain
+        )
+        entries[name] = stand_ins[name]
+    try:
+        cls_inverse(plist, value)
+    finally:
+        for name, (entries, current) in slots.items():
+            entries[name] = current
+    with simulation_for([current for _, current in slots.values()]) as sim, torch.no_grad():
+        for name, (_, current) in slots.items():
+            new = stand_ins[name]
+            if tuple(new.shape) != tuple(current.shape):
+                raise SPMDCompileError(
+                    f"The parametrization's right_inverse returned a tensor of shape "
+                    f"{tuple(new.shape)} for {name} of shape {tuple(current.shape)}, which a "
+                    "compiled step placed across the ranks: a placed tensor keeps its shape "
+                    "(NOTE: [assigning a parametrized tensor of a placed model]).",
+                    hint="return a tensor of the original's shape from right_inverse, or "
+                    "register the parametrization again on a model no compiled step has "
+                    "placed (rebuild it from sc.checkpoint.full_state_dict).",
                 )
+            current.copy_(_placed_like(new, current, sim))
+
+
+def _is_parametrization_list(module: torch.nn.Module) -> bool:
+    from torch.nn.utils.parametrize import ParametrizationList
+
+    return isinstance(module, ParametrizationList)
 
 
 def _plain(value: Any) -> bool:
@@ -98,11 +172,15 @@ _LOADING: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def place_loaded_state(modules: list[torch.nn.Module]) -> None:
-    """Install ``place_loaded_tensors`` on every submodule of ``modules``, once."""
+    """Install ``place_loaded_tensors`` on every submodule of ``modules``, and
+    ``_placed_right_inverse`` on each parametrization list among them, once."""
     for mod in modules:
         for sub in mod.modules():
             if sub not in _LOADING:
                 sub.register_load_state_dict_pre_hook(place_loaded_tensors)
+                if _is_parametrization_list(sub):
+                    # NOTE: [assigning a parametrized tensor of a placed model]
+                    object.__setattr__(sub, "right_inverse", functools.partial(_placed_right_inverse, sub))
                 _LOADING.add(sub)
 
 
