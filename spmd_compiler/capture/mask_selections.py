@@ -89,7 +89,7 @@ class MaskWithFalseElements(Exception):
     """The trace of a selection by a mask whose elements are not all true (the other
     answer of the value check): its size would depend on the values."""
 
-    def __init__(self, per_row: int | None = None) -> None:
+    def __init__(self, per_row: int | None = None, use: str | None = None) -> None:
         compiled = (
             "a mask that selects everything" if per_row is None
             else f"{per_row} true elements in every row along its first dim, the count "
@@ -98,7 +98,7 @@ class MaskWithFalseElements(Exception):
         what = "has false elements" if per_row is None else f"does not hold {per_row} in every row"
         super().__init__(
             f"the mask {what}; its selection (nonzero, x[mask], ...) is used "
-            "where its size matters (indices, row count, rows returned), compiled for "
+            f"where its size matters ({'by ' + use if use else 'indices, row count, rows returned'}), compiled for "
             f"{compiled}. Select with fixed shapes: masked_fill, "
             "torch.where(mask, x, 0), a loss's ignore_index"
         )
@@ -202,13 +202,14 @@ class RowsOfAModelMaskCounted(Exception):
     matters: a value-dependent shape (refused at capture)."""
 
 
-def settle_selection(mask: torch.Tensor, where: str | None = None) -> int | None:
+def settle_selection(mask: torch.Tensor, where: str | None = None, use: str | None = None) -> int | None:
     """A selection by ``mask`` (made at ``where``) whose rows were kept in place (NOTE:
     [selected rows kept in place]) used where only the eager value will do: compiled as
     all true (None) or for ``K`` true elements per row (returned; NOTE: [rows of one
     count]), verified every call, for a mask of the batch; refused at capture as a
-    value-dependent shape for a mask computed from the model's state."""
-    decision = _decide(mask)
+    value-dependent shape for a mask computed from the model's state. ``use`` (the op
+    that needs the rows' number) is named by the check's error."""
+    decision = _decide(mask, use)
     if decision == CONSTANT:
         raise RowsOfAModelMaskCounted(
             f"the rows selected at {where or 'an unknown line'} by a mask made from shapes "
@@ -247,7 +248,7 @@ def _selects_everything(mask: torch.Tensor) -> bool:
     return _decide(mask) in (EVERY, CONSTANT)
 
 
-def _decide(mask: torch.Tensor) -> int | None:
+def _decide(mask: torch.Tensor, use: str | None = None) -> int | None:
     """How this selection is compiled: ``EVERY`` element, ``K`` per row, or None when
     torch's own op must run (see ``_selects_everything``)."""
     if not _ACTIVE or private.is_real_tensor_constant(mask):
@@ -275,10 +276,10 @@ def _decide(mask: torch.Tensor) -> int | None:
     if per_row is not None:
         counts = (mask.reshape(mask.shape[0], -1) != 0).sum(1)
         if not bool((counts == per_row).all()):
-            raise MaskWithFalseElements(per_row)
+            raise MaskWithFalseElements(per_row, use)
         _COUNTED.append(where_now() or "an unknown line")
     elif not bool(mask.all()):
-        raise MaskWithFalseElements()
+        raise MaskWithFalseElements(use=use)
     decision = EVERY if per_row is None else per_row
     selections.decided[node] = decision
     return decision

@@ -20,7 +20,8 @@ does with the rows is understood:
   other tensors broadcast over the rows, dtype and device conversions, ``F.linear`` /
   ``matmul`` by a weight, views that keep the leading dim (a reshape must put ``-1``
   there, as eager's size is unknown), ops along another dim (softmax, ``gather``,
-  reductions, ``cat``), ``F.embedding`` and ``F.one_hot`` of selected indices.
+  reductions, ``cat``, ``topk``, ``sort``), an ``einsum`` keeping the row letter first
+  (``"nd,de->ne"``), ``F.embedding`` and ``F.one_hot`` of selected indices.
 - Where the rows end, the dropped rows are left out: a reduction over the rows (``sum``,
   ``mean`` divided by the true count, ``amax``, ``all``, ...) fills them with its
   identity first; a loss (``cross_entropy`` and ``nll_loss`` by ``ignore_index``, the
@@ -28,7 +29,7 @@ does with the rows is understood:
   count) reduces over the kept rows only; ``ctc_loss`` gets its concatenated targets
   moved to the front, in order (a stable sort by validity).
 - ``target[mask] = rows`` with rows of that mask writes each kept row to its place
-  (``out[mask] = f(h[mask])``); ``target[mask] = v`` with ``v`` one row broadcast over
+  (``out[mask] = f(h[mask])``, and ``index_put((mask,), rows)``); ``target[mask] = v`` with ``v`` one row broadcast over
   the selected rows (BERT's and MAE's mask token) is ``torch.where(mask, v, target)``.
 - ``x[mask, None]``, ``x[mask, ...]`` and ``x[mask, i, 1:]`` (ints, slices, None after
   the mask) are ``x[:, None][mask]`` and so on: the mask is the only advanced index, so
@@ -359,13 +360,23 @@ _CONVERSIONS = {
     "to", "type", "type_as", "detach", "detach_", "clone", "contiguous", "requires_grad_",
     "cpu", "cuda",
 }
+# a tensor of one value shaped as the rows (``out = torch.zeros_like(h)``, a mixture of
+# experts' output summed over experts) is rows of that value; before 2026-12-06 it
+# settled (random ``*_like`` and ``empty_like``, whose dropped rows hold no set value, still do)
+_LIKE = {"zeros_like", "ones_like", "full_like"}
 _ALONG_A_DIM = {  # name: (position of dim, default dim)
     "softmax": (1, None), "log_softmax": (1, None), "cumsum": (1, None), "cumprod": (1, None),
     "logcumsumexp": (1, None), "normalize": (2, 1), "glu": (1, -1), "flip": (1, None),
+    # NOTE: [ops along a dim of the rows]: before 2026-12-06 these settled, and a router's
+    # top-k of each token's expert scores (``probs.topk(2, dim=-1)``) was refused on the
+    # first padded batch; along the rows' own dim (``topk(k, 0)``, ``msort``) they still
+    # settle: their result depends on the rows' number
+    "topk": (2, -1), "sort": (1, -1), "argsort": (1, -1), "kthvalue": (2, -1),
+    "mode": (1, -1), "cummax": (1, None), "cummin": (1, None),
 }
 _REDUCTIONS = {"sum", "nansum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp",
                "all", "any", "argmax", "argmin", "norm", "std", "var", "count_nonzero",
-               "median", "nanmean", "aminmax", "var_mean", "std_mean"}
+               "median", "nanmedian", "nanmean", "aminmax", "var_mean", "std_mean"}
 _FILL = {"sum": 0, "nansum": 0, "prod": 1, "amax": -math.inf, "max": -math.inf,
          "amin": math.inf, "min": math.inf, "logsumexp": -math.inf, "all": True, "any": False,
          "count_nonzero": 0}
@@ -428,7 +439,7 @@ class _Answer:
             result = rule(name, self_ragged)
             if result is not None:
                 return result
-        if name in _CONVERSIONS and self_ragged and len(self.ragged) == 1:
+        if (name in _CONVERSIONS or name in _LIKE) and self_ragged and len(self.ragged) == 1:
             return self.keep(self.run())
         if name in _ALONG_A_DIM and self_ragged and len(self.ragged) == 1:
             position, default = _ALONG_A_DIM[name]
@@ -639,8 +650,10 @@ class _Answer:
             # max_norm renormalizes, scale_grad_by_freq counts, the rows indexed: kept ones only
             counts = self.kwargs.get("max_norm") is not None or self.kwargs.get("scale_grad_by_freq")
             return _SETTLE if counts or len(self.args) > 2 else self.keep(self.run())
-        if name == "__setitem__":
-            return self._write_back()
+        if name in ("__setitem__", "index_put", "index_put_"):
+            return self._write_back(name)
+        if name == "einsum":
+            return self.keep(self.run()) if self._einsum_keeps_rows() else _SETTLE
         if name == "one_hot" and self_ragged and _arg(self.args, self.kwargs, 1, "num_classes", -1) > 0:
             return self.keep(self.run())
         if name in ("layer_norm", "rms_norm") and self_ragged and len(self.ragged) == 1:
@@ -649,14 +662,29 @@ class _Answer:
             return self.keep(self.run()) if ok else _SETTLE
         return _SETTLE
 
-    def _write_back(self) -> Any:
+    def _write_back(self, name: str) -> Any:
         """``target[mask] = rows`` with the rows of that mask: each kept row written to
-        its own place, the others left as they are."""
+        its own place, the others left as they are. ``index_put_((mask,), rows,
+        accumulate)`` is the same write (each position is indexed once, so accumulating
+        adds the row there), and ``index_put`` its copy: before 2026-12-06 these settled,
+        and a step that spelled ``out[mask] = rows`` so was refused on any mask with a
+        false element."""
         rows = self.rows
         assert rows is not None
-        if len(self.args) != 3 or self.kwargs:
-            return _SETTLE
-        target, index, value = self.args[0], _bare_mask(self.args[1]), self.args[2]
+        if name == "__setitem__":
+            if len(self.args) != 3 or self.kwargs:
+                return _SETTLE
+            target, index, value = self.args[0], _bare_mask(self.args[1]), self.args[2]
+            accumulate = False
+        else:
+            if len(self.args) < 3 or set(self.kwargs) - {"accumulate"}:
+                return _SETTLE
+            target, indices, value = self.args[:3]
+            accumulate = _arg(self.args, self.kwargs, 3, "accumulate", False)
+            if (not isinstance(indices, (tuple, list)) or len(indices) != 1 or not isinstance(accumulate, bool)
+                    or not isinstance(value, torch.Tensor) or value.dtype != target.dtype):
+                return _SETTLE  # eager's own op (and its errors) for anything else
+            index = indices[0]
         if not _is_mask(index) or self.rows_of(value) is not rows or len(self.ragged) != 1:
             return _SETTLE
         k = index.dim()
@@ -664,8 +692,45 @@ class _Answer:
                 or _key_of(self.registry, index) != rows.key):
             return _SETTLE
         flat = target.reshape((-1,) + tuple(target.shape[k:]))
-        target.copy_(torch.where(rows.along(value), value.to(target.dtype), flat).reshape(target.shape))
-        return None
+        value = value.to(target.dtype)
+        written = torch.where(rows.along(value), value + flat if accumulate else value, flat).reshape(target.shape)
+        if name == "index_put":
+            return written
+        target.copy_(written)
+        return target if name == "index_put_" else None
+
+    def _einsum_keeps_rows(self) -> bool:
+        """``torch.einsum`` keeps the rows when each operand of rows has the same letter
+        for its first dim (``"nd,de->ne"``, ``"nd,nd->n"``), there only, no other
+        operand has it, and the output starts with it: every row of the result is from
+        the same row of the operands alone. A row dim summed over (``"nd,ne->de"``) or
+        moved mixes or counts the rows."""
+        args = self.args
+        if self.kwargs or not args or not isinstance(args[0], str):
+            return False
+        operands = list(args[1:])
+        if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
+            operands = list(operands[0])
+        equation = args[0].replace(" ", "")
+        inputs, arrow, output = equation.partition("->")
+        terms = inputs.split(",")
+        if len(terms) != len(operands) or not all(isinstance(t, torch.Tensor) for t in operands):
+            return False
+        letters = [term.replace("...", "") for term in terms]
+        ragged = [i for i, t in enumerate(operands) if self.rows_of(t) is not None]
+        firsts = {terms[i][:1] for i in ragged}
+        if len(firsts) != 1:
+            return False
+        (row,) = firsts
+        if not row.isalpha():
+            return False
+        if not arrow:  # the implicit output: the letters used once, in order, ellipsis first
+            if "..." in inputs:
+                return False
+            joined = "".join(letters)
+            output = "".join(sorted(c for c in set(joined) if joined.count(c) == 1))
+        return (output[:1] == row and output.count(row) == 1
+                and all(letters[i].count(row) == (1 if i in ragged else 0) for i in range(len(terms))))
 
     # -- losses ------------------------------------------------------------------------
     def _loss(self, name: str, self_ragged: bool) -> Any:
@@ -766,11 +831,21 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
         return compute(func, args, kwargs)
     result = one.answer(name)
     if result is _SETTLE:
-        settle(one.ragged)
+        settle(one.ragged, use=_op_label(func))
         if registry.counted:
             args, kwargs = _compacted(registry, (args, kwargs))
         return compute(func, args, kwargs)
     return result
+
+
+def _op_label(func: Any) -> str:
+    """``torch.Tensor.topk`` for the check's error: which op needed the rows' number."""
+    try:
+        label = torch.overrides.resolve_name(func) or ""
+    except (AttributeError, TypeError):
+        label = ""
+    label = label or getattr(func, "__qualname__", "") or getattr(func, "__name__", "") or repr(func)
+    return label.replace("torch.functional.", "torch.").removesuffix(".__get__")
 
 
 def _compacted(registry: _Registry, values: Any) -> Any:
@@ -804,11 +879,11 @@ def compacted(values: Any) -> Any:
     return values if registry is None or not registry.counted else _compacted(registry, values)
 
 
-def settle(values: Sequence[Any], at_selection: bool = False) -> None:
+def settle(values: Sequence[Any], at_selection: bool = False, use: str | None = None) -> None:
     """The rows among ``values`` become the selection's eager value: their mask selects
     everything, verified every call (NOTE: [selections by a mask of the batch]); the
     check is reported at the line using them, or with ``at_selection`` (rows the step
-    returns or keeps) at the selection's line."""
+    returns or keeps) at the selection's line, naming ``use`` (what needs their number)."""
     registry = _registry()
     if registry is None:
         return
@@ -816,7 +891,7 @@ def settle(values: Sequence[Any], at_selection: bool = False) -> None:
         rows = registry.rows.get(t) if isinstance(t, torch.Tensor) else None
         if rows is not None and not rows.settled:
             with located(rows.where if at_selection else None):
-                rows.per_row = mask_selections.settle_selection(rows.mask, rows.where)
+                rows.per_row = mask_selections.settle_selection(rows.mask, rows.where, use)
             rows.settled = True
             registry.counted |= rows.per_row is not None
 
@@ -829,7 +904,7 @@ def custom_functions_settle() -> Iterator[None]:
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        settle([args, kwargs])
+        settle([args, kwargs], use=f"{cls.__name__}.apply")
         # a classmethod on 2.13, a C classmethod_descriptor (no __func__) on 2.14
         return original.__get__(None, cls)(*args, **kwargs)
 

@@ -1795,7 +1795,8 @@ class _StepTracer:
                 closed.refuse_writes(step_where(self.func))
                 kept = keeper.collect(step_where(self.func))
                 # NOTE: [selected rows kept in place]: what leaves the step is eager's
-                selected_rows.settle([result, [value for _, value in kept]], at_selection=True)
+                selected_rows.settle([result, [value for _, value in kept]], at_selection=True,
+                                     use="the step's result or a tensor it keeps")
                 result, kept = selected_rows.compacted((result, kept))  # NOTE: [rows of one count]
             finally:
                 keeper.restore()

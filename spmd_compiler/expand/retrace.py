@@ -47,7 +47,7 @@ from ..capture.gradients import GRADIENT, gradient_settles, marked_gradient
 from ..errors import SPMDCompileError, exception_summary, node_error
 from ..ir.collectives import is_wait
 from ..ir.graph_utils import RetracingInterpreter, placeholders, replace_with_input
-from ..ir.node_meta import PADDED, PLACEMENT
+from ..ir.node_meta import PADDED, PLACEMENT, Phase, phase
 from ..ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta, contiguous_stride
 from ..ir.use_step import UseGroup, UseHook, UseStep
 from .iterated_batches import BatchIterations, IteratedBatch
@@ -558,6 +558,9 @@ class _ExpandingInterpreter(RetracingInterpreter):
         iterations: BatchIterations | None = None,
     ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
+        # our errors name the node, op and train-step line: torch's "While executing ...
+        # Original traceback ... Use tlparse" appended to them repeated those in its terms
+        self.extra_traceback = False
         self.iterations = iterations or BatchIterations(captured.graph_module.graph)
         self.input_refs = [ref for ref, _ in captured.inputs]
         # whether the mode split a tensor argument of the step (data parallel), set as the
@@ -715,11 +718,19 @@ class _ExpandingInterpreter(RetracingInterpreter):
                     "sharding strategy for it (torch.distributed.tensor.experimental."
                     "register_sharding).",
                 ) from exc
+            gradient = phase(n) is Phase.BACKWARD
             raise node_error(
-                f"DTensor has no sharding rule for this op: {str(exc).splitlines()[0]}",
+                f"DTensor has no sharding rule for this op: {str(exc).splitlines()[0]}"
+                + (" It is an op of the backward pass (autograd's gradient of a forward op, "
+                   "run by the train step's backward line), not one the step calls itself."
+                   if gradient else ""),
                 n,
-                hint="replace the op with one DTensor supports, or register a sharding "
-                "strategy for it (torch.distributed.tensor.experimental.register_sharding).",
+                hint=("replace the forward op whose gradient this is (torch.take's gradient is an "
+                      "aten.put, for one) with ops DTensor supports, or register a "
+                      "sharding strategy for it (torch.distributed.tensor.experimental.register_sharding)."
+                      if gradient else
+                      "replace the op with one DTensor supports, or register a sharding "
+                      "strategy for it (torch.distributed.tensor.experimental.register_sharding)."),
             ) from exc
         except Exception as exc:  # noqa: BLE001 - re-raised with the node named
             hint = _BATCH_DIM_HINT if self.split_an_argument else _LAYOUT_HINT

@@ -276,6 +276,28 @@ def test_an_op_with_neither_rule_nor_decomposition_is_refused_by_name():
     assert "test_ops_without_rules.py" in message
 
 
+def test_a_backward_op_without_a_rule_is_refused_as_a_gradient_without_torchs_trailer():
+    """``torch.take`` of a batch-sharded activation: its gradient is an ``aten.put``, which
+    has no rule. The error says it is a gradient op of the backward line (it read as an op
+    the step calls) and ends with our lines, not torch's "While executing ... Use
+    tlparse" trailer."""
+
+    def step(model, optim, x):  # noqa: ANN001
+        loss = torch.take(model(x), torch.tensor([0, 5, 7])).sum()
+        loss.backward()
+        optim.step()
+        return loss.detach()
+
+    model = nn.Linear(6, 4).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(step)(model, optim, torch.randn(BATCH, 6, dtype=torch.float64))
+    message = str(info.value)
+    assert "aten.put" in message and "an op of the backward pass" in message
+    assert 'loss.backward()"' in message and "torch.take's gradient" in message
+    assert "While executing" not in message and "tlparse" not in message
+
+
 def test_as_strided_windows_keep_the_batch_sharded():
     """The windows are gathered per sample (NOTE: [windows by as_strided]): under ddp the
     program moves only the gradients (no all-gather of the activations)."""

@@ -160,7 +160,45 @@ def mask_spellings_step(model, optim, x, labels):  # noqa: ANN001
     return _finish(model, optim, loss - target.mean() + logits[keep, ..., 1:].exp().mean())
 
 
+def router_step(model, optim, x, labels):  # noqa: ANN001
+    """A mixture of experts' router on the real tokens: each token's top-2 expert
+    weights (``topk`` along the experts), sorted scores, ranks by ``argsort``, a running
+    max and a ``kthvalue`` along the same dim, experts mixed by ``einsum`` over each
+    token, the output built on ``zeros_like``. Ops along a dim other than the rows' keep
+    the rows (NOTE: [ops along a dim of the rows]); before, each was compiled for the
+    mask that selects everything and refused on the first padded batch."""
+    rows = model(x)[labels != PAD]  # (tokens, experts)
+    probs = rows.softmax(-1)
+    top = probs.topk(2, dim=-1)
+    loss = top.values.sum(-1).mean() + rows.gather(-1, top.indices).square().mean()
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
+    loss = loss + (ordered[:, 0] - ordered[:, -1]).mean() + rows.gather(-1, probs.argsort(-1)[:, :1]).mean()
+    loss = loss + rows.cummax(-1).values.exp().mean() + torch.kthvalue(rows, 2, 1).values.mean()
+    experts = torch.linspace(-1, 1, CLASSES * 3, dtype=rows.dtype).view(CLASSES, 3)
+    mixed = torch.einsum("nd,de->ne", probs, experts) + torch.einsum("nd, nd -> n", rows, probs)[:, None]
+    out = torch.zeros_like(probs)  # rows of zeros, summed into over experts
+    out = out + torch.full_like(probs, 0.5) * probs + torch.ones_like(rows) * rows.exp()
+    loss = loss + mixed.square().mean() + torch.einsum("ij,jk", rows, experts).mean()
+    return _finish(model, optim, loss + out.logsumexp(-1).mean())
+
+
+def index_put_step(model, optim, x, labels):  # noqa: ANN001
+    """``out.index_put((mask,), rows)``, the functional spelling of ``out[mask] = rows``,
+    and ``index_put_`` accumulating: each kept row written to its own place. Before,
+    they were compiled for the mask that selects everything (the ``__setitem__``
+    spelling was exact)."""
+    keep = labels != PAD
+    hidden = torch.tanh(model.fc(x))
+    out = torch.zeros_like(hidden).index_put((keep,), hidden[keep].pow(2) * 2 - 0.5)
+    out.index_put_((keep,), torch.sin(hidden[keep]), accumulate=True)
+    out = torch.index_put(out, (keep,), out[keep] * 3, True)
+    loss = F.cross_entropy(model.out(out + hidden).flatten(0, 1), labels.flatten().clamp(min=0))
+    return _finish(model, optim, loss)
+
+
 CASES = {
+    "router": router_step,
+    "index_put": index_put_step,
     "mask_spellings": mask_spellings_step,
     "mask_and_index": mask_and_index_step,
     "masked_lm": masked_lm_step,
@@ -409,6 +447,12 @@ def _use(kind: str):  # noqa: ANN202
             loss = (rows.T @ rows).sum()
         elif kind == "norm_over_rows":  # norm(p, dim): the rows' dim is the second argument
             loss = rows.norm(1, 0).sum()
+        elif kind == "topk_over_rows":  # along the rows' own dim: their number matters
+            loss = rows.topk(2, dim=0).values.mean()
+        elif kind == "sort_over_rows":
+            loss = (rows.sort(0).values * torch.linspace(0, 1, CLASSES, dtype=rows.dtype)).mean()
+        elif kind == "einsum_over_rows":  # the rows' letter summed over: a Gram matrix
+            loss = torch.einsum("nd,ne->de", rows, rows).sum()
         elif kind == "custom_function":
             loss = _Doubled.apply(rows).mean()
         else:
@@ -421,6 +465,7 @@ def _use(kind: str):  # noqa: ANN202
 
 @pytest.mark.parametrize("kind", [
     "count", "literal_view", "running_sum", "first_row", "gram", "norm_over_rows", "custom_function",
+    "topk_over_rows", "sort_over_rows", "einsum_over_rows",
 ])
 def test_a_use_that_needs_the_row_count_is_exact_on_full_batches_and_refused_on_padded(kind):
     step = _use(kind)
@@ -432,6 +477,13 @@ def test_a_use_that_needs_the_row_count_is_exact_on_full_batches_and_refused_on_
         for x, labels in _batches(padded=True):
             compiled(model, optim, x, labels)
     assert "test_selected_rows.py" in str(info.value) and "Nothing was updated" in str(info.value)
+    if kind in _USED_BY:  # the op that needed the rows' number
+        assert f"where its size matters (by {_USED_BY[kind]})" in str(info.value), str(info.value)
+
+
+_USED_BY = {"running_sum": "torch.Tensor.cumsum", "topk_over_rows": "torch.Tensor.topk",
+            "sort_over_rows": "torch.Tensor.sort", "einsum_over_rows": "torch.einsum",
+            "custom_function": "_Doubled.apply"}
 
 
 def test_rows_paired_with_a_tensor_of_their_count_are_refused_naming_the_selection():
