@@ -210,6 +210,9 @@ class StepExecutable:
         # NOTE: [hyper-parameters without a device sync]
         self._hyperparams: dict[StateRef, tuple[float, torch.Tensor]] = {}
         self._feed = FeedPlan.of(program)  # NOTE: [one walk over the state per call]
+        # the number of the compiled step's call that last ran it: NOTE: [programs kept in
+        # memory] in api.py
+        self.last_used = 0
 
     @property
     def has_pending_update(self) -> bool:
