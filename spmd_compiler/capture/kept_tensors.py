@@ -247,6 +247,9 @@ class KeptTensors:
         # beside the given ones])
         self.unplaced: dict[int, str] = {}
         self._state_modules = {id(sub) for mod in bindings.modules for sub in mod.modules()}
+        # the modules the walk met beyond the step's own (NOTE: [hooks a refused step
+        # registered] puts back their hooks)
+        self.reached_modules: dict[int, torch.nn.Module] = {}
         self.where: str | None = None  # the step's line, for the refusals of ``collect``
         self._seen: set[int] = set()
         self._seen_code: set[int] = set()
@@ -394,6 +397,7 @@ class KeptTensors:
         refusal of a read of it (NOTE: [modules read by name beside the given ones])."""
         if id(module) in self._state_modules:
             return
+        self.reached_modules.setdefault(id(module), module)
         what = f"a {type(module).__name__} ({label})"
         for name, p in module.named_parameters():
             self.unplaced.setdefault(id(p), f"parameter {name} of {what}")
