@@ -146,7 +146,9 @@ class KeptTensor:
         how: "attr" (set an attribute), "key" (set a dict entry) or "append".
         key: the attribute name or dict key ("append": None).
         index: the RETURN output holding the value (set by the tracer).
-        as_item: the step stored ``.item()`` of it.
+        as_item: the step stored ``.item()`` of it, or the value stands for a Python
+            number (a float argument, a group value: NOTE: [kept Python numbers]).
+        as_int: it stands for an int group value (``int(.item())``).
         label: where, for messages and logs.
         new: the attribute / entry did not exist before the step ran.
         part: for a value in a container the step set (a new list, tuple or dict):
@@ -161,6 +163,7 @@ class KeptTensor:
     key: Any
     label: str
     as_item: bool = False
+    as_int: bool = False
     new: bool = False
     index: int = -1
     part: tuple[type, Any, int, int] | None = None
@@ -182,6 +185,8 @@ class KeptTensor:
 
     def write(self, bindings: StepBindings, value: Any) -> None:
         """Store this call's value where the step stored it."""
+        if self.as_int:
+            value = int(value.item())
         self.store(bindings, value.item() if self.as_item else value)
 
     def store(self, bindings: StepBindings, value: Any) -> None:

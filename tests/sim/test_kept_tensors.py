@@ -538,6 +538,41 @@ def test_hooks_bound_to_objects_keep_each_calls_value(kind):
     assert all(_close(got, expected) for got, expected in zip(seen[True], seen[False], strict=True))
 
 
+class _LrRecordingSGD(torch.optim.SGD):
+    """Records its group's learning rate (a Python float) on itself in its ``step``."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        self.last_lr = self.param_groups[0]["lr"]
+        return super().step(closure)
+
+
+def _weight_recording_step(model, optim, x, y, w):  # noqa: ANN001, ANN202
+    optim.last_w = w
+    return _update(model, optim, w * F.cross_entropy(model(x), y))
+
+
+def test_kept_python_numbers_stay_python_numbers():
+    """``opt.last_w = w`` of a float argument and a custom optimizer's ``self.last_lr =
+    group["lr"]`` (NOTE: [kept Python numbers]): before, each held a 0-dim float64
+    tensor after every call where eager holds a float (0.3, 0.5; 0.1, 0.05)."""
+    seen = {}
+    for compiled in (False, True):
+        model = _model()
+        optim = _LrRecordingSGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optim, 1, gamma=0.5)
+        step = sc.compile(make_mode("ddp"))(_weight_recording_step) if compiled else _weight_recording_step
+        values = []
+        with sc.simulate(world_size=2):
+            for (x, y), w in zip(_batches(), (0.3, 0.5, 0.7), strict=True):
+                step(model, optim, x, y, w)
+                scheduler.step()
+                values.append((optim.last_w, optim.last_lr))
+        seen[compiled] = values
+    for got, expected in zip(seen[True], seen[False], strict=True):
+        assert all(_close(a, b) for a, b in zip(got, expected, strict=True)), (got, expected)
+
+
 def test_a_hook_that_reads_back_what_it_keeps_is_refused_naming_it():
     """Clipping against the last call's norm kept in a closure dict: before, the program
     traced without ``state["prev"]`` ran on every call (parameters 1.35 relative off
