@@ -12,8 +12,9 @@ hooks, and the kwargs / always-called sets of the forward ones) of the step's mo
 and of the modules it reaches by name (a global or closure criterion, a module a hook
 or a helper function names: every module the walk of NOTE: [tensors the step keeps]
 meets), of its optimizers (step, state-dict and load hooks) and torch's global module
-and optimizer hook dicts are copied (shallowly: a few dict copies per submodule) before
-a compile and, if the compile fails, set back to what they held, in place; so is each
+and optimizer hook dicts are copied (shallowly: a few dict copies per submodule; with
+the walk that finds the modules, 35 ms per compile for a 385-module model, 2 ms
+before) before a compile and, if the compile fails, set back to what they held, in place; so is each
 module's ``_is_full_backward_hook`` flag, which ``register_full_backward_hook`` sets
 (left ``True``, a later ``register_backward_hook`` raised torch's "Cannot use both
 regular backward hooks and full backward hooks"). Until a review of the fifty-ninth
