@@ -829,7 +829,7 @@ class CompiledTrainStep:
     ) -> tuple[StepExecutable, tuple]:
         # NOTE: [room on the Python stack]: no frame-stack chunk edge under the compile;
         # NOTE: [code generated once]
-        hooks = HooksAsFound(bindings)  # NOTE: [hooks a refused step registered]
+        hooks = HooksAsFound(self.func, bindings)  # NOTE: [hooks a refused step registered]
         try:
             with private.lazy_graph_modules():
                 return call_with_room(self._compile_here, key, bindings, input_metas, mesh, decisions)
@@ -1214,6 +1214,18 @@ class CompiledTrainStep:
                         make_state=False,
                     )
                 again = after.first_change(bindings)
+                if again is not None and again.registered:
+                    raise SPMDCompileError(
+                        "The train step registers a hook every time it runs: "
+                        f"{again} (a capture runs the step more than once). A compiled "
+                        "step runs no Python, so it cannot register one more on each call "
+                        "(NOTE: [hooks a refused step registered]: the hooks the refused "
+                        "call registered are removed).",
+                        user_line=self._where,
+                        hint="register the hook once, before the first call, outside the "
+                        "compiled step; a hook registered or removed between calls "
+                        "recompiles the step.",
+                    )
                 if again is not None:
                     raise SPMDCompileError(
                         f"The train step changes a Python value every time it runs: {again}. "

@@ -46,6 +46,9 @@ class Change(str):
     what: str
     was: str | None
     now: str | None
+    # the change is more hooks on a module or optimizer than before: the step
+    # registers one every time it runs (said so in the refusal)
+    registered: bool = False
 
     def __new__(cls, what: str, was: str | None = None, now: str | None = None,
                 verb: str = "was") -> Change:

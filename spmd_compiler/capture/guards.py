@@ -347,7 +347,9 @@ class Guards:
                 if value == expected:
                     continue
                 i = next(i for i, (a, b) in enumerate(zip(value, expected, strict=True)) if a != b)
-                return Change(f"the number of {key[i]}", str(expected[i]), str(value[i]))
+                change = Change(f"the number of {key[i]}", str(expected[i]), str(value[i]))
+                change.registered = value[i] > expected[i] and not key[i].startswith("attributes of ")
+                return change
             else:
                 value = _read(kind, container, key, bindings)
             if value is expected:

@@ -22,8 +22,9 @@ before the call and compared after it:
   by each optimizer's step pre- and post-hooks, by torch's global module and optimizer
   hooks (``register_module_forward_hook``, ``register_optimizer_step_pre_hook``), by a
   user's optimizer class's ``step``, and by the functions those reach (as NOTE: [guards
-  on Python values] finds them); dicts, lists and plain objects among them, and what
-  they hold,
+  on Python values] finds them), and the objects a bound method, a ``functools.partial``
+  or a callable object among them carries (NOTE: [hooks bound to objects]); dicts,
+  lists and plain objects among them, and what they hold,
 each to ``DEPTH`` levels. (Until the fifty-ninth session the optimizers, their hooks,
 their ``step`` and torch's global hooks were not walked: a step pre-hook's
 ``log["grad_norm"] = norm`` held the capture's ``FakeTensor`` after every call, with no
@@ -145,7 +146,9 @@ class KeptTensor:
         how: "attr" (set an attribute), "key" (set a dict entry) or "append".
         key: the attribute name or dict key ("append": None).
         index: the RETURN output holding the value (set by the tracer).
-        as_item: the step stored ``.item()`` of it.
+        as_item: the step stored ``.item()`` of it, or the value stands for a Python
+            number (a float argument, a group value: NOTE: [kept Python numbers]).
+        as_int: it stands for an int group value (``int(.item())``).
         label: where, for messages and logs.
         new: the attribute / entry did not exist before the step ran.
         part: for a value in a container the step set (a new list, tuple or dict):
@@ -160,6 +163,7 @@ class KeptTensor:
     key: Any
     label: str
     as_item: bool = False
+    as_int: bool = False
     new: bool = False
     index: int = -1
     part: tuple[type, Any, int, int] | None = None
@@ -181,6 +185,8 @@ class KeptTensor:
 
     def write(self, bindings: StepBindings, value: Any) -> None:
         """Store this call's value where the step stored it."""
+        if self.as_int:
+            value = int(value.item())
         self.store(bindings, value.item() if self.as_item else value)
 
     def store(self, bindings: StepBindings, value: Any) -> None:
@@ -246,6 +252,9 @@ class KeptTensors:
         # beside the given ones])
         self.unplaced: dict[int, str] = {}
         self._state_modules = {id(sub) for mod in bindings.modules for sub in mod.modules()}
+        # the modules the walk met beyond the step's own (NOTE: [hooks a refused step
+        # registered] puts back their hooks)
+        self.reached_modules: dict[int, torch.nn.Module] = {}
         self.where: str | None = None  # the step's line, for the refusals of ``collect``
         self._seen: set[int] = set()
         self._seen_code: set[int] = set()
@@ -310,15 +319,8 @@ class KeptTensors:
             self._arguments(value, (*path, ("key", key)), f"{label}[{key!r}]")
 
     def _functions(self, func: Any, bindings: StepBindings) -> None:
-        func, selves = _unwrap(func)
-        for obj in selves:
-            self._reach(obj, f"{type(obj).__name__} (the step's object)")
         starts: list[tuple[types.FunctionType, type | None]] = []
-        if isinstance(func, types.FunctionType):
-            starts.append((func, None))
-        elif plain_object(func):  # an object with __call__
-            self._reach(func, type(func).__name__)
-            starts += [(fn, type(func)) for fn in functions_of(inspect.getattr_static(type(func), "__call__", None))]
+        self._callable(func, "the step's object", starts)
         hook_dicts = [hooks for _, hooks in private.global_hook_dicts()]
         classes: dict[type, None] = {}
         for mod in bindings.modules:
@@ -332,14 +334,32 @@ class KeptTensors:
                 starts += [(fn, type(opt)) for fn in functions_of(step)]
         for hooks in hook_dicts:
             for hook in list(hooks.values()):
-                fn = _unwrap(hook)[0]
-                if isinstance(fn, types.FunctionType):
-                    starts.append((fn, None))
+                self._callable(hook, "a hook's object", starts)
         for owner in classes:
             if not skipped_module(owner.__module__):
                 starts += [(fn, owner) for fn in functions_of(inspect.getattr_static(owner, "forward", None))]
         for fn, cls in starts:
             self._function(fn, cls)
+
+    def _callable(self, func: Any, what: str, starts: list[tuple[types.FunctionType, type | None]]) -> None:
+        """NOTE: [hooks bound to objects]
+        The code a callable runs goes to ``starts``, and the objects it carries are
+        walked: a bound method's ``self`` (``opt.register_step_pre_hook(logger.hook)``
+        whose ``self.v = norm``), a ``functools.partial``'s arguments, an object with
+        ``__call__`` (its own attributes). Until the fifty-ninth session only the
+        function under them was walked, and a hook's ``self.v = norm`` held the
+        capture's ``FakeTensor`` after every call, silently (eager: the call's norm)."""
+        fn, carried = _unwrap(func)
+        for obj in carried:
+            self._reach(obj, f"{type(obj).__name__} ({what})")
+        owner = carried[0] if carried and isinstance(func, types.MethodType) else None
+        if isinstance(fn, types.FunctionType):
+            # the methods a bound method names of its object (``self._norm(...)``) too
+            cls = type(owner) if owner is not None and not isinstance(owner, type) else None
+            starts.append((fn, cls if cls is not None and not skipped_module(cls.__module__) else None))
+        elif plain_object(fn):  # an object with __call__
+            self._reach(fn, f"{type(fn).__name__} ({what})")
+            starts += [(f, type(fn)) for f in functions_of(inspect.getattr_static(type(fn), "__call__", None))]
 
     def _function(self, fn: types.FunctionType, cls: type | None) -> None:
         if id(fn.__code__) in self._seen_code or skipped_function(fn):
@@ -382,6 +402,7 @@ class KeptTensors:
         refusal of a read of it (NOTE: [modules read by name beside the given ones])."""
         if id(module) in self._state_modules:
             return
+        self.reached_modules.setdefault(id(module), module)
         what = f"a {type(module).__name__} ({label})"
         for name, p in module.named_parameters():
             self.unplaced.setdefault(id(p), f"parameter {name} of {what}")
@@ -558,15 +579,17 @@ def _holds_traced(value: Any) -> bool:
 
 def _unwrap(func: Any) -> tuple[Any, list[Any]]:
     """The function under bound methods and ``functools.partial`` (as the guards'
-    ``callable`` walk unwraps them), and the objects the methods are bound to."""
-    selves = []
+    ``callable`` walk unwraps them), and the objects they carry: the objects the
+    methods are bound to, the partials' arguments (NOTE: [hooks bound to objects])."""
+    carried: list[Any] = []
     while isinstance(func, (types.MethodType, functools.partial)):
         if isinstance(func, types.MethodType):
-            selves.append(func.__self__)
+            carried.append(func.__self__)
             func = func.__func__
         else:
+            carried += [*func.args, *func.keywords.values()]
             func = func.func
-    return func, selves
+    return func, carried
 
 
 def _same_number(value: Any, old: Any) -> bool:

@@ -1811,6 +1811,30 @@ class _StepTracer:
                 outs.append(value)
         return outs
 
+    def _kept_number(self, target: KeptTensor, value: Any) -> None:
+        """NOTE: [kept Python numbers]
+        A value the step keeps that stands for a Python number (``opt.last_w = w`` of a
+        float argument ``w``, a custom optimizer's ``self.last_lr = group["lr"]``) is
+        stored after every call as the number eager stores (``.item()`` of the call's
+        value), as a returned one is; before a review of the fifty-ninth session it was
+        a 0-dim float64 tensor where eager has a float. A number computed from a float
+        argument only is refused as a returned one is (the argument is then captured as
+        a guarded constant)."""
+        if not isinstance(value, torch.Tensor):
+            return
+        index = self.floats.index_of.get(id(value)) if self.floats.is_stand_in(value) else None
+        if index is not None and type(self.bindings.flat_args[index]) is not float:
+            raise FloatArgumentUsedInPython(f"the step keeps a NumPy float64 argument in {target.label}", frozenset({index}))
+        if index is not None:
+            target.as_item = True
+            return
+        if self.floats.is_stand_in(value):
+            raise FloatArgumentUsedInPython(f"the step keeps a value computed from a float argument only in {target.label}")
+        number = self.group_numbers.returned(value)
+        if number is not None:  # NOTE: [optimizer settings read in the step]
+            how = _returned_number(*number, step_where(self.func))
+            target.as_item, target.as_int = how == "item", how == "int"
+
     def _collect(self, result, params, final_buffers, swapped, values, kept) -> list[torch.Tensor]:
         # NOTE: [batch containers]: a returned dataclass is opened as an argument is
         leaves, self.return_spec = pytree.tree_flatten(open_containers(result, lambda x: False))
@@ -1847,6 +1871,7 @@ class _StepTracer:
             self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
             outs.append(site.condition)
         for target, value in kept:  # NOTE: [tensors the step keeps]
+            self._kept_number(target, value)
             target.index = len(outs)
             self.kept.append(target)
             self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
