@@ -46,11 +46,31 @@ scalar tail (the last ``numel % 32`` elements) rounds some elements differently 
 parser reads the stand-in as a number (``full_like(x, d)``, ``addmm(beta=d)``) keeps
 that float a guard, and the recompile warning names the op and the argument
 (``CapturedStep.floats_read``) instead of the generic "float() / math / an `if`".
+
+NOTE: [Scalar arguments eager refuses]
+The rewrites above compute with the stand-in as a tensor operand, where torch's checks
+of a Python Scalar do not run: ``int.add(int, alpha=d)`` computed ``alpha`` truncated to
+0 (eager: float alpha with integral tensors is refused), ``int.add_(float, alpha=d)``
+returned the int tensor unchanged (eager: the result type cannot be cast in place),
+``sub(float, bool, alpha=d)`` and ``lerp(f32, f64, d)`` returned numbers (eager refuses
+both), and ``_foreach_add`` on integer lists too: silent results where the base tree
+refused the step at capture, as eager does. So a call is rewritten only where eager
+accepts it with a Python float there: the op itself is first called, outside the trace,
+on 1-element CPU tensors of the operands' dtypes and ranks with a Python float in place
+of each stand-in (``_eager_error``, cached per signature: torch's own checks, which its
+meta kernels do not all repeat: ``sub`` of a bool passes on meta); and only where an
+operand is floating or complex (an integral result converts the float to an integer,
+which eager refuses beyond int64's range). Otherwise the float stays a guard, and the
+step captured with it runs eager's op: eager's error at capture. A foreach op is checked
+for every tensor before any is computed. Not covered: eager's value checks (an ``alpha``
+beyond the dtype's range, 65504 for float16, raises in eager; the graph computes inf).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -58,6 +78,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import innermost_model_frame_of_stack
 from .optimizers import _add_with_tensor_alpha, _lerp_in_compute_dtype, _scaled_operand
@@ -164,6 +185,7 @@ class FloatArgumentMode(TorchFunctionMode):
                     and set(kwargs) <= {key}
                     and all(isinstance(a, torch.Tensor) for a in args[:count])):
                 return _NOT_REWRITTEN
+            self._check_eager_accepts(func, name, args, kwargs, key + "=")
             dtype = _python_scalar_dtype(others)
             operands = [a.to(dtype) if self.is_stand_in(a) else a for a in args[:count]]
             assert isinstance(scalar, torch.Tensor)
@@ -175,6 +197,7 @@ class FloatArgumentMode(TorchFunctionMode):
                 and not self.is_stand_in(args[0]) and not self.is_stand_in(args[1]):
             # a lerp.Tensor weight must have the operands' dtype; eager's Python weight
             # is applied in the op's compute dtype and rounded once
+            self._check_eager_accepts(func, name, args, kwargs, "argument 3")
             return _lerp_in_compute_dtype(func, args[0], args[1], args[2], {})
         return _NOT_REWRITTEN
 
@@ -193,11 +216,49 @@ class FloatArgumentMode(TorchFunctionMode):
         in_place = name.endswith("_")
         base = name.removeprefix("_foreach_").removesuffix("_")
         per_tensor = getattr(torch.Tensor, base + "_") if in_place else getattr(torch, base)
+        calls = [
+            ((*tensors, scalar), {}) if key == "weight" else (tensors, {key: scalar})
+            for tensors in zip(*lists, strict=True)
+        ]
+        for args_, kwargs_ in calls:  # every tensor checked before any is computed
+            self._check_eager_accepts(per_tensor, name, args_, kwargs_, "argument 3" if key == "weight" else key + "=")
         outs = []
-        for tensors in zip(*lists, strict=True):
-            args_, kwargs_ = ((*tensors, scalar), {}) if key == "weight" else (tensors, {key: scalar})
+        for args_, kwargs_ in calls:
+            tensors = args_[:n]
             outs.append(self._scalar_argument_as_operand(per_tensor, per_tensor.__name__, args_, kwargs_, list(tensors)))
         return None if in_place else outs
+
+    def _check_eager_accepts(self, func: Any, name: str, args: tuple, kwargs: dict[str, Any], slot: str) -> None:
+        """Raises ``FloatArgumentUsedInPython`` (the float stays a guard) unless eager
+        computes ``func(*args, **kwargs)`` with a Python float for each stand-in, with a
+        floating or complex result (NOTE: [Scalar arguments eager refuses])."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not self.is_stand_in(a)]
+        signature = tuple(self._described(a) for a in args), tuple((k, self._described(v)) for k, v in kwargs.items())
+        try:
+            refused = _eager_error(func, signature)
+        except TypeError:  # an argument not hashable: no rule for it
+            refused = "an argument this check does not know"
+        if refused is None and not any(t.is_floating_point() or t.is_complex() for t in tensors):
+            refused = "integer operands: the float would be converted to an integer"
+        if refused is None:
+            return
+        stand_ins = [a for a in (*args, *kwargs.values()) if self.is_stand_in(a)]
+        known = [self.index_of.get(id(a)) for a in stand_ins]
+        raise FloatArgumentUsedInPython(
+            f"a float argument is given to `{name}` as {slot}, where eager does not compute the op "
+            f"with a Python number and these dtypes ({refused})",
+            None if None in known else frozenset(i for i in known if i is not None),
+            op=name, argument=slot,
+        )
+
+    def _described(self, value: Any) -> Any:
+        """``value`` as ``_eager_error`` rebuilds it: a tensor as its dtype and rank, a
+        stand-in as a Python float."""
+        if self.is_stand_in(value):
+            return _PYTHON_FLOAT
+        if isinstance(value, torch.Tensor):
+            return _TensorLike(value.dtype, value.dim())
+        return value
 
     def _call(self, func: Any, name: str, args: tuple, kwargs: dict[str, Any],
               stand_ins: tuple[tuple, dict[str, Any]] | None = None) -> Any:
@@ -228,6 +289,38 @@ class FloatArgumentMode(TorchFunctionMode):
 
 
 _NOT_REWRITTEN = object()
+_PYTHON_FLOAT = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorLike:
+    """A tensor's dtype and rank, for ``_eager_error``."""
+
+    dtype: torch.dtype
+    dim: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _eager_error(func: Any, signature: tuple[tuple, tuple]) -> str | None:
+    """What eager raises calling ``func`` on the arguments ``signature`` describes
+    (``_TensorLike``: 1-element CPU tensors of that dtype and rank, ``_PYTHON_FLOAT``: a
+    Python float), as ``"TypeName: message"``, or None where it computes (NOTE: [Scalar
+    arguments eager refuses]). Run outside the trace, on real tensors: eager's checks."""
+
+    def made(value: Any) -> Any:
+        if value is _PYTHON_FLOAT:
+            return 0.5
+        if isinstance(value, _TensorLike):
+            return torch.ones((1,) * value.dim, dtype=value.dtype)
+        return value
+
+    described_args, described_kwargs = signature
+    with private.outside_the_trace():
+        try:
+            func(*[made(a) for a in described_args], **{k: made(v) for k, v in described_kwargs})
+        except Exception as exc:  # noqa: BLE001 - eager's refusal, whatever its type
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
 # foreach ops (without the in-place ``_``) -> their Scalar argument rewritten per tensor
 _FOREACH_SCALARS = {
     "_foreach_add": "alpha", "_foreach_sub": "alpha", "_foreach_addcmul": "value",

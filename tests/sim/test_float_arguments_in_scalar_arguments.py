@@ -7,6 +7,9 @@ changes every call (an EMA warm-up), compiled a program per call (0.9-0.98 s eac
 ``if``. ``alpha=`` of add / sub, ``value=`` of addcmul / addcdiv, lerp's weight and their
 foreach forms now take the float as a graph input, computing eager's numbers; an op that
 cannot (``full_like``) keeps it a guard, and the warning names the op and the argument.
+A call eager refuses with a Python float there (NOTE: [Scalar arguments eager refuses]:
+float alpha with integer tensors, lerp of mixed dtypes) keeps the float a guard, and the
+step raises eager's error, as it did before the rewrite.
 """
 
 from __future__ import annotations
@@ -157,3 +160,66 @@ def test_a_scalar_argument_that_cannot_take_it_is_named_in_the_warning():
     assert len(warnings) == 1 and warnings[0].startswith("argument d of the step changed on 3 calls")
     assert "`full_like` as argument 2" in warnings[0]
     assert "float()" not in warnings[0]
+
+
+# NOTE: [Scalar arguments eager refuses]: each of these computed a result with the float
+# a graph input (alpha truncated to 0, the int tensor unchanged, 0.5s) where eager raises
+EAGER_REFUSES = {
+    "int_add_int": lambda w: torch.arange(6).add(torch.arange(6), alpha=w),
+    "int_add_in_place_float": lambda w: torch.arange(4).add_(torch.full((4,), 2.0), alpha=w),
+    "foreach_add_int_lists": lambda w: torch._foreach_add([torch.arange(4)], [torch.arange(4)], alpha=w)[0],
+    "sub_float_bool": lambda w: torch.sub(torch.ones(4), torch.ones(4) > 0, alpha=w),
+    "lerp_f32_f64": lambda w: torch.lerp(torch.zeros(4), torch.ones(4, dtype=torch.float64), w),
+}
+
+
+def _step_with(body):  # noqa: ANN001, ANN202
+    def step(model, optim, x, w):  # noqa: ANN001, ANN202
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        with torch.no_grad():
+            return loss.detach(), body(w)
+
+    return step
+
+
+@pytest.mark.parametrize("case", list(EAGER_REFUSES))
+def test_a_call_eager_refuses_with_a_python_float_is_refused_too(case):
+    body = EAGER_REFUSES[case]
+    with pytest.raises(Exception) as eager:  # noqa: PT011 - whatever eager raises
+        body(0.5)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+    compiled = sc.compile(DataParallel("replicate"))(_step_with(body))
+    with sc.simulate(2), pytest.raises(type(eager.value)):
+        compiled(model, optim, torch.randn(4, 4, dtype=torch.float64), 0.5)
+    for name, want in before.items():  # the refused step left the model untouched
+        assert torch.equal(model.state_dict()[name], want), name
+
+
+EAGER_ACCEPTS = {  # mixed dtypes eager computes with a Python float: still one program, eager's numbers
+    "float_add_int": lambda w: torch.ones(4).add(torch.arange(4), alpha=w),
+    "float_add_bool": lambda w: torch.ones(4).add(torch.arange(4) > 1, alpha=w),
+    "int_add_float": lambda w: torch.arange(4).add(torch.full((4,), 2.0), alpha=w),
+    "f32_add_in_place_f64": lambda w: torch.ones(4).add_(torch.full((4,), 0.1, dtype=torch.float64), alpha=w),
+    "float_addcmul_int": lambda w: torch.addcmul(torch.ones(4), torch.arange(4), torch.arange(4), value=w),
+    "complex_lerp": lambda w: torch.lerp(torch.zeros(4, dtype=torch.complex64), torch.ones(4, dtype=torch.complex64), w),
+}
+
+
+@pytest.mark.parametrize("case", list(EAGER_ACCEPTS))
+def test_mixed_dtypes_eager_accepts_keep_the_float_a_graph_input(case):
+    body = EAGER_ACCEPTS[case]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(DataParallel("replicate"))(_step_with(body))
+    with sc.simulate(2):
+        for d in DECAYS:
+            _, got = compiled(model, optim, torch.randn(4, 4, dtype=torch.float64), d)
+            assert torch.equal(got, body(d)), d
+    assert compiled.compile_count == 1
