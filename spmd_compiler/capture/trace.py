@@ -1522,8 +1522,8 @@ def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: 
 # capture cannot see it: a type test (``isinstance(w, float)``, ``isinstance(w,
 # np.floating)``: False for the tensor stand-in) sends the stand-in down another path
 # than eager's, one that does not read it, while eager's path reads the value, often
-# through C code (``math.isclose(w, 1.0)``, ``"%.1f" % w``, ``float.__gt__``) that no
-# Python-level hook observes. A second trace with the floats themselves and a comparison
+# through C code (``math.isclose(w, 1.0)``, ``"%.1f" % w``) that no Python-level hook
+# observes. A second trace with the floats themselves and a comparison
 # of the programs (2026-12-06, reverted the same day) ran later values as the first
 # one's program, silently: ``if isinstance(w, float) and not math.isclose(w, 1.0): loss =
 # loss * w`` first called with 1.0 gave the same program, and 0.5 and 2.0 then ran as
