@@ -676,8 +676,9 @@ class CompiledTrainStep:
                         "momentum where the step reads it only in optimizer.step()) is a graph "
                         "input; keep the other optimizer settings fixed (a scheduler cycling "
                         "momentum or betas: OneCycleLR / CyclicLR(cycle_momentum=False))")
-            elif what.startswith("argument ") and all(v.startswith("np.float") for v in (was or "", now or "")):
-                # NOTE: [float arguments as graph inputs]: NumPy scalars are guards
+            elif what.startswith("argument ") and all(v.startswith("('numpy', 'float") for v in (was or "", now or "")):
+                # NOTE: [float arguments as graph inputs]: NumPy scalars are guards (their
+                # guard's text: capture/guards.py's ``_frozen``)
                 hint = ("it is a NumPy scalar, which is a setting of the program (its type may "
                         "steer the step, `isinstance(w, np.floating)`, which a graph input's "
                         "stand-in would not pass, and float32 rounds to its own precision); pass "

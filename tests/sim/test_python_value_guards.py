@@ -558,6 +558,23 @@ def test_a_numpy_float64_argument_stays_a_guard(run_parity, classification_batch
     assert result.compile_counts == [1, 2, 3, 4]
 
 
+def test_a_numpy_float_changing_every_call_is_told_to_pass_a_float(run_parity, classification_batches):
+    """The recompile warning of a NumPy float argument says to pass ``float(value)`` (the
+    float32 / float16 hint it had never matched the guard's text)."""
+    scales = [np.float64(v) for v in (0.1, 0.2, 0.3, 0.4, 0.5)]
+    batches = _with_scales(classification_batches(5, dtype=torch.float64), scales)
+    handler = _Messages()
+    logger = logging.getLogger("spmd_compiler")
+    logger.addHandler(handler)
+    try:
+        result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=scaled_step)
+    finally:
+        logger.removeHandler(handler)
+    result.assert_close(1e-12)
+    warnings = [r.getMessage() for r in handler.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "it is a NumPy scalar" in warnings[0] and "`float(value)`" in warnings[0]
+
+
 def test_a_numpy_float64_returned_as_itself_stays_eagers_type():
     """A float64 argument (a guard) returned as itself comes back a float64, as eager's."""
 
