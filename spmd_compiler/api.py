@@ -37,7 +37,6 @@ from .capture.hooks_as_found import HooksAsFound
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
-from .capture.python_scalars import is_float_argument
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
 from .errors import Change, SPMDCompileError, innermost_model_frame_of_stack, mesh_of_another_size
@@ -181,12 +180,9 @@ def _buffer_metas(static: tuple) -> dict[str, tuple[tuple[int, ...], torch.dtype
 
 
 def _is_float_repr(text: str | None) -> bool:
-    """Whether a guard's value text is a Python float's repr (``0.3``, ``1e-05``, ``inf``)
-    or a NumPy float64's (``np.float64(0.3)``)."""
+    """Whether a guard's value text is a Python float's repr (``0.3``, ``1e-05``, ``inf``)."""
     if text is None:
         return False
-    if text.startswith("np.float64(") and text.endswith(")"):
-        text = text[len("np.float64("):-1]
     try:
         float(text)
     except ValueError:
@@ -267,6 +263,9 @@ class CompiledTrainStep:
         self._recompiling: tuple[Change, bool] | None = None
         # a float argument's guard -> the op that read it (CapturedStep.floats_read)
         self._floats_read: dict[str, str] = {}
+        # the float arguments' guards kept because the program does not read them
+        # (CapturedStep.floats_unread)
+        self._floats_unread: set[str] = set()
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
@@ -433,7 +432,7 @@ class CompiledTrainStep:
                     self._shares_compared = True
                 paths = self._argument_paths(bindings)
                 scalars = [(paths[i], a) for i, a in enumerate(bindings.flat_args)
-                           if type(a) in (bool, int, float, str) or is_float_argument(a)]
+                           if type(a) in (bool, int, float, str)]
                 agreement = InputAgreement(tensor_args, passed_whole, scalars, step)
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
@@ -678,11 +677,21 @@ class CompiledTrainStep:
                         "momentum where the step reads it only in optimizer.step()) is a graph "
                         "input; keep the other optimizer settings fixed (a scheduler cycling "
                         "momentum or betas: OneCycleLR / CyclicLR(cycle_momentum=False))")
-            elif what.startswith("argument ") and all(v.startswith(("np.float32(", "np.float16(")) for v in (was or "", now or "")):
-                # NOTE: [float arguments as graph inputs]: not a float subclass
-                hint = ("it is a NumPy float32 / float16, whose arithmetic rounds to its own "
-                        "precision, so each value is a setting of the program; pass `float(value)` "
-                        "(a float the step uses only in tensor ops is a graph input and compiles once)")
+            elif what.startswith("argument ") and all(v.startswith("('numpy', 'float") for v in (was or "", now or "")):
+                # NOTE: [float arguments as graph inputs]: NumPy scalars are guards (their
+                # guard's text: capture/guards.py's ``_frozen``)
+                hint = ("it is a NumPy scalar, which is a setting of the program (its type may "
+                        "steer the step, `isinstance(w, np.floating)`, which a graph input's "
+                        "stand-in would not pass, and float32 rounds to its own precision); pass "
+                        "`float(value)` (a float the step uses only in tensor ops is a graph input "
+                        "and compiles once)")
+            elif what in self._floats_unread:  # NOTE: [float arguments the program does not read]
+                hint = ("it is a float the program does not read, kept a guard because the step "
+                        "may read its value in Python where the capture cannot see it (after a "
+                        "type test such as `isinstance(w, float)`, which the graph input's tensor "
+                        "stand-in fails); do not pass the step a value it does not use (log it "
+                        "outside the step), or use it in tensor ops (`loss * w`), where a float "
+                        "argument is a graph input and compiles once")
             elif what in self._floats_read:  # NOTE: [float arguments in Scalar arguments]
                 hint = (f"{self._floats_read[what]}, so each value is a setting of the program; "
                         "compute with the float in tensor ops instead (`x * w` as an operand; "
@@ -887,6 +896,7 @@ class CompiledTrainStep:
                 labels = argument_labels(self.func, bindings)
                 for i, why in captured.floats_read.items():  # NOTE: [float arguments in Scalar arguments]
                     self._floats_read[labels[i]] = why
+                self._floats_unread.update(labels[i] for i in captured.floats_unread)
                 # NOTE: [SGD's momentum as a graph input]: a momentum the step used in
                 # Python became a setting; the key and the pre-capture key name it then
                 rekeyed = bindings.optimizer_settings() != settings

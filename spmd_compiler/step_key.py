@@ -75,7 +75,6 @@ from . import _torch_private as private
 from .capture.code_names import names_in
 from .capture.containers import holds_containers
 from .capture.guards import Guards
-from .capture.python_scalars import is_float_argument
 from .compile_cache import (
     ProgramCache,
     Uncacheable,
@@ -104,7 +103,7 @@ _WHOLE_ENVIRONMENT = "<the whole environment>"
 
 
 def float_positions(flat_args: list[Any]) -> frozenset[int]:
-    return frozenset(i for i, a in enumerate(flat_args) if is_float_argument(a))
+    return frozenset(i for i, a in enumerate(flat_args) if type(a) is float)
 
 
 def step_key(
@@ -537,7 +536,7 @@ def _loaded(
 def _first_change(entry: dict[str, Any], bindings: Any) -> Change | None:
     for index, value in entry["baked"]:
         arg = bindings.flat_args[index]
-        if not is_float_argument(arg) or float.hex(arg) != value:
+        if type(arg) is not float or float.hex(arg) != value:
             return Change(f"float argument {index}", repr(float.fromhex(value)), repr(arg))
     for name, value in entry["environment"]:
         if os.environ.get(name) != value:

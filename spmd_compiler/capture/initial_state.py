@@ -481,26 +481,6 @@ def _node_differs(
     return None
 
 
-def graphs_differ(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str | None:
-    """Why two traces of a step on the same inputs (paired in order) are not the same
-    graph: ops, their arguments and constants, the results' shapes and dtypes, the
-    outputs; None when they are."""
-    inputs_a, inputs_b = placeholders(a), placeholders(b)
-    if len(inputs_a) != len(inputs_b):
-        return f"{len(inputs_a)} inputs against {len(inputs_b)}"
-    mapping = dict(zip(inputs_a, inputs_b, strict=True))
-    ops_a = [n for n in a.graph.nodes if n.op not in ("placeholder", "output")]
-    ops_b = [n for n in b.graph.nodes if n.op not in ("placeholder", "output")]
-    if len(ops_a) != len(ops_b):
-        return f"{len(ops_a)} ops against {len(ops_b)}"
-    for x, y in zip(ops_a, ops_b, strict=True):
-        reason = _node_differs(x, y, a, b, mapping)
-        if reason:
-            return reason
-        mapping[x] = y
-    return None if _same_arg(output_args(a), output_args(b), mapping) else "other outputs"
-
-
 _PLAIN = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 

@@ -5,21 +5,22 @@ A Python ``float`` argument of the train step (a loss weight, a temperature, a
 schedule value) that changes every call would compile a new program every call if it
 were a guard. Capture first tries it as a graph input: a 0-dim float64 tensor in place
 of the float. The rule that keeps this exact:
-- Only ``float`` and NumPy ``float64`` arguments (``is_float_argument``: a float64 is a
-  float subclass whose arithmetic is float's; a NumPy cosine schedule returns one, and
-  each value compiled a program). ``int`` and ``bool`` arguments stay guards: they
-  usually steer shapes, indices, loop counts and branches; so do other NumPy scalars
-  (``np.float32`` rounds its arithmetic to 32 bits, which a float64 stand-in would not).
-  A ``float64`` returned as itself stays a guard (the program gives back a ``float``).
+- Only ``float`` arguments (``type(a) is float``). ``int`` and ``bool`` arguments stay
+  guards: they usually steer shapes, indices, loop counts and branches. So do NumPy
+  scalars: ``np.float32`` rounds its arithmetic to 32 bits, which a float64 stand-in
+  would not, and ``np.float64``, a float subclass, is the type a step tests for
+  (``isinstance(w, np.floating) and w > 0.5``), a test the tensor stand-in fails where
+  eager's value passes it: as a graph input (2026-12-06, reverted the same day) later
+  values silently ran the first one's branch (parameters 2e-1 off eager). Their
+  recompile warning says to pass ``float(value)``.
 - The float must be used numerically only, in tensor ops. Anything Python does with
   the value itself (``if scale > 0``, ``float(scale)``, ``math.exp(scale)``, ``range``,
   a Scalar argument such as ``F.dropout(x, p)`` or ``full_like(x, scale)`` but those of
   NOTE: [float arguments in Scalar arguments], returning
   a number computed from it, storing it) fails the tensor trace, and the step is
   captured again with the float as a guard (a new value recompiles, which is then exact
-  by construction). A float the traced program does not read at all is an input it
-  leaves unread where the trace with the float itself is the same program, else a
-  guard (NOTE: [float arguments the program does not read]). The float itself
+  by construction). A float the traced program does not read at all is a guard too
+  (NOTE: [float arguments the program does not read] in ``trace.py``). The float itself
   returned (``{"scale": scale}``) comes back from the program as the Python float, as a
   returned ``.item()`` does
   (NOTE: [returned .item() values]; before, a guard: a program per value).
@@ -86,22 +87,18 @@ from .optimizers import _add_with_tensor_alpha, _lerp_in_compute_dtype, _scaled_
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
-def is_float_argument(value: Any) -> bool:
-    """A float argument that may be a graph input (see the NOTE): a ``float`` or a NumPy
-    ``float64``, told apart without importing NumPy."""
-    cls = type(value)
-    return cls is float or (cls.__name__ == "float64" and cls.__module__ == "numpy")
-
-
 class FloatArgumentUsedInPython(Exception):
     """The trace used a float argument other than in tensor ops; capture it as a guard.
     ``indices``: the positions of the arguments concerned, where known (the others stay
     graph inputs); None: every float argument becomes a guard."""
 
     def __init__(self, message: str, indices: frozenset[int] | None = None,
-                 op: str | None = None, argument: str | None = None) -> None:
+                 op: str | None = None, argument: str | None = None, unread: bool = False) -> None:
         super().__init__(message)
         self.indices = indices
+        # the program does not read them (NOTE: [float arguments the program does not
+        # read] in ``trace.py``): the recompile warning says so
+        self.unread = unread
         # the op and its Scalar argument that read the float, where one did (NOTE:
         # [float arguments in Scalar arguments]): the recompile warning names them
         self.op, self.argument = op, argument

@@ -145,7 +145,6 @@ from .python_scalars import (
     FloatArgumentUsedInPython,
     GroupNumbers,
     group_numbers_paused,
-    is_float_argument,
 )
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
@@ -168,7 +167,6 @@ from .value_checks import (
     choose,
     describe_raise,
 )
-from .watched_floats import WatchedReads
 
 log = logging.getLogger("spmd_compiler")
 
@@ -719,12 +717,13 @@ def _capture_step(
     func: Callable[..., Any], bindings: StepBindings, input_metas: list[TensorMeta],
     options: CaptureOptions, decisions: tuple[tuple[bool, str], ...], make_state: bool,
 ) -> CapturedStep:
-    floats = tuple(i for i, a in enumerate(bindings.flat_args) if is_float_argument(a))
+    floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
     read: dict[int, str] = {}  # CapturedStep.floats_read
+    unread: set[int] = set()  # CapturedStep.floats_unread
     while floats:
         try:
             captured = _capture(func, bindings, input_metas, options, floats, decisions, make_state)
-            captured.floats_read = read
+            captured.floats_read, captured.floats_unread = read, frozenset(unread)
             return captured
         except Exception as exc:  # noqa: BLE001 - retried with the floats as constants
             found = _float_argument_error(exc)
@@ -736,13 +735,15 @@ def _capture_step(
                         read[i] = (f"the step gives it to `{found.op}` as {found.argument}, a Scalar "
                                    "argument it reads as a Python number" if found.argument else
                                    f"the step gives it to `{found.op}`, which reads it in Python")
+            if found is not None and found.unread:  # NOTE: [float arguments the program does not read]
+                unread.update(i for i in floats if i not in kept)
             log.info(
                 "float arguments %s of %s stay guarded constants (%s)",
                 [i for i in floats if i not in kept], func.__name__, exception_summary(exc),
             )
             floats = kept  # the others are graph inputs still
     captured = _capture(func, bindings, input_metas, options, (), decisions, make_state)
-    captured.floats_read = read
+    captured.floats_read, captured.floats_unread = read, frozenset(unread)
     return captured
 
 
@@ -950,12 +951,7 @@ def _trace_first(
     options: CaptureOptions,
     floats: tuple[int, ...],
     decisions: tuple[tuple[bool, str], ...],
-    plain: frozenset[int] = frozenset(),
-    watched: WatchedReads | None = None,
 ) -> _FirstTrace:
-    """One trace of the step (with its value checks' ways); ``plain``: float arguments
-    of ``floats`` the step gets as the Python floats, their inputs left unread, and
-    ``watched`` records their reads (NOTE: [float arguments the program does not read])."""
     code, where = step_code(func), step_where(func)
     check_supported_optimizers(bindings.optimizers, where)
     check_plain_modules(bindings.modules, where)
@@ -979,7 +975,6 @@ def _trace_first(
         fakes = [_fake(meta, fake_mode, first_trace=_requires_grad_in_first_trace(ref, meta))
                  for ref, meta in inputs]
         tracer = _StepTracer(func, bindings, [r for r, _ in inputs], options, decisions)
-        tracer.plain, tracer.watched = plain, watched
         rewound: list[str] = []  # NOTE: [a step's own fork_rng]
         with (
             _module_scopes(bindings.module_fqns) as stack,
@@ -1128,7 +1123,7 @@ def _trace_first(
             else _VALUES_READ_HINT if _VALUES_READ in str(exc)
             else _NUMPY_HINT if _NUMPY in str(exc) else None,
         ) from exc
-    unread = _unread_float_arguments(first, [r for r, _ in inputs]) - plain
+    _check_float_arguments_read(first, [r for r, _ in inputs])
     _drop_refused_value_reads(first)
     _annotate_user_lines(first, code)
     refuse_mixed_dtype_operands(first)  # NOTE: [operands of one dtype]
@@ -1142,12 +1137,7 @@ def _trace_first(
         scheduler_steps = tracer.schedulers.steps()
         tracer.schedulers.check_reads(code)
         _refuse_schedules_of_settings(scheduler_steps, bindings)
-    found = _FirstTrace(first, tracer, inputs, fake_mode, code, outside, scheduler_steps)
-    if not unread or plain:  # a plain trace is compared by the trace that asked for it
-        return found
-    return _plain_if_the_same(found, unread, functools.partial(
-        _trace_first, func, bindings, input_metas, options, floats, decisions, unread,
-    ))
+    return _FirstTrace(first, tracer, inputs, fake_mode, code, outside, scheduler_steps)
 
 
 def _refuse_schedules_of_settings(steps: list[SchedulerStep], bindings: StepBindings) -> None:
@@ -1527,76 +1517,32 @@ def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: 
 # NOTE: [float arguments the program does not read]
 # A float argument the trace with tensor stand-ins (NOTE: [float arguments as graph
 # inputs]) leaves unread (an unused ``lr_for_logging``, ``w if use_w else 1.0`` with
-# ``use_w`` False) was a guard, so every new value compiled a new program for nothing
-# (measured: 5 compiles in 5 calls, each capture traced twice). Its value steered nothing
-# the stand-in could see: every read of it in Python (``if w > 0``, ``float(w)``,
-# ``math.exp(w)``, a format string, returning it) is a torch call on the stand-in, which
-# fails the stand-in trace (the float then stays a guard). What that trace cannot see is
-# a test of its type or identity (``isinstance(w, float)`` is False for a tensor), which
-# may send it down another path than eager's, one that does not read it. So the step is
-# traced twice more, their inputs kept, unread: with those floats as ``Watched`` floats
-# (``watched_floats.py``: float subclasses that record every read of their value in Python
-# or by a torch call; ``if isinstance(w, float) and w != 1.0: loss = loss * w`` called
-# first with 1.0 is the stand-in's program, but reads it), then, last, as the Python
-# floats, whose trace must be the stand-in's program (ops, constants, returns, checks:
-# ``graphs_differ``; it catches ``if type(w) is float: loss = loss * 2``, which a float
-# subclass fails too). Where nothing read them and the programs are the same, the floats
-# stay graph inputs the program does not read (a new value compiles nothing; their type
-# is still keyed, as every graph input's), and the capture goes on with the plain trace;
-# else they are guards, as before (measured: ``loss * w`` after the 1.0 test ran every
-# later value as 1.0, loss 1.0 relative off, without the watched trace). Not seen: an
-# exact type test whose branch reads the value by a C function (``type(w) is float and
-# math.exp(w) > 2``) into the same program at the first value only.
+# ``use_w`` False) is a guard: a new value compiles a new program. That trace cannot
+# tell an argument the step ignores from one whose value the step reads where the
+# capture cannot see it: a type test (``isinstance(w, float)``, ``isinstance(w,
+# np.floating)``: False for the tensor stand-in) sends the stand-in down another path
+# than eager's, one that does not read it, while eager's path reads the value, often
+# through C code (``math.isclose(w, 1.0)``, ``"%.1f" % w``) that no Python-level hook
+# observes. A second trace with the floats themselves and a comparison
+# of the programs (2026-12-06, reverted the same day) ran later values as the first
+# one's program, silently: ``if isinstance(w, float) and not math.isclose(w, 1.0): loss =
+# loss * w`` first called with 1.0 gave the same program, and 0.5 and 2.0 then ran as
+# 1.0 (parameters 5e-1 off eager). So an unread float stays a guard, exact by
+# construction; the recompile warning says why, and to pass the step only what it uses
+# or to use the value in tensor ops (``CapturedStep.floats_unread``).
 
 
-def _unread_float_arguments(gm: torch.fx.GraphModule, refs: list[StateRef]) -> frozenset[int]:
-    """The float arguments whose inputs the program does not read (NOTE: [float
-    arguments the program does not read])."""
-    return frozenset(
+def _check_float_arguments_read(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:
+    """A float argument the program does not read may have steered Python (a type
+    test): it must be a guarded constant instead (NOTE: [float arguments the program
+    does not read]); the floats the program reads stay graph inputs."""
+    unread = frozenset(
         ref.index for node, ref in zip(placeholders(gm), refs, strict=True)
         if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0 and not node.users
     )
-
-
-def _plain_if_the_same(
-    stand_in: _FirstTrace, unread: frozenset[int], trace_plain: Callable[..., _FirstTrace]
-) -> _FirstTrace:
-    """The trace with the ``unread`` floats as Python floats where it is ``stand_in``'s
-    program; else raises FloatArgumentUsedInPython for them (NOTE: [float arguments the
-    program does not read])."""
-    named = ", ".join(str(i) for i in sorted(unread))
-    watched = WatchedReads()
-    try:
-        trace_plain(watched)  # the floats as floats that record their reads
-        plain = trace_plain()  # last: the capture goes on with this trace's records
-    except CycledValueUsed:
-        raise
-    except Exception as exc:  # noqa: BLE001 - captured again with them as guards
-        raise FloatArgumentUsedInPython(
-            f"arguments {named} are not read by the program, and the trace with their "
-            f"values failed ({exception_summary(exc)})", unread,
-        ) from exc
-    reason = f"it reads them: {', '.join(dict.fromkeys(watched.reads))}" if watched.reads else None
-    reason = reason or initial_state.graphs_differ(stand_in.graph, plain.graph)
-    if reason is None and not _same_records(stand_in, plain):
-        reason = "other returns, checks or kept values"
-    if reason is not None:
-        raise FloatArgumentUsedInPython(
-            f"arguments {named} are not read by the program, but the trace with their values "
-            f"is another ({reason})", unread,
-        )
-    log.info("%s does not read float arguments %s: graph inputs it leaves unread", step_name(plain.tracer.func), named)
-    return plain
-
-
-def _same_records(a: _FirstTrace, b: _FirstTrace) -> bool:
-    """Whether two traces recorded the same returns, checks, kept values and schedules."""
-    def records(t: _FirstTrace) -> tuple[Any, ...]:
-        return (*t.side(), t.tracer.checks, t.tracer.kept, t.tracer.rewound_generators)
-    try:
-        return bool(records(a) == records(b))
-    except Exception:  # noqa: BLE001 - what cannot be compared is not the same
-        return False
+    if unread:
+        named = ", ".join(str(i) for i in sorted(unread))
+        raise FloatArgumentUsedInPython(f"arguments {named} are not read by the program", unread, unread=True)
 
 
 # What to write instead of an op whose output shape depends on values (by op name).
@@ -1681,10 +1627,6 @@ class _StepTracer:
         self.func, self.bindings, self.refs, self.options = func, bindings, refs, options
         self.code = step_code(func)
         self.floats = FloatArgumentMode([])
-        # float arguments traced as the Python floats (NOTE: [float arguments the program
-        # does not read])
-        self.plain: frozenset[int] = frozenset()
-        self.watched: WatchedReads | None = None
         self.group_numbers = GroupNumbers([])  # NOTE: [optimizer settings read in the step]
         # the Python values this trace wrote (NOTE: [a step that changes what it reads])
         self.written: list[tuple[dict, Any, Any]] = []
@@ -1730,9 +1672,6 @@ class _StepTracer:
         for r, v in values.items():
             if r.kind is Kind.INPUT:
                 traced_args[positions[r.index]] = v
-            elif r.kind is Kind.HYPERPARAM and r.optimizer < 0 and r.index in self.plain:
-                if self.watched is not None:
-                    traced_args[r.index] = self.watched.watch(traced_args[r.index])
             elif r.kind is Kind.HYPERPARAM and r.optimizer < 0:
                 traced_args[r.index] = v
                 stand_ins.append(v)
@@ -1773,8 +1712,6 @@ class _StepTracer:
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(checks_on_items())
             stack.enter_context(self.branches)
-            if self.watched is not None:
-                stack.enter_context(self.watched)
             real_inputs = [t for _, t in b.tensor_args()]
             # NOTE: [selections by a mask of the batch], NOTE: [rows of one count]
             stack.enter_context(mask_selections(self.refs, real_inputs.__getitem__))
@@ -1842,9 +1779,6 @@ class _StepTracer:
         for leaf in leaves:
             number = self.group_numbers.returned(leaf)
             index = self.floats.index_of.get(id(leaf)) if self.floats.is_stand_in(leaf) else None
-            if index is not None and type(self.bindings.flat_args[index]) is not float:
-                # a NumPy float64 would come back a float
-                raise FloatArgumentUsedInPython("the step returns a NumPy float64 argument", frozenset({index}))
             if index is not None:
                 # a float argument returned as it is: the number eager returns
                 # (NOTE: [float arguments as graph inputs])

@@ -193,6 +193,10 @@ class CapturedStep:
     # flat arguments, where an op named it (NOTE: [float arguments in Scalar arguments]
     # in ``capture/python_scalars.py``): the recompile warning repeats it
     floats_read: dict[int, str] = field(default_factory=dict)
+    # the float arguments kept guards because the program does not read them (NOTE:
+    # [float arguments the program does not read] in ``capture/trace.py``): the
+    # recompile warning says so
+    floats_unread: frozenset[int] = frozenset()
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

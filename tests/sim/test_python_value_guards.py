@@ -12,10 +12,12 @@ import collections
 import copy
 import itertools
 import logging
+import math
 import os
 import types
 from sys import version_info
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -477,35 +479,104 @@ def _untaken_branch_step(model, optim, x, y, w, use_w=False):
 
 
 @pytest.mark.parametrize("step", [_unread_step, _untaken_branch_step], ids=["unused", "untaken-branch"])
-def test_a_float_argument_the_step_does_not_read_compiles_once(run_parity, classification_batches, step):
-    """NOTE: [float arguments the program does not read]: a float the step never reads
-    (or reads only in a branch a bool argument skips) is an input the program leaves
-    unread. Before, it was a guard: a program per value (5 compiles in 5 calls), each
-    call's capture traced twice, and the recompile warning said the step read it in
-    Python."""
+def test_a_float_argument_the_step_does_not_read_stays_a_guard(run_parity, classification_batches, step):
+    """NOTE: [float arguments the program does not read]: a float the program never reads
+    (or reads only in a branch a bool argument skips) is a guard, a program per value,
+    each as eager: the capture cannot tell it from a float the step reads where it cannot
+    see (after a type test; see the tests below). The recompile warning says so and what
+    to do instead of that it is read in Python."""
     scales = [0.1, 0.2, 0.3, 0.4, 0.5]
     batches = _with_scales(classification_batches(5, dtype=torch.float64), scales)
+    handler = _Messages()
+    logger = logging.getLogger("spmd_compiler")
+    logger.addHandler(handler)
+    try:
+        result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=step)
+    finally:
+        logger.removeHandler(handler)
+    result.assert_close(1e-12)
+    assert result.compile_counts == [1, 2, 3, 4, 5]  # state-creating + steady, then one per value
+    refs = result.compiled.last_program.captured.input_refs()
+    assert not [r for r in refs if r.kind is Kind.HYPERPARAM and r.optimizer < 0]
+    warnings = [r.getMessage() for r in handler.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "a float the program does not read, kept a guard" in warnings[0]
+    assert "do not pass the step a value it does not use" in warnings[0]
+    assert "reads in Python" not in warnings[0]
+
+
+def test_only_the_unread_float_argument_is_a_guard(run_parity, classification_batches):
+    """A float the program reads stays a graph input next to one it does not read."""
+
+    def step(model, optim, x, y, w, lr_for_logging):
+        loss = F.cross_entropy(model(x), y) * w
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    batches = [(*b, 0.5 + i / 10, 0.1) for i, b in enumerate(classification_batches(4, dtype=torch.float64))]
     result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=step)
     result.assert_close(1e-12)
-    assert result.compile_counts == [1, 2, 2, 2, 2]  # state-creating + steady, never again
+    assert result.compile_counts == [1, 2, 2, 2]
+    refs = result.compiled.last_program.captured.input_refs()
+    assert [str(r) for r in refs if r.kind is Kind.HYPERPARAM and r.optimizer < 0] == ["float argument 4"]
 
 
-def test_a_numpy_float64_argument_is_a_graph_input(run_parity, classification_batches):
-    """A NumPy float64 (what a NumPy cosine schedule gives) is a float subclass with
-    float's arithmetic: a graph input like a float (NOTE: [float arguments as graph
-    inputs]). Before, a guard: 5 compiles in 5 calls where ``float(w)`` compiled once."""
-    np = pytest.importorskip("numpy")
-    scales = [np.float64(0.5 * (1 + np.cos(np.pi * i / 5))) for i in range(5)]
-    batches = _with_scales(classification_batches(5, dtype=torch.float64), scales)
-    result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=scaled_step)
+def _numpy_type_branch_step(model, optim, x, y, w):
+    loss = F.cross_entropy(model(x), y)
+    if isinstance(w, np.floating) and w > 0.5:  # a tensor stand-in is no np.floating
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _numpy_type_branch_read_step(model, optim, x, y, w):
+    loss = F.cross_entropy(model(x), y) * w
+    if isinstance(w, np.floating) and w > 0.5:
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize(
+    "step", [scaled_step, _numpy_type_branch_step, _numpy_type_branch_read_step],
+    ids=["tensor-ops", "type-branch", "type-branch-and-read"],
+)
+def test_a_numpy_float64_argument_stays_a_guard(run_parity, classification_batches, step):
+    """A NumPy float64 is a guard, a program per value, each as eager: a step may test
+    its type (``isinstance(w, np.floating)``), which a graph input's tensor stand-in
+    fails. As a graph input (2026-12-06) the 0.7 and 0.9 calls silently ran 0.3's
+    branch: 2 compiles, parameters 1.8e-1 off eager (2e-1 with ``loss * w``)."""
+    scales = [np.float64(0.3), np.float64(0.3), np.float64(0.7), np.float64(0.9)]
+    batches = _with_scales(classification_batches(4, dtype=torch.float64), scales)
+    result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=step)
     result.assert_close(1e-12)
-    assert result.compile_counts == [1, 2, 2, 2, 2]
+    assert result.compile_counts == [1, 2, 3, 4]
+
+
+def test_a_numpy_float_changing_every_call_is_told_to_pass_a_float(run_parity, classification_batches):
+    """The recompile warning of a NumPy float argument says to pass ``float(value)`` (the
+    float32 / float16 hint it had never matched the guard's text)."""
+    scales = [np.float64(v) for v in (0.1, 0.2, 0.3, 0.4, 0.5)]
+    batches = _with_scales(classification_batches(5, dtype=torch.float64), scales)
+    handler = _Messages()
+    logger = logging.getLogger("spmd_compiler")
+    logger.addHandler(handler)
+    try:
+        result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=scaled_step)
+    finally:
+        logger.removeHandler(handler)
+    result.assert_close(1e-12)
+    warnings = [r.getMessage() for r in handler.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "it is a NumPy scalar" in warnings[0] and "`float(value)`" in warnings[0]
 
 
 def test_a_numpy_float64_returned_as_itself_stays_eagers_type():
-    """A float64 argument returned as itself comes back a float64, as eager's (the
-    program's number would be a float): it stays a guard."""
-    np = pytest.importorskip("numpy")
+    """A float64 argument (a guard) returned as itself comes back a float64, as eager's."""
 
     def step(model, optim, x, y, w):
         loss = F.cross_entropy(model(x), y) * w
@@ -527,7 +598,6 @@ def test_a_numpy_float64_returned_as_itself_stays_eagers_type():
 def test_a_numpy_float32_argument_stays_a_guard(run_parity, classification_batches):
     """A NumPy float32 is no float subclass and rounds its arithmetic to 32 bits: a
     guard, a program per value, each as eager."""
-    np = pytest.importorskip("numpy")
     scales = [np.float32(0.1), np.float32(0.1), np.float32(0.3)]
     batches = _with_scales(classification_batches(3, dtype=torch.float64), scales)
     result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=scaled_step)
@@ -554,6 +624,26 @@ def _skipped_at_one_step(model, optim, x, y, w):
     return loss
 
 
+def _isclose_step(model, optim, x, y, w):
+    loss = F.cross_entropy(model(x), y)
+    if isinstance(w, float) and not math.isclose(w, 1.0):  # C code reads the value
+        loss = loss * w
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _formatted_step(model, optim, x, y, w):
+    loss = F.cross_entropy(model(x), y)
+    if isinstance(w, float) and "%.1f" % w != "1.0":  # noqa: UP031 - C code reads the value
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def _type_branch_step(model, optim, x, y, w):
     loss = F.cross_entropy(model(x), y)
     if type(w) is float:  # does not read the value, but eager takes this way
@@ -565,23 +655,24 @@ def _type_branch_step(model, optim, x, y, w):
 
 
 @pytest.mark.parametrize(
-    "step", [_type_tested_step, _skipped_at_one_step, _type_branch_step],
-    ids=["reads-after", "skipped-at-one", "type-branch"],
+    "step", [_type_tested_step, _skipped_at_one_step, _type_branch_step, _isclose_step, _formatted_step],
+    ids=["reads-after", "skipped-at-one", "type-branch", "math-isclose", "format"],
 )
 def test_a_float_argument_a_type_test_sends_another_way_stays_a_guard(
     run_parity, classification_batches, step
 ):
     """A float the trace with a tensor stand-in leaves unread because a type test sent
-    that trace another way than eager's: the trace with the Python float is another
-    program, or the same one at the first value (1.0) but reading the value (the trace
-    with a float that records its reads sees it), so the float stays a guard (NOTE:
-    [float arguments the program does not read]) and every call matches eager."""
+    that trace another way than eager's, which reads the value (in Python, or in C code
+    no hook sees: ``math.isclose``, a format string) or not, stays a guard (NOTE: [float
+    arguments the program does not read]) and every call matches eager. Kept an unread
+    graph input where a trace with the float itself was the same program (2026-12-06),
+    ``math-isclose`` and ``format`` compiled 2 programs and ran 0.5 and 2.0 as 1.0:
+    parameters 5e-1 off eager, silently."""
     scales = [1.0, 1.0, 0.5, 2.0]
     batches = _with_scales(classification_batches(4, dtype=torch.float64), scales)
     result = run_parity(_double_mlp, sgd_momentum, 2, batches, step=step)
     result.assert_close(1e-12)
     assert result.compile_counts[-1] == 4  # 1.0: state-creating + steady; 0.5, 2.0: one each
-
 
 
 # ---------------------------------------------------------------- Python side effects
