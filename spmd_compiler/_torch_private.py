@@ -4858,3 +4858,48 @@ def storage_ref(t: torch.Tensor) -> Any:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
+
+
+# NOTE: [data replaced between calls]
+# ``w.data = value`` between compiled calls on a parameter or buffer a compiled step
+# placed (WGAN-style ``w.data = w.data.clamp(-c, c)``, ``vector_to_parameters``, peft's
+# ``merge_and_unload(safe_merge=True)``): torch's ``Tensor.data`` setter swaps the DTensor
+# wrapper's TensorImpl but leaves its ``_local_tensor``, which the programs read and
+# write, and the assigned DTensor's own local tensor dies with it; the assignment was
+# silently ignored (losses 0.972434 / 0.902185 against eager's 1.053880 / 1.014909, the
+# weight 12.4x off). DTensor's ``__torch_function__`` is disabled, so no mode or override
+# sees the setter; ``DTensor.data`` gets a property whose setter, for a tensor registered
+# here (``intercept_data_assignment``, at placement), hands the value to the
+# registration's callback, which sets the local tensor (or refuses, with nothing
+# changed); for every other DTensor, and while a torch function mode is active (a capture,
+# where ``OutsideWrites`` refuses ``.data =`` with the step's line), it is torch's setter.
+# The getter is torch's. Nothing is added to a compiled call.
+# The registry is keyed by ``id`` and holds no reference to the tensor: a weak reference
+# to a parameter makes ``torch.utils.swap_tensors`` refuse it, which ``model.double()`` /
+# ``.to()`` of a placed model use (an earlier registry of weak references broke them, and
+# was taken back with the refusal it served). A stale id (the tensor died, another
+# DTensor got its address) is told apart by the callback, which checks that its module
+# slot still holds the tensor.
+_DATA_DESCRIPTOR: Any = torch._C.TensorBase.data  # a getset_descriptor
+_DATA_ASSIGNED: dict[int, Callable[[DTensor, torch.Tensor], bool]] = {}
+
+
+def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
+    on_set = _DATA_ASSIGNED.get(id(self))
+    if on_set is None or torch._C._is_torch_function_mode_enabled() or not on_set(cast(DTensor, self), value):
+        _DATA_DESCRIPTOR.__set__(self, value)
+
+
+def intercept_data_assignment(t: DTensor, on_set: Callable[[DTensor, torch.Tensor], bool]) -> None:
+    """Send ``t.data = value`` to ``on_set(t, value)``, which returns False where ``t`` is
+    not the tensor it was registered for (torch's setter runs then), and otherwise sets
+    the value or raises (NOTE: [data replaced between calls]). The property goes on
+    ``DTensor`` once."""
+    if DTensor.__dict__.get("data") is None:
+        DTensor.data = property(_DATA_DESCRIPTOR.__get__, _set_data)  # type: ignore[assignment,method-assign]
+    _DATA_ASSIGNED[id(t)] = on_set
+
+
+def data_assignment_callback(t: torch.Tensor) -> Callable[[DTensor, torch.Tensor], bool] | None:
+    """What ``t.data = value`` is sent to, if anything (for tests and stale entries)."""
+    return _DATA_ASSIGNED.get(id(t))

@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
 
@@ -157,6 +158,92 @@ def _placed_right_inverse(plist: torch.nn.Module, value: Any) -> None:
             current.copy_(_placed_like(new, current, sim))
 
 
+# NOTE: [data replaced between calls] (the setter's side: ``_torch_private.py``)
+# ``w.data = value`` on a parameter or buffer a compiled step placed sets its local
+# tensor (the one the programs read) to ``value``'s values, placed as ``w`` is, where
+# ``value`` says exactly what they are: a DTensor on ``w``'s mesh of ``w``'s shape and
+# dtype (``w.data.clamp(-c, c)``; under fsdp ``vector_to_parameters`` gives replicated
+# slices of the flat vector, redistributed here to ``w``'s placements, no arithmetic),
+# or a plain tensor of that shape and dtype, read as the whole value, the same on every
+# rank, as ``load_state_dict`` reads one (NOTE: [loading plain tensors into a placed
+# model]). The next call trains from it as eager does (the parameter object, its
+# optimizer state and ``requires_grad`` stay). The new local tensor is a copy of its
+# own: a placed tensor owns its memory (NOTE: [state tensors sharing memory]), so unlike
+# eager a later in-place write to ``value`` does not reach ``w``. Anything else (another
+# shape, dtype, device or mesh: a placed tensor keeps them, the programs were built for
+# them) is refused at the assignment, naming the tensor, with nothing changed. A write
+# while a deferred update is pending is refused at the next call, as any write then is
+# (NOTE: [writes between calls while an update is pending]).
+def intercept_data_assignment(module: torch.nn.Module, attr: str, name: str, placed: DTensor) -> None:
+    """Send ``placed.data = value`` (``placed`` held at ``module.<attr>``, a parameter or
+    buffer of FQN ``name`` in the step) to ``_assign_data``; once per placement."""
+    is_param = attr in module._parameters and module._parameters[attr] is placed
+    private.intercept_data_assignment(
+        placed, functools.partial(_assign_data, weakref.ref(module), attr, is_param, name)
+    )
+
+
+def _assign_data(
+    module_ref: weakref.ref[torch.nn.Module], attr: str, is_param: bool, name: str,
+    current: DTensor, value: torch.Tensor,
+) -> bool:
+    """``current.data = value`` (see the NOTE); False where ``current`` is no longer the
+    tensor registered (its module dropped it, or a stale id): torch's setter runs."""
+    from .simulate import simulation_for
+
+    module = module_ref()
+    if module is None or not isinstance(value, torch.Tensor):  # torch's own error for a non-tensor
+        return False
+    slots = module._parameters if is_param else module._buffers
+    if slots.get(attr) is not current:
+        return False
+    what = f"{'parameter' if is_param else 'buffer'} {name}"
+    value = value.detach()
+    problem = _unrecoverable(current, value)
+    if problem is not None:
+        raise SPMDCompileError(
+            f"`.data = value` on {what} between calls of a compiled step: {problem}. A "
+            f"compiled step placed {what} across the ranks with that shape, dtype and "
+            "device, and its programs read it so; nothing was changed (NOTE: [data "
+            "replaced between calls]).",
+            hint="assign a value of the same shape and dtype (a plain tensor holding the "
+            "whole value, or a DTensor on the same mesh), or write in place: "
+            "`with torch.no_grad(): w.copy_(new)` or `w.data.copy_(new)`. To change a "
+            "dtype or device, call `model.to(...)` / `model.double()`.",
+        )
+    with simulation_for([current]) as sim:
+        placed: DTensor
+        if isinstance(value, DTensor):
+            placed = value
+            if tuple(value.placements) != tuple(current.placements):
+                placed = _in_ranks(sim, lambda: value.redistribute(current.device_mesh, current.placements))
+        else:
+            placed = _placed_like(value, current, sim)
+        local = private.local_tensor_of(placed)
+        private.set_local_tensor(current, _in_ranks(sim, lambda: local.clone(memory_format=torch.contiguous_format)))
+    return True
+
+
+def _unrecoverable(current: DTensor, value: torch.Tensor) -> str | None:
+    """Why ``value`` cannot be taken as ``current``'s new value exactly, or None."""
+    if tuple(value.shape) != tuple(current.shape):
+        return f"the value has shape {tuple(value.shape)}, the tensor {tuple(current.shape)}"
+    if value.dtype != current.dtype:
+        return f"the value has dtype {value.dtype}, the tensor {current.dtype}"
+    if value.device.type != current.device.type:
+        return f"the value is on {value.device.type}, the tensor on {current.device.type}"
+    if isinstance(value, DTensor) and value.device_mesh != current.device_mesh:
+        return f"the value is a DTensor on {value.device_mesh}, the tensor on {current.device_mesh}"
+    return None
+
+
+def _in_ranks(sim: Any, fn: Callable[[], Any]) -> Any:
+    if sim is None:
+        return fn()
+    with sim.ranks():
+        return fn()
+
+
 def _is_parametrization_list(module: torch.nn.Module) -> bool:
     from torch.nn.utils.parametrize import ParametrizationList
 
@@ -221,4 +308,10 @@ def _unguard(mod: torch.nn.Module, handle: Any) -> None:
     _GUARDED.discard(mod)
 
 
-__all__ = ["flush_before_loads", "guard_direct_calls", "place_loaded_state", "refuse_plain_inputs"]
+__all__ = [
+    "flush_before_loads",
+    "guard_direct_calls",
+    "intercept_data_assignment",
+    "place_loaded_state",
+    "refuse_plain_inputs",
+]

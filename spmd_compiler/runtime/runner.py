@@ -46,7 +46,12 @@ from ..ir.signature import (
 )
 from ..lower import Executable, LoweredGraph
 from ..state_donation import donation_pairs
-from .eager_calls import flush_before_loads, guard_direct_calls, place_loaded_state
+from .eager_calls import (
+    flush_before_loads,
+    guard_direct_calls,
+    intercept_data_assignment,
+    place_loaded_state,
+)
 from .faults import attribution, default_store, describe_exception, record_failure
 from .kernel_failures import failing_node, in_a_collective, where
 from .same_inputs import InputAgreement
@@ -154,6 +159,8 @@ def _install(
 ) -> None:
     rehome = _Rehome(mesh)
     new_params: dict[int, torch.nn.Parameter] = {}
+    # the name of each placed parameter and buffer, by id (NOTE: [data replaced between calls])
+    placed_names = {id(t): name for name, t in (*bindings.params.items(), *bindings.buffers.items())}
     _UNDO.append(_undo_of(bindings))
     p: torch.Tensor  # a parameter, later an optimizer's state key
     value: torch.Tensor | None  # a parameter, a buffer, later an optimizer's state entry
@@ -175,6 +182,7 @@ def _install(
             grad_ref = StateRef(Kind.GRAD, name)
             new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)
         new_params[id(p)] = new
+        placed_names[id(new)] = name
         record_replacement(p, new, name)
         record_placed_away(p)
     # NOTE: [a buffer held by several modules]: one buffer tensor registered in two
@@ -189,10 +197,14 @@ def _install(
         for sub in mod.modules():
             for attr, value in list(sub._parameters.items()):
                 if value is not None and id(value) in new_params:
-                    sub._parameters[attr] = new_params[id(value)]
+                    value = sub._parameters[attr] = new_params[id(value)]
+                if isinstance(value, DTensor) and id(value) in placed_names:
+                    intercept_data_assignment(sub, attr, placed_names[id(value)], value)
             for attr, value in list(sub._buffers.items()):
                 if value is None or isinstance(value, DTensor):
                     rehome(value)
+                    if value is not None and id(value) in placed_names:
+                        intercept_data_assignment(sub, attr, placed_names[id(value)], value)
                     continue
                 placed = new_buffers.get(id(value))
                 if placed is None:
@@ -203,6 +215,8 @@ def _install(
                         value, mesh, placement_of(ref, TensorMeta.of(value), mesh), sim
                     )
                 sub._buffers[attr] = placed
+                if id(value) in placed_names:
+                    intercept_data_assignment(sub, attr, placed_names[id(value)], placed)
     for oi, opt in enumerate(bindings.optimizers):
         for group in opt.param_groups:
             group["params"] = [new_params.get(id(p), p) for p in group["params"]]
@@ -919,6 +933,7 @@ def _replace_buffer(bindings: StepBindings, name: str, old: torch.Tensor, new: D
             for attr, value in buffers.items():
                 if value is old:
                     buffers[attr] = new
+                    intercept_data_assignment(sub, attr, name, new)
     bindings.buffers[name] = new
 
 

@@ -599,3 +599,48 @@ def test_an_optimizer_hooks_logged_norm_on_gloo() -> None:
         assert all(type(t) is torch.Tensor for t in got["logged"]), f"rank {rank}: {got['logged']}"
         assert relative_difference(torch.stack(got["logged"]), torch.stack(logged)) < 1e-12, f"rank {rank}"
         assert got["norms"] == pytest.approx(norms, rel=1e-12), f"rank {rank}"
+
+
+def _data_edits(model: nn.Module) -> None:
+    """``.data =`` between calls (NOTE: [data replaced between calls]): a clip out of
+    place, and ``vector_to_parameters`` (fsdp: replicated slices, redistributed)."""
+    w = model[0].weight
+    w.data = w.data.clamp(-0.05, 0.05)
+    flat = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.nn.utils.vector_to_parameters(flat * 0.5, model.parameters())
+
+
+def data_assigned_worker(rank: int, world_size: int) -> dict[str, object]:
+    from spmd_compiler.parallel_modes import DataParallel
+
+    sc.init_from_env()
+    model = make_model().double()
+    optim = OPTIMIZERS["sgd_momentum"](model)
+    step = sc.compile(DataParallel("fully_shard"), backend=backend_under_test())(train_step)
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    losses = []
+    for i, (x, y) in enumerate(global_batches()):
+        if i == 1:
+            _data_edits(model)
+        losses.append(step(model, optim, x[local].double(), y[local]).detach().clone())
+    return {"losses": torch.stack(losses), "state": full_state(model, optim, None)}
+
+
+def test_data_assigned_between_calls_on_gloo() -> None:
+    """``w.data = w.data.clamp(...)`` and ``vector_to_parameters`` between calls were
+    silently ignored on real ranks (the local shard the program reads was kept)."""
+    results = sc.launch(data_assigned_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
+    model = make_model().double()
+    optim = OPTIMIZERS["sgd_momentum"](model)
+    losses = []
+    for i, (x, y) in enumerate(global_batches()):
+        if i == 1:
+            _data_edits(model)
+        losses.append(train_step(model, optim, x.double(), y).detach().clone())
+    expected = full_state(model, optim, None)
+    for rank, result in enumerate(results):
+        errors = {"losses": relative_difference(result["losses"], torch.stack(losses))}
+        errors.update({k: relative_difference(result["state"][k], v) for k, v in expected.items()})
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] < 1e-12, f"rank {rank}: {worst} differs by {errors[worst]:.2e}"

@@ -303,3 +303,20 @@ def test_a_write_while_an_update_is_pending_is_refused(mode, at):
             last.bias.zero_()
         step(model, optim, *batches[3])  # flushed first: the write is the user's
         step.flush()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_data_assigned_while_an_update_is_pending_is_refused(mode):
+    """NOTE: [data replaced between calls]: ``w.data = value`` sets the placed local
+    shard; while that parameter's update is deferred it is refused at the next call like
+    any write then, not overwritten by the deferred update."""
+    model, optim, _, _, batches = _f64_setup(3)
+    step = _compile(mode)
+    last = model[3]
+    with sc.simulate(2):
+        step(model, optim, *batches[0])
+        step(model, optim, *batches[1])
+        last.weight.data = last.weight.data * 0.5
+        with pytest.raises(sc.SPMDRuntimeError, match=r"param 3\.weight was replaced by another tensor"):
+            step(model, optim, *batches[2])
+        assert not step.has_pending_update

@@ -1,0 +1,170 @@
+"""``tensor.data = value`` between compiled calls on a parameter or buffer the first call
+placed (NOTE: [data replaced between calls] in ``spmd_compiler/_torch_private.py`` and
+``spmd_compiler/runtime/eager_calls.py``).
+
+torch's ``.data`` setter swaps the DTensor wrapper but not its local shard, which the
+programs read: ``w.data = w.data.clamp(-0.01, 0.01)`` (WGAN-style clipping),
+``vector_to_parameters`` and a buffer's ``.data =`` were silently ignored (the weight
+12.4x off eager). Now the assignment sets the local shard where the value says exactly
+what it is (a DTensor on the same mesh, redistributed if need be, or a plain tensor of
+the whole value), and the next calls train as eager (float64, within 1e-12); a value of
+another shape or dtype is refused at the assignment, naming the tensor, nothing changed.
+``model.double()`` (``swap_tensors``) and ``load_state_dict`` between calls go on as
+before, and a ``.data =`` after them is still honoured.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import spmd_compiler as sc
+from spmd_compiler import _torch_private as private
+from spmd_compiler.parallel_modes import DataParallel
+
+TOL = 1e-12
+
+
+def step(model, optim, x, y):  # noqa: ANN001, ANN201
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 6, dtype=torch.float64)
+        self.out = nn.Linear(6, 4, dtype=torch.float64)
+        self.register_buffer("shift", torch.zeros(6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.a(x)) + self.shift)
+
+
+def _data(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _clamp(model: nn.Module) -> None:
+    w = model.a.weight
+    w.data = w.data.clamp(-0.01, 0.01)
+
+
+def _vector_to_parameters(model: nn.Module) -> None:
+    flat = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.nn.utils.vector_to_parameters(flat * 0.5, model.parameters())
+
+
+def _buffer(model: nn.Module) -> None:
+    model.shift.data = model.shift.data + 0.5
+
+
+def _plain_value(model: nn.Module) -> None:
+    model.out.weight.data = torch.full((4, 6), 0.05, dtype=torch.float64)
+
+
+def _twins() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    return (model, eager, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9))
+
+
+def _assert_state_as_eager(model: nn.Module, eager: nn.Module) -> None:
+    full = sc.checkpoint.full_state_dict(model)["model"]
+    for name, value in eager.state_dict().items():
+        assert torch.allclose(full[name], value, rtol=0, atol=TOL), name
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("edit", [_clamp, _vector_to_parameters, _buffer, _plain_value],
+                         ids=["clamp", "vector_to_parameters", "buffer", "plain_value"])
+def test_data_assigned_between_calls_trains_as_eager(mode: str, edit: Callable[[nn.Module], None]) -> None:
+    model, eager, optim, eager_optim = _twins()
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(step)
+    with sc.simulate(world_size=2):
+        for i, (x, y) in enumerate(_data()):
+            if i == 1:
+                params = list(model.parameters())
+                edit(model)
+                edit(eager)
+                assert all(p is q for p, q in zip(params, model.parameters(), strict=True))
+            loss, want = compiled(model, optim, x, y), step(eager, eager_optim, x, y)
+            assert abs(float(loss) - float(want)) < TOL, i
+        _assert_state_as_eager(model, eager)
+
+
+def test_a_value_of_another_shape_or_dtype_is_refused_with_nothing_changed() -> None:
+    model, eager, optim, eager_optim = _twins()
+    compiled = sc.compile(parallel_mode=DataParallel("fully_shard"))(step)
+    with sc.simulate(world_size=2):
+        for i, (x, y) in enumerate(_data()):
+            if i == 1:
+                w = model.a.weight
+                local = private.local_tensor_of(w)
+                for value, message in [
+                    (torch.zeros(3, 8, dtype=torch.float64), r"parameter a\.weight .*shape \(3, 8\)"),
+                    (w.data.float(), r"parameter a\.weight .*dtype torch\.float32"),
+                ]:
+                    with pytest.raises(sc.SPMDCompileError, match=message) as raised:
+                        w.data = value
+                    assert "copy_(new)" in str(raised.value)
+                assert private.local_tensor_of(w) is local and w.dtype == torch.float64 and tuple(w.shape) == (6, 8)
+                with pytest.raises(sc.SPMDCompileError, match=r"buffer shift .*shape \(3,\)"):
+                    model.shift.data = torch.zeros(3, dtype=torch.float64)
+            loss, want = compiled(model, optim, x, y), step(eager, eager_optim, x, y)
+            assert abs(float(loss) - float(want)) < TOL, i
+        _assert_state_as_eager(model, eager)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_double_and_load_state_dict_between_calls_go_on_and_data_is_still_honoured(mode: str) -> None:
+    torch.manual_seed(0)
+    model = Net().float()
+    eager = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_optim = torch.optim.SGD(eager.parameters(), lr=0.1)
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(step)
+    batches = _data(4)
+    with sc.simulate(world_size=2):
+        x, y = batches[0]
+        compiled(model, optim, x.float(), y)
+        step(eager, eager_optim, x.float(), y)
+        model.double()  # torch.utils.swap_tensors of each placed parameter
+        eager.double()
+        # float32 first steps agree to rounding: start both from the same weights
+        model.load_state_dict(eager.state_dict())
+        for i, (x, y) in enumerate(batches[1:]):
+            if i == 1:
+                _clamp(model)
+                _clamp(eager)
+            loss, want = compiled(model, optim, x, y), step(eager, eager_optim, x, y)
+            assert abs(float(loss) - float(want)) < TOL, i
+        _assert_state_as_eager(model, eager)
+
+
+def test_a_dtensor_no_step_placed_keeps_torchs_setter() -> None:
+    model, _, optim, _ = _twins()
+    x, y = _data(1)[0]
+    with sc.simulate(world_size=2) as sim:
+        sc.compile(parallel_mode=DataParallel("replicate"))(step)(model, optim, x, y)  # the property is in place
+        mesh, placements = model.a.weight.device_mesh, model.a.weight.placements
+        other = sim.shard(torch.zeros(4, dtype=torch.float64), mesh, placements)
+        local = private.local_tensor_of(other)
+        assert isinstance(other, DTensor)
+        other.data = sim.shard(torch.ones(4, dtype=torch.float64), mesh, placements)
+        assert private.local_tensor_of(other) is local  # torch's setter: the wrapper only
