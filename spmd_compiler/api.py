@@ -35,7 +35,7 @@ from .capture.code_names import step_function, step_name, step_where
 from .capture.guards import Guards, argument_labels, build_guards
 from .capture.hooks_as_found import HooksAsFound
 from .capture.initial_state import MadeState, made_from
-from .capture.kept_tensors import KeptTensors, install_placeholders, kept_container_ids
+from .capture.kept_tensors import KeptTensors, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
@@ -1255,8 +1255,6 @@ class CompiledTrainStep:
             if ref.kind is Kind.HYPERPARAM and ref.optimizer < 0
         )
         try:
-            # NOTE: [tensors the step keeps]: the guards see the attributes the step creates
-            install_placeholders(captured.kept, bindings, captured.output_metas)
             guards = step_guards(self.func, bindings, graph_args, captured)
             also = []
             if change is not None:  # NOTE: [a step that changes what it reads]

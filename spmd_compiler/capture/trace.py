@@ -1131,7 +1131,7 @@ def _trace_first(
     _refuse_custom_ops_writing_arguments(first)
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
     outside = outside_constants(first, tracer.outside, bindings, tracer.unplaced)  # NOTE: [tensors read from outside the arguments]
-    refuse_kept_read_back(outside, tracer.kept, bindings, step_where(func))  # NOTE: [tensors the step keeps]
+    refuse_kept_read_back(first, outside, tracer.kept, bindings, step_where(func))  # NOTE: [tensors the step keeps]
     scheduler_steps = []
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
         scheduler_steps = tracer.schedulers.steps()

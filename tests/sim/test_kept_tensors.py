@@ -665,3 +665,178 @@ def test_a_refused_capture_leaves_a_global_modules_hooks_and_flags_as_found():
         assert torch.equal(_criterion(model(x), y), before)
     assert len(model.a._backward_hooks) == 0 and model.a._is_full_backward_hook is None
     model.a.register_backward_hook(lambda m, gi, go: None).remove()
+
+
+# NOTE: [tensors the step keeps]: attributes the step creates on one call and reads
+# back on the next (``hasattr`` / ``getattr``). Each step's read-back line ends in
+# ``# read back``, which the refusal names.
+def _consistency_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    if hasattr(model, "prev"):
+        loss = loss + (out - model.prev).pow(2).mean()  # read back
+    model.prev = out.detach()
+    return _update(model, optim, loss)
+
+
+def _norm_scaled_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    prev = getattr(optim, "prev_norm", None)
+    if prev is not None:
+        loss = loss * prev  # read back
+    _update(model, optim, loss)
+    optim.prev_norm = torch.stack([p.detach().norm() for p in model.parameters()]).norm()
+    return loss
+
+
+class _Trainer:
+    """Keeps an EMA of the loss on itself, created on the first call."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(self.model(x), y)
+        ema = getattr(self, "ema", None)
+        self.ema = loss.detach() if ema is None else 0.9 * ema + 0.1 * loss.detach()
+        return _update(self.model, self.optim, loss * self.ema)
+
+
+def _trainer_step(trainer, model, optim, x, y):  # noqa: ANN001, ANN202
+    return trainer.step(x, y)  # read back
+
+
+class _Box:
+    """A global object a step keeps its last output on."""
+
+
+_last_output = _Box()
+
+
+def _global_object_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    if hasattr(_last_output, "prev"):
+        loss = loss + (out - _last_output.prev).pow(2).mean()  # read back
+    _last_output.prev = out.detach()
+    return _update(model, optim, loss)
+
+
+def _dict_entry_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    if "prev" in model.store:
+        loss = loss + (out - model.store["prev"]).pow(2).mean()  # read back
+    model.store["prev"] = out.detach()
+    return _update(model, optim, loss)
+
+
+_READ_BACKS = {  # the step, where it keeps the value
+    "module_hasattr": (_consistency_step, r"module <root> \(_Stashing\)\.prev"),
+    "optimizer_getattr": (_norm_scaled_step, r"optimizer\[0\] \(SGD\)\.prev_norm"),
+    "trainer_getattr": (_trainer_step, r"argument 0 of the step \(_Trainer\)\.ema"),
+    "global_object": (_global_object_step, r"global '_last_output' .*\.prev"),
+    "module_dict_entry": (_dict_entry_step, r"module <root> \(_Stashing\)\.store\['prev'\]"),
+}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", list(_READ_BACKS))
+def test_an_attribute_the_step_creates_and_reads_back_is_refused_naming_it(kind, mode):
+    """``if hasattr(model, "prev"): ... model.prev`` then ``model.prev = out.detach()``,
+    ``getattr(opt, "prev_norm", None)``, a trainer's ``getattr(self, "ema", None)``, a
+    global object's ``.prev``, a module's dict entry ``model.store["prev"]``: the first
+    call's program is traced without the attribute, and until the sixtieth session the
+    attribute held a meta placeholder when the guards were made, so the later calls ran
+    that program, silently (parameters up to 0.012, 0.036, 0.0019, 0.012 and 0.012 off
+    eager after 4 calls). Now the second call is traced again, sees the read and refuses
+    it, naming the place and the line, with the first call's training kept."""
+    fn, where = _READ_BACKS[kind]
+    models = []
+    for compiled in (False, True):
+        model = _model()
+        model.store = {}
+        vars(_last_output).clear()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        args = (_Trainer(model, optim),) if fn is _trainer_step else ()
+        step = sc.compile(_mode(mode))(fn) if compiled else fn
+        first, second = _batches(2)
+        with sc.simulate(world_size=2) as sim:
+            step(*args, model, optim, *first)
+            if compiled:
+                with pytest.raises(SPMDCompileError, match=where + r" back on a later call") as err:
+                    step(*args, model, optim, *second)
+                assert "# read back" in str(err.value)  # the step's line of the read
+            models.append([sim.full_tensor(p).clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(*models, strict=True))
+
+
+def test_a_forward_cache_read_back_is_refused_naming_it():
+    """``self.cache = h.detach()`` in ``forward`` and ``if self.cache is not None`` on the
+    next call (refused before too: the attribute existed, as None)."""
+
+    class _Caching(_Stashing):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cache = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.gelu(self.a(x))
+            if self.cache is not None:
+                h = h + 0.5 * self.cache
+            self.cache = h.detach()
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = _Caching().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(make_mode("ddp"))(_plain_step)
+    first, second = _batches(2)
+    with sc.simulate(world_size=2):
+        step(model, optim, *first)
+        with pytest.raises(SPMDCompileError, match=r"_Caching\)\.cache back on a later call"):
+            step(model, optim, *second)
+
+
+def _item_scaled_step(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    if hasattr(model, "last"):
+        loss = loss * model.last
+    model.last = loss.item()
+    return _update(model, optim, loss)
+
+
+def _weight_scaled_step(model, optim, x, y, w):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    if hasattr(model, "last_w"):
+        loss = loss * model.last_w
+    model.last_w = w
+    return _update(model, optim, loss)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("fn", [_item_scaled_step, _weight_scaled_step])
+def test_a_python_number_the_step_creates_and_reads_back_trains_as_eager(fn, mode):
+    """``model.last = loss.item()`` / ``model.last_w = w`` (a float argument) read back
+    with ``hasattr`` on the next call: until the sixtieth session the later calls ran the
+    first call's program, traced without it (losses 2.61 and 0.97 off eager, silently).
+    Now the number is a Python value the guards read, as eager reads it: each new value
+    compiles (and warns that it does), and each stays a float."""
+    seen = {}
+    for compiled in (False, True):
+        model = _model()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = sc.compile(_mode(mode))(fn) if compiled else fn
+        values = []
+        with sc.simulate(world_size=2) as sim:
+            for i, (x, y) in enumerate(_batches(4)):
+                extra = (0.3 + 0.1 * i,) if fn is _weight_scaled_step else ()
+                loss = step(model, optim, x, y, *extra)
+                kept = model.last if fn is _item_scaled_step else model.last_w
+                values.append((loss.detach().clone(), kept))
+            params = [sim.full_tensor(p).clone() for p in model.parameters()]
+        seen[compiled] = values, params
+    (eager, eager_params), (got, got_params) = seen[False], seen[True]
+    for (loss, kept), (want_loss, want_kept) in zip(got, eager, strict=True):
+        assert _close(loss, want_loss) and _close(kept, want_kept)
+    assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got_params, eager_params, strict=True))
