@@ -875,6 +875,95 @@ def ambient_autocast() -> tuple[tuple[str, torch.dtype], ...]:
     )
 
 
+_SMALLEST_NORMAL = sys.float_info.min  # a module global: no constant folding of the probe
+
+
+def call_settings() -> tuple[Any, ...]:
+    """torch's process and thread settings around a compiled call that change what its
+    capture traces, besides the grad mode, autocast and the default dtype (NOTE:
+    [torch settings in the program key] in ``api.py``), in ``CALL_SETTINGS``' order.
+    1.1 us with none set, 5 us under a default device, 8 us under ``save_on_cpu``."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return (
+        _default_device() if torch._C._len_torch_function_stack() else None,
+        # flush-denormal mode (no getter in torch): it flushes Python's floats too
+        _SMALLEST_NORMAL / 2.0 == 0.0,
+        _sdpa_backends(),
+        None if hooks is None else tuple(_hook_identity(f) for f in hooks),
+    )
+
+
+# the names of ``call_settings``' parts, for the recompile log
+CALL_SETTINGS = (
+    "torch's default device (torch.set_default_device)",
+    "torch's flush-denormal mode (torch.set_flush_denormal)",
+    "the attention backends enabled (torch.nn.attention.sdpa_kernel)",
+    "the saved-tensor hooks around the call (torch.autograd.graph.saved_tensors_hooks)",
+)
+
+
+def call_setting_text(k: int, value: Any) -> str:
+    """Part ``k`` of ``call_settings()`` in a recompile line."""
+    if k == 2:
+        names = [n for n, on in zip(_SDPA_NAMES, value) if on]
+        return ", ".join(names) or "none"
+    if value is None:
+        return "unset"
+    if k == 3:
+        return ", ".join(
+            getattr(f[0] if isinstance(f, tuple) else f, "co_qualname" if isinstance(f, tuple) else "__qualname__",
+                    repr(f))
+            for f in value
+        )
+    return str(value)
+
+
+def _default_device() -> str | None:
+    """The device of the innermost ``torch.set_default_device`` / ``with torch.device``
+    mode (``torch.get_default_device`` takes 7.6 us); None outside one."""
+    from torch.utils._device import DeviceContext
+
+    for i in range(torch._C._len_torch_function_stack() - 1, -1, -1):
+        mode = torch._C._get_function_stack_at(i)
+        if isinstance(mode, DeviceContext):
+            return None if str(mode.device) == "cpu" else str(mode.device)  # "cpu": as unset
+    return None
+
+
+_SDPA_NAMES = tuple(
+    name for name in ("flash", "mem_efficient", "math", "cudnn", "overrideable")
+    if hasattr(torch._C, f"_get_{name}_sdp_enabled")
+)
+_SDPA_FLAGS = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name in _SDPA_NAMES)
+
+
+def _sdpa_backends() -> tuple[bool, ...]:
+    """Which of ``F.scaled_dot_product_attention``'s backends are enabled (the global
+    flags ``torch.nn.attention.sdpa_kernel`` and ``torch.backends.cuda.enable_*_sdp`` set)."""
+    return tuple([f() for f in _SDPA_FLAGS])  # a list: half a generator's time
+
+
+_PLAIN_CELLS = (type(None), bool, int, float, str, torch.device, torch.dtype)
+
+
+def _hook_identity(fn: Any) -> Any:
+    """A saved-tensor hook as the program key holds it: a plain function by its code and
+    the plain values it closes over and defaults to (``save_on_cpu`` makes new closures on
+    every entry, over a bool and a module; a lambda written in the loop is new on every
+    call), anything else by itself."""
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        return fn
+    try:
+        values = [c.cell_contents for c in fn.__closure__ or ()]
+    except ValueError:  # a cell not yet assigned
+        return fn
+    values += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    if not all(type(v) in _PLAIN_CELLS or isinstance(v, types.ModuleType) for v in values):
+        return fn
+    return code, tuple((type(v), v) for v in values)  # typed: 1 == True == 1.0
+
+
 @contextlib.contextmanager
 def autocast_regions(ambient: tuple[tuple[str, torch.dtype], ...], enabled: bool) -> Iterator[None]:
     """Enter the autocast regions ``ambient`` again, or leave them for a while

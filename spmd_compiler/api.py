@@ -119,7 +119,7 @@ class CompileRecord:
 
 def _key_change(old: tuple, new: tuple, n_args: int, names: Callable[[], list[str]] | None = None) -> Change | None:
     """What differs between two calls' program keys (``(input metas, static_key,
-    (simulated, world size), grad mode, default dtype, autocast)``) in the step's arguments, in the
+    (simulated, world size), grad mode, torch settings, default dtype, autocast)``) in the step's arguments, in the
     words the guards use: "<what> was <old>, now <new>"; None when only the rest differs.
     ``names()``: the step's name for each flattened argument (``argument_paths``), read
     only for a change."""
@@ -132,6 +132,9 @@ def _key_change(old: tuple, new: tuple, n_args: int, names: Callable[[], list[st
         return Change("the autocast regions around the call", str(old[-1]), str(new[-1]), verb="were")
     if old[-2] != new[-2]:
         return Change("torch's default dtype", str(old[-2]), str(new[-2]))
+    for k, (was, now) in enumerate(zip(old[4], new[4])):  # NOTE: [torch settings in the program key]
+        if was != now:
+            return Change(private.CALL_SETTINGS[k], *(private.call_setting_text(k, v) for v in (was, now)))
     if len(old_metas) != len(new_metas):
         return Change("the number of tensor arguments", str(len(old_metas)), str(len(new_metas)))
     for k, (a, b) in enumerate(zip(old_metas, new_metas)):
@@ -454,10 +457,11 @@ class CompiledTrainStep:
         # and the world size: a program is sharded for its ranks (NOTE: [state placed for
         # another world size])
         # and the grad mode: a step captured under no_grad holds no backward (NOTE: [grad
-        # mode around the step])
+        # mode around the step]), and torch's other settings the capture reads (NOTE:
+        # [torch settings in the program key])
         key = (
             tuple(input_metas), bindings.static_key(), (sim is not None, mesh.size()), torch.is_grad_enabled(),
-            torch.get_default_dtype(), ambient,
+            private.call_settings(), torch.get_default_dtype(), ambient,
         )
         self._recompiling = None  # a refused call's, never counted
         executable = self._cached_executable(key, bindings)
@@ -1080,9 +1084,13 @@ class CompiledTrainStep:
             return "", guards
         try:
             guards = build_guards(self.func, bindings, step_key.float_positions(bindings.flat_args))
+            default_device, flush, attention, hooks = private.call_settings()  # NOTE: [torch settings in the program key]
+            if hooks is not None:  # functions: no text names them across processes
+                raise compile_cache.Uncacheable("no saved-tensor hooks around the call")
             settings = compile_cache.settings_parts(
                 self.mode, mesh, self.options, self.lowering, active_simulation() is not None
-            ) + [["autocast", [[device, str(dtype)] for device, dtype in ambient]]]
+            ) + [["autocast", [[device, str(dtype)] for device, dtype in ambient]],
+                 ["settings", default_device, flush, list(attention)]]
             return step_key.step_key(self.func, bindings, input_metas, guards, settings), guards
         except compile_cache.Uncacheable as exc:
             log.info("%s has no key before capture: it would need %s", self._name, exc)
@@ -1390,6 +1398,40 @@ def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) ->
 # its matmuls cast at run time (a loss 3e-3 off the eager autocast step's), and one traced
 # under it ran in float32 calls alike. (``private.autocast_regions``: left in ``_call``,
 # entered again around the capture in ``_compile``.)
+
+
+# NOTE: [torch settings in the program key]
+# Besides the grad mode, autocast and the default dtype (above), four of torch's settings
+# around a call change what its capture traces, so the program key holds them
+# (``private.call_settings``, read on every call: 1.1 us on this 2-core machine while
+# others used it) and a call with another value compiles its own program, logging
+# "recompiling <step>: <setting> was <old>, now <new>". Each ran the first call's
+# program silently before (2026-12-06, float64 ddp MLP against the eager step):
+# - ``torch.set_default_device("meta")`` (or ``with torch.device(...)``): eager fails on
+#   the step's ``torch.zeros(4)``, the program kept its CPU constant and trained on;
+# - ``torch.set_flush_denormal(True)`` at capture: it flushes Python's floats and the
+#   scalars traced, and the program kept them flushed on a later call without it (1.8e-11
+#   off eager in a step that scales by 1e-310); torch has no getter, so the key reads
+#   whether a Python float denormal flushes (a call under it at run time was right: the
+#   program's kernels run in the caller's thread);
+# - ``torch.nn.attention.sdpa_kernel(...)``: the capture picks the CPU flash kernel or the
+#   math formulation as eager would under the enabled backends (NOTE: [the CPU flash
+#   kernel at capture]); a backend set eager cannot run on ("No viable backend") ran the
+#   old program instead of failing;
+# - saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``):
+#   the capture runs them, so the program holds what they did; a pack / unpack pair that
+#   changes values (an unpack that doubles) was baked into the program for later calls
+#   without it (loss 0.23 off), and ignored by a program traced without it (0.25 off). A
+#   hook is keyed by its code and the plain values it closes over (``save_on_cpu`` and a
+#   lambda written in the loop make new functions on every entry: one program), any other
+#   by itself; a global its code reads is not in the key. With hooks the step has no key
+#   before capture (``step_key.py``; its program key, which hashes the graph, holds).
+# Not keyed, checked: ``torch.use_deterministic_algorithms`` (no CPU op of these steps
+# changes; in the compile cache's key), ``torch.set_float32_matmul_precision`` and
+# ``torch.backends.mkldnn`` flags (read by the kernels at run time: the program under them
+# matched eager under them), ``torch.manual_seed`` (the program draws from the generator's
+# state: NOTE: [random numbers]), anomaly mode (checked on every call: NOTE: [anomaly
+# detection at capture]).
 
 
 def _warn_of_constants_in_arguments(outside: list[Any]) -> None:
