@@ -34,12 +34,17 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import gc
 import importlib
 import types
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from .._torch_private import pytree
 from ..errors import SPMDCompileError
+from .plain_objects import SKIPPED_PACKAGES, attributes, slot_names
 
 
 class Opened:
@@ -231,6 +236,79 @@ def close_returned(tree: Any) -> Any:
     return _close(tree, _new)
 
 
+# Objects the walk of ``traced_inside`` does not enter: what they hold is no value
+# the step made (a model's parameters are its real ones again once the trace ends).
+_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType,
+          types.CodeType, types.FrameType, types.TracebackType, torch.nn.Module, torch.optim.Optimizer,
+          torch.dtype, torch.device)
+_WALK_BUDGET = 10_000
+
+
+def traced_inside(value: Any, traced: Callable[[Any], bool]) -> str | None:
+    """NOTE: [returned objects holding traced values]
+    The path (``StepOutput.loss``, ``<closure>.l``) of a value ``traced`` holds to be
+    one of the trace's (a fake tensor, a traced ``.item()``) inside ``value``, a leaf of
+    the step's result that pytree and ``open_containers`` do not open; None if none is.
+    Such a leaf is returned as it is, a constant of the program: before 2026-12-06 a
+    step returning ``StepOutput(loss.detach(), out)`` of a plain class got, on every
+    call, the same object holding the trace's fake tensors (``float(r.loss)`` raised
+    torch's bare ``DataDependentOutputException``), as did a returned generator, closure
+    or set. Rebuilding such an object on each call would have to guess how (its
+    ``__init__``, its ``__slots__``, what its methods capture), so the step is refused
+    instead. The walk follows containers, attributes, closure cells, defaults, bound
+    ``self``, a generator's locals and, for other objects, ``gc.get_referents``; it
+    does not enter modules, classes, models, optimizers, the globals of a function or
+    torch's own objects, and stops after 10,000 objects (a leaf that holds no traced
+    value, a string, a config object, the model itself, stays a constant, as before)."""
+    seen: set[int] = set()
+    root = value.__qualname__ if isinstance(value, (types.FunctionType, types.GeneratorType)) else None
+    stack: list[tuple[Any, str]] = [(value, root or type(value).__qualname__)]
+    while stack and len(seen) < _WALK_BUDGET:
+        x, path = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if traced(x):
+            return path
+        if isinstance(x, (torch.Tensor, *_ATOMS)) or (
+            not isinstance(x, (dict, list, tuple, set, frozenset))
+            and str(type(x).__module__).split(".")[0] in SKIPPED_PACKAGES
+        ):
+            continue
+        children: list[tuple[Any, str]] = []
+        if isinstance(x, dict):
+            children = [(v, f"{path}[{k!r}]") for k, v in x.items()] + [(k, f"{path} key") for k in x]
+        elif isinstance(x, (list, tuple, set, frozenset, collections.deque)):
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        elif isinstance(x, types.FunctionType):
+            names = x.__code__.co_freevars
+            children = [(c.cell_contents, f"{path}.{n}") for n, c in zip(names, x.__closure__ or (), strict=False)
+                        if _filled(c)]
+            children += [(d, f"{path} default") for d in (x.__defaults__ or ())]
+            children += [(d, f"{path}.{k}") for k, d in (x.__kwdefaults__ or {}).items()]
+        elif isinstance(x, types.MethodType):
+            children = [(x.__self__, f"{path}.__self__"), (x.__func__, path)]
+        elif isinstance(x, types.GeneratorType):
+            frame = x.gi_frame
+            local = frame.f_locals if frame is not None else {}
+            children = [(v, f"{path}.{'<iterable>' if k == '.0' else k}") for k, v in local.items()]
+        elif hasattr(x, "__dict__") or slot_names(type(x)):
+            children = [(v, f"{path}.{k}") for k, v in attributes(x).items()]
+        else:  # an iterator, a functools.partial, a cell: what the collector sees in it
+            children = [(v, path) for v in gc.get_referents(x)]
+        stack.extend(reversed(children))
+    return None
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
 __all__ = [
     "Closed", "Opened", "close_containers", "close_returned", "holds_containers", "open_containers",
+    "traced_inside",
 ]

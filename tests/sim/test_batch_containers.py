@@ -249,6 +249,72 @@ def test_containers_round_trip_through_the_compile_cache(tmp_path):
     _assert_outputs_match(got, want)
 
 
+class PlainOutput:
+    """A class with ``__init__``, not a dataclass: pytree keeps it as a leaf."""
+
+    def __init__(self, loss: Any, note: Any = "") -> None:
+        self.loss, self.note = loss, note
+
+
+RETURNS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "plain_object": lambda loss: PlainOutput(loss),
+    "plain_object_in_a_list": lambda loss: [PlainOutput(loss)],
+    "generator": lambda loss: (v for v in [loss]),
+    "closure": lambda loss: (lambda: loss),
+    "set": lambda loss: {loss},
+}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", sorted(RETURNS))
+def test_a_returned_object_holding_step_values_is_refused(name, mode):
+    """NOTE: [returned objects holding traced values]: before it, each came back, the
+    same object every call, holding the trace's fake tensors (``float(r.loss)`` raised
+    torch's bare ``DataDependentOutputException``)."""
+    wrap = RETURNS[name]
+
+    def step(model, optim, batch):
+        loss = F.cross_entropy(model.net(batch.features), batch.labels)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return wrap(loss.detach())
+
+    model, optim, _, _ = _model_and_reference("adamw")
+    before = copy.deepcopy(model.state_dict())
+    compiled = sc.compile(make_mode(mode))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, Batch(*_tensors(torch.Generator().manual_seed(3))))
+    assert "holding a value it computed" in str(info.value)
+    assert "@dataclass" in str(info.value) and "SimpleNamespace" in str(info.value)
+    if name.startswith("plain_object"):
+        assert "returns a PlainOutput" in str(info.value) and "PlainOutput.loss" in str(info.value)
+    assert not optim.state
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_a_returned_object_holding_no_step_value_is_returned_as_it_is():
+    """A string, an object holding only Python values, the model itself: constants."""
+
+    def step(model, optim, batch):
+        loss = F.cross_entropy(model.net(batch.features), batch.labels)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss, "done", PlainOutput(3, note="n"), model
+
+    model, optim, reference, ref_optim = _model_and_reference()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    gen = torch.Generator().manual_seed(3)
+    with sc.simulate(world_size=2):
+        for _ in range(2):
+            batch = Batch(*_tensors(gen))
+            (loss, text, out, returned), (want, *_) = compiled(model, optim, batch), step(reference, ref_optim, batch)
+            assert abs(loss.item() - want.item()) <= 1e-12 * abs(want.item())
+            assert text == "done" and (out.loss, out.note) == (3, "n") and returned is model
+
+
 def popping_step(model, optim, batch):
     labels = batch.pop("labels")  # as Hugging Face trainers' compute_loss does
     loss = F.cross_entropy(model.net(batch["features"]), labels)
