@@ -66,7 +66,10 @@ def _flatten_with_keys(node: Opened) -> tuple[list[tuple[Any, Any]], Any]:
     """Children keyed as the step reads them: ``batch['ids']`` in a ``UserDict``,
     ``batch.ids`` in a dataclass or namespace (the argument paths of
     ``bindings.argument_paths``)."""
-    key = pytree.MappingKey if issubclass(node.kind, collections.UserDict) else pytree.GetAttrKey
+    key = (
+        pytree.MappingKey if issubclass(node.kind, (collections.UserDict, dict))
+        else pytree.SequenceKey if issubclass(node.kind, (list, tuple)) else pytree.GetAttrKey
+    )
     return [(key(n), v) for n, v in zip(node.names, node.values, strict=True)], (node.kind, node.names)
 
 
@@ -99,10 +102,77 @@ pytree.register_pytree_node(
 )
 
 
+# NOTE: [subclasses of dict, list and tuple]
+# A batch in a subclass of dict (``class Batch(dict): pass``, what EasyDict-style code
+# passes), list or tuple (not a named tuple, which pytree opens) was a leaf: on
+# simulated ranks its tensors were constants of the program (the batch not split, a new
+# program every call: 4 compiles in 4 calls), on real ranks the call was refused, and a
+# list subclass was refused as a tensor read "from a place the compiled step cannot
+# watch". Such a container is opened as its base is, its items its children (a dict's by
+# key), and closed into a copy of the caller's object of its own type (its attributes
+# kept) holding the traced items; a returned one is rebuilt with each call's values.
+# That is exact only where the class reads its items as its base does: one that
+# overrides item or attribute access (``__getitem__``, ``__getattr__``, ``get``,
+# ``__iter__``, ...; EasyDict's ``__setattr__`` storing every item as an attribute too)
+# and holds a tensor is refused, naming the class and the method; holding no tensor it
+# stays a leaf, guarded as before (a config object).
+_ITEM_ACCESS = frozenset({
+    "__getitem__", "__setitem__", "__getattr__", "__getattribute__", "__setattr__", "__iter__",
+    "__len__", "__contains__", "__missing__", "__reversed__", "__new__", "get", "keys", "items",
+    "values", "copy", "__copy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__",
+})
+_BASES = (dict, list, tuple)
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined by a class statement
+
+
+def _subclass_base(x: Any) -> type | None:
+    """dict, list or tuple where ``x`` is an object of a subclass of it that pytree keeps
+    as a leaf (NOTE: [subclasses of dict, list and tuple])."""
+    cls = type(x)
+    if not cls.__flags__ & _HEAP_TYPE or str(cls.__module__).split(".")[0] in SKIPPED_PACKAGES:
+        return None  # a class written in C (``torch.Size``, a struct sequence) or torch's own
+    for base in _BASES:
+        if isinstance(x, base) and cls is not base:
+            return base
+    return None
+
+
+def _overridden(cls: type, base: type) -> str | None:
+    """The first method of item or attribute access ``cls`` defines over ``base``."""
+    for owner in cls.__mro__:
+        if owner is base or owner is object:
+            return None
+        for name in sorted(_ITEM_ACCESS):
+            if name in owner.__dict__:
+                return f"{owner.__qualname__}.{name}"
+    return None
+
+
+def _subclass_openable(x: Any, base: type) -> bool:
+    method = _overridden(type(x), base)
+    if method is None:
+        return True
+    items = list(dict.values(x)) if base is dict else list(list.__iter__(x) if base is list else tuple.__iter__(x))
+    if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(items)):
+        return False  # a leaf as before: a config object, guarded
+    raise SPMDCompileError(
+        f"The train step is given (or returns) a {type(x).__qualname__}, a subclass of "
+        f"{base.__name__} holding tensors that overrides {method}: a compiled step opens "
+        f"such a container as a {base.__name__} and passes the traced step a copy holding "
+        f"the traced tensors, which is exact only where the class reads its items as "
+        f"{base.__name__} does (NOTE: [subclasses of dict, list and tuple]).",
+        hint=f"pass {base.__name__}(batch), or hold the batch in a @dataclass, a "
+        "types.SimpleNamespace or a collections.UserDict.",
+    )
+
+
 def _openable(x: Any) -> bool:
     """A container of the NOTE that pytree would keep as a leaf."""
     if isinstance(x, type) or not pytree.tree_is_leaf(x):  # a type pytree opens itself
         return False
+    base = _subclass_base(x)
+    if base is not None:
+        return _subclass_openable(x, base)
     return (
         dataclasses.is_dataclass(x)
         or isinstance(x, collections.UserDict)
@@ -111,6 +181,10 @@ def _openable(x: Any) -> bool:
 
 
 def _contents(x: Any) -> tuple[tuple[Any, ...], list[Any]]:
+    if isinstance(x, dict) and not isinstance(x, collections.UserDict):  # a subclass
+        return tuple(dict.keys(x)), list(dict.values(x))
+    if isinstance(x, (list, tuple)):
+        return tuple(range(len(x))), list(x)
     if dataclasses.is_dataclass(x):
         names = tuple(f.name for f in dataclasses.fields(x))
         return names, [getattr(x, n) for n in names]
@@ -135,6 +209,10 @@ def open_containers(tree: Any, is_leaf: Any, found: list[Any] | None = None) -> 
 
 
 def _entries(x: Any) -> dict[Any, Any]:
+    if isinstance(x, dict):
+        return dict(dict.items(x))
+    if isinstance(x, (list, tuple)):
+        return dict(enumerate(x))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return dict(vars(x)) if hasattr(x, "__dict__") else {
             f.name: getattr(x, f.name) for f in dataclasses.fields(x)
@@ -170,7 +248,12 @@ class Closed:
 
 def _fill(obj: Any, names: tuple[Any, ...], values: list[Any]) -> Any:
     """``obj`` (a fresh copy or instance of a container of the NOTE) holding ``values``."""
-    if dataclasses.is_dataclass(obj):
+    if isinstance(obj, dict):
+        dict.clear(obj)
+        dict.update(obj, zip(names, values, strict=True))
+    elif isinstance(obj, list):
+        list.__setitem__(obj, slice(None), values)
+    elif dataclasses.is_dataclass(obj):
         for name, value in zip(names, values, strict=True):
             object.__setattr__(obj, name, value)  # frozen dataclasses too
     elif isinstance(obj, collections.UserDict):
@@ -202,7 +285,11 @@ def close_containers(tree: Any, objects: list[Any], closed: Closed | None = None
     remaining = iter(objects)
 
     def rebuild(node: Opened, values: list[Any]) -> Any:
-        new = _fill(copy.copy(next(remaining)), node.names, values)
+        original = next(remaining)
+        if isinstance(original, tuple):  # immutable: a new one, with the attributes
+            new = _tuple_of(type(original), values, original)
+        else:
+            new = _fill(copy.copy(original), node.names, values)
         if closed is not None:
             closed.copies.append((new, _entries(new)))
         return new
@@ -214,6 +301,8 @@ def _new(node: Opened, values: list[Any]) -> Any:
     """A new container of ``node``'s type holding ``values`` (a returned container: there
     is no object of the caller's to copy)."""
     kind: Any = node.kind
+    if issubclass(kind, tuple):
+        return _tuple_of(kind, values)
     if kind is types.SimpleNamespace:
         return types.SimpleNamespace(**dict(zip(node.names, values, strict=True)))
     if issubclass(kind, collections.UserDict):
@@ -222,6 +311,16 @@ def _new(node: Opened, values: list[Any]) -> Any:
         except Exception:  # noqa: BLE001 - a constructor of another shape
             pass
     return _fill(kind.__new__(kind), node.names, values)  # fields set as __init__ would
+
+
+def _tuple_of(kind: type, values: list[Any], original: Any = None) -> Any:
+    """An object of ``kind``, a tuple subclass, holding ``values`` (and the attributes of
+    ``original``): made as ``tuple`` makes one (NOTE: [subclasses of dict, list and
+    tuple]: a class overriding ``__new__`` is refused)."""
+    new: Any = tuple.__new__(kind, values)  # type: ignore[type-var]
+    if original is not None and hasattr(original, "__dict__"):
+        vars(new).update(vars(original))
+    return new
 
 
 def holds_containers(spec: pytree.TreeSpec) -> bool:
