@@ -150,3 +150,32 @@ def test_a_partial_binding_the_model_and_optimizer(name, mode):
     for key, value in twin.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=TOL, atol=TOL)
     assert step.compile_count == 1
+
+
+def test_a_compiled_step_called_inside_another_is_refused(recwarn):
+    """NOTE: [a compiled step inside another] in ``api.py``: it failed deep in the parallel
+    mode ("rows a mask selects") with torch's FakeTensor data-pointer warning."""
+    mode = DataParallel("replicate")
+    inner = sc.compile(parallel_mode=mode)(weighted_step)
+
+    def outer(model, optim, x, y):  # noqa: ANN001
+        return inner(model, optim, x, y)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    before = copy.deepcopy(model.state_dict())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with sc.simulate(world_size=WORLD):
+        with pytest.raises(SPMDCompileError) as info:
+            sc.compile(parallel_mode=mode)(outer)(model, optim, x, y)
+        assert "The compiled step weighted_step is called inside the compiled step outer" in str(info.value)
+        assert "weighted_step.func(" in str(info.value)
+        assert not any("FakeTensor" in str(w.message) for w in recwarn)
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[key])
+        got = inner(model, optim, x, y)  # the inner step still runs on its own
+    torch.manual_seed(0)
+    twin = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    want = weighted_step(twin, torch.optim.SGD(twin.parameters(), lr=0.1), x, y)
+    assert abs(got.item() - want.item()) <= TOL * abs(want.item())
