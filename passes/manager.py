@@ -227,8 +227,9 @@ def build_pipeline(
     names = list(dict.fromkeys([*base, *options.extra_passes]))
     known = resolve_passes(names)
     resolve_passes(options.pass_options, needed_by="pass_options")
-    for name in options.disabled - set(registered_passes()):
-        log.warning("disabled pass %r is not a registered pass; ignored", name)
+    # a misspelt name to disable only logged a warning and the pass ran, while misspelt
+    # extra_passes / pass_options names were errors: an error too since 2026-12-06
+    resolve_passes(sorted(options.disabled), needed_by="disable_passes (or SPMD_DISABLE_PASSES)")
     enabled = [known[n] for n in names if n not in options.disabled]
     ordered = order_passes(enabled)
     for name in set(options.pass_options) - {p.name for p in ordered} - options.disabled:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -217,6 +218,9 @@ def _split_arguments(
     return out
 
 
+_RUNNING = threading.local()  # NOTE: [a compiled step inside another]: the step running
+
+
 class CompiledTrainStep:
     """A train step compiled on first call (and again for new shapes or settings).
 
@@ -345,6 +349,29 @@ class CompiledTrainStep:
         return self._call_with(args, kwargs)
 
     def _call_with(self, args: tuple, kwargs: dict) -> Any:
+        # NOTE: [a compiled step inside another]
+        # A compiled step called while another compiled step runs (from its traced code,
+        # ``def outer(...): return inner(...)`` with both compiled) would capture on the
+        # outer trace's stand-in tensors: it failed deep in a parallel mode ("rows a mask
+        # selects") with torch's FakeTensor data-pointer warning. Refused on entry, naming
+        # both steps, before it reads anything.
+        running = getattr(_RUNNING, "step", None)
+        if running is not None:
+            raise SPMDCompileError(
+                f"The compiled step {self._name} is called inside the compiled step "
+                f"{running._name}: a compiled step traces the plain code it runs, and cannot "
+                "run inside another's trace.",
+                user_line=innermost_model_frame_of_stack() or running._where,
+                hint=f"call the plain function there ({self._name}.func(...)), or compile "
+                "only the outer step.",
+            )
+        _RUNNING.step = self
+        try:
+            return self._call_with_running(args, kwargs)
+        finally:
+            _RUNNING.step = None
+
+    def _call_with_running(self, args: tuple, kwargs: dict) -> Any:
         sim = active_simulation()
         self._served = self._found = None
         bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
@@ -1455,6 +1482,15 @@ def _check_compile_options(
     parallel_mode: Any, check_passes: Any, verify_numerics: Any, backend: str, inductor_regions: Any,
 ) -> None:
     """Refuse at ``sc.compile`` the options that would only fail (or do nothing) later."""
+    if isinstance(parallel_mode, (types.FunctionType, types.MethodType, functools.partial, CompiledTrainStep)):
+        # ``@sc.compile`` written without its call: the step itself came as the mode
+        raise SPMDCompileError(
+            f"sc.compile was given the function {getattr(parallel_mode, '__name__', parallel_mode)!r} "
+            "as its parallel mode: spmd_compiler.compile takes the options first and "
+            "returns the decorator.",
+            hint="write @spmd_compiler.compile(mode) (with its parentheses, e.g. "
+            '@sc.compile(DataParallel("replicate"))), or sc.compile(mode)(train_step).',
+        )
     # by what it is, not by class: ``parallel_modes`` is importable under two names (the
     # package and ``spmd_compiler.parallel_modes``), whose classes differ
     if parallel_mode is not None and (
@@ -1538,6 +1574,14 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     lowering = LoweringOptions(backend, cuda_graphs, inductor_regions)  # type: ignore[arg-type]
 
     def decorate(func: Callable[..., Any]) -> CompiledTrainStep:
+        if isinstance(func, CompiledTrainStep):  # NOTE: [a compiled step inside another]
+            raise SPMDCompileError(
+                f"{func._name} is already a compiled step: compiling it again would trace "
+                "the compiled step inside another.",
+                user_line=func._where,
+                hint=f"compile the plain function once: sc.compile(mode)({func._name}); "
+                f"for another mode or options compile its .func again.",
+            )
         return CompiledTrainStep(func, mode, options, lowering, cache_dir)
 
     return decorate

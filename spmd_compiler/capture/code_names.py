@@ -249,6 +249,25 @@ def step_name(func: Any) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+def partial_arguments(func: Any) -> tuple[Any, list[tuple[Any, str]]]:
+    """NOTE: [modules bound by a partial]
+    The callable a ``functools.partial`` (or a partial of a partial: a subclass's is not
+    merged by ``functools``) calls, and the values it binds, each with where (for
+    messages): ``partial(step, model, opt)`` binds the step's model as a closure
+    variable would. Before 2026-12-06 the module search did not look there, so such a
+    step was refused as training no nn.Module although README lists a partial as a step
+    (``tests/sim/test_step_callables.py``). The guards walk what a partial binds already
+    (``guards.code_of``). ``func`` itself and [] for anything else."""
+    bound: list[tuple[Any, str]] = []
+    for _ in range(16):
+        if not isinstance(func, functools.partial):
+            break
+        bound += [(v, f"argument {i} of the partial") for i, v in enumerate(func.args)]
+        bound += [(v, f"keyword {k!r} of the partial") for k, v in func.keywords.items()]
+        func = func.func
+    return func, bound
+
+
 def reachable_by_name(
     func: Callable[..., Any], flat_args: list[Any], kind: type | tuple[type, ...], holders: Sequence[Any] = (),
 ) -> list[Any]:
@@ -259,6 +278,8 @@ def reachable_by_name(
     ``opts.critic``, refused before as an optimizer the step was not given), in that
     order; an object met twice is listed twice."""
     found = [a for a in flat_args if isinstance(a, kind)]
+    func, bound = partial_arguments(func)
+    found += [v for v, _ in bound if isinstance(v, kind)]
     owner = getattr(func, "__self__", None)
     func = getattr(func, "__func__", func)
     code = getattr(func, "__code__", None)
@@ -344,12 +365,11 @@ def modules_read_by_name(func: Callable[..., Any], depth: int = 4) -> list[tuple
     names), to ``depth`` calls deep; library code (torch's, ...) is not entered
     (NOTE: [modules read by name beside the given ones] in ``capture/bindings.py``). An
     object met twice is listed twice."""
-    bound: Any = func
-    while isinstance(bound, functools.partial):
-        bound = bound.func
+    bound, arguments = partial_arguments(func)
     owner = getattr(bound, "__self__", None)
     start = step_function(func)
-    found: list[tuple[Any, str]] = []
+    # NOTE: [modules bound by a partial]
+    found: list[tuple[Any, str]] = [(v, where) for v, where in arguments if isinstance(v, torch.nn.Module)]
     attribute_names: set[str] = set()
     seen: set[int] = set()
 
@@ -391,6 +411,6 @@ def modules_read_by_name(func: Callable[..., Any], depth: int = 4) -> list[tuple
 
 
 __all__ = [
-    "global_names_in", "modules_read_by_name", "names_in", "reachable_by_name", "reads_computed_attributes", "step_code", "step_function", "step_name", "step_where",
+    "global_names_in", "modules_read_by_name", "names_in", "partial_arguments", "reachable_by_name", "reads_computed_attributes", "step_code", "step_function", "step_name", "step_where",
     "strings_in", "value_names_in",
 ]

@@ -430,8 +430,8 @@ class Guards:
         return None
 
     def add_tensor(self, container: Any, key: Any, tensor: Any, version: int, name: str) -> None:
-        """``tensor`` must stay at ``container[key]`` (a dict, or a closure cell with key
-        None) with its version counter at ``version`` (NOTE: [tensors read from outside
+        """``tensor`` must stay at ``container[key]`` (a dict, a closure cell with key
+        None, or a function with a key of ``_default_of``) with its version counter at ``version`` (NOTE: [tensors read from outside
         the arguments])."""
         self.entries.append((_TENSOR, container, (key, tensor), _held(tensor, version)))
         self.names.append(name)
@@ -582,6 +582,8 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
                 current = container.cell_contents
             except ValueError:
                 current = _MISSING
+        elif isinstance(container, types.FunctionType):  # a tensor default argument
+            current = _default_of(container, name)
         else:
             current = container.get(name, _MISSING)
         return _held(tensor, tensor._version) if current is tensor else ("another value",)

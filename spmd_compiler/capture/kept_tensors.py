@@ -394,6 +394,14 @@ class KeptTensors:
                 values.append((cell.cell_contents, cell, None, f"closure value {name!r} of {where}"))
             except ValueError:
                 continue
+        # NOTE: [tensors read from outside the arguments]: a tensor default argument
+        # (``def step(model, opt, x, y, w=W0)``, a helper's ``def weighted(out, y, w=W0)``)
+        # is read as a global is, guarded at ``fn.__defaults__`` / ``fn.__kwdefaults__``
+        # (``guards._default_of``: code may assign either whole). Before 2026-12-06 the
+        # walk did not look there and the step was refused as reading a tensor from a place
+        # the compiled step cannot watch, while the same ``W0`` read as a global compiled.
+        for key, name, value in _tensor_defaults(fn):
+            self._outside(value, fn, key, f"default of {name!r} of {where}")
         for value, container, key, label in values:
             if isinstance(value, torch.Tensor):
                 self._outside(value, container, key, label)
@@ -656,6 +664,22 @@ def _refused(where: str, what: str, hint: str | None = None) -> SPMDCompileError
         "entry, or append it to a list, which the compiled step repeats every call.",
     )
 
+
+
+def _tensor_defaults(fn: types.FunctionType) -> list[tuple[tuple[str, Any], str, torch.Tensor]]:
+    """The tensor default arguments of ``fn``: each one's key for ``guards._default_of``
+    (``("__defaults__", position)`` or ``("__kwdefaults__", name)``), its parameter's
+    name and the tensor."""
+    found: list[tuple[tuple[str, Any], str, torch.Tensor]] = []
+    parameters = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    positional = fn.__defaults__ or ()
+    for position, value in enumerate(positional):
+        if isinstance(value, torch.Tensor):
+            found.append((("__defaults__", position), parameters[len(parameters) - len(positional) + position], value))
+    for name, value in (fn.__kwdefaults__ or {}).items():
+        if isinstance(value, torch.Tensor):
+            found.append((("__kwdefaults__", name), name, value))
+    return found
 
 __all__ = [
     "KeptTensor", "KeptTensors", "is_traced", "kept_container_ids",

@@ -32,6 +32,7 @@ import torch
 # a peft LoRA step among them, 13 s) and hold no setting of what a step computes.
 _DISPLAY_PACKAGES = frozenset({"tqdm", "rich", "loguru", "colorama", "termcolor"})
 _SKIPPED_PACKAGES = frozenset({"torch", "spmd_compiler", "parallel_modes", "passes", "numpy"}) | _DISPLAY_PACKAGES
+SKIPPED_PACKAGES = _SKIPPED_PACKAGES
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 

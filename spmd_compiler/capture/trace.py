@@ -101,7 +101,7 @@ from .bindings import (
     tensor_argument_names,
 )
 from .code_names import step_code, step_name, step_where
-from .containers import Closed, close_containers, holds_containers, open_containers
+from .containers import Closed, close_containers, holds_containers, open_containers, traced_inside
 from .diagonals import diagonal_scatter_by_mask
 from .dtype_agreement import refuse_mixed_dtype_operands
 from .functional_rewrite import functional_by_rewriting
@@ -1772,6 +1772,29 @@ class _StepTracer:
             how = _returned_number(*number, step_where(self.func))
             target.as_item, target.as_int = how == "item", how == "int"
 
+    def _refuse_traced_inside(self, leaf: Any) -> None:
+        """NOTE: [returned objects holding traced values] (``containers.py``)."""
+
+        def traced(x: Any) -> bool:
+            if isinstance(x, torch.Tensor):
+                return private.traced_within_transforms(x) or self.floats.is_stand_in(x)
+            return isinstance(x, TracedItem)
+
+        path = traced_inside(leaf, traced)
+        if path is None:
+            return
+        kind = type(leaf).__qualname__
+        raise SPMDCompileError(
+            f"The train step returns a {kind} holding a value it computed ({path}): a "
+            f"compiled step returns what pytree does not open as it is, so every call would "
+            f"get the same {kind}, holding the trace's stand-in tensors instead of the "
+            f"call's values.",
+            user_line=step_where(self.func),
+            hint="return the values in a dict, a tuple, a @dataclass or a "
+            "types.SimpleNamespace (opened and rebuilt with each call's values), or "
+            "register the class with torch.utils._pytree.register_pytree_node.",
+        )
+
     def _collect(self, result, params, final_buffers, swapped, values, kept) -> list[torch.Tensor]:
         # NOTE: [batch containers]: a returned dataclass is opened as an argument is
         leaves, self.return_spec = pytree.tree_flatten(open_containers(result, lambda x: False))
@@ -1799,6 +1822,7 @@ class _StepTracer:
             elif isinstance(leaf, LRReadAfterSchedulerStep):
                 leaf.refuse()
             else:
+                self._refuse_traced_inside(leaf)
                 self.return_leaves.append(("const", leaf))
         for site in self.branches.sites:  # NOTE: [value checks]
             self.checks.append(ValueCheck(len(outs), site.expected, site.where, ""))

@@ -4,6 +4,7 @@ batch (NOTE: [batch containers], NOTE: [constants agree across ranks]).
 - A ``@dataclass`` batch and a ``UserDict`` batch (``BatchEncoding``'s base) train as one
   device does on the global batch (float64, within 1e-12); before the NOTE both failed
   every call (``unhashable type``).
+- A returned plain object holding the step's values is refused on every rank.
 - A plain class instance holding the batch is not opened: its tensors are constants of
   the program. Each rank held its own shard there, so the ranks trained on their shards
   alone and drifted apart silently (31% off one device after 3 SGD steps). Every rank
@@ -123,4 +124,37 @@ def test_a_batch_in_a_plain_object_is_refused_on_every_rank() -> None:
         assert "rank 0: argument 2 of the step (PlainBatch).x (4, 8) float64" in message
         assert "rank 1: argument 2 of the step (PlainBatch).x (4, 8) float64" in message
         assert "@dataclass" in message
+        assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"
+
+
+class PlainOutput:
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+
+def plain_output_step(model, optim, batch):
+    return PlainOutput(step(model, optim, batch).detach())
+
+
+def returning_worker(rank: int, world_size: int) -> dict:
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(full_state(model, optim, None))
+    x, y = _batches()[0]
+    local = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    try:
+        out = sc.compile(make_mode("ddp"))(plain_output_step)(model, optim, DataclassBatch(x[local], y[local]))
+    except SPMDCompileError as exc:
+        after = full_state(model, optim, None)
+        return {"error": str(exc), "untouched": all(torch.equal(after[k], v) for k, v in before.items())}
+    return {"returned": type(out.loss).__name__}
+
+
+def test_a_returned_plain_object_holding_step_values_is_refused_on_every_rank() -> None:
+    """NOTE: [returned objects holding traced values]: each rank got the trace's fake
+    tensor back (``float(out.loss)`` raised ``DataDependentOutputException``)."""
+    results = sc.launch(returning_worker, WORLD_SIZE, timeout_s=launch_timeout(120))
+    for rank, got in enumerate(results):
+        assert "error" in got, f"rank {rank} returned {got}"
+        assert "returns a PlainOutput holding a value it computed (PlainOutput.loss)" in got["error"]
         assert got["untouched"], f"rank {rank}: the refused call changed the model or optimizer"

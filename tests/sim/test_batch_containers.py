@@ -55,6 +55,22 @@ class Encoding(collections.UserDict):
             raise AttributeError(name) from None
 
 
+class DictBatch(dict):
+    """``class Batch(dict)`` with a method of its own: items read as a dict's."""
+
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert type(self) is DictBatch  # the step runs on the class it was written for
+        return self["features"], self["labels"]
+
+
+class ListBatch(list):
+    pass
+
+
+class TupleBatch(tuple):
+    __slots__ = ()
+
+
 @dataclasses.dataclass
 class Nested:
     inputs: dict[str, Any]
@@ -122,6 +138,15 @@ def nested_step(model, optim, batch):
     return loss
 
 
+def subclass_step(model, optim, batch):
+    features, labels = batch.pair() if isinstance(batch, DictBatch) else (batch[0], batch[1])
+    loss = F.cross_entropy(model.net(features), labels)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def _tensors(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen)
 
@@ -133,6 +158,11 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[torch.Generator], Any]]] = 
     "user_dict_attributes": (attribute_mapping_step, lambda g: Encoding(zip(("features", "labels"), _tensors(g)))),
     "simple_namespace": (dataclass_step, lambda g: types.SimpleNamespace(
         **dict(zip(("features", "labels"), _tensors(g))), weight=2.0)),
+    # NOTE: [subclasses of dict, list and tuple]: constants of the program before (a
+    # new program every call on simulated ranks, refused on real ones)
+    "dict_subclass": (subclass_step, lambda g: DictBatch(zip(("features", "labels"), _tensors(g)))),
+    "list_subclass": (subclass_step, lambda g: ListBatch(_tensors(g))),
+    "tuple_subclass": (subclass_step, lambda g: TupleBatch(_tensors(g))),
     "nested": (nested_step, lambda g: (lambda f, y: Nested(
         {"encoding": types.SimpleNamespace(features=f), "scale": 0.5}, y))(*_tensors(g))),
 }
@@ -247,6 +277,157 @@ def test_containers_round_trip_through_the_compile_cache(tmp_path):
     second, got, want = _run_returning(tmp_path)
     assert [r.cache for r in second.records] == ["hit"]
     _assert_outputs_match(got, want)
+
+
+class PlainOutput:
+    """A class with ``__init__``, not a dataclass: pytree keeps it as a leaf."""
+
+    def __init__(self, loss: Any, note: Any = "") -> None:
+        self.loss, self.note = loss, note
+
+
+RETURNS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "plain_object": lambda loss: PlainOutput(loss),
+    "plain_object_in_a_list": lambda loss: [PlainOutput(loss)],
+    "generator": lambda loss: (v for v in [loss]),
+    "closure": lambda loss: (lambda: loss),
+    "set": lambda loss: {loss},
+}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", sorted(RETURNS))
+def test_a_returned_object_holding_step_values_is_refused(name, mode):
+    """NOTE: [returned objects holding traced values]: before it, each came back, the
+    same object every call, holding the trace's fake tensors (``float(r.loss)`` raised
+    torch's bare ``DataDependentOutputException``)."""
+    wrap = RETURNS[name]
+
+    def step(model, optim, batch):
+        loss = F.cross_entropy(model.net(batch.features), batch.labels)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return wrap(loss.detach())
+
+    model, optim, _, _ = _model_and_reference("adamw")
+    before = copy.deepcopy(model.state_dict())
+    compiled = sc.compile(make_mode(mode))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, Batch(*_tensors(torch.Generator().manual_seed(3))))
+    assert "holding a value it computed" in str(info.value)
+    assert "@dataclass" in str(info.value) and "SimpleNamespace" in str(info.value)
+    if name.startswith("plain_object"):
+        assert "returns a PlainOutput" in str(info.value) and "PlainOutput.loss" in str(info.value)
+    assert not optim.state
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_a_returned_object_holding_no_step_value_is_returned_as_it_is():
+    """A string, an object holding only Python values, the model itself: constants."""
+
+    def step(model, optim, batch):
+        loss = F.cross_entropy(model.net(batch.features), batch.labels)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss, "done", PlainOutput(3, note="n"), model
+
+    model, optim, reference, ref_optim = _model_and_reference()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    gen = torch.Generator().manual_seed(3)
+    with sc.simulate(world_size=2):
+        for _ in range(2):
+            batch = Batch(*_tensors(gen))
+            (loss, text, out, returned), (want, *_) = compiled(model, optim, batch), step(reference, ref_optim, batch)
+            assert abs(loss.item() - want.item()) <= 1e-12 * abs(want.item())
+            assert text == "done" and (out.loss, out.note) == (3, "n") and returned is model
+
+
+class AttributeDict(dict):
+    """EasyDict-style: every item an attribute too."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+
+def test_a_dict_subclass_overriding_access_is_refused_holding_tensors():
+    """NOTE: [subclasses of dict, list and tuple]: opened as a dict it might read
+    otherwise than the class does; holding no tensor (a config) it stays a leaf."""
+    model, optim, _, _ = _model_and_reference()
+    before = copy.deepcopy(model.state_dict())
+    compiled = sc.compile(make_mode("ddp"))(attribute_mapping_step)
+    batch = AttributeDict(zip(("features", "labels"), _tensors(torch.Generator().manual_seed(3))))
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, batch)
+    assert "AttributeDict, a subclass of dict holding tensors that overrides AttributeDict.__getattr__" in str(info.value)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+    def config_step(model, optim, batch, cfg):
+        return dataclass_step(model, optim, Batch(batch.features, batch.labels, weight=cfg.weight))
+
+    model, optim, reference, ref_optim = _model_and_reference()
+    compiled = sc.compile(make_mode("ddp"))(config_step)
+    with sc.simulate(world_size=2):
+        batch = Batch(*_tensors(torch.Generator().manual_seed(3)))
+        got = compiled(model, optim, batch, AttributeDict(weight=0.5))
+        want = config_step(reference, ref_optim, batch, AttributeDict(weight=0.5))
+    assert abs(got.item() - want.item()) <= 1e-12 * abs(want.item())
+
+
+def subclass_returning_step(model, optim, batch):
+    logits = model.net(batch["features"])
+    loss = F.cross_entropy(logits, batch["labels"])
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return DictBatch(loss=loss.detach()), ListBatch([logits.detach()]), TupleBatch((loss.detach(),))
+
+
+def test_a_returned_subclass_of_dict_list_or_tuple_holds_the_calls_values():
+    model, optim, reference, ref_optim = _model_and_reference()
+    compiled = sc.compile(make_mode("fsdp"))(subclass_returning_step)
+    gen = torch.Generator().manual_seed(3)
+    with sc.simulate(world_size=2):
+        for _ in range(2):
+            batch = DictBatch(zip(("features", "labels"), _tensors(gen)))
+            got = compiled(model, optim, batch)
+            want = subclass_returning_step(reference, ref_optim, batch)
+            assert [type(g) for g in got] == [DictBatch, ListBatch, TupleBatch]
+            for g, w in zip(_returned_tensors(got), _returned_tensors(want), strict=True):
+                assert type(g) is torch.Tensor
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    assert compiled.compile_count == 1
+
+
+def _returned_tensors(tree: Any) -> list[Any]:
+    return [*tree[0].values(), *tree[1], *tree[2]]
+
+
+def test_a_write_into_a_dict_subclass_is_refused():
+    model, optim, _, _ = _model_and_reference()
+    batch = DictBatch(zip(("features", "labels"), _tensors(torch.Generator().manual_seed(3))))
+    compiled = sc.compile(make_mode("ddp"))(subclass_writing_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, batch)
+    assert "writes into its DictBatch argument (loss)" in str(info.value)
+    assert "loss" not in batch
+
+
+def subclass_writing_step(model, optim, batch):
+    loss = F.cross_entropy(model.net(batch["features"]), batch["labels"])
+    loss.backward()
+    optim.step()
+    batch["loss"] = loss.detach()  # lands in the traced copy
+    return loss
 
 
 def popping_step(model, optim, batch):

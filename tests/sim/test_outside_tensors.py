@@ -113,6 +113,51 @@ def test_a_replaced_or_changed_tensor_compiles_a_new_program():
     assert counts == [1, 1, 2, 3]  # the state made first; each change one program
 
 
+DEFAULT_WEIGHTS = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+
+
+def default_step(model, optim, x, y, w=DEFAULT_WEIGHTS):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y, weight=w)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _weighted(out, y, *, w=DEFAULT_WEIGHTS):  # noqa: ANN001, ANN202
+    return F.cross_entropy(out, y, weight=w)
+
+
+def helper_default_step(model, optim, x, y):  # noqa: ANN001
+    loss = _weighted(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("step", [default_step, helper_default_step])
+def test_a_tensor_default_argument_is_a_guarded_constant(step, mode):
+    """A tensor default of the step or of a helper it calls is read as a global is: it
+    was refused before as from "a place the compiled step cannot watch for changes".
+    Changed in place, or the defaults replaced, it compiles a new program."""
+    saved = (default_step.__defaults__, _weighted.__kwdefaults__)
+
+    def between(i, model, reference):  # noqa: ANN001
+        if i == 2:  # replaced whole, as code may assign __defaults__ / __kwdefaults__
+            new = torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+            default_step.__defaults__, _weighted.__kwdefaults__ = (new,), {"w": new}
+        if i == 3:  # changed in place
+            default_step.__defaults__[0].mul_(2.0)
+
+    try:
+        counts = _run(step, mode, between)
+    finally:
+        default_step.__defaults__, _weighted.__kwdefaults__ = saved
+    assert counts == [1, 1, 2, 3]
+
+
 def _writing_step(model, optim, x, y):  # noqa: ANN001
     model.scale.add_(1.0)
     return weighted_step(model, optim, x, y)

@@ -257,6 +257,21 @@ def test_wrong_compile_options_are_refused_at_compile(options, expected):
         assert "DataParallel(" in str(info.value) and "ParallelMode" in str(info.value)
 
 
+def test_compile_without_its_call_says_how_to_write_it():
+    """``@sc.compile`` on a function: refused as a mode "got <function ...>"."""
+    with pytest.raises(SPMDCompileError, match=r"write @spmd_compiler.compile\(mode\)"):
+        sc.compile(step)
+
+
+def test_a_compiled_step_compiled_again_is_refused_at_compile():
+    """NOTE: [a compiled step inside another]: its first call failed with an unrelated
+    refusal about "rows a mask selects" and a FakeTensor data-pointer warning."""
+    compiled = sc.compile(DataParallel("replicate"))(step)
+    with pytest.raises(SPMDCompileError, match="step is already a compiled step") as info:
+        sc.compile(DataParallel("replicate"))(compiled)
+    assert ".func" in str(info.value)
+
+
 # ---------------------------------------------------------------- capture failures
 
 

@@ -68,6 +68,16 @@ def test_disabled_pass_does_not_run(monkeypatch):
     assert program.passes_applied == []
 
 
+def test_a_misspelt_disabled_pass_is_an_error(monkeypatch):
+    """It only logged a warning and the pass ran, while misspelt ``extra_passes`` and
+    ``pass_options`` names were errors."""
+    with pytest.raises(PipelineError, match="unknown pass 'remove_dead_node' in disable_passes"):
+        run_pipeline(_tiny_program(), PassOptions(disabled=frozenset({"remove_dead_node"})))
+    monkeypatch.setenv("SPMD_DISABLE_PASSES", "bucket_colectives")
+    with pytest.raises(PipelineError, match="SPMD_DISABLE_PASSES"):
+        run_pipeline(_tiny_program(), PassOptions())
+
+
 def test_broken_pass_is_named_with_passes_before_it():
     @register_pass("test_break_graph", "uses a collective's result without its wait")
     def _break(program, context):
