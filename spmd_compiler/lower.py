@@ -227,22 +227,26 @@ class LoweredGraph:
     _writes: StateWrites | None = None  # the last interpreted call's, if it donates
 
     def __call__(
-        self, flat: list[torch.Tensor], simulated: bool, opened: Sequence[torch.Tensor] = ()
+        self, flat: list[torch.Tensor], simulated: bool, opened: Sequence[torch.Tensor] = (),
+        before_writes: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
         """Run the program on ``flat``. On a real rank whose program was cut at the input
         check's round (``leading``), this runs the rest: ``opened`` holds the round's sums,
-        then what ``early`` returned (NOTE: [reductions that ride the input check])."""
+        then what ``early`` returned (NOTE: [reductions that ride the input check]).
+        ``before_writes``: called by an interpreted program just before its first write
+        into the state (NOTE: [a rank whose program fails alone])."""
         cut = not simulated and self._leading is not None
         if simulated or self._eager(flat):
             if simulated and self.options.backend == "inductor":
                 _say_simulation_interprets()
-            return self._interpret(flat, opened, cut)
+            return self._interpret(flat, opened, cut, before_writes)
         if self._compiled is None:
             return self._lower_and_run(flat, opened)
         return list(self._compiled(*flat, *opened, *self._constants))
 
     def _interpret(
-        self, flat: list[torch.Tensor], opened: Sequence[torch.Tensor], cut: bool
+        self, flat: list[torch.Tensor], opened: Sequence[torch.Tensor], cut: bool,
+        before_writes: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
         """Run the program (``main`` after the input check's round when ``cut``) op by op,
         updating the donated state in place (NOTE: [interpreted programs update state in
@@ -268,10 +272,35 @@ class LoweredGraph:
         run, self._writes = prepared
         if self._writes is not None:
             self._writes.began = False
-        out = list(run(*flat, *opened))
+            self._writes.before = before_writes
+        try:
+            out = list(run(*flat, *opened))
+        finally:
+            if self._writes is not None:
+                self._writes.before = None
         if self._writes is not None:
             self._writes.began = False  # a later failure before the program runs: intact
         return out
+
+    def interprets(self, flat: list[torch.Tensor]) -> bool:
+        """Whether a real rank runs this program in the interpreter (NOTE: [default
+        backend]), whose failing node the runtime can find (NOTE: [a rank whose program
+        fails alone])."""
+        return self._eager(flat)
+
+    def program_after_round(self) -> torch.fx.GraphModule:
+        """The graph a real rank's interpreter runs after the input check's round (the
+        whole program when nothing rides the round): the collectives a rank whose
+        ``early`` part failed still goes through (NOTE: [a rank whose program fails
+        alone])."""
+        cut = self._leading is not None
+        prepared = self._interpreted.get(cut)
+        if prepared is not None:
+            run = prepared[0]
+            gm = run.inner if isinstance(run, Donating) else run
+            if isinstance(gm, torch.fx.GraphModule):
+                return gm
+        return self._leading.main if self._leading is not None else self.graph_module
 
     @property
     def _cache_dir(self) -> str | None:

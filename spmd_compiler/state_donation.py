@@ -168,11 +168,16 @@ def _drop_donated_outputs(gm: torch.fx.GraphModule, outs: list[Any], kept: Pairs
 class StateWrites(torch.nn.Module):
     """Called by an interpreted program just before its first in-place state update: a
     step that fails before then leaves the state as it was (NOTE: [interpreted programs
-    update state in place])."""
+    update state in place]). ``before``, when the runtime sets it for a call, runs first:
+    the ranks' status exchange of NOTE: [a rank whose program fails alone], which raises
+    on every rank, before any write, when a rank's program failed."""
 
     began = False
+    before: Callable[[], None] | None = None
 
     def forward(self) -> None:
+        if self.before is not None:
+            self.before()
         self.began = True
 
 

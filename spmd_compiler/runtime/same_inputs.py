@@ -543,6 +543,32 @@ class InputAgreement:
         except (SPMDCompileError, SPMDRuntimeError):
             pass  # the peers' errors (they failed too, or disagree): this rank raises its own
 
+    def exchange_status(self, failure: str = "") -> None:
+        """The round of a call's end, made once the program has passed its last collective
+        and before it writes any state: ``failure`` is this rank's program's failure (""
+        when it ran). When any rank's failed, every rank raises ``RanksFailed`` naming
+        them (NOTE: [a rank whose program fails alone] in ``rank_failures.py``)."""
+        parts = _step_parts(self.step, "status")
+        row = _header(parts, failed=bool(failure))
+        buf = torch.tensor(row + [0.0] * (ROUND - len(row)), dtype=torch.float64)
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        except Exception as exc:
+            rank = dist.get_rank()
+            raise collective_failure(
+                f"The compiled step {self.step_call()} failed on rank {rank} while exchanging "
+                "its status with the other ranks (the round every call makes after its "
+                f"program's last collective, before any update): {exception_summary(exc)}. "
+                f"{attribution(rank)} The model and optimizer hold the state of the last "
+                "completed step."
+            ) from exc
+        sums = buf.tolist()
+        if not _header_agrees(sums, parts, self.world):
+            _raise_other_steps(f"{self.step_call()}, at the end of a call", self.group, self.world)
+        if sums[1] > 0:
+            everyone = _all_descriptions(failure, self.group, self.world)
+            raise RanksFailed([(rank, text) for rank, text in enumerate(everyone) if text])
+
     def start(self, sends: str, values: Sequence[torch.Tensor], pending: bool = False) -> Round:
         """Issue this rank's round; ``Round.finish`` waits for it. The program may compute
         in between, as long as it issues no collective (NOTE: [reductions that ride the
@@ -788,6 +814,15 @@ class InputAgreement:
             hint="give every rank a local batch of the same shape (split the global batch "
             "evenly; drop or pad the last partial batch).",
         )
+
+
+class RanksFailed(SPMDRuntimeError):
+    """The status round found ranks whose program failed: ``failed`` holds each one's rank
+    and failure; the runner words the error (NOTE: [a rank whose program fails alone])."""
+
+    def __init__(self, failed: list[tuple[int, str]]) -> None:
+        super().__init__("; ".join(f"rank {rank}: {text}" for rank, text in failed))
+        self.failed = failed
 
 
 class Round:
