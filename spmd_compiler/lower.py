@@ -59,7 +59,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -88,14 +88,26 @@ from .state_donation import (
     Donating,
     Pairs,
     StateWrites,
+    StatusIssue,
     donatable,
     donate,
     donate_in_order,
     donation_pairs,
+    insert_status_issue,
     not_read_by,
 )
 
 log = logging.getLogger("spmd_compiler.lower")
+
+
+class CallStatus(Protocol):
+    """The ranks' status round of one call (NOTE: [a rank whose program fails alone] in
+    ``runtime/rank_failures.py``): issued right after the program's last collective,
+    waited for before its first state write."""
+
+    def issue(self) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 @functools.cache
@@ -221,32 +233,33 @@ class LoweredGraph:
     _prepared: bool = False
     _early_compiled: Callable[..., Sequence[torch.Tensor]] | None = None
     # the interpreted program, whole (False) or after the round (True), donating
-    _interpreted: dict[bool, tuple[Callable[..., Sequence[torch.Tensor]], StateWrites | None]] = (
-        field(default_factory=dict)
-    )
+    _interpreted: dict[
+        bool, tuple[Callable[..., Sequence[torch.Tensor]], StateWrites | None, StatusIssue]
+    ] = field(default_factory=dict)
     _writes: StateWrites | None = None  # the last interpreted call's, if it donates
 
     def __call__(
         self, flat: list[torch.Tensor], simulated: bool, opened: Sequence[torch.Tensor] = (),
-        before_writes: Callable[[], None] | None = None,
+        status: CallStatus | None = None,
     ) -> list[torch.Tensor]:
         """Run the program on ``flat``. On a real rank whose program was cut at the input
         check's round (``leading``), this runs the rest: ``opened`` holds the round's sums,
         then what ``early`` returned (NOTE: [reductions that ride the input check]).
-        ``before_writes``: called by an interpreted program just before its first write
-        into the state (NOTE: [a rank whose program fails alone])."""
+        ``status``: an interpreted program calls its ``issue`` right after its last
+        collective and its ``finish`` just before its first write into the state (NOTE: [a
+        rank whose program fails alone])."""
         cut = not simulated and self._leading is not None
         if simulated or self._eager(flat):
             if simulated and self.options.backend == "inductor":
                 _say_simulation_interprets()
-            return self._interpret(flat, opened, cut, before_writes)
+            return self._interpret(flat, opened, cut, status)
         if self._compiled is None:
             return self._lower_and_run(flat, opened)
         return list(self._compiled(*flat, *opened, *self._constants))
 
     def _interpret(
         self, flat: list[torch.Tensor], opened: Sequence[torch.Tensor], cut: bool,
-        before_writes: Callable[[], None] | None = None,
+        status: CallStatus | None = None,
     ) -> list[torch.Tensor]:
         """Run the program (``main`` after the input check's round when ``cut``) op by op,
         updating the donated state in place (NOTE: [interpreted programs update state in
@@ -268,14 +281,17 @@ class LoweredGraph:
             run: Callable[..., Sequence[torch.Tensor]] = (
                 Donating(gm, pairs, outputs) if pairs else gm
             )
-            prepared = self._interpreted[cut] = (run, getattr(gm, WRITES, None))
-        run, self._writes = prepared
+            issue = insert_status_issue(gm)  # NOTE: [a rank whose program fails alone]
+            prepared = self._interpreted[cut] = (run, getattr(gm, WRITES, None), issue)
+        run, self._writes, issue = prepared
         if self._writes is not None:
             self._writes.began = False
-            self._writes.before = before_writes
+            self._writes.before = status.finish if status is not None else None
+        issue.hook = status.issue if status is not None else None
         try:
             out = list(run(*flat, *opened))
         finally:
+            issue.hook = None
             if self._writes is not None:
                 self._writes.before = None
         if self._writes is not None:

@@ -181,6 +181,42 @@ class StateWrites(torch.nn.Module):
         self.began = True
 
 
+class StatusIssue(torch.nn.Module):
+    """Called by an interpreted program right after it issues its last collective: where
+    the runtime issues the ranks' status round, whose wait ``StateWrites`` (or the end of
+    the program) makes, so that its latency overlaps the last collective's (NOTE: [a rank
+    whose program fails alone])."""
+
+    hook: Callable[[], None] | None = None
+
+    def forward(self) -> None:
+        if self.hook is not None:
+            self.hook()
+
+
+STATUS = "status_issue"  # the submodule's name in an interpreted program
+
+
+def insert_status_issue(gm: torch.fx.GraphModule) -> StatusIssue:
+    """Call a ``StatusIssue`` in ``gm`` right after its last collective (after its inputs
+    when it has none); returns the module."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    last = next((n for n in reversed(nodes) if is_collective(n)), None)
+    if last is None:
+        last = next((n for n in reversed(nodes) if n.op == "placeholder"), None)
+    module = StatusIssue()
+    gm.add_submodule(STATUS, module)
+    if last is None:
+        with graph.inserting_before(nodes[0]):
+            graph.call_module(STATUS, ())
+    else:
+        with graph.inserting_after(last):
+            graph.call_module(STATUS, ())
+    gm.recompile()
+    return module
+
+
 WRITES = "state_writes"  # the submodule's name in a program donate_in_order rewrote
 DONATION_COPY = "donation_copy"  # node meta: a copy donate_in_order placed
 

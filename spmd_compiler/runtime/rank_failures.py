@@ -55,7 +55,7 @@ import torch.fx
 from .. import _torch_private as private
 from .._torch_private import pytree
 from ..ir.collectives import is_collective, is_wait
-from ..state_donation import WRITES
+from ..state_donation import STATUS
 
 _WAIT = private.functional_collective_ops().wait_tensor.default
 
@@ -64,14 +64,14 @@ def drain_collectives(
     gm: torch.fx.GraphModule,
     after: torch.fx.Node | None,
     computed: dict[str, Any],
-    at_writes: Callable[[], None],
-) -> bool:
+    at_status: Callable[[], None],
+) -> None:
     """Issue the collectives of ``gm`` that follow ``after`` (all of them when None), in
     the graph's order, on zeros of their inputs' shapes and dtypes, waiting each at once;
-    call ``at_writes`` where the program would begin to write its state (its
-    ``StateWrites`` call). ``computed``: the failed frame's locals, which hold the
-    collectives it issued before it failed and had not waited for yet (waited here).
-    Returns whether ``at_writes`` was called."""
+    call ``at_status`` where the program issues its status round (its ``StatusIssue``
+    call, after its last collective). ``computed``: the failed frame's locals, which hold
+    the collectives it issued before it failed and had not waited for yet (waited
+    here)."""
     env: dict[torch.fx.Node, Any] = {}
 
     def value(node: torch.fx.Node) -> Any:
@@ -96,14 +96,12 @@ def drain_collectives(
         return out
 
     started = after is None
-    wrote = False
     for node in gm.graph.nodes:
         if not started:
             started = node is after
             continue
-        if node.op == "call_module" and node.target == WRITES:
-            at_writes()
-            wrote = True
+        if node.op == "call_module" and node.target == STATUS:
+            at_status()
         elif node.op != "call_function":
             continue
         elif is_collective(node):
@@ -120,7 +118,6 @@ def drain_collectives(
                 for t in pytree.tree_leaves(pending):
                     if isinstance(t, torch.Tensor):
                         _WAIT(t)
-    return wrote
 
 
 def _attribute(gm: torch.nn.Module, target: str) -> Any:

@@ -50,7 +50,7 @@ from .eager_calls import flush_before_loads, guard_direct_calls, place_loaded_st
 from .faults import attribution, default_store, describe_exception, record_failure
 from .kernel_failures import failing_node, failing_site, in_a_collective, where
 from .rank_failures import drain_collectives, failed_everywhere
-from .same_inputs import InputAgreement, RanksFailed
+from .same_inputs import InputAgreement, RanksFailed, StatusRound
 from .simulate import RanksDisagree, Simulation, mesh_is_live
 
 
@@ -762,12 +762,9 @@ def _run(
                 raise
             round_.finish()  # a peer's failure, or a disagreement: that is the call's error
             raise _EarlyFailure(in_early) from in_early
-        out = lowered(
-            flat, simulated=False, opened=[*round_.finish(), *early],
-            before_writes=status.exchange if status is not None else None,
-        )
-        if status is not None and not status.done:
-            status.exchange()
+        out = lowered(flat, simulated=False, opened=[*round_.finish(), *early], status=status)
+        if status is not None:
+            status.finish()
         return out
     except RanksFailed as failed:  # a peer's program failed (NOTE: [a rank whose program fails alone])
         raise SPMDRuntimeError(
@@ -781,8 +778,13 @@ def _run(
         site = failing_site(failure)
         node = site[1] if site is not None else None
         if site is not None and node is not None and not in_a_collective(node):
-            if status is not None and not status.done:
+            if status is not None and status.flying is None and not status.done:
                 _fail_on_every_rank(failure, caught, site, lowered, status, deferred)  # raises
+            if status is not None and not status.done:  # sent as ran: the others go on
+                try:
+                    status.finish()
+                except RanksFailed:
+                    pass  # another rank failed too: each raises its own
             # NOTE: [where a program failed]: this rank's own failure, recorded at once
             store = default_store()
             if store is not None:
@@ -800,16 +802,28 @@ def _run(
 
 
 class _Status:
-    """Whether this call's status round (NOTE: [a rank whose program fails alone]) was
-    made; ``exchange`` makes it for a rank whose program ran."""
+    """This call's status round (NOTE: [a rank whose program fails alone]): ``issue``
+    sends this rank's status (the program calls it right after its last collective),
+    ``finish`` waits for every rank's (before the program's first state write, or after
+    the program) and raises when a rank's program failed."""
 
     def __init__(self, agreement: InputAgreement) -> None:
         self.agreement = agreement
+        self.flying: StatusRound | None = None
         self.done = False
 
-    def exchange(self, failure: str = "") -> None:
+    def issue(self, failure: str = "") -> None:
+        if self.flying is None and not self.done:
+            self.flying = self.agreement.start_status(failure)
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.issue()
+        flying, self.flying = self.flying, None
         self.done = True
-        self.agreement.exchange_status(failure)
+        assert flying is not None
+        flying.finish()
 
 
 class _EarlyFailure(Exception):
@@ -836,11 +850,12 @@ def _fail_on_every_rank(
     else:
         after = node
     try:
-        drain_collectives(gm, after, computed, lambda: None)
+        drain_collectives(gm, after, computed, lambda: status.issue(line))
     except Exception:  # noqa: BLE001 - the peers' collectives break when this rank leaves
         return
     try:
-        status.exchange(line)
+        status.issue(line)  # where the program holds no ``StatusIssue`` (not prepared yet)
+        status.finish()
     except RanksFailed as failed:
         raise SPMDRuntimeError(
             failed_everywhere(failed.failed, dist.get_rank(), _state_after_failure(lowered, deferred))
