@@ -55,7 +55,7 @@ import torch.fx
 from .. import _torch_private as private
 from .._torch_private import pytree
 from ..ir.collectives import is_collective, is_wait
-from ..state_donation import STATUS
+from ..state_donation import STATUS, STATUS_RIDER
 
 _WAIT = private.functional_collective_ops().wait_tensor.default
 
@@ -64,12 +64,15 @@ def drain_collectives(
     gm: torch.fx.GraphModule,
     after: torch.fx.Node | None,
     computed: dict[str, Any],
-    at_status: Callable[[], None],
+    issue: Callable[[str], None],
+    ride: Callable[[str], None],
+    failure: str,
 ) -> None:
     """Issue the collectives of ``gm`` that follow ``after`` (all of them when None), in
     the graph's order, on zeros of their inputs' shapes and dtypes, waiting each at once;
-    call ``at_status`` where the program issues its status round (its ``StatusIssue``
-    call, after its last collective). ``computed``: the failed frame's locals, which hold
+    send this rank's ``failure`` where the program sends its status: ``issue`` it at a
+    ``StatusIssue`` call, ``ride`` it on the last all-reduce, whose ``StatusRider``
+    element is 1 here. ``computed``: the failed frame's locals, which hold
     the collectives it issued before it failed and had not waited for yet (waited
     here)."""
     env: dict[torch.fx.Node, Any] = {}
@@ -101,7 +104,11 @@ def drain_collectives(
             started = node is after
             continue
         if node.op == "call_module" and node.target == STATUS:
-            at_status()
+            issue(failure)
+        elif node.op == "call_module" and node.target == STATUS_RIDER:
+            rider = gm.get_submodule(STATUS_RIDER)
+            ride(failure)
+            env[node] = rider().fill_(1)
         elif node.op != "call_function":
             continue
         elif is_collective(node):

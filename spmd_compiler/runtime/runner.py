@@ -778,9 +778,9 @@ def _run(
         site = failing_site(failure)
         node = site[1] if site is not None else None
         if site is not None and node is not None and not in_a_collective(node):
-            if status is not None and status.flying is None and not status.done:
+            if status is not None and not status.sent:
                 _fail_on_every_rank(failure, caught, site, lowered, status, deferred)  # raises
-            if status is not None and not status.done:  # sent as ran: the others go on
+            if status is not None and status.flying is not None:  # sent as ran: the others go on
                 try:
                     status.finish()
                 except RanksFailed:
@@ -802,22 +802,47 @@ def _run(
 
 
 class _Status:
-    """This call's status round (NOTE: [a rank whose program fails alone]): ``issue``
-    sends this rank's status (the program calls it right after its last collective),
-    ``finish`` waits for every rank's (before the program's first state write, or after
-    the program) and raises when a rank's program failed."""
+    """This call's status (NOTE: [a rank whose program fails alone]), carried as one more
+    element of the program's last all-reduce (``ride``, read by ``check`` after its
+    wait), else by a round of its own (``issue``, right after the program's last
+    collective); ``finish`` (before the program's first state write, or after the
+    program) makes sure it was exchanged. Each raises ``RanksFailed`` when a rank's
+    program failed."""
 
     def __init__(self, agreement: InputAgreement) -> None:
         self.agreement = agreement
         self.flying: StatusRound | None = None
+        self.carried = False
         self.done = False
+        self.failure = ""
+
+    @property
+    def sent(self) -> bool:
+        """Whether this rank has sent its status (as a rank whose program ran, unless it
+        was sent by ``_fail_on_every_rank``)."""
+        return self.flying is not None or self.carried or self.done
 
     def issue(self, failure: str = "") -> None:
-        if self.flying is None and not self.done:
+        if not self.sent:
+            self.failure = failure
             self.flying = self.agreement.start_status(failure)
+
+    def ride(self, failure: str = "") -> None:
+        self.carried = True
+        self.failure = failure
+
+    def check(self, summed: torch.Tensor) -> None:
+        self.done = True
+        if float(summed) > 0:
+            self.agreement.raise_failed(self.failure)
 
     def finish(self) -> None:
         if self.done:
+            return
+        if self.carried:  # a failed rank past its drain (the peers checked in their program)
+            self.done = True
+            if self.failure:
+                self.agreement.raise_failed(self.failure)
             return
         self.issue()
         flying, self.flying = self.flying, None
@@ -850,17 +875,17 @@ def _fail_on_every_rank(
     else:
         after = node
     try:
-        drain_collectives(gm, after, computed, lambda: status.issue(line))
-    except Exception:  # noqa: BLE001 - the peers' collectives break when this rank leaves
-        return
-    try:
-        status.issue(line)  # where the program holds no ``StatusIssue`` (not prepared yet)
+        drain_collectives(gm, after, computed, status.issue, status.ride, line)
         status.finish()
     except RanksFailed as failed:
         raise SPMDRuntimeError(
             failed_everywhere(failed.failed, dist.get_rank(), _state_after_failure(lowered, deferred))
         ) from exc
-    raise AssertionError("the status round of a failed rank returned")  # pragma: no cover
+    except (SPMDCompileError, SPMDRuntimeError):
+        raise
+    except Exception:  # noqa: BLE001 - the peers' collectives break when this rank leaves
+        return
+    raise AssertionError("the status of a failed rank came back as run")  # pragma: no cover
 
 
 def _after_status(status: _Status | None) -> str:

@@ -557,6 +557,12 @@ class InputAgreement:
         )
         return StatusRound(self, buf, work, parts, failure)
 
+    def raise_failed(self, failure: str) -> None:
+        """A rank's program failed (its status said so): gather each rank's failure
+        (``failure``: this rank's, "" when its program ran) and raise ``RanksFailed``."""
+        everyone = _all_descriptions(failure, self.group, self.world)
+        raise RanksFailed([(rank, text) for rank, text in enumerate(everyone) if text])
+
     def exchange_status(self, failure: str = "") -> None:
         """``start_status``, then wait for it."""
         self.start_status(failure).finish()
@@ -838,8 +844,7 @@ class StatusRound:
         if not _header_agrees(sums, self.parts, agreement.world):
             _raise_other_steps(f"{agreement.step_call()}, at the end of a call", agreement.group, agreement.world)
         if sums[1] > 0:
-            everyone = _all_descriptions(self.failure, agreement.group, agreement.world)
-            raise RanksFailed([(rank, text) for rank, text in enumerate(everyone) if text])
+            agreement.raise_failed(self.failure)
 
 
 class RanksFailed(SPMDRuntimeError):
