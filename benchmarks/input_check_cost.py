@@ -7,10 +7,7 @@ The round is issued before the program, carries the program's leading all-reduce
 is in flight while the program's early part runs (NOTE: [reductions that ride the input
 check]). Each rank times, per call: issuing the round (with the prefix that computes what
 it carries), the early part, and the wait left for the round after it; then the round
-alone (200 back-to-back rounds, ranks in step). The status round every call makes before
-its first state write (NOTE: [a rank whose program fails alone]) is timed per call, alone
-(200 back-to-back), and as the step's time with it and with it left out (both ranks, in
-alternating blocks of calls).
+alone (200 back-to-back rounds, ranks in step).
 """
 
 from __future__ import annotations
@@ -53,9 +50,8 @@ def _worker(rank: int, world_size: int, config: DemoConfig, backend: str) -> dic
     early: list[float] = []
     wait: list[float] = []
     steps: list[float] = []
-    status: list[float] = []
     restore = [
-        _timed(InputAgreement, "exchange_status", status), _timed(InputAgreement, "start", issue), _timed(LoweredGraph, "leading", prefix),
+        _timed(InputAgreement, "start", issue), _timed(LoweredGraph, "leading", prefix),
         _timed(LoweredGraph, "early", early), _timed(Round, "finish", wait),
     ]
     try:
@@ -73,28 +69,6 @@ def _worker(rank: int, world_size: int, config: DemoConfig, backend: str) -> dic
         start = time.perf_counter()
         agreement.before_run("nothing", [])
         alone.append(time.perf_counter() - start)
-    status_alone = []
-    for _ in range(200):
-        start = time.perf_counter()
-        agreement.exchange_status()
-        status_alone.append(time.perf_counter() - start)
-    with_status: list[float] = []
-    without_status: list[float] = []
-    original = InputAgreement.exchange_status
-    try:
-        for block in range(6):  # alternating: the machine's load drifts
-            if block % 2:
-                InputAgreement.exchange_status = lambda self, failure="": None  # type: ignore[method-assign]
-            else:
-                InputAgreement.exchange_status = original  # type: ignore[method-assign]
-            into = without_status if block % 2 else with_status
-            for x, y in data[: max(10, len(data) // 3)]:
-                x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
-                start = time.perf_counter()
-                step(model, optimizer, x, y)
-                into.append(time.perf_counter() - start)
-    finally:
-        InputAgreement.exchange_status = original  # type: ignore[method-assign]
 
     def median_ms(values: list[float]) -> float:
         return statistics.median(values[4:]) * 1e3  # the first calls compile
@@ -106,10 +80,6 @@ def _worker(rank: int, world_size: int, config: DemoConfig, backend: str) -> dic
         "early_part_median_ms": median_ms(early) if early else 0.0,
         "round_wait_left_median_ms": median_ms(wait),
         "round_alone_median_ms": statistics.median(alone) * 1e3,
-        "status_round_median_ms": median_ms(status),
-        "status_round_alone_median_ms": statistics.median(status_alone) * 1e3,
-        "step_with_status_median_ms": statistics.median(with_status) * 1e3,
-        "step_without_status_median_ms": statistics.median(without_status) * 1e3,
     }
 
 

@@ -778,9 +778,10 @@ def _run(
         site = failing_site(failure)
         node = site[1] if site is not None else None
         if site is not None and node is not None and not in_a_collective(node):
-            if status is not None and not status.sent:
+            past = status is not None and status.sent  # this rank said its program ran
+            if status is not None and not past:
                 _fail_on_every_rank(failure, caught, site, lowered, status, deferred)  # raises
-            if status is not None and status.flying is not None:  # sent as ran: the others go on
+            if past and status is not None and status.flying is not None:  # sent as ran: the others go on
                 try:
                     status.finish()
                 except RanksFailed:
@@ -792,7 +793,7 @@ def _run(
             raise SPMDRuntimeError(
                 f"The compiled step failed on rank {rank} at {where(node)}: "
                 f"{exception_summary(failure)}. This rank's own computation failed, not a "
-                f"collective{_after_status(status)}. "
+                f"collective{_after_status(past)}. "
                 f"{_state_after_failure(lowered, deferred)}"
             ) from failure
         raise collective_failure(
@@ -888,15 +889,17 @@ def _fail_on_every_rank(
     raise AssertionError("the status of a failed rank came back as run")  # pragma: no cover
 
 
-def _after_status(status: _Status | None) -> str:
-    """Said of a rank's own failure told the old way: past the status round, the other
-    ranks went on to their update (NOTE: [a rank whose program fails alone])."""
-    if status is None:
+def _after_status(past: bool) -> str:
+    """Said of a rank's own failure told the old way: ``past`` its status, which said its
+    program ran, the other ranks went on to their update (NOTE: [a rank whose program
+    fails alone])."""
+    if not past:
         return ""
     return (
-        ", in the update after the ranks exchanged their status: the other ranks may have "
-        "completed this step (unless their data failed alike), so the ranks may no longer "
-        "hold the same state"
+        ", after this rank had told the others that its program ran (past its last "
+        "collective): the other ranks may have completed this step (unless their data "
+        "failed alike), so the ranks may no longer hold the same state; restore every "
+        "rank from a checkpoint"
     )
 
 
