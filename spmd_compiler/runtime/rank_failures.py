@@ -38,9 +38,9 @@ So on real ranks, for a program the interpreter runs (an fx graph, whose failing
 
 Cost on the normal path, per call (``python -m benchmarks.status_cost``: an MLP 16x32
 ddp step, 2 gloo ranks, AdamW, three compiled steps' calls interleaved, 400 each, on a
-machine loaded ~9 on 2 cores): 3.91 ms with no status, 3.96 riding on the bucket
-(median paired difference 0.07-0.09 ms), 4.40 with a round of its own (0.53-0.55 ms;
-the round alone, ranks in step, 0.2-0.4 ms).
+machine loaded ~9 on 2 cores; two runs): 3.87-3.91 ms with no status, 3.96-4.01 riding
+on the bucket (median paired difference 0.07-0.14 ms), 4.35-4.40 with a round of its
+own (0.50-0.55 ms; the round alone, ranks in step, 0.2-0.4 ms).
 
 Not covered: a program lowered by Inductor (its kernels run no fx code, so no node is
 found: its failure is told as before, NOTE: [fault attribution]; it sends no status);
