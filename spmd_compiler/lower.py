@@ -59,7 +59,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -88,14 +88,38 @@ from .state_donation import (
     Donating,
     Pairs,
     StateWrites,
+    StatusCheck,
+    StatusIssue,
+    StatusRider,
     donatable,
     donate,
     donate_in_order,
     donation_pairs,
+    insert_status,
     not_read_by,
 )
 
 log = logging.getLogger("spmd_compiler.lower")
+
+
+class CallStatus(Protocol):
+    """The ranks' status round of one call (NOTE: [a rank whose program fails alone] in
+    ``runtime/rank_failures.py``): issued right after the program's last collective,
+    waited for before its first state write."""
+
+    def issue(self) -> None: ...
+
+    def ride(self) -> None: ...
+
+    def check(self, summed: torch.Tensor) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+_Interpreted = tuple[
+    Callable[..., Sequence[torch.Tensor]], "StateWrites | None", "StatusIssue | None",
+    "StatusRider | None", "StatusCheck | None",
+]
 
 
 @functools.cache
@@ -221,33 +245,40 @@ class LoweredGraph:
     _prepared: bool = False
     _early_compiled: Callable[..., Sequence[torch.Tensor]] | None = None
     # the interpreted program, whole (False) or after the round (True), donating
-    _interpreted: dict[bool, tuple[Callable[..., Sequence[torch.Tensor]], StateWrites | None]] = (
-        field(default_factory=dict)
-    )
+    # by (cut, simulated): the program, its StateWrites, and on real ranks what carries
+    # the ranks' status (NOTE: [a rank whose program fails alone])
+    _interpreted: dict[tuple[bool, bool], _Interpreted] = field(default_factory=dict)
     _writes: StateWrites | None = None  # the last interpreted call's, if it donates
 
     def __call__(
-        self, flat: list[torch.Tensor], simulated: bool, opened: Sequence[torch.Tensor] = ()
+        self, flat: list[torch.Tensor], simulated: bool, opened: Sequence[torch.Tensor] = (),
+        status: CallStatus | None = None,
     ) -> list[torch.Tensor]:
         """Run the program on ``flat``. On a real rank whose program was cut at the input
         check's round (``leading``), this runs the rest: ``opened`` holds the round's sums,
-        then what ``early`` returned (NOTE: [reductions that ride the input check])."""
+        then what ``early`` returned (NOTE: [reductions that ride the input check]).
+        ``status``: an interpreted program calls its ``issue`` right after its last
+        collective and its ``finish`` just before its first write into the state (NOTE: [a
+        rank whose program fails alone])."""
         cut = not simulated and self._leading is not None
         if simulated or self._eager(flat):
             if simulated and self.options.backend == "inductor":
                 _say_simulation_interprets()
-            return self._interpret(flat, opened, cut)
+            return self._interpret(flat, opened, cut, status, simulated)
         if self._compiled is None:
             return self._lower_and_run(flat, opened)
         return list(self._compiled(*flat, *opened, *self._constants))
 
     def _interpret(
-        self, flat: list[torch.Tensor], opened: Sequence[torch.Tensor], cut: bool
+        self, flat: list[torch.Tensor], opened: Sequence[torch.Tensor], cut: bool,
+        status: CallStatus | None = None, simulated: bool = False,
     ) -> list[torch.Tensor]:
         """Run the program (``main`` after the input check's round when ``cut``) op by op,
         updating the donated state in place (NOTE: [interpreted programs update state in
-        place]); prepared on the first call, whose inputs say what may be donated."""
-        prepared = self._interpreted.get(cut)
+        place]); prepared on the first call, whose inputs say what may be donated. On real
+        ranks the program carries the ranks' status (NOTE: [a rank whose program fails
+        alone])."""
+        prepared = self._interpreted.get((cut, simulated))
         if prepared is None:
             source = self._leading.main if cut else self.graph_module  # type: ignore[union-attr]
             outputs = len(output_args(source))
@@ -264,14 +295,50 @@ class LoweredGraph:
             run: Callable[..., Sequence[torch.Tensor]] = (
                 Donating(gm, pairs, outputs) if pairs else gm
             )
-            prepared = self._interpreted[cut] = (run, getattr(gm, WRITES, None))
-        run, self._writes = prepared
+            carriers = (None, None, None) if simulated else insert_status(gm)
+            prepared = self._interpreted[(cut, simulated)] = (run, getattr(gm, WRITES, None), *carriers)
+        run, self._writes, issue, rider, check = prepared
         if self._writes is not None:
             self._writes.began = False
-        out = list(run(*flat, *opened))
+            self._writes.hook = status.finish if status is not None else None
+        if issue is not None:
+            issue.hook = status.issue if status is not None else None
+        if rider is not None and check is not None:
+            rider.hook = status.ride if status is not None else None
+            check.hook = status.check if status is not None else None
+        try:
+            out = list(run(*flat, *opened))
+        finally:
+            for module in (issue, rider, check, self._writes):
+                if module is not None:
+                    module.hook = None
         if self._writes is not None:
             self._writes.began = False  # a later failure before the program runs: intact
         return out
+
+    def interprets(self, flat: list[torch.Tensor]) -> bool:
+        """Whether a real rank runs this program in the interpreter (NOTE: [default
+        backend]), whose failing node the runtime can find (NOTE: [a rank whose program
+        fails alone])."""
+        return self._eager(flat)
+
+    def program_after_round(self) -> torch.fx.GraphModule:
+        """The graph a real rank's interpreter runs after the input check's round (the
+        whole program when nothing rides the round): the collectives a rank whose
+        ``early`` part failed still goes through (NOTE: [a rank whose program fails
+        alone])."""
+        cut = self._leading is not None
+        prepared = self._interpreted.get((cut, False))
+        if prepared is not None:
+            run = prepared[0]
+            gm = run.inner if isinstance(run, Donating) else run
+            if isinstance(gm, torch.fx.GraphModule):
+                return gm
+        # not prepared yet (the first call): its collectives as the peers' prepared
+        # program issues them, the status carried the same way
+        gm = copy.deepcopy(self._leading.main if self._leading is not None else self.graph_module)
+        insert_status(gm)
+        return gm
 
     @property
     def _cache_dir(self) -> str | None:

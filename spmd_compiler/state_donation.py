@@ -77,7 +77,7 @@ import torch
 import torch.fx
 
 from . import _torch_private as private
-from .ir.collectives import is_collective, is_wait
+from .ir.collectives import ALL_REDUCE, is_collective, is_wait, wait_of
 from .ir.graph_utils import (
     aliases_of,
     may_return_alias,
@@ -168,12 +168,131 @@ def _drop_donated_outputs(gm: torch.fx.GraphModule, outs: list[Any], kept: Pairs
 class StateWrites(torch.nn.Module):
     """Called by an interpreted program just before its first in-place state update: a
     step that fails before then leaves the state as it was (NOTE: [interpreted programs
-    update state in place])."""
+    update state in place]). ``hook``, when the runtime sets it for a call, runs first:
+    the ranks' status exchange of NOTE: [a rank whose program fails alone], which raises
+    on every rank, before any write, when a rank's program failed."""
 
     began = False
+    hook: Callable[[], None] | None = None
 
     def forward(self) -> None:
+        if self.hook is not None:
+            self.hook()
         self.began = True
+
+
+class StatusIssue(torch.nn.Module):
+    """Called by an interpreted program right after it issues its last collective: where
+    the runtime issues the ranks' status round, whose wait ``StateWrites`` (or the end of
+    the program) makes, so that its latency overlaps the last collective's (NOTE: [a rank
+    whose program fails alone] in ``runtime/rank_failures.py``)."""
+
+    hook: Callable[[], None] | None = None
+
+    def forward(self) -> None:
+        if self.hook is not None:
+            self.hook()
+
+
+class StatusRider(torch.nn.Module):
+    """The rank's status as one more element of the program's last all-reduce (a sum):
+    0 for a rank whose program runs (NOTE: [a rank whose program fails alone])."""
+
+    hook: Callable[[], None] | None = None
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.dtype, self.device = dtype, device
+
+    def forward(self) -> torch.Tensor:
+        if self.hook is not None:
+            self.hook()
+        return torch.zeros(1, dtype=self.dtype, device=self.device)
+
+
+class StatusCheck(torch.nn.Module):
+    """Reads the summed status element after the last all-reduce (``StatusRider``)."""
+
+    hook: Callable[[torch.Tensor], None] | None = None
+
+    def forward(self, summed: torch.Tensor) -> None:
+        if self.hook is not None:
+            self.hook(summed)
+
+
+def _rides_on(last: torch.fx.Node | None) -> torch.fx.Node | None:
+    """The bucket of ``last`` that the status may ride on (``insert_status``), or None."""
+    if last is None or last.target is not ALL_REDUCE or last.args[1] != "sum" or wait_of(last) is None:
+        return None
+    bucket = last.args[0]
+    if not isinstance(bucket, torch.fx.Node) or bucket.target is not torch.ops.aten.cat.default:
+        return None
+    val = bucket.meta.get("val")
+    parts = bucket.args[0]
+    if (
+        not isinstance(val, torch.Tensor) or val.dim() != 1 or val.dtype not in _RIDES
+        or val.device.type != "cpu" or len(bucket.users) != 1 or bucket.args[1:] not in ((), (0,))
+        or not isinstance(parts, (list, tuple))
+    ):
+        return None
+    for part in parts:
+        meta = part.meta.get("val") if isinstance(part, torch.fx.Node) else None
+        if not isinstance(meta, torch.Tensor) or meta.dim() != 1 or meta.dtype != val.dtype:
+            return None
+    return bucket
+
+
+STATUS = "status_issue"  # the submodules' names in an interpreted program on real ranks
+STATUS_RIDER = "status_rider"
+STATUS_CHECK = "status_check"
+_RIDES = (torch.float32, torch.float64)  # sums of 0s and 1s exact for any world size
+
+
+def insert_status(gm: torch.fx.GraphModule) -> tuple[StatusIssue | None, StatusRider | None, StatusCheck | None]:
+    """Make ``gm`` carry the ranks' status (NOTE: [a rank whose program fails alone] in
+    ``runtime/rank_failures.py``): where its last collective is a sum all-reduce of a
+    float32 or float64 bucket on the CPU (a ``cat`` of flat tensors, made for it alone:
+    data parallelism's gradient bucket), as one more element of that bucket
+    (``StatusRider``, read by ``StatusCheck`` after its wait); else a ``StatusIssue``
+    call right after its last collective (after its inputs when it has none), where the
+    runtime issues a round of its own. Returns the modules added."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    last = next((n for n in reversed(nodes) if is_collective(n)), None)
+    bucket = _rides_on(last)
+    if last is not None and bucket is not None:
+        wait = wait_of(last)
+        assert wait is not None
+        val = bucket.meta["val"]
+        rider, check = StatusRider(val.dtype, val.device), StatusCheck()
+        gm.add_submodule(STATUS_RIDER, rider)
+        gm.add_submodule(STATUS_CHECK, check)
+        with graph.inserting_before(bucket):
+            status = graph.call_module(STATUS_RIDER, ())
+        bucket.update_arg(0, [*bucket.args[0], status])  # type: ignore[misc]
+        del bucket.meta["val"]  # one longer now: a rank that fails evaluates it
+        aten = torch.ops.aten
+        with graph.inserting_after(wait):
+            value = graph.call_function(aten.narrow.default, (wait, 0, 0, val.numel()))
+        with graph.inserting_after(value):
+            summed = graph.call_function(aten.select.int, (wait, 0, val.numel()))
+        with graph.inserting_after(summed):
+            graph.call_module(STATUS_CHECK, (summed,))
+        wait.replace_all_uses_with(value, delete_user_cb=lambda user: user not in (value, summed))
+        gm.recompile()
+        return None, rider, check
+    if last is None:
+        last = next((n for n in reversed(nodes) if n.op == "placeholder"), None)
+    module = StatusIssue()
+    gm.add_submodule(STATUS, module)
+    if last is None:
+        with graph.inserting_before(nodes[0]):
+            graph.call_module(STATUS, ())
+    else:
+        with graph.inserting_after(last):
+            graph.call_module(STATUS, ())
+    gm.recompile()
+    return module, None, None
 
 
 WRITES = "state_writes"  # the submodule's name in a program donate_in_order rewrote

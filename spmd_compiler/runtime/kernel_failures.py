@@ -32,6 +32,16 @@ from ..ir.node_meta import MODULE_FQN, USER_LINE
 
 def failing_node(exc: BaseException) -> torch.fx.Node | None:
     """The node of the innermost graph-module frame in ``exc``'s traceback, or None."""
+    site = failing_site(exc)
+    return site[1] if site is not None else None
+
+
+def failing_site(
+    exc: BaseException,
+) -> tuple[torch.fx.GraphModule, torch.fx.Node, dict[str, object]] | None:
+    """The innermost graph-module frame in ``exc``'s traceback: its graph module, the node
+    that raised, and the frame's locals (the values the program had computed, by the
+    generated code's names), or None."""
     found = None
     tb: types.TracebackType | None = exc.__traceback__
     while tb is not None:
@@ -41,7 +51,9 @@ def failing_node(exc: BaseException) -> torch.fx.Node | None:
             isinstance(gm, torch.fx.GraphModule)
             and frame.f_code is getattr(type(gm).forward, "__code__", None)
         ):
-            found = private.graph_node_at_line(gm, tb.tb_lineno) or found
+            node = private.graph_node_at_line(gm, tb.tb_lineno)
+            if node is not None:
+                found = (gm, node, dict(frame.f_locals))
         tb = tb.tb_next
     return found
 

@@ -53,8 +53,9 @@ from .eager_calls import (
     place_loaded_state,
 )
 from .faults import attribution, default_store, describe_exception, record_failure
-from .kernel_failures import failing_node, in_a_collective, where
-from .same_inputs import InputAgreement
+from .kernel_failures import failing_node, failing_site, in_a_collective, where
+from .rank_failures import drain_collectives, failed_everywhere
+from .same_inputs import InputAgreement, RanksFailed, StatusRound
 from .simulate import RanksDisagree, Simulation, mesh_is_live
 
 
@@ -761,33 +762,159 @@ def _run(
                 f"The compiled step failed at {where(node)}: {exception_summary(exc)}. "
                 f"{_state_after_failure(lowered, deferred)}"
             ) from exc
+    # NOTE: [a rank whose program fails alone]: an interpreted program on several real
+    # ranks exchanges its status before its first write into the state (or at its end)
+    status = _Status(agreement) if agreement is not None and lowered.interprets(flat) else None
     try:
         if agreement is None:
             return lowered(flat, simulated=False)
         round_ = agreement.start(*lowered.leading(flat))
-        early = lowered.early(flat)
-        return lowered(flat, simulated=False, opened=[*round_.finish(), *early])
+        try:
+            early = lowered.early(flat)
+        except Exception as in_early:
+            if status is None or isinstance(in_early, (SPMDCompileError, SPMDRuntimeError)):
+                raise
+            round_.finish()  # a peer's failure, or a disagreement: that is the call's error
+            raise _EarlyFailure(in_early) from in_early
+        out = lowered(flat, simulated=False, opened=[*round_.finish(), *early], status=status)
+        if status is not None:
+            status.finish()
+        return out
+    except RanksFailed as failed:  # a peer's program failed (NOTE: [a rank whose program fails alone])
+        raise SPMDRuntimeError(
+            failed_everywhere(failed.failed, dist.get_rank(), _state_after_failure(lowered, deferred))
+        ) from None
     except (SPMDCompileError, SPMDRuntimeError):
         raise
-    except Exception as exc:
+    except Exception as caught:
+        failure = caught.cause if isinstance(caught, _EarlyFailure) else caught
         rank = dist.get_rank()
-        state = _state_after_failure(lowered, deferred)
-        node = failing_node(exc)
-        if node is not None and not in_a_collective(node):
+        site = failing_site(failure)
+        node = site[1] if site is not None else None
+        if site is not None and node is not None and not in_a_collective(node):
+            past = status is not None and status.sent  # this rank said its program ran
+            if status is not None and not past:
+                _fail_on_every_rank(failure, caught, site, lowered, status, deferred)  # raises
+            if past and status is not None and status.flying is not None:  # sent as ran: the others go on
+                try:
+                    status.finish()
+                except RanksFailed:
+                    pass  # another rank failed too: each raises its own
             # NOTE: [where a program failed]: this rank's own failure, recorded at once
             store = default_store()
             if store is not None:
-                record_failure(store, rank, f"{describe_exception(exc)} at {where(node)}")
+                record_failure(store, rank, f"{describe_exception(failure)} at {where(node)}")
             raise SPMDRuntimeError(
                 f"The compiled step failed on rank {rank} at {where(node)}: "
-                f"{exception_summary(exc)}. This rank's own computation failed, not a "
-                "collective: every rank runs this program, so ranks given such data fail "
-                f"alike. {state}"
-            ) from exc
+                f"{exception_summary(failure)}. This rank's own computation failed, not a "
+                f"collective{_after_status(past)}. "
+                f"{_state_after_failure(lowered, deferred)}"
+            ) from failure
         raise collective_failure(
-            f"The compiled step failed on rank {rank}: {exception_summary(exc)}. "
-            f"{attribution(rank)} {state}"
+            f"The compiled step failed on rank {rank}: {exception_summary(failure)}. "
+            f"{attribution(rank)} {_state_after_failure(lowered, deferred)}"
+        ) from failure
+
+
+class _Status:
+    """This call's status (NOTE: [a rank whose program fails alone]), carried as one more
+    element of the program's last all-reduce (``ride``, read by ``check`` after its
+    wait), else by a round of its own (``issue``, right after the program's last
+    collective); ``finish`` (before the program's first state write, or after the
+    program) makes sure it was exchanged. Each raises ``RanksFailed`` when a rank's
+    program failed."""
+
+    def __init__(self, agreement: InputAgreement) -> None:
+        self.agreement = agreement
+        self.flying: StatusRound | None = None
+        self.carried = False
+        self.done = False
+        self.failure = ""
+
+    @property
+    def sent(self) -> bool:
+        """Whether this rank has sent its status (as a rank whose program ran, unless it
+        was sent by ``_fail_on_every_rank``)."""
+        return self.flying is not None or self.carried or self.done
+
+    def issue(self, failure: str = "") -> None:
+        if not self.sent:
+            self.failure = failure
+            self.flying = self.agreement.start_status(failure)
+
+    def ride(self, failure: str = "") -> None:
+        self.carried = True
+        self.failure = failure
+
+    def check(self, summed: torch.Tensor) -> None:
+        self.done = True
+        if float(summed) > 0:
+            self.agreement.raise_failed(self.failure)
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        if self.carried:  # a failed rank past its drain (the peers checked in their program)
+            self.done = True
+            if self.failure:
+                self.agreement.raise_failed(self.failure)
+            return
+        self.issue()
+        flying, self.flying = self.flying, None
+        self.done = True
+        assert flying is not None
+        flying.finish()
+
+
+class _EarlyFailure(Exception):
+    """The part of a program that runs while the input round is in flight failed on this
+    rank, after the round finished: every rank runs the rest of the program."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _fail_on_every_rank(
+    exc: Exception, caught: Exception, site: tuple[torch.fx.GraphModule, torch.fx.Node, dict[str, object]],
+    lowered: LoweredGraph, status: _Status, deferred: bool,
+) -> None:
+    """This rank's program failed at its own computation before the status round: go on
+    through its collectives with stand-ins, send the status marked failed, and raise
+    the error every rank raises (NOTE: [a rank whose program fails alone]). Where that
+    cannot be done, return: the caller raises this rank's error as before."""
+    gm, node, computed = site[0], site[1], dict(site[2])
+    line = f"{exception_summary(exc)} at {where(node)}"
+    if isinstance(caught, _EarlyFailure):  # the program after the round: all of it
+        gm, after, computed = lowered.program_after_round(), None, {}
+    else:
+        after = node
+    try:
+        drain_collectives(gm, after, computed, status.issue, status.ride, line)
+        status.finish()
+    except RanksFailed as failed:
+        raise SPMDRuntimeError(
+            failed_everywhere(failed.failed, dist.get_rank(), _state_after_failure(lowered, deferred))
         ) from exc
+    except (SPMDCompileError, SPMDRuntimeError):
+        raise
+    except Exception:  # noqa: BLE001 - the peers' collectives break when this rank leaves
+        return
+    raise AssertionError("the status of a failed rank came back as run")  # pragma: no cover
+
+
+def _after_status(past: bool) -> str:
+    """Said of a rank's own failure told the old way: ``past`` its status, which said its
+    program ran, the other ranks went on to their update (NOTE: [a rank whose program
+    fails alone])."""
+    if not past:
+        return ""
+    return (
+        ", after this rank had told the others that its program ran (past its last "
+        "collective): the other ranks may have completed this step (unless their data "
+        "failed alike), so the ranks may no longer hold the same state; restore every "
+        "rank from a checkpoint"
+    )
 
 
 def _state_after_failure(lowered: LoweredGraph, deferred: bool) -> str:

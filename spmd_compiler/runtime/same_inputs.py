@@ -543,6 +543,43 @@ class InputAgreement:
         except (SPMDCompileError, SPMDRuntimeError):
             pass  # the peers' errors (they failed too, or disagree): this rank raises its own
 
+    def start_status(self, failure: str = "") -> StatusRound:
+        """Issue the round of a call's end (``StatusRound.finish`` waits for it), made once
+        the program has issued its last collective, waited for before it writes any state:
+        ``failure`` is this rank's program's failure ("" when it ran). When any rank's
+        failed, every rank raises ``RanksFailed`` naming them (NOTE: [a rank whose program
+        fails alone] in ``rank_failures.py``)."""
+        parts = _step_parts(self.step, "status")
+        row = _header(parts, failed=bool(failure))
+        buf = torch.tensor(row + [0.0] * (ROUND - len(row)), dtype=torch.float64)
+        work = self._status_collective(
+            lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        )
+        return StatusRound(self, buf, work, parts, failure)
+
+    def raise_failed(self, failure: str) -> None:
+        """A rank's program failed (its status said so): gather each rank's failure
+        (``failure``: this rank's, "" when its program ran) and raise ``RanksFailed``."""
+        everyone = _all_descriptions(failure, self.group, self.world)
+        raise RanksFailed([(rank, text) for rank, text in enumerate(everyone) if text])
+
+    def exchange_status(self, failure: str = "") -> None:
+        """``start_status``, then wait for it."""
+        self.start_status(failure).finish()
+
+    def _status_collective(self, call: Any) -> Any:
+        try:
+            return call()
+        except Exception as exc:
+            rank = dist.get_rank()
+            raise collective_failure(
+                f"The compiled step {self.step_call()} failed on rank {rank} while exchanging "
+                "its status with the other ranks (the round every call makes after its "
+                f"program's last collective, before any update): {exception_summary(exc)}. "
+                f"{attribution(rank)} The model and optimizer hold the state of the last "
+                "completed step."
+            ) from exc
+
     def start(self, sends: str, values: Sequence[torch.Tensor], pending: bool = False) -> Round:
         """Issue this rank's round; ``Round.finish`` waits for it. The program may compute
         in between, as long as it issues no collective (NOTE: [reductions that ride the
@@ -788,6 +825,35 @@ class InputAgreement:
             hint="give every rank a local batch of the same shape (split the global batch "
             "evenly; drop or pad the last partial batch).",
         )
+
+
+class StatusRound:
+    """One rank's status round in flight (``InputAgreement.start_status``)."""
+
+    def __init__(
+        self, agreement: InputAgreement, buf: torch.Tensor, work: Any, parts: tuple[int, ...],
+        failure: str,
+    ) -> None:
+        self.agreement, self.buf, self.work, self.parts, self.failure = agreement, buf, work, parts, failure
+
+    def finish(self) -> None:
+        """Wait for the round; raise ``RanksFailed`` when a rank's program failed."""
+        agreement = self.agreement
+        agreement._status_collective(self.work.wait)
+        sums = self.buf.tolist()
+        if not _header_agrees(sums, self.parts, agreement.world):
+            _raise_other_steps(f"{agreement.step_call()}, at the end of a call", agreement.group, agreement.world)
+        if sums[1] > 0:
+            agreement.raise_failed(self.failure)
+
+
+class RanksFailed(SPMDRuntimeError):
+    """The status round found ranks whose program failed: ``failed`` holds each one's rank
+    and failure; the runner words the error (NOTE: [a rank whose program fails alone])."""
+
+    def __init__(self, failed: list[tuple[int, str]]) -> None:
+        super().__init__("; ".join(f"rank {rank}: {text}" for rank, text in failed))
+        self.failed = failed
 
 
 class Round:

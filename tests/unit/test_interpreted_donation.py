@@ -120,7 +120,7 @@ def test_copies_follow_the_last_wait_and_a_failure_before_them_leaves_the_state(
     before = [a.clone() for a in args]
     lowered(list(args), simulated=True)
     assert not all(torch.equal(a, b) for a, b in zip(args, before, strict=True))
-    program = lowered._interpreted[False][0].inner
+    program = lowered._interpreted[(False, True)][0].inner
     order = list(program.graph.nodes)
     marker = next(n for n in order if n.op == "call_module" and n.target == WRITES)
     (wait,) = [n for n in order if n.target is wait_tensor]
