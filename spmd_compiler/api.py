@@ -40,7 +40,13 @@ from .capture.kept_tensors import KeptTensors, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS
-from .errors import Change, SPMDCompileError, innermost_model_frame_of_stack, mesh_of_another_size
+from .errors import (
+    Change,
+    SPMDCompileError,
+    argument_path,
+    innermost_model_frame_of_stack,
+    mesh_of_another_size,
+)
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
 from .ir.node_meta import traced_by_autograd
@@ -673,8 +679,9 @@ class CompiledTrainStep:
         what, was, now = change.what, change.was, change.now
         # NOTE: [strings that differ per sample]: a string argument that changes (a file
         # name of the batch) is warned about at its second new value, with the advice
-        strings = (what.startswith("argument ") and all((v or "")[:1] in ("'", '"') for v in (was, now))
-                   and per_sample_path(what.removeprefix("argument ").removesuffix(" of the step")))
+        path = argument_path(what)
+        strings = (path is not None and all((v or "")[:1] in ("'", '"') for v in (was, now))
+                   and per_sample_path(path))
         log.info("recompiling %s: %s%s", self._name, change, " (a string that changes from call to "
                  "call looks like per-sample metadata: pass the step only what it reads)" if strings else "")
         # counted once the call compiled: a refused call (a batch the world size does not
@@ -696,7 +703,7 @@ class CompiledTrainStep:
         self._guard_misses[what] = self._guard_misses.get(what, 0) + 1
         if self._guard_misses[what] == (2 if strings else REPEATED_RECOMPILES):
             if strings:
-                hint = metadata_advice([what.removeprefix("argument ").removesuffix(" of the step")], "every call")
+                hint = metadata_advice([argument_path(what) or what], "every call")
             elif what.startswith(("the shape of buffer", "the dtype of buffer")):
                 hint = ("make the buffer at its final shape (a buffer that grows every call "
                         "compiles a program per shape)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import traceback
 import types
 from dataclasses import dataclass
@@ -36,6 +37,37 @@ class SourceLocation:
         return f'{self.filename}:{self.lineno}: "{self.code}"'
 
 
+# NOTE: [names below an argument]: a guard names what it reads below a step argument by
+# the argument's label and the path walked on (``argument ctr of the step`` + ``.n``);
+# shown as it was built that read "argument ctr of the step.n was 1, now 2" (the
+# sixtieth session's probe). A change reads "attribute n of argument ctr of the step";
+# an entry of an argument, "argument batch['ids'][0] of the step".
+_BELOW_AN_ARGUMENT = re.compile(r"argument (.+?) of the step([.\[][^\s]*)")
+
+
+def _argument_words(match: re.Match[str]) -> str:
+    label, below = match.group(1), match.group(2)
+    if below.startswith("."):
+        return f"attribute {below[1:]} of argument {label} of the step"
+    return f"argument {label}{below} of the step"
+
+
+def readable_name(what: str) -> str:
+    """``what`` with each path below a step argument in words (NOTE: [names below an
+    argument])."""
+    return _BELOW_AN_ARGUMENT.sub(_argument_words, what) if " of the step" in what else what
+
+
+def argument_path(what: str) -> str | None:
+    """The path a readable name gives below the step's arguments (``ctr.n`` for
+    ``attribute n of argument ctr of the step``, ``batch['ids'][0]``), or None."""
+    attribute = re.fullmatch(r"attribute (.+) of argument (.+?) of the step", what)
+    if attribute:
+        return f"{attribute.group(2)}.{attribute.group(1)}"
+    argument = re.fullmatch(r"argument (.+) of the step", what)
+    return argument.group(1) if argument else None
+
+
 class Change(str):
     """Why a call cannot run a program compiled before, in the words logged
     (``<what> was <old>, now <new>``), with its parts kept: the compiled step counts the
@@ -52,6 +84,7 @@ class Change(str):
 
     def __new__(cls, what: str, was: str | None = None, now: str | None = None,
                 verb: str = "was") -> Change:
+        what = readable_name(what)
         text = what if was is None else f"{what} {verb} {was}, now {now}"
         change = super().__new__(cls, text)
         change.what, change.was, change.now = what, was, now

@@ -218,7 +218,7 @@ from typing import Any
 
 import torch
 
-from ..errors import Change
+from ..errors import Change, readable_name
 from .bindings import StepBindings, argument_paths, mark_parameters, numpy_kind
 from .code_names import (
     global_names_in,
@@ -558,7 +558,7 @@ class Guards:
         for k, (kind, _, _, expected) in enumerate(self.entries):
             if kind not in _VALUE_KINDS or k in self.hook_entries or k in self.per_process_entries:
                 continue
-            name = self.names[k]
+            name = readable_name(self.names[k])  # NOTE: [names below an argument]
             if name.startswith("environment variable "):
                 continue
             if expected is _MISSING:

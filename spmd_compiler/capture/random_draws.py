@@ -17,15 +17,18 @@ At capture each of these becomes ops on a draw of the global shape (``torch.rand
 ``bernoulli(p)`` is ``rand < p``, ``normal(mean, std)`` is ``mean + std * randn``, and
 ``rrelu`` multiplies its negative inputs by ``lower + (upper - lower) * rand`` (its noise
 tensor holds that factor, 1 elsewhere, as the kernel's). ``torch.multinomial(w, n)``
-(``Categorical.sample()``: a policy's actions, negative sampling) with replacement is
-inverse-CDF sampling, one uniform per sample searched in the rows' cumulative weights
-(float64); without replacement it is the exponential race (the ``n`` smallest of
-``Exp(1) / w``, whose order is that of drawing one by one). Both keep zero-weight
-categories out, and eager's refusal of invalid weights (negative, inf or NaN, a row
-summing to 0, fewer positive categories than samples without replacement) is a value
-check (NOTE: [value checks]): a call with such weights raises eager's message before
-anything is written. Every rank then sees its slice
-of one global draw, for every mode and world size. The numbers are those of the same
+(``Categorical.sample()``: a policy's actions, negative sampling) with replacement and
+``n > 1`` is inverse-CDF sampling, one uniform per sample searched in the rows' cumulative
+weights (float64); one sample, or any number without replacement, is ATen's exponential
+race (the ``n`` largest of ``w / Exp(1)``, the Exp(1) drawn in float64 and rounded to the
+weights' dtype, whose order is that of drawing one by one; NOTE: [one sample is the
+race]). On CPU both pick eager's categories and leave the generator where eager does
+(float64, float32, float16, bfloat16 weights; tests/sim/test_random_draws.py). Both keep
+zero-weight categories out, and eager's refusal of invalid weights (negative, inf or NaN,
+a row summing to 0, fewer positive categories than samples without replacement) is a
+value check (NOTE: [value checks]): a call with such weights raises eager's message
+before anything is written. Every rank then sees its slice of one global draw, for every
+mode and world size. Except for ``multinomial``, the numbers are those of the same
 distribution, not eager's (as for dropout). After capture any random op that still reads
 a tensor (``random_``, ``torch.poisson``, gamma and Dirichlet samples) is refused, naming the op and the line (``refuse_shard_local_draws``), also
 into a tensor made by factories alone: in a probe ``torch.empty(n).geometric_(0.5)``
@@ -187,7 +190,11 @@ def _multinomial(self, num_samples, replacement=False, *, generator=None):
             "multinomial: invalid weights (a negative, inf or NaN weight, a row summing to "
             "0, or fewer positive categories than samples without replacement)"
         )
-    if replacement:
+    if replacement and num_samples > 1:
+        # NOTE: [one sample is the race]: ATen's multinomial takes its exponential race
+        # whenever num_samples == 1, with replacement or not (the two are one
+        # distribution for one sample); inverse-CDF sampling there drew other actions
+        # than eager's Categorical.sample() and left the generator elsewhere.
         cumulative = rows.cumsum(-1)
         draw = torch.rand((rows.shape[0], num_samples), dtype=torch.float64, device=self.device)
         picked = torch.searchsorted(cumulative, draw * cumulative[:, -1:], right=True)
@@ -195,8 +202,15 @@ def _multinomial(self, num_samples, replacement=False, *, generator=None):
         last = (rows > 0).to(torch.long).cumsum(-1).argmax(-1, keepdim=True)
         picked = torch.minimum(picked, last)
     else:
+        # eager's arithmetic: Exp(1) drawn in float64, rounded to the weights' dtype, and
+        # the largest weight / Exp(1) in that dtype (its ties in float16 and bfloat16)
+        flat = self.reshape(-1, self.shape[-1])
         race = -torch.log1p(-torch.rand(tuple(rows.shape), dtype=torch.float64, device=self.device))
-        picked = torch.topk(race / rows, num_samples, dim=-1, largest=False).indices
+        ratio = flat / race.to(self.dtype)
+        if num_samples == 1:
+            picked = ratio.argmax(-1, keepdim=True)
+        else:
+            picked = torch.topk(ratio, num_samples, dim=-1).indices
     return picked.reshape(*self.shape[:-1], num_samples)
 
 

@@ -91,6 +91,7 @@ from .bindings import (
     BETA1,
     MOMENTUM,
     StepBindings,
+    argument_paths,
     beta1_is_input,
     check_plain_modules,
     keep_lr_a_setting,
@@ -1089,6 +1090,24 @@ def _trace_first(
                 hint=f"build {held} over the parameters of the modules passed to the step, "
                 "or pass the modules that own its parameters to the step too.",
             ) from exc
+        if isinstance(exc, _OptimizerNotPassed) and (wrapped := _held_by_a_plain_argument(exc.optimizer, func, bindings)):
+            path, wrapper = wrapped
+            inner = f"{type(exc.optimizer).__module__}.{type(exc.optimizer).__name__}"
+            raise SPMDCompileError(
+                f"The train step calls step() of a {inner} that is not among its "
+                f"optimizers, reached through attribute {path} (a {wrapper}: a plain "
+                "object, not a torch.optim.Optimizer). A step takes the "
+                "optimizers it is given, those its code names whose every parameter "
+                "belongs to the modules it trains, and those a given torch.optim.Optimizer "
+                "holds in an attribute (NOTE: [modules and optimizers by name]).",
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
+                hint=f"make {wrapper} a torch.optim.Optimizer subclass that holds the "
+                f"{type(exc.optimizer).__name__} in an attribute and shares its param_groups "
+                "(as SAM's and Lookahead's wrappers do), with any counter or slow weights "
+                "kept as tensors in its state (a Python counter the step changes is "
+                "refused); or pass the inner optimizer to the step itself and write the "
+                "wrapper's work in the step.",
+            ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
                 f"The train step calls step() of a {type(exc.optimizer).__module__}."
@@ -1957,6 +1976,31 @@ def _held_by_an_optimizer(opt: torch.optim.Optimizer, bindings: StepBindings) ->
         for name, value in vars(holder).items():
             if value is opt:
                 return f"optimizer.{name}"
+    return None
+
+
+def _held_by_a_plain_argument(
+    opt: torch.optim.Optimizer, func: Callable[..., Any], bindings: StepBindings
+) -> tuple[str, str] | None:
+    """Where ``opt`` is an attribute of a step argument that is neither a module nor an
+    optimizer (a plain Lookahead class holding ``self.base = SGD(...)``): the attribute,
+    in words (``base of argument opt``), and that object's class name; or None. Said in
+    the refusal: "pass the optimizer" alone was advice the user had followed."""
+    try:
+        paths = argument_paths(func, bindings.args_spec)
+    except Exception:  # noqa: BLE001 - a signature not read: positions
+        paths = []
+    for i, arg in enumerate(bindings.flat_args):
+        if isinstance(arg, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+            continue
+        try:
+            attributes = vars(arg)
+        except TypeError:  # no __dict__ (a number, a string, a slotted object)
+            continue
+        for name, value in attributes.items():
+            if value is opt:
+                label = paths[i] if len(paths) == len(bindings.flat_args) else f"args[{i}]"
+                return f"{name} of argument {label}", type(arg).__name__
     return None
 
 

@@ -504,14 +504,20 @@ _UNEVEN_HEADS_HINT = (
     "projections (and the row-wise output projection) out of the plan."
 )
 # the same view of a batch a mode split (GRPO's ``rewards.view(-1, group)``, DPO's
-# ``logps.view(2, -1)``): groups spanning ranks; before, the heads hint above was given
+# ``logps.view(2, -1)``): groups spanning ranks; before, the heads hint above was given.
+# On a 1-D mesh (ddp, fsdp) such a view is computed on the gathered batch (NOTE: [groups
+# spanning ranks gathered]); this is the hint on a 2-D mesh. Until the sixtieth session
+# it blamed "a group larger than one rank's rows", which G = B (one group) is and
+# compiles, and B=12, G=2 on 4 ranks (3 rows a rank) is not and was refused.
 _UNEVEN_BATCH_HINT = (
     "this view splits a dimension the mesh shards into groups its ranks do not divide: "
-    "with a batch split over the ranks, groups of rows that span ranks (rewards.view(-1, "
-    "group_size) with a group larger than one rank's rows). Keep each group on one rank "
-    "(a per-rank batch that holds whole groups: fewer ranks or larger batches), or select "
-    "without a view (chunk / slices work); under tensor parallel, the heads of column-wise "
-    "q / k / v projections that the tp ranks do not divide."
+    "with a batch split over the ranks, a number of groups (rewards.view(-1, group_size): "
+    "batch / group_size groups) that is not a multiple of the ranks sharding the batch, so "
+    "groups span ranks (one group of the whole batch works). ddp and fsdp compute such a "
+    "view on the gathered batch; on this mesh make the number of groups a multiple of the "
+    "batch's ranks (batch = k x ranks x group_size), or select without a view (chunk / "
+    "slices work); under tensor parallel, the heads of column-wise q / k / v projections "
+    "that the tp ranks do not divide."
 )
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 _STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
@@ -681,12 +687,45 @@ class _ExpandingInterpreter(RetracingInterpreter):
         try:
             return super().call_function(target, args, kwargs)
         except (RuntimeError, ValueError) as exc:
+            if self._groups_spanning_ranks(exc, args[0]):
+                return self._view_of_the_whole_batch(target, args, kwargs)
             if not any(text in str(exc) for text in _STRIDE_REFUSALS):
                 raise
         # a copy always (``contiguous()`` reads the whole tensor's strides, which may call
         # it contiguous where the rank's shard is not)
         copied = torch.ops.aten.clone.default(args[0], memory_format=torch.contiguous_format)
         return super().call_function(target, (copied, *args[1:]), kwargs)
+
+    def _groups_spanning_ranks(self, exc: Exception, value: DTensor) -> bool:
+        """Whether ``exc`` is DTensor's refusal of a view that splits a batch a 1-D data
+        parallel mesh shards into groups the ranks do not divide (NOTE: [groups spanning
+        ranks gathered])."""
+        return (
+            self.split_an_argument
+            and self.mesh.ndim == 1
+            and any(text in str(exc) for text in _UNEVEN_UNFLATTEN)
+            and any(p.is_shard() for p in value.placements)
+        )
+
+    def _view_of_the_whole_batch(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """NOTE: [groups spanning ranks gathered]
+        GRPO's group normalisation ``rewards.view(-1, G)`` (DPO's ``logps.view(2, -1)``) of
+        a batch split over the ranks gives ``B / G`` groups; where the ranks do not divide
+        that number (B=8, G=4 on 4 ranks: 2 groups, 2 rows a rank), groups span ranks and
+        DTensor refuses the view ("Cannot unflatten unevenly sharded tensor"). Where
+        ``B / G`` is a multiple of the ranks each rank holds whole groups, and one group
+        (G=B) is a size-1 dimension with the batch sharded after it: both compile as they
+        are. Here the value is gathered (Shard -> Replicate, an all-gather of that tensor)
+        and viewed whole: the same numbers on every rank, which the ops after it slice
+        again where they meet batch-sharded values. Only on a 1-D mesh a mode split an
+        argument on (ddp, fsdp): under tensor parallel the same refusal is most often
+        attention heads a plan shards, whose gathering would repeat the attention on
+        every tp rank; that stays refused with its hint. Cost: one all-gather of the
+        viewed tensor (a reward vector: B numbers)."""
+        value = args[0]
+        whole = tuple(Replicate() if p.is_shard() else p for p in value.placements)
+        gathered = value.redistribute(self.mesh, whole)
+        return super().call_function(target, (gathered, *args[1:]), kwargs)
 
     def _empty_view(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """A view of a tensor with no elements: a new empty tensor of the view's shape,

@@ -317,3 +317,88 @@ def test_an_optimizer_held_over_other_parameters_is_refused_by_its_attribute():
     assert "optimizer.base_optimizer (an attribute of an optimizer it is given)" in str(info.value)
     after = [p.detach() for p in (*net.parameters(), *other.parameters())]
     assert all(torch.equal(a, b) and not isinstance(a, DTensor) for a, b in zip(after, before, strict=True))
+
+
+class _PlainLookahead:
+    """A Lookahead written as a plain class over an optimizer it holds (adv/c5_look.py)."""
+
+    def __init__(self, params, base: torch.optim.Optimizer) -> None:  # noqa: ANN001
+        self.params = list(params)
+        self.base = base
+
+    def step(self) -> None:
+        self.base.step()
+
+    def zero_grad(self) -> None:
+        self.base.zero_grad()
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """The form the refusal advises: an Optimizer subclass holding the inner optimizer,
+    sharing its param groups, its counter and slow weights tensors in its state."""
+
+    def __init__(self, base: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+        super().__init__(base.param_groups, {})
+        self.base_optimizer = base
+        self.param_groups = base.param_groups
+        self.k, self.alpha = k, alpha
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001
+        self.base_optimizer.step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "slow" not in state:
+                    state["slow"] = p.detach().clone()
+                    state["n"] = torch.zeros((), dtype=torch.int64)
+                state["n"] += 1
+                sync = state["n"] % self.k == 0
+                slow = state["slow"]
+                slow.copy_(torch.where(sync, slow + self.alpha * (p - slow), slow))
+                p.copy_(torch.where(sync, slow, p))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base_optimizer.zero_grad(set_to_none)
+
+
+def _wrapped_step(model, opt, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_an_optimizer_held_by_a_plain_argument_is_refused_by_its_attribute():
+    """An SGD held by a plain wrapper object given as the step's ``opt``: refused as "not
+    among its optimizers ... pass the optimizer", advice the user had followed; now the
+    message names the attribute and the argument, says the wrapper is no Optimizer and
+    how to write it; nothing changed."""
+    net = _net()
+    opt = _PlainLookahead(net.parameters(), torch.optim.SGD(net.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = _batches()[0]
+    with sc.simulate(world_size=WORLD), pytest.raises(SPMDCompileError) as info:
+        sc.compile()(_wrapped_step)(net, opt, x, y)
+    message = str(info.value)
+    assert "reached through attribute base of argument opt (a _PlainLookahead: a plain object, not a torch.optim.Optimizer)" in message, message
+    assert "make _PlainLookahead a torch.optim.Optimizer subclass" in message
+    after = [p.detach() for p in net.parameters()]
+    assert all(torch.equal(a, b) and not isinstance(a, DTensor) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_advised_lookahead_matches_eager(mode):
+    """The refusal's advice works: the Optimizer-subclass Lookahead trains as eager."""
+    net, reference = _net(), _net()
+    optim = _Lookahead(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference_optim = _Lookahead(torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
+    step = sc.compile(DataParallel(mode))(_wrapped_step)
+    with sc.simulate(world_size=WORLD) as sim:
+        for x, y in _batches():
+            loss = step(net, optim, x, y)
+            assert relative_difference(loss, _wrapped_step(reference, reference_optim, x, y)) <= TOL
+        state = full_state(net, optim.base_optimizer, sim)
+    expected = full_state(reference, reference_optim.base_optimizer, None)
+    assert max(relative_difference(state[k], expected[k]) for k in expected) <= TOL

@@ -107,6 +107,80 @@ def test_multinomial_draws_from_its_distribution(replacement) -> None:
     assert not ((picked == 0) | (picked == 3)).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("samples", "replacement"), [(1, True), (1, False), (3, True), (3, False)])
+def test_multinomial_draws_eagers_numbers(dtype, samples, replacement) -> None:
+    """The decomposition, run on real tensors, picks eager's categories and leaves the
+    generator where eager leaves it (NOTE: [one sample is the race])."""
+    from spmd_compiler.capture.random_draws import global_draw_decompositions
+
+    multinomial = global_draw_decompositions()[torch.ops.aten.multinomial.default]
+    weights = torch.rand(64, 200, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    weights[:, 5] = 0
+    weights = weights.to(dtype)
+    torch.manual_seed(3)
+    expected, after = torch.multinomial(weights, samples, replacement), torch.rand(2)
+    torch.manual_seed(3)
+    assert torch.equal(multinomial(weights, samples, replacement), expected)
+    assert torch.equal(torch.rand(2), after)
+
+
+def _sampling_policy_step(how: str):  # noqa: ANN202
+    def step(model, optim, x, target):  # noqa: ANN001, ANN202
+        logits = model(x)
+        policy = torch.distributions.Categorical(logits=logits)
+        if how == "categorical_sample":
+            actions = policy.sample()
+        else:
+            actions = torch.multinomial(policy.probs, 1, replacement=True).squeeze(-1)
+        reward = (actions == target).to(logits.dtype)
+        loss = -(policy.log_prob(actions) * (reward - reward.mean())).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        return loss.detach(), actions
+
+    return step
+
+
+@pytest.mark.parametrize("how", ["categorical_sample", "multinomial_one_with_replacement"])
+def test_one_sample_draws_eagers_actions(how) -> None:
+    """``Categorical.sample()`` and ``multinomial(p, 1, replacement=True)`` in a step draw
+    eager's actions (ddp, fsdp, 2 and 4 ranks): the same losses and parameters, and the
+    generator left where eager leaves it. Before, one sample with replacement was drawn
+    by inverse CDF, where ATen runs its exponential race: other actions, and
+    ``torch.rand(2)`` after three steps 0.8949 where eager's is 0.2865."""
+    step = _sampling_policy_step(how)
+    data = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 5, generator=data, dtype=torch.float64),
+                torch.randint(0, 3, (8,), generator=data)) for _ in range(3)]
+
+    def run(compiled, world):  # noqa: ANN001, ANN202
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3).double()
+        optim = torch.optim.SGD(model.parameters(), lr=0.5)
+        fn = step if compiled is None else sc.compile(make_mode(compiled))(step)
+        torch.manual_seed(7)
+        if compiled is None:
+            outs = [fn(model, optim, x, t) for x, t in batches]
+            return outs, [p.detach().clone() for p in model.parameters()], torch.rand(2)
+        with sc.simulate(world_size=world):
+            outs = [fn(model, optim, x, t) for x, t in batches]
+            params = [p.full_tensor().clone() for p in model.parameters()]
+        return outs, params, torch.rand(2)
+
+    eager_outs, eager_params, eager_after = run(None, 1)
+    for mode in ("ddp", "fsdp"):
+        for world in (2, 4):
+            outs, params, after = run(mode, world)
+            for (loss, actions), (eager_loss, eager_actions) in zip(outs, eager_outs):
+                assert torch.equal(actions, eager_actions), (mode, world)
+                assert float(loss) == pytest.approx(float(eager_loss), rel=TOL, abs=1e-15), (mode, world)
+            for p, e in zip(params, eager_params):
+                torch.testing.assert_close(p, e, rtol=TOL, atol=1e-15)
+            assert torch.equal(after, eager_after), (mode, world)
+
+
 def test_multinomial_of_invalid_weights_raises_eagers_refusal() -> None:
     """Eager refuses negative weights: the compiled step too, before writing anything."""
 

@@ -882,6 +882,28 @@ class CountingHook(Net):
         self.calls += 1
 
 
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+
+def _counting_argument_step(model, optim, ctr, x, y):  # noqa: ANN001, ANN201
+    loss = step(model, optim, x, y)
+    ctr.n += 1
+    return loss
+
+
+def test_a_changed_attribute_of_an_argument_is_named_in_words():
+    """``ctr.n += 1`` on a plain-object argument: the refusal read "argument ctr of the
+    step.n was 1, now 2" (NOTE: [names below an argument])."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctr = _Counter()
+    message = str(raises_untouched(_counting_argument_step, (model, opt, ctr, *batch()), model, opt))
+    assert "attribute n of argument ctr of the step was 1, now 2" in message, message
+    assert ctr.n == 0
+
+
 def test_a_step_refused_for_changing_a_value_leaves_it_as_it_was():
     """The refusal ("changes a Python value every time it runs") came after two traces
     had run the hook: ``model.calls`` read 2, 4, 6 after three refused calls."""
