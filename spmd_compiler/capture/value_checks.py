@@ -8,8 +8,10 @@ non-finite loss (``if torch.isfinite(loss): loss.backward(); optim.step()``). Ea
 Python ``if`` on a tensor's value, which one traced program cannot take both ways.
 
 - While the step is traced, ``bool()`` of a tensor whose value the trace does not have
-  is answered from a list of decisions; an ``if`` met beyond the list stops the trace
-  (``Undecided``). Capture then traces the step with each answer for it:
+  is answered from a list of decisions; an ``if`` met beyond the list is decided on the
+  spot where its one way runs straight into a ``raise`` (NOTE: [checks decided from
+  their bytecode]), and otherwise stops the trace (``Undecided``). Capture then traces
+  the step with each answer for it:
   - a check: exactly one answer makes the step raise an exception of its own (a
     ``ValueError``, an ``AssertionError``, ...) before it meets another such ``if``. The
     other answer is the decision, and a call where the condition comes out the raising
@@ -41,12 +43,43 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
 - An ``if`` on a Python float argument (``if scale > 1``: its stand-in tensor, NOTE:
   [float arguments as graph inputs]) is Python's decision, not the data's: the float
   stays a guard, as before.
-- Bounds: ``MAX_VALUE_IFS`` ``if``s per traced call (a ``while`` on a value that runs
-  until it converges is refused), ``MAX_BRANCH_PROGRAMS`` programs per step (used by
-  ``api.py``), and ``MAX_COIN_BRANCHES`` branches on random draws alone (NOTE: [ifs on
-  random draws alone]). Each ``if`` costs two traces of the step at capture, and reading
-  the conditions is one device-to-host copy per call; a step with no such ``if`` is
-  traced once and reads nothing, as before.
+- Bounds: ``MAX_VALUE_IFS`` ``if``s traced both ways per traced call (a ``while`` on a
+  value that runs until it converges is refused), ``MAX_VALUE_CHECKS`` ``if``s in all,
+  ``MAX_BRANCH_PROGRAMS`` programs per step (used by ``api.py``), and
+  ``MAX_COIN_BRANCHES`` branches on random draws alone (NOTE: [ifs on random draws
+  alone]). An ``if`` traced both ways costs two traces of the step from its start at
+  capture (``n`` of them: O(n^2) ops traced); a check decided from its bytecode costs
+  nothing beyond the one trace. Reading the conditions is one device-to-host copy per
+  call; a step with no such ``if`` is traced once and reads nothing, as before.
+
+NOTE: [checks decided from their bytecode]
+Traced both ways, ``n`` checks cost ``2n`` traces of the step from its start: a PPO epoch
+of minibatches with a ``Categorical`` policy (validated by default: its logits in
+``__init__``, its actions in ``log_prob``, two checks per minibatch) took 108 s to capture
+at 8 minibatches, and past 8 it met more than ``MAX_VALUE_IFS`` and was refused (41 s).
+So where the frame that asked ``bool()`` (past the capture's torch function modes) sits
+at a jump on the condition (``if``, ``if not``, ``assert``, ``while``), and exactly one
+of its two ways runs straight into ``raise X`` (no jump, return or re-raise before it;
+``raising_way``), the trace decides the other way on the spot and goes on: the raising
+way is not traced. Its ``ValueCheck.raised`` is ``UNTRACED``. A call where the condition
+comes out the raising way is treated as a branch (nothing written, ``BranchMismatch``):
+the program of that way is captured then, and
+- where the step raises there, capture raises ``WayRaised``; the call raises
+  ``SPMDRuntimeError`` as a check does, naming the line and what the step raised, and
+  the check holds that text from then on (a later such call raises without a trace);
+- where it goes on (the exception caught further up the step), it is a branch program
+  like any other, matched to the ways taken by their booleans.
+So the guess is only ever about cost: no result of a way that was not traced is used,
+and a wrong guess (the raise caught, or the other way raising too) costs a capture when
+a call goes there. ``if cond and not ok:``, ``bool(t)`` called, an ``if`` in a user
+object's ``__bool__``, and pytest's rewritten ``assert`` (its message is formatted with
+jumps) are not decided this way: traced both ways, as before. Measured (Linear(6, 3),
+SGD, ddp at ``sc.simulate(world_size=2)``, first call): ``n`` minibatches each with one
+``if not (y >= 0).all(): raise`` took 5.9 / 15.5 / 53.6 s at n = 4 / 8 / 16 and were
+refused at 32; now 3.2 / 3.7 / 5.8 / 8.4 s at n = 4 / 8 / 16 / 32 (without the ``if``
+3.0 / 2.7 / 5.5 / 6.8 s, same run). The PPO epoch above (8 minibatches, Adam, float64):
+9.3 s first call (5.7 s with validation off); 9 minibatches compile in 7 s instead of
+being refused (``tests/sim/test_value_checks.py``).
 
 NOTE: [ifs on random draws alone]
 LayerDrop (transformers' M2M100, NLLB, Wav2Vec2, Hubert, ... with ``layerdrop`` /
