@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -39,10 +40,11 @@ from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensors, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
-from .capture.value_checks import MAX_BRANCH_PROGRAMS
+from .capture.value_checks import MAX_BRANCH_PROGRAMS, WayRaised
 from .errors import (
     Change,
     SPMDCompileError,
+    SPMDRuntimeError,
     argument_path,
     innermost_model_frame_of_stack,
     mesh_of_another_size,
@@ -58,6 +60,7 @@ from .runtime.eager_calls import guard_direct_calls
 from .runtime.runner import (
     BranchMismatch,
     StepTimings,
+    check_failed,
     check_state_world,
     keep_installs,
     undo_installs,
@@ -569,8 +572,11 @@ class CompiledTrainStep:
                 call = self._run_once(executable, bindings, tensor_args, sim, agreement)
             except BranchMismatch as mismatch:
                 _set_rng_state(device, rng)
-                executable = self._branch_program(key, bindings, input_metas, mesh, mismatch.decisions)
-                self._last = executable
+                try:
+                    branch = self._branch_program(key, bindings, input_metas, mesh, mismatch.decisions)
+                except WayRaised as raised:  # NOTE: [checks decided from their bytecode]
+                    raise self._learned_check(executable, len(mismatch.decisions) - 1, raised.text) from None
+                executable = self._last = branch
                 continue
             self._prefer(key, executable)
             return call, executable
@@ -615,8 +621,10 @@ class CompiledTrainStep:
         """The program whose first ``if``s go as ``decisions`` (compiled on first need)."""
         entries = self._cache.get(key, [])
         for i, (guards, executable) in enumerate(entries):
-            taken = tuple((c.expected, c.raised) for c in executable.program.captured.checks)
-            if taken[: len(decisions)] != decisions:
+            # the ways alone: a check decided from its bytecode is a branch in the program
+            # of its other way (NOTE: [checks decided from their bytecode])
+            taken = tuple(c.expected for c in executable.program.captured.checks)
+            if taken[: len(decisions)] != tuple(way for way, _ in decisions):
                 continue
             held, change = guards.for_call(bindings)  # NOTE: [guards follow the call's objects]
             entries[i] = (held, executable)
@@ -630,6 +638,16 @@ class CompiledTrainStep:
         if self._found is not None:  # a compile in this call traced the step: its values
             self._found.unwrite()  # back as the call found them, for this way's trace
         return self._compile(key, bindings, input_metas, mesh, decisions)[0]
+
+    @staticmethod
+    def _learned_check(executable: StepExecutable, k: int, text: str) -> SPMDRuntimeError:
+        """The step raised ``text`` on the way not taken of check ``k`` of ``executable``,
+        decided from its bytecode and traced now (NOTE: [checks decided from their
+        bytecode]): the check holds what it raised from now on, so that a later call
+        going that way raises without tracing it again; the error of this call."""
+        captured = executable.program.captured
+        captured.checks[k] = dataclasses.replace(captured.checks[k], raised=text)
+        return check_failed(captured.checks[k])
 
     def _prefer(self, key: tuple, executable: StepExecutable) -> None:
         """Try ``executable`` first next call: the way the data went last time."""

@@ -163,8 +163,11 @@ from .transformer_fast_path import transformer_encoders_as_eager
 from .value_checks import (
     MAX_BRANCH_PROGRAMS,
     MAX_COIN_BRANCHES,
+    MAX_VALUE_CHECKS,
+    UNTRACED,
     BranchDecisions,
     Undecided,
+    WayRaised,
     choose,
     describe_raise,
 )
@@ -726,6 +729,8 @@ def _capture_step(
             captured = _capture(func, bindings, input_metas, options, floats, decisions, make_state)
             captured.floats_read, captured.floats_unread = read, frozenset(unread)
             return captured
+        except WayRaised:  # the step raised there: so it does with constants (NOTE: [checks decided from their bytecode])
+            raise
         except Exception as exc:  # noqa: BLE001 - retried with the floats as constants
             found = _float_argument_error(exc)
             used = found.indices if found is not None else None
@@ -1065,6 +1070,8 @@ def _trace_first(
                 "outside the compiled step."
             ),
         ) from exc
+    except WayRaised:  # the api's to report (NOTE: [checks decided from their bytecode])
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if _raised_in(exc, "lr_scheduler.py"):
             raise SPMDCompileError(
@@ -1273,7 +1280,8 @@ _VALUES_READ_HINT = (
 )
 
 
-# `if`s on tensor values one traced call may meet (NOTE: [value checks])
+# `if`s on tensor values one traced call may trace both ways (NOTE: [value checks]);
+# those decided from their bytecode count toward ``MAX_VALUE_CHECKS``
 MAX_VALUE_IFS = 16
 
 
@@ -1283,7 +1291,30 @@ def _decide_value_checks(
 ) -> tuple[torch.fx.GraphModule, _StepTracer]:
     """Trace the step, deciding each ``if`` on a tensor's value on the way (NOTE: [value
     checks]), after the ``given`` (decision, what the other answer raised) pairs; the
-    tracer's checks carry what the other answer raised ("" for a branch)."""
+    tracer's checks carry what the other answer raised ("" for a branch, ``UNTRACED``
+    for a check decided from its bytecode).
+
+    The last given decision taking the way of a check decided from its bytecode (its
+    text ``UNTRACED``, NOTE: [checks decided from their bytecode]): where the step
+    raises on that way, ``WayRaised`` says what it raised; where it goes on (the
+    exception caught further up), that ``if`` is a branch of the program."""
+    trying = bool(given) and given[-1][1] == UNTRACED
+    if trying:
+        given = (*given[:-1], (given[-1][0], ""))
+    try:
+        return _decide_value_ifs(trace, given)
+    except _not_raised_by_the_step():
+        raise
+    except Exception as exc:  # noqa: BLE001 - the step raised on the way tried
+        if not trying:
+            raise
+        raise WayRaised(describe_raise(exc)) from exc
+
+
+def _decide_value_ifs(
+    trace: Callable[[list[bool]], tuple[torch.fx.GraphModule, _StepTracer]],
+    given: tuple[tuple[bool, str], ...],
+) -> tuple[torch.fx.GraphModule, _StepTracer]:
     decisions = [decision for decision, _ in given]
     raised = [text for _, text in given]
     coins: list[str] = []  # NOTE: [ifs on random draws alone]
@@ -1292,22 +1323,23 @@ def _decide_value_checks(
             first, tracer = trace(decisions)
             break
         except Undecided as undecided:
+            # the checks the trace decided from their bytecode before this `if`
+            decisions += undecided.guessed
+            raised += [UNTRACED] * len(undecided.guessed)
             coin = undecided.coin
             settled = undecided.settled
             where = undecided.where
-            if len(decisions) >= MAX_VALUE_IFS:
+            if sum(text != UNTRACED for text in raised) >= MAX_VALUE_IFS or len(decisions) >= MAX_VALUE_CHECKS:
+                traced = sum(text != UNTRACED for text in raised) >= MAX_VALUE_IFS
                 raise SPMDCompileError(
-                    f"{undecided.owner} meets more than {MAX_VALUE_IFS} `if`s on tensor values "
-                    f"in one call (the last at {undecided.where}); each is traced both ways "
-                    "and verified every call, so this many is refused (a loop that runs "
-                    "until a value converges, say).",
-                    hint="select with torch.where(cond, a, b), or loop a fixed number of "
-                    "times." if undecided.in_torch is None else
-                    f"the `if`s are in torch's own {undecided.in_torch} (a loop until its values "
-                    "settle), which the step calls: run it outside the compiled step (initialise "
-                    "parameters before the first call), or use an equivalent without `if`s on "
-                    "values (for nn.init.trunc_normal_: normal_(mean, std).clamp_(a, b), which puts the "
-                    "tails at the bounds instead of redrawing them).",
+                    f"{undecided.owner} meets more than "
+                    + (f"{MAX_VALUE_IFS} `if`s on tensor values in one call that are traced "
+                       "both ways" if traced else
+                       f"{MAX_VALUE_CHECKS} `if`s on tensor values in one call")
+                    + f" (the last at {undecided.where}); each is verified every call, so "
+                    "this many is refused (a loop that runs until a value converges, say; "
+                    "NOTE: [value checks]).",
+                    hint=_many_ifs_hint(undecided.in_torch),
                 ) from None
         results: dict[bool, tuple[torch.fx.GraphModule, _StepTracer]] = {}
         outcomes: dict[bool, BaseException | None] = {}
@@ -1345,11 +1377,37 @@ def _decide_value_checks(
         if choice in results:
             first, tracer = results[choice]
             break
+    # the checks the completed trace decided from their bytecode after the last given
+    raised += [UNTRACED] * (len(tracer.checks) - len(raised))
     tracer.checks = [
         dataclasses.replace(check, raised=text)
         for check, text in zip(tracer.checks, raised, strict=True)
     ]
     return first, tracer
+
+
+def _many_ifs_hint(in_torch: str | None) -> str:
+    """What to do about a refused number of ``if``s, for where they are."""
+    if in_torch is None:
+        return "select with torch.where(cond, a, b), or loop a fixed number of times."
+    if in_torch.startswith("torch.distributions."):
+        return (
+            f"the `if`s are torch.distributions' argument checks ({in_torch}): pass "
+            "validate_args=False to the distributions the step makes (Categorical(logits=..., "
+            "validate_args=False)), or call torch.distributions.Distribution."
+            "set_default_validate_args(False) before the first call."
+        )
+    if in_torch.endswith(".trunc_normal_"):
+        return (
+            f"the `if`s are in torch's own {in_torch} (a loop until its values settle), which "
+            "the step calls: run it outside the compiled step (initialise parameters before "
+            "the first call), or use normal_(mean, std).clamp_(a, b), which puts the tails at "
+            "the bounds instead of redrawing them."
+        )
+    return (
+        f"the `if`s are in torch's own {in_torch}, which the step calls: run it outside the "
+        "compiled step, or use an equivalent without `if`s on tensor values."
+    )
 
 
 def _refuse_coin_branches(coins: list[str]) -> None:
@@ -1844,7 +1902,7 @@ class _StepTracer:
                 self._refuse_traced_inside(leaf)
                 self.return_leaves.append(("const", leaf))
         for site in self.branches.sites:  # NOTE: [value checks]
-            self.checks.append(ValueCheck(len(outs), site.expected, site.where, ""))
+            self.checks.append(ValueCheck(len(outs), site.expected, site.where, site.raised))
             self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
             outs.append(site.condition)
         for target, value in kept:  # NOTE: [tensors the step keeps]

@@ -8,8 +8,10 @@ non-finite loss (``if torch.isfinite(loss): loss.backward(); optim.step()``). Ea
 Python ``if`` on a tensor's value, which one traced program cannot take both ways.
 
 - While the step is traced, ``bool()`` of a tensor whose value the trace does not have
-  is answered from a list of decisions; an ``if`` met beyond the list stops the trace
-  (``Undecided``). Capture then traces the step with each answer for it:
+  is answered from a list of decisions; an ``if`` met beyond the list is decided on the
+  spot where its one way runs straight into a ``raise`` (NOTE: [checks decided from
+  their bytecode]), and otherwise stops the trace (``Undecided``). Capture then traces
+  the step with each answer for it:
   - a check: exactly one answer makes the step raise an exception of its own (a
     ``ValueError``, an ``AssertionError``, ...) before it meets another such ``if``. The
     other answer is the decision, and a call where the condition comes out the raising
@@ -41,12 +43,43 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
 - An ``if`` on a Python float argument (``if scale > 1``: its stand-in tensor, NOTE:
   [float arguments as graph inputs]) is Python's decision, not the data's: the float
   stays a guard, as before.
-- Bounds: ``MAX_VALUE_IFS`` ``if``s per traced call (a ``while`` on a value that runs
-  until it converges is refused), ``MAX_BRANCH_PROGRAMS`` programs per step (used by
-  ``api.py``), and ``MAX_COIN_BRANCHES`` branches on random draws alone (NOTE: [ifs on
-  random draws alone]). Each ``if`` costs two traces of the step at capture, and reading
-  the conditions is one device-to-host copy per call; a step with no such ``if`` is
-  traced once and reads nothing, as before.
+- Bounds: ``MAX_VALUE_IFS`` ``if``s traced both ways per traced call (a ``while`` on a
+  value that runs until it converges is refused), ``MAX_VALUE_CHECKS`` ``if``s in all,
+  ``MAX_BRANCH_PROGRAMS`` programs per step (used by ``api.py``), and
+  ``MAX_COIN_BRANCHES`` branches on random draws alone (NOTE: [ifs on random draws
+  alone]). An ``if`` traced both ways costs two traces of the step from its start at
+  capture (``n`` of them: O(n^2) ops traced); a check decided from its bytecode costs
+  nothing beyond the one trace. Reading the conditions is one device-to-host copy per
+  call; a step with no such ``if`` is traced once and reads nothing, as before.
+
+NOTE: [checks decided from their bytecode]
+Traced both ways, ``n`` checks cost ``2n`` traces of the step from its start: a PPO epoch
+of minibatches with a ``Categorical`` policy (validated by default: its logits in
+``__init__``, its actions in ``log_prob``, two checks per minibatch) took 108 s to capture
+at 8 minibatches, and past 8 it met more than ``MAX_VALUE_IFS`` and was refused (41 s).
+So where the frame that asked ``bool()`` (past the capture's torch function modes) sits
+at a jump on the condition (``if``, ``if not``, ``assert``, ``while``), and exactly one
+of its two ways runs straight into ``raise X`` (no jump, return or re-raise before it;
+``raising_way``), the trace decides the other way on the spot and goes on: the raising
+way is not traced. Its ``ValueCheck.raised`` is ``UNTRACED``. A call where the condition
+comes out the raising way is treated as a branch (nothing written, ``BranchMismatch``):
+the program of that way is captured then, and
+- where the step raises there, capture raises ``WayRaised``; the call raises
+  ``SPMDRuntimeError`` as a check does, naming the line and what the step raised, and
+  the check holds that text from then on (a later such call raises without a trace);
+- where it goes on (the exception caught further up the step), it is a branch program
+  like any other, matched to the ways taken by their booleans.
+So the guess is only ever about cost: no result of a way that was not traced is used,
+and a wrong guess (the raise caught, or the other way raising too) costs a capture when
+a call goes there. ``if cond and not ok:``, ``bool(t)`` called, an ``if`` in a user
+object's ``__bool__``, and pytest's rewritten ``assert`` (its message is formatted with
+jumps) are not decided this way: traced both ways, as before. Measured (Linear(6, 3),
+SGD, ddp at ``sc.simulate(world_size=2)``, first call): ``n`` minibatches each with one
+``if not (y >= 0).all(): raise`` took 5.9 / 15.5 / 53.6 s at n = 4 / 8 / 16 and were
+refused at 32; now 3.2 / 3.7 / 5.8 / 8.4 s at n = 4 / 8 / 16 / 32 (without the ``if``
+3.0 / 2.7 / 5.5 / 6.8 s, same run). The PPO epoch above (8 minibatches, Adam, float64):
+9.3 s first call (5.7 s with validation off); 9 minibatches compile in 7 s instead of
+being refused (``tests/sim/test_value_checks.py``).
 
 NOTE: [ifs on random draws alone]
 LayerDrop (transformers' M2M100, NLLB, Wav2Vec2, Hubert, ... with ``layerdrop`` /
@@ -71,6 +104,9 @@ step's inputs too and is not counted: its way is the data's, not a coin's.
 from __future__ import annotations
 
 import contextlib
+import dis
+import os
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -88,14 +124,24 @@ MAX_BRANCH_PROGRAMS = 8
 # branches on random draws alone: 2 ** 3 ways fill MAX_BRANCH_PROGRAMS (NOTE: [ifs on
 # random draws alone])
 MAX_COIN_BRANCHES = 3
+# `if`s one traced call may decide without tracing their raising way (NOTE: [checks
+# decided from their bytecode]): a bound for a loop that never ends
+MAX_VALUE_CHECKS = 1024
+# ``ValueCheck.raised`` of a check decided from its bytecode: its other way was not traced
+UNTRACED = "(its other way, which runs into a raise, was not traced)"
 
 
 class Undecided(Exception):
     """The trace met a value check beyond the decided ones."""
 
-    def __init__(self, where: str, coin: bool = False, settled: bool | None = None) -> None:
+    def __init__(
+        self, where: str, coin: bool = False, settled: bool | None = None, guessed: list[bool] | None = None,
+    ) -> None:
         super().__init__(f"a check on a tensor's value at {where}")
         self.where = where
+        # the decisions the trace took from the bytecode before it stopped here, after
+        # those it was given (NOTE: [checks decided from their bytecode])
+        self.guessed = guessed or []
         self.owner = "The train step"  # or the optimizer whose step() it is in
         self.coin = coin  # NOTE: [ifs on random draws alone]
         self.settled = settled  # the way a coin goes whatever it draws, if it has one
@@ -107,9 +153,6 @@ class Undecided(Exception):
 def torch_function_called() -> str | None:
     """The torch function the innermost frame of the user's code called, where the
     running code is inside it (``torch.nn.init.trunc_normal_``); None otherwise."""
-    import os
-    import sys
-
     from .callers import TORCH_DIR, users_file
 
     frame: Any = sys._getframe(1)
@@ -122,11 +165,22 @@ def torch_function_called() -> str | None:
     return f"{os.path.splitext(module)[0].replace(os.sep, '.')}.{inner.f_code.co_name}"
 
 
+class WayRaised(Exception):
+    """A branch program traced the way of a check decided from its bytecode, and the
+    step raised there (NOTE: [checks decided from their bytecode]): ``text`` is what it
+    raised (``describe_raise``)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
 @dataclass
 class _Site:
     condition: torch.Tensor
     expected: bool
     where: str
+    raised: str = ""  # UNTRACED: decided from the bytecode
 
 
 class BranchDecisions:
@@ -138,7 +192,8 @@ class BranchDecisions:
     """
 
     def __init__(self, decisions: list[bool], python_value: Callable[[torch.Tensor], bool]) -> None:
-        self.decisions = decisions
+        self.decisions = list(decisions)
+        self.given = len(decisions)
         self.python_value = python_value  # a float argument's stand-in: Python's own value
         self.sites: list[_Site] = []
         self._patch: Any = None
@@ -150,7 +205,7 @@ class BranchDecisions:
             try:
                 return original(t)
             except private.data_dependent_error_types():
-                return self._decide(t)
+                return self._decide(t, sys._getframe(1))
 
         self._patch = mock.patch.object(torch.Tensor, "__bool__", answer)
         self._patch.__enter__()
@@ -159,19 +214,105 @@ class BranchDecisions:
     def __exit__(self, *exc: Any) -> None:
         self._patch.__exit__(*exc)
 
-    def _decide(self, t: torch.Tensor) -> bool:
+    def _decide(self, t: torch.Tensor, frame: Any) -> bool:
         if self.python_value(t):  # `if scale > 1` on a float argument: it stays a guard
             raise FloatArgumentUsedInPython("an `if` on a float argument")
         where = _LOCATED[-1] if _LOCATED else where_now() or "an unknown line"
         k = len(self.sites)
+        raised = ""
         if k >= len(self.decisions):
-            coin = drawn_alone(t)
-            raise Undecided(where, coin=coin, settled=settled_coin(t) if coin else None) from None
+            # NOTE: [checks decided from their bytecode]
+            found = None if k >= MAX_VALUE_CHECKS else _frame_of_the_if(frame)
+            raising = None if found is None else raising_way(found.f_code, found.f_lasti)
+            if raising is None:
+                coin = drawn_alone(t)
+                raise Undecided(
+                    where, coin=coin, settled=settled_coin(t) if coin else None,
+                    guessed=self.decisions[self.given:],
+                ) from None
+            self.decisions.append(not raising)
+            raised = UNTRACED
         # a copy: a view of a buffer the branch then writes (``if not self.done:
         # self.done.fill_(True)``) read the written value, and the check failed every call
         condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(()).clone()
-        self.sites.append(_Site(condition, self.decisions[k], where))
+        self.sites.append(_Site(condition, self.decisions[k], where, raised))
         return self.decisions[k]
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# torch's frames between an `if` and ``Tensor.__bool__``: its torch function and dispatch
+# machinery, which the modes of the capture run through
+_DISPATCH_FILES = tuple(
+    os.path.join("torch", *name.split("/"))
+    for name in ("overrides.py", "_tensor.py", "utils/_python_dispatch.py", "fx/experimental/proxy_tensor.py")
+)
+
+
+def _frame_of_the_if(frame: Any) -> Any:
+    """The frame whose ``if`` (or ``assert``, ``while``) asked ``bool()`` of the tensor,
+    from the frame that called our ``__bool__``: past the capture's own torch function
+    modes and torch's dispatch to them. None where the first other frame is not at such
+    a jump (``bool(t)`` called, ``not t`` kept as a value)."""
+    for _ in range(64):
+        if frame is None:
+            return None
+        name = frame.f_code.co_filename
+        if not (
+            name.startswith(_PACKAGE_DIR) or name.endswith(_DISPATCH_FILES)
+            or frame.f_code.co_name in ("__torch_function__", "__torch_dispatch__")
+        ):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+_ENDS = frozenset(("RETURN_VALUE", "RETURN_CONST", "RERAISE", "YIELD_VALUE", "RETURN_GENERATOR"))
+_RAISING_WAYS: dict[tuple[Any, int], bool | None] = {}
+
+
+def raising_way(code: Any, lasti: int) -> bool | None:
+    """The answer of the ``if`` at instruction ``lasti`` of ``code`` whose way runs
+    straight into a ``raise`` (no jump, return or other ``raise`` before it), when one
+    of its two ways does and the other does not; None otherwise (NOTE: [checks decided
+    from their bytecode]). ``if not ok: raise ValueError(...)`` is False, ``assert ok``
+    False."""
+    key = (code, lasti)
+    if key not in _RAISING_WAYS:
+        _RAISING_WAYS[key] = _raising_way(code, lasti)
+    return _RAISING_WAYS[key]
+
+
+def _raising_way(code: Any, lasti: int) -> bool | None:
+    instructions = list(dis.get_instructions(code))
+    at = {ins.offset: n for n, ins in enumerate(instructions)}
+    n = at.get(lasti)
+    if n is None:
+        return None
+    name = instructions[n].opname
+    # a jump that pops the condition (`if x:`, `if not x:`, `assert x`, `while x:`);
+    # `x and y` keeps it on the stack and is not looked at
+    if not name.startswith("POP_JUMP") or not name.endswith(("IF_TRUE", "IF_FALSE")):
+        return None
+    jumps_when = name.endswith("IF_TRUE")
+    jumped = _runs_into_raise(instructions, at.get(instructions[n].argval))
+    fell = _runs_into_raise(instructions, n + 1)
+    if jumped == fell:
+        return None
+    return jumps_when if jumped else not jumps_when
+
+
+def _runs_into_raise(instructions: list[dis.Instruction], n: int | None) -> bool:
+    """Whether the code from instruction ``n`` on reaches ``raise X`` before any jump,
+    return, re-raise or yield."""
+    while n is not None and n < len(instructions):
+        ins = instructions[n]
+        if ins.opname == "RAISE_VARARGS":
+            return bool(ins.arg)  # a bare `raise` re-raises what is being handled
+        if ins.opcode in _JUMPS or ins.opname in _ENDS:
+            return False
+        n += 1
+    return False
 
 
 _LOCATED: list[str] = []
@@ -286,6 +427,7 @@ def choose(outcomes: dict[bool, Any]) -> bool | None:
 
 
 __all__ = [
-    "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "BranchDecisions", "Undecided", "choose",
-    "describe_raise", "drawn_alone", "eager_check", "located", "where_now",
+    "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "MAX_VALUE_CHECKS", "UNTRACED", "BranchDecisions",
+    "Undecided", "WayRaised", "choose", "describe_raise", "drawn_alone", "eager_check", "located",
+    "raising_way", "where_now",
 ]

@@ -34,6 +34,7 @@ from ..capture.bindings import (
 )
 from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
+from ..capture.value_checks import UNTRACED
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import (
@@ -665,15 +666,22 @@ def _verify_checks(program: DistributedProgram, outs: list[torch.Tensor], sim: S
         )
         if bool(value.full_tensor() if isinstance(value, DTensor) else value) == check.expected:
             continue
-        if not check.raised:
+        if not check.raised or check.raised == UNTRACED:
+            # a branch, or a check decided from its bytecode whose way is traced now (NOTE:
+            # [checks decided from their bytecode]): the program of the way it went
             taken = tuple((c.expected, c.raised) for c in captured.checks[:k])
-            raise BranchMismatch((*taken, (not check.expected, "")))
-        raise SPMDRuntimeError(
-            f"A check on a tensor's value at {check.where} came out "
-            f"{not check.expected} on this call: the step raises there ({check.raised}). "
-            "Nothing was updated: the model and optimizer keep the state of the last "
-            "completed step."
-        )
+            raise BranchMismatch((*taken, (not check.expected, check.raised)))
+        raise check_failed(check)
+
+
+def check_failed(check: ValueCheck) -> SPMDRuntimeError:
+    """The error of a call where the check ``check`` came out the way the step raises."""
+    return SPMDRuntimeError(
+        f"A check on a tensor's value at {check.where} came out "
+        f"{not check.expected} on this call: the step raises there ({check.raised}). "
+        "Nothing was updated: the model and optimizer keep the state of the last "
+        "completed step."
+    )
 
 
 def _item(value: torch.Tensor) -> Any:

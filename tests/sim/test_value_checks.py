@@ -5,7 +5,9 @@ a train step's own ``assert torch.isfinite(loss)`` compile, with parity against 
 undecorated step on one device (float64); a check that fails at run time raises before
 anything is written, naming the line and what the step raises there, and training goes
 on from the last completed step; an ``if`` whose branches both go on runs the program of
-the way the data went.
+the way the data went. A check whose one way runs straight into a ``raise`` is decided
+from its bytecode, its raising way traced only when a call goes there (a Categorical
+PPO loop of 12 minibatches, a check failing on a later call, a raise the step catches).
 """
 
 from __future__ import annotations
@@ -459,3 +461,156 @@ def test_a_count_kept_above_zero_by_max_is_refused_with_the_advice_of_item():
     assert "can only be returned" in message and "clamp(min=1)" in message, message
     assert "loss = total / max(n, 1)" in message and "Nothing was updated" in message, message
     assert max(differences.values()) < TOL, differences
+
+
+# NOTE: [checks decided from their bytecode]: an `if` whose one way runs straight into a
+# `raise` is decided the other way without tracing the raising way
+
+
+def ppo_minibatch_step(model, optim, obs, actions, advantages, minibatches):  # noqa: ANN001
+    """A PPO epoch: a Categorical policy per minibatch (validated as by default: its
+    logits in __init__ and its actions in log_prob, two checks each), an update each."""
+    size = obs.shape[0] // minibatches
+    losses = []
+    for s in range(0, obs.shape[0], size):
+        policy = torch.distributions.Categorical(logits=model(obs[s:s + size]))
+        loss = -(policy.log_prob(actions[s:s + size]) * advantages[s:s + size]).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _rollout(minibatches: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    n = minibatches * size
+    return (torch.randn(n, FEATURES, generator=gen, dtype=torch.float64),
+            torch.randint(0, FEATURES, (n,), generator=gen),
+            torch.randn(n, generator=gen, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_categorical_minibatch_loop_compiles_with_its_checks_untraced(mode):
+    """12 minibatches meet 24 checks: before, each was traced both ways from the start
+    of the step (the time grew with their square: 8 minibatches 108 s) and past 16 the
+    step was refused (after 117-135 s here). Now they are decided from their bytecode in
+    one trace."""
+    model, reference, optim, reference_optim = _twins()
+    obs, actions, advantages = _rollout(12)
+    compiled = sc.compile(_mode(mode))(ppo_minibatch_step)
+    with sc.simulate(world_size=2) as sim:
+        for _ in range(2):
+            losses = compiled(model, optim, obs, actions, advantages, 12)
+            expected = ppo_minibatch_step(reference, reference_optim, obs, actions, advantages, 12)
+            assert relative_difference(losses, expected) < TOL
+        worst = _worst_state_difference(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+    from spmd_compiler.capture.value_checks import UNTRACED
+
+    checks = compiled.last_program.captured.checks
+    assert len(checks) == 24 and all(c.raised == UNTRACED for c in checks), checks[:2]
+
+
+def action_checked_step(model, optim, x, actions):  # noqa: ANN001
+    logits = model(x)
+    if not (x.abs() < 100).all():
+        raise ValueError("an input is out of range")
+    loss = F.cross_entropy(logits, actions)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_an_untraced_check_that_fails_on_a_later_call_raises_and_writes_nothing():
+    """The raising way is traced only when a call goes there: the third call raises what
+    the step raises, names the line, writes nothing; the check holds what it raised from
+    then on (a second failing call compiles nothing), and training goes on."""
+    from spmd_compiler.capture.value_checks import UNTRACED
+
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(make_mode("fsdp"))(action_checked_step)
+    gen = torch.Generator().manual_seed(4)
+    batches = [(x, torch.randint(0, FEATURES, (BATCH,), generator=gen)) for x in _batches(4)]
+    bad = batches[2][0].clone()
+    bad[6, 0] = 1e3  # on the second rank's half
+    with sc.simulate(world_size=2) as sim:
+        for x, a in batches[:2]:
+            loss = compiled(model, optim, x, a)
+            assert relative_difference(loss, action_checked_step(reference, reference_optim, x, a)) < TOL
+        assert compiled.last_program.captured.checks[0].raised == UNTRACED
+        compiles = compiled.compile_count
+        before = {n: sim.full_tensor(p).clone() for n, p in model.named_parameters()}
+        for _ in range(2):
+            with pytest.raises(SPMDRuntimeError) as info:
+                compiled(model, optim, bad, batches[2][1])
+            message = str(info.value)
+            assert "ValueError: an input is out of range" in message, message
+            assert "if not (x.abs() < 100).all():" in message and "Nothing was updated" in message
+            for n, p in model.named_parameters():
+                assert torch.equal(sim.full_tensor(p), before[n]), n
+        assert compiled.compile_count == compiles, "the failing way was traced again"
+        with pytest.raises(ValueError, match="out of range"):
+            action_checked_step(copy.deepcopy(reference), copy.deepcopy(reference_optim), bad, batches[2][1])
+        for x, a in batches[2:]:
+            loss = compiled(model, optim, x, a)
+            assert relative_difference(loss, action_checked_step(reference, reference_optim, x, a)) < TOL
+        worst = _worst_state_difference(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+
+
+def _halved_if_large(y: torch.Tensor) -> torch.Tensor:
+    if (y.abs() > 2.0).any():
+        raise ValueError("large")
+    return y
+
+
+def caught_check_step(model, optim, x):  # noqa: ANN001
+    """The raising way's exception is caught by the step, which goes on another way:
+    a branch that looks like a check."""
+    y = model(x)
+    try:
+        y = _halved_if_large(y)
+    except ValueError:
+        y = y * 0.5
+    loss = F.mse_loss(y, x)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_raise_the_step_catches_runs_as_eager_when_the_data_goes_there(mode):
+    """The way decided from the bytecode to raise goes on (its exception caught by the
+    step): a call that goes there compiles it as a branch's program and matches eager."""
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(_mode(mode))(caught_check_step)
+    small, large = _batches(2)
+    small, large = small * 0.01, large * 30
+    with sc.simulate(world_size=2) as sim:
+        for x in [small, large, small, large, small]:
+            loss = compiled(model, optim, x)
+            assert relative_difference(loss, caught_check_step(reference, reference_optim, x)) < TOL
+        worst = _worst_state_difference(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+    assert 2 <= compiled.compile_count <= 4
+
+
+def test_too_many_checks_in_torch_distributions_name_validate_args(monkeypatch):
+    """Past ``MAX_VALUE_CHECKS`` (lowered here) the step is refused; where the `if`s are
+    torch.distributions' argument checks the advice is validate_args=False (it was
+    nn.init.trunc_normal_'s)."""
+    import spmd_compiler.capture.trace as trace
+    import spmd_compiler.capture.value_checks as value_checks
+
+    monkeypatch.setattr(value_checks, "MAX_VALUE_CHECKS", 6, raising=False)
+    monkeypatch.setattr(trace, "MAX_VALUE_CHECKS", 6, raising=False)
+    model, _, optim, _ = _twins()
+    compiled = sc.compile(make_mode("ddp"))(ppo_minibatch_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, *_rollout(9), 9)  # 18 checks: refused at 16 before
+    message = str(info.value)
+    assert "validate_args=False" in message and "more than 6 `if`s" in message, message
+    assert "set_default_validate_args(False)" in message and "trunc_normal_" not in message, message
