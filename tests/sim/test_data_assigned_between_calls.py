@@ -168,3 +168,36 @@ def test_a_dtensor_no_step_placed_keeps_torchs_setter() -> None:
         assert isinstance(other, DTensor)
         other.data = sim.shard(torch.ones(4, dtype=torch.float64), mesh, placements)
         assert private.local_tensor_of(other) is local  # torch's setter: the wrapper only
+
+
+def _default_device_set(model: nn.Module) -> None:
+    torch.set_default_device("cpu")
+    try:
+        _clamp(model)
+    finally:
+        torch.set_default_device(None)
+
+
+def _inside_device_context(model: nn.Module) -> None:
+    with torch.device("cpu"):
+        _vector_to_parameters(model)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("edit", [_default_device_set, _inside_device_context],
+                         ids=["set_default_device", "with_torch_device"])
+def test_data_assigned_under_a_default_device_trains_as_eager(mode: str, edit: Callable[[nn.Module], None]) -> None:
+    """``torch.set_default_device`` and ``with torch.device(...)`` install a torch function
+    mode; the setter took any mode for a capture and used torch's, and the assignment was
+    silently ignored again (parameters 0.338 off eager)."""
+    test_data_assigned_between_calls_trains_as_eager(mode, edit)
+
+
+def test_default_device_set_for_the_whole_run_trains_as_eager() -> None:
+    """The common LLM-script form: the default device set before the model is built and
+    left set through compiled calls and ``.data =`` between them."""
+    torch.set_default_device("cpu")
+    try:
+        test_data_assigned_between_calls_trains_as_eager("fully_shard", _clamp)
+    finally:
+        torch.set_default_device(None)
