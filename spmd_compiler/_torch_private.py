@@ -4916,6 +4916,12 @@ def intercept_data_assignment(t: DTensor, on_set: Callable[[DTensor, torch.Tenso
     _DATA_ASSIGNED[id(t)] = on_set
 
 
+def data_assignment_callbacks() -> list[Callable[[DTensor, torch.Tensor], bool]]:
+    """Every registered callback (NOTE: [data replaced between calls]: a value that is
+    another registered tensor's memory is refused, and its owner is found through them)."""
+    return list(_DATA_ASSIGNED.values())
+
+
 def data_assignment_callback(t: torch.Tensor) -> Callable[[DTensor, torch.Tensor], bool] | None:
     """What ``t.data = value`` is sent to, if anything (for tests and stale entries)."""
     return _DATA_ASSIGNED.get(id(t))
