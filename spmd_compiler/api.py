@@ -34,10 +34,10 @@ from .capture.bindings import (
     tensor_argument_names,
 )
 from .capture.code_names import step_function, step_name, step_where
-from .capture.guards import Guards, argument_labels, build_guards
+from .capture.guards import Guards, argument_labels, build_guards, unguard_written_numbers
 from .capture.hooks_as_found import HooksAsFound
 from .capture.initial_state import MadeState, made_from
-from .capture.kept_tensors import KeptTensors, kept_container_ids
+from .capture.kept_tensors import KeptTensor, KeptTensors, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS, WayRaised
@@ -1375,6 +1375,10 @@ def step_guards(
             id(bindings.schedulers[s.index]) for s in captured.scheduler_steps
         }
     guards = build_guards(func, bindings, graph_args, skipped)
+    if captured is not None:  # NOTE: [kept numbers only written]
+        dropped = unguard_written_numbers(guards, _kept_number_places(captured.kept, bindings))
+        if dropped:
+            log.debug("guards: not guarding %s (a number the step only stores)", ", ".join(dropped))
     if captured is not None and captured.outside:  # NOTE: [tensors read from outside the arguments]
         found = {f.label: f for f in KeptTensors(func, bindings, bindings.call).outside.values()} if again else {}
         for outside in captured.outside:
@@ -1388,6 +1392,21 @@ def step_guards(
                 guards.add_tensor(place.container, place.key, place.tensor, version, outside.label)
     guards.rebuild = functools.partial(step_guards, func, graph_args=graph_args, captured=captured, again=True)
     return guards
+
+
+def _kept_number_places(kept: list[KeptTensor], bindings: StepBindings) -> list[tuple[Any, str]]:
+    """(object, attribute) of each Python number the step keeps as an attribute
+    (NOTE: [kept numbers only written]); one whose object this call's do not hold is
+    left out (it stays guarded)."""
+    places = []
+    for k in kept:
+        if not k.as_item or k.how != "attr" or k.part is not None or not isinstance(k.key, str):
+            continue
+        try:
+            places.append((k.container(bindings), k.key))
+        except (AttributeError, KeyError, IndexError, TypeError):
+            continue
+    return places
 
 
 # NOTE: [hooks on parameters]

@@ -203,6 +203,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dis
 import functools
 import hashlib
 import inspect
@@ -324,6 +325,9 @@ class Guards:
     writes: list[tuple[int, Any]] = field(default_factory=list, repr=False)
     # a trace wrote a value no call can write again: the program serves its own call only
     once: bool = False
+    # every entry of the user's objects is guarded (code reads ``vars``, ``__dict__`` or a
+    # computed name: NOTE: [guards on the names the code reads])
+    every_entry: bool = False
 
     def add(self, kind: int, container: Any, key: Any, expected: Any, name: str) -> None:
         if kind == _DICT and _numpy_inside(expected):
@@ -825,7 +829,7 @@ def build_guards(
     from .. import _torch_private as private
 
     mark_parameters(bindings)  # before the walk counts each parameter's attributes
-    guards = Guards()
+    guards = Guards(every_entry=not by_name)
     roots = [*bindings.submodules, *bindings.optimizers]
     guards.roots = [weakref.ref(root) for root in roots]
     guards.root_types = [type(root) for root in roots]
@@ -885,6 +889,80 @@ def build_guards(
         return build_guards(func, bindings, graph_args, skipped, by_name=False)
     walker.counted_hooks()
     return guards
+
+
+# NOTE: [kept numbers only written]
+# A Python number the step keeps (``model.last = loss.item()``, ``opt.last = ...``, a
+# global object's ``LOG.last = ...``: NOTE: [kept Python numbers]) is stored there by the
+# runtime after every call, a new value each call. Where the walked code names that
+# attribute, it was a guard like any value: every call found the number the call before
+# stored and compiled anew (12 calls, 12 captures, 0.3-0.5 s each, and from the fourth a
+# warning to keep the value in a tensor, for a value the step never reads). The placeholders
+# of the fifty-ninth session hid this for a new attribute; one made before the first call
+# (``self.last = 0.0`` in ``__init__``) always recompiled. Such a value cannot change the
+# program unless some code reads it, so an attribute of a kept number that the walked code
+# only stores (``STORE_ATTR``) and never reads by any way the bytecode shows (a
+# ``LOAD_ATTR`` / ``LOAD_METHOD`` / ``DELETE_ATTR`` of the name, or the name as a constant:
+# ``getattr(m, "last", 0)``, ``hasattr``, ``setattr``) is not guarded, and the number of
+# attributes of its object is guarded as if it were there (the first call adds it). It
+# stays a guard where the code reads it anywhere (``model.last = 0.9 * model.last + ...``,
+# ``if hasattr(model, "last")``, an f-string of it: read back, each value recompiles and
+# computes as eager), where the code reads every attribute or a computed name
+# (``Guards.every_entry``), where no walked code stores it (a library's ``setattr``), and
+# for a dict entry (``LOG["last"] = ...``: a dict is read whole by ``print``, ``**``,
+# iteration, which name no key), which still recompiles every call. What is not seen, as
+# for every guard: a read by code the walk does not reach (a library function handed the
+# object) or through ``vars`` / ``__dict__`` outside the walked code.
+_LOCAL_NAME_OPS = frozenset({
+    "LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR",
+    "LOAD_FAST_LOAD_FAST", "STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST", "LOAD_DEREF",
+    "STORE_DEREF", "DELETE_DEREF", "LOAD_CLOSURE", "MAKE_CELL", "LOAD_CLASSDEREF",
+})
+
+
+def _attribute_use(codes: list[types.CodeType], name: str) -> tuple[bool, bool]:
+    """(stored, read): whether ``codes`` (and the code nested in them) store attribute
+    ``name`` and whether any other instruction names it (NOTE: [kept numbers only
+    written]); a local or cell variable of that name is neither."""
+    stored = read = False
+    pending = list(codes)
+    while pending:
+        code = pending.pop()
+        pending += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        for ins in dis.get_instructions(code):
+            if ins.opname in _LOCAL_NAME_OPS:
+                continue
+            value = ins.argval
+            if ins.opname == "STORE_ATTR" and value == name:
+                stored = True
+            elif value == name or (isinstance(value, (tuple, frozenset)) and name in value):
+                read = True
+    return stored, read
+
+
+def unguard_written_numbers(guards: Guards, places: list[tuple[Any, str]]) -> list[str]:
+    """Stop guarding each ``(object, attribute)`` a kept Python number is stored in that
+    the walked code only writes (NOTE: [kept numbers only written]); the names of the
+    guards dropped."""
+    dropped: list[str] = []
+    if guards.every_entry:
+        return dropped
+    for obj, name in places:
+        d = attributes(obj)
+        if not isinstance(d, dict) or d is not getattr(obj, "__dict__", None):
+            continue  # __slots__: read through a mapping made per call
+        stored, read = _attribute_use(guards.codes, name)
+        if read or not stored:
+            continue
+        for k, (kind, container, key, expected) in enumerate(guards.entries):
+            if container is not d:
+                continue
+            if kind in (_DICT, _NUMPY_DICT) and key == name:
+                guards.entries[k] = (_DICT, {}, None, _MISSING)  # matches every call
+                dropped.append(guards.names[k])
+            elif kind == _LEN and name not in d:
+                guards.entries[k] = (kind, container, key, expected + 1)
+    return dropped
 
 
 def functions_of(value: Any) -> Iterator[types.FunctionType]:

@@ -75,10 +75,12 @@ through other calls (a method of a library object), a global name the step rebin
 own state; a
 ``print`` of a traced value is NOTE: [Python effects at capture].
 Costs: each kept tensor is one output of the program, made global every call (an
-all-gather of a batch-sharded activation on real ranks); a step that creates an
+all-gather of a batch-sharded activation on real ranks); a step that creates a tensor
 attribute or entry is compiled twice, on its first and second calls (often anyway: an
 optimizer's state made on the first call; with plain SGD, a 3-layer 64-wide MLP's
-second call took 0.93 s instead of 0.09 s under ``sc.simulate``).
+second call took 0.93 s instead of 0.09 s under ``sc.simulate``); a Python number only
+stored is no guard, and compiles once (NOTE: [kept numbers only written] in
+``guards.py``).
 """
 
 from __future__ import annotations

@@ -169,7 +169,10 @@ def _placed_right_inverse(plist: torch.nn.Module, value: Any) -> None:
 # model]). The next call trains from it as eager does (the parameter object, its
 # optimizer state and ``requires_grad`` stay). The new local tensor is a copy of its
 # own: a placed tensor owns its memory (NOTE: [state tensors sharing memory]), so unlike
-# eager a later in-place write to ``value`` does not reach ``w``. Anything else (another
+# eager a later in-place write to ``value`` does not reach ``w``; and a value that is
+# another placed parameter's or buffer's memory (``m.l2.weight.data = m.l1.weight.data``,
+# tying by memory) is refused naming both, as that aliasing is at the first call: a copy
+# trained apart (l1 0.082 off eager after 3 calls, silently). Anything else (another
 # shape, dtype, device or mesh: a placed tensor keeps them, the programs were built for
 # them) is refused at the assignment, naming the tensor, with nothing changed. A write
 # while a deferred update is pending is refused at the next call, as any write then is
@@ -200,6 +203,18 @@ def _assign_data(
     what = f"{'parameter' if is_param else 'buffer'} {name}"
     value = value.detach()
     problem = _unrecoverable(current, value)
+    other = _placed_owner_of_memory(value, current)
+    if other is not None:  # NOTE: [data replaced between calls]: old-style tying
+        raise SPMDCompileError(
+            f"`.data = value` on {what} between calls of a compiled step: the value is the "
+            f"memory of {other}, which a compiled step placed too (`a.weight.data = "
+            "b.weight.data`, tying by memory). Eagerly the two would then share one "
+            "memory; placed, each keeps its own, so they would train apart (NOTE: [state "
+            "tensors sharing memory]). Nothing was changed.",
+            hint="tie by assigning the Parameter itself before the first call "
+            "(`m.l2.weight = m.l1.weight`), then compile; to copy the values only, "
+            "`with torch.no_grad(): w.copy_(other)`.",
+        )
     if problem is not None:
         raise SPMDCompileError(
             f"`.data = value` on {what} between calls of a compiled step: {problem}. A "
@@ -222,6 +237,38 @@ def _assign_data(
         local = private.local_tensor_of(placed)
         private.set_local_tensor(current, _in_ranks(sim, lambda: local.clone(memory_format=torch.contiguous_format)))
     return True
+
+
+def _storage_of(t: torch.Tensor) -> tuple[tuple[str, int], ...] | None:
+    """Where ``t``'s local values live: (device, storage address) of its local tensor, of
+    each rank's under ``sc.simulate``; None where it has no plain storage."""
+    local = private.local_tensor_of(t) if isinstance(t, DTensor) else t
+    locals_ = (
+        list(private.per_rank_tensors(local).values())
+        if isinstance(local, private.local_tensor_type()) else [local]
+    )
+    try:
+        found = tuple((str(x.device), x.untyped_storage().data_ptr()) for x in locals_)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):  # no plain storage
+        return None
+    return found if found and all(ptr for _, ptr in found) else None
+
+
+def _placed_owner_of_memory(value: torch.Tensor, current: DTensor) -> str | None:
+    """The parameter or buffer (another than ``current``) a compiled step placed whose
+    local memory ``value``'s is, as "parameter <name>" / "buffer <name>"; None if none."""
+    memory = _storage_of(value)
+    if memory is None or memory == _storage_of(current):
+        return None
+    for on_set in private.data_assignment_callbacks():
+        if not isinstance(on_set, functools.partial) or on_set.func is not _assign_data:
+            continue
+        module_ref, attr, is_param, name = on_set.args
+        module = module_ref()
+        held = None if module is None else (module._parameters if is_param else module._buffers).get(attr)
+        if isinstance(held, DTensor) and held is not current and _storage_of(held) == memory:
+            return f"{'parameter' if is_param else 'buffer'} {name}"
+    return None
 
 
 def _unrecoverable(current: DTensor, value: torch.Tensor) -> str | None:

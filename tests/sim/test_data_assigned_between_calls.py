@@ -168,3 +168,70 @@ def test_a_dtensor_no_step_placed_keeps_torchs_setter() -> None:
         assert isinstance(other, DTensor)
         other.data = sim.shard(torch.ones(4, dtype=torch.float64), mesh, placements)
         assert private.local_tensor_of(other) is local  # torch's setter: the wrapper only
+
+
+def _default_device_set(model: nn.Module) -> None:
+    torch.set_default_device("cpu")
+    try:
+        _clamp(model)
+    finally:
+        torch.set_default_device(None)
+
+
+def _inside_device_context(model: nn.Module) -> None:
+    with torch.device("cpu"):
+        _vector_to_parameters(model)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("edit", [_default_device_set, _inside_device_context],
+                         ids=["set_default_device", "with_torch_device"])
+def test_data_assigned_under_a_default_device_trains_as_eager(mode: str, edit: Callable[[nn.Module], None]) -> None:
+    """``torch.set_default_device`` and ``with torch.device(...)`` install a torch function
+    mode; the setter took any mode for a capture and used torch's, and the assignment was
+    silently ignored again (parameters 0.338 off eager)."""
+    test_data_assigned_between_calls_trains_as_eager(mode, edit)
+
+
+def test_default_device_set_for_the_whole_run_trains_as_eager() -> None:
+    """The common LLM-script form: the default device set before the model is built and
+    left set through compiled calls and ``.data =`` between them."""
+    torch.set_default_device("cpu")
+    try:
+        test_data_assigned_between_calls_trains_as_eager("fully_shard", _clamp)
+    finally:
+        torch.set_default_device(None)
+
+
+class _Twin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 6, dtype=torch.float64)
+        self.l2 = nn.Linear(6, 6, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_tying_by_data_between_calls_is_refused_naming_both(mode: str) -> None:
+    """``m.l2.weight.data = m.l1.weight.data`` (old-style tying): eagerly one memory from
+    then on; the assignment copied the values, and the two trained apart (l1 0.082 off
+    eager after 3 calls, silently). Refused naming both, with the Parameter assignment
+    before the first call as the fix, nothing changed (NOTE: [state tensors sharing
+    memory] refuses the same aliasing at the first call)."""
+    torch.manual_seed(0)
+    model = _Twin()
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(step)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randint(0, 6, (8,), generator=gen)
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, y)
+        local = private.local_tensor_of(model.l2.weight)
+        with pytest.raises(sc.SPMDCompileError, match=r"parameter l2\.weight .*memory of parameter l1\.weight") as raised:
+            model.l2.weight.data = model.l1.weight.data
+        assert "m.l2.weight = m.l1.weight" in str(raised.value)
+        assert private.local_tensor_of(model.l2.weight) is local
+        model.l2.weight.data = model.l2.weight.data  # its own memory: allowed, a no-op
+        compiled(model, optim, x, y)

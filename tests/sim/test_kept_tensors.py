@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -839,4 +840,121 @@ def test_a_python_number_the_step_creates_and_reads_back_trains_as_eager(fn, mod
     (eager, eager_params), (got, got_params) = seen[False], seen[True]
     for (loss, kept), (want_loss, want_kept) in zip(got, eager, strict=True):
         assert _close(loss, want_loss) and _close(kept, want_kept)
+    assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got_params, eager_params, strict=True))
+
+
+# NOTE: [kept numbers only written]: a Python number the step stores and never reads
+class _Plain(nn.Module):
+    """Keeps nothing itself (``_Stashing`` makes tensor attributes: a second compile)."""
+
+    def __init__(self, made_in_init: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(FEATURES, 16, dtype=torch.float64), nn.Linear(16, CLASSES, dtype=torch.float64)
+        if made_in_init:
+            self.last = 0.0  # made before the first call: it recompiled every call before
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+LOG = types.SimpleNamespace()
+
+
+def _stores_on_model(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    model.last = loss.item()
+    return _update(model, optim, loss)
+
+
+def _stores_on_optimizer(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    optim.last = loss.item()
+    return _update(model, optim, loss)
+
+
+def _stores_on_a_global_object(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    LOG.last = loss.item()
+    return _update(model, optim, loss)
+
+
+@pytest.mark.parametrize("place", ["model", "model_made_in_init", "torch_module", "torch_module_made_before",
+                                   "optimizer", "global_object"])
+def test_a_python_number_the_step_only_stores_compiles_once(place):
+    """``model.last = loss.item()`` (or on the optimizer, or a global object) that no code
+    reads: on a module of torch's class (``nn.Sequential``, every attribute guarded) the
+    guards checked it, and each call stored a new value, so every call compiled anew (5
+    calls, 5 captures, also when made before the first call; from the fourth a warning
+    to keep it in a tensor); on the user's module, made by the first call, the number of
+    attributes changed (2 captures). Now neither is a guard: one compile over 5 calls,
+    and after each call the attribute holds eager's float."""
+    fn = {"optimizer": _stores_on_optimizer, "global_object": _stores_on_a_global_object}.get(place, _stores_on_model)
+    seen = {}
+    for compiled in (False, True):
+        LOG.__dict__.clear()
+        model = _Plain(made_in_init=place == "model_made_in_init")
+        if place.startswith("torch_module"):
+            model = nn.Sequential(model.a, nn.Tanh(), model.b)
+            if place == "torch_module_made_before":
+                model.last = 0.0
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        holder = {"optimizer": optim, "global_object": LOG}.get(place, model)
+        step = sc.compile(make_mode("ddp"))(fn) if compiled else fn
+        values = []
+        with sc.simulate(world_size=2) as sim:
+            for x, y in _batches(5):
+                loss = step(model, optim, x, y)
+                values.append((loss.detach().clone(), holder.last))
+            params = [sim.full_tensor(p).clone() for p in model.parameters()]
+        if compiled:
+            assert step.compile_count == 1
+        seen[compiled] = values, params
+    (eager, eager_params), (got, got_params) = seen[False], seen[True]
+    for (loss, kept), (want_loss, want_kept) in zip(got, eager, strict=True):
+        assert _close(loss, want_loss) and _close(kept, want_kept)
+    assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got_params, eager_params, strict=True))
+
+
+def _reads_with_a_default(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y) * getattr(model, "last", 1.0)
+    model.last = loss.item()
+    return _update(model, optim, loss)
+
+
+def _reads_the_optimizers(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    if "last" in vars(optim):
+        loss = loss * optim.last
+    optim.last = loss.item()
+    return _update(model, optim, loss)
+
+
+def _reads_in_a_format(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    if len(f"{getattr(LOG, 'last', 10.0):.2f}") > 4:  # 10.00 the first call, 1.xx later
+        loss = loss * 2.0
+    LOG.last = loss.item()
+    return _update(model, optim, loss)
+
+
+@pytest.mark.parametrize("fn", [_reads_with_a_default, _reads_the_optimizers, _reads_in_a_format])
+def test_a_python_number_read_before_it_is_stored_stays_guarded(fn):
+    """A number the step reads before storing (``getattr`` with a default, ``in
+    vars(...)``, a format) stays a guard: each new value compiles, and the step
+    computes as eager (NOTE: [kept numbers only written])."""
+    seen = {}
+    for compiled in (False, True):
+        LOG.__dict__.clear()
+        model = _Plain()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = sc.compile(make_mode("ddp"))(fn) if compiled else fn
+        with sc.simulate(world_size=2) as sim:
+            losses = [step(model, optim, x, y).detach().clone() for x, y in _batches(4)]
+            params = [sim.full_tensor(p).clone() for p in model.parameters()]
+        if compiled:
+            assert step.compile_count > 1
+        seen[compiled] = losses, params
+    (eager, eager_params), (got, got_params) = seen[False], seen[True]
+    assert all(_close(a, b) for a, b in zip(got, eager, strict=True))
     assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got_params, eager_params, strict=True))
