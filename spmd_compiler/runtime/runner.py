@@ -12,6 +12,7 @@ DTensor's local tensor (no copy). Nothing is installed until compilation has suc
 
 from __future__ import annotations
 
+import logging
 import operator
 import weakref
 from collections import defaultdict, deque
@@ -34,6 +35,7 @@ from ..capture.bindings import (
 )
 from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
+from ..capture.value_checks import stop_of
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import (
@@ -51,6 +53,8 @@ from .faults import attribution, default_store, describe_exception, record_failu
 from .kernel_failures import failing_node, in_a_collective, where
 from .same_inputs import InputAgreement
 from .simulate import RanksDisagree, Simulation, mesh_is_live
+
+log = logging.getLogger("spmd_compiler")
 
 
 @dataclass
@@ -653,9 +657,18 @@ def _verify_checks(program: DistributedProgram, outs: list[torch.Tensor], sim: S
         if not check.raised:
             taken = tuple((c.expected, c.raised) for c in captured.checks[:k])
             raise BranchMismatch((*taken, (not check.expected, "")))
+        text = check.raised.split("\n", 1)[0]
+        stop = stop_of(check.raised)  # NOTE: [a check that stops the run]
+        if stop is not None:
+            log.warning(
+                "A check on a tensor's value at %s came out %s on this call: the step raises "
+                "%s there, raised as eager does (what the step printed before it ran once, "
+                "at capture). Nothing was updated.", check.where, not check.expected, text,
+            )
+            raise stop
         raise SPMDRuntimeError(
             f"A check on a tensor's value at {check.where} came out "
-            f"{not check.expected} on this call: the step raises there ({check.raised}). "
+            f"{not check.expected} on this call: the step raises there ({text}). "
             "Nothing was updated: the model and optimizer keep the state of the last "
             "completed step."
         )
