@@ -48,6 +48,7 @@ from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
+from .runtime.one_thread import one_thread
 from .runtime.runner import (
     BranchMismatch,
     StepTimings,
@@ -331,6 +332,10 @@ class CompiledTrainStep:
         return step
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with one_thread(f"{self._name} is called"):  # NOTE: [one thread at a time]
+            return self._call_here(args, kwargs)
+
+    def _call_here(self, args: tuple, kwargs: dict) -> Any:
         if self._owner is not None and args and isinstance(args[0], self._owner):
             # ``Trainer.step(trainer, x)``: the call ``trainer.step(x)`` is
             return self._of(args[0])(*args[1:], **kwargs)
