@@ -2811,6 +2811,35 @@ def quiet_sequential_collective_warning() -> Iterator[None]:
         logger.removeFilter(record_filter)
 
 
+# NOTE: [torch's log of a failed meta kernel]
+# A traced op whose shapes do not fit (a batch of 5 features into Linear(16, ...)) fails
+# in its meta kernel, and FakeTensorMode logs it with ``log.exception`` before it raises:
+# 21 lines of "[rank0]:E... failed while attempting to run meta for aten.mm.default" and
+# torch's stack on stderr, then our SPMDCompileError naming the line and torch's message.
+# The error is raised and reported either way; while the step is traced the log record is
+# dropped (elsewhere it is left alone).
+_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+_META_FAILURE = "failed while attempting to run meta"
+
+
+class _DropMetaFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_META_FAILURE)
+
+
+@contextlib.contextmanager
+def quiet_meta_failure_log() -> Iterator[None]:
+    """Drop FakeTensorMode's log of a failed meta kernel while the block runs (NOTE:
+    [torch's log of a failed meta kernel]); the error itself still propagates."""
+    logger = logging.getLogger(_FAKE_TENSOR_LOGGER)
+    record_filter = _DropMetaFailure()
+    logger.addFilter(record_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(record_filter)
+
+
 # ---------------------------------------------------------------------------- DTensor gaps
 #
 # NOTE: [DTensor gap fills]

@@ -44,7 +44,6 @@ from .capture.value_checks import MAX_BRANCH_PROGRAMS, WayRaised
 from .errors import (
     Change,
     SPMDCompileError,
-    SPMDRuntimeError,
     argument_path,
     innermost_model_frame_of_stack,
     mesh_of_another_size,
@@ -57,6 +56,7 @@ from .lower import LoweringOptions
 from .progress import compile_progress
 from .runtime.cross_iteration import split_program
 from .runtime.eager_calls import guard_direct_calls
+from .runtime.one_thread import one_thread
 from .runtime.runner import (
     BranchMismatch,
     StepTimings,
@@ -347,6 +347,10 @@ class CompiledTrainStep:
         return step
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with one_thread(f"{self._name} is called"):  # NOTE: [one thread at a time]
+            return self._call_here(args, kwargs)
+
+    def _call_here(self, args: tuple, kwargs: dict) -> Any:
         if self._owner is not None and args and isinstance(args[0], self._owner):
             # ``Trainer.step(trainer, x)``: the call ``trainer.step(x)`` is
             return self._of(args[0])(*args[1:], **kwargs)
@@ -640,7 +644,7 @@ class CompiledTrainStep:
         return self._compile(key, bindings, input_metas, mesh, decisions)[0]
 
     @staticmethod
-    def _learned_check(executable: StepExecutable, k: int, text: str) -> SPMDRuntimeError:
+    def _learned_check(executable: StepExecutable, k: int, text: str) -> BaseException:
         """The step raised ``text`` on the way not taken of check ``k`` of ``executable``,
         decided from its bytecode and traced now (NOTE: [checks decided from their
         bytecode]): the check holds what it raised from now on, so that a later call

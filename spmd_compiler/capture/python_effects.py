@@ -55,6 +55,7 @@ from unittest import mock
 import torch
 import torch.fx
 
+from .. import _torch_private as private
 from ..errors import (
     SourceLocation,
     SPMDCompileError,
@@ -91,7 +92,10 @@ def python_effects(step_code: Any, roots: tuple[Any, ...] = ()) -> Iterator[None
     def traced_print(*args: Any, **kwargs: Any) -> None:
         if not any(_shows_traced(a) for a in args):
             real_print(*args, **kwargs)
-            if not from_torch(sys._getframe(1).f_code.co_filename):
+            caller = sys._getframe(1).f_code.co_filename
+            # the stdlib's prints are not the step's (traceback.print_exception under a log
+            # handler was blamed on the user's step)
+            if not from_torch(caller) and not from_stdlib(caller):
                 warn_once_per_line(
                     (step_code, "print once"),
                     "print() at {line} runs while the step is traced, at its first call; "
@@ -135,6 +139,7 @@ def python_effects(step_code: Any, roots: tuple[Any, ...] = ()) -> Iterator[None
         stack.enter_context(_library_caches_called_through())
         stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _conversion_that_changes_nothing))
         stack.enter_context(distributed_calls_as_one_device(step_code))
+        stack.enter_context(private.quiet_meta_failure_log())  # NOTE: [torch's log of a failed meta kernel]
         yield
 
 

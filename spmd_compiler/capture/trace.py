@@ -169,7 +169,8 @@ from .value_checks import (
     Undecided,
     WayRaised,
     choose,
-    describe_raise,
+    signals_told_apart,
+    stop_text,
 )
 
 log = logging.getLogger("spmd_compiler")
@@ -1301,14 +1302,19 @@ def _decide_value_checks(
     trying = bool(given) and given[-1][1] == UNTRACED
     if trying:
         given = (*given[:-1], (given[-1][0], ""))
-    try:
-        return _decide_value_ifs(trace, given)
-    except _not_raised_by_the_step():
-        raise
-    except Exception as exc:  # noqa: BLE001 - the step raised on the way tried
-        if not trying:
+    with signals_told_apart() as arrived:
+        try:
+            return _decide_value_ifs(trace, given)
+        except _not_raised_by_the_step():
             raise
-        raise WayRaised(describe_raise(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - the step raised on the way tried
+            if not trying:
+                raise
+            raise WayRaised(stop_text(exc)) from exc
+        except BaseException as exc:
+            if not trying or arrived:  # a real Ctrl-C: NOTE: [a check that stops the run]
+                raise
+            raise WayRaised(stop_text(exc)) from exc  # sys.exit(1) on the way tried
 
 
 def _decide_value_ifs(
@@ -1345,16 +1351,21 @@ def _decide_value_ifs(
         outcomes: dict[bool, BaseException | None] = {}
         refused: dict[bool, BaseException] = {}  # a value read no program can hold
         for answer in (True, False):
-            try:
-                results[answer] = trace([*decisions, answer])
-                outcomes[answer] = None
-            except value_read_errors() as exc:
-                outcomes[answer] = None
-                refused[answer] = exc
-            except _not_raised_by_the_step():
-                outcomes[answer] = None  # went on (or failed for a reason of ours)
-            except Exception as exc:  # noqa: BLE001 - the step raised: the check's branch
-                outcomes[answer] = exc
+            with signals_told_apart() as arrived:
+                try:
+                    results[answer] = trace([*decisions, answer])
+                    outcomes[answer] = None
+                except value_read_errors() as exc:
+                    outcomes[answer] = None
+                    refused[answer] = exc
+                except _not_raised_by_the_step():
+                    outcomes[answer] = None  # went on (or failed for a reason of ours)
+                except Exception as exc:  # noqa: BLE001 - the step raised: the check's branch
+                    outcomes[answer] = exc
+                except BaseException as exc:
+                    if arrived:  # a real Ctrl-C: NOTE: [a check that stops the run]
+                        raise
+                    outcomes[answer] = exc  # sys.exit(1) in the check's branch
         choice = choose(outcomes)
         if choice is None and outcomes[True] is not None:
             raise cast(BaseException, outcomes[True])  # both answers raise: so would eager
@@ -1371,7 +1382,7 @@ def _decide_value_ifs(
                 coins.append(where)
                 _refuse_coin_branches(coins)
         else:
-            text = describe_raise(cast(BaseException, outcomes[not choice]))
+            text = stop_text(cast(BaseException, outcomes[not choice]))
         raised.append(text)
         decisions.append(choice)
         if choice in results:

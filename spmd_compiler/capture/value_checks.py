@@ -24,6 +24,9 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
     program key (AdamW's state made by the first call): 3 programs with SGD, 4 with
     AdamW (``test_averaged_model_programs_are_counted``);
   - both answers raise: the step raises that, as eager would.
+  - NOTE: [a check that stops the run]: the raising answer may raise a BaseException
+    that is no Exception (``sys.exit(1)`` after "Loss is not finite", DeiT / MAE / DINO;
+    ``raise KeyboardInterrupt`` from a hook's value check).
   - NOTE: [a way no program holds]: one answer leads the step to a value read no
     program can hold (a count read in Python, a value-dependent shape: what capture
     refuses), and the other goes on. The other is the decision, and the refused way is
@@ -99,18 +102,43 @@ adapted layer) is decided that way and not counted (``settled_coin``; refused at
 adapted layers before the fifty-fourth session); its value check still runs every call. An ``if`` on a value
 that a random draw only touches (``if torch.isfinite(loss)`` after dropout) reads the
 step's inputs too and is not counted: its way is the data's, not a coin's.
+
+NOTE: [a check that stops the run]
+``if not torch.isfinite(loss): print(...); sys.exit(1)`` raises ``SystemExit``, a
+BaseException that is no Exception; so do ``KeyboardInterrupt`` and a user's own
+``class Stop(BaseException)``. Before the sixtieth session capture caught ``Exception``
+alone: the traced raising way ended the capture and the process, on the first call of a
+healthy run (``sys.exit(1)`` exited with status 1; a hook raising KeyboardInterrupt failed
+every call). Such a raise is now the check's raising way like a ``ValueError``, with one
+difference at run time: a call whose condition comes out the raising way raises the
+same class with the same arguments, as eager does (``SystemExit(1)`` exits with status
+1), not ``SPMDRuntimeError``; a warning on stderr says so first, because the ``print``
+before it ran once, at capture (NOTE: [Python effects at capture]). The class and
+arguments travel after a newline in ``ValueCheck.raised`` (JSON; arguments that JSON
+cannot hold become ``str(exc)``), so cache entries and branch programs keep them; a
+class defined in a function is found by name in this process only, and elsewhere
+``SPMDRuntimeError`` is raised instead (nothing is written either way).
+A real Ctrl-C, or a signal handler's ``sys.exit``, must still stop the capture, not be
+taken for the step's branch: while a way is traced, every signal with a Python handler
+is wrapped to record that it arrived (``signals_told_apart``); a BaseException raised
+while one arrived ends the capture as before. Signals run their Python handlers in the
+main thread only, so in another thread nothing needs wrapping.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dis
+import importlib
+import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import torch
@@ -417,6 +445,81 @@ def describe_raise(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def stop_text(exc: BaseException) -> str:
+    """``describe_raise(exc)``, followed for a BaseException that is no Exception by a
+    newline and the JSON of its class and arguments (NOTE: [a check that stops the run])."""
+    text = describe_raise(exc)
+    if isinstance(exc, Exception):
+        return text
+    cls = type(exc)
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    _STOP_CLASSES[name] = cls
+    args: list[Any] = list(exc.args)
+    try:
+        if json.loads(json.dumps(args)) != args:
+            args = [str(exc)]
+    except (TypeError, ValueError):
+        args = [str(exc)]
+    return text + "\n" + json.dumps({"class": name, "args": args})
+
+
+# classes stop_text met in this process, by name (a class defined in a function has none
+# that importlib can find)
+_STOP_CLASSES: dict[str, type[BaseException]] = {}
+
+
+def stop_of(raised: str) -> BaseException | None:
+    """The BaseException a check's ``raised`` text records (NOTE: [a check that stops the
+    run]), built afresh; None for an Exception's text or a class not found."""
+    if "\n" not in raised:
+        return None
+    recorded = json.loads(raised.split("\n", 1)[1])
+    name, args = recorded["class"], recorded["args"]
+    cls: Any = _STOP_CLASSES.get(name)
+    if cls is None:
+        module, _, qualname = name.partition(":")
+        try:
+            cls = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+        except (ImportError, AttributeError):
+            return None
+    if not (isinstance(cls, type) and issubclass(cls, BaseException)) or issubclass(cls, Exception):
+        return None
+    try:
+        return cast(BaseException, cls(*args))
+    except Exception:  # noqa: BLE001 - a class whose __init__ takes other arguments
+        return None
+
+
+@contextlib.contextmanager
+def signals_told_apart() -> Iterator[list[int]]:
+    """Inside: the signals that arrived, in a list (NOTE: [a check that stops the run]);
+    each Python handler still runs as before."""
+    arrived: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield arrived  # handlers run in the main thread: none interrupts this one
+        return
+    wrapped: dict[signal.Signals, Any] = {}
+
+    def recording(handler: Callable[..., Any]) -> Callable[..., Any]:
+        def record(signum: int, frame: Any) -> Any:
+            arrived.append(signum)
+            return handler(signum, frame)
+        return record
+
+    try:
+        for sig in signal.valid_signals():
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                signal.signal(sig, recording(handler))
+                wrapped[sig] = handler
+        yield arrived
+    finally:
+        for sig, handler in wrapped.items():
+            signal.signal(sig, handler)
+
+
 def choose(outcomes: dict[bool, Any]) -> bool | None:
     """The decision for a check, given each answer's outcome: an exception the step
     raised, or None when the trace went on. None when it is not a check."""
@@ -429,5 +532,5 @@ def choose(outcomes: dict[bool, Any]) -> bool | None:
 __all__ = [
     "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "MAX_VALUE_CHECKS", "UNTRACED", "BranchDecisions",
     "Undecided", "WayRaised", "choose", "describe_raise", "drawn_alone", "eager_check", "located",
-    "raising_way", "where_now",
+    "raising_way", "signals_told_apart", "stop_of", "stop_text", "where_now",
 ]

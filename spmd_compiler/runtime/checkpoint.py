@@ -35,6 +35,16 @@ world size, simulated or real, and vice versa. ``save``, ``load`` and ``full_sta
 also work on a simulated model after its ``simulate`` block has ended (NOTE: [state after
 a simulation] in simulate.py).
 
+NOTE: [one checkpoint folder for every rank]
+``save`` is one checkpoint written by all ranks into one folder. Per-rank folders
+(``save(f"ckpt/rank{rank}")``, the habit of per-rank files) failed inside DCP on real
+ranks with ``FileNotFoundError: .../__1_0.distcp`` (rank 0 writes the metadata that
+names every rank's file into its own folder) after rank 0 had written a partial
+checkpoint. Now, on real ranks, the ranks compare the SHA-256 of the absolute path (one
+all-reduce of 4 words, before anything is written) and every rank raises
+``CheckpointError`` when they differ, nothing written. ``load`` of a folder that does not
+exist (on any rank) says so, rather than that it has no checksums.
+
 Compiled steps keep Adam's step counter as a float64 0-d tensor; an eager optimizer keeps
 float32. Counters are small integers, exact in both, and DCP copies into whatever dtype
 the loading side holds, so checkpoints cross between eager and compiled training.
@@ -43,6 +53,7 @@ the loading side holds, so checkpoints cross between eager and compiled training
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pickle
 import re
@@ -65,6 +76,7 @@ from .._torch_private import pytree
 from ..capture.bindings import follow_replaced_parameters
 from .checkpoint_checksums import (
     CheckpointError,
+    _words,
     process_group_all_reduce,
     verify,
     write_manifest,
@@ -172,6 +184,8 @@ def save(
     with simulation_for(_tensors(model, optimizer)) as sim:
         if sim is None and dist.is_initialized():
             checkpoint_round("save")  # NOTE: [a checkpoint on some ranks only]
+        if sim is None and dist.is_initialized():
+            _same_folder_on_every_rank(folder)  # NOTE: [one checkpoint folder for every rank]
         state = _state(model, optimizer)
         if sim is not None:
             with _single_process_dcp(True):
@@ -182,6 +196,37 @@ def save(
         metadata = dcp.save(_without_strided_shards(state), checkpoint_id=folder)
     rank, world = _rank_and_world()
     write_manifest(folder, _with_storage_data(metadata, folder), rank, world, process_group_all_reduce)
+
+
+def _same_folder_on_every_rank(folder: str) -> None:
+    """Raise ``CheckpointError`` on every rank when the ranks passed different folders
+    (NOTE: [one checkpoint folder for every rank]); a collective."""
+    words = _words(hashlib.sha256(os.path.abspath(folder).encode()).hexdigest())
+    low, high = words.clone(), words.clone()
+    process_group_all_reduce(low, dist.ReduceOp.MIN)
+    process_group_all_reduce(high, dist.ReduceOp.MAX)
+    if not torch.equal(low, high):
+        raise CheckpointError(
+            f"sc.checkpoint.save: the ranks passed different paths (rank {dist.get_rank()}: "
+            f"{os.path.abspath(folder)!r}); one checkpoint is one folder that every rank "
+            "writes its shards into, on a file system every rank sees. Nothing was written. "
+            "Pass the same path on every rank (save(f'ckpt/step{step}'), not "
+            "save(f'ckpt/rank{rank}')) (NOTE: [one checkpoint folder for every rank])."
+        )
+
+
+def _folder_exists(folder: str, sim: Simulation | None) -> None:
+    """Raise ``CheckpointError`` (on every rank) when ``folder`` is missing (on a rank)."""
+    missing = torch.tensor([0 if os.path.isdir(folder) else 1], dtype=torch.int64)
+    if sim is None and dist.is_initialized():
+        process_group_all_reduce(missing, dist.ReduceOp.MAX)
+    if missing.item():
+        where = "" if os.path.isdir(folder) else f" ({os.path.abspath(folder)!r})"
+        raise CheckpointError(
+            f"checkpoint {folder} does not exist{where or ' on another rank'}: nothing was "
+            "loaded; the model and optimizer are unchanged. Check the path (a checkpoint "
+            "is the folder sc.checkpoint.save was given)."
+        )
 
 
 def _with_storage_data(metadata: Any, folder: str) -> Any:
@@ -235,6 +280,7 @@ def _load(
 ) -> None:
     if sim is None and dist.is_initialized():
         checkpoint_round("load")  # NOTE: [a checkpoint on some ranks only]
+    _folder_exists(folder, sim)
     if verify_checksums:
         if sim is not None:
             verify(folder, 0, 1, _no_collective)

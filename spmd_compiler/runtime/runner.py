@@ -12,6 +12,7 @@ DTensor's local tensor (no copy). Nothing is installed until compilation has suc
 
 from __future__ import annotations
 
+import logging
 import operator
 import weakref
 from collections import defaultdict, deque
@@ -34,7 +35,7 @@ from ..capture.bindings import (
 )
 from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
-from ..capture.value_checks import UNTRACED
+from ..capture.value_checks import UNTRACED, stop_of
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import (
@@ -58,6 +59,8 @@ from .kernel_failures import failing_node, failing_site, in_a_collective, where
 from .rank_failures import drain_collectives, failed_everywhere
 from .same_inputs import InputAgreement, RanksFailed, StatusRound
 from .simulate import RanksDisagree, Simulation, mesh_is_live
+
+log = logging.getLogger("spmd_compiler")
 
 
 @dataclass
@@ -674,11 +677,22 @@ def _verify_checks(program: DistributedProgram, outs: list[torch.Tensor], sim: S
         raise check_failed(check)
 
 
-def check_failed(check: ValueCheck) -> SPMDRuntimeError:
-    """The error of a call where the check ``check`` came out the way the step raises."""
+def check_failed(check: ValueCheck) -> BaseException:
+    """The error of a call where the check ``check`` came out the way the step raises: the
+    step's own exception where that stops the run (``SystemExit``, ``KeyboardInterrupt``:
+    NOTE: [a check that stops the run]), else ``SPMDRuntimeError``."""
+    text = check.raised.split("\n", 1)[0]
+    stop = stop_of(check.raised)
+    if stop is not None:
+        log.warning(
+            "A check on a tensor's value at %s came out %s on this call: the step raises "
+            "%s there, raised as eager does (what the step printed before it ran once, "
+            "at capture). Nothing was updated.", check.where, not check.expected, text,
+        )
+        return stop
     return SPMDRuntimeError(
         f"A check on a tensor's value at {check.where} came out "
-        f"{not check.expected} on this call: the step raises there ({check.raised}). "
+        f"{not check.expected} on this call: the step raises there ({text}). "
         "Nothing was updated: the model and optimizer keep the state of the last "
         "completed step."
     )

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
 from .. import _torch_private as private
+from .one_thread import enter, leave
 
 _ACTIVE: contextvars.ContextVar[Simulation | None] = contextvars.ContextVar(
     "spmd_simulation", default=None
@@ -56,6 +57,14 @@ class Simulation:
         self._exit_hooks.append(hook)
 
     def __enter__(self) -> Simulation:
+        enter("simulate() is entered")  # NOTE: [one thread at a time]
+        try:
+            return self._enter()
+        except BaseException:
+            leave()
+            raise
+
+    def _enter(self) -> Simulation:
         if dist.is_initialized():
             if not private.is_fake_process_group():
                 raise RuntimeError(
@@ -79,7 +88,10 @@ class Simulation:
                 for hook in hooks:
                     hook()
         finally:
-            self._close()
+            try:
+                self._close()
+            finally:
+                leave()
 
     def _close(self) -> None:
         if self._token is not None:

@@ -212,6 +212,28 @@ def test_flipped_bytes_fail_on_every_rank_naming_the_tensor(
         assert "tensor model.0.weight differs (its chunk at offset (5, 0))" in report, report
 
 
+def per_rank_folder_worker(rank: int, world_size: int, root: str) -> str:
+    model, optim = build()
+    step = sc.compile(DataParallel("fully_shard"))(train_step)
+    step(model, optim, *local_batches(rank, world_size)[1])
+    try:
+        checkpoint.save(f"{root}/rank{rank}", model, optim)
+    except checkpoint.CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_per_rank_folders_are_refused_on_every_rank_before_writing(tmp_path) -> None:
+    """``save(f".../rank{rank}")`` failed inside DCP with FileNotFoundError .../__1_0.distcp
+    after rank 0 wrote part of a checkpoint (NOTE: [one checkpoint folder for every rank])."""
+    import os
+
+    root = str(tmp_path / "per_rank")
+    for message in sc.launch(per_rank_folder_worker, WORLD_SIZE, args=(root,), timeout_s=120):
+        assert "the ranks passed different paths" in message, message
+    assert not os.path.exists(root) or not any(os.scandir(root)), os.listdir(root)
+
+
 class _FusedQKV(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -140,6 +140,20 @@ def test_missing_or_damaged_manifest_is_refused(uninterrupted: dict, tmp_path) -
         _resume(folder, "fully_shard", 2, compile_first=False)
 
 
+@pytest.mark.parametrize("verify_checksums", [True, False])
+def test_a_folder_that_does_not_exist_is_said_so(tmp_path, verify_checksums: bool) -> None:
+    """Before, a missing folder was "has no spmd_checksums.json: it was not written by
+    ...save" (NOTE: [one checkpoint folder for every rank])."""
+    model, optim = build()
+    before = full_state(model, optim, None)
+    missing = str(tmp_path / "nope")
+    with sc.simulate(world_size=2), pytest.raises(CheckpointError, match="does not exist") as info:
+        checkpoint.load(missing, model, optim, verify_checksums=verify_checksums)
+    assert MANIFEST not in str(info.value)
+    after = full_state(model, optim, None)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_saved_before_the_first_step(tmp_path) -> None:
     """NOTE: [an optimizer saved before its first step]: saving (or exporting) an AdamW that
     has not stepped left it a step counted at lr=0, and every later update 1e-2 off."""

@@ -211,9 +211,35 @@ def test_a_broken_step_entry_warns_once_and_recompiles(tmp_path: Path) -> None:
         warnings.simplefilter("always")
         step, losses, _ = run(tmp_path)
     (warned,) = [str(w.message) for w in caught if "ignoring the" in str(w.message)]
-    assert f"ignoring the step entry {path}: RuntimeError:" in warned
-    assert warned.endswith("checkpoint file is corrupted. Compiling the step again."), warned
+    assert f"ignoring the step entry {path}: ValueError:" in warned
+    assert warned.endswith("the file was damaged. Compiling the step again."), warned
     assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["programs", "steps"])
+def test_a_flipped_bit_in_an_entry_warns_once_and_recompiles(tmp_path: Path, kind: str) -> None:
+    """One bit of a constant in the stored JSON (0.01 -> 0.00: AdamW's weight decay)
+    loaded silently and trained another program before entries carried their SHA-256
+    (NOTE: [cache entries carry their SHA-256]); now the entry warns once and is a miss."""
+    _, first_losses, first_state = run(tmp_path)
+    (path,) = (tmp_path / kind).glob("*.pt")
+    raw = bytearray(path.read_bytes())
+    at = raw.find(b"0.01")
+    assert at > 0, "no constant 0.01 in the entry"
+    raw[at + 3] ^= 0x01  # "1" -> "0": one bit, the zip's stored member is not checked
+    path.write_bytes(bytes(raw))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, losses, state = run(tmp_path)
+    (warned,) = [str(w.message) for w in caught if "ignoring the" in str(w.message)]
+    assert str(path) in warned and "do not match its SHA-256" in warned, warned
+    # a damaged step entry costs the capture; the program entry, intact, is still a hit
+    assert caches(step) == ["miss" if kind == "programs" else "hit"]
+    assert not step.records[0].capture_skipped
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, losses, strict=True))
+    assert_same(first_state, state)
+    step, _, _ = run(tmp_path)  # rewritten whole
+    assert caches(step) == ["hit"] and step.records[0].capture_skipped
 
 
 def test_short_reason_cuts_at_a_sentence_or_a_space() -> None:

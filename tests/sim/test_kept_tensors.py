@@ -376,6 +376,29 @@ def test_print_of_a_traced_value_warns_once(caplog, capsys):
     assert "FakeTensor" not in printed and "plain 3" in printed
 
 
+def test_a_wrong_shape_batch_is_one_clean_error(caplog):
+    """A batch of the wrong width: before, torch's 21-line E-level log of the failed meta
+    kernel came first (NOTE: [torch's log of a failed meta kernel]), and its traceback
+    printing (stdlib print) was warned about as a print of the step."""
+    import io
+    import traceback
+
+    def step(model, optim, x, y):  # noqa: ANN001
+        traceback.print_stack(file=io.StringIO())  # the stdlib prints, not the step
+        return _plain_step(model, optim, x, y)
+
+    model, optim, _, _ = _pair()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    (x, y), (x2, y2) = _batches(2)
+    with caplog.at_level(logging.DEBUG), sc.simulate(world_size=2):
+        compiled(model, optim, x, y)
+        with pytest.raises(SPMDCompileError, match="Capturing the train step failed"):
+            compiled(model, optim, x2[:, :3], y2)
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "failed while attempting to run meta" in m], messages
+    assert not [m for m in messages if "print() at" in m], messages
+
+
 class _Router(nn.Module):
     """SwitchTransformers' router: converts its classifier to its own dtype in forward."""
 

@@ -224,6 +224,75 @@ def test_checks_survive_the_compile_cache(tmp_path):
         assert compiled.records[0].capture_skipped == (attempt == "hit")
 
 
+class Stop(BaseException):
+    """A user's own BaseException (NOTE: [a check that stops the run])."""
+
+
+def _stopping_step(stop: BaseException):  # noqa: ANN202
+    def stopping_step(model, optim, x):  # noqa: ANN001
+        """DeiT / MAE / DINO: `if not math.isfinite(loss): print(...); sys.exit(1)`."""
+        loss = F.mse_loss(model(x), x)
+        if not torch.isfinite(loss):
+            raise stop
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+    return stopping_step
+
+
+@pytest.mark.parametrize("stop", [SystemExit(1), KeyboardInterrupt("blew up"), Stop("blew up", 3)],
+                         ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("cached", [False, True], ids=["fresh", "cache-hit"])
+def test_a_check_that_stops_the_run_trains_and_stops_as_eager(stop, cached, tmp_path):
+    """A check's raising way that raises a BaseException (sys.exit(1)): healthy calls
+    train as eager (before, the capture itself exited or failed every call), and a call
+    that goes that way raises the same class with the same arguments, writing nothing."""
+    step = _stopping_step(stop)
+    x, second = _batches(2)
+    poisoned = x.clone()
+    poisoned[5, 2] = float("nan")
+    for attempt in ("miss", "hit") if cached else ("miss",):
+        model, reference, optim, reference_optim = _twins()
+        compiled = sc.compile(make_mode("ddp"), cache_dir=tmp_path if cached else None)(step)
+        with sc.simulate(world_size=2) as sim:
+            loss = compiled(model, optim, x)
+            assert relative_difference(loss, step(reference, reference_optim, x)) < TOL
+            with pytest.raises(type(stop)) as info:
+                compiled(model, optim, poisoned)
+            assert info.value.args == stop.args
+            if isinstance(stop, SystemExit):
+                assert info.value.code == 1
+            loss = compiled(model, optim, second)  # the stopped call wrote nothing
+            assert relative_difference(loss, step(reference, reference_optim, second)) < TOL
+            assert _worst_state_difference(model, reference, optim, reference_optim, sim) < TOL
+        if cached:
+            assert compiled.records[0].cache == attempt
+
+
+def test_a_real_interrupt_during_capture_stops_the_capture():
+    """A Ctrl-C that arrives while a way is traced is no branch of the step: it stops the
+    capture, whatever the way (NOTE: [a check that stops the run])."""
+    import os
+    import signal
+
+    def step(model, optim, x):  # noqa: ANN001
+        loss = F.mse_loss(model(x), x)
+        if not torch.isfinite(loss):
+            os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C here
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    model, _, optim, _ = _twins()
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(KeyboardInterrupt):
+        compiled(model, optim, _batches(1)[0])
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def test_cross_iteration_overlap_refuses_a_checked_step():
     model = _model()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
