@@ -704,6 +704,12 @@ class CompiledTrainStep:
         if self._guard_misses[what] == (2 if strings else REPEATED_RECOMPILES):
             if strings:
                 hint = metadata_advice([argument_path(what) or what], "every call")
+            elif what == private.CALL_SETTINGS[3]:  # NOTE: [saved-tensor hooks made every call]
+                hint = ("a hook made anew every call (a function closing over a fresh object "
+                        "or over the loop index, a functools.partial binding one) is a setting "
+                        "of the program, as what it holds may change what it computes (each "
+                        "program is kept, up to 32); make the hooks once, outside the loop, and enter "
+                        "`saved_tensors_hooks(pack, unpack)` with the same functions every step")
             elif what.startswith(("the shape of buffer", "the dtype of buffer")):
                 hint = ("make the buffer at its final shape (a buffer that grows every call "
                         "compiles a program per shape)")
