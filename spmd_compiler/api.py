@@ -1487,7 +1487,9 @@ def _warn_of_constants_in_arguments(outside: list[Any]) -> None:
             "read from outside the arguments]). If it is part of the batch, each real rank "
             "holds its own and the call is refused there; pass such tensors as arguments "
             "or in a @dataclass, dict, UserDict or SimpleNamespace (NOTE: [batch "
-            "containers]).", ", ".join(labels),
+            "containers]; a subclass of dict, list or tuple with attributes set on the "
+            "object is not opened: NOTE: [subclasses of dict, list and tuple]).",
+            ", ".join(labels),
         )
 
 
