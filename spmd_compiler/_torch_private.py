@@ -910,12 +910,23 @@ def call_setting_text(k: int, value: Any) -> str:
     if value is None:
         return "unset"
     if k == 3:
-        return ", ".join(
-            getattr(f[0] if isinstance(f, tuple) else f, "co_qualname" if isinstance(f, tuple) else "__qualname__",
-                    repr(f))
-            for f in value
-        )
+        return ", ".join(_hook_text(f) for f in value)
     return str(value)
+
+
+def _hook_text(key: Any) -> str:
+    """A hook's part of ``_hook_identity`` as the recompile line shows it: what differs
+    between two calls shows (a plain value it holds, or which object it is)."""
+    if isinstance(key, tuple) and key and key[0] == "partial":
+        return f"partial({', '.join(_hook_text(p) for p in key[1])})"
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], types.CodeType):
+        code, values = key
+        held = f" holding {', '.join(repr(v) for _, v in values)}" if values else ""
+        return f"{code.co_qualname}{held}"
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], type):
+        return repr(key[1])  # a plain value a partial binds
+    name = getattr(key, "__qualname__", type(key).__qualname__)
+    return f"{name} (the object at {id(key):#x})"
 
 
 def _default_device() -> str | None:
@@ -950,7 +961,26 @@ def _hook_identity(fn: Any) -> Any:
     """A saved-tensor hook as the program key holds it: a plain function by its code and
     the plain values it closes over and defaults to (``save_on_cpu`` makes new closures on
     every entry, over a bool and a module; a lambda written in the loop is new on every
-    call), anything else by itself."""
+    call), a ``functools.partial`` by its function's and its arguments' identities (plain
+    values by value, functions as hooks are), anything else by itself.
+
+    NOTE: [saved-tensor hooks made every call]
+    A hook closing over a fresh object (a list it counts in) or a partial binding one is
+    new every call and keyed by itself: a program per call, as a hook that reads a value
+    which changes may compute otherwise (keying it by its code alone could serve a wrong
+    program). The recompile line names the hook and which object or value differs, and
+    the compiled step warns at the third such change (``api.py``'s ``_count_recompile``),
+    saying to make the hooks once, outside the loop."""
+    if isinstance(fn, functools.partial):
+        parts = [_hook_identity(fn.func)]
+        for v in (*fn.args, *fn.keywords.values()):
+            if type(v) in _PLAIN_CELLS or isinstance(v, types.ModuleType):
+                parts.append((type(v), v))
+            elif isinstance(v, (types.FunctionType, functools.partial)):
+                parts.append(_hook_identity(v))
+            else:
+                return fn
+        return "partial", tuple(parts), tuple(fn.keywords)
     code = getattr(fn, "__code__", None)
     if not isinstance(fn, types.FunctionType) or code is None:
         return fn

@@ -726,6 +726,12 @@ class CompiledTrainStep:
         if self._guard_misses[what] == (2 if strings else REPEATED_RECOMPILES):
             if strings:
                 hint = metadata_advice([argument_path(what) or what], "every call")
+            elif what == private.CALL_SETTINGS[3]:  # NOTE: [saved-tensor hooks made every call]
+                hint = ("a hook made anew every call (a function closing over a fresh object "
+                        "or over the loop index, a functools.partial binding one) is a setting "
+                        "of the program, as what it holds may change what it computes (each "
+                        "program is kept, up to 32); make the hooks once, outside the loop, and enter "
+                        "`saved_tensors_hooks(pack, unpack)` with the same functions every step")
             elif what.startswith(("the shape of buffer", "the dtype of buffer")):
                 hint = ("make the buffer at its final shape (a buffer that grows every call "
                         "compiles a program per shape)")
@@ -1522,7 +1528,9 @@ def _warn_of_constants_in_arguments(outside: list[Any]) -> None:
             "read from outside the arguments]). If it is part of the batch, each real rank "
             "holds its own and the call is refused there; pass such tensors as arguments "
             "or in a @dataclass, dict, UserDict or SimpleNamespace (NOTE: [batch "
-            "containers]).", ", ".join(labels),
+            "containers]; a subclass of dict, list or tuple with attributes set on the "
+            "object is not opened: NOTE: [subclasses of dict, list and tuple]).",
+            ", ".join(labels),
         )
 
 

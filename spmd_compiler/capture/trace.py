@@ -1873,10 +1873,15 @@ class _StepTracer:
         if path is None:
             return
         kind = type(leaf).__qualname__
+        why = (
+            f" ({kind} is a subclass of {type(leaf).__mro__[-2].__name__} with attributes set "
+            "on the object, which is not opened: NOTE: [subclasses of dict, list and tuple])"
+            if isinstance(leaf, (dict, list, tuple)) and getattr(leaf, "__dict__", None) else ""
+        )
         raise SPMDCompileError(
             f"The train step returns a {kind} holding a value it computed ({path}): a "
-            f"compiled step returns what pytree does not open as it is, so every call would "
-            f"get the same {kind}, holding the trace's stand-in tensors instead of the "
+            f"compiled step returns what pytree does not open as it is{why}, so every call "
+            f"would get the same {kind}, holding the trace's stand-in tensors instead of the "
             f"call's values.",
             user_line=step_where(self.func),
             hint="return the values in a dict, a tuple, a @dataclass or a "

@@ -733,7 +733,9 @@ class InputAgreement:
             "rank's own value, the ranks would compute different things and drift apart. "
             f"Nothing was updated. Constants per rank:\n{lines}",
             hint="a batch inside an object that is not a tensor, list, tuple, dict, "
-            "dataclass, UserDict or SimpleNamespace is read this way: pass the batch's "
+            "dataclass, UserDict or SimpleNamespace (or in a subclass of dict, list or "
+            "tuple with attributes set on the object: NOTE: [subclasses of dict, list and "
+            "tuple]) is read this way: pass the batch's "
             "tensors as arguments, or make its class a @dataclass (NOTE: [batch "
             "containers]); a per-rank tensor the model holds belongs in a buffer.",
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -147,6 +148,63 @@ def test_save_on_cpu_entered_on_every_call_compiles_once() -> None:
                 plain_step(reference, reference_optim, *_batch(i))
         assert max_difference(compare_models(model, reference, sim)) < TOL
     assert len(step.records) == 1
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _counting_hooks() -> contextlib.AbstractContextManager:
+    seen = [0]  # a new list every call: the hook is keyed by itself
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[0] += 1
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+
+def test_a_partial_hook_made_every_call_compiles_once() -> None:
+    """NOTE: [saved-tensor hooks made every call]: a ``functools.partial`` is keyed by its
+    function and arguments; keyed by itself, it compiled a program every call (5 in 5)."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = sc.compile(make_mode("ddp"))(plain_step)
+    with sc.simulate(world_size=2) as sim:
+        for i in range(3):
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack), functools.partial(_unpack)):
+                step(model, optim, *_batch(i))
+                plain_step(reference, reference_optim, *_batch(i))
+        assert max_difference(compare_models(model, reference, sim)) < TOL
+    assert len(step.records) == 1
+
+
+def test_a_hook_made_every_call_over_a_new_object_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    """A hook closing over a new list every call compiles a program every call (what it
+    holds may change what it computes); the recompile line shows which object differs
+    (before, it read "was mk.<locals>.p, unpack, now mk.<locals>.p, unpack") and the third
+    change is warned of, saying to make the hooks once."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    optim, reference_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = sc.compile(make_mode("ddp"))(plain_step)
+    with sc.simulate(world_size=2) as sim, caplog.at_level(logging.INFO, logger="spmd_compiler"):
+        for i in range(4):
+            with _counting_hooks():
+                step(model, optim, *_batch(i))
+            plain_step(reference, reference_optim, *_batch(i))
+        assert max_difference(compare_models(model, reference, sim)) < TOL
+    lines = [r.getMessage() for r in caplog.records if "saved-tensor hooks" in r.getMessage()]
+    changes = [line for line in lines if line.startswith("recompiling")]
+    assert len(changes) == 3 and all("_counting_hooks.<locals>.pack (the object at 0x" in c for c in changes)
+    assert all(c.split(" was ")[1].split(", now ")[0] != c.split(", now ")[1] for c in changes)
+    warned = [line for line in lines if "changed on 3 calls" in line]
+    assert len(warned) == 1 and "make the hooks once, outside the loop" in warned[0]
 
 
 @pytest.mark.parametrize(
