@@ -23,7 +23,9 @@ weights (float64); one sample, or any number without replacement, is ATen's expo
 race (the ``n`` largest of ``w / Exp(1)``, the Exp(1) drawn in float64 and rounded to the
 weights' dtype, whose order is that of drawing one by one; NOTE: [one sample is the
 race]). On CPU both pick eager's categories and leave the generator where eager does
-(float64, float32, float16, bfloat16 weights; tests/sim/test_random_draws.py). Both keep
+(float64, float32, float16, bfloat16 weights, stored row-major, transposed or strided:
+the race draws in the weights' memory order as eager's ``empty_like`` does;
+tests/sim/test_random_draws.py). Both keep
 zero-weight categories out, and eager's refusal of invalid weights (negative, inf or NaN,
 a row summing to 0, fewer positive categories than samples without replacement) is a
 value check (NOTE: [value checks]): a call with such weights raises eager's message
@@ -205,13 +207,34 @@ def _multinomial(self, num_samples, replacement=False, *, generator=None):
         # eager's arithmetic: Exp(1) drawn in float64, rounded to the weights' dtype, and
         # the largest weight / Exp(1) in that dtype (its ties in float16 and bfloat16)
         flat = self.reshape(-1, self.shape[-1])
-        race = -torch.log1p(-torch.rand(tuple(rows.shape), dtype=torch.float64, device=self.device))
+        uniform = _rand_in_memory_order(self).reshape(rows.shape)
+        race = -torch.log1p(-uniform)
         ratio = flat / race.to(self.dtype)
         if num_samples == 1:
             picked = ratio.argmax(-1, keepdim=True)
         else:
             picked = torch.topk(ratio, num_samples, dim=-1).indices
     return picked.reshape(*self.shape[:-1], num_samples)
+
+
+def _rand_in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """``torch.rand`` (float64) of ``t``'s shape, its numbers laid out as eager's
+    ``empty_like(t).exponential_()`` fills them: in ``t``'s memory order where ``t`` is
+    dense (``empty_like`` keeps a dense tensor's strides: weights ``softmax(l.t(), 0).t()``
+    are column-major), else in row-major order (NOTE: [one sample is the race]; a
+    reviewer found 13 of 16 transposed rows picked other categories than eager's)."""
+    dims = [d for d in range(t.dim()) if t.shape[d] != 1]
+    strides = t.stride()
+    order = sorted(dims, key=lambda d: -strides[d])  # outermost first
+    expected, dense = 1, True
+    for d in reversed(order):
+        dense = dense and strides[d] == expected
+        expected *= t.shape[d]
+    if not dense or order == dims:
+        return torch.rand(tuple(t.shape), dtype=torch.float64, device=t.device)
+    order += [d for d in range(t.dim()) if t.shape[d] == 1]
+    draw = torch.rand([t.shape[d] for d in order], dtype=torch.float64, device=t.device)
+    return draw.permute([order.index(d) for d in range(t.dim())])
 
 
 def _bernoulli_with_probability(

@@ -107,17 +107,24 @@ def test_multinomial_draws_from_its_distribution(replacement) -> None:
     assert not ((picked == 0) | (picked == 3)).any()
 
 
+@pytest.mark.parametrize("layout", ["row_major", "transposed", "strided"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("samples", "replacement"), [(1, True), (1, False), (3, True), (3, False)])
-def test_multinomial_draws_eagers_numbers(dtype, samples, replacement) -> None:
+def test_multinomial_draws_eagers_numbers(dtype, samples, replacement, layout) -> None:
     """The decomposition, run on real tensors, picks eager's categories and leaves the
-    generator where eager leaves it (NOTE: [one sample is the race])."""
+    generator where eager leaves it (NOTE: [one sample is the race]), whatever the
+    weights' layout: eager's race fills a dense tensor in its memory order (a review:
+    weights stored transposed picked other categories in 13 of 16 rows)."""
     from spmd_compiler.capture.random_draws import global_draw_decompositions
 
     multinomial = global_draw_decompositions()[torch.ops.aten.multinomial.default]
-    weights = torch.rand(64, 200, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    weights[:, 5] = 0
-    weights = weights.to(dtype)
+    weights = torch.rand(200, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    weights[5, :] = 0
+    weights = weights.to(dtype).t()  # (64, 200), column-major
+    if layout == "row_major":
+        weights = weights.contiguous()
+    elif layout == "strided":  # not dense: eager's empty_like makes it row-major
+        weights = torch.cat([weights, weights], 1)[:, ::2]
     torch.manual_seed(3)
     expected, after = torch.multinomial(weights, samples, replacement), torch.rand(2)
     torch.manual_seed(3)
@@ -131,6 +138,8 @@ def _sampling_policy_step(how: str):  # noqa: ANN202
         policy = torch.distributions.Categorical(logits=logits)
         if how == "categorical_sample":
             actions = policy.sample()
+        elif how == "multinomial_of_column_major_probs":  # the race in memory order
+            actions = torch.multinomial(torch.softmax(logits.t(), 0).t(), 1).squeeze(-1)
         else:
             actions = torch.multinomial(policy.probs, 1, replacement=True).squeeze(-1)
         reward = (actions == target).to(logits.dtype)
@@ -143,7 +152,9 @@ def _sampling_policy_step(how: str):  # noqa: ANN202
     return step
 
 
-@pytest.mark.parametrize("how", ["categorical_sample", "multinomial_one_with_replacement"])
+@pytest.mark.parametrize(
+    "how", ["categorical_sample", "multinomial_one_with_replacement", "multinomial_of_column_major_probs"]
+)
 def test_one_sample_draws_eagers_actions(how) -> None:
     """``Categorical.sample()`` and ``multinomial(p, 1, replacement=True)`` in a step draw
     eager's actions (ddp, fsdp, 2 and 4 ranks): the same losses and parameters, and the
