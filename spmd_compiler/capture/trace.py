@@ -1305,6 +1305,14 @@ def _decide_value_checks(
     with signals_told_apart() as arrived:
         try:
             return _decide_value_ifs(trace, given)
+        except value_read_errors() as exc:
+            if not trying:
+                raise
+            # the way tried reads a value no program can hold (an assert's message
+            # formatting `loss.item()`): a check's raising way (NOTE: [a way no program
+            # holds]), as when both ways are traced; a review found this refused as a
+            # value read of the whole step
+            raise WayRaised(_refusal_text(exc)) from exc
         except _not_raised_by_the_step():
             raise
         except Exception as exc:  # noqa: BLE001 - the step raised on the way tried

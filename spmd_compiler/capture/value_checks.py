@@ -120,8 +120,10 @@ class defined in a function is found by name in this process only, and elsewhere
 ``SPMDRuntimeError`` is raised instead (nothing is written either way).
 A real Ctrl-C, or a signal handler's ``sys.exit``, must still stop the capture, not be
 taken for the step's branch: while a way is traced, every signal with a Python handler
-is wrapped to record that it arrived (``signals_told_apart``); a BaseException raised
-while one arrived ends the capture as before. Signals run their Python handlers in the
+is wrapped to record that its handler raised (``signals_told_apart``); a BaseException
+raised after one did ends the capture as before. A handler that returns (a sampling
+profiler's SIGPROF every millisecond) is not counted: a review found that counting
+every arrival took the step's own ``sys.exit(1)`` for a real stop on every call. Signals run their Python handlers in the
 main thread only, so in another thread nothing needs wrapping.
 """
 
@@ -504,8 +506,14 @@ def signals_told_apart() -> Iterator[list[int]]:
 
     def recording(handler: Callable[..., Any]) -> Callable[..., Any]:
         def record(signum: int, frame: Any) -> Any:
-            arrived.append(signum)
-            return handler(signum, frame)
+            # only a handler that raises stops the run: a profiler's SIGPROF handler
+            # returning at once is no Ctrl-C (a review: with one firing every 1 ms, the
+            # step's own sys.exit(1) was taken for a real stop and raised on every call)
+            try:
+                return handler(signum, frame)
+            except BaseException:
+                arrived.append(signum)
+                raise
         return record
 
     try:

@@ -683,3 +683,71 @@ def test_too_many_checks_in_torch_distributions_name_validate_args(monkeypatch):
     message = str(info.value)
     assert "validate_args=False" in message and "more than 6 `if`s" in message, message
     assert "set_default_validate_args(False)" in message and "trunc_normal_" not in message, message
+
+
+def _item_message_step(model, optim, x):  # noqa: ANN001
+    """A check whose message reads the value: `assert ok, f"loss is {loss.item()}"`."""
+    loss = F.mse_loss(model(x), x)
+    if not torch.isfinite(loss):
+        raise ValueError(f"loss is {loss.item()}")
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_check_whose_message_reads_the_value_fails_as_a_check():
+    """The raising way of an untraced check reads ``.item()`` for its message: a call
+    that goes there is a failed check (``SPMDRuntimeError`` naming the line, nothing
+    written), as when both ways were traced; a review found it refused as a value read
+    of the whole step (``SPMDCompileError``) on every such call."""
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(make_mode("ddp"))(_item_message_step)
+    x, second = _batches(2)
+    poisoned = x.clone()
+    poisoned[5, 2] = float("nan")
+    with sc.simulate(world_size=2) as sim:
+        loss = compiled(model, optim, x)
+        assert relative_difference(loss, _item_message_step(reference, reference_optim, x)) < TOL
+        for _ in range(2):
+            with pytest.raises(SPMDRuntimeError, match=r"if not torch.isfinite\(loss\)") as info:
+                compiled(model, optim, poisoned)
+            assert ".item()" in str(info.value) and "Nothing was updated" in str(info.value)
+        loss = compiled(model, optim, second)
+        assert relative_difference(loss, _item_message_step(reference, reference_optim, second)) < TOL
+        assert _worst_state_difference(model, reference, optim, reference_optim, sim) < TOL
+
+
+def test_a_signal_handler_that_returns_is_no_stop_of_the_capture():
+    """A sampling profiler's SIGPROF handler firing every millisecond while the step is
+    traced: the step's own ``sys.exit(1)`` on its check's way is still that way's outcome,
+    and healthy calls train as eager (a review: every call raised SystemExit)."""
+    import signal
+
+    if not hasattr(signal, "setitimer"):
+        pytest.skip("no interval timers here")
+    import sys
+
+    def step(model, optim, x):  # noqa: ANN001
+        loss = F.mse_loss(model(x), x)
+        if not torch.isfinite(loss):  # a call, not a `raise`: both ways are traced
+            sys.exit(1)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    model, reference, optim, reference_optim = _twins()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    x, second = _batches(2)
+    previous = signal.signal(signal.SIGPROF, lambda signum, frame: None)
+    signal.setitimer(signal.ITIMER_PROF, 0.001, 0.001)
+    try:
+        with sc.simulate(world_size=2) as sim:
+            for batch in (x, second):
+                loss = compiled(model, optim, batch)
+                assert relative_difference(loss, step(reference, reference_optim, batch)) < TOL
+            assert _worst_state_difference(model, reference, optim, reference_optim, sim) < TOL
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, previous)
