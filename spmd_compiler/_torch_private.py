@@ -2823,22 +2823,32 @@ _REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 _SEQUENTIAL_WARNING = "This is suboptimal"
 
 
-class _DropSequentialCollectiveWarning(logging.Filter):
+class _DropRecords(logging.Filter):
+    def __init__(self, dropped: Callable[[str], bool]) -> None:
+        super().__init__()
+        self._dropped = dropped
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return _SEQUENTIAL_WARNING not in str(record.msg)
+        return not self._dropped(str(record.msg))
 
 
 @contextlib.contextmanager
-def quiet_sequential_collective_warning() -> Iterator[None]:
-    """Drop DTensor's "sequential collectives ... suboptimal" log record while the block
-    runs (NOTE: [DTensor's sequential-collective warning])."""
-    logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
-    record_filter = _DropSequentialCollectiveWarning()
+def _dropping_log_records(logger_name: str, dropped: Callable[[str], bool]) -> Iterator[None]:
+    """Drop the records of the logger ``logger_name`` whose message ``dropped`` matches
+    while the block runs; every other record goes through."""
+    logger = logging.getLogger(logger_name)
+    record_filter = _DropRecords(dropped)
     logger.addFilter(record_filter)
     try:
         yield
     finally:
         logger.removeFilter(record_filter)
+
+
+def quiet_sequential_collective_warning() -> contextlib.AbstractContextManager[None]:
+    """Drop DTensor's "sequential collectives ... suboptimal" log record while the block
+    runs (NOTE: [DTensor's sequential-collective warning])."""
+    return _dropping_log_records(_REDISTRIBUTE_LOGGER, lambda msg: _SEQUENTIAL_WARNING in msg)
 
 
 # NOTE: [torch's log of a failed meta kernel]
@@ -2852,22 +2862,10 @@ _FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 _META_FAILURE = "failed while attempting to run meta"
 
 
-class _DropMetaFailure(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_META_FAILURE)
-
-
-@contextlib.contextmanager
-def quiet_meta_failure_log() -> Iterator[None]:
+def quiet_meta_failure_log() -> contextlib.AbstractContextManager[None]:
     """Drop FakeTensorMode's log of a failed meta kernel while the block runs (NOTE:
     [torch's log of a failed meta kernel]); the error itself still propagates."""
-    logger = logging.getLogger(_FAKE_TENSOR_LOGGER)
-    record_filter = _DropMetaFailure()
-    logger.addFilter(record_filter)
-    try:
-        yield
-    finally:
-        logger.removeFilter(record_filter)
+    return _dropping_log_records(_FAKE_TENSOR_LOGGER, lambda msg: msg.startswith(_META_FAILURE))
 
 
 # ---------------------------------------------------------------------------- DTensor gaps
