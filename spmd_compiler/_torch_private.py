@@ -5046,10 +5046,17 @@ def data_setter_of_torch() -> Iterator[None]:
         _STEPS_TRACED[0] -= 1
 
 
+_DATA_ASSIGNED_ELSE: list[Callable[[DTensor, torch.Tensor], bool]] = []
+
+
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
-    on_set = _DATA_ASSIGNED.get(id(self))
-    if on_set is None or _STEPS_TRACED[0] or not on_set(cast(DTensor, self), value):
-        _DATA_DESCRIPTOR.__set__(self, value)
+    if not _STEPS_TRACED[0]:
+        on_set = _DATA_ASSIGNED.get(id(self))
+        if on_set is not None and on_set(cast(DTensor, self), value):
+            return
+        if on_set is None and any(other(cast(DTensor, self), value) for other in _DATA_ASSIGNED_ELSE):
+            return
+    _DATA_DESCRIPTOR.__set__(self, value)
 
 
 def intercept_data_assignment(t: DTensor, on_set: Callable[[DTensor, torch.Tensor], bool]) -> None:
@@ -5060,6 +5067,17 @@ def intercept_data_assignment(t: DTensor, on_set: Callable[[DTensor, torch.Tenso
     if DTensor.__dict__.get("data") is None:
         DTensor.data = property(_DATA_DESCRIPTOR.__get__, _set_data)  # type: ignore[assignment,method-assign]
     _DATA_ASSIGNED[id(t)] = on_set
+
+
+def intercept_other_data_assignment(on_set: Callable[[DTensor, torch.Tensor], bool]) -> None:
+    """Send ``t.data = value`` on a DTensor no ``intercept_data_assignment`` registered to
+    ``on_set(t, value)`` first (a gradient or an optimizer state tensor of a placed
+    model: NOTE: [data replaced between calls]); False: torch's setter runs. Once per
+    ``on_set``."""
+    if DTensor.__dict__.get("data") is None:
+        DTensor.data = property(_DATA_DESCRIPTOR.__get__, _set_data)  # type: ignore[assignment,method-assign]
+    if on_set not in _DATA_ASSIGNED_ELSE:
+        _DATA_ASSIGNED_ELSE.append(on_set)
 
 
 def data_assignment_callbacks() -> list[Callable[[DTensor, torch.Tensor], bool]]:

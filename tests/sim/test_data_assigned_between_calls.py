@@ -235,3 +235,76 @@ def test_tying_by_data_between_calls_is_refused_naming_both(mode: str) -> None:
         assert private.local_tensor_of(model.l2.weight) is local
         model.l2.weight.data = model.l2.weight.data  # its own memory: allowed, a no-op
         compiled(model, optim, x, y)
+
+
+def _accumulating_step(model, optim, x, y):  # noqa: ANN001, ANN201
+    """No ``zero_grad``: the gradients live between calls (and accumulate)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss.detach()
+
+
+def _halve_grads(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        p.grad.data = p.grad.data * 0.5
+
+
+def _reset_first_moment(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        state = optim.state[p]
+        state["exp_avg"].data = state["exp_avg"].data * 0.0
+
+
+def _plain_second_moment(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        state = optim.state[p]
+        state["exp_avg_sq"].data = torch.full(tuple(p.shape), 1e-3, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("edit", [_halve_grads, _reset_first_moment, _plain_second_moment],
+                         ids=["grad", "optimizer_state", "plain_value"])
+def test_data_assigned_on_grads_and_optimizer_state_trains_as_eager(
+    mode: str, edit: Callable[[nn.Module, torch.optim.Optimizer], None],
+) -> None:
+    """NOTE: [data replaced on gradients and optimizer state]: ``p.grad.data = ...`` and
+    ``opt.state[p]["exp_avg"].data = ...`` between calls were ignored (Adam, fsdp:
+    parameters 0.25 off eager after 4 calls, silently)."""
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    eager_optim = torch.optim.Adam(eager.parameters(), lr=0.05)
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(_accumulating_step)
+    with sc.simulate(world_size=2):
+        for i, (x, y) in enumerate(_data(4)):
+            if i in (1, 2):
+                edit(model, optim)
+                edit(eager, eager_optim)
+            loss, want = compiled(model, optim, x, y), _accumulating_step(eager, eager_optim, x, y)
+            assert abs(float(loss) - float(want)) < TOL, i
+        _assert_state_as_eager(model, eager)
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            assert torch.allclose(p.grad.full_tensor(), q.grad, rtol=0, atol=TOL)
+            assert torch.allclose(optim.state[p]["exp_avg"].full_tensor(), eager_optim.state[q]["exp_avg"],
+                                  rtol=0, atol=TOL)
+
+
+def test_optimizer_state_of_another_shape_is_refused_with_nothing_changed() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    compiled = sc.compile(parallel_mode=DataParallel("fully_shard"))(_accumulating_step)
+    x, y = _data(1)[0]
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, y)
+        w = model.a.weight
+        state, grad = optim.state[w]["exp_avg"], w.grad
+        local, grad_local = private.local_tensor_of(state), private.local_tensor_of(grad)
+        with pytest.raises(sc.SPMDCompileError, match=r"optimizer state 'exp_avg' of parameter a\.weight .*shape \(3, 8\)"):
+            state.data = torch.zeros(3, 8, dtype=torch.float64)
+        with pytest.raises(sc.SPMDCompileError, match=r"\.grad of parameter a\.weight .*dtype torch\.float32"):
+            grad.data = grad.data.float()
+        assert private.local_tensor_of(state) is local and private.local_tensor_of(grad) is grad_local
+        compiled(model, optim, x, y)
