@@ -385,6 +385,7 @@ def traced_inside(value: Any, traced: Callable[[Any], bool]) -> str | None:
         if isinstance(x, (torch.Tensor, *_ATOMS)) or (
             not isinstance(x, (dict, list, tuple, set, frozenset))
             and str(type(x).__module__).split(".")[0] in SKIPPED_PACKAGES
+            and not distribution_object(x)
         ):
             continue
         children: list[tuple[Any, str]] = []
@@ -412,6 +413,22 @@ def traced_inside(value: Any, traced: Callable[[Any], bool]) -> str | None:
     return None
 
 
+def distribution_object(x: Any) -> bool:
+    """NOTE: [returned distributions]
+    An object of ``torch.distributions`` (a ``Categorical``, a ``Normal``, an
+    ``Independent`` or ``TransformedDistribution`` with its base and transforms, a
+    constraint) is walked by ``traced_inside`` though torch's own: it holds the values
+    it was built from (``logits``, ``_param``, ``loc``, ``scale``, a cached ``probs``) in
+    its ``__dict__``. Until 2026-12-06 the walk skipped every torch object, so a step
+    returning ``loss, Categorical(logits=out)`` got, every call, the same distribution
+    holding the trace's fake tensors (``d.entropy()`` gave a ``FakeTensor``, silently).
+    Refused instead, naming the attribute: rebuilding one with each call's values would
+    have to know how each class derives its attributes (``Categorical`` keeps
+    ``_param`` as the same tensor as ``logits``; a lazily cached ``probs`` may be there
+    or not), so the step returns the tensors and the caller builds the distribution."""
+    return str(type(x).__module__).startswith("torch.distributions.")
+
+
 def _filled(cell: Any) -> bool:
     try:
         _ = cell.cell_contents
@@ -421,6 +438,6 @@ def _filled(cell: Any) -> bool:
 
 
 __all__ = [
-    "Closed", "Opened", "close_containers", "close_returned", "holds_containers", "open_containers",
-    "traced_inside",
+    "Closed", "Opened", "close_containers", "close_returned", "distribution_object", "holds_containers",
+    "open_containers", "traced_inside",
 ]

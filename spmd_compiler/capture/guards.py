@@ -435,7 +435,8 @@ class Guards:
 
     def add_tensor(self, container: Any, key: Any, tensor: Any, version: int, name: str) -> None:
         """``tensor`` must stay at ``container[key]`` (a dict, a closure cell with key
-        None, or a function with a key of ``_default_of``) with its version counter at ``version`` (NOTE: [tensors read from outside
+        None, a function with a key of ``_default_of``, or a ``functools.partial`` with a
+        position) with its version counter at ``version`` (NOTE: [tensors read from outside
         the arguments])."""
         self.entries.append((_TENSOR, container, (key, tensor), _held(tensor, version)))
         self.names.append(name)
@@ -588,6 +589,8 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
                 current = _MISSING
         elif isinstance(container, types.FunctionType):  # a tensor default argument
             current = _default_of(container, name)
+        elif isinstance(container, functools.partial):  # NOTE: [tensors bound by a partial]
+            current = container.args[name] if name < len(container.args) else _MISSING
         else:
             current = container.get(name, _MISSING)
         return _held(tensor, tensor._version) if current is tensor else ("another value",)

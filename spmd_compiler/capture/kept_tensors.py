@@ -364,6 +364,8 @@ class KeptTensors:
         ``__call__`` (its own attributes). Until the fifty-ninth session only the
         function under them was walked, and a hook's ``self.v = norm`` held the
         capture's ``FakeTensor`` after every call, silently (eager: the call's norm)."""
+        for container, key, value, label in _partial_tensors(func):
+            self._outside(value, container, key, f"{label} ({what})")
         fn, carried = _unwrap(func)
         for obj in carried:
             self._reach(obj, f"{type(obj).__name__} ({what})")
@@ -618,6 +620,33 @@ def _unwrap(func: Any) -> tuple[Any, list[Any]]:
             carried += [*func.args, *func.keywords.values()]
             func = func.func
     return func, carried
+
+
+def _partial_tensors(func: Any) -> list[tuple[Any, Any, torch.Tensor, str]]:
+    """NOTE: [tensors bound by a partial]
+    The tensors ``functools.partial`` s (under bound methods and partials of partials)
+    bind, each with where it is read from: the partial and the position (its positional
+    arguments cannot be replaced; ``guards._read`` reads ``partial.args`` anew) or its
+    ``keywords`` dict and the name (which can: ``step.keywords["mask"] = new``). Such a
+    tensor (``partial(train_step, class_weights)``, ``partial(step, mask=m)``) is read
+    as a global tensor is, a constant of the program guarded there (NOTE: [tensors read
+    from outside the arguments]): changed in place or replaced between calls, the next
+    call compiles anew and computes with the new values. Before 2026-12-06 the walk
+    reached what a partial binds only as objects to search, so the step was refused as
+    reading a tensor "from a place the compiled step cannot watch"."""
+    found: list[tuple[Any, Any, torch.Tensor, str]] = []
+    for _ in range(16):
+        if isinstance(func, types.MethodType):
+            func = func.__func__
+        elif isinstance(func, functools.partial):
+            found += [(func, i, v, f"argument {i} of the partial") for i, v in enumerate(func.args)
+                      if isinstance(v, torch.Tensor)]
+            found += [(func.keywords, k, v, f"keyword {k!r} of the partial") for k, v in func.keywords.items()
+                      if isinstance(v, torch.Tensor)]
+            func = func.func
+        else:
+            break
+    return found
 
 
 def _same_number(value: Any, old: Any) -> bool:

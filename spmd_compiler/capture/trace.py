@@ -102,7 +102,14 @@ from .bindings import (
     tensor_argument_names,
 )
 from .code_names import step_code, step_name, step_where
-from .containers import Closed, close_containers, holds_containers, open_containers, traced_inside
+from .containers import (
+    Closed,
+    close_containers,
+    distribution_object,
+    holds_containers,
+    open_containers,
+    traced_inside,
+)
 from .diagonals import diagonal_scatter_by_mask
 from .dtype_agreement import refuse_mixed_dtype_operands
 from .functional_rewrite import functional_by_rewriting
@@ -1886,15 +1893,25 @@ class _StepTracer:
             "on the object, which is not opened: NOTE: [subclasses of dict, list and tuple])"
             if isinstance(leaf, (dict, list, tuple)) and getattr(leaf, "__dict__", None) else ""
         )
+        hint = (
+            "return the values in a dict, a tuple, a @dataclass or a "
+            "types.SimpleNamespace (opened and rebuilt with each call's values), or "
+            "register the class with torch.utils._pytree.register_pytree_node."
+        )
+        if distribution_object(leaf):  # NOTE: [returned distributions] (``containers.py``)
+            why = f" (NOTE: [returned distributions]: a torch.distributions {kind} is not opened)"
+            hint = (
+                f"return the tensors the {kind} is built from (return loss, out; or "
+                "d.logits, d.loc, d.scale) and build the distribution from them outside "
+                "the compiled step (Categorical(logits=out))."
+            )
         raise SPMDCompileError(
             f"The train step returns a {kind} holding a value it computed ({path}): a "
             f"compiled step returns what pytree does not open as it is{why}, so every call "
             f"would get the same {kind}, holding the trace's stand-in tensors instead of the "
             f"call's values.",
             user_line=step_where(self.func),
-            hint="return the values in a dict, a tuple, a @dataclass or a "
-            "types.SimpleNamespace (opened and rebuilt with each call's values), or "
-            "register the class with torch.utils._pytree.register_pytree_node.",
+            hint=hint,
         )
 
     def _collect(self, result, params, final_buffers, swapped, values, kept) -> list[torch.Tensor]:

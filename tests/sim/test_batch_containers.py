@@ -339,6 +339,46 @@ def test_a_returned_object_holding_step_values_is_refused(name, mode):
         assert torch.equal(value, before[key])
 
 
+DISTRIBUTIONS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "categorical": lambda out: torch.distributions.Categorical(logits=out),
+    "normal": lambda out: torch.distributions.Normal(out, out.exp()),
+    "independent_in_a_dict": lambda out: {
+        "policy": torch.distributions.Independent(torch.distributions.Normal(out, torch.ones_like(out)), 1)
+    },
+}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", sorted(DISTRIBUTIONS))
+def test_a_returned_distribution_is_refused(name, mode):
+    """NOTE: [returned distributions]: ``return loss, Categorical(logits=out)`` came
+    back, the same object every call, holding the trace's fake tensors (``d.entropy()``
+    a ``FakeTensor``, ``d.probs`` junk), as the walk skipped torch's objects. Refused,
+    naming the class and the attribute, the model and optimizer untouched."""
+    wrap = DISTRIBUTIONS[name]
+
+    def step(model, optim, batch):
+        out = model.net(batch.features)
+        loss = F.cross_entropy(out, batch.labels)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.detach(), wrap(out.detach())
+
+    model, optim, _, _ = _model_and_reference("adamw")
+    before = copy.deepcopy(model.state_dict())
+    compiled = sc.compile(make_mode(mode))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, Batch(*_tensors(torch.Generator().manual_seed(3))))
+    kind, path = {"categorical": ("Categorical", "Categorical.logits"), "normal": ("Normal", "Normal.loc"),
+                  "independent_in_a_dict": ("Independent", "Independent.base_dist.loc")}[name]
+    assert f"returns a {kind} holding a value it computed ({path})" in str(info.value)
+    assert "build the distribution from them outside the compiled step" in str(info.value)
+    assert not optim.state
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
 def test_a_returned_object_holding_no_step_value_is_returned_as_it_is():
     """A string, an object holding only Python values, the model itself: constants."""
 

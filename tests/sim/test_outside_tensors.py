@@ -10,6 +10,7 @@ that requires grad, and one reached where no guard can watch it are refused.
 from __future__ import annotations
 
 import copy
+import functools
 import types
 
 import pytest
@@ -156,6 +157,38 @@ def test_a_tensor_default_argument_is_a_guarded_constant(step, mode):
     finally:
         default_step.__defaults__, _weighted.__kwdefaults__ = saved
     assert counts == [1, 1, 2, 3]
+
+
+def weights_first_step(w, model, optim, x, y, *, mask=None):  # noqa: ANN001
+    out = model(x) if mask is None else model(x) * mask
+    loss = F.cross_entropy(out, y, weight=w)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_a_tensor_bound_by_a_partial_is_a_guarded_constant(how, mode):
+    """NOTE: [tensors bound by a partial]: ``partial(train_step, class_weights)`` and
+    ``partial(step, mask=m)`` were refused as reading a tensor "from a place the
+    compiled step cannot watch". Read as a global is: changed in place, or the keyword
+    replaced, it compiles a new program computing with the new values."""
+    weights = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+    mask = torch.tensor([1.0, 0.5, 2.0, 1.5], dtype=torch.float64)
+    step = (functools.partial(weights_first_step, weights) if how == "positional"
+            else functools.partial(weights_first_step, DEFAULT_WEIGHTS.clone(), mask=mask))
+
+    def between(i, model, reference):  # noqa: ANN001
+        if i == 2:  # changed in place (not by one factor: a weighted mean would hide it)
+            (weights if how == "positional" else mask).add_(torch.tensor([1.0, 0.0, -0.25, 2.0], dtype=torch.float64))
+        if i == 3 and how == "keyword":  # a keyword replaced whole
+            step.keywords["mask"] = torch.tensor([2.0, 1.0, 1.0, 0.25], dtype=torch.float64)
+        if i == 3 and how == "positional":
+            weights.mul_(torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=torch.float64))
+
+    assert _run(step, mode, between) == [1, 1, 2, 3]
 
 
 def _writing_step(model, optim, x, y):  # noqa: ANN001
