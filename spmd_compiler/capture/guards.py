@@ -920,8 +920,8 @@ def build_guards(
 # computes as eager), where the code reads every attribute or a computed name
 # (``Guards.every_entry``), and where no walked code stores it (a library's ``setattr``).
 # A dict entry (``metrics["loss"] = loss.item()`` of a global dict, ``self.stats["l"] =
-# ...`` in a trainer's method) is not guarded by a stricter rule, as a dict is read whole
-# without naming a key (``print(metrics)``, ``**metrics``, iteration, ``len``, ``json.dumps``,
+# ...`` in a trainer's method) is left unguarded by a stricter rule, as a dict is read
+# whole without naming a key (``print(metrics)``, ``**metrics``, iteration, ``len``, ``json.dumps``,
 # a helper handed it): every instruction of the walked code (nested code too) that names
 # the global or attribute holding the dict must load it only to store a constant key of
 # a kept number into it (``LOAD_GLOBAL metrics / LOAD_CONST "loss" / STORE_SUBSCR``; the
