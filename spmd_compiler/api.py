@@ -34,7 +34,13 @@ from .capture.bindings import (
     tensor_argument_names,
 )
 from .capture.code_names import step_function, step_name, step_where
-from .capture.guards import Guards, argument_labels, build_guards, unguard_written_numbers
+from .capture.guards import (
+    Guards,
+    argument_labels,
+    build_guards,
+    unguard_written_entries,
+    unguard_written_numbers,
+)
 from .capture.hooks_as_found import HooksAsFound
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensor, KeptTensors, kept_container_ids
@@ -1387,6 +1393,7 @@ def step_guards(
     guards = build_guards(func, bindings, graph_args, skipped)
     if captured is not None:  # NOTE: [kept numbers only written]
         dropped = unguard_written_numbers(guards, _kept_number_places(captured.kept, bindings))
+        dropped += unguard_written_entries(guards, _kept_number_places(captured.kept, bindings, "key"))
         if dropped:
             log.debug("guards: not guarding %s (a number the step only stores)", ", ".join(dropped))
     if captured is not None and captured.outside:  # NOTE: [tensors read from outside the arguments]
@@ -1404,13 +1411,15 @@ def step_guards(
     return guards
 
 
-def _kept_number_places(kept: list[KeptTensor], bindings: StepBindings) -> list[tuple[Any, str]]:
-    """(object, attribute) of each Python number the step keeps as an attribute
-    (NOTE: [kept numbers only written]); one whose object this call's do not hold is
-    left out (it stays guarded)."""
+def _kept_number_places(kept: list[KeptTensor], bindings: StepBindings, how: str = "attr") -> list[tuple[Any, Any]]:
+    """(object, attribute) of each Python number the step keeps as an attribute, or
+    with ``how="key"`` (dict, key) of each kept as a dict entry (NOTE: [kept numbers only
+    written]); one whose object this call's do not hold is left out (it stays guarded)."""
     places = []
     for k in kept:
-        if not k.as_item or k.how != "attr" or k.part is not None or not isinstance(k.key, str):
+        if not k.as_item or k.how != how or k.part is not None or not isinstance(k.key, (str, int)):
+            continue
+        if how == "attr" and not isinstance(k.key, str):
             continue
         try:
             places.append((k.container(bindings), k.key))

@@ -981,3 +981,154 @@ def test_a_python_number_read_before_it_is_stored_stays_guarded(fn):
     (eager, eager_params), (got, got_params) = seen[False], seen[True]
     assert all(_close(a, b) for a, b in zip(got, eager, strict=True))
     assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got_params, eager_params, strict=True))
+
+
+# NOTE: [kept numbers only written]: a dict entry the step only writes
+METRICS: dict = {}
+HOLDER = types.SimpleNamespace(stats=METRICS)  # the same dict by a second name
+
+
+def _writes_a_global_dict(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    METRICS["loss"] = loss.item()
+    return _update(model, optim, loss)
+
+
+class _DictTrainer:
+    """A trainer keeping its numbers in dicts: ``self.stats`` in its step, ``self.log``
+    in a function nested in it."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+        self.stats: dict = {}
+        self.log: dict = {"epoch": 0}
+
+    def train_step(self, x, y):  # noqa: ANN001, ANN201
+        loss = F.cross_entropy(self.model(x), y)
+        self.stats["loss"] = loss.item()
+        return _update(self.model, self.optim, loss)
+
+    def nested_step(self, x, y):  # noqa: ANN001, ANN201
+        loss = F.cross_entropy(self.model(x), y)
+
+        def record() -> None:
+            self.log["a"] = loss.item()
+            self.log["b"] = (2 * loss).item()
+
+        record()
+        return _update(self.model, self.optim, loss)
+
+
+@pytest.mark.parametrize("place", ["global_dict", "trainer_stats", "nested_log"])
+def test_a_python_number_the_step_only_stores_in_a_dict_compiles_once(place, caplog):
+    """``METRICS["loss"] = loss.item()`` of a global dict, ``self.stats["loss"] = ...`` in
+    a trainer's method, ``self.log["a"] = ...`` in a function nested in it, where no code
+    reads the dict: the guards held the dict's contents, each call stored a new number,
+    and every call compiled anew (5 calls, 5 captures, 0.33 s a call on a small model, and
+    from the fourth a warning to keep the value in a tensor). Now the dict is guarded by
+    identity only: one compile over 5 calls, no warning, and after each call the dict
+    holds eager's floats."""
+    seen = {}
+    for compiled in (False, True):
+        METRICS.clear()
+        model = _Plain()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = _DictTrainer(model, optim)
+        if place == "global_dict":
+            fn, args, held = _writes_a_global_dict, (model, optim), METRICS
+        else:
+            fn = trainer.train_step if place == "trainer_stats" else trainer.nested_step
+            args, held = (), trainer.stats if place == "trainer_stats" else trainer.log
+        step = sc.compile(make_mode("ddp"))(fn) if compiled else fn
+        values = []
+        with caplog.at_level(logging.WARNING, logger="spmd_compiler"), sc.simulate(world_size=2) as sim:
+            for x, y in _batches(5):
+                loss = step(*args, x, y)
+                values.append((loss.detach().clone(), dict(held)))
+            params = [sim.full_tensor(p).clone() for p in model.parameters()]
+        if compiled:
+            assert step.compile_count == 1
+            assert not [r for r in caplog.records if "changed on" in r.getMessage()]
+        seen[compiled] = values, params
+    (eager, eager_params), (got, got_params) = seen[False], seen[True]
+    for (loss, kept), (want_loss, want_kept) in zip(got, eager, strict=True):
+        assert _close(loss, want_loss) and kept.keys() == want_kept.keys()
+        assert all(_close(kept[k], want_kept[k]) for k in kept)
+    assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got_params, eager_params, strict=True))
+
+
+def _reads_with_get(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y) * METRICS.get("loss", 1.0)
+    METRICS["loss"] = loss.item()
+    return _update(model, optim, loss)
+
+
+def _reads_its_truth(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    if METRICS:  # empty on the first call only
+        loss = loss * 2.0
+    METRICS["loss"] = loss.item()
+    return _update(model, optim, loss)
+
+
+def _scaled_by(loss, metrics):  # noqa: ANN001, ANN202
+    return loss * metrics.get("loss", 1.0)
+
+
+def _reads_in_a_helper(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = _scaled_by(F.cross_entropy(model(x), y), METRICS)
+    METRICS["loss"] = loss.item()
+    return _update(model, optim, loss)
+
+
+def _reads_by_another_name(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y) * HOLDER.stats.get("loss", 1.0)
+    METRICS["loss"] = loss.item()  # the same dict
+    return _update(model, optim, loss)
+
+
+@pytest.mark.parametrize("fn", [_reads_with_get, _reads_its_truth, _reads_in_a_helper, _reads_by_another_name])
+def test_a_dict_the_step_reads_stays_guarded(fn):
+    """A dict the step reads as well as writes (``.get``, its truth, a helper handed it,
+    the same dict by another name) stays guarded: each new value
+    compiles, and the step computes as eager, the dict holding eager's values after
+    each call (NOTE: [kept numbers only written])."""
+    seen = {}
+    for compiled in (False, True):
+        METRICS.clear()
+        model = _Plain()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = sc.compile(make_mode("ddp"))(fn) if compiled else fn
+        values = []
+        with sc.simulate(world_size=2) as sim:
+            for x, y in _batches(4):
+                loss = step(model, optim, x, y)
+                values.append((loss.detach().clone(), dict(METRICS)))
+            params = [sim.full_tensor(p).clone() for p in model.parameters()]
+        seen[compiled] = values, params
+    (eager, eager_params), (got, got_params) = seen[False], seen[True]
+    for (loss, kept), (want_loss, want_kept) in zip(got, eager, strict=True):
+        assert _close(loss, want_loss) and kept.keys() == want_kept.keys()
+        assert all(_close(kept[k], want_kept[k]) for k in kept)
+    assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got_params, eager_params, strict=True))
+    assert step.compile_count > 1
+
+
+def test_a_written_dict_rebound_between_calls_gets_the_number():
+    """The dict the step only writes is guarded by identity: a global rebound to a new
+    dict between calls compiles again, and the number goes to the new dict, as eager's."""
+    global METRICS
+    old = METRICS
+    try:
+        model = _Plain()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = sc.compile(make_mode("ddp"))(_writes_a_global_dict)
+        with sc.simulate(world_size=2):
+            for i, (x, y) in enumerate(_batches(3)):
+                if i == 2:
+                    METRICS = {}
+                loss = step(model, optim, x, y)
+                assert _close(METRICS["loss"], loss.item())
+        assert step.compile_count == 2
+    finally:
+        METRICS = old

@@ -315,3 +315,119 @@ def test_a_cached_helper_is_walked():
     finally:
         GAINS["main"] = 1.0
     assert change is not None and change.startswith("global GAINS"), change
+
+
+# NOTE: [kept numbers only written]: the bytecode rule for a dict the step only writes
+metrics: dict = {}
+
+
+def _helper(d):  # noqa: ANN001, ANN202
+    return d
+
+
+def _only_writes(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return loss
+
+
+def _writes_in_nested_code(self, loss):  # noqa: ANN001, ANN202
+    def record() -> None:
+        self.stats["loss"] = loss
+
+    record()
+
+
+def _local_of_that_name(loss):  # noqa: ANN001, ANN202
+    metrics = {"lr": 0.1}  # another variable
+    metrics.get("lr")
+    return loss
+
+
+def _adds(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    metrics["loss"] += 1
+
+
+def _gets(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return metrics.get("lr", 0.1)
+
+
+def _passes(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    _helper(metrics)
+
+
+def _binds(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    d = metrics
+    return d
+
+
+def _spreads(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return dict(**metrics)
+
+
+def _formats(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return f"{metrics}"
+
+
+def _counts(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return len(metrics)
+
+
+def _deletes(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    del metrics["loss"]
+
+
+def _tests(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return "loss" in metrics
+
+
+def _reads_the_key(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return metrics["loss"]
+
+
+def _other_key(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    metrics["done"] = True
+
+
+def _computed_key(loss, k):  # noqa: ANN001, ANN202
+    metrics[k] = loss
+
+
+def _reads_globals(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return globals()["metrics"]
+
+
+def _reads_in_nested_code(loss):  # noqa: ANN001, ANN202
+    metrics["loss"] = loss
+    return (lambda: metrics.get("loss"))()
+
+
+def test_a_dict_only_written_by_the_walked_code():
+    """Every instruction naming the dict's global or attribute must load it only to store
+    a kept key into it (``LOAD_GLOBAL / LOAD_CONST / STORE_SUBSCR``), in nested code too;
+    any other use (``+=``, ``.get``, a call, ``x = d``, ``**``, a format, ``len``, ``del``,
+    ``in``, a read of the key, another or a computed key, ``globals()``) is a read."""
+    from spmd_compiler.capture.guards import _entries_only_written
+
+    def only(fn, name="metrics"):  # noqa: ANN001, ANN202
+        return _entries_only_written([fn.__code__], name, {"loss"})
+
+    assert only(_only_writes)
+    assert only(_writes_in_nested_code, "stats")
+    assert not only(_local_of_that_name)  # names no global metrics: nothing stored
+    assert only(_only_writes) and _entries_only_written(
+        [_only_writes.__code__, _local_of_that_name.__code__], "metrics", {"loss"})
+    for fn in (_adds, _gets, _passes, _binds, _spreads, _formats, _counts, _deletes, _tests,
+               _reads_the_key, _other_key, _computed_key, _reads_globals, _reads_in_nested_code):
+        assert not only(fn), fn.__name__
