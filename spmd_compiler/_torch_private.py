@@ -2536,6 +2536,26 @@ def mesh_coordinate(mesh: DeviceMesh, rank: int) -> list[int] | None:
     return found[0].tolist() if found.shape[0] == 1 else None
 
 
+def tensor_overrides(cls: type) -> list[str]:
+    """The torch hooks (``__torch_function__``, ``__torch_dispatch__``) a torch.Tensor
+    subclass's own code defines, from its classes outside torch: [] for torch.Tensor,
+    torch's own subclasses (nn.Parameter, DTensor, FakeTensor, LocalTensor), a subclass
+    that defines neither (``class Tagged(torch.Tensor): pass``) or that sets torch's
+    disabled implementations (NOTE: [tensor subclasses that override torch])."""
+    disabled = (torch._C._disabled_torch_function_impl, torch._C._disabled_torch_dispatch_impl)
+    found: list[str] = []
+    for klass in cls.__mro__:
+        module = getattr(klass, "__module__", "") or ""
+        if module == "torch" or module.startswith("torch."):
+            continue
+        for hook in ("__torch_function__", "__torch_dispatch__"):
+            impl = vars(klass).get(hook)
+            impl = getattr(impl, "__func__", impl)  # a classmethod's or staticmethod's function
+            if impl is not None and impl not in disabled and hook not in found:
+                found.append(hook)
+    return found
+
+
 def local_tensor_type() -> type:
     from torch.distributed._local_tensor import LocalTensor
 
