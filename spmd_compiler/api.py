@@ -1473,11 +1473,14 @@ def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) ->
 # is refused alike (a batch of it crashed simulated ranks in LocalTensorMode); a
 # ``__torch_dispatch__`` wrapper subclass compiled and then failed reading its storage
 # ("invalid python storage" from state donation; on gloo "No other rank recorded a
-# failure"). Kept: torch's own subclasses (nn.Parameter, DTensor, the trace's fake and
-# functional tensors, LocalTensor), a subclass that overrides nothing (``class
-# Tagged(torch.Tensor): pass``, which computes as eager: tests/sim/
-# test_tensor_subclass_state.py, NOTE: [plain tensor subclasses simulated]) and one that
-# sets torch's disabled implementations (``private.tensor_overrides``).
+# failure"). torch's user-level subclasses count as the user's (a ``torch.masked``
+# MaskedTensor batch failed after its compile with "invalid python storage"). Kept:
+# torch's own machinery (nn.Parameter, DTensor, the trace's fake and functional tensors,
+# LocalTensor), a subclass that overrides nothing (``class Tagged(torch.Tensor): pass``,
+# which computes as eager: tests/sim/test_tensor_subclass_state.py, NOTE: [plain tensor
+# subclasses simulated]) and one that sets torch's disabled implementations
+# (``private.tensor_overrides``). Not looked at: tensors in optimizer state, tensors the
+# step reads from outside its arguments (program constants), a DTensor's local tensor.
 def _refuse_overriding_subclasses(
     tensors: Iterable[tuple[str, Any]], kind: str, func: Callable[..., Any]
 ) -> None:
@@ -1497,8 +1500,9 @@ def _refuse_overriding_subclasses(
             f"{readable_name(where)} is a {cls}, a torch.Tensor subclass that defines "
             f"{' and '.join(hooks)}; its override would not run in the compiled step: the "
             f"program is traced on plain tensors and computes it as a plain torch.Tensor, "
-            f"where eager runs {cls}.{hooks[0]} (NOTE: [tensor subclasses that override "
-            "torch]).",
+            f"where eager runs {cls}.{hooks[0]} (one that only passes each op on is refused "
+            "too: it cannot be told from one that changes results; NOTE: [tensor subclasses "
+            "that override torch]).",
             user_line=step_where(func),
             hint=f"pass a plain tensor ({plain}; a wrapper subclass: the tensor it wraps) "
             "and do what the override does in the model's code: in an nn.Module's forward, "

@@ -20,6 +20,8 @@ compiled and then failed ("invalid python storage").
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -173,6 +175,18 @@ def test_a_batch_whose_class_overrides_torch_function_is_refused(mode, cls):
     x, y = _batch(torch.Generator().manual_seed(1))
     message = _refused(model, optim, x.as_subclass(cls), y, mode)
     assert f"argument x of the step is a {cls.__name__}" in message
+
+
+def test_a_masked_tensor_batch_is_refused():
+    """torch's own user-level subclasses count as the user's (it failed after its
+    compile with "invalid python storage" before)."""
+    model = _mlp()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batch(torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.masked's prototype warning
+        x = torch.masked.masked_tensor(x, x > 0)
+    assert "argument x of the step is a MaskedTensor" in _refused(model, optim, x, y, "ddp")
 
 
 def test_a_batch_whose_class_overrides_torch_function_is_refused_after_a_plain_call():
