@@ -2536,6 +2536,35 @@ def mesh_coordinate(mesh: DeviceMesh, rank: int) -> list[int] | None:
     return found[0].tolist() if found.shape[0] == 1 else None
 
 
+# the modules of torch's own tensor subclasses the runtime and the trace handle
+_TENSOR_MACHINERY = (
+    "torch._tensor", "torch.nn.parameter", "torch.distributed.", "torch._subclasses.",
+    "torch._functorch.", "torch.fx.",
+)
+
+
+def tensor_overrides(cls: type) -> list[str]:
+    """The torch hooks (``__torch_function__``, ``__torch_dispatch__``) a torch.Tensor
+    subclass defines, from its classes outside torch's own machinery: [] for
+    torch.Tensor, nn.Parameter, DTensor, LocalTensor, the trace's FakeTensor and
+    FunctionalTensor, a subclass that defines neither (``class Tagged(torch.Tensor):
+    pass``) or that sets torch's disabled implementations. torch's user-level subclasses
+    (``torch.masked``'s MaskedTensor, ``torch.nested``'s jagged tensors) count as the
+    user's (NOTE: [tensor subclasses that override torch])."""
+    disabled = (torch._C._disabled_torch_function_impl, torch._C._disabled_torch_dispatch_impl)
+    found: list[str] = []
+    for klass in cls.__mro__:
+        module = getattr(klass, "__module__", "") or ""
+        if module.startswith(_TENSOR_MACHINERY) or klass is torch.Tensor:
+            continue
+        for hook in ("__torch_function__", "__torch_dispatch__"):
+            impl = vars(klass).get(hook)
+            impl = getattr(impl, "__func__", impl)  # a classmethod's or staticmethod's function
+            if impl is not None and impl not in disabled and hook not in found:
+                found.append(hook)
+    return found
+
+
 def local_tensor_type() -> type:
     from torch.distributed._local_tensor import LocalTensor
 

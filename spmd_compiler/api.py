@@ -9,7 +9,7 @@ import os
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ from .errors import (
     argument_path,
     innermost_model_frame_of_stack,
     mesh_of_another_size,
+    readable_name,
 )
 from .expand.retrace import DistributedProgram, Placements
 from .ir.collectives import collective_stats
@@ -451,6 +452,11 @@ class CompiledTrainStep:
             check_state_world(bindings, mesh.size(), sim)
             self._state_checked_on = mesh
         tensor_args = [t for _, t in bindings.tensor_args()]
+        for t in tensor_args:  # NOTE: [tensor subclasses that override torch]
+            if type(t) is not torch.Tensor:
+                names = self._tensor_argument_names(bindings)
+                _refuse_overriding_subclasses(zip(names, tensor_args), "argument", self.func)
+                break
         agreement = None
         if sim is None:
             names = self._tensor_argument_names(bindings)
@@ -937,6 +943,8 @@ class CompiledTrainStep:
                 hint="drop cuda_graphs on CPU, or move the model and batch to CUDA.",
             )
         _refuse_parameter_hooks(bindings, self.func)
+        _refuse_overriding_subclasses(bindings.params.items(), "parameter", self.func)
+        _refuse_overriding_subclasses(bindings.buffers.items(), "buffer", self.func)
         title = f"{self._name} for {type(self.mode).__name__}"
         with compile_progress(title) as progress:
             self.mode.prepare(bindings)
@@ -1458,6 +1466,57 @@ def _refuse_parameter_hooks(bindings: StepBindings, func: Callable[..., Any]) ->
                 "stepped from register_post_accumulate_grad_hook (optimizer in backward): "
                 "call optimizer.step() and zero_grad() in the step after loss.backward().",
             )
+
+
+# NOTE: [tensor subclasses that override torch]
+# A parameter, buffer or tensor argument of a torch.Tensor subclass of the user's that
+# defines ``__torch_function__`` or ``__torch_dispatch__`` is refused, on every call for
+# the arguments (a loop over their types: a program compiled for plain tensors serves a
+# later call of the same shapes) and at capture for the state, before anything of the
+# model changes. The capture traces plain stand-ins of every tensor, so the override
+# never runs in the program: it computed as a plain tensor, silently (2026-12-06: a
+# weight ``as_subclass(Scaled)`` whose ``__torch_function__`` doubles ``F.linear``, eager
+# losses [1.19936, 1.83566, 1.67294], compiled [1.27552, 1.50781, 1.46070], the plain
+# model's; parameters 7.0e-2 off on 2 gloo ranks; the same for a batch of it). A
+# pass-through ``__torch_function__`` cannot be told from one that changes results and
+# is refused alike (a batch of it crashed simulated ranks in LocalTensorMode); a
+# ``__torch_dispatch__`` wrapper subclass compiled and then failed reading its storage
+# ("invalid python storage" from state donation; on gloo "No other rank recorded a
+# failure"). torch's user-level subclasses count as the user's (a ``torch.masked``
+# MaskedTensor batch failed after its compile with "invalid python storage"). Kept:
+# torch's own machinery (nn.Parameter, DTensor, the trace's fake and functional tensors,
+# LocalTensor), a subclass that overrides nothing (``class Tagged(torch.Tensor): pass``,
+# which computes as eager: tests/sim/test_tensor_subclass_state.py, NOTE: [plain tensor
+# subclasses simulated]) and one that sets torch's disabled implementations
+# (``private.tensor_overrides``). Not looked at: tensors in optimizer state, tensors the
+# step reads from outside its arguments (program constants), a DTensor's local tensor.
+def _refuse_overriding_subclasses(
+    tensors: Iterable[tuple[str, Any]], kind: str, func: Callable[..., Any]
+) -> None:
+    for name, t in tensors:
+        if type(t) is torch.Tensor:
+            continue
+        hooks = private.tensor_overrides(type(t))
+        if not hooks:
+            continue
+        cls = type(t).__qualname__
+        where = f"argument {name} of the step" if kind == "argument" else f"{kind} {name}"
+        plain = (
+            f"module.{name.rsplit('.', 1)[-1]} = nn.Parameter(p.detach().as_subclass(torch.Tensor))"
+            if kind == "parameter" else "t.as_subclass(torch.Tensor)"
+        )
+        raise SPMDCompileError(
+            f"{readable_name(where)} is a {cls}, a torch.Tensor subclass that defines "
+            f"{' and '.join(hooks)}; its override would not run in the compiled step: the "
+            f"program is traced on plain tensors and computes it as a plain torch.Tensor, "
+            f"where eager runs {cls}.{hooks[0]} (one that only passes each op on is refused "
+            "too: it cannot be told from one that changes results; NOTE: [tensor subclasses "
+            "that override torch]).",
+            user_line=step_where(func),
+            hint=f"pass a plain tensor ({plain}; a wrapper subclass: the tensor it wraps) "
+            "and do what the override does in the model's code: in an nn.Module's forward, "
+            "or in a custom op (torch.library.custom_op).",
+        )
 
 
 # NOTE: [grad mode around the step]

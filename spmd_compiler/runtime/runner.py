@@ -962,8 +962,9 @@ def _feed_input(
     # Programs are traced on contiguous fake inputs; a strided shard (Shard(1) of the
     # global batch, or a transposed user tensor) must be made contiguous to match.
     if sim is not None:
+        placed = sim.shard(arg, mesh, placements)  # NOTE: [plain tensor subclasses simulated]
         with sim.ranks():
-            return private.local_tensor_of(sim.shard(arg, mesh, placements)).contiguous()
+            return private.local_tensor_of(placed).contiguous()
     if tuple(arg.shape) != local.shape:
         raise SPMDCompileError(
             f"local input of shape {tuple(arg.shape)} does not match the compiled {local.shape}"

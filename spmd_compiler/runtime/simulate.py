@@ -122,14 +122,20 @@ class Simulation:
         Every rank's value is contiguous (NOTE: [contiguous simulated shards]).
 
         NOTE: [plain tensor subclasses simulated]
-        A buffer of a Tensor subclass of the user's with no ``__torch_dispatch__``
-        (``register_buffer("mask", t.as_subclass(Tagged))``) crashed here: LocalTensorMode
-        answers no op of a tensor type it does not know ("Multiple dispatch failed for
-        'aten.detach.default'"). Real ranks place it as a DTensor whose local tensor is
+        A buffer or tensor argument of a Tensor subclass of the user's that overrides
+        nothing (``class Tagged(torch.Tensor): pass``; ``register_buffer("mask",
+        t.as_subclass(Tagged))``, a batch ``x.as_subclass(Tagged)``) crashed here:
+        LocalTensorMode answers no op of a tensor type it does not know ("Multiple
+        dispatch failed for 'aten.detach.default'"; the caller must not enter the mode
+        around this call either). Real ranks place it as a DTensor whose local tensor is
         the subclass (2 gloo ranks: float64 losses equal to eager's, the full tensor a
         ``Tagged``). Here it is placed as its plain value, and each rank's value is made
-        the subclass again, as on real ranks; the program's ops run on each rank's value
-        outside the mode, where ``__torch_function__`` of the class answers as eager."""
+        the subclass again, as on real ranks. The program was traced on plain stand-ins
+        and runs no code of the class: right for a class that overrides nothing, which
+        computes as a plain tensor eagerly too. A class that defines
+        ``__torch_function__`` or ``__torch_dispatch__`` would compute otherwise in
+        eager, and is refused before it gets here (NOTE: [tensor subclasses that
+        override torch], in api.py)."""
         subclass = _plain_subclass(tensor)  # NOTE: [plain tensor subclasses simulated]
         if subclass is not None:
             tensor = tensor.detach().as_subclass(torch.Tensor)
@@ -353,7 +359,9 @@ def active_simulation() -> Simulation | None:
 
 def _plain_subclass(tensor: torch.Tensor) -> type | None:
     """The class of ``tensor`` where it is a subclass of torch.Tensor of the user's with no
-    ``__torch_dispatch__`` of its own (``t.as_subclass(Tagged)``), else None."""
+    ``__torch_dispatch__`` of its own (``t.as_subclass(Tagged)``; one that overrides
+    torch's hooks is refused before: NOTE: [tensor subclasses that override torch]), else
+    None."""
     cls = type(tensor)
     if cls is torch.Tensor or isinstance(tensor, (DTensor, torch.nn.Parameter)):
         return None
