@@ -27,13 +27,19 @@ an offset on a tensor every rank passes whole would make the ranks' copies diffe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.errors import SPMDCompileError, node_error
+from spmd_compiler.expand.retrace import DistributedProgram
+from spmd_compiler.ir.graph_utils import placeholders
+from spmd_compiler.ir.signature import Kind
 
 from .batch_dims import _spelled
 
@@ -131,3 +137,128 @@ def global_ids(
     for k, t, dim in entries:
         out[k] = tensors[k] + rank * tensors[t].shape[dim]
     return out
+
+
+# NOTE: [ids that look numbered from 0 on each rank]
+# Without ``input_index_of`` a per-rank collate's ids train wrong on real ranks without a
+# sign (NOTE: [indices into the global batch]). On a step's first call on real ranks
+# (the compile: nothing per call) each integer argument the mode splits is followed into
+# the index ops of the captured step (index_select, index_add / index_copy / index_fill
+# / index_reduce, scatter*, gather, advanced indexing and index_put, through views,
+# selects and casts of it) whose indexed dimension is dimension 0 and has the global size
+# of a split argument's batch dimension (so is itself split: the node rows of ``h =
+# lin(x)``, the graphs of ``zeros(y.shape[0])``); not where it indexes a parameter, a
+# buffer or an argument passed whole (``class_weights[y]``), nor another dimension
+# (``logits.gather(1, y)``: classes, even where their count equals the batch's). Global ids on rank r > 0 reach r * the local size
+# and more; where every value this rank passes lies in ``[0, local size)`` they look
+# numbered from 0 on this rank, and the rank warns, naming the argument, the op and the
+# line. A heuristic: ids that legitimately point at rank 0's share only (an edge into
+# another rank's nodes) warn as well, and ids on rank 0 cannot be told apart.
+
+# op -> positions of (indexed tensor, dimension, index), or None for a list of indices
+_INDEX_OPS: dict[object, tuple[int, int, int] | None] = {}
+for _name in ("index_select", "index_add", "index_copy", "index_fill", "index_reduce",
+              "scatter", "scatter_add", "scatter_reduce", "gather"):
+    for _suffix in ("", "_"):
+        _packet = getattr(torch.ops.aten, _name + _suffix, None)
+        if _packet is not None:
+            for _overload in _packet.overloads():
+                _INDEX_OPS[getattr(_packet, _overload)] = (0, 1, 2)
+for _op in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+            torch.ops.aten._unsafe_index.Tensor, torch.ops.aten._unsafe_index_put.default):
+    _INDEX_OPS[_op] = None
+
+# ops an index flows through unchanged in value (a row of ``edge_index``, a cast)
+_PASS_THROUGH = {
+    torch.ops.aten.select.int, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.default, torch.ops.aten.expand.default,
+    torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.alias.default,
+    torch.ops.aten.t.default, torch.ops.aten.flatten.using_ints, torch.ops.aten.contiguous.default,
+    torch.ops.aten.expand_as.default, torch.ops.aten.detach.default,
+}
+
+
+def _source(node: Any) -> Any:
+    """The node an index value comes from, through ops that keep its values."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _PASS_THROUGH:
+        node = node.args[0]
+    return node
+
+
+def _index_uses(node: torch.fx.Node) -> list[tuple[Any, int, Any]]:
+    """``(indexed tensor, dimension, index)`` of each index the op ``node`` reads."""
+    positions = _INDEX_OPS.get(node.target)
+    if positions is None:
+        indices = node.args[1] if len(node.args) > 1 else ()
+        if not isinstance(indices, (list, tuple)):
+            return []
+        return [(node.args[0], dim, i) for dim, i in enumerate(indices) if isinstance(i, torch.fx.Node)]
+    this, at, index = positions
+    dim = node.args[at] if len(node.args) > index else None
+    if not isinstance(dim, int) or not isinstance(node.args[index], torch.fx.Node):
+        return []
+    return [(node.args[this], dim, node.args[index])]
+
+
+def warn_on_local_ids(program: DistributedProgram, tensor_args: Sequence[torch.Tensor], index_of: Mapping[str, str]) -> None:
+    """Warn where an integer argument looks numbered from 0 on this rank (> 0) although
+    it indexes a split dimension (NOTE: [ids that look numbered from 0 on each rank]);
+    run once per program, on real ranks; ``index_of``: the arguments the mode moves."""
+    mesh = program.mesh
+    if mesh.ndim != 1 or mesh.size() < 2:
+        return
+    rank, world = mesh.get_local_rank(), mesh.size()
+    if rank == 0:
+        return
+    captured = program.captured
+    inputs: dict[torch.fx.Node, tuple[str, torch.Tensor]] = {}
+    split_inputs: set[torch.fx.Node] = set()
+    batch_sizes: dict[int, list[str]] = {}  # global batch size -> the arguments split so
+    for node, (ref, meta), placements in zip(
+        placeholders(captured.graph_module), captured.inputs, program.input_placements, strict=True
+    ):
+        split = [p for p in placements[:1] if isinstance(p, Shard)]
+        if ref.kind is not Kind.INPUT or not split:
+            continue
+        split_inputs.add(node)
+        batch_sizes.setdefault(meta.shape[split[0].dim], []).append(ref.name or f"input[{ref.index}]")
+        if meta.dtype in _INTEGER and ref.name not in index_of:
+            inputs[node] = (ref.name or f"input[{ref.index}]", tensor_args[ref.index])
+    warned: set[str] = set()
+    for node in captured.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target not in _INDEX_OPS:
+            continue
+        for indexed, dim, index in _index_uses(node):
+            source = _source(index)
+            if source not in inputs or not isinstance(indexed, torch.fx.Node):
+                continue
+            name, value = inputs[source]
+            shape = getattr(indexed.meta.get("val"), "shape", None)
+            if name in warned or shape is None or not -len(shape) <= dim < len(shape) or dim % len(shape):
+                continue  # a class dimension (logits.gather(1, y)) is no batch
+            held = _source(indexed)
+            if isinstance(held, torch.fx.Node) and held.op == "placeholder" and held not in split_inputs:
+                continue  # a parameter, buffer or whole argument (class_weights[y]): no batch
+            size = int(shape[dim])
+            if size not in batch_sizes or size % world or value.numel() == 0:
+                continue
+            local = size // world
+            if int(value.min()) < 0 or int(value.max()) >= local:
+                continue
+            warned.add(name)
+            aims = [a for a in batch_sizes[size] if a != name]
+            aim = repr(aims[0]) if aims else "<the argument it indexes>"
+            error = node_error(
+                f"Argument {name!r} indexes dimension {dim} of a tensor split over the ranks "
+                f"(global size {size}, {local} on each rank), but every value this rank ({rank}) "
+                f"passes lies in [0, {local}): its ids look numbered from 0 on each rank, as a "
+                "per-rank collate (DistributedSampler + PyG) makes them. The mode reads them as "
+                "ids into the global batch, so they point at rank 0's share and the step trains "
+                "wrong.",
+                node,
+                hint=f"if they are numbered from 0 on each rank, name them: "
+                f"DataParallel(..., input_index_of={{{name!r}: {aim}}}); if "
+                "they are global ids that point at rank 0's share on purpose, ignore this.",
+            )
+            warnings.warn(str(error), stacklevel=3)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.parallel_modes.batch_dims import split_arguments_hint
-from spmd_compiler.parallel_modes.local_indices import global_ids, index_inputs
+from spmd_compiler.parallel_modes.local_indices import global_ids, index_inputs, warn_on_local_ids
 from spmd_compiler.passes import PassOptions
 from spmd_compiler.passes.registry import pass_names
 
@@ -534,6 +534,8 @@ class CompiledTrainStep:
             if agreement is not None:
                 agreement.before_compile()
             executable, key = self._compile(key, bindings, input_metas, mesh)
+            if agreement is not None:  # NOTE: [ids that look numbered from 0 on each rank]
+                warn_on_local_ids(executable.program, tensor_args, self.mode.local_index_inputs())
             self._count_recompile()
             self._last_key = key
             made = executable.program.captured.made_state

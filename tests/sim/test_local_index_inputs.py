@@ -10,13 +10,16 @@ without a word. ``input_index_of={'ei': 'x', 'batch': 'y'}`` moves each rank's i
 rank * the indexed argument's local size on real ranks (``tests/dist/
 test_local_index_inputs_gloo.py``); in simulation the global batch is passed, its ids
 global, and nothing is added. Here: that simulation, the option's checks, and the move
-itself.
+itself, and the first call's warning on real ranks where ids look numbered from 0 on
+each rank (NOTE: [ids that look numbered from 0 on each rank]), run here on a simulated
+program as rank 1 would.
 """
 
 from __future__ import annotations
 
 import copy
 import types
+import warnings
 
 import pytest
 import torch
@@ -27,7 +30,12 @@ from torch.distributed.tensor import Replicate, Shard
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import DataParallel
-from spmd_compiler.parallel_modes.local_indices import checked_index_of, global_ids, index_inputs
+from spmd_compiler.parallel_modes.local_indices import (
+    checked_index_of,
+    global_ids,
+    index_inputs,
+    warn_on_local_ids,
+)
 from spmd_compiler.tools.parity import full_state, relative_difference
 
 SIZES = [3, 5, 5, 3]  # nodes per graph: each rank's two graphs hold 8 nodes
@@ -154,3 +162,65 @@ def test_each_rank_ids_move_by_its_rank_times_the_local_size_in_a_new_tensor() -
     assert global_ids(entries, tensors, rank0)[1] is ei  # type: ignore[arg-type]
     with pytest.raises(SPMDCompileError, match="does not split 'x'"):
         index_inputs({"ei": "x"}, names, tensors, [(Replicate(),), *placements[1:]])
+
+
+@pytest.mark.parametrize("how", ["local", "global", "named"])
+def test_rank_1_warns_where_its_ids_look_numbered_from_0(how: str) -> None:
+    """What rank 1 of 2 checks at its first call: its own collate's ids (all below its 8
+    nodes and 2 graphs) warn naming each argument, the op, the line and the option; its
+    slice of the global collate (global ids) and ids the mode moves do not."""
+    model, optim = setup()
+    compiled = sc.compile(DataParallel(input_batch_dim={"ei": 1}))(graph_step)
+    with sc.simulate(world_size=2):
+        compiled(model, optim, *collate([0, 1, 2, 3]))
+    program = compiled.last_program
+    rank1 = types.SimpleNamespace(ndim=1, size=lambda: 2, get_local_rank=lambda: 1)
+    as_rank1 = types.SimpleNamespace(mesh=rank1, captured=program.captured,
+                                     input_placements=program.input_placements)
+    if how == "global":
+        x, ei, batch, y = collate([0, 1, 2, 3])
+        share = x[8:], ei[:, ei.shape[1] // 2:], batch[8:], y[2:]
+    else:
+        share = collate([2, 3])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_on_local_ids(as_rank1, list(share), INDEX_OF if how == "named" else {})  # type: ignore[arg-type]
+    messages = [str(w.message) for w in caught if "look numbered from 0" in str(w.message)]
+    if how != "local":
+        assert not messages, messages
+        return
+    assert len(messages) == 2, messages
+    ei_warning, batch_warning = sorted(messages, key=lambda m: "'batch'" in m)
+    assert "Argument 'ei' indexes dimension 0" in ei_warning and "lies in [0, 8)" in ei_warning
+    assert "input_index_of={'ei': 'x'}" in ei_warning and "op:          aten.index" in ei_warning
+    assert "input_index_of={'batch': 'y'}" in batch_warning and "aten.index_add" in batch_warning
+    assert "train step:  " + __file__ in batch_warning
+
+
+def label_step(model, optim, x, y, class_weights):
+    logp = torch.log_softmax(model(x), -1)
+    loss = -(logp.gather(1, y[:, None]).squeeze(1) * class_weights[y]).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_labels_into_a_class_dimension_or_a_whole_table_do_not_warn() -> None:
+    """4 classes and a global batch of 4: rank 1's labels all below 2 index the classes
+    of ``logp`` (dimension 1) and the whole ``class_weights``, no split dimension."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, weights = torch.randn(4, 3, dtype=torch.float64), torch.tensor([3, 2, 0, 1]), torch.rand(4).double()
+    compiled = sc.compile(DataParallel(input_batch_dim={"class_weights": None}))(label_step)
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, y, weights)
+    program = compiled.last_program
+    rank1 = types.SimpleNamespace(ndim=1, size=lambda: 2, get_local_rank=lambda: 1)
+    as_rank1 = types.SimpleNamespace(mesh=rank1, captured=program.captured,
+                                     input_placements=program.input_placements)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_on_local_ids(as_rank1, [x[2:], y[2:], weights], {})  # type: ignore[arg-type]
+    assert not [w for w in caught if "look numbered from 0" in str(w.message)]
