@@ -55,6 +55,12 @@ class ParallelMode(abc.ABC):
     def prepare(self, bindings: StepBindings) -> None:  # noqa: B027 - optional hook
         """Look at the step's modules before capture (e.g. match a plan); default no-op."""
 
+    def local_index_inputs(self) -> dict[str, str]:
+        """Index arguments numbered from 0 on each rank, each with the argument whose batch
+        dimension its values index (NOTE: [indices into the global batch] in
+        ``parallel_modes/local_indices.py``); none by default."""
+        return {}
+
     def capture_options(self) -> CaptureOptions:
         """How the single-device program computes (e.g. mixed precision)."""
         return CaptureOptions()

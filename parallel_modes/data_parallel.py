@@ -54,6 +54,7 @@ from .batch_dims import (
     check_batch_iterations,
     checked_batch_dims,
 )
+from .local_indices import IndexOf, checked_index_of
 from .mixed_precision import MixedPrecisionPolicy
 from .padding import elementwise_op, pad_uneven_state
 
@@ -100,6 +101,16 @@ class DataParallel(ParallelMode):
             same whole tensor: class weights, a table); arguments not named use 0. Names
             as the step's signature has them, ``batch['mask']`` inside one (NOTE:
             [inputs by name] in ``parallel_modes/batch_dims.py``).
+        input_index_of: ``{index argument: argument it indexes}`` for integer arguments
+            whose values index the batch dimension of another split argument
+            (``{'edge_index': 'x', 'batch': 'y'}``: a graph's node ids into the node
+            features, each node's graph id into the labels), numbered from 0 on each rank
+            as a torch-DDP script's per-rank collate makes them. Without it such values are
+            read as ids into the global batch. On real ranks each rank's ids are moved by
+            rank * the indexed argument's local size along its batch dimension before the
+            program runs; in simulation the global batch is passed, ids global, and nothing
+            is added (NOTE: [indices into the global batch] in
+            ``parallel_modes/local_indices.py``).
         mesh: a 1-D mesh; by default all ranks of the default process group.
         reshard_after_forward: fully_shard only: free gathered parameters after
             forward and gather them again in backward.
@@ -121,6 +132,7 @@ class DataParallel(ParallelMode):
         style: Style = "replicate",
         *,
         input_batch_dim: BatchDims | None = None,
+        input_index_of: IndexOf | None = None,
         mesh: DeviceMesh | None = None,
         reshard_after_forward: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
@@ -161,6 +173,7 @@ class DataParallel(ParallelMode):
         self.input_batch_dim = checked_batch_dims(0 if input_batch_dim is None else input_batch_dim)
         # NOTE: [a batch dimension iterated over]: whether the dimension was chosen
         self.batch_dim_given = input_batch_dim is not None
+        self.input_index_of = checked_index_of(input_index_of)
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy.of(mp_policy) if mp_policy is not None else MixedPrecisionPolicy()
         self.prefetch_depth: int | None = prefetch_depth
@@ -172,6 +185,9 @@ class DataParallel(ParallelMode):
 
     def prepare(self, bindings: StepBindings) -> None:
         check_batch_dim_names(self.input_batch_dim, bindings, self)
+
+    def local_index_inputs(self) -> dict[str, str]:
+        return self.input_index_of
 
     def capture_options(self) -> CaptureOptions:
         return CaptureOptions(param_dtype=self.mp_policy.param_dtype)
@@ -306,6 +322,8 @@ class DataParallel(ParallelMode):
             extra += f", prefetch_depth={self.prefetch_depth!r}"
         if self.mp_policy != MixedPrecisionPolicy():
             extra += f", mp_policy={self.mp_policy}"
+        if self.input_index_of:
+            extra += f", input_index_of={self.input_index_of!r}"
         return f"DataParallel({self.style!r}, input_batch_dim={self.input_batch_dim!r}{extra})"
 
 

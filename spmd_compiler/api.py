@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
 from spmd_compiler.parallel_modes.batch_dims import split_arguments_hint
+from spmd_compiler.parallel_modes.local_indices import global_ids, index_inputs, warn_on_local_ids
 from spmd_compiler.passes import PassOptions
 from spmd_compiler.passes.registry import pass_names
 
@@ -464,6 +465,10 @@ class CompiledTrainStep:
                 self._global_input_meta(k, name, t, mesh) for k, (name, t) in enumerate(zip(names, tensor_args))
             ]
             input_metas = [meta for meta, _ in placed]
+            index_of = self.mode.local_index_inputs()
+            if index_of:  # NOTE: [indices into the global batch]: this rank's ids moved
+                entries = index_inputs(index_of, names, tensor_args, [pl for _, pl in placed], self._where)
+                tensor_args = global_ids(entries, tensor_args, mesh)
             if dist.get_world_size() > 1:
                 # every call on real ranks, cached program or not: NOTE: [same inputs on
                 # all ranks]; with the values of the arguments every rank passes whole
@@ -491,6 +496,13 @@ class CompiledTrainStep:
                 agreement = InputAgreement(tensor_args, passed_whole, scalars, step)
         else:
             input_metas = [_plain_input_meta(k, t) for k, t in enumerate(tensor_args)]
+            index_of = self.mode.local_index_inputs()
+            if index_of:  # checked as on real ranks; the global batch's ids are global already
+                names = self._tensor_argument_names(bindings)
+                index_inputs(index_of, names, tensor_args, [
+                    self.mode.placement_of(StateRef(Kind.INPUT, name=name, index=k), meta, mesh)
+                    for k, (name, meta) in enumerate(zip(names, input_metas))
+                ], self._where)
         if agreement is None:
             return self._call_program(bindings, sim, ambient, mesh, tensor_args, input_metas, agreement)
         try:
@@ -534,6 +546,8 @@ class CompiledTrainStep:
             if agreement is not None:
                 agreement.before_compile()
             executable, key = self._compile(key, bindings, input_metas, mesh)
+            if agreement is not None:  # NOTE: [ids that look numbered from 0 on each rank]
+                warn_on_local_ids(executable.program, tensor_args, self.mode.local_index_inputs())
             self._count_recompile()
             self._last_key = key
             made = executable.program.captured.made_state
