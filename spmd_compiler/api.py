@@ -1419,7 +1419,9 @@ def step_guards(
         if dropped:
             log.debug("guards: not guarding %s (a number the step only stores)", ", ".join(dropped))
     if captured is not None and captured.outside:  # NOTE: [tensors read from outside the arguments]
-        found = {f.label: f for f in KeptTensors(func, bindings, bindings.call).outside.values()} if again else {}
+        found = {
+            f.label: f for places in KeptTensors(func, bindings, bindings.call).outside.values() for f in places
+        } if again else {}
         for outside in captured.outside:
             place = found.get(outside.label)
             if not again:

@@ -99,7 +99,7 @@ import torch.fx
 from .. import _torch_private as private
 from ..errors import SPMDCompileError, node_error
 from .bindings import StepBindings
-from .code_names import names_in
+from .code_names import global_names_in, names_in, strings_in
 from .guards import functions_of
 from .outside_tensors import FoundTensor
 from .plain_objects import (
@@ -108,6 +108,7 @@ from .plain_objects import (
     reads_its_own_way,
     skipped_function,
     skipped_module,
+    stdlib_module,
 )
 from .traced_items import TracedItem
 
@@ -259,9 +260,10 @@ class KeptTensors:
     def __init__(self, func: Callable[..., Any], bindings: StepBindings, traced_call: Any) -> None:
         self.holders: list[_Holder] = []
         self.kept: list[tuple[KeptTensor, Any]] = []
-        # id(tensor) -> (where, its dict or closure cell, key): NOTE: [tensors read from
-        # outside the arguments]
-        self.outside: dict[int, FoundTensor] = {}
+        # id(tensor) -> each place it was found (where, its dict or closure cell, key):
+        # NOTE: [tensors read from outside the arguments]; NOTE: [every place a constant
+        # is read from]
+        self.outside: dict[int, list[FoundTensor]] = {}
         # id(tensor) -> which module's state it is and where the module was found, for a
         # module the walk meets that is not one of the step's (NOTE: [modules read by name
         # beside the given ones])
@@ -273,6 +275,14 @@ class KeptTensors:
         self.where: str | None = None  # the step's line, for the refusals of ``collect``
         self._seen: set[int] = set()
         self._seen_code: set[int] = set()
+        # NOTE: [tensors of modules and classes read by name]: the user's modules and
+        # classes the walked code loads (each with its label and the names looked up in
+        # it so far), and every name the walked code reads
+        self._namespaces: dict[int, tuple[Any, str, set[str]]] = {}
+        self._read_names: set[str] = set()
+        # id(tensor) -> a class attribute the code names that a base class holds, for
+        # the refusal (NOTE: [tensors of modules and classes read by name])
+        self.inherited: dict[int, str] = {}
         for mi, mod in enumerate(bindings.modules):
             for fqn, sub in mod.named_modules():
                 name = (f"{mi}." if len(bindings.modules) > 1 else "") + (fqn or "<root>")
@@ -355,6 +365,63 @@ class KeptTensors:
                 starts += [(fn, owner) for fn in functions_of(inspect.getattr_static(owner, "forward", None))]
         for fn, cls in starts:
             self._function(fn, cls)
+        self._named_attributes()
+
+    def _named_attributes(self) -> None:
+        """NOTE: [tensors of modules and classes read by name]
+        The attributes the walked code names (``names_in``: ``cfg.POS_WEIGHT``,
+        ``Cfg.POS_WEIGHT``, ``getattr(cfg, "w")``) of the user's modules and classes it
+        loads (a config module ``import recsys_cfg as cfg``, a class ``Cfg`` holding
+        settings): a tensor is a program constant guarded in the module's or class's
+        ``__dict__`` (NOTE: [tensors read from outside the arguments]), as a global
+        tensor is in the globals; a function is walked as the step's code (a helper
+        ``losses.weighted(out, y)`` reading its own module's global tensor); an object, a
+        container, a module or a class is walked on. Only the names some walked code
+        reads are looked up (a module's ``__dict__`` holds all it imports), until no
+        walked code adds one. Before the sixty-first session a module or class was not
+        walked: the step was refused as reading a tensor "from a place the compiled
+        step cannot watch", and where the script also held the same tensor as a global
+        of the attribute's name (``from cfg import POS_WEIGHT``), the walk took the
+        attribute name for that global and guarded it there: ``cfg.POS_WEIGHT = new``
+        between calls ran the old program (losses 0.848 where eager gave 0.952, no
+        warning). A tensor class attribute inherited from a base class is not guarded in
+        the base (a value set on the class later would shadow it unseen): the step is
+        refused, naming the attribute and the base (``inherited``)."""
+        grew = True
+        while grew:
+            grew = False
+            for obj, label, done in list(self._namespaces.values()):
+                held = vars(obj)
+                for name in sorted((held.keys() & self._read_names) - done):
+                    done.add(name)
+                    grew = True
+                    value = held[name]
+                    where = f"attribute {name!r} of {_namespace_name(obj)} ({label})"
+                    if isinstance(value, torch.Tensor):
+                        self._outside(value, held, name, where)
+                    elif isinstance(value, (staticmethod, classmethod)) and isinstance(value.__func__, types.FunctionType):
+                        self._function(value.__func__, None)
+                    elif isinstance(value, types.FunctionType):
+                        self._function(value, None)
+                    else:
+                        self._reach(value, where)
+                if isinstance(obj, type):
+                    self._inherited(obj, label, done)
+
+    def _inherited(self, cls: type, label: str, done: set[str]) -> None:
+        """The tensors of the bases of ``cls`` that the code names of it (``Cfg.W``
+        where ``Base`` holds ``W``): not watched, named in the refusal."""
+        for name in sorted(self._read_names - done):
+            for base in cls.__mro__[1:]:
+                value = vars(base).get(name, _MISSING)
+                if value is _MISSING:
+                    continue
+                if isinstance(value, torch.Tensor) and not is_traced(value):
+                    self.inherited.setdefault(
+                        id(value), f"attribute {name!r} of class {cls.__qualname__}, inherited from "
+                        f"class {base.__qualname__} ({label})",
+                    )
+                break
 
     def _callable(self, func: Any, what: str, starts: list[tuple[types.FunctionType, type | None]]) -> None:
         """NOTE: [hooks bound to objects]
@@ -383,15 +450,21 @@ class KeptTensors:
             return
         self._seen_code.add(id(fn.__code__))
         names = set(names_in(fn.__code__))
+        self._read_names.update(names)
+        self._read_names.update(strings_in(fn.__code__))  # getattr(cfg, "pos_weight")
         if cls is not None:
             for name in names:
                 for method in functions_of(inspect.getattr_static(cls, name, None)):
                     self._function(method, cls)
         where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
-        # (value, its dict or closure cell, key, label)
+        # (value, its dict or closure cell, key, label). The globals the code loads, not
+        # every name of ``co_names`` (NOTE: [globals by the bytecode]): the attribute read
+        # ``cfg.POS_WEIGHT`` is no read of a script's global ``POS_WEIGHT``, and finding
+        # the tensor there guarded the global, not ``cfg.POS_WEIGHT`` (NOTE: [tensors of
+        # modules and classes read by name])
         values: list[tuple[Any, Any, Any, str]] = [
             (fn.__globals__.get(n, _MISSING), fn.__globals__, n, f"global {n!r} read by {where}")
-            for n in names
+            for n in global_names_in(fn.__code__) if n.isidentifier()
         ]
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
             try:
@@ -419,8 +492,11 @@ class KeptTensors:
     ) -> None:
         """A tensor the step may read that is not its argument or its modules' state
         (NOTE: [tensors read from outside the arguments])."""
-        if not is_traced(value):
-            self.outside.setdefault(id(value), FoundTensor(label, container, key, value, in_argument))
+        if is_traced(value):
+            return
+        places = self.outside.setdefault(id(value), [])
+        if not any(p.container is container and p.key == key for p in places):
+            places.append(FoundTensor(label, container, key, value, in_argument))
 
     def _module(self, module: torch.nn.Module, label: str) -> None:
         """A module found outside the step's modules: its state, by tensor, for the
@@ -435,6 +511,9 @@ class KeptTensors:
             self.unplaced.setdefault(id(b), f"buffer {name} of {what}")
 
     def _reach(self, value: Any, label: str) -> None:
+        if _namespace(value):  # NOTE: [tensors of modules and classes read by name]
+            self._namespaces.setdefault(id(value), (value, label, set()))
+            return
         if isinstance(value, torch.nn.Module):
             self._module(value, label)
         if isinstance(value, (torch.nn.Module, torch.Tensor)):
@@ -647,6 +726,23 @@ def _partial_tensors(func: Any) -> list[tuple[Any, Any, torch.Tensor, str]]:
         else:
             break
     return found
+
+
+def _namespace(value: Any) -> bool:
+    """A user's module or class, whose attributes the walk looks up by the names the
+    code reads (NOTE: [tensors of modules and classes read by name]): not torch's, this
+    compiler's or the standard library's."""
+    if isinstance(value, types.ModuleType):
+        return not skipped_module(value.__name__) and not stdlib_module(value.__name__)
+    if isinstance(value, type):
+        return not skipped_module(value.__module__) and not stdlib_module(value.__module__)
+    return False
+
+
+def _namespace_name(value: Any) -> str:
+    if isinstance(value, types.ModuleType):
+        return f"module {value.__name__}"
+    return f"class {value.__qualname__}"
 
 
 def _same_number(value: Any, old: Any) -> bool:

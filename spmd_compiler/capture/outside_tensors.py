@@ -12,8 +12,12 @@ version counter unchanged. Replacing it (``model.scale = new``) or changing it i
 outside the step compiles a new program on the next call; a program never computes
 with a stale value. Where it was found: the walk of NOTE: [tensors the step keeps]
 (module attributes, object arguments, globals and closure cells of the step, its
-modules' ``forward``\\ s and hooks, and what they hold). Refused, naming the line:
-- a constant read from a place that walk does not reach (nothing could guard it);
+modules' ``forward``\\ s and hooks, and what they hold; the attributes the code names of
+the user's modules and classes it loads, ``cfg.POS_WEIGHT``: NOTE: [tensors of modules
+and classes read by name]). Refused, naming the line:
+- a constant read from a place that walk does not reach (nothing could guard it), or
+  a class attribute inherited from a base class (named: NOTE: [tensors of modules and
+  classes read by name]);
 - one that requires grad (its gradient would never reach it) or a DTensor;
 - one that is, or shares memory with, a parameter or buffer of the step's modules (an
   alias such as ``self.w_t = self.weight.t()``), or one a placement replaced: the
@@ -26,6 +30,14 @@ objects); its programs are cached as any. On real ranks every call checks that t
 constants hold the same values (NOTE: [constants agree across ranks] in
 ``runtime/same_inputs.py``): a batch inside an object argument that is not opened (NOTE:
 [batch containers]) is refused there instead of training each rank on its own shard.
+
+NOTE: [every place a constant is read from]
+A tensor found at several places (``cfg.POS_WEIGHT`` that the script also holds as a
+global, a class weight both a global and a plain attribute of the model) is guarded at
+each: the walk cannot tell which of them the step's code read it through, and guarding
+one only ran the old program when the other was replaced (before the sixty-first
+session, the first place found was the only one guarded). A change at a place the step
+does not read compiles anew needlessly, never wrongly.
 """
 
 from __future__ import annotations
@@ -131,13 +143,16 @@ class OutsideWrites(TorchFunctionMode):
 
 
 def outside_constants(
-    gm: torch.fx.GraphModule, found: dict[int, FoundTensor],
-    bindings: StepBindings, unplaced: dict[int, str] | None = None,
+    gm: torch.fx.GraphModule, found: dict[int, list[FoundTensor]],
+    bindings: StepBindings, unplaced: dict[int, str] | None = None, inherited: dict[int, str] | None = None,
 ) -> list[OutsideTensor]:
     """The first graph's constants that came from outside the step, each with where it
-    was found; refuses those that cannot be guarded or computed with (see the NOTE).
-    ``unplaced``: the state of modules the walk met that are not the step's, by tensor
-    (``KeptTensors.unplaced``), named when the step reads one."""
+    was found (at each place: NOTE: [every place a constant is read from]); refuses
+    those that cannot be guarded or computed with (see the NOTE). ``unplaced``: the
+    state of modules the walk met that are not the step's, by tensor
+    (``KeptTensors.unplaced``), named when the step reads one; ``inherited``: the class
+    attributes inherited from a base class, by tensor (``KeptTensors.inherited``), named
+    when the step reads one found nowhere else."""
     constants: list[OutsideTensor] = []
     seen: set[int] = set()
     for node in gm.graph.nodes:
@@ -163,6 +178,18 @@ def outside_constants(
                 "or closure variable, self.teacher) rather than through a dict, list "
                 "or other object.",
             )
+        if id(value) not in found and inherited and id(value) in inherited:
+            # NOTE: [tensors of modules and classes read by name]
+            raise node_error(
+                f"The train step reads {inherited[id(value)]}: a tensor the compiled step "
+                "would keep as a constant, but a value set on the class itself later "
+                "would shadow the base class's where the compiled step cannot watch for "
+                "it (NOTE: [tensors of modules and classes read by name]).",
+                user,
+                hint="set the tensor on the class the step names (Cfg.POS_WEIGHT = "
+                "torch.tensor(...) in its body) or read it from the base class by name, "
+                "or register it on the model (model.register_buffer('name', t)).",
+            )
         if id(value) not in found:
             raise node_error(
                 "The train step uses a tensor that is neither an argument nor part of a "
@@ -175,7 +202,8 @@ def outside_constants(
                 "train_step(model, criterion, optimizer, x, y); a batch drawn inside the "
                 "step (x, y = next(batches)) is drawn outside and passed as arguments.",
             )
-        label, container, key, tensor, in_argument = found[id(value)]
+        places = found[id(value)]
+        label, tensor = places[0].label, places[0].tensor
         alias = aliases_state(tensor, bindings)
         if tensor.requires_grad or isinstance(tensor, DTensor) or alias:
             what = (
@@ -191,7 +219,8 @@ def outside_constants(
                 hint="read the parameter or buffer itself in forward, or make the tensor a "
                 "parameter or buffer of a module passed to the step.",
             )
-        constants.append(OutsideTensor(label, container, key, tensor, tensor._version, in_argument))
+        # NOTE: [every place a constant is read from]
+        constants += [OutsideTensor(p.label, p.container, p.key, tensor, tensor._version, p.in_argument) for p in places]
     return constants
 
 

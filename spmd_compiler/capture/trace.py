@@ -1164,7 +1164,7 @@ def _trace_first(
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
     _refuse_custom_ops_writing_arguments(first)
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
-    outside = outside_constants(first, tracer.outside, bindings, tracer.unplaced)  # NOTE: [tensors read from outside the arguments]
+    outside = outside_constants(first, tracer.outside, bindings, tracer.unplaced, tracer.inherited)  # NOTE: [tensors read from outside the arguments]
     refuse_kept_read_back(first, outside, tracer.kept, bindings, step_where(func))  # NOTE: [tensors the step keeps]
     scheduler_steps = []
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
@@ -1743,8 +1743,9 @@ class _StepTracer:
         # NOTE: [a step's own fork_rng]: set when the trace completes
         self.rewound_generators: tuple[str, ...] = ()
         self.schedulers: SchedulerSteps | None = None
-        self.outside: dict[int, FoundTensor] = {}
+        self.outside: dict[int, list[FoundTensor]] = {}
         self.unplaced: dict[int, str] = {}  # KeptTensors.unplaced
+        self.inherited: dict[int, str] = {}  # KeptTensors.inherited
         self._params: dict[str, torch.Tensor] = {}
         # NOTE: [requires_grad set in the step]: (parameter name, flag) of each parameter
         # whose requires_grad the step left other than it found it
@@ -1825,6 +1826,7 @@ class _StepTracer:
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = keeper.outside
             self.unplaced = keeper.unplaced
+            self.inherited = keeper.inherited
             try:
                 with self.group_numbers, self.floats if stand_ins else contextlib.nullcontext():
                     result = self.func(*args, **kwargs)

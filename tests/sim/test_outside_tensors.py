@@ -4,14 +4,19 @@ global and a closure tensor are program constants guarded where they were found.
 Compared with the undecorated step on one device on the global batch (float64, within
 1e-12); replacing the tensor or changing it in place between calls compiles a new
 program that uses the new value. Writing such a tensor in place inside the step, one
-that requires grad, and one reached where no guard can watch it are refused.
+that requires grad, and one reached where no guard can watch it are refused. A tensor
+attribute of a config module or class the step names is one too, guarded there, and a
+tensor found at several places is guarded at each.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
+import sys
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -254,3 +259,114 @@ def test_an_alias_of_a_parameter_is_refused():
     compiled = sc.compile(make_mode("ddp"))(weighted_step)
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=r"shares memory with\) linear.weight"):
         compiled(model, optim, *_batches(1)[0])
+
+
+# NOTE: [tensors of modules and classes read by name]: a tensor attribute of the user's
+# config module (``cfg.WEIGHTS``) or of a class (``Cfg.WEIGHTS``) that the step names
+_CONFIG_SOURCE = '''
+import torch
+import torch.nn.functional as F
+
+WEIGHTS = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+
+
+def weighted(out, y):
+    return F.cross_entropy(out, y, weight=WEIGHTS)
+'''
+CFG = types.ModuleType("outside_tensors_cfg")  # the ``config`` fixture sets the module imported from its file
+
+
+class Cfg:
+    WEIGHTS = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+
+
+def _train(model, optim, loss):  # noqa: ANN001, ANN202
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def module_attribute_step(model, optim, x, y):  # noqa: ANN001
+    return _train(model, optim, F.cross_entropy(model(x), y, weight=CFG.WEIGHTS))
+
+
+def module_function_step(model, optim, x, y):  # noqa: ANN001
+    return _train(model, optim, CFG.weighted(model(x), y))  # its module's global tensor
+
+
+def class_attribute_step(model, optim, x, y):  # noqa: ANN001
+    return _train(model, optim, F.cross_entropy(model(x), y, weight=Cfg.WEIGHTS))
+
+
+@pytest.fixture
+def config(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    """A config module of the user's, imported from a file; ``Cfg.WEIGHTS`` put back."""
+    path = tmp_path / "outside_tensors_cfg.py"
+    path.write_text(_CONFIG_SOURCE)
+    spec = importlib.util.spec_from_file_location("outside_tensors_cfg", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "outside_tensors_cfg", module)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys.modules[__name__], "CFG", module, raising=False)
+    monkeypatch.setattr(Cfg, "WEIGHTS", Cfg.WEIGHTS.clone())
+    return module
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("alias", [False, True], ids=["alone", "same-named-global"])
+@pytest.mark.parametrize("step", [module_attribute_step, module_function_step, class_attribute_step])
+def test_a_tensor_of_a_config_module_or_class_is_a_guarded_constant(step, alias, mode, config, monkeypatch):
+    """Was refused as read "from a place the compiled step cannot watch"; and where the
+    script also held the tensor as a global of the attribute's name (``from cfg import
+    WEIGHTS``), the walk took ``cfg.WEIGHTS`` for that global and guarded it there:
+    ``cfg.WEIGHTS = new`` ran the old program, silently. Replaced, then changed in
+    place, it compiles anew, computing as eager."""
+    holder: Any = Cfg if step is class_attribute_step else config
+    if alias:  # NOTE: [globals by the bytecode]: not a global the step loads
+        monkeypatch.setattr(sys.modules[__name__], "WEIGHTS", holder.WEIGHTS, raising=False)
+
+    def between(i, model, reference):  # noqa: ANN001
+        if i == 2:  # replaced
+            holder.WEIGHTS = torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+        if i == 3:  # changed in place
+            holder.WEIGHTS.add_(torch.tensor([1.0, 0.0, -0.25, 2.0], dtype=torch.float64))
+
+    assert _run(step, mode, between) == [1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_constant_found_at_two_places_is_guarded_at_each(mode, config):
+    """NOTE: [every place a constant is read from]: ``Cfg.WEIGHTS`` the model also holds
+    as a plain attribute (walked first) was guarded only there, so replacing
+    ``Cfg.WEIGHTS`` ran the old program."""
+
+    def between(i, model, reference):  # noqa: ANN001
+        if i == 0:
+            model.weights = reference.weights = Cfg.WEIGHTS
+        if i == 2:
+            Cfg.WEIGHTS = torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+
+    assert _run(class_attribute_step, mode, between) == [1, 1, 2, 2]
+
+
+class DerivedCfg(Cfg):
+    pass
+
+
+def inherited_attribute_step(model, optim, x, y):  # noqa: ANN001
+    return _train(model, optim, F.cross_entropy(model(x), y, weight=DerivedCfg.WEIGHTS))
+
+
+def test_an_inherited_class_attribute_is_refused_naming_it():
+    """``DerivedCfg.WEIGHTS`` held by the base ``Cfg``: ``DerivedCfg.WEIGHTS = new``
+    would shadow it where no guard watches, so it is refused, naming both classes."""
+    torch.manual_seed(0)
+    model = _Scaled().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(inherited_attribute_step)
+    message = r"attribute 'WEIGHTS' of class DerivedCfg, inherited from class Cfg"
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=message) as raised:
+        compiled(model, optim, *_batches(1)[0])
+    assert "test_outside_tensors.py" in str(raised.value)
