@@ -60,7 +60,7 @@ import torch.fx
 from spmd_compiler import _torch_private as private
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.ir.graph_utils import output_args, placeholders, set_outputs
-from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PADDED, PHASE
+from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PADDED, PHASE, set_padded_gradient
 from spmd_compiler.ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta
 
 
@@ -241,6 +241,9 @@ def _pad_gradients(
                 continue
             readers = [u for u in grad.users if _is_optimizer(u)]
             pad = _zero_pad_after(graph, grad, rows, padded, dim)
+            # the gradient as the update reads it: settled here, once (NOTE: [padded
+            # gradients settle at their pad] in expand/retrace.py)
+            set_padded_gradient(pad, name)
             for reader in readers:
                 reader.replace_input_with(grad, pad)
             pads[pad] = name

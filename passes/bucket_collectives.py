@@ -48,6 +48,7 @@ contiguous slices of a 1-D buffer and stay views.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -374,7 +375,8 @@ def _member_result(graph: torch.fx.Graph, part: torch.fx.Node, wait: torch.fx.No
 def _member_label(m: _Member) -> str:
     """What a member carries, for ``explain``: the placeholder it gathers (a parameter
     shard) or the placeholder its result meets first (a gradient reduced for the
-    optimizer meets the parameter's state), else its module FQN or node name."""
+    optimizer meets the parameter's state, or, a few ops on, the parameter), else its
+    module FQN or node name."""
     source = m.call.tensor
     for _ in range(4):  # through a few casts / views of a parameter shard
         if source.op == "placeholder":
@@ -383,11 +385,37 @@ def _member_label(m: _Member) -> str:
         if len(inputs) != 1:
             break
         source = inputs[0]
-    for user in m.wait.users:
-        for arg in _beside(user, m.wait):
-            if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
-                return arg.name
-    return m.collective.meta.get(MODULE_FQN) or m.collective.name
+    met = _placeholder_met(m.wait)
+    return met or m.collective.meta.get(MODULE_FQN) or m.collective.name
+
+
+def _placeholder_met(value: torch.fx.Node, depth: int = 3) -> str | None:
+    """The first placeholder read beside ``value``, else beside what its readers compute
+    from it, up to ``depth`` ops on, nearest first. A gradient RMSprop or Adadelta reads
+    meets no placeholder at its first ops (``addcmul(alpha * state, g, g)``, ``-lr * g``)
+    but the parameter one op on: its reduction was labelled by the collective's node
+    name (``reduce_scatter_tensor_3``) where other optimizers' named the parameter."""
+    frontier = [value]
+    for _ in range(depth):
+        following: list[torch.fx.Node] = []
+        for v in frontier:
+            for user in v.users:
+                for arg in _beside(user, v):
+                    if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
+                        return arg.name
+                following.extend(_results_at(user, v))
+        frontier = following
+    return None
+
+
+def _results_at(user: torch.fx.Node, value: torch.fx.Node) -> list[torch.fx.Node]:
+    """What ``user`` computes from ``value``: for a foreach op the ``getitem`` of
+    ``value``'s index, else ``user`` itself."""
+    for values in (a for a in user.args if isinstance(a, (list, tuple))):
+        if value in values:
+            index = list(values).index(value)
+            return [u for u in user.users if u.target is operator.getitem and u.args[1] == index]
+    return [user] if user.op == "call_function" else []
 
 
 def _beside(user: torch.fx.Node, value: torch.fx.Node) -> list:

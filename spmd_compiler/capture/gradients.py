@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..ir.node_meta import BACKWARD_PHASE, PHASE
+from ..ir.node_meta import BACKWARD_PHASE, PHASE, padded_gradient
 
 
 @torch.library.custom_op("spmd_compiler::gradient", mutates_args=())
@@ -80,4 +80,17 @@ def gradient_settles(consumer: torch.fx.Node, arg: torch.fx.Node) -> bool:
     )
 
 
-__all__ = ["GRADIENT", "gradient_settles", "mark_gradients", "marked_gradient"]
+def settled_gradient_name(consumer: torch.fx.Node, arg: torch.fx.Node) -> str | None:
+    """The parameter whose settled gradient ``consumer`` reads from ``arg``: a marked
+    gradient read as ``gradient_settles`` says, or the zero pad of an uneven gradient
+    where the optimizer reads it (NOTE: [padded gradients settle at their pad] in
+    ``expand/retrace.py``); None where ``consumer`` reads ``arg`` as it is."""
+    if gradient_settles(consumer, arg):
+        return marked_gradient(arg)
+    name = padded_gradient(arg)
+    if name is None or consumer.meta.get(PHASE) == BACKWARD_PHASE or consumer.target in _SHAPE_READERS:
+        return None
+    return name
+
+
+__all__ = ["GRADIENT", "gradient_settles", "mark_gradients", "marked_gradient", "settled_gradient_name"]

@@ -14,6 +14,7 @@ reader can find every writer and reader of a key by its accessor's name.
 | ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
 | ``AUTOGRAD`` | capture | True on a node autograd traced (``Tensor.backward``, ``torch.autograd.backward`` / ``grad``): where anomaly detection would check values |
 | ``PADDED`` | a mode's padding of uneven state | ``(true size, padded size, dim)`` of a value held padded |
+| ``PADDED_GRADIENT`` | a mode's padding of uneven state | name of the parameter whose gradient the node zero-pads where the optimizer reads it (settled there: NOTE: [padded gradients settle at their pad] in ``expand/retrace.py``) |
 | ``ORIGIN`` | expansion | name of the captured node a per-rank node was expanded from |
 | ``PLACEMENT`` | expansion | DTensor placements of the node's output |
 | ``CREATED_BY`` | pass manager | name of the pass that created the node |
@@ -39,6 +40,7 @@ ORIGIN = "spmd_origin"
 CREATED_BY = "spmd_created_by"
 PHASE = "spmd_phase"
 PADDED = "spmd_padded"
+PADDED_GRADIENT = "spmd_padded_gradient"
 DEFERRED = "spmd_deferred"
 BUCKET_MEMBERS = "spmd_bucket_members"
 AUTOGRAD = "spmd_autograd"
@@ -87,6 +89,16 @@ def in_module_forward(node: torch.fx.Node) -> bool:
 
 
 
+
+
+def padded_gradient(node: torch.fx.Node) -> str | None:
+    """The parameter whose gradient ``node`` zero-pads for the optimizer, or None."""
+    name = node.meta.get(PADDED_GRADIENT)
+    return None if name is None else str(name)
+
+
+def set_padded_gradient(node: torch.fx.Node, name: str) -> None:
+    node.meta[PADDED_GRADIENT] = name
 
 
 def is_deferred(node: torch.fx.Node) -> bool:

@@ -205,3 +205,31 @@ def test_cli_explains_a_mesh_the_demo_batch_does_not_split_over(capsys) -> None:
     assert main(["explain", "--mode", "ddp", "--world-size", "3", "--layers", "1"]) == 0
     out = capsys.readouterr().out
     assert "lm_head.weight" in out and "all_reduce" in out
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.RMSprop, torch.optim.Adadelta])
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_gradient_buckets_name_parameters_the_update_meets_ops_later(mode: str, optimizer) -> None:
+    """RMSprop's and Adadelta's gradient meets no placeholder at its first ops
+    (``addcmul(alpha * state, g, g)``): its bucket listed node names
+    (``reduce_scatter_tensor_3``, ``all_reduce_10``) where other optimizers' named the
+    parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    optim = optimizer(model.parameters(), lr=1e-2)
+
+    def step(model, optim, x):  # noqa: ANN001, ANN202
+        loss = model(x).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    compiled = sc.compile(sc.parallel_modes.make_mode(mode))(step)
+    with sc.simulate(world_size=2):
+        compiled(model, optim, torch.randn(8, 4, dtype=torch.float64))
+        explanation = compiled.explain()
+    kind = "reduce_scatter" if mode == "fsdp" else "all_reduce"
+    bucket = max((c for c in explanation.collectives if c.kind == kind), key=lambda c: c.bytes)
+    names = {name for name, _ in model.named_parameters()}
+    assert {label for label, _ in bucket.members} == names, bucket.members

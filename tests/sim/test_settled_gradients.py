@@ -4,6 +4,12 @@ gradient bytes torch's DDP / FSDP2 move, and still matches one device.
 
 Before the change, with ``clip_grad_norm_``: ddp all-reduced the gradients twice (the
 norm, then the update) and fsdp all-reduced them whole on top of its reduce-scatter.
+
+A gradient whose rows the ranks do not divide is zero-padded where the optimizer reads it
+and settles there (NOTE: [padded gradients settle at their pad]). Before, that pad stayed
+partial and each of its readers reduced it: Adagrad and RMSprop reduce-scattered every
+uneven gradient twice (``addcdiv(grad, std, value=-lr)`` scales it before its own
+reduce-scatter).
 """
 
 from __future__ import annotations
@@ -65,11 +71,11 @@ def _mode(name: str):  # noqa: ANN202
     return make_mode(name)
 
 
-def _run(mode: str, step, world: int = 2):  # noqa: ANN001, ANN202
-    model = _model()
+def _run(mode: str, step, world: int = 2, model=None, optimizer=torch.optim.AdamW):  # noqa: ANN001, ANN202
+    model = model if model is not None else _model()
     reference = copy.deepcopy(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optim = optimizer(model.parameters(), lr=1e-2)
+    reference_optim = optimizer(reference.parameters(), lr=1e-2)
     compiled = sc.compile(_mode(mode))(step)
     with sc.simulate(world_size=world) as sim:
         for x, y in _batches():
@@ -108,3 +114,33 @@ def test_accumulating_two_backwards_reduces_once():
 def test_tensor_parallel_with_clipping_matches_one_device(mode, world):
     collectives = _run(mode, clipped_step, world)
     assert all(n < GRADIENT_ELEMENTS for kind, n in collectives if kind == "all_reduce"), collectives
+
+
+def _uneven_model() -> nn.Module:
+    """Rows (5, 5) and biases the 2 ranks do not divide: every parameter is padded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 5), nn.Tanh(), nn.Linear(5, 5)).double()
+
+
+def plain_step(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+# each gradient once, padded to an even number of rows: [6, 6] + [6] + [6, 5] + [6]
+UNEVEN_PADDED_ELEMENTS = 36 + 6 + 30 + 6
+
+
+@pytest.mark.parametrize("step", [plain_step, clipped_step], ids=["plain", "clipped"])
+@pytest.mark.parametrize("optimizer", [torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adam])
+def test_fsdp_reduce_scatters_each_uneven_gradient_once(optimizer, step):
+    """Before the fix: Adagrad and RMSprop reduce-scattered 156 elements (each uneven
+    gradient twice: once for ``addcmul(grad, grad)``, once as ``-lr * grad``), Adam 78."""
+    collectives = _run("fsdp", step, model=_uneven_model(), optimizer=optimizer)
+    scattered = sum(n for kind, n in collectives if kind == "reduce_scatter")
+    assert scattered == UNEVEN_PADDED_ELEMENTS, collectives
+    if step is plain_step:  # (clipping's norm still all-reduces the unpadded gradients)
+        assert all(n == 1 for kind, n in collectives if kind == "all_reduce"), collectives  # the loss
