@@ -3672,6 +3672,36 @@ def _has_sharding_strategy(op: Any) -> bool:
     return any(op in getattr(propagator, table, {}) for table in tables)
 
 
+# NOTE: [sharding rules keyed by every argument]
+# DTensor caches each op's sharding decision (output placements and the output's shape)
+# under a key of its DTensor inputs' specs and, from ``RuntimeSchemaInfo.static_argnum``
+# on, its other arguments. ``register_sharding`` starts that range at the first ``int``
+# argument, so a list (``reflection_pad1d``'s ``padding``, pooling's ``kernel_size``), a
+# float (``hardtanh_backward``'s bounds) or a bool before it, and every such argument of
+# an op with no ``int`` one, was left out: a second ``reflection_pad1d`` of the same input
+# with another padding (HiFi-GAN's kernel sizes 3, 7, 11 on one shape) got the first
+# one's output shape and the step was refused ("global shape (8, 4, 34), where the
+# single-device step computes shape (8, 4, 38)"; 2026-12-06). A decision that also
+# rewrites arguments (``op_to_shape_and_stride_idx``: torch 2.11's upsampling backwards)
+# would have run with the first call's arguments, silently. Every rule registered here
+# is keyed by all its non-tensor arguments, positional and keyword-only. Tested by
+# tests/sim/test_sharding_rule_arguments.py.
+def register_sharding_keyed(op: Any, rule: Callable[..., Any]) -> None:
+    """``register_sharding(op)(rule)`` with the sharding cache keyed by every non-tensor
+    argument of ``op`` (NOTE: [sharding rules keyed by every argument])."""
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor.experimental import register_sharding
+
+    register_sharding(op)(rule)
+    arguments = op._schema.arguments
+    static = [a for a in arguments if "Tensor" not in str(a.type)]
+    positional = [i for i, a in enumerate(arguments) if a in static and not a.kwarg_only]
+    keywords = [a.name for a in static if a.kwarg_only]
+    DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[op] = RuntimeSchemaInfo(
+        min(positional, default=100), keywords or None, needs_pytree=True
+    )
+
+
 def _install_missing_dim_strategies() -> None:
     """torch 2.11 gap: no DTensor rule for ``squeeze.dims``, ``flip``, ``roll``,
     ``cummax``, ``cumprod``, ``logcumsumexp`` and ``var_mean.correction`` (and no torch
@@ -3725,7 +3755,6 @@ def _install_fill_strategies() -> None:
     and the parts sum to the value). Never ``fill_.Scalar``'s rule, which keeps a Partial
     ``self`` Partial: every rank's ``v`` would then sum to ``world * v``."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     def placements(self: Any, value_placement: Any) -> list[tuple[list, list]]:
         value: list[Any] = [] if value_placement is None else [value_placement]
@@ -3752,11 +3781,11 @@ def _install_fill_strategies() -> None:
 
     aten = torch.ops.aten
     if not _has_sharding_strategy(aten.fill.Scalar):
-        register_sharding(aten.fill.Scalar)(lambda self, value: placements(self, None))
+        register_sharding_keyed(aten.fill.Scalar, lambda self, value: placements(self, None))
     if not _has_sharding_strategy(aten.fill.Tensor):
-        register_sharding(aten.fill.Tensor)(lambda self, value: placements(self, Replicate()))
+        register_sharding_keyed(aten.fill.Tensor, lambda self, value: placements(self, Replicate()))
     if not _has_sharding_strategy(aten.select_scatter.default):
-        register_sharding(aten.select_scatter.default)(select_scatter)
+        register_sharding_keyed(aten.select_scatter.default, select_scatter)
 
 
 def _install_weight_norm_strategies() -> None:
@@ -3767,7 +3796,6 @@ def _install_weight_norm_strategies() -> None:
     replicated; the backward is linear in the weight's gradient, so a Partial gradient
     with replicated ``v``, ``g`` and norm gives Partial ``grad_v`` and ``grad_g``."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     def forward(v: Any, g: Any, dim: int = 0) -> list[tuple[list, list]]:
         dim %= len(v.shape)
@@ -3787,9 +3815,9 @@ def _install_weight_norm_strategies() -> None:
 
     aten = torch.ops.aten
     if not _has_sharding_strategy(aten._weight_norm_interface.default):
-        register_sharding(aten._weight_norm_interface.default)(forward)
+        register_sharding_keyed(aten._weight_norm_interface.default, forward)
     if not _has_sharding_strategy(aten._weight_norm_interface_backward.default):
-        register_sharding(aten._weight_norm_interface_backward.default)(backward)
+        register_sharding_keyed(aten._weight_norm_interface_backward.default, backward)
 
 
 # NOTE: [upsampling rules]
@@ -3877,7 +3905,6 @@ def _install_per_sample_strategies() -> None:
     backward, linear in its incoming gradient, also maps a Partial gradient (other
     tensors replicated) to a Partial result."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     def rule_for(spatial: int, linear: bool, outputs: int) -> Callable[..., list[tuple[list, list]]]:
         def rule(*args: Any) -> list[tuple[list, list]]:
@@ -3921,7 +3948,7 @@ def _install_per_sample_strategies() -> None:
         ) == "linalg_replicate_strategy"
         if _has_sharding_strategy(op) and not replicates:
             continue
-        register_sharding(op)(rule_for(spatial, linear, outputs))
+        register_sharding_keyed(op, rule_for(spatial, linear, outputs))
         if name in _SHAPE_ARGUMENTS:
             propagator.op_to_shape_and_stride_idx.setdefault(op, _SHAPE_ARGUMENTS[name])
 
@@ -4198,7 +4225,6 @@ def _install_fft_strategies() -> None:
     dimension it does not transform (the output keeps the dimension); a ``Partial``
     input to a ``Partial`` output."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     def rule(x: Any, dim: Any, *rest: Any) -> list[tuple[list, list]]:
         extra: list[Any] = [None] * len(rest)
@@ -4212,7 +4238,7 @@ def _install_fft_strategies() -> None:
     for op in (torch.ops.aten._fft_r2c.default, torch.ops.aten._fft_c2r.default,
                torch.ops.aten._fft_c2c.default):
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule)
+            register_sharding_keyed(op, rule)
 
 
 # NOTE: [integer sums made partial]
@@ -4257,7 +4283,6 @@ def _install_copy_strategy() -> None:
     The result is ``src`` broadcast into ``self``'s shape and dtype: replicated from
     replicated inputs, or sharded alike where the two have one shape."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     op = torch.ops.aten.copy.default
     if _has_sharding_strategy(op):
@@ -4270,7 +4295,7 @@ def _install_copy_strategy() -> None:
             out += [([Shard(d)], [Shard(d), Shard(d), *extra]) for d in range(len(target.shape))]
         return out
 
-    register_sharding(op)(rule)
+    register_sharding_keyed(op, rule)
 
 
 def _install_fake_quantize_strategies() -> None:
@@ -4287,7 +4312,6 @@ def _install_fake_quantize_strategies() -> None:
     ``axis``, else replicated. No ``Partial``: a sum of rounded parts is not the rounded
     sum. (The backward, ``grad * mask``, is traced as its ops.)"""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
     R: Any = Replicate()
@@ -4317,7 +4341,7 @@ def _install_fake_quantize_strategies() -> None:
         (aten.fake_quantize_per_channel_affine_cachemask.default, per_channel),
     ):
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule)
+            register_sharding_keyed(op, rule)
 
 
 def _install_distance_strategies() -> None:
@@ -4334,7 +4358,6 @@ def _install_distance_strategies() -> None:
     other tensor replicated. ``pdist`` pairs every row with every other: replicated only
     (its backward also maps a ``Partial`` gradient to a ``Partial`` result)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
     R: Any = Replicate()
@@ -4383,7 +4406,7 @@ def _install_distance_strategies() -> None:
         (aten._pdist_forward.default, pdist), (aten._pdist_backward.default, pdist_backward),
     ):
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule)
+            register_sharding_keyed(op, rule)
 
 
 def _install_along_dim_strategies() -> None:
@@ -4395,7 +4418,6 @@ def _install_along_dim_strategies() -> None:
     gradient, also maps a ``Partial`` gradient (others replicated) to a ``Partial``
     result."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
 
@@ -4429,7 +4451,7 @@ def _install_along_dim_strategies() -> None:
         (aten.scatter_reduce.two, 1, False),  # (self, dim, index, src, reduce, include_self)
     ):
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule_for(dim_at, linear))
+            register_sharding_keyed(op, rule_for(dim_at, linear))
 
 
 def _install_block_diag_strategy() -> None:
@@ -4663,7 +4685,6 @@ def _install_searchsorted_strategy() -> None:
     (leading dimensions matching the values'): all replicated, or sharded alike on a
     leading dimension."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     op = torch.ops.aten.searchsorted.Tensor
     if _has_sharding_strategy(op):
@@ -4683,7 +4704,7 @@ def _install_searchsorted_strategy() -> None:
             out += [([Shard(d)], ins(Shard(d), Shard(d))) for d in range(len(sequence.shape) - 1)]
         return out
 
-    register_sharding(op)(rule)
+    register_sharding_keyed(op, rule)
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:
