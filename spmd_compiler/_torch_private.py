@@ -1316,6 +1316,52 @@ def numbers_kept_out_of_sharding_cache(args: tuple, kwargs: dict) -> Iterator[No
         clear()
 
 
+# NOTE: [complex numbers in DTensor's dispatch]
+# DTensor's C++ dispatch computes its native sharding-cache key from every argument, and
+# fails on a Python ``complex`` ("unhashable type: 'complex'", torch 2.13; a plain
+# DTensor ``mul.Scalar(x, 1j)`` fails alike). Autograd's formulas give one to ordinary
+# steps: ``Tensor.angle()``'s backward multiplies by ``1j`` (``mul.Scalar``), so does
+# ``torch.polar``'s; such steps were refused at expansion (with a hint about batch
+# dimensions that did not apply). An op given a complex number (and DTensors) is
+# dispatched by DTensor's own Python steps instead: the same sharding rule (uncached;
+# ``OpSchema`` hashes a complex number as Python does), redistribution, local op and
+# output wrapping that the C++ path calls into; only the native key is skipped. A graph
+# after functionalization holds no in-place or ``out=`` op, and views take no number;
+# any such op is refused (``complex_number_dispatch_unsupported``). Tested by
+# tests/sim/test_complex_parameters.py.
+def has_complex_number(args: tuple, kwargs: dict) -> bool:
+    """Whether ``args`` / ``kwargs`` hold a Python ``complex`` and a DTensor (NOTE:
+    [complex numbers in DTensor's dispatch])."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return any(type(a) is complex for a in leaves) and any(isinstance(a, DTensor) for a in leaves)
+
+
+def complex_number_dispatch_unsupported(op: Any) -> str | None:
+    """Why ``op`` cannot take the Python dispatch of NOTE: [complex numbers in DTensor's
+    dispatch] (in place, ``out=``, a view), or None."""
+    schema = op._schema
+    if schema.is_mutable or any(a.is_out for a in schema.arguments):
+        return "it writes its input in place"
+    if schema._is_view_op():
+        return "it is a view"
+    return None
+
+
+def dispatch_with_complex_number(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``op(*args, **kwargs)`` on DTensors through DTensor's Python dispatch steps (NOTE:
+    [complex numbers in DTensor's dispatch]); a functional op only."""
+    from torch.distributed.tensor._op_schema import OutputSharding
+
+    dispatcher = DTensor._op_dispatcher
+    info = dispatcher.unwrap_to_op_info(op, args, kwargs)
+    sharding = dispatcher._propagate_op_sharding_dispatch_slow_path(op, args, kwargs, info, try_cache=False)
+    if not isinstance(sharding, OutputSharding):  # decomposed (CompositeImplicitAutograd)
+        return sharding
+    info.output_sharding = sharding
+    local = dispatcher._dispatch_get_local_results_slow_path(op, args, info)
+    return dispatcher.wrap(local, sharding.output_spec)
+
+
 def redistribute(value: DTensor, placements: Sequence[Any]) -> DTensor:
     """``value.redistribute`` to ``placements`` on its mesh, outside a trace, with this
     torch's gaps filled (``memoized_redistribution``'s hops, its cache bypassed): torch
