@@ -1332,8 +1332,10 @@ def numbers_kept_out_of_sharding_cache(args: tuple, kwargs: dict) -> Iterator[No
 def has_complex_number(args: tuple, kwargs: dict) -> bool:
     """Whether ``args`` / ``kwargs`` hold a Python ``complex`` and a DTensor (NOTE:
     [complex numbers in DTensor's dispatch])."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    return any(type(a) is complex for a in leaves) and any(isinstance(a, DTensor) for a in leaves)
+    values = (*args, *kwargs.values())
+    if not any(type(a) is complex or (type(a) in (list, tuple) and complex in map(type, a)) for a in values):
+        return False  # cheap: asked of every op of every expanded graph
+    return any(isinstance(a, DTensor) for a in pytree.tree_leaves(values))
 
 
 def complex_number_dispatch_unsupported(op: Any) -> str | None:
