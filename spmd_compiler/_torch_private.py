@@ -1316,6 +1316,54 @@ def numbers_kept_out_of_sharding_cache(args: tuple, kwargs: dict) -> Iterator[No
         clear()
 
 
+# NOTE: [complex numbers in DTensor's dispatch]
+# DTensor's C++ dispatch computes its native sharding-cache key from every argument, and
+# fails on a Python ``complex`` ("unhashable type: 'complex'", torch 2.13; a plain
+# DTensor ``mul.Scalar(x, 1j)`` fails alike). Autograd's formulas give one to ordinary
+# steps: ``Tensor.angle()``'s backward multiplies by ``1j`` (``mul.Scalar``), so does
+# ``torch.polar``'s; such steps were refused at expansion (with a hint about batch
+# dimensions that did not apply). An op given a complex number (and DTensors) is
+# dispatched by DTensor's own Python steps instead: the same sharding rule (uncached;
+# ``OpSchema`` hashes a complex number as Python does), redistribution, local op and
+# output wrapping that the C++ path calls into; only the native key is skipped. A graph
+# after functionalization holds no in-place or ``out=`` op, and views take no number;
+# any such op is refused (``complex_number_dispatch_unsupported``). Tested by
+# tests/sim/test_complex_parameters.py.
+def has_complex_number(args: tuple, kwargs: dict) -> bool:
+    """Whether ``args`` / ``kwargs`` hold a Python ``complex`` and a DTensor (NOTE:
+    [complex numbers in DTensor's dispatch])."""
+    values = (*args, *kwargs.values())
+    if not any(type(a) is complex or (type(a) in (list, tuple) and complex in map(type, a)) for a in values):
+        return False  # cheap: asked of every op of every expanded graph
+    return any(isinstance(a, DTensor) for a in pytree.tree_leaves(values))
+
+
+def complex_number_dispatch_unsupported(op: Any) -> str | None:
+    """Why ``op`` cannot take the Python dispatch of NOTE: [complex numbers in DTensor's
+    dispatch] (in place, ``out=``, a view), or None."""
+    schema = op._schema
+    if schema.is_mutable or any(a.is_out for a in schema.arguments):
+        return "it writes its input in place"
+    if schema._is_view_op():
+        return "it is a view"
+    return None
+
+
+def dispatch_with_complex_number(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``op(*args, **kwargs)`` on DTensors through DTensor's Python dispatch steps (NOTE:
+    [complex numbers in DTensor's dispatch]); a functional op only."""
+    from torch.distributed.tensor._op_schema import OutputSharding
+
+    dispatcher = DTensor._op_dispatcher
+    info = dispatcher.unwrap_to_op_info(op, args, kwargs)
+    sharding = dispatcher._propagate_op_sharding_dispatch_slow_path(op, args, kwargs, info, try_cache=False)
+    if not isinstance(sharding, OutputSharding):  # decomposed (CompositeImplicitAutograd)
+        return sharding
+    info.output_sharding = sharding
+    local = dispatcher._dispatch_get_local_results_slow_path(op, args, info)
+    return dispatcher.wrap(local, sharding.output_spec)
+
+
 def redistribute(value: DTensor, placements: Sequence[Any]) -> DTensor:
     """``value.redistribute`` to ``placements`` on its mesh, outside a trace, with this
     torch's gaps filled (``memoized_redistribution``'s hops, its cache bypassed): torch
@@ -3701,6 +3749,36 @@ def _has_sharding_strategy(op: Any) -> bool:
     return any(op in getattr(propagator, table, {}) for table in tables)
 
 
+# NOTE: [sharding rules keyed by every argument]
+# DTensor caches each op's sharding decision (output placements and the output's shape)
+# under a key of its DTensor inputs' specs and, from ``RuntimeSchemaInfo.static_argnum``
+# on, its other arguments. ``register_sharding`` starts that range at the first ``int``
+# argument, so a list (``reflection_pad1d``'s ``padding``, pooling's ``kernel_size``), a
+# float (``hardtanh_backward``'s bounds) or a bool before it, and every such argument of
+# an op with no ``int`` one, was left out: a second ``reflection_pad1d`` of the same input
+# with another padding (HiFi-GAN's kernel sizes 3, 7, 11 on one shape) got the first
+# one's output shape and the step was refused ("global shape (8, 4, 34), where the
+# single-device step computes shape (8, 4, 38)"; 2026-12-06). A decision that also
+# rewrites arguments (``op_to_shape_and_stride_idx``: torch 2.11's upsampling backwards)
+# would have run with the first call's arguments, silently. Every rule registered here
+# is keyed by all its non-tensor arguments, positional and keyword-only. Tested by
+# tests/sim/test_sharding_rule_arguments.py.
+def register_sharding_keyed(op: Any, rule: Callable[..., Any]) -> None:
+    """``register_sharding(op)(rule)`` with the sharding cache keyed by every non-tensor
+    argument of ``op`` (NOTE: [sharding rules keyed by every argument])."""
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor.experimental import register_sharding
+
+    register_sharding(op)(rule)
+    arguments = op._schema.arguments
+    static = [a for a in arguments if "Tensor" not in str(a.type)]
+    positional = [i for i, a in enumerate(arguments) if a in static and not a.kwarg_only]
+    keywords = [a.name for a in static if a.kwarg_only]
+    DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[op] = RuntimeSchemaInfo(
+        min(positional, default=100), keywords or None, needs_pytree=True
+    )
+
+
 def _install_missing_dim_strategies() -> None:
     """torch 2.11 gap: no DTensor rule for ``squeeze.dims``, ``flip``, ``roll``,
     ``cummax``, ``cumprod``, ``logcumsumexp`` and ``var_mean.correction`` (and no torch
@@ -3754,7 +3832,6 @@ def _install_fill_strategies() -> None:
     and the parts sum to the value). Never ``fill_.Scalar``'s rule, which keeps a Partial
     ``self`` Partial: every rank's ``v`` would then sum to ``world * v``."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     def placements(self: Any, value_placement: Any) -> list[tuple[list, list]]:
         value: list[Any] = [] if value_placement is None else [value_placement]
@@ -3781,11 +3858,11 @@ def _install_fill_strategies() -> None:
 
     aten = torch.ops.aten
     if not _has_sharding_strategy(aten.fill.Scalar):
-        register_sharding(aten.fill.Scalar)(lambda self, value: placements(self, None))
+        register_sharding_keyed(aten.fill.Scalar, lambda self, value: placements(self, None))
     if not _has_sharding_strategy(aten.fill.Tensor):
-        register_sharding(aten.fill.Tensor)(lambda self, value: placements(self, Replicate()))
+        register_sharding_keyed(aten.fill.Tensor, lambda self, value: placements(self, Replicate()))
     if not _has_sharding_strategy(aten.select_scatter.default):
-        register_sharding(aten.select_scatter.default)(select_scatter)
+        register_sharding_keyed(aten.select_scatter.default, select_scatter)
 
 
 def _install_weight_norm_strategies() -> None:
@@ -3796,7 +3873,6 @@ def _install_weight_norm_strategies() -> None:
     replicated; the backward is linear in the weight's gradient, so a Partial gradient
     with replicated ``v``, ``g`` and norm gives Partial ``grad_v`` and ``grad_g``."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     def forward(v: Any, g: Any, dim: int = 0) -> list[tuple[list, list]]:
         dim %= len(v.shape)
@@ -3816,9 +3892,9 @@ def _install_weight_norm_strategies() -> None:
 
     aten = torch.ops.aten
     if not _has_sharding_strategy(aten._weight_norm_interface.default):
-        register_sharding(aten._weight_norm_interface.default)(forward)
+        register_sharding_keyed(aten._weight_norm_interface.default, forward)
     if not _has_sharding_strategy(aten._weight_norm_interface_backward.default):
-        register_sharding(aten._weight_norm_interface_backward.default)(backward)
+        register_sharding_keyed(aten._weight_norm_interface_backward.default, backward)
 
 
 # NOTE: [upsampling rules]
@@ -3906,7 +3982,6 @@ def _install_per_sample_strategies() -> None:
     backward, linear in its incoming gradient, also maps a Partial gradient (other
     tensors replicated) to a Partial result."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     def rule_for(spatial: int, linear: bool, outputs: int) -> Callable[..., list[tuple[list, list]]]:
         def rule(*args: Any) -> list[tuple[list, list]]:
@@ -3950,7 +4025,7 @@ def _install_per_sample_strategies() -> None:
         ) == "linalg_replicate_strategy"
         if _has_sharding_strategy(op) and not replicates:
             continue
-        register_sharding(op)(rule_for(spatial, linear, outputs))
+        register_sharding_keyed(op, rule_for(spatial, linear, outputs))
         if name in _SHAPE_ARGUMENTS:
             propagator.op_to_shape_and_stride_idx.setdefault(op, _SHAPE_ARGUMENTS[name])
 
@@ -4227,7 +4302,6 @@ def _install_fft_strategies() -> None:
     dimension it does not transform (the output keeps the dimension); a ``Partial``
     input to a ``Partial`` output."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     def rule(x: Any, dim: Any, *rest: Any) -> list[tuple[list, list]]:
         extra: list[Any] = [None] * len(rest)
@@ -4241,7 +4315,7 @@ def _install_fft_strategies() -> None:
     for op in (torch.ops.aten._fft_r2c.default, torch.ops.aten._fft_c2r.default,
                torch.ops.aten._fft_c2c.default):
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule)
+            register_sharding_keyed(op, rule)
 
 
 # NOTE: [integer sums made partial]
@@ -4286,7 +4360,6 @@ def _install_copy_strategy() -> None:
     The result is ``src`` broadcast into ``self``'s shape and dtype: replicated from
     replicated inputs, or sharded alike where the two have one shape."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     op = torch.ops.aten.copy.default
     if _has_sharding_strategy(op):
@@ -4299,7 +4372,7 @@ def _install_copy_strategy() -> None:
             out += [([Shard(d)], [Shard(d), Shard(d), *extra]) for d in range(len(target.shape))]
         return out
 
-    register_sharding(op)(rule)
+    register_sharding_keyed(op, rule)
 
 
 def _install_fake_quantize_strategies() -> None:
@@ -4316,7 +4389,6 @@ def _install_fake_quantize_strategies() -> None:
     ``axis``, else replicated. No ``Partial``: a sum of rounded parts is not the rounded
     sum. (The backward, ``grad * mask``, is traced as its ops.)"""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
     R: Any = Replicate()
@@ -4346,7 +4418,7 @@ def _install_fake_quantize_strategies() -> None:
         (aten.fake_quantize_per_channel_affine_cachemask.default, per_channel),
     ):
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule)
+            register_sharding_keyed(op, rule)
 
 
 def _install_distance_strategies() -> None:
@@ -4363,7 +4435,6 @@ def _install_distance_strategies() -> None:
     other tensor replicated. ``pdist`` pairs every row with every other: replicated only
     (its backward also maps a ``Partial`` gradient to a ``Partial`` result)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
     R: Any = Replicate()
@@ -4412,7 +4483,7 @@ def _install_distance_strategies() -> None:
         (aten._pdist_forward.default, pdist), (aten._pdist_backward.default, pdist_backward),
     ):
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule)
+            register_sharding_keyed(op, rule)
 
 
 def _install_along_dim_strategies() -> None:
@@ -4424,7 +4495,6 @@ def _install_along_dim_strategies() -> None:
     gradient, also maps a ``Partial`` gradient (others replicated) to a ``Partial``
     result."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
 
@@ -4458,7 +4528,7 @@ def _install_along_dim_strategies() -> None:
         (aten.scatter_reduce.two, 1, False),  # (self, dim, index, src, reduce, include_self)
     ):
         if not _has_sharding_strategy(op):
-            register_sharding(op)(rule_for(dim_at, linear))
+            register_sharding_keyed(op, rule_for(dim_at, linear))
 
 
 def _install_block_diag_strategy() -> None:
@@ -4692,7 +4762,6 @@ def _install_searchsorted_strategy() -> None:
     (leading dimensions matching the values'): all replicated, or sharded alike on a
     leading dimension."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     op = torch.ops.aten.searchsorted.Tensor
     if _has_sharding_strategy(op):
@@ -4712,7 +4781,7 @@ def _install_searchsorted_strategy() -> None:
             out += [([Shard(d)], ins(Shard(d), Shard(d))) for d in range(len(sequence.shape) - 1)]
         return out
 
-    register_sharding(op)(rule)
+    register_sharding_keyed(op, rule)
 
 
 def _register_dim_strategy(op: Any, dims_of: Callable, outputs: int, linear: bool, reduces: bool) -> None:

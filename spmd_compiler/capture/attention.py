@@ -203,8 +203,6 @@ _FLASH_CPU.register_autograd(_attention_backward, setup_context=_save_for_backwa
 def _install_flash_attention_cpu_rules() -> None:
     """DTensor's strategies for the two ops (NOTE: [the CPU flash kernel at capture])."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
-
     replicate: Any = Replicate()
     # the batch or the heads (query, key and value have the same batch and heads: grouped
     # query attention takes the math formulation, whose repeated key heads shard alike)
@@ -234,8 +232,8 @@ def _install_flash_attention_cpu_rules() -> None:
             rules.append(([shard] * 3, [shard] * 4 + [mask_placement(mask, dim)] + [shard] * 2 + flags))
         return rules
 
-    register_sharding(torch.ops.spmd_compiler.flash_attention_cpu.default)(forward)
-    register_sharding(torch.ops.spmd_compiler.flash_attention_cpu_backward.default)(backward)
+    private.register_sharding_keyed(torch.ops.spmd_compiler.flash_attention_cpu.default, forward)
+    private.register_sharding_keyed(torch.ops.spmd_compiler.flash_attention_cpu_backward.default, backward)
 
 
 _install_flash_attention_cpu_rules()

@@ -520,6 +520,18 @@ _UNEVEN_BATCH_HINT = (
     "that the tp ranks do not divide."
 )
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+# NOTE: [views of a Python number]
+# Autograd holds a Python number operand as a 0-d "wrapped number" tensor, and a
+# formula's view of it (``mul``'s backward: ``grad * other.conj()``) is captured as a
+# view of the number itself: ``aten._conj(1j)`` for ``(torch.fft.rfft(h) * 1j).real``.
+# Plain torch computes that, but torch's LocalTensorMode (the simulated ranks) asserts
+# that a view's input is a tensor ("Called aten._conj.default with input of type
+# <class 'complex'>"): such a step compiled and then failed at its first call
+# (2026-12-06). A view of a number shares storage with nothing, so the per-rank program
+# takes it of a fresh 0-d tensor holding the number, in the captured value's dtype.
+# Tested by tests/sim/test_complex_parameters.py.
+_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 _STRIDE_REFUSALS = ("Cannot view a tensor", "view size is not compatible with input tensor's size and stride")
 
 
@@ -684,7 +696,34 @@ class _ExpandingInterpreter(RetracingInterpreter):
                 return result
         if target in _VIEWS and args and isinstance(args[0], DTensor):
             return self._view(target, args, kwargs)
+        if (
+            private.is_op_overload(target) and args and type(args[0]) in _NUMBER_DTYPES
+            and target._schema._is_view_op()
+        ):
+            args = (self._number_as_tensor(args[0]), *args[1:])
+        if private.is_op_overload(target) and private.has_complex_number(args, kwargs):
+            return self._with_complex_number(target, args, kwargs)
         return super().call_function(target, args, kwargs)
+
+    def _number_as_tensor(self, number: Any) -> torch.Tensor:
+        """NOTE: [views of a Python number]: the 0-d tensor autograd held for ``number``,
+        of the dtype the captured view has (a wrapped number's otherwise)."""
+        captured = self._node.meta.get("val") if self._node is not None else None
+        dtype = captured.dtype if isinstance(captured, torch.Tensor) else _NUMBER_DTYPES[type(number)]
+        return torch.ops.aten.scalar_tensor.default(number, dtype=dtype)
+
+    def _with_complex_number(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """NOTE: [complex numbers in DTensor's dispatch]: the op through DTensor's Python
+        dispatch steps, which can key a Python ``complex``."""
+        why = private.complex_number_dispatch_unsupported(target)
+        if why is not None:
+            message = (f"DTensor cannot dispatch {target} with a Python complex number argument "
+                       f"(its native sharding cache cannot key one), and {why}.")
+            hint = "pass the complex number as a tensor (torch.tensor(c)) or apply the op out of place."
+            if self._node is None:
+                raise SPMDCompileError(f"{message} {hint}")
+            raise node_error(message, self._node, hint=hint)
+        return private.dispatch_with_complex_number(target, args, kwargs)
 
     def _view(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """NOTE: [views on strides that functionalization misreports]: the captured graph

@@ -70,3 +70,55 @@ def test_a_fourier_layer_with_complex_parameters_trains_as_one_device(mode, run_
     result.assert_close(TOL)
     assert result.model.weight.dtype == torch.complex128
     assert "param.weight" in result.state_differences
+
+
+class Phases(nn.Module):
+    """A real activation's spectrum, its phase worked on with a Python complex number:
+    ``* 1j`` (autograd's gradient conjugates the number: a view of it, NOTE: [views of a
+    Python number]), ``Tensor.angle()`` and ``torch.polar`` (their gradients multiply by
+    ``1j``: a complex number DTensor's native dispatch cannot key, NOTE: [complex numbers
+    in DTensor's dispatch]). Before 2026-12-06 the first failed at its first call on
+    simulated ranks, the others were refused at expansion."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(16, 16, dtype=torch.float64)
+        self.shift = nn.Parameter(torch.linspace(-0.5, 0.5, 9, dtype=torch.float64))
+        self.head = nn.Linear(18, 4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(self.lin(x))
+        if self.kind == "times_1j":
+            z = spectrum * 1j * self.shift
+        elif self.kind == "angle":
+            z = torch.complex(spectrum.abs(), (spectrum + self.shift).angle())
+        else:  # polar
+            z = torch.polar(spectrum.abs(), spectrum.angle() + self.shift)
+        return self.head(torch.cat([z.real, z.imag], -1))
+
+
+def _phase_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 16, generator=gen, dtype=torch.float64), torch.randint(0, 4, (8,), generator=gen))
+            for _ in range(3)]
+
+
+def _classify(model, optim, x, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize(("kind", "mode", "world"), [
+    ("times_1j", "ddp", 2), ("times_1j", "fsdp", 2), ("angle", "ddp", 2), ("angle", "fsdp", 4),
+    ("polar", "ddp", 4), ("polar", "fsdp", 2),
+])
+def test_phase_ops_with_python_complex_numbers_match_one_device(kind, mode, world, run_parity):
+    result = run_parity(
+        lambda: Phases(kind), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), world,
+        _phase_batches(), step=_classify, mode=make_mode(mode),
+    )
+    result.assert_close(TOL)

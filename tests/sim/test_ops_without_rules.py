@@ -106,6 +106,27 @@ BODIES = {  # name: (body, features after it)
     "reflection_pad1d": (lambda x: F.pad(x.flatten(2), (1, 1), mode="reflect"), 72),
     "replication_pad2d": (lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"), 144),
     "unfold": (lambda x: F.unfold(x, 2), 144),
+    # one op twice in a step with other list / number arguments: DTensor's sharding
+    # cache had left them out of its key (NOTE: [sharding rules keyed by every argument]),
+    # and the second call got the first one's output shape (HiFi-GAN's reflect-padded
+    # kernels 3, 7 and 11 were refused)
+    "reflection_pad1d_two_paddings": (lambda x: _twice(
+        lambda p: F.pad(x.flatten(2), p, mode="reflect"), (1, 1), (3, 3), (3, 1)), 4 * (18 + 22 + 20)),
+    "replication_pad1d_two_paddings": (lambda x: _twice(
+        lambda p: F.pad(x.flatten(2), p, mode="replicate"), (2, 2), (5, 0), (0, 1)), 4 * (20 + 21 + 17)),
+    "reflection_pad2d_two_paddings": (lambda x: _twice(
+        lambda p: F.pad(x, p, mode="reflect"), (1, 1, 1, 1), (2, 1, 0, 3)), 4 * (36 + 49)),
+    "replication_pad3d_two_paddings": (lambda x: _twice(
+        lambda p: F.pad(x[:, None], p, mode="replicate"), (1,) * 6, (0, 2, 1, 0, 2, 0)), 216 + 180),
+    "avg_pool2d_two_kernels": (lambda x: _twice(
+        lambda k: F.avg_pool2d(x, k[0], stride=k[1], padding=k[2]), (2, 2, 0), (3, 1, 1), (3, 1, 0)), 4 * (4 + 16 + 4)),
+    "max_pool3d_two_kernels": (lambda x: _twice(
+        lambda k: F.max_pool3d(x[:, None], k[0], stride=k[1]), (2, 2), (3, 1), (1, 2)), 8 + 8 + 8),
+    "fractional_max_pool2d_two_sizes": (lambda x: _twice(lambda size: F.fractional_max_pool2d(
+        x, 2, output_size=size, _random_samples=torch.sigmoid(x.detach().mean((2, 3)))[..., None].expand(-1, -1, 2),
+    ), 2, 3), 4 * (4 + 9)),
+    "hardtanh_two_bounds": (lambda x: _twice(lambda b: F.hardtanh(x, *b), (-1.0, 1.0), (-0.2, 0.3)), 128),
+    "leaky_relu_two_slopes": (lambda x: _twice(lambda a: F.leaky_relu(x, a), 0.01, 0.3), 128),
     "hardswish": (F.hardswish, 64),
     # eager's hardsigmoid_backward multiplies by a float32 1/6 even in float64: a rule
     # keeps its kernel (torch's decomposition differs from it by 3e-8)
@@ -134,6 +155,11 @@ BODIES = {  # name: (body, features after it)
     "fake_quantize_per_channel": (lambda x: _fake_quantized(x, axis=1), 64),
     "fake_quantize_per_sample": (lambda x: _fake_quantized(x, axis=0), 64),
 }
+
+
+def _twice(op: Callable[[object], torch.Tensor], *arguments: object) -> torch.Tensor:
+    """``op`` of each argument, flattened per sample and concatenated."""
+    return torch.cat([op(a).flatten(1) for a in arguments], 1)
 
 
 def _fake_quantized(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -208,6 +234,37 @@ def test_op_matches_one_device(name, mode, run_parity):
             pytest.xfail("torch 2.11: DTensor's index_put rule fails on the decomposed backward")
         raise
     result.assert_close(TOL)
+
+
+def test_rules_of_ours_key_every_argument():
+    """Every rule registered through ``register_sharding`` (ours: torch registers its own
+    otherwise) keys DTensor's sharding cache by all its non-tensor arguments (NOTE:
+    [sharding rules keyed by every argument]); before, ``reflection_pad1d``'s padding,
+    pooling's kernel sizes and ``hardtanh_backward``'s bounds were left out."""
+    import functools
+
+    from torch.distributed.tensor import DTensor
+
+    from spmd_compiler import _torch_private as private
+
+    private.install_dtensor_gap_fills()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    ours = [
+        op for op, strategy in propagator.op_strategy_funcs.items()
+        if isinstance(strategy, functools.partial)
+        and getattr(strategy.func, "__name__", "") == "custom_strategy"
+    ]
+    assert torch.ops.aten.reflection_pad1d.default in ours
+    left_out = []
+    for op in ours:
+        info = propagator.op_to_schema_info[op]
+        for i, argument in enumerate(op._schema.arguments):
+            if "Tensor" in str(argument.type):
+                continue
+            keyed = (argument.name in (info.static_kwargkey or [])) if argument.kwarg_only else i >= info.static_argnum
+            if not keyed:
+                left_out.append(f"{op}: {argument.name}")
+    assert not left_out
 
 
 def test_multilabel_soft_margin_loss_matches_one_device(run_parity):
