@@ -5152,7 +5152,9 @@ def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
         on_set = _DATA_ASSIGNED.get(id(self))
         if on_set is not None and on_set(cast(DTensor, self), value):
             return
-        if on_set is None and any(other(cast(DTensor, self), value) for other in _DATA_ASSIGNED_ELSE):
+        # not ``on_set is None`` only: a stale entry (a dead tensor's id, now this
+        # one's address) answers False and must not hide a gradient or a state tensor
+        if any(other(cast(DTensor, self), value) for other in _DATA_ASSIGNED_ELSE):
             return
     _DATA_DESCRIPTOR.__set__(self, value)
 

@@ -308,3 +308,23 @@ def test_optimizer_state_of_another_shape_is_refused_with_nothing_changed() -> N
             grad.data = grad.data.float()
         assert private.local_tensor_of(state) is local and private.local_tensor_of(grad) is grad_local
         compiled(model, optim, x, y)
+
+
+def test_a_stale_entry_at_a_state_tensors_address_does_not_hide_it() -> None:
+    """The registry is keyed by ``id``: a dead parameter's entry at the address a state
+    tensor now has answers False; the gradient / state lookup must still run (it was
+    skipped, and the assignment ignored, in about one run of three)."""
+    torch.manual_seed(0)
+    model = Net()
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    compiled = sc.compile(parallel_mode=DataParallel("fully_shard"))(_accumulating_step)
+    x, y = _data(1)[0]
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, y)
+        state = optim.state[model.a.weight]["exp_avg"]
+        private.intercept_data_assignment(state, lambda t, v: False)  # a stale entry
+        try:
+            state.data = torch.full((6, 8), 0.25, dtype=torch.float64)
+        finally:
+            private._DATA_ASSIGNED.pop(id(state), None)
+        assert torch.equal(state.full_tensor(), torch.full((6, 8), 0.25, dtype=torch.float64))
