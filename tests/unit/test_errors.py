@@ -953,6 +953,26 @@ def test_split_arguments_hint_only_where_the_message_quotes_a_captured_batch_siz
     assert "and 2 more" in (split_arguments_hint(many, "size 4") or "")
 
 
+def test_split_arguments_hint_names_the_argument_whose_batch_lies_elsewhere():
+    """Feature-major ids ``(F, B, L)`` after a batch-first ``dense`` ``(B, D)``: torch.cat
+    of dense with the per-feature bags failed ("Expected 8 in dimension 0 but got 4") and
+    the example named the first argument, ``{'dense': 1}``, not ``ids`` (2 gloo ranks,
+    sixty-first session). The example names the argument whose split dimension has a size
+    no other's has, along the dimension that has the others' batch size."""
+    from spmd_compiler.parallel_modes.batch_dims import split_arguments_hint
+
+    splits = [("dense", (4, 4), (8, 4), 0), ("ids", (3, 4, 5), (6, 4, 5), 0), ("y", (4,), (8,), 0)]
+    hint = split_arguments_hint(
+        splits, "RuntimeError: Sizes of tensors must match except in dimension 1. Expected 8 in "
+        "dimension 0 but got 4 for tensor number 1 in the list"
+    )
+    assert hint is not None and "input_batch_dim={'ids': 1}" in hint, hint
+    # its batch in dimension 2: named as such
+    splits = [("dense", (4, 4), (8, 4), 0), ("ids", (3, 5, 4), (6, 5, 4), 0)]
+    hint = split_arguments_hint(splits, "Expected 8 in dimension 0 but got 4")
+    assert hint is not None and "input_batch_dim={'ids': 2}" in hint, hint
+
+
 def test_a_capture_failure_in_simulation_gets_no_split_hint():
     """In simulation the step is captured at the shapes the user passed: a mismatch is the
     step's own, and the error adds nothing about split arguments."""
