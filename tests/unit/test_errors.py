@@ -636,6 +636,29 @@ def test_a_model_sharded_by_fully_shard_is_refused_with_what_to_do():
     assert "DataParallel('fully_shard')" in str(info.value)
 
 
+def test_a_dtensor_parameter_the_user_placed_is_refused_as_theirs():
+    """NOTE: [a DTensor parameter the user placed]: the user's own
+    ``distribute_tensor(w, mesh, [Shard(0)])`` parameter under DataParallel('replicate')
+    was refused with "a compiled model's state stays placed as the first step placed it
+    ... the steps that placed it go on as before", though no step had placed it (2 gloo
+    ranks, sixty-first session). It is now named as the user's, with what to do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = Net()
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        mesh = init_device_mesh("cpu", (2,))
+        model.fc.weight = nn.Parameter(distribute_tensor(model.fc.weight.detach(), mesh, [Shard(0)]))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sc.compile(parallel_mode=DataParallel("replicate"))(step)(model, opt, *batch())
+    message = str(info.value)
+    assert "param fc.weight is a DTensor placed [S(0)]" in message and "by your code" in message
+    assert "places it [R]" in message
+    assert "first step placed it" not in message and "the steps that placed it" not in message
+    assert "pass plain tensors and let the mode place them" in message
+    assert "DataParallel('fully_shard')" in message
+
+
 def test_a_model_on_the_meta_device_is_refused_with_what_to_do():
     """A model built under torch.device("meta") (FSDP2's deferred initialization) has no
     values to place: refused before capture, naming the tensor and how to materialize it
