@@ -872,9 +872,11 @@ def _run(
                 f"collective{_after_status(past)}. "
                 f"{_state_after_failure(lowered, deferred)}"
             ) from failure
+        # outside the program's nodes: maybe this rank's own (NOTE: [ranks that fail alike])
+        own = describe_exception(failure) if site is None else None
         raise collective_failure(
             f"The compiled step failed on rank {rank}: {exception_summary(failure)}. "
-            f"{attribution(rank)} {_state_after_failure(lowered, deferred)}"
+            f"{attribution(rank, own=own)} {_state_after_failure(lowered, deferred)}"
         ) from failure
 
 
