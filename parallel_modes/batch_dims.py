@@ -438,13 +438,13 @@ def split_arguments_hint(
     ]
     if len(splits) > _SHOWN_SPLITS:
         shown.append(f"and {len(splits) - _SHOWN_SPLITS} more")
-    first = _named_in(splits, message)
+    first, batch = _named_in(splits, message)
     return (
         "if the sizes that disagree are those of arguments split over the ranks: the step "
         "was captured at the global shapes the mode builds from each rank's share, taking "
         f"these dimensions as the batch: {', '.join(shown)}. If an argument's batch lies in "
         "another dimension (a time-major (S, B, E) sequence: dimension 1), name it with the "
-        f"mode's input_batch_dim (input_batch_dim={{{first!r}: 1}}), or None for one every "
+        f"mode's input_batch_dim (input_batch_dim={{{first!r}: {batch}}}), or None for one every "
         "rank passes whole."
     )
 
@@ -452,12 +452,31 @@ def split_arguments_hint(
 _SHOWN_SPLITS = 6
 
 
-def _named_in(splits: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], message: str) -> str:
-    """The split argument the example of ``split_arguments_hint`` names: the one whose
-    whole captured shape (of two dimensions or more) the message quotes (``got [4, 4,
-    8]``: a GRU's unnamed ``h0``, not the batch-first ``x`` before it), else the first."""
+def _named_in(
+    splits: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], message: str
+) -> tuple[str, int]:
+    """The split argument the example of ``split_arguments_hint`` names, and the batch
+    dimension it suggests: the argument whose whole captured shape (of two dimensions or
+    more) the message quotes (``got [4, 4, 8]``: a GRU's unnamed ``h0``, not the
+    batch-first ``x`` before it); else the one whose split dimension, as this rank
+    passed it, has a size no other split argument's has, while another of its
+    dimensions has such a size (feature-major ids ``(F, B, L)`` beside a ``(B, D)``
+    dense input: ``ids`` along dimension 1, not the first argument, 2 gloo ranks,
+    sixty-first session); else the first, along dimension 1."""
     runs = [tuple(int(n) for n in re.findall(r"\d+", m)) for m in re.findall(r"[(\[][\d,\s]+[)\]]", message)]
     for name, _, whole, _ in splits:
         if len(whole) > 1 and tuple(whole) in runs:  # "(8)" may be any size
-            return name
-    return splits[0][0]
+            return name, _other_batch_dim(splits, name)
+    for name, local, _, dim in splits:
+        batches = {other[d] for n, other, _, d in splits if n != name}
+        if local[dim] not in batches and any(local[d] in batches for d in range(len(local)) if d != dim):
+            return name, _other_batch_dim(splits, name)
+    return splits[0][0], 1
+
+
+def _other_batch_dim(splits: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], name: str) -> int:
+    """The first dimension of ``name``'s share, other than its split one, whose size is
+    another split argument's batch size as passed; 1 where none is."""
+    local, dim = next((local, dim) for n, local, _, dim in splits if n == name)
+    batches = {other[d] for n, other, _, d in splits if n != name}
+    return next((d for d in range(len(local)) if d != dim and local[d] in batches), 1)

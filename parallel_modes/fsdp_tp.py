@@ -135,7 +135,7 @@ class FullyShardTensorParallel(ParallelMode):
                 whole_on_tp[ref.name] = meta.shape[cast(Shard, planned).dim]
             strided = private.is_strided_shard(tp)  # NOTE: [strided TP under FSDP]
             if not strided and _dp_placement(tp, tuple(meta.shape), mesh.size(DP), mesh.size(TP)) == Replicate():
-                whole_on_dp.append(f"{ref.name} {tuple(meta.shape)}")
+                whole_on_dp.append(_why_whole_on_dp(ref.name, tp, tuple(meta.shape), mesh.size(DP), mesh.size(TP)))
         self.tp.compute_whole(
             whole_on_tp,
             f"FullyShardTensorParallel: {{modules}} shard(s) a dimension that does not divide "
@@ -144,9 +144,11 @@ class FullyShardTensorParallel(ParallelMode):
         )
         if whole_on_dp:
             warnings.warn(
-                f"FullyShardTensorParallel: no dimension of {', '.join(whole_on_dp)} splits "
-                f"evenly over the {mesh.size(DP)} dp ranks; kept whole on dp (its gradient is "
-                "all-reduced over dp, its state is not sharded there).",
+                "FullyShardTensorParallel: no dimension that tp leaves free splits evenly "
+                f"over the {mesh.size(DP)} dp ranks ({'; '.join(whole_on_dp)}); kept whole on "
+                "dp (its gradient is all-reduced over dp, its state is not sharded there). A "
+                f"size that divides by {mesh.size(DP)} in a dimension tp does not split lets "
+                "FSDP shard it.",
                 stacklevel=2,
             )
         if self.reshard_after_forward:
@@ -345,6 +347,26 @@ def _dp_placement(tp: Placement, shape: tuple[int, ...], dp_size: int, tp_size: 
         if shape[dim] % dp_size == 0:
             return Shard(dim)
     return Replicate()
+
+
+def _why_whole_on_dp(name: str, tp: Placement, shape: tuple[int, ...], dp_size: int, tp_size: int) -> str:
+    """Why ``_dp_placement`` keeps parameter ``name`` whole on dp, dimension by dimension:
+    ``out.weight (1, 16): dimension 0 (1) does not divide by 2, dimension 1 (16) is split
+    over the 2 tp ranks``. Before, the warning said that no dimension of ``(1, 16)``
+    split evenly over 2 dp ranks, where 16 does: that dimension is tp's, which dp splits
+    again only for dimension 0 (a rowwise ``out.weight`` under a (2, 2) mesh, sixty-first
+    session)."""
+    tp_dim = cast(Shard, tp).dim % len(shape) if isinstance(tp, Shard) else None
+    reasons = []
+    for dim, size in enumerate(shape):
+        if dim == tp_dim and dim == 0:
+            reasons.append(f"dimension 0 ({size}) is split over the {tp_size} tp ranks and its "
+                           f"tp share ({size // tp_size}) does not divide by {dp_size}")
+        elif dim == tp_dim:
+            reasons.append(f"dimension {dim} ({size}) is split over the {tp_size} tp ranks")
+        else:
+            reasons.append(f"dimension {dim} ({size}) does not divide by {dp_size}")
+    return f"{name} {shape}: {', '.join(reasons)}"
 
 
 def _on_tp(step: UseStep) -> UseStep:

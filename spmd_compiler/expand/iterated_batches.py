@@ -41,6 +41,7 @@ Before the fifty-fourth session all of this trained wrong silently on real ranks
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import warnings
@@ -75,6 +76,11 @@ class IteratedBatch:
     # the time-major torch layer (``"'fqn' (Class)"``) that reads dimension ``dim`` as
     # time (NOTE's first kind), if any
     recurrent: str | None = None
+    # a walk's number of positions, and the walked value's size along ``dim``, global and
+    # one rank's share (NOTE: [fixed rows walked]); None for a time-major layer's input
+    walked: int | None = None
+    size: int | None = None
+    share: int | None = None
 
 
 class BatchIterations:
@@ -89,6 +95,8 @@ class BatchIterations:
         self._seen: set[tuple[tuple[str, ...], bool]] = set()
         # (the selected value's node, dimension) -> the indices selected from it
         self._selected: dict[tuple[Any, int], set[Any]] = {}
+        # (the selected value's node, dimension) -> the index in ``found`` of its record
+        self._walk_of: dict[tuple[Any, int], int] = {}
         self.found: list[IteratedBatch] = []
 
     def argument(self, node: torch.fx.Node, name: str, value: Any) -> None:
@@ -140,22 +148,43 @@ class BatchIterations:
                 where = args[2] if len(args) > 2 else None
             # one sample picked (``x[0]``: a penalty on the first sample) is no walk; a
             # second position of the same value and dimension is
-            picked = self._selected.setdefault((node.args[0], dim), set())
+            key = (node.args[0], dim)
+            picked = self._selected.setdefault(key, set())
             picked.add(where)
             if len(picked) < 2:
                 return
+            walked = len(picked)
+            if key in self._walk_of:  # a further position of a walk recorded
+                index = self._walk_of[key]
+                self.found[index] = dataclasses.replace(self.found[index], walked=walked)
+        else:
+            key, walked = None, value.shape[dim]
         recurrent = node.meta.get(TIME_MAJOR_RNN)
         if recurrent is None and (_in_a_library(node) or _read_out(node)):
             # batch-first by convention (transformers' LLaVA walks its images), or the
             # values read out as Python numbers (``.tolist()``), which computes nothing
             return
-        self._record(node, node, dim, recurrent)
+        ranks = 1
+        for m, p in enumerate(value.placements):
+            if m in self._mesh_dims and private.is_shard_like(p) and p.dim == dim:
+                ranks *= value.device_mesh.size(m)
+        if self._record(node, node, dim, recurrent, (walked, value.shape[dim], value.shape[dim] // ranks)):
+            if key is not None:
+                self._walk_of[key] = len(self.found) - 1
 
-    def _record(self, node: torch.fx.Node, value: torch.fx.Node, dim: int, layer: str | None) -> None:
+    def _record(
+        self, node: torch.fx.Node, value: torch.fx.Node, dim: int, layer: str | None,
+        walk: tuple[int, int, int] | None = None,
+    ) -> bool:
+        """Record ``node``; ``walk``: positions walked, size and one rank's share along
+        ``dim``. Whether a record was made (one per set of arguments and kind)."""
         arguments = tuple(sorted(self._reaching(value)))
         if arguments and (arguments, layer is None) not in self._seen:
             self._seen.add((arguments, layer is None))
-            self.found.append(IteratedBatch(node, arguments, dim, layer))
+            walked, size, share = walk if walk is not None else (None, None, None)
+            self.found.append(IteratedBatch(node, arguments, dim, layer, walked, size, share))
+            return True
+        return False
 
     def reaching(self, node: torch.fx.Node) -> frozenset[str]:
         """The names of the split step arguments ``node`` (of the captured graph) is
@@ -206,6 +235,29 @@ def _in_a_library(node: torch.fx.Node) -> bool:
     return bool(outside) and in_installed_package(outside[-1])
 
 
+# NOTE: [fixed rows walked]
+# A GNN's edge_index (2, E) left at the default batch dimension 0 is split into rows:
+# on 2 real ranks each passes (2, E) and the program reads (4, E), whose ``ei[0]`` and
+# ``ei[1]`` are rank 0's rows; the walk warning called it "a loop over samples or a
+# time-major argument" and suggested ``{'ei': 1}`` or ``{'ei': 0}``, the second of which
+# silences the warning and keeps the wrong split (parameters 9e-2 relative off one
+# device after 3 steps, sixty-first session). A walk whose number of positions is what
+# each rank passed along the dimension, fewer than the program's global size, took its
+# count from the user's code, not the batch: a fixed number of rows. There (and in
+# simulation, where the caller passes the global value, for a walk of all of a dimension
+# of 3 or fewer, shorter than another) the hint names the dimension that holds the
+# samples, or None; on real ranks not dimension 0.
+def _fixed_rows(record: IteratedBatch, simulated: bool) -> bool:
+    """Whether ``record`` walks a fixed number of rows, not samples (NOTE: [fixed rows
+    walked])."""
+    walked, size, share = record.walked, record.size, record.share
+    if walked is None or size is None or share is None:
+        return False
+    if simulated:
+        return walked == size <= 3
+    return walked == share < size
+
+
 def check_iterated_batches(
     found: list[IteratedBatch], named: Callable[[str], bool], split: dict[str, tuple[int, tuple[int, ...]]],
     simulated: bool, hint: str | None = None,
@@ -240,11 +292,37 @@ def check_iterated_batches(
         f"input_batch_dim={{{', '.join(f'{a!r}: 1' for a in alike)}}} for time-major (T, B, ...) "
         f"arguments{also}, or " if alike else ""
     )
+    fixed = _fixed_rows(record, simulated)
+    # NOTE: [fixed rows walked]: the dimension that holds the samples, not dimension 0
+    elsewhere = {a: next((d for d in range(len(split[a][1])) if d != split[a][0]), None)
+                 for a in unnamed if a in split}
+    if fixed and recurrent is None and any(d is not None for d in elsewhere.values()):
+        named_here = "{" + ", ".join(f"{a!r}: {d}" for a, d in elsewhere.items()) + "}"
+        whole = "{" + ", ".join(f"{a!r}: None" for a in elsewhere) + "}"
+        hint = hint or (
+            "name the dimension that holds the samples (an edge_index (2, E): its edges, "
+            f"dimension 1): input_batch_dim={named_here}, or input_batch_dim={whole} for an "
+            "argument every rank passes whole"
+            + (f"; {per_sample} only if dimension {record.dim} is the batch and the step "
+               f"loops over its {record.walked} samples." if simulated else
+               f" (naming dimension {record.dim} would keep the split this warning is about).")
+        )
     hint = hint or (
         f"name the batch dimension in the mode: {time_major}input_batch_dim={per_sample} if "
         "dimension 0 is the batch and the step loops over samples."
     )
-    if recurrent is not None:
+    if fixed and recurrent is None and not simulated:
+        world = (record.size or 0) // (record.share or 1)
+        message = (
+            f"This op walks {record.walked} positions along dimension {record.dim} of a value "
+            f"computed from the step argument(s) {listed}, the dimension the mode splits as the "
+            f"batch (input_batch_dim does not name it): as many as each rank passed there, "
+            f"not the {record.size} of all ranks the program reads, so that dimension holds a "
+            "fixed number of rows (an edge_index (2, E): its source and target rows), not "
+            f"samples. Split over the ranks, each rank's rows are read as its part of a "
+            f"dimension {world} times longer, and the step would train wrong."
+        )
+    elif recurrent is not None:
         message = (
             f"The layer {recurrent.recurrent} reads dimension "
             f"{record.dim} of a value computed from the step argument(s) {listed} as time, the "

@@ -479,6 +479,53 @@ def _as_dtensor(value: Any, mesh: DeviceMesh) -> Any:
     return value
 
 
+# NOTE: [sparse tensors and segment_reduce refused]
+# DTensor has no sharding rules for sparse layouts (``torch.sparse.mm`` of a COO
+# adjacency: ``aten._sparse_addmm``; ``torch.sparse_coo_tensor`` built in the step:
+# ``aten._sparse_coo_tensor_with_dims_and_tensors``) nor for ``torch.segment_reduce``.
+# They were refused with DTensor's generic "replace the op with one DTensor supports, or
+# register a sharding strategy", which says neither that sparse tensors are out nor what
+# works instead (GNN probes, sixty-first session). The refusal names them and the dense
+# ops that compile: message passing by ``index_add_`` / ``scatter_reduce`` over an
+# edge_index or segment ids, or a dense matmul.
+_SEGMENT_REDUCE = {torch.ops.aten.segment_reduce.default, torch.ops.aten._segment_reduce_backward.default}
+_SPARSE_MESSAGE = (
+    "Sparse tensors (torch.sparse_coo_tensor, torch.sparse.mm, Tensor.to_sparse, the CSR / "
+    "CSC / BSR layouts) are not supported by the compiled step: its per-rank program is "
+    "made of DTensor ops on dense (strided) tensors."
+)
+_SPARSE_HINT = (
+    "keep the graph dense: pass its edges as an edge_index (2, E) and pass messages with "
+    "index_add_ (out = torch.zeros_like(h).index_add_(0, ei[1], h[ei[0]] * w[:, None])), or "
+    "scatter_reduce for a mean / max; or, for a small graph, multiply by a dense adjacency "
+    "(A.to_dense() @ h)."
+)
+_SEGMENT_MESSAGE = (
+    "torch.segment_reduce is not supported by the compiled step: DTensor has no sharding "
+    "rule for it."
+)
+_SEGMENT_HINT = (
+    "reduce by each element's segment id instead (a graph batch vector: segment i's "
+    "elements hold i): torch.zeros(n, *x.shape[1:]).index_add_(0, ids, x) sums each "
+    "segment (divide by its count, torch.zeros(n).index_add_(0, ids, torch.ones(len(ids))), "
+    "for a mean), and torch.zeros(n, *x.shape[1:]).scatter_reduce_(0, ids[:, None]."
+    "expand_as(x), x, 'amax', include_self=False) takes its max."
+)
+
+
+def _sparse_or_segments(n: torch.fx.Node) -> tuple[str, str] | None:
+    """What to say, and what to do, where node ``n`` is ``torch.segment_reduce`` (or its
+    gradient) or reads or makes a sparse tensor (NOTE: [sparse tensors and segment_reduce
+    refused]); None for any other node."""
+    if n.target in _SEGMENT_REDUCE:
+        return _SEGMENT_MESSAGE, _SEGMENT_HINT
+    values: list[Any] = [n.meta.get("val")] + [a.meta.get("val") for a in n.all_input_nodes]
+    tensors = [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
+    if any(t.layout != torch.strided for t in tensors) or "sparse" in str(n.target).lower():
+        return _SPARSE_MESSAGE, _SPARSE_HINT
+    return None
+
+
 _LAYOUT_HINT = (
     "the op cannot be placed on the layouts its inputs have here: compute it on values laid "
     "out otherwise (a parallel style's output_layouts, a redistribution before it), or leave "
@@ -800,6 +847,13 @@ class _ExpandingInterpreter(RetracingInterpreter):
         except SPMDCompileError:
             raise
         except NotImplementedError as exc:
+            unsupported = _sparse_or_segments(n)
+            if unsupported is not None:  # NOTE: [sparse tensors and segment_reduce refused]
+                message, hint = unsupported
+                raise node_error(
+                    f"DTensor has no sharding rule for this op: {str(exc).splitlines()[0]} {message}",
+                    n, hint=hint,
+                ) from exc
             budget = private.budget_exceeded_in(exc)
             if budget is not None:
                 raise node_error(
@@ -827,6 +881,13 @@ class _ExpandingInterpreter(RetracingInterpreter):
                       "strategy for it (torch.distributed.tensor.experimental.register_sharding)."),
             ) from exc
         except Exception as exc:  # noqa: BLE001 - re-raised with the node named
+            unsupported = _sparse_or_segments(n)
+            if unsupported is not None:  # NOTE: [sparse tensors and segment_reduce refused]
+                message, hint = unsupported
+                raise node_error(
+                    f"Expanding this node to the per-rank program failed: {exception_summary(exc)}. {message}",
+                    n, hint=hint,
+                ) from exc
             hint = _BATCH_DIM_HINT if self.split_an_argument else _LAYOUT_HINT
             if n.target in _VIEWS and any(text in str(exc) for text in _UNEVEN_UNFLATTEN):
                 hint = _UNEVEN_BATCH_HINT if self.split_an_argument else _UNEVEN_HEADS_HINT

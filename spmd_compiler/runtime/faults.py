@@ -44,11 +44,12 @@ _POLL_S = 0.05
 RETURNED_EARLY = "returned from its function while other ranks were still running"
 
 
-def record_failure(store: Any, rank: int, what: str) -> None:
-    """Append ``rank``'s failure to the records in ``store``; never raises."""
+def record_failure(store: Any, rank: int, what: str, uncertain: bool = False) -> None:
+    """Append ``rank``'s failure to the records in ``store``; never raises. ``uncertain``:
+    a failure that may be a peer's (NOTE: [ranks that fail alike])."""
     try:
         number = store.add(COUNT_KEY, 1)
-        payload = {"rank": rank, "what": what, "time": time.time()}
+        payload = {"rank": rank, "what": what, "time": time.time(), "uncertain": uncertain}
         store.set(f"{RECORD_PREFIX}{number}", json.dumps(payload))
     except Exception:  # noqa: BLE001 - the store may be gone; the failure is reported anyway
         pass
@@ -84,23 +85,62 @@ def first_failure_of_another_rank(
     my_rank: int, wait_s: float = WAIT_FOR_RECORD_S
 ) -> dict[str, Any] | None:
     """The first recorded failure of a rank other than ``my_rank`` (waits up to
-    ``wait_s`` for one), or None."""
+    ``wait_s`` for one), or None; an uncertain record (NOTE: [ranks that fail alike])
+    only where no other comes within ``wait_s``."""
     store = default_store()
     if store is None:
         return None
     deadline = time.monotonic() + wait_s
     while True:
-        for record in records(store):
-            if record["rank"] != my_rank:
+        others = [record for record in records(store) if record["rank"] != my_rank]
+        for record in others:
+            if not record.get("uncertain"):
                 return record
         if time.monotonic() >= deadline:
-            return None
+            return others[0] if others else None
         time.sleep(_POLL_S)
 
 
-def attribution(my_rank: int, wait_s: float = WAIT_FOR_RECORD_S) -> str:
-    """One sentence naming the rank that failed first, for a collective's error."""
+# NOTE: [ranks that fail alike]
+# A rank whose call fails outside the program's fx nodes (in the library's own code
+# around it, or in a program Inductor lowered) cannot tell its own failure from a peer's
+# broken collective, so it records nothing and waits for a peer's record. Where every
+# rank fails there alike (a parameter subclass the state writes cannot handle: both of 2
+# gloo ranks, sixty-first session), none records, and each said "No other rank recorded a
+# failure: one may be stuck elsewhere", though the other had failed too. Such a rank now
+# records its failure as uncertain before it waits: peers name it ("Rank 1 failed too,
+# also outside its program's collectives") where no certain record comes, and one that
+# finds none says its failure may be its own. A certain record (a rank that raised in
+# its own computation, or died) is still named first.
+
+
+def attribution(my_rank: int, wait_s: float = WAIT_FOR_RECORD_S, own: str | None = None) -> str:
+    """One sentence naming the rank that failed first, for a collective's error. ``own``:
+    this rank's failure where it may be its own, not a collective's (recorded as
+    uncertain first: NOTE: [ranks that fail alike])."""
+    store = default_store() if own is not None else None
+    if store is not None and own is not None:
+        record_failure(store, my_rank, own, uncertain=True)
     record = first_failure_of_another_rank(my_rank, wait_s)
+    return attribution_of(record, wait_s, own is not None)
+
+
+def attribution_of(record: dict[str, Any] | None, wait_s: float, own_possible: bool) -> str:
+    """The sentence of ``attribution`` for ``record`` (the first failure of another rank,
+    or None); ``own_possible``: this rank failed outside its program's collectives."""
+    if record is not None and record.get("uncertain"):
+        return (
+            f"Rank {record['rank']} failed too, also outside its program's collectives: it "
+            f"{record['what']}. Ranks that fail alike each report their own failure; where "
+            f"this rank's error is a broken collective, rank {record['rank']}'s is its cause."
+        )
+    if record is None and own_possible:
+        return (
+            f"No other rank recorded a failure within {wait_s:g} s. This failure happened "
+            "outside the program's collectives and may be this rank's own; else a peer may "
+            "be stuck elsewhere (another collective, Python code), slower than the "
+            "collective timeout, or killed without a trace."
+        )
     if record is None:
         return (
             "No other rank recorded a failure: one may be stuck elsewhere (another "

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .. import _torch_private as private
 from .._torch_private import pytree
@@ -179,6 +179,7 @@ def _install(
             continue
         dt = _distribute(p.detach(), mesh, placements, sim)
         new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+        _placed_by_a_step(new)  # NOTE: [a DTensor parameter the user placed]
         # NOTE: [Python attributes of parameters]: the replacement holds the same dict of
         # attributes, so the guards built on the parameter see what code sets on it later
         # (with the mark ``mark_parameters`` put there)
@@ -331,11 +332,50 @@ def check_state_world(bindings: StepBindings, world: int, sim: Simulation | None
                 raise state_on_another_world(f"{kind} {name}", t.device_mesh, world, sim)
 
 
+# NOTE: [a DTensor parameter the user placed]
+# A parameter the user made a DTensor (``nn.Parameter(distribute_tensor(w, mesh,
+# [Shard(0)]))``, torch's ``fully_shard`` / ``parallelize_module``) under a mode that
+# places it otherwise (DataParallel('replicate'): Replicate) was refused with "a compiled
+# model's state stays placed as the first step placed it ... the steps that placed it go
+# on as before", though no compiled step had placed it (2 gloo ranks, sixty-first
+# session). The parameters a step placed are kept by id, weakly (a WeakSet compares
+# tensors with ``==``); any other DTensor parameter is the user's, and the refusal says
+# so and what to do.
+_PLACED_BY_A_STEP: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _placed_by_a_step(p: torch.Tensor) -> None:
+    _PLACED_BY_A_STEP[id(p)] = weakref.ref(p)
+    weakref.finalize(p, _PLACED_BY_A_STEP.pop, id(p), None)
+
+
+def _placed_by_the_user(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements) -> SPMDCompileError:
+    """The refusal of a DTensor parameter no compiled step placed, which the mode would
+    place otherwise (NOTE: [a DTensor parameter the user placed])."""
+    return SPMDCompileError(
+        f"{ref} is a DTensor placed {format_placements(p.placements)} on {p.device_mesh} by "
+        f"your code (distribute_tensor, DTensor.from_local, torch's fully_shard or "
+        f"parallelize_module), not by a compiled step; this step's parallel mode places it "
+        f"{format_placements(placements)} on {mesh}. A compiled step places the model's "
+        "state itself and does not move a placement it did not make. Nothing was changed.",
+        hint=(
+            "pass plain tensors and let the mode place them (a parameter made from "
+            "`nn.Parameter(dt.full_tensor())` for your DTensor `dt`, before the first "
+            "compiled call), or compile with a mode whose placement is yours"
+            + (" (DataParallel('fully_shard') places parameters Shard(0) on a 1-D mesh of "
+               "all ranks)." if tuple(p.placements) == (Shard(0),) else ".")
+        ),
+    )
+
+
 def _check_installed(
     ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None
 ) -> None:
     if p.device_mesh.size() != mesh.size():  # NOTE: [state placed for another world size]
         raise state_on_another_world(str(ref), p.device_mesh, mesh.size(), sim)
+    placed = _PLACED_BY_A_STEP.get(id(p))
+    if (p.device_mesh != mesh or tuple(p.placements) != tuple(placements)) and (placed is None or placed() is not p):
+        raise _placed_by_the_user(ref, p, mesh, placements)
     if p.device_mesh != mesh or tuple(p.placements) != tuple(placements):
         raise SPMDCompileError(
             f"{ref} is already a DTensor with placement {format_placements(p.placements)} on "
@@ -832,9 +872,11 @@ def _run(
                 f"collective{_after_status(past)}. "
                 f"{_state_after_failure(lowered, deferred)}"
             ) from failure
+        # outside the program's nodes: maybe this rank's own (NOTE: [ranks that fail alike])
+        own = describe_exception(failure) if site is None else None
         raise collective_failure(
             f"The compiled step failed on rank {rank}: {exception_summary(failure)}. "
-            f"{attribution(rank)} {_state_after_failure(lowered, deferred)}"
+            f"{attribution(rank, own=own)} {_state_after_failure(lowered, deferred)}"
         ) from failure
 
 

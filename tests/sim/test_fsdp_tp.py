@@ -137,6 +137,29 @@ def test_fsdp_tp_any_sizes_match_one_device(sizes, step):
         assert placements["head.weight"] == (Shard(1), Replicate())
 
 
+def test_fsdp_tp_warning_says_why_a_parameter_is_kept_whole_on_dp():
+    """A rowwise weight (1, 16) on a (2, 2) mesh: tp splits its 16 columns and dp, which
+    does not split tp's dimension again, has only the 1 row. The warning said "no
+    dimension of down.weight (1, 16) splits evenly over the 2 dp ranks", where 16 does
+    (sixty-first session); it now says, dimension by dimension, why each is not dp's."""
+    torch.manual_seed(0)
+    model = _Block(1, 16, 2).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 1, dtype=torch.float64), torch.randint(0, 2, (8,))
+    compiled = sc.compile(FullyShardTensorParallel(_FFN_PLAN, mesh_shape=(2, 2)))(_plain_step)
+    with warnings.catch_warnings(record=True) as caught, sc.simulate(4):
+        warnings.simplefilter("always")
+        compiled(model, optim, x, y)
+        placements = tuple(model.down.weight.placements)
+    messages = " ".join(str(w.message) for w in caught)
+    assert placements == (Replicate(), Shard(1))
+    assert (
+        "down.weight (1, 16): dimension 0 (1) does not divide by 2, dimension 1 (16) is split "
+        "over the 2 tp ranks" in messages
+    ), messages
+    assert "no dimension of" not in messages
+
+
 def test_fsdp_tp_demo_gpt_with_a_vocabulary_that_does_not_divide():
     """The demo GPT with 65 tokens (before: refused): the embedding and head (not in the
     tp plan) shard their 64 columns over dp, not their 65 rows; parity in float64."""

@@ -458,3 +458,73 @@ def test_a_recurrent_layers_initial_hidden_state_is_named_by_the_way_out() -> No
     assert len(warned) == 1, warned  # the unnamed compile's only
     assert "The layer <root module> (GRU, batch_first=True)" in warned[0]
     assert "input_batch_dim={'h0': 1}" in warned[0]
+
+
+class EdgeIndexLayer(nn.Module):
+    """A GNN layer over an edge_index (2, E): messages from ``ei[0]`` summed at ``ei[1]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, ei: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.zeros_like(h).index_add_(0, ei[1], h[ei[0]])
+
+
+def test_an_edge_index_walked_by_its_rows_suggests_its_edges_dimension() -> None:
+    """NOTE: [fixed rows walked]: an edge_index (2, E) left at batch dimension 0, read as
+    ``ei[0]`` / ``ei[1]``: the hint named ``{'ei': 0}``, which silences the warning and on
+    real ranks keeps the wrong split (sixty-first session). It names the edges'
+    dimension, ``{'ei': 1}``, or None; in simulation ``{'ei': 0}`` only as "if dimension
+    0 is the batch"."""
+    torch.manual_seed(0)
+    model = EdgeIndexLayer().double()
+
+    def step(model, optim, x, ei, y):  # noqa: ANN001
+        loss = F.mse_loss(model(x, ei), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(6, 5, generator=gen, dtype=torch.float64), torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    ei = torch.randint(0, 6, (2, 10), generator=gen)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate", input_batch_dim={"x": None, "y": None}))(step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sc.simulate(world_size=WORLD):
+            compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, ei, y)
+    warned = [str(w.message) for w in caught if "the dimension the mode splits as the batch" in str(w.message)]
+    assert len(warned) == 1, warned
+    assert "name the dimension that holds the samples" in warned[0], warned
+    assert "input_batch_dim={'ei': 1}" in warned[0] and "input_batch_dim={'ei': None}" in warned[0]
+    assert "{'ei': 0} only if dimension 0 is the batch and the step loops over its 2 samples" in warned[0]
+
+
+def test_on_real_ranks_a_walk_of_each_ranks_rows_never_suggests_dimension_0() -> None:
+    """NOTE: [fixed rows walked], the real-rank case without the ranks (tested end to end
+    by the GNN probe on 2 gloo ranks): each rank passed (2, E), the program reads (4, E)
+    and the step walks 2 positions. The warning says dimension 0 holds fixed rows, and
+    its hint names ``{'ei': 1}`` or None, never ``{'ei': 0}``."""
+    from spmd_compiler.expand.iterated_batches import IteratedBatch, check_iterated_batches
+
+    graph = torch.fx.symbolic_trace(lambda ei: ei[0] + ei[1]).graph
+    node = next(n for n in graph.nodes if n.op == "call_function")
+    record = IteratedBatch(node, ("ei",), 0, None, walked=2, size=4, share=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_iterated_batches([record], lambda name: False, {"ei": (0, (4, 10))}, simulated=False)
+    warned = [str(w.message) for w in caught]
+    assert len(warned) == 1, warned
+    assert "walks 2 positions along dimension 0" in warned[0] and "fixed number of rows" in warned[0]
+    assert "dimension 2 times longer" in warned[0]
+    assert "input_batch_dim={'ei': 1}" in warned[0] and "{'ei': None}" in warned[0]
+    assert "{'ei': 0}" not in warned[0]
+    # a walk of all of the global batch (a loop over samples) keeps both ways out
+    record = IteratedBatch(node, ("ei",), 0, None, walked=4, size=4, share=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_iterated_batches([record], lambda name: False, {"ei": (0, (4, 10))}, simulated=False)
+    assert "input_batch_dim={'ei': 0} if dimension 0 is the batch" in str(caught[0].message)

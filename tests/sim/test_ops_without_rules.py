@@ -447,3 +447,55 @@ def test_block_diag_matches_one_device(mode, run_parity):
     result = run_parity(lambda: _BlockRotation().double(), _sgd, 2, batches, step=_step(F.cross_entropy),
                         mode=make_mode(mode))
     result.assert_close(TOL)
+
+
+class _Graph(nn.Module):
+    """A GNN layer over ``adjacency`` (a sparse COO argument, or one it builds from
+    ``ei`` with ``torch.sparse_coo_tensor``), or a segment_reduce pooling of its rows."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.kind == "argument":
+            return torch.sparse.mm(graph, h)
+        if self.kind == "built":
+            adjacency = torch.sparse_coo_tensor(graph, torch.ones(graph.shape[1], dtype=h.dtype), (len(h), len(h)))
+            return torch.sparse.mm(adjacency, h)
+        return torch.segment_reduce(h, "sum", lengths=graph)
+
+
+@pytest.mark.parametrize("kind", ["argument", "built", "segments"])
+def test_sparse_tensors_and_segment_reduce_are_refused_with_the_dense_way(kind):
+    """NOTE: [sparse tensors and segment_reduce refused]: refused naming sparse tensors or
+    segment_reduce and the index_add_ / scatter_reduce way that compiles, not with
+    DTensor's generic "replace the op with one DTensor supports" (sixty-first session)."""
+    nodes = 8
+    ei = torch.randint(0, nodes, (2, 12), generator=torch.Generator().manual_seed(0))
+    graph = {
+        "argument": torch.sparse_coo_tensor(ei, torch.ones(12, dtype=torch.float64), (nodes, nodes)).coalesce(),
+        "built": ei,
+        "segments": torch.tensor([3, 5]),
+    }[kind]
+    model = _Graph(kind).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, optim, x, graph):  # noqa: ANN001
+        loss = model(x, graph).square().sum()
+        loss.backward()
+        optim.step()
+        return loss.detach()
+
+    mode = make_mode("ddp", input_batch_dim={"x": None, "graph": None})
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile(mode)(step)(model, optim, torch.randn(nodes, 4, dtype=torch.float64), graph)
+    message = str(info.value)
+    assert "replace the op with one DTensor supports" not in message
+    if kind == "segments":
+        assert "torch.segment_reduce is not supported by the compiled step" in message
+        assert "index_add_(0, ids, x)" in message and "scatter_reduce_" in message
+    else:
+        assert "Sparse tensors" in message and "are not supported by the compiled step" in message
+        assert "index_add_(0, ei[1]" in message and "A.to_dense() @ h" in message

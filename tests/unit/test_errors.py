@@ -636,6 +636,29 @@ def test_a_model_sharded_by_fully_shard_is_refused_with_what_to_do():
     assert "DataParallel('fully_shard')" in str(info.value)
 
 
+def test_a_dtensor_parameter_the_user_placed_is_refused_as_theirs():
+    """NOTE: [a DTensor parameter the user placed]: the user's own
+    ``distribute_tensor(w, mesh, [Shard(0)])`` parameter under DataParallel('replicate')
+    was refused with "a compiled model's state stays placed as the first step placed it
+    ... the steps that placed it go on as before", though no step had placed it (2 gloo
+    ranks, sixty-first session). It is now named as the user's, with what to do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = Net()
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        mesh = init_device_mesh("cpu", (2,))
+        model.fc.weight = nn.Parameter(distribute_tensor(model.fc.weight.detach(), mesh, [Shard(0)]))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sc.compile(parallel_mode=DataParallel("replicate"))(step)(model, opt, *batch())
+    message = str(info.value)
+    assert "param fc.weight is a DTensor placed [S(0)]" in message and "by your code" in message
+    assert "places it [R]" in message
+    assert "first step placed it" not in message and "the steps that placed it" not in message
+    assert "pass plain tensors and let the mode place them" in message
+    assert "DataParallel('fully_shard')" in message
+
+
 def test_a_model_on_the_meta_device_is_refused_with_what_to_do():
     """A model built under torch.device("meta") (FSDP2's deferred initialization) has no
     values to place: refused before capture, naming the tensor and how to materialize it
@@ -951,6 +974,26 @@ def test_split_arguments_hint_only_where_the_message_quotes_a_captured_batch_siz
     assert hint is not None and "input_batch_dim={'h0': 1}" in hint
     many = [(f"a{i}", (2,), (4,), 0) for i in range(8)]
     assert "and 2 more" in (split_arguments_hint(many, "size 4") or "")
+
+
+def test_split_arguments_hint_names_the_argument_whose_batch_lies_elsewhere():
+    """Feature-major ids ``(F, B, L)`` after a batch-first ``dense`` ``(B, D)``: torch.cat
+    of dense with the per-feature bags failed ("Expected 8 in dimension 0 but got 4") and
+    the example named the first argument, ``{'dense': 1}``, not ``ids`` (2 gloo ranks,
+    sixty-first session). The example names the argument whose split dimension has a size
+    no other's has, along the dimension that has the others' batch size."""
+    from spmd_compiler.parallel_modes.batch_dims import split_arguments_hint
+
+    splits = [("dense", (4, 4), (8, 4), 0), ("ids", (3, 4, 5), (6, 4, 5), 0), ("y", (4,), (8,), 0)]
+    hint = split_arguments_hint(
+        splits, "RuntimeError: Sizes of tensors must match except in dimension 1. Expected 8 in "
+        "dimension 0 but got 4 for tensor number 1 in the list"
+    )
+    assert hint is not None and "input_batch_dim={'ids': 1}" in hint, hint
+    # its batch in dimension 2: named as such
+    splits = [("dense", (4, 4), (8, 4), 0), ("ids", (3, 5, 4), (6, 5, 4), 0)]
+    hint = split_arguments_hint(splits, "Expected 8 in dimension 0 but got 4")
+    assert hint is not None and "input_batch_dim={'ids': 2}" in hint, hint
 
 
 def test_a_capture_failure_in_simulation_gets_no_split_hint():
