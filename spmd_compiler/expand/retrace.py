@@ -63,6 +63,9 @@ Placements = tuple[Placement, ...]
 PROPAGATION_BUDGET_SECONDS = 30.0
 
 
+# the namespaces of torch.distributed._functional_collectives' ops
+_FUNCTIONAL_COLLECTIVES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+
 @dataclass
 class DistributedProgram:
     """The per-rank program: one graph, identical on every rank, plus its signature.
@@ -865,6 +868,20 @@ class _ExpandingInterpreter(RetracingInterpreter):
                     hint="replace the op with ops DTensor has rules for, or register a "
                     "sharding strategy for it (torch.distributed.tensor.experimental."
                     "register_sharding).",
+                ) from exc
+            if getattr(n.target, "namespace", None) in _FUNCTIONAL_COLLECTIVES:
+                # NOTE: [torch.distributed inside the step]: the functional collectives
+                # (torch.distributed._functional_collectives) trace as ops, not as calls
+                # the capture answers; "register a sharding strategy" misled there
+                raise node_error(
+                    f"The train step calls a functional collective ({n.target}, from "
+                    "torch.distributed._functional_collectives): a compiled step is traced as "
+                    "one device on the global batch, where every value is already global, "
+                    "so there is nothing for it to reduce or gather.",
+                    n,
+                    hint="drop the collective (and any division by the world size after it); "
+                    "the parallel mode's placements insert the collectives the program needs. "
+                    "(NOTE: [torch.distributed inside the step])",
                 ) from exc
             gradient = phase(n) is Phase.BACKWARD
             raise node_error(

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed import all_reduce, get_rank, get_world_size
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.nn.functional import all_gather as gather_with_gradient
 
 import spmd_compiler as sc
 from spmd_compiler import errors
@@ -187,3 +192,115 @@ def test_features_gathered_with_their_gradient_compute_as_one_device(mode):
             loss = compiled(model, optim, x, t)
             assert relative_difference(loss, contrastive_on_one_device(reference, reference_optim, x, t)) < TOL
         assert max(compare_models(model, reference, sim).values()) < TOL
+
+
+def named_imports_step(model, optim, x, y):  # noqa: ANN001
+    """A DDP step whose torch.distributed functions were imported by name at the top of
+    its file (``from torch.distributed import get_world_size, all_reduce, get_rank``)."""
+    loss = F.cross_entropy(model(x), y, reduction="sum") / (x.shape[0] * get_world_size())
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    logged = loss.detach().clone()
+    all_reduce(logged)
+    if get_rank() == 0:
+        logged = logged + 0
+    right = (torch.cat(gather_with_gradient(model(x).argmax(-1))) == y).sum()
+    return logged / get_world_size(), right
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_functions_imported_by_name_compute_as_one_device(mode, caplog, monkeypatch):
+    """NOTE: [names of torch.distributed's functions]. Before, the name imported before
+    the trace held torch's own function: the world size 2 was baked in (the loss half of
+    one device's, parameters 0.53 off after 3 steps), and all_reduce was refused as a draw
+    from Python's random module."""
+    monkeypatch.setattr(errors, "_WARNED_LINES", set())
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+    compiled = sc.compile(make_mode(mode))(named_imports_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_compiler"), sc.simulate(world_size=2) as sim:
+        for x, y in _batches():
+            loss, right = compiled(model, optim, x, y)
+            expected_loss, expected_right = one_device_step(reference, reference_optim, x, y)
+            assert relative_difference(loss, expected_loss) < TOL
+            assert int(right) == int(expected_right)
+        assert max(compare_models(model, reference, sim).values()) < TOL
+        assert get_world_size() == 2 and all_reduce is dist.all_reduce  # torch's again
+    warned = [r.getMessage() for r in caplog.records if "world of one" in r.getMessage()]
+    assert any("torch.distributed.all_reduce at" in w and "all_reduce(logged)" in w
+               and "read outside the step" in w for w in warned)
+
+
+MESH = None  # made by the user outside the step
+
+
+def group_and_mesh_sizes_step(model, optim, x, y):  # noqa: ANN001
+    """The world size learnt from the process group and from a mesh of the user's."""
+    world = dist.group.WORLD.size() * MESH.size() * MESH.shape[0]
+    loss = F.cross_entropy(model(x), y, reduction="sum") / (x.shape[0] * world)
+    loss = loss + 0 * (dist.group.WORLD.rank() + MESH.get_rank() + MESH.get_local_rank())
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_process_group_and_mesh_sizes_read_as_one_device(mode, monkeypatch):
+    """NOTE: [process groups and meshes inside the step]. Before, dist.group.WORLD.size()
+    and mesh.size() read 2: the loss half of one device's, parameters 0.53 off."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+    compiled = sc.compile(make_mode(mode))(group_and_mesh_sizes_step)
+    with sc.simulate(world_size=2) as sim:
+        monkeypatch.setattr(sys.modules[__name__], "MESH", init_device_mesh("cpu", (2,)))
+        for x, y in _batches():
+            loss = compiled(model, optim, x, y)
+            assert relative_difference(loss, one_device_step(reference, reference_optim, x, y)[0]) < TOL
+        assert max(compare_models(model, reference, sim).values()) < TOL
+        assert dist.group.WORLD.size() == 2 and MESH.size() == 2  # torch's again
+
+
+def test_a_launcher_variable_read_in_the_step_is_refused(monkeypatch):
+    """NOTE: [launcher variables inside the step]. Before, int(os.environ["WORLD_SIZE"])
+    baked 2 into the program on 2 ranks (the loss half of one device's), silently."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def step(model, optim, x, y):  # noqa: ANN001
+        loss = F.cross_entropy(model(x), y, reduction="sum") / (x.shape[0] * int(os.environ.get("WORLD_SIZE", "1")))
+        loss.backward()
+        optim.step()
+        return loss.detach()
+
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="WORLD_SIZE") as info:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches(1)[0])
+    assert 'int(os.environ.get("WORLD_SIZE"' in str(info.value)  # the line
+    assert "dist.get_world_size()" in str(info.value)  # what to do
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_a_functional_collective_is_refused_as_already_global():
+    """torch.distributed._functional_collectives traces as an op: refused saying the
+    value is already global (before: DTensor's hint to register a sharding rule)."""
+    import torch.distributed._functional_collectives as funcol
+
+    def step(model, optim, x, y):  # noqa: ANN001
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        return funcol.all_reduce(loss.detach(), "sum", dist.group.WORLD)
+
+    model = _model()
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="already global") as info:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches(1)[0])
+    assert "drop the collective" in str(info.value) and "register_sharding" not in str(info.value)
