@@ -96,10 +96,14 @@ def live_bytes(graph: torch.fx.Graph) -> LiveBytes:
     end = len(nodes) - 1
     last: dict[Storage, int] = {}
     for node in nodes:
-        for reader in node.users:
-            for storage in _storages_read(node, owner):
-                at = end if reader.op == "output" else position[reader]
-                last[storage] = max(last.get(storage, -1), at)
+        if not node.users:
+            continue
+        # NOTE: [storages read once per node]: what a reader keeps alive depends on the
+        # node read, not on the reader; asked once per reader it cost results x readers for
+        # a foreach node (one getitem per parameter): 4.4 s of one call on a 10k-node graph
+        at = max(end if reader.op == "output" else position[reader] for reader in node.users)
+        for storage in _storages_read(node, owner):
+            last[storage] = max(last.get(storage, -1), at)
     delta = [0] * (len(nodes) + 1)
     spans: dict[Storage, tuple[int, int, int]] = {}
     for storage, nbytes in sizes.items():

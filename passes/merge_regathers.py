@@ -110,6 +110,8 @@ def merge_regathers(program, context: PassContext) -> bool:
         Whether any gather was removed.
     """
     graph = program.graph_module.graph
+    if not any(node.target is ALL_GATHER for node in graph.nodes):
+        return False  # nothing to merge (ddp): no estimate to make
     memory = live_bytes(graph)
     made: dict[Hashable, torch.fx.Node] = {}  # (source key, group) -> latest result
     changed = False

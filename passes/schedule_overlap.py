@@ -210,7 +210,8 @@ def _hoist_collectives(
             continue
         chain = _feeders(collective, barriers)
         moved = [n for n in order[target:start] if n in chain] + [collective]
-        rest = [n for n in order[target : start + 1] if n not in moved]
+        going = set(moved)  # a set: a bucket moves a feeder per member (span x members)
+        rest = [n for n in order[target : start + 1] if n not in going]
         order[target : start + 1] = moved + rest
 
 

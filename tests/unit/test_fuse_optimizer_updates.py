@@ -215,3 +215,31 @@ def test_a_group_reading_only_inputs_stays_where_its_members_were():
     order = [n.name for n in program.graph.nodes]
     (fused,) = ops(program.graph, "_foreach_mul")
     assert order.index(fused.name) > order.index("y")
+
+
+def test_readers_are_rewritten_once_per_group_not_once_per_member(monkeypatch):
+    """The output reads every parameter's update: replacing the members one by one made fx
+    rebuild its whole argument list once per member, quadratic in the parameter count
+    (NOTE: [one rewrite per reader]). Counted, not timed: the input slots fx rebuilds stay
+    a small multiple of the graph's size."""
+    n = 64
+    program, _ = _tiny_adam_like(n)
+    rebuilt = [0]
+    node_type = torch.fx.Node
+    replace, update = node_type._replace_input_with, node_type._update_args_kwargs
+
+    def counted_replace(self, old, new):
+        rebuilt[0] += len(self.all_input_nodes)
+        return replace(self, old, new)
+
+    def counted_update(self, args, kwargs):
+        rebuilt[0] += len(self.all_input_nodes)
+        return update(self, args, kwargs)
+
+    monkeypatch.setattr(node_type, "_replace_input_with", counted_replace)
+    monkeypatch.setattr(node_type, "_update_args_kwargs", counted_update)
+    size = len(program.graph.nodes)
+    assert fuse_optimizer_updates(program, SimpleNamespace()) is True
+
+    assert len(ops(program.graph, "_foreach_")) == 4
+    assert rebuilt[0] <= 6 * size, (rebuilt[0], size)  # 1,536 for 449 nodes; was 17,088
