@@ -386,7 +386,10 @@ class KeptTensors:
         between calls ran the old program (losses 0.848 where eager gave 0.952, no
         warning). A tensor class attribute inherited from a base class is not guarded in
         the base (a value set on the class later would shadow it unseen): the step is
-        refused, naming the attribute and the base (``inherited``)."""
+        refused, naming the attribute and the base (``inherited``), also where the
+        step reads the same tensor at a place that is guarded (``Cfg.W`` beside
+        ``Sub.W``: that guard does not see ``Sub.W = new``; parameters 5e-2 off eager,
+        silently, before a review)."""
         grew = True
         while grew:
             grew = False

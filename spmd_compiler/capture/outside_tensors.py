@@ -178,8 +178,10 @@ def outside_constants(
                 "or closure variable, self.teacher) rather than through a dict, list "
                 "or other object.",
             )
-        if id(value) not in found and inherited and id(value) in inherited:
-            # NOTE: [tensors of modules and classes read by name]
+        if inherited and id(value) in inherited:
+            # NOTE: [tensors of modules and classes read by name]: refused even where
+            # the tensor is also guarded elsewhere (``Cfg.W`` read beside ``Sub.W``):
+            # that guard does not see ``Sub.W = new`` shadow it (a review: 5e-2 off)
             raise node_error(
                 f"The train step reads {inherited[id(value)]}: a tensor the compiled step "
                 "would keep as a constant, but a value set on the class itself later "

@@ -370,3 +370,21 @@ def test_an_inherited_class_attribute_is_refused_naming_it():
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=message) as raised:
         compiled(model, optim, *_batches(1)[0])
     assert "test_outside_tensors.py" in str(raised.value)
+
+
+def base_and_inherited_step(model, optim, x, y):  # noqa: ANN001
+    scale = Cfg.WEIGHTS.sum() / Cfg.WEIGHTS.sum().detach()
+    return _train(model, optim, scale * F.cross_entropy(model(x), y, weight=DerivedCfg.WEIGHTS))
+
+
+def test_an_inherited_class_attribute_also_read_from_its_base_is_refused():
+    """``Cfg.WEIGHTS`` (guarded) and ``DerivedCfg.WEIGHTS`` (the same tensor, inherited):
+    the guard on ``Cfg`` did not see ``DerivedCfg.WEIGHTS = new``, and the old program
+    ran (a review: parameters 5e-2 off eager, no warning); refused as the inherited one."""
+    torch.manual_seed(0)
+    model = _Scaled().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(base_and_inherited_step)
+    message = r"attribute 'WEIGHTS' of class DerivedCfg, inherited from class Cfg"
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match=message):
+        compiled(model, optim, *_batches(1)[0])
