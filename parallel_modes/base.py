@@ -151,6 +151,15 @@ class ParallelMode(abc.ABC):
             name: the argument's name in the step (``h``, ``batch['mask']``), which a
                 mode may place by (``input_batch_dim``, NOTE: [inputs by name]).
         """
+        if name and name in self.local_index_inputs():
+            # NOTE: [indices into the global batch]: the slice holds global ids, and the
+            # runtime would add the rank's offset again (silently wrong from 3 ranks)
+            raise ValueError(
+                f"local_batch({name!r}): {name} is named in input_index_of, so each rank "
+                "passes ids numbered from 0, and the runtime adds the rank's offset; the "
+                "slice of the global batch holds global ids. Collate each rank's share "
+                "itself (its ids from 0), or drop input_index_of and pass global ids."
+            )
         mesh = mesh if mesh is not None else self.mesh(x.device.type)
         meta = TensorMeta(tuple(x.shape), x.dtype, x.device, False)
         placements = self.placement_of(StateRef(Kind.INPUT, name=name, index=index), meta, mesh)

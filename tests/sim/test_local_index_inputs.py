@@ -224,3 +224,12 @@ def test_labels_into_a_class_dimension_or_a_whole_table_do_not_warn() -> None:
         warnings.simplefilter("always")
         warn_on_local_ids(as_rank1, [x[2:], y[2:], weights], {})  # type: ignore[arg-type]
     assert not [w for w in caught if "look numbered from 0" in str(w.message)]
+
+
+def test_local_batch_of_an_index_argument_is_refused() -> None:
+    """``local_batch`` cuts the global batch's slice (global ids); the runtime would add
+    the rank's offset again, out of range on 2 ranks and silently wrong from 3."""
+    mode = DataParallel("replicate", input_batch_dim={"ei": 1}, input_index_of={"ei": "x"})
+    ei = torch.zeros(2, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"local_batch\('ei'\).*input_index_of"):
+        mode.local_batch(ei, 1, name="ei")
