@@ -45,7 +45,7 @@ from spmd_compiler.capture.bindings import (
 )
 from spmd_compiler.capture.code_names import step_code, step_where
 from spmd_compiler.errors import SPMDCompileError
-from spmd_compiler.expand.iterated_batches import check_iterated_batches
+from spmd_compiler.expand.iterated_batches import check_iterated_batches, check_stacked_samples
 from spmd_compiler.expand.retrace import DistributedProgram
 from spmd_compiler.ir.signature import Kind, StateRef, TensorMeta
 from spmd_compiler.runtime.simulate import active_simulation
@@ -257,7 +257,10 @@ def check_program_iterations(
 ) -> None:
     """``check_iterated_batches`` for ``program``, whose split arguments are read off its
     input placements (their first mesh dimension's shard); ``named``: whether the mode
-    names an argument's batch dimension; ``hint``: for a mode without ``input_batch_dim``."""
+    names an argument's batch dimension; ``hint``: for a mode without ``input_batch_dim``.
+    Also the items of a list argument stacked as samples (NOTE: [samples of a list
+    stacked])."""
+    check_stacked_samples(program.stacked_samples, named)
     check_iterated_batches(
         program.iterated_batches, named, _split_inputs(program), simulated=active_simulation() is not None, hint=hint
     )

@@ -37,6 +37,36 @@ it. Expansion records each such op (``BatchIterations``). Two kinds:
   Walks in an installed library's code (transformers' LLaVA over its images) are loops
   over samples of batch-first inputs by convention: not warned about.
 Before the fifty-fourth session all of this trained wrong silently on real ranks.
+
+NOTE: [samples of a list stacked]
+A collate function that does not stack passes the batch as a list (or tuple) of
+per-sample tensors, ``wavs = [w0, w1, ...]`` of shape ``(T,)`` each, and the step stacks
+them itself (``pad_sequence(wavs, batch_first=True)``, ``torch.stack(wavs)``). The mode
+splits each item along its own dimension 0 as if it were a batch tensor: time here. In
+simulation, where the caller passes the global list, DTensor puts the pieces back and the
+step computes what eager does; on real ranks each rank passes its own samples, half as
+many, and the program reads rank 0's and rank 1's i-th samples as the two halves of one
+sample twice as long: a spectral-mask enhancer (stft, gain, istft) 2.1e-3 off one device
+after 3 steps on 2 gloo ranks, no sign (a Conv1d model failed with an internal shape
+message; sixty-first session). The list's length, the batch, is per rank, and nothing
+can split it. Expansion records each op that places two or more items of one list
+argument, split along their dimension 0, as the rows of a new leading dimension
+(``StackedSamples``):
+- each written into the first part of a row of a new tensor along its own dimension 0
+  (``select_scatter`` of a ``slice_scatter``: what ``pad_sequence`` and a hand-written
+  ``out[i, :len(w)] = w`` trace to): padding makes an item's dimension 0 a sequence's
+  length (``pad_sequence``'s ``(L, *)``), samples for certain: refused, on real ranks and
+  in simulation alike (refusing on real ranks alone would let the two compute
+  differently);
+- ``torch.stack(items)`` / ``torch.cat([w.unsqueeze(0), ...])`` / whole rows written by
+  hand (``out[i] = w``): also what a list of batch
+  tensors does, ``torch.stack([x1, x2])`` of two ``(B, F)`` views into ``(2, B, F)``, whose
+  batch dimension 1 is split right: nothing in the graph tells the two apart, so a
+  warning, on real ranks and in simulation, naming the op, the line and both ways to say
+  which it is.
+Naming the list in ``input_batch_dim`` (``{'wavs': None}``: every rank passes the same
+whole list; ``{'wavs': 0}``: each item is a batch tensor) says which it is and silences
+both.
 """
 
 from __future__ import annotations
@@ -44,6 +74,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +85,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as private
-from ..errors import in_installed_package, node_error, stack_trace_frames
+from ..errors import SPMDCompileError, in_installed_package, node_error, stack_trace_frames
 from ..ir.node_meta import TIME_MAJOR_INPUT, TIME_MAJOR_RNN
 
 # op -> the position of its dimension argument and its default
@@ -83,6 +114,33 @@ class IteratedBatch:
     share: int | None = None
 
 
+@dataclass(frozen=True)
+class StackedSamples:
+    """``node`` (of the captured graph) places the items ``items`` of the list argument
+    ``argument``, each split along its dimension 0, as rows of a new leading dimension
+    (NOTE: [samples of a list stacked]); ``padded``: row by row into a new tensor
+    (``pad_sequence``), samples for certain."""
+
+    node: torch.fx.Node
+    argument: str
+    items: tuple[str, ...]
+    padded: bool
+
+
+_STACK = torch.ops.aten.stack.default
+_CAT = torch.ops.aten.cat.default
+_SELECT_SCATTER = torch.ops.aten.select_scatter.default
+_SLICE_SCATTER = torch.ops.aten.slice_scatter.default
+_UNSQUEEZE = torch.ops.aten.unsqueeze.default
+# ops an item passes through unchanged in layout before it is stacked (a dtype or
+# device cast, a copy)
+_AS_ITSELF = {
+    torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.alias.default,
+    torch.ops.prims.convert_element_type.default,
+}
+_ITEM = re.compile(r"^(.+)\[(\d+)\]$")
+
+
 class BatchIterations:
     """Collects ``IteratedBatch`` records while the expanding interpreter runs: told of
     each split argument as its placeholder is read and of each op before it runs."""
@@ -98,6 +156,12 @@ class BatchIterations:
         # (the selected value's node, dimension) -> the index in ``found`` of its record
         self._walk_of: dict[tuple[Any, int], int] = {}
         self.found: list[IteratedBatch] = []
+        # placeholder -> argument name, for items split along their own dimension 0
+        self._split_at_0: dict[torch.fx.Node, str] = {}
+        # list argument and whether padded -> its items written as rows of a new tensor
+        # so far
+        self._rows: dict[str, set[str]] = {}
+        self.stacked: list[StackedSamples] = []
 
     def argument(self, node: torch.fx.Node, name: str, value: Any) -> None:
         """Placeholder ``node`` holds step argument ``name`` as ``value``."""
@@ -108,6 +172,9 @@ class BatchIterations:
         if dims:
             self._split[node] = name
             self._mesh_dims |= dims
+            if value.ndim and any(private.is_shard_like(p) and p.dim == 0
+                                  for m, p in enumerate(value.placements) if m in dims):
+                self._split_at_0[node] = name
 
     def _split_along(self, value: DTensor, dim: int) -> bool:
         return any(
@@ -120,6 +187,8 @@ class BatchIterations:
         walks along the split dimension of its input."""
         if not self._split:
             return
+        if self._split_at_0 and target in (_STACK, _CAT, _SELECT_SCATTER):
+            self._stacked(node, target, args, kwargs)
         for source, value in zip(node.args, args):
             if not isinstance(source, torch.fx.Node) or not isinstance(value, DTensor):
                 continue
@@ -171,6 +240,60 @@ class BatchIterations:
         if self._record(node, node, dim, recurrent, (walked, value.shape[dim], value.shape[dim] // ranks)):
             if key is not None:
                 self._walk_of[key] = len(self.found) - 1
+
+    def _item(self, node: Any, unsqueezed: bool) -> str | None:
+        """The split list item (``wavs[3]``) ``node`` is, through casts and copies (and
+        one ``unsqueeze(0)`` where ``unsqueezed``); None where it is none."""
+        for _ in range(6):
+            if not isinstance(node, torch.fx.Node):
+                return None
+            if node in self._split_at_0:
+                name = self._split_at_0[node]
+                return name if not unsqueezed and _ITEM.match(name) else None
+            if unsqueezed and node.target is _UNSQUEEZE and len(node.args) > 1 and node.args[1] == 0:
+                unsqueezed = False
+            elif node.target is _SLICE_SCATTER and len(node.args) > 1:
+                node = node.args[1]  # the item written into a row's slice
+                continue
+            elif node.target not in _AS_ITSELF:
+                return None
+            node = node.args[0] if node.args else None
+        return None
+
+    def _stacked(self, node: torch.fx.Node, target: Any, args: tuple, kwargs: dict) -> None:
+        """Record ``node`` if it places items of a split list argument as the rows of a
+        new leading dimension (NOTE: [samples of a list stacked])."""
+        if target is _SELECT_SCATTER:
+            dim = node.args[2] if len(node.args) > 2 else kwargs.get("dim")
+            item = self._item(node.args[1], False) if len(node.args) > 1 and dim == 0 else None
+            if item is None:
+                return
+            # padded: written into the first part of its row along its own dimension 0
+            # (``pad_sequence``, ``out[i, :len(w)] = w``), which makes that dimension a
+            # length; a whole row (``out[i] = w``) is what a stack does
+            source = node.args[1]
+            padded = isinstance(source, torch.fx.Node) and source.target is _SLICE_SCATTER and bool(
+                (source.args[2] if len(source.args) > 2 else source.kwargs.get("dim", 0)) == 0
+            )
+            argument = _ITEM.match(item).group(1)  # type: ignore[union-attr]
+            rows = self._rows.setdefault(f"{argument}{padded}", set())
+            rows.add(item)
+            if len(rows) == 2:  # once, at the second item
+                self._add_stacked(StackedSamples(node, argument, tuple(sorted(rows)), padded=padded))
+            return
+        dim = node.args[1] if len(node.args) > 1 else kwargs.get("dim", 0)
+        if dim != 0 or not node.args or not isinstance(node.args[0], (list, tuple)):
+            return
+        items = [self._item(n, target is _CAT) for n in node.args[0]]
+        if len(items) < 2 or any(i is None for i in items):
+            return
+        lists = {_ITEM.match(i).group(1) for i in items if i is not None}  # type: ignore[union-attr]
+        if len(lists) == 1 and len(set(items)) == len(items):
+            self._add_stacked(StackedSamples(node, lists.pop(), tuple(i for i in items if i), padded=False))
+
+    def _add_stacked(self, record: StackedSamples) -> None:
+        if not any(r.argument == record.argument and r.padded == record.padded for r in self.stacked):
+            self.stacked.append(record)
 
     def _record(
         self, node: torch.fx.Node, value: torch.fx.Node, dim: int, layer: str | None,
@@ -346,4 +469,49 @@ def check_iterated_batches(
         f"{error}" + (" (refused on real ranks; simulated ranks are passed the global value, "
                       "which is split right either way)" if recurrent is not None else ""),
         stacklevel=2,
+    )
+
+
+def check_stacked_samples(stacked: list[StackedSamples], named: Callable[[str], bool]) -> None:
+    """Refuse or warn, once for all records whose list argument ``input_batch_dim`` does
+    not name (NOTE: [samples of a list stacked]); on real ranks and in simulation alike.
+
+    Raises:
+        SPMDCompileError: where the items are written row by row into a new tensor
+            (``pad_sequence``): samples for certain.
+    """
+    records = [r for r in stacked if not any(named(i) for i in r.items)]
+    if not records:
+        return
+    record = next((r for r in records if r.padded), records[0])
+    error = stacked_samples_error(record)
+    if record.padded:
+        raise error
+    warnings.warn(f"{error}", stacklevel=2)
+
+
+def stacked_samples_error(record: StackedSamples) -> SPMDCompileError:
+    """The error (a warning's text, for ``torch.stack``) about ``record`` (NOTE: [samples
+    of a list stacked]); also raised where such samples fail expansion first (a
+    convolution over the split time dimension)."""
+    name = record.argument
+    how = "padded row by row into a new tensor (pad_sequence)" if record.padded else "stacked"
+    also = "" if record.padded else (
+        " (or as batch tensors, torch.stack([x1, x2]) of two (B, F) views, which is split right)"
+    )
+    hint = (
+        "stack (pad) the samples in the collate function and pass one batch tensor (its "
+        f"dimension 0 is then split), or name it in the mode: input_batch_dim={{{name!r}: None}} "
+        "if every rank passes the same whole list"
+    )
+    return node_error(
+        f"The items of the list argument {name!r} ({', '.join(record.items[:3])}"
+        f"{', ...' if len(record.items) > 3 or record.padded else ''}) are {how} along a new "
+        f"dimension 0, as samples of one batch{also}, but the mode splits each item along its "
+        "own dimension 0 as if it were a batch tensor (a sample's time or channels): on real "
+        "ranks each rank passes its own samples, and the program would read the ranks' i-th "
+        "samples as pieces of one longer sample; the step would train wrong.",
+        record.node,
+        hint=hint + ("." if record.padded else f", or input_batch_dim={{{name!r}: 0}} if each item "
+                     "is a batch tensor whose dimension 0 is its batch."),
     )

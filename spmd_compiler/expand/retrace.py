@@ -50,7 +50,7 @@ from ..ir.graph_utils import RetracingInterpreter, placeholders, replace_with_in
 from ..ir.node_meta import PADDED, PLACEMENT, Phase, phase
 from ..ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta, contiguous_stride
 from ..ir.use_step import UseGroup, UseHook, UseStep
-from .iterated_batches import BatchIterations, IteratedBatch
+from .iterated_batches import BatchIterations, IteratedBatch, StackedSamples, stacked_samples_error
 from .local_rules import LocalRules
 
 if TYPE_CHECKING:  # typing only: lowering and the runtime import this module
@@ -97,6 +97,8 @@ class DistributedProgram:
     # ops iterating over a split argument's batch dimension, as expansion found them
     # (NOTE: [a batch dimension iterated over]; read by the data-parallel modes, not cached)
     iterated_batches: list[IteratedBatch] = field(default_factory=list)
+    # ops stacking a list argument's items as samples (NOTE: [samples of a list stacked])
+    stacked_samples: list[StackedSamples] = field(default_factory=list)
 
     def pads(self, ref: StateRef) -> bool:
         """Whether the runtime feeds ``ref`` row-padded and unpads what it writes back
@@ -268,6 +270,7 @@ def expand(
         local_inputs=local,
         expand_seconds=time.perf_counter() - start,
         iterated_batches=iterations.found,
+        stacked_samples=iterations.stacked,
     )
 
 
@@ -1068,6 +1071,11 @@ def _check_local_shape(source: torch.fx.Node, value: DTensor, iterations: BatchI
         return
     shown = tuple("?" if want is None else want for want in expected)
     split = sorted(iterations.reaching(source))
+    # samples of a list stacked (a convolution over their split time dimension): that
+    # is what went wrong, and what to say (NOTE: [samples of a list stacked])
+    stacked = [r for r in iterations.stacked if set(r.items) & set(split)]
+    if stacked:
+        raise stacked_samples_error(next((r for r in stacked if r.padded), stacked[0]))
     named = (
         "if " + ", ".join(repr(a) for a in split) + (" holds" if len(split) == 1 else " hold")
         + " the batch on another dimension "
