@@ -254,14 +254,21 @@ _ANSWERS: dict[str, Callable[..., Any]] = {}
 _PASS_THROUGH: set[Any] = set()  # codes of the frames between a caller and the answer
 
 
+_ANSWERING_CODES: dict[str, Any] = {}
+
+
 def _answering_code(key: str, name: str) -> Any:
     """A code object without free variables that calls ``_ANSWERS[key]`` (it runs with
-    torch's module globals, so it reaches this module through ``sys.modules``)."""
+    torch's module globals, so it reaches this module through ``sys.modules``); one per
+    ``key``, made once."""
+    found = _ANSWERING_CODES.get(key)
+    if found is not None:
+        return found
     source = (f"def {name}(*args, **kwargs):\n"
               f"    return __import__('sys').modules[{__name__!r}]._ANSWERS[{key!r}](*args, **kwargs)\n")
     namespace: dict[str, Any] = {}
     exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - our own fixed source
-    code = namespace[name].__code__
+    code = _ANSWERING_CODES[key] = namespace[name].__code__
     _PASS_THROUGH.add(code)
     return code
 
@@ -281,15 +288,20 @@ def _swap_behaviour(function: Any, make_answer: Callable[[Callable[..., Any]], C
         cell.cell_contents = make_answer(inner)
         stack.callback(setattr, cell, "cell_contents", inner)
         return True
+    key = f"{function.__module__}.{function.__qualname__}"
+    if function.__code__ is _ANSWERING_CODES.get(key):
+        return True  # swapped already by a trace still open (it is put back by that one)
     real = types.FunctionType(function.__code__, function.__globals__, function.__name__,
                               function.__defaults__)
     real.__kwdefaults__ = function.__kwdefaults__
-    key = f"{function.__module__}.{function.__qualname__}"
     _ANSWERS[key] = make_answer(real)
     original = function.__code__
     function.__code__ = _answering_code(key, function.__name__)
+    # the answer stays in ``_ANSWERS`` after the code is put back: another thread that
+    # entered the answering code just before is still answered (by torch's function,
+    # the answer passes other threads through); a review saw KeyErrors there when the
+    # answer was dropped first
     stack.callback(setattr, function, "__code__", original)
-    stack.callback(_ANSWERS.pop, key, None)
     return True
 
 
