@@ -591,7 +591,10 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
         elif isinstance(container, types.FunctionType):  # a tensor default argument
             current = _default_of(container, name)
         elif isinstance(container, functools.partial):  # NOTE: [tensors bound by a partial]
-            current = container.args[name] if name < len(container.args) else _MISSING
+            if isinstance(name, int):
+                current = container.args[name] if name < len(container.args) else _MISSING
+            else:  # a keyword: ``keywords`` read anew (``__setstate__`` replaces the dict whole)
+                current = container.keywords.get(name, _MISSING)
         else:
             current = container.get(name, _MISSING)
         return _held(tensor, tensor._version) if current is tensor else ("another value",)
@@ -615,9 +618,10 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
     return _current(bindings.flat_args[key])
 
 
-def _default_of(fn: types.FunctionType, key: tuple[str, Any]) -> Any:
+def _default_of(fn: Any, key: tuple[str, Any]) -> Any:
     """A default argument of ``fn``: ``key`` is ``("__defaults__", position)`` or
-    ``("__kwdefaults__", name)``; read anew (code may assign either attribute whole)."""
+    ``("__kwdefaults__", name)``, or a keyword a ``functools.partial`` ``fn`` binds,
+    ``("keywords", name)``; read anew (code may assign either attribute whole)."""
     attribute, which = key
     held = getattr(fn, attribute)
     if held is None:
@@ -942,9 +946,12 @@ def build_guards(
 # a dict inside another guarded container. Measured (``nn.Linear(8, 4)``, ddp, simulated
 # world 2, 10 calls): ``metrics["loss"] = loss.item()`` or ``t.stats["l"] = ...`` compiled
 # 10 programs (median call 0.33 s, the recompile warning from the fourth), now 1 (median
-# call 0.055 s), each call's number in the dict. What is not seen,
-# as for every guard: a read by code the walk does not reach (a library function handed
-# the object) or through ``vars`` / ``__dict__`` outside the walked code.
+# call 0.055 s), each call's number in the dict. The walked code includes the bodies of a
+# user's ``autograd.Function`` the code names (NOTE: [autograd.Function bodies]; until
+# 2026-12-06 not: a ``METRICS.get`` in ``forward`` lost its guard here, silently). What
+# is not seen, as for every guard: a read by code the walk does not reach (a library
+# function handed the object, an ``autograd.Function`` only a library names) or through
+# ``vars`` / ``__dict__`` outside the walked code.
 _LOCAL_NAME_OPS = frozenset({
     "LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR",
     "LOAD_FAST_LOAD_FAST", "STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST", "LOAD_DEREF",
@@ -1234,8 +1241,8 @@ class _Walker:
         "sum"``: the old program ran, silently): their number and scalar values."""
         self.guards.add(_LEN, value.keywords, None, len(value.keywords), f"the number of keywords of {label}")
         for key, arg in value.keywords.items():
-            if is_scalar(arg):
-                self.guards.add(_DICT, value.keywords, key, arg, f"keyword {key!r} of {label}")
+            if is_scalar(arg):  # read from ``value.keywords`` anew each call: NOTE: [tensors bound by a partial]
+                self.guards.add(_DEFAULT, value, ("keywords", key), arg, f"keyword {key!r} of {label}")
 
     def link(self, kind: int, container: Any, key: Any, value: Any) -> None:
         """The walk goes on into ``value``, found at ``container[key]``: a call that
@@ -1335,6 +1342,7 @@ class _Walker:
                 if isinstance(obj, type) and not path.startswith(_SUPER_CELL):  # a class the
                     # code names: ``Options(...)`` runs its __init__
                     grew |= self.implicit_methods(obj, _CONSTRUCTION)
+                    grew |= self.autograd_function(obj)
                 if isinstance(obj, (type, types.ModuleType)):
                     continue
                 grew |= self.implicit_methods(type(obj)) | self.overrides(type(obj))
@@ -1395,6 +1403,27 @@ class _Walker:
                 continue
             if (attribute in only) if only is not None else (attribute not in _NOT_CALLED_ON_READ):
                 walked |= self.class_attribute(cls, attribute)
+        return walked
+
+    def autograd_function(self, cls: type) -> bool:
+        """NOTE: [autograd.Function bodies]: a user's ``torch.autograd.Function`` subclass
+        the code names (``Scale.apply(x)``) runs its ``forward`` / ``backward`` /
+        ``setup_context`` / ``jvp`` / ``vjp`` through torch's ``apply``, which the code
+        names instead: they are walked like the user's methods (their globals, closure
+        values, the dict entries they read), their code joins ``Guards.codes`` and each is
+        guarded by identity. Before 2026-12-06 they were not walked: a global float read
+        only in ``forward`` had no guard (1 compile, losses 4.4 off eager), and a global
+        dict ``forward`` read with ``METRICS.get`` lost its guard to NOTE: [kept numbers
+        only written] (1 compile, losses [1.276, 1.508, 1.461, 1.416] for eager's [1.276,
+        1.923, 2.804, 4.014]). Whether any was new."""
+        if (cls, _AUTOGRAD_BODIES) in self.implicit_done or not issubclass(cls, torch.autograd.Function):
+            return False
+        self.implicit_done.add((cls, _AUTOGRAD_BODIES))
+        if not users_class(cls):  # torch's own (``users_bases`` stops at torch's classes too)
+            return False
+        walked = False
+        for attribute in sorted(_AUTOGRAD_BODIES):
+            walked |= self.class_attribute(cls, attribute)
         return walked
 
     def overrides(self, cls: type) -> bool:
@@ -1668,6 +1697,9 @@ _NOT_CALLED_ON_READ = _CONSTRUCTION | frozenset(
 
 # the ``implicit_done`` key of a class whose ``overrides`` were walked
 _OVERRIDES = frozenset({"<overrides>"})
+# the methods torch's ``Function.apply`` runs of a user's ``autograd.Function`` (the key
+# of ``implicit_done`` for one walked too): NOTE: [autograd.Function bodies]
+_AUTOGRAD_BODIES = frozenset({"forward", "backward", "setup_context", "jvp", "vjp"})
 
 
 @functools.cache

@@ -100,6 +100,7 @@ from .. import _torch_private as private
 from ..errors import SPMDCompileError, node_error
 from .bindings import StepBindings
 from .code_names import global_names_in, names_in, strings_in
+from .containers import distribution_object, traced_inside
 from .guards import functions_of
 from .outside_tensors import FoundTensor
 from .plain_objects import (
@@ -142,8 +143,26 @@ def is_traced(value: Any) -> bool:
 
 
 def _leaks(value: Any) -> bool:
-    """A traced value, or a container holding one."""
-    return is_traced(value) or _holds_traced(value)
+    """A traced value, or a container or distribution holding one."""
+    return is_traced(value) or _holds_traced(value) or _traced_distribution(value)
+
+
+def _traced_distribution(value: Any) -> bool:
+    """NOTE: [kept distributions]
+    A ``torch.distributions`` object the step keeps (``model.last_dist =
+    Categorical(logits=out.detach())``, ``HOLD.d = ...`` of a global object, a dict
+    entry), or a tuple / list / dict of them, holding a value of the trace: refused as a
+    returned one is (NOTE: [returned distributions] in ``containers.py``), naming the
+    place. Before 2026-12-06 the walk of kept values skipped torch's objects, so after
+    every compiled call the attribute held the capture's distribution: ``d.logits`` a
+    ``FakeTensor``, ``d.entropy()`` a ``FakeTensor``, no error. Storing it anew each
+    call would need each class's way of deriving its attributes; the step keeps the
+    tensors instead (stored after every call) and the caller builds the distribution."""
+    if isinstance(value, (tuple, list)):
+        return any(_traced_distribution(v) for v in value)
+    if isinstance(value, dict):
+        return any(_traced_distribution(v) for v in value.values())
+    return distribution_object(value) and traced_inside(value, is_traced) is not None
 
 
 def _where(step: str, key: Any) -> str:
@@ -538,6 +557,16 @@ class KeptTensors:
                 if value is old:
                     continue
                 where = h.label + _where(step, key)
+                if _traced_distribution(value):  # NOTE: [kept distributions]
+                    kind = type(value).__name__
+                    raise _refused(
+                        where, (f"a {kind} holding a torch.distributions object" if not distribution_object(value)
+                                else f"a torch.distributions {kind}")
+                        + " built from a traced tensor: NOTE: [kept distributions]",
+                        hint="keep the tensors the distribution is built from instead (model.last_logits = "
+                        "out.detach(), stored after every call) and build the distribution from them outside "
+                        "the compiled step (Categorical(logits=model.last_logits)); or return them from the step.",
+                    )
                 if is_traced(value):
                     self.kept.append((KeptTensor(
                         h.root, h.path, step, key, where,
@@ -708,8 +737,11 @@ def _partial_tensors(func: Any) -> list[tuple[Any, Any, torch.Tensor, str]]:
     """NOTE: [tensors bound by a partial]
     The tensors ``functools.partial`` s (under bound methods and partials of partials)
     bind, each with where it is read from: the partial and the position (its positional
-    arguments cannot be replaced; ``guards._read`` reads ``partial.args`` anew) or its
-    ``keywords`` dict and the name (which can: ``step.keywords["mask"] = new``). Such a
+    arguments cannot be replaced but by ``__setstate__``; ``guards._read`` reads
+    ``partial.args`` anew) or the keyword's name (``step.keywords["mask"] = new``;
+    ``partial.keywords`` read anew too: before 2026-12-06 the dict read at capture was
+    guarded, and one put whole by ``__setstate__`` ran the old tensor, parameters 0.105
+    off eager, silently). Such a
     tensor (``partial(train_step, class_weights)``, ``partial(step, mask=m)``) is read
     as a global tensor is, a constant of the program guarded there (NOTE: [tensors read
     from outside the arguments]): changed in place or replaced between calls, the next
@@ -723,7 +755,7 @@ def _partial_tensors(func: Any) -> list[tuple[Any, Any, torch.Tensor, str]]:
         elif isinstance(func, functools.partial):
             found += [(func, i, v, f"argument {i} of the partial") for i, v in enumerate(func.args)
                       if isinstance(v, torch.Tensor)]
-            found += [(func.keywords, k, v, f"keyword {k!r} of the partial") for k, v in func.keywords.items()
+            found += [(func, k, v, f"keyword {k!r} of the partial") for k, v in func.keywords.items()
                       if isinstance(v, torch.Tensor)]
             func = func.func
         else:

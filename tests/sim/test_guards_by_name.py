@@ -438,6 +438,21 @@ def test_a_partials_keyword_changed_in_place_recompiles(monkeypatch):
     assert len(run.compiled.records) == 2
 
 
+def test_a_partials_keywords_set_whole_recompiles(monkeypatch):
+    """``LOSS.__setstate__((f, args, {"reduction": "sum"}, None))`` puts a new keywords
+    dict: the guard held the dict read at capture, so the mean program ran silently;
+    ``keywords`` is read anew each call."""
+    monkeypatch.setitem(globals(), "LOSS", functools.partial(F.cross_entropy, reduction="mean"))
+    run = Run(partial_loss_step)
+    with sc.simulate(world_size=WORLD):
+        model, twin = run.twin(Staged())
+        run.check(model, twin)
+        LOSS.__setstate__((LOSS.func, LOSS.args, {"reduction": "sum"}, None))
+        run.check(model, twin)
+        run.check(model, twin)
+    assert len(run.compiled.records) == 2
+
+
 class Constant(Staged):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + torch.tensor([0.1, 0.2, 0.3]).to(x.dtype)

@@ -1132,3 +1132,127 @@ def test_a_written_dict_rebound_between_calls_gets_the_number():
         assert step.compile_count == 2
     finally:
         METRICS = old
+
+
+# NOTE: [autograd.Function bodies]: values read only inside a user's autograd.Function
+SCALE = 1.0
+
+
+class _ScaleByMetrics(torch.autograd.Function):
+    """Reads the global dict the step writes, in ``forward`` only."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        ctx.s = METRICS.get("loss", 1.0)
+        return x * ctx.s
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g * ctx.s
+
+
+class _ScaleByGlobal(torch.autograd.Function):
+    """Reads a global float in ``forward`` only."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        ctx.s = SCALE
+        return x * SCALE
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g * ctx.s
+
+
+def _reads_in_a_function_forward(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = _ScaleByMetrics.apply(F.cross_entropy(model(x), y))
+    METRICS["loss"] = loss.item()
+    return _update(model, optim, loss)
+
+
+def _scaled_by_a_function(model, optim, x, y):  # noqa: ANN001, ANN202
+    return _update(model, optim, _ScaleByGlobal.apply(F.cross_entropy(model(x), y)))
+
+
+@pytest.mark.parametrize("fn", [_reads_in_a_function_forward, _scaled_by_a_function])
+def test_values_read_only_in_an_autograd_functions_body_are_guarded(fn):
+    """The step names only ``Scale.apply`` (torch's code); ``Scale.forward`` /
+    ``backward`` read a global dict the step writes (``METRICS.get``) or a global float
+    changed between calls. Their code was not walked: the float had no guard, and the
+    dict lost its guard to NOTE: [kept numbers only written] (1 compile; losses [1.276,
+    1.508, 1.461, 1.416] for eager's [1.276, 1.923, 2.804, 4.014], float 4.4 off). Now
+    each new value compiles and every call matches eager (NOTE: [autograd.Function
+    bodies])."""
+    global SCALE
+    seen = {}
+    try:
+        for compiled in (False, True):
+            METRICS.clear()
+            model = _Plain()
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            step = sc.compile(make_mode("ddp"))(fn) if compiled else fn
+            values = []
+            with sc.simulate(world_size=2) as sim:
+                for i, (x, y) in enumerate(_batches(4)):
+                    SCALE = 1.0 + i
+                    loss = step(model, optim, x, y)
+                    values.append((loss.detach().clone(), dict(METRICS)))
+                params = [sim.full_tensor(p).clone() for p in model.parameters()]
+            if compiled:
+                assert step.compile_count == 4
+            seen[compiled] = values, params
+    finally:
+        SCALE = 1.0
+    (eager, eager_params), (got, got_params) = seen[False], seen[True]
+    for (loss, kept), (want_loss, want_kept) in zip(got, eager, strict=True):
+        assert _close(loss, want_loss) and kept.keys() == want_kept.keys()
+        assert all(_close(kept[k], want_kept[k]) for k in kept)
+    assert all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got_params, eager_params, strict=True))
+
+
+# NOTE: [kept distributions]
+DIST_HOLDER = types.SimpleNamespace()
+
+
+def _keeps_a_distribution_on_the_model(model, optim, x, y):  # noqa: ANN001, ANN202
+    out = model(x)
+    model.last_dist = torch.distributions.Categorical(logits=out.detach())
+    return _update(model, optim, F.cross_entropy(out, y))
+
+
+def _keeps_a_distribution_on_a_global_object(model, optim, x, y):  # noqa: ANN001, ANN202
+    out = model(x)
+    DIST_HOLDER.d = torch.distributions.Normal(out.detach(), 1.0)
+    return _update(model, optim, F.cross_entropy(out, y))
+
+
+def _keeps_distributions_in_a_tuple(model, optim, x, y):  # noqa: ANN001, ANN202
+    out = model(x)
+    model.dists = (torch.distributions.Categorical(logits=out.detach()),)
+    return _update(model, optim, F.cross_entropy(out, y))
+
+
+@pytest.mark.parametrize("fn, where", [
+    (_keeps_a_distribution_on_the_model, "module <root> (_Plain).last_dist"),
+    (_keeps_a_distribution_on_a_global_object, "global 'DIST_HOLDER'"),
+    (_keeps_distributions_in_a_tuple, "module <root> (_Plain).dists"),
+])
+def test_a_kept_distribution_of_traced_values_is_refused_naming_it(fn, where):
+    """``model.last_dist = Categorical(logits=out.detach())`` (or on a global object, or
+    in a tuple): the walk of kept values skipped torch's objects, so after every
+    compiled call the attribute held the capture's distribution (``d.logits`` and
+    ``d.entropy()`` FakeTensors, no error). Refused now, as a returned distribution is,
+    naming the place and saying to keep the tensors; the model is left without it."""
+    DIST_HOLDER.__dict__.clear()
+    model = _Plain()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = sc.compile(make_mode("ddp"))(fn)
+    x, y = _batches(1)[0]
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        step(model, optim, x, y)
+    message = str(info.value)
+    assert where in message and "torch.distributions" in message and "NOTE: [kept distributions]" in message
+    assert "build the distribution from them outside" in message
+    assert "last_dist" not in vars(model) and "dists" not in vars(model) and not vars(DIST_HOLDER)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))

@@ -174,12 +174,14 @@ def weights_first_step(w, model, optim, x, y, *, mask=None):  # noqa: ANN001
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-@pytest.mark.parametrize("how", ["positional", "keyword"])
+@pytest.mark.parametrize("how", ["positional", "keyword", "keywords_set_whole"])
 def test_a_tensor_bound_by_a_partial_is_a_guarded_constant(how, mode):
     """NOTE: [tensors bound by a partial]: ``partial(train_step, class_weights)`` and
     ``partial(step, mask=m)`` were refused as reading a tensor "from a place the
     compiled step cannot watch". Read as a global is: changed in place, or the keyword
-    replaced, it compiles a new program computing with the new values."""
+    replaced, it compiles a new program computing with the new values. The keywords
+    dict put whole by ``__setstate__`` was not seen (the dict read at capture was
+    guarded: the old mask ran, parameters 0.105 off eager); ``keywords`` is read anew."""
     weights = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
     mask = torch.tensor([1.0, 0.5, 2.0, 1.5], dtype=torch.float64)
     step = (functools.partial(weights_first_step, weights) if how == "positional"
@@ -190,6 +192,9 @@ def test_a_tensor_bound_by_a_partial_is_a_guarded_constant(how, mode):
             (weights if how == "positional" else mask).add_(torch.tensor([1.0, 0.0, -0.25, 2.0], dtype=torch.float64))
         if i == 3 and how == "keyword":  # a keyword replaced whole
             step.keywords["mask"] = torch.tensor([2.0, 1.0, 1.0, 0.25], dtype=torch.float64)
+        if i == 3 and how == "keywords_set_whole":  # the keywords dict replaced whole
+            new = {"mask": torch.tensor([2.0, 1.0, 1.0, 0.25], dtype=torch.float64)}
+            step.__setstate__((step.func, step.args, new, None))
         if i == 3 and how == "positional":
             weights.mul_(torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=torch.float64))
 
