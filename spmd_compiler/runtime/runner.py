@@ -338,15 +338,17 @@ def check_state_world(bindings: StepBindings, world: int, sim: Simulation | None
 # places it otherwise (DataParallel('replicate'): Replicate) was refused with "a compiled
 # model's state stays placed as the first step placed it ... the steps that placed it go
 # on as before", though no compiled step had placed it (2 gloo ranks, sixty-first
-# session). The parameters a step placed are kept by id, weakly (a WeakSet compares
-# tensors with ``==``); any other DTensor parameter is the user's, and the refusal says
-# so and what to do.
-_PLACED_BY_A_STEP: dict[int, weakref.ref[torch.Tensor]] = {}
+# session). The ids of the parameters a step placed are kept; any other DTensor
+# parameter is the user's, and the refusal says so and what to do.
+# No weak reference to the parameter: one makes ``torch.utils.swap_tensors`` refuse it,
+# which ``model.double()`` / ``.to()`` of a placed model use (NOTE: [data replaced
+# between calls]); ids only, so a dead parameter's id reused by the user's own DTensor
+# changes which of the two refusals is given, nothing else.
+_PLACED_BY_A_STEP: set[int] = set()
 
 
 def _placed_by_a_step(p: torch.Tensor) -> None:
-    _PLACED_BY_A_STEP[id(p)] = weakref.ref(p)
-    weakref.finalize(p, _PLACED_BY_A_STEP.pop, id(p), None)
+    _PLACED_BY_A_STEP.add(id(p))
 
 
 def _placed_by_the_user(ref: StateRef, p: DTensor, mesh: DeviceMesh, placements: Placements) -> SPMDCompileError:
@@ -373,8 +375,7 @@ def _check_installed(
 ) -> None:
     if p.device_mesh.size() != mesh.size():  # NOTE: [state placed for another world size]
         raise state_on_another_world(str(ref), p.device_mesh, mesh.size(), sim)
-    placed = _PLACED_BY_A_STEP.get(id(p))
-    if (p.device_mesh != mesh or tuple(p.placements) != tuple(placements)) and (placed is None or placed() is not p):
+    if (p.device_mesh != mesh or tuple(p.placements) != tuple(placements)) and id(p) not in _PLACED_BY_A_STEP:
         raise _placed_by_the_user(ref, p, mesh, placements)
     if p.device_mesh != mesh or tuple(p.placements) != tuple(placements):
         raise SPMDCompileError(
