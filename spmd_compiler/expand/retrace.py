@@ -519,6 +519,16 @@ _SEGMENT_HINT = (
 )
 
 
+def _refuse_sparse_or_segments(n: torch.fx.Node, failure: str, exc: BaseException) -> None:
+    """Raise the refusal of a sparse tensor or ``segment_reduce`` at ``n``, its message
+    after ``failure`` (how expansion failed), if ``n`` is one (NOTE: [sparse tensors and
+    segment_reduce refused])."""
+    unsupported = _sparse_or_segments(n)
+    if unsupported is not None:
+        message, hint = unsupported
+        raise node_error(failure + message, n, hint=hint) from exc
+
+
 def _sparse_or_segments(n: torch.fx.Node) -> tuple[str, str] | None:
     """What to say, and what to do, where node ``n`` is ``torch.segment_reduce`` (or its
     gradient) or reads or makes a sparse tensor (NOTE: [sparse tensors and segment_reduce
@@ -853,13 +863,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
         except SPMDCompileError:
             raise
         except NotImplementedError as exc:
-            unsupported = _sparse_or_segments(n)
-            if unsupported is not None:  # NOTE: [sparse tensors and segment_reduce refused]
-                message, hint = unsupported
-                raise node_error(
-                    f"DTensor has no sharding rule for this op: {str(exc).splitlines()[0]} {message}",
-                    n, hint=hint,
-                ) from exc
+            _refuse_sparse_or_segments(n, f"DTensor has no sharding rule for this op: {str(exc).splitlines()[0]} ", exc)
             budget = private.budget_exceeded_in(exc)
             if budget is not None:
                 raise node_error(
@@ -901,13 +905,7 @@ class _ExpandingInterpreter(RetracingInterpreter):
                       "strategy for it (torch.distributed.tensor.experimental.register_sharding)."),
             ) from exc
         except Exception as exc:  # noqa: BLE001 - re-raised with the node named
-            unsupported = _sparse_or_segments(n)
-            if unsupported is not None:  # NOTE: [sparse tensors and segment_reduce refused]
-                message, hint = unsupported
-                raise node_error(
-                    f"Expanding this node to the per-rank program failed: {exception_summary(exc)}. {message}",
-                    n, hint=hint,
-                ) from exc
+            _refuse_sparse_or_segments(n, f"Expanding this node to the per-rank program failed: {exception_summary(exc)}. ", exc)
             hint = _BATCH_DIM_HINT if self.split_an_argument else _LAYOUT_HINT
             if n.target in _VIEWS and any(text in str(exc) for text in _UNEVEN_UNFLATTEN):
                 hint = _UNEVEN_BATCH_HINT if self.split_an_argument else _UNEVEN_HEADS_HINT
