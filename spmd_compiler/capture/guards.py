@@ -601,6 +601,11 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
     if kind == _LEN:
         return len(container)
     if kind == _SAME:
+        if isinstance(container, types.CellType):  # a closure dict (NOTE: [kept numbers only written])
+            try:
+                return _same(container.cell_contents, key[1])
+            except ValueError:
+                return _MISSING
         return _same(container.get(key[0], _MISSING), key[1])
     if kind == _ITEM:
         return _current(container[key]) if key < len(container) else _MISSING
@@ -942,8 +947,12 @@ def build_guards(
 # ``metrics.get("lr", 0.1)``, ``metrics["k"] += 1`` (a read), ``if metrics``,
 # ``len(metrics)``, ``x = metrics``, ``f(metrics)``, ``del metrics["k"]``, ``"k" in
 # metrics``, a constant value stored (``metrics["done"] = True``: replayed as a write, NOTE:
-# [a step that changes what it reads]), a closure dict (``LOAD_DEREF``: not checked),
-# a dict inside another guarded container. Measured (``nn.Linear(8, 4)``, ddp, simulated
+# [a step that changes what it reads]), a dict inside another guarded container. A dict
+# held by a closure variable (a factory's ``stats = {}`` its step writes into) follows the
+# same rule on ``LOAD_DEREF stats / LOAD_CONST / STORE_SUBSCR`` (its cell guarded by
+# identity; ``LOAD_CLOSURE`` hands the cell to nested code, walked too; ``locals()`` or a
+# read of ``__closure__`` / ``cell_contents`` reads it whole); until 2026-12-06 every call
+# compiled anew (4 calls, 4 programs, the recompile warning from the third). Measured (``nn.Linear(8, 4)``, ddp, simulated
 # world 2, 10 calls): ``metrics["loss"] = loss.item()`` or ``t.stats["l"] = ...`` compiled
 # 10 programs (median call 0.33 s, the recompile warning from the fourth), now 1 (median
 # call 0.055 s), each call's number in the dict. The walked code includes the bodies of a
@@ -1007,15 +1016,23 @@ def unguard_written_numbers(guards: Guards, places: list[tuple[Any, str]]) -> li
 # loads of the name that holds a dict (a global, an attribute)
 _HOLDER_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD"})
 # names by which code reads a namespace whole (the globals, an object's attributes)
-_WHOLE_NAMESPACE = frozenset({"globals", "vars", "locals", "__dict__", "__globals__", "f_globals", "eval", "exec"})
+_WHOLE_NAMESPACE = frozenset({
+    "globals", "vars", "locals", "__dict__", "__globals__", "f_globals", "eval", "exec", "__closure__",
+    "cell_contents", "f_locals",
+})
+# the instructions naming a closure variable (``LOAD_CLOSURE`` hands the cell to nested
+# code, which is walked too)
+_CELL_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
+_CELL_OPS = _CELL_LOADS | {"STORE_DEREF", "DELETE_DEREF", "LOAD_CLOSURE", "MAKE_CELL"}
 # dicts whose ``d[k] = v`` reads nothing (no ``__setitem__`` of the user's)
 _PLAIN_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
 
 
-def _entries_only_written(codes: list[types.CodeType], name: str, keys: set[Any]) -> bool:
+def _entries_only_written(codes: list[types.CodeType], name: str, keys: set[Any], cell: bool = False) -> bool:
     """Whether ``codes`` (and the code nested in them) name ``name`` (a global or an
-    attribute holding a dict) at least once and only to store one of ``keys`` into it
-    (NOTE: [kept numbers only written]); a local or cell variable of that name is not it."""
+    attribute holding a dict; with ``cell``, a closure variable) at least once and only to
+    store one of ``keys`` into it (NOTE: [kept numbers only written]); a local variable of
+    that name is not it, nor (without ``cell``) a cell variable."""
     stored = False
     pending = list(codes)
     while pending:
@@ -1023,15 +1040,21 @@ def _entries_only_written(codes: list[types.CodeType], name: str, keys: set[Any]
         pending += [c for c in code.co_consts if isinstance(c, types.CodeType)]
         instructions = list(dis.get_instructions(code))
         for i, ins in enumerate(instructions):
-            if ins.opname in _LOCAL_NAME_OPS:
-                continue
             value = ins.argval
             if isinstance(value, str) and value in _WHOLE_NAMESPACE:
                 return False
-            if not (value == name or (isinstance(value, (tuple, frozenset)) and name in value)):
-                continue
-            if ins.opname not in _HOLDER_LOADS or i + 2 >= len(instructions):
-                return False
+            if cell:
+                if ins.opname not in _CELL_OPS or value != name or ins.opname in ("LOAD_CLOSURE", "MAKE_CELL"):
+                    continue
+                if ins.opname not in _CELL_LOADS or i + 2 >= len(instructions):
+                    return False
+            else:
+                if ins.opname in _LOCAL_NAME_OPS:
+                    continue
+                if not (value == name or (isinstance(value, (tuple, frozenset)) and name in value)):
+                    continue
+                if ins.opname not in _HOLDER_LOADS or i + 2 >= len(instructions):
+                    return False
             key, store = instructions[i + 1], instructions[i + 2]
             if key.opname != "LOAD_CONST" or store.opname != "STORE_SUBSCR":
                 return False
@@ -1042,6 +1065,13 @@ def _entries_only_written(codes: list[types.CodeType], name: str, keys: set[Any]
                 return False
             stored = True
     return stored
+
+
+def _cell_holds(cell: types.CellType, obj: Any) -> bool:
+    try:
+        return cell.cell_contents is obj
+    except ValueError:  # an empty cell
+        return False
 
 
 def unguard_written_entries(guards: Guards, places: list[tuple[Any, Any]]) -> list[str]:
@@ -1059,10 +1089,12 @@ def unguard_written_entries(guards: Guards, places: list[tuple[Any, Any]]) -> li
     for d, keys in written.values():
         holders = [
             k for k, (kind, container, key, _) in enumerate(entries)
-            if kind in (_DICT, _NUMPY_DICT) and isinstance(container, Mapping) and container.get(key, _MISSING) is d
+            if (kind in (_DICT, _NUMPY_DICT) and isinstance(container, Mapping) and container.get(key, _MISSING) is d)
+            or (kind == _CELL and _cell_holds(container, d))
         ]
         if not holders or not all(
-            isinstance(entries[k][2], str) and _entries_only_written(guards.codes, entries[k][2], keys)
+            isinstance(entries[k][2], str)
+            and _entries_only_written(guards.codes, entries[k][2], keys, cell=entries[k][0] == _CELL)
             for k in holders
         ):
             continue
@@ -1630,7 +1662,7 @@ class _Walker:
                 value = cell.cell_contents
             except ValueError:
                 continue
-            self.reach(_CELL, cell, None, value, f"closure value {name}", f" (of {where})", deep)
+            self.reach(_CELL, cell, name, value, f"closure value {name}", f" (of {where})", deep)
         if deep:
             self.defaults(fn, where)
 

@@ -994,6 +994,23 @@ def _writes_a_global_dict(model, optim, x, y):  # noqa: ANN001, ANN202
     return _update(model, optim, loss)
 
 
+def _closure_step(stats: dict, reads: bool = False):  # noqa: ANN202
+    """A step made by a factory, keeping its numbers in the factory's dict (a closure
+    variable); with ``reads``, it also reads the dict back."""
+
+    def writes(model, optim, x, y):  # noqa: ANN001, ANN202
+        loss = F.cross_entropy(model(x), y)
+        stats["loss"] = loss.item()
+        return _update(model, optim, loss)
+
+    def reads_back(model, optim, x, y):  # noqa: ANN001, ANN202
+        loss = F.cross_entropy(model(x), y) * stats.get("loss", 1.0)
+        stats["loss"] = loss.item()
+        return _update(model, optim, loss)
+
+    return reads_back if reads else writes
+
+
 class _DictTrainer:
     """A trainer keeping its numbers in dicts: ``self.stats`` in its step, ``self.log``
     in a function nested in it."""
@@ -1019,11 +1036,11 @@ class _DictTrainer:
         return _update(self.model, self.optim, loss)
 
 
-@pytest.mark.parametrize("place", ["global_dict", "trainer_stats", "nested_log"])
+@pytest.mark.parametrize("place", ["global_dict", "trainer_stats", "nested_log", "closure_dict"])
 def test_a_python_number_the_step_only_stores_in_a_dict_compiles_once(place, caplog):
     """``METRICS["loss"] = loss.item()`` of a global dict, ``self.stats["loss"] = ...`` in
-    a trainer's method, ``self.log["a"] = ...`` in a function nested in it, where no code
-    reads the dict: the guards held the dict's contents, each call stored a new number,
+    a trainer's method, ``self.log["a"] = ...`` in a function nested in it, a factory's
+    dict the step holds as a closure variable, where no code reads the dict: the guards held the dict's contents, each call stored a new number,
     and every call compiled anew (5 calls, 5 captures, 0.33 s a call on a small model, and
     from the fourth a warning to keep the value in a tensor). Now the dict is guarded by
     identity only: one compile over 5 calls, no warning, and after each call the dict
@@ -1036,6 +1053,8 @@ def test_a_python_number_the_step_only_stores_in_a_dict_compiles_once(place, cap
         trainer = _DictTrainer(model, optim)
         if place == "global_dict":
             fn, args, held = _writes_a_global_dict, (model, optim), METRICS
+        elif place == "closure_dict":
+            fn, args, held = _closure_step(METRICS), (model, optim), METRICS
         else:
             fn = trainer.train_step if place == "trainer_stats" else trainer.nested_step
             args, held = (), trainer.stats if place == "trainer_stats" else trainer.log
@@ -1087,10 +1106,11 @@ def _reads_by_another_name(model, optim, x, y):  # noqa: ANN001, ANN202
     return _update(model, optim, loss)
 
 
-@pytest.mark.parametrize("fn", [_reads_with_get, _reads_its_truth, _reads_in_a_helper, _reads_by_another_name])
+@pytest.mark.parametrize("fn", [_reads_with_get, _reads_its_truth, _reads_in_a_helper, _reads_by_another_name,
+                                _closure_step(METRICS, reads=True)])
 def test_a_dict_the_step_reads_stays_guarded(fn):
     """A dict the step reads as well as writes (``.get``, its truth, a helper handed it,
-    the same dict by another name) stays guarded: each new value
+    the same dict by another name, a closure dict read with ``.get``) stays guarded: each new value
     compiles, and the step computes as eager, the dict holding eager's values after
     each call (NOTE: [kept numbers only written])."""
     seen = {}

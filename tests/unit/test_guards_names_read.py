@@ -413,6 +413,38 @@ def _reads_in_nested_code(loss):  # noqa: ANN001, ANN202
     return (lambda: metrics.get("loss"))()
 
 
+def _closures():  # noqa: ANN202
+    metrics: dict = {}
+
+    def writes(loss):  # noqa: ANN001, ANN202
+        metrics["loss"] = loss
+
+    def gets(loss):  # noqa: ANN001, ANN202
+        metrics["loss"] = loss
+        return metrics.get("loss")
+
+    def in_nested(loss):  # noqa: ANN001, ANN202
+        return (lambda: metrics.__setitem__("loss", loss))()
+
+    def by_locals(loss):  # noqa: ANN001, ANN202
+        metrics["loss"] = loss
+        return locals()
+
+    return writes, gets, in_nested, by_locals
+
+
+def test_a_closure_dict_only_written_by_the_walked_code():
+    """The same rule for a dict held by a closure variable (``LOAD_DEREF / LOAD_CONST /
+    STORE_SUBSCR``); a global of the name is not it, and ``locals()`` reads it whole."""
+    from spmd_compiler.capture.guards import _entries_only_written
+
+    writes, gets, in_nested, by_locals = _closures()
+    assert _entries_only_written([writes.__code__], "metrics", {"loss"}, cell=True)
+    assert not _entries_only_written([_only_writes.__code__], "metrics", {"loss"}, cell=True)
+    for fn in (gets, in_nested, by_locals):
+        assert not _entries_only_written([fn.__code__], "metrics", {"loss"}, cell=True), fn.__name__
+
+
 def test_a_dict_only_written_by_the_walked_code():
     """Every instruction naming the dict's global or attribute must load it only to store
     a kept key into it (``LOAD_GLOBAL / LOAD_CONST / STORE_SUBSCR``), in nested code too;
