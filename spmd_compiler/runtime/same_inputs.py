@@ -1216,7 +1216,9 @@ def warn_on_same_shares(
                 f"parallel mode splits along dimension {dim} as each rank's share of the "
                 "batch: the program reads it as a tensor "
                 f"{world} times longer. If it holds no batch (class weights, a table), pass "
-                f"it whole: input_batch_dim={{{name!r}: None}} (NOTE: [the same share on "
+                f"it whole: input_batch_dim={{{name!r}: None}}; if it is batch data whose "
+                "shares are alike by design (each rank sampling the same class grid), the "
+                "split is right and this warning can be ignored (NOTE: [the same share on "
                 "every rank]).",
                 stacklevel=4,
             )
