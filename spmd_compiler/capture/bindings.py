@@ -979,10 +979,41 @@ def _check_ownership(
             gi, p = stray
             raise SPMDCompileError(
                 f"optimizer[{oi}].param_groups[{gi}] holds a parameter of shape "
-                f"{tuple(p.shape)} that no module passed to the step owns.",
+                f"{tuple(p.shape)} that no module passed to the step owns"
+                + _stray_cause(p, params),
                 user_line=where,
-                hint="pass every module whose parameters the optimizer updates.",
+                hint="pass every module whose parameters the optimizer updates; where it "
+                "was passed, build the optimizer after the model's parameters are final "
+                "(after to_empty / reset_parameters, a replaced layer, a tie), or point it "
+                "at the new ones (add_param_group, or a new optimizer with the old one's "
+                "load_state_dict).",
             )
+
+
+def _stray_cause(p: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> str:
+    """Why an optimizer may hold a parameter no module owns, read off the parameter (a
+    meta tensor: built before ``to_empty``) and the modules (one owning a parameter of
+    that shape and dtype: replaced after the optimizer was built); NOTE: [stray optimizer
+    parameters]."""
+    if p.device.type == "meta":
+        return (". It is on the meta device: the optimizer was built before the model's "
+                "parameters were materialized (to_empty), which made new parameters.")
+    alike = [name for name, q in params.items() if q.shape == p.shape and q.dtype == p.dtype]
+    if alike:
+        return (f". The step's modules own another parameter of that shape and dtype "
+                f"({alike[0]}): the optimizer may have been built before it replaced the "
+                "one the optimizer holds (a layer swapped, `head.weight = emb.weight`).")
+    return "."
+
+
+# NOTE: [stray optimizer parameters]
+# An optimizer holding a parameter no module passed to the step owns is refused (its
+# update could not be placed). The common causes are orders of set-up, not a missing
+# module: FSDP2's deferred init done with the optimizer built on the meta model (before
+# ``to_empty``), or a layer replaced / tied between calls while the old optimizer is
+# kept. The message said only "pass every module", which the user had done; it now reads
+# the cause off the parameter (meta) or the modules (a parameter of that shape and dtype
+# they own instead) and says to build the optimizer after the change.
 
 
 def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:

@@ -1,0 +1,58 @@
+"""An optimizer holding a parameter no module passed to the step owns (NOTE: [stray
+optimizer parameters]): refused before anything is placed, the message naming the cause
+it can read (a meta parameter: the optimizer was built before ``to_empty``; a module
+owning another parameter of that shape: a replaced layer) and saying to build the
+optimizer after the change."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.parallel_modes import make_mode
+
+
+def _step(model, optim, x, y):  # noqa: ANN001, ANN202
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _data():  # noqa: ANN202
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_an_optimizer_built_on_the_meta_model_is_refused_naming_to_empty(mode):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)  # before to_empty: meta parameters
+    model.to_empty(device="cpu")
+    for sub in model.modules():
+        if hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+    before = [p.detach().clone() for p in model.parameters()]
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode(mode))(_step)(model, optim, *_data())
+    message = str(info.value)
+    assert "on the meta device" in message and "to_empty" in message
+    assert "build the optimizer after" in message
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing placed
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_layer_replaced_after_the_optimizer_is_refused_naming_the_new_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model[2] = nn.Linear(16, 4)  # the old optimizer holds the old head
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(_step)(model, optim, *_data())
+    message = str(info.value)
+    assert "another parameter of that shape and dtype (2.weight)" in message, message
+    assert "point it at the new ones" in message
