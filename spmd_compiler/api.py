@@ -185,9 +185,34 @@ def _key_change(old: tuple, new: tuple, n_args: int, names: Callable[[], list[st
             return Change(f"the shape of buffer {name}", str(list(before[0])), str(list(shape)))
         if before is not None and before[1] != dtype:
             return Change(f"the dtype of buffer {name}", str(before[1]), str(dtype))
-    # the rest: train/eval flags, which parameters hold gradients, optimizer state (the
-    # first call creates it): expected changes, not logged
+    # optimizer state the last call made (Adam's exp_avg on its first step): the
+    # steady-state program. Until the sixty-second session this was not logged, and the
+    # compile of call 1 showed no reason
+    old_states, new_states = _optimizer_states(old_static), _optimizer_states(new_static)
+    for (oi, name), state in new_states.items():
+        before = old_states.get((oi, name))
+        if before == () and state:
+            return Change(f"the state of optimizer[{oi}]", "not made yet",
+                          "made (by the last call: this is the steady-state program)", verb="was")
+    # the rest: train/eval flags, which parameters hold gradients: expected changes, not
+    # logged
     return None
+
+
+def _optimizer_states(static: tuple) -> dict[tuple[int, str], tuple]:
+    """Each parameter's state entries, by (optimizer, parameter name), in a
+    ``static_key``'s optimizer part (``StepBindings._optimizer_part``: a ``("group", oi,
+    gi)`` marker, then one ``(name, entries)`` per parameter); only read when a call
+    compiles again."""
+    states: dict[tuple[int, str], tuple] = {}
+    optimizer = None
+    for part in static:
+        if type(part) is tuple and len(part) == 3 and part[0] == "group" and type(part[1]) is int:
+            optimizer = part[1]
+        elif (optimizer is not None and type(part) is tuple and len(part) == 2
+              and type(part[0]) is str and type(part[1]) is tuple):
+            states[optimizer, part[0]] = part[1]
+    return states
 
 
 def _buffer_metas(static: tuple) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -104,11 +104,16 @@ class SPMDCompileError(RuntimeError):
         user_line: SourceLocation | str | None = None,
         hint: str | None = None,
         failed_at: SourceLocation | None = None,
+        made_at: SourceLocation | None = None,
     ) -> None:
         """``failed_at``: the innermost line of model code where the failure started,
-        where it is not ``user_line`` (the note on a line of an installed package)."""
+        where it is not ``user_line`` (the note on a line of an installed package);
+        ``made_at``: the model's line that made a node's op, where it is another line
+        than ``user_line`` (a view in a module's forward, reached from the step's
+        ``loss = model(x)...``), shown."""
         self.message, self.op, self.node, self.module_fqn = message, op, node, module_fqn
         self.user_line, self.hint, self.failed_at = user_line, hint, failed_at
+        self.made_at = made_at
         parts = [message]
         if op:
             parts.append(f"  op:          {op}")
@@ -118,9 +123,11 @@ class SPMDCompileError(RuntimeError):
             parts.append(f"  module:      {module_fqn or '<root module>'}")
         if user_line:
             parts.append(f"  train step:  {user_line}")
+        if made_at is not None:
+            parts.append(f"  op made at:  {made_at}")
         if hint:
             parts.append(f"  what to do:  {hint}")
-        package = installed_package_of(failed_at or user_line)
+        package = installed_package_of(failed_at or made_at or user_line)
         if package is not None:
             parts.append(
                 f"  note:        the line is in the installed package {package!r}, not in the "
@@ -135,7 +142,7 @@ class SPMDCompileError(RuntimeError):
             return self
         return SPMDCompileError(
             self.message, op=self.op, node=self.node, module_fqn=module_fqn,
-            user_line=self.user_line, hint=self.hint, failed_at=self.failed_at,
+            user_line=self.user_line, hint=self.hint, failed_at=self.failed_at, made_at=self.made_at,
         )
 
 
@@ -143,7 +150,7 @@ class SPMDCompileError(RuntimeError):
         """The same error with ``hint`` as what to do."""
         return SPMDCompileError(
             self.message, op=self.op, node=self.node, module_fqn=self.module_fqn,
-            user_line=self.user_line, hint=hint, failed_at=self.failed_at,
+            user_line=self.user_line, hint=hint, failed_at=self.failed_at, made_at=self.made_at,
         )
 
 
@@ -310,14 +317,23 @@ def node_op(node: torch.fx.Node) -> str:
 
 
 def node_error(message: str, node: torch.fx.Node, *, hint: str | None = None) -> SPMDCompileError:
-    """An error about ``node`` that carries its op, FQN and train-step line."""
+    """An error about ``node`` that carries its op, FQN and train-step line, and the
+    model line that made the op where that is another line (nanoGPT's ``qkv(x).view(...)``
+    in ``forward`` was named by the step's loss line alone; sixty-second session)."""
+    line = node.meta.get(USER_LINE)
+    made = innermost_model_frame_of_stack_trace(node.meta.get("stack_trace"))
+    if made is not None and line and (made.filename, made.lineno) == (
+        getattr(line, "filename", None), getattr(line, "lineno", None)
+    ):
+        made = None
     return SPMDCompileError(
         message,
         op=node_op(node),
         node=node.name,
         module_fqn=node.meta.get(MODULE_FQN),
-        user_line=node.meta.get(USER_LINE),
+        user_line=line,
         hint=hint,
+        made_at=made,
     )
 
 

@@ -171,6 +171,8 @@ from .value_checks import (
     MAX_BRANCH_PROGRAMS,
     MAX_COIN_BRANCHES,
     MAX_VALUE_CHECKS,
+    REFUSED_ITEM,
+    REFUSED_READ,
     UNTRACED,
     BranchDecisions,
     Undecided,
@@ -902,7 +904,11 @@ def _steady_with_made_state(
             first.graph, first.refs(), tracer.out_refs, tracer.swapped, first.side()
         )
     except initial_state.NotPlanned as exc:
-        log.info("%s keeps a first program: its optimizer state %s", step_name(func), exc)
+        # a sentence whatever NotPlanned says ("the state is made by <op>", "'step' was
+        # not made by a traced op"); before: "its optimizer state the state is made by ..."
+        log.info("%s keeps a first program, for the call that makes its optimizer state: "
+                 "that state cannot be made before the program (%s); the steady-state "
+                 "program is compiled at the next call", step_name(func), exc)
         return None
     if state_plan is None:
         return None
@@ -920,7 +926,8 @@ def _steady_with_made_state(
         reason = f"the steady trace failed ({exception_summary(exc)})"
     if reason is not None:
         made.remove(bindings)
-        log.info("%s keeps a first program: %s", step_name(func), reason)
+        log.info("%s keeps a first program, for the call that makes its optimizer state "
+                 "(%s); the steady-state program is compiled at the next call", step_name(func), reason)
         # the capture's module-level records are the steady trace's now: trace again
         return _finish(_trace_first(func, bindings, input_metas, options, floats, ()), start)
     return _finish_with_state(steady, made, func, bindings, start)
@@ -1466,14 +1473,14 @@ def _refusal_text(exc: BaseException) -> str:
         # alone, with its advice, rather than the `if`'s generic words (fifty-eighth
         # session: "a check ... came out False" on the first call, no hint)
         return (
-            f"it uses the value of .item() in Python{where or ' further on'}: {exc}; only "
+            f"{REFUSED_ITEM}{where or ' further on'}: {exc}; only "
             "the way that does not was compiled. Return the value (`return loss.item()` "
             "works: NOTE: [returned .item() values]) and use the number outside the "
             "compiled step, or compute with the tensor itself (a count as "
             "`(y != -100).sum().clamp(min=1)`, not `max(n.item(), 1)`)"
         )
     return (
-        f"it reads a tensor's value in Python{where or ' further on'} (a value-dependent "
+        f"{REFUSED_READ}{where or ' further on'} (a value-dependent "
         "shape, .item() or an `if`), which no compiled program holds; only the other way "
         "was compiled"
     )

@@ -159,6 +159,11 @@ MAX_COIN_BRANCHES = 3
 MAX_VALUE_CHECKS = 1024
 # ``ValueCheck.raised`` of a check decided from its bytecode: its other way was not traced
 UNTRACED = "(its other way, which runs into a raise, was not traced)"
+# how ``ValueCheck.raised`` opens for a way no program holds (NOTE: [a way no program
+# holds]; ``trace._refusal_text``): the step raised nothing there
+REFUSED_ITEM = "it uses the value of .item() in Python"
+REFUSED_READ = "it reads a tensor's value in Python"
+REFUSED_WAY_TEXTS = (REFUSED_ITEM, REFUSED_READ)
 
 
 class Undecided(Exception):
@@ -538,7 +543,8 @@ def choose(outcomes: dict[bool, Any]) -> bool | None:
 
 
 __all__ = [
-    "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "MAX_VALUE_CHECKS", "UNTRACED", "BranchDecisions",
+    "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "MAX_VALUE_CHECKS", "REFUSED_ITEM", "REFUSED_READ",
+    "REFUSED_WAY_TEXTS", "UNTRACED", "BranchDecisions",
     "Undecided", "WayRaised", "choose", "describe_raise", "drawn_alone", "eager_check", "located",
     "raising_way", "signals_told_apart", "stop_of", "stop_text", "where_now",
 ]

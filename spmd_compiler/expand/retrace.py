@@ -29,6 +29,7 @@ bounds the plans and traced coordinates by the program's size (tests/sim/test_fs
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -141,7 +142,8 @@ def _batch_hint(argument: str, size: int, n: int) -> str:
     none, other = f"input_batch_dim={{{argument!r}: None}}", f"input_batch_dim={{{argument!r}: 1}}"
     if size == 1:
         return (
-            f"if this argument is broadcast over the batch (size 1), it holds no batch: say so "
+            f"if this argument is broadcast over the batch (size 1) or holds no batch (a step "
+            f"counter torch.tensor([i]), a temperature of shape (1,)): say so "
             f"with {none}, and every rank reads it whole. If it is a batch, {split}; if its "
             f"batch lies in another dimension, {other}."
         )
@@ -173,9 +175,16 @@ def local_meta(
                     hint="choose a placement for this input that fits its shape.",
                 )
             if shape[p.dim] % n:
+                # an argument: say that the mode splits it as a batch (a step counter
+                # torch.tensor([i]) read as a batch of one; sixty-second session)
+                split = "" if argument is None else (
+                    f", which the parallel mode splits as the batch (its input_batch_dim, "
+                    f"dimension 0 unless named) over the {n} ranks: {meta.shape[p.dim]} is "
+                    f"not divisible by the {n} ranks of mesh dimension {mesh_dim}."
+                )
                 raise SPMDCompileError(
-                    f"{what} has size {meta.shape[p.dim]} in dimension {p.dim}, which "
-                    f"is not divisible by the {n} ranks of mesh dimension {mesh_dim}.",
+                    f"{what} has size {meta.shape[p.dim]} in dimension {p.dim}"
+                    + (split or f", which is not divisible by the {n} ranks of mesh dimension {mesh_dim}."),
                     hint=hint if argument is None else _batch_hint(argument, meta.shape[p.dim], n),
                 )
             shape[p.dim] //= n
@@ -584,6 +593,52 @@ _UNEVEN_BATCH_HINT = (
 )
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 
+
+def _view_groups(before: Sequence[int], after: Sequence[int]) -> list[list[int]]:
+    """The sizes of ``after`` each dimension of ``before`` is split into by a view
+    (only where dimensions split or stay: a merge gives no group)."""
+    groups: list[list[int]] = []
+    j = 0
+    for size in before:
+        group: list[int] = []
+        product = 1
+        while j < len(after) and (product < size or (size == 1 and not group)):
+            group.append(after[j])
+            product *= after[j]
+            j += 1
+        groups.append(group if product == size else [])
+    return groups
+
+
+def _fused_view_hint(exc: BaseException, node: torch.fx.Node) -> str | None:
+    """The hint for a view that splits a column-wise layer's output into three or more
+    subdimensions whose leading one the ranks do not divide: a fused layer (nanoGPT's
+    ``qkv(x).view(B, T, 3, h, dh)``: "output dimension 0 (size 3)" on 2 tp ranks); None
+    otherwise (``view(B, T, h, dh)`` with heads the ranks do not divide keeps the heads
+    hint). The heads hint blamed heads there, which 2 heads on 2 ranks divide
+    (sixty-second session)."""
+    found = re.search(r"output dimension 0 \(size (\d+)\) is not evenly divisible by mesh "
+                      r"dimension \d+ \(size (\d+)\)", str(exc))
+    source = node.args[0] if node.args else None
+    before = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    after = node.meta.get("val")
+    if found is None or not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
+        return None
+    chunks, ranks = int(found.group(1)), int(found.group(2))
+    groups = _view_groups([int(d) for d in before.shape], [int(d) for d in after.shape])
+    if not any(len(group) >= 3 and group[0] == chunks for group in groups):
+        return None
+    return (
+        f"this view splits a column-wise sharded output into {chunks} leading parts that "
+        f"the {ranks} ranks do not divide: most often a fused layer (q, k and v in one "
+        f"Linear) split by .view(B, T, {chunks}, heads, head_dim), where ColwiseParallel gives "
+        "each rank a contiguous block of the fused output rather than its share of each "
+        f"part. Shard the layer with FusedColwiseParallel(chunks={chunks}) "
+        "(spmd_compiler.parallel_modes), which gives each rank its block of each part (the "
+        f"heads must then divide by the tp ranks), split it with .chunk({chunks}) (compiles "
+        "under ColwiseParallel, with an all-gather), or leave it out of the plan."
+    )
+
 # NOTE: [views of a Python number]
 # Autograd holds a Python number operand as a 0-d "wrapped number" tensor, and a
 # formula's view of it (``mul``'s backward: ``grad * other.conj()``) is captured as a
@@ -908,7 +963,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
             _refuse_sparse_or_segments(n, f"Expanding this node to the per-rank program failed: {exception_summary(exc)}. ", exc)
             hint = _BATCH_DIM_HINT if self.split_an_argument else _LAYOUT_HINT
             if n.target in _VIEWS and any(text in str(exc) for text in _UNEVEN_UNFLATTEN):
-                hint = _UNEVEN_BATCH_HINT if self.split_an_argument else _UNEVEN_HEADS_HINT
+                hint = _UNEVEN_BATCH_HINT if self.split_an_argument else (
+                    _fused_view_hint(exc, n) or _UNEVEN_HEADS_HINT)
             raise node_error(
                 f"Expanding this node to the per-rank program failed: {exception_summary(exc)}",
                 n, hint=hint,

@@ -35,7 +35,7 @@ from ..capture.bindings import (
 )
 from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
-from ..capture.value_checks import UNTRACED, stop_of
+from ..capture.value_checks import REFUSED_WAY_TEXTS, UNTRACED, stop_of
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import (
@@ -731,6 +731,19 @@ def check_failed(check: ValueCheck) -> BaseException:
             "at capture). Nothing was updated.", check.where, not check.expected, text,
         )
         return stop
+    if check.raised.startswith(REFUSED_WAY_TEXTS):
+        # NOTE: [a way no program holds]: the step raises nothing there; the capture
+        # found a use of a tensor's value in Python (``max(n.item(), 1)``, ``if
+        # loss.item() > 3.0 or math.isnan(loss.item())``) whose other way no program
+        # holds. Before, this opened "A check ... came out False: the step raises there",
+        # of a check the user never wrote (sixty-second session).
+        return SPMDRuntimeError(
+            f"The train step uses a tensor's value as a Python number at {check.where} "
+            "(an .item() compared or branched on), which a compiled step cannot follow: "
+            "the program holds one way of that comparison, and this call's value went "
+            f"the other way (what the capture found: {check.raised}). Nothing was "
+            "updated: the model and optimizer keep the state of the last completed step."
+        )
     return SPMDRuntimeError(
         f"A check on a tensor's value at {check.where} came out "
         f"{not check.expected} on this call: the step raises there ({text}). "

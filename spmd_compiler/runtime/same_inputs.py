@@ -445,6 +445,41 @@ def _cpu_group() -> Any:
     return _CPU_GROUPS[key]
 
 
+_RANK_NAMES = re.compile(r"(?:^|_)rank$|^local_rank$|^rank_id$")
+
+
+def values_differ_hint(differ: Sequence[str], everyone: Sequence[dict[str, str]]) -> str:
+    """What to do where the ranks read the Python values ``differ`` differently
+    (``everyone``: each rank's values as shown). A value that looks like the rank itself
+    (named ``rank``, ``*_rank``, ``local_rank``, or equal to each rank's index: open_clip's
+    ``ClipLoss(rank=dist.get_rank(), world_size=...)``) is told apart: the step is
+    computed as one device, so it is rank 0 of a world of one (NOTE: [torch.distributed
+    inside the step]); "a local count goes in a tensor argument" misled there
+    (sixty-second session)."""
+    def rank_like(name: str) -> bool:
+        last = re.split(r"[.\[\]'\"]+", name.strip(".[]'\""))
+        leaf = next((part for part in reversed(last) if part), name)
+        if _RANK_NAMES.search(leaf.lower()):
+            return True
+        return all(values.get(name) == str(r) for r, values in enumerate(everyone))
+
+    ranks = [name for name in differ if rank_like(name)]
+    common = ("set these the same on every rank (from one config, not a per-rank one); "
+              "a value that is each rank's own (a local count) goes in a tensor argument "
+              "split like the batch.")
+    if not ranks:
+        return common
+    return (
+        f"{', '.join(ranks)} {'looks' if len(ranks) == 1 else 'look'} like each rank's "
+        "rank: inside a compiled step the code computes as one device on the global "
+        "batch, rank 0 of a world of one (the mode inserts the collectives). Build the "
+        "object with rank=0 and world_size=1 (a loss that gathers features over the ranks: "
+        "open_clip's ClipLoss(rank=0, world_size=1)), or read dist.get_rank() / "
+        "dist.get_world_size() inside the step, where they answer 0 and 1."
+        + ("" if len(ranks) == len(differ) else " For the others: " + common)
+    )
+
+
 class InputAgreement:
     """The ranks' agreement on one call's inputs: every call on real ranks makes one round
     (a sum all-reduce of ``ROUND`` float64 values) before its program runs, and a call
@@ -791,9 +826,7 @@ class InputAgreement:
             "Python values]); run with each rank's own value, the ranks would train on a "
             "mix of their settings (their gradients are averaged), which no single value "
             f"gives. Nothing was updated. Per value:\n{lines}",
-            hint="set these the same on every rank (from one config, not a per-rank one); "
-            "a value that is each rank's own (a local count) goes in a tensor argument "
-            "split like the batch.",
+            hint=values_differ_hint(differ, everyone),
         )
 
     def _raise_disagreement(self) -> None:

@@ -204,7 +204,8 @@ def test_a_name_that_is_no_parameter_of_the_step_is_refused() -> None:
 @pytest.mark.parametrize(("batch_dims", "expected"), [
     ({"weights": 1}, ["input[1] (weights) of shape (3,) has no batch dimension 1 (input_batch_dim['weights']=1)",
                       "{'weights': None}"]),
-    (0, ["input[1] (weights) has size 3 in dimension 0, which is not divisible by the 2 ranks",
+    (0, ["input[1] (weights) has size 3 in dimension 0, which the parallel mode splits as the batch "
+         "(its input_batch_dim, dimension 0 unless named) over the 2 ranks: 3 is not divisible by the 2 ranks",
          "input_batch_dim={'weights': 1} or {'weights': None}"]),
 ], ids=["no_such_dimension", "not_divisible"])
 def test_an_argument_that_cannot_be_split_is_refused_by_name(batch_dims, expected) -> None:
@@ -224,8 +225,21 @@ def test_an_argument_broadcast_over_the_batch_is_pointed_at_none() -> None:
     with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError) as info:
         compiled(model, optim, torch.randn(4, 3), torch.ones(1, 3))
     message = str(info.value)
-    assert "if this argument is broadcast over the batch (size 1), it holds no batch: say so " \
-        "with input_batch_dim={'weights': None}" in message
+    assert "if this argument is broadcast over the batch (size 1) or holds no batch" in message
+    assert "say so with input_batch_dim={'weights': None}" in message
+
+
+def test_a_step_counter_of_shape_1_is_said_to_be_split_as_the_batch() -> None:
+    """A step counter passed as torch.tensor([i]): the message says that the mode splits
+    it as the batch, and the hint gives input_batch_dim={name: None} (sixty-second
+    session: it said only that size 1 was not divisible by the ranks)."""
+    model, optim = _linear()
+    compiled = sc.compile(DataParallel("replicate"))(_linear_step)
+    with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, torch.randn(4, 3), torch.tensor([1.0]))
+    message = str(info.value)
+    assert "input[1] (weights) has size 1 in dimension 0, which the parallel mode splits as the batch" in message
+    assert "a step counter torch.tensor([i])" in message and "input_batch_dim={'weights': None}" in message
     fixed = sc.compile(DataParallel("replicate", input_batch_dim={"weights": None}))(_linear_step)
     reference = copy.deepcopy(model)
     x, w = torch.randn(4, 3), torch.rand(1, 3)

@@ -82,9 +82,12 @@ def test_new_batch_size_recompiles_and_matches(
     result.assert_close(FLOAT32_TOLERANCE)
     # 8: state-creating + steady; 16: new; 16 again: cached; back to 8: cached; 4: new.
     assert result.compile_counts == [1, 2, 3, 3, 3, 4]
-    # each new shape says why it compiles (the state-creating call's successor does not)
+    # each new shape says why it compiles, and so does the state-creating call's
+    # successor (silent before the sixty-second session)
     changes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
     assert changes == [
+        "recompiling classification_train_step: the state of optimizer[0] was not made yet, now made "
+        "(by the last call: this is the steady-state program)",
         "recompiling classification_train_step: the shape of tensor argument 0 was [8, 8], now [16, 8]",
         "recompiling classification_train_step: the shape of tensor argument 0 was [8, 8], now [4, 8]",
     ], changes
@@ -372,3 +375,61 @@ def test_a_string_the_step_branches_on_is_no_metadata(caplog):
     assert not any("metadata" in m for m in messages), messages
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("recompiling phase_step: argument phase" in m for m in messages) == 2
+
+
+def _checked_adam_step(model, optim, x, y):  # noqa: ANN001
+    """An `if` on the loss's value: the first program is kept (NOTE: [optimizer state
+    made before the first program]), and the second call compiles the steady one."""
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    if loss.detach() >= 0:
+        optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_the_compile_after_the_call_that_made_the_optimizer_state_says_why(classification_batches, caplog):
+    """Adam's state made by call 0, whose program is kept: call 1 compiles the
+    steady-state program. Before the sixty-second session it showed the compile banner
+    with no "recompiling <step>: ..." line (the change was one not logged); it says now
+    that the optimizer's state was made. The result matches eager."""
+    torch.manual_seed(0)
+    model = TrainEvalNet()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = adamw(model), adamw(reference)
+    compiled = sc.compile()(_checked_adam_step)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(world_size=2) as sim:
+        for batch in classification_batches(3):
+            loss = compiled(model, optimizer, *batch)
+            assert relative_difference(loss, _checked_adam_step(reference, reference_optimizer, *batch)) < FLOAT32_TOLERANCE
+        assert compiled.compile_count == 2
+        differences = compare_models(model, reference, sim)
+    notes = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
+    assert notes == ["recompiling _checked_adam_step: the state of optimizer[0] was not made yet, now made "
+                     "(by the last call: this is the steady-state program)"], notes
+    assert max(differences.values()) < FLOAT32_TOLERANCE
+
+
+def test_a_first_program_kept_for_state_not_planned_is_logged_as_a_sentence(
+    classification_batches, train_step, monkeypatch, caplog
+):
+    """The log of a first program kept because the optimizer state cannot be made ahead
+    read "its optimizer state the state is made by spmd_compiler.gradient.default"
+    (SigLIP with a queue, sixty-second session); it is a sentence now."""
+    import spmd_compiler.capture.initial_state as initial_state
+
+    def not_planned(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise initial_state.NotPlanned("the state is made by spmd_compiler.gradient.default")
+
+    monkeypatch.setattr(initial_state, "predicted", lambda bindings: None)  # not Adam's prediction
+    monkeypatch.setattr(initial_state, "plan", not_planned)
+    torch.manual_seed(0)
+    model = TrainEvalNet()
+    compiled = sc.compile()(train_step)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"), sc.simulate(world_size=2):
+        compiled(model, adamw(model), *classification_batches(1)[0])
+    kept = [r.getMessage() for r in caplog.records if "keeps a first program" in r.getMessage()]
+    assert kept and kept[0].endswith(
+        "keeps a first program, for the call that makes its optimizer state: that state cannot be "
+        "made before the program (the state is made by spmd_compiler.gradient.default); the "
+        "steady-state program is compiled at the next call"), kept

@@ -334,6 +334,36 @@ def test_heads_the_tp_ranks_do_not_divide_are_refused_naming_heads():
     assert "aten.view" in str(refused.value)
 
 
+class _FusedQKV(nn.Module):
+    """nanoGPT's attention: q, k and v from one Linear, split by a view."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_a_fused_qkv_viewed_under_plain_colwise_names_fused_colwise_and_the_forward_line():
+    """2 heads on 2 tp ranks divide; the fused dimension of size 3 does not. Before the
+    sixty-second session the hint blamed heads "fewer or not a multiple of the tp
+    ranks", and the error named the step's loss line alone; it names
+    FusedColwiseParallel(chunks=3) and the forward's view line now."""
+    model = _FusedQKV()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(TensorParallel({"qkv": ColwiseParallel(), "proj": RowwiseParallel()}))(_sum_step)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as refused:
+        compiled(model, optim, torch.randn(2, 4, 16))
+    message = str(refused.value)
+    assert "FusedColwiseParallel(chunks=3)" in message and "number of heads" not in message, message
+    assert "op made at:" in message and ".view(b, t, 3, self.heads" in message, message
+
+
 class Linear(nn.Module):
     """peft's LoRA layer in miniature (``peft.tuners.lora.layer.Linear``): no nn.Linear,
     though named so; it wraps the model's Linear as ``base_layer``."""

@@ -1012,3 +1012,33 @@ def test_a_capture_failure_in_simulation_gets_no_split_hint():
         sc.compile(sc.parallel_modes.DataParallel("replicate"))(step)(model, opt, torch.randn(6, 4, 5), torch.zeros(8, dtype=torch.long))
     assert "Expected input batch_size (4) to match target batch_size (8)" in str(info.value)
     assert info.value.hint is None
+
+
+@pytest.mark.parametrize(("name", "values", "rank_like"), [
+    ("module 1.<root>.rank", ["0", "1"], True),  # open_clip's ClipLoss(rank=dist.get_rank(), ...)
+    ("attribute local_rank of argument cfg of the step", ["0", "1"], True),
+    ("module 0.<root>.shard_id", ["0", "1"], True),  # each rank's own index, whatever its name
+    ("module 0.<root>.data_rank", ["3", "5"], True),
+    ("module 0.<root>.scale", ["0.5", "2.0"], False),
+    ("module 0.<root>.ranking", ["1", "0"], False),
+])
+def test_values_that_look_like_the_rank_are_told_to_be_rank_0_of_a_world_of_one(name, values, rank_like):
+    """The ranks reading a different Python value: where it looks like the rank itself,
+    the hint says that the step computes as rank 0 of a world of one (build with rank=0,
+    world_size=1, or read dist.get_rank() inside the step); before the sixty-second
+    session it said to pass "a local count" in a tensor argument, wrong for a rank."""
+    from spmd_compiler.runtime.same_inputs import values_differ_hint
+
+    hint = values_differ_hint([name], [{name: value} for value in values])
+    assert ("rank 0 of a world of one" in hint and "rank=0 and world_size=1" in hint
+            and "dist.get_rank()" in hint) is rank_like, hint
+    assert ("a local count" in hint) is not rank_like, hint
+
+
+def test_a_rank_and_another_value_get_both_hints():
+    from spmd_compiler.runtime.same_inputs import values_differ_hint
+
+    everyone = [{"module 1.<root>.rank": "0", "module 1.<root>.lr": "0.1"},
+                {"module 1.<root>.rank": "1", "module 1.<root>.lr": "0.2"}]
+    hint = values_differ_hint(["module 1.<root>.rank", "module 1.<root>.lr"], everyone)
+    assert hint.startswith("module 1.<root>.rank looks like each rank's rank") and "For the others:" in hint
