@@ -573,7 +573,11 @@ _UNEVEN_HEADS_HINT = (
     "most often attention heads (or key / value heads under grouped-query attention) of "
     "column-wise q / k / v projections, fewer or not a multiple of the tp ranks. Use a tp "
     "size that divides the number of heads and of key / value heads, or leave those "
-    "projections (and the row-wise output projection) out of the plan."
+    "projections (and the row-wise output projection) out of the plan. Without attention, "
+    "most often fixed-size blocks or groups that straddle two ranks' shards (block-wise or "
+    "group-wise quantization: w.reshape(out, in // group, group), an optimizer state's "
+    ".reshape(-1, block)): use a block size that divides each rank's share of that "
+    "dimension, or leave that layer out of the plan (ddp and fsdp compute it as it is)."
 )
 # the same view of a batch a mode split (GRPO's ``rewards.view(-1, group)``, DPO's
 # ``logps.view(2, -1)``): groups spanning ranks; before, the heads hint above was given.

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -362,6 +363,37 @@ def test_a_fused_qkv_viewed_under_plain_colwise_names_fused_colwise_and_the_forw
     message = str(refused.value)
     assert "FusedColwiseParallel(chunks=3)" in message and "number of heads" not in message, message
     assert "op made at:" in message and ".view(b, t, 3, self.heads" in message, message
+
+
+def _group_quantized(w: torch.Tensor, group: int = 4) -> torch.Tensor:
+    """Group-wise int4 fake quantization along the in-features, straight-through."""
+    g = w.reshape(w.shape[0], w.shape[1] // group, group)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(1e-8)
+    q = (g / amax * 7).round().clamp(-8, 7) * amax / 7
+    return w + (q.reshape(w.shape) - w).detach()
+
+
+class _GroupQuantized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 12), nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.up(x)), _group_quantized(self.down.weight), self.down.bias)
+
+
+def test_groups_straddling_the_row_wise_shards_name_the_block_size():
+    """12 in-features, 6 a rank, groups of 4: a group straddles the two shards. Before the
+    sixty-second session the hint spoke of attention heads alone (the model has none);
+    it names blocks or groups and a size dividing each rank's share now."""
+    model = _GroupQuantized()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(TensorParallel({"up": ColwiseParallel(), "down": RowwiseParallel()}))(_sum_step)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as refused:
+        compiled(model, optim, torch.randn(4, 8))
+    message = str(refused.value)
+    assert "group-wise quantization" in message and "divides each rank's share" in message, message
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing placed
 
 
 class Linear(nn.Module):
