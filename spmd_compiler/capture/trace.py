@@ -164,6 +164,7 @@ from .traced_items import (
     TracedItem,
     caught_item_uses,
     checks_on_items,
+    drop_unneeded_snapshots,
     value_read_errors,
 )
 from .transformer_fast_path import transformer_encoders_as_eager
@@ -2789,6 +2790,8 @@ def _finish_signature(captured: CapturedStep) -> None:
         keep_refs.append(ref)
     set_outputs(gm, keep_vals)
     captured.outputs = keep_refs
+    written = {ref for ref in keep_refs if ref.kind is not Kind.RETURN}
+    drop_unneeded_snapshots(gm, {p for p, ref in ref_of.items() if ref in written})
     captured.output_metas = [TensorMeta.of(v.meta["val"]) for v in keep_vals]
     gm.graph.eliminate_dead_code()
     gm.recompile()

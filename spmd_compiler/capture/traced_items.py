@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -50,6 +51,8 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
 from ..errors import SourceLocation, innermost_model_frame_of_stack
+from ..ir.graph_utils import ALIASING_UNANNOTATED
+from ..ir.node_meta import is_item_snapshot, set_item_snapshot
 from .mask_selections import RowsOfAModelMaskCounted
 
 
@@ -194,6 +197,68 @@ def _comparable(mine: torch.Tensor, theirs: Any) -> bool:
     return isinstance(theirs, float) and floating
 
 
+# NOTE: [an item is its value at the read]
+# ``.item()`` gives the number the tensor holds when it is called; a write to the tensor
+# afterwards does not change it. The HF Accelerate way of telling that a GradScaler
+# skipped the step reads the scale before and after (``before = scaler.get_scale();
+# scaler.step(opt); scaler.update(); if scaler.get_scale() >= before: sched.step()``).
+# Until 2026-12-06 a ``TracedItem`` held ``tensor.detach()``, a view of the tensor read,
+# so everything computed from it later (the returned number, a comparison, an ``if`` on
+# it) read the tensor as the step left it: ``before = model.scale.item();
+# model.scale.mul_(2)`` returned the doubled scale as ``before``, and with the scaler
+# ``get_scale() < before`` came out False on a skipped call, so the scheduler stepped
+# where eager's did not (parameters 5e-2 off eager in float64, silently). The item now
+# holds a copy made where it is read (``_snapshot``: an ``aten.clone`` marked
+# ``ITEM_SNAPSHOT``). Where no write follows, the copy costs an op for nothing: once the
+# program is functional, ``drop_unneeded_snapshots`` reads the value itself instead of
+# the copy unless the value is (a view of) training state the step writes, the one case
+# where the program's input buffer may hold the new value when the item is read (state
+# written back, or updated in place by ``reinplace``). ``loss.item()`` of a value the
+# step computes has no copy; ``scaler.get_scale()`` of the scale ``update()`` writes
+# has one (a one-element copy).
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` as it is now, marked as an item's (see the NOTE)."""
+    copy = t.detach().clone()
+    node = private.traced_node_of(copy)
+    if node is not None:
+        set_item_snapshot(node)
+    return copy
+
+
+def drop_unneeded_snapshots(gm: torch.fx.GraphModule, written: set[torch.fx.Node]) -> None:
+    """In the functional program ``gm``, an item's copy reads its value directly unless
+    the value is, or is a view of, a placeholder in ``written`` (NOTE: [an item is its
+    value at the read]); where it cannot tell, the copy stays."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.clone.default:
+            continue
+        if not is_item_snapshot(node) or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        root = _viewed(node.args[0])
+        if root is not None and root not in written:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
+def _viewed(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose memory ``node`` is (through views and the pieces of ops returning
+    views), or None where an op is not one whose aliasing its schema tells."""
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            source = node.args[0]
+        elif private.is_op_overload(node.target):
+            returns = node.target._schema.returns  # type: ignore[union-attr]
+            if node.target not in ALIASING_UNANNOTATED and not any(r.alias_info is not None for r in returns):
+                return node  # a fresh tensor
+            source = node.args[0] if node.args else None
+        else:
+            return None
+        if not isinstance(source, torch.fx.Node):
+            return None
+        node = source
+    return node
+
+
 class ItemsAsOutputs(TorchFunctionMode):
     """Answers ``.item()`` on a traced tensor with a ``TracedItem`` (see the NOTE)."""
 
@@ -209,7 +274,7 @@ class ItemsAsOutputs(TorchFunctionMode):
             return func(*args, **kwargs)
         except private.data_dependent_error_types():
             if func is torch.Tensor.item:
-                item = TracedItem(args[0].detach(), _origin_on_line())
+                item = TracedItem(_snapshot(args[0]), _origin_on_line())
                 if _ITEM_USES.origins is not None:
                     _ITEM_USES.origins.add(item.origin)
                 return item
@@ -449,5 +514,6 @@ def value_read_errors() -> tuple[type[BaseException], ...]:
 
 
 __all__ = [
-    "ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "caught_item_uses", "checks_on_items", "value_read_errors",
+    "ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "caught_item_uses", "checks_on_items", "drop_unneeded_snapshots",
+    "value_read_errors",
 ]

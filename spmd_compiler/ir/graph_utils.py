@@ -11,10 +11,18 @@ import torch.fx
 
 from .. import _torch_private as private
 from .collectives import is_wait
-from .node_meta import MODULE_FQN, ORIGIN, PHASE, TIME_MAJOR_INPUT, TIME_MAJOR_RNN, USER_LINE
+from .node_meta import (
+    ITEM_SNAPSHOT,
+    MODULE_FQN,
+    ORIGIN,
+    PHASE,
+    TIME_MAJOR_INPUT,
+    TIME_MAJOR_RNN,
+    USER_LINE,
+)
 
 # node.meta keys that follow a value when a graph is re-traced node by node.
-CARRIED_META = (MODULE_FQN, TIME_MAJOR_RNN, TIME_MAJOR_INPUT, USER_LINE, PHASE, "stack_trace")
+CARRIED_META = (MODULE_FQN, TIME_MAJOR_RNN, TIME_MAJOR_INPUT, USER_LINE, PHASE, ITEM_SNAPSHOT, "stack_trace")
 
 
 def new_nodes_after(mark: torch.fx.Node | None, graph: torch.fx.Graph) -> Iterator[torch.fx.Node]:

@@ -13,6 +13,7 @@ reader can find every writer and reader of a key by its accessor's name.
 | ``USER_LINE`` | capture | ``errors.SourceLocation`` of the train-step line |
 | ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
 | ``AUTOGRAD`` | capture | True on a node autograd traced (``Tensor.backward``, ``torch.autograd.backward`` / ``grad``): where anomaly detection would check values |
+| ``ITEM_SNAPSHOT`` | capture (``.item()`` of a traced tensor) | True on the ``clone`` that holds the value an ``.item()`` read (NOTE: [an item is its value at the read] in ``capture/traced_items.py``) |
 | ``PADDED`` | a mode's padding of uneven state | ``(true size, padded size, dim)`` of a value held padded |
 | ``PADDED_GRADIENT`` | a mode's padding of uneven state | name of the parameter whose gradient the node zero-pads where the optimizer reads it (settled there: NOTE: [padded gradients settle at their pad] in ``expand/retrace.py``) |
 | ``ORIGIN`` | expansion | name of the captured node a per-rank node was expanded from |
@@ -44,6 +45,7 @@ PADDED_GRADIENT = "spmd_padded_gradient"
 DEFERRED = "spmd_deferred"
 BUCKET_MEMBERS = "spmd_bucket_members"
 AUTOGRAD = "spmd_autograd"
+ITEM_SNAPSHOT = "spmd_item_snapshot"
 
 
 class Phase(str, enum.Enum):
@@ -89,6 +91,16 @@ def in_module_forward(node: torch.fx.Node) -> bool:
 
 
 
+
+
+def set_item_snapshot(node: torch.fx.Node) -> None:
+    node.meta[ITEM_SNAPSHOT] = True
+
+
+def is_item_snapshot(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is the copy an ``.item()`` read made (NOTE: [an item is its value
+    at the read] in ``capture/traced_items.py``)."""
+    return bool(node.meta.get(ITEM_SNAPSHOT, False))
 
 
 def padded_gradient(node: torch.fx.Node) -> str | None:

@@ -12,8 +12,20 @@ import torch
 
 import spmd_compiler as sc
 from spmd_compiler.parallel_modes import make_mode
-from spmd_compiler.tools.parity import backend_under_test, full_state, launch_timeout, relative_difference
-from tests.sim.test_grad_scaler import BATCH, SETTINGS, _batches, _model, scaled_step
+from spmd_compiler.tools.parity import (
+    backend_under_test,
+    full_state,
+    launch_timeout,
+    relative_difference,
+)
+from tests.sim.test_grad_scaler import (
+    BATCH,
+    SETTINGS,
+    _batches,
+    _model,
+    scaled_step,
+    skip_detecting_step,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -44,3 +56,31 @@ def test_grad_scaler_skips_on_every_rank_when_one_shard_overflows() -> None:
         worst = max(relative_difference(got["state"][k], v) for k, v in state.items())
         assert worst < 1e-12, (rank, worst)
         assert got["scaler"] == scaler.state_dict(), rank
+
+
+def _skip_worker(rank: int, world: int) -> dict:
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **SETTINGS)
+    scheduler = torch.optim.lr_scheduler.StepLR(optim, 1, gamma=0.5)
+    step = sc.compile(make_mode("ddp"), backend=backend_under_test())(skip_detecting_step)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    skips = [step(model, optim, scaler, scheduler, x[rows], y[rows])[1:] for x, y in _batches(4)]
+    return {"skips": skips, "state": full_state(model, optim, None)}
+
+
+def test_the_scale_read_before_update_tells_the_skip_on_every_rank() -> None:
+    """NOTE: [an item is its value at the read]: `get_scale()` before `update()` was the
+    updated scale, so the scheduler stepped on the skipped call."""
+    results = sc.launch(_skip_worker, 2, timeout_s=launch_timeout(300))
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **SETTINGS)
+    scheduler = torch.optim.lr_scheduler.StepLR(optim, 1, gamma=0.5)
+    skips = [skip_detecting_step(model, optim, scaler, scheduler, x, y)[1:] for x, y in _batches(4)]
+    assert [s for _, s in skips] == [False, False, True, False]
+    state = full_state(model, optim, None)
+    for rank, got in enumerate(results):
+        assert got["skips"] == skips, rank
+        worst = max(relative_difference(got["state"][k], v) for k, v in state.items())
+        assert worst < 1e-12, (rank, worst)

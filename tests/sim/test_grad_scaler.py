@@ -133,6 +133,50 @@ def test_scaled_steps_with_a_skipped_one_match_one_device(mode):
     assert compiled.last_program.captured.checks, "the skip is not a branch of the program"
 
 
+def skip_detecting_step(model, optim, scaler, scheduler, x, y):  # noqa: ANN001
+    """HF Accelerate's ``optimizer_step_was_skipped``: the scale read before ``update()``
+    against the one after; the scheduler steps only after an applied optimizer step."""
+    loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    before = scaler.get_scale()
+    scaler.step(optim)
+    scaler.update()
+    skipped = scaler.get_scale() < before
+    if not skipped:
+        scheduler.step()
+    optim.zero_grad()
+    return loss, before, skipped
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp"])
+def test_the_scale_read_before_update_tells_a_skipped_step(mode):
+    """NOTE: [an item is its value at the read]: ``get_scale()`` before ``update()``
+    returned the updated scale, so ``skipped`` was False on the inf batch and the
+    scheduler stepped where eager's did not (parameters 5e-2 off eager)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **SETTINGS)
+    reference_scaler = torch.amp.GradScaler("cpu", **SETTINGS)
+    scheduler = torch.optim.lr_scheduler.StepLR(optim, 1, gamma=0.5)
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optim, 1, gamma=0.5)
+    compiled = sc.compile(_mode(mode))(skip_detecting_step)
+    skips = []
+    with sc.simulate(world_size=2) as sim:
+        for x, y in _batches():
+            got = compiled(model, optim, scaler, scheduler, x, y)
+            want = skip_detecting_step(reference, reference_optim, reference_scaler, reference_scheduler, x, y)
+            assert _same(got[0], want[0]) and got[1:] == want[1:], (got, want)
+            assert optim.param_groups[0]["lr"] == reference_optim.param_groups[0]["lr"]
+            skips.append(want[2])
+        worst = max({**compare_models(model, reference, sim),
+                     **compare_optimizers(optim, reference_optim, sim)}.values())
+    assert worst < TOL
+    assert skips == [i == SKIPPED for i in range(len(skips))]
+    assert scaler.state_dict() == reference_scaler.state_dict()
+
+
 def test_step_that_unscales_itself_and_returns_the_scale():
     _, scaler, reference_scaler, _ = _run("fsdp", plain_scaled_step)
     assert scaler.state_dict() == reference_scaler.state_dict()
