@@ -96,7 +96,16 @@ class ParallelMode(abc.ABC):
         return expand(
             captured, mesh, inputs, outputs, self.placement_at_use(captured, mesh),
             self.gradient_placement(captured, mesh), self.gradient_rows(captured, mesh),
+            self.rounds_low_precision_sums(),
         )
+
+    def rounds_low_precision_sums(self) -> bool:
+        """Whether a pending sum cast up from float16 / bfloat16 (a weight gradient
+        under ``torch.autocast``) is rounded back to that dtype where it is reduced, as
+        one device rounds its whole sum (NOTE: [low-precision partials rounded where
+        reduced] in ``expand/retrace.py``). Yes by default; a mode whose mixed-precision
+        policy names the dtype gradients are reduced in says no."""
+        return True
 
     def gradient_placement(
         self, captured: CapturedStep, mesh: DeviceMesh

@@ -192,6 +192,12 @@ class DataParallel(ParallelMode):
     def capture_options(self) -> CaptureOptions:
         return CaptureOptions(param_dtype=self.mp_policy.param_dtype)
 
+    def rounds_low_precision_sums(self) -> bool:
+        """Not under a ``param_dtype`` policy: its gradients are reduced in
+        ``reduce_dtype`` and kept as reduced, as FSDP2 keeps them (a float32
+        ``reduce_dtype`` is asked for to not round the sum to ``param_dtype``)."""
+        return self.mp_policy.param_dtype is None
+
     def placement_of(self, ref: StateRef, meta: TensorMeta, mesh: DeviceMesh) -> Placements:
         if ref.kind is Kind.INPUT:
             dim = batch_dim_of(self.input_batch_dim, ref, meta)

@@ -1028,9 +1028,17 @@ def global_hook_dicts() -> list[tuple[str, dict]]:
 
 class RedistributionCache(dict):
     """The memo of ``memoized_redistribution``; ``bypass()`` turns it off for a while
-    (a mode that asks for a fresh gather, e.g. FSDP's backward re-gather)."""
+    (a mode that asks for a fresh gather, e.g. FSDP's backward re-gather).
+    ``round_when_reduced`` names a local tensor whose pending sum is rounded to a low
+    precision once reduced (NOTE: [low-precision partials rounded where reduced] in
+    ``expand/retrace.py``)."""
 
     bypassed = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        # id(local tensor) -> (the tensor, kept alive so the id is not reused; its dtype)
+        self._rounded: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
 
     @contextlib.contextmanager
     def bypass(self) -> Iterator[None]:
@@ -1039,6 +1047,29 @@ class RedistributionCache(dict):
             yield
         finally:
             self.bypassed = False
+
+    def round_when_reduced(self, local: torch.Tensor, dtype: torch.dtype) -> None:
+        """Round ``local``'s sum to ``dtype`` (and back) where a redistribution reduces it."""
+        self._rounded[id(local)] = (local, dtype)
+
+    def rounding_of(self, local: torch.Tensor) -> torch.dtype | None:
+        """The dtype ``local``'s sum is rounded to once reduced, or None."""
+        hit = self._rounded.get(id(local))
+        return hit[1] if hit is not None and hit[0] is local else None
+
+    def rounded(self, local: torch.Tensor, before: Any, after: Any, out: torch.Tensor) -> torch.Tensor:
+        """``out``, ``local`` redistributed from spec ``before`` to ``after``, rounded
+        where that reduced the last of a sum ``round_when_reduced`` named (still marked
+        where a partial is left)."""
+        dtype = self.rounding_of(local)
+        if dtype is None or not any(p.is_partial() for p in before.placements):
+            return out
+        if any(p.is_partial() for p in after.placements):
+            self.round_when_reduced(out, dtype)
+            return out
+        wide = out.dtype
+        low = torch.ops.aten._to_copy.default(out, dtype=dtype)
+        return torch.ops.aten._to_copy.default(low, dtype=wide)
 
 
 def _between_sum_and_avg_partials(local: torch.Tensor, current_spec: Any, target_spec: Any) -> Any:
@@ -1225,6 +1256,10 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     cache = RedistributionCache()
 
     def redistribute(local_tensor, current_spec, target_spec, *args, **kwargs):
+        out = _redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
+        return cache.rounded(local_tensor, current_spec, target_spec, out)
+
+    def _redistribute(local_tensor, current_spec, target_spec, *args, **kwargs):
         if _strided_redistribution_gap(current_spec, target_spec):
             local_tensor, current_spec = _gather_strided_shards(local_tensor, current_spec, target_spec)
         if _strided_target_gap(current_spec, target_spec):

@@ -199,6 +199,7 @@ def expand(
     placement_at_use: UseHook | None = None,
     gradient_placement: Callable[[str], Placements | None] | None = None,
     gradient_rows: Callable[[str], Placements | None] | None = None,
+    round_low_precision_sums: bool = True,
 ) -> DistributedProgram:
     """Turn the captured single-device graph into the per-rank program.
 
@@ -220,6 +221,9 @@ def expand(
             its ``Shard`` entries: a gradient that is one ``mm`` is computed on the rows
             kept there (NOTE: [weight gradients computed on the rows kept]); None: as
             DTensor propagates it.
+        round_low_precision_sums: round a pending sum cast up from float16 / bfloat16
+            to that dtype where it is reduced (NOTE: [low-precision partials rounded
+            where reduced]).
     """
     start = time.perf_counter()
     params = captured.param_metas()
@@ -249,7 +253,7 @@ def expand(
             rules = local_rules(captured, mesh, input_placements)
             interpreter = _ExpandingInterpreter(
                 captured, mesh, placement_at_use, memo, rules, gradient_placement, gradient_rows,
-                iterations,
+                iterations, round_low_precision_sums,
             )
             progress.current().set_total(len(captured.graph_module.graph.nodes))
             outs = interpreter.run(*dtensors)
@@ -685,6 +689,65 @@ def _masked_partials_reduced(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return private.pytree.tree_map(reduced, (args, kwargs))
 
 
+# NOTE: [low-precision partials rounded where reduced]
+# Under ``torch.autocast`` a weight's gradient leaves backward in float16 (bfloat16) and
+# autograd casts it up to the parameter's float32 (``_to_copy``, the backward of
+# autocast's cast). One device computes that gradient's sum over the whole batch in the
+# low precision: rounded once, inf where it passes float16's 65504. The ranks hold
+# partial sums, which DTensor keeps partial through the cast and reduces in float32:
+# never rounded, and finite where one device's overflows. With ``GradScaler`` that
+# decided the step: ``nn.Linear(4, 2)`` on ``ones(8, 4)`` at scale 8192 gives 65536 on
+# one device (inf: the step is skipped and the scale halved) and 32768 per rank of 2,
+# reduced to a finite 65536 in float32 (the compiled step updated the weights and kept
+# the scale; on data, an overflow eager skipped at call 7 was stepped, the parameters
+# 6e-2 off eager's after 8 calls). So a cast up from float16 / bfloat16 of a pending
+# sum (or of such a cast, through ops that move values without computing: views, copies,
+# a zero pad) names its local tensor in the redistribution memo, and the redistribution
+# that reduces its last pending mesh dimension rounds the reduced value to the low dtype
+# and back (``_to_copy`` twice): one device's ``fp32(fp16(sum))``. The reduction itself
+# stays in the wide dtype, as before: the sum of the partials, rounded once, as one
+# device's kernel accumulates and rounds once. Steps with no low-precision partial get no
+# extra op. Not under a mode's mixed-precision policy (``DataParallel(mp_policy=...)``
+# with a ``param_dtype``): there the gradients are reduced in its ``reduce_dtype`` and
+# kept so, as FSDP2 keeps them (``ParallelMode.rounds_low_precision_sums``). Not
+# matched: partials that overflow where their sum does not (+inf on one rank, -inf on
+# another: NaN where one device's sum is finite), and a pending sum that an op computes
+# on before its reduction (two backward calls accumulating into ``.grad``): README's
+# Limitations. Tested by tests/sim/test_autocast_reductions.py.
+_UPCASTS = frozenset({
+    torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default,
+    torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
+})
+_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
+# ops whose result rounds as their input does: an element moved, copied or zero
+_ROUNDING_KEPT = frozenset({
+    torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.clone.default, torch.ops.aten.alias.default, torch.ops.aten.contiguous.default,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.constant_pad_nd.default,
+})
+
+
+def _low_precision_sum(
+    memo: private.RedistributionCache, target: Any, args: tuple, result: Any,
+) -> torch.dtype | None:
+    """The dtype ``result``'s pending sum rounds to once reduced (see the NOTE), or None."""
+    if not (args and isinstance(args[0], DTensor) and isinstance(result, DTensor)):
+        return None
+    if not any(p.is_partial() and getattr(p, "reduce_op", "sum") in ("sum", "avg") for p in result.placements):
+        return None
+    source = args[0]
+    low = memo.rounding_of(private.local_tensor_of(source))
+    if target in _UPCASTS:
+        low = low or (source.dtype if any(p.is_partial() for p in source.placements) else None)
+        wider = result.dtype.is_floating_point and result.dtype.itemsize > source.dtype.itemsize
+        return low if low in _LOW_PRECISION and wider else None
+    if target is torch.ops.aten.constant_pad_nd.default and len(args) > 2 and args[2] != 0:
+        return None
+    return low if target in _ROUNDING_KEPT else None
+
+
 class _ExpandingInterpreter(RetracingInterpreter):
     def __init__(
         self,
@@ -696,8 +759,10 @@ class _ExpandingInterpreter(RetracingInterpreter):
         gradient_placement: Callable[[str], Placements | None] | None = None,
         gradient_rows: Callable[[str], Placements | None] | None = None,
         iterations: BatchIterations | None = None,
+        round_low_precision_sums: bool = True,
     ) -> None:
         super().__init__(captured.graph_module, on_node=self._record)
+        self.round_low_precision_sums = round_low_precision_sums
         # our errors name the node, op and train-step line: torch's "While executing ...
         # Original traceback ... Use tlparse" appended to them repeated those in its terms
         self.extra_traceback = False
@@ -803,7 +868,11 @@ class _ExpandingInterpreter(RetracingInterpreter):
             return args[0]
         # NOTE: [Python numbers in DTensor's native sharding cache]
         with private.numbers_kept_out_of_sharding_cache(args, kwargs):
-            return self._call_function(target, args, kwargs)
+            result = self._call_function(target, args, kwargs)
+        low = _low_precision_sum(self.memo, target, args, result) if self.round_low_precision_sums else None
+        if low is not None:  # NOTE: [low-precision partials rounded where reduced]
+            self.memo.round_when_reduced(private.local_tensor_of(result), low)
+        return result
 
     def _call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self._node is not None:  # NOTE: [a batch dimension iterated over]
