@@ -5224,3 +5224,209 @@ def data_assignment_callbacks() -> list[Callable[[DTensor, torch.Tensor], bool]]
 def data_assignment_callback(t: torch.Tensor) -> Callable[[DTensor, torch.Tensor], bool] | None:
     """What ``t.data = value`` is sent to, if anything (for tests and stale entries)."""
     return _DATA_ASSIGNED.get(id(t))
+
+
+# NOTE: [writes into a redistributed part of a placed tensor]
+# After a compiled call a placed parameter is a DTensor; eager code between calls that
+# takes a part of it along a dimension the step shards (``emb.weight[PAD]``,
+# ``w[2:5]``, ``w.narrow(0, 2, 3)``, ``w.view(-1)[:20]``, ``w.chunk(4)[1]``, the
+# ``tensor[i, i]`` of ``nn.init.dirac_``) gets from DTensor a view of a temporary: the
+# view op's strategy all-gathers the shard first, so the result's local tensor is a
+# fresh copy, and an in-place write into it (``.zero_()``, ``w[3] = 0``,
+# ``nn.init.zeros_(w[12:13])``) never reached the parameter: silently dropped (padding
+# row, fsdp, 2 simulated ranks: losses [1.492892, 2.288912, 1.945215] against eager's
+# [1.492892, 2.222972, 1.975858], the loss with no write at all). Writing through
+# (which rank holds which rows of the part, for every view op) is not simple, so the
+# write is refused, at the write, naming the parameter, the view op and what works.
+# DTensor's dispatch runs in C++ and calls back into Python only for the slow paths;
+# two of them are wrapped, and do nothing while a step is traced (the flag of
+# ``data_setter_of_torch``, NOTE: [data replaced between calls]):
+# - ``_dispatch_get_local_results_slow_path`` (a view op whose strategy redistributes
+#   its input): where the input is a placed parameter's or buffer's memory (or such a
+#   temporary), and the outputs' local tensors do not share its storage, their
+#   storages are marked (weak storage references, so a marked temporary dies as
+#   usual; views of it share the storage, so they are marked too);
+# - ``_dispatch_fast_path_python_tail`` (every in-place and out= op): a write into a
+#   marked storage is refused (the local write went to the temporary only: nothing of
+#   the model changed). An out= / in-place op on a placed tensor that changed its
+#   placements (``nn.init.eye_(w)`` is ``torch.eye(n, m, out=w)``, whose strategy
+#   leaves ``w`` replicated with the whole identity as its local tensor, so the next
+#   call failed at a reshape) hands the new value to the tensor's ``.data =`` callback,
+#   which puts it back on the tensor's placements (exact: a redistribution of a whole
+#   value).
+# Ops that need no redistribution (``w.add_(1)``, ``w[:, 3].zero_()`` under fsdp) only
+# pay the tail's checks (measured in ``tests/sim/test_writes_into_parts_between_calls.py``'s
+# docstring).
+_TEMPORARIES: dict[Any, tuple[str, str]] = {}  # StorageWeakRef -> (owner, view op)
+_OWNER_OF_MEMORY: list[Callable[[torch.Tensor], str | None]] = []
+
+
+def _storage_refs(local: Any) -> list[Any]:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if not isinstance(local, torch.Tensor):
+        return []
+    locals_ = (
+        list(per_rank_tensors(local).values()) if isinstance(local, local_tensor_type()) else [local]
+    )
+    if any(x.device.type == "meta" or is_fake(x) for x in locals_):  # a trace's (the expansion's)
+        return []
+    try:
+        return [StorageWeakRef(x.untyped_storage()) for x in locals_]
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # no plain storage
+        return []
+
+
+def _temporary_of(t: Any) -> tuple[str, str] | None:
+    """(owner, view op) where ``t``'s local memory is a marked temporary."""
+    if not _TEMPORARIES or not isinstance(t, DTensor):
+        return None
+    for ref in _storage_refs(t._local_tensor):
+        found = _TEMPORARIES.get(ref)
+        if found is not None and not ref.expired():
+            return found
+    return None
+
+
+def _forget_dead_temporaries() -> None:
+    for ref in [ref for ref in _TEMPORARIES if ref.expired()]:
+        del _TEMPORARIES[ref]
+
+
+def _wrap_local_results(original: Callable[..., Any]) -> Callable[..., Any]:
+    def local_results(self: Any, op_call: Any, args: Any, op_info: Any) -> Any:
+        results = original(self, op_call, args, op_info)
+        if _STEPS_TRACED[0] or not _OWNER_OF_MEMORY or not args or not isinstance(args[0], DTensor):
+            return results
+        sharding = op_info.output_sharding
+        if sharding is None or not sharding.needs_redistribute or not op_call._schema._is_view_op():
+            return results
+        base = args[0]
+        own = set(_storage_refs(base._local_tensor))
+        if not own:
+            return results
+        found = _temporary_of(base)
+        owner = found[0] if found is not None else _OWNER_OF_MEMORY[0](base)
+        if owner is None:
+            return results
+        _forget_dead_temporaries()
+        for out in pytree.tree_leaves(results):
+            for ref in _storage_refs(out):
+                if ref not in own:
+                    _TEMPORARIES[ref] = (owner, str(op_call))
+        return results
+
+    local_results._spmd_marks_temporaries = True  # type: ignore[attr-defined]
+    return local_results
+
+
+def _wrap_tail(original: Callable[..., Any]) -> Callable[..., Any]:
+    def tail(
+        self: Any, op_call: Any, args: Any, kwargs: Any, compute_mesh: Any, output_sharding: Any,
+        local_results: Any, participating: Any, is_inplace_op: bool, is_out_variant_op: bool,
+    ) -> Any:
+        if _STEPS_TRACED[0] or not (is_inplace_op or is_out_variant_op):
+            return original(self, op_call, args, kwargs, compute_mesh, output_sharding,
+                            local_results, participating, is_inplace_op, is_out_variant_op)
+        written = (
+            [args[0]] if is_inplace_op
+            else [kwargs.get(a.name) for a in op_call._schema.arguments if a.is_out]
+        )
+        for t in written:
+            found = _temporary_of(t)
+            if found is not None:
+                from .errors import SPMDCompileError
+
+                owner, view = found
+                raise SPMDCompileError(
+                    f"{op_call} between calls of a compiled step writes into a part of "
+                    f"{owner} taken by {view} along a dimension the step shards: DTensor "
+                    "gathered that part into a temporary copy, so the write would not reach "
+                    f"{owner} (before, silently). Nothing of the model was changed "
+                    "(NOTE: [writes into a redistributed part of a placed tensor]).",
+                    hint="write it inside the compiled step, or build the whole new value "
+                    "and assign it: `full = w.full_tensor().clone(); full[3] = 0; w.data = "
+                    "full` (under torch.no_grad()). Whole-tensor in-place ops "
+                    "(`w.mul_(0.5)`, `w.copy_(dtensor)`) write through.",
+                )
+        placed = [(t, t._spec) for t in written if isinstance(t, DTensor) and id(t) in _DATA_ASSIGNED]
+        out = original(self, op_call, args, kwargs, compute_mesh, output_sharding,
+                       local_results, participating, is_inplace_op, is_out_variant_op)
+        for t, spec in placed:
+            if t._spec.placements != spec.placements or _holds_whole(t, spec):
+                _put_back(op_call, args, kwargs, t, spec)
+        return out
+
+    tail._spmd_marks_temporaries = True  # type: ignore[attr-defined]
+    return tail
+
+
+def _local_shapes(t: DTensor) -> tuple[tuple[int, ...], ...]:
+    local = t._local_tensor
+    if isinstance(local, local_tensor_type()):
+        return tuple(tuple(x.shape) for x in per_rank_tensors(local).values())
+    return (tuple(local.shape),)
+
+
+def _holds_whole(t: DTensor, spec: Any) -> bool:
+    """Whether each rank's local tensor of ``t``, placed sharded by ``spec``, has the
+    global shape (an out= op resized it: ``torch.eye(n, m, out=w)``), which no shard can."""
+    local = t._local_tensor
+    first = next(iter(per_rank_tensors(local).values())) if isinstance(local, local_tensor_type()) else local
+    if first.shape != t.shape:  # the common case, read first: one shape
+        return False
+    if not any(p.is_shard() and spec.mesh.size(i) > 1 for i, p in enumerate(spec.placements)):
+        return False
+    return all(shape == tuple(t.shape) for shape in _local_shapes(t))
+
+
+def _put_back(op_call: Any, args: Any, kwargs: Any, t: DTensor, spec: Any) -> None:
+    """``t`` (a placed tensor) left by an out= / in-place op with other placements or
+    local shapes than ``spec``'s: its value put back on ``spec``'s placements, or refused
+    (NOTE: [writes into a redistributed part of a placed tensor])."""
+    from .errors import SPMDCompileError
+
+    on_set = _DATA_ASSIGNED.get(id(t))
+    whole = _holds_whole(t, spec)
+    inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a is not t]
+    local = t._local_tensor
+    if isinstance(local, local_tensor_type()):
+        # an out= resize changed the per-rank tensors, not the wrapper's shape
+        local = make_local_tensor(per_rank_tensors(local))
+    new_spec = t._spec
+    t._spec = spec
+    if on_set is not None and (whole and not inputs):
+        # each rank computed the whole value (``torch.eye(n, m, out=w)``): replicated
+        from torch.distributed.tensor import Replicate
+
+        replicated = type(spec)(spec.mesh, (Replicate(),) * spec.mesh.ndim, tensor_meta=spec.tensor_meta)
+        if on_set(t, DTensor(local, replicated, requires_grad=False)):  # type: ignore[call-arg]
+            return
+    if on_set is not None and new_spec.placements != spec.placements and not whole:
+        if on_set(t, DTensor(local, new_spec, requires_grad=False)):  # type: ignore[call-arg]
+            return
+    raise SPMDCompileError(
+        f"{op_call} between calls of a compiled step changed the local shard of a tensor a "
+        "compiled step placed (another shape or placement), and its value cannot be told "
+        "exactly; the tensor is no longer valid (NOTE: [writes into a redistributed part "
+        "of a placed tensor]).",
+        hint="write it inside the compiled step, or build the whole new value and assign "
+        "it: `w.data = new` with a plain tensor of w's shape (from `w.full_tensor()`).",
+    )
+
+
+def refuse_writes_into_redistributed_parts(owner_of_memory: Callable[[torch.Tensor], str | None]) -> None:
+    """Install the checks of NOTE: [writes into a redistributed part of a placed tensor]
+    once; ``owner_of_memory(t)`` names the placed parameter or buffer whose local memory
+    ``t``'s is, or None."""
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    if not _OWNER_OF_MEMORY:
+        _OWNER_OF_MEMORY.append(owner_of_memory)
+    for name, wrap in (
+        ("_dispatch_get_local_results_slow_path", _wrap_local_results),
+        ("_dispatch_fast_path_python_tail", _wrap_tail),
+    ):
+        current = getattr(OpDispatcher, name)
+        if not getattr(current, "_spmd_marks_temporaries", False):
+            setattr(OpDispatcher, name, wrap(current))

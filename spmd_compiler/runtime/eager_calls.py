@@ -337,6 +337,24 @@ def _placed_owner_of_memory(value: torch.Tensor, current: DTensor) -> str | None
     return None
 
 
+def _placed_name_of_memory(t: torch.Tensor) -> str | None:
+    """The parameter or buffer a compiled step placed whose local memory ``t``'s is (``t``
+    itself or a view of it), as "parameter <name>" / "buffer <name>"; None if none (NOTE:
+    [writes into a redistributed part of a placed tensor])."""
+    memory = _storage_of(t)
+    if memory is None:
+        return None
+    for on_set in private.data_assignment_callbacks():
+        if not isinstance(on_set, functools.partial) or on_set.func is not _assign_data:
+            continue
+        module_ref, attr, is_param, name = on_set.args
+        module = module_ref()
+        held = None if module is None else (module._parameters if is_param else module._buffers).get(attr)
+        if isinstance(held, DTensor) and _storage_of(held) == memory:
+            return f"{'parameter' if is_param else 'buffer'} {name}"
+    return None
+
+
 def _unrecoverable(current: DTensor, value: torch.Tensor) -> str | None:
     """Why ``value`` cannot be taken as ``current``'s new value exactly, or None."""
     if tuple(value.shape) != tuple(current.shape):
@@ -365,6 +383,12 @@ def _is_parametrization_list(module: torch.nn.Module) -> bool:
 
 def _plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+
+
+# NOTE: [writes into a redistributed part of a placed tensor]: installed at import, before
+# any DTensor op ran: torch's C++ dispatch keeps the Python functions it calls back from
+# their first use, so a later install would not be seen
+private.refuse_writes_into_redistributed_parts(_placed_name_of_memory)
 
 
 _GUARDED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
