@@ -227,12 +227,14 @@ class FullyShardTensorParallel(ParallelMode):
                 tp = tp_shard
             reduce_op = cast(Partial, dp).reduce_op
             target = _dp_placement(tp, tuple(value.shape), mesh.size(DP), mesh.size(TP))
+            partial = private.local_tensor_of(value)
             if isinstance(target, Shard):
-                local = private.reduce_scatter_along(
-                    private.local_tensor_of(value), reduce_op, target.dim, mesh, DP
-                )
+                local = private.reduce_scatter_along(partial, reduce_op, target.dim, mesh, DP)
             else:
-                local = private.all_reduce_along(private.local_tensor_of(value), reduce_op, mesh, DP)
+                local = private.all_reduce_along(partial, reduce_op, mesh, DP)
+            # an autocast gradient rounded as one device rounds its whole-batch sum
+            # (NOTE: [low-precision partials rounded where reduced])
+            local = private.round_reduced_sum(partial, local)
             placements = parent_placements(mesh, {TP: tp}, {DP: target}, value.dim())
             return DTensor.from_local(
                 local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride()

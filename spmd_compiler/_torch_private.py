@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 import math
 import operator
@@ -1309,11 +1310,28 @@ def memoized_redistribution() -> Iterator[RedistributionCache]:
     modules = (dispatch_module, redistribute_module)
     for module in modules:
         module.redistribute_local_tensor = cached  # type: ignore[attr-defined]
+    _ACTIVE_CACHES.append(cache)
     try:
         yield cache
     finally:
+        _ACTIVE_CACHES.remove(cache)
         for module in modules:
             module.redistribute_local_tensor = original  # type: ignore[attr-defined]
+
+
+_ACTIVE_CACHES: list[RedistributionCache] = []  # the memoized_redistribution contexts open
+
+
+def round_reduced_sum(partial: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+    """``reduced``, the whole sum of the local ``partial`` that a mode reduced by hand
+    (fsdp_tp's gradients, not through DTensor's redistribution), rounded as
+    ``RedistributionCache.rounded`` rounds one it reduces (NOTE: [low-precision partials
+    rounded where reduced])."""
+    dtype = _ACTIVE_CACHES[-1].rounding_of(partial) if _ACTIVE_CACHES else None
+    if dtype is None:
+        return reduced
+    low = torch.ops.aten._to_copy.default(reduced, dtype=dtype)
+    return torch.ops.aten._to_copy.default(low, dtype=reduced.dtype)
 
 
 # NOTE: [Python numbers in DTensor's native sharding cache]
@@ -5293,9 +5311,13 @@ def _forget_dead_temporaries() -> None:
         del _TEMPORARIES[ref]
 
 
-def _wrap_local_results(original: Callable[..., Any]) -> Callable[..., Any]:
-    def local_results(self: Any, op_call: Any, args: Any, op_info: Any) -> Any:
-        results = original(self, op_call, args, op_info)
+def _wrap_local_results(original: Callable[..., Any]) -> Callable[..., Any] | None:
+    names = _parameter_names(original)
+    if names[:4] != ["self", "op_call", "args", "op_info"]:
+        return None  # another torch's signature: the check is not installed
+
+    def local_results(self: Any, op_call: Any, args: Any, op_info: Any, *rest: Any, **more: Any) -> Any:
+        results = original(self, op_call, args, op_info, *rest, **more)
         if _STEPS_TRACED[0] or not _OWNER_OF_MEMORY or not args or not isinstance(args[0], DTensor):
             return results
         sharding = op_info.output_sharding
@@ -5320,7 +5342,23 @@ def _wrap_local_results(original: Callable[..., Any]) -> Callable[..., Any]:
     return local_results
 
 
-def _wrap_tail(original: Callable[..., Any]) -> Callable[..., Any]:
+def _parameter_names(fn: Callable[..., Any]) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+_TAIL_PARAMETERS = [
+    "self", "op_call", "args", "kwargs", "compute_mesh", "output_sharding", "local_results",
+    "participating", "is_inplace_op", "is_out_variant_op",
+]
+
+
+def _wrap_tail(original: Callable[..., Any]) -> Callable[..., Any] | None:
+    if _parameter_names(original) != _TAIL_PARAMETERS:
+        return None  # another torch's signature (torch 2.11 / 2.14): the check is not installed
+
     def tail(
         self: Any, op_call: Any, args: Any, kwargs: Any, compute_mesh: Any, output_sharding: Any,
         local_results: Any, participating: Any, is_inplace_op: bool, is_out_variant_op: bool,
@@ -5423,10 +5461,15 @@ def refuse_writes_into_redistributed_parts(owner_of_memory: Callable[[torch.Tens
 
     if not _OWNER_OF_MEMORY:
         _OWNER_OF_MEMORY.append(owner_of_memory)
-    for name, wrap in (
-        ("_dispatch_get_local_results_slow_path", _wrap_local_results),
-        ("_dispatch_fast_path_python_tail", _wrap_tail),
-    ):
-        current = getattr(OpDispatcher, name)
-        if not getattr(current, "_spmd_marks_temporaries", False):
-            setattr(OpDispatcher, name, wrap(current))
+    local_fn, tail_fn = (getattr(OpDispatcher, name, None) for name in _WRAPPED)
+    if local_fn is None or tail_fn is None or getattr(tail_fn, "_spmd_marks_temporaries", False):
+        return  # another torch's dispatcher (the check is not in force there), or installed
+    local_wrapped, tail_wrapped = _wrap_local_results(local_fn), _wrap_tail(tail_fn)
+    if local_wrapped is not None and tail_wrapped is not None:  # both or neither
+        setattr(OpDispatcher, _WRAPPED[0], local_wrapped)
+        setattr(OpDispatcher, _WRAPPED[1], tail_wrapped)
+
+
+# the two callbacks of DTensor's C++ dispatch wrapped (torch 2.13's names and signatures;
+# another torch that lacks either, or calls it otherwise, runs without the check)
+_WRAPPED = ("_dispatch_get_local_results_slow_path", "_dispatch_fast_path_python_tail")

@@ -174,3 +174,41 @@ def test_float32_steps_get_no_rounding(mode: str) -> None:
     assert _casts(program.graph_module) == _casts(program.captured.graph_module)
     program = scaled.last_program
     assert _casts(program.graph_module) == _casts(program.captured.graph_module) + 2 * 4
+
+
+def test_fsdp_tp_gradients_are_rounded_where_its_own_reduce_scatter_reduces_them() -> None:
+    """fsdp_tp reduces its gradients over dp by hand (``reduce_scatter_over_dp``), not
+    through DTensor's redistribution, where the rounding is made: before the fix a review
+    found the scale sequence [16384, 32768, 16384, 32768] against one device's [16384,
+    8192, 16384, 8192] (the step taken where one device's float16 sum overflows),
+    parameters 3.2e-5 off."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from spmd_compiler.parallel_modes import FullyShardTensorParallel
+
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Identity(), nn.Linear(4, 2, bias=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.125)
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=1e-6)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=1e-6)
+    scaler, reference_scaler = (torch.amp.GradScaler("cpu", init_scale=32768.0, growth_interval=1) for _ in range(2))
+
+    def scaled_step(model, optim, scaler, x):  # noqa: ANN001, ANN202
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        scaler.scale(out.float().sum()).backward()
+        scaler.step(optim)
+        scaler.update()
+        optim.zero_grad()
+        return scaler.get_scale()
+
+    mode = FullyShardTensorParallel({"0": ColwiseParallel(), "2": RowwiseParallel()}, mesh_shape=(2, 2))
+    step = sc.compile(mode)(scaled_step)
+    x = torch.ones(8, 4)
+    with sc.simulate(world_size=4) as sim:
+        got = [step(model, optim, scaler, x) for _ in range(4)]
+        want = [scaled_step(reference, reference_optim, reference_scaler, x) for _ in range(4)]
+        assert got == want == [16384.0, 8192.0, 16384.0, 8192.0], (got, want)
+        assert max(compare_models(model, reference, sim).values()) == 0.0
