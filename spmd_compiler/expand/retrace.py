@@ -155,11 +155,14 @@ def _batch_hint(argument: str, size: int, n: int) -> str:
 
 def local_meta(
     meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what: str, argument: str | None = None,
-    hint: str | None = None,
+    hint: str | None = None, batch_dims_named: bool = True,
 ) -> TensorMeta:
     """Local metadata of a tensor sharded evenly by ``placements`` on ``mesh``;
     ``argument``: the step argument's name, for a tensor argument; ``hint``: what to do
-    where a state tensor does not divide.
+    where a state tensor does not divide; ``batch_dims_named``: whether the mode names
+    its arguments' batch dimensions with ``input_batch_dim`` (DataParallel, FSDP x TP),
+    else an argument's placement is the mode's own (``DTensorExpandMode``'s
+    ``input_placements``), which the message names instead.
 
     Raises:
         SPMDCompileError: a sharded dimension is missing or not divisible.
@@ -181,11 +184,24 @@ def local_meta(
                     f", which the parallel mode splits as the batch (its input_batch_dim, "
                     f"dimension 0 unless named) over the {n} ranks: {meta.shape[p.dim]} is "
                     f"not divisible by the {n} ranks of mesh dimension {mesh_dim}."
+                    if batch_dims_named else
+                    # a mode without input_batch_dim (DTensorExpandMode(input_placements=
+                    # {0: (Shard(1),)})) was said to split it "as the batch (its
+                    # input_batch_dim ...)" and told to name one (review of 8d45f0e)
+                    f", which the parallel mode's placement for it "
+                    f"{format_placements(placements)} splits over the {n} ranks of mesh "
+                    f"dimension {mesh_dim}: {meta.shape[p.dim]} is not divisible by {n}."
+                )
+                placed_hint = (
+                    f"give it a size in dimension {p.dim} that is a multiple of {n}, or "
+                    "place it otherwise where the mode takes a placement per argument "
+                    "(DTensorExpandMode's input_placements: (Replicate(),) passes it whole)."
                 )
                 raise SPMDCompileError(
                     f"{what} has size {meta.shape[p.dim]} in dimension {p.dim}"
                     + (split or f", which is not divisible by the {n} ranks of mesh dimension {mesh_dim}."),
-                    hint=hint if argument is None else _batch_hint(argument, meta.shape[p.dim], n),
+                    hint=hint if argument is None else (
+                        _batch_hint(argument, meta.shape[p.dim], n) if batch_dims_named else placed_hint),
                 )
             shape[p.dim] //= n
     return TensorMeta(tuple(shape), meta.dtype, meta.device, False)
@@ -200,6 +216,7 @@ def expand(
     gradient_placement: Callable[[str], Placements | None] | None = None,
     gradient_rows: Callable[[str], Placements | None] | None = None,
     round_low_precision_sums: bool = True,
+    batch_dims_named: bool = True,
 ) -> DistributedProgram:
     """Turn the captured single-device graph into the per-rank program.
 
@@ -224,6 +241,8 @@ def expand(
         round_low_precision_sums: round a pending sum cast up from float16 / bfloat16
             to that dtype where it is reduced (NOTE: [low-precision partials rounded
             where reduced]).
+        batch_dims_named: whether the mode takes ``input_batch_dim`` (``local_meta``'s
+            message for an argument that does not divide names it only then).
     """
     start = time.perf_counter()
     params = captured.param_metas()
@@ -233,6 +252,7 @@ def expand(
             meta, mesh, pl, str(ref), ref.name if ref.kind is Kind.INPUT else None,
             _FACTORED_STATE_HINT if ref.kind is Kind.OPTIM_STATE
             and ref.name in params and params[ref.name].shape != meta.shape else None,
+            batch_dims_named,
         )
         for (ref, meta), pl in zip(captured.inputs, input_placements, strict=True)
     ]
