@@ -450,8 +450,9 @@ _RANK_NAMES = re.compile(r"(?:^|_)rank$|^rank_id$|^(?:local_|global_)?process_in
 _MATRIX_RANKS = re.compile(r"lora|low_rank|adapter|factor|tucker|svd|kron")
 # how a guard labels a value (``capture/guards.py``): ``global local_rank (read by step
 # (/x/p.py:3))``, ``closure value rank (of ...)``, ``attribute local_rank of argument cfg
-# of the step``, ``attribute 'rank' of ...``, ``module 1.<root>.rank``
-_LABEL_NAME = re.compile(r"^(?:attribute|global|closure value|module)\s+(\S+)")
+# of the step``, ``attribute 'rank' of ...``, ``module 1.<root>.rank``, ``argument rank of the
+# step``, ``default of rank (of ...)``
+_LABEL_NAME = re.compile(r"^(?:attribute|argument|default of|global|closure value|module)\s+(\S+)")
 
 
 def _value_name(label: str) -> str:

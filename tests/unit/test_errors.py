@@ -1023,6 +1023,8 @@ def test_a_capture_failure_in_simulation_gets_no_split_hint():
     ("global local_rank (read by step (/x/p.py:3))", ["3", "5"], True),
     ("closure value rank (of step (/x/p.py:3))", ["2", "3"], True),
     ("global CFG['global_rank'] (read by step (/x/p.py:3))", ["2", "3"], True),
+    ("argument local_rank of the step", ["2", "3"], True),
+    ("default of rank (of step (/x/p.py:3))", ["2", "3"], True),
     ("module 0.<root>.shard_id", ["0", "1"], True),
     ("module 0.<root>.data_rank", ["3", "5"], True),
     ("module 0.<root>.scale", ["0.5", "2.0"], False),
