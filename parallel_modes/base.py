@@ -96,7 +96,7 @@ class ParallelMode(abc.ABC):
         return expand(
             captured, mesh, inputs, outputs, self.placement_at_use(captured, mesh),
             self.gradient_placement(captured, mesh), self.gradient_rows(captured, mesh),
-            self.rounds_low_precision_sums(),
+            self.rounds_low_precision_sums(), batch_dims_named=hasattr(self, "input_batch_dim"),
         )
 
     def rounds_low_precision_sums(self) -> bool:

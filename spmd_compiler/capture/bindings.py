@@ -980,7 +980,7 @@ def _check_ownership(
             raise SPMDCompileError(
                 f"optimizer[{oi}].param_groups[{gi}] holds a parameter of shape "
                 f"{tuple(p.shape)} that no module passed to the step owns"
-                + _stray_cause(p, params),
+                + _stray_cause(p, params, optimizers),
                 user_line=where,
                 hint="pass every module whose parameters the optimizer updates; where it "
                 "was passed, build the optimizer after the model's parameters are final "
@@ -990,20 +990,28 @@ def _check_ownership(
             )
 
 
-def _stray_cause(p: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> str:
+def _stray_cause(
+    p: torch.Tensor, params: dict[str, torch.nn.Parameter], optimizers: list[torch.optim.Optimizer]
+) -> str:
     """Why an optimizer may hold a parameter no module owns, read off the parameter (a
     meta tensor: built before ``to_empty``) and the modules (one owning a parameter of
-    that shape and dtype: replaced after the optimizer was built); NOTE: [stray optimizer
-    parameters]."""
+    that shape and dtype: a module not passed, or one replaced after the optimizer was
+    built, which the modules cannot tell apart); NOTE: [stray optimizer parameters]."""
     if p.device.type == "meta":
         return (". It is on the meta device: the optimizer was built before the model's "
                 "parameters were materialized (to_empty), which made new parameters.")
+    held = {id(q) for opt in optimizers for group in opt.param_groups for q in group["params"]}
     alike = [name for name, q in params.items() if q.shape == p.shape and q.dtype == p.dtype]
-    if alike:
-        return (f". The step's modules own another parameter of that shape and dtype "
-                f"({alike[0]}): the optimizer may have been built before it replaced the "
-                "one the optimizer holds (a layer swapped, `head.weight = emb.weight`).")
-    return "."
+    if not alike:
+        return "."
+    # a replaced layer's new parameter is in no optimizer (a tie's is): named first
+    alike.sort(key=lambda name: id(params[name]) in held)
+    unheld = id(params[alike[0]]) not in held
+    return (". Either a module the optimizer updates was not passed to the step, or the "
+            "optimizer was built before the step's modules replaced that parameter: they "
+            f"own another of that shape and dtype ({alike[0]}"
+            + (", which no optimizer holds" if unheld else "")
+            + ") (a layer swapped, `head.weight = emb.weight`).")
 
 
 # NOTE: [stray optimizer parameters]
@@ -1013,7 +1021,12 @@ def _stray_cause(p: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> str:
 # ``to_empty``), or a layer replaced / tied between calls while the old optimizer is
 # kept. The message said only "pass every module", which the user had done; it now reads
 # the cause off the parameter (meta) or the modules (a parameter of that shape and dtype
-# they own instead) and says to build the optimizer after the change.
+# they own instead) and says to build the optimizer after the change. A shape and dtype
+# are no proof of a replacement: an optimizer over a Linear(3, 3) that was not passed,
+# beside a model with its own 3x3 layer, was told "the optimizer may have been built
+# before it replaced ..." (review of f11b842), so a parameter of that shape is named as
+# one of two causes, a module not passed being the other (parameters carry no creation
+# order to tell them apart).
 
 
 def check_plain_modules(modules: list[torch.nn.Module], where: str) -> None:

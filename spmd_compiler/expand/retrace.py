@@ -155,11 +155,14 @@ def _batch_hint(argument: str, size: int, n: int) -> str:
 
 def local_meta(
     meta: TensorMeta, mesh: DeviceMesh, placements: Placements, what: str, argument: str | None = None,
-    hint: str | None = None,
+    hint: str | None = None, batch_dims_named: bool = True,
 ) -> TensorMeta:
     """Local metadata of a tensor sharded evenly by ``placements`` on ``mesh``;
     ``argument``: the step argument's name, for a tensor argument; ``hint``: what to do
-    where a state tensor does not divide.
+    where a state tensor does not divide; ``batch_dims_named``: whether the mode names
+    its arguments' batch dimensions with ``input_batch_dim`` (DataParallel, FSDP x TP),
+    else an argument's placement is the mode's own (``DTensorExpandMode``'s
+    ``input_placements``), which the message names instead.
 
     Raises:
         SPMDCompileError: a sharded dimension is missing or not divisible.
@@ -181,11 +184,24 @@ def local_meta(
                     f", which the parallel mode splits as the batch (its input_batch_dim, "
                     f"dimension 0 unless named) over the {n} ranks: {meta.shape[p.dim]} is "
                     f"not divisible by the {n} ranks of mesh dimension {mesh_dim}."
+                    if batch_dims_named else
+                    # a mode without input_batch_dim (DTensorExpandMode(input_placements=
+                    # {0: (Shard(1),)})) was said to split it "as the batch (its
+                    # input_batch_dim ...)" and told to name one (review of 8d45f0e)
+                    f", which the parallel mode's placement for it "
+                    f"{format_placements(placements)} splits over the {n} ranks of mesh "
+                    f"dimension {mesh_dim}: {meta.shape[p.dim]} is not divisible by {n}."
+                )
+                placed_hint = (
+                    f"give it a size in dimension {p.dim} that is a multiple of {n}, or "
+                    "place it otherwise where the mode takes a placement per argument "
+                    "(DTensorExpandMode's input_placements: (Replicate(),) passes it whole)."
                 )
                 raise SPMDCompileError(
                     f"{what} has size {meta.shape[p.dim]} in dimension {p.dim}"
                     + (split or f", which is not divisible by the {n} ranks of mesh dimension {mesh_dim}."),
-                    hint=hint if argument is None else _batch_hint(argument, meta.shape[p.dim], n),
+                    hint=hint if argument is None else (
+                        _batch_hint(argument, meta.shape[p.dim], n) if batch_dims_named else placed_hint),
                 )
             shape[p.dim] //= n
     return TensorMeta(tuple(shape), meta.dtype, meta.device, False)
@@ -200,6 +216,7 @@ def expand(
     gradient_placement: Callable[[str], Placements | None] | None = None,
     gradient_rows: Callable[[str], Placements | None] | None = None,
     round_low_precision_sums: bool = True,
+    batch_dims_named: bool = True,
 ) -> DistributedProgram:
     """Turn the captured single-device graph into the per-rank program.
 
@@ -224,6 +241,8 @@ def expand(
         round_low_precision_sums: round a pending sum cast up from float16 / bfloat16
             to that dtype where it is reduced (NOTE: [low-precision partials rounded
             where reduced]).
+        batch_dims_named: whether the mode takes ``input_batch_dim`` (``local_meta``'s
+            message for an argument that does not divide names it only then).
     """
     start = time.perf_counter()
     params = captured.param_metas()
@@ -233,6 +252,7 @@ def expand(
             meta, mesh, pl, str(ref), ref.name if ref.kind is Kind.INPUT else None,
             _FACTORED_STATE_HINT if ref.kind is Kind.OPTIM_STATE
             and ref.name in params and params[ref.name].shape != meta.shape else None,
+            batch_dims_named,
         )
         for (ref, meta), pl in zip(captured.inputs, input_placements, strict=True)
     ]
@@ -618,13 +638,64 @@ def _view_groups(before: Sequence[int], after: Sequence[int]) -> list[list[int]]
     return groups
 
 
+_ATEN = torch.ops.aten
+# ops that keep each dimension where it is, and those that take a tensor's parts along a
+# dimension (its position in their arguments, its default)
+_SAME_DIMS = frozenset({_ATEN.clone.default, _ATEN.alias.default, _ATEN.detach.default,
+                        _ATEN._to_copy.default})
+_PARTS_ALONG = {
+    _ATEN.unbind.int: (1, 0), _ATEN.select.int: (1, None), _ATEN.split.Tensor: (2, 0),
+    _ATEN.split_with_sizes.default: (2, 0), _ATEN.chunk.default: (2, 0),
+    _ATEN.slice.Tensor: (1, 0), _ATEN.narrow.default: (1, None),
+    _ATEN.index_select.default: (1, None),
+}
+
+
+def _parts_taken_along(node: torch.fx.Node, dim: int, hops: int = 8) -> bool:
+    """Whether the program takes ``node``'s parts along dimension ``dim`` (``unbind``,
+    ``select``, ``split``, ``chunk``, slices), through permutes and transposes of it:
+    what a fused layer's output is for (``q, k, v = qkv.unbind(2)``, ``qkv.permute(2,
+    0, 3, 1, 4)`` then ``q, k, v = qkv``), and what attention heads are not."""
+    value = node.meta.get("val")
+    ndim = value.dim() if isinstance(value, torch.Tensor) else 0
+    for user in node.users:
+        if not user.args or user.args[0] is not node:
+            continue
+        if user.target in _PARTS_ALONG:
+            position, default = _PARTS_ALONG[user.target]
+            along = user.args[position] if len(user.args) > position else user.kwargs.get("dim", default)
+            if isinstance(along, int) and along % max(ndim, 1) == dim:
+                return True
+        elif hops <= 0:
+            continue
+        elif user.target in _SAME_DIMS and _parts_taken_along(user, dim, hops - 1):
+            return True
+        elif user.target is _ATEN.permute.default and isinstance(user.args[1], (list, tuple)):
+            order = [d % ndim if isinstance(d, int) else -1 for d in user.args[1]]
+            if dim in order and _parts_taken_along(user, order.index(dim), hops - 1):
+                return True
+        elif (user.target is _ATEN.transpose.int and len(user.args) == 3
+              and isinstance(user.args[1], int) and isinstance(user.args[2], int)):
+            a, b = user.args[1] % ndim, user.args[2] % ndim
+            moved = b if dim == a else a if dim == b else dim
+            if _parts_taken_along(user, moved, hops - 1):
+                return True
+    return False
+
+
 def _fused_view_hint(exc: BaseException, node: torch.fx.Node) -> str | None:
     """The hint for a view that splits a column-wise layer's output into three or more
     subdimensions whose leading one the ranks do not divide: a fused layer (nanoGPT's
     ``qkv(x).view(B, T, 3, h, dh)``: "output dimension 0 (size 3)" on 2 tp ranks); None
     otherwise (``view(B, T, h, dh)`` with heads the ranks do not divide keeps the heads
     hint). The heads hint blamed heads there, which 2 heads on 2 ranks divide
-    (sixty-second session)."""
+    (sixty-second session).
+
+    The shapes alone cannot tell a fused layer's parts from heads: a plain q with 3 heads
+    viewed as rotary pairs (``view(B, T, 3, dh // 2, 2)``) was told to use
+    FusedColwiseParallel(chunks=3) (review of 8d45f0e). The fused hint is given where the
+    program then takes the parts along that dimension (``_parts_taken_along``); otherwise
+    the heads hint, naming the fused layer as the other reading."""
     found = re.search(r"output dimension 0 \(size (\d+)\) is not evenly divisible by mesh "
                       r"dimension \d+ \(size (\d+)\)", str(exc))
     source = node.args[0] if node.args else None
@@ -636,15 +707,30 @@ def _fused_view_hint(exc: BaseException, node: torch.fx.Node) -> str | None:
     groups = _view_groups([int(d) for d in before.shape], [int(d) for d in after.shape])
     if not any(len(group) >= 3 and group[0] == chunks for group in groups):
         return None
+    fused = (
+        f"FusedColwiseParallel(chunks={chunks}) (spmd_compiler.parallel_modes), which gives "
+        "each rank its block of each part (the heads must then divide by the tp ranks), "
+        f"split it with .chunk({chunks}) (compiles under ColwiseParallel, with an "
+        "all-gather), or leave it out of the plan."
+    )
+    starts, at = [], 0
+    for group in groups:
+        if not group:  # a merge: the dimensions after it cannot be placed
+            break
+        if len(group) >= 3 and group[0] == chunks:
+            starts.append(at)
+        at += len(group)
+    if not any(_parts_taken_along(node, start) for start in starts):
+        return (
+            _UNEVEN_HEADS_HINT + f" If instead the {chunks} parts are a fused layer's (q, k "
+            f"and v in one Linear), shard it with " + fused
+        )
     return (
         f"this view splits a column-wise sharded output into {chunks} leading parts that "
-        f"the {ranks} ranks do not divide: most often a fused layer (q, k and v in one "
-        f"Linear) split by .view(B, T, {chunks}, heads, head_dim), where ColwiseParallel gives "
-        "each rank a contiguous block of the fused output rather than its share of each "
-        f"part. Shard the layer with FusedColwiseParallel(chunks={chunks}) "
-        "(spmd_compiler.parallel_modes), which gives each rank its block of each part (the "
-        f"heads must then divide by the tp ranks), split it with .chunk({chunks}) (compiles "
-        "under ColwiseParallel, with an all-gather), or leave it out of the plan."
+        f"the {ranks} ranks do not divide, and the program takes them apart along that "
+        f"dimension: a fused layer (q, k and v in one Linear) split by .view(B, T, {chunks}, "
+        "heads, head_dim), where ColwiseParallel gives each rank a contiguous block of the "
+        "fused output rather than its share of each part. Shard the layer with " + fused
     )
 
 # NOTE: [views of a Python number]

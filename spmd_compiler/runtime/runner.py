@@ -35,7 +35,7 @@ from ..capture.bindings import (
 )
 from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
-from ..capture.value_checks import REFUSED_WAY_TEXTS, UNTRACED, stop_of
+from ..capture.value_checks import REFUSED_ITEM, REFUSED_WAY_TEXTS, UNTRACED, stop_of
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import (
@@ -737,12 +737,23 @@ def check_failed(check: ValueCheck) -> BaseException:
         # loss.item() > 3.0 or math.isnan(loss.item())``) whose other way no program
         # holds. Before, this opened "A check ... came out False: the step raises there",
         # of a check the user never wrote (sixty-second session).
+        # what the capture met there: an ``.item()`` number compared in Python
+        # (``REFUSED_ITEM``), or a branch whose other way reads a value in Python
+        # (``REFUSED_READ``: a value-dependent shape such as ``x[mask]`` or
+        # ``repeat_interleave`` by a tensor, another ``if``), which the message called
+        # "an .item() compared or branched on" too (review of ce43f97)
+        if check.raised.startswith(REFUSED_ITEM):
+            opening = (f"The train step uses a tensor's value as a Python number at "
+                       f"{check.where} (an .item() compared or branched on)")
+        else:
+            opening = (f"The train step branches on a tensor's value at {check.where}, and "
+                       "the way this call's value takes reads a tensor's value in Python (a "
+                       "value-dependent shape, an .item() or an `if` on a tensor)")
         return SPMDRuntimeError(
-            f"The train step uses a tensor's value as a Python number at {check.where} "
-            "(an .item() compared or branched on), which a compiled step cannot follow: "
-            "the program holds one way of that comparison, and this call's value went "
-            f"the other way (what the capture found: {check.raised}). Nothing was "
-            "updated: the model and optimizer keep the state of the last completed step."
+            f"{opening}, which a compiled step cannot follow: the program holds one way "
+            "of it, and this call's value went the other way (what the capture found: "
+            f"{check.raised}). Nothing was updated: the model and optimizer keep the "
+            "state of the last completed step."
         )
     return SPMDRuntimeError(
         f"A check on a tensor's value at {check.where} came out "

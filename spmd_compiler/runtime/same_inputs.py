@@ -445,23 +445,42 @@ def _cpu_group() -> Any:
     return _CPU_GROUPS[key]
 
 
-_RANK_NAMES = re.compile(r"(?:^|_)rank$|^local_rank$|^rank_id$")
+_RANK_NAMES = re.compile(r"(?:^|_)rank$|^rank_id$|^(?:local_|global_)?process_index$|^shard_(?:id|index)$")
+# ranks of a matrix factorization, not of a process (LoRA's ``lora_rank``, ``low_rank``)
+_MATRIX_RANKS = re.compile(r"lora|low_rank|adapter|factor|tucker|svd|kron")
+# how a guard labels a value (``capture/guards.py``): ``global local_rank (read by step
+# (/x/p.py:3))``, ``closure value rank (of ...)``, ``attribute local_rank of argument cfg
+# of the step``, ``attribute 'rank' of ...``, ``module 1.<root>.rank``, ``argument rank of the
+# step``, ``default of rank (of ...)``
+_LABEL_NAME = re.compile(r"^(?:attribute|argument|default of|global|closure value|module)\s+(\S+)")
+
+
+def _value_name(label: str) -> str:
+    """The variable or attribute name a guard's label holds (the last dotted part of its
+    path), without the label's words and trailing ``(read by ...)`` / ``(of ...)``."""
+    found = _LABEL_NAME.match(label.strip())
+    path = found.group(1) if found else label.strip().split(" (", 1)[0]
+    parts = [part for part in re.split(r"[.\[\]'\"]+", path) if part]
+    return parts[-1] if parts else path
 
 
 def values_differ_hint(differ: Sequence[str], everyone: Sequence[dict[str, str]]) -> str:
     """What to do where the ranks read the Python values ``differ`` differently
-    (``everyone``: each rank's values as shown). A value that looks like the rank itself
-    (named ``rank``, ``*_rank``, ``local_rank``, or equal to each rank's index: open_clip's
-    ``ClipLoss(rank=dist.get_rank(), world_size=...)``) is told apart: the step is
-    computed as one device, so it is rank 0 of a world of one (NOTE: [torch.distributed
-    inside the step]); "a local count goes in a tensor argument" misled there
-    (sixty-second session)."""
-    def rank_like(name: str) -> bool:
-        last = re.split(r"[.\[\]'\"]+", name.strip(".[]'\""))
-        leaf = next((part for part in reversed(last) if part), name)
-        if _RANK_NAMES.search(leaf.lower()):
-            return True
-        return all(values.get(name) == str(r) for r, values in enumerate(everyone))
+    (``everyone``: each rank's values as shown). A value named like the rank itself
+    (``rank``, ``*_rank``, ``local_rank``, ``rank_id``, ``process_index``, ``shard_id``; not
+    a matrix rank such as ``lora_rank``) that is an integer on every rank is told apart:
+    open_clip's ``ClipLoss(rank=dist.get_rank(), world_size=...)``. The step is computed
+    as one device, so it is rank 0 of a world of one (NOTE: [torch.distributed inside the
+    step]); "a local count goes in a tensor argument" misled there (sixty-second
+    session). The name is read off the guard's label (``global local_rank (read by
+    ...)``): the last dotted piece of the whole label was matched before, which no real
+    label's name is, and values 0 and 1 alone counted as a rank, which any per-rank count
+    (``n_skipped``) also reads on 2 ranks (review of a2c1a1b)."""
+    def rank_like(label: str) -> bool:
+        name = _value_name(label).lower()
+        if not _RANK_NAMES.search(name) or _MATRIX_RANKS.search(name):
+            return False
+        return all(re.fullmatch(r"-?\d+", values.get(label, "")) for values in everyone)
 
     ranks = [name for name in differ if rank_like(name)]
     common = ("set these the same on every rank (from one config, not a per-rank one); "

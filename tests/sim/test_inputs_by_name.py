@@ -27,7 +27,7 @@ from spmd_compiler._torch_private import pytree
 from spmd_compiler.capture.bindings import argument_paths
 from spmd_compiler.capture.containers import open_containers
 from spmd_compiler.ir.signature import Kind, StateRef, TensorMeta
-from spmd_compiler.parallel_modes import DataParallel, FullyShardTensorParallel
+from spmd_compiler.parallel_modes import DataParallel, DTensorExpandMode, FullyShardTensorParallel
 from spmd_compiler.parallel_modes.batch_dims import batch_dim_of
 from spmd_compiler.tools.parity import compare_states, full_state, relative_difference
 
@@ -215,6 +215,22 @@ def test_an_argument_that_cannot_be_split_is_refused_by_name(batch_dims, expecte
         compiled(model, optim, torch.randn(4, 3), torch.ones(3))
     for text in expected:
         assert text in str(info.value)
+
+
+def test_an_argument_a_mode_without_input_batch_dim_places_names_its_placement() -> None:
+    """DTensorExpandMode takes a placement per argument, no input_batch_dim: an argument
+    whose Shard(1) does not divide was said to be split "as the batch (its
+    input_batch_dim, dimension 0 unless named)" and told to name input_batch_dim, which
+    this mode does not accept (review of 8d45f0e); it names the mode's placement now."""
+    model, optim = _linear()
+    compiled = sc.compile(DTensorExpandMode(input_placements={0: (Shard(1),)}))(_linear_step)
+    with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, optim, torch.randn(4, 3), torch.ones(3))
+    message = str(info.value)
+    assert ("input[0] (x) has size 3 in dimension 1, which the parallel mode's placement for it "
+            "[S(1)] splits over the 2 ranks of mesh dimension 0: 3 is not divisible by 2.") in message, message
+    assert "input_batch_dim" not in message and "as the batch" not in message, message
+    assert "input_placements" in message, message
 
 
 def test_an_argument_broadcast_over_the_batch_is_pointed_at_none() -> None:
@@ -456,8 +472,6 @@ def test_dtensor_expand_input_placements_naming_no_argument_are_refused():
     covered an optional argument of an earlier call stays accepted when a call leaves it
     out."""
     from spmd_compiler.errors import SPMDCompileError
-    from spmd_compiler.parallel_modes import DTensorExpandMode
-
     def call(mode, with_mask=False):
         torch.manual_seed(0)
         model = nn.Linear(8, 4)

@@ -1,8 +1,8 @@
 """An optimizer holding a parameter no module passed to the step owns (NOTE: [stray
 optimizer parameters]): refused before anything is placed, the message naming the cause
 it can read (a meta parameter: the optimizer was built before ``to_empty``; a module
-owning another parameter of that shape: a replaced layer) and saying to build the
-optimizer after the change."""
+owning another parameter of that shape: a module not passed or a replaced layer, both
+named) and saying to build the optimizer after the change."""
 
 import pytest
 import torch
@@ -54,5 +54,25 @@ def test_a_layer_replaced_after_the_optimizer_is_refused_naming_the_new_one():
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
         sc.compile(make_mode("ddp"))(_step)(model, optim, *_data())
     message = str(info.value)
-    assert "another parameter of that shape and dtype (2.weight)" in message, message
+    assert "replaced that parameter: they own another of that shape and dtype (2.weight, " \
+        "which no optimizer holds)" in message, message
     assert "point it at the new ones" in message
+
+
+def test_a_module_not_passed_beside_a_layer_of_its_shape_is_not_called_replaced():
+    """An optimizer over a Linear(3, 3) that simply was not passed, the model owning its
+    own 3x3 layer: the message said the optimizer "may have been built before it
+    replaced" that layer (review of f11b842); shapes cannot tell the two apart, so it
+    names both causes, the module not passed first."""
+    torch.manual_seed(0)
+    head = nn.Linear(4, 4)  # updated by the optimizer, not passed to the step
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 4))
+    optim = torch.optim.SGD(list(model[0].parameters()) + list(head.parameters()), lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(_step)(model, optim, *_data())
+    message = str(info.value)
+    assert "Either a module the optimizer updates was not passed to the step, or the " \
+        "optimizer was built before" in message, message
+    assert "own another parameter of that shape and dtype (2.weight): the optimizer may " \
+        "have been built" not in message, message
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing placed

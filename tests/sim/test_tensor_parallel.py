@@ -365,6 +365,54 @@ def test_a_fused_qkv_viewed_under_plain_colwise_names_fused_colwise_and_the_forw
     assert "op made at:" in message and ".view(b, t, 3, self.heads" in message, message
 
 
+class _RotaryPairs(nn.Module):
+    """A plain q projection with 3 heads, viewed as rotary pairs (B, T, h, dh // 2, 2):
+    the leading part of the view is the heads, which nothing takes apart."""
+
+    def __init__(self, dim: int = 12, heads: int = 3) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, d // self.heads // 2, 2)
+        return self.proj((q * q.flip(-1)).reshape(b, t, d))
+
+
+class _FusedUnbound(_FusedQKV):
+    """The fused layer's parts taken by .unbind(2) on the view, no permute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        return self.proj((q * k * v).reshape(b, t, d))
+
+
+@pytest.mark.parametrize(("module", "layer", "fused"), [
+    (_RotaryPairs, "q", False), (_FusedUnbound, "qkv", True), (_FusedQKV, "qkv", True),
+], ids=["rotary_pairs_of_3_heads", "fused_unbind", "fused_permute"])
+def test_a_view_led_by_3_parts_names_a_fused_layer_only_where_the_parts_are_taken_apart(module, layer, fused):
+    """3 heads of a plain q on 2 tp ranks, viewed as rotary pairs (B, T, 3, dh // 2, 2),
+    have the shape of a fused layer's view (B, T, 3, h, dh): the hint told it to use
+    FusedColwiseParallel(chunks=3) (review of 8d45f0e). It gives the fused hint where the
+    program takes the 3 parts apart along that dimension (unbind, or a permute then
+    unpacking), else the heads hint, naming the fused layer as the other reading."""
+    model = module()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    width = model.proj.in_features
+    compiled = sc.compile(TensorParallel({layer: ColwiseParallel(), "proj": RowwiseParallel()}))(_sum_step)
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as refused:
+        compiled(model, optim, torch.randn(2, 4, width))
+    message = str(refused.value)
+    assert "FusedColwiseParallel(chunks=3)" in message, message
+    assert ("divides the number of heads" in message) is not fused, message
+    assert message.split("what to do:")[1].strip().startswith(
+        "this view splits a column-wise sharded output into 3 leading parts" if fused
+        else "this view splits a dimension the mesh shards into groups"), message
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing placed
+
+
 def _group_quantized(w: torch.Tensor, group: int = 4) -> torch.Tensor:
     """Group-wise int4 fake quantization along the in-features, straight-through."""
     g = w.reshape(w.shape[0], w.shape[1] // group, group)

@@ -537,6 +537,46 @@ def test_a_count_kept_above_zero_by_max_is_refused_with_the_advice_of_item():
     assert max(differences.values()) < TOL, differences
 
 
+def shape_by_value_step(model, optim, x, y):  # noqa: ANN001
+    """A branch whose other way makes a value-dependent shape (repeat_interleave by a
+    tensor of counts), no .item() anywhere."""
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    if loss > 100:
+        loss = loss + torch.repeat_interleave(out.sum(1), (out[:, 0] > 0).long()).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_branch_into_a_value_dependent_shape_is_not_called_an_item():
+    """The refused way of an `if` is a value-dependent shape, not an .item(): the error
+    said "(an .item() compared or branched on)" for it too (review of ce43f97); it says
+    the step branches on a tensor's value there and that way reads a value in Python.
+    Nothing is written by the refused call."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.tensor([1, 0, 2, 0])
+    compiled = sc.compile(make_mode("ddp"))(shape_by_value_step)
+    with sc.simulate(world_size=2) as sim:
+        loss = compiled(model, optim, x, y)
+        assert relative_difference(loss, shape_by_value_step(reference, reference_optim, x, y)) < TOL
+        with pytest.raises(SPMDRuntimeError) as info:
+            compiled(model, optim, x * 1e4, y)
+        differences = compare_models(model, reference, sim)
+    message = str(info.value)
+    assert ".item()" not in message.split("(what the capture found")[0].split("(a value-dependent")[0], message
+    assert message.startswith("The train step branches on a tensor's value at "), message
+    assert '"if loss > 100:"' in message and "repeat_interleave" in message, message
+    assert "an .item() compared or branched on" not in message, message
+    assert "Nothing was updated" in message, message
+    assert max(differences.values()) < TOL, differences
+
+
 # NOTE: [checks decided from their bytecode]: an `if` whose one way runs straight into a
 # `raise` is decided the other way without tracing the raising way
 

@@ -1016,11 +1016,24 @@ def test_a_capture_failure_in_simulation_gets_no_split_hint():
 
 @pytest.mark.parametrize(("name", "values", "rank_like"), [
     ("module 1.<root>.rank", ["0", "1"], True),  # open_clip's ClipLoss(rank=dist.get_rank(), ...)
-    ("attribute local_rank of argument cfg of the step", ["0", "1"], True),
-    ("module 0.<root>.shard_id", ["0", "1"], True),  # each rank's own index, whatever its name
+    # the labels guards give (capture/guards.py), values not each rank's index: the name
+    # alone tells (before the review of a2c1a1b the last dotted piece of the whole label,
+    # "3))" or "the step", was matched, and only values 0, 1 passed)
+    ("attribute local_rank of argument cfg of the step", ["3", "5"], True),
+    ("global local_rank (read by step (/x/p.py:3))", ["3", "5"], True),
+    ("closure value rank (of step (/x/p.py:3))", ["2", "3"], True),
+    ("global CFG['global_rank'] (read by step (/x/p.py:3))", ["2", "3"], True),
+    ("argument local_rank of the step", ["2", "3"], True),
+    ("default of rank (of step (/x/p.py:3))", ["2", "3"], True),
+    ("module 0.<root>.shard_id", ["0", "1"], True),
     ("module 0.<root>.data_rank", ["3", "5"], True),
     ("module 0.<root>.scale", ["0.5", "2.0"], False),
     ("module 0.<root>.ranking", ["1", "0"], False),
+    # a per-rank count that reads 0 and 1 on 2 ranks, and a matrix rank, are not the rank
+    ("module 0.<root>.n_skipped", ["0", "1"], False),
+    ("closure value n_skipped (of step (/x/p.py:3))", ["0", "1"], False),
+    ("module 0.<root>.lora_rank", ["8", "16"], False),
+    ("global rank (read by step (/x/p.py:3))", ["'a'", "'b'"], False),
 ])
 def test_values_that_look_like_the_rank_are_told_to_be_rank_0_of_a_world_of_one(name, values, rank_like):
     """The ranks reading a different Python value: where it looks like the rank itself,
