@@ -1329,7 +1329,9 @@ class CompiledTrainStep:
         the step's first call, whose own trace was right ("Capturing the train step
         failed ... Attempting to broadcast a dimension of length 4"; eager ran it). Such
         a trace is of a state no call meets, so it tells nothing: the values go back to
-        where the first capture left them, the first call runs its program, and the next
+        where the first capture left them (every one it changed, a tuple it appended to
+        or an object it made too; where one cannot go back the call is refused: NOTE:
+        [values a trace changed that are no plain ones] in ``capture/guards.py``), the first call runs its program, and the next
         call, which finds the values and tensors its program stored, is captured on
         them, refused there if its own trace changes a value again (a counter) or
         fails."""

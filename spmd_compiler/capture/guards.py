@@ -51,7 +51,10 @@ values the call began with, so its program is this call's, guarded by those valu
 next call, which finds the set-up done, compiles the other path. To tell a counter from
 a set-up the step is traced once more on the changed values: a value that changes again
 is refused, and the values are put back as the call found them (a trace that fails
-there tells nothing: NOTE: [a probe on half the changed state] in ``api.py``); where that trace is the
+there tells nothing once every value it changed is set back, and refuses where one
+cannot be: NOTE: [a probe on half the changed state] in ``api.py``; each trace starts
+from the values the call found, tuples and objects the step made too: NOTE: [values a
+trace changed that are no plain ones]); where that trace is the
 same program (``compile_cache.same_program``: a flag whose branch computes nothing, a
 step that calls ``model.train()`` / ``model.eval()`` itself), the program is kept under
 the guards of both values, and the next call compiles nothing. A capture that traces the
