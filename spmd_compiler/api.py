@@ -1335,6 +1335,7 @@ class CompiledTrainStep:
         call, which finds the values and tensors its program stored, is captured on
         them, refused there if its own trace changes a value again (a counter) or
         fails."""
+        held = after.held_now()
         try:
             with traces_start_from(after):  # its own ways: the changed values may skip the `if`s
                 return capture_step(
@@ -1346,6 +1347,7 @@ class CompiledTrainStep:
             # plain ones]); one that cannot, or any change left, refuses: the first call's
             # program would run after the probe's own write (a tuple appended to twice:
             # losses 3.210 against eager's 2.140, found by a prober of the sixty-second session)
+            after.set_back(held)
             left = after.start_over()
             change = after.first_change(bindings)
             if left or change is not None:

@@ -541,6 +541,31 @@ class Guards:
                     container.pop(key, None)
         return left
 
+    def held_now(self) -> list[tuple[dict, dict]]:
+        """(dict, a shallow copy of it) of each dict these guards read entries of (a
+        module's or object's ``__dict__``, a dict, a module's globals): what ``set_back``
+        puts back, each entry by identity."""
+        out: dict[int, tuple[dict, dict]] = {}
+        for kind, container, _, _ in self.entries:
+            if kind in (_DICT, _NUMPY_DICT, _LEN) and isinstance(container, dict) and id(container) not in out:
+                out[id(container)] = (container, dict.copy(container))
+        for container, _ in self.found_keys.values():
+            out.setdefault(id(container), (container, dict.copy(container)))
+        return list(out.values())
+
+    @staticmethod
+    def set_back(held: list[tuple[dict, dict]]) -> None:
+        """Put each entry of the dicts ``held_now`` copied back to the object it held
+        then, and remove those made since (NOTE: [values a trace changed that are no
+        plain ones]: a failed probe's ``model.hist += (SimpleNamespace(),)``, held by
+        no value guard, stayed: ``hist`` two entries long after one call)."""
+        for container, copied in held:
+            for key in container.keys() - copied.keys():
+                container.pop(key, None)
+            for key, value in copied.items():
+                if container.get(key, _MISSING) is not value:
+                    container[key] = value
+
     def _plain_changes(self) -> list[tuple[dict, Any, Any, Any]]:
         """(dict, key, value these guards hold, value now) of ``written``'s entries; a
         value absent then or now is ``_MISSING`` (made or deleted by the step)."""

@@ -260,27 +260,43 @@ def seen_step(model, opt, x, y):
     return loss.detach()
 
 
-def test_a_failed_probe_puts_back_a_tuple_it_appended_to():
+def seen_objects_step(model, opt, x, y):
+    model.seen = getattr(model, "seen", ()) + (types.SimpleNamespace(n=x.shape[1]),)
+    loss = F.mse_loss(model(x), y) * len(model.seen)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("objects", [False, True])
+def test_a_failed_probe_puts_back_a_tuple_it_appended_to(objects):
     """A tuple the step appends to beside a cache grown behind a Python number: the
     trace on the changed values fails on the old cache (NOTE: [a probe on half the
     changed state]) after appending once more; only plain values were set back, so the
     program ran with the probe's append: losses 1.248, 3.210, 5.522 against eager's
     1.248, 2.140, 3.328, ``seen`` (8, 8, 16, 16, 32, 32) against (8, 16, 32). Now every
-    value it changed goes back (NOTE: [values a trace changed that are no plain ones])."""
+    value it changed goes back (NOTE: [values a trace changed that are no plain ones]);
+    a tuple of objects, held by no value guard, too (it was two entries long after one
+    call)."""
+    step = seen_objects_step if objects else seen_step
     torch.manual_seed(0)
     model = AttributeRotary()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(seen_step)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(step)
     with sc.simulate(world_size=2):
         for i, (x, y) in enumerate(_batches([8, 16, 32])):
             loss = compiled(model, opt, x, y)
-            expected = seen_step(reference, reference_opt, x, y)
+            expected = step(reference, reference_opt, x, y)
             assert relative_difference(loss, expected) < TOLERANCE, (i, loss, expected)
         for name, p in reference.named_parameters():
             assert relative_difference(_full(model.get_parameter(name)), p) < TOLERANCE, name
-    assert model.seen == reference.seen == (8, 16, 32)
+    if objects:
+        assert [s.n for s in model.seen] == [s.n for s in reference.seen] == [8, 16, 32]
+    else:
+        assert model.seen == reference.seen == (8, 16, 32)
 
 
 SETUPS: dict = {}
