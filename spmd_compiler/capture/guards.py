@@ -300,13 +300,18 @@ _DICT, _CELL, _ARG, _LEN, _TENSOR, _ITERATOR, _HOOK_COUNTS, _ITEM, _NUMPY_DICT, 
 # the compiler's records alive (``Guards``, a ``KeptTensor``), weakly: the tuples by which
 # they hold a user's objects (their ``held_in``) are no user's reference to a dict (NOTE:
 # [kept numbers only written], ``_held_only_by``)
-_RECORDS: list[weakref.ref[Any]] = []
+_RECORDS: dict[int, weakref.ref[Any]] = {}
 
 
 def own_record(record: Any) -> None:
     """Note ``record`` (with a ``held_in()`` yielding the containers by which it holds the
-    user's objects) as the compiler's own: see ``_RECORDS``."""
-    _RECORDS.append(weakref.ref(record))
+    user's objects) as the compiler's own: see ``_RECORDS`` (dropped when it dies)."""
+    key = id(record)
+
+    def forget(_: weakref.ref[Any]) -> None:
+        _RECORDS.pop(key, None)
+
+    _RECORDS[key] = weakref.ref(record, forget)
 
 
 @dataclass
@@ -1150,14 +1155,11 @@ def _cell_holds(cell: types.CellType, obj: Any) -> bool:
 def _bookkeeping(more: list[Any]) -> set[int]:
     """The ids of the containers by which the compiler's records alive (``_RECORDS``) and
     ``more`` (iterables of tuples) hold the user's objects."""
-    alive = []
     held: list[Any] = list(more)
-    for ref in _RECORDS:
+    for ref in list(_RECORDS.values()):
         record = ref()
         if record is not None:
-            alive.append(ref)
             held.append(record.held_in())
-    _RECORDS[:] = alive
     return {id(t) for records in held for t in records}
 
 
