@@ -103,7 +103,7 @@ from ..errors import SPMDCompileError, node_error
 from .bindings import StepBindings
 from .code_names import global_names_in, names_in, strings_in
 from .containers import distribution_object, traced_inside
-from .guards import functions_of
+from .guards import functions_of, own_record
 from .outside_tensors import FoundTensor
 from .plain_objects import (
     attributes,
@@ -204,6 +204,13 @@ class KeptTensor:
     as_int: bool = False
     index: int = -1
     part: tuple[type, Any, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        own_record(self)  # its root holds a global or closure object: no read of it by the user
+
+    def held_in(self) -> tuple[tuple, ...]:
+        """The tuple by which it holds the user's object (``guards.own_record``)."""
+        return (self.root,)
 
     def container(self, bindings: StepBindings) -> Any:
         if self.root[0] == "module":
