@@ -692,7 +692,7 @@ class CompiledTrainStep:
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self._name)
         if self._found is not None:  # a compile in this call traced the step: its values
-            self._found.start_over()  # back as the call found them, for this way's trace
+            self._found.unwrite()  # back as the call found them, for this way's trace
         return self._compile(key, bindings, input_metas, mesh, decisions)[0]
 
     @staticmethod
@@ -1329,13 +1329,10 @@ class CompiledTrainStep:
         the step's first call, whose own trace was right ("Capturing the train step
         failed ... Attempting to broadcast a dimension of length 4"; eager ran it). Such
         a trace is of a state no call meets, so it tells nothing: the values go back to
-        where the first capture left them (every one it changed, a tuple it appended to
-        or an object it made too; where one cannot go back the call is refused: NOTE:
-        [values a trace changed that are no plain ones] in ``capture/guards.py``), the first call runs its program, and the next
+        where the first capture left them, the first call runs its program, and the next
         call, which finds the values and tensors its program stored, is captured on
         them, refused there if its own trace changes a value again (a counter) or
         fails."""
-        held = after.held_now()
         try:
             with traces_start_from(after):  # its own ways: the changed values may skip the `if`s
                 return capture_step(
@@ -1343,23 +1340,7 @@ class CompiledTrainStep:
                     make_state=False,
                 )
         except Exception as exc:  # noqa: BLE001 - see the NOTE; a Ctrl-C goes up
-            # every value it changed goes back (NOTE: [values a trace changed that are no
-            # plain ones]); one that cannot, or any change left, refuses: the first call's
-            # program would run after the probe's own write (a tuple appended to twice:
-            # losses 3.210 against eager's 2.140, found by a prober of the sixty-second session)
-            after.set_back(held)
-            left = after.start_over()
-            change = after.first_change(bindings)
-            if left or change is not None:
-                raise SPMDCompileError(
-                    "Capturing the train step failed on the Python values its first trace "
-                    f"changed ({exception_summary(exc)}), and that trace changed a value "
-                    f"that cannot be set back: {', '.join(left) if left else change}. The "
-                    "compiled step cannot tell a counter from a one-time set-up here.",
-                    user_line=self._where,
-                    hint="keep that value in a tensor the step updates in place (a buffer "
-                    "made before the first call), or set it outside the compiled step.",
-                ) from exc
+            after.unwrite()
             log.info("%s: the trace on the Python values its first trace changed failed (%s); "
                      "the next call is captured on what this one stores",
                      self._name, exception_summary(exc))
@@ -1389,7 +1370,6 @@ class CompiledTrainStep:
                 )
         except BaseException:
             before.put_back()  # a refused capture leaves the Python values it wrote as found
-            before.start_over()  # NOTE: [values a trace changed that are no plain ones]
             raise
         change = before.first_change(bindings)
         if change is not None:
@@ -1419,14 +1399,11 @@ class CompiledTrainStep:
                         "torch.zeros((), dtype=torch.long)); self.calls += 1), or count "
                         "outside the compiled step and pass what the step decides on as an "
                         "argument (`step(model, opt, x, y, do_step=(i + 1) % accum == 0)`: a "
-                        "bool argument compiles one program per value, docs/porting.md)"
-                        + ("; the refused call left the value as it found it."
-                           if not before.start_over() and before.first_change(bindings) is None
-                           else "."),
+                        "bool argument compiles one program per value, docs/porting.md); the "
+                        "refused call left the value as it found it.",
                     )
             except BaseException:
                 before.put_back()  # the refused call leaves the values as it found them
-                before.start_over()  # and those that are no plain ones, where it can
                 if captured.made_state is not None:
                     captured.made_state.remove(bindings)
                 raise

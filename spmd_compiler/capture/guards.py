@@ -51,10 +51,7 @@ values the call began with, so its program is this call's, guarded by those valu
 next call, which finds the set-up done, compiles the other path. To tell a counter from
 a set-up the step is traced once more on the changed values: a value that changes again
 is refused, and the values are put back as the call found them (a trace that fails
-there tells nothing once every value it changed is set back, and refuses where one
-cannot be: NOTE: [a probe on half the changed state] in ``api.py``; each trace starts
-from the values the call found, tuples and objects the step made too: NOTE: [values a
-trace changed that are no plain ones]); where that trace is the
+there tells nothing: NOTE: [a probe on half the changed state] in ``api.py``); where that trace is the
 same program (``compile_cache.same_program``: a flag whose branch computes nothing, a
 step that calls ``model.train()`` / ``model.eval()`` itself), the program is kept under
 the guards of both values, and the next call compiles nothing. A capture that traces the
@@ -530,69 +527,6 @@ class Guards:
         for container, key, expected, _ in self._plain_changes():
             set_or_delete(container, key, expected)
 
-    def start_over(self) -> list[str]:
-        """NOTE: [values a trace changed that are no plain ones]
-        ``unwrite``, and set back too what a trace changed that is no plain value but
-        can be set back without a tensor: a tuple (or frozenset) of scalars put back as
-        it was (``model.seen = getattr(model, "seen", ()) + (t,)``), a dict or list of
-        scalars changed in place filled again in place with what it held (a global
-        ``D["warm"] = True``), and an attribute the step made on a counted object that
-        holds no tensor removed (``model.log = []``, ``model.cfg = SimpleNamespace()``;
-        a tensor the step keeps is put back by NOTE: [tensors the step keeps]). Until
-        the sixty-second session only plain values were set back: a trace after the
-        first found the set-up an earlier one made (the first call 10x off eager,
-        silently), and a probe that failed (NOTE: [a probe on half the changed state]
-        in ``api.py``) left its own append in a tuple (losses 3.210 against eager's
-        2.140). Returns the names of the changed values it could not set back."""
-        self.unwrite()
-        left: list[str] = []
-        for k, (kind, container, key, expected) in enumerate(self.entries):
-            if kind not in (_DICT, _NUMPY_DICT) or not isinstance(container, dict):
-                continue
-            value = container.get(key, _MISSING)
-            if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
-                continue
-            if isinstance(expected, (tuple, frozenset)) and is_scalar(expected):
-                container[key] = expected
-            elif type(value) is type(expected) and type(value) in (dict, list) and is_scalar(expected):
-                if isinstance(value, dict):
-                    value.clear()
-                    value.update(copy.deepcopy(expected))
-                else:
-                    value[:] = copy.deepcopy(expected)
-            else:
-                left.append(self.names[k])
-        for container, keys in self.found_keys.values():
-            for key in list(container.keys() - keys):
-                if not _holds_tensor(container[key]):
-                    container.pop(key, None)
-        return left
-
-    def held_now(self) -> list[tuple[dict, dict]]:
-        """(dict, a shallow copy of it) of each dict these guards read entries of (a
-        module's or object's ``__dict__``, a dict, a module's globals): what ``set_back``
-        puts back, each entry by identity."""
-        out: dict[int, tuple[dict, dict]] = {}
-        for kind, container, _, _ in self.entries:
-            if kind in (_DICT, _NUMPY_DICT, _LEN) and isinstance(container, dict) and id(container) not in out:
-                out[id(container)] = (container, dict.copy(container))
-        for container, _ in self.found_keys.values():
-            out.setdefault(id(container), (container, dict.copy(container)))
-        return list(out.values())
-
-    @staticmethod
-    def set_back(held: list[tuple[dict, dict]]) -> None:
-        """Put each entry of the dicts ``held_now`` copied back to the object it held
-        then, and remove those made since (NOTE: [values a trace changed that are no
-        plain ones]: a failed probe's ``model.hist += (SimpleNamespace(),)``, held by
-        no value guard, stayed: ``hist`` two entries long after one call)."""
-        for container, copied in held:
-            for key in container.keys() - copied.keys():
-                container.pop(key, None)
-            for key, value in copied.items():
-                if container.get(key, _MISSING) is not value:
-                    container[key] = value
-
     def _plain_changes(self) -> list[tuple[dict, Any, Any, Any]]:
         """(dict, key, value these guards hold, value now) of ``written``'s entries; a
         value absent then or now is ``_MISSING`` (made or deleted by the step)."""
@@ -771,27 +705,6 @@ _WRITABLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 def _writable(value: Any) -> bool:
     """A value a step's write can be replayed or undone with: a plain one, or absence."""
     return value is _MISSING or isinstance(value, _WRITABLE)
-
-
-def _holds_tensor(value: Any, depth: int = 4) -> bool:
-    """Whether ``value`` is or holds a tensor or a module (in a list, tuple, dict or an
-    object's ``__dict__``), as far as ``depth`` levels; deeper counts as holding one."""
-    if isinstance(value, (torch.Tensor, torch.nn.Module)):
-        return True
-    if depth == 0:
-        return True
-    if isinstance(value, dict):
-        items: Any = dict.values(value)
-    elif isinstance(value, (list, tuple)):
-        items = _stored_items(value)
-    elif is_scalar(value) or callable(value):
-        return False
-    else:
-        try:
-            items = dict.values(object.__getattribute__(value, "__dict__"))
-        except (AttributeError, TypeError):
-            return False
-    return any(_holds_tensor(item, depth - 1) for item in items)
 
 
 def set_or_delete(container: dict, key: Any, value: Any) -> None:

@@ -1767,7 +1767,7 @@ class _StepTracer:
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         if _TRACE_STARTS:  # NOTE: [a step that changes what it reads]
-            _TRACE_STARTS[-1].start_over()  # NOTE: [values a trace changed that are no plain ones]
+            _TRACE_STARTS[-1].unwrite()
         b = self.bindings
         values = dict(zip(self.refs, flat, strict=True))
         params = {r.name: v for r, v in values.items() if r.kind is Kind.PARAM}
