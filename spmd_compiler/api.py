@@ -1341,6 +1341,12 @@ class CompiledTrainStep:
                 )
         except Exception as exc:  # noqa: BLE001 - see the NOTE; a Ctrl-C goes up
             after.unwrite()
+            if after.first_change(bindings) is not None:
+                # the failed trace changed a value it cannot set back (a tuple it appended
+                # to, an object): running on would compute from it, silently (a review:
+                # losses [1.248, 3.210, 5.522] against eager's [1.248, 2.140, 3.328]), so
+                # the call is refused, as every such failure was before
+                raise
             log.info("%s: the trace on the Python values its first trace changed failed (%s); "
                      "the next call is captured on what this one stores",
                      self._name, exception_summary(exc))
