@@ -52,7 +52,6 @@ from .errors import (
     Change,
     SPMDCompileError,
     argument_path,
-    exception_summary,
     innermost_model_frame_of_stack,
     mesh_of_another_size,
     readable_name,
@@ -1313,45 +1312,6 @@ class CompiledTrainStep:
         hint = split_arguments_hint(splits, exc.message)
         return None if hint is None else exc.with_hint(hint)
 
-    def _probe_changed(
-        self, bindings: StepBindings, input_metas: list[TensorMeta], after: Guards,
-    ) -> CapturedStep | None:
-        """NOTE: [a probe on half the changed state]
-        The capture of the step on the Python values its first capture changed (NOTE:
-        [a step that changes what it reads]), to tell a counter (refused) from a set-up;
-        None where that trace fails. It runs on the tensors the call found: what the
-        first trace stored in them is the program's output, not there yet. A step that
-        grows a cache guarded by a Python number it sets beside it (an older
-        transformers rotary embedding: ``if seq_len > self.max_seq_len_cached:`` rebuild
-        ``cos_cached`` and set ``self.max_seq_len_cached = seq_len``; nanoGPT-style lazy
-        masks) then reads the old cache with the new number: a buffer of 4 rows against a
-        sequence of 16, or ``None``. Until the sixty-second session that failure refused
-        the step's first call, whose own trace was right ("Capturing the train step
-        failed ... Attempting to broadcast a dimension of length 4"; eager ran it). Such
-        a trace is of a state no call meets, so it tells nothing: the values go back to
-        where the first capture left them, the first call runs its program, and the next
-        call, which finds the values and tensors its program stored, is captured on
-        them, refused there if its own trace changes a value again (a counter) or
-        fails."""
-        try:
-            with traces_start_from(after):  # its own ways: the changed values may skip the `if`s
-                return capture_step(
-                    self.func, bindings, input_metas, self.mode.capture_options(), (),
-                    make_state=False,
-                )
-        except Exception as exc:  # noqa: BLE001 - see the NOTE; a Ctrl-C goes up
-            after.unwrite()
-            if after.first_change(bindings) is not None:
-                # the failed trace changed a value it cannot set back (a tuple it appended
-                # to, an object): running on would compute from it, silently (a review:
-                # losses [1.248, 3.210, 5.522] against eager's [1.248, 2.140, 3.328]), so
-                # the call is refused, as every such failure was before
-                raise
-            log.info("%s: the trace on the Python values its first trace changed failed (%s); "
-                     "the next call is captured on what this one stores",
-                     self._name, exception_summary(exc))
-            return None
-
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta],
         decisions: tuple[tuple[bool, str], ...] = (),
@@ -1381,8 +1341,12 @@ class CompiledTrainStep:
         if change is not None:
             after = build_guards(self.func, bindings, frozenset())
             try:
-                probe = self._probe_changed(bindings, input_metas, after)
-                again = after.first_change(bindings) if probe is not None else None
+                with traces_start_from(after):  # its own ways: the changed values may skip the `if`s
+                    probe = capture_step(
+                        self.func, bindings, input_metas, self.mode.capture_options(), (),
+                        make_state=False,
+                    )
+                again = after.first_change(bindings)
                 if again is not None and again.registered:
                     raise SPMDCompileError(
                         "The train step registers a hook every time it runs: "
@@ -1400,13 +1364,9 @@ class CompiledTrainStep:
                         f"The train step changes a Python value every time it runs: {again}. "
                         "A compiled step runs no Python, so it cannot repeat that change.",
                         user_line=self._where,
-                        hint="keep the counter in a tensor the step updates in place (a "
-                        "buffer made before the first call: self.register_buffer('calls', "
-                        "torch.zeros((), dtype=torch.long)); self.calls += 1), or count "
-                        "outside the compiled step and pass what the step decides on as an "
-                        "argument (`step(model, opt, x, y, do_step=(i + 1) % accum == 0)`: a "
-                        "bool argument compiles one program per value, docs/porting.md); the "
-                        "refused call left the value as it found it.",
+                        hint="keep changing state in a tensor (a buffer: "
+                        "self.register_buffer('count', torch.zeros(()))) or change it outside "
+                        "the compiled step.",
                     )
             except BaseException:
                 before.put_back()  # the refused call leaves the values as it found them
@@ -1421,7 +1381,7 @@ class CompiledTrainStep:
             guards = step_guards(self.func, bindings, graph_args, captured)
             also = []
             if change is not None:  # NOTE: [a step that changes what it reads]
-                if probe is not None and compile_cache.same_program(captured, probe):
+                if compile_cache.same_program(captured, probe):
                     also.append(step_guards(self.func, bindings, graph_args, captured))
                 if not guards.as_found(before):
                     guards.once = True  # a write no call can repeat: this call's program only

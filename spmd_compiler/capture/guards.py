@@ -50,8 +50,7 @@ values the call began with, so its program is this call's, guarded by those valu
 (``Guards.as_found``: a guard holds what the call found, not what the trace left); the
 next call, which finds the set-up done, compiles the other path. To tell a counter from
 a set-up the step is traced once more on the changed values: a value that changes again
-is refused, and the values are put back as the call found them (a trace that fails
-there tells nothing: NOTE: [a probe on half the changed state] in ``api.py``); where that trace is the
+is refused, and the values are put back as the call found them; where that trace is the
 same program (``compile_cache.same_program``: a flag whose branch computes nothing, a
 step that calls ``model.train()`` / ``model.eval()`` itself), the program is kept under
 the guards of both values, and the next call compiles nothing. A capture that traces the
@@ -347,9 +346,6 @@ class Guards:
     # every entry of the user's objects is guarded (code reads ``vars``, ``__dict__`` or a
     # computed name: NOTE: [guards on the names the code reads])
     every_entry: bool = False
-    # id -> (dict, its keys) of each dict whose number of entries is guarded, as these
-    # guards were built: NOTE: [attributes a step makes on a counted object]
-    found_keys: dict[int, tuple[dict, frozenset]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         own_record(self)  # NOTE: [kept numbers only written]
@@ -358,14 +354,11 @@ class Guards:
         """The tuples by which these guards hold the user's objects (``own_record``)."""
         yield from self.entries
         yield from self.links
-        yield from self.found_keys.values()
         yield from (key for kind, _, key, _ in self.entries if kind == _SAME)
 
     def add(self, kind: int, container: Any, key: Any, expected: Any, name: str) -> None:
         if kind == _DICT and _numpy_inside(expected):
             kind = _NUMPY_DICT
-        elif kind == _LEN and isinstance(container, dict):
-            self.found_keys.setdefault(id(container), (container, frozenset(container)))
         self.entries.append((kind, container, key, _snapshot(expected)))
         self.names.append(name)
 
@@ -512,8 +505,6 @@ class Guards:
             if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
                 continue
             container[key] = expected
-        for container, key, _ in self._made():  # NOTE: [attributes a step makes on a counted object]
-            container.pop(key, None)
 
     def written(self) -> list[tuple[dict, Any, Any]]:
         """(dict, key, value) of each guarded value held in a dict that went from one plain
@@ -540,32 +531,6 @@ class Guards:
             ):
                 continue
             out.append((container, key, expected, value))
-        guarded = {(id(container), key) for container, key, _, _ in out}
-        out += [(container, key, _MISSING, value) for container, key, value in self._made()
-                if (id(container), key) not in guarded]
-        return out
-
-    def _made(self) -> list[tuple[dict, Any, Any]]:
-        """NOTE: [attributes a step makes on a counted object]
-        (dict, key, value) of each plain value (``_WRITABLE``) now held under a key that a
-        dict whose number of entries these guards hold lacked when they were built: an
-        attribute the step made (``model.calls = getattr(model, "calls", 0) + 1`` on a
-        torch module, whose ``__dict__`` is guarded whole, so the name is not guarded as
-        absent: NOTE: [names read that may be absent]). Only its number of entries told
-        of it: the traces of one capture did not start without it (each trace after the
-        first found the one before's ``calls``), and a refused counter left it made
-        (``model.calls`` 2 after the refused first call, found by a prober of the
-        sixty-second session). It is put back (removed) as a changed value is; a value
-        that is no plain one (an object, a tensor the step keeps) is left to whoever
-        made it (NOTE: [tensors the step keeps] puts the traced ones back)."""
-        out: list[tuple[dict, Any, Any]] = []
-        for container, keys in self.found_keys.values():
-            if len(container) == len(keys) and container.keys() == keys:
-                continue
-            for key in container.keys() - keys:
-                value = container[key]
-                if _writable(value):
-                    out.append((container, key, value))
         return out
 
     def as_found(self, before: Guards) -> bool:

@@ -41,8 +41,6 @@ every run.) A traced tensor (or a returned-style ``.item()``, NOTE:
   is one more output, and after every call the runtime sets a new container of the same
   type holding the call's values (``KeptTensor.part``; since the forty-third session, the
   step was refused before);
-- a buffer registered as ``None`` and filled by the step, or registered by it under a
-  new name: as an attribute (NOTE: [buffers the step makes]);
 - anywhere else (a list changed otherwise, a container holding other objects or other
   containers): the step is refused, naming where; except a module's new list of its own
   parameters and buffers (``nn.LSTM._flat_weights``, rebuilt by its forward when the
@@ -264,9 +262,6 @@ class _Holder:
     path: tuple[tuple[str, Any], ...]
     label: str
     before: Any = None
-    # keys of a dict holder left to others (a module's ``_buffers``: the buffers swapped
-    # for the trace's, which are the program's state: NOTE: [buffers the step makes])
-    skip: frozenset = frozenset()
 
     def storage(self) -> Any:
         """The dict the entries live in (an object's ``__dict__``, or its slots:
@@ -281,8 +276,6 @@ class _Holder:
             if isinstance(self.obj, torch.optim.Optimizer):  # its state is the program's
                 return {k: v for k, v in d.items() if k not in _OPTIMIZER_OWN}
             return d
-        if self.skip:
-            return {k: v for k, v in self.obj.items() if k not in self.skip}
         return self.obj
 
 
@@ -320,7 +313,6 @@ class KeptTensors:
             for fqn, sub in mod.named_modules():
                 name = (f"{mi}." if len(bindings.modules) > 1 else "") + (fqn or "<root>")
                 self._visit(sub, ("module", mi, fqn), (), f"module {name} ({type(sub).__name__})", DEPTH)
-                self._buffers(sub, ("module", mi, fqn), f"module {name} ({type(sub).__name__})")
         for oi, opt in enumerate(bindings.optimizers):
             name = f"optimizer[{oi}] ({type(opt).__name__})"
             self._visit(opt, ("optimizer", oi), (), name, DEPTH)
@@ -363,26 +355,6 @@ class KeptTensors:
                 continue  # submodules are visited by FQN; tensors are leaves
             if type(value) is list or isinstance(value, dict) or plain_object(value):
                 self._visit(value, root, (*path, (step, key)), label + _where(step, key), depth - 1)
-
-    def _buffers(self, module: torch.nn.Module, root: tuple, label: str) -> None:
-        """NOTE: [buffers the step makes]
-        A buffer registered as ``None`` and filled by the step
-        (``self.register_buffer("cos_cached", None, persistent=False)`` in ``__init__``,
-        ``self.cos_cached = ...`` on first use: a rotary or mask cache), or registered by
-        it under a new name, is a tensor the step keeps in the module's ``_buffers``:
-        one more output of the program, stored there after every call as a kept
-        attribute is (the next call finds it a buffer of the model, and is captured
-        again with it). The buffers the call found (those not ``None``) are swapped for
-        the trace's and are the program's state, written back as such; they are left
-        out here. Until the sixty-second session such a buffer was seen by no one: the
-        capture failed with "KeyError: 'cos_cached'" (no line of the user's), and the
-        trace's fake tensor stayed in the module."""
-        own = module.__dict__.get("_buffers")
-        if not isinstance(own, dict) or id(own) in self._seen:
-            return
-        self._seen.add(id(own))
-        found = frozenset(key for key, value in own.items() if value is not None)
-        self.holders.append(_Holder(own, "dict", root, (("attr", "_buffers"),), f"{label}._buffers", skip=found))
 
     def _arguments(self, node: Any, path: tuple, label: str) -> None:
         """The dicts and lists among the arguments: the step sees copies pytree rebuilt,

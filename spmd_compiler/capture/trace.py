@@ -1851,14 +1851,11 @@ class _StepTracer:
                 result, kept = selected_rows.compacted((result, kept))  # NOTE: [rows of one count]
             finally:
                 keeper.restore()
-            # the buffers the step made are kept tensors (NOTE: [buffers the step makes])
             final_buffers = {
                 b.module_buffers[mi][fqn]: t
                 for mi, mod in enumerate(b.modules)
                 for fqn, t in mod.named_buffers(remove_duplicate=False)
-                if fqn in b.module_buffers[mi]
             }
-            _refuse_buffers_set_to_none(b, final_buffers, step_where(self.func))
             outs = self._collect(result, params, final_buffers, swapped, values, kept)
             for ref, value in scaler_finals():
                 self.out_refs.append(ref)
@@ -1986,25 +1983,6 @@ class _StepTracer:
 
 
 _MISSING = object()
-
-
-def _refuse_buffers_set_to_none(b: StepBindings, final: dict[str, torch.Tensor], where: str | None) -> None:
-    """A buffer of the call the step set to ``None`` (``self.cache = None`` to rebuild it
-    later): the program holds it as state and writes a tensor back, so the model would
-    keep the tensor where the step run eagerly leaves ``None``. Refused, naming it."""
-    for mi in range(len(b.modules)):
-        for fqn, name in b.module_buffers[mi].items():
-            if name not in final:
-                raise SPMDCompileError(
-                    f"The train step sets buffer {fqn} of "
-                    f"{'the model' if len(b.modules) == 1 else f'module {mi}'} to None. A compiled "
-                    "step holds a buffer the call found as state of the program, which "
-                    "writes a tensor back after every call (NOTE: [buffers the step makes]).",
-                    user_line=where,
-                    hint="rebuild the buffer in place (self.cache.copy_(...)) or assign "
-                    "the new tensor at once (self.cache = new); a buffer registered as "
-                    "None before the first call may be filled by the step.",
-                )
 
 
 def _carry_python_attributes(real: Mapping[str, torch.Tensor], *traced: dict[str, torch.Tensor]) -> None:
