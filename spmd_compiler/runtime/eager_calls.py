@@ -326,21 +326,14 @@ def _placed_owner_of_memory(value: torch.Tensor, current: DTensor) -> str | None
     memory = _storage_of(value)
     if memory is None or memory == _storage_of(current):
         return None
-    for on_set in private.data_assignment_callbacks():
-        if not isinstance(on_set, functools.partial) or on_set.func is not _assign_data:
-            continue
-        module_ref, attr, is_param, name = on_set.args
-        module = module_ref()
-        held = None if module is None else (module._parameters if is_param else module._buffers).get(attr)
-        if isinstance(held, DTensor) and held is not current and _storage_of(held) == memory:
-            return f"{'parameter' if is_param else 'buffer'} {name}"
-    return None
+    return _placed_name_of_memory(value, current)
 
 
-def _placed_name_of_memory(t: torch.Tensor) -> str | None:
-    """The parameter or buffer a compiled step placed whose local memory ``t``'s is (``t``
-    itself or a view of it), as "parameter <name>" / "buffer <name>"; None if none (NOTE:
-    [writes into a redistributed part of a placed tensor])."""
+def _placed_name_of_memory(t: torch.Tensor, current: DTensor | None = None) -> str | None:
+    """The parameter or buffer (another than ``current``) a compiled step placed whose
+    local memory ``t``'s is (``t`` itself or a view of it), as "parameter <name>" /
+    "buffer <name>"; None if none (NOTE: [writes into a redistributed part of a placed
+    tensor])."""
     memory = _storage_of(t)
     if memory is None:
         return None
@@ -350,7 +343,7 @@ def _placed_name_of_memory(t: torch.Tensor) -> str | None:
         module_ref, attr, is_param, name = on_set.args
         module = module_ref()
         held = None if module is None else (module._parameters if is_param else module._buffers).get(attr)
-        if isinstance(held, DTensor) and _storage_of(held) == memory:
+        if isinstance(held, DTensor) and held is not current and _storage_of(held) == memory:
             return f"{'parameter' if is_param else 'buffer'} {name}"
     return None
 
