@@ -1068,9 +1068,14 @@ class RedistributionCache(dict):
         if any(p.is_partial() for p in after.placements):
             self.round_when_reduced(out, dtype)
             return out
-        wide = out.dtype
-        low = torch.ops.aten._to_copy.default(out, dtype=dtype)
-        return torch.ops.aten._to_copy.default(low, dtype=wide)
+        return _round_through(out, dtype)
+
+
+def _round_through(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` rounded to ``dtype`` and back to its own dtype (NOTE: [low-precision
+    partials rounded where reduced])."""
+    low = torch.ops.aten._to_copy.default(value, dtype=dtype)
+    return torch.ops.aten._to_copy.default(low, dtype=value.dtype)
 
 
 def _between_sum_and_avg_partials(local: torch.Tensor, current_spec: Any, target_spec: Any) -> Any:
@@ -1328,10 +1333,7 @@ def round_reduced_sum(partial: torch.Tensor, reduced: torch.Tensor) -> torch.Ten
     ``RedistributionCache.rounded`` rounds one it reduces (NOTE: [low-precision partials
     rounded where reduced])."""
     dtype = _ACTIVE_CACHES[-1].rounding_of(partial) if _ACTIVE_CACHES else None
-    if dtype is None:
-        return reduced
-    low = torch.ops.aten._to_copy.default(reduced, dtype=dtype)
-    return torch.ops.aten._to_copy.default(low, dtype=reduced.dtype)
+    return reduced if dtype is None else _round_through(reduced, dtype)
 
 
 # NOTE: [Python numbers in DTensor's native sharding cache]
