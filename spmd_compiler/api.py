@@ -323,6 +323,7 @@ class CompiledTrainStep:
         # the call found, as guards, once a compile in it has traced the step
         self._served: tuple[StepExecutable, Guards] | None = None
         self._found: Guards | None = None
+        self._hooks_found: HooksAsFound | None = None  # the compile's (NOTE: [hooks each trace starts from])
         self._walk_memo = WalkMemo()  # NOTE: [one walk over the state per call]
         # the arguments' names per argument structure (NOTE: [inputs by name])
         self._input_names: dict[Any, list[str]] = {}
@@ -419,7 +420,7 @@ class CompiledTrainStep:
 
     def _call_with_running(self, args: tuple, kwargs: dict) -> Any:
         sim = active_simulation()
-        self._served = self._found = None
+        self._served = self._found = self._hooks_found = None
         bindings = find_bindings(self.func, args, kwargs, self._walk_memo)
         if any_pending_updates():  # NOTE: [another step flushes first]
             flush_pending_updates(keep=self._last, sharing=bindings)
@@ -692,6 +693,8 @@ class CompiledTrainStep:
                  self._name)
         if self._found is not None:  # a compile in this call traced the step: its values
             self._found.unwrite()  # back as the call found them, for this way's trace
+        if self._hooks_found is not None:  # and its hooks (NOTE: [hooks each trace starts from])
+            self._hooks_found.put_back()
         return self._compile(key, bindings, input_metas, mesh, decisions)[0]
 
     @staticmethod
@@ -956,6 +959,7 @@ class CompiledTrainStep:
         # NOTE: [room on the Python stack]: no frame-stack chunk edge under the compile;
         # NOTE: [code generated once]
         hooks = HooksAsFound(self.func, bindings)  # NOTE: [hooks a refused step registered]
+        self._hooks_found = hooks  # every trace starts from them (NOTE: [hooks each trace starts from])
         try:
             with private.lazy_graph_modules():
                 return call_with_room(self._compile_here, key, bindings, input_metas, mesh, decisions)
@@ -1329,7 +1333,7 @@ class CompiledTrainStep:
         # every trace of a capture (a value check's ways, a float argument's retry) starts
         # from the values the call found, not from what an earlier trace of it left
         try:
-            with traces_start_from(before):
+            with traces_start_from(before, self._hooks_found):
                 captured = capture_step(
                     self.func, bindings, input_metas, self.mode.capture_options(), decisions,
                     make_state=not decisions,
@@ -1364,9 +1368,13 @@ class CompiledTrainStep:
                         f"The train step changes a Python value every time it runs: {again}. "
                         "A compiled step runs no Python, so it cannot repeat that change.",
                         user_line=self._where,
-                        hint="keep changing state in a tensor (a buffer: "
-                        "self.register_buffer('count', torch.zeros(()))) or change it outside "
-                        "the compiled step.",
+                        hint="keep the counter in a tensor the step updates in place (a "
+                        "buffer made before the first call: self.register_buffer('calls', "
+                        "torch.zeros((), dtype=torch.long)); self.calls += 1), or count "
+                        "outside the compiled step and pass what the step decides on as an "
+                        "argument (`step(model, opt, x, y, do_step=(i + 1) % accum == 0)`: a "
+                        "bool argument compiles one program per value, docs/porting.md); the "
+                        "refused call left the value as it found it.",
                     )
             except BaseException:
                 before.put_back()  # the refused call leaves the values as it found them

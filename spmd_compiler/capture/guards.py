@@ -234,6 +234,7 @@ from .code_names import (
 from .plain_objects import (
     attributes,
     holds_attributes,
+    own_code,
     plain_object,
     read_by_name,
     reads_its_own_way,
@@ -346,6 +347,10 @@ class Guards:
     # every entry of the user's objects is guarded (code reads ``vars``, ``__dict__`` or a
     # computed name: NOTE: [guards on the names the code reads])
     every_entry: bool = False
+    # id -> (dict, its keys) of each dict whose number of entries is guarded, as these
+    # guards were built: NOTE: [attributes a step makes on a counted object]
+    found_keys: dict[int, tuple[dict, frozenset]] = field(default_factory=dict, repr=False)
+    own_names: frozenset[str] | None = field(default=None, repr=False)  # ``_own_names``
 
     def __post_init__(self) -> None:
         own_record(self)  # NOTE: [kept numbers only written]
@@ -359,6 +364,8 @@ class Guards:
     def add(self, kind: int, container: Any, key: Any, expected: Any, name: str) -> None:
         if kind == _DICT and _numpy_inside(expected):
             kind = _NUMPY_DICT
+        elif kind == _LEN and isinstance(container, dict):
+            self.found_keys.setdefault(id(container), (container, frozenset(container)))
         self.entries.append((kind, container, key, _snapshot(expected)))
         self.names.append(name)
 
@@ -502,9 +509,14 @@ class Guards:
             if not is_scalar(expected):
                 continue
             value = container.get(key, _MISSING)
+            if _changed_in_place(value, expected):  # NOTE: [contents a step changes in place]
+                _Contents(value, expected).apply()
+                continue
             if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
                 continue
             container[key] = expected
+        for container, key, _ in self._made():  # NOTE: [attributes a step makes on a counted object]
+            container.pop(key, None)
 
     def written(self) -> list[tuple[dict, Any, Any]]:
         """(dict, key, value) of each guarded value held in a dict that went from one plain
@@ -523,15 +535,62 @@ class Guards:
         value absent then or now is ``_MISSING`` (made or deleted by the step)."""
         out: list[tuple[dict, Any, Any, Any]] = []
         for kind, container, key, expected in self.entries:
-            if kind != _DICT or not isinstance(container, dict) or not _writable(expected):
+            if kind != _DICT or not isinstance(container, dict):
                 continue
             value = container.get(key, _MISSING)
+            if _changed_in_place(value, expected):  # NOTE: [contents a step changes in place]
+                out.append((container, key, _Contents(value, expected), _Contents(value, _snapshot(value))))
+                continue
+            if not _writable(expected):
+                continue
             if not _writable(value) or value is expected or (
                 type(value) is type(expected) and not _unequal(value, expected)
             ):
                 continue
             out.append((container, key, expected, value))
+        guarded = {(id(container), key) for container, key, _, _ in out}
+        out += [(container, key, _MISSING, value) for container, key, value in self._made()
+                if (id(container), key) not in guarded]
         return out
+
+    def _made(self) -> list[tuple[dict, Any, Any]]:
+        """NOTE: [attributes a step makes on a counted object]
+        (dict, key, value) of each plain value (``_WRITABLE``) now held under a key that a
+        dict whose number of entries these guards hold lacked when they were built: an
+        attribute the step made (``model.calls = getattr(model, "calls", 0) + 1`` on a
+        torch module, whose ``__dict__`` is guarded whole, so the name is not guarded as
+        absent: NOTE: [names read that may be absent]). Only its number of entries told
+        of it: the traces of one capture did not start without it (each trace after the
+        first found the one before's ``calls``), and a refused counter left it made
+        (``model.calls`` 2 after the refused first call, found by a prober of the
+        sixty-second session); a one-time set-up made that way beside an ``if`` on a
+        tensor value ran the first call 10x off eager (0.891 against 0.0891), silently:
+        the value check's second way was traced on the set-up done. It is put back
+        (removed) as a changed value is, where the user's own code names it (``names`` of
+        ``_own_names``: a library's own flag beside what it did once is no step's
+        set-up: transformers' ``_output_capturing_hooks_installed``, set where it
+        installs its hooks, removed between traces, left LLaVA's hidden states ``None``;
+        the sixty-second session's first attempt, reverted for it); a value that is no
+        plain one (an object, a tensor the step keeps) is left to whoever made it (NOTE:
+        [tensors the step keeps] puts the traced ones back)."""
+        out: list[tuple[dict, Any, Any]] = []
+        for container, keys in self.found_keys.values():
+            if len(container) == len(keys) and container.keys() == keys:
+                continue
+            for key in container.keys() - keys:
+                value = container[key]
+                if _writable(value) and key in self._own_names():
+                    out.append((container, key, value))
+        return out
+
+    def _own_names(self) -> frozenset[str]:
+        """The names and identifier strings of the walked code that is the user's own
+        (not an installed library's, the standard library's or torch's), nested code
+        too; cached (the walked code of these guards does not change)."""
+        if self.own_names is None:
+            own = [code for code in self.codes if own_code(code)]
+            self.own_names = frozenset(name for code in own for name in (*names_in(code), *strings_in(code)))
+        return self.own_names
 
     def as_found(self, before: Guards) -> bool:
         """Expect, of each guard ``before`` (built on the same objects when the call began)
@@ -668,14 +727,55 @@ _WRITABLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
 def _writable(value: Any) -> bool:
-    """A value a step's write can be replayed or undone with: a plain one, or absence."""
-    return value is _MISSING or isinstance(value, _WRITABLE)
+    """A value a step's write can be replayed or undone with: a plain one, a tuple of
+    them (``model.flags = (True,)``), or absence."""
+    return value is _MISSING or isinstance(value, _WRITABLE) or (isinstance(value, tuple) and is_scalar(value))
+
+
+# NOTE: [contents a step changes in place]
+# A list or dict of plain values the step changes in place (``FLAGS["warm"] = True``,
+# ``state[0] = True``, ``self.done = [False]`` then ``self.done[0] = True``) is guarded by
+# its contents (``_snapshot``): a set-up kept so beside an ``if`` on a tensor value ran
+# the first call 10x off eager (0.891 against 0.0891), silently, until the sixty-third
+# session, since the traces of a capture did not start from the contents the call found
+# (``unwrite`` took only plain values). Now each trace starts from them and the capture
+# leaves the contents the program's trace left, set in place (the user's own references
+# see them; the object is never replaced). Such a write is not replayed by later calls
+# of the program (``as_found``: it serves its own call, and the next call, finding the
+# set-up done, compiles the other way).
+
+
+@dataclass(frozen=True)
+class _Contents:
+    """The list or dict ``obj`` the step changed in place, and the items to set in it."""
+
+    obj: Any
+    items: Any
+
+    def apply(self) -> None:
+        if isinstance(self.obj, list):
+            list.__setitem__(self.obj, slice(None), list.__iter__(self.items))
+        else:
+            dict.clear(self.obj)
+            dict.update(self.obj, dict.items(self.items))
+
+
+def _changed_in_place(value: Any, expected: Any) -> bool:
+    """Whether ``value``, a list or dict of plain values guarded by a copy ``expected``
+    of its contents, was changed in place (NOTE: [contents a step changes in place])."""
+    return (
+        type(value) in (list, dict) and type(expected) is type(value) and value is not expected
+        and is_scalar(expected) and _unequal(value, expected)
+    )
 
 
 def set_or_delete(container: dict, key: Any, value: Any) -> None:
-    """``container[key] = value``, or remove ``key`` where ``value`` is absence."""
+    """``container[key] = value``, or remove ``key`` where ``value`` is absence, or set
+    the contents of a list or dict in place (``_Contents``)."""
     if value is _MISSING:
         container.pop(key, None)
+    elif isinstance(value, _Contents):
+        value.apply()
     else:
         container[key] = value
 

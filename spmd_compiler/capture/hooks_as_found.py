@@ -38,6 +38,8 @@ from .bindings import StepBindings
 from .kept_tensors import KeptTensors
 
 _FULL_BACKWARD = "_is_full_backward_hook"
+# the items of each hook dict and each module's full-backward flag (``HooksAsFound.now``)
+HookState = tuple[list[tuple[dict, list[tuple[Any, Any]]]], list[tuple[torch.nn.Module, Any]]]
 
 
 def _hook_dicts(obj: Any) -> list[dict]:
@@ -63,19 +65,28 @@ class HooksAsFound:
             dicts += _hook_dicts(sub)
         for opt in bindings.optimizers:
             dicts += _hook_dicts(opt)
-        self.found = [(d, list(d.items())) for d in dicts]
-        self.flags = [(sub, vars(sub).get(_FULL_BACKWARD)) for sub in modules.values()]
+        self.dicts = dicts
+        self.modules = list(modules.values())
+        self.found = self.now()
 
-    def put_back(self) -> None:
-        for d, items in self.found:
+    def now(self) -> HookState:
+        """What the hook dicts and flags hold now."""
+        return ([(d, list(d.items())) for d in self.dicts],
+                [(sub, vars(sub).get(_FULL_BACKWARD)) for sub in self.modules])
+
+    def put_back(self, state: HookState | None = None) -> None:
+        """Set the hook dicts and flags back to ``state`` (``now``'s), by default to
+        what the compile found."""
+        found, flags = self.found if state is None else state
+        for d, items in found:
             if len(d) != len(items) or any(
                 k not in d or d[k] is not v for k, v in items
             ):
                 d.clear()
                 d.update(items)
-        for sub, flag in self.flags:
+        for sub, flag in flags:
             if vars(sub).get(_FULL_BACKWARD) is not flag:
                 vars(sub)[_FULL_BACKWARD] = flag
 
 
-__all__ = ["HooksAsFound"]
+__all__ = ["HookState", "HooksAsFound"]

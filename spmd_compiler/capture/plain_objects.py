@@ -44,6 +44,12 @@ def skipped_function(fn: types.FunctionType) -> bool:
     return skipped_module(fn.__globals__.get("__name__")) or fn.__code__.co_filename.startswith(_STDLIB)
 
 
+def own_code(code: types.CodeType) -> bool:
+    """Code of the user's own: not in an installed library's file (torch's, transformers')
+    nor the standard library's."""
+    return "-packages" not in code.co_filename and not code.co_filename.startswith(_STDLIB)
+
+
 def plain_object(value: Any) -> bool:
     """Objects whose attributes a forward may read as settings (a config object, one
     with ``__slots__`` too: ``@dataclass(slots=True)``)."""
@@ -216,7 +222,7 @@ def keyed_by_class(value: Any) -> bool:
 
 
 __all__ = [
-    "Attributes", "attributes", "holds_attributes", "keyed_by_class", "slot_names", "plain_object", "read_by_name", "reads_its_own_way", "skipped_function", "skipped_module", "stdlib_module",
+    "Attributes", "attributes", "holds_attributes", "keyed_by_class", "own_code", "slot_names", "plain_object", "read_by_name", "reads_its_own_way", "skipped_function", "skipped_module", "stdlib_module",
     "NEUTRAL_BASES", "users_bases", "users_class", "users_own_class",
 ]
 
