@@ -70,23 +70,44 @@ class HooksAsFound:
         self.found = self.now()
 
     def now(self) -> HookState:
-        """What the hook dicts and flags hold now."""
-        return ([(d, list(d.items())) for d in self.dicts],
+        """The user's hooks now: the items of each hook dict but the compiler's own
+        (``_ours``), and each module's full-backward flag."""
+        ours = self._our_keys()
+        return ([(d, [(k, v) for k, v in d.items() if k not in ours]) for d in self.dicts],
                 [(sub, vars(sub).get(_FULL_BACKWARD)) for sub in self.modules])
 
     def put_back(self, state: HookState | None = None) -> None:
-        """Set the hook dicts and flags back to ``state`` (``now``'s), by default to
-        what the compile found."""
+        """Set the user's hooks and the flags back to ``state`` (``now``'s), by default
+        to what the compile found; the compiler's own hooks registered now (the
+        capture's module hooks naming scopes, NOTE: [calling a placed model directly])
+        stay, after the user's."""
         found, flags = self.found if state is None else state
+        ours = self._our_keys()
         for d, items in found:
-            if len(d) != len(items) or any(
-                k not in d or d[k] is not v for k, v in items
-            ):
+            want = items + [(k, v) for k, v in d.items() if k in ours]
+            if len(d) != len(want) or any(
+                k not in d or d[k] is not v for k, v in want
+            ) or list(d) != [k for k, _ in want]:
                 d.clear()
-                d.update(items)
+                d.update(want)
         for sub, flag in flags:
             if vars(sub).get(_FULL_BACKWARD) is not flag:
                 vars(sub)[_FULL_BACKWARD] = flag
+
+    def _our_keys(self) -> set[Any]:
+        """The handle ids of the compiler's own hooks in the dicts (a hook's id keys it
+        in its ``with_kwargs`` / ``always_call`` dicts too)."""
+        return {k for d in self.dicts for k, v in d.items() if _ours(v)}
+
+
+def _ours(hook: Any) -> bool:
+    """Whether ``hook`` is the compiler's own function (not the user's)."""
+    fn = getattr(hook, "func", hook)  # a functools.partial
+    module = getattr(fn, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] in _OUR_PACKAGES
+
+
+_OUR_PACKAGES = frozenset({"spmd_compiler", "parallel_modes", "passes"})
 
 
 __all__ = ["HookState", "HooksAsFound"]

@@ -1702,8 +1702,9 @@ def _fake(meta: TensorMeta, fake_mode: Any, first_trace: bool) -> torch.Tensor:
 # with ``model.eval()``, a ``torch.multinomial`` and ``model.train()`` was left in eval
 # mode and refused as changing ``training`` every run)
 _TRACE_STARTS: list[Any] = []
-# NOTE: [hooks each trace starts from]: the hooks as the call found them, beside each
-# entry of ``_TRACE_STARTS`` (None: not followed)
+# NOTE: [hooks each trace starts from]: beside each entry of ``_TRACE_STARTS``, the hook
+# dicts followed (None: not followed); the user's hooks in them as the call found them,
+# the capture's own (its module hooks naming scopes, installed around each trace) left
 _HOOK_STARTS: list[HooksAsFound | None] = []
 
 
