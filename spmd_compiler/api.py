@@ -26,6 +26,7 @@ from spmd_compiler.passes.registry import pass_names
 
 from . import _torch_private as private
 from . import compile_cache, step_key
+from .capture.appended_lists import refuse_appended_lists_read
 from .capture.bindings import (
     StepBindings,
     WalkMemo,
@@ -1446,6 +1447,7 @@ def step_guards(
             id(bindings.schedulers[s.index]) for s in captured.scheduler_steps
         }
     guards = build_guards(func, bindings, graph_args, skipped)
+    refuse_appended_lists_read(guards)  # NOTE: [lists the step appends to and reads]
     if captured is not None:  # NOTE: [kept numbers only written]
         dropped = unguard_written_numbers(guards, _kept_number_places(captured.kept, bindings))
         dropped += unguard_written_entries(guards, _kept_number_places(captured.kept, bindings, "key"))

@@ -351,6 +351,10 @@ class Guards:
     # guards were built: NOTE: [attributes a step makes on a counted object]
     found_keys: dict[int, tuple[dict, frozenset]] = field(default_factory=dict, repr=False)
     own_names: frozenset[str] | None = field(default=None, repr=False)  # ``_own_names``
+    # (name, whether a closure variable, label, its type's name): where the walk met a
+    # list or deque the step appends to, unguarded (NOTE: [lists the step appends to and
+    # reads])
+    appended: list[tuple[str, bool, str, str]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         own_record(self)  # NOTE: [kept numbers only written]
@@ -1177,6 +1181,31 @@ def _entries_only_written(
     that name is not it, nor (without ``cell``) a cell variable. With ``unnamed``, code
     that never names it (nor reads a namespace whole) passes too."""
     stored = False
+    for _, instructions, i in name_uses(codes, name, cell):
+        ins = instructions[i]
+        if whole_namespace(ins) or ins.opname not in (_CELL_LOADS if cell else _HOLDER_LOADS) or i + 2 >= len(instructions):
+            return False
+        key, store = instructions[i + 1], instructions[i + 2]
+        if key.opname != "LOAD_CONST" or store.opname != "STORE_SUBSCR":
+            return False
+        try:
+            if key.argval not in keys:
+                return False
+        except TypeError:  # an unhashable constant
+            return False
+        stored = True
+    return stored or unnamed
+
+
+def name_uses(
+    codes: list[types.CodeType], name: str, cell: bool = False
+) -> Iterator[tuple[types.CodeType, list[dis.Instruction], int]]:
+    """(code, its instructions, position) of each instruction of ``codes`` (and the code
+    nested in them) that names ``name`` (a global, an attribute or a constant: a
+    ``getattr`` or a key; with ``cell``, a closure variable but its ``LOAD_CLOSURE`` /
+    ``MAKE_CELL``), or reads a namespace whole (``whole_namespace``); a local variable
+    of that name is not it, nor (without ``cell``) a cell variable (NOTE: [kept numbers
+    only written])."""
     pending = list(codes)
     while pending:
         code = pending.pop()
@@ -1184,30 +1213,21 @@ def _entries_only_written(
         instructions = list(dis.get_instructions(code))
         for i, ins in enumerate(instructions):
             value = ins.argval
-            if isinstance(value, str) and value in _WHOLE_NAMESPACE:
-                return False
-            if cell:
-                if ins.opname not in _CELL_OPS or value != name or ins.opname in ("LOAD_CLOSURE", "MAKE_CELL"):
-                    continue
-                if ins.opname not in _CELL_LOADS or i + 2 >= len(instructions):
-                    return False
-            else:
-                if ins.opname in _LOCAL_NAME_OPS:
-                    continue
-                if not (value == name or (isinstance(value, (tuple, frozenset)) and name in value)):
-                    continue
-                if ins.opname not in _HOLDER_LOADS or i + 2 >= len(instructions):
-                    return False
-            key, store = instructions[i + 1], instructions[i + 2]
-            if key.opname != "LOAD_CONST" or store.opname != "STORE_SUBSCR":
-                return False
-            try:
-                if key.argval not in keys:
-                    return False
-            except TypeError:  # an unhashable constant
-                return False
-            stored = True
-    return stored or unnamed
+            if whole_namespace(ins):
+                yield code, instructions, i
+            elif cell:
+                if ins.opname in _CELL_OPS and value == name and ins.opname not in ("LOAD_CLOSURE", "MAKE_CELL"):
+                    yield code, instructions, i
+            elif ins.opname not in _LOCAL_NAME_OPS and (
+                value == name or (isinstance(value, (tuple, frozenset)) and name in value)
+            ):
+                yield code, instructions, i
+
+
+def whole_namespace(ins: dis.Instruction) -> bool:
+    """An instruction naming a way to read a namespace whole (``globals``, ``vars``,
+    ``__dict__``, ``eval``, ``cell_contents``)."""
+    return isinstance(ins.argval, str) and ins.argval in _WHOLE_NAMESPACE
 
 
 def _cell_holds(cell: types.CellType, obj: Any) -> bool:
@@ -1494,9 +1514,12 @@ class _Walker:
         """``value``, found at ``container[key]`` (``kind``: a dict entry or a list /
         tuple item): guarded if a scalar, else walked whole for ``depth`` more levels and
         by name below them."""
-        if isinstance(value, torch.Tensor) or id(value) in self.skipped:
+        if isinstance(value, torch.Tensor):
             return
-        if is_scalar(value):
+        if id(value) in self.skipped:
+            self.appended_place(kind, key, value, name)
+            return
+        if is_scalar(value) and not self.holds_appended(value):
             self.guards.add(kind, container, key, value, name)
             self.names_held(value)
         elif _pinned(value):  # ``self.act = my_act``, ``self.ops = {"a": fn}``
@@ -1716,10 +1739,13 @@ class _Walker:
         a function (with ``pin``: not a global or closure value, which a link follows);
         functions walked, modules as ``reached_module``; objects and containers walked on
         by name if ``descend``, what they hold too if ``deep`` (default: ``descend``)."""
-        if isinstance(value, torch.Tensor) or id(value) in self.skipped:
+        if isinstance(value, torch.Tensor):
+            return
+        if id(value) in self.skipped:
+            self.appended_place(kind, key, value, path + where)
             return
         name = path + where
-        if is_scalar(value):
+        if is_scalar(value) and not self.holds_appended(value):
             self.guards.add(kind, container, key, value, name)
             self.names_held(value)
             return
@@ -1901,6 +1927,7 @@ class _Walker:
         modules, objects and containers are walked by name (``by_name``), and what
         those hold too if ``deep`` (the user's code names it, not a library's)."""
         if id(value) in self.skipped:
+            self.appended_place(kind, key, value, path + where)
             return
         if _torch_module(value):  # NOTE: [torch's functions replaced]: the functions the code names of it
             self.torch_modules.setdefault(id(value), (value, path, set()))
@@ -1914,6 +1941,23 @@ class _Walker:
         if isinstance(value, type) and (skipped_module(value.__module__) or stdlib_module(value.__module__)):
             return
         self.named_value(kind, container, key, value, path, where, True, deep, pin=False)
+
+    def appended_place(self, kind: int, key: Any, value: Any, label: str) -> None:
+        """A list or deque the step appends to (not guarded: NOTE: [tensors the step
+        keeps]) met at ``key`` of a globals dict, an object's attributes, a dict or a
+        closure cell: the name by which code reaches it, for NOTE: [lists the step
+        appends to and reads]."""
+        if isinstance(value, (list, collections.deque)) and isinstance(key, str) and kind in (_DICT, _CELL):
+            self.guards.appended.append((key, kind == _CELL, label, type(value).__name__))
+
+    def holds_appended(self, value: Any) -> bool:
+        """Whether a container of scalars holds a list the step appends to (``log =
+        {"hist": []}``): walked, not guarded whole, so that the list is skipped and
+        checked (NOTE: [lists the step appends to and reads])."""
+        if not self.skipped or not isinstance(value, (list, tuple, dict, collections.deque)):
+            return False
+        items = value.values() if isinstance(value, dict) else value
+        return any(id(item) in self.skipped or self.holds_appended(item) for item in items)
 
     def iterator(self, value: Any, label: str) -> bool:
         """Guard where an iterator the step reaches has got to; whether it was one."""

@@ -4,8 +4,9 @@ NOTE: [tensors the step keeps]
 A step may store a tensor where Python code reads it after the call: a module attribute
 (``self.last_hidden = h.detach()`` in ``forward``, an auxiliary loss ``self.aux_loss``),
 an entry of a dict (a forward hook's ``activations[name] = out``), an attribute of an
-object argument (``logger.last = loss``), or an item appended to a list
-(``history.append(loss.item())``). Traced, that Python runs once, at capture, and stores
+object argument (``logger.last = loss``), or an item appended to a list or a
+``collections.deque`` (``history.append(loss.item())``; a deque since the sixty-third
+session: before, it kept the capture's placeholders). Traced, that Python runs once, at capture, and stores
 a fake tensor: the program never stores again, and the user later finds a
 ``FakeTensor`` (or the same stale entry) where eager has the call's value.
 
@@ -31,10 +32,12 @@ their ``step`` and torch's global hooks were not walked: a step pre-hook's
 error, and its ``norms.append(norm.item())`` was refused as a Python value changed
 every run.) A traced tensor (or a returned-style ``.item()``, NOTE:
 [returned .item() values]) that appeared there is kept:
-- set as an attribute or a dict entry, or appended to a list (nothing else in the list
-  changed): it becomes one more output of the program, and after every call the runtime
-  sets the attribute / entry to the call's value, or appends it, the global value as a
-  returned tensor is (``.item()`` of it for an ``.item()``);
+- set as an attribute or a dict entry, or appended to a list or deque (nothing else in
+  it changed; a deque's ``maxlen`` may have dropped its first items): it becomes one
+  more output of the program, and after every call the runtime sets the attribute /
+  entry to the call's value, or appends it, the global value as a returned tensor is
+  (``.item()`` of it for an ``.item()``); such a list is not guarded, and a step that
+  also reads it is refused (NOTE: [lists the step appends to and reads]);
 - a new list, tuple or dict of traced values (nothing else in it) set as an attribute or
   a dict entry (torchvision RAFT's ``self.corr_pyramid = [corr]``, grown by appends and
   read back in the same forward; a hook's ``self.maps = {"a": x, "b": y}``): each value
@@ -85,6 +88,7 @@ stored is no guard, and compiles once (NOTE: [kept numbers only written] in
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import operator
@@ -114,6 +118,8 @@ from .plain_objects import (
 from .traced_items import TracedItem
 
 DEPTH = 2
+# the list types whose appends the runtime repeats (``_Holder`` kind "list")
+_LISTS = (list, collections.deque)
 _MISSING = object()
 # What an nn.Module keeps in its __dict__ for itself (hooks, parameters, flags).
 _MODULE_OWN = frozenset(torch.nn.Module().__dict__) | {"training"}
@@ -332,7 +338,7 @@ class KeptTensors:
     def _visit(self, obj: Any, root: tuple, path: tuple, label: str, depth: int) -> None:
         if id(obj) in self._seen:
             return
-        if type(obj) is list:
+        if type(obj) in _LISTS:
             kind = "list"
         elif isinstance(obj, dict) and not reads_its_own_way(type(obj)):
             kind = "dict"  # else its attributes (NOTE: [containers that read their own way])
@@ -353,7 +359,7 @@ class KeptTensors:
                 self._module(value, label + _where(step, key))
             if depth <= 0 or isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue  # submodules are visited by FQN; tensors are leaves
-            if type(value) is list or isinstance(value, dict) or plain_object(value):
+            if type(value) in _LISTS or isinstance(value, dict) or plain_object(value):
                 self._visit(value, root, (*path, (step, key)), label + _where(step, key), depth - 1)
 
     def _arguments(self, node: Any, path: tuple, label: str) -> None:
@@ -605,13 +611,11 @@ class KeptTensors:
         return self.kept
 
     def _list(self, h: _Holder) -> None:
-        now, before = h.obj, h.before
+        now, before = list(h.obj), h.before
         old = set(map(id, before))
-        appended = now[len(before):]
-        only_appended = (
-            len(now) >= len(before) and all(a is b for a, b in zip(now, before))
-            and all(is_traced(v) for v in appended)
-        )
+        appended = _appended(h.obj, before)
+        only_appended = appended is not None and all(is_traced(v) for v in appended)
+        appended = appended or []
         if h.root[0] == "call" and not only_appended:  # NOTE: [Python values written into arguments]
             raise _python_write(h.label, self.where, "a change other than appending values the step computes")
         if not any(_leaks(v) and id(v) not in old for v in now):
@@ -629,7 +633,12 @@ class KeptTensors:
             if h.kind == "list":
                 old = set(map(id, h.before))
                 if any(_leaks(v) and id(v) not in old for v in h.obj):
-                    h.obj[:] = [v for v in h.obj if id(v) in old or not _leaks(v)]
+                    if isinstance(h.obj, collections.deque):  # its items pushed out by a maxlen too
+                        added = [v for v in h.obj if id(v) not in old and not _leaks(v)]
+                        h.obj.clear()
+                        h.obj.extend([*h.before, *added])
+                    else:
+                        h.obj[:] = [v for v in h.obj if id(v) in old or not _leaks(v)]
                 continue
             for key, value in list(h.entries().items()):
                 if value is h.before.get(key, _MISSING) or not _leaks(value):
@@ -690,7 +699,8 @@ def _reading(gm: torch.fx.GraphModule, tensor: torch.Tensor) -> torch.fx.Node | 
 
 
 def kept_container_ids(kept: list[KeptTensor], bindings: StepBindings) -> frozenset[int]:
-    """The lists the step appends to (guards must not compare them across calls)."""
+    """The lists and deques the step appends to (guards must not compare them across
+    calls; a read of one is refused: NOTE: [lists the step appends to and reads])."""
     return frozenset(id(k.container(bindings)) for k in kept if k.how == "append")
 
 
@@ -717,8 +727,23 @@ def _container_parts(value: Any) -> list[tuple[Any, Any]] | None:
     return None
 
 
+def _appended(now: list | collections.deque, before: list[Any]) -> list[Any] | None:
+    """The items appended to ``now`` since it held ``before``; None if it changed
+    otherwise. A deque with a ``maxlen`` drops its first items as items are appended
+    (the runtime's appends drop them as eager's do): what is left of ``before`` must
+    then be its last items."""
+    items = list(now)
+    if isinstance(now, collections.deque) and now.maxlen is not None and len(items) == now.maxlen:
+        kept = next((n for n in range(len(before), -1, -1)
+                     if n <= len(items) and all(a is b for a, b in zip(items, before[len(before) - n:]))), 0)
+        return items[kept:] if kept == len(before) or kept < len(items) else None
+    if len(items) < len(before) or not all(a is b for a, b in zip(items, before)):
+        return None
+    return items[len(before):]
+
+
 def _holds_traced(value: Any) -> bool:
-    if isinstance(value, (tuple, list, set, frozenset)):
+    if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
         return any(is_traced(v) for v in value)
     if isinstance(value, dict):
         return any(is_traced(v) for v in value.values())
