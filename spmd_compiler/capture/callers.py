@@ -1,11 +1,12 @@
 """Whose code calls a function the trace replaces: the user's, or a library's.
 
 While the step is traced, a few Python functions refuse (reseeding torch's generator,
-Python's and NumPy's random draws, the host clock: NOTE: [Python effects at capture],
-NOTE: [host random numbers at capture], NOTE: [host clock at capture]). They refuse only
-a call of the step's own: one made on the tracing thread (a data-loading thread may draw
-meanwhile), from code the rule is about. ``refusing`` builds that replacement once for
-all of them; the two tests of the calling file live here.
+Python's and NumPy's random draws, the host clock, the OS's entropy: NOTE: [Python
+effects at capture], NOTE: [host random numbers at capture], NOTE: [host clock at
+capture], NOTE: [host entropy at capture]). They refuse only a call of the step's own:
+one made on the tracing thread (a data-loading thread may draw meanwhile), from code the
+rule is about. ``refusing`` builds that replacement for most of them (the entropy's
+looks past the stdlib's doors to it first); the tests of the calling file live here.
 """
 
 from __future__ import annotations
@@ -85,3 +86,21 @@ def refusing(
         return real(*args, **kwargs)
 
     return call
+
+
+def users_globals_holding(reals: dict[str, Any]) -> list[tuple[Any, str, str]]:
+    """(module, global name, key of ``reals``) for every global of a user's module that
+    holds one of ``reals``' functions, imported by name (``from time import perf_counter``,
+    ``from os import urandom``): the same function bound to another name, which patching
+    its module's attribute does not reach."""
+    by_id = {id(real): name for name, real in reals.items()}
+    found = []
+    for module in list(sys.modules.values()):
+        filename = getattr(module, "__file__", None)
+        if not isinstance(filename, str) or not users_file(filename):
+            continue
+        for key, value in list(vars(module).items()):
+            name = by_id.get(id(value))
+            if name is not None and value is reals[name]:
+                found.append((module, key, name))
+    return found

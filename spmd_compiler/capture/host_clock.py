@@ -22,14 +22,13 @@ elsewhere (a class attribute, a default argument) or a method of a C type
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 from unittest import mock
 
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
-from .callers import refusing, users_file
+from .callers import refusing, users_file, users_globals_holding
 
 CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
           "process_time", "process_time_ns")
@@ -53,27 +52,11 @@ def refuse_clock_reads() -> Iterator[None]:
 
     reals = {name: getattr(time, name) for name in CLOCKS if hasattr(time, name)}
     with contextlib.ExitStack() as stack:
-        for module, key, name in _clocks_imported_by_name(reals):
+        for module, key, name in users_globals_holding(reals):
             stack.enter_context(mock.patch.object(module, key, refused(name, reals[name])))
         for name, real in reals.items():
             stack.enter_context(mock.patch.object(time, name, refused(name, real)))
         yield
-
-
-def _clocks_imported_by_name(reals: dict[str, Any]) -> list[tuple[Any, str, str]]:
-    """(module, global name, clock) for every global of a user's module that holds one
-    of ``reals`` (``from time import perf_counter``; the NOTE)."""
-    by_id = {id(real): name for name, real in reals.items()}
-    found = []
-    for module in list(sys.modules.values()):
-        filename = getattr(module, "__file__", None)
-        if not isinstance(filename, str) or not users_file(filename):
-            continue
-        for key, value in list(vars(module).items()):
-            name = by_id.get(id(value))
-            if name is not None and value is reals[name]:
-                found.append((module, key, name))
-    return found
 
 
 __all__ = ["CLOCKS", "refuse_clock_reads"]

@@ -36,6 +36,8 @@ values; later calls run only the program. Three effects would silently differ:
   it is refused naming the module, the tensor and the line: the program's state keeps
   the dtype and device it was compiled with.
 - A clock read (``time.perf_counter()``): NOTE: [host clock at capture].
+- A value drawn from the OS's entropy (an unseeded ``np.random.default_rng()`` made in
+  the step, ``secrets``, ``os.urandom``): NOTE: [host entropy at capture].
 - ``torch.distributed`` calls in the step: NOTE: [torch.distributed inside the step].
 Tensors the step stores in Python objects are NOTE: [tensors the step keeps].
 """
@@ -66,6 +68,7 @@ from ..errors import (
 from .callers import from_stdlib, from_torch, refusing
 from .distributed_calls import distributed_calls_as_one_device
 from .host_clock import refuse_clock_reads
+from .host_entropy import refuse_entropy_reads
 from .kept_tensors import is_traced
 
 _RNG_SETTERS = ("manual_seed", "seed", "set_rng_state")
@@ -136,6 +139,7 @@ def python_effects(step_code: Any, roots: tuple[Any, ...] = ()) -> Iterator[None
         stack.enter_context(_refuse_host_random_draws())
         stack.enter_context(_refuse_generator_object_draws(step_code, roots))
         stack.enter_context(refuse_clock_reads())
+        stack.enter_context(refuse_entropy_reads())
         stack.enter_context(_library_caches_called_through())
         stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", _conversion_that_changes_nothing))
         stack.enter_context(distributed_calls_as_one_device(step_code))
@@ -194,8 +198,8 @@ def _library_caches_called_through() -> Iterator[None]:
 # other threads (a data-loading thread drawing augmentations) go through; while other
 # Python threads run (but ours and tqdm's monitor), states are neither compared nor put
 # back (their draws would look like the step's), so a draw through another reference
-# is then not seen. NumPy's ``Generator`` objects (``np.random.default_rng()``) are not
-# watched.
+# is then not seen. NumPy's ``Generator`` objects: the NOTE below; one made in the
+# step without a seed: NOTE: [host entropy at capture].
 # NOTE: not torch.distributions.Beta(a, a).sample() for np.random.beta: its
 # aten._sample_dirichlet reads a tensor and is refused too (refuse_shard_local_draws)
 _HOST_DRAW_HINT = (
