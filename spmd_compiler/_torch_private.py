@@ -436,6 +436,13 @@ def adafactor_single_tensor_step_replaced(replacement: Callable[..., None]) -> I
         yield
 
 
+def optimizer_set_up(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``torch.optim.Optimizer.__init__`` ran on ``optimizer`` itself: its hook
+    dicts are its own (a wrapper that skips it, accelerate's ``AcceleratedOptimizer``, has
+    none, and its ``register_load_state_dict_pre_hook`` raised AttributeError)."""
+    return "_optimizer_load_state_dict_pre_hooks" in vars(optimizer)
+
+
 @contextlib.contextmanager
 def optimizer_state_left_unmade() -> Iterator[None]:
     """Inside: ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` /

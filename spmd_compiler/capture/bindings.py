@@ -35,6 +35,7 @@ from ..errors import SPMDCompileError, SPMDRuntimeError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
 from .code_names import modules_read_by_name, reachable_by_name, step_name, step_where
 from .containers import open_containers
+from .forwarding_optimizers import inner_optimizers
 from .grad_scalers import find_scalers, scaler_key, scaler_state
 from .lr_schedulers import find_schedulers
 from .plain_objects import keyed_by_class
@@ -332,6 +333,9 @@ class StepBindings:
     unchanged: bool = field(default=False, repr=False)
     # the step called (None where the bindings were made without one)
     step: Callable[..., Any] | None = field(default=None, repr=False)
+    # the wrappers the step was given or names that stand for one of ``optimizers``
+    # (NOTE: [optimizers forwarding to an inner one])
+    wrappers: list[torch.optim.Optimizer] = field(default_factory=list, repr=False)
 
     @property
     def walk(self) -> tuple[int, int] | None:
@@ -752,6 +756,8 @@ def find_bindings(
             memo.keep_module_walk(modules, walk)
     params, buffers, module_params, module_buffers, submodules = walk
     optimizers += _named_optimizers(func, optimizers, params, flat_args)
+    # NOTE: [optimizers forwarding to an inner one]
+    optimizers, wrappers = inner_optimizers(optimizers, where)
     unchanged = remembered and memo is not None and memo.optimizers_unchanged(optimizers)
     if not unchanged:  # the same objects as a call that passed this check: it holds
         _check_ownership(optimizers, params, where)
@@ -759,7 +765,7 @@ def find_bindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
         (args, kwargs), _unique(find_scalers(func, flat_args)),
         _unique(find_schedulers(func, flat_args)), containers, submodules,
-        memo=memo, unchanged=unchanged, step=func,
+        memo=memo, unchanged=unchanged, step=func, wrappers=wrappers,
     )
 
 

@@ -417,7 +417,7 @@ class Guards:
     def same_objects(self, bindings: StepBindings) -> bool:
         """Whether the call's submodules and every link lead to the objects these guards
         were built from."""
-        submodules, optimizers = bindings.submodules, bindings.optimizers
+        submodules, optimizers = bindings.submodules, [*bindings.optimizers, *bindings.wrappers]
         if len(submodules) + len(optimizers) != len(self.roots):
             return False
         roots = [ref() for ref in self.roots]
@@ -982,13 +982,16 @@ def build_guards(
 
     mark_parameters(bindings)  # before the walk counts each parameter's attributes
     guards = Guards(every_entry=not by_name)
-    roots = [*bindings.submodules, *bindings.optimizers]
+    # a wrapper standing for an optimizer (NOTE: [optimizers forwarding to an inner one])
+    # is walked as one: its step reads its own attributes (accelerate's sync flag)
+    optimizers = [*bindings.optimizers, *bindings.wrappers]
+    roots = [*bindings.submodules, *optimizers]
     guards.roots = [weakref.ref(root) for root in roots]
     guards.root_types = [type(root) for root in roots]
     walker = _Walker(guards, skipped, by_name)
     for label, hooks in private.global_hook_dicts():
         walker.hooks(hooks, label)
-    for oi, opt in enumerate(bindings.optimizers):
+    for oi, opt in enumerate(optimizers):
         for key in _OPTIMIZER_HOOKS:
             found = vars(opt).get(key)
             if isinstance(found, dict):
@@ -1028,7 +1031,7 @@ def build_guards(
     for cls in classes:
         walker.class_attribute(cls, "forward")
         walker.overrides(cls)
-    for oi, opt in enumerate(bindings.optimizers):
+    for oi, opt in enumerate(optimizers):
         walker.optimizer(opt, f"optimizer[{oi}]")
     walker.by_name()
     # vars(cfg), asdict(cfg), getattr(self, "use_" + kind)

@@ -384,7 +384,7 @@ class KeptTensors:
             for sub in mod.modules():
                 classes.setdefault(type(sub))
                 hook_dicts += [getattr(sub, attr, {}) for attr in _HOOK_DICTS]
-        for opt in bindings.optimizers:
+        for opt in (*bindings.optimizers, *bindings.wrappers):  # NOTE: [optimizers forwarding to an inner one]
             hook_dicts += [vars(opt).get(attr, {}) for attr in _OPTIMIZER_HOOK_DICTS]
             if not skipped_module(type(opt).__module__):  # a user's step(): self.last_norm = ...
                 step = inspect.unwrap(inspect.getattr_static(type(opt), "step", None))

@@ -1843,7 +1843,7 @@ class _StepTracer:
                 stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.code))
                 for oi, opt in enumerate(b.optimizers)
             ]
-            stack.enter_context(_refuse_other_optimizers(b.optimizers))
+            stack.enter_context(_refuse_other_optimizers([*b.optimizers, *b.wrappers]))
             # NOTE: [loss scaling in the program]
             scaler_finals = stack.enter_context(traced_scalers(b.scalers, values))
             # NOTE: [schedulers stepped in the step]
