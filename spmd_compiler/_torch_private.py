@@ -5189,7 +5189,8 @@ def storage_ref(t: torch.Tensor) -> Any:
 # ``.to()`` of a placed model use (an earlier registry of weak references broke them, and
 # was taken back with the refusal it served). A stale id (the tensor died, another
 # DTensor got its address) is told apart by the callback, which checks that its module
-# slot still holds the tensor.
+# slot, or another slot of a module holding placed state, holds the tensor (NOTE: [data
+# replaced under another name] in ``runtime/eager_calls.py``).
 _DATA_DESCRIPTOR: Any = torch._C.TensorBase.data  # a getset_descriptor
 _DATA_ASSIGNED: dict[int, Callable[[DTensor, torch.Tensor], bool]] = {}
 _STEPS_TRACED = [0]  # how many traces of a step are open (nested: a step traced in a step)

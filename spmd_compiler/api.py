@@ -966,6 +966,7 @@ class CompiledTrainStep:
                 return call_with_room(self._compile_here, key, bindings, input_metas, mesh, decisions)
         except BaseException:
             hooks.put_back()
+            hooks.put_back_tables()  # NOTE: [state registered in the step]
             raise
 
     def _compile_here(

@@ -68,6 +68,12 @@ class HooksAsFound:
         self.dicts = dicts
         self.modules = list(modules.values())
         self.found = self.now()
+        # NOTE: [state registered in the step]: each module's parameter and buffer tables
+        self.tables: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = [
+            (table, list(table.items()))
+            for sub in self.modules for table in (sub._parameters, sub._buffers)
+        ]
+        self.non_persistent = [(sub, set(sub._non_persistent_buffers_set)) for sub in self.modules]
 
     def now(self) -> HookState:
         """The user's hooks now: the items of each hook dict but the compiler's own
@@ -93,6 +99,20 @@ class HooksAsFound:
         for sub, flag in flags:
             if vars(sub).get(_FULL_BACKWARD) is not flag:
                 vars(sub)[_FULL_BACKWARD] = flag
+
+    def put_back_tables(self) -> None:
+        """Set each module's parameter and buffer tables whose names a refused step
+        changed back to what the compile found (NOTE: [state registered in the step]);
+        tables of the same names are left alone (a compile places no state, but a
+        value swapped in them is not the step's to undo here)."""
+        for table, items in self.tables:
+            if list(table) != [k for k, _ in items]:
+                table.clear()
+                table.update(items)
+        for sub, names in self.non_persistent:
+            if sub._non_persistent_buffers_set != names:
+                sub._non_persistent_buffers_set.clear()
+                sub._non_persistent_buffers_set.update(names)
 
     def _our_keys(self) -> set[Any]:
         """The handle ids of the compiler's own hooks in the dicts (a hook's id keys it

@@ -156,6 +156,7 @@ from .python_scalars import (
     group_numbers_paused,
 )
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
+from .registered_state import RegistrationsWatched, refuse_state_registered
 from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
 from .strided_windows import names_its_elements_in_order
 from .tensor_indices import TensorIndicesTaken
@@ -1865,8 +1866,12 @@ class _StepTracer:
             self.unplaced = keeper.unplaced
             self.inherited = keeper.inherited
             try:
-                with self.group_numbers, self.floats if stand_ins else contextlib.nullcontext():
+                with (
+                    self.group_numbers, self.floats if stand_ins else contextlib.nullcontext(),
+                    RegistrationsWatched() as registered,
+                ):
                     result = self.func(*args, **kwargs)
+                refuse_state_registered(b, registered, step_where(self.func))  # NOTE: [state registered in the step]
                 _refuse_argument_gradients(values, requiring)
                 _refuse_hooks_left_on_parameters(params, compute, step_where(self.func))
                 self.requires_grad_after = _requires_grad_set(

@@ -211,7 +211,8 @@ def _install(
                     rehome(value)
                     if value is not None and id(value) in placed_names:
                         intercept_data_assignment(sub, attr, placed_names[id(value)], value)
-                    continue
+                    if value is None or not _placed_otherwise(bindings, value, placement_of, mesh):
+                        continue
                 placed = new_buffers.get(id(value))
                 if placed is None:
                     name = _buffer_name(bindings, value)
@@ -414,7 +415,31 @@ class _Rehome:
             private.rehome(t, self.mesh)
 
 
+# NOTE: [a buffer placed otherwise]
+# A buffer that is a DTensor on the step's mesh was taken as placed. But eager code
+# between calls computes new buffers from placed tensors, placed as those are:
+# ``torch.nn.utils.prune`` between calls registers ``weight_mask`` placed like the
+# weight, Shard(0) under fsdp, where the mode places buffers Replicate; the program
+# read the shard as the whole mask (fsdp, 2 simulated ranks: "The size of tensor a (8)
+# must match the size of tensor b (16)"; a buffer of one row a rank would have been
+# read silently). Such a buffer is now redistributed to the mode's placements, as a
+# plain one is placed (its value is the DTensor's: exact), and the new DTensor goes in
+# every slot that held it. One on another mesh is left as before.
+def _placed_otherwise(bindings: StepBindings, value: torch.Tensor, placement_of: Any, mesh: DeviceMesh) -> bool:
+    """Whether buffer ``value`` is a DTensor on ``mesh`` placed other than the mode
+    places it (NOTE: [a buffer placed otherwise])."""
+    if not isinstance(value, DTensor) or value.device_mesh != mesh:
+        return False
+    ref = StateRef(Kind.BUFFER, _buffer_name(bindings, value))
+    return tuple(value.placements) != tuple(placement_of(ref, TensorMeta.of(value), mesh))
+
+
 def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Placements, sim: Simulation | None) -> DTensor:
+    if isinstance(t, DTensor):  # NOTE: [a buffer placed otherwise]
+        if sim is None:
+            return private.redistribute(t, placements)
+        with sim.ranks():
+            return private.redistribute(t, placements)  # type: ignore[no-any-return]
     if sim is not None:
         return sim.shard(t, mesh, placements)
     return distribute_tensor(t.detach(), mesh, list(placements))
