@@ -355,6 +355,9 @@ class Guards:
     # list or deque the step appends to, unguarded (NOTE: [lists the step appends to and
     # reads])
     appended: list[tuple[str, bool, str, str]] = field(default_factory=list, repr=False)
+    # (class, name, function) of each ``functools.lru_cache`` function a user class
+    # defines that the walk met (``cached_functions``)
+    cached_in_classes: list[tuple[type, str, Any]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         own_record(self)  # NOTE: [kept numbers only written]
@@ -601,7 +604,10 @@ class Guards:
         also holds, the value it held then, and write the value the trace left there
         whenever the program runs (``replay_writes``; NOTE: [a step that changes what it
         reads]). Returns whether every such value can be written so (a plain value of
-        an attribute, dict entry or global)."""
+        an attribute, dict entry or global), and False where the trace registered or
+        removed a hook (NOTE: [a hook the step removes])."""
+        if before.hooks_changed():
+            return False
         found: dict[Any, Any] = {}
         for kind, container, key, expected in before.entries:
             with contextlib.suppress(TypeError):  # an unhashable key: not matched
@@ -620,6 +626,61 @@ class Guards:
             else:
                 replayable = False
         return replayable
+
+    def hooks_changed(self) -> bool:
+        """NOTE: [a hook the step removes]
+        Whether a hook these guards hold is gone or replaced, or a hook dict they count
+        holds another number of hooks. A step whose first call runs a hook that removes
+        itself (``self._h.remove()`` in a forward pre-hook: weight norm's or Glow's
+        ActNorm's init from the first batch) is traced with the hook, which its program
+        runs (as eager's first call does), and leaves the hook removed (the capture
+        leaves the hooks its program's trace left: NOTE: [hooks each trace starts
+        from]). Its guards were built after the trace, on the hooks it left, so until
+        the sixty-third session they matched the next call, which found the hook gone,
+        and the program re-ran the init on every call, silently (the second loss
+        1.380006 against eager's 1.383985, parameters 3.41 off after 4 calls). A
+        compiled program runs no Python and cannot remove the hook again, as it cannot
+        repeat a write (``as_found``): such a program serves its own call only
+        (``once``), and the next call, finding the hook gone, compiles the step without
+        it. A hook registered beside a flag is the same (the flag alone made the next
+        call recompile)."""
+        for k in self.hook_entries:
+            _, container, key, expected = self.entries[k]
+            if container.get(key, _MISSING) is not expected:
+                return True
+        return any(  # a parameter's attributes, counted beside them, are no hooks
+            len(hooks) != count and not name.startswith("attributes of ")
+            for kind, container, names, counts in self.entries if kind == _HOOK_COUNTS
+            for hooks, name, count in zip(container, names, counts, strict=True)
+        )
+
+    def cached_functions(self) -> list[tuple[Any, Any, Any]]:
+        """(holder, key, function) of each ``functools.lru_cache`` / ``functools.cache``
+        function of the user's own code the walk reached, where it is held: a dict (a
+        module's globals, an object's ``__dict__``) and key, a closure cell (key None)
+        or a class and attribute name (NOTE: [the user's cached functions at capture]
+        in ``python_effects.py``)."""
+        out: list[tuple[Any, Any, Any]] = []
+        seen: set[tuple[int, Any]] = set()
+        places = [(kind, container, key, value) for kind, container, key, value in self.links]
+        places += [(kind, container, key, value) for kind, container, key, value in self.entries
+                   if kind == _DICT]
+        for kind, container, key, value in places:
+            if not isinstance(value, _CACHED_FUNCTION) or not _own_cached(value):
+                continue
+            if kind == _CELL and isinstance(container, types.CellType):
+                key = None
+            elif not (kind == _DICT and type(container) is dict):
+                continue
+            with contextlib.suppress(TypeError):  # an unhashable key: not followed
+                if (id(container), key) not in seen:
+                    seen.add((id(container), key))
+                    out.append((container, key, value))
+        for owner, attribute, value in self.cached_in_classes:
+            if (id(owner), attribute) not in seen and _own_cached(value):
+                seen.add((id(owner), attribute))
+                out.append((owner, attribute, value))
+        return out
 
     def replay_writes(self) -> None:
         """Set the values the step's Python set when it was traced (a compiled call runs
@@ -1352,6 +1413,12 @@ def functions_of(value: Any) -> Iterator[types.FunctionType]:
 _CACHED_FUNCTION = type(functools.lru_cache(maxsize=None)(lambda: None))
 
 
+def _own_cached(value: Any) -> bool:
+    """A ``functools.lru_cache`` function whose code is the user's own."""
+    code = getattr(getattr(value, "__wrapped__", None), "__code__", None)
+    return isinstance(code, types.CodeType) and own_code(code)
+
+
 # NOTE: [partials and bound methods found by name]
 # A ``functools.partial`` or a bound method the step's code reaches by name (a global, a
 # closure value, an attribute, a default: ``reader = functools.partial(_k)``, ``reader =
@@ -1821,6 +1888,8 @@ class _Walker:
                 self.seen_class_attributes.add((id(owner), attribute))
                 self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
             functions = list(functions_of(value))
+            if isinstance(value, _CACHED_FUNCTION) and not found:
+                self.guards.cached_in_classes.append((owner, attribute, value))
             if functions and not found and (id(owner), attribute) not in self.seen_class_attributes:
                 # a method replaced on the class (``Block.forward = patched``, a notebook's
                 # fix) is another program: guarded by identity

@@ -26,7 +26,9 @@ values; later calls run only the program. Three effects would silently differ:
   trace and for eager calls after it (BEiT was refused as a tensor read from a place the
   step cannot watch). While the step is traced, transformers' wrapper calls the function
   through, as it does under ``torch.compile``: the function's ops are traced into the
-  program (index arithmetic on sizes), and the cache is left as it was.
+  program (index arithmetic on sizes), and the cache is left as it was. The user's own
+  ``functools.lru_cache`` / ``functools.cache`` functions are called through too: NOTE:
+  [the user's cached functions at capture].
 - ``module.to(dtype)`` / ``.float()`` / ``.half()`` / ``.cuda()`` (``Module._apply``)
   inside the step (SwitchTransformers' router: ``self.classifier =
   self.classifier.to(self.dtype)`` in its forward) would swap the traced parameters
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import linecache
 import sys
 import threading
@@ -183,6 +186,64 @@ def _library_caches_called_through() -> Iterator[None]:
         return
     with mock.patch.object(utils, "is_torchdynamo_compiling", lambda: True):
         yield
+
+
+# NOTE: [the user's cached functions at capture]
+# A ``functools.lru_cache`` / ``functools.cache`` function of the user's own that makes a
+# tensor (``class_weights(c)`` returning ``torch.linspace(0.5, 1.5, c)``, a mask by
+# length) called in the step kept the trace's FakeTensor in its cache, until the
+# sixty-third session: eager code after the compile got the fake
+# (DataDependentOutputException), a smaller last batch's capture was refused as "a tensor
+# that is neither an argument nor part of a module" (which the user had made inside the
+# step), and where eager had filled the cache first the first compiled call was refused
+# so. Now, while each trace of a capture runs (``trace.traces_start_from``), every such
+# function the guard walk reached (held in a module's globals, an object's ``__dict__``,
+# a closure cell or a user class: ``Guards.cached_functions``) is replaced where it is
+# held by one that calls the function itself, as eager's first call computes it: its ops
+# are the program's, and its cache is neither read nor written (``cache_info()`` as
+# found); the functions are put back when the trace ends, before the guards are
+# checked. A cached function held where the walk does not go (deeper than it walks, a
+# library's) is not called through.
+
+
+def _called_through(cached: Any) -> Any:
+    """A function calling ``cached``'s own function, not its cache; its ``cache_info``,
+    ``cache_clear`` and ``cache_parameters`` are ``cached``'s."""
+    wrapped = cached.__wrapped__
+
+    def through(*args: Any, **kwargs: Any) -> Any:
+        return wrapped(*args, **kwargs)
+
+    functools.update_wrapper(through, cached)
+    for name in ("cache_info", "cache_clear", "cache_parameters"):
+        setattr(through, name, getattr(cached, name))
+    return through
+
+
+def _hold(holder: Any, key: Any, value: Any) -> None:
+    """Put ``value`` at ``holder[key]`` (a dict), in a closure cell (``key`` None) or as a
+    class attribute."""
+    if isinstance(holder, types.CellType):
+        holder.cell_contents = value
+    elif isinstance(holder, type):
+        setattr(holder, key, value)
+    else:
+        holder[key] = value
+
+
+@contextlib.contextmanager
+def user_caches_called_through(places: list[tuple[Any, Any, Any]]) -> Iterator[None]:
+    """The user's cached functions at ``places`` ((holder, key, function):
+    ``Guards.cached_functions``) called through while the step is traced (the NOTE)."""
+    done: list[tuple[Any, Any, Any]] = []
+    try:
+        for holder, key, cached in places:
+            _hold(holder, key, _called_through(cached))
+            done.append((holder, key, cached))
+        yield
+    finally:
+        for holder, key, cached in reversed(done):
+            _hold(holder, key, cached)
 
 
 # NOTE: [host random numbers at capture]

@@ -148,6 +148,7 @@ from .python_effects import (
     is_own_generator_failure,
     python_effects,
     refuse_explicit_generators,
+    user_caches_called_through,
 )
 from .python_scalars import (
     FloatArgumentMode,
@@ -1712,11 +1713,14 @@ _HOOK_STARTS: list[HooksAsFound | None] = []
 @contextlib.contextmanager
 def traces_start_from(found: Any, hooks: HooksAsFound | None = None) -> Iterator[None]:
     """``found``: the guards of the values the call found (``unwrite`` / ``written``);
-    ``hooks``: the hook dicts as it found them (NOTE: [hooks each trace starts from])."""
+    ``hooks``: the hook dicts as it found them (NOTE: [hooks each trace starts from]).
+    The user's cached functions ``found`` reached are called through meanwhile (NOTE:
+    [the user's cached functions at capture])."""
     _TRACE_STARTS.append(found)
     _HOOK_STARTS.append(hooks)
     try:
-        yield
+        with user_caches_called_through(found.cached_functions()):
+            yield
     finally:
         _TRACE_STARTS.pop()
         _HOOK_STARTS.pop()

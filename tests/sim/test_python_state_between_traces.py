@@ -187,3 +187,45 @@ def test_a_refused_counter_leaves_the_values_as_found():
     assert not hasattr(model.lin, "calls")
     assert STATE is state and STATE == [False]
     assert torch.equal(model.lin.weight, weight)
+
+
+class SelfInitialising(nn.Module):
+    """A data-dependent init in a forward pre-hook that removes itself (weight norm's
+    or Glow's ActNorm's first-batch init)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8, dtype=torch.float64))
+        self.lin = nn.Linear(8, 1, dtype=torch.float64)
+        self.handle = self.register_forward_pre_hook(SelfInitialising.init_from_data)
+
+    @staticmethod
+    def init_from_data(module: SelfInitialising, args: tuple[torch.Tensor, ...]) -> None:
+        with torch.no_grad():
+            module.scale.copy_(1.0 / (args[0].std(0) + 1e-3))
+        module.handle.remove()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * self.scale)
+
+
+def plain_step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_a_hook_that_removes_itself_runs_in_the_first_call_only(style):
+    """The first call's program runs the init, as eager's first call does; the hook is
+    gone after it, and the next call compiles the program without it (before: the first
+    program, guarded by the hooks its trace left, served every call and initialised
+    ``scale`` from each batch: the second loss 1.380006 against eager's 1.383985 in the
+    prober's model, parameters 3.41 off after 4 calls)."""
+    model, reference, compiled = _compare(plain_step, style, make=SelfInitialising)
+    user_hooks = [h for h in model._forward_pre_hooks.values()
+                  if getattr(h, "__name__", "") != "refuse_plain_inputs"]
+    assert user_hooks == [] and len(reference._forward_pre_hooks) == 0
+    assert compiled.compile_count == 2, compiled.compile_count
