@@ -718,6 +718,22 @@ def traced_node_of(t: torch.Tensor) -> torch.fx.Node | None:
     return None if slot is None else slot.proxy.node
 
 
+def trace_constant(node: torch.fx.Node) -> Any:
+    """The real value of a ``get_attr`` node of the active ``make_fx`` trace (a tensor
+    constant the trace keeps on its tracer's root: ``torch.tensor([...])`` in the step),
+    or None."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    if mode is None or node.op != "get_attr" or not isinstance(node.target, str):
+        return None
+    root = getattr(mode.tracer, "root", None)  # make_fx's tracer keeps its constants there
+    try:
+        return operator.attrgetter(node.target)(root) if root is not None else None
+    except AttributeError:
+        return None
+
+
 @contextlib.contextmanager
 def outside_the_trace() -> Iterator[None]:
     """Inside: ops run eagerly on real tensors while a ``make_fx`` trace is active (its
@@ -784,6 +800,14 @@ def value_dependent_shape_op(exc: BaseException) -> Any:
     from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
     return exc.func if isinstance(exc, DynamicOutputShapeException) else None
+
+
+def value_dependent_shape_error(op: Any) -> Exception:
+    """The error fake tensors raise for ``op`` whose output shape depends on its input's
+    values (``value_dependent_shape_op`` reads ``op`` back from it)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    return DynamicOutputShapeException(op)
 
 
 def graph_node_at_line(gm: torch.fx.GraphModule, lineno: int) -> torch.fx.Node | None:

@@ -48,7 +48,7 @@ from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensor, KeptTensors, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
-from .capture.value_checks import MAX_BRANCH_PROGRAMS, WayRaised
+from .capture.value_checks import MAX_BRANCH_PROGRAMS, WayRaised, too_many_ways
 from .errors import (
     Change,
     SPMDCompileError,
@@ -301,6 +301,9 @@ class CompiledTrainStep:
         # NOTE: [programs reused in memory]: program key -> the program built for it
         self._built_programs: dict[str, DistributedProgram | None] = {}
         self._cache: dict[tuple, list[tuple[Guards, StepExecutable]]] = {}
+        # program key -> the ways of `if`s on values its completed calls went (NOTE:
+        # [programs for the ways of ifs])
+        self._ways_run: dict[tuple, set[tuple[bool, ...]]] = {}
         self._record_of: dict[int, CompileRecord] = {}  # id(program) -> its record, while kept
         self._dropped = 0  # programs dropped (NOTE: [programs kept in memory])
         self._uses = 0  # calls that ran a program, numbering ``StepExecutable.last_used``
@@ -636,8 +639,10 @@ class CompiledTrainStep:
                 executable = self._last = branch
                 continue
             self._prefer(key, executable)
+            way = tuple(c.expected for c in executable.program.captured.checks)
+            self._ways_run.setdefault(key, set()).add(way)
             return call, executable
-        raise self._too_many_ways()
+        raise self._too_many_ways(key, executable)
 
     @staticmethod
     def _run_once(
@@ -663,13 +668,14 @@ class CompiledTrainStep:
         keep_installs()
         return call
 
-    def _too_many_ways(self) -> SPMDCompileError:
-        return SPMDCompileError(
-            f"{self._name} has taken {MAX_BRANCH_PROGRAMS} ways through its `if`s "
-            "on tensor values, each a program of its own (NOTE: [value checks]).",
-            user_line=self._where,
-            hint="select with torch.where(cond, a, b) instead of branching in Python.",
+    def _too_many_ways(self, key: tuple, executable: StepExecutable) -> SPMDCompileError:
+        """The refusal of a call needing a program past ``MAX_BRANCH_PROGRAMS`` for
+        ``key``; ``executable``: one of its programs (NOTE: [programs for the ways of ifs])."""
+        message, hint = too_many_ways(
+            self._name, len(self._cache.get(key, ())), len(self._ways_run.get(key, ())),
+            executable.program.captured.checks,
         )
+        return SPMDCompileError(message + ".", user_line=self._where, hint=hint)
 
     def _branch_program(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta],
@@ -689,7 +695,7 @@ class CompiledTrainStep:
                 self._served = (executable, held)  # NOTE: [a step that changes what it reads]
                 return executable
         if len(entries) >= MAX_BRANCH_PROGRAMS:
-            raise self._too_many_ways()
+            raise self._too_many_ways(key, entries[0][1])
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self._name)
         if self._found is not None:  # a compile in this call traced the step: its values
@@ -900,6 +906,7 @@ class CompiledTrainStep:
                     entries[:] = left  # the same list: ``_last_entries`` may hold it
                     if not left:
                         del self._cache[key]
+                        self._ways_run.pop(key, None)
                         if entries is self._last_entries:
                             self._last_entries = None
             for executable in dropped:
@@ -924,6 +931,7 @@ class CompiledTrainStep:
     def _forget_programs(self) -> None:
         """Drop every program and mesh, so the next call makes and compiles them again."""
         self._cache.clear()
+        self._ways_run.clear()
         self._meshes.clear()
         self._last = None
         self._last_key = None

@@ -206,15 +206,14 @@ def settle_selection(mask: torch.Tensor, where: str | None = None, use: str | No
     """A selection by ``mask`` (made at ``where``) whose rows were kept in place (NOTE:
     [selected rows kept in place]) used where only the eager value will do: compiled as
     all true (None) or for ``K`` true elements per row (returned; NOTE: [rows of one
-    count]), verified every call, for a mask of the batch; refused at capture as a
-    value-dependent shape for a mask computed from the model's state. ``use`` (the op
-    that needs the rows' number) is named by the check's error."""
+    count]), verified every call, for a mask of the batch; as the mask's own value
+    (``CONSTANT`` returned) for a mask made from shapes and Python values alone (NOTE:
+    [masks made from shapes alone]); refused at capture as a value-dependent shape for a
+    mask computed from the model's state. ``use`` (the op that needs the rows' number)
+    is named by the check's error."""
     decision = _decide(mask, use)
-    if decision == CONSTANT:
-        raise RowsOfAModelMaskCounted(
-            f"the rows selected at {where or 'an unknown line'} by a mask made from shapes "
-            "and Python values alone are used where their number matters"
-        )
+    if decision == CONSTANT:  # NOTE: [masks made from shapes alone]: its own count
+        return CONSTANT
     if decision is not None:
         _SETTLED.append(where or "an unknown line")
         return None if decision == EVERY else decision
@@ -265,7 +264,12 @@ def _decide(mask: torch.Tensor, use: str | None = None) -> int | None:
         # values: ``torch.combinations`` selects the upper triangle of an index grid) is a
         # constant of the program: its value, computed apart from the trace, answers the
         # selection exactly. Before 2026-12-02 such a mask was compiled as all true, and
-        # the value check failed on every call.
+        # the value check failed on every call. Rows it selects that were kept in place
+        # (NOTE: [selected rows kept in place]) and then used where their number matters
+        # (SimCLR's ``labels[~torch.eye(2 * n, dtype=torch.bool)].view(2 * n, -1)``) are
+        # its selection by these indices: the count is the constant's, the same on every
+        # call with these shapes (``settle_selection`` returns CONSTANT and the rows are
+        # compacted). Before the sixty-third session they were refused as a value-dependent shape.
         real = _real_value(node, selections)
         if real is not None:
             selections.constants[node] = real
@@ -329,10 +333,16 @@ def _real_value(node: torch.fx.Node, selections: _Selections) -> torch.Tensor | 
             if ref.kind is not Kind.INPUT or selections.real_input is None:
                 return None
             env[n] = selections.real_input(ref.index)
+    for n in needed:
+        if n.op == "get_attr":  # a constant of the step (``torch.tensor([...])``): guarded
+            # where it came from outside (NOTE: [tensors read from outside the arguments])
+            env[n] = private.trace_constant(n)
+            if not isinstance(env[n], torch.Tensor):
+                return None
     try:
         with private.outside_the_trace():
             for n in node.graph.nodes:
-                if n not in needed or n.op == "placeholder":
+                if n not in needed or n.op in ("placeholder", "get_attr"):
                     continue
                 if n.op != "call_function" or private.random_op(n.target):
                     return None

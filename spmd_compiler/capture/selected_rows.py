@@ -87,7 +87,9 @@ class _Rows:
     where: str | None  # the selection's line
     key: Any  # the mask's elements (_mask_key)
     settled: bool = False
-    per_row: int | None = None  # settled for K true elements per row (NOTE: [rows of one count])
+    # settled for K true elements per row (NOTE: [rows of one count]) or for the mask's own
+    # value (mask_selections.CONSTANT: NOTE: [masks made from shapes alone])
+    per_row: int | None = None
 
     def count(self) -> torch.Tensor:
         return self.valid.sum()

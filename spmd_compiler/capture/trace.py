@@ -156,6 +156,7 @@ from .python_scalars import (
     GroupNumbers,
     group_numbers_paused,
 )
+from .python_valued_shapes import python_valued_shape_decompositions
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .registered_state import RegistrationsWatched, refuse_state_registered
 from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
@@ -338,6 +339,7 @@ def capture_decompositions() -> dict:
     table |= global_draw_decompositions()  # NOTE: [random draws shaped like a tensor]
     table |= replayed_draw_decompositions()  # NOTE: [draws replayed by a restored generator]
     table |= mask_selection_decompositions()  # NOTE: [selections by a mask of the batch]
+    table |= python_valued_shape_decompositions()  # NOTE: [value-dependent shapes of Python values]
     # the conditions of value checks (NOTE: [value checks]): ops with a DTensor rule
     table[aten._is_all_true.default] = lambda t: torch.all(t)
     table[aten._is_any_true.default] = lambda t: torch.any(t)
@@ -1085,7 +1087,8 @@ def _trace_first(
                 "`torch.where(mask[..., None], expert(h), 0)`; losses and sums over the "
                 "selected rows work as they are."
                 if isinstance(exc, RowsOfAModelMaskCounted)
-                else _VALUE_SHAPE_HINTS.get(getattr(op, "__name__", "").split(".")[0])
+                else getattr(exc, "hint", None)  # NOTE: [value-dependent shapes of Python values]
+                or _VALUE_SHAPE_HINTS.get(getattr(op, "__name__", "").split(".")[0])
                 or "use ops whose output shape does not depend on values "
                 "(torch.where(cond, a, b), masking) instead, or move the check "
                 "outside the compiled step."

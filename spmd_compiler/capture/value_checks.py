@@ -55,6 +55,17 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
   nothing beyond the one trace. Reading the conditions is one device-to-host copy per
   call; a step with no such ``if`` is traced once and reads nothing, as before.
 
+NOTE: [programs for the ways of ifs]
+A step compiles at most ``MAX_BRANCH_PROGRAMS`` programs for the ways its branches go,
+and the refusal past them counts both numbers: the distinct ways the calls that
+completed went (recorded by ``api.py`` per program key) and the programs compiled. They
+differ because a program guesses the ``if``s after the one it was compiled for: a way
+with ``n`` ``if``s after a mismatch can compile ``n`` programs before the one the data
+needs (DINO's ``clip_gradients``, one ``if clip_coef < 1`` per parameter, reached 8
+programs at 4 to 5 distinct ways, and was refused as "8 ways"). The hint says what
+takes both ways in one program: a clamped factor (``p.grad.mul_(torch.clamp(clip /
+(norm + 1e-6), max=1))``), ``clip_grad_norm_``, ``torch.where``.
+
 NOTE: [checks decided from their bytecode]
 Traced both ways, ``n`` checks cost ``2n`` traces of the step from its start: a PPO epoch
 of minibatches with a ``Categorical`` policy (validated by default: its logits in
@@ -138,7 +149,8 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from unittest import mock
@@ -147,6 +159,7 @@ import torch
 
 from .. import _torch_private as private
 from ..errors import innermost_model_frame_of_stack
+from ..ir.signature import ValueCheck
 from .python_scalars import FloatArgumentUsedInPython
 
 # programs one step may need for the ways its `if`s on tensor values go (``api.py``)
@@ -533,6 +546,36 @@ def signals_told_apart() -> Iterator[list[int]]:
             signal.signal(sig, handler)
 
 
+def too_many_ways(step: str, programs: int, ways_run: int, checks: Sequence[ValueCheck]) -> tuple[str, str]:
+    """The refusal of a call that needs a program past ``MAX_BRANCH_PROGRAMS`` (NOTE:
+    [programs for the ways of ifs]): its message and hint. ``programs``: those compiled;
+    ``ways_run``: the distinct ways the completed calls went; ``checks``: the ``if``s of
+    a program of the step."""
+    lines = Counter(c.where for c in checks)
+    where = "; ".join(f"{n} at {line}" if n > 1 else line for line, n in lines.items())
+    went = (
+        f"the calls that completed went {ways_run} distinct way{'s' if ways_run != 1 else ''}"
+        if ways_run else "no call has completed yet, going"
+    )
+    message = (
+        f"{step} has compiled {programs} programs for the ways its `if`s on "
+        "tensor values go at these shapes and state, the most one step may have, and this "
+        f"call needs another: {went} through its {len(checks)} `if`s ({where}). The "
+        "other programs are the compiler's own, made on the way: a program guesses True for each `if` after the "
+        "one it was compiled for, and an `if` that comes out against the guess compiles "
+        "one more program, up to one per `if` for a new way (NOTE: [programs for the "
+        "ways of ifs])"
+    )
+    hint = (
+        "replace an `if` on a tensor by arithmetic that takes both ways in one program: "
+        "a clamped factor for a per-parameter clip (DINO's clip_gradients: "
+        "`p.grad.mul_(torch.clamp(clip / (param_norm + 1e-6), max=1))` instead of "
+        "`if clip_coef < 1: p.grad.mul_(clip_coef)`, or torch.nn.utils.clip_grad_norm_), "
+        "torch.where(cond, a, b) to choose between values."
+    )
+    return message, hint
+
+
 def choose(outcomes: dict[bool, Any]) -> bool | None:
     """The decision for a check, given each answer's outcome: an exception the step
     raised, or None when the trace went on. None when it is not a check."""
@@ -546,5 +589,5 @@ __all__ = [
     "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "MAX_VALUE_CHECKS", "REFUSED_ITEM", "REFUSED_READ",
     "REFUSED_WAY_TEXTS", "UNTRACED", "BranchDecisions",
     "Undecided", "WayRaised", "choose", "describe_raise", "drawn_alone", "eager_check", "located",
-    "raising_way", "signals_told_apart", "stop_of", "stop_text", "where_now",
+    "raising_way", "signals_told_apart", "stop_of", "stop_text", "too_many_ways", "where_now",
 ]

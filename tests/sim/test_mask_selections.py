@@ -492,3 +492,48 @@ def test_masks_made_from_shapes_alone_select_their_value(mode):
             assert relative_difference(loss, step(reference, reference_optim, x, labels.clamp(min=0))) < TOL
         worst = _worst(model, reference, optim, reference_optim, sim)
     assert worst < TOL
+
+
+def info_nce_loss(features: torch.Tensor, n: int, temperature: float = 0.2) -> torch.Tensor:
+    """sthalles/SimCLR's ``info_nce_loss``, as written there: the positives and negatives
+    of each view selected by masks made from shapes alone (``torch.eye``, ``arange ==
+    arange``), their rows read by ``.view(2n, -1)``."""
+    labels = torch.cat([torch.arange(n) for _ in range(2)], dim=0)
+    labels = (labels.unsqueeze(0) == labels.unsqueeze(1)).float()
+    features = F.normalize(features, dim=1)
+    similarity_matrix = torch.matmul(features, features.T)
+    mask = torch.eye(labels.shape[0], dtype=torch.bool)
+    labels = labels[~mask].view(labels.shape[0], -1)
+    similarity_matrix = similarity_matrix[~mask].view(similarity_matrix.shape[0], -1)
+    positives = similarity_matrix[labels.bool()].view(labels.shape[0], -1)
+    negatives = similarity_matrix[~labels.bool()].view(similarity_matrix.shape[0], -1)
+    logits = torch.cat([positives, negatives], dim=1) / temperature
+    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long))
+
+
+def simclr_step(model, optim, a, b):  # noqa: ANN001
+    loss = info_nce_loss(model(torch.cat([a, b])), a.shape[0])
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize(("mode", "world"), [("ddp", 2), ("fsdp", 2), ("ddp", 4), ("fsdp", 4)])
+def test_rows_of_a_mask_made_from_shapes_alone_read_by_their_number(mode, world):
+    """NOTE: [masks made from shapes alone]: the rows SimCLR's loss selects by
+    ``~torch.eye(2n)`` and reads by ``.view(2n, -1)`` were refused at capture as a
+    value-dependent shape ("a mask made from shapes and Python values alone"), although
+    the count is the constant's. Now the loss over the global batch (its similarity
+    matrix pairs every example with every other, across ranks) is eager's."""
+    model, reference, optim, reference_optim = adamw_twins(Classifier)
+    compiled = sc.compile(_mode(mode))(simclr_step)
+    gen = torch.Generator().manual_seed(5)
+    with sc.simulate(world_size=world) as sim:
+        for _ in range(3):
+            a, b = (torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64) for _ in range(2))
+            loss = compiled(model, optim, a, b)
+            assert relative_difference(loss, simclr_step(reference, reference_optim, a, b)) < TOL
+        worst = _worst(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+    assert not compiled.last_program.captured.checks  # constants: nothing to verify

@@ -796,3 +796,47 @@ def test_a_signal_handler_that_returns_is_no_stop_of_the_capture():
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0, 0)
         signal.signal(signal.SIGPROF, previous)
+
+
+THRESHOLDS = (0.1, 10.0)
+
+
+def clip_in_steps_step(model, optim, x, y):  # noqa: ANN001
+    """One ``if`` on a gradient's norm per threshold (DINO's ``clip_gradients`` has one
+    per parameter): each a branch."""
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        norm = p.grad.norm()
+        for threshold in THRESHOLDS:
+            if norm > threshold:
+                p.grad.mul_(0.5)
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_too_many_programs_count_the_ways_the_data_went_apart(monkeypatch):
+    """NOTE: [programs for the ways of ifs]: the refusal said the step "has taken 8 ways"
+    where the data went 4 to 5 (DINO's clip_gradients): it counted the programs that the
+    guesses of later `if`s compiled too. Here 3 programs were compiled for 1 way."""
+    import spmd_compiler.api as api
+
+    monkeypatch.setattr(api, "MAX_BRANCH_PROGRAMS", 3)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.0)  # the norms stay where the data puts them
+    x = torch.randn(8, 4, dtype=torch.float64)
+    target = model(x).detach()
+    compiled = sc.compile()(clip_in_steps_step)
+    with sc.simulate(world_size=2):
+        for _ in range(2):  # norm 0: both `if`s False, after (True, True), (False, True)
+            compiled(model, optim, x, target)
+        assert compiled.compile_count == 3
+        with pytest.raises(SPMDCompileError) as info:  # norm ~6: (True, False)
+            compiled(model, optim, x, target + 3.0)
+    message = str(info.value)
+    assert "has compiled 3 programs" in message, message
+    assert "went 1 distinct way through its 2 `if`s (2 at " in message, message
+    assert 'if norm > threshold:"' in message
+    assert "torch.clamp(clip / (param_norm + 1e-6), max=1)" in message and "clip_grad_norm_" in message

@@ -822,6 +822,53 @@ def test_an_op_of_value_dependent_shape_is_named_with_what_to_write_instead():
     assert "aten.bincount.default in the train step makes a tensor of value-dependent shape" in message
     assert "torch.bincount(y, minlength=4)" in message  # the user's line
     assert "index_add_" in message and "one_hot" in message  # the fixed-length rewrite
+    assert "made from Python values alone" not in message  # labels of the batch
+
+
+class MultiCropWrapper(nn.Module):
+    """DINO's ``utils.MultiCropWrapper`` (its ``forward`` verbatim): the crops grouped by
+    resolution with ``torch.unique_consecutive`` over a tensor made of their shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        if not isinstance(x, list):
+            x = [x]
+        idx_crops = torch.cumsum(torch.unique_consecutive(
+            torch.tensor([inp.shape[-1] for inp in x]), return_counts=True)[1], 0)
+        start_idx, output = 0, torch.empty(0).to(x[0].device)
+        for end_idx in idx_crops:
+            _out = self.backbone(torch.cat(x[start_idx: end_idx]))
+            if isinstance(_out, tuple):
+                _out = _out[0]
+            output = torch.cat((output, _out))
+            start_idx = end_idx
+        return self.head(output)
+
+
+def multicrop_step(model, optim, crops, y):  # noqa: ANN001
+    loss = F.cross_entropy(model(crops), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_an_op_of_value_dependent_shape_on_python_values_says_to_group_in_python():
+    """NOTE: [value-dependent shapes of Python values]: DINO's multi-crop grouping was
+    refused with the hint for labels of the batch (bincount by index_add_ / one_hot),
+    which does not fit a tensor made of the crops' shapes."""
+    model = MultiCropWrapper()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    crops = [torch.randn(4, 8) for _ in range(2)]
+    error = raises_untouched(multicrop_step, (model, opt, crops, torch.arange(8) % 4), model, opt)
+    assert error.op == "aten.unique_consecutive.default"
+    message = str(error)
+    assert "torch.unique_consecutive(" in message  # the user's line
+    assert "made from Python values alone" in message and "itertools.groupby(sizes)" in message
+    assert "index_add_" not in message
 
 
 def test_a_change_keeps_its_parts() -> None:
