@@ -83,13 +83,18 @@ def _asker(frame: types.FrameType | None) -> tuple[types.FrameType | None, types
     return frame, door
 
 
-def _refused(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+def _refused(name: str, real: Callable[..., Any], tracing: list[bool]) -> Callable[..., Any]:
+    """``real``, refusing a read the user's code asks for on this thread while
+    ``tracing[0]`` holds (a module first imported in the step that bound the patched
+    function by name, ``from os import urandom``, keeps it after the trace: eager calls
+    of it then pass through). A module's own top-level code asking (an import during the
+    step: ``SALT = urandom(4)``, drawn once by eager too) is not refused."""
     tracing_thread = threading.get_ident()
 
     def read(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() == tracing_thread:
+        if tracing[0] and threading.get_ident() == tracing_thread:
             asker, door = _asker(sys._getframe(1))
-            if asker is not None and _users_own(asker.f_code.co_filename):
+            if asker is not None and asker.f_code.co_name != "<module>" and _users_own(asker.f_code.co_filename):
                 call = _call_running(asker)
                 if not _seeds_deterministically(asker, door, call):
                     _refuse(name, asker, door, call)
@@ -168,13 +173,15 @@ def refuse_entropy_reads() -> Iterator[None]:
     reals = {"os.urandom": os.urandom}
     if hasattr(os, "getrandom"):
         reals["os.getrandom"] = os.getrandom
+    tracing = [True]
     with contextlib.ExitStack() as stack:
+        stack.callback(tracing.__setitem__, 0, False)
         for module, key, name in users_globals_holding(reals):
-            stack.enter_context(mock.patch.object(module, key, _refused(name, reals[name])))
+            stack.enter_context(mock.patch.object(module, key, _refused(name, reals[name], tracing)))
         for name, real in reals.items():
-            stack.enter_context(mock.patch.object(os, name.split(".")[1], _refused(name, real)))
+            stack.enter_context(mock.patch.object(os, name.split(".")[1], _refused(name, real, tracing)))
         if getattr(random, "_urandom", None) is reals["os.urandom"]:
-            stack.enter_context(mock.patch.object(random, "_urandom", _refused("os.urandom", reals["os.urandom"])))
+            stack.enter_context(mock.patch.object(random, "_urandom", _refused("os.urandom", reals["os.urandom"], tracing)))
         yield
 
 

@@ -147,3 +147,30 @@ def test_another_threads_entropy_read_goes_through():
 
     with sc.simulate(world_size=2):
         assert torch.isfinite(sc.compile(make_mode("ddp"))(_make_step(draw))(model, optim, x, y))
+
+
+def test_a_module_imported_in_the_step_draws_at_import_and_later_as_eager(tmp_path, monkeypatch):
+    """A user module first imported inside the step, drawing at its top level (``SALT =
+    urandom(4)``: eager draws it once too) compiles; it binds the patched ``urandom`` by
+    name, and calling it after the compile, eagerly, draws (before: the module's import
+    was refused, and its later eager calls raised SPMDCompileError outside any compile,
+    a review)."""
+    (tmp_path / "salted_helper.py").write_text(
+        "from os import urandom\nSALT = urandom(4)\n\ndef token():\n    return urandom(8)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def step(model, optim, x, y):  # noqa: ANN001, ANN202
+        import salted_helper  # noqa: F401
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    model, optim, x, y = _setup()
+    compiled = sc.compile(parallel_mode=make_mode("ddp"))(step)
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, y)
+    import salted_helper
+    assert len(salted_helper.SALT) == 4 and len(salted_helper.token()) == 8
