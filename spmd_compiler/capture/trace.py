@@ -1134,6 +1134,19 @@ def _trace_first(
                 "refused); or pass the inner optimizer to the step itself and write the "
                 "wrapper's work in the step.",
             ) from exc
+        if isinstance(exc, _OptimizerNotPassed) and _built_in_the_step(exc.optimizer):
+            name = f"{type(exc.optimizer).__module__}.{type(exc.optimizer).__name__}"
+            raise SPMDCompileError(
+                f"The train step calls step() of a {name} that was created inside the "
+                "step (its parameters are the trace's stand-ins): an optimizer made on the "
+                "first call (`if self.opt is None: self.opt = AdamW(...)`) is not among the "
+                "optimizers the step was given or can name when it is called (NOTE: "
+                "[optimizers created inside the step]).",
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
+                hint="create the optimizer before the first call (in __init__, or before "
+                "compiling the step), over the model's parameters, and keep the step's "
+                "call to its step().",
+            ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
                 f"The train step calls step() of a {type(exc.optimizer).__module__}."
@@ -2148,6 +2161,23 @@ class _OptimizerNotPassed(Exception):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(f"{type(optimizer).__name__}.step() of an optimizer not passed to the step")
         self.optimizer = optimizer
+
+
+def _built_in_the_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds the trace's stand-in parameters: NOTE: [optimizers
+    created inside the step]."""
+    return any(private.is_fake(p) for group in optimizer.param_groups for p in group["params"])
+
+
+# NOTE: [optimizers created inside the step]
+# A trainer that makes its optimizer lazily (``if self.opt is None: self.opt =
+# AdamW(self.model.parameters())`` in the step) builds it, while the step is traced,
+# over the parameters the trace swapped in: fake tensors. Its step() is refused as any
+# optimizer the step was not given is (it would update tensors of the trace once, not
+# the model every call), and the message said to pass the optimizer to the step, which
+# a user who had none before the call could not do. An optimizer holding fake
+# parameters can only have been made during the trace, so the refusal says so and to
+# create it before the first call.
 
 
 def _not_raised_by_the_step() -> tuple[type[BaseException], ...]:
