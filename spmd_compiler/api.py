@@ -1363,6 +1363,8 @@ class CompiledTrainStep:
                         "compiled step; a hook registered or removed between calls "
                         "recompiles the step.",
                     )
+                if again is not None and (way := _way_that_wrote(captured, probe)) is not None:
+                    raise _written_by_the_way_of_an_if(change, again, way, self._where)
                 if again is not None:
                     raise SPMDCompileError(
                         f"The train step changes a Python value every time it runs: {again}. "
@@ -1630,6 +1632,45 @@ def _refuse_overriding_subclasses(
 # matched eager under them), ``torch.manual_seed`` (the program draws from the generator's
 # state: NOTE: [random numbers]), anomaly mode (checked on every call: NOTE: [anomaly
 # detection at capture]).
+
+
+def _way_that_wrote(captured: CapturedStep, probe: CapturedStep) -> str | None:
+    """The line of an ``if`` on a tensor value that the two traces of a capture took
+    different ways (NOTE: [Python values written by the way of an if]), or None."""
+    ways = {check.where: check.expected for check in captured.checks}
+    return next(
+        (check.where for check in probe.checks if ways.get(check.where, check.expected) != check.expected),
+        None,
+    )
+
+
+def _written_by_the_way_of_an_if(change: Change, again: Change, where_if: str, where: str) -> SPMDCompileError:
+    """NOTE: [Python values written by the way of an if]: ``change`` is what the first
+    trace changed, ``again`` what the probe, traced the other way, changed after it."""
+    first = f"from {change.was} to {change.now} traced one way and " if change.what == again.what else ""
+    return SPMDCompileError(
+        f"The train step writes a Python value in the branches of an `if` on a tensor value "
+        f"({where_if}): {again.what} went {first}from {again.was} to {again.now} traced the "
+        "other way. Its value depends on the tensor's, and a compiled step runs no Python, "
+        "so it cannot write it.",
+        user_line=where,
+        hint="do the bookkeeping outside the compiled step on what it returns (`loss = "
+        "step(x, y)`, then `if loss.item() < best: best = loss.item()` in the loop), or keep "
+        "the value in a tensor the step updates without an `if` (a buffer made before the "
+        "first call, updated with torch.where); the refused call left the value as it found it.",
+    )
+
+
+# NOTE: [Python values written by the way of an if]
+# A step that writes a Python value inside an ``if`` on a tensor value (best-loss
+# tracking: ``if loss.item() < self.best: self.best = ...; self.bad = 0 else: self.bad
+# += 1``) is traced one way, and the probe of NOTE: [a step that changes what it reads]
+# traces it from what that trace left, the other way: the two writes disagree and the
+# step was refused as one that "changes a Python value every time it runs: Trainer.bad
+# was 1, now 0": the call had found 0, the 1 was what its own first trace had written,
+# and no run of the step sets 1 to 0 every time. Where the two traces took different ways of an ``if``, the refusal
+# says the value is written in the branches of that ``if`` (its line) and what each way
+# did to it, and to keep such bookkeeping outside the step or in a tensor.
 
 
 def _warn_of_constants_in_arguments(outside: list[Any]) -> None:
