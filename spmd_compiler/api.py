@@ -315,6 +315,8 @@ class CompiledTrainStep:
         # the float arguments' guards kept because the program does not read them
         # (CapturedStep.floats_unread)
         self._floats_unread: set[str] = set()
+        # a float argument's guard -> what read it in Python (CapturedStep.floats_in_python)
+        self._floats_in_python: dict[str, str] = {}
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
@@ -820,14 +822,20 @@ class CompiledTrainStep:
             elif what.startswith("argument ") and _is_float_repr(was) and _is_float_repr(now):
                 # a float argument is a graph input unless the step reads it in Python
                 # (NOTE: [float arguments as graph inputs]): a tensor there is read too
-                hint = ("it is a float the step reads in Python (float(), math, an `if`: "
-                        "torch's clip_grad_norm_ calls float(max_norm)), so each value is a "
+                # NOTE: [float arguments read in Python] in capture/trace.py
+                reader = self._floats_in_python.get(what) or "float(), math, min / round, an `if`"
+                clipping = reader.startswith("torch's clip_grad_norm_")
+                hint = (f"it is a float the step reads in Python ({reader}), so each value is a "
                         "setting of the program, and a tensor there would be read the same "
                         "way (refused); a float the step uses only in tensor ops is a graph "
-                        "input and compiles once: clip by a changing max_norm by hand, "
-                        "`norm = torch.nn.utils.get_total_norm(grads)` then "
-                        "`torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))`, "
-                        "or keep the value fixed")
+                        "input and compiles once: "
+                        + ("clip by a changing max_norm by hand, "
+                           "`norm = torch.nn.utils.get_total_norm(grads)` then "
+                           "`torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))`"
+                           if clipping else
+                           "compute with it in tensor ops (`torch.cos(math.pi * torch.tensor(f))`, "
+                           "`torch.clamp(...)`, or pass the computed factor as the float)")
+                        + ", or keep the value fixed")
             else:
                 hint = ("keep a value that changes every step in a tensor (a buffer or a "
                         "tensor argument), or pass it as a float argument used in tensor ops; "
@@ -1020,6 +1028,7 @@ class CompiledTrainStep:
                 for i, why in captured.floats_read.items():  # NOTE: [float arguments in Scalar arguments]
                     self._floats_read[labels[i]] = why
                 self._floats_unread.update(labels[i] for i in captured.floats_unread)
+                self._floats_in_python.update((labels[i], why) for i, why in captured.floats_in_python.items())
                 # NOTE: [SGD's momentum as a graph input]: a momentum the step used in
                 # Python became a setting; the key and the pre-capture key name it then
                 rekeyed = bindings.optimizer_settings() != settings

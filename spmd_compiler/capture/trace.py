@@ -32,7 +32,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 from unittest import mock
@@ -736,10 +738,12 @@ def _capture_step(
     floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
     read: dict[int, str] = {}  # CapturedStep.floats_read
     unread: set[int] = set()  # CapturedStep.floats_unread
+    in_python: dict[int, str] = {}  # CapturedStep.floats_in_python
     while floats:
         try:
             captured = _capture(func, bindings, input_metas, options, floats, decisions, make_state)
             captured.floats_read, captured.floats_unread = read, frozenset(unread)
+            captured.floats_in_python = in_python
             return captured
         except WayRaised:  # the step raised there: so it does with constants (NOTE: [checks decided from their bytecode])
             raise
@@ -755,6 +759,9 @@ def _capture_step(
                                    f"the step gives it to `{found.op}`, which reads it in Python")
             if found is not None and found.unread:  # NOTE: [float arguments the program does not read]
                 unread.update(i for i in floats if i not in kept)
+            elif found is None or found.op is None:  # NOTE: [float arguments read in Python]
+                reader = _python_reader(exc, len(floats) - len(kept))
+                in_python.update((i, reader) for i in floats if i not in kept)
             log.info(
                 "float arguments %s of %s stay guarded constants (%s)",
                 [i for i in floats if i not in kept], func.__name__, exception_summary(exc),
@@ -762,7 +769,49 @@ def _capture_step(
             floats = kept  # the others are graph inputs still
     captured = _capture(func, bindings, input_metas, options, (), decisions, make_state)
     captured.floats_read, captured.floats_unread = read, frozenset(unread)
+    captured.floats_in_python = in_python
     return captured
+
+
+# torch functions that read a float argument in Python, and what they read
+_TORCH_READERS = {
+    "clip_grad_norm_": "torch's clip_grad_norm_ calls float(max_norm)",
+    "clip_grad_value_": "torch's clip_grad_value_ calls float(clip_value)",
+    "get_total_norm": "torch's get_total_norm calls float(norm_type)",
+}
+
+
+def _python_reader(exc: BaseException, count: int) -> str:
+    """What read a float argument in Python in the capture that ``exc`` failed, as the
+    recompile warning says it (NOTE: [float arguments read in Python]): a torch function
+    known to read one, else the line of the user's code, else ""."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:  # the read, through the errors that wrap it
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for failure in reversed(chain):
+        for frame in reversed(traceback.extract_tb(failure.__traceback__)):
+            if frame.name in _TORCH_READERS and f"{os.sep}torch{os.sep}" in frame.filename:
+                return _TORCH_READERS[frame.name]
+    line = next((found for failure in reversed(chain)
+                 if (found := innermost_model_frame(failure.__traceback__)) is not None), None)
+    if line is None:
+        return ""
+    if count == 1:
+        return f"at {line}"
+    return f"one of its float arguments, at {line}: which one the capture cannot tell, so each is kept"
+
+
+# NOTE: [float arguments read in Python]
+# A float argument the step reads in Python (``math.cos(math.pi * f)``, ``min(f, 0.6)``,
+# ``round(f, 1)``, an ``if``, torch's clip_grad_norm_) is a setting of the program, and
+# a new value recompiles with a warning. The warning's reason was one fixed text that
+# blamed "torch's clip_grad_norm_ calls float(max_norm)" whatever read the float. The
+# capture that failed on the read keeps what read it: clip_grad_norm_ (or another torch
+# function known to read a float) where its frame is in the failure's traceback, else
+# the innermost line of the user's code; the warning names that, and gives the hand-
+# written clipping only where clip_grad_norm_ is the reader.
 
 
 def _float_argument_error(exc: BaseException) -> FloatArgumentUsedInPython | None:
