@@ -886,6 +886,34 @@ def version_of(t: torch.Tensor) -> int:
     return t._version
 
 
+def dtensor_of_local(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Any], shape: torch.Size,
+    stride: tuple[int, ...],
+) -> DTensor:
+    """``DTensor.from_local`` without the local's storage offset on the wrapper: NOTE:
+    [placed state that deepcopy copies]."""
+    offset = local.storage_offset()
+    stand_in = local.as_strided(local.shape, local.stride(), 0) if offset else local
+    dtensor = DTensor.from_local(stand_in, mesh, list(placements), run_check=False, shape=shape, stride=stride)
+    if offset:
+        dtensor._local_tensor = local
+    return dtensor
+
+
+# NOTE: [placed state that deepcopy copies]
+# A DTensor's wrapper takes its storage offset from the local tensor it is made from,
+# and a program's gradients are views into one flat buffer (a Linear's weight gradient
+# at offset 4, after its bias): the wrapper's data_ptr() was then 16, not 0, so
+# ``Tensor.__deepcopy__`` took it for a tensor with storage and copied a wrapper's
+# storage that holds no data: ``copy.deepcopy(model)`` after a compiled step (DQN's
+# target network, an EMA copy, which copy the parameters' .grad too) raised "Attempted
+# to call copy_() on an invalid python storage". A wrapper holds no data, so its offset
+# says nothing: state the runner wraps is made over an offset-0 alias of the local
+# (``as_strided`` to offset 0, no copy, not read) and then given the real local, and
+# deepcopy takes its wrapper-subclass route (``clone``): an independent DTensor with the
+# same placement and values.
+
+
 def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     """Swap the local shard of ``dtensor`` for ``local`` (same shape, dtype, device)."""
     dtensor._local_tensor = local

@@ -319,6 +319,8 @@ class CompiledTrainStep:
         # the float arguments' guards kept because the program does not read them
         # (CapturedStep.floats_unread)
         self._floats_unread: set[str] = set()
+        # a float argument's guard -> what read it in Python (CapturedStep.floats_in_python)
+        self._floats_in_python: dict[str, str] = {}
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
@@ -827,14 +829,20 @@ class CompiledTrainStep:
             elif what.startswith("argument ") and _is_float_repr(was) and _is_float_repr(now):
                 # a float argument is a graph input unless the step reads it in Python
                 # (NOTE: [float arguments as graph inputs]): a tensor there is read too
-                hint = ("it is a float the step reads in Python (float(), math, an `if`: "
-                        "torch's clip_grad_norm_ calls float(max_norm)), so each value is a "
+                # NOTE: [float arguments read in Python] in capture/trace.py
+                reader = self._floats_in_python.get(what) or "float(), math, min / round, an `if`"
+                clipping = reader.startswith("torch's clip_grad_norm_")
+                hint = (f"it is a float the step reads in Python ({reader}), so each value is a "
                         "setting of the program, and a tensor there would be read the same "
                         "way (refused); a float the step uses only in tensor ops is a graph "
-                        "input and compiles once: clip by a changing max_norm by hand, "
-                        "`norm = torch.nn.utils.get_total_norm(grads)` then "
-                        "`torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))`, "
-                        "or keep the value fixed")
+                        "input and compiles once: "
+                        + ("clip by a changing max_norm by hand, "
+                           "`norm = torch.nn.utils.get_total_norm(grads)` then "
+                           "`torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))`"
+                           if clipping else
+                           "compute with it in tensor ops (`torch.cos(math.pi * torch.tensor(f))`, "
+                           "`torch.clamp(...)`, or pass the computed factor as the float)")
+                        + ", or keep the value fixed")
             else:
                 hint = ("keep a value that changes every step in a tensor (a buffer or a "
                         "tensor argument), or pass it as a float argument used in tensor ops; "
@@ -1030,6 +1038,7 @@ class CompiledTrainStep:
                 for i, why in captured.floats_read.items():  # NOTE: [float arguments in Scalar arguments]
                     self._floats_read[labels[i]] = why
                 self._floats_unread.update(labels[i] for i in captured.floats_unread)
+                self._floats_in_python.update((labels[i], why) for i, why in captured.floats_in_python.items())
                 # NOTE: [SGD's momentum as a graph input]: a momentum the step used in
                 # Python became a setting; the key and the pre-capture key name it then
                 rekeyed = bindings.optimizer_settings() != settings
@@ -1373,6 +1382,8 @@ class CompiledTrainStep:
                         "compiled step; a hook registered or removed between calls "
                         "recompiles the step.",
                     )
+                if again is not None and (way := _way_that_wrote(captured, probe)) is not None:
+                    raise _written_by_the_way_of_an_if(change, again, way, self._where)
                 if again is not None:
                     raise SPMDCompileError(
                         f"The train step changes a Python value every time it runs: {again}. "
@@ -1641,6 +1652,45 @@ def _refuse_overriding_subclasses(
 # matched eager under them), ``torch.manual_seed`` (the program draws from the generator's
 # state: NOTE: [random numbers]), anomaly mode (checked on every call: NOTE: [anomaly
 # detection at capture]).
+
+
+def _way_that_wrote(captured: CapturedStep, probe: CapturedStep) -> str | None:
+    """The line of an ``if`` on a tensor value that the two traces of a capture took
+    different ways (NOTE: [Python values written by the way of an if]), or None."""
+    ways = {check.where: check.expected for check in captured.checks}
+    return next(
+        (check.where for check in probe.checks if ways.get(check.where, check.expected) != check.expected),
+        None,
+    )
+
+
+def _written_by_the_way_of_an_if(change: Change, again: Change, where_if: str, where: str) -> SPMDCompileError:
+    """NOTE: [Python values written by the way of an if]: ``change`` is what the first
+    trace changed, ``again`` what the probe, traced the other way, changed after it."""
+    first = f"from {change.was} to {change.now} traced one way and " if change.what == again.what else ""
+    return SPMDCompileError(
+        f"The train step writes a Python value in the branches of an `if` on a tensor value "
+        f"({where_if}): {again.what} went {first}from {again.was} to {again.now} traced the "
+        "other way. Its value depends on the tensor's, and a compiled step runs no Python, "
+        "so it cannot write it.",
+        user_line=where,
+        hint="do the bookkeeping outside the compiled step on what it returns (`loss = "
+        "step(x, y)`, then `if loss.item() < best: best = loss.item()` in the loop), or keep "
+        "the value in a tensor the step updates without an `if` (a buffer made before the "
+        "first call, updated with torch.where); the refused call left the value as it found it.",
+    )
+
+
+# NOTE: [Python values written by the way of an if]
+# A step that writes a Python value inside an ``if`` on a tensor value (best-loss
+# tracking: ``if loss.item() < self.best: self.best = ...; self.bad = 0 else: self.bad
+# += 1``) is traced one way, and the probe of NOTE: [a step that changes what it reads]
+# traces it from what that trace left, the other way: the two writes disagree and the
+# step was refused as one that "changes a Python value every time it runs: Trainer.bad
+# was 1, now 0": the call had found 0, the 1 was what its own first trace had written,
+# and no run of the step sets 1 to 0 every time. Where the two traces took different ways of an ``if``, the refusal
+# says the value is written in the branches of that ``if`` (its line) and what each way
+# did to it, and to keep such bookkeeping outside the step or in a tensor.
 
 
 def _warn_of_constants_in_arguments(outside: list[Any]) -> None:

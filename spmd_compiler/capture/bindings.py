@@ -760,7 +760,7 @@ def find_bindings(
     optimizers, wrappers = inner_optimizers(optimizers, where)
     unchanged = remembered and memo is not None and memo.optimizers_unchanged(optimizers)
     if not unchanged:  # the same objects as a call that passed this check: it holds
-        _check_ownership(optimizers, params, where)
+        _check_ownership(optimizers, params, where, _argument_of(func, flat_args, spec))
     return StepBindings(
         modules, optimizers, params, buffers, module_params, module_buffers, flat_args, spec,
         (args, kwargs), _unique(find_scalers(func, flat_args)),
@@ -975,25 +975,72 @@ def _walk_modules(modules: list[torch.nn.Module]) -> tuple:
     return params, buffers, module_params, module_buffers, submodules
 
 
+def _argument_of(func: Callable[..., Any], flat_args: list, spec: pytree.TreeSpec) -> Callable[[Any], str | None]:
+    """The path (``argument_paths``) of the step's argument that is ``value`` itself, or
+    None; the paths are read only when asked (a refusal's message)."""
+    def find(value: Any) -> str | None:
+        index = next((i for i, a in enumerate(flat_args) if a is value), None)
+        if index is None:
+            return None
+        paths = argument_paths(func, spec)
+        return paths[index] if index < len(paths) else None
+    return find
+
+
+def _bare_tensor_fix(name: str = "log_alpha") -> str:
+    """How a learnable tensor of its own becomes state: NOTE: [a learnable tensor passed
+    on its own]."""
+    name = name if name.isidentifier() else "value"
+    return (f"hold it in an nn.Module and pass that module to the step (`holder = "
+            f"nn.Module(); holder.{name} = nn.Parameter(...)`, the optimizer built over "
+            f"holder.parameters(), the step reading holder.{name})")
+
+
 def _check_ownership(
-    optimizers: list[torch.optim.Optimizer], params: dict[str, torch.nn.Parameter], where: str
+    optimizers: list[torch.optim.Optimizer],
+    params: dict[str, torch.nn.Parameter],
+    where: str,
+    argument_of: Callable[[Any], str | None] = lambda value: None,
 ) -> None:
     owned = {id(p) for p in params.values()}
     for oi, opt in enumerate(optimizers):
         stray = _stray_after_replacements(opt, owned)
-        if stray is not None:
-            gi, p = stray
+        if stray is None:
+            continue
+        gi, p = stray
+        head = (f"optimizer[{oi}].param_groups[{gi}] holds a parameter of shape "
+                f"{tuple(p.shape)} that no module passed to the step owns")
+        argument = argument_of(p)
+        if argument is not None:  # NOTE: [a learnable tensor passed on its own]
             raise SPMDCompileError(
-                f"optimizer[{oi}].param_groups[{gi}] holds a parameter of shape "
-                f"{tuple(p.shape)} that no module passed to the step owns"
-                + _stray_cause(p, params, optimizers),
+                f"{head}: it is the step's tensor argument `{argument}`. A tensor passed on "
+                "its own is an input of the program, which the step reads and does not "
+                "update; state that an optimizer updates is a module's.",
                 user_line=where,
-                hint="pass every module whose parameters the optimizer updates; where it "
-                "was passed, build the optimizer after the model's parameters are final "
-                "(after to_empty / reset_parameters, a replaced layer, a tie), or point it "
-                "at the new ones (add_param_group, or a new optimizer with the old one's "
-                "load_state_dict).",
+                hint=_bare_tensor_fix(argument) + ".",
             )
+        raise SPMDCompileError(
+            head + _stray_cause(p, params, optimizers),
+            user_line=where,
+            hint="pass every module whose parameters the optimizer updates; for a learnable "
+            f"tensor of its own (SAC's log_alpha), {_bare_tensor_fix()}; where the module was "
+            "passed, build the optimizer after the model's parameters are final "
+            "(after to_empty / reset_parameters, a replaced layer, a tie), or point it "
+            "at the new ones (add_param_group, or a new optimizer with the old one's "
+            "load_state_dict).",
+        )
+
+
+# NOTE: [a learnable tensor passed on its own]
+# SAC's temperature ``log_alpha = nn.Parameter(torch.zeros(()))`` (or a requires_grad
+# tensor) is commonly passed to the step beside the modules, with its own optimizer. A
+# tensor argument is an input of the program (read fresh each call, placed as a batch or
+# replicated value), not state the program updates and keeps placed, so the optimizer's
+# step over it is refused as before; the refusal names the argument and gives the fix
+# that works: hold the tensor in an nn.Module passed to the step (SAC then matched eager
+# to 1.1e-15 in the sixty-third session's probe). Until then it said only "pass every
+# module whose parameters the optimizer updates", which a user without a module for it
+# could not act on.
 
 
 def _stray_cause(

@@ -101,7 +101,25 @@ class MaskWithFalseElements(Exception):
             f"where its size matters ({'by ' + use if use else 'indices, row count, rows returned'}), compiled for "
             f"{compiled}. Select with fixed shapes: masked_fill, "
             "torch.where(mask, x, 0), a loss's ignore_index"
+            + (_CONCATENATED_ROWS if use == "torch.cat" else "")
         )
+
+
+# NOTE: [selections concatenated row by row]
+# ESPnet's and SpeechBrain's CTC targets are each row's selection, concatenated:
+# ``torch.cat([y[y != ignore] for y in ys_pad])``. Each row's selection is settled by
+# ``torch.cat`` and refused on the first batch with padding, and the advice (masked_fill,
+# torch.where, ignore_index) cannot apply to ctc_loss's targets. The same selection made
+# over the whole batch at once, ``ys_pad[ys_pad != ignore]``, reaches ctc_loss kept in
+# place (NOTE: [selected rows kept in place]) and compiles exactly (NOTE: [CTC loss at
+# capture]); the refusal of a selection used by torch.cat names that form, and padded
+# 2-D targets.
+_CONCATENATED_ROWS = (
+    "; selections of each row concatenated (CTC targets: `torch.cat([y[y != ignore] for "
+    "y in ys_pad])`) compile as one selection over the whole batch, "
+    "`ys_pad[ys_pad != ignore]`, which gives the same targets in the same order, or "
+    "as ctc_loss's padded 2-D targets (`ys_pad` itself, with the target lengths)"
+)
 
 
 # A mask's decision: every element selected, or K (> 0) in every row (NOTE: [rows of one

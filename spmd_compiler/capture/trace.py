@@ -32,7 +32,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 from unittest import mock
@@ -740,10 +742,12 @@ def _capture_step(
     floats = tuple(i for i, a in enumerate(bindings.flat_args) if type(a) is float)
     read: dict[int, str] = {}  # CapturedStep.floats_read
     unread: set[int] = set()  # CapturedStep.floats_unread
+    in_python: dict[int, str] = {}  # CapturedStep.floats_in_python
     while floats:
         try:
             captured = _capture(func, bindings, input_metas, options, floats, decisions, make_state)
             captured.floats_read, captured.floats_unread = read, frozenset(unread)
+            captured.floats_in_python = in_python
             return captured
         except WayRaised:  # the step raised there: so it does with constants (NOTE: [checks decided from their bytecode])
             raise
@@ -759,6 +763,9 @@ def _capture_step(
                                    f"the step gives it to `{found.op}`, which reads it in Python")
             if found is not None and found.unread:  # NOTE: [float arguments the program does not read]
                 unread.update(i for i in floats if i not in kept)
+            elif found is None or found.op is None:  # NOTE: [float arguments read in Python]
+                reader = _python_reader(exc, len(floats) - len(kept))
+                in_python.update((i, reader) for i in floats if i not in kept)
             log.info(
                 "float arguments %s of %s stay guarded constants (%s)",
                 [i for i in floats if i not in kept], func.__name__, exception_summary(exc),
@@ -766,7 +773,49 @@ def _capture_step(
             floats = kept  # the others are graph inputs still
     captured = _capture(func, bindings, input_metas, options, (), decisions, make_state)
     captured.floats_read, captured.floats_unread = read, frozenset(unread)
+    captured.floats_in_python = in_python
     return captured
+
+
+# torch functions that read a float argument in Python, and what they read
+_TORCH_READERS = {
+    "clip_grad_norm_": "torch's clip_grad_norm_ calls float(max_norm)",
+    "clip_grad_value_": "torch's clip_grad_value_ calls float(clip_value)",
+    "get_total_norm": "torch's get_total_norm calls float(norm_type)",
+}
+
+
+def _python_reader(exc: BaseException, count: int) -> str:
+    """What read a float argument in Python in the capture that ``exc`` failed, as the
+    recompile warning says it (NOTE: [float arguments read in Python]): a torch function
+    known to read one, else the line of the user's code, else ""."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:  # the read, through the errors that wrap it
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for failure in reversed(chain):
+        for frame in reversed(traceback.extract_tb(failure.__traceback__)):
+            if frame.name in _TORCH_READERS and f"{os.sep}torch{os.sep}" in frame.filename:
+                return _TORCH_READERS[frame.name]
+    line = next((found for failure in reversed(chain)
+                 if (found := innermost_model_frame(failure.__traceback__)) is not None), None)
+    if line is None:
+        return ""
+    if count == 1:
+        return f"at {line}"
+    return f"one of its float arguments, at {line}: which one the capture cannot tell, so each is kept"
+
+
+# NOTE: [float arguments read in Python]
+# A float argument the step reads in Python (``math.cos(math.pi * f)``, ``min(f, 0.6)``,
+# ``round(f, 1)``, an ``if``, torch's clip_grad_norm_) is a setting of the program, and
+# a new value recompiles with a warning. The warning's reason was one fixed text that
+# blamed "torch's clip_grad_norm_ calls float(max_norm)" whatever read the float. The
+# capture that failed on the read keeps what read it: clip_grad_norm_ (or another torch
+# function known to read a float) where its frame is in the failure's traceback, else
+# the innermost line of the user's code; the warning names that, and gives the hand-
+# written clipping only where clip_grad_norm_ is the reader.
 
 
 def _float_argument_error(exc: BaseException) -> FloatArgumentUsedInPython | None:
@@ -1138,6 +1187,19 @@ def _trace_first(
                 "kept as tensors in its state (a Python counter the step changes is "
                 "refused); or pass the inner optimizer to the step itself and write the "
                 "wrapper's work in the step.",
+            ) from exc
+        if isinstance(exc, _OptimizerNotPassed) and _built_in_the_step(exc.optimizer):
+            name = f"{type(exc.optimizer).__module__}.{type(exc.optimizer).__name__}"
+            raise SPMDCompileError(
+                f"The train step calls step() of a {name} that was created inside the "
+                "step (its parameters are the trace's stand-ins): an optimizer made on the "
+                "first call (`if self.opt is None: self.opt = AdamW(...)`) is not among the "
+                "optimizers the step was given or can name when it is called (NOTE: "
+                "[optimizers created inside the step]).",
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
+                hint="create the optimizer before the first call (in __init__, or before "
+                "compiling the step), over the model's parameters, and keep the step's "
+                "call to its step().",
             ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
@@ -2163,6 +2225,23 @@ class _OptimizerNotPassed(Exception):
         self.optimizer = optimizer
 
 
+def _built_in_the_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds the trace's stand-in parameters: NOTE: [optimizers
+    created inside the step]."""
+    return any(private.is_fake(p) for group in optimizer.param_groups for p in group["params"])
+
+
+# NOTE: [optimizers created inside the step]
+# A trainer that makes its optimizer lazily (``if self.opt is None: self.opt =
+# AdamW(self.model.parameters())`` in the step) builds it, while the step is traced,
+# over the parameters the trace swapped in: fake tensors. Its step() is refused as any
+# optimizer the step was not given is (it would update tensors of the trace once, not
+# the model every call), and the message said to pass the optimizer to the step, which
+# a user who had none before the call could not do. An optimizer holding fake
+# parameters can only have been made during the trace, so the refusal says so and to
+# create it before the first call.
+
+
 def _not_raised_by_the_step() -> tuple[type[BaseException], ...]:
     """Exceptions of the capture itself, not a branch of the step raising (NOTE: [value
     checks])."""
@@ -2757,16 +2836,49 @@ def _drop_copy_back(gm: torch.fx.GraphModule, refs: list[StateRef]) -> None:
             if dest in ref_of:
                 ref = ref_of[dest]
                 if ref.kind is Kind.INPUT:
-                    raise node_error(
-                        f"The train step modifies its tensor argument {ref} in place.",
-                        node,
-                        hint="work on a copy (x = x.clone()) or move the in-place "
-                        "change outside the compiled step.",
-                    )
+                    raise _argument_written_in_place(ref, node)
                 if ref.kind not in STATE_KINDS:
                     raise node_error(f"Internal: {ref} is written in place.", node)
                 node.replace_all_uses_with(dest)
                 gm.graph.erase_node(node)
+
+
+def _argument_written_in_place(ref: StateRef, node: torch.fx.Node) -> SPMDCompileError:
+    """The refusal of a tensor argument the step writes in place: NOTE: [a tensor
+    argument written in place]."""
+    source = node.args[1]
+    if USER_LINE not in node.meta and isinstance(source, torch.fx.Node):
+        # the copy-back is the functional graph's epilogue, traced from no user line:
+        # the line is the one that computed the value written back
+        for key in (USER_LINE, "stack_trace"):
+            if key in source.meta:
+                node.meta[key] = source.meta[key]
+    name = ref.name or f"input[{ref.index}]"
+    example = name if name.isidentifier() else "running_mean"
+    return node_error(
+        f"The train step modifies its tensor argument `{name}` in place. A tensor argument "
+        "is an input of the program, read afresh on each call: a change to it would not "
+        "reach the caller's tensor.",
+        node,
+        hint=f"where the value is kept across calls (a running mean), register it as a "
+        f"buffer of a module the step takes (`model.register_buffer(\"{example}\", "
+        f"torch.zeros(()))`, the step reading and updating model.{example}): a buffer is "
+        "state the program updates in place; otherwise work on a copy (x = x.clone()) or "
+        "move the in-place change outside the compiled step.",
+    )
+
+
+# NOTE: [a tensor argument written in place]
+# A tensor argument is an input of the program (a batch, a replicated value), not state
+# it keeps placed and writes back, so an in-place write to it is refused. The refusal
+# was "modifies its tensor argument input[0] (pl_mean) in place", at graph node
+# ``copy__4`` with no user line: ``input[0]`` is the position among the tensor inputs
+# (StyleGAN's pl_mean was the step's third argument), and the copy-back node is the
+# functional graph's epilogue, traced from no line of the user's. It now names the
+# argument as the step's code does, takes the line of the value written back, and gives
+# the fix that keeps the step's meaning for a running statistic: a buffer of a module
+# the step takes (StyleGAN's path-length mean then compiled and matched eager to 6e-16,
+# sixty-third session's probe).
 
 
 def _refuse_new_parameter_shape(ref: StateRef, before: TensorMeta, after: TensorMeta, node: torch.fx.Node) -> None:

@@ -459,10 +459,14 @@ def eager_check(condition: torch.Tensor, message: str) -> None:
 def describe_raise(exc: BaseException) -> str:
     """``ValueError: message`` (its first lines), for a failed check's error."""
     lines = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()
-    if type(exc).__module__.startswith("spmd_compiler."):  # ours: the bare class name
+    ours = type(exc).__module__.startswith("spmd_compiler.")
+    if ours:  # the bare class name
         lines[0] = lines[0].removeprefix(f"{type(exc).__module__}.")
     text = " ".join(line.strip() for line in lines[:3])
-    return text if len(text) <= 300 else text[:297] + "..."
+    # a user's exception is cut short; ours carry their advice whole
+    # (NOTE: [selections concatenated row by row])
+    limit = 1000 if ours else 300
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def stop_text(exc: BaseException) -> str:

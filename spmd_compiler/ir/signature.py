@@ -197,6 +197,10 @@ class CapturedStep:
     # [float arguments the program does not read] in ``capture/trace.py``): the
     # recompile warning says so
     floats_unread: frozenset[int] = frozenset()
+    # where the step read a float argument in Python (``float()``, ``math``, an ``if``,
+    # torch's clip_grad_norm_), by position, as the recompile warning names it (NOTE:
+    # [float arguments read in Python] in ``capture/trace.py``)
+    floats_in_python: dict[int, str] = field(default_factory=dict)
 
     def input_refs(self) -> list[StateRef]:
         return [ref for ref, _ in self.inputs]

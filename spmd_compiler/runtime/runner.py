@@ -1246,10 +1246,7 @@ def _unpad_rows(
 
 
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensor:
-    return DTensor.from_local(
-        local, mesh, list(placements), run_check=False,
-        shape=torch.Size(meta.shape), stride=contiguous_stride(meta.shape),
-    )
+    return private.dtensor_of_local(local, mesh, placements, torch.Size(meta.shape), contiguous_stride(meta.shape))
 
 
 def _returned_value(

@@ -419,6 +419,37 @@ def _sections(description: str) -> tuple[str, str, str]:
     return shapes, whole, scalars
 
 
+_SHAPE = re.compile(r"\(([\d, ]*)\) (\w+)")
+
+# NOTE: [batches padded per rank]: the usual cause of local batches that differ in a
+# sequence length alone (one rank's (4, 5), another's (4, 7)) is a collator padding each
+# rank's batch to its own longest sequence (transformers' DataCollatorWithPadding), which
+# the hint for uneven batches ("split the global batch evenly") did not name.
+_PADDED_PER_RANK = (
+    "; here the ranks' batches have the same rows and differ in a length, as when a "
+    "collator pads each rank to its own longest sequence: pad every rank to one length "
+    "(`padding=\"max_length\"` with a fixed max_length, or each batch's longest over "
+    "all ranks, found by an all_reduce with MAX before padding); padding to a multiple "
+    "(`pad_to_multiple_of=`) alone leaves ranks whose longest fall in different multiples apart"
+)
+
+
+def _only_lengths_differ(shapes: list[str]) -> bool:
+    """Whether the ranks' tensor arguments (``_sections``' shapes, ``(4, 5) int64, ...``)
+    have the same count, ranks, dtypes and first dimensions, and differ in a later
+    dimension: NOTE: [batches padded per rank]."""
+    parsed = [[(tuple(int(d) for d in dims.split(",") if d.strip()), dtype) for dims, dtype in _SHAPE.findall(text)]
+              for text in shapes]
+    if not parsed or len({len(p) for p in parsed}) != 1:
+        return False
+    differ = False
+    for same_argument in zip(*parsed, strict=True):
+        if len({(len(dims), dims[:1], dtype) for dims, dtype in same_argument}) != 1:
+            return False
+        differ = differ or len({dims for dims, _ in same_argument}) > 1
+    return differ
+
+
 def _checksum(t: torch.Tensor) -> str:
     """``(3,) float32 checksum 9f0c...``: a BLAKE2b digest of the bytes of ``t``, read in
     place (hashlib releases the GIL): 0.2 ms for 64 KiB on a loaded 2-core machine, where
@@ -877,7 +908,9 @@ class InputAgreement:
             "so they would run different programs (and wait for each other until the "
             f"collective timeout). Tensor arguments per rank:\n{lines}",
             hint="give every rank a local batch of the same shape (split the global batch "
-            "evenly; drop or pad the last partial batch).",
+            "evenly; drop or pad the last partial batch)"
+            + (_PADDED_PER_RANK if _only_lengths_differ([shapes for shapes, _, _ in sections]) else "")
+            + ".",
         )
 
 

@@ -132,3 +132,52 @@ def test_an_input_length_past_the_frames_is_refused_every_call() -> None:
             compiled(model, optim, *_batches(1, long_input=True)[0])
         after = {k: v.full_tensor() for k, v in model.state_dict().items()}
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+IGNORE = -1
+
+
+def _padded_targets_step(model, optim, x, ys_pad, per_row):  # noqa: ANN001, ANN201
+    log_probs = model(x).log_softmax(-1).transpose(0, 1)
+    ys_lens = (ys_pad != IGNORE).sum(1)
+    if per_row:  # ESPnet's CTC.forward
+        targets = torch.cat([y[y != IGNORE] for y in ys_pad])
+    else:
+        targets = ys_pad[ys_pad != IGNORE]
+    frames = torch.full((x.shape[0],), x.shape[1])
+    loss = F.ctc_loss(log_probs, targets, frames, ys_lens, reduction="sum") / x.shape[0]
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _padded_targets() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 10, 6, dtype=torch.float64, generator=gen)
+    ys = torch.randint(1, 5, (4, 3), generator=gen)
+    ys[0, 2:] = IGNORE
+    ys[2, 1:] = IGNORE
+    return x, ys
+
+
+def test_targets_selected_row_by_row_are_refused_naming_the_whole_batch_selection() -> None:
+    """NOTE: [selections concatenated row by row]: the refusal advised masked_fill /
+    torch.where / ignore_index, none of which applies to CTC targets; it names the
+    whole-batch selection, which compiles and matches eager."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5).double()
+    with sc.simulate(world_size=2), pytest.raises(SPMDRuntimeError) as info:
+        sc.compile(make_mode("ddp"))(_padded_targets_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), *_padded_targets(), True)
+    assert "`ys_pad[ys_pad != ignore]`" in str(info.value), str(info.value)
+    assert "padded 2-D targets" in str(info.value), str(info.value)
+
+    torch.manual_seed(0)
+    model, reference = nn.Linear(6, 5).double(), nn.Linear(6, 5).double()
+    reference.load_state_dict(model.state_dict())
+    expected = _padded_targets_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), *_padded_targets(), True)
+    with sc.simulate(world_size=2):
+        got = sc.compile(make_mode("ddp"))(_padded_targets_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), *_padded_targets(), False)
+        weight = model.weight.full_tensor()
+    assert abs(got.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    assert torch.allclose(weight, reference.weight, rtol=0, atol=1e-12)

@@ -189,3 +189,24 @@ def test_out_of_place_twins():
     assert private.out_of_place_twin(aten.t_.default) is None  # its twin is a view
     assert private.out_of_place_twin(aten.bernoulli_.float) is None  # no twin of that name
     assert private.out_of_place_twin(aten.add.Tensor) is None  # not in place
+
+
+def _running_mean_step(model, optim, running_mean, x, y):  # noqa: ANN001
+    running_mean.copy_(running_mean.lerp(x.pow(2).mean(), 0.01))  # kept across calls
+    return classification_train_step(model, optim, x, y)
+
+
+def test_an_argument_written_in_place_is_named_as_written_with_its_line_and_the_buffer_fix():
+    """StyleGAN's pl_mean passed as the step's third argument (NOTE: [a tensor argument
+    written in place]): the refusal named "input[0] (pl_mean)" at node copy__4 with no
+    user line, and did not say that a buffer keeps a running value."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile()(_running_mean_step)(model, optim, torch.zeros(()), *_batch())
+    message = str(info.value)
+    assert "modifies its tensor argument `running_mean` in place" in message, message
+    assert "input[0]" not in message, message
+    assert "running_mean.copy_(running_mean.lerp(" in message, message  # the user's line
+    assert 'model.register_buffer("running_mean", torch.zeros(()))' in message, message

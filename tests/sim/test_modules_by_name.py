@@ -248,6 +248,38 @@ def test_an_optimizer_over_other_parameters_is_not_taken():
     assert all(torch.equal(a, b) and not isinstance(a, DTensor) for a, b in zip(after, before, strict=True))
 
 
+class _LazyTrainer:
+    """A trainer that makes its optimizer on the first step, inside the step."""
+
+    def __init__(self, net: nn.Module) -> None:
+        self.model, self.opt = net, None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.opt is None:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.05)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+
+def test_an_optimizer_created_inside_the_step_is_refused_saying_to_create_it_before():
+    """NOTE: [optimizers created inside the step]: the message said "not among its
+    optimizers ... pass the optimizer to the step", which a trainer with no optimizer
+    before its first call could not do."""
+    net = _net()
+    trainer = _LazyTrainer(net)
+    before = [p.detach().clone() for p in net.parameters()]
+    with sc.simulate(world_size=WORLD), pytest.raises(SPMDCompileError) as info:
+        sc.compile()(trainer.step)(*_batches()[0])
+    message = str(info.value)
+    assert "that was created inside the step" in message, message
+    assert "create the optimizer before the first call" in message, message
+    assert "self.opt.step()" in message, message
+    assert trainer.opt is None
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before, strict=True))
+
+
 class _SAM(torch.optim.Optimizer):
     """davda54/sam's wrapper: it builds its inner optimizer itself, keeps it as an
     attribute and shares its param groups."""

@@ -229,3 +229,47 @@ def test_a_hook_that_removes_itself_runs_in_the_first_call_only(style):
                   if getattr(h, "__name__", "") != "refuse_plain_inputs"]
     assert user_hooks == [] and len(reference._forward_pre_hooks) == 0
     assert compiled.compile_count == 2, compiled.compile_count
+
+
+class BestTracker:
+    """Best-loss tracking with patience, written in the branches of an ``if`` on the loss."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+        self.best, self.bad = float("inf"), 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        if loss.item() < self.best:
+            self.best = loss.item()
+            self.bad = 0
+        else:
+            self.bad += 1
+        return loss.detach()
+
+
+def test_a_value_written_in_the_branches_of_an_if_is_refused_without_a_wrong_history():
+    """NOTE: [Python values written by the way of an if]: the refusal said "changes a
+    Python value every time it runs: BestTracker.bad was 1, now 0", a history no run
+    had (the call found 0; 1 was what its own trace had written); it names the ``if``
+    and what each way did. The loss rises on the second call (lr 2.0)."""
+    torch.manual_seed(0)
+    model = Net()
+    tracker = BestTracker(model, torch.optim.SGD(model.parameters(), lr=2.0))
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(tracker.step)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 8, dtype=torch.float64, generator=gen), torch.randn(8, 1, dtype=torch.float64, generator=gen))
+               for _ in range(3)]
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        for x, y in batches:
+            compiled(x, y)
+    message = str(info.value)
+    assert "every time it runs" not in message, message
+    assert "writes a Python value in the branches of an `if` on a tensor value" in message, message
+    assert '"if loss.item() < self.best:"' in message, message
+    assert "BestTracker.bad went from 0 to 1 traced one way and from 1 to 0 traced the other way" in message, message
+    assert "outside the compiled step" in message, message
+    assert tracker.bad == 0

@@ -1074,6 +1074,30 @@ def test_a_float_read_in_python_changing_every_call_is_named_and_told_the_way_ou
     assert compiled.compile_count <= 2  # the first call's program and the steady one
 
 
+def cosine_weighted_step(model, optim, x, y, progress):  # noqa: ANN001
+    loss = F.cross_entropy(model(x), y) * (0.5 * (1 + math.cos(math.pi * progress)))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_float_read_by_math_is_named_by_its_line_without_clip_grad_norm(classification_batches, caplog):
+    """NOTE: [float arguments read in Python]: the warning blamed "torch's
+    clip_grad_norm_ calls float(max_norm)" for a float read by math.cos; it names the
+    line that read it and gives no clipping recipe."""
+    torch.manual_seed(0)
+    model = _mlp().double()
+    compiled = sc.compile()(cosine_weighted_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_compiler"), sc.simulate(2):
+        for (x, y), progress in zip(classification_batches(5, dtype=torch.float64), [0.1, 0.3, 0.5, 0.7, 0.9], strict=True):
+            compiled(model, sgd_momentum(model), x, y, progress)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("argument progress of the step changed on 3 calls"), warnings
+    assert "clip_grad_norm_" not in warnings[0] and "_foreach_mul_" not in warnings[0], warnings[0]
+    assert 'math.cos(math.pi * progress)' in warnings[0], warnings[0]
+
+
 def accumulating_step(model, optim, x, y, do_step):  # noqa: ANN001
     loss = F.cross_entropy(model(x), y) / 2
     loss.backward()

@@ -76,3 +76,58 @@ def test_a_module_not_passed_beside_a_layer_of_its_shape_is_not_called_replaced(
     assert "own another parameter of that shape and dtype (2.weight): the optimizer may " \
         "have been built" not in message, message
     assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing placed
+
+
+def _temperature_step(model, log_alpha, optim, optim_alpha, x):  # noqa: ANN001, ANN202
+    logp = -model(x).pow(2).sum(-1)
+    loss = model(x).mean()
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    if isinstance(log_alpha, nn.Module):
+        log_alpha = log_alpha.log_alpha
+    loss_alpha = -(log_alpha * (logp.detach() + 1.0)).mean()
+    optim_alpha.zero_grad()
+    loss_alpha.backward()
+    optim_alpha.step()
+    return loss.detach(), log_alpha.detach().clone()
+
+
+@pytest.mark.parametrize("kind", ["parameter", "requires_grad"])
+def test_a_learnable_tensor_passed_on_its_own_is_refused_saying_to_hold_it_in_a_module(kind):
+    """SAC's log_alpha passed beside the model with its own optimizer (NOTE: [a learnable
+    tensor passed on its own]): the hint said only "pass every module whose parameters
+    the optimizer updates"; it names the argument and the holder module that works."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    log_alpha = nn.Parameter(torch.zeros(())) if kind == "parameter" else torch.zeros((), requires_grad=True)
+    optim, optim_alpha = torch.optim.Adam(model.parameters()), torch.optim.Adam([log_alpha], lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(_temperature_step)(model, log_alpha, optim, optim_alpha, torch.randn(8, 4))
+    message = str(info.value)
+    assert "optimizer[1].param_groups[0] holds a parameter of shape ()" in message, message
+    assert "it is the step's tensor argument `log_alpha`" in message, message
+    assert "holder.log_alpha = nn.Parameter(...)" in message, message
+    assert float(log_alpha.detach()) == 0.0
+
+
+def test_a_learnable_tensor_held_in_a_module_matches_eager():
+    """The fix the refusal names works: the holder module compiles and matches eager."""
+    def build():  # noqa: ANN202
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).double()
+        holder = nn.Module()
+        holder.log_alpha = nn.Parameter(torch.zeros((), dtype=torch.float64))
+        return model, holder, torch.optim.Adam(model.parameters()), torch.optim.Adam(holder.parameters(), lr=0.1)
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 4, generator=gen, dtype=torch.float64) for _ in range(3)]
+    eager = build()
+    expected = [_temperature_step(*eager, x)[1] for x in batches]
+    compiled = build()
+    with sc.simulate(world_size=2):
+        step = sc.compile(make_mode("ddp"))(_temperature_step)
+        got = [step(*compiled, x)[1] for x in batches]
+    for e, g in zip(expected, got, strict=True):
+        assert abs(float(e) - float(g)) < 1e-12, (expected, got)
+    assert abs(float(expected[-1])) > 0.01  # the temperature moved
