@@ -43,6 +43,7 @@ from .guards import Guards, name_uses, whole_namespace
 
 # the methods a step may call on a list it appends to, at once, without reading it
 _APPENDS = frozenset({"append", "extend"})
+_KEY_READS = frozenset({"BINARY_SUBSCR", "PRECALL", "CALL", "CALL_FUNCTION", "CALL_METHOD", "DELETE_SUBSCR"})
 _METHOD_LOADS = frozenset({"LOAD_METHOD", "LOAD_ATTR"})
 
 
@@ -50,7 +51,7 @@ def refuse_appended_lists_read(guards: Guards) -> None:
     """Refuse a step whose walked code reads a list or deque it appends to (see the
     NOTE), naming the list and the line of the read."""
     for name, cell, label, kind in guards.appended:
-        found = _first_read(guards.codes, name, cell)
+        found = _first_read(guards.codes, name, cell, key=f"[{name!r}]" in label)
         if found is None:
             continue
         code, ins = found
@@ -73,14 +74,22 @@ def refuse_appended_lists_read(guards: Guards) -> None:
 
 
 def _first_read(
-    codes: list[types.CodeType], name: str, cell: bool
+    codes: list[types.CodeType], name: str, cell: bool, key: bool = False
 ) -> tuple[types.CodeType, dis.Instruction] | None:
     """The first instruction of ``codes`` that names the list ``name`` other than to
-    call ``append`` / ``extend`` on it at once (see the NOTE), with its code."""
+    call ``append`` / ``extend`` on it at once (see the NOTE), with its code. With
+    ``key`` (the list is a dict's entry): only the constant ``name`` subscripting a
+    value or passed to a call (``d.get("loss")``) reads it, not an attribute or method
+    of that name (``model(x).loss``, ``opt.step()``) nor a key of a dict literal
+    (``return {"loss": ...}``): a review found those refused as reads of
+    ``history["loss"]``."""
     for code, instructions, i in name_uses(codes, name, cell):
         ins = instructions[i]
         if whole_namespace(ins):
             continue  # not seen (see the NOTE)
+        if key and (ins.opname != "LOAD_CONST" or i + 1 >= len(instructions)
+                    or instructions[i + 1].opname not in _KEY_READS):
+            continue
         after = i + 1
         if ins.opname == "LOAD_CONST":  # a dict key: d["hist"].append(...)
             after = i + 2 if i + 1 < len(instructions) and instructions[i + 1].opname == "BINARY_SUBSCR" else -1

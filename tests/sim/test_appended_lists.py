@@ -221,3 +221,30 @@ def test_a_deque_set_whole_holding_traced_values_is_refused_left_clean():
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="a new deque holding a traced tensor"):
         compiled(model, _sgd(model), *_batches(1)[0])
     assert holder.recent is None
+
+
+class _Output:
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+
+def _keyed_like_attributes(window, tensors):  # noqa: ANN001, ANN202
+    history = {"loss": window, "step": tensors}
+
+    def step(model, optim, x, y):  # noqa: ANN001, ANN202
+        out = _Output(F.cross_entropy(model(x), y))
+        loss = _update(model, optim, out.loss)  # an attribute named as the key; optim.step()
+        history["loss"].append(loss.item())
+        history["step"].append(loss.detach())
+        stats = {"loss": loss.detach()}  # a dict literal's key
+        return stats.get("step", loss.detach())
+    return step
+
+
+def test_a_dict_entry_appended_to_is_not_read_by_an_attribute_or_literal_key_of_its_name():
+    """``history["loss"].append(...)`` beside ``model(x).loss``, ``opt.step()`` and
+    ``return {"loss": ...}`` was refused as a read of the list (a review); appending
+    alone compiles once and matches eager."""
+    step, (window, _), (eager_window, _), diff = _run(_keyed_like_attributes, lambda: ([], []))
+    assert diff <= TOL and step.compile_count == 1
+    assert all(map(_close, window, eager_window)) and len(window) == CALLS
