@@ -700,9 +700,10 @@ class CompiledTrainStep:
             raise self._too_many_ways(key, entries[0][1])
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self._name)
+        whole = self._hooks_found is None or not self._hooks_found.user_changed()
         if self._found is not None:  # a compile in this call traced the step: its values
-            self._found.unwrite()  # back as the call found them, for this way's trace
-        if self._hooks_found is not None:  # and its hooks (NOTE: [hooks each trace starts from])
+            self._found.unwrite(made=whole)  # back as the call found them, for this way's trace
+        if self._hooks_found is not None and whole:  # and its hooks (NOTE: [hooks each trace starts from])
             self._hooks_found.put_back()
         return self._compile(key, bindings, input_metas, mesh, decisions)[0]
 

@@ -525,19 +525,19 @@ class Guards:
         for container, key, _ in self._made():  # NOTE: [attributes a step makes on a counted object]
             container.pop(key, None)
 
-    def written(self) -> list[tuple[dict, Any, Any]]:
+    def written(self, made: bool = True) -> list[tuple[dict, Any, Any]]:
         """(dict, key, value) of each guarded value held in a dict that went from one plain
         value (``_WRITABLE``) to another since these guards were built: what a trace wrote
         there. A value that became an object (a GradScaler's lazily made scale tensor, set
         by the capture itself) is no write of the step's."""
-        return [(container, key, value) for container, key, _, value in self._plain_changes()]
+        return [(container, key, value) for container, key, _, value in self._plain_changes(made)]
 
-    def unwrite(self) -> None:
+    def unwrite(self, made: bool = True) -> None:
         """Set back what ``written`` lists (a trace starts from the values the call found)."""
-        for container, key, expected, _ in self._plain_changes():
+        for container, key, expected, _ in self._plain_changes(made):
             set_or_delete(container, key, expected)
 
-    def _plain_changes(self) -> list[tuple[dict, Any, Any, Any]]:
+    def _plain_changes(self, made: bool = True) -> list[tuple[dict, Any, Any, Any]]:
         """(dict, key, value these guards hold, value now) of ``written``'s entries; a
         value absent then or now is ``_MISSING`` (made or deleted by the step)."""
         out: list[tuple[dict, Any, Any, Any]] = []
@@ -545,7 +545,7 @@ class Guards:
             if kind != _DICT or not isinstance(container, dict):
                 continue
             value = container.get(key, _MISSING)
-            if _changed_in_place(value, expected):  # NOTE: [contents a step changes in place]
+            if made and _changed_in_place(value, expected):  # NOTE: [contents a step changes in place]
                 out.append((container, key, _Contents(value, expected), _Contents(value, _snapshot(value))))
                 continue
             if not _writable(expected):
@@ -556,7 +556,7 @@ class Guards:
                 continue
             out.append((container, key, expected, value))
         guarded = {(id(container), key) for container, key, _, _ in out}
-        out += [(container, key, _MISSING, value) for container, key, value in self._made()
+        out += [(container, key, _MISSING, value) for container, key, value in (self._made() if made else ())
                 if (id(container), key) not in guarded]
         return out
 
@@ -830,6 +830,7 @@ def _changed_in_place(value: Any, expected: Any) -> bool:
     of its contents, was changed in place (NOTE: [contents a step changes in place])."""
     return (
         type(value) in (list, dict) and type(expected) is type(value) and value is not expected
+        and all(isinstance(item, _WRITABLE) for item in (expected.values() if isinstance(expected, dict) else expected))
         and is_scalar(expected) and _unequal(value, expected)
     )
 

@@ -114,6 +114,13 @@ class HooksAsFound:
                 sub._non_persistent_buffers_set.clear()
                 sub._non_persistent_buffers_set.update(names)
 
+    def user_changed(self) -> bool:
+        """Whether the user's hooks differ from what the compile found (a trace
+        registered or removed one)."""
+        (now, _), (found, _) = self.now(), self.found
+        return any(len(a) != len(b) or any(ka != kb or va is not vb for (ka, va), (kb, vb) in zip(a, b, strict=True))
+                   for (_, a), (_, b) in zip(now, found, strict=True))
+
     def _our_keys(self) -> set[Any]:
         """The handle ids of the compiler's own hooks in the dicts (a hook's id keys it
         in its ``with_kwargs`` / ``always_call`` dicts too)."""

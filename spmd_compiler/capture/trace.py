@@ -1091,8 +1091,9 @@ def _trace_first(
                 hint="return the value (`return {'loss': loss.item()}`) and log or use it "
                 "outside the compiled step.",
             )
-        tracer.written = _TRACE_STARTS[-1].written() if _TRACE_STARTS else []
-        if _HOOK_STARTS and _HOOK_STARTS[-1] is not None:  # NOTE: [hooks each trace starts from]
+        _note_hook_changes()
+        tracer.written = _TRACE_STARTS[-1].written(made=_hooks_put_back()) if _TRACE_STARTS else []
+        if _hooks_put_back() and _HOOK_STARTS and _HOOK_STARTS[-1] is not None:  # NOTE: [hooks each trace starts from]
             tracer.hooks_left = _HOOK_STARTS[-1].now()
         tracer.rewound_generators = tuple(rewound)
         return graph, tracer
@@ -1773,6 +1774,7 @@ _TRACE_STARTS: list[Any] = []
 # dicts followed (None: not followed); the user's hooks in them as the call found them,
 # the capture's own (its module hooks naming scopes, installed around each trace) left
 _HOOK_STARTS: list[HooksAsFound | None] = []
+_HOOKS_CHANGED: list[bool] = []  # beside them: a trace of the capture changed the user's hooks
 
 
 @contextlib.contextmanager
@@ -1783,12 +1785,34 @@ def traces_start_from(found: Any, hooks: HooksAsFound | None = None) -> Iterator
     [the user's cached functions at capture])."""
     _TRACE_STARTS.append(found)
     _HOOK_STARTS.append(hooks)
+    _HOOKS_CHANGED.append(False)
     try:
         with user_caches_called_through(found.cached_functions()):
             yield
     finally:
         _TRACE_STARTS.pop()
         _HOOK_STARTS.pop()
+        _HOOKS_CHANGED.pop()
+
+
+def _hooks_put_back() -> bool:
+    """Whether the traces of this capture start from the call's hooks, its attributes
+    made and its lists / dicts changed in place (NOTE: [hooks each trace starts from]):
+    not once a trace registered or removed a user's hook. A set-up keeps what goes with
+    its hook where no rule here reaches (the handle in an attribute, ``self.h = None``
+    after ``self.h.remove()``): putting the hook back without them made later traces
+    skip the set-up and lose the hook, or keep a hook the step removes (a review: losses
+    2x eager's). Such a capture's traces start as before the sixty-third session: from
+    the plain values the call found, the rest as the earlier trace left it (a set-up
+    registering a hook beside an ``if`` on a tensor value runs the first call with the
+    hook: README Limitations)."""
+    return not (_HOOKS_CHANGED and _HOOKS_CHANGED[-1])
+
+
+def _note_hook_changes() -> None:
+    """At the end of a trace: remember that it changed the user's hooks (sticky)."""
+    if _HOOK_STARTS and _HOOK_STARTS[-1] is not None and _HOOK_STARTS[-1].user_changed():
+        _HOOKS_CHANGED[-1] = True
 
 
 def _start_as_found() -> None:
@@ -1803,9 +1827,11 @@ def _start_as_found() -> None:
     on a torch module, NOTE: [attributes a step makes on a counted object]): the hook
     a first trace registered ran in the second, whose program served the first call
     (0.62 against 0.47)."""
+    _note_hook_changes()  # by the trace before, stopped at an `if` or complete
+    whole = _hooks_put_back()
     if _TRACE_STARTS:
-        _TRACE_STARTS[-1].unwrite()
-    if _HOOK_STARTS and _HOOK_STARTS[-1] is not None:
+        _TRACE_STARTS[-1].unwrite(made=whole)
+    if whole and _HOOK_STARTS and _HOOK_STARTS[-1] is not None:
         _HOOK_STARTS[-1].put_back()
 
 
@@ -1819,7 +1845,7 @@ def _leave_written(tracer: _StepTracer) -> None:
     _start_as_found()
     for container, key, value in tracer.written:
         set_or_delete(container, key, value)
-    if _HOOK_STARTS and _HOOK_STARTS[-1] is not None and tracer.hooks_left is not None:
+    if _hooks_put_back() and _HOOK_STARTS and _HOOK_STARTS[-1] is not None and tracer.hooks_left is not None:
         _HOOK_STARTS[-1].put_back(tracer.hooks_left)
 
 
