@@ -96,6 +96,7 @@ from .state_donation import (
     donate_in_order,
     donation_pairs,
     insert_status,
+    not_copies_of_inputs,
     not_read_by,
 )
 
@@ -419,7 +420,7 @@ class LoweredGraph:
         graphs = self.options.cuda_graphs
         donating = private.inductor_updates_inputs_safely()
         in_place = donatable(gm, self.donations, inputs)
-        pairs = in_place
+        pairs = not_copies_of_inputs(gm, in_place)
         if donating and private.inductor_called_out_reads_may_follow_input_updates():
             pairs = not_read_by(gm, pairs, private.inductor_calls_out)
         self._donated = donate(gm, pairs, inputs) if donating else ()

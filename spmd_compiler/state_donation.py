@@ -38,7 +38,11 @@ tensor itself back in its place, so the swap it does is a no-op. Not donated:
   gpt-4x256: 94 against 75 MiB). Now, reordering on: GPT 9.6 MiB, MLP-512 16.0 (torch
   16.0; 8.6 with every input donated and no reordering);
 - gradients: a program writes ``param.grad`` as a fresh tensor (the user may hold the
-  previous step's).
+  previous step's);
+- an input returned as another state's new value, and, lowered, a state whose new value
+  is a plain copy of another input (NOTE: [state written as another state's value] in
+  ``capture/written_state.py``: Inductor drops the copy and reads the other input after
+  its update).
 
 With ``cuda_graphs=True`` the donated inputs are static inputs of the graphs, and state
 that may be updated in place but is not donated on 2.11 is copied in after each replay
@@ -116,8 +120,9 @@ def _storages(t: torch.Tensor) -> list[int]:
 
 def donatable(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Tensor]) -> Pairs:
     """The pairs of ``pairs`` whose input may take its new value in place: not an input
-    sharing memory with another, nor one returned as it was (it must keep its value), nor
-    one whose output has another shape, dtype or device."""
+    sharing memory with another, nor one returned as it was, as the step's result or as
+    another state's new value (it must keep its value), nor one whose output has another
+    shape, dtype or device."""
     if not pairs:
         return ()
     inputs_of = placeholders(gm)
@@ -125,6 +130,9 @@ def donatable(gm: torch.fx.GraphModule, pairs: Pairs, inputs: Sequence[torch.Ten
     shared = Counter(p for t in inputs if isinstance(t, torch.Tensor) for p in _storages(t))
     donated = {j for _, j in pairs}
     returned = {_viewed_input(o) for j, o in enumerate(outs) if j not in donated}
+    # another state's new value that is this input (NOTE: [state written as another
+    # state's value]: the capture copies it; kept here should a later stage not)
+    returned |= {v for i, j in pairs if (v := _viewed_input(outs[j])) is not inputs_of[i]}
     kept = []
     for i, j in pairs:
         t, value = inputs[i], outs[j]
@@ -345,6 +353,34 @@ def donate_in_order(
     with graph.inserting_before(min(copies, key=order.__getitem__)):
         graph.call_module(WRITES, ())
     return _drop_donated_outputs(gm, outs, kept)
+
+
+# ops that move no arithmetic: Inductor removes them as no-ops (``remove_noop_ops``) where
+# their result is not a graph output, so a ``copy_`` of one into an input reads its source
+_PLAIN_COPIES = frozenset({
+    torch.ops.aten.clone.default, torch.ops.aten.alias.default,
+    torch.ops.aten._to_copy.default, torch.ops.aten.copy.default,
+})
+
+
+def not_copies_of_inputs(gm: torch.fx.GraphModule, pairs: Pairs) -> Pairs:
+    """The pairs whose new value is not a plain copy of another input (NOTE: [state
+    donation]; a hard target update, NOTE: [state written as another state's value]):
+    Inductor turns ``copy_(t, clone(w))`` into ``copy_(t, w)``, placed after ``w``'s own
+    update, and ``t`` took ``w``'s new value (2 gloo ranks: 2.46e-2 off after one call).
+    Left out of the donation, ``t``'s copy is an output of its own."""
+    inputs_of = placeholders(gm)
+    outs = output_values(gm.graph.output_node())
+    kept = []
+    for i, j in pairs:
+        value = outs[j]
+        while isinstance(value, torch.fx.Node) and value.op == "call_function" and (
+            value.target in _PLAIN_COPIES or returns_alias(value)
+        ):
+            value = value.args[1] if value.target is torch.ops.aten.copy.default else value.args[0]
+        if not (isinstance(value, torch.fx.Node) and value.op == "placeholder" and value is not inputs_of[i]):
+            kept.append((i, j))
+    return tuple(kept)
 
 
 def not_read_by(

@@ -188,6 +188,7 @@ from .value_checks import (
     signals_told_apart,
     stop_text,
 )
+from .written_state import copy_state_values
 
 log = logging.getLogger("spmd_compiler")
 
@@ -2947,8 +2948,10 @@ def _finish_signature(captured: CapturedStep) -> None:
         keep_refs.append(ref)
     set_outputs(gm, keep_vals)
     captured.outputs = keep_refs
+    # NOTE: [state written as another state's value]
+    copy_state_values(gm, captured.input_refs(), keep_refs)
     written = {ref for ref in keep_refs if ref.kind is not Kind.RETURN}
     drop_unneeded_snapshots(gm, {p for p, ref in ref_of.items() if ref in written})
-    captured.output_metas = [TensorMeta.of(v.meta["val"]) for v in keep_vals]
+    captured.output_metas = [TensorMeta.of(v.meta["val"]) for v in output_args(gm)]
     gm.graph.eliminate_dead_code()
     gm.recompile()
