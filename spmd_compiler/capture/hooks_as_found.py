@@ -71,9 +71,11 @@ class HooksAsFound:
         # NOTE: [state registered in the step]: each module's parameter and buffer tables
         self.tables: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = [
             (table, list(table.items()))
-            for sub in self.modules for table in (sub._parameters, sub._buffers)
+            for sub in self.modules for table in (vars(sub).get("_parameters"), vars(sub).get("_buffers"))
+            if isinstance(table, dict)  # a TorchScript module's are torch._C mappings (refused)
         ]
-        self.non_persistent = [(sub, set(sub._non_persistent_buffers_set)) for sub in self.modules]
+        self.non_persistent = [(sub, set(names)) for sub in self.modules
+                               if isinstance(names := vars(sub).get("_non_persistent_buffers_set"), set)]
 
     def now(self) -> HookState:
         """The user's hooks now: the items of each hook dict but the compiler's own
