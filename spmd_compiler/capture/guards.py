@@ -677,7 +677,7 @@ class Guards:
                     seen.add((id(container), key))
                     out.append((container, key, value))
         for owner, attribute, value in self.cached_in_classes:
-            if (id(owner), attribute) not in seen and _own_cached(value):
+            if (id(owner), attribute) not in seen and _own_cached(_unbound(value)):
                 seen.add((id(owner), attribute))
                 out.append((owner, attribute, value))
         return out
@@ -1414,6 +1414,11 @@ def functions_of(value: Any) -> Iterator[types.FunctionType]:
 _CACHED_FUNCTION = type(functools.lru_cache(maxsize=None)(lambda: None))
 
 
+def _unbound(value: Any) -> Any:
+    """The function a ``staticmethod`` / ``classmethod`` in a class's dict wraps, else ``value``."""
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+
+
 def _own_cached(value: Any) -> bool:
     """A ``functools.lru_cache`` function whose code is the user's own."""
     code = getattr(getattr(value, "__wrapped__", None), "__code__", None)
@@ -1889,7 +1894,7 @@ class _Walker:
                 self.seen_class_attributes.add((id(owner), attribute))
                 self.guards.add(_DICT, d, attribute, value, f"class {owner.__qualname__}.{attribute}")
             functions = list(functions_of(value))
-            if isinstance(value, _CACHED_FUNCTION) and not found:
+            if isinstance(_unbound(value), _CACHED_FUNCTION) and not found:  # static / class ones too
                 self.guards.cached_in_classes.append((owner, attribute, value))
             if functions and not found and (id(owner), attribute) not in self.seen_class_attributes:
                 # a method replaced on the class (``Block.forward = patched``, a notebook's

@@ -208,7 +208,12 @@ def _library_caches_called_through() -> Iterator[None]:
 
 def _called_through(cached: Any) -> Any:
     """A function calling ``cached``'s own function, not its cache; its ``cache_info``,
-    ``cache_clear`` and ``cache_parameters`` are ``cached``'s."""
+    ``cache_clear`` and ``cache_parameters`` are ``cached``'s. A ``staticmethod`` /
+    ``classmethod`` over a cached function (as a class's dict holds it) stays one (until
+    the sixty-fourth session such a cache was not called through: its FakeTensor was
+    refused as a tensor from outside the arguments)."""
+    if isinstance(cached, (staticmethod, classmethod)):
+        return type(cached)(_called_through(cached.__func__))
     wrapped = cached.__wrapped__
 
     def through(*args: Any, **kwargs: Any) -> Any:

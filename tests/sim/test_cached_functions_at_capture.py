@@ -1,4 +1,5 @@
-"""The user's own ``functools.lru_cache`` / ``functools.cache`` functions in a step.
+"""The user's own ``functools.lru_cache`` / ``functools.cache`` functions in a step
+(module-level, closures, methods, static and class methods).
 
 While the step is traced such a function is called through: its tensor is made in the
 program, as eager's first call makes it, and its cache is neither read nor written
@@ -44,9 +45,19 @@ class Offsets(nn.Module):
     def offsets(self, classes: int) -> torch.Tensor:
         return torch.arange(classes, dtype=torch.float64) * 0.1
 
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def shift(classes: int) -> torch.Tensor:  # a static method's cache
+        return torch.linspace(0.0, 0.2, classes, dtype=torch.float64)
+
+    @classmethod
+    @functools.cache
+    def tilt(cls, classes: int) -> torch.Tensor:  # a class method's cache
+        return torch.full((classes,), 0.05, dtype=torch.float64)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.body(x)
-        return out + self.offsets(out.shape[-1])
+        return out + self.offsets(out.shape[-1]) + self.shift(out.shape[-1]) + self.tilt(out.shape[-1])
 
 
 def _make_step():  # noqa: ANN202
@@ -66,7 +77,7 @@ def _make_step():  # noqa: ANN202
 
 
 def _caches(model: Offsets, scale) -> list:  # noqa: ANN001
-    return [class_weights, scale, type(model).offsets]
+    return [class_weights, scale, type(model).offsets, type(model).shift, type(model).__dict__["tilt"].__func__]
 
 
 @pytest.mark.parametrize("style", ["replicate", "fully_shard"])
