@@ -25,6 +25,7 @@ a rank that reported an error is listed with its error, never as killed.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import socket
@@ -192,6 +193,8 @@ def init_from_env(
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
     # after init_process_group: its own hook captures stderr while calling the previous one
     faults.install_excepthook()
+    if not faulthandler.is_enabled():  # NOTE: [a rank killed by a signal]: torchrun shows stderr
+        faulthandler.enable(all_threads=True)
     teardown.install()  # NOTE: [gloo teardown race]
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
 
@@ -238,6 +241,10 @@ def _run_rank(
     )
     timeout = datetime.timedelta(seconds=timeout_s)
     store = None
+    # NOTE: [a rank killed by a signal]: the Python stacks of a rank that dies by a signal
+    # (gloo's SIGABRT on mismatched collectives, a segfault) go to a file the parent reads
+    fault_file = open(_fault_path(folder, rank), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(file=fault_file, all_threads=True)
     try:
         if backend == "gloo":
             torch.set_num_threads(1)  # N ranks share the machine's cores
@@ -266,6 +273,36 @@ def _run_rank(
 
 def _report_path(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.pt")
+
+
+def _fault_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.fault")
+
+
+# NOTE: [a rank killed by a signal]
+# A rank killed by a signal reports nothing: stop 78's CI saw "rank 1 ... was killed by
+# signal 6 without reporting an error" beside its peer's "Connection reset by peer", and
+# nothing said where rank 1 was (gloo aborts a process on a collective whose sizes
+# disagree, NOTE: [every rank in the same step's round]). Each rank enables
+# ``faulthandler`` on a file of the launch's folder (every thread's Python stack on
+# SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL), and a rank that died without a report is
+# described with the last ``FAULT_LINES`` lines of it. A user's ``fn`` that enables
+# faulthandler elsewhere takes the dump with it. Under torchrun (``init_from_env``),
+# whose agent shows each rank's stderr, faulthandler writes there unless already on.
+FAULT_LINES = 60
+
+
+def _died_without_report(folder: str, rank: int, exitcode: int | None) -> str:
+    """How a rank that wrote no report ended, with its Python stacks if it left any."""
+    reason = faults.describe_exit_code(exitcode)
+    try:
+        with open(_fault_path(folder, rank)) as f:
+            stacks = f.read().strip().splitlines()
+    except OSError:
+        return reason
+    if not stacks:
+        return reason
+    return reason + "; its Python stacks when it died (faulthandler):\n" + "\n".join(stacks[-FAULT_LINES:])
 
 
 def _write_report(folder: str, rank: int, report: tuple[str, Any, float]) -> None:
@@ -309,8 +346,8 @@ def _wait_all(
             del running[rank]
             report = _read_report(folder, rank)
             if report is None:
-                reason = faults.describe_exit_code(p.exitcode)
-                faults.record_failure(store, rank, reason)
+                reason = _died_without_report(folder, rank, p.exitcode)
+                faults.record_failure(store, rank, faults.describe_exit_code(p.exitcode))
                 failed_at[rank] = (time.time(), reason)
             elif report[0] == _ERROR:
                 failed_at[rank] = (report[2], report[1])

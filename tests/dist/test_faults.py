@@ -90,6 +90,26 @@ def _dying_worker(rank: int, world_size: int, how: str, folder: str) -> None:
             raise
 
 
+def _aborting_worker(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks joined
+    if rank == 1:
+        os.abort()  # as gloo aborts a rank whose collective sizes disagree
+    dist.barrier()  # fails on rank 0 once rank 1 is gone
+
+
+@pytest.mark.dist
+def test_a_rank_killed_by_a_signal_is_described_with_its_python_stack() -> None:
+    """NOTE: [a rank killed by a signal]: before, only "was killed by signal 6 without
+    reporting an error", nothing saying where."""
+    with pytest.raises(LaunchError) as info:
+        sc.launch(_aborting_worker, 2, timeout_s=120)
+    described = info.value.failures[1]
+    assert "killed by signal 6" in described, described
+    assert "its Python stacks when it died" in described and "_aborting_worker" in described, described
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("how", ["exit", "raise", "raise_checked"])
 def test_survivor_names_the_rank_that_failed_first(how: str, tmp_path) -> None:
