@@ -421,7 +421,14 @@ def _meant(parsed: tuple[str, list[Part]], paths: list[str], var_keyword: str | 
 # ranks, 2026-12-05), with no word of input_batch_dim. A capture failure on real ranks
 # whose message names the global size of a split dimension says which dimension of
 # which argument was read as the batch, and how to name another; as an "if": the
-# mismatch may be the step's own.
+# mismatch may be the step's own. A Python int argument is not scaled so: PyG's
+# ``size=data.num_graphs`` (this rank's 4 graphs) beside split labels captured as 8 gave
+# the same "Expected input batch_size (4) to match target batch_size (8)" on 2 gloo
+# ranks, and the hint above pointed at input_batch_dim (sixty-fourth session). Where
+# the message also quotes the value of an int argument of the call, the hint says that
+# such an argument is read as one global value on every rank while split tensors are
+# the global batch, and suggests a size taken from a split tensor (``y.shape[0]``;
+# NOTE: [counts passed as Python ints] in ``local_indices.py``).
 
 
 def split_arguments_hint(
@@ -432,7 +439,7 @@ def split_arguments_hint(
     arguments]); ``splits``: ``(name, this rank's shape, captured shape, dimension)`` of
     each argument split along ``dimension``. None where ``message`` quotes no captured
     size of a split dimension."""
-    numbers = {int(n) for n in re.findall(r"(?<![\w.])\d+(?!\w|\.\d)", message)}
+    numbers = _quoted_numbers(message)
     if not any(whole[dim] in numbers for _, _, whole, dim in splits):
         return None
     shown = [
@@ -453,6 +460,34 @@ def split_arguments_hint(
 
 
 _SHOWN_SPLITS = 6
+
+
+def _quoted_numbers(message: str) -> set[int]:
+    """The whole numbers ``message`` quotes as sizes (not ``8.0``, ``x8``, ``layer4``)."""
+    return {int(n) for n in re.findall(r"(?<![\w.])\d+(?!\w|\.\d)", message)}
+
+
+def int_arguments_hint(
+    splits: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], ints: list[tuple[str, int]],
+    message: str,
+) -> str | None:
+    """What to add to ``split_arguments_hint`` where ``message`` quotes the value of an int
+    argument of the call (``ints``: path, value) beside a captured split size (NOTE:
+    [capture failures of split arguments]); None where it quotes none."""
+    numbers = _quoted_numbers(message)
+    quoted = [(path, n) for path, n in ints if n in numbers]
+    quoted_splits = [(name, dim) for name, _, whole, dim in splits if whole[dim] in numbers]
+    if not quoted or not quoted_splits:
+        return None
+    path, value = quoted[0]
+    name, dim = quoted_splits[0]
+    return (
+        f"If a size comes from the int argument {path!r} ({value}): a Python int argument is "
+        "read as one global value, the same on every rank, while each split tensor argument "
+        "is captured as the global batch (this rank's share times the ranks). A count of this "
+        f"rank's items (PyG's data.num_graphs) disagrees with it: take the size from a split "
+        f"tensor instead ({name}.shape[{dim}]), which the capture sees as the global one."
+    )
 
 
 def _named_in(

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler.parallel_modes import DTensorExpandMode, ParallelMode
-from spmd_compiler.parallel_modes.batch_dims import split_arguments_hint
+from spmd_compiler.parallel_modes.batch_dims import int_arguments_hint, split_arguments_hint
 from spmd_compiler.parallel_modes.local_indices import global_ids, index_inputs, warn_on_local_ids
 from spmd_compiler.passes import PassOptions
 from spmd_compiler.passes.registry import pass_names
@@ -579,7 +579,9 @@ class CompiledTrainStep:
                 agreement.before_compile()
             executable, key = self._compile(key, bindings, input_metas, mesh)
             if agreement is not None:  # NOTE: [ids that look numbered from 0 on each rank]
-                warn_on_local_ids(executable.program, tensor_args, self.mode.local_index_inputs())
+                paths = self._argument_paths(bindings)  # NOTE: [counts passed as Python ints]
+                counts = [(paths[i], a) for i, a in enumerate(bindings.flat_args) if type(a) is int]
+                warn_on_local_ids(executable.program, tensor_args, self.mode.local_index_inputs(), counts)
             self._count_recompile()
             self._last_key = key
             made = executable.program.captured.made_state
@@ -1334,7 +1336,12 @@ class CompiledTrainStep:
             if local is not None:  # the captured shapes are each rank's share times the ranks
                 splits.append((name, local, tuple(meta.shape), dims[0]))
         hint = split_arguments_hint(splits, exc.message)
-        return None if hint is None else exc.with_hint(hint)
+        if hint is None:
+            return None
+        paths = self._argument_paths(bindings)  # NOTE: [counts passed as Python ints]
+        ints = [(paths[i], a) for i, a in enumerate(bindings.flat_args) if type(a) is int]
+        counted = int_arguments_hint(splits, ints, exc.message)
+        return exc.with_hint(hint if counted is None else f"{hint} {counted}")
 
     def _capture_guarded(
         self, bindings: StepBindings, input_metas: list[TensorMeta],

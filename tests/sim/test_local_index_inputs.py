@@ -164,6 +164,13 @@ def test_each_rank_ids_move_by_its_rank_times_the_local_size_in_a_new_tensor() -
         index_inputs({"ei": "x"}, names, tensors, [(Replicate(),), *placements[1:]])
 
 
+
+def rank_1_of(program: object) -> types.SimpleNamespace:
+    """``program`` as rank 1 of 2 real ranks holds it: what ``warn_on_local_ids`` reads."""
+    rank1 = types.SimpleNamespace(ndim=1, size=lambda: 2, get_local_rank=lambda: 1)
+    return types.SimpleNamespace(mesh=rank1, captured=program.captured,  # type: ignore[attr-defined]
+                                 input_placements=program.input_placements)  # type: ignore[attr-defined]
+
 @pytest.mark.parametrize("how", ["local", "global", "named"])
 def test_rank_1_warns_where_its_ids_look_numbered_from_0(how: str) -> None:
     """What rank 1 of 2 checks at its first call: its own collate's ids (all below its 8
@@ -173,10 +180,7 @@ def test_rank_1_warns_where_its_ids_look_numbered_from_0(how: str) -> None:
     compiled = sc.compile(DataParallel(input_batch_dim={"ei": 1}))(graph_step)
     with sc.simulate(world_size=2):
         compiled(model, optim, *collate([0, 1, 2, 3]))
-    program = compiled.last_program
-    rank1 = types.SimpleNamespace(ndim=1, size=lambda: 2, get_local_rank=lambda: 1)
-    as_rank1 = types.SimpleNamespace(mesh=rank1, captured=program.captured,
-                                     input_placements=program.input_placements)
+    as_rank1 = rank_1_of(compiled.last_program)
     if how == "global":
         x, ei, batch, y = collate([0, 1, 2, 3])
         share = x[8:], ei[:, ei.shape[1] // 2:], batch[8:], y[2:]
@@ -216,10 +220,7 @@ def test_labels_into_a_class_dimension_or_a_whole_table_do_not_warn() -> None:
     compiled = sc.compile(DataParallel(input_batch_dim={"class_weights": None}))(label_step)
     with sc.simulate(world_size=2):
         compiled(model, optim, x, y, weights)
-    program = compiled.last_program
-    rank1 = types.SimpleNamespace(ndim=1, size=lambda: 2, get_local_rank=lambda: 1)
-    as_rank1 = types.SimpleNamespace(mesh=rank1, captured=program.captured,
-                                     input_placements=program.input_placements)
+    as_rank1 = rank_1_of(compiled.last_program)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warn_on_local_ids(as_rank1, [x[2:], y[2:], weights], {})  # type: ignore[arg-type]
@@ -233,3 +234,62 @@ def test_local_batch_of_an_index_argument_is_refused() -> None:
     ei = torch.zeros(2, 8, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"local_batch\('ei'\).*input_index_of"):
         mode.local_batch(ei, 1, name="ei")
+
+
+
+class NormNet(nn.Module):
+    """Node classification with GraphNorm's per-graph mean, counted by ``graphs``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, ei: torch.Tensor, batch: torch.Tensor, graphs: int) -> torch.Tensor:
+        h = self.l1(x)
+        h = h + torch.zeros_like(h).index_add_(0, ei[1], h[ei[0]])
+        count = torch.zeros(graphs, dtype=h.dtype).index_add_(0, batch, torch.ones(batch.shape[0], dtype=h.dtype))
+        mean = torch.zeros(graphs, h.shape[1], dtype=h.dtype).index_add_(0, batch, h) / count[:, None]
+        return self.out(F.relu(h - mean[batch]))
+
+
+def count_step(model, optim, x, ei, batch, y, num_graphs):
+    """PyG's ``size=data.num_graphs``: the graph count passed as a Python int; a label per node."""
+    loss = F.cross_entropy(model(x, ei, batch, num_graphs), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("how", ["per_rank_count", "global_count"])
+def test_rank_1_warns_where_ids_index_rows_counted_by_an_int_argument(how: str) -> None:
+    """NOTE: [counts passed as Python ints]: on 2 gloo ranks each rank collates its own 2
+    graphs (ids from 0) and passes ``num_graphs=2``; the step is captured with
+    ``zeros(2)`` rows, no split size, and pooled every rank's graph j together (5.99e-2
+    off eager in the prober's GraphNorm, no word). Rank 1 warns naming ``batch`` and
+    ``num_graphs``; the global count (4) with its slice of the global ids does not."""
+    torch.manual_seed(0)
+    model = NormNet().double()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, ei, batch, _ = collate([0, 1, 2, 3])
+    y = torch.arange(16) % 3
+    local = collate([2, 3])
+    if how == "per_rank_count":  # what real ranks capture: each rank's own ids, its count
+        batch, count, share = torch.cat([collate([0, 1])[2], local[2]]), 2, (*local[:3], y[8:])
+    else:
+        count, share = 4, (x[8:], ei[:, ei.shape[1] // 2:], batch[8:], y[8:])
+    compiled = sc.compile(DataParallel(input_batch_dim={"ei": 1}, input_index_of={"ei": "x"}))(count_step)
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, ei, batch, y, count)
+    as_rank1 = rank_1_of(compiled.last_program)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_on_local_ids(as_rank1, list(share), {"ei": "x"}, [("num_graphs", count)])  # type: ignore[arg-type]
+    messages = [str(w.message) for w in caught if "int argument" in str(w.message)]
+    if how == "global_count":
+        assert not messages, messages
+        return
+    assert len(messages) == 1, messages
+    assert "Argument 'batch' is split" in messages[0] and "the int argument 'num_graphs'" in messages[0]
+    assert "input_index_of={'batch': 'graphs'}" in messages[0] and "graphs.shape[0]" in messages[0]
+    assert "aten.index_add" in messages[0] and "train step:  " + __file__ in messages[0]

@@ -1043,6 +1043,24 @@ def test_split_arguments_hint_names_the_argument_whose_batch_lies_elsewhere():
     assert hint is not None and "input_batch_dim={'ids': 2}" in hint, hint
 
 
+
+def test_split_arguments_hint_says_an_int_argument_is_read_as_a_global_value():
+    """PyG's ``size=data.num_graphs`` (this rank's 4 graphs) beside labels captured as 8:
+    "Expected input batch_size (4) to match target batch_size (8)" on 2 gloo ranks, and
+    the hint spoke of input_batch_dim only (sixty-fourth session). Where the message
+    quotes an int argument's value, the hint says it is read as a global value and
+    suggests the size of a split tensor."""
+    from spmd_compiler.parallel_modes.batch_dims import int_arguments_hint
+
+    splits = [("data['x']", (16, 4), (32, 4), 0), ("y", (4,), (8,), 0)]
+    message = "ValueError: Expected input batch_size (4) to match target batch_size (8)."
+    hint = int_arguments_hint(splits, [("num_graphs", 4)], message)
+    assert hint is not None and "the int argument 'num_graphs' (4)" in hint
+    assert "read as one global value" in hint and "(y.shape[0])" in hint
+    assert int_arguments_hint(splits, [("num_graphs", 3)], message) is None  # not quoted
+    assert int_arguments_hint(splits, [], message) is None
+    assert int_arguments_hint(splits, [("n", 4)], "got 4 and 5") is None  # no split size quoted
+
 def test_a_capture_failure_in_simulation_gets_no_split_hint():
     """In simulation the step is captured at the shapes the user passed: a mismatch is the
     step's own, and the error adds nothing about split arguments."""
