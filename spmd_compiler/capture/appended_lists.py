@@ -90,15 +90,38 @@ def _first_read(
         if key and (ins.opname != "LOAD_CONST" or i + 1 >= len(instructions)
                     or instructions[i + 1].opname not in _KEY_READS):
             continue
-        after = i + 1
-        if ins.opname == "LOAD_CONST":  # a dict key: d["hist"].append(...)
-            after = i + 2 if i + 1 < len(instructions) and instructions[i + 1].opname == "BINARY_SUBSCR" else -1
-        loads = ins.opname in ("LOAD_CONST", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD", "LOAD_DEREF",
-                               "LOAD_CLASSDEREF")
-        following = instructions[after] if loads and 0 <= after < len(instructions) else None
-        if following is None or following.opname not in _METHOD_LOADS or following.argval not in _APPENDS:
+        if not _appended_at_once(instructions, i):
             return code, ins
     return None
+
+
+def _appended_at_once(instructions: list[dis.Instruction], i: int) -> bool:
+    """Whether the value instruction ``i`` loads (a name, an attribute, a dict key) is
+    loaded only to call ``append`` / ``extend`` on it at once."""
+    ins = instructions[i]
+    after = i + 1
+    if ins.opname == "LOAD_CONST":  # a dict key: d["hist"].append(...)
+        after = i + 2 if i + 1 < len(instructions) and instructions[i + 1].opname == "BINARY_SUBSCR" else -1
+    loads = ins.opname in ("LOAD_CONST", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD", "LOAD_DEREF",
+                           "LOAD_CLASSDEREF")
+    following = instructions[after] if loads and 0 <= after < len(instructions) else None
+    return following is not None and following.opname in _METHOD_LOADS and following.argval in _APPENDS
+
+
+def append_line(codes: list[types.CodeType], name: str) -> SourceLocation | None:
+    """The one line of ``codes`` (and the code nested in them) that appends to what
+    ``name`` names (``self.outputs.append(...)``, ``d["outs"].append(...)``), or None
+    where there is none or more than one (for messages: the bytecode says which lines
+    append to a name, not which object the name was at run time)."""
+    lines = {
+        (code.co_filename, _line_of(code, instructions[i]))
+        for code, instructions, i in name_uses(codes, name)
+        if not whole_namespace(instructions[i]) and _appended_at_once(instructions, i)
+    }
+    if len(lines) != 1:
+        return None
+    filename, line = lines.pop()
+    return SourceLocation(filename, line, linecache.getline(filename, line).strip())
 
 
 def _line_of(code: types.CodeType, ins: dis.Instruction) -> int:

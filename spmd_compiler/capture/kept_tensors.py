@@ -102,6 +102,7 @@ import torch.fx
 
 from .. import _torch_private as private
 from ..errors import SPMDCompileError, node_error
+from .appended_lists import append_line
 from .bindings import StepBindings
 from .code_names import global_names_in, names_in, strings_in
 from .containers import distribution_object, traced_inside
@@ -307,6 +308,7 @@ class KeptTensors:
         self.where: str | None = None  # the step's line, for the refusals of ``collect``
         self._seen: set[int] = set()
         self._seen_code: set[int] = set()
+        self._codes: list[types.CodeType] = []  # the code walked, for the line of an append
         # NOTE: [tensors of modules and classes read by name]: the user's modules and
         # classes the walked code loads (each with its label and the names looked up in
         # it so far), and every name the walked code reads
@@ -484,6 +486,7 @@ class KeptTensors:
         if id(fn.__code__) in self._seen_code or skipped_function(fn):
             return
         self._seen_code.add(id(fn.__code__))
+        self._codes.append(fn.__code__)
         names = set(names_in(fn.__code__))
         self._read_names.update(names)
         self._read_names.update(strings_in(fn.__code__))  # getattr(cfg, "pos_weight")
@@ -616,6 +619,9 @@ class KeptTensors:
         appended = _appended(h.obj, before)
         only_appended = appended is not None and all(is_traced(v) for v in appended)
         appended = appended or []
+        containers = [v for v in appended if not is_traced(v) and _holds_traced(v)]
+        if containers:
+            raise self._containers_appended(h, containers[0])
         if h.root[0] == "call" and not only_appended:  # NOTE: [Python values written into arguments]
             raise _python_write(h.label, self.where, "a change other than appending values the step computes")
         if not any(_leaks(v) and id(v) not in old for v in now):
@@ -626,6 +632,43 @@ class KeptTensors:
             self.kept.append((KeptTensor(
                 h.root, h.path, "append", None, h.label, as_item=isinstance(value, TracedItem),
             ), value))
+
+    def _containers_appended(self, h: _Holder, value: Any) -> SPMDCompileError:
+        """NOTE: [containers appended to a kept list]
+        Lightning's ``self.validation_step_outputs.append((probs, y))`` (or a dict of
+        them) appends a container of traced tensors: the runtime appends tensors (and
+        ``.item()`` numbers) after every call, not containers of them, so the step is
+        refused. Before the sixty-fourth session the refusal said the list was "changed
+        other than by appending" and advised to "append it to a list", which the step
+        did, naming no line. It now says to append the tensors, one list per field, and
+        names the line of the append where the walked code has exactly one append to
+        that name (``appended_lists.append_line``), else the step's."""
+        kind = type(value).__name__
+        name = h.path[-1][1] if h.path and isinstance(h.path[-1][1], str) else None
+        line = append_line([*self._codes, *self._owner_codes(h)], name) if name is not None else None
+        return SPMDCompileError(
+            f"The train step appends a {kind} holding traced tensors to {h.label}. A "
+            "compiled step runs no Python after capture: after every call it appends the "
+            "call's tensors (or .item() numbers) to the list, one per append, but not a "
+            f"{kind} of them (NOTE: [tensors the step keeps]). Nothing was changed: the "
+            "list is as the call found it.",
+            user_line=line or self.where,
+            hint="append the tensors themselves, one list per field (self.val_probs.append(probs); "
+            "self.val_targets.append(y), zipped after the loop, e.g. in on_validation_epoch_end), "
+            "or return them from the step ((probs, y) or {'probs': probs, 'target': y}) and "
+            "append the returned value outside the compiled step.",
+        )
+
+    def _owner_codes(self, h: _Holder) -> list[types.CodeType]:
+        """The code of the user's functions of the classes of the objects holding
+        ``h``'s list (a LightningModule's ``validation_step``, which a step reaching it
+        through an argument calls without the walk seeing it)."""
+        owners = [o.obj for o in self.holders if o.kind == "object" and any(v is h.obj for v in o.entries().values())]
+        return [
+            fn.__code__
+            for owner in owners for cls in type(owner).__mro__ if not skipped_module(cls.__module__)
+            for value in vars(cls).values() for fn in functions_of(value) if not skipped_function(fn)
+        ]
 
     def restore(self) -> None:
         """Put every traced value back out of the user's objects (see the NOTE)."""

@@ -74,14 +74,14 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from ..errors import innermost_model_frame_of_stack
+from ..errors import SPMDCompileError, innermost_model_frame_of_stack
 from .optimizers import _add_with_tensor_alpha, _lerp_in_compute_dtype, _scaled_operand
 
 _REDUCED = (torch.float16, torch.bfloat16)
@@ -362,8 +362,27 @@ def _python_scalar_dtype(others: list[torch.Tensor]) -> torch.dtype:
 #   program, as a returned ``.item()`` is (NOTE: [returned .item() values]).
 # A number computed any other way (``lr ** 0.5``, ``torch.log(lr)``, or from a group
 # value that is an int) would come back as a number Python might not have computed, so
-# returning it is refused, naming the line; ``float(lr)``, ``math.log(lr)`` and format
-# strings are refused as a read of a tensor's value, as before.
+# returning it is refused, naming the line. ``float(lr)``, ``math.log(lr)`` and format
+# strings need the value in Python: refused, saying the group value is a Python number
+# in eager and a graph input here (until the sixty-fourth session the refusal called it
+# "the value of a tensor" and said to write ``t.item()``, which a float has not).
+#
+# NOTE: [tensors made of optimizer settings]
+# Lightning's ``self.log("lr", lr)`` stores ``torch.tensor(lr)`` of the Python float.
+# That call met the stand-in as a tensor: torch warned "To copy construct from a
+# tensor", the result was followed as a number computed by ``tensor`` and the step
+# refused ("returns a number computed from ... by `tensor`"), though it returns no
+# number. ``torch.tensor(v)`` and ``torch.as_tensor(v)`` of a number above that Python
+# computes alike (the value itself, ``+ - * /``, negation, abs,
+# a comparison) are now the tensor eager makes of the number: the stand-in (float64,
+# holding eager's double) converted to the dtype torch infers for a Python number (a
+# float: the default dtype; an int: int64; a bool: bool) or is given, on the device
+# given or the default one, detached; a float64-to-dtype conversion rounds as the
+# Python float's conversion does. It is a plain tensor of the program, exact for each
+# call's learning rate. With ``requires_grad=True`` or other arguments, and for a
+# number computed otherwise (``lr ** 0.5``), the call is traced as before.
+# ``torch.full(size, lr)`` is not covered: torch's argument parser refuses the traced
+# stand-in as its Number before any mode sees the call (a TypeError naming the line).
 
 _EXACT = frozenset({
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
@@ -411,6 +430,12 @@ class GroupNumbers(TorchFunctionMode):
         ours = [self.numbers[id(t)] for t in leaves if self.returned(t) is not None]
         if not ours or (inspect.isfunction(func) and getattr(func, "__module__", "") != "torch._tensor"):
             return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _READ_IN_PYTHON:
+            _refuse_read_in_python(name, ours[0][2])
+        made = self._made_tensor(func, args, kwargs)
+        if made is not None:
+            return made
         others = [t for t in leaves if self.returned(t) is None]
         if others:
             dtype = _python_scalar_dtype(others)
@@ -422,7 +447,6 @@ class GroupNumbers(TorchFunctionMode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.dim() == 0:
-            name = getattr(func, "__name__", "")
             inexact = [
                 "arithmetic on its int value" if how == "int" else how for _, how, _ in ours
                 if how not in ("float", "exact", "flag")
@@ -436,6 +460,52 @@ class GroupNumbers(TorchFunctionMode):
                 )
                 self.numbers[id(out)] = (out, how, label)
         return out
+
+
+    def _made_tensor(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """``torch.tensor(lr)`` / ``torch.as_tensor(lr)`` of a number Python computes alike, as the tensor eager makes of the Python number
+        (NOTE: [tensors made of optimizer settings]), or None where the call is not one."""
+        if func not in (torch.tensor, torch.as_tensor) or len(args) != 1:
+            return None
+        value = args[0]
+        allowed = {"dtype", "device", "requires_grad"} if func is torch.tensor else {"dtype", "device"}
+        entry = self.returned(value)
+        if entry is None or entry[0] not in _PYTHON_EXACT or not set(kwargs) <= allowed \
+                or kwargs.get("requires_grad", False):
+            return None
+        dtype = kwargs.get("dtype") or {
+            "int": torch.int64, "flag": torch.bool,
+        }.get(entry[0], torch.get_default_dtype())
+        device = kwargs.get("device")
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        assert isinstance(value, torch.Tensor)
+        return value.detach().to(device=device, dtype=dtype, copy=True)
+
+
+# group numbers a tensor is made of as eager makes it of the Python number: the input
+# itself (a float or an int), ``+ - * /``, negation and abs of floats, a comparison
+_PYTHON_EXACT = frozenset({"float", "int", "exact", "flag"})
+# Python reading a group number's value: refused, saying it is a Python number in eager
+_READ_IN_PYTHON = frozenset({"__float__", "__int__", "__index__", "__format__", "__complex__"})
+
+
+def _refuse_read_in_python(name: str, label: str) -> NoReturn:
+    """NOTE: [optimizer settings read in the step]: ``float(lr)``, ``math.log(lr)``, an
+    f-string of it."""
+    what = {"__format__": "a format string of", "__index__": "an index or size from"}.get(
+        name, f"{name.strip('_')}() of"
+    )
+    raise SPMDCompileError(
+        f"The train step computes {what} {label} in Python (float(), math functions and "
+        "format strings read the value): eager holds a Python number there, but while the "
+        "step is traced the group value is a graph input of the program, so Python has no "
+        "value to compute with (NOTE: [optimizer settings read in the step]).",
+        user_line=innermost_model_frame_of_stack(),
+        hint="use the value as it is: return or store it (`logged['lr'] = "
+        "opt.param_groups[0]['lr']` comes back as eager's float), make a tensor of it "
+        "(`torch.tensor(lr)`, as Lightning's self.log does), or compute with it in tensor "
+        "ops; anything else from the optimizer after the call.",
+    )
 
 
 @contextlib.contextmanager

@@ -248,3 +248,40 @@ def test_a_dict_entry_appended_to_is_not_read_by_an_attribute_or_literal_key_of_
     step, (window, _), (eager_window, _), diff = _run(_keyed_like_attributes, lambda: ([], []))
     assert diff <= TOL and step.compile_count == 1
     assert all(map(_close, window, eager_window)) and len(window) == CALLS
+
+
+# NOTE: [containers appended to a kept list]: Lightning's on_*_epoch_end pattern. Before
+# the sixty-fourth session the refusal said the list was "changed other than by
+# appending" and advised to "append it to a list", naming no line.
+class _Validated(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 4).double()
+        self.how = how
+        self.validation_step_outputs: list = []
+
+    def validation_step(self, batch):  # noqa: ANN001, ANN201
+        x, y = batch
+        probs = self.net(x).softmax(-1)
+        out = (probs, y) if self.how == "tuple" else {"probs": probs, "target": y}
+        self.validation_step_outputs.append(out)
+
+
+def _validate(module, batch):  # noqa: ANN001, ANN202
+    with torch.no_grad():
+        module.validation_step(batch)
+
+
+@pytest.mark.parametrize("how", ["tuple", "dict"])
+def test_appended_tuple_or_dict_of_outputs_is_refused_saying_to_append_tensors(how):
+    module = _Validated(how)
+    step = sc.compile(make_mode("ddp"))(_validate)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as caught:
+        step(module, _batches(1)[0])
+    message = str(caught.value)
+    kind = "tuple" if how == "tuple" else "dict"
+    assert f"appends a {kind} holding traced tensors to module <root> (_Validated).validation_step_outputs" in message
+    assert "one list per field" in message and "append it to a list" not in message
+    line = inspect.getsourcelines(_Validated.validation_step)[1] + 4
+    assert f"test_appended_lists.py:{line}: \"self.validation_step_outputs.append(out)\"" in message
+    assert module.validation_step_outputs == []  # left as found

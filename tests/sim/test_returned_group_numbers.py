@@ -118,3 +118,76 @@ def test_other_numbers_from_the_learning_rate_refused(use):
     """A number Python might not compute alike is refused, naming the group value."""
     with pytest.raises(SPMDCompileError, match=r"optimizer\[0\]\.param_groups\[0\]\['lr'\]"):
         _run("replicate", use, calls=1)
+
+
+# NOTE: [tensors made of optimizer settings]: Lightning's ``self.log("lr", lr)`` stores
+# ``torch.tensor(lr)``; before the sixty-fourth session the step was refused as returning
+# "a number computed from optimizer[0].param_groups[0]['lr'] by `tensor`".
+MADE = {
+    "tensor": lambda lr: torch.tensor(lr),
+    "as_tensor": lambda lr: torch.as_tensor(lr),
+    "tensor_float64": lambda lr: torch.tensor(lr, dtype=torch.float64),
+    "tensor_of_lr_over_3": lambda lr: torch.tensor(lr / 3),
+    "tensor_of_a_comparison": lambda lr: torch.tensor(lr > 4e-4),
+}
+
+
+def _logging_step(make):
+    def step(model, opt, sched, x, y, logged):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        logged["lr"] = make(opt.param_groups[0]["lr"])
+        sched.step()  # the schedule stepped in the step (NOTE: [schedulers stepped in the step])
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("made", list(MADE))
+def test_tensor_made_of_the_learning_rate_is_eagers(mode, made):
+    """The logged tensor is eager's (dtype, device, value) at every call of a schedule
+    stepped in the step (1e-3, 5e-4, 2.5e-4, 1.25e-4: float32 by default), one program."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).double()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5)
+    step = _logging_step(MADE[made])
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(step)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    seen = []
+    with sc.simulate(world_size=2):
+        for _ in range(4):
+            logged, ref_logged = {}, {}
+            compiled(model, opt, sched, x, y, logged)
+            step(ref, ref_opt, ref_sched, x, y, ref_logged)
+            got, want = logged["lr"], ref_logged["lr"]
+            assert type(got) is torch.Tensor
+            assert (got.dtype, got.device, got.shape, got.requires_grad) == (
+                want.dtype, want.device, want.shape, want.requires_grad)
+            assert torch.equal(got, want), (got, want)
+            seen.append(want)
+    assert compiled.compile_count == 1
+    if made == "tensor":
+        assert [t.item() for t in seen] == [torch.tensor(v).item() for v in (1e-3, 5e-4, 2.5e-4, 1.25e-4)]
+        assert seen[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "read", [float, lambda lr: f"{lr:.3f}"], ids=["float", "format"])
+def test_learning_rate_read_in_python_refused_as_a_python_number(read, recwarn):
+    """``float(lr)`` is refused saying what lr is (before: "reads the value of a tensor
+    in Python ... write t.item()", with torch's warning on converting a tensor that
+    requires grad); the message names the group value and the user's line."""
+    with pytest.raises(SPMDCompileError) as caught:
+        _run("replicate", lambda opt, loss, s: read(opt.param_groups[0]["lr"]), calls=1)
+    message = str(caught.value)
+    assert "optimizer[0].param_groups[0]['lr'] in Python" in message
+    assert "Python number" in message and ".item()" not in message
+    assert "test_returned_group_numbers.py" in message
+    assert not [w for w in recwarn if "requires_grad" in str(w.message) or "copy construct" in str(w.message)]
