@@ -89,6 +89,7 @@ class ParallelMode(abc.ABC):
             return self.placements(ref, meta, mesh, param.shape if param is not None else None)
 
         inputs = [placements(ref, meta) for ref, meta in captured.inputs]
+        self.check_arguments(captured, mesh, inputs)
         outputs = [
             placements(ref, meta)
             for ref, meta in zip(captured.outputs, captured.output_metas, strict=True)
@@ -98,6 +99,12 @@ class ParallelMode(abc.ABC):
             self.gradient_placement(captured, mesh), self.gradient_rows(captured, mesh),
             self.rounds_low_precision_sums(), batch_dims_named=hasattr(self, "input_batch_dim"),
         )
+
+    def check_arguments(self, captured: CapturedStep, mesh: DeviceMesh, placements: list[Placements]) -> None:
+        """Refuse arguments ``placements`` would split wrong, before expansion reads
+        them (a list of samples split as batch tensors: NOTE: [a list of samples split
+        as batch tensors] in ``expand/listed_samples.py``); nothing by default."""
+        return
 
     def rounds_low_precision_sums(self) -> bool:
         """Whether a pending sum cast up from float16 / bfloat16 (a weight gradient

@@ -35,6 +35,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from spmd_compiler.capture.bindings import (
@@ -46,8 +47,9 @@ from spmd_compiler.capture.bindings import (
 from spmd_compiler.capture.code_names import step_code, step_where
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.expand.iterated_batches import check_iterated_batches, check_stacked_samples
-from spmd_compiler.expand.retrace import DistributedProgram
-from spmd_compiler.ir.signature import Kind, StateRef, TensorMeta
+from spmd_compiler.expand.listed_samples import check_listed_samples
+from spmd_compiler.expand.retrace import DistributedProgram, Placements
+from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
 from spmd_compiler.runtime.simulate import active_simulation
 
 BatchDims = int | Mapping[str, int | None]
@@ -184,6 +186,20 @@ def check_batch_iterations(
     check_program_iterations(program, named)
     if not isinstance(batch_dims, int):
         check_arguments_laid_out_alike(program, named)
+
+
+def check_list_arguments(
+    captured: CapturedStep, mesh: DeviceMesh, placements: list[Placements], batch_dims: int | dict[str, int | None]
+) -> None:
+    """NOTE: [a list of samples split as batch tensors] in ``expand/listed_samples.py``:
+    a list argument whose items are samples must be passed batched, or named. Only a
+    name of the mapping covers it: an int ``input_batch_dim`` says where the batch of
+    each tensor lies, not that a list's items are batch tensors."""
+    names = {} if isinstance(batch_dims, int) else batch_dims
+    check_listed_samples(
+        captured, mesh, placements, lambda path: any(_covers(name, path) for name in names),
+        active_simulation() is not None,
+    )
 
 
 def _split_inputs(program: DistributedProgram) -> dict[str, tuple[int, tuple[int, ...]]]:

@@ -52,6 +52,7 @@ from .batch_dims import (
     batch_dim_of,
     check_batch_dim_names,
     check_batch_iterations,
+    check_list_arguments,
     checked_batch_dims,
 )
 from .local_indices import IndexOf, checked_index_of
@@ -250,6 +251,9 @@ class DataParallel(ParallelMode):
                 "depth in one of the two places."
             )
         return given
+
+    def check_arguments(self, captured: CapturedStep, mesh: DeviceMesh, placements: list[Placements]) -> None:
+        check_list_arguments(captured, mesh, placements, self.input_batch_dim)
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         padded: dict[str, tuple[int, int]] = {}

@@ -10,8 +10,10 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from spmd_compiler import _torch_private as private
 from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.expand.listed_samples import check_listed_samples
 from spmd_compiler.expand.retrace import DistributedProgram, Placements
 from spmd_compiler.ir.signature import CapturedStep, Kind, StateRef, TensorMeta
+from spmd_compiler.runtime.simulate import active_simulation
 
 from .base import ParallelMode, replicate
 from .batch_dims import check_program_iterations
@@ -54,6 +56,18 @@ class DTensorExpandMode(ParallelMode):
                 return replicate(mesh)
             return tuple(Shard(0) for _ in range(mesh.ndim))
         return replicate(mesh)
+
+    def check_arguments(self, captured: CapturedStep, mesh: DeviceMesh, placements: list[Placements]) -> None:
+        # NOTE: [a list of samples split as batch tensors]: an item given a placement
+        # is the user's word for it
+        given = {ref.name for ref, _ in captured.inputs if ref.kind is Kind.INPUT and ref.index in self.input_placements}
+        check_listed_samples(
+            captured, mesh, placements, lambda name: name in given, active_simulation() is not None,
+            hint="pad the per-sample tensors into one batch tensor in the collate function, with "
+            "a count or validity mask, and use them in the step batched or masked (its dimension "
+            "0 is then split with the batch); or give each item input_placements={i: "
+            "(Replicate(),)} only if every rank passes the same whole list.",
+        )
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         self._check_input_placements(captured, mesh)

@@ -41,6 +41,7 @@ from .batch_dims import (
     batch_dim_of,
     check_batch_dim_names,
     check_batch_iterations,
+    check_list_arguments,
     checked_batch_dims,
 )
 from .data_parallel import _param_nodes, remake_param_views_for_backward
@@ -122,6 +123,9 @@ class FullyShardTensorParallel(ParallelMode):
         if isinstance(tp, Shard) and not private.is_strided_shard(tp) and meta.shape[tp.dim] % mesh.size(TP):
             return Replicate()
         return tp
+
+    def check_arguments(self, captured: CapturedStep, mesh: DeviceMesh, placements: list[Placements]) -> None:
+        check_list_arguments(captured, mesh, placements, self.input_batch_dim)
 
     def partition(self, captured: CapturedStep, mesh: DeviceMesh) -> DistributedProgram:
         whole_on_tp: dict[str, int] = {}

@@ -87,6 +87,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_private as private
 from ..errors import SPMDCompileError, in_installed_package, node_error, stack_trace_frames
 from ..ir.node_meta import TIME_MAJOR_INPUT, TIME_MAJOR_RNN
+from .listed_samples import sequences_holding
 
 # op -> the position of its dimension argument and its default
 _UNBIND = torch.ops.aten.unbind.int
@@ -419,6 +420,15 @@ def check_iterated_batches(
     # NOTE: [fixed rows walked]: the dimension that holds the samples, not dimension 0
     elsewhere = {a: next((d for d in range(len(split[a][1])) if d != split[a][0]), None)
                  for a in unnamed if a in split}
+    # a loop over a list of samples walks each rank's count of them too (NOTE: [a list of
+    # samples split as batch tensors]): where a list's items are split, say so
+    lists = list(dict.fromkeys(held[-1][0] for a in split if (held := sequences_holding(a))))
+    samples = "" if not (fixed and lists) else (
+        f"; a loop over the items of the list argument {lists[0]!r} (for i, t in "
+        f"enumerate({lists[0]}): pred[i]) walks each rank's own samples as well: if they are "
+        "samples, pad them into one batch tensor in the collate function, with a count or "
+        "validity mask"
+    )
     if fixed and recurrent is None and any(d is not None for d in elsewhere.values()):
         named_here = "{" + ", ".join(f"{a!r}: {d}" for a, d in elsewhere.items()) + "}"
         whole = "{" + ", ".join(f"{a!r}: None" for a in elsewhere) + "}"
@@ -427,8 +437,9 @@ def check_iterated_batches(
             f"dimension 1): input_batch_dim={named_here}, or input_batch_dim={whole} for an "
             "argument every rank passes whole"
             + (f"; {per_sample} only if dimension {record.dim} is the batch and the step "
-               f"loops over its {record.walked} samples." if simulated else
-               f" (naming dimension {record.dim} would keep the split this warning is about).")
+               f"loops over its {record.walked} samples" if simulated else
+               f" (naming dimension {record.dim} would keep the split this warning is about)")
+            + samples + "."
         )
     hint = hint or (
         f"name the batch dimension in the mode: {time_major}input_batch_dim={per_sample} if "
@@ -444,6 +455,9 @@ def check_iterated_batches(
             "fixed number of rows (an edge_index (2, E): its source and target rows), not "
             f"samples. Split over the ranks, each rank's rows are read as its part of a "
             f"dimension {world} times longer, and the step would train wrong."
+            + (f" Or the loop runs over the items of the list argument {lists[0]!r}, each "
+               "rank's own samples, and the list is what is split wrong: the mode splits its "
+               "items as batch tensors." if lists else "")
         )
     elif recurrent is not None:
         message = (

@@ -52,6 +52,7 @@ from ..ir.node_meta import PADDED, PLACEMENT, Phase, phase
 from ..ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta, contiguous_stride
 from ..ir.use_step import UseGroup, UseHook, UseStep
 from .iterated_batches import BatchIterations, IteratedBatch, StackedSamples, stacked_samples_error
+from .listed_samples import sequences_holding
 from .local_rules import LocalRules
 
 if TYPE_CHECKING:  # typing only: lowering and the runtime import this module
@@ -135,19 +136,29 @@ _FACTORED_STATE_HINT = (
 def _batch_hint(argument: str, size: int, n: int) -> str:
     """What to do where a step argument's batch dimension does not divide by ``n``
     ranks; a size of 1 reads first as a tensor broadcast over the batch (position ids of
-    shape (1, S)), which holds no batch."""
+    shape (1, S)), which holds no batch. An item of a list may be one sample's (a
+    torchvision target's boxes), which no name of the item makes right (NOTE: [a list
+    of samples split as batch tensors] in ``expand/listed_samples.py``)."""
     split = (
         f"use a global batch that is a multiple of {n} (each rank gets an equal share)"
     )
     none, other = f"input_batch_dim={{{argument!r}: None}}", f"input_batch_dim={{{argument!r}: 1}}"
+    lists = sequences_holding(argument)
+    sample = "" if not lists else (
+        f"if the items of the list {lists[-1][0]!r} are samples (one per image, as torchvision's "
+        "targets), the mode cannot split the list: pad its items into one batch tensor in the "
+        "collate function, with a count or validity mask, or "
+        f"input_batch_dim={{{lists[-1][0]!r}: None}} only if every rank passes the same whole "
+        "list. Otherwise: "
+    )
     if size == 1:
-        return (
+        return sample + (
             f"if this argument is broadcast over the batch (size 1) or holds no batch (a step "
             f"counter torch.tensor([i]), a temperature of shape (1,)): say so "
             f"with {none}, and every rank reads it whole. If it is a batch, {split}; if its "
             f"batch lies in another dimension, {other}."
         )
-    return (
+    return sample + (
         f"{split}. If this argument's batch lies in another dimension, or it holds no batch, "
         f"say so: {other} or {{{argument!r}: None}}."
     )
