@@ -78,7 +78,7 @@ from typing import Any
 import torch
 
 from .. import _torch_private as private
-from ..ir.graph_utils import ancestors, placeholders_read_by
+from ..ir.graph_utils import ancestors
 from ..ir.signature import STATE_KINDS, Kind, StateRef
 from .value_checks import where_now
 
@@ -198,9 +198,50 @@ def settled_in_capture() -> str:
     )
 
 
+# NOTE: [masks shaped like the model's tensors]
+# ``torch.zeros_like(logits).scatter_(1, y[:, None], 1) == 1`` (AdaCos' target-class mask)
+# takes only ``logits``' shape, dtype and device, never its values: the ``*_like`` and
+# ``new_*`` factories below read nothing else of their first argument, and the program's
+# shapes are fixed. Before the sixty-fourth session the walk from a mask to the graph
+# inputs it is computed from went through that argument, so the mask counted as computed
+# from the model and ``torch.median(theta[mask])`` was refused as rows of a model mask
+# used by their number, while the same mask written ``F.one_hot(y, C) == 1`` compiled
+# (one true element per row, NOTE: [rows of one count]) and matched eager. The walk
+# (``_value_ancestors``) skips that argument; where the mask's real value is computed
+# (``_real_value``) the factory runs on a stand-in of the argument's traced shape, dtype
+# and device, only where every argument it reads has its traced shape (on real ranks a
+# batch sharded by the mode does not, and such a mask is compiled as all true, checked
+# every call: refused on a call with false elements, never a guess).
+_SHAPED_LIKE = frozenset({
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
+    aten.new_empty.default, aten.new_full.default,
+})
+
+
+def _shape_only_source(n: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument whose shape alone ``n`` reads (NOTE: [masks shaped like the model's
+    tensors]), or None."""
+    if n.op == "call_function" and n.target in _SHAPED_LIKE and n.args and isinstance(n.args[0], torch.fx.Node):
+        return n.args[0]
+    return None
+
+
+def _value_ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """``node`` and every node whose values it is computed from: ``ancestors`` but for the
+    argument of a ``*_like`` factory (NOTE: [masks shaped like the model's tensors])."""
+    return ancestors(node, _shape_only_source)
+
+
+def _inputs_read(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The graph inputs whose values ``node`` is computed from."""
+    return {n for n in _value_ancestors(node) if n.op == "placeholder"}
+
+
 def _computed_from_state(node: torch.fx.Node, selections: _Selections) -> bool:
-    """``node`` reads, through any chain of ops, a graph input that is program state."""
-    return bool(placeholders_read_by(node) & selections.state_inputs(node.graph))
+    """``node`` reads, through any chain of ops, the values of a graph input that is
+    program state (a ``*_like`` factory reads only its argument's shape)."""
+    return bool(_inputs_read(node) & selections.state_inputs(node.graph))
 
 
 def active() -> _Selections | None:
@@ -218,6 +259,46 @@ def traced(mask: torch.Tensor) -> bool:
 class RowsOfAModelMaskCounted(Exception):
     """Rows selected by a mask computed from the model's state, used where their number
     matters: a value-dependent shape (refused at capture)."""
+
+
+# NOTE: [advice for rows of a model mask counted]
+# The refusal of ``RowsOfAModelMaskCounted`` said only mixture-of-experts routing
+# (``y[mask] += expert(h[mask]) * gate[mask]``), also to a metric-learning loss taking
+# the median of its selected angles or pytorch-metric-learning's default reducer counting
+# its losses (``len(losses)`` in ``threshold_reducer.py``). The hint names the
+# fixed-shape form of each use: a count, one element per row, a statistic over the
+# selection, routed experts; where a frame of the traceback is in that library's
+# ``reducers``, the reducer that averages every loss.
+_MODEL_MASK_HINT = (
+    "keep the rows in place and combine with the mask instead of indexing by what it "
+    "selects: a count is `mask.sum()` (not `len(x[mask])` or `x[mask].shape[0]`), a mean "
+    "`(x * mask).sum() / mask.sum().clamp(min=1)`; one element per row is "
+    "`x.gather(1, index[:, None])`; a median or another statistic over the selection is "
+    "taken with the others set to NaN, `torch.nanmedian(torch.where(mask, x, float('nan')))`; "
+    "routed experts: `y[mask] += expert(h[mask]) * gate[mask]` or "
+    "`torch.where(mask[..., None], expert(h), 0)`. A mask built from the "
+    "labels and shapes alone (`F.one_hot(y, C) == 1`, `torch.zeros_like(x).scatter_(...)`) "
+    "compiles as it is; losses and sums over the selected rows work as they are."
+)
+_PML_REDUCER_HINT = (
+    "pytorch-metric-learning's default reducer for this loss (a ThresholdReducer such as "
+    "AvgNonZeroReducer) counts the losses past its threshold with `len(losses)`, a number "
+    "the model decides: pass `reducer=reducers.MeanReducer()` to the loss (`from "
+    "pytorch_metric_learning import reducers`), which compiles; it averages every loss, "
+    "zeros included, where the default averages the non-zero ones."
+)
+
+
+def model_mask_hint(tb: Any) -> str:
+    """The hint for ``RowsOfAModelMaskCounted`` raised with traceback ``tb`` (NOTE: [advice
+    for rows of a model mask counted])."""
+    import traceback
+
+    for frame, _ in traceback.walk_tb(tb):
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/pytorch_metric_learning/reducers/" in path:
+            return _PML_REDUCER_HINT
+    return _MODEL_MASK_HINT
 
 
 def settle_selection(mask: torch.Tensor, where: str | None = None, use: str | None = None) -> int | None:
@@ -276,7 +357,7 @@ def _decide(mask: torch.Tensor, use: str | None = None) -> int | None:
         return None
     if node in selections.decided:
         return selections.decided[node]
-    if not placeholders_read_by(node):
+    if not _inputs_read(node):
         # NOTE: [masks made from shapes alone]
         # A mask the trace computed from no input at all (factories, shapes and Python
         # values: ``torch.combinations`` selects the upper triangle of an index grid) is a
@@ -343,7 +424,7 @@ def _real_value(node: torch.fx.Node, selections: _Selections) -> torch.Tensor | 
     """``node``'s value on the real arguments: the part of the trace computing it run
     eagerly, apart from the trace; None when it reads anything but the step's tensor
     arguments, draws random numbers or fails."""
-    needed = ancestors(node)
+    needed = _value_ancestors(node)
     inputs = [n for n in node.graph.nodes if n.op == "placeholder"]
     env: dict[torch.fx.Node, Any] = {}
     for n, ref in zip(inputs, selections.refs, strict=False):
@@ -351,6 +432,15 @@ def _real_value(node: torch.fx.Node, selections: _Selections) -> torch.Tensor | 
             if ref.kind is not Kind.INPUT or selections.real_input is None:
                 return None
             env[n] = selections.real_input(ref.index)
+    # a ``*_like`` factory of a tensor not computed here runs on a stand-in of its traced
+    # shape, only where every argument read has its traced shape (NOTE: [masks shaped
+    # like the model's tensors])
+    stand_ins = {s for n in needed if (s := _shape_only_source(n)) is not None and s not in needed}
+    if stand_ins and not all(
+        isinstance(v, torch.Tensor) and isinstance(n.meta.get("val"), torch.Tensor)
+        and tuple(v.shape) == tuple(n.meta["val"].shape) for n, v in env.items()
+    ):
+        return None
     for n in needed:
         if n.op == "get_attr":  # a constant of the step (``torch.tensor([...])``): guarded
             # where it came from outside (NOTE: [tensors read from outside the arguments])
@@ -359,6 +449,9 @@ def _real_value(node: torch.fx.Node, selections: _Selections) -> torch.Tensor | 
                 return None
     try:
         with private.outside_the_trace():
+            for n in stand_ins:
+                fake = n.meta["val"]
+                env[n] = torch.zeros(tuple(fake.shape), dtype=fake.dtype, device=fake.device)
             for n in node.graph.nodes:
                 if n not in needed or n.op in ("placeholder", "get_attr"):
                     continue
@@ -422,7 +515,7 @@ def _nonzero_static(mask: torch.Tensor, *, size: int, fill_value: int = -1) -> A
     """``nonzero_static`` (torch 2.14's ``torch.combinations`` lists its pairs with it) of a
     mask made from shapes alone: its constant value; any other is torch's own."""
     node = private.traced_node_of(mask) if _ACTIVE else None
-    if node is None or placeholders_read_by(node) or _decide(mask) != CONSTANT:
+    if node is None or _inputs_read(node) or _decide(mask) != CONSTANT:
         return NotImplemented
     return _constant_indices(mask, size, fill_value)
 
@@ -703,6 +796,7 @@ def mask_selection_decompositions() -> dict[Any, Callable[..., Any]]:
 
 __all__ = [
     "EVERY", "MaskWithFalseElements", "RowsOfAModelMaskCounted", "active", "compact_rows",
+    "model_mask_hint",
     "counted_in_capture", "every_index", "row_positions", "traced",
     "mask_selection_decompositions", "mask_selections", "settle_selection",
     "forget_settled", "settled_in_capture",

@@ -96,19 +96,49 @@ def _sets_data(func: Any) -> bool:
     return getattr(func, "__name__", "") == "__set__" and getattr(func, "__self__", None) is torch.Tensor.data
 
 
+def _data_set_to_itself(tensor: Any, value: Any = None, *_: Any) -> bool:
+    """``tensor.data = value`` where ``value`` views exactly what ``tensor`` holds (the same
+    storage, offset, shape, strides, dtype and conj / neg bits): the assignment changes
+    nothing (NOTE: [data replaced inside the step]). Anything else, or a tensor whose
+    storage cannot be compared, is a real swap."""
+    if not isinstance(tensor, torch.Tensor) or not isinstance(value, torch.Tensor):
+        return False
+    try:
+        return bool(
+            private.storage_ref(tensor) == private.storage_ref(value)
+            and tensor.storage_offset() == value.storage_offset()
+            and tensor.shape == value.shape
+            and tensor.stride() == value.stride()
+            and tensor.dtype == value.dtype
+            and tensor.device == value.device
+            and tensor.is_conj() == value.is_conj()
+            and tensor.is_neg() == value.is_neg()
+        )
+    except (RuntimeError, NotImplementedError, TypeError):  # no plain storage to compare
+        return False
+
+
 class OutsideWrites(TorchFunctionMode):
     """Refuses an in-place write to a real tensor while the step is traced, and any
     ``tensor.data = value`` (NOTE: [data replaced inside the step])."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if _sets_data(func):
+        if _sets_data(func) and not _data_set_to_itself(*args):
             # NOTE: [data replaced inside the step]
             # ``p.data = value`` swaps the tensor's storage outside autograd and outside
             # torch's dispatcher: no op records it, so the program never wrote the new
             # values (``model.weight.data = model.weight.data.clamp(-c, c)`` after the
             # optimizer step left the weights unclamped, silently). Refused with the
             # line and the in-place form, which the program records and computes alike.
+            # An assignment of the tensor's own ``.data`` changes nothing and is let
+            # through (``_data_set_to_itself``): ``p.data -= lr * p.grad`` (hand-written
+            # SGD) and ``p.grad.data *= k`` (center-loss recipes) are an in-place op on
+            # ``p.data``, which the program records as ``p.data.mul_(k)`` is, then
+            # ``p.data = <that same .data>``; pytorch-metric-learning's margin losses
+            # (ArcFace, CosFace, ProxyAnchor, ...) run ``self.W.data =
+            # self.W.data.to(device)`` in forward, which returns ``self.W.data`` itself.
+            # Those were refused (2 simulated ranks, all three) where eager ran.
             raise SPMDCompileError(
                 "The train step sets a tensor's .data (tensor.data = value): that swaps "
                 "its storage outside every op the compiled program records, so the "

@@ -106,6 +106,9 @@ class _Registry:
     # torch.where(mask)'s index tensors: (their rows, which dim of the mask, its shape)
     grids: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     keys: dict[torch.fx.Node, Any] = field(default_factory=dict)
+    # ``nonzero`` / ``argwhere`` of a 1-D mask, by the key of its elements (``_key_of``):
+    # a reshape of it (``.squeeze(1)``, ``.view(-1)``) is ``torch.where(mask)[0]``
+    flat_grids: dict[Any, _Rows] = field(default_factory=dict)
     # rows settled for a count per row -> the kept rows alone (NOTE: [rows of one count])
     compacted: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     counted: bool = False  # some rows settled so
@@ -233,6 +236,8 @@ def _indices_in_place(registry: _Registry, name: str, args: tuple, kwargs: dict)
         rows = _Rows(mask.reshape(-1).to(torch.bool, copy=True), x, where_now(), key)
         registry.by_mask[key] = rows
     grid = mask_selections.every_index(x.shape, x.device)
+    if not as_tuple and x.dim() == 1:  # NOTE: [writes by the indices of a mask]
+        registry.flat_grids[_key_of(registry, grid)] = rows
     found = grid.unbind(1) if as_tuple else (grid,)
     for d, t in enumerate(found):
         registry.rows[t] = rows
@@ -284,6 +289,44 @@ def _selection(registry: _Registry, name: str, args: tuple, kwargs: dict) -> Any
         x, mask = torch.broadcast_tensors(x, index)
         return _keep_in_place(registry, x, mask)  # flat rows; the mask keeps its shape
     return None
+
+
+# NOTE: [writes by the indices of a mask]
+# ``final[torch.where(cond)] = 0`` (pytorch-metric-learning's CircleLoss and other losses
+# zeroing the anchors without a positive), ``final[torch.where(cond)[0]] = 0`` and
+# ``final[cond.nonzero().squeeze(1)] = 0`` write exactly the elements ``final[cond] = 0``
+# writes (the indices are every true element's, in row-major order, each once), and
+# reads by these indices were already ``x[mask]`` (``_rows_of_the_grid``). Writes were
+# not: the indices settled as all true, and every call with a false element raised
+# (MaskWithFalseElements at the first call, 2 simulated ranks) where ``final[cond] = 0``
+# matched eager. A ``__setitem__`` / ``index_put(_)`` whose indices are the whole grid
+# of one mask on the target's leading dims (``where``'s tuple, or for a 1-D mask its one
+# index, or a reshape of ``nonzero`` / ``argwhere`` told by the key of its elements) is
+# answered as the same write by the mask itself. Anything else is torch's own (and
+# settles as before): indices changed in value (``where(cond)[0] + 1``), a part of a
+# k-D mask's grid, a mask not shaped as the target's leading dims.
+def _mask_of_indices(registry: _Registry, target: Any, index: Any) -> torch.Tensor | None:
+    """The boolean mask whose every index ``index`` is, on ``target``'s leading dims (NOTE:
+    [writes by the indices of a mask]); None otherwise."""
+    items = tuple(index) if isinstance(index, (tuple, list)) else (index,)
+    if not isinstance(target, torch.Tensor) or not items or not all(isinstance(i, torch.Tensor) for i in items):
+        return None
+    found = [registry.grids.get(i) for i in items]
+    rows: _Rows | None = None
+    if all(f is not None for f in found):
+        first = found[0]
+        assert first is not None
+        rows, _, shape = first
+        if any(f is None or f[0] is not rows or f[1] != d for d, f in enumerate(found)) or len(found) != len(shape):
+            return None
+    elif len(items) == 1 and items[0].dim() == 1 and not items[0].dtype.is_floating_point:
+        rows = registry.flat_grids.get(_key_of(registry, items[0]))
+    if rows is None or registry.rows.get(items[0]) is not rows:
+        return None
+    mask = rows.mask if rows.mask.dtype == torch.bool else rows.mask != 0
+    if target.dim() < mask.dim() or tuple(target.shape[:mask.dim()]) != tuple(mask.shape):
+        return None
+    return mask
 
 
 def _write_of_one_row(registry: _Registry, args: tuple, kwargs: dict) -> bool:
@@ -824,6 +867,11 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
         kept = _selection(registry, name, args, kwargs)
         if kept is not None:
             return kept
+    if name in ("__setitem__", "index_put", "index_put_") and len(args) >= 3:
+        mask = _mask_of_indices(registry, args[0], args[1])  # NOTE: [writes by the indices of a mask]
+        if mask is not None:
+            index = mask if name == "__setitem__" else (mask,)
+            return answer(func, (args[0], index, *args[2:]), kwargs, compute)
     if name == "__setitem__" and _write_of_one_row(registry, args, kwargs):
         return None
     if not len(registry.rows):

@@ -139,6 +139,7 @@ from .mask_selections import (
     forget_settled,
     mask_selection_decompositions,
     mask_selections,
+    model_mask_hint,
     settled_in_capture,
 )
 from .optimizers import CycledValue, CycledValueUsed, MomentumGroup, tracing_optimizer_step
@@ -1133,10 +1134,7 @@ def _trace_first(
                 ".item() values]) and use the number outside the compiled step, or compute "
                 "with the tensor itself."
                 if isinstance(exc, ItemUsedInPython)
-                else "keep the rows in place and combine with the mask instead of indexing "
-                "by what it selects: `y[mask] += expert(h[mask]) * gate[mask]`, or "
-                "`torch.where(mask[..., None], expert(h), 0)`; losses and sums over the "
-                "selected rows work as they are."
+                else model_mask_hint(exc.__traceback__)  # NOTE: [advice for rows of a model mask counted]
                 if isinstance(exc, RowsOfAModelMaskCounted)
                 else getattr(exc, "hint", None)  # NOTE: [value-dependent shapes of Python values]
                 or _VALUE_SHAPE_HINTS.get(getattr(op, "__name__", "").split(".")[0])

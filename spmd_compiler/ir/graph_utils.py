@@ -177,15 +177,19 @@ def aliases_of(root: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
-def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """``node`` and every node it is computed from, through any chain of nodes."""
+def ancestors(
+    node: torch.fx.Node, not_read: Callable[[torch.fx.Node], torch.fx.Node | None] | None = None
+) -> set[torch.fx.Node]:
+    """``node`` and every node it is computed from, through any chain of nodes; past a
+    node ``n``, not through ``not_read(n)`` (an input it does not read the values of)."""
     seen: set[torch.fx.Node] = set()
     todo = [node]
     while todo:
         n = todo.pop()
         if n not in seen:
             seen.add(n)
-            todo.extend(n.all_input_nodes)
+            skipped = not_read(n) if not_read is not None else None
+            todo.extend(a for a in n.all_input_nodes if a is not skipped)
     return seen
 
 
