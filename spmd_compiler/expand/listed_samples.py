@@ -17,7 +17,9 @@ that one item None.
 What gives it away: a list (or tuple, at any depth of an argument) whose length is the
 batch size of an argument split outside it, as the caller passes both (each rank its
 share on real ranks, the global value in simulation), while the dimension 0 of one of
-its items (of a tensor inside an item, a dict's ``boxes``) is not that size. A list of
+its items (of a tensor inside an item, a dict's ``boxes``) is not that size (the
+dimension the mode splits it along: dimension 1 under ``input_batch_dim=1``; a list of
+one item too, a rank's batch of one: a review found both missed). A list of
 batch tensors (two views ``[x1, x2]`` of ``(B, F)``, multi-crop ``(B, C, H, W)`` of
 different sizes) has items whose dimension 0 is the batch: not refused, whatever its
 length. Refused, in simulation and on real ranks alike (so the two compute the same),
@@ -102,14 +104,16 @@ def check_listed_samples(
             lists.setdefault(sequence, set()).add(index)
     for sequence, indices in lists.items():
         inside = [p for p in split if p.startswith(sequence + "[") and not named(p)]
-        if len(indices) < 2 or named(sequence):
+        if named(sequence):  # a one-item list too: a rank's batch of one (a review)
             continue
         batches = {
             path: sizes for path, (_, sizes, _) in split.items()
             if not path.startswith((sequence + "[", sequence + "."))
             and len(indices) in sizes.values()
         }
-        odd = [p for p in inside if 0 in split[p][1] and split[p][1][0] != len(indices)]
+        # an item split along a dimension not of the batch's size (along its dimension 1
+        # under input_batch_dim=1: a review found dimension 0 alone checked)
+        odd = [p for p in inside if any(size != len(indices) for size in split[p][1].values())]
         if batches and odd:
             raise _samples_error(captured, sequence, len(indices), batches, odd, split, hint)
 
@@ -120,29 +124,50 @@ def _samples_error(
 ) -> SPMDCompileError:
     other = next(iter(batches))
     dim = next(d for d, s in batches[other].items() if s == length)
-    shown = ", ".join(f"{p}: {split[p][1][0]}" for p in odd[:3]) + (", ..." if len(odd) > 3 else "")
+    shown = ", ".join(
+        f"{p}: {size} in dimension {d}" for p in odd[:3] for d, size in split[p][1].items() if size != length
+    ) + (", ..." if len(odd) > 3 else "")
     message = (
         f"The list argument {sequence!r} holds one sample per item: its {length} items are "
-        f"as many as the batch of {other!r} (its dimension {dim}, as passed), while their "
-        f"own dimension 0 is not that batch ({shown}). The mode would split each item along "
-        "its own dimension 0 as if it were a batch tensor: on real ranks, where each rank "
+        f"as many as the batch of {other!r} (its dimension {dim}, as passed), while the "
+        f"dimension the mode splits them along is not that batch ({shown}). The mode would "
+        "split each item as if it were a batch tensor: on real ranks, where each rank "
         "passes its own samples, the program would read each rank's list as the global "
         "batch's first items, each pieced together from the ranks' items at its position, "
         "and the step would train wrong."
     )
-    hint = hint or (
+    batch_dims = _dims_of_size(odd, split, length)
+    elsewhere = (
+        f"if its items are batch tensors whose batch lies in dimension {batch_dims[0]} (an "
+        f"RNN's (h0, c0) of (layers, B, H)), say so: input_batch_dim={{{sequence!r}: "
+        f"{batch_dims[0]}}}; if they are samples, " if batch_dims else ""
+    )
+    hint = hint or elsewhere + (
         "pad the per-sample tensors into one batch tensor in the collate function, with a "
         "count or validity mask (boxes (B, M, 4) padded to the most boxes M, and counts (B,) "
         f"or a mask (B, M)), and use them in the step batched or masked: its dimension 0 is "
         f"then split with the batch; or input_batch_dim={{{sequence!r}: None}} only if every "
         f"rank passes the same whole list, or {{{sequence!r}: 0}} only if each item is a "
-        "batch tensor whose dimension 0 is its batch."
+        "batch tensor whose dimension 0 is its batch (another batch of that size beside it)."
     )
     placeholder = placeholders(captured.graph_module)[split[odd[0]][0]]
     reader = next((n for n in _readers(placeholder) if n.meta.get(USER_LINE) is not None), None)
     if reader is None:
         return SPMDCompileError(message, hint=hint)
     return node_error(message, reader, hint=hint)
+
+
+def _dims_of_size(
+    odd: list[str], split: dict[str, tuple[int, dict[int, int], tuple[int, ...]]], length: int
+) -> list[int]:
+    """The dimensions other than the split ones where every odd item's size, as passed,
+    is ``length``: where the items' batch may lie instead."""
+    common: set[int] | None = None
+    for p in odd:
+        _, sizes, shape = split[p]
+        dims = {d for d, n in enumerate(shape) if d not in sizes and n == length}
+        common = dims if common is None else common & dims
+    return sorted(common or ())
 
 
 def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
