@@ -219,6 +219,17 @@ def innermost_model_frame(tb: types.TracebackType | None) -> SourceLocation | No
     return _innermost_outside_torch(traceback.extract_tb(tb))
 
 
+def innermost_model_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The entry of ``innermost_model_frame``'s frame in ``tb`` (its frame and the
+    instruction it was at), or None."""
+    found = None
+    while tb is not None:
+        if _outside_torch(tb.tb_frame.f_code.co_filename):
+            found = tb
+        tb = tb.tb_next
+    return found
+
+
 def innermost_model_frame_of_stack(skip_stdlib: bool = False) -> SourceLocation | None:
     """``innermost_model_frame`` of the running code (the caller's stack); with
     ``skip_stdlib``, Python's own library is passed over too (``logging`` formatting a

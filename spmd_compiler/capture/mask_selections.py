@@ -80,7 +80,7 @@ import torch
 from .. import _torch_private as private
 from ..ir.graph_utils import ancestors
 from ..ir.signature import STATE_KINDS, Kind, StateRef
-from .value_checks import where_now
+from .value_checks import own_check, where_now
 
 aten = torch.ops.aten
 
@@ -376,13 +376,19 @@ def _decide(mask: torch.Tensor, use: str | None = None) -> int | None:
             return CONSTANT
     per_row = _count_per_row(mask, node, selections)
     # the value check (NOTE: [value checks]): answered by the trace's decisions
+    # decided on the spot (NOTE: [checks of this package decided on the spot])
     if per_row is not None:
         counts = (mask.reshape(mask.shape[0], -1) != 0).sum(1)
-        if not bool((counts == per_row).all()):
+        with own_check(lambda: MaskWithFalseElements(per_row, use)):
+            holds = bool((counts == per_row).all())
+        if not holds:
             raise MaskWithFalseElements(per_row, use)
         _COUNTED.append(where_now() or "an unknown line")
-    elif not bool(mask.all()):
-        raise MaskWithFalseElements(use=use)
+    else:
+        with own_check(lambda: MaskWithFalseElements(use=use)):
+            holds = bool(mask.all())
+        if not holds:
+            raise MaskWithFalseElements(use=use)
     decision = EVERY if per_row is None else per_row
     selections.decided[node] = decision
     return decision

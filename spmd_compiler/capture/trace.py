@@ -186,6 +186,7 @@ from .value_checks import (
     Undecided,
     WayRaised,
     choose,
+    read_runs_into_raise,
     signals_told_apart,
     stop_text,
 )
@@ -1397,7 +1398,7 @@ def _decide_value_checks(
             # formatting `loss.item()`): a check's raising way (NOTE: [a way no program
             # holds]), as when both ways are traced; a review found this refused as a
             # value read of the whole step
-            raise WayRaised(_refusal_text(exc)) from exc
+            raise WayRaised(_read_raise_text(exc) if read_runs_into_raise(exc) else _refusal_text(exc)) from exc
         except _not_raised_by_the_step():
             raise
         except Exception as exc:  # noqa: BLE001 - the step raised on the way tried
@@ -1424,7 +1425,7 @@ def _decide_value_ifs(
         except Undecided as undecided:
             # the checks the trace decided from their bytecode before this `if`
             decisions += undecided.guessed
-            raised += [UNTRACED] * len(undecided.guessed)
+            raised += undecided.guessed_raised
             coin = undecided.coin
             settled = undecided.settled
             where = undecided.where
@@ -1443,12 +1444,16 @@ def _decide_value_ifs(
         results: dict[bool, tuple[torch.fx.GraphModule, _StepTracer]] = {}
         outcomes: dict[bool, BaseException | None] = {}
         refused: dict[bool, BaseException] = {}  # a value read no program can hold
+        texts: dict[bool, str] = {}  # what a way raised, where its exception cannot say
         for answer in (True, False):
             with signals_told_apart() as arrived:
                 try:
                     results[answer] = trace([*decisions, answer])
                     outcomes[answer] = None
                 except value_read_errors() as exc:
+                    if read_runs_into_raise(exc):  # NOTE: [a value read in what a way raises]
+                        outcomes[answer], texts[answer] = exc, _read_raise_text(exc)
+                        continue
                     outcomes[answer] = None
                     refused[answer] = exc
                 except _not_raised_by_the_step():
@@ -1475,14 +1480,14 @@ def _decide_value_ifs(
                 coins.append(where)
                 _refuse_coin_branches(coins)
         else:
-            text = stop_text(cast(BaseException, outcomes[not choice]))
+            text = texts.get(not choice) or stop_text(cast(BaseException, outcomes[not choice]))
         raised.append(text)
         decisions.append(choice)
         if choice in results:
             first, tracer = results[choice]
             break
     # the checks the completed trace decided from their bytecode after the last given
-    raised += [UNTRACED] * (len(tracer.checks) - len(raised))
+    raised += [check.raised for check in tracer.checks[len(raised):]]
     tracer.checks = [
         dataclasses.replace(check, raised=text)
         for check, text in zip(tracer.checks, raised, strict=True)
@@ -1554,6 +1559,29 @@ def _refusal_text(exc: BaseException) -> str:
         f"{REFUSED_READ}{where or ' further on'} (a value-dependent "
         "shape, .item() or an `if`), which no compiled program holds; only the other way "
         "was compiled"
+    )
+
+
+# NOTE: [a value read in what a way raises]
+# ``raise ValueError(f"degenerate box at {int(bb)}")`` on the way of an ``if`` on a tensor's
+# value reads a value the trace does not have while it builds what it raises. The read
+# was taken for a way no program holds (NOTE: [a way no program holds]): the other way
+# was compiled, and a call that went this way was refused as "a tensor's value used as a
+# Python number", although the step raises there. Where the model's frame that read the
+# value runs from the read straight into ``raise X`` (``read_runs_into_raise``: no jump,
+# return or re-raise between; a read kept in a variable the `raise` on the next line
+# formats counts too), the way raises: a check's raising way, and a call that goes there
+# raises ``SPMDRuntimeError`` saying the step raises there, as for ``raise
+# ValueError("degenerate box")``. A read followed by code that goes on (``s =
+# int(bb)`` used by the loss) is not: it stays a way no program holds, as before. A
+# ``.tolist()`` or f-string of ``.item()`` in the message needs none of this: it formats
+# the ``TracedItem`` without reading the value.
+def _read_raise_text(exc: BaseException) -> str:
+    """What a way raises whose ``raise`` reads a tensor's value (NOTE: [a value read in
+    what a way raises])."""
+    return (
+        f"a raise{_where_it_failed(exc) or ' further on'}, which reads a tensor's value in "
+        "Python for its message"
     )
 
 

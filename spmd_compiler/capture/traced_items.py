@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -54,6 +55,7 @@ from ..errors import SourceLocation, innermost_model_frame_of_stack
 from ..ir.graph_utils import ALIASING_UNANNOTATED
 from ..ir.node_meta import is_item_snapshot, set_item_snapshot
 from .mask_selections import RowsOfAModelMaskCounted
+from .value_checks import drawn_alone
 
 
 class ItemUsedInPython(Exception):
@@ -91,6 +93,38 @@ def _origin_on_line() -> str:
     return ".tolist()" if ".tolist(" in line and ".item(" not in line else ".item()"
 
 
+# NOTE: [a random draw read in Python]
+# torchvision's detection models draw their training resize size in Python:
+# ``GeneralizedRCNNTransform.torch_choice`` is ``int(torch.empty(1).uniform_(0.0,
+# float(len(k))).item())``. Its refusal advised "return the value", which a draw inside a
+# library cannot. An ``.item()`` used in Python whose tensor is computed from random draws
+# alone (``drawn_alone``, NOTE: [ifs on random draws alone]) is refused saying it is a draw
+# that capture would fix for every call, with advice that applies: draw it in Python
+# outside the step and pass it in, and for torchvision's transform, which draws an index
+# among its ``min_size`` values, put the transform in eval mode where it has one (the
+# same size every call). A draw over one value (``uniform_(0, 1)`` then ``int`` is 0) is
+# not proven constant: that needs every device's uniform below its upper bound.
+_TORCHVISION_RESIZE = os.path.join("torchvision", "models", "detection", "transform.py")
+
+
+def _draw_hint() -> str:
+    """What to do about a random draw read in Python (NOTE: [a random draw read in
+    Python])."""
+    hint = (
+        "draw the number in Python outside the compiled step (`random.randrange(n)`) and "
+        "pass it in as an argument, or keep the draw a tensor and compute with it"
+    )
+    where = innermost_model_frame_of_stack(skip_stdlib=True)
+    if where is not None and where.filename.endswith(_TORCHVISION_RESIZE):
+        hint += (
+            ". This is torchvision's GeneralizedRCNNTransform choosing a training resize "
+            "size among its min_size values: with one min_size it always takes it, as in "
+            "eval mode, so call `model.transform.eval()` after each `model.train()` (or "
+            "resize the images before the step and build the model with one min_size)"
+        )
+    return hint + "."
+
+
 class TracedItem:
     """The value of ``tensor.item()``, known only when the program runs."""
 
@@ -107,6 +141,14 @@ class TracedItem:
                 "those of a tensor the step makes from constants: the capture reads no "
                 "tensor's values); inside a compiled step they can only be returned",
                 hint=TOLIST_HINT,
+            )
+        if drawn_alone(self.tensor):  # NOTE: [a random draw read in Python]
+            _raise_used(
+                "the value of .item() is a random draw (computed from random numbers alone): "
+                "read in Python while the step is captured it would be one draw, fixed in the "
+                "program for every call, where the step run eagerly draws afresh each call; "
+                "inside a compiled step it can only be returned",
+                hint=_draw_hint(),
             )
         _raise_used(
             "the value of .item() is computed by the program at run time; inside a compiled "

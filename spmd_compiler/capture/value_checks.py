@@ -145,6 +145,7 @@ import dis
 import importlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -158,7 +159,7 @@ from unittest import mock
 import torch
 
 from .. import _torch_private as private
-from ..errors import innermost_model_frame_of_stack
+from ..errors import innermost_model_frame_of_stack, innermost_model_traceback
 from ..ir.signature import ValueCheck
 from .python_scalars import FloatArgumentUsedInPython
 
@@ -184,12 +185,15 @@ class Undecided(Exception):
 
     def __init__(
         self, where: str, coin: bool = False, settled: bool | None = None, guessed: list[bool] | None = None,
+        guessed_raised: list[str] | None = None,
     ) -> None:
         super().__init__(f"a check on a tensor's value at {where}")
         self.where = where
-        # the decisions the trace took from the bytecode before it stopped here, after
-        # those it was given (NOTE: [checks decided from their bytecode])
+        # the decisions the trace took on the spot before it stopped here, after those it
+        # was given (NOTE: [checks decided from their bytecode], NOTE: [checks of this
+        # package decided on the spot]), and what each one's other way raises
         self.guessed = guessed or []
+        self.guessed_raised = guessed_raised or [UNTRACED] * len(self.guessed)
         self.owner = "The train step"  # or the optimizer whose step() it is in
         self.coin = coin  # NOTE: [ifs on random draws alone]
         self.settled = settled  # the way a coin goes whatever it draws, if it has one
@@ -268,7 +272,11 @@ class BranchDecisions:
         where = _LOCATED[-1] if _LOCATED else where_now() or "an unknown line"
         k = len(self.sites)
         raised = ""
-        if k >= len(self.decisions):
+        if k >= len(self.decisions) and _OWN_CHECKS and k < MAX_VALUE_CHECKS:
+            # NOTE: [checks of this package decided on the spot]
+            self.decisions.append(True)
+            raised = stop_text(_OWN_CHECKS[-1]())
+        elif k >= len(self.decisions):
             # NOTE: [checks decided from their bytecode]
             found = None if k >= MAX_VALUE_CHECKS else _frame_of_the_if(frame)
             raising = None if found is None else raising_way(found.f_code, found.f_lasti)
@@ -277,6 +285,7 @@ class BranchDecisions:
                 raise Undecided(
                     where, coin=coin, settled=settled_coin(t) if coin else None,
                     guessed=self.decisions[self.given:],
+                    guessed_raised=[site.raised for site in self.sites[self.given:]],
                 ) from None
             self.decisions.append(not raising)
             raised = UNTRACED
@@ -285,6 +294,33 @@ class BranchDecisions:
         condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(()).clone()
         self.sites.append(_Site(condition, self.decisions[k], where, raised))
         return self.decisions[k]
+
+
+# NOTE: [checks of this package decided on the spot]
+# A selection by a mask of the batch checks its mask (``if not bool(mask.all()): raise
+# MaskWithFalseElements``, NOTE: [selections by a mask of the batch] in
+# ``mask_selections.py``): a check whose False way raises, known before any trace. Traced
+# both ways like a user's `if`, it cost two traces, and it stopped the trace of a way
+# being tried: torchvision's detection models validate their targets with ``if
+# degenerate.any(): bb = torch.where(degenerate.any(1))[0][0]; torch._assert(False,
+# f"... {boxes[bb].tolist()}")``, whose True way met the selection's check before its
+# raise, was taken for a way that goes on, and the step was refused at capture (sixty-
+# fourth session: "ValueError: degenerate box. Note: the rows selected by a mask ...").
+# Inside ``own_check(make)`` the `if` met beyond the given decisions is decided True on
+# the spot, its other way recorded as raising ``make()`` (the text the traced way gave);
+# a call where it comes out False raises ``SPMDRuntimeError`` naming it, as before.
+_OWN_CHECKS: list[Callable[[], BaseException]] = []
+
+
+@contextlib.contextmanager
+def own_check(make: Callable[[], BaseException]) -> Iterator[None]:
+    """Inside: ``bool()`` of a traced tensor is this package's own check, whose False way
+    raises ``make()`` (NOTE: [checks of this package decided on the spot])."""
+    _OWN_CHECKS.append(make)
+    try:
+        yield
+    finally:
+        _OWN_CHECKS.pop()
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -361,6 +397,21 @@ def _runs_into_raise(instructions: list[dis.Instruction], n: int | None) -> bool
             return False
         n += 1
     return False
+
+
+def read_runs_into_raise(exc: BaseException) -> bool:
+    """Whether the value read that raised ``exc`` (an ``.item()`` or ``int()`` the trace
+    cannot answer) sits in code of the model that runs straight into ``raise X`` (no
+    jump, return or re-raise between): the read is part of what the step raises
+    (``raise ValueError(f"bad box {int(i)}")``), so the way that reached it raises
+    (NOTE: [a value read in what a way raises])."""
+    tb = innermost_model_traceback(exc.__traceback__)
+    if tb is None:
+        return False
+    instructions = list(dis.get_instructions(tb.tb_frame.f_code))
+    at = {ins.offset: n for n, ins in enumerate(instructions)}
+    n = at.get(tb.tb_lasti)
+    return n is not None and _runs_into_raise(instructions, n + 1)
 
 
 _LOCATED: list[str] = []
@@ -463,10 +514,18 @@ def describe_raise(exc: BaseException) -> str:
     if ours:  # the bare class name
         lines[0] = lines[0].removeprefix(f"{type(exc).__module__}.")
     text = " ".join(line.strip() for line in lines[:3])
+    if not ours and _TRACED_ITEM.search(text):
+        # a message formatting ``.tolist()`` / ``.item()`` values at capture (torchvision's
+        # "Found invalid box [...]"): the values were not there to format
+        text = _TRACED_ITEM.sub("?", text) + " (? : a tensor's value, not known when the step was captured)"
     # a user's exception is cut short; ours carry their advice whole
     # (NOTE: [selections concatenated row by row])
     limit = 1000 if ours else 300
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ``repr`` of a ``TracedItem`` (``traced_items.py``)
+_TRACED_ITEM = re.compile(r"TracedItem\(\([0-9, ]*\) torch\.\w+\)")
 
 
 def stop_text(exc: BaseException) -> str:
@@ -593,5 +652,5 @@ __all__ = [
     "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "MAX_VALUE_CHECKS", "REFUSED_ITEM", "REFUSED_READ",
     "REFUSED_WAY_TEXTS", "UNTRACED", "BranchDecisions",
     "Undecided", "WayRaised", "choose", "describe_raise", "drawn_alone", "eager_check", "located",
-    "raising_way", "signals_told_apart", "stop_of", "stop_text", "too_many_ways", "where_now",
+    "own_check", "raising_way", "read_runs_into_raise", "signals_told_apart", "stop_of", "stop_text", "too_many_ways", "where_now",
 ]

@@ -840,3 +840,117 @@ def test_too_many_programs_count_the_ways_the_data_went_apart(monkeypatch):
     assert "went 1 distinct way through its 2 `if`s (2 at " in message, message
     assert 'if norm > threshold:"' in message
     assert "torch.clamp(clip / (param_norm + 1e-6), max=1)" in message and "clip_grad_norm_" in message
+
+
+def _box_validating_step(form: str):  # noqa: ANN202
+    """A step validating its boxes as torchvision's detection models do (``if
+    degenerate.any(): bb = torch.where(...)[0][0]; torch._assert(False, ...)``), the
+    raise in one of the forms ``form`` names, or (``goes_on``) a read of the selected
+    index that the step goes on with."""
+
+    def step(model, optim, x, boxes):  # noqa: ANN001
+        degenerate = boxes[:, 2:] <= boxes[:, :2]
+        scale = 1.0
+        if degenerate.any():
+            bb = torch.where(degenerate.any(dim=1))[0][0]
+            if form == "selection":
+                raise ValueError("degenerate box")
+            if form == "tolist":
+                found = boxes[bb].tolist()
+                torch._assert(False, f"All bounding boxes should have positive height and width. Found {found}")
+            if form == "int":
+                raise ValueError(f"degenerate box at {int(bb)}")
+            scale = int(bb) + 1.0  # goes on
+        loss = F.mse_loss(model(x)[:, :4], boxes) * scale
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    return step
+
+
+def _boxes() -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid boxes (x1, y1, x2, y2), and the same with one degenerate."""
+    corners = torch.rand(BATCH, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    boxes = torch.cat([corners, corners + 0.5], 1)
+    bad = boxes.clone()
+    bad[2, 3] = -1.0
+    return boxes, bad
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("form", ["selection", "tolist", "int"])
+def test_a_raising_way_that_selects_by_a_mask_or_reads_a_value_is_a_check(mode, form):
+    """NOTE: [checks of this package decided on the spot], NOTE: [a value read in what a
+    way raises]: before the sixty-fourth session the selection's own check stopped the
+    trace of the raising way, and the step was refused at capture ("ValueError:
+    degenerate box. Note: the rows selected by a mask ...", "reads the value of a tensor
+    in Python" for ``int(bb)``). Now valid boxes compile and match eager; a call with a
+    degenerate box raises saying the step raises there, and writes nothing."""
+    model, reference, optim, reference_optim = _twins()
+    step = _box_validating_step(form)
+    boxes, bad = _boxes()
+    x, y = _batches(2)
+    compiled = sc.compile(_mode(mode))(step)
+    with sc.simulate(world_size=2) as sim:
+        loss = compiled(model, optim, x, boxes)
+        assert relative_difference(loss, step(reference, reference_optim, x, boxes)) < TOL
+        with pytest.raises(Exception) as eager:
+            step(copy.deepcopy(reference), copy.deepcopy(reference_optim), y, bad)
+        with pytest.raises(SPMDRuntimeError) as info:
+            compiled(model, optim, y, bad)
+        assert _worst_state_difference(model, reference, optim, reference_optim, sim) < TOL
+        loss = compiled(model, optim, y, boxes)
+        assert relative_difference(loss, step(reference, reference_optim, y, boxes)) < TOL
+        assert _worst_state_difference(model, reference, optim, reference_optim, sim) < TOL
+    message = str(info.value)
+    assert "if degenerate.any():" in message and "came out True" in message, message
+    assert "the step raises there" in message and "Nothing was updated" in message, message
+    assert type(eager.value).__name__ in message or "int(bb)" in message, message
+    assert "TracedItem" not in message, message
+
+
+def test_a_way_that_reads_the_selected_index_and_goes_on_is_no_raise():
+    """A read of the selected index that the step goes on with is not a raise: it stays
+    a way no program holds (NOTE: [a way no program holds]), refused when a call goes
+    there, as a direct ``int(x.sum())`` there is."""
+    model, reference, optim, reference_optim = _twins()
+    step = _box_validating_step("goes_on")
+    boxes, bad = _boxes()
+    x, y = _batches(2)
+    step(copy.deepcopy(reference), copy.deepcopy(reference_optim), y, bad)  # eager goes on
+    compiled = sc.compile(_mode("ddp"))(step)
+    with sc.simulate(world_size=2) as sim:
+        loss = compiled(model, optim, x, boxes)
+        assert relative_difference(loss, step(reference, reference_optim, x, boxes)) < TOL
+        with pytest.raises(SPMDRuntimeError) as info:
+            compiled(model, optim, y, bad)
+        assert _worst_state_difference(model, reference, optim, reference_optim, sim) < TOL
+    message = str(info.value)
+    assert "the step raises there" not in message, message
+    assert "which a compiled step cannot follow" in message and "scale = int(bb) + 1.0" in message, message
+
+
+def drawn_size_step(model, optim, x):  # noqa: ANN001
+    """A size drawn in Python, as torchvision's ``GeneralizedRCNNTransform.torch_choice``
+    draws its training resize size."""
+    k = int(torch.empty(1).uniform_(0.0, 3.0).item())
+    loss = F.mse_loss(model(x)[:, k:], x[:, k:])
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_random_draw_read_in_python_is_refused_as_a_draw():
+    """NOTE: [a random draw read in Python]: the refusal said "return the value", which a
+    draw inside a library cannot; it now says the draw would be fixed at capture and to
+    draw it outside the step."""
+    model, _, optim, _ = _twins()
+    compiled = sc.compile(_mode("ddp"))(drawn_size_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, optim, _batches(1)[0])
+    message = str(info.value)
+    assert "random draw" in message and "fixed in the program for every call" in message, message
+    assert "random.randrange(n)" in message and "return loss.item()" not in message, message
