@@ -6,15 +6,21 @@ statistics: in training, ``forward`` counts the batch (``num_batches_tracked += 
 updates the running statistics with the factor ``1.0 / float(num_batches_tracked)``. That
 ``float()`` reads a tensor's value in Python, which a traced step has not got, so the
 step was refused. While the step is traced, such a module (training, tracking running
-statistics, torch's own ``forward``; the mode is read when it is called, as the step
-may switch it) runs this module's ``forward`` instead, which keeps
+statistics, torch's own ``forward``; the mode and the momentum are read when it is
+called, as the step may switch them) runs this module's ``forward`` instead, which keeps
 the factor a tensor: the output is ``F.batch_norm`` on the batch statistics without an
 update, and the running statistics are updated from the batch's mean and unbiased
 variance with torch's formula (``factor * batch + (1 - factor) * running``, the factor
 in float64 as Python's division gives it). The batch statistics are reductions over the
 batch, so on N ranks they are the global batch's (as for any batch norm here, NOTE: [ops
 decomposed at capture]). The module's ``forward`` is its own again after the trace.
-Numerics: float64 tests agree with eager within 1e-15 relative.
+Numerics: float64 tests agree with eager within 1e-15 relative. Every batch norm with
+torch's ``forward`` is replaced, whatever its momentum when the trace starts, and this
+``forward`` runs torch's own where the momentum is not ``None`` when it is called:
+``torch.optim.swa_utils.update_bn(loader, swa_model)`` in a compiled step sets
+``momentum = None`` on each batch norm for its passes and restores it after. Before the
+sixty-fourth session the choice was made once, from the momentum when the trace started,
+and that step was refused (torch's ``float()`` of ``num_batches_tracked``).
 
 NOTE: [SyncBatchNorm at capture]
 ``nn.SyncBatchNorm`` (what ``convert_sync_batchnorm`` makes of a DDP model's batch norms)
@@ -54,12 +60,12 @@ _TORCH_FORWARDS = (torch.nn.BatchNorm1d.forward,)  # the three share _BatchNorm'
 
 
 def _patched(module: torch.nn.Module) -> bool:
-    """A batch norm with torch's own ``forward`` and no momentum (training or not: the
-    step may switch its mode)."""
+    """A batch norm with torch's own ``forward``, whatever its momentum (training or
+    not: the step may switch its mode, and set ``momentum = None``, as ``update_bn``
+    does; ``cumulative_forward`` reads both when it is called)."""
     return (
         getattr(type(module), "forward", None) in _TORCH_FORWARDS
         and "forward" not in vars(module)
-        and getattr(module, "momentum", 0.1) is None
     )
 
 

@@ -118,12 +118,63 @@ def _data_set_to_itself(tensor: Any, value: Any = None, *_: Any) -> bool:
         return False
 
 
+_DTENSOR_HINT = (
+    "keep the copy as buffers of a module passed to the step (`snap.register_buffer(name, "
+    "p.detach().clone())` for each parameter, then `train_step(model, snap, ...)`): they "
+    "are placed like the parameters; or copy the full values as plain tensors, which the "
+    "step reads as constants: `p.detach().full_tensor().clone()` on real ranks (every "
+    "rank: it gathers), `sc.checkpoint.full_state_dict(model)[\"model\"]` on simulated "
+    "ranks."
+)
+
+# NOTE: [DTensors read from outside the arguments]
+# After a compiled call the step's parameters are DTensors (NOTE: [calling a placed model
+# directly]), so a copy made of them between calls (an EWC or L2-SP anchor, ``old = {n:
+# p.detach().clone() for n, p in model.named_parameters()}`` held by a plain object) is
+# DTensors too. The step reads such a tensor as a constant of the program; but the trace
+# computes with it first, and DTensor refused the mix with the traced tensors ("aten.sub.
+# Tensor got mixed torch.Tensor and DTensor"), naming neither the compiler nor what to do,
+# before ``outside_constants`` could refuse it as a DTensor. The mode below refuses the
+# first torch call (other than reading a property: ``shape``, ``dtype``) that takes a real
+# DTensor while the step is traced, naming it where the walk of NOTE: [tensors the step
+# keeps] found it, with what to do: buffers of a module passed to the step (placed like
+# the parameters), or full plain copies (constants). Arguments that are DTensors are
+# refused before the trace (``api.py``), and the step's own state is traced as plain
+# stand-ins, so a real DTensor met here is always one read from outside.
+def _real_dtensors(args: Any, kwargs: dict) -> list[DTensor]:
+    """The real DTensors among a torch call's arguments, and in its list arguments
+    (``torch.cat``, ``torch._foreach_*``): no deeper, this runs for every call traced."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, DTensor) and _real(t):
+                found.append(t)
+    return found
+
+
 class OutsideWrites(TorchFunctionMode):
-    """Refuses an in-place write to a real tensor while the step is traced, and any
-    ``tensor.data = value`` (NOTE: [data replaced inside the step])."""
+    """Refuses an in-place write to a real tensor while the step is traced, any
+    ``tensor.data = value`` (NOTE: [data replaced inside the step]), and computing with a
+    real DTensor (NOTE: [DTensors read from outside the arguments]; ``found``: where the
+    walk found the tensors, set once it ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict[int, list[FoundTensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "__get__" and (read := _real_dtensors(args, kwargs)):
+            places = self.found.get(id(read[0]))
+            label = places[0].label if places else "a tensor"
+            raise SPMDCompileError(
+                f"The train step computes with {label}, a DTensor from outside its "
+                "arguments (a copy of placed parameters made between calls is DTensors); "
+                "the compiled step cannot read it as a constant, nor watch it as its state "
+                "(NOTE: [DTensors read from outside the arguments]).",
+                user_line=innermost_model_frame_of_stack(),
+                hint=_DTENSOR_HINT,
+            )
         if _sets_data(func) and not _data_set_to_itself(*args):
             # NOTE: [data replaced inside the step]
             # ``p.data = value`` swaps the tensor's storage outside autograd and outside
@@ -248,8 +299,9 @@ def outside_constants(
                 f"The train step reads {label}, a tensor from outside its arguments that "
                 f"{what}.",
                 user,
-                hint="read the parameter or buffer itself in forward, or make the tensor a "
-                "parameter or buffer of a module passed to the step.",
+                hint=_DTENSOR_HINT if isinstance(tensor, DTensor) else "read the parameter "
+                "or buffer itself in forward, or make the tensor a parameter or buffer of a "
+                "module passed to the step.",
             )
         # NOTE: [every place a constant is read from]
         constants += [OutsideTensor(p.label, p.container, p.key, tensor, tensor._version, p.in_argument) for p in places]

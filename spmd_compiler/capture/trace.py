@@ -1981,10 +1981,10 @@ class _StepTracer:
             stack.enter_context(mask_selections(self.refs, real_inputs.__getitem__))
             stack.enter_context(TensorIndicesTaken())  # NOTE: [0-d tensor indices at capture]
             stack.enter_context(python_effects(self.code, (self.func, *b.modules, *b.flat_args)))
-            stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
+            outside_writes = stack.enter_context(OutsideWrites())  # NOTE: [tensors read from outside the arguments]
             stack.enter_context(private.data_setter_of_torch())  # NOTE: [data replaced between calls]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
-            self.outside = keeper.outside
+            self.outside = outside_writes.found = keeper.outside
             self.unplaced = keeper.unplaced
             self.inherited = keeper.inherited
             try:

@@ -16,6 +16,7 @@ to a compiled step, a module-level function, so the model still pickles.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -36,15 +37,34 @@ def refuse_plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
         return
     if not any(isinstance(p, DTensor) for p in module.parameters()):
         return  # its state is not (or no longer) placed: nothing to mix
+    if _called_by_update_bn():
+        hint = ("compile a step that calls it, under the same parallel mode: "
+                "`def bn_step(model, loader): torch.optim.swa_utils.update_bn(loader, model)`, "
+                "`sc.compile(parallel_mode=mode)(bn_step)(swa_model, loader)` (the loader a "
+                "list of batches; the statistics are the global batches').")
+    else:
+        hint = ("compile the evaluation as a step of its own under the same parallel mode "
+                "(a step without an optimizer is fine): "
+                "`evaluate = sc.compile(parallel_mode=mode)(eval_step)`, then "
+                "`evaluate(model, batch)` returns global values, like the train step's loss.")
     raise SPMDCompileError(
         f"{type(module).__name__} was called directly with plain tensors, but a compiled "
         "step placed its parameters as DTensors across the ranks, so one rank's call "
         "cannot tell which part of the batch it holds.",
-        hint="compile the evaluation as a step of its own under the same parallel mode "
-        "(a step without an optimizer is fine): "
-        "`evaluate = sc.compile(parallel_mode=mode)(eval_step)`, then "
-        "`evaluate(model, batch)` returns global values, like the train step's loss.",
+        hint=hint,
     )
+
+
+def _called_by_update_bn() -> bool:
+    """Whether ``torch.optim.swa_utils.update_bn`` is on the stack (its recompute of the
+    batch norms' statistics, between calls): the hint names its compiled form."""
+    code = torch.optim.swa_utils.update_bn.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 # NOTE: [loading plain tensors into a placed model]

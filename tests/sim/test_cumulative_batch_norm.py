@@ -103,3 +103,54 @@ def test_an_input_of_the_wrong_rank_is_refused_as_eager_refuses_it() -> None:
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="expected 4D input"):
         compiled(model, optim, x, y)
     assert "forward" not in vars(model[0])
+
+
+def _bn_step(avg: nn.Module, loader: list[torch.Tensor]) -> None:
+    torch.optim.swa_utils.update_bn(loader, avg)  # momentum = None for its passes, then restored
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_update_bn_in_a_compiled_step_matches_one_device(mode) -> None:
+    # torch's SWA recipe: update_bn sets momentum = None on each batch norm while the
+    # step is traced (their momentum is 0.1 when the trace starts); before the
+    # sixty-fourth session the step was refused (float() of num_batches_tracked)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batches = [(torch.randn(8, 6, dtype=torch.float64) + i, torch.randint(0, 3, (8,))) for i in range(STEPS)]
+    loader = [x for x, _ in batches]
+    reference_swa = torch.optim.swa_utils.AveragedModel(reference)
+    for x, y in batches:
+        step(reference, reference_optim, x, y)
+        reference_swa.update_parameters(reference)
+    torch.optim.swa_utils.update_bn(loader, reference_swa)
+    compiled = sc.compile(make_mode(mode))(step)
+    compiled_bn = sc.compile(make_mode(mode))(_bn_step)
+    compiled_eval = sc.compile(make_mode(mode))(evaluate)
+    with sc.simulate(world_size=2) as sim:
+        swa = None
+        for x, y in batches:
+            compiled(model, optim, x, y)
+            swa = swa or torch.optim.swa_utils.AveragedModel(model)
+            swa.update_parameters(model)
+        compiled_bn(swa, loader)
+        differences = compare_models(swa, reference_swa, sim)
+        assert max(differences.values()) <= TOL, differences
+        got = sim.full_tensor(compiled_eval(swa, batches[0][0]))
+    want = evaluate(reference_swa, batches[0][0])
+    assert torch.allclose(got, want, rtol=TOL, atol=TOL)
+    assert swa.module[1].momentum == 0.1  # restored by update_bn, as in eager
+    assert "forward" not in vars(swa.module[1])
+
+
+def test_update_bn_outside_a_step_is_refused_naming_the_compiled_form() -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    compiled = sc.compile(make_mode("ddp"))(step)
+    with sc.simulate(world_size=2):
+        compiled(model, optim, x, y)
+        with pytest.raises(SPMDCompileError, match=r"update_bn\(loader, model\)"):
+            torch.optim.swa_utils.update_bn([x], model)
