@@ -517,7 +517,9 @@ def check_iterated_batches(
 # differently; in simulation the result is right by accident of DTensor), naming the
 # layer, the argument and both dimensions. The layer's input (its ``TIME_MAJOR_INPUT``
 # mark) and a walk inside the layer count alike: a hidden state named along dimension 0,
-# its layers, is refused too (NOTE: [a hidden state's layers walked]).
+# its layers, is refused too (NOTE: [a hidden state's layers walked]). A name of
+# dimension 0 is left out: it is the default, and the way the warning above offers to
+# say "dimension 0 is the batch" (``input_batch_dim=0`` names every argument so).
 def _check_named_time(
     found: list[IteratedBatch], named: Callable[[str], bool], split: dict[str, tuple[int, tuple[int, ...]]]
 ) -> None:
@@ -529,7 +531,8 @@ def _check_named_time(
         SPMDCompileError: where there is one.
     """
     record = next(
-        (r for r in found if r.recurrent is not None and r.arguments and all(named(a) for a in r.arguments)),
+        (r for r in found if r.recurrent is not None and r.arguments
+         and all(named(a) and split.get(a, (0,))[0] != 0 for a in r.arguments)),
         None,
     )
     if record is None:
