@@ -516,8 +516,8 @@ def check_iterated_batches(
 # ranks and in simulation alike (refusing on real ranks alone would let the two compute
 # differently; in simulation the result is right by accident of DTensor), naming the
 # layer, the argument and both dimensions. The layer's input (its ``TIME_MAJOR_INPUT``
-# mark) and a walk inside the layer count alike: a hidden state named along dimension 0,
-# its layers, is refused too (NOTE: [a hidden state's layers walked]). A name of
+# mark) and a walk inside the layer count alike (a batch-first input passed straight in
+# is walked after the layer's transpose, along its dimension 0). A name of
 # dimension 0 is left out: it is the default, and the way the warning above offers to
 # say "dimension 0 is the batch" (``input_batch_dim=0`` names every argument so).
 def _check_named_time(
