@@ -1335,7 +1335,7 @@ class CompiledTrainStep:
             local = private.even_local_shape(meta.shape, mesh, placements) if dims else None
             if local is not None:  # the captured shapes are each rank's share times the ranks
                 splits.append((name, local, tuple(meta.shape), dims[0]))
-        hint = split_arguments_hint(splits, exc.message)
+        hint = split_arguments_hint(splits, exc.message, _module_state(bindings))
         if hint is None:
             return None
         paths = self._argument_paths(bindings)  # NOTE: [counts passed as Python ints]
@@ -1827,3 +1827,16 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         return CompiledTrainStep(func, mode, options, lowering, cache_dir)
 
     return decorate
+
+
+def _module_state(bindings: StepBindings) -> list[tuple[str, tuple[int, ...]]]:
+    """``(what, shape)`` of the modules' buffers, parameters and plain tensor attributes,
+    for the hint of NOTE: [batch-sized module state] in ``parallel_modes/batch_dims.py``."""
+    state = [(f"module buffer {n!r}", tuple(t.shape)) for n, t in bindings.buffers.items()]
+    state += [(f"parameter {n!r}", tuple(t.shape)) for n, t in bindings.params.items()]
+    for module in bindings.modules:
+        for fqn, sub in module.named_modules():
+            for attr, value in vars(sub).items():
+                if isinstance(value, torch.Tensor) and not attr.startswith("_"):
+                    state.append((f"module attribute {(fqn + '.' if fqn else '') + attr!r}", tuple(value.shape)))
+    return state

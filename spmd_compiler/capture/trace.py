@@ -70,6 +70,7 @@ from ..ir.graph_utils import (
 )
 from ..ir.node_meta import (
     MODULE_FQN,
+    RNN_HIDDEN,
     TIME_MAJOR_INPUT,
     TIME_MAJOR_RNN,
     USER_LINE,
@@ -1526,16 +1527,30 @@ def _refuse_coin_branches(coins: list[str]) -> None:
         return
     lines = list(dict.fromkeys(coins))  # a loop's `if` is one line met many times
     places = "; ".join(lines[:3]) + ("; ..." if len(lines) > 3 else "")
-    raise SPMDCompileError(
+    # LayerDrop is named first only where the `if`s read a layerdrop setting: a seq2seq
+    # decoder's teacher forcing (`inp = gold if torch.rand(()) < p else pred` per time
+    # step) was told of LayerDrop first (sixty-fourth session)
+    layerdrop = any("layerdrop" in line.lower() for line in lines)
+    message = (
         f"The train step branches on random draws alone at more than {MAX_COIN_BRANCHES} "
         f"`if`s in one call ({places}): which way each goes changes from call to call, "
         f"and each way through them is a program of its own, so its calls may need "
         f"{2 ** len(coins)} or more programs, more than the {MAX_BRANCH_PROGRAMS} a step "
-        "may have (NOTE: [ifs on random draws alone]). LayerDrop (`if torch.rand([]) < "
-        "self.layerdrop`) is the usual cause.",
-        hint="set the model's layerdrop to 0 (config.layerdrop, encoder_layerdrop, "
-        "decoder_layerdrop), or select with torch.where(draw < p, x, layer(x)) instead of "
-        "branching in Python.",
+        "may have (NOTE: [ifs on random draws alone])."
+    )
+    if layerdrop:
+        raise SPMDCompileError(
+            f"{message} LayerDrop (`if torch.rand([]) < self.layerdrop`) is the usual cause.",
+            hint="set the model's layerdrop to 0 (config.layerdrop, encoder_layerdrop, "
+            "decoder_layerdrop), or select with torch.where(draw < p, x, layer(x)) instead of "
+            "branching in Python.",
+        )
+    raise SPMDCompileError(
+        message,
+        hint="select with torch.where instead of branching in Python: one program computes "
+        "both ways and the draw picks per call (teacher forcing: inp = torch.where("
+        "torch.rand(()) < p, gold, pred)); for a layer skipped on a coin flip (LayerDrop, "
+        "one example: set its layerdrop to 0), torch.where(draw < p, x, layer(x)).",
     )
 
 
@@ -2738,10 +2753,12 @@ def _module_scopes(fqn_of: dict[int, str]) -> Iterator[list[tuple[str, torch.fx.
         _, mark = stack.pop()
         # NOTE: [a batch dimension iterated over]: torch's recurrent layers on (T, B, F)
         recurrent = _layer_label(fqn, module) if isinstance(module, torch.nn.RNNBase) else None
+        hidden = _hidden_shape(module) if isinstance(module, torch.nn.RNNBase) else None
         for node in new_nodes_after(mark, graph):
             node.meta.setdefault(MODULE_FQN, fqn)
             if recurrent is not None:
                 node.meta.setdefault(TIME_MAJOR_RNN, recurrent)
+                node.meta.setdefault(RNN_HIDDEN, hidden)
 
     hooks = [
         torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
@@ -2766,6 +2783,14 @@ def _time_dim(module: torch.nn.Module, value: torch.Tensor) -> int:
     """The dimension of ``value`` that ``module`` reads as time: 1 of a batched input with
     ``batch_first=True`` (``(B, T, F)``), else 0 (``(T, B, F)``, or unbatched ``(T, F)``)."""
     return 1 if getattr(module, "batch_first", False) and value.ndim == 3 else 0
+
+
+def _hidden_shape(module: torch.nn.RNNBase) -> tuple[int, tuple[int, ...]]:
+    """``(num_layers * directions, sizes of the last dimension)`` of the hidden state of
+    ``module`` (an LSTM's ``h`` is ``proj_size`` wide where it has one, its ``c``
+    ``hidden_size``; NOTE: [a hidden state's layers walked])."""
+    layers = module.num_layers * (2 if module.bidirectional else 1)
+    return layers, tuple({module.hidden_size, getattr(module, "proj_size", 0) or module.hidden_size})
 
 
 def _layer_label(fqn: str, module: torch.nn.Module) -> str:

@@ -86,7 +86,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as private
 from ..errors import SPMDCompileError, in_installed_package, node_error, stack_trace_frames
-from ..ir.node_meta import TIME_MAJOR_INPUT, TIME_MAJOR_RNN
+from ..ir.node_meta import RNN_HIDDEN, TIME_MAJOR_INPUT, TIME_MAJOR_RNN
 from .listed_samples import sequences_holding
 
 # op -> the position of its dimension argument and its default
@@ -113,6 +113,9 @@ class IteratedBatch:
     walked: int | None = None
     size: int | None = None
     share: int | None = None
+    # a walk inside a recurrent layer of its hidden state's layers, dimension 0 of a
+    # (num_layers * directions, B, H) value (NOTE: [a hidden state's layers walked])
+    hidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,11 @@ class BatchIterations:
         for m, p in enumerate(value.placements):
             if m in self._mesh_dims and private.is_shard_like(p) and p.dim == dim:
                 ranks *= value.device_mesh.size(m)
-        if self._record(node, node, dim, recurrent, (walked, value.shape[dim], value.shape[dim] // ranks)):
+        share = value.shape[dim] // ranks
+        layers, widths = node.meta.get(RNN_HIDDEN) or (None, ())
+        hidden = recurrent is not None and dim == 0 and value.ndim == 3 and layers in (
+            value.shape[0], share) and value.shape[2] in widths
+        if self._record(node, node, dim, recurrent, (walked, value.shape[dim], share), hidden):
             if key is not None:
                 self._walk_of[key] = len(self.found) - 1
 
@@ -298,7 +305,7 @@ class BatchIterations:
 
     def _record(
         self, node: torch.fx.Node, value: torch.fx.Node, dim: int, layer: str | None,
-        walk: tuple[int, int, int] | None = None,
+        walk: tuple[int, int, int] | None = None, hidden: bool = False,
     ) -> bool:
         """Record ``node``; ``walk``: positions walked, size and one rank's share along
         ``dim``. Whether a record was made (one per set of arguments and kind)."""
@@ -306,7 +313,7 @@ class BatchIterations:
         if arguments and (arguments, layer is None) not in self._seen:
             self._seen.add((arguments, layer is None))
             walked, size, share = walk if walk is not None else (None, None, None)
-            self.found.append(IteratedBatch(node, arguments, dim, layer, walked, size, share))
+            self.found.append(IteratedBatch(node, arguments, dim, layer, walked, size, share, hidden))
             return True
         return False
 
@@ -396,6 +403,7 @@ def check_iterated_batches(
         SPMDCompileError: on real ranks, where a time-major torch recurrent layer walks
             the split dimension.
     """
+    _check_named_time(found, named, split)
     records = [r for r in found if any(not named(a) for a in r.arguments)]
     if not records:
         return
@@ -441,6 +449,20 @@ def check_iterated_batches(
                f" (naming dimension {record.dim} would keep the split this warning is about)")
             + samples + "."
         )
+    # NOTE: [a hidden state's layers walked]: an LSTM's unnamed (h0, c0), split along
+    # dimension 0, is walked there inside the layer; that dimension is its layers
+    # (num_layers * directions), not time, and its batch is dimension 1. The message
+    # said "reads dimension 0 of ... 'hc[0]', 'hc[1]' as time" (sixty-fourth session).
+    # The capture marks what a recurrent layer traces with its hidden state's shape
+    # (``RNN_HIDDEN``); a walk there of dimension 0 of a value of that shape (its
+    # layers as each rank passed it, or in simulation as a whole) is one along layers.
+    hidden = recurrent is not None and recurrent.hidden
+    if hidden and hint is None:
+        hint = (
+            "name the hidden state's batch dimension in the mode: input_batch_dim="
+            + "{" + ", ".join(f"{a!r}: 1" for a in alike or unnamed) + "}"
+            + f"{also}."
+        )
     hint = hint or (
         f"name the batch dimension in the mode: {time_major}input_batch_dim={per_sample} if "
         "dimension 0 is the batch and the step loops over samples."
@@ -458,6 +480,15 @@ def check_iterated_batches(
             + (f" Or the loop runs over the items of the list argument {lists[0]!r}, each "
                "rank's own samples, and the list is what is split wrong: the mode splits its "
                "items as batch tensors." if lists else "")
+        )
+    elif hidden and recurrent is not None:  # NOTE: [a hidden state's layers walked]
+        message = (
+            f"The layer {recurrent.recurrent} walks dimension 0 of a value computed from the "
+            f"step argument(s) {listed}, its hidden state's layers (num_layers * directions: "
+            "the hidden state (h0, c0) is (num_layers * directions, B, H), its batch in "
+            "dimension 1), the dimension the mode splits as the batch (input_batch_dim does "
+            "not name it): on real ranks each rank's share would be read as its part of as "
+            "many times more layers as there are ranks, and the step would train wrong."
         )
     elif recurrent is not None:
         message = (
@@ -483,6 +514,64 @@ def check_iterated_batches(
         f"{error}" + (" (refused on real ranks; simulated ranks are passed the global value, "
                       "which is split right either way)" if recurrent is not None else ""),
         stacklevel=2,
+    )
+
+
+# NOTE: [a named batch dimension read as time]
+# ``input_batch_dim`` names an argument's batch dimension, and the checks above left
+# out every record whose arguments it names: a named dimension was trusted. A batch-first
+# ``(B, T)`` token argument named ``{'x': 1}`` (following a capture failure's hint about
+# a module buffer, not the argument) into an Embedding and a ``batch_first=True`` GRU,
+# which reads dimension 1 as time, compiled with no warning and trained wrong on 2 gloo
+# ranks (losses 2.5453 / 2.4390 / 2.4200 against eager's 2.5536 / 2.4317 / 2.4284,
+# weights 1.5e-2..0.188 relative off; sixty-fourth session). The batch dimension a torch
+# recurrent or attention layer reads as time contradicts the name: either the name or
+# the layer's batch_first is wrong, and nothing here can tell which. Refused, on real
+# ranks and in simulation alike (refusing on real ranks alone would let the two compute
+# differently; in simulation the result is right by accident of DTensor), naming the
+# layer, the argument and both dimensions. The layer's input (its ``TIME_MAJOR_INPUT``
+# mark) and a walk inside the layer count alike (a batch-first input passed straight in
+# is walked after the layer's transpose, along its dimension 0). A name of
+# dimension 0 is left out: it is the default, and the way the warning above offers to
+# say "dimension 0 is the batch" (``input_batch_dim=0`` names every argument so).
+def _check_named_time(
+    found: list[IteratedBatch], named: Callable[[str], bool], split: dict[str, tuple[int, tuple[int, ...]]]
+) -> None:
+    """Refuse a record of a time-major layer reading, as time, the dimension that
+    ``input_batch_dim`` names as the batch of every argument it comes from (NOTE: [a
+    named batch dimension read as time]).
+
+    Raises:
+        SPMDCompileError: where there is one.
+    """
+    record = next(
+        (r for r in found if r.recurrent is not None and r.arguments
+         and all(named(a) and split.get(a, (0,))[0] != 0 for a in r.arguments)),
+        None,
+    )
+    if record is None:
+        return
+    names = ", ".join(
+        f"{a!r} as dimension {split[a][0]}" if a in split else repr(a) for a in record.arguments
+    )
+    zero = "{" + ", ".join(f"{a!r}: 0" for a in record.arguments) + "}"
+    read = "its hidden state's layers" if record.hidden else "time"
+    raise node_error(
+        f"input_batch_dim names the batch of {names}, but the layer {record.recurrent} reads "
+        f"dimension {record.dim} of a value computed from it as {read}: the same dimension "
+        "cannot be both. Split as the batch, each rank's share would be read as its part of "
+        f"{'as many times more layers' if record.hidden else 'a sequence as many times longer'} as there are ranks, and the step would train wrong "
+        "on real ranks.",
+        record.node,
+        hint="a hidden state (num_layers * directions, B, H) has its batch in dimension 1: "
+        "input_batch_dim={" + ", ".join(f"{a!r}: 1" for a in record.arguments) + "}." if record.hidden else (
+            f"if the argument is batch-first ((B, T, ...), what a batch_first=True layer "
+            f"reads), its batch is dimension 0: leave it out of input_batch_dim or name it "
+            f"{zero}; if it is time-major ((T, B, ...)), build the layer with "
+            "batch_first=False. A size mismatch with a module buffer (a hidden state kept on "
+            "the module) is no reason to name another dimension: size the buffer for the "
+            "global batch, or pass it as an argument."
+        ),
     )
 
 

@@ -16,13 +16,14 @@ from .node_meta import (
     MODULE_FQN,
     ORIGIN,
     PHASE,
+    RNN_HIDDEN,
     TIME_MAJOR_INPUT,
     TIME_MAJOR_RNN,
     USER_LINE,
 )
 
 # node.meta keys that follow a value when a graph is re-traced node by node.
-CARRIED_META = (MODULE_FQN, TIME_MAJOR_RNN, TIME_MAJOR_INPUT, USER_LINE, PHASE, ITEM_SNAPSHOT, "stack_trace")
+CARRIED_META = (MODULE_FQN, TIME_MAJOR_RNN, TIME_MAJOR_INPUT, RNN_HIDDEN, USER_LINE, PHASE, ITEM_SNAPSHOT, "stack_trace")
 
 
 def new_nodes_after(mark: torch.fx.Node | None, graph: torch.fx.Graph) -> Iterator[torch.fx.Node]:

@@ -10,6 +10,7 @@ reader can find every writer and reader of a key by its accessor's name.
 | ``MODULE_FQN`` | capture (module forward hooks) | FQN of the innermost module whose forward traced the node |
 | ``TIME_MAJOR_RNN`` | capture (module forward hooks) | ``"'fqn' (Class, batch_first=...)"`` of the ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` whose forward traced the node (a walk there is along time) |
 | ``TIME_MAJOR_INPUT`` | capture (module forward pre-hooks) | ``("'fqn' (Class, batch_first=...)", dim)``: an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` / ``nn.MultiheadAttention`` reads the node's value with time on dimension ``dim`` (0 time-major or unbatched, 1 batch-first) |
+| ``RNN_HIDDEN`` | capture (module forward hooks) | ``(num_layers * directions, hidden sizes)`` of the ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` whose forward traced the node: the shape of its hidden state (NOTE: [a hidden state's layers walked] in ``expand/iterated_batches.py``) |
 | ``USER_LINE`` | capture | ``errors.SourceLocation`` of the train-step line |
 | ``PHASE`` | capture | ``Phase.BACKWARD`` / ``Phase.OPTIMIZER``; absent means forward (and loss) |
 | ``AUTOGRAD`` | capture | True on a node autograd traced (``Tensor.backward``, ``torch.autograd.backward`` / ``grad``): where anomaly detection would check values |
@@ -35,6 +36,7 @@ import torch.fx
 MODULE_FQN = "spmd_module_fqn"
 TIME_MAJOR_RNN = "spmd_time_major_rnn"
 TIME_MAJOR_INPUT = "spmd_time_major_input"
+RNN_HIDDEN = "spmd_rnn_hidden"
 USER_LINE = "spmd_user_line"
 PLACEMENT = "spmd_placement"
 ORIGIN = "spmd_origin"

@@ -64,6 +64,40 @@ def test_more_coin_branches_than_programs_are_refused_on_the_first_call() -> Non
     assert not optim.state
 
 
+class TeacherForcing(nn.Module):
+    """A decoder cell looped over time, fed the gold input or its own prediction on a
+    coin flip per step (teacher forcing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, inp = torch.zeros_like(x), torch.zeros_like(x)
+        for _ in range(MAX_COIN_BRANCHES + 1):
+            h = self.cell(inp, h)
+            inp = x if torch.rand(()) < 0.5 else h
+        return self.head(h)
+
+
+def test_teacher_forcing_coin_branches_are_told_of_torch_where_first() -> None:
+    """A teacher-forcing `if` per time step past the limit was told of LayerDrop first
+    (sixty-fourth session): LayerDrop is no cause here; torch.where comes first, and
+    LayerDrop only as one example."""
+    torch.manual_seed(0)
+    model = TeacherForcing().double()
+    compiled = sc.compile(make_mode("ddp"))(_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, torch.optim.AdamW(model.parameters(), lr=1e-2), *_batch())
+    message = str(info.value)
+    assert f"branches on random draws alone at more than {MAX_COIN_BRANCHES} `if`s" in message
+    assert "is the usual cause" not in message, message
+    hint = message.split("what to do:", 1)[1]
+    assert hint.strip().startswith("select with torch.where"), hint
+    assert hint.index("torch.where") < hint.index("LayerDrop"), hint
+
+
 def test_no_layerdrop_compiles_once() -> None:
     """The refusal's advice: with ``layerdrop=0`` the step draws nothing to branch on."""
     model = _model(MAX_COIN_BRANCHES + 1, layerdrop=0.0)

@@ -458,6 +458,57 @@ def test_a_recurrent_layers_initial_hidden_state_is_named_by_the_way_out() -> No
     assert len(warned) == 1, warned  # the unnamed compile's only
     assert "The layer <root module> (GRU, batch_first=True)" in warned[0]
     assert "input_batch_dim={'h0': 1}" in warned[0]
+    # NOTE: [a hidden state's layers walked]: dimension 0 of h0 is its layers, not time
+    # (the message said "reads dimension 0 of ... 'h0' as time", sixty-fourth session)
+    assert "walks dimension 0 of a value computed from the step argument(s) 'h0', its hidden state's layers" in warned[0]
+    assert "as time" not in warned[0] and "time-major" not in warned[0], warned[0]
+
+
+class TokenLM(nn.Module):
+    """A batch-first language model: Embedding of (B, T) tokens into a batch_first GRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 5)
+        self.rnn = nn.GRU(5, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+@pytest.mark.parametrize("model", ["tokens", "floats"])
+def test_a_named_batch_dimension_a_recurrent_layer_reads_as_time_is_refused(model: str) -> None:
+    """NOTE: [a named batch dimension read as time]: batch-first x named {'x': 1} into a
+    batch_first=True GRU (through an Embedding, or directly) compiled with no warning and,
+    on 2 gloo ranks, trained wrong (weights up to 0.188 relative off, sixty-fourth
+    session). Refused in simulation too, naming the layer, the argument and the
+    dimensions; the model and optimizer as found."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if model == "tokens":
+        net: nn.Module = TokenLM().double()
+        x = torch.randint(0, 11, (BATCH, T), generator=gen)
+    else:
+        net = TimeMajor(batch_first=True).double()
+        x = torch.randn(BATCH, T, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (BATCH, T), generator=gen)
+    optim = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    before = copy.deepcopy(full_state(net, optim, None))
+    compiled = sc.compile(parallel_mode=DataParallel("replicate", input_batch_dim={"x": 1, "y": 1}))(step)
+    with sc.simulate(world_size=WORLD), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(net, optim, x, y)
+    message = str(info.value)
+    assert "input_batch_dim names the batch of 'x' as dimension 1" in message, message
+    # through an Embedding the layer's input is marked (dimension 1); passed directly,
+    # the walk inside the layer is of its transposed (T, B, F) value (dimension 0)
+    assert "(GRU, batch_first=True) reads dimension" in message and "computed from it as time" in message
+    assert "leave it out of input_batch_dim or name it {'x': 0}" in message
+    after = full_state(net, optim, None)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    # left at dimension 0, it trains as eager
+    warned, errors = _train(net, DataParallel("replicate"), batch_first=True) if model == "floats" else ([], {"": 0.0})
+    assert warned == [] and max(errors.values()) < 1e-12, (warned, errors)
 
 
 class EdgeIndexLayer(nn.Module):

@@ -1044,6 +1044,27 @@ def test_split_arguments_hint_names_the_argument_whose_batch_lies_elsewhere():
 
 
 
+def test_split_arguments_hint_names_a_module_buffer_sized_for_a_ranks_share():
+    """NOTE: [batch-sized module state]: a GRU LM's hidden state kept in a buffer sized
+    for the rank's share (1, 4, 6) beside batch-first tokens: "Expected hidden size (1, 8,
+    6), got [1, 4, 6]" on 2 gloo ranks, and the hint suggested input_batch_dim={'x': 1}
+    (the first argument, dimension 1), which trained wrong (sixty-fourth session). It
+    names the buffer, the global size it needs, and suggests no dimension of x."""
+    from spmd_compiler.parallel_modes.batch_dims import split_arguments_hint
+
+    splits = [("x", (4, 3), (8, 3), 0), ("y", (4, 3), (8, 3), 0)]
+    message = "RuntimeError: Expected hidden size (1, 8, 6), got [1, 4, 6]"
+    state = [("parameter 'emb.weight'", (11, 6)), ("module buffer 'h'", (1, 4, 6))]
+    hint = split_arguments_hint(splits, message, state)
+    assert hint is not None and "the size [1, 4, 6] is that of the module buffer 'h' (1, 4, 6)" in hint, hint
+    assert "sized for the global batch" in hint and "(here (1, 8, 6))" in hint, hint
+    assert "input_batch_dim={'x'" not in hint, hint
+    # without the state, nothing says which argument's batch lies elsewhere: none named
+    hint = split_arguments_hint(splits, message)
+    assert hint is not None and "input_batch_dim={'<argument>': <dimension>}" in hint, hint
+    assert "input_batch_dim={'x': 1}" not in hint
+
+
 def test_split_arguments_hint_says_an_int_argument_is_read_as_a_global_value():
     """PyG's ``size=data.num_graphs`` (this rank's 4 graphs) beside labels captured as 8:
     "Expected input batch_size (4) to match target batch_size (8)" on 2 gloo ranks, and
