@@ -94,6 +94,24 @@ def compare_models(model, reference, sim: Simulation | None) -> dict[str, float]
     return compare_states(full_state(model, None, sim), full_state(reference, None, None))
 
 
+def run_against_eager(model, step, mode, batches, *, lr: float, world_size: int = 2):  # noqa: ANN001, ANN201
+    """``step(model, SGD(lr), *batch)`` compiled under ``mode`` on ``world_size``
+    simulated ranks and eagerly on a deep copy, batch by batch: ``(pairs of compiled and
+    eager results, compare_models's differences, the compiled step)``."""
+    import copy
+
+    import spmd_compiler as sc
+
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=lr)
+    compiled = sc.compile(mode)(step)
+    with sc.simulate(world_size=world_size) as sim:
+        pairs = [(compiled(model, optim, *b), step(reference, ref_optim, *b)) for b in batches]
+        differences = compare_models(model, reference, sim)
+    return pairs, differences, compiled
+
+
 def compare_optimizers(optimizer, reference, sim: Simulation | None) -> dict[str, float]:
     """Relative difference of every optimizer-state tensor."""
     empty = torch.nn.Module()

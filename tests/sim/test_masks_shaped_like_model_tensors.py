@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDCompileError
 from spmd_compiler.parallel_modes import make_mode
-from spmd_compiler.tools.parity import compare_models
+from spmd_compiler.tools.parity import run_against_eager
 
 TOL = 1e-12
 FEATURES, CLASSES = 8, 4
@@ -74,17 +74,11 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("kind", ["zeros_like", "new_zeros", "one_hot"])
 def test_a_mask_shaped_like_the_logits_matches_one_device(kind, mode):
     torch.manual_seed(0)
-    model = nn.Linear(FEATURES, CLASSES).double()
-    reference = copy.deepcopy(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
-    step = _adacos_step(kind)
-    compiled = sc.compile(make_mode(mode))(step)
-    with sc.simulate(world_size=2) as sim:
-        for i, (x, y) in enumerate(_batches()):
-            loss, expected = compiled(model, optim, x, y), step(reference, ref_optim, x, y)
-            assert torch.allclose(loss, expected, rtol=TOL, atol=0), f"step {i}"
-        differences = compare_models(model, reference, sim)
+    pairs, differences, compiled = run_against_eager(
+        nn.Linear(FEATURES, CLASSES).double(), _adacos_step(kind), make_mode(mode), _batches(), lr=0.1
+    )
+    for i, (loss, expected) in enumerate(pairs):
+        assert torch.allclose(loss, expected, rtol=TOL, atol=0), f"step {i}"
     assert max(differences.values()) < TOL, differences
     assert compiled.compile_count == 1
 
