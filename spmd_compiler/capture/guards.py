@@ -349,7 +349,10 @@ class Guards:
     every_entry: bool = False
     # id -> (dict, its keys) of each dict whose number of entries is guarded, as these
     # guards were built: NOTE: [attributes a step makes on a counted object]
-    found_keys: dict[int, tuple[dict, frozenset]] = field(default_factory=dict, repr=False)
+    found_keys: dict[int, tuple[dict, frozenset, str]] = field(default_factory=dict, repr=False)
+    # (id of a dict, key) -> the plain container held there as a capture began, noted
+    # with the user's objects in it (``note_found``; NOTE: [contents a step changes in place])
+    found_contents: dict[tuple[int, Any], _Contents] = field(default_factory=dict, repr=False)
     own_names: frozenset[str] | None = field(default=None, repr=False)  # ``_own_names``
     # (name, whether a closure variable, label, its type's name): where the walk met a
     # list or deque the step appends to, unguarded (NOTE: [lists the step appends to and
@@ -367,12 +370,14 @@ class Guards:
         yield from self.entries
         yield from self.links
         yield from (key for kind, _, key, _ in self.entries if kind == _SAME)
+        for noted in self.found_contents.values():  # NOTE: [contents a step changes in place]
+            yield from noted.holders()
 
     def add(self, kind: int, container: Any, key: Any, expected: Any, name: str) -> None:
         if kind == _DICT and _numpy_inside(expected):
             kind = _NUMPY_DICT
         elif kind == _LEN and isinstance(container, dict):
-            self.found_keys.setdefault(id(container), (container, frozenset(container)))
+            self.found_keys.setdefault(id(container), (container, frozenset(container), name))
         self.entries.append((kind, container, key, _snapshot(expected)))
         self.names.append(name)
 
@@ -516,13 +521,20 @@ class Guards:
             if not is_scalar(expected):
                 continue
             value = container.get(key, _MISSING)
-            if _changed_in_place(value, expected):  # NOTE: [contents a step changes in place]
-                _Contents(value, expected).apply()
+            noted = self.found_contents.get((id(container), key))
+            if noted is not None:  # NOTE: [contents a step changes in place]
+                if not noted.matches(value):
+                    set_or_delete(container, key, noted)
+                continue
+            if _changed_in_place(value, expected):
+                _Contents(value, tuple(expected.items()) if type(expected) is dict else tuple(expected)).apply()
                 continue
             if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
                 continue
             container[key] = expected
-        for container, key, _ in self._made():  # NOTE: [attributes a step makes on a counted object]
+        # NOTE: [attributes a step makes on a counted object]; here also those no walked
+        # code names (a refused call leaves none it made)
+        for container, key, _, _ in self._made_plain():
             container.pop(key, None)
 
     def written(self, made: bool = True) -> list[tuple[dict, Any, Any]]:
@@ -537,32 +549,46 @@ class Guards:
         for container, key, expected, _ in self._plain_changes(made):
             set_or_delete(container, key, expected)
 
+    def note_found(self) -> None:
+        """Note each plain container these guards hold in a dict, as it is now, with the
+        user's objects in it (NOTE: [contents a step changes in place]): a capture
+        begins."""
+        self.found_contents = {
+            (id(container), key): _Contents.of(value)
+            for kind, container, key, _ in self.entries
+            if kind == _DICT and isinstance(container, dict)
+            and _plain_container(value := container.get(key, _MISSING))
+        }
+
     def _plain_changes(self, made: bool = True) -> list[tuple[dict, Any, Any, Any]]:
         """(dict, key, value these guards hold, value now) of ``written``'s entries; a
-        value absent then or now is ``_MISSING`` (made or deleted by the step)."""
+        value absent then or now is ``_MISSING`` (made or deleted by the step), a plain
+        container a ``_Contents`` (``note_found``)."""
         out: list[tuple[dict, Any, Any, Any]] = []
         for kind, container, key, expected in self.entries:
             if kind != _DICT or not isinstance(container, dict):
                 continue
             value = container.get(key, _MISSING)
-            if made and _changed_in_place(value, expected):  # NOTE: [contents a step changes in place]
-                out.append((container, key, _Contents(value, expected), _Contents(value, _snapshot(value))))
+            noted = self.found_contents.get((id(container), key))
+            if noted is not None:  # NOTE: [contents a step changes in place]
+                if made and (_writable(value) or _plain_container(value)) and not noted.matches(value):
+                    out.append((container, key, noted, _noted(value)))
                 continue
             if not _writable(expected):
                 continue
-            if not _writable(value) or value is expected or (
-                type(value) is type(expected) and not _unequal(value, expected)
-            ):
+            if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
                 continue
-            out.append((container, key, expected, value))
+            if _writable(value) or (made and _plain_container(value)):  # a new list attribute
+                out.append((container, key, expected, _noted(value)))
         guarded = {(id(container), key) for container, key, _, _ in out}
-        out += [(container, key, _MISSING, value) for container, key, value in (self._made() if made else ())
+        out += [(container, key, _MISSING, _noted(value)) for container, key, value in (self._made() if made else ())
                 if (id(container), key) not in guarded]
         return out
 
     def _made(self) -> list[tuple[dict, Any, Any]]:
         """NOTE: [attributes a step makes on a counted object]
-        (dict, key, value) of each plain value (``_WRITABLE``) now held under a key that a
+        (dict, key, value) of each plain value (``_WRITABLE``, or a list / dict / set /
+        deque of them: ``model.lin.cfg = {}``) now held under a key that a
         dict whose number of entries these guards hold lacked when they were built: an
         attribute the step made (``model.calls = getattr(model, "calls", 0) + 1`` on a
         torch module, whose ``__dict__`` is guarded whole, so the name is not guarded as
@@ -580,14 +606,32 @@ class Guards:
         the sixty-second session's first attempt, reverted for it); a value that is no
         plain one (an object, a tensor the step keeps) is left to whoever made it (NOTE:
         [tensors the step keeps] puts the traced ones back)."""
-        out: list[tuple[dict, Any, Any]] = []
-        for container, keys in self.found_keys.values():
+        return [(container, key, value) for container, key, value, _ in self._made_plain() if key in self._own_names()]
+
+    def made_elsewhere(self) -> list[tuple[str, Any]]:
+        """(where, value) of each plain value made under a key that no code the walk
+        read names (``_made`` leaves it), where the user's code reads attributes through
+        names it computes (``every_entry``): ``setattr(model, name, True)`` read back by
+        ``getattr(model, name, False)``, a set-up no trace of a capture can start
+        without (NOTE: [set-ups a later trace cannot start without] in
+        ``capture/trace.py``)."""
+        if not self.every_entry:
+            return []
+        own = self._own_names()
+        return [(f"{label.removeprefix('the number of attributes of ')}.{key}", value)
+                for _, key, value, label in self._made_plain() if key not in own]
+
+    def _made_plain(self) -> list[tuple[dict, Any, Any, str]]:
+        """(dict, key, value, the dict's label) of each plain value held under a key
+        that a dict whose number of entries these guards hold lacked."""
+        out: list[tuple[dict, Any, Any, str]] = []
+        for container, keys, label in self.found_keys.values():
             if len(container) == len(keys) and container.keys() == keys:
                 continue
             for key in container.keys() - keys:
                 value = container[key]
-                if _writable(value) and key in self._own_names():
-                    out.append((container, key, value))
+                if _writable(value) or _plain_container(value):
+                    out.append((container, key, value, label))
         return out
 
     def _own_names(self) -> frozenset[str]:
@@ -798,36 +842,112 @@ def _writable(value: Any) -> bool:
 
 
 # NOTE: [contents a step changes in place]
-# A list or dict of plain values the step changes in place (``FLAGS["warm"] = True``,
-# ``state[0] = True``, ``self.done = [False]`` then ``self.done[0] = True``) is guarded by
-# its contents (``_snapshot``): a set-up kept so beside an ``if`` on a tensor value ran
-# the first call 10x off eager (0.891 against 0.0891), silently, until the sixty-third
-# session, since the traces of a capture did not start from the contents the call found
-# (``unwrite`` took only plain values). Now each trace starts from them and the capture
-# leaves the contents the program's trace left, set in place (the user's own references
-# see them; the object is never replaced). Such a write is not replayed by later calls
-# of the program (``as_found``: it serves its own call, and the next call, finding the
-# set-up done, compiles the other way).
+# A list, dict, set or deque of plain values the step changes in place (``FLAGS["warm"] =
+# True``, ``state[0] = True``, ``DONE.add("warm")``, ``CFG["warmup"]["done"] = True``) is
+# guarded by its contents (``_snapshot``): a set-up kept so beside an ``if`` on a tensor
+# value ran the first call 10x off eager (0.891 against 0.0891), silently, until the
+# sixty-third session, since the traces of a capture did not start from the contents the
+# call found (``unwrite`` took only plain values). Each capture notes, as it starts
+# (``Guards.note_found``), each such container the guards hold with the user's objects in
+# it (``_Contents``: the container and its items, a nested list / dict / set / deque as a
+# ``_Contents`` of its own); each trace starts from them, set back in place, recursively,
+# the user's inner objects kept (``CFG["warmup"]`` stays the dict the user holds), and the
+# capture leaves the contents the program's trace left, noted the same way. Until the
+# sixty-fourth session only flat lists and dicts were (a nested flag, a set, a new list
+# attribute: the first call 10x off eager, silently; an earlier attempt set back deep
+# copies, which replaced the user's inner dicts). Such a write is not replayed by later
+# calls of the program (``as_found``: it serves its own call, and the next call, finding
+# the set-up done, compiles the other way).
+_MUTABLE = (list, dict, set, collections.deque)
 
 
-@dataclass(frozen=True)
+def _plain_container(value: Any) -> bool:
+    """A list, dict, set or deque (exactly: a subclass may read its own way) of plain values."""
+    return type(value) in _MUTABLE and is_scalar(value)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class _Contents:
-    """The list or dict ``obj`` the step changed in place, and the items to set in it."""
+    """A plain container ``obj`` and the items it held when noted: a nested plain
+    container as a ``_Contents`` of its own, so that setting it back keeps the objects."""
 
     obj: Any
-    items: Any
+    items: tuple[Any, ...]
+
+    @staticmethod
+    def of(value: Any) -> _Contents:
+        if type(value) is dict:
+            items: tuple[Any, ...] = tuple((k, _noted(v)) for k, v in dict.items(value))
+        elif type(value) is list:
+            items = tuple(map(_noted, list.__iter__(value)))
+        else:  # a set or deque: hashable / immutable scalars
+            items = tuple(value)
+        return _Contents(value, items)
 
     def apply(self) -> None:
-        if isinstance(self.obj, list):
-            list.__setitem__(self.obj, slice(None), list.__iter__(self.items))
+        """Set ``obj``'s items back, and those of the containers in it."""
+        obj = self.obj
+        if type(obj) is dict:
+            dict.clear(obj)
+            dict.update(obj, ((k, _object(v)) for k, v in self.items))
+        elif type(obj) is list:
+            list.__setitem__(obj, slice(None), [_object(v) for v in self.items])
+        elif type(obj) is set:
+            set.clear(obj)
+            set.update(obj, self.items)
         else:
-            dict.clear(self.obj)
-            dict.update(self.obj, dict.items(self.items))
+            obj.clear()
+            obj.extend(self.items)
+        for item in self.items if type(obj) in (list, dict) else ():
+            item = item[1] if type(obj) is dict else item
+            if isinstance(item, _Contents):
+                item.apply()
+
+    def holders(self) -> Iterator[Any]:
+        """The objects by which this note holds the user's (``Guards.held_in``)."""
+        yield self
+        yield self.items
+        for item in self.items:
+            yield item
+            if type(item) is tuple:  # a dict's (key, item)
+                item = item[1]
+            if isinstance(item, _Contents):
+                yield from item.holders()
+
+    def matches(self, value: Any) -> bool:
+        """Whether ``value`` is ``obj`` holding these items (the inner objects the same)."""
+        if value is not self.obj:
+            return False
+        if type(value) is dict:
+            return len(value) == len(self.items) and all(
+                k2 == k and _same_item(dict.__getitem__(value, k2), v)
+                for (k, v), k2 in zip(self.items, dict.keys(value), strict=False)
+            )
+        if type(value) is list:
+            return len(value) == len(self.items) and all(map(_same_item, list.__iter__(value), self.items))
+        if type(value) is set:
+            return not _unequal(value, set(self.items))
+        return len(value) == len(self.items) and not _unequal(list(value), list(self.items))
+
+
+def _noted(value: Any) -> Any:
+    return _Contents.of(value) if type(value) in _MUTABLE else value
+
+
+def _object(item: Any) -> Any:
+    return item.obj if isinstance(item, _Contents) else item
+
+
+def _same_item(value: Any, noted: Any) -> bool:
+    if isinstance(noted, _Contents):
+        return noted.matches(value)
+    return value is noted or (type(value) is type(noted) and not _unequal(value, noted))
 
 
 def _changed_in_place(value: Any, expected: Any) -> bool:
-    """Whether ``value``, a list or dict of plain values guarded by a copy ``expected``
-    of its contents, was changed in place (NOTE: [contents a step changes in place])."""
+    """Whether ``value``, a flat list or dict of plain values guarded by a copy
+    ``expected`` of its contents, was changed in place (NOTE: [contents a step changes in
+    place]): what a refused capture sets back where no ``_Contents`` was noted."""
     return (
         type(value) in (list, dict) and type(expected) is type(value) and value is not expected
         and all(isinstance(item, _WRITABLE) for item in (expected.values() if isinstance(expected, dict) else expected))
@@ -837,11 +957,13 @@ def _changed_in_place(value: Any, expected: Any) -> bool:
 
 def set_or_delete(container: dict, key: Any, value: Any) -> None:
     """``container[key] = value``, or remove ``key`` where ``value`` is absence, or set
-    the contents of a list or dict in place (``_Contents``)."""
+    the contents of a plain container back in place (``_Contents``), and it at ``key``."""
     if value is _MISSING:
         container.pop(key, None)
     elif isinstance(value, _Contents):
         value.apply()
+        if container.get(key, _MISSING) is not value.obj:
+            container[key] = value.obj
     else:
         container[key] = value
 

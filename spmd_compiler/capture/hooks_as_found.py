@@ -28,7 +28,8 @@ walk goes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,6 +68,10 @@ class HooksAsFound:
             dicts += _hook_dicts(opt)
         self.dicts = dicts
         self.modules = list(modules.values())
+        # each module attribute holding a hook's handle (``self.h = register_...``), which
+        # a step removing the hook sets to None: put back with the hooks
+        self.handles = [(vars(sub), key, value) for sub in self.modules for key, value in vars(sub).items()
+                        if isinstance(value, torch.utils.hooks.RemovableHandle)]
         self.found = self.now()
         # NOTE: [state registered in the step]: each module's parameter and buffer tables
         self.tables: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = [
@@ -76,6 +81,9 @@ class HooksAsFound:
         ]
         self.non_persistent = [(sub, set(names)) for sub in self.modules
                                if isinstance(names := vars(sub).get("_non_persistent_buffers_set"), set)]
+        # id -> (module, its user's hooks) at its first call in the trace running
+        # (``calls_noted``; NOTE: [set-ups a later trace cannot start without] in trace.py)
+        self.called: dict[int, tuple[torch.nn.Module, _ModuleHooks]] = {}
 
     def now(self) -> HookState:
         """The user's hooks now: the items of each hook dict but the compiler's own
@@ -101,6 +109,9 @@ class HooksAsFound:
         for sub, flag in flags:
             if vars(sub).get(_FULL_BACKWARD) is not flag:
                 vars(sub)[_FULL_BACKWARD] = flag
+        for d, key, handle in self.handles if state is None else ():
+            if d.get(key) is not handle:
+                d[key] = handle
 
     def put_back_tables(self) -> None:
         """Set each module's parameter and buffer tables whose names a refused step
@@ -123,10 +134,59 @@ class HooksAsFound:
         return any(len(a) != len(b) or any(ka != kb or va is not vb for (ka, va), (kb, vb) in zip(a, b, strict=True))
                    for (_, a), (_, b) in zip(now, found, strict=True))
 
+    @contextlib.contextmanager
+    def calls_noted(self) -> Iterator[None]:
+        """While it runs, note the user's forward / backward hooks of each module these
+        hook dicts follow as it is first called in a trace (``called``, emptied by
+        ``changed_after_call``): a dict lookup per module call, while tracing only."""
+        followed = {id(sub) for sub in self.modules}
+        called = self.called
+
+        def note_call(module: torch.nn.Module, args: Any) -> None:
+            if id(module) in followed and id(module) not in called:
+                called[id(module)] = (module, _module_hooks(module))
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(note_call)
+        try:
+            yield
+        finally:
+            handle.remove()
+            called.clear()
+
+    def changed_after_call(self) -> tuple[torch.nn.Module, str, Any, bool] | None:
+        """(module, hook dict, hook, whether registered) of a user's forward / backward
+        hook that a module called in the trace that ended had not at its first call but
+        has now (registered after the module ran), or had then but not now (removed);
+        None if none. Starts the notes of the next trace."""
+        try:
+            for module, then in self.called.values():
+                now = _module_hooks(module)
+                if now == then:
+                    continue
+                for (name, was), (_, is_) in zip(then, now, strict=True):
+                    changed = [(hook, (key, hook) in is_) for key, hook in (*was, *is_)
+                               if (key, hook) not in was or (key, hook) not in is_]
+                    if changed:
+                        return module, name, *changed[0]
+            return None
+        finally:
+            self.called.clear()
+
     def _our_keys(self) -> set[Any]:
         """The handle ids of the compiler's own hooks in the dicts (a hook's id keys it
         in its ``with_kwargs`` / ``always_call`` dicts too)."""
         return {k for d in self.dicts for k, v in d.items() if _ours(v)}
+
+
+_FORWARD_BACKWARD = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# each forward / backward hook dict's name and its user's (key, hook) items
+_ModuleHooks = tuple[tuple[str, tuple[tuple[Any, Any], ...]], ...]
+
+
+def _module_hooks(module: torch.nn.Module) -> _ModuleHooks:
+    d = vars(module)
+    return tuple((name, tuple((k, v) for k, v in hooks.items() if not _ours(v)))
+                 for name in _FORWARD_BACKWARD if isinstance(hooks := d.get(name), dict))
 
 
 def _ours(hook: Any) -> bool:

@@ -1817,6 +1817,9 @@ _TRACE_STARTS: list[Any] = []
 # the capture's own (its module hooks naming scopes, installed around each trace) left
 _HOOK_STARTS: list[HooksAsFound | None] = []
 _HOOKS_CHANGED: list[bool] = []  # beside them: a trace of the capture changed the user's hooks
+# beside them: the refusal of NOTE: [set-ups a later trace cannot start without], kept (the
+# ways of a value check go on past a capture's own errors) and raised as the capture ends
+_SET_UPS_REFUSED: list[SPMDCompileError | None] = []
 
 
 @contextlib.contextmanager
@@ -1825,16 +1828,21 @@ def traces_start_from(found: Any, hooks: HooksAsFound | None = None) -> Iterator
     ``hooks``: the hook dicts as it found them (NOTE: [hooks each trace starts from]).
     The user's cached functions ``found`` reached are called through meanwhile (NOTE:
     [the user's cached functions at capture])."""
+    found.note_found()  # NOTE: [contents a step changes in place]
     _TRACE_STARTS.append(found)
     _HOOK_STARTS.append(hooks)
     _HOOKS_CHANGED.append(False)
+    _SET_UPS_REFUSED.append(None)
     try:
-        with user_caches_called_through(found.cached_functions()):
+        with user_caches_called_through(found.cached_functions()), (
+            hooks.calls_noted() if hooks is not None else contextlib.nullcontext()
+        ):
             yield
     finally:
         _TRACE_STARTS.pop()
         _HOOK_STARTS.pop()
         _HOOKS_CHANGED.pop()
+        _SET_UPS_REFUSED.pop()
 
 
 def _hooks_put_back() -> bool:
@@ -1845,9 +1853,9 @@ def _hooks_put_back() -> bool:
     after ``self.h.remove()``): putting the hook back without them made later traces
     skip the set-up and lose the hook, or keep a hook the step removes (a review: losses
     2x eager's). Such a capture's traces start as before the sixty-third session: from
-    the plain values the call found, the rest as the earlier trace left it (a set-up
-    registering a hook beside an ``if`` on a tensor value runs the first call with the
-    hook: README Limitations)."""
+    the plain values the call found, the rest as the earlier trace left it: right where
+    the hook was registered before its module ran, refused where after (NOTE: [set-ups
+    a later trace cannot start without])."""
     return not (_HOOKS_CHANGED and _HOOKS_CHANGED[-1])
 
 
@@ -1857,7 +1865,7 @@ def _note_hook_changes() -> None:
         _HOOKS_CHANGED[-1] = True
 
 
-def _start_as_found() -> None:
+def _start_as_found(func: Callable[..., Any] | None = None) -> None:
     """NOTE: [a step that changes what it reads], NOTE: [hooks each trace starts from]
     A trace starts from the Python values and the hooks the call found. A one-time
     set-up that registers a hook beside its flag (``if not hasattr(self, "hooked"):
@@ -1868,13 +1876,89 @@ def _start_as_found() -> None:
     Until the sixty-third session the flag was not put back either (an attribute made
     on a torch module, NOTE: [attributes a step makes on a counted object]): the hook
     a first trace registered ran in the second, whose program served the first call
-    (0.62 against 0.47)."""
+    (0.62 against 0.47). ``func``: the step, where a trace starts (not where the capture
+    leaves the values: ``_leave_written``)."""
     _note_hook_changes()  # by the trace before, stopped at an `if` or complete
     whole = _hooks_put_back()
+    _refuse_set_ups_not_put_back(func, whole)
     if _TRACE_STARTS:
         _TRACE_STARTS[-1].unwrite(made=whole)
     if whole and _HOOK_STARTS and _HOOK_STARTS[-1] is not None:
         _HOOK_STARTS[-1].put_back()
+
+
+# NOTE: [set-ups a later trace cannot start without]
+# Where a trace of the capture changed what no rule here sets back for the next, that
+# trace starts from other values than the call found, and its program (the one that
+# runs the first call) computes other numbers than eager's first call. Two such changes
+# are refused at the start of the trace after, naming what changed and where:
+# - a user's forward / backward hook registered or removed on a module after the module
+#   ran in the trace (``HooksAsFound.calls_noted``): the trace ran the module as eager's
+#   first call does, without the hook, and the next would run it with the hook, which
+#   the program of the first call then ran (loss 2.80 against eager's 1.46, silently,
+#   until the sixty-fourth session). Hooks registered before the module runs (beside a
+#   flag) start the next trace as they are: it runs the module as the first did;
+# - a plain value made under a name no code the walk read names, where the user's code
+#   computes attribute names (``setattr(model, name, True)``, read back by ``getattr``:
+#   ``Guards.made_elsewhere``): a library's flag made beside its hooks is no set-up to
+#   remove (NOTE: [attributes a step makes on a counted object]), and this one cannot be
+#   told from it (the first call 10x off eager before, silently).
+# A capture of one trace checks nothing but an empty record and the sizes of the dicts
+# its guards count; the hooks are noted by a global forward pre-hook while tracing.
+
+
+def _refuse_set_ups_not_put_back(func: Callable[..., Any] | None, whole: bool) -> None:
+    """NOTE: [set-ups a later trace cannot start without]: refuse a trace's start from
+    what the trace before changed and no rule sets back (``func`` None: the capture
+    ends, and raises a refusal kept)."""
+    if not _SET_UPS_REFUSED:
+        return
+    if _SET_UPS_REFUSED[-1] is not None:
+        raise _SET_UPS_REFUSED[-1]
+    if func is None:
+        return
+    try:
+        _refuse_set_ups_changed(func, whole)
+    except SPMDCompileError as exc:
+        _SET_UPS_REFUSED[-1] = exc
+        raise
+
+
+def _refuse_set_ups_changed(func: Callable[..., Any], whole: bool) -> None:
+    hooks = _HOOK_STARTS[-1] if _HOOK_STARTS else None
+    changed = hooks.changed_after_call() if hooks is not None else None
+    if changed is not None:
+        module, kind, hook, registered = changed
+        fn = getattr(hook, "func", hook)
+        code = getattr(fn, "__code__", None)
+        named = getattr(fn, "__qualname__", type(fn).__qualname__) + (
+            f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else "")
+        raise SPMDCompileError(
+            f"The train step {'registers' if registered else 'removes'} a hook of a {type(module).__name__} "
+            f"({kind.strip('_').replace('_', ' ')[:-1]} {named}) after that module ran, beside an "
+            "`if` on a tensor value: the capture traces the step once for each way of such "
+            "an `if`, each from what the call found, and the trace after this one would "
+            "run the module with the hook changed, which eager's first call does not "
+            "(NOTE: [set-ups a later trace cannot start without]).",
+            user_line=step_where(func),
+            hint="make the set-up before the first call (register or remove the hook "
+            "outside the compiled step), or register it in the step before the module "
+            "runs; a hook registered or removed between calls recompiles the step.",
+        )
+    made = _TRACE_STARTS[-1].made_elsewhere() if whole and _TRACE_STARTS else []
+    if made:
+        where, value = made[0]
+        raise SPMDCompileError(
+            f"The train step makes {where} = {value!r} through a name its code computes, "
+            "beside an `if` on a tensor value: the capture traces the step once for each "
+            "way of such an `if`, each from what the call found, and cannot tell this "
+            "value from a library's own flag to leave, so the trace after this one would "
+            "start from it (NOTE: [set-ups a later trace cannot start without]).",
+            user_line=step_where(func),
+            hint="make the set-up before the first call (set the attribute outside the "
+            "compiled step, or give it a value there first), or name the attribute in the "
+            "step's code (getattr(model, 'warm', False)).",
+        )
 
 
 def _leave_written(tracer: _StepTracer) -> None:
@@ -1934,7 +2018,7 @@ class _StepTracer:
         mark_gradients(self._params)
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
-        _start_as_found()  # NOTE: [a step that changes what it reads]
+        _start_as_found(self.func)  # NOTE: [a step that changes what it reads]
         b = self.bindings
         values = dict(zip(self.refs, flat, strict=True))
         params = {r.name: v for r, v in values.items() if r.kind is Kind.PARAM}
