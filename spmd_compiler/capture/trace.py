@@ -124,6 +124,7 @@ from .grad_scalers import (
     unbound_scaler_error,
 )
 from .gradients import mark_gradients
+from .group_writes import LR_WRITE_HINT, GroupWritesSeen, MomentumGroupWritesSeen, written_at
 from .guards import set_or_delete
 from .hooks_as_found import HooksAsFound, HookState
 from .kept_tensors import KeptTensor, KeptTensors, refuse_kept_read_back
@@ -2432,7 +2433,8 @@ def _swap_optimizer(
     """Point ``opt`` at traced parameters, state and learning rates; restore on exit."""
     saved_groups, saved_state = opt.param_groups, opt.state
     lr_setting = lr_may_become_a_setting(opt)  # NOTE: [a learning rate read in Python]
-    groups, by_param = [], {}
+    groups: list[dict[str, Any]] = []
+    by_param: dict[str, tuple[int, torch.Tensor]] = {}
     for gi, group in enumerate(saved_groups):
         new = dict(group)
         new["params"] = [params[b.param_name(p)] for p in group["params"]]
@@ -2444,9 +2446,6 @@ def _swap_optimizer(
         beta1 = values.get(StateRef(Kind.HYPERPARAM, key=BETA1, optimizer=oi, group=gi))
         if beta1 is not None:  # NOTE: [Adam's beta1 as a graph input]
             new["betas"] = (beta1, group["betas"][1])
-        momentum = values.get(StateRef(Kind.HYPERPARAM, key=MOMENTUM, optimizer=oi, group=gi))
-        if momentum is not None:  # NOTE: [SGD's momentum as a graph input]
-            new = MomentumGroup(new, CycledValue(group[MOMENTUM], momentum, oi))
         # NOTE: [capture in two traces] explains these three flags.
         if "capturable" in new:
             new["capturable"] = True
@@ -2454,7 +2453,12 @@ def _swap_optimizer(
             new["foreach"] = False
         if new.get("fused"):
             new["fused"] = False
-        groups.append(new)
+        # the step's writes from here on keep their lines (NOTE: [lines of param-group writes])
+        momentum = values.get(StateRef(Kind.HYPERPARAM, key=MOMENTUM, optimizer=oi, group=gi))
+        if momentum is not None:  # NOTE: [SGD's momentum as a graph input]
+            groups.append(MomentumGroupWritesSeen(new, CycledValue(group[MOMENTUM], momentum, oi)))
+        else:
+            groups.append(GroupWritesSeen(new))
     # what the capture set in each traced group, to refuse the step's own writes to it
     # (NOTE: [param-group writes in the step]); dict's own methods: not a read (MomentumGroup)
     set_groups = [{k: dict.__getitem__(g, k) for k in dict.keys(g)} for g in groups]
@@ -2568,7 +2572,7 @@ class _GroupValuesWrittenInPlace(TorchFunctionMode):
                             f"['{key}'] in place ({name}, as `g['lr'] *= 0.5` runs; an LR scheduler "
                             "stepped, or the learning rate set, inside the compiled step?).",
                             user_line=innermost_model_frame_of_stack(),
-                            hint=SCHEDULER_HINT,
+                            hint=LR_WRITE_HINT,
                         )
         return func(*args, **kwargs)
 
@@ -2652,33 +2656,46 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
     groups as they were: a compiled step runs no Python, so it cannot repeat the write.
     Settings changed between calls, outside the step, are read by the next call (AdamW's
     weight decay halved between 4 calls: within 1.7e-16 of eager, a program per value).
+    The learning rate set in the step (nanoGPT's ``g["lr"] = lr`` before its micro-batch
+    loop) is refused too, not replayed as a scheduler is: no Python runs to compute the
+    value again, and one computed from an ``int`` argument (a guard) would compile a
+    program per call; the hint gives the form that compiles once, the rate set before
+    the call (a graph input). Each refusal names the line of the write (NOTE: [lines of
+    param-group writes] in ``group_writes.py``).
     """
     for gi, group in enumerate(groups):
         lr = learning_rate_of(group["lr"])  # NOTE: [schedulers stepped in the step]
         # a setting: the number the capture left there (NOTE: [a learning rate read in Python])
         was_lr = values.get(StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi), set_groups[gi].get("lr"))
         if lr is not was_lr:
+            where = written_at(group, ["lr"])  # NOTE: [lines of param-group writes]
             raise SPMDCompileError(
-                f"The train step changes optimizer[{oi}].param_groups[{gi}]['lr'] "
-                "(an LR scheduler stepped, or the learning rate set, inside the compiled "
-                "step?).",
-                hint=SCHEDULER_HINT,
+                f"The train step changes optimizer[{oi}].param_groups[{gi}]['lr']"
+                + (" (the learning rate set inside the compiled step): a compiled step runs "
+                   "no Python after capture, so the write would happen once, on the traced "
+                   "copy of the group." if where is not None else
+                   " (an LR scheduler stepped, or the learning rate set, inside the compiled "
+                   "step?)."),
+                user_line=where,
+                hint=LR_WRITE_HINT,
             )
         was = set_groups[gi]
         changed = sorted(
-            repr(k) for k in {*dict.keys(group), *was}
-            if k not in ("params", "lr") and (
-                k not in was or k not in dict.keys(group)
-                or learning_rate_of(dict.__getitem__(group, k)) is not was[k]
-            )
+            (k for k in {*dict.keys(group), *was}
+             if k not in ("params", "lr") and (
+                 k not in was or k not in dict.keys(group)
+                 or learning_rate_of(dict.__getitem__(group, k)) is not was[k]
+             )),
+            key=repr,
         )
         if changed:
             raise SPMDCompileError(
                 f"The train step, or the optimizer's own step(), writes "
-                f"optimizer[{oi}].param_groups[{gi}][{', '.join(changed)}] "
+                f"optimizer[{oi}].param_groups[{gi}][{', '.join(map(repr, changed))}] "
                 f"({type(opt).__name__}): a compiled step runs no Python after capture, so "
                 "the write would happen once, on the traced copy of the group, and never "
                 "on later calls (NOTE: [param-group writes in the step]).",
+                user_line=written_at(group, changed),  # NOTE: [lines of param-group writes]
                 hint="change param-group settings outside the compiled step, between calls "
                 "(the next call reads them; a setting other than the learning rate compiles "
                 "a program per value), or use an LR scheduler for the learning rate; "

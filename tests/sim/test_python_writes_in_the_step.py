@@ -8,7 +8,8 @@
   argument still come back after every call, equal to eager's (float64, 1e-12).
 - NOTE: [param-group writes in the step]: a write to a param group other than ``lr``
   (``weight_decay``, ``betas``, ``momentum``, a custom key, a new key) landed in the
-  traced copy of the group and was dropped silently. Refused now, as ``lr`` is.
+  traced copy of the group and was dropped silently. Refused now, as ``lr`` is, naming
+  the line of the write (NOTE: [lines of param-group writes]).
 
 A refused step leaves the model, the optimizer (groups and state) and the argument as
 they were.
@@ -202,6 +203,8 @@ def test_a_param_group_write_in_the_step_is_refused(mode, key):
     ) as err:
         step(model, optim, *_batches(1)[0])
     assert "param-group writes in the step" in str(err.value)
+    # the line of the write (NOTE: [lines of param-group writes])
+    assert f"{__file__}:{write.__code__.co_firstlineno + 1}" in str(err.value), str(err.value)
     _assert_untouched(model, optim, before)
 
 

@@ -1,0 +1,65 @@
+"""The lines of the train step that write into a traced param group.
+
+NOTE: [lines of param-group writes]
+A write into a param group inside the step is refused after the trace (NOTE:
+[param-group writes in the step] in ``trace.py``), when the write itself is over: the
+refusal of nanoGPT's ``for g in opt.param_groups: g["lr"] = lr`` before its micro-batch
+loop named no line of the step, unlike the project's other refusals (a probe,
+2027-01). The traced groups are ``GroupWritesSeen`` dicts: each ``group[key] = value``,
+``del group[key]`` and ``group.update(...)`` keeps the line of the user's code that ran
+it (the innermost frame outside torch and this package: the step's line, or a custom
+optimizer's ``step()``), the last one per key, and the refusal names it. The capture's
+own writes bypass it (``dict.__setitem__``, or made before the group is wrapped); a
+write by other means (``setdefault``, ``pop``) is still refused, without a line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import SourceLocation, innermost_model_frame_of_stack
+from .optimizers import MomentumGroup
+
+# The hint of a refused learning-rate write in the step.
+LR_WRITE_HINT = (
+    "set the learning rate outside the compiled step, before calling it, computed there: "
+    "`lr = get_lr(it)`, `for g in opt.param_groups: g['lr'] = lr`, then "
+    "`loss = step(model, opt, x)`. The learning rate is an input of the compiled program, read from the param group on every call, so a new "
+    "value each call costs no recompile (with torch.optim's optimizers). An LR scheduler's "
+    "scheduler.step() may also stay in the step: the compiled step replays it."
+)
+
+
+class _WritesSeen:
+    """Mixin of a traced param group (a dict): the line of the last write of each key."""
+
+    def lines(self) -> dict[Any, SourceLocation | None]:
+        return self.__dict__.setdefault("_written_at", {})
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.lines()[key] = innermost_model_frame_of_stack()
+        super().__setitem__(key, value)  # type: ignore[misc]
+
+    def __delitem__(self, key: Any) -> None:
+        self.lines()[key] = innermost_model_frame_of_stack()
+        super().__delitem__(key)  # type: ignore[misc]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        where = innermost_model_frame_of_stack()
+        entries = dict(*args, **kwargs)
+        self.lines().update(dict.fromkeys(entries, where))
+        super().update(entries)  # type: ignore[misc]
+
+
+class GroupWritesSeen(_WritesSeen, dict):
+    """A traced param group that keeps the lines of its writes (see the NOTE)."""
+
+
+class MomentumGroupWritesSeen(_WritesSeen, MomentumGroup):
+    """A ``MomentumGroup`` that keeps the lines of its writes (see the NOTE)."""
+
+
+def written_at(group: Any, keys: list[Any]) -> SourceLocation | None:
+    """The line of the last write of the first of ``keys`` the step wrote, or None."""
+    lines = group.lines() if isinstance(group, _WritesSeen) else {}
+    return next((lines[k] for k in keys if lines.get(k) is not None), None)
