@@ -365,7 +365,21 @@ def _check_module_type(style: Style, module: nn.Module, fqn: str) -> None:
         )
     if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not _styled_layer(module):
         child = _wrapped_layer(module)
-        hint = "plan only Linear/Conv1D/Embedding modules with Colwise/Rowwise styles."
+        # what to do instead, not only what is allowed (sixty-fifth session: an
+        # EmbeddingBag was told "plan only Linear/Conv1D/Embedding" and nothing more)
+        hint = (
+            "plan only Linear/Conv1D/Embedding modules with Colwise/Rowwise styles; a module "
+            "left out of the plan stays replicated (whole on every tp rank) and trains as on "
+            "one device."
+        )
+        if isinstance(module, nn.EmbeddingBag):
+            hint += (
+                " To shard the bag's table, write it as an nn.Embedding over the 2-D ids "
+                "(batch, bag) followed by .sum(1) / .mean(1) / .amax(1) over the bag "
+                "dimension (per_sample_weights: multiply the rows by the weights before the "
+                "sum; padding ids masked out): that compiles exactly under ColwiseParallel "
+                "and RowwiseParallel (docs/modes/tensor_parallel.md, EmbeddingBag)."
+            )
         if child is not None:
             hint = (
                 f"plan the layer it wraps instead: '{fqn}.{child}' (a "

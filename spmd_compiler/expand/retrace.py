@@ -139,8 +139,16 @@ def _batch_hint(argument: str, size: int, n: int) -> str:
     shape (1, S)), which holds no batch. An item of a list may be one sample's (a
     torchvision target's boxes), which no name of the item makes right (NOTE: [a list
     of samples split as batch tensors] in ``expand/listed_samples.py``)."""
+    # the data-loading advice first (a partial last batch of 7 on 2 ranks is the common
+    # case; README's Limitations promised it, the message gave only input_batch_dim;
+    # sixty-fifth session): drop it, or pad it with rows that add nothing to the loss
+    padded = -(-size // n) * n
     split = (
-        f"use a global batch that is a multiple of {n} (each rank gets an equal share)"
+        f"use a global batch that is a multiple of {n} (each rank gets an equal share): a "
+        f"batch_size that is a multiple of {n}, and for a partial last batch, drop it "
+        f"(DataLoader(drop_last=True)) or pad it to {padded} rows with a mask or zero "
+        f"weights so that the padded rows add nothing to the loss (divide by the count of "
+        f"real rows). Programs compiled for other batch shapes keep working"
     )
     none, other = f"input_batch_dim={{{argument!r}: None}}", f"input_batch_dim={{{argument!r}: 1}}"
     lists = sequences_holding(argument)
@@ -155,12 +163,12 @@ def _batch_hint(argument: str, size: int, n: int) -> str:
         return sample + (
             f"if this argument is broadcast over the batch (size 1) or holds no batch (a step "
             f"counter torch.tensor([i]), a temperature of shape (1,)): say so "
-            f"with {none}, and every rank reads it whole. If it is a batch, {split}; if its "
+            f"with {none}, and every rank reads it whole. If it is a batch, {split}. If its "
             f"batch lies in another dimension, {other}."
         )
     return sample + (
-        f"{split}. If this argument's batch lies in another dimension, or it holds no batch, "
-        f"say so: {other} or {{{argument!r}: None}}."
+        f"{split}. Only if this argument holds no batch (per-feature weights, a step "
+        f"counter), or its batch lies in another dimension, say so: {none} or {other}."
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -486,6 +487,82 @@ def test_a_wrapped_linear_is_named_with_its_class_path_and_the_layer_it_wraps(ru
     wrapped = {"up.base_layer": ColwiseParallel(), "down.base_layer": RowwiseParallel()}
     result = run_parity(lambda: _AdaptedMLP().double(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2,
                         batches, step=_sum_step, mode=TensorParallel(wrapped))
+    result.assert_close(1e-10)
+
+
+class _Bags(nn.Module):
+    """Bags of 3 ids (0 pads) pooled by ``mode``, as an nn.EmbeddingBag or as the
+    nn.Embedding the refusal's hint spells, then a planned MLP."""
+
+    def __init__(self, mode: str, as_embedding: bool) -> None:
+        super().__init__()
+        self.mode, self.as_embedding = mode, as_embedding
+        if as_embedding:
+            self.emb = nn.Embedding(12, 8, padding_idx=0)
+        else:
+            self.emb = nn.EmbeddingBag(12, 8, mode=mode, padding_idx=0)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.as_embedding:
+            bags = self.emb(ids)
+        elif self.mode == "sum":
+            bags = self.emb(ids).sum(1)
+        elif self.mode == "mean":
+            bags = self.emb(ids).sum(1) / (ids != 0).sum(1, keepdim=True).clamp(min=1)
+        else:
+            bags = self.emb(ids).masked_fill((ids == 0).unsqueeze(-1), float("-inf")).amax(1)
+        return self.down(torch.relu(self.up(bags)))
+
+
+def _bag_batches() -> list[tuple[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randint(1, 12, (4, 3), generator=gen).index_fill_(1, torch.tensor([2]), 0),)
+            for _ in range(2)]
+
+
+@pytest.mark.parametrize("style", [RowwiseParallel(input_layouts=Replicate()),
+                                   ColwiseParallel(output_layouts=Replicate())], ids=["rowwise", "colwise"])
+def test_an_embedding_bag_in_the_plan_is_told_what_to_plan_instead(style) -> None:
+    """torch's styles do not shard nn.EmbeddingBag (parallelize_module refuses it too); the
+    hint said only "plan only Linear/Conv1D/Embedding modules" (sixty-fifth session). It
+    says that a module left out of the plan stays replicated, and how to write the bag as
+    an nn.Embedding, which the two tests below train exactly."""
+    model = _Bags("sum", as_embedding=False).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+    with sc.simulate(2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile(TensorParallel({"emb": style}))(_sum_step)(model, optim, *_bag_batches()[0])
+    assert "module 'emb' is a torch.nn.modules.sparse.EmbeddingBag" in info.value.message
+    hint = info.value.hint or ""
+    assert "a module left out of the plan stays replicated" in hint, hint
+    assert "write it as an nn.Embedding over the 2-D ids (batch, bag) followed by .sum(1) / .mean(1) / " \
+        ".amax(1) over the bag dimension" in hint, hint
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_an_embedding_bag_left_out_of_the_plan_trains_replicated(run_parity) -> None:
+    result = run_parity(lambda: _Bags("mean", as_embedding=False).double(),
+                        lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2, _bag_batches(), step=_sum_step,
+                        mode=TensorParallel({"up": ColwiseParallel(), "down": RowwiseParallel()}))
+    result.assert_close(1e-10)
+
+
+@pytest.mark.parametrize(("bag_mode", "style"), [
+    ("sum", RowwiseParallel(input_layouts=Replicate())),
+    ("mean", ColwiseParallel(output_layouts=Replicate())),
+    ("max", RowwiseParallel(input_layouts=Replicate())),
+], ids=["sum-rowwise", "mean-colwise", "max-rowwise"])
+def test_an_embedding_bag_written_as_an_embedding_is_sharded_exactly(run_parity, bag_mode, style) -> None:
+    """The hint's rewrite: the same pooled rows as the EmbeddingBag, and tensor-parallel
+    training that matches one device."""
+    bag, emb = _Bags(bag_mode, as_embedding=False).double(), _Bags(bag_mode, as_embedding=True).double()
+    emb.load_state_dict(bag.state_dict())
+    ids = _bag_batches()[0][0]
+    torch.testing.assert_close(emb(ids), bag(ids), rtol=0, atol=1e-12)
+    result = run_parity(lambda: _Bags(bag_mode, as_embedding=True).double(),
+                        lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 2, _bag_batches(), step=_sum_step,
+                        mode=TensorParallel({"emb": style}))
     result.assert_close(1e-10)
 
 
