@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -9,7 +10,7 @@ import os
 import threading
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -1372,7 +1373,10 @@ class CompiledTrainStep:
         if change is not None:
             after = build_guards(self.func, bindings, frozenset())
             try:
-                with traces_start_from(after):  # its own ways: the changed values may skip the `if`s
+                with (
+                    traces_start_from(after),  # its own ways: the changed values may skip the `if`s
+                    _buffers_as_left(captured, bindings),  # NOTE: [the probe starts from the buffers left]
+                ):
                     probe = capture_step(
                         self.func, bindings, input_metas, self.mode.capture_options(), (),
                         make_state=False,
@@ -1428,6 +1432,36 @@ class CompiledTrainStep:
             raise
         _warn_of_constants_in_arguments(captured.outside)
         return captured, guards, also
+
+
+@contextlib.contextmanager
+def _buffers_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[None]:
+    """NOTE: [the probe starts from the buffers left]
+    The trace that tells a counter from a set-up (NOTE: [a step that changes what it
+    reads]) starts from the Python values the first trace left, and from the buffers it
+    left: each buffer the first trace gave a new shape or dtype (``self.cos = <longer
+    table>`` of a rotary cache grown in forward, ``CapturedStep.reshaped_state``) is, in
+    ``bindings.buffers`` while the probe traces, a stand-in of its new shape and dtype (a
+    0-dim tensor expanded: no memory; the trace reads metadata only), put back after.
+    Before the sixty-fifth session the probe read the buffer as the call found it: a
+    cache grown under ``if self.cos.shape[0] < T:`` beside a counter of its rebuilds
+    (``self.rebuilds += 1``) took the rebuild again in the probe (``rebuilds`` 1 -> 2)
+    and was refused on its first call as a step that "changes a Python value every time
+    it runs", which eager does only when the sequence grows. A counter bumped on every
+    call is still refused: it changes in the probe whatever the buffers hold. The
+    optimizers' state is the call's as found (the probe makes none)."""
+    found = bindings.buffers
+    left: dict[str, torch.Tensor] = {}
+    for j in captured.reshaped_state:
+        ref, meta = captured.outputs[j], captured.output_metas[j]
+        if ref.kind is Kind.BUFFER and ref.name in found:
+            left[ref.name] = torch.empty((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
+    was = {name: found[name] for name in left}
+    found.update(left)
+    try:
+        yield
+    finally:
+        found.update(was)
 
 
 # NOTE: [a compiled step written on a method]

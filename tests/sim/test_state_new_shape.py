@@ -14,7 +14,10 @@ in float64 against the undecorated step on one device (global batch):
 - an optimizer whose state starts empty and takes its parameter's shape on the second
   step (sharded under fsdp): the state is placed for its new shape;
 - a buffer reassigned between calls, outside the step, with another shape;
-- a parameter given a new shape (refused), a buffer that grows every call (named).
+- a parameter given a new shape (refused), a buffer that grows every call (named);
+- a rotary cache grown in forward beside a Python counter of its rebuilds: exact from
+  the first call (NOTE: [the probe starts from the buffers left] in ``api.py``), and a
+  counter bumped on every call beside it still refused.
 """
 
 from __future__ import annotations
@@ -239,3 +242,61 @@ def test_a_buffer_that_grows_every_call_is_named(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any("the shape of buffer obs.seen was [1], now [2]" in m for m in messages), messages
     assert any("make the buffer at its final shape" in m for m in messages), messages
+
+
+class RopeLM(nn.Module):
+    """A cos table grown in forward when the sequence is longer (decided on the tensor's
+    shape), its rebuilds counted in a Python int; ``every_call``: a counter of calls too."""
+
+    def __init__(self, every_call: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(20, 16), nn.Linear(16, 20)
+        self.register_buffer("cos", torch.zeros(0, 16), persistent=False)
+        self.rebuilds, self.calls, self.every_call = 0, 0, every_call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        if self.cos.shape[0] < length:
+            angles = torch.arange(length).view(-1, 1) * torch.linspace(0.1, 1.0, 16).view(1, -1)
+            self.cos = torch.cos(angles)
+            self.rebuilds += 1
+        if self.every_call:
+            self.calls += 1
+        return self.out(self.emb(x) * self.cos[:length]).reshape(-1, 20)  # a logit row per token
+
+
+def _token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 20, (8, t), generator=g), torch.randint(0, 20, (8 * t,), generator=g))
+        for t in (4, 6, 6)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_a_cache_grown_in_forward_beside_a_counter_of_its_rebuilds(mode):
+    # before: refused on the first call, "changes a Python value every time it runs:
+    # module <root>.rebuilds was 1, now 2" (the probe read the (0, 16) table again)
+    model = RopeLM()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _sgd(model), _sgd(ref)
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(_step)
+    with sc.simulate(world_size=2) as sim:
+        for i, (x, y) in enumerate(_token_batches()):
+            got, want = compiled(model, opt, x, y), _step(ref, ref_opt, x, y)
+            assert abs(got.item() - want.item()) <= TOL * abs(want.item()), i
+            assert model.rebuilds == ref.rebuilds == (1, 2, 2)[i], i
+        actual = full_state(model, opt, sim)
+    assert max(compare_states(actual, full_state(ref, ref_opt, None)).values()) <= TOL
+    assert compiled.compile_count == 3  # a program per table length: 0, 4, then 6
+
+
+def test_a_counter_of_every_call_beside_a_grown_cache_is_still_refused():
+    model = RopeLM(every_call=True)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_step)
+    x, y = _token_batches()[0]
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
+        compiled(model, _sgd(model), x, y)
+    assert "every time it runs: module <root>.calls was 1, now 2" in str(info.value)
+    assert (model.calls, model.rebuilds, tuple(model.cos.shape)) == (0, 0, (0, 16))  # as found
