@@ -766,10 +766,13 @@ def check_failed(check: ValueCheck) -> BaseException:
         # (``REFUSED_ITEM``), or a branch whose other way reads a value in Python
         # (``REFUSED_READ``: a value-dependent shape such as ``x[mask]`` or
         # ``repeat_interleave`` by a tensor, another ``if``), which the message called
-        # "an .item() compared or branched on" too (review of ce43f97)
+        # "an .item() compared or branched on" too (review of ce43f97); a step with no
+        # ``if`` of its own (``randint(0, min(n.item(), M), ...)``) is told that min() /
+        # max() compare too (sixty-fifth session)
         if check.raised.startswith(REFUSED_ITEM):
             opening = (f"The train step uses a tensor's value as a Python number at "
-                       f"{check.where} (an .item() compared or branched on)")
+                       f"{check.where} (an .item() compared in Python: an `if` on it, or "
+                       "min() / max() of it and a Python number)")
         else:
             opening = (f"The train step branches on a tensor's value at {check.where}, and "
                        "the way this call's value takes reads a tensor's value in Python (a "
