@@ -25,7 +25,10 @@ before the call and compared after it:
   user's optimizer class's ``step``, and by the functions those reach (as NOTE: [guards
   on Python values] finds them), and the objects a bound method, a ``functools.partial``
   or a callable object among them carries (NOTE: [hooks bound to objects]); dicts,
-  lists and plain objects among them, and what they hold,
+  lists and plain objects among them, and what they hold, and a module among them that
+  is not one of the step's (a closure or global metric module holding no parameters),
+  walked as a plain object with its submodules and buffers (NOTE: [modules the step
+  reaches beside its own]),
 each to ``DEPTH`` levels. (Until the fifty-ninth session the optimizers, their hooks,
 their ``step`` and torch's global hooks were not walked: a step pre-hook's
 ``log["grad_norm"] = norm`` held the capture's ``FakeTensor`` after every call, with no
@@ -150,8 +153,59 @@ def is_traced(value: Any) -> bool:
 
 
 def _leaks(value: Any) -> bool:
-    """A traced value, or a container or distribution holding one."""
-    return is_traced(value) or _holds_traced(value) or _traced_distribution(value)
+    """A traced value, or a container (at any depth: NOTE: [no fake tensor left behind])
+    or distribution holding one."""
+    return is_traced(value) or _holds_traced(value) or _traced_distribution(value) or _traced_within(value)
+
+
+def _traced_within(value: Any, depth: int = 4) -> bool:
+    """NOTE: [no fake tensor left behind]
+    Whether a traced value sits in ``value``: in its lists, tuples, sets, deques and
+    dicts, and the attributes of plain objects among them, to ``depth`` levels. The
+    kept-value walk compares each place it visits with its snapshot; a value it does not
+    replay (a dict of dicts, ``meter.last["nested"] = {"outer": {"logits": t}}``) must
+    not stay behind either: ``collect`` refuses it, naming the place, and ``restore``
+    puts the place back. The same holds for a container the walk met at its depth limit
+    and did not snapshot (its entries are not compared): a traced value found in it
+    after the step is refused, and ``restore`` takes it out (the entry removed: what it
+    replaced was not recorded). Before the sixty-fifth session both held the capture's
+    ``FakeTensor`` after every call, with no error."""
+    if is_traced(value):
+        return True
+    if depth <= 0 or isinstance(value, (torch.Tensor, str, bytes, int, float)):
+        return False
+    if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
+        return any(_traced_within(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(_traced_within(v, depth - 1) for v in value.values())
+    if plain_object(value):
+        return any(_traced_within(v, depth - 1) for v in attributes(value).values())
+    return False
+
+
+def _scrub(value: Any, depth: int = 4) -> None:
+    """Take the traced values out of what ``_traced_within`` looks into."""
+    if depth <= 0 or is_traced(value):
+        return
+    if type(value) in _LISTS:
+        items = [v for v in value if not is_traced(v)]
+        if len(items) != len(value):
+            value.clear()
+            value.extend(items)
+        held: Any = list(value)
+    elif isinstance(value, dict) and not reads_its_own_way(type(value)):
+        for key in [k for k, v in value.items() if is_traced(v)]:
+            del value[key]
+        held = list(value.values())
+    elif plain_object(value) and not isinstance(value, (tuple, frozenset, set)):
+        store = attributes(value)
+        for key in [k for k, v in store.items() if is_traced(v)]:
+            del store[key]
+        held = list(store.values())
+    else:
+        return
+    for v in held:
+        _scrub(v, depth - 1)
 
 
 def _traced_distribution(value: Any) -> bool:
@@ -268,6 +322,7 @@ class _Holder:
     root: tuple
     path: tuple[tuple[str, Any], ...]
     label: str
+    last: bool = False  # at the walk's depth: what it holds is not walked (``_unwalked``)
     before: Any = None
 
     def storage(self) -> Any:
@@ -349,9 +404,13 @@ class KeptTensors:
         else:
             return
         self._seen.add(id(obj))
-        holder = _Holder(obj, kind, root, path, label)
+        holder = _Holder(obj, kind, root, path, label, last=depth <= 0)
         self.holders.append(holder)
         if kind == "list":
+            for i, value in enumerate(list(obj) if depth > 0 else ()):  # a global list of meters
+                if isinstance(value, torch.nn.Module) and id(value) not in self._state_modules:
+                    self._module(value, f"{label}[{i}]")
+                    self._visit(value, root, (*path, ("key", i)), f"{label}[{i}]", depth - 1)
             return
         step = "attr" if kind == "object" else "key"
         for key, value in list(holder.entries().items()):
@@ -359,10 +418,37 @@ class KeptTensors:
                 self._outside(value, holder.storage(), key, label + _where(step, key), root[0] == "arg")
             elif isinstance(value, torch.nn.Module):
                 self._module(value, label + _where(step, key))
-            if depth <= 0 or isinstance(value, (torch.nn.Module, torch.Tensor)):
-                continue  # submodules are visited by FQN; tensors are leaves
-            if type(value) in _LISTS or isinstance(value, dict) or plain_object(value):
+            if depth <= 0 or isinstance(value, torch.Tensor) or id(value) in self._state_modules:
+                continue  # the step's modules are visited by FQN; tensors are leaves
+            if (type(value) in _LISTS or isinstance(value, (dict, torch.nn.Module))
+                    or plain_object(value)):  # NOTE: [modules the step reaches beside its own]
                 self._visit(value, root, (*path, (step, key)), label + _where(step, key), depth - 1)
+        if isinstance(obj, torch.nn.Module) and id(obj) not in self._state_modules:
+            self._reached_module(obj, root, path, label, depth)
+
+    def _reached_module(self, module: torch.nn.Module, root: tuple, path: tuple, label: str, depth: int) -> None:
+        """NOTE: [modules the step reaches beside its own]
+        A module that is not one of the step's (a metric or loss module with a cache and
+        no parameters, which NOTE: [modules read by name beside the given ones] leaves
+        out; one held by a plain object, a list or a dict) is walked as a plain object
+        is: its ``__dict__`` without nn.Module's own entries (``meter.last["logits"] =
+        logits.detach()``, ``meter.prev = ...``, ``meter.history.append(...)``), its
+        submodules by attribute name (``meter.inner.cache``), and its buffers' dict
+        (``meter.norm = ...`` of a registered buffer lands in ``_buffers``), so what the
+        step keeps there is stored after every call, or refused, as for a plain object.
+        Until the sixty-fifth session the walk stopped at any module ("visited by FQN"),
+        which only the step's own are: a factory's ``make_step(meter)`` closure module,
+        a global one, a bound method's ``self`` or a ``functools.partial`` argument held
+        the capture's ``FakeTensor`` after every call, with no error (reading it raised
+        DataDependentOutputException), and an append to its list was refused as a Python
+        value changed every run. Its parameters and buffers stay unread state: a read of
+        one is refused (``unplaced``)."""
+        if module._buffers:
+            self._seen.add(id(module._buffers))
+            self.holders.append(_Holder(module._buffers, "dict", root, (*path, ("attr", "_buffers")), label))
+        for name, child in module.named_children():  # each at the depth, as the step's are
+            if id(child) not in self._state_modules:
+                self._visit(child, root, (*path, ("attr", name)), f"{label}.{name}", depth)
 
     def _arguments(self, node: Any, path: tuple, label: str) -> None:
         """The dicts and lists among the arguments: the step sees copies pytree rebuilt,
@@ -554,9 +640,9 @@ class KeptTensors:
             return
         if isinstance(value, torch.nn.Module):
             self._module(value, label)
-        if isinstance(value, (torch.nn.Module, torch.Tensor)):
-            return  # modules of the step are visited by FQN; others hold no traced state
-        self._visit(value, ("live", value), (), label, DEPTH)
+        if isinstance(value, torch.Tensor) or id(value) in self._state_modules:
+            return  # the step's modules are visited by FQN
+        self._visit(value, ("live", value), (), label, DEPTH)  # NOTE: [modules the step reaches beside its own]
 
     # -- after the step ----------------------------------------------------------------
     def collect(self, where: str | None = None) -> list[tuple[KeptTensor, Any]]:
@@ -571,6 +657,12 @@ class KeptTensors:
             for key, value in list(h.entries().items()):
                 old = h.before.get(key, _MISSING)
                 if value is old:
+                    if h.last and not isinstance(value, torch.Tensor) and _traced_within(value):
+                        raise _refused(  # NOTE: [no fake tensor left behind]
+                            h.label + _where(step, key), "deeper than the compiled step looks for kept values",
+                            hint="keep the tensor nearer the object the step reads (meter.last = t, "
+                            "meter.cache['x'] = t) or return it from the step; the refused call took it out.",
+                        )
                     continue
                 where = h.label + _where(step, key)
                 if _traced_distribution(value):  # NOTE: [kept distributions]
@@ -588,12 +680,12 @@ class KeptTensors:
                         h.root, h.path, step, key, where,
                         as_item=isinstance(value, TracedItem),
                     ), value))
-                elif h.root[0] == "call" and not _holds_traced(value) and not _same_number(value, old):
+                elif h.root[0] == "call" and not _leaks(value) and not _same_number(value, old):
                     raise _python_write(  # NOTE: [Python values written into arguments]
                         where, self.where,
                         "a tensor from outside the step" if isinstance(value, torch.Tensor) else "a Python value",
                     )
-                elif _holds_traced(value) and not _own_state_cache(h.obj, value):
+                elif _leaks(value) and not _own_state_cache(h.obj, value):
                     parts = _container_parts(value)
                     for i, (slot, item) in enumerate(parts or ()):
                         self.kept.append((KeptTensor(
@@ -619,7 +711,7 @@ class KeptTensors:
         appended = _appended(h.obj, before)
         only_appended = appended is not None and all(is_traced(v) for v in appended)
         appended = appended or []
-        containers = [v for v in appended if not is_traced(v) and _holds_traced(v)]
+        containers = [v for v in appended if not is_traced(v) and _leaks(v)]
         if containers:
             raise self._containers_appended(h, containers[0])
         if h.root[0] == "call" and not only_appended:  # NOTE: [Python values written into arguments]
@@ -684,6 +776,8 @@ class KeptTensors:
                         h.obj[:] = [v for v in h.obj if id(v) in old or not _leaks(v)]
                 continue
             for key, value in list(h.entries().items()):
+                if value is h.before.get(key, _MISSING) and h.last and not isinstance(value, torch.Tensor):
+                    _scrub(value)  # NOTE: [no fake tensor left behind]
                 if value is h.before.get(key, _MISSING) or not _leaks(value):
                     continue
                 if key in h.before:
