@@ -110,6 +110,11 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]
     return torch.get_rng_state(), cuda
 
 
+def _way(executable: StepExecutable) -> tuple[bool, ...]:
+    """How a program's `if`s on tensor values go (NOTE: [value checks])."""
+    return tuple(c.expected for c in executable.program.captured.checks)
+
+
 def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
@@ -302,9 +307,6 @@ class CompiledTrainStep:
         # NOTE: [programs reused in memory]: program key -> the program built for it
         self._built_programs: dict[str, DistributedProgram | None] = {}
         self._cache: dict[tuple, list[tuple[Guards, StepExecutable]]] = {}
-        # program key -> the ways of `if`s on values its completed calls went (NOTE:
-        # [programs for the ways of ifs])
-        self._ways_run: dict[tuple, set[tuple[bool, ...]]] = {}
         self._record_of: dict[int, CompileRecord] = {}  # id(program) -> its record, while kept
         self._dropped = 0  # programs dropped (NOTE: [programs kept in memory])
         self._uses = 0  # calls that ran a program, numbering ``StepExecutable.last_used``
@@ -644,10 +646,10 @@ class CompiledTrainStep:
                 executable = self._last = branch
                 continue
             self._prefer(key, executable)
-            way = tuple(c.expected for c in executable.program.captured.checks)
-            self._ways_run.setdefault(key, set()).add(way)
+            executable.completed = True  # NOTE: [programs for the ways of ifs]
             return call, executable
-        raise self._too_many_ways(key, executable)
+        self._values_as_found()
+        raise self._too_many_ways(key, bindings, executable)
 
     @staticmethod
     def _run_once(
@@ -673,25 +675,61 @@ class CompiledTrainStep:
         keep_installs()
         return call
 
-    def _too_many_ways(self, key: tuple, executable: StepExecutable) -> SPMDCompileError:
+    def _too_many_ways(
+        self, key: tuple, bindings: StepBindings, executable: StepExecutable
+    ) -> SPMDCompileError:
         """The refusal of a call needing a program past ``MAX_BRANCH_PROGRAMS`` for
-        ``key``; ``executable``: one of its programs (NOTE: [programs for the ways of ifs])."""
+        ``key`` at the Python values the call found; ``executable``: one of its programs
+        (NOTE: [programs for the ways of ifs])."""
+        held, other = self._programs_held(key, bindings)
+        # the `if`s of the way that reached most of them (a loop that breaks on a value)
+        deepest = max([executable, *held], key=lambda e: len(e.program.captured.checks))
         message, hint = too_many_ways(
-            self._name, len(self._cache.get(key, ())), len(self._ways_run.get(key, ())),
-            executable.program.captured.checks,
+            self._name, len(held), len({_way(e) for e in held if e.completed}),
+            deepest.program.captured.checks, len(other), str(other[0][1]) if other else "",
         )
         return SPMDCompileError(message + ".", user_line=self._where, hint=hint)
+
+    def _programs_held(
+        self, key: tuple, bindings: StepBindings
+    ) -> tuple[list[StepExecutable], list[tuple[StepExecutable, Change]]]:
+        """The programs of ``key`` whose guards hold for this call, and the others with
+        the first guarded value that changed (NOTE: [programs for the ways of ifs])."""
+        held: dict[int, StepExecutable] = {}
+        other: dict[int, tuple[StepExecutable, Change]] = {}
+        entries = self._cache.get(key, [])
+        for i, (guards, executable) in enumerate(entries):
+            guards, change = guards.for_call(bindings)  # NOTE: [guards follow the call's objects]
+            entries[i] = (guards, executable)
+            if change is None:
+                held[id(executable)] = executable
+            else:
+                other.setdefault(id(executable), (executable, change))
+        return list(held.values()), [o for i, o in other.items() if i not in held]
+
+    def _values_as_found(self) -> None:
+        """Put back the Python values and hooks a trace in this call changed, as the call
+        found them (NOTE: [hooks each trace starts from])."""
+        whole = self._hooks_found is None or not self._hooks_found.user_changed()
+        if self._found is not None:  # a compile in this call traced the step
+            self._found.unwrite(made=whole)
+        if self._hooks_found is not None and whole:
+            self._hooks_found.put_back()
 
     def _branch_program(
         self, key: tuple, bindings: StepBindings, input_metas: list[TensorMeta],
         mesh: DeviceMesh, decisions: tuple[tuple[bool, str], ...],
     ) -> StepExecutable:
-        """The program whose first ``if``s go as ``decisions`` (compiled on first need)."""
+        """The program whose first ``if``s go as ``decisions`` (compiled on first need).
+        Its guards are read on the values the call found, not on those a trace of this
+        call wrote; only the programs of those values count toward
+        ``MAX_BRANCH_PROGRAMS`` (NOTE: [programs for the ways of ifs])."""
+        self._values_as_found()
         entries = self._cache.get(key, [])
         for i, (guards, executable) in enumerate(entries):
             # the ways alone: a check decided from its bytecode is a branch in the program
             # of its other way (NOTE: [checks decided from their bytecode])
-            taken = tuple(c.expected for c in executable.program.captured.checks)
+            taken = _way(executable)
             if taken[: len(decisions)] != tuple(way for way, _ in decisions):
                 continue
             held, change = guards.for_call(bindings)  # NOTE: [guards follow the call's objects]
@@ -699,15 +737,10 @@ class CompiledTrainStep:
             if change is None:
                 self._served = (executable, held)  # NOTE: [a step that changes what it reads]
                 return executable
-        if len(entries) >= MAX_BRANCH_PROGRAMS:
-            raise self._too_many_ways(key, entries[0][1])
+        if len(self._programs_held(key, bindings)[0]) >= MAX_BRANCH_PROGRAMS:
+            raise self._too_many_ways(key, bindings, entries[0][1])
         log.info("compiling %s for an `if` on a tensor value that went the other way",
                  self._name)
-        whole = self._hooks_found is None or not self._hooks_found.user_changed()
-        if self._found is not None:  # a compile in this call traced the step: its values
-            self._found.unwrite(made=whole)  # back as the call found them, for this way's trace
-        if self._hooks_found is not None and whole:  # and its hooks (NOTE: [hooks each trace starts from])
-            self._hooks_found.put_back()
         return self._compile(key, bindings, input_metas, mesh, decisions)[0]
 
     @staticmethod
@@ -918,7 +951,6 @@ class CompiledTrainStep:
                     entries[:] = left  # the same list: ``_last_entries`` may hold it
                     if not left:
                         del self._cache[key]
-                        self._ways_run.pop(key, None)
                         if entries is self._last_entries:
                             self._last_entries = None
             for executable in dropped:
@@ -943,7 +975,6 @@ class CompiledTrainStep:
     def _forget_programs(self) -> None:
         """Drop every program and mesh, so the next call makes and compiles them again."""
         self._cache.clear()
-        self._ways_run.clear()
         self._meshes.clear()
         self._last = None
         self._last_key = None

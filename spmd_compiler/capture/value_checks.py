@@ -65,6 +65,20 @@ needs (DINO's ``clip_gradients``, one ``if clip_coef < 1`` per parameter, reache
 programs at 4 to 5 distinct ways, and was refused as "8 ways"). The hint says what
 takes both ways in one program: a clamped factor (``p.grad.mul_(torch.clamp(clip /
 (norm + 1e-6), max=1))``), ``clip_grad_norm_``, ``torch.where``.
+The limit is per set of Python values the step reads (its guards, NOTE: [guards on
+Python values]): a program whose guards no longer hold does not count. Before the
+sixty-fifth session every program of the key counted, so a changed value rebuilt all the
+ways inside the same 8: an ACT halting loop (at most 5 steps, ``if (cum > 0.9).all():
+break``) that logged ``self.max_steps = max(self.max_steps, n + 1)`` compiled 4 programs
+at ``max_steps`` 0, 5 at 4, and was refused on its third call, at ``max_steps`` 5, saying
+its calls went "1 distinct way" (it counted the ways per key, and the first call's
+programs are under the key without the optimizer state). Now the programs of the values
+the call found count, their ways are those the calls that completed on them went
+(``StepExecutable.completed``), and the refusal names how many programs serve other
+values and one changed value. Their guards are read on the values the call found: a
+trace earlier in the call may have written a guarded value (``self.max_steps = ...``), so
+``_branch_program`` first puts back what it wrote (it did so before compiling only, and a
+refusal left the trace's writes).
 
 NOTE: [checks decided from their bytecode]
 Traced both ways, ``n`` checks cost ``2n`` traces of the step from its start: a PPO epoch
@@ -609,21 +623,31 @@ def signals_told_apart() -> Iterator[list[int]]:
             signal.signal(sig, handler)
 
 
-def too_many_ways(step: str, programs: int, ways_run: int, checks: Sequence[ValueCheck]) -> tuple[str, str]:
+def too_many_ways(
+    step: str, programs: int, ways_run: int, checks: Sequence[ValueCheck], others: int = 0,
+    changed: str = "",
+) -> tuple[str, str]:
     """The refusal of a call that needs a program past ``MAX_BRANCH_PROGRAMS`` (NOTE:
-    [programs for the ways of ifs]): its message and hint. ``programs``: those compiled;
-    ``ways_run``: the distinct ways the completed calls went; ``checks``: the ``if``s of
-    a program of the step."""
+    [programs for the ways of ifs]): its message and hint. ``programs``: those compiled
+    for the Python values the call found; ``ways_run``: the distinct ways the calls that
+    completed on them went; ``checks``: the ``if``s of a program of the step;
+    ``others``: the programs of other Python values, ``changed`` how one of them differs."""
     lines = Counter(c.where for c in checks)
     where = "; ".join(f"{n} at {line}" if n > 1 else line for line, n in lines.items())
     went = (
         f"the calls that completed went {ways_run} distinct way{'s' if ways_run != 1 else ''}"
         if ways_run else "no call has completed yet, going"
     )
+    values = "" if not others else (
+        f" ({others} more program{'s' if others != 1 else ''} serve other values of the "
+        f"Python values the step reads, and do not count: {changed}; each new value compiles "
+        "the ways of its `if`s again)"
+    )
     message = (
         f"{step} has compiled {programs} programs for the ways its `if`s on "
-        "tensor values go at these shapes and state, the most one step may have, and this "
-        f"call needs another: {went} through its {len(checks)} `if`s ({where}). The "
+        "tensor values go at these shapes, state and Python values, the most one step may "
+        f"have{values}, and this call needs another: {went} through its {len(checks)} "
+        f"`if`s ({where}). The "
         "other programs are the compiler's own, made on the way: a program guesses True for each `if` after the "
         "one it was compiled for, and an `if` that comes out against the guess compiles "
         "one more program, up to one per `if` for a new way (NOTE: [programs for the "

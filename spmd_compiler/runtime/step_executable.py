@@ -213,6 +213,9 @@ class StepExecutable:
         # the number of the compiled step's call that last ran it: NOTE: [programs kept in
         # memory] in api.py
         self.last_used = 0
+        # whether a call completed on it, the way its `if`s on values went (NOTE:
+        # [programs for the ways of ifs] in capture/value_checks.py)
+        self.completed = False
 
     @property
     def has_pending_update(self) -> bool:

@@ -844,6 +844,110 @@ def test_too_many_programs_count_the_ways_the_data_went_apart(monkeypatch):
     assert "torch.clamp(clip / (param_norm + 1e-6), max=1)" in message and "clip_grad_norm_" in message
 
 
+class Ponder(nn.Module):
+    """An ACT / PonderNet halting loop of at most ``PONDER_STEPS`` steps that logs the most
+    steps it took in a plain Python attribute (a guard: NOTE: [guards on Python values]).
+    The halting probability is set per sample by ``gate`` (the halting layer starts at 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.cell = nn.Linear(FEATURES, 8), nn.Linear(8, 8)
+        self.halt, self.head = nn.Linear(8, 1), nn.Linear(8, 4)
+        nn.init.zeros_(self.halt.weight)
+        nn.init.zeros_(self.halt.bias)
+        self.max_steps = 0
+
+    def forward(self, x, gate):  # noqa: ANN001, ANN201
+        s = self.inp(x)
+        cum, out = torch.zeros(x.shape[0], dtype=x.dtype), torch.zeros_like(s)
+        taken = 0
+        for n in range(PONDER_STEPS):
+            taken = n + 1
+            s = torch.tanh(self.cell(s))
+            p = torch.sigmoid(self.halt(s).squeeze(-1) + gate)
+            out = out + ((1 - cum) * p)[:, None] * s
+            cum = cum + (1 - cum) * p
+            if (cum > 0.9).all():
+                break
+        self.max_steps = max(self.max_steps, taken)
+        return self.head(out)
+
+
+PONDER_STEPS = 4
+# a halting probability per step that halts after 2, 3 and 4 steps (cum = 1 - (1 - q)^n)
+HALT_AFTER = {2: 0.8, 3: 0.6, 4: 0.49}
+
+
+def ponder_step(model, optim, x, gate, y):  # noqa: ANN001
+    logits = model(x, gate)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _ponder_batches(steps: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64),
+         torch.full((BATCH,), HALT_AFTER[n], dtype=torch.float64).logit(),
+         torch.randint(0, 4, (BATCH,), generator=gen))
+        for n in steps
+    ]
+
+
+def test_programs_of_a_changed_python_value_do_not_count_toward_the_limit():
+    """NOTE: [programs for the ways of ifs]: every program of a step's key counted toward
+    ``MAX_BRANCH_PROGRAMS``, those whose guards no longer held too, so a halting loop that
+    logs ``self.max_steps`` rebuilt its ways for each new value inside the same 8: 2
+    programs at max_steps 0, 4 at 2, and the third call (max_steps 4) was refused after 2
+    more. Now only the programs of the values the call found count: 3 more, and the
+    calls match eager."""
+    model = Ponder().double()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+    compiled = sc.compile(make_mode("ddp"))(ponder_step)
+    with sc.simulate(world_size=2) as sim:
+        for batch in _ponder_batches([2, 4, 3, 3]):
+            loss = compiled(model, optim, *batch)
+            assert relative_difference(loss, ponder_step(reference, reference_optim, *batch)) < TOL
+            assert model.max_steps == reference.max_steps
+        worst = _worst_state_difference(model, reference, optim, reference_optim, sim)
+    assert worst < TOL
+    assert reference.max_steps == 4
+    assert compiled.compile_count == 2 + 4 + 3  # the last call runs a program it has
+
+
+def test_too_many_programs_for_the_values_found_names_the_changed_value(monkeypatch):
+    """A call that needs more programs than ``MAX_BRANCH_PROGRAMS`` (3 here) for the
+    Python values it found is still refused; the refusal counts those programs and the
+    ways their calls went, says how many serve other values and which value changed, and
+    leaves the value and the model as it found them."""
+    import spmd_compiler.api as api
+
+    monkeypatch.setattr(api, "MAX_BRANCH_PROGRAMS", 3)
+    model = Ponder().double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    compiled = sc.compile(make_mode("ddp"))(ponder_step)
+    first, second = _ponder_batches([2, 4])
+    with sc.simulate(world_size=2):
+        compiled(model, optim, *first)  # 2 programs, at max_steps 0
+        assert compiled.compile_count == 2 and model.max_steps == 2
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(SPMDCompileError) as info:  # needs 4 at max_steps 2
+            compiled(model, optim, *second)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    message = str(info.value)
+    assert "has compiled 3 programs" in message, message
+    assert "(2 more programs serve other values of the Python values the step reads" in message, message
+    assert "max_steps was 0, now 2" in message, message
+    assert "no call has completed yet, going through its 3 `if`s (3 at " in message, message
+    assert model.max_steps == 2
+
+
 def _box_validating_step(form: str):  # noqa: ANN202
     """A step validating its boxes as torchvision's detection models do (``if
     degenerate.any(): bb = torch.where(...)[0][0]; torch._assert(False, ...)``), the
