@@ -1407,6 +1407,7 @@ class CompiledTrainStep:
                 with (
                     traces_start_from(after),  # its own ways: the changed values may skip the `if`s
                     _buffers_as_left(captured, bindings),  # NOTE: [the probe starts from the buffers left]
+                    _kept_as_left(captured, bindings),  # NOTE: [the probe starts from the tensors kept]
                 ):
                     probe = capture_step(
                         self.func, bindings, input_metas, self.mode.capture_options(), (),
@@ -1493,6 +1494,58 @@ def _buffers_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator
         yield
     finally:
         found.update(was)
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _kept_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[None]:
+    """NOTE: [the probe starts from the tensors kept]
+    The probe of NOTE: [a step that changes what it reads] starts from the Python values
+    the first trace left; it starts too from the tensors that trace keeps (NOTE: [tensors
+    the step keeps]) as the program leaves them after the call: each attribute or dict
+    entry set to a tensor is, while the probe traces, a stand-in of the kept tensor's
+    shape and dtype (a 0-dim tensor expanded), and the place is put back after. Before
+    the sixty-fifth session the probe read the place as the call found it, while the
+    Python values beside it were the trace's: open_clip's ``ClipLoss`` label cache
+    (``self.labels[device] = arange(n)`` beside ``self.prev_num_logits = n``) found its
+    count at the last batch's 6 with the 8 labels of the calls before, and the call of a
+    smaller last batch was refused ("Expected input batch_size (6) to match target
+    batch_size (8)") where eager computes 3.9289605445. Appends and kept numbers
+    (``.item()``) are left as found: nothing reads an appended list back (NOTE: [lists
+    the step appends to and reads]), and a number is a guarded Python value."""
+    out_index = {ref.index: j for j, ref in enumerate(captured.outputs) if ref.kind is Kind.RETURN}
+    was: list[tuple[Any, str, Any, Any]] = []
+    try:
+        for k in captured.kept:
+            j = out_index.get(k.index)
+            if k.how == "append" or k.as_item or k.as_int or j is None:
+                continue
+            try:
+                target = k.container(bindings)
+            except (AttributeError, KeyError, IndexError, TypeError):
+                continue
+            if k.how == "attr":
+                old = vars(target).get(k.key, _ABSENT) if hasattr(target, "__dict__") else getattr(target, k.key, _ABSENT)
+            else:
+                old = target.get(k.key, _ABSENT) if isinstance(target, dict) else target[k.key]
+            if k.part is None or k.part[2] == 0:
+                was.append((target, k.how, k.key, old))
+            meta = captured.output_metas[j]
+            k.store(bindings, torch.empty((), dtype=meta.dtype, device=meta.device).expand(meta.shape))
+        yield
+    finally:
+        for target, how, key, old in reversed(was):
+            if how == "attr":
+                if old is _ABSENT:
+                    delattr(target, key)
+                else:
+                    setattr(target, key, old)
+            elif old is _ABSENT:
+                del target[key]
+            else:
+                target[key] = old
 
 
 # NOTE: [a compiled step written on a method]

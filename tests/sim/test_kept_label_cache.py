@@ -1,0 +1,100 @@
+"""NOTE: [the probe starts from the tensors kept] (``api.py``).
+
+open_clip's ``ClipLoss(cache_labels=True)`` (what its ``create_loss`` builds) keeps its
+labels in a dict beside a Python count: ``if self.prev_num_logits != n or device not in
+self.labels: labels = arange(n); self.labels[device] = labels; self.prev_num_logits =
+n; else: labels = self.labels[device]``. A smaller last batch changes the count, and the
+capture traces the step once more on the changed values (NOTE: [a step that changes what
+it reads]); that probe read the count the first trace left (6) with the labels the call
+found (8), and the call was refused ("Expected input batch_size (6) to match target
+batch_size (8)") where eager computes. Batches of 8, 8, 6, 8 on 2 simulated ranks, float64,
+ddp and fsdp, against the undecorated step on one device: the losses, the parameters, the
+cached labels and the count as eager's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.parallel_modes import DataParallel
+from spmd_compiler.tools.parity import compare_states, full_state
+
+TOL = 1e-10
+
+
+class CachedLabelLoss(nn.Module):
+    """ClipLoss's label cache (open_clip.loss, one-device path), written here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prev_num_logits = 0
+        self.labels: dict[torch.device, torch.Tensor] = {}
+
+    def ground_truth(self, device: torch.device, n: int) -> torch.Tensor:
+        if self.prev_num_logits != n or device not in self.labels:
+            labels = torch.arange(n, device=device, dtype=torch.long)
+            self.labels[device] = labels
+            self.prev_num_logits = n
+        else:
+            labels = self.labels[device]
+        return labels
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        logits = scale * img @ txt.T
+        labels = self.ground_truth(img.device, logits.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+class TwoTowers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.img, self.txt = nn.Linear(12, 16, dtype=torch.float64), nn.Linear(10, 16, dtype=torch.float64)
+        self.logit_scale = nn.Parameter(torch.tensor(2.6593, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.normalize(self.img(x), dim=-1), F.normalize(self.txt(y), dim=-1), self.logit_scale.exp()
+
+
+def _step(model, loss_fn, opt, x, y):
+    loss = loss_fn(*model(x, y))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(b, 12, generator=g, dtype=torch.float64), torch.randn(b, 10, generator=g, dtype=torch.float64))
+        for b in (8, 8, 6, 8)  # the last batch of an epoch smaller (drop_last=False)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_a_label_cache_beside_its_count_over_a_smaller_batch(mode):
+    # before: the call of the batch of 6 refused, "Expected input batch_size (6) to match
+    # target batch_size (8)" (the probe read the count 6 with the 8 labels found)
+    model, loss_fn = TwoTowers(), CachedLabelLoss()
+    ref, ref_loss = copy.deepcopy(model), CachedLabelLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(_step)
+    with sc.simulate(world_size=2) as sim:
+        for i, (x, y) in enumerate(_batches()):
+            got, want = compiled(model, loss_fn, opt, x, y), _step(ref, ref_loss, ref_opt, x, y)
+            assert abs(got.item() - want.item()) <= TOL * abs(want.item()), i
+            assert loss_fn.prev_num_logits == ref_loss.prev_num_logits, i
+            assert list(loss_fn.labels) == list(ref_loss.labels), i
+            held = loss_fn.labels[torch.device("cpu")]
+            assert torch.equal(torch.as_tensor(held.full_tensor() if hasattr(held, "full_tensor") else held),
+                               ref_loss.labels[torch.device("cpu")]), i
+        actual = full_state(model, opt, sim)
+    assert max(compare_states(actual, full_state(ref, ref_opt, None)).values()) <= TOL
