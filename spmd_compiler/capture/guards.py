@@ -232,6 +232,7 @@ from .code_names import (
     value_names_in,
 )
 from .plain_objects import (
+    Attributes,
     attributes,
     holds_attributes,
     own_code,
@@ -513,25 +514,26 @@ class Guards:
         user's objects as the call found them (a hook's ``self.calls += 1`` counted each
         refused call before)."""
         for kind, container, key, expected in self.entries:
-            if kind != _DICT or not isinstance(container, dict):
+            place = _place(kind, container)  # NOTE: [places a trace's write is set back in]
+            if place is None:
                 continue
             if expected is _MISSING:  # an attribute the step made (NOTE: [names read that may be absent])
-                container.pop(key, None)
+                place.pop(key, None)
                 continue
             if not is_scalar(expected):
                 continue
-            value = container.get(key, _MISSING)
+            value = place.get(key, _MISSING)
             noted = self.found_contents.get((id(container), key))
             if noted is not None:  # NOTE: [contents a step changes in place]
                 if not noted.matches(value):
-                    set_or_delete(container, key, noted)
+                    set_or_delete(place, key, noted)
                 continue
             if _changed_in_place(value, expected):
-                _Contents(value, tuple(expected.items()) if type(expected) is dict else tuple(expected)).apply()
+                _Contents(value, _stored(expected)).apply()
                 continue
             if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
                 continue
-            container[key] = expected
+            place[key] = expected
         # NOTE: [attributes a step makes on a counted object]; here also those no walked
         # code names (a refused call leaves none it made)
         for container, key, _, _ in self._made_plain():
@@ -556,31 +558,34 @@ class Guards:
         self.found_contents = {
             (id(container), key): _Contents.of(value)
             for kind, container, key, _ in self.entries
-            if kind == _DICT and isinstance(container, dict)
-            and _plain_container(value := container.get(key, _MISSING))
+            if (place := _place(kind, container)) is not None
+            and _plain_container(value := place.get(key, _MISSING))
         }
 
     def _plain_changes(self, made: bool = True) -> list[tuple[dict, Any, Any, Any]]:
         """(dict, key, value these guards hold, value now) of ``written``'s entries; a
         value absent then or now is ``_MISSING`` (made or deleted by the step), a plain
         container a ``_Contents`` (``note_found``)."""
-        out: list[tuple[dict, Any, Any, Any]] = []
+        out: list[tuple[Any, Any, Any, Any]] = []
+        guarded: set[tuple[int, Any]] = set()
         for kind, container, key, expected in self.entries:
-            if kind != _DICT or not isinstance(container, dict):
+            place = _place(kind, container)  # NOTE: [places a trace's write is set back in]
+            if place is None:
                 continue
-            value = container.get(key, _MISSING)
+            value = place.get(key, _MISSING)
             noted = self.found_contents.get((id(container), key))
             if noted is not None:  # NOTE: [contents a step changes in place]
                 if made and (_writable(value) or _plain_container(value)) and not noted.matches(value):
-                    out.append((container, key, noted, _noted(value)))
+                    out.append((place, key, noted, _noted(value)))
+                    guarded.add((id(container), key))
                 continue
             if not _writable(expected):
                 continue
             if value is expected or (type(value) is type(expected) and not _unequal(value, expected)):
                 continue
             if _writable(value) or (made and _plain_container(value)):  # a new list attribute
-                out.append((container, key, expected, _noted(value)))
-        guarded = {(id(container), key) for container, key, _, _ in out}
+                out.append((place, key, expected, _noted(value)))
+                guarded.add((id(container), key))
         out += [(container, key, _MISSING, _noted(value)) for container, key, value in (self._made() if made else ())
                 if (id(container), key) not in guarded]
         return out
@@ -621,6 +626,23 @@ class Guards:
         return [(f"{label.removeprefix('the number of attributes of ')}.{key}", value)
                 for _, key, value, label in self._made_plain() if key not in own]
 
+    def not_set_back(self) -> list[tuple[str, Any]]:
+        """(name, value now) of each guarded container of a class whose contents a trace's
+        start cannot set back (a dict, list, set or deque subclass but ``_Contents``'s:
+        the user's own, a ``Counter``, which may keep more than its items) that differs
+        from what the call found: a set-up no later trace of a capture can start without
+        (NOTE: [contents a step changes in place], NOTE: [set-ups a later trace cannot
+        start without] in ``capture/trace.py``)."""
+        out: list[tuple[str, Any]] = []
+        for k, (kind, container, key, expected) in enumerate(self.entries):
+            place = _place(kind, container)
+            if place is None or type(expected) in _MUTABLE or not isinstance(expected, _MUTABLE):
+                continue
+            value = place.get(key, _MISSING)
+            if value is not expected and (type(value) is not type(expected) or _unequal(value, expected)):
+                out.append((self.names[k], value))
+        return out
+
     def _made_plain(self) -> list[tuple[dict, Any, Any, str]]:
         """(dict, key, value, the dict's label) of each plain value held under a key
         that a dict whose number of entries these guards hold lacked."""
@@ -655,17 +677,17 @@ class Guards:
         found: dict[Any, Any] = {}
         for kind, container, key, expected in before.entries:
             with contextlib.suppress(TypeError):  # an unhashable key: not matched
-                found[(kind, id(container), key)] = expected
+                found[(kind, _held_id(container), key)] = expected
         replayable = True
         for k, (kind, container, key, expected) in enumerate(self.entries):
             try:
-                then = found.get((kind, id(container), key), expected)
+                then = found.get((kind, _held_id(container), key), expected)
             except TypeError:
                 continue
             if then is expected or (type(then) is type(expected) and not _unequal(then, expected)):
                 continue
             self.entries[k] = (kind, container, key, then)
-            if kind == _DICT and isinstance(container, dict) and _writable(expected) and _writable(then):
+            if kind == _DICT and _place(kind, container) is not None and _writable(expected) and _writable(then):
                 self.writes.append((k, expected))
             else:
                 replayable = False
@@ -857,13 +879,84 @@ def _writable(value: Any) -> bool:
 # attribute: the first call 10x off eager, silently; an earlier attempt set back deep
 # copies, which replaced the user's inner dicts). Such a write is not replayed by later
 # calls of the program (``as_found``: it serves its own call, and the next call, finding
-# the set-up done, compiles the other way).
-_MUTABLE = (list, dict, set, collections.deque)
+# the set-up done, compiles the other way). An ``OrderedDict`` or ``defaultdict`` is set
+# back as a dict, its type kept (through ``OrderedDict``'s own methods: it keeps its order
+# beside the dict's storage); until the sixty-fifth session they were not, and a flag in
+# one ran the first call 10x off eager, silently. A container of another subclass (the
+# user's own, a ``Counter``) may keep more than its items: refused where a trace changed
+# it (``Guards.not_set_back``, NOTE: [set-ups a later trace cannot start without]).
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+_MUTABLE = (*_DICTS, list, set, collections.deque)
 
 
 def _plain_container(value: Any) -> bool:
-    """A list, dict, set or deque (exactly: a subclass may read its own way) of plain values."""
+    """A list, dict, set, deque, ``OrderedDict`` or ``defaultdict`` (exactly: another
+    subclass may read its own way) of plain values."""
     return type(value) in _MUTABLE and is_scalar(value)
+
+
+def _dict_items(value: dict) -> Any:
+    """A dict's items in its order, read past its class (an ``OrderedDict``'s by its own
+    order, which ``move_to_end`` changes apart from the dict's storage)."""
+    return collections.OrderedDict.items(value) if isinstance(value, collections.OrderedDict) else dict.items(value)
+
+
+# NOTE: [places a trace's write is set back in]
+# The traces of a capture start from the values the call found (NOTE: [a step that
+# changes what it reads]) wherever a guard holds a value: an entry of a dict (an
+# attribute in an object's ``__dict__``, a global, a dict's item), a slot of an object
+# with ``__slots__`` (``@dataclass(slots=True)``, read through an ``Attributes``
+# mapping) and a closure cell (``nonlocal done``; a dict, list or set a ``make_step()``
+# factory's step closes over). Until the sixty-fifth session only the first were set
+# back: a one-time set-up flag in a slot or a closure, beside an ``if`` on a tensor value,
+# was seen done by the next trace, whose program ran the first call 10x off eager
+# (0.146 against 1.462, ddp and fsdp), silently. ``_place`` gives each as a mapping
+# (a cell's one variable as ``_CellPlace``) that ``set_or_delete`` writes.
+
+
+class _CellPlace:
+    """A closure cell read and written as a mapping of its one variable (any key)."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: types.CellType) -> None:
+        self.cell = cell
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # empty
+            return default
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.cell.cell_contents = value
+
+    def pop(self, key: Any, default: Any = None) -> Any:
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            return default
+        del self.cell.cell_contents
+        return value
+
+
+def _held_id(container: Any) -> int:
+    """The identity of a guard's container, the same in guards built apart: an
+    ``Attributes`` mapping is made per walk, so its object's (a slot's guard in the
+    guards of the call's start and in the program's matched no entry: a set-up flag in a
+    ``@dataclass(slots=True)`` object was expected as the trace left it, and its program,
+    the set-up's, ran every call, silently, until the sixty-fifth session)."""
+    return id(container.obj) if isinstance(container, Attributes) else id(container)
+
+
+def _place(kind: int, container: Any) -> Any:
+    """The mapping through which a guard's value is set back (NOTE: [places a trace's
+    write is set back in]), None where none is (an environment variable, a list item,
+    an argument)."""
+    if kind == _DICT and isinstance(container, (dict, Attributes)):
+        return container
+    if kind == _CELL and isinstance(container, types.CellType):
+        return _CellPlace(container)
+    return None
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -876,8 +969,8 @@ class _Contents:
 
     @staticmethod
     def of(value: Any) -> _Contents:
-        if type(value) is dict:
-            items: tuple[Any, ...] = tuple((k, _noted(v)) for k, v in dict.items(value))
+        if type(value) in _DICTS:
+            items: tuple[Any, ...] = tuple((k, _noted(v)) for k, v in _dict_items(value))
         elif type(value) is list:
             items = tuple(map(_noted, list.__iter__(value)))
         else:  # a set or deque: hashable / immutable scalars
@@ -885,21 +978,27 @@ class _Contents:
         return _Contents(value, items)
 
     def apply(self) -> None:
-        """Set ``obj``'s items back, and those of the containers in it."""
+        """Set ``obj``'s items back, and those of the containers in it, through its base
+        type's methods (a subclass's own are not called: what a refused capture sets back,
+        ``_changed_in_place``)."""
         obj = self.obj
-        if type(obj) is dict:
+        if isinstance(obj, collections.OrderedDict):  # its own order beside the dict's
+            collections.OrderedDict.clear(obj)
+            for k, v in self.items:
+                collections.OrderedDict.__setitem__(obj, k, _object(v))
+        elif isinstance(obj, dict):
             dict.clear(obj)
             dict.update(obj, ((k, _object(v)) for k, v in self.items))
-        elif type(obj) is list:
+        elif isinstance(obj, list):
             list.__setitem__(obj, slice(None), [_object(v) for v in self.items])
-        elif type(obj) is set:
+        elif isinstance(obj, set):
             set.clear(obj)
             set.update(obj, self.items)
         else:
-            obj.clear()
-            obj.extend(self.items)
-        for item in self.items if type(obj) in (list, dict) else ():
-            item = item[1] if type(obj) is dict else item
+            collections.deque.clear(obj)
+            collections.deque.extend(obj, self.items)
+        for item in self.items if isinstance(obj, (list, dict)) else ():
+            item = item[1] if isinstance(obj, dict) else item
             if isinstance(item, _Contents):
                 item.apply()
 
@@ -918,10 +1017,9 @@ class _Contents:
         """Whether ``value`` is ``obj`` holding these items (the inner objects the same)."""
         if value is not self.obj:
             return False
-        if type(value) is dict:
+        if type(value) in _DICTS:
             return len(value) == len(self.items) and all(
-                k2 == k and _same_item(dict.__getitem__(value, k2), v)
-                for (k, v), k2 in zip(self.items, dict.keys(value), strict=False)
+                k2 == k and _same_item(v2, v) for (k, v), (k2, v2) in zip(self.items, _dict_items(value), strict=False)
             )
         if type(value) is list:
             return len(value) == len(self.items) and all(map(_same_item, list.__iter__(value), self.items))
@@ -945,14 +1043,24 @@ def _same_item(value: Any, noted: Any) -> bool:
 
 
 def _changed_in_place(value: Any, expected: Any) -> bool:
-    """Whether ``value``, a flat list or dict of plain values guarded by a copy
-    ``expected`` of its contents, was changed in place (NOTE: [contents a step changes in
-    place]): what a refused capture sets back where no ``_Contents`` was noted."""
+    """Whether ``value``, a flat list, dict, set or deque (or a subclass's: the user's own,
+    a ``Counter``) of plain values guarded by a copy ``expected`` of its contents, was
+    changed in place (NOTE: [contents a step changes in place]): what a refused capture
+    sets back, in place, where no ``_Contents`` was noted."""
     return (
-        type(value) in (list, dict) and type(expected) is type(value) and value is not expected
-        and all(isinstance(item, _WRITABLE) for item in (expected.values() if isinstance(expected, dict) else expected))
+        isinstance(value, (list, dict, set, collections.deque)) and type(expected) is type(value)
+        and value is not expected and all(map(_writable, _stored(expected)))
         and is_scalar(expected) and _unequal(value, expected)
     )
+
+
+def _stored(value: Any) -> tuple[Any, ...]:
+    """What a list, set or deque stores, or a dict's (key, item) pairs, read past its class."""
+    if isinstance(value, dict):
+        return tuple(_dict_items(value))
+    if isinstance(value, list):
+        return tuple(list.__iter__(value))
+    return tuple(set.__iter__(value) if isinstance(value, set) else collections.deque.__iter__(value))
 
 
 def set_or_delete(container: dict, key: Any, value: Any) -> None:

@@ -73,6 +73,7 @@ class HooksAsFound:
         self.handles = [(vars(sub), key, value) for sub in self.modules for key, value in vars(sub).items()
                         if isinstance(value, torch.utils.hooks.RemovableHandle)]
         self.found = self.now()
+        self.started = self.found  # the user's hooks as the trace running started (``note_start``)
         # NOTE: [state registered in the step]: each module's parameter and buffer tables
         self.tables: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = [
             (table, list(table.items()))
@@ -130,9 +131,11 @@ class HooksAsFound:
     def user_changed(self) -> bool:
         """Whether the user's hooks differ from what the compile found (a trace
         registered or removed one)."""
-        (now, _), (found, _) = self.now(), self.found
-        return any(len(a) != len(b) or any(ka != kb or va is not vb for (ka, va), (kb, vb) in zip(a, b, strict=True))
-                   for (_, a), (_, b) in zip(now, found, strict=True))
+        return _differ(self.now(), self.found)
+
+    def note_start(self) -> None:
+        """A trace starts from the user's hooks as they are now (``changed_after_call``)."""
+        self.started = self.now()
 
     @contextlib.contextmanager
     def calls_noted(self) -> Iterator[None]:
@@ -157,8 +160,12 @@ class HooksAsFound:
         """(module, hook dict, hook, whether registered) of a user's forward / backward
         hook that a module called in the trace that ended had not at its first call but
         has now (registered after the module ran), or had then but not now (removed);
-        None if none. Starts the notes of the next trace."""
+        None if none, or if the trace ended with the hooks it started with (a hook
+        registered before the forward and removed after it: the next trace starts as
+        this one did). Starts the notes of the next trace."""
         try:
+            if not _differ(self.now(), self.started):
+                return None
             for module, then in self.called.values():
                 now = _module_hooks(module)
                 if now == then:
@@ -176,6 +183,12 @@ class HooksAsFound:
         """The handle ids of the compiler's own hooks in the dicts (a hook's id keys it
         in its ``with_kwargs`` / ``always_call`` dicts too)."""
         return {k for d in self.dicts for k, v in d.items() if _ours(v)}
+
+
+def _differ(state: HookState, other: HookState) -> bool:
+    """Whether two ``HooksAsFound.now`` of the same dicts hold other user's hooks."""
+    return any(len(a) != len(b) or any(ka != kb or va is not vb for (ka, va), (kb, vb) in zip(a, b, strict=True))
+               for (_, a), (_, b) in zip(state[0], other[0], strict=True))
 
 
 _FORWARD_BACKWARD = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

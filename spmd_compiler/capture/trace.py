@@ -1884,26 +1884,36 @@ def _start_as_found(func: Callable[..., Any] | None = None) -> None:
     _refuse_set_ups_not_put_back(func, whole)
     if _TRACE_STARTS:
         _TRACE_STARTS[-1].unwrite(made=whole)
-    if whole and _HOOK_STARTS and _HOOK_STARTS[-1] is not None:
-        _HOOK_STARTS[-1].put_back()
+    if _HOOK_STARTS and _HOOK_STARTS[-1] is not None:
+        if whole:
+            _HOOK_STARTS[-1].put_back()
+        _HOOK_STARTS[-1].note_start()  # NOTE: [set-ups a later trace cannot start without]
 
 
 # NOTE: [set-ups a later trace cannot start without]
 # Where a trace of the capture changed what no rule here sets back for the next, that
 # trace starts from other values than the call found, and its program (the one that
-# runs the first call) computes other numbers than eager's first call. Two such changes
+# runs the first call) computes other numbers than eager's first call. Three such changes
 # are refused at the start of the trace after, naming what changed and where:
 # - a user's forward / backward hook registered or removed on a module after the module
 #   ran in the trace (``HooksAsFound.calls_noted``): the trace ran the module as eager's
 #   first call does, without the hook, and the next would run it with the hook, which
 #   the program of the first call then ran (loss 2.80 against eager's 1.46, silently,
 #   until the sixty-fourth session). Hooks registered before the module runs (beside a
-#   flag) start the next trace as they are: it runs the module as the first did;
+#   flag) start the next trace as they are: it runs the module as the first did. A trace
+#   that ends with the hooks it started with (a hook registered before the forward and
+#   removed after it, to read activations: ``HooksAsFound.note_start``) leaves the next
+#   trace starting as it did, whatever changed between: exact, and not refused (it was,
+#   in the sixty-fourth session only: a review);
 # - a plain value made under a name no code the walk read names, where the user's code
 #   computes attribute names (``setattr(model, name, True)``, read back by ``getattr``:
 #   ``Guards.made_elsewhere``): a library's flag made beside its hooks is no set-up to
 #   remove (NOTE: [attributes a step makes on a counted object]), and this one cannot be
-#   told from it (the first call 10x off eager before, silently).
+#   told from it (the first call 10x off eager before, silently);
+# - a guarded container of a dict / list / set subclass no ``_Contents`` sets back (a
+#   user's ``class Flags(dict)``, a ``Counter``: it may keep more than its items) that
+#   differs from what the call found (``Guards.not_set_back``; the first call 10x off
+#   eager, silently, until the sixty-fifth session).
 # A capture of one trace checks nothing but an empty record and the sizes of the dicts
 # its guards count; the hooks are noted by a global forward pre-hook while tracing.
 
@@ -1942,9 +1952,27 @@ def _refuse_set_ups_changed(func: Callable[..., Any], whole: bool) -> None:
             "run the module with the hook changed, which eager's first call does not "
             "(NOTE: [set-ups a later trace cannot start without]).",
             user_line=step_where(func),
-            hint="make the set-up before the first call (register or remove the hook "
-            "outside the compiled step), or register it in the step before the module "
-            "runs; a hook registered or removed between calls recompiles the step.",
+            hint=("make the set-up before the first call (register the hook outside the "
+                  "compiled step), or register it in the step before the module runs, or "
+                  "remove it again before the step returns (a hook for this call only)"
+                  if registered else
+                  "make the set-up before the first call (remove the hook outside the "
+                  "compiled step), or remove it in the step before the module runs")
+            + "; a hook registered or removed between calls recompiles the step.",
+        )
+    kept = _TRACE_STARTS[-1].not_set_back() if _TRACE_STARTS else []
+    if kept:
+        where, value = kept[0]
+        raise SPMDCompileError(
+            f"The train step changes {where}, a {type(value).__qualname__} (now {value!r}), beside "
+            "an `if` on a tensor value: the capture traces the step once for each way of such "
+            "an `if`, each from what the call found, and cannot set a container of this "
+            "class back (it may keep more than its items), so the trace after this one "
+            "would start from the change (NOTE: [set-ups a later trace cannot start without]).",
+            user_line=step_where(func),
+            hint="keep the flag in a plain dict, list or set (or an OrderedDict / "
+            "defaultdict), or make the set-up before the first call; the refused call "
+            "left the value as it found it.",
         )
     made = _TRACE_STARTS[-1].made_elsewhere() if whole and _TRACE_STARTS else []
     if made:
