@@ -98,3 +98,33 @@ def test_a_label_cache_beside_its_count_over_a_smaller_batch(mode):
                                ref_loss.labels[torch.device("cpu")]), i
         actual = full_state(model, opt, sim)
     assert max(compare_states(actual, full_state(ref, ref_opt, None)).values()) <= TOL
+
+
+def _closing_over(loss_fn: CachedLabelLoss):  # noqa: ANN202
+    def step(model, opt, x, y):  # noqa: ANN001, ANN202
+        return _step(model, loss_fn, opt, x, y)
+
+    return step
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_a_label_cache_of_a_loss_the_step_closes_over(mode):
+    # the loss module not an argument but the closure of a step factory (NOTE: [modules
+    # the step reaches beside its own]); before both fixes of the sixty-fifth session the
+    # first call was refused, "a tensor that is neither an argument nor part of a module"
+    model, loss_fn = TwoTowers(), CachedLabelLoss()
+    ref, ref_loss = copy.deepcopy(model), CachedLabelLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    compiled = sc.compile(parallel_mode=DataParallel(mode))(_closing_over(loss_fn))
+    eager = _closing_over(ref_loss)
+    with sc.simulate(world_size=2) as sim:
+        for i, (x, y) in enumerate(_batches()):
+            got, want = compiled(model, opt, x, y), eager(ref, ref_opt, x, y)
+            assert abs(got.item() - want.item()) <= TOL * abs(want.item()), i
+            assert loss_fn.prev_num_logits == ref_loss.prev_num_logits, i
+            held = loss_fn.labels[torch.device("cpu")]
+            assert type(held) is torch.Tensor, (i, type(held))  # never the capture's fake
+            assert torch.equal(held, ref_loss.labels[torch.device("cpu")]), i
+        actual = full_state(model, opt, sim)
+    assert max(compare_states(actual, full_state(ref, ref_opt, None)).values()) <= TOL
