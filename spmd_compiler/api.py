@@ -1520,18 +1520,30 @@ def _kept_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[No
     try:
         for k in captured.kept:
             j = out_index.get(k.index)
-            if k.how == "append" or k.as_item or k.as_int or j is None:
+            # a part of a tuple / dict the step builds (``self.last = (loss.item(), t)``)
+            # is stored with its container's other parts, some of them numbers: left as
+            # found, as a number is (a review: storing the tensor part alone raised
+            # AttributeError, "no attribute 'last'")
+            if k.how == "append" or k.as_item or k.as_int or j is None or k.part is not None:
                 continue
             try:
                 target = k.container(bindings)
             except (AttributeError, KeyError, IndexError, TypeError):
                 continue
+            tables = ("_buffers", "_parameters", "_modules")
+            if (k.how == "attr" and isinstance(target, torch.nn.Module)
+                    and any(k.key in getattr(target, table, {}) for table in tables)) or (
+                    k.path and tuple(k.path[-1]) in {("attr", table) for table in tables}):
+                # a registered buffer set by the step (``self.labels = arange(n)`` on a
+                # ``register_buffer("labels", None)``) is read as module state, not as a
+                # kept tensor: a stand-in there would be refused as an outside module's
+                # buffer (a review), and vars() does not hold it to put back
+                continue
             if k.how == "attr":
                 old = vars(target).get(k.key, _ABSENT) if hasattr(target, "__dict__") else getattr(target, k.key, _ABSENT)
             else:
                 old = target.get(k.key, _ABSENT) if isinstance(target, dict) else target[k.key]
-            if k.part is None or k.part[2] == 0:
-                was.append((target, k.how, k.key, old))
+            was.append((target, k.how, k.key, old))
             meta = captured.output_metas[j]
             k.store(bindings, torch.empty((), dtype=meta.dtype, device=meta.device).expand(meta.shape))
         yield

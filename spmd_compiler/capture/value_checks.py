@@ -639,7 +639,7 @@ def too_many_ways(
         if ways_run else "no call has completed yet, going"
     )
     values = "" if not others else (
-        f" ({others} more program{'s' if others != 1 else ''} serve other values of the "
+        f" ({others} more program{'s' if others != 1 else ''} serve earlier values of "
         f"Python values the step reads, and do not count: {changed}; each new value compiles "
         "the ways of its `if`s again)"
     )

@@ -942,7 +942,7 @@ def test_too_many_programs_for_the_values_found_names_the_changed_value(monkeypa
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     message = str(info.value)
     assert "has compiled 3 programs" in message, message
-    assert "(2 more programs serve other values of the Python values the step reads" in message, message
+    assert "(2 more programs serve earlier values of Python values the step reads" in message, message
     assert "max_steps was 0, now 2" in message, message
     assert "no call has completed yet, going through its 3 `if`s (3 at " in message, message
     assert model.max_steps == 2
