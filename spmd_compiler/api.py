@@ -1499,6 +1499,10 @@ def _buffers_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator
 _ABSENT = object()
 
 
+_MODULE_TABLES = ("_buffers", "_parameters", "_modules")
+_IN_MODULE_TABLES = frozenset(("attr", table) for table in _MODULE_TABLES)
+
+
 @contextlib.contextmanager
 def _kept_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[None]:
     """NOTE: [the probe starts from the tensors kept]
@@ -1530,10 +1534,9 @@ def _kept_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[No
                 target = k.container(bindings)
             except (AttributeError, KeyError, IndexError, TypeError):
                 continue
-            tables = ("_buffers", "_parameters", "_modules")
             if (k.how == "attr" and isinstance(target, torch.nn.Module)
-                    and any(k.key in getattr(target, table, {}) for table in tables)) or (
-                    k.path and tuple(k.path[-1]) in {("attr", table) for table in tables}):
+                    and any(k.key in getattr(target, table, {}) for table in _MODULE_TABLES)) or (
+                    k.path and tuple(k.path[-1]) in _IN_MODULE_TABLES):
                 # a registered buffer set by the step (``self.labels = arange(n)`` on a
                 # ``register_buffer("labels", None)``) is read as module state, not as a
                 # kept tensor: a stand-in there would be refused as an outside module's

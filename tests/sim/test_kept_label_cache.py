@@ -107,13 +107,12 @@ def _closing_over(loss_fn: CachedLabelLoss):  # noqa: ANN202
     return step
 
 
-@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
-def test_a_label_cache_of_a_loss_the_step_closes_over(mode):
-    # the loss module not an argument but the closure of a step factory (NOTE: [modules
-    # the step reaches beside its own]); before both fixes of the sixty-fifth session the
-    # first call was refused, "a tensor that is neither an argument nor part of a module"
-    model, loss_fn = TwoTowers(), CachedLabelLoss()
-    ref, ref_loss = copy.deepcopy(model), CachedLabelLoss()
+def _calls_closing_over(make_loss, mode: str):  # noqa: ANN001, ANN202
+    """Each call of a step closing over its loss (``make_loss()``), compiled and on one
+    device: the losses and counts checked, then (i, loss, eager's loss) yielded; the
+    model and optimizer compared at the end."""
+    model, loss_fn = TwoTowers(), make_loss()
+    ref, ref_loss = copy.deepcopy(model), make_loss()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     compiled = sc.compile(parallel_mode=DataParallel(mode))(_closing_over(loss_fn))
@@ -123,11 +122,20 @@ def test_a_label_cache_of_a_loss_the_step_closes_over(mode):
             got, want = compiled(model, opt, x, y), eager(ref, ref_opt, x, y)
             assert abs(got.item() - want.item()) <= TOL * abs(want.item()), i
             assert loss_fn.prev_num_logits == ref_loss.prev_num_logits, i
-            held = loss_fn.labels[torch.device("cpu")]
-            assert type(held) is torch.Tensor, (i, type(held))  # never the capture's fake
-            assert torch.equal(held, ref_loss.labels[torch.device("cpu")]), i
+            yield i, loss_fn, ref_loss
         actual = full_state(model, opt, sim)
     assert max(compare_states(actual, full_state(ref, ref_opt, None)).values()) <= TOL
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_a_label_cache_of_a_loss_the_step_closes_over(mode):
+    # the loss module not an argument but the closure of a step factory (NOTE: [modules
+    # the step reaches beside its own]); before both fixes of the sixty-fifth session the
+    # first call was refused, "a tensor that is neither an argument nor part of a module"
+    for i, loss_fn, ref_loss in _calls_closing_over(CachedLabelLoss, mode):
+        held = loss_fn.labels[torch.device("cpu")]
+        assert type(held) is torch.Tensor, (i, type(held))  # never the capture's fake
+        assert torch.equal(held, ref_loss.labels[torch.device("cpu")]), i
 
 
 class KeepsAPair(nn.Module):
@@ -184,14 +192,5 @@ def test_a_kept_pair_of_a_number_and_a_tensor_beside_a_set_up():
 def test_a_label_cache_in_a_registered_buffer_of_a_loss_the_step_closes_over():
     # a review: the probe's stand-in went into the module's _buffers and the first call
     # was refused as reading "buffer labels of a ... module that is neither an argument"
-    model, loss_fn = TwoTowers(), BufferedLabelLoss()
-    ref, ref_loss = copy.deepcopy(model), BufferedLabelLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_closing_over(loss_fn))
-    eager = _closing_over(ref_loss)
-    with sc.simulate(world_size=2):
-        for i, (x, y) in enumerate(_batches()):
-            got, want = compiled(model, opt, x, y), eager(ref, ref_opt, x, y)
-            assert abs(got.item() - want.item()) <= TOL * abs(want.item()), i
-            assert loss_fn.prev_num_logits == ref_loss.prev_num_logits, i
+    for _ in _calls_closing_over(BufferedLabelLoss, "replicate"):
+        pass  # the losses and counts are checked by the helper
