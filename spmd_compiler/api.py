@@ -1406,8 +1406,9 @@ class CompiledTrainStep:
             try:
                 with (
                     traces_start_from(after),  # its own ways: the changed values may skip the `if`s
-                    _buffers_as_left(captured, bindings),  # NOTE: [the probe starts from the buffers left]
-                    _kept_as_left(captured, bindings),  # NOTE: [the probe starts from the tensors kept]
+                    # NOTE: [the probe starts from the buffers left], NOTE: [the probe
+                    # starts from the tensors kept]
+                    _probe_starts_as_left(captured, bindings),
                 ):
                     probe = capture_step(
                         self.func, bindings, input_metas, self.mode.capture_options(), (),
@@ -1466,8 +1467,28 @@ class CompiledTrainStep:
         return captured, guards, also
 
 
+def _stand_in(meta: TensorMeta) -> torch.Tensor:
+    """A tensor of ``meta``'s shape and dtype that holds no memory (a 0-dim tensor
+    expanded): the probe reads metadata only."""
+    return torch.empty((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
+
+
 @contextlib.contextmanager
-def _buffers_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[None]:
+def _probe_starts_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[None]:
+    """The places the first trace left that the probe of NOTE: [a step that changes what
+    it reads] starts from, each a stand-in of what the first trace left there (a
+    reshaped buffer, a kept tensor), put back after, in reverse order."""
+    undo: list[Callable[[], None]] = []
+    try:
+        _buffers_as_left(captured, bindings, undo)
+        _kept_as_left(captured, bindings, undo)
+        yield
+    finally:
+        for put_back in reversed(undo):
+            put_back()
+
+
+def _buffers_as_left(captured: CapturedStep, bindings: StepBindings, undo: list[Callable[[], None]]) -> None:
     """NOTE: [the probe starts from the buffers left]
     The trace that tells a counter from a set-up (NOTE: [a step that changes what it
     reads]) starts from the Python values the first trace left, and from the buffers it
@@ -1483,17 +1504,11 @@ def _buffers_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator
     call is still refused: it changes in the probe whatever the buffers hold. The
     optimizers' state is the call's as found (the probe makes none)."""
     found = bindings.buffers
-    left: dict[str, torch.Tensor] = {}
     for j in captured.reshaped_state:
         ref, meta = captured.outputs[j], captured.output_metas[j]
         if ref.kind is Kind.BUFFER and ref.name in found:
-            left[ref.name] = torch.empty((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
-    was = {name: found[name] for name in left}
-    found.update(left)
-    try:
-        yield
-    finally:
-        found.update(was)
+            undo.append(functools.partial(found.__setitem__, ref.name, found[ref.name]))
+            found[ref.name] = _stand_in(meta)
 
 
 _ABSENT = object()
@@ -1503,8 +1518,7 @@ _MODULE_TABLES = ("_buffers", "_parameters", "_modules")
 _IN_MODULE_TABLES = frozenset(("attr", table) for table in _MODULE_TABLES)
 
 
-@contextlib.contextmanager
-def _kept_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[None]:
+def _kept_as_left(captured: CapturedStep, bindings: StepBindings, undo: list[Callable[[], None]]) -> None:
     """NOTE: [the probe starts from the tensors kept]
     The probe of NOTE: [a step that changes what it reads] starts from the Python values
     the first trace left; it starts too from the tensors that trace keeps (NOTE: [tensors
@@ -1520,47 +1534,45 @@ def _kept_as_left(captured: CapturedStep, bindings: StepBindings) -> Iterator[No
     (``.item()``) are left as found: nothing reads an appended list back (NOTE: [lists
     the step appends to and reads]), and a number is a guarded Python value."""
     out_index = {ref.index: j for j, ref in enumerate(captured.outputs) if ref.kind is Kind.RETURN}
-    was: list[tuple[Any, str, Any, Any]] = []
-    try:
-        for k in captured.kept:
-            j = out_index.get(k.index)
-            # a part of a tuple / dict the step builds (``self.last = (loss.item(), t)``)
-            # is stored with its container's other parts, some of them numbers: left as
-            # found, as a number is (a review: storing the tensor part alone raised
-            # AttributeError, "no attribute 'last'")
-            if k.how == "append" or k.as_item or k.as_int or j is None or k.part is not None:
-                continue
-            try:
-                target = k.container(bindings)
-            except (AttributeError, KeyError, IndexError, TypeError):
-                continue
-            if (k.how == "attr" and isinstance(target, torch.nn.Module)
-                    and any(k.key in getattr(target, table, {}) for table in _MODULE_TABLES)) or (
-                    k.path and tuple(k.path[-1]) in _IN_MODULE_TABLES):
-                # a registered buffer set by the step (``self.labels = arange(n)`` on a
-                # ``register_buffer("labels", None)``) is read as module state, not as a
-                # kept tensor: a stand-in there would be refused as an outside module's
-                # buffer (a review), and vars() does not hold it to put back
-                continue
-            if k.how == "attr":
-                old = vars(target).get(k.key, _ABSENT) if hasattr(target, "__dict__") else getattr(target, k.key, _ABSENT)
-            else:
-                old = target.get(k.key, _ABSENT) if isinstance(target, dict) else target[k.key]
-            was.append((target, k.how, k.key, old))
-            meta = captured.output_metas[j]
-            k.store(bindings, torch.empty((), dtype=meta.dtype, device=meta.device).expand(meta.shape))
-        yield
-    finally:
-        for target, how, key, old in reversed(was):
-            if how == "attr":
-                if old is _ABSENT:
-                    delattr(target, key)
-                else:
-                    setattr(target, key, old)
-            elif old is _ABSENT:
-                del target[key]
-            else:
-                target[key] = old
+    for k in captured.kept:
+        j = out_index.get(k.index)
+        # a part of a tuple / dict the step builds (``self.last = (loss.item(), t)``)
+        # is stored with its container's other parts, some of them numbers: left as
+        # found, as a number is (a review: storing the tensor part alone raised
+        # AttributeError, "no attribute 'last'")
+        if k.how == "append" or k.as_item or k.as_int or j is None or k.part is not None:
+            continue
+        try:
+            target = k.container(bindings)
+        except (AttributeError, KeyError, IndexError, TypeError):
+            continue
+        if (k.how == "attr" and isinstance(target, torch.nn.Module)
+                and any(k.key in getattr(target, table, {}) for table in _MODULE_TABLES)) or (
+                k.path and tuple(k.path[-1]) in _IN_MODULE_TABLES):
+            # a registered buffer set by the step (``self.labels = arange(n)`` on a
+            # ``register_buffer("labels", None)``) is read as module state, not as a
+            # kept tensor: a stand-in there would be refused as an outside module's
+            # buffer (a review), and vars() does not hold it to put back
+            continue
+        if k.how == "attr":
+            old = vars(target).get(k.key, _ABSENT) if hasattr(target, "__dict__") else getattr(target, k.key, _ABSENT)
+        else:
+            old = target.get(k.key, _ABSENT) if isinstance(target, dict) else target[k.key]
+        undo.append(functools.partial(_put_back, target, k.how, k.key, old))
+        k.store(bindings, _stand_in(captured.output_metas[j]))
+
+
+def _put_back(target: Any, how: str, key: Any, old: Any) -> None:
+    """Set ``target``'s attribute or entry ``key`` back to ``old`` (absent: removed)."""
+    if how == "attr":
+        if old is _ABSENT:
+            delattr(target, key)
+        else:
+            setattr(target, key, old)
+    elif old is _ABSENT:
+        del target[key]
+    else:
+        target[key] = old
 
 
 # NOTE: [a compiled step written on a method]
