@@ -3062,16 +3062,27 @@ def _argument_written_in_place(ref: StateRef, node: torch.fx.Node) -> SPMDCompil
                 node.meta[key] = source.meta[key]
     name = ref.name or f"input[{ref.index}]"
     example = name if name.isidentifier() else "running_mean"
+    op = source.target.__name__.split(".")[0] if (
+        isinstance(source, torch.fx.Node) and private.is_op_overload(source.target)
+    ) else ""
+    # the out-of-place form of the write first: most such writes clean or scale a batch
+    # (``x.nan_to_num_(0.0)``); a running value kept across calls comes second
+    copy = (
+        f"`{example} = {example}.{op}(...)` in place of `{example}.{op}_(...)`"
+        if op.isidentifier() and hasattr(torch.Tensor, op) and hasattr(torch.Tensor, f"{op}_")
+        else f"`{example} = {example}.clone()` before the write"
+    )
+    clean = "" if op == "nan_to_num" else "; cleaning a batch: `x = x.nan_to_num(0.0)`"
     return node_error(
         f"The train step modifies its tensor argument `{name}` in place. A tensor argument "
         "is an input of the program, read afresh on each call: a change to it would not "
         "reach the caller's tensor.",
         node,
-        hint=f"where the value is kept across calls (a running mean), register it as a "
-        f"buffer of a module the step takes (`model.register_buffer(\"{example}\", "
-        f"torch.zeros(()))`, the step reading and updating model.{example}): a buffer is "
-        "state the program updates in place; otherwise work on a copy (x = x.clone()) or "
-        "move the in-place change outside the compiled step.",
+        hint=f"work on a copy ({copy}{clean}), or do "
+        "the change in the data pipeline, outside the compiled step. Where the value is "
+        "kept across calls (a running mean), register it as a buffer of a module the step "
+        f"takes (`model.register_buffer(\"{example}\", torch.zeros(()))`, the step reading "
+        f"and updating model.{example}): a buffer is state the program updates in place.",
     )
 
 

@@ -210,3 +210,23 @@ def test_an_argument_written_in_place_is_named_as_written_with_its_line_and_the_
     assert "input[0]" not in message, message
     assert "running_mean.copy_(running_mean.lerp(" in message, message  # the user's line
     assert 'model.register_buffer("running_mean", torch.zeros(()))' in message, message
+
+
+def _cleans_its_batch(model, optim, x, y):  # noqa: ANN001
+    x.nan_to_num_(0.0)
+    return classification_train_step(model, optim, x, y)
+
+
+def test_a_batch_cleaned_in_place_is_told_the_out_of_place_form_first():
+    """``x.nan_to_num_(0.0)`` on the batch: the hint opened with registering a buffer
+    (a running value's fix) and gave the copy as "otherwise"; it now opens with the
+    out-of-place form of the op written, the buffer after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile()(_cleans_its_batch)(model, optim, *_batch())
+    message = str(info.value)
+    assert "x.nan_to_num_(0.0)" in message, message  # the user's line
+    hint = message[message.index("what to do"):]
+    assert hint.index("`x = x.nan_to_num(...)` in place of `x.nan_to_num_(...)`") < hint.index("register_buffer"), hint
