@@ -3062,7 +3062,7 @@ def _argument_written_in_place(ref: StateRef, node: torch.fx.Node) -> SPMDCompil
                 node.meta[key] = source.meta[key]
     name = ref.name or f"input[{ref.index}]"
     example = name if name.isidentifier() else "running_mean"
-    op = source.target.__name__.split(".")[0] if (
+    op = getattr(source.target, "__name__", "").split(".")[0] if (
         isinstance(source, torch.fx.Node) and private.is_op_overload(source.target)
     ) else ""
     # the out-of-place form of the write first: most such writes clean or scale a batch
