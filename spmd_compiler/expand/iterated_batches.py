@@ -463,9 +463,14 @@ def check_iterated_batches(
             + "{" + ", ".join(f"{a!r}: 1" for a in alike or unnamed) + "}"
             + f"{also}."
         )
+    whole = "{" + ", ".join(f"{a!r}: None" for a in unnamed) + "}"
+    # an argument of a few numbers every rank passes alike (CutMix's box, (4,)) is walked
+    # as the batch too; the hint named only dimension 0 (sixty-sixth session's probe)
     hint = hint or (
         f"name the batch dimension in the mode: {time_major}input_batch_dim={per_sample} if "
-        "dimension 0 is the batch and the step loops over samples."
+        f"dimension 0 is the batch and the step loops over samples, or input_batch_dim={whole} "
+        "for an argument that holds no batch and that every rank passes whole (a CutMix "
+        "box, a few coordinates)."
     )
     if fixed and recurrent is None and not simulated:
         world = (record.size or 0) // (record.share or 1)

@@ -269,6 +269,45 @@ def test_a_loop_over_samples_warns_with_both_ways_out_and_names_only_what_can_be
     assert "'y': 1" not in warned[0]
 
 
+def _cutmix_step(model, optim, x, y, box):
+    """CutMix with its box (y0, y1, x0, x1) as a tensor every rank passes whole."""
+    r, c = torch.arange(x.shape[-2])[:, None], torch.arange(x.shape[-1])[None, :]
+    mask = ((r >= box[0]) & (r < box[1]) & (c >= box[2]) & (c < box[3])).to(x.dtype)
+    loss = F.cross_entropy(model((x * (1 - mask) + x.flip(0) * mask).flatten(1)), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_box_argument_walked_as_the_batch_is_told_it_may_be_whole(named: bool) -> None:
+    """CutMix's (4,) box read element by element is walked along its split dimension 0:
+    the warning named only ``{'box': 0}``; it now gives ``{'box': None}`` too, which
+    compiles quietly and matches eager (timm angle, sixty-sixth session)."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 3).double()
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 4, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=gen)
+    box = torch.tensor([1, 3, 0, 2])
+    mode = DataParallel("replicate", input_batch_dim={"box": None}) if named else DataParallel("replicate")
+    compiled = sc.compile(parallel_mode=mode)(_cutmix_step)
+    want = _cutmix_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y, box)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sc.simulate(world_size=WORLD) as sim:
+            got = compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, box)
+            errors = compare_states(full_state(model, None, sim), full_state(reference, None, None))
+            assert abs(float(sim.full_tensor(got)) - float(want)) < 1e-12
+    warned = [str(w.message) for w in caught if "the dimension the mode splits as the batch" in str(w.message)]
+    if named:
+        assert warned == [], warned
+    else:
+        assert len(warned) == 1 and "input_batch_dim={'box': None}" in warned[0], warned
+    assert max(errors.values()) < 1e-12, errors
+
+
 def test_a_single_rank_has_no_split_to_walk() -> None:
     torch.manual_seed(0)
     warned, errors = _train_world(TimeMajor().double(), DataParallel("replicate"), world=1)
