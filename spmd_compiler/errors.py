@@ -105,15 +105,17 @@ class SPMDCompileError(RuntimeError):
         hint: str | None = None,
         failed_at: SourceLocation | None = None,
         made_at: SourceLocation | None = None,
+        library_note: bool = True,
     ) -> None:
         """``failed_at``: the innermost line of model code where the failure started,
         where it is not ``user_line`` (the note on a line of an installed package);
         ``made_at``: the model's line that made a node's op, where it is another line
         than ``user_line`` (a view in a module's forward, reached from the step's
-        ``loss = model(x)...``), shown."""
+        ``loss = model(x)...``), shown; ``library_note``: False where the hint already
+        says what a line in an installed package means (no change of the step reaches it)."""
         self.message, self.op, self.node, self.module_fqn = message, op, node, module_fqn
         self.user_line, self.hint, self.failed_at = user_line, hint, failed_at
-        self.made_at = made_at
+        self.made_at, self.library_note = made_at, library_note
         parts = [message]
         if op:
             parts.append(f"  op:          {op}")
@@ -128,7 +130,7 @@ class SPMDCompileError(RuntimeError):
         if hint:
             parts.append(f"  what to do:  {hint}")
         package = installed_package_of(failed_at or made_at or user_line)
-        if package is not None:
+        if package is not None and library_note:
             parts.append(
                 f"  note:        the line is in the installed package {package!r}, not in the "
                 f"step's own code: make the change through what leads there (the package's "
@@ -143,6 +145,7 @@ class SPMDCompileError(RuntimeError):
         return SPMDCompileError(
             self.message, op=self.op, node=self.node, module_fqn=module_fqn,
             user_line=self.user_line, hint=self.hint, failed_at=self.failed_at, made_at=self.made_at,
+            library_note=self.library_note,
         )
 
 
@@ -151,6 +154,7 @@ class SPMDCompileError(RuntimeError):
         return SPMDCompileError(
             self.message, op=self.op, node=self.node, module_fqn=self.module_fqn,
             user_line=self.user_line, hint=hint, failed_at=self.failed_at, made_at=self.made_at,
+            library_note=self.library_note,
         )
 
 

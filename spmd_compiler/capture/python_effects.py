@@ -65,6 +65,7 @@ from ..errors import (
     SourceLocation,
     SPMDCompileError,
     innermost_model_frame_of_stack,
+    installed_package_of,
     node_error,
     warn_once_per_line,
 )
@@ -121,13 +122,28 @@ def python_effects(step_code: Any, roots: tuple[Any, ...] = ()) -> Iterator[None
 
     def refuse_reseed(name: str, real: Any) -> Any:
         def refuse() -> NoReturn:
+            where = innermost_model_frame_of_stack()
+            package = installed_package_of(where)
+            # NOTE: [a reseed in a library's code]: transformers' Reformer reseeds in its
+            # reversible layers whenever it trains (``torch.seed()`` in forward, replayed
+            # by ``manual_seed`` in its hand-written backward), whatever its dropout: no
+            # configuration turns it off, so "seed once outside" cannot be followed there
+            hint = (
+                f"the reseed is in the code of the installed package {package!r}, which no setting of the step "
+                "changes: a model whose forward or backward reseeds the generator (transformers' "
+                "Reformer with its reversible layers does whenever it trains) cannot be "
+                "compiled; train it eagerly, or choose a model that does not reseed."
+            ) if package is not None and package != "spmd_compiler" else (
+                "seed once before the first call (torch.manual_seed(s) outside the "
+                "compiled step); the program draws from the default generator every call."
+            )
             raise SPMDCompileError(
                 f"The train step calls torch.{name}(): a compiled step runs its Python once, "
                 "at capture, so the generator would be reset once instead of every call, and "
                 "the program's random draws would differ from eager's.",
-                user_line=innermost_model_frame_of_stack(),
-                hint="seed once before the first call (torch.manual_seed(s) outside the "
-                "compiled step); the program draws from the default generator every call.",
+                user_line=where,
+                hint=hint,
+                library_note=package is None,
             )
         # torch's own calls (checkpoint's fork_rng, ...) go through
         return refusing(real, refuse, lambda filename: not from_torch(filename))

@@ -46,3 +46,56 @@ def test_shards_take_their_slice_of_one_global_draw(mode, world_size, single_dev
 def test_two_d_mode_draws_the_same_masks(single_device):
     got = _losses("fsdp_tp", 4, steps=1, mesh=(2, 2))
     assert got == pytest.approx(single_device[:1], rel=1e-5)
+
+
+def _reseeding_step(model, optim, x):  # noqa: ANN001
+    torch.manual_seed(0)  # a reseed in the step's own code
+    loss = model(x).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _reseed_refusal(model: torch.nn.Module, step) -> sc.SPMDCompileError:  # noqa: ANN001
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sc.simulate(world_size=2), pytest.raises(sc.SPMDCompileError) as info:
+        sc.compile()(step)(model, optim, torch.randn(4, 3))
+    return info.value
+
+
+def test_a_reseed_in_the_step_is_refused_with_the_seed_once_advice():
+    error = _reseed_refusal(torch.nn.Linear(3, 2), _reseeding_step)
+    assert "calls torch.manual_seed()" in str(error) and "torch.manual_seed(0)  # a reseed" in str(error)
+    assert "seed once before the first call" in str(error)
+    assert "installed package" not in str(error)
+
+
+def _model_step(model, optim, x):  # noqa: ANN001
+    loss = model(x).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_reseed_in_a_librarys_model_says_no_setting_of_the_step_reaches_it(tmp_path, monkeypatch):
+    """transformers' Reformer reseeds in its reversible layers whenever it trains (no
+    setting turns it off): the hint said to seed once outside, and the note to change the
+    package's configuration; neither could be followed (hfarch angle, sixty-sixth session)."""
+    library = tmp_path / "site-packages"
+    library.mkdir()
+    (library / "reseeding_library.py").write_text(
+        "import sys\n\nimport torch\n\n\nclass Reversible(torch.nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        self.seed = int(torch.seed() % sys.maxsize)\n"
+        "        return super().forward(x)\n"
+    )
+    monkeypatch.syspath_prepend(str(library))
+    import reseeding_library
+
+    error = _reseed_refusal(reseeding_library.Reversible(3, 2), _model_step)
+    assert "calls torch.seed()" in str(error) and "torch.seed() % sys.maxsize" in str(error), error
+    assert "the code of the installed package 'reseeding_library'" in str(error) and "Reformer" in str(error), error
+    assert "seed once before the first call" not in str(error)
+    assert "the package's configuration" not in str(error)
