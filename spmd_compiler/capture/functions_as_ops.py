@@ -14,7 +14,9 @@ Overlapping windows made by ``as_strided`` are gathered by index (NOTE: [windows
 as_strided]). ``torch.cov`` and ``torch.corrcoef`` take their degrees of freedom from
 the shape (NOTE: [covariance at capture]); ``fill_diagonal_`` is a masked fill (NOTE:
 [diagonals at capture]); ``torch.stft`` / ``torch.istft`` frame and overlap by index
-(NOTE: [short-time Fourier transforms at capture]). One
+(NOTE: [short-time Fourier transforms at capture]); ``repeat_interleave`` by a tensor
+of counts with an ``output_size`` gathers by their cumulative sums (NOTE: [repeats of a
+fixed total at capture]). One
 ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
@@ -23,6 +25,7 @@ autograd derives the backward; every other function runs as it is.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +41,7 @@ from .diagonals import fill_diagonal_
 from .embedding_bag import embedding, embedding_bag
 from .margin_losses import multi_margin_loss, multilabel_margin_loss
 from .packed_sequences import pack_padded, packed_sequences, pad_packed, refuse_other_uses
+from .repeated_rows import repeat_interleave
 from .spectra import istft, stft
 from .strided_windows import as_strided, refuse_writes_through_windows, strided_windows
 
@@ -60,6 +64,8 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.Tensor.stft: stft,
     torch.istft: istft,
     torch.Tensor.istft: istft,
+    torch.repeat_interleave: functools.partial(repeat_interleave, torch.repeat_interleave),
+    torch.Tensor.repeat_interleave: functools.partial(repeat_interleave, torch.Tensor.repeat_interleave),
 }
 
 

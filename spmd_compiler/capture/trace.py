@@ -1776,13 +1776,26 @@ _COUNTS_HINT = (
     "torch.ones(len(labels))) or F.one_hot(labels, n).sum(0) for bincount(labels, "
     "minlength=n); (counts > 0).sum() for the number of distinct labels."
 )
+# NOTE: [repeats of a fixed total at capture] (capture/repeated_rows.py): the forms that
+# compile; before the sixty-sixth session this said to pass a Python list, which
+# torch.repeat_interleave does not take
+_REPEATS_HINT = (
+    "give the frames a fixed length T: pad the durations so each row sums to T (a pad "
+    "entry takes the rest) and pass output_size=T: torch.repeat_interleave(x, dur, dim=0, "
+    "output_size=T) (a call whose repeats sum to another total raises, as eager does); or "
+    "gather by indices padded to T: ends = dur.cumsum(-1); idx = torch.searchsorted(ends, "
+    "torch.arange(T).expand(B, T), right=True).clamp(max=P - 1); frames = x.gather(1, "
+    "idx[..., None].expand(-1, -1, D)), masked past ends[:, -1:]; or an alignment matrix: "
+    "t = torch.arange(T)[None, :, None]; frames = ((t >= (ends - dur)[:, None]) & (t < "
+    "ends[:, None])).to(x.dtype) @ x. An int repeats (x.repeat_interleave(2, 0)) is a "
+    "shape and compiles as it is."
+)
 _VALUE_SHAPE_HINTS = {
     "bincount": _COUNTS_HINT,
     "_unique2": _COUNTS_HINT,
     "unique_dim": _COUNTS_HINT,
     "unique_consecutive": _COUNTS_HINT,
-    "repeat_interleave": "pass repeats as a Python int or list (a shape), or expand and "
-    "mask with a fixed length.",
+    "repeat_interleave": _REPEATS_HINT,
 }
 
 
