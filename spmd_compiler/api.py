@@ -37,6 +37,7 @@ from .capture.bindings import (
     tensor_argument_names,
 )
 from .capture.code_names import step_function, step_name, step_where
+from .capture.group_writes import module_writes_seen
 from .capture.guards import (
     Guards,
     argument_labels,
@@ -1409,6 +1410,7 @@ class CompiledTrainStep:
                     # NOTE: [the probe starts from the buffers left], NOTE: [the probe
                     # starts from the tensors kept]
                     _probe_starts_as_left(captured, bindings),
+                    module_writes_seen(change) as writes,  # NOTE: [lines of param-group writes]
                 ):
                     probe = capture_step(
                         self.func, bindings, input_metas, self.mode.capture_options(), (),
@@ -1433,7 +1435,8 @@ class CompiledTrainStep:
                     raise SPMDCompileError(
                         f"The train step changes a Python value every time it runs: {again}. "
                         "A compiled step runs no Python, so it cannot repeat that change.",
-                        user_line=self._where,
+                        user_line=writes[-1] if writes and writes[-1] and again.what == change.what
+                        else self._where,
                         hint="keep the counter in a tensor the step updates in place (a "
                         "buffer made before the first call: self.register_buffer('calls', "
                         "torch.zeros((), dtype=torch.long)); self.calls += 1), or count "

@@ -81,6 +81,9 @@ class Change(str):
     # the change is more hooks on a module or optimizer than before: the step
     # registers one every time it runs (said so in the refusal)
     registered: bool = False
+    # for an attribute: (the ``__dict__`` holding it, its name), to find the line that
+    # writes it (NOTE: [lines of param-group writes])
+    place: tuple[object, object] | None = None
 
     def __new__(cls, what: str, was: str | None = None, now: str | None = None,
                 verb: str = "was") -> Change:

@@ -11,13 +11,26 @@ it (the innermost frame outside torch and this package: the step's line, or a cu
 optimizer's ``step()``), the last one per key, and the refusal names it. The capture's
 own writes bypass it (``dict.__setitem__``, or made before the group is wrapped); a
 write by other means (``setdefault``, ``pop``) is still refused, without a line.
+
+A module attribute the step changes on every call (``model.it += 1``) is refused after
+the probe trace of NOTE: [a step that changes what it reads]; the refusal named the
+``def`` line of the step (probe s66). While the probe runs, ``module_writes_seen``
+watches ``nn.Module.__setattr__`` for the one attribute the first trace changed and
+keeps the line of its last write, which the refusal names. A write that bypasses it
+(``model.__dict__[...]``, an attribute of a plain object or a global) keeps the ``def``
+line.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
-from ..errors import SourceLocation, innermost_model_frame_of_stack
+import torch.nn as nn
+
+from ..errors import Change, SourceLocation, innermost_model_frame_of_stack
 from .optimizers import MomentumGroup
 
 # The hint of a refused learning-rate write in the step.
@@ -63,3 +76,23 @@ def written_at(group: Any, keys: list[Any]) -> SourceLocation | None:
     """The line of the last write of the first of ``keys`` the step wrote, or None."""
     lines = group.lines() if isinstance(group, _WritesSeen) else {}
     return next((lines[k] for k in keys if lines.get(k) is not None), None)
+
+
+@contextlib.contextmanager
+def module_writes_seen(change: Change | None) -> Iterator[list[SourceLocation | None]]:
+    """The lines that write the module attribute ``change`` names, while the block runs
+    (see the NOTE); nothing watched where ``change`` is no attribute."""
+    seen: list[SourceLocation | None] = []
+    if change is None or change.place is None:
+        yield seen
+        return
+    container, key = change.place
+    set_attribute = nn.Module.__setattr__
+
+    def watched(module: nn.Module, name: str, value: Any) -> None:
+        if name == key and module.__dict__ is container:
+            seen.append(innermost_model_frame_of_stack())
+        set_attribute(module, name, value)
+
+    with mock.patch.object(nn.Module, "__setattr__", watched):
+        yield seen

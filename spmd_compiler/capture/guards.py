@@ -406,7 +406,10 @@ class Guards:
             if value is expected:
                 continue
             if type(value) is not type(expected) or _unequal(value, expected):
-                return Change(self.names[k], _show(expected), _show(value))
+                change = Change(self.names[k], _show(expected), _show(value))
+                if kind == _DICT:  # an attribute: where it lives, to find its writes
+                    change.place = (container, key)
+                return change
         return None
 
     def for_call(self, bindings: StepBindings) -> tuple[Guards, Change | None]:

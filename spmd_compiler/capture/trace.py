@@ -144,6 +144,7 @@ from .mask_selections import (
     model_mask_hint,
     settled_in_capture,
 )
+from .ops_named_in_place import named_in_place_decompositions, refuse_ops_named_in_place
 from .optimizers import CycledValue, CycledValueUsed, MomentumGroup, tracing_optimizer_step
 from .optimizers import check_supported as check_supported_optimizers
 from .outside_tensors import FoundTensor, OutsideWrites, outside_constants
@@ -347,6 +348,7 @@ def capture_decompositions() -> dict:
     table |= replayed_draw_decompositions()  # NOTE: [draws replayed by a restored generator]
     table |= mask_selection_decompositions()  # NOTE: [selections by a mask of the batch]
     table |= python_valued_shape_decompositions()  # NOTE: [value-dependent shapes of Python values]
+    table |= named_in_place_decompositions()  # NOTE: [ops named like in-place ones]
     # the conditions of value checks (NOTE: [value checks]): ops with a DTensor rule
     table[aten._is_all_true.default] = lambda t: torch.all(t)
     table[aten._is_any_true.default] = lambda t: torch.any(t)
@@ -1303,6 +1305,7 @@ def _finish(first: _FirstTrace, start: float) -> CapturedStep:
     """The second trace (NOTE: [capture in two traces]) and the captured step."""
     tracer = first.tracer
     gm = _functionalize(first.graph, first.inputs, first.fake_mode)
+    refuse_ops_named_in_place(gm)  # NOTE: [ops named like in-place ones]
     captured = CapturedStep(
         graph_module=gm,
         inputs=first.inputs,

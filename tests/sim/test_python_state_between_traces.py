@@ -689,3 +689,30 @@ def test_a_refused_counter_in_a_dict_subclass_leaves_the_same_object_as_found():
                  torch.randn(8, 1, dtype=torch.float64))
     assert USERS_FLAGS is held and held == {"n": 0}
     USERS_FLAGS.clear()
+
+
+def iteration_counting_step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.it += 1  # the write the refusal names
+    return loss.detach()
+
+
+def test_a_refused_module_counter_names_the_line_that_writes_it():
+    """``model.it += 1`` on an int made before the first call: the refusal named the
+    ``def`` line of the step (probe s66); it names the write's line (NOTE: [lines of
+    param-group writes]) and leaves the counter as found."""
+    model = Net()
+    model.it = 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(iteration_counting_step)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, opt, x, y)
+    message = str(info.value)
+    line = iteration_counting_step.__code__.co_firstlineno + 5
+    assert "changes a Python value every time it runs: module <root>.it was" in message, message
+    assert f'test_python_state_between_traces.py:{line}: "model.it += 1' in message, message
+    assert model.it == 1
