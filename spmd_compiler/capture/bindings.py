@@ -281,6 +281,36 @@ def keep_momentum_a_setting(opt: torch.optim.Optimizer) -> None:
     _MOMENTUM_KEYED.add(opt)
 
 
+# NOTE: [tensors held in a param group]
+# timm's Lamb counts its steps in a tensor in each param group (``group['step'] =
+# _init_scalar()`` on its first call, then ``group['step'].add_(1)``). Such a tensor was
+# no input of the program: read through the traced copy of the group it was a tensor
+# from outside the arguments, and its ``add_`` was refused as a write to "a global, a
+# closure value or a plain attribute" (2027-01 probe), which it is not. Every tensor a
+# param group holds under a string key, but the learning rate (an input of its own,
+# NOTE: [a learning rate read in Python]), ``initial_lr`` and the parameters, is now
+# training state of the program (``Kind.GROUP_STATE``, replicated in every mode), as
+# per-parameter state is: fed from ``group[key]`` on every call and written back into
+# that same tensor after the call (``copy_``, so the group keeps its object, as eager's
+# ``add_`` keeps it), on every rank. A checkpoint stores it with the param groups,
+# as torch's state dict does. A tensor the step puts into a group that held none is
+# refused (NOTE: [param-group writes in the step]), naming the optimizer's class, the
+# key and the line, with the working form: create it before the first call.
+
+
+def group_tensor_keys(group: dict[str, Any]) -> list[str]:
+    """The keys of the tensors ``group`` holds as state of the program (NOTE: [tensors
+    held in a param group]), sorted."""
+    return sorted(
+        key for key, value in dict.items(group)
+        if type(key) is str and key not in _NOT_GROUP_STATE and isinstance(value, torch.Tensor)
+        and not isinstance(value, torch.nn.Parameter)
+    )
+
+
+_NOT_GROUP_STATE = frozenset({"params", "lr", "initial_lr"})
+
+
 def cycled_inputs(opt: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
     """The hyper-parameters of ``group`` besides the learning rate fed to the program."""
     if beta1_is_input(opt, group):
@@ -398,6 +428,12 @@ class StepBindings:
                             refs.append(
                                 (StateRef(Kind.OPTIM_STATE, name, key, oi, gi), value)
                             )
+        for oi, opt in enumerate(self.optimizers):  # NOTE: [tensors held in a param group]
+            for gi, group in enumerate(opt.param_groups):
+                refs += [
+                    (StateRef(Kind.GROUP_STATE, key=key, optimizer=oi, group=gi), group[key])
+                    for key in group_tensor_keys(group)
+                ]
         if self.scalers:
             refs += scaler_state(self.scalers, next(iter(self.params.values())).device)
         return refs

@@ -118,6 +118,8 @@ class RecordedStates(defaultdict):
         self.unobserved = False
         self.owners = owners
         self.read_by: list[str] = []
+        # the traced param groups whose tensors are outputs (NOTE: [tensors held in a param group])
+        self.group_tensors: list[tuple[int, str, dict[str, Any]]] = []
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if not isinstance(value, RecordedState):

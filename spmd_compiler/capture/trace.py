@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,6 +55,7 @@ from ..errors import (
     exception_summary,
     innermost_model_frame,
     innermost_model_frame_of_stack,
+    installed_package_of,
     node_error,
     step_frame_from_traceback,
     step_line_from_stack_trace,
@@ -97,6 +99,7 @@ from .bindings import (
     argument_paths,
     beta1_is_input,
     check_plain_modules,
+    group_tensor_keys,
     keep_lr_a_setting,
     keep_momentum_a_setting,
     lr_is_input,
@@ -2279,6 +2282,9 @@ class _StepTracer:
                     if isinstance(value, torch.Tensor):
                         self.out_refs.append(StateRef(Kind.OPTIM_STATE, name, key, oi, gi))
                         outs.append(value)
+            for gi, key, group in opt_state.group_tensors:  # NOTE: [tensors held in a param group]
+                self.out_refs.append(StateRef(Kind.GROUP_STATE, key=key, optimizer=oi, group=gi))
+                outs.append(dict.__getitem__(group, key))
         return outs
 
 
@@ -2484,6 +2490,9 @@ def _swap_optimizer(
         new["params"] = [params[b.param_name(p)] for p in group["params"]]
         for p in group["params"]:
             by_param[b.param_name(p)] = (gi, params[b.param_name(p)])
+        held = group_tensor_keys(group)  # NOTE: [tensors held in a param group]
+        for key in held:
+            new[key] = values[StateRef(Kind.GROUP_STATE, key=key, optimizer=oi, group=gi)]
         lr = values.get(StateRef(Kind.HYPERPARAM, key="lr", optimizer=oi, group=gi))
         if lr is not None:  # else a setting (NOTE: [a learning rate read in Python])
             new["lr"] = lr
@@ -2516,6 +2525,10 @@ def _swap_optimizer(
         })
         state.before[id(params[name])] = set(entries)
     before = {k: dict(v) for k, v in state.items()}
+    forced_capturable = any("capturable" in g and not g["capturable"] for g in saved_groups)
+    state.group_tensors = [
+        (gi, key, group) for gi, group in enumerate(groups) for key in group_tensor_keys(saved_groups[gi])
+    ]
     opt.param_groups, opt.state = groups, state
     original_step = opt.step
     # An LR scheduler wraps ``step`` on the instance; keep that wrapper to restore it.
@@ -2531,7 +2544,12 @@ def _swap_optimizer(
             for group in groups:
                 if isinstance(group, MomentumGroup):
                     opened.enter_context(group.opened())
-            result = original_step(*args, **kwargs)
+            try:
+                result = original_step(*args, **kwargs)
+            except (AssertionError, RuntimeError, ValueError) as exc:
+                if forced_capturable and "capturable" in str(exc):
+                    raise _capturable_refused(opt, oi, exc) from exc
+                raise
         note_optimizer_step(opt)  # NOTE: [schedulers stepped in the step]
         if graph is not None:
             for node in new_nodes_after(mark, graph):
@@ -2724,15 +2742,17 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
                 hint=LR_WRITE_HINT,
             )
         was = set_groups[gi]
+        held = {key for g, key, _ in state.group_tensors if g == gi}
         changed = sorted(
             (k for k in {*dict.keys(group), *was}
              if k not in ("params", "lr") and (
                  k not in was or k not in dict.keys(group)
                  or learning_rate_of(dict.__getitem__(group, k)) is not was[k]
-             )),
+             ) and not _group_tensor_kept(group, was, k, held)),
             key=repr,
         )
         if changed:
+            _refuse_group_state_made(opt, oi, gi, group, was, changed, state.owners)
             raise SPMDCompileError(
                 f"The train step, or the optimizer's own step(), writes "
                 f"optimizer[{oi}].param_groups[{gi}][{', '.join(map(repr, changed))}] "
@@ -2755,14 +2775,21 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
                 # NOTE: [per-parameter state kept a Python number]: the hint's claim (a
                 # tensor count and tensor arithmetic on it compile, matching eager) is
                 # tested in tests/sim/test_python_writes_in_the_step.py
+                cls = type(opt).__name__
+                library = _optimizer_of_a_library(opt)  # NOTE: [counters the optimizer keeps]
                 raise SPMDCompileError(
-                    f"optimizer[{oi}] ({type(opt).__name__}) keeps non-tensor state "
+                    f"optimizer[{oi}] ({cls}) keeps non-tensor state "
                     f"{key!r} that changes every step ("
                     + (f"{old!r} -> {value!r}" if key in before.get(p, {}) else f"set to {value!r} while the step was traced")
+                    + (f"; {cls}'s own step() does this, in the installed package "
+                       f"{library!r}" if library else "")
                     + "): a compiled "
                     "step runs no Python after capture, so a Python number in the state "
-                    "would keep the value it had when the step was traced.",
-                    hint=f"keep it in a tensor, as torch.optim's optimizers keep their step "
+                    "would keep the value it had when the step was traced (NOTE: [counters "
+                    "the optimizer keeps]).",
+                    hint=f"{cls} counts in a Python number, which no compiled program can; use "
+                    f"{_TENSOR_COUNT_OPTIMIZERS}." if library else
+                    f"keep it in a tensor, as torch.optim's optimizers keep their step "
                     f"count: `state[{key!r}] = torch.zeros((), dtype=torch.float64)` where the "
                     f"state is made (float64 computes as Python numbers do); `state[{key!r}] += 1` "
                     "then counts in the program, and "
@@ -2770,6 +2797,118 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
                     "`.sqrt()`, `torch.pow`, not math.sqrt / math.pow / float()), or use a "
                     "torch.optim optimizer (Adam, AdamW, Adafactor, ...).",
                 )
+
+
+def _group_tensor_kept(group: dict[str, Any], was: dict[str, Any], key: Any, held: set[str]) -> bool:
+    """Whether ``key`` is a tensor the group held before the step and holds after it,
+    of the same shape and dtype: an output of the program (NOTE: [tensors held in a
+    param group]), written in place or replaced."""
+    if key not in held or key not in dict.keys(group):
+        return False
+    now, before = dict.__getitem__(group, key), was[key]
+    return (
+        isinstance(now, torch.Tensor) and now.shape == before.shape and now.dtype == before.dtype
+        and now.device == before.device
+    )
+
+
+def _capturable_refused(opt: torch.optim.Optimizer, oi: int, exc: BaseException) -> SPMDCompileError:
+    """NOTE: [capturable refused by the optimizer]
+    The compiled step traces every optimizer whose groups hold a ``capturable`` key
+    with it set (NOTE: [capture in two traces]): that path keeps the step count and the
+    learning rate as tensors, with no ``.item()``, which a program needs. timm's NAdamW
+    copies torch's key but checks itself that its parameters are on CUDA when it is set,
+    and the capture failed with its bare ``AssertionError: If capturable=True, params
+    and state_steps must be on supported devices`` (a probe, 2027-01), not saying that
+    the compiler, not the user, set it. An error naming ``capturable`` raised inside
+    such an optimizer's step is now refused naming the class and why the flag is on."""
+    cls = type(opt).__name__
+    nadamw = " (for timm's NAdamW: torch.optim.NAdam(decoupled_weight_decay=True))" if cls == "NAdamW" else ""
+    return SPMDCompileError(
+        f"optimizer[{oi}] ({cls}) refused its capturable path, which the compiled step "
+        f"turned on: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''} "
+        "The compiled step traces optimizers with capturable=True (their step count and "
+        "learning rate kept as tensors, no .item(), so one program serves every call); "
+        f"{cls} does not support that on this device (NOTE: [capturable refused by the "
+        "optimizer]).",
+        user_line=innermost_model_frame(exc.__traceback__),
+        hint=f"use an optimizer that supports capturable=True on this device{nadamw}, or "
+        "one that keeps its step count in a tensor without that flag (torch.optim's "
+        "Adam, AdamW, NAdam, RAdam; timm's Lion, LARS, Adopt, LaProp).",
+    )
+
+
+def _optimizer_of_a_library(opt: torch.optim.Optimizer) -> str | None:
+    """The installed package (``timm``) that defines ``opt``'s class, or None for the
+    user's own class (torch.optim's included: its optimizers keep tensor counts)."""
+    module = sys.modules.get(type(opt).__module__)
+    where = getattr(module, "__file__", None)
+    if not where:
+        return None
+    return installed_package_of(SourceLocation(where, 0, ""))
+
+
+def _optimizers_own_line(where: SourceLocation | None, owners: frozenset[str]) -> bool:
+    """Whether ``where`` is in the source of the optimizer's own classes."""
+    return where is not None and where.filename in owners
+
+
+# NOTE: [counters the optimizer keeps]
+# timm's Lamb makes its group step counter a tensor on its first call (``group['step']
+# = _init_scalar()``; a probe, 2027-01), Adan keeps it a Python int in the group
+# (``group['step'] = 1``, then ``+= 1``), AdamP and MADGRAD a Python int in the
+# per-parameter state. The refusals said what a compiled step cannot do and that the
+# user could keep a counter outside the step, advice for the user's own code; here the
+# optimizer's own code writes, which the user does not own. The messages now name the
+# optimizer's class and the key, say that its own step() writes it when the line is in
+# its classes' files, and give what works: a tensor created before the first call
+# (NOTE: [tensors held in a param group]), or an optimizer that keeps its count in a
+# tensor (torch.optim's Adam, AdamW, NAdam, RAdam; timm's Lion, LARS, Adopt, LaProp).
+_TENSOR_COUNT_OPTIMIZERS = (
+    "an optimizer that keeps its step count in a tensor: torch.optim's Adam, AdamW, NAdam, "
+    "RAdam, ... (timm's Lion, LARS, Adopt and LaProp compile too)"
+)
+
+
+def _refuse_group_state_made(
+    opt: torch.optim.Optimizer, oi: int, gi: int, group: dict[str, Any], was: dict[str, Any],
+    changed: list[Any], owners: frozenset[str],
+) -> None:
+    """Refuse a param-group entry the step's optimizer made or changed, when it is a
+    counter or a tensor its own step() keeps there (NOTE: [counters the optimizer
+    keeps]); returns for the general refusal otherwise."""
+    cls = type(opt).__name__
+    for key in changed:
+        if key not in dict.keys(group):
+            continue
+        value = dict.__getitem__(group, key)
+        where = written_at(group, [key])
+        own = _optimizers_own_line(where, owners)
+        label = f"optimizer[{oi}].param_groups[{gi}][{key!r}]"
+        by = f"{cls}'s own step()" if own else "the train step"
+        if isinstance(value, torch.Tensor) and key not in was:
+            raise SPMDCompileError(
+                f"{by} creates {label}, a tensor, on its first call ({cls}): a compiled "
+                "step runs no Python after capture, so the tensor would be made once, in the "
+                "traced copy of the group, and never reach the optimizer (NOTE: [tensors "
+                "held in a param group], NOTE: [param-group writes in the step]).",
+                user_line=where,
+                hint=f"create it in every param group before the first compiled call: "
+                f"`for g in opt.param_groups: g[{key!r}] = torch.tensor(0.0)` (of the dtype "
+                f"{cls} makes it with; a tensor the group holds is state of the program, "
+                "read and written back on every call)"
+                + (f"; {cls} then takes the path that updates it in place." if own else "."),
+            )
+        if own and type(value) in (int, float) and (key not in was or type(was[key]) in (int, float)):
+            raise SPMDCompileError(
+                f"{by} keeps a Python number in {label} that changes every step: a compiled "
+                "step runs no Python after capture, so the number would keep the value it had "
+                "when the step was traced (NOTE: [counters the optimizer keeps], NOTE: "
+                "[param-group writes in the step]).",
+                user_line=where,
+                hint=f"{cls} counts in a Python number, which no compiled program can; use "
+                f"{_TENSOR_COUNT_OPTIMIZERS}.",
+            )
 
 
 @contextlib.contextmanager

@@ -29,6 +29,9 @@ class Kind(enum.Enum):
     OPTIM_STATE = "optim_state"
     # a torch.amp.GradScaler's scale and growth tracker (NOTE: [loss scaling in the program])
     SCALER = "scaler"
+    # a tensor held in a param group that the step reads and writes (timm's Lamb's
+    # group['step']: NOTE: [tensors held in a param group])
+    GROUP_STATE = "group_state"
     HYPERPARAM = "hyperparam"
     INPUT = "input"
     RETURN = "return"
@@ -37,7 +40,7 @@ class Kind(enum.Enum):
         return self.value
 
 
-STATE_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.GRAD, Kind.OPTIM_STATE, Kind.SCALER)
+STATE_KINDS = (Kind.PARAM, Kind.BUFFER, Kind.GRAD, Kind.OPTIM_STATE, Kind.SCALER, Kind.GROUP_STATE)
 # State a fully_shard program holds row-padded when its rows do not divide the ranks
 # (NOTE: [uneven shards] in parallel_modes/padding.py); the runtime pads and unpads it.
 PADDED_KINDS = (Kind.PARAM, Kind.GRAD, Kind.OPTIM_STATE)
@@ -68,7 +71,7 @@ class StateRef:
             return f"scaler[{self.index}].{self.key}"
         if self.kind is Kind.HYPERPARAM and self.optimizer < 0:
             return f"float argument {self.index}"
-        if self.kind is Kind.HYPERPARAM:
+        if self.kind in (Kind.HYPERPARAM, Kind.GROUP_STATE):
             return f"optimizer[{self.optimizer}].param_groups[{self.group}][{self.key!r}]"
         if self.kind is Kind.INPUT and self.name:
             return f"{self.kind.value}[{self.index}] ({self.name})"

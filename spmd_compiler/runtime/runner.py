@@ -649,7 +649,8 @@ def _feed(
                 tensor_args[ref.index], program.mesh, program.input_placements[pos],
                 program.local_inputs[pos], sim,
             )
-        elif ref.kind is Kind.SCALER:  # plain tensors, replicated (NOTE: [loss scaling in the program])
+        elif ref.kind in (Kind.SCALER, Kind.GROUP_STATE):  # plain tensors, replicated
+            # (NOTE: [loss scaling in the program], NOTE: [tensors held in a param group])
             flat[pos] = state_value(bindings, ref)
         else:
             flat[pos] = local_tensor_of(state_value(bindings, ref))  # type: ignore[arg-type]
@@ -815,6 +816,11 @@ def state_value(bindings: StepBindings, ref: StateRef) -> torch.Tensor:
         return value  # its param group is part of the program's key (static_key)
     if ref.kind is Kind.SCALER:
         return private.read_grad_scaler_state(bindings.scalers[ref.index], ref.key)
+    if ref.kind is Kind.GROUP_STATE:  # NOTE: [tensors held in a param group]
+        value = bindings.optimizers[ref.optimizer].param_groups[ref.group].get(ref.key)
+        if not isinstance(value, torch.Tensor):
+            raise KeyError(ref)
+        return value
     raise KeyError(ref)
 
 
@@ -1135,6 +1141,19 @@ def _write_back(
             except RanksDisagree as exc:
                 raise _ranks_disagree(program, ref, exc) from exc
             private.write_grad_scaler_state(bindings.scalers[ref.index], ref.key, scaler_value)
+        elif kind is Kind.GROUP_STATE:  # NOTE: [tensors held in a param group]
+            try:
+                group_value = _returned_value(value, mesh, placements, meta, sim)
+            except RanksDisagree as exc:
+                raise _ranks_disagree(program, ref, exc) from exc
+            group = bindings.optimizers[ref.optimizer].param_groups[ref.group]
+            held = group.get(ref.key)
+            if (isinstance(held, torch.Tensor) and not isinstance(held, DTensor)
+                    and held.shape == group_value.shape and held.dtype == group_value.dtype):
+                with torch.no_grad():
+                    held.copy_(group_value)  # the group keeps its object, as eager's add_
+            else:
+                group[ref.key] = group_value.to(held.device) if isinstance(held, torch.Tensor) else group_value
     if clear_grads:
         kept = {ref.name for ref in captured.unchanged if ref.kind is Kind.GRAD}
         for name, p in bindings.params.items():
