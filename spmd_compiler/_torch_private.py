@@ -734,6 +734,15 @@ def trace_constant(node: torch.fx.Node) -> Any:
         return None
 
 
+def operator_schemas(qualified_name: str) -> list[Any]:
+    """The schemas of every overload of the operator ``qualified_name`` (``aten::add_``),
+    none where it is unknown (NOTE: [0-d tensors in Scalar arguments])."""
+    try:
+        return list(torch._C._jit_get_schemas_for_operator(qualified_name))
+    except RuntimeError:
+        return []
+
+
 @contextlib.contextmanager
 def outside_the_trace() -> Iterator[None]:
     """Inside: ops run eagerly on real tensors while a ``make_fx`` trace is active (its

@@ -40,7 +40,9 @@ call of an EMA warm-up, 0.5-1 s each on a Linear(16, 4) at 2 simulated ranks, wh
 of NOTE: [tensor hyper-parameters in Scalar arguments] in ``optimizers.py``: ``add`` /
 ``sub`` ``alpha=`` as ``addcmul`` (eager's fused multiply-add), ``addcmul`` / ``addcdiv``
 ``value=`` folded into the first operand in the op's compute dtype, ``lerp``'s weight
-applied in the compute dtype, and their foreach forms per tensor. float32 and float64
+applied in the compute dtype, and their foreach forms per tensor (one code path with
+the 0-dim tensors of NOTE: [0-d tensors in Scalar arguments]: ``ScalarArgumentRewrites``
+in ``scalar_arguments.py``). float32 and float64
 results are eager's bit for bit; 16-bit ones are the vectorized CPU kernel's, whose
 scalar tail (the last ``numel % 32`` elements) rounds some elements differently by
 1 ulp (eager's own result depends on an element's position there). Any other op whose
@@ -69,22 +71,20 @@ beyond the dtype's range, 65504 for float16, raises in eager; the graph computes
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import inspect
-from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
-from .optimizers import _add_with_tensor_alpha, _lerp_in_compute_dtype, _scaled_operand
-
-_REDUCED = (torch.float16, torch.bfloat16)
+from .scalar_arguments import (
+    _NOT_REWRITTEN,
+    ScalarArgumentRewrites,
+    UserStepMode,
+    _python_scalar_dtype,
+)
 
 
 class FloatArgumentUsedInPython(Exception):
@@ -104,7 +104,7 @@ class FloatArgumentUsedInPython(Exception):
         self.op, self.argument = op, argument
 
 
-class FloatArgumentMode(TorchFunctionMode):
+class FloatArgumentMode(ScalarArgumentRewrites, TorchFunctionMode):
     """Tracks the stand-ins of float arguments (and scalars computed only from them)
     and casts them where they meet other tensors (see the NOTE)."""
 
@@ -165,97 +165,22 @@ class FloatArgumentMode(TorchFunctionMode):
 
         return self._call(func, name, *pytree.tree_map(cast, (args, kwargs)), stand_ins=(args, kwargs))
 
-    def _scalar_argument_as_operand(
-        self, func: Any, name: str, args: tuple, kwargs: dict[str, Any], others: list[torch.Tensor],
-    ) -> Any:
-        """The op computed with a stand-in given for its Scalar ``alpha=`` / ``value=`` /
-        lerp ``weight`` as a tensor operand (NOTE: [float arguments in Scalar
-        arguments]), or ``_NOT_REWRITTEN``."""
-        foreach = _FOREACH_SCALARS.get(name.removesuffix("_"))
-        if foreach is not None:
-            return self._foreach_as_operands(name, foreach, args, kwargs)
-        key = "alpha" if name in _ALPHA_OPS else "value" if name in _VALUE_OPS else None
-        if key is not None:
-            scalar = kwargs.get(key)
-            count = 2 if key == "alpha" else 3
-            if not (self.is_stand_in(scalar) and others and len(args) >= count
-                    and set(kwargs) <= {key}
-                    and all(isinstance(a, torch.Tensor) for a in args[:count])):
-                return _NOT_REWRITTEN
-            self._check_eager_accepts(func, name, args, kwargs, key + "=")
-            dtype = _python_scalar_dtype(others)
-            operands = [a.to(dtype) if self.is_stand_in(a) else a for a in args[:count]]
-            assert isinstance(scalar, torch.Tensor)
-            if key == "alpha":
-                return _add_with_tensor_alpha(func, operands[0], operands[1], scalar, tuple(args[2:]), {})
-            return _scaled_operand(func, operands[0], operands[1], operands[2], scalar, {})
-        if name in ("lerp", "lerp_") and len(args) == 3 and not kwargs and self.is_stand_in(args[2]) \
-                and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor) \
-                and not self.is_stand_in(args[0]) and not self.is_stand_in(args[1]):
-            # a lerp.Tensor weight must have the operands' dtype; eager's Python weight
-            # is applied in the op's compute dtype and rounded once
-            self._check_eager_accepts(func, name, args, kwargs, "argument 3")
-            return _lerp_in_compute_dtype(func, args[0], args[1], args[2], {})
-        return _NOT_REWRITTEN
+    def _number(self, value: Any) -> bool:
+        return self.is_stand_in(value)
 
-    def _foreach_as_operands(self, name: str, key: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """A foreach op given a stand-in for its Scalar (``torch._foreach_lerp_(emas,
-        params, 1 - d)``) as its per-tensor ops, each rewritten as above; the foreach
-        kernels compute each tensor's per-tensor arithmetic. Or ``_NOT_REWRITTEN``."""
-        n = 3 if key == "value" else 2
-        scalar = kwargs.get(key, args[n] if len(args) == n + 1 else None)
-        lists = args[:n]
-        if not (self.is_stand_in(scalar) and set(kwargs) <= {key} and len(args) in (n, n + 1)
-                and all(isinstance(a, (list, tuple)) for a in lists)
-                and len({len(a) for a in lists}) == 1
-                and all(isinstance(t, torch.Tensor) and not self.is_stand_in(t) for a in lists for t in a)):
-            return _NOT_REWRITTEN
-        in_place = name.endswith("_")
-        base = name.removeprefix("_foreach_").removesuffix("_")
-        per_tensor = getattr(torch.Tensor, base + "_") if in_place else getattr(torch, base)
-        calls = [
-            ((*tensors, scalar), {}) if key == "weight" else (tensors, {key: scalar})
-            for tensors in zip(*lists, strict=True)
-        ]
-        for args_, kwargs_ in calls:  # every tensor checked before any is computed
-            self._check_eager_accepts(per_tensor, name, args_, kwargs_, "argument 3" if key == "weight" else key + "=")
-        outs = []
-        for args_, kwargs_ in calls:
-            tensors = args_[:n]
-            outs.append(self._scalar_argument_as_operand(per_tensor, per_tensor.__name__, args_, kwargs_, list(tensors)))
-        return None if in_place else outs
+    def _operand_number(self, value: Any) -> bool:
+        return self.is_stand_in(value)
 
-    def _check_eager_accepts(self, func: Any, name: str, args: tuple, kwargs: dict[str, Any], slot: str) -> None:
-        """Raises ``FloatArgumentUsedInPython`` (the float stays a guard) unless eager
-        computes ``func(*args, **kwargs)`` with a Python float for each stand-in, with a
-        floating or complex result (NOTE: [Scalar arguments eager refuses])."""
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not self.is_stand_in(a)]
-        signature = tuple(self._described(a) for a in args), tuple((k, self._described(v)) for k, v in kwargs.items())
-        try:
-            refused = _eager_error(func, signature)
-        except TypeError:  # an argument not hashable: no rule for it
-            refused = "an argument this check does not know"
-        if refused is None and not any(t.is_floating_point() or t.is_complex() for t in tensors):
-            refused = "integer operands: the float would be converted to an integer"
-        if refused is None:
-            return
-        stand_ins = [a for a in (*args, *kwargs.values()) if self.is_stand_in(a)]
-        known = [self.index_of.get(id(a)) for a in stand_ins]
+    def _refuse(self, name: str, slot: str, refused: str, numbers: list[Any]) -> NoReturn:
+        """A call eager refuses with a Python float there: the float stays a guard
+        (NOTE: [Scalar arguments eager refuses])."""
+        known = [self.index_of.get(id(a)) for a in numbers]
         raise FloatArgumentUsedInPython(
             f"a float argument is given to `{name}` as {slot}, where eager does not compute the op "
             f"with a Python number and these dtypes ({refused})",
             None if None in known else frozenset(i for i in known if i is not None),
             op=name, argument=slot,
         )
-
-    def _described(self, value: Any) -> Any:
-        """``value`` as ``_eager_error`` rebuilds it: a tensor as its dtype and rank, a
-        stand-in as a Python float."""
-        if self.is_stand_in(value):
-            return _PYTHON_FLOAT
-        if isinstance(value, torch.Tensor):
-            return _TensorLike(value.dtype, value.dim())
-        return value
 
     def _call(self, func: Any, name: str, args: tuple, kwargs: dict[str, Any],
               stand_ins: tuple[tuple, dict[str, Any]] | None = None) -> Any:
@@ -283,65 +208,6 @@ class FloatArgumentMode(TorchFunctionMode):
                 None if None in known else frozenset(i for i in known if i is not None),
                 op=name or str(func), argument=slot,
             ) from exc
-
-
-_NOT_REWRITTEN = object()
-_PYTHON_FLOAT = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class _TensorLike:
-    """A tensor's dtype and rank, for ``_eager_error``."""
-
-    dtype: torch.dtype
-    dim: int
-
-
-@functools.lru_cache(maxsize=1024)
-def _eager_error(func: Any, signature: tuple[tuple, tuple]) -> str | None:
-    """What eager raises calling ``func`` on the arguments ``signature`` describes
-    (``_TensorLike``: 1-element CPU tensors of that dtype and rank, ``_PYTHON_FLOAT``: a
-    Python float), as ``"TypeName: message"``, or None where it computes (NOTE: [Scalar
-    arguments eager refuses]). Run outside the trace, on real tensors: eager's checks."""
-
-    def made(value: Any) -> Any:
-        if value is _PYTHON_FLOAT:
-            return 0.5
-        if isinstance(value, _TensorLike):
-            return torch.ones((1,) * value.dim, dtype=value.dtype)
-        return value
-
-    described_args, described_kwargs = signature
-    with private.outside_the_trace():
-        try:
-            func(*[made(a) for a in described_args], **{k: made(v) for k, v in described_kwargs})
-        except Exception as exc:  # noqa: BLE001 - eager's refusal, whatever its type
-            return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return None
-# foreach ops (without the in-place ``_``) -> their Scalar argument rewritten per tensor
-_FOREACH_SCALARS = {
-    "_foreach_add": "alpha", "_foreach_sub": "alpha", "_foreach_addcmul": "value",
-    "_foreach_addcdiv": "value", "_foreach_lerp": "weight",
-}
-_ALPHA_OPS = frozenset({"add", "add_", "sub", "sub_"})
-_VALUE_OPS = frozenset({"addcdiv", "addcdiv_", "addcmul", "addcmul_"})
-
-
-def _python_scalar_dtype(others: list[torch.Tensor]) -> torch.dtype:
-    """The dtype an op computes a Python float operand in, next to ``others``."""
-    floating = [t for t in others if t.is_floating_point() or t.is_complex()]
-    if not floating:
-        return torch.get_default_dtype()
-    dims = any(t.dim() > 0 for t in floating)
-    candidates = [t for t in floating if t.dim() > 0] if dims else floating
-    dtype = candidates[0].dtype
-    for t in candidates[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    if dtype.is_complex:
-        dtype = torch.float64 if dtype == torch.complex128 else torch.float32
-    if dtype in _REDUCED and dims:
-        return torch.float32  # opmath: the scalar is not rounded to 16 bits
-    return dtype
 
 
 # NOTE: [optimizer settings read in the step]
@@ -392,10 +258,9 @@ _EXACT = frozenset({
 _COMPARISONS = frozenset({
     "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "lt", "le", "gt", "ge", "eq", "ne",
 })
-_ACTIVE: list[GroupNumbers] = []
 
 
-class GroupNumbers(TorchFunctionMode):
+class GroupNumbers(UserStepMode):
     """Optimizer group values read in the step, followed as Python numbers (NOTE:
     [optimizer settings read in the step]). ``stand_ins``: each input with the type
     of eager's value (``float`` / ``int``) and what it is (``param_groups[0]['lr']``)."""
@@ -407,15 +272,6 @@ class GroupNumbers(TorchFunctionMode):
         self.numbers: dict[int, tuple[torch.Tensor, str, str]] = {
             id(t): (t, kind.__name__, label) for t, kind, label in stand_ins
         }
-        self.paused = 0
-
-    def __enter__(self) -> GroupNumbers:
-        _ACTIVE.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        _ACTIVE.remove(self)
-        super().__exit__(*exc)
 
     def returned(self, value: Any) -> tuple[str, str] | None:
         """(how, label) where ``value`` is one of the numbers, else None."""
@@ -506,16 +362,3 @@ def _refuse_read_in_python(name: str, label: str) -> NoReturn:
         "(`torch.tensor(lr)`, as Lightning's self.log does), or compute with it in tensor "
         "ops; anything else from the optimizer after the call.",
     )
-
-
-@contextlib.contextmanager
-def group_numbers_paused() -> Iterator[None]:
-    """Inside: the active ``GroupNumbers`` leaves ops alone (an optimizer's ``step()``)."""
-    active = _ACTIVE[-1] if _ACTIVE else None
-    if active is not None:
-        active.paused += 1
-    try:
-        yield
-    finally:
-        if active is not None:
-            active.paused -= 1

@@ -163,12 +163,12 @@ from .python_scalars import (
     FloatArgumentMode,
     FloatArgumentUsedInPython,
     GroupNumbers,
-    group_numbers_paused,
 )
 from .python_valued_shapes import python_valued_shape_decompositions
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .registered_state import RegistrationsWatched, refuse_state_registered
 from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
+from .scalar_arguments import ScalarTensors, user_step_modes_paused
 from .strided_windows import names_its_elements_in_order
 from .tensor_indices import TensorIndicesTaken
 from .traced_items import (
@@ -2137,6 +2137,7 @@ class _StepTracer:
             try:
                 with (
                     self.group_numbers, self.floats if stand_ins else contextlib.nullcontext(),
+                    ScalarTensors(self.floats.is_stand_in),  # NOTE: [0-d tensors in Scalar arguments]
                     RegistrationsWatched() as registered,
                 ):
                     result = self.func(*args, **kwargs)
@@ -2537,7 +2538,7 @@ def _swap_optimizer(
     def capturable_step(*args: Any, **kwargs: Any) -> Any:
         graph = private.current_trace_graph()
         mark = last_node(graph)
-        with group_numbers_paused(), private.optimizer_capturable_path(), tracing_optimizer_step(
+        with user_step_modes_paused(), private.optimizer_capturable_path(), tracing_optimizer_step(
             opt, oi, lambda exc: step_frame_from_traceback(exc.__traceback__, step_code), numbers,
             lr_setting,
         ), contextlib.ExitStack() as opened:
