@@ -89,18 +89,24 @@ class MaskWithFalseElements(Exception):
     """The trace of a selection by a mask whose elements are not all true (the other
     answer of the value check): its size would depend on the values."""
 
-    def __init__(self, per_row: int | None = None, use: str | None = None) -> None:
+    def __init__(self, per_row: int | None = None, use: str | None = None, advice: str | None = None) -> None:
         compiled = (
             "a mask that selects everything" if per_row is None
             else f"{per_row} true elements in every row along its first dim, the count "
             "read from the arguments at capture (NOTE: [rows of one count])"
         )
         what = "has false elements" if per_row is None else f"does not hold {per_row} in every row"
+        # a reduction of the selection with a form exact for any mask: that form
+        # (NOTE: [spreads of selected rows])
+        hint = (
+            f"{use or 'This reduction'} of a mask selection is compiled only for masks with no "
+            f"false element; for any mask write {advice}" if advice else
+            "Select with fixed shapes: masked_fill, torch.where(mask, x, 0), a loss's ignore_index"
+        )
         super().__init__(
             f"the mask {what}; its selection (nonzero, x[mask], ...) is used "
             f"where its size matters ({'by ' + use if use else 'indices, row count, rows returned'}), compiled for "
-            f"{compiled}. Select with fixed shapes: masked_fill, "
-            "torch.where(mask, x, 0), a loss's ignore_index"
+            f"{compiled}. {hint}"
             + (_CONCATENATED_ROWS if use == "torch.cat" else "")
         )
 
@@ -301,7 +307,9 @@ def model_mask_hint(tb: Any) -> str:
     return _MODEL_MASK_HINT
 
 
-def settle_selection(mask: torch.Tensor, where: str | None = None, use: str | None = None) -> int | None:
+def settle_selection(
+    mask: torch.Tensor, where: str | None = None, use: str | None = None, advice: str | None = None
+) -> int | None:
     """A selection by ``mask`` (made at ``where``) whose rows were kept in place (NOTE:
     [selected rows kept in place]) used where only the eager value will do: compiled as
     all true (None) or for ``K`` true elements per row (returned; NOTE: [rows of one
@@ -309,8 +317,8 @@ def settle_selection(mask: torch.Tensor, where: str | None = None, use: str | No
     (``CONSTANT`` returned) for a mask made from shapes and Python values alone (NOTE:
     [masks made from shapes alone]); refused at capture as a value-dependent shape for a
     mask computed from the model's state. ``use`` (the op that needs the rows' number)
-    is named by the check's error."""
-    decision = _decide(mask, use)
+    is named by the check's error, and ``advice`` (a form exact for any mask) given as its hint."""
+    decision = _decide(mask, use, advice)
     if decision == CONSTANT:  # NOTE: [masks made from shapes alone]: its own count
         return CONSTANT
     if decision is not None:
@@ -346,7 +354,7 @@ def _selects_everything(mask: torch.Tensor) -> bool:
     return _decide(mask) in (EVERY, CONSTANT)
 
 
-def _decide(mask: torch.Tensor, use: str | None = None) -> int | None:
+def _decide(mask: torch.Tensor, use: str | None = None, advice: str | None = None) -> int | None:
     """How this selection is compiled: ``EVERY`` element, ``K`` per row, or None when
     torch's own op must run (see ``_selects_everything``)."""
     if not _ACTIVE or private.is_real_tensor_constant(mask):
@@ -379,16 +387,16 @@ def _decide(mask: torch.Tensor, use: str | None = None) -> int | None:
     # decided on the spot (NOTE: [checks of this package decided on the spot])
     if per_row is not None:
         counts = (mask.reshape(mask.shape[0], -1) != 0).sum(1)
-        with own_check(lambda: MaskWithFalseElements(per_row, use)):
+        with own_check(lambda: MaskWithFalseElements(per_row, use, advice)):
             holds = bool((counts == per_row).all())
         if not holds:
-            raise MaskWithFalseElements(per_row, use)
+            raise MaskWithFalseElements(per_row, use, advice)
         _COUNTED.append(where_now() or "an unknown line")
     else:
-        with own_check(lambda: MaskWithFalseElements(use=use)):
+        with own_check(lambda: MaskWithFalseElements(use=use, advice=advice)):
             holds = bool(mask.all())
         if not holds:
-            raise MaskWithFalseElements(use=use)
+            raise MaskWithFalseElements(use=use, advice=advice)
     decision = EVERY if per_row is None else per_row
     selections.decided[node] = decision
     return decision

@@ -24,7 +24,8 @@ does with the rows is understood:
   (``"nd,de->ne"``), ``F.embedding`` and ``F.one_hot`` of selected indices.
 - Where the rows end, the dropped rows are left out: a reduction over the rows (``sum``,
   ``mean`` divided by the true count, ``amax``, ``all``, ...) fills them with its
-  identity first; a loss (``cross_entropy`` and ``nll_loss`` by ``ignore_index``, the
+  identity first; ``var`` / ``std`` / ``var_mean`` / ``std_mean`` are eager's two passes
+  over the kept rows (NOTE: [spreads of selected rows] in ``row_spreads.py``); a loss (``cross_entropy`` and ``nll_loss`` by ``ignore_index``, the
   elementwise losses by their unreduced values, ``kl_div``'s ``batchmean`` by the
   count) reduces over the kept rows only; ``ctc_loss`` gets its concatenated targets
   moved to the front, in order (a stable sort by validity).
@@ -72,7 +73,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from . import mask_selections
+from . import mask_selections, row_spreads
 from .value_checks import eager_check, located, where_now
 
 Compute = Callable[[Any, tuple, dict], Any]
@@ -525,15 +526,31 @@ class _Answer:
         if name not in _REDUCTIONS or not self_ragged or len(self.ragged) != 1:
             return None
         x = self.args[0]
-        spec = _arg(self.args, self.kwargs, 2 if name == "norm" else 1, "dim")  # norm(p, dim)
+        spread = row_spreads.spread_arguments(self.args, self.kwargs) if name in row_spreads.SPREADS else None
+        if spread is not None:  # NOTE: [spreads of selected rows]
+            spec, correction, keepdim = spread
+        else:
+            spec = _arg(self.args, self.kwargs, 2 if name == "norm" else 1, "dim")  # norm(p, dim)
         if isinstance(spec, torch.Tensor):  # max(other): elementwise
             return None
         dims = tuple(range(x.dim())) if spec is None else _dims(spec, x.dim())
-        if dims is None:
-            return _SETTLE
+        if dims is None or (dims == () and spread is not None):  # eager's var(dim=[]) has
+            return _SETTLE  # a backward of its own (inf): eager's op, for a full mask
+        if dims == ():  # dim=[]: every dim, as eager (before the sixty-sixth session
+            dims = tuple(range(x.dim()))  # x[mask].sum(dim=[]) summed the dropped rows too)
         if 0 not in dims:
             return self.keep(self.run())
         assert self.rows is not None
+        if spread is not None:
+            if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                return _SETTLE  # eager's own op: complex rows, and its errors for integers
+            return row_spreads.spread(name, x, self.rows.along(x), dims, correction, keepdim)
+        if name == "nanmean" and x.dtype.is_floating_point and set(self.kwargs) <= {"dim", "keepdim", "dtype"}:
+            # eager's nansum divided by the count of non-NaN elements, of the kept rows
+            keepdim = _arg(self.args, self.kwargs, 2, "keepdim", False)
+            dtype = self.kwargs.get("dtype")
+            total = torch.nansum(self._filled(x, 0), dims, keepdim=keepdim, dtype=dtype)
+            return total / (self.rows.along(x) & ~torch.isnan(x)).sum(dims, keepdim=keepdim)
         if name in ("max", "min") and spec is not None:  # (values, indices): indices differ
             return _SETTLE
         if name == "mean":
@@ -881,7 +898,8 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
         return compute(func, args, kwargs)
     result = one.answer(name)
     if result is _SETTLE:
-        settle(one.ragged, use=_op_label(func))
+        advice = row_spreads.REDUCTION_FORMS.get(name) if name in _REDUCTIONS else None
+        settle(one.ragged, use=_op_label(func), advice=advice)
         if registry.counted:
             args, kwargs = _compacted(registry, (args, kwargs))
         return compute(func, args, kwargs)
@@ -929,11 +947,14 @@ def compacted(values: Any) -> Any:
     return values if registry is None or not registry.counted else _compacted(registry, values)
 
 
-def settle(values: Sequence[Any], at_selection: bool = False, use: str | None = None) -> None:
+def settle(
+    values: Sequence[Any], at_selection: bool = False, use: str | None = None, advice: str | None = None
+) -> None:
     """The rows among ``values`` become the selection's eager value: their mask selects
     everything, verified every call (NOTE: [selections by a mask of the batch]); the
     check is reported at the line using them, or with ``at_selection`` (rows the step
-    returns or keeps) at the selection's line, naming ``use`` (what needs their number)."""
+    returns or keeps) at the selection's line, naming ``use`` (what needs their number) and
+    ``advice`` (a form exact for any mask: NOTE: [spreads of selected rows])."""
     registry = _registry()
     if registry is None:
         return
@@ -941,7 +962,7 @@ def settle(values: Sequence[Any], at_selection: bool = False, use: str | None = 
         rows = registry.rows.get(t) if isinstance(t, torch.Tensor) else None
         if rows is not None and not rows.settled:
             with located(rows.where if at_selection else None):
-                rows.per_row = mask_selections.settle_selection(rows.mask, rows.where, use)
+                rows.per_row = mask_selections.settle_selection(rows.mask, rows.where, use, advice)
             rows.settled = True
             registry.counted |= rows.per_row is not None
 

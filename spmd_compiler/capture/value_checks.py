@@ -192,6 +192,9 @@ UNTRACED = "(its other way, which runs into a raise, was not traced)"
 REFUSED_ITEM = "it uses the value of .item() in Python"
 REFUSED_READ = "it reads a tensor's value in Python"
 REFUSED_WAY_TEXTS = (REFUSED_ITEM, REFUSED_READ)
+# how ``ValueCheck.raised`` opens for this package's own check (NOTE: [checks of this
+# package decided on the spot]): the step raised nothing there, the program cannot go on
+OWN_CHECK = "(a condition the program was compiled for) "
 
 
 class Undecided(Exception):
@@ -289,7 +292,7 @@ class BranchDecisions:
         if k >= len(self.decisions) and _OWN_CHECKS and k < MAX_VALUE_CHECKS:
             # NOTE: [checks of this package decided on the spot]
             self.decisions.append(True)
-            raised = stop_text(_OWN_CHECKS[-1]())
+            raised = OWN_CHECK + stop_text(_OWN_CHECKS[-1]())
         elif k >= len(self.decisions):
             # NOTE: [checks decided from their bytecode]
             found = None if k >= MAX_VALUE_CHECKS else _frame_of_the_if(frame)
@@ -321,8 +324,11 @@ class BranchDecisions:
 # raise, was taken for a way that goes on, and the step was refused at capture (sixty-
 # fourth session: "ValueError: degenerate box. Note: the rows selected by a mask ...").
 # Inside ``own_check(make)`` the `if` met beyond the given decisions is decided True on
-# the spot, its other way recorded as raising ``make()`` (the text the traced way gave);
-# a call where it comes out False raises ``SPMDRuntimeError`` naming it, as before.
+# the spot, its other way recorded as raising ``make()`` (the text the traced way gave,
+# after ``OWN_CHECK``); a call where it comes out False raises ``SPMDRuntimeError`` naming
+# it, as before. That error opened "the step raises there" until the sixty-sixth session,
+# of a step that raises nothing (``pitch[mask].std()`` runs in eager): it now says the
+# program was compiled only for calls where the condition holds.
 _OWN_CHECKS: list[Callable[[], BaseException]] = []
 
 
@@ -676,5 +682,5 @@ __all__ = [
     "MAX_BRANCH_PROGRAMS", "MAX_COIN_BRANCHES", "MAX_VALUE_CHECKS", "REFUSED_ITEM", "REFUSED_READ",
     "REFUSED_WAY_TEXTS", "UNTRACED", "BranchDecisions",
     "Undecided", "WayRaised", "choose", "describe_raise", "drawn_alone", "eager_check", "located",
-    "own_check", "raising_way", "read_runs_into_raise", "signals_told_apart", "stop_of", "stop_text", "too_many_ways", "where_now",
+    "OWN_CHECK", "own_check", "raising_way", "read_runs_into_raise", "signals_told_apart", "stop_of", "stop_text", "too_many_ways", "where_now",
 ]

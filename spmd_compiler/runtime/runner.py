@@ -35,7 +35,7 @@ from ..capture.bindings import (
 )
 from ..capture.containers import close_returned
 from ..capture.trace import HYPERPARAM_DTYPE, state_dtype
-from ..capture.value_checks import REFUSED_ITEM, REFUSED_WAY_TEXTS, UNTRACED, stop_of
+from ..capture.value_checks import OWN_CHECK, REFUSED_ITEM, REFUSED_WAY_TEXTS, UNTRACED, stop_of
 from ..errors import SPMDCompileError, SPMDRuntimeError, collective_failure, exception_summary
 from ..expand.retrace import DistributedProgram, Placements, format_placements
 from ..ir.signature import (
@@ -749,6 +749,14 @@ def check_failed(check: ValueCheck) -> BaseException:
     step's own exception where that stops the run (``SystemExit``, ``KeyboardInterrupt``:
     NOTE: [a check that stops the run]), else ``SPMDRuntimeError``."""
     text = check.raised.split("\n", 1)[0]
+    if text.startswith(OWN_CHECK):  # NOTE: [checks of this package decided on the spot]
+        return SPMDRuntimeError(
+            f"The train step at {check.where} was compiled only for calls where a condition "
+            f"on a tensor's value holds, and this call's value does not: the step itself "
+            f"raises nothing there (eager goes on), the compiled program cannot "
+            f"({text.removeprefix(OWN_CHECK)}). Nothing was updated: the model and optimizer "
+            "keep the state of the last completed step."
+        )
     stop = stop_of(check.raised)
     if stop is not None:
         log.warning(

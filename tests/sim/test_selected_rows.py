@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from twin_models import adamw_twins
+from twin_models import finish as _finish
 
 import spmd_compiler as sc
 from spmd_compiler.errors import SPMDRuntimeError
@@ -38,13 +39,6 @@ class Tagger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.fc(x)))
-
-
-def _finish(model, optim, loss):  # noqa: ANN001, ANN202
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss.detach()
 
 
 def masked_lm_step(model, optim, x, labels):  # noqa: ANN001

@@ -18,3 +18,12 @@ def adamw_twins(
     reference = copy.deepcopy(model)
     return (model, reference, torch.optim.AdamW(model.parameters(), lr=lr),
             torch.optim.AdamW(reference.parameters(), lr=lr))
+
+
+def finish(model: nn.Module, optim: torch.optim.Optimizer, loss: torch.Tensor) -> torch.Tensor:
+    """The end of a train step: ``loss`` backward, an optimizer step, the gradients
+    cleared; the loss detached."""
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
