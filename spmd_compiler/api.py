@@ -47,13 +47,7 @@ from .capture.guards import (
 )
 from .capture.hooks_as_found import HooksAsFound
 from .capture.initial_state import MadeState, made_from
-from .capture.kept_tensors import (
-    KeptTensor,
-    KeptTensors,
-    kept_chains,
-    kept_container_ids,
-    lists_not_made,
-)
+from .capture.kept_tensors import KeptTensor, KeptTensors, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS, WayRaised, too_many_ways
@@ -1629,10 +1623,7 @@ def step_guards(
             id(bindings.schedulers[s.index]) for s in captured.scheduler_steps
         }
     guards = build_guards(func, bindings, graph_args, skipped)
-    if captured is not None:  # NOTE: [metrics kept in nested dicts]: lists the first call makes
-        guards.appended += lists_not_made(captured.kept, bindings)
-    # NOTE: [lists the step appends to and reads]
-    refuse_appended_lists_read(guards, kept_chains(captured.kept) if captured is not None else [])
+    refuse_appended_lists_read(guards)  # NOTE: [lists the step appends to and reads]
     if captured is not None:  # NOTE: [kept numbers only written]
         dropped = unguard_written_numbers(guards, _kept_number_places(captured.kept, bindings))
         dropped += unguard_written_entries(guards, _kept_number_places(captured.kept, bindings, "key"))

@@ -37,7 +37,6 @@ from __future__ import annotations
 import dis
 import linecache
 import types
-from collections.abc import Sequence
 
 from ..errors import SourceLocation, SPMDCompileError
 from .guards import Guards, name_uses, whole_namespace
@@ -46,26 +45,13 @@ from .guards import Guards, name_uses, whole_namespace
 _APPENDS = frozenset({"append", "extend"})
 _KEY_READS = frozenset({"BINARY_SUBSCR", "PRECALL", "CALL", "CALL_FUNCTION", "CALL_METHOD", "DELETE_SUBSCR"})
 _METHOD_LOADS = frozenset({"LOAD_METHOD", "LOAD_ATTR"})
-# one instruction loading a key (NOTE: [metrics kept in nested dicts])
-_KEY_LOADS = frozenset({"LOAD_CONST", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME",
-                        "LOAD_SMALL_INT", "LOAD_FAST_BORROW"})
 
 
-def refuse_appended_lists_read(guards: Guards, chains: Sequence[tuple[str, int, str]] = ()) -> None:
+def refuse_appended_lists_read(guards: Guards) -> None:
     """Refuse a step whose walked code reads a list or deque it appends to (see the
-    NOTE), naming the list and the line of the read; or reads an attribute ``chains``
-    names (``(name, keys, label)``: a dict whose lists, ``keys`` subscripts down, the
-    step appends to) other than by subscripting it down to them (NOTE: [metrics kept in
-    nested dicts])."""
-    places: list[tuple[str, bool, str, str, int | None]] = [
-        (name, cell, label, kind, None) for name, cell, label, kind in guards.appended
-    ]
-    places += [(name, False, label, "dict of lists", keys) for name, keys, label in chains]
-    for name, cell, label, kind, keys in places:
-        if keys is None:
-            found = _first_read(guards.codes, name, cell, key=f"[{name!r}]" in label)
-        else:
-            found = _first_chain_read(guards.codes, name, keys)
+    NOTE), naming the list and the line of the read."""
+    for name, cell, label, kind in guards.appended:
+        found = _first_read(guards.codes, name, cell, key=f"[{name!r}]" in label)
         if found is None:
             continue
         code, ins = found
@@ -77,7 +63,7 @@ def refuse_appended_lists_read(guards: Guards, chains: Sequence[tuple[str, int, 
             "after the call (NOTE: [tensors the step keeps]) but runs no Python: what the "
             "step read of it (its length, an item, a sum) was read once, when the step was "
             "captured, and would be the same in every call (NOTE: [lists the step appends "
-            f"to and reads]). Nothing was changed: the {kind} is as the call found it.",
+            "to and reads]). Nothing was changed: the list is as the call found it.",
             user_line=SourceLocation(code.co_filename, line, source),
             hint="keep the count or the running value in a tensor the step updates in place "
             "(a module buffer made before the first call: self.register_buffer('steps', "
@@ -106,33 +92,6 @@ def _first_read(
             continue
         if not _appended_at_once(instructions, i):
             return code, ins
-    return None
-
-
-def _first_chain_read(
-    codes: list[types.CodeType], name: str, keys: int,
-) -> tuple[types.CodeType, dis.Instruction] | None:
-    """The first instruction of ``codes`` that loads the attribute ``name`` other than
-    to subscript it ``keys`` times, each key one load (``self._stored_metrics[train_eval][
-    key]``), and call ``append`` / ``extend`` at once, or to set one of its entries
-    (``self.metrics["acc"] = ...``, a kept number)."""
-    for code, instructions, i in name_uses(codes, name):
-        ins = instructions[i]
-        if whole_namespace(ins) or ins.opname not in _METHOD_LOADS:
-            continue  # a constant of that name is no load of the attribute
-        j = i + 1
-        for _ in range(keys):
-            if j + 1 < len(instructions) and instructions[j].opname in _KEY_LOADS \
-                    and instructions[j + 1].opname == "STORE_SUBSCR":
-                break
-            if not (j + 1 < len(instructions) and instructions[j].opname in _KEY_LOADS
-                    and instructions[j + 1].opname == "BINARY_SUBSCR"):
-                return code, ins
-            j += 2
-        else:
-            following = instructions[j] if j < len(instructions) else None
-            if following is None or following.opname not in _METHOD_LOADS or following.argval not in _APPENDS:
-                return code, ins
     return None
 
 

@@ -122,9 +122,6 @@ from .plain_objects import (
 from .traced_items import TracedItem
 
 DEPTH = 2
-# how many levels below ``DEPTH`` a dict's dicts and lists are walked (NOTE: [metrics kept
-# in nested dicts])
-_NESTED = 2
 # the list types whose appends the runtime repeats (``_Holder`` kind "list")
 _LISTS = (list, collections.deque)
 _MISSING = object()
@@ -274,10 +271,7 @@ class KeptTensor:
         """The tuple by which it holds the user's object (``guards.own_record``)."""
         return (self.root,)
 
-    def container(self, bindings: StepBindings, create: bool = False) -> Any:
-        """The object ``path`` leads to on this call (KeyError where a dict lacks a key
-        on the way); with ``create``, a ``defaultdict`` on the way makes the entry it
-        lacks, as the step's ``d[k]`` does (NOTE: [metrics kept in nested dicts])."""
+    def container(self, bindings: StepBindings) -> Any:
         if self.root[0] == "module":
             obj: Any = bindings.modules[self.root[1]].get_submodule(self.root[2])
         elif self.root[0] == "optimizer":
@@ -289,12 +283,7 @@ class KeptTensor:
         else:
             obj = self.root[1]
         for how, key in self.path:
-            if how == "attr":
-                obj = getattr(obj, key)
-            elif create or not isinstance(obj, dict) or key in obj:
-                obj = obj[key]
-            else:
-                raise KeyError(key)
+            obj = getattr(obj, key) if how == "attr" else obj[key]
         return obj
 
     def write(self, bindings: StepBindings, value: Any) -> None:
@@ -304,7 +293,7 @@ class KeptTensor:
         self.store(bindings, value.item() if self.as_item else value)
 
     def store(self, bindings: StepBindings, value: Any) -> None:
-        target = self.container(bindings, create=self.how == "append")
+        target = self.container(bindings)
         if self.how == "append":
             target.append(value)
             return
@@ -414,8 +403,6 @@ class KeptTensors:
             kind = "object"
         else:
             return
-        if depth < 0 and kind == "object":
-            return  # below ``DEPTH`` only dicts and lists: NOTE: [metrics kept in nested dicts]
         self._seen.add(id(obj))
         holder = _Holder(obj, kind, root, path, label, last=depth <= 0)
         self.holders.append(holder)
@@ -427,15 +414,10 @@ class KeptTensors:
             return
         step = "attr" if kind == "object" else "key"
         for key, value in list(holder.entries().items()):
-            if depth < 0:
-                pass  # below ``DEPTH``: the lists and dicts only, as before no tensor read there
-            elif isinstance(value, torch.Tensor) and root[0] != "call":
+            if isinstance(value, torch.Tensor) and root[0] != "call":
                 self._outside(value, holder.storage(), key, label + _where(step, key), root[0] == "arg")
             elif isinstance(value, torch.nn.Module):
                 self._module(value, label + _where(step, key))
-            if _nested_container(kind, value, depth):  # NOTE: [metrics kept in nested dicts]
-                self._visit(value, root, (*path, (step, key)), label + _where(step, key), depth - 1)
-                continue
             if depth <= 0 or isinstance(value, torch.Tensor) or id(value) in self._state_modules:
                 continue  # the step's modules are visited by FQN; tensors are leaves
             if (type(value) in _LISTS or isinstance(value, (dict, torch.nn.Module))
@@ -675,8 +657,7 @@ class KeptTensors:
             for key, value in list(h.entries().items()):
                 old = h.before.get(key, _MISSING)
                 if value is old:
-                    if (h.last and not isinstance(value, torch.Tensor) and id(value) not in self._seen
-                            and _traced_within(value)):
+                    if h.last and not isinstance(value, torch.Tensor) and _traced_within(value):
                         raise _refused(  # NOTE: [no fake tensor left behind]
                             h.label + _where(step, key), "deeper than the compiled step looks for kept values",
                             hint="keep the tensor nearer the object the step reads (meter.last = t, "
@@ -714,15 +695,14 @@ class KeptTensors:
                         ), item))
                     if parts:
                         continue
-                    made = _made_by_factory(h.obj, value) if old is _MISSING else None
-                    for tail, item in made or ():  # NOTE: [metrics kept in nested dicts]
-                        self.kept.append((KeptTensor(
-                            h.root, (*h.path, (step, key), *tail), "append", None,
-                            where + "".join(_where(*k) for k in tail), as_item=isinstance(item, TracedItem),
-                        ), item))
-                    if made:
-                        continue
-                    raise _container_refused(where, value, old, _where(step, key))
+                    raise _refused(
+                        where, f"a new {type(value).__name__} holding a traced tensor",
+                        hint=f"a container the step builds is repeated after the call only "
+                        "when it is a list, tuple or dict of tensors and nothing else. If the "
+                        "step reads it back itself (a cache), delete it in the step once "
+                        f"used (del <owner>{_where(step, key)}), or keep it in a local variable; "
+                        "if you need it after the call, return it from the step.",
+                    )
         return self.kept
 
     def _list(self, h: _Holder) -> None:
@@ -858,53 +838,7 @@ def _reading(gm: torch.fx.GraphModule, tensor: torch.Tensor) -> torch.fx.Node | 
 def kept_container_ids(kept: list[KeptTensor], bindings: StepBindings) -> frozenset[int]:
     """The lists and deques the step appends to (guards must not compare them across
     calls; a read of one is refused: NOTE: [lists the step appends to and reads])."""
-    found = set()
-    for k in kept:
-        if k.how != "append":
-            continue
-        try:
-            found.add(id(k.container(bindings)))
-        except (AttributeError, KeyError, IndexError, TypeError):
-            continue  # not made yet: a defaultdict's entry the first call makes
-    return frozenset(found)
-
-
-def lists_not_made(kept: list[KeptTensor], bindings: StepBindings) -> list[tuple[str, bool, str, str]]:
-    """The lists the step appends to that a ``defaultdict`` makes on the call (NOTE:
-    [metrics kept in nested dicts]), as ``Guards.appended`` names the lists it meets,
-    for NOTE: [lists the step appends to and reads]: the guards' walk cannot meet a list
-    that is not there yet."""
-    found = []
-    for k in kept:
-        if k.how != "append" or not k.path or k.path[-1][0] != "key" or not isinstance(k.path[-1][1], str):
-            continue
-        try:
-            k.container(bindings)
-        except KeyError:
-            found.append((k.path[-1][1], False, k.label, "list"))
-        except (AttributeError, IndexError, TypeError):
-            continue
-    return found
-
-
-def kept_chains(kept: list[KeptTensor]) -> list[tuple[str, int, str]]:
-    """``(attribute, keys, label)`` of each dict attribute whose lists, ``keys``
-    subscripts down, the step appends to (``self._stored_metrics[train_eval][key]``):
-    the code may load the attribute only to subscript it down to them and append (NOTE:
-    [metrics kept in nested dicts]), a read through a key held in a variable included."""
-    found: dict[tuple[str, int], str] = {}
-    for k in kept:
-        if k.how != "append":
-            continue
-        keys = 0
-        while keys < len(k.path) and k.path[len(k.path) - 1 - keys][0] == "key":
-            keys += 1
-        if not keys or keys == len(k.path) or not isinstance(k.path[-1 - keys][1], str):
-            continue
-        suffix = "".join(_where(*step) for step in k.path[len(k.path) - keys:])
-        label = k.label[: -len(suffix)] if k.label.endswith(suffix) else k.label
-        found.setdefault((k.path[-1 - keys][1], keys), label)
-    return [(name, keys, label) for (name, keys), label in found.items()]
+    return frozenset(id(k.container(bindings)) for k in kept if k.how == "append")
 
 
 def _own_state_cache(owner: Any, value: Any) -> bool:
@@ -943,88 +877,6 @@ def _appended(now: list | collections.deque, before: list[Any]) -> list[Any] | N
     if len(items) < len(before) or not all(a is b for a, b in zip(items, before)):
         return None
     return items[len(before):]
-
-
-def _nested_container(kind: str, value: Any, depth: int) -> bool:
-    """Whether ``value``, held by a dict holder at ``depth``, is a dict or list the walk
-    visits although it lies at or below ``DEPTH`` (NOTE: [metrics kept in nested dicts])."""
-    if kind != "dict" or not -_NESTED < depth <= 0:
-        return False
-    return type(value) in _LISTS or (isinstance(value, dict) and not reads_its_own_way(type(value)))
-
-
-def _made_by_factory(
-    owner: Any, value: Any, depth: int = _NESTED + 2,
-) -> list[tuple[tuple[tuple[str, Any], ...], Any]] | None:
-    """NOTE: [metrics kept in nested dicts]
-    TRL's trainers store metrics as ``self._stored_metrics[train_eval][key].append(
-    value.item())`` on ``defaultdict(lambda: defaultdict(list))``; others use
-    ``self.metrics[key].append(...)`` on a ``defaultdict(list)`` or a dict of dicts of
-    lists built before the first call. Until the sixty-sixth session the first was
-    refused as keeping "a traced tensor" (the ``.item()`` float) in "a new defaultdict",
-    and the prebuilt ``{"train": {"loss": []}}`` as "deeper than the compiled step looks".
-    Now they are appends (NOTE: [tensors the step keeps]):
-    - a dict's dicts and lists are walked ``_NESTED`` levels below ``DEPTH``
-      (``_nested_container``; only those, no tensor read there), so a list that exists
-      is appended to after every call wherever in such a chain it is;
-    - an entry the call adds to a ``defaultdict`` (none there before) that is exactly
-      what its factory makes, down to non-empty lists of traced values only (each
-      container of the factory's type, empty when made, the same ``maxlen`` and factory:
-      ``_same_container``), is one append per value, whose path goes through the new
-      keys: after every call ``KeptTensor.container(create=True)`` walks it with ``d[k]``,
-      so the defaultdicts make the entries the call lacks, as eager's ``d[k]`` does (same
-      keys, in the same order, same types; measured equal to eager after 3 and 4 calls,
-      ddp and fsdp, keys from a guarded Python value such as ``"train" if train else
-      "eval"`` included). Other walks (guards, ``kept_container_ids``) do not make them.
-    A container the step sets whole in place of one there (``d["train"] =
-    defaultdict(list)`` every call: the first call looks as made by the factory, the
-    second finds the key there and is traced again) or one no factory makes
-    (``setdefault("train", {})``) stays refused, naming what is stored (an ``.item()``
-    number or a tensor) and where, with a hint (``_container_refused``). Reads: the
-    bytecode checks of NOTE: [lists the step appends to and reads] cover these lists
-    (``lists_not_made`` names the lists the first call makes, which the guards' walk
-    cannot meet), and the dict attribute itself may be loaded only to subscript it down
-    to the lists (one load per key, a variable key included) and append, or to set an
-    entry (``kept_chains``): ``len(self._stored_metrics[train_eval][key])`` ran on the
-    capture's length every call (losses 2.64 where eager gave 5.27 at the fourth call)
-    before that check, with no error. Not replayed: a chain under a list, a chain deeper
-    than ``_NESTED`` below ``DEPTH``, a user subclass of defaultdict with its own item
-    reading."""
-    factory = owner.default_factory if isinstance(owner, collections.defaultdict) else None
-    if factory is None or depth <= 0 or reads_its_own_way(type(owner)):
-        return None
-    try:
-        made = factory()
-    except Exception:  # the user's factory: not one the replay can run
-        return None
-    if type(made) is not type(value) or not _same_container(made, value):
-        return None
-    if type(value) in _LISTS:
-        return [((), item) for item in value] if value and all(is_traced(v) for v in value) else None
-    found: list[tuple[tuple[tuple[str, Any], ...], Any]] = []
-    for key, held in value.items() if isinstance(value, dict) and value else ():
-        inner = _made_by_factory(value, held, depth - 1) if isinstance(key, (str, int)) else None
-        if inner is None:
-            return None
-        found += [((("key", key), *tail), item) for tail, item in inner]
-    return found or None
-
-
-def _same_container(made: Any, value: Any) -> bool:
-    """Whether ``made``, a new container of ``value``'s type, is empty and makes what
-    ``value`` makes: the same ``maxlen`` of a deque, the same factory of a defaultdict
-    (a nested ``lambda`` is a new function each time: the same code and closure)."""
-    if len(made) or getattr(made, "maxlen", None) != getattr(value, "maxlen", None):
-        return False
-    mine, theirs = getattr(made, "default_factory", None), getattr(value, "default_factory", None)
-    if mine is theirs or mine == theirs:
-        return True
-    if not isinstance(mine, types.FunctionType) or not isinstance(theirs, types.FunctionType):
-        return False
-    cells = [c.cell_contents for c in mine.__closure__ or ()], [c.cell_contents for c in theirs.__closure__ or ()]
-    return mine.__code__ is theirs.__code__ and len(cells[0]) == len(cells[1]) and all(
-        a is b for a, b in zip(*cells)
-    ) and mine.__defaults__ == theirs.__defaults__
 
 
 def _holds_traced(value: Any) -> bool:
@@ -1133,46 +985,6 @@ def _python_write(where: str, line: str | None, what: str) -> SPMDCompileError:
     )
 
 
-def _stored_inside(value: Any, depth: int = 4) -> tuple[str, str] | None:
-    """(what, where below ``value``) of the first traced value in the containers of
-    ``value``: "a Python number from .item()" or "a tensor", and its keys
-    (``['loss']``)."""
-    if is_traced(value):
-        return ("a Python number from .item()" if isinstance(value, TracedItem) else "a tensor"), ""
-    if depth <= 0:
-        return None
-    items: Any = value.items() if isinstance(value, dict) else (
-        enumerate(value) if isinstance(value, (list, tuple, collections.deque)) else ())
-    for key, held in items:
-        found = _stored_inside(held, depth - 1)
-        if found is not None:
-            return found[0], f"[{key!r}]{found[1]}"
-    return None
-
-
-def _container_refused(where: str, value: Any, old: Any, step: str) -> SPMDCompileError:
-    """A new container holding traced values that the runtime cannot make again after
-    every call (NOTE: [metrics kept in nested dicts] says which it can): names what is
-    stored (an ``.item()`` number or a tensor) and where, with the two ways out."""
-    what, below = _stored_inside(value) or ("a tensor", "")
-    replaced = " in place of the one there before" if isinstance(old, (dict, list, collections.deque)) else ""
-    return SPMDCompileError(
-        f"The train step keeps {what} in {where} (a new {type(value).__name__} it sets there"
-        f"{replaced}, holding it at {below}). A compiled step runs no Python "
-        "after capture: after every call it appends each call's values to lists that exist "
-        "or that a defaultdict's factory makes (defaultdict(lambda: defaultdict(list))), and "
-        "remakes a new list, tuple or dict of values set whole, but it cannot build this "
-        "container again every call (NOTE: [tensors the step keeps], NOTE: [metrics kept in "
-        "nested dicts]). Nothing was changed: the object is as the call found it.",
-        hint="return the values from the step and store them outside it (loss, metrics = "
-        "step(...); for k, v in metrics.items(): self._stored_metrics['train'][k].append(v)); "
-        "or append to lists made before the first call (self.metrics = {'train': {'loss': []}}), "
-        "or held by a defaultdict whose factory makes them, without setting the container in "
-        f"the step; a cache the step reads back itself: delete it once used (del <owner>{step}) "
-        "or keep it in a local variable.",
-    )
-
-
 def _refused(where: str, what: str, hint: str | None = None) -> SPMDCompileError:
     return SPMDCompileError(
         f"The train step keeps a traced tensor in {where} ({what}). A compiled step runs "
@@ -1202,5 +1014,5 @@ def _tensor_defaults(fn: types.FunctionType) -> list[tuple[tuple[str, Any], str,
 
 __all__ = [
     "KeptTensor", "KeptTensors", "is_traced", "kept_container_ids",
-    "kept_chains", "lists_not_made", "refuse_kept_read_back",
+    "refuse_kept_read_back",
 ]
