@@ -252,6 +252,20 @@ def innermost_model_frame_of_stack(skip_stdlib: bool = False) -> SourceLocation 
     return _innermost_outside_torch(frames)
 
 
+def torch_function_called_by_model() -> str | None:
+    """The name of the torch function that the innermost model frame of the running code
+    called, where the running code is inside it (``vector_to_parameters``, whose
+    ``param.data = ...`` the step did not write itself); None where the model's frame
+    is not calling into torch's Python code."""
+    frames = traceback.extract_stack()
+    user = max((i for i, f in enumerate(frames) if _outside_torch(f.filename)), default=None)
+    if user is None or user + 1 >= len(frames):
+        return None
+    inner = frames[user + 1]
+    torch_dir = os.path.dirname(os.path.abspath(cast(str, torch.__file__))) + os.sep
+    return inner.name if os.path.abspath(inner.filename).startswith(torch_dir) else None
+
+
 _WARNED_LINES: set[tuple[object, ...]] = set()
 
 

@@ -51,6 +51,7 @@ import torch
 import torch.fx
 
 from .. import _torch_private as private
+from ..errors import SourceLocation, innermost_model_frame_of_stack
 from ..ir.graph_utils import output_args, placeholders
 from ..ir.signature import Kind, StateRef
 
@@ -82,6 +83,7 @@ class RecordedState(dict):
         super().__init__(*args, **kwargs)
         self.made: dict[Any, torch.fx.Node | _PythonValue | None] = {}
         self.unobserved = False
+        self.removed_at: SourceLocation | str | None = None  # NOTE: [optimizer state removed in the step]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if key not in self.made:
@@ -103,6 +105,25 @@ class RecordedState(dict):
         return super().__ior__(other)
 
 
+def _removing(base: type, name: str) -> Any:
+    """``base``'s method ``name``, which takes entries out, noting the user's line
+    (NOTE: [optimizer state removed in the step])."""
+    method = getattr(base, name)
+
+    def remove(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.removed_at is None:
+            self.removed_at = innermost_model_frame_of_stack() or f"{base.__name__}.{name}()"
+        return method(self, *args, **kwargs)
+
+    remove.__name__ = name
+    return remove
+
+
+_REMOVING = ("clear", "pop", "popitem", "__delitem__")
+for _name in _REMOVING:
+    setattr(RecordedState, _name, _removing(dict, _name))
+
+
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
@@ -120,6 +141,17 @@ class RecordedStates(defaultdict):
         self.read_by: list[str] = []
         # the traced param groups whose tensors are outputs (NOTE: [tensors held in a param group])
         self.group_tensors: list[tuple[int, str, dict[str, Any]]] = []
+        # where the step took entries out, or set ``optimizer.state`` to another dict
+        # (NOTE: [optimizer state removed in the step])
+        self.removed_at: SourceLocation | str | None = None
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.unobserved = True  # whole dicts set at once, as ``__setitem__`` of a dict
+        super().update(*args, **kwargs)
+
+    def setdefault(self, *args: Any) -> Any:
+        self.unobserved = True
+        return super().setdefault(*args)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if not isinstance(value, RecordedState):
@@ -148,6 +180,8 @@ def _reading(name: str) -> Any:
 for _name in ("__getitem__", "get", "__contains__", "__iter__", "__len__", "keys", "values",
               "items", "copy", "__repr__"):
     setattr(RecordedStates, _name, _reading(_name))
+for _name in _REMOVING:
+    setattr(RecordedStates, _name, _removing(defaultdict, _name))
 
 
 def class_files(obj: Any) -> frozenset[str]:
@@ -348,12 +382,18 @@ def _recorded_entries(
     """Each parameter's recorded state dict that holds entries, as (optimizer index,
     parameter name, group index, the dict, the keys the trace added to it). Raises
     ``NotPlanned`` where a trace set state the records cannot follow: a whole dict at
-    once, or entries by ``update()`` / ``setdefault()``."""
+    once, entries by ``update()`` / ``setdefault()``, or state taken out (NOTE:
+    [optimizer state removed in the step])."""
     for oi, (states, by_param) in enumerate(swapped):
+        if states.removed_at is not None:
+            raise NotPlanned(f"the step takes optimizer[{oi}].state out ({states.removed_at})")
         if states.unobserved:
             raise NotPlanned("a parameter's whole state dict was set at once")
         for name, (gi, traced_p) in by_param.items():
             entries = dict.get(states, traced_p)  # not a read of the step's
+            removed_at = getattr(entries, "removed_at", None)
+            if removed_at is not None:
+                raise NotPlanned(f"the step takes optimizer[{oi}] state of {name} out ({removed_at})")
             if not entries:
                 continue
             if entries.unobserved:
@@ -536,7 +576,11 @@ def _same_side(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 #    (``RecordedStates.read_by``: a step asking ``len(opt.state)`` or calling
 #    ``opt.state_dict()`` would see the predicted state where its first eager call sees
 #    none). The trace's inputs differ from a first trace's in the state dicts alone, so
-#    code that reads none of them runs the same both ways.
+#    code that reads none of them runs the same both ways;
+# 4. the step took no state out (``clear``, ``pop``, ``del``, ``popitem``, or
+#    ``optimizer.state`` set to a new dict): entries it threw away are read by nothing
+#    either, but are not a parameter Adam skipped (NOTE: [optimizer state removed in
+#    the step]).
 # Otherwise the state is taken out and the two traces go on as before. A dict kept from
 # before the call (``s = opt.state`` at module level, read inside the step) is not seen
 # by 3. ``tests/sim/test_adam_state_predicted.py`` compares the predicted state and the

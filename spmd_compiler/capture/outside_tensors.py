@@ -52,7 +52,12 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
-from ..errors import SPMDCompileError, innermost_model_frame_of_stack, node_error
+from ..errors import (
+    SPMDCompileError,
+    innermost_model_frame_of_stack,
+    node_error,
+    torch_function_called_by_model,
+)
 from .bindings import StepBindings, aliases_state
 
 _LIFTS = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default)
@@ -192,15 +197,7 @@ class OutsideWrites(TorchFunctionMode):
             # (ArcFace, CosFace, ProxyAnchor, ...) run ``self.W.data =
             # self.W.data.to(device)`` in forward, which returns ``self.W.data`` itself.
             # Those were refused (2 simulated ranks, all three) where eager ran.
-            raise SPMDCompileError(
-                "The train step sets a tensor's .data (tensor.data = value): that swaps "
-                "its storage outside every op the compiled program records, so the "
-                "program would never write the new values.",
-                user_line=innermost_model_frame_of_stack(),
-                hint="write the values in place instead, which compiles and computes "
-                "alike: `with torch.no_grad(): param.copy_(value)` (or "
-                "`param.data.copy_(value)`, `param.data.clamp_(-c, c)`).",
-            )
+            raise _data_set()
         name = getattr(func, "__name__", "")
         writes = (name in _IN_PLACE_DUNDERS or (
             name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
@@ -223,6 +220,41 @@ class OutsideWrites(TorchFunctionMode):
                 "outside the step the model's weights are placed DTensors.",
             )
         return func(*args, **kwargs)
+
+
+_DATA_SET_HINT = (
+    "write the values in place instead, which compiles and computes alike: `with "
+    "torch.no_grad(): param.copy_(value)` (or `param.data.copy_(value)`, "
+    "`param.data.clamp_(-c, c)`)."
+)
+# NOTE: [data replaced inside the step]: torch's helpers that set ``.data`` for the step,
+# with the in-place form of each
+_HELPER_HINTS = {
+    "vector_to_parameters": (
+        "copy the vector's slices into the parameters in place, which compiles and "
+        "computes the same values: `ps = list(model.parameters())`, then under `with "
+        "torch.no_grad():` `for p, v in zip(ps, torch.split(vec, [p.numel() for p in "
+        "ps])): p.copy_(v.view_as(p))`; the parameters then hold copies, where "
+        "vector_to_parameters makes them views of the vector."
+    ),
+}
+
+
+def _data_set() -> SPMDCompileError:
+    """The refusal of ``tensor.data = value`` (NOTE: [data replaced inside the step]),
+    naming the torch helper that ran the assignment where the step did not write it
+    (``torch.nn.utils.vector_to_parameters``)."""
+    helper = torch_function_called_by_model()
+    who = (
+        f"The train step calls torch's {helper}, which sets tensors' .data (`param.data = "
+        "value` inside torch)" if helper else "The train step sets a tensor's .data (tensor.data = value)"
+    )
+    return SPMDCompileError(
+        f"{who}: that swaps the storage outside every op the compiled program records, "
+        "so the program would never write the new values.",
+        user_line=innermost_model_frame_of_stack(),
+        hint=_HELPER_HINTS.get(helper or "", _DATA_SET_HINT),
+    )
 
 
 def outside_constants(

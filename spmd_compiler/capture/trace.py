@@ -167,6 +167,7 @@ from .python_scalars import (
 from .python_valued_shapes import python_valued_shape_decompositions
 from .random_draws import global_draw_decompositions, refuse_shard_local_draws
 from .registered_state import RegistrationsWatched, refuse_state_registered
+from .removed_state import settle_removed_state
 from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
 from .scalar_arguments import ScalarTensors, user_step_modes_paused
 from .strided_windows import names_its_elements_in_order
@@ -2141,6 +2142,7 @@ class _StepTracer:
                     RegistrationsWatched() as registered,
                 ):
                     result = self.func(*args, **kwargs)
+                settle_removed_state(b.optimizers, swapped)  # NOTE: [optimizer state removed in the step]
                 refuse_state_registered(b, registered, step_where(self.func))  # NOTE: [state registered in the step]
                 _refuse_argument_gradients(values, requiring)
                 _refuse_hooks_left_on_parameters(params, compute, step_where(self.func))

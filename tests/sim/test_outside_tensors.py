@@ -249,6 +249,40 @@ def test_refused_with_the_line_and_nothing_changed(step, message):
     assert torch.equal(model.scale, scale)
 
 
+def _vector_step(model, optim, x, y):  # noqa: ANN001
+    """A FedAvg round's start: the weights set from a flat vector (here scaled)."""
+    vec = torch.nn.utils.parameters_to_vector(model.parameters()).detach() * 0.5
+    torch.nn.utils.vector_to_parameters(vec, model.parameters())
+    return weighted_step(model, optim, x, y)
+
+
+def _vector_copied_step(model, optim, x, y):  # noqa: ANN001
+    """The in-place form the refusal of ``_vector_step`` gives."""
+    ps = list(model.parameters())
+    vec = torch.nn.utils.parameters_to_vector(ps).detach() * 0.5
+    with torch.no_grad():
+        for p, v in zip(ps, torch.split(vec, [p.numel() for p in ps]), strict=True):
+            p.copy_(v.view_as(p))
+    return weighted_step(model, optim, x, y)
+
+
+def test_vector_to_parameters_is_refused_naming_it_with_a_form_that_compiles():
+    """torch's helper sets each parameter's ``.data``: the refusal named the assignment,
+    which the step never wrote (sixty-sixth session); it names the helper, and the
+    step's line calling it, and its hint's form compiles to eager's numbers."""
+    torch.manual_seed(0)
+    model = _Scaled().double()
+    weight = model.linear.weight.detach().clone()
+    compiled = sc.compile(make_mode("ddp"))(_vector_step)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as raised:
+        compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batches(1)[0])
+    assert "calls torch's vector_to_parameters, which sets tensors' .data" in raised.value.message
+    assert "vector_to_parameters(vec, model.parameters())" in str(raised.value.user_line)
+    assert "p.copy_(v.view_as(p))" in str(raised.value.hint)
+    assert torch.equal(model.linear.weight, weight)
+    assert _run(_vector_copied_step, "ddp") == [1, 1, 1, 1]
+
+
 class _Aliased(_Scaled):
     """A plain attribute that is a view of a parameter: eager sees every update."""
 
