@@ -345,7 +345,11 @@ class ScalarTensors(ScalarArgumentRewrites, UserStepMode):
         self.skipped = skipped
 
     def _candidate(self, value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and value.dim() == 0 and not self.skipped(value)
+        from .packed_sequences import padded_of  # not at the top: an import cycle
+
+        # a packed sequence's padded stand-in is no number, and its dim() would be refused
+        # as a read of the packed data (NOTE: [packed sequences at capture])
+        return isinstance(value, torch.Tensor) and padded_of(value) is None and value.dim() == 0 and not self.skipped(value)
 
     def _number(self, value: Any) -> bool:
         return self._candidate(value) and not value.requires_grad and (
