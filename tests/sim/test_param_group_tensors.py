@@ -139,13 +139,18 @@ def test_a_step_count_tensor_in_the_param_group_matches_eager_after_every_call(m
     assert step.compile_count == 1
 
 
-def test_a_step_count_tensor_made_by_the_first_step_is_refused_with_the_working_form():
-    model = _model()
-    optim = _GroupCountAdam(model.parameters())
+def _refusal(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
+    """The text of the first compiled call's refusal (ddp, 2 simulated ranks)."""
     step = sc.compile(make_mode("ddp"))(_step)
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as err:
         step(model, optim, *_batches(1)[0])
-    text = str(err.value)
+    return str(err.value)
+
+
+def test_a_step_count_tensor_made_by_the_first_step_is_refused_with_the_working_form():
+    model = _model()
+    optim = _GroupCountAdam(model.parameters())
+    text = _refusal(model, optim)
     assert "_GroupCountAdam's own step() creates optimizer[0].param_groups[0]['step'], a tensor" in text
     assert "for g in opt.param_groups: g['step'] = torch.tensor(0.0)" in text
     line = next(i for i, code in enumerate(open(__file__).read().splitlines(), 1)
@@ -157,10 +162,7 @@ def test_a_step_count_tensor_made_by_the_first_step_is_refused_with_the_working_
 def test_a_python_step_count_of_the_optimizers_own_group_is_refused_naming_it():
     model = _model()
     optim = _GroupIntCount(model.parameters(), lr=0.1)
-    step = sc.compile(make_mode("ddp"))(_step)
-    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as err:
-        step(model, optim, *_batches(1)[0])
-    text = str(err.value)
+    text = _refusal(model, optim)
     assert "_GroupIntCount's own step() keeps a Python number in optimizer[0].param_groups[0]['step']" in text
     assert "torch.optim's Adam, AdamW, NAdam, RAdam" in text and "timm's Lion, LARS, Adopt and LaProp" in text
     assert all("step" not in g for g in optim.param_groups)
@@ -184,10 +186,7 @@ def test_a_python_step_count_in_the_state_of_a_librarys_optimizer_is_refused_nam
     StateIntCount.__module__ = module.__name__
     model = _model()
     optim = StateIntCount(model.parameters(), lr=0.1)
-    step = sc.compile(make_mode("ddp"))(_step)
-    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as err:
-        step(model, optim, *_batches(1)[0])
-    text = str(err.value)
+    text = _refusal(model, optim)
     assert "StateIntCount's own step() does this, in the installed package 'fake_optim_package'" in text
     assert "torch.optim's Adam, AdamW, NAdam, RAdam" in text
     assert not optim.state
@@ -196,10 +195,7 @@ def test_a_python_step_count_in_the_state_of_a_librarys_optimizer_is_refused_nam
 def test_an_optimizer_refusing_the_capturable_path_is_refused_saying_why_it_is_on():
     model = _model()
     optim = _CudaOnlyCapturable(model.parameters())
-    step = sc.compile(make_mode("ddp"))(_step)
-    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as err:
-        step(model, optim, *_batches(1)[0])
-    text = str(err.value)
+    text = _refusal(model, optim)
     assert "optimizer[0] (_CudaOnlyCapturable) refused its capturable path, which the compiled step turned on" in text
     assert "traces optimizers with capturable=True" in text and "If capturable=True" in text
     assert all(g["capturable"] is False for g in optim.param_groups) and not optim.state
