@@ -2822,7 +2822,7 @@ def _capturable_refused(opt: torch.optim.Optimizer, oi: int, exc: BaseException)
     learning rate as tensors, with no ``.item()``, which a program needs. timm's NAdamW
     copies torch's key but checks itself that its parameters are on CUDA when it is set,
     and the capture failed with its bare ``AssertionError: If capturable=True, params
-    and state_steps must be on supported devices`` (a probe, 2027-01), not saying that
+    and state_steps must be on supported devices`` (a probe, sixty-sixth session), not saying that
     the compiler, not the user, set it. An error naming ``capturable`` raised inside
     such an optimizer's step is now refused naming the class and why the flag is on."""
     cls = type(opt).__name__
@@ -2836,8 +2836,7 @@ def _capturable_refused(opt: torch.optim.Optimizer, oi: int, exc: BaseException)
         "optimizer]).",
         user_line=innermost_model_frame(exc.__traceback__),
         hint=f"use an optimizer that supports capturable=True on this device{nadamw}, or "
-        "one that keeps its step count in a tensor without that flag (torch.optim's "
-        "Adam, AdamW, NAdam, RAdam; timm's Lion, LARS, Adopt, LaProp).",
+        f"{_TENSOR_COUNT_OPTIMIZERS}.",
     )
 
 
