@@ -44,13 +44,28 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_private as private
 from ..errors import SPMDCompileError
 
-# Optimizers that cannot become one program, and what the user can do instead.
+# NOTE: [optimizers a compiled step cannot run]
+# Optimizers that cannot become one program, and what the user can do instead. LBFGS
+# (the second stage of a PINN's Adam-then-LBFGS schedule) runs uncompiled, but not on
+# the model a compiled step placed: its closure calls that model with plain tensors,
+# which is refused (NOTE: [calling a placed model directly] in ``runtime/eager_calls.py``,
+# whose refusal from inside an optimizer's step gives this advice too). Until the
+# sixty-seventh session both refusals sent the user to the other ("run the LBFGS step
+# uncompiled" / update_bn's compiled form). The way out is the gathered weights in a
+# plain model on one device (``tests/sim/test_adam_then_lbfgs.py``: equal to the all-eager
+# schedule, float64).
 UNSUPPORTED = {
     "LBFGS": (
         "it re-evaluates a closure a data-dependent number of times (line search and "
         "convergence tests read tensor values in Python), which is not one program",
-        "use another optimizer (Adam, AdamW, SGD, ...) in the compiled step, or run the "
-        "LBFGS step uncompiled",
+        "use another optimizer (Adam, AdamW, SGD, ...) in the compiled step, or run LBFGS "
+        "uncompiled on one device, on a plain model holding the weights the compiled steps "
+        "trained (not on the model they placed, whose parameters are DTensors): "
+        "`state = sc.checkpoint.full_state_dict(model)` on every rank (it gathers; rank 0 "
+        "gets the tensors), then `plain = make_model()` (a new model built as `model` was), "
+        "`plain.load_state_dict(state['model'])`, `lbfgs = torch.optim.LBFGS(plain.parameters())`, "
+        "`lbfgs.step(closure)` with a closure computing the loss of `plain` (on real ranks, "
+        "on rank 0; docs/porting.md, \"Adam then LBFGS\")",
     ),
     "SparseAdam": (
         "it needs sparse gradients (nn.Embedding(sparse=True)), and a compiled step "

@@ -16,6 +16,7 @@ to a compiled step, a module-level function, so the model still pickles.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import weakref
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .. import _torch_private as private
 from .._torch_private import pytree
+from ..capture.optimizers import UNSUPPORTED
 from ..errors import SPMDCompileError
 from .placed_pruning import prune_placed_on_full_values
 
@@ -37,16 +39,7 @@ def refuse_plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
         return
     if not any(isinstance(p, DTensor) for p in module.parameters()):
         return  # its state is not (or no longer) placed: nothing to mix
-    if _called_by_update_bn():
-        hint = ("compile a step that calls it, under the same parallel mode: "
-                "`def bn_step(model, loader): torch.optim.swa_utils.update_bn(loader, model)`, "
-                "`sc.compile(parallel_mode=mode)(bn_step)(swa_model, loader)` (the loader a "
-                "list of batches; the statistics are the global batches').")
-    else:
-        hint = ("compile the evaluation as a step of its own under the same parallel mode "
-                "(a step without an optimizer is fine): "
-                "`evaluate = sc.compile(parallel_mode=mode)(eval_step)`, then "
-                "`evaluate(model, batch)` returns global values, like the train step's loss.")
+    hint = _direct_call_hint(_caller_on_stack())
     raise SPMDCompileError(
         f"{type(module).__name__} was called directly with plain tensors, but a compiled "
         "step placed its parameters as DTensors across the ranks, so one rank's call "
@@ -55,16 +48,55 @@ def refuse_plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
     )
 
 
-def _called_by_update_bn() -> bool:
-    """Whether ``torch.optim.swa_utils.update_bn`` is on the stack (its recompute of the
-    batch norms' statistics, between calls): the hint names its compiled form."""
-    code = torch.optim.swa_utils.update_bn.__code__
+# NOTE: [what called a placed model directly]
+# The refusal's advice depends on what ran the model. Two callers are told apart by the
+# frames on the stack: ``torch.optim.swa_utils.update_bn`` (recomputing batch norm
+# statistics between calls: its compiled form) and an optimizer's ``step`` (a closure
+# re-evaluating the loss: LBFGS run uncompiled after compiled Adam steps, the usual PINN
+# schedule). update_bn is decorated with ``@torch.no_grad()``, so its ``__code__`` is
+# torch's shared ``decorate_context`` wrapper, the code of every function so decorated:
+# compared with that, a user's ``@torch.no_grad() def evaluate(...)`` got update_bn's
+# advice (sixty-seventh session's probe). Its own code is the unwrapped function's
+# (``inspect.unwrap``). An optimizer's step is a frame named ``step`` whose ``self`` is a
+# ``torch.optim.Optimizer``. LBFGS (which no compiled step runs, NOTE: [optimizers a
+# compiled step cannot run] in ``capture/optimizers.py``) is told to run on one device
+# on a plain model holding the gathered weights; any other optimizer to step inside a
+# compiled step, as the train step does. Anything else gets the compiled evaluation.
+def _caller_on_stack() -> Callable[..., Any] | torch.optim.Optimizer | None:
+    """``update_bn`` or the optimizer whose ``step`` is on the stack (the innermost
+    first), or None (NOTE: [what called a placed model directly])."""
+    update_bn = torch.optim.swa_utils.update_bn
+    update_bn_code = inspect.unwrap(update_bn).__code__
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is code:
-            return True
+        if frame.f_code is update_bn_code:
+            return update_bn
+        if frame.f_code.co_name == "step":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.optim.Optimizer):
+                return owner
         frame = frame.f_back  # type: ignore[assignment]
-    return False
+    return None
+
+
+def _direct_call_hint(caller: Callable[..., Any] | torch.optim.Optimizer | None) -> str:
+    """What to do instead of calling the placed model directly from ``caller``."""
+    if caller is torch.optim.swa_utils.update_bn:
+        return ("compile a step that calls it, under the same parallel mode: "
+                "`def bn_step(model, loader): torch.optim.swa_utils.update_bn(loader, model)`, "
+                "`sc.compile(parallel_mode=mode)(bn_step)(swa_model, loader)` (the loader a "
+                "list of batches; the statistics are the global batches').")
+    if isinstance(caller, torch.optim.Optimizer):
+        name = type(caller).__name__
+        if name in UNSUPPORTED:
+            return f"{name}'s step calls the model; {UNSUPPORTED[name][1]}."
+        return (f"{name}'s step calls the model (a closure): step it inside a compiled step "
+                "under the same parallel mode, given the model and the optimizer, as the "
+                "train step steps its optimizer.")
+    return ("compile the evaluation as a step of its own under the same parallel mode "
+            "(a step without an optimizer is fine): "
+            "`evaluate = sc.compile(parallel_mode=mode)(eval_step)`, then "
+            "`evaluate(model, batch)` returns global values, like the train step's loss.")
 
 
 # NOTE: [loading plain tensors into a placed model]

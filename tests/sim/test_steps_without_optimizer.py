@@ -160,3 +160,23 @@ def test_calling_a_placed_model_directly_says_what_to_do():
         assert "a step without an optimizer" in str(info.value)
         train(model, optim, x, y)  # the compiled step itself is not affected
     assert train.compile_count == 1
+
+
+def test_a_no_grad_decorated_evaluation_is_told_to_compile_it():
+    """NOTE: [what called a placed model directly]: `@torch.no_grad()` wraps a function
+    in torch's shared wrapper code, which update_bn's `__code__` is too; such an
+    evaluation got update_bn's advice before (sixty-seventh session's probe)."""
+
+    @torch.no_grad()
+    def evaluate(model, x):
+        return model(x).sum()
+
+    model = _tp_model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batches(1)[0]
+    with sc.simulate(world_size=2):
+        sc.compile(make_mode("ddp"))(train_step)(model, optim, x, y)
+        with pytest.raises(SPMDCompileError) as info:
+            evaluate(model, x)
+    assert "a step without an optimizer" in str(info.value)
+    assert "update_bn" not in str(info.value)
