@@ -38,6 +38,7 @@ from .containers import open_containers
 from .forwarding_optimizers import inner_optimizers
 from .grad_scalers import find_scalers, scaler_key, scaler_state
 from .lr_schedulers import find_schedulers
+from .meta_templates import is_meta_template, template_tensors
 from .plain_objects import keyed_by_class
 
 # id(old parameter) -> (a weak reference to it, the DTensor parameter that replaced it);
@@ -366,6 +367,9 @@ class StepBindings:
     # the wrappers the step was given or names that stand for one of ``optimizers``
     # (NOTE: [optimizers forwarding to an inner one])
     wrappers: list[torch.optim.Optimizer] = field(default_factory=list, repr=False)
+    # id(tensor) -> its name, for the meta-device modules the step reads by name that are
+    # not its state (NOTE: [meta templates read by name])
+    templates: dict[int, str] = field(default_factory=dict, repr=False)
 
     @property
     def walk(self) -> tuple[int, int] | None:
@@ -771,7 +775,7 @@ def find_bindings(
     """
     containers: list[Any] = []  # NOTE: [batch containers]
     flat_args, spec = pytree.tree_flatten(open_containers((args, kwargs), _is_leaf, containers), is_leaf=_is_leaf)
-    modules = _named_modules(func, _unique([a for a in flat_args if isinstance(a, torch.nn.Module)]))
+    modules, templates = _named_modules(func, _unique([a for a in flat_args if isinstance(a, torch.nn.Module)]))
     optimizers = _unique([a for a in flat_args if isinstance(a, torch.optim.Optimizer)])
     where = f"{step_where(func)} ({step_name(func)})"
     if not modules:
@@ -802,6 +806,7 @@ def find_bindings(
         (args, kwargs), _unique(find_scalers(func, flat_args)),
         _unique(find_schedulers(func, flat_args)), containers, submodules,
         memo=memo, unchanged=unchanged, step=func, wrappers=wrappers,
+        templates=template_tensors(templates),
     )
 
 
@@ -847,8 +852,13 @@ def find_bindings(
 # not name (a trainer's ``self.ema_model`` the step never reads stays as it is). A
 # module reached otherwise (an entry of a dict, an attribute of a plain object) is not
 # taken: its tensors are refused naming the module and where it was found.
-def _named_modules(func: Callable[..., Any], given: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    by_name = [m for m, _ in modules_read_by_name(func)]
+def _named_modules(
+    func: Callable[..., Any], given: list[torch.nn.Module]
+) -> tuple[list[torch.nn.Module], list[tuple[torch.nn.Module, str]]]:
+    """The step's modules, and the meta-device templates it reads by name, each with
+    where (NOTE: [meta templates read by name])."""
+    read = modules_read_by_name(func)
+    by_name = [m for m, _ in read]
     if not given:
         by_name[:0] = reachable_by_name(func, [], torch.nn.Module)
     found = _unique(by_name)
@@ -864,7 +874,14 @@ def _named_modules(func: Callable[..., Any], given: list[torch.nn.Module]) -> li
             and not any(id(t) in state for t in (*m.parameters(), *m.buffers()))
         ]
     inner = {id(sub) for m in holding for sub in m.modules() if sub is not m}
-    return [*given, *(m for m in holding if id(m) not in inner)]
+    modules = [*given, *(m for m in holding if id(m) not in inner)]
+    # NOTE: [meta templates read by name]: not state beside a given module
+    if not given:
+        return modules, []
+    kept = [m for m in modules if any(m is g for g in given) or not is_meta_template(m)]
+    where = {id(m): w for m, w in reversed(read)}  # the first place each is read
+    templates = [(m, where.get(id(m), "the step reads")) for m in modules if not any(m is k for k in kept)]
+    return kept, templates
 
 
 def _named_optimizers(

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
+from .._torch_private import pytree
 from ..errors import (
     SPMDCompileError,
     innermost_model_frame_of_stack,
@@ -59,6 +60,7 @@ from ..errors import (
     torch_function_called_by_model,
 )
 from .bindings import StepBindings, aliases_state
+from .meta_templates import template_read
 
 _LIFTS = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default)
 _IN_PLACE_DUNDERS = frozenset({
@@ -168,9 +170,15 @@ class OutsideWrites(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.found: dict[int, list[FoundTensor]] = {}
+        # NOTE: [meta templates read by name]: their tensors, by id, set once bound
+        self.templates: dict[int, str] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if self.templates and getattr(func, "__name__", "") != "__get__":
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and id(leaf) in self.templates:
+                    raise template_read(self.templates[id(leaf)])
         if getattr(func, "__name__", "") != "__get__" and (read := _real_dtensors(args, kwargs)):
             places = self.found.get(id(read[0]))
             label = places[0].label if places else "a tensor"

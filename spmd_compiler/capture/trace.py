@@ -2133,6 +2133,7 @@ class _StepTracer:
             stack.enter_context(private.data_setter_of_torch())  # NOTE: [data replaced between calls]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = outside_writes.found = keeper.outside
+            outside_writes.templates = b.templates  # NOTE: [meta templates read by name]
             self.unplaced = keeper.unplaced
             self.inherited = keeper.inherited
             try:
