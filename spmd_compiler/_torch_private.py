@@ -3119,6 +3119,7 @@ def install_dtensor_gap_fills() -> None:
     _install_along_dim_strategies()
     _install_searchsorted_strategy()
     _install_block_diag_strategy()
+    _install_linalg_batch_rows()
     if _index_put_leading_dims_gap():
         _install_index_put_checked_strategy()
     if _constant_pad_replicates_only_gap():
@@ -4687,6 +4688,55 @@ def _install_block_diag_strategy() -> None:
         )])
 
     register_op_strategy(op, schema_info=RuntimeSchemaInfo(needs_pytree=True))(strategy)
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
+    if cached is not None:
+        cached()
+
+
+def _install_linalg_batch_rows() -> None:
+    """Every torch with DTensor's single-dim rule for the batched linalg ops (2.13's
+    ``linalg_batch_dim_strategy``): its layouts that shard are replaced by ours, which
+    align each operand's batch dimensions from the right (NOTE: [linalg batch
+    dimensions] in linalg_batches.py); its replicated and ``Partial`` layouts are kept.
+    ``linalg.solve_triangular(L, r)`` with a per-sample L (B, D, D) was refused under ddp
+    and fsdp ("Attempting to broadcast a dimension of length 8"): torch offered a
+    replicated L against a sharded r."""
+    import dataclasses
+
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    from .linalg_batches import batch_shard_rows, knows
+
+    try:  # a torch without single-dim rules has no such rule to replace
+        from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+    except ImportError:
+        return
+
+    table = getattr(DTensor._op_dispatcher.sharding_propagator, "op_single_dim_strategy_funcs", {})
+
+    def ours(original: Callable[..., list[list[Any]]]) -> Callable[..., list[list[Any]]]:
+        def strategy(op: Any, args_schema: tuple, kwargs_schema: dict) -> list[list[Any]]:
+            offered = original(op, args_schema, kwargs_schema)
+            kept = [row for row in offered if not any(isinstance(p, _ShardingPlaceholder) for p in row)]
+            shapes = [tuple(a.shape) for a in args_schema if isinstance(a, TensorMeta)]
+            skipped: list[int] = []
+            if op is torch.ops.aten.lu_unpack.default:  # (LU, pivots, unpack_data, unpack_pivots)
+                flags = [*args_schema[2:4], True, True]
+                skipped = ([1, 2] if flags[0] is False else []) + ([0] if flags[1] is False else [])
+            rows = batch_shard_rows(str(op), shapes, skipped) or []
+            return kept + [
+                [Replicate() if d is None else _ShardingPlaceholder(d) for d in row] for row in rows
+            ]
+
+        strategy._spmd_linalg_batches = True  # type: ignore[attr-defined]
+        return strategy
+
+    for op, info in list(table.items()):
+        func = getattr(info, "func", None)
+        if not knows(str(op)) or func is None or getattr(func, "_spmd_linalg_batches", False):
+            continue
+        table[op] = dataclasses.replace(info, func=ours(func))
     cached = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
     if cached is not None:
         cached()

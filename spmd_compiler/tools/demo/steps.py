@@ -21,6 +21,16 @@ def classification_train_step(
     return loss
 
 
+def squared_output_train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """Forward, the mean square of the output as the loss, backward, optimizer step,
+    zero_grad; returns the loss, detached."""
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
 def classification_batches(
     steps: int, batch: int, features: int, classes: int, dtype: torch.dtype, *, seed: int = 1234
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
