@@ -360,7 +360,7 @@ class ItemsAsOutputs(TorchFunctionMode):
 # pointer (``index_copy_`` / ``index_select`` at ``(ptr + arange(n)) % K``: exact, one
 # program) and says what the Python value costs: one program per distinct value.
 _INT_HINT = (
-    "keep the index a tensor and index with it: a slice write at a pointer "
+    "keep the index a tensor and index with it (`.item()` is refused there too): a slice write at a pointer "
     "`buf[:, ptr:ptr + n] = rows.T` is `buf.index_copy_(1, (ptr + torch.arange(n)) % K, "
     "rows.T.contiguous())` then `ptr.copy_((ptr + n) % K)` (ptr a 1-element long buffer), a read "
     "(or a roll by a tensor shift s) is `x.index_select(d, (torch.arange(n) - s) % n)`, and "
