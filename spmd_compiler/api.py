@@ -1433,7 +1433,7 @@ class CompiledTrainStep:
                     raise _written_by_the_way_of_an_if(change, again, way, self._where)
                 if again is not None:
                     raise SPMDCompileError(
-                        f"The train step changes a Python value every time it runs: {again}. "
+                        f"The train step changes a Python value every time it runs: {_changed_twice(change, again)}. "
                         "A compiled step runs no Python, so it cannot repeat that change.",
                         user_line=writes[-1] if writes and writes[-1] and again.what == change.what
                         else self._where,
@@ -1808,6 +1808,24 @@ def _refuse_overriding_subclasses(
 # matched eager under them), ``torch.manual_seed`` (the program draws from the generator's
 # state: NOTE: [random numbers]), anomaly mode (checked on every call: NOTE: [anomaly
 # detection at capture]).
+
+
+# NOTE: [a value changed on every run, in the user's numbers]
+# A step that changes a Python value is traced once more from what its first trace left
+# (NOTE: [a step that changes what it reads]); where that trace changes it again, the
+# refusal named only the second change: MoCo's ``model.ptr = (model.ptr + bs) % K``,
+# found 0, read "module <root>.ptr was 8, now 16" on the first call, numbers of the
+# capture's own runs the user never saw. It says what the call did to the value (0 to 8)
+# and what running the step again from there did (8 to 16).
+def _changed_twice(change: Change, again: Change) -> str:
+    """What the first trace and the probe changed, in the call's numbers first."""
+    if change.was is None or again.was is None:
+        return f"{change} on this call, and {again} when the capture ran the step again"
+    then = "" if again.what == change.what else f"{again.what} "
+    return (
+        f"{change.what} went from {change.was} to {change.now} on this call, and {then}from "
+        f"{again.was} to {again.now} when the capture ran the step again from there"
+    )
 
 
 def _way_that_wrote(captured: CapturedStep, probe: CapturedStep) -> str | None:

@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
+from .int_arguments import INT_TYPES, int_argument_refusal
 from .optimizers import _add_with_tensor_alpha, _lerp_in_compute_dtype, _scaled_operand
 
 _REDUCED = (torch.float16, torch.bfloat16)
@@ -252,10 +253,10 @@ _NUMBER_ANNOTATIONS = frozenset({float, "float", "Optional[float]", "_float", "N
 
 
 @functools.lru_cache(maxsize=512)
-def _number_slot(name: str, slot: int | str) -> bool:
-    """Whether torch's schemas of ``aten::name`` type argument ``slot`` (a position or a
-    keyword) as a number (Scalar or float) in some overload and as a Tensor in none."""
-    types = set()
+def _slot_types(name: str, slot: int | str) -> frozenset[str]:
+    """The types torch's schemas of ``aten::name`` give argument ``slot`` (a position or a
+    keyword), in the overloads that take a Tensor first."""
+    types: set[str] = set()
     for schema in private.operator_schemas(f"aten::{name}"):
         arguments = schema.arguments
         if not arguments or str(arguments[0].type) not in ("Tensor", "List[Tensor]"):
@@ -266,7 +267,33 @@ def _number_slot(name: str, slot: int | str) -> bool:
                 types.add(str(positional[slot].type))
         else:
             types.update(str(a.type) for a in arguments if a.name == slot)
+    return frozenset(types)
+
+
+def _number_slot(name: str, slot: int | str) -> bool:
+    """Whether torch's schemas of ``aten::name`` type argument ``slot`` as a number (Scalar
+    or float) in some overload and as a Tensor in none."""
+    types = _slot_types(name, slot)
     return bool(types & _NUMBER_TYPES) and not types & _TENSOR_TYPES
+
+
+def _int_slot(name: str, slot: int | str) -> bool:
+    """Whether torch's schemas of ``aten::name`` type argument ``slot`` as an int (or a
+    list of ints) in some overload and as a Tensor in none (NOTE: [0-d tensors in int
+    arguments])."""
+    types = _slot_types(name, slot)
+    return bool(types & INT_TYPES) and not types & _TENSOR_TYPES
+
+
+def _slot_name(name: str, slot: int | str) -> str | None:
+    """The name torch's schemas give positional argument ``slot`` of ``aten::name``."""
+    if not isinstance(slot, int):
+        return slot
+    for schema in private.operator_schemas(f"aten::{name}"):
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        if slot < len(positional) and str(positional[slot].type) in INT_TYPES:
+            return str(positional[slot].name)
+    return None
 
 
 def _number_parameter(func: Any, slot: int | str) -> str | None:
@@ -400,6 +427,8 @@ class ScalarTensors(ScalarArgumentRewrites, UserStepMode):
                         continue
                     described, name = f"{parameter}=", f"{func.__module__}.{func.__qualname__}"
                 elif not _number_slot(name, slot):
+                    if not python_function and _int_slot(name, slot) and not value.is_floating_point():
+                        raise int_argument_refusal(func, described, _slot_name(name, slot)) from exc
                     continue
                 raise _unrewritten(name, described) from exc
             raise

@@ -130,6 +130,7 @@ from .gradients import mark_gradients
 from .group_writes import LR_WRITE_HINT, GroupWritesSeen, MomentumGroupWritesSeen, written_at
 from .guards import set_or_delete
 from .hooks_as_found import HooksAsFound, HookState
+from .int_arguments import torch_function_name
 from .kept_tensors import KeptTensor, KeptTensors, refuse_kept_read_back
 from .lr_schedulers import (
     LRReadAfterSchedulerStep,
@@ -173,8 +174,10 @@ from .scalar_arguments import ScalarTensors, user_step_modes_paused
 from .strided_windows import names_its_elements_in_order
 from .tensor_indices import TensorIndicesTaken
 from .traced_items import (
+    KERNEL_READ_VALUES,
     ItemsAsOutputs,
     ItemUsedInPython,
+    KernelReadValues,
     TracedItem,
     caught_item_uses,
     checks_on_items,
@@ -1228,7 +1231,7 @@ def _trace_first(
                 hint=OWN_GENERATOR_HINT,
             ) from exc
         if _VALUES_READ in str(exc):
-            text = f"{CAPTURE_FAILED}{_where_it_failed(exc)}: {_VALUES_READ_TEXT}"
+            text = f"{CAPTURE_FAILED}{_where_it_failed(exc)}: {_values_read_text(exc)}"
         else:
             text = f"{CAPTURE_FAILED}{_where_it_failed(exc)}: {type(exc).__name__}: {exc}"
         settled = settled_in_capture()
@@ -1241,7 +1244,7 @@ def _trace_first(
             user_line=step_frame_from_traceback(exc.__traceback__, code),
             failed_at=innermost_model_frame(exc.__traceback__),
             hint=_FLEX_HINT if any(word in text for word in _FLEX)
-            else _VALUES_READ_HINT if _VALUES_READ in str(exc)
+            else _values_read_hint(exc) if _VALUES_READ in str(exc)
             else _NUMPY_HINT if _NUMPY in str(exc) else None,
         ) from exc
     _check_float_arguments_read(first, [r for r, _ in inputs])
@@ -1364,7 +1367,7 @@ _NUMPY_HINT = (
     "return the tensor (or `loss.item()`, a number) and call .numpy() on what the call "
     "returns."
 )
-_VALUES_READ = "its data is not allocated yet"
+_VALUES_READ = KERNEL_READ_VALUES
 _VALUES_READ_TEXT = (
     "a torch function read the values of a tensor to decide the shape of its result (a "
     "tensor of sizes or split indices); the trace holds no values, and a compiled step "
@@ -1374,6 +1377,52 @@ _VALUES_READ_HINT = (
     "pass the sizes or indices as Python ints (a list: `idx.tolist()` outside the step), "
     "or compute them from shapes."
 )
+
+
+# NOTE: [kernels that read values at capture]
+# torch's "its data is not allocated yet" comes from any C++ kernel that reads the data of
+# a traced tensor. The refusal said, for every one, that "a torch function read the values
+# of a tensor to decide the shape of its result ... pass the sizes as Python ints": right
+# for ``torch.tensor_split(x, idx_tensor)``, wrong for a PINN's quasi-random collocation
+# points, ``torch.quasirandom.SobolEngine(2).draw(16)`` in the step, whose shape is fixed:
+# ``torch._sobol_engine_draw`` has no fake (meta) kernel and computes from the engine's
+# state tensors in C++, and the engine keeps its position in Python (``num_generated``).
+# ``ItemsAsOutputs`` names the torch function called (``KernelReadValues``); the refusal
+# says the shape text only for the functions that read sizes or indices
+# (``_SIZES_READ``), and for any other that the op has no kernel that runs without
+# values: compute it outside the step and pass the result in (for Sobol: draw outside,
+# pass the points). Nothing of the engine ran (``num_generated`` stays as found).
+_SIZES_READ = frozenset({"tensor_split"})
+_NO_KERNEL_HINTS = {
+    "_sobol_engine_draw": "draw the points outside the compiled step and pass them in as an "
+    "argument (`x = engine.draw(n)` in the loop, then `step(model, opt, xb, x)`): the engine "
+    "keeps its position in Python, which a compiled step cannot advance.",
+}
+
+
+def _values_read_text(exc: BaseException) -> str:
+    """What the refusal of a kernel that read a traced tensor's data says (NOTE: [kernels
+    that read values at capture])."""
+    if not isinstance(exc, KernelReadValues):
+        return _VALUES_READ_TEXT
+    shown = torch_function_name(exc.func)
+    if exc.func.__name__ in _SIZES_READ:
+        return f"{shown}: {_VALUES_READ_TEXT}"
+    return (
+        f"{shown} has no kernel that runs on the trace's tensors (no fake or meta "
+        "kernel: its C++ code reads their values), so it cannot be captured into the program."
+    )
+
+
+def _values_read_hint(exc: BaseException) -> str:
+    """What the refusal of a kernel that read a traced tensor's data advises."""
+    name = exc.func.__name__ if isinstance(exc, KernelReadValues) else None
+    if name is None or name in _SIZES_READ:
+        return _VALUES_READ_HINT
+    return _NO_KERNEL_HINTS.get(name, (
+        "compute it outside the compiled step and pass the result in as an argument (a "
+        "tensor argument: one program for every value)."
+    ))
 
 
 # `if`s on tensor values one traced call may trace both ways (NOTE: [value checks]);

@@ -67,6 +67,19 @@ class ItemUsedInPython(Exception):
         self.hint = hint
 
 
+# torch's words when a C++ kernel reads the data of a traced tensor (which has none)
+KERNEL_READ_VALUES = "its data is not allocated yet"
+
+
+class KernelReadValues(RuntimeError):
+    """torch's error of a kernel that read the data of a traced tensor, with the torch
+    function that was called (NOTE: [kernels that read values at capture])."""
+
+    def __init__(self, func: Any, message: str) -> None:
+        super().__init__(message)
+        self.func = func
+
+
 # NOTE: [values of .tolist() in messages]
 # ``t.tolist()`` of a traced tensor reaches ``ItemsAsOutputs`` as one ``.item()`` per
 # element (torch's tolist does not dispatch itself), so its values are TracedItems and
@@ -311,7 +324,12 @@ class ItemsAsOutputs(TorchFunctionMode):
         if func is torch.tensor and args and _holds_items(args[0]):
             return _tensor_of_items(args[0], **kwargs)
         if func is not torch.Tensor.item and func not in _CONVERSIONS:
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as exc:
+                if KERNEL_READ_VALUES not in str(exc) or isinstance(exc, KernelReadValues):
+                    raise
+                raise KernelReadValues(func, str(exc)).with_traceback(exc.__traceback__) from exc
         try:
             return func(*args, **kwargs)
         except private.data_dependent_error_types():
@@ -323,15 +341,37 @@ class ItemsAsOutputs(TorchFunctionMode):
             name = _CONVERSIONS[func]
             _raise_used(
                 f"{name}() of a tensor needs its value in Python while the step is traced "
-                f"(Python requires {name}() to return {'an' if name == 'int' else 'a'} {name}). To "
-                f"return the number (`{{'value': {name}(t)}}`), write `t.item()`, which may be "
-                "returned. "
-                "To use it in the step (an index, a slice bound, a size), `.item()` is "
-                "refused too: keep it a tensor (index with it: `buf.index_copy_(0, ptr + "
-                "torch.arange(n), rows)`, `torch.roll`, `torch.where`), or keep the number "
-                "as a plain Python value outside the step (an int attribute the loop "
-                "updates after each call)"
+                f"(Python requires {name}() to return {'an' if name == 'int' else 'a'} {name}); "
+                f"`t.item()` gives the number where the step only returns it "
+                f"(`{{'value': {name}(t)}}`)",
+                _INT_HINT if name == "int" else _FLOAT_HINT,
             )
+
+
+# NOTE: [an index read with int()]
+# MoCo's queue write is ``ptr = int(self.queue_ptr); self.queue[:, ptr:ptr + bs] = k.T;
+# self.queue_ptr[0] = (ptr + bs) % K``. Until the sixty-seventh session the refusal of
+# ``int()`` offered, beside the tensor form, "keep the number as a plain Python value
+# outside the step (an int attribute the loop updates after each call)" and, among the
+# tensor forms, ``torch.roll``. Followed, the Python value recompiled the step for every
+# pointer value (6 programs for K/B = 5 in the probe, 256 at MoCo's defaults) and then warned
+# against the changing argument; ``torch.roll`` takes Python ints, so a tensor shift is
+# refused too. The hint now leads with the tensor form of a slice write and read at a
+# pointer (``index_copy_`` / ``index_select`` at ``(ptr + arange(n)) % K``: exact, one
+# program) and says what the Python value costs: one program per distinct value.
+_INT_HINT = (
+    "keep the index a tensor and index with it (`.item()` is refused there too): a slice write at a pointer "
+    "`buf[:, ptr:ptr + n] = rows.T` is `buf.index_copy_(1, (ptr + torch.arange(n)) % K, "
+    "rows.T.contiguous())` then `ptr.copy_((ptr + n) % K)` (ptr a 1-element long buffer), a read "
+    "(or a roll by a tensor shift s) is `x.index_select(d, (torch.arange(n) - s) % n)`, and "
+    "`torch.where` picks by a value; one program serves every value. An int passed in from "
+    "outside the step instead compiles one program per distinct value (K / n programs for a "
+    "circular pointer). To return the number, write `t.item()`."
+)
+_FLOAT_HINT = (
+    "compute with the 0-dim tensor itself (`x * t` for `x * float(t)`), or, to return the "
+    "number, write `t.item()`."
+)
 
 
 # NOTE: [items kept in a tensor]
@@ -556,6 +596,6 @@ def value_read_errors() -> tuple[type[BaseException], ...]:
 
 
 __all__ = [
-    "ItemUsedInPython", "ItemsAsOutputs", "TracedItem", "caught_item_uses", "checks_on_items", "drop_unneeded_snapshots",
+    "KERNEL_READ_VALUES", "ItemUsedInPython", "KernelReadValues", "ItemsAsOutputs", "TracedItem", "caught_item_uses", "checks_on_items", "drop_unneeded_snapshots",
     "value_read_errors",
 ]

@@ -713,6 +713,6 @@ def test_a_refused_module_counter_names_the_line_that_writes_it():
         compiled(model, opt, x, y)
     message = str(info.value)
     line = iteration_counting_step.__code__.co_firstlineno + 5
-    assert "changes a Python value every time it runs: module <root>.it was" in message, message
+    assert "changes a Python value every time it runs: module <root>.it went from 1 to 2 on this call, and from 2 to 3" in message, message
     assert f'test_python_state_between_traces.py:{line}: "model.it += 1' in message, message
     assert model.it == 1
