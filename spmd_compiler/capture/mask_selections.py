@@ -326,8 +326,30 @@ def settle_selection(
         return None if decision == EVERY else decision
     raise RowsOfAModelMaskCounted(
         f"the rows selected at {where or 'an unknown line'} by a mask computed from the "
-        "model are used where their number matters"
+        f"model's state{_state_read(mask)} are used where their number matters"
+        + (f" (by {use})" if use else "")
     )
+
+
+# NOTE: [where a model mask comes from]
+# The refusal said "a mask computed from the model" and nothing more, also where the mask
+# is the batch compared with a number and the model enters only as a buffer of indices
+# (a spline coupling's ``x[:, self.idx_tr]``: the probe read it as a mask of the batch).
+# It names the state the mask is computed from (a buffer, a parameter), a few at most,
+# and the op that needed the rows' number.
+def _state_read(mask: torch.Tensor) -> str:
+    """`` (it reads buffer c.0.idx_tr)``: the program state ``mask`` is computed from."""
+    node = private.traced_node_of(mask)
+    if not _ACTIVE or node is None:
+        return ""
+    selections = _ACTIVE[-1]
+    placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
+    read = _inputs_read(node) & selections.state_inputs(node.graph)
+    names = [str(ref) for n, ref in zip(placeholders, selections.refs, strict=False) if n in read]
+    if not names:
+        return ""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f" (it reads {', '.join(names[:3])}{more})"
 
 
 def _refuse_a_model_mask(mask: torch.Tensor) -> None:

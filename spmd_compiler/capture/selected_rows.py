@@ -21,7 +21,9 @@ does with the rows is understood:
   ``matmul`` by a weight, views that keep the leading dim (a reshape must put ``-1``
   there, as eager's size is unknown), ops along another dim (softmax, ``gather``,
   reductions, ``cat``, ``topk``, ``sort``), an ``einsum`` keeping the row letter first
-  (``"nd,de->ne"``), ``F.embedding`` and ``F.one_hot`` of selected indices.
+  (``"nd,de->ne"``), ``F.embedding`` and ``F.one_hot`` of selected indices; reads and
+  writes along the other dims (``shape[-1]``, ``F.pad``, ``r[..., 0] = c``, ``scatter``,
+  ``searchsorted``: NOTE: [rows along their other dims] in ``rows_along_other_dims.py``).
 - Where the rows end, the dropped rows are left out: a reduction over the rows (``sum``,
   ``mean`` divided by the true count, ``amax``, ``all``, ...) fills them with its
   identity first; ``var`` / ``std`` / ``var_mean`` / ``std_mean`` are eager's two passes
@@ -43,7 +45,7 @@ does with the rows is understood:
   tuple ``torch.where(mask)`` on leading dims shaped as the mask is ``x[mask]`` itself:
   the rows are a view of ``x`` (a batch sharded there stays sharded), not a gather by
   indices covering every position, which gathers the batch.
-- Anything else (a read of the row count, ``.shape``, ``item()``, a reduction whose
+- Anything else (a read of the row count, ``.shape[0]``, ``item()``, a reduction whose
   index would differ, an op that mixes rows, a custom ``autograd.Function``, whose
   ``apply`` no torch function mode sees, a value the step returns or keeps) is
   the eager value only when the mask selects everything: the selection settles there
@@ -73,7 +75,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from . import mask_selections, row_spreads
+from . import mask_selections, row_spreads, rows_along_other_dims
 from .value_checks import eager_check, located, where_now
 
 Compute = Callable[[Any, tuple, dict], Any]
@@ -506,6 +508,16 @@ class _Answer:
         if name == "size" and self_ragged and len(self.args) + len(self.kwargs) == 2:
             dims = _dims(_arg(self.args, self.kwargs, 1, "dim"), self.args[0].dim())
             return self.run() if dims is not None and 0 not in dims else _SETTLE
+        whole = (name == "size" and len(self.args) == 1) or (name == "__get__" and self._getter() == "shape")
+        if whole and self_ragged and not self.kwargs:  # NOTE: [rows along their other dims]
+            x, read_at = self.args[0], where_now()
+
+            def settled() -> torch.Size:  # reported at the line that read the shape
+                with located(read_at):
+                    settle([x], use=_op_label(self.func))
+                return compacted(x).shape  # type: ignore[no-any-return]
+
+            return rows_along_other_dims.RowShape(self.run(), x, settled)
         return None
 
     def _broadcast_over_rows(self) -> bool:
@@ -694,6 +706,9 @@ class _Answer:
         assert rows is not None
         if not self_ragged and name in ("__getitem__", "index_select", "gather"):
             return self._by_selected_indices(name)
+        along = rows_along_other_dims.answer(self, name, self_ragged)  # NOTE: [rows along their other dims]
+        if along is not None:
+            return None if along is rows_along_other_dims.WRITTEN else along
         if name in ("linear", "matmul", "mm") and self_ragged and len(self.ragged) == 1:
             other = self.args[1] if len(self.args) > 1 else self.kwargs.get("weight")
             ok = self.args[0].dim() >= 2 and isinstance(other, torch.Tensor) and other.dim() <= 2
@@ -877,6 +892,8 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
         return compute(func, args, kwargs)
     if registry.counted:
         args, kwargs = _compacted(registry, (args, kwargs))
+    # a torch function given a selection's shape reads its first dim: NOTE: [rows along their other dims]
+    args, kwargs = rows_along_other_dims.settled_shapes((args, kwargs), pytree.tree_leaves((args, kwargs)))
     name = getattr(func, "__name__", "")
     if name in _SOURCES and not any(
         registry.rows.get(t) is not None for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)
@@ -944,6 +961,8 @@ def _compacted(registry: _Registry, values: Any) -> Any:
 def compacted(values: Any) -> Any:
     """``values`` (what the step returns or keeps) as eager has them, after ``settle``."""
     registry = _registry()
+    if registry is not None:  # a selection's shape leaving the step: NOTE: [rows along their other dims]
+        values = rows_along_other_dims.settled_shapes(values, pytree.tree_leaves(values))
     return values if registry is None or not registry.counted else _compacted(registry, values)
 
 
@@ -959,6 +978,8 @@ def settle(
     if registry is None:
         return
     for t in pytree.tree_leaves(list(values)):
+        if isinstance(t, rows_along_other_dims.RowShape):  # NOTE: [rows along their other dims]
+            t = t.rows
         rows = registry.rows.get(t) if isinstance(t, torch.Tensor) else None
         if rows is not None and not rows.settled:
             with located(rows.where if at_selection else None):
