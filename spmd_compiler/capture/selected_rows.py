@@ -108,7 +108,8 @@ class _Registry:
     by_mask: dict[Any, _Rows] = field(default_factory=dict)  # by _mask_key
     # torch.where(mask)'s index tensors: (their rows, which dim of the mask, its shape)
     grids: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-    keys: dict[torch.fx.Node, Any] = field(default_factory=dict)
+    keys: dict[torch.fx.Node, Any] = field(default_factory=dict)  # by node: NOTE: [mask keys interned]
+    interned: dict[tuple, torch.fx.Node] = field(default_factory=dict)  # structure -> its first node
     # ``nonzero`` / ``argwhere`` of a 1-D mask, by the key of its elements (``_key_of``):
     # a reshape of it (``.squeeze(1)``, ``.view(-1)``) is ``torch.where(mask)[0]``
     flat_grids: dict[Any, _Rows] = field(default_factory=dict)
@@ -123,33 +124,71 @@ _SAME_ELEMENTS = {  # ops whose result has its input's elements in row-major ord
     "flatten.using_ints", "unsqueeze.default", "squeeze.default", "squeeze.dim",
     "squeeze.dims", "detach.default", "clone.default", "lift_fresh_copy.default",
 }
-_KEY_DEPTH = 32
+# NOTE: [mask keys interned]
+# A mask's key (``_mask_key``) says which masks have the same elements: equal keys, the
+# same mask value. It was the nested tuple of the ops computing the mask, down to 32
+# levels; tuples share their parts but Python does not cache a tuple's hash, so each
+# ``by_mask`` lookup hashed the whole tree as if expanded. A loop whose mask reads the
+# previous step's values twice (farthest point sampling's ``mask = dist < distance;
+# distance[mask] = dist[mask]``) doubles that tree each step: its first call took 28 s
+# of capture for 9 points and never finished for PointNet++'s 512. Each node's key is
+# now computed once, from its inputs' keys, and interned: the key is the first node seen
+# with that structure (target, arguments' keys, keywords), so equal structures get the
+# same node and a lookup hashes one object. The meaning is the one above at any depth:
+# two nodes share a key exactly when their structures are equal, their inputs' keys
+# equal in turn; the walk is iterative, so no depth cap is needed against recursion.
 
 
-def _mask_key(registry: _Registry, node: torch.fx.Node, depth: int = 0) -> Any:
+def _key_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose keys ``node``'s key is made from."""
+    if node.op != "call_function":
+        return []
+    if _same_elements(node):
+        return [node.args[0]]  # type: ignore[list-item]
+    return node.all_input_nodes
+
+
+def _same_elements(node: torch.fx.Node) -> bool:
+    return (getattr(node.target, "__name__", "") in _SAME_ELEMENTS and bool(node.args)
+            and isinstance(node.args[0], torch.fx.Node))
+
+
+def _mask_key(registry: _Registry, node: torch.fx.Node) -> Any:
     """Masks with one key have the same flattened elements: the same traced node up to
     views (``mask.view(-1)`` taken twice), or the same ops on the same inputs
-    (``labels.view(-1) != -100`` computed twice)."""
-    known = registry.keys.get(node)
-    if known is not None:
-        return known
-    target = node.target
-    name = getattr(target, "__name__", "") if node.op == "call_function" else ""
-    if name in _SAME_ELEMENTS and node.args and isinstance(node.args[0], torch.fx.Node):
-        key = _mask_key(registry, node.args[0], depth + 1)
-    elif node.op != "call_function" or depth >= _KEY_DEPTH:
-        key = node
-    else:
-        def part(a: Any) -> Any:
-            if isinstance(a, torch.fx.Node):
-                return _mask_key(registry, a, depth + 1)
-            if isinstance(a, (list, tuple)):
-                return tuple(part(b) for b in a)
-            return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else id(a)
+    (``labels.view(-1) != -100`` computed twice): NOTE: [mask keys interned]."""
+    keys = registry.keys
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in keys:
+            stack.pop()
+            continue
+        missing = [a for a in _key_inputs(n) if a not in keys]
+        if missing:
+            stack.extend(missing)
+            continue
+        stack.pop()
+        keys[n] = _own_key(registry, n)
+    return keys[node]
 
-        key = (target, part(node.args), tuple(sorted((k, part(v)) for k, v in node.kwargs.items())))
-    registry.keys[node] = key
-    return key
+
+def _own_key(registry: _Registry, node: torch.fx.Node) -> Any:
+    """``node``'s key, its inputs' keys known."""
+    if node.op != "call_function":
+        return node
+    if _same_elements(node):
+        return registry.keys[node.args[0]]  # type: ignore[index]
+
+    def part(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return registry.keys[a]
+        if isinstance(a, (list, tuple)):
+            return tuple(part(b) for b in a)
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else id(a)
+
+    structure = (node.target, part(node.args), tuple(sorted((k, part(v)) for k, v in node.kwargs.items())))
+    return registry.interned.setdefault(structure, node)
 
 
 def _registry() -> _Registry | None:
