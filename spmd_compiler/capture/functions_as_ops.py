@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
 from . import selected_rows
+from .counts_of_rows import bincount
 from .covariance import corrcoef, cov
 from .ctc_loss import ctc_loss
 from .diagonals import fill_diagonal_
@@ -64,6 +65,8 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.Tensor.stft: stft,
     torch.istft: istft,
     torch.Tensor.istft: istft,
+    torch.bincount: bincount,
+    torch.Tensor.bincount: bincount,
     torch.repeat_interleave: functools.partial(repeat_interleave, torch.repeat_interleave),
     torch.Tensor.repeat_interleave: functools.partial(repeat_interleave, torch.Tensor.repeat_interleave),
 }
