@@ -152,7 +152,7 @@ def answer(name: str, args: tuple, kwargs: dict, along: Along, compute: Compute,
     if name in ("index_put", "index_put_"):
         return _index_put(args, kwargs, along, compute, func)
     if name in ("index_add", "index_add_", "scatter_add", "scatter_add_"):
-        return _add_along_rows(args, kwargs, along, compute, func)
+        return _add_along_rows(name, args, kwargs, along, compute, func)
     return None
 
 
@@ -206,7 +206,16 @@ def _index_put(args: tuple, kwargs: dict, along: Along, compute: Compute, func: 
     return compute(func, (target, at, kept, True), {})
 
 
-def _add_along_rows(args: tuple, kwargs: dict, along: Along, compute: Compute, func: Any) -> Any:
+def _shapes_fit(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor, by_index: bool) -> bool:
+    """The shapes eager's ``index_add`` (``by_index``) / ``scatter_add`` along dim 0 takes
+    (a lax meta kernel would let a mismatch through to the backward)."""
+    if by_index:
+        return index.dim() == 1 and source.dim() == target.dim() and source.shape[1:] == target.shape[1:]
+    return (index.dim() == source.dim() == target.dim()
+            and all(i <= min(s, t) for i, s, t in zip(index.shape[1:], source.shape[1:], target.shape[1:], strict=True)))
+
+
+def _add_along_rows(name: str, args: tuple, kwargs: dict, along: Along, compute: Compute, func: Any) -> Any:
     if len(args) != 4 or set(kwargs) - {"alpha"}:
         return None
     target, dim, index, source = args
@@ -216,8 +225,8 @@ def _add_along_rows(args: tuple, kwargs: dict, along: Along, compute: Compute, f
     if along(target) is not None or dim % target.dim() != 0 or index.dtype not in _INTEGERS:
         return None
     index_valid, source_valid = along(index), along(source)
-    if index_valid is None or source_valid is None:
-        return None
+    if index_valid is None or source_valid is None or not _shapes_fit(target, index, source, name.startswith("index_add")):
+        return None  # torch's own op (eager raises where these do not fit)
     zero = torch.zeros((), dtype=index.dtype, device=index.device)
     return compute(func, (target, dim, torch.where(index_valid, index, zero),
                           _zero_where_dropped(source_valid, source)), kwargs)

@@ -16,7 +16,8 @@ the shape (NOTE: [covariance at capture]); ``fill_diagonal_`` is a masked fill (
 [diagonals at capture]); ``torch.stft`` / ``torch.istft`` frame and overlap by index
 (NOTE: [short-time Fourier transforms at capture]); ``repeat_interleave`` by a tensor
 of counts with an ``output_size`` gathers by their cumulative sums (NOTE: [repeats of a
-fixed total at capture]). One
+fixed total at capture]); ``bincount`` with a ``minlength`` counts into that many bins
+(NOTE: [counts of a fixed length]). One
 ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.

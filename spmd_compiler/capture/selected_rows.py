@@ -25,7 +25,11 @@ does with the rows is understood:
 - Where the rows end, the dropped rows are left out: a reduction over the rows (``sum``,
   ``mean`` divided by the true count, ``amax``, ``all``, ...) fills them with its
   identity first; ``var`` / ``std`` / ``var_mean`` / ``std_mean`` are eager's two passes
-  over the kept rows (NOTE: [spreads of selected rows] in ``row_spreads.py``); a loss (``cross_entropy`` and ``nll_loss`` by ``ignore_index``, the
+  over the kept rows (NOTE: [spreads of selected rows] in ``row_spreads.py``); counts into
+  fixed bins (``histc``, ``bincount`` by ``minlength``, ``index_put_(accumulate=True)``,
+  ``index_add_`` / ``scatter_add_`` along dim 0 by selected indices) keep the dropped rows
+  at a valid index adding an exact zero (NOTE: [counts of selected rows] in
+  ``counts_of_rows.py``); a loss (``cross_entropy`` and ``nll_loss`` by ``ignore_index``, the
   elementwise losses by their unreduced values, ``kl_div``'s ``batchmean`` by the
   count) reduces over the kept rows only; ``ctc_loss`` gets its concatenated targets
   moved to the front, in order (a stable sort by validity).
