@@ -8,6 +8,7 @@ import contextlib
 import dis
 import functools
 import inspect
+import linecache
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..errors import SourceLocation
 from .plain_objects import skipped_function
 
 
@@ -237,6 +239,24 @@ def step_where(func: Any) -> str:
     """``file:line`` of the function a step callable runs (for errors)."""
     fn = step_function(func)
     return f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}" if fn is not None else repr(func)
+
+
+def return_line(func: Any) -> SourceLocation | None:
+    """The line of the ``return`` statement of the function a step callable runs (its
+    last, where it has several), for an error about what the step returns: the values
+    are looked at after the step's frame is gone, so no frame of the step names it."""
+    fn = step_function(func)
+    if fn is None:
+        return None
+    code = fn.__code__
+    found = None
+    for instruction in dis.get_instructions(code):
+        line = instruction.positions.lineno if instruction.positions is not None else None
+        if instruction.opname in ("RETURN_VALUE", "RETURN_CONST") and line is not None:
+            text = linecache.getline(code.co_filename, line).strip()
+            if text.startswith("return"):
+                found = SourceLocation(code.co_filename, line, text)
+    return found
 
 
 def step_name(func: Any) -> str:

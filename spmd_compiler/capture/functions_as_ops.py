@@ -16,7 +16,8 @@ the shape (NOTE: [covariance at capture]); ``fill_diagonal_`` is a masked fill (
 [diagonals at capture]); ``torch.stft`` / ``torch.istft`` frame and overlap by index
 (NOTE: [short-time Fourier transforms at capture]); ``repeat_interleave`` by a tensor
 of counts with an ``output_size`` gathers by their cumulative sums (NOTE: [repeats of a
-fixed total at capture]). One
+fixed total at capture]); ``bincount`` with a ``minlength`` counts into that many bins
+(NOTE: [counts of a fixed length]). One
 ``TorchFunctionMode``,
 entered around the trace, answers each with its formula in plain ops, from which
 autograd derives the backward; every other function runs as it is.
@@ -35,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
 from . import selected_rows
+from .counts_of_rows import bincount
 from .covariance import corrcoef, cov
 from .ctc_loss import ctc_loss
 from .diagonals import fill_diagonal_
@@ -64,6 +66,8 @@ _AS_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.Tensor.stft: stft,
     torch.istft: istft,
     torch.Tensor.istft: istft,
+    torch.bincount: bincount,
+    torch.Tensor.bincount: bincount,
     torch.repeat_interleave: functools.partial(repeat_interleave, torch.repeat_interleave),
     torch.Tensor.repeat_interleave: functools.partial(repeat_interleave, torch.Tensor.repeat_interleave),
 }

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..errors import SPMDCompileError, innermost_model_frame_of_stack
+from ..errors import SourceLocation, SPMDCompileError, innermost_model_frame_of_stack
 from .code_names import names_in, reachable_by_name
 
 HINT = (
@@ -79,12 +79,19 @@ class LRReadAfterSchedulerStep:
         self.key = key
 
     def refuse(self, *args: Any, **kwargs: Any) -> Any:
+        self.refuse_at(innermost_model_frame_of_stack())
+
+    def refuse_at(self, line: SourceLocation | None, returned: bool = False) -> Any:
+        """Refuse the read, naming ``line`` (the step's ``return`` where the step returns
+        the value: it is read after the step's frame is gone, and before the sixty-seventh
+        session the error named no line of the step, ``<string>:1: ""``)."""
         what = "learning rate" if self.key == "lr" else self.key
         raise SPMDCompileError(
-            f"The train step reads param_group['{self.key}'] after scheduler.step() stepped "
-            f"its optimizer's schedule ({self.where}); a compiled step reads the {what} "
-            "once, before the scheduler steps, and replays the scheduler after the call.",
-            user_line=innermost_model_frame_of_stack(),
+            f"The train step {'returns' if returned else 'reads'} param_group['{self.key}'] after "
+            f"scheduler.step() stepped its optimizer's schedule ({self.where}); a compiled step "
+            f"reads the {what} once, before the scheduler steps, and replays the scheduler "
+            "after the call.",
+            user_line=line,
             hint=HINT,
         )
 

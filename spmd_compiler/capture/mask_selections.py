@@ -101,7 +101,8 @@ class MaskWithFalseElements(Exception):
         hint = (
             f"{use or 'This reduction'} of a mask selection is compiled only for masks with no "
             f"false element; for any mask write {advice}" if advice else
-            "Select with fixed shapes: masked_fill, torch.where(mask, x, 0), a loss's ignore_index"
+            "Select with fixed shapes: masked_fill, torch.where(mask, x, 0), a loss's ignore_index; "
+            f"for indices (a count, a confusion matrix) write {INDEX_FORM}"
         )
         super().__init__(
             f"the mask {what}; its selection (nonzero, x[mask], ...) is used "
@@ -109,6 +110,17 @@ class MaskWithFalseElements(Exception):
             f"{compiled}. {hint}"
             + (_CONCATENATED_ROWS if use == "torch.cat" else "")
         )
+
+
+# The fixed-shape form of selected indices: ``torch.where(mask, i, 0)`` alone sends every
+# dropped element to index 0 (a confusion matrix then counts the ignored pixels in
+# ``cm[0, 0]``); their value must be zero too (NOTE: [counts of selected rows])
+INDEX_FORM = (
+    "the dropped elements at a valid index with a zero value: `cm.index_put_((torch.where(mask, "
+    "y, 0), torch.where(mask, p, 0)), mask.to(cm.dtype), accumulate=True)`, `t.index_add_(0, "
+    "torch.where(mask, i, 0), torch.where(mask, v, 0))` (torch.where(mask, i, 0) alone counts "
+    "every dropped element at index 0)"
+)
 
 
 # NOTE: [selections concatenated row by row]

@@ -27,7 +27,11 @@ does with the rows is understood:
 - Where the rows end, the dropped rows are left out: a reduction over the rows (``sum``,
   ``mean`` divided by the true count, ``amax``, ``all``, ...) fills them with its
   identity first; ``var`` / ``std`` / ``var_mean`` / ``std_mean`` are eager's two passes
-  over the kept rows (NOTE: [spreads of selected rows] in ``row_spreads.py``); a loss (``cross_entropy`` and ``nll_loss`` by ``ignore_index``, the
+  over the kept rows (NOTE: [spreads of selected rows] in ``row_spreads.py``); counts into
+  fixed bins (``histc``, ``bincount`` by ``minlength``, ``index_put_(accumulate=True)``,
+  ``index_add_`` / ``scatter_add_`` along dim 0 by selected indices) keep the dropped rows
+  at a valid index adding an exact zero (NOTE: [counts of selected rows] in
+  ``counts_of_rows.py``); a loss (``cross_entropy`` and ``nll_loss`` by ``ignore_index``, the
   elementwise losses by their unreduced values, ``kl_div``'s ``batchmean`` by the
   count) reduces over the kept rows only; ``ctc_loss`` gets its concatenated targets
   moved to the front, in order (a stable sort by validity).
@@ -75,7 +79,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from . import mask_selections, row_spreads, rows_along_other_dims
+from . import counts_of_rows, mask_selections, row_spreads, rows_along_other_dims
 from .value_checks import eager_check, located, where_now
 
 Compute = Callable[[Any, tuple, dict], Any]
@@ -470,6 +474,7 @@ _FILL = {"sum": 0, "nansum": 0, "prod": 1, "amax": -math.inf, "max": -math.inf,
 _LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
            "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div", "poisson_nll_loss"}
 _SETTLE = object()
+_COUNTS = {"histc", "bincount", "index_put", "index_put_", "index_add", "index_add_", "scatter_add", "scatter_add_"}
 
 
 def _dims(spec: Any, ndim: int) -> tuple[int, ...] | None:
@@ -740,9 +745,19 @@ class _Answer:
         at = at.reshape((-1, 1) + (1,) * len(rest)).expand((at.shape[0], 1) + rest)
         return self.keep(kept.gather(1, at).squeeze(1))
 
+    def _along(self, t: Any) -> torch.Tensor | None:
+        """The validity shaped to broadcast over ``t`` where ``t`` is rows of this selection."""
+        if not isinstance(t, torch.Tensor) or self.rows is None or self.rows_of(t) is not self.rows:
+            return None
+        return self.rows.along(t)
+
     def _structural(self, name: str, self_ragged: bool) -> Any:
         rows = self.rows
         assert rows is not None
+        if name in _COUNTS:  # NOTE: [counts of selected rows]
+            counted = counts_of_rows.answer(name, self.args, self.kwargs, self._along, self.compute, self.func)
+            if counted is not None:
+                return counted
         if not self_ragged and name in ("__getitem__", "index_select", "gather"):
             return self._by_selected_indices(name)
         along = rows_along_other_dims.answer(self, name, self_ragged)  # NOTE: [rows along their other dims]
@@ -954,12 +969,22 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
         return compute(func, args, kwargs)
     result = one.answer(name)
     if result is _SETTLE:
-        advice = row_spreads.REDUCTION_FORMS.get(name) if name in _REDUCTIONS else None
-        settle(one.ragged, use=_op_label(func), advice=advice)
+        settle(one.ragged, use=_op_label(func), advice=_advice(name, args))
         if registry.counted:
             args, kwargs = _compacted(registry, (args, kwargs))
         return compute(func, args, kwargs)
     return result
+
+
+def _advice(name: str, args: tuple) -> str | None:
+    """A form exact for any mask of the op ``name`` whose use settled rows, for the
+    refusal's hint: a reduction's (NOTE: [spreads of selected rows]), a count's or a write
+    by selected indices' (NOTE: [counts of selected rows])."""
+    if name in _REDUCTIONS:
+        return row_spreads.REDUCTION_FORMS.get(name)
+    if name == "__setitem__" and len(args) > 1 and _is_mask(_bare_mask(args[1])):
+        return None  # a write by the mask itself, not by selected indices
+    return counts_of_rows.FORMS.get(name)
 
 
 def _op_label(func: Any) -> str:

@@ -107,7 +107,7 @@ from .bindings import (
     momentum_is_input,
     tensor_argument_names,
 )
-from .code_names import step_code, step_name, step_where
+from .code_names import return_line, step_code, step_name, step_where
 from .containers import (
     Closed,
     close_containers,
@@ -1828,9 +1828,10 @@ def _check_float_arguments_read(gm: torch.fx.GraphModule, refs: list[StateRef]) 
 
 # What to write instead of an op whose output shape depends on values (by op name).
 _COUNTS_HINT = (
-    "count with a fixed length instead: torch.zeros(n).index_add_(0, labels, "
-    "torch.ones(len(labels))) or F.one_hot(labels, n).sum(0) for bincount(labels, "
-    "minlength=n); (counts > 0).sum() for the number of distinct labels."
+    "count with a fixed length instead: torch.bincount(labels, minlength=n) compiles as n "
+    "bins (a call with a label >= n raises: NOTE: [counts of a fixed length]), as do "
+    "torch.zeros(n).index_add_(0, labels, torch.ones_like(labels, dtype=torch.float)) and "
+    "F.one_hot(labels, n).sum(0); (counts > 0).sum() for the number of distinct labels."
 )
 # NOTE: [repeats of a fixed total at capture] (capture/repeated_rows.py): the forms that
 # compile; before the sixty-sixth session this said to pass a Python list, which
@@ -2305,7 +2306,7 @@ class _StepTracer:
                 self.out_refs.append(StateRef(Kind.RETURN, index=len(outs)))
                 outs.append(leaf.tensor if isinstance(leaf, TracedItem) else leaf)
             elif isinstance(leaf, LRReadAfterSchedulerStep):
-                leaf.refuse()
+                leaf.refuse_at(return_line(self.func), returned=True)
             else:
                 self._refuse_traced_inside(leaf)
                 self.return_leaves.append(("const", leaf))

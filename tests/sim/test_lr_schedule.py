@@ -248,6 +248,20 @@ def test_reading_the_rate_after_the_scheduler_stepped_is_refused(classification_
     assert scheduler.last_epoch == 0
 
 
+def test_returning_the_rate_after_the_scheduler_stepped_names_the_return_line(classification_batches):
+    """The value is read while the outputs are gathered, after the step's frame is gone:
+    before the sixty-seventh session the error's train-step line was ``<string>:1: ""``."""
+    def returned_step(model, optim, scheduler, x, y):
+        loss = step_then_schedule(model, optim, scheduler, x, y)
+        return loss, optim.param_groups[0]["lr"]
+
+    text, scheduler, _ = _refusal(returned_step, lambda m, o, s: (m, o, s), classification_batches)
+    assert "returns param_group['lr'] after scheduler.step()" in text
+    assert 'train step:  ' + __file__ in text and 'return loss, optim.param_groups[0]["lr"]"' in text, text
+    assert "<string>" not in text
+    assert scheduler.last_epoch == 0
+
+
 def test_get_last_lr_inside_the_step_is_refused(classification_batches):
     def logged_step(model, optim, scheduler, x, y):
         loss = step_then_schedule(model, optim, scheduler, x, y)
