@@ -398,6 +398,9 @@ class CompiledTrainStep:
         if self._owner is not None and args and isinstance(args[0], self._owner):
             # ``Trainer.step(trainer, x)``: the call ``trainer.step(x)`` is
             return self._of(args[0])(*args[1:], **kwargs)
+        if _called_as_a_method(self.func, args, kwargs):
+            # ``sc.compile(...)(Trainer.step)(trainer, x)``: ``trainer.step`` compiled
+            return self._of(args[0])(*args[1:], **kwargs)
         if not dist.is_initialized():
             raise self._no_process_group()
         if torch.is_inference_mode_enabled():  # NOTE: [grad mode around the step]
@@ -1593,7 +1596,24 @@ def _put_back(target: Any, how: str, key: Any, old: Any) -> None:
 # original's, bound to the original, would train the original's model). Before, the
 # compiled step was no descriptor: ``trainer.step(x, y)`` called the plain function
 # without ``self`` and was refused ("The train step trains no nn.Module").
+# The function itself compiled, ``sc.compile(...)(Trainer.step)`` called as
+# ``cstep(trainer, x)`` with the model and optimizer on the object, was refused the same
+# way until the sixty-seventh session; it is now the step of ``trainer`` too
+# (``_called_as_a_method``: the function is the method of that name on the first
+# argument's class, which is no nn.Module, and no other argument is one), so that
+# ``cstep.compile_count`` stays 0 and the object's step keeps the records. A step that
+# is given its model as an argument keeps compiling as the function it is.
 _STEPS_OF_AN_OBJECT = "_spmd_compiled_steps"
+
+
+def _called_as_a_method(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a compiled plain function is called as the method it is with its object
+    first, holding the model (NOTE: [a compiled step written on a method])."""
+    if not isinstance(func, types.FunctionType) or not args or isinstance(args[0], type):
+        return False
+    if any(isinstance(a, torch.nn.Module) for a in (*args, *kwargs.values())):
+        return False
+    return any(vars(cls).get(func.__name__) is func for cls in type(args[0]).__mro__)
 
 
 class _StepsOfAnObject(dict):  # type: ignore[type-arg]

@@ -90,6 +90,7 @@ from ..ir.signature import (
     state_dtype,
 )
 from . import initial_state, selected_rows
+from .argument_flags import RequiresGradCalls
 from .attention import attention_as_math
 from .batch_norm import cumulative_batch_norms
 from .bindings import (
@@ -1763,7 +1764,9 @@ def _requires_grad_set(
     return changed
 
 
-def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: list[StateRef]) -> None:
+def _refuse_argument_gradients(
+    values: dict[StateRef, torch.Tensor], requiring: list[StateRef], set_at: dict[int, SourceLocation | None]
+) -> None:
     """NOTE: [tensor arguments that require grad]
     A tensor argument that requires grad is traced as one, so the step computes as eager
     does with it (``torch.autograd.grad(out, x)``, a gradient penalty, needs nothing
@@ -1777,11 +1780,28 @@ def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: 
     An argument the caller passed without requires_grad and the step switched on
     (``real.requires_grad_()`` for an R1 penalty) is not refused: it compiled before, and
     its gradient reaches the weights alike (eager's side effect on the caller's tensor,
-    its flag and ``.grad``, is not repeated)."""
+    its flag and ``.grad``, is not repeated). Where the step's own ``requires_grad_``
+    set the flag of the tensor passed (on an earlier eager run of the step), the
+    refusal names that line (NOTE: [requires_grad set on an argument by the step])."""
     for ref in requiring:
         traced = values[ref]
         if traced.grad is not None:
             name = ref.name or f"input[{ref.index}]"
+            fix = f"`{name} = {name}.detach().requires_grad_()`"
+            if id(traced) in set_at:
+                raise SPMDCompileError(
+                    f"backward() in the train step computes a gradient for its tensor argument "
+                    f"{name}, which requires grad because the step calls {name}.requires_grad_() "
+                    "on the caller's tensor: eager sets the caller's flag there (so the tensor "
+                    "passed again, or run through the step eagerly before, arrives requiring "
+                    f"grad) and leaves the gradient in the caller's {name}.grad, but a compiled "
+                    "step does not write gradients of its arguments back (NOTE: [requires_grad "
+                    "set on an argument by the step]).",
+                    user_line=set_at[id(traced)],
+                    hint=f"make the leaf a copy in the step instead, {fix} at that line (eager "
+                    f"then leaves the caller's {name} alone too), and pass {name} without "
+                    "requires_grad (`.detach()`) where an earlier eager run set it.",
+                )
             raise SPMDCompileError(
                 f"backward() in the train step computes a gradient for its tensor argument "
                 f"{name}, which requires grad: eager leaves it in {name}.grad (or carries it "
@@ -1790,8 +1810,7 @@ def _refuse_argument_gradients(values: dict[StateRef, torch.Tensor], requiring: 
                 "arguments that require grad]).",
                 hint=f"pass {name} without requires_grad (`.detach()`), and where the step "
                 f"needs its gradient (an adversarial example), make the leaf in the step: "
-                f"`{name} = {name}.detach().requires_grad_()`, then read `{name}.grad` there "
-                "and return what the caller needs.",
+                f"{fix}, then read `{name}.grad` there and return what the caller needs.",
             )
 
 
@@ -2190,12 +2209,13 @@ class _StepTracer:
                 with (
                     self.group_numbers, self.floats if stand_ins else contextlib.nullcontext(),
                     ScalarTensors(self.floats.is_stand_in),  # NOTE: [0-d tensors in Scalar arguments]
-                    RegistrationsWatched() as registered,
+                    RegistrationsWatched(b.modules) as registered,
+                    RequiresGradCalls([values[r] for r in requiring]) as flags_set,
                 ):
                     result = self.func(*args, **kwargs)
                 settle_removed_state(b.optimizers, swapped)  # NOTE: [optimizer state removed in the step]
-                refuse_state_registered(b, registered, step_where(self.func))  # NOTE: [state registered in the step]
-                _refuse_argument_gradients(values, requiring)
+                refuse_state_registered(b, registered, step_where(self.func), params)  # NOTE: [state registered in the step]
+                _refuse_argument_gradients(values, requiring, flags_set.set_at)
                 _refuse_hooks_left_on_parameters(params, compute, step_where(self.func))
                 self.requires_grad_after = _requires_grad_set(
                     params, buffers, b.params, found_flags, self.options.param_dtype, step_where(self.func)

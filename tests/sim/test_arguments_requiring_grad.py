@@ -159,3 +159,24 @@ def test_an_argument_the_step_makes_require_grad_still_trains_as_eager():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-14)
+
+
+def test_a_flag_the_step_set_itself_is_named_at_its_line():
+    """NOTE: [requires_grad set on an argument by the step]: the batch run through the step
+    eagerly first (a parity check) arrives requiring grad because the step's own
+    ``x.requires_grad_()`` set it. Before the sixty-seventh session the refusal told the
+    user to pass ``x`` without requires_grad, naming no line; it names that line now."""
+    model = _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = copy.deepcopy(model)
+    x, y = _batches(1)[0]
+    r1_penalty(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y)
+    assert x.requires_grad  # eager's side effect on the caller's tensor
+    before = copy.deepcopy(model.state_dict())
+    with sc.simulate(world_size=WORLD), pytest.raises(SPMDCompileError) as info:
+        sc.compile(make_mode("ddp"))(r1_penalty)(model, optim, x, y)
+    message = str(info.value)
+    assert "because the step calls x.requires_grad_() on the caller's tensor" in message, message
+    assert f':{r1_penalty.__code__.co_firstlineno + 2}: "x.requires_grad_()"' in message, message
+    assert "`x = x.detach().requires_grad_()` at that line" in message, message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

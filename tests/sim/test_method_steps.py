@@ -193,3 +193,29 @@ def test_a_compiled_bound_method_and_function_bind_nothing():
     expected = full_state(twin.model, twin.opt, None)
     assert max(relative_difference(state[k], expected[k]) for k in expected) <= TOL
     assert compiled.compile_count == 1
+
+
+class Undecorated:
+    """Trainer's step, undecorated, on a class of its own."""
+
+    __init__ = Trainer.__init__
+    step = eager_step
+
+
+def test_the_compiled_function_called_with_its_object_is_the_objects_step():
+    """``sc.compile(...)(Undecorated.step)`` called as ``cstep(trainer, x, y)``, the model
+    and optimizer on the object. Before the sixty-seventh session it was refused ("The
+    train step trains no nn.Module"); it is ``trainer.step`` compiled now, one program
+    per object."""
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(Undecorated.step)
+    trained, other, twin = Undecorated(_net(0)), Undecorated(_net(5)), Undecorated(_net(0))
+    with sc.simulate(world_size=WORLD) as sim:
+        for x, y in _batches():
+            got, want = compiled(trained, x, y), eager_step(twin, x, y)
+            assert abs(got.item() - want.item()) <= TOL * abs(want.item()), (got, want)
+            compiled(other, x, y)
+        state = full_state(trained.model, trained.opt, sim)
+    expected = full_state(twin.model, twin.opt, None)
+    assert max(relative_difference(state[k], expected[k]) for k in expected) <= TOL
+    steps = [vars(t)["_spmd_compiled_steps"][compiled] for t in (trained, other)]
+    assert [s.compile_count for s in steps] == [1, 1] and compiled.compile_count == 0
