@@ -120,7 +120,11 @@ def _counted_here(x: Any, weights: Any, minlength: Any) -> bool:
         return False
     if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype not in _INTEGERS:
         return False
-    return weights is None or (isinstance(weights, torch.Tensor) and weights.shape == x.shape)
+    # weights that carry a gradient: eager's bincount has no derivative and raises; the
+    # index_add form would train (a review: parameters 0.47 off where eager raised)
+    return weights is None or (
+        isinstance(weights, torch.Tensor) and weights.shape == x.shape and not weights.requires_grad
+    )
 
 
 def bincount(*args: Any, **kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ does with the rows is understood:
   there, as eager's size is unknown), ops along another dim (softmax, ``gather``,
   reductions, ``cat``, ``topk``, ``sort``), an ``einsum`` keeping the row letter first
   (``"nd,de->ne"``), ``F.embedding`` and ``F.one_hot`` of selected indices; reads and
-  writes along the other dims (``shape[-1]``, ``F.pad``, ``r[..., 0] = c``, ``scatter``,
+  writes along the other dims (``size(-1)``, ``F.pad``, ``r[..., 0] = c``, ``scatter``,
   ``searchsorted``: NOTE: [rows along their other dims] in ``rows_along_other_dims.py``).
 - Where the rows end, the dropped rows are left out: a reduction over the rows (``sum``,
   ``mean`` divided by the true count, ``amax``, ``all``, ...) fills them with its
@@ -552,16 +552,6 @@ class _Answer:
         if name == "size" and self_ragged and len(self.args) + len(self.kwargs) == 2:
             dims = _dims(_arg(self.args, self.kwargs, 1, "dim"), self.args[0].dim())
             return self.run() if dims is not None and 0 not in dims else _SETTLE
-        whole = (name == "size" and len(self.args) == 1) or (name == "__get__" and self._getter() == "shape")
-        if whole and self_ragged and not self.kwargs:  # NOTE: [rows along their other dims]
-            x, read_at = self.args[0], where_now()
-
-            def settled() -> torch.Size:  # reported at the line that read the shape
-                with located(read_at):
-                    settle([x], use=_op_label(self.func))
-                return compacted(x).shape  # type: ignore[no-any-return]
-
-            return rows_along_other_dims.RowShape(self.run(), x, settled)
         return None
 
     def _broadcast_over_rows(self) -> bool:
@@ -946,8 +936,6 @@ def answer(func: Any, args: tuple, kwargs: dict | None, compute: Compute) -> Any
         return compute(func, args, kwargs)
     if registry.counted:
         args, kwargs = _compacted(registry, (args, kwargs))
-    # a torch function given a selection's shape reads its first dim: NOTE: [rows along their other dims]
-    args, kwargs = rows_along_other_dims.settled_shapes((args, kwargs), pytree.tree_leaves((args, kwargs)))
     name = getattr(func, "__name__", "")
     if name in _SOURCES and not any(
         registry.rows.get(t) is not None for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)
@@ -1025,8 +1013,6 @@ def _compacted(registry: _Registry, values: Any) -> Any:
 def compacted(values: Any) -> Any:
     """``values`` (what the step returns or keeps) as eager has them, after ``settle``."""
     registry = _registry()
-    if registry is not None:  # a selection's shape leaving the step: NOTE: [rows along their other dims]
-        values = rows_along_other_dims.settled_shapes(values, pytree.tree_leaves(values))
     return values if registry is None or not registry.counted else _compacted(registry, values)
 
 
@@ -1042,8 +1028,6 @@ def settle(
     if registry is None:
         return
     for t in pytree.tree_leaves(list(values)):
-        if isinstance(t, rows_along_other_dims.RowShape):  # NOTE: [rows along their other dims]
-            t = t.rows
         rows = registry.rows.get(t) if isinstance(t, torch.Tensor) else None
         if rows is not None and not rows.settled:
             with located(rows.where if at_selection else None):

@@ -148,6 +148,31 @@ def test_bincount_by_minlength_compiles_and_a_larger_value_raises_before_any_upd
     assert "minlength=5" in message and "torch.bincount(torch.where(" in message, message
 
 
+def weights_with_gradient_step(model, optim, x, y):  # noqa: ANN001
+    """bincount weighted by the model's output: eager's bincount has no derivative."""
+    out = model.conv(x)
+    per_class = torch.bincount(y.flatten() % C, weights=out.amax(1).flatten(), minlength=C)
+    loss = per_class.pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_bincount_weights_that_carry_a_gradient_are_not_counted_by_index_add():
+    """The fixed-length count is an index_add, which has a derivative: weights carrying
+    a gradient trained where eager raises (a review: parameters 0.47 off)."""
+    model, reference, optim, reference_optim = adamw_twins(Head)
+    x, y = _batches()[0]
+    with pytest.raises(RuntimeError, match="derivative for aten::bincount"):
+        weights_with_gradient_step(reference, reference_optim, x, y)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = sc.compile(make_mode("ddp"))(weights_with_gradient_step)
+    with sc.simulate(world_size=2), pytest.raises(Exception):  # noqa: B017, PT011 (any refusal)
+        compiled(model, optim, x, y)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def lovasz_step(model, optim, x, y):  # noqa: ANN001
     """Berman's Lovasz-softmax sorts the errors of the labelled pixels."""
     out = model.conv(x)

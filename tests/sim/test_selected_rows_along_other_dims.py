@@ -34,7 +34,7 @@ def _bin_of(cumwidths: torch.Tensor, inputs: torch.Tensor, library: bool) -> tor
 
 
 def _knots(raw: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    bins = raw.shape[-1]
+    bins = raw.size(-1)  # rows.shape holds the rows' number: size(-1) is the form
     widths = 1e-3 + (1 - 1e-3 * bins) * F.softmax(raw, dim=-1)
     cum = F.pad(torch.cumsum(widths, dim=-1), pad=(1, 0), mode="constant", value=0.0)
     cum = (high - low) * cum + low
@@ -156,9 +156,9 @@ def _use(kind: str):  # noqa: ANN202
         out = x.clone()
         r = h[keep, :]
         if kind == "last_dim":
-            r = r * r.shape[-1] + r.size()[1] + len(r.size())
+            r = r * r.size(-1) + r.size(1) + r.dim()
         elif kind == "other_dims":
-            r = r.reshape(-1, *r.shape[1:]) + torch.zeros(r.shape[1:], dtype=r.dtype)
+            r = r.reshape(-1, r.size(1)) + torch.zeros(r.size(1), dtype=r.dtype)
         elif kind == "pad":
             r = F.pad(r, (1, 0), value=0.5)[..., :-1] + F.pad(r, (0, 1), mode="replicate")[..., 1:]
         elif kind == "write":
@@ -191,6 +191,13 @@ def _use(kind: str):  # noqa: ANN202
             r = torch.searchsorted(r[:, 0].detach().sort().values, r.detach()).to(r.dtype) * r
         elif kind == "shape_equal":
             r = r * float(r.shape == torch.Size([x.numel(), D, BINS]))
+        elif kind == "size_equal_left":  # torch.Size on the left compares the raw items
+            r = r * float(torch.Size([x.numel(), BINS]) == r.shape)
+        elif kind == "shape_is_size":
+            r = r * (2.0 if isinstance(r.shape, torch.Size) and r.shape[0] == x.numel() else 1.0)
+        elif kind == "searchsorted_1d":  # 1-D rows in 1-D rows: a lookup across the rows
+            seq = torch.arange(x.numel(), dtype=r.dtype).view_as(x)[keep]
+            r = r * torch.searchsorted(seq, r[:, 0].detach() * x.numel())[:, None].to(r.dtype)
         else:
             raise ValueError(kind)
         out[keep] = r[..., -1] * x[keep]
@@ -224,6 +231,7 @@ def test_rows_used_along_their_other_dims_match_one_device_for_any_mask(kind, mo
 
 @pytest.mark.parametrize("kind", [
     "count", "leading_dims", "pad_rows", "write_first_row", "scatter_rows", "searchsorted_rows", "shape_equal",
+    "size_equal_left", "shape_is_size", "searchsorted_1d",
 ])
 def test_uses_of_the_rows_own_dim_are_exact_on_full_masks_and_refused_on_padded(kind):
     step = _use(kind)
