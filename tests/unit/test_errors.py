@@ -648,10 +648,15 @@ def test_a_dtensor_parameter_the_user_placed_is_refused_as_theirs():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from spmd_compiler.runtime import runner
+
     model = Net()
     with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
         mesh = init_device_mesh("cpu", (2,))
         model.fc.weight = nn.Parameter(distribute_tensor(model.fc.weight.detach(), mesh, [Shard(0)]))
+        # the placed-by-a-step ids outlive their parameters: a dead one's id reused by this
+        # DTensor gives the other refusal (the NOTE's caveat; seen in CI under xdist)
+        runner._PLACED_BY_A_STEP.discard(id(model.fc.weight))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sc.compile(parallel_mode=DataParallel("replicate"))(step)(model, opt, *batch())
     message = str(info.value)
