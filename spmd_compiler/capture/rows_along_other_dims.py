@@ -53,15 +53,15 @@ def answer(one: _Answer, name: str, self_ragged: bool) -> Any:
     if name == "__setitem__" and self_ragged and len(args) == 3 and not kwargs:
         return _written_along(one) if one._keeps_rows(args[1], args[0].dim()) else None
     if name in _SCATTERS and self_ragged:
-        dim = _arg(args, kwargs, 1, "dim")
-        index = _arg(args, kwargs, 2, "index")
-        src = _arg(args, kwargs, 3, "src", kwargs.get("value"))
+        dim = arg_of(args, kwargs, 1, "dim")
+        index = arg_of(args, kwargs, 2, "index")
+        src = arg_of(args, kwargs, 3, "src", kwargs.get("value"))
         ok = (isinstance(dim, int) and dim % args[0].dim() != 0 and isinstance(index, torch.Tensor)
               and one.rows_of(index) is rows
               and (isinstance(src, (int, float, bool)) or (isinstance(src, torch.Tensor) and one.rows_of(src) is rows)))
         return one.keep(one.run()) if ok else None
     if name == "take_along_dim" and self_ragged:
-        dim, index = _arg(args, kwargs, 2, "dim"), _arg(args, kwargs, 1, "indices")
+        dim, index = arg_of(args, kwargs, 2, "dim"), arg_of(args, kwargs, 1, "indices")
         ok = (isinstance(dim, int) and dim % args[0].dim() != 0 and isinstance(index, torch.Tensor)
               and one.rows_of(index) is rows and index.dim() == args[0].dim())
         return one.keep(one.run()) if ok else None
@@ -74,7 +74,8 @@ def answer(one: _Answer, name: str, self_ragged: bool) -> Any:
     return None
 
 
-def _arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+def arg_of(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    """An op's argument ``name`` at ``position``, given by keyword or position."""
     if name in kwargs:
         return kwargs[name]
     return args[position] if len(args) > position else default
@@ -111,8 +112,8 @@ def _searched(one: _Answer) -> Any:
     same row of ``sequence`` (both rows of one selection, of one rank) or in one 1-D
     ``sequence``: row by row."""
     args, kwargs = one.args, one.kwargs
-    sequence = _arg(args, kwargs, 0, "sorted_sequence")
-    values = _arg(args, kwargs, 1, "input", kwargs.get("self"))
+    sequence = arg_of(args, kwargs, 0, "sorted_sequence")
+    values = arg_of(args, kwargs, 1, "input", kwargs.get("self"))
     sorter = kwargs.get("sorter")
     if not (isinstance(sequence, torch.Tensor) and isinstance(values, torch.Tensor)) or one.rows_of(values) is not one.rows:
         return None
@@ -125,4 +126,4 @@ def _searched(one: _Answer) -> Any:
     return one.keep(one.run()) if ok else None
 
 
-__all__ = ["WRITTEN", "answer"]
+__all__ = ["WRITTEN", "answer", "arg_of"]

@@ -80,6 +80,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _torch_private as private
 from .._torch_private import pytree
 from . import counts_of_rows, mask_selections, row_spreads, rows_along_other_dims
+from .rows_along_other_dims import arg_of
 from .value_checks import eager_check, located, where_now
 
 Compute = Callable[[Any, tuple, dict], Any]
@@ -486,12 +487,6 @@ def _dims(spec: Any, ndim: int) -> tuple[int, ...] | None:
     return None
 
 
-def _arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[position] if len(args) > position else default
-
-
 class _Answer:
     """One op with rows among its arguments: the rule that keeps them, or settles."""
 
@@ -535,10 +530,10 @@ class _Answer:
             return self.keep(self.run())
         if name in _ALONG_A_DIM and self_ragged and len(self.ragged) == 1:
             position, default = _ALONG_A_DIM[name]
-            dims = _dims(_arg(self.args, self.kwargs, position, "dim", default), self.args[0].dim())
+            dims = _dims(arg_of(self.args, self.kwargs, position, "dim", default), self.args[0].dim())
             return _SETTLE if dims is None or 0 in dims else self.keep(self.run())
-        if name == "dropout" and not (_arg(self.args, self.kwargs, 2, "training", True)
-                                      and _arg(self.args, self.kwargs, 1, "p", 0.5) > 0):
+        if name == "dropout" and not (arg_of(self.args, self.kwargs, 2, "training", True)
+                                      and arg_of(self.args, self.kwargs, 1, "p", 0.5) > 0):
             return self.keep(self.run())
         if _pointwise(name) and not (name == "where" and len(self.args) + len(self.kwargs) < 3):
             return self.keep(self.run()) if self._broadcast_over_rows() else _SETTLE
@@ -550,7 +545,7 @@ class _Answer:
 
     def _size(self, name: str, self_ragged: bool) -> Any:
         if name == "size" and self_ragged and len(self.args) + len(self.kwargs) == 2:
-            dims = _dims(_arg(self.args, self.kwargs, 1, "dim"), self.args[0].dim())
+            dims = _dims(arg_of(self.args, self.kwargs, 1, "dim"), self.args[0].dim())
             return self.run() if dims is not None and 0 not in dims else _SETTLE
         return None
 
@@ -576,7 +571,7 @@ class _Answer:
         if spread is not None:  # NOTE: [spreads of selected rows]
             spec, correction, keepdim = spread
         else:
-            spec = _arg(self.args, self.kwargs, 2 if name == "norm" else 1, "dim")  # norm(p, dim)
+            spec = arg_of(self.args, self.kwargs, 2 if name == "norm" else 1, "dim")  # norm(p, dim)
         if isinstance(spec, torch.Tensor):  # max(other): elementwise
             return None
         dims = tuple(range(x.dim())) if spec is None else _dims(spec, x.dim())
@@ -593,7 +588,7 @@ class _Answer:
             return row_spreads.spread(name, x, self.rows.along(x), dims, correction, keepdim)
         if name == "nanmean" and x.dtype.is_floating_point and set(self.kwargs) <= {"dim", "keepdim", "dtype"}:
             # eager's nansum divided by the count of non-NaN elements, of the kept rows
-            keepdim = _arg(self.args, self.kwargs, 2, "keepdim", False)
+            keepdim = arg_of(self.args, self.kwargs, 2, "keepdim", False)
             dtype = self.kwargs.get("dtype")
             total = torch.nansum(self._filled(x, 0), dims, keepdim=keepdim, dtype=dtype)
             return total / (self.rows.along(x) & ~torch.isnan(x)).sum(dims, keepdim=keepdim)
@@ -635,11 +630,11 @@ class _Answer:
                   "unbind": (1, 0), "tensor_split": (2, 0), "index_select": (1, None)}
         if name in single:
             position, default = single[name]
-            dim = _arg(self.args, self.kwargs, position, "start_dim" if name == "flatten" else "dim", default)
+            dim = arg_of(self.args, self.kwargs, position, "start_dim" if name == "flatten" else "dim", default)
             size = x.dim() + 1 if name == "unsqueeze" else x.dim()
             return self.keep(self.run()) if isinstance(dim, int) and dim % size != 0 else _SETTLE
         if name == "squeeze":
-            dims = _dims(_arg(self.args, self.kwargs, 1, "dim"), x.dim())
+            dims = _dims(arg_of(self.args, self.kwargs, 1, "dim"), x.dim())
             return self.keep(self.run()) if dims and 0 not in dims else _SETTLE
         if name in ("transpose", "swapaxes", "swapdims"):
             dims = _dims(list(self.args[1:3]), x.dim())
@@ -701,7 +696,7 @@ class _Answer:
             index = tuple(self._in_bounds(i) for i in items[:m]) + tuple(items[m:])
             return self.keep(self.run((x, index)))
         if name in ("index_select", "gather"):
-            dim, index = _arg(self.args, self.kwargs, 1, "dim"), _arg(self.args, self.kwargs, 2, "index")
+            dim, index = arg_of(self.args, self.kwargs, 1, "dim"), arg_of(self.args, self.kwargs, 2, "index")
             if not (isinstance(dim, int) and dim % x.dim() == 0 and selected_index(index)
                     and len(self.ragged) == 1 and (name == "gather" or index.dim() == 1)):
                 return _SETTLE
@@ -758,12 +753,12 @@ class _Answer:
             ok = self.args[0].dim() >= 2 and isinstance(other, torch.Tensor) and other.dim() <= 2
             return self.keep(self.run()) if ok else _SETTLE
         if name == "gather" and self_ragged:
-            dim, index = _arg(self.args, self.kwargs, 1, "dim"), _arg(self.args, self.kwargs, 2, "index")
+            dim, index = arg_of(self.args, self.kwargs, 1, "dim"), arg_of(self.args, self.kwargs, 2, "index")
             ok = isinstance(dim, int) and dim % self.args[0].dim() != 0 and self.rows_of(index) is rows
             return self.keep(self.run()) if ok else _SETTLE
         if name in ("cat", "concat", "concatenate", "stack"):
             tensors = self.args[0] if self.args else self.kwargs.get("tensors", ())
-            dim = _arg(self.args, self.kwargs, 1, "dim", 0)
+            dim = arg_of(self.args, self.kwargs, 1, "dim", 0)
             ok = (isinstance(dim, int) and all(self.rows_of(t) is rows for t in tensors)
                   and dim % (tensors[0].dim() + (name == "stack")) != 0)
             return self.keep(self.run()) if ok else _SETTLE
@@ -775,10 +770,10 @@ class _Answer:
             return self._write_back(name)
         if name == "einsum":
             return self.keep(self.run()) if self._einsum_keeps_rows() else _SETTLE
-        if name == "one_hot" and self_ragged and _arg(self.args, self.kwargs, 1, "num_classes", -1) > 0:
+        if name == "one_hot" and self_ragged and arg_of(self.args, self.kwargs, 1, "num_classes", -1) > 0:
             return self.keep(self.run())
         if name in ("layer_norm", "rms_norm") and self_ragged and len(self.ragged) == 1:
-            shape = _arg(self.args, self.kwargs, 1, "normalized_shape")
+            shape = arg_of(self.args, self.kwargs, 1, "normalized_shape")
             ok = isinstance(shape, (tuple, list, torch.Size)) and len(shape) < self.args[0].dim()
             return self.keep(self.run()) if ok else _SETTLE
         return _SETTLE
@@ -801,7 +796,7 @@ class _Answer:
             if len(self.args) < 3 or set(self.kwargs) - {"accumulate"}:
                 return _SETTLE
             target, indices, value = self.args[:3]
-            accumulate = _arg(self.args, self.kwargs, 3, "accumulate", False)
+            accumulate = arg_of(self.args, self.kwargs, 3, "accumulate", False)
             if (not isinstance(indices, (tuple, list)) or len(indices) != 1 or not isinstance(accumulate, bool)
                     or not isinstance(value, torch.Tensor) or value.dtype != target.dtype):
                 return _SETTLE  # eager's own op (and its errors) for anything else
@@ -880,7 +875,7 @@ class _Answer:
     def _class_loss(self) -> Any:
         rows = self.rows
         assert rows is not None
-        inputs, target = self.args[0], _arg(self.args, self.kwargs, 1, "target")
+        inputs, target = self.args[0], arg_of(self.args, self.kwargs, 1, "target")
         if self._legacy() or len(self.args) > 2 or not isinstance(target, torch.Tensor):
             return _SETTLE
         if self.rows_of(inputs) is not rows or self.rows_of(target) is not rows:
@@ -909,10 +904,10 @@ class _Answer:
     def _ctc(self) -> Any:
         rows = self.rows
         assert rows is not None
-        targets = _arg(self.args, self.kwargs, 1, "targets")
+        targets = arg_of(self.args, self.kwargs, 1, "targets")
         if len(self.ragged) != 1 or self.rows_of(targets) is not rows or targets.dim() != 1:
             return _SETTLE
-        lengths = _arg(self.args, self.kwargs, 3, "target_lengths")
+        lengths = arg_of(self.args, self.kwargs, 3, "target_lengths")
         if isinstance(lengths, torch.Tensor):
             eager_check(lengths.sum() <= rows.count(), "ctc_loss: target_lengths sum past the concatenated targets")
         # the kept labels first, in order: eager's concatenated targets, then the others
