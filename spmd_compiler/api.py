@@ -1656,12 +1656,15 @@ def step_guards(
         for outside in captured.outside:
             place = found.get(outside.label)
             if not again:
-                guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label)
+                guards.add_tensor(outside.container, outside.key, outside.tensor, outside.version, outside.label,
+                                  outside.captured)
             elif place is None:  # the call's objects hold no tensor there: a change
                 guards.add_absent_tensor(outside.label)
+            elif place.tensor is outside.tensor:  # compared with the bytes the program holds
+                guards.add_tensor(place.container, place.key, place.tensor, outside.version, outside.label,
+                                  outside.captured)
             else:  # another tensor there differs from the program's constant (its id)
-                version = outside.version if place.tensor is outside.tensor else place.tensor._version
-                guards.add_tensor(place.container, place.key, place.tensor, version, outside.label)
+                guards.add_tensor(place.container, place.key, place.tensor, place.tensor._version, outside.label)
     guards.rebuild = functools.partial(step_guards, func, graph_args=graph_args, captured=captured, again=True)
     return guards
 

@@ -231,6 +231,7 @@ from .code_names import (
     strings_in,
     value_names_in,
 )
+from .constant_bytes import CapturedBytes
 from .plain_objects import (
     Attributes,
     attributes,
@@ -483,12 +484,16 @@ class Guards:
             return Change(f"the Python values the step reads changed ({extra} is read as well)")
         return None
 
-    def add_tensor(self, container: Any, key: Any, tensor: Any, version: int, name: str) -> None:
+    def add_tensor(
+        self, container: Any, key: Any, tensor: Any, version: int, name: str, captured: CapturedBytes | None = None,
+    ) -> None:
         """``tensor`` must stay at ``container[key]`` (a dict, a closure cell with key
         None, a function with a key of ``_default_of``, or a ``functools.partial`` with a
         position) with its version counter at ``version`` (NOTE: [tensors read from outside
-        the arguments])."""
-        self.entries.append((_TENSOR, container, (key, tensor), _held(tensor, version)))
+        the arguments]) and, at that version, the bytes ``captured`` holds (NOTE:
+        [constants changed through shared memory]; None: another tensor than the
+        program's, a change by its id already)."""
+        self.entries.append((_TENSOR, container, (key, tensor, captured), _held(tensor, version)))
         self.names.append(name)
 
     def add_absent_tensor(self, name: str) -> None:
@@ -801,7 +806,7 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
     """The current value of a guard of any kind but ``_DICT`` (``first_change`` reads
     those inline: most guards are attributes)."""
     if kind == _TENSOR:
-        name, tensor = key
+        name, tensor, captured = key
         if isinstance(container, types.CellType):
             try:
                 current = container.cell_contents
@@ -816,7 +821,12 @@ def _read(kind: int, container: Any, key: Any, bindings: StepBindings) -> Any:
                 current = container.keywords.get(name, _MISSING)
         else:
             current = container.get(name, _MISSING)
-        return _held(tensor, tensor._version) if current is tensor else ("another value",)
+        if current is not tensor:
+            return ("another value",)
+        version = tensor._version
+        if captured is not None and version == captured.version and not captured.unchanged(tensor):
+            return _CHANGED_THROUGH_SHARED_MEMORY  # NOTE: [constants changed through shared memory]
+        return _held(tensor, version)
     if kind == _LEN:
         return len(container)
     if kind == _SAME:
@@ -1205,6 +1215,9 @@ def iterator_position(value: Any) -> Any:
     return (type(value).__name__, *state) if state else None
 
 
+_CHANGED_THROUGH_SHARED_MEMORY = ("the same tensor, its values changed without a version change",)
+
+
 def _held(tensor: torch.Tensor, version: int) -> tuple[str, int, int]:
     """What a tensor guard expects: this tensor (by id: the guard holds it, so the id is
     its own) at this version; guards derived on another call's objects that found
@@ -1226,6 +1239,9 @@ def _show(value: Any) -> str:
         return f"the tensor read at capture (version {value[1]})"
     if type(value) is tuple and value == ("another value",):
         return "another value"
+    if value == _CHANGED_THROUGH_SHARED_MEMORY:
+        return ("other values at the same version (written through memory it shares: a NumPy array, "
+                "the buffer of torch.frombuffer, .data)")
     return repr(value)
 
 

@@ -8,9 +8,13 @@ a tensor held by a config object. The trace reads it as a constant of the progra
 fake tensor mode accepts real tensors), replicated on every rank like a tensor created
 inside the step (NOTE: [tensor constants]), and each such constant is guarded where the
 step found it (NOTE: [guards on Python values]): the same object still there and its
-version counter unchanged. Replacing it (``model.scale = new``) or changing it in place
-outside the step compiles a new program on the next call; a program never computes
-with a stale value. Where it was found: the walk of NOTE: [tensors the step keeps]
+version counter unchanged, and at that version the bytes it held at capture (a write
+through memory it shares, ``torch.frombuffer``'s bytearray, ``torch.from_numpy``'s
+array, ``.data``, leaves the counter as it was: NOTE: [constants changed through shared
+memory]). Replacing it (``model.scale = new``) or changing it outside the step, in
+place or through memory it shares, compiles a new program on the next call; a program
+never computes with a stale value (before the sixty-eighth session it did, after a
+write that left the counter as it was). Where it was found: the walk of NOTE: [tensors the step keeps]
 (module attributes, object arguments, globals and closure cells of the step, its
 modules' ``forward``\\ s and hooks, and what they hold; the attributes the code names of
 the user's modules and classes it loads, ``cfg.POS_WEIGHT``: NOTE: [tensors of modules
@@ -43,7 +47,7 @@ does not read compiles anew needlessly, never wrongly.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -60,6 +64,7 @@ from ..errors import (
     torch_function_called_by_model,
 )
 from .bindings import StepBindings, aliases_state
+from .constant_bytes import CapturedBytes
 from .meta_templates import template_read
 
 _LIFTS = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default)
@@ -92,6 +97,9 @@ class OutsideTensor:
     tensor: torch.Tensor
     version: int
     in_argument: bool = False  # read from an argument object (FoundTensor.in_argument)
+    # its bytes as captured, one record for every place of the same tensor (NOTE:
+    # [constants changed through shared memory])
+    captured: CapturedBytes | None = field(default=None, repr=False, compare=False)
 
 
 def _real(value: Any) -> bool:
@@ -265,6 +273,27 @@ def _data_set() -> SPMDCompileError:
     )
 
 
+# NOTE: [tensors on memory torch does not own]
+# ``torch.frombuffer(bytearray(raw), dtype=torch.uint8)`` inside the step (``raw`` a
+# ``bytes`` argument) makes a real tensor that no op of the trace records: it reaches
+# the graph as a constant of unknown origin, and was refused as "neither an argument
+# nor part of a module or optimizer ... register it on the model ... or create it
+# inside the step", though the user had created it in the step (sixty-eighth session,
+# an outside probe). Its values are a view of a Python buffer (or a NumPy array:
+# ``torch.from_numpy``, ``torch.as_tensor``), which nothing guards, so it cannot be
+# compiled as a constant made from Python data (NOTE: [tensor constants]) is: the
+# refusal says what it is and what compiles (make it outside and pass it, or copy the
+# data: ``torch.tensor(list(raw))``). Such a tensor's storage is not resizable, as every
+# storage torch allocates is (``_shares_foreign_memory``).
+def _shares_foreign_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage belongs to another object (a Python buffer, a NumPy
+    array): see the NOTE."""
+    try:
+        return not tensor.untyped_storage().resizable()
+    except (RuntimeError, NotImplementedError, TypeError):  # no plain storage
+        return False
+
+
 def outside_constants(
     gm: torch.fx.GraphModule, found: dict[int, list[FoundTensor]],
     bindings: StepBindings, unplaced: dict[int, str] | None = None, inherited: dict[int, str] | None = None,
@@ -315,6 +344,21 @@ def outside_constants(
                 "torch.tensor(...) in its body) or read it from the base class by name, "
                 "or register it on the model (model.register_buffer('name', t)).",
             )
+        if id(value) not in found and _shares_foreign_memory(value):
+            raise node_error(  # NOTE: [tensors on memory torch does not own]
+                "The train step uses a tensor on memory torch does not own (made by "
+                "torch.frombuffer from a bytearray or bytes, or torch.from_numpy / "
+                "torch.as_tensor from a NumPy array), neither an argument nor part of a "
+                "module or optimizer: made inside the step, it is a view of Python data "
+                "the compiled step would bake in once and cannot watch; read from "
+                "outside, of a place it cannot watch.",
+                user,
+                hint="make the tensor outside the step and pass it as an argument "
+                "(x = torch.frombuffer(bytearray(raw), dtype=torch.uint8) before the "
+                "call, then train_step(model, opt, x)), or copy the data into a new "
+                "tensor inside the step, which compiles as a constant made from Python "
+                "data: torch.tensor(list(raw), dtype=torch.long).",
+            )
         if id(value) not in found:
             raise node_error(
                 "The train step uses a tensor that is neither an argument nor part of a "
@@ -346,7 +390,11 @@ def outside_constants(
                 "module passed to the step.",
             )
         # NOTE: [every place a constant is read from]
-        constants += [OutsideTensor(p.label, p.container, p.key, tensor, tensor._version, p.in_argument) for p in places]
+        captured = CapturedBytes.of(tensor, label)  # NOTE: [constants changed through shared memory]
+        constants += [
+            OutsideTensor(p.label, p.container, p.key, tensor, tensor._version, p.in_argument, captured)
+            for p in places
+        ]
     return constants
 
 

@@ -52,7 +52,8 @@ rank's local batch read as a replicated constant, so every rank trained on its o
 shard alone and the ranks drifted apart (2 gloo ranks, 3 SGD steps: 31% off one device,
 no error). So the round's second digest also covers each constant's value: a checksum
 of its bytes (a BLAKE2b digest, computed once per program: a constant
-cannot change without a guard compiling a new program). When the ranks' constants
+cannot change without a guard compiling a new program, its bytes compared every call:
+NOTE: [constants changed through shared memory]). When the ranks' constants
 differ, every rank raises the same error naming each rank's constants, before any
 collective of the program and before anything is updated.
 
