@@ -679,6 +679,25 @@ def light_stack_traces() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def nodes_created_seen(seen: Callable[[torch.fx.Node], None]) -> Iterator[None]:
+    """Inside: every node an fx tracer creates is passed to ``seen`` right after its
+    creation, while the Python stack that made it is still running (NOTE: [random draws
+    shaped like a tensor]: the line of a refused draw inside a helper function, which
+    the recorded stack traces keep no frame of)."""
+    from torch.fx.proxy import TracerBase
+
+    real = TracerBase.create_node
+
+    def create_node(self: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = real(self, *args, **kwargs)
+        seen(node)
+        return node
+
+    with mock.patch.object(TracerBase, "create_node", create_node):
+        yield
+
+
+@contextlib.contextmanager
 def lazy_graph_modules() -> Iterator[None]:
     """Inside: graph modules that make_fx returns, and the ``recompile()`` calls on them,
     generate their Python code only when it is read or the module is called.

@@ -348,12 +348,16 @@ def node_op(node: torch.fx.Node) -> str:
     return str(node.target) if node.op == "call_function" else node.op
 
 
-def node_error(message: str, node: torch.fx.Node, *, hint: str | None = None) -> SPMDCompileError:
+def node_error(
+    message: str, node: torch.fx.Node, *, hint: str | None = None, made_at: SourceLocation | None = None
+) -> SPMDCompileError:
     """An error about ``node`` that carries its op, FQN and train-step line, and the
     model line that made the op where that is another line (nanoGPT's ``qkv(x).view(...)``
-    in ``forward`` was named by the step's loss line alone; sixty-second session)."""
+    in ``forward`` was named by the step's loss line alone; sixty-second session):
+    ``made_at`` where the caller knows it, else the innermost model frame of the node's
+    recorded stack trace."""
     line = node.meta.get(USER_LINE)
-    made = innermost_model_frame_of_stack_trace(node.meta.get("stack_trace"))
+    made = made_at or innermost_model_frame_of_stack_trace(node.meta.get("stack_trace"))
     if made is not None and line and (made.filename, made.lineno) == (
         getattr(line, "filename", None), getattr(line, "lineno", None)
     ):

@@ -30,11 +30,33 @@ zero-weight categories out, and eager's refusal of invalid weights (negative, in
 a row summing to 0, fewer positive categories than samples without replacement) is a
 value check (NOTE: [value checks]): a call with such weights raises eager's message
 before anything is written. Every rank then sees its slice of one global draw, for every
-mode and world size. Except for ``multinomial``, the numbers are those of the same
-distribution, not eager's (as for dropout). After capture any random op that still reads
-a tensor (``random_``, ``torch.poisson``, gamma and Dirichlet samples) is refused, naming the op and the line (``refuse_shard_local_draws``), also
-into a tensor made by factories alone: in a probe ``torch.empty(n).geometric_(0.5)``
-still gave other losses on 2 simulated ranks than on 1.
+mode and world size. ``x.random_(from, to)`` / ``random_(to)`` / ``random_()`` (diffusion timesteps) write no
+value they read: each is ``torch.randint`` of the tensor's shape, ATen's same kernel
+(``random() % range + from``), ``random_()`` the range of the dtype's kernel
+(``_RANDOM_HIGH``; int32's and int64's full ranges have no ``randint`` and stay refused);
+``geometric_(p)`` is eager's ``ceil(log(u) / log1p(-p))`` of a float64 uniform.
+
+NOTE: [eager's numbers of the in-place draws]
+Where a decomposition draws what eager's CPU kernel draws, the step's numbers are
+eager's and the default generator is left where eager leaves it, so every later draw of
+the step is eager's too: ``rand_like``, ``randn_like``, ``randint_like``, ``uniform_``,
+``normal_``, ``normal`` of tensors, ``cauchy_``, ``random_``, ``geometric_``,
+``bernoulli`` of a probability tensor, and ``bernoulli_(p)``
+/ ``bernoulli(x, p=p)`` with a float ``p``, whose default kernel compares one float64
+uniform per element with ``p`` (it was drawn in float32: other masks, and the generator
+left elsewhere). One exception, by CPU: on an Intel CPU a build with MKL draws
+``bernoulli_(p)`` from MKL's MCG31 stream seeded with one 32-bit number
+(``DistributionKernels.cpp``, ``cpuinfo_vendor_intel``), which no torch op draws: there
+the compiled mask is another draw of the distribution (the same at every world size)
+and later draws differ from eager's. Tested on AMD (tests/sim/test_random_draws.py).
+The other numbers (``exponential_``, ``log_normal_``, a draw into a transposed tensor;
+``rrelu`` and CUDA draws not compared) are those of the same distribution, not eager's
+(as for dropout). After capture any random op that still reads
+a tensor (``torch.poisson``, ``binomial``, gamma and Dirichlet samples, ``random_()`` of
+int64) is refused, naming the op, the step's line and the line inside a helper that
+made it (``DRAW_MADE_AT``, recorded as the node is created: the stack traces keep only
+forward frames and the step's), with a hint that works for it: a Gamma / Beta /
+Dirichlet / Poisson / binomial sample is drawn outside the step and passed in.
 """
 
 from __future__ import annotations
@@ -45,7 +67,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..errors import node_error
+from .. import _torch_private as private
+from ..errors import innermost_model_frame_of_stack, node_error
 
 aten = torch.ops.aten
 
@@ -115,7 +138,9 @@ def _bernoulli(self, *, generator=None):
 def _bernoulli_p(self, p, *, generator=None):
     if generator is not None:
         return NotImplemented  # traced as it is: refused by refuse_explicit_generators
-    return (_uniform01(self) < p).to(self.dtype)
+    # NOTE: [eager's numbers of the in-place draws]: a float64 uniform per element
+    draw = torch.rand(tuple(self.shape), dtype=torch.float64, device=self.device)
+    return (draw < p).to(self.dtype)
 
 
 def _bernoulli_tensor(self, p, *, generator=None):
@@ -129,6 +154,51 @@ def _bernoulli_tensor_(self, p, *, generator=None):
     if generator is not None:
         return NotImplemented
     return self.copy_(_bernoulli_tensor(self, p))
+
+
+# the high end (exclusive) of ``random_()``'s draw for each dtype whose kernel is
+# ``randint``'s: ``random() % high``, or ``random64() % high`` for float64 (int32 and
+# int64 take other arithmetic: left to the refusal)
+_RANDOM_HIGH = {
+    torch.float64: 2**53 + 1, torch.float32: 2**24 + 1, torch.float16: 2**11 + 1,
+    torch.bfloat16: 2**8 + 1, torch.int16: 2**15, torch.int8: 2**7, torch.uint8: 2**8,
+    torch.bool: 2,
+}
+
+
+def _randint_into(self: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    return self.copy_(torch.randint(low, high, tuple(self.shape), dtype=self.dtype, device=self.device))
+
+
+def _random_from(self, low, high=None, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    if high is None:  # [low, the dtype's largest value]: an int64 range has no randint
+        if self.dtype not in _RANDOM_HIGH or self.dtype == torch.bool:
+            return NotImplemented  # refused by refuse_shard_local_draws
+        high = _RANDOM_HIGH[self.dtype] if self.is_floating_point() else torch.iinfo(self.dtype).max + 1
+    return _randint_into(self, low, high)
+
+
+def _random_to(self, high, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    return _randint_into(self, 0, high)
+
+
+def _random(self, *, generator=None):
+    if generator is not None or self.dtype not in _RANDOM_HIGH:
+        return NotImplemented  # an explicit generator, or int32 / int64: refused
+    return _randint_into(self, 0, _RANDOM_HIGH[self.dtype])
+
+
+def _geometric_(self, p, *, generator=None):
+    if generator is not None:
+        return NotImplemented  # traced as it is: refused by refuse_explicit_generators
+    if not 0 < p < 1:
+        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
+    draw = torch.rand(tuple(self.shape), dtype=torch.float64, device=self.device)
+    return self.copy_(torch.ceil(torch.log(draw) / math.log1p(-p)).to(self.dtype))
 
 
 def _normal_tensor_float(mean, std=1.0, *, generator=None):
@@ -252,8 +322,7 @@ def _bernoulli_with_probability(
     """
     if generator is not None:
         return NotImplemented  # traced as it is: refused by refuse_explicit_generators
-    draw = torch.rand(tuple(self.shape), dtype=torch.float32, device=self.device)
-    return self.copy_((draw < p).to(self.dtype))
+    return self.copy_(_bernoulli_p(self, p))
 
 
 def global_draw_decompositions() -> dict[Any, Any]:
@@ -280,30 +349,70 @@ def global_draw_decompositions() -> dict[Any, Any]:
         aten.rrelu_with_noise.default: _rrelu_with_noise,
         aten.rrelu_with_noise_.default: _rrelu_with_noise_,
         aten.multinomial.default: _multinomial,
+        getattr(aten.random_, "from"): _random_from,
+        aten.random_.to: _random_to,
+        aten.random_.default: _random,
+        aten.geometric_.default: _geometric_,
     }
 
 
 SHARD_LOCAL_DRAW = (
-    "This random op draws from a tensor argument ({op}). On a batch-sharded rank it would "
+    "This random op draws into or from a tensor ({op}). On a batch-sharded rank it would "
     "draw the numbers of another shard instead of its own slice of one global draw, so "
     "the result would depend on the number of ranks (NOTE: [random draws shaped like a "
     "tensor]); refused."
 )
+FACTORY_HINT = (
+    "draw with a factory of the full shape (torch.rand, torch.randn, torch.randint with a "
+    "size) and compute from it."
+)
+# samplers no factory draw builds (gamma's rejection sampling, Poisson, binomial counts):
+# the value comes from outside the step
+SAMPLED_OUTSIDE_HINT = (
+    "a Gamma / Beta / Dirichlet / Poisson / binomial sample (torch.distributions' "
+    "Beta(a, b).sample(): a mixup weight) cannot be drawn in the compiled step: draw it "
+    "outside the step and pass it as an argument (a float or a 0-d tensor; a new value "
+    "each call does not compile again)."
+)
+SAMPLED_OUTSIDE = (
+    aten._standard_gamma.default, aten._sample_dirichlet.default, aten.poisson.default,
+    aten.binomial.default,
+)
+# the model's line that made a refused draw (a helper function's), recorded at its
+# creation: the stack traces keep only forward frames and the step's
+DRAW_MADE_AT = "spmd_draw_made_at"
+
+
+def _reads_a_tensor(node: torch.fx.Node) -> bool:
+    return any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
+
+
+def _seeded(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def _note_draw_line(node: torch.fx.Node) -> None:
+    if _seeded(node) and node.all_input_nodes:
+        node.meta[DRAW_MADE_AT] = innermost_model_frame_of_stack()
+
+
+def draw_lines_recorded() -> Any:
+    """While the step is traced: each random op that takes a tensor records the model's
+    line that made it, for ``refuse_shard_local_draws``."""
+    return private.nodes_created_seen(_note_draw_line)
 
 
 def refuse_shard_local_draws(gm: torch.fx.GraphModule) -> None:
-    """Refuse a random op left in the first graph that reads a tensor (see the NOTE)."""
+    """Refuse a random op left in the first graph that reads a tensor (see the NOTE),
+    naming the train step's line and the line inside a helper that made it."""
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        if not _seeded(node) or not _reads_a_tensor(node):
             continue
-        if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-            continue
-        if any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
-            raise node_error(
-                SHARD_LOCAL_DRAW.format(op=node.target), node,
-                hint="draw with a factory of the full shape (torch.rand, torch.randn, "
-                "torch.randint with a size) and compute from it.",
-            )
+        raise node_error(
+            SHARD_LOCAL_DRAW.format(op=node.target), node,
+            hint=SAMPLED_OUTSIDE_HINT if node.target in SAMPLED_OUTSIDE else FACTORY_HINT,
+            made_at=node.meta.get(DRAW_MADE_AT),
+        )
 
 
-__all__ = ["global_draw_decompositions", "refuse_shard_local_draws"]
+__all__ = ["draw_lines_recorded", "global_draw_decompositions", "refuse_shard_local_draws"]

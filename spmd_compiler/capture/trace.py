@@ -167,7 +167,7 @@ from .python_scalars import (
     GroupNumbers,
 )
 from .python_valued_shapes import python_valued_shape_decompositions
-from .random_draws import global_draw_decompositions, refuse_shard_local_draws
+from .random_draws import draw_lines_recorded, global_draw_decompositions, refuse_shard_local_draws
 from .registered_state import RegistrationsWatched, refuse_state_registered
 from .removed_state import settle_removed_state
 from .replayed_draws import generators_counted_in_draws, replayed_draw_decompositions
@@ -1083,6 +1083,7 @@ def _trace_first(
             # NOTE: [torch's functions replaced by the user]
             private.torch_functions_replaced_by_the_user(),
             private.light_stack_traces(),  # NOTE: [stack traces without the whole stack]
+            draw_lines_recorded(),  # NOTE: [random draws shaped like a tensor]
             generators_counted_in_draws(rewound),  # NOTE: [draws replayed by a restored generator]
             # NOTE: [compiled helpers and selective checkpointing at capture]
             private.compiled_helpers_and_checkpoints_as_eager(),

@@ -166,30 +166,38 @@ def test_one_sample_draws_eagers_actions(how) -> None:
     batches = [(torch.randn(8, 5, generator=data, dtype=torch.float64),
                 torch.randint(0, 3, (8,), generator=data)) for _ in range(3)]
 
-    def run(compiled, world):  # noqa: ANN001, ANN202
+    runs = [(mode, world) for mode in ("ddp", "fsdp") for world in (2, 4)]
+    _assert_eagers_draws(step, batches, lambda: nn.Linear(5, 3), 0.5, 7, runs)
+
+
+def _assert_eagers_draws(step, batches, make_model, lr, seed, runs) -> None:  # noqa: ANN001
+    """``step`` (returning its loss and what it drew) compiled for each ``(mode, world)``
+    of ``runs`` gives eager's draws, losses and parameters, and leaves the default
+    generator where eager leaves it."""
+
+    def run(mode, world):  # noqa: ANN001, ANN202
         torch.manual_seed(0)
-        model = nn.Linear(5, 3).double()
-        optim = torch.optim.SGD(model.parameters(), lr=0.5)
-        fn = step if compiled is None else sc.compile(make_mode(compiled))(step)
-        torch.manual_seed(7)
-        if compiled is None:
-            outs = [fn(model, optim, x, t) for x, t in batches]
+        model = make_model().double()
+        optim = torch.optim.SGD(model.parameters(), lr=lr)
+        torch.manual_seed(seed)
+        if mode is None:
+            outs = [step(model, optim, *batch) for batch in batches]
             return outs, [p.detach().clone() for p in model.parameters()], torch.rand(2)
+        compiled = sc.compile(make_mode(mode))(step)
         with sc.simulate(world_size=world):
-            outs = [fn(model, optim, x, t) for x, t in batches]
+            outs = [compiled(model, optim, *batch) for batch in batches]
             params = [p.full_tensor().clone() for p in model.parameters()]
         return outs, params, torch.rand(2)
 
     eager_outs, eager_params, eager_after = run(None, 1)
-    for mode in ("ddp", "fsdp"):
-        for world in (2, 4):
-            outs, params, after = run(mode, world)
-            for (loss, actions), (eager_loss, eager_actions) in zip(outs, eager_outs):
-                assert torch.equal(actions, eager_actions), (mode, world)
-                assert float(loss) == pytest.approx(float(eager_loss), rel=TOL, abs=1e-15), (mode, world)
-            for p, e in zip(params, eager_params):
-                torch.testing.assert_close(p, e, rtol=TOL, atol=1e-15)
-            assert torch.equal(after, eager_after), (mode, world)
+    for mode, world in runs:
+        outs, params, after = run(mode, world)
+        for (loss, drawn), (eager_loss, eager_drawn) in zip(outs, eager_outs):
+            assert torch.equal(drawn, eager_drawn), (mode, world)
+            assert float(loss) == pytest.approx(float(eager_loss), rel=TOL, abs=1e-15), (mode, world)
+        for p, e in zip(params, eager_params):
+            torch.testing.assert_close(p, e, rtol=TOL, atol=1e-15)
+        assert torch.equal(after, eager_after), (mode, world)
 
 
 def test_multinomial_of_invalid_weights_raises_eagers_refusal() -> None:
@@ -285,3 +293,85 @@ def test_trunc_normal_in_the_step_is_refused_naming_torchs_loop():
     message = str(info.value)
     assert "torch.nn.init.trunc_normal_" in message and "clamp_" in message
     assert "outside the compiled step" in message
+
+
+_IN_PLACE_DRAWS = {
+    # a classifier-free-guidance drop mask (a float p)
+    "bernoulli_float_p": lambda b, t: torch.empty(b, dtype=t).bernoulli_(0.3),
+    "bernoulli_p_keyword_float32": lambda b, t: torch.bernoulli(torch.empty(b, dtype=torch.float32), p=0.3).to(t),
+    # diffusion timesteps, their number T = 50
+    "random_from_to": lambda b, t: torch.empty(b, dtype=torch.long).random_(0, 50).to(t) / 50,
+    "random_to": lambda b, t: torch.empty(b, dtype=torch.long).random_(50).to(t) / 50,
+    "random_float": lambda b, t: torch.empty(b, dtype=torch.float32).random_().to(t) / 2**24,
+    "random_from_float16": lambda b, t: torch.empty(b, dtype=torch.float16).random_(3).to(t) / 2**11,
+    "random_uint8": lambda b, t: torch.empty(b, dtype=torch.uint8).random_().to(t) / 256,
+    "geometric": lambda b, t: torch.empty(b, dtype=t).geometric_(0.4) / 4,
+}
+
+
+@pytest.mark.parametrize("form", sorted(_IN_PLACE_DRAWS))
+def test_in_place_draws_are_eagers_numbers(form) -> None:
+    """``torch.empty(B).bernoulli_(p)`` with a float ``p`` drew ``rand(float32) < p`` where
+    eager's CPU kernel compares one float64 uniform per element (other masks: a loss
+    1.6674 for eager's 1.4054, and every later draw other numbers); ``random_`` (diffusion
+    timesteps) and ``geometric_`` were refused as draws "from a tensor argument". They are
+    now one global draw of the tensor's shape with eager's arithmetic: eager's losses,
+    parameters and generator state after, at 1, 2 and 4 ranks (ddp, fsdp)."""
+    draw = _IN_PLACE_DRAWS[form]
+
+    def step(model, optim, x, y):  # noqa: ANN001, ANN202
+        scale = draw(x.shape[0], x.dtype)
+        loss = F.mse_loss(model(x * (1 - scale[:, None])), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.detach(), scale
+
+    data = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 4, generator=data, dtype=torch.float64),
+                torch.randn(8, 2, generator=data, dtype=torch.float64)) for _ in range(3)]
+
+    runs = (("ddp", 1), ("ddp", 2), ("fsdp", 2), ("ddp", 4))
+    _assert_eagers_draws(step, batches, lambda: nn.Linear(4, 2), 0.1, 42, runs)
+
+
+def _timesteps(b: int) -> torch.Tensor:
+    t = torch.empty(b, dtype=torch.long)
+    t.random_()  # int64's full range: no factory draws it (refused, this line named)
+    return t % 50
+
+
+def _mixup_weight() -> torch.Tensor:
+    return torch.distributions.Beta(0.4, 0.4).sample()
+
+
+@pytest.mark.parametrize("helper", ["timesteps", "beta"])
+def test_a_refused_draw_names_its_own_line_and_a_way_that_works(helper) -> None:
+    """A refused draw inside a helper function named only the step's call line
+    (``t = sample_timesteps(B)``), as a draw "from a tensor argument" for a tensor made in
+    the step; a Beta sample (a mixup weight) got the hint to draw with torch.rand, which
+    builds no Beta sample. The error names the helper's line too, and for Gamma / Beta /
+    Dirichlet / Poisson / binomial samples says to pass the value in as an argument."""
+    import inspect
+
+    def step(model, optim, x, y):  # noqa: ANN001, ANN202
+        scale = _timesteps(x.shape[0])[:, None].to(x.dtype) / 50 if helper == "timesteps" else _mixup_weight()
+        F.mse_loss(model(x * scale), y).backward()
+        optim.step()
+
+    model = nn.Linear(4, 2).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as raised:
+        sc.compile(make_mode("ddp"))(step)(model, optim, x, y)
+    error, message = raised.value, str(raised.value)
+    assert "draws into or from a tensor" in message and "tensor argument" not in message
+    assert error.user_line is not None and "scale = _timesteps" in str(error.user_line)
+    if helper == "timesteps":
+        line = inspect.getsourcelines(_timesteps)[1] + 2
+        assert error.made_at is not None and error.made_at.lineno == line, error.made_at
+        assert "t.random_()" in message and "torch.randint with a size" in message
+    else:  # torch.distributions' own line, the model's innermost
+        assert "_sample_dirichlet" in (error.op or "")
+        assert "draw it outside the step and pass it as an argument" in message
+        assert "torch.rand," not in message
