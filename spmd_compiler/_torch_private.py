@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -4243,6 +4244,13 @@ def _install_batch_sharded_convolution() -> None:
 # session). There it is kept, and the local shape check refuses the step naming
 # ``input_batch_dim``, as before that session. The modes that split arguments say over
 # which mesh dimensions (``convolution_spatial_shards_kept``).
+# Kept only where the shard is the argument's split still: where the input reads a split
+# argument on a path of the per-rank program with no collective on it. A shard DTensor
+# moved there itself (an all-to-all: ``aten.index`` of batch rows by indices made in the
+# step, ``patches[torch.arange(B), ys, xs]`` of a doubly unfolded image, whose rule moves
+# the batch shard to a patch dimension) splits a dimension of the data, not the one the
+# mode split, and is gathered like sequence parallelism's (a random crop into a
+# ``Conv2d`` was refused naming ``input_batch_dim``, a wrong cause; sixty-eighth session).
 # ``convolution_backward`` pairs ``grad_output`` with the input sample by sample, so the
 # two must be split over the ranks alike. DTensor's handler redistributes
 # ``grad_output`` to the input's placements, but a ``_StridedShard`` reached that way is
@@ -4261,19 +4269,55 @@ def _install_batch_sharded_convolution() -> None:
 # given the input's reading. After placing, the strategy the handler will follow must
 # ask for no redistribution (the handler would drop it): where it still does, the step
 # is refused rather than computed on operands laid out differently.
-_SPATIAL_SHARDS_KEPT_ON: list[frozenset[int]] = []
+@dataclasses.dataclass
+class _SpatialShardsKept:
+    mesh_dims: frozenset[int]
+    # the per-rank program's nodes holding the step's split arguments (placeholders)
+    split_arguments: set[torch.fx.Node] = dataclasses.field(default_factory=set)
+
+
+_SPATIAL_SHARDS_KEPT_ON: list[_SpatialShardsKept] = []
 
 
 @contextlib.contextmanager
 def convolution_spatial_shards_kept(mesh_dims: Iterable[int]) -> Iterator[None]:
     """While a data-parallel mode expands its program: a convolution's input sharded on a
-    spatial dimension over one of ``mesh_dims`` is kept sharded (and refused by the
-    local shape check), not gathered (see the comment above)."""
-    _SPATIAL_SHARDS_KEPT_ON.append(frozenset(mesh_dims))
+    spatial dimension over one of ``mesh_dims``, computed from a split argument with no
+    collective between, is kept sharded (and refused by the local shape check), not
+    gathered (see the comment above)."""
+    _SPATIAL_SHARDS_KEPT_ON.append(_SpatialShardsKept(frozenset(mesh_dims)))
     try:
         yield
     finally:
         _SPATIAL_SHARDS_KEPT_ON.pop()
+
+
+def split_argument_read(value: DTensor) -> None:
+    """Expansion read ``value``, a step argument the mode split: a convolution input
+    computed from it with no collective between keeps a spatial shard (NOTE:
+    [convolution operands placed first])."""
+    node = traced_node_of(local_tensor_of(value)) if _SPATIAL_SHARDS_KEPT_ON else None
+    if node is not None:
+        _SPATIAL_SHARDS_KEPT_ON[-1].split_arguments.add(node)
+
+
+def _reads_split_argument_directly(t: DTensor) -> bool:
+    """Whether ``t`` is computed from a split argument on a path of the per-rank trace
+    with no collective on it (True where the trace does not say)."""
+    start = traced_node_of(local_tensor_of(t))
+    if start is None or not _SPATIAL_SHARDS_KEPT_ON:
+        return True
+    arguments = _SPATIAL_SHARDS_KEPT_ON[-1].split_arguments
+    seen, todo = {start}, [start]
+    while todo:
+        node = todo.pop()
+        if node in arguments:
+            return True
+        for parent in node.all_input_nodes:
+            if parent not in seen and getattr(parent.target, "namespace", None) != "_c10d_functional":
+                seen.add(parent)
+                todo.append(parent)
+    return False
 
 
 def _install_convolution_operands_placed() -> None:
@@ -4281,22 +4325,26 @@ def _install_convolution_operands_placed() -> None:
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
 
-    def replicated(t: Any, keep: Callable[[Any, int], bool]) -> Any:
-        if not isinstance(t, DTensor) or all(keep(p, i) for i, p in enumerate(t.placements)):
+    def replicated(t: Any, keep: Callable[[Any, int, DTensor], bool]) -> Any:
+        if not isinstance(t, DTensor) or all(keep(p, i, t) for i, p in enumerate(t.placements)):
             return t
         return t.redistribute(
-            t.device_mesh, [p if keep(p, i) else Replicate() for i, p in enumerate(t.placements)]
+            t.device_mesh, [p if keep(p, i, t) else Replicate() for i, p in enumerate(t.placements)]
         )
 
-    def input_kept(p: Any, mesh_dim: int) -> bool:
+    def input_kept(p: Any, mesh_dim: int, t: DTensor) -> bool:
         # Shard(0) or _StridedShard(0) (a batch concatenated from views, NOTE: [batch
         # concatenation] in expand/local_rules.py); 2.13's _StridedShard is no Shard
         if p.is_replicate() or (not p.is_partial() and getattr(p, "dim", None) == 0):
             return True
         spatial = not p.is_partial() and getattr(p, "dim", None) not in (None, 1)
-        return spatial and bool(_SPATIAL_SHARDS_KEPT_ON) and mesh_dim in _SPATIAL_SHARDS_KEPT_ON[-1]
+        return (
+            spatial and bool(_SPATIAL_SHARDS_KEPT_ON)
+            and mesh_dim in _SPATIAL_SHARDS_KEPT_ON[-1].mesh_dims
+            and _reads_split_argument_directly(t)
+        )
 
-    def is_replicate(p: Any, mesh_dim: int) -> bool:
+    def is_replicate(p: Any, mesh_dim: int, t: DTensor) -> bool:
         return p.is_replicate()
 
     def placed(original: Callable[..., Any], input_index: int, bias_index: int | None) -> Callable[..., Any]:

@@ -16,6 +16,12 @@ elements; one program for every shift). Other int arguments (sizes, dims) decide
 result's shape or layout, which a compiled step fixes: computed from shapes, or a Python
 int passed in (one program per distinct value). A floating 0-dim tensor there is eager's
 TypeError, left to torch.
+``narrow``'s ``start`` is typed as a Tensor in one overload (``narrow.Tensor``), which
+reads it with ``.item()`` all the same: a random crop ``hr[i].narrow(1, ys[i], P)`` was
+refused with the advice for value-dependent shapes (sixty-eighth session). It is refused
+as an int argument (``READ_AS_INT``), the hint giving the gather it is,
+``x.index_select(d, s + torch.arange(n))``. Not rewritten here: that gather reads an
+out-of-range start as an index error, where narrow's own check names the range.
 """
 
 from __future__ import annotations
@@ -31,8 +37,15 @@ INT_TYPES = frozenset({
     "Optional[List[int]]", "Optional[List[SymInt]]",
 })
 
+# Tensor arguments that torch reads as a Python int all the same (``.item()``): op name ->
+# the argument's position (self counted) and name (see the NOTE)
+READ_AS_INT = {"narrow": (2, "start")}
+
 # the tensor form of an op's int argument, for the refusal's hint
 _GATHER_FORMS = {
+    "narrow": "a narrow from a start held in a tensor is a gather: `x.narrow(d, s, n)` is "
+    "`x.index_select(d, s + torch.arange(n, device=x.device))` with s the 0-dim tensor "
+    "(the same elements for 0 <= s <= x.shape[d] - n; one program for every start)",
     "roll": "a roll by a shift held in a tensor is a gather: `torch.roll(x, s, d)` is "
     "`x.index_select(d, (torch.arange(x.shape[d], device=x.device) - s) % x.shape[d])` "
     "with s the 0-dim tensor (exact; one program for every shift)",
@@ -53,7 +66,8 @@ def int_argument_refusal(func: Any, slot: str, parameter: str | None) -> SPMDCom
     called = f"{slot} ({parameter})" if parameter and not slot.endswith("=") else slot
     return SPMDCompileError(
         f"The train step gives a 0-dim tensor to `{torch_function_name(func)}` as {called}, an argument "
-        "that takes Python ints: torch reads the tensor's value there as an int (as "
+        + ("that torch reads with .item()" if name in READ_AS_INT else "that takes Python ints")
+        + ": torch reads the tensor's value there as an int (as "
         "int(t) would), which a compiled step cannot do: the program computes the tensor "
         "at run time (NOTE: [0-d tensors in int arguments]).",
         user_line=innermost_model_frame_of_stack(),
@@ -63,4 +77,4 @@ def int_argument_refusal(func: Any, slot: str, parameter: str | None) -> SPMDCom
     )
 
 
-__all__ = ["INT_TYPES", "int_argument_refusal", "torch_function_name"]
+__all__ = ["INT_TYPES", "READ_AS_INT", "int_argument_refusal", "torch_function_name"]

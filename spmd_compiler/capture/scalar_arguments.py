@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_private as private
 from .._torch_private import pytree
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
-from .int_arguments import INT_TYPES, int_argument_refusal
+from .int_arguments import INT_TYPES, READ_AS_INT, int_argument_refusal
 from .optimizers import _add_with_tensor_alpha, _lerp_in_compute_dtype, _scaled_operand
 
 _REDUCED = (torch.float16, torch.bfloat16)
@@ -281,6 +281,8 @@ def _int_slot(name: str, slot: int | str) -> bool:
     """Whether torch's schemas of ``aten::name`` type argument ``slot`` as an int (or a
     list of ints) in some overload and as a Tensor in none (NOTE: [0-d tensors in int
     arguments])."""
+    if slot in READ_AS_INT.get(name, ()):
+        return True  # a Tensor overload that reads it with .item() all the same
     types = _slot_types(name, slot)
     return bool(types & INT_TYPES) and not types & _TENSOR_TYPES
 

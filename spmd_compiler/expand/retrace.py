@@ -1154,6 +1154,8 @@ class _ExpandingInterpreter(RetracingInterpreter):
         self._placeholders_read += 1
         if ref is not None and ref.kind is Kind.INPUT and isinstance(value, DTensor):
             self.split_an_argument |= any(p.is_shard() for p in value.placements)
+            if any(p.is_shard() for p in value.placements):
+                private.split_argument_read(value)
             if self._node is not None:
                 self.iterations.argument(self._node, ref.name or str(ref), value)
         return value

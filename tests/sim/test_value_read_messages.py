@@ -197,6 +197,50 @@ def test_a_roll_by_a_tensor_shift_is_refused_with_its_gather_form():
     assert max((full[k] - v).abs().max() for k, v in reference.state_dict().items()) < 1e-12
 
 
+def _crop_step(form: str):  # noqa: ANN202
+    def step(model, opt, hr):  # noqa: ANN001, ANN202
+        ys = torch.randint(0, hr.shape[2] - 4 + 1, (hr.shape[0],))
+        if form == "narrow":
+            crops = [hr[i].narrow(1, ys[i], 4).narrow(2, ys[i], 4) for i in range(hr.shape[0])]
+        else:
+            crops = [hr[i].index_select(1, ys[i] + torch.arange(4)).index_select(2, ys[i] + torch.arange(4))
+                     for i in range(hr.shape[0])]
+        loss = model(torch.stack(crops)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def test_a_narrow_from_a_tensor_start_is_refused_with_its_gather_form():
+    """``hr[i].narrow(1, ys[i], P)``: narrow's Tensor overload reads the start with
+    ``.item()``, and the step was refused with the advice for value-dependent shapes
+    (torch.where, masking). Refused naming narrow and its start, with the index_select
+    form (NOTE: [0-d tensors in int arguments]), which compiles and is eager's."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 4, 3, padding=1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.rand(8, 3, 10, 10, dtype=torch.float64) for _ in range(3)]
+    message = _refused(_crop_step("narrow"), model, opt, batches[0])
+    assert "`Tensor.narrow` as argument 3 (start), an argument that torch reads with .item()" in message, message
+    assert "hr[i].narrow(1, ys[i], 4)" in message, message
+    assert "x.index_select(d, s + torch.arange(n, device=x.device))" in message, message
+    assert "value-dependent" not in message and "torch.where" not in message, message
+
+    reference, ref_opt = copy.deepcopy((model, opt))
+    torch.manual_seed(2)
+    want = [float(_crop_step("narrow")(reference, ref_opt, x)) for x in batches]  # eager's narrow
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(_crop_step("gather"))
+    torch.manual_seed(2)
+    with sc.simulate(world_size=2):
+        got = [float(compiled(model, opt, x)) for x in batches]
+        full = sc.checkpoint.full_state_dict(model, opt)["model"]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-12, (got, want)
+    assert max((full[k] - v).abs().max() for k, v in reference.state_dict().items()) < 1e-12
+
+
 def _sobol_step(engine: torch.quasirandom.SobolEngine | None):  # noqa: ANN202
     def step(model, opt, xb, points=None):  # noqa: ANN001, ANN202 - a PINN's residual
         x = (engine.draw(16) if engine is not None else points).double()
