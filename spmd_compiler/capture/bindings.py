@@ -97,11 +97,19 @@ class ReplacedParameter(torch.nn.Parameter):
             new.grad = args[1]
             return None
         if func is torch.Tensor.__repr__:
-            return f"ReplacedParameter({_RETIRED_NAMES.get(id(old), '?')}: replaced by a DTensor parameter)"
-        read = getattr(func, "__self__", None) if getattr(func, "__name__", None) == "__get__" else func
-        if getattr(read, "__name__", None) in _METADATA:  # counting parameters, say: harmless
+            return f"ReplacedParameter({_retired_name(old) or '?'}: replaced by a DTensor parameter)"
+        if reads_metadata(func):  # counting parameters, say: harmless
             return super().__torch_function__(func, types, args, kwargs)
-        name = _RETIRED_NAMES.get(id(old), "a parameter")
+        fqn = _RETIRED_NAMES.get(id(old), "")
+        name = _retired_name(old) or "a parameter"
+        if sets_requires_grad(func):
+            # the Spinning Up freeze (``for p in q_params: p.requires_grad = False``)
+            raise SPMDRuntimeError(
+                f"{name} was replaced by a DTensor parameter at the first compiled call, and "
+                "this code sets requires_grad on the old one, held from before that call "
+                "(a list of parameters): it would freeze nothing the compiled program "
+                f"trains. {freeze_hint(fqn)}"
+            )
         raise SPMDRuntimeError(
             f"{name} was replaced by a DTensor parameter at the first compiled call, and "
             f"this code still holds the old one ({getattr(func, '__name__', func)} on it): "
@@ -112,7 +120,27 @@ class ReplacedParameter(torch.nn.Parameter):
         )
 
 
-_RETIRED_NAMES: dict[int, str] = {}
+_RETIRED_NAMES: dict[int, str] = {}  # id(old parameter) -> its name in the model ("" unknown)
+
+
+def _retired_name(old: Any) -> str:
+    fqn = _RETIRED_NAMES.get(id(old), "")
+    return f"parameter {fqn!r}" if fqn else ""
+
+
+def freeze_hint(fqn: str) -> str:
+    """What to write instead of setting ``requires_grad`` on a held parameter ``fqn``:
+    the module that holds it, set in the step (NOTE: [requires_grad set in the step])."""
+    owner = fqn.rpartition(".")[0]
+    where = f"the module that holds it ({owner!r} in the model)" if owner else "the module that holds it"
+    return (
+        f"Set it through {where}, inside the step: `ac.q.requires_grad_(False)` before "
+        "the loss that must not train it and `ac.q.requires_grad_(True)` after that "
+        "loss's backward (for a critic ac.q; or `for p in ac.q.parameters(): "
+        "p.requires_grad = False`), which compiles and computes as eager does."
+    )
+
+
 # what an old parameter still answers: its metadata, the same as its replacement's global
 # metadata (not a setter: ``p.requires_grad = False`` on it would freeze nothing)
 _METADATA = frozenset({
@@ -120,6 +148,25 @@ _METADATA = frozenset({
     "size", "nelement", "element_size", "is_floating_point", "is_complex", "__len__",
 })
 _GRAD: Any = torch.Tensor.grad  # the descriptor
+_REQUIRES_GRAD: Any = torch.Tensor.requires_grad  # the descriptor
+
+
+def reads_metadata(func: Any) -> bool:
+    """``func`` (as ``__torch_function__`` gets it) reads a tensor's metadata only
+    (``p.shape``, ``p.numel()``, ``p.requires_grad``)."""
+    read = getattr(func, "__self__", None) if getattr(func, "__name__", None) == "__get__" else func
+    return getattr(read, "__name__", None) in _METADATA
+
+
+def sets_requires_grad(func: Any) -> bool:
+    """``func`` is ``t.requires_grad = flag`` or ``t.requires_grad_(flag)``."""
+    name = getattr(func, "__name__", None)
+    return name == "requires_grad_" or (name == "__set__" and getattr(func, "__self__", None) is _REQUIRES_GRAD)
+
+
+def replacement_of(p: torch.Tensor) -> torch.nn.Parameter | None:
+    """The DTensor parameter that replaced ``p`` (a ``ReplacedParameter``), or None."""
+    return _replacement(p) if isinstance(p, ReplacedParameter) else None
 
 
 def retire_replaced_parameters() -> None:
@@ -130,7 +177,7 @@ def retire_replaced_parameters() -> None:
         old = ref()
         if old is None or type(old) is not torch.nn.Parameter:
             continue
-        _RETIRED_NAMES[id(old)] = f"parameter {name!r}" if name else "a parameter"
+        _RETIRED_NAMES[id(old)] = name
         weakref.finalize(old, _RETIRED_NAMES.pop, id(old), None)
         old.__class__ = ReplacedParameter
 

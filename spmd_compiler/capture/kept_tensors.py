@@ -352,6 +352,8 @@ class KeptTensors:
         # NOTE: [tensors read from outside the arguments]; NOTE: [every place a constant
         # is read from]
         self.outside: dict[int, list[FoundTensor]] = {}
+        # id -> (an outside leaf that requires grad, its .grad before the trace)
+        self._grads_before: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         # id(tensor) -> which module's state it is and where the module was found, for a
         # module the walk meets that is not one of the step's (NOTE: [modules read by name
         # beside the given ones])
@@ -618,6 +620,8 @@ class KeptTensors:
         (NOTE: [tensors read from outside the arguments])."""
         if is_traced(value):
             return
+        if value.requires_grad and value.is_leaf and not is_traced(value.grad):
+            self._grads_before.setdefault(id(value), (value, value.grad))  # NOTE: [gradients of outside leaves]
         places = self.outside.setdefault(id(value), [])
         if not any(p.container is container and p.key == key for p in places):
             places.append(FoundTensor(label, container, key, value, in_argument))
@@ -764,6 +768,15 @@ class KeptTensors:
 
     def restore(self) -> None:
         """Put every traced value back out of the user's objects (see the NOTE)."""
+        # NOTE: [gradients of outside leaves]
+        # A leaf tensor that requires grad, read from outside the step's modules (SAC's
+        # bare ``self.log_alpha = torch.zeros(1, requires_grad=True)``), took the trace's
+        # backward into its ``.grad``: a refused capture (such a tensor is refused as a
+        # constant, or its optimizer as not given) left a FakeTensor there, which broke
+        # the user's next eager use. The program never writes it: its ``.grad`` is put back.
+        for tensor, grad in self._grads_before.values():
+            if tensor.grad is not grad:
+                tensor.grad = grad
         for h in self.holders:
             if h.kind == "list":
                 old = set(map(id, h.before))

@@ -130,6 +130,7 @@ from .grad_scalers import (
 from .gradients import mark_gradients
 from .group_writes import LR_WRITE_HINT, GroupWritesSeen, MomentumGroupWritesSeen, written_at
 from .guards import set_or_delete
+from .held_parameters import HeldParameterUses
 from .hooks_as_found import HooksAsFound, HookState
 from .int_arguments import torch_function_name
 from .kept_tensors import KeptTensor, KeptTensors, refuse_kept_read_back
@@ -175,6 +176,7 @@ from .scalar_arguments import ScalarTensors, user_step_modes_paused
 from .strided_windows import names_its_elements_in_order
 from .tensor_indices import TensorIndicesTaken
 from .traced_items import (
+    ITEM_HINT,
     KERNEL_READ_VALUES,
     ItemsAsOutputs,
     ItemUsedInPython,
@@ -1144,9 +1146,7 @@ def _trace_first(
             user_line=step_frame_from_traceback(exc.__traceback__, code),
             failed_at=innermost_model_frame(exc.__traceback__),
             hint=(
-                getattr(exc, "hint", None) or "return the value (`return loss.item()` works: NOTE: [returned "
-                ".item() values]) and use the number outside the compiled step, or compute "
-                "with the tensor itself."
+                getattr(exc, "hint", None) or ITEM_HINT
                 if isinstance(exc, ItemUsedInPython)
                 else model_mask_hint(exc.__traceback__)  # NOTE: [advice for rows of a model mask counted]
                 if isinstance(exc, RowsOfAModelMaskCounted)
@@ -1214,6 +1214,22 @@ def _trace_first(
                 hint="create the optimizer before the first call (in __init__, or before "
                 "compiling the step), over the model's parameters, and keep the step's "
                 "call to its step().",
+            ) from exc
+        if isinstance(exc, _OptimizerNotPassed) and (bare := _tensor_of_no_module(exc.optimizer)) is not None:
+            raise SPMDCompileError(
+                f"The train step calls step() of a {type(exc.optimizer).__module__}."
+                f"{type(exc.optimizer).__name__} that is not among its optimizers, and it "
+                f"updates a tensor of shape {tuple(bare.shape)} that is no nn.Parameter, so "
+                "belongs to no module (a leaf made with requires_grad=True, SAC's "
+                "`self.log_alpha = torch.zeros(1, requires_grad=True)`): passing the "
+                "optimizer alone does not help, since a compiled step trains only the "
+                "parameters of the modules it is given (NOTE: [optimizers over tensors of "
+                "no module]).",
+                user_line=step_frame_from_traceback(exc.__traceback__, code),
+                hint="hold the tensor in an nn.Module and pass that module and the optimizer "
+                "to the step: `alpha = nn.Module(); alpha.log_alpha = nn.Parameter(torch.zeros(1))`, "
+                "`alpha_optim = Adam(alpha.parameters(), lr)`, the step reading "
+                "`alpha.log_alpha` (docs/porting.md).",
             ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
@@ -1723,7 +1739,10 @@ def _requires_grad_set(
     with the flag put back: the user's parameter itself set while traced, reached
     through a reference held outside the modules (a global list of parameters): the
     trace's stand-in kept its flag, so the program would train a layer eager freezes
-    (3.4e-2 off eager before)."""
+    (3.4e-2 off eager before). That compares the flags after the trace only, and a
+    freeze set back within the step (Spinning Up's ``q_params``) passed it: such a set
+    is refused at the set since the sixty-eighth session (NOTE: [parameters held
+    outside the modules]); this check stays for a set no torch function mode sees."""
     for name, before in found:
         if real[name].requires_grad != before:
             for other, flag in found:
@@ -2212,6 +2231,7 @@ class _StepTracer:
                     ScalarTensors(self.floats.is_stand_in),  # NOTE: [0-d tensors in Scalar arguments]
                     RegistrationsWatched(b.modules) as registered,
                     RequiresGradCalls([values[r] for r in requiring]) as flags_set,
+                    HeldParameterUses(b.params, params),  # NOTE: [parameters held outside the modules]
                 ):
                     result = self.func(*args, **kwargs)
                 settle_removed_state(b.optimizers, swapped)  # NOTE: [optimizer state removed in the step]
@@ -2507,6 +2527,20 @@ def _built_in_the_step(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` holds the trace's stand-in parameters: NOTE: [optimizers
     created inside the step]."""
     return any(private.is_fake(p) for group in optimizer.param_groups for p in group["params"])
+
+
+def _tensor_of_no_module(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """NOTE: [optimizers over tensors of no module]
+    An optimizer the step was not given, refused as such (NOTE: [modules and optimizers
+    by name]), told the user to pass it and the modules whose parameters it updates;
+    where it updates a plain leaf tensor (SAC's ``self.log_alpha = torch.zeros(1,
+    requires_grad=True)`` with ``Adam([self.log_alpha])``) no module holds it and passing
+    the optimizer was refused again. The first such tensor, for a refusal naming the
+    module form (an ``nn.Parameter`` on a module passed to the step)."""
+    return next(
+        (p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, torch.nn.Parameter)),
+        None,
+    )
 
 
 # NOTE: [optimizers created inside the step]

@@ -138,6 +138,19 @@ def _draw_hint() -> str:
     return hint + "."
 
 
+# what to do about an item used as a Python number (the generic refusal's): where the
+# number feeds tensor math (CleanRL's SAC: ``alpha = log_alpha.exp().item()``, then
+# ``alpha * log_prob``), ``.detach()`` keeps it a tensor without a gradient, which the
+# program computes as eager computes the float
+ITEM_HINT = (
+    "where the number feeds tensor math (`alpha = log_alpha.exp().item()`, then "
+    "`alpha * log_prob`), keep it a tensor without a gradient instead: `alpha = "
+    "log_alpha.exp().detach()`, which computes as eager does; a number for Python "
+    "(logging) is returned (`return loss.item()` works: NOTE: [returned .item() values]) "
+    "and used outside the compiled step."
+)
+
+
 class TracedItem:
     """The value of ``tensor.item()``, known only when the program runs."""
 
@@ -165,7 +178,9 @@ class TracedItem:
             )
         _raise_used(
             "the value of .item() is computed by the program at run time; inside a compiled "
-            "step it can only be returned"
+            "step it can only be returned, compared (`if loss.item() > 1e4:`) or put back "
+            "into a tensor (`torch.tensor(x.item())`), not used as a Python number "
+            "(arithmetic, float(), formatting)"
         )
 
     def __bool__(self) -> bool:
@@ -596,6 +611,6 @@ def value_read_errors() -> tuple[type[BaseException], ...]:
 
 
 __all__ = [
-    "KERNEL_READ_VALUES", "ItemUsedInPython", "KernelReadValues", "ItemsAsOutputs", "TracedItem", "caught_item_uses", "checks_on_items", "drop_unneeded_snapshots",
+    "ITEM_HINT", "KERNEL_READ_VALUES", "ItemUsedInPython", "KernelReadValues", "ItemsAsOutputs", "TracedItem", "caught_item_uses", "checks_on_items", "drop_unneeded_snapshots",
     "value_read_errors",
 ]
