@@ -62,12 +62,40 @@ def _breaks_of(loop: ast.While) -> list[ast.If]:
     return found
 
 
+def _exits_of(loop: ast.While) -> list[ast.AST]:
+    """The ``break``, ``return`` and ``raise`` statements of ``loop``'s body (not of a loop
+    or function inside it: a ``break`` there ends that loop)."""
+    found: list[ast.AST] = []
+    stack: list[ast.AST] = list(loop.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):  # their breaks are theirs
+            stack.extend(n for n in ast.walk(node) if isinstance(n, (ast.Return, ast.Raise)))
+            continue
+        if isinstance(node, (ast.Break, ast.Return, ast.Raise)):
+            found.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _one_condition(test: ast.expr) -> bool:
+    """Whether ``test`` is one condition (``x.any()``, ``not (y < tol).all()``), not a
+    combination by ``and`` / ``or`` that may hold a Python bound (``k < 5 and ...``)."""
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test = test.operand
+    return not isinstance(test, ast.BoolOp)
+
+
 def while_of_condition(frame: Any) -> ast.While | None:
-    """The ``while`` statement whose condition ``frame`` is evaluating or testing, or None;
-    in a ``while True:`` loop, the condition of an ``if`` that ends it by ``break`` (torch's
-    ``trunc_normal_``: ``while True: ... if not mask.any(): break``) counts as its
-    condition. An ``if`` in the body of another loop (a ``for``, a ``while`` on a Python
-    value) is none."""
+    """The ``while`` statement whose condition ``frame`` is evaluating or testing, where
+    that condition alone ends the loop, or None; in a ``while True:`` loop, the condition
+    of the one ``if`` that ends it by ``break`` (torch's ``trunc_normal_``: ``while True:
+    ... if not mask.any(): break``) counts as its condition. A loop with another way out
+    (a ``break``, ``return`` or ``raise`` besides, a condition combined with ``and`` /
+    ``or``: ``while k < 5 and not done.any():``) may be bounded by Python and is none, as
+    is an ``if`` in the body of another loop (a ``for``, a ``while`` on a Python value)."""
     found = _position_and_tree(frame)
     if found is None:
         return None
@@ -76,11 +104,13 @@ def while_of_condition(frame: Any) -> ast.While | None:
         if not isinstance(node, ast.While):
             continue
         if _tests(position, node):
-            return node
-        if isinstance(node.test, ast.Constant) and node.test.value and any(
-            _tests(position, test) for test in _breaks_of(node)
-        ):
-            return node
+            return node if _one_condition(node.test) and not _exits_of(node) else None
+        if isinstance(node.test, ast.Constant) and node.test.value:
+            ending = [test for test in _breaks_of(node) if _tests(position, test)]
+            if ending:
+                exits = _exits_of(node)
+                sole = len(exits) == 1 and any(exits[0] in (*i.body, *i.orelse) for i in ending)
+                return node if sole and _one_condition(ending[0].test) else None
     return None
 
 

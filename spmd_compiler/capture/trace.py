@@ -1576,8 +1576,11 @@ def _decide_value_ifs(
 # refused at its first test instead of after 16). An ``if`` in a ``for`` loop's body
 # (DINO's per-parameter ``if clip_coef < 1``) and an ``if ...: break`` in a ``for`` or in
 # a ``while`` on a Python value are not: traced both ways as before (the ACT halting
-# loop, NOTE: [programs for the ways of ifs]). A ``while`` whose condition is a Python value only is no value
-# check at all; one whose way runs into a ``raise`` is decided from its bytecode first
+# loop, NOTE: [programs for the ways of ifs]). Nor is a loop that may end in Python: a
+# condition combined by ``and`` / ``or`` (``while k < 5 and err > tol:``) or another
+# ``break`` / ``return`` / ``raise`` in the body (a review of the sixty-eighth session:
+# refused at its first test, where its ways compiled as branches before). A ``while``
+# whose condition is a Python value only is no value check at all; one whose way runs into a ``raise`` is decided from its bytecode first
 # (NOTE: [checks decided from their bytecode]).
 _WHILE_HINT = (
     "loop a fixed number of rounds and select with torch.where: a rejection loop "

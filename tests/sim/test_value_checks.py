@@ -290,6 +290,36 @@ def test_an_if_in_a_for_loop_is_no_while():
         assert max(compare_models(model, reference, sim).values()) < TOL
 
 
+def bounded_halving_step(model, optim, x):  # noqa: ANN001
+    """A `while` on a tensor value with a Python bound beside it: at most 2 rounds."""
+    y = model(x)
+    k = 0
+    while k < 2 and y.abs().max() > 0.05:
+        y = y / 2
+        k += 1
+    loss = y.pow(2).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_a_while_bounded_in_python_is_a_branch_as_before():
+    """NOTE: [while loops on tensor values]: a condition combined with a Python bound may
+    end the loop in Python; its ways are branches, compiled as the data goes (review of
+    the sixty-eighth session: refused at its first test before this)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    compiled = sc.compile(make_mode("ddp"))(bounded_halving_step)
+    with sc.simulate(world_size=2) as sim:
+        for x in _batches(3):
+            got = compiled(model, optim, x)
+            assert relative_difference(got, bounded_halving_step(reference, reference_optim, x)) < TOL
+        assert max(compare_models(model, reference, sim).values()) < TOL
+
+
 def test_checks_survive_the_compile_cache(tmp_path):
     """A step loaded from the persistent cache keeps its checks (step_key's entry)."""
     x = _batches(1)[0]

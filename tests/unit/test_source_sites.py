@@ -71,10 +71,47 @@ def test_a_while_condition_is_found_at_its_top_and_end_tests():
     assert seen.loops == [_line(while_loop, 1)] * 3
 
 
-def test_a_negated_and_combined_while_condition_is_found():
+def while_not_alone(seen: Seen) -> None:
+    while not seen:
+        pass
+
+
+def test_a_negated_while_condition_is_found():
+    seen = Seen(times=1)  # truthy at once: the loop ends at its first test
+    while_not_alone(seen)
+    assert seen.loops == [_line(while_not_alone, 1)]
+
+
+def test_a_combined_while_condition_is_none():
+    """``k >= 5`` bounds the loop in Python: its ways are branches, as before."""
     seen = Seen(times=0)
     while_not_loop(seen)
-    assert seen.loops and set(seen.loops) == {_line(while_not_loop, 2)}
+    assert seen.loops and set(seen.loops) == {None}
+
+
+def bounded_loops(seen: Seen) -> None:
+    k = 0
+    while seen:
+        k += 1
+        if k >= 2:
+            break
+    k = 0
+    while True:
+        k += 1
+        if not seen:
+            break
+        if k >= 2:
+            raise RuntimeError("no convergence")
+
+
+def test_a_while_with_another_way_out_is_none():
+    """A ``break`` or ``raise`` beside the condition may bound the loop in Python."""
+    seen = Seen(times=10)
+    try:
+        bounded_loops(seen)
+    except RuntimeError:  # the second loop's Python bound
+        pass
+    assert len(seen.loops) == 4 and set(seen.loops) == {None}, seen.loops
 
 
 def test_ifs_in_a_for_or_while_body_are_no_loop_condition():
