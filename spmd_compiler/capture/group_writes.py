@@ -16,14 +16,19 @@ A module attribute the step changes on every call (``model.it += 1``) is refused
 the probe trace of NOTE: [a step that changes what it reads]; the refusal named the
 ``def`` line of the step (probe s66). While the probe runs, ``module_writes_seen``
 watches ``nn.Module.__setattr__`` for the one attribute the first trace changed and
-keeps the line of its last write, which the refusal names. A write that bypasses it
-(``model.__dict__[...]``, an attribute of a plain object or a global) keeps the ``def``
-line.
+keeps the line of its last write, which the refusal names. An attribute of a plain
+object the step is given (TD3's delayed actor update counted as ``ctr.it += 1``) named the
+``def`` line too (sixty-eighth session's probe): its owner, found among the referrers of
+its ``__dict__`` (``gc``, some 50 ms, only where that dict is no module's and no
+module's globals), has its class's ``__setattr__`` watched the same way while the probe
+runs. A write that bypasses both (``obj.__dict__[...]``, a global, an object of a class
+that cannot take an attribute: a builtin one) keeps the ``def`` line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -87,12 +92,41 @@ def module_writes_seen(change: Change | None) -> Iterator[list[SourceLocation | 
         yield seen
         return
     container, key = change.place
-    set_attribute = nn.Module.__setattr__
-
-    def watched(module: nn.Module, name: str, value: Any) -> None:
-        if name == key and module.__dict__ is container:
-            seen.append(innermost_model_frame_of_stack())
-        set_attribute(module, name, value)
-
-    with mock.patch.object(nn.Module, "__setattr__", watched):
+    owner = nn.Module if _of_a_module(container) else _class_of_owner(container)
+    if owner is None:
         yield seen
+        return
+    of_class: Any = owner
+    set_attribute = of_class.__setattr__  # the class's own function, unbound
+
+    def watched(obj: Any, name: str, value: Any) -> None:
+        if name == key and getattr(obj, "__dict__", None) is container:
+            seen.append(innermost_model_frame_of_stack())
+        set_attribute(obj, name, value)
+
+    try:
+        patch = mock.patch.object(owner, "__setattr__", watched)
+        patch.__enter__()
+    except (TypeError, AttributeError):  # a builtin class: nothing watched
+        yield seen
+        return
+    try:
+        yield seen
+    finally:
+        patch.__exit__(None, None, None)
+
+
+def _of_a_module(container: object) -> bool:
+    """Whether ``container`` is the ``__dict__`` of an ``nn.Module`` (or looks so)."""
+    return isinstance(container, dict) and "_parameters" in container and "_modules" in container
+
+
+def _class_of_owner(container: object) -> type | None:
+    """The class of the object whose ``__dict__`` is ``container`` (see the NOTE); None
+    for a module's globals or where no such object is found."""
+    if not isinstance(container, dict) or "__builtins__" in container:
+        return None
+    for referrer in gc.get_referrers(container):
+        if not isinstance(referrer, (dict, type)) and getattr(referrer, "__dict__", None) is container:
+            return type(referrer)
+    return None

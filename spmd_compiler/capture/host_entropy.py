@@ -51,6 +51,7 @@ from unittest import mock
 
 from ..errors import SourceLocation, SPMDCompileError
 from .callers import users_file, users_globals_holding
+from .source_sites import call_running
 
 _HINT = (
     "draw outside the step (a mixup weight from rng.beta(a, a) with rng = "
@@ -95,7 +96,7 @@ def _refused(name: str, real: Callable[..., Any], tracing: list[bool]) -> Callab
         if tracing[0] and threading.get_ident() == tracing_thread:
             asker, door = _asker(sys._getframe(1))
             if asker is not None and asker.f_code.co_name != "<module>" and _users_own(asker.f_code.co_filename):
-                call = _call_running(asker)
+                call = call_running(asker)
                 if not _seeds_deterministically(asker, door, call):
                     _refuse(name, asker, door, call)
         return real(*args, **kwargs)
@@ -107,19 +108,6 @@ def _users_own(filename: str) -> bool:
     """A user's file: also not in any ``site-packages`` / ``dist-packages`` folder (an
     environment that reads another's packages through a ``.pth``), as ``own_code``."""
     return users_file(filename) and "-packages" not in filename
-
-
-def _call_running(frame: types.FrameType) -> ast.Call | None:
-    """The call expression ``frame`` is running, found in its file's source by the
-    position of its current instruction; None where that cannot be read."""
-    try:
-        _, end_line, _, end_column = list(frame.f_code.co_positions())[frame.f_lasti // 2]
-        tree = ast.parse("".join(linecache.getlines(frame.f_code.co_filename)))
-    except (IndexError, SyntaxError, ValueError):
-        return None
-    found = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and (node.end_lineno, node.end_col_offset) == (end_line, end_column)]
-    return found[-1] if found else None  # the innermost of calls ending there (f(g)(x))
 
 
 # NumPy calls that read the entropy and then set the state from their argument

@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 from unittest import mock
 
 import torch
@@ -1505,6 +1505,9 @@ def _decide_value_ifs(
             coin = undecided.coin
             settled = undecided.settled
             where = undecided.where
+            compared_in = undecided.compared_in
+            if undecided.loop is not None:  # NOTE: [while loops on tensor values]
+                _refuse_while(undecided)
             if sum(text != UNTRACED for text in raised) >= MAX_VALUE_IFS or len(decisions) >= MAX_VALUE_CHECKS:
                 traced = sum(text != UNTRACED for text in raised) >= MAX_VALUE_IFS
                 raise SPMDCompileError(
@@ -1547,6 +1550,8 @@ def _decide_value_ifs(
             # NOTE: [a way no program holds]: the other way is compiled; a call that goes
             # this way is refused, as a check's raising way is
             ((way, refusal),) = refused.items()
+            if compared_in is not None and isinstance(refusal, ItemUsedInPython):
+                _refuse_item_clamp(compared_in, where, refusal)  # NOTE: [max and min of an .item() value]
             choice, text = not way, _refusal_text(refusal)
         elif choice is None:  # a branch: speculated, verified every call (NOTE: [value checks])
             choice, text = True, ""
@@ -1569,6 +1574,90 @@ def _decide_value_ifs(
         for check, text in zip(tracer.checks, raised, strict=True)
     ]
     return first, tracer
+
+
+# NOTE: [while loops on tensor values]
+# ``while (neg == pos).any(): neg = torch.where(neg == pos, torch.randint(...), neg)`` (BPR
+# negatives redrawn until none equals the positive; eager runs it 0 to 2 times) tests a
+# tensor's value on every round, so how many rounds run is the data's (and the draws')
+# decision, which one program of fixed ops cannot hold. Capture traced each test both
+# ways as a branch, guessing True (another round), so a `while` whose body does not raise
+# ran rounds until ``MAX_VALUE_IFS``: refused after 50.8 s of capture (sixty-eighth
+# session's probe) as "more than 16 `if`s ... traced both ways", naming no loop. Now the
+# `if` met beyond the decisions whose instruction is a ``while`` statement's condition
+# (its position in the file's syntax tree, ``source_sites.while_of_condition``: the
+# condition's own instructions, or the jump that tests it at the loop's top and end) is
+# refused on the spot, before any way of it is traced, naming the ``while`` line and the
+# fixed-rounds form. In a ``while True:`` loop an ``if`` whose body breaks is the loop's
+# condition too (torch's ``trunc_normal_``: ``while True: ... if not mask.any(): break``,
+# refused at its first test instead of after 16). An ``if`` in a ``for`` loop's body
+# (DINO's per-parameter ``if clip_coef < 1``) and an ``if ...: break`` in a ``for`` or in
+# a ``while`` on a Python value are not: traced both ways as before (the ACT halting
+# loop, NOTE: [programs for the ways of ifs]). Nor is a loop that may end in Python: a
+# condition combined by ``and`` / ``or`` (``while k < 5 and err > tol:``) or another
+# ``break`` / ``return`` / ``raise`` in the body (a review of the sixty-eighth session:
+# refused at its first test, where its ways compiled as branches before). A ``while``
+# whose condition is a Python value only is no value check at all; one whose way runs into a ``raise`` is decided from its bytecode first
+# (NOTE: [checks decided from their bytecode]).
+_WHILE_HINT = (
+    "loop a fixed number of rounds and select with torch.where: a rejection loop "
+    "`while (neg == pos).any(): neg = torch.where(neg == pos, torch.randint(...), neg)` "
+    "becomes `for _ in range(R): neg = torch.where(neg == pos, torch.randint(...), neg)` "
+    "(R large enough that a clash left over is rare, or masked out of the loss); a loop "
+    "until a value converges, a fixed number of iterations with `x = torch.where(done, x, "
+    "update(x))`. The fixed rounds draw R times on every call where eager's `while` draws "
+    "only as many times as it needs, so the random numbers no longer match an eager run "
+    "of the `while` draw for draw; where that exactness matters, run the loop outside the "
+    "compiled step and pass its result in as an argument."
+)
+
+
+def _refuse_while(undecided: Undecided) -> NoReturn:
+    """Refuse a ``while`` whose condition is a tensor's value (see the NOTE)."""
+    tested = "" if undecided.where == str(undecided.loop) else f" (tested at {undecided.where})"
+    raise SPMDCompileError(
+        f"{undecided.owner} loops on a tensor's value: the `while` at {undecided.loop} "
+        f"runs until a tensor's value ends it{tested}, so the number "
+        "of times it runs depends on the values on each call, and a loop whose trip count depends on tensor "
+        "values cannot be one compiled program (its ops are fixed). Every `while` on a "
+        "tensor value is refused (NOTE: [while loops on tensor values]).",
+        user_line=undecided.loop,
+        hint=_many_ifs_hint(undecided.in_torch) if undecided.in_torch else _WHILE_HINT,
+    )
+
+
+# NOTE: [max and min of an .item() value]
+# ``n = m.sum().item(); loss = l.sum() / max(n, 1)`` compares the item with 1 in Python
+# (``1 > n``, a ``TracedItem`` whose truth value is an ``if`` on a tensor). Of its two
+# ways, the one where max() gives ``n`` divides by the item in Python, which no program
+# holds (NOTE: [a way no program holds]), so capture compiled the other, max() giving 1:
+# the way a count clamped at 1 takes only when it is 0. The step compiled, and nearly
+# every call after it was refused with SPMDRuntimeError (sixty-eighth session's probe).
+# Where the `if` is the comparison inside a call of the builtin max() or min() (its frame
+# runs that call: ``source_sites.builtin_called``) and one way uses the item in Python,
+# capture refuses the step, naming the line and the tensor form (``clamp(min=1)``). Other
+# `if`s with such a way (``if loss.item() > 1e4: print(f"{loss.item()}")``, Longformer's
+# ``if is_global_attn:``) stay a way no program holds: the compiled way is the usual one.
+def _refuse_item_clamp(builtin: str, where: str, refusal: ItemUsedInPython) -> NoReturn:
+    """Refuse max() / min() of an ``.item()`` value whose one way uses it in Python (see
+    the NOTE)."""
+    bound = "min" if builtin == "max" else "max"
+    used = _where_it_failed(refusal)
+    used = " on the same line" if where in used else used or " further on"
+    raise SPMDCompileError(
+        f"The train step compares an .item() value with a number in Python: {builtin}() at "
+        f"{where}. One way of that comparison uses the value in Python"
+        f"{used}, which no compiled program holds, so "
+        f"only the other way could be compiled, where {builtin}() gives the number: it "
+        f"would serve only the calls whose value is {'below' if builtin == 'max' else 'above'} "
+        "that number, and refuse the others (for a count clamped at 1, nearly every call). "
+        "So it is refused at capture (NOTE: [max and min of an .item() value]).",
+        user_line=where,
+        hint=f"compute with the tensor instead of its .item(): `m.sum().clamp({bound}=1)` "
+        f"for `{builtin}(m.sum().item(), 1)`, then use that 0-d tensor (`loss = (l * "
+        f"m).sum() / m.sum().clamp({bound}=1)`); an .item() value can only be returned "
+        "(NOTE: [returned .item() values]).",
+    )
 
 
 def _many_ifs_hint(in_torch: str | None) -> str:

@@ -47,7 +47,8 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
   [float arguments as graph inputs]) is Python's decision, not the data's: the float
   stays a guard, as before.
 - Bounds: ``MAX_VALUE_IFS`` ``if``s traced both ways per traced call (a ``while`` on a
-  value that runs until it converges is refused), ``MAX_VALUE_CHECKS`` ``if``s in all,
+  tensor's value is refused at its first test: NOTE: [while loops on tensor values] in
+  ``trace.py``), ``MAX_VALUE_CHECKS`` ``if``s in all,
   ``MAX_BRANCH_PROGRAMS`` programs per step (used by ``api.py``), and
   ``MAX_COIN_BRANCHES`` branches on random draws alone (NOTE: [ifs on random draws
   alone]). An ``if`` traced both ways costs two traces of the step from its start at
@@ -158,6 +159,7 @@ import contextlib
 import dis
 import importlib
 import json
+import linecache
 import os
 import re
 import signal
@@ -173,9 +175,10 @@ from unittest import mock
 import torch
 
 from .. import _torch_private as private
-from ..errors import innermost_model_frame_of_stack, innermost_model_traceback
+from ..errors import SourceLocation, innermost_model_frame_of_stack, innermost_model_traceback
 from ..ir.signature import ValueCheck
 from .python_scalars import FloatArgumentUsedInPython
+from .source_sites import builtin_called, while_of_condition
 
 # programs one step may need for the ways its `if`s on tensor values go (``api.py``)
 MAX_BRANCH_PROGRAMS = 8
@@ -202,10 +205,14 @@ class Undecided(Exception):
 
     def __init__(
         self, where: str, coin: bool = False, settled: bool | None = None, guessed: list[bool] | None = None,
-        guessed_raised: list[str] | None = None,
+        guessed_raised: list[str] | None = None, frame: Any = None,
     ) -> None:
         super().__init__(f"a check on a tensor's value at {where}")
         self.where = where
+        # the `while` whose condition this is (NOTE: [while loops on tensor values]) and
+        # the builtin whose comparison it is (NOTE: [max and min of an .item() value])
+        self.loop = None if frame is None else while_line(frame)
+        self.compared_in = None if frame is None else builtin_called(frame)
         # the decisions the trace took on the spot before it stopped here, after those it
         # was given (NOTE: [checks decided from their bytecode], NOTE: [checks of this
         # package decided on the spot]), and what each one's other way raises
@@ -217,6 +224,16 @@ class Undecided(Exception):
         # the torch function the step called that holds the `if` (``torch.nn.init.
         # trunc_normal_``'s rejection loop), if it is torch's: the refusal says so
         self.in_torch = torch_function_called()
+
+
+def while_line(frame: Any) -> SourceLocation | None:
+    """The line of the ``while`` whose condition ``frame`` is testing (NOTE: [while loops
+    on tensor values]), or None."""
+    loop = while_of_condition(frame)
+    if loop is None:
+        return None
+    filename = frame.f_code.co_filename
+    return SourceLocation(filename, loop.lineno, linecache.getline(filename, loop.lineno).strip())
 
 
 def torch_function_called() -> str | None:
@@ -302,7 +319,7 @@ class BranchDecisions:
                 raise Undecided(
                     where, coin=coin, settled=settled_coin(t) if coin else None,
                     guessed=self.decisions[self.given:],
-                    guessed_raised=[site.raised for site in self.sites[self.given:]],
+                    guessed_raised=[site.raised for site in self.sites[self.given:]], frame=found,
                 ) from None
             self.decisions.append(not raising)
             raised = UNTRACED

@@ -787,8 +787,10 @@ def check_failed(check: ValueCheck) -> BaseException:
                        "the way this call's value takes reads a tensor's value in Python (a "
                        "value-dependent shape, an .item() or an `if` on a tensor)")
         return SPMDRuntimeError(
-            f"{opening}, which a compiled step cannot follow: the program holds one way "
-            "of it, and this call's value went the other way (what the capture found: "
+            f"{opening}, which a compiled step cannot follow: only the way that keeps "
+            "the value out of Python could be compiled, and this call goes the other way. "
+            "The cause is the step's code, not this call's data: the compiled way may be "
+            "one few calls take (what the capture found: "
             f"{check.raised}). Nothing was updated: the model and optimizer keep the "
             "state of the last completed step."
         )

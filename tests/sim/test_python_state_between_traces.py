@@ -716,3 +716,33 @@ def test_a_refused_module_counter_names_the_line_that_writes_it():
     assert "changes a Python value every time it runs: module <root>.it went from 1 to 2 on this call, and from 2 to 3" in message, message
     assert f'test_python_state_between_traces.py:{line}: "model.it += 1' in message, message
     assert model.it == 1
+
+
+class Counter:
+    """A plain object the step is given, counting its calls (TD3's delayed actor update)."""
+
+    def __init__(self) -> None:
+        self.it = 0
+
+
+def plain_counter_step(model, opt, x, y, ctr):  # noqa: ANN001
+    loss = plain_step(model, opt, x, y)
+    ctr.it += 1  # the write the refusal names
+    return loss
+
+
+def test_a_refused_plain_object_counter_names_the_line_that_writes_it():
+    """``ctr.it += 1`` on a plain object: the refusal named the ``def`` line of the step
+    (sixty-eighth session's probe); it names the write's line (NOTE: [lines of param-group
+    writes]), leaves the counter as found and the class's ``__setattr__`` as it was."""
+    model, ctr = Net(), Counter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = sc.compile(parallel_mode=DataParallel("replicate"))(plain_counter_step)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    with sc.simulate(world_size=2), pytest.raises(SPMDCompileError) as info:
+        compiled(model, opt, x, y, ctr)
+    message = str(info.value)
+    line = plain_counter_step.__code__.co_firstlineno + 2
+    assert "attribute it of argument ctr of the step went from 0 to 1" in message, message
+    assert f'test_python_state_between_traces.py:{line}: "ctr.it += 1' in message, message
+    assert ctr.it == 0 and "__setattr__" not in Counter.__dict__
