@@ -24,10 +24,11 @@ line.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 from unittest import mock
 
+import torch
 import torch.nn as nn
 
 from ..errors import Change, SourceLocation, innermost_model_frame_of_stack
@@ -79,20 +80,32 @@ def written_at(group: Any, keys: list[Any]) -> SourceLocation | None:
 
 
 @contextlib.contextmanager
-def module_writes_seen(change: Change | None) -> Iterator[list[SourceLocation | None]]:
-    """The lines that write the module attribute ``change`` names, while the block runs
-    (see the NOTE); nothing watched where ``change`` is no attribute."""
+def module_writes_seen(
+    change: Change | None, optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> Iterator[list[SourceLocation | None]]:
+    """The lines that write the module or optimizer attribute ``change`` names, while
+    the block runs (see the NOTE); nothing watched where ``change`` is no attribute."""
     seen: list[SourceLocation | None] = []
     if change is None or change.place is None:
         yield seen
         return
     container, key = change.place
-    set_attribute = nn.Module.__setattr__
-
-    def watched(module: nn.Module, name: str, value: Any) -> None:
-        if name == key and module.__dict__ is container:
-            seen.append(innermost_model_frame_of_stack())
-        set_attribute(module, name, value)
-
-    with mock.patch.object(nn.Module, "__setattr__", watched):
+    # an optimizer's own counter (``self.t += 1`` in its step()): its class's __setattr__
+    # is watched, for that object only (NOTE: [counters a custom optimizer keeps])
+    watched_classes = [nn.Module, *{type(o) for o in optimizers if vars(o) is container}]
+    with contextlib.ExitStack() as stack:
+        for cls in watched_classes:
+            stack.enter_context(mock.patch.object(cls, "__setattr__", _watched(cls.__setattr__, container, key, seen)))
         yield seen
+
+
+def _watched(set_attribute: Any, container: object, key: object, seen: list[SourceLocation | None]) -> Any:
+    """``set_attribute`` (a ``__setattr__``) that keeps the line of each write of ``key``
+    into the object whose ``__dict__`` is ``container``."""
+
+    def watched(obj: object, name: str, value: Any) -> None:
+        if name == key and getattr(obj, "__dict__", None) is container:
+            seen.append(innermost_model_frame_of_stack())
+        set_attribute(obj, name, value)
+
+    return watched
