@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import threading
 import time
 import types
@@ -33,6 +34,7 @@ from .capture.bindings import (
     WalkMemo,
     argument_paths,
     find_bindings,
+    lr_read_in_python,
     retire_replaced_parameters,
     tensor_argument_names,
 )
@@ -49,6 +51,7 @@ from .capture.hooks_as_found import HooksAsFound
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensor, KeptTensors, kept_container_ids
 from .capture.lr_schedulers import scheduler_state, step_replayed
+from .capture.optimizer_advice import attribute_counter_hint
 from .capture.trace import CAPTURE_FAILED, capture_step, refuse_anomaly_checks, traces_start_from
 from .capture.value_checks import MAX_BRANCH_PROGRAMS, WayRaised, too_many_ways
 from .errors import (
@@ -589,7 +592,7 @@ class CompiledTrainStep:
                 paths = self._argument_paths(bindings)  # NOTE: [counts passed as Python ints]
                 counts = [(paths[i], a) for i, a in enumerate(bindings.flat_args) if type(a) is int]
                 warn_on_local_ids(executable.program, tensor_args, self.mode.local_index_inputs(), counts)
-            self._count_recompile()
+            self._count_recompile(bindings)
             self._last_key = key
             made = executable.program.captured.made_state
         if self._last is not None and self._last is not executable:
@@ -814,7 +817,7 @@ class CompiledTrainStep:
         # divide) compiles nothing; before, it counted toward the warning
         self._recompiling = (change, bool(strings))
 
-    def _count_recompile(self) -> None:
+    def _count_recompile(self, bindings: StepBindings) -> None:
         """Count the change the call compiled for; warn when one value keeps causing it."""
         if self._recompiling is None:
             return
@@ -842,6 +845,8 @@ class CompiledTrainStep:
             elif what.startswith("the shape"):
                 hint = ("give the step batches of one shape (pad them, or drop the last "
                         "partial batch)")
+            elif (read := _lr_read_in_python(what, bindings)) is not None:
+                hint = read
             elif what.startswith("optimizer["):
                 hint = ("only the learning rate (and Adam's / AdamW's first beta, SGD's "
                         "momentum where the step reads it only in optimizer.step()) is a graph "
@@ -1413,7 +1418,8 @@ class CompiledTrainStep:
                     # NOTE: [the probe starts from the buffers left], NOTE: [the probe
                     # starts from the tensors kept]
                     _probe_starts_as_left(captured, bindings),
-                    module_writes_seen(change) as writes,  # NOTE: [lines of param-group writes]
+                    # NOTE: [lines of param-group writes]
+                    module_writes_seen(change, bindings.optimizers) as writes,
                 ):
                     probe = capture_step(
                         self.func, bindings, input_metas, self.mode.capture_options(), (),
@@ -1440,13 +1446,7 @@ class CompiledTrainStep:
                         "A compiled step runs no Python, so it cannot repeat that change.",
                         user_line=writes[-1] if writes and writes[-1] and again.what == change.what
                         else self._where,
-                        hint="keep the counter in a tensor the step updates in place (a "
-                        "buffer made before the first call: self.register_buffer('calls', "
-                        "torch.zeros((), dtype=torch.long)); self.calls += 1), or count "
-                        "outside the compiled step and pass what the step decides on as an "
-                        "argument (`step(model, opt, x, y, do_step=(i + 1) % accum == 0)`: a "
-                        "bool argument compiles one program per value, docs/porting.md); the "
-                        "refused call left the value as it found it.",
+                        hint=_counter_hint(change, bindings),
                     )
             except BaseException:
                 before.put_back()  # the refused call leaves the values as it found them
@@ -1840,6 +1840,46 @@ def _refuse_overriding_subclasses(
 # found 0, read "module <root>.ptr was 8, now 16" on the first call, numbers of the
 # capture's own runs the user never saw. It says what the call did to the value (0 to 8)
 # and what running the step again from there did (8 to 16).
+def _lr_read_in_python(what: str, bindings: StepBindings) -> str | None:
+    """The hint for a learning rate that recompiles because the optimizer's step reads it
+    as a Python number (NOTE: [a learning rate read in Python]), or None for another
+    change."""
+    found = re.fullmatch(r"optimizer\[(\d+)\]\.param_groups\[\d+\]\['lr'\]", what)
+    if found is None or int(found[1]) >= len(bindings.optimizers):
+        return None
+    opt = bindings.optimizers[int(found[1])]
+    read, where = lr_read_in_python(opt)
+    if not read:
+        return None
+    at = f" ({where})" if where is not None else ""
+    return (
+        f"{type(opt).__name__}'s step() reads the learning rate as a Python number{at} "
+        "(math.sqrt / math.* of it, float(), min / max, a comparison or an `if`), so each "
+        "value is a setting of the program; compute with group['lr'] by Python operators "
+        "and tensor ops only (`lr ** 0.5` for math.sqrt(lr); `+ - * / **`, and the result "
+        "given to torch where it takes a number, `p.add_(update, alpha=-step_size)`, or "
+        "multiplying a tensor), which keeps it a graph input, one program for every value, "
+        "as torch.optim's optimizers do"
+    )
+
+
+def _counter_hint(change: Change, bindings: StepBindings) -> str:
+    """What to do about a Python value the step changes on every call: for an attribute
+    of an optimizer (``self.t += 1`` in its step()), its per-parameter state (NOTE:
+    [counters a custom optimizer keeps]); otherwise a buffer or an argument."""
+    container, key = change.place or (None, None)
+    if container is not None and any(vars(o) is container for o in bindings.optimizers):
+        return attribute_counter_hint(str(key))
+    return (
+        "keep the counter in a tensor the step updates in place (a buffer made before the "
+        "first call: self.register_buffer('calls', torch.zeros((), dtype=torch.long)); "
+        "self.calls += 1), or count outside the compiled step and pass what the step "
+        "decides on as an argument (`step(model, opt, x, y, do_step=(i + 1) % accum == 0)`: "
+        "a bool argument compiles one program per value, docs/porting.md); the refused call "
+        "left the value as it found it."
+    )
+
+
 def _changed_twice(change: Change, again: Change) -> str:
     """What the first trace and the probe changed, in the call's numbers first."""
     if change.was is None or again.was is None:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch_private as private
 from .._torch_private import pytree
-from ..errors import SPMDCompileError, SPMDRuntimeError
+from ..errors import SourceLocation, SPMDCompileError, SPMDRuntimeError
 from ..ir.signature import Kind, StateRef, optim_state_dtype
 from .code_names import modules_read_by_name, reachable_by_name, step_name, step_where
 from .containers import open_containers
@@ -267,7 +267,8 @@ def _follow_replacements(opt: torch.optim.Optimizer, owned: set[int]) -> None:
 TENSOR_HYPERPARAMS = ("lr",)
 # optimizers whose step read the learning rate's value in Python: a setting of their
 # programs from then on (NOTE: [a learning rate read in Python] in capture/optimizers.py)
-_LR_KEYED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+# (each with the line that read it, where known: the recompile warning names it)
+_LR_KEYED: weakref.WeakKeyDictionary[torch.optim.Optimizer, SourceLocation | None] = weakref.WeakKeyDictionary()
 
 
 def lr_is_input(opt: torch.optim.Optimizer) -> bool:
@@ -282,10 +283,16 @@ def lr_may_become_a_setting(opt: torch.optim.Optimizer) -> bool:
     return lr_is_input(opt) and all(type(g.get("lr")) in (float, int) for g in opt.param_groups)
 
 
-def keep_lr_a_setting(opt: torch.optim.Optimizer) -> None:
-    """``opt``'s step read its learning rate in Python: from now on it is a setting of
-    the program (a program per value)."""
-    _LR_KEYED.add(opt)
+def keep_lr_a_setting(opt: torch.optim.Optimizer, where: SourceLocation | None = None) -> None:
+    """``opt``'s step read its learning rate in Python (at ``where``): from now on it is
+    a setting of the program (a program per value)."""
+    _LR_KEYED[opt] = where
+
+
+def lr_read_in_python(opt: torch.optim.Optimizer) -> tuple[bool, SourceLocation | None]:
+    """Whether ``opt``'s step read its learning rate in Python, and the line, where known
+    (NOTE: [a learning rate read in Python] in capture/optimizers.py)."""
+    return opt in _LR_KEYED, _LR_KEYED.get(opt)
 
 
 def tensor_hyperparams(opt: torch.optim.Optimizer) -> tuple[str, ...]:

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 from unittest import mock
 
+import torch
 import torch.nn as nn
 
 from ..errors import Change, SourceLocation, innermost_model_frame_of_stack
@@ -84,15 +85,20 @@ def written_at(group: Any, keys: list[Any]) -> SourceLocation | None:
 
 
 @contextlib.contextmanager
-def module_writes_seen(change: Change | None) -> Iterator[list[SourceLocation | None]]:
-    """The lines that write the module attribute ``change`` names, while the block runs
-    (see the NOTE); nothing watched where ``change`` is no attribute."""
+def module_writes_seen(
+    change: Change | None, optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> Iterator[list[SourceLocation | None]]:
+    """The lines that write the module or optimizer attribute ``change`` names, while
+    the block runs (see the NOTE); nothing watched where ``change`` is no attribute."""
     seen: list[SourceLocation | None] = []
     if change is None or change.place is None:
         yield seen
         return
     container, key = change.place
-    owner = nn.Module if _of_a_module(container) else _class_of_owner(container)
+    # an optimizer's own counter (``self.t += 1`` in its step()): its class's __setattr__
+    # is watched, for that object only (NOTE: [counters a custom optimizer keeps])
+    of_optimizer = next((type(o) for o in optimizers if vars(o) is container), None)
+    owner = nn.Module if _of_a_module(container) else of_optimizer or _class_of_owner(container)
     if owner is None:
         yield seen
         return

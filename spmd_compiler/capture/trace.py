@@ -151,6 +151,7 @@ from .mask_selections import (
     settled_in_capture,
 )
 from .ops_named_in_place import named_in_place_decompositions, refuse_ops_named_in_place
+from .optimizer_advice import TENSOR_COUNT_OPTIMIZERS, group_counters_hint, library_counter_hint
 from .optimizers import CycledValue, CycledValueUsed, MomentumGroup, tracing_optimizer_step
 from .optimizers import check_supported as check_supported_optimizers
 from .outside_tensors import FoundTensor, OutsideWrites, outside_constants
@@ -747,7 +748,7 @@ def capture_step(
         except CycledValueUsed as used:  # NOTE: [SGD's momentum as a graph input]
             log.info("%s: %s; it is a setting of the program from now on", step_name(func), used)
             if used.key == "lr":  # NOTE: [a learning rate read in Python]
-                keep_lr_a_setting(bindings.optimizers[used.optimizer])
+                keep_lr_a_setting(bindings.optimizers[used.optimizer], used.where)
             else:
                 keep_momentum_a_setting(bindings.optimizers[used.optimizer])
 
@@ -2985,8 +2986,7 @@ def _check_python_state(opt, oi, groups, before, state, values, set_groups) -> N
                     "step runs no Python after capture, so a Python number in the state "
                     "would keep the value it had when the step was traced (NOTE: [counters "
                     "the optimizer keeps]).",
-                    hint=f"{cls} counts in a Python number, which no compiled program can; use "
-                    f"{_TENSOR_COUNT_OPTIMIZERS}." if library else
+                    hint=library_counter_hint(opt) if library else
                     f"keep it in a tensor, as torch.optim's optimizers keep their step "
                     f"count: `state[{key!r}] = torch.zeros((), dtype=torch.float64)` where the "
                     f"state is made (float64 computes as Python numbers do); `state[{key!r}] += 1` "
@@ -3031,7 +3031,7 @@ def _capturable_refused(opt: torch.optim.Optimizer, oi: int, exc: BaseException)
         "optimizer]).",
         user_line=innermost_model_frame(exc.__traceback__),
         hint=f"use an optimizer that supports capturable=True on this device{nadamw}, or "
-        f"{_TENSOR_COUNT_OPTIMIZERS}.",
+        f"{TENSOR_COUNT_OPTIMIZERS}.",
     )
 
 
@@ -3061,10 +3061,9 @@ def _optimizers_own_line(where: SourceLocation | None, owners: frozenset[str]) -
 # its classes' files, and give what works: a tensor created before the first call
 # (NOTE: [tensors held in a param group]), or an optimizer that keeps its count in a
 # tensor (torch.optim's Adam, AdamW, NAdam, RAdam; timm's Lion, LARS, Adopt, LaProp).
-_TENSOR_COUNT_OPTIMIZERS = (
-    "an optimizer that keeps its step count in a tensor: torch.optim's Adam, AdamW, NAdam, "
-    "RAdam, ... (timm's Lion, LARS, Adopt and LaProp compile too)"
-)
+# (TENSOR_COUNT_OPTIMIZERS and the other hints: optimizer_advice.py; a class outside an
+# installed package is told to keep its counters in self.state as tensors: NOTE:
+# [counters a custom optimizer keeps].)
 
 
 def _refuse_group_state_made(
@@ -3075,6 +3074,12 @@ def _refuse_group_state_made(
     counter or a tensor its own step() keeps there (NOTE: [counters the optimizer
     keeps]); returns for the general refusal otherwise."""
     cls = type(opt).__name__
+    counters = [  # NOTE: [counters a custom optimizer keeps]: every one, in the message
+        key for key in changed
+        if key in dict.keys(group) and type(dict.__getitem__(group, key)) in (int, float)
+        and (key not in was or type(was[key]) in (int, float))
+        and _optimizers_own_line(written_at(group, [key]), owners)
+    ]
     for key in changed:
         if key not in dict.keys(group):
             continue
@@ -3096,15 +3101,17 @@ def _refuse_group_state_made(
                 "read and written back on every call)"
                 + (f"; {cls} then takes the path that updates it in place." if own else "."),
             )
-        if own and type(value) in (int, float) and (key not in was or type(was[key]) in (int, float)):
+        if key in counters:
+            also = [k for k in counters if k != key]
+            more = f" (and in {', '.join(map(repr, also))})" if also else ""
             raise SPMDCompileError(
-                f"{by} keeps a Python number in {label} that changes every step: a compiled "
-                "step runs no Python after capture, so the number would keep the value it had "
-                "when the step was traced (NOTE: [counters the optimizer keeps], NOTE: "
-                "[param-group writes in the step]).",
+                f"{by} keeps a Python number in {label}{more} that changes every step: a "
+                "compiled step runs no Python after capture, so the number would keep the "
+                "value it had when the step was traced (NOTE: [counters the optimizer keeps], "
+                "NOTE: [param-group writes in the step]).",
                 user_line=where,
-                hint=f"{cls} counts in a Python number, which no compiled program can; use "
-                f"{_TENSOR_COUNT_OPTIMIZERS}.",
+                hint=library_counter_hint(opt) if _optimizer_of_a_library(opt)
+                else group_counters_hint(cls, counters),
             )
 
 

@@ -83,6 +83,7 @@ from .checkpoint_checksums import (
 )
 from .same_inputs import checkpoint_round
 from .simulate import Simulation, simulation_for
+from .state_making_step import state_making_step
 from .step_executable import flush_pending_updates
 
 __all__ = ["CheckpointError", "full_state_dict", "load", "save"]
@@ -150,7 +151,8 @@ def _state(
     step])."""
     flush_pending_updates()  # NOTE: [cross-iteration overlap]: state of the last step
     optimizers = [optimizer] if optimizer is not None else []
-    with contextlib.nullcontext() if make_state else private.optimizer_state_left_unmade():
+    # NOTE: [the step that makes an optimizer's state]: a step(self) works; no generator moves
+    with state_making_step(optimizer) if make_state else private.optimizer_state_left_unmade():
         model_state, optim_state = get_state_dict(model, optimizers)
     state: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer is not None:
@@ -301,7 +303,7 @@ def _load(
     except (pickle.UnpicklingError, EOFError) as exc:
         raise CheckpointError(f"checkpoint {folder} could not be read: {exc}") from exc
     optimizers = [optimizer] if optimizer is not None else []
-    with contextlib.nullcontext() if with_state else private.optimizer_state_left_unmade():
+    with state_making_step(optimizer) if with_state else private.optimizer_state_left_unmade():
         set_state_dict(
             model,
             optimizers,
