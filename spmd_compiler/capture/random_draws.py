@@ -51,7 +51,7 @@ the compiled mask is another draw of the distribution (the same at every world s
 and later draws differ from eager's. Tested on AMD (tests/sim/test_random_draws.py).
 The other numbers (``exponential_``, ``log_normal_``, a draw into a transposed tensor;
 ``rrelu`` and CUDA draws not compared) are those of the same distribution, not eager's
-(as for dropout). After capture any random op that still reads
+(CPU dropout is ``bernoulli_(1 - p)``: eager's numbers but on an Intel CPU). After capture any random op that still reads
 a tensor (``torch.poisson``, ``binomial``, gamma and Dirichlet samples, ``random_()`` of
 int64) is refused, naming the op, the step's line and the line inside a helper that
 made it (``DRAW_MADE_AT``, recorded as the node is created: the stack traces keep only
@@ -378,6 +378,18 @@ SAMPLED_OUTSIDE = (
     aten._standard_gamma.default, aten._sample_dirichlet.default, aten.poisson.default,
     aten.binomial.default,
 )
+# ``random_()`` of an int32 / int64 tensor, ``random_(from)`` of an int64 one: the draws of
+# the tensor's shape left (``_random`` / ``_random_from`` decline them)
+FULL_RANGE_DRAWS = (aten.random_.default, getattr(aten.random_, "from"), aten.random.default, getattr(aten.random, "from"))
+FULL_RANGE_DRAW = (
+    "This random op draws integers over a 32- or 64-bit tensor's whole range ({op}); no "
+    "factory of the full shape draws that range as eager does, so it cannot be one global "
+    "draw (NOTE: [random draws shaped like a tensor]); refused."
+)
+FULL_RANGE_HINT = (
+    "give the range: `torch.randint(low, high, size)` (or `x.random_(low, high)`) with the "
+    "bounds your code needs, e.g. `torch.randint(0, 2**31 - 1, (B,))` for seeds."
+)
 # the model's line that made a refused draw (a helper function's), recorded at its
 # creation: the stack traces keep only forward frames and the step's
 DRAW_MADE_AT = "spmd_draw_made_at"
@@ -408,6 +420,9 @@ def refuse_shard_local_draws(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if not _seeded(node) or not _reads_a_tensor(node):
             continue
+        if node.target in FULL_RANGE_DRAWS:
+            raise node_error(FULL_RANGE_DRAW.format(op=node.target), node, hint=FULL_RANGE_HINT,
+                             made_at=node.meta.get(DRAW_MADE_AT))
         raise node_error(
             SHARD_LOCAL_DRAW.format(op=node.target), node,
             hint=SAMPLED_OUTSIDE_HINT if node.target in SAMPLED_OUTSIDE else FACTORY_HINT,
