@@ -1487,6 +1487,7 @@ def _decide_value_ifs(
             raised += undecided.guessed_raised
             coin = undecided.coin
             settled = undecided.settled
+            guess = undecided.guess  # NOTE: [the guess for later ifs]
             where = undecided.where
             if sum(text != UNTRACED for text in raised) >= MAX_VALUE_IFS or len(decisions) >= MAX_VALUE_CHECKS:
                 traced = sum(text != UNTRACED for text in raised) >= MAX_VALUE_IFS
@@ -1532,10 +1533,11 @@ def _decide_value_ifs(
             ((way, refusal),) = refused.items()
             choice, text = not way, _refusal_text(refusal)
         elif choice is None:  # a branch: speculated, verified every call (NOTE: [value checks])
-            choice, text = True, ""
+            choice, text = guess, ""
             if coin and settled is not None:  # NOTE: [ifs on random draws alone]
                 choice = settled
-            elif coin:
+            elif coin:  # its last draw says nothing of its next
+                choice = True
                 coins.append(where)
                 _refuse_coin_branches(coins)
         else:
