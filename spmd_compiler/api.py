@@ -694,6 +694,7 @@ class CompiledTrainStep:
         message, hint = too_many_ways(
             self._name, len(held), len({_way(e) for e in held if e.completed}),
             deepest.program.captured.checks, len(other), str(other[0][1]) if other else "",
+            sum(len(entries) for k, entries in self._cache.items() if k != key),
         )
         return SPMDCompileError(message + ".", user_line=self._where, hint=hint)
 

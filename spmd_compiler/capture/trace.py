@@ -1505,6 +1505,7 @@ def _decide_value_ifs(
             raised += undecided.guessed_raised
             coin = undecided.coin
             settled = undecided.settled
+            guess = undecided.guess  # NOTE: [the guess for later ifs]
             where = undecided.where
             compared_in = undecided.compared_in
             if undecided.loop is not None:  # NOTE: [while loops on tensor values]
@@ -1555,10 +1556,11 @@ def _decide_value_ifs(
                 _refuse_item_clamp(compared_in, where, refusal)  # NOTE: [max and min of an .item() value]
             choice, text = not way, _refusal_text(refusal)
         elif choice is None:  # a branch: speculated, verified every call (NOTE: [value checks])
-            choice, text = True, ""
+            choice, text = guess, ""
             if coin and settled is not None:  # NOTE: [ifs on random draws alone]
                 choice = settled
-            elif coin:
+            elif coin:  # its last draw says nothing of its next
+                choice = True
                 coins.append(where)
                 _refuse_coin_branches(coins)
         else:

@@ -16,8 +16,9 @@ Python ``if`` on a tensor's value, which one traced program cannot take both way
     ``ValueError``, an ``AssertionError``, ...) before it meets another such ``if``. The
     other answer is the decision, and a call where the condition comes out the raising
     way raises ``SPMDRuntimeError`` naming the line and what the step raised there;
-  - a branch: both answers go on. The decision is True, speculated; a call where the
-    condition comes out False runs the program of that way instead (below). The
+  - a branch: both answers go on. The decision is speculated (NOTE: [the guess for
+    later ifs]: the way the same ``if`` always went in the trace, else True); a call where the condition comes out the other way runs the program of
+    that way instead (below). The
     speculated program may be one no call runs: ``AveragedModel.update_parameters``
     (``if n == 0: copy``, ``if n > 0: average``) compiles (True, True) first, then
     (True, False) on its first call and (False, True) on its second, and again per
@@ -63,9 +64,18 @@ completed went (recorded by ``api.py`` per program key) and the programs compile
 differ because a program guesses the ``if``s after the one it was compiled for: a way
 with ``n`` ``if``s after a mismatch can compile ``n`` programs before the one the data
 needs (DINO's ``clip_gradients``, one ``if clip_coef < 1`` per parameter, reached 8
-programs at 4 to 5 distinct ways, and was refused as "8 ways"). The hint says what
-takes both ways in one program: a clamped factor (``p.grad.mul_(torch.clamp(clip /
-(norm + 1e-6), max=1))``), ``clip_grad_norm_``, ``torch.where``.
+programs at 4 to 5 distinct ways, and was refused as "8 ways"; NOTE: [the guess for
+later ifs] makes that rarer). The hint says what takes both ways in one program: a
+clamped factor (``p.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1))``),
+``clip_grad_norm_``, ``torch.where``; and how to make a refresh every k steps Python's
+decision: a flag the training loop sets on the optimizer (``opt.refresh = i % k == 0``,
+read in ``step()``) or a bool argument of the step, one program per value.
+The refusal counts the programs it does not count too, so its numbers add up to
+``compile_count``: before the sixty-eighth session a step whose first call made the
+optimizer's state (its program under a key of its own) was refused as "compiled 8
+programs ... no call has completed yet" with ``compile_count`` 9 and the first call
+completed; it now says "(9 in all; 1 more program serves other shapes or optimizer
+state, ...)" and "no call has completed on them yet".
 The limit is per set of Python values the step reads (its guards, NOTE: [guards on
 Python values]): a program whose guards no longer hold does not count. Before the
 sixty-fifth session every program of the key counted, so a changed value rebuilt all the
@@ -80,6 +90,40 @@ values and one changed value. Their guards are read on the values the call found
 trace earlier in the call may have written a guarded value (``self.max_steps = ...``), so
 ``_branch_program`` first puts back what it wrote (it did so before compiling only, and a
 refusal left the trace's writes).
+
+NOTE: [the guess for later ifs]
+A program compiled for a mismatched way knows the ways of the ``if``s up to it (those
+the call verified, and the one that went the other way); those after it are guessed.
+A refresh every k steps per parameter (Shampoo, GaLore, SOAP: ``for p in params: ...
+if state["step"] % k == 0: refresh``, the count in a tensor as the refusal of a Python
+counter advises) goes one way at every parameter on a given call. Guessing True for
+each, as before the sixty-eighth session, made an all-False call compile one program
+per parameter: a 4-Linear MLP (8 parameters) was refused on its second call, 8
+programs for the call's key (9 with the first call's), after 162 s (the probers'
+``repro_every_k_refused.py``, 2 shared cores). Now a branch met beyond the decisions is
+guessed the way every ``if`` at the same site (its code and instruction, or its line
+where there is no such frame) went in this trace: the mismatched ``if``'s real way
+carries over to the other parameters, and the all-False call compiles one program (3
+in all, matching eager). Where they went both ways the guess is True, as before: the
+way of the latest alone would cost a program at every change of way, and DINO's
+``clip_gradients`` (weights clipped, biases not: ``FFTFTF`` over 6 parameters) needed
+6 programs on its first call with it against 5 with True; with this rule 5, and 0 more
+for a later all-False call (4 more with True): a ``clip_gradients`` run of 8 calls
+(3 Linear layers, SGD, ways ``FFTFTF`` x 3, ``FFTTTT``, ``FFTFTF`` x 2, ``FFFFFF``,
+``TFTFTF``) was refused on call 6 before, and now completes all 8 with 8 programs,
+matching eager. True is still the guess for a site met first, for a coin (NOTE: [ifs
+on random draws alone]) and for an ``if`` one of whose ways leaves the innermost loop
+holding it (``if halted: break``, ``return``, a ``while`` test: ``leaves_loop``, from
+the bytecode): there the way it went so far (on) says little of the next, and
+guessing "on" would run an unbounded ``while True: ... if done: break`` to
+``MAX_VALUE_IFS``, where guessing the exit compiles one program per trip count (an
+ACT halting loop's programs stay 2 + 4 + 3, ``tests/sim/test_value_checks.py``).
+The guess is only about cost: every condition is verified every call, and a program
+runs only where all came out its way (NOTE: [value checks]); a wrong guess (two
+groups refreshed every 2 and 3 steps: 1 + 5 programs over 7 calls, 8 before)
+compiles the way the data went and gives eager's numbers
+(``tests/sim/test_every_k_refresh.py``). Two clips per parameter on one line
+(``clip_in_steps_step``) need 2 programs for an all-False call where they needed 3.
 
 NOTE: [checks decided from their bytecode]
 Traced both ways, ``n`` checks cost ``2n`` traces of the step from its start: a PPO epoch
@@ -205,7 +249,7 @@ class Undecided(Exception):
 
     def __init__(
         self, where: str, coin: bool = False, settled: bool | None = None, guessed: list[bool] | None = None,
-        guessed_raised: list[str] | None = None, frame: Any = None,
+        guessed_raised: list[str] | None = None, frame: Any = None, guess: bool = True,
     ) -> None:
         super().__init__(f"a check on a tensor's value at {where}")
         self.where = where
@@ -221,6 +265,8 @@ class Undecided(Exception):
         self.owner = "The train step"  # or the optimizer whose step() it is in
         self.coin = coin  # NOTE: [ifs on random draws alone]
         self.settled = settled  # the way a coin goes whatever it draws, if it has one
+        # the answer a branch here is guessed to take (NOTE: [the guess for later ifs])
+        self.guess = guess
         # the torch function the step called that holds the `if` (``torch.nn.init.
         # trunc_normal_``'s rejection loop), if it is torch's: the refusal says so
         self.in_torch = torch_function_called()
@@ -267,6 +313,7 @@ class _Site:
     expected: bool
     where: str
     raised: str = ""  # UNTRACED: decided from the bytecode
+    site: Any = None  # the `if` in the code (NOTE: [the guess for later ifs])
 
 
 class BranchDecisions:
@@ -306,28 +353,40 @@ class BranchDecisions:
         where = _LOCATED[-1] if _LOCATED else where_now() or "an unknown line"
         k = len(self.sites)
         raised = ""
+        found = _frame_of_the_if(frame)
+        site = where if found is None else (found.f_code, found.f_lasti)
         if k >= len(self.decisions) and _OWN_CHECKS and k < MAX_VALUE_CHECKS:
             # NOTE: [checks of this package decided on the spot]
             self.decisions.append(True)
             raised = OWN_CHECK + stop_text(_OWN_CHECKS[-1]())
         elif k >= len(self.decisions):
             # NOTE: [checks decided from their bytecode]
-            found = None if k >= MAX_VALUE_CHECKS else _frame_of_the_if(frame)
-            raising = None if found is None else raising_way(found.f_code, found.f_lasti)
+            raising = None if found is None or k >= MAX_VALUE_CHECKS else raising_way(found.f_code, found.f_lasti)
             if raising is None:
                 coin = drawn_alone(t)
                 raise Undecided(
                     where, coin=coin, settled=settled_coin(t) if coin else None,
                     guessed=self.decisions[self.given:],
-                    guessed_raised=[site.raised for site in self.sites[self.given:]], frame=found,
+                    guessed_raised=[s.raised for s in self.sites[self.given:]], frame=found,
+                    guess=self._guess(site, found),
                 ) from None
             self.decisions.append(not raising)
             raised = UNTRACED
         # a copy: a view of a buffer the branch then writes (``if not self.done:
         # self.done.fill_(True)``) read the written value, and the check failed every call
         condition = (t if t.dtype == torch.bool else t.ne(0)).detach().reshape(()).clone()
-        self.sites.append(_Site(condition, self.decisions[k], where, raised))
+        self.sites.append(_Site(condition, self.decisions[k], where, raised, site))
         return self.decisions[k]
+
+    def _guess(self, site: Any, found: Any) -> bool:
+        """The answer to guess for a branch at ``site`` met beyond the decisions: the
+        way every ``if`` at the same site went on this trace; True where none did, where
+        they went both ways, or where one of its ways leaves its loop (NOTE: [the guess
+        for later ifs])."""
+        if found is not None and leaves_loop(found.f_code, found.f_lasti):
+            return True
+        ways = {s.expected for s in self.sites if s.site == site}
+        return ways.pop() if len(ways) == 1 else True
 
 
 # NOTE: [checks of this package decided on the spot]
@@ -421,6 +480,61 @@ def _raising_way(code: Any, lasti: int) -> bool | None:
     if jumped == fell:
         return None
     return jumps_when if jumped else not jumps_when
+
+
+_LEAVES_LOOP: dict[tuple[Any, int], bool] = {}
+
+
+def leaves_loop(code: Any, lasti: int) -> bool:
+    """Whether one way of the ``if`` at instruction ``lasti`` of ``code`` leaves the
+    innermost loop of ``code`` that holds it (``if done: break``, ``return``, the test
+    of a ``while``), as far as straight-line code shows (NOTE: [the guess for later
+    ifs]). An ``if`` in no loop of its own code is False."""
+    key = (code, lasti)
+    if key not in _LEAVES_LOOP:
+        _LEAVES_LOOP[key] = _leaves_loop(code, lasti)
+    return _LEAVES_LOOP[key]
+
+
+def _leaves_loop(code: Any, lasti: int) -> bool:
+    instructions = list(dis.get_instructions(code))
+    at = {ins.offset: n for n, ins in enumerate(instructions)}
+    n = at.get(lasti)
+    if n is None or not (instructions[n].opname.startswith("POP_JUMP") and isinstance(instructions[n].argval, int)):
+        return False  # not an `if` that pops its condition (`x and y` keeps it)
+    # a loop: from the target of its backward jumps (`continue` jumps there too) to
+    # the last of them
+    ends: dict[int, int] = {}
+    for ins in instructions:
+        if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval <= ins.offset:
+            ends[ins.argval] = max(ends.get(ins.argval, 0), ins.offset)
+    spans = [(start, end) for start, end in ends.items() if start <= lasti <= end]
+    if not spans:
+        return False
+    start, end = min(spans, key=lambda span: span[1] - span[0])
+    return any(
+        _way_leaves(instructions, at, way, start, end)
+        for way in (at.get(instructions[n].argval), n + 1)
+    )
+
+
+def _way_leaves(instructions: list[dis.Instruction], at: dict[int, int], n: int | None, start: int, end: int) -> bool:
+    """Whether the code from instruction ``n`` on, following unconditional forward
+    jumps, returns or reaches an instruction outside ``[start, end]`` before any other
+    jump, raise or yield."""
+    for _ in range(len(instructions)):
+        if n is None or n >= len(instructions):
+            return True
+        ins = instructions[n]
+        if not start <= ins.offset <= end or ins.opname.startswith("RETURN"):
+            return True
+        if ins.opname in ("JUMP_FORWARD", "JUMP_ABSOLUTE", "JUMP") and ins.argval > ins.offset:
+            n = at.get(ins.argval)
+            continue
+        if ins.opcode in _JUMPS or ins.opname in _ENDS or ins.opname.startswith("RAISE"):
+            return False
+        n += 1
+    return False
 
 
 def _runs_into_raise(instructions: list[dis.Instruction], n: int | None) -> bool:
@@ -648,40 +762,55 @@ def signals_told_apart() -> Iterator[list[int]]:
 
 def too_many_ways(
     step: str, programs: int, ways_run: int, checks: Sequence[ValueCheck], others: int = 0,
-    changed: str = "",
+    changed: str = "", elsewhere: int = 0,
 ) -> tuple[str, str]:
     """The refusal of a call that needs a program past ``MAX_BRANCH_PROGRAMS`` (NOTE:
     [programs for the ways of ifs]): its message and hint. ``programs``: those compiled
     for the Python values the call found; ``ways_run``: the distinct ways the calls that
     completed on them went; ``checks``: the ``if``s of a program of the step;
-    ``others``: the programs of other Python values, ``changed`` how one of them differs."""
+    ``others``: the programs of other Python values, ``changed`` how one of them differs;
+    ``elsewhere``: the step's programs of other shapes or state (the three add up to
+    ``compile_count`` where no program was dropped from memory)."""
     lines = Counter(c.where for c in checks)
     where = "; ".join(f"{n} at {line}" if n > 1 else line for line, n in lines.items())
+    them = "them" if programs != 1 else "it"
     went = (
-        f"the calls that completed went {ways_run} distinct way{'s' if ways_run != 1 else ''}"
-        if ways_run else "no call has completed yet, going"
+        f"the calls that completed on {them} went {ways_run} distinct way{'s' if ways_run != 1 else ''}"
+        if ways_run else f"no call has completed on {them} yet; this one goes"
     )
     values = "" if not others else (
-        f" ({others} more program{'s' if others != 1 else ''} serve earlier values of "
-        f"Python values the step reads, and do not count: {changed}; each new value compiles "
-        "the ways of its `if`s again)"
+        f"; {others} more program{'s serve' if others != 1 else ' serves'} earlier values of "
+        f"Python values the step reads, and {'do' if others != 1 else 'does'} not count: {changed}; each new value compiles "
+        "the ways of its `if`s again"
     )
+    shapes = "" if not elsewhere else (
+        f"; {elsewhere} more program{'s serve' if elsewhere != 1 else ' serves'} other shapes "
+        f"or optimizer state, and {'do' if elsewhere != 1 else 'does'} not count (a first call "
+        "that makes the optimizer's state has its own)"
+    )
+    total = programs + others + elsewhere
+    counted = f" ({total} in all{values}{shapes})" if total != programs else ""
     message = (
-        f"{step} has compiled {programs} programs for the ways its `if`s on "
+        f"{step} has compiled {programs} program{'s' if programs != 1 else ''} for the ways its `if`s on "
         "tensor values go at these shapes, state and Python values, the most one step may "
-        f"have{values}, and this call needs another: {went} through its {len(checks)} "
+        f"have{counted}, and this call needs another: {went} through its {len(checks)} "
         f"`if`s ({where}). The "
-        "other programs are the compiler's own, made on the way: a program guesses True for each `if` after the "
-        "one it was compiled for, and an `if` that comes out against the guess compiles "
-        "one more program, up to one per `if` for a new way (NOTE: [programs for the "
-        "ways of ifs])"
+        "other programs are the compiler's own, made on the way: a program guesses the "
+        "`if`s after the one it was compiled for (the way the same `if` went in the call "
+        "where it always went one way, else True), and an `if` that "
+        "comes out against the guess compiles one more program, up to one per `if` for a "
+        "new way (NOTE: [programs for the ways of ifs], NOTE: [the guess for later ifs])"
     )
     hint = (
         "replace an `if` on a tensor by arithmetic that takes both ways in one program: "
         "a clamped factor for a per-parameter clip (DINO's clip_gradients: "
         "`p.grad.mul_(torch.clamp(clip / (param_norm + 1e-6), max=1))` instead of "
         "`if clip_coef < 1: p.grad.mul_(clip_coef)`, or torch.nn.utils.clip_grad_norm_), "
-        "torch.where(cond, a, b) to choose between values."
+        "torch.where(cond, a, b) to choose between values. Or make the decision Python's: "
+        "for a refresh every k steps (Shampoo, GaLore, SOAP: `if state['step'] % k == 0`), "
+        "a flag the training loop sets on the optimizer (`opt.refresh = i % k == 0`, read "
+        "in its step() as `if self.refresh:`) or a bool argument of the step "
+        "(`step(model, opt, x, y, refresh=i % k == 0)`): one program per value, 2 in all."
     )
     return message, hint
 
