@@ -117,5 +117,19 @@ class CapturedBytes:
             return _same_bytes(_flat_bytes(tensor), self.copy)
         return _digest(tensor) == self.digest
 
+    def restore(self, tensor: torch.Tensor) -> bool:
+        """Put the captured bytes back into ``tensor`` through its ``.data`` (its version
+        counter as it was); False where they cannot be (only a digest was kept, or the
+        layout changed)."""
+        if self.copy is None or _layout(tensor) != self.layout:
+            return False
+        with torch.no_grad():
+            if tensor.layout != torch.strided:
+                tensor.data.copy_(self.copy)
+            else:
+                values = self.copy if tensor.dtype == torch.uint8 else self.copy.view(tensor.dtype)
+                tensor.data.copy_(values.reshape(tensor.shape))
+        return True
+
 
 __all__ = ["SNAPSHOT_BYTES", "CapturedBytes"]

@@ -74,6 +74,10 @@ _IN_PLACE_DUNDERS = frozenset({
     "__imatmul__",
 })
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+# NOTE: [outside tensors read as Python values]
+_VALUE_READS = frozenset({
+    "item", "tolist", "numpy", "__float__", "__int__", "__index__", "__bool__", "__complex__", "__array__",
+})
 
 
 class FoundTensor(NamedTuple):
@@ -100,6 +104,37 @@ class OutsideTensor:
     # its bytes as captured, one record for every place of the same tensor (NOTE:
     # [constants changed through shared memory])
     captured: CapturedBytes | None = field(default=None, repr=False, compare=False)
+
+
+# NOTE: [outside tensors read as Python values]
+# A real outside tensor the step reads as a Python number (``float(START)``,
+# ``START.item()``, ``x[:, int(START):]``, ``x.narrow(1, START, P)``, whose start torch
+# reads in C++) is read at capture and makes no graph constant, so ``outside_constants``
+# never listed it and no guard held it: changed between calls (in place, through
+# ``.data``, or the global rebound) the first program ran with the old value (2
+# simulated ranks: losses 0.19696 / 0.14621 where eager gave 0.05250 / 0.01336,
+# sixty-eighth session, a review). ``OutsideWrites`` records each found tensor that a
+# value read (``_VALUE_READS``) takes as ``self``, and each one-element found tensor
+# any other torch function takes as an argument (an int or Scalar argument torch reads;
+# a graph operand is guarded anyway, once), with the line; ``outside_constants`` guards
+# them as it does graph constants (object, version, bytes), refusing an alias of the
+# step's state or a DTensor alike; one requiring grad is guarded, not refused (a number
+# carries no gradient in eager either). Property reads (``shape``, ``dtype``) and
+# parameters are left out.
+#
+# NOTE: [outside tensors written through shared memory in the step]
+# ``C.data`` of a real outside tensor is a fake view whose in-place write reaches the
+# real tensor at capture (the fake mode computes with constants), where ``C.add_(1)``
+# is refused: the step wrote ``C`` once per capture, every call recompiled on the
+# changed bytes, with a warning only (parameters 1.17 off eager). ``OutsideWrites``
+# keeps the trace's ``.data`` of each outside tensor, and views of it, and refuses an
+# in-place write to them as it does one to the tensor, at the line, before the write.
+# Writes no torch function shows (``ARR[0] += 1`` of ``C = torch.from_numpy(ARR)``, a
+# ``bytearray`` behind ``torch.frombuffer``): each found tensor's bytes are taken when
+# the trace first sees it (``CapturedBytes``) and compared when the step returns; a
+# change is refused naming the tensor and the step, and the bytes are put back through
+# ``.data`` (its version counter as found; also when the trace fails otherwise), except
+# for one over ``SNAPSHOT_BYTES``, of which only a digest is kept.
 
 
 def _real(value: Any) -> bool:
@@ -180,6 +215,12 @@ class OutsideWrites(TorchFunctionMode):
         self.found: dict[int, list[FoundTensor]] = {}
         # NOTE: [meta templates read by name]: their tensors, by id, set once bound
         self.templates: dict[int, str] = {}
+        # NOTE: [outside tensors read as Python values]: by id, with the line of the read
+        self.read: dict[int, tuple[torch.Tensor, Any]] = {}
+        # NOTE: [outside tensors written through shared memory in the step]: each found
+        # tensor the trace saw, with its bytes at first sight; the trace's ``.data`` of each
+        self.sighted: dict[int, tuple[torch.Tensor, CapturedBytes]] = {}
+        self.data_of: dict[int, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -217,25 +258,77 @@ class OutsideWrites(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         writes = (name in _IN_PLACE_DUNDERS or (
             name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
-        )) and bool(args) and _real(args[0])
+        )) and bool(args) and (_real(args[0]) or id(args[0]) in self.data_of)
         out = kwargs.get("out")
         if writes or _real(out) or (isinstance(out, (tuple, list)) and any(map(_real, out))):
-            raise SPMDCompileError(
-                f"The train step writes in place ({name}) to a tensor that is neither an "
-                "argument nor part of a module or optimizer (a global, a closure value or "
-                "a plain attribute); a compiled step runs its Python once, so that write "
-                "would happen once, at capture (NOTE: [tensors read from outside the "
-                "arguments]).",
-                user_line=innermost_model_frame_of_stack(),
-                hint="keep state the step updates in a buffer (module.register_buffer) or "
-                "return the value from the step and update it outside. An average of the "
-                "weights (diffusers' EMAModel, timm's ModelEma keeping plain tensors): hold "
-                "it as a module and pass it to the step, "
-                "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn="
-                "get_ema_multi_avg_fn(decay)) updated there with update_parameters(model); "
-                "outside the step the model's weights are placed DTensors.",
-            )
-        return func(*args, **kwargs)
+            raise _written_in_place(name, innermost_model_frame_of_stack())
+        self._first_sight(func, name, args, kwargs)
+        result = func(*args, **kwargs)
+        if name == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data and args and id(args[0]) in self.sighted:
+            # ``C.data`` of an outside tensor: the trace's fake view of its bytes
+            # (NOTE: [outside tensors written through shared memory in the step])
+            self.data_of[id(result)] = result
+        elif args and id(args[0]) in self.data_of and isinstance(result, torch.Tensor) and result._is_view():
+            self.data_of[id(result)] = result  # a view of it (``C.data.view(-1)[0] += 1``)
+        return result
+
+    def _first_sight(self, func: Any, name: str, args: Any, kwargs: dict) -> None:
+        """Take the bytes of each outside tensor ``func`` is the first to see, and record
+        the ones it reads as Python values (NOTE: [outside tensors read as Python values])."""
+        for i, a in enumerate((*args, *kwargs.values())):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if not isinstance(t, torch.Tensor) or id(t) not in self.found or not _real(t) \
+                        or isinstance(t, (DTensor, torch.nn.Parameter)):
+                    continue
+                if id(t) not in self.sighted:
+                    with private.outside_the_trace():
+                        self.sighted[id(t)] = (t, CapturedBytes.of(t, self.found[id(t)][0].label))
+                if id(t) in self.read or name == "__get__":
+                    continue
+                if (name in _VALUE_READS and i == 0 and a is t) or (not t.requires_grad and t.numel() == 1):
+                    self.read[id(t)] = (t, innermost_model_frame_of_stack())
+
+    def restore_written(self) -> str | None:
+        """The label of an outside tensor the step wrote without an op this mode saw
+        (through ``.data``, a NumPy array or a buffer it shares: NOTE: [outside tensors
+        written through shared memory in the step]), each such tensor's bytes put back
+        as they were at first sight (by its ``.data``: the version counter as found);
+        None where none was written."""
+        written = None
+        with private.outside_the_trace():
+            for t, captured in self.sighted.values():
+                if not captured.unchanged(t):
+                    written = written or self.found[id(t)][0].label
+                    captured.restore(t)
+        return written
+
+
+def _written_in_place(name: str, line: Any, label: str = "a tensor that is neither an argument nor part "
+                      "of a module or optimizer (a global, a closure value or a plain attribute)") -> SPMDCompileError:
+    """The refusal of a write to a real tensor while the step is traced (NOTE: [tensors
+    read from outside the arguments])."""
+    return SPMDCompileError(
+        f"The train step writes in place ({name}) to {label}; a compiled step runs its "
+        "Python once, so that write would happen once, at capture (NOTE: [tensors read "
+        "from outside the arguments]).",
+        user_line=line,
+        hint="keep state the step updates in a buffer (module.register_buffer) or "
+        "return the value from the step and update it outside. An average of the "
+        "weights (diffusers' EMAModel, timm's ModelEma keeping plain tensors): hold "
+        "it as a module and pass it to the step, "
+        "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn="
+        "get_ema_multi_avg_fn(decay)) updated there with update_parameters(model); "
+        "outside the step the model's weights are placed DTensors.",
+    )
+
+
+def written_through_shared_memory(label: str, line: str) -> SPMDCompileError:
+    """The refusal of NOTE: [outside tensors written through shared memory in the step]."""
+    return _written_in_place(
+        "through .data or memory it shares", line,
+        f"{label}, a tensor that is neither an argument nor part of a module or optimizer "
+        "(the compiled step put its values back as they were before the call)",
+    )
 
 
 _DATA_SET_HINT = (
@@ -297,6 +390,7 @@ def _shares_foreign_memory(tensor: torch.Tensor) -> bool:
 def outside_constants(
     gm: torch.fx.GraphModule, found: dict[int, list[FoundTensor]],
     bindings: StepBindings, unplaced: dict[int, str] | None = None, inherited: dict[int, str] | None = None,
+    read: dict[int, tuple[torch.Tensor, Any]] | None = None,
 ) -> list[OutsideTensor]:
     """The first graph's constants that came from outside the step, each with where it
     was found (at each place: NOTE: [every place a constant is read from]); refuses
@@ -304,7 +398,9 @@ def outside_constants(
     state of modules the walk met that are not the step's, by tensor
     (``KeptTensors.unplaced``), named when the step reads one; ``inherited``: the class
     attributes inherited from a base class, by tensor (``KeptTensors.inherited``), named
-    when the step reads one found nowhere else."""
+    when the step reads one found nowhere else; ``read``: the tensors the step read as
+    Python values (``OutsideWrites.read``: NOTE: [outside tensors read as Python values]),
+    guarded alike."""
     constants: list[OutsideTensor] = []
     seen: set[int] = set()
     for node in gm.graph.nodes:
@@ -371,31 +467,44 @@ def outside_constants(
                 "train_step(model, criterion, optimizer, x, y); a batch drawn inside the "
                 "step (x, y = next(batches)) is drawn outside and passed as arguments.",
             )
-        places = found[id(value)]
-        label, tensor = places[0].label, places[0].tensor
-        alias = aliases_state(tensor, bindings)
-        if tensor.requires_grad or isinstance(tensor, DTensor) or alias:
-            what = (
-                "requires grad (its gradient would never reach it)" if tensor.requires_grad
-                else "is a DTensor" if isinstance(tensor, DTensor)
-                else f"is (or shares memory with) {alias}: as a constant it would not see "
-                "the updates"
-            )
-            raise node_error(
-                f"The train step reads {label}, a tensor from outside its arguments that "
-                f"{what}.",
-                user,
-                hint=_DTENSOR_HINT if isinstance(tensor, DTensor) else "read the parameter "
-                "or buffer itself in forward, or make the tensor a parameter or buffer of a "
-                "module passed to the step.",
-            )
-        # NOTE: [every place a constant is read from]
-        captured = CapturedBytes.of(tensor, label)  # NOTE: [constants changed through shared memory]
-        constants += [
-            OutsideTensor(p.label, p.container, p.key, tensor, tensor._version, p.in_argument, captured)
-            for p in places
-        ]
+        constants += _guarded(found[id(value)], bindings, user)
+    for key, (_tensor, line) in (read or {}).items():  # NOTE: [outside tensors read as Python values]
+        if key not in seen:
+            seen.add(key)
+            constants += _guarded(found[key], bindings, None, line)
     return constants
 
 
-__all__ = ["FoundTensor", "OutsideTensor", "OutsideWrites", "outside_constants"]
+def _guarded(
+    places: list[FoundTensor], bindings: StepBindings, user: torch.fx.Node | None, line: Any = None,
+) -> list[OutsideTensor]:
+    """A constant's guards, one for each place it was found; refuses one that requires
+    grad (``user``: the node reading it; None where the step reads it as a Python value,
+    at ``line``, which no gradient reaches in eager either), is a DTensor, or aliases the
+    step's state."""
+    label, tensor = places[0].label, places[0].tensor
+    alias = aliases_state(tensor, bindings)
+    if (tensor.requires_grad and user is not None) or isinstance(tensor, DTensor) or alias:
+        what = (
+            "requires grad (its gradient would never reach it)" if tensor.requires_grad and user is not None
+            else "is a DTensor" if isinstance(tensor, DTensor)
+            else f"is (or shares memory with) {alias}: as a constant it would not see "
+            "the updates"
+        )
+        message = f"The train step reads {label}, a tensor from outside its arguments that {what}."
+        hint = _DTENSOR_HINT if isinstance(tensor, DTensor) else (
+            "read the parameter or buffer itself in forward, or make the tensor a "
+            "parameter or buffer of a module passed to the step."
+        )
+        if user is None:
+            raise SPMDCompileError(message, user_line=line, hint=hint)
+        raise node_error(message, user, hint=hint)
+    # NOTE: [every place a constant is read from]
+    captured = CapturedBytes.of(tensor, label)  # NOTE: [constants changed through shared memory]
+    return [
+        OutsideTensor(p.label, p.container, p.key, tensor, tensor._version, p.in_argument, captured)
+        for p in places
+    ]
+
+
+__all__ = ["FoundTensor", "OutsideTensor", "OutsideWrites", "outside_constants", "written_through_shared_memory"]

@@ -154,7 +154,12 @@ from .ops_named_in_place import named_in_place_decompositions, refuse_ops_named_
 from .optimizer_advice import TENSOR_COUNT_OPTIMIZERS, group_counters_hint, library_counter_hint
 from .optimizers import CycledValue, CycledValueUsed, MomentumGroup, tracing_optimizer_step
 from .optimizers import check_supported as check_supported_optimizers
-from .outside_tensors import FoundTensor, OutsideWrites, outside_constants
+from .outside_tensors import (
+    FoundTensor,
+    OutsideWrites,
+    outside_constants,
+    written_through_shared_memory,
+)
 from .python_effects import (
     OWN_GENERATOR,
     OWN_GENERATOR_HINT,
@@ -1273,7 +1278,7 @@ def _trace_first(
     refuse_explicit_generators(first)  # NOTE: [Python effects at capture]
     _refuse_custom_ops_writing_arguments(first)
     refuse_shard_local_draws(first)  # NOTE: [random draws shaped like a tensor]
-    outside = outside_constants(first, tracer.outside, bindings, tracer.unplaced, tracer.inherited)  # NOTE: [tensors read from outside the arguments]
+    outside = outside_constants(first, tracer.outside, bindings, tracer.unplaced, tracer.inherited, tracer.outside_reads)  # NOTE: [tensors read from outside the arguments]
     refuse_kept_read_back(first, outside, tracer.kept, bindings, step_where(func))  # NOTE: [tensors the step keeps]
     scheduler_steps = []
     if tracer.schedulers is not None:  # NOTE: [schedulers stepped in the step]
@@ -2234,6 +2239,7 @@ class _StepTracer:
         self.rewound_generators: tuple[str, ...] = ()
         self.schedulers: SchedulerSteps | None = None
         self.outside: dict[int, list[FoundTensor]] = {}
+        self.outside_reads: dict[int, tuple[torch.Tensor, Any]] = {}  # OutsideWrites.read
         self.unplaced: dict[int, str] = {}  # KeptTensors.unplaced
         self.inherited: dict[int, str] = {}  # KeptTensors.inherited
         self._params: dict[str, torch.Tensor] = {}
@@ -2314,6 +2320,7 @@ class _StepTracer:
             stack.enter_context(private.data_setter_of_torch())  # NOTE: [data replaced between calls]
             keeper = KeptTensors(self.func, b, (args, kwargs))  # NOTE: [tensors the step keeps]
             self.outside = outside_writes.found = keeper.outside
+            self.outside_reads = outside_writes.read  # NOTE: [outside tensors read as Python values]
             outside_writes.templates = b.templates  # NOTE: [meta templates read by name]
             self.unplaced = keeper.unplaced
             self.inherited = keeper.inherited
@@ -2326,6 +2333,9 @@ class _StepTracer:
                     HeldParameterUses(b.params, params),  # NOTE: [parameters held outside the modules]
                 ):
                     result = self.func(*args, **kwargs)
+                # NOTE: [outside tensors written through shared memory in the step]
+                if (written := outside_writes.restore_written()) is not None:
+                    raise written_through_shared_memory(written, step_where(self.func))
                 settle_removed_state(b.optimizers, swapped)  # NOTE: [optimizer state removed in the step]
                 refuse_state_registered(b, registered, step_where(self.func), params)  # NOTE: [state registered in the step]
                 _refuse_argument_gradients(values, requiring, flags_set.set_at)
@@ -2341,6 +2351,7 @@ class _StepTracer:
                 result, kept = selected_rows.compacted((result, kept))  # NOTE: [rows of one count]
             finally:
                 keeper.restore()
+                outside_writes.restore_written()  # a refused trace leaves them as found
             final_buffers = {
                 b.module_buffers[mi][fqn]: t
                 for mi, mod in enumerate(b.modules)
