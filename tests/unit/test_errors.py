@@ -439,7 +439,7 @@ def test_op_without_sharding_rule_names_op_and_module():
     assert "blocks.1.1" in message
     forward_line = line_of(step, "loss = F.cross_entropy(model(x), y)")
     assert f"{__file__}:{forward_line}" in message
-    assert "random op draws from a tensor" in message  # NOTE: [random draws shaped like a tensor]
+    assert "random op draws into or from a tensor" in message  # NOTE: [random draws shaped like a tensor]
 
 
 # ---------------------------------------------------------------- batch not divisible
