@@ -67,7 +67,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -160,10 +161,42 @@ def _state(
     return state
 
 
-def _holds_optimizer_state(folder: str) -> bool:
-    """Whether the checkpoint in ``folder`` holds optimizer state (not only param groups)."""
-    keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+def _saved_keys(folder: str) -> set[str]:
+    """The flattened state keys the checkpoint in ``folder`` holds."""
+    return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+
+
+def _holds_optimizer_state(keys: set[str]) -> bool:
+    """Whether a checkpoint of these keys holds optimizer state (not only param groups)."""
     return any(key.startswith(f"{OPTIMIZER_KEY}.state.") for key in keys)
+
+
+# NOTE: [parameters with no optimizer state in a checkpoint]
+# An optimizer makes a parameter's state on the first step that gives it a gradient: a
+# head used only from some step on, a branch a Python flag turns on, an expert no token
+# reached yet. Saved before then, the checkpoint holds state for some parameters only.
+# To read into it, ``load`` makes every parameter's state (NOTE: [the step that makes an
+# optimizer's state]), so DCP looked for the others' entries and failed in torch's
+# words ("Missing key in checkpoint state_dict: optimizer.state.aux.weight.step"). A
+# parameter none of whose state entries the checkpoint holds is read as it was saved:
+# with no state (the optimizer's ``load_state_dict`` replaces the made state wholesale),
+# so its first step after the resume is a first step, as in the run that saved it. A
+# parameter the checkpoint holds other entries for (saved by another optimizer type:
+# SGD's ``momentum_buffer`` read into AdamW) still fails in DCP, naming the key.
+
+
+def _without_unsaved_parameters(state: dict[str, Any], keys: set[str]) -> list[str]:
+    """Drop from ``state``'s optimizer state the parameters the checkpoint holds no
+    state entry for; their FQNs (NOTE: [parameters with no optimizer state in a
+    checkpoint])."""
+    per_param = state[OPTIMIZER_KEY]["state"]
+    unsaved = [
+        fqn for fqn in per_param
+        if not any(key.startswith(f"{OPTIMIZER_KEY}.state.{fqn}.") for key in keys)
+    ]
+    for fqn in unsaved:
+        del per_param[fqn]
+    return unsaved
 
 
 def save(
@@ -288,11 +321,14 @@ def _load(
             verify(folder, 0, 1, _no_collective)
         else:
             verify(folder, *_rank_and_world(), process_group_all_reduce)
+    unstepped = optimizer is not None and not optimizer.state
     try:
-        with_state = optimizer is not None and _holds_optimizer_state(folder)
+        keys = _saved_keys(folder)
+        with_state = optimizer is not None and _holds_optimizer_state(keys)
         state = _state(model, optimizer, make_state=with_state)
         if optimizer is not None and not with_state:  # saved before its first step
             state[OPTIMIZER_KEY] = {"state": {}, "param_groups": state[OPTIMIZER_KEY]["param_groups"]}
+        unsaved = _without_unsaved_parameters(state, keys) if with_state else []
         if sim is not None:
             state = _load_simulated(folder, state, sim)
         else:
@@ -301,15 +337,55 @@ def _load(
                 dcp.load(readable, checkpoint_id=folder)
             state = pytree.tree_map(_placed_as, state, readable)
     except (pickle.UnpicklingError, EOFError) as exc:
+        _state_left_unmade(optimizer, unstepped)
         raise CheckpointError(f"checkpoint {folder} could not be read: {exc}") from exc
-    optimizers = [optimizer] if optimizer is not None else []
+    except dcp.CheckpointException as exc:
+        _state_left_unmade(optimizer, unstepped)
+        raise _not_this_state(folder, exc) from exc
+    # strict=False: torch's check that every parameter with requires_grad has saved
+    # state, which those without state in the checkpoint have not (NOTE: [parameters
+    # with no optimizer state in a checkpoint]); the model's keys are still all read
     with state_making_step(optimizer) if with_state else private.optimizer_state_left_unmade():
-        set_state_dict(
-            model,
-            optimizers,
-            model_state_dict=state[MODEL_KEY],
-            optim_state_dict=state.get(OPTIMIZER_KEY, {}),
-        )
+        set_model_state_dict(model, state[MODEL_KEY])
+        if optimizer is not None:
+            set_optimizer_state_dict(
+                model, [optimizer], state[OPTIMIZER_KEY], options=StateDictOptions(strict=not unsaved)
+            )
+
+
+# NOTE: [a checkpoint that does not fit]
+# A checkpoint of another model (other parameter names) or another optimizer (SGD's
+# ``momentum_buffer`` read into AdamW) fails in DCP's planner with a
+# ``CheckpointException``, which derives from ``BaseException``: a user's ``except
+# Exception`` did not catch it, and its text was DCP's traceback of each rank. It is
+# raised as a ``CheckpointError`` naming the first missing key and what it means. The
+# state made to read into (NOTE: [the step that makes an optimizer's state]) is taken
+# away again from an optimizer that had none: it was left with AdamW's step counter at 1,
+# so training on after the failed load was one bias correction off.
+
+
+def _state_left_unmade(optimizer: torch.optim.Optimizer | None, unstepped: bool) -> None:
+    """An optimizer that had no state before a failed load has none after it (NOTE: [a
+    checkpoint that does not fit])."""
+    if optimizer is not None and unstepped:
+        optimizer.state.clear()
+
+
+def _not_this_state(folder: str, exc: BaseException) -> CheckpointError:
+    """The ``CheckpointError`` of a DCP load that failed (NOTE: [a checkpoint that does
+    not fit])."""
+    failures = getattr(exc, "failures", {}) or {}
+    first = next(iter(failures.values()), exc)
+    if isinstance(first, tuple):  # DCP keeps (exception, its stack) per rank
+        first = first[0]
+    what = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
+    return CheckpointError(
+        f"checkpoint {folder} does not fit the model and optimizer it is loaded into: {what} "
+        "(keys are matched before any tensor is read). A missing "
+        "'optimizer.state.<parameter>.<entry>' key means the checkpoint was saved by an "
+        "optimizer of another type or settings (SGD's momentum_buffer is not AdamW's "
+        "exp_avg); a missing 'model.<name>' key, a model with other parameter names."
+    )
 
 
 # NOTE: [strided shards in a checkpoint]

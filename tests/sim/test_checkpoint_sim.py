@@ -191,6 +191,82 @@ def test_saved_before_the_first_step(tmp_path) -> None:
             assert torch.equal(resumed[key], value), (compile_first, key)
 
 
+class _LaterHead(nn.Module):
+    """A head the loss uses only when the step is told to (a Python flag)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        out = self.body(x)
+        return out + self.aux(x) if use_aux else out
+
+
+def _head_step(model, optim, x, y, use_aux):  # noqa: ANN001, ANN202
+    loss = nn.functional.cross_entropy(model(x, use_aux), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_parameters_without_saved_state_resume_as_saved(tmp_path, mode: str) -> None:
+    """NOTE: [parameters with no optimizer state in a checkpoint]: saved while a head had
+    no gradient yet (AdamW holds no state for it), the load failed in DCP ("Missing key in
+    checkpoint state_dict: optimizer.state.aux.weight.step"); now the head has no state
+    after the load and the resumed run equals one device's uninterrupted run (float64)."""
+    data = [(x.double(), y) for x, y in batches()]
+    flags = [False, False, True, True]
+
+    def build_heads() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = _LaterHead().double()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, optim = build_heads()
+    for (x, y), flag in zip(data, flags):
+        _head_step(model, optim, x, y, flag)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    folder = str(tmp_path / "step2")
+    with sc.simulate(world_size=2):
+        model, optim = build_heads()
+        step = sc.compile(DataParallel(mode))(_head_step)
+        for (x, y), flag in zip(data[:2], flags[:2]):
+            step(model, optim, x, y, flag)
+        checkpoint.save(folder, model, optim)
+        model, optim = build_heads()
+        checkpoint.load(folder, model, optim)
+        assert model.aux.weight not in optim.state and model.body.weight in optim.state
+        step = sc.compile(DataParallel(mode))(_head_step)
+        for (x, y), flag in zip(data[2:], flags[2:]):
+            step(model, optim, x, y, flag)
+        got = checkpoint.full_state_dict(model, optim)["model"]
+    for key, value in expected.items():
+        assert (got[key] - value).abs().max() < 1e-13, key
+
+
+def test_state_of_another_optimizer_type_is_still_refused(tmp_path) -> None:
+    """A parameter whose saved entries are another optimizer's (SGD's momentum_buffer read
+    into AdamW) is not read as one without state: refused, naming the missing key, as a
+    CheckpointError (DCP's CheckpointException is a BaseException), the optimizer left
+    without state as it was (it kept AdamW's made state, step 1, before)."""
+    folder = str(tmp_path / "sgd")
+    with sc.simulate(world_size=2):
+        model, _ = build()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = sc.compile(DataParallel("replicate"))(classification_train_step)
+        step(model, optim, *batches()[0])
+        checkpoint.save(folder, model, optim)
+        model, optim = build()
+        with pytest.raises(CheckpointError, match=r"does not fit .*optimizer\.state\.0\.weight\.step"):
+            checkpoint.load(folder, model, optim)
+        # NOTE: [a checkpoint that does not fit]: no state made to read into is left
+        assert not optim.state
+
+
 def test_no_dcp_single_process_warning(tmp_path) -> None:
     """NOTE: [DCP's single-process warning]: every save and load on simulated ranks (and
     on plain state without a process group) printed DCP's "torch.distributed is disabled,
