@@ -73,10 +73,11 @@ class LRReadAfterSchedulerStep:
     """Stands in for ``param_group["lr"]`` once the group's scheduler stepped in the
     traced step: any use refuses (see the NOTE)."""
 
-    def __init__(self, original: Any, where: str, key: str = "lr") -> None:
+    def __init__(self, original: Any, where: str, key: str = "lr", by: str = "scheduler.step()") -> None:
         self.original = original
         self.where = where
         self.key = key
+        self.by = by
 
     def refuse(self, *args: Any, **kwargs: Any) -> Any:
         self.refuse_at(innermost_model_frame_of_stack())
@@ -182,7 +183,7 @@ class SchedulerSteps:
                     # twice wraps once (each step is replayed)
                     value = dict.get(group, key)
                     if key in dict.keys(group) and not isinstance(value, LRReadAfterSchedulerStep):
-                        dict.__setitem__(group, key, LRReadAfterSchedulerStep(value, where, key))
+                        dict.__setitem__(group, key, LRReadAfterSchedulerStep(value, where, key, name))
 
     def optimizer_stepped(self, opt: torch.optim.Optimizer) -> None:
         for i, o in enumerate(self.optimizers):
@@ -217,6 +218,39 @@ class SchedulerSteps:
                     "was traced, which changes every call.",
                     hint=HINT,
                 )
+
+
+# NOTE: [a scheduler stepped between two optimizer steps]
+# CleanRL-style loops take several optimizer steps per call over minibatch slices, with
+# ``opt.step(); sched.step()`` in the loop. A compiled step reads each learning rate once
+# per call and replays the scheduler after it, so this stays refused; but the second
+# ``opt.step()`` read the stand-in the first ``sched.step()`` left in the group, and the
+# refusal said the step "reads param_group['lr']", which the user never wrote, with the
+# hint to call ``scheduler.step()`` after ``optimizer.step()``, which they do. An
+# optimizer step that finds its group's learning rate already stepped by a scheduler in
+# this call is refused before it reads it, naming both lines and the forms that work.
+
+
+def refuse_step_after_its_scheduler(opt: torch.optim.Optimizer, oi: int) -> None:
+    """Refuse ``opt.step()`` after a ``scheduler.step()`` of the same optimizer that
+    followed an earlier ``opt.step()`` in this call (NOTE: [a scheduler stepped between
+    two optimizer steps])."""
+    for group in opt.param_groups:
+        value = dict.get(group, "lr")
+        if isinstance(value, LRReadAfterSchedulerStep):
+            raise SPMDCompileError(
+                f"{value.by} ({value.where}) runs between two step() calls of optimizer[{oi}] "
+                "inside the compiled train step: this step() would take the learning rate the "
+                "scheduler just set, but a compiled step reads each learning rate once per "
+                "call and replays the scheduler after the call.",
+                user_line=innermost_model_frame_of_stack(),
+                hint=(
+                    "compile a step that takes one optimizer step and call it once per "
+                    "minibatch, so the scheduler steps after each as in eager; or step the "
+                    "scheduler once per call, after the loop of optimizer steps (a schedule "
+                    "counted in calls: the call's optimizer steps then share one rate)."
+                ),
+            )
 
 
 def note_optimizer_step(opt: torch.optim.Optimizer) -> None:
@@ -312,5 +346,5 @@ def _refuse_changed_settings(held: dict[str, Any], now: dict[str, Any], stepped:
 
 __all__ = [
     "HINT", "LRReadAfterSchedulerStep", "SchedulerStep", "SchedulerSteps", "find_schedulers",
-    "learning_rate_of", "note_optimizer_step", "scheduler_state", "step_replayed",
+    "learning_rate_of", "note_optimizer_step", "refuse_step_after_its_scheduler", "scheduler_state", "step_replayed",
 ]

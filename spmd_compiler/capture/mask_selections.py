@@ -274,6 +274,11 @@ def traced(mask: torch.Tensor) -> bool:
     return private.traced_node_of(mask) is not None
 
 
+class RowsThatCannotFit(Exception):
+    """``x[mask] = rows`` with rows of another count than the compiled selection's
+    (NOTE: [rows written by a mask that cannot fit]): refused at capture."""
+
+
 class RowsOfAModelMaskCounted(Exception):
     """Rows selected by a mask computed from the model's state, used where their number
     matters: a value-dependent shape (refused at capture)."""
@@ -665,6 +670,7 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
         # dims than an element of the selection (a row broadcast to every selected
         # element) is one value (NOTE: [mask writes of one value])
         per_row = _decide(mask)
+        _rows_fit_the_selection(x, mask, values, per_row)
     if mask is not None and per_row is not None and per_row not in (EVERY, CONSTANT):
         grid, index = _by_example(x.reshape((-1,) + tuple(x.shape[mask.dim():])), mask, per_row)
         source = values.expand((index.shape[0] * per_row,) + index.shape[2:]).reshape(index.shape).to(x.dtype)
@@ -681,6 +687,45 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
             return flat if op is aten.index_put.default else x.copy_(flat)
         return NotImplemented
     return op(x, converted, values, accumulate)
+
+
+# NOTE: [rows written by a mask that cannot fit]
+# The PyTorch DQN tutorial writes the target network's values of the non-final next
+# states, passed as their own argument, into the rows its mask selects:
+# ``next_state_values[non_final_mask] = target_net(non_final_next_states).max(1).values``.
+# The written rows are as many as the true elements of the mask, a count the data decides
+# and that another argument's shape carries, not a selection by the mask. Compiled for the
+# mask that selects everything (NOTE: [selections by a mask of the batch]), the write
+# puts the 6 rows given into 8 places: every call with a false element failed at run time
+# in torch's words ("shape mismatch: value tensor of shape [6] cannot be broadcast to
+# indexing result of shape [8]"), before the mask's own check could say why. When the rows
+# written are neither one row (broadcast) nor as many as the compiled selection, no call
+# can run the program, so the write is refused at capture, naming the line, with the
+# fixed-shape form: the rows of the whole batch, selected by the same mask.
+ROWS_FOR_EVERY_ELEMENT = (
+    "the rows for every element of the batch, selected by the same mask: pass all next "
+    "states (not only the non-final ones) and write `out[mask] = f(all_rows[mask])`, or "
+    "`out = torch.where(mask, f(all_rows), out)` (NOTE: [rows written by a mask that cannot "
+    "fit])"
+)
+
+
+def _rows_fit_the_selection(x: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, per_row: int | None) -> None:
+    """Refuse ``x[mask] = rows`` whose row count no call of the compiled selection can
+    take (NOTE: [rows written by a mask that cannot fit])."""
+    if per_row is None or per_row == CONSTANT:
+        return
+    selected = mask.numel() if per_row == EVERY else mask.shape[0] * per_row
+    rows = values.shape[0] if values.dim() == x.dim() - mask.dim() + 1 else None
+    if rows is not None and rows not in (1, selected) and isinstance(rows, int):
+        compiled = "every element" if per_row == EVERY else f"{per_row} in every row"
+        raise RowsThatCannotFit(
+            f"`x[mask] = rows` writes {rows} rows where the mask of the batch, compiled as "
+            f"selecting {compiled} (a compiled program has fixed shapes), selects {selected}: "
+            "the rows are not a selection by this mask (their count comes from another "
+            "tensor's shape), so no call could run this write. For any mask, write "
+            + ROWS_FOR_EVERY_ELEMENT
+        )
 
 
 def _mask_after_nones(

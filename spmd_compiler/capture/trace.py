@@ -140,6 +140,7 @@ from .lr_schedulers import (
     SchedulerSteps,
     learning_rate_of,
     note_optimizer_step,
+    refuse_step_after_its_scheduler,
 )
 from .mask_selections import (
     RowsOfAModelMaskCounted,
@@ -2747,6 +2748,7 @@ def _swap_optimizer(
     instance_step = opt.__dict__.get("step", _MISSING)
 
     def capturable_step(*args: Any, **kwargs: Any) -> Any:
+        refuse_step_after_its_scheduler(opt, oi)  # NOTE: [a scheduler stepped between two optimizer steps]
         graph = private.current_trace_graph()
         mark = last_node(graph)
         with user_step_modes_paused(), private.optimizer_capturable_path(), tracing_optimizer_step(

@@ -277,7 +277,11 @@ def test_scheduler_between_two_steps_of_its_optimizer_is_refused(classification_
         return step_then_schedule(model, optim, scheduler, x, y)
 
     text, _, _ = _refusal(twice, lambda m, o, s: (m, o, s), classification_batches)
-    assert "after scheduler.step()" in text
+    # NOTE: [a scheduler stepped between two optimizer steps]: it said the step "reads
+    # param_group['lr']", which the user never wrote, with a hint to do what they do
+    assert "CosineAnnealingLR.step()" in text and "runs between two step() calls of optimizer[0]" in text
+    assert '"scheduler.step()"' in text and '"optim.step()"' in text
+    assert "reads param_group" not in text and "call it once per minibatch" in text
 
 
 class Holder:
