@@ -255,7 +255,9 @@ class Closed:
                     "not reach the object the caller holds.",
                     user_line=where,
                     hint="return the value from the step instead of storing it in the "
-                    "batch container.",
+                    "batch container; state a later call reads (GradNorm's initial losses) "
+                    "goes in a module buffer (`model.register_buffer('L0', ...)`) or on an "
+                    "object of a class of your own, which the step may write.",
                 )
 
 
