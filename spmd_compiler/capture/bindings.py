@@ -878,9 +878,10 @@ def find_bindings(
 # the arguments' and, after them, those the given ones hold in an attribute (SAM's and
 # Lookahead's inner ``base_optimizer``, stepped by the wrapper's own step(); refused as
 # "not among its optimizers" before the fifty-seventh session) and those reachable by
-# name, each where every parameter it updates the modules own (after following DTensor replacements, NOTE: [parameters replaced by
+# name (entries of a dict, list or tuple reached so too, NOTE: [optimizers held in
+# containers] in ``capture/code_names.py``), each where every parameter it updates the modules own (after following DTensor replacements, NOTE: [parameters replaced by
 # DTensors]); a named optimizer over other parameters is left out, and its ``step()`` in
-# the trace is refused (``_OptimizerNotPassed`` in ``capture/trace.py``). Capture swaps
+# the trace is refused (``capture/optimizers_not_passed.py``). Capture swaps
 # state on the module objects themselves, so the step's code reaching them by name traces
 # the same program as one given them. Names are found anew on each call: a global rebound
 # to another model between calls trains the new one.
@@ -914,7 +915,8 @@ def _named_modules(
     read = modules_read_by_name(func)
     by_name = [m for m, _ in read]
     if not given:
-        by_name[:0] = reachable_by_name(func, [], torch.nn.Module)
+        # a module only in a dict is refused naming it (NOTE: [optimizers held in containers])
+        by_name[:0] = reachable_by_name(func, [], torch.nn.Module, containers=False)
     found = _unique(by_name)
     owner = getattr(func, "__self__", None)
     if not given and isinstance(owner, torch.nn.Module) and all(owner is not m for m in found):

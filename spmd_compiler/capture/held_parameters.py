@@ -27,7 +27,7 @@ so the uses are refused and the module form is named, which compiles and matches
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import SPMDCompileError, innermost_model_frame_of_stack
 from .bindings import freeze_hint, reads_metadata, replacement_of, sets_requires_grad
+from .optimizers_not_passed import optimizer_not_passed
 
 _REQUIRES_GRAD: Any = torch.Tensor.requires_grad  # the descriptor
 
@@ -42,12 +43,18 @@ _REQUIRES_GRAD: Any = torch.Tensor.requires_grad  # the descriptor
 class HeldParameterUses(TorchFunctionMode):
     """While entered: a torch function on one of ``params`` (the user's parameters, by
     name) is refused, but for metadata reads; ``requires_grad`` reads answer
-    ``stand_ins``' flag (see the NOTE)."""
+    ``stand_ins``' flag (see the NOTE). Inside a method of an optimizer not among
+    ``optimizers`` (the step's), that optimizer is refused instead (NOTE: [optimizers
+    the step was not given])."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], stand_ins: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], stand_ins: Mapping[str, torch.Tensor],
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> None:
         super().__init__()
         self._names = {id(p): name for name, p in params.items()}
         self._stand_ins = stand_ins
+        self._optimizers = optimizers
 
     def _held(self, value: Any) -> str | None:
         if not isinstance(value, torch.Tensor):
@@ -73,6 +80,8 @@ class HeldParameterUses(TorchFunctionMode):
             return self._stand_ins[name].requires_grad
         if reads_metadata(func):
             return func(*args, **kwargs)
+        if (not_passed := optimizer_not_passed(self._optimizers)) is not None:
+            raise not_passed  # NOTE: [optimizers the step was not given]
         if sets_requires_grad(func):
             raise SPMDCompileError(
                 f"The train step sets requires_grad of parameter {name} through a reference "

@@ -19,8 +19,10 @@ hold that Python, so the runtime replays it:
   learning rates are exactly eager's, and nothing recompiles.
 - **Found by name.** The scheduler must be reachable as the optimizer is: an argument,
   a global or a closure variable of the step, or an attribute of the object whose bound
-  method is the step (``code_names.reachable_by_name``); a new scheduler passed on a
-  later call is the one stepped.
+  method is the step (``code_names.reachable_by_name``), itself or an entry of a dict,
+  list or tuple held so (Parallel WaveGAN's ``self.scheduler["generator"]``, NOTE:
+  [optimizers held in containers]); a new scheduler passed on a later call is the one
+  stepped.
 - **Refused, with the line:** ``step(...)`` with arguments (``ReduceLROnPlateau.step
   (metric)`` reads a tensor's value; ``step(epoch)`` is deprecated in torch); a
   scheduler stepped between two ``step()`` calls of its optimizer; ``get_last_lr()`` in
@@ -169,7 +171,8 @@ class SchedulerSteps:
                 "call, so it must be found by name.",
                 user_line=location,
                 hint="pass the scheduler to the step as an argument, or an object holding it "
-                "(agent.scheduler.step() of an argument `agent` is found), or keep it in a global.",
+                "(agent.scheduler.step() of an argument `agent` is found), or keep it in a global "
+                "or an attribute of the step's object (itself, or in a dict, list or tuple there).",
             )
         opt = getattr(scheduler, "optimizer", None)
         oi = next((i for i, o in enumerate(self.optimizers) if o is opt), None)

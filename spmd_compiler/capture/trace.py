@@ -155,6 +155,7 @@ from .ops_named_in_place import named_in_place_decompositions, refuse_ops_named_
 from .optimizer_advice import TENSOR_COUNT_OPTIMIZERS, group_counters_hint, library_counter_hint
 from .optimizers import CycledValue, CycledValueUsed, MomentumGroup, tracing_optimizer_step
 from .optimizers import check_supported as check_supported_optimizers
+from .optimizers_not_passed import OptimizerNotPassed as _OptimizerNotPassed
 from .outside_tensors import (
     FoundTensor,
     OutsideWrites,
@@ -1184,7 +1185,7 @@ def _trace_first(
             # NOTE: [modules and optimizers by name]: an optimizer a given one holds is
             # taken where the step's modules own its every parameter; this one's are not
             raise SPMDCompileError(
-                f"The train step calls step() of a {type(exc.optimizer).__module__}."
+                f"The train step calls {exc.method}() of a {type(exc.optimizer).__module__}."
                 f"{type(exc.optimizer).__name__}, {held} (an attribute of an optimizer it "
                 "is given), which updates parameters that no module the step trains owns.",
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
@@ -1195,7 +1196,7 @@ def _trace_first(
             path, wrapper = wrapped
             inner = f"{type(exc.optimizer).__module__}.{type(exc.optimizer).__name__}"
             raise SPMDCompileError(
-                f"The train step calls step() of a {inner} that is not among its "
+                f"The train step calls {exc.method}() of a {inner} that is not among its "
                 f"optimizers, reached through attribute {path} (a {wrapper}: a plain "
                 "object, not a torch.optim.Optimizer). A step takes the "
                 "optimizers it is given, those its code names whose every parameter "
@@ -1212,7 +1213,7 @@ def _trace_first(
         if isinstance(exc, _OptimizerNotPassed) and _built_in_the_step(exc.optimizer):
             name = f"{type(exc.optimizer).__module__}.{type(exc.optimizer).__name__}"
             raise SPMDCompileError(
-                f"The train step calls step() of a {name} that was created inside the "
+                f"The train step calls {exc.method}() of a {name} that was created inside the "
                 "step (its parameters are the trace's stand-ins): an optimizer made on the "
                 "first call (`if self.opt is None: self.opt = AdamW(...)`) is not among the "
                 "optimizers the step was given or can name when it is called (NOTE: "
@@ -1224,7 +1225,7 @@ def _trace_first(
             ) from exc
         if isinstance(exc, _OptimizerNotPassed) and (bare := _tensor_of_no_module(exc.optimizer)) is not None:
             raise SPMDCompileError(
-                f"The train step calls step() of a {type(exc.optimizer).__module__}."
+                f"The train step calls {exc.method}() of a {type(exc.optimizer).__module__}."
                 f"{type(exc.optimizer).__name__} that is not among its optimizers, and it "
                 f"updates a tensor of shape {tuple(bare.shape)} that is no nn.Parameter, so "
                 "belongs to no module (a leaf made with requires_grad=True, SAC's "
@@ -1240,10 +1241,12 @@ def _trace_first(
             ) from exc
         if isinstance(exc, _OptimizerNotPassed):
             raise SPMDCompileError(
-                f"The train step calls step() of a {type(exc.optimizer).__module__}."
+                f"The train step calls {exc.method}() of a {type(exc.optimizer).__module__}."
                 f"{type(exc.optimizer).__name__} that is not among its optimizers: those it "
-                "is given, and those its code names whose every parameter belongs to the "
-                "modules it trains (NOTE: [modules and optimizers by name]).",
+                "is given, and those its code names (a global, a closure variable, an "
+                "attribute of its object, or an entry of a dict, list or tuple held so) whose "
+                "every parameter belongs to the modules it trains (NOTE: [modules and "
+                "optimizers by name]).",
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint="pass the optimizer, and the modules whose parameters it updates, to "
                 "the step, e.g. train_step(model, optimizer, batch, target).",
@@ -2331,7 +2334,8 @@ class _StepTracer:
                     ScalarTensors(self.floats.is_stand_in),  # NOTE: [0-d tensors in Scalar arguments]
                     RegistrationsWatched(b.modules) as registered,
                     RequiresGradCalls([values[r] for r in requiring]) as flags_set,
-                    HeldParameterUses(b.params, params),  # NOTE: [parameters held outside the modules]
+                    # NOTE: [parameters held outside the modules]
+                    HeldParameterUses(b.params, params, [*b.optimizers, *b.wrappers]),
                 ):
                     result = self.func(*args, **kwargs)
                 # NOTE: [outside tensors written through shared memory in the step]
@@ -2617,14 +2621,6 @@ def _held_by_a_plain_argument(
                 label = paths[i] if len(paths) == len(bindings.flat_args) else f"args[{i}]"
                 return f"{name} of argument {label}", type(arg).__name__
     return None
-
-
-class _OptimizerNotPassed(Exception):
-    """An optimizer that is not an argument of the step stepped while it was traced."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(f"{type(optimizer).__name__}.step() of an optimizer not passed to the step")
-        self.optimizer = optimizer
 
 
 def _built_in_the_step(optimizer: torch.optim.Optimizer) -> bool:

@@ -80,6 +80,20 @@ def global_scaler_step(model, optim, x, y):  # noqa: ANN001
     return loss
 
 
+GLOBAL_SCALERS = {"main": torch.amp.GradScaler("cpu", **SETTINGS)}
+
+
+def global_dict_scaler_step(model, optim, x, y):  # noqa: ANN001
+    """The scaler in a global dict (NOTE: [optimizers held in containers]: refused
+    before the sixty-ninth session as a scaler the step cannot name)."""
+    loss = F.cross_entropy(model(x), y)
+    GLOBAL_SCALERS["main"].scale(loss).backward()
+    GLOBAL_SCALERS["main"].step(optim)
+    GLOBAL_SCALERS["main"].update()
+    optim.zero_grad()
+    return loss
+
+
 def _mode(name: str):  # noqa: ANN202
     if name == "tp":
         return make_mode("tp", plan={"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -182,13 +196,18 @@ def test_step_that_unscales_itself_and_returns_the_scale():
     assert scaler.state_dict() == reference_scaler.state_dict()
 
 
-def test_a_global_scaler_is_state_of_the_program():
+@pytest.mark.parametrize(
+    ("step", "held"),
+    [(global_scaler_step, lambda: GLOBAL_SCALER), (global_dict_scaler_step, lambda: GLOBAL_SCALERS["main"])],
+    ids=["global", "global dict"],
+)
+def test_a_global_scaler_is_state_of_the_program(step, held):  # noqa: ANN001
     model = _model()
     reference = copy.deepcopy(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     reference_scaler = torch.amp.GradScaler("cpu", **SETTINGS)
-    compiled = sc.compile(make_mode("ddp"))(global_scaler_step)
+    compiled = sc.compile(make_mode("ddp"))(step)
     with sc.simulate(world_size=2) as sim:
         for x, y in _batches():
             got = compiled(model, optim, x, y)
@@ -197,7 +216,7 @@ def test_a_global_scaler_is_state_of_the_program():
         worst = max({**compare_models(model, reference, sim),
                      **compare_optimizers(optim, reference_optim, sim)}.values())
     assert worst < TOL
-    assert GLOBAL_SCALER.state_dict() == reference_scaler.state_dict()
+    assert held().state_dict() == reference_scaler.state_dict()
 
 
 class _Trainer:
