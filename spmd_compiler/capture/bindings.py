@@ -880,7 +880,7 @@ def find_bindings(
 # "not among its optimizers" before the fifty-seventh session) and those reachable by
 # name, each where every parameter it updates the modules own (after following DTensor replacements, NOTE: [parameters replaced by
 # DTensors]); a named optimizer over other parameters is left out, and its ``step()`` in
-# the trace is refused (``_OptimizerNotPassed`` in ``capture/trace.py``). Capture swaps
+# the trace is refused (``OptimizerNotPassed`` in ``capture/call_optimizers.py``). Capture swaps
 # state on the module objects themselves, so the step's code reaching them by name traces
 # the same program as one given them. Names are found anew on each call: a global rebound
 # to another model between calls trains the new one.
