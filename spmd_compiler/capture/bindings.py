@@ -881,7 +881,8 @@ def find_bindings(
 # name (entries of a dict, list or tuple reached so too, NOTE: [optimizers held in
 # containers] in ``capture/code_names.py``), each where every parameter it updates the modules own (after following DTensor replacements, NOTE: [parameters replaced by
 # DTensors]); a named optimizer over other parameters is left out, and its ``step()`` in
-# the trace is refused (``capture/optimizers_not_passed.py``). Capture swaps
+# the trace is refused (``OptimizerNotPassed`` in ``capture/call_optimizers.py``; met first
+# in ``zero_grad()``: ``capture/optimizers_not_passed.py``). Capture swaps
 # state on the module objects themselves, so the step's code reaching them by name traces
 # the same program as one given them. Names are found anew on each call: a global rebound
 # to another model between calls trains the new one.

@@ -30,6 +30,8 @@ hold that Python, so the runtime replays it:
   learning rate read from the optimizer after its scheduler stepped (the value the
   program would read is the one from before the step); a scheduler the step reaches
   only through an attribute of an object that is not an argument (a global holder's).
+- **Run as eager:** a scheduler over an optimizer the step makes over tensors made in
+  the call (NOTE: [schedulers of optimizers made in the call]).
 
 The scheduler's attributes are not guards of the program (NOTE: [guards on Python
 values]): they change on every call by design. Attributes the step's own code names
@@ -117,9 +119,16 @@ class SchedulerSteps:
     """While one trace runs: records the schedulers the step steps (running none) and the
     ``step()`` calls of its optimizers."""
 
-    def __init__(self, schedulers: list[Any], optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        schedulers: list[Any],
+        optimizers: list[torch.optim.Optimizer],
+        made_in_the_call: Callable[[torch.optim.Optimizer], bool] = lambda opt: False,
+    ) -> None:
         self.schedulers = schedulers
         self.optimizers = optimizers
+        # NOTE: [schedulers of optimizers made in the call]
+        self.made_in_the_call = made_in_the_call
         self.optimizer_steps = [0] * len(optimizers)
         # (scheduler index, optimizer index or None, that optimizer's steps so far, line)
         self.calls: list[tuple[int, int | None, int, str]] = []
@@ -127,7 +136,7 @@ class SchedulerSteps:
 
     def __enter__(self) -> SchedulerSteps:
         for cls in _scheduler_classes():
-            for name, replacement in (("step", self._step), ("get_last_lr", _refused_last_lr)):
+            for name, replacement in (("step", self._step), ("get_last_lr", self._last_lr)):
                 if name in vars(cls):
                     self._patched.append((cls, name, vars(cls)[name]))
                     setattr(cls, name, replacement)
@@ -144,10 +153,50 @@ class SchedulerSteps:
     def _step(self) -> Callable[..., None]:
         recorder = self
 
-        def step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            if recorder._runs_as_eager(scheduler):
+                return recorder._original(scheduler, "step")(scheduler, *args, **kwargs)
             recorder.record(scheduler, args, kwargs)
+            return None
 
         return step
+
+    @property
+    def _last_lr(self) -> Callable[..., Any]:
+        recorder = self
+
+        def get_last_lr(scheduler: Any) -> Any:
+            if recorder._runs_as_eager(scheduler):
+                return recorder._original(scheduler, "get_last_lr")(scheduler)
+            return _refused_last_lr(scheduler)
+
+        return get_last_lr
+
+    def _runs_as_eager(self, scheduler: Any) -> bool:
+        """NOTE: [schedulers of optimizers made in the call]
+        A scheduler over an optimizer the step makes over tensors made in the call (NOTE:
+        [optimizers over tensors made in the call]; an inner loop's ``StepLR``) is made in
+        the call too, and dies with it: its ``step()`` (torch runs one when it is made)
+        and ``get_last_lr()`` run as eager runs them, on that optimizer's Python numbers,
+        the same on every call. Before the sixty-ninth session it was refused as a
+        scheduler the step "reaches only through another object", with the hint to pass
+        it to the step, which a scheduler made in the call cannot be."""
+        opt = getattr(scheduler, "optimizer", None)
+        return (
+            isinstance(opt, torch.optim.Optimizer)
+            and all(opt is not o for o in self.optimizers)
+            and self.made_in_the_call(opt)
+        )
+
+    def _original(self, scheduler: Any, name: str) -> Callable[..., Any]:
+        """The method ``name`` of ``scheduler``'s class as it was before ``__enter__``."""
+        for cls in type(scheduler).__mro__:
+            for patched, patched_name, original in self._patched:
+                if patched is cls and patched_name == name:
+                    return original
+            if name in vars(cls):
+                return vars(cls)[name]
+        raise AttributeError(name)
 
     def record(self, scheduler: Any, args: tuple, kwargs: dict) -> None:
         location = innermost_model_frame_of_stack()

@@ -22,15 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-class OptimizerNotPassed(Exception):
-    """An optimizer that is not among the step's optimizers was called while the step
-    was traced: ``method`` (``step``, ``zero_grad``) of ``optimizer``."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, method: str = "step") -> None:
-        super().__init__(f"{type(optimizer).__name__}.{method}() of an optimizer not passed to the step")
-        self.optimizer = optimizer
-        self.method = method
+from .call_optimizers import OptimizerNotPassed
 
 
 def optimizer_not_passed(passed: Sequence[torch.optim.Optimizer]) -> OptimizerNotPassed | None:
@@ -44,7 +36,7 @@ def optimizer_not_passed(passed: Sequence[torch.optim.Optimizer]) -> OptimizerNo
             if code.co_argcount and code.co_varnames[0] == "self":
                 owner = frame.f_locals.get("self")
                 if isinstance(owner, torch.optim.Optimizer):
-                    return None if any(owner is p for p in passed) else OptimizerNotPassed(owner, code.co_name)
+                    return None if any(owner is p for p in passed) else OptimizerNotPassed(owner, method=code.co_name)
             frame = frame.f_back
         return None
     finally:

@@ -23,7 +23,8 @@ so it runs on a model a compiled train step left as DTensors (and the other way 
 Its returned tensors are global values, as a train step's loss is. An optimizer that is
 not an argument but steps inside the step (a global or a closure variable) is refused:
 traced, it would update the real parameters once at capture, not the program's state
-every call.
+every call; except one the step makes over tensors the call makes (NOTE: [optimizers
+over tensors made in the call] in ``call_optimizers.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import torch
 import torch.fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_private as private
@@ -108,6 +108,7 @@ from .bindings import (
     momentum_is_input,
     tensor_argument_names,
 )
+from .call_optimizers import OptimizerNotPassed, OtherOptimizers
 from .code_names import return_line, step_code, step_name, step_where
 from .containers import (
     Closed,
@@ -155,13 +156,13 @@ from .ops_named_in_place import named_in_place_decompositions, refuse_ops_named_
 from .optimizer_advice import TENSOR_COUNT_OPTIMIZERS, group_counters_hint, library_counter_hint
 from .optimizers import CycledValue, CycledValueUsed, MomentumGroup, tracing_optimizer_step
 from .optimizers import check_supported as check_supported_optimizers
-from .optimizers_not_passed import OptimizerNotPassed as _OptimizerNotPassed
 from .outside_tensors import (
     FoundTensor,
     OutsideWrites,
     outside_constants,
     written_through_shared_memory,
 )
+from .parameter_copies import parameters_copied_as_eager
 from .python_effects import (
     OWN_GENERATOR,
     OWN_GENERATOR_HINT,
@@ -1181,7 +1182,7 @@ def _trace_first(
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint=SCALER_HINT,
             ) from exc
-        if isinstance(exc, _OptimizerNotPassed) and (held := _held_by_an_optimizer(exc.optimizer, bindings)):
+        if isinstance(exc, OptimizerNotPassed) and (held := _held_by_an_optimizer(exc.optimizer, bindings)):
             # NOTE: [modules and optimizers by name]: an optimizer a given one holds is
             # taken where the step's modules own its every parameter; this one's are not
             raise SPMDCompileError(
@@ -1192,7 +1193,7 @@ def _trace_first(
                 hint=f"build {held} over the parameters of the modules passed to the step, "
                 "or pass the modules that own its parameters to the step too.",
             ) from exc
-        if isinstance(exc, _OptimizerNotPassed) and (wrapped := _held_by_a_plain_argument(exc.optimizer, func, bindings)):
+        if isinstance(exc, OptimizerNotPassed) and (wrapped := _held_by_a_plain_argument(exc.optimizer, func, bindings)):
             path, wrapper = wrapped
             inner = f"{type(exc.optimizer).__module__}.{type(exc.optimizer).__name__}"
             raise SPMDCompileError(
@@ -1210,20 +1211,24 @@ def _trace_first(
                 "refused); or pass the inner optimizer to the step itself and write the "
                 "wrapper's work in the step.",
             ) from exc
-        if isinstance(exc, _OptimizerNotPassed) and _built_in_the_step(exc.optimizer):
+        if isinstance(exc, OptimizerNotPassed) and exc.holds_stand_ins:
             name = f"{type(exc.optimizer).__module__}.{type(exc.optimizer).__name__}"
             raise SPMDCompileError(
                 f"The train step calls {exc.method}() of a {name} that was created inside the "
-                "step (its parameters are the trace's stand-ins): an optimizer made on the "
-                "first call (`if self.opt is None: self.opt = AdamW(...)`) is not among the "
+                "step over the model's own parameters (the trace's stand-ins, or tensors "
+                "sharing their memory, `p.detach()`): an optimizer made on the first call "
+                "(`if self.opt is None: self.opt = AdamW(...)`) is not among the "
                 "optimizers the step was given or can name when it is called (NOTE: "
                 "[optimizers created inside the step]).",
                 user_line=step_frame_from_traceback(exc.__traceback__, code),
                 hint="create the optimizer before the first call (in __init__, or before "
                 "compiling the step), over the model's parameters, and keep the step's "
-                "call to its step().",
+                "call to its step(). An inner optimizer made in every call over tensors the "
+                "call makes alone (a per-call clone's parameters, "
+                "`SGD(copy.deepcopy(model).parameters(), lr)`, as in Reptile) compiles "
+                "(NOTE: [optimizers over tensors made in the call]).",
             ) from exc
-        if isinstance(exc, _OptimizerNotPassed) and (bare := _tensor_of_no_module(exc.optimizer)) is not None:
+        if isinstance(exc, OptimizerNotPassed) and (bare := _tensor_of_no_module(exc.optimizer)) is not None:
             raise SPMDCompileError(
                 f"The train step calls {exc.method}() of a {type(exc.optimizer).__module__}."
                 f"{type(exc.optimizer).__name__} that is not among its optimizers, and it "
@@ -1239,7 +1244,7 @@ def _trace_first(
                 "`alpha_optim = Adam(alpha.parameters(), lr)`, the step reading "
                 "`alpha.log_alpha` (docs/porting.md).",
             ) from exc
-        if isinstance(exc, _OptimizerNotPassed):
+        if isinstance(exc, OptimizerNotPassed):
             raise SPMDCompileError(
                 f"The train step calls {exc.method}() of a {type(exc.optimizer).__module__}."
                 f"{type(exc.optimizer).__name__} that is not among its optimizers: those it "
@@ -2305,12 +2310,14 @@ class _StepTracer:
                 stack.enter_context(_swap_optimizer(opt, oi, b, params, values, self.code))
                 for oi, opt in enumerate(b.optimizers)
             ]
-            stack.enter_context(_refuse_other_optimizers([*b.optimizers, *b.wrappers]))
+            stack.enter_context(parameters_copied_as_eager(b.params, params))  # NOTE: [deep copies of the step's parameters]
+            # NOTE: [optimizers over tensors made in the call]
+            others = stack.enter_context(OtherOptimizers([*b.optimizers, *b.wrappers], list(values.values()), self.code))
             # NOTE: [loss scaling in the program]
             scaler_finals = stack.enter_context(traced_scalers(b.scalers, values))
             # NOTE: [schedulers stepped in the step]
             self.schedulers = stack.enter_context(
-                SchedulerSteps(b.schedulers, b.optimizers)
+                SchedulerSteps(b.schedulers, b.optimizers, others.made_in_the_call)
             )
             stack.enter_context(ItemsAsOutputs())  # NOTE: [returned .item() values]
             stack.enter_context(checks_on_items())
@@ -2338,6 +2345,7 @@ class _StepTracer:
                     HeldParameterUses(b.params, params, [*b.optimizers, *b.wrappers]),
                 ):
                     result = self.func(*args, **kwargs)
+                others.refuse_kept()
                 # NOTE: [outside tensors written through shared memory in the step]
                 if (written := outside_writes.restore_written()) is not None:
                     raise written_through_shared_memory(written, step_where(self.func))
@@ -2623,12 +2631,6 @@ def _held_by_a_plain_argument(
     return None
 
 
-def _built_in_the_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` holds the trace's stand-in parameters: NOTE: [optimizers
-    created inside the step]."""
-    return any(private.is_fake(p) for group in optimizer.param_groups for p in group["params"])
-
-
 def _tensor_of_no_module(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """NOTE: [optimizers over tensors of no module]
     An optimizer the step was not given, refused as such (NOTE: [modules and optimizers
@@ -2649,35 +2651,22 @@ def _tensor_of_no_module(optimizer: torch.optim.Optimizer) -> torch.Tensor | Non
 # over the parameters the trace swapped in: fake tensors. Its step() is refused as any
 # optimizer the step was not given is (it would update tensors of the trace once, not
 # the model every call), and the message said to pass the optimizer to the step, which
-# a user who had none before the call could not do. An optimizer holding fake
-# parameters can only have been made during the trace, so the refusal says so and to
-# create it before the first call.
+# a user who had none before the call could not do. An optimizer holding a stand-in
+# (or a tensor sharing a stand-in's memory) can only have been made during the trace,
+# so the refusal says so and to create it before the first call. One over tensors the
+# call made alone (Reptile's inner SGD over a per-call clone) is traced since the
+# sixty-ninth session (NOTE: [optimizers over tensors made in the call] in
+# ``call_optimizers.py``); until then it got this message, whose hint would have
+# trained the model's parameters in the inner loop.
 
 
 def _not_raised_by_the_step() -> tuple[type[BaseException], ...]:
     """Exceptions of the capture itself, not a branch of the step raising (NOTE: [value
     checks])."""
     return (
-        SPMDCompileError, Undecided, FloatArgumentUsedInPython, _OptimizerNotPassed,
+        SPMDCompileError, Undecided, FloatArgumentUsedInPython, OptimizerNotPassed,
         unbound_scaler_error(), *value_read_errors(),
     )
-
-
-@contextlib.contextmanager
-def _refuse_other_optimizers(passed: list[torch.optim.Optimizer]) -> Iterator[None]:
-    """Refuse ``step()`` of an optimizer the step was not given (NOTE: [steps without an
-    optimizer]): it would update the real parameters while the step is traced, once,
-    instead of the program updating them every call."""
-
-    def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if all(opt is not p for p in passed):
-            raise _OptimizerNotPassed(opt)
-
-    handle = register_optimizer_step_pre_hook(pre_hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 @contextlib.contextmanager
