@@ -248,6 +248,66 @@ def test_parameters_without_saved_state_resume_as_saved(tmp_path, mode: str) -> 
         assert (got[key] - value).abs().max() < 1e-13, key
 
 
+def test_saved_state_with_nothing_to_read_into_is_refused(tmp_path) -> None:
+    """A review's silent wrong result: loaded into an optimizer that stepped without the
+    head (so holds no state for it), the head's saved state was not read and its next
+    step was a first step (1.3e-2 off eager). Refused now, the model left as it was."""
+    data = [(x.double(), y) for x, y in batches()]
+    folder = str(tmp_path / "heads")
+
+    def build_heads() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = _LaterHead().double()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    with sc.simulate(world_size=2):
+        model, optim = build_heads()
+        step = sc.compile(DataParallel("replicate"))(_head_step)
+        step(model, optim, *data[0], True)
+        checkpoint.save(folder, model, optim)
+        model, optim = build_heads()
+        step = sc.compile(DataParallel("replicate"))(_head_step)
+        step(model, optim, *data[1], False)  # no state for the head
+        before = {k: v.clone() for k, v in checkpoint.full_state_dict(model)["model"].items()}
+        with pytest.raises(CheckpointError, match=r"aux\.bias, aux\.weight.*has not stepped"):
+            checkpoint.load(folder, model, optim)
+        after = checkpoint.full_state_dict(model)["model"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_param_group_without_state_resumes(tmp_path) -> None:
+    """SGD with a momentum-0 group holds no state for that group's parameters (eager's
+    ``load_state_dict`` takes it): refused in torch's words before ("Missing optimizer
+    state for parameter")."""
+    data = batches()
+
+    def build_groups() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+        groups = [{"params": model[0].parameters(), "momentum": 0.9}, {"params": model[2].parameters(), "momentum": 0.0}]
+        return model, torch.optim.SGD(groups, lr=0.1)
+
+    model, optim = build_groups()
+    for x, y in data:
+        classification_train_step(model, optim, x.double(), y)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    folder = str(tmp_path / "groups")
+    with sc.simulate(world_size=2):
+        model, optim = build_groups()
+        step = sc.compile(DataParallel("fully_shard"))(classification_train_step)
+        for x, y in data[:2]:
+            step(model, optim, x.double(), y)
+        checkpoint.save(folder, model, optim)
+        model, optim = build_groups()
+        checkpoint.load(folder, model, optim)
+        step = sc.compile(DataParallel("fully_shard"))(classification_train_step)
+        for x, y in data[2:]:
+            step(model, optim, x.double(), y)
+        got = checkpoint.full_state_dict(model, optim)["model"]
+    for key, value in expected.items():
+        assert (got[key] - value).abs().max() < 1e-13, key
+
+
 def test_state_of_another_optimizer_type_is_still_refused(tmp_path) -> None:
     """A parameter whose saved entries are another optimizer's (SGD's momentum_buffer read
     into AdamW) is not read as one without state: refused, naming the missing key, as a
