@@ -39,6 +39,7 @@ from .capture.bindings import (
     tensor_argument_names,
 )
 from .capture.code_names import step_function, step_name, step_where
+from .capture.constant_bytes import warn_of_large_constants
 from .capture.group_writes import module_writes_seen
 from .capture.guards import (
     Guards,
@@ -328,6 +329,11 @@ class CompiledTrainStep:
         self._floats_unread: set[str] = set()
         # a float argument's guard -> what read it in Python (CapturedStep.floats_in_python)
         self._floats_in_python: dict[str, str] = {}
+        # an outside tensor's guard -> the line the step read it as a Python value, None
+        # where only its ops read it (OutsideTensor.read_at): the recompile warning's advice
+        self._outside_tensors: dict[str, Any] = {}
+        # the large outside constants warned of (constant_bytes.warn_of_large_constants)
+        self._large_constants: set[str] = set()
         self._last_key: tuple | None = None  # the program key of the latest call
         # the cache's entries for ``_last_key`` as its call found them (None: none then)
         self._last_entries: list[tuple[Guards, StepExecutable]] | None = None
@@ -890,6 +896,8 @@ class CompiledTrainStep:
                            "compute with it in tensor ops (`torch.cos(math.pi * torch.tensor(f))`, "
                            "`torch.clamp(...)`, or pass the computed factor as the float)")
                         + ", or keep the value fixed")
+            elif what in self._outside_tensors:  # NOTE: [tensors read from outside the arguments]
+                hint = _outside_tensor_hint(what, self._outside_tensors[what])
             else:
                 hint = ("keep a value that changes every step in a tensor (a buffer or a "
                         "tensor argument), or pass it as a float argument used in tensor ops; "
@@ -1471,6 +1479,10 @@ class CompiledTrainStep:
                 captured.made_state.remove(bindings)
             raise
         _warn_of_constants_in_arguments(captured.outside)
+        for outside in captured.outside:
+            self._outside_tensors[outside.label] = outside.read_at
+        first_places = {id(o.tensor): (o.label, o.tensor) for o in reversed(captured.outside)}
+        warn_of_large_constants(list(first_places.values()), self._large_constants)
         return captured, guards, also
 
 
@@ -1929,6 +1941,29 @@ def _written_by_the_way_of_an_if(change: Change, again: Change, where_if: str, w
 # and no run of the step sets 1 to 0 every time. Where the two traces took different ways of an ``if``, the refusal
 # says the value is written in the branches of that ``if`` (its line) and what each way
 # did to it, and to keep such bookkeeping outside the step or in a tensor.
+
+
+def _outside_tensor_hint(what: str, read_at: Any) -> str:
+    """The advice for a tensor read from outside the step's arguments whose value changes
+    every call (a global step counter): it is a tensor already, but the program holds it
+    as a constant, each value compiled in (NOTE: [tensors read from outside the
+    arguments]); before the sixty-ninth session the advice was to keep it in a tensor."""
+    name = what.split("'")[1] if what.count("'") >= 2 else "the tensor"
+    where = f" ({read_at})" if read_at is not None else ""
+    read = (
+        f"; the step reads it as a Python number{where}, and computing with the same "
+        "tensor in tensor ops would keep it a constant"
+        if read_at is not None else ""
+    )
+    return (
+        f"it is a tensor from outside the step's arguments, which the program holds as a "
+        f"constant{read}: pass it to the step as a tensor argument (or keep it in a buffer "
+        f"of a module passed to the step), which the program reads live, and compute with "
+        f"it in tensor ops instead of float() / .item() (`torch.clamp(({name} + 1) / 10, "
+        f"max=1.0)` for `min(1.0, (float({name}) + 1) / 10)`); where a counter only decides "
+        "an `if` (gradient accumulation), pass the decision as a bool argument instead "
+        "(two values, two programs)"
+    )
 
 
 def _warn_of_constants_in_arguments(outside: list[Any]) -> None:

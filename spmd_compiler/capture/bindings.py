@@ -193,10 +193,13 @@ def record_placed_away(old: torch.Tensor) -> None:
     weakref.finalize(old, _PLACED_AWAY.pop, id(old), None)
 
 
-def aliases_state(t: torch.Tensor, bindings: StepBindings) -> str | None:
+def aliases_state(t: torch.Tensor, bindings: StepBindings, any_parameter: bool = True) -> str | None:
     """The name of the parameter or buffer of ``bindings`` that ``t`` is, or shares
-    storage with, or that a placement replaced; None when it is none of these."""
-    if isinstance(t, torch.nn.Parameter):
+    storage with, or that a placement replaced; None when it is none of these. With
+    ``any_parameter``, every ``nn.Parameter`` counts (one read as a graph constant would
+    never be trained); without, only the step's (NOTE: [outside tensors read as Python
+    values]: one held apart read as a number is guarded as a tensor is)."""
+    if any_parameter and isinstance(t, torch.nn.Parameter):
         return "a parameter"
     placed = _PLACED_AWAY.get(id(t))
     if placed is not None and placed() is t:

@@ -17,14 +17,18 @@ compiles a new program, as an in-place write does. Exact and NaN-blind by design
 bytes are compared, not the numbers (a NaN equals its own bytes, ``-0.0`` differs
 from ``0.0``), with the shape, strides and dtype.
 Cost: a constant of at most ``SNAPSHOT_BYTES`` keeps a copy on its own device, compared
-with ``torch.equal`` on its bytes (a 256-byte table: ~10 us a call; a float32 tensor of
-1M elements: ~0.4 ms, on a loaded 2-core machine). A larger one keeps a 128-bit BLAKE2b
-digest of its bytes instead of a second copy, recomputed every call (a pass over its
-bytes on the host; a CUDA one is copied there first): an unequal value gives an equal
-digest with probability 2**-128, no realistic silent path. On CUDA either comparison
-waits for the GPU once per call. A large or CUDA tensor the step reads every call is
-better held as a buffer of a module passed to the step (a program input, read live,
-never compared).
+with ``memcmp`` on the host, ``torch.equal`` on a device (a 256-byte table: ~10 us a
+call; 4 MiB: ~0.4 ms; 64 MiB: ~25 ms, on a loaded 2-core machine). A larger one keeps a
+128-bit BLAKE2b digest of its bytes instead of a second copy, recomputed every call (a
+pass over its bytes on the host, ~180-280 MB/s here; a CUDA one is copied there first):
+256 MiB cost 0.9-1.4 s a call (sixty-ninth session, a review: 2.8 s a call on 2
+simulated ranks where the same table as a module buffer took 42 ms). An unequal value
+gives an equal digest with probability 2**-128, no realistic silent path. On CUDA either
+comparison waits for the GPU once per call. A large or CUDA tensor the step reads every
+call is better held as a buffer of a module passed to the step, or passed as an
+argument (a program input, read live, never compared): a constant over ``WARN_BYTES``
+is warned of once per compiled step (``warn_of_large_constants``), naming it and those
+forms; before the sixty-ninth session only a ``log.info`` said so, for a digest only.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SNAPSHOT_BYTES = 64 << 20  # a constant at most this large is compared with a copy
+WARN_BYTES = 4 << 20  # a constant larger than this is warned of (see the NOTE)
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -101,9 +106,6 @@ class CapturedBytes:
             return cls(tensor._version, _layout(tensor), tensor.detach().clone(), None)
         if nbytes <= SNAPSHOT_BYTES:
             return cls(tensor._version, _layout(tensor), _flat_bytes(tensor).clone(), None)
-        log.info("%s (%d MiB), read from outside the step's arguments, is compared with its "
-                 "BLAKE2b digest on every call (NOTE: [constants changed through shared memory]); "
-                 "a buffer of a module passed to the step is read without it", label, nbytes >> 20)
         return cls(tensor._version, _layout(tensor), None, _digest(tensor))
 
     def unchanged(self, tensor: torch.Tensor) -> bool:
@@ -132,4 +134,28 @@ class CapturedBytes:
         return True
 
 
-__all__ = ["SNAPSHOT_BYTES", "CapturedBytes"]
+def warn_of_large_constants(constants: list[tuple[str, torch.Tensor]], warned: set[str]) -> None:
+    """Warn once (``warned``: the labels warned of, kept by the compiled step) of each
+    constant of ``constants`` (label, tensor) over ``WARN_BYTES``, with what it costs a
+    call and the forms read live (see the NOTE)."""
+    for label, tensor in constants:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= WARN_BYTES or label in warned:
+            continue
+        warned.add(label)
+        how = (
+            "a copy of its bytes kept beside it (~0.4 ms a call for 4 MiB, ~25 ms for 64 MiB, on a loaded 2-core host)"
+            if nbytes <= SNAPSHOT_BYTES else
+            "a BLAKE2b digest of its bytes, recomputed on the host (~1 s a call for 256 MiB, on a loaded 2-core host)"
+        )
+        log.warning(
+            "%s (%.1f MiB), read from outside the step's arguments, is a constant of the program: "
+            "every call compares it with %s, to compile anew when it changes (NOTE: [constants "
+            "changed through shared memory]). Hold it as a buffer of a module passed to the step "
+            "(`model.register_buffer('table', t, persistent=False)`, read as `model.table`) or "
+            "pass it as an argument: the program reads those live, with no comparison.",
+            label, nbytes / (1 << 20), how,
+        )
+
+
+__all__ = ["SNAPSHOT_BYTES", "WARN_BYTES", "CapturedBytes", "warn_of_large_constants"]

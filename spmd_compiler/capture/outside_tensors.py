@@ -63,7 +63,7 @@ from ..errors import (
     node_error,
     torch_function_called_by_model,
 )
-from .bindings import StepBindings, aliases_state
+from .bindings import StepBindings, aliases_state, replacement_of
 from .constant_bytes import CapturedBytes
 from .meta_templates import template_read
 
@@ -101,6 +101,10 @@ class OutsideTensor:
     tensor: torch.Tensor
     version: int
     in_argument: bool = False  # read from an argument object (FoundTensor.in_argument)
+    # the line where the step read it as a Python value (``float(STEP)``), None where it
+    # did not (NOTE: [outside tensors read as Python values]); named by the advice of
+    # the warning of a value that recompiles every call (``api.py``)
+    read_at: Any = field(default=None, compare=False)
     # its bytes as captured, one record for every place of the same tensor (NOTE:
     # [constants changed through shared memory])
     captured: CapturedBytes | None = field(default=None, repr=False, compare=False)
@@ -119,16 +123,36 @@ class OutsideTensor:
 # a graph operand is guarded anyway, once), with the line; ``outside_constants`` guards
 # them as it does graph constants (object, version, bytes), refusing an alias of the
 # step's state or a DTensor alike; one requiring grad is guarded, not refused (a number
-# carries no gradient in eager either). Property reads (``shape``, ``dtype``) and
-# parameters are left out.
+# carries no gradient in eager either). Property reads (``shape``, ``dtype``) are left
+# out. An ``nn.Parameter`` held apart from the step's modules (a frozen target network's
+# temperature, ``float(TEMPERATURE)``) is guarded as a tensor is: it was left out (with
+# the step's own parameters, which are stand-ins in the trace, not real, so ``_real``
+# leaves them out anyway) and ran the old program when changed (parameters 2.38 off
+# eager, sixty-ninth session, a review). A value read of a real tensor the walk did not
+# find (held in a set, a list) is refused at its line, as a graph constant from such a
+# place is (``outside_constants``): nothing could guard it, and the program kept the
+# number of call 0 (2.38 off); so is one made in the step on memory torch does not own
+# (``torch.from_numpy(arr).tolist()``), as it is when the program computes with it
+# (NOTE: [tensors on memory torch does not own]).
+#
+# NOTE: [outside tensors read through NumPy]
+# ``T.numpy()`` / ``np.asarray(T)`` (``__array__``) of a real tensor, run in the trace,
+# read memory the trace's modes made, not the tensor's (``float(T.numpy()[0])`` gave
+# 3.7e+246, ``np.asarray(T)`` 0.0, changing from run to run; sixty-ninth session, a
+# review). They run outside the trace, on the tensor itself, so the array shares its
+# memory as in eager; the read is guarded as ``float(T)`` is (above). A write through
+# that array (``T.numpy()[0] += 1``) changes the tensor where no op shows it: it is
+# refused when the step returns (NOTE: [outside tensors written through shared memory
+# in the step]), naming the line of the ``.numpy()`` call.
 #
 # NOTE: [outside tensors written through shared memory in the step]
 # ``C.data`` of a real outside tensor is a fake view whose in-place write reaches the
 # real tensor at capture (the fake mode computes with constants), where ``C.add_(1)``
 # is refused: the step wrote ``C`` once per capture, every call recompiled on the
 # changed bytes, with a warning only (parameters 1.17 off eager). ``OutsideWrites``
-# keeps the trace's ``.data`` of each outside tensor, and views of it, and refuses an
-# in-place write to them as it does one to the tensor, at the line, before the write.
+# keeps the trace's ``.data`` of each outside tensor, and every other alias of it
+# (NOTE: [aliases of outside tensors made in the step]), and refuses an in-place write
+# to them as it does one to the tensor, at the line, before the write.
 # Writes no torch function shows (``ARR[0] += 1`` of ``C = torch.from_numpy(ARR)``, a
 # ``bytearray`` behind ``torch.frombuffer``): each found tensor's bytes are taken when
 # the trace first sees it (``CapturedBytes``) and compared when the step returns; a
@@ -139,6 +163,36 @@ class OutsideTensor:
 
 def _real(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not private.traced_within_transforms(value)
+
+
+# NOTE: [aliases of outside tensors made in the step]
+# Only ``C.data`` was followed (above): a write through any other alias the step makes
+# of a real outside tensor went through, as the trace's alias is a fake tensor, not the
+# real one. ``C.detach().add_(1)`` (the modern ``.data``) put the write into the
+# program, which then wrote the user's ``C`` on every run and read the written value
+# at call 0 (losses 4x eager's, a recompile per call); a view's write (``C.view(2)``,
+# ``C[0:1]``, ``C.unbind()[0]``, ``torch.split(C, 1)[0]``) was dropped (``C`` stayed
+# 0 where eager reached 3); sixty-ninth session, a review. Each result of a torch
+# function that takes a real tensor, or such an alias, and returns one sharing its
+# memory is an alias too: ``detach()`` and ``.data`` (aliases autograd does not record
+# as views) of one, and any view (``_is_view()``) whose ``_base`` is a real tensor or an
+# alias (a view's ``_base`` is the tensor it views, or that tensor's own base); tuple
+# and list results (``unbind``, ``split``, ``broadcast_tensors``) alike. An in-place
+# write to an alias is refused as one to the tensor is, naming the tensor, the alias
+# and the line. A copy (``clone()``, ``C * 1``, an index by a tensor) is no alias; an
+# op that returns the tensor itself (``contiguous()``, ``to()`` of its own dtype) gives
+# the real tensor, whose writes are refused anyway.
+_ALIAS_MAKERS = frozenset({"detach"})  # aliases that are no views (``.data`` besides)
+
+
+def _describe_alias(func: Any, name: str) -> str:
+    """How the step wrote the alias a function made (``.detach()``, ``.view()``, an
+    index or slice, ``.data``), for the refusal."""
+    if name == "__get__":
+        return f".{getattr(getattr(func, '__self__', None), '__name__', 'data')}"
+    if name == "__getitem__":
+        return "[...]"
+    return f".{name}()"
 
 
 def _sets_data(func: Any) -> bool:
@@ -218,9 +272,21 @@ class OutsideWrites(TorchFunctionMode):
         # NOTE: [outside tensors read as Python values]: by id, with the line of the read
         self.read: dict[int, tuple[torch.Tensor, Any]] = {}
         # NOTE: [outside tensors written through shared memory in the step]: each found
-        # tensor the trace saw, with its bytes at first sight; the trace's ``.data`` of each
+        # tensor the trace saw, with its bytes at first sight
         self.sighted: dict[int, tuple[torch.Tensor, CapturedBytes]] = {}
-        self.data_of: dict[int, torch.Tensor] = {}
+        # NOTE: [aliases of outside tensors made in the step]: by id, each alias with the
+        # real tensor it shares memory with and how the step made it
+        self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = {}
+        # NOTE: [outside tensors read through NumPy]: by id, the line of the first
+        # ``.numpy()`` / ``np.asarray`` of each real tensor
+        self.numpy_at: dict[int, Any] = {}
+        # NOTE: [modules read by name beside the given ones]: the state of modules the
+        # walk met that are not the step's, by tensor (``KeptTensors.unplaced``)
+        self.unplaced: dict[int, str] = {}
+        # the ids of the step's parameters: one held outside its modules (or one a
+        # placement retired) is refused by ``HeldParameterUses`` but for a metadata
+        # read, and never copied or guarded here
+        self.state: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -258,28 +324,70 @@ class OutsideWrites(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         writes = (name in _IN_PLACE_DUNDERS or (
             name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
-        )) and bool(args) and (_real(args[0]) or id(args[0]) in self.data_of)
+        )) and bool(args) and (_real(args[0]) or id(args[0]) in self.aliases)
         out = kwargs.get("out")
         if writes or _real(out) or (isinstance(out, (tuple, list)) and any(map(_real, out))):
-            raise _written_in_place(name, innermost_model_frame_of_stack())
+            raise _written_in_place(name, innermost_model_frame_of_stack(), *self._written_label(args[:1]))
         self._first_sight(func, name, args, kwargs)
+        if name in ("numpy", "__array__") and args and _real(args[0]):
+            # NOTE: [outside tensors read through NumPy]
+            self.numpy_at.setdefault(id(args[0]), innermost_model_frame_of_stack())
+            with private.outside_the_trace():
+                return func(*args, **kwargs)
         result = func(*args, **kwargs)
-        if name == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data and args and id(args[0]) in self.sighted:
-            # ``C.data`` of an outside tensor: the trace's fake view of its bytes
-            # (NOTE: [outside tensors written through shared memory in the step])
-            self.data_of[id(result)] = result
-        elif args and id(args[0]) in self.data_of and isinstance(result, torch.Tensor) and result._is_view():
-            self.data_of[id(result)] = result  # a view of it (``C.data.view(-1)[0] += 1``)
+        self._keep_aliases(func, name, args, result)
         return result
+
+    def _keep_aliases(self, func: Any, name: str, args: Any, result: Any) -> None:
+        """Record each alias ``result`` holds of a real tensor (NOTE: [aliases of outside
+        tensors made in the step])."""
+        if not args or not any(
+            isinstance(t, torch.Tensor) and (id(t) in self.aliases or _real(t))
+            for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))
+        ):
+            return  # the common case: nothing real or aliased among the arguments
+        first = args[0]
+        root, how = self.aliases[id(first)][1:] if id(first) in self.aliases else (first, "")
+        how += _describe_alias(func, name)
+        no_view = name in _ALIAS_MAKERS or (name == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data)
+        for r in result if isinstance(result, (list, tuple)) else (result,):
+            if not isinstance(r, torch.Tensor) or _real(r):
+                continue  # the real tensor itself (``contiguous()``): refused as it is
+            if no_view and (id(first) in self.aliases or _real(first)):
+                self.aliases[id(r)] = (r, root, how)
+            elif r._is_view() and (base := r._base) is not None:
+                if id(base) in self.aliases:
+                    self.aliases[id(r)] = (r, self.aliases[id(base)][1], how)
+                elif _real(base):
+                    self.aliases[id(r)] = (r, base, how)
+
+    def _written_label(self, written: Any) -> tuple[str, ...]:
+        """The words of ``_written_in_place`` for a write to ``written[0]``: the place the
+        walk found the tensor, and the alias it was written through, where known."""
+        if not written or not isinstance(written[0], torch.Tensor):
+            return ()
+        alias = self.aliases.get(id(written[0]))
+        tensor = alias[1] if alias else written[0]
+        places = self.found.get(id(tensor))
+        if not places and not alias:
+            return ()
+        where = places[0].label if places else "a tensor"
+        through = f", through its alias {alias[2]} (a view or detached alias sharing its memory)" if alias else ""
+        return (f"{where}, a tensor that is neither an argument nor part of a module or optimizer{through}",)
 
     def _first_sight(self, func: Any, name: str, args: Any, kwargs: dict) -> None:
         """Take the bytes of each outside tensor ``func`` is the first to see, and record
         the ones it reads as Python values (NOTE: [outside tensors read as Python values])."""
         for i, a in enumerate((*args, *kwargs.values())):
             for t in a if isinstance(a, (list, tuple)) else (a,):
-                if not isinstance(t, torch.Tensor) or id(t) not in self.found or not _real(t) \
-                        or isinstance(t, (DTensor, torch.nn.Parameter)):
+                if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
                     continue
+                if id(t) not in self.found:
+                    if name in _VALUE_READS and i == 0 and a is t and _real(t):
+                        raise _unwatched_value_read(name, self.unplaced.get(id(t)))
+                    continue
+                if not _real(t) or id(t) in self.state or replacement_of(t) is not None:
+                    continue  # one of the step's parameters, or one a placement retired
                 if id(t) not in self.sighted:
                     with private.outside_the_trace():
                         self.sighted[id(t)] = (t, CapturedBytes.of(t, self.found[id(t)][0].label))
@@ -288,17 +396,18 @@ class OutsideWrites(TorchFunctionMode):
                 if (name in _VALUE_READS and i == 0 and a is t) or (not t.requires_grad and t.numel() == 1):
                     self.read[id(t)] = (t, innermost_model_frame_of_stack())
 
-    def restore_written(self) -> str | None:
+    def restore_written(self) -> tuple[str, Any] | None:
         """The label of an outside tensor the step wrote without an op this mode saw
         (through ``.data``, a NumPy array or a buffer it shares: NOTE: [outside tensors
-        written through shared memory in the step]), each such tensor's bytes put back
-        as they were at first sight (by its ``.data``: the version counter as found);
-        None where none was written."""
+        written through shared memory in the step]), with the line of the step's
+        ``.numpy()`` of it where there was one (else None), each such tensor's bytes put
+        back as they were at first sight (by its ``.data``: the version counter as
+        found); None where none was written."""
         written = None
         with private.outside_the_trace():
             for t, captured in self.sighted.values():
                 if not captured.unchanged(t):
-                    written = written or self.found[id(t)][0].label
+                    written = written or (self.found[id(t)][0].label, self.numpy_at.get(id(t)))
                     captured.restore(t)
         return written
 
@@ -322,12 +431,41 @@ def _written_in_place(name: str, line: Any, label: str = "a tensor that is neith
     )
 
 
-def written_through_shared_memory(label: str, line: str) -> SPMDCompileError:
-    """The refusal of NOTE: [outside tensors written through shared memory in the step]."""
+def written_through_shared_memory(label: str, line: Any, numpy_at: Any = None) -> SPMDCompileError:
+    """The refusal of NOTE: [outside tensors written through shared memory in the step]
+    (``numpy_at``: the line of the step's ``.numpy()`` of the tensor, named instead of
+    ``line``, the step's, where there was one: NOTE: [outside tensors read through
+    NumPy])."""
     return _written_in_place(
-        "through .data or memory it shares", line,
+        "through the NumPy array of its .numpy()" if numpy_at is not None else "through .data or memory it shares",
+        numpy_at if numpy_at is not None else line,
         f"{label}, a tensor that is neither an argument nor part of a module or optimizer "
         "(the compiled step put its values back as they were before the call)",
+    )
+
+
+def _unwatched_value_read(name: str, unplaced: str | None) -> SPMDCompileError:
+    """The refusal of a value read of a real tensor the walk did not find (NOTE:
+    [outside tensors read as Python values])."""
+    what = (
+        f"{unplaced}, a module that is neither an argument of the step nor one it reads by "
+        "name, so its state cannot be watched for changes (NOTE: [modules read by name "
+        "beside the given ones])" if unplaced else
+        "a tensor that is neither an argument nor part of a module or optimizer, from a "
+        "place the compiled step cannot watch for changes (a set, a list or tuple, or made "
+        "from a NumPy array or a buffer: NOTE: [outside tensors read as Python values])"
+    )
+    return SPMDCompileError(
+        f"The train step reads the value of {what} in Python ({name}); the program would "
+        "keep the number read at capture.",
+        user_line=innermost_model_frame_of_stack(),
+        hint="pass the module to the step as an argument, or read it by a name of its own "
+        "(a global or closure variable)." if unplaced else
+        "hold the tensor by a name of its own (a global, a closure variable, an "
+        "attribute of the model or of an object passed to the step), where a change "
+        "compiles a new program; or pass it to the step as a tensor argument and compute "
+        "with it in tensor ops; or read the Python data itself (the list or array it was "
+        "made from).",
     )
 
 
@@ -467,23 +605,25 @@ def outside_constants(
                 "train_step(model, criterion, optimizer, x, y); a batch drawn inside the "
                 "step (x, y = next(batches)) is drawn outside and passed as arguments.",
             )
-        constants += _guarded(found[id(value)], bindings, user)
+        read_at = read[id(value)][1] if read and id(value) in read else None
+        constants += _guarded(found[id(value)], bindings, user, read_at=read_at)
     for key, (_tensor, line) in (read or {}).items():  # NOTE: [outside tensors read as Python values]
         if key not in seen:
             seen.add(key)
-            constants += _guarded(found[key], bindings, None, line)
+            constants += _guarded(found[key], bindings, None, line, read_at=line)
     return constants
 
 
 def _guarded(
     places: list[FoundTensor], bindings: StepBindings, user: torch.fx.Node | None, line: Any = None,
+    read_at: Any = None,
 ) -> list[OutsideTensor]:
     """A constant's guards, one for each place it was found; refuses one that requires
     grad (``user``: the node reading it; None where the step reads it as a Python value,
     at ``line``, which no gradient reaches in eager either), is a DTensor, or aliases the
-    step's state."""
+    step's state. ``read_at``: the line of a read as a Python value (``OutsideTensor``)."""
     label, tensor = places[0].label, places[0].tensor
-    alias = aliases_state(tensor, bindings)
+    alias = aliases_state(tensor, bindings, any_parameter=user is not None)
     if (tensor.requires_grad and user is not None) or isinstance(tensor, DTensor) or alias:
         what = (
             "requires grad (its gradient would never reach it)" if tensor.requires_grad and user is not None
@@ -502,7 +642,7 @@ def _guarded(
     # NOTE: [every place a constant is read from]
     captured = CapturedBytes.of(tensor, label)  # NOTE: [constants changed through shared memory]
     return [
-        OutsideTensor(p.label, p.container, p.key, tensor, tensor._version, p.in_argument, captured)
+        OutsideTensor(p.label, p.container, p.key, tensor, tensor._version, p.in_argument, read_at, captured)
         for p in places
     ]
 

@@ -2333,6 +2333,8 @@ class _StepTracer:
             self.outside = outside_writes.found = keeper.outside
             self.outside_reads = outside_writes.read  # NOTE: [outside tensors read as Python values]
             outside_writes.templates = b.templates  # NOTE: [meta templates read by name]
+            outside_writes.unplaced = keeper.unplaced
+            outside_writes.state = {id(p) for p in b.params.values()}
             self.unplaced = keeper.unplaced
             self.inherited = keeper.inherited
             try:
@@ -2348,7 +2350,7 @@ class _StepTracer:
                 others.refuse_kept()
                 # NOTE: [outside tensors written through shared memory in the step]
                 if (written := outside_writes.restore_written()) is not None:
-                    raise written_through_shared_memory(written, step_where(self.func))
+                    raise written_through_shared_memory(written[0], step_where(self.func), written[1])
                 settle_removed_state(b.optimizers, swapped)  # NOTE: [optimizer state removed in the step]
                 refuse_state_registered(b, registered, step_where(self.func), params)  # NOTE: [state registered in the step]
                 _refuse_argument_gradients(values, requiring, flags_set.set_at)

@@ -12,6 +12,7 @@ torch does not own]); ``torch.tensor(list(raw))`` compiles.
 from __future__ import annotations
 
 import copy
+import logging
 
 import numpy as np
 import pytest
@@ -99,6 +100,18 @@ def test_a_constant_changed_between_calls_compiles_a_new_program(how):
 def test_a_constant_compared_by_digest(monkeypatch):
     monkeypatch.setattr(constant_bytes, "SNAPSHOT_BYTES", 0)  # every constant "too big" to copy
     assert _run("frombuffer") == [1, 2, 2]
+
+
+def test_a_large_constant_is_warned_of_once(monkeypatch, caplog):
+    """Comparing a large constant on every call costs (256 MiB: ~1.4 s a call for its
+    digest, a review of the sixty-ninth session), which a log.info only said: a warning
+    now names it and the forms read live, once per step, over programs."""
+    monkeypatch.setattr(constant_bytes, "WARN_BYTES", 0)  # the 256-byte table is "large"
+    with caplog.at_level(logging.WARNING, logger="spmd_compiler"):
+        assert _run("inplace") == [1, 2, 2]  # two programs
+    warnings = [r.getMessage() for r in caplog.records if "compares it with" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "global 'TABLE'" in warnings[0] and "register_buffer" in warnings[0] and "argument" in warnings[0]
 
 
 NAN_WEIGHTS = torch.tensor([0.5, float("nan"), 2.0, 3.0], dtype=torch.float64)
