@@ -256,8 +256,9 @@ class Closed:
                     user_line=where,
                     hint="return the value from the step instead of storing it in the "
                     "batch container; state a later call reads (GradNorm's initial losses) "
-                    "goes in a module buffer (`model.register_buffer('L0', ...)`) or on an "
-                    "object of a class of your own, which the step may write.",
+                    "goes on an object of a class of your own, which the step may write, or "
+                    "in a module buffer registered before the first call and written in place "
+                    "in the step (`model.L0.copy_(...)`).",
                 )
 
 

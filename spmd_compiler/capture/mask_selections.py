@@ -703,8 +703,9 @@ def _index_put_as(op: Any, x, indices, values, accumulate=False, unsafe=False): 
 # can run the program, so the write is refused at capture, naming the line, with the
 # fixed-shape form: the rows of the whole batch, selected by the same mask.
 ROWS_FOR_EVERY_ELEMENT = (
-    "the rows for every element of the batch, selected by the same mask: pass all next "
-    "states (not only the non-final ones) and write `out[mask] = f(all_rows[mask])`, or "
+    "the rows for every element of the batch, selected by the same mask: pass the rows "
+    "of every element (all next states, not only the non-final ones) and write "
+    "`out[mask] = f(all_rows[mask])`, or "
     "`out = torch.where(mask, f(all_rows), out)` (NOTE: [rows written by a mask that cannot "
     "fit])"
 )

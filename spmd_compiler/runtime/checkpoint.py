@@ -408,10 +408,13 @@ def _not_this_state(folder: str, exc: BaseException) -> CheckpointError:
     what = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
     return CheckpointError(
         f"checkpoint {folder} does not fit the model and optimizer it is loaded into: {what} "
-        "(keys are matched before any tensor is read). A missing "
-        "'optimizer.state.<parameter>.<entry>' key means the checkpoint was saved by an "
-        "optimizer of another type or settings (SGD's momentum_buffer is not AdamW's "
-        "exp_avg); a missing 'model.<name>' key, a model with other parameter names."
+        "(keys and sizes are matched before any tensor is read)."
+        + (
+            " A missing 'optimizer.state.<parameter>.<entry>' key means the checkpoint was "
+            "saved by an optimizer of another type or settings (SGD's momentum_buffer is not "
+            "AdamW's exp_avg); a missing 'model.<name>' key, a model with other parameter names."
+            if "Missing key" in what else ""
+        )
     )
 
 
