@@ -240,7 +240,14 @@ def _write_work(folder: str, fn: Callable[..., Any], args: Sequence[Any]) -> Non
 
 def _read_work(folder: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """This rank's own copy of ``fn`` and ``args``: nothing shared with the parent or a peer."""
-    fn, args = torch.load(_work_path(folder), weights_only=False)
+    # the launch wrote this file itself: TORCH_FORCE_WEIGHTS_ONLY_LOAD=1, which overrides
+    # weights_only=False, would refuse the function and any non-tensor argument
+    forced = os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+    try:
+        fn, args = torch.load(_work_path(folder), weights_only=False)
+    finally:
+        if forced is not None:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = forced
     return fn, args
 
 

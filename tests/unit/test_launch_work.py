@@ -41,3 +41,15 @@ def test_each_load_is_its_own_copy(tmp_path) -> None:
 def test_args_that_cannot_be_sent_fail_in_the_parent(tmp_path) -> None:
     with pytest.raises(TypeError, match="args cannot be sent"):
         launch_module._write_work(str(tmp_path), _fn, (lambda: 0,))
+
+
+def test_a_forced_weights_only_load_still_reads_the_work(tmp_path, monkeypatch) -> None:
+    """TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 overrides ``weights_only=False``: every rank failed
+    to load its function (a review); the variable is set again after the load."""
+    launch_module._write_work(str(tmp_path), _fn, (torch.ones(2), {"k": 1}))
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    fn, (t, d) = launch_module._read_work(str(tmp_path))
+    assert fn is _fn and t.tolist() == [1.0, 1.0] and d == {"k": 1}
+    import os
+
+    assert os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] == "1"
