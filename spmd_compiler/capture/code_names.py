@@ -331,12 +331,15 @@ def held_in_containers(value: Any, kind: type | tuple[type, ...], depth: int = _
         elif deeper > 0 and isinstance(item, (dict, list, tuple)):
             # the built-in types' own methods: a subclass's are its code, which the walk
             # must not run (transformers' lazy registries import every model when read)
-            base = dict if isinstance(item, dict) else list if isinstance(item, list) else tuple
-            size = base.__len__(item)
-            if size > left:
+            entries: list[Any] = (
+                list(dict.values(item)) if isinstance(item, dict)
+                else list(list.__iter__(item)) if isinstance(item, list)
+                else list(tuple.__iter__(item))
+            )
+            if len(entries) > left:
                 return
-            left -= size
-            for entry in dict.values(item) if base is dict else base.__iter__(item):
+            left -= len(entries)
+            for entry in entries:
                 visit(entry, deeper - 1)
 
     visit(value, depth)
