@@ -14,7 +14,11 @@ expansion:
   (NOTE: [what the optimizer computes on padded rows]); any other op of the step's
   ``optimizer.step()`` reads true-row slices, and padding rows stay zero;
 - a gradient that outlives the step (``zero_grad`` at the start of the step, or
-  accumulation) is padded state too: read through a slice, written back zero-padded;
+  accumulation) leaves it zero-padded (the optimizer's pad: NOTE: [a kept gradient leaves
+  at its pad]); one the next call reads (accumulation) is padded state, read through a
+  slice (fully_shard only: tensor parallel refuses it), and one it drops or zeroes first
+  is no input at all (NOTE: [a kept gradient the step does not read] in
+  capture/gradients.py);
 - a value the optimizer computed (the updated weight, its state) read again later in the
   step (a validation forward after ``optimizer.step()``, an EMA of the weights) is read
   through a slice too, and state updated outside the optimizer (the EMA) is written back
@@ -58,9 +62,16 @@ import torch
 import torch.fx
 
 from spmd_compiler import _torch_private as private
-from spmd_compiler.errors import SPMDCompileError
+from spmd_compiler.capture.gradients import drop_unread_gradient_inputs
+from spmd_compiler.errors import SPMDCompileError, node_error, node_op
 from spmd_compiler.ir.graph_utils import output_args, placeholders, set_outputs
-from spmd_compiler.ir.node_meta import OPTIMIZER_PHASE, PADDED, PHASE, set_padded_gradient
+from spmd_compiler.ir.node_meta import (
+    BACKWARD_PHASE,
+    OPTIMIZER_PHASE,
+    PADDED,
+    PHASE,
+    set_padded_gradient,
+)
 from spmd_compiler.ir.signature import PADDED_KINDS, CapturedStep, Kind, StateRef, TensorMeta
 
 
@@ -91,19 +102,9 @@ def pad_uneven_state(
     if not plan:
         return plan
     _refuse_state_shaped_otherwise(captured, plan)
-    for ref, _ in captured.inputs:
-        if ref.kind is Kind.GRAD and ref.name in plan and dim_of.get(ref.name, 0):
-            raise SPMDCompileError(
-                f"{ref} is kept across steps, but parameter {ref.name!r} is sharded on "
-                f"dimension {dim_of[ref.name]} of size {plan[ref.name][0]}, not a multiple "
-                f"of {world} ranks; a padded tensor-parallel gradient cannot be kept "
-                "between steps.",
-                hint="let the step keep no gradient: end it with optimizer.zero_grad() with "
-                "set_to_none=True (its default); zero_grad(set_to_none=False) keeps zeroed "
-                "gradients, which are kept across steps too (to accumulate over calls, "
-                "accumulate inside one step instead). Or give the dimension a size the "
-                f"{world} ranks divide.",
-            )
+    # NOTE: [a kept gradient the step does not read] in capture/gradients.py
+    drop_unread_gradient_inputs(captured, plan)
+    _refuse_kept_tp_gradients(captured, plan, dim_of, world)
     gm = captured.graph_module
     pads = _pad_gradients(captured, plan, dim_of)
     padded_values, reads_padded, nonzero = _padded_values(captured, plan, dim_of, pads)
@@ -118,6 +119,41 @@ def pad_uneven_state(
     ]
     gm.recompile()
     return plan
+
+
+def _refuse_kept_tp_gradients(
+    captured: CapturedStep, plan: dict[str, tuple[int, int]], dims: dict[str, int], world: int
+) -> None:
+    """A gradient kept from the previous call that the step reads (backward accumulates
+    into it) of a parameter padded on a dimension other than 0 (tensor parallel) is
+    refused, naming the first op that reads it; fully_shard (dimension 0) keeps it as
+    padded state."""
+    for ref, node in zip(captured.input_refs(), placeholders(captured.graph_module), strict=True):
+        if ref.kind is not Kind.GRAD or ref.name not in plan or not dims.get(ref.name, 0):
+            continue
+        reader = next((u for u in node.users if u.op != "output"), None)
+        how = (
+            "it is returned as it came" if reader is None
+            else "backward accumulates into it: the gradient was not None"
+            if reader.meta.get(PHASE) == BACKWARD_PHASE else f"{node_op(reader)} reads its value"
+        )
+        message = (
+            f"{ref} is kept from the previous call and this step reads it ({how}), but "
+            f"parameter {ref.name!r} is sharded on dimension {dims[ref.name]} of size "
+            f"{plan[ref.name][0]}, not a multiple of {world} ranks; a padded tensor-parallel "
+            "gradient cannot be kept between steps."
+        )
+        hint = (
+            "call optimizer.zero_grad() before loss.backward() in the step (first, as "
+            "torchdiffeq's examples do; set_to_none=True or False), or end the step with "
+            "optimizer.zero_grad() with set_to_none=True (its default): "
+            "zero_grad(set_to_none=False) at the end keeps zeroed gradients, which the "
+            "next call's backward reads. To accumulate over calls, accumulate inside one "
+            f"step instead. Or give the dimension a size the {world} ranks divide."
+        )
+        if reader is None:
+            raise SPMDCompileError(message, hint=hint)
+        raise node_error(message, reader, hint=hint)
 
 
 def _refuse_state_shaped_otherwise(captured: CapturedStep, plan: dict[str, tuple[int, int]]) -> None:
@@ -393,6 +429,17 @@ def _padding_stays_zero(node: torch.fx.Node, zero: set[torch.fx.Node]) -> bool:
     return False
 
 
+# NOTE: [a kept gradient leaves at its pad]
+# A gradient the step leaves on its parameter (``zero_grad`` first, or none) is an output,
+# padded like the parameter. It was zero-padded a second time for the output, beside the
+# pad the optimizer reads (``_pad_gradients``); under fully_shard each pad settled the
+# partial gradient on its own (NOTE: [padded gradients settle at their pad] in
+# expand/retrace.py), so every uneven gradient was reduce-scattered twice (a 6-wide MLP
+# on 4 ranks, zero_grad first: 832 reduce-scattered bytes per step, 416 with zero_grad at
+# the end). The output is now the optimizer's pad where it pads the same value: the one
+# reduce-scatter serves both.
+
+
 def _match_outputs(
     captured: CapturedStep,
     plan: dict[str, tuple[int, int]],
@@ -411,6 +458,7 @@ def _match_outputs(
     gm = captured.graph_module
     graph = gm.graph
     outputs = list(output_args(gm))
+    pad_of = {(pad.args[0], name): pad for pad, name in pads.items()}
     for k, (ref, value) in enumerate(zip(captured.outputs, outputs, strict=True)):
         if not isinstance(value, torch.fx.Node):
             continue
@@ -423,7 +471,9 @@ def _match_outputs(
         elif wants_padding and value not in padded_values:
             rows, padded = plan[ref.name]
             dim = dims.get(ref.name, 0)
-            if _has_rows(value, rows, dim):
+            if ref.kind is Kind.GRAD and (value, ref.name) in pad_of:
+                outputs[k] = pad_of[value, ref.name]  # NOTE: [a kept gradient leaves at its pad]
+            elif _has_rows(value, rows, dim):
                 outputs[k] = _zero_pad_after(graph, value, rows, padded, dim)
         elif not wants_padding and value in padded_values:
             rows, _, dim = padded_values[value]

@@ -26,10 +26,15 @@ itself requires grad (``backward(create_graph=True)``), and gradients of
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import torch
 import torch.fx
 
+from .. import _torch_private as private
+from ..ir.graph_utils import placeholders
 from ..ir.node_meta import BACKWARD_PHASE, PHASE, padded_gradient
+from ..ir.signature import CapturedStep, Kind
 
 
 @torch.library.custom_op("spmd_compiler::gradient", mutates_args=())
@@ -93,4 +98,88 @@ def settled_gradient_name(consumer: torch.fx.Node, arg: torch.fx.Node) -> str | 
     return name
 
 
-__all__ = ["GRADIENT", "gradient_settles", "mark_gradients", "marked_gradient", "settled_gradient_name"]
+# NOTE: [a kept gradient the step does not read]
+# A gradient left on a parameter by the previous call is an input of the next program
+# (``StepBindings.state_refs``: every ``p.grad`` that is not None), whatever the step does
+# with it. A step that starts with ``optimizer.zero_grad()`` (torchdiffeq's examples and
+# many training loops) never reads its value: ``set_to_none=True`` (the default) leaves
+# the input without a reader, ``set_to_none=False`` reads it through ``zero_``, whose
+# result depends on its shape and dtype only. Tensor parallel with a dimension the ranks
+# do not divide refused every kept gradient of a padded parameter
+# (``padding.pad_uneven_state``), so such a step compiled at call 1 (no gradient yet) and
+# was refused at call 2 ("grad 2.weight is kept across steps"); fully_shard padded the
+# input and gathered its true rows for ``zero_``: an all-gather of a tensor about to be
+# zeroed (832 instead of 416 all-gathered bytes, 6-wide MLP on 4 ranks). Such an input is
+# now taken out of the program (``drop_unread_gradient_inputs``): each shape reader becomes
+# a factory of its result (``zero_(grad)`` -> ``full(shape, 0)``), the placeholder goes,
+# and the gradient the step leaves is an output as before. A gradient the step reads for
+# its value (backward accumulates into it: no ``zero_grad``, or ``zero_grad`` only at the
+# end with ``set_to_none=False``) stays an input.
+
+
+def _fill_value(node: torch.fx.Node) -> bool | int | float | None:
+    """The value ``node``, a shape reader, fills its result with, or None where it is not
+    a Python number (``full_like(g, t.item())``: read as a value, left as it is)."""
+    aten = torch.ops.aten
+    if node.target in (aten.zero.default, aten.zeros_like.default, aten.empty_like.default):
+        return 0
+    if node.target is aten.ones_like.default:
+        return 1
+    value = node.args[1] if len(node.args) > 1 else node.kwargs.get("fill_value", node.kwargs.get("value"))
+    return value if isinstance(value, (bool, int, float)) else None
+
+
+def _shape_read_only(placeholder: torch.fx.Node) -> bool:
+    """Whether every reader of ``placeholder`` reads only its shape and dtype: as the
+    input of a shape reader filling its result with a Python number."""
+    return all(
+        user.target in _SHAPE_READERS and user.all_input_nodes == [placeholder]
+        and _fill_value(user) is not None and isinstance(user.meta.get("val"), torch.Tensor)
+        for user in placeholder.users
+    )
+
+
+def unread_gradient_inputs(captured: CapturedStep, names: Container[str]) -> list[str]:
+    """The parameters among ``names`` whose kept gradient (a GRAD input) the program does
+    not read for its value (NOTE: [a kept gradient the step does not read])."""
+    return [
+        ref.name for ref, node in zip(captured.input_refs(), placeholders(captured.graph_module), strict=True)
+        if ref.kind is Kind.GRAD and ref.name in names and _shape_read_only(node)
+    ]
+
+
+def drop_unread_gradient_inputs(captured: CapturedStep, names: Container[str]) -> list[str]:
+    """Take the gradient inputs ``unread_gradient_inputs`` finds out of ``captured``: each
+    shape reader becomes a ``full`` of its result's shape, dtype and device, and the
+    placeholder is erased. Returns the parameters whose gradient input went; none: the
+    graph is unchanged."""
+    dropped = unread_gradient_inputs(captured, names)
+    if not dropped:
+        return dropped
+    gm = captured.graph_module
+    graph = gm.graph
+    kept = []
+    for (ref, meta), node in zip(captured.inputs, placeholders(gm), strict=True):
+        if ref.kind is not Kind.GRAD or ref.name not in dropped:
+            kept.append((ref, meta))
+            continue
+        for user in list(node.users):
+            val = user.meta["val"]
+            with graph.inserting_before(user):
+                filled = graph.call_function(
+                    torch.ops.aten.full.default, ([int(size) for size in val.shape], _fill_value(user)),
+                    {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
+                )
+            filled.meta = dict(user.meta)
+            user.replace_all_uses_with(filled)
+            graph.erase_node(user)
+        graph.erase_node(node)
+    captured.inputs = kept
+    private.use_plain_codegen(gm)  # flat inputs, fewer of them
+    return dropped
+
+
+__all__ = [
+    "GRADIENT", "drop_unread_gradient_inputs", "gradient_settles", "mark_gradients", "marked_gradient",
+    "settled_gradient_name", "unread_gradient_inputs",
+]
