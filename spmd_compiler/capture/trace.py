@@ -2330,7 +2330,7 @@ class _StepTracer:
                     ScalarTensors(self.floats.is_stand_in),  # NOTE: [0-d tensors in Scalar arguments]
                     RegistrationsWatched(b.modules) as registered,
                     RequiresGradCalls([values[r] for r in requiring]) as flags_set,
-                    HeldParameterUses(b.params, params),  # NOTE: [parameters held outside the modules]
+                    HeldParameterUses(b, params),  # NOTE: [parameters held outside the modules]
                 ):
                     result = self.func(*args, **kwargs)
                 # NOTE: [outside tensors written through shared memory in the step]
