@@ -48,6 +48,7 @@ from .capture.guards import (
     unguard_written_entries,
     unguard_written_numbers,
 )
+from .capture.held_parameters import refuse_parameters_held_for_lookups
 from .capture.hooks_as_found import HooksAsFound
 from .capture.initial_state import MadeState, made_from
 from .capture.kept_tensors import KeptTensor, KeptTensors, kept_container_ids
@@ -1405,6 +1406,7 @@ class CompiledTrainStep:
         # NOTE: [optimizer state made before the first program]; with the persistent
         # cache a restart makes it again (NOTE: [optimizer state made on a restart])
         before = build_guards(self.func, bindings, frozenset())
+        refuse_parameters_held_for_lookups(before, bindings)  # NOTE: [parameters held for lookups]
         if self._found is None:
             self._found = before
         # every trace of a capture (a value check's ways, a float argument's retry) starts

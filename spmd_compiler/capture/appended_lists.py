@@ -51,26 +51,35 @@ def refuse_appended_lists_read(guards: Guards) -> None:
     """Refuse a step whose walked code reads a list or deque it appends to (see the
     NOTE), naming the list and the line of the read."""
     for name, cell, label, kind in guards.appended:
-        found = _first_read(guards.codes, name, cell, key=f"[{name!r}]" in label)
-        if found is None:
+        read = read_line(guards.codes, name, cell, label)
+        if read is None:
             continue
-        code, ins = found
-        line = _line_of(code, ins)
-        source = linecache.getline(code.co_filename, line).strip()
         raise SPMDCompileError(
             f"The train step reads the {kind} it appends to ({label}) at "
-            f"{code.co_filename}:{line}. A compiled step appends each call's value to it "
+            f"{read.filename}:{read.lineno}. A compiled step appends each call's value to it "
             "after the call (NOTE: [tensors the step keeps]) but runs no Python: what the "
             "step read of it (its length, an item, a sum) was read once, when the step was "
             "captured, and would be the same in every call (NOTE: [lists the step appends "
             "to and reads]). Nothing was changed: the list is as the call found it.",
-            user_line=SourceLocation(code.co_filename, line, source),
+            user_line=read,
             hint="keep the count or the running value in a tensor the step updates in place "
             "(a module buffer made before the first call: self.register_buffer('steps', "
             "torch.zeros((), dtype=torch.long)); self.steps += 1), or compute the decision "
             f"outside the compiled step from the {kind} (warm = min(1, (len(history) + 1) / 3)) "
             "and pass it to the step as an argument; appending to it alone is supported.",
         )
+
+
+def read_line(codes: list[types.CodeType], name: str, cell: bool, label: str) -> SourceLocation | None:
+    """The line of the first read (``_first_read``) of what the walk met at ``name`` (a
+    closure variable with ``cell``; a dict entry where ``label``, the guard's name of
+    it, ends in that key) by ``codes``, or None where no walked code reads it."""
+    found = _first_read(codes, name, cell, key=f"[{name!r}]" in label)
+    if found is None:
+        return None
+    code, ins = found
+    line = _line_of(code, ins)
+    return SourceLocation(code.co_filename, line, linecache.getline(code.co_filename, line).strip())
 
 
 def _first_read(
@@ -137,4 +146,4 @@ def _line_of(code: types.CodeType, ins: dis.Instruction) -> int:
     return line
 
 
-__all__ = ["refuse_appended_lists_read"]
+__all__ = ["read_line", "refuse_appended_lists_read"]

@@ -41,19 +41,104 @@ from .lr_schedulers import find_schedulers
 from .meta_templates import is_meta_template, template_tensors
 from .plain_objects import keyed_by_class
 
+
+@dataclass(frozen=True)
+class ShownName:
+    """A parameter's name as the user knows it: its FQN in its module and, where the step
+    trains several modules, which one (the step's argument that is it, "`ema`", else its
+    class). Not the internal ``"<module index>.<FQN>"`` of ``StepBindings.params``,
+    which no name in the user's code matches ("parameter 1.0.weight" for an EMA
+    module passed second, before the sixty-ninth session)."""
+
+    fqn: str
+    module: str = ""  # "" where the step trains one module
+    argument: str = ""  # the step's argument that is the module ("" where none is)
+
+    def __str__(self) -> str:
+        return f"{self.fqn!r} of {self.module}" if self.module else repr(self.fqn)
+
+    @property
+    def holder(self) -> str:
+        """How the step's code names the module (its argument; ``model`` where none is)."""
+        return self.argument or "model"
+
+    def expression(self) -> str:
+        """The parameter as the step's code reaches it: ``ema.emb.weight``, or
+        ``model.get_parameter('0.weight')`` where the FQN is no attribute path."""
+        if all(part.isidentifier() for part in self.fqn.split(".")):
+            return f"{self.holder}.{self.fqn}"
+        return f"{self.holder}.get_parameter({self.fqn!r})"
+
+
 # id(old parameter) -> (a weak reference to it, the DTensor parameter that replaced it);
 # an entry goes when its old parameter is freed
 _REPLACED: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
 # old parameters replaced during the current call, retired when it ends, with their names
-_TO_RETIRE: list[tuple[weakref.ref, str]] = []
+_TO_RETIRE: list[tuple[weakref.ref, ShownName | None]] = []
 
 
-def record_replacement(old: torch.Tensor, new: torch.nn.Parameter, name: str = "") -> None:
+def record_replacement(old: torch.Tensor, new: torch.nn.Parameter, name: ShownName | None = None) -> None:
     """``new`` replaced ``old`` in its module (NOTE: [parameters replaced by DTensors])."""
     _REPLACED[id(old)] = (weakref.ref(old), new)
     weakref.finalize(old, _REPLACED.pop, id(old), None)
     if type(old) is torch.nn.Parameter:
         _TO_RETIRE.append((weakref.ref(old), name))
+
+
+def parameters_held(value: Any, identities: dict[int, str], whole: bool) -> tuple[str, str] | None:
+    """(what ``value`` is, the name of the parameter) where ``value`` holds one of the
+    step's parameters (``identities``: ``parameter_identities``) as a set member or a
+    dict key, or the id of one anywhere (NOTE: [parameters held for lookups] in
+    ``capture/held_parameters.py``); with ``whole``, in what it holds too (a container
+    of plain values, which the guards' walk does not go into)."""
+    cls = type(value)
+    if cls is int:
+        name = identities.get(value)
+        return None if name is None else ("the id of a parameter", name)
+    if cls in _NOT_HOLDING:  # most values the walk meets: at once
+        return None
+    if isinstance(value, (set, frozenset)):  # read past a subclass's methods
+        keys: Any = set.__iter__(value) if isinstance(value, set) else frozenset.__iter__(value)
+        items: Any = ()
+    elif isinstance(value, dict):
+        keys, items = dict.keys(value), dict.values(value)
+    elif isinstance(value, (list, tuple)):
+        keys, items = (), list.__iter__(value) if isinstance(value, list) else tuple.__iter__(value)
+    else:
+        return None
+    held = None
+    for key in keys:
+        if isinstance(key, torch.Tensor) and (name := identities.get(id(key))) is not None:
+            return ("a dict keyed by parameters" if isinstance(value, dict) else "a set of parameters"), name
+        held = held or _id_held(key, identities, whole)
+    for item in items:
+        held = held or _id_held(item, identities, whole)
+    return held
+
+
+_NOT_HOLDING = frozenset({float, bool, str, bytes, complex, type(None), torch.dtype, torch.device})
+
+
+def _id_held(item: Any, identities: dict[int, str], whole: bool) -> tuple[str, str] | None:
+    if type(item) is int:
+        name = identities.get(item)
+        return None if name is None else ("ids of parameters", name)
+    if whole and type(item) not in _NOT_HOLDING and not isinstance(item, torch.Tensor):
+        return parameters_held(item, identities, True)
+    return None
+
+
+def parameter_identities(bindings: StepBindings) -> dict[int, str]:
+    """id -> name (``bindings.params``' or ``buffers``' key) of every object that is one
+    of the step's parameters (or buffers) to the user: the modules' and, where a compiled
+    call replaced them, the old objects code may still hold (NOTE: [parameters held for
+    lookups] in ``capture/held_parameters.py``)."""
+    names = {id(t): name for name, t in (*bindings.params.items(), *bindings.buffers.items())}
+    for old_id, (ref, new) in list(_REPLACED.items()):
+        name = names.get(id(new))
+        if name is not None and ref() is not None:
+            names.setdefault(old_id, name)
+    return names
 
 
 def forget_replacement(old: torch.Tensor) -> None:
@@ -100,7 +185,6 @@ class ReplacedParameter(torch.nn.Parameter):
             return f"ReplacedParameter({_retired_name(old) or '?'}: replaced by a DTensor parameter)"
         if reads_metadata(func):  # counting parameters, say: harmless
             return super().__torch_function__(func, types, args, kwargs)
-        fqn = _RETIRED_NAMES.get(id(old), "")
         name = _retired_name(old) or "a parameter"
         if sets_requires_grad(func):
             # the Spinning Up freeze (``for p in q_params: p.requires_grad = False``)
@@ -108,7 +192,7 @@ class ReplacedParameter(torch.nn.Parameter):
                 f"{name} was replaced by a DTensor parameter at the first compiled call, and "
                 "this code sets requires_grad on the old one, held from before that call "
                 "(a list of parameters): it would freeze nothing the compiled program "
-                f"trains. {freeze_hint(fqn)}"
+                f"trains. {freeze_hint(_RETIRED_NAMES.get(id(old)))}"
             )
         raise SPMDRuntimeError(
             f"{name} was replaced by a DTensor parameter at the first compiled call, and "
@@ -120,19 +204,21 @@ class ReplacedParameter(torch.nn.Parameter):
         )
 
 
-_RETIRED_NAMES: dict[int, str] = {}  # id(old parameter) -> its name in the model ("" unknown)
+_RETIRED_NAMES: dict[int, ShownName] = {}  # id(old parameter) -> its name in the model
 
 
 def _retired_name(old: Any) -> str:
-    fqn = _RETIRED_NAMES.get(id(old), "")
-    return f"parameter {fqn!r}" if fqn else ""
+    shown = _RETIRED_NAMES.get(id(old))
+    return f"parameter {shown}" if shown is not None else ""
 
 
-def freeze_hint(fqn: str) -> str:
-    """What to write instead of setting ``requires_grad`` on a held parameter ``fqn``:
+def freeze_hint(name: ShownName | None) -> str:
+    """What to write instead of setting ``requires_grad`` on a held parameter ``name``:
     the module that holds it, set in the step (NOTE: [requires_grad set in the step])."""
-    owner = fqn.rpartition(".")[0]
-    where = f"the module that holds it ({owner!r} in the model)" if owner else "the module that holds it"
+    where = "the module that holds it"
+    if name is not None:
+        owner, model = name.fqn.rpartition(".")[0], name.module or "the model"
+        where += f" ({owner!r} in {model})" if owner else f" ({model} itself)"
     return (
         f"Set it through {where}, inside the step: `ac.q.requires_grad_(False)` before "
         "the loss that must not train it and `ac.q.requires_grad_(True)` after that "
@@ -142,10 +228,16 @@ def freeze_hint(fqn: str) -> str:
 
 
 # what an old parameter still answers: its metadata, the same as its replacement's global
-# metadata (not a setter: ``p.requires_grad = False`` on it would freeze nothing)
+# metadata (not a setter: ``p.requires_grad = False`` on it would freeze nothing; nor
+# ``data_ptr()``, which names memory that is not the program's: an old parameter's is no
+# longer its module's, a stand-in has none)
 _METADATA = frozenset({
     "shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "numel", "dim",
     "size", "nelement", "element_size", "is_floating_point", "is_complex", "__len__",
+    # layout and kind reads, as ``shape`` (a review of the sixty-ninth session found
+    # ``held[0].stride()`` refused as a use)
+    "stride", "is_contiguous", "storage_offset", "names", "nbytes", "itemsize", "is_cuda",
+    "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_signed", "get_device",
 })
 _GRAD: Any = torch.Tensor.grad  # the descriptor
 _REQUIRES_GRAD: Any = torch.Tensor.requires_grad  # the descriptor
@@ -177,8 +269,9 @@ def retire_replaced_parameters() -> None:
         old = ref()
         if old is None or type(old) is not torch.nn.Parameter:
             continue
-        _RETIRED_NAMES[id(old)] = name
-        weakref.finalize(old, _RETIRED_NAMES.pop, id(old), None)
+        if name is not None:
+            _RETIRED_NAMES[id(old)] = name
+            weakref.finalize(old, _RETIRED_NAMES.pop, id(old), None)
         old.__class__ = ReplacedParameter
 
 
@@ -445,6 +538,28 @@ class StepBindings:
             for fqn, sub in mod.named_modules():
                 fqns.setdefault(id(sub), (prefix + fqn).rstrip("."))
         return fqns
+
+    @functools.cached_property
+    def _shown_names(self) -> dict[str, ShownName]:
+        try:
+            paths = argument_paths(self.step, self.args_spec) if self.step is not None else []
+        except Exception:  # noqa: BLE001 - for messages: a structure not read names no argument
+            paths = []
+        shown: dict[str, ShownName] = {}
+        for mi, mod in enumerate(self.modules):
+            at = next((i for i, a in enumerate(self.flat_args) if a is mod), None)
+            argument = paths[at] if at is not None and at < len(paths) else ""
+            label = "" if len(self.modules) == 1 else (
+                f"`{argument}`" if argument else f"the {type(mod).__name__} the step reaches by name"
+            )
+            for fqn, name in (*self.module_params[mi].items(), *self.module_buffers[mi].items()):
+                shown.setdefault(name, ShownName(fqn, label, argument))
+        return shown
+
+    def shown_parameter(self, name: str) -> ShownName:
+        """Parameter (or buffer) ``name`` (a key of ``params`` or ``buffers``) as the user
+        knows it (``ShownName``: "'0.weight' of `ema`")."""
+        return self._shown_names.get(name) or ShownName(name)
 
     def param_name(self, p: torch.Tensor) -> str:
         """The name of parameter ``p`` (by identity; O(1) per call, the table is rebuilt

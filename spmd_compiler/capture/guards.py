@@ -222,7 +222,14 @@ from typing import Any
 import torch
 
 from ..errors import Change, readable_name
-from .bindings import StepBindings, argument_paths, mark_parameters, numpy_kind
+from .bindings import (
+    StepBindings,
+    argument_paths,
+    mark_parameters,
+    numpy_kind,
+    parameter_identities,
+    parameters_held,
+)
 from .code_names import (
     global_names_in,
     names_in,
@@ -360,6 +367,10 @@ class Guards:
     # list or deque the step appends to, unguarded (NOTE: [lists the step appends to and
     # reads])
     appended: list[tuple[str, bool, str, str]] = field(default_factory=list, repr=False)
+    # (name or None, whether a closure variable, label, what it is, the parameter's name):
+    # where the walk met a container that holds the step's parameters for lookups (NOTE:
+    # [parameters held for lookups] in ``capture/held_parameters.py``)
+    held_parameters: list[tuple[str | None, bool, str, str, str]] = field(default_factory=list, repr=False)
     # (class, name, function) of each ``functools.lru_cache`` function a user class
     # defines that the walk met (``cached_functions``)
     cached_in_classes: list[tuple[type, str, Any]] = field(default_factory=list, repr=False)
@@ -1300,6 +1311,7 @@ def build_guards(
     guards.roots = [weakref.ref(root) for root in roots]
     guards.root_types = [type(root) for root in roots]
     walker = _Walker(guards, skipped, by_name)
+    walker.identities = parameter_identities(bindings)  # NOTE: [parameters held for lookups]
     for label, hooks in private.global_hook_dicts():
         walker.hooks(hooks, label)
     for oi, opt in enumerate(optimizers):
@@ -1313,6 +1325,7 @@ def build_guards(
             continue
         if i in graph_args or id(arg) in skipped:
             continue
+        walker.parameters_held(_ARG, i, arg, labels[i], is_scalar(arg))
         if is_scalar(arg):
             guards.add(_ARG, None, i, arg, labels[i])
             continue
@@ -1719,6 +1732,19 @@ class _Walker:
         self.implicit_done: set[tuple[type, frozenset[str] | None]] = set()
         self.visited = 0
         self.seen_class_attributes: set[tuple[int, str]] = set()
+        # id -> name of each object that is one of the step's parameters to the user
+        self.identities: dict[int, str] = {}
+
+    def parameters_held(self, kind: int, key: Any, value: Any, label: str, scalar: bool) -> None:
+        """Note ``value`` (met at ``key`` of a globals dict, an object's attributes, a
+        dict, a closure cell, a list; ``scalar``: it ``is_scalar``) where it holds the
+        step's parameters for lookups (NOTE: [parameters held for lookups] in
+        ``capture/held_parameters.py``), with the name by which code reaches it (None
+        where no name does: a list item)."""
+        found = parameters_held(value, self.identities, scalar) if self.identities else None
+        if found is not None:
+            name = key if isinstance(key, str) and kind in (_DICT, _CELL) else None
+            self.guards.held_parameters.append((name, kind == _CELL, label, *found))
 
     def counted_hooks(self) -> None:
         """One guard on the sizes of every hook dict the walk met, and of every
@@ -1844,7 +1870,9 @@ class _Walker:
         if id(value) in self.skipped:
             self.appended_place(kind, key, value, name)
             return
-        if is_scalar(value) and not self.holds_appended(value):
+        scalar = is_scalar(value)
+        self.parameters_held(kind, key, value, name, scalar)
+        if scalar and not self.holds_appended(value):
             self.guards.add(kind, container, key, value, name)
             self.names_held(value)
         elif _pinned(value):  # ``self.act = my_act``, ``self.ops = {"a": fn}``
@@ -2070,7 +2098,9 @@ class _Walker:
             self.appended_place(kind, key, value, path + where)
             return
         name = path + where
-        if is_scalar(value) and not self.holds_appended(value):
+        scalar = is_scalar(value)
+        self.parameters_held(kind, key, value, name, scalar)
+        if scalar and not self.holds_appended(value):
             self.guards.add(kind, container, key, value, name)
             self.names_held(value)
             return

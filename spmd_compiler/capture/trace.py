@@ -2344,7 +2344,7 @@ class _StepTracer:
                     RegistrationsWatched(b.modules) as registered,
                     RequiresGradCalls([values[r] for r in requiring]) as flags_set,
                     # NOTE: [parameters held outside the modules]
-                    HeldParameterUses(b.params, params, [*b.optimizers, *b.wrappers]),
+                    HeldParameterUses(b, params, [*b.optimizers, *b.wrappers]),
                 ):
                     result = self.func(*args, **kwargs)
                 others.refuse_kept()

@@ -189,7 +189,7 @@ def _install(
             new.grad = _distribute(p.grad, mesh, placement_of(grad_ref, TensorMeta.of(p.grad), mesh), sim)
         new_params[id(p)] = new
         placed_names[id(new)] = name
-        record_replacement(p, new, name)
+        record_replacement(p, new, bindings.shown_parameter(name))
         record_placed_away(p)
     # NOTE: [a buffer held by several modules]: one buffer tensor registered in two
     # modules (shared running state: one writes it in place, the other reads it), or in

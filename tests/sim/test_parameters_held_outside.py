@@ -156,3 +156,78 @@ def test_the_freeze_through_the_module_matches_eager(mode: str) -> None:
                 assert abs(float(full_value(g, sim)) - float(w)) <= TOL * max(1.0, abs(float(w)))
         assert max(compare_models(ac, reference, sim).values()) < TOL
     assert all(p.requires_grad for p in ac.parameters())
+
+
+def layout_step(ac, opt, obs, act, y):  # noqa: ANN001, ANN201
+    """Reads layout metadata through the held list (a review of the sixty-ninth session
+    found `stride()` refused as a use)."""
+    held = HELD[id(ac)][0]
+    dense = held.stride() == (held.shape[1], 1) and held.is_contiguous() and held.storage_offset() == 0
+    q_loss, _ = sac_step(ac, opt, obs, act, y, how="module")
+    return q_loss * (1.0 if dense else 2.0)
+
+
+def test_layout_reads_through_a_held_list_compile_and_match_eager() -> None:
+    ac, opt = _build()
+    reference = copy.deepcopy(ac)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    HELD[id(ac)], HELD[id(reference)] = list(ac.q.parameters()), list(reference.q.parameters())
+    try:
+        with sc.simulate(world_size=2) as sim:
+            step = sc.compile(make_mode("ddp"))(layout_step)
+            for batch in _batches(2):
+                got, want = step(ac, opt, *batch), layout_step(reference, ref_opt, *batch)
+                assert abs(float(full_value(got, sim)) - float(want)) <= TOL
+            assert max(compare_models(ac, reference, sim).values()) < TOL
+    finally:
+        HELD.clear()
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Linear(4, 6, bias=False), nn.Linear(6, 2)
+        self._tied = [self.emb.weight]  # a plain list: not registered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(x))) + (x @ self._tied[0].t()).sum(-1, keepdim=True)
+
+
+def two_module_step(model, ema, opt, x, y, use="ema"):  # noqa: ANN001, ANN201
+    loss = (model(x) - y).pow(2).mean()
+    loss.backward()
+    if use == "freeze":
+        for p in HELD[id(ema)]:
+            p.requires_grad = False
+    opt.step()
+    opt.zero_grad()
+    if use == "ema":
+        with torch.no_grad():
+            torch._foreach_lerp_(HELD[id(ema)], list(model.parameters()), 0.1)
+    return loss.detach()
+
+
+@pytest.mark.parametrize(("use", "tied", "named", "hint"), [
+    ("ema", False, "'0.weight' of `ema`", "list(ema.parameters())"),
+    ("freeze", False, "'0.weight' of `ema`", "('0' in `ema`)"),
+    ("forward", True, "'emb.weight' of `model`", "self._tied = [self.emb]"),
+])
+def test_a_refusal_names_the_parameter_as_the_user_knows_it_with_a_hint_for_its_use(
+    use: str, tied: bool, named: str, hint: str
+) -> None:
+    """Before: "parameter 1.0.weight" (the internal module index), the freeze hint
+    "('1.0' in the model)", and Spinning Up's gradient examples for every use."""
+    torch.manual_seed(0)
+    model = (_Tied() if tied else nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))).double()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    HELD[id(ema)] = list(ema.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    try:
+        with sc.simulate(world_size=2), pytest.raises(SPMDCompileError, match="outside its modules") as info:
+            sc.compile(make_mode("ddp"))(two_module_step)(model, ema, opt, x, y, use=use)
+    finally:
+        HELD.clear()
+    message = str(info.value)
+    assert named in message and hint in message, message
+    assert "1.0" not in message and (use == "freeze" or "ac.q" not in message), message
