@@ -153,9 +153,45 @@ def is_traced(value: Any) -> bool:
 
 
 def _leaks(value: Any) -> bool:
-    """A traced value, or a container (at any depth: NOTE: [no fake tensor left behind])
-    or distribution holding one."""
-    return is_traced(value) or _holds_traced(value) or _traced_distribution(value) or _traced_within(value)
+    """A traced value, or a container (at any depth: NOTE: [no fake tensor left behind]),
+    distribution or module (NOTE: [modules made in the step and kept]) holding one; for
+    a value new in its place (a module the step's own holds its traced parameters while
+    the step is traced)."""
+    return (
+        is_traced(value) or _holds_traced(value) or _traced_distribution(value) or _traced_within(value)
+        or _traced_module(value) is not None
+    )
+
+
+# NOTE: [modules made in the step and kept]
+# A module the step makes and keeps on an object it reaches (a trainer's ``self.fast =
+# copy.deepcopy(self.model)`` for an inner loop, ``self.head = nn.Linear(...)`` built on
+# the first call) is made while the step is traced: its parameters and buffers are the
+# trace's fake tensors. The kept-value walk looked into lists, dicts and plain objects
+# only, so the module stayed after every call holding ``FakeTensor`` parameters (its
+# forward then failed with "DataDependentOutputException: aten._local_scalar_dense",
+# and a copy the step reads back on a later call would be the capture's). A compiled
+# step runs no Python after capture: it cannot make the module anew each call. Such a
+# module (also in a list, tuple or dict the step stores or appends, to ``DEPTH`` levels)
+# is refused, naming the place, and the place is put back as it was.
+
+
+def _traced_module(value: Any, depth: int = 4) -> torch.nn.Module | None:
+    """The module holding a traced parameter, buffer or tensor attribute in ``value`` (a
+    module, or a list, tuple, deque or dict of them, to ``depth`` levels), or None."""
+    if depth <= 0:
+        return None
+    if isinstance(value, torch.nn.Module):
+        held = [*value.parameters(), *value.buffers()]
+        held += [v for m in value.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        return value if any(is_traced(t) for t in held) else None
+    if isinstance(value, (tuple, list, collections.deque)):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        return None
+    return next((m for v in items if (m := _traced_module(v, depth - 1)) is not None), None)
 
 
 def _traced_within(value: Any, depth: int = 4) -> bool:
@@ -699,6 +735,8 @@ class KeptTensors:
                         ), item))
                     if parts:
                         continue
+                    if (module := _traced_module(value)) is not None:
+                        raise _module_kept(where, module)  # NOTE: [modules made in the step and kept]
                     raise _refused(
                         where, f"a new {type(value).__name__} holding a traced tensor",
                         hint=f"a container the step builds is repeated after the call only "
@@ -717,6 +755,8 @@ class KeptTensors:
         appended = appended or []
         containers = [v for v in appended if not is_traced(v) and _leaks(v)]
         if containers:
+            if (module := _traced_module(containers[0])) is not None:
+                raise _module_kept(h.label, module)  # NOTE: [modules made in the step and kept]
             raise self._containers_appended(h, containers[0])
         if h.root[0] == "call" and not only_appended:  # NOTE: [Python values written into arguments]
             raise _python_write(h.label, self.where, "a change other than appending values the step computes")
@@ -995,6 +1035,19 @@ def _python_write(where: str, line: str | None, what: str) -> SPMDCompileError:
         hint="keep the counter or setting outside the compiled step (count calls in the "
         "training loop) or in a tensor (a module buffer); return values from the step; "
         "a tensor or .item() stored in a dict argument is set after every call.",
+    )
+
+
+def _module_kept(where: str, module: torch.nn.Module) -> SPMDCompileError:
+    kind = type(module).__name__
+    return _refused(
+        where, f"a {kind} made in the step, whose parameters and buffers are the trace's tensors: "
+        "NOTE: [modules made in the step and kept]",
+        hint="keep the module in a local variable (fast = copy.deepcopy(model)), or delete it before the "
+        "step returns (del self.fast); to use its "
+        "weights after the call, keep tensors instead (self.fast_weights = [p.detach() for p in "
+        "fast.parameters()], stored after every call) or return them. A module used across calls is made "
+        "outside the step and passed to it. The refused call put the place back as it was.",
     )
 
 
