@@ -23,7 +23,9 @@ gradient divided by 13, another row's count; the program could not match it).
 ``F.embedding`` (``nn.Embedding``) with ``sparse=True`` is refused the same way, naming
 the line: its gradient is a sparse tensor, which no DTensor placement or collective here
 holds (unchecked, the trace failed inside the optimizer with a dispatcher error about the
-SparseCPU backend). ``sparse=False`` computes the same update with a dense gradient.
+SparseCPU backend). With ``sparse=False``, SGD without momentum and Adagrad (both without
+weight decay) compute the same update with a dense gradient; Adam / AdamW in place of
+SparseAdam update every row every step, a different update, which the hint says.
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *args: object, **kwargs
         _refuse(
             "F.embedding / nn.Embedding with sparse=True cannot be compiled: its gradient "
             "is a sparse tensor, and compiled steps make dense gradients.",
-            "use sparse=False (the same update, with a dense gradient; with SparseAdam, "
-            "switch to Adam or AdamW).",
+            "use sparse=False: SGD without momentum and Adagrad, both without weight decay, "
+            "then make the same update with a dense gradient. SparseAdam cannot run on dense gradients; "
+            "Adam or AdamW take its place but update every row each step (their moments "
+            "decay for rows not in the batch), where SparseAdam updates only the batch's rows.",
         )
     return F.embedding(input, weight, *args, **kwargs)  # type: ignore[arg-type]
 
