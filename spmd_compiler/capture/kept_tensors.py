@@ -1043,9 +1043,9 @@ def _module_kept(where: str, module: torch.nn.Module) -> SPMDCompileError:
     return _refused(
         where, f"a {kind} made in the step, whose parameters and buffers are the trace's tensors: "
         "NOTE: [modules made in the step and kept]",
-        hint="keep the module in a local variable (fast = copy.deepcopy(model)), or delete it before the "
-        "step returns (del self.fast); to use its "
-        "weights after the call, keep tensors instead (self.fast_weights = [p.detach() for p in "
+        hint="keep the module in a local variable (fast = copy.deepcopy(model)), or take it out of "
+        f"{where} before the step returns (del self.fast of an attribute, .pop() of a list or dict); "
+        "to use its weights after the call, keep tensors instead (self.fast_weights = [p.detach() for p in "
         "fast.parameters()], stored after every call) or return them. A module used across calls is made "
         "outside the step and passed to it. The refused call put the place back as it was.",
     )
